@@ -1,0 +1,1 @@
+"""The public surface: boxes, processes and files. Re-exported by ``sandlot``."""

@@ -1,0 +1,82 @@
+"""The sync facade's engine: one event loop in a daemon thread per process.
+
+Every sync call submits a coroutine of the async core to that loop and waits
+for it, so ``Box`` and ``AsyncBox`` share one implementation. Ctrl-C while
+waiting cancels the coroutine in the loop, then re-raises KeyboardInterrupt.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import threading
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+_lock = threading.Lock()
+_loop: asyncio.AbstractEventLoop | None = None
+
+
+def _loop_thread() -> asyncio.AbstractEventLoop:
+    global _loop
+    with _lock:
+        if _loop is None or _loop.is_closed():
+            loop = asyncio.new_event_loop()
+            started = threading.Event()
+
+            def run() -> None:
+                asyncio.set_event_loop(loop)
+                loop.call_soon(started.set)
+                loop.run_forever()
+
+            threading.Thread(target=run, name="sandlot-loop", daemon=True).start()
+            started.wait()
+            _loop = loop
+        return _loop
+
+
+def run(coro: Coroutine[Any, Any, T]) -> T:
+    """Run a coroutine on the sandlot loop thread and wait for its result."""
+    loop = _loop_thread()
+    try:
+        running = asyncio.get_running_loop()
+    except RuntimeError:
+        running = None
+    if running is loop:
+        coro.close()
+        raise RuntimeError("sync sandlot API called from inside its own event loop; use the async API")
+    fut = asyncio.run_coroutine_threadsafe(coro, loop)
+    try:
+        return fut.result()
+    except KeyboardInterrupt:
+        fut.cancel()
+        with contextlib.suppress(concurrent.futures.CancelledError, Exception):
+            fut.result(timeout=5)
+        raise
+
+
+def call(fn: Callable[..., T], *args: Any) -> T:
+    """Run a plain function on the loop thread (for calls that touch loop-owned state)."""
+
+    async def wrapper() -> T:
+        return fn(*args)
+
+    return run(wrapper())
+
+
+def iterate(agen: AsyncIterator[T]) -> Iterator[T]:
+    """Drive an async iterator from sync code, one item per round trip."""
+    try:
+        while True:
+            try:
+                yield run(agen.__anext__())
+            except StopAsyncIteration:
+                return
+    finally:
+        aclose = getattr(agen, "aclose", None)
+        if aclose is not None:
+            with contextlib.suppress(RuntimeError):
+                run(aclose())

@@ -1,0 +1,248 @@
+"""Results and handles of commands run in a box, shaped like ``subprocess``.
+
+``box.exec(...)`` returns an :class:`ExecResult` (like ``CompletedProcess``);
+``box.spawn(...)`` returns a :class:`Process` (like ``Popen``) whose output you
+can stream while it runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal as _signal
+import time
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass, field
+
+from ..errors import CommandFailed, ExecTimeout
+from ..protocol.connection import InboundStream
+from ..protocol.exec import ExitStatus, RemoteProcess
+from . import _sync
+
+
+@dataclass(frozen=True, slots=True)
+class ExecResult:
+    """A finished command.
+
+    ``exit_code`` follows the shell: 0..255, or 128+N when killed by signal N
+    (``signal`` is then N). ``stdout``/``stderr`` are text (UTF-8, undecodable
+    bytes replaced); the exact bytes are in ``stdout_bytes``/``stderr_bytes``.
+    """
+
+    argv: tuple[str, ...]
+    exit_code: int
+    stdout_bytes: bytes = b""
+    stderr_bytes: bytes = b""
+    signal: int | None = None
+    duration: float = 0.0
+    pid: int = 0
+
+    @property
+    def stdout(self) -> str:
+        return self.stdout_bytes.decode("utf-8", "replace")
+
+    @property
+    def stderr(self) -> str:
+        return self.stderr_bytes.decode("utf-8", "replace")
+
+    @property
+    def returncode(self) -> int:
+        """Alias of ``exit_code``, as in ``subprocess``."""
+        return self.exit_code
+
+    @property
+    def ok(self) -> bool:
+        return self.exit_code == 0
+
+    def check(self) -> ExecResult:
+        """Raise CommandFailed unless the command succeeded; return self."""
+        if not self.ok:
+            how = f"signal {self.signal}" if self.signal else f"exit code {self.exit_code}"
+            tail = self.stderr.strip()[-500:]
+            raise CommandFailed(
+                f"{' '.join(self.argv)!r} failed with {how}" + (f": {tail}" if tail else ""), self
+            )
+        return self
+
+
+def _result(
+    argv: tuple[str, ...], status: ExitStatus, out: bytes, err: bytes, t0: float, pid: int
+) -> ExecResult:
+    return ExecResult(argv, status.exit_code, out, err, status.signal, time.monotonic() - t0, pid)
+
+
+class AsyncStream:
+    """One output stream of a running process: ``async for chunk in stream``."""
+
+    def __init__(self, inbound: InboundStream) -> None:
+        self._in = inbound
+
+    def __aiter__(self) -> AsyncIterator[bytes]:
+        return self._chunks()
+
+    async def _chunks(self) -> AsyncIterator[bytes]:
+        while chunk := await self._in.read():
+            yield chunk
+
+    async def read(self) -> bytes:
+        """Everything until the stream ends."""
+        return await self._in.read_all()
+
+    async def lines(self) -> AsyncIterator[bytes]:
+        """Complete lines (with their newline), the last one possibly without."""
+        pending = b""
+        async for chunk in self:
+            pending += chunk
+            *full, pending = pending.split(b"\n")
+            for line in full:
+                yield line + b"\n"
+        if pending:
+            yield pending
+
+
+@dataclass(eq=False)
+class AsyncProcess:
+    """A command running in a box. Read its streams, feed its stdin, signal it, wait for it."""
+
+    argv: tuple[str, ...]
+    _remote: RemoteProcess
+    _t0: float = field(default_factory=time.monotonic)
+
+    @property
+    def pid(self) -> int:
+        """The process id inside the guest."""
+        return self._remote.pid
+
+    @property
+    def stdout(self) -> AsyncStream:
+        return AsyncStream(self._remote.stdout)
+
+    @property
+    def stderr(self) -> AsyncStream:
+        return AsyncStream(self._remote.stderr)
+
+    @property
+    def returncode(self) -> int | None:
+        st = self._remote.status
+        return None if st is None else st.exit_code
+
+    async def write_stdin(self, data: bytes | str) -> None:
+        await self._remote.write_stdin(data.encode() if isinstance(data, str) else data)
+
+    async def close_stdin(self) -> None:
+        await self._remote.close_stdin()
+
+    async def kill(self, sig: int = _signal.SIGKILL, *, group: bool = True) -> None:
+        """Signal the process; by default its whole process group (each command runs in its own)."""
+        await self._remote.signal(sig, group=group)
+
+    async def send_signal(self, sig: int) -> None:
+        """Signal only the process itself, as ``Popen.send_signal`` does."""
+        await self._remote.signal(sig, group=False)
+
+    async def resize(self, rows: int, cols: int) -> None:
+        """Change the terminal size (processes started with ``tty=True``)."""
+        await self._remote.resize(rows, cols)
+
+    async def wait(self, timeout: float | None = None) -> int:
+        """Wait for the exit and return the exit code. Unread output keeps
+        flowing into memory meanwhile, so waiting can never deadlock.
+        On ``timeout`` the process is killed and ExecTimeout raised."""
+        status = await self._wait_status(timeout)
+        return status.exit_code
+
+    async def _wait_status(self, timeout: float | None) -> ExitStatus:
+        try:
+            return await asyncio.wait_for(self._remote.wait(), timeout)
+        except TimeoutError:
+            await self.kill()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._remote.wait(), 10.0)
+            raise ExecTimeout(
+                f"{' '.join(self.argv)!r} ran past its {timeout}s timeout and was killed",
+                self._remote.stdout.take_buffered(),
+                self._remote.stderr.take_buffered(),
+            ) from None
+
+    async def result(self, timeout: float | None = None) -> ExecResult:
+        """Wait, then return an ExecResult holding the output not yet read."""
+        status = await self._wait_status(timeout)
+        return _result(
+            self.argv,
+            status,
+            self._remote.stdout.take_buffered(),
+            self._remote.stderr.take_buffered(),
+            self._t0,
+            self.pid,
+        )
+
+    def detach(self) -> None:
+        """Stop following the process; it keeps running in the box, its output is dropped."""
+        self._remote.detach()
+
+
+class Stream:
+    """Sync twin of :class:`AsyncStream`: ``for chunk in process.stdout``."""
+
+    def __init__(self, inner: AsyncStream) -> None:
+        self._inner = inner
+
+    def __iter__(self) -> Iterator[bytes]:
+        return _sync.iterate(aiter(self._inner))
+
+    def read(self) -> bytes:
+        return _sync.run(self._inner.read())
+
+    def lines(self) -> Iterator[bytes]:
+        return _sync.iterate(self._inner.lines())
+
+
+class Process:
+    """Sync twin of :class:`AsyncProcess`, shaped like ``subprocess.Popen``."""
+
+    def __init__(self, inner: AsyncProcess) -> None:
+        self._inner = inner
+
+    @property
+    def argv(self) -> tuple[str, ...]:
+        return self._inner.argv
+
+    @property
+    def pid(self) -> int:
+        return self._inner.pid
+
+    @property
+    def stdout(self) -> Stream:
+        return Stream(self._inner.stdout)
+
+    @property
+    def stderr(self) -> Stream:
+        return Stream(self._inner.stderr)
+
+    @property
+    def returncode(self) -> int | None:
+        return self._inner.returncode
+
+    def write_stdin(self, data: bytes | str) -> None:
+        _sync.run(self._inner.write_stdin(data))
+
+    def close_stdin(self) -> None:
+        _sync.run(self._inner.close_stdin())
+
+    def kill(self, sig: int = _signal.SIGKILL, *, group: bool = True) -> None:
+        _sync.run(self._inner.kill(sig, group=group))
+
+    def send_signal(self, sig: int) -> None:
+        _sync.run(self._inner.send_signal(sig))
+
+    def resize(self, rows: int, cols: int) -> None:
+        _sync.run(self._inner.resize(rows, cols))
+
+    def wait(self, timeout: float | None = None) -> int:
+        return _sync.run(self._inner.wait(timeout))
+
+    def result(self, timeout: float | None = None) -> ExecResult:
+        return _sync.run(self._inner.result(timeout))
+
+    def detach(self) -> None:
+        _sync.call(self._inner.detach)

@@ -1,0 +1,294 @@
+"""QEMU microvm processes: command line, launch, exit watch, QMP, console log.
+
+A VM is a QEMU process plus a few files: the console log, QEMU's stderr, and
+unix sockets for QMP and the agent's virtio-serial ports. Nothing here speaks
+the agent protocol; ``runtime`` wires the two together.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import os
+import shutil
+import signal
+import subprocess
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from qemu.qmp import QMPClient
+
+from ..errors import BootError, HostSetupError
+
+QEMU_BINARY = "qemu-system-x86_64"
+
+# Facts measured for fast, reliable microvm boots (see DESIGN.md): without
+# tsc_early_khz about half of TCG boots hang; rtc=off costs 2 s; ACPI stays on
+# for virtio-mmio discovery.
+KERNEL_ARGS = (
+    "console=ttyS0 panic=-1 reboot=t quiet cryptomgr.notests no_timer_check tsc=reliable "
+    "mitigations=off i8042.noaux i8042.nokbd i8042.nopnp 8250.nr_uarts=1"
+)
+
+
+def qemu_binary() -> str:
+    path = os.environ.get("SANDLOT_QEMU") or shutil.which(QEMU_BINARY)
+    if not path:
+        raise HostSetupError(f"{QEMU_BINARY} not found: install qemu-system-x86 (Debian/Ubuntu)")
+    return path
+
+
+def qemu_version(binary: str | None = None) -> str:
+    out = subprocess.run([binary or qemu_binary(), "--version"], capture_output=True, text=True).stdout
+    first = out.splitlines()[0] if out else ""
+    return first.removeprefix("QEMU emulator version ").strip()
+
+
+def host_tsc_khz() -> int | None:
+    """The host TSC frequency, which a TCG guest's TSC runs at."""
+    try:
+        return int(Path("/sys/devices/system/cpu/cpu0/tsc_freq_khz").read_text())
+    except (OSError, ValueError):
+        pass
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("cpu MHz"):
+                return int(float(line.split(":")[1]) * 1000)
+    except (OSError, ValueError):
+        pass
+    return None
+
+
+@dataclass(slots=True)
+class VMConfig:
+    kernel: Path
+    initrd: Path
+    disk: Path
+    run_dir: Path  # sockets (short path)
+    state_dir: Path  # console log, QEMU stderr
+    accel: str = "tcg"
+    memory_mib: int = 512
+    cpus: int = 1
+    hostname: str = "sandlot"
+    ports: int = 1
+    detached: bool = False
+    extra_kernel_args: list[str] = field(default_factory=list)
+
+    @property
+    def qmp_socket(self) -> Path:
+        return self.run_dir / "qmp.sock"
+
+    def agent_socket(self, port: int = 0) -> Path:
+        return self.run_dir / f"agent.{port}.sock"
+
+    @property
+    def console_log(self) -> Path:
+        return self.state_dir / "console.log"
+
+    @property
+    def stderr_log(self) -> Path:
+        return self.state_dir / "qemu.stderr"
+
+
+def build_command(cfg: VMConfig, binary: str) -> list[str]:
+    append = KERNEL_ARGS
+    tsc = host_tsc_khz()
+    if tsc:
+        append += f" tsc_early_khz={tsc}"
+    append += f" sandlot.hostname={cfg.hostname}"
+    if cfg.extra_kernel_args:
+        append += " " + " ".join(cfg.extra_kernel_args)
+    machine = "microvm,x-option-roms=off,isa-serial=on,rtc=on"
+    # under TCG, "max" gives the guest SSE4.2/AVX2 that modern wheels (numpy, ...) require
+    accel = ["-accel", "kvm", "-cpu", "host"] if cfg.accel == "kvm" else ["-accel", "tcg", "-cpu", "max"]
+    cmd = [
+        binary,
+        "-name", f"sandlot-{cfg.hostname}",
+        "-M", machine,
+        *accel,
+        "-smp", str(cfg.cpus),
+        "-m", f"{cfg.memory_mib}M",
+        "-nodefaults", "-no-user-config", "-nographic", "-no-reboot",
+        "-kernel", str(cfg.kernel),
+        "-initrd", str(cfg.initrd),
+        "-append", append,
+        "-chardev", f"file,id=console,path={cfg.console_log}",
+        "-serial", "chardev:console",
+        "-device", f"virtio-serial-device,max_ports={cfg.ports + 1}",  # port 0 is reserved for consoles
+    ]  # fmt: skip
+    for port in range(cfg.ports):
+        cmd += [
+            "-chardev", f"socket,id=agent{port},path={cfg.agent_socket(port)},server=on,wait=off",
+            "-device", f"virtserialport,chardev=agent{port},name=sandlot.{port}",
+        ]  # fmt: skip
+    cmd += [
+        "-drive", f"id=root,file={cfg.disk},format=qcow2,if=none,discard=unmap,detect-zeroes=unmap",
+        "-device", "virtio-blk-device,drive=root",
+        "-qmp", f"unix:{cfg.qmp_socket},server=on,wait=off",
+    ]  # fmt: skip
+    return cmd
+
+
+def _die_with_parent() -> None:
+    """preexec: an ephemeral VM is SIGKILLed when the process that made it dies."""
+    PR_SET_PDEATHSIG = 1
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+
+
+def tail(path: Path, lines: int = 40, max_bytes: int = 64 * 1024) -> str:
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            size = f.tell()
+            f.seek(max(0, size - max_bytes))
+            data = f.read()
+    except OSError:
+        return ""
+    text = data.decode("utf-8", "replace").replace("\r\n", "\n")
+    return "\n".join(text.splitlines()[-lines:])
+
+
+class QemuVM:
+    """One QEMU process. Start it, watch it, talk QMP to it, and end it."""
+
+    def __init__(self, cfg: VMConfig) -> None:
+        self.cfg = cfg
+        self.pid: int | None = None
+        self._popen: subprocess.Popen[bytes] | None = None
+        self._exited: asyncio.Future[int | None] | None = None
+        self._pidfd: int | None = None
+        self._qmp: QMPClient | None = None
+
+    @property
+    def command(self) -> list[str]:
+        return build_command(self.cfg, qemu_binary())
+
+    async def start(self) -> None:
+        cfg = self.cfg
+        cfg.run_dir.mkdir(parents=True, exist_ok=True)
+        cfg.state_dir.mkdir(parents=True, exist_ok=True)
+        for port in range(cfg.ports):
+            with contextlib.suppress(FileNotFoundError):
+                cfg.agent_socket(port).unlink()
+        with contextlib.suppress(FileNotFoundError):
+            cfg.qmp_socket.unlink()
+        cfg.console_log.write_bytes(b"")
+        cmd = self.command
+        with open(cfg.stderr_log, "wb") as err:
+            self._popen = subprocess.Popen(
+                cmd,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=err,
+                start_new_session=True,
+                close_fds=True,
+                preexec_fn=None if cfg.detached else _die_with_parent,
+            )
+        self.pid = self._popen.pid
+        self._watch_exit()
+
+    def _watch_exit(self) -> None:
+        loop = asyncio.get_running_loop()
+        self._exited = loop.create_future()
+        assert self.pid is not None
+        try:
+            self._pidfd = os.pidfd_open(self.pid)
+        except OSError:  # already gone
+            self._reap()
+            return
+        loop.add_reader(self._pidfd, self._reap)
+
+    def _reap(self) -> None:
+        code: int | None = None
+        if self._popen is not None:
+            code = self._popen.poll()
+            if code is None:
+                return  # spurious wake-up
+        if self._pidfd is not None:
+            with contextlib.suppress(Exception):
+                asyncio.get_running_loop().remove_reader(self._pidfd)
+            os.close(self._pidfd)
+            self._pidfd = None
+        if self._exited is not None and not self._exited.done():
+            self._exited.set_result(code)
+
+    @property
+    def running(self) -> bool:
+        return self._exited is not None and not self._exited.done()
+
+    @property
+    def exit_code(self) -> int | None:
+        if self._exited is not None and self._exited.done():
+            return self._exited.result()
+        return None
+
+    async def wait_exit(self, timeout: float | None = None) -> bool:
+        """True once QEMU has exited; False if ``timeout`` passed first."""
+        if self._exited is None:
+            return True
+        try:
+            await asyncio.wait_for(asyncio.shield(self._exited), timeout)
+        except TimeoutError:
+            return False
+        return True
+
+    def exited_future(self) -> asyncio.Future[int | None]:
+        assert self._exited is not None
+        return self._exited
+
+    def console_tail(self, lines: int = 40) -> str:
+        return tail(self.cfg.console_log, lines)
+
+    def stderr_tail(self, lines: int = 20) -> str:
+        return tail(self.cfg.stderr_log, lines)
+
+    def failure_report(self, what: str) -> BootError:
+        code = self.exit_code
+        msg = what
+        if code is not None:
+            msg += f" (QEMU exited with status {code})"
+        err = self.stderr_tail()
+        if err:
+            msg += f"\n--- QEMU stderr ---\n{err}"
+        return BootError(msg, self.console_tail())
+
+    async def qmp(self) -> QMPClient:
+        if self._qmp is None:
+            client = QMPClient(f"sandlot-{self.cfg.hostname}")
+            await asyncio.wait_for(client.connect(str(self.cfg.qmp_socket)), 5.0)
+            self._qmp = client
+        return self._qmp
+
+    async def kill(self, grace: float = 2.0) -> None:
+        """End QEMU: QMP quit first, SIGKILL after ``grace`` seconds."""
+        if not self.running:
+            await self._close_qmp()
+            return
+        try:
+            qmp = await self.qmp()
+            await asyncio.wait_for(qmp.execute("quit"), grace)
+        except Exception:
+            pass
+        if not await self.wait_exit(grace) and self.pid is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, signal.SIGKILL)
+            await self.wait_exit(5.0)
+        await self._close_qmp()
+
+    async def _close_qmp(self) -> None:
+        client, self._qmp = self._qmp, None
+        if client is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(client.disconnect(), 2.0)
+
+    def cleanup(self) -> None:
+        """Remove sockets once QEMU is gone."""
+        for port in range(self.cfg.ports):
+            with contextlib.suppress(FileNotFoundError):
+                self.cfg.agent_socket(port).unlink()
+        with contextlib.suppress(FileNotFoundError):
+            self.cfg.qmp_socket.unlink()
+        with contextlib.suppress(OSError):
+            self.cfg.run_dir.rmdir()

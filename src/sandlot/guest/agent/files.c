@@ -1,0 +1,666 @@
+/* File channels: streamed read and write, directory listing, and one-shot
+ * file-system requests (stat, mkdir, remove, rename, chmod, chown). */
+#define _GNU_SOURCE
+#include <dirent.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <limits.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "agent.h"
+
+#define ENTRY_FIXED 36u
+#define LIST_BATCH (256u * 1024u)
+#define MAX_TREE_DEPTH 4096
+
+static unsigned g_tmp_counter;
+
+/* Paths from the host must be absolute, NUL-free and fit PATH_MAX. */
+static int get_path(struct session *s, uint32_t ch, uint8_t type, const uint8_t *p, size_t n, uint16_t tag,
+                    char **out)
+{
+    int r = tlv_str(p, n, tag, out);
+    if (r != 1) {
+        send_error(s, ch, EINVAL, type, r == 0 ? "a path is required" : "path holds a NUL byte");
+        return -1;
+    }
+    if ((*out)[0] != '/' || strlen(*out) >= PATH_MAX) {
+        send_error(s, ch, EINVAL, type, "path must be absolute and shorter than %d bytes", PATH_MAX);
+        free(*out);
+        *out = NULL;
+        return -1;
+    }
+    return 0;
+}
+
+static void put_entry(struct msg *m, const char *name, const struct stat *st, const char *target)
+{
+    size_t nl = strlen(name), tl = target ? strlen(target) : 0;
+    if (nl > 65535) {
+        nl = 65535;
+    }
+    if (tl > 65535) {
+        tl = 65535;
+    }
+    uint8_t *e = malloc(ENTRY_FIXED + nl + tl);
+    if (!e) {
+        m->overflow = 1;
+        return;
+    }
+    wr32(e, st->st_mode);
+    wr32(e + 4, st->st_uid);
+    wr32(e + 8, st->st_gid);
+    wr32(e + 12, (uint32_t)st->st_nlink);
+    wr64(e + 16, (uint64_t)st->st_size);
+    wr64(e + 24, (uint64_t)((int64_t)st->st_mtim.tv_sec * 1000000000LL + st->st_mtim.tv_nsec));
+    wr16(e + 32, (uint16_t)nl);
+    wr16(e + 34, (uint16_t)tl);
+    memcpy(e + ENTRY_FIXED, name, nl);
+    if (tl) {
+        memcpy(e + ENTRY_FIXED + nl, target, tl);
+    }
+    msg_put(m, SL_T_ENTRY, e, (uint32_t)(ENTRY_FIXED + nl + tl));
+    free(e);
+}
+
+static char *read_link_at(int dirfd, const char *name)
+{
+    char buf[PATH_MAX];
+    ssize_t n = readlinkat(dirfd, name, buf, sizeof(buf) - 1);
+    if (n < 0) {
+        return NULL;
+    }
+    buf[n] = 0;
+    return strdup(buf);
+}
+
+/* ---- read -------------------------------------------------------------------- */
+
+void file_read_start(struct session *s, uint32_t ch, const uint8_t *p, size_t n)
+{
+    char *path = NULL;
+    uint64_t offset = 0, length = 0;
+    if (!tlv_valid(p, n)) {
+        send_error(s, ch, EINVAL, SL_FILE_READ, "malformed FILE_READ");
+        return;
+    }
+    if (get_path(s, ch, SL_FILE_READ, p, n, SL_T_PATH, &path) < 0) {
+        return;
+    }
+    if (tlv_u64(p, n, SL_T_OFFSET, &offset) < 0 || tlv_u64(p, n, SL_T_LENGTH, &length) < 0) {
+        send_error(s, ch, EINVAL, SL_FILE_READ, "offset and length are u64");
+        free(path);
+        return;
+    }
+    int fd = open(path, O_RDONLY | O_CLOEXEC | O_NOCTTY | O_NONBLOCK);
+    struct stat st;
+    if (fd < 0 || fstat(fd, &st) < 0) {
+        int e = errno;
+        if (fd >= 0) {
+            close(fd);
+        }
+        send_error(s, ch, e, SL_FILE_READ, "%s: %s", path, strerror(e));
+        free(path);
+        return;
+    }
+    int regular = S_ISREG(st.st_mode);
+    if (S_ISDIR(st.st_mode) || (!regular && !S_ISCHR(st.st_mode)) || (!regular && length == 0)) {
+        close(fd);
+        int e = S_ISDIR(st.st_mode) ? EISDIR : EINVAL;
+        send_error(s, ch, e, SL_FILE_READ, "%s: %s", path,
+                   e == EISDIR ? "is a directory" : "not a regular file (devices need a length)");
+        free(path);
+        return;
+    }
+    if (offset && lseek(fd, (off_t)offset, SEEK_SET) < 0) {
+        int e = errno;
+        close(fd);
+        send_error(s, ch, e, SL_FILE_READ, "%s: seek: %s", path, strerror(e));
+        free(path);
+        return;
+    }
+    free(path);
+    struct channel *c = chan_new(s, ch, CH_FILE_READ);
+    if (!c) {
+        close(fd);
+        send_error(s, ch, errno, SL_FILE_READ, "cannot open a channel: %s", strerror(errno));
+        return;
+    }
+    if (regular) {
+        int fl = fcntl(fd, F_GETFL);
+        fcntl(fd, F_SETFL, fl & ~O_NONBLOCK);
+    }
+    ostream_init(&c->out[1], fd, regular);
+    c->out[1].limit = length;
+    c->out[2].eof = c->out[2].eof_sent = 1;
+    struct msg m;
+    msg_init(&m);
+    msg_u64(&m, SL_T_SIZE, (uint64_t)st.st_size);
+    msg_u32(&m, SL_T_MODE, st.st_mode);
+    send_msg(s, SL_FILE_INFO, 0, ch, &m);
+}
+
+void file_read_progress(struct channel *c)
+{
+    struct ostream *o = &c->out[1];
+    for (int i = 0; i < 8 && o->is_file && ostream_can_read(o); i++) {
+        if (ostream_fill(o) <= 0) {
+            break;
+        }
+        ostream_pump(c, SL_STREAM_STDOUT, o);
+    }
+    ostream_pump(c, SL_STREAM_STDOUT, o);
+}
+
+/* ---- write ------------------------------------------------------------------- */
+
+static int mkdir_parents(const char *path, mode_t mode, int own, uid_t uid, gid_t gid)
+{
+    char tmp[PATH_MAX];
+    snprintf(tmp, sizeof(tmp), "%s", path);
+    size_t len = strlen(tmp);
+    while (len > 1 && tmp[len - 1] == '/') {
+        tmp[--len] = 0;
+    }
+    for (char *q = tmp + 1;; q++) {
+        if (*q == '/' || *q == 0) {
+            char save = *q;
+            *q = 0;
+            if (mkdir(tmp, mode) == 0) {
+                if (own && chown(tmp, uid, gid) < 0) {
+                    return -1;
+                }
+            } else if (errno != EEXIST) {
+                return -1;
+            } else {
+                struct stat st;
+                if (stat(tmp, &st) < 0) {
+                    return -1;
+                }
+                if (!S_ISDIR(st.st_mode)) {
+                    errno = ENOTDIR;
+                    return -1;
+                }
+            }
+            *q = save;
+            if (!save) {
+                break;
+            }
+        }
+    }
+    return 0;
+}
+
+static int get_owner(struct session *s, uint32_t ch, uint8_t type, const uint8_t *p, size_t n, uid_t *uid,
+                     gid_t *gid)
+{
+    char *spec = NULL;
+    int r = tlv_str(p, n, SL_T_USER, &spec);
+    if (r < 0) {
+        send_error(s, ch, EINVAL, type, "user holds a NUL byte");
+        return -1;
+    }
+    if (r == 0) {
+        return 0;
+    }
+    struct user_spec u;
+    char err[300];
+    if (resolve_user(spec, &u, err, sizeof(err)) < 0) {
+        send_error(s, ch, ENOENT, type, "%s", err);
+        free(spec);
+        return -1;
+    }
+    free(spec);
+    *uid = u.uid;
+    *gid = u.gid;
+    return 1;
+}
+
+void file_write_start(struct session *s, uint32_t ch, const uint8_t *p, size_t n)
+{
+    char *path = NULL;
+    uint32_t mode = 0, flags = 0;
+    if (!tlv_valid(p, n)) {
+        send_error(s, ch, EINVAL, SL_FILE_WRITE, "malformed FILE_WRITE");
+        return;
+    }
+    if (get_path(s, ch, SL_FILE_WRITE, p, n, SL_T_PATH, &path) < 0) {
+        return;
+    }
+    int has_mode = tlv_u32(p, n, SL_T_MODE, &mode);
+    if (has_mode < 0 || tlv_u32(p, n, SL_T_FLAGS, &flags) < 0 || mode > 07777) {
+        send_error(s, ch, EINVAL, SL_FILE_WRITE, "malformed mode or flags");
+        free(path);
+        return;
+    }
+    if (g_safe_mode) {
+        send_error(s, ch, EPERM, SL_FILE_WRITE, "writes are disabled in safe mode");
+        free(path);
+        return;
+    }
+    uid_t uid = 0;
+    gid_t gid = 0;
+    int own = get_owner(s, ch, SL_FILE_WRITE, p, n, &uid, &gid);
+    if (own < 0) {
+        free(path);
+        return;
+    }
+    char *slash = strrchr(path, '/');
+    if (slash[1] == 0) {
+        send_error(s, ch, EISDIR, SL_FILE_WRITE, "%s: path names a directory", path);
+        free(path);
+        return;
+    }
+    if (flags & SL_WRITE_PARENTS) {
+        *slash = 0;
+        int r = slash == path ? 0 : mkdir_parents(path, 0755, own, uid, gid);
+        *slash = '/';
+        if (r < 0) {
+            int e = errno;
+            send_error(s, ch, e, SL_FILE_WRITE, "%s: cannot create parent directories: %s", path, strerror(e));
+            free(path);
+            return;
+        }
+    }
+    /* Write through a symlink to its target, as open() would. */
+    struct stat st;
+    int exists = stat(path, &st) == 0;
+    if (exists) {
+        char *real = realpath(path, NULL);
+        if (real) {
+            free(path);
+            path = real;
+        }
+        if (S_ISDIR(st.st_mode)) {
+            send_error(s, ch, EISDIR, SL_FILE_WRITE, "%s: is a directory", path);
+            free(path);
+            return;
+        }
+        if (flags & SL_WRITE_EXCLUSIVE) {
+            send_error(s, ch, EEXIST, SL_FILE_WRITE, "%s: file exists", path);
+            free(path);
+            return;
+        }
+    }
+    struct channel *c = chan_new(s, ch, CH_FILE_WRITE);
+    if (!c) {
+        send_error(s, ch, errno, SL_FILE_WRITE, "cannot open a channel: %s", strerror(errno));
+        free(path);
+        return;
+    }
+    c->wflags = flags;
+    c->final_path = path;
+    c->wmode = has_mode == 1 ? mode : (exists ? (st.st_mode & 07777) : 0644);
+    c->wmode_set = has_mode == 1 || exists;
+    c->wown_set = own || exists;
+    c->wuid = own ? uid : (exists ? st.st_uid : 0);
+    c->wgid = own ? gid : (exists ? st.st_gid : 0);
+    if (flags & SL_WRITE_APPEND) {
+        c->wfd = open(path, O_WRONLY | O_APPEND | O_CREAT | O_CLOEXEC | O_NOCTTY, c->wmode);
+    } else {
+        /* Whole-file writes go to a temporary beside the target and are renamed
+         * into place at EOF: readers never see half a file, and an aborted
+         * transfer leaves the old file untouched. */
+        size_t len = strlen(path) + 64;
+        c->tmp_path = malloc(len);
+        if (c->tmp_path) {
+            char *base = strrchr(path, '/') + 1;
+            snprintf(c->tmp_path, len, "%.*s.%s.sandlot-%u", (int)(base - path), path, base,
+                     ++g_tmp_counter);
+            if (strlen(c->tmp_path) >= PATH_MAX || strlen(base) > 200) {
+                snprintf(c->tmp_path, len, "%.*s.sandlot-write-%u", (int)(base - path), path, g_tmp_counter);
+            }
+            c->wfd = open(c->tmp_path, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC | O_NOCTTY, 0600);
+        }
+    }
+    if (c->wfd < 0) {
+        int e = c->tmp_path || (flags & SL_WRITE_APPEND) ? errno : ENOMEM;
+        free(c->tmp_path);
+        c->tmp_path = NULL;
+        send_error(s, ch, e, SL_FILE_WRITE, "%s: %s", path, strerror(e));
+        chan_free(c);
+        return;
+    }
+    struct msg m;
+    msg_init(&m);
+    msg_u32(&m, SL_T_WINDOW, SL_WINDOW);
+    send_msg(s, SL_FILE_READY, 0, ch, &m);
+}
+
+void file_write_abort(struct channel *c)
+{
+    if (c->wfd >= 0) {
+        close(c->wfd);
+        c->wfd = -1;
+    }
+    if (c->tmp_path) {
+        unlink(c->tmp_path);
+        free(c->tmp_path);
+        c->tmp_path = NULL;
+    }
+}
+
+static void write_fail(struct channel *c, int e, const char *what)
+{
+    send_error(c->s, c->id, e, SL_FILE_WRITE, "%s: %s: %s", c->final_path, what, strerror(e));
+    chan_free(c); /* aborts: the temporary goes, the target stays as it was */
+}
+
+void file_write_data(struct channel *c, uint64_t off, const uint8_t *d, size_t n)
+{
+    if (off > c->wbytes) {
+        write_fail(c, EINVAL, "data gap");
+        return;
+    }
+    size_t skip = (size_t)(c->wbytes - off);
+    if (skip >= n) {
+        return; /* a resend of bytes already written */
+    }
+    d += skip;
+    n -= skip;
+    if (c->wbytes + n - c->wacked > SL_WINDOW) {
+        write_fail(c, ENOBUFS, "data beyond the window");
+        return;
+    }
+    while (n) {
+        ssize_t w = write(c->wfd, d, n);
+        if (w < 0) {
+            if (errno == EINTR) {
+                continue;
+            }
+            write_fail(c, errno, "write");
+            return;
+        }
+        d += w;
+        n -= (size_t)w;
+        c->wbytes += (uint64_t)w;
+    }
+    if (c->wbytes - c->wacked >= SL_WINDOW / 4) {
+        uint8_t pfx[SL_DATA_PREFIX];
+        wr32(pfx, SL_STREAM_STDIN);
+        wr32(pfx + 4, 0);
+        wr64(pfx + 8, c->wbytes);
+        send_frame(c->s, SL_ACK, 0, c->id, pfx, sizeof(pfx));
+        c->wacked = c->wbytes;
+    }
+}
+
+void file_write_eof(struct channel *c, uint64_t off)
+{
+    if (off != c->wbytes) {
+        write_fail(c, EINVAL, "EOF offset does not match the bytes received");
+        return;
+    }
+    if (c->wmode_set && fchmod(c->wfd, c->wmode) < 0) {
+        write_fail(c, errno, "chmod");
+        return;
+    }
+    if (c->wown_set && fchown(c->wfd, c->wuid, c->wgid) < 0) {
+        write_fail(c, errno, "chown");
+        return;
+    }
+    if ((c->wflags & SL_WRITE_SYNC) && fsync(c->wfd) < 0) {
+        write_fail(c, errno, "fsync");
+        return;
+    }
+    if (close(c->wfd) < 0) {
+        c->wfd = -1;
+        write_fail(c, errno, "close");
+        return;
+    }
+    c->wfd = -1;
+    if (c->tmp_path) {
+        int r;
+        if (c->wflags & SL_WRITE_EXCLUSIVE) {
+            r = link(c->tmp_path, c->final_path);
+            if (r == 0) {
+                unlink(c->tmp_path);
+            }
+        } else {
+            r = rename(c->tmp_path, c->final_path);
+        }
+        if (r < 0) {
+            write_fail(c, errno, "rename into place");
+            return;
+        }
+        free(c->tmp_path);
+        c->tmp_path = NULL;
+    }
+    struct msg m;
+    msg_init(&m);
+    msg_u64(&m, SL_T_SIZE, c->wbytes);
+    send_msg(c->s, SL_FILE_DONE, 0, c->id, &m);
+    chan_free(c);
+}
+
+/* ---- directory listing ------------------------------------------------------ */
+
+void list_close(struct channel *c)
+{
+    if (c->dir) {
+        closedir(c->dir);
+        c->dir = NULL;
+    }
+}
+
+void list_progress(struct channel *c)
+{
+    struct session *s = c->s;
+    if (!c->dir || !s->connected || !s->hello_done || buf_used(&s->out) >= OUT_SOFT_LIMIT) {
+        return;
+    }
+    int dfd = dirfd((DIR *)c->dir);
+    struct msg m;
+    msg_init(&m);
+    struct dirent *de;
+    int done = 0;
+    while (m.len < LIST_BATCH) {
+        errno = 0;
+        de = readdir((DIR *)c->dir);
+        if (!de) {
+            done = 1;
+            break;
+        }
+        if (!strcmp(de->d_name, ".") || !strcmp(de->d_name, "..")) {
+            continue;
+        }
+        struct stat st;
+        if (fstatat(dfd, de->d_name, &st, AT_SYMLINK_NOFOLLOW) < 0) {
+            continue; /* removed while listing */
+        }
+        char *target = S_ISLNK(st.st_mode) ? read_link_at(dfd, de->d_name) : NULL;
+        put_entry(&m, de->d_name, &st, target);
+        free(target);
+    }
+    send_msg(s, SL_FS_RESULT, done ? 0 : SL_FLAG_MORE, c->id, &m);
+    if (done) {
+        chan_free(c);
+    }
+}
+
+/* ---- one-shot requests ------------------------------------------------------ */
+
+static int remove_tree(int dirfd, const char *name, int depth)
+{
+    if (depth > MAX_TREE_DEPTH) {
+        errno = ELOOP;
+        return -1;
+    }
+    int fd = openat(dirfd, name, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+    if (fd < 0) {
+        return -1;
+    }
+    DIR *d = fdopendir(fd);
+    if (!d) {
+        close(fd);
+        return -1;
+    }
+    struct dirent *de;
+    int r = 0;
+    while ((de = readdir(d))) {
+        if (!strcmp(de->d_name, ".") || !strcmp(de->d_name, "..")) {
+            continue;
+        }
+        struct stat st;
+        if (fstatat(fd, de->d_name, &st, AT_SYMLINK_NOFOLLOW) < 0) {
+            continue;
+        }
+        if (S_ISDIR(st.st_mode)) {
+            r = remove_tree(fd, de->d_name, depth + 1);
+        } else {
+            r = unlinkat(fd, de->d_name, 0);
+        }
+        if (r < 0 && errno != ENOENT) {
+            int e = errno;
+            closedir(d);
+            errno = e;
+            return -1;
+        }
+    }
+    closedir(d);
+    return unlinkat(dirfd, name, AT_REMOVEDIR);
+}
+
+static int is_mutation(uint32_t op) { return op != SL_FS_STAT && op != SL_FS_LIST; }
+
+void fs_request(struct session *s, uint32_t ch, const uint8_t *p, size_t n)
+{
+    uint32_t op = 0, flags = 0, mode = 0;
+    char *path = NULL, *path2 = NULL;
+    if (!tlv_valid(p, n) || tlv_u32(p, n, SL_T_OP, &op) != 1 || tlv_u32(p, n, SL_T_FLAGS, &flags) < 0) {
+        send_error(s, ch, EINVAL, SL_FS, "malformed FS request");
+        return;
+    }
+    if (op < SL_FS_STAT || op > SL_FS_CHOWN) {
+        send_error(s, ch, ENOSYS, SL_FS, "unknown file-system operation %u", op);
+        return;
+    }
+    if (get_path(s, ch, SL_FS, p, n, SL_T_PATH, &path) < 0) {
+        return;
+    }
+    if (g_safe_mode && is_mutation(op)) {
+        send_error(s, ch, EPERM, SL_FS, "changes are disabled in safe mode");
+        goto out;
+    }
+    struct stat st;
+    struct msg m;
+    msg_init(&m);
+    int r = 0;
+    switch (op) {
+    case SL_FS_STAT:
+        r = (flags & SL_FS_NOFOLLOW) ? lstat(path, &st) : stat(path, &st);
+        if (r == 0) {
+            const char *base = strrchr(path, '/') + 1;
+            char *target = NULL;
+            if (S_ISLNK(st.st_mode)) {
+                target = read_link_at(AT_FDCWD, path);
+            }
+            put_entry(&m, *base ? base : "/", &st, target);
+            free(target);
+        }
+        break;
+    case SL_FS_LIST: {
+        DIR *d = opendir(path);
+        if (!d) {
+            r = -1;
+            break;
+        }
+        struct channel *c = chan_new(s, ch, CH_LIST);
+        if (!c) {
+            int e = errno;
+            closedir(d);
+            errno = e;
+            r = -1;
+            break;
+        }
+        c->dir = d;
+        list_progress(c);
+        msg_free(&m);
+        goto out;
+    }
+    case SL_FS_MKDIR: {
+        uid_t uid = 0;
+        gid_t gid = 0;
+        int own = get_owner(s, ch, SL_FS, p, n, &uid, &gid);
+        if (own < 0) {
+            msg_free(&m);
+            goto out;
+        }
+        if (tlv_u32(p, n, SL_T_MODE, &mode) != 1) {
+            mode = 0755;
+        }
+        if (mode > 07777) {
+            errno = EINVAL;
+            r = -1;
+        } else if (flags & SL_FS_PARENTS) {
+            r = mkdir_parents(path, mode, own, uid, gid);
+        } else {
+            r = mkdir(path, mode);
+            if (r == 0 && own) {
+                r = chown(path, uid, gid);
+            }
+        }
+        break;
+    }
+    case SL_FS_REMOVE:
+        r = lstat(path, &st);
+        if (r == 0) {
+            if (!S_ISDIR(st.st_mode)) {
+                r = unlink(path);
+            } else if (flags & SL_FS_RECURSIVE) {
+                r = remove_tree(AT_FDCWD, path, 0);
+            } else {
+                r = rmdir(path);
+            }
+        }
+        if (r < 0 && errno == ENOENT && (flags & SL_FS_MISSING_OK)) {
+            r = 0;
+        }
+        break;
+    case SL_FS_RENAME:
+        if (get_path(s, ch, SL_FS, p, n, SL_T_PATH2, &path2) < 0) {
+            msg_free(&m);
+            goto out;
+        }
+        r = rename(path, path2);
+        break;
+    case SL_FS_CHMOD:
+        if (tlv_u32(p, n, SL_T_MODE, &mode) != 1 || mode > 07777) {
+            errno = EINVAL;
+            r = -1;
+        } else {
+            r = chmod(path, mode);
+        }
+        break;
+    case SL_FS_CHOWN: {
+        uid_t uid = 0;
+        gid_t gid = 0;
+        int own = get_owner(s, ch, SL_FS, p, n, &uid, &gid);
+        if (own < 0) {
+            msg_free(&m);
+            goto out;
+        }
+        if (own == 0) {
+            errno = EINVAL;
+            r = -1;
+        } else {
+            r = (flags & SL_FS_NOFOLLOW) ? lchown(path, uid, gid) : chown(path, uid, gid);
+        }
+        break;
+    }
+    }
+    if (r < 0) {
+        int e = errno;
+        msg_free(&m);
+        send_error(s, ch, e, SL_FS, "%s: %s", path, strerror(e));
+    } else {
+        send_msg(s, SL_FS_RESULT, 0, ch, &m);
+    }
+out:
+    free(path);
+    free(path2);
+}

@@ -1,0 +1,439 @@
+/* PID 1 duties: early mounts, kernel modules, root disk, switch root,
+ * hostname, clock, entropy, ports, and an orderly power-off. */
+#define _GNU_SOURCE
+#include <dirent.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <net/if.h>
+#include <poll.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/ioctl.h>
+#include <sys/mount.h>
+#include <sys/reboot.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "agent.h"
+
+/* Kernel ioctl numbers, spelled out so the agent builds with musl's headers alone. */
+#ifndef BLKGETSIZE64
+#define BLKGETSIZE64 _IOR(0x12, 114, size_t)
+#endif
+#ifndef RNDADDENTROPY
+#define RNDADDENTROPY _IOW('R', 0x03, int[2])
+#endif
+#ifndef EXT4_IOC_RESIZE_FS
+#define EXT4_IOC_RESIZE_FS _IOW('f', 16, uint64_t)
+#endif
+
+static char g_boot_id[64] = "unknown";
+static char g_cmd_hostname[65];
+static char g_root_dev[64] = "/dev/vda";
+static char g_root_fstype[16] = "ext4";
+
+static void panic_poweroff(const char *why)
+{
+    logmsg("fatal: %s; powering off", why);
+    sync();
+    sleep(1); /* let the console drain */
+    reboot(RB_POWER_OFF);
+    _exit(1);
+}
+
+static void mount_or_log(const char *src, const char *dst, const char *type, unsigned long flags, const char *data)
+{
+    mkdir(dst, 0755);
+    if (mount(src, dst, type, flags, data) < 0 && errno != EBUSY) {
+        logmsg("mount %s on %s: %s", type, dst, strerror(errno));
+    }
+}
+
+static void parse_cmdline(void)
+{
+    char buf[4096];
+    int fd = open("/proc/cmdline", O_RDONLY | O_CLOEXEC);
+    if (fd < 0) {
+        return;
+    }
+    ssize_t n = read(fd, buf, sizeof(buf) - 1);
+    close(fd);
+    if (n <= 0) {
+        return;
+    }
+    buf[n] = 0;
+    char *save = NULL;
+    for (char *tok = strtok_r(buf, " \n", &save); tok; tok = strtok_r(NULL, " \n", &save)) {
+        if (!strncmp(tok, "sandlot.hostname=", 17)) {
+            snprintf(g_cmd_hostname, sizeof(g_cmd_hostname), "%s", tok + 17);
+        } else if (!strncmp(tok, "sandlot.root=", 13)) {
+            snprintf(g_root_dev, sizeof(g_root_dev), "%s", tok + 13);
+        } else if (!strncmp(tok, "sandlot.rootfstype=", 19)) {
+            snprintf(g_root_fstype, sizeof(g_root_fstype), "%s", tok + 19);
+        }
+    }
+}
+
+static void load_modules(void)
+{
+    FILE *f = fopen("/sandlot/modules.order", "re");
+    if (!f) {
+        return;
+    }
+    char name[256], path[400];
+    while (fgets(name, sizeof(name), f)) {
+        name[strcspn(name, "\n")] = 0;
+        if (!name[0] || strchr(name, '/')) {
+            continue;
+        }
+        snprintf(path, sizeof(path), "/sandlot/modules/%s", name);
+        int fd = open(path, O_RDONLY | O_CLOEXEC);
+        if (fd < 0) {
+            logmsg("module %s: %s", name, strerror(errno));
+            continue;
+        }
+        if (syscall(SYS_finit_module, fd, "", 0) < 0 && errno != EEXIST) {
+            logmsg("module %s: %s", name, strerror(errno));
+        }
+        close(fd);
+        unlink(path); /* the initramfs is RAM: give it back */
+    }
+    fclose(f);
+}
+
+static int wait_for(const char *path, int ms)
+{
+    struct stat st;
+    for (int waited = 0; waited <= ms; waited += 2) {
+        if (stat(path, &st) == 0) {
+            return 0;
+        }
+        usleep(2000);
+    }
+    return -1;
+}
+
+/* ext4 superblock: total blocks and block size, to grow the filesystem when
+ * the disk is larger than the image it was made from. */
+static int ext4_geometry(const char *dev, uint64_t *blocks, uint64_t *block_size, uint64_t *dev_bytes)
+{
+    uint8_t sb[1024];
+    int fd = open(dev, O_RDONLY | O_CLOEXEC);
+    if (fd < 0) {
+        return -1;
+    }
+    int ok = pread(fd, sb, sizeof(sb), 1024) == (ssize_t)sizeof(sb) && ioctl(fd, BLKGETSIZE64, dev_bytes) == 0;
+    close(fd);
+    if (!ok || rd16(sb + 0x38) != 0xEF53) {
+        return -1;
+    }
+    uint32_t feature_incompat = rd32(sb + 0x60);
+    *block_size = 1024ull << rd32(sb + 0x18);
+    *blocks = rd32(sb + 0x4);
+    if (feature_incompat & 0x80) { /* 64bit */
+        *blocks |= (uint64_t)rd32(sb + 0x150) << 32;
+    }
+    return 0;
+}
+
+static void grow_root(const char *dev)
+{
+    uint64_t blocks, bs, dev_bytes;
+    if (strcmp(g_root_fstype, "ext4") || ext4_geometry(dev, &blocks, &bs, &dev_bytes) < 0) {
+        return;
+    }
+    uint64_t want = dev_bytes / bs;
+    if (want <= blocks + (16u << 20) / bs) {
+        return;
+    }
+    int fd = open("/newroot", O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    if (fd < 0) {
+        return;
+    }
+    if (ioctl(fd, EXT4_IOC_RESIZE_FS, &want) < 0) {
+        logmsg("growing the root filesystem to %llu blocks: %s", (unsigned long long)want, strerror(errno));
+    }
+    close(fd);
+}
+
+static void move_to(const char *from, const char *to)
+{
+    mkdir(to, 0755);
+    if (mount(from, to, NULL, MS_MOVE, NULL) < 0) {
+        logmsg("move %s to %s: %s", from, to, strerror(errno));
+    }
+}
+
+void init_early(void)
+{
+    mount_or_log("devtmpfs", "/dev", "devtmpfs", MS_NOSUID, "mode=0755");
+    mount_or_log("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, NULL);
+    mount_or_log("sysfs", "/sys", "sysfs", MS_NOSUID | MS_NODEV | MS_NOEXEC, NULL);
+    parse_cmdline();
+    load_modules();
+
+    if (wait_for(g_root_dev, 10000) < 0) {
+        panic_poweroff("root disk did not appear");
+    }
+    mkdir("/newroot", 0755);
+    /* The base image is a sparse file whose unused inode tables already read as
+     * zeros: noinit_itable stops the kernel from zeroing them again, which would
+     * copy tens of MB into every box's overlay. */
+    const char *rootflags = strcmp(g_root_fstype, "ext4") == 0 ? "noinit_itable" : NULL;
+    if (mount(g_root_dev, "/newroot", g_root_fstype, 0, rootflags) < 0) {
+        char why[160];
+        snprintf(why, sizeof(why), "cannot mount %s (%s) as the root: %s", g_root_dev, g_root_fstype,
+                 strerror(errno));
+        panic_poweroff(why);
+    }
+    grow_root(g_root_dev);
+    move_to("/dev", "/newroot/dev");
+    move_to("/proc", "/newroot/proc");
+    move_to("/sys", "/newroot/sys");
+    unlink("/sandlot/modules.order");
+    rmdir("/sandlot/modules");
+    rmdir("/sandlot");
+    unlink("/init");
+    if (chdir("/newroot") < 0 || mount(".", "/", NULL, MS_MOVE, NULL) < 0 || chroot(".") < 0 || chdir("/") < 0) {
+        panic_poweroff("cannot switch to the root disk");
+    }
+}
+
+static void bring_up_loopback(void)
+{
+    int fd = socket(AF_INET, SOCK_DGRAM | SOCK_CLOEXEC, 0);
+    if (fd < 0) {
+        return;
+    }
+    struct ifreq ifr;
+    memset(&ifr, 0, sizeof(ifr));
+    snprintf(ifr.ifr_name, sizeof(ifr.ifr_name), "lo");
+    if (ioctl(fd, SIOCGIFFLAGS, &ifr) == 0) {
+        ifr.ifr_flags |= IFF_UP | IFF_RUNNING;
+        ioctl(fd, SIOCSIFFLAGS, &ifr);
+    }
+    close(fd);
+}
+
+void init_after_root(void)
+{
+    mount_or_log("devpts", "/dev/pts", "devpts", MS_NOSUID | MS_NOEXEC, "newinstance,ptmxmode=0666,mode=0620,gid=5");
+    mount_or_log("tmpfs", "/dev/shm", "tmpfs", MS_NOSUID | MS_NODEV, "mode=1777");
+    mount_or_log("tmpfs", "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, "mode=1777");
+    mount_or_log("tmpfs", "/run", "tmpfs", MS_NOSUID | MS_NODEV, "mode=0755");
+    mount_or_log("cgroup2", "/sys/fs/cgroup", "cgroup2", MS_NOSUID | MS_NODEV | MS_NOEXEC, NULL);
+    symlink("/proc/self/fd", "/dev/fd");
+    symlink("/proc/self/fd/0", "/dev/stdin");
+    symlink("/proc/self/fd/1", "/dev/stdout");
+    symlink("/proc/self/fd/2", "/dev/stderr");
+    if (access("/dev/ptmx", F_OK) != 0) {
+        symlink("pts/ptmx", "/dev/ptmx");
+    }
+    bring_up_loopback();
+    set_hostname(g_cmd_hostname[0] ? g_cmd_hostname : "sandlot");
+    int fd = open("/proc/sys/kernel/random/boot_id", O_RDONLY | O_CLOEXEC);
+    if (fd >= 0) {
+        ssize_t n = read(fd, g_boot_id, sizeof(g_boot_id) - 1);
+        g_boot_id[n > 0 ? n : 0] = 0;
+        g_boot_id[strcspn(g_boot_id, "\n")] = 0;
+        close(fd);
+    }
+}
+
+const char *boot_id(void) { return g_boot_id; }
+
+void set_hostname(const char *name)
+{
+    if (!g_is_pid1 || !name[0]) {
+        return;
+    }
+    if (sethostname(name, strlen(name)) < 0) {
+        logmsg("sethostname: %s", strerror(errno));
+    }
+}
+
+void add_entropy(const uint8_t *p, size_t n)
+{
+    if (!g_is_pid1 || n == 0) {
+        return; /* never feed the host's pool from a test build */
+    }
+    struct {
+        int entropy_count;
+        int buf_size;
+        uint8_t buf[4096];
+    } info;
+    if (n > sizeof(info.buf)) {
+        n = sizeof(info.buf);
+    }
+    info.entropy_count = (int)(n * 8);
+    info.buf_size = (int)n;
+    memcpy(info.buf, p, n);
+    int fd = open("/dev/urandom", O_WRONLY | O_CLOEXEC);
+    if (fd >= 0) {
+        if (ioctl(fd, RNDADDENTROPY, &info) < 0) {
+            logmsg("RNDADDENTROPY: %s", strerror(errno));
+        }
+        close(fd);
+    }
+}
+
+void set_wall_clock(uint64_t ns)
+{
+    if (!g_is_pid1) {
+        return;
+    }
+    struct timespec ts = {.tv_sec = (time_t)(ns / 1000000000u), .tv_nsec = (long)(ns % 1000000000u)};
+    if (clock_settime(CLOCK_REALTIME, &ts) < 0) {
+        logmsg("clock_settime: %s", strerror(errno));
+    }
+}
+
+/* Every virtio-serial port named sandlot.* is one session. */
+int open_ports(struct session *sessions, int max)
+{
+    int n = 0;
+    for (int waited = 0; waited < 3000 && n == 0; waited += 5) {
+        DIR *d = opendir("/sys/class/virtio-ports");
+        struct dirent *de;
+        while (d && (de = readdir(d)) && n < max) {
+            if (strncmp(de->d_name, "vport", 5)) {
+                continue;
+            }
+            char path[300], name[64] = {0};
+            snprintf(path, sizeof(path), "/sys/class/virtio-ports/%s/name", de->d_name);
+            int fd = open(path, O_RDONLY | O_CLOEXEC);
+            if (fd < 0) {
+                continue;
+            }
+            ssize_t r = read(fd, name, sizeof(name) - 1);
+            close(fd);
+            if (r <= 0) {
+                continue;
+            }
+            name[strcspn(name, "\n")] = 0;
+            if (strncmp(name, "sandlot.", 8)) {
+                continue;
+            }
+            struct session *s = &sessions[n];
+            memset(s, 0, sizeof(*s));
+            snprintf(s->name, sizeof(s->name), "%s", name);
+            snprintf(s->dev, sizeof(s->dev), "/dev/%s", de->d_name);
+            if (wait_for(s->dev, 2000) < 0) {
+                continue;
+            }
+            int pfd = open(s->dev, O_RDWR | O_NONBLOCK | O_CLOEXEC);
+            if (pfd < 0) {
+                logmsg("open %s: %s", s->dev, strerror(errno));
+                continue;
+            }
+            /* SIGIO tells us when the host end connects or goes away */
+            fcntl(pfd, F_SETOWN, getpid());
+            fcntl(pfd, F_SETFL, fcntl(pfd, F_GETFL) | O_ASYNC);
+            s->in_fd = s->out_fd = pfd;
+            s->is_port = 1;
+            n++;
+        }
+        if (d) {
+            closedir(d);
+        }
+        if (n == 0) {
+            usleep(5000);
+        }
+    }
+    return n;
+}
+
+static void reap_all(void)
+{
+    while (waitpid(-1, NULL, WNOHANG) > 0) {
+    }
+}
+
+static int any_children(void)
+{
+    /* PID 1 adopts everything, so any process but us is a child or will be */
+    DIR *d = opendir("/proc");
+    struct dirent *de;
+    int found = 0;
+    while (d && (de = readdir(d))) {
+        int pid = atoi(de->d_name);
+        if (pid > 1) {
+            char path[64], stat[256];
+            snprintf(path, sizeof(path), "/proc/%d/stat", pid);
+            int fd = open(path, O_RDONLY | O_CLOEXEC);
+            if (fd < 0) {
+                continue;
+            }
+            ssize_t n = read(fd, stat, sizeof(stat) - 1);
+            close(fd);
+            if (n <= 0) {
+                continue;
+            }
+            stat[n] = 0;
+            /* kernel threads have parent 2 (kthreadd) or are 2 itself */
+            char *rp = strrchr(stat, ')');
+            int ppid = 0;
+            if (rp && sscanf(rp + 2, "%*c %d", &ppid) == 1 && ppid != 2 && pid != 2) {
+                found = 1;
+                break;
+            }
+        }
+    }
+    if (d) {
+        closedir(d);
+    }
+    return found;
+}
+
+/* Stop every process, flush the disk, and power off. The CONTROL_OK reply is
+ * sent once the root filesystem is read-only, so the host knows the disk is clean. */
+void shutdown_guest(struct session *s, uint32_t ch, uint32_t timeout_ms)
+{
+    if (timeout_ms > 60000) {
+        timeout_ms = 60000;
+    }
+    kill(-1, SIGTERM);
+    uint64_t deadline = now_ms() + timeout_ms;
+    while (now_ms() < deadline) {
+        reap_all();
+        if (!any_children()) {
+            break;
+        }
+        usleep(10000);
+    }
+    kill(-1, SIGKILL);
+    for (int i = 0; i < 100 && any_children(); i++) {
+        reap_all();
+        usleep(10000);
+    }
+    reap_all();
+    sync();
+    umount2("/tmp", MNT_DETACH);
+    umount2("/run", MNT_DETACH);
+    umount2("/dev/shm", MNT_DETACH);
+    if (mount(NULL, "/", NULL, MS_REMOUNT | MS_RDONLY, NULL) < 0) {
+        logmsg("remount / read-only: %s", strerror(errno));
+    }
+    sync();
+    send_frame(s, SL_CONTROL_OK, 0, ch, NULL, 0);
+    uint64_t flush_deadline = now_ms() + 1000;
+    while (buf_used(&s->out) && now_ms() < flush_deadline) {
+        struct pollfd pfd = {.fd = s->out_fd, .events = POLLOUT};
+        if (poll(&pfd, 1, 50) > 0) {
+            ssize_t w = write(s->out_fd, s->out.data + s->out.head, buf_used(&s->out));
+            if (w > 0) {
+                buf_consume(&s->out, (size_t)w);
+            } else if (w < 0 && errno != EAGAIN) {
+                break;
+            }
+        }
+    }
+    reboot(RB_POWER_OFF);
+    _exit(0);
+}

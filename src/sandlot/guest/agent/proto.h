@@ -1,0 +1,135 @@
+/* Wire constants of the sandlot agent protocol, version 1.
+ * docs/protocol.md is the specification; src/sandlot/protocol/wire.py mirrors
+ * these numbers and tests/test_wire.py checks that the two agree. */
+#ifndef SANDLOT_PROTO_H
+#define SANDLOT_PROTO_H
+
+#define SL_PROTOCOL_VERSION 1
+#define SL_MAGIC 0x4C53u              /* bytes 'S' 'L' on the wire */
+#define SL_HEADER_SIZE 12u            /* magic u16, type u8, flags u8, channel u32, length u32 */
+#define SL_MAX_PAYLOAD (1u << 20)     /* frames above this are refused */
+#define SL_DATA_PREFIX 16u            /* stream u32, reserved u32, offset u64 */
+#define SL_DATA_CHUNK (64u * 1024u)   /* largest DATA payload the agent sends */
+#define SL_WINDOW (1u << 20)          /* bytes in flight per stream, both directions */
+#define SL_MAX_CHANNELS 1024u         /* live channels per session */
+
+#define SL_FLAG_MORE 0x01u            /* FS_RESULT: more frames of this answer follow */
+
+enum sl_frame_type {
+    SL_HELLO = 0x01,
+    SL_HELLO_ACK = 0x02,
+    SL_ERROR = 0x03,
+    SL_PING = 0x04,
+    SL_PONG = 0x05,
+    SL_CLOSE = 0x06,
+    SL_RESUME = 0x07,
+
+    SL_EXEC = 0x10,
+    SL_EXEC_STARTED = 0x11,
+    SL_EXIT = 0x12,
+    SL_SIGNAL = 0x13,
+    SL_RESIZE = 0x14,
+
+    SL_DATA = 0x20,
+    SL_EOF = 0x21,
+    SL_ACK = 0x22,
+
+    SL_FILE_READ = 0x30,
+    SL_FILE_INFO = 0x31,
+    SL_FILE_WRITE = 0x32,
+    SL_FILE_READY = 0x33,
+    SL_FILE_DONE = 0x34,
+
+    SL_FS = 0x40,
+    SL_FS_RESULT = 0x41,
+
+    SL_CONTROL = 0x50,
+    SL_CONTROL_OK = 0x51,
+};
+
+enum sl_tag {
+    SL_T_ARG = 1,
+    SL_T_ENV = 2,
+    SL_T_CWD = 3,
+    SL_T_USER = 4,
+    SL_T_FLAGS = 5,
+    SL_T_ROWS = 6,
+    SL_T_COLS = 7,
+    SL_T_PID = 8,
+    SL_T_EXIT_CODE = 9,
+    SL_T_SIGNAL = 10,
+    SL_T_WINDOW = 11,
+    SL_T_PATH = 12,
+    SL_T_PATH2 = 13,
+    SL_T_MODE = 14,
+    SL_T_SIZE = 15,
+    SL_T_OFFSET = 16,
+    SL_T_LENGTH = 17,
+    SL_T_OP = 18,
+    SL_T_ENTRY = 19,
+    SL_T_ERRNO = 20,
+    SL_T_MESSAGE = 21,
+    SL_T_VERSION_MIN = 22,
+    SL_T_VERSION_MAX = 23,
+    SL_T_VERSION = 24,
+    SL_T_SESSION = 25,
+    SL_T_ENTROPY = 26,
+    SL_T_TIME_NS = 27,
+    SL_T_HOSTNAME = 28,
+    SL_T_AGENT_VERSION = 29,
+    SL_T_BOOT_ID = 30,
+    SL_T_RESUMED = 31,
+    SL_T_CHANNEL = 32,
+    SL_T_MAX_PAYLOAD = 33,
+    SL_T_STREAM_OFFSET = 34,
+    SL_T_FRAME_TYPE = 35,
+    SL_T_CORE_DUMPED = 36,
+    SL_T_TIMEOUT_MS = 37,
+    SL_T_UID = 38,
+    SL_T_GID = 39,
+};
+
+/* SL_T_FLAGS bits of SL_EXEC */
+#define SL_EXEC_TTY 0x1u
+#define SL_EXEC_STDIN 0x2u      /* give the process a stdin pipe; else /dev/null */
+#define SL_EXEC_CLEAR_ENV 0x4u  /* do not add the default environment */
+
+/* SL_T_FLAGS bits of SL_FILE_WRITE */
+#define SL_WRITE_APPEND 0x1u
+#define SL_WRITE_PARENTS 0x2u
+#define SL_WRITE_EXCLUSIVE 0x4u
+#define SL_WRITE_SYNC 0x8u
+
+/* SL_T_FLAGS bits of SL_FS */
+#define SL_FS_PARENTS 0x1u
+#define SL_FS_RECURSIVE 0x2u
+#define SL_FS_NOFOLLOW 0x4u
+#define SL_FS_MISSING_OK 0x8u
+
+/* SL_T_FLAGS bits of SL_SIGNAL */
+#define SL_SIGNAL_GROUP 0x1u
+
+enum sl_fs_op {
+    SL_FS_STAT = 1,
+    SL_FS_LIST = 2,
+    SL_FS_MKDIR = 3,
+    SL_FS_REMOVE = 4,
+    SL_FS_RENAME = 5,
+    SL_FS_CHMOD = 6,
+    SL_FS_CHOWN = 7,
+};
+
+enum sl_control_op {
+    SL_CTL_SHUTDOWN = 1,
+    SL_CTL_SYNC = 2,
+    SL_CTL_SET_HOSTNAME = 3,
+    SL_CTL_SET_TIME = 4,
+    SL_CTL_ADD_ENTROPY = 5,
+};
+
+/* Streams of a channel. */
+#define SL_STREAM_STDIN 0u
+#define SL_STREAM_STDOUT 1u
+#define SL_STREAM_STDERR 2u
+
+#endif

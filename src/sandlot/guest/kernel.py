@@ -1,0 +1,339 @@
+"""The guest kernel: fetch the distro's cloud kernel, or take the user's, and
+turn it into what QEMU's microvm boots directly: an uncompressed PVH ``vmlinux``
+plus the few modules the guest needs.
+
+Default source: the Debian/Ubuntu package behind ``linux-image-cloud-amd64``,
+fetched with ``apt-get download`` (never installed on the host). Override with
+``SANDLOT_KERNEL=/path/to/vmlinux-or-bzImage`` (and ``SANDLOT_KERNEL_MODULES``
+pointing at its ``lib/modules/<version>`` tree if it needs modules).
+
+Cached under ``$SANDLOT_HOME/kernels/<id>/`` with a ``kernel.json`` manifest;
+the directory appears atomically, complete or not at all.
+"""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import json
+import lzma
+import os
+import re
+import shutil
+import struct
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..config import atomic_dir, atomic_write, sha256_file
+from ..errors import HostSetupError
+
+META_PACKAGE = "linux-image-cloud-amd64"
+
+# Modules the guest may load, by need. Their dependencies come from modules.dep.
+BASE_MODULES = ("virtio_mmio", "virtio_console", "virtio_blk")
+OPTIONAL_MODULES = ("virtio_net", "virtio_rng", "overlay", "fuse", "virtiofs", "vmw_vsock_virtio_transport")
+
+_XEN_ELFNOTE_PHYS32_ENTRY = 18
+
+
+@dataclass(frozen=True, slots=True)
+class Kernel:
+    """A prepared kernel: ``vmlinux`` plus ``modules`` (name -> file) in load order."""
+
+    root: Path
+    vmlinux: Path
+    version: str
+    sha256: str
+    modules: dict[str, Path]
+    deps: dict[str, list[str]]
+    source: str
+
+    def load_order(self, wanted: tuple[str, ...] = BASE_MODULES) -> list[str]:
+        """Wanted modules (those this kernel has) and their dependencies, dependencies first."""
+        order: list[str] = []
+        seen: set[str] = set()
+
+        def visit(name: str, depth: int = 0) -> None:
+            if name in seen or name not in self.modules or depth > 64:
+                return
+            seen.add(name)
+            for dep in self.deps.get(name, []):
+                visit(dep, depth + 1)
+            order.append(name)
+
+        for name in wanted:
+            visit(name)
+        return order
+
+
+def _norm(name: str) -> str:
+    return name.replace("-", "_")
+
+
+def _module_name(path: str) -> str:
+    base = os.path.basename(path)
+    for suffix in (".ko.xz", ".ko.zst", ".ko.gz", ".ko"):
+        if base.endswith(suffix):
+            return _norm(base[: -len(suffix)])
+    return _norm(base)
+
+
+# ---- bzImage -> vmlinux -------------------------------------------------------------------
+
+
+def _has_pvh_note(elf: bytes) -> bool:
+    """True if the ELF carries XEN_ELFNOTE_PHYS32_ENTRY (the PVH entry QEMU needs)."""
+    if elf[:4] != b"\x7fELF" or elf[4] != 2:
+        return False
+    (e_phoff,) = struct.unpack_from("<Q", elf, 0x20)
+    e_phentsize, e_phnum = struct.unpack_from("<HH", elf, 0x36)
+    for i in range(e_phnum):
+        off = e_phoff + i * e_phentsize
+        p_type, _flags, p_offset, _va, _pa, p_filesz = struct.unpack_from("<IIQQQQ", elf, off)
+        if p_type != 4:  # PT_NOTE
+            continue
+        pos, end = p_offset, p_offset + p_filesz
+        while pos + 12 <= end:
+            namesz, descsz, ntype = struct.unpack_from("<III", elf, pos)
+            name = elf[pos + 12 : pos + 12 + namesz].rstrip(b"\0")
+            if name == b"Xen" and ntype == _XEN_ELFNOTE_PHYS32_ENTRY:
+                return True
+            pos += 12 + ((namesz + 3) & ~3) + ((descsz + 3) & ~3)
+    return False
+
+
+def _decompress(payload: bytes) -> bytes:
+    if payload[:4] == b"\x02\x21\x4c\x18":  # lz4 legacy, as the kernel writes it
+        if not shutil.which("lz4"):
+            raise HostSetupError("the kernel is LZ4-compressed: install lz4")
+        # the kernel appends the uncompressed size (4 bytes) after the lz4 stream
+        proc = subprocess.run(["lz4", "-dc"], input=payload[:-4], capture_output=True)
+        if not proc.stdout.startswith(b"\x7fELF"):
+            proc = subprocess.run(["lz4", "-dc"], input=payload, capture_output=True)
+        return proc.stdout
+    if payload[:2] == b"\x1f\x8b":
+        return gzip.decompress(payload)
+    if payload[:6] == b"\xfd7zXZ\x00":
+        return lzma.decompress(payload)
+    if payload[:4] == b"\x28\xb5\x2f\xfd":
+        if not shutil.which("zstd"):
+            raise HostSetupError("the kernel is zstd-compressed: install zstd")
+        return subprocess.run(["zstd", "-dc"], input=payload, capture_output=True).stdout
+    raise HostSetupError(f"unsupported kernel compression (payload starts with {payload[:6].hex()})")
+
+
+def to_vmlinux(image: bytes) -> bytes:
+    """Return an uncompressed ELF vmlinux from a bzImage, or the input if already ELF."""
+    if image[:4] == b"\x7fELF":
+        elf = image
+    elif len(image) > 0x250 and image[0x202:0x206] == b"HdrS":
+        setup_sects = image[0x1F1] or 4
+        payload_offset, payload_length = struct.unpack_from("<II", image, 0x248)
+        start = (setup_sects + 1) * 512 + payload_offset
+        elf = _decompress(image[start : start + payload_length])
+        if elf[:4] != b"\x7fELF":
+            raise HostSetupError("decompressing the bzImage did not give an ELF vmlinux")
+    else:
+        raise HostSetupError("kernel image is neither an ELF vmlinux nor a bzImage")
+    if not _has_pvh_note(elf):
+        raise HostSetupError(
+            "the kernel has no PVH entry point (XEN_ELFNOTE_PHYS32_ENTRY); build it with CONFIG_PVH=y"
+        )
+    return elf
+
+
+# ---- modules ---------------------------------------------------------------------------------
+
+
+def _modinfo(ko: bytes) -> dict[str, str]:
+    """The ``.modinfo`` section of a module (key=value strings)."""
+    if ko[:4] != b"\x7fELF" or ko[4] != 2:
+        return {}
+    (e_shoff,) = struct.unpack_from("<Q", ko, 0x28)
+    e_shentsize, e_shnum, e_shstrndx = struct.unpack_from("<HHH", ko, 0x3A)
+
+    def section(i: int) -> tuple[int, int, int]:
+        name, _type, _flags, _addr, offset, size = struct.unpack_from(
+            "<IIQQQQ", ko, e_shoff + i * e_shentsize
+        )
+        return name, offset, size
+
+    _, str_off, _ = section(e_shstrndx)
+    for i in range(e_shnum):
+        name_off, offset, size = section(i)
+        end = ko.index(b"\0", str_off + name_off)
+        if ko[str_off + name_off : end] == b".modinfo":
+            info: dict[str, str] = {}
+            for item in ko[offset : offset + size].split(b"\0"):
+                key, sep, value = item.partition(b"=")
+                if sep:
+                    info.setdefault(key.decode(), value.decode(errors="replace"))
+            return info
+    return {}
+
+
+def _read_ko(path: Path) -> bytes:
+    if path.name.endswith(".ko.xz"):
+        return lzma.decompress(path.read_bytes())
+    if path.name.endswith(".ko.gz"):
+        return gzip.decompress(path.read_bytes())
+    if path.name.endswith(".ko.zst"):
+        return subprocess.run(["zstd", "-dc", str(path)], capture_output=True, check=True).stdout
+    return path.read_bytes()
+
+
+def _read_modules_tree(tree: Path) -> dict[str, Path]:
+    """Map module name -> file in a lib/modules/<version> tree. Packages ship no
+    modules.dep (depmod makes it at install), so dependencies come from each
+    module's own .modinfo."""
+    files: dict[str, Path] = {}
+    for path in tree.rglob("*.ko*"):
+        files[_module_name(path.name)] = path
+    return files
+
+
+def _install_modules(tree: Path, dest: Path) -> tuple[dict[str, str], dict[str, list[str]]]:
+    """Copy the wanted modules and their dependencies (uncompressed) into ``dest``."""
+    files = _read_modules_tree(tree)
+    deps: dict[str, list[str]] = {}
+    blobs: dict[str, bytes] = {}
+
+    def visit(name: str) -> None:
+        if name in blobs or name not in files:
+            return
+        blob = _read_ko(files[name])
+        blobs[name] = blob
+        deps[name] = [_norm(d) for d in _modinfo(blob).get("depends", "").split(",") if d]
+        for d in deps[name]:
+            visit(d)
+
+    for name in (*BASE_MODULES, *OPTIONAL_MODULES):
+        visit(name)
+    dest.mkdir(parents=True, exist_ok=True)
+    out: dict[str, str] = {}
+    for name, blob in sorted(blobs.items()):
+        (dest / f"{name}.ko").write_bytes(blob)
+        out[name] = f"modules/{name}.ko"
+    return out, deps
+
+
+# ---- cache -----------------------------------------------------------------------------------
+
+
+def _load(root: Path) -> Kernel:
+    meta = json.loads((root / "kernel.json").read_text())
+    return Kernel(
+        root=root,
+        vmlinux=root / "vmlinux",
+        version=meta["version"],
+        sha256=meta["sha256"],
+        modules={k: root / v for k, v in meta["modules"].items()},
+        deps=meta["deps"],
+        source=meta["source"],
+    )
+
+
+def _store(final: Path, elf: bytes, version: str, source: str, modules_tree: Path | None) -> Kernel:
+    if (final / "kernel.json").exists():
+        return _load(final)
+    with atomic_dir(final) as tmp:
+        (tmp / "vmlinux").write_bytes(elf)
+        modules: dict[str, str] = {}
+        deps: dict[str, list[str]] = {}
+        if modules_tree is not None and modules_tree.exists():
+            modules, deps = _install_modules(modules_tree, tmp / "modules")
+        meta = {
+            "version": version,
+            "sha256": sha256_file(tmp / "vmlinux"),
+            "modules": modules,
+            "deps": deps,
+            "source": source,
+        }
+        (tmp / "kernel.json").write_text(json.dumps(meta, indent=1))
+    return _load(final)
+
+
+def _apt_kernel_package() -> str:
+    if not shutil.which("apt-get") or not shutil.which("apt-cache"):
+        raise HostSetupError(
+            "no guest kernel: this host has no apt to fetch the distro cloud kernel; "
+            "set SANDLOT_KERNEL to a vmlinux or bzImage built with CONFIG_PVH=y"
+        )
+    proc = subprocess.run(["apt-cache", "depends", META_PACKAGE], capture_output=True, text=True)
+    m = re.search(r"Depends:\s+(linux-image-\S+)", proc.stdout)
+    if proc.returncode != 0 or not m:
+        raise HostSetupError(
+            f"apt does not know {META_PACKAGE}; run 'apt-get update' (Debian/Ubuntu hosts), "
+            "or set SANDLOT_KERNEL"
+        )
+    return m.group(1)
+
+
+def fetch_distro_kernel(home: Path, *, refresh: bool = False) -> Kernel:
+    """Download the concrete package behind linux-image-cloud-amd64 and prepare it.
+
+    The choice is pinned in ``kernels/default``: later calls reuse it without
+    asking apt, so boxes keep booting the kernel their snapshots were made with
+    until ``refresh=True`` (``sandlot setup --refresh-kernel``) picks a newer one.
+    """
+    pointer = home / "kernels" / "default"
+    if not refresh:
+        try:
+            pinned = home / "kernels" / pointer.read_text().strip()
+            if (pinned / "kernel.json").exists():
+                return _load(pinned)
+        except OSError:
+            pass
+    package = _apt_kernel_package()
+    final = home / "kernels" / package
+    if (final / "kernel.json").exists():
+        atomic_write(pointer, package.encode())
+        return _load(final)
+    if not shutil.which("dpkg-deb"):
+        raise HostSetupError("dpkg-deb is needed to unpack the kernel package")
+    (home / "kernels").mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=".fetch-", dir=home / "kernels") as tmpdir:
+        tmp = Path(tmpdir)
+        proc = subprocess.run(["apt-get", "download", package], cwd=tmp, capture_output=True, text=True)
+        debs = list(tmp.glob("*.deb"))
+        if proc.returncode != 0 or not debs:
+            raise HostSetupError(f"apt-get download {package} failed:\n{proc.stderr[-2000:]}")
+        unpacked = tmp / "x"
+        subprocess.run(["dpkg-deb", "-x", str(debs[0]), str(unpacked)], check=True, capture_output=True)
+        images = sorted((unpacked / "boot").glob("vmlinuz-*"))
+        if not images:
+            raise HostSetupError(f"{package} holds no /boot/vmlinuz")
+        version = images[0].name.removeprefix("vmlinuz-")
+        elf = to_vmlinux(images[0].read_bytes())
+        trees = [
+            p for p in (unpacked / "lib" / "modules", unpacked / "usr" / "lib" / "modules") if p.exists()
+        ]
+        tree = trees[0] / version if trees else None
+        kernel = _store(final, elf, version, f"apt:{package}", tree)
+    atomic_write(pointer, package.encode())
+    return kernel
+
+
+def custom_kernel(home: Path, path: Path, modules_tree: Path | None) -> Kernel:
+    if not path.is_file():
+        raise HostSetupError(f"kernel {path} does not exist")
+    data = path.read_bytes()
+    digest = hashlib.sha256(data).hexdigest()[:16]
+    tree_tag = hashlib.sha256(str(modules_tree).encode()).hexdigest()[:8] if modules_tree else "nomods"
+    final = home / "kernels" / f"custom-{digest}-{tree_tag}"
+    if (final / "kernel.json").exists():
+        return _load(final)
+    elf = to_vmlinux(data)
+    version = modules_tree.name if modules_tree else f"custom-{digest}"
+    return _store(final, elf, version, f"file:{path}", modules_tree)
+
+
+def ensure_kernel(home: Path, override: str | os.PathLike[str] | None = None) -> Kernel:
+    """The kernel to boot: ``override``, else ``$SANDLOT_KERNEL``, else the distro cloud kernel."""
+    chosen = override or os.environ.get("SANDLOT_KERNEL")
+    if chosen:
+        mods = os.environ.get("SANDLOT_KERNEL_MODULES")
+        return custom_kernel(home, Path(chosen).expanduser(), Path(mods) if mods else None)
+    return fetch_distro_kernel(home)

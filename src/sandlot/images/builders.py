@@ -1,0 +1,103 @@
+"""Build small root filesystems from the host's Debian packages.
+
+Used by ``sandlot rootfs``, the setup script's demo and the tests, so nothing
+depends on a registry being reachable:
+
+* ``busybox``: one static busybox with its applet links (~2 MB), from
+  Debian's ``busybox-static``.
+* ``debian``: a Debian minbase (optionally with more packages, e.g. python3)
+  made by ``mmdebstrap``.
+
+Both add a user ``agent`` (uid 1000) beside root.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+from ..errors import HostSetupError
+
+PASSWD = (
+    "root:x:0:0:root:/root:/bin/sh\n"
+    "agent:x:1000:1000:agent:/home/agent:/bin/sh\n"
+    "nobody:x:65534:65534:nobody:/nonexistent:/bin/false\n"
+)
+GROUP = "root:x:0:\nagent:x:1000:\nusers:x:100:agent\nnogroup:x:65534:\n"
+
+
+def _replace_dir(tmp: Path, dest: Path) -> Path:
+    if dest.exists():
+        shutil.rmtree(dest)
+    os.rename(tmp, dest)
+    return dest
+
+
+def busybox_rootfs(dest: Path, busybox: str | None = None) -> Path:
+    """A busybox root filesystem at ``dest`` (replaced if it exists)."""
+    binary = busybox or next((p for p in ("/bin/busybox", "/usr/bin/busybox") if os.path.exists(p)), None)
+    if binary is None:
+        raise HostSetupError("busybox not found: install busybox-static")
+    check = subprocess.run(["file", "-L", binary], capture_output=True, text=True)
+    if check.returncode == 0 and "statically linked" not in check.stdout and "static-pie" not in check.stdout:
+        raise HostSetupError(f"{binary} is not statically linked: install busybox-static")
+    dest = Path(dest)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=dest.parent))
+    for d in ("bin", "sbin", "usr/bin", "usr/sbin", "etc", "tmp", "proc", "sys", "dev", "run", "root",
+              "home/agent", "var/tmp"):  # fmt: skip
+        (tmp / d).mkdir(parents=True, exist_ok=True)
+    os.chmod(tmp / "tmp", 0o1777)
+    os.chmod(tmp / "root", 0o700)
+    shutil.copy2(binary, tmp / "bin" / "busybox")
+    os.chmod(tmp / "bin" / "busybox", 0o755)
+    applets = subprocess.run([binary, "--list-full"], capture_output=True, text=True, check=True).stdout
+    for rel in applets.split():
+        link = tmp / rel
+        if link.exists() or link.is_symlink() or rel == "bin/busybox":
+            continue
+        link.parent.mkdir(parents=True, exist_ok=True)
+        os.symlink("/bin/busybox", link)
+    (tmp / "etc" / "passwd").write_text(PASSWD)
+    (tmp / "etc" / "group").write_text(GROUP)
+    (tmp / "etc" / "hostname").write_text("sandlot\n")
+    (tmp / "etc" / "os-release").write_text('NAME="busybox"\nID=busybox\nPRETTY_NAME="BusyBox rootfs"\n')
+    if os.geteuid() == 0:
+        os.chown(tmp / "home" / "agent", 1000, 1000)
+    return _replace_dir(tmp, dest)
+
+
+def debian_rootfs(dest: Path, packages: list[str] | None = None, suite: str = "bookworm") -> Path:
+    """A Debian minbase root filesystem at ``dest`` made by mmdebstrap."""
+    mmdebstrap = shutil.which("mmdebstrap")
+    if not mmdebstrap:
+        raise HostSetupError("mmdebstrap not found: install mmdebstrap")
+    dest = Path(dest)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=dest.parent))
+    tarball = tmp.with_suffix(".tar")
+    cmd = [
+        mmdebstrap, "--quiet", "--variant=minbase", f"--include={','.join(packages or [])}",
+        "--customize-hook=chroot \"$1\" useradd --create-home --uid 1000 --shell /bin/bash agent",
+        "--customize-hook=rm -rf \"$1\"/var/cache/apt/archives/*.deb \"$1\"/var/lib/apt/lists/*",
+        suite, str(tarball),
+    ]  # fmt: skip
+    if not packages:
+        cmd.remove("--include=")
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise HostSetupError(f"mmdebstrap failed:\n{proc.stderr[-3000:]}")
+    root = tmp / "root"
+    root.mkdir()
+    subprocess.run(["tar", "-xpf", str(tarball), "-C", str(root), "--numeric-owner"], check=True)
+    tarball.unlink()
+    final_tmp = dest.parent / f".{dest.name}.ready"
+    if final_tmp.exists():
+        shutil.rmtree(final_tmp)
+    os.rename(root, final_tmp)
+    shutil.rmtree(tmp, ignore_errors=True)
+    return _replace_dir(final_tmp, dest)

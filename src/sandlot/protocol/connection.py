@@ -1,0 +1,542 @@
+"""Host side of the agent protocol: one connection, many channels.
+
+A generic machine in the style of ``qemu.qmp.protocol``: connect, handshake,
+a reader task that routes frames to channels, flow-controlled streams, and
+reconnection. Exec and files are thin services on top (``exec.py``,
+``files.py``); they never touch the socket directly.
+
+Reconnection keeps channels alive: the agent retains every byte the host has
+not acknowledged, so after the socket is replaced (the host reconnects, or a VM
+was restored behind a new socket) each channel asks for a resend from the
+offsets it has and nothing is lost or duplicated.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import secrets
+import time
+from collections import deque
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+from ..errors import AgentTimeout, ConnectionLost, GuestOSError, ProtocolError, guest_os_error
+from . import wire
+from .wire import Fields, Frame, T, Tag
+
+log = logging.getLogger("sandlot.protocol")
+
+Connector = Callable[[], Awaitable[tuple[asyncio.StreamReader, asyncio.StreamWriter]]]
+
+DEFAULT_REQUEST_TIMEOUT = 30.0
+
+
+@dataclass(frozen=True, slots=True)
+class AgentInfo:
+    protocol_version: int
+    agent_version: str
+    boot_id: str
+    window: int
+    max_payload: int
+
+
+def error_from_frame(frame: Frame) -> GuestOSError:
+    f = Fields(frame.payload)
+    err = f.u32(Tag.ERRNO, 0) or 0
+    return guest_os_error(err, f.str(Tag.MESSAGE, "") or "")
+
+
+class InboundStream:
+    """Bytes the agent sends on one stream (stdout, stderr, a file's content).
+
+    Bytes are acknowledged when the consumer takes them, so a consumer that
+    stops reading stops the guest process (back-pressure). ``drain()`` switches
+    to acknowledging on arrival, keeping the bytes for later reads.
+    """
+
+    def __init__(self, channel: Channel, stream: int) -> None:
+        self._channel = channel
+        self.stream = stream
+        self.received = 0
+        self._consumed = 0
+        self._acked = 0
+        self._chunks: deque[bytes] = deque()
+        self._eof = False
+        self._draining = False
+        self._event = asyncio.Event()
+
+    @property
+    def at_eof(self) -> bool:
+        return self._eof and not self._chunks
+
+    def feed(self, offset: int, data: memoryview) -> None:
+        end = offset + len(data)
+        if offset > self.received:
+            raise ProtocolError(f"stream {self.stream} skipped from {self.received} to {offset}")
+        if end <= self.received:
+            return  # a resend of bytes already here
+        fresh = bytes(data[self.received - offset :])
+        self.received = end
+        self._chunks.append(fresh)
+        if self._draining:
+            self._consumed += len(fresh)
+            self._maybe_ack()
+        self._event.set()
+
+    def feed_eof(self, offset: int) -> None:
+        if offset != self.received:
+            raise ProtocolError(f"stream {self.stream} ended at {offset} but {self.received} bytes arrived")
+        self._eof = True
+        self._event.set()
+
+    def _maybe_ack(self) -> None:
+        if self._consumed - self._acked >= wire.WINDOW // 4 or (
+            self._consumed > self._acked and self._consumed == self.received
+        ):
+            self._acked = self._consumed
+            self._channel.send(T.ACK, wire.data_payload(self.stream, self._consumed))
+
+    def drain(self) -> None:
+        """Acknowledge everything now and on arrival; bytes stay readable."""
+        if not self._draining:
+            self._draining = True
+            self._consumed = self.received
+            self._maybe_ack()
+
+    async def read(self, idle_timeout: float | None = None) -> bytes:
+        """Next chunk, or b"" at end of stream. ``idle_timeout`` bounds the wait for it."""
+        while not self._chunks:
+            if self._eof:
+                return b""
+            self._channel.raise_if_failed()
+            self._event.clear()
+            await self._channel.wait_event(self._event, idle_timeout=idle_timeout)
+        chunk = self._chunks.popleft()
+        if not self._draining:
+            self._consumed += len(chunk)
+            self._maybe_ack()
+        return chunk
+
+    async def read_all(self) -> bytes:
+        self.drain()
+        parts = []
+        while chunk := await self.read():
+            parts.append(chunk)
+        return b"".join(parts)
+
+    def take_buffered(self) -> bytes:
+        data = b"".join(self._chunks)
+        self._chunks.clear()
+        return data
+
+    def resume_offset(self) -> int:
+        return self.received
+
+
+class OutboundStream:
+    """Bytes the host sends on stream 0 (stdin, a file being written), inside the
+    agent's window, retained until the agent acknowledges them."""
+
+    def __init__(self, channel: Channel, window: int) -> None:
+        self._channel = channel
+        self._window = window
+        self.sent = 0
+        self.acked = 0
+        self._retained: deque[tuple[int, bytes]] = deque()
+        self._event = asyncio.Event()
+        self.closed = False
+
+    def on_ack(self, offset: int) -> None:
+        if offset > self.sent:
+            raise ProtocolError(f"agent acknowledged {offset} bytes but only {self.sent} were sent")
+        if offset < self.acked:
+            # after a reconnection the agent reports where it really is: resend from there
+            self.acked = offset
+        else:
+            self.acked = offset
+            while self._retained and self._retained[0][0] + len(self._retained[0][1]) <= offset:
+                self._retained.popleft()
+        self._event.set()
+
+    def resend_from(self, offset: int) -> None:
+        for start, data in self._retained:
+            end = start + len(data)
+            if end > offset:
+                skip = max(0, offset - start)
+                self._channel.send(T.DATA, wire.data_payload(wire.STREAM_STDIN, start + skip, data[skip:]))
+        if self.closed:
+            self._channel.send(T.EOF, wire.data_payload(wire.STREAM_STDIN, self.sent))
+
+    async def write(self, data: bytes | memoryview) -> None:
+        view = memoryview(data)
+        while view:
+            while self.sent - self.acked >= self._window:
+                if self._channel.has_frames:
+                    return  # the agent ended the operation; the caller reads why
+                self._channel.raise_if_failed()
+                self._event.clear()
+                await self._channel.wait_event(self._event, idle_timeout=self._channel.conn.request_timeout)
+            room = self._window - (self.sent - self.acked)
+            n = min(len(view), wire.DATA_CHUNK, room)
+            chunk = bytes(view[:n])
+            self._retained.append((self.sent, chunk))
+            self._channel.send(T.DATA, wire.data_payload(wire.STREAM_STDIN, self.sent, chunk))
+            self.sent += n
+            view = view[n:]
+        await self._channel.conn.drain()
+
+    async def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self._channel.send(T.EOF, wire.data_payload(wire.STREAM_STDIN, self.sent))
+            await self._channel.conn.drain()
+
+
+class Channel:
+    """One operation on the connection. Control frames (not DATA/EOF/ACK) queue
+    up for the service that owns the channel."""
+
+    def __init__(self, conn: AgentConnection, channel_id: int) -> None:
+        self.conn = conn
+        self.id = channel_id
+        self._frames: deque[Frame] = deque()
+        self._event = asyncio.Event()
+        self._failure: BaseException | None = None
+        self.inbound: dict[int, InboundStream] = {}
+        self.outbound: OutboundStream | None = None
+        self.closed = False
+        self._failed_ev = asyncio.Event()
+
+    # -- plumbing used by streams and services ---------------------------------------
+
+    def send(self, frame_type: int, payload: bytes = b"") -> None:
+        self.conn.send_frame(frame_type, self.id, payload)
+
+    def raise_if_failed(self) -> None:
+        if self._failure is not None:
+            raise self._failure
+
+    async def wait_event(self, event: asyncio.Event, idle_timeout: float | None = None) -> None:
+        """Wait for ``event`` or for this channel to fail."""
+        if self._failure is not None:
+            raise self._failure
+        waiter = asyncio.ensure_future(event.wait())
+        failed = asyncio.ensure_future(self._failed_ev.wait())
+        try:
+            done, _ = await asyncio.wait(
+                {waiter, failed}, timeout=idle_timeout, return_when="FIRST_COMPLETED"
+            )
+        finally:
+            waiter.cancel()
+            failed.cancel()
+        if self._failure is not None:
+            raise self._failure
+        if not done:
+            raise AgentTimeout(f"agent made no progress on channel {self.id} for {idle_timeout:.0f}s")
+
+    def stream(self, stream: int) -> InboundStream:
+        s = self.inbound.get(stream)
+        if s is None:
+            s = self.inbound[stream] = InboundStream(self, stream)
+        return s
+
+    # -- called by the connection's reader -----------------------------------------
+
+    def deliver(self, frame: Frame) -> None:
+        if frame.type in (T.DATA, T.EOF, T.ACK):
+            stream, offset, data = wire.parse_data(frame.payload)
+            if frame.type == T.ACK:
+                if stream != wire.STREAM_STDIN or self.outbound is None:
+                    return
+                self.outbound.on_ack(offset)
+            elif frame.type == T.DATA:
+                self.stream(stream).feed(offset, data)
+            else:
+                self.stream(stream).feed_eof(offset)
+            return
+        self._frames.append(frame)
+        self._event.set()
+        if self.outbound is not None:
+            self.outbound._event.set()  # a writer waiting for window must see an early end
+
+    def fail(self, exc: BaseException) -> None:
+        if self._failure is None:
+            self._failure = exc
+            self._failed_ev.set()
+            self._event.set()
+            for s in self.inbound.values():
+                s._event.set()
+            if self.outbound is not None:
+                self.outbound._event.set()
+
+    # -- for services -------------------------------------------------------------
+
+    @property
+    def has_frames(self) -> bool:
+        """A control frame is waiting (e.g. the agent ended the operation early)."""
+        return bool(self._frames)
+
+    async def next_frame(self, timeout: float | None = None) -> Frame:
+        """Next control frame. ``timeout`` None waits as long as the channel lives."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not self._frames:
+            self.raise_if_failed()
+            self._event.clear()
+            remaining = None if deadline is None else deadline - time.monotonic()
+            if remaining is not None and remaining <= 0:
+                raise AgentTimeout(f"agent did not answer on channel {self.id} within {timeout:.0f}s")
+            await self.wait_event(self._event, idle_timeout=remaining)
+        return self._frames.popleft()
+
+    async def expect(self, *types: int, timeout: float | None = None) -> Frame:
+        """Next control frame, which must be one of ``types``; ERROR raises GuestOSError."""
+        frame = await self.next_frame(timeout)
+        if frame.type == T.ERROR:
+            raise error_from_frame(frame)
+        if frame.type not in types:
+            names = ", ".join(T(t).name for t in types)
+            raise ProtocolError(f"expected {names} on channel {self.id}, got 0x{frame.type:02x}")
+        return frame
+
+    def resume_payload(self) -> bytes:
+        return b"".join(
+            wire.tlv(Tag.STREAM_OFFSET, s.stream.to_bytes(4, "little") + s.received.to_bytes(8, "little"))
+            for s in self.inbound.values()
+        )
+
+    def close(self) -> None:
+        """Tell the agent this channel is done (a running process keeps running)."""
+        if not self.closed:
+            self.closed = True
+            with contextlib.suppress(ConnectionLost):
+                self.send(T.CLOSE)
+            self.conn._forget(self)
+
+
+class AgentConnection:
+    """A connected, handshaken session with the agent."""
+
+    def __init__(
+        self,
+        connector: Connector,
+        *,
+        request_timeout: float = DEFAULT_REQUEST_TIMEOUT,
+        hostname: str | None = None,
+        on_lost: Callable[[], Awaitable[BaseException | None]] | None = None,
+    ) -> None:
+        self._connector = connector
+        self.request_timeout = request_timeout
+        self._hostname = hostname
+        self._on_lost = on_lost
+        self._token = secrets.token_bytes(16)
+        self._reader: asyncio.StreamReader | None = None
+        self._writer: asyncio.StreamWriter | None = None
+        self._reader_task: asyncio.Task[None] | None = None
+        self._channels: dict[int, Channel] = {}
+        self._next_id = 1
+        self._control = Channel(self, 0)
+        self._closed = False
+        self._failure: BaseException | None = None
+        self._reconnecting: asyncio.Future[None] | None = None
+        self._handshaking = False
+        self.info: AgentInfo | None = None
+
+    # -- lifecycle ---------------------------------------------------------------------
+
+    async def connect(self, timeout: float) -> AgentInfo:
+        """Connect and handshake within ``timeout`` seconds."""
+        reader, writer = await self._connector()
+        self._install(reader, writer)
+        return await self._handshake(timeout)
+
+    def _install(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self._reader, self._writer = reader, writer
+        self._control = Channel(self, 0)
+        self._reader_task = asyncio.create_task(self._read_loop(reader), name="sandlot-agent-reader")
+
+    async def _handshake(self, timeout: float) -> AgentInfo:
+        payload = (
+            wire.tlv(Tag.VERSION_MIN, wire.PROTOCOL_VERSION)
+            + wire.tlv(Tag.VERSION_MAX, wire.PROTOCOL_VERSION)
+            + wire.tlv(Tag.SESSION, self._token)
+            + wire.tlv(Tag.ENTROPY, os.urandom(64))
+            + wire.tlv_u64(Tag.TIME_NS, time.time_ns())
+        )
+        if self._hostname:
+            payload += wire.tlv(Tag.HOSTNAME, self._hostname)
+        self._handshaking = True
+        try:
+            self.send_frame(T.HELLO, 0, payload)
+            frame = await self._control.expect(T.HELLO_ACK, timeout=timeout)
+        finally:
+            self._handshaking = False
+        f = Fields(frame.payload)
+        version = f.u32(Tag.VERSION, 0)
+        if version != wire.PROTOCOL_VERSION:
+            raise ProtocolError(
+                f"agent chose protocol version {version}, host speaks {wire.PROTOCOL_VERSION}"
+            )
+        self.info = AgentInfo(
+            protocol_version=version,
+            agent_version=f.str(Tag.AGENT_VERSION, "") or "",
+            boot_id=f.str(Tag.BOOT_ID, "") or "",
+            window=f.u32(Tag.WINDOW, wire.WINDOW) or wire.WINDOW,
+            max_payload=f.u32(Tag.MAX_PAYLOAD, wire.MAX_PAYLOAD) or wire.MAX_PAYLOAD,
+        )
+        live = {int.from_bytes(v, "little") for v in f.all(Tag.CHANNEL)}
+        if f.u32(Tag.RESUMED, 0):
+            for ch in list(self._channels.values()):
+                if ch.id in live:
+                    self.send_frame(T.RESUME, ch.id, ch.resume_payload())
+                    if ch.outbound is not None:
+                        ch.outbound.resend_from(ch.outbound.acked)
+                else:
+                    ch.fail(ConnectionLost(f"channel {ch.id} ended while the connection was down"))
+                    self._channels.pop(ch.id, None)
+        else:
+            for ch in list(self._channels.values()):
+                ch.fail(ConnectionLost("the agent started a new session"))
+            self._channels.clear()
+        return self.info
+
+    async def reconnect(self, timeout: float = 10.0) -> AgentInfo:
+        """Replace the socket (e.g. after a restore) and resume every channel."""
+        await self._drop_transport()
+        reader, writer = await self._connector()
+        self._install(reader, writer)
+        return await self._handshake(timeout)
+
+    async def _drop_transport(self) -> None:
+        task, self._reader_task = self._reader_task, None
+        if task is not None and task is not asyncio.current_task():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        if self._writer is not None:
+            self._writer.close()
+            with contextlib.suppress(Exception):
+                await self._writer.wait_closed()
+        self._writer = None
+        self._reader = None
+
+    async def close(self) -> None:
+        self._closed = True
+        await self._drop_transport()
+        for ch in list(self._channels.values()):
+            ch.fail(ConnectionLost("connection closed"))
+        self._channels.clear()
+
+    @property
+    def failed(self) -> BaseException | None:
+        return self._failure
+
+    # -- frames --------------------------------------------------------------------------
+
+    def send_frame(self, frame_type: int, channel: int, payload: bytes = b"", flags: int = 0) -> None:
+        if self._failure is not None:
+            raise self._failure
+        if self._writer is None or self._writer.is_closing():
+            if self._reconnecting is not None:
+                return  # dropped now, resent by RESUME after the reconnection
+            raise ConnectionLost("not connected to the agent")
+        self._writer.write(wire.encode_frame(frame_type, channel, payload, flags))
+
+    async def drain(self) -> None:
+        writer = self._writer
+        if writer is not None and not writer.is_closing():
+            with contextlib.suppress(ConnectionError):
+                await writer.drain()
+
+    def open_channel(self) -> Channel:
+        if self._failure is not None:
+            raise self._failure
+        if len(self._channels) >= wire.MAX_CHANNELS:
+            raise ProtocolError(f"more than {wire.MAX_CHANNELS} operations in flight on one connection")
+        while self._next_id == 0 or self._next_id in self._channels:
+            self._next_id = (self._next_id + 1) & 0xFFFFFFFF
+        ch = Channel(self, self._next_id)
+        self._next_id = (self._next_id + 1) & 0xFFFFFFFF
+        self._channels[ch.id] = ch
+        return ch
+
+    def _forget(self, ch: Channel) -> None:
+        if self._channels.get(ch.id) is ch:
+            del self._channels[ch.id]
+
+    async def ping(self, timeout: float | None = None) -> float:
+        """Round trip to the agent, in seconds."""
+        ch = self.open_channel()
+        try:
+            start = time.perf_counter()
+            ch.send(T.PING, b"ping")
+            await ch.expect(T.PONG, timeout=timeout or self.request_timeout)
+            return time.perf_counter() - start
+        finally:
+            self._forget(ch)
+
+    async def _read_loop(self, reader: asyncio.StreamReader) -> None:
+        decoder = wire.FrameDecoder()
+        try:
+            while True:
+                data = await reader.read(256 * 1024)
+                if not data:
+                    break
+                for frame in decoder.feed(data):
+                    self._route(frame)
+        except asyncio.CancelledError:
+            raise
+        except ProtocolError as exc:
+            log.error("agent protocol error: %s", exc)
+            self._fail_all(exc)
+            return
+        except (ConnectionError, OSError) as exc:
+            log.debug("agent socket error: %s", exc)
+        if not self._closed:
+            await self._lost()
+
+    def _route(self, frame: Frame) -> None:
+        if frame.channel == 0:
+            if self._handshaking:
+                self._control.deliver(frame)
+            elif frame.type == T.ERROR:
+                log.warning("agent reported a session error: %s", Fields(frame.payload).str(Tag.MESSAGE, ""))
+            return
+        ch = self._channels.get(frame.channel)
+        if ch is None:
+            return  # late frame for a channel we already closed
+        try:
+            ch.deliver(frame)
+        except ProtocolError as exc:
+            ch.fail(exc)
+
+    async def _lost(self) -> None:
+        """The socket closed: ask the owner whether the VM still lives, and reconnect."""
+        self._reader_task = None
+        reason: BaseException | None = ConnectionLost("the agent connection closed")
+        if self._on_lost is not None:
+            try:
+                reason = await self._on_lost()
+            except Exception as exc:
+                reason = exc
+        if reason is None:
+            loop = asyncio.get_running_loop()
+            self._reconnecting = loop.create_future()
+            try:
+                await self.reconnect()
+                return
+            except Exception as exc:
+                reason = ConnectionLost(f"could not reconnect to the agent: {exc}")
+            finally:
+                fut, self._reconnecting = self._reconnecting, None
+                if fut is not None and not fut.done():
+                    fut.set_result(None)
+        self._fail_all(reason)
+
+    def _fail_all(self, exc: BaseException) -> None:
+        self._failure = exc
+        self._control.fail(exc)
+        for ch in list(self._channels.values()):
+            ch.fail(exc)

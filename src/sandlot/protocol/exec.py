@@ -1,0 +1,149 @@
+"""Exec service: start a process in the guest and follow it to its end."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal as _signal
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from ..errors import ConnectionLost, ProtocolError
+from . import wire
+from .connection import AgentConnection, Channel, InboundStream, OutboundStream
+from .wire import ExecFlag, Fields, SignalFlag, T, Tag
+
+
+@dataclass(frozen=True, slots=True)
+class ExitStatus:
+    """How a process ended: ``exit_code`` follows the shell (128+N when killed by signal N)."""
+
+    exit_code: int
+    signal: int | None = None
+    core_dumped: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class ExecRequest:
+    argv: Sequence[str]
+    env: Mapping[str, str] | None = None
+    cwd: str | None = None
+    user: str | None = None
+    tty: bool = False
+    rows: int = 24
+    cols: int = 80
+    stdin: bool = False
+    clear_env: bool = False
+
+    def encode(self) -> bytes:
+        parts = [wire.tlv(Tag.ARG, a) for a in self.argv]
+        for k, v in (self.env or {}).items():
+            parts.append(wire.tlv(Tag.ENV, f"{k}={v}"))
+        if self.cwd is not None:
+            parts.append(wire.tlv(Tag.CWD, self.cwd))
+        if self.user is not None:
+            parts.append(wire.tlv(Tag.USER, self.user))
+        flags = (
+            (ExecFlag.TTY if self.tty else 0)
+            | (ExecFlag.STDIN if self.stdin or self.tty else 0)
+            | (ExecFlag.CLEAR_ENV if self.clear_env else 0)
+        )
+        parts.append(wire.tlv(Tag.FLAGS, flags))
+        if self.tty:
+            parts.append(wire.tlv(Tag.ROWS, self.rows))
+            parts.append(wire.tlv(Tag.COLS, self.cols))
+        payload = b"".join(parts)
+        if len(payload) > wire.MAX_PAYLOAD:
+            raise ValueError(f"command line and environment take {len(payload)} bytes; the limit is 1 MiB")
+        return payload
+
+
+class RemoteProcess:
+    """A running guest process: its streams, its stdin, and its exit."""
+
+    def __init__(self, conn: AgentConnection, channel: Channel, pid: int, tty: bool, window: int) -> None:
+        self._conn = conn
+        self._channel = channel
+        self.pid = pid
+        self.tty = tty
+        self.stdout: InboundStream = channel.stream(wire.STREAM_STDOUT)
+        self.stderr: InboundStream = channel.stream(wire.STREAM_STDERR)
+        self._stdin = OutboundStream(channel, window)
+        channel.outbound = self._stdin
+        self._status: ExitStatus | None = None
+        self._exit_task: asyncio.Task[ExitStatus] | None = None
+
+    @classmethod
+    async def start(cls, conn: AgentConnection, req: ExecRequest) -> RemoteProcess:
+        payload = req.encode()
+        ch = conn.open_channel()
+        try:
+            ch.send(T.EXEC, payload)
+            frame = await ch.expect(T.EXEC_STARTED, timeout=conn.request_timeout)
+        except BaseException:
+            ch.close()
+            raise
+        f = Fields(frame.payload)
+        return cls(conn, ch, f.u32(Tag.PID, 0) or 0, req.tty, f.u32(Tag.WINDOW, wire.WINDOW) or wire.WINDOW)
+
+    @property
+    def status(self) -> ExitStatus | None:
+        return self._status
+
+    async def write_stdin(self, data: bytes) -> None:
+        if self._stdin.closed:
+            raise ValueError("stdin is already closed")
+        await self._stdin.write(data)
+
+    async def close_stdin(self) -> None:
+        await self._stdin.close()
+
+    async def signal(self, sig: int = _signal.SIGKILL, *, group: bool = False) -> None:
+        """Send a signal to the process (``group=True``: to its whole process group)."""
+        if self._status is not None:
+            return
+        payload = wire.tlv(Tag.SIGNAL, int(sig)) + wire.tlv(Tag.FLAGS, SignalFlag.GROUP if group else 0)
+        with contextlib.suppress(ConnectionLost):
+            self._channel.send(T.SIGNAL, payload)
+            await self._conn.drain()
+
+    async def resize(self, rows: int, cols: int) -> None:
+        if not self.tty:
+            raise ValueError("resize needs a process started with tty=True")
+        self._channel.send(T.RESIZE, wire.tlv(Tag.ROWS, rows) + wire.tlv(Tag.COLS, cols))
+        await self._conn.drain()
+
+    async def _await_exit(self) -> ExitStatus:
+        while True:
+            frame = await self._channel.next_frame()
+            if frame.type == T.EXIT:
+                f = Fields(frame.payload)
+                sig = f.u32(Tag.SIGNAL)
+                if sig is not None:
+                    status = ExitStatus(128 + sig, sig, bool(f.u32(Tag.CORE_DUMPED, 0)))
+                else:
+                    status = ExitStatus(f.u32(Tag.EXIT_CODE, 0) or 0)
+                self._status = status
+                self._channel.close()
+                return status
+            if frame.type == T.ERROR:
+                from .connection import error_from_frame
+
+                raise error_from_frame(frame)
+            raise ProtocolError(f"unexpected frame 0x{frame.type:02x} on exec channel {self._channel.id}")
+
+    async def wait(self, *, drain: bool = True) -> ExitStatus:
+        """Wait for the exit. ``drain`` keeps unread output flowing (into memory)
+        so the process cannot block on a full pipe while we wait."""
+        if self._status is not None:
+            return self._status
+        if drain:
+            self.stdout.drain()
+            self.stderr.drain()
+        if self._exit_task is None:
+            self._exit_task = asyncio.ensure_future(self._await_exit())
+        return await asyncio.shield(self._exit_task)
+
+    def detach(self) -> None:
+        """Stop following the process; it keeps running in the guest."""
+        self._channel.close()

@@ -1,0 +1,119 @@
+"""Files service: streamed read and write, listing, and one-shot requests."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterable, AsyncIterator
+
+from . import wire
+from .connection import AgentConnection, OutboundStream
+from .wire import Fields, FsOp, RawEntry, T, Tag, WriteFlag
+
+
+async def read_stream(
+    conn: AgentConnection, path: str, *, offset: int = 0, length: int | None = None
+) -> tuple[int, int, AsyncIterator[bytes]]:
+    """Open a guest file: returns (size, mode, chunks). Close the iterator to stop early."""
+    payload = wire.tlv(Tag.PATH, path)
+    if offset:
+        payload += wire.tlv_u64(Tag.OFFSET, offset)
+    if length is not None:
+        payload += wire.tlv_u64(Tag.LENGTH, length)
+    ch = conn.open_channel()
+    try:
+        ch.send(T.FILE_READ, payload)
+        info = Fields((await ch.expect(T.FILE_INFO, timeout=conn.request_timeout)).payload)
+    except BaseException:
+        ch.close()
+        raise
+    stream = ch.stream(wire.STREAM_STDOUT)
+
+    async def chunks() -> AsyncIterator[bytes]:
+        try:
+            # every chunk must arrive within the request deadline: a stuck agent never hangs us
+            while chunk := await stream.read(idle_timeout=conn.request_timeout):
+                yield chunk
+        finally:
+            ch.close()
+
+    return info.u64(Tag.SIZE, 0) or 0, info.u32(Tag.MODE, 0) or 0, chunks()
+
+
+async def write_stream(
+    conn: AgentConnection,
+    path: str,
+    data: bytes | AsyncIterable[bytes],
+    *,
+    mode: int | None = None,
+    user: str | None = None,
+    append: bool = False,
+    parents: bool = True,
+    exclusive: bool = False,
+    sync: bool = False,
+) -> int:
+    """Write a guest file from bytes or an async iterable of chunks; returns its size.
+
+    Whole-file writes are atomic: the agent writes a temporary file beside the
+    target and renames it into place only once every byte has arrived.
+    """
+    flags = (
+        (WriteFlag.APPEND if append else 0)
+        | (WriteFlag.PARENTS if parents else 0)
+        | (WriteFlag.EXCLUSIVE if exclusive else 0)
+        | (WriteFlag.SYNC if sync else 0)
+    )
+    payload = wire.tlv(Tag.PATH, path) + wire.tlv(Tag.FLAGS, flags)
+    if mode is not None:
+        payload += wire.tlv(Tag.MODE, mode)
+    if user is not None:
+        payload += wire.tlv(Tag.USER, user)
+    ch = conn.open_channel()
+    try:
+        ch.send(T.FILE_WRITE, payload)
+        ready = Fields((await ch.expect(T.FILE_READY, timeout=conn.request_timeout)).payload)
+        out = OutboundStream(ch, ready.u32(Tag.WINDOW, wire.WINDOW) or wire.WINDOW)
+        ch.outbound = out
+        if isinstance(data, bytes | bytearray | memoryview):
+            await out.write(data)
+        else:
+            async for chunk in data:
+                ch.raise_if_failed()
+                if ch.has_frames:  # the agent gave up early (e.g. ENOSPC): report that now
+                    break
+                await out.write(chunk)
+        if not ch.has_frames:
+            await out.close()
+        done = Fields((await ch.expect(T.FILE_DONE, timeout=conn.request_timeout)).payload)
+        return done.u64(Tag.SIZE, 0) or 0
+    finally:
+        ch.close()  # after DONE or ERROR the agent has forgotten it; otherwise this aborts it
+
+
+async def fs_request(
+    conn: AgentConnection,
+    op: FsOp,
+    path: str,
+    *,
+    path2: str | None = None,
+    mode: int | None = None,
+    flags: int = 0,
+    user: str | None = None,
+) -> list[RawEntry]:
+    """One file-system request; returns the entries of STAT or LIST."""
+    payload = wire.tlv(Tag.OP, int(op)) + wire.tlv(Tag.PATH, path) + wire.tlv(Tag.FLAGS, flags)
+    if path2 is not None:
+        payload += wire.tlv(Tag.PATH2, path2)
+    if mode is not None:
+        payload += wire.tlv(Tag.MODE, mode)
+    if user is not None:
+        payload += wire.tlv(Tag.USER, user)
+    ch = conn.open_channel()
+    entries: list[RawEntry] = []
+    try:
+        ch.send(T.FS, payload)
+        while True:
+            frame = await ch.expect(T.FS_RESULT, timeout=conn.request_timeout)
+            entries.extend(wire.parse_entry(e) for e in Fields(frame.payload).all(Tag.ENTRY))
+            if not frame.flags & wire.FLAG_MORE:
+                return entries
+    finally:
+        ch.close()

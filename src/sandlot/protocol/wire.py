@@ -1,0 +1,296 @@
+"""Wire format of the agent protocol: frame headers, TLV payloads, stream offsets.
+
+Mirrors ``guest/agent/proto.h``; ``tests/test_wire.py`` checks the two agree.
+See docs/protocol.md for the specification.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from enum import IntEnum
+
+from ..errors import ProtocolError
+
+PROTOCOL_VERSION = 1
+MAGIC = 0x4C53
+HEADER = struct.Struct("<HBBII")  # magic, type, flags, channel, length
+HEADER_SIZE = HEADER.size
+MAX_PAYLOAD = 1 << 20
+DATA_PREFIX = struct.Struct("<IIQ")  # stream, reserved, offset
+DATA_PREFIX_SIZE = DATA_PREFIX.size
+DATA_CHUNK = 64 * 1024
+WINDOW = 1 << 20
+MAX_CHANNELS = 1024
+FLAG_MORE = 0x01
+
+STREAM_STDIN = 0
+STREAM_STDOUT = 1
+STREAM_STDERR = 2
+
+
+class T(IntEnum):
+    """Frame types."""
+
+    HELLO = 0x01
+    HELLO_ACK = 0x02
+    ERROR = 0x03
+    PING = 0x04
+    PONG = 0x05
+    CLOSE = 0x06
+    RESUME = 0x07
+    EXEC = 0x10
+    EXEC_STARTED = 0x11
+    EXIT = 0x12
+    SIGNAL = 0x13
+    RESIZE = 0x14
+    DATA = 0x20
+    EOF = 0x21
+    ACK = 0x22
+    FILE_READ = 0x30
+    FILE_INFO = 0x31
+    FILE_WRITE = 0x32
+    FILE_READY = 0x33
+    FILE_DONE = 0x34
+    FS = 0x40
+    FS_RESULT = 0x41
+    CONTROL = 0x50
+    CONTROL_OK = 0x51
+
+
+class Tag(IntEnum):
+    """TLV field tags."""
+
+    ARG = 1
+    ENV = 2
+    CWD = 3
+    USER = 4
+    FLAGS = 5
+    ROWS = 6
+    COLS = 7
+    PID = 8
+    EXIT_CODE = 9
+    SIGNAL = 10
+    WINDOW = 11
+    PATH = 12
+    PATH2 = 13
+    MODE = 14
+    SIZE = 15
+    OFFSET = 16
+    LENGTH = 17
+    OP = 18
+    ENTRY = 19
+    ERRNO = 20
+    MESSAGE = 21
+    VERSION_MIN = 22
+    VERSION_MAX = 23
+    VERSION = 24
+    SESSION = 25
+    ENTROPY = 26
+    TIME_NS = 27
+    HOSTNAME = 28
+    AGENT_VERSION = 29
+    BOOT_ID = 30
+    RESUMED = 31
+    CHANNEL = 32
+    MAX_PAYLOAD = 33
+    STREAM_OFFSET = 34
+    FRAME_TYPE = 35
+    CORE_DUMPED = 36
+    TIMEOUT_MS = 37
+    UID = 38
+    GID = 39
+
+
+class ExecFlag:
+    TTY = 0x1
+    STDIN = 0x2
+    CLEAR_ENV = 0x4
+
+
+class WriteFlag:
+    APPEND = 0x1
+    PARENTS = 0x2
+    EXCLUSIVE = 0x4
+    SYNC = 0x8
+
+
+class FsFlag:
+    PARENTS = 0x1
+    RECURSIVE = 0x2
+    NOFOLLOW = 0x4
+    MISSING_OK = 0x8
+
+
+class SignalFlag:
+    GROUP = 0x1
+
+
+class FsOp(IntEnum):
+    STAT = 1
+    LIST = 2
+    MKDIR = 3
+    REMOVE = 4
+    RENAME = 5
+    CHMOD = 6
+    CHOWN = 7
+
+
+class ControlOp(IntEnum):
+    SHUTDOWN = 1
+    SYNC = 2
+    SET_HOSTNAME = 3
+    SET_TIME = 4
+    ADD_ENTROPY = 5
+
+
+@dataclass(frozen=True, slots=True)
+class Frame:
+    type: int
+    channel: int
+    payload: bytes = b""
+    flags: int = 0
+
+
+def encode_frame(frame_type: int, channel: int, payload: bytes = b"", flags: int = 0) -> bytes:
+    if len(payload) > MAX_PAYLOAD:
+        raise ProtocolError(f"payload of {len(payload)} bytes exceeds {MAX_PAYLOAD}")
+    return HEADER.pack(MAGIC, frame_type, flags, channel, len(payload)) + payload
+
+
+class FrameDecoder:
+    """Incremental decoder: feed bytes, iterate whole frames. The agent is trusted
+    less than the host's own memory: any framing error is a ProtocolError."""
+
+    def __init__(self) -> None:
+        self._buf = bytearray()
+
+    def feed(self, data: bytes) -> Iterator[Frame]:
+        self._buf += data
+        view = self._buf
+        pos = 0
+        try:
+            while len(view) - pos >= HEADER_SIZE:
+                magic, ftype, flags, channel, length = HEADER.unpack_from(view, pos)
+                if magic != MAGIC:
+                    raise ProtocolError(f"bad frame magic 0x{magic:04x} from the agent")
+                if length > MAX_PAYLOAD:
+                    raise ProtocolError(f"agent frame of {length} bytes exceeds {MAX_PAYLOAD}")
+                end = pos + HEADER_SIZE + length
+                if len(view) < end:
+                    break
+                yield Frame(ftype, channel, bytes(view[pos + HEADER_SIZE : end]), flags)
+                pos = end
+        finally:
+            del self._buf[:pos]
+
+
+# ---- TLV ------------------------------------------------------------------------------
+
+_TLV = struct.Struct("<HI")
+
+
+def tlv(tag: int, value: bytes | str | int, *, width: int = 4) -> bytes:
+    if isinstance(value, str):
+        value = value.encode()
+    elif isinstance(value, int):
+        value = value.to_bytes(width, "little", signed=False)
+    return _TLV.pack(tag, len(value)) + value
+
+
+def tlv_u64(tag: int, value: int) -> bytes:
+    return tlv(tag, value, width=8)
+
+
+class Fields:
+    """Decoded TLV payload: repeated tags keep their order."""
+
+    __slots__ = ("_items",)
+
+    def __init__(self, payload: bytes) -> None:
+        items: list[tuple[int, bytes]] = []
+        pos = 0
+        n = len(payload)
+        while pos < n:
+            if n - pos < _TLV.size:
+                raise ProtocolError("truncated TLV header")
+            tag, length = _TLV.unpack_from(payload, pos)
+            pos += _TLV.size
+            if length > n - pos:
+                raise ProtocolError(f"TLV field {tag} overruns its payload")
+            items.append((tag, payload[pos : pos + length]))
+            pos += length
+        self._items = items
+
+    def raw(self, tag: int) -> bytes | None:
+        for t, v in self._items:
+            if t == tag:
+                return v
+        return None
+
+    def all(self, tag: int) -> list[bytes]:
+        return [v for t, v in self._items if t == tag]
+
+    def u32(self, tag: int, default: int | None = None) -> int | None:
+        v = self.raw(tag)
+        if v is None:
+            return default
+        if len(v) != 4:
+            raise ProtocolError(f"field {tag} is {len(v)} bytes, expected 4")
+        return int.from_bytes(v, "little")
+
+    def u64(self, tag: int, default: int | None = None) -> int | None:
+        v = self.raw(tag)
+        if v is None:
+            return default
+        if len(v) != 8:
+            raise ProtocolError(f"field {tag} is {len(v)} bytes, expected 8")
+        return int.from_bytes(v, "little")
+
+    def str(self, tag: int, default: str | None = None) -> str | None:
+        v = self.raw(tag)
+        return default if v is None else v.decode("utf-8", "replace")
+
+
+def data_payload(stream: int, offset: int, data: bytes = b"") -> bytes:
+    return DATA_PREFIX.pack(stream, 0, offset) + data
+
+
+def parse_data(payload: bytes) -> tuple[int, int, memoryview]:
+    if len(payload) < DATA_PREFIX_SIZE:
+        raise ProtocolError("DATA/EOF/ACK frame shorter than its prefix")
+    stream, _, offset = DATA_PREFIX.unpack_from(payload)
+    return stream, offset, memoryview(payload)[DATA_PREFIX_SIZE:]
+
+
+# ---- directory entries -----------------------------------------------------------------
+
+_ENTRY = struct.Struct("<IIIIQqHH")
+
+
+@dataclass(frozen=True, slots=True)
+class RawEntry:
+    name: str
+    mode: int
+    uid: int
+    gid: int
+    nlink: int
+    size: int
+    mtime_ns: int
+    link_target: str | None
+
+
+def parse_entry(raw: bytes) -> RawEntry:
+    if len(raw) < _ENTRY.size:
+        raise ProtocolError("truncated directory entry")
+    mode, uid, gid, nlink, size, mtime_ns, name_len, target_len = _ENTRY.unpack_from(raw)
+    if _ENTRY.size + name_len + target_len != len(raw):
+        raise ProtocolError("directory entry lengths do not add up")
+    name = raw[_ENTRY.size : _ENTRY.size + name_len].decode("utf-8", "surrogateescape")
+    target = raw[_ENTRY.size + name_len :].decode("utf-8", "surrogateescape") if target_len else None
+    return RawEntry(name, mode, uid, gid, nlink, size, mtime_ns, target)
+
+
+def join(parts: Iterable[bytes]) -> bytes:
+    return b"".join(parts)
