@@ -101,7 +101,11 @@ def build_command(cfg: VMConfig, binary: str) -> list[str]:
         append += " " + " ".join(cfg.extra_kernel_args)
     machine = "microvm,x-option-roms=off,isa-serial=on,rtc=on"
     # under TCG, "max" gives the guest SSE4.2/AVX2 that modern wheels (numpy, ...) require
-    accel = ["-accel", "kvm", "-cpu", "host"] if cfg.accel == "kvm" else ["-accel", "tcg", "-cpu", "max"]
+    accel = (
+        ["-accel", "kvm", "-cpu", "host"]
+        if cfg.accel == "kvm"
+        else ["-accel", "tcg", "-cpu", "max,erms=off,fsrm=off"]
+    )
     cmd = [
         binary,
         "-name", f"sandlot-{cfg.hostname}",

@@ -60,21 +60,9 @@ def make_ext4(src_dir: Path, out: Path, size_bytes: int, label: str = "sandlot-r
             f"root filesystem needs about {need / GiB:.2f} GiB but the disk is {size_bytes / GiB:.2f} GiB"
         )
     # -m 0: the box's user is root anyway; the journal stays for crash safety.
-    cmd = [
-        mkfs,
-        "-q",
-        "-F",
-        "-t",
-        "ext4",
-        "-m",
-        "0",
-        "-L",
-        label,
-        "-d",
-        str(src_dir),
-        str(out),
-        str(size_bytes),
-    ]
+    # The size needs a unit: a bare number is read as 1 KiB blocks.
+    size = f"{size_bytes // 1024}k"
+    cmd = [mkfs, "-q", "-F", "-t", "ext4", "-m", "0", "-L", label, "-d", str(src_dir), str(out), size]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         raise ImageError(f"mkfs.ext4 failed for {src_dir}: {proc.stderr.strip()[-2000:]}")

@@ -115,20 +115,58 @@ void send_error(struct session *s, uint32_t ch, int err, uint8_t frame_type, con
     msg_free(&m);
 }
 
+/* Write straight to the port while it takes data; queue whatever it does not.
+ * Streamed bytes then cost no user-space copy in the common case. */
+static void send_direct(struct session *s, const uint8_t *hdr, size_t hlen, const uint8_t *data, size_t n)
+{
+    size_t done = 0, total = hlen + n;
+    if (buf_used(&s->out) == 0) {
+        while (done < total) {
+            const uint8_t *p = done < hlen ? hdr + done : data + (done - hlen);
+            size_t len = done < hlen ? hlen - done : total - done;
+            ssize_t w = write(s->out_fd, p, len);
+            if (w > 0) {
+                done += (size_t)w;
+            } else if (w < 0 && errno == EINTR) {
+                continue;
+            } else {
+                break;
+            }
+        }
+    }
+    if (done == total) {
+        return;
+    }
+    if (buf_reserve(&s->out, total - done) < 0) {
+        logmsg("out of memory queueing a frame");
+        return;
+    }
+    if (done < hlen) {
+        buf_append(&s->out, hdr + done, hlen - done);
+        done = hlen;
+    }
+    buf_append(&s->out, data + (done - hlen), total - done);
+}
+
 static void send_stream_offset(struct session *s, uint8_t type, uint32_t ch, uint32_t stream, uint64_t off,
                                const void *data, size_t n)
 {
-    uint8_t tmp[SL_DATA_PREFIX + SL_DATA_CHUNK];
+    if (!session_live(s)) {
+        return;
+    }
     if (n > SL_DATA_CHUNK) {
         n = SL_DATA_CHUNK;
     }
-    wr32(tmp, stream);
-    wr32(tmp + 4, 0);
-    wr64(tmp + 8, off);
-    if (n) {
-        memcpy(tmp + SL_DATA_PREFIX, data, n);
-    }
-    send_frame(s, type, 0, ch, tmp, SL_DATA_PREFIX + n);
+    uint8_t h[SL_HEADER_SIZE + SL_DATA_PREFIX];
+    wr16(h, SL_MAGIC);
+    h[2] = type;
+    h[3] = 0;
+    wr32(h + 4, ch);
+    wr32(h + 8, (uint32_t)(SL_DATA_PREFIX + n));
+    wr32(h + 12, stream);
+    wr32(h + 16, 0);
+    wr64(h + 20, off);
+    send_direct(s, h, sizeof(h), data, n);
 }
 
 /* ---- channels ----------------------------------------------------------- */
@@ -752,15 +790,19 @@ static void session_read(struct session *s)
 
 static void session_write(struct session *s)
 {
-    size_t used = buf_used(&s->out);
-    if (!used) {
-        return;
-    }
-    ssize_t n = write(s->out_fd, s->out.data + s->out.head, used);
-    if (n > 0) {
-        buf_consume(&s->out, (size_t)n);
-    } else if (n < 0 && errno != EAGAIN && errno != EINTR) {
-        session_disconnected(s);
+    /* A virtio-serial port takes at most 32 KiB per write: keep going until it is full. */
+    while (buf_used(&s->out)) {
+        ssize_t n = write(s->out_fd, s->out.data + s->out.head, buf_used(&s->out));
+        if (n > 0) {
+            buf_consume(&s->out, (size_t)n);
+        } else if (n < 0 && errno == EINTR) {
+            continue;
+        } else {
+            if (n < 0 && errno != EAGAIN) {
+                session_disconnected(s);
+            }
+            return;
+        }
     }
 }
 

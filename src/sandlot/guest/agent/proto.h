@@ -9,7 +9,7 @@
 #define SL_HEADER_SIZE 12u            /* magic u16, type u8, flags u8, channel u32, length u32 */
 #define SL_MAX_PAYLOAD (1u << 20)     /* frames above this are refused */
 #define SL_DATA_PREFIX 16u            /* stream u32, reserved u32, offset u64 */
-#define SL_DATA_CHUNK (64u * 1024u)   /* largest DATA payload the agent sends */
+#define SL_DATA_CHUNK (256u * 1024u)  /* largest DATA payload the agent sends */
 #define SL_WINDOW (1u << 20)          /* bytes in flight per stream, both directions */
 #define SL_MAX_CHANNELS 1024u         /* live channels per session */
 

@@ -36,6 +36,9 @@ int buf_reserve(struct buf *b, size_t extra)
 
 int buf_append(struct buf *b, const void *p, size_t n)
 {
+    if (n == 0) {
+        return 0;
+    }
     if (buf_reserve(b, n) < 0) {
         return -1;
     }

@@ -1,0 +1,57 @@
+"""Shared fixtures: test root filesystems (built from Debian packages and cached
+between runs), a sandlot home reused across runs, and booted boxes shared by
+the tests of a module where that keeps the tests honest (each test leaves the
+box as it found it)."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+import sandlot
+from sandlot.images.builders import busybox_rootfs, debian_rootfs
+
+CACHE = Path(os.environ.get("SANDLOT_TEST_CACHE", Path.home() / ".cache" / "sandlot-tests"))
+# Kernel, agent and base disks are reused between runs; boxes are per test.
+os.environ.setdefault("SANDLOT_HOME", str(CACHE / "home"))
+
+
+def _stamp(*parts: str) -> str:
+    return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:12]
+
+
+@pytest.fixture(scope="session")
+def busybox_root() -> Path:
+    busybox = shutil.which("busybox") or "/bin/busybox"
+    dest = CACHE / f"rootfs-busybox-{_stamp(str(os.stat(busybox).st_mtime_ns), 'v2')}"
+    if not (dest / "bin" / "busybox").exists():
+        busybox_rootfs(dest)
+    return dest
+
+
+@pytest.fixture(scope="session")
+def debian_root() -> Path:
+    """Debian bookworm minbase with python3 (mmdebstrap; about 20 s the first time)."""
+    dest = CACHE / "rootfs-debian-python3-v1"
+    if not (dest / "usr" / "bin" / "python3").exists():
+        debian_rootfs(dest, ["python3"])
+    return dest
+
+
+@pytest.fixture(scope="module")
+def bb_box(busybox_root: Path) -> Iterator[sandlot.Box]:
+    """A booted busybox box shared by the tests of one module."""
+    with sandlot.Box(rootfs=busybox_root, memory_mib=256) as box:
+        yield box
+
+
+@pytest.fixture(scope="module")
+def py_box(debian_root: Path) -> Iterator[sandlot.Box]:
+    """A booted Debian box with python3, shared by the tests of one module."""
+    with sandlot.Box(rootfs=debian_root, memory_mib=512) as box:
+        yield box

@@ -1,0 +1,57 @@
+"""Run the agent on the host over a socketpair (its ``--fd`` mode), for fast
+protocol tests and fuzzing without a VM. The agent is the same C code as in
+the guest, built for the host (optionally with ASan/UBSan)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import socket
+import subprocess
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from sandlot.config import default_home
+from sandlot.guest.agent import build_agent
+from sandlot.protocol.connection import AgentConnection
+
+
+@dataclass
+class HostAgent:
+    proc: subprocess.Popen[bytes]
+    sock: socket.socket
+    stderr_path: Path
+
+    def stderr(self) -> str:
+        return self.stderr_path.read_text(errors="replace")
+
+
+def spawn(tmp: Path, *, kind: str = "host", safe: bool = False) -> HostAgent:
+    build = build_agent(default_home(), kind=kind)
+    ours, theirs = socket.socketpair()
+    args = [str(build.path), "--fd", str(theirs.fileno())] + (["--safe"] if safe else [])
+    err = tmp / f"agent-{os.getpid()}-{theirs.fileno()}.stderr"
+    env = dict(os.environ, ASAN_OPTIONS="abort_on_error=0:detect_leaks=1", UBSAN_OPTIONS="print_stacktrace=1")
+    with open(err, "wb") as f:
+        proc = subprocess.Popen(args, pass_fds=[theirs.fileno()], stderr=f, env=env, cwd=tmp)
+    theirs.close()
+    return HostAgent(proc, ours, err)
+
+
+@contextlib.asynccontextmanager
+async def connected(tmp: Path, **kw: object) -> AsyncIterator[tuple[AgentConnection, HostAgent]]:
+    agent = spawn(tmp, **kw)  # type: ignore[arg-type]
+
+    async def connector() -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        return await asyncio.open_unix_connection(sock=agent.sock, limit=1 << 22)
+
+    conn = AgentConnection(connector, request_timeout=10)
+    try:
+        await conn.connect(5)
+        yield conn, agent
+    finally:
+        await conn.close()
+        agent.proc.kill()
+        agent.proc.wait()
