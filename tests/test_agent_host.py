@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from sandlot.errors import GuestFileNotFoundError, GuestOSError, GuestPermissionError
+from sandlot.errors import GuestFileNotFoundError, GuestPermissionError
 from sandlot.protocol import files as pfiles
 from sandlot.protocol import wire
 from sandlot.protocol.exec import ExecRequest, RemoteProcess
@@ -23,11 +23,11 @@ from sandlot.protocol.wire import FrameDecoder, FsOp, T, Tag
 from .hostagent import connected, spawn
 
 
-def run(coro):  # noqa: ANN001, ANN201
+def run(coro):
     return asyncio.run(coro)
 
 
-async def _exec(conn, argv, **kw):  # noqa: ANN001, ANN202
+async def _exec(conn, argv, **kw):
     proc = await RemoteProcess.start(conn, ExecRequest(argv=argv, **kw))
     status = await proc.wait()
     return status, proc.stdout.take_buffered(), proc.stderr.take_buffered()
@@ -121,7 +121,7 @@ class Raw:
         )
         assert self.until(lambda f: f.type == T.HELLO_ACK)
 
-    def until(self, pred, timeout: float = 10.0):  # noqa: ANN001, ANN201
+    def until(self, pred, timeout: float = 10.0):
         """Read frames until one matches; returns it (ProtocolError if the agent's framing breaks)."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -158,8 +158,8 @@ def test_bad_frames_get_error_replies(tmp_path: Path) -> None:
     agent = spawn(tmp_path, kind="sanitize", safe=True)
     raw = Raw(agent.sock)
     try:
-        raw.frame(T.EXEC, 1, b"")  # before HELLO
-        assert _errors(raw, 1) == [errno.EPROTO]
+        raw.frame(T.EXEC, 1, b"")  # before HELLO: skipped, as leftovers of an old connection would be
+        raw.send(wire.encode_frame(T.FS, 2, bytes(100))[:20])  # even half a frame
         raw.hello()
         raw.frame(0x7F, 5, b"whatever")  # unknown type
         assert _errors(raw, 1) == [errno.ENOSYS]
@@ -279,7 +279,8 @@ def test_memory_stays_bounded_when_the_host_never_reads(tmp_path: Path) -> None:
             time.sleep(0.05)
             if time.monotonic() > deadline - 15:
                 break
-    rss_kb = int(next(l for l in open(f"/proc/{agent.proc.pid}/status") if l.startswith("VmRSS")).split()[1])
+    status = Path(f"/proc/{agent.proc.pid}/status").read_text().splitlines()
+    rss_kb = int(next(line for line in status if line.startswith("VmRSS")).split()[1])
     agent.proc.kill()
     agent.proc.wait()
     assert sent < 400 * len(ping), "the agent kept reading while its replies piled up"

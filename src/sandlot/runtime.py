@@ -50,7 +50,7 @@ class Runtime:
     def __init__(self, home: str | os.PathLike[str] | None = None) -> None:
         self.home = Path(home).expanduser().absolute() if home else default_home()
         self._lock = threading.Lock()
-        self._assets: dict[tuple[str | None, str], BootAssets] = {}
+        self._assets: dict[tuple[str | None, str, str | None], BootAssets] = {}
 
     @classmethod
     def for_home(cls, home: str | os.PathLike[str] | None = None) -> Runtime:
@@ -79,7 +79,7 @@ class Runtime:
 
     def assets(self, *, kernel: str | os.PathLike[str] | None = None, accel: str = "auto") -> BootAssets:
         """Resolve (building or fetching on first use) what a boot needs."""
-        key = (str(kernel) if kernel else None, accel)
+        key = (str(kernel) if kernel else None, accel, os.environ.get("SANDLOT_INITRAMFS"))
         with self._lock:
             cached = self._assets.get(key)
             if cached is not None:
@@ -87,8 +87,14 @@ class Runtime:
             qemu = qemu_binary()
             kern = ensure_kernel(self.home, kernel)
             agent = build_agent(self.home)
-            modules = [(name, kern.modules[name]) for name in kern.load_order(BASE_MODULES)]
-            initrd = build_initramfs(self.home / "initramfs", agent.path, modules)
+            override = os.environ.get("SANDLOT_INITRAMFS")  # debugging aid: boot another initramfs
+            if override:
+                initrd = Path(override).expanduser().absolute()
+                if not initrd.is_file():
+                    raise HostSetupError(f"SANDLOT_INITRAMFS={override} is not a file")
+            else:
+                modules = [(name, kern.modules[name]) for name in kern.load_order(BASE_MODULES)]
+                initrd = build_initramfs(self.home / "initramfs", agent.path, modules)
             choice = accel_mod.choose(
                 accel,
                 cache_dir=self.home,

@@ -62,7 +62,7 @@ def make_ext4(src_dir: Path, out: Path, size_bytes: int, label: str = "sandlot-r
     # -m 0: the box's user is root anyway; the journal stays for crash safety.
     # The size needs a unit: a bare number is read as 1 KiB blocks.
     size = f"{size_bytes // 1024}k"
-    cmd = [mkfs, "-q", "-F", "-t", "ext4", "-m", "0", "-L", label, "-d", str(src_dir), str(out), size]  # fmt: skip
+    cmd = [mkfs, "-q", "-F", "-t", "ext4", "-m", "0", "-L", label, "-d", str(src_dir), str(out), size]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         raise ImageError(f"mkfs.ext4 failed for {src_dir}: {proc.stderr.strip()[-2000:]}")

@@ -32,6 +32,7 @@ log = logging.getLogger("sandlot.protocol")
 Connector = Callable[[], Awaitable[tuple[asyncio.StreamReader, asyncio.StreamWriter]]]
 
 DEFAULT_REQUEST_TIMEOUT = 30.0
+HELLO_RETRY = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -369,8 +370,7 @@ class AgentConnection:
             payload += wire.tlv(Tag.HOSTNAME, self._hostname)
         self._handshaking = True
         try:
-            self.send_frame(T.HELLO, 0, payload)
-            frame = await self._control.expect(T.HELLO_ACK, timeout=timeout)
+            frame = await self._hello(payload, timeout)
         finally:
             self._handshaking = False
         f = Fields(frame.payload)
@@ -401,6 +401,29 @@ class AgentConnection:
                 ch.fail(ConnectionLost("the agent started a new session"))
             self._channels.clear()
         return self.info
+
+    async def _hello(self, payload: bytes, timeout: float) -> Frame:
+        """Send HELLO until HELLO_ACK arrives. The agent skips everything before a
+        HELLO header, so resending recovers from bytes an earlier connection left
+        behind (a half frame may swallow one HELLO; the agent drops it after 2 s)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise AgentTimeout(f"agent did not answer HELLO within {timeout:.1f}s")
+            self.send_frame(T.HELLO, 0, payload)
+            try:
+                while True:
+                    frame = await self._control.next_frame(timeout=min(HELLO_RETRY, remaining))
+                    if frame.type == T.HELLO_ACK:
+                        return frame
+                    if frame.type == T.ERROR:
+                        f = Fields(frame.payload)
+                        if f.u32(Tag.FRAME_TYPE) == T.HELLO:
+                            raise error_from_frame(frame)
+                        # an answer to something an earlier connection sent: not ours
+            except AgentTimeout:
+                continue
 
     async def reconnect(self, timeout: float = 10.0) -> AgentInfo:
         """Replace the socket (e.g. after a restore) and resume every channel."""

@@ -101,6 +101,7 @@ struct session {
     struct buf in;        /* partial frame */
     size_t discard;       /* bytes of an oversized frame still to skip */
     int resync;           /* lost framing: scanning for the next magic */
+    uint64_t last_input_ms; /* when bytes last arrived (to drop a stale partial frame) */
     struct buf out;       /* frames waiting for the port */
     uint32_t nchannels;
 };

@@ -319,9 +319,14 @@ void file_write_start(struct session *s, uint32_t ch, const uint8_t *p, size_t n
     }
     if (c->wfd < 0) {
         int e = c->tmp_path || (flags & SL_WRITE_APPEND) ? errno : ENOMEM;
+        if (c->tmp_path) {
+            send_error(s, ch, e, SL_FILE_WRITE, "%s: cannot create a temporary file beside it: %s", path,
+                       strerror(e));
+        } else {
+            send_error(s, ch, e, SL_FILE_WRITE, "%s: %s", path, strerror(e));
+        }
         free(c->tmp_path);
         c->tmp_path = NULL;
-        send_error(s, ch, e, SL_FILE_WRITE, "%s: %s", path, strerror(e));
         chan_free(c);
         return;
     }

@@ -28,6 +28,7 @@ int g_is_pid1;
 size_t g_ring_bytes;
 
 #define MAX_SESSIONS 8
+#define STALE_INPUT_MS 2000
 static struct session g_sessions[MAX_SESSIONS];
 static int g_nsessions;
 static int g_sigfd = -1;
@@ -589,8 +590,7 @@ static void dispatch(struct session *s, uint8_t type, uint8_t flags, uint32_t ch
         return;
     }
     if (!s->hello_done) {
-        send_error(s, ch, EPROTO, type, "HELLO first");
-        return;
+        return; /* not reached: session_parse only lets HELLO through before the handshake */
     }
     struct channel *c = ch ? chan_find(s, ch) : NULL;
 
@@ -729,6 +729,28 @@ static void session_parse(struct session *s)
             }
             continue;
         }
+        if (!s->hello_done) {
+            /* Until HELLO, bytes may be left over from an earlier host connection,
+             * even half a frame: skip everything up to a HELLO header. */
+            static const uint8_t hello_hdr[8] = {0x53, 0x4C, SL_HELLO, 0, 0, 0, 0, 0};
+            size_t i = 0;
+            while (i + sizeof(hello_hdr) <= avail && memcmp(p + i, hello_hdr, sizeof(hello_hdr)) != 0) {
+                i++;
+            }
+            if (i + sizeof(hello_hdr) > avail) {
+                /* keep a tail that may be the start of a HELLO header */
+                size_t keep = avail < sizeof(hello_hdr) - 1 ? avail : sizeof(hello_hdr) - 1;
+                buf_consume(&s->in, avail - keep);
+                return;
+            }
+            if (i) {
+                buf_consume(&s->in, i);
+                avail -= i;
+                p = s->in.data + s->in.head;
+            }
+            s->discard = 0;
+            s->resync = 0;
+        }
         if (avail < 2) {
             return;
         }
@@ -774,6 +796,7 @@ static void session_read(struct session *s)
     ssize_t n = read(s->in_fd, s->in.data + s->in.len, s->in.cap - s->in.len);
     if (n > 0) {
         s->in.len += (size_t)n;
+        s->last_input_ms = now_ms();
         session_parse(s);
         /* never keep more than one maximal frame buffered */
         if (s->in.cap > 2 * (SL_HEADER_SIZE + SL_MAX_PAYLOAD) && buf_used(&s->in) < 4096) {
@@ -887,6 +910,13 @@ static void serve(void)
             if (!s->connected) {
                 continue;
             }
+            if (buf_used(&s->in) || s->discard) {
+                uint64_t due = s->last_input_ms + STALE_INPUT_MS, t = now_ms();
+                int wait = due > t ? (int)(due - t) : 0;
+                if (wait < timeout) {
+                    timeout = wait;
+                }
+            }
             short ev = 0;
             if (buf_used(&s->out) < OUT_HARD_LIMIT) {
                 ev |= POLLIN;
@@ -993,6 +1023,17 @@ static void serve(void)
             }
         }
         now = now_ms();
+        for (int i = 0; i < g_nsessions; i++) {
+            struct session *s = &g_sessions[i];
+            /* A frame left half-sent by a host that went away must not swallow the
+             * next host's HELLO: drop partial input that has not moved for a while. */
+            if (s->connected && (buf_used(&s->in) || s->discard) && now - s->last_input_ms >= STALE_INPUT_MS) {
+                logmsg("dropping %zu bytes of a stale partial frame", buf_used(&s->in));
+                buf_free(&s->in);
+                s->discard = 0;
+                s->resync = 1;
+            }
+        }
         if (now - last_port_check >= 1000) {
             last_port_check = now;
             for (int i = 0; i < g_nsessions; i++) {
