@@ -138,3 +138,10 @@ def test_upload_download_tree_and_modes(bb_box: Box, tmp_path: Path) -> None:
     bb_box.files.download("/opt/proj/src/main.py", out)
     assert out.read_text() == "print('hi')\n"
     bb_box.files.remove("/opt/proj", recursive=True)
+
+
+def test_new_files_get_0644_and_root(bb_box: Box) -> None:
+    bb_box.files.write("/tmp/new.txt", "x")
+    info = bb_box.files.stat("/tmp/new.txt")
+    assert (info.mode, info.uid, info.gid) == (0o644, 0, 0)
+    bb_box.files.remove("/tmp/new.txt")

@@ -151,10 +151,11 @@ def probe_kvm(qemu: str, vmlinux: Path, timeout: float = 8.0) -> str | None:
         return str(exc)
     deadline = time.monotonic() + timeout
     out = b""
+    assert proc.stdout is not None
     try:
-        os.set_blocking(proc.stdout.fileno(), False)  # type: ignore[union-attr]
+        os.set_blocking(proc.stdout.fileno(), False)
         while time.monotonic() < deadline:
-            chunk = proc.stdout.read() if proc.stdout else None  # type: ignore[union-attr]
+            chunk = proc.stdout.read()
             if chunk:
                 out += chunk
                 if b"Linux version" in out or b"Run /init" in out or b"Kernel panic" in out:

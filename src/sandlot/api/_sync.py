@@ -10,8 +10,9 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import sys
 import threading
-from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterator
 from typing import Any, TypeVar
 
 T = TypeVar("T")
@@ -38,7 +39,7 @@ def _loop_thread() -> asyncio.AbstractEventLoop:
         return _loop
 
 
-def run(coro: Coroutine[Any, Any, T]) -> T:
+def run(coro: Coroutine[Any, Any, T] | Awaitable[T]) -> T:
     """Run a coroutine on the sandlot loop thread and wait for its result."""
     loop = _loop_thread()
     try:
@@ -46,9 +47,10 @@ def run(coro: Coroutine[Any, Any, T]) -> T:
     except RuntimeError:
         running = None
     if running is loop:
-        coro.close()
+        if isinstance(coro, Coroutine):
+            coro.close()
         raise RuntimeError("sync sandlot API called from inside its own event loop; use the async API")
-    fut = asyncio.run_coroutine_threadsafe(coro, loop)
+    fut = asyncio.run_coroutine_threadsafe(_as_coroutine(coro), loop)
     try:
         return fut.result()
     except KeyboardInterrupt:
@@ -56,6 +58,10 @@ def run(coro: Coroutine[Any, Any, T]) -> T:
         with contextlib.suppress(concurrent.futures.CancelledError, Exception):
             fut.result(timeout=5)
         raise
+
+
+async def _as_coroutine(aw: Awaitable[T]) -> T:
+    return await aw
 
 
 def call(fn: Callable[..., T], *args: Any) -> T:
@@ -76,7 +82,10 @@ def iterate(agen: AsyncIterator[T]) -> Iterator[T]:
             except StopAsyncIteration:
                 return
     finally:
+        # Closing the async generator releases its channel. Skip it while the
+        # interpreter shuts down: the loop thread may already be frozen.
         aclose = getattr(agen, "aclose", None)
-        if aclose is not None:
-            with contextlib.suppress(RuntimeError):
-                run(aclose())
+        if aclose is not None and not sys.is_finalizing() and _loop is not None and _loop.is_running():
+            fut = asyncio.run_coroutine_threadsafe(_as_coroutine(aclose()), _loop)
+            with contextlib.suppress(Exception):
+                fut.result(timeout=5)

@@ -247,11 +247,11 @@ class AsyncBox:
                         raise
                     await asyncio.sleep(0.01)
 
-        attach = asyncio.ensure_future(connect_and_handshake())
-        exited = vm.exited_future()
+        attach: asyncio.Future[AgentConnection] = asyncio.ensure_future(connect_and_handshake())
+        exited: asyncio.Future[Any] = vm.exited_future()
         try:
             done, _ = await asyncio.wait(
-                {attach, exited}, timeout=max(0.0, deadline - time.monotonic()), return_when="FIRST_COMPLETED"
+                [attach, exited], timeout=max(0.0, deadline - time.monotonic()), return_when="FIRST_COMPLETED"
             )
         except BaseException:
             attach.cancel()

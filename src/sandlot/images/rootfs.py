@@ -148,7 +148,7 @@ def base_from_tarball(cache: Path, tarball: Path, size_bytes: int) -> Path:
         root.mkdir()
         try:
             with tarfile.open(tarball) as tf:
-                tf.extractall(root, filter=_tar_filter)  # type: ignore[arg-type]
+                tf.extractall(root, filter=_tar_filter)
         except (tarfile.TarError, EOFError, OSError) as exc:
             raise ImageError(f"cannot unpack {tarball}: {exc}") from exc
         image = Path(tmpdir) / "base.ext4"

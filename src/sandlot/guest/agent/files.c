@@ -295,7 +295,7 @@ void file_write_start(struct session *s, uint32_t ch, const uint8_t *p, size_t n
     c->wflags = flags;
     c->final_path = path;
     c->wmode = has_mode == 1 ? mode : (exists ? (st.st_mode & 07777) : 0644);
-    c->wmode_set = has_mode == 1 || exists;
+    c->wmode_set = 1; /* the temporary is created 0600: always give the file its real mode */
     c->wown_set = own || exists;
     c->wuid = own ? uid : (exists ? st.st_uid : 0);
     c->wgid = own ? gid : (exists ? st.st_gid : 0);

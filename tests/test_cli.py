@@ -1,0 +1,54 @@
+"""The sandlot command line, run as a user would run it."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SANDLOT = [sys.executable, "-m", "sandlot.cli"]
+
+
+def sandlot(
+    *args: str, stdin: bytes | None = None, timeout: float = 120
+) -> subprocess.CompletedProcess[bytes]:
+    return subprocess.run([*SANDLOT, *args], input=stdin, capture_output=True, timeout=timeout)
+
+
+def test_doctor_reports_accelerator_and_reason() -> None:
+    r = sandlot("doctor", "--json")
+    assert r.returncode == 0, r.stderr
+    report = json.loads(r.stdout)
+    assert report["accel"]["name"] in ("kvm", "tcg")
+    assert report["accel"]["reason"]
+    assert report["qemu"]["version"]
+    assert "virtio_blk" in report["kernel"]["modules"]
+    text = sandlot("doctor").stdout.decode()
+    assert "accelerator" in text and report["accel"]["name"] in text
+
+
+@pytest.mark.vm
+def test_run_exit_status_streams_and_stdin(busybox_root: Path) -> None:
+    r = sandlot("run", "--rootfs", str(busybox_root), "--", "sh", "-c", "echo out; echo err >&2; exit 3")
+    assert r.returncode == 3
+    assert r.stdout == b"out\n" and r.stderr == b"err\n"
+    r = sandlot("run", "--rootfs", str(busybox_root), "-e", "GREETING=hi", "--", "sh", "-c", "tr a-z A-Z; echo $GREETING",
+                stdin=b"hello\n")  # fmt: skip
+    assert r.returncode == 0 and r.stdout == b"HELLO\nhi\n"
+    r = sandlot(
+        "run", "--rootfs", str(busybox_root), "-u", "agent", "-w", "/tmp", "--", "sh", "-c", "id -u; pwd"
+    )
+    assert r.stdout == b"1000\n/tmp\n"
+
+
+@pytest.mark.vm
+def test_run_errors(busybox_root: Path, tmp_path: Path) -> None:
+    r = sandlot("run", "--rootfs", str(busybox_root), "--", "no-such-command")
+    assert r.returncode == 127 and b"no-such-command" in r.stderr
+    r = sandlot("run", "--rootfs", str(tmp_path / "missing"), "--", "true")
+    assert r.returncode == 125 and b"does not exist" in r.stderr
+    r = sandlot("run", "--rootfs", str(busybox_root))
+    assert r.returncode == 2 and b"no command" in r.stderr
