@@ -37,9 +37,8 @@ def pss_kib(pid: int) -> dict[str, int]:
 
 
 def host_facts(accel: str | None) -> dict[str, Any]:
-    cpu = next(
-        (ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "?"
-    )
+    lines = Path("/proc/cpuinfo").read_text().splitlines()
+    cpu = next((ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("model name")), "?")
     return {"accel": accel, "cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version()}
 
 

@@ -4,8 +4,9 @@ async API. Usage: python examples/async_fanout.py [ROOTFS]"""
 import asyncio
 import time
 
-import sandlot
 from _rootfs import rootfs
+
+import sandlot
 
 
 async def main() -> None:

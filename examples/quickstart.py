@@ -1,7 +1,8 @@
 """Boot a box, run commands, move files. Usage: python examples/quickstart.py [ROOTFS]"""
 
-import sandlot
 from _rootfs import rootfs
+
+import sandlot
 
 with sandlot.Box(rootfs=rootfs(), memory_mib=256) as box:
     print(f"booted {box.hostname} in {box.boot_seconds:.2f}s ({box.accel})")

@@ -1,8 +1,9 @@
 """Stream a long-running command's output and talk to it on stdin.
 Usage: python examples/streaming.py [ROOTFS]"""
 
-import sandlot
 from _rootfs import rootfs
+
+import sandlot
 
 with sandlot.Box(rootfs=rootfs(), memory_mib=256) as box:
     counter = box.spawn("sh", "-c", "for i in 1 2 3 4 5; do echo tick $i; sleep 0.2; done")

@@ -35,8 +35,10 @@ def test_run_exit_status_streams_and_stdin(busybox_root: Path) -> None:
     r = sandlot("run", "--rootfs", str(busybox_root), "--", "sh", "-c", "echo out; echo err >&2; exit 3")
     assert r.returncode == 3
     assert r.stdout == b"out\n" and r.stderr == b"err\n"
-    r = sandlot("run", "--rootfs", str(busybox_root), "-e", "GREETING=hi", "--", "sh", "-c", "tr a-z A-Z; echo $GREETING",
-                stdin=b"hello\n")  # fmt: skip
+    script = "tr a-z A-Z; echo $GREETING"
+    r = sandlot(
+        "run", "--rootfs", str(busybox_root), "-e", "GREETING=hi", "--", "sh", "-c", script, stdin=b"hello\n"
+    )
     assert r.returncode == 0 and r.stdout == b"HELLO\nhi\n"
     r = sandlot(
         "run", "--rootfs", str(busybox_root), "-u", "agent", "-w", "/tmp", "--", "sh", "-c", "id -u; pwd"
