@@ -75,6 +75,30 @@ class Runtime:
     def run_dir(self, box_id: str) -> Path:
         return runtime_dir() / box_id
 
+    # -- ephemeral box directories -------------------------------------------------------
+
+    def claim(self, box_dir: Path) -> None:
+        """Mark a box directory as owned by this process, so that a later process
+        can remove it if we die without cleaning up (the VM dies with us)."""
+        (box_dir / "owner").write_text(f"{os.getpid()} {_start_time(os.getpid())}\n")
+
+    def sweep_orphans(self) -> list[str]:
+        """Remove box directories and sockets whose owning process is gone."""
+        removed: list[str] = []
+        if not self.boxes_dir.is_dir():
+            return removed
+        for box_dir in self.boxes_dir.iterdir():
+            try:
+                pid_s, start_s = (box_dir / "owner").read_text().split()
+            except (OSError, ValueError):
+                continue
+            if _start_time(int(pid_s)) == start_s:
+                continue  # the owner still runs
+            shutil.rmtree(box_dir, ignore_errors=True)
+            shutil.rmtree(runtime_dir() / box_dir.name, ignore_errors=True)
+            removed.append(box_dir.name)
+        return removed
+
     # -- boot assets ---------------------------------------------------------------------
 
     def assets(self, *, kernel: str | os.PathLike[str] | None = None, accel: str = "auto") -> BootAssets:
@@ -84,6 +108,8 @@ class Runtime:
             cached = self._assets.get(key)
             if cached is not None:
                 return cached
+            if not self._assets:
+                self.sweep_orphans()
             qemu = qemu_binary()
             kern = ensure_kernel(self.home, kernel)
             agent = build_agent(self.home)
@@ -135,6 +161,15 @@ class Runtime:
         report["disk_free_gib"] = round(usage.free / (1 << 30), 1)
         report["runtime_dir"] = str(runtime_dir())
         return report
+
+
+def _start_time(pid: int) -> str:
+    """A process's start time in clock ticks since boot: (pid, start) names one process."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return "gone"
+    return stat[stat.rindex(")") + 2 :].split()[19]
 
 
 def probe_kvm(qemu: str, vmlinux: Path, timeout: float = 8.0) -> str | None:

@@ -198,6 +198,7 @@ class AsyncBox:
                 size = self.disk_size_gb * GiB
                 base = await asyncio.to_thread(base_for, self.runtime.bases_dir, self.rootfs, size)
                 self.state_dir.mkdir(parents=True, exist_ok=True)
+                self.runtime.claim(self.state_dir)
                 await asyncio.to_thread(create_overlay, base, self.disk_path, size)
             cfg = VMConfig(
                 kernel=assets.kernel.vmlinux,
@@ -323,7 +324,7 @@ class AsyncBox:
             if conn is not None:
                 await conn.close()
             if vm is not None:
-                await vm.kill(grace=0.0)
+                await vm.kill(grace=1.0)  # QMP quit: immediate, no guest involvement
                 vm.cleanup()
 
     async def remove(self) -> None:
