@@ -69,10 +69,6 @@ class InboundStream:
         self._draining = False
         self._event = asyncio.Event()
 
-    @property
-    def at_eof(self) -> bool:
-        return self._eof and not self._chunks
-
     def feed(self, offset: int, data: memoryview) -> None:
         end = offset + len(data)
         if offset > self.received:
@@ -132,9 +128,6 @@ class InboundStream:
         data = b"".join(self._chunks)
         self._chunks.clear()
         return data
-
-    def resume_offset(self) -> int:
-        return self.received
 
 
 class OutboundStream:

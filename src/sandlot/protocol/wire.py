@@ -7,7 +7,7 @@ See docs/protocol.md for the specification.
 from __future__ import annotations
 
 import struct
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from enum import IntEnum
 
@@ -290,7 +290,3 @@ def parse_entry(raw: bytes) -> RawEntry:
     name = raw[_ENTRY.size : _ENTRY.size + name_len].decode("utf-8", "surrogateescape")
     target = raw[_ENTRY.size + name_len :].decode("utf-8", "surrogateescape") if target_len else None
     return RawEntry(name, mode, uid, gid, nlink, size, mtime_ns, target)
-
-
-def join(parts: Iterable[bytes]) -> bytes:
-    return b"".join(parts)

@@ -175,6 +175,7 @@ extern size_t g_ring_bytes;  /* memory held by all output rings */
 void send_frame(struct session *s, uint8_t type, uint8_t flags, uint32_t ch, const void *p, size_t n);
 void send_msg(struct session *s, uint8_t type, uint8_t flags, uint32_t ch, struct msg *m);
 void send_error(struct session *s, uint32_t ch, int err, uint8_t frame_type, const char *fmt, ...);
+void send_ack(struct session *s, uint32_t ch, uint32_t stream, uint64_t off);
 struct channel *chan_new(struct session *s, uint32_t id, int kind);
 void chan_free(struct channel *c);
 uint64_t now_ms(void);

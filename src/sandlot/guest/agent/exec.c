@@ -580,11 +580,7 @@ void istream_flush(struct channel *c)
     /* ACK once a quarter window has drained, or when everything has. */
     if (in->written > in->acked_sent &&
         (in->written - in->acked_sent >= SL_WINDOW / 4 || in->written == in->received)) {
-        uint8_t pfx[SL_DATA_PREFIX];
-        wr32(pfx, SL_STREAM_STDIN);
-        wr32(pfx + 4, 0);
-        wr64(pfx + 8, in->written);
-        send_frame(c->s, SL_ACK, 0, c->id, pfx, sizeof(pfx));
+        send_ack(c->s, c->id, SL_STREAM_STDIN, in->written);
         in->acked_sent = in->written;
     }
 }

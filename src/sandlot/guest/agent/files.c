@@ -19,10 +19,16 @@
 
 static unsigned g_tmp_counter;
 
-/* Paths from the host must be absolute, NUL-free and fit PATH_MAX. */
+/* A request's payload must be well-formed TLV, and its paths absolute,
+ * NUL-free and shorter than PATH_MAX. */
 static int get_path(struct session *s, uint32_t ch, uint8_t type, const uint8_t *p, size_t n, uint16_t tag,
                     char **out)
 {
+    *out = NULL;
+    if (!tlv_valid(p, n)) {
+        send_error(s, ch, EINVAL, type, "malformed payload");
+        return -1;
+    }
     int r = tlv_str(p, n, tag, out);
     if (r != 1) {
         send_error(s, ch, EINVAL, type, r == 0 ? "a path is required" : "path holds a NUL byte");
@@ -84,10 +90,6 @@ void file_read_start(struct session *s, uint32_t ch, const uint8_t *p, size_t n)
 {
     char *path = NULL;
     uint64_t offset = 0, length = 0;
-    if (!tlv_valid(p, n)) {
-        send_error(s, ch, EINVAL, SL_FILE_READ, "malformed FILE_READ");
-        return;
-    }
     if (get_path(s, ch, SL_FILE_READ, p, n, SL_T_PATH, &path) < 0) {
         return;
     }
@@ -224,10 +226,6 @@ void file_write_start(struct session *s, uint32_t ch, const uint8_t *p, size_t n
 {
     char *path = NULL;
     uint32_t mode = 0, flags = 0;
-    if (!tlv_valid(p, n)) {
-        send_error(s, ch, EINVAL, SL_FILE_WRITE, "malformed FILE_WRITE");
-        return;
-    }
     if (get_path(s, ch, SL_FILE_WRITE, p, n, SL_T_PATH, &path) < 0) {
         return;
     }
@@ -385,11 +383,7 @@ void file_write_data(struct channel *c, uint64_t off, const uint8_t *d, size_t n
         c->wbytes += (uint64_t)w;
     }
     if (c->wbytes - c->wacked >= SL_WINDOW / 4) {
-        uint8_t pfx[SL_DATA_PREFIX];
-        wr32(pfx, SL_STREAM_STDIN);
-        wr32(pfx + 4, 0);
-        wr64(pfx + 8, c->wbytes);
-        send_frame(c->s, SL_ACK, 0, c->id, pfx, sizeof(pfx));
+        send_ack(c->s, c->id, SL_STREAM_STDIN, c->wbytes);
         c->wacked = c->wbytes;
     }
 }

@@ -170,6 +170,11 @@ static void send_stream_offset(struct session *s, uint8_t type, uint32_t ch, uin
     send_direct(s, h, sizeof(h), data, n);
 }
 
+void send_ack(struct session *s, uint32_t ch, uint32_t stream, uint64_t off)
+{
+    send_stream_offset(s, SL_ACK, ch, stream, off, NULL, 0);
+}
+
 /* ---- channels ----------------------------------------------------------- */
 
 static struct channel *chan_find(struct session *s, uint32_t id)
@@ -500,10 +505,10 @@ static void handle_resume(struct session *s, struct channel *c, const uint8_t *p
         }
     }
     if (c->kind == CH_EXEC && c->in.fd >= 0) {
-        send_stream_offset(s, SL_ACK, c->id, SL_STREAM_STDIN, c->in.written, NULL, 0);
+        send_ack(s, c->id, SL_STREAM_STDIN, c->in.written);
         c->in.acked_sent = c->in.written;
     } else if (c->kind == CH_FILE_WRITE) {
-        send_stream_offset(s, SL_ACK, c->id, SL_STREAM_STDIN, c->wbytes, NULL, 0);
+        send_ack(s, c->id, SL_STREAM_STDIN, c->wbytes);
     }
     c->exit_sent = 0;
 }
