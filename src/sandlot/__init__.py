@@ -1,12 +1,22 @@
 """sandlot: embeddable microVM sandboxes for AI agents.
 
 >>> import sandlot
->>> with sandlot.Box(rootfs="/path/to/rootfs") as box:          # doctest: +SKIP
-...     print(box.exec("uname", "-r").stdout)
+>>> with sandlot.Box("python:3.12-slim") as box:                # doctest: +SKIP
+...     print(box.exec("python3", "-c", "print(6*7)").stdout)
 """
 
 from .api.box import AsyncBox, Box
 from .api.files import AsyncFiles, FileInfo, Files
+from .api.images import (
+    get_image,
+    import_image,
+    list_images,
+    load_image,
+    prune_images,
+    pull,
+    pull_async,
+    remove_image,
+)
 from .api.process import AsyncProcess, AsyncStream, ExecResult, Process, Stream
 from .errors import (
     AgentTimeout,
@@ -31,6 +41,8 @@ from .errors import (
     ProtocolError,
     SandlotError,
 )
+from .images.oci import ImageConfig
+from .images.store import Image
 from .runtime import Runtime
 
 __version__ = "0.1.0"
@@ -61,6 +73,8 @@ __all__ = [
     "GuestOSError",
     "GuestPermissionError",
     "HostSetupError",
+    "Image",
+    "ImageConfig",
     "ImageError",
     "InvalidArgument",
     "Process",
@@ -69,4 +83,12 @@ __all__ = [
     "SandlotError",
     "Stream",
     "__version__",
+    "get_image",
+    "import_image",
+    "list_images",
+    "load_image",
+    "prune_images",
+    "pull",
+    "pull_async",
+    "remove_image",
 ]

@@ -22,6 +22,7 @@ from .errors import HostSetupError
 from .guest.agent import AgentBuild, build_agent
 from .guest.initramfs import build_initramfs
 from .guest.kernel import BASE_MODULES, Kernel, ensure_kernel
+from .images.manager import ImageManager
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,6 +51,7 @@ class Runtime:
     def __init__(self, home: str | os.PathLike[str] | None = None) -> None:
         self.home = Path(home).expanduser().absolute() if home else default_home()
         self._lock = threading.Lock()
+        self.images = ImageManager(self.home)
         self._assets: dict[tuple[str | None, str, str | None], BootAssets] = {}
 
     @classmethod

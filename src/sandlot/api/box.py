@@ -31,7 +31,9 @@ from ..errors import (
     ConnectionLost,
     InvalidArgument,
 )
+from ..images.reference import Reference
 from ..images.rootfs import base_for, create_overlay
+from ..images.store import Image
 from ..protocol.connection import AgentConnection
 from ..protocol.exec import ExecRequest, RemoteProcess
 from ..protocol.wire import ControlOp, T, Tag, tlv
@@ -108,11 +110,19 @@ class AsyncBox:
 
     def __init__(
         self,
+        image: str | Image | None = None,
         *,
-        rootfs: str | os.PathLike[str],
+        rootfs: str | os.PathLike[str] | None = None,
+        env: Mapping[str, str] | None = None,
+        workdir: str | None = None,
+        user: str | None = None,
         memory_mib: int = DEFAULT_MEMORY_MIB,
         cpus: int = 1,
         disk_size_gb: int = DEFAULT_DISK_GB,
+        pull: str = "missing",
+        insecure: bool = False,
+        ca_cert: str | os.PathLike[str] | None = None,
+        credentials: tuple[str, str] | None = None,
         accel: str = "auto",
         kernel: str | os.PathLike[str] | None = None,
         hostname: str | None = None,
@@ -120,8 +130,10 @@ class AsyncBox:
         request_timeout: float = 30.0,
         home: str | os.PathLike[str] | None = None,
     ) -> None:
-        if rootfs is None or not os.fspath(rootfs):
-            raise InvalidArgument("a box needs a rootfs (a directory or a tarball)")
+        if (image is None) == (rootfs is None or not os.fspath(rootfs)):
+            raise InvalidArgument(
+                "a box needs exactly one of: an image, or rootfs= (a directory or a tarball)"
+            )
         _positive("memory_mib", memory_mib, integer=True)
         _positive("cpus", cpus, integer=True)
         _positive("disk_size_gb", disk_size_gb, integer=True)
@@ -133,11 +145,36 @@ class AsyncBox:
             raise InvalidArgument(f"cpus={cpus} is more than this host can emulate sensibly")
         if hostname is not None and not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9.-]{0,62}", hostname):
             raise InvalidArgument(f"invalid hostname {hostname!r}")
-        rootfs_path = Path(rootfs).expanduser()
-        if not rootfs_path.exists():
-            raise InvalidArgument(f"rootfs {rootfs_path} does not exist")
+        if pull not in ("missing", "always", "never"):
+            raise InvalidArgument(f"pull must be 'missing', 'always' or 'never', not {pull!r}")
+        self.rootfs: Path | None = None
+        self._image_ref: str | None = None
+        self.image: Image | None = None
+        if isinstance(image, Image):
+            self.image = image
+        elif image is not None:
+            if not isinstance(image, str):
+                raise InvalidArgument(
+                    f"image must be a reference string or an Image, not {type(image).__name__}"
+                )
+            Reference.parse(image)  # reject malformed references now
+            self._image_ref = image
+        else:
+            assert rootfs is not None
+            rootfs_path = Path(rootfs).expanduser()
+            if not rootfs_path.exists():
+                raise InvalidArgument(f"rootfs {rootfs_path} does not exist")
+            self.rootfs = rootfs_path.absolute()
+        self._env = _env(env) or {}
+        self._workdir = guest_path(workdir) if workdir is not None else None
+        self._user_default = self._user(user)
+        self._pull = pull
+        self._pull_opts = {
+            "insecure": insecure,
+            "ca_cert": Path(ca_cert) if ca_cert else None,
+            "credentials": credentials,
+        }
         self.id = secrets.token_hex(6)
-        self.rootfs = rootfs_path.absolute()
         self.memory_mib = memory_mib
         self.cpus = cpus
         self.disk_size_gb = disk_size_gb
@@ -154,6 +191,30 @@ class AsyncBox:
         self.files = AsyncFiles(self._connection)
         self.accel: str | None = None
         self.boot_seconds: float | None = None
+
+    async def _resolve_image(self) -> Image:
+        if self.image is not None:
+            return self.image
+        assert self._image_ref is not None
+        images = self.runtime.images
+        found = None if self._pull == "always" else images.get(self._image_ref)
+        if found is None:
+            if self._pull == "never":
+                raise InvalidArgument(f"image {self._image_ref!r} is not here and pull='never'")
+            found = await images.pull(self._image_ref, **self._pull_opts)  # type: ignore[arg-type]
+        self.image = found
+        return found
+
+    def default_command(self, command: Sequence[str] | None = None) -> list[str]:
+        """What ``docker run IMAGE [command]`` would run: Entrypoint + (command or Cmd)."""
+        if self.image is None:
+            if not command:
+                raise InvalidArgument("a root filesystem has no default command; give one")
+            return list(command)
+        argv = self.image.config.argv(list(command) if command else None)
+        if not argv:
+            raise InvalidArgument(f"image {self.image.name} has no Entrypoint or Cmd; give a command")
+        return argv
 
     # -- paths ------------------------------------------------------------------------
 
@@ -195,11 +256,14 @@ class AsyncBox:
             )
             self.accel = assets.accel.name
             if not self.disk_path.exists():
-                size = self.disk_size_gb * GiB
-                base = await asyncio.to_thread(base_for, self.runtime.bases_dir, self.rootfs, size)
+                if self.rootfs is not None:
+                    base = await asyncio.to_thread(base_for, self.runtime.bases_dir, self.rootfs)
+                else:
+                    image = await self._resolve_image()
+                    base = await asyncio.to_thread(self.runtime.images.ensure_base, image)
                 self.state_dir.mkdir(parents=True, exist_ok=True)
                 self.runtime.claim(self.state_dir)
-                await asyncio.to_thread(create_overlay, base, self.disk_path, size)
+                await asyncio.to_thread(create_overlay, base, self.disk_path, self.disk_size_gb * GiB)
             cfg = VMConfig(
                 kernel=assets.kernel.vmlinux,
                 initrd=assets.initrd,
@@ -353,11 +417,15 @@ class AsyncBox:
     ) -> AsyncProcess:
         """Start a command and return at once with a handle to stream its output."""
         args = _argv(argv)
+        merged_env = {**self._image_env(), **self._env, **(_env(env) or {})}
         req = ExecRequest(
             argv=args,
-            env=_env(env),
-            cwd=guest_path(cwd) if cwd is not None else None,
-            user=self._user(user),
+            env=merged_env or None,
+            cwd=guest_path(cwd) if cwd is not None else self._default_cwd(),
+            user=self._user(user)
+            or self._user_default
+            or (self.image.config.user if self.image else None)
+            or None,
             tty=tty,
             rows=rows,
             cols=cols,
@@ -367,6 +435,16 @@ class AsyncBox:
             raise InvalidArgument("rows and cols must be in 1..10000")
         remote = await RemoteProcess.start(await self._connection(), req)
         return AsyncProcess(args, remote)
+
+    def _image_env(self) -> dict[str, str]:
+        return self.image.config.env_dict() if self.image else {}
+
+    def _default_cwd(self) -> str | None:
+        if self._workdir:
+            return self._workdir
+        if self.image and self.image.config.workdir:
+            return self.image.config.workdir
+        return None
 
     @staticmethod
     def _user(user: str | None) -> str | None:
@@ -443,9 +521,17 @@ class Box:
     '42\\n'
     """
 
-    def __init__(self, **kwargs: Any) -> None:
-        self._a = AsyncBox(**kwargs)
+    def __init__(self, image: str | Image | None = None, **kwargs: Any) -> None:
+        self._a = AsyncBox(image, **kwargs)
         self.files = Files(self._a.files)
+
+    @property
+    def image(self) -> Image | None:
+        """The image this box was made from (resolved at start), or None for a rootfs."""
+        return self._a.image
+
+    def default_command(self, command: Sequence[str] | None = None) -> list[str]:
+        return self._a.default_command(command)
 
     @property
     def id(self) -> str:

@@ -13,7 +13,6 @@ import os
 import shutil
 import stat
 import subprocess
-import tarfile
 import tempfile
 from pathlib import Path
 
@@ -49,6 +48,14 @@ def _tree_bytes(root: Path) -> int:
     return total
 
 
+def base_size(root: Path) -> int:
+    """A base disk just big enough for its content plus room to work: boxes grow it
+    to their disk size at first boot (online resize, about 0.1 s)."""
+    need = _tree_bytes(root)
+    size = max(512 << 20, int(need * 1.3) + (256 << 20))
+    return (size + (64 << 20) - 1) // (64 << 20) * (64 << 20)
+
+
 def make_ext4(src_dir: Path, out: Path, size_bytes: int, label: str = "sandlot-root") -> None:
     """``mkfs.ext4 -d``: an ext4 image of ``size_bytes`` holding ``src_dir``."""
     mkfs = shutil.which("mkfs.ext4") or "/sbin/mkfs.ext4"
@@ -80,12 +87,12 @@ def _publish(tmp: Path, final: Path) -> Path:
     return final
 
 
-def base_from_dir(cache: Path, src: Path, size_bytes: int) -> Path:
-    """Cached ext4 base holding the directory ``src``."""
+def base_from_dir(cache: Path, src: Path) -> Path:
+    """Cached ext4 base holding the directory ``src`` (owners as on disk)."""
     src = Path(src)
     if not src.is_dir():
         raise InvalidArgument(f"rootfs {src} is not a directory")
-    key = hashlib.sha256(f"dir:{_dir_digest(src)}:{size_bytes}".encode()).hexdigest()[:24]
+    key = hashlib.sha256(f"dir:{_dir_digest(src)}".encode()).hexdigest()[:24]
     final = cache / f"{key}.ext4"
     if final.exists():
         return final
@@ -93,44 +100,21 @@ def base_from_dir(cache: Path, src: Path, size_bytes: int) -> Path:
     fd, tmp = tempfile.mkstemp(prefix=f".{key}.", suffix=".ext4", dir=cache)
     os.close(fd)
     try:
-        make_ext4(src, Path(tmp), size_bytes)
+        make_ext4(src, Path(tmp), base_size(src))
         return _publish(Path(tmp), final)
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
 
 
-def _inside(root: str, path: str) -> bool:
-    return path == root or path.startswith(root + os.sep)
+def base_from_tarball(cache: Path, tarball: Path) -> Path:
+    """Cached ext4 base holding the contents of a (optionally compressed) tarball.
 
+    Unpacked with the image layer applier (whiteouts off): the same safety rules
+    and the same exact owners, modes and xattrs, also when not running as root.
+    """
+    from .unpack import apply_layers, detect_compression, run_debugfs
 
-def _tar_filter(member: tarfile.TarInfo, dest: str) -> tarfile.TarInfo | None:
-    """Keep modes and owners (a root filesystem needs its setuid bits) and
-    absolute symlinks (they resolve inside the guest), but never write outside
-    ``dest``: no ``..``, no writes through symlinks, no hard links out, no devices."""
-    parts = [p for p in member.name.split("/") if p not in ("", ".")]
-    if ".." in parts:
-        raise ImageError(f"tar member {member.name!r} escapes the root")
-    if member.isdev():
-        return None  # devtmpfs provides /dev in the guest
-    name = "/".join(parts)
-    if not name:
-        return None
-    root = os.path.realpath(dest)
-    where = os.path.realpath(os.path.join(root, name))
-    if not _inside(root, where):
-        raise ImageError(f"tar member {member.name!r} would be written through a symlink outside the root")
-    if member.islnk():
-        target_parts = [p for p in member.linkname.split("/") if p not in ("", ".")]
-        target = os.path.realpath(os.path.join(root, *target_parts))
-        if ".." in target_parts or not _inside(root, target):
-            raise ImageError(f"hard link {member.name!r} points outside the root")
-        return member.replace(name=name, linkname="/".join(target_parts), deep=False)
-    return member.replace(name=name, deep=False)
-
-
-def base_from_tarball(cache: Path, tarball: Path, size_bytes: int) -> Path:
-    """Cached ext4 base holding the contents of a (optionally compressed) tarball."""
     tarball = Path(tarball)
     if not tarball.is_file():
         raise InvalidArgument(f"rootfs {tarball} is not a file")
@@ -138,7 +122,7 @@ def base_from_tarball(cache: Path, tarball: Path, size_bytes: int) -> Path:
     with open(tarball, "rb") as f:
         while chunk := f.read(1 << 20):
             h.update(chunk)
-    key = hashlib.sha256(f"tar:{h.hexdigest()}:{size_bytes}".encode()).hexdigest()[:24]
+    key = hashlib.sha256(f"tar:{h.hexdigest()}".encode()).hexdigest()[:24]
     final = cache / f"{key}.ext4"
     if final.exists():
         return final
@@ -146,23 +130,38 @@ def base_from_tarball(cache: Path, tarball: Path, size_bytes: int) -> Path:
     with tempfile.TemporaryDirectory(prefix=f".{key}.", dir=cache) as tmpdir:
         root = Path(tmpdir) / "root"
         root.mkdir()
-        try:
-            with tarfile.open(tarball) as tf:
-                tf.extractall(root, filter=_tar_filter)
-        except (tarfile.TarError, EOFError, OSError) as exc:
-            raise ImageError(f"cannot unpack {tarball}: {exc}") from exc
+        applier = apply_layers(root, [(tarball, detect_compression(tarball))], whiteouts=False)
         image = Path(tmpdir) / "base.ext4"
-        make_ext4(root, image, size_bytes)
+        make_ext4(root, image, base_size(root))
+        run_debugfs(image, applier.fixups(Path(tmpdir)))
         return _publish(image, final)
 
 
-def base_for(cache: Path, rootfs: str | os.PathLike[str], size_bytes: int) -> Path:
+def base_for(cache: Path, rootfs: str | os.PathLike[str]) -> Path:
+    """The cached base disk of a root filesystem directory or tarball."""
     path = Path(rootfs).expanduser()
     if not path.exists():
         raise InvalidArgument(f"rootfs {path} does not exist")
     if path.is_dir():
-        return base_from_dir(cache, path, size_bytes)
-    return base_from_tarball(cache, path, size_bytes)
+        return base_from_dir(cache, path)
+    return base_from_tarball(cache, path)
+
+
+def qcow2_backing_file(path: Path) -> str | None:
+    """The backing file a qcow2 image names (its header: offset 8, length at 16)."""
+    try:
+        with open(path, "rb") as f:
+            header = f.read(20)
+            if header[:4] != b"QFI\xfb":
+                return None
+            offset = int.from_bytes(header[8:16], "big")
+            length = int.from_bytes(header[16:20], "big")
+            if not offset or not 0 < length <= 4096:
+                return None
+            f.seek(offset)
+            return f.read(length).decode("utf-8", "replace")
+    except OSError:
+        return None
 
 
 def create_overlay(base: Path, overlay: Path, size_bytes: int) -> None:
@@ -170,7 +169,11 @@ def create_overlay(base: Path, overlay: Path, size_bytes: int) -> None:
     qemu_img = shutil.which("qemu-img")
     if not qemu_img:
         raise HostSetupError("qemu-img not found: install qemu-utils")
-    size = max(size_bytes, base.stat().st_size)
+    if size_bytes < base.stat().st_size:
+        raise InvalidArgument(
+            f"the disk must be at least {-(-base.stat().st_size // GiB)} GiB to hold this root filesystem"
+        )
+    size = size_bytes
     cmd = [qemu_img, "create", "-q", "-f", "qcow2", "-F", "raw", "-b", str(base), str(overlay), str(size)]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:

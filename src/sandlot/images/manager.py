@@ -1,0 +1,273 @@
+"""Images for one sandlot home: pull, load, import, list, remove, prune, and
+the ext4 base disk each image boots from.
+
+A pull downloads the layers concurrently and applies each one as soon as it
+and those before it are in: unpacking overlaps downloading. The base disk is
+made at pull time, so the first box from an image starts at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import fcntl
+import hashlib
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import IO, Any
+
+from ..config import fsync_dir
+from ..errors import ImageError, InvalidArgument
+from . import auth as auth_mod
+from .local import import_dir, load_archive, load_oci_layout, read_manifest
+from .oci import LAYER_COMPRESSION, MAX_CONFIG_BYTES, ImageConfig, Index, Manifest, is_index
+from .reference import Reference
+from .registry import ProgressFn, RegistryClient
+from .rootfs import base_size, make_ext4, qcow2_backing_file
+from .store import Image, ImageStore, Layer, PruneReport
+from .unpack import LayerApplier, open_layer, run_debugfs
+
+MAX_CONCURRENT_DOWNLOADS = 4
+
+
+class _DiffIdReader:
+    """Hashes the uncompressed layer as the tar reader consumes it."""
+
+    def __init__(self, inner: IO[bytes]) -> None:
+        self._inner = inner
+        self.hasher = hashlib.sha256()
+
+    def read(self, n: int = -1) -> bytes:
+        data = self._inner.read(n)
+        self.hasher.update(data)
+        return data
+
+    def drain(self) -> None:
+        while self.read(1 << 20):
+            pass
+
+
+class _BaseBuilder:
+    """Applies an image's layers in order into a staging tree, then makes the disk."""
+
+    def __init__(self, store: ImageStore, image_hex: str) -> None:
+        store.bases.mkdir(parents=True, exist_ok=True)
+        self.work = Path(tempfile.mkdtemp(prefix=f".build-{image_hex[:12]}-", dir=store.bases))
+        (self.work / "root").mkdir()
+        self.applier = LayerApplier(self.work / "root")
+        self.store = store
+
+    def apply(self, layer: Layer, diff_id: str | None) -> None:
+        with open_layer(self.store.blob_path(layer.digest), LAYER_COMPRESSION[layer.media_type]) as stream:
+            reader = _DiffIdReader(stream)
+            self.applier.apply(reader)  # type: ignore[arg-type]
+            reader.drain()
+        if diff_id and diff_id.startswith("sha256:") and f"sha256:{reader.hasher.hexdigest()}" != diff_id:
+            raise ImageError(f"layer {layer.digest} does not unpack to its diff_id {diff_id}")
+
+    def finish(self, final: Path, workdir: str = "") -> Path:
+        if workdir.startswith("/"):
+            self.applier.ensure_dir(workdir)  # Docker creates a missing WorkingDir too
+        self.applier.finish()
+        root = self.work / "root"
+        image = self.work / "base.ext4"
+        make_ext4(root, image, base_size(root))
+        run_debugfs(image, self.applier.fixups(self.work))
+        os.chmod(image, 0o444)
+        with open(image, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(image, final)
+        fsync_dir(final.parent)
+        return final
+
+    def cleanup(self) -> None:
+        shutil.rmtree(self.work, ignore_errors=True)
+
+
+class ImageManager:
+    def __init__(self, home: Path) -> None:
+        self.store = ImageStore(home)
+
+    # -- queries ---------------------------------------------------------------------------
+
+    def list_images(self) -> list[Image]:
+        return self.store.list_images()
+
+    def get(self, name: str) -> Image | None:
+        return self.store.get(name)
+
+    def require(self, name: str) -> Image:
+        img = self.store.get(name)
+        if img is None:
+            raise InvalidArgument(f"no image {name!r} here; pull, load or import it first")
+        return img
+
+    # -- records -----------------------------------------------------------------------------
+
+    def _record(self, manifest_digest: str, names: list[str], source: str) -> Image:
+        manifest = read_manifest(self.store, manifest_digest)
+        if is_index(None, self.store.read_blob(manifest_digest)):
+            manifest_digest = Index.parse(self.store.read_blob(manifest_digest)).select().digest
+        config_bytes = self.store.read_blob(manifest.config.digest)
+        if len(config_bytes) > MAX_CONFIG_BYTES:
+            raise ImageError("image config is too large")
+        config = ImageConfig.parse(config_bytes)
+        if config.diff_ids and len(config.diff_ids) != len(manifest.layers):
+            raise ImageError(
+                f"image config lists {len(config.diff_ids)} diff_ids for {len(manifest.layers)} layers"
+            )
+        if config.architecture and config.architecture not in ("amd64", "x86_64"):
+            raise ImageError(f"image is for {config.architecture}; sandlot boxes are x86_64")
+        layers = tuple(Layer(d.digest, d.media_type, d.size) for d in manifest.layers)
+        for layer in layers:
+            if not self.store.has_blob(layer.digest):
+                raise ImageError(f"layer {layer.digest} is missing")
+        image = Image(
+            manifest_digest,
+            manifest.config.digest,
+            layers,
+            config,
+            (),
+            source,
+            time.time(),
+            manifest.media_type,
+        )
+        return self.store.save(image, names)
+
+    # -- pull ------------------------------------------------------------------------------------
+
+    async def pull(
+        self,
+        ref: str | Reference,
+        *,
+        credentials: auth_mod.Credentials | tuple[str, str] | None = None,
+        insecure: bool = False,
+        ca_cert: Path | None = None,
+        progress: ProgressFn | None = None,
+        prepare: bool = True,
+    ) -> Image:
+        """Pull an image (x86_64) into the store and, with ``prepare``, make its disk."""
+        r = ref if isinstance(ref, Reference) else Reference.parse(ref)
+        creds = auth_mod.Credentials(*credentials) if isinstance(credentials, tuple) else credentials
+        async with RegistryClient(r, credentials=creds, insecure=insecure, ca_cert=ca_cert) as client:
+            data, media_type, digest = await client.manifest(r.digest or r.tag or "latest")
+            if is_index(media_type, data):
+                self.store.put_blob(data, digest)
+                chosen = Index.parse(data, media_type).select()
+                data, media_type, digest = await client.manifest(chosen.digest)
+            manifest = Manifest.parse(data, media_type)
+            self.store.put_blob(data, digest)
+            config_bytes = await client.blob_bytes(manifest.config, MAX_CONFIG_BYTES)
+            self.store.put_blob(config_bytes, manifest.config.digest)
+            config = ImageConfig.parse(config_bytes)
+            existing = self.store.get(digest)
+            base_ready = existing is not None and self.store.base_path(existing).exists()
+            builder = None
+            if prepare and not base_ready:
+                builder = _BaseBuilder(self.store, digest.split(":")[1])
+            try:
+                sem = asyncio.Semaphore(MAX_CONCURRENT_DOWNLOADS)
+
+                async def fetch(desc: Any) -> None:
+                    async with sem:
+                        await client.fetch_blob(desc, self.store, progress)
+
+                tasks = [asyncio.ensure_future(fetch(d)) for d in manifest.layers]
+                try:
+                    for i, (task, desc) in enumerate(zip(tasks, manifest.layers, strict=True)):
+                        await task
+                        if builder is not None:
+                            layer = Layer(desc.digest, desc.media_type, desc.size)
+                            diff_id = config.diff_ids[i] if i < len(config.diff_ids) else None
+                            await asyncio.to_thread(builder.apply, layer, diff_id)
+                finally:
+                    for task in tasks:
+                        task.cancel()
+                    await asyncio.gather(*tasks, return_exceptions=True)
+                names = [] if r.digest and not r.tag else [str(Reference(r.registry, r.repository, r.tag))]
+                image = self._record(digest, names, f"registry:{r.name}")
+                if builder is not None:
+                    await asyncio.to_thread(self._publish_base, builder, image)
+            finally:
+                if builder is not None:
+                    builder.cleanup()
+        return image
+
+    # -- local sources ----------------------------------------------------------------------------
+
+    def load(self, path: Path, name: str | None = None) -> list[Image]:
+        """Load a ``docker save``/OCI tarball or an OCI layout directory."""
+        path = Path(path)
+        if not path.exists():
+            raise InvalidArgument(f"{path} does not exist")
+        loaded = load_oci_layout(self.store, path) if path.is_dir() else load_archive(self.store, path)
+        if not loaded:
+            raise ImageError(f"{path} holds no image")
+        images = []
+        for item in loaded:
+            names = [name] if name else item.names
+            refs = []
+            for n in names:
+                with contextlib.suppress(InvalidArgument):
+                    refs.append(str(Reference.parse(n)))
+            images.append(self._record(item.manifest_digest, refs, f"file:{path}"))
+        return images
+
+    def import_dir(self, src: Path, name: str, **config: Any) -> Image:
+        ref = str(Reference.parse(name))
+        digest = import_dir(self.store, Path(src), **config)
+        return self._record(digest, [ref], f"dir:{src}")
+
+    def remove(self, name: str) -> list[str]:
+        return self.store.remove(name)
+
+    def prune(self, boxes_dir: Path) -> PruneReport:
+        in_use: set[Path] = set()
+        if boxes_dir.is_dir():
+            for disk in boxes_dir.glob("*/*.qcow2"):
+                backing = qcow2_backing_file(disk)
+                if backing:
+                    in_use.add(Path(backing))
+                    with contextlib.suppress(OSError):
+                        in_use.add(Path(backing).resolve())
+        return self.store.prune(in_use)
+
+    # -- base disks ---------------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def _build_lock(self, image: Image) -> Iterator[None]:
+        self.store.bases.mkdir(parents=True, exist_ok=True)
+        with open(self.store.bases / f".lock-{image.digest.split(':')[1][:16]}", "a") as lock:
+            fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(lock.fileno(), fcntl.LOCK_UN)
+
+    def _publish_base(self, builder: _BaseBuilder, image: Image) -> Path:
+        with self._build_lock(image):
+            final = self.store.base_path(image)
+            if final.exists():
+                return final
+            return builder.finish(final, image.config.workdir)
+
+    def ensure_base(self, image: Image) -> Path:
+        """The ext4 base disk of an image, made from its layers if not there yet."""
+        final = self.store.base_path(image)
+        if final.exists():
+            return final
+        with self._build_lock(image):
+            if final.exists():
+                return final
+            builder = _BaseBuilder(self.store, image.digest.split(":")[1])
+            try:
+                for i, layer in enumerate(image.layers):
+                    diff_id = image.config.diff_ids[i] if i < len(image.config.diff_ids) else None
+                    builder.apply(layer, diff_id)
+                return builder.finish(final, image.config.workdir)
+            finally:
+                builder.cleanup()
