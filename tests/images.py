@@ -92,9 +92,9 @@ MULTI_LAYER_3 = [
 
 def build_layouts(cache: Path, busybox_root: Path) -> dict[str, Path]:
     """OCI layouts for the registry tests, cached by content stamp."""
-    stamp = hashlib.sha256(repr((MULTI_LAYER_2, MULTI_LAYER_3, "v3")).encode()).hexdigest()[:10]
+    stamp = hashlib.sha256(repr((MULTI_LAYER_2, MULTI_LAYER_3, "v4")).encode()).hexdigest()[:10]
     base = cache / f"layouts-{stamp}"
-    out = {k: base / k for k in ("busybox", "multilayer", "multiarch")}
+    out = {k: base / k for k in ("busybox", "multilayer", "multiarch", "busybox-zstd")}
     if all((p / "index.json").exists() for p in out.values()):
         return out
     bb = dir_layer(busybox_root)
@@ -109,6 +109,17 @@ def build_layouts(cache: Path, busybox_root: Path) -> dict[str, Path]:
         labels={"org.example.purpose": "sandlot tests"},
     )
     layout(out["busybox"], [(busybox, "test/busybox:1", "amd64")])
+    zstd = build_image(
+        [bb],
+        compression="zstd",
+        env=[
+            "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+            "GREETING=hello from the image",
+        ],
+        cmd=["sh", "-c", 'echo "$GREETING"; pwd; id -u'],
+        workdir="/work/dir",
+    )
+    layout(out["busybox-zstd"], [(zstd, "test/busybox-zstd:1", "amd64")])
     multi = build_image([bb, layer_tar(MULTI_LAYER_2), layer_tar(MULTI_LAYER_3)], cmd=["sh"])
     layout(out["multilayer"], [(multi, "test/multi:1", "amd64")])
     amd = build_image([bb, layer_tar([E("platform", data=b"amd64\n")])], cmd=["cat", "/platform"])

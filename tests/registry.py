@@ -65,9 +65,17 @@ class Registry:
     def ref(self, repo_tag: str) -> str:
         return f"{self.host}/{repo_tag}"
 
-    def push(self, layout: Path, name: str, dest: str | None = None, *, all_platforms: bool = False) -> None:
+    def push(
+        self,
+        layout: Path,
+        name: str,
+        dest: str | None = None,
+        *,
+        all_platforms: bool = False,
+        extra: tuple[str, ...] = (),
+    ) -> None:
         """skopeo copy an OCI layout image (by its ref name) to this registry (as ``dest``)."""
-        cmd = ["skopeo", "copy", "--quiet"]
+        cmd = ["skopeo", "copy", "--quiet", *extra]
         if all_platforms:
             cmd.append("--all")
         if self.ca is not None:

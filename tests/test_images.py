@@ -37,6 +37,9 @@ def registry(tmp_path_factory: pytest.TempPathFactory, layouts: dict[str, Path])
         reg.push(layouts["busybox"], "test/busybox:1")
         reg.push(layouts["multilayer"], "test/multi:1")
         reg.push(layouts["multiarch"], "test/multiarch:1", all_platforms=True)
+        # the same image as a Docker v2 schema 2 manifest, and with zstd layers
+        reg.push(layouts["busybox"], "test/busybox:1", "test/busybox-v2s2:1", extra=("--format", "v2s2"))
+        reg.push(layouts["busybox-zstd"], "test/busybox-zstd:1")
         yield reg
 
 
@@ -98,6 +101,40 @@ def test_multilayer_contents_owners_and_modes(registry: Registry, home: Path) ->
         assert sh("stat -c '%t %T' /opt/devnull").stdout == "1 3\n"  # a device node, made in the guest disk
         assert box.exec("cat", "/srv/owned.txt", user="agent").stdout == "owned by agent\n"
         assert box.exec("cat", "/srv/owned.txt", user="nobody").exit_code != 0
+
+
+@pytest.mark.parametrize("name", ["test/busybox-v2s2:1", "test/busybox-zstd:1"])
+def test_docker_v2s2_and_zstd_images(registry: Registry, home: Path, name: str) -> None:
+    img = sandlot.pull(registry.ref(name), home=home)
+    kinds = {layer.media_type for layer in img.layers}
+    if "v2s2" in name:
+        assert img.manifest_media_type == "application/vnd.docker.distribution.manifest.v2+json"
+        assert kinds == {"application/vnd.docker.image.rootfs.diff.tar.gzip"}
+    else:
+        assert kinds == {"application/vnd.oci.image.layer.v1.tar+zstd"}
+    with sandlot.Box(img, home=home, memory_mib=256) as box:
+        assert box.exec(*box.default_command()).stdout == "hello from the image\n/work/dir\n0\n"
+
+
+def test_killed_pull_leaves_nothing_half_done(registry: Registry, home: Path) -> None:
+    code = (
+        "import os, sys, sandlot\n"
+        "def stop(p):\n"
+        "    if p.status == 'downloading' and p.done > 0: os.kill(os.getpid(), 9)\n"
+        f"sandlot.pull({registry.ref('test/multi:1')!r}, home={str(home)!r}, progress=stop)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True)
+    assert proc.returncode == -9
+    assert sandlot.list_images(home=home) == []  # no record of a half-pulled image
+    store = sandlot.Runtime.for_home(home).images.store
+    assert not list(store.bases.glob("img-*"))  # and no visible base disk
+    img = sandlot.pull(registry.ref("test/multi:1"), home=home)
+    assert sandlot.get_image(registry.ref("test/multi:1"), home=home) == img
+    assert not [
+        p
+        for p in Path("/dev/shm").glob(".sandlot-build-*")
+        if not Path(f"/proc/{p.name.split('-')[3]}").exists()
+    ]
 
 
 def test_index_selects_x86_64(registry: Registry, home: Path) -> None:

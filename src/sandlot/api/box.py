@@ -255,15 +255,7 @@ class AsyncBox:
                 self.runtime.assets, kernel=self._kernel, accel=self._accel_request
             )
             self.accel = assets.accel.name
-            if not self.disk_path.exists():
-                if self.rootfs is not None:
-                    base = await asyncio.to_thread(base_for, self.runtime.bases_dir, self.rootfs)
-                else:
-                    image = await self._resolve_image()
-                    base = await asyncio.to_thread(self.runtime.images.ensure_base, image)
-                self.state_dir.mkdir(parents=True, exist_ok=True)
-                self.runtime.claim(self.state_dir)
-                await asyncio.to_thread(create_overlay, base, self.disk_path, self.disk_size_gb * GiB)
+            await self._prepare_disk()
             cfg = VMConfig(
                 kernel=assets.kernel.vmlinux,
                 initrd=assets.initrd,
@@ -288,6 +280,19 @@ class AsyncBox:
                 raise
             self.boot_seconds = time.monotonic() - t0
             return self
+
+    async def _prepare_disk(self) -> None:
+        """The box's disk: a qcow2 overlay on the image's (or rootfs's) cached base."""
+        if self.disk_path.exists():
+            return
+        if self.rootfs is not None:
+            base = await asyncio.to_thread(base_for, self.runtime.bases_dir, self.rootfs)
+        else:
+            image = await self._resolve_image()
+            base = await asyncio.to_thread(self.runtime.images.ensure_base, image)
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        self.runtime.claim(self.state_dir)
+        await asyncio.to_thread(create_overlay, base, self.disk_path, self.disk_size_gb * GiB)
 
     async def _attach(self, vm: QemuVM, timeout: float) -> AgentConnection:
         """Connect to the agent socket and handshake, racing QEMU's exit and the deadline."""

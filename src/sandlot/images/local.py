@@ -278,12 +278,22 @@ class BuiltImage:
 
 
 def build_image(
-    layers: list[bytes], *, compress: bool = True, architecture: str = "amd64", **config: Any
+    layers: list[bytes], *, compression: str = "gzip", architecture: str = "amd64", **config: Any
 ) -> BuiltImage:
-    """An OCI image from uncompressed layer tars (in memory; for import and tests)."""
+    """An OCI image from uncompressed layer tars, in memory (small images, tests).
+    ``compression``: "gzip", "zstd" or "none"."""
     diff_ids = [sha256_digest(layer) for layer in layers]
-    blobs = [gzip.compress(layer, compresslevel=1, mtime=0) if compress else layer for layer in layers]
-    media = "application/vnd.oci.image.layer.v1.tar" + ("+gzip" if compress else "")
+    if compression == "gzip":
+        blobs = [gzip.compress(layer, compresslevel=1, mtime=0) for layer in layers]
+    elif compression == "zstd":
+        import zstandard
+
+        blobs = [zstandard.ZstdCompressor(level=3).compress(layer) for layer in layers]
+    elif compression == "none":
+        blobs = list(layers)
+    else:
+        raise InvalidArgument(f"compression must be gzip, zstd or none, not {compression!r}")
+    media = "application/vnd.oci.image.layer.v1.tar" + ("" if compression == "none" else f"+{compression}")
     cfg = image_config_json(diff_ids, architecture=architecture, **config)
     manifest = Manifest(
         OCI_MANIFEST,

@@ -24,17 +24,21 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import gzip
+import hashlib
+import io
 import os
+import queue
 import shutil
 import stat
 import subprocess
 import tarfile
 import tempfile
+import threading
+import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 from ..errors import HostSetupError, ImageError
 
@@ -51,22 +55,91 @@ class Meta:
     rdev: tuple[int, int] | None = None
 
 
-@contextlib.contextmanager
-def open_layer(path: Path, compression: str) -> Iterator[IO[bytes]]:
-    """A decompressed stream of a layer blob."""
-    with open(path, "rb") as raw:
-        if compression == "gzip":
-            with gzip.GzipFile(fileobj=raw, mode="rb") as g:
-                yield g  # type: ignore[misc]
-        elif compression == "zstd":
-            import zstandard
+class _Pipe(io.RawIOBase):
+    """A layer decompressed (and hashed) in a thread, read as a stream: with two
+    cores, inflating overlaps parsing the tar and writing files."""
 
-            with zstandard.ZstdDecompressor().stream_reader(raw, read_size=1 << 20) as z:
-                yield z
-        elif compression == "none":
-            yield raw
+    def __init__(self, path: Path, compression: str) -> None:
+        self._queue: queue.Queue[bytes | BaseException | None] = queue.Queue(maxsize=8)
+        self._buf = memoryview(b"")
+        self._done = False
+        self._stop = threading.Event()
+        self.hasher = hashlib.sha256()
+        self._thread = threading.Thread(target=self._run, args=(path, compression), daemon=True)
+        self._thread.start()
+
+    def _run(self, path: Path, compression: str) -> None:
+        try:
+            with open(path, "rb") as raw:
+                if compression == "gzip":
+                    inflate = zlib.decompressobj(wbits=47)  # gzip or zlib header, auto-detected
+                    feed: Any = inflate.decompress
+                elif compression == "zstd":
+                    import zstandard
+
+                    feed = zstandard.ZstdDecompressor().decompressobj().decompress
+                elif compression == "none":
+                    feed = bytes
+                else:
+                    raise ImageError(f"unknown layer compression {compression!r}")
+                while not self._stop.is_set() and (chunk := raw.read(1 << 20)):
+                    out = feed(chunk)
+                    if compression == "gzip":
+                        while inflate.unused_data:  # concatenated gzip members
+                            rest = inflate.unused_data
+                            inflate = zlib.decompressobj(wbits=47)
+                            out += inflate.decompress(rest)
+                    if out:
+                        self.hasher.update(out)
+                        self._queue.put(out)
+        except zlib.error as exc:
+            self._queue.put(ImageError(f"corrupt compressed layer: {exc}"))
+        except BaseException as exc:
+            self._queue.put(exc)
         else:
-            raise ImageError(f"unknown layer compression {compression!r}")
+            self._queue.put(None)
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, b: Any) -> int:
+        while not self._buf:
+            if self._done:
+                return 0
+            item = self._queue.get()
+            if item is None:
+                self._done = True
+                return 0
+            if isinstance(item, BaseException):
+                self._done = True
+                raise item
+            self._buf = memoryview(item)
+        n = min(len(b), len(self._buf))
+        b[:n] = self._buf[:n]
+        self._buf = self._buf[n:]
+        return n
+
+    def drain(self) -> None:
+        """Read to the end, so the hash covers the whole layer (tar padding included)."""
+        while self.read(1 << 20):
+            pass
+
+    def close(self) -> None:
+        self._stop.set()
+        while self._thread.is_alive():  # unblock a producer waiting on a full queue
+            with contextlib.suppress(queue.Empty):
+                self._queue.get(timeout=0.05)
+        super().close()
+
+
+@contextlib.contextmanager
+def open_layer(path: Path, compression: str) -> Iterator[_Pipe]:
+    """A decompressed stream of a layer blob; ``.hasher`` sees every uncompressed byte."""
+    pipe = _Pipe(path, compression)
+    try:
+        yield pipe
+    finally:
+        pipe.close()
 
 
 def detect_compression(path: Path) -> str:
@@ -89,6 +162,7 @@ class LayerApplier:
         self.devices: set[str] = set()
         self.privileged = os.geteuid() == 0
         self._layer_created: set[str] = set()
+        self._dirs: set[str] = {""}  # real directories we made or walked: no symlink on their path
         self.entries = 0
 
     # -- paths ---------------------------------------------------------------------------
@@ -108,6 +182,10 @@ class LayerApplier:
         with the root as ``/`` (never leaving it). With ``create_dirs`` every component
         is a directory, created if missing (a parent path); otherwise the final one may
         be anything and is followed only if ``follow_final``."""
+        if create_dirs:
+            key = "/".join(parts)
+            if key in self._dirs:
+                return list(parts)  # walked before, and nothing on the way changed since
         cur: list[str] = []
         todo = list(parts)
         hops = 0
@@ -143,6 +221,8 @@ class LayerApplier:
                 elif not stat.S_ISDIR(st.st_mode):
                     raise ImageError(f"{name!r}: {'/'.join([*cur, comp])} is not a directory")
             cur.append(comp)
+        if create_dirs and cur == parts:
+            self._dirs.add("/".join(parts))
         return cur
 
     def _abs(self, rel: str) -> str:
@@ -150,6 +230,8 @@ class LayerApplier:
 
     def _remove(self, rel: str) -> None:
         path = self._abs(rel)
+        prefix = rel + "/"
+        self._dirs = {d for d in self._dirs if d != rel and not d.startswith(prefix)}
         try:
             st = os.lstat(path)
         except FileNotFoundError:
@@ -159,7 +241,6 @@ class LayerApplier:
                 shutil.rmtree(path)
             else:
                 os.unlink(path)
-        prefix = rel + "/"
         for key in [k for k in self.meta if k == rel or k.startswith(prefix)]:
             del self.meta[key]
         for key in [k for k in self.devices if k == rel or k.startswith(prefix)]:
@@ -167,11 +248,11 @@ class LayerApplier:
 
     # -- layers --------------------------------------------------------------------------
 
-    def apply(self, stream: IO[bytes]) -> None:
+    def apply(self, stream: IO[bytes] | io.RawIOBase) -> None:
         """Apply one layer (an uncompressed tar stream)."""
         self._layer_created = set()
         try:
-            with tarfile.open(fileobj=stream, mode="r|", errorlevel=2) as tf:
+            with tarfile.open(fileobj=stream, mode="r|", errorlevel=2, bufsize=1 << 18) as tf:
                 for member in tf:
                     self.entries += 1
                     self._member(tf, member)
@@ -250,9 +331,13 @@ class LayerApplier:
     def _write_file(self, tf: tarfile.TarFile, m: tarfile.TarInfo, path: str) -> None:
         src = tf.extractfile(m)
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-        with os.fdopen(fd, "wb") as out:
-            if src is not None:
-                shutil.copyfileobj(src, out, 1 << 20)
+        try:
+            while src is not None and (chunk := src.read(1 << 20)):
+                view = memoryview(chunk)
+                while view:
+                    view = view[os.write(fd, view) :]
+        finally:
+            os.close(fd)
 
     def _whiteout(self, parts: list[str]) -> None:
         try:

@@ -1,0 +1,114 @@
+"""Image benchmarks (issue: OCI images).
+
+In one run, against a local docker-registry on 127.0.0.1 serving the Debian +
+python3 image the tests build:
+
+* cold pull + unpack + base disk with sandlot, from an empty store;
+* the baseline: ``skopeo copy`` to an OCI layout + ``umoci unpack`` of the same image;
+* their ratio (target: at most 1.0);
+* preparing a new box's disk from an already pulled image (target: at most 50 ms).
+
+    .venv/bin/python benchmarks/images.py [--runs 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from tests.images import python_layout
+from tests.registry import run_registry
+
+import sandlot
+from _common import CACHE, emit, host_facts, summary
+from sandlot.images.builders import debian_rootfs
+
+
+def fresh_home(shared: Path, where: Path) -> Path:
+    home = Path(tempfile.mkdtemp(prefix="home-", dir=where))
+    for d in ("kernels", "agent", "initramfs"):
+        (home / d).symlink_to(shared / d)
+    return home
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--runs", type=int, default=3)
+    args = ap.parse_args()
+    root = CACHE / "rootfs-debian-python3-v1"
+    if not (root / "usr/bin/python3").exists():
+        debian_rootfs(root, ["python3"])
+    layout = python_layout(CACHE, root)
+    shared = sandlot.Runtime.for_home().home
+    sandlot.Runtime.for_home().assets()
+    # under the cache, not /tmp: on some hosts /tmp is much slower to create files in
+    work = Path(tempfile.mkdtemp(prefix="bench-images-", dir=CACHE))
+    try:
+        with run_registry(work / "registry") as reg:
+            reg.push(layout, "test/python:3")
+            ref = reg.ref("test/python:3")
+            size = sum(p.stat().st_size for p in (layout / "blobs/sha256").iterdir())
+
+            def settle() -> None:
+                # this host's ext4 discards on delete: let earlier runs' deletions finish
+                os.sync()
+                time.sleep(3)
+
+            ours, baseline = [], []
+            for i in range(args.runs):
+                home = fresh_home(shared, work)
+                settle()
+                t0 = time.perf_counter()
+                img = sandlot.pull(ref, home=home)
+                ours.append(time.perf_counter() - t0)
+                oci, bundle = work / f"oci-{i}", work / f"bundle-{i}"
+                settle()
+                t0 = time.perf_counter()
+                subprocess.run(["skopeo", "copy", "--quiet", "--src-tls-verify=false", f"docker://{ref}",
+                                f"oci:{oci}:py"], check=True)  # fmt: skip
+                subprocess.run(["umoci", "unpack", "--image", f"{oci}:py", str(bundle)], check=True,
+                               capture_output=True)  # fmt: skip
+                baseline.append(time.perf_counter() - t0)
+                shutil.rmtree(bundle, ignore_errors=True)
+                shutil.rmtree(oci, ignore_errors=True)
+                if i < args.runs - 1:
+                    shutil.rmtree(home, ignore_errors=True)
+
+            # a new box's disk from the pulled image: resolve, find the base, make the overlay
+            prep = []
+            for _ in range(20):
+                box = sandlot.AsyncBox(ref, home=home, pull="never")
+                t0 = time.perf_counter()
+                asyncio.run(box._prepare_disk())
+                prep.append(time.perf_counter() - t0)
+                shutil.rmtree(box.state_dir)
+            base = sandlot.Runtime.for_home(home).images.store.base_path(img)
+            o, b = summary(ours, digits=2), summary(baseline, digits=2)
+            emit(
+                {
+                    "benchmark": "images",
+                    "host": host_facts(sandlot.Runtime.for_home().assets().accel.name),
+                    "image": {"compressed_MB": round(size / 1e6, 1), "layers": len(img.layers)},
+                    "cold_pull_unpack_base_s": o,
+                    "skopeo_copy_plus_umoci_unpack_s": b,
+                    "ratio_sandlot_over_skopeo_umoci": round(o["median"] / b["median"], 2),
+                    "base_disk_MB_on_host": round(base.stat().st_blocks * 512 / 1e6, 1),
+                    "box_disk_from_pulled_image_ms": summary(prep, 1e3, 1),
+                }
+            )
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("SANDLOT_HOME", str(CACHE / "home"))
+    main()
