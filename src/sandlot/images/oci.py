@@ -215,7 +215,9 @@ class ImageConfig:
     @classmethod
     def parse(cls, data: bytes) -> ImageConfig:
         doc = _load_json(data, "image config", MAX_CONFIG_BYTES)
-        c = doc.get("config") or {}
+        c = doc.get("config")
+        if c is None:
+            c = {}
         if not isinstance(c, dict):
             raise ImageError("image config 'config' is not an object")
 
