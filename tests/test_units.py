@@ -94,3 +94,33 @@ def test_kernel_conversion_rejects_garbage() -> None:
     elf_without_pvh = b"\x7fELF\x02" + bytes(200)
     with pytest.raises(sandlot.HostSetupError, match="PVH"):
         kernel.to_vmlinux(elf_without_pvh)
+
+
+def _tiny_pvh_elf() -> bytes:
+    """A minimal ELF64 whose only program header is a note with the Xen PVH entry."""
+    name = b"Xen\0"
+    note = struct.pack("<III", len(name), 4, 18) + name + struct.pack("<I", 0x1000000)
+    ehdr_size, phdr_size = 64, 56
+    ehdr = bytearray(ehdr_size)
+    ehdr[:4] = b"\x7fELF"
+    ehdr[4] = 2  # 64-bit
+    struct.pack_into("<Q", ehdr, 0x20, ehdr_size)  # e_phoff
+    struct.pack_into("<HH", ehdr, 0x36, phdr_size, 1)  # e_phentsize, e_phnum
+    phdr = struct.pack("<IIQQQQQQ", 4, 0, ehdr_size + phdr_size, 0, 0, len(note), len(note), 4)
+    return bytes(ehdr) + phdr + note
+
+
+@pytest.mark.parametrize("codec", ["gzip", "xz"])
+def test_bzimage_with_trailing_size_decompresses(codec: str) -> None:
+    """Kernels append the uncompressed size after the payload: decoders must stop at the stream's end."""
+    import gzip as gz
+    import lzma
+
+    elf = _tiny_pvh_elf() + bytes(4096)
+    payload = gz.compress(elf) if codec == "gzip" else lzma.compress(elf, format=lzma.FORMAT_XZ)
+    payload += struct.pack("<I", len(elf))
+    image = bytearray(0x400)
+    image[0x1F1] = 1  # setup sectors: the payload starts at (1 + 1) * 512 + offset
+    image[0x202:0x206] = b"HdrS"
+    struct.pack_into("<II", image, 0x248, 0, len(payload))
+    assert kernel.to_vmlinux(bytes(image) + payload) == elf

@@ -23,6 +23,7 @@ import shutil
 import struct
 import subprocess
 import tempfile
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,8 +33,12 @@ from ..errors import HostSetupError
 META_PACKAGE = "linux-image-cloud-amd64"
 
 # Modules the guest may load, by need. Their dependencies come from modules.dep.
-BASE_MODULES = ("virtio_mmio", "virtio_console", "virtio_blk")
-OPTIONAL_MODULES = ("virtio_net", "virtio_rng", "overlay", "fuse", "virtiofs", "vmw_vsock_virtio_transport")
+# Built-in in one kernel flavour, modules in another: whatever this kernel has as a
+# module is loaded (with its dependencies); what is built in needs nothing.
+BASE_MODULES = ("virtio_mmio", "virtio_console", "virtio_blk", "crc32c_generic", "ext4")  # ext4 needs crc32c
+OPTIONAL_MODULES = (
+    "virtio_net", "virtio_rng", "overlay", "fuse", "virtiofs", "vmw_vsock_virtio_transport", "9p", "9pnet_virtio",
+)  # fmt: skip
 
 _XEN_ELFNOTE_PHYS32_ENTRY = 18
 
@@ -113,10 +118,11 @@ def _decompress(payload: bytes) -> bytes:
         if not proc.stdout.startswith(b"\x7fELF"):
             proc = subprocess.run(["lz4", "-dc"], input=payload, capture_output=True)
         return proc.stdout
+    # the kernel appends the uncompressed size after the stream: decoders must stop at its end
     if payload[:2] == b"\x1f\x8b":
-        return gzip.decompress(payload)
+        return zlib.decompressobj(wbits=31).decompress(payload)
     if payload[:6] == b"\xfd7zXZ\x00":
-        return lzma.decompress(payload)
+        return lzma.LZMADecompressor(format=lzma.FORMAT_XZ).decompress(payload)
     if payload[:4] == b"\x28\xb5\x2f\xfd":
         if not shutil.which("zstd"):
             raise HostSetupError("the kernel is zstd-compressed: install zstd")
