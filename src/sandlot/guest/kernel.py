@@ -37,8 +37,8 @@ META_PACKAGE = "linux-image-cloud-amd64"
 # module is loaded (with its dependencies); what is built in needs nothing.
 # (ext4 asks the crypto API for crc32c, which cannot load modules on its own here)
 BASE_MODULES = ("virtio_mmio", "virtio_console", "virtio_blk", "crc32c_generic", "ext4")
-OPTIONAL_MODULES = ("virtio_net", "virtio_rng", "overlay", "fuse", "virtiofs", "vmw_vsock_virtio_transport")
-OPTIONAL_MODULES += ("9p", "9pnet_virtio")
+OPTIONAL_MODULES: tuple[str, ...] = ("virtio_net", "virtio_rng", "overlay", "fuse", "virtiofs")
+OPTIONAL_MODULES += ("vmw_vsock_virtio_transport", "9p", "9pnet_virtio")
 
 _XEN_ELFNOTE_PHYS32_ENTRY = 18
 
