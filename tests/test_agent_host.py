@@ -52,6 +52,7 @@ def test_stdin_roundtrip_and_window(tmp_path: Path) -> None:
     async def go() -> None:
         async with connected(tmp_path) as (conn, _):
             proc = await RemoteProcess.start(conn, ExecRequest(argv=["cat"], stdin=True))
+            proc.stdout.drain()  # keep cat's output flowing while we feed it, as exec() does
             await proc.write_stdin(data)
             await proc.close_stdin()
             st = await proc.wait()

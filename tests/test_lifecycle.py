@@ -23,7 +23,7 @@ def test_write_stop_start_read_back(busybox_root: Path) -> None:
         box.exec("sh", "-c", "echo from-shell > /etc/marker")  # written, not synced by hand
         box.stop()
         assert not box.running
-        with pytest.raises(sandlot.BoxStateError):
+        with pytest.raises(sandlot.InvalidState):
             box.exec("true")
         box.start()
         assert box.files.read("/root/persist.txt") == b"survives"
@@ -50,16 +50,14 @@ def test_kill_then_start_recovers(busybox_root: Path) -> None:
     box = sandlot.Box(rootfs=busybox_root, memory_mib=256)
     try:
         box.start()
-        box.files.write(
-            "/root/before-kill",
-            "x",
-        )
+        box.files.write("/root/before-kill", "x")
         box.exec("sync")
         box.kill()  # pull the plug
+        assert box.state == "stopped"
         box.start()
         assert box.files.read("/root/before-kill") == b"x"
     finally:
-        box.remove()
+        box.remove(force=True)
 
 
 def test_vm_crash_is_reported_with_console(busybox_root: Path) -> None:
@@ -76,11 +74,13 @@ def test_vm_crash_is_reported_with_console(busybox_root: Path) -> None:
 def test_bad_kernel_path_fails_fast(busybox_root: Path, tmp_path: Path) -> None:
     t0 = time.monotonic()
     with pytest.raises(sandlot.HostSetupError, match="does not exist"):
-        sandlot.Box(rootfs=busybox_root, kernel=tmp_path / "missing-vmlinux").start()
+        with sandlot.Box(rootfs=busybox_root, kernel=tmp_path / "missing-vmlinux"):
+            pass
     junk = tmp_path / "junk-kernel"
     junk.write_bytes(os.urandom(4096))
     with pytest.raises(sandlot.HostSetupError, match="neither an ELF"):
-        sandlot.Box(rootfs=busybox_root, kernel=junk).start()
+        with sandlot.Box(rootfs=busybox_root, kernel=junk):
+            pass
     assert time.monotonic() - t0 < 10
 
 
@@ -92,7 +92,8 @@ def test_corrupt_initramfs_fails_with_console_tail(
     monkeypatch.setenv("SANDLOT_INITRAMFS", str(bad))
     t0 = time.monotonic()
     with pytest.raises(sandlot.BootError) as info:
-        sandlot.Box(rootfs=busybox_root, boot_timeout=20).start()
+        with sandlot.Box(rootfs=busybox_root, boot_timeout=20):
+            pass
     assert time.monotonic() - t0 < 25
     assert "Kernel panic" in info.value.console_tail
     assert "guest console" in str(info.value)
@@ -118,7 +119,8 @@ def test_agent_that_never_answers_hits_the_deadline(
     monkeypatch.setenv("SANDLOT_INITRAMFS", str(hang))
     t0 = time.monotonic()
     with pytest.raises(sandlot.BootTimeout) as info:
-        sandlot.Box(rootfs=busybox_root, boot_timeout=6).start()
+        with sandlot.Box(rootfs=busybox_root, boot_timeout=6):
+            pass
     elapsed = time.monotonic() - t0
     assert 5 < elapsed < 15
     assert "init-is-stuck" in info.value.console_tail
@@ -138,8 +140,8 @@ def test_invalid_arguments_change_nothing(busybox_root: Path, tmp_path: Path) ->
             sandlot.Box(rootfs=busybox_root, **kwargs)
     with pytest.raises(sandlot.InvalidArgument, match="does not exist"):
         sandlot.Box(rootfs=tmp_path / "nope")
-    with pytest.raises(sandlot.InvalidArgument):
-        sandlot.Box(rootfs=busybox_root, accel="warp").start()
+    with pytest.raises(sandlot.InvalidArgument), sandlot.Box(rootfs=busybox_root, accel="warp"):
+        pass
     with pytest.raises(ValueError):  # InvalidArgument is a ValueError too
         sandlot.Box(rootfs="")
 

@@ -23,7 +23,7 @@ from .errors import (
     BootError,
     BootTimeout,
     BoxCrashed,
-    BoxStateError,
+    BoxNotFound,
     CommandFailed,
     ConnectionLost,
     ExecTimeout,
@@ -38,6 +38,7 @@ from .errors import (
     HostSetupError,
     ImageError,
     InvalidArgument,
+    InvalidState,
     ProtocolError,
     SandlotError,
 )
@@ -46,6 +47,10 @@ from .images.store import Image
 from .runtime import Runtime
 
 __version__ = "0.1.0"
+
+create = Box.create
+get = Box.get
+list = Box.list  # noqa: A001 - sandlot.list() lists boxes, as the docs promise
 
 __all__ = [
     "AgentTimeout",
@@ -57,7 +62,7 @@ __all__ = [
     "BootTimeout",
     "Box",
     "BoxCrashed",
-    "BoxStateError",
+    "BoxNotFound",
     "CommandFailed",
     "ConnectionLost",
     "ExecResult",
@@ -77,12 +82,16 @@ __all__ = [
     "ImageConfig",
     "ImageError",
     "InvalidArgument",
+    "InvalidState",
     "Process",
     "ProtocolError",
     "Runtime",
     "SandlotError",
     "Stream",
     "__version__",
+    "create",
+    "get",
+    "list",
     "get_image",
     "import_image",
     "list_images",

@@ -63,11 +63,15 @@ class BootTimeout(BootError, TimeoutError):
     """The VM did not answer within the boot deadline."""
 
 
-class BoxStateError(SandlotError):
+class BoxNotFound(SandlotError, LookupError):
+    """No box has that id or name (in this sandlot home)."""
+
+
+class InvalidState(SandlotError):
     """The operation is not possible in the box's current state (e.g. it is stopped)."""
 
 
-class BoxCrashed(_WithConsole, BoxStateError):
+class BoxCrashed(_WithConsole, InvalidState):
     """The VM exited unexpectedly while in use."""
 
 

@@ -7,14 +7,18 @@ Boxes ask the runtime; nothing here is per box.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
+import signal
 import subprocess
 import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
+from . import _proc
 from .config import default_home, runtime_dir
 from .engine import accel as accel_mod
 from .engine.qemu import KERNEL_ARGS, host_tsc_khz, qemu_binary, qemu_version
@@ -23,6 +27,7 @@ from .guest.agent import AgentBuild, build_agent
 from .guest.initramfs import build_initramfs
 from .guest.kernel import BASE_MODULES, Kernel, ensure_kernel
 from .images.manager import ImageManager
+from .store import BoxRecord, BoxStore
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,8 +56,9 @@ class Runtime:
     def __init__(self, home: str | os.PathLike[str] | None = None) -> None:
         self.home = Path(home).expanduser().absolute() if home else default_home()
         self._lock = threading.Lock()
+        self._store: BoxStore | None = None
         self.images = ImageManager(self.home)
-        self._assets: dict[tuple[str | None, str, str | None], BootAssets] = {}
+        self._assets: dict[tuple[Any, ...], BootAssets] = {}
 
     @classmethod
     def for_home(cls, home: str | os.PathLike[str] | None = None) -> Runtime:
@@ -77,43 +83,94 @@ class Runtime:
     def run_dir(self, box_id: str) -> Path:
         return runtime_dir() / box_id
 
-    # -- ephemeral box directories -------------------------------------------------------
+    # -- boxes ----------------------------------------------------------------------------
 
-    def claim(self, box_dir: Path) -> None:
-        """Mark a box directory as owned by this process, so that a later process
-        can remove it if we die without cleaning up (the VM dies with us)."""
-        (box_dir / "owner").write_text(f"{os.getpid()} {_start_time(os.getpid())}\n")
+    @property
+    def store(self) -> BoxStore:
+        """The box registry (``sandlot.db``), opened on first use."""
+        with self._lock:
+            if self._store is None:
+                self._store = BoxStore(self.home / "sandlot.db")
+            return self._store
 
-    def sweep_orphans(self) -> list[str]:
-        """Remove box directories and sockets whose owning process is gone."""
-        removed: list[str] = []
-        if not self.boxes_dir.is_dir():
-            return removed
-        for box_dir in self.boxes_dir.iterdir():
-            try:
-                pid_s, start_s = (box_dir / "owner").read_text().split()
-            except (OSError, ValueError):
-                continue
-            if _start_time(int(pid_s)) == start_s:
-                continue  # the owner still runs
-            shutil.rmtree(box_dir, ignore_errors=True)
-            shutil.rmtree(runtime_dir() / box_dir.name, ignore_errors=True)
-            removed.append(box_dir.name)
-        return removed
+    def _qemu_alive(self, rec: BoxRecord) -> bool:
+        if not _proc.alive(rec.qemu_pid, rec.qemu_start):
+            return False
+        assert rec.qemu_pid is not None
+        return any(rec.id in arg for arg in _proc.cmdline(rec.qemu_pid))
+
+    def _kill_qemu(self, rec: BoxRecord) -> None:
+        if self._qemu_alive(rec):
+            assert rec.qemu_pid is not None
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(rec.qemu_pid, signal.SIGKILL)
+
+    def discard_box(self, box_id: str) -> None:
+        """Delete a box's files, then its row (a crash in between is reconciled)."""
+        shutil.rmtree(self.boxes_dir / box_id, ignore_errors=True)
+        with contextlib.suppress(HostSetupError):
+            shutil.rmtree(runtime_dir() / box_id, ignore_errors=True)
+        self.store.delete(box_id)
+
+    def reconcile(self, rec: BoxRecord) -> BoxRecord | None:
+        """Make a box's row agree with its processes after crashes: finish or undo
+        what a dead process left half done. Returns the row, or None if the box is gone."""
+        owner_alive = _proc.alive(rec.owner_pid, rec.owner_start)
+        s = rec.state
+        if rec.ephemeral and not owner_alive:
+            # a `with` block whose process died: the box goes with it
+            self._kill_qemu(rec)
+            self.discard_box(rec.id)
+            return None
+        if s in ("creating", "removing"):
+            if owner_alive:
+                return rec
+            self._kill_qemu(rec)
+            self.discard_box(rec.id)
+            return None
+        if s == "starting" and not owner_alive:
+            if self._qemu_alive(rec):
+                return self.store.update(rec.id, expect=(s,), state="running") or self.store.find(rec.id)
+            return self.store.update(
+                rec.id, expect=(s,), state="crashed", qemu_pid=None,
+                reason="the process starting it died, and the VM with it",
+            ) or self.store.find(rec.id)  # fmt: skip
+        if s == "stopping" and not owner_alive:
+            self._kill_qemu(rec)
+            return self.store.update(rec.id, expect=(s,), state="stopped", qemu_pid=None,
+                                     stopped_at=time.time()) or self.store.find(rec.id)  # fmt: skip
+        if s in ("running", "paused") and not self._qemu_alive(rec):
+            return self.store.update(
+                rec.id, expect=(s,), state="crashed", qemu_pid=None,
+                reason="the VM process exited unexpectedly (killed, or the host restarted)",
+            ) or self.store.find(rec.id)  # fmt: skip
+        return rec
 
     # -- boot assets ---------------------------------------------------------------------
 
-    def assets(self, *, kernel: str | os.PathLike[str] | None = None, accel: str = "auto") -> BootAssets:
-        """Resolve (building or fetching on first use) what a boot needs."""
-        key = (str(kernel) if kernel else None, accel, os.environ.get("SANDLOT_INITRAMFS"))
+    def assets(
+        self,
+        *,
+        kernel: str | os.PathLike[str] | None = None,
+        accel: str = "auto",
+        flavor: str = "cloud",
+        extra_modules: tuple[str, ...] = (),
+    ) -> BootAssets:
+        """Resolve (building or fetching on first use) what a boot needs. ``flavor``
+        picks the distro kernel ("cloud", or "generic" which has 9p for volumes)."""
+        key = (
+            str(kernel) if kernel else None,
+            accel,
+            flavor,
+            extra_modules,
+            os.environ.get("SANDLOT_INITRAMFS"),
+        )
         with self._lock:
             cached = self._assets.get(key)
             if cached is not None:
                 return cached
-            if not self._assets:
-                self.sweep_orphans()
             qemu = qemu_binary()
-            kern = ensure_kernel(self.home, kernel)
+            kern = ensure_kernel(self.home, kernel, flavor=flavor)
             agent = build_agent(self.home)
             override = os.environ.get("SANDLOT_INITRAMFS")  # debugging aid: boot another initramfs
             if override:
@@ -121,7 +178,11 @@ class Runtime:
                 if not initrd.is_file():
                     raise HostSetupError(f"SANDLOT_INITRAMFS={override} is not a file")
             else:
-                modules = [(name, kern.modules[name]) for name in kern.load_order(BASE_MODULES)]
+                wanted = (*BASE_MODULES, *extra_modules)
+                missing = [m for m in extra_modules if m not in kern.modules]
+                if missing:
+                    raise HostSetupError(f"kernel {kern.version} lacks modules {', '.join(missing)}")
+                modules = [(name, kern.modules[name]) for name in kern.load_order(wanted)]
                 initrd = build_initramfs(self.home / "initramfs", agent.path, modules)
             choice = accel_mod.choose(
                 accel,
@@ -163,15 +224,6 @@ class Runtime:
         report["disk_free_gib"] = round(usage.free / (1 << 30), 1)
         report["runtime_dir"] = str(runtime_dir())
         return report
-
-
-def _start_time(pid: int) -> str:
-    """A process's start time in clock ticks since boot: (pid, start) names one process."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return "gone"
-    return stat[stat.rindex(")") + 2 :].split()[19]
 
 
 def probe_kvm(qemu: str, vmlinux: Path, timeout: float = 8.0) -> str | None:

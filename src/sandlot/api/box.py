@@ -1,20 +1,26 @@
-"""``Box`` and ``AsyncBox``: a microVM with its own kernel, disk and processes.
+"""``Box`` and ``AsyncBox``: a durable microVM with its own kernel, disk and processes.
+
+A box is a row in the home's state store plus a directory with its disk and
+logs; its QEMU runs detached, so the box outlives the Python process that made
+it. ``sandlot.get(name)`` from any process finds it again, and several
+processes can run commands in one box at once (each takes its own agent port).
 
 ``AsyncBox`` is the implementation; ``Box`` is a thin sync facade that runs the
 same coroutines on sandlot's loop thread.
 
 >>> import sandlot
->>> with sandlot.Box(rootfs="/path/to/rootfs") as box:        # doctest: +SKIP
-...     print(box.exec("echo", "hello").stdout)
-hello
+>>> with sandlot.Box("python:3.12-slim") as box:             # doctest: +SKIP
+...     print(box.exec("python3", "-c", "print(6*7)").stdout)
+42
 """
 
 from __future__ import annotations
 
 import asyncio
+import builtins
 import contextlib
+import fcntl
 import os
-import re
 import secrets
 import shutil
 import time
@@ -22,30 +28,32 @@ from collections.abc import AsyncIterable, Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any
 
-from ..engine.qemu import QemuVM, VMConfig
+from .. import _proc
+from ..engine.qemu import QemuVM, VMConfig, tail
 from ..errors import (
     AgentTimeout,
     BootTimeout,
     BoxCrashed,
-    BoxStateError,
+    BoxNotFound,
     ConnectionLost,
     InvalidArgument,
+    InvalidState,
 )
-from ..images.reference import Reference
 from ..images.rootfs import base_for, create_overlay
 from ..images.store import Image
 from ..protocol.connection import AgentConnection
 from ..protocol.exec import ExecRequest, RemoteProcess
 from ..protocol.wire import ControlOp, T, Tag, tlv
 from ..runtime import Runtime
+from ..store import BoxRecord
 from . import _sync
 from .files import AsyncFiles, Files, guest_path
+from .options import DEFAULT_DISK_GB, DEFAULT_MEMORY_MIB, BoxSpec, VolumeSpec, check_env, check_user, positive
 from .process import AsyncProcess, ExecResult, Process
 
 GiB = 1 << 30
-DEFAULT_MEMORY_MIB = 512
-DEFAULT_DISK_GB = 8
-_ENV_NAME = re.compile(r"^[^=\0]+$")
+AGENT_PORTS = 8  # processes that can be attached to one box at the same time
+LOCK_TIMEOUT = 300.0
 
 StdinSource = bytes | str | IO[bytes] | AsyncIterable[bytes] | None
 
@@ -74,38 +82,36 @@ def _argv(argv: Sequence[Any]) -> tuple[str, ...]:
     return tuple(out)
 
 
-def _env(env: Mapping[str, str] | None) -> dict[str, str] | None:
-    if env is None:
+def _try_flock(path: Path) -> int | None:
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
         return None
-    out = {}
-    for k, v in env.items():
-        if not isinstance(k, str) or not _ENV_NAME.match(k):
-            raise InvalidArgument(f"invalid environment variable name {k!r}")
-        if not isinstance(v, str) or "\0" in v:
-            raise InvalidArgument(f"environment value of {k} must be a string without NUL bytes")
-        out[k] = v
-    return out
+    return fd
 
 
-def _positive(name: str, value: float | int | None, *, integer: bool = False) -> None:
-    if value is None:
-        return
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, int | float)
-        or (integer and not isinstance(value, int))
-    ):
-        raise InvalidArgument(f"{name} must be a {'whole ' if integer else ''}number, not {value!r}")
-    if value <= 0:
-        raise InvalidArgument(f"{name} must be positive, not {value!r}")
+def _flock_wait(path: Path, timeout: float) -> int:
+    deadline = time.monotonic() + timeout
+    while True:
+        fd = _try_flock(path)
+        if fd is not None:
+            return fd
+        if time.monotonic() > deadline:
+            raise InvalidState(f"another process has been busy with this box for {timeout:.0f}s")
+        time.sleep(0.02)
 
 
 class AsyncBox:
-    """A microVM sandbox (async API). Use as ``async with AsyncBox(rootfs=...) as box``.
+    """A microVM sandbox (async API).
 
-    Leaving the ``async with`` block stops the VM and deletes the box's disk.
-    ``stop()`` and ``start()`` keep the disk: files written before ``stop()`` are
-    there after the next ``start()``.
+    ``AsyncBox(image)`` describes a box; ``start()`` creates it (pulling the image
+    if needed) and boots it. ``async with AsyncBox(image) as box`` does the same
+    and removes the box when the block ends; pass ``keep=True`` to leave it
+    running instead (find it again later with ``sandlot.get(name)``). A box whose
+    ``with`` block never ended because its process died is removed by the next
+    sandlot call in any process.
     """
 
     def __init__(
@@ -113,12 +119,17 @@ class AsyncBox:
         image: str | Image | None = None,
         *,
         rootfs: str | os.PathLike[str] | None = None,
+        name: str | None = None,
         env: Mapping[str, str] | None = None,
         workdir: str | None = None,
         user: str | None = None,
+        volumes: Sequence[VolumeSpec] | Mapping[str, str] | None = None,
+        labels: Mapping[str, str] | None = None,
         memory_mib: int = DEFAULT_MEMORY_MIB,
         cpus: int = 1,
         disk_size_gb: int = DEFAULT_DISK_GB,
+        auto_remove: bool = False,
+        keep: bool = False,
         pull: str = "missing",
         insecure: bool = False,
         ca_cert: str | os.PathLike[str] | None = None,
@@ -130,93 +141,120 @@ class AsyncBox:
         request_timeout: float = 30.0,
         home: str | os.PathLike[str] | None = None,
     ) -> None:
-        if (image is None) == (rootfs is None or not os.fspath(rootfs)):
-            raise InvalidArgument(
-                "a box needs exactly one of: an image, or rootfs= (a directory or a tarball)"
-            )
-        _positive("memory_mib", memory_mib, integer=True)
-        _positive("cpus", cpus, integer=True)
-        _positive("disk_size_gb", disk_size_gb, integer=True)
-        _positive("boot_timeout", boot_timeout)
-        _positive("request_timeout", request_timeout)
-        if memory_mib < 64:
-            raise InvalidArgument(f"memory_mib must be at least 64, not {memory_mib}")
-        if cpus > (os.cpu_count() or 1) * 4:
-            raise InvalidArgument(f"cpus={cpus} is more than this host can emulate sensibly")
-        if hostname is not None and not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9.-]{0,62}", hostname):
-            raise InvalidArgument(f"invalid hostname {hostname!r}")
         if pull not in ("missing", "always", "never"):
             raise InvalidArgument(f"pull must be 'missing', 'always' or 'never', not {pull!r}")
-        self.rootfs: Path | None = None
-        self._image_ref: str | None = None
-        self.image: Image | None = None
-        if isinstance(image, Image):
-            self.image = image
-        elif image is not None:
-            if not isinstance(image, str):
-                raise InvalidArgument(
-                    f"image must be a reference string or an Image, not {type(image).__name__}"
-                )
-            Reference.parse(image)  # reject malformed references now
-            self._image_ref = image
-        else:
-            assert rootfs is not None
-            rootfs_path = Path(rootfs).expanduser()
-            if not rootfs_path.exists():
-                raise InvalidArgument(f"rootfs {rootfs_path} does not exist")
-            self.rootfs = rootfs_path.absolute()
-        self._env = _env(env) or {}
-        self._workdir = guest_path(workdir) if workdir is not None else None
-        self._user_default = self._user(user)
+        self.image: Image | None = image if isinstance(image, Image) else None
+        image_ref = image.digest if isinstance(image, Image) else image
+        self.spec = BoxSpec.build(
+            image_ref, rootfs=rootfs, name=name, env=env, workdir=workdir, user=user, volumes=volumes,
+            labels=labels, memory_mib=memory_mib, cpus=cpus, disk_size_gb=disk_size_gb,
+            auto_remove=auto_remove, accel=accel, kernel=kernel, hostname=hostname,
+            boot_timeout=boot_timeout, request_timeout=request_timeout,
+        )  # fmt: skip
+        self.runtime = Runtime.for_home(home)
+        self.id = secrets.token_hex(6)
+        self.name = self.spec.name or f"box-{self.id[:6]}"
+        self.keep = keep
         self._pull = pull
-        self._pull_opts = {
+        self._pull_opts: dict[str, Any] = {
             "insecure": insecure,
             "ca_cert": Path(ca_cert) if ca_cert else None,
             "credentials": credentials,
         }
-        self.id = secrets.token_hex(6)
-        self.memory_mib = memory_mib
-        self.cpus = cpus
-        self.disk_size_gb = disk_size_gb
-        self.hostname = hostname or f"sandlot-{self.id[:6]}"
-        self._accel_request = accel
-        self._kernel = kernel
-        self._boot_timeout = boot_timeout
-        self._request_timeout = request_timeout
-        self.runtime = Runtime.for_home(home)
+        self._record: BoxRecord | None = None
+        self._init_runtime_state()
+
+    def _init_runtime_state(self) -> None:
         self._vm: QemuVM | None = None
         self._conn: AgentConnection | None = None
-        self._removed = False
+        self._port_fd: int | None = None
         self._lock = asyncio.Lock()
         self.files = AsyncFiles(self._connection)
-        self.accel: str | None = None
         self.boot_seconds: float | None = None
 
-    async def _resolve_image(self) -> Image:
-        if self.image is not None:
-            return self.image
-        assert self._image_ref is not None
-        images = self.runtime.images
-        found = None if self._pull == "always" else images.get(self._image_ref)
-        if found is None:
-            if self._pull == "never":
-                raise InvalidArgument(f"image {self._image_ref!r} is not here and pull='never'")
-            found = await images.pull(self._image_ref, **self._pull_opts)  # type: ignore[arg-type]
-        self.image = found
-        return found
+    @classmethod
+    def _from_record(cls, runtime: Runtime, rec: BoxRecord) -> AsyncBox:
+        box = cls.__new__(cls)
+        box.runtime = runtime
+        box.spec = BoxSpec.from_options(rec.options)
+        box.id, box.name = rec.id, rec.name
+        box.image = None
+        box.keep = True
+        box._pull, box._pull_opts = "never", {}
+        box._record = rec
+        box._init_runtime_state()
+        return box
 
-    def default_command(self, command: Sequence[str] | None = None) -> list[str]:
-        """What ``docker run IMAGE [command]`` would run: Entrypoint + (command or Cmd)."""
-        if self.image is None:
-            if not command:
-                raise InvalidArgument("a root filesystem has no default command; give one")
-            return list(command)
-        argv = self.image.config.argv(list(command) if command else None)
-        if not argv:
-            raise InvalidArgument(f"image {self.image.name} has no Entrypoint or Cmd; give a command")
-        return argv
+    # -- finding boxes --------------------------------------------------------------------
 
-    # -- paths ------------------------------------------------------------------------
+    @classmethod
+    def get(cls, key: str, *, home: str | os.PathLike[str] | None = None) -> AsyncBox:
+        """The box with this id, name or id prefix (BoxNotFound if none)."""
+        rt = Runtime.for_home(home)
+        rec = rt.reconcile(rt.store.get(key))
+        if rec is None:
+            raise BoxNotFound(f"no box {key!r}")
+        return cls._from_record(rt, rec)
+
+    @classmethod
+    def list(
+        cls,
+        *,
+        all: bool = True,
+        state: str | None = None,
+        labels: Mapping[str, str] | None = None,
+        home: str | os.PathLike[str] | None = None,
+    ) -> builtins.list[AsyncBox]:
+        """Boxes of this home, oldest first. ``all=False``: only running or paused ones;
+        ``state``: only that state; ``labels``: only boxes carrying all of them."""
+        rt = Runtime.for_home(home)
+        out = []
+        for rec in rt.store.list():
+            rec2 = rt.reconcile(rec)
+            if rec2 is None:
+                continue
+            if not all and rec2.state not in ("running", "paused"):
+                continue
+            if state is not None and rec2.state != state:
+                continue
+            if labels and any(rec2.labels.get(k) != v for k, v in labels.items()):
+                continue
+            out.append(cls._from_record(rt, rec2))
+        return out
+
+    # -- facts ----------------------------------------------------------------------------
+
+    @property
+    def record(self) -> BoxRecord:
+        """The box's current row, reconciled with its process (BoxNotFound once removed)."""
+        rec = self.runtime.reconcile(self.runtime.store.get(self.id))
+        if rec is None:
+            raise BoxNotFound(f"box {self.name} was removed")
+        self._record = rec
+        return rec
+
+    @property
+    def state(self) -> str:
+        """created, running, paused, stopped or crashed ("removed" once it is gone;
+        "new" before it was created)."""
+        if self._record is None:
+            return "new"
+        try:
+            return self.record.state
+        except BoxNotFound:
+            return "removed"
+
+    @property
+    def running(self) -> bool:
+        return self.state == "running"
+
+    @property
+    def hostname(self) -> str:
+        return self.spec.hostname or _hostname_for(self.name)
+
+    @property
+    def accel(self) -> str | None:
+        return (self._record.options.get("_accel") if self._record else None) or None
 
     @property
     def state_dir(self) -> Path:
@@ -230,86 +268,252 @@ class AsyncBox:
     def console_log(self) -> Path:
         return self.state_dir / "console.log"
 
-    # -- lifecycle ----------------------------------------------------------------------
+    def logs(self, lines: int | None = None) -> str:
+        """The guest console (kernel and agent messages) of the last boot."""
+        if lines is None:
+            try:
+                return self.console_log.read_text(errors="replace")
+            except FileNotFoundError:
+                return ""
+        return tail(self.console_log, lines)
 
-    @property
-    def running(self) -> bool:
-        return self._vm is not None and self._vm.running and self._conn is not None
+    def console_tail(self, lines: int = 40) -> str:
+        return tail(self.console_log, lines)
+
+    def inspect(self) -> dict[str, Any]:
+        """Everything about the box, JSON-ready."""
+        rec = self.record
+        d = rec.to_json()
+        d["paths"] = {
+            "dir": str(self.state_dir),
+            "disk": str(self.disk_path),
+            "console": str(self.console_log),
+        }
+        d["hostname"] = self.hostname
+        return d
+
+    def stats(self) -> dict[str, Any]:
+        """Host CPU time and memory of the VM, and the disk it uses."""
+        rec = self.record
+        out: dict[str, Any] = {"name": rec.name, "state": rec.state, "cpu_seconds": None, "rss_bytes": None}
+        try:
+            out["disk_bytes"] = self.disk_path.stat().st_blocks * 512
+        except FileNotFoundError:
+            out["disk_bytes"] = 0
+        if rec.state in ("running", "paused") and _proc.alive(rec.qemu_pid, rec.qemu_start):
+            try:
+                stat = Path(f"/proc/{rec.qemu_pid}/stat").read_text()
+                fields = stat[stat.rindex(")") + 2 :].split()
+                ticks = os.sysconf("SC_CLK_TCK")
+                out["cpu_seconds"] = round((int(fields[11]) + int(fields[12])) / ticks, 2)
+                for line in Path(f"/proc/{rec.qemu_pid}/status").read_text().splitlines():
+                    if line.startswith("VmRSS:"):
+                        out["rss_bytes"] = int(line.split()[1]) * 1024
+            except (OSError, ValueError, IndexError):
+                pass
+        return out
+
+    # -- creation ---------------------------------------------------------------------------
+
+    @classmethod
+    async def create(cls, image: str | Image | None = None, **kwargs: Any) -> AsyncBox:
+        """Create a box (disk ready, image pulled) without starting it."""
+        box = cls(image, **kwargs)
+        await box._create()
+        return box
+
+    async def _create(self, *, ephemeral: bool = False) -> None:
+        if self._record is not None:
+            return
+        rt = self.runtime
+        pid, start = _proc.me()
+        now = time.time()
+        rec = BoxRecord(
+            id=self.id, name=self.name, state="creating", options=self.spec.to_options(), created_at=now,
+            updated_at=now, image_ref=self.spec.image, rootfs=self.spec.rootfs, labels=dict(self.spec.labels),
+            owner_pid=pid, owner_start=start, ephemeral=ephemeral,
+        )  # fmt: skip
+        rt.store.insert(rec)  # reserves the name; a crash from here on is undone by reconcile
+        try:
+            digest = None
+            if self.spec.image is not None:
+                image = await self._resolve_image()
+                digest = image.digest
+                c = image.config
+                self.spec.image_config = {"env": list(c.env), "workdir": c.workdir, "user": c.user,
+                                          "entrypoint": list(c.entrypoint), "cmd": list(c.cmd)}  # fmt: skip
+                base = await asyncio.to_thread(rt.images.ensure_base, image)
+            else:
+                assert self.spec.rootfs is not None
+                base = await asyncio.to_thread(base_for, rt.bases_dir, self.spec.rootfs)
+            self.state_dir.mkdir(parents=True, exist_ok=True)
+            (self.state_dir / "ports").mkdir(exist_ok=True)
+            await asyncio.to_thread(create_overlay, base, self.disk_path, self.spec.disk_size_gb * GiB)
+            updated = rt.store.update(
+                self.id,
+                expect=("creating",),
+                state="created",
+                image_digest=digest,
+                options=self.spec.to_options(),
+            )
+        except BaseException:
+            rt.store.delete(self.id)
+            shutil.rmtree(self.state_dir, ignore_errors=True)
+            raise
+        if updated is None:
+            raise BoxNotFound(f"box {self.name} was removed while it was being created")
+        self._record = updated
+
+    async def _resolve_image(self) -> Image:
+        if self.image is not None:
+            return self.image
+        assert self.spec.image is not None
+        images = self.runtime.images
+        found = None if self._pull == "always" else images.get(self.spec.image)
+        if found is None:
+            if self._pull == "never":
+                raise InvalidArgument(f"image {self.spec.image!r} is not here and pull='never'")
+            found = await images.pull(self.spec.image, **self._pull_opts)
+        self.image = found
+        return found
+
+    def default_command(self, command: Sequence[str] | None = None) -> builtins.list[str]:
+        """What ``docker run IMAGE [command]`` would run: Entrypoint + (command or Cmd)."""
+        cfg = self.spec.image_config
+        if cfg is None and self.image is not None:
+            cfg = {"entrypoint": list(self.image.config.entrypoint), "cmd": list(self.image.config.cmd)}
+        if cfg is None:
+            if not command:
+                raise InvalidArgument("a root filesystem has no default command; give one")
+            return list(command)
+        argv = [*cfg.get("entrypoint", []), *(command if command else cfg.get("cmd", []))]
+        if not argv:
+            raise InvalidArgument(f"image {self.spec.image} has no Entrypoint or Cmd; give a command")
+        return argv
+
+    # -- lifecycle --------------------------------------------------------------------------
+
+    @contextlib.asynccontextmanager
+    async def _box_lock(self) -> Any:
+        """Serialises lifecycle changes of this box across processes."""
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        fd = await asyncio.to_thread(_flock_wait, self.state_dir / "lock", LOCK_TIMEOUT)
+        try:
+            yield
+        finally:
+            os.close(fd)
 
     async def __aenter__(self) -> AsyncBox:
-        await self.start()
+        await self._create(ephemeral=not self.keep)
+        try:
+            await self.start()
+        except BaseException:
+            if not self.keep:  # __aexit__ will not run: do its work
+                with contextlib.suppress(Exception):
+                    await self.remove(force=True)
+            raise
         return self
 
     async def __aexit__(self, *exc: object) -> None:
-        await self.remove()
+        if self.keep:
+            self._disconnect()
+            if self.state != "removed":
+                self.runtime.store.update(self.id, ephemeral=False)
+        else:
+            await self.remove(force=True)
+
+    def _vm_config(self, rec: BoxRecord, assets: Any) -> VMConfig:
+        volumes = [(v.host, f"vol{i}", v.readonly) for i, v in enumerate(self.spec.volumes)]
+        return VMConfig(
+            kernel=Path(rec.options.get("_kernel") or assets.kernel.vmlinux),
+            initrd=Path(rec.options.get("_initrd") or assets.initrd),
+            disk=self.disk_path,
+            run_dir=self.runtime.run_dir(self.id),
+            state_dir=self.state_dir,
+            accel=rec.options.get("_accel") or assets.accel.name,
+            memory_mib=self.spec.memory_mib,
+            cpus=self.spec.cpus,
+            hostname=self.hostname,
+            ports=AGENT_PORTS,
+            volumes=volumes,
+        )
+
+    def _existing_vm(self, rec: BoxRecord) -> QemuVM:
+        """The VM process of a box started elsewhere (or earlier)."""
+        if self._vm is not None and self._vm.pid == rec.qemu_pid:
+            return self._vm
+        o = rec.options
+        cfg = VMConfig(
+            kernel=Path(o.get("_kernel", "")), initrd=Path(o.get("_initrd", "")), disk=self.disk_path,
+            run_dir=self.runtime.run_dir(self.id), state_dir=self.state_dir, accel=o.get("_accel", "tcg"),
+            hostname=self.hostname, ports=AGENT_PORTS,
+        )  # fmt: skip
+        assert rec.qemu_pid is not None
+        self._vm = QemuVM.attach(cfg, rec.qemu_pid, rec.qemu_start)
+        return self._vm
 
     async def start(self) -> AsyncBox:
-        """Boot the VM (cold boot; the disk is kept from earlier runs) and wait for the agent."""
-        async with self._lock:
-            if self._removed:
-                raise BoxStateError(f"box {self.id} was removed")
-            if self.running:
+        """Boot the box (creating it first if needed) and wait for its agent.
+        A running box is left as it is; the disk is kept across stop/start."""
+        await self._create()
+        async with self._lock, self._box_lock():
+            rec = self.record
+            if rec.state == "running":
                 return self
+            if rec.state == "paused":
+                raise InvalidState(f"box {self.name} is paused: unpause() it")
+            if rec.state not in ("created", "stopped", "crashed"):
+                raise InvalidState(f"box {self.name} is {rec.state}")
             t0 = time.monotonic()
+            flavor = "generic" if self.spec.volumes else "cloud"  # the cloud kernel has no 9p
+            extra = ("9p", "9pnet_virtio") if self.spec.volumes else ()
             assets = await asyncio.to_thread(
-                self.runtime.assets, kernel=self._kernel, accel=self._accel_request
+                self.runtime.assets,
+                kernel=self.spec.kernel,
+                accel=self.spec.accel,
+                flavor=flavor,
+                extra_modules=extra,
             )
-            self.accel = assets.accel.name
-            await self._prepare_disk()
-            cfg = VMConfig(
-                kernel=assets.kernel.vmlinux,
-                initrd=assets.initrd,
-                disk=self.disk_path,
-                run_dir=self.runtime.run_dir(self.id),
-                state_dir=self.state_dir,
-                accel=assets.accel.name,
-                memory_mib=self.memory_mib,
-                cpus=self.cpus,
-                hostname=self.hostname,
-            )
-            vm = QemuVM(cfg)
+            options = {**rec.options, "_kernel": str(assets.kernel.vmlinux), "_initrd": str(assets.initrd),
+                       "_accel": assets.accel.name}  # fmt: skip
+            rec = self.runtime.store.update(self.id, options=options) or rec
+            vm = QemuVM(self._vm_config(rec, assets))
             await vm.start()
             self._vm = vm
-            timeout = self._boot_timeout or _default_boot_timeout(assets.accel.name)
+            pid, start = _proc.me()
+            self.runtime.store.update(
+                self.id, state="starting", qemu_pid=vm.pid, qemu_start=vm.start_time, owner_pid=pid,
+                owner_start=start, reason=None,
+            )  # fmt: skip
+            timeout = self.spec.boot_timeout or _default_boot_timeout(assets.accel.name)
             try:
-                self._conn = await self._attach(vm, timeout)
-            except BaseException:
+                self._conn = await self._boot_attach(vm, timeout)
+                for i, v in enumerate(self.spec.volumes):
+                    await self._control(ControlOp.MOUNT, tlv(Tag.PATH, v.guest) + tlv(Tag.PATH2, f"vol{i}")
+                                        + tlv(Tag.FLAGS, 1 if v.readonly else 0))  # fmt: skip
+            except BaseException as exc:
                 await vm.kill(grace=0.5)
-                vm.cleanup()
-                self._vm = None
+                self._disconnect()
+                reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+                self.runtime.store.update(
+                    self.id, state="crashed", reason=f"boot failed: {reason}", qemu_pid=None
+                )
                 raise
+            self.runtime.store.update(self.id, state="running", started_at=time.time())
             self.boot_seconds = time.monotonic() - t0
             return self
 
-    async def _prepare_disk(self) -> None:
-        """The box's disk: a qcow2 overlay on the image's (or rootfs's) cached base."""
-        if self.disk_path.exists():
-            return
-        if self.rootfs is not None:
-            base = await asyncio.to_thread(base_for, self.runtime.bases_dir, self.rootfs)
-        else:
-            image = await self._resolve_image()
-            base = await asyncio.to_thread(self.runtime.images.ensure_base, image)
-        self.state_dir.mkdir(parents=True, exist_ok=True)
-        self.runtime.claim(self.state_dir)
-        await asyncio.to_thread(create_overlay, base, self.disk_path, self.disk_size_gb * GiB)
-
-    async def _attach(self, vm: QemuVM, timeout: float) -> AgentConnection:
-        """Connect to the agent socket and handshake, racing QEMU's exit and the deadline."""
-        sock = str(vm.cfg.agent_socket(0))
+    async def _boot_attach(self, vm: QemuVM, timeout: float) -> AgentConnection:
+        """Connect to port 0 and handshake, racing QEMU's exit and the deadline."""
         deadline = time.monotonic() + timeout
-
-        async def connector() -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
-            return await asyncio.open_unix_connection(sock, limit=1 << 22)
+        fd = await asyncio.to_thread(_flock_wait, self.state_dir / "ports" / "0.lock", 10.0)
+        self._port_fd = fd
+        sock = str(vm.cfg.agent_socket(0))
 
         async def connect_and_handshake() -> AgentConnection:
             while True:
                 try:
-                    conn = AgentConnection(
-                        connector,
-                        request_timeout=self._request_timeout,
-                        on_lost=self._on_agent_lost,
-                    )
+                    conn = self._new_connection(sock)
                     await conn.connect(max(0.1, deadline - time.monotonic()))
                     return conn
                 except (FileNotFoundError, ConnectionRefusedError):
@@ -343,71 +547,196 @@ class AsyncBox:
             f"the agent did not answer within {timeout:.0f}s (accel={vm.cfg.accel})", vm.console_tail()
         )
 
-    async def _on_agent_lost(self) -> BaseException | None:
-        """Called when the agent socket closes: reconnect if the VM lives, else report the crash."""
-        vm = self._vm
-        if vm is None:
-            return ConnectionLost("the box was stopped")
-        await asyncio.sleep(0.05)
-        if vm.running:
-            return None
-        return BoxCrashed(
-            f"box {self.id} stopped unexpectedly (QEMU exit status {vm.exit_code})", vm.console_tail()
+    def _new_connection(self, sock: str) -> AgentConnection:
+        async def connector() -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+            return await asyncio.open_unix_connection(sock, limit=1 << 22)
+
+        return AgentConnection(
+            connector, request_timeout=self.spec.request_timeout, on_lost=self._on_agent_lost
         )
 
     async def _connection(self) -> AgentConnection:
+        """This process's session with the agent, made on first use."""
         conn = self._conn
-        if conn is None or self._vm is None:
-            raise BoxStateError(f"box {self.id} is not running; call start()")
-        if conn.failed is not None:
-            raise conn.failed
-        return conn
+        if conn is not None and conn.failed is None:
+            return conn
+        if conn is not None:
+            self._disconnect()
+            raise conn.failed  # type: ignore[misc]
+        rec = self.record if self._record is not None else None
+        if rec is None:
+            raise InvalidState(f"box {self.name} was not started; call start()")
+        if rec.state != "running":
+            raise InvalidState(
+                f"box {self.name} is {rec.state}" + ("; call start()" if rec.state != "paused" else "")
+            )
+        async with self._lock:
+            if self._conn is not None and self._conn.failed is None:
+                return self._conn
+            vm = self._existing_vm(rec)
+            for port in range(AGENT_PORTS):
+                fd = _try_flock(self.state_dir / "ports" / f"{port}.lock")
+                if fd is None:
+                    continue
+                try:
+                    conn = self._new_connection(str(vm.cfg.agent_socket(port)))
+                    await conn.connect(self.spec.request_timeout)
+                except BaseException:
+                    os.close(fd)
+                    raise
+                self._port_fd, self._conn = fd, conn
+                return conn
+        raise InvalidState(f"{AGENT_PORTS} processes are attached to box {self.name} already")
+
+    def _disconnect(self) -> None:
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            with contextlib.suppress(Exception):
+                asyncio.get_running_loop().create_task(conn.close())
+        if self._port_fd is not None:
+            os.close(self._port_fd)
+            self._port_fd = None
+
+    async def _on_agent_lost(self) -> BaseException | None:
+        """The agent socket closed: reconnect if the VM lives; else say why it is gone."""
+        vm = self._vm
+        await asyncio.sleep(0.05)
+        if vm is not None and vm.running:
+            return None
+        rec = self.runtime.store.find(self.id)
+        if rec is None:
+            return InvalidState(f"box {self.name} was removed")
+        if rec.state in ("stopping", "stopped", "removing", "created"):
+            return InvalidState(f"box {self.name} was stopped")
+        tail_text = self.console_tail()
+        self.runtime.store.update(
+            self.id, expect=("running", "paused", "starting"), state="crashed",
+            reason="the VM process exited unexpectedly", qemu_pid=None,
+        )  # fmt: skip
+        return BoxCrashed(f"box {self.name} stopped unexpectedly", tail_text)
+
+    async def _control(self, op: ControlOp, payload: bytes = b"", timeout: float | None = None) -> None:
+        conn = await self._connection()
+        ch = conn.open_channel()
+        try:
+            ch.send(T.CONTROL, tlv(Tag.OP, op) + payload)
+            await ch.expect(T.CONTROL_OK, timeout=timeout or conn.request_timeout)
+        finally:
+            ch.close()
 
     async def stop(self, timeout: float = 10.0) -> None:
-        """Stop gracefully: processes get SIGTERM, then SIGKILL; the disk is synced and
-        unmounted; the VM powers off. Forced after ``timeout`` seconds."""
-        async with self._lock:
-            vm, conn = self._vm, self._conn
-            if vm is None:
+        """Stop gracefully: every process gets SIGTERM, then SIGKILL after half of
+        ``timeout``; the disk is synced and unmounted; the VM powers off. Forced
+        once ``timeout`` has passed. The disk is kept."""
+        positive("timeout", timeout)
+        async with self._lock, self._box_lock():
+            rec = self.record
+            if rec.state in ("created", "stopped", "crashed"):
                 return
-            if conn is not None and conn.failed is None and vm.running:
+            if rec.state not in ("running", "paused", "starting"):
+                raise InvalidState(f"box {self.name} is {rec.state}")
+            pid, start = _proc.me()
+            self.runtime.store.update(self.id, state="stopping", owner_pid=pid, owner_start=start)
+            vm = self._existing_vm(rec)
+            if rec.state == "paused":
                 with contextlib.suppress(Exception):
-                    ch = conn.open_channel()
-                    grace_ms = int(max(0.5, timeout * 0.5) * 1000)
-                    ch.send(T.CONTROL, tlv(Tag.OP, ControlOp.SHUTDOWN) + tlv(Tag.TIMEOUT_MS, grace_ms))
-                    await ch.expect(T.CONTROL_OK, timeout=timeout)
-                await vm.wait_exit(max(1.0, timeout * 0.3))
-            self._vm = None
-            self._conn = None
-            if conn is not None:
-                await conn.close()
-            await vm.kill(grace=2.0)
-            vm.cleanup()
+                    await vm.qmp("cont")
+            with contextlib.suppress(Exception):
+                grace_ms = int(max(0.5, timeout * 0.5) * 1000)
+                await asyncio.wait_for(self._shutdown_via_agent(vm, grace_ms), timeout=timeout)
+            if not await vm.wait_exit(max(1.0, timeout * 0.3)):
+                await vm.kill(grace=2.0)
+            self._disconnect()
+            vm_cleanup(vm)
+            self.runtime.store.update(self.id, state="stopped", stopped_at=time.time(), qemu_pid=None)
+        if self.spec.auto_remove:
+            await self.remove()
+
+    async def _shutdown_via_agent(self, vm: QemuVM, grace_ms: int) -> None:
+        if self._conn is None or self._conn.failed is not None:
+            self._disconnect()
+            for port in range(AGENT_PORTS):
+                fd = _try_flock(self.state_dir / "ports" / f"{port}.lock")
+                if fd is None:
+                    continue
+                conn = self._new_connection(str(vm.cfg.agent_socket(port)))
+                try:
+                    await conn.connect(5.0)
+                except BaseException:
+                    os.close(fd)
+                    raise
+                self._port_fd, self._conn = fd, conn
+                break
+        if self._conn is None:
+            return
+        ch = self._conn.open_channel()
+        ch.send(T.CONTROL, tlv(Tag.OP, ControlOp.SHUTDOWN) + tlv(Tag.TIMEOUT_MS, grace_ms))
+        await ch.expect(T.CONTROL_OK, timeout=grace_ms / 1000 + 10)
+        await vm.wait_exit(5.0)
+
+    async def restart(self, timeout: float = 10.0) -> None:
+        await self.stop(timeout)
+        await self.start()
 
     async def kill(self) -> None:
-        """Stop at once, like pulling the plug (the guest disk journal recovers on next boot)."""
+        """Stop at once, like pulling the plug (the disk's journal recovers on next boot)."""
+        async with self._lock, self._box_lock():
+            rec = self.record
+            if rec.state not in ("running", "paused", "starting", "stopping"):
+                return
+            vm = self._existing_vm(rec)
+            await vm.kill(grace=1.0)  # QMP quit: immediate, no guest involvement
+            self._disconnect()
+            vm_cleanup(vm)
+            self.runtime.store.update(self.id, state="stopped", stopped_at=time.time(), qemu_pid=None,
+                                      reason="killed")  # fmt: skip
+        if self.spec.auto_remove:
+            await self.remove()
+
+    async def pause(self) -> None:
+        """Freeze the vCPUs; RAM and processes stay. Commands wait until unpause()."""
+        async with self._lock, self._box_lock():
+            rec = self.record
+            if rec.state == "paused":
+                return
+            if rec.state != "running":
+                raise InvalidState(f"box {self.name} is {rec.state}, not running")
+            await self._existing_vm(rec).qmp("stop")
+            self.runtime.store.update(self.id, state="paused")
+
+    async def unpause(self) -> None:
+        async with self._lock, self._box_lock():
+            rec = self.record
+            if rec.state == "running":
+                return
+            if rec.state != "paused":
+                raise InvalidState(f"box {self.name} is {rec.state}, not paused")
+            await self._existing_vm(rec).qmp("cont")
+            self.runtime.store.update(self.id, state="running")
+
+    async def remove(self, *, force: bool = False) -> None:
+        """Delete the box: its disk, logs and record. A running box needs ``force=True``
+        (it is killed first). Removing a removed box does nothing."""
         async with self._lock:
-            vm, conn = self._vm, self._conn
-            self._vm = None
-            self._conn = None
-            if conn is not None:
-                await conn.close()
-            if vm is not None:
-                await vm.kill(grace=1.0)  # QMP quit: immediate, no guest involvement
-                vm.cleanup()
+            try:
+                async with self._box_lock():
+                    rec = self.runtime.store.find(self.id)
+                    if rec is None:
+                        return
+                    if rec.state in ("running", "paused", "starting", "stopping") and not force:
+                        raise InvalidState(
+                            f"box {self.name} is {rec.state}: stop it first, or remove(force=True)"
+                        )
+                    pid, start = _proc.me()
+                    self.runtime.store.update(self.id, state="removing", owner_pid=pid, owner_start=start)
+                    if rec.qemu_pid and _proc.alive(rec.qemu_pid, rec.qemu_start):
+                        await self._existing_vm(rec).kill(grace=1.0)
+                    self._disconnect()
+                    self.runtime.discard_box(self.id)
+            except FileNotFoundError:
+                self.runtime.store.delete(self.id)
 
-    async def remove(self) -> None:
-        """Stop if running and delete the box's disk and logs."""
-        await self.stop()
-        self._removed = True
-        await asyncio.to_thread(shutil.rmtree, self.state_dir, True)
-
-    def console_tail(self, lines: int = 40) -> str:
-        from ..engine.qemu import tail
-
-        return tail(self.console_log, lines)
-
-    # -- exec -------------------------------------------------------------------------------
+    # -- exec ------------------------------------------------------------------------------------
 
     async def spawn(
         self,
@@ -422,44 +751,20 @@ class AsyncBox:
     ) -> AsyncProcess:
         """Start a command and return at once with a handle to stream its output."""
         args = _argv(argv)
-        merged_env = {**self._image_env(), **self._env, **(_env(env) or {})}
+        if tty and not (0 < rows <= 10000 and 0 < cols <= 10000):
+            raise InvalidArgument("rows and cols must be in 1..10000")
         req = ExecRequest(
             argv=args,
-            env=merged_env or None,
-            cwd=guest_path(cwd) if cwd is not None else self._default_cwd(),
-            user=self._user(user)
-            or self._user_default
-            or (self.image.config.user if self.image else None)
-            or None,
+            env={**self.spec.default_env(), **check_env(env)} or None,
+            cwd=guest_path(cwd) if cwd is not None else self.spec.default_cwd(),
+            user=check_user(user) or self.spec.default_user(),
             tty=tty,
             rows=rows,
             cols=cols,
             stdin=stdin,
         )
-        if tty and not (0 < rows <= 10000 and 0 < cols <= 10000):
-            raise InvalidArgument("rows and cols must be in 1..10000")
         remote = await RemoteProcess.start(await self._connection(), req)
         return AsyncProcess(args, remote)
-
-    def _image_env(self) -> dict[str, str]:
-        return self.image.config.env_dict() if self.image else {}
-
-    def _default_cwd(self) -> str | None:
-        if self._workdir:
-            return self._workdir
-        if self.image and self.image.config.workdir:
-            return self.image.config.workdir
-        return None
-
-    @staticmethod
-    def _user(user: str | None) -> str | None:
-        if user is None:
-            return None
-        if not isinstance(user, str) or not re.fullmatch(
-            r"[A-Za-z0-9_.][A-Za-z0-9_.-]*(:[A-Za-z0-9_.-]+)?", user
-        ):
-            raise InvalidArgument(f"user must be 'name', 'uid', 'name:group' or 'uid:gid', not {user!r}")
-        return user
 
     async def exec(
         self,
@@ -479,7 +784,7 @@ class AsyncBox:
         process group is killed and ExecTimeout raised (the box stays usable).
         ``check=True`` raises CommandFailed on a nonzero exit.
         """
-        _positive("timeout", timeout)
+        positive("timeout", timeout)
         proc = await self.spawn(*argv, env=env, cwd=cwd, user=user, tty=tty, stdin=stdin is not None)
         feeder = asyncio.ensure_future(_feed(proc, stdin)) if stdin is not None else None
         try:
@@ -501,6 +806,16 @@ class AsyncBox:
         return await (await self._connection()).ping()
 
 
+def _hostname_for(name: str) -> str:
+    h = "".join(c if c.isalnum() or c in ".-" else "-" for c in name).strip("-.")[:63]
+    return h or "sandlot"
+
+
+def vm_cleanup(vm: QemuVM) -> None:
+    with contextlib.suppress(Exception):
+        vm.cleanup()
+
+
 async def _feed(proc: AsyncProcess, stdin: StdinSource) -> None:
     """Send ``stdin`` to the process, then close it. A process that exits first is not an error."""
     with contextlib.suppress(ConnectionLost):
@@ -520,7 +835,7 @@ async def _feed(proc: AsyncProcess, stdin: StdinSource) -> None:
 class Box:
     """A microVM sandbox (sync API); see :class:`AsyncBox` for the arguments.
 
-    >>> with sandlot.Box(rootfs="rootfs/") as box:                 # doctest: +SKIP
+    >>> with sandlot.Box("python:3.12-slim") as box:           # doctest: +SKIP
     ...     r = box.exec("python3", "-c", "print(6*7)")
     ...     r.stdout
     '42\\n'
@@ -530,17 +845,48 @@ class Box:
         self._a = AsyncBox(image, **kwargs)
         self.files = Files(self._a.files)
 
-    @property
-    def image(self) -> Image | None:
-        """The image this box was made from (resolved at start), or None for a rootfs."""
-        return self._a.image
+    @classmethod
+    def _wrap(cls, a: AsyncBox) -> Box:
+        box = cls.__new__(cls)
+        box._a = a
+        box.files = Files(a.files)
+        return box
 
-    def default_command(self, command: Sequence[str] | None = None) -> list[str]:
-        return self._a.default_command(command)
+    @classmethod
+    def get(cls, key: str, *, home: str | os.PathLike[str] | None = None) -> Box:
+        return cls._wrap(AsyncBox.get(key, home=home))
 
+    @classmethod
+    def list(
+        cls,
+        *,
+        all: bool = True,
+        state: str | None = None,
+        labels: Mapping[str, str] | None = None,
+        home: str | os.PathLike[str] | None = None,
+    ) -> builtins.list[Box]:
+        return [cls._wrap(a) for a in AsyncBox.list(all=all, state=state, labels=labels, home=home)]
+
+    @classmethod
+    def create(cls, image: str | Image | None = None, **kwargs: Any) -> Box:
+        return cls._wrap(_sync.run(AsyncBox.create(image, **kwargs)))
+
+    # facts
     @property
     def id(self) -> str:
         return self._a.id
+
+    @property
+    def name(self) -> str:
+        return self._a.name
+
+    @property
+    def state(self) -> str:
+        return self._a.state
+
+    @property
+    def running(self) -> bool:
+        return self._a.running
 
     @property
     def hostname(self) -> str:
@@ -551,8 +897,8 @@ class Box:
         return self._a.accel
 
     @property
-    def running(self) -> bool:
-        return self._a.running
+    def image(self) -> Image | None:
+        return self._a.image
 
     @property
     def boot_seconds(self) -> float | None:
@@ -563,12 +909,28 @@ class Box:
         """The async box behind this one, for use on sandlot's loop."""
         return self._a
 
+    def default_command(self, command: Sequence[str] | None = None) -> builtins.list[str]:
+        return self._a.default_command(command)
+
+    def inspect(self) -> dict[str, Any]:
+        return self._a.inspect()
+
+    def stats(self) -> dict[str, Any]:
+        return self._a.stats()
+
+    def logs(self, lines: int | None = None) -> str:
+        return self._a.logs(lines)
+
+    def console_tail(self, lines: int = 40) -> str:
+        return self._a.console_tail(lines)
+
+    # lifecycle
     def __enter__(self) -> Box:
-        self.start()
+        _sync.run(self._a.__aenter__())
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.remove()
+        _sync.run(self._a.__aexit__(*exc))
 
     def start(self) -> Box:
         _sync.run(self._a.start())
@@ -577,15 +939,22 @@ class Box:
     def stop(self, timeout: float = 10.0) -> None:
         _sync.run(self._a.stop(timeout))
 
+    def restart(self, timeout: float = 10.0) -> None:
+        _sync.run(self._a.restart(timeout))
+
     def kill(self) -> None:
         _sync.run(self._a.kill())
 
-    def remove(self) -> None:
-        _sync.run(self._a.remove())
+    def pause(self) -> None:
+        _sync.run(self._a.pause())
 
-    def console_tail(self, lines: int = 40) -> str:
-        return self._a.console_tail(lines)
+    def unpause(self) -> None:
+        _sync.run(self._a.unpause())
 
+    def remove(self, *, force: bool = False) -> None:
+        _sync.run(self._a.remove(force=force))
+
+    # exec
     def exec(
         self,
         *argv: str | os.PathLike[str],

@@ -10,15 +10,18 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
+import fcntl
 import os
 import shutil
 import signal
 import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from qemu.qmp import QMPClient
 
+from .. import _proc
 from ..errors import BootError, HostSetupError
 
 QEMU_BINARY = "qemu-system-x86_64"
@@ -83,7 +86,8 @@ class VMConfig:
     cpus: int = 1
     hostname: str = "sandlot"
     ports: int = 1
-    detached: bool = False
+    detached: bool = True
+    volumes: list[tuple[str, str, bool]] = field(default_factory=list)  # host dir, mount tag, read-only
     extra_kernel_args: list[str] = field(default_factory=list)
 
     @property
@@ -100,6 +104,11 @@ class VMConfig:
     @property
     def stderr_log(self) -> Path:
         return self.state_dir / "qemu.stderr"
+
+
+def _q(value: object) -> str:
+    """A value inside a QEMU option list: commas are doubled."""
+    return str(value).replace(",", ",,")
 
 
 def build_command(cfg: VMConfig, binary: str) -> list[str]:
@@ -126,20 +135,24 @@ def build_command(cfg: VMConfig, binary: str) -> list[str]:
         "-kernel", str(cfg.kernel),
         "-initrd", str(cfg.initrd),
         "-append", append,
-        "-chardev", f"file,id=console,path={cfg.console_log}",
+        "-chardev", f"file,id=console,path={_q(cfg.console_log)}",
         "-serial", "chardev:console",
         "-device", f"virtio-serial-device,max_ports={cfg.ports + 1}",  # port 0 is reserved for consoles
     ]  # fmt: skip
     for port in range(cfg.ports):
         cmd += [
-            "-chardev", f"socket,id=agent{port},path={cfg.agent_socket(port)},server=on,wait=off",
+            "-chardev", f"socket,id=agent{port},path={_q(cfg.agent_socket(port))},server=on,wait=off",
             "-device", f"virtserialport,chardev=agent{port},name=sandlot.{port}",
         ]  # fmt: skip
     cmd += [
-        "-drive", f"id=root,file={cfg.disk},format=qcow2,if=none,discard=unmap,detect-zeroes=unmap",
+        "-drive", f"id=root,file={_q(cfg.disk)},format=qcow2,if=none,discard=unmap,detect-zeroes=unmap",
         "-device", "virtio-blk-device,drive=root",
-        "-qmp", f"unix:{cfg.qmp_socket},server=on,wait=off",
+        "-qmp", f"unix:{_q(cfg.qmp_socket)},server=on,wait=off",
     ]  # fmt: skip
+    for host, tag, readonly in cfg.volumes:
+        # security_model=none: files keep the host user's ownership; no root needed
+        opts = f"local,id={tag},path={_q(host)},security_model=none" + (",readonly=on" if readonly else "")
+        cmd += ["-fsdev", opts, "-device", f"virtio-9p-device,fsdev={tag},mount_tag={tag}"]
     return cmd
 
 
@@ -148,6 +161,12 @@ def _die_with_parent() -> None:
     PR_SET_PDEATHSIG = 1
     libc = ctypes.CDLL(None, use_errno=True)
     libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+
+
+def _flock(path: Path) -> int:
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    return fd
 
 
 def tail(path: Path, lines: int = 40, max_bytes: int = 64 * 1024) -> str:
@@ -164,15 +183,20 @@ def tail(path: Path, lines: int = 40, max_bytes: int = 64 * 1024) -> str:
 
 
 class QemuVM:
-    """One QEMU process. Start it, watch it, talk QMP to it, and end it."""
+    """One QEMU process: started here, or found again by pid from another process.
+
+    Its exit is watched through a pidfd, which works for processes that are not
+    our children too. QMP is used in short exchanges under a file lock, since
+    the QMP socket takes one client at a time and any process may need it.
+    """
 
     def __init__(self, cfg: VMConfig) -> None:
         self.cfg = cfg
         self.pid: int | None = None
+        self.start_time: str | None = None
         self._popen: subprocess.Popen[bytes] | None = None
         self._exited: asyncio.Future[int | None] | None = None
         self._pidfd: int | None = None
-        self._qmp: QMPClient | None = None
 
     @property
     def command(self) -> list[str]:
@@ -200,12 +224,24 @@ class QemuVM:
                 preexec_fn=None if cfg.detached else _die_with_parent,
             )
         self.pid = self._popen.pid
+        self.start_time = _proc.start_time(self.pid)
         self._watch_exit()
+
+    @classmethod
+    def attach(cls, cfg: VMConfig, pid: int, start_time: str | None) -> QemuVM:
+        """A QEMU started by another process (or an earlier one of ours)."""
+        vm = cls(cfg)
+        vm.pid, vm.start_time = pid, start_time
+        vm._watch_exit()
+        return vm
 
     def _watch_exit(self) -> None:
         loop = asyncio.get_running_loop()
         self._exited = loop.create_future()
         assert self.pid is not None
+        if self._popen is None and not _proc.alive(self.pid, self.start_time):
+            self._exited.set_result(None)
+            return
         try:
             self._pidfd = os.pidfd_open(self.pid)
         except OSError:  # already gone
@@ -267,34 +303,32 @@ class QemuVM:
             msg += f"\n--- QEMU stderr ---\n{err}"
         return BootError(msg, self.console_tail())
 
-    async def qmp(self) -> QMPClient:
-        if self._qmp is None:
+    async def qmp(self, command: str, arguments: dict[str, Any] | None = None, timeout: float = 10.0) -> Any:
+        """Run one QMP command (serialised with every other process through a lock)."""
+        lock_path = self.cfg.state_dir / "qmp.lock"
+        fd = await asyncio.to_thread(_flock, lock_path)
+        try:
             client = QMPClient(f"sandlot-{self.cfg.hostname}")
-            await asyncio.wait_for(client.connect(str(self.cfg.qmp_socket)), 5.0)
-            self._qmp = client
-        return self._qmp
+            await asyncio.wait_for(client.connect(str(self.cfg.qmp_socket)), timeout)
+            try:
+                return await asyncio.wait_for(client.execute(command, arguments), timeout)
+            finally:
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(client.disconnect(), 2.0)
+        finally:
+            os.close(fd)
 
     async def kill(self, grace: float = 2.0) -> None:
         """End QEMU: QMP quit first, SIGKILL after ``grace`` seconds."""
         if not self.running:
-            await self._close_qmp()
             return
-        try:
-            qmp = await self.qmp()
-            await asyncio.wait_for(qmp.execute("quit"), grace)
-        except Exception:
-            pass
-        if not await self.wait_exit(grace) and self.pid is not None:
+        with contextlib.suppress(Exception):
+            await self.qmp("quit", timeout=max(grace, 0.5))
+        gone = await self.wait_exit(grace)
+        if not gone and self.pid is not None and _proc.alive(self.pid, self.start_time):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(self.pid, signal.SIGKILL)
             await self.wait_exit(5.0)
-        await self._close_qmp()
-
-    async def _close_qmp(self) -> None:
-        client, self._qmp = self._qmp, None
-        if client is not None:
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(client.disconnect(), 2.0)
 
     def cleanup(self) -> None:
         """Remove sockets once QEMU is gone."""

@@ -143,6 +143,7 @@ class ControlOp(IntEnum):
     SET_HOSTNAME = 3
     SET_TIME = 4
     ADD_ENTROPY = 5
+    MOUNT = 6
 
 
 @dataclass(frozen=True, slots=True)

@@ -224,6 +224,7 @@ int resolve_user(const char *spec, struct user_spec *u, char *err, size_t errlen
 void init_early(void);          /* mounts, modules, root switch (PID 1 only) */
 void init_after_root(void);
 void set_hostname(const char *name);
+int mount_volume(const char *tag, const char *where, int readonly);
 void add_entropy(const uint8_t *p, size_t n);
 void set_wall_clock(uint64_t ns);
 void shutdown_guest(struct session *s, uint32_t ch, uint32_t timeout_ms);

@@ -248,6 +248,23 @@ void init_after_root(void)
 
 const char *boot_id(void) { return g_boot_id; }
 
+/* A host directory shared over virtio-9p, mounted where the box wants it. */
+int mount_volume(const char *tag, const char *where, int readonly)
+{
+    char tmp[4096];
+    snprintf(tmp, sizeof(tmp), "%s", where);
+    for (char *q = tmp + 1; *q; q++) {
+        if (*q == '/') {
+            *q = 0;
+            mkdir(tmp, 0755);
+            *q = '/';
+        }
+    }
+    mkdir(tmp, 0755);
+    unsigned long flags = MS_NOSUID | MS_NODEV | (readonly ? MS_RDONLY : 0);
+    return mount(tag, where, "9p", flags, "trans=virtio,version=9p2000.L,msize=524288,cache=mmap");
+}
+
 void set_hostname(const char *name)
 {
     if (!g_is_pid1 || !name[0]) {

@@ -563,6 +563,28 @@ static void handle_control(struct session *s, uint32_t ch, const uint8_t *p, siz
         add_entropy(e, elen);
         break;
     }
+    case SL_CTL_MOUNT: {
+        char *where = NULL, *tag = NULL;
+        uint32_t flags = 0;
+        if (tlv_str(p, n, SL_T_PATH, &where) != 1 || tlv_str(p, n, SL_T_PATH2, &tag) != 1 || where[0] != '/' ||
+            tlv_u32(p, n, SL_T_FLAGS, &flags) < 0) {
+            free(where);
+            free(tag);
+            send_error(s, ch, EINVAL, SL_CONTROL, "MOUNT needs an absolute PATH and a PATH2 tag");
+            return;
+        }
+        int r = g_safe_mode || !g_is_pid1 ? (errno = EPERM, -1) : mount_volume(tag, where, flags & SL_MOUNT_READONLY);
+        int e = errno;
+        if (r < 0) {
+            send_error(s, ch, e, SL_CONTROL, "mount %s on %s: %s", tag, where, strerror(e));
+        }
+        free(where);
+        free(tag);
+        if (r < 0) {
+            return;
+        }
+        break;
+    }
     default:
         send_error(s, ch, ENOSYS, SL_CONTROL, "unknown control operation %u", op);
         return;

@@ -125,7 +125,10 @@ enum sl_control_op {
     SL_CTL_SET_HOSTNAME = 3,
     SL_CTL_SET_TIME = 4,
     SL_CTL_ADD_ENTROPY = 5,
+    SL_CTL_MOUNT = 6,        /* PATH: mount point, PATH2: virtio-9p tag, FLAGS: SL_MOUNT_* */
 };
+
+#define SL_MOUNT_READONLY 0x1u
 
 /* Streams of a channel. */
 #define SL_STREAM_STDIN 0u

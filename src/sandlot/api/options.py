@@ -1,0 +1,224 @@
+"""What a box is made of: its options, validated once, persisted with its record."""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..errors import InvalidArgument
+from ..images.reference import Reference
+from ..store import validate_name
+from .files import guest_path
+
+DEFAULT_MEMORY_MIB = 512
+DEFAULT_DISK_GB = 8
+_ENV_NAME = re.compile(r"^[^=\0]+$")
+_USER = re.compile(r"^[A-Za-z0-9_.][A-Za-z0-9_.-]*(:[A-Za-z0-9_.-]+)?$")
+_HOSTNAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9.-]{0,62}$")
+_LABEL_KEY = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_./-]{0,127}$")
+
+VolumeSpec = str | tuple[str, str] | tuple[str, str, str] | tuple[str, str, bool]
+
+
+@dataclass(frozen=True, slots=True)
+class Volume:
+    """A host directory shared into the box (virtio-9p)."""
+
+    host: str
+    guest: str
+    readonly: bool = False
+
+    @classmethod
+    def parse(cls, spec: Any) -> Volume:
+        """``"HOST:GUEST[:ro|rw]"``, ``(host, guest)``, ``(host, guest, "ro")`` or a Volume."""
+        if isinstance(spec, Volume):
+            v = spec
+        elif isinstance(spec, str):
+            parts = spec.split(":")
+            if len(parts) not in (2, 3) or (len(parts) == 3 and parts[2] not in ("ro", "rw")):
+                raise InvalidArgument(f"volume {spec!r} is not HOST:GUEST[:ro]")
+            v = cls(parts[0], parts[1], len(parts) == 3 and parts[2] == "ro")
+        elif isinstance(spec, tuple) and len(spec) in (2, 3):
+            ro = spec[2] if len(spec) == 3 else False
+            if isinstance(ro, str):
+                if ro not in ("ro", "rw"):
+                    raise InvalidArgument(f"volume mode must be 'ro' or 'rw', not {ro!r}")
+                ro = ro == "ro"
+            v = cls(str(spec[0]), str(spec[1]), bool(ro))
+        else:
+            raise InvalidArgument(f"invalid volume {spec!r}")
+        host = Path(v.host).expanduser()
+        if not host.is_dir():
+            raise InvalidArgument(f"volume source {v.host!r} is not an existing directory")
+        guest = guest_path(v.guest)
+        if guest == "/" or guest.rstrip("/") in ("/proc", "/sys", "/dev"):
+            raise InvalidArgument(f"a volume cannot be mounted on {guest}")
+        return cls(str(host.resolve()), guest, v.readonly)
+
+
+def positive(name: str, value: Any, *, integer: bool = False) -> None:
+    if value is None:
+        return
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int | float)
+        or (integer and not isinstance(value, int))
+    ):
+        raise InvalidArgument(f"{name} must be a {'whole ' if integer else ''}number, not {value!r}")
+    if value <= 0:
+        raise InvalidArgument(f"{name} must be positive, not {value!r}")
+
+
+def check_env(env: Mapping[str, str] | None) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for k, v in (env or {}).items():
+        if not isinstance(k, str) or not _ENV_NAME.match(k):
+            raise InvalidArgument(f"invalid environment variable name {k!r}")
+        if not isinstance(v, str) or "\0" in v:
+            raise InvalidArgument(f"environment value of {k} must be a string without NUL bytes")
+        out[k] = v
+    return out
+
+
+def check_user(user: str | None) -> str | None:
+    if user is None:
+        return None
+    if not isinstance(user, str) or not _USER.match(user):
+        raise InvalidArgument(f"user must be 'name', 'uid', 'name:group' or 'uid:gid', not {user!r}")
+    return user
+
+
+@dataclass
+class BoxSpec:
+    """Everything that defines a box; persisted (minus secrets) in its record."""
+
+    image: str | None = None
+    rootfs: str | None = None
+    name: str | None = None
+    env: dict[str, str] = field(default_factory=dict)
+    workdir: str | None = None
+    user: str | None = None
+    volumes: list[Volume] = field(default_factory=list)
+    labels: dict[str, str] = field(default_factory=dict)
+    memory_mib: int = DEFAULT_MEMORY_MIB
+    cpus: int = 1
+    disk_size_gb: int = DEFAULT_DISK_GB
+    auto_remove: bool = False
+    accel: str = "auto"
+    kernel: str | None = None
+    hostname: str | None = None
+    boot_timeout: float | None = None
+    request_timeout: float = 30.0
+    image_config: dict[str, Any] | None = None  # the image's Env/WorkingDir/User/Entrypoint/Cmd, kept
+
+    @classmethod
+    def build(
+        cls,
+        image: str | None,
+        *,
+        rootfs: str | os.PathLike[str] | None,
+        name: str | None,
+        env: Mapping[str, str] | None,
+        workdir: str | None,
+        user: str | None,
+        volumes: Sequence[VolumeSpec] | Mapping[str, str] | None,
+        labels: Mapping[str, str] | None,
+        memory_mib: int,
+        cpus: int,
+        disk_size_gb: int,
+        auto_remove: bool,
+        accel: str,
+        kernel: str | os.PathLike[str] | None,
+        hostname: str | None,
+        boot_timeout: float | None,
+        request_timeout: float,
+    ) -> BoxSpec:
+        has_rootfs = rootfs is not None and bool(os.fspath(rootfs))
+        if (image is None) == (not has_rootfs):
+            raise InvalidArgument(
+                "a box needs exactly one of: an image, or rootfs= (a directory or a tarball)"
+            )
+        if image is not None:
+            if not isinstance(image, str):
+                raise InvalidArgument(f"image must be a reference string, not {type(image).__name__}")
+            Reference.parse(image)  # malformed references fail now, before anything is made
+        root = None
+        if has_rootfs:
+            assert rootfs is not None
+            p = Path(rootfs).expanduser()
+            if not p.exists():
+                raise InvalidArgument(f"rootfs {p} does not exist")
+            root = str(p.absolute())
+        positive("memory_mib", memory_mib, integer=True)
+        positive("cpus", cpus, integer=True)
+        positive("disk_size_gb", disk_size_gb, integer=True)
+        positive("boot_timeout", boot_timeout)
+        positive("request_timeout", request_timeout)
+        if memory_mib < 64:
+            raise InvalidArgument(f"memory_mib must be at least 64, not {memory_mib}")
+        if cpus > (os.cpu_count() or 1) * 4:
+            raise InvalidArgument(f"cpus={cpus} is more than this host can emulate sensibly")
+        if hostname is not None and not _HOSTNAME.match(hostname):
+            raise InvalidArgument(f"invalid hostname {hostname!r}")
+        if name is not None:
+            validate_name(name)
+        if isinstance(volumes, Mapping):
+            volumes = [(str(h), str(g)) for h, g in volumes.items()]
+        vols = [Volume.parse(v) for v in (volumes or [])]
+        if len({v.guest for v in vols}) != len(vols):
+            raise InvalidArgument("two volumes share one guest path")
+        lab = {}
+        for k, v in (labels or {}).items():
+            if not isinstance(k, str) or not _LABEL_KEY.match(k) or not isinstance(v, str):
+                raise InvalidArgument(f"invalid label {k!r}={v!r}")
+            lab[k] = v
+        return cls(
+            image=image,
+            rootfs=root,
+            name=name,
+            env=check_env(env),
+            workdir=guest_path(workdir) if workdir is not None else None,
+            user=check_user(user),
+            volumes=vols,
+            labels=lab,
+            memory_mib=memory_mib,
+            cpus=cpus,
+            disk_size_gb=disk_size_gb,
+            auto_remove=bool(auto_remove),
+            accel=accel,
+            kernel=str(kernel) if kernel else None,
+            hostname=hostname,
+            boot_timeout=boot_timeout,
+            request_timeout=request_timeout,
+        )
+
+    def to_options(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["volumes"] = [[v.host, v.guest, v.readonly] for v in self.volumes]
+        return d
+
+    @classmethod
+    def from_options(cls, options: dict[str, Any]) -> BoxSpec:
+        d = dict(options)
+        d["volumes"] = [Volume(h, g, bool(ro)) for h, g, ro in d.get("volumes", [])]
+        known = set(cls.__dataclass_fields__)
+        return cls(**{k: v for k, v in d.items() if k in known})
+
+    # -- what a command gets by default -------------------------------------------------
+
+    def default_env(self) -> dict[str, str]:
+        image_env = {}
+        for e in (self.image_config or {}).get("env", []):
+            k, _, v = e.partition("=")
+            image_env[k] = v
+        return {**image_env, **self.env}
+
+    def default_cwd(self) -> str | None:
+        return self.workdir or (self.image_config or {}).get("workdir") or None
+
+    def default_user(self) -> str | None:
+        return self.user or (self.image_config or {}).get("user") or None

@@ -1,0 +1,227 @@
+"""The box registry: one SQLite database (WAL) per sandlot home.
+
+Every box is a row; its disk and logs live in ``boxes/<id>/``. A row is the
+truth about what a box *should* be; the QEMU process is the truth about what
+it *is*. ``Runtime.reconcile`` makes the two agree after crashes, so a kill -9
+of any process at any moment leaves nothing half-existing.
+
+The schema is versioned with ``PRAGMA user_version``; ``MIGRATIONS[n]`` takes a
+database from version n to n+1, and a database newer than this code is refused
+rather than misread.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sqlite3
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from .errors import BoxNotFound, InvalidArgument, SandlotError
+
+SCHEMA_VERSION = 1
+MIGRATIONS = [
+    """
+    CREATE TABLE boxes (
+        id TEXT PRIMARY KEY,
+        name TEXT NOT NULL UNIQUE,
+        state TEXT NOT NULL,
+        image_ref TEXT,
+        image_digest TEXT,
+        rootfs TEXT,
+        options TEXT NOT NULL,
+        labels TEXT NOT NULL DEFAULT '{}',
+        qemu_pid INTEGER,
+        qemu_start TEXT,
+        owner_pid INTEGER,
+        owner_start TEXT,
+        ephemeral INTEGER NOT NULL DEFAULT 0,
+        reason TEXT,
+        created_at REAL NOT NULL,
+        started_at REAL,
+        stopped_at REAL,
+        updated_at REAL NOT NULL
+    );
+    CREATE INDEX boxes_state ON boxes(state);
+    """,
+]
+
+# What users see. "creating", "starting", "stopping" and "removing" are
+# transitions in progress; reconciliation finishes or undoes them.
+STATES = ("created", "running", "paused", "stopped", "crashed")
+TRANSIENT = ("creating", "starting", "stopping", "removing")
+NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
+
+
+class StoreError(SandlotError):
+    """The state database cannot be used (corrupt, or from a newer sandlot)."""
+
+
+@dataclass(frozen=True, slots=True)
+class BoxRecord:
+    id: str
+    name: str
+    state: str
+    options: dict[str, Any]
+    created_at: float
+    updated_at: float
+    image_ref: str | None = None
+    image_digest: str | None = None
+    rootfs: str | None = None
+    labels: dict[str, str] = field(default_factory=dict)
+    qemu_pid: int | None = None
+    qemu_start: str | None = None
+    owner_pid: int | None = None
+    owner_start: str | None = None
+    ephemeral: bool = False
+    reason: str | None = None
+    started_at: float | None = None
+    stopped_at: float | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+_JSON_COLUMNS = ("options", "labels")
+
+
+def _row(r: sqlite3.Row) -> BoxRecord:
+    d = dict(r)
+    for c in _JSON_COLUMNS:
+        d[c] = json.loads(d[c])
+    d["ephemeral"] = bool(d["ephemeral"])
+    return BoxRecord(**d)
+
+
+class BoxStore:
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._lock = threading.Lock()
+        try:
+            self._db = sqlite3.connect(path, timeout=30.0, isolation_level=None, check_same_thread=False)
+            self._db.row_factory = sqlite3.Row
+            self._db.execute("PRAGMA journal_mode=WAL")
+            self._db.execute("PRAGMA synchronous=FULL")  # a committed transition survives power loss
+            self._db.execute("PRAGMA foreign_keys=ON")
+            self._migrate()
+        except sqlite3.DatabaseError as exc:
+            raise StoreError(f"the state database {path} cannot be used: {exc}") from exc
+
+    def _migrate(self) -> None:
+        with self._tx() as db:
+            version = db.execute("PRAGMA user_version").fetchone()[0]
+            if version > SCHEMA_VERSION:
+                raise StoreError(
+                    f"{self.path} has schema version {version}; this sandlot knows up to {SCHEMA_VERSION}: "
+                    "upgrade sandlot"
+                )
+            for v in range(version, SCHEMA_VERSION):
+                for stmt in MIGRATIONS[v].split(";"):
+                    if stmt.strip():
+                        db.execute(stmt)
+                db.execute(f"PRAGMA user_version={v + 1}")
+
+    @contextmanager
+    def _tx(self) -> Iterator[sqlite3.Connection]:
+        """One transaction (BEGIN IMMEDIATE: writers queue up instead of failing)."""
+        with self._lock:
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                yield self._db
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+            else:
+                self._db.execute("COMMIT")
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
+
+    # -- rows ------------------------------------------------------------------------------
+
+    def insert(self, rec: BoxRecord) -> BoxRecord:
+        d = rec.to_json()
+        for c in _JSON_COLUMNS:
+            d[c] = json.dumps(d[c])
+        d["ephemeral"] = int(d["ephemeral"])
+        cols = ", ".join(d)
+        marks = ", ".join(f":{k}" for k in d)
+        try:
+            with self._tx() as db:
+                db.execute(f"INSERT INTO boxes ({cols}) VALUES ({marks})", d)
+        except sqlite3.IntegrityError as exc:
+            if "name" in str(exc):
+                raise InvalidArgument(f"a box named {rec.name!r} already exists") from None
+            raise
+        return rec
+
+    def get(self, key: str) -> BoxRecord:
+        """By exact id, exact name, or an unambiguous id prefix (at least 4 characters)."""
+        if not isinstance(key, str) or not key:
+            raise InvalidArgument(f"a box id or name is needed, not {key!r}")
+        with self._lock:
+            row = self._db.execute("SELECT * FROM boxes WHERE id = ? OR name = ?", (key, key)).fetchone()
+            if row is None and len(key) >= 4 and re.fullmatch(r"[0-9a-f]+", key):
+                rows = self._db.execute("SELECT * FROM boxes WHERE id LIKE ?", (key + "%",)).fetchall()
+                if len(rows) > 1:
+                    raise InvalidArgument(f"box id prefix {key!r} is ambiguous")
+                row = rows[0] if rows else None
+        if row is None:
+            raise BoxNotFound(f"no box {key!r}")
+        return _row(row)
+
+    def find(self, key: str) -> BoxRecord | None:
+        try:
+            return self.get(key)
+        except BoxNotFound:
+            return None
+
+    def list(self) -> list[BoxRecord]:
+        with self._lock:
+            rows = self._db.execute("SELECT * FROM boxes ORDER BY created_at").fetchall()
+        return [_row(r) for r in rows]
+
+    def update(
+        self, box_id: str, *, expect: tuple[str, ...] | None = None, **changes: Any
+    ) -> BoxRecord | None:
+        """Change a row; with ``expect``, only if its state is one of those (else None)."""
+        changes["updated_at"] = time.time()
+        for c in _JSON_COLUMNS:
+            if c in changes:
+                changes[c] = json.dumps(changes[c])
+        if "ephemeral" in changes:
+            changes["ephemeral"] = int(changes["ephemeral"])
+        sets = ", ".join(f"{k} = :{k}" for k in changes)
+        where = "id = :_id"
+        params = {**changes, "_id": box_id}
+        if expect:
+            where += " AND state IN (" + ", ".join(f":_s{i}" for i in range(len(expect))) + ")"
+            params.update({f"_s{i}": s for i, s in enumerate(expect)})
+        with self._tx() as db:
+            cur = db.execute(f"UPDATE boxes SET {sets} WHERE {where}", params)
+            if cur.rowcount == 0:
+                return None
+            row = db.execute("SELECT * FROM boxes WHERE id = ?", (box_id,)).fetchone()
+        return _row(row)
+
+    def delete(self, box_id: str) -> None:
+        with self._tx() as db:
+            db.execute("DELETE FROM boxes WHERE id = ?", (box_id,))
+
+
+def validate_name(name: str) -> str:
+    if not isinstance(name, str) or not NAME_RE.match(name):
+        rule = "1-63 letters, digits, '_', '.' or '-', starting with a letter or digit"
+        raise InvalidArgument(f"invalid box name {name!r}: {rule}")
+    return name
+
+
+__all__ = ["STATES", "TRANSIENT", "BoxRecord", "BoxStore", "StoreError", "validate_name"]
