@@ -73,14 +73,19 @@ def test_vm_crash_is_reported_with_console(busybox_root: Path) -> None:
 
 def test_bad_kernel_path_fails_fast(busybox_root: Path, tmp_path: Path) -> None:
     t0 = time.monotonic()
-    with pytest.raises(sandlot.HostSetupError, match="does not exist"):
-        with sandlot.Box(rootfs=busybox_root, kernel=tmp_path / "missing-vmlinux"):
-            pass
+    missing = tmp_path / "missing-vmlinux"
+    with (
+        pytest.raises(sandlot.HostSetupError, match="does not exist"),
+        sandlot.Box(rootfs=busybox_root, kernel=missing),
+    ):
+        pass
     junk = tmp_path / "junk-kernel"
     junk.write_bytes(os.urandom(4096))
-    with pytest.raises(sandlot.HostSetupError, match="neither an ELF"):
-        with sandlot.Box(rootfs=busybox_root, kernel=junk):
-            pass
+    with (
+        pytest.raises(sandlot.HostSetupError, match="neither an ELF"),
+        sandlot.Box(rootfs=busybox_root, kernel=junk),
+    ):
+        pass
     assert time.monotonic() - t0 < 10
 
 
@@ -91,9 +96,8 @@ def test_corrupt_initramfs_fails_with_console_tail(
     bad.write_bytes(b"070701" + os.urandom(100_000))
     monkeypatch.setenv("SANDLOT_INITRAMFS", str(bad))
     t0 = time.monotonic()
-    with pytest.raises(sandlot.BootError) as info:
-        with sandlot.Box(rootfs=busybox_root, boot_timeout=20):
-            pass
+    with pytest.raises(sandlot.BootError) as info, sandlot.Box(rootfs=busybox_root, boot_timeout=20):
+        pass
     assert time.monotonic() - t0 < 25
     assert "Kernel panic" in info.value.console_tail
     assert "guest console" in str(info.value)
@@ -118,9 +122,8 @@ def test_agent_that_never_answers_hits_the_deadline(
     )
     monkeypatch.setenv("SANDLOT_INITRAMFS", str(hang))
     t0 = time.monotonic()
-    with pytest.raises(sandlot.BootTimeout) as info:
-        with sandlot.Box(rootfs=busybox_root, boot_timeout=6):
-            pass
+    with pytest.raises(sandlot.BootTimeout) as info, sandlot.Box(rootfs=busybox_root, boot_timeout=6):
+        pass
     elapsed = time.monotonic() - t0
     assert 5 < elapsed < 15
     assert "init-is-stuck" in info.value.console_tail

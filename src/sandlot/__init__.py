@@ -50,7 +50,7 @@ __version__ = "0.1.0"
 
 create = Box.create
 get = Box.get
-list = Box.list  # noqa: A001 - sandlot.list() lists boxes, as the docs promise
+list = Box.list
 
 __all__ = [
     "AgentTimeout",
@@ -91,9 +91,9 @@ __all__ = [
     "__version__",
     "create",
     "get",
-    "list",
     "get_image",
     "import_image",
+    "list",
     "list_images",
     "load_image",
     "prune_images",
