@@ -67,8 +67,9 @@ def test_vm_crash_is_reported_with_console(busybox_root: Path) -> None:
         os.kill(pid, 9)
         with pytest.raises((sandlot.BoxCrashed, sandlot.ConnectionLost)):
             proc.wait(timeout=20)
-        with pytest.raises((sandlot.BoxCrashed, sandlot.ConnectionLost)):
+        with pytest.raises(sandlot.InvalidState, match="crashed"):
             box.exec("true")
+        assert box.state == "crashed" and "unexpectedly" in box.inspect()["reason"]
 
 
 def test_bad_kernel_path_fails_fast(busybox_root: Path, tmp_path: Path) -> None:

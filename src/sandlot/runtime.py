@@ -91,7 +91,21 @@ class Runtime:
         with self._lock:
             if self._store is None:
                 self._store = BoxStore(self.home / "sandlot.db")
+                self._sweep_orphan_dirs(self._store)
             return self._store
+
+    def _sweep_orphan_dirs(self, store: BoxStore) -> None:
+        """Box directories without a row are leftovers (rows are written first and
+        deleted last), once they are a minute old."""
+        if not self.boxes_dir.is_dir():
+            return
+        known = {rec.id for rec in store.list()}
+        now = time.time()
+        for d in self.boxes_dir.iterdir():
+            with contextlib.suppress(OSError):
+                if d.is_dir() and d.name not in known and now - d.stat().st_mtime > 60:
+                    shutil.rmtree(d, ignore_errors=True)
+                    shutil.rmtree(runtime_dir() / d.name, ignore_errors=True)
 
     def _qemu_alive(self, rec: BoxRecord) -> bool:
         if not _proc.alive(rec.qemu_pid, rec.qemu_start):

@@ -190,9 +190,15 @@ class BoxStore:
         return [_row(r) for r in rows]
 
     def update(
-        self, box_id: str, *, expect: tuple[str, ...] | None = None, **changes: Any
+        self,
+        box_id: str,
+        *,
+        expect: tuple[str, ...] | None = None,
+        expect_pid: int | None = None,
+        **changes: Any,
     ) -> BoxRecord | None:
-        """Change a row; with ``expect``, only if its state is one of those (else None)."""
+        """Change a row; with ``expect``, only if its state is one of those, and with
+        ``expect_pid`` only if that is its QEMU pid (else None: someone else moved it)."""
         changes["updated_at"] = time.time()
         for c in _JSON_COLUMNS:
             if c in changes:
@@ -205,6 +211,9 @@ class BoxStore:
         if expect:
             where += " AND state IN (" + ", ".join(f":_s{i}" for i in range(len(expect))) + ")"
             params.update({f"_s{i}": s for i, s in enumerate(expect)})
+        if expect_pid is not None:
+            where += " AND qemu_pid = :_pid"
+            params["_pid"] = expect_pid
         with self._tx() as db:
             cur = db.execute(f"UPDATE boxes SET {sets} WHERE {where}", params)
             if cur.rowcount == 0:

@@ -43,7 +43,7 @@ from ..images.rootfs import base_for, create_overlay
 from ..images.store import Image
 from ..protocol.connection import AgentConnection
 from ..protocol.exec import ExecRequest, RemoteProcess
-from ..protocol.wire import ControlOp, T, Tag, tlv
+from ..protocol.wire import ControlOp, T, Tag, tlv, tlv_u64
 from ..runtime import Runtime
 from ..store import BoxRecord
 from . import _sync
@@ -489,8 +489,10 @@ class AsyncBox:
             try:
                 self._conn = await self._boot_attach(vm, timeout)
                 for i, v in enumerate(self.spec.volumes):
-                    await self._control(ControlOp.MOUNT, tlv(Tag.PATH, v.guest) + tlv(Tag.PATH2, f"vol{i}")
-                                        + tlv(Tag.FLAGS, 1 if v.readonly else 0))  # fmt: skip
+                    mount = (
+                        tlv(Tag.PATH, v.guest) + tlv(Tag.PATH2, f"vol{i}") + tlv(Tag.FLAGS, int(v.readonly))
+                    )
+                    await self._control(ControlOp.MOUNT, mount, conn=self._conn)  # still "starting"
             except BaseException as exc:
                 await vm.kill(grace=0.5)
                 self._disconnect()
@@ -506,9 +508,8 @@ class AsyncBox:
     async def _boot_attach(self, vm: QemuVM, timeout: float) -> AgentConnection:
         """Connect to port 0 and handshake, racing QEMU's exit and the deadline."""
         deadline = time.monotonic() + timeout
-        fd = await asyncio.to_thread(_flock_wait, self.state_dir / "ports" / "0.lock", 10.0)
-        self._port_fd = fd
-        sock = str(vm.cfg.agent_socket(0))
+        port, self._port_fd = self._free_port()
+        sock = str(vm.cfg.agent_socket(port))
 
         async def connect_and_handshake() -> AgentConnection:
             while True:
@@ -551,72 +552,91 @@ class AsyncBox:
         async def connector() -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
             return await asyncio.open_unix_connection(sock, limit=1 << 22)
 
-        return AgentConnection(
-            connector, request_timeout=self.spec.request_timeout, on_lost=self._on_agent_lost
-        )
+        vm = self._vm
+
+        async def on_lost() -> BaseException | None:
+            return await self._on_agent_lost(vm)
+
+        return AgentConnection(connector, request_timeout=self.spec.request_timeout, on_lost=on_lost)
 
     async def _connection(self) -> AgentConnection:
         """This process's session with the agent, made on first use."""
+        if self._record is None:
+            raise InvalidState(f"box {self.name} was not started; call start()")
+        rec = self.record  # every call: another process may have paused or stopped it
+        if rec.state != "running":
+            raise InvalidState(
+                f"box {self.name} is {rec.state}" + ("; call start()" if rec.state != "paused" else "")
+            )
         conn = self._conn
         if conn is not None and conn.failed is None:
             return conn
         if conn is not None:
             self._disconnect()
             raise conn.failed  # type: ignore[misc]
-        rec = self.record if self._record is not None else None
-        if rec is None:
-            raise InvalidState(f"box {self.name} was not started; call start()")
-        if rec.state != "running":
-            raise InvalidState(
-                f"box {self.name} is {rec.state}" + ("; call start()" if rec.state != "paused" else "")
-            )
         async with self._lock:
             if self._conn is not None and self._conn.failed is None:
                 return self._conn
             vm = self._existing_vm(rec)
-            for port in range(AGENT_PORTS):
-                fd = _try_flock(self.state_dir / "ports" / f"{port}.lock")
-                if fd is None:
-                    continue
-                try:
-                    conn = self._new_connection(str(vm.cfg.agent_socket(port)))
-                    await conn.connect(self.spec.request_timeout)
-                except BaseException:
-                    os.close(fd)
-                    raise
-                self._port_fd, self._conn = fd, conn
-                return conn
-        raise InvalidState(f"{AGENT_PORTS} processes are attached to box {self.name} already")
+            port, fd = self._free_port()
+            try:
+                conn = self._new_connection(str(vm.cfg.agent_socket(port)))
+                await conn.connect(self.spec.request_timeout)
+            except BaseException:
+                os.close(fd)
+                raise
+            self._port_fd, self._conn = fd, conn
+            return conn
+
+    def _free_port(self) -> tuple[int, int]:
+        """An agent port no other connection holds: (port, its lock fd)."""
+        (self.state_dir / "ports").mkdir(parents=True, exist_ok=True)
+        for port in range(AGENT_PORTS):
+            fd = _try_flock(self.state_dir / "ports" / f"{port}.lock")
+            if fd is not None:
+                return port, fd
+        raise InvalidState(f"{AGENT_PORTS} connections to box {self.name} are open already")
 
     def _disconnect(self) -> None:
         conn, self._conn = self._conn, None
         if conn is not None:
+            conn.closing()  # its reader must not take the coming EOF for a crash
             with contextlib.suppress(Exception):
                 asyncio.get_running_loop().create_task(conn.close())
         if self._port_fd is not None:
             os.close(self._port_fd)
             self._port_fd = None
 
-    async def _on_agent_lost(self) -> BaseException | None:
-        """The agent socket closed: reconnect if the VM lives; else say why it is gone."""
-        vm = self._vm
+    async def _on_agent_lost(self, vm: QemuVM | None) -> BaseException | None:
+        """The agent socket of ``vm`` closed: reconnect if that VM lives; else say why it is gone."""
         await asyncio.sleep(0.05)
         if vm is not None and vm.running:
             return None
+        if self._port_fd is not None:  # the VM is gone: free our port for whoever starts it next
+            os.close(self._port_fd)
+            self._port_fd = None
         rec = self.runtime.store.find(self.id)
         if rec is None:
             return InvalidState(f"box {self.name} was removed")
         if rec.state in ("stopping", "stopped", "removing", "created"):
             return InvalidState(f"box {self.name} was stopped")
         tail_text = self.console_tail()
-        self.runtime.store.update(
-            self.id, expect=("running", "paused", "starting"), state="crashed",
-            reason="the VM process exited unexpectedly", qemu_pid=None,
-        )  # fmt: skip
+        if vm is not None and vm.pid is not None:
+            # only if the row still describes this VM: a restart may have started another
+            self.runtime.store.update(
+                self.id, expect=("running", "paused"), expect_pid=vm.pid, state="crashed",
+                reason="the VM process exited unexpectedly", qemu_pid=None,
+            )  # fmt: skip
         return BoxCrashed(f"box {self.name} stopped unexpectedly", tail_text)
 
-    async def _control(self, op: ControlOp, payload: bytes = b"", timeout: float | None = None) -> None:
-        conn = await self._connection()
+    async def _control(
+        self,
+        op: ControlOp,
+        payload: bytes = b"",
+        timeout: float | None = None,
+        conn: AgentConnection | None = None,
+    ) -> None:
+        conn = conn or await self._connection()
         ch = conn.open_channel()
         try:
             ch.send(T.CONTROL, tlv(Tag.OP, op) + payload)
@@ -655,20 +675,14 @@ class AsyncBox:
     async def _shutdown_via_agent(self, vm: QemuVM, grace_ms: int) -> None:
         if self._conn is None or self._conn.failed is not None:
             self._disconnect()
-            for port in range(AGENT_PORTS):
-                fd = _try_flock(self.state_dir / "ports" / f"{port}.lock")
-                if fd is None:
-                    continue
-                conn = self._new_connection(str(vm.cfg.agent_socket(port)))
-                try:
-                    await conn.connect(5.0)
-                except BaseException:
-                    os.close(fd)
-                    raise
-                self._port_fd, self._conn = fd, conn
-                break
-        if self._conn is None:
-            return
+            port, fd = self._free_port()
+            conn = self._new_connection(str(vm.cfg.agent_socket(port)))
+            try:
+                await conn.connect(5.0)
+            except BaseException:
+                os.close(fd)
+                raise
+            self._port_fd, self._conn = fd, conn
         ch = self._conn.open_channel()
         ch.send(T.CONTROL, tlv(Tag.OP, ControlOp.SHUTDOWN) + tlv(Tag.TIMEOUT_MS, grace_ms))
         await ch.expect(T.CONTROL_OK, timeout=grace_ms / 1000 + 10)
@@ -713,6 +727,9 @@ class AsyncBox:
                 raise InvalidState(f"box {self.name} is {rec.state}, not paused")
             await self._existing_vm(rec).qmp("cont")
             self.runtime.store.update(self.id, state="running")
+        # the guest clock stood still while paused: set it to now
+        with contextlib.suppress(Exception):
+            await self._control(ControlOp.SET_TIME, tlv_u64(Tag.TIME_NS, time.time_ns()))
 
     async def remove(self, *, force: bool = False) -> None:
         """Delete the box: its disk, logs and record. A running box needs ``force=True``

@@ -438,6 +438,10 @@ class AgentConnection:
         self._writer = None
         self._reader = None
 
+    def closing(self) -> None:
+        """Mark the connection as being closed on purpose (close() follows)."""
+        self._closed = True
+
     async def close(self) -> None:
         self._closed = True
         await self._drop_transport()
