@@ -37,7 +37,17 @@ def test_run_exit_status_streams_and_stdin(busybox_root: Path) -> None:
     assert r.stdout == b"out\n" and r.stderr == b"err\n"
     script = "tr a-z A-Z; echo $GREETING"
     r = sandlot(
-        "run", "--rootfs", str(busybox_root), "-e", "GREETING=hi", "--", "sh", "-c", script, stdin=b"hello\n"
+        "run",
+        "-i",
+        "--rootfs",
+        str(busybox_root),
+        "-e",
+        "GREETING=hi",
+        "--",
+        "sh",
+        "-c",
+        script,
+        stdin=b"hello\n",
     )
     assert r.returncode == 0 and r.stdout == b"HELLO\nhi\n"
     r = sandlot(

@@ -1,0 +1,5 @@
+"""``python -m sandlot.cli``."""
+
+from . import main
+
+main()

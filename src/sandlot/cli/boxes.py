@@ -1,0 +1,506 @@
+"""Box commands, as Docker spells them: run, create, start, stop, restart, pause,
+unpause, rm, ls, exec, cp, logs, inspect, stats."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import sys
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from ..api.box import AsyncBox
+from ..errors import BoxNotFound, SandlotError
+from . import app, fail, human
+from .terminal import attach, raw_terminal, terminal_size
+
+# Options stop at the first positional argument, as in Docker: what follows the
+# image (or the box) is the command, flags included.
+COMMAND = {"allow_extra_args": True, "ignore_unknown_options": True, "allow_interspersed_args": False}
+
+
+def _env(items: list[str] | None) -> dict[str, str]:
+    out = {}
+    for item in items or []:
+        key, sep, value = item.partition("=")
+        if not sep:
+            key, value = item, os.environ.get(item, "")  # -e NAME passes the host's value, as Docker does
+        out[key] = value
+    return out
+
+
+def _labels(items: list[str] | None) -> dict[str, str]:
+    out = {}
+    for item in items or []:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise fail(f"--label needs KEY=VALUE, got {item!r}", 2)
+        out[key] = value
+    return out
+
+
+def _run(coro: Awaitable[int | None]) -> int | None:
+    """Run a command's coroutine in the main thread (signals and terminal belong to it)."""
+    try:
+        return asyncio.run(coro)  # type: ignore[arg-type]
+    except FileNotFoundError as exc:
+        raise fail(exc, 127) from exc
+    except SandlotError as exc:
+        raise fail(exc, 125) from exc
+
+
+async def _exec_attached(
+    box: AsyncBox, argv: list[str], *, interactive: bool, tty_mode: bool, env: dict[str, str] | None = None,
+    workdir: str | None = None, user: str | None = None, timeout: float | None = None,
+) -> int:  # fmt: skip
+    """As Docker does: stdin is forwarded only with -i; -t gives a terminal (raw mode here)."""
+    rows, cols = terminal_size()
+    proc = await box.spawn(
+        *argv, env=env, cwd=workdir, user=user, tty=tty_mode, rows=rows, cols=cols, stdin=True
+    )
+    if tty_mode and interactive and sys.stdin.isatty():
+        with raw_terminal(sys.stdin.fileno()):
+            return await attach(proc, stdin=True, tty_mode=True, timeout=timeout)
+    return await attach(proc, stdin=interactive, tty_mode=tty_mode, timeout=timeout)
+
+
+def _box_options(
+    image_or_rootfs: tuple[str | None, Path | None], name: str | None, env: list[str] | None,
+    volume: list[str] | None, label: list[str] | None, cpus: int, memory: int, disk: int, workdir: str | None,
+    user: str | None, rm: bool, pull: str, insecure: bool, accel: str,
+) -> dict[str, Any]:  # fmt: skip
+    image, rootfs = image_or_rootfs
+    return {
+        "image": image, "rootfs": rootfs, "name": name, "env": _env(env), "volumes": volume or None,
+        "labels": _labels(label), "cpus": cpus, "memory_mib": memory, "disk_size_gb": disk,
+        "workdir": workdir, "user": user, "auto_remove": rm, "pull": pull, "insecure": insecure,
+        "accel": accel, "keep": True,
+    }  # fmt: skip
+
+
+NameOpt = Annotated[str | None, typer.Option("--name", help="Name of the box (unique).")]
+EnvOpt = Annotated[
+    list[str] | None, typer.Option("--env", "-e", help="KEY=VALUE (or KEY: take it from here).")
+]
+VolOpt = Annotated[list[str] | None, typer.Option("--volume", "-v", help="HOST:GUEST[:ro] shared directory.")]
+LabelOpt = Annotated[list[str] | None, typer.Option("--label", "-l", help="KEY=VALUE label.")]
+CpusOpt = Annotated[int, typer.Option("--cpus", help="Virtual CPUs.")]
+MemOpt = Annotated[int, typer.Option("--memory", "-m", help="Guest memory in MiB.")]
+DiskOpt = Annotated[int, typer.Option("--disk", help="Disk size in GiB.")]
+WorkdirOpt = Annotated[str | None, typer.Option("--workdir", "-w", help="Working directory in the guest.")]
+UserOpt = Annotated[str | None, typer.Option("--user", "-u", help="name, uid, name:group or uid:gid.")]
+PullOpt = Annotated[str, typer.Option(help="missing, always or never.")]
+RootfsOpt = Annotated[
+    Path | None, typer.Option("--rootfs", help="Boot this directory or tarball, not an image.")
+]
+
+
+@app.command(context_settings=COMMAND)
+def run(
+    ctx: typer.Context,
+    name: NameOpt = None,
+    rm: Annotated[bool, typer.Option("--rm", help="Remove the box when the command ends.")] = False,
+    detach: Annotated[
+        bool, typer.Option("--detach", "-d", help="Leave the box running; print its name.")
+    ] = False,
+    interactive: Annotated[bool, typer.Option("--interactive", "-i", help="Forward stdin.")] = False,
+    tty_mode: Annotated[bool, typer.Option("--tty", "-t", help="Give the command a terminal.")] = False,
+    env: EnvOpt = None,
+    volume: VolOpt = None,
+    label: LabelOpt = None,
+    cpus: CpusOpt = 1,
+    memory: MemOpt = 512,
+    disk: DiskOpt = 8,
+    workdir: WorkdirOpt = None,
+    user: UserOpt = None,
+    entrypoint: Annotated[str | None, typer.Option(help="Override the image's entrypoint.")] = None,
+    pull: PullOpt = "missing",
+    insecure: Annotated[bool, typer.Option(help="Allow plain HTTP to the registry.")] = False,
+    rootfs: RootfsOpt = None,
+    timeout: Annotated[float | None, typer.Option(help="Kill the command after this many seconds.")] = None,
+    accel: Annotated[str, typer.Option(help="auto, kvm or tcg.")] = "auto",
+) -> None:
+    """Create and start a box from IMAGE (or --rootfs), run a command in it.
+
+    sandlot run IMAGE                  the image's Entrypoint + Cmd; then the box stops
+    sandlot run IMAGE CMD [ARGS...]    Entrypoint + CMD
+    sandlot run -d --name dev IMAGE    leave it running (the command, if any, in the background)
+    sandlot run --rm -it IMAGE sh      an interactive shell in a throwaway box
+    sandlot run --rootfs DIR -- CMD    a root filesystem directory or tarball instead of an image
+
+    Exits with the command's status.
+    """
+    args = list(ctx.args)
+    if args and args[0] == "--":
+        args = args[1:]
+    image = None
+    if rootfs is None:
+        if not args:
+            raise fail("give an IMAGE, or --rootfs DIR: sandlot run IMAGE [CMD...]", 2)
+        image, args = args[0], args[1:]
+        if args and args[0] == "--":
+            args = args[1:]
+    elif not args and not detach:
+        raise fail("no command given: sandlot run --rootfs DIR -- CMD [ARGS...]", 2)
+    opts = _box_options(
+        (image, rootfs),
+        name,
+        env,
+        volume,
+        label,
+        cpus,
+        memory,
+        disk,
+        workdir,
+        user,
+        rm,
+        pull,
+        insecure,
+        accel,
+    )
+
+    async def main() -> int:
+        box = AsyncBox(**opts)
+        await box.start()
+        argv = None
+        try:
+            if entrypoint is not None:
+                argv = [entrypoint, *args] if entrypoint else list(args)
+            elif args or box.spec.image_config is not None:
+                argv = box.default_command(args)
+            if detach:
+                if argv:
+                    proc = await box.spawn(*argv, stdin=False)
+                    proc.detach()
+                print(box.name)
+                return 0
+            assert argv is not None
+            return await _exec_attached(
+                box, argv, interactive=interactive, tty_mode=tty_mode, timeout=timeout
+            )
+        finally:
+            if not detach:
+                if rm:
+                    await box.remove(force=True)
+                else:
+                    await box.stop()
+
+    code = _run(main())
+    raise typer.Exit(code or 0)
+
+
+@app.command()
+def create(
+    image: Annotated[str | None, typer.Argument(help="Image reference (or use --rootfs).")] = None,
+    name: NameOpt = None,
+    env: EnvOpt = None,
+    volume: VolOpt = None,
+    label: LabelOpt = None,
+    cpus: CpusOpt = 1,
+    memory: MemOpt = 512,
+    disk: DiskOpt = 8,
+    workdir: WorkdirOpt = None,
+    user: UserOpt = None,
+    pull: PullOpt = "missing",
+    insecure: Annotated[bool, typer.Option(help="Allow plain HTTP to the registry.")] = False,
+    rootfs: RootfsOpt = None,
+    accel: Annotated[str, typer.Option(help="auto, kvm or tcg.")] = "auto",
+) -> None:
+    """Create a box (image pulled, disk made) without starting it; print its name."""
+    opts = _box_options(
+        (image, rootfs),
+        name,
+        env,
+        volume,
+        label,
+        cpus,
+        memory,
+        disk,
+        workdir,
+        user,
+        False,
+        pull,
+        insecure,
+        accel,
+    )
+
+    async def main() -> None:
+        box = await AsyncBox.create(**opts)
+        print(box.name)
+
+    _run(main())
+
+
+def _each(boxes: list[str], action: Callable[[AsyncBox], Awaitable[Any]], verb: str) -> None:
+    """Apply an action to several boxes; report each, fail if any failed."""
+    failed = False
+
+    async def main() -> None:
+        nonlocal failed
+        for key in boxes:
+            try:
+                box = AsyncBox.get(key)
+                await action(box)
+                print(box.name)
+            except SandlotError as exc:
+                failed = True
+                fail(f"{verb} {key}: {exc}")
+
+    asyncio.run(main())
+    if failed:
+        raise typer.Exit(1)
+
+
+BoxesArg = Annotated[list[str], typer.Argument(help="Box names or ids.")]
+
+
+@app.command()
+def start(boxes: BoxesArg) -> None:
+    """Start boxes (cold boot; disks kept)."""
+    _each(boxes, lambda b: b.start(), "start")
+
+
+@app.command()
+def stop(
+    boxes: BoxesArg,
+    time_: Annotated[float, typer.Option("--time", "-t", help="Seconds before forcing.")] = 10.0,
+) -> None:
+    """Stop boxes gracefully (forced after --time seconds)."""
+    _each(boxes, lambda b: b.stop(time_), "stop")
+
+
+@app.command()
+def restart(boxes: BoxesArg) -> None:
+    """Stop and start boxes."""
+    _each(boxes, lambda b: b.restart(), "restart")
+
+
+@app.command()
+def pause(boxes: BoxesArg) -> None:
+    """Freeze boxes' CPUs (memory and processes stay)."""
+    _each(boxes, lambda b: b.pause(), "pause")
+
+
+@app.command()
+def unpause(boxes: BoxesArg) -> None:
+    """Resume paused boxes."""
+    _each(boxes, lambda b: b.unpause(), "unpause")
+
+
+@app.command()
+def rm(
+    boxes: BoxesArg,
+    force: Annotated[bool, typer.Option("--force", "-f", help="Remove running boxes too.")] = False,
+) -> None:
+    """Remove boxes (their disks and logs)."""
+    _each(boxes, lambda b: b.remove(force=force), "rm")
+
+
+def _age(t: float | None) -> str:
+    if not t:
+        return "-"
+    s = int(time.time() - t)
+    for unit, n in (("d", 86400), ("h", 3600), ("m", 60)):
+        if s >= n:
+            return f"{s // n}{unit} ago"
+    return f"{s}s ago"
+
+
+@app.command()
+def ls(
+    all_: Annotated[bool, typer.Option("--all", "-a", help="Show stopped boxes too.")] = False,
+    filter_: Annotated[list[str] | None, typer.Option("--filter", "-f", help="label=K=V or state=S.")] = None,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Names only.")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
+) -> None:
+    """List boxes (running and paused ones; -a for all)."""
+    labels: dict[str, str] = {}
+    state = None
+    for f in filter_ or []:
+        key, _, value = f.partition("=")
+        if key == "label":
+            k, _, v = value.partition("=")
+            labels[k] = v
+        elif key == "state":
+            state = value
+        else:
+            raise fail(f"unknown filter {f!r} (label=K=V or state=S)", 2)
+    try:
+        boxes = AsyncBox.list(all=all_ or state is not None, state=state, labels=labels or None)
+    except SandlotError as exc:
+        raise fail(exc) from exc
+    records = [b._record for b in boxes if b._record is not None]
+    if quiet:
+        for rec in records:
+            print(rec.name)
+        return
+    if as_json:
+        print(json.dumps([r.to_json() for r in records], indent=1))
+        return
+    table = Table(box=None, pad_edge=False)
+    for col in ("NAME", "ID", "IMAGE", "STATE", "CREATED", "STATUS"):
+        table.add_column(col)
+    for r in records:
+        source = (r.image_ref or "").removeprefix("docker.io/").removeprefix(
+            "library/"
+        ) or f"rootfs:{r.rootfs}"
+        status = (
+            r.reason
+            if r.state == "crashed" and r.reason
+            else _age(r.started_at if r.state == "running" else r.stopped_at)
+        )
+        table.add_row(r.name, r.id, source, r.state, _age(r.created_at), status or "-")
+    Console(soft_wrap=True, highlight=False).print(table)
+
+
+@app.command("exec", context_settings=COMMAND)
+def exec_cmd(
+    ctx: typer.Context,
+    interactive: Annotated[bool, typer.Option("--interactive", "-i", help="Forward stdin.")] = False,
+    tty_mode: Annotated[bool, typer.Option("--tty", "-t", help="Give the command a terminal.")] = False,
+    env: EnvOpt = None,
+    workdir: WorkdirOpt = None,
+    user: UserOpt = None,
+    timeout: Annotated[float | None, typer.Option(help="Kill the command after this many seconds.")] = None,
+) -> None:
+    """Run a command in a running box: sandlot exec [-it] BOX CMD [ARGS...]"""
+    args = list(ctx.args)
+    if len(args) < 2:
+        raise fail("usage: sandlot exec [-i] [-t] BOX CMD [ARGS...]", 2)
+    key, argv = args[0], args[1:]
+    if argv and argv[0] == "--":
+        argv = argv[1:]
+
+    async def main() -> int:
+        box = AsyncBox.get(key)
+        return await _exec_attached(
+            box, argv, interactive=interactive, tty_mode=tty_mode, env=_env(env) or None, workdir=workdir,
+            user=user, timeout=timeout,
+        )  # fmt: skip
+
+    raise typer.Exit(_run(main()) or 0)
+
+
+def _split_box_path(arg: str) -> tuple[str | None, str]:
+    """'BOX:/path' -> ('BOX', '/path'); a local path -> (None, path)."""
+    head, sep, tail = arg.partition(":")
+    if sep and tail.startswith("/") and "/" not in head and head:
+        return head, tail
+    return None, arg
+
+
+@app.command()
+def cp(
+    src: Annotated[str, typer.Argument(help="BOX:/path or a local path.")],
+    dst: Annotated[str, typer.Argument(help="BOX:/path or a local path.")],
+) -> None:
+    """Copy files between a box and the host: sandlot cp BOX:/etc/hosts . ; sandlot cp ./dir BOX:/srv"""
+    sbox, spath = _split_box_path(src)
+    dbox, dpath = _split_box_path(dst)
+    if (sbox is None) == (dbox is None):
+        raise fail("exactly one side must be BOX:/path", 2)
+
+    async def main() -> None:
+        if sbox is not None:
+            box = AsyncBox.get(sbox)
+            target = Path(dpath)
+            info = await box.files.stat(spath)
+            if info.is_dir:
+                await _download_tree(box, spath, target / Path(spath).name if target.is_dir() else target)
+            else:
+                await box.files.download(spath, target)
+        else:
+            assert dbox is not None
+            box = AsyncBox.get(dbox)
+            local = Path(spath)
+            remote = dpath
+            if await box.files.exists(dpath) and (await box.files.stat(dpath)).is_dir:
+                remote = f"{dpath.rstrip('/')}/{local.name}"
+            await box.files.upload(local, remote)
+
+    _run(main())
+
+
+async def _download_tree(box: AsyncBox, remote: str, local: Path) -> None:
+    local.mkdir(parents=True, exist_ok=True)
+    for entry in await box.files.list(remote):
+        if entry.is_dir:
+            await _download_tree(box, entry.path, local / entry.name)
+        elif entry.is_symlink and entry.link_target:
+            if not (local / entry.name).exists():
+                os.symlink(entry.link_target, local / entry.name)
+        elif entry.is_file:
+            await box.files.download(entry.path, local / entry.name)
+
+
+@app.command()
+def logs(
+    box: Annotated[str, typer.Argument(help="Box name or id.")],
+    tail_: Annotated[int | None, typer.Option("--tail", "-n", help="Only the last N lines.")] = None,
+    follow: Annotated[bool, typer.Option("--follow", "-f", help="Keep printing new lines.")] = False,
+) -> None:
+    """The box's console: kernel and agent messages."""
+    try:
+        b = AsyncBox.get(box)
+    except SandlotError as exc:
+        raise fail(exc) from exc
+    sys.stdout.write(b.logs(tail_))
+    sys.stdout.flush()
+    if follow:
+        try:
+            with open(b.console_log, "rb") as f:
+                f.seek(0, os.SEEK_END)
+                while True:
+                    chunk = f.read()
+                    if chunk:
+                        sys.stdout.buffer.write(chunk)
+                        sys.stdout.flush()
+                    else:
+                        time.sleep(0.2)
+        except KeyboardInterrupt:
+            pass
+
+
+@app.command()
+def inspect(boxes: BoxesArg) -> None:
+    """Everything about boxes, as JSON."""
+    out = []
+    for key in boxes:
+        try:
+            out.append(AsyncBox.get(key).inspect())
+        except SandlotError as exc:
+            raise fail(exc) from exc
+    print(json.dumps(out if len(out) > 1 else out[0], indent=2, default=str))
+
+
+@app.command()
+def stats(
+    boxes: Annotated[
+        list[str] | None, typer.Argument(help="Box names or ids (default: running boxes).")
+    ] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
+) -> None:
+    """Host CPU time, memory and disk of boxes."""
+    try:
+        targets = [AsyncBox.get(k) for k in boxes] if boxes else AsyncBox.list(all=False)
+    except BoxNotFound as exc:
+        raise fail(exc) from exc
+    rows = [b.stats() for b in targets]
+    if as_json:
+        print(json.dumps(rows, indent=1))
+        return
+    table = Table(box=None, pad_edge=False)
+    for col in ("NAME", "STATE", "CPU TIME", "MEMORY", "DISK"):
+        table.add_column(col)
+    for r in rows:
+        cpu = f"{r['cpu_seconds']:.1f}s" if r["cpu_seconds"] is not None else "-"
+        mem = human(r["rss_bytes"]) if r["rss_bytes"] is not None else "-"
+        table.add_row(r["name"], r["state"], cpu, mem, human(r["disk_bytes"]))
+    Console(soft_wrap=True, highlight=False).print(table)

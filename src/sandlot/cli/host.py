@@ -1,0 +1,94 @@
+"""Host commands: doctor, setup, rootfs."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+
+from .. import __version__
+from ..errors import SandlotError
+from . import app, fail
+
+
+@app.command()
+def doctor(as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False) -> None:
+    """Check QEMU, the accelerator (and why), the guest kernel, the agent and free disk."""
+    from ..runtime import Runtime
+
+    report = Runtime.for_home().doctor()
+    if as_json:
+        print(json.dumps(report, indent=2))
+        return
+    out = Console(soft_wrap=True, highlight=False)
+    qemu = report.get("qemu", {})
+    accel = report.get("accel", {})
+    kernel = report.get("kernel", {})
+    agent = report.get("agent", {})
+    ok = "[green]ok[/]"
+    out.print(f"[bold]sandlot {__version__}[/]  home: {report['home']}")
+    if isinstance(qemu, dict) and "version" in qemu:
+        out.print(f"qemu         {ok}  {qemu['version']} ({qemu['path']})")
+    else:
+        out.print(f"qemu         [red]missing[/]  {qemu}")
+    if isinstance(accel, dict) and accel:
+        color = "green" if accel.get("name") == "kvm" else "yellow"
+        out.print(f"accelerator  [{color}]{accel['name']}[/]  {accel['reason']}")
+    if isinstance(kernel, dict) and kernel:
+        out.print(f"kernel       {ok}  {kernel['version']} from {kernel['source']}")
+        out.print(f"             modules: {', '.join(kernel['modules'])}")
+    if isinstance(agent, dict) and agent:
+        out.print(f"agent        {ok}  {agent['path']} (built with {agent['compiler']})")
+    out.print(f"disk free    {report.get('disk_free_gib')} GiB under {report['home']}")
+    out.print(f"sockets      {report.get('runtime_dir')}")
+    if "error" in report:
+        out.print(f"[red]problem[/]      {report['error']}")
+        raise typer.Exit(1)
+
+
+@app.command()
+def setup(
+    refresh_kernel: Annotated[bool, typer.Option(help="Fetch the newest distro kernel.")] = False,
+) -> None:
+    """Prepare everything a boot needs (kernel, agent, initramfs) and report it."""
+    from ..guest.kernel import fetch_distro_kernel
+    from ..runtime import Runtime
+
+    rt = Runtime.for_home()
+    try:
+        if refresh_kernel and not os.environ.get("SANDLOT_KERNEL"):
+            fetch_distro_kernel(rt.home, refresh=True)
+        assets = rt.assets()
+    except SandlotError as exc:
+        raise fail(exc) from exc
+    print(f"kernel  {assets.kernel.version} ({assets.kernel.vmlinux})")
+    print(f"agent   {assets.agent.path}")
+    print(f"initrd  {assets.initrd}")
+    print(f"accel   {assets.accel.name}: {assets.accel.reason}")
+
+
+@app.command()
+def rootfs(
+    kind: Annotated[str, typer.Argument(help="busybox or debian")],
+    dest: Annotated[Path, typer.Argument(help="Directory to create (replaced if it exists).")],
+    packages: Annotated[
+        list[str] | None, typer.Option("--package", "-p", help="Extra Debian packages.")
+    ] = None,
+) -> None:
+    """Build a root filesystem directory from Debian packages (no registry needed)."""
+    from ..images.builders import busybox_rootfs, debian_rootfs
+
+    try:
+        if kind == "busybox":
+            path = busybox_rootfs(dest)
+        elif kind == "debian":
+            path = debian_rootfs(dest, packages or [])
+        else:
+            raise fail(ValueError("kind must be busybox or debian"), 2)
+    except SandlotError as exc:
+        raise fail(exc) from exc
+    print(path)
