@@ -1,0 +1,88 @@
+"""Durable box benchmarks (issue: durable boxes).
+
+* create + start + first exec from an already pulled image (median, p99);
+* stop, and start again, of an existing box;
+* listing with 50 boxes in the store: the API, and the ``sandlot ls -a`` command.
+
+    .venv/bin/python benchmarks/durable.py [--runs 10]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import sandlot
+from _common import busybox_root, emit, host_facts, summary
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--runs", type=int, default=10)
+    args = ap.parse_args()
+    shared = sandlot.Runtime.for_home().home
+    sandlot.Runtime.for_home().assets()
+    home = Path(tempfile.mkdtemp(prefix="bench-durable-", dir=shared.parent))
+    for d in ("kernels", "agent", "initramfs"):
+        (home / d).symlink_to(shared / d)
+    try:
+        img = sandlot.import_image(busybox_root(), "bench/busybox:1", home=home)
+        rt = sandlot.Runtime.for_home(home)
+        rt.images.ensure_base(img)
+
+        create_start_exec, starts, stops = [], [], []
+        for i in range(args.runs):
+            t0 = time.perf_counter()
+            box = sandlot.Box.create("bench/busybox:1", name=f"b{i}", memory_mib=256, pull="never", home=home)
+            box.start()
+            box.exec("true")
+            create_start_exec.append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            box.stop()
+            stops.append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            box.start()
+            box.exec("true")
+            starts.append(time.perf_counter() - t0)
+            box.remove(force=True)
+
+        for i in range(50):
+            sandlot.Box.create("bench/busybox:1", name=f"idle-{i}", pull="never", home=home)
+        api = []
+        for _ in range(20):
+            t0 = time.perf_counter()
+            assert len(sandlot.list(home=home)) == 50
+            api.append(time.perf_counter() - t0)
+        cmd = []
+        env = {**os.environ, "SANDLOT_HOME": str(home)}
+        for _ in range(5):
+            t0 = time.perf_counter()
+            out = subprocess.run([sys.executable, "-m", "sandlot.cli", "ls", "-a", "-q"], env=env,
+                                 capture_output=True, text=True, check=True).stdout  # fmt: skip
+            cmd.append(time.perf_counter() - t0)
+            assert len(out.split()) == 50
+        emit(
+            {
+                "benchmark": "durable",
+                "host": host_facts(rt.assets().accel.name),
+                "create_start_first_exec_s": summary(create_start_exec, digits=3),
+                "stop_s": summary(stops, digits=3),
+                "start_to_first_exec_s": summary(starts, digits=3),
+                "list_api_50_boxes_ms": summary(api, 1e3, 1),
+                "ls_command_50_boxes_s": summary(cmd, digits=3),
+            }
+        )
+    finally:
+        for b in sandlot.list(home=home):
+            b.remove(force=True)
+        shutil.rmtree(home, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
