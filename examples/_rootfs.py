@@ -9,9 +9,10 @@ from pathlib import Path
 from sandlot.images.builders import busybox_rootfs
 
 
-def rootfs() -> Path:
-    if len(sys.argv) > 1:
-        return Path(sys.argv[1])
+def rootfs(arg: int = 1) -> Path:
+    """``sys.argv[arg]`` if given, else the cached busybox root filesystem."""
+    if len(sys.argv) > arg:
+        return Path(sys.argv[arg])
     dest = Path.home() / ".cache" / "sandlot-examples" / "busybox"
     if not (dest / "bin" / "busybox").exists():
         busybox_rootfs(dest)

@@ -284,3 +284,14 @@ def test_concurrent_starts_of_one_box_boot_it_once(busybox_root: Path) -> None:
         assert box.state == "running" and box.exec("true").ok
     finally:
         box.remove(force=True)
+
+
+def test_runtime_object_api(busybox_root: Path) -> None:
+    rt = sandlot.Runtime()  # the default home ($SANDLOT_HOME)
+    box = rt.create(rootfs=busybox_root, name="rt-api", memory_mib=256)
+    try:
+        assert rt.get("rt-api").id == box.id and box.state == "created"
+        assert "rt-api" in [b.name for b in rt.list(state="created")]
+    finally:
+        box.remove()
+    assert "rt-api" not in [b.name for b in rt.list()]

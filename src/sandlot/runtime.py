@@ -16,7 +16,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from . import _proc
 from .config import default_home, runtime_dir
@@ -28,6 +28,9 @@ from .guest.initramfs import build_initramfs
 from .guest.kernel import BASE_MODULES, Kernel, ensure_kernel
 from .images.manager import ImageManager
 from .store import BoxRecord, BoxStore
+
+if TYPE_CHECKING:
+    from .api.box import Box
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,6 +87,24 @@ class Runtime:
         return runtime_dir() / box_id
 
     # -- boxes ----------------------------------------------------------------------------
+
+    def get(self, key: str) -> Box:
+        """The box with this id, name or id prefix in this home (``sandlot.get`` with ``home=``)."""
+        from .api.box import Box
+
+        return Box.get(key, home=self.home)
+
+    def list(self, **filters: Any) -> list[Box]:
+        """Boxes of this home (``sandlot.list`` with ``home=``)."""
+        from .api.box import Box
+
+        return Box.list(home=self.home, **filters)
+
+    def create(self, image: str | None = None, **options: Any) -> Box:
+        """Create a box in this home (``sandlot.create`` with ``home=``)."""
+        from .api.box import Box
+
+        return Box.create(image, home=self.home, **options)
 
     @property
     def store(self) -> BoxStore:

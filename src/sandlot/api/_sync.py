@@ -8,6 +8,7 @@ waiting cancels the coroutine in the loop, then re-raises KeyboardInterrupt.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import concurrent.futures
 import contextlib
 import sys
@@ -37,6 +38,26 @@ def _loop_thread() -> asyncio.AbstractEventLoop:
             started.wait()
             _loop = loop
         return _loop
+
+
+def _shutdown() -> None:
+    """At exit: end the loop's tasks (agent readers...) quietly, then the loop."""
+    loop = _loop
+    if loop is None or not loop.is_running():
+        return
+
+    async def cancel_all() -> None:
+        tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    with contextlib.suppress(Exception):
+        asyncio.run_coroutine_threadsafe(cancel_all(), loop).result(timeout=2)
+    loop.call_soon_threadsafe(loop.stop)
+
+
+atexit.register(_shutdown)
 
 
 def run(coro: Coroutine[Any, Any, T] | Awaitable[T]) -> T:

@@ -13,12 +13,15 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ..errors import InvalidArgument
-from ..images.registry import ProgressFn
 from ..images.store import Image, PruneReport
 from ..runtime import Runtime
 from . import _sync
+
+if TYPE_CHECKING:
+    from ..images.registry import ProgressFn
 
 Home = str | os.PathLike[str] | None
 

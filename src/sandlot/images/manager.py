@@ -17,7 +17,7 @@ import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..config import fsync_dir
 from ..errors import ImageError, InvalidArgument
@@ -25,10 +25,12 @@ from . import auth as auth_mod
 from .local import import_dir, load_archive, load_oci_layout, read_manifest
 from .oci import LAYER_COMPRESSION, MAX_CONFIG_BYTES, ImageConfig, Index, Manifest, is_index
 from .reference import Reference
-from .registry import ProgressFn, RegistryClient
 from .rootfs import base_size, make_ext4, qcow2_backing_file
 from .store import Image, ImageStore, Layer, PruneReport
 from .unpack import LayerApplier, open_layer, run_debugfs
+
+if TYPE_CHECKING:
+    from .registry import ProgressFn
 
 MAX_CONCURRENT_DOWNLOADS = 4
 
@@ -184,6 +186,8 @@ class ImageManager:
         prepare: bool = True,
     ) -> Image:
         """Pull an image (x86_64) into the store and, with ``prepare``, make its disk."""
+        from .registry import RegistryClient  # httpx is imported only by those who pull
+
         r = ref if isinstance(ref, Reference) else Reference.parse(ref)
         creds = auth_mod.Credentials(*credentials) if isinstance(credentials, tuple) else credentials
         async with RegistryClient(r, credentials=creds, insecure=insecure, ca_cert=ca_cert) as client:
