@@ -18,6 +18,8 @@ from .api.images import (
     remove_image,
 )
 from .api.process import AsyncProcess, AsyncStream, ExecResult, Process, Stream
+from .api.snapshot import AsyncSnapshot, Snapshot
+from .api.templates import import_snapshot, import_snapshot_async, template, template_async
 from .errors import (
     AgentTimeout,
     BootError,
@@ -26,6 +28,7 @@ from .errors import (
     BoxNotFound,
     CommandFailed,
     ConnectionLost,
+    CorruptSnapshot,
     ExecTimeout,
     GuestDirectoryNotEmpty,
     GuestError,
@@ -37,10 +40,14 @@ from .errors import (
     GuestPermissionError,
     HostSetupError,
     ImageError,
+    IncompatibleSnapshot,
     InvalidArgument,
     InvalidState,
     ProtocolError,
     SandlotError,
+    SnapshotInUse,
+    SnapshotNotFound,
+    StateError,
 )
 from .images.oci import ImageConfig
 from .images.store import Image
@@ -51,12 +58,15 @@ __version__ = "0.1.0"
 create = Box.create
 get = Box.get
 list = Box.list
+list_snapshots = Snapshot.list
+get_snapshot = Snapshot.get
 
 __all__ = [
     "AgentTimeout",
     "AsyncBox",
     "AsyncFiles",
     "AsyncProcess",
+    "AsyncSnapshot",
     "AsyncStream",
     "BootError",
     "BootTimeout",
@@ -65,6 +75,7 @@ __all__ = [
     "BoxNotFound",
     "CommandFailed",
     "ConnectionLost",
+    "CorruptSnapshot",
     "ExecResult",
     "ExecTimeout",
     "FileInfo",
@@ -81,23 +92,34 @@ __all__ = [
     "Image",
     "ImageConfig",
     "ImageError",
+    "IncompatibleSnapshot",
     "InvalidArgument",
     "InvalidState",
     "Process",
     "ProtocolError",
     "Runtime",
     "SandlotError",
+    "Snapshot",
+    "SnapshotInUse",
+    "SnapshotNotFound",
+    "StateError",
     "Stream",
     "__version__",
     "create",
     "get",
     "get_image",
+    "get_snapshot",
     "import_image",
+    "import_snapshot",
+    "import_snapshot_async",
     "list",
     "list_images",
+    "list_snapshots",
     "load_image",
     "prune_images",
     "pull",
     "pull_async",
     "remove_image",
+    "template",
+    "template_async",
 ]

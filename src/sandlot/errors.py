@@ -75,6 +75,27 @@ class BoxCrashed(_WithConsole, InvalidState):
     """The VM exited unexpectedly while in use."""
 
 
+class StateError(SandlotError):
+    """Saving or restoring a box's running state failed (QEMU's reason included)."""
+
+
+class SnapshotNotFound(SandlotError, LookupError):
+    """No snapshot or template by that id or name."""
+
+
+class SnapshotInUse(InvalidState):
+    """A snapshot cannot be removed while boxes started from it exist."""
+
+
+class IncompatibleSnapshot(SandlotError):
+    """A snapshot was made by a QEMU, machine, CPU model, accelerator or kernel
+    that this host cannot restore it with."""
+
+
+class CorruptSnapshot(SandlotError):
+    """A snapshot or snapshot archive is damaged or malformed (it is never partly used)."""
+
+
 class ProtocolError(SandlotError):
     """The agent sent a frame that breaks the protocol."""
 

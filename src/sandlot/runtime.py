@@ -113,6 +113,13 @@ class Runtime:
             if self._store is None:
                 self._store = BoxStore(self.home / "sandlot.db")
                 self._sweep_orphan_dirs(self._store)
+            else:
+                return self._store
+        from . import snapshots
+
+        with contextlib.suppress(OSError):
+            snapshots.sweep(self)
+        with self._lock:
             return self._store
 
     def _sweep_orphan_dirs(self, store: BoxStore) -> None:
@@ -141,11 +148,26 @@ class Runtime:
                 os.kill(rec.qemu_pid, signal.SIGKILL)
 
     def discard_box(self, box_id: str) -> None:
-        """Delete a box's files, then its row (a crash in between is reconciled)."""
+        """Delete a box's files, then its row (a crash in between is reconciled),
+        then the disk layers only it used."""
+        from . import snapshots
+
+        rec = self.store.find(box_id)
         shutil.rmtree(self.boxes_dir / box_id, ignore_errors=True)
         with contextlib.suppress(HostSetupError):
             shutil.rmtree(runtime_dir() / box_id, ignore_errors=True)
         self.store.delete(box_id)
+        if rec is None:
+            return
+        suspended = rec.options.get("_suspend")
+        if suspended:
+            self.store.delete_snapshot(suspended)
+            snapshots.remove_files(self.home, suspended)
+        mine = [Path(rec.disk)] if rec.disk else []
+        op = rec.options.get("_op")
+        if isinstance(op, dict) and op.get("disk"):
+            mine.append(Path(op["disk"]))
+        snapshots.gc_layers(self, also=mine)
 
     def reconcile(self, rec: BoxRecord) -> BoxRecord | None:
         """Make a box's row agree with its processes after crashes: finish or undo
@@ -174,12 +196,66 @@ class Runtime:
             self._kill_qemu(rec)
             return self.store.update(rec.id, expect=(s,), state="stopped", qemu_pid=None,
                                      stopped_at=time.time()) or self.store.find(rec.id)  # fmt: skip
+        if s in ("snapshotting", "suspending", "resuming", "restoring") and not owner_alive:
+            return self._finish_live_op(rec)
+        if s == "suspended" and self._qemu_alive(rec):
+            self._kill_qemu(rec)  # the state was saved; the VM was about to be ended
         if s in ("running", "paused") and not self._qemu_alive(rec):
             return self.store.update(
                 rec.id, expect=(s,), state="crashed", qemu_pid=None,
                 reason="the VM process exited unexpectedly (killed, or the host restarted)",
             ) or self.store.find(rec.id)  # fmt: skip
         return rec
+
+    def _qmp(self, rec: BoxRecord, *commands: tuple[str, dict[str, Any] | None]) -> Any:
+        from .snapshots import qmp_sync
+
+        return qmp_sync(
+            self.run_dir(rec.id) / "qmp.sock", self.boxes_dir / rec.id / "qmp.lock", list(commands)
+        )
+
+    def _finish_live_op(self, rec: BoxRecord) -> BoxRecord | None:
+        """A snapshot, suspend, resume or rollback whose process died: finish it where
+        the saved state allows, else undo it; the box is never lost."""
+        s = rec.state
+        alive = self._qemu_alive(rec)
+        opts = {k: v for k, v in rec.options.items() if k != "_op"}
+        status = None
+        if alive:
+            try:
+                status = self._qmp(rec, ("query-status", None))[0].get("status")
+            except Exception:
+                status = None
+        if s in ("snapshotting", "suspending"):
+            if s == "suspending" and rec.options.get("_suspend"):
+                self._kill_qemu(rec)
+                return self.store.update(rec.id, expect=(s,), state="suspended", qemu_pid=None)
+            if alive:  # the save was cut short: the VM goes on as it was
+                with contextlib.suppress(Exception):
+                    self._qmp(rec, ("migrate_cancel", None))
+                with contextlib.suppress(Exception):
+                    self._qmp(rec, ("cont", None))
+                return self.store.update(rec.id, expect=(s,), state="running") or self.store.find(rec.id)
+        elif s == "resuming":
+            if alive and status == "running":
+                opts.pop("_suspend", None)
+                return self.store.update(rec.id, expect=(s,), state="running", options=opts)
+            # the guest never ran: the saved state still matches the disk
+            self._kill_qemu(rec)
+            return self.store.update(rec.id, expect=(s,), state="suspended", qemu_pid=None)
+        elif s == "restoring":
+            op = rec.options.get("_op") or {}
+            if alive and status == "running" and op.get("disk"):
+                return self.store.update(rec.id, expect=(s,), state="running", disk=op["disk"], options=opts)
+            self._kill_qemu(rec)
+            return self.store.update(
+                rec.id, expect=(s,), state="stopped", qemu_pid=None, options=opts,
+                reason="a rollback was interrupted; the disk is as it was before it",
+            )  # fmt: skip
+        return self.store.update(
+            rec.id, expect=(s,), state="crashed", qemu_pid=None, options=opts,
+            reason=f"the VM exited while {s}",
+        ) or self.store.find(rec.id)  # fmt: skip
 
     # -- boot assets ---------------------------------------------------------------------
 

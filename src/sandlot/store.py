@@ -12,6 +12,7 @@ rather than misread.
 
 from __future__ import annotations
 
+import builtins
 import json
 import re
 import sqlite3
@@ -25,7 +26,7 @@ from typing import Any
 
 from .errors import BoxNotFound, InvalidArgument, SandlotError
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 MIGRATIONS = [
     """
     CREATE TABLE boxes (
@@ -50,12 +51,40 @@ MIGRATIONS = [
     );
     CREATE INDEX boxes_state ON boxes(state);
     """,
+    """
+    ALTER TABLE boxes ADD COLUMN disk TEXT;
+    ALTER TABLE boxes ADD COLUMN origin TEXT;
+    CREATE TABLE snapshots (
+        id TEXT PRIMARY KEY,
+        name TEXT,
+        kind TEXT NOT NULL,
+        box_id TEXT,
+        box_name TEXT,
+        layer TEXT NOT NULL,
+        options TEXT NOT NULL,
+        template_key TEXT,
+        size INTEGER NOT NULL DEFAULT 0,
+        created_at REAL NOT NULL
+    );
+    CREATE INDEX snapshots_box ON snapshots(box_id);
+    CREATE INDEX snapshots_key ON snapshots(template_key);
+    """,
 ]
 
-# What users see. "creating", "starting", "stopping" and "removing" are
-# transitions in progress; reconciliation finishes or undoes them.
-STATES = ("created", "running", "paused", "stopped", "crashed")
-TRANSIENT = ("creating", "starting", "stopping", "removing")
+# What users see. The others are transitions in progress; reconciliation
+# finishes or undoes them when the process doing one died.
+STATES = ("created", "running", "paused", "suspended", "stopped", "crashed")
+TRANSIENT = (
+    "creating",
+    "starting",
+    "stopping",
+    "removing",
+    "snapshotting",
+    "suspending",
+    "resuming",
+    "restoring",
+)
+SNAPSHOT_KINDS = ("snapshot", "template", "suspend")
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
 
 
@@ -83,12 +112,39 @@ class BoxRecord:
     reason: str | None = None
     started_at: float | None = None
     stopped_at: float | None = None
+    disk: str | None = None  # the top layer of its disk (layers/<id>.qcow2)
+    origin: str | None = None  # the snapshot it was started from (fork, template)
+
+    def to_json(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+@dataclass(frozen=True, slots=True)
+class SnapshotRecord:
+    """A saved running state: a frozen disk layer plus the files in snapshots/<id>/."""
+
+    id: str
+    kind: str  # snapshot, template, or the state of a suspended box
+    layer: str
+    options: dict[str, Any]  # the box's spec and the VM's facts at the time
+    created_at: float
+    name: str | None = None
+    box_id: str | None = None
+    box_name: str | None = None
+    template_key: str | None = None
+    size: int = 0
 
     def to_json(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
 _JSON_COLUMNS = ("options", "labels")
+
+
+def _snap_row(r: sqlite3.Row) -> SnapshotRecord:
+    d = dict(r)
+    d["options"] = json.loads(d["options"])
+    return SnapshotRecord(**d)
 
 
 def _row(r: sqlite3.Row) -> BoxRecord:
@@ -225,6 +281,88 @@ class BoxStore:
         with self._tx() as db:
             db.execute("DELETE FROM boxes WHERE id = ?", (box_id,))
 
+    # -- snapshots ------------------------------------------------------------------------
+
+    def insert_snapshot(self, rec: SnapshotRecord) -> SnapshotRecord:
+        d = rec.to_json()
+        d["options"] = json.dumps(d["options"])
+        cols = ", ".join(d)
+        marks = ", ".join(f":{k}" for k in d)
+        with self._tx() as db:
+            if rec.name is not None and rec.kind != "suspend":
+                clash = db.execute(
+                    "SELECT id FROM snapshots WHERE name = ? AND kind = ? AND box_id IS ?",
+                    (rec.name, rec.kind, rec.box_id),
+                ).fetchone()
+                if clash:
+                    owner = f"box {rec.box_name}" if rec.box_id else "this home"
+                    raise InvalidArgument(f"{owner} already has a {rec.kind} named {rec.name!r}")
+            db.execute(f"INSERT INTO snapshots ({cols}) VALUES ({marks})", d)
+        return rec
+
+    def snapshots(
+        self, *, box_id: str | None = None, kind: str | None = None
+    ) -> builtins.list[SnapshotRecord]:
+        sql, args = "SELECT * FROM snapshots WHERE 1=1", []
+        if box_id is not None:
+            sql += " AND box_id = ?"
+            args.append(box_id)
+        if kind is not None:
+            sql += " AND kind = ?"
+            args.append(kind)
+        with self._lock:
+            rows = self._db.execute(sql + " ORDER BY created_at", args).fetchall()
+        return [_snap_row(r) for r in rows]
+
+    def find_snapshot(self, snap_id: str) -> SnapshotRecord | None:
+        with self._lock:
+            row = self._db.execute("SELECT * FROM snapshots WHERE id = ?", (snap_id,)).fetchone()
+        return _snap_row(row) if row else None
+
+    def get_snapshot(self, key: str, *, box_id: str | None = None) -> SnapshotRecord:
+        """By id, unambiguous id prefix, or name (of that box's snapshots, or a template)."""
+        from .errors import SnapshotNotFound
+
+        if not isinstance(key, str) or not key:
+            raise InvalidArgument(f"a snapshot id or name is needed, not {key!r}")
+        with self._lock:
+            rows = self._db.execute(
+                "SELECT * FROM snapshots WHERE id = ? AND kind != 'suspend'", (key,)
+            ).fetchall()
+            if not rows:
+                q = "SELECT * FROM snapshots WHERE name = ? AND kind != 'suspend'"
+                args: list[Any] = [key]
+                if box_id is not None:
+                    q += " AND (box_id = ? OR kind = 'template')"
+                    args.append(box_id)
+                rows = self._db.execute(q, args).fetchall()
+            if not rows and len(key) >= 4 and re.fullmatch(r"[0-9a-f]+", key):
+                rows = self._db.execute(
+                    "SELECT * FROM snapshots WHERE id LIKE ? AND kind != 'suspend'", (key + "%",)
+                ).fetchall()
+        if not rows:
+            raise SnapshotNotFound(f"no snapshot {key!r}")
+        if len(rows) > 1:
+            owners = ", ".join(sorted({str(dict(r)["box_name"]) for r in rows}))
+            raise InvalidArgument(f"snapshot {key!r} is ambiguous (boxes {owners}): use its id")
+        return _snap_row(rows[0])
+
+    def update_snapshot(self, snap_id: str, **changes: Any) -> None:
+        if "options" in changes:
+            changes["options"] = json.dumps(changes["options"])
+        sets = ", ".join(f"{k} = :{k}" for k in changes)
+        with self._tx() as db:
+            db.execute(f"UPDATE snapshots SET {sets} WHERE id = :_id", {**changes, "_id": snap_id})
+
+    def delete_snapshot(self, snap_id: str) -> None:
+        with self._tx() as db:
+            db.execute("DELETE FROM snapshots WHERE id = ?", (snap_id,))
+
+    def children(self, snap_id: str) -> builtins.list[BoxRecord]:
+        with self._lock:
+            rows = self._db.execute("SELECT * FROM boxes WHERE origin = ?", (snap_id,)).fetchall()
+        return [_row(r) for r in rows]
+
 
 def validate_name(name: str) -> str:
     if not isinstance(name, str) or not NAME_RE.match(name):
@@ -233,4 +371,4 @@ def validate_name(name: str) -> str:
     return name
 
 
-__all__ = ["STATES", "TRANSIENT", "BoxRecord", "BoxStore", "StoreError", "validate_name"]
+__all__ = ["STATES", "TRANSIENT", "BoxRecord", "BoxStore", "SnapshotRecord", "StoreError", "validate_name"]

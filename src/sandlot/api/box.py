@@ -20,16 +20,16 @@ import asyncio
 import builtins
 import contextlib
 import fcntl
+import logging
 import os
 import secrets
-import shutil
 import time
 from collections.abc import AsyncIterable, Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any
 
-from .. import _proc
-from ..engine.qemu import QemuVM, VMConfig, tail
+from .. import _proc, snapshots
+from ..engine.qemu import QemuVM, VMConfig, qemu_version, tail
 from ..errors import (
     AgentTimeout,
     BootTimeout,
@@ -45,13 +45,15 @@ from ..protocol.connection import AgentConnection
 from ..protocol.exec import ExecRequest, RemoteProcess
 from ..protocol.wire import ControlOp, T, Tag, tlv, tlv_u64
 from ..runtime import Runtime
-from ..store import BoxRecord
+from ..store import BoxRecord, SnapshotRecord, validate_name
 from . import _sync
 from .files import AsyncFiles, Files, guest_path
 from .options import DEFAULT_DISK_GB, DEFAULT_MEMORY_MIB, BoxSpec, VolumeSpec, check_env, check_user, positive
 from .process import AsyncProcess, ExecResult, Process
+from .snapshot import AsyncSnapshot, Snapshot, check_template_fits, resolve_snapshot
 
 GiB = 1 << 30
+log = logging.getLogger("sandlot")
 AGENT_PORTS = 8  # processes that can be attached to one box at the same time
 LOCK_TIMEOUT = 300.0
 
@@ -139,19 +141,35 @@ class AsyncBox:
         hostname: str | None = None,
         boot_timeout: float | None = None,
         request_timeout: float = 30.0,
+        idle_timeout: float | None = None,
+        template: Any = None,
         home: str | os.PathLike[str] | None = None,
     ) -> None:
         if pull not in ("missing", "always", "never"):
             raise InvalidArgument(f"pull must be 'missing', 'always' or 'never', not {pull!r}")
+        self.runtime = Runtime.for_home(home)
+        self._template: SnapshotRecord | None = None
+        self._auto_template = template is None and os.environ.get("SANDLOT_AUTO_TEMPLATE", "1") != "0"
+        self._auto_key: str | None = None
+        if template is not None and template is not False:
+            self._template = resolve_snapshot(self.runtime, template, kinds=("template", "snapshot"))
+            if image is None and rootfs is None:
+                tmpl_opts = self._template.options
+                image, rootfs = tmpl_opts.get("image_ref"), tmpl_opts.get("rootfs")
+                facts = tmpl_opts["vm"]
+                memory_mib, cpus = facts["memory_mib"], facts["cpus"]
+                disk_size_gb = tmpl_opts["box"].get("disk_size_gb", disk_size_gb)
         self.image: Image | None = image if isinstance(image, Image) else None
         image_ref = image.digest if isinstance(image, Image) else image
         self.spec = BoxSpec.build(
             image_ref, rootfs=rootfs, name=name, env=env, workdir=workdir, user=user, volumes=volumes,
             labels=labels, memory_mib=memory_mib, cpus=cpus, disk_size_gb=disk_size_gb,
             auto_remove=auto_remove, accel=accel, kernel=kernel, hostname=hostname,
-            boot_timeout=boot_timeout, request_timeout=request_timeout,
+            boot_timeout=boot_timeout, request_timeout=request_timeout, idle_timeout=idle_timeout,
+            saved=self._template is not None,
         )  # fmt: skip
-        self.runtime = Runtime.for_home(home)
+        if self._template is not None:
+            check_template_fits(self._template, self.spec)
         self.id = secrets.token_hex(6)
         self.name = self.spec.name or f"box-{self.id[:6]}"
         self.keep = keep
@@ -165,12 +183,14 @@ class AsyncBox:
         self._init_runtime_state()
 
     def _init_runtime_state(self) -> None:
+        self._resumed = asyncio.Event()
         self._vm: QemuVM | None = None
         self._conn: AgentConnection | None = None
         self._port_fd: int | None = None
         self._lock = asyncio.Lock()
         self.files = AsyncFiles(self._connection)
         self.boot_seconds: float | None = None
+        self.last_pause: float | None = None  # seconds the last snapshot or suspend paused the VM
 
     @classmethod
     def _from_record(cls, runtime: Runtime, rec: BoxRecord) -> AsyncBox:
@@ -181,6 +201,7 @@ class AsyncBox:
         box.image = None
         box.keep = True
         box._pull, box._pull_opts = "never", {}
+        box._template, box._auto_template, box._auto_key = None, False, None
         box._record = rec
         box._init_runtime_state()
         return box
@@ -262,7 +283,11 @@ class AsyncBox:
 
     @property
     def disk_path(self) -> Path:
-        return self.state_dir / "disk.qcow2"
+        """The top layer of the box's disk (it changes with each snapshot)."""
+        rec = self._record
+        if rec is not None and rec.disk:
+            return Path(rec.disk)
+        return self.state_dir / "disk.qcow2"  # a box made before disks had layers
 
     @property
     def console_log(self) -> Path:
@@ -335,6 +360,12 @@ class AsyncBox:
         )  # fmt: skip
         rt.store.insert(rec)  # reserves the name; a crash from here on is undone by reconcile
         try:
+            if self._template is None and self._auto_template and self.spec.image and not self.spec.volumes:
+                image = await self._resolve_image()
+                self._template = await asyncio.to_thread(self._find_auto_template, image.digest)
+            if self._template is not None:
+                await self._create_from(self._template)
+                return
             digest = None
             if self.spec.image is not None:
                 image = await self._resolve_image()
@@ -348,21 +379,59 @@ class AsyncBox:
                 base = await asyncio.to_thread(base_for, rt.bases_dir, self.spec.rootfs)
             self.state_dir.mkdir(parents=True, exist_ok=True)
             (self.state_dir / "ports").mkdir(exist_ok=True)
-            await asyncio.to_thread(create_overlay, base, self.disk_path, self.spec.disk_size_gb * GiB)
+            disk = snapshots.layers_dir(rt.home) / f"{secrets.token_hex(8)}.qcow2"
+            disk.parent.mkdir(parents=True, exist_ok=True)
+            rt.store.update(self.id, disk=str(disk))  # before the file: a crash leaves nothing unnamed
+            await asyncio.to_thread(create_overlay, base, disk, self.spec.disk_size_gb * GiB)
             updated = rt.store.update(
                 self.id,
                 expect=("creating",),
                 state="created",
                 image_digest=digest,
-                options=self.spec.to_options(),
+                options={**self.spec.to_options(), "_machine_id": secrets.token_hex(16)},
             )
         except BaseException:
-            rt.store.delete(self.id)
-            shutil.rmtree(self.state_dir, ignore_errors=True)
+            self.runtime.discard_box(self.id)
             raise
         if updated is None:
             raise BoxNotFound(f"box {self.name} was removed while it was being created")
         self._record = updated
+
+    async def _create_from(self, snap: SnapshotRecord) -> None:
+        """The disk of a box started from a saved state: a new layer on the snapshot's."""
+        rt = self.runtime
+        self.spec.image_config = snap.options["box"].get("image_config")
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        (self.state_dir / "ports").mkdir(exist_ok=True)
+        frozen = Path(snap.layer)
+        disk = await asyncio.to_thread(snapshots.new_layer, rt.home, frozen, snapshots.virtual_size(frozen))
+        updated = rt.store.update(
+            self.id, expect=("creating",), state="created", disk=str(disk), origin=snap.id,
+            image_digest=snap.options.get("image_digest"),
+            options={**self.spec.to_options(), "_machine_id": secrets.token_hex(16)},
+        )  # fmt: skip
+        if updated is None:
+            raise BoxNotFound(f"box {self.name} was removed while it was being created")
+        self._record = updated
+
+    def _template_key(self, image_digest: str) -> str:
+        """What an automatic template must share with a box to stand in for its boot."""
+        import hashlib
+        import json
+
+        assets = self.runtime.assets(kernel=self.spec.kernel, accel=self.spec.accel)
+        key = [image_digest, self.spec.memory_mib, self.spec.cpus, self.spec.disk_size_gb, assets.accel.name,
+               assets.kernel.sha256, assets.agent.digest, str(assets.initrd), qemu_version()]  # fmt: skip
+        return hashlib.sha256(json.dumps(key).encode()).hexdigest()[:32]
+
+    def _find_auto_template(self, image_digest: str) -> SnapshotRecord | None:
+        key = self._template_key(image_digest)
+        self._auto_key = key
+        for snap in self.runtime.store.snapshots(kind="template"):
+            if snap.template_key == key and snap.name is None:
+                found: SnapshotRecord = snap
+                return found
+        return None
 
     async def _resolve_image(self) -> Image:
         if self.image is not None:
@@ -456,6 +525,9 @@ class AsyncBox:
         """Boot the box (creating it first if needed) and wait for its agent.
         A running box is left as it is; the disk is kept across stop/start."""
         await self._create()
+        if self.record.state == "suspended":
+            await self.resume()
+            return self
         async with self._lock, self._box_lock():
             rec = self.record
             if rec.state == "running":
@@ -464,6 +536,10 @@ class AsyncBox:
                 raise InvalidState(f"box {self.name} is paused: unpause() it")
             if rec.state not in ("created", "stopped", "crashed"):
                 raise InvalidState(f"box {self.name} is {rec.state}")
+            origin = self.runtime.store.find_snapshot(rec.origin) if rec.origin else None
+            if rec.state == "created" and origin is not None:
+                await self._start_from(origin, rec)
+                return self
             t0 = time.monotonic()
             flavor = "generic" if self.spec.volumes else "cloud"  # the cloud kernel has no 9p
             extra = ("9p", "9pnet_virtio") if self.spec.volumes else ()
@@ -503,7 +579,211 @@ class AsyncBox:
                 raise
             self.runtime.store.update(self.id, state="running", started_at=time.time())
             self.boot_seconds = time.monotonic() - t0
+            if self._auto_key is not None:  # the image's first boot: later boxes restore it instead
+                try:
+                    await self._capture("template", template_key=self._auto_key)
+                except Exception as exc:  # a box that booted is never failed for its template
+                    log.warning("could not make a template of %s: %s", self.spec.image, exc)
             return self
+
+    async def _start_from(self, snap: SnapshotRecord, rec: BoxRecord) -> None:
+        """First start of a box made from a snapshot or template: restore, not boot."""
+        t0 = time.monotonic()
+        facts = snap.options["vm"]
+        assets = await asyncio.to_thread(self.runtime.assets, kernel=self.spec.kernel, accel=self.spec.accel)
+        snapshots.check_compatible(facts, assets.accel.name)
+        options = {**rec.options, "_kernel": str(assets.kernel.vmlinux), "_initrd": str(assets.initrd),
+                   "_accel": facts["accel"]}  # fmt: skip
+        pid, start = _proc.me()
+        rec = self.runtime.store.update(self.id, state="starting", options=options, owner_pid=pid,
+                                        owner_start=start, reason=None) or rec  # fmt: skip
+        try:
+            await self._resume_vm(snap, rec, attach=True)
+        except BaseException as exc:
+            reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            self.runtime.store.update(
+                self.id, state="crashed", reason=f"start failed: {reason}", qemu_pid=None
+            )
+            raise
+        self.runtime.store.update(self.id, state="running", started_at=time.time())
+        self.boot_seconds = time.monotonic() - t0
+
+    async def _resume_vm(self, snap: SnapshotRecord, rec: BoxRecord, *, attach: bool) -> QemuVM:
+        """Start QEMU on ``rec``'s disk from ``snap``'s saved state, let it run, and
+        (``attach``) connect to its agent. The row gets the QEMU pid at once, so a
+        crash of this process leaves nothing reconciliation cannot find."""
+        facts = snap.options["vm"]
+        o = rec.options
+        cfg = VMConfig(
+            kernel=Path(o.get("_kernel") or facts["kernel"]),
+            initrd=Path(o.get("_initrd") or facts["initrd"]),
+            disk=Path(rec.disk or self.disk_path), run_dir=self.runtime.run_dir(self.id),
+            state_dir=self.state_dir, accel=facts["accel"], memory_mib=facts["memory_mib"],
+            cpus=facts["cpus"], hostname=self.hostname, ports=facts["ports"],
+        )  # fmt: skip
+        timeout = self.spec.boot_timeout or _default_boot_timeout(facts["accel"])
+
+        def started(vm: QemuVM) -> None:
+            self._vm = vm
+            self.runtime.store.update(self.id, qemu_pid=vm.pid, qemu_start=vm.start_time)
+
+        vm = await snapshots.start_from(self.runtime.home, snap, cfg, on_started=started)
+        try:
+            await vm.qmp("cont")
+            if attach:
+                self._conn = await self._boot_attach(vm, timeout)
+        except BaseException:
+            await vm.kill(grace=0.5)
+            self._disconnect()
+            raise
+        return vm
+
+    async def _capture(
+        self, kind: str, *, name: str | None = None, template_key: str | None = None
+    ) -> AsyncSnapshot:
+        """Save the running state (locks held by the caller); the box goes on."""
+        if self.spec.volumes:
+            raise InvalidState(
+                f"box {self.name} has volumes: their host directories are not part of a saved state"
+            )
+        rec = self.record
+        if rec.state not in ("running", "paused"):
+            raise InvalidState(
+                f"box {self.name} is {rec.state}: only a running or paused box has a state to save"
+            )
+        pid, start = _proc.me()
+        self.runtime.store.update(self.id, state="snapshotting", owner_pid=pid, owner_start=start)
+        try:
+            snap, pause = await snapshots.capture(
+                self.runtime, self._existing_vm(rec), rec, kind=kind, name=name, template_key=template_key
+            )
+        finally:
+            self.runtime.store.update(self.id, expect=("snapshotting",), state=rec.state)
+        self.last_pause = pause
+        return AsyncSnapshot(self.runtime, snap)
+
+    # -- live state -------------------------------------------------------------------------------
+
+    async def snapshot(self, name: str | None = None) -> AsyncSnapshot:
+        """Save memory, processes and disk while the box runs (it pauses only for the
+        save; ``last_pause`` says how long). Roll back to it, or start boxes from it."""
+        if name is not None:
+            validate_name(name)
+        async with self._lock, self._box_lock():
+            return await self._capture("snapshot", name=name)
+
+    async def fork(self, n: int = 1, *, name: str | None = None) -> builtins.list[AsyncBox]:
+        """``n`` running copies of this box, from a snapshot taken now; see ``AsyncSnapshot.start``."""
+        snap = await self.snapshot()
+        return await snap.start(n, name=name or self.name)
+
+    async def rollback(self, snapshot: Any) -> None:
+        """Take this box back to one of its snapshots: memory, processes and disk.
+        Same id and name; commands running now end (their connection ends with ConnectionLost)."""
+        rt = self.runtime
+        snap = resolve_snapshot(rt, snapshot, box_id=self.id, kinds=("snapshot",))
+        if snap.box_id != self.id:
+            raise InvalidArgument(
+                f"snapshot {snap.name or snap.id} is of box {snap.box_name}; a box rolls back to its own "
+                "snapshots (snapshot.start() makes a new box from any)"
+            )
+        async with self._lock, self._box_lock():
+            rec = self.record
+            if rec.state not in ("running", "paused", "stopped", "crashed", "suspended", "created"):
+                raise InvalidState(f"box {self.name} is {rec.state}")
+            frozen = Path(snap.layer)
+            top = await asyncio.to_thread(
+                snapshots.new_layer, rt.home, frozen, snapshots.virtual_size(frozen)
+            )
+            pid, start = _proc.me()
+            base_opts = {k: v for k, v in rec.options.items() if k not in ("_op", "_suspend")}
+            rt.store.update(self.id, state="restoring", owner_pid=pid, owner_start=start,
+                            options={**base_opts, "_op": {"disk": str(top)}})  # fmt: skip
+            if rec.qemu_pid and _proc.alive(rec.qemu_pid, rec.qemu_start):
+                old = self._existing_vm(rec)
+                await old.kill(grace=0.5)
+                vm_cleanup(old)
+            self._disconnect()
+            try:
+                await self._resume_vm(snap, replace_disk(rec, top), attach=True)
+            except BaseException as exc:
+                reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+                reason = f"rollback failed, the disk is as it was before: {reason}"
+                rt.store.update(self.id, state="stopped", qemu_pid=None, options=base_opts, reason=reason)
+                snapshots.gc_layers(rt, also=[top])
+                raise
+            rt.store.update(
+                self.id, state="running", disk=str(top), options=base_opts, started_at=time.time()
+            )
+            old_suspend = rec.options.get("_suspend")
+            if old_suspend:
+                rt.store.delete_snapshot(old_suspend)
+                snapshots.remove_files(rt.home, old_suspend)
+            if rec.disk:
+                await asyncio.to_thread(snapshots.gc_layers, rt, also=[Path(rec.disk)])
+
+    async def suspend(self) -> None:
+        """Write the running state to disk and end the VM: no CPU, no RAM. ``resume()``
+        (from any process), ``start()``, or the next command brings it back."""
+        async with self._lock, self._box_lock():
+            rec = self.record
+            if rec.state == "suspended":
+                return
+            if rec.state not in ("running", "paused"):
+                raise InvalidState(f"box {self.name} is {rec.state}, not running")
+            if self.spec.volumes:
+                raise InvalidState(f"box {self.name} has volumes: it cannot be suspended, only stopped")
+            pid, start = _proc.me()
+            self.runtime.store.update(self.id, state="suspending", owner_pid=pid, owner_start=start)
+            self._resumed.clear()
+            vm = self._existing_vm(rec)
+            try:
+                snap, pause = await snapshots.capture(
+                    self.runtime, vm, rec, kind="suspend", keep_running=False
+                )
+            except BaseException:
+                with contextlib.suppress(Exception):
+                    if rec.state == "running":
+                        await vm.qmp("cont")
+                self.runtime.store.update(self.id, expect=("suspending",), state=rec.state)
+                raise
+            self.runtime.store.update(self.id, state="suspended", qemu_pid=None, stopped_at=time.time(),
+                                      options={**rec.options, "_suspend": snap.id})  # fmt: skip
+            self.last_pause = pause
+            await vm.kill(grace=1.0)
+            vm_cleanup(vm)
+
+    async def resume(self) -> None:
+        """Bring a suspended box back with its processes; this process's open commands
+        and streams carry on where they were."""
+        async with self._lock, self._box_lock():
+            rec = self.record
+            if rec.state in ("running", "paused"):
+                return
+            if rec.state != "suspended":
+                raise InvalidState(f"box {self.name} is {rec.state}, not suspended")
+            rt = self.runtime
+            snap = rt.store.find_snapshot(rec.options.get("_suspend") or "")
+            if snap is None:
+                rt.store.update(self.id, state="crashed", reason="its suspended state is missing")
+                raise InvalidState(
+                    f"box {self.name}: its suspended state is missing; start() boots it afresh"
+                )
+            pid, start = _proc.me()
+            rt.store.update(self.id, state="resuming", owner_pid=pid, owner_start=start)
+            keep_conn = self._conn is not None and self._conn.failed is None
+            try:
+                await self._resume_vm(snap, rec, attach=not keep_conn)
+            except BaseException:
+                rt.store.update(self.id, expect=("resuming",), state="suspended", qemu_pid=None)
+                raise
+            opts = {k: v for k, v in rec.options.items() if k != "_suspend"}
+            rt.store.update(self.id, state="running", options=opts, started_at=time.time())
+            rt.store.delete_snapshot(snap.id)
+            snapshots.remove_files(rt.home, snap.id)
+        self._resumed.set()
+        if keep_conn and self._conn is not None:
+            await self._conn.wait_ready()
 
     async def _boot_attach(self, vm: QemuVM, timeout: float) -> AgentConnection:
         """Connect to port 0 and handshake, racing QEMU's exit and the deadline."""
@@ -552,24 +832,33 @@ class AsyncBox:
         async def connector() -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
             return await asyncio.open_unix_connection(sock, limit=1 << 22)
 
-        vm = self._vm
-
         async def on_lost() -> BaseException | None:
-            return await self._on_agent_lost(vm)
+            return await self._on_agent_lost(self._vm)
 
-        return AgentConnection(connector, request_timeout=self.spec.request_timeout, on_lost=on_lost)
+        rec = self._record
+        return AgentConnection(
+            connector,
+            request_timeout=self.spec.request_timeout,
+            hostname=self.hostname,
+            machine_id=rec.options.get("_machine_id") if rec else None,
+            on_lost=on_lost,
+        )
 
     async def _connection(self) -> AgentConnection:
         """This process's session with the agent, made on first use."""
         if self._record is None:
             raise InvalidState(f"box {self.name} was not started; call start()")
         rec = self.record  # every call: another process may have paused or stopped it
-        if rec.state != "running":
+        if rec.state in ("suspended", "suspending", "resuming"):
+            await self.resume()  # transparently: an idle box was put to sleep
+            rec = self.record
+        if rec.state not in ("running", "snapshotting"):
             raise InvalidState(
                 f"box {self.name} is {rec.state}" + ("; call start()" if rec.state != "paused" else "")
             )
         conn = self._conn
         if conn is not None and conn.failed is None:
+            await conn.wait_ready()
             return conn
         if conn is not None:
             self._disconnect()
@@ -608,10 +897,21 @@ class AsyncBox:
             self._port_fd = None
 
     async def _on_agent_lost(self, vm: QemuVM | None) -> BaseException | None:
-        """The agent socket of ``vm`` closed: reconnect if that VM lives; else say why it is gone."""
+        """The agent socket of ``vm`` closed: reconnect if that VM lives (or once a
+        suspended box resumes, here or in another process); else say why it is gone."""
         await asyncio.sleep(0.05)
         if vm is not None and vm.running:
             return None
+        while (rec := self.runtime.store.find(self.id)) is not None and rec.state in (
+            "suspending", "suspended", "resuming", "restoring"
+        ):  # fmt: skip
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._resumed.wait(), 0.5)
+        if rec is not None and rec.state == "running" and self._conn is not None:
+            if self._vm is None or self._vm.pid != rec.qemu_pid:
+                self._existing_vm(rec)
+            if self._vm is not None and self._vm.running:
+                return None
         if self._port_fd is not None:  # the VM is gone: free our port for whoever starts it next
             os.close(self._port_fd)
             self._port_fd = None
@@ -828,6 +1128,12 @@ def _hostname_for(name: str) -> str:
     return h or "sandlot"
 
 
+def replace_disk(rec: BoxRecord, disk: Path) -> BoxRecord:
+    from dataclasses import replace
+
+    return replace(rec, disk=str(disk))
+
+
 def vm_cleanup(vm: QemuVM) -> None:
     with contextlib.suppress(Exception):
         vm.cleanup()
@@ -1011,3 +1317,28 @@ class Box:
 
     def ping(self) -> float:
         return _sync.run(self._a.ping())
+
+    # live state
+    @property
+    def last_pause(self) -> float | None:
+        return self._a.last_pause
+
+    def snapshot(self, name: str | None = None) -> Snapshot:
+        return Snapshot(_sync.run(self._a.snapshot(name)))
+
+    def snapshots(self) -> builtins.list[Snapshot]:
+        """This box's snapshots, oldest first."""
+        found: builtins.list[Snapshot] = Snapshot.list(box=self.id, home=self._a.runtime.home)
+        return found
+
+    def rollback(self, snapshot: Snapshot | AsyncSnapshot | str) -> None:
+        _sync.run(self._a.rollback(snapshot))
+
+    def fork(self, n: int = 1, *, name: str | None = None) -> builtins.list[Box]:
+        return [Box._wrap(a) for a in _sync.run(self._a.fork(n, name=name))]
+
+    def suspend(self) -> None:
+        _sync.run(self._a.suspend())
+
+    def resume(self) -> None:
+        _sync.run(self._a.resume())

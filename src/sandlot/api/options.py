@@ -113,6 +113,7 @@ class BoxSpec:
     hostname: str | None = None
     boot_timeout: float | None = None
     request_timeout: float = 30.0
+    idle_timeout: float | None = None  # suspend after this many seconds without requests
     image_config: dict[str, Any] | None = None  # the image's Env/WorkingDir/User/Entrypoint/Cmd, kept
 
     @classmethod
@@ -136,9 +137,15 @@ class BoxSpec:
         hostname: str | None,
         boot_timeout: float | None,
         request_timeout: float,
+        idle_timeout: float | None = None,
+        saved: bool = False,
     ) -> BoxSpec:
+        """``saved``: the box starts from a saved state, which may name neither an
+        image nor a root filesystem here (an imported snapshot)."""
         has_rootfs = rootfs is not None and bool(os.fspath(rootfs))
-        if (image is None) == (not has_rootfs):
+        if saved and image is None and not has_rootfs:
+            pass
+        elif (image is None) == (not has_rootfs):
             raise InvalidArgument(
                 "a box needs exactly one of: an image, or rootfs= (a directory or a tarball)"
             )
@@ -150,7 +157,7 @@ class BoxSpec:
         if has_rootfs:
             assert rootfs is not None
             p = Path(rootfs).expanduser()
-            if not p.exists():
+            if not p.exists() and not saved:
                 raise InvalidArgument(f"rootfs {p} does not exist")
             root = str(p.absolute())
         positive("memory_mib", memory_mib, integer=True)
@@ -158,6 +165,7 @@ class BoxSpec:
         positive("disk_size_gb", disk_size_gb, integer=True)
         positive("boot_timeout", boot_timeout)
         positive("request_timeout", request_timeout)
+        positive("idle_timeout", idle_timeout)
         if memory_mib < 64:
             raise InvalidArgument(f"memory_mib must be at least 64, not {memory_mib}")
         if cpus > (os.cpu_count() or 1) * 4:
@@ -194,6 +202,7 @@ class BoxSpec:
             hostname=hostname,
             boot_timeout=boot_timeout,
             request_timeout=request_timeout,
+            idle_timeout=idle_timeout,
         )
 
     def to_options(self) -> dict[str, Any]:

@@ -15,6 +15,7 @@ import os
 import shutil
 import signal
 import subprocess
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -22,7 +23,7 @@ from typing import Any
 from qemu.qmp import QMPClient
 
 from .. import _proc
-from ..errors import BootError, HostSetupError
+from ..errors import BootError, HostSetupError, StateError
 
 QEMU_BINARY = "qemu-system-x86_64"
 
@@ -89,6 +90,12 @@ class VMConfig:
     detached: bool = True
     volumes: list[tuple[str, str, bool]] = field(default_factory=list)  # host dir, mount tag, read-only
     extra_kernel_args: list[str] = field(default_factory=list)
+    # Guest RAM in a file: shared (the file *is* the RAM: a template being made)
+    # or private (copy-on-write over a snapshot's memory image: a restore or a fork).
+    disk_readonly: bool = False
+    ram_file: Path | None = None
+    ram_shared: bool = False
+    incoming: bool = False  # wait for a saved state (``QemuVM.load_state``) instead of booting
 
     @property
     def qmp_socket(self) -> Path:
@@ -120,6 +127,13 @@ def build_command(cfg: VMConfig, binary: str) -> list[str]:
     if cfg.extra_kernel_args:
         append += " " + " ".join(cfg.extra_kernel_args)
     machine = "microvm,x-option-roms=off,isa-serial=on,rtc=on"
+    ram: list[str] = []
+    if cfg.ram_file is not None:
+        # named like the machine's default RAM block, so a state saved by any VM loads into any other
+        machine += ",memory-backend=microvm.ram"
+        share = "on" if cfg.ram_shared else "off"
+        backend = f"memory-backend-file,id=microvm.ram,size={cfg.memory_mib}M,mem-path={_q(cfg.ram_file)}"
+        ram = ["-object", f"{backend},share={share}"]
     if cfg.accel == "kvm":
         accel = ["-accel", "kvm", "-cpu", "host"]
     else:
@@ -131,21 +145,24 @@ def build_command(cfg: VMConfig, binary: str) -> list[str]:
         *accel,
         "-smp", str(cfg.cpus),
         "-m", f"{cfg.memory_mib}M",
+        *ram,
         "-nodefaults", "-no-user-config", "-nographic", "-no-reboot",
-        "-kernel", str(cfg.kernel),
-        "-initrd", str(cfg.initrd),
-        "-append", append,
         "-chardev", f"file,id=console,path={_q(cfg.console_log)}",
         "-serial", "chardev:console",
         "-device", f"virtio-serial-device,max_ports={cfg.ports + 1}",  # port 0 is reserved for consoles
     ]  # fmt: skip
+    if not cfg.incoming:
+        # a VM that loads a saved state gets its kernel from that state; loading the
+        # 45 MB vmlinux again would only cost time and memory
+        cmd += ["-kernel", str(cfg.kernel), "-initrd", str(cfg.initrd), "-append", append]
     for port in range(cfg.ports):
         cmd += [
             "-chardev", f"socket,id=agent{port},path={_q(cfg.agent_socket(port))},server=on,wait=off",
             "-device", f"virtserialport,chardev=agent{port},name=sandlot.{port}",
         ]  # fmt: skip
     cmd += [
-        "-drive", f"id=root,file={_q(cfg.disk)},format=qcow2,if=none,discard=unmap,detect-zeroes=unmap",
+        "-drive", f"id=root,file={_q(cfg.disk)},format=qcow2,if=none,discard=unmap,detect-zeroes=unmap"
+                  + (",readonly=on" if cfg.disk_readonly else ""),
         "-device", "virtio-blk-device,drive=root",
         "-qmp", f"unix:{_q(cfg.qmp_socket)},server=on,wait=off",
     ]  # fmt: skip
@@ -153,7 +170,38 @@ def build_command(cfg: VMConfig, binary: str) -> list[str]:
         # security_model=none: files keep the host user's ownership; no root needed
         opts = f"local,id={tag},path={_q(host)},security_model=none" + (",readonly=on" if readonly else "")
         cmd += ["-fsdev", opts, "-device", f"virtio-9p-device,fsdev={tag},mount_tag={tag}"]
+    if cfg.incoming:
+        cmd += ["-incoming", "defer"]
     return cmd
+
+
+async def _set_migration(q: QMPClient, ignore_shared: bool) -> None:
+    caps = [{"capability": "x-ignore-shared", "state": ignore_shared}]
+    await q.execute("migrate-set-capabilities", {"capabilities": caps})
+    # the default bandwidth cap (128 MiB/s) is for networks, not a local file
+    await q.execute("migrate-set-parameters", {"max-bandwidth": 1 << 40})
+
+
+async def _wait_migration(q: QMPClient, timeout: float, vm: QemuVM) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout
+    delay = 0.002
+    while True:
+        info = await q.execute("query-migrate")
+        if not isinstance(info, dict):
+            info = {}
+        status = info.get("status")
+        if status == "completed":
+            return
+        if status in ("failed", "cancelled"):
+            raise StateError(f"QEMU could not save or load the state: {info.get('error-desc', status)}")
+        if status is None and not vm.running:
+            raise StateError("QEMU exited while saving or loading the state")
+        if asyncio.get_running_loop().time() > deadline:
+            with contextlib.suppress(Exception):
+                await q.execute("migrate_cancel")
+            raise StateError(f"saving or loading the state took more than {timeout:.0f}s")
+        await asyncio.sleep(delay)
+        delay = min(delay * 2, 0.05)
 
 
 def _die_with_parent() -> None:
@@ -305,18 +353,64 @@ class QemuVM:
 
     async def qmp(self, command: str, arguments: dict[str, Any] | None = None, timeout: float = 10.0) -> Any:
         """Run one QMP command (serialised with every other process through a lock)."""
+        async with self.qmp_session(timeout) as client:
+            return await asyncio.wait_for(client.execute(command, arguments), timeout)
+
+    @contextlib.asynccontextmanager
+    async def qmp_session(self, timeout: float = 10.0) -> AsyncIterator[QMPClient]:
+        """A QMP client for several commands in a row, holding the QMP lock."""
         lock_path = self.cfg.state_dir / "qmp.lock"
         fd = await asyncio.to_thread(_flock, lock_path)
         try:
-            client = QMPClient(f"sandlot-{self.cfg.hostname}")
-            await asyncio.wait_for(client.connect(str(self.cfg.qmp_socket)), timeout)
+            client = await self._qmp_connect(timeout)
             try:
-                return await asyncio.wait_for(client.execute(command, arguments), timeout)
+                yield client
             finally:
                 with contextlib.suppress(Exception):
                     await asyncio.wait_for(client.disconnect(), 2.0)
         finally:
             os.close(fd)
+
+    async def _qmp_connect(self, timeout: float) -> QMPClient:
+        """Connect, waiting for the socket of a QEMU that is still starting."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while True:
+            client = QMPClient(f"sandlot-{self.cfg.hostname}")
+            try:
+                await asyncio.wait_for(client.connect(str(self.cfg.qmp_socket)), timeout)
+                return client
+            except Exception as exc:
+                cause = getattr(exc, "exc", None) or exc.__cause__
+                starting = isinstance(cause, FileNotFoundError | ConnectionRefusedError)
+                if not starting or not self.running or loop.time() > deadline:
+                    raise
+            await asyncio.sleep(0.005)
+
+    async def save_state(self, path: Path, *, ignore_shared: bool = False, timeout: float = 120.0) -> int:
+        """Write the VM's device state (and RAM, unless it lives in a shared file
+        and ``ignore_shared``) to ``path`` with QEMU's migration. The VM must be
+        stopped. Returns the bytes written."""
+        with open(path, "wb") as f:
+            async with self.qmp_session() as q:
+                await _set_migration(q, ignore_shared)
+                q.send_fd_scm(f.fileno())
+                await q.execute("getfd", {"fdname": "sandlot-state"})
+                await q.execute("migrate", {"uri": "fd:sandlot-state"})
+                await _wait_migration(q, timeout, self)
+            os.fsync(f.fileno())
+            return f.tell()
+
+    async def load_state(self, path: Path, *, ignore_shared: bool = False, timeout: float = 120.0) -> None:
+        """Load a state written by ``save_state`` into a VM started with ``incoming``;
+        the VM stays stopped until ``cont``."""
+        with open(path, "rb") as f:
+            async with self.qmp_session() as q:
+                await _set_migration(q, ignore_shared)
+                q.send_fd_scm(f.fileno())
+                await q.execute("getfd", {"fdname": "sandlot-state"})
+                await q.execute("migrate-incoming", {"uri": "fd:sandlot-state"})
+                await _wait_migration(q, timeout, self)
 
     async def kill(self, grace: float = 2.0) -> None:
         """End QEMU: QMP quit first, SIGKILL after ``grace`` seconds."""

@@ -265,8 +265,9 @@ class ImageManager:
 
     def prune(self, boxes_dir: Path) -> PruneReport:
         in_use: set[Path] = set()
-        if boxes_dir.is_dir():
-            for disk in boxes_dir.glob("*/*.qcow2"):
+        disks = list(boxes_dir.glob("*/*.qcow2")) + list((boxes_dir.parent / "layers").glob("*.qcow2"))
+        if disks:
+            for disk in disks:
                 backing = qcow2_backing_file(disk)
                 if backing:
                     in_use.add(Path(backing))

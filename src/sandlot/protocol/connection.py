@@ -319,11 +319,13 @@ class AgentConnection:
         *,
         request_timeout: float = DEFAULT_REQUEST_TIMEOUT,
         hostname: str | None = None,
+        machine_id: str | None = None,
         on_lost: Callable[[], Awaitable[BaseException | None]] | None = None,
     ) -> None:
         self._connector = connector
         self.request_timeout = request_timeout
         self._hostname = hostname
+        self._machine_id = machine_id
         self._on_lost = on_lost
         self._token = secrets.token_bytes(16)
         self._reader: asyncio.StreamReader | None = None
@@ -359,8 +361,12 @@ class AgentConnection:
             + wire.tlv(Tag.ENTROPY, os.urandom(64))
             + wire.tlv_u64(Tag.TIME_NS, time.time_ns())
         )
+        # Every HELLO reseeds the guest's RNG, sets its clock and its identity: after a
+        # restore or fork these are what must differ from the saved state.
         if self._hostname:
             payload += wire.tlv(Tag.HOSTNAME, self._hostname)
+        if self._machine_id:
+            payload += wire.tlv(Tag.MACHINE_ID, self._machine_id)
         self._handshaking = True
         try:
             frame = await self._hello(payload, timeout)
@@ -532,18 +538,25 @@ class AgentConnection:
         except ProtocolError as exc:
             ch.fail(exc)
 
+    async def wait_ready(self) -> None:
+        """Return once a reconnection in progress (say, to a box being resumed) is over."""
+        fut = self._reconnecting
+        if fut is not None:
+            await asyncio.shield(fut)
+        if self._failure is not None:
+            raise self._failure
+
     async def _lost(self) -> None:
         """The socket closed: ask the owner whether the VM still lives, and reconnect."""
         self._reader_task = None
         reason: BaseException | None = ConnectionLost("the agent connection closed")
+        self._reconnecting = asyncio.get_running_loop().create_future()
         if self._on_lost is not None:
             try:
                 reason = await self._on_lost()
             except Exception as exc:
                 reason = exc
         if reason is None:
-            loop = asyncio.get_running_loop()
-            self._reconnecting = loop.create_future()
             try:
                 await self.reconnect()
                 return
@@ -554,6 +567,9 @@ class AgentConnection:
                 if fut is not None and not fut.done():
                     fut.set_result(None)
         self._fail_all(reason)
+        done, self._reconnecting = self._reconnecting, None
+        if done is not None and not done.done():
+            done.set_result(None)
 
     def _fail_all(self, exc: BaseException) -> None:
         self._failure = exc

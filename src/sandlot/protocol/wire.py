@@ -101,6 +101,9 @@ class Tag(IntEnum):
     TIMEOUT_MS = 37
     UID = 38
     GID = 39
+    MACHINE_ID = 40
+    COUNT = 41
+    IDLE_MS = 42
 
 
 class ExecFlag:
@@ -144,6 +147,7 @@ class ControlOp(IntEnum):
     SET_TIME = 4
     ADD_ENTROPY = 5
     MOUNT = 6
+    STATUS = 7
 
 
 @dataclass(frozen=True, slots=True)

@@ -227,6 +227,7 @@ void set_hostname(const char *name);
 int mount_volume(const char *tag, const char *where, int readonly);
 void add_entropy(const uint8_t *p, size_t n);
 void set_wall_clock(uint64_t ns);
+void set_machine_id(const char *id);
 void shutdown_guest(struct session *s, uint32_t ch, uint32_t timeout_ms);
 const char *boot_id(void);
 int open_ports(struct session *sessions, int max);

@@ -26,6 +26,9 @@
 #ifndef BLKGETSIZE64
 #define BLKGETSIZE64 _IOR(0x12, 114, size_t)
 #endif
+#ifndef RNDRESEEDCRNG
+#define RNDRESEEDCRNG _IO('R', 0x07)
+#endif
 #ifndef RNDADDENTROPY
 #define RNDADDENTROPY _IOW('R', 0x03, int[2])
 #endif
@@ -296,7 +299,42 @@ void add_entropy(const uint8_t *p, size_t n)
         if (ioctl(fd, RNDADDENTROPY, &info) < 0) {
             logmsg("RNDADDENTROPY: %s", strerror(errno));
         }
+        /* a restored or forked guest must not repeat its CRNG output: reseed now,
+         * not at the next scheduled reseed (up to a minute away) */
+        if (ioctl(fd, RNDRESEEDCRNG, NULL) < 0 && errno != EINVAL) {
+            logmsg("RNDRESEEDCRNG: %s", strerror(errno));
+        }
         close(fd);
+    }
+}
+
+/* /etc/machine-id of the root, replaced atomically when the host gives another
+ * (each fork child is its own machine). */
+void set_machine_id(const char *id)
+{
+    if (!g_is_pid1 || strlen(id) != 32) {
+        return;
+    }
+    char cur[40] = {0};
+    int fd = open("/etc/machine-id", O_RDONLY | O_CLOEXEC);
+    if (fd >= 0) {
+        ssize_t n = read(fd, cur, 32);
+        close(fd);
+        if (n == 32 && memcmp(cur, id, 32) == 0) {
+            return;
+        }
+    }
+    fd = open("/etc/.machine-id.sandlot", O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0444);
+    if (fd < 0) {
+        return; /* no /etc, or a read-only root: nothing to keep in step */
+    }
+    char line[33];
+    memcpy(line, id, 32);
+    line[32] = '\n';
+    int ok = write(fd, line, 33) == 33;
+    close(fd);
+    if (!ok || rename("/etc/.machine-id.sandlot", "/etc/machine-id") < 0) {
+        unlink("/etc/.machine-id.sandlot");
     }
 }
 

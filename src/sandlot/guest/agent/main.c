@@ -456,6 +456,11 @@ static void handle_hello(struct session *s, const uint8_t *p, size_t n)
         set_hostname(hostname);
     }
     free(hostname);
+    char *machine_id = NULL;
+    if (tlv_str(p, n, SL_T_MACHINE_ID, &machine_id) == 1) {
+        set_machine_id(machine_id);
+    }
+    free(machine_id);
 
     int resumed = s->has_token && memcmp(s->token, token, sizeof(s->token)) == 0;
     if (!resumed) {
@@ -513,12 +518,17 @@ static void handle_resume(struct session *s, struct channel *c, const uint8_t *p
     c->exit_sent = 0;
 }
 
+static uint64_t g_last_request_ms; /* for CONTROL STATUS: when a host last asked for work */
+
 static void handle_control(struct session *s, uint32_t ch, const uint8_t *p, size_t n)
 {
     uint32_t op = 0;
     if (!tlv_valid(p, n) || tlv_u32(p, n, SL_T_OP, &op) != 1) {
         send_error(s, ch, EINVAL, SL_CONTROL, "malformed CONTROL");
         return;
+    }
+    if (op != SL_CTL_STATUS) {
+        g_last_request_ms = now_ms();
     }
     switch (op) {
     case SL_CTL_SHUTDOWN: {
@@ -585,6 +595,20 @@ static void handle_control(struct session *s, uint32_t ch, const uint8_t *p, siz
         }
         break;
     }
+    case SL_CTL_STATUS: {
+        /* how busy the box is, for the host's idle timeout: channels in use by any
+         * host (this request's own aside) and the time since a request last came */
+        uint32_t count = 0;
+        for (struct channel *c = g_channels; c; c = c->next) {
+            count += !c->detached && c->id != ch;
+        }
+        struct msg m;
+        msg_init(&m);
+        msg_u32(&m, SL_T_COUNT, count);
+        msg_u64(&m, SL_T_IDLE_MS, now_ms() - g_last_request_ms);
+        send_msg(s, SL_CONTROL_OK, 0, ch, &m);
+        return;
+    }
     default:
         send_error(s, ch, ENOSYS, SL_CONTROL, "unknown control operation %u", op);
         return;
@@ -620,6 +644,9 @@ static void dispatch(struct session *s, uint8_t type, uint8_t flags, uint32_t ch
         return; /* not reached: session_parse only lets HELLO through before the handshake */
     }
     struct channel *c = ch ? chan_find(s, ch) : NULL;
+    if (type != SL_CONTROL) {
+        g_last_request_ms = now_ms();
+    }
 
     switch (type) {
     case SL_EXEC:
@@ -926,6 +953,7 @@ static void serve(void)
     static struct pollfd pfds[4096];
     static struct pollref refs[4096];
     uint64_t last_port_check = now_ms();
+    g_last_request_ms = last_port_check;
 
     for (;;) {
         progress_all();

@@ -87,6 +87,9 @@ enum sl_tag {
     SL_T_TIMEOUT_MS = 37,
     SL_T_UID = 38,
     SL_T_GID = 39,
+    SL_T_MACHINE_ID = 40,
+    SL_T_COUNT = 41,
+    SL_T_IDLE_MS = 42,
 };
 
 /* SL_T_FLAGS bits of SL_EXEC */
@@ -126,6 +129,7 @@ enum sl_control_op {
     SL_CTL_SET_TIME = 4,
     SL_CTL_ADD_ENTROPY = 5,
     SL_CTL_MOUNT = 6,        /* PATH: mount point, PATH2: virtio-9p tag, FLAGS: SL_MOUNT_* */
+    SL_CTL_STATUS = 7,       /* reply: COUNT (channels in use by any host), IDLE_MS */
 };
 
 #define SL_MOUNT_READONLY 0x1u
