@@ -156,9 +156,14 @@ class AsyncBox:
             if image is None and rootfs is None:
                 tmpl_opts = self._template.options
                 image, rootfs = tmpl_opts.get("image_ref"), tmpl_opts.get("rootfs")
-                facts = tmpl_opts["vm"]
-                memory_mib, cpus = facts["memory_mib"], facts["cpus"]
-                disk_size_gb = tmpl_opts["box"].get("disk_size_gb", disk_size_gb)
+            facts = self._template.options["vm"]
+            # the template's shape, unless the caller asked for another (which check_template_fits refuses)
+            if memory_mib == DEFAULT_MEMORY_MIB:
+                memory_mib = facts["memory_mib"]
+            if cpus == 1:
+                cpus = facts["cpus"]
+            if disk_size_gb == DEFAULT_DISK_GB:
+                disk_size_gb = self._template.options["box"].get("disk_size_gb", disk_size_gb)
         self.image: Image | None = image if isinstance(image, Image) else None
         image_ref = image.digest if isinstance(image, Image) else image
         self.spec = BoxSpec.build(
@@ -515,7 +520,7 @@ class AsyncBox:
         cfg = VMConfig(
             kernel=Path(o.get("_kernel", "")), initrd=Path(o.get("_initrd", "")), disk=self.disk_path,
             run_dir=self.runtime.run_dir(self.id), state_dir=self.state_dir, accel=o.get("_accel", "tcg"),
-            hostname=self.hostname, ports=AGENT_PORTS,
+            memory_mib=self.spec.memory_mib, cpus=self.spec.cpus, hostname=self.hostname, ports=AGENT_PORTS,
         )  # fmt: skip
         assert rec.qemu_pid is not None
         self._vm = QemuVM.attach(cfg, rec.qemu_pid, rec.qemu_start)

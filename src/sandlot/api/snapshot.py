@@ -143,11 +143,18 @@ class AsyncSnapshot:
                      home=self.runtime.home, keep=True, **options)
             for _ in range(n)
         ]  # fmt: skip
-        results = await asyncio.gather(*(k.start() for k in kids), return_exceptions=True)
+
+        async def start(kid: AsyncBox) -> None:
+            await kid._create(ephemeral=True)  # until all are up: a crash takes every one away
+            await kid.start()
+
+        results = await asyncio.gather(*(start(k) for k in kids), return_exceptions=True)
         failed = [r for r in results if isinstance(r, BaseException)]
         if failed:  # all or none
             await asyncio.gather(*(k.remove(force=True) for k in kids), return_exceptions=True)
             raise failed[0]
+        for k in kids:
+            self.runtime.store.update(k.id, ephemeral=False)
         return kids
 
     async def export(self, path: str | os.PathLike[str]) -> Path:

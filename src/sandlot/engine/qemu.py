@@ -375,6 +375,11 @@ class QemuVM:
         """Connect, waiting for the socket of a QEMU that is still starting."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
+        # QEMU may still be starting, and qemu.qmp logs every refused try: wait for the socket
+        while True:
+            if self.cfg.qmp_socket.exists() or not self.running or loop.time() > deadline:
+                break
+            await asyncio.sleep(0.005)
         while True:
             client = QMPClient(f"sandlot-{self.cfg.hostname}")
             try:
