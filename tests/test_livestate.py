@@ -176,7 +176,36 @@ def test_fork_8_children_diverge(counting_box: sandlot.Box) -> None:
         snap.remove()
     for k in kids:
         k.remove(force=True)
-    snap.remove()
+    with pytest.raises(sandlot.SnapshotNotFound):  # a fork's own snapshot goes with its last child
+        sandlot.get_snapshot(snap.id)
+
+
+def test_cli_snapshot_commands(counting_box: sandlot.Box) -> None:
+    box = counting_box
+
+    def cli(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "sandlot.cli", *args], capture_output=True, text=True, timeout=120
+        )
+
+    r = cli("snapshot", box.name, "cli-snap")
+    assert r.returncode == 0, r.stderr
+    assert "cli-snap" in r.stdout and "paused" in r.stdout
+    r = cli("snapshots", box.name)
+    assert "cli-snap" in r.stdout
+    r = cli("fork", box.name, "-n", "1", "--name", f"{box.name}-kid")
+    assert r.returncode == 0, r.stderr
+    kid = r.stdout.strip()
+    snap_of_kid = sandlot.get(kid).inspect()["origin"]
+    r = cli("snapshot", "rm", snap_of_kid)
+    assert r.returncode == 125 and "started from it" in r.stderr  # refused, with the reason
+    assert cli("suspend", box.name).returncode == 0
+    assert sandlot.get(box.name).state == "suspended"
+    assert cli("resume", box.name).returncode == 0
+    assert cli("rollback", box.name, "cli-snap").returncode == 0
+    assert min(counters(box)) > 0
+    r = cli("snapshot", "rm", "cli-snap")
+    assert r.returncode == 0, r.stderr
 
 
 def test_template_starts_with_its_server_running(debian_root: Path) -> None:

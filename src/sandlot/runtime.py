@@ -163,6 +163,11 @@ class Runtime:
         if suspended:
             self.store.delete_snapshot(suspended)
             snapshots.remove_files(self.home, suspended)
+        if rec.origin:  # a fork's own snapshot goes with the last of its children
+            origin = self.store.find_snapshot(rec.origin)
+            if origin is not None and origin.options.get("auto") and not self.store.children(origin.id):
+                self.store.delete_snapshot(origin.id)
+                snapshots.remove_files(self.home, origin.id)
         mine = [Path(rec.disk)] if rec.disk else []
         op = rec.options.get("_op")
         if isinstance(op, dict) and op.get("disk"):

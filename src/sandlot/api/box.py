@@ -644,7 +644,7 @@ class AsyncBox:
         return vm
 
     async def _capture(
-        self, kind: str, *, name: str | None = None, template_key: str | None = None
+        self, kind: str, *, name: str | None = None, template_key: str | None = None, auto: bool = False
     ) -> AsyncSnapshot:
         """Save the running state (locks held by the caller); the box goes on."""
         if self.spec.volumes:
@@ -660,7 +660,13 @@ class AsyncBox:
         self.runtime.store.update(self.id, state="snapshotting", owner_pid=pid, owner_start=start)
         try:
             snap, pause = await snapshots.capture(
-                self.runtime, self._existing_vm(rec), rec, kind=kind, name=name, template_key=template_key
+                self.runtime,
+                self._existing_vm(rec),
+                rec,
+                kind=kind,
+                name=name,
+                template_key=template_key,
+                options={"auto": True} if auto else None,
             )
         finally:
             self.runtime.store.update(self.id, expect=("snapshotting",), state=rec.state)
@@ -679,7 +685,8 @@ class AsyncBox:
 
     async def fork(self, n: int = 1, *, name: str | None = None) -> builtins.list[AsyncBox]:
         """``n`` running copies of this box, from a snapshot taken now; see ``AsyncSnapshot.start``."""
-        snap = await self.snapshot()
+        async with self._lock, self._box_lock():
+            snap = await self._capture("snapshot", auto=True)  # removed with its last child
         return await snap.start(n, name=name or self.name)
 
     async def rollback(self, snapshot: Any) -> None:

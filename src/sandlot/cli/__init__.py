@@ -4,6 +4,8 @@
     sandlot pull | images | rmi | load | import | inspect-image  images
     sandlot run | create | start | stop | restart | pause | unpause | rm |
             ls | exec | cp | logs | inspect | stats              boxes
+    sandlot snapshot | snapshots | rollback | fork | suspend |
+            resume | template                                  live state
 
 Exit codes: a command's own status for ``run`` and ``exec``; 125 when sandlot
 itself failed; 127 when the command does not exist; 2 for usage errors.
@@ -54,7 +56,7 @@ def _main(
 def main() -> None:
     import sys
 
-    from . import boxes, host, images  # noqa: F401 - they register their commands on `app`
+    from . import boxes, host, images, livestate  # noqa: F401 - they register their commands on `app`
 
     try:
         app()

@@ -1,0 +1,166 @@
+"""Live-state commands: snapshot, snapshots, rollback, fork, suspend, resume, template.
+
+sandlot snapshot BOX [NAME]             save a running box (it goes on)
+sandlot snapshot rm SNAPSHOT...         refused while boxes started from it exist
+sandlot snapshot export SNAPSHOT FILE   one file for another machine
+sandlot snapshot import FILE [--name N] start the box it holds here
+sandlot snapshots [BOX]                 list (templates too)
+sandlot rollback BOX SNAPSHOT
+sandlot fork BOX [-n N]
+sandlot suspend BOX... / resume BOX...
+sandlot template IMAGE --name N [--setup CMD]...
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from ..api.box import AsyncBox
+from ..api.snapshot import AsyncSnapshot
+from ..api.templates import import_snapshot_async, template_async
+from . import app, fail, human
+from .boxes import BoxesArg, _age, _each, _run
+
+
+@app.command()
+def snapshot(
+    args: Annotated[
+        list[str], typer.Argument(help="BOX [NAME] | rm SNAP... | export SNAP FILE | import FILE")
+    ],
+    name: Annotated[str | None, typer.Option("--name", help="import: the new box's name.")] = None,
+) -> None:
+    """Save a running box's memory, processes and disk (it goes on running)."""
+    if args[0] == "rm":
+        if len(args) < 2:
+            raise fail("snapshot rm needs snapshot ids or names", 2)
+
+        async def remove() -> None:
+            for key in args[1:]:
+                snap = AsyncSnapshot.get(key)
+                await snap.remove()
+                print(snap.id)
+
+        _run(remove())
+        return
+    if args[0] == "export":
+        if len(args) != 3:
+            raise fail("snapshot export needs SNAPSHOT FILE", 2)
+
+        async def export() -> None:
+            t = time.monotonic()
+            path = await AsyncSnapshot.get(args[1]).export(args[2])
+            print(f"{path} ({human(path.stat().st_size)}, {time.monotonic() - t:.1f}s)")
+
+        _run(export())
+        return
+    if args[0] == "import":
+        if len(args) != 2:
+            raise fail("snapshot import needs FILE", 2)
+
+        async def import_() -> None:
+            box = await import_snapshot_async(args[1], name=name)
+            print(box.name)
+
+        _run(import_())
+        return
+    if len(args) > 2:
+        raise fail("snapshot takes BOX [NAME]", 2)
+
+    async def take() -> None:
+        box = AsyncBox.get(args[0])
+        snap = await box.snapshot(args[1] if len(args) > 1 else None)
+        pause = f"{box.last_pause * 1000:.0f} ms" if box.last_pause is not None else "?"
+        print(f"{snap.id}\t{snap.name or ''}\tpaused {pause}, {human(snap.size)}")
+
+    _run(take())
+
+
+@app.command()
+def snapshots(
+    box: Annotated[str | None, typer.Argument(help="Only this box's snapshots.")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+) -> None:
+    """List snapshots and templates."""
+    try:
+        snaps = AsyncSnapshot.list(box=box)
+    except Exception as exc:
+        raise fail(exc, 125) from exc
+    if as_json:
+        print(json.dumps([s.inspect() for s in snaps], indent=2))
+        return
+    table = Table(box=None, pad_edge=False)
+    for col in ("ID", "NAME", "KIND", "BOX", "CREATED", "SIZE", "CHILDREN"):
+        table.add_column(col)
+    for s in snaps:
+        kids = len(s.runtime.store.children(s.id))
+        table.add_row(
+            s.id, s.name or "", s.kind, s.box_name or "", _age(s.created_at), human(s.size), str(kids)
+        )
+    Console(width=200).print(table)
+
+
+@app.command()
+def rollback(
+    box: Annotated[str, typer.Argument(help="The box.")],
+    snap: Annotated[str, typer.Argument(help="One of its snapshots (id or name).")],
+) -> None:
+    """Take a box back to one of its snapshots: memory, processes and disk."""
+
+    async def main() -> None:
+        b = AsyncBox.get(box)
+        await b.rollback(snap)
+        print(b.name)
+
+    _run(main())
+
+
+@app.command()
+def fork(
+    box: Annotated[str, typer.Argument(help="The box.")],
+    n: Annotated[int, typer.Option("-n", help="How many children.")] = 1,
+    name: Annotated[str | None, typer.Option("--name", help="Prefix of the children's names.")] = None,
+) -> None:
+    """Start N running copies of a box (from a snapshot taken now)."""
+
+    async def main() -> None:
+        kids = await AsyncBox.get(box).fork(n, name=name)
+        for k in kids:
+            print(k.name)
+
+    _run(main())
+
+
+@app.command()
+def suspend(boxes: BoxesArg) -> None:
+    """Write boxes' running state to disk and end their VMs (no CPU, no RAM)."""
+    _each(boxes, lambda b: b.suspend(), "suspend")
+
+
+@app.command()
+def resume(boxes: BoxesArg) -> None:
+    """Bring suspended boxes back, processes running."""
+    _each(boxes, lambda b: b.resume(), "resume")
+
+
+@app.command()
+def template(
+    image: Annotated[str, typer.Argument(help="The image.")],
+    name: Annotated[str, typer.Option("--name", help="The template's name.")],
+    setup: Annotated[
+        list[str] | None, typer.Option("--setup", help="A shell command to run first (repeat).")
+    ] = None,
+    memory: Annotated[int, typer.Option("--memory", "-m", help="MiB of RAM.")] = 512,
+) -> None:
+    """Boot an image, run setup commands, and save it as a template (Box(template=NAME))."""
+
+    async def main() -> None:
+        snap = await template_async(image, setup=setup or [], name=name, memory_mib=memory)
+        print(f"{snap.id}\t{snap.name}")
+
+    _run(main())
