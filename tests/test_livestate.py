@@ -240,10 +240,8 @@ def test_plain_box_of_an_image_restores_its_automatic_template(debian_root: Path
             assert second.exec("hostname").stdout.strip() == second.hostname
             assert second.exec("python3", "-c", "print(6*7)").stdout == "42\n"
     finally:
-        for s in sandlot.list_snapshots(kind="template"):
-            if s.box_name == first.name:
-                s.remove()
-        sandlot.remove_image(ref)
+        sandlot.remove_image(ref)  # its automatic template goes with it
+    assert not [s for s in sandlot.list_snapshots(kind="template") if s.box_name == first.name]
 
 
 @pytest.fixture
@@ -484,3 +482,27 @@ sandlot.get_snapshot({snap.id!r}).export({str(tmp_path / "out.sandlot")!r})
     assert r.returncode == -9, r.stderr
     assert not (tmp_path / "out.sandlot").exists()
     assert sandlot.get_snapshot(snap.id).export(tmp_path / "out.sandlot").is_file()
+
+
+def test_idle_timeout_suspends_and_the_next_command_resumes(debian_root: Path) -> None:
+    box = sandlot.Box(rootfs=debian_root, memory_mib=256, keep=True, idle_timeout=1.5)
+    box.start()
+    try:
+        box.sh(COUNTERS)
+        wait_counters(box)
+        # a command in flight keeps it awake, however long
+        assert box.exec("sleep", "4").returncode == 0
+        assert box.state == "running"
+        deadline = time.monotonic() + 20
+        while box.state != "suspended":
+            assert time.monotonic() < deadline, "an idle box was not suspended"
+            time.sleep(0.2)
+        assert box.inspect()["qemu_pid"] is None
+        c = counters(box)  # resumes by itself, processes intact
+        assert min(c) > 0 and box.state == "running"
+        deadline = time.monotonic() + 20
+        while box.state != "suspended":  # and it sleeps again once idle
+            assert time.monotonic() < deadline, "the box was not suspended a second time"
+            time.sleep(0.2)
+    finally:
+        box.remove(force=True)

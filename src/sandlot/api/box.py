@@ -43,7 +43,7 @@ from ..images.rootfs import base_for, create_overlay
 from ..images.store import Image
 from ..protocol.connection import AgentConnection
 from ..protocol.exec import ExecRequest, RemoteProcess
-from ..protocol.wire import ControlOp, T, Tag, tlv, tlv_u64
+from ..protocol.wire import ControlOp, Fields, T, Tag, tlv, tlv_u64
 from ..runtime import Runtime
 from ..store import BoxRecord, SnapshotRecord, validate_name
 from . import _sync
@@ -584,6 +584,7 @@ class AsyncBox:
                 raise
             self.runtime.store.update(self.id, state="running", started_at=time.time())
             self.boot_seconds = time.monotonic() - t0
+            self._watch_idle()
             if self._auto_key is not None:  # the image's first boot: later boxes restore it instead
                 try:
                     await self._capture("template", template_key=self._auto_key)
@@ -612,6 +613,7 @@ class AsyncBox:
             raise
         self.runtime.store.update(self.id, state="running", started_at=time.time())
         self.boot_seconds = time.monotonic() - t0
+        self._watch_idle()
 
     async def _resume_vm(self, snap: SnapshotRecord, rec: BoxRecord, *, attach: bool) -> QemuVM:
         """Start QEMU on ``rec``'s disk from ``snap``'s saved state, let it run, and
@@ -711,11 +713,11 @@ class AsyncBox:
             base_opts = {k: v for k, v in rec.options.items() if k not in ("_op", "_suspend")}
             rt.store.update(self.id, state="restoring", owner_pid=pid, owner_start=start,
                             options={**base_opts, "_op": {"disk": str(top)}})  # fmt: skip
+            self._disconnect()  # first: its end must not look like a crash to reconnect from
             if rec.qemu_pid and _proc.alive(rec.qemu_pid, rec.qemu_start):
                 old = self._existing_vm(rec)
                 await old.kill(grace=0.5)
                 vm_cleanup(old)
-            self._disconnect()
             try:
                 await self._resume_vm(snap, replace_disk(rec, top), attach=True)
             except BaseException as exc:
@@ -733,6 +735,7 @@ class AsyncBox:
                 snapshots.remove_files(rt.home, old_suspend)
             if rec.disk:
                 await asyncio.to_thread(snapshots.gc_layers, rt, also=[Path(rec.disk)])
+        self._watch_idle()
 
     async def suspend(self) -> None:
         """Write the running state to disk and end the VM: no CPU, no RAM. ``resume()``
@@ -794,6 +797,7 @@ class AsyncBox:
             rt.store.delete_snapshot(snap.id)
             snapshots.remove_files(rt.home, snap.id)
         self._resumed.set()
+        self._watch_idle()
         if keep_conn and self._conn is not None:
             await self._conn.wait_ready()
 
@@ -845,16 +849,21 @@ class AsyncBox:
             return await asyncio.open_unix_connection(sock, limit=1 << 22)
 
         async def on_lost() -> BaseException | None:
-            return await self._on_agent_lost(self._vm)
+            reason = await self._on_agent_lost(self._vm)
+            if reason is None and self._conn is not conn:
+                # replaced meanwhile (a rollback): reconnecting would only take a port
+                return ConnectionLost("the box was rolled back; this connection ended")
+            return reason
 
         rec = self._record
-        return AgentConnection(
+        conn = AgentConnection(
             connector,
             request_timeout=self.spec.request_timeout,
             hostname=self.hostname,
             machine_id=rec.options.get("_machine_id") if rec else None,
             on_lost=on_lost,
         )
+        return conn
 
     async def _connection(self) -> AgentConnection:
         """This process's session with the agent, made on first use."""
@@ -947,14 +956,29 @@ class AsyncBox:
         payload: bytes = b"",
         timeout: float | None = None,
         conn: AgentConnection | None = None,
-    ) -> None:
+    ) -> Fields:
         conn = conn or await self._connection()
         ch = conn.open_channel()
         try:
             ch.send(T.CONTROL, tlv(Tag.OP, op) + payload)
-            await ch.expect(T.CONTROL_OK, timeout=timeout or conn.request_timeout)
+            frame = await ch.expect(T.CONTROL_OK, timeout=timeout or conn.request_timeout)
+            return Fields(frame.payload)
         finally:
             ch.close()
+
+    async def activity(self) -> tuple[int, float]:
+        """(operations in progress from any process, seconds since the last request):
+        what the idle timeout looks at. Asking does not count as activity."""
+        f = await self._control(ControlOp.STATUS)
+        return f.u32(Tag.COUNT, 0) or 0, (f.u64(Tag.IDLE_MS, 0) or 0) / 1000
+
+    def _watch_idle(self) -> None:
+        """Make sure a watchdog suspends this box once idle (``idle_timeout``); it is a
+        detached process, so the box sleeps even after every user process has exited."""
+        if self.spec.idle_timeout:
+            from .. import watchdog
+
+            watchdog.spawn(self.runtime.home, self.id)
 
     async def stop(self, timeout: float = 10.0) -> None:
         """Stop gracefully: every process gets SIGTERM, then SIGKILL after half of
@@ -964,6 +988,14 @@ class AsyncBox:
         async with self._lock, self._box_lock():
             rec = self.record
             if rec.state in ("created", "stopped", "crashed"):
+                return
+            if rec.state == "suspended":  # its saved processes end; the disk stays
+                snap_id = rec.options.get("_suspend")
+                opts = {k: v for k, v in rec.options.items() if k != "_suspend"}
+                self.runtime.store.update(self.id, state="stopped", options=opts, stopped_at=time.time())
+                if snap_id:
+                    self.runtime.store.delete_snapshot(snap_id)
+                    snapshots.remove_files(self.runtime.home, snap_id)
                 return
             if rec.state not in ("running", "paused", "starting"):
                 raise InvalidState(f"box {self.name} is {rec.state}")

@@ -81,8 +81,21 @@ def get_image(name: str, home: Home = None) -> Image | None:
 
 
 def remove_image(name: str, home: Home = None) -> list[str]:
-    """Untag a name (the image goes with its last name) or remove an image by digest or id."""
-    return Runtime.for_home(home).images.remove(name)
+    """Untag a name (the image goes with its last name) or remove an image by digest or id.
+    An image that goes takes its automatic templates along (those no box was started from)."""
+    rt = Runtime.for_home(home)
+    removed = rt.images.remove(name)
+    gone = {d for d in removed if d.startswith(("sha256:", "sha512:"))}
+    if gone:
+        from .. import snapshots
+
+        for snap in rt.store.snapshots(kind="template"):
+            automatic = snap.name is None and snap.options.get("image_digest") in gone
+            if automatic and not rt.store.children(snap.id):
+                rt.store.delete_snapshot(snap.id)
+                snapshots.remove_files(rt.home, snap.id)
+        snapshots.gc_layers(rt)
+    return removed
 
 
 def load_image(path: str | os.PathLike[str], name: str | None = None, home: Home = None) -> list[Image]:

@@ -101,7 +101,8 @@ struct session {
     struct buf in;        /* partial frame */
     size_t discard;       /* bytes of an oversized frame still to skip */
     int resync;           /* lost framing: scanning for the next magic */
-    uint64_t last_input_ms; /* when bytes last arrived (to drop a stale partial frame) */
+    uint64_t last_input_ms; /* when the pending partial frame began (0: none); dropped when stale */
+    uint64_t frames_in;     /* frames parsed, to tell progress from a stuck partial frame */
     struct buf out;       /* frames waiting for the port */
     uint32_t nchannels;
 };

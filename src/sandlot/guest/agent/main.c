@@ -644,8 +644,8 @@ static void dispatch(struct session *s, uint8_t type, uint8_t flags, uint32_t ch
         return; /* not reached: session_parse only lets HELLO through before the handshake */
     }
     struct channel *c = ch ? chan_find(s, ch) : NULL;
-    if (type != SL_CONTROL) {
-        g_last_request_ms = now_ms();
+    if (type != SL_CONTROL && type != SL_CLOSE && type != SL_ACK) {
+        g_last_request_ms = now_ms(); /* a host asked for work (a STATUS poll's own CLOSE is not work) */
     }
 
     switch (type) {
@@ -836,6 +836,7 @@ static void session_parse(struct session *s)
             return;
         }
         s->resync = 0;
+        s->frames_in++;
         dispatch(s, type, flags, ch, p + SL_HEADER_SIZE, len);
         /* dispatch never touches s->in, so p is still valid to consume */
         buf_consume(&s->in, SL_HEADER_SIZE + len);
@@ -850,8 +851,17 @@ static void session_read(struct session *s)
     ssize_t n = read(s->in_fd, s->in.data + s->in.len, s->in.cap - s->in.len);
     if (n > 0) {
         s->in.len += (size_t)n;
-        s->last_input_ms = now_ms();
+        uint64_t frames = s->frames_in;
+        size_t discard = s->discard;
         session_parse(s);
+        /* A frame must complete within STALE_INPUT_MS of its start. Bytes that keep
+         * arriving do not keep a partial frame alive: after a restore, a half frame
+         * saved in the guest would otherwise swallow the host's HELLO retries forever. */
+        if (!buf_used(&s->in) && !s->discard) {
+            s->last_input_ms = 0;
+        } else if (s->frames_in != frames || s->discard != discard || !s->last_input_ms) {
+            s->last_input_ms = now_ms();
+        }
         /* never keep more than one maximal frame buffered */
         if (s->in.cap > 2 * (SL_HEADER_SIZE + SL_MAX_PAYLOAD) && buf_used(&s->in) < 4096) {
             struct buf fresh = {0};

@@ -1,0 +1,133 @@
+"""Live-state benchmarks (issue: live state), a 256 MB box:
+
+* snapshot: the VM's pause and the saved state's size;
+* rollback, and suspend, and resume, each to the first exec after it;
+* template start to first exec;
+* fork of 1, 8 and 20 children to the first exec of all (``box.fork``: the
+  snapshot and its one-time preparation for copy-on-write included), then the
+  same from an already prepared snapshot; host PSS per child.
+
+    .venv/bin/python benchmarks/livestate.py [--runs 10] [--root busybox|debian]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import time
+from pathlib import Path
+from typing import Any
+
+import sandlot
+from _common import CACHE, busybox_root, emit, host_facts, pss_kib, summary
+from sandlot.api.box import AsyncBox
+from sandlot.api.snapshot import AsyncSnapshot
+
+
+async def first_exec_all(boxes: list[AsyncBox]) -> None:
+    await asyncio.gather(*(b.exec("true") for b in boxes))
+
+
+async def run(root: Path, runs: int) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    box = AsyncBox(rootfs=root, memory_mib=256, keep=True, template=False)
+    await box.start()
+    try:
+        await box.sh("nohup sh -c 'while true; do sleep 0.1; done' >/dev/null 2>&1 &")
+        await box.exec("true")
+        pauses, walls, sizes = [], [], []
+        for _ in range(runs):
+            t = time.perf_counter()
+            snap = await box.snapshot()
+            walls.append(time.perf_counter() - t)
+            assert box.last_pause is not None
+            pauses.append(box.last_pause)
+            sizes.append(snap.size)
+            await snap.remove()
+        out["snapshot"] = {"pause_s": summary(pauses, digits=3), "wall_s": summary(walls, digits=3),
+                           "state_mb": summary(sizes, 1e-6, 1)}  # fmt: skip
+
+        snap = await box.snapshot("bench-base")
+        rollbacks = []
+        for _ in range(runs):
+            t = time.perf_counter()
+            await box.rollback(snap)
+            await box.exec("true")
+            rollbacks.append(time.perf_counter() - t)
+        out["rollback_to_first_exec_s"] = summary(rollbacks, digits=3)
+
+        suspends, resumes = [], []
+        for _ in range(runs):
+            t = time.perf_counter()
+            await box.suspend()
+            suspends.append(time.perf_counter() - t)
+            t = time.perf_counter()
+            await box.resume()
+            await box.exec("true")
+            resumes.append(time.perf_counter() - t)
+        out["suspend_s"] = summary(suspends, digits=3)
+        out["resume_to_first_exec_s"] = summary(resumes, digits=3)
+
+        tmpl = await _template_of(box, "bench-template")
+        starts = []
+        for _ in range(runs):
+            t = time.perf_counter()
+            b = AsyncBox(template=tmpl, keep=True)
+            await b.start()
+            await b.exec("true")
+            starts.append(time.perf_counter() - t)
+            await b.remove(force=True)
+        out["template_start_to_first_exec_s"] = summary(starts, digits=3)
+
+        forks: dict[str, Any] = {}
+        for n in (1, 8, 20):
+            t = time.perf_counter()
+            kids = await box.fork(n)
+            await first_exec_all(kids)
+            fork_wall = time.perf_counter() - t
+            await asyncio.sleep(1.0)
+            pss = [pss_kib(k.record.qemu_pid)["pss"] / 1024 for k in kids if k.record.qemu_pid]
+            for k in kids:
+                await k.remove(force=True)
+            t = time.perf_counter()
+            kids = await tmpl.start(n)
+            await first_exec_all(kids)
+            prepared_wall = time.perf_counter() - t
+            for k in kids:
+                await k.remove(force=True)
+            forks[str(n)] = {"fork_to_first_exec_all_s": round(fork_wall, 3),
+                             "prepared_snapshot_to_first_exec_all_s": round(prepared_wall, 3),
+                             "pss_mb_per_child": summary(pss, digits=1)}  # fmt: skip
+        out["fork"] = forks
+        await tmpl.remove()
+        await snap.remove()
+    finally:
+        await box.remove(force=True)
+    return out
+
+
+async def _template_of(box: AsyncBox, name: str) -> AsyncSnapshot:
+    """A template of a running box (the same as ``sandlot.template`` after its setup)."""
+    from sandlot import snapshots
+
+    async with box._lock, box._box_lock():
+        snap = await box._capture("template", name=name)
+    await snapshots.materialize(box.runtime, snap.record)
+    return AsyncSnapshot(box.runtime, box.runtime.store.find_snapshot(snap.id) or snap.record)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--runs", type=int, default=10)
+    ap.add_argument("--root", choices=("busybox", "debian"), default="busybox")
+    args = ap.parse_args()
+    root = busybox_root() if args.root == "busybox" else CACHE / "rootfs-debian-python3-v1"
+    accel = sandlot.Runtime.for_home().assets().accel.name
+    figures = asyncio.run(run(root, args.runs))
+    emit(
+        {"benchmark": "livestate", "root": args.root, "memory_mib": 256, "host": host_facts(accel), **figures}
+    )
+
+
+if __name__ == "__main__":
+    main()
