@@ -689,7 +689,7 @@ class AsyncBox:
         """``n`` running copies of this box, from a snapshot taken now; see ``AsyncSnapshot.start``."""
         async with self._lock, self._box_lock():
             snap = await self._capture("snapshot", auto=True)  # removed with its last child
-        return await snap.start(n, name=name or self.name)
+        return await snap.start(n, name=name or self.name, _as_prefix=True)
 
     async def rollback(self, snapshot: Any) -> None:
         """Take this box back to one of its snapshots: memory, processes and disk.

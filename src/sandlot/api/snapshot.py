@@ -121,11 +121,14 @@ class AsyncSnapshot:
         d["path"] = str(snapshots.snapshot_dir(self.runtime.home, self.id))
         return d
 
-    async def start(self, n: int = 1, *, name: str | None = None, **options: Any) -> builtins.list[AsyncBox]:
+    async def start(
+        self, n: int = 1, *, name: str | None = None, _as_prefix: bool = False, **options: Any
+    ) -> builtins.list[AsyncBox]:
         """Start ``n`` boxes from this state, processes running. They share unchanged
         memory copy-on-write and each has its own disk layer, hostname, machine-id,
-        RNG state and wall clock. ``name``: the prefix of their names; ``options``:
-        env, labels, workdir, user, idle_timeout and the like for each."""
+        RNG state and wall clock. ``name``: the box's name if ``n`` is 1, else the
+        prefix of their names; ``options``: env, labels, workdir, user,
+        idle_timeout and the like for each."""
         from .box import AsyncBox
 
         if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= 256:
@@ -138,8 +141,9 @@ class AsyncSnapshot:
         if n > 1:  # one load of the whole stream, then copy-on-write for everyone
             await snapshots.materialize(self.runtime, rec)
         prefix = name or rec.box_name or "box"
+        exact = name is not None and n == 1 and not _as_prefix
         kids = [
-            AsyncBox(template=self, name=f"{prefix}-{os.urandom(3).hex()}" if n > 1 or not name else name,
+            AsyncBox(template=self, name=name if exact else f"{prefix}-{os.urandom(3).hex()}",
                      home=self.runtime.home, keep=True, **options)
             for _ in range(n)
         ]  # fmt: skip

@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import ctypes
 import fcntl
+import functools
 import os
 import shutil
 import signal
@@ -55,7 +56,12 @@ def qemu_binary() -> str:
 
 
 def qemu_version(binary: str | None = None) -> str:
-    out = subprocess.run([binary or qemu_binary(), "--version"], capture_output=True, text=True).stdout
+    return _qemu_version(binary or qemu_binary())
+
+
+@functools.lru_cache(maxsize=8)
+def _qemu_version(binary: str) -> str:
+    out = subprocess.run([binary, "--version"], capture_output=True, text=True).stdout
     first = out.splitlines()[0] if out else ""
     return first.removeprefix("QEMU emulator version ").strip()
 
