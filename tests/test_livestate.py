@@ -506,3 +506,28 @@ def test_idle_timeout_suspends_and_the_next_command_resumes(debian_root: Path) -
             time.sleep(0.2)
     finally:
         box.remove(force=True)
+
+
+def test_kill9_mid_fork_preparation_then_fork_works(counting_box: sandlot.Box) -> None:
+    snap = counting_box.snapshot("prep")
+    r = py(
+        DIE
+        + f"""
+import sandlot
+from sandlot.engine.qemu import QemuVM
+orig = QemuVM.save_state
+async def save_state(self, path, *, ignore_shared=False, **k):
+    if ignore_shared:  # the helper VM writing the copy-on-write form
+        os.kill(os.getpid(), 9)
+    return await orig(self, path, ignore_shared=ignore_shared, **k)
+QemuVM.save_state = save_state
+sandlot.get_snapshot({snap.id!r}).start(2)
+"""
+    )
+    assert r.returncode == -9, r.stderr
+    kids = sandlot.get_snapshot(snap.id).start(2)  # prepared again from the intact stream
+    try:
+        assert all(min(counters(k)) > 0 for k in kids)
+    finally:
+        for k in kids:
+            k.remove(force=True)

@@ -408,8 +408,7 @@ class AsyncBox:
         self.spec.image_config = snap.options["box"].get("image_config")
         self.state_dir.mkdir(parents=True, exist_ok=True)
         (self.state_dir / "ports").mkdir(exist_ok=True)
-        frozen = Path(snap.layer)
-        disk = await asyncio.to_thread(snapshots.new_layer, rt.home, frozen, snapshots.virtual_size(frozen))
+        disk = await asyncio.to_thread(snapshots.child_layer, rt.home, snap)
         updated = rt.store.update(
             self.id, expect=("creating",), state="created", disk=str(disk), origin=snap.id,
             image_digest=snap.options.get("image_digest"),
