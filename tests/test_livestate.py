@@ -24,9 +24,11 @@ import sandlot
 pytestmark = pytest.mark.vm
 
 # A shell loop and a Python process whose state lives only in their memory;
-# each writes its counter to a file the tests read.
+# each writes its counter to a file the tests read (atomically: a reader must
+# never see a file half written).
 COUNTERS = r"""
-nohup sh -c 'i=0; while true; do i=$((i+1)); echo $i > /tmp/sh-count; sleep 0.1; done' >/dev/null 2>&1 &
+nohup sh -c 'i=0; while true; do i=$((i+1)); echo $i > /tmp/sh.tmp; mv /tmp/sh.tmp /tmp/sh-count;
+  sleep 0.1; done' >/dev/null 2>&1 &
 nohup python3 -c '
 import os, time
 n = 0
