@@ -250,6 +250,7 @@ def test_plain_box_of_an_image_restores_its_automatic_template(debian_root: Path
 def other_home(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A second sandlot home, as on another machine (the kernel is copied, not fetched)."""
     home = Path.home() / ".cache" / "sandlot-tests" / f"other-home-{os.urandom(3).hex()}"
+    sandlot.Runtime.for_home().assets()  # the kernel is fetched once, into the tests' home
     src = sandlot.Runtime.for_home().home / "kernels"
     shutil.copytree(src, home / "kernels", symlinks=True)
     yield home
