@@ -308,19 +308,27 @@ void add_entropy(const uint8_t *p, size_t n)
     }
 }
 
-/* /etc/machine-id of the root, replaced atomically when the host gives another
- * (each fork child is its own machine). */
+/* /etc/machine-id of the root, set to the id the host gives (each fork child is
+ * its own machine). This runs on every HELLO, and after a restore under TCG every
+ * kernel path the guest takes costs translation: rewriting the existing 33 bytes
+ * in place costs a third of a create + rename (measured: ~6,700 translated blocks,
+ * 50 ms per fork child). A file that is missing or of another size is replaced
+ * atomically instead. */
 void set_machine_id(const char *id)
 {
     if (!g_is_pid1 || strlen(id) != 32) {
         return;
     }
+    char line[33];
+    memcpy(line, id, 32);
+    line[32] = '\n';
     char cur[40] = {0};
-    int fd = open("/etc/machine-id", O_RDONLY | O_CLOEXEC);
+    int fd = open("/etc/machine-id", O_RDWR | O_CLOEXEC | O_NOFOLLOW);
     if (fd >= 0) {
-        ssize_t n = read(fd, cur, 32);
+        ssize_t n = pread(fd, cur, sizeof(cur), 0);
+        int ok = n == 33 && (memcmp(cur, line, 33) == 0 || pwrite(fd, line, 33, 0) == 33);
         close(fd);
-        if (n == 32 && memcmp(cur, id, 32) == 0) {
+        if (ok) {
             return;
         }
     }
@@ -328,9 +336,6 @@ void set_machine_id(const char *id)
     if (fd < 0) {
         return; /* no /etc, or a read-only root: nothing to keep in step */
     }
-    char line[33];
-    memcpy(line, id, 32);
-    line[32] = '\n';
     int ok = write(fd, line, 33) == 33;
     close(fd);
     if (!ok || rename("/etc/.machine-id.sandlot", "/etc/machine-id") < 0) {
