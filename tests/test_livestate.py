@@ -417,7 +417,7 @@ sandlot.get({box.name!r}).suspend()
         + f"""
 import sandlot
 from sandlot.engine.qemu import QemuVM
-QemuVM.load_state = adie
+QemuVM.run_restored = adie  # QEMU is started and paused; the guest has not run
 sandlot.get({box.name!r}).resume()
 """
     )
@@ -437,7 +437,7 @@ def test_kill9_mid_rollback_and_mid_fork(counting_box: sandlot.Box) -> None:
         + f"""
 import sandlot
 from sandlot.engine.qemu import QemuVM
-QemuVM.load_state = adie
+QemuVM.run_restored = adie  # QEMU is started and paused; the guest has not run
 sandlot.get({box.name!r}).rollback({snap.id!r})
 """
     )
@@ -534,3 +534,20 @@ sandlot.get_snapshot({snap.id!r}).start(2)
     finally:
         for k in kids:
             k.remove(force=True)
+
+
+def test_a_damaged_saved_state_fails_clearly_and_loses_nothing(counting_box: sandlot.Box) -> None:
+    box = counting_box
+    snap = box.snapshot("damaged")
+    state = Path(snap.inspect()["path"]) / "state"
+    state.write_bytes(state.read_bytes()[: state.stat().st_size // 3])  # as a failing disk might
+    names = {b.name for b in sandlot.list()}
+    with pytest.raises(sandlot.BootError, match="load of migration failed"):
+        snap.start()
+    assert {b.name for b in sandlot.list()} == names  # the half-started child is gone
+    with pytest.raises(sandlot.BootError, match="load of migration failed"):
+        box.rollback(snap)
+    b = sandlot.get(box.name)
+    assert b.state == "stopped" and "rollback failed" in (b.inspect()["reason"] or "")
+    b.start()  # the disk was kept: a cold boot works
+    assert b.exec("true").returncode == 0

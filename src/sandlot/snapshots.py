@@ -136,17 +136,17 @@ def is_materialized(home: Path, snap_id: str) -> bool:
     return (d / "devices").is_file() and (d / "memory").is_file()
 
 
-def state_source(home: Path, snap: SnapshotRecord, cfg: VMConfig) -> tuple[Path, bool]:
-    """The file a VM loads this snapshot from, and whether it maps the RAM file
-    (``cfg`` is changed to do so)."""
+def state_source(home: Path, snap: SnapshotRecord, cfg: VMConfig) -> None:
+    """Make ``cfg`` a VM that loads this snapshot as it starts (mapping its RAM file
+    copy-on-write when the snapshot has one)."""
     d = snapshot_dir(home, snap.id)
     if is_materialized(home, snap.id):
-        cfg.ram_file, cfg.ram_shared, cfg.incoming = d / "memory", False, True
-        return d / "devices", True
+        cfg.ram_file, cfg.ram_shared = d / "memory", False
+        cfg.restore_from, cfg.restore_ignore_shared = d / "devices", True
+        return
     if not (d / "state").is_file():
         raise StateError(f"snapshot {snap.id} has no saved state (its files are gone)")
-    cfg.incoming = True
-    return d / "state", False
+    cfg.restore_from, cfg.restore_ignore_shared = d / "state", False
 
 
 def dir_size(path: Path) -> int:
@@ -291,19 +291,14 @@ def _fsync_file(path: Path) -> None:
 async def start_from(
     home: Path, snap: SnapshotRecord, cfg: VMConfig, on_started: Callable[[QemuVM], None] | None = None
 ) -> QemuVM:
-    """A QEMU that has loaded ``snap`` and is stopped, ready for ``cont``."""
-    source, ignore_shared = state_source(home, snap, cfg)
+    """A QEMU that loads ``snap`` as it starts and stays paused: ``cont`` runs the guest
+    once the load completes. A state that cannot be loaded makes QEMU exit, saying why
+    on its stderr (``QemuVM.failure_report``)."""
+    state_source(home, snap, cfg)
     vm = QemuVM(cfg)
     await vm.start()
-    try:
-        if on_started is not None:
-            on_started(vm)
-        await vm.load_state(source, ignore_shared=ignore_shared)
-    except BaseException as exc:
-        await vm.kill(grace=0.5)
-        if isinstance(exc, StateError):
-            raise StateError(f"{exc}\n--- QEMU stderr ---\n{vm.stderr_tail()}") from exc
-        raise
+    if on_started is not None:
+        on_started(vm)
     return vm
 
 

@@ -635,7 +635,8 @@ class AsyncBox:
 
         vm = await snapshots.start_from(self.runtime.home, snap, cfg, on_started=started)
         try:
-            await vm.qmp("cont")
+            # attaching races QEMU's exit, so a failed load is reported either way
+            await vm.run_restored(wait=not attach)
             if attach:
                 self._conn = await self._boot_attach(vm, timeout)
         except BaseException:

@@ -102,6 +102,10 @@ class VMConfig:
     ram_file: Path | None = None
     ram_shared: bool = False
     incoming: bool = False  # wait for a saved state (``QemuVM.load_state``) instead of booting
+    # Or load this saved state, read from a descriptor QEMU inherits, in the one QMP
+    # exchange that also lets the guest run (``run_restored``): every restore's path.
+    restore_from: Path | None = None
+    restore_ignore_shared: bool = False  # the state holds no RAM: it is in ``ram_file``
 
     @property
     def qmp_socket(self) -> Path:
@@ -157,7 +161,7 @@ def build_command(cfg: VMConfig, binary: str) -> list[str]:
         "-serial", "chardev:console",
         "-device", f"virtio-serial-device,max_ports={cfg.ports + 1}",  # port 0 is reserved for consoles
     ]  # fmt: skip
-    if not cfg.incoming:
+    if not (cfg.incoming or cfg.restore_from):
         # a VM that loads a saved state gets its kernel from that state; loading the
         # 45 MB vmlinux again would only cost time and memory
         cmd += ["-kernel", str(cfg.kernel), "-initrd", str(cfg.initrd), "-append", append]
@@ -176,8 +180,9 @@ def build_command(cfg: VMConfig, binary: str) -> list[str]:
         # security_model=none: files keep the host user's ownership; no root needed
         opts = f"local,id={tag},path={_q(host)},security_model=none" + (",readonly=on" if readonly else "")
         cmd += ["-fsdev", opts, "-device", f"virtio-9p-device,fsdev={tag},mount_tag={tag}"]
-    if cfg.incoming:
-        cmd += ["-incoming", "defer"]
+    if cfg.incoming or cfg.restore_from is not None:
+        # -S: the guest runs only once the host says ``cont``
+        cmd += ["-S", "-incoming", "defer"]
     return cmd
 
 
@@ -251,6 +256,7 @@ class QemuVM:
         self._popen: subprocess.Popen[bytes] | None = None
         self._exited: asyncio.Future[int | None] | None = None
         self._pidfd: int | None = None
+        self._state_fd: int | None = None  # its number in QEMU, which inherits it
 
     @property
     def command(self) -> list[str]:
@@ -266,15 +272,18 @@ class QemuVM:
         with contextlib.suppress(FileNotFoundError):
             cfg.qmp_socket.unlink()
         cfg.console_log.write_bytes(b"")
-        cmd = self.command
-        with open(cfg.stderr_log, "wb") as err:
+        with contextlib.ExitStack() as files:
+            if cfg.restore_from is not None:
+                self._state_fd = files.enter_context(open(cfg.restore_from, "rb")).fileno()
+            err = files.enter_context(open(cfg.stderr_log, "wb"))
             self._popen = subprocess.Popen(
-                cmd,
+                self.command,
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.DEVNULL,
                 stderr=err,
                 start_new_session=True,
                 close_fds=True,
+                pass_fds=() if self._state_fd is None else (self._state_fd,),
                 preexec_fn=None if cfg.detached else _die_with_parent,
             )
         self.pid = self._popen.pid
@@ -422,6 +431,27 @@ class QemuVM:
                 await q.execute("getfd", {"fdname": "sandlot-state"})
                 await q.execute("migrate-incoming", {"uri": "fd:sandlot-state"})
                 await _wait_migration(q, timeout, self)
+
+    async def run_restored(self, *, wait: bool, timeout: float = 120.0) -> None:
+        """Let a VM started with ``restore_from`` run: at once if its state is loaded,
+        else as soon as it is. ``wait``: return only once the guest runs. A state
+        that cannot be loaded ends QEMU: raised as ``BootError`` with its stderr."""
+        assert self._state_fd is not None, "a VM started with restore_from"
+        try:
+            async with self.qmp_session() as q:
+                await _set_migration(q, self.cfg.restore_ignore_shared)
+                await q.execute("migrate-incoming", {"uri": f"fd:{self._state_fd}"})
+                await q.execute("cont")  # while the state loads: run once it is loaded
+                deadline = asyncio.get_running_loop().time() + timeout
+                while wait and (await q.execute("query-status")).get("status") != "running":
+                    if asyncio.get_running_loop().time() > deadline:
+                        raise StateError(f"loading the saved state took more than {timeout:.0f}s")
+                    await asyncio.sleep(0.002)
+        except Exception as exc:
+            if isinstance(exc, StateError) or await self.wait_exit(0.5) is False:
+                raise
+            await asyncio.sleep(0.05)  # let its stderr catch up
+            raise self.failure_report("QEMU could not load the saved state") from exc
 
     async def kill(self, grace: float = 2.0) -> None:
         """End QEMU: QMP quit first, SIGKILL after ``grace`` seconds."""
