@@ -443,7 +443,10 @@ class QemuVM:
                 await q.execute("migrate-incoming", {"uri": f"fd:{self._state_fd}"})
                 await q.execute("cont")  # while the state loads: run once it is loaded
                 deadline = asyncio.get_running_loop().time() + timeout
-                while wait and (await q.execute("query-status")).get("status") != "running":
+                while wait:
+                    status = await q.execute("query-status")
+                    if isinstance(status, dict) and status.get("status") == "running":
+                        break
                     if asyncio.get_running_loop().time() > deadline:
                         raise StateError(f"loading the saved state took more than {timeout:.0f}s")
                     await asyncio.sleep(0.002)
