@@ -1,0 +1,215 @@
+"""Egress policy: where a box may connect, decided on the host, never in the guest.
+
+Modes (``Box(network=...)``):
+
+* ``none``: the box has no network card at all (the default).
+* ``public``: HTTP and HTTPS to the internet through sandlot's egress proxy; never
+  the host's loopback, link-local addresses (169.254.0.0/16, the cloud metadata
+  service among them), private or otherwise non-global ranges, unless ``allow``
+  lists them. What a name resolves to is checked, and the checked address is
+  the one connected to (a name cannot be re-resolved to somewhere else).
+* ``allowlist``: like ``public``, but only to the names and networks in ``allow``.
+* ``open``: QEMU's user networking unrestricted: anything the host can reach,
+  its own 127.0.0.1 included (as 10.0.2.2). For trusted code only.
+
+``allow`` entries: ``"example.com"``, ``"*.example.com"`` (its subdomains),
+either with ``":PORT"``; ``"203.0.113.7"``, ``"10.1.0.0/16"``, ``"[::1]:8443"``
+(addresses and networks, optionally with a port). A listed network is reachable
+even if private or loopback: listing it is the explicit opt-in.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import os
+import re
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..errors import InvalidArgument
+
+MODES = ("none", "public", "allowlist", "open")
+PROXIED = ("public", "allowlist")  # the modes whose traffic goes through the egress proxy
+
+IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
+IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
+
+_LABEL = re.compile(r"^(?!-)[a-z0-9-]{1,63}(?<!-)$")
+
+
+def normalize_host(host: str) -> str:
+    """A host name as matched: lower case, no trailing dot (IDNA names arrive encoded)."""
+    return host.strip().rstrip(".").lower()
+
+
+def _valid_name(name: str) -> bool:
+    return 0 < len(name) <= 253 and all(_LABEL.match(label) for label in name.split("."))
+
+
+def parse_ip(text: str) -> IPAddress | None:
+    try:
+        return ipaddress.ip_address(text.strip("[]"))
+    except ValueError:
+        return None
+
+
+@dataclass(frozen=True, slots=True)
+class Rule:
+    """One ``allow`` entry: a name (``*.`` for subdomains) or a network, and a port or any."""
+
+    name: str | None = None
+    network: IPNetwork | None = None
+    port: int | None = None
+
+    @classmethod
+    def parse(cls, text: str) -> Rule:
+        if not isinstance(text, str) or not text.strip():
+            raise InvalidArgument(f"an allow entry must be a non-empty string, not {text!r}")
+        raw = text.strip()
+        port: int | None = None
+        host = raw
+        if raw.startswith("["):  # [v6] or [v6]:port
+            end = raw.find("]")
+            if end < 0:
+                raise InvalidArgument(f"allow entry {raw!r}: unclosed '['")
+            host, rest = raw[1:end], raw[end + 1 :]
+            if rest:
+                if not rest.startswith(":"):
+                    raise InvalidArgument(f"allow entry {raw!r}: expected ':PORT' after ']'")
+                port = _port(raw, rest[1:])
+        elif raw.count(":") == 1:
+            host, _, p = raw.partition(":")
+            port = _port(raw, p)
+        try:
+            return cls(network=ipaddress.ip_network(host, strict=False), port=port)
+        except ValueError:
+            pass
+        name = normalize_host(host)
+        bare = name[2:] if name.startswith("*.") else name
+        if not _valid_name(bare) or "*" in bare:
+            raise InvalidArgument(
+                f"allow entry {raw!r} is neither a host name (or *.domain) nor an address or network"
+            )
+        return cls(name=name, port=port)
+
+    def matches_name(self, host: str, port: int) -> bool:
+        if self.name is None or (self.port is not None and self.port != port):
+            return False
+        if self.name.startswith("*."):
+            return host.endswith(self.name[1:]) and host != self.name[2:]
+        return host == self.name
+
+    def matches_address(self, ip: IPAddress, port: int) -> bool:
+        if self.network is None or (self.port is not None and self.port != port):
+            return False
+        return ip.version == self.network.version and ip in self.network
+
+    def __str__(self) -> str:
+        what = self.name if self.name is not None else str(self.network)
+        if self.port is None:
+            return what
+        return f"[{what}]:{self.port}" if ":" in what else f"{what}:{self.port}"
+
+
+def _port(entry: str, text: str) -> int:
+    if not text.isdigit() or not 0 < int(text) < 65536:
+        raise InvalidArgument(f"allow entry {entry!r}: {text!r} is not a port number")
+    return int(text)
+
+
+def is_public_address(ip: IPAddress) -> bool:
+    """A global unicast address: not loopback, link-local, private, shared (CGNAT),
+    multicast, reserved or unspecified (IPv4-mapped IPv6 is judged as IPv4)."""
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    return ip.is_global and not ip.is_multicast
+
+
+@dataclass(frozen=True, slots=True)
+class Policy:
+    """A box's egress policy; see the module's description."""
+
+    mode: str = "none"
+    allow: tuple[Rule, ...] = field(default_factory=tuple)
+
+    @classmethod
+    def build(cls, mode: str | bool | None, allow: Any = None) -> Policy:
+        """Validate user input: ``mode`` one of MODES (True means ``public``, False or
+        None ``none``, or ``allowlist`` when only ``allow`` is given)."""
+        if mode is True:
+            mode = "public"
+        elif mode is None or mode is False:
+            mode = "allowlist" if allow else "none"
+        if mode not in MODES:
+            raise InvalidArgument(f"network must be one of {', '.join(MODES)}, not {mode!r}")
+        if isinstance(allow, str):
+            allow = [allow]
+        rules = tuple(Rule.parse(a) for a in (allow or ()))
+        if rules and mode in ("none", "open"):
+            raise InvalidArgument(f"allow= has no meaning with network={mode!r}")
+        return cls(mode=mode, allow=rules)
+
+    @property
+    def has_nic(self) -> bool:
+        return self.mode != "none"
+
+    @property
+    def proxied(self) -> bool:
+        return self.mode in PROXIED
+
+    def allows_name(self, host: str, port: int) -> bool:
+        """May the box ask for ``host:port`` by name (before resolving it)?"""
+        host = normalize_host(host)
+        if self.mode == "public":
+            return True
+        if self.mode == "allowlist":
+            return any(r.matches_name(host, port) for r in self.allow)
+        return self.mode == "open"
+
+    def allows_address(self, ip: IPAddress, port: int, *, name_allowed: bool) -> bool:
+        """May the box connect to ``ip:port``? ``name_allowed``: it was reached through
+        a name this policy allows (an address alone must be listed, in allowlist mode)."""
+        if self.mode == "open":
+            return True
+        if any(r.matches_address(ip, port) for r in self.allow):
+            return True
+        if self.mode == "public" or (self.mode == "allowlist" and name_allowed):
+            return is_public_address(ip)
+        return False
+
+    def to_json(self) -> dict[str, Any]:
+        return {"mode": self.mode, "allow": [str(r) for r in self.allow]}
+
+    @classmethod
+    def from_json(cls, data: Any) -> Policy:
+        if not isinstance(data, dict):
+            raise InvalidArgument("a network policy must be an object")
+        return cls.build(data.get("mode"), data.get("allow") or None)
+
+
+def write_policy(path: Path, policy: Policy) -> None:
+    """Replace the policy file atomically: the proxy reads it at every connection,
+    so a change applies to the next connection of a running box."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".policy-", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(policy.to_json(), f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o644)
+        os.rename(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def read_policy(path: Path) -> Policy:
+    """The policy in force; a missing or damaged file denies everything."""
+    try:
+        return Policy.from_json(json.loads(path.read_text()))
+    except (OSError, ValueError):
+        return Policy(mode="allowlist")

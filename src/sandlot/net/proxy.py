@@ -1,0 +1,270 @@
+"""The egress proxy: one process per guest connection, started by QEMU.
+
+QEMU's user networking forwards each connection the guest opens to the proxy
+address (``guestfwd ... cmd:``) to a new ``python -m sandlot.net.proxy POLICY LOG``
+whose descriptors 0-2 are that connection. No daemon: the proxy lives and dies
+with the connection, and reads the policy file afresh each time, so a policy
+change applies to a running box at its next connection.
+
+It speaks what proxy-aware clients send (``HTTPS_PROXY``/``HTTP_PROXY``, which
+sandlot sets in every command's environment): ``CONNECT host:port`` and
+absolute-form HTTP requests. Every decision is made on the host: the name is
+checked, resolved here, each address checked, and the checked address is the
+one connected to. For CONNECT in allowlist mode, the TLS ClientHello's server
+name must be allowed too. Decisions are appended to LOG, one JSON line each.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import select
+import socket
+import sys
+import time
+from pathlib import Path
+
+from .policy import IPAddress, Policy, normalize_host, parse_ip, read_policy
+
+HEAD_LIMIT = 16 * 1024
+HEAD_TIMEOUT = 30.0
+CONNECT_TIMEOUT = 15.0
+HELLO_TIMEOUT = 10.0
+
+
+class Denied(Exception):
+    """The policy refuses this request; the message says why (it is sent to the guest)."""
+
+
+def read_head(sock: socket.socket) -> tuple[bytes, bytes]:
+    """The request head (through the blank line) and whatever followed it."""
+    buf = b""
+    while b"\r\n\r\n" not in buf:
+        if len(buf) > HEAD_LIMIT:
+            raise Denied("request head too large")
+        chunk = sock.recv(4096)
+        if not chunk:
+            raise Denied("connection closed before a complete request")
+        buf += chunk
+    head, _, rest = buf.partition(b"\r\n\r\n")
+    return head + b"\r\n\r\n", rest
+
+
+def split_host_port(target: str, default_port: int) -> tuple[str, int]:
+    if target.startswith("["):
+        end = target.find("]")
+        host, rest = target[1:end], target[end + 1 :]
+        port = rest[1:] if rest.startswith(":") else ""
+    elif target.count(":") == 1:
+        host, _, port = target.partition(":")
+    else:
+        host, port = target, ""
+    if port and (not port.isdigit() or not 0 < int(port) < 65536):
+        raise Denied(f"bad port in {target!r}")
+    if not host:
+        raise Denied(f"no host in {target!r}")
+    return normalize_host(host), int(port) if port else default_port
+
+
+def parse_request(head: bytes) -> tuple[str, str, int, list[bytes]]:
+    """(method, host, port, header lines) of a proxy request."""
+    lines = head.split(b"\r\n")
+    try:
+        method, target, version = lines[0].decode("ascii").split(" ")
+    except (UnicodeDecodeError, ValueError):
+        raise Denied("malformed request line") from None
+    if not version.startswith("HTTP/1."):
+        raise Denied(f"unsupported protocol {version!r}")
+    if method == "CONNECT":
+        host, port = split_host_port(target, 443)
+    elif target.lower().startswith("http://"):
+        authority = target[7:].split("/", 1)[0].split("@")[-1]
+        host, port = split_host_port(authority, 80)
+    else:
+        raise Denied("not a proxy request (CONNECT host:port or http://host/...)")
+    return method, host, port, [line for line in lines[1:] if line]
+
+
+def resolve(policy: Policy, host: str, port: int) -> IPAddress:
+    """The address to connect to, or Denied with the reason."""
+    literal = parse_ip(host)
+    if literal is not None:
+        if policy.allows_address(literal, port, name_allowed=False):
+            return literal
+        raise Denied(f"{literal} port {port} is not allowed ({policy.mode})")
+    if not policy.allows_name(host, port):
+        raise Denied(f"{host} port {port} is not on this box's allowlist")
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except OSError as exc:
+        raise Denied(f"cannot resolve {host}: {exc}") from None
+    seen: list[IPAddress] = []
+    for info in infos:
+        ip = parse_ip(str(info[4][0]))
+        if ip is not None and ip not in seen:
+            seen.append(ip)
+    for ip in seen:
+        if policy.allows_address(ip, port, name_allowed=True):
+            return ip
+    shown = ", ".join(str(ip) for ip in seen[:3]) or "nothing"
+    raise Denied(f"{host} resolves to {shown}: not a public address this box may reach")
+
+
+def client_hello_sni(data: bytes) -> str | None:
+    """The server name of a TLS ClientHello (None if absent or not TLS)."""
+    try:
+        if len(data) < 5 or data[0] != 0x16:  # handshake record
+            return None
+        body = data[5 : 5 + int.from_bytes(data[3:5], "big")]
+        if not body or body[0] != 0x01:  # ClientHello
+            return None
+        p = 4 + 2 + 32  # header, version, random
+        p += 1 + body[p]  # session id
+        p += 2 + int.from_bytes(body[p : p + 2], "big")  # cipher suites
+        p += 1 + body[p]  # compression methods
+        end = p + 2 + int.from_bytes(body[p : p + 2], "big")
+        p += 2
+        while p + 4 <= min(end, len(body)):
+            kind, size = int.from_bytes(body[p : p + 2], "big"), int.from_bytes(body[p + 2 : p + 4], "big")
+            if kind == 0:  # server_name: list length, then (type, length, name)
+                ext = body[p + 4 : p + 4 + size]
+                if len(ext) >= 5 and ext[2] == 0:
+                    n = int.from_bytes(ext[3:5], "big")
+                    return normalize_host(ext[5 : 5 + n].decode("ascii"))
+                return None
+            p += 4 + size
+    except (IndexError, UnicodeDecodeError):
+        return None
+    return None
+
+
+def read_client_hello(sock: socket.socket) -> bytes:
+    """The guest's first TLS record (or whatever it sent first), whole if it can be."""
+    sock.settimeout(HELLO_TIMEOUT)
+    data = b""
+    with contextlib.suppress(TimeoutError):
+        while len(data) < 5 or len(data) < 5 + int.from_bytes(data[3:5], "big"):
+            chunk = sock.recv(16384)
+            if not chunk:
+                break
+            data += chunk
+            if data[0] != 0x16 or len(data) > 65536:
+                break
+    return data
+
+
+def splice(a: socket.socket, b: socket.socket) -> None:
+    """Copy both ways until both sides have finished."""
+    a.setblocking(False)
+    b.setblocking(False)
+    peer = {a: b, b: a}
+    open_ = {a, b}
+    while open_:
+        readable, _, _ = select.select(list(open_), [], [])
+        for s in readable:
+            try:
+                data = s.recv(65536)
+            except BlockingIOError:
+                continue
+            except OSError:
+                data = b""
+            if data:
+                peer[s].setblocking(True)
+                peer[s].sendall(data)
+                peer[s].setblocking(False)
+            else:
+                open_.discard(s)
+                with contextlib.suppress(OSError):
+                    peer[s].shutdown(socket.SHUT_WR)
+
+
+def serve(guest: socket.socket, policy_path: Path, log: list[dict[str, object]]) -> None:
+    guest.settimeout(HEAD_TIMEOUT)
+    entry: dict[str, object] = {"time": round(time.time(), 3)}
+    log.append(entry)
+    answered = False  # the guest was told the tunnel is open: a refusal can only close it
+    try:
+        head, rest = read_head(guest)
+        method, host, port, headers = parse_request(head)
+        entry.update(method=method, host=host, port=port)
+        policy = read_policy(policy_path)
+        ip = resolve(policy, host, port)
+        entry["address"] = str(ip)
+        if method == "CONNECT" and policy.mode == "allowlist":
+            guest.sendall(b"HTTP/1.1 200 Connection established\r\n\r\n")
+            hello = rest + read_client_hello(guest)
+            answered, rest = True, hello
+            sni = client_hello_sni(hello)
+            if sni is not None and sni != host and not policy.allows_name(sni, port):
+                raise Denied(f"TLS server name {sni} is not on this box's allowlist")
+        upstream = socket.create_connection((str(ip), port), timeout=CONNECT_TIMEOUT)
+    except Denied as exc:
+        entry.update(decision="denied", reason=str(exc))
+        if answered:
+            return
+        with contextlib.suppress(OSError):
+            body = f"sandlot: egress denied: {exc}\n".encode()
+            guest.sendall(
+                b"HTTP/1.1 403 Forbidden\r\nContent-Type: text/plain\r\nX-Sandlot-Egress: denied\r\n"
+                + f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode()
+                + body
+            )
+        return
+    except OSError as exc:
+        entry.update(decision="failed", reason=str(exc))
+        if answered:
+            return
+        with contextlib.suppress(OSError):
+            guest.sendall(b"HTTP/1.1 502 Bad Gateway\r\nConnection: close\r\nContent-Length: 0\r\n\r\n")
+        return
+    entry["decision"] = "allowed"
+    with upstream:
+        upstream.settimeout(None)
+        guest.settimeout(None)
+        if method == "CONNECT":
+            if not answered:
+                guest.sendall(b"HTTP/1.1 200 Connection established\r\n\r\n")
+        else:
+            path = head.split(b" ", 2)[1].decode("ascii")[7:]
+            path = "/" + path.split("/", 1)[1] if "/" in path else "/"
+            kept = [h for h in headers if not h.lower().startswith((b"proxy-", b"connection:"))]
+            # one request per connection: a second one could name another host
+            rest = (
+                f"{method} {path} HTTP/1.1\r\n".encode()
+                + b"\r\n".join([*kept, b"Connection: close"])
+                + b"\r\n\r\n"
+                + rest
+            )
+        if rest:
+            upstream.sendall(rest)
+        splice(guest, upstream)
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 3:
+        return 2
+    # descriptors 0-2 are the guest's connection: nothing of ours may be written there
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    guest = socket.socket(fileno=os.dup(0))
+    os.dup2(devnull, 2)
+    os.dup2(devnull, 1)
+    os.close(0)
+    sys.stderr = open(os.devnull, "w")  # noqa: SIM115 - for the interpreter's own messages
+    log: list[dict[str, object]] = []
+    try:
+        with guest:
+            serve(guest, Path(argv[1]), log)
+    except Exception as exc:  # a broken connection ends it; the log says why
+        if log:
+            log[-1].setdefault("decision", "failed")
+            log[-1].setdefault("reason", f"{type(exc).__name__}: {exc}")
+    finally:
+        if log:
+            with contextlib.suppress(OSError), open(argv[2], "a") as f:
+                f.write(json.dumps(log[-1]) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))
