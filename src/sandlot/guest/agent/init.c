@@ -4,7 +4,10 @@
 #include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
+#include <arpa/inet.h>
 #include <net/if.h>
+#include <net/route.h>
+#include <netinet/in.h>
 #include <poll.h>
 #include <signal.h>
 #include <stdio.h>
@@ -38,6 +41,7 @@
 
 static char g_boot_id[64] = "unknown";
 static char g_cmd_hostname[65];
+static int g_cmd_net; /* sandlot.net=1: the box has a network card (QEMU user networking) */
 static char g_root_dev[64] = "/dev/vda";
 static char g_root_fstype[16] = "ext4";
 
@@ -77,6 +81,8 @@ static void parse_cmdline(void)
             snprintf(g_cmd_hostname, sizeof(g_cmd_hostname), "%s", tok + 17);
         } else if (!strncmp(tok, "sandlot.root=", 13)) {
             snprintf(g_root_dev, sizeof(g_root_dev), "%s", tok + 13);
+        } else if (!strcmp(tok, "sandlot.net=1")) {
+            g_cmd_net = 1;
         } else if (!strncmp(tok, "sandlot.rootfstype=", 19)) {
             snprintf(g_root_fstype, sizeof(g_root_fstype), "%s", tok + 19);
         }
@@ -224,6 +230,116 @@ static void bring_up_loopback(void)
     close(fd);
 }
 
+static int set_addr(int fd, const char *ifname, unsigned long req, const char *addr)
+{
+    struct ifreq ifr;
+    memset(&ifr, 0, sizeof(ifr));
+    snprintf(ifr.ifr_name, sizeof(ifr.ifr_name), "%s", ifname);
+    struct sockaddr_in *sin = (struct sockaddr_in *)&ifr.ifr_addr;
+    sin->sin_family = AF_INET;
+    inet_pton(AF_INET, addr, &sin->sin_addr);
+    return ioctl(fd, req, &ifr);
+}
+
+/* QEMU's user networking has fixed addresses: the guest is 10.0.2.15/24, the
+ * gateway 10.0.2.2 and the resolver 10.0.2.3. The host decides what any of it
+ * reaches. The image's /etc/resolv.conf (often copied from the machine that
+ * built it) is covered, not changed: ours is bind-mounted over it. */
+static void bring_up_network(void)
+{
+    char ifname[IFNAMSIZ] = "";
+    for (int waited = 0; waited < 2000 && !ifname[0]; waited += 10) {
+        DIR *d = opendir("/sys/class/net");
+        struct dirent *de;
+        while (d && (de = readdir(d))) {
+            if (de->d_name[0] != '.' && strcmp(de->d_name, "lo") && strlen(de->d_name) < IFNAMSIZ) {
+                snprintf(ifname, sizeof(ifname), "%s", de->d_name);
+                break;
+            }
+        }
+        if (d) {
+            closedir(d);
+        }
+        if (!ifname[0]) {
+            usleep(10000);
+        }
+    }
+    if (!ifname[0]) {
+        logmsg("network: no network card appeared");
+        return;
+    }
+    int fd = socket(AF_INET, SOCK_DGRAM | SOCK_CLOEXEC, 0);
+    if (fd < 0) {
+        return;
+    }
+    struct ifreq ifr;
+    memset(&ifr, 0, sizeof(ifr));
+    snprintf(ifr.ifr_name, sizeof(ifr.ifr_name), "%s", ifname);
+    if (set_addr(fd, ifname, SIOCSIFADDR, "10.0.2.15") < 0 || set_addr(fd, ifname, SIOCSIFNETMASK, "255.255.255.0") < 0 ||
+        ioctl(fd, SIOCGIFFLAGS, &ifr) < 0) {
+        logmsg("network: configuring %s: %s", ifname, strerror(errno));
+        close(fd);
+        return;
+    }
+    ifr.ifr_flags |= IFF_UP | IFF_RUNNING;
+    if (ioctl(fd, SIOCSIFFLAGS, &ifr) < 0) {
+        logmsg("network: bringing up %s: %s", ifname, strerror(errno));
+    }
+    struct rtentry rt;
+    memset(&rt, 0, sizeof(rt));
+    struct sockaddr_in *gw = (struct sockaddr_in *)&rt.rt_gateway, *dst = (struct sockaddr_in *)&rt.rt_dst,
+                       *mask = (struct sockaddr_in *)&rt.rt_genmask;
+    gw->sin_family = dst->sin_family = mask->sin_family = AF_INET;
+    inet_pton(AF_INET, "10.0.2.2", &gw->sin_addr);
+    rt.rt_flags = RTF_UP | RTF_GATEWAY;
+    rt.rt_dev = ifname;
+    if (ioctl(fd, SIOCADDRT, &rt) < 0) {
+        logmsg("network: default route: %s", strerror(errno));
+    }
+    close(fd);
+    static const char conf[] = "nameserver 10.0.2.3\n";
+    mkdir("/run/sandlot", 0755);
+    char target[256] = "/run/sandlot/resolv.conf";
+    struct stat st;
+    if (lstat("/etc/resolv.conf", &st) == 0 && S_ISLNK(st.st_mode)) {
+        /* a link into /run (systemd-resolved images): /run is our tmpfs, write there */
+        ssize_t n = readlink("/etc/resolv.conf", target, sizeof(target) - 1);
+        target[n > 0 ? n : 0] = 0;
+        if (strncmp(target, "/run/", 5) || strstr(target, "..")) {
+            logmsg("network: /etc/resolv.conf links to %s; left as it is", target);
+            return;
+        }
+        char dir[256];
+        snprintf(dir, sizeof(dir), "%s", target);
+        for (char *q = dir + 1; *q; q++) {
+            if (*q == '/') {
+                *q = 0;
+                mkdir(dir, 0755);
+                *q = '/';
+            }
+        }
+    }
+    int rf = open(target, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+    if (rf < 0 || write(rf, conf, sizeof(conf) - 1) != (ssize_t)(sizeof(conf) - 1)) {
+        logmsg("network: %s: %s", target, strerror(errno));
+    }
+    if (rf >= 0) {
+        close(rf);
+    }
+    if (strcmp(target, "/run/sandlot/resolv.conf")) {
+        return; /* written through the link */
+    }
+    if (lstat("/etc/resolv.conf", &st) != 0) {
+        int ef = open("/etc/resolv.conf", O_WRONLY | O_CREAT | O_CLOEXEC, 0644); /* something to cover */
+        if (ef >= 0) {
+            close(ef);
+        }
+    }
+    if (mount(target, "/etc/resolv.conf", NULL, MS_BIND, NULL) < 0) {
+        logmsg("network: /etc/resolv.conf: %s", strerror(errno));
+    }
+}
+
 void init_after_root(void)
 {
     mount_or_log("devpts", "/dev/pts", "devpts", MS_NOSUID | MS_NOEXEC, "newinstance,ptmxmode=0666,mode=0620,gid=5");
@@ -239,6 +355,9 @@ void init_after_root(void)
         symlink("pts/ptmx", "/dev/ptmx");
     }
     bring_up_loopback();
+    if (g_cmd_net) {
+        bring_up_network();
+    }
     set_hostname(g_cmd_hostname[0] ? g_cmd_hostname : "sandlot");
     int fd = open("/proc/sys/kernel/random/boot_id", O_RDONLY | O_CLOEXEC);
     if (fd >= 0) {
