@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .config import fsync_dir, runtime_dir
-from .engine.qemu import TCG_CPU, QemuVM, VMConfig, qemu_version
+from .engine.qemu import TCG_CPU, NetConfig, QemuVM, VMConfig, qemu_version
 from .errors import HostSetupError, StateError
 from .images.rootfs import qcow2_backing_file
 from .store import BoxRecord, SnapshotRecord
@@ -128,6 +128,7 @@ def vm_facts(cfg: VMConfig) -> dict[str, Any]:
         "ports": cfg.ports,
         "kernel": str(cfg.kernel),
         "initrd": str(cfg.initrd),
+        "network": cfg.network is not None,  # a network card is part of the device state
     }
 
 
@@ -248,6 +249,7 @@ async def materialize(rt: Runtime, snap: SnapshotRecord) -> None:
             disk_readonly=True, run_dir=runtime_dir() / f"m-{snap.id}", state_dir=work, accel=facts["accel"],
             memory_mib=facts["memory_mib"], cpus=facts["cpus"], hostname=f"materialize-{snap.id}",
             ports=facts["ports"], detached=False, ram_file=mem_tmp, ram_shared=True, incoming=True,
+            network=NetConfig() if facts.get("network") else None,  # the same devices; it never runs
         )  # fmt: skip
         vm = QemuVM(cfg)
         try:

@@ -23,13 +23,15 @@ import fcntl
 import logging
 import os
 import secrets
+import shlex
+import sys
 import time
 from collections.abc import AsyncIterable, Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any
 
 from .. import _proc, snapshots
-from ..engine.qemu import QemuVM, VMConfig, qemu_version, tail
+from ..engine.qemu import NetConfig, QemuVM, VMConfig, qemu_version, tail
 from ..errors import (
     AgentTimeout,
     BootTimeout,
@@ -41,6 +43,7 @@ from ..errors import (
 )
 from ..images.rootfs import base_for, create_overlay
 from ..images.store import Image
+from ..net.policy import Policy, write_policy
 from ..protocol.connection import AgentConnection
 from ..protocol.exec import ExecRequest, RemoteProcess
 from ..protocol.wire import ControlOp, Fields, T, Tag, tlv, tlv_u64
@@ -48,7 +51,16 @@ from ..runtime import Runtime
 from ..store import BoxRecord, SnapshotRecord, validate_name
 from . import _sync
 from .files import AsyncFiles, Files, guest_path
-from .options import DEFAULT_DISK_GB, DEFAULT_MEMORY_MIB, BoxSpec, VolumeSpec, check_env, check_user, positive
+from .options import (
+    DEFAULT_DISK_GB,
+    DEFAULT_MEMORY_MIB,
+    BoxSpec,
+    PortSpec,
+    VolumeSpec,
+    check_env,
+    check_user,
+    positive,
+)
 from .process import AsyncProcess, ExecResult, Process
 from .snapshot import AsyncSnapshot, Snapshot, check_template_fits, resolve_snapshot
 
@@ -142,6 +154,9 @@ class AsyncBox:
         boot_timeout: float | None = None,
         request_timeout: float = 30.0,
         idle_timeout: float | None = None,
+        network: str | bool | None = None,
+        allow: Sequence[str] | str | None = None,
+        ports: Sequence[PortSpec] | None = None,
         template: Any = None,
         home: str | os.PathLike[str] | None = None,
     ) -> None:
@@ -164,6 +179,9 @@ class AsyncBox:
                 cpus = facts["cpus"]
             if disk_size_gb == DEFAULT_DISK_GB:
                 disk_size_gb = self._template.options["box"].get("disk_size_gb", disk_size_gb)
+            if network is None and allow is None:  # its network policy too (its ports stay its own)
+                network = self._template.options["box"].get("network", "none")
+                allow = self._template.options["box"].get("allow") or None
         self.image: Image | None = image if isinstance(image, Image) else None
         image_ref = image.digest if isinstance(image, Image) else image
         self.spec = BoxSpec.build(
@@ -171,7 +189,7 @@ class AsyncBox:
             labels=labels, memory_mib=memory_mib, cpus=cpus, disk_size_gb=disk_size_gb,
             auto_remove=auto_remove, accel=accel, kernel=kernel, hostname=hostname,
             boot_timeout=boot_timeout, request_timeout=request_timeout, idle_timeout=idle_timeout,
-            saved=self._template is not None,
+            network=network, allow=allow, ports=ports, saved=self._template is not None,
         )  # fmt: skip
         if self._template is not None:
             check_template_fits(self._template, self.spec)
@@ -320,7 +338,25 @@ class AsyncBox:
             "console": str(self.console_log),
         }
         d["hostname"] = self.hostname
+        live = rec.state in ("running", "paused")  # host ports are bound while the VM runs
+        bound = {guest: (address, host) for address, host, guest in rec.options.get("_ports", []) if live}
+        d["network"] = {
+            "mode": self.spec.network,
+            "allow": list(self.spec.allow),
+            "ports": [
+                {"address": bound.get(p.guest, (p.address, p.host))[0],
+                 "host": bound.get(p.guest, (p.address, p.host))[1] or None, "guest": p.guest}
+                for p in self.spec.ports
+            ],
+        }  # fmt: skip
         return d
+
+    def port(self, guest_port: int) -> tuple[str, int]:
+        """(host address, host port) where the box's published ``guest_port`` is reachable."""
+        for p in self.inspect()["network"]["ports"]:
+            if p["guest"] == guest_port and p["host"]:
+                return p["address"], p["host"]
+        raise InvalidArgument(f"box {self.name} does not publish port {guest_port} (or is not running)")
 
     def stats(self) -> dict[str, Any]:
         """Host CPU time and memory of the VM, and the disk it uses."""
@@ -426,6 +462,8 @@ class AsyncBox:
         assets = self.runtime.assets(kernel=self.spec.kernel, accel=self.spec.accel)
         key = [image_digest, self.spec.memory_mib, self.spec.cpus, self.spec.disk_size_gb, assets.accel.name,
                assets.kernel.sha256, assets.agent.digest, str(assets.initrd), qemu_version()]  # fmt: skip
+        if self.spec.policy.has_nic:  # a network card is part of the saved device state
+            key.append("nic")
         return hashlib.sha256(json.dumps(key).encode()).hexdigest()[:32]
 
     def _find_auto_template(self, image_digest: str) -> SnapshotRecord | None:
@@ -509,7 +547,52 @@ class AsyncBox:
             hostname=self.hostname,
             ports=AGENT_PORTS,
             volumes=volumes,
+            network=self._net_config(),
         )
+
+    def _options_without(self, *keys: str) -> dict[str, Any]:
+        """The record's options as they are now, less ``keys``."""
+        rec = self.runtime.store.find(self.id) or self.record
+        return {k: v for k, v in rec.options.items() if k not in keys}
+
+    async def _record_ports(self, vm: QemuVM) -> None:
+        """Keep in the record the host ports QEMU bound for this box's published ports."""
+        if not vm.cfg.network or not vm.cfg.network.forwards:
+            return
+        try:
+            bound = await vm.host_forwards()
+        except Exception as exc:  # QEMU refused a rule (a port in use): it says so on stderr
+            raise vm.failure_report(f"could not publish the ports of box {self.name}") from exc
+        rec = self.runtime.store.find(self.id)
+        if rec is not None:
+            self.runtime.store.update(self.id, options={**rec.options, "_ports": [list(b) for b in bound]})
+
+    def _net_config(self, nic: bool | None = None) -> NetConfig | None:
+        """The network card of this box's VM (None: it has none), its policy written
+        where the egress proxy reads it. ``nic``: whether the VM must have one (a
+        restore has the devices of its saved state, whatever the policy now says:
+        a card under policy 'none' lets nothing in or out)."""
+        rec = self.runtime.store.find(self.id) if self._record is not None else None
+        if rec is not None:  # set_network in another process may have changed it since
+            self.spec.network = rec.options.get("network", self.spec.network)
+            self.spec.allow = rec.options.get("allow", self.spec.allow)
+        policy = self.spec.policy
+        if nic is None:
+            nic = policy.has_nic
+        if not nic:
+            return None
+        if not policy.has_nic:
+            return NetConfig(restrict=True)
+        proxy = None
+        if policy.proxied:
+            write_policy(self.state_dir / "egress-policy.json", policy)
+            proxy = " ".join(
+                shlex.quote(x) for x in (sys.executable, "-m", "sandlot.net.proxy",
+                                         str(self.state_dir / "egress-policy.json"),
+                                         str(self.state_dir / "egress.log"))
+            )  # fmt: skip
+        forwards = [(p.address, p.host, p.guest) for p in self.spec.ports]
+        return NetConfig(restrict=policy.mode != "open", proxy_command=proxy, forwards=forwards)
 
     def _existing_vm(self, rec: BoxRecord) -> QemuVM:
         """The VM process of a box started elsewhere (or earlier)."""
@@ -546,7 +629,9 @@ class AsyncBox:
                 return self
             t0 = time.monotonic()
             flavor = "generic" if self.spec.volumes else "cloud"  # the cloud kernel has no 9p
-            extra = ("9p", "9pnet_virtio") if self.spec.volumes else ()
+            extra: tuple[str, ...] = ("9p", "9pnet_virtio") if self.spec.volumes else ()
+            if self.spec.policy.has_nic:
+                extra += ("virtio_net",)
             assets = await asyncio.to_thread(
                 self.runtime.assets,
                 kernel=self.spec.kernel,
@@ -560,6 +645,7 @@ class AsyncBox:
             vm = QemuVM(self._vm_config(rec, assets))
             await vm.start()
             self._vm = vm
+            await self._record_ports(vm)
             pid, start = _proc.me()
             self.runtime.store.update(
                 self.id, state="starting", qemu_pid=vm.pid, qemu_start=vm.start_time, owner_pid=pid,
@@ -626,6 +712,7 @@ class AsyncBox:
             disk=Path(rec.disk or self.disk_path), run_dir=self.runtime.run_dir(self.id),
             state_dir=self.state_dir, accel=facts["accel"], memory_mib=facts["memory_mib"],
             cpus=facts["cpus"], hostname=self.hostname, ports=facts["ports"],
+            network=self._net_config(nic=bool(facts.get("network"))),
         )  # fmt: skip
         timeout = self.spec.boot_timeout or _default_boot_timeout(facts["accel"])
 
@@ -635,6 +722,7 @@ class AsyncBox:
 
         vm = await snapshots.start_from(self.runtime.home, snap, cfg, on_started=started)
         try:
+            await self._record_ports(vm)
             # attaching races QEMU's exit, so a failed load is reported either way
             await vm.run_restored(wait=not attach)
             if attach:
@@ -727,8 +815,9 @@ class AsyncBox:
                 snapshots.gc_layers(rt, also=[top])
                 raise
             rt.store.update(
-                self.id, state="running", disk=str(top), options=base_opts, started_at=time.time()
-            )
+                self.id, state="running", disk=str(top), options=self._options_without("_op", "_suspend"),
+                started_at=time.time(),
+            )  # fmt: skip
             old_suspend = rec.options.get("_suspend")
             if old_suspend:
                 rt.store.delete_snapshot(old_suspend)
@@ -792,7 +881,7 @@ class AsyncBox:
             except BaseException:
                 rt.store.update(self.id, expect=("resuming",), state="suspended", qemu_pid=None)
                 raise
-            opts = {k: v for k, v in rec.options.items() if k != "_suspend"}
+            opts = self._options_without("_suspend")  # as now: the restore recorded its ports
             rt.store.update(self.id, state="running", options=opts, started_at=time.time())
             rt.store.delete_snapshot(snap.id)
             snapshots.remove_files(rt.home, snap.id)
@@ -1166,6 +1255,35 @@ class AsyncBox:
         """Agent round trip in seconds."""
         return await (await self._connection()).ping()
 
+    async def set_network(
+        self, network: str | bool | None = None, *, allow: Sequence[str] | str | None = None
+    ) -> None:
+        """Change the egress policy: ``network`` (the mode; unchanged if None) and
+        ``allow`` (replaces the list; unchanged if None). Between 'public' and
+        'allowlist', and for ``allow``, a running box applies it to its next
+        connection. Adding or removing the network card, or going to or from
+        'open', needs the VM to boot again: stop() the box first."""
+        mode = self.spec.network if network is None else network
+        if allow is None:
+            allow = list(self.spec.allow) or None
+        new = Policy.build(mode, allow)
+        async with self._lock, self._box_lock():
+            rec = self.record
+            old = self.spec.policy
+            live = rec.state in ("running", "paused", "suspended", "starting", "restoring", "resuming")
+            if live and (new.has_nic != old.has_nic or (new.mode == "open") != (old.mode == "open")):
+                raise InvalidState(
+                    f"box {self.name} is {rec.state}: going from network={old.mode!r} to {new.mode!r} "
+                    "changes its network card; stop() it first"
+                )
+            if self.spec.ports and not new.has_nic:
+                raise InvalidArgument(f"box {self.name} publishes ports: it needs a network card")
+            self.spec.network, self.spec.allow = new.mode, [str(r) for r in new.allow]
+            if new.proxied:
+                write_policy(self.state_dir / "egress-policy.json", new)
+            opts = {**rec.options, "network": self.spec.network, "allow": self.spec.allow}
+            self.runtime.store.update(self.id, options=opts)
+
 
 def _hostname_for(name: str) -> str:
     h = "".join(c if c.isalnum() or c in ".-" else "-" for c in name).strip("-.")[:63]
@@ -1361,6 +1479,16 @@ class Box:
 
     def ping(self) -> float:
         return _sync.run(self._a.ping())
+
+    def set_network(
+        self, network: str | bool | None = None, *, allow: Sequence[str] | str | None = None
+    ) -> None:
+        """See :meth:`AsyncBox.set_network`."""
+        _sync.run(self._a.set_network(network, allow=allow))
+
+    def port(self, guest_port: int) -> tuple[str, int]:
+        """(host address, host port) where the box's published ``guest_port`` is reachable."""
+        return self._a.port(guest_port)
 
     # live state
     @property

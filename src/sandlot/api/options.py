@@ -9,8 +9,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..engine.qemu import PROXY_ADDRESS, PROXY_PORT
 from ..errors import InvalidArgument
 from ..images.reference import Reference
+from ..net.policy import Policy, parse_ip
 from ..store import validate_name
 from .files import guest_path
 
@@ -58,6 +60,67 @@ class Volume:
         if guest == "/" or guest.rstrip("/") in ("/proc", "/sys", "/dev"):
             raise InvalidArgument(f"a volume cannot be mounted on {guest}")
         return cls(str(host.resolve()), guest, v.readonly)
+
+
+PortSpec = int | str | tuple[int, int] | tuple[str, int, int]
+
+
+@dataclass(frozen=True, slots=True)
+class Port:
+    """A guest TCP port published on the host: ``address:host`` -> the box's ``guest``.
+    ``host`` 0 takes any free port (``inspect()["network"]["ports"]`` says which)."""
+
+    guest: int
+    host: int = 0
+    address: str = "127.0.0.1"
+
+    @classmethod
+    def parse(cls, spec: Any) -> Port:
+        """``80`` (any host port), ``"8080:80"``, ``"0.0.0.0:8080:80"``, ``(8080, 80)``,
+        ``("0.0.0.0", 8080, 80)`` or a Port. Bound to 127.0.0.1 unless an address is given."""
+        if isinstance(spec, Port):
+            p = spec
+        elif isinstance(spec, int) and not isinstance(spec, bool):
+            p = cls(guest=spec)
+        elif isinstance(spec, str):
+            parts = spec.rsplit(":", 2) if not spec.startswith("[") else None
+            if spec.startswith("["):  # [v6]:host:guest
+                end = spec.find("]")
+                tail = spec[end + 1 :].split(":")
+                if end < 0 or len(tail) != 3 or tail[0]:
+                    raise InvalidArgument(f"port {spec!r} is not [ADDRESS]:HOST:GUEST")
+                parts = [spec[1:end], tail[1], tail[2]]
+            assert parts is not None
+            if not all(x.isdigit() for x in parts[-2:] if x) or not parts[-1]:
+                raise InvalidArgument(f"port {spec!r} is not GUEST, HOST:GUEST or ADDRESS:HOST:GUEST")
+            if len(parts) == 1:
+                p = cls(guest=int(parts[0]))
+            elif len(parts) == 2:
+                p = cls(guest=int(parts[1]), host=int(parts[0] or 0))
+            else:
+                p = cls(guest=int(parts[2]), host=int(parts[1] or 0), address=parts[0])
+        elif isinstance(spec, tuple) and len(spec) == 2:
+            p = cls(guest=spec[1], host=spec[0] or 0)
+        elif isinstance(spec, tuple) and len(spec) == 3:
+            p = cls(guest=spec[2], host=spec[1] or 0, address=spec[0])
+        else:
+            raise InvalidArgument(f"invalid port {spec!r}")
+        for what, n, low in (("guest port", p.guest, 1), ("host port", p.host, 0)):
+            if isinstance(n, bool) or not isinstance(n, int) or not low <= n <= 65535:
+                raise InvalidArgument(f"{what} must be a number in {low}..65535, not {n!r}")
+        if not isinstance(p.address, str) or parse_ip(p.address) is None:
+            raise InvalidArgument(f"a published port binds to an IP address, not {p.address!r}")
+        if parse_ip(p.address).version != 4:  # type: ignore[union-attr]
+            raise InvalidArgument(f"published ports bind to IPv4 addresses here, not {p.address!r}")
+        return cls(p.guest, p.host, str(parse_ip(p.address)))
+
+
+def proxy_env() -> dict[str, str]:
+    """What makes proxy-aware programs (pip, curl, git, npm, requests...) use the egress proxy."""
+    url = f"http://{PROXY_ADDRESS}:{PROXY_PORT}"
+    no_proxy = "localhost,127.0.0.1,::1"
+    return {"HTTP_PROXY": url, "HTTPS_PROXY": url, "http_proxy": url, "https_proxy": url,
+            "NO_PROXY": no_proxy, "no_proxy": no_proxy}  # fmt: skip
 
 
 def positive(name: str, value: Any, *, integer: bool = False) -> None:
@@ -114,6 +177,9 @@ class BoxSpec:
     boot_timeout: float | None = None
     request_timeout: float = 30.0
     idle_timeout: float | None = None  # suspend after this many seconds without requests
+    network: str = "none"  # see sandlot.net.policy
+    allow: list[str] = field(default_factory=list)
+    ports: list[Port] = field(default_factory=list)
     image_config: dict[str, Any] | None = None  # the image's Env/WorkingDir/User/Entrypoint/Cmd, kept
 
     @classmethod
@@ -138,6 +204,9 @@ class BoxSpec:
         boot_timeout: float | None,
         request_timeout: float,
         idle_timeout: float | None = None,
+        network: str | bool | None = None,
+        allow: Sequence[str] | str | None = None,
+        ports: Sequence[PortSpec] | None = None,
         saved: bool = False,
     ) -> BoxSpec:
         """``saved``: the box starts from a saved state, which may name neither an
@@ -179,6 +248,18 @@ class BoxSpec:
         vols = [Volume.parse(v) for v in (volumes or [])]
         if len({v.guest for v in vols}) != len(vols):
             raise InvalidArgument("two volumes share one guest path")
+        policy = Policy.build(network, allow)
+        if ports is not None and not isinstance(ports, list | tuple):
+            raise InvalidArgument(f"ports must be a list, such as [8080] or [(8080, 80)], not {ports!r}")
+        published = [Port.parse(p) for p in (ports or [])]
+        taken = [(p.address, p.host) for p in published if p.host]
+        if len(set(taken)) != len(taken):
+            raise InvalidArgument("two published ports use the same host address and port")
+        if published and not policy.has_nic:
+            raise InvalidArgument(
+                "published ports need a network card: network='none' has none "
+                "(network='allowlist' with no allow entries publishes ports and lets nothing out)"
+            )
         lab = {}
         for k, v in (labels or {}).items():
             if not isinstance(k, str) or not _LABEL_KEY.match(k) or not isinstance(v, str):
@@ -203,17 +284,26 @@ class BoxSpec:
             boot_timeout=boot_timeout,
             request_timeout=request_timeout,
             idle_timeout=idle_timeout,
+            network=policy.mode,
+            allow=[str(r) for r in policy.allow],
+            ports=published,
         )
+
+    @property
+    def policy(self) -> Policy:
+        return Policy.build(self.network, self.allow or None)
 
     def to_options(self) -> dict[str, Any]:
         d = asdict(self)
         d["volumes"] = [[v.host, v.guest, v.readonly] for v in self.volumes]
+        d["ports"] = [[p.address, p.host, p.guest] for p in self.ports]
         return d
 
     @classmethod
     def from_options(cls, options: dict[str, Any]) -> BoxSpec:
         d = dict(options)
         d["volumes"] = [Volume(h, g, bool(ro)) for h, g, ro in d.get("volumes", [])]
+        d["ports"] = [Port(g, h, a) for a, h, g in d.get("ports", [])]
         known = set(cls.__dataclass_fields__)
         return cls(**{k: v for k, v in d.items() if k in known})
 
@@ -224,6 +314,8 @@ class BoxSpec:
         for e in (self.image_config or {}).get("env", []):
             k, _, v = e.partition("=")
             image_env[k] = v
+        if self.policy.proxied:
+            image_env.update(proxy_env())
         return {**image_env, **self.env}
 
     def default_cwd(self) -> str | None:

@@ -81,6 +81,31 @@ def host_tsc_khz() -> int | None:
     return None
 
 
+# QEMU user networking (libslirp) gives the guest 10.0.2.15 behind a virtual
+# gateway 10.0.2.2; the egress proxy answers at this address and port.
+PROXY_ADDRESS = "10.0.2.100"
+PROXY_PORT = 3128
+
+
+@dataclass(slots=True)
+class NetConfig:
+    """A network card on QEMU's user networking. ``restrict``: nothing leaves but
+    the proxy and the forwards; ``proxy_command`` runs once per guest connection
+    to the proxy address, with the connection as its standard input and output."""
+
+    restrict: bool = True
+    proxy_command: str | None = None
+    forwards: list[tuple[str, int, int]] = field(default_factory=list)  # host address, host port, guest port
+
+    def netdev(self) -> str:
+        opts = f"user,id=net0,ipv6=off,restrict={'on' if self.restrict else 'off'}"
+        for address, host_port, guest_port in self.forwards:
+            opts += f",hostfwd=tcp:{address}:{host_port}-:{guest_port}"
+        if self.proxy_command:
+            opts += f",guestfwd=tcp:{PROXY_ADDRESS}:{PROXY_PORT}-cmd:{_q(self.proxy_command)}"
+        return opts
+
+
 @dataclass(slots=True)
 class VMConfig:
     kernel: Path
@@ -96,6 +121,7 @@ class VMConfig:
     detached: bool = True
     volumes: list[tuple[str, str, bool]] = field(default_factory=list)  # host dir, mount tag, read-only
     extra_kernel_args: list[str] = field(default_factory=list)
+    network: NetConfig | None = None  # None: no network card at all
     # Guest RAM in a file: shared (the file *is* the RAM: a template being made)
     # or private (copy-on-write over a snapshot's memory image: a restore or a fork).
     disk_readonly: bool = False
@@ -134,6 +160,8 @@ def build_command(cfg: VMConfig, binary: str) -> list[str]:
     if tsc:
         append += f" tsc_early_khz={tsc}"
     append += f" sandlot.hostname={cfg.hostname}"
+    if cfg.network is not None:
+        append += " sandlot.net=1"
     if cfg.extra_kernel_args:
         append += " " + " ".join(cfg.extra_kernel_args)
     machine = "microvm,x-option-roms=off,isa-serial=on,rtc=on"
@@ -176,6 +204,8 @@ def build_command(cfg: VMConfig, binary: str) -> list[str]:
         "-device", "virtio-blk-device,drive=root",
         "-qmp", f"unix:{_q(cfg.qmp_socket)},server=on,wait=off",
     ]  # fmt: skip
+    if cfg.network is not None:
+        cmd += ["-netdev", cfg.network.netdev(), "-device", "virtio-net-device,netdev=net0"]
     for host, tag, readonly in cfg.volumes:
         # security_model=none: files keep the host user's ownership; no root needed
         opts = f"local,id={tag},path={_q(host)},security_model=none" + (",readonly=on" if readonly else "")
@@ -213,6 +243,18 @@ async def _wait_migration(q: QMPClient, timeout: float, vm: QemuVM) -> None:
             raise StateError(f"saving or loading the state took more than {timeout:.0f}s")
         await asyncio.sleep(delay)
         delay = min(delay * 2, 0.05)
+
+
+def parse_host_forwards(usernet: str) -> list[tuple[str, int, int]]:
+    """The TCP host forwards in HMP ``info usernet``, whose rows read
+    ``TCP[HOST_FORWARD]  FD  SRC_ADDR SRC_PORT  DST_ADDR DST_PORT  RECVQ SENDQ``."""
+    out = []
+    for line in usernet.splitlines():
+        fields = line.split()
+        if len(fields) >= 6 and fields[0] == "TCP[HOST_FORWARD]":
+            with contextlib.suppress(ValueError):
+                out.append((fields[2], int(fields[3]), int(fields[5])))
+    return out
 
 
 def _die_with_parent() -> None:
@@ -455,6 +497,12 @@ class QemuVM:
                 raise
             await asyncio.sleep(0.05)  # let its stderr catch up
             raise self.failure_report("QEMU could not load the saved state") from exc
+
+    async def host_forwards(self) -> list[tuple[str, int, int]]:
+        """(host address, host port, guest port) of each published port, as bound
+        (a rule asking for port 0 got a free one)."""
+        text = await self.qmp("human-monitor-command", {"command-line": "info usernet"})
+        return parse_host_forwards(text if isinstance(text, str) else "")
 
     async def kill(self, grace: float = 2.0) -> None:
         """End QEMU: QMP quit first, SIGKILL after ``grace`` seconds."""

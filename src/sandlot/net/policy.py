@@ -108,7 +108,11 @@ class Rule:
         return ip.version == self.network.version and ip in self.network
 
     def __str__(self) -> str:
-        what = self.name if self.name is not None else str(self.network)
+        net = self.network
+        if net is not None and net.num_addresses == 1:
+            what = str(net.network_address)  # an address reads back as written
+        else:
+            what = self.name if self.name is not None else str(net)
         if self.port is None:
             return what
         return f"[{what}]:{self.port}" if ":" in what else f"{what}:{self.port}"

@@ -1,0 +1,280 @@
+"""What a box can reach, by network mode, tested from inside real boxes.
+
+Every server here listens on the host's 127.0.0.1; an HTTPS server with a test CA
+stands in for an allowed API. Boxes reach the host only through QEMU's user
+networking (10.0.2.2 is the host's loopback) and the egress proxy; nothing here
+sends traffic to any other address (the proxy refuses before it connects).
+"""
+
+from __future__ import annotations
+
+import http.server
+import json
+import ssl
+import subprocess
+import threading
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+import sandlot
+
+pytestmark = pytest.mark.vm
+
+
+class HostService:
+    """An HTTP(S) server on the host's 127.0.0.1 that counts the requests it got."""
+
+    def __init__(self, context: ssl.SSLContext | None = None) -> None:
+        hits: list[str] = []
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                hits.append(self.path)
+                body = b"host-only-data"
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.hits = hits
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        if context is not None:
+            self.server.socket = context.wrap_socket(self.server.socket, server_side=True)
+        self.port = self.server.server_address[1]
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture(scope="module")
+def service() -> Iterator[HostService]:
+    s = HostService()
+    yield s
+    s.close()
+
+
+@pytest.fixture(scope="module")
+def test_ca(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A CA and a certificate for 'localhost' signed by it (openssl)."""
+    d = tmp_path_factory.mktemp("ca")
+
+    def ssl_(*args: str) -> None:
+        subprocess.run(["openssl", *args], cwd=d, check=True, capture_output=True)
+
+    ssl_("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.pem", "-days", "2",
+         "-subj", "/CN=sandlot test CA")  # fmt: skip
+    ssl_("req", "-newkey", "rsa:2048", "-nodes", "-keyout", "server.key", "-out", "server.csr",
+         "-subj", "/CN=localhost")  # fmt: skip
+    (d / "ext.cnf").write_text("subjectAltName=DNS:localhost\n")
+    ssl_("x509", "-req", "-in", "server.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
+         "-out", "server.pem", "-days", "2", "-extfile", "ext.cnf")  # fmt: skip
+    return d
+
+
+@pytest.fixture(scope="module")
+def tls_service(test_ca: Path) -> Iterator[HostService]:
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    ctx.load_cert_chain(test_ca / "server.pem", test_ca / "server.key")
+    s = HostService(ctx)
+    yield s
+    s.close()
+
+
+# What a program in the box tries; prints one JSON line per attempt. The proxy is
+# used explicitly (and for 127.0.0.1 too, which NO_PROXY would otherwise exempt).
+PROBE = r"""
+import json, socket, sys, urllib.request
+proxy = urllib.request.build_opener(urllib.request.ProxyHandler({"http": "http://10.0.2.100:3128"}))
+def attempt(kind, target):
+    try:
+        if kind == "direct":
+            host, port = target.rsplit(":", 1)
+            socket.create_connection((host, int(port)), timeout=5).close()
+            return "connected"
+        if kind == "dns":
+            return socket.getaddrinfo(target, 443)[0][4][0]
+        if kind == "proxy":
+            return proxy.open("http://" + target + "/probe", timeout=20).read().decode()
+    except Exception as exc:
+        code = getattr(exc, "code", None)
+        return f"refused:{code or type(exc).__name__}"
+for line in sys.stdin:
+    kind, target = line.split()
+    print(json.dumps([kind, target, attempt(kind, target)]), flush=True)
+"""
+
+TLS_WITH_NAME = r"""
+import socket, ssl, sys
+host, port, name = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+s = socket.create_connection(("10.0.2.100", 3128), timeout=20)
+s.sendall(f"CONNECT {host}:{port} HTTP/1.1\r\n\r\n".encode())
+head = b""
+while b"\r\n\r\n" not in head:
+    chunk = s.recv(1)
+    if not chunk:
+        print("refused:closed"); sys.exit()
+    head += chunk
+if not head.startswith(b"HTTP/1.1 200"):
+    print("refused:" + head.split()[1].decode()); sys.exit()
+ctx = ssl.create_default_context(cafile="/root/ca.pem")
+ctx.check_hostname = False  # the test is about what the proxy lets through, by server name
+try:
+    t = ctx.wrap_socket(s, server_hostname=name)
+    t.sendall(b"GET /tls HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n")
+    data = b""
+    while chunk := t.recv(4096):
+        data += chunk
+    print(data.split(b"\r\n\r\n", 1)[1].decode())
+except (ssl.SSLError, OSError) as exc:
+    print("refused:" + type(exc).__name__)
+"""
+
+
+WAIT_FOR_8000 = """
+import socket, time
+for _ in range(150):
+    try:
+        socket.create_connection(("127.0.0.1", 8000), 1)
+        break
+    except OSError:
+        time.sleep(0.1)
+"""
+
+
+def probe(box: sandlot.Box, *attempts: tuple[str, str]) -> dict[tuple[str, str], str]:
+    stdin = "".join(f"{k} {t}\n" for k, t in attempts)
+    # NO_PROXY exempts 127.0.0.1 and localhost: cleared, so they are asked of the proxy
+    r = box.exec("python3", "-c", PROBE, stdin=stdin, timeout=120, env={"NO_PROXY": "", "no_proxy": ""})
+    assert r.returncode == 0, r.stderr
+    return {(k, t): v for k, t, v in map(json.loads, r.stdout.splitlines())}
+
+
+def egress_log(box: sandlot.Box) -> list[dict[str, object]]:
+    path = Path(box.inspect()["paths"]["dir"]) / "egress.log"
+    return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
+
+
+def test_no_network_card_by_default(debian_root: Path) -> None:
+    with sandlot.Box(rootfs=debian_root, memory_mib=256) as box:
+        assert box.exec("ls", "/sys/class/net").stdout.split() == ["lo"]
+        assert box.inspect()["network"] == {"mode": "none", "allow": [], "ports": []}
+    with pytest.raises(sandlot.InvalidArgument, match="network card"):
+        sandlot.Box(rootfs=debian_root, ports=[8080])
+
+
+def test_public_mode_never_reaches_the_hosts_loopback(debian_root: Path, service: HostService) -> None:
+    before = len(service.hits)
+    with sandlot.Box(rootfs=debian_root, memory_mib=256, network="public") as box:
+        p = service.port
+        out = probe(
+            box,
+            ("direct", f"10.0.2.2:{p}"),  # the host's loopback through QEMU's gateway
+            ("proxy", f"127.0.0.1:{p}"),
+            ("proxy", f"localhost:{p}"),
+            ("proxy", f"10.0.2.2:{p}"),
+            ("proxy", "169.254.169.254:80"),  # a cloud metadata service
+            ("proxy", "192.168.1.1:80"),
+            ("dns", "pypi.org"),  # no resolver is reachable: names are resolved by the proxy
+        )
+        assert out[("direct", f"10.0.2.2:{p}")].startswith("refused"), out
+        for key, value in out.items():
+            if key[0] == "proxy":
+                assert value == "refused:403", (key, value)
+        assert out[("dns", "pypi.org")].startswith("refused"), out
+        reasons = [e["reason"] for e in egress_log(box)]
+        assert len(reasons) == 5 and all("not" in str(r) for r in reasons), reasons
+        assert box.exec("sh", "-c", "echo $HTTPS_PROXY").stdout.strip() == "http://10.0.2.100:3128"
+    assert len(service.hits) == before  # nothing arrived
+
+
+def test_allowlist_lets_through_only_what_is_listed(
+    debian_root: Path, service: HostService, tls_service: HostService, test_ca: Path
+) -> None:
+    allow = [f"127.0.0.1:{service.port}", "localhost", f"127.0.0.1:{tls_service.port}"]
+    with sandlot.Box(rootfs=debian_root, memory_mib=256, network="allowlist", allow=allow) as box:
+        other = HostService()  # a service the box was not given
+        try:
+            out = probe(
+                box,
+                ("proxy", f"127.0.0.1:{service.port}"),
+                ("proxy", f"127.0.0.1:{other.port}"),
+                ("proxy", "example.com:80"),  # a name not listed: refused before any lookup
+                ("proxy", "1.1.1.1:80"),  # a raw address not listed: refused before any connection
+                ("direct", f"10.0.2.2:{service.port}"),
+            )
+            assert out[("proxy", f"127.0.0.1:{service.port}")] == "host-only-data"
+            assert out[("proxy", f"127.0.0.1:{other.port}")] == "refused:403"
+            assert out[("proxy", "example.com:80")] == "refused:403"
+            assert out[("proxy", "1.1.1.1:80")] == "refused:403"
+            assert out[("direct", f"10.0.2.2:{service.port}")].startswith("refused")
+            assert other.hits == []
+        finally:
+            other.close()
+        # HTTPS to an allowed API (the test CA stands in for the public ones)
+        box.files.write("/root/ca.pem", (test_ca / "ca.pem").read_bytes())
+        ok = box.exec("python3", "-c", TLS_WITH_NAME, "localhost", str(tls_service.port), "localhost")
+        assert ok.stdout.strip() == "host-only-data", ok.stdout + ok.stderr
+        # the same tunnel with a server name not on the list is cut before any byte reaches the API
+        hits = len(tls_service.hits)
+        bad = box.exec("python3", "-c", TLS_WITH_NAME, "localhost", str(tls_service.port), "evil.example")
+        assert bad.stdout.startswith("refused"), bad.stdout + bad.stderr
+        assert len(tls_service.hits) == hits
+        # a listed name that resolves to a private address is refused unless that address is listed
+        box.set_network(allow=["localhost"])
+        again = box.exec("python3", "-c", TLS_WITH_NAME, "localhost", str(tls_service.port), "localhost")
+        assert again.stdout.strip() == "refused:403"
+        decisions = egress_log(box)
+        assert "not a public address" in str(decisions[-1]["reason"])
+
+
+def test_policy_changes_apply_to_a_running_box(debian_root: Path, service: HostService) -> None:
+    with sandlot.Box(rootfs=debian_root, memory_mib=256, network="allowlist") as box:
+        target = ("proxy", f"127.0.0.1:{service.port}")
+        assert probe(box, target)[target] == "refused:403"  # an empty allowlist lets nothing out
+        box.set_network(allow=[f"127.0.0.1:{service.port}"])
+        assert probe(box, target)[target] == "host-only-data"
+        assert sandlot.get(box.name).inspect()["network"]["allow"] == [f"127.0.0.1:{service.port}"]
+        box.set_network("public", allow=[])
+        assert probe(box, target)[target] == "refused:403"
+        with pytest.raises(sandlot.InvalidState, match="network card"):
+            box.set_network("none")
+        with pytest.raises(sandlot.InvalidState, match="network card"):
+            box.set_network("open")
+
+
+def test_open_mode_reaches_the_host_as_documented(debian_root: Path, service: HostService) -> None:
+    with sandlot.Box(rootfs=debian_root, memory_mib=256, network="open") as box:
+        target = ("direct", f"10.0.2.2:{service.port}")
+        assert probe(box, target)[target] == "connected"
+        assert box.exec("sh", "-c", "echo ${HTTPS_PROXY:-unset}").stdout.strip() == "unset"
+
+
+def test_published_ports_are_on_the_hosts_loopback_and_survive_a_rollback(debian_root: Path) -> None:
+    with sandlot.Box(rootfs=debian_root, memory_mib=256, network="allowlist", ports=[(0, 8000)]) as box:
+        box.sh("cd /tmp && echo served-from-box > index.html")
+        box.sh("cd /tmp && nohup python3 -m http.server 8000 >/dev/null 2>&1 &")
+        box.exec("python3", "-c", WAIT_FOR_8000)
+        address, port = box.port(8000)
+        assert address == "127.0.0.1" and port > 0
+        assert urllib.request.urlopen(f"http://127.0.0.1:{port}/", timeout=20).read() == b"served-from-box\n"
+        snap = box.snapshot("with-server")
+        box.sh("rm /tmp/index.html")
+        box.rollback(snap)  # the server process and its file come back; the port is published again
+        address, port = box.port(8000)
+        assert urllib.request.urlopen(f"http://127.0.0.1:{port}/", timeout=20).read() == b"served-from-box\n"
+        kid = snap.start()[0]  # a child has the card and the policy, not the parent's host ports
+        try:
+            assert kid.inspect()["network"] == {"mode": "allowlist", "allow": [], "ports": []}
+            assert "eth0" in kid.exec("ls", "/sys/class/net").stdout
+        finally:
+            kid.remove(force=True)
+        snap_rm = sandlot.get_snapshot(snap.id)
+        snap_rm.remove()
