@@ -91,6 +91,19 @@ def test_run_rm_and_create(busybox_root: Path) -> None:
         cli("rm", "-f", "cli-kept", "cli-created")
 
 
+def test_a_detached_command_leaves_the_next_process_free_to_exec(busybox_root: Path) -> None:
+    # run -d CMD leaves the command on a channel of its (now gone) connection; the next
+    # process that takes the same agent port numbers its channels from 1 again
+    name = "cli-detached"
+    try:
+        ok("run", "-d", "--name", name, "--rootfs", str(busybox_root), "--", "sleep", "300")
+        assert ok("exec", name, "echo", "next") == "next\n"
+        still = ok("exec", name, "sh", "-c", "cat /proc/[0-9]*/comm | grep -qx sleep && echo still-running")
+        assert still == "still-running\n"
+    finally:
+        cli("rm", "-f", name)
+
+
 @pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is not installed")
 def test_exec_it_in_a_real_terminal(busybox_root: Path, tmp_path: Path) -> None:
     name = "cli-tty"

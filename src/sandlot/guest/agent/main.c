@@ -177,10 +177,12 @@ void send_ack(struct session *s, uint32_t ch, uint32_t stream, uint64_t off)
 
 /* ---- channels ----------------------------------------------------------- */
 
+/* A detached channel (its process runs on, unheard) no longer has an id a host can
+ * use: the next connection numbers its channels from 1 again. */
 static struct channel *chan_find(struct session *s, uint32_t id)
 {
     for (struct channel *c = g_channels; c; c = c->next) {
-        if (c->s == s && c->id == id) {
+        if (c->s == s && c->id == id && !c->detached) {
             return c;
         }
     }
