@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import http.server
 import json
+import os
 import ssl
 import subprocess
+import sys
 import threading
 import urllib.request
 from collections.abc import Iterator
@@ -278,3 +280,30 @@ def test_published_ports_are_on_the_hosts_loopback_and_survive_a_rollback(debian
             kid.remove(force=True)
         snap_rm = sandlot.get_snapshot(snap.id)
         snap_rm.remove()
+
+
+def test_cli_publishes_ports_and_changes_the_policy(debian_root: Path) -> None:
+    def cli(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "sandlot.cli", *args], capture_output=True, text=True,
+                              timeout=180)  # fmt: skip
+
+    name = f"web-{os.urandom(3).hex()}"
+    r = cli("run", "-d", "--name", name, "-p", "8000", "--network", "allowlist", "--allow", "pypi.org",
+            "--rootfs", str(debian_root), "-m", "256", "--", "python3", "-m", "http.server",
+            "8000")  # fmt: skip
+    assert r.returncode == 0 and r.stdout.strip() == name, r.stderr
+    try:
+        box = sandlot.get(name)
+        box.exec("python3", "-c", WAIT_FOR_8000)
+        r = cli("port", name, "8000")
+        assert r.returncode == 0 and r.stdout.startswith("8000/tcp -> 127.0.0.1:"), r.stdout + r.stderr
+        host_port = int(r.stdout.strip().rsplit(":", 1)[1])
+        assert urllib.request.urlopen(f"http://127.0.0.1:{host_port}/", timeout=20).status == 200
+        r = cli("network", name, "--allow", "*.pythonhosted.org:443")
+        assert r.returncode == 0 and json.loads(r.stdout)["allow"] == ["*.pythonhosted.org:443"], r.stderr
+        r = cli("network", name, "--network", "none")
+        assert r.returncode == 125 and "stop() it first" in r.stderr
+        r = cli("run", "--rm", "--rootfs", str(debian_root), "-p", "8000", "--", "true")
+        assert r.returncode == 125 and "network card" in r.stderr
+    finally:
+        sandlot.get(name).remove(force=True)

@@ -43,7 +43,7 @@ from ..errors import (
 )
 from ..images.rootfs import base_for, create_overlay
 from ..images.store import Image
-from ..net.policy import Policy, write_policy
+from ..net.policy import PROXIED, Policy, write_policy
 from ..protocol.connection import AgentConnection
 from ..protocol.exec import ExecRequest, RemoteProcess
 from ..protocol.wire import ControlOp, Fields, T, Tag, tlv, tlv_u64
@@ -1264,8 +1264,8 @@ class AsyncBox:
         connection. Adding or removing the network card, or going to or from
         'open', needs the VM to boot again: stop() the box first."""
         mode = self.spec.network if network is None else network
-        if allow is None:
-            allow = list(self.spec.allow) or None
+        if allow is None:  # kept, where the new mode has a use for it
+            allow = (list(self.spec.allow) or None) if mode in PROXIED else None
         new = Policy.build(mode, allow)
         async with self._lock, self._box_lock():
             rec = self.record

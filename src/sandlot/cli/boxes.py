@@ -75,9 +75,12 @@ def _box_options(
     image_or_rootfs: tuple[str | None, Path | None], name: str | None, env: list[str] | None,
     volume: list[str] | None, label: list[str] | None, cpus: int, memory: int, disk: int, workdir: str | None,
     user: str | None, rm: bool, pull: str, insecure: bool, accel: str,
+    net: tuple[str | None, list[str] | None, list[str] | None] = (None, None, None),
 ) -> dict[str, Any]:  # fmt: skip
     image, rootfs = image_or_rootfs
+    network, allow, publish = net
     return {
+        "network": network, "allow": allow or None, "ports": publish or None,
         "image": image, "rootfs": rootfs, "name": name, "env": _env(env), "volumes": volume or None,
         "labels": _labels(label), "cpus": cpus, "memory_mib": memory, "disk_size_gb": disk,
         "workdir": workdir, "user": user, "auto_remove": rm, "pull": pull, "insecure": insecure,
@@ -99,6 +102,18 @@ UserOpt = Annotated[str | None, typer.Option("--user", "-u", help="name, uid, na
 PullOpt = Annotated[str, typer.Option(help="missing, always or never.")]
 RootfsOpt = Annotated[
     Path | None, typer.Option("--rootfs", help="Boot this directory or tarball, not an image.")
+]
+NetOpt = Annotated[
+    str | None,
+    typer.Option("--network", help="none (the default: no network card), public, allowlist or open."),
+]
+AllowOpt = Annotated[
+    list[str] | None,
+    typer.Option("--allow", help="NAME, *.DOMAIN, ADDRESS or NETWORK[:PORT] the box may reach (allowlist)."),
+]
+PublishOpt = Annotated[
+    list[str] | None,
+    typer.Option("--publish", "-p", help="[ADDRESS:]HOST:GUEST, or GUEST: a guest TCP port on the host."),
 ]
 
 
@@ -126,6 +141,9 @@ def run(
     rootfs: RootfsOpt = None,
     timeout: Annotated[float | None, typer.Option(help="Kill the command after this many seconds.")] = None,
     accel: Annotated[str, typer.Option(help="auto, kvm or tcg.")] = "auto",
+    network: NetOpt = None,
+    allow: AllowOpt = None,
+    publish: PublishOpt = None,
 ) -> None:
     """Create and start a box from IMAGE (or --rootfs), run a command in it.
 
@@ -134,6 +152,8 @@ def run(
     sandlot run -d --name dev IMAGE    leave it running (the command, if any, in the background)
     sandlot run --rm -it IMAGE sh      an interactive shell in a throwaway box
     sandlot run --rootfs DIR -- CMD    a root filesystem directory or tarball instead of an image
+    sandlot run --network public ...   HTTP(S) out through sandlot's proxy (no host, no private ranges)
+    sandlot run -d -p 8080:80 ...      the box's port 80 on the host's 127.0.0.1:8080
 
     Exits with the command's status.
     """
@@ -164,6 +184,7 @@ def run(
         pull,
         insecure,
         accel,
+        (network, allow, publish),
     )
 
     async def main() -> int:
@@ -212,6 +233,9 @@ def create(
     insecure: Annotated[bool, typer.Option(help="Allow plain HTTP to the registry.")] = False,
     rootfs: RootfsOpt = None,
     accel: Annotated[str, typer.Option(help="auto, kvm or tcg.")] = "auto",
+    network: NetOpt = None,
+    allow: AllowOpt = None,
+    publish: PublishOpt = None,
 ) -> None:
     """Create a box (image pulled, disk made) without starting it; print its name."""
     opts = _box_options(
@@ -229,6 +253,7 @@ def create(
         pull,
         insecure,
         accel,
+        (network, allow, publish),
     )
 
     async def main() -> None:
@@ -466,6 +491,41 @@ def logs(
                         time.sleep(0.2)
         except KeyboardInterrupt:
             pass
+
+
+@app.command()
+def port(
+    box: Annotated[str, typer.Argument(help="Box name or id.")],
+    guest: Annotated[int | None, typer.Argument(help="A published guest port (default: all).")] = None,
+) -> None:
+    """Where the box's published ports are on the host: GUEST -> ADDRESS:PORT."""
+    try:
+        ports = AsyncBox.get(box).inspect()["network"]["ports"]
+    except SandlotError as exc:
+        raise fail(str(exc)) from None
+    shown = [p for p in ports if guest is None or p["guest"] == guest]
+    if guest is not None and not any(p["host"] for p in shown):
+        raise fail(f"box {box} does not publish port {guest} (or is not running)")
+    for p in shown:
+        print(f"{p['guest']}/tcp -> {p['address']}:{p['host'] or '(not running)'}")
+
+
+@app.command()
+def network(
+    box: Annotated[str, typer.Argument(help="Box name or id.")],
+    mode: Annotated[str | None, typer.Option("--network", help="public, allowlist, none or open.")] = None,
+    allow: AllowOpt = None,
+    clear: Annotated[bool, typer.Option("--clear-allow", help="Empty the allow list.")] = False,
+) -> None:
+    """Show or change a box's egress policy (a running box applies it to its next connection)."""
+
+    async def main() -> None:
+        b = AsyncBox.get(box)
+        if mode is not None or allow or clear:
+            await b.set_network(mode, allow=[] if clear else allow)
+        print(json.dumps(b.inspect()["network"], indent=2))
+
+    _run(main())
 
 
 @app.command()
