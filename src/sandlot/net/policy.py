@@ -24,10 +24,8 @@ import ipaddress
 import json
 import os
 import re
-import tempfile
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from ..errors import InvalidArgument
 
@@ -56,8 +54,9 @@ def parse_ip(text: str) -> IPAddress | None:
         return None
 
 
-@dataclass(frozen=True, slots=True)
-class Rule:
+# NamedTuples, not dataclasses: the proxy imports this module once per guest
+# connection, and dataclasses' imports alone cost it 8 ms.
+class Rule(NamedTuple):
     """One ``allow`` entry: a name (``*.`` for subdomains) or a network, and a port or any."""
 
     name: str | None = None
@@ -132,12 +131,11 @@ def is_public_address(ip: IPAddress) -> bool:
     return ip.is_global and not ip.is_multicast
 
 
-@dataclass(frozen=True, slots=True)
-class Policy:
+class Policy(NamedTuple):
     """A box's egress policy; see the module's description."""
 
     mode: str = "none"
-    allow: tuple[Rule, ...] = field(default_factory=tuple)
+    allow: tuple[Rule, ...] = ()
 
     @classmethod
     def build(cls, mode: str | bool | None, allow: Any = None) -> Policy:
@@ -197,6 +195,8 @@ class Policy:
 def write_policy(path: Path, policy: Policy) -> None:
     """Replace the policy file atomically: the proxy reads it at every connection,
     so a change applies to the next connection of a running box."""
+    import tempfile
+
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=".policy-", dir=path.parent)
     try:

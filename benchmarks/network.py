@@ -1,0 +1,136 @@
+"""Network benchmarks: the same HTTP client and server, placed four ways.
+
+* host -> host: the client on the host, the server on the host's 127.0.0.1 (baseline);
+* box -> host through the egress proxy (``network="allowlist"`` listing the server);
+* box -> host through QEMU's user networking directly (``network="open"``, 10.0.2.2):
+  the same guest client without the proxy, to separate the proxy's cost from emulation's;
+* host -> box through a published port (``ports=[...]``), the server in the box.
+
+Each: request latency on a new connection per request (median, p99) and the
+throughput of one large download; ratios against host -> host.
+
+    .venv/bin/python benchmarks/network.py [--runs 20] [--mib 32]
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.server
+import json
+import threading
+import time
+import urllib.request
+from typing import Any
+
+import sandlot
+from _common import CACHE, emit, host_facts, summary
+
+CLIENT = r"""
+import json, sys, time, urllib.request
+url, runs, big = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+proxy = sys.argv[4] if len(sys.argv) > 4 else None
+handlers = [urllib.request.ProxyHandler({"http": proxy} if proxy else {})]
+opener = urllib.request.build_opener(*handlers)
+lat = []
+for _ in range(runs):
+    t = time.perf_counter()
+    opener.open(url + "/small", timeout=60).read()
+    lat.append(time.perf_counter() - t)
+t = time.perf_counter()
+n = len(opener.open(url + "/big", timeout=300).read())
+print(json.dumps({"latency": lat, "bytes": n, "seconds": time.perf_counter() - t}))
+"""
+
+
+def serve(big: bytes) -> http.server.ThreadingHTTPServer:
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            body = big if self.path == "/big" else b"ok"
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server
+
+
+def figures(raw: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "latency_ms": summary(raw["latency"], 1000, 2),
+        "throughput_mb_s": round(raw["bytes"] / raw["seconds"] / 1e6, 1),
+    }
+
+
+def host_client(url: str, runs: int) -> dict[str, Any]:
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    lat = []
+    for _ in range(runs):
+        t = time.perf_counter()
+        opener.open(url + "/small", timeout=60).read()
+        lat.append(time.perf_counter() - t)
+    t = time.perf_counter()
+    n = len(opener.open(url + "/big", timeout=300).read())
+    return {"latency": lat, "bytes": n, "seconds": time.perf_counter() - t}
+
+
+def box_client(box: sandlot.Box, url: str, runs: int, proxy: str | None) -> dict[str, Any]:
+    args = ["python3", "-c", CLIENT, url, str(runs), "big", *([proxy] if proxy else [])]
+    r = box.exec(*args, timeout=900, env={"NO_PROXY": "", "no_proxy": ""})
+    if r.returncode != 0:
+        raise RuntimeError(r.stderr)
+    result: dict[str, Any] = json.loads(r.stdout)
+    return result
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--runs", type=int, default=20)
+    ap.add_argument("--mib", type=int, default=32)
+    args = ap.parse_args()
+    root = CACHE / "rootfs-debian-python3-v1"
+    big = bytes(range(256)) * (args.mib * 4096)
+    server = serve(big)
+    port = server.server_address[1]
+    out: dict[str, Any] = {"benchmark": "network", "runs": args.runs, "download_mib": args.mib}
+    out["host_to_host"] = base = figures(host_client(f"http://127.0.0.1:{port}", args.runs))
+
+    def ratio(f: dict[str, Any]) -> dict[str, Any]:
+        f["latency_ratio_vs_host"] = round(f["latency_ms"]["median"] / base["latency_ms"]["median"], 1)
+        f["throughput_ratio_vs_host"] = round(f["throughput_mb_s"] / base["throughput_mb_s"], 3)
+        return f
+
+    allow = [f"127.0.0.1:{port}"]
+    with sandlot.Box(rootfs=root, memory_mib=512, network="allowlist", allow=allow, template=False) as box:
+        raw = box_client(box, f"http://127.0.0.1:{port}", args.runs, "http://10.0.2.100:3128")
+        out["box_to_host_via_egress_proxy"] = ratio(figures(raw))
+    with sandlot.Box(rootfs=root, memory_mib=512, network="open", template=False) as box:
+        raw = box_client(box, f"http://10.0.2.2:{port}", args.runs, None)
+        out["box_to_host_direct_open_mode"] = ratio(figures(raw))
+    with sandlot.Box(rootfs=root, memory_mib=512, network="allowlist", ports=[8000], template=False) as box:
+        box.files.write("/srv/big", big)
+        box.files.write("/srv/small", b"ok")
+        box.sh("cd /srv && nohup python3 -m http.server 8000 >/dev/null 2>&1 &")
+        address, host_port = box.port(8000)
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                urllib.request.urlopen(f"http://{address}:{host_port}/small", timeout=5).read()
+                break
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.2)
+        raw = host_client(f"http://{address}:{host_port}", args.runs)
+        out["host_to_box_published_port"] = ratio(figures(raw))
+    server.shutdown()
+    out["host"] = host_facts(sandlot.Runtime.for_home().assets().accel.name)
+    emit(out)
+
+
+if __name__ == "__main__":
+    main()
