@@ -157,6 +157,7 @@ class AsyncBox:
         network: str | bool | None = None,
         allow: Sequence[str] | str | None = None,
         ports: Sequence[PortSpec] | None = None,
+        pids_limit: int | None = None,
         template: Any = None,
         home: str | os.PathLike[str] | None = None,
     ) -> None:
@@ -179,6 +180,8 @@ class AsyncBox:
                 cpus = facts["cpus"]
             if disk_size_gb == DEFAULT_DISK_GB:
                 disk_size_gb = self._template.options["box"].get("disk_size_gb", disk_size_gb)
+            if pids_limit is None:
+                pids_limit = self._template.options["box"].get("pids_limit")
             if network is None and allow is None:  # its network policy too (its ports stay its own)
                 network = self._template.options["box"].get("network", "none")
                 allow = self._template.options["box"].get("allow") or None
@@ -189,7 +192,8 @@ class AsyncBox:
             labels=labels, memory_mib=memory_mib, cpus=cpus, disk_size_gb=disk_size_gb,
             auto_remove=auto_remove, accel=accel, kernel=kernel, hostname=hostname,
             boot_timeout=boot_timeout, request_timeout=request_timeout, idle_timeout=idle_timeout,
-            network=network, allow=allow, ports=ports, saved=self._template is not None,
+            network=network, allow=allow, ports=ports, pids_limit=pids_limit,
+            saved=self._template is not None,
         )  # fmt: skip
         if self._template is not None:
             check_template_fits(self._template, self.spec)
@@ -950,6 +954,7 @@ class AsyncBox:
             request_timeout=self.spec.request_timeout,
             hostname=self.hostname,
             machine_id=rec.options.get("_machine_id") if rec else None,
+            pids_max=self.spec.pids_limit,
             on_lost=on_lost,
         )
         return conn

@@ -177,6 +177,7 @@ class BoxSpec:
     boot_timeout: float | None = None
     request_timeout: float = 30.0
     idle_timeout: float | None = None  # suspend after this many seconds without requests
+    pids_limit: int | None = None  # processes all commands together may have
     network: str = "none"  # see sandlot.net.policy
     allow: list[str] = field(default_factory=list)
     ports: list[Port] = field(default_factory=list)
@@ -207,6 +208,7 @@ class BoxSpec:
         network: str | bool | None = None,
         allow: Sequence[str] | str | None = None,
         ports: Sequence[PortSpec] | None = None,
+        pids_limit: int | None = None,
         saved: bool = False,
     ) -> BoxSpec:
         """``saved``: the box starts from a saved state, which may name neither an
@@ -235,6 +237,9 @@ class BoxSpec:
         positive("boot_timeout", boot_timeout)
         positive("request_timeout", request_timeout)
         positive("idle_timeout", idle_timeout)
+        positive("pids_limit", pids_limit, integer=True)
+        if pids_limit is not None and pids_limit < 8:
+            raise InvalidArgument(f"pids_limit must be at least 8 (a shell needs a few), not {pids_limit}")
         if memory_mib < 64:
             raise InvalidArgument(f"memory_mib must be at least 64, not {memory_mib}")
         if cpus > (os.cpu_count() or 1) * 4:
@@ -287,6 +292,7 @@ class BoxSpec:
             network=policy.mode,
             allow=[str(r) for r in policy.allow],
             ports=published,
+            pids_limit=pids_limit,
         )
 
     @property

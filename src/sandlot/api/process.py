@@ -36,6 +36,7 @@ class ExecResult:
     signal: int | None = None
     duration: float = 0.0
     pid: int = 0
+    oom_killed: bool = False  # the box ran out of memory and the OOM killer ended a process of it
 
     @property
     def stdout(self) -> str:
@@ -58,6 +59,8 @@ class ExecResult:
         """Raise CommandFailed unless the command succeeded; return self."""
         if not self.ok:
             how = f"signal {self.signal}" if self.signal else f"exit code {self.exit_code}"
+            if self.oom_killed:
+                how += ", killed by the out-of-memory killer"
             tail = self.stderr.strip()[-500:]
             raise CommandFailed(
                 f"{' '.join(self.argv)!r} failed with {how}" + (f": {tail}" if tail else ""), self
@@ -68,7 +71,8 @@ class ExecResult:
 def _result(
     argv: tuple[str, ...], status: ExitStatus, out: bytes, err: bytes, t0: float, pid: int
 ) -> ExecResult:
-    return ExecResult(argv, status.exit_code, out, err, status.signal, time.monotonic() - t0, pid)
+    return ExecResult(argv, status.exit_code, out, err, status.signal, time.monotonic() - t0, pid,
+                      status.oom_killed)  # fmt: skip
 
 
 class AsyncStream:

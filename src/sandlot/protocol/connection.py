@@ -320,12 +320,14 @@ class AgentConnection:
         request_timeout: float = DEFAULT_REQUEST_TIMEOUT,
         hostname: str | None = None,
         machine_id: str | None = None,
+        pids_max: int | None = None,
         on_lost: Callable[[], Awaitable[BaseException | None]] | None = None,
     ) -> None:
         self._connector = connector
         self.request_timeout = request_timeout
         self._hostname = hostname
         self._machine_id = machine_id
+        self._pids_max = pids_max
         self._on_lost = on_lost
         self._token = secrets.token_bytes(16)
         self._reader: asyncio.StreamReader | None = None
@@ -367,6 +369,8 @@ class AgentConnection:
             payload += wire.tlv(Tag.HOSTNAME, self._hostname)
         if self._machine_id:
             payload += wire.tlv(Tag.MACHINE_ID, self._machine_id)
+        if self._pids_max is not None:  # the box's limits, also after a restore or fork
+            payload += wire.tlv(Tag.PIDS_MAX, self._pids_max)
         self._handshaking = True
         try:
             frame = await self._hello(payload, timeout)

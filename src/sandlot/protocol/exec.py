@@ -21,6 +21,7 @@ class ExitStatus:
     exit_code: int
     signal: int | None = None
     core_dumped: bool = False
+    oom_killed: bool = False  # the OOM killer killed a process of this command
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,10 +120,11 @@ class RemoteProcess:
             if frame.type == T.EXIT:
                 f = Fields(frame.payload)
                 sig = f.u32(Tag.SIGNAL)
+                oom = bool(f.u32(Tag.OOM_KILLED, 0))
                 if sig is not None:
-                    status = ExitStatus(128 + sig, sig, bool(f.u32(Tag.CORE_DUMPED, 0)))
+                    status = ExitStatus(128 + sig, sig, bool(f.u32(Tag.CORE_DUMPED, 0)), oom)
                 else:
-                    status = ExitStatus(f.u32(Tag.EXIT_CODE, 0) or 0)
+                    status = ExitStatus(f.u32(Tag.EXIT_CODE, 0) or 0, oom_killed=oom)
                 self._status = status
                 self._channel.close()
                 return status

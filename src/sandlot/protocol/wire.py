@@ -104,6 +104,8 @@ class Tag(IntEnum):
     MACHINE_ID = 40
     COUNT = 41
     IDLE_MS = 42
+    PIDS_MAX = 43
+    OOM_KILLED = 44
 
 
 class ExecFlag:

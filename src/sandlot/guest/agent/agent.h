@@ -147,6 +147,8 @@ struct channel {
     uint64_t quiet_since_ms;  /* after exit: when output last moved */
     struct ostream out[3];    /* index 1 stdout, 2 stderr */
     struct istream in;
+    uint32_t cgroup;          /* the command's cgroup (limits.c); 0: none */
+    int oom_killed;           /* the OOM killer struck inside it */
 
     /* file write */
     int wfd;
@@ -222,6 +224,14 @@ struct user_spec {
 int resolve_user(const char *spec, struct user_spec *u, char *err, size_t errlen);
 
 /* init.c */
+/* limits.c */
+void limits_init(void);
+void limits_set_pids(uint32_t max); /* 0: no limit */
+uint32_t exec_cgroup_new(char *procs_path, size_t n);
+void exec_cgroup_join(const char *procs_path); /* in the vfork child */
+int exec_cgroup_oom_killed(uint32_t id);
+void exec_cgroup_release(uint32_t id);
+
 void init_early(void);          /* mounts, modules, root switch (PID 1 only) */
 void init_after_root(void);
 void set_hostname(const char *name);

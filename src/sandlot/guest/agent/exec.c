@@ -369,6 +369,10 @@ void exec_start(struct session *s, uint32_t ch, const uint8_t *p, size_t n)
     if (ok) {
         c = chan_new(s, ch, CH_EXEC);
     }
+    char cg_procs[64] = "";
+    if (c) {
+        c->cgroup = exec_cgroup_new(cg_procs, sizeof(cg_procs));
+    }
     if (c) {
         /* vfork: no page-table copy and no copy-on-write faults in the agent
          * afterwards, which under emulation is most of what a fork costs. */
@@ -381,6 +385,7 @@ void exec_start(struct session *s, uint32_t ch, const uint8_t *p, size_t n)
         sigemptyset(&all);
         signal(SIGPIPE, SIG_DFL);
         sigprocmask(SIG_SETMASK, &all, NULL);
+        exec_cgroup_join(cg_procs);
         struct rlimit rl = {1024, 524288};
         setrlimit(RLIMIT_NOFILE, &rl);
         setsid();
@@ -546,6 +551,7 @@ void exec_reaped(pid_t pid, int status)
             c->exited = 1;
             c->status = status;
             c->quiet_since_ms = now_ms();
+            c->oom_killed = exec_cgroup_oom_killed(c->cgroup);
             return;
         }
     }
@@ -645,6 +651,9 @@ void exec_progress(struct channel *c)
     } else if (WIFSIGNALED(c->status)) {
         msg_u32(&m, SL_T_SIGNAL, (uint32_t)WTERMSIG(c->status));
         msg_u32(&m, SL_T_CORE_DUMPED, WCOREDUMP(c->status) ? 1u : 0u);
+    }
+    if (c->oom_killed) {
+        msg_u32(&m, SL_T_OOM_KILLED, 1);
     }
     send_msg(c->s, SL_EXIT, 0, c->id, &m);
     c->exit_sent = 1;

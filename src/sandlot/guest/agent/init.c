@@ -346,7 +346,12 @@ void init_after_root(void)
     mount_or_log("tmpfs", "/dev/shm", "tmpfs", MS_NOSUID | MS_NODEV, "mode=1777");
     mount_or_log("tmpfs", "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, "mode=1777");
     mount_or_log("tmpfs", "/run", "tmpfs", MS_NOSUID | MS_NODEV, "mode=0755");
-    mount_or_log("cgroup2", "/sys/fs/cgroup", "cgroup2", MS_NOSUID | MS_NODEV | MS_NOEXEC, NULL);
+    /* favordynmods (Linux 6.0+): moving a task into a cgroup, which every command
+     * does, no longer waits for an RCU grace period (measured: 9 ms an exec) */
+    if (mount("cgroup2", "/sys/fs/cgroup", "cgroup2", MS_NOSUID | MS_NODEV | MS_NOEXEC, "favordynmods") < 0) {
+        mount_or_log("cgroup2", "/sys/fs/cgroup", "cgroup2", MS_NOSUID | MS_NODEV | MS_NOEXEC, NULL);
+    }
+    limits_init();
     symlink("/proc/self/fd", "/dev/fd");
     symlink("/proc/self/fd/0", "/dev/stdin");
     symlink("/proc/self/fd/1", "/dev/stdout");

@@ -237,6 +237,9 @@ void chan_free(struct channel *c)
     if (c->kind == CH_LIST) {
         list_close(c);
     }
+    if (c->kind == CH_EXEC) {
+        exec_cgroup_release(c->cgroup);
+    }
     free(c->tmp_path);
     free(c->final_path);
     if (c->s->nchannels) {
@@ -463,6 +466,10 @@ static void handle_hello(struct session *s, const uint8_t *p, size_t n)
         set_machine_id(machine_id);
     }
     free(machine_id);
+    uint32_t pids_max;
+    if (tlv_u32(p, n, SL_T_PIDS_MAX, &pids_max) == 1) {
+        limits_set_pids(pids_max);
+    }
 
     int resumed = s->has_token && memcmp(s->token, token, sizeof(s->token)) == 0;
     if (!resumed) {

@@ -90,6 +90,8 @@ enum sl_tag {
     SL_T_MACHINE_ID = 40,
     SL_T_COUNT = 41,
     SL_T_IDLE_MS = 42,
+    SL_T_PIDS_MAX = 43,   /* HELLO: processes all commands together may have (0: no limit) */
+    SL_T_OOM_KILLED = 44, /* EXIT: the OOM killer killed a process of this command */
 };
 
 /* SL_T_FLAGS bits of SL_EXEC */
