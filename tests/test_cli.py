@@ -32,12 +32,15 @@ def test_doctor_reports_accelerator_and_reason() -> None:
 
 @pytest.mark.vm
 def test_run_exit_status_streams_and_stdin(busybox_root: Path) -> None:
-    r = sandlot("run", "--rootfs", str(busybox_root), "--", "sh", "-c", "echo out; echo err >&2; exit 3")
+    # --rm: without it a stopped box is kept, as Docker keeps a container
+    root = str(busybox_root)
+    r = sandlot("run", "--rm", "--rootfs", root, "--", "sh", "-c", "echo out; echo err >&2; exit 3")
     assert r.returncode == 3
     assert r.stdout == b"out\n" and r.stderr == b"err\n"
     script = "tr a-z A-Z; echo $GREETING"
     r = sandlot(
         "run",
+        "--rm",
         "-i",
         "--rootfs",
         str(busybox_root),
@@ -50,15 +53,13 @@ def test_run_exit_status_streams_and_stdin(busybox_root: Path) -> None:
         stdin=b"hello\n",
     )
     assert r.returncode == 0 and r.stdout == b"HELLO\nhi\n"
-    r = sandlot(
-        "run", "--rootfs", str(busybox_root), "-u", "agent", "-w", "/tmp", "--", "sh", "-c", "id -u; pwd"
-    )
+    r = sandlot("run", "--rm", "--rootfs", root, "-u", "agent", "-w", "/tmp", "--", "sh", "-c", "id -u; pwd")
     assert r.stdout == b"1000\n/tmp\n"
 
 
 @pytest.mark.vm
 def test_run_errors(busybox_root: Path, tmp_path: Path) -> None:
-    r = sandlot("run", "--rootfs", str(busybox_root), "--", "no-such-command")
+    r = sandlot("run", "--rm", "--rootfs", str(busybox_root), "--", "no-such-command")
     assert r.returncode == 127 and b"no-such-command" in r.stderr
     r = sandlot("run", "--rootfs", str(tmp_path / "missing"), "--", "true")
     assert r.returncode == 125 and b"does not exist" in r.stderr
