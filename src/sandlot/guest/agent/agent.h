@@ -229,7 +229,9 @@ void limits_init(void);
 void limits_set_pids(uint32_t max); /* 0: no limit */
 uint32_t exec_cgroup_new(char *procs_path, size_t n);
 void exec_cgroup_join(const char *procs_path); /* in the vfork child */
-int exec_cgroup_oom_killed(uint32_t id);
+int exec_cgroup_oom_killed(uint32_t id, int certain);
+void limits_oom_event(void); /* g_oom_fd polled POLLPRI */
+extern int g_oom_fd;
 void exec_cgroup_release(uint32_t id);
 
 void init_early(void);          /* mounts, modules, root switch (PID 1 only) */

@@ -551,7 +551,9 @@ void exec_reaped(pid_t pid, int status)
             c->exited = 1;
             c->status = status;
             c->quiet_since_ms = now_ms();
-            c->oom_killed = exec_cgroup_oom_killed(c->cgroup);
+            int killed = WIFSIGNALED(status) && WTERMSIG(status) == SIGKILL;
+            int child_killed = WIFEXITED(status) && WEXITSTATUS(status) == 128 + SIGKILL;
+            c->oom_killed = exec_cgroup_oom_killed(c->cgroup, killed || child_killed);
             return;
         }
     }
@@ -652,7 +654,7 @@ void exec_progress(struct channel *c)
         msg_u32(&m, SL_T_SIGNAL, (uint32_t)WTERMSIG(c->status));
         msg_u32(&m, SL_T_CORE_DUMPED, WCOREDUMP(c->status) ? 1u : 0u);
     }
-    if (c->oom_killed) {
+    if (c->oom_killed || exec_cgroup_oom_killed(c->cgroup, 0)) {
         msg_u32(&m, SL_T_OOM_KILLED, 1);
     }
     send_msg(c->s, SL_EXIT, 0, c->id, &m);

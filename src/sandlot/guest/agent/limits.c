@@ -18,11 +18,13 @@
 #define CG_BOX CG_ROOT "/sandlot"
 
 static int g_cg_ok;
+int g_oom_fd = -1; /* CG_BOX/memory.events: polled (POLLPRI) for OOM kills */
 enum { CG_FREE, CG_IN_USE, CG_DRAINING };
 static struct cgroup_slot {
-    uint32_t id;   /* CG_BOX/e<id> */
+    uint32_t id;      /* CG_BOX/e<id> */
     int state;
-    uint64_t ooms; /* its memory.events oom_kill count when last read */
+    uint64_t ooms;    /* its memory.events oom_kill count when last read */
+    int oom_pending;  /* an OOM kill seen since the command started */
 } g_cg[256];
 static int g_ncg;
 
@@ -49,6 +51,11 @@ void limits_init(void)
     write_str(CG_BOX "/cgroup.subtree_control", "+memory");
     write_str(CG_BOX "/cgroup.subtree_control", "+pids");
     g_cg_ok = 1;
+    /* With no memory limit set, this file changes only when the OOM killer strikes
+     * below it: watching it keeps every ordinary command free of cgroup reads
+     * (measured: 30+ ms on the first command of a restored VM under emulation). */
+    g_oom_fd = open(CG_BOX "/memory.events", O_RDONLY | O_CLOEXEC);
+    limits_oom_event();
 }
 
 void limits_set_pids(uint32_t max)
@@ -113,6 +120,7 @@ uint32_t exec_cgroup_new(char *procs_path, size_t n)
         return 0; /* every cgroup still holds background processes: run without one */
     }
     slot->state = CG_IN_USE;
+    slot->oom_pending = 0;
     cg_path(slot->id, "cgroup.procs", procs_path, n);
     return slot->id;
 }
@@ -131,16 +139,41 @@ void exec_cgroup_join(const char *procs_path)
     }
 }
 
-int exec_cgroup_oom_killed(uint32_t id)
+/* ``certain``: read the command's own count now (its process was SIGKILLed, or its
+ * status says a child of it was); otherwise what the watch on memory.events saw. */
+int exec_cgroup_oom_killed(uint32_t id, int certain)
 {
     if (!id || id > (uint32_t)g_ncg) {
         return 0;
     }
     struct cgroup_slot *c = &g_cg[id - 1];
-    uint64_t now = read_count(id, "memory.events", "oom_kill ");
-    int killed = now > c->ooms;
-    c->ooms = now;
-    return killed;
+    if (certain) {
+        uint64_t now = read_count(id, "memory.events", "oom_kill ");
+        c->oom_pending |= now > c->ooms;
+        c->ooms = now;
+    }
+    return c->oom_pending;
+}
+
+/* memory.events of the commands' cgroup changed: find whose count moved. */
+void limits_oom_event(void)
+{
+    if (g_oom_fd < 0) {
+        return;
+    }
+    char text[512];
+    /* reading it again is what re-arms the notification */
+    if (lseek(g_oom_fd, 0, SEEK_SET) < 0 || read(g_oom_fd, text, sizeof(text)) < 0) {
+        return;
+    }
+    for (int i = 0; i < g_ncg; i++) {
+        struct cgroup_slot *c = &g_cg[i];
+        if (c->state != CG_FREE) {
+            uint64_t now = read_count(c->id, "memory.events", "oom_kill ");
+            c->oom_pending |= now > c->ooms;
+            c->ooms = now;
+        }
+    }
 }
 
 void exec_cgroup_release(uint32_t id)
@@ -151,7 +184,4 @@ void exec_cgroup_release(uint32_t id)
     struct cgroup_slot *c = &g_cg[id - 1];
     /* a command that left processes behind keeps its cgroup until they end */
     c->state = read_count(id, "cgroup.events", "populated ") ? CG_DRAINING : CG_FREE;
-    if (c->state == CG_FREE) {
-        c->ooms = read_count(id, "memory.events", "oom_kill ");
-    }
 }

@@ -943,7 +943,7 @@ static void handle_signals(void)
     }
 }
 
-enum { P_SESSION = 1, P_SIGNAL, P_OUT, P_IN };
+enum { P_SESSION = 1, P_SIGNAL, P_OUT, P_IN, P_OOM };
 
 struct pollref {
     int what;
@@ -979,6 +979,10 @@ static void serve(void)
         int n = 0, timeout = 1000;
         pfds[n] = (struct pollfd){.fd = g_sigfd, .events = POLLIN};
         refs[n++] = (struct pollref){.what = P_SIGNAL};
+        if (g_oom_fd >= 0) {
+            pfds[n] = (struct pollfd){.fd = g_oom_fd, .events = POLLPRI};
+            refs[n++] = (struct pollref){.what = P_OOM};
+        }
         for (int i = 0; i < g_nsessions; i++) {
             struct session *s = &g_sessions[i];
             if (!s->connected) {
@@ -1049,6 +1053,9 @@ static void serve(void)
             switch (ref->what) {
             case P_SIGNAL:
                 handle_signals();
+                break;
+            case P_OOM:
+                limits_oom_event();
                 break;
             case P_SESSION:
                 if (!ref->s->connected) {
