@@ -253,7 +253,7 @@ static void bring_up_network(void)
         struct dirent *de;
         while (d && (de = readdir(d))) {
             if (de->d_name[0] != '.' && strcmp(de->d_name, "lo") && strlen(de->d_name) < IFNAMSIZ) {
-                snprintf(ifname, sizeof(ifname), "%s", de->d_name);
+                memcpy(ifname, de->d_name, strlen(de->d_name) + 1); /* shorter than IFNAMSIZ */
                 break;
             }
         }

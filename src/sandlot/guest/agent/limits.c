@@ -27,6 +27,8 @@ static struct cgroup_slot {
     int oom_pending;  /* an OOM kill seen since the command started */
 } g_cg[256];
 static int g_ncg;
+#define SPARE_CGROUPS 2
+static void keep_spares(void);
 
 static int write_str(const char *path, const char *s)
 {
@@ -56,6 +58,7 @@ void limits_init(void)
      * (measured: 30+ ms on the first command of a restored VM under emulation). */
     g_oom_fd = open(CG_BOX "/memory.events", O_RDONLY | O_CLOEXEC);
     limits_oom_event();
+    keep_spares();
 }
 
 void limits_set_pids(uint32_t max)
@@ -87,6 +90,38 @@ static uint64_t read_count(uint32_t id, const char *file, const char *key)
     return p ? strtoull(p + strlen(key), NULL, 10) : 0;
 }
 
+static struct cgroup_slot *slot_make(void)
+{
+    if (g_ncg >= (int)(sizeof(g_cg) / sizeof(g_cg[0]))) {
+        return NULL;
+    }
+    char dir[64];
+    uint32_t id = (uint32_t)g_ncg + 1;
+    cg_path(id, NULL, dir, sizeof(dir));
+    if (mkdir(dir, 0755) < 0 && errno != EEXIST) {
+        return NULL;
+    }
+    struct cgroup_slot *slot = &g_cg[g_ncg++];
+    slot->id = id;
+    slot->state = CG_FREE;
+    slot->ooms = errno == EEXIST ? read_count(id, "memory.events", "oom_kill ") : 0;
+    return slot;
+}
+
+/* Made ahead, after a command ends (or at boot), never on a command's way in:
+ * a memory cgroup costs tens of ms to create under emulation, and a restored
+ * VM's first command would pay it while its template's processes hold the rest. */
+static void keep_spares(void)
+{
+    int free_slots = 0;
+    for (int i = 0; i < g_ncg; i++) {
+        free_slots += g_cg[i].state == CG_FREE;
+    }
+    while (g_cg_ok && free_slots < SPARE_CGROUPS && slot_make()) {
+        free_slots++;
+    }
+}
+
 /* Reused, not made per command: creating and removing a memory cgroup costs
  * more than the rest of an exec under emulation (measured: +11 ms a command). */
 uint32_t exec_cgroup_new(char *procs_path, size_t n)
@@ -106,15 +141,8 @@ uint32_t exec_cgroup_new(char *procs_path, size_t n)
             }
         }
     }
-    if (!slot && g_ncg < (int)(sizeof(g_cg) / sizeof(g_cg[0]))) {
-        char dir[64];
-        uint32_t id = (uint32_t)g_ncg + 1;
-        cg_path(id, NULL, dir, sizeof(dir));
-        if (mkdir(dir, 0755) == 0 || errno == EEXIST) {
-            slot = &g_cg[g_ncg++];
-            slot->id = id;
-            slot->ooms = read_count(id, "memory.events", "oom_kill ");
-        }
+    if (!slot) {
+        slot = slot_make();
     }
     if (!slot) {
         return 0; /* every cgroup still holds background processes: run without one */
@@ -184,4 +212,5 @@ void exec_cgroup_release(uint32_t id)
     struct cgroup_slot *c = &g_cg[id - 1];
     /* a command that left processes behind keeps its cgroup until they end */
     c->state = read_count(id, "cgroup.events", "populated ") ? CG_DRAINING : CG_FREE;
+    keep_spares();
 }
