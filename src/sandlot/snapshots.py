@@ -138,8 +138,8 @@ def is_materialized(home: Path, snap_id: str) -> bool:
 
 
 def state_source(home: Path, snap: SnapshotRecord, cfg: VMConfig) -> None:
-    """Make ``cfg`` a VM that loads this snapshot as it starts (mapping its RAM file
-    copy-on-write when the snapshot has one)."""
+    """Make ``cfg`` a VM that restores this snapshot (``QemuVM.run_restored`` loads it),
+    mapping its RAM file copy-on-write when the snapshot has one."""
     d = snapshot_dir(home, snap.id)
     if is_materialized(home, snap.id):
         cfg.ram_file, cfg.ram_shared = d / "memory", False
@@ -293,8 +293,8 @@ def _fsync_file(path: Path) -> None:
 async def start_from(
     home: Path, snap: SnapshotRecord, cfg: VMConfig, on_started: Callable[[QemuVM], None] | None = None
 ) -> QemuVM:
-    """A QEMU that loads ``snap`` as it starts and stays paused: ``cont`` runs the guest
-    once the load completes. A state that cannot be loaded makes QEMU exit, saying why
+    """A paused QEMU holding ``snap``'s state file open: ``QemuVM.run_restored`` loads it
+    and lets the guest run. A state that cannot be loaded makes QEMU exit, saying why
     on its stderr (``QemuVM.failure_report``)."""
     state_source(home, snap, cfg)
     vm = QemuVM(cfg)

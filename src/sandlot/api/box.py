@@ -649,7 +649,6 @@ class AsyncBox:
             vm = QemuVM(self._vm_config(rec, assets))
             await vm.start()
             self._vm = vm
-            await self._record_ports(vm)
             pid, start = _proc.me()
             self.runtime.store.update(
                 self.id, state="starting", qemu_pid=vm.pid, qemu_start=vm.start_time, owner_pid=pid,
@@ -657,6 +656,7 @@ class AsyncBox:
             )  # fmt: skip
             timeout = self.spec.boot_timeout or _default_boot_timeout(assets.accel.name)
             try:
+                await self._record_ports(vm)  # recorded, so a failure here kills the VM below
                 self._conn = await self._boot_attach(vm, timeout)
                 for i, v in enumerate(self.spec.volumes):
                     mount = (
