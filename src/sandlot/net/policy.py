@@ -47,6 +47,23 @@ def _valid_name(name: str) -> bool:
     return 0 < len(name) <= 253 and all(_LABEL.match(label) for label in name.split("."))
 
 
+def split_host_port(text: str) -> tuple[str, str | None]:
+    """``host``, ``host:port``, ``[v6]`` or ``[v6]:port`` -> (host, port text or None);
+    ValueError if the brackets are malformed. A bare IPv6 address has no port."""
+    if text.startswith("["):
+        end = text.find("]")
+        if end < 0:
+            raise ValueError("unclosed '['")
+        host, rest = text[1:end], text[end + 1 :]
+        if rest and not rest.startswith(":"):
+            raise ValueError("expected ':PORT' after ']'")
+        return host, rest[1:] if rest else None
+    if text.count(":") == 1:
+        host, _, port = text.partition(":")
+        return host, port
+    return text, None
+
+
 def parse_ip(text: str) -> IPAddress | None:
     try:
         return ipaddress.ip_address(text.strip("[]"))
@@ -68,20 +85,11 @@ class Rule(NamedTuple):
         if not isinstance(text, str) or not text.strip():
             raise InvalidArgument(f"an allow entry must be a non-empty string, not {text!r}")
         raw = text.strip()
-        port: int | None = None
-        host = raw
-        if raw.startswith("["):  # [v6] or [v6]:port
-            end = raw.find("]")
-            if end < 0:
-                raise InvalidArgument(f"allow entry {raw!r}: unclosed '['")
-            host, rest = raw[1:end], raw[end + 1 :]
-            if rest:
-                if not rest.startswith(":"):
-                    raise InvalidArgument(f"allow entry {raw!r}: expected ':PORT' after ']'")
-                port = _port(raw, rest[1:])
-        elif raw.count(":") == 1:
-            host, _, p = raw.partition(":")
-            port = _port(raw, p)
+        try:
+            host, port_text = split_host_port(raw)
+        except ValueError as exc:
+            raise InvalidArgument(f"allow entry {raw!r}: {exc}") from None
+        port = None if port_text is None else _port(raw, port_text)
         try:
             return cls(network=ipaddress.ip_network(host, strict=False), port=port)
         except ValueError:

@@ -25,7 +25,7 @@ import sys
 import time
 from pathlib import Path
 
-from .policy import IPAddress, Policy, normalize_host, parse_ip, read_policy
+from .policy import IPAddress, Policy, normalize_host, parse_ip, read_policy, split_host_port
 
 HEAD_LIMIT = 16 * 1024
 HEAD_TIMEOUT = 30.0
@@ -51,15 +51,11 @@ def read_head(sock: socket.socket) -> tuple[bytes, bytes]:
     return head + b"\r\n\r\n", rest
 
 
-def split_host_port(target: str, default_port: int) -> tuple[str, int]:
-    if target.startswith("["):
-        end = target.find("]")
-        host, rest = target[1:end], target[end + 1 :]
-        port = rest[1:] if rest.startswith(":") else ""
-    elif target.count(":") == 1:
-        host, _, port = target.partition(":")
-    else:
-        host, port = target, ""
+def host_and_port(target: str, default_port: int) -> tuple[str, int]:
+    try:
+        host, port = split_host_port(target)
+    except ValueError as exc:
+        raise Denied(f"bad target {target!r}: {exc}") from None
     if port and (not port.isdigit() or not 0 < int(port) < 65536):
         raise Denied(f"bad port in {target!r}")
     if not host:
@@ -77,10 +73,10 @@ def parse_request(head: bytes) -> tuple[str, str, int, list[bytes]]:
     if not version.startswith("HTTP/1."):
         raise Denied(f"unsupported protocol {version!r}")
     if method == "CONNECT":
-        host, port = split_host_port(target, 443)
+        host, port = host_and_port(target, 443)
     elif target.lower().startswith("http://"):
         authority = target[7:].split("/", 1)[0].split("@")[-1]
-        host, port = split_host_port(authority, 80)
+        host, port = host_and_port(authority, 80)
     else:
         raise Denied("not a proxy request (CONNECT host:port or http://host/...)")
     return method, host, port, [line for line in lines[1:] if line]
