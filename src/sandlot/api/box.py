@@ -344,15 +344,11 @@ class AsyncBox:
         d["hostname"] = self.hostname
         live = rec.state in ("running", "paused")  # host ports are bound while the VM runs
         bound = {guest: (address, host) for address, host, guest in rec.options.get("_ports", []) if live}
-        d["network"] = {
-            "mode": self.spec.network,
-            "allow": list(self.spec.allow),
-            "ports": [
-                {"address": bound.get(p.guest, (p.address, p.host))[0],
-                 "host": bound.get(p.guest, (p.address, p.host))[1] or None, "guest": p.guest}
-                for p in self.spec.ports
-            ],
-        }  # fmt: skip
+        ports = []
+        for p in self.spec.ports:
+            address, host = bound.get(p.guest, (p.address, p.host))
+            ports.append({"address": address, "host": host or None, "guest": p.guest})
+        d["network"] = {"mode": self.spec.network, "allow": list(self.spec.allow), "ports": ports}
         return d
 
     def port(self, guest_port: int) -> tuple[str, int]:

@@ -83,14 +83,7 @@ class Port:
         elif isinstance(spec, int) and not isinstance(spec, bool):
             p = cls(guest=spec)
         elif isinstance(spec, str):
-            parts = spec.rsplit(":", 2) if not spec.startswith("[") else None
-            if spec.startswith("["):  # [v6]:host:guest
-                end = spec.find("]")
-                tail = spec[end + 1 :].split(":")
-                if end < 0 or len(tail) != 3 or tail[0]:
-                    raise InvalidArgument(f"port {spec!r} is not [ADDRESS]:HOST:GUEST")
-                parts = [spec[1:end], tail[1], tail[2]]
-            assert parts is not None
+            parts = spec.rsplit(":", 2)
             if not all(x.isdigit() for x in parts[-2:] if x) or not parts[-1]:
                 raise InvalidArgument(f"port {spec!r} is not GUEST, HOST:GUEST or ADDRESS:HOST:GUEST")
             if len(parts) == 1:
@@ -108,11 +101,12 @@ class Port:
         for what, n, low in (("guest port", p.guest, 1), ("host port", p.host, 0)):
             if isinstance(n, bool) or not isinstance(n, int) or not low <= n <= 65535:
                 raise InvalidArgument(f"{what} must be a number in {low}..65535, not {n!r}")
-        if not isinstance(p.address, str) or parse_ip(p.address) is None:
+        address = parse_ip(p.address) if isinstance(p.address, str) else None
+        if address is None:
             raise InvalidArgument(f"a published port binds to an IP address, not {p.address!r}")
-        if parse_ip(p.address).version != 4:  # type: ignore[union-attr]
+        if address.version != 4:  # QEMU 7.2's hostfwd
             raise InvalidArgument(f"published ports bind to IPv4 addresses here, not {p.address!r}")
-        return cls(p.guest, p.host, str(parse_ip(p.address)))
+        return cls(p.guest, p.host, str(address))
 
 
 def proxy_env() -> dict[str, str]:

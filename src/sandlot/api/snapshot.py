@@ -56,16 +56,13 @@ def check_template_fits(snap: SnapshotRecord, spec: BoxSpec) -> None:
         )
     if spec.volumes:
         raise InvalidArgument("a box started from a snapshot cannot have volumes (their state is not saved)")
-    if spec.policy.has_nic != bool(facts.get("network")):
-        had = "a network card" if facts.get("network") else "no network card"
+    saved_nic = bool(facts.get("network"))
+    if spec.policy.has_nic != saved_nic:
+        had = "a network card" if saved_nic else "no network card"
+        hint = " (any other mode; 'allowlist' with no entries lets nothing out)" if saved_nic else ""
         raise InvalidArgument(
             f"snapshot {snap.name or snap.id} is of a box with {had}; a box started from it cannot have "
-            f"network={spec.network!r}"
-            + (
-                " (any other mode, or 'allowlist' with no entries to let nothing out)"
-                if facts.get("network")
-                else ""
-            )
+            f"network={spec.network!r}{hint}"
         )
 
 
