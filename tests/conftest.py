@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -41,6 +42,24 @@ def debian_root() -> Path:
     if not (dest / "usr" / "bin" / "python3").exists():
         debian_rootfs(dest, ["python3"])
     return dest
+
+
+@pytest.fixture(scope="session")
+def test_ca(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A CA and a certificate for 'localhost' signed by it (openssl)."""
+    d = tmp_path_factory.mktemp("ca")
+
+    def ssl_(*args: str) -> None:
+        subprocess.run(["openssl", *args], cwd=d, check=True, capture_output=True)
+
+    ssl_("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.pem", "-days", "2",
+         "-subj", "/CN=sandlot test CA")  # fmt: skip
+    ssl_("req", "-newkey", "rsa:2048", "-nodes", "-keyout", "server.key", "-out", "server.csr",
+         "-subj", "/CN=localhost")  # fmt: skip
+    (d / "ext.cnf").write_text("subjectAltName=DNS:localhost\n")
+    ssl_("x509", "-req", "-in", "server.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
+         "-out", "server.pem", "-days", "2", "-extfile", "ext.cnf")  # fmt: skip
+    return d
 
 
 @pytest.fixture(scope="module")

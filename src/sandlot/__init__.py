@@ -56,6 +56,7 @@ if TYPE_CHECKING:
     from .api.templates import import_snapshot, import_snapshot_async, template, template_async
     from .images.oci import ImageConfig
     from .images.store import Image
+    from .net.secrets import Secret
     from .runtime import Runtime
 
     create = Box.create
@@ -78,7 +79,7 @@ _LAZY = {
     "AsyncSnapshot": "api.snapshot", "Snapshot": "api.snapshot",
     "import_snapshot": "api.templates", "import_snapshot_async": "api.templates",
     "template": "api.templates", "template_async": "api.templates",
-    "ImageConfig": "images.oci", "Image": "images.store", "Runtime": "runtime",
+    "ImageConfig": "images.oci", "Image": "images.store", "Runtime": "runtime", "Secret": "net.secrets",
 }  # fmt: skip
 _ALIASES = {
     "create": ("Box", "create"),
@@ -147,6 +148,7 @@ __all__ = [
     "ProtocolError",
     "Runtime",
     "SandlotError",
+    "Secret",
     "Snapshot",
     "SnapshotInUse",
     "SnapshotNotFound",

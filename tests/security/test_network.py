@@ -64,24 +64,6 @@ def service() -> Iterator[HostService]:
 
 
 @pytest.fixture(scope="module")
-def test_ca(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A CA and a certificate for 'localhost' signed by it (openssl)."""
-    d = tmp_path_factory.mktemp("ca")
-
-    def ssl_(*args: str) -> None:
-        subprocess.run(["openssl", *args], cwd=d, check=True, capture_output=True)
-
-    ssl_("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.pem", "-days", "2",
-         "-subj", "/CN=sandlot test CA")  # fmt: skip
-    ssl_("req", "-newkey", "rsa:2048", "-nodes", "-keyout", "server.key", "-out", "server.csr",
-         "-subj", "/CN=localhost")  # fmt: skip
-    (d / "ext.cnf").write_text("subjectAltName=DNS:localhost\n")
-    ssl_("x509", "-req", "-in", "server.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
-         "-out", "server.pem", "-days", "2", "-extfile", "ext.cnf")  # fmt: skip
-    return d
-
-
-@pytest.fixture(scope="module")
 def tls_service(test_ca: Path) -> Iterator[HostService]:
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     ctx.load_cert_chain(test_ca / "server.pem", test_ca / "server.key")

@@ -22,7 +22,7 @@ import contextlib
 import fcntl
 import logging
 import os
-import secrets
+import secrets as random_ids
 import shlex
 import sys
 import time
@@ -44,6 +44,15 @@ from ..errors import (
 from ..images.rootfs import base_for, create_overlay
 from ..images.store import Image
 from ..net.policy import PROXIED, Policy, write_policy
+from ..net.secrets import (
+    GUEST_BUNDLE,
+    GUEST_CA,
+    SYSTEM_BUNDLES,
+    Secret,
+    build_vault,
+    read_vault_json,
+    write_vault,
+)
 from ..protocol.connection import AgentConnection
 from ..protocol.exec import ExecRequest, RemoteProcess
 from ..protocol.wire import ControlOp, Fields, T, Tag, tlv, tlv_u64
@@ -158,6 +167,7 @@ class AsyncBox:
         allow: Sequence[str] | str | None = None,
         ports: Sequence[PortSpec] | None = None,
         pids_limit: int | None = None,
+        secrets: Sequence[Secret] | None = None,
         template: Any = None,
         home: str | os.PathLike[str] | None = None,
     ) -> None:
@@ -182,6 +192,11 @@ class AsyncBox:
                 disk_size_gb = self._template.options["box"].get("disk_size_gb", disk_size_gb)
             if pids_limit is None:
                 pids_limit = self._template.options["box"].get("pids_limit")
+            saved_box = self._template.options["box"]
+            # what its commands ran with, unless given anew: a fork is the same box
+            env = saved_box.get("env") if env is None else env
+            workdir = saved_box.get("workdir") if workdir is None else workdir
+            user = saved_box.get("user") if user is None else user
             if network is None and allow is None:  # its network policy too (its ports stay its own)
                 network = self._template.options["box"].get("network", "none")
                 allow = self._template.options["box"].get("allow") or None
@@ -192,12 +207,14 @@ class AsyncBox:
             labels=labels, memory_mib=memory_mib, cpus=cpus, disk_size_gb=disk_size_gb,
             auto_remove=auto_remove, accel=accel, kernel=kernel, hostname=hostname,
             boot_timeout=boot_timeout, request_timeout=request_timeout, idle_timeout=idle_timeout,
-            network=network, allow=allow, ports=ports, pids_limit=pids_limit,
+            network=network, allow=allow, ports=ports, pids_limit=pids_limit, secrets=secrets,
+            saved_secrets=self._template.options["box"].get("secrets", []) if self._template else (),
             saved=self._template is not None,
         )  # fmt: skip
+        self._secrets = list(secrets or [])  # the values: kept in the box's secrets file, not its record
         if self._template is not None:
             check_template_fits(self._template, self.spec)
-        self.id = secrets.token_hex(6)
+        self.id = random_ids.token_hex(6)
         self.name = self.spec.name or f"box-{self.id[:6]}"
         self.keep = keep
         self._pull = pull
@@ -229,6 +246,7 @@ class AsyncBox:
         box.keep = True
         box._pull, box._pull_opts = "never", {}
         box._template, box._auto_template, box._auto_key = None, False, None
+        box._secrets = []
         box._record = rec
         box._init_runtime_state()
         return box
@@ -420,7 +438,8 @@ class AsyncBox:
                 base = await asyncio.to_thread(base_for, rt.bases_dir, self.spec.rootfs)
             self.state_dir.mkdir(parents=True, exist_ok=True)
             (self.state_dir / "ports").mkdir(exist_ok=True)
-            disk = snapshots.layers_dir(rt.home) / f"{secrets.token_hex(8)}.qcow2"
+            await self._write_vault(None)
+            disk = snapshots.layers_dir(rt.home) / f"{random_ids.token_hex(8)}.qcow2"
             disk.parent.mkdir(parents=True, exist_ok=True)
             rt.store.update(self.id, disk=str(disk))  # before the file: a crash leaves nothing unnamed
             await asyncio.to_thread(create_overlay, base, disk, self.spec.disk_size_gb * GiB)
@@ -429,7 +448,7 @@ class AsyncBox:
                 expect=("creating",),
                 state="created",
                 image_digest=digest,
-                options={**self.spec.to_options(), "_machine_id": secrets.token_hex(16)},
+                options={**self.spec.to_options(), "_machine_id": random_ids.token_hex(16)},
             )
         except BaseException:
             self.runtime.discard_box(self.id)
@@ -444,15 +463,57 @@ class AsyncBox:
         self.spec.image_config = snap.options["box"].get("image_config")
         self.state_dir.mkdir(parents=True, exist_ok=True)
         (self.state_dir / "ports").mkdir(exist_ok=True)
+        if self.spec.secrets:
+            source = rt.store.find(snap.box_id) if snap.box_id else None
+            await self._write_vault(read_vault_json(rt.boxes_dir / source.id) if source else None)
         disk = await asyncio.to_thread(snapshots.child_layer, rt.home, snap)
         updated = rt.store.update(
             self.id, expect=("creating",), state="created", disk=str(disk), origin=snap.id,
             image_digest=snap.options.get("image_digest"),
-            options={**self.spec.to_options(), "_machine_id": secrets.token_hex(16)},
+            options={**self.spec.to_options(), "_machine_id": random_ids.token_hex(16)},
         )  # fmt: skip
         if updated is None:
             raise BoxNotFound(f"box {self.name} was removed while it was being created")
         self._record = updated
+
+    async def _write_vault(self, source: dict[str, Any] | None) -> None:
+        """The box's secrets file, if it has secrets (``source``: that of the box its
+        saved state was taken of)."""
+        if self.spec.secrets:
+            vault = await asyncio.to_thread(build_vault, self.name, self.spec.secrets, self._secrets, source)
+            write_vault(self.state_dir, vault)
+
+    async def _install_trust(self) -> None:
+        """Make the guest trust the box's CA (for the hosts its secrets go to): the
+        CA, a bundle the TLS environment variables name, and the system bundles."""
+        vault = read_vault_json(self.state_dir) if self.spec.secrets else None
+        if not vault:
+            return
+        conn = self._conn
+        assert conn is not None
+
+        async def booting() -> AgentConnection:  # the box is not "running" yet
+            return conn
+
+        files = AsyncFiles(booting)
+        ca = vault["ca_cert"].encode()
+        with contextlib.suppress(FileNotFoundError):
+            if await files.read(GUEST_CA) == ca:
+                return  # a restore of a state that has it (a fork, a rollback)
+        bundle = b""
+        for path in SYSTEM_BUNDLES:
+            try:
+                if (await files.stat(path, follow_symlinks=False)).type != "file":
+                    continue  # a link to another bundle, which is done on its own
+                data = await files.read(path)
+            except FileNotFoundError:
+                continue
+            if ca not in data:
+                data = data.rstrip(b"\n") + b"\n" + ca
+                await files.write(path, data)
+            bundle = bundle or data
+        await files.write(GUEST_BUNDLE, bundle or ca, mode=0o644)
+        await files.write(GUEST_CA, ca, mode=0o644)  # last: it says the rest is done
 
     def _template_key(self, image_digest: str) -> str:
         """What an automatic template must share with a box to stand in for its boot."""
@@ -659,6 +720,7 @@ class AsyncBox:
                         tlv(Tag.PATH, v.guest) + tlv(Tag.PATH2, f"vol{i}") + tlv(Tag.FLAGS, int(v.readonly))
                     )
                     await self._control(ControlOp.MOUNT, mount, conn=self._conn)  # still "starting"
+                await self._install_trust()
             except BaseException as exc:
                 await vm.kill(grace=0.5)
                 self._disconnect()
@@ -690,8 +752,11 @@ class AsyncBox:
                                         owner_start=start, reason=None) or rec  # fmt: skip
         try:
             await self._resume_vm(snap, rec, attach=True)
+            await self._install_trust()
         except BaseException as exc:
             reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            if self._vm is not None:
+                await self._vm.kill(grace=0.5)
             self.runtime.store.update(
                 self.id, state="crashed", reason=f"start failed: {reason}", qemu_pid=None
             )
@@ -1279,9 +1344,13 @@ class AsyncBox:
                 )
             if self.spec.ports and not new.has_nic:
                 raise InvalidArgument(f"box {self.name} publishes ports: it needs a network card")
+            if self.spec.secrets and not new.proxied:
+                raise InvalidArgument(
+                    f"box {self.name} has secrets: they need network='allowlist' or 'public'"
+                )
             self.spec.network, self.spec.allow = new.mode, [str(r) for r in new.allow]
             if new.proxied:
-                write_policy(self.state_dir / "egress-policy.json", new)
+                write_policy(self.state_dir / "egress-policy.json", self.spec.policy)
             opts = {**rec.options, "network": self.spec.network, "allow": self.spec.allow}
             self.runtime.store.update(self.id, options=opts)
 

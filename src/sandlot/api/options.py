@@ -13,6 +13,7 @@ from ..engine.qemu import PROXY_ADDRESS, PROXY_PORT
 from ..errors import InvalidArgument
 from ..images.reference import Reference
 from ..net.policy import Policy, parse_ip
+from ..net.secrets import DEFAULT_PORT, Secret, host_rule, new_placeholder, trust_env
 from ..store import validate_name
 from .files import guest_path
 
@@ -117,6 +118,24 @@ def proxy_env() -> dict[str, str]:
             "NO_PROXY": no_proxy, "no_proxy": no_proxy}  # fmt: skip
 
 
+def _secret_specs(given: Sequence[Secret] | None, saved: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The secrets' records: a secret the saved state had keeps its placeholder
+    (programs running in that state hold it); a new one gets a new placeholder."""
+    if given is not None and (isinstance(given, str | Secret) or not isinstance(given, Sequence)):
+        raise InvalidArgument(f"secrets must be a list of sandlot.Secret, not {type(given).__name__}")
+    specs = {s["name"]: dict(s) for s in saved}
+    seen = set()
+    for s in given or ():
+        if not isinstance(s, Secret):
+            raise InvalidArgument(f"secrets must be sandlot.Secret objects, not {type(s).__name__}")
+        if s.name in seen:
+            raise InvalidArgument(f"two secrets are named {s.name}")
+        seen.add(s.name)
+        placeholder = specs.get(s.name, {}).get("placeholder") or new_placeholder(s.name)
+        specs[s.name] = {"name": s.name, "placeholder": placeholder, "hosts": list(s.hosts)}
+    return list(specs.values())
+
+
 def positive(name: str, value: Any, *, integer: bool = False) -> None:
     if value is None:
         return
@@ -175,6 +194,8 @@ class BoxSpec:
     network: str = "none"  # see sandlot.net.policy
     allow: list[str] = field(default_factory=list)
     ports: list[Port] = field(default_factory=list)
+    # {"name", "placeholder", "hosts"} of each secret; the values are in the box's secrets file
+    secrets: list[dict[str, Any]] = field(default_factory=list)
     image_config: dict[str, Any] | None = None  # the image's Env/WorkingDir/User/Entrypoint/Cmd, kept
 
     @classmethod
@@ -203,10 +224,13 @@ class BoxSpec:
         allow: Sequence[str] | str | None = None,
         ports: Sequence[PortSpec] | None = None,
         pids_limit: int | None = None,
+        secrets: Sequence[Secret] | None = None,
+        saved_secrets: Sequence[dict[str, Any]] = (),
         saved: bool = False,
     ) -> BoxSpec:
         """``saved``: the box starts from a saved state, which may name neither an
-        image nor a root filesystem here (an imported snapshot)."""
+        image nor a root filesystem here (an imported snapshot). ``saved_secrets``:
+        the secrets of that state (their placeholders are in its memory)."""
         has_rootfs = rootfs is not None and bool(os.fspath(rootfs))
         if saved and image is None and not has_rootfs:
             pass
@@ -259,6 +283,15 @@ class BoxSpec:
                 "published ports need a network card: network='none' has none "
                 "(network='allowlist' with no allow entries publishes ports and lets nothing out)"
             )
+        secret_specs = _secret_specs(secrets, saved_secrets)
+        if secret_specs and not policy.proxied:
+            raise InvalidArgument(
+                f"secrets need network='allowlist' or 'public' (the egress proxy swaps them in), "
+                f"not network={policy.mode!r}"
+            )
+        clash = sorted({s["name"] for s in secret_specs} & set(env or {}))
+        if clash:
+            raise InvalidArgument(f"{', '.join(clash)} is both a secret and an env= variable")
         lab = {}
         for k, v in (labels or {}).items():
             if not isinstance(k, str) or not _LABEL_KEY.match(k) or not isinstance(v, str):
@@ -287,11 +320,17 @@ class BoxSpec:
             allow=[str(r) for r in policy.allow],
             ports=published,
             pids_limit=pids_limit,
+            secrets=secret_specs,
         )
 
     @property
     def policy(self) -> Policy:
-        return Policy.build(self.network, self.allow or None)
+        """The egress policy in force: in allowlist mode, a secret's hosts are reachable too."""
+        allow = list(self.allow)
+        if self.network == "allowlist":
+            for s in self.secrets:
+                allow += [h if host_rule(s["name"], h).port else f"{h}:{DEFAULT_PORT}" for h in s["hosts"]]
+        return Policy.build(self.network, allow or None)
 
     def to_options(self) -> dict[str, Any]:
         d = asdict(self)
@@ -316,6 +355,9 @@ class BoxSpec:
             image_env[k] = v
         if self.policy.proxied:
             image_env.update(proxy_env())
+        if self.secrets:
+            image_env.update(trust_env())
+            image_env.update({s["name"]: s["placeholder"] for s in self.secrets})
         return {**image_env, **self.env}
 
     def default_cwd(self) -> str | None:

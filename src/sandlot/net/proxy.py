@@ -21,11 +21,13 @@ import json
 import os
 import select
 import socket
+import ssl
 import sys
 import time
 from pathlib import Path
 
 from .policy import IPAddress, Policy, normalize_host, parse_ip, read_policy, split_host_port
+from .secrets import load_vault
 
 HEAD_LIMIT = 16 * 1024
 HEAD_TIMEOUT = 30.0
@@ -151,17 +153,20 @@ def read_client_hello(sock: socket.socket) -> bytes:
 
 
 def splice(a: socket.socket, b: socket.socket) -> None:
-    """Copy both ways until both sides have finished."""
+    """Copy both ways until both sides have finished (TLS sockets too: what they
+    have decrypted already is not in the kernel's buffer, where select looks)."""
     a.setblocking(False)
     b.setblocking(False)
     peer = {a: b, b: a}
     open_ = {a, b}
     while open_:
-        readable, _, _ = select.select(list(open_), [], [])
+        readable: list[socket.socket] = [s for s in open_ if isinstance(s, ssl.SSLSocket) and s.pending()]
+        if not readable:
+            readable, _, _ = select.select(list(open_), [], [])
         for s in readable:
             try:
                 data = s.recv(65536)
-            except BlockingIOError:
+            except (BlockingIOError, ssl.SSLWantReadError, ssl.SSLWantWriteError):
                 continue
             except OSError:
                 data = b""
@@ -187,6 +192,22 @@ def serve(guest: socket.socket, policy_path: Path, log: list[dict[str, object]])
         policy = read_policy(policy_path)
         ip = resolve(policy, host, port)
         entry["address"] = str(ip)
+        try:
+            vault = load_vault(policy_path.parent) if method == "CONNECT" else None
+        except ValueError as exc:
+            raise Denied(f"this box's secrets file cannot be read: {exc}") from None
+        swaps = vault.for_host(host, port) if vault is not None else []
+        if vault is not None and swaps:
+            if rest:
+                raise Denied("data sent before the tunnel was open")
+            from . import intercept  # h11 and TLS only for the hosts that need them
+
+            entry.update(decision="allowed", secrets=[s.name for s in swaps])
+            guest.sendall(b"HTTP/1.1 200 Connection established\r\n\r\n")
+            answered = True
+            entry["requests"] = intercept.serve(guest, host, port, str(ip), vault, swaps,
+                                                policy_path.parent / "tls")  # fmt: skip
+            return
         if method == "CONNECT" and policy.mode == "allowlist":
             guest.sendall(b"HTTP/1.1 200 Connection established\r\n\r\n")
             hello = rest + read_client_hello(guest)

@@ -1,0 +1,108 @@
+"""Secrets from inside real boxes: a program uses the placeholder it was given, the
+HTTPS API (on the host's 127.0.0.1, with a test CA standing in for a public
+one) gets the value, and the value is nowhere sandlot keeps a box's state but
+the box's secrets file: not in a memory snapshot, a disk layer, the state store,
+the egress log or an export."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import zstandard
+
+import sandlot
+from tests.test_secrets_units import VALUE, EchoAPI
+
+pytestmark = pytest.mark.vm
+NO_PROXY_EXEMPTIONS = {"NO_PROXY": "", "no_proxy": ""}
+
+# urllib through HTTPS_PROXY (set in every command's environment); the boxes clear
+# NO_PROXY so that 'localhost' is asked of the proxy too
+CALL_API = r"""
+import json, os, sys, urllib.request
+req = urllib.request.Request(sys.argv[1], data=json.dumps({"key": os.environ["API_KEY"]}).encode(),
+                             headers={"Authorization": "Bearer " + os.environ["API_KEY"]})
+print(urllib.request.urlopen(req, timeout=60).read().decode())
+"""
+
+
+@pytest.fixture(scope="module")
+def api(test_ca: Path) -> Iterator[EchoAPI]:
+    s = EchoAPI(test_ca)
+    yield s
+    s.close()
+
+
+def files_holding(needle: bytes, *roots: Path, skip: tuple[str, ...] = ()) -> list[str]:
+    """The files under ``roots`` that contain ``needle`` (read in blocks that overlap)."""
+    found = []
+    for root in roots:
+        paths = [root] if root.is_file() else [p for p in root.rglob("*") if p.is_file()]
+        for path in paths:
+            if path.name in skip:
+                continue
+            with open(path, "rb") as f:
+                tail = b""
+                while block := f.read(16 << 20):
+                    if needle in tail + block:
+                        found.append(str(path))
+                        break
+                    tail = block[-len(needle) :]
+    return found
+
+
+def test_the_box_sees_a_placeholder_and_the_api_gets_the_value(
+    debian_root: Path, api: EchoAPI, test_ca: Path, tmp_path: Path
+) -> None:
+    url = f"https://localhost:{api.port}/v1/chat"
+    secret = sandlot.Secret("API_KEY", VALUE, hosts=[f"localhost:{api.port}"], ca=test_ca / "ca.pem")
+    box = sandlot.Box(rootfs=debian_root, memory_mib=256, network="allowlist", allow=["127.0.0.1"],
+                      secrets=[secret], env=NO_PROXY_EXEMPTIONS)  # fmt: skip
+    with box:
+        placeholder = box.exec("sh", "-c", "echo $API_KEY").stdout.strip()
+        assert placeholder.startswith("sandlot-secret-API_KEY-")
+        assert box.inspect()["options"]["secrets"][0]["placeholder"] == placeholder
+        r = box.exec("python3", "-c", CALL_API, url, timeout=120)
+        assert r.returncode == 0, r.stderr
+        echoed = json.loads(r.stdout)
+        assert api.seen[-1]["authorization"] == f"Bearer {VALUE}"  # swapped in on the way out
+        assert json.loads(api.seen[-1]["body"])["key"] == VALUE
+        assert echoed["authorization"] == "Bearer " + "*" * len(VALUE)  # masked on the way back
+        # the guest trusts the box's CA through the system bundle too (curl/openssl defaults)
+        ca = box.files.read("/etc/sandlot/ca.pem")
+        assert ca.startswith(b"-----BEGIN CERTIFICATE-----")
+        # a fork can use it: its values come from this box
+        snap = box.snapshot("with-secret")
+        kid = box.fork()[0]
+        try:
+            assert kid.exec("python3", "-c", CALL_API, url, timeout=120).returncode == 0
+            assert api.seen[-1]["authorization"] == f"Bearer {VALUE}"
+        finally:
+            kid.remove(force=True)
+        exported = snap.export(tmp_path / "snap.tar.zst")
+        home = Path(box.inspect()["paths"]["dir"]).parents[1]
+        snap_dir = Path(snap.inspect()["path"])
+        # nowhere but the secrets file
+        plain = tmp_path / "snap.tar"
+        with open(exported, "rb") as src, open(plain, "wb") as dst:
+            zstandard.ZstdDecompressor().copy_stream(src, dst)
+        where = files_holding(
+            VALUE.encode(), home / "boxes", home / "layers", snap_dir, plain,
+            *home.glob("sandlot.db*"), skip=("secrets.json",),
+        )  # fmt: skip
+        assert where == []
+        # the memory snapshot does hold what the guest had: the placeholder (the search works)
+        assert files_holding(placeholder.encode(), snap_dir)
+        box_id = box.id
+    # a new box from the snapshot, its box gone: the values must be given again
+    with pytest.raises(sandlot.InvalidArgument, match="API_KEY"):
+        snap.start()
+    assert all(b.id != box_id for b in sandlot.Box.list())
+    kid = sandlot.Box(template=snap, secrets=[secret], env=NO_PROXY_EXEMPTIONS)
+    with kid:
+        assert kid.exec("sh", "-c", "echo $API_KEY").stdout.strip() == placeholder  # the state's own
+        assert kid.exec("python3", "-c", CALL_API, url, timeout=120).returncode == 0
+    snap.remove()
