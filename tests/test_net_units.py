@@ -131,15 +131,17 @@ def upstream() -> Iterator[Upstream]:
     u.sock.close()
 
 
-def through_proxy(tmp_path: Path, policy: Policy, request: bytes, then: bytes = b"") -> tuple[bytes, dict]:  # type: ignore[type-arg]
+def through_proxy(  # type: ignore[type-arg]
+    tmp_path: Path, policy: Policy, request: bytes, then: bytes = b"", *, transparent: int | None = None
+) -> tuple[bytes, dict]:
     """Run one proxy process on one connection, as QEMU does; return what the guest
-    read and the decision logged."""
+    read and the decision logged. ``transparent``: the port of a straight connection."""
     write_policy(tmp_path / "policy.json", policy)
     guest, theirs = socket.socketpair()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "sandlot.net.proxy", str(tmp_path / "policy.json"), str(tmp_path / "log")],
-        stdin=theirs, stdout=theirs, stderr=theirs,
-    )  # fmt: skip
+    argv = [sys.executable, "-m", "sandlot.net.proxy", str(tmp_path / "policy.json"), str(tmp_path / "log")]
+    if transparent is not None:
+        argv += ["--transparent", str(transparent)]
+    proc = subprocess.Popen(argv, stdin=theirs, stdout=theirs, stderr=theirs)
     theirs.close()
     guest.settimeout(20)
     guest.sendall(request)
@@ -222,3 +224,26 @@ def test_a_damaged_policy_file_denies_everything(tmp_path: Path, upstream: Upstr
     (tmp_path / "policy.json").write_text("{not json")
     assert read_policy(tmp_path / "policy.json") == Policy(mode="allowlist")
     assert read_policy(tmp_path / "missing.json") == Policy(mode="allowlist")
+
+
+def test_straight_connections_are_routed_by_server_name_or_host(tmp_path: Path, upstream: Upstream) -> None:
+    """What a program that ignores HTTP(S)_PROXY sends to the address sandlot's DNS gave it."""
+    p = upstream.port
+    policy = Policy.build("allowlist", [f"127.0.0.1:{p}", "allowed.example"])
+    # HTTP: the Host header names where it goes; the request goes as it was sent
+    request = f"GET /x HTTP/1.1\r\nHost: 127.0.0.1:{p}\r\n\r\n".encode()
+    out, entry = through_proxy(tmp_path, policy, request, transparent=p)
+    assert out == b"pong" and entry["decision"] == "allowed" and entry["transparent"] is True
+    assert upstream.received[-1] == request
+    out, entry = through_proxy(
+        tmp_path, policy, b"GET / HTTP/1.1\r\nHost: evil.example\r\n\r\n", transparent=p
+    )
+    assert out.startswith(b"HTTP/1.1 403") and entry["decision"] == "denied"
+    # TLS: the server name; one not allowed, or none at all, is cut without a byte sent on
+    hits = len(upstream.received)
+    out, entry = through_proxy(tmp_path, policy, client_hello("evil.example"), transparent=p)
+    assert out == b"" and entry["decision"] == "denied" and "evil.example" in entry["reason"]
+    no_name = b"\x16\x03\x01\x00\x04\x01\x00\x00\x00"  # a (short) ClientHello with no server name
+    out, entry = through_proxy(tmp_path, policy, no_name, transparent=p)
+    assert entry["decision"] == "denied" and "server name" in entry["reason"]
+    assert len(upstream.received) == hits

@@ -122,6 +122,24 @@ except (ssl.SSLError, OSError) as exc:
 """
 
 
+STRAIGHT_TLS = r"""
+import socket, ssl, sys
+port, name = int(sys.argv[1]), sys.argv[2]
+ctx = ssl.create_default_context(cafile="/root/ca.pem")
+ctx.check_hostname = False  # the test is about what the proxy lets through, by server name
+try:
+    raw = socket.create_connection(("10.0.2.100", port), timeout=20)
+    with ctx.wrap_socket(raw, server_hostname=name) as t:
+        t.sendall(b"GET /straight HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n")
+        data = b""
+        while chunk := t.recv(4096):
+            data += chunk
+    print(data.split(b"\r\n\r\n", 1)[1].decode())
+except (ssl.SSLError, OSError) as exc:
+    print("refused:" + type(exc).__name__)
+"""
+
+
 WAIT_FOR_8000 = """
 import socket, time
 for _ in range(150):
@@ -206,6 +224,14 @@ def test_allowlist_lets_through_only_what_is_listed(
         box.files.write("/root/ca.pem", (test_ca / "ca.pem").read_bytes())
         ok = box.exec("python3", "-c", TLS_WITH_NAME, "localhost", str(tls_service.port), "localhost")
         assert ok.stdout.strip() == "host-only-data", ok.stdout + ok.stderr
+        # a program that ignores HTTPS_PROXY connects straight to the address sandlot's DNS
+        # gives allowed names: routed by its TLS server name, on a port the allowlist names
+        ok = box.exec("python3", "-c", STRAIGHT_TLS, str(tls_service.port), "localhost")
+        assert ok.stdout.strip() == "host-only-data", ok.stdout + ok.stderr
+        hits = len(tls_service.hits)
+        bad = box.exec("python3", "-c", STRAIGHT_TLS, str(tls_service.port), "evil.example")
+        assert bad.stdout.startswith("refused"), bad.stdout + bad.stderr
+        assert len(tls_service.hits) == hits and egress_log(box)[-1]["transparent"] is True
         # the same tunnel with a server name not on the list is cut before any byte reaches the API
         hits = len(tls_service.hits)
         bad = box.exec("python3", "-c", TLS_WITH_NAME, "localhost", str(tls_service.port), "evil.example")

@@ -653,7 +653,8 @@ class AsyncBox:
                                          str(self.state_dir / "egress.log"))
             )  # fmt: skip
         forwards = [(p.address, p.host, p.guest) for p in self.spec.ports]
-        return NetConfig(restrict=policy.mode != "open", proxy_command=proxy, forwards=forwards)
+        return NetConfig(restrict=policy.mode != "open", proxy_command=proxy, forwards=forwards,
+                         transparent_ports=self.spec.transparent_ports())  # fmt: skip
 
     def _existing_vm(self, rec: BoxRecord) -> QemuVM:
         """The VM process of a box started elsewhere (or earlier)."""

@@ -12,7 +12,7 @@ from typing import Any
 from ..engine.qemu import PROXY_ADDRESS, PROXY_PORT
 from ..errors import InvalidArgument
 from ..images.reference import Reference
-from ..net.policy import Policy, parse_ip
+from ..net.policy import Policy, Rule, parse_ip
 from ..net.secrets import DEFAULT_PORT, Secret, host_rule, new_placeholder, trust_env
 from ..store import validate_name
 from .files import guest_path
@@ -331,6 +331,16 @@ class BoxSpec:
             for s in self.secrets:
                 allow += [h if host_rule(s["name"], h).port else f"{h}:{DEFAULT_PORT}" for h in s["hosts"]]
         return Policy.build(self.network, allow or None)
+
+    def transparent_ports(self) -> list[int]:
+        """The ports a program may connect to straight (not through HTTP(S)_PROXY) at
+        the address sandlot's DNS gives allowed names: 80, 443 and those the allow
+        entries and secrets name. Fixed when the VM starts: QEMU cannot add them later."""
+        ports = {80, 443}
+        ports.update(r.port for r in self.policy.allow if r.port)
+        for s in self.secrets:
+            ports.update(r.port for r in map(Rule.parse, s["hosts"]) if r.port)
+        return sorted(ports - {PROXY_PORT, 53})
 
     def to_options(self) -> dict[str, Any]:
         d = asdict(self)

@@ -91,11 +91,13 @@ PROXY_PORT = 3128
 class NetConfig:
     """A network card on QEMU's user networking. ``restrict``: nothing leaves but
     the proxy and the forwards; ``proxy_command`` runs once per guest connection
-    to the proxy address, with the connection as its standard input and output."""
+    to the proxy address, with the connection as its standard input and output;
+    on the ``transparent_ports`` of that address, with ``--transparent PORT``."""
 
     restrict: bool = True
     proxy_command: str | None = None
     forwards: list[tuple[str, int, int]] = field(default_factory=list)  # host address, host port, guest port
+    transparent_ports: list[int] = field(default_factory=list)
 
     def netdev(self) -> str:
         opts = f"user,id=net0,ipv6=off,restrict={'on' if self.restrict else 'off'}"
@@ -103,6 +105,9 @@ class NetConfig:
             opts += f",hostfwd=tcp:{address}:{host_port}-:{guest_port}"
         if self.proxy_command:
             opts += f",guestfwd=tcp:{PROXY_ADDRESS}:{PROXY_PORT}-cmd:{_q(self.proxy_command)}"
+            for port in self.transparent_ports:
+                cmd = f"{self.proxy_command} --transparent {port}"
+                opts += f",guestfwd=tcp:{PROXY_ADDRESS}:{port}-cmd:{_q(cmd)}"
         return opts
 
 

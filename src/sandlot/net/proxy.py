@@ -8,10 +8,15 @@ change applies to a running box at its next connection.
 
 It speaks what proxy-aware clients send (``HTTPS_PROXY``/``HTTP_PROXY``, which
 sandlot sets in every command's environment): ``CONNECT host:port`` and
-absolute-form HTTP requests. Every decision is made on the host: the name is
-checked, resolved here, each address checked, and the checked address is the
-one connected to. For CONNECT in allowlist mode, the TLS ClientHello's server
-name must be allowed too. Decisions are appended to LOG, one JSON line each.
+absolute-form HTTP requests. With ``--transparent PORT`` it serves connections
+made straight to the proxy address on PORT (sandlot's DNS answers allowed names
+with that address), routed by the TLS server name or the HTTP Host header.
+
+Every decision is made on the host: the name is checked, resolved here, each
+address checked, and the checked address is the one connected to. For CONNECT
+in allowlist mode, the TLS ClientHello's server name must be allowed too. A
+tunnel to a host the box's secrets are for is decrypted to swap them in (see
+``intercept``). Decisions are appended to LOG, one JSON line each.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import ssl
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from .policy import IPAddress, Policy, normalize_host, parse_ip, read_policy, split_host_port
 from .secrets import load_vault
@@ -192,21 +198,12 @@ def serve(guest: socket.socket, policy_path: Path, log: list[dict[str, object]])
         policy = read_policy(policy_path)
         ip = resolve(policy, host, port)
         entry["address"] = str(ip)
-        try:
-            vault = load_vault(policy_path.parent) if method == "CONNECT" else None
-        except ValueError as exc:
-            raise Denied(f"this box's secrets file cannot be read: {exc}") from None
-        swaps = vault.for_host(host, port) if vault is not None else []
-        if vault is not None and swaps:
+        if method == "CONNECT" and has_secrets_for(policy_path, host, port):
             if rest:
                 raise Denied("data sent before the tunnel was open")
-            from . import intercept  # h11 and TLS only for the hosts that need them
-
-            entry.update(decision="allowed", secrets=[s.name for s in swaps])
             guest.sendall(b"HTTP/1.1 200 Connection established\r\n\r\n")
             answered = True
-            entry["requests"] = intercept.serve(guest, host, port, str(ip), vault, swaps,
-                                                policy_path.parent / "tls")  # fmt: skip
+            swap_secrets(guest, policy_path, host, port, ip, entry)
             return
         if method == "CONNECT" and policy.mode == "allowlist":
             guest.sendall(b"HTTP/1.1 200 Connection established\r\n\r\n")
@@ -218,15 +215,8 @@ def serve(guest: socket.socket, policy_path: Path, log: list[dict[str, object]])
         upstream = socket.create_connection((str(ip), port), timeout=CONNECT_TIMEOUT)
     except Denied as exc:
         entry.update(decision="denied", reason=str(exc))
-        if answered:
-            return
-        with contextlib.suppress(OSError):
-            body = f"sandlot: egress denied: {exc}\n".encode()
-            guest.sendall(
-                b"HTTP/1.1 403 Forbidden\r\nContent-Type: text/plain\r\nX-Sandlot-Egress: denied\r\n"
-                + f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode()
-                + body
-            )
+        if not answered:
+            tell_denied(guest, exc)
         return
     except OSError as exc:
         entry.update(decision="failed", reason=str(exc))
@@ -258,8 +248,110 @@ def serve(guest: socket.socket, policy_path: Path, log: list[dict[str, object]])
         splice(guest, upstream)
 
 
+def tell_denied(guest: socket.socket, exc: Denied) -> None:
+    with contextlib.suppress(OSError):
+        body = f"sandlot: egress denied: {exc}\n".encode()
+        guest.sendall(
+            b"HTTP/1.1 403 Forbidden\r\nContent-Type: text/plain\r\nX-Sandlot-Egress: denied\r\n"
+            + f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode()
+            + body
+        )
+
+
+def has_secrets_for(policy_path: Path, host: str, port: int) -> bool:
+    try:
+        vault = load_vault(policy_path.parent)
+    except ValueError as exc:
+        raise Denied(f"this box's secrets file cannot be read: {exc}") from None
+    return vault is not None and bool(vault.for_host(host, port))
+
+
+def swap_secrets(
+    guest: socket.socket, policy_path: Path, host: str, port: int, ip: IPAddress, entry: dict[str, object]
+) -> None:
+    """Relay HTTPS to a host the box's secrets are for (see ``intercept``)."""
+    from . import intercept  # h11 and TLS only for the hosts that need them
+
+    vault = load_vault(policy_path.parent)
+    assert vault is not None
+    swaps = vault.for_host(host, port)
+    entry.update(decision="allowed", secrets=[s.name for s in swaps])
+    entry["requests"] = intercept.serve(guest, host, port, str(ip), vault, swaps, policy_path.parent / "tls")
+
+
+def peek_first(sock: socket.socket) -> bytes:
+    """The first TLS record or HTTP request head, left unread in the socket."""
+    sock.settimeout(HEAD_TIMEOUT)
+    deadline = time.monotonic() + HEAD_TIMEOUT
+    while True:
+        data = sock.recv(HEAD_LIMIT, socket.MSG_PEEK)
+        if not data:
+            raise Denied("connection closed before a request")
+        if data[0] == 0x16:
+            if len(data) >= 5 and len(data) >= 5 + int.from_bytes(data[3:5], "big"):
+                return data
+        elif b"\r\n\r\n" in data:
+            return data
+        if len(data) >= HEAD_LIMIT or time.monotonic() > deadline:
+            return data
+        time.sleep(0.005)  # the rest is on its way
+
+
+def transparent_target(first: bytes, port: int) -> tuple[str, str]:
+    """("TLS" or "HTTP", host) of a connection made straight to a name sandlot's DNS
+    answered: the TLS server name, or the HTTP Host header."""
+    if first[:1] == b"\x16":
+        sni = client_hello_sni(first)
+        if not sni:
+            raise Denied("TLS without a server name: sandlot routes a connection by it")
+        return "TLS", sni
+    for line in first.split(b"\r\n\r\n", 1)[0].split(b"\r\n")[1:]:
+        name, _, value = line.partition(b":")
+        if name.strip().lower() == b"host":
+            return "HTTP", host_and_port(value.strip().decode("ascii", "replace"), port)[0]
+    raise Denied("neither TLS nor an HTTP request with a Host header")
+
+
+def serve_transparent(guest: socket.socket, policy_path: Path, port: int, log: list[dict[str, Any]]) -> None:
+    """A connection to the proxy address on ``port`` itself, not a proxy request:
+    routed by the name inside it, checked like a proxy request for that name."""
+    entry: dict[str, object] = {"time": round(time.time(), 3), "port": port, "transparent": True}
+    log.append(entry)
+    kind = "TLS"
+    try:
+        first = peek_first(guest)
+        kind, host = transparent_target(first, port)
+        entry.update(method=kind, host=host)
+        ip = resolve(read_policy(policy_path), host, port)
+        entry["address"] = str(ip)
+        if kind == "TLS" and has_secrets_for(policy_path, host, port):
+            swap_secrets(guest, policy_path, host, port, ip, entry)
+            return
+        upstream = socket.create_connection((str(ip), port), timeout=CONNECT_TIMEOUT)
+    except Denied as exc:
+        entry.update(decision="denied", reason=str(exc))
+        with contextlib.suppress(OSError):  # read what was peeked: closing on unread data resets
+            guest.setblocking(False)
+            while guest.recv(HEAD_LIMIT):
+                pass
+        guest.setblocking(True)
+        if kind == "HTTP":
+            tell_denied(guest, exc)
+        return
+    except OSError as exc:
+        entry.update(decision="failed", reason=str(exc))
+        return
+    entry["decision"] = "allowed"
+    with upstream:
+        upstream.settimeout(None)
+        guest.settimeout(None)
+        splice(guest, upstream)  # what was peeked is still to be read
+
+
 def main(argv: list[str]) -> int:
-    if len(argv) != 3:
+    """``POLICY LOG`` (a proxy request per connection) or ``POLICY LOG --transparent PORT``."""
+    transparent = len(argv) == 5 and argv[3] == "--transparent" and argv[4].isdigit()
+    if len(argv) != 3 and not transparent:
         return 2
     # descriptors 0-2 are the guest's connection: nothing of ours may be written there
     devnull = os.open(os.devnull, os.O_WRONLY)
@@ -271,7 +363,10 @@ def main(argv: list[str]) -> int:
     log: list[dict[str, object]] = []
     try:
         with guest:
-            serve(guest, Path(argv[1]), log)
+            if transparent:
+                serve_transparent(guest, Path(argv[1]), int(argv[4]), log)
+            else:
+                serve(guest, Path(argv[1]), log)
     except Exception as exc:  # a broken connection ends it; the log says why
         if log:
             log[-1].setdefault("decision", "failed")
