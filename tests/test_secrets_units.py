@@ -8,6 +8,7 @@ import base64
 import http.client
 import http.server
 import json
+import os
 import socket
 import ssl
 import subprocess
@@ -225,3 +226,27 @@ def test_secrets_need_a_proxied_network_and_values_for_a_saved_state(tmp_path: P
     assert again.secrets == spec.secrets
     with pytest.raises(InvalidArgument, match="API_KEY"):
         build_vault("kid", again.secrets, [], None)
+
+
+def test_cli_takes_a_secrets_value_from_the_environment_only(tmp_path: Path) -> None:
+    def cli(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "sandlot.cli", *args], capture_output=True, text=True,
+                              env={**os.environ, **env}, timeout=120)  # fmt: skip
+
+    (tmp_path / "root" / "bin").mkdir(parents=True)
+    common = ["--rootfs", str(tmp_path / "root"), "--network", "allowlist"]
+    r = cli("create", *common, "--secret", "API_KEY@api.example.com")
+    assert r.returncode == 2 and "set $API_KEY" in r.stderr
+    r = cli("create", *common, "--secret", "API_KEY")
+    assert r.returncode == 2 and "NAME@HOST" in r.stderr
+    name = f"sec-{os.urandom(3).hex()}"
+    r = cli("create", *common, "--name", name, "--secret", "API_KEY@api.example.com,*.example.org",
+            API_KEY=VALUE)  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    try:
+        shown = cli("inspect", name).stdout
+        record = json.loads(shown)
+        assert record["options"]["secrets"][0]["hosts"] == ["api.example.com", "*.example.org"]
+        assert VALUE not in shown
+    finally:
+        cli("rm", "-f", name)

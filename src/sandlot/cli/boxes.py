@@ -18,6 +18,7 @@ from rich.table import Table
 
 from ..api.box import AsyncBox
 from ..errors import BoxNotFound, SandlotError
+from ..net.secrets import Secret
 from . import app, fail, human
 from .terminal import attach, raw_terminal, terminal_size
 
@@ -34,6 +35,24 @@ def _env(items: list[str] | None) -> dict[str, str]:
             key, value = item, os.environ.get(item, "")  # -e NAME passes the host's value, as Docker does
         out[key] = value
     return out
+
+
+def _secrets(items: list[str] | None) -> list[Secret] | None:
+    """``NAME@HOST[,HOST...]``: the value is this process's ``$NAME``, never a command-line
+    argument (which any user of the host can read in the process list)."""
+    out = []
+    for item in items or []:
+        name, sep, hosts = item.partition("@")
+        if not sep or not hosts:
+            raise fail(f"--secret needs NAME@HOST[,HOST...], got {item!r}", 2)
+        value = os.environ.get(name)
+        if value is None:
+            raise fail(f"--secret {name}: set ${name} in this environment to its value", 2)
+        try:
+            out.append(Secret(name, value, hosts=hosts.split(",")))
+        except SandlotError as exc:
+            raise fail(exc, 2) from exc
+    return out or None
 
 
 def _labels(items: list[str] | None) -> dict[str, str]:
@@ -75,12 +94,12 @@ def _box_options(
     image_or_rootfs: tuple[str | None, Path | None], name: str | None, env: list[str] | None,
     volume: list[str] | None, label: list[str] | None, cpus: int, memory: int, disk: int, workdir: str | None,
     user: str | None, rm: bool, pull: str, insecure: bool, accel: str,
-    net: tuple[str | None, list[str] | None, list[str] | None] = (None, None, None),
+    net: tuple[str | None, list[str] | None, list[str] | None, list[str] | None] = (None, None, None, None),
 ) -> dict[str, Any]:  # fmt: skip
     image, rootfs = image_or_rootfs
-    network, allow, publish = net
+    network, allow, publish, secret = net
     return {
-        "network": network, "allow": allow or None, "ports": publish or None,
+        "network": network, "allow": allow or None, "ports": publish or None, "secrets": _secrets(secret),
         "image": image, "rootfs": rootfs, "name": name, "env": _env(env), "volumes": volume or None,
         "labels": _labels(label), "cpus": cpus, "memory_mib": memory, "disk_size_gb": disk,
         "workdir": workdir, "user": user, "auto_remove": rm, "pull": pull, "insecure": insecure,
@@ -110,6 +129,14 @@ NetOpt = Annotated[
 AllowOpt = Annotated[
     list[str] | None,
     typer.Option("--allow", help="NAME, *.DOMAIN, ADDRESS or NETWORK[:PORT] the box may reach (allowlist)."),
+]
+SecretOpt = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--secret",
+        help="NAME@HOST[,HOST]: $NAME of this shell, swapped in for a placeholder "
+        "only on HTTPS to those hosts; the box never holds it.",
+    ),
 ]
 PublishOpt = Annotated[
     list[str] | None,
@@ -144,6 +171,7 @@ def run(
     network: NetOpt = None,
     allow: AllowOpt = None,
     publish: PublishOpt = None,
+    secret: SecretOpt = None,
 ) -> None:
     """Create and start a box from IMAGE (or --rootfs), run a command in it.
 
@@ -154,6 +182,8 @@ def run(
     sandlot run --rootfs DIR -- CMD    a root filesystem directory or tarball instead of an image
     sandlot run --network public ...   HTTP(S) out through sandlot's proxy (no host, no private ranges)
     sandlot run -d -p 8080:80 ...      the box's port 80 on the host's 127.0.0.1:8080
+    sandlot run --network allowlist --secret API_KEY@api.example.com ...
+                                       $API_KEY used by the box, never seen by it
 
     Exits with the command's status.
     """
@@ -184,7 +214,7 @@ def run(
         pull,
         insecure,
         accel,
-        (network, allow, publish),
+        (network, allow, publish, secret),
     )
 
     async def main() -> int:
@@ -236,6 +266,7 @@ def create(
     network: NetOpt = None,
     allow: AllowOpt = None,
     publish: PublishOpt = None,
+    secret: SecretOpt = None,
 ) -> None:
     """Create a box (image pulled, disk made) without starting it; print its name."""
     opts = _box_options(
@@ -253,7 +284,7 @@ def create(
         pull,
         insecure,
         accel,
-        (network, allow, publish),
+        (network, allow, publish, secret),
     )
 
     async def main() -> None:
