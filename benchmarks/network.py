@@ -4,7 +4,9 @@
 * box -> host through the egress proxy (``network="allowlist"`` listing the server);
 * box -> host through QEMU's user networking directly (``network="open"``, 10.0.2.2):
   the same guest client without the proxy, to separate the proxy's cost from emulation's;
-* host -> box through a published port (``ports=[...]``), the server in the box.
+* host -> box through a published port (``ports=[...]``), the server in the box;
+* box -> host over HTTPS through the proxy twice from one box: a tunnel (end-to-end
+  TLS) and a host the box's secret is for (decrypted, the placeholder swapped in).
 
 Each: request latency on a new connection per request (median, p99) and the
 throughput of one large download; ratios against host -> host.
@@ -18,6 +20,7 @@ import argparse
 import http.server
 import json
 import os
+import ssl
 import subprocess
 import sys
 import threading
@@ -45,7 +48,24 @@ print(json.dumps({"latency": lat, "bytes": n, "seconds": time.perf_counter() - t
 """
 
 
-def serve(big: bytes) -> http.server.ThreadingHTTPServer:
+TLS_CLIENT = r"""
+import json, os, ssl, sys, time, urllib.request
+url, runs, cafile = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+ctx = ssl.create_default_context(cafile=cafile if cafile != "-" else None)
+opener = urllib.request.build_opener(urllib.request.HTTPSHandler(context=ctx))
+auth = {"Authorization": "Bearer " + os.environ["API_KEY"]}
+lat = []
+for _ in range(runs):
+    t = time.perf_counter()
+    opener.open(urllib.request.Request(url + "/small", headers=auth), timeout=60).read()
+    lat.append(time.perf_counter() - t)
+t = time.perf_counter()
+n = len(opener.open(urllib.request.Request(url + "/big", headers=auth), timeout=300).read())
+print(json.dumps({"latency": lat, "bytes": n, "seconds": time.perf_counter() - t}))
+"""
+
+
+def serve(big: bytes, tls: ssl.SSLContext | None = None) -> http.server.ThreadingHTTPServer:
     class Handler(http.server.BaseHTTPRequestHandler):
         def do_GET(self) -> None:
             body = big if self.path == "/big" else b"ok"
@@ -58,6 +78,8 @@ def serve(big: bytes) -> http.server.ThreadingHTTPServer:
             pass
 
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    if tls is not None:
+        server.socket = tls.wrap_socket(server.socket, server_side=True)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     return server
 
@@ -86,6 +108,49 @@ def box_client(box: sandlot.Box, url: str, runs: int, proxy: str | None) -> dict
         raise RuntimeError(r.stderr)
     result: dict[str, Any] = json.loads(r.stdout)
     return result
+
+
+def https_with_secrets(root: Any, big: bytes, runs: int) -> dict[str, Any]:
+    """HTTPS from one box to one server (CA made here): tunnelled as 127.0.0.1, and
+    decrypted as 'localhost', the name the box's secret is for."""
+    from sandlot.net.secrets import make_ca, make_leaf
+
+    work = CACHE / "bench-secrets"
+    work.mkdir(parents=True, exist_ok=True)
+    ca_cert, ca_key = make_ca("benchmark server")
+    cert, key = make_leaf("localhost", ca_cert, ca_key)
+    (work / "server.pem").write_text(key + cert + ca_cert)
+    (work / "ca.pem").write_text(ca_cert)
+    tls = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    tls.load_cert_chain(work / "server.pem")
+    server = serve(big, tls)
+    port = server.server_address[1]
+    value = "sk-bench-0123456789"
+    key_secret = sandlot.Secret("API_KEY", value, hosts=[f"localhost:{port}"], ca=work / "ca.pem")
+    out: dict[str, Any] = {}
+    allow = ["127.0.0.1", f"localhost:{port}"]
+    url = f"https://localhost:{port}"
+    # end to end: the guest checks the server's own certificate through a tunnel
+    with sandlot.Box(rootfs=root, memory_mib=512, network="allowlist", allow=allow, template=False,
+                     env={"NO_PROXY": "", "no_proxy": "", "API_KEY": value}) as box:  # fmt: skip
+        box.files.write("/srv/server-ca.pem", ca_cert)
+        r = box.exec("python3", "-c", TLS_CLIENT, url, str(runs), "/srv/server-ca.pem", timeout=900)
+        if r.returncode != 0:
+            raise RuntimeError(r.stderr)
+        out["box_to_host_https_tunnel"] = figures(json.loads(r.stdout))
+    # decrypted: the guest trusts its box's CA (SSL_CERT_FILE); the proxy swaps the key in
+    with sandlot.Box(rootfs=root, memory_mib=512, network="allowlist", allow=allow, secrets=[key_secret],
+                     template=False, env={"NO_PROXY": "", "no_proxy": ""}) as box:  # fmt: skip
+        r = box.exec("python3", "-c", TLS_CLIENT, url, str(runs), "-", timeout=900)
+        if r.returncode != 0:
+            raise RuntimeError(r.stderr)
+        out["box_to_host_https_secret_swapped"] = figures(json.loads(r.stdout))
+    tunnel = out["box_to_host_https_tunnel"]["latency_ms"]["median"]
+    out["box_to_host_https_secret_swapped"]["latency_ratio_vs_tunnel"] = round(
+        out["box_to_host_https_secret_swapped"]["latency_ms"]["median"] / tunnel, 2
+    )
+    server.shutdown()
+    return out
 
 
 def main() -> None:
@@ -129,6 +194,7 @@ def main() -> None:
         raw = host_client(f"http://{address}:{host_port}", args.runs)
         out["host_to_box_published_port"] = ratio(figures(raw))
     server.shutdown()
+    out.update(https_with_secrets(root, big, args.runs))
     out["host"] = host_facts(sandlot.Runtime.for_home().assets().accel.name)
     emit(out)
 
