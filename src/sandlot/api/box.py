@@ -733,7 +733,9 @@ class AsyncBox:
             self.runtime.store.update(self.id, state="running", started_at=time.time())
             self.boot_seconds = time.monotonic() - t0
             self._watch_idle()
-            if self._auto_key is not None:  # the image's first boot: later boxes restore it instead
+            # the image's first boot: later boxes restore it instead (not a box with secrets:
+            # its disk now trusts its own CA, which no other box should)
+            if self._auto_key is not None and not self.spec.secrets:
                 try:
                     await self._capture("template", template_key=self._auto_key)
                 except Exception as exc:  # a box that booted is never failed for its template
