@@ -13,7 +13,6 @@ import socket
 import ssl
 import subprocess
 import sys
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -23,17 +22,18 @@ from sandlot import InvalidArgument, Secret
 from sandlot.api.options import BoxSpec
 from sandlot.net.policy import Policy, write_policy
 from sandlot.net.secrets import Masker, build_vault, load_vault, swap_in_header, write_vault
+from tests.servers import LocalServer, QuietHandler
 
 VALUE = "sk-live-0123456789abcdef"
 
 
-class EchoAPI:
+class EchoAPI(LocalServer):
     """An HTTPS API on 127.0.0.1 that answers with what it received (the value included)."""
 
     def __init__(self, test_ca: Path) -> None:
         seen: list[dict[str, str]] = []
 
-        class Handler(http.server.BaseHTTPRequestHandler):
+        class Handler(QuietHandler):
             protocol_version = "HTTP/1.1"
 
             def answer(self) -> None:
@@ -55,20 +55,10 @@ class EchoAPI:
 
             do_GET = do_POST = answer
 
-            def log_message(self, *args: object) -> None:
-                pass
-
         ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
         ctx.load_cert_chain(test_ca / "server.pem", test_ca / "server.key")
         self.seen = seen
-        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.server.socket = ctx.wrap_socket(self.server.socket, server_side=True)
-        self.port = self.server.server_address[1]
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
+        super().__init__(Handler, ctx)
 
 
 @pytest.fixture(scope="module")

@@ -8,13 +8,11 @@ sends traffic to any other address (the proxy refuses before it connects).
 
 from __future__ import annotations
 
-import http.server
 import json
 import os
 import ssl
 import subprocess
 import sys
-import threading
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,17 +20,18 @@ from pathlib import Path
 import pytest
 
 import sandlot
+from tests.servers import LocalServer, QuietHandler
 
 pytestmark = pytest.mark.vm
 
 
-class HostService:
+class HostService(LocalServer):
     """An HTTP(S) server on the host's 127.0.0.1 that counts the requests it got."""
 
     def __init__(self, context: ssl.SSLContext | None = None) -> None:
         hits: list[str] = []
 
-        class Handler(http.server.BaseHTTPRequestHandler):
+        class Handler(QuietHandler):
             def do_GET(self) -> None:
                 hits.append(self.path)
                 body = b"host-only-data"
@@ -41,19 +40,8 @@ class HostService:
                 self.end_headers()
                 self.wfile.write(body)
 
-            def log_message(self, *args: object) -> None:
-                pass
-
         self.hits = hits
-        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        if context is not None:
-            self.server.socket = context.wrap_socket(self.server.socket, server_side=True)
-        self.port = self.server.server_address[1]
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
+        super().__init__(Handler, context)
 
 
 @pytest.fixture(scope="module")
@@ -95,45 +83,32 @@ for line in sys.stdin:
     print(json.dumps([kind, target, attempt(kind, target)]), flush=True)
 """
 
+# HTTPS with a given server name, "connect": through a CONNECT tunnel to HOST:PORT;
+# "straight": to the proxy address on PORT itself (as after sandlot's DNS answered)
 TLS_WITH_NAME = r"""
 import socket, ssl, sys
-host, port, name = sys.argv[1], int(sys.argv[2]), sys.argv[3]
-s = socket.create_connection(("10.0.2.100", 3128), timeout=20)
-s.sendall(f"CONNECT {host}:{port} HTTP/1.1\r\n\r\n".encode())
-head = b""
-while b"\r\n\r\n" not in head:
-    chunk = s.recv(1)
-    if not chunk:
-        print("refused:closed"); sys.exit()
-    head += chunk
-if not head.startswith(b"HTTP/1.1 200"):
-    print("refused:" + head.split()[1].decode()); sys.exit()
+how, target, name = sys.argv[1], sys.argv[2], sys.argv[3]
+if how == "connect":
+    s = socket.create_connection(("10.0.2.100", 3128), timeout=20)
+    s.sendall(f"CONNECT {target} HTTP/1.1\r\n\r\n".encode())
+    head = b""
+    while b"\r\n\r\n" not in head:
+        chunk = s.recv(1)
+        if not chunk:
+            print("refused:closed"); sys.exit()
+        head += chunk
+    if not head.startswith(b"HTTP/1.1 200"):
+        print("refused:" + head.split()[1].decode()); sys.exit()
 ctx = ssl.create_default_context(cafile="/root/ca.pem")
 ctx.check_hostname = False  # the test is about what the proxy lets through, by server name
 try:
+    if how != "connect":
+        s = socket.create_connection(("10.0.2.100", int(target)), timeout=20)
     t = ctx.wrap_socket(s, server_hostname=name)
     t.sendall(b"GET /tls HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n")
     data = b""
     while chunk := t.recv(4096):
         data += chunk
-    print(data.split(b"\r\n\r\n", 1)[1].decode())
-except (ssl.SSLError, OSError) as exc:
-    print("refused:" + type(exc).__name__)
-"""
-
-
-STRAIGHT_TLS = r"""
-import socket, ssl, sys
-port, name = int(sys.argv[1]), sys.argv[2]
-ctx = ssl.create_default_context(cafile="/root/ca.pem")
-ctx.check_hostname = False  # the test is about what the proxy lets through, by server name
-try:
-    raw = socket.create_connection(("10.0.2.100", port), timeout=20)
-    with ctx.wrap_socket(raw, server_hostname=name) as t:
-        t.sendall(b"GET /straight HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n")
-        data = b""
-        while chunk := t.recv(4096):
-            data += chunk
     print(data.split(b"\r\n\r\n", 1)[1].decode())
 except (ssl.SSLError, OSError) as exc:
     print("refused:" + type(exc).__name__)
@@ -221,25 +196,26 @@ def test_allowlist_lets_through_only_what_is_listed(
         finally:
             other.close()
         # HTTPS to an allowed API (the test CA stands in for the public ones)
+        tunnel = f"localhost:{tls_service.port}"
         box.files.write("/root/ca.pem", (test_ca / "ca.pem").read_bytes())
-        ok = box.exec("python3", "-c", TLS_WITH_NAME, "localhost", str(tls_service.port), "localhost")
+        ok = box.exec("python3", "-c", TLS_WITH_NAME, "connect", tunnel, "localhost")
         assert ok.stdout.strip() == "host-only-data", ok.stdout + ok.stderr
         # a program that ignores HTTPS_PROXY connects straight to the address sandlot's DNS
         # gives allowed names: routed by its TLS server name, on a port the allowlist names
-        ok = box.exec("python3", "-c", STRAIGHT_TLS, str(tls_service.port), "localhost")
+        ok = box.exec("python3", "-c", TLS_WITH_NAME, "straight", str(tls_service.port), "localhost")
         assert ok.stdout.strip() == "host-only-data", ok.stdout + ok.stderr
         hits = len(tls_service.hits)
-        bad = box.exec("python3", "-c", STRAIGHT_TLS, str(tls_service.port), "evil.example")
+        bad = box.exec("python3", "-c", TLS_WITH_NAME, "straight", str(tls_service.port), "evil.example")
         assert bad.stdout.startswith("refused"), bad.stdout + bad.stderr
         assert len(tls_service.hits) == hits and egress_log(box)[-1]["transparent"] is True
         # the same tunnel with a server name not on the list is cut before any byte reaches the API
         hits = len(tls_service.hits)
-        bad = box.exec("python3", "-c", TLS_WITH_NAME, "localhost", str(tls_service.port), "evil.example")
+        bad = box.exec("python3", "-c", TLS_WITH_NAME, "connect", tunnel, "evil.example")
         assert bad.stdout.startswith("refused"), bad.stdout + bad.stderr
         assert len(tls_service.hits) == hits
         # a listed name that resolves to a private address is refused unless that address is listed
         box.set_network(allow=["localhost"])
-        again = box.exec("python3", "-c", TLS_WITH_NAME, "localhost", str(tls_service.port), "localhost")
+        again = box.exec("python3", "-c", TLS_WITH_NAME, "connect", tunnel, "localhost")
         assert again.stdout.strip() == "refused:403"
         decisions = egress_log(box)
         assert "not a public address" in str(decisions[-1]["reason"])
