@@ -3,7 +3,9 @@
 Every server here listens on the host's 127.0.0.1; an HTTPS server with a test CA
 stands in for an allowed API. Boxes reach the host only through QEMU's user
 networking (10.0.2.2 is the host's loopback) and the egress proxy; nothing here
-sends traffic to any other address (the proxy refuses before it connects).
+sends traffic to any other address (the proxy refuses before it connects). The
+only name the host is made to resolve is ``localhost`` (from its /etc/hosts);
+every other name asked is one the policy refuses before any lookup.
 """
 
 from __future__ import annotations
@@ -115,6 +117,63 @@ except (ssl.SSLError, OSError) as exc:
 """
 
 
+# Asks the box's resolver (the relay at 127.0.0.53) directly, so nothing in the
+# image (an /etc/hosts) answers instead; prints one JSON line per question:
+# [kind, argument, result, seconds].
+DNS_ASK = r"""
+import json, socket, struct, sys, time
+TYPES = {"A": 1, "AAAA": 28, "MX": 15}
+RCODES = ["NOERROR", "FORMERR", "SERVFAIL", "NXDOMAIN", "NOTIMP", "REFUSED"]
+def ask(msg, timeout):
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    s.settimeout(timeout)
+    s.sendto(msg, ("127.0.0.53", 53))
+    try:
+        r = s.recv(4096)
+    except TimeoutError:
+        return "timeout"
+    if r[:2] != msg[:2]:
+        return "wrong id"
+    qd, an = struct.unpack(">HH", r[4:8])
+    p = 12
+    for _ in range(qd):
+        while r[p]:
+            p += 1 + r[p]
+        p += 5
+    addresses = []
+    for _ in range(an):
+        rtype, _, ttl, size = struct.unpack(">HHIH", r[p + 2 : p + 12])
+        addresses.append(socket.inet_ntoa(r[p + 12 : p + 16]) + f"/{ttl}" if rtype == 1 else str(rtype))
+        p += 12 + size
+    return ":".join([RCODES[r[3] & 15], *addresses])
+def question(name, qtype):
+    labels = b"".join(bytes([len(x)]) + x.encode() for x in name.split("."))
+    return struct.pack(">HHHHHH", 0x4242, 0x0100, 1, 0, 0, 0) + labels + b"\0" + struct.pack(">HH", qtype, 1)
+for line in sys.stdin:
+    kind, arg = line.split()
+    t = time.monotonic()
+    if kind == "getaddrinfo":
+        try:
+            infos = socket.getaddrinfo(arg, 443, type=socket.SOCK_STREAM)
+            result = ",".join(sorted({a[4][0] for a in infos}))
+        except socket.gaierror as exc:
+            result = "refused:" + str(exc.errno)
+    elif kind == "raw":
+        result = ask(bytes.fromhex(arg), 2)
+    else:
+        result = ask(question(arg, TYPES[kind]), 10)
+    print(json.dumps([kind, arg, result, round(time.monotonic() - t, 3)]), flush=True)
+"""
+
+
+def ask_dns(box: sandlot.Box, *questions: tuple[str, str]) -> dict[tuple[str, str], tuple[str, float]]:
+    """``(type, name)``, ``("getaddrinfo", name)`` or ``("raw", hex)`` -> (result, seconds)."""
+    stdin = "".join(f"{k} {t}\n" for k, t in questions)
+    r = box.exec("python3", "-c", DNS_ASK, stdin=stdin, timeout=120)
+    assert r.returncode == 0, r.stderr
+    return {(k, t): (v, s) for k, t, v, s in map(json.loads, r.stdout.splitlines())}
+
+
 WAIT_FOR_8000 = """
 import socket, time
 for _ in range(150):
@@ -159,15 +218,17 @@ def test_public_mode_never_reaches_the_hosts_loopback(debian_root: Path, service
             ("proxy", f"10.0.2.2:{p}"),
             ("proxy", "169.254.169.254:80"),  # a cloud metadata service
             ("proxy", "192.168.1.1:80"),
-            ("dns", "pypi.org"),  # no resolver is reachable: names are resolved by the proxy
         )
         assert out[("direct", f"10.0.2.2:{p}")].startswith("refused"), out
         for key, value in out.items():
             if key[0] == "proxy":
                 assert value == "refused:403", (key, value)
-        assert out[("dns", "pypi.org")].startswith("refused"), out
         reasons = [e["reason"] for e in egress_log(box)]
         assert len(reasons) == 5 and all("not" in str(r) for r in reasons), reasons
+        # any name may be asked in public mode, but not one that points at the host's loopback
+        answers = ask_dns(box, ("A", "localhost"))
+        assert answers[("A", "localhost")][0] == "NXDOMAIN", answers
+        assert "not a public address" in str(egress_log(box)[-1]["reason"])
         assert box.exec("sh", "-c", "echo $HTTPS_PROXY").stdout.strip() == "http://10.0.2.100:3128"
     assert len(service.hits) == before  # nothing arrived
 
@@ -221,6 +282,80 @@ def test_allowlist_lets_through_only_what_is_listed(
         assert "not a public address" in str(decisions[-1]["reason"])
 
 
+def test_dns_answers_allowed_names_only_and_never_with_a_private_address(debian_root: Path) -> None:
+    # localhost is listed, but not the address it resolves to
+    with sandlot.Box(rootfs=debian_root, memory_mib=256, network="allowlist", allow=["localhost"]) as box:
+        box.files.write("/etc/hosts", b"")  # names are asked of DNS, whatever the image has
+        assert ask_dns(box, ("A", "localhost"))[("A", "localhost")][0] == "NXDOMAIN"
+        reason = str(egress_log(box)[-1]["reason"])
+        assert "127.0.0.1" in reason and "not a public address" in reason, reason
+        box.set_network(allow=["localhost", "127.0.0.1"])  # refusals are not kept: this applies at once
+        bad_count = "4242010000020000000000000000"  # a header claiming two questions, and none
+        out = ask_dns(
+            box,
+            ("A", "localhost"),  # listed, and its address too: the answer is sandlot's proxy
+            ("A", "LocalHost"),  # kept by the relay for the answer's TTL: not asked of the host again
+            ("getaddrinfo", "localhost"),  # what programs do
+            ("AAAA", "localhost"),  # IPv4 only: an empty answer
+            ("A", "blocked.example"),  # not listed: refused, and never looked up on the host
+            ("AAAA", "blocked.example"),
+            ("getaddrinfo", "blocked.example"),
+            ("raw", bad_count),
+            ("raw", "4242"),  # too short to answer: dropped
+            ("MX", "localhost"),  # the relay is still there
+        )
+        assert out[("A", "localhost")][0] == "NOERROR:10.0.2.100/10", out
+        assert out[("A", "LocalHost")][0] == "NOERROR:10.0.2.100/10", out
+        assert out[("getaddrinfo", "localhost")][0] == "10.0.2.100", out
+        assert out[("AAAA", "localhost")][0] == "NOERROR", out
+        assert out[("A", "blocked.example")][0] == "NXDOMAIN", out
+        refused, seconds = out[("getaddrinfo", "blocked.example")]
+        assert refused.startswith("refused:") and seconds < 3, out  # at once, not after a timeout
+        assert out[("raw", bad_count)][0] == "FORMERR", out
+        assert out[("raw", "4242")][0] == "timeout", out
+        assert out[("MX", "localhost")][0] == "NOERROR", out
+        log = [e for e in egress_log(box) if e.get("method") == "DNS"]
+        asked = [(e.get("host"), e.get("type"), e["decision"]) for e in log]
+        assert asked.count(("localhost", "A", "allowed")) == 1, asked
+        assert ("blocked.example", "A", "denied") in asked and ("localhost", "MX", "allowed") in asked
+        assert not any(t == "AAAA" for _, t, _ in asked)  # the relay answers those itself
+        assert any("malformed" in str(e.get("reason")) for e in log)
+        assert all(e.get("address") in (None, "127.0.0.1") for e in log)  # what was checked, not answered
+
+        # the relay outlives a kill from inside the box, and a fork's copy asks the fork's host side
+        box.exec("python3", "-c", KILL_RELAY, check=True)
+        assert ask_dns(box, ("A", "localhost"))[("A", "localhost")][0] == "NOERROR:10.0.2.100/10"
+        kid = box.fork()[0]
+        try:
+            assert ask_dns(kid, ("MX", "localhost"))[("MX", "localhost")][0] == "NOERROR"
+            assert [e.get("type") for e in egress_log(kid)] == ["MX"]
+        finally:
+            kid.remove(force=True)
+
+
+KILL_RELAY = """
+import os, signal, time
+def relays():
+    found = []
+    for p in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if open(f"/proc/{p}/comm").read().strip() == "sandlot-dns":
+                found.append(int(p))
+        except OSError:
+            pass
+    return found
+old = relays()
+assert len(old) == 1, old
+os.kill(old[0], signal.SIGKILL)
+for _ in range(100):
+    if relays() and relays() != old:
+        break
+    time.sleep(0.05)
+else:
+    raise SystemExit("no new relay")
+"""
+
+
 def test_policy_changes_apply_to_a_running_box(debian_root: Path, service: HostService) -> None:
     with sandlot.Box(rootfs=debian_root, memory_mib=256, network="allowlist") as box:
         target = ("proxy", f"127.0.0.1:{service.port}")
@@ -241,6 +376,7 @@ def test_open_mode_reaches_the_host_as_documented(debian_root: Path, service: Ho
         target = ("direct", f"10.0.2.2:{service.port}")
         assert probe(box, target)[target] == "connected"
         assert box.exec("sh", "-c", "echo ${HTTPS_PROXY:-unset}").stdout.strip() == "unset"
+        assert box.exec("cat", "/etc/resolv.conf").stdout == "nameserver 10.0.2.3\n"  # QEMU's resolver
 
 
 def test_published_ports_are_on_the_hosts_loopback_and_survive_a_rollback(debian_root: Path) -> None:

@@ -71,9 +71,19 @@ def test_the_box_sees_a_placeholder_and_the_api_gets_the_value(
         assert api.seen[-1]["authorization"] == f"Bearer {VALUE}"  # swapped in on the way out
         assert json.loads(api.seen[-1]["body"])["key"] == VALUE
         assert echoed["authorization"] == "Bearer " + "*" * len(VALUE)  # masked on the way back
-        # the guest trusts the box's CA through the system bundle too (curl/openssl defaults)
         ca = box.files.read("/etc/sandlot/ca.pem")
         assert ca.startswith(b"-----BEGIN CERTIFICATE-----")
+        # a program that ignores HTTPS_PROXY: sandlot's DNS gives it the proxy's address
+        # for the API's name, and the proxy routes the connection by its server name
+        box.sh("sed -i '/localhost/d' /etc/hosts")  # so that the name goes to DNS
+        straight = box.exec(
+            "sh", "-c", 'unset HTTPS_PROXY https_proxy; exec python3 -c "$0" "$1"', CALL_API, url
+        )
+        assert straight.returncode == 0, straight.stderr
+        assert json.loads(straight.stdout)["authorization"] == "Bearer " + "*" * len(VALUE)
+        assert api.seen[-1]["authorization"] == f"Bearer {VALUE}"
+        log = (Path(box.inspect()["paths"]["dir"]) / "egress.log").read_text().splitlines()
+        assert json.loads(log[-1])["transparent"] is True and json.loads(log[-1])["secrets"] == ["API_KEY"]
         # a fork can use it: its values come from this box
         snap = box.snapshot("with-secret")
         kid = box.fork()[0]

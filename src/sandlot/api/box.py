@@ -525,6 +525,8 @@ class AsyncBox:
                assets.kernel.sha256, assets.agent.digest, str(assets.initrd), qemu_version()]  # fmt: skip
         if self.spec.policy.has_nic:  # a network card is part of the saved device state
             key.append("nic")
+        if self.spec.policy.proxied:  # so is the guest's resolver, chosen at boot (the relay)
+            key.append("dns-relay")
         return hashlib.sha256(json.dumps(key).encode()).hexdigest()[:32]
 
     def _find_auto_template(self, image_digest: str) -> SnapshotRecord | None:
@@ -644,16 +646,19 @@ class AsyncBox:
             return None
         if not policy.has_nic:
             return NetConfig(restrict=True)
-        proxy = None
-        if policy.proxied:
-            write_policy(self.state_dir / "egress-policy.json", policy)
-            proxy = " ".join(
-                shlex.quote(x) for x in (sys.executable, "-m", "sandlot.net.proxy",
-                                         str(self.state_dir / "egress-policy.json"),
-                                         str(self.state_dir / "egress.log"))
-            )  # fmt: skip
+        policy_file = self.state_dir / "egress-policy.json"
+        write_policy(policy_file, policy)
+
+        def helper(module: str) -> str:  # started by QEMU for each guest connection
+            argv = (sys.executable, "-m", module, str(policy_file), str(self.state_dir / "egress.log"))
+            return " ".join(shlex.quote(x) for x in argv)
+
+        proxy = helper("sandlot.net.proxy") if policy.proxied else None
+        # open mode too: a guest restored from a snapshot of a proxied box asks it for names
+        dns = helper("sandlot.net.dns")
         forwards = [(p.address, p.host, p.guest) for p in self.spec.ports]
-        return NetConfig(restrict=policy.mode != "open", proxy_command=proxy, forwards=forwards,
+        restrict = policy.mode != "open"
+        return NetConfig(restrict=restrict, proxy_command=proxy, dns_command=dns, forwards=forwards,
                          transparent_ports=self.spec.transparent_ports())  # fmt: skip
 
     def _existing_vm(self, rec: BoxRecord) -> QemuVM:

@@ -9,7 +9,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..engine.qemu import PROXY_ADDRESS, PROXY_PORT
+from ..engine.qemu import DNS_PORT, PROXY_ADDRESS, PROXY_PORT
 from ..errors import InvalidArgument
 from ..images.reference import Reference
 from ..net.policy import Policy, Rule, parse_ip
@@ -340,7 +340,7 @@ class BoxSpec:
         ports.update(r.port for r in self.policy.allow if r.port)
         for s in self.secrets:
             ports.update(r.port for r in map(Rule.parse, s["hosts"]) if r.port)
-        return sorted(ports - {PROXY_PORT, 53})
+        return sorted(ports - {PROXY_PORT, DNS_PORT})
 
     def to_options(self) -> dict[str, Any]:
         d = asdict(self)

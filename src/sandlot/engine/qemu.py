@@ -82,22 +82,32 @@ def host_tsc_khz() -> int | None:
 
 
 # QEMU user networking (libslirp) gives the guest 10.0.2.15 behind a virtual
-# gateway 10.0.2.2; the egress proxy answers at this address and port.
+# gateway 10.0.2.2; the egress proxy answers at this address and port, and the
+# host's DNS answerer at port 53.
 PROXY_ADDRESS = "10.0.2.100"
 PROXY_PORT = 3128
+DNS_PORT = 53
 
 
 @dataclass(slots=True)
 class NetConfig:
     """A network card on QEMU's user networking. ``restrict``: nothing leaves but
-    the proxy and the forwards; ``proxy_command`` runs once per guest connection
-    to the proxy address, with the connection as its standard input and output;
-    on the ``transparent_ports`` of that address, with ``--transparent PORT``."""
+    the proxy, the DNS answerer and the forwards; ``proxy_command`` and
+    ``dns_command`` run once per guest connection to their port of the proxy
+    address, with the connection as their standard input and output; the proxy
+    also on the ``transparent_ports`` of that address, with ``--transparent PORT``."""
 
     restrict: bool = True
     proxy_command: str | None = None
+    dns_command: str | None = None
     forwards: list[tuple[str, int, int]] = field(default_factory=list)  # host address, host port, guest port
     transparent_ports: list[int] = field(default_factory=list)
+
+    @property
+    def dns_relay(self) -> bool:
+        """Whether the guest asks ``dns_command`` for names (through the agent's relay):
+        where the network is restricted, QEMU's own resolver is out of its reach."""
+        return self.restrict and self.dns_command is not None
 
     def netdev(self) -> str:
         opts = f"user,id=net0,ipv6=off,restrict={'on' if self.restrict else 'off'}"
@@ -108,6 +118,8 @@ class NetConfig:
             for port in self.transparent_ports:
                 cmd = f"{self.proxy_command} --transparent {port}"
                 opts += f",guestfwd=tcp:{PROXY_ADDRESS}:{port}-cmd:{_q(cmd)}"
+        if self.dns_command:
+            opts += f",guestfwd=tcp:{PROXY_ADDRESS}:{DNS_PORT}-cmd:{_q(self.dns_command)}"
         return opts
 
 
@@ -167,6 +179,8 @@ def build_command(cfg: VMConfig, binary: str) -> list[str]:
     append += f" sandlot.hostname={cfg.hostname}"
     if cfg.network is not None:
         append += " sandlot.net=1"
+        if cfg.network.dns_relay:
+            append += " sandlot.dns=relay"
     if cfg.extra_kernel_args:
         append += " " + " ".join(cfg.extra_kernel_args)
     machine = "microvm,x-option-roms=off,isa-serial=on,rtc=on"

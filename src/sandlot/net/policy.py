@@ -16,6 +16,10 @@ Modes (``Box(network=...)``):
 either with ``":PORT"``; ``"203.0.113.7"``, ``"10.1.0.0/16"``, ``"[::1]:8443"``
 (addresses and networks, optionally with a port). A listed network is reachable
 even if private or loopback: listing it is the explicit opt-in.
+
+``resolve`` is the one decision for a name: the egress proxy asks it for the
+address to connect to, and the box's DNS (``sandlot.net.dns``) whether to
+answer a name at all.
 """
 
 from __future__ import annotations
@@ -24,6 +28,8 @@ import ipaddress
 import json
 import os
 import re
+import socket
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -179,6 +185,18 @@ class Policy(NamedTuple):
             return any(r.matches_name(host, port) for r in self.allow)
         return self.mode == "open"
 
+    def ports(self, port: int | None = None) -> tuple[int, ...]:
+        """The ports to check for ``port``: itself, or for None (any port) those the
+        rules name and 0, which none can name: rules compare ports only for equality,
+        so 0 decides as every port they do not name would."""
+        if port is not None:
+            return (port,)
+        return (0, *sorted({r.port for r in self.allow if r.port is not None}))
+
+    def name_ports(self, host: str, port: int | None = None) -> tuple[int, ...]:
+        """Those of ``ports(port)`` the box may ask for ``host`` on; empty: the name is refused."""
+        return tuple(p for p in self.ports(port) if self.allows_name(host, p))
+
     def allows_address(self, ip: IPAddress, port: int, *, name_allowed: bool) -> bool:
         """May the box connect to ``ip:port``? ``name_allowed``: it was reached through
         a name this policy allows (an address alone must be listed, in allowlist mode)."""
@@ -198,6 +216,62 @@ class Policy(NamedTuple):
         if not isinstance(data, dict):
             raise InvalidArgument("a network policy must be an object")
         return cls.build(data.get("mode"), data.get("allow") or None)
+
+
+class Denied(Exception):
+    """The policy refuses this destination; the message says why."""
+
+
+class LookupFailed(Denied):
+    """The host could not resolve an allowed name. ``temporary``: it may resolve
+    later (the resolver failed), rather than not existing."""
+
+    def __init__(self, message: str, *, temporary: bool) -> None:
+        super().__init__(message)
+        self.temporary = temporary
+
+
+def lookup_host(host: str) -> list[IPAddress]:
+    """What ``host`` resolves to on the host, each address once, in the resolver's order."""
+    try:
+        infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except (OSError, UnicodeError) as exc:  # UnicodeError: a name IDNA cannot encode
+        missing = isinstance(exc, socket.gaierror) and exc.errno in (socket.EAI_NONAME, socket.EAI_NODATA)
+        raise LookupFailed(f"cannot resolve {host}: {exc}", temporary=not missing) from None
+    seen: list[IPAddress] = []
+    for info in infos:
+        ip = parse_ip(str(info[4][0]))
+        if ip is not None and ip not in seen:
+            seen.append(ip)
+    return seen
+
+
+def resolve(
+    policy: Policy,
+    host: str,
+    port: int | None = None,
+    *,
+    lookup: Callable[[str], list[IPAddress]] = lookup_host,
+) -> IPAddress:
+    """The address the box may reach ``host`` at on ``port``, or Denied with the
+    reason. The name is checked before it is looked up, so a refused name never
+    leaves the host. ``port`` None: on any port (a DNS answer does not know the
+    port it will be used with)."""
+    on = f" port {port}" if port is not None else ""
+    literal = parse_ip(host)
+    if literal is not None:
+        if any(policy.allows_address(literal, p, name_allowed=False) for p in policy.ports(port)):
+            return literal
+        raise Denied(f"{literal}{on} is not allowed ({policy.mode})")
+    ports = policy.name_ports(host, port)
+    if not ports:
+        raise Denied(f"{host}{on} is not on this box's allowlist")
+    seen = lookup(host)
+    for ip in seen:
+        if any(policy.allows_address(ip, p, name_allowed=True) for p in ports):
+            return ip
+    shown = ", ".join(str(ip) for ip in seen[:3]) or "nothing"
+    raise Denied(f"{host} resolves to {shown}: not a public address this box may reach")
 
 
 def write_policy(path: Path, policy: Policy) -> None:

@@ -32,17 +32,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .policy import IPAddress, Policy, normalize_host, parse_ip, read_policy, split_host_port
+from .policy import Denied, IPAddress, normalize_host, read_policy, resolve, split_host_port
 from .secrets import load_vault
 
 HEAD_LIMIT = 16 * 1024
 HEAD_TIMEOUT = 30.0
 CONNECT_TIMEOUT = 15.0
 HELLO_TIMEOUT = 10.0
-
-
-class Denied(Exception):
-    """The policy refuses this request; the message says why (it is sent to the guest)."""
 
 
 def read_head(sock: socket.socket) -> tuple[bytes, bytes]:
@@ -88,31 +84,6 @@ def parse_request(head: bytes) -> tuple[str, str, int, list[bytes]]:
     else:
         raise Denied("not a proxy request (CONNECT host:port or http://host/...)")
     return method, host, port, [line for line in lines[1:] if line]
-
-
-def resolve(policy: Policy, host: str, port: int) -> IPAddress:
-    """The address to connect to, or Denied with the reason."""
-    literal = parse_ip(host)
-    if literal is not None:
-        if policy.allows_address(literal, port, name_allowed=False):
-            return literal
-        raise Denied(f"{literal} port {port} is not allowed ({policy.mode})")
-    if not policy.allows_name(host, port):
-        raise Denied(f"{host} port {port} is not on this box's allowlist")
-    try:
-        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-    except OSError as exc:
-        raise Denied(f"cannot resolve {host}: {exc}") from None
-    seen: list[IPAddress] = []
-    for info in infos:
-        ip = parse_ip(str(info[4][0]))
-        if ip is not None and ip not in seen:
-            seen.append(ip)
-    for ip in seen:
-        if policy.allows_address(ip, port, name_allowed=True):
-            return ip
-    shown = ", ".join(str(ip) for ip in seen[:3]) or "nothing"
-    raise Denied(f"{host} resolves to {shown}: not a public address this box may reach")
 
 
 def client_hello_sni(data: bytes) -> str | None:

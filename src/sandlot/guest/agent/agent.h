@@ -223,6 +223,10 @@ struct user_spec {
 };
 int resolve_user(const char *spec, struct user_spec *u, char *err, size_t errlen);
 
+/* dns.c */
+void dns_relay_start(void);      /* PID 1, at network bring-up in the proxied modes */
+int dns_relay_reaped(pid_t pid); /* 1: it was the relay's (restarted) */
+
 /* init.c */
 /* limits.c */
 void limits_init(void);

@@ -42,6 +42,7 @@
 static char g_boot_id[64] = "unknown";
 static char g_cmd_hostname[65];
 static int g_cmd_net; /* sandlot.net=1: the box has a network card (QEMU user networking) */
+static int g_cmd_dns_relay; /* sandlot.dns=relay: names are answered by the host (dns.c), not QEMU */
 static char g_root_dev[64] = "/dev/vda";
 static char g_root_fstype[16] = "ext4";
 
@@ -83,6 +84,8 @@ static void parse_cmdline(void)
             snprintf(g_root_dev, sizeof(g_root_dev), "%s", tok + 13);
         } else if (!strcmp(tok, "sandlot.net=1")) {
             g_cmd_net = 1;
+        } else if (!strcmp(tok, "sandlot.dns=relay")) {
+            g_cmd_dns_relay = 1;
         } else if (!strncmp(tok, "sandlot.rootfstype=", 19)) {
             snprintf(g_root_fstype, sizeof(g_root_fstype), "%s", tok + 19);
         }
@@ -243,8 +246,10 @@ static int set_addr(int fd, const char *ifname, unsigned long req, const char *a
 
 /* QEMU's user networking has fixed addresses: the guest is 10.0.2.15/24, the
  * gateway 10.0.2.2 and the resolver 10.0.2.3. The host decides what any of it
- * reaches. The image's /etc/resolv.conf (often copied from the machine that
- * built it) is covered, not changed: ours is bind-mounted over it. */
+ * reaches. Where the host filters (sandlot.dns=relay), 10.0.2.3 is out of reach
+ * and the resolver is the relay to the host's answerer (dns.c). The image's
+ * /etc/resolv.conf (often copied from the machine that built it) is covered,
+ * not changed: ours is bind-mounted over it. */
 static void bring_up_network(void)
 {
     char ifname[IFNAMSIZ] = "";
@@ -297,7 +302,10 @@ static void bring_up_network(void)
         logmsg("network: default route: %s", strerror(errno));
     }
     close(fd);
-    static const char conf[] = "nameserver 10.0.2.3\n";
+    if (g_cmd_dns_relay) {
+        dns_relay_start();
+    }
+    const char *conf = g_cmd_dns_relay ? "nameserver 127.0.0.53\n" : "nameserver 10.0.2.3\n";
     mkdir("/run/sandlot", 0755);
     char target[256] = "/run/sandlot/resolv.conf";
     struct stat st;
@@ -320,7 +328,7 @@ static void bring_up_network(void)
         }
     }
     int rf = open(target, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-    if (rf < 0 || write(rf, conf, sizeof(conf) - 1) != (ssize_t)(sizeof(conf) - 1)) {
+    if (rf < 0 || write(rf, conf, strlen(conf)) != (ssize_t)strlen(conf)) {
         logmsg("network: %s: %s", target, strerror(errno));
     }
     if (rf >= 0) {

@@ -939,7 +939,9 @@ static void handle_signals(void)
         if (pid <= 0) {
             break;
         }
-        exec_reaped(pid, status);
+        if (!dns_relay_reaped(pid)) {
+            exec_reaped(pid, status);
+        }
     }
 }
 
