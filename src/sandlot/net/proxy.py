@@ -26,14 +26,12 @@ import json
 import os
 import select
 import socket
-import ssl
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
 from .policy import Denied, IPAddress, normalize_host, read_policy, resolve, split_host_port
-from .secrets import load_vault
 
 HEAD_LIMIT = 16 * 1024
 HEAD_TIMEOUT = 30.0
@@ -132,18 +130,24 @@ def read_client_hello(sock: socket.socket) -> bytes:
 def splice(a: socket.socket, b: socket.socket) -> None:
     """Copy both ways until both sides have finished (TLS sockets too: what they
     have decrypted already is not in the kernel's buffer, where select looks)."""
+    retry: tuple[type[OSError], ...] = (BlockingIOError,)
+    tls = [s for s in (a, b) if hasattr(s, "pending")]
+    if tls:  # only decrypting connections import ssl: it costs every proxy process 10 ms
+        import ssl
+
+        retry += (ssl.SSLWantReadError, ssl.SSLWantWriteError)
     a.setblocking(False)
     b.setblocking(False)
     peer = {a: b, b: a}
     open_ = {a, b}
     while open_:
-        readable: list[socket.socket] = [s for s in open_ if isinstance(s, ssl.SSLSocket) and s.pending()]
+        readable = [s for s in tls if s in open_ and s.pending()]
         if not readable:
             readable, _, _ = select.select(list(open_), [], [])
         for s in readable:
             try:
                 data = s.recv(65536)
-            except (BlockingIOError, ssl.SSLWantReadError, ssl.SSLWantWriteError):
+            except retry:
                 continue
             except OSError:
                 data = b""
@@ -230,6 +234,10 @@ def tell_denied(guest: socket.socket, exc: Denied) -> None:
 
 
 def has_secrets_for(policy_path: Path, host: str, port: int) -> bool:
+    if not os.path.exists(policy_path.parent / "secrets.json"):
+        return False  # most boxes: the secrets module is not even imported
+    from .secrets import load_vault
+
     try:
         vault = load_vault(policy_path.parent)
     except ValueError as exc:
@@ -242,6 +250,7 @@ def swap_secrets(
 ) -> None:
     """Relay HTTPS to a host the box's secrets are for (see ``intercept``)."""
     from . import intercept  # h11 and TLS only for the hosts that need them
+    from .secrets import load_vault
 
     vault = load_vault(policy_path.parent)
     assert vault is not None
