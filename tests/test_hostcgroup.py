@@ -7,9 +7,11 @@ import logging
 import os
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+import sandlot
 from sandlot.engine import hostcgroup
 from sandlot.engine.hostcgroup import HostCgroups, Limits, Tree
 from sandlot.engine.qemu import TCG_CODE_CACHE_MIB
@@ -181,3 +183,29 @@ def test_sweep_removes_only_old_empty_cgroups(tmp_path: Path) -> None:
         os.utime(d, (long_ago, long_ago))
     hostcgroup.sweep(tmp_path)
     assert not old.exists() and young.exists() and populated.exists()
+
+
+@pytest.mark.vm
+def test_qemu_runs_in_a_bounded_host_cgroup_that_goes_with_the_box(busybox_root: Path) -> None:
+    host = hostcgroup.detect()
+    memory_tree = next((t for t in host.trees if "memory" in t.controllers), None)
+    if memory_tree is None:
+        pytest.skip(f"no host cgroup with a memory controller here: {host.reason or host.report()}")
+    box = sandlot.Box(rootfs=busybox_root, memory_mib=128)
+    placed: dict[str, Any] = {"paths": []}
+    box.start()
+    try:
+        pid = box.inspect()["qemu_pid"]
+        leaf = memory_tree.base / hostcgroup.leaf_name(box.hostname, pid)
+        proc = hostcgroup.parse_proc_cgroup(Path(f"/proc/{pid}/cgroup").read_text())
+        assert proc["memory" if host.version == 1 else ""].endswith(f"/sandlot/{leaf.name}")
+        assert str(pid) in (leaf / "cgroup.procs").read_text().split()
+        code_cache = TCG_CODE_CACHE_MIB if box.accel == "tcg" else 0
+        limit_file = "memory.max" if host.version == 2 else "memory.limit_in_bytes"
+        assert int((leaf / limit_file).read_text()) == Limits.for_vm(128, 1, code_cache).memory_bytes
+        placed = box.inspect()["host_cgroup"]
+        assert placed["version"] == host.version and str(leaf) in placed["paths"]
+        assert len(placed["paths"]) == len(host.trees)
+    finally:
+        box.remove(force=True)
+    assert not any(Path(p).exists() for p in placed["paths"])
