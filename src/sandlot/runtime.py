@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 from . import _proc
 from .config import default_home, runtime_dir
 from .engine import accel as accel_mod
+from .engine import hostcgroup
 from .engine.qemu import KERNEL_ARGS, host_tsc_khz, qemu_binary, qemu_version
 from .errors import HostSetupError
 from .guest.agent import AgentBuild, build_agent
@@ -335,6 +336,7 @@ class Runtime:
         except Exception as exc:
             report["error"] = f"{type(exc).__name__}: {exc}"
         report["tsc_khz"] = host_tsc_khz()
+        report["host_cgroup"] = hostcgroup.detect().report()
         self.home.mkdir(parents=True, exist_ok=True)
         usage = shutil.disk_usage(self.home)
         report["disk_free_gib"] = round(usage.free / (1 << 30), 1)

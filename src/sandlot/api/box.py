@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from .. import _proc, snapshots
+from ..engine import hostcgroup
 from ..engine.qemu import NetConfig, QemuVM, VMConfig, qemu_version, tail
 from ..errors import (
     AgentTimeout,
@@ -367,6 +368,8 @@ class AsyncBox:
             address, host = bound.get(p.guest, (p.address, p.host))
             ports.append({"address": address, "host": host or None, "guest": p.guest})
         d["network"] = {"mode": self.spec.network, "allow": list(self.spec.allow), "ports": ports}
+        placement = hostcgroup.placement_of(rec.qemu_pid) if live and rec.qemu_pid else None
+        d["host_cgroup"] = placement.report() if placement else None
         return d
 
     def port(self, guest_port: int) -> tuple[str, int]:

@@ -43,6 +43,12 @@ def doctor(as_json: Annotated[bool, typer.Option("--json", help="Machine-readabl
         out.print(f"             modules: {', '.join(kernel['modules'])}")
     if isinstance(agent, dict) and agent:
         out.print(f"agent        {ok}  {agent['path']} (built with {agent['compiler']})")
+    cgroup = report.get("host_cgroup", {})
+    if isinstance(cgroup, dict) and cgroup.get("version"):
+        where = ", ".join(cgroup["where"])
+        out.print(f"host cgroup  {ok}  v{cgroup['version']}: {', '.join(cgroup['controllers'])} in {where}")
+    elif isinstance(cgroup, dict) and cgroup:
+        out.print(f"host cgroup  [yellow]none[/]  {cgroup['reason']}; QEMU runs without host limits")
     out.print(f"disk free    {report.get('disk_free_gib')} GiB under {report['home']}")
     out.print(f"sockets      {report.get('runtime_dir')}")
     if "error" in report:

@@ -25,6 +25,7 @@ from qemu.qmp import QMPClient
 
 from .. import _proc
 from ..errors import BootError, HostSetupError, StateError
+from . import hostcgroup
 
 QEMU_BINARY = "qemu-system-x86_64"
 
@@ -318,6 +319,7 @@ class QemuVM:
         self._exited: asyncio.Future[int | None] | None = None
         self._pidfd: int | None = None
         self._state_fd: int | None = None  # its number in QEMU, which inherits it
+        self.host_cgroup: hostcgroup.Placement | None = None  # where the host bounds it
 
     @property
     def command(self) -> list[str]:
@@ -349,6 +351,11 @@ class QemuVM:
             )
         self.pid = self._popen.pid
         self.start_time = _proc.start_time(self.pid)
+        # Right after the spawn, while QEMU still sets itself up: guest RAM and the code
+        # cache fill only once the guest runs or a state loads, so they are charged here.
+        code_cache = 0 if cfg.accel == "kvm" else TCG_CODE_CACHE_MIB
+        limits = hostcgroup.Limits.for_vm(cfg.memory_mib, cfg.cpus, code_cache)
+        self.host_cgroup = hostcgroup.place(self.pid, cfg.hostname, limits)
         self._watch_exit()
 
     @classmethod
@@ -356,6 +363,8 @@ class QemuVM:
         """A QEMU started by another process (or an earlier one of ours)."""
         vm = cls(cfg)
         vm.pid, vm.start_time = pid, start_time
+        if _proc.alive(pid, start_time):
+            vm.host_cgroup = hostcgroup.placement_of(pid)
         vm._watch_exit()
         return vm
 
@@ -384,6 +393,8 @@ class QemuVM:
                 asyncio.get_running_loop().remove_reader(self._pidfd)
             os.close(self._pidfd)
             self._pidfd = None
+        if self.host_cgroup is not None:
+            self.host_cgroup.remove()
         if self._exited is not None and not self._exited.done():
             self._exited.set_result(code)
 
@@ -536,7 +547,9 @@ class QemuVM:
             await self.wait_exit(5.0)
 
     def cleanup(self) -> None:
-        """Remove sockets once QEMU is gone."""
+        """Remove sockets, and the host cgroup that outlived QEMU's exit, once QEMU is gone."""
+        if self.host_cgroup is not None:
+            self.host_cgroup.remove()
         for port in range(self.cfg.ports):
             with contextlib.suppress(FileNotFoundError):
                 self.cfg.agent_socket(port).unlink()
