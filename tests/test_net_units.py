@@ -211,7 +211,9 @@ def test_proxy_rejects_malformed_requests(tmp_path: Path) -> None:
     policy = Policy.build("public")
     for bad in [b"GET /relative HTTP/1.1\r\n\r\n", b"garbage\r\n\r\n", b"CONNECT host:99999 HTTP/1.1\r\n\r\n",
                 b"CONNECT :443 HTTP/1.1\r\n\r\n", b"X" * 20000 + b"\r\n\r\n",
-                b"CONNECT [::1 HTTP/1.1\r\n\r\n", b"CONNECT [::1]junk HTTP/1.1\r\n\r\n"]:  # fmt: skip
+                b"CONNECT [::1 HTTP/1.1\r\n\r\n", b"CONNECT [::1]junk HTTP/1.1\r\n\r\n",
+                b"CONNECT a/../../b.example.com:443 HTTP/1.1\r\n\r\n",
+                b"GET http://a b/ HTTP/1.1\r\n\r\n"]:  # fmt: skip
         out, entry = through_proxy(tmp_path, policy, bad)
         assert out.startswith(b"HTTP/1.1 403") and entry["decision"] == "denied", bad[:40]
         if bad.startswith(b"CONNECT ["):  # refused as malformed, not for what a garbled host resolved to

@@ -30,7 +30,7 @@ from typing import Any
 
 import h11
 
-from .policy import normalize_host
+from .policy import normalize_host, valid_host
 from .secrets import Masker, Swap, Vault, make_leaf, swap_in, swap_in_header
 
 BODY_LIMIT = 32 * 1024 * 1024
@@ -47,6 +47,8 @@ class InterceptError(ConnectionError):
 def guest_context(vault: Vault, host: str, cache: Path) -> ssl.SSLContext:
     """The TLS server the guest talks to: a certificate for ``host`` from the box's CA,
     made once per host and kept (0600) in ``cache``."""
+    if not valid_host(host) or host.startswith("."):  # it names a file
+        raise InterceptError(f"bad host name {host!r}")
     cache.mkdir(mode=0o700, exist_ok=True)
     pem = cache / f"{host}.pem"
     if not pem.exists():

@@ -53,6 +53,18 @@ def _valid_name(name: str) -> bool:
     return 0 < len(name) <= 253 and all(_LABEL.match(label) for label in name.split("."))
 
 
+_HOST_LABEL = re.compile(r"^[a-z0-9_](?:[a-z0-9_-]{0,61}[a-z0-9_])?$")
+
+
+def valid_host(host: str) -> bool:
+    """A host a box may ask for: an IP address, or a DNS name (normalized; ``_``
+    allowed, as some hosts have it). Anything else (``/``, ``..``, spaces) is refused
+    before it reaches a resolver, a log or a file name."""
+    if parse_ip(host) is not None:
+        return True
+    return 0 < len(host) <= 253 and all(_HOST_LABEL.match(label) for label in host.split("."))
+
+
 def split_host_port(text: str) -> tuple[str, str | None]:
     """``host``, ``host:port``, ``[v6]`` or ``[v6]:port`` -> (host, port text or None);
     ValueError if the brackets are malformed. A bare IPv6 address has no port."""

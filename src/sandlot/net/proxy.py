@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .policy import Denied, IPAddress, normalize_host, read_policy, resolve, split_host_port
+from .policy import Denied, IPAddress, normalize_host, read_policy, resolve, split_host_port, valid_host
 
 HEAD_LIMIT = 16 * 1024
 HEAD_TIMEOUT = 30.0
@@ -60,9 +60,10 @@ def host_and_port(target: str, default_port: int) -> tuple[str, int]:
         raise Denied(f"bad target {target!r}: {exc}") from None
     if port and (not port.isdigit() or not 0 < int(port) < 65536):
         raise Denied(f"bad port in {target!r}")
-    if not host:
-        raise Denied(f"no host in {target!r}")
-    return normalize_host(host), int(port) if port else default_port
+    host = normalize_host(host)
+    if not valid_host(host):
+        raise Denied(f"bad host in {target!r}")
+    return host, int(port) if port else default_port
 
 
 def parse_request(head: bytes) -> tuple[str, str, int, list[bytes]]:
@@ -284,6 +285,8 @@ def transparent_target(first: bytes, port: int) -> tuple[str, str]:
         sni = client_hello_sni(first)
         if not sni:
             raise Denied("TLS without a server name: sandlot routes a connection by it")
+        if not valid_host(sni):
+            raise Denied(f"bad TLS server name {sni!r}")
         return "TLS", sni
     for line in first.split(b"\r\n\r\n", 1)[0].split(b"\r\n")[1:]:
         name, _, value = line.partition(b":")
