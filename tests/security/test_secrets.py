@@ -93,6 +93,14 @@ def test_the_box_sees_a_placeholder_and_the_api_gets_the_value(
             assert api.seen[-1]["authorization"] == f"Bearer {VALUE}"
         finally:
             kid.remove(force=True)
+        # an image with a system CA bundle (ca-certificates) gets the box's CA appended to it
+        system_ca = (test_ca / "ca.pem").read_bytes()
+        box.files.write("/etc/ssl/certs/ca-certificates.crt", system_ca)
+        box.files.remove("/etc/sandlot/ca.pem")  # as on a disk that never had it
+        box.restart()
+        bundle = box.files.read("/etc/ssl/certs/ca-certificates.crt")
+        assert bundle.startswith(system_ca) and bundle.endswith(ca) and bundle.count(ca) == 1
+        assert box.files.read("/etc/sandlot/ca-bundle.pem") == bundle
         exported = snap.export(tmp_path / "snap.tar.zst")
         home = Path(box.inspect()["paths"]["dir"]).parents[1]
         snap_dir = Path(snap.inspect()["path"])
