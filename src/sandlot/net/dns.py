@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import socket
 import sys
 import time
@@ -38,7 +37,17 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import NamedTuple
 
-from .policy import Denied, IPAddress, LookupFailed, Policy, lookup_host, normalize_host, read_policy, resolve
+from .policy import (
+    Denied,
+    IPAddress,
+    LookupFailed,
+    Policy,
+    adopt_guest_connection,
+    lookup_host,
+    normalize_host,
+    read_policy,
+    resolve,
+)
 
 # engine.qemu.PROXY_ADDRESS, not imported: that module costs a process started per
 # connection more than all of this one.
@@ -214,13 +223,7 @@ def serve(conn: socket.socket, policy_path: Path, log_path: Path, lookup: Lookup
 def main(argv: list[str]) -> int:
     if len(argv) != 3:
         return 2
-    # descriptors 0-2 are the guest's connection: nothing of ours may be written there
-    devnull = os.open(os.devnull, os.O_WRONLY)
-    conn = socket.socket(fileno=os.dup(0))
-    os.dup2(devnull, 2)
-    os.dup2(devnull, 1)
-    os.close(0)
-    sys.stderr = open(os.devnull, "w")  # noqa: SIM115 - for the interpreter's own messages
+    conn = adopt_guest_connection()
     with conn, contextlib.suppress(OSError):  # a broken connection just ends it
         serve(conn, Path(argv[1]), Path(argv[2]))
     return 0

@@ -286,6 +286,21 @@ def resolve(
     raise Denied(f"{host} resolves to {shown}: not a public address this box may reach")
 
 
+def adopt_guest_connection() -> socket.socket:
+    """The guest connection QEMU gave a helper it runs (``guestfwd ... cmd:``) as
+    descriptors 0-2, which are then pointed at /dev/null: nothing of the helper's
+    may be written into the connection."""
+    import sys
+
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    conn = socket.socket(fileno=os.dup(0))
+    os.dup2(devnull, 2)
+    os.dup2(devnull, 1)
+    os.close(0)
+    sys.stderr = open(os.devnull, "w")  # noqa: SIM115 - for the interpreter's own messages
+    return conn
+
+
 def write_policy(path: Path, policy: Policy) -> None:
     """Replace the policy file atomically: the proxy reads it at every connection,
     so a change applies to the next connection of a running box."""

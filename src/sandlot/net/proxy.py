@@ -31,7 +31,16 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .policy import Denied, IPAddress, normalize_host, read_policy, resolve, split_host_port, valid_host
+from .policy import (
+    Denied,
+    IPAddress,
+    adopt_guest_connection,
+    normalize_host,
+    read_policy,
+    resolve,
+    split_host_port,
+    valid_host,
+)
 
 HEAD_LIMIT = 16 * 1024
 HEAD_TIMEOUT = 30.0
@@ -336,13 +345,7 @@ def main(argv: list[str]) -> int:
     transparent = len(argv) == 5 and argv[3] == "--transparent" and argv[4].isdigit()
     if len(argv) != 3 and not transparent:
         return 2
-    # descriptors 0-2 are the guest's connection: nothing of ours may be written there
-    devnull = os.open(os.devnull, os.O_WRONLY)
-    guest = socket.socket(fileno=os.dup(0))
-    os.dup2(devnull, 2)
-    os.dup2(devnull, 1)
-    os.close(0)
-    sys.stderr = open(os.devnull, "w")  # noqa: SIM115 - for the interpreter's own messages
+    guest = adopt_guest_connection()
     log: list[dict[str, object]] = []
     try:
         with guest:
