@@ -482,9 +482,9 @@ class AsyncBox:
     async def _write_vault(self, source: dict[str, Any] | None) -> None:
         """The box's secrets file, if it has secrets (``source``: that of the box its
         saved state was taken of)."""
-        if self.spec.secrets:
+        if self.spec.secrets:  # a CA is made (EC keys) and the file fsynced: off the event loop
             vault = await asyncio.to_thread(build_vault, self.name, self.spec.secrets, self._secrets, source)
-            write_vault(self.state_dir, vault)
+            await asyncio.to_thread(write_vault, self.state_dir, vault)
 
     async def _install_trust(self) -> None:
         """Make the guest trust the box's CA (for the hosts its secrets go to): the
@@ -766,8 +766,9 @@ class AsyncBox:
             await self._install_trust()
         except BaseException as exc:
             reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-            if self._vm is not None:
+            if self._vm is not None:  # it may have come up before what failed
                 await self._vm.kill(grace=0.5)
+            self._disconnect()
             self.runtime.store.update(
                 self.id, state="crashed", reason=f"start failed: {reason}", qemu_pid=None
             )
