@@ -304,20 +304,9 @@ def adopt_guest_connection() -> socket.socket:
 def write_policy(path: Path, policy: Policy) -> None:
     """Replace the policy file atomically: the proxy reads it at every connection,
     so a change applies to the next connection of a running box."""
-    import tempfile
+    from ..config import atomic_write  # not at the top: the proxy imports this module per connection
 
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".policy-", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(policy.to_json(), f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o644)
-        os.rename(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    atomic_write(path, json.dumps(policy.to_json()).encode(), mode=0o644)
 
 
 def read_policy(path: Path) -> Policy:

@@ -179,18 +179,9 @@ def build_vault(
 
 def write_vault(box_dir: Path, data: dict[str, Any]) -> None:
     """Write the secrets file (0600, atomically: a crash leaves the old one or the new one)."""
-    path = box_dir / SECRETS_FILE
-    tmp = path.with_name(f".{SECRETS_FILE}.{os.getpid()}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(data, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.rename(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    from ..config import atomic_write
+
+    atomic_write(box_dir / SECRETS_FILE, json.dumps(data).encode(), mode=0o600)
 
 
 def read_vault_json(box_dir: Path) -> dict[str, Any] | None:
