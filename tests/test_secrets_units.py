@@ -142,6 +142,26 @@ def test_the_proxy_swaps_placeholders_in_and_masks_the_value_coming_back(
     assert VALUE not in (tmp_path / "log").read_text()
 
 
+def test_a_body_too_large_to_buffer_goes_as_sent(tmp_path: Path, test_ca: Path, api: EchoAPI) -> None:
+    from sandlot.net.intercept import BODY_LIMIT
+
+    spec = box_dir_with(tmp_path, test_ca, api)
+    placeholder = spec.default_env()["API_KEY"]
+    vault = load_vault(tmp_path)
+    assert vault is not None
+    raw, proc = tunnel(tmp_path, f"localhost:{api.port}")
+    conn = http.client.HTTPConnection("localhost", api.port)
+    conn.sock = ssl.create_default_context(cadata=vault.ca_cert).wrap_socket(raw, server_hostname="localhost")
+    body = placeholder + "x" * BODY_LIMIT  # the placeholder in the part that is buffered first
+    conn.request("POST", "/upload", body=body, headers={"Authorization": f"Bearer {placeholder}"})
+    assert conn.getresponse().status == 200
+    got = api.seen[-1]
+    assert got["authorization"] == f"Bearer {VALUE}"  # headers are still swapped
+    assert len(got["body"]) == len(body) and got["body"].startswith(placeholder)  # the body is not
+    conn.close()
+    assert proc.wait(20) == 0
+
+
 def test_a_secret_goes_only_to_its_hosts(tmp_path: Path, test_ca: Path, api: EchoAPI) -> None:
     # the secret is for another port of the same name: this tunnel is not decrypted,
     # so the box's CA is not what answers and the placeholder would go as it is

@@ -23,7 +23,7 @@ import contextlib
 import os
 import socket
 import ssl
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from http import HTTPStatus
 from pathlib import Path
 from typing import Any
@@ -144,12 +144,13 @@ def _relay(g: ssl.SSLSocket, u: ssl.SSLSocket, swaps: Sequence[Swap]) -> int:
             raise InterceptError(f"malformed request from the box: {exc}") from None
         if not isinstance(request, h11.Request):
             return done  # the guest closed between requests
-        body, complete = _read_body(gc, g)
+        chunks = _body_chunks(gc, g)
+        body, complete = _read_body(chunks)
         headers = [(n, swap_in_header(n, v, swaps)) for n, v in request.headers if n not in (b"expect",)]
         if not complete:  # too large to buffer: sent as received, placeholders and all
             u.sendall(_request(uc, request, headers, swaps))
             u.sendall(uc.send(h11.Data(data=body)) or b"")
-            for chunk in _body_chunks(gc, g):
+            for chunk in chunks:  # the rest of it
                 u.sendall(uc.send(h11.Data(data=chunk)) or b"")
         else:
             body = swap_in(body, swaps)
@@ -183,25 +184,23 @@ def _request(uc: h11.Connection, request: h11.Request, headers: list[tuple[bytes
                                http_version=request.http_version)) or b""  # fmt: skip
 
 
-def _read_body(gc: h11.Connection, g: ssl.SSLSocket) -> tuple[bytes, bool]:
-    """The request body, whole if it fits in BODY_LIMIT (True), else what was read so far (False)."""
-    if gc.they_are_waiting_for_100_continue:
-        g.sendall(gc.send(h11.InformationalResponse(status_code=100, headers=[])) or b"")
+def _read_body(chunks: Iterator[bytes]) -> tuple[bytes, bool]:
+    """The request body, whole if it fits in BODY_LIMIT (True), else what was read
+    so far (False: the rest is still to come from ``chunks``)."""
     parts: list[bytes] = []
     size = 0
-    while True:
-        event = _next(gc, g)
-        if isinstance(event, h11.EndOfMessage):
-            return b"".join(parts), True
-        if not isinstance(event, h11.Data):
-            raise InterceptError(f"unexpected {type(event).__name__} in a request body")
-        parts.append(bytes(event.data))
-        size += len(event.data)
+    for chunk in chunks:
+        parts.append(chunk)
+        size += len(chunk)
         if size > BODY_LIMIT:
             return b"".join(parts), False
+    return b"".join(parts), True
 
 
-def _body_chunks(gc: h11.Connection, g: ssl.SSLSocket) -> Any:
+def _body_chunks(gc: h11.Connection, g: ssl.SSLSocket) -> Iterator[bytes]:
+    """The request body as it arrives (a client that waits for 100 Continue is told to go on)."""
+    if gc.they_are_waiting_for_100_continue:
+        g.sendall(gc.send(h11.InformationalResponse(status_code=100, headers=[])) or b"")
     while True:
         event = _next(gc, g)
         if isinstance(event, h11.EndOfMessage):
