@@ -29,7 +29,7 @@ import socket
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .policy import (
     Denied,
@@ -41,6 +41,9 @@ from .policy import (
     split_host_port,
     valid_host,
 )
+
+if TYPE_CHECKING:
+    from .secrets import Vault
 
 HEAD_LIMIT = 16 * 1024
 HEAD_TIMEOUT = 30.0
@@ -183,12 +186,13 @@ def serve(guest: socket.socket, policy_path: Path, log: list[dict[str, object]])
         policy = read_policy(policy_path)
         ip = resolve(policy, host, port)
         entry["address"] = str(ip)
-        if method == "CONNECT" and has_secrets_for(policy_path, host, port):
+        vault = secrets_for(policy_path, host, port) if method == "CONNECT" else None
+        if vault is not None:
             if rest:
                 raise Denied("data sent before the tunnel was open")
             guest.sendall(b"HTTP/1.1 200 Connection established\r\n\r\n")
             answered = True
-            swap_secrets(guest, policy_path, host, port, ip, entry)
+            swap_secrets(guest, policy_path, host, port, ip, vault, entry)
             return
         if method == "CONNECT" and policy.mode == "allowlist":
             guest.sendall(b"HTTP/1.1 200 Connection established\r\n\r\n")
@@ -243,27 +247,31 @@ def tell_denied(guest: socket.socket, exc: Denied) -> None:
         )
 
 
-def has_secrets_for(policy_path: Path, host: str, port: int) -> bool:
-    if not os.path.exists(policy_path.parent / "secrets.json"):
-        return False  # most boxes: the secrets module is not even imported
+def secrets_for(policy_path: Path, host: str, port: int) -> Vault | None:
+    """The box's secrets, if some are for ``host:port`` (the connection is then decrypted)."""
+    if not os.path.exists(policy_path.parent / "secrets.json"):  # secrets.SECRETS_FILE
+        return None  # most boxes: the secrets module is not even imported
     from .secrets import load_vault
 
     try:
         vault = load_vault(policy_path.parent)
     except ValueError as exc:
         raise Denied(f"this box's secrets file cannot be read: {exc}") from None
-    return vault is not None and bool(vault.for_host(host, port))
+    return vault if vault is not None and vault.for_host(host, port) else None
 
 
 def swap_secrets(
-    guest: socket.socket, policy_path: Path, host: str, port: int, ip: IPAddress, entry: dict[str, object]
+    guest: socket.socket,
+    policy_path: Path,
+    host: str,
+    port: int,
+    ip: IPAddress,
+    vault: Vault,
+    entry: dict[str, object],
 ) -> None:
     """Relay HTTPS to a host the box's secrets are for (see ``intercept``)."""
     from . import intercept  # h11 and TLS only for the hosts that need them
-    from .secrets import load_vault
 
-    vault = load_vault(policy_path.parent)
-    assert vault is not None
     swaps = vault.for_host(host, port)
     entry.update(decision="allowed", secrets=[s.name for s in swaps])
     entry["requests"] = intercept.serve(guest, host, port, str(ip), vault, swaps, policy_path.parent / "tls")
@@ -316,8 +324,9 @@ def serve_transparent(guest: socket.socket, policy_path: Path, port: int, log: l
         entry.update(method=kind, host=host)
         ip = resolve(read_policy(policy_path), host, port)
         entry["address"] = str(ip)
-        if kind == "TLS" and has_secrets_for(policy_path, host, port):
-            swap_secrets(guest, policy_path, host, port, ip, entry)
+        vault = secrets_for(policy_path, host, port) if kind == "TLS" else None
+        if vault is not None:
+            swap_secrets(guest, policy_path, host, port, ip, vault, entry)
             return
         upstream = socket.create_connection((str(ip), port), timeout=CONNECT_TIMEOUT)
     except Denied as exc:
