@@ -15,6 +15,7 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -68,14 +69,20 @@ def api(test_ca: Path) -> Iterator[EchoAPI]:
     s.close()
 
 
+def build_spec(rootfs: Path, **options: Any) -> BoxSpec:
+    """A box's options as ``BoxSpec.build`` checks them: this file's defaults, ``options`` over them."""
+    defaults: dict[str, Any] = dict(
+        rootfs=str(rootfs), name=None, env=None, workdir=None, user=None, volumes=None, labels=None,
+        memory_mib=256, cpus=1, disk_size_gb=1, auto_remove=False, accel="tcg", kernel=None, hostname=None,
+        boot_timeout=None, request_timeout=30,
+    )  # fmt: skip
+    return BoxSpec.build(None, **{**defaults, **options})
+
+
 def box_dir_with(tmp_path: Path, test_ca: Path, api: EchoAPI, *, hosts: list[str] | None = None) -> BoxSpec:
     """A box directory as sandlot leaves it: the policy file and the secrets file."""
     secret = Secret("API_KEY", VALUE, hosts=hosts or [f"localhost:{api.port}"], ca=test_ca / "ca.pem")
-    spec = BoxSpec.build(
-        None, rootfs=str(tmp_path), name=None, env=None, workdir=None, user=None, volumes=None, labels=None,
-        memory_mib=256, cpus=1, disk_size_gb=1, auto_remove=False, accel="tcg", kernel=None, hostname=None,
-        boot_timeout=None, request_timeout=30, network="allowlist", allow=["127.0.0.1"], secrets=[secret],
-    )  # fmt: skip
+    spec = build_spec(tmp_path, network="allowlist", allow=["127.0.0.1"], secrets=[secret])
     write_policy(tmp_path / "egress-policy.json", spec.policy)
     write_vault(tmp_path, build_vault("test", spec.secrets, [secret], None))
     return spec
@@ -218,21 +225,16 @@ def load_vault_like(items: list[tuple[str, bytes, bytes]]) -> list:  # type: ign
 
 
 def test_secrets_need_a_proxied_network_and_values_for_a_saved_state(tmp_path: Path) -> None:
-    common = dict(
-        rootfs=str(tmp_path), name=None, env=None, workdir=None, user=None, volumes=None, labels=None,
-        memory_mib=256, cpus=1, disk_size_gb=1, auto_remove=False, accel="tcg", kernel=None, hostname=None,
-        boot_timeout=None, request_timeout=30,
-    )  # fmt: skip
     secret = Secret("API_KEY", VALUE, hosts=["api.example.com"])
     with pytest.raises(InvalidArgument, match="network='allowlist' or 'public'"):
-        BoxSpec.build(None, **common, network="open", secrets=[secret])  # type: ignore[arg-type]
+        build_spec(tmp_path, network="open", secrets=[secret])
     with pytest.raises(InvalidArgument, match="both a secret and an env"):
-        BoxSpec.build(None, **{**common, "env": {"API_KEY": "x"}}, network=True, secrets=[secret])  # type: ignore[arg-type]
-    spec = BoxSpec.build(None, **common, network="allowlist", secrets=[secret])  # type: ignore[arg-type]
+        build_spec(tmp_path, env={"API_KEY": "x"}, network=True, secrets=[secret])
+    spec = build_spec(tmp_path, network="allowlist", secrets=[secret])
     assert "api.example.com:443" in [str(r) for r in spec.policy.allow]  # reachable without allow=
     assert spec.allow == []
     # a saved state keeps its placeholders; its values come from secrets= or its box's file
-    again = BoxSpec.build(None, **common, network="allowlist", saved_secrets=spec.secrets)  # type: ignore[arg-type]
+    again = build_spec(tmp_path, network="allowlist", saved_secrets=spec.secrets)
     assert again.secrets == spec.secrets
     with pytest.raises(InvalidArgument, match="API_KEY"):
         build_vault("kid", again.secrets, [], None)
