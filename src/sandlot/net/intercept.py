@@ -19,7 +19,6 @@ ALPN offers the guest only ``http/1.1``, so HTTP/2 clients fall back to it.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import socket
 import ssl
@@ -31,6 +30,7 @@ from typing import Any
 import h11
 
 from .policy import normalize_host, valid_host
+from .proxy import send_error, splice
 from .secrets import Masker, Swap, Vault, make_leaf, swap_in, swap_in_header
 
 BODY_LIMIT = 32 * 1024 * 1024
@@ -110,14 +110,7 @@ def serve(guest: socket.socket, host: str, port: int, ip: str, vault: Vault, swa
 
 
 def _refuse(g: ssl.SSLSocket, status: int, reason: str) -> None:
-    body = f"sandlot: {reason}\n".encode()
-    with contextlib.suppress(OSError):
-        g.sendall(
-            f"HTTP/1.1 {status} {HTTPStatus(status).phrase}\r\n".encode()
-            + b"Content-Type: text/plain\r\nConnection: close\r\n"
-            + f"Content-Length: {len(body)}\r\n\r\n".encode()
-            + body
-        )
+    send_error(g, f"{status} {HTTPStatus(status).phrase}", reason)
 
 
 def _next(conn: h11.Connection, sock: ssl.SSLSocket) -> Any:
@@ -248,8 +241,6 @@ def _respond(gc: h11.Connection, g: ssl.SSLSocket, uc: h11.Connection, u: ssl.SS
 
 
 def _copy_raw(g: ssl.SSLSocket, u: ssl.SSLSocket, from_guest: bytes, from_server: bytes) -> None:
-    from .proxy import splice
-
     if from_guest:
         u.sendall(from_guest)
     if from_server:

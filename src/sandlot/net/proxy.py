@@ -237,14 +237,19 @@ def serve(guest: socket.socket, policy_path: Path, log: list[dict[str, object]])
         splice(guest, upstream)
 
 
-def tell_denied(guest: socket.socket, exc: Denied) -> None:
+def send_error(sock: socket.socket, status: str, message: str, headers: str = "") -> None:
+    """An HTTP error answer (``status``: "403 Forbidden"), after which the connection ends."""
+    body = f"sandlot: {message}\n".encode()
     with contextlib.suppress(OSError):
-        body = f"sandlot: egress denied: {exc}\n".encode()
-        guest.sendall(
-            b"HTTP/1.1 403 Forbidden\r\nContent-Type: text/plain\r\nX-Sandlot-Egress: denied\r\n"
+        sock.sendall(
+            f"HTTP/1.1 {status}\r\nContent-Type: text/plain\r\n{headers}".encode()
             + f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode()
             + body
         )
+
+
+def tell_denied(guest: socket.socket, exc: Denied) -> None:
+    send_error(guest, "403 Forbidden", f"egress denied: {exc}", "X-Sandlot-Egress: denied\r\n")
 
 
 def secrets_for(policy_path: Path, host: str, port: int) -> Vault | None:
