@@ -1,7 +1,13 @@
-"""Shared helpers for the benchmark scripts: statistics, JSON output, rootfs."""
+"""Shared helpers for the benchmark scripts: statistics, JSON output, test roots.
+
+Benchmarks use sandlot's public API only, and ``tests/support`` for what the
+tests build too (root filesystems, images, a registry). Each takes ``--quick``:
+the same code paths with a few iterations, which CI runs so that none rots.
+"""
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
@@ -10,7 +16,18 @@ import sys
 from pathlib import Path
 from typing import Any
 
-CACHE = Path(os.environ.get("SANDLOT_BENCH_CACHE", Path.home() / ".cache" / "sandlot-tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # for tests.support
+
+from tests.support.roots import CACHE, busybox_root, debian_root
+
+__all__ = ["CACHE", "busybox_root", "debian_root", "emit", "host_facts", "parser", "pss_kib", "summary"]
+
+
+def parser(doc: str | None) -> argparse.ArgumentParser:
+    """An argument parser with ``--quick`` (few iterations, for CI)."""
+    ap = argparse.ArgumentParser(description=(doc or "").split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="a few iterations of each figure (CI)")
+    return ap
 
 
 def summary(values: list[float], scale: float = 1.0, digits: int = 2) -> dict[str, float | int]:
@@ -40,15 +57,6 @@ def host_facts(accel: str | None) -> dict[str, Any]:
     lines = Path("/proc/cpuinfo").read_text().splitlines()
     cpu = next((ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("model name")), "?")
     return {"accel": accel, "cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version()}
-
-
-def busybox_root() -> Path:
-    from sandlot.images.builders import busybox_rootfs
-
-    dest = CACHE / "rootfs-busybox-bench"
-    if not (dest / "bin" / "busybox").exists():
-        busybox_rootfs(dest)
-    return dest
 
 
 def emit(doc: dict[str, Any]) -> None:

@@ -4,12 +4,11 @@ Prints one JSON document: cold boot to first exec, exec round trip, stdout,
 stdin and file throughput, and host memory of idle boxes. Baselines measured in
 the same run: the raw agent round trip (ping) and the guest's own pipe speed.
 
-    .venv/bin/python benchmarks/core.py [--boots 10] [--execs 200]
+    .venv/bin/python benchmarks/core.py [--boots 10] [--execs 200] [--quick]
 """
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import os
 import tempfile
@@ -17,7 +16,8 @@ import time
 from pathlib import Path
 
 import sandlot
-from _common import busybox_root, emit, host_facts, pss_kib, summary
+
+from _common import busybox_root, emit, host_facts, parser, pss_kib, summary
 
 MB = 1_000_000
 
@@ -35,7 +35,7 @@ def bench_boot(root: Path, n: int) -> tuple[dict, str | None]:
         times.append(t2 - t0)
         boots.append(t1 - t0)
         accel = box.accel
-        box.remove()
+        box.remove(force=True)
     return {
         "boot_to_first_exec_s": summary(times, digits=3),
         "boot_to_agent_s": summary(boots, digits=3),
@@ -58,10 +58,10 @@ def bench_exec(box: sandlot.Box, n: int) -> dict:
     }
 
 
-def bench_streams(box: sandlot.Box) -> dict:
-    size = 200
+def bench_streams(box: sandlot.Box, quick: bool) -> dict:
+    size, reps = (16, 1) if quick else (200, 3)
     out_rates, pipe_rates, in_rates = [], [], []
-    for _ in range(3):
+    for _ in range(reps):
         t0 = time.perf_counter()
         r = box.exec("dd", "if=/dev/zero", "bs=1M", f"count={size}")
         dt = time.perf_counter() - t0
@@ -71,8 +71,8 @@ def bench_streams(box: sandlot.Box) -> dict:
         t0 = time.perf_counter()
         box.sh(f"dd if=/dev/zero bs=1M count={size} 2>/dev/null | dd of=/dev/null bs=1M 2>/dev/null")
         pipe_rates.append((size << 20) / (time.perf_counter() - t0) / MB)
-    blob = os.urandom(64 << 20)
-    for _ in range(3):
+    blob = os.urandom((8 if quick else 64) << 20)
+    for _ in range(reps):
         t0 = time.perf_counter()
         r = box.exec("dd", "of=/dev/null", "bs=1M", stdin=blob)  # busybox wc would be the bottleneck
         in_rates.append(len(blob) / (time.perf_counter() - t0) / MB)
@@ -86,60 +86,67 @@ def bench_streams(box: sandlot.Box) -> dict:
     }
 
 
-def bench_files(box: sandlot.Box) -> dict:
+def bench_files(box: sandlot.Box, quick: bool) -> dict:
     up, down = [], []
+    size, reps = (8 << 20, 1) if quick else (100 << 20, 3)
     with tempfile.TemporaryDirectory() as d:
         src = Path(d) / "blob"
-        src.write_bytes(os.urandom(100 << 20))
+        src.write_bytes(os.urandom(size))
         digest = hashlib.sha256(src.read_bytes()).hexdigest()
-        for _ in range(3):
+        for _ in range(reps):
             t0 = time.perf_counter()
             box.files.upload(src, "/var/blob")
-            up.append((100 << 20) / (time.perf_counter() - t0) / MB)
+            up.append(size / (time.perf_counter() - t0) / MB)
             t0 = time.perf_counter()
             box.files.download("/var/blob", Path(d) / "back")
-            down.append((100 << 20) / (time.perf_counter() - t0) / MB)
+            down.append(size / (time.perf_counter() - t0) / MB)
         assert hashlib.sha256((Path(d) / "back").read_bytes()).hexdigest() == digest
     box.files.remove("/var/blob")
     return {"upload_MBps": summary(up, digits=1), "download_MBps": summary(down, digits=1)}
 
 
-def bench_memory(root: Path) -> dict:
+def bench_memory(root: Path, quick: bool) -> dict:
+    settle = 1 if quick else 5
     one = sandlot.Box(rootfs=root, memory_mib=256).start()
-    one.exec("true")
-    time.sleep(5)
-    single = pss_kib(one.aio._vm.pid)  # type: ignore[union-attr]
-    others = [sandlot.Box(rootfs=root, memory_mib=256).start() for _ in range(3)]
-    for b in others:
-        b.exec("true")
-    time.sleep(5)
-    per_box = [pss_kib(b.aio._vm.pid)["pss"] for b in [one, *others]]  # type: ignore[union-attr]
-    for b in [one, *others]:
-        b.remove()
+    boxes = [one]
+    try:
+        one.exec("true")
+        time.sleep(settle)
+        single = pss_kib(one.inspect()["vm_pid"])
+        boxes += [sandlot.Box(rootfs=root, memory_mib=256).start() for _ in range(1 if quick else 3)]
+        for b in boxes:
+            b.exec("true")
+        time.sleep(settle)
+        per_box = [pss_kib(b.inspect()["vm_pid"])["pss"] for b in boxes]
+    finally:
+        for b in boxes:
+            b.remove(force=True)
     return {
         "idle_256MiB_box_pss_MiB": round(single["pss"] / 1024, 1),
         "idle_256MiB_box_pss_anon_MiB": round(single["pss_anon"] / 1024, 1),
         "idle_256MiB_box_pss_file_MiB": round(single["pss_file"] / 1024, 1),
-        "idle_pss_per_box_with_4_boxes_MiB": summary([p / 1024 for p in per_box], digits=1),
+        f"idle_pss_per_box_with_{len(per_box)}_boxes_MiB": summary([p / 1024 for p in per_box], digits=1),
     }
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = parser(__doc__)
     ap.add_argument("--boots", type=int, default=10)
     ap.add_argument("--execs", type=int, default=200)
     args = ap.parse_args()
+    if args.quick:
+        args.boots, args.execs = 2, 20
     root = busybox_root()
-    sandlot.Box(rootfs=root).aio.runtime.assets()  # fetch/build once, outside the timings
+    sandlot.Runtime.for_home().prepare()  # fetch/build once, outside the timings
     warm = sandlot.Box(rootfs=root, memory_mib=256).start()  # caches the base disk
-    warm.remove()
+    warm.remove(force=True)
     boot, accel = bench_boot(root, args.boots)
-    doc: dict = {"benchmark": "core", "host": host_facts(accel), **boot}
+    doc: dict = {"benchmark": "core", "quick": args.quick, "host": host_facts(accel), **boot}
     with sandlot.Box(rootfs=root, memory_mib=256) as box:
         doc.update(bench_exec(box, args.execs))
-        doc.update(bench_streams(box))
-        doc.update(bench_files(box))
-    doc.update(bench_memory(root))
+        doc.update(bench_streams(box, args.quick))
+        doc.update(bench_files(box, args.quick))
+    doc.update(bench_memory(root, args.quick))
     emit(doc)
 
 

@@ -7,33 +7,35 @@
   snapshot and its one-time preparation for copy-on-write included), then the
   same from an already prepared snapshot; host PSS per child.
 
-    .venv/bin/python benchmarks/livestate.py [--runs 10] [--root busybox|debian]
+    .venv/bin/python benchmarks/livestate.py [--runs 10] [--root busybox|debian] [--quick]
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import time
 from pathlib import Path
 from typing import Any
 
 import sandlot
-from _common import CACHE, busybox_root, emit, host_facts, pss_kib, summary
-from sandlot.api.box import AsyncBox
-from sandlot.api.snapshot import AsyncSnapshot
+from sandlot import AsyncBox
+
+from _common import busybox_root, debian_root, emit, host_facts, parser, pss_kib, summary
 
 
 async def first_exec_all(boxes: list[AsyncBox]) -> None:
     await asyncio.gather(*(b.exec("true") for b in boxes))
 
 
-async def run(root: Path, runs: int) -> dict[str, Any]:
+LOOP = "nohup sh -c 'while true; do sleep 0.1; done' >/dev/null 2>&1 &"
+
+
+async def run(root: Path, runs: int, fan_out: tuple[int, ...]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     box = AsyncBox(rootfs=root, memory_mib=256, keep=True, template=False)
     await box.start()
     try:
-        await box.sh("nohup sh -c 'while true; do sleep 0.1; done' >/dev/null 2>&1 &")
+        await box.sh(LOOP)
         await box.exec("true")
         pauses, walls, sizes = [], [], []
         for _ in range(runs):
@@ -68,7 +70,7 @@ async def run(root: Path, runs: int) -> dict[str, Any]:
         out["suspend_s"] = summary(suspends, digits=3)
         out["resume_to_first_exec_s"] = summary(resumes, digits=3)
 
-        tmpl = await _template_of(box, "bench-template")
+        tmpl = await sandlot.template_async(rootfs=root, memory_mib=256, setup=[LOOP], name="bench-template")
         starts = []
         for _ in range(runs):
             t = time.perf_counter()
@@ -80,13 +82,13 @@ async def run(root: Path, runs: int) -> dict[str, Any]:
         out["template_start_to_first_exec_s"] = summary(starts, digits=3)
 
         forks: dict[str, Any] = {}
-        for n in (1, 8, 20):
+        for n in fan_out:
             t = time.perf_counter()
             kids = await box.fork(n)
             await first_exec_all(kids)
             fork_wall = time.perf_counter() - t
             await asyncio.sleep(1.0)
-            pss = [pss_kib(k.record.qemu_pid)["pss"] / 1024 for k in kids if k.record.qemu_pid]
+            pss = [pss_kib((await k.inspect())["vm_pid"])["pss"] / 1024 for k in kids]
             for k in kids:
                 await k.remove(force=True)
             t = time.perf_counter()
@@ -106,27 +108,19 @@ async def run(root: Path, runs: int) -> dict[str, Any]:
     return out
 
 
-async def _template_of(box: AsyncBox, name: str) -> AsyncSnapshot:
-    """A template of a running box (the same as ``sandlot.template`` after its setup)."""
-    from sandlot import snapshots
-
-    async with box._lock, box._box_lock():
-        snap = await box._capture("template", name=name)
-    await snapshots.materialize(box.runtime, snap.record)
-    return AsyncSnapshot(box.runtime, box.runtime.store.find_snapshot(snap.id) or snap.record)
-
-
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = parser(__doc__)
     ap.add_argument("--runs", type=int, default=10)
     ap.add_argument("--root", choices=("busybox", "debian"), default="busybox")
     args = ap.parse_args()
-    root = busybox_root() if args.root == "busybox" else CACHE / "rootfs-debian-python3-v1"
-    accel = sandlot.Runtime.for_home().assets().accel.name
-    figures = asyncio.run(run(root, args.runs))
-    emit(
-        {"benchmark": "livestate", "root": args.root, "memory_mib": 256, "host": host_facts(accel), **figures}
-    )
+    fan_out = (1, 3) if args.quick else (1, 8, 20)
+    if args.quick:
+        args.runs = 2
+    root = busybox_root() if args.root == "busybox" else debian_root()
+    accel = sandlot.Runtime.for_home().prepare().accel
+    figures = asyncio.run(run(root, args.runs, fan_out))
+    emit({"benchmark": "livestate", "quick": args.quick, "root": args.root, "memory_mib": 256,
+          "host": host_facts(accel), **figures})  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -11,12 +11,11 @@
 Each: request latency on a new connection per request (median, p99) and the
 throughput of one large download; ratios against host -> host.
 
-    .venv/bin/python benchmarks/network.py [--runs 20] [--mib 32]
+    .venv/bin/python benchmarks/network.py [--runs 20] [--mib 32] [--quick]
 """
 
 from __future__ import annotations
 
-import argparse
 import http.server
 import json
 import os
@@ -29,7 +28,9 @@ import urllib.request
 from typing import Any
 
 import sandlot
-from _common import CACHE, emit, host_facts, summary
+
+from _common import CACHE, debian_root, emit, host_facts, parser, summary
+from tests.support.tls import make_ca, make_leaf
 
 CLIENT = r"""
 import json, sys, time, urllib.request
@@ -113,8 +114,6 @@ def box_client(box: sandlot.Box, url: str, runs: int, proxy: str | None) -> dict
 def https_with_secrets(root: Any, big: bytes, runs: int) -> dict[str, Any]:
     """HTTPS from one box to one server (CA made here): tunnelled as 127.0.0.1, and
     decrypted as 'localhost', the name the box's secret is for."""
-    from sandlot.net.secrets import make_ca, make_leaf
-
     work = CACHE / "bench-secrets"
     work.mkdir(parents=True, exist_ok=True)
     ca_cert, ca_key = make_ca("benchmark server")
@@ -154,15 +153,22 @@ def https_with_secrets(root: Any, big: bytes, runs: int) -> dict[str, Any]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = parser(__doc__)
     ap.add_argument("--runs", type=int, default=20)
     ap.add_argument("--mib", type=int, default=32)
     args = ap.parse_args()
-    root = CACHE / "rootfs-debian-python3-v1"
+    if args.quick:
+        args.runs, args.mib = 3, 4
+    root = debian_root()
     big = bytes(range(256)) * (args.mib * 4096)
     server = serve(big)
     port = server.server_address[1]
-    out: dict[str, Any] = {"benchmark": "network", "runs": args.runs, "download_mib": args.mib}
+    out: dict[str, Any] = {
+        "benchmark": "network",
+        "quick": args.quick,
+        "runs": args.runs,
+        "download_mib": args.mib,
+    }
     out["host_to_host"] = base = figures(host_client(f"http://127.0.0.1:{port}", args.runs))
 
     def ratio(f: dict[str, Any]) -> dict[str, Any]:
@@ -195,7 +201,7 @@ def main() -> None:
         out["host_to_box_published_port"] = ratio(figures(raw))
     server.shutdown()
     out.update(https_with_secrets(root, big, args.runs))
-    out["host"] = host_facts(sandlot.Runtime.for_home().assets().accel.name)
+    out["host"] = host_facts(sandlot.Runtime.for_home().prepare().accel)
     emit(out)
 
 

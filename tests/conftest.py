@@ -5,9 +5,7 @@ box as it found it)."""
 
 from __future__ import annotations
 
-import hashlib
 import os
-import shutil
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,33 +13,23 @@ from pathlib import Path
 import pytest
 
 import sandlot
-from sandlot.images.builders import busybox_rootfs, debian_rootfs
 
-CACHE = Path(os.environ.get("SANDLOT_TEST_CACHE", Path.home() / ".cache" / "sandlot-tests"))
+from tests.support import roots
+from tests.support.roots import CACHE
+
 # Kernel, agent and base disks are reused between runs; boxes are per test.
 os.environ.setdefault("SANDLOT_HOME", str(CACHE / "home"))
 
 
-def _stamp(*parts: str) -> str:
-    return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:12]
-
-
 @pytest.fixture(scope="session")
 def busybox_root() -> Path:
-    busybox = shutil.which("busybox") or "/bin/busybox"
-    dest = CACHE / f"rootfs-busybox-{_stamp(str(os.stat(busybox).st_mtime_ns), 'v2')}"
-    if not (dest / "bin" / "busybox").exists():
-        busybox_rootfs(dest)
-    return dest
+    return roots.busybox_root()
 
 
 @pytest.fixture(scope="session")
 def debian_root() -> Path:
     """Debian bookworm minbase with python3 (mmdebstrap; about 20 s the first time)."""
-    dest = CACHE / "rootfs-debian-python3-v1"
-    if not (dest / "usr" / "bin" / "python3").exists():
-        debian_rootfs(dest, ["python3"])
-    return dest
+    return roots.debian_root()
 
 
 @pytest.fixture(scope="session")

@@ -12,6 +12,7 @@ from .errors import (
     AgentTimeout,
     BootError,
     BootTimeout,
+    BoxBusy,
     BoxCrashed,
     BoxNotFound,
     CommandFailed,
@@ -31,16 +32,18 @@ from .errors import (
     IncompatibleSnapshot,
     InvalidArgument,
     InvalidState,
+    NotFound,
     ProtocolError,
     SandlotError,
+    SavedStateError,
     SnapshotInUse,
     SnapshotNotFound,
-    StateError,
 )
+from .version import __version__
 
 if TYPE_CHECKING:
-    from .api.box import AsyncBox, Box
-    from .api.files import AsyncFiles, FileInfo, Files
+    from .api.box import AsyncBox, AsyncSnapshot
+    from .api.files import AsyncFiles, FileInfo
     from .api.images import (
         get_image,
         import_image,
@@ -51,13 +54,20 @@ if TYPE_CHECKING:
         pull_async,
         remove_image,
     )
-    from .api.process import AsyncProcess, AsyncStream, ExecResult, Process, Stream
-    from .api.snapshot import AsyncSnapshot, Snapshot
-    from .api.templates import import_snapshot, import_snapshot_async, template, template_async
+    from .api.process import AsyncProcess, AsyncStream, ExecResult
+    from .api.sync import Box, Files, Process, Snapshot, Stream
+    from .api.templates import (
+        import_snapshot,
+        import_snapshot_async,
+        prune_snapshots,
+        prune_snapshots_async,
+        template,
+        template_async,
+    )
+    from .core.runtime import Runtime
     from .images.oci import ImageConfig
     from .images.store import Image
     from .net.secrets import Secret
-    from .runtime import Runtime
 
     create = Box.create
     get = Box.get
@@ -69,17 +79,18 @@ if TYPE_CHECKING:
 # their own processes (the egress proxy, once per guest connection; the idle
 # watchdog) need a small part of the package, and start in a tenth of the time.
 _LAZY = {
-    "AsyncBox": "api.box", "Box": "api.box",
-    "AsyncFiles": "api.files", "FileInfo": "api.files", "Files": "api.files",
+    "AsyncBox": "api.box", "Box": "api.sync", "Files": "api.sync", "Process": "api.sync",
+    "Snapshot": "api.sync", "Stream": "api.sync",
+    "AsyncFiles": "api.files", "FileInfo": "api.files",
     "get_image": "api.images", "import_image": "api.images", "list_images": "api.images",
     "load_image": "api.images", "prune_images": "api.images", "pull": "api.images",
     "pull_async": "api.images", "remove_image": "api.images",
     "AsyncProcess": "api.process", "AsyncStream": "api.process", "ExecResult": "api.process",
-    "Process": "api.process", "Stream": "api.process",
-    "AsyncSnapshot": "api.snapshot", "Snapshot": "api.snapshot",
+    "AsyncSnapshot": "api.box",
     "import_snapshot": "api.templates", "import_snapshot_async": "api.templates",
+    "prune_snapshots": "api.templates", "prune_snapshots_async": "api.templates",
     "template": "api.templates", "template_async": "api.templates",
-    "ImageConfig": "images.oci", "Image": "images.store", "Runtime": "runtime", "Secret": "net.secrets",
+    "ImageConfig": "images.oci", "Image": "images.store", "Runtime": "core.runtime", "Secret": "net.secrets",
 }  # fmt: skip
 _ALIASES = {
     "create": ("Box", "create"),
@@ -108,8 +119,6 @@ def __dir__() -> builtins.list[str]:
     return sorted(__all__)
 
 
-__version__ = "0.1.0"
-
 __all__ = [
     "AgentTimeout",
     "AsyncBox",
@@ -120,6 +129,7 @@ __all__ = [
     "BootError",
     "BootTimeout",
     "Box",
+    "BoxBusy",
     "BoxCrashed",
     "BoxNotFound",
     "CommandFailed",
@@ -144,15 +154,16 @@ __all__ = [
     "IncompatibleSnapshot",
     "InvalidArgument",
     "InvalidState",
+    "NotFound",
     "Process",
     "ProtocolError",
     "Runtime",
     "SandlotError",
+    "SavedStateError",
     "Secret",
     "Snapshot",
     "SnapshotInUse",
     "SnapshotNotFound",
-    "StateError",
     "Stream",
     "__version__",
     "create",
@@ -167,6 +178,8 @@ __all__ = [
     "list_snapshots",
     "load_image",
     "prune_images",
+    "prune_snapshots",
+    "prune_snapshots_async",
     "pull",
     "pull_async",
     "remove_image",

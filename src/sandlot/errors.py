@@ -2,14 +2,22 @@
 
 Catch ``SandlotError`` for all of them, or a branch for what you care about::
 
-    SandlotError
-    ├── InvalidArgument (also ValueError)      bad input to a public call
+    SandlotError                               .code .box .state .status .to_dict()
+    ├── InvalidArgument (also ValueError)      bad input to a public call; nothing was changed
     ├── HostSetupError                         QEMU, kernel or agent missing on the host
     ├── ImageError                             a root filesystem or image is malformed or unsafe
+    ├── NotFound (also LookupError)
+    │   ├── BoxNotFound                        no box by that id or name
+    │   └── SnapshotNotFound                   no snapshot or template by that id or name
+    ├── InvalidState                           not possible in the box's state; has .allowed
+    │   ├── BoxBusy                            another process holds the box too long
+    │   ├── BoxCrashed                         the VM died; has .console_tail
+    │   └── SnapshotInUse                      boxes started from it still exist
     ├── BootError                              the VM did not come up; has .console_tail
     │   └── BootTimeout (also TimeoutError)
-    ├── BoxStateError                          operation not possible in the box's state
-    │   └── BoxCrashed                         the VM died; has .console_tail
+    ├── SavedStateError                        saving or loading a running state failed
+    │   ├── IncompatibleSnapshot               made by an engine or host this one cannot load
+    │   └── CorruptSnapshot                    a snapshot or archive is damaged or malformed
     ├── ProtocolError                          the agent sent something malformed
     │   └── ConnectionLost                     the agent channel broke mid-operation
     ├── AgentTimeout (also TimeoutError)       the agent did not answer in time
@@ -20,99 +28,213 @@ Catch ``SandlotError`` for all of them, or a branch for what you care about::
             GuestFileNotFoundError, GuestFileExistsError, GuestIsADirectoryError,
             GuestNotADirectoryError, GuestPermissionError, GuestDirectoryNotEmpty
 
+Every error carries a stable ``code`` (a string that never changes between
+releases), the ``box`` it concerns and that box's ``state`` where known, and the
+HTTP ``status`` a server answers it with; ``to_dict()`` gives them as JSON.
 The guest ``OSError`` subclasses also derive from the matching built-in, so
 ``except FileNotFoundError`` works for guest files as it does for local ones.
+
+>>> from sandlot.errors import InvalidState
+>>> err = InvalidState.refused("pause", "stopped", ["running"], box="dev")
+>>> err.code, err.state, err.allowed, err.status
+('invalid_state', 'stopped', ('running',), 409)
 """
 
 from __future__ import annotations
 
 import errno as _errno
 import os
-from typing import Any
+from collections.abc import Iterable
+from typing import Any, ClassVar
 
 
 class SandlotError(Exception):
     """Base of every sandlot exception."""
 
+    code: ClassVar[str] = "sandlot_error"
+    status: ClassVar[int] = 500
+
+    def __init__(self, message: str = "", *, box: str | None = None, state: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.box = box
+        self.state = state
+
+    def to_dict(self) -> dict[str, Any]:
+        """The error as JSON: ``code``, ``message``, ``box``, ``state`` and any fields of its kind."""
+        out: dict[str, Any] = {"code": self.code, "message": str(self), "box": self.box, "state": self.state}
+        out.update(self._fields())
+        return out
+
+    def _fields(self) -> dict[str, Any]:
+        return {}
+
 
 class InvalidArgument(SandlotError, ValueError):
     """A public call got input it cannot accept; nothing was changed."""
+
+    code, status = "invalid_argument", 400
 
 
 class HostSetupError(SandlotError):
     """The host lacks something sandlot needs (QEMU, the guest kernel, a compiler)."""
 
+    code, status = "host_setup", 503
+
 
 class ImageError(SandlotError):
     """A root filesystem or image is malformed or unsafe; nothing was unpacked outside its root."""
 
-
-class _WithConsole(SandlotError):
-    def __init__(self, message: str, console_tail: str = "") -> None:
-        self.console_tail = console_tail
-        if console_tail:
-            message = f"{message}\n--- guest console (last lines) ---\n{console_tail.rstrip()}"
-        super().__init__(message)
+    code, status = "image_invalid", 422
 
 
-class BootError(_WithConsole):
-    """The VM did not reach a working agent. ``console_tail`` holds the guest's last words."""
+class NotFound(SandlotError, LookupError):
+    """No such thing in this sandlot home."""
+
+    code, status = "not_found", 404
 
 
-class BootTimeout(BootError, TimeoutError):
-    """The VM did not answer within the boot deadline."""
-
-
-class BoxNotFound(SandlotError, LookupError):
+class BoxNotFound(NotFound):
     """No box has that id or name (in this sandlot home)."""
+
+    code = "box_not_found"
+
+
+class SnapshotNotFound(NotFound):
+    """No snapshot or template by that id or name."""
+
+    code = "snapshot_not_found"
 
 
 class InvalidState(SandlotError):
-    """The operation is not possible in the box's current state (e.g. it is stopped)."""
+    """The operation is not possible in the box's current state (e.g. it is stopped).
+    ``state`` is that state; ``allowed`` the states the operation starts from."""
+
+    code, status = "invalid_state", 409
+
+    def __init__(
+        self,
+        message: str = "",
+        *,
+        box: str | None = None,
+        state: str | None = None,
+        allowed: Iterable[str] = (),
+    ) -> None:
+        super().__init__(message, box=box, state=state)
+        self.allowed = tuple(allowed)
+
+    @classmethod
+    def refused(cls, op: str, state: str, allowed: Iterable[str], *, box: str | None = None) -> InvalidState:
+        allowed = tuple(allowed)
+        hint = {
+            "paused": "; unpause() it",
+            "stopped": "; start() it",
+            "created": "; start() it",
+            "crashed": "; start() it",
+        }.get(state, "")
+        where = f"box {box}" if box else "the box"
+        need = f" (it needs {' or '.join(allowed)})" if allowed else ""
+        return cls(f"{where} is {state}: cannot {op}{need}{hint}", box=box, state=state, allowed=allowed)
+
+    def _fields(self) -> dict[str, Any]:
+        return {"allowed": list(self.allowed)}
+
+
+class BoxBusy(InvalidState):
+    """Another process held the box's lock past the deadline (a long operation, or a stuck process)."""
+
+    code, status = "box_busy", 423
+
+
+class _WithConsole(SandlotError):
+    def __init__(
+        self, message: str, console_tail: str = "", *, box: str | None = None, state: str | None = None
+    ) -> None:
+        self.console_tail = console_tail
+        if console_tail:
+            message = f"{message}\n--- guest console (last lines) ---\n{console_tail.rstrip()}"
+        super().__init__(message, box=box, state=state)
+
+    def _fields(self) -> dict[str, Any]:
+        return {"console_tail": self.console_tail}
 
 
 class BoxCrashed(_WithConsole, InvalidState):
     """The VM exited unexpectedly while in use."""
 
+    code, status = "box_crashed", 409
 
-class StateError(SandlotError):
-    """Saving or restoring a box's running state failed (QEMU's reason included)."""
-
-
-class SnapshotNotFound(SandlotError, LookupError):
-    """No snapshot or template by that id or name."""
+    def __init__(
+        self, message: str, console_tail: str = "", *, box: str | None = None, state: str | None = "crashed"
+    ) -> None:
+        _WithConsole.__init__(self, message, console_tail, box=box, state=state)
+        self.allowed = ()
 
 
 class SnapshotInUse(InvalidState):
     """A snapshot cannot be removed while boxes started from it exist."""
 
+    code = "snapshot_in_use"
 
-class IncompatibleSnapshot(SandlotError):
-    """A snapshot was made by a QEMU, machine, CPU model, accelerator or kernel
+
+class BootError(_WithConsole):
+    """The VM did not reach a working agent. ``console_tail`` holds the guest's last words."""
+
+    code, status = "boot_failed", 502
+
+
+class BootTimeout(BootError, TimeoutError):
+    """The VM did not answer within the boot deadline."""
+
+    code, status = "boot_timeout", 504
+
+
+class SavedStateError(SandlotError):
+    """Saving or loading a box's running state failed (the engine's reason included)."""
+
+    code, status = "saved_state_failed", 500
+
+
+class IncompatibleSnapshot(SavedStateError):
+    """A snapshot was made by an engine, machine, CPU model, accelerator or kernel
     that this host cannot restore it with."""
 
+    code, status = "incompatible_snapshot", 422
 
-class CorruptSnapshot(SandlotError):
+
+class CorruptSnapshot(SavedStateError):
     """A snapshot or snapshot archive is damaged or malformed (it is never partly used)."""
+
+    code, status = "corrupt_snapshot", 422
 
 
 class ProtocolError(SandlotError):
     """The agent sent a frame that breaks the protocol."""
 
+    code, status = "protocol_error", 502
+
 
 class ConnectionLost(ProtocolError):
     """The channel to the agent closed while an operation was in flight."""
+
+    code = "connection_lost"
 
 
 class AgentTimeout(SandlotError, TimeoutError):
     """The agent did not answer a request within its deadline."""
 
+    code, status = "agent_timeout", 504
+
 
 class ExecTimeout(SandlotError, TimeoutError):
     """A command ran past its timeout and was killed. Output so far is attached."""
 
-    def __init__(self, message: str, stdout: bytes = b"", stderr: bytes = b"") -> None:
-        super().__init__(message)
+    code, status = "exec_timeout", 504
+
+    def __init__(
+        self, message: str, stdout: bytes = b"", stderr: bytes = b"", *, box: str | None = None
+    ) -> None:
+        super().__init__(message, box=box)
         self.stdout = stdout
         self.stderr = stderr
 
@@ -120,33 +242,48 @@ class ExecTimeout(SandlotError, TimeoutError):
 class CommandFailed(SandlotError):
     """``exec(..., check=True)`` saw a command fail. ``result`` is its ExecResult."""
 
-    def __init__(self, message: str, result: Any) -> None:
-        super().__init__(message)
+    code, status = "command_failed", 422
+
+    def __init__(self, message: str, result: Any, *, box: str | None = None) -> None:
+        super().__init__(message, box=box)
         self.result = result
+
+    def _fields(self) -> dict[str, Any]:
+        return {"exit_code": getattr(self.result, "exit_code", None)}
 
 
 class GuestError(SandlotError):
     """The guest agent refused or failed an operation."""
 
+    code, status = "guest_error", 400
+
 
 class GuestOSError(GuestError, OSError):
     """An OS error inside the guest, with the guest's errno."""
 
+    code = "guest_os_error"
+
     def __init__(self, err: int, message: str) -> None:
         OSError.__init__(self, err, message)
         self.guest_message = message
+        self.message = message
+        self.box = None
+        self.state = None
 
     def __str__(self) -> str:
         name = _errno.errorcode.get(self.errno or 0, str(self.errno))
         return f"[guest {name}] {self.guest_message}"
 
+    def _fields(self) -> dict[str, Any]:
+        return {"errno": _errno.errorcode.get(self.errno or 0, self.errno)}
+
 
 class GuestFileNotFoundError(GuestOSError, FileNotFoundError):
-    pass
+    status = 404
 
 
 class GuestFileExistsError(GuestOSError, FileExistsError):
-    pass
+    status = 409
 
 
 class GuestIsADirectoryError(GuestOSError, IsADirectoryError):
@@ -158,11 +295,11 @@ class GuestNotADirectoryError(GuestOSError, NotADirectoryError):
 
 
 class GuestPermissionError(GuestOSError, PermissionError):
-    pass
+    status = 403
 
 
 class GuestDirectoryNotEmpty(GuestOSError):
-    pass
+    status = 409
 
 
 _BY_ERRNO: dict[int, type[GuestOSError]] = {

@@ -22,7 +22,8 @@ from pathlib import Path
 import pytest
 
 import sandlot
-from tests.servers import LocalServer, QuietHandler
+
+from tests.support.servers import LocalServer, QuietHandler
 
 pytestmark = pytest.mark.vm
 

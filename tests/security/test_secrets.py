@@ -15,7 +15,8 @@ import pytest
 import zstandard
 
 import sandlot
-from tests.test_secrets_units import VALUE, EchoAPI
+
+from tests.unit.test_secrets import VALUE, EchoAPI
 
 pytestmark = pytest.mark.vm
 NO_PROXY_EXEMPTIONS = {"NO_PROXY": "", "no_proxy": ""}

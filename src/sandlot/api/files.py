@@ -12,16 +12,16 @@ import asyncio
 import os
 import stat as _stat
 import tempfile
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING
 
+from ..core.validate import guest_path
 from ..errors import InvalidArgument
 from ..protocol import files as proto
 from ..protocol.wire import FsFlag, FsOp, RawEntry
-from . import _sync
 
 if TYPE_CHECKING:
     from ..protocol.connection import AgentConnection
@@ -79,20 +79,6 @@ def _info(parent: str | None, e: RawEntry, path: str | None = None) -> FileInfo:
         mtime=datetime.fromtimestamp(e.mtime_ns / 1e9, tz=UTC),
         link_target=e.link_target,
     )
-
-
-def guest_path(path: str | os.PathLike[str]) -> str:
-    """Validate a guest path: absolute, no NUL bytes."""
-    p = os.fspath(path)
-    if not isinstance(p, str):
-        raise InvalidArgument(f"guest path must be text, not {type(p).__name__}")
-    if not p.startswith("/"):
-        raise InvalidArgument(f"guest path must be absolute: {p!r}")
-    if "\0" in p:
-        raise InvalidArgument("guest path contains a NUL byte")
-    if len(p.encode()) >= 4096:
-        raise InvalidArgument("guest path is longer than 4095 bytes")
-    return p
 
 
 def _mode(mode: int | None) -> int | None:
@@ -257,84 +243,3 @@ class AsyncFiles:
             raise InvalidArgument("chown needs a user")
         flags = 0 if follow_symlinks else FsFlag.NOFOLLOW
         await proto.fs_request(await self._conn(), FsOp.CHOWN, guest_path(path), user=user, flags=flags)
-
-
-class Files:
-    """Sync twin of :class:`AsyncFiles` (``box.files`` on a ``Box``)."""
-
-    def __init__(self, inner: AsyncFiles) -> None:
-        self._a = inner
-
-    def read(self, path: str | os.PathLike[str]) -> bytes:
-        return _sync.run(self._a.read(path))
-
-    def read_text(self, path: str | os.PathLike[str], encoding: str = "utf-8") -> str:
-        return _sync.run(self._a.read_text(path, encoding))
-
-    def iter_read(
-        self, path: str | os.PathLike[str], *, offset: int = 0, length: int | None = None
-    ) -> Iterator[bytes]:
-        return _sync.iterate(self._a.iter_read(path, offset=offset, length=length))
-
-    def write(
-        self,
-        path: str | os.PathLike[str],
-        data: bytes | str,
-        *,
-        mode: int | None = None,
-        user: str | None = None,
-        append: bool = False,
-        parents: bool = True,
-        exclusive: bool = False,
-    ) -> int:
-        return _sync.run(
-            self._a.write(
-                path, data, mode=mode, user=user, append=append, parents=parents, exclusive=exclusive
-            )
-        )
-
-    def upload(
-        self,
-        local: str | os.PathLike[str],
-        remote: str | os.PathLike[str],
-        *,
-        mode: int | None = None,
-        user: str | None = None,
-    ) -> int:
-        return _sync.run(self._a.upload(local, remote, mode=mode, user=user))
-
-    def download(self, remote: str | os.PathLike[str], local: str | os.PathLike[str]) -> int:
-        return _sync.run(self._a.download(remote, local))
-
-    def stat(self, path: str | os.PathLike[str], *, follow_symlinks: bool = True) -> FileInfo:
-        return _sync.run(self._a.stat(path, follow_symlinks=follow_symlinks))
-
-    def exists(self, path: str | os.PathLike[str]) -> bool:
-        return _sync.run(self._a.exists(path))
-
-    def list(self, path: str | os.PathLike[str]) -> list[FileInfo]:
-        return _sync.run(self._a.list(path))
-
-    def mkdir(
-        self,
-        path: str | os.PathLike[str],
-        *,
-        parents: bool = True,
-        mode: int = 0o755,
-        user: str | None = None,
-    ) -> None:
-        _sync.run(self._a.mkdir(path, parents=parents, mode=mode, user=user))
-
-    def remove(
-        self, path: str | os.PathLike[str], *, recursive: bool = False, missing_ok: bool = False
-    ) -> None:
-        _sync.run(self._a.remove(path, recursive=recursive, missing_ok=missing_ok))
-
-    def rename(self, src: str | os.PathLike[str], dst: str | os.PathLike[str]) -> None:
-        _sync.run(self._a.rename(src, dst))
-
-    def chmod(self, path: str | os.PathLike[str], mode: int) -> None:
-        _sync.run(self._a.chmod(path, mode))
-
-    def chown(self, path: str | os.PathLike[str], user: str, *, follow_symlinks: bool = True) -> None:
-        _sync.run(self._a.chown(path, user, follow_symlinks=follow_symlinks))

@@ -15,10 +15,11 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from ..core import snapshots
+from ..core.runtime import Runtime
 from ..errors import InvalidArgument
 from ..images.store import Image, PruneReport
-from ..runtime import Runtime
-from . import _sync
+from . import loop
 
 if TYPE_CHECKING:
     from ..images.registry import ProgressFn
@@ -63,7 +64,7 @@ def pull(
     home: Home = None,
 ) -> Image:
     """Sync twin of :func:`pull_async`."""
-    return _sync.run(
+    return loop.run(
         pull_async(
             ref, insecure=insecure, ca_cert=ca_cert, credentials=credentials, progress=progress, home=home
         )
@@ -87,14 +88,7 @@ def remove_image(name: str, home: Home = None) -> list[str]:
     removed = rt.images.remove(name)
     gone = {d for d in removed if d.startswith(("sha256:", "sha512:"))}
     if gone:
-        from .. import snapshots
-
-        for snap in rt.store.snapshots(kind="template"):
-            automatic = snap.name is None and snap.options.get("image_digest") in gone
-            if automatic and not rt.store.children(snap.id):
-                rt.store.delete_snapshot(snap.id)
-                snapshots.remove_files(rt.home, snap.id)
-        snapshots.gc_layers(rt)
+        snapshots.drop_automatic_templates(rt.home, rt.store, gone)
     return removed
 
 

@@ -11,13 +11,12 @@ import asyncio
 import contextlib
 import signal as _signal
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from ..errors import CommandFailed, ExecTimeout
 from ..protocol.connection import InboundStream
 from ..protocol.exec import ExitStatus, RemoteProcess
-from . import _sync
 
 
 @dataclass(frozen=True, slots=True)
@@ -183,70 +182,3 @@ class AsyncProcess:
     def detach(self) -> None:
         """Stop following the process; it keeps running in the box, its output is dropped."""
         self._remote.detach()
-
-
-class Stream:
-    """Sync twin of :class:`AsyncStream`: ``for chunk in process.stdout``."""
-
-    def __init__(self, inner: AsyncStream) -> None:
-        self._inner = inner
-
-    def __iter__(self) -> Iterator[bytes]:
-        return _sync.iterate(aiter(self._inner))
-
-    def read(self) -> bytes:
-        return _sync.run(self._inner.read())
-
-    def lines(self) -> Iterator[bytes]:
-        return _sync.iterate(self._inner.lines())
-
-
-class Process:
-    """Sync twin of :class:`AsyncProcess`, shaped like ``subprocess.Popen``."""
-
-    def __init__(self, inner: AsyncProcess) -> None:
-        self._inner = inner
-
-    @property
-    def argv(self) -> tuple[str, ...]:
-        return self._inner.argv
-
-    @property
-    def pid(self) -> int:
-        return self._inner.pid
-
-    @property
-    def stdout(self) -> Stream:
-        return Stream(self._inner.stdout)
-
-    @property
-    def stderr(self) -> Stream:
-        return Stream(self._inner.stderr)
-
-    @property
-    def returncode(self) -> int | None:
-        return self._inner.returncode
-
-    def write_stdin(self, data: bytes | str) -> None:
-        _sync.run(self._inner.write_stdin(data))
-
-    def close_stdin(self) -> None:
-        _sync.run(self._inner.close_stdin())
-
-    def kill(self, sig: int = _signal.SIGKILL, *, group: bool = True) -> None:
-        _sync.run(self._inner.kill(sig, group=group))
-
-    def send_signal(self, sig: int) -> None:
-        _sync.run(self._inner.send_signal(sig))
-
-    def resize(self, rows: int, cols: int) -> None:
-        _sync.run(self._inner.resize(rows, cols))
-
-    def wait(self, timeout: float | None = None) -> int:
-        return _sync.run(self._inner.wait(timeout))
-
-    def result(self, timeout: float | None = None) -> ExecResult:
-        return _sync.run(self._inner.result(timeout))
-
-    def detach(self) -> None:
-        _sync.call(self._inner.detach)

@@ -9,20 +9,19 @@
 
 from __future__ import annotations
 
-import asyncio
 import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from .. import snapshots
+from ..core.runtime import Runtime
+from ..core.service import core_for
+from ..core.store import validate_name
 from ..errors import InvalidArgument
 from ..images.store import Image
-from ..runtime import Runtime
-from ..store import validate_name
-from . import _sync
-from .box import AsyncBox, Box
-from .snapshot import AsyncSnapshot, Snapshot
+from . import loop
+from .box import AsyncBox, AsyncSnapshot
+from .sync import Box, Snapshot
 
 
 async def template_async(
@@ -41,7 +40,8 @@ async def template_async(
     if isinstance(setup, str):
         raise InvalidArgument("setup is a list of commands, not one string")
     rt = Runtime.for_home(home)
-    if name is not None and any(s.name == name for s in rt.store.snapshots(kind="template")):
+    core = core_for(rt)
+    if name is not None and any(s.name == name for s in await core.live.list_snapshots(kind="template")):
         raise InvalidArgument(f"a template named {name!r} already exists")
     box = AsyncBox(image, template=False, home=rt.home, **box_options)
     async with box:
@@ -50,12 +50,9 @@ async def template_async(
                 await box.sh(cmd, check=True)
             else:
                 await box.exec(*cmd, check=True)
-        async with box._lock, box._box_lock():
-            snap = await box._capture("template", name=name)
-    await snapshots.materialize(rt, snap.record)
-    found = rt.store.find_snapshot(snap.id)
-    assert found is not None
-    return AsyncSnapshot(rt, found)
+        entry = await core.controller.find(box.id)
+        snap = await core.live.make_template(entry, name)
+    return AsyncSnapshot(rt, snap)
 
 
 def template(
@@ -67,7 +64,7 @@ def template(
     **box_options: Any,
 ) -> Snapshot:
     """Sync ``template_async``."""
-    return Snapshot(_sync.run(template_async(image, setup=setup, name=name, home=home, **box_options)))
+    return Snapshot.wrap(loop.run(template_async(image, setup=setup, name=name, home=home, **box_options)))
 
 
 async def import_snapshot_async(
@@ -76,11 +73,8 @@ async def import_snapshot_async(
 ) -> AsyncBox | AsyncSnapshot:  # fmt: skip
     """Verify an exported snapshot (integrity, compatibility with this host) and add
     it to this home; with ``start`` (the default) start a box from it and return the box."""
-    from .. import archive
-
     rt = Runtime.for_home(home)
-    rec = await asyncio.to_thread(archive.import_snapshot, rt, Path(path))
-    snap = AsyncSnapshot(rt, rec)
+    snap = AsyncSnapshot(rt, await core_for(rt).live.import_snapshot(Path(path)))
     if not start:
         return snap
     boxes = await snap.start(1, name=name, **box_options)
@@ -92,5 +86,20 @@ def import_snapshot(
     start: bool = True, **box_options: Any,
 ) -> Box | Snapshot:  # fmt: skip
     """Sync ``import_snapshot_async``: the running box (or the snapshot, ``start=False``)."""
-    out = _sync.run(import_snapshot_async(path, name=name, home=home, start=start, **box_options))
-    return Box._wrap(out) if isinstance(out, AsyncBox) else Snapshot(out)
+    out = loop.run(import_snapshot_async(path, name=name, home=home, start=start, **box_options))
+    return Box.wrap(out) if isinstance(out, AsyncBox) else Snapshot.wrap(out)
+
+
+async def prune_snapshots_async(
+    *, templates: bool = False, home: str | os.PathLike[str] | None = None
+) -> list[AsyncSnapshot]:
+    """Remove the snapshots no box needs: those of removed boxes (and imported ones)
+    from which no box was started; ``templates``: named templates no box was started
+    from too. Returns what was removed. (Removing a box keeps its snapshots.)"""
+    rt = Runtime.for_home(home)
+    return [AsyncSnapshot(rt, r) for r in await core_for(rt).live.prune_snapshots(templates=templates)]
+
+
+def prune_snapshots(*, templates: bool = False, home: str | os.PathLike[str] | None = None) -> list[Snapshot]:
+    """Sync ``prune_snapshots_async``."""
+    return [Snapshot.wrap(s) for s in loop.run(prune_snapshots_async(templates=templates, home=home))]

@@ -4,11 +4,11 @@ unpause, rm, ls, exec, cp, logs, inspect, stats."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import sys
 import time
-from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -17,9 +17,9 @@ from rich.console import Console
 from rich.table import Table
 
 from ..api.box import AsyncBox
-from ..errors import BoxNotFound, SandlotError
+from ..errors import InvalidArgument, SandlotError
 from ..net.secrets import Secret
-from . import app, fail, human
+from .common import age, app, fail, for_each_box, human, run_coro
 from .terminal import attach, raw_terminal, terminal_size
 
 # Options stop at the first positional argument, as in Docker: what follows the
@@ -63,16 +63,6 @@ def _labels(items: list[str] | None) -> dict[str, str]:
             raise fail(f"--label needs KEY=VALUE, got {item!r}", 2)
         out[key] = value
     return out
-
-
-def _run(coro: Awaitable[int | None]) -> int | None:
-    """Run a command's coroutine in the main thread (signals and terminal belong to it)."""
-    try:
-        return asyncio.run(coro)  # type: ignore[arg-type]
-    except FileNotFoundError as exc:
-        raise fail(exc, 127) from exc
-    except SandlotError as exc:
-        raise fail(exc, 125) from exc
 
 
 async def _exec_attached(
@@ -224,8 +214,11 @@ def run(
         try:
             if entrypoint is not None:
                 argv = [entrypoint, *args] if entrypoint else list(args)
-            elif args or box.spec.image_config is not None:
+            elif args or not detach:
                 argv = box.default_command(args)
+            else:
+                with contextlib.suppress(InvalidArgument):  # a detached box needs no command
+                    argv = box.default_command()
             if detach:
                 if argv:
                     proc = await box.spawn(*argv, stdin=False)
@@ -243,7 +236,7 @@ def run(
                 else:
                     await box.stop()
 
-    code = _run(main())
+    code = run_coro(main())
     raise typer.Exit(code or 0)
 
 
@@ -291,27 +284,7 @@ def create(
         box = await AsyncBox.create(**opts)
         print(box.name)
 
-    _run(main())
-
-
-def _each(boxes: list[str], action: Callable[[AsyncBox], Awaitable[Any]], verb: str) -> None:
-    """Apply an action to several boxes; report each, fail if any failed."""
-    failed = False
-
-    async def main() -> None:
-        nonlocal failed
-        for key in boxes:
-            try:
-                box = AsyncBox.get(key)
-                await action(box)
-                print(box.name)
-            except SandlotError as exc:
-                failed = True
-                fail(f"{verb} {key}: {exc}")
-
-    asyncio.run(main())
-    if failed:
-        raise typer.Exit(1)
+    run_coro(main())
 
 
 BoxesArg = Annotated[list[str], typer.Argument(help="Box names or ids.")]
@@ -320,7 +293,7 @@ BoxesArg = Annotated[list[str], typer.Argument(help="Box names or ids.")]
 @app.command()
 def start(boxes: BoxesArg) -> None:
     """Start boxes (cold boot; disks kept)."""
-    _each(boxes, lambda b: b.start(), "start")
+    for_each_box(boxes, lambda b: b.start(), "start")
 
 
 @app.command()
@@ -329,25 +302,25 @@ def stop(
     time_: Annotated[float, typer.Option("--time", "-t", help="Seconds before forcing.")] = 10.0,
 ) -> None:
     """Stop boxes gracefully (forced after --time seconds)."""
-    _each(boxes, lambda b: b.stop(time_), "stop")
+    for_each_box(boxes, lambda b: b.stop(time_), "stop")
 
 
 @app.command()
 def restart(boxes: BoxesArg) -> None:
     """Stop and start boxes."""
-    _each(boxes, lambda b: b.restart(), "restart")
+    for_each_box(boxes, lambda b: b.restart(), "restart")
 
 
 @app.command()
 def pause(boxes: BoxesArg) -> None:
     """Freeze boxes' CPUs (memory and processes stay)."""
-    _each(boxes, lambda b: b.pause(), "pause")
+    for_each_box(boxes, lambda b: b.pause(), "pause")
 
 
 @app.command()
 def unpause(boxes: BoxesArg) -> None:
     """Resume paused boxes."""
-    _each(boxes, lambda b: b.unpause(), "unpause")
+    for_each_box(boxes, lambda b: b.unpause(), "unpause")
 
 
 @app.command()
@@ -356,17 +329,7 @@ def rm(
     force: Annotated[bool, typer.Option("--force", "-f", help="Remove running boxes too.")] = False,
 ) -> None:
     """Remove boxes (their disks and logs)."""
-    _each(boxes, lambda b: b.remove(force=force), "rm")
-
-
-def _age(t: float | None) -> str:
-    if not t:
-        return "-"
-    s = int(time.time() - t)
-    for unit, n in (("d", 86400), ("h", 3600), ("m", 60)):
-        if s >= n:
-            return f"{s // n}{unit} ago"
-    return f"{s}s ago"
+    for_each_box(boxes, lambda b: b.remove(force=force), "rm")
 
 
 @app.command()
@@ -388,31 +351,35 @@ def ls(
             state = value
         else:
             raise fail(f"unknown filter {f!r} (label=K=V or state=S)", 2)
+
+    async def listing() -> list[dict[str, Any]]:
+        boxes = await AsyncBox.list(all=all_ or state is not None, state=state, labels=labels or None)
+        return [await b.inspect() for b in boxes]
+
     try:
-        boxes = AsyncBox.list(all=all_ or state is not None, state=state, labels=labels or None)
+        records = asyncio.run(listing())
     except SandlotError as exc:
         raise fail(exc) from exc
-    records = [b._record for b in boxes if b._record is not None]
     if quiet:
         for rec in records:
-            print(rec.name)
+            print(rec["name"])
         return
     if as_json:
-        print(json.dumps([r.to_json() for r in records], indent=1))
+        print(json.dumps(records, indent=1))
         return
     table = Table(box=None, pad_edge=False)
     for col in ("NAME", "ID", "IMAGE", "STATE", "CREATED", "STATUS"):
         table.add_column(col)
     for r in records:
-        source = (r.image_ref or "").removeprefix("docker.io/").removeprefix(
-            "library/"
-        ) or f"rootfs:{r.rootfs}"
+        source = (r["image_ref"] or "").removeprefix("docker.io/").removeprefix("library/")
+        state_ = r["state"]
         status = (
-            r.reason
-            if r.state == "crashed" and r.reason
-            else _age(r.started_at if r.state == "running" else r.stopped_at)
+            r["reason"]
+            if state_ == "crashed" and r["reason"]
+            else age(r["started_at"] if state_ == "running" else r["stopped_at"])
         )
-        table.add_row(r.name, r.id, source, r.state, _age(r.created_at), status or "-")
+        table.add_row(r["name"], r["id"], source or f"rootfs:{r['rootfs']}", state_, age(r["created_at"]),
+                      status or "-")  # fmt: skip
     Console(soft_wrap=True, highlight=False).print(table)
 
 
@@ -435,13 +402,13 @@ def exec_cmd(
         argv = argv[1:]
 
     async def main() -> int:
-        box = AsyncBox.get(key)
+        box = await AsyncBox.get(key)
         return await _exec_attached(
             box, argv, interactive=interactive, tty_mode=tty_mode, env=_env(env) or None, workdir=workdir,
             user=user, timeout=timeout,
         )  # fmt: skip
 
-    raise typer.Exit(_run(main()) or 0)
+    raise typer.Exit(run_coro(main()) or 0)
 
 
 def _split_box_path(arg: str) -> tuple[str | None, str]:
@@ -465,7 +432,7 @@ def cp(
 
     async def main() -> None:
         if sbox is not None:
-            box = AsyncBox.get(sbox)
+            box = await AsyncBox.get(sbox)
             target = Path(dpath)
             info = await box.files.stat(spath)
             if info.is_dir:
@@ -474,14 +441,14 @@ def cp(
                 await box.files.download(spath, target)
         else:
             assert dbox is not None
-            box = AsyncBox.get(dbox)
+            box = await AsyncBox.get(dbox)
             local = Path(spath)
             remote = dpath
             if await box.files.exists(dpath) and (await box.files.stat(dpath)).is_dir:
                 remote = f"{dpath.rstrip('/')}/{local.name}"
             await box.files.upload(local, remote)
 
-    _run(main())
+    run_coro(main())
 
 
 async def _download_tree(box: AsyncBox, remote: str, local: Path) -> None:
@@ -503,15 +470,20 @@ def logs(
     follow: Annotated[bool, typer.Option("--follow", "-f", help="Keep printing new lines.")] = False,
 ) -> None:
     """The box's console: kernel and agent messages."""
+
+    async def console() -> tuple[str, Path]:
+        b = await AsyncBox.get(box)
+        return await b.logs(tail_), Path((await b.inspect())["paths"]["console"])
+
     try:
-        b = AsyncBox.get(box)
+        text, console_log = asyncio.run(console())
     except SandlotError as exc:
         raise fail(exc) from exc
-    sys.stdout.write(b.logs(tail_))
+    sys.stdout.write(text)
     sys.stdout.flush()
     if follow:
         try:
-            with open(b.console_log, "rb") as f:
+            with open(console_log, "rb") as f:
                 f.seek(0, os.SEEK_END)
                 while True:
                     chunk = f.read()
@@ -530,8 +502,13 @@ def port(
     guest: Annotated[int | None, typer.Argument(help="A published guest port (default: all).")] = None,
 ) -> None:
     """Where the box's published ports are on the host: GUEST -> ADDRESS:PORT."""
+
+    async def published() -> list[dict[str, Any]]:
+        found: list[dict[str, Any]] = (await (await AsyncBox.get(box)).inspect())["network"]["ports"]
+        return found
+
     try:
-        ports = AsyncBox.get(box).inspect()["network"]["ports"]
+        ports = asyncio.run(published())
     except SandlotError as exc:
         raise fail(str(exc)) from None
     shown = [p for p in ports if guest is None or p["guest"] == guest]
@@ -551,23 +528,25 @@ def network(
     """Show or change a box's egress policy (a running box applies it to its next connection)."""
 
     async def main() -> None:
-        b = AsyncBox.get(box)
+        b = await AsyncBox.get(box)
         if mode is not None or allow or clear:
             await b.set_network(mode, allow=[] if clear else allow)
-        print(json.dumps(b.inspect()["network"], indent=2))
+        print(json.dumps((await b.inspect())["network"], indent=2))
 
-    _run(main())
+    run_coro(main())
 
 
 @app.command()
 def inspect(boxes: BoxesArg) -> None:
     """Everything about boxes, as JSON."""
-    out = []
-    for key in boxes:
-        try:
-            out.append(AsyncBox.get(key).inspect())
-        except SandlotError as exc:
-            raise fail(exc) from exc
+
+    async def each() -> list[dict[str, Any]]:
+        return [await (await AsyncBox.get(key)).inspect() for key in boxes]
+
+    try:
+        out = asyncio.run(each())
+    except SandlotError as exc:
+        raise fail(exc) from exc
     print(json.dumps(out if len(out) > 1 else out[0], indent=2, default=str))
 
 
@@ -579,11 +558,15 @@ def stats(
     as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
 ) -> None:
     """Host CPU time, memory and disk of boxes."""
+
+    async def measure() -> list[dict[str, Any]]:
+        targets = [await AsyncBox.get(k) for k in boxes] if boxes else await AsyncBox.list(all=False)
+        return [await b.stats() for b in targets]
+
     try:
-        targets = [AsyncBox.get(k) for k in boxes] if boxes else AsyncBox.list(all=False)
-    except BoxNotFound as exc:
+        rows = asyncio.run(measure())
+    except SandlotError as exc:
         raise fail(exc) from exc
-    rows = [b.stats() for b in targets]
     if as_json:
         print(json.dumps(rows, indent=1))
         return

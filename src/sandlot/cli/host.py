@@ -10,15 +10,15 @@ from typing import Annotated
 import typer
 from rich.console import Console
 
-from .. import __version__
 from ..errors import SandlotError
-from . import app, fail
+from ..version import __version__
+from .common import app, fail
 
 
 @app.command()
 def doctor(as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False) -> None:
     """Check QEMU, the accelerator (and why), the guest kernel, the agent and free disk."""
-    from ..runtime import Runtime
+    from ..core.runtime import Runtime
 
     report = Runtime.for_home().doctor()
     if as_json:
@@ -61,20 +61,22 @@ def setup(
     refresh_kernel: Annotated[bool, typer.Option(help="Fetch the newest distro kernel.")] = False,
 ) -> None:
     """Prepare everything a boot needs (kernel, agent, initramfs) and report it."""
+    from ..core.runtime import Runtime
     from ..guest.kernel import fetch_distro_kernel
-    from ..runtime import Runtime
 
     rt = Runtime.for_home()
     try:
         if refresh_kernel and not os.environ.get("SANDLOT_KERNEL"):
             fetch_distro_kernel(rt.home, refresh=True)
-        assets = rt.assets()
+        rt.prepare()
     except SandlotError as exc:
         raise fail(exc) from exc
-    print(f"kernel  {assets.kernel.version} ({assets.kernel.vmlinux})")
-    print(f"agent   {assets.agent.path}")
-    print(f"initrd  {assets.initrd}")
-    print(f"accel   {assets.accel.name}: {assets.accel.reason}")
+    report = rt.doctor()
+    kernel, agent = report.get("kernel", {}), report.get("agent", {})
+    print(f"kernel  {kernel.get('version')} ({kernel.get('vmlinux')})")
+    print(f"agent   {agent.get('path')}")
+    print(f"initrd  {report.get('initramfs')}")
+    print(f"accel   {report['accel']['name']}: {report['accel']['reason']}")
 
 
 @app.command()

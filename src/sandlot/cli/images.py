@@ -12,7 +12,7 @@ import typer
 from rich.console import Console
 
 from ..errors import SandlotError
-from . import app, fail, human
+from .common import app, fail, human
 
 
 def progress_display() -> tuple[Any, Callable[[Any], None]]:
@@ -126,10 +126,14 @@ def load(
 ) -> None:
     """Load images from an archive or an OCI layout directory."""
     from ..api.images import load_image
+    from ..images.reference import Reference
 
     try:
+        wanted = str(Reference.parse(name)) if name else None
         for img in load_image(path, name):
-            print(f"{img.name} {img.digest}")
+            # the name this load gave (an image known already keeps its older names too)
+            shown = wanted if wanted in img.names else img.name
+            print(f"{shown} {img.digest}")
     except SandlotError as exc:
         raise fail(exc) from exc
 

@@ -2,6 +2,7 @@
 
 sandlot snapshot BOX [NAME]             save a running box (it goes on)
 sandlot snapshot rm SNAPSHOT...         refused while boxes started from it exist
+sandlot snapshot prune [--templates]    those of removed boxes no box was started from
 sandlot snapshot export SNAPSHOT FILE   one file for another machine
 sandlot snapshot import FILE [--name N] start the box it holds here
 sandlot snapshots [BOX]                 list (templates too)
@@ -13,19 +14,19 @@ sandlot template IMAGE --name N [--setup CMD]...
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 from rich.console import Console
 from rich.table import Table
 
-from ..api.box import AsyncBox
-from ..api.snapshot import AsyncSnapshot
-from ..api.templates import import_snapshot_async, template_async
-from . import app, fail, human
-from .boxes import BoxesArg, _age, _each, _run
+from ..api.box import AsyncBox, AsyncSnapshot
+from ..api.templates import import_snapshot_async, prune_snapshots_async, template_async
+from .boxes import BoxesArg
+from .common import age, app, fail, for_each_box, human, run_coro
 
 
 @app.command()
@@ -34,19 +35,34 @@ def snapshot(
         list[str], typer.Argument(help="BOX [NAME] | rm SNAP... | export SNAP FILE | import FILE")
     ],
     name: Annotated[str | None, typer.Option("--name", help="import: the new box's name.")] = None,
+    templates: Annotated[bool, typer.Option("--templates", help="prune: named templates too.")] = False,
 ) -> None:
-    """Save a running box's memory, processes and disk (it goes on running)."""
+    """Save a running box's memory, processes and disk (it goes on running).
+
+    sandlot snapshot BOX [NAME]; snapshot rm SNAP...; snapshot prune [--templates];
+    snapshot export SNAP FILE; snapshot import FILE [--name N]
+    """
+    if args[0] == "prune":
+        if len(args) != 1:
+            raise fail("snapshot prune takes no arguments", 2)
+
+        async def prune() -> None:
+            for snap in await prune_snapshots_async(templates=templates):
+                print(f"{snap.id}\t{snap.name or ''}\t{human(snap.size)}")
+
+        run_coro(prune())
+        return
     if args[0] == "rm":
         if len(args) < 2:
             raise fail("snapshot rm needs snapshot ids or names", 2)
 
         async def remove() -> None:
             for key in args[1:]:
-                snap = AsyncSnapshot.get(key)
+                snap = await AsyncSnapshot.get(key)
                 await snap.remove()
                 print(snap.id)
 
-        _run(remove())
+        run_coro(remove())
         return
     if args[0] == "export":
         if len(args) != 3:
@@ -54,10 +70,10 @@ def snapshot(
 
         async def export() -> None:
             t = time.monotonic()
-            path = await AsyncSnapshot.get(args[1]).export(args[2])
+            path = await (await AsyncSnapshot.get(args[1])).export(args[2])
             print(f"{path} ({human(path.stat().st_size)}, {time.monotonic() - t:.1f}s)")
 
-        _run(export())
+        run_coro(export())
         return
     if args[0] == "import":
         if len(args) != 2:
@@ -67,18 +83,18 @@ def snapshot(
             box = await import_snapshot_async(args[1], name=name)
             print(box.name)
 
-        _run(import_())
+        run_coro(import_())
         return
     if len(args) > 2:
         raise fail("snapshot takes BOX [NAME]", 2)
 
     async def take() -> None:
-        box = AsyncBox.get(args[0])
+        box = await AsyncBox.get(args[0])
         snap = await box.snapshot(args[1] if len(args) > 1 else None)
         pause = f"{box.last_pause * 1000:.0f} ms" if box.last_pause is not None else "?"
         print(f"{snap.id}\t{snap.name or ''}\tpaused {pause}, {human(snap.size)}")
 
-    _run(take())
+    run_coro(take())
 
 
 @app.command()
@@ -87,21 +103,23 @@ def snapshots(
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
 ) -> None:
     """List snapshots and templates."""
+
+    async def listing() -> list[dict[str, Any]]:
+        return [await s.inspect() for s in await AsyncSnapshot.list(box=box)]
+
     try:
-        snaps = AsyncSnapshot.list(box=box)
+        snaps = asyncio.run(listing())
     except Exception as exc:
         raise fail(exc, 125) from exc
     if as_json:
-        print(json.dumps([s.inspect() for s in snaps], indent=2))
+        print(json.dumps(snaps, indent=2))
         return
     table = Table(box=None, pad_edge=False)
     for col in ("ID", "NAME", "KIND", "BOX", "CREATED", "SIZE", "CHILDREN"):
         table.add_column(col)
     for s in snaps:
-        kids = len(s.runtime.store.children(s.id))
-        table.add_row(
-            s.id, s.name or "", s.kind, s.box_name or "", _age(s.created_at), human(s.size), str(kids)
-        )
+        table.add_row(s["id"], s["name"] or "", s["kind"], s["box_name"] or "", age(s["created_at"]),
+                      human(s["size"]), str(len(s["children"])))  # fmt: skip
     Console(width=200).print(table)
 
 
@@ -113,11 +131,11 @@ def rollback(
     """Take a box back to one of its snapshots: memory, processes and disk."""
 
     async def main() -> None:
-        b = AsyncBox.get(box)
+        b = await AsyncBox.get(box)
         await b.rollback(snap)
         print(b.name)
 
-    _run(main())
+    run_coro(main())
 
 
 @app.command()
@@ -129,23 +147,23 @@ def fork(
     """Start N running copies of a box (from a snapshot taken now)."""
 
     async def main() -> None:
-        kids = await AsyncBox.get(box).fork(n, name=name)
+        kids = await (await AsyncBox.get(box)).fork(n, name=name)
         for k in kids:
             print(k.name)
 
-    _run(main())
+    run_coro(main())
 
 
 @app.command()
 def suspend(boxes: BoxesArg) -> None:
     """Write boxes' running state to disk and end their VMs (no CPU, no RAM)."""
-    _each(boxes, lambda b: b.suspend(), "suspend")
+    for_each_box(boxes, lambda b: b.suspend(), "suspend")
 
 
 @app.command()
 def resume(boxes: BoxesArg) -> None:
     """Bring suspended boxes back, processes running."""
-    _each(boxes, lambda b: b.resume(), "resume")
+    for_each_box(boxes, lambda b: b.resume(), "resume")
 
 
 @app.command()
@@ -163,4 +181,4 @@ def template(
         snap = await template_async(image, setup=setup or [], name=name, memory_mib=memory)
         print(f"{snap.id}\t{snap.name}")
 
-    _run(main())
+    run_coro(main())

@@ -246,13 +246,24 @@ class ImageManager:
         if not loaded:
             raise ImageError(f"{path} holds no image")
         images = []
+        before = {img.digest for img in self.list_images()}
         for item in loaded:
             names = [name] if name else item.names
             refs = []
             for n in names:
                 with contextlib.suppress(InvalidArgument):
                     refs.append(str(Reference.parse(n)))
-            images.append(self._record(item.manifest_digest, refs, f"file:{path}"))
+            image = self._record(item.manifest_digest, refs, f"file:{path}")
+            try:
+                # its layers are checked (unpacked, into its base disk) now, as a pull checks
+                # them, not only when a box is first made of it
+                self.ensure_base(image)
+            except ImageError:
+                if image.digest not in before:  # an image this load made goes again
+                    with contextlib.suppress(Exception):
+                        self.store.remove(image.digest)
+                raise
+            images.append(image)
         return images
 
     def import_dir(self, src: Path, name: str, **config: Any) -> Image:

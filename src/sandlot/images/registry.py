@@ -12,6 +12,7 @@ again rather than trusted.
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import os
 import re
@@ -133,7 +134,8 @@ class RegistryClient:
         if self._token:
             return {"Authorization": f"Bearer {self._token}"}
         if self._basic and self._creds:
-            return {"Authorization": httpx.BasicAuth(self._creds.username, self._creds.password)._auth_header}
+            pair = f"{self._creds.username}:{self._creds.password}".encode()
+            return {"Authorization": "Basic " + base64.b64encode(pair).decode()}
         return {}
 
     async def _authenticate(self, challenge: str) -> None:

@@ -37,6 +37,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import NamedTuple
 
+from .addresses import PROXY_ADDRESS
 from .policy import (
     Denied,
     IPAddress,
@@ -49,9 +50,7 @@ from .policy import (
     resolve,
 )
 
-# engine.qemu.PROXY_ADDRESS, not imported: that module costs a process started per
-# connection more than all of this one.
-ANSWER_ADDRESS = "10.0.2.100"
+ANSWER_ADDRESS = PROXY_ADDRESS
 TTL = 10  # seconds: the policy can change (the agent's relay keeps an answer this long)
 IDLE_TIMEOUT = 10.0  # between queries on one connection
 MAX_MESSAGE = 4096  # a query is one question; EDNS may add a few dozen bytes

@@ -30,7 +30,7 @@ from typing import Any
 import h11
 
 from .policy import normalize_host, valid_host
-from .proxy import send_error, splice
+from .relay import send_error, splice
 from .secrets import Masker, Swap, Vault, make_leaf, swap_in, swap_in_header
 
 BODY_LIMIT = 32 * 1024 * 1024

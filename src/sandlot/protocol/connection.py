@@ -341,6 +341,7 @@ class AgentConnection:
         self._reconnecting: asyncio.Future[None] | None = None
         self._handshaking = False
         self.info: AgentInfo | None = None
+        self.last_used = time.monotonic()  # when a channel last opened or closed
 
     # -- lifecycle ---------------------------------------------------------------------
 
@@ -448,6 +449,12 @@ class AgentConnection:
         self._writer = None
         self._reader = None
 
+    def break_transport(self) -> None:
+        """Cut the socket at once, as a failing transport would: the connection is
+        lost, reconnects and resumes its channels (for tests of that path)."""
+        if self._writer is not None:
+            self._writer.transport.abort()
+
     def closing(self) -> None:
         """Mark the connection as being closed on purpose (close() follows)."""
         self._closed = True
@@ -462,6 +469,11 @@ class AgentConnection:
     @property
     def failed(self) -> BaseException | None:
         return self._failure
+
+    @property
+    def open_channels(self) -> int:
+        """Operations in flight on this connection."""
+        return len(self._channels)
 
     # -- frames --------------------------------------------------------------------------
 
@@ -490,11 +502,13 @@ class AgentConnection:
         ch = Channel(self, self._next_id)
         self._next_id = (self._next_id + 1) & 0xFFFFFFFF
         self._channels[ch.id] = ch
+        self.last_used = time.monotonic()
         return ch
 
     def _forget(self, ch: Channel) -> None:
         if self._channels.get(ch.id) is ch:
             del self._channels[ch.id]
+            self.last_used = time.monotonic()
 
     async def ping(self, timeout: float | None = None) -> float:
         """Round trip to the agent, in seconds."""

@@ -4,10 +4,17 @@
  * serves any number of sessions (one per virtio-serial port named "sandlot.*",
  * or stdin/stdout in host mode), and each session multiplexes channels: one per
  * exec, file transfer or file-system request. Every buffer has a fixed bound, so
- * a hostile or buggy host cannot make the agent allocate without limit. */
+ * a hostile or buggy host cannot make the agent allocate without limit.
+ *
+ * main.c runs the poll loop; transport.c moves frames to and from a session;
+ * dispatch.c says what a frame means; channel.c keeps the table of channels;
+ * stream.c holds the output streams. Each kind of channel (exec.c; files.c:
+ * read, write, directory listing) owns its member of struct channel's union and
+ * the struct channel_ops through which everything else reaches it. */
 #ifndef SANDLOT_AGENT_H
 #define SANDLOT_AGENT_H
 
+#include <dirent.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <sys/types.h>
@@ -82,7 +89,7 @@ static inline void wr32(uint8_t *p, uint32_t v)
 }
 static inline void wr64(uint8_t *p, uint64_t v) { wr32(p, (uint32_t)v); wr32(p + 4, (uint32_t)(v >> 32)); }
 
-/* ---- sessions and channels ------------------------------------------- */
+/* ---- sessions (transport.c) ----------------------------------------- */
 
 /* Output the agent produces for one session. Beyond OUT_SOFT_LIMIT no new data
  * is produced; beyond OUT_HARD_LIMIT the session stops reading requests. */
@@ -107,6 +114,27 @@ struct session {
     uint32_t nchannels;
 };
 
+struct pollfd;
+
+void send_frame(struct session *s, uint8_t type, uint8_t flags, uint32_t ch, const void *p, size_t n);
+void send_msg(struct session *s, uint8_t type, uint8_t flags, uint32_t ch, struct msg *m);
+void send_error(struct session *s, uint32_t ch, int err, uint8_t frame_type, const char *fmt, ...);
+void send_ack(struct session *s, uint32_t ch, uint32_t stream, uint64_t off);
+void send_data(struct session *s, uint32_t ch, uint32_t stream, uint64_t off, const void *p, size_t n);
+void send_eof(struct session *s, uint32_t ch, uint32_t stream, uint64_t off);
+int session_live(const struct session *s);      /* frames sent now reach a host */
+int session_congested(const struct session *s); /* stop producing output for it */
+void session_open_fd(struct session *s, int fd); /* host mode: one socket */
+int open_ports(struct session *sessions, int max, int want); /* guest: every sandlot.* port */
+void port_check(struct session *s);
+/* The loop's share: what to poll for (at most 2 fds), what came of it. */
+int session_poll(struct session *s, struct pollfd *pfds, int *timeout_ms);
+void session_events(struct session *s, short revents);
+void session_write(struct session *s);
+void session_drop_stale(struct session *s, uint64_t now);
+
+/* ---- streams (stream.c) --------------------------------------------- */
+
 struct ostream {              /* agent -> host, e.g. stdout */
     int fd;                   /* -1 once closed */
     int is_file;              /* regular file: always readable, no poll */
@@ -129,16 +157,27 @@ struct istream {              /* host -> agent, e.g. stdin */
     struct buf pending;
 };
 
-enum chan_kind { CH_EXEC = 1, CH_FILE_READ, CH_FILE_WRITE, CH_LIST };
+extern size_t g_ring_bytes;  /* memory held by all output rings */
+#define RING_BUDGET (64u << 20)
 
-struct channel {
-    struct channel *next;
-    struct session *s;
-    uint32_t id;
-    int kind;
-    int detached;             /* host closed the channel: discard output */
+struct channel;
+struct chan_wait;
 
-    /* exec */
+void ostream_init(struct ostream *o, int fd, int is_file);
+void ostream_close(struct ostream *o);
+int ostream_can_read(const struct ostream *o);
+int ostream_fill(struct ostream *o);   /* 1 progressed, 0 would block, -1 error */
+void ostream_pump(struct channel *c, uint32_t stream, struct ostream *o);
+void ostream_ack(struct ostream *o, uint64_t off);
+/* Its share of a channel's wait: 1 when it filled *w, else 0 (a regular file
+ * needs no poll and sets the timeout to 0 instead). */
+int ostream_wait(const struct ostream *o, struct chan_wait *w, int slot, int *timeout_ms);
+
+/* ---- channels (channel.c) ------------------------------------------- */
+
+/* Each kind's state, reachable only through its member of the channel's union. */
+
+struct exec_channel {         /* exec.c */
     pid_t pid;
     int tty;
     int exited;
@@ -149,66 +188,120 @@ struct channel {
     struct istream in;
     uint32_t cgroup;          /* the command's cgroup (limits.c); 0: none */
     int oom_killed;           /* the OOM killer struck inside it */
-
-    /* file write */
-    int wfd;
-    char *tmp_path;
-    char *final_path;
-    uint32_t wmode;
-    int wmode_set;
-    uid_t wuid;
-    gid_t wgid;
-    int wown_set;
-    uint32_t wflags;
-    uint64_t wbytes;
-    uint64_t wacked;
-
-    /* directory listing */
-    void *dir;
 };
 
-/* globals (main.c) */
+struct file_read_channel {    /* files.c */
+    struct ostream out;       /* stream 1 */
+};
+
+struct file_write_channel {   /* files.c */
+    int fd;
+    char *tmp_path;           /* NULL: appending, or renamed into place */
+    char *final_path;
+    uint32_t mode;
+    int mode_set;
+    uid_t uid;
+    gid_t gid;
+    int own_set;
+    uint32_t flags;
+    uint64_t bytes;
+    uint64_t acked;
+};
+
+struct dir_channel {          /* files.c: a directory listing */
+    DIR *dir;
+};
+
+/* One descriptor a channel wants the loop to wait on. The slot is the kind's
+ * own name for it, handed back to ready() (exec and file reads use the stream). */
+struct chan_wait {
+    int fd;
+    short events;
+    int slot;
+};
+#define CHAN_WAITS 3 /* the most one channel asks for: an exec's stdout, stderr, stdin */
+
+/* What the code outside a kind may ask of a channel of that kind. Each kind's
+ * file defines one table and hands it to chan_new, so dispatch, the loop and
+ * the channel table never look inside the union. Only release is required. */
+struct channel_ops {
+    const char *name;         /* for logs and debuggers */
+    /* Gives back what the kind holds (descriptors, files, cgroup); chan_free
+     * then frees the channel. Runs on any channel chan_new returned. */
+    void (*release)(struct channel *c);
+    /* Once per loop round: move data, report an end. May free c. */
+    void (*progress)(struct channel *c);
+    /* What the loop waits on for it: fills up to CHAN_WAITS entries, returns
+     * how many, and lowers *timeout_ms when progress() has work due. ready()
+     * hears of each entry that polled ready; a kind that waits needs it. */
+    int (*wait)(struct channel *c, struct chan_wait *w, uint64_t now, int *timeout_ms);
+    void (*ready)(struct channel *c, int slot);
+    /* Output stream 1 or 2, for ACK, RESUME and a reconnection; NULL: none. */
+    struct ostream *(*output)(struct channel *c, uint32_t stream);
+    /* DATA or EOF for stream 0 (n is 0 for EOF); may free c. -1, or no hook:
+     * the channel takes no input, which the caller reports. */
+    int (*input)(struct channel *c, uint8_t type, uint64_t off, const uint8_t *d, size_t n);
+    /* RESUME, after the output streams were rewound: tell the host again
+     * where input stands, and report again what was reported. */
+    void (*resume)(struct channel *c);
+    /* The host connection dropped; its output streams get rewound to what was
+     * acknowledged. 0: free the channel instead (the host restarts this kind,
+     * it does not resume it). No hook: keep it as it is. */
+    int (*disconnected)(struct channel *c);
+    /* The host let go of it (CLOSE, or a new host took the session). 1: it
+     * keeps running unheard, its output dropped; 0 or no hook: free it. */
+    int (*detach)(struct channel *c);
+    /* SIGNAL and RESIZE: only a kind that runs a process has these. */
+    void (*signal)(struct channel *c, const uint8_t *p, size_t n);
+    void (*resize)(struct channel *c, const uint8_t *p, size_t n);
+};
+
+struct channel {
+    struct channel *next;
+    struct session *s;
+    uint32_t id;
+    const struct channel_ops *ops; /* tells which member of u is live */
+    int detached;             /* host closed the channel: discard output */
+    union {
+        struct exec_channel exec;
+        struct file_read_channel read;
+        struct file_write_channel write;
+        struct dir_channel dir;
+    } u;
+};
+
 extern struct channel *g_channels;
+
+/* The kind's member of u starts zeroed: its start function sets its
+ * descriptors right away, before anything can free the channel. */
+struct channel *chan_new(struct session *s, uint32_t id, const struct channel_ops *ops);
+void chan_free(struct channel *c);
+struct channel *chan_find(struct session *s, uint32_t id);
+int chan_alive(const struct channel *c);
+struct ostream *chan_output(struct channel *c, uint32_t stream);
+void chan_let_go(struct channel *c);
+void chan_disconnect_all(struct session *s);
+void chan_orphan_all(struct session *s);
+
+/* ---- frames (dispatch.c) -------------------------------------------- */
+
+void dispatch_init(uint64_t now);
+void dispatch(struct session *s, uint8_t type, uint8_t flags, uint32_t ch, const uint8_t *p, size_t n);
+
+/* ---- the process (main.c) ------------------------------------------- */
+
 extern int g_safe_mode;      /* host fuzzing: refuse exec and mutations */
 extern int g_is_pid1;
-extern size_t g_ring_bytes;  /* memory held by all output rings */
-#define RING_BUDGET (64u << 20)
-
-/* main.c */
-void send_frame(struct session *s, uint8_t type, uint8_t flags, uint32_t ch, const void *p, size_t n);
-void send_msg(struct session *s, uint8_t type, uint8_t flags, uint32_t ch, struct msg *m);
-void send_error(struct session *s, uint32_t ch, int err, uint8_t frame_type, const char *fmt, ...);
-void send_ack(struct session *s, uint32_t ch, uint32_t stream, uint64_t off);
-struct channel *chan_new(struct session *s, uint32_t id, int kind);
-void chan_free(struct channel *c);
 uint64_t now_ms(void);
 void logmsg(const char *fmt, ...);
 
-/* streams (main.c) */
-void ostream_init(struct ostream *o, int fd, int is_file);
-void ostream_close(struct ostream *o);
-int ostream_can_read(const struct ostream *o);
-int ostream_fill(struct ostream *o);   /* 1 progressed, 0 would block, -1 error */
-void ostream_pump(struct channel *c, uint32_t stream, struct ostream *o);
-void ostream_ack(struct ostream *o, uint64_t off);
-
 /* exec.c */
 void exec_start(struct session *s, uint32_t ch, const uint8_t *p, size_t n);
-void exec_signal(struct channel *c, const uint8_t *p, size_t n);
-void exec_resize(struct channel *c, const uint8_t *p, size_t n);
 void exec_reaped(pid_t pid, int status);
-void exec_progress(struct channel *c);
-void istream_flush(struct channel *c);
 
 /* files.c */
 void file_read_start(struct session *s, uint32_t ch, const uint8_t *p, size_t n);
 void file_write_start(struct session *s, uint32_t ch, const uint8_t *p, size_t n);
-void file_write_data(struct channel *c, uint64_t off, const uint8_t *d, size_t n);
-void file_write_eof(struct channel *c, uint64_t off);
-void file_write_abort(struct channel *c);
-void file_read_progress(struct channel *c);
-void list_progress(struct channel *c);
-void list_close(struct channel *c);
 void fs_request(struct session *s, uint32_t ch, const uint8_t *p, size_t n);
 
 /* users.c */
@@ -227,7 +320,6 @@ int resolve_user(const char *spec, struct user_spec *u, char *err, size_t errlen
 void dns_relay_start(void);      /* PID 1, at network bring-up in the proxied modes */
 int dns_relay_reaped(pid_t pid); /* 1: it was the relay's (restarted) */
 
-/* init.c */
 /* limits.c */
 void limits_init(void);
 void limits_set_pids(uint32_t max); /* 0: no limit */
@@ -238,8 +330,11 @@ void limits_oom_event(void); /* g_oom_fd polled POLLPRI */
 extern int g_oom_fd;
 void exec_cgroup_release(uint32_t id);
 
+/* init.c */
 void init_early(void);          /* mounts, modules, root switch (PID 1 only) */
 void init_after_root(void);
+int wait_for(const char *path, int ms); /* a device node to appear */
+int boot_ports(void);          /* sandlot.ports=N from the kernel command line (0: not given) */
 void set_hostname(const char *name);
 int mount_volume(const char *tag, const char *where, int readonly);
 void add_entropy(const uint8_t *p, size_t n);
@@ -247,6 +342,5 @@ void set_wall_clock(uint64_t ns);
 void set_machine_id(const char *id);
 void shutdown_guest(struct session *s, uint32_t ch, uint32_t timeout_ms);
 const char *boot_id(void);
-int open_ports(struct session *sessions, int max);
 
 #endif

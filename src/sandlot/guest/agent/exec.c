@@ -4,6 +4,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <grp.h>
+#include <poll.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -19,6 +20,8 @@
 
 #define MAX_ARGS 4096
 #define MAX_ENVS 4096
+
+static const struct channel_ops exec_ops;
 
 enum { STAGE_CWD = 1, STAGE_USER, STAGE_EXEC, STAGE_SETUP };
 
@@ -356,6 +359,7 @@ void exec_start(struct session *s, uint32_t ch, const uint8_t *p, size_t n)
     int in_pipe[2] = {-1, -1}, out_pipe[2] = {-1, -1}, err_pipe[2] = {-1, -1}, st_pipe[2] = {-1, -1};
     int master = -1, slave = -1;
     struct channel *c = NULL;
+    struct exec_channel *x = NULL;
     pid_t pid = -1;
     int ok = pipe2(st_pipe, O_CLOEXEC) == 0;
     if (ok && tty) {
@@ -367,11 +371,17 @@ void exec_start(struct session *s, uint32_t ch, const uint8_t *p, size_t n)
         }
     }
     if (ok) {
-        c = chan_new(s, ch, CH_EXEC);
+        c = chan_new(s, ch, &exec_ops);
     }
     char cg_procs[64] = "";
     if (c) {
-        c->cgroup = exec_cgroup_new(cg_procs, sizeof(cg_procs));
+        x = &c->u.exec;
+        x->pid = -1;
+        x->in.fd = -1;
+        for (int i = 0; i < 3; i++) {
+            x->out[i].fd = -1;
+        }
+        x->cgroup = exec_cgroup_new(cg_procs, sizeof(cg_procs));
     }
     if (c) {
         /* vfork: no page-table copy and no copy-on-write faults in the agent
@@ -452,12 +462,12 @@ void exec_start(struct session *s, uint32_t ch, const uint8_t *p, size_t n)
         got = read(st_pipe[0], &ce, sizeof(ce));
     } while (got < 0 && errno == EINTR);
     close(st_pipe[0]);
-    c->pid = pid;
-    c->tty = tty;
+    x->pid = pid;
+    x->tty = tty;
     if (got == (ssize_t)sizeof(ce)) {
         /* The child exits 127 and is reaped by the loop; this channel reports the
          * failure and ends now. */
-        c->pid = -1;
+        x->pid = -1;
         for (size_t i = 0; i < sizeof(our_side) / sizeof(our_side[0]); i++) {
             if (our_side[i] >= 0) {
                 close(our_side[i]);
@@ -471,23 +481,23 @@ void exec_start(struct session *s, uint32_t ch, const uint8_t *p, size_t n)
 
     if (tty) {
         set_nonblock_cloexec(master);
-        ostream_init(&c->out[1], master, 0);
-        c->in.fd = dup(master);
-        if (c->in.fd >= 0) {
-            set_nonblock_cloexec(c->in.fd);
+        ostream_init(&x->out[1], master, 0);
+        x->in.fd = dup(master);
+        if (x->in.fd >= 0) {
+            set_nonblock_cloexec(x->in.fd);
         }
-        c->out[2].eof = 1; /* a PTY merges stderr into stdout */
+        x->out[2].eof = 1; /* a PTY merges stderr into stdout */
     } else {
         set_nonblock_cloexec(out_pipe[0]);
         set_nonblock_cloexec(err_pipe[0]);
         /* Bigger pipes mean fewer wake-ups per megabyte, which is most of the
          * cost of streaming output under emulation. Best effort. */
         fcntl(out_pipe[0], F_SETPIPE_SZ, 1 << 20);
-        ostream_init(&c->out[1], out_pipe[0], 0);
-        ostream_init(&c->out[2], err_pipe[0], 0);
+        ostream_init(&x->out[1], out_pipe[0], 0);
+        ostream_init(&x->out[2], err_pipe[0], 0);
         if (in_pipe[1] >= 0) {
             set_nonblock_cloexec(in_pipe[1]);
-            c->in.fd = in_pipe[1];
+            x->in.fd = in_pipe[1];
         }
     }
     struct msg m;
@@ -512,57 +522,60 @@ out:
     req_free(&r);
 }
 
-void exec_signal(struct channel *c, const uint8_t *p, size_t n)
+static void exec_signal(struct channel *c, const uint8_t *p, size_t n)
 {
+    struct exec_channel *x = &c->u.exec;
     uint32_t sig = 0, flags = 0;
     if (!tlv_valid(p, n) || tlv_u32(p, n, SL_T_SIGNAL, &sig) != 1 || tlv_u32(p, n, SL_T_FLAGS, &flags) < 0 ||
         sig == 0 || sig >= NSIG) {
         send_error(c->s, c->id, EINVAL, SL_SIGNAL, "malformed SIGNAL");
         return;
     }
-    if (c->exited || c->pid <= 0) {
+    if (x->exited || x->pid <= 0) {
         return; /* already gone: signalling a dead process is not an error */
     }
-    pid_t target = (flags & SL_SIGNAL_GROUP) ? -c->pid : c->pid;
+    pid_t target = (flags & SL_SIGNAL_GROUP) ? -x->pid : x->pid;
     if (kill(target, (int)sig) < 0 && errno != ESRCH) {
         send_error(c->s, c->id, errno, SL_SIGNAL, "kill: %s", strerror(errno));
     }
 }
 
-void exec_resize(struct channel *c, const uint8_t *p, size_t n)
+static void exec_resize(struct channel *c, const uint8_t *p, size_t n)
 {
+    struct exec_channel *x = &c->u.exec;
     uint32_t rows = 0, cols = 0;
     if (!tlv_valid(p, n) || tlv_u32(p, n, SL_T_ROWS, &rows) != 1 || tlv_u32(p, n, SL_T_COLS, &cols) != 1 ||
         rows == 0 || rows > 10000 || cols == 0 || cols > 10000) {
         send_error(c->s, c->id, EINVAL, SL_RESIZE, "malformed RESIZE");
         return;
     }
-    if (!c->tty || c->out[1].fd < 0) {
+    if (!x->tty || x->out[1].fd < 0) {
         return;
     }
     struct winsize ws = {.ws_row = (unsigned short)rows, .ws_col = (unsigned short)cols};
-    ioctl(c->out[1].fd, TIOCSWINSZ, &ws);
+    ioctl(x->out[1].fd, TIOCSWINSZ, &ws);
 }
 
 void exec_reaped(pid_t pid, int status)
 {
     for (struct channel *c = g_channels; c; c = c->next) {
-        if (c->kind == CH_EXEC && c->pid == pid && !c->exited) {
-            c->exited = 1;
-            c->status = status;
-            c->quiet_since_ms = now_ms();
+        struct exec_channel *x = &c->u.exec;
+        if (c->ops == &exec_ops && x->pid == pid && !x->exited) {
+            x->exited = 1;
+            x->status = status;
+            x->quiet_since_ms = now_ms();
             int killed = WIFSIGNALED(status) && WTERMSIG(status) == SIGKILL;
             int child_killed = WIFEXITED(status) && WEXITSTATUS(status) == 128 + SIGKILL;
-            c->oom_killed = exec_cgroup_oom_killed(c->cgroup, killed || child_killed);
+            x->oom_killed = exec_cgroup_oom_killed(x->cgroup, killed || child_killed);
             return;
         }
     }
     /* an orphan adopted by PID 1: reaping it is all there is to do */
 }
 
-void istream_flush(struct channel *c)
+static void istream_flush(struct channel *c)
 {
-    struct istream *in = &c->in;
+    struct istream *in = &c->u.exec.in;
     while (in->fd >= 0 && buf_used(&in->pending)) {
         ssize_t w = write(in->fd, in->pending.data + in->pending.head, buf_used(&in->pending));
         if (w > 0) {
@@ -593,17 +606,18 @@ void istream_flush(struct channel *c)
     }
 }
 
-void exec_progress(struct channel *c)
+static void exec_progress(struct channel *c)
 {
+    struct exec_channel *x = &c->u.exec;
     for (int k = 1; k < 3; k++) {
-        ostream_pump(c, (uint32_t)k, &c->out[k]);
+        ostream_pump(c, (uint32_t)k, &x->out[k]);
     }
-    if (!c->exited) {
+    if (!x->exited) {
         return;
     }
-    if (c->in.fd >= 0 && !c->tty) {
-        close(c->in.fd); /* nobody reads it any more */
-        c->in.fd = -1;
+    if (x->in.fd >= 0 && !x->tty) {
+        close(x->in.fd); /* nobody reads it any more */
+        x->in.fd = -1;
     }
     /* A background process may hold the output open forever. Once the main
      * process is gone and the streams have had nothing to read for 100 ms,
@@ -611,20 +625,20 @@ void exec_progress(struct channel *c)
     uint64_t now = now_ms();
     int open_streams = 0;
     for (int k = 1; k < 3; k++) {
-        struct ostream *o = &c->out[k];
+        struct ostream *o = &x->out[k];
         if (o->eof) {
             continue;
         }
         open_streams++;
         if (!ostream_can_read(o)) {
-            c->quiet_since_ms = now;
+            x->quiet_since_ms = now;
         } else if (ostream_fill(o) > 0) {
-            c->quiet_since_ms = now;
+            x->quiet_since_ms = now;
         }
     }
-    if (open_streams && now - c->quiet_since_ms >= 100) {
+    if (open_streams && now - x->quiet_since_ms >= 100) {
         for (int k = 1; k < 3; k++) {
-            struct ostream *o = &c->out[k];
+            struct ostream *o = &x->out[k];
             if (!o->eof) {
                 if (o->fd >= 0) {
                     close(o->fd);
@@ -635,28 +649,151 @@ void exec_progress(struct channel *c)
         }
     }
     for (int k = 1; k < 3; k++) {
-        ostream_pump(c, (uint32_t)k, &c->out[k]);
+        ostream_pump(c, (uint32_t)k, &x->out[k]);
     }
     if (c->detached) {
-        if (c->out[1].eof && c->out[2].eof) {
+        if (x->out[1].eof && x->out[2].eof) {
             chan_free(c);
         }
         return;
     }
-    if (c->exit_sent || !c->out[1].eof_sent || !c->out[2].eof_sent || !c->s->hello_done || !c->s->connected) {
+    if (x->exit_sent || !x->out[1].eof_sent || !x->out[2].eof_sent || !c->s->hello_done || !c->s->connected) {
         return;
     }
     struct msg m;
     msg_init(&m);
-    if (WIFEXITED(c->status)) {
-        msg_u32(&m, SL_T_EXIT_CODE, (uint32_t)WEXITSTATUS(c->status));
-    } else if (WIFSIGNALED(c->status)) {
-        msg_u32(&m, SL_T_SIGNAL, (uint32_t)WTERMSIG(c->status));
-        msg_u32(&m, SL_T_CORE_DUMPED, WCOREDUMP(c->status) ? 1u : 0u);
+    if (WIFEXITED(x->status)) {
+        msg_u32(&m, SL_T_EXIT_CODE, (uint32_t)WEXITSTATUS(x->status));
+    } else if (WIFSIGNALED(x->status)) {
+        msg_u32(&m, SL_T_SIGNAL, (uint32_t)WTERMSIG(x->status));
+        msg_u32(&m, SL_T_CORE_DUMPED, WCOREDUMP(x->status) ? 1u : 0u);
     }
-    if (c->oom_killed || exec_cgroup_oom_killed(c->cgroup, 0)) {
+    if (x->oom_killed || exec_cgroup_oom_killed(x->cgroup, 0)) {
         msg_u32(&m, SL_T_OOM_KILLED, 1);
     }
     send_msg(c->s, SL_EXIT, 0, c->id, &m);
-    c->exit_sent = 1;
+    x->exit_sent = 1;
 }
+
+/* ---- channel_ops: how the rest of the agent reaches an exec ------------------ */
+
+static void exec_release(struct channel *c)
+{
+    struct exec_channel *x = &c->u.exec;
+    for (int i = 0; i < 3; i++) {
+        ostream_close(&x->out[i]);
+    }
+    if (x->in.fd >= 0) {
+        close(x->in.fd);
+    }
+    buf_free(&x->in.pending);
+    exec_cgroup_release(x->cgroup);
+}
+
+static int exec_wait(struct channel *c, struct chan_wait *w, uint64_t now, int *timeout_ms)
+{
+    struct exec_channel *x = &c->u.exec;
+    int n = 0;
+    for (int k = 1; k < 3; k++) {
+        n += ostream_wait(&x->out[k], &w[n], k, timeout_ms);
+    }
+    if (x->in.fd >= 0 && buf_used(&x->in.pending)) {
+        w[n++] = (struct chan_wait){.fd = x->in.fd, .events = POLLOUT, .slot = SL_STREAM_STDIN};
+    }
+    if (x->exited && !x->exit_sent) {
+        uint64_t due = x->quiet_since_ms + 100;
+        int t = due > now ? (int)(due - now) : 0;
+        if (t < *timeout_ms) {
+            *timeout_ms = t;
+        }
+    }
+    return n;
+}
+
+static void exec_ready(struct channel *c, int slot)
+{
+    struct exec_channel *x = &c->u.exec;
+    if (slot == SL_STREAM_STDIN) {
+        istream_flush(c);
+    } else if (ostream_fill(&x->out[slot]) > 0) {
+        x->quiet_since_ms = now_ms();
+    }
+}
+
+static struct ostream *exec_output(struct channel *c, uint32_t stream)
+{
+    return stream == SL_STREAM_STDOUT || stream == SL_STREAM_STDERR ? &c->u.exec.out[stream] : NULL;
+}
+
+static int exec_input(struct channel *c, uint8_t type, uint64_t off, const uint8_t *d, size_t n)
+{
+    struct istream *in = &c->u.exec.in;
+    if (in->fd < 0) {
+        return -1;
+    }
+    if (off > in->received) {
+        send_error(c->s, c->id, EINVAL, type, "input gap at offset %llu", (unsigned long long)in->received);
+        return 0;
+    }
+    if (type == SL_EOF) {
+        in->eof = 1;
+    } else {
+        size_t skip = (size_t)(in->received - off);
+        if (skip < n) {
+            if (in->received + (n - skip) - in->written > SL_WINDOW) {
+                send_error(c->s, c->id, ENOBUFS, type, "input beyond the window");
+                return 0;
+            }
+            buf_append(&in->pending, d + skip, n - skip);
+            in->received += n - skip;
+        }
+    }
+    istream_flush(c);
+    return 0;
+}
+
+static void exec_resume(struct channel *c)
+{
+    struct exec_channel *x = &c->u.exec;
+    if (x->in.fd >= 0) {
+        send_ack(c->s, c->id, SL_STREAM_STDIN, x->in.written);
+        x->in.acked_sent = x->in.written;
+    }
+    x->exit_sent = 0;
+}
+
+static int exec_disconnected(struct channel *c)
+{
+    c->u.exec.exit_sent = 0; /* the host may not have had it */
+    return 1;
+}
+
+/* The process keeps running and its output goes nowhere, until it has exited
+ * and its output is closed. */
+static int exec_detach(struct channel *c)
+{
+    struct exec_channel *x = &c->u.exec;
+    if (x->exited && x->out[1].fd < 0 && x->out[2].fd < 0) {
+        return 0;
+    }
+    if (x->in.fd >= 0) {
+        close(x->in.fd);
+        x->in.fd = -1;
+    }
+    return 1;
+}
+
+static const struct channel_ops exec_ops = {
+    .name = "exec",
+    .release = exec_release,
+    .progress = exec_progress,
+    .wait = exec_wait,
+    .ready = exec_ready,
+    .output = exec_output,
+    .input = exec_input,
+    .resume = exec_resume,
+    .disconnected = exec_disconnected,
+    .detach = exec_detach,
+    .signal = exec_signal,
+    .resize = exec_resize,
+};

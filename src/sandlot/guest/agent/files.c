@@ -19,6 +19,8 @@
 
 static unsigned g_tmp_counter;
 
+static const struct channel_ops read_ops, write_ops, list_ops;
+
 /* A request's payload must be well-formed TLV, and its paths absolute,
  * NUL-free and shorter than PATH_MAX. */
 static int get_path(struct session *s, uint32_t ch, uint8_t type, const uint8_t *p, size_t n, uint16_t tag,
@@ -126,19 +128,19 @@ void file_read_start(struct session *s, uint32_t ch, const uint8_t *p, size_t n)
         return;
     }
     free(path);
-    struct channel *c = chan_new(s, ch, CH_FILE_READ);
+    struct channel *c = chan_new(s, ch, &read_ops);
     if (!c) {
         close(fd);
         send_error(s, ch, errno, SL_FILE_READ, "cannot open a channel: %s", strerror(errno));
         return;
     }
+    struct ostream *o = &c->u.read.out;
+    ostream_init(o, fd, regular);
+    o->limit = length;
     if (regular) {
         int fl = fcntl(fd, F_GETFL);
         fcntl(fd, F_SETFL, fl & ~O_NONBLOCK);
     }
-    ostream_init(&c->out[1], fd, regular);
-    c->out[1].limit = length;
-    c->out[2].eof = c->out[2].eof_sent = 1;
     struct msg m;
     msg_init(&m);
     msg_u64(&m, SL_T_SIZE, (uint64_t)st.st_size);
@@ -146,9 +148,9 @@ void file_read_start(struct session *s, uint32_t ch, const uint8_t *p, size_t n)
     send_msg(s, SL_FILE_INFO, 0, ch, &m);
 }
 
-void file_read_progress(struct channel *c)
+static void read_progress(struct channel *c)
 {
-    struct ostream *o = &c->out[1];
+    struct ostream *o = &c->u.read.out;
     for (int i = 0; i < 8 && o->is_file && ostream_can_read(o); i++) {
         if (ostream_fill(o) <= 0) {
             break;
@@ -157,6 +159,29 @@ void file_read_progress(struct channel *c)
     }
     ostream_pump(c, SL_STREAM_STDOUT, o);
 }
+
+static void read_release(struct channel *c) { ostream_close(&c->u.read.out); }
+
+static int read_wait(struct channel *c, struct chan_wait *w, uint64_t now, int *timeout_ms)
+{
+    return ostream_wait(&c->u.read.out, w, SL_STREAM_STDOUT, timeout_ms);
+}
+
+static void read_ready(struct channel *c, int slot) { ostream_fill(&c->u.read.out); }
+
+static struct ostream *read_output(struct channel *c, uint32_t stream)
+{
+    return stream == SL_STREAM_STDOUT ? &c->u.read.out : NULL;
+}
+
+static const struct channel_ops read_ops = {
+    .name = "file read",
+    .release = read_release,
+    .progress = read_progress,
+    .wait = read_wait,
+    .ready = read_ready,
+    .output = read_output,
+};
 
 /* ---- write ------------------------------------------------------------------- */
 
@@ -284,47 +309,49 @@ void file_write_start(struct session *s, uint32_t ch, const uint8_t *p, size_t n
             return;
         }
     }
-    struct channel *c = chan_new(s, ch, CH_FILE_WRITE);
+    struct channel *c = chan_new(s, ch, &write_ops);
     if (!c) {
         send_error(s, ch, errno, SL_FILE_WRITE, "cannot open a channel: %s", strerror(errno));
         free(path);
         return;
     }
-    c->wflags = flags;
-    c->final_path = path;
-    c->wmode = has_mode == 1 ? mode : (exists ? (st.st_mode & 07777) : 0644);
-    c->wmode_set = 1; /* the temporary is created 0600: always give the file its real mode */
-    c->wown_set = own || exists;
-    c->wuid = own ? uid : (exists ? st.st_uid : 0);
-    c->wgid = own ? gid : (exists ? st.st_gid : 0);
+    struct file_write_channel *w = &c->u.write;
+    w->fd = -1;
+    w->flags = flags;
+    w->final_path = path;
+    w->mode = has_mode == 1 ? mode : (exists ? (st.st_mode & 07777) : 0644);
+    w->mode_set = 1; /* the temporary is created 0600: always give the file its real mode */
+    w->own_set = own || exists;
+    w->uid = own ? uid : (exists ? st.st_uid : 0);
+    w->gid = own ? gid : (exists ? st.st_gid : 0);
     if (flags & SL_WRITE_APPEND) {
-        c->wfd = open(path, O_WRONLY | O_APPEND | O_CREAT | O_CLOEXEC | O_NOCTTY, c->wmode);
+        w->fd = open(path, O_WRONLY | O_APPEND | O_CREAT | O_CLOEXEC | O_NOCTTY, w->mode);
     } else {
         /* Whole-file writes go to a temporary beside the target and are renamed
          * into place at EOF: readers never see half a file, and an aborted
          * transfer leaves the old file untouched. */
         size_t len = strlen(path) + 64;
-        c->tmp_path = malloc(len);
-        if (c->tmp_path) {
+        w->tmp_path = malloc(len);
+        if (w->tmp_path) {
             char *base = strrchr(path, '/') + 1;
-            snprintf(c->tmp_path, len, "%.*s.%s.sandlot-%u", (int)(base - path), path, base,
+            snprintf(w->tmp_path, len, "%.*s.%s.sandlot-%u", (int)(base - path), path, base,
                      ++g_tmp_counter);
-            if (strlen(c->tmp_path) >= PATH_MAX || strlen(base) > 200) {
-                snprintf(c->tmp_path, len, "%.*s.sandlot-write-%u", (int)(base - path), path, g_tmp_counter);
+            if (strlen(w->tmp_path) >= PATH_MAX || strlen(base) > 200) {
+                snprintf(w->tmp_path, len, "%.*s.sandlot-write-%u", (int)(base - path), path, g_tmp_counter);
             }
-            c->wfd = open(c->tmp_path, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC | O_NOCTTY, 0600);
+            w->fd = open(w->tmp_path, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC | O_NOCTTY, 0600);
         }
     }
-    if (c->wfd < 0) {
-        int e = c->tmp_path || (flags & SL_WRITE_APPEND) ? errno : ENOMEM;
-        if (c->tmp_path) {
+    if (w->fd < 0) {
+        int e = w->tmp_path || (flags & SL_WRITE_APPEND) ? errno : ENOMEM;
+        if (w->tmp_path) {
             send_error(s, ch, e, SL_FILE_WRITE, "%s: cannot create a temporary file beside it: %s", path,
                        strerror(e));
         } else {
             send_error(s, ch, e, SL_FILE_WRITE, "%s: %s", path, strerror(e));
         }
-        free(c->tmp_path);
-        c->tmp_path = NULL;
+        free(w->tmp_path);
+        w->tmp_path = NULL;
         chan_free(c);
         return;
     }
@@ -334,132 +361,158 @@ void file_write_start(struct session *s, uint32_t ch, const uint8_t *p, size_t n
     send_msg(s, SL_FILE_READY, 0, ch, &m);
 }
 
-void file_write_abort(struct channel *c)
+/* Also how a transfer that did not finish is aborted: the temporary goes, the
+ * target stays as it was. */
+static void write_release(struct channel *c)
 {
-    if (c->wfd >= 0) {
-        close(c->wfd);
-        c->wfd = -1;
+    struct file_write_channel *w = &c->u.write;
+    if (w->fd >= 0) {
+        close(w->fd);
+        w->fd = -1;
     }
-    if (c->tmp_path) {
-        unlink(c->tmp_path);
-        free(c->tmp_path);
-        c->tmp_path = NULL;
+    if (w->tmp_path) {
+        unlink(w->tmp_path);
+        free(w->tmp_path);
+        w->tmp_path = NULL;
     }
+    free(w->final_path);
 }
 
 static void write_fail(struct channel *c, int e, const char *what)
 {
-    send_error(c->s, c->id, e, SL_FILE_WRITE, "%s: %s: %s", c->final_path, what, strerror(e));
+    send_error(c->s, c->id, e, SL_FILE_WRITE, "%s: %s: %s", c->u.write.final_path, what, strerror(e));
     chan_free(c); /* aborts: the temporary goes, the target stays as it was */
 }
 
-void file_write_data(struct channel *c, uint64_t off, const uint8_t *d, size_t n)
+static void file_write_data(struct channel *c, uint64_t off, const uint8_t *d, size_t n)
 {
-    if (off > c->wbytes) {
+    struct file_write_channel *w = &c->u.write;
+    if (off > w->bytes) {
         write_fail(c, EINVAL, "data gap");
         return;
     }
-    size_t skip = (size_t)(c->wbytes - off);
+    size_t skip = (size_t)(w->bytes - off);
     if (skip >= n) {
         return; /* a resend of bytes already written */
     }
     d += skip;
     n -= skip;
-    if (c->wbytes + n - c->wacked > SL_WINDOW) {
+    if (w->bytes + n - w->acked > SL_WINDOW) {
         write_fail(c, ENOBUFS, "data beyond the window");
         return;
     }
     while (n) {
-        ssize_t w = write(c->wfd, d, n);
-        if (w < 0) {
+        ssize_t k = write(w->fd, d, n);
+        if (k < 0) {
             if (errno == EINTR) {
                 continue;
             }
             write_fail(c, errno, "write");
             return;
         }
-        d += w;
-        n -= (size_t)w;
-        c->wbytes += (uint64_t)w;
+        d += k;
+        n -= (size_t)k;
+        w->bytes += (uint64_t)k;
     }
-    if (c->wbytes - c->wacked >= SL_WINDOW / 4) {
-        send_ack(c->s, c->id, SL_STREAM_STDIN, c->wbytes);
-        c->wacked = c->wbytes;
+    if (w->bytes - w->acked >= SL_WINDOW / 4) {
+        send_ack(c->s, c->id, SL_STREAM_STDIN, w->bytes);
+        w->acked = w->bytes;
     }
 }
 
-void file_write_eof(struct channel *c, uint64_t off)
+static void file_write_eof(struct channel *c, uint64_t off)
 {
-    if (off != c->wbytes) {
+    struct file_write_channel *w = &c->u.write;
+    if (off != w->bytes) {
         write_fail(c, EINVAL, "EOF offset does not match the bytes received");
         return;
     }
-    if (c->wmode_set && fchmod(c->wfd, c->wmode) < 0) {
+    if (w->mode_set && fchmod(w->fd, w->mode) < 0) {
         write_fail(c, errno, "chmod");
         return;
     }
-    if (c->wown_set && fchown(c->wfd, c->wuid, c->wgid) < 0) {
+    if (w->own_set && fchown(w->fd, w->uid, w->gid) < 0) {
         write_fail(c, errno, "chown");
         return;
     }
-    if ((c->wflags & SL_WRITE_SYNC) && fsync(c->wfd) < 0) {
+    if ((w->flags & SL_WRITE_SYNC) && fsync(w->fd) < 0) {
         write_fail(c, errno, "fsync");
         return;
     }
-    if (close(c->wfd) < 0) {
-        c->wfd = -1;
+    if (close(w->fd) < 0) {
+        w->fd = -1;
         write_fail(c, errno, "close");
         return;
     }
-    c->wfd = -1;
-    if (c->tmp_path) {
+    w->fd = -1;
+    if (w->tmp_path) {
         int r;
-        if (c->wflags & SL_WRITE_EXCLUSIVE) {
-            r = link(c->tmp_path, c->final_path);
+        if (w->flags & SL_WRITE_EXCLUSIVE) {
+            r = link(w->tmp_path, w->final_path);
             if (r == 0) {
-                unlink(c->tmp_path);
+                unlink(w->tmp_path);
             }
         } else {
-            r = rename(c->tmp_path, c->final_path);
+            r = rename(w->tmp_path, w->final_path);
         }
         if (r < 0) {
             write_fail(c, errno, "rename into place");
             return;
         }
-        free(c->tmp_path);
-        c->tmp_path = NULL;
+        free(w->tmp_path);
+        w->tmp_path = NULL;
     }
     struct msg m;
     msg_init(&m);
-    msg_u64(&m, SL_T_SIZE, c->wbytes);
+    msg_u64(&m, SL_T_SIZE, w->bytes);
     send_msg(c->s, SL_FILE_DONE, 0, c->id, &m);
     chan_free(c);
 }
 
+static int write_input(struct channel *c, uint8_t type, uint64_t off, const uint8_t *d, size_t n)
+{
+    if (type == SL_DATA) {
+        file_write_data(c, off, d, n);
+    } else {
+        file_write_eof(c, off);
+    }
+    return 0;
+}
+
+static void write_resume(struct channel *c) { send_ack(c->s, c->id, SL_STREAM_STDIN, c->u.write.bytes); }
+
+static const struct channel_ops write_ops = {
+    .name = "file write",
+    .release = write_release,
+    .input = write_input,
+    .resume = write_resume,
+};
+
 /* ---- directory listing ------------------------------------------------------ */
 
-void list_close(struct channel *c)
+static void list_release(struct channel *c)
 {
-    if (c->dir) {
-        closedir(c->dir);
-        c->dir = NULL;
+    if (c->u.dir.dir) {
+        closedir(c->u.dir.dir);
+        c->u.dir.dir = NULL;
     }
 }
 
-void list_progress(struct channel *c)
+static void list_progress(struct channel *c)
 {
     struct session *s = c->s;
-    if (!c->dir || !s->connected || !s->hello_done || buf_used(&s->out) >= OUT_SOFT_LIMIT) {
+    DIR *dir = c->u.dir.dir;
+    if (!dir || !s->connected || !s->hello_done || session_congested(s)) {
         return;
     }
-    int dfd = dirfd((DIR *)c->dir);
+    int dfd = dirfd(dir);
     struct msg m;
     msg_init(&m);
     struct dirent *de;
     int done = 0;
     while (m.len < LIST_BATCH) {
         errno = 0;
-        de = readdir((DIR *)c->dir);
+        de = readdir(dir);
         if (!de) {
             done = 1;
             break;
@@ -480,6 +533,26 @@ void list_progress(struct channel *c)
         chan_free(c);
     }
 }
+
+/* Another batch is due as soon as the session takes more output. */
+static int list_wait(struct channel *c, struct chan_wait *w, uint64_t now, int *timeout_ms)
+{
+    if (c->s->connected && !session_congested(c->s)) {
+        *timeout_ms = 0;
+    }
+    return 0;
+}
+
+/* A listing is restarted by the host, not resumed. */
+static int list_disconnected(struct channel *c) { return 0; }
+
+static const struct channel_ops list_ops = {
+    .name = "directory listing",
+    .release = list_release,
+    .progress = list_progress,
+    .wait = list_wait,
+    .disconnected = list_disconnected,
+};
 
 /* ---- one-shot requests ------------------------------------------------------ */
 
@@ -568,7 +641,7 @@ void fs_request(struct session *s, uint32_t ch, const uint8_t *p, size_t n)
             r = -1;
             break;
         }
-        struct channel *c = chan_new(s, ch, CH_LIST);
+        struct channel *c = chan_new(s, ch, &list_ops);
         if (!c) {
             int e = errno;
             closedir(d);
@@ -576,7 +649,7 @@ void fs_request(struct session *s, uint32_t ch, const uint8_t *p, size_t n)
             r = -1;
             break;
         }
-        c->dir = d;
+        c->u.dir.dir = d;
         list_progress(c);
         msg_free(&m);
         goto out;

@@ -1,5 +1,5 @@
 /* PID 1 duties: early mounts, kernel modules, root disk, switch root,
- * hostname, clock, entropy, ports, and an orderly power-off. */
+ * hostname, clock, entropy, and an orderly power-off. */
 #define _GNU_SOURCE
 #include <dirent.h>
 #include <errno.h>
@@ -43,6 +43,7 @@ static char g_boot_id[64] = "unknown";
 static char g_cmd_hostname[65];
 static int g_cmd_net; /* sandlot.net=1: the box has a network card (QEMU user networking) */
 static int g_cmd_dns_relay; /* sandlot.dns=relay: names are answered by the host (dns.c), not QEMU */
+static int g_cmd_ports;     /* sandlot.ports=N: the agent ports the host made (0: it did not say) */
 static char g_root_dev[64] = "/dev/vda";
 static char g_root_fstype[16] = "ext4";
 
@@ -86,10 +87,17 @@ static void parse_cmdline(void)
             g_cmd_net = 1;
         } else if (!strcmp(tok, "sandlot.dns=relay")) {
             g_cmd_dns_relay = 1;
+        } else if (!strncmp(tok, "sandlot.ports=", 14)) {
+            g_cmd_ports = atoi(tok + 14);
         } else if (!strncmp(tok, "sandlot.rootfstype=", 19)) {
             snprintf(g_root_fstype, sizeof(g_root_fstype), "%s", tok + 19);
         }
     }
+}
+
+int boot_ports(void)
+{
+    return g_cmd_ports;
 }
 
 static void load_modules(void)
@@ -119,7 +127,7 @@ static void load_modules(void)
     fclose(f);
 }
 
-static int wait_for(const char *path, int ms)
+int wait_for(const char *path, int ms)
 {
     struct stat st;
     for (int waited = 0; waited <= ms; waited += 2) {
@@ -348,6 +356,23 @@ static void bring_up_network(void)
     }
 }
 
+/* Minimal images (debootstrap's minbase, scratch images) have no /etc/hosts, and
+ * then "localhost" does not resolve: a program connecting to itself fails (CPython's
+ * own test suite: 298 failures). An image's own file is never touched. */
+static void ensure_hosts_file(void)
+{
+    static const char hosts[] = "127.0.0.1\tlocalhost\n::1\tlocalhost ip6-localhost ip6-loopback\n";
+    mkdir("/etc", 0755);
+    int fd = open("/etc/hosts", O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
+    if (fd < 0) {
+        return; /* there is one (or /etc is read-only): leave it */
+    }
+    if (write(fd, hosts, sizeof(hosts) - 1) < 0) {
+        logmsg("write /etc/hosts: %s", strerror(errno));
+    }
+    close(fd);
+}
+
 void init_after_root(void)
 {
     mount_or_log("devpts", "/dev/pts", "devpts", MS_NOSUID | MS_NOEXEC, "newinstance,ptmxmode=0666,mode=0620,gid=5");
@@ -368,6 +393,7 @@ void init_after_root(void)
         symlink("pts/ptmx", "/dev/ptmx");
     }
     bring_up_loopback();
+    ensure_hosts_file();
     if (g_cmd_net) {
         bring_up_network();
     }
@@ -484,61 +510,6 @@ void set_wall_clock(uint64_t ns)
     if (clock_settime(CLOCK_REALTIME, &ts) < 0) {
         logmsg("clock_settime: %s", strerror(errno));
     }
-}
-
-/* Every virtio-serial port named sandlot.* is one session. */
-int open_ports(struct session *sessions, int max)
-{
-    int n = 0;
-    for (int waited = 0; waited < 3000 && n == 0; waited += 5) {
-        DIR *d = opendir("/sys/class/virtio-ports");
-        struct dirent *de;
-        while (d && (de = readdir(d)) && n < max) {
-            if (strncmp(de->d_name, "vport", 5)) {
-                continue;
-            }
-            char path[300], name[64] = {0};
-            snprintf(path, sizeof(path), "/sys/class/virtio-ports/%s/name", de->d_name);
-            int fd = open(path, O_RDONLY | O_CLOEXEC);
-            if (fd < 0) {
-                continue;
-            }
-            ssize_t r = read(fd, name, sizeof(name) - 1);
-            close(fd);
-            if (r <= 0) {
-                continue;
-            }
-            name[strcspn(name, "\n")] = 0;
-            if (strncmp(name, "sandlot.", 8)) {
-                continue;
-            }
-            struct session *s = &sessions[n];
-            memset(s, 0, sizeof(*s));
-            snprintf(s->name, sizeof(s->name), "%s", name);
-            snprintf(s->dev, sizeof(s->dev), "/dev/%s", de->d_name);
-            if (wait_for(s->dev, 2000) < 0) {
-                continue;
-            }
-            int pfd = open(s->dev, O_RDWR | O_NONBLOCK | O_CLOEXEC);
-            if (pfd < 0) {
-                logmsg("open %s: %s", s->dev, strerror(errno));
-                continue;
-            }
-            /* SIGIO tells us when the host end connects or goes away */
-            fcntl(pfd, F_SETOWN, getpid());
-            fcntl(pfd, F_SETFL, fcntl(pfd, F_GETFL) | O_ASYNC);
-            s->in_fd = s->out_fd = pfd;
-            s->is_port = 1;
-            n++;
-        }
-        if (d) {
-            closedir(d);
-        }
-        if (n == 0) {
-            usleep(5000);
-        }
-    }
-    return n;
 }
 
 static void reap_all(void)

@@ -1,0 +1,251 @@
+#!/usr/bin/env python3
+"""Generate the sync API (``src/sandlot/api/sync.py``) from the async classes.
+
+Each sync class is a thin twin of an async one: same methods, same signatures,
+same docstrings; a coroutine method runs on sandlot's loop thread, an async
+iterator is driven item by item, and async objects in results are wrapped in
+their sync twins. Members a ``*Base`` class in ``api/sync_base.py`` defines are
+written by hand there and skipped here.
+
+    python scripts/gen_sync.py           # write the file
+    python scripts/gen_sync.py --check   # fail if it is not what would be written (CI)
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+API = ROOT / "src" / "sandlot" / "api"
+OUT = API / "sync.py"
+
+# async class -> (sync class, its module, its hand-written base)
+TWINS = {
+    "AsyncBox": ("Box", "box", "BoxBase"),
+    "AsyncSnapshot": ("Snapshot", "box", "SnapshotBase"),
+    "AsyncFiles": ("Files", "files", "FilesBase"),
+    "AsyncProcess": ("Process", "process", "ProcessBase"),
+    "AsyncStream": ("Stream", "process", "StreamBase"),
+}
+DUNDERS = {"__aenter__": "__enter__", "__aexit__": "__exit__", "__aiter__": "__iter__"}
+NAMES = {a: s for a, (s, _, _) in TWINS.items()} | {"AsyncIterator": "Iterator"}
+
+
+def sync_text(annotation: str) -> str:
+    """An annotation as the sync class spells it."""
+    out = re.sub(r"\b(" + "|".join(NAMES) + r")\b", lambda m: NAMES[m.group(1)], annotation)
+    parts, depth, cur = [], 0, ""
+    for ch in out:  # a union whose members became the same after renaming
+        depth += ch in "[("
+        depth -= ch in "])"
+        if ch == "|" and depth == 0:
+            parts.append(cur.strip())
+            cur = ""
+        else:
+            cur += ch
+    parts.append(cur.strip())
+    return " | ".join(dict.fromkeys(parts))
+
+
+def wrapped(expr: str, annotation: str | None) -> str:
+    """``expr`` (an async result of ``annotation``) as the sync twin returns it."""
+    if not annotation:
+        return expr
+    if annotation in TWINS:
+        return f"{TWINS[annotation][0]}.wrap({expr})"
+    m = re.fullmatch(r"(?:builtins\.)?list\[(\w+)\]", annotation)
+    if m and m.group(1) in TWINS:
+        return f"[{TWINS[m.group(1)][0]}.wrap(x) for x in {expr}]"
+    if annotation.startswith("AsyncIterator["):
+        return f"loop.iterate({expr})"
+    return expr
+
+
+@dataclass
+class Member:
+    node: ast.FunctionDef | ast.AsyncFunctionDef
+    kind: str  # method, classmethod, property
+
+    @property
+    def returns(self) -> str | None:
+        return ast.unparse(self.node.returns) if self.node.returns else None
+
+
+def call_args(args: ast.arguments, skip_first: bool) -> str:
+    out = []
+    positional = [*args.posonlyargs, *args.args][1 if skip_first else 0 :]
+    out += [a.arg for a in positional]
+    if args.vararg:
+        out.append(f"*{args.vararg.arg}")
+    out += [f"{a.arg}={a.arg}" for a in args.kwonlyargs]
+    if args.kwarg:
+        out.append(f"**{args.kwarg.arg}")
+    return ", ".join(out)
+
+
+def signature(args: ast.arguments) -> str:
+    return sync_text(ast.unparse(args))
+
+
+def members(cls: ast.ClassDef) -> list[Member]:
+    out = []
+    for node in cls.body:
+        if not isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            continue
+        decos = {ast.unparse(d) for d in node.decorator_list}
+        if node.name.startswith("_") and node.name not in DUNDERS and node.name != "__init__":
+            continue
+        kind = "property" if "property" in decos else "classmethod" if "classmethod" in decos else "method"
+        out.append(Member(node, kind))
+    return out
+
+
+def doc(node: ast.AST, indent: str) -> list[str]:
+    text = ast.get_docstring(node, clean=False)  # type: ignore[arg-type]
+    if not text:
+        return []
+    text = text.replace("(async API)", "(sync API)").replace("async with ", "with ").replace("await ", "")
+    text = re.sub(r"\b(" + "|".join(NAMES) + r")\b", lambda m: NAMES[m.group(1)], text)
+    body = text.replace('"""', r"\"\"\"")
+    return [f'{indent}"""{body}"""']
+
+
+def generate_class(async_name: str, cls: ast.ClassDef, base_members: set[str]) -> list[str]:
+    sync_name, _module, base = TWINS[async_name]
+    lines = [f"class {sync_name}({base}):"]
+    lines += doc(cls, "    ") or [f'    """The sync twin of ``{async_name}``."""']
+    for m in members(cls):
+        node = m.node
+        name = DUNDERS.get(node.name, node.name)
+        if name in base_members:
+            continue
+        is_async = isinstance(node, ast.AsyncFunctionDef)
+        ret = m.returns
+        lines.append("")
+        if name == "__init__":
+            lines.append(f"    def __init__({signature(node.args)}) -> None:")
+            lines += doc(node, "        ")
+            lines.append(f"        self._a = {async_name}({call_args(node.args, True)})")
+            continue
+        if m.kind == "property":
+            lines.append("    @property")
+            lines.append(f"    def {name}(self) -> {sync_text(ret or 'Any')}:")
+            lines += doc(node, "        ")
+            lines.append(f"        return {wrapped(f'self._a.{node.name}', ret)}")
+            continue
+        owner = async_name if m.kind == "classmethod" else "self._a"
+        call = f"{owner}.{node.name}({call_args(node.args, True)})"
+        iterates = bool(ret and ret.startswith("AsyncIterator["))
+        if is_async and not iterates:
+            call = f"loop.run({call})"
+        if name == "__enter__":
+            result_type, body = sync_name, [f"        {call}", "        return self"]
+        elif name == "__exit__":
+            result_type, body = "None", [f"        {call}"]
+        else:
+            result_type = sync_text(ret or "None")
+            expr = wrapped(call, ret)
+            body = [f"        {'return ' if ret not in (None, 'None') else ''}{expr}"]
+        if m.kind == "classmethod":
+            lines.append("    @classmethod")
+        lines.append(f"    def {name}({signature(node.args)}) -> {result_type}:")
+        lines += doc(node, "        ")
+        lines += body
+    return lines
+
+
+def bindings(trees: dict[str, ast.Module]) -> dict[str, str]:
+    """Every name the async modules bind at top level, and the import that binds it here."""
+    out: dict[str, str] = {}
+    for module, tree in trees.items():
+        nodes: list[ast.stmt] = []
+        for node in tree.body:
+            nodes += node.body if isinstance(node, ast.If) else [node]  # TYPE_CHECKING blocks too
+        for node in nodes:
+            if isinstance(node, ast.Import):
+                for a in node.names:
+                    out.setdefault(
+                        a.asname or a.name, f"import {a.name}" + (f" as {a.asname}" if a.asname else "")
+                    )
+            elif isinstance(node, ast.ImportFrom) and node.module != "__future__":
+                source = "." * node.level + (node.module or "")
+                for a in node.names:
+                    alias = f" as {a.asname}" if a.asname else ""
+                    out.setdefault(a.asname or a.name, f"from {source} import {a.name}{alias}")
+            elif isinstance(node, ast.Assign | ast.ClassDef | ast.FunctionDef):
+                names = (
+                    [t.id for t in node.targets if isinstance(t, ast.Name)]
+                    if isinstance(node, ast.Assign)
+                    else [node.name]
+                )
+                for name in names:
+                    out.setdefault(name, f"from .{module} import {name}")
+    return out
+
+
+def module_header(body: list[str], trees: dict[str, ast.Module]) -> list[str]:
+    known = bindings(trees)
+    used = set(re.findall(r"\b[A-Za-z_][A-Za-z0-9_]*\b", "\n".join(body)))
+    needed = sorted({known[n] for n in used if n in known and n not in {v[0] for v in TWINS.values()}})
+    return [
+        "# Generated by scripts/gen_sync.py from the async classes: do not edit; run it instead.",
+        '"""The sync API: ``Box``, ``Snapshot``, ``Files``, ``Process`` and ``Stream``, each a',
+        "thin twin of its async class (same methods, same signatures) that runs the same",
+        'coroutines on sandlot\'s loop thread (``api/loop.py``)."""',
+        "",
+        "from __future__ import annotations",
+        "",
+        "from collections.abc import Iterator",
+        *needed,
+        "from . import loop",
+        *[f"from .sync_base import {base}" for _a, (_s, _m, base) in TWINS.items()],
+    ]
+
+
+def generate() -> str:
+    trees = {m: ast.parse((API / f"{m}.py").read_text()) for m in {v[1] for v in TWINS.values()}}
+    base_tree = ast.parse((API / "sync_base.py").read_text())
+    base_members: dict[str, set[str]] = {}
+    for node in base_tree.body:
+        if isinstance(node, ast.ClassDef):
+            own = {n.name for n in node.body if isinstance(n, ast.FunctionDef)}
+            base_members[node.name] = own | {"wrap", "aio", "__repr__"}
+    body: list[str] = []
+    for async_name, (_s, module, base) in TWINS.items():
+        cls = next(n for n in trees[module].body if isinstance(n, ast.ClassDef) and n.name == async_name)
+        body += ["", "", *generate_class(async_name, cls, base_members[base])]
+    out = module_header(body, trees) + body
+    out.append("")
+    out.append(f"__all__ = {sorted(s for s, _, _ in TWINS.values())!r}")
+    source = "\n".join(out) + "\n"
+    ruff = [sys.executable, "-m", "ruff"]
+    fixed = subprocess.run([*ruff, "check", "--fix-only", "--quiet", "--stdin-filename", str(OUT), "-"],
+                           input=source, capture_output=True, text=True, cwd=ROOT)  # fmt: skip
+    if fixed.returncode == 0 and fixed.stdout:
+        source = fixed.stdout
+    formatted = subprocess.run([*ruff, "format", "--stdin-filename", str(OUT), "-"],
+                               input=source, capture_output=True, text=True, cwd=ROOT)  # fmt: skip
+    if formatted.returncode != 0:
+        raise SystemExit(f"ruff format failed on the generated code:\n{formatted.stderr}")
+    return formatted.stdout
+
+
+def main() -> int:
+    source = generate()
+    if "--check" in sys.argv[1:]:
+        if not OUT.is_file() or OUT.read_text() != source:
+            print(f"{OUT.relative_to(ROOT)} is out of date: run scripts/gen_sync.py", file=sys.stderr)
+            return 1
+        return 0
+    OUT.write_text(source)
+    print(f"wrote {OUT.relative_to(ROOT)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

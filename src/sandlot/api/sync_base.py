@@ -1,0 +1,63 @@
+"""What the generated sync classes (``api/sync.py``) build on: each holds its async
+twin in ``_a`` and runs its coroutines on sandlot's loop thread (``api/loop.py``).
+The few members that differ from a plain delegation are written here."""
+
+from __future__ import annotations
+
+from typing import Generic, Self, TypeVar
+
+from . import loop
+from .box import AsyncBox, AsyncSnapshot
+from .files import AsyncFiles
+from .process import AsyncProcess, AsyncStream
+
+A = TypeVar("A")
+
+
+class SyncTwin(Generic[A]):
+    _a: A
+
+    @classmethod
+    def wrap(cls, inner: A) -> Self:
+        """The sync face of an async object."""
+        twin = cls.__new__(cls)
+        twin._a = inner
+        return twin
+
+    @property
+    def aio(self) -> A:
+        """The async object behind this one, for use on sandlot's loop."""
+        return self._a
+
+    def __repr__(self) -> str:
+        return repr(self._a)
+
+
+class BoxBase(SyncTwin[AsyncBox]):
+    @property
+    def state(self) -> str:
+        """created, running, paused, suspended, stopped or crashed, read anew on each
+        access ("new" before it was created, "removed" once it is gone)."""
+        return loop.run(self._a.refresh())
+
+    @property
+    def running(self) -> bool:
+        return self.state == "running"
+
+
+class SnapshotBase(SyncTwin[AsyncSnapshot]):
+    pass
+
+
+class FilesBase(SyncTwin[AsyncFiles]):
+    pass
+
+
+class ProcessBase(SyncTwin[AsyncProcess]):
+    @property
+    def argv(self) -> tuple[str, ...]:
+        return self._a.argv
+
+
+class StreamBase(SyncTwin[AsyncStream]):
+    pass

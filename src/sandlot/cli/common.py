@@ -1,0 +1,97 @@
+"""What every command module shares: the typer app, error reporting, helpers."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Annotated, Any
+
+import typer
+from rich.console import Console
+from rich.markup import escape
+
+from ..errors import SandlotError
+from ..version import __version__
+
+if TYPE_CHECKING:
+    from ..api.box import AsyncBox
+
+app = typer.Typer(
+    name="sandlot",
+    help="Embeddable microVM sandboxes for AI agents.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+err = Console(stderr=True)
+
+
+def fail(exc: BaseException | str, code: int = 1) -> typer.Exit:
+    err.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
+    return typer.Exit(code)
+
+
+def human(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1000:
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n:.1f} TB"
+
+
+def age(t: float | None) -> str:
+    if not t:
+        return "-"
+    s = int(time.time() - t)
+    for unit, n in (("d", 86400), ("h", 3600), ("m", 60)):
+        if s >= n:
+            return f"{s // n}{unit} ago"
+    return f"{s}s ago"
+
+
+def run_coro(coro: Awaitable[int | None]) -> int | None:
+    """Run a command's coroutine in the main thread (signals and terminal belong to it)."""
+    try:
+        return asyncio.run(coro)  # type: ignore[arg-type]
+    except FileNotFoundError as exc:
+        raise fail(exc, 127) from exc
+    except SandlotError as exc:
+        raise fail(exc, 125) from exc
+
+
+def for_each_box(boxes: list[str], action: Callable[[AsyncBox], Awaitable[Any]], verb: str) -> None:
+    """Apply an action to several boxes; report each, fail if any failed."""
+    from ..api.box import AsyncBox
+
+    failed = False
+
+    async def main() -> None:
+        nonlocal failed
+        for key in boxes:
+            try:
+                box = await AsyncBox.get(key)
+                await action(box)
+                print(box.name)
+            except SandlotError as exc:
+                failed = True
+                fail(f"{verb} {key}: {exc}")
+
+    asyncio.run(main())
+    if failed:
+        raise typer.Exit(1)
+
+
+@app.callback(invoke_without_command=True)
+def _main(
+    ctx: typer.Context,
+    version: Annotated[
+        bool, typer.Option("--version", help="Print the version and exit.", is_eager=True)
+    ] = False,
+) -> None:
+    if version:
+        print(__version__)
+        raise typer.Exit()
+    if ctx.invoked_subcommand is None:
+        print(ctx.get_help())
+        raise typer.Exit(2)

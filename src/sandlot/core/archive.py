@@ -1,0 +1,353 @@
+"""Snapshot archives: one file that moves a running box to another machine.
+
+An archive is a zstd-compressed tar with exactly these members, in this order::
+
+    manifest.json   format, version, the snapshot's facts, and for every part its
+                    size and sha256; the compatibility facts: the engine, the VM's
+                    shape (memory, CPUs, agent ports, network card), the
+                    accelerator, and the engine's own facts under ``engine_facts``
+                    (for QEMU: its version, machine type, CPU model), and the
+                    kernel's hash
+    devices         the engine's device state without RAM
+    memory          guest RAM, raw
+    disk.qcow2      the disk, every layer and the image base flattened into one
+
+Version 1 archives (before engines were named; their compatibility facts were
+QEMU's, at the top level) are read too.
+
+Importing treats the file as hostile: the manifest is checked before anything
+large is read, members must be exactly those, regular, of the declared sizes
+and hashes; the disk must be a standalone qcow2 (no backing or data file that
+could point at the host's files). Nothing is visible until every part is
+verified: parts go to a temporary directory renamed into place, then the row
+is committed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import io
+import json
+import os
+import re
+import secrets
+import shutil
+import subprocess
+import tarfile
+import time
+from pathlib import Path
+from typing import IO, Any
+
+import zstandard
+
+from ..config import fsync_dir
+from ..engine.base import Boot, Engine
+from ..errors import CorruptSnapshot, HostSetupError, InvalidArgument
+from . import layers, snapshots
+from .crashpoints import crash_point
+from .spec import BoxSpec
+from .store import NAME_RE, BoxStore, SnapshotRecord
+from .validate import check_env, check_user, guest_path
+
+FORMAT = "sandlot-snapshot"
+VERSION = 2
+READABLE = (1, 2)
+PARTS = ("devices", "memory", "disk.qcow2")
+MAX_MANIFEST = 1 << 20
+MAX_DEVICES = 256 << 20
+MAX_DISK = 16 << 40
+CHUNK = 1 << 20
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _qemu_img() -> str:
+    path = shutil.which("qemu-img")
+    if not path:
+        raise HostSetupError("qemu-img not found: install qemu-utils")
+    return path
+
+
+def export_snapshot(home: Path, engine: Engine, rec: SnapshotRecord, dest: Path) -> Path:
+    """Write ``rec`` (its memory shared, see ``Engine.share_memory``) to ``dest``;
+    readers never see a partial file."""
+    src = snapshots.snapshot_dir(home, rec.id)
+    if not engine.memory_shared(src):
+        raise CorruptSnapshot(f"snapshot {rec.id} has no memory image to export")
+    dest = dest.expanduser().absolute()
+    if dest.is_dir():
+        raise InvalidArgument(f"{dest} is a directory; give a file name")
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    work = Path(dest.parent / f".{dest.name}.parts-{secrets.token_hex(4)}")
+    work.mkdir()
+    tmp = dest.parent / f".{dest.name}.tmp-{secrets.token_hex(4)}"
+    try:
+        disk = work / "disk.qcow2"
+        proc = subprocess.run([_qemu_img(), "convert", "-O", "qcow2", "-U", rec.layer, str(disk)],
+                              capture_output=True, text=True)  # fmt: skip
+        if proc.returncode != 0:
+            raise CorruptSnapshot(f"the disk of snapshot {rec.id} cannot be read: {proc.stderr.strip()}")
+        paths = {**engine.state_files(src), "disk.qcow2": disk}
+        facts = rec.facts
+        engine_facts = dict(facts.get("engine_facts") or {})
+        kernel_sha = None
+        with contextlib.suppress(OSError, KeyError):
+            kernel_sha = _sha256(Path(engine_facts.pop("kernel")))
+        engine_facts.pop("initrd", None)  # this host's paths mean nothing elsewhere
+        manifest = {
+            "format": FORMAT,
+            "version": VERSION,
+            "snapshot": {
+                "id": rec.id,
+                "name": rec.name,
+                "kind": rec.kind,
+                "box_name": rec.box_name,
+                "created_at": rec.created_at,
+                "box": rec.options.get("box", {}),
+                "image_ref": rec.options.get("image_ref"),
+                "image_digest": rec.options.get("image_digest"),
+            },
+            "compat": {
+                **{k: facts[k] for k in ("engine", "accel", "memory_mib", "cpus", "agent_ports")},
+                "network": bool(facts.get("network")),
+                "engine_facts": engine_facts,
+                "kernel_sha256": kernel_sha,
+            },
+            "files": {name: {"size": p.stat().st_size, "sha256": _sha256(p)} for name, p in paths.items()},
+        }
+        raw = json.dumps(manifest, indent=1, sort_keys=True).encode()
+        with open(tmp, "wb") as out:
+            cctx = zstandard.ZstdCompressor(level=3, threads=-1)
+            with cctx.stream_writer(out, closefd=False) as zw, tarfile.open(fileobj=zw, mode="w|") as tar:
+                info = tarfile.TarInfo("manifest.json")
+                info.size, info.mtime, info.mode = len(raw), int(time.time()), 0o644
+                tar.addfile(info, io.BytesIO(raw))
+                for name in PARTS:
+                    info = tarfile.TarInfo(name)
+                    info.size, info.mtime, info.mode = paths[name].stat().st_size, int(time.time()), 0o644
+                    with open(paths[name], "rb") as f:
+                        tar.addfile(info, f)
+                    crash_point("export.mid-write")
+            out.flush()
+            os.fsync(out.fileno())
+        os.rename(tmp, dest)
+        fsync_dir(dest.parent)
+        return dest
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+        with contextlib.suppress(FileNotFoundError):
+            tmp.unlink()
+
+
+# -- import -----------------------------------------------------------------------------------
+
+
+def _need(cond: bool, what: str) -> None:
+    if not cond:
+        raise CorruptSnapshot(f"not a valid sandlot snapshot archive: {what}")
+
+
+def _v1_compat(compat: dict[str, Any]) -> dict[str, Any]:
+    """A version 1 archive's compatibility facts (QEMU's, at the top level) in today's shape."""
+    return {
+        "engine": "qemu",
+        "accel": compat.get("accel"),
+        "memory_mib": compat.get("memory_mib"),
+        "cpus": compat.get("cpus"),
+        "agent_ports": compat.get("ports"),
+        "network": False,  # version 1 wrote no network facts: it exported boxes without a card only
+        "engine_facts": {k: compat.get(k) for k in ("machine", "qemu_version", "cpu_model")},
+        "kernel_sha256": compat.get("kernel_sha256"),
+    }
+
+
+def _check_manifest(m: Any) -> dict[str, Any]:
+    _need(isinstance(m, dict), "the manifest is not an object")
+    _need(m.get("format") == FORMAT, f"format is {m.get('format')!r}")
+    _need(m.get("version") in READABLE, f"version {m.get('version')!r} is not one of {READABLE}")
+    files, compat, snap = m.get("files"), m.get("compat"), m.get("snapshot")
+    _need(
+        isinstance(files, dict) and set(files) == set(PARTS),
+        "the manifest must list devices, memory, disk.qcow2",
+    )
+    for name, f in files.items():
+        _need(isinstance(f, dict), f"entry {name} is not an object")
+        size, digest = f.get("size"), f.get("sha256")
+        _need(isinstance(size, int) and not isinstance(size, bool) and size >= 0, f"{name}: bad size")
+        _need(
+            isinstance(digest, str) and re.fullmatch(r"[0-9a-f]{64}", digest) is not None,
+            f"{name}: bad sha256",
+        )
+    _need(isinstance(compat, dict), "no compatibility facts")
+    if m["version"] == 1:
+        compat = m["compat"] = _v1_compat(compat)
+    for key in ("engine", "accel"):
+        _need(isinstance(compat.get(key), str), f"compat.{key} missing")
+    _need(isinstance(compat.get("engine_facts"), dict), "compat.engine_facts missing")
+    _need(
+        all(isinstance(v, str) for v in compat["engine_facts"].values()), "compat.engine_facts are not text"
+    )
+    for key, hi in (("memory_mib", 1 << 20), ("cpus", 1024), ("agent_ports", 64)):
+        v = compat.get(key)
+        _need(isinstance(v, int) and not isinstance(v, bool) and 0 < v <= hi, f"compat.{key} out of range")
+    _need(isinstance(compat.get("network", False), bool), "compat.network is not true or false")
+    _need(files["memory"]["size"] == compat["memory_mib"] << 20, "the memory image does not match memory_mib")
+    _need(files["devices"]["size"] <= MAX_DEVICES, "the device state is too large")
+    _need(files["disk.qcow2"]["size"] <= MAX_DISK, "the disk is too large")
+    _need(isinstance(snap, dict) and isinstance(snap.get("box", {}), dict), "no snapshot facts")
+    checked: dict[str, Any] = m
+    return checked
+
+
+def _clean_box_options(box: dict[str, Any]) -> dict[str, Any]:
+    """What a box started from an imported snapshot takes from it, validated."""
+    out: dict[str, Any] = {}
+    try:
+        if box.get("env"):
+            out["env"] = check_env(box["env"])
+        if box.get("workdir"):
+            out["workdir"] = guest_path(box["workdir"])
+        if box.get("user"):
+            out["user"] = check_user(box["user"])
+        if isinstance(box.get("disk_size_gb"), int):
+            out["disk_size_gb"] = box["disk_size_gb"]
+        cfg = box.get("image_config")
+        if isinstance(cfg, dict):
+            clean: dict[str, Any] = {}
+            for k in ("env", "entrypoint", "cmd"):
+                v = cfg.get(k, [])
+                if isinstance(v, list) and all(isinstance(x, str) and "\0" not in x for x in v):
+                    clean[k] = v
+            for k in ("workdir", "user"):
+                if isinstance(cfg.get(k), str) and "\0" not in cfg[k]:
+                    clean[k] = cfg[k]
+            out["image_config"] = clean
+    except InvalidArgument as exc:
+        raise CorruptSnapshot(f"not a valid sandlot snapshot archive: {exc}") from None
+    return out
+
+
+def _copy_member(src: IO[bytes], dest: Path, size: int, digest: str, name: str) -> None:
+    h = hashlib.sha256()
+    left = size
+    with open(dest, "wb") as out:
+        while left:
+            chunk = src.read(min(CHUNK, left))
+            _need(bool(chunk), f"{name} is truncated")
+            if name == "memory" and chunk.count(0) == len(chunk):
+                out.seek(len(chunk), os.SEEK_CUR)  # keep the RAM image sparse
+            else:
+                out.write(chunk)
+            h.update(chunk)
+            left -= len(chunk)
+        out.truncate(size)
+        out.flush()
+        os.fsync(out.fileno())
+    _need(h.hexdigest() == digest, f"{name} does not match its sha256 (damaged or altered)")
+
+
+def _check_disk(path: Path) -> None:
+    proc = subprocess.run([_qemu_img(), "info", "--output=json", "-f", "qcow2", str(path)],
+                          capture_output=True, text=True)  # fmt: skip
+    _need(proc.returncode == 0, f"the disk is not a qcow2 image: {proc.stderr.strip()[:200]}")
+    info = json.loads(proc.stdout)
+    _need("backing-filename" not in info and "full-backing-filename" not in info,
+          "the disk names a backing file (it would read the host's files)")  # fmt: skip
+    data = info.get("format-specific", {}).get("data", {})
+    _need("data-file" not in data, "the disk names an external data file")
+
+
+def import_snapshot(home: Path, store: BoxStore, engine: Engine, boot: Boot, path: Path) -> SnapshotRecord:
+    """Verify and add an exported snapshot to this home; the new row is returned.
+    ``boot``: how this host boots the engine's VMs (the archive must match it)."""
+    path = path.expanduser()
+    if not path.is_file():
+        raise InvalidArgument(f"{path} is not a file")
+    snap_id = snapshots.new_id()
+    final = snapshots.snapshot_dir(home, snap_id)
+    tmp = final.parent / f".tmp-{snap_id}"
+    tmp.mkdir(parents=True)
+    layer = layers.new_path(home)
+    state_names = {member: p.name for member, p in engine.state_files(final).items()}
+    try:
+        with open(path, "rb") as raw:
+            reader = zstandard.ZstdDecompressor().stream_reader(raw)
+            try:
+                tar = tarfile.open(fileobj=reader, mode="r|")  # noqa: SIM115 (closed with the file)
+            except (tarfile.TarError, zstandard.ZstdError) as exc:
+                raise CorruptSnapshot(f"{path} is not a zstd-compressed tar: {exc}") from None
+            try:
+                manifest: dict[str, Any] | None = None
+                seen: list[str] = []
+                for member in tar:
+                    _need(member.isreg(), f"member {member.name!r} is not a regular file")
+                    if manifest is None:
+                        _need(member.name == "manifest.json", "the manifest must come first")
+                        _need(member.size <= MAX_MANIFEST, "the manifest is too large")
+                        f = tar.extractfile(member)
+                        assert f is not None
+                        try:
+                            manifest = _check_manifest(json.loads(f.read()))
+                        except ValueError:
+                            raise CorruptSnapshot("the manifest is not JSON") from None
+                        engine.check_compatible(manifest["compat"], boot)
+                        continue
+                    want = PARTS[len(seen)] if len(seen) < len(PARTS) else None
+                    _need(member.name == want, f"unexpected member {member.name!r}")
+                    entry = manifest["files"][member.name]
+                    _need(member.size == entry["size"], f"{member.name} is not the size the manifest says")
+                    f = tar.extractfile(member)
+                    assert f is not None
+                    dest = layer if member.name == "disk.qcow2" else tmp / state_names[member.name]
+                    _copy_member(f, dest, member.size, entry["sha256"], member.name)
+                    seen.append(member.name)
+            except (tarfile.TarError, zstandard.ZstdError, EOFError, OSError) as exc:
+                raise CorruptSnapshot(f"{path} is damaged: {exc}") from None
+        _need(manifest is not None, "no manifest")
+        assert manifest is not None
+        _need(seen == list(PARTS), f"parts missing: {', '.join(p for p in PARTS if p not in seen)}")
+        _check_disk(layer)
+        compat, info = manifest["compat"], manifest["snapshot"]
+        facts = engine.facts_for_import(
+            {
+                k: compat[k]
+                for k in ("engine", "accel", "memory_mib", "cpus", "agent_ports", "network", "engine_facts")
+            },
+            boot,
+        )
+        box = {**BoxSpec(image="imported").to_options(), **_clean_box_options(info.get("box") or {})}
+        box["image"] = None
+        name = info.get("name") if isinstance(info.get("name"), str) else None
+        box_name = info.get("box_name") if isinstance(info.get("box_name"), str) else None
+        name = name if name and NAME_RE.match(name) else None
+        box_name = box_name if box_name and NAME_RE.match(box_name) else "imported"
+        fsync_dir(tmp)
+        os.rename(tmp, final)
+        fsync_dir(final.parent)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        with contextlib.suppress(FileNotFoundError):
+            layer.unlink()
+        raise
+    digest = info.get("image_digest")
+    rec = SnapshotRecord(
+        id=snap_id, kind="snapshot", layer=str(layer), name=name, box_id=None, box_name=box_name,
+        created_at=time.time(), size=snapshots.dir_size(final),
+        options={"box": box, "image_ref": None, "image_digest": digest if isinstance(digest, str) else None,
+                 "rootfs": None, "vm": facts,
+                 "imported_from": {"kernel_sha256": compat.get("kernel_sha256"), "id": info.get("id")}},
+    )  # fmt: skip
+    try:
+        store.insert_snapshot(rec)
+    except BaseException:
+        shutil.rmtree(final, ignore_errors=True)
+        layer.unlink(missing_ok=True)
+        raise
+    return rec

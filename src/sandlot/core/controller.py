@@ -1,0 +1,584 @@
+"""The box controller: create, start, stop, kill, pause, remove, network, and the
+one guarded transition every state change goes through.
+
+``transition`` is the only place a box's state is written outside recovery. It
+checks the operation against the declared table (``core.state``), records the
+in-progress state with this process as its owner (so recovery can tell a live
+operation from a dead one), and writes the end state, or the table's failure
+state with the reason, when the operation's block ends. Its precondition, the
+box's lock, is checked.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import builtins
+import contextlib
+import os
+import secrets as random_ids
+import time
+from collections.abc import AsyncIterator, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from .. import pids
+from ..engine.base import VM
+from ..errors import BoxCrashed, BoxNotFound, ConnectionLost, InvalidArgument, InvalidState, SnapshotNotFound
+from ..images.rootfs import base_for, create_overlay
+from ..images.store import Image
+from ..net.policy import PROXIED, Policy, write_policy
+from ..net.secrets import build_vault, read_vault_json, write_vault
+from ..protocol.connection import AgentConnection
+from ..protocol.wire import ControlOp, Fields, Tag, tlv, tlv_u64
+from . import idle, layers, snapshots
+from .crashpoints import crash_point
+from .launch import control
+from .requests import BoxRequest
+from .state import LIVE, SERVING, TRANSITIONS, BoxState, Op, check, end_state, failure_state
+from .store import AsyncStore, BoxRecord, SnapshotRecord
+from .validate import positive
+
+if TYPE_CHECKING:
+    from .service import BoxEntry, Core
+    from .sessions import Session
+
+GiB = 1 << 30
+
+
+@dataclass
+class Step:
+    """An operation under way: what it writes when it ends, and how a failure reads."""
+
+    op: Op
+    source: BoxState
+    target: BoxState | None = None  # where it ends, if not where the table says
+    changes: dict[str, Any] = field(default_factory=dict)  # written with the end state
+    on_failure: dict[str, Any] = field(default_factory=dict)  # written with the failure state
+    failure_reason: str | None = None  # a failure records "<this>: <the error's first line>"
+    gone: bool = False  # the box was deleted: nothing to write
+
+
+def first_line(exc: BaseException) -> str:
+    return str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+
+
+class BoxController:
+    def __init__(self, core: Core) -> None:
+        self.core = core
+
+    @property
+    def db(self) -> AsyncStore:
+        return self.core.db
+
+    # -- finding boxes ------------------------------------------------------------------------
+
+    async def recover(self, rec: BoxRecord) -> BoxRecord | None:
+        """``rec`` made to agree with its processes (None: the box is gone)."""
+        recovery = self.core.recovery
+        if not recovery.needed(rec):
+            return rec
+        return await asyncio.to_thread(recovery.apply, rec)
+
+    async def find(self, key: str) -> BoxEntry:
+        """The box with this id, name or id prefix (``BoxNotFound`` if none)."""
+        rec = await self.recover(await self.db.get(key))
+        if rec is None:
+            raise BoxNotFound(f"no box {key!r}", box=key)
+        return self.core.entry(rec)
+
+    async def list(
+        self,
+        *,
+        all: bool = True,
+        state: str | None = None,
+        labels: Mapping[str, str] | None = None,
+    ) -> builtins.list[BoxEntry]:
+        out = []
+        for rec in await self.db.list():
+            found = await self.recover(rec)
+            if found is None:
+                continue
+            if not all and found.state not in (BoxState.RUNNING, BoxState.PAUSED):
+                continue
+            if state is not None and found.state != state:
+                continue
+            if labels and any(found.labels.get(k) != v for k, v in labels.items()):
+                continue
+            out.append(self.core.entry(found))
+        return out
+
+    async def refresh(self, entry: BoxEntry) -> BoxRecord:
+        """The box's row as it is now, recovered (``BoxNotFound`` once removed)."""
+        rec = await self.db.find(entry.id)
+        rec = await self.recover(rec) if rec is not None else None
+        if rec is None:
+            self.core.forget(entry)
+            raise BoxNotFound(f"box {entry.name} was removed", box=entry.name, state="removed")
+        return entry.update(rec)
+
+    # -- the one guarded transition ---------------------------------------------------------
+
+    @contextlib.asynccontextmanager
+    async def transition(
+        self, entry: BoxEntry, op: Op, *, op_data: dict[str, Any] | None = None
+    ) -> AsyncIterator[Step]:
+        """Run ``op`` on the box: check it against the table, record its in-progress
+        state (and ``op_data``, what recovery needs to finish or undo it), then its end
+        state, or its failure state if the block raises. Needs the box's lock."""
+        entry.lock.require()
+        t = TRANSITIONS[op]
+        source = entry.state
+        if source not in t.sources:
+            raise InvalidState.refused(op.value, source.value, [s.value for s in t.sources], box=entry.name)
+        step = Step(op, source)
+        writing = source
+        if t.via is not None:
+            owner, start = pids.me()
+            rec = await self.db.update(
+                entry.id,
+                expect=(source,),
+                state=t.via,
+                owner_pid=owner,
+                owner_start=start,
+                op=op_data,
+                reason=None,
+            )
+            if rec is None:
+                now = await self.refresh(entry)
+                raise InvalidState.refused(op.value, now.state, [s.value for s in t.sources], box=entry.name)
+            entry.update(rec)
+            writing = t.via
+        try:
+            yield step
+        except BaseException as exc:
+            if not step.gone:
+                fail = failure_state(op, source)
+                changes = dict(step.on_failure)
+                if step.failure_reason:
+                    changes["reason"] = f"{step.failure_reason}: {first_line(exc)}"
+                rec = await self.db.update(entry.id, expect=(writing,), state=fail, op=None, **changes)
+                if rec is not None:
+                    entry.update(rec)
+            raise
+        if step.gone:
+            return
+        end = step.target or end_state(op, source)
+        rec = await self.db.update(entry.id, expect=(writing,), state=end, op=None, **step.changes)
+        if rec is not None:
+            entry.update(rec)
+
+    # -- creation ---------------------------------------------------------------------------
+
+    async def create(self, req: BoxRequest, *, ephemeral: bool = False) -> BoxEntry:
+        """Create the box ``req`` describes: image pulled, disk ready, state created."""
+        rt = self.core.rt
+        snap = await self._saved_state(req)
+        spec = req.spec_for(snap)
+        pid, start = pids.me()
+        now = time.time()
+        rec = BoxRecord(
+            id=req.id, name=req.name, state=BoxState.CREATING, options=spec.to_options(), created_at=now,
+            updated_at=now, image_ref=spec.image, rootfs=spec.rootfs, labels=dict(spec.labels),
+            engine=spec.engine, owner_pid=pid, owner_start=start, ephemeral=ephemeral,
+            machine_id=random_ids.token_hex(16),
+        )  # fmt: skip
+        await self.db.insert(rec)  # reserves the name; a crash from here on is undone by recovery
+        crash_point("create.after-row")
+        entry = self.core.entry(rec)
+        try:
+            image: Image | None = None
+            if snap is None and req.template is None and spec.image and not spec.volumes and auto_templates():
+                image = await self._resolve_image(req, spec.image)
+                snap = await self.core.live.auto_template(entry, image.digest)
+                if snap is None:
+                    spec.auto_template = not spec.secrets  # its first boot becomes the template
+                else:
+                    spec = req.spec_for(snap)
+            if snap is not None:
+                done = await self._create_from(entry, req, spec, snap)
+            else:
+                done = await self._create_fresh(entry, req, spec, image)
+        except BaseException:
+            rec = await self.db.find(req.id) or rec
+            await asyncio.to_thread(rt.discard_box, rec)
+            self.core.forget(entry)
+            raise
+        if done is None:
+            self.core.forget(entry)
+            raise BoxNotFound(f"box {req.name} was removed while it was being created", box=req.name)
+        entry.update(done)
+        return entry
+
+    async def _saved_state(self, req: BoxRequest) -> SnapshotRecord | None:
+        t = req.template
+        if t is None or t is False or t is True:
+            return None
+        if isinstance(t, SnapshotRecord):
+            found = await self.db.find_snapshot(t.id)
+            if found is None:
+                raise SnapshotNotFound(f"snapshot {t.id} was removed")
+            return found
+        found = await self.db.get_snapshot(t)
+        if found.kind not in ("template", "snapshot"):
+            raise InvalidArgument(f"{t!r} is a {found.kind}, not a template or snapshot")
+        return found
+
+    async def _resolve_image(self, req: BoxRequest, ref: str) -> Image:
+        if req.image is not None:
+            return req.image
+        images = self.core.rt.images
+        found = None if req.pull == "always" else await asyncio.to_thread(images.get, ref)
+        if found is None:
+            if req.pull == "never":
+                raise InvalidArgument(f"image {ref!r} is not here and pull='never'")
+            found = await images.pull(ref, **req.pull_options)
+        req.image = found
+        return found
+
+    async def _create_fresh(
+        self, entry: BoxEntry, req: BoxRequest, spec: Any, image: Image | None
+    ) -> BoxRecord | None:
+        rt = self.core.rt
+        digest = None
+        if spec.image is not None:
+            image = image or await self._resolve_image(req, spec.image)
+            digest = image.digest
+            c = image.config
+            spec.image_config = {"env": list(c.env), "workdir": c.workdir, "user": c.user,
+                                 "entrypoint": list(c.entrypoint), "cmd": list(c.cmd)}  # fmt: skip
+            base = await asyncio.to_thread(rt.images.ensure_base, image)
+        else:
+            assert spec.rootfs is not None
+            base = await asyncio.to_thread(base_for, rt.bases_dir, spec.rootfs)
+        await asyncio.to_thread(self._box_dir, entry)
+        await self._write_vault(entry, spec, req, None)
+        disk = layers.new_path(rt.home)
+        await self.db.update(entry.id, disk=str(disk))  # before the file: a crash leaves nothing unnamed
+        crash_point("create.before-disk")
+        await asyncio.to_thread(create_overlay, base, disk, spec.disk_size_gb * GiB)
+        result: BoxRecord | None = await self.db.update(
+            entry.id, expect=(BoxState.CREATING,), state=BoxState.CREATED, image_digest=digest,
+            options=spec.to_options(),
+        )  # fmt: skip
+        return result
+
+    async def _create_from(
+        self, entry: BoxEntry, req: BoxRequest, spec: Any, snap: SnapshotRecord
+    ) -> BoxRecord | None:
+        """The disk of a box started from a saved state: a new layer on the snapshot's."""
+        rt = self.core.rt
+        await asyncio.to_thread(self._box_dir, entry)
+        if spec.secrets:
+            source = await self.db.find(snap.box_id) if snap.box_id else None
+            vault = await asyncio.to_thread(read_vault_json, rt.box_dir(source.id)) if source else None
+            await self._write_vault(entry, spec, req, vault)
+        blank = snapshots.snapshot_dir(rt.home, snap.id) / "blank.qcow2"
+        disk = await asyncio.to_thread(layers.child_layer, rt.home, Path(snap.layer), blank)
+        result: BoxRecord | None = await self.db.update(
+            entry.id, expect=(BoxState.CREATING,), state=BoxState.CREATED, disk=str(disk), origin=snap.id,
+            image_digest=snap.options.get("image_digest"), options=spec.to_options(),
+        )  # fmt: skip
+        return result
+
+    def _box_dir(self, entry: BoxEntry) -> None:
+        entry.dir.mkdir(parents=True, exist_ok=True)
+        (entry.dir / "ports").mkdir(exist_ok=True)
+
+    async def _write_vault(
+        self, entry: BoxEntry, spec: Any, req: BoxRequest, source: dict[str, Any] | None
+    ) -> None:
+        """The box's secrets file, if it has secrets (``source``: that of the box its
+        saved state was taken of). A CA is made (EC keys) and the file fsynced."""
+        if spec.secrets:
+            vault = await asyncio.to_thread(build_vault, entry.name, spec.secrets, req.secrets, source)
+            await asyncio.to_thread(write_vault, entry.dir, vault)
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    async def start(self, entry: BoxEntry) -> None:
+        """Boot the box (or restore it, if it was made from a saved state) and wait for
+        its agent. A running box is left as it is; the disk is kept across stop/start."""
+        async with entry.lock():
+            rec = await self.refresh(entry)
+            if rec.state == BoxState.SUSPENDED:
+                await self.core.live.resume(entry)
+                return
+            if not check(Op.START, rec.state, box=entry.name):
+                return
+            origin = (
+                await self.db.find_snapshot(rec.origin)
+                if rec.state == BoxState.CREATED and rec.origin
+                else None
+            )
+            async with self.transition(entry, Op.START) as step:
+                step.on_failure = {"vm_pid": None}
+                step.changes = {"started_at": time.time()}
+                if origin is not None:
+                    step.failure_reason = "start failed"
+                    await self.core.launcher.restore(entry, rec, origin, attach=True, trust=True)
+                else:
+                    step.failure_reason = "boot failed"
+                    await self.core.launcher.boot(entry, rec)
+            if origin is None and entry.spec.auto_template:
+                await self.core.live.save_auto_template(entry)
+        self.watch_idle(entry)
+
+    async def stop(self, entry: BoxEntry, timeout: float = 10.0) -> None:
+        """Stop gracefully: every process gets SIGTERM, then SIGKILL after half of
+        ``timeout``; the disk is synced and unmounted; the VM powers off. Forced once
+        ``timeout`` has passed. The disk is kept."""
+        positive("timeout", timeout)
+        async with entry.lock():
+            rec = await self.refresh(entry)
+            if rec.state == BoxState.SUSPENDED:  # its saved processes end; the disk stays
+                async with self.transition(entry, Op.DISCARD) as step:
+                    step.changes = {"suspended": None, "stopped_at": time.time()}
+                if rec.suspended:
+                    await self.core.live.drop_saved_state(rec.suspended)
+                return
+            if not check(Op.STOP, rec.state, box=entry.name):
+                return
+            async with self.transition(entry, Op.STOP) as step:
+                step.changes = step.on_failure = {"stopped_at": time.time(), "vm_pid": None}
+                vm = self.core.launcher.vm_of(entry, rec)
+                try:
+                    crash_point("stop.before-shutdown")
+                    if step.source == BoxState.PAUSED:
+                        with contextlib.suppress(Exception):
+                            await vm.resume()
+                    with contextlib.suppress(Exception):
+                        grace_ms = int(max(0.5, timeout * 0.5) * 1000)
+                        await asyncio.wait_for(self._shutdown_via_agent(entry, vm, grace_ms), timeout=timeout)
+                    if not await vm.wait_exit(max(1.0, timeout * 0.3)):
+                        await vm.kill(grace=2.0)
+                finally:
+                    if vm.running:
+                        await vm.kill(grace=1.0)
+                    entry.session.drop()
+                    vm.cleanup()
+        if entry.spec.auto_remove:
+            await self.remove(entry)
+
+    async def _shutdown_via_agent(self, entry: BoxEntry, vm: VM, grace_ms: int) -> None:
+        conn = await entry.session.connection(
+            vm, replace(self.core.launcher.hello(entry), request_timeout=5.0)
+        )
+        await control(conn, ControlOp.SHUTDOWN, tlv(Tag.TIMEOUT_MS, grace_ms), timeout=grace_ms / 1000 + 10)
+        await vm.wait_exit(5.0)
+
+    async def restart(self, entry: BoxEntry, timeout: float = 10.0) -> None:
+        await self.stop(entry, timeout)
+        await self.start(entry)
+
+    async def kill(self, entry: BoxEntry) -> None:
+        """Stop at once, like pulling the plug (the disk's journal recovers on next boot)."""
+        async with entry.lock():
+            rec = await self.refresh(entry)
+            if not check(Op.KILL, rec.state, box=entry.name):
+                return
+            async with self.transition(entry, Op.KILL) as step:
+                step.changes = {"stopped_at": time.time(), "vm_pid": None, "reason": "killed"}
+                vm = self.core.launcher.vm_of(entry, rec)
+                await vm.kill(grace=1.0)  # an orderly exit of the VM process: no guest involvement
+                entry.session.drop()
+                vm.cleanup()
+        if entry.spec.auto_remove:
+            await self.remove(entry)
+
+    async def pause(self, entry: BoxEntry) -> None:
+        """Freeze the vCPUs; RAM and processes stay. Commands wait until unpause()."""
+        async with entry.lock():
+            rec = await self.refresh(entry)
+            if not check(Op.PAUSE, rec.state, box=entry.name):
+                return
+            async with self.transition(entry, Op.PAUSE):
+                await self.core.launcher.vm_of(entry, rec).pause()
+
+    async def unpause(self, entry: BoxEntry) -> None:
+        async with entry.lock():
+            rec = await self.refresh(entry)
+            if not check(Op.UNPAUSE, rec.state, box=entry.name):
+                return
+            async with self.transition(entry, Op.UNPAUSE):
+                await self.core.launcher.vm_of(entry, rec).resume()
+        # the guest clock stood still while paused: set it to now
+        with contextlib.suppress(Exception):
+            await self.control(entry, ControlOp.SET_TIME, tlv_u64(Tag.TIME_NS, time.time_ns()))
+
+    async def remove(self, entry: BoxEntry, *, force: bool = False) -> None:
+        """Delete the box: its disk, logs and record. A running box needs ``force``
+        (it is killed first). Removing a removed box does nothing."""
+        try:
+            async with entry.lock():
+                try:
+                    rec = await self.refresh(entry)
+                except BoxNotFound:
+                    return
+                state = BoxState(rec.state)
+                if state in LIVE and not force:
+                    raise InvalidState(
+                        f"box {entry.name} is {state}: stop it first, or remove(force=True)",
+                        box=entry.name, state=state, allowed=["created", "stopped", "crashed", "suspended"],
+                    )  # fmt: skip
+                async with self.transition(entry, Op.REMOVE) as step:
+                    engine = self.core.rt.engine(rec.engine)
+                    if engine.alive(rec.vm, rec.id):
+                        await self.core.launcher.vm_of(entry, rec).kill(grace=1.0)
+                    entry.session.drop()
+                    current = await self.db.find(entry.id) or rec
+                    await asyncio.to_thread(self.core.rt.discard_box, current)
+                    step.gone = True
+        except FileNotFoundError:  # the box's directory went while we waited for its lock
+            await self.db.delete(entry.id)
+        self.core.forget(entry)
+
+    async def set_network(
+        self, entry: BoxEntry, network: str | bool | None = None, *, allow: Sequence[str] | str | None = None
+    ) -> None:
+        """Change the egress policy: ``network`` (the mode; unchanged if None) and
+        ``allow`` (replaces the list; unchanged if None). Between 'public' and
+        'allowlist', and for ``allow``, a running box applies it to its next
+        connection. Adding or removing the network card, or going to or from
+        'open', needs the VM to boot again: stop() the box first."""
+        async with entry.lock():
+            rec = await self.refresh(entry)
+            spec = entry.spec
+            mode = spec.network if network is None else network
+            if allow is None:  # kept, where the new mode has a use for it
+                allow = (list(spec.allow) or None) if mode in PROXIED else None
+            new = Policy.build(mode, allow)
+            old = spec.policy
+            live = BoxState(rec.state) in LIVE or rec.state == BoxState.SUSPENDED
+            if live and (new.has_nic != old.has_nic or (new.mode == "open") != (old.mode == "open")):
+                raise InvalidState(
+                    f"box {entry.name} is {rec.state}: going from network={old.mode!r} to {new.mode!r} "
+                    "changes its network card; stop() it first",
+                    box=entry.name, state=rec.state, allowed=["created", "stopped", "crashed"],
+                )  # fmt: skip
+            if spec.ports and not new.has_nic:
+                raise InvalidArgument(f"box {entry.name} publishes ports: it needs a network card")
+            if spec.secrets and not new.proxied:
+                raise InvalidArgument(
+                    f"box {entry.name} has secrets: they need network='allowlist' or 'public'"
+                )
+            async with self.transition(entry, Op.NETWORK) as step:
+                spec.network, spec.allow = new.mode, [str(r) for r in new.allow]
+                if new.proxied:
+                    await asyncio.to_thread(write_policy, entry.dir / "egress-policy.json", spec.policy)
+                step.changes = {"options": spec.to_options()}
+
+    # -- serving commands ------------------------------------------------------------------
+
+    async def connection(self, entry: BoxEntry) -> AgentConnection:
+        """This process's session with the box's agent, made on first use; a suspended
+        box is resumed first (transparently: an idle box was put to sleep)."""
+        if entry.removed:
+            raise BoxNotFound(f"box {entry.name} was removed", box=entry.name, state="removed")
+        rec = await self.refresh(entry)  # every call: another process may have paused or stopped it
+        if rec.state in (BoxState.SUSPENDED, BoxState.SUSPENDING, BoxState.RESUMING):
+            await self.core.live.resume(entry)
+            rec = entry.record
+        if rec.state not in SERVING:
+            raise InvalidState.refused("run commands", rec.state, ["running"], box=entry.name)
+        session = entry.session
+        conn = session.conn
+        if conn is not None and conn.failed is not None:
+            session.drop()
+            raise conn.failed
+        vm = self.core.launcher.vm_of(entry, rec)
+        return await session.connection(vm, self.core.launcher.hello(entry))
+
+    async def control(self, entry: BoxEntry, op: ControlOp, payload: bytes = b"") -> Fields:
+        return await control(await self.connection(entry), op, payload)
+
+    async def activity(self, entry: BoxEntry) -> tuple[int, float]:
+        """(operations in progress from any process, seconds since the last request):
+        what the idle timeout looks at. Asking does not count as activity."""
+        f = await self.control(entry, ControlOp.STATUS)
+        return f.u32(Tag.COUNT, 0) or 0, (f.u64(Tag.IDLE_MS, 0) or 0) / 1000
+
+    async def agent_lost(self, session: Session) -> BaseException | None:
+        """A box's agent socket closed: reconnect if its VM lives (or once a suspended
+        or rolled-back box runs again, here or in another process); else say why it is gone."""
+        await asyncio.sleep(0.05)
+        vm = session.vm
+        if vm is not None and vm.running:
+            return None
+        entry = self.core.entries.get(session.box_id)
+        while (rec := await self.db.find(session.box_id)) is not None and rec.state in (
+            BoxState.SUSPENDING, BoxState.SUSPENDED, BoxState.RESUMING, BoxState.RESTORING
+        ):  # fmt: skip
+            if session.conn is None:
+                return ConnectionLost(f"box {session.name} was suspended; this connection ended")
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(session.resumed.wait(), 0.5)
+        if (
+            rec is not None
+            and rec.state == BoxState.RUNNING
+            and entry is not None
+            and session.conn is not None
+        ):
+            entry.update(rec)
+            new = self.core.launcher.vm_of(entry, rec)
+            if new.running:
+                session.vm = new
+                return None
+        if rec is None:
+            return InvalidState(f"box {session.name} was removed", box=session.name, state="removed")
+        if rec.state in (BoxState.STOPPING, BoxState.STOPPED, BoxState.REMOVING, BoxState.CREATED):
+            return InvalidState(f"box {session.name} was stopped", box=session.name, state=rec.state)
+        tail_text = vm.console_tail() if vm is not None else ""
+        if vm is not None:
+            # only if the row still describes this VM: a restart may have started another
+            await self.db.update(
+                session.box_id, expect=(BoxState.RUNNING, BoxState.PAUSED), expect_pid=vm.ref.pid,
+                state=BoxState.CRASHED, reason="the VM process exited unexpectedly", vm_pid=None,
+            )  # fmt: skip
+        return BoxCrashed(f"box {session.name} stopped unexpectedly", tail_text, box=session.name)
+
+    def watch_idle(self, entry: BoxEntry) -> None:
+        """Make sure a watchdog suspends this box once idle (``idle_timeout``); it is a
+        detached process, so the box sleeps even after every user process has exited."""
+        if entry.spec.idle_timeout:
+            idle.spawn(self.core.rt.home, entry.id)
+
+    # -- facts --------------------------------------------------------------------------------
+
+    async def inspect(self, entry: BoxEntry) -> dict[str, Any]:
+        """Everything about the box, JSON-ready."""
+        rec = await self.refresh(entry)
+        d = rec.to_json()
+        d["paths"] = {"dir": str(entry.dir), "disk": rec.disk, "console": str(entry.dir / "console.log")}
+        d["hostname"] = entry.hostname
+        live = rec.state in (BoxState.RUNNING, BoxState.PAUSED)  # host ports are bound while the VM runs
+        bound = {guest: (address, host) for address, host, guest in rec.ports if live}
+        ports = []
+        for p in entry.spec.ports:
+            address, host = bound.get(p.guest, (p.address, p.host))
+            ports.append({"address": address, "host": host or None, "guest": p.guest})
+        d["network"] = {"mode": entry.spec.network, "allow": list(entry.spec.allow), "ports": ports}
+        engine = self.core.rt.engine(rec.engine)
+        d["host_cgroup"] = await asyncio.to_thread(engine.host_limits, rec.vm) if live else None
+        d["accel"] = rec.boot.get("accel")
+        return d
+
+    async def stats(self, entry: BoxEntry) -> dict[str, Any]:
+        """Host CPU time and memory of the VM, and the disk it uses."""
+        rec = await self.refresh(entry)
+        engine = self.core.rt.engine(rec.engine)
+        live = rec.state in (BoxState.RUNNING, BoxState.PAUSED)
+
+        def measure() -> dict[str, Any]:
+            usage = engine.usage(rec.vm) if live else {"cpu_seconds": None, "rss_bytes": None}
+            try:
+                disk = Path(rec.disk).stat().st_blocks * 512 if rec.disk else 0
+            except FileNotFoundError:
+                disk = 0
+            return {"name": rec.name, "state": rec.state, **usage, "disk_bytes": disk}
+
+        return await asyncio.to_thread(measure)
+
+
+def auto_templates() -> bool:
+    return os.environ.get("SANDLOT_AUTO_TEMPLATE", "1") != "0"

@@ -1,0 +1,288 @@
+"""Bringing a box's VM up: a cold boot, or a restore of a saved state, up to an
+agent that answers. Shared by the controller (start) and live state (resume,
+rollback, fork). The caller holds the box's lock and has recorded the state
+the operation runs in; everything here records the VM as soon as it exists, so
+a crash of this process leaves nothing recovery cannot find.
+
+Each bring-up waits in the admission line first (``core.admission``); the boot
+deadline starts when its turn comes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import shlex
+import sys
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from ..engine.base import VM, Boot, BootRequest, LaunchSpec, NetSpec, SavedState, Volume
+from ..errors import AgentTimeout, BootTimeout, ConnectionLost
+from ..net.policy import write_policy
+from ..net.secrets import GUEST_BUNDLE, GUEST_CA, SYSTEM_BUNDLES, read_vault_json
+from ..protocol import files as proto_files
+from ..protocol.connection import AgentConnection
+from ..protocol.wire import ControlOp, Fields, FsFlag, FsOp, T, Tag, tlv
+from . import snapshots
+from .crashpoints import crash_point
+from .sessions import Hello
+from .store import BoxRecord, SnapshotRecord
+
+if TYPE_CHECKING:
+    from .service import BoxEntry, Core
+
+
+class Launcher:
+    def __init__(self, core: Core) -> None:
+        self.core = core
+
+    # -- what a VM is launched with --------------------------------------------------------
+
+    def hello(self, entry: BoxEntry) -> Hello:
+        return Hello(hostname=entry.hostname, machine_id=entry.record.machine_id,
+                     pids_max=entry.spec.pids_limit, request_timeout=entry.spec.request_timeout)  # fmt: skip
+
+    def net_spec(self, entry: BoxEntry, *, nic: bool | None = None) -> NetSpec | None:
+        """The network card of the box's VM (None: it has none), its policy written where
+        the egress proxy reads it. ``nic``: whether the VM must have one (a restore has
+        the devices of its saved state, whatever the policy says now: a card under
+        policy 'none' lets nothing in or out). Blocking (it writes a file)."""
+        spec = entry.spec
+        policy = spec.policy
+        if nic is None:
+            nic = policy.has_nic
+        if not nic:
+            return None
+        if not policy.has_nic:
+            return NetSpec(restrict=True)
+        policy_file = entry.dir / "egress-policy.json"
+        write_policy(policy_file, policy)
+
+        def helper(module: str) -> str:  # started by the engine for each guest connection
+            argv = (sys.executable, "-m", module, str(policy_file), str(entry.dir / "egress.log"))
+            return " ".join(shlex.quote(x) for x in argv)
+
+        return NetSpec(
+            restrict=policy.mode != "open",
+            proxy_command=helper("sandlot.net.proxy") if policy.proxied else None,
+            # open mode too: a guest restored from a snapshot of a proxied box asks it for names
+            dns_command=helper("sandlot.net.dns"),
+            forwards=tuple((p.address, p.host, p.guest) for p in spec.ports),
+            transparent_ports=tuple(spec.transparent_ports()),
+        )
+
+    def vm_of(self, entry: BoxEntry, rec: BoxRecord) -> VM:
+        """The VM process of a box started elsewhere (or earlier)."""
+        assert rec.vm is not None, f"box {rec.name} has no VM"
+        if entry.vm is not None and entry.vm.ref == rec.vm:
+            return entry.vm
+        engine = self.core.rt.engine(rec.engine)
+        entry.vm = engine.attach(rec.vm, self.core.rt.placement(rec, entry.hostname), rec.boot)
+        return entry.vm
+
+    async def prepare(self, entry: BoxEntry, *, network: bool) -> Boot:
+        spec = entry.spec
+        request = BootRequest(
+            accel=spec.accel, kernel=spec.kernel, volumes=bool(spec.volumes), network=network
+        )
+        return await asyncio.to_thread(self.core.rt.engine(spec.engine).prepare, request)
+
+    # -- bring-ups ----------------------------------------------------------------------------
+
+    async def boot(self, entry: BoxEntry, rec: BoxRecord) -> VM:
+        """Boot the box's disk and wait for its agent (also mounting volumes and
+        installing the trust of its secrets' CA)."""
+        spec = entry.spec
+        engine = self.core.rt.engine(spec.engine)
+        boot = await self.prepare(entry, network=spec.policy.has_nic)
+        net = await asyncio.to_thread(self.net_spec, entry)
+        assert rec.disk is not None
+        where = self.core.rt.placement(rec, entry.hostname)
+        launch = LaunchSpec(
+            where=where, disk=Path(rec.disk), memory_mib=spec.memory_mib, cpus=spec.cpus,
+            boot=shape(boot, spec.memory_mib, spec.cpus, where.agent_ports, net), network=net,
+            volumes=tuple(Volume(v.host, f"vol{i}", v.readonly) for i, v in enumerate(spec.volumes)),
+        )  # fmt: skip
+        t0 = time.monotonic()
+        line = self.core.admission(boot.accel)
+        async with line.turn():
+            vm = await engine.launch(launch)
+            entry.vm = vm
+            await self._record_vm(entry, vm, boot, launch.boot)
+            crash_point("start.after-launch")
+            try:
+                await self._record_ports(entry, vm)
+                conn = await self.attach(entry, vm, spec.boot_timeout_for(boot.accel), boot)
+                for i, v in enumerate(spec.volumes):
+                    mount = (
+                        tlv(Tag.PATH, v.guest) + tlv(Tag.PATH2, f"vol{i}") + tlv(Tag.FLAGS, int(v.readonly))
+                    )
+                    await control(conn, ControlOp.MOUNT, mount)
+                await self.install_trust(entry, conn)
+            except BaseException:
+                await vm.kill(grace=0.5)
+                entry.session.drop()
+                raise
+        entry.boot_seconds = time.monotonic() - t0
+        return vm
+
+    async def restore(
+        self,
+        entry: BoxEntry,
+        rec: BoxRecord,
+        snap: SnapshotRecord,
+        *,
+        attach: bool,
+        disk: Path | None = None,
+        trust: bool = False,
+    ) -> VM:
+        """Start a VM on ``disk`` (default: the box's) from ``snap``'s saved state and
+        let it run; ``attach``: connect this process's session to its agent."""
+        facts = snap.facts
+        engine = self.core.rt.engine(facts.get("engine", "qemu"))
+        boot = await self.prepare(entry, network=bool(facts.get("network")))
+        engine.check_compatible(facts, boot)
+        net = await asyncio.to_thread(self.net_spec, entry, nic=bool(facts.get("network")))
+        top = disk or Path(rec.disk or "")
+        where = self.core.rt.placement(rec, entry.hostname, facts["agent_ports"])
+        launch = LaunchSpec(
+            where=where, disk=top, memory_mib=facts["memory_mib"], cpus=facts["cpus"], network=net,
+            boot=shape(boot, facts["memory_mib"], facts["cpus"], facts["agent_ports"], net),
+            saved=SavedState(snapshots.snapshot_dir(self.core.rt.home, snap.id), facts),
+        )  # fmt: skip
+        timeout = entry.spec.boot_timeout_for(boot.accel)
+        t0 = time.monotonic()
+        async with self.core.admission(boot.accel).turn():
+            vm = await engine.launch(launch)
+            entry.vm = vm
+            await self._record_vm(entry, vm, boot, launch.boot)
+            crash_point("restore.after-launch")
+            try:
+                await self._record_ports(entry, vm)
+                # loading a large state from a cold page cache may take longer than a boot
+                await vm.run_restored(max(timeout, 60.0))
+                if attach:
+                    conn = await self.attach(entry, vm, timeout, boot)
+                    if trust:
+                        await self.install_trust(entry, conn)
+            except BaseException:
+                await vm.kill(grace=0.5)
+                entry.session.drop()
+                raise
+        entry.boot_seconds = time.monotonic() - t0
+        return vm
+
+    async def _record_vm(self, entry: BoxEntry, vm: VM, boot: Boot, record: dict[str, Any]) -> None:
+        """The VM, in the row the moment it exists: its process, and all any process
+        needs to find it again and save its state (the engine's boot record and the VM's shape)."""
+        rec = await self.core.db.update(entry.id, vm_pid=vm.ref.pid, vm_start=vm.ref.start, boot=record,
+                                        engine=boot.engine)  # fmt: skip
+        if rec is not None:
+            entry.update(rec)
+
+    async def _record_ports(self, entry: BoxEntry, vm: VM) -> None:
+        """Keep in the record the host ports the engine bound for the box's published ports."""
+        if not entry.spec.ports:
+            return
+        try:
+            bound = await vm.published_ports()
+        except Exception as exc:  # QEMU refused a rule (a port in use): it says so on stderr
+            raise vm.failure(f"could not publish the ports of box {entry.name}") from exc
+        rec = await self.core.db.update(entry.id, ports=[list(b) for b in bound])
+        if rec is not None:
+            entry.update(rec)
+
+    async def attach(self, entry: BoxEntry, vm: VM, timeout: float, boot: Boot) -> AgentConnection:
+        """Connect the box's session to a VM coming up, racing the VM's exit and the deadline."""
+        deadline = time.monotonic() + timeout
+        attaching = asyncio.ensure_future(entry.session.attach_booting(vm, self.hello(entry), deadline))
+        exited = vm.exited()
+        waiting: set[asyncio.Future[Any]] = {attaching, exited}
+        try:
+            done, _ = await asyncio.wait(
+                waiting, timeout=max(0.0, deadline - time.monotonic()), return_when="FIRST_COMPLETED"
+            )
+        except BaseException:
+            attaching.cancel()
+            raise
+        if attaching in done:
+            try:
+                return attaching.result()
+            except (AgentTimeout, ConnectionLost, FileNotFoundError, ConnectionRefusedError):
+                await vm.wait_exit(1.0)  # a socket that closed: the VM is probably going
+                # reported below as the VM's exit or a boot timeout, with the console
+        else:
+            attaching.cancel()
+            with contextlib.suppress(BaseException):
+                await attaching
+        if exited in done or not vm.running:
+            await asyncio.sleep(0.05)  # let the console file catch up
+            raise vm.failure("the VM exited before its agent answered")
+        await vm.kill(grace=0.5)
+        load = os.getloadavg()[0]
+        busy = (
+            f"; the host was busy (load {load:.1f} on {os.cpu_count()} cores)"
+            if load > (os.cpu_count() or 1)
+            else ""
+        )
+        raise BootTimeout(
+            f"the agent did not answer within {timeout:.0f}s (accel={boot.accel}){busy}; start() tries again",
+            vm.console_tail(),
+            box=entry.name,
+        )
+
+    async def install_trust(self, entry: BoxEntry, conn: AgentConnection) -> None:
+        """Make the guest trust the box's CA (for the hosts its secrets go to): the
+        CA, a bundle the TLS environment variables name, and the system bundles."""
+        if not entry.spec.secrets:
+            return
+        vault = await asyncio.to_thread(read_vault_json, entry.dir)
+        if not vault:
+            return
+        ca = vault["ca_cert"].encode()
+        with contextlib.suppress(FileNotFoundError):
+            if await read_file(conn, GUEST_CA) == ca:
+                return  # a restore of a state that has it (a fork, a rollback)
+        bundle = b""
+        for path in SYSTEM_BUNDLES:
+            try:
+                entries = await proto_files.fs_request(conn, FsOp.STAT, path, flags=FsFlag.NOFOLLOW)
+                if not (entries and (entries[0].mode & 0o170000) == 0o100000):
+                    continue  # a link to another bundle, which is done on its own
+                data = await read_file(conn, path)
+            except FileNotFoundError:
+                continue
+            if ca not in data:
+                data = data.rstrip(b"\n") + b"\n" + ca
+                await proto_files.write_stream(conn, path, data)
+            bundle = bundle or data
+        await proto_files.write_stream(conn, GUEST_BUNDLE, bundle or ca, mode=0o644)
+        await proto_files.write_stream(conn, GUEST_CA, ca, mode=0o644)  # last: it says the rest is done
+
+
+def shape(boot: Boot, memory_mib: int, cpus: int, agent_ports: int, net: NetSpec | None) -> dict[str, Any]:
+    """A VM's launch record: how the engine booted it, and its shape, which a state
+    saved from it (by any process, later) must record."""
+    return {**boot.record, "memory_mib": memory_mib, "cpus": cpus, "agent_ports": agent_ports,
+            "network": net is not None}  # fmt: skip
+
+
+async def read_file(conn: AgentConnection, path: str) -> bytes:
+    _size, _mode, chunks = await proto_files.read_stream(conn, path)
+    return b"".join([chunk async for chunk in chunks])
+
+
+async def control(
+    conn: AgentConnection, op: ControlOp, payload: bytes = b"", timeout: float | None = None
+) -> Fields:
+    """One control request to the agent."""
+    ch = conn.open_channel()
+    try:
+        ch.send(T.CONTROL, tlv(Tag.OP, op) + payload)
+        frame = await ch.expect(T.CONTROL_OK, timeout=timeout or conn.request_timeout)
+        return Fields(frame.payload)
+    finally:
+        ch.close()

@@ -1,0 +1,131 @@
+"""Disk layers: a box's disk is a chain of qcow2 files in ``layers/``.
+
+The image's ext4 base is at the bottom, the box's writable *top* layer above.
+A snapshot freezes the top (the box goes on writing to a new layer on top of
+it); a fork gives each child a new top on the frozen layer; a rollback gives
+the box a new top on the snapshot's layer. Layers are never copied and never
+rewritten once frozen, so all of these cost a qemu-img call or a file copy.
+
+A layer is referenced by the rows that name it: a box's ``disk``, a pending
+operation's ``op.disk``, a snapshot's ``layer``, and everything below those.
+``gc`` deletes the rest, once a crash's leftovers are old enough to be sure no
+row is about to name them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+import shutil
+import subprocess
+import time
+from collections.abc import Iterable
+from pathlib import Path
+
+from ..errors import HostSetupError, SavedStateError
+from ..images.rootfs import qcow2_backing_file
+from .store import BoxRecord, SnapshotRecord
+
+ORPHAN_AGE = 60.0  # seconds before an unreferenced file may be a crash's leftover
+
+
+def layers_dir(home: Path) -> Path:
+    return home / "layers"
+
+
+def new_path(home: Path) -> Path:
+    d = layers_dir(home)
+    d.mkdir(parents=True, exist_ok=True)
+    return d / f"{secrets.token_hex(8)}.qcow2"
+
+
+def new_layer(home: Path, backing: Path, size: int | None = None, backing_format: str = "qcow2") -> Path:
+    """An empty qcow2 layer on ``backing`` (``-u``: the backing may be open in a running VM)."""
+    qemu_img = shutil.which("qemu-img")
+    if not qemu_img:
+        raise HostSetupError("qemu-img not found: install qemu-utils")
+    path = new_path(home)
+    size = virtual_size(backing) if size is None else size
+    cmd = [qemu_img, "create", "-q", "-f", "qcow2", "-u", "-F", backing_format, "-b", str(backing), str(path),
+           str(size)]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise HostSetupError(f"qemu-img create failed: {proc.stderr.strip()}")
+    return path
+
+
+def child_layer(home: Path, frozen: Path, blank: Path) -> Path:
+    """A new top layer over ``frozen``: a copy of an empty overlay made once and
+    kept at ``blank`` (a file copy instead of a qemu-img process per child of a fan-out)."""
+    if not blank.is_file():
+        made = new_layer(home, frozen)
+        try:
+            os.rename(made, blank)  # the same file system; a racing maker's copy is as good
+        except OSError:
+            made.unlink(missing_ok=True)
+            if not blank.is_file():
+                raise
+    path = new_path(home)
+    shutil.copyfile(blank, path)
+    return path
+
+
+def chain(top: Path) -> list[Path]:
+    """``top`` and every file below it, down to the base."""
+    out = [top]
+    seen = {top}
+    while True:
+        backing = qcow2_backing_file(out[-1])
+        if not backing:
+            return out
+        p = Path(backing)
+        if p in seen or len(out) > 1000:
+            raise SavedStateError(f"the disk chain of {top} loops")
+        seen.add(p)
+        out.append(p)
+
+
+def virtual_size(path: Path) -> int:
+    with open(path, "rb") as f:
+        header = f.read(32)
+    return int.from_bytes(header[24:32], "big")
+
+
+def referenced(boxes: Iterable[BoxRecord], snapshots: Iterable[SnapshotRecord]) -> list[Path]:
+    """The tops that rows name (each keeps its whole chain)."""
+    tops = []
+    for b in boxes:
+        if b.disk:
+            tops.append(Path(b.disk))
+        if b.op and b.op.get("disk"):
+            tops.append(Path(b.op["disk"]))
+    tops += [Path(s.layer) for s in snapshots]
+    return tops
+
+
+def gc(
+    home: Path,
+    boxes: Iterable[BoxRecord],
+    snapshots: Iterable[SnapshotRecord],
+    *,
+    min_age: float = ORPHAN_AGE,
+    also: Iterable[Path] = (),
+) -> None:
+    """Delete layers no box and no snapshot reaches. ``also``: unreferenced layers
+    to delete now, whatever their age (a removed box's top)."""
+    d = layers_dir(home)
+    if not d.is_dir():
+        return
+    keep: set[Path] = set()
+    for top in referenced(boxes, snapshots):
+        with contextlib.suppress(SavedStateError, OSError):
+            keep.update(chain(top))
+    now = time.time()
+    forced = set(also)
+    for f in d.glob("*.qcow2"):
+        if f in keep:
+            continue
+        with contextlib.suppress(OSError):
+            if f in forced or now - f.stat().st_mtime > min_age:
+                f.unlink()

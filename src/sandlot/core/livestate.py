@@ -1,0 +1,409 @@
+"""Live state: snapshot, rollback, fork, suspend, resume, templates, export.
+
+A snapshot pauses the VM, freezes the disk's top layer (the box goes on over a
+new one) and has the engine save memory and devices; the pause lasts as long
+as the save. Everything is recorded before the step that depends on it, and
+each operation runs under the box's lock as one transition (``core.state``),
+so a crash anywhere is finished or undone by recovery.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from .. import pids
+from ..engine.base import BootRequest, SavedState
+from ..errors import InvalidArgument, InvalidState, SnapshotInUse, SnapshotNotFound
+from . import archive, layers, snapshots
+from .crashpoints import crash_point
+from .requests import BoxRequest
+from .state import BoxState, Op, check
+from .store import AsyncStore, SnapshotRecord
+from .validate import count
+
+if TYPE_CHECKING:
+    from .service import BoxEntry, Core
+
+log = logging.getLogger("sandlot")
+
+
+class LiveState:
+    def __init__(self, core: Core) -> None:
+        self.core = core
+
+    @property
+    def db(self) -> AsyncStore:
+        return self.core.db
+
+    # -- saving ----------------------------------------------------------------------------
+
+    async def snapshot(self, entry: BoxEntry, name: str | None = None) -> SnapshotRecord:
+        """Save memory, processes and disk while the box runs (it pauses only for the save)."""
+        async with entry.lock():
+            await self.core.controller.refresh(entry)
+            return await self.capture(entry, "snapshot", name=name)
+
+    async def capture(
+        self,
+        entry: BoxEntry,
+        kind: str,
+        *,
+        name: str | None = None,
+        template_key: str | None = None,
+        auto: bool = False,
+    ) -> SnapshotRecord:
+        """Save the running state as a snapshot of ``kind`` (the box's lock held); the box goes on."""
+        if entry.spec.volumes:
+            raise InvalidState(
+                f"box {entry.name} has volumes: their host directories are not part of a saved state",
+                box=entry.name, state=entry.state,
+            )  # fmt: skip
+        check(Op.SNAPSHOT, entry.state, box=entry.name)
+        home = self.core.rt.home
+        snap_id = snapshots.new_id()
+        rec = entry.record
+        op_data = {"kind": "snapshot", "source": str(entry.state), "snapshot": snap_id}
+        async with self.core.controller.transition(entry, Op.SNAPSHOT, op_data=op_data):
+            assert rec.disk is not None
+            frozen = Path(rec.disk)
+            top = await asyncio.to_thread(layers.new_layer, home, frozen)
+            # recorded before the VM switches: the new top starts empty over the old one,
+            # so the row names a complete disk whether or not the switch happens
+            await self.db.update(entry.id, disk=str(top))
+            crash_point("snapshot.before-save")
+            vm = self.core.launcher.vm_of(entry, rec)
+            with snapshots.writing(home, snap_id) as tmp:
+                pause = await vm.save(tmp, new_disk=top, keep_running=True)
+            crash_point("snapshot.after-save")
+            options: dict[str, Any] = {"box": rec.options, "image_ref": rec.image_ref,
+                                       "image_digest": rec.image_digest, "rootfs": rec.rootfs,
+                                       "vm": vm.saved_facts()}  # fmt: skip
+            if auto:  # a fork's own: it goes with its last child, or with its owner if no child came
+                options.update(auto=True, owner=list(pids.me()))
+            snap = SnapshotRecord(
+                id=snap_id, kind=kind, layer=str(frozen), name=name, box_id=rec.id, box_name=rec.name,
+                template_key=template_key, created_at=time.time(),
+                size=snapshots.dir_size(snapshots.snapshot_dir(home, snap_id)), options=options,
+            )  # fmt: skip
+            try:
+                await self.db.insert_snapshot(snap)
+            except BaseException:
+                snapshots.remove_files(home, snap_id)
+                raise
+        entry.last_pause = pause
+        return snap
+
+    async def suspend(self, entry: BoxEntry) -> None:
+        """Write the running state to disk and end the VM: no CPU, no RAM."""
+        async with entry.lock():
+            rec = await self.core.controller.refresh(entry)
+            if entry.spec.volumes:
+                raise InvalidState(f"box {entry.name} has volumes: it cannot be suspended, only stopped",
+                                   box=entry.name, state=rec.state)  # fmt: skip
+            if not check(Op.SUSPEND, rec.state, box=entry.name):
+                return
+            home = self.core.rt.home
+            snap_id = snapshots.new_id()
+            session = entry.session
+            session.resumed.clear()
+            op_data = {"kind": "suspend", "source": rec.state, "snapshot": snap_id}
+            async with self.core.controller.transition(entry, Op.SUSPEND, op_data=op_data) as step:
+                vm = self.core.launcher.vm_of(entry, rec)
+                crash_point("suspend.before-save")
+                try:
+                    with snapshots.writing(home, snap_id) as tmp:
+                        pause = await vm.save(tmp, new_disk=None, keep_running=False)
+                    snap = SnapshotRecord(
+                        id=snap_id, kind="suspend", layer=str(rec.disk), box_id=rec.id, box_name=rec.name,
+                        created_at=time.time(),
+                        size=snapshots.dir_size(snapshots.snapshot_dir(home, snap_id)),
+                        options={"box": rec.options, "image_ref": rec.image_ref,
+                                 "image_digest": rec.image_digest, "rootfs": rec.rootfs,
+                                 "vm": vm.saved_facts()},
+                    )  # fmt: skip
+                    await self.db.insert_snapshot(snap)
+                    await self.db.update(entry.id, suspended=snap_id)  # from here on, recovery finishes it
+                except BaseException:
+                    if step.source == BoxState.RUNNING:
+                        with contextlib.suppress(Exception):
+                            await vm.resume()
+                    raise
+                crash_point("suspend.after-save")
+                step.changes = {"vm_pid": None, "stopped_at": time.time()}
+                if session.conn is not None and session.conn.open_channels == 0:
+                    session.drop()  # nothing to carry over; operations in flight reconnect on resume
+                await vm.kill(grace=1.0)
+                vm.cleanup()
+        entry.last_pause = pause
+
+    async def resume(self, entry: BoxEntry) -> None:
+        """Bring a suspended box back with its processes; this process's open commands
+        and streams carry on where they were."""
+        session = entry.session
+        async with entry.lock():
+            rec = await self.core.controller.refresh(entry)
+            if not check(Op.RESUME, rec.state, box=entry.name):
+                return
+            snap = await self.db.find_snapshot(rec.suspended or "")
+            if snap is None:
+                async with self.core.controller.transition(entry, Op.DISCARD) as step:
+                    step.target = BoxState.CRASHED
+                    step.changes = {"reason": "its suspended state is missing", "suspended": None}
+                raise InvalidState(
+                    f"box {entry.name}: its suspended state is missing; start() boots it afresh",
+                    box=entry.name, state="crashed",
+                )  # fmt: skip
+            keep_conn = session.healthy  # its operations reconnect to the resumed VM
+            async with self.core.controller.transition(entry, Op.RESUME) as step:
+                step.on_failure = {"vm_pid": None}
+                await self.core.launcher.restore(entry, rec, snap, attach=not keep_conn)
+                step.changes = {"suspended": None, "started_at": time.time()}
+            await self.drop_saved_state(snap.id)
+        session.resumed.set()
+        self.core.controller.watch_idle(entry)
+        if keep_conn and session.conn is not None:
+            await session.conn.wait_ready()
+
+    async def drop_saved_state(self, snap_id: str) -> None:
+        await self.db.delete_snapshot(snap_id)
+        await asyncio.to_thread(snapshots.remove_files, self.core.rt.home, snap_id)
+
+    async def rollback(self, entry: BoxEntry, snap: SnapshotRecord) -> None:
+        """Take the box back to one of its snapshots: memory, processes and disk. Same
+        id and name; commands running now end (with ConnectionLost)."""
+        if snap.box_id != entry.id:
+            raise InvalidArgument(
+                f"snapshot {snap.name or snap.id} is of box {snap.box_name}; a box rolls back to its own "
+                "snapshots (snapshot.start() makes a new box from any)"
+            )
+        rt = self.core.rt
+        async with entry.lock():
+            rec = await self.core.controller.refresh(entry)
+            check(Op.ROLLBACK, rec.state, box=entry.name)
+            top = await asyncio.to_thread(layers.new_layer, rt.home, Path(snap.layer))
+            try:
+                op_data = {"kind": "rollback", "disk": str(top)}
+                async with self.core.controller.transition(entry, Op.ROLLBACK, op_data=op_data) as step:
+                    step.failure_reason = "rollback failed, the disk is as it was before"
+                    step.on_failure = {"vm_pid": None}
+                    entry.session.drop()  # first: its end must not look like a crash to reconnect from
+                    if rt.engine(rec.engine).alive(rec.vm, rec.id):
+                        old = self.core.launcher.vm_of(entry, rec)
+                        await old.kill(grace=0.5)
+                        old.cleanup()
+                    await self.core.launcher.restore(entry, rec, snap, attach=True, disk=top)
+                    step.changes = {"disk": str(top), "started_at": time.time(), "suspended": None}
+            except BaseException:
+                await asyncio.to_thread(self._gc, [top])
+                raise
+            if rec.suspended:
+                await self.drop_saved_state(rec.suspended)
+            if rec.disk:
+                await asyncio.to_thread(self._gc, [Path(rec.disk)])
+        self.core.controller.watch_idle(entry)
+
+    def _gc(self, also: list[Path]) -> None:
+        store = self.core.rt.store
+        layers.gc(self.core.rt.home, store.list(), store.snapshots(), also=also)
+
+    # -- starting boxes from saved states ---------------------------------------------------
+
+    async def fork(self, entry: BoxEntry, n: int = 1, *, name: str | None = None) -> list[BoxEntry]:
+        """``n`` running copies of the box, from a snapshot taken now (removed with its last child)."""
+        count(n)
+        async with entry.lock():
+            await self.core.controller.refresh(entry)
+            snap = await self.capture(entry, "snapshot", auto=True)
+        return await self.start_boxes(snap, n, name=name or entry.name, as_prefix=True)
+
+    async def start_boxes(
+        self, snap: SnapshotRecord, n: int = 1, *, name: str | None = None, as_prefix: bool = False,
+        **options: Any,
+    ) -> list[BoxEntry]:  # fmt: skip
+        """Start ``n`` boxes from a saved state, all or none. They share unchanged memory
+        copy-on-write and each has its own disk layer, hostname, machine-id, RNG state
+        and wall clock. ``name``: the box's name if ``n`` is 1, else the prefix of their names."""
+        count(n)
+        found = await self.db.find_snapshot(snap.id)
+        if found is None:
+            raise SnapshotNotFound(f"snapshot {snap.id} was removed")
+        if n > 1:  # one load of the whole stream, then copy-on-write for everyone
+            await self.share(found)
+        prefix = name or found.box_name or "box"
+        exact = name is not None and n == 1 and not as_prefix
+        requests = [
+            BoxRequest.build(template=found, name=name if exact else f"{prefix}-{os.urandom(3).hex()}",
+                             keep=True, **options)
+            for _ in range(n)
+        ]  # fmt: skip
+        made: list[BoxEntry] = []
+
+        async def one(req: BoxRequest) -> None:
+            crash_point("fork.child-start")
+            child = await self.core.controller.create(req, ephemeral=True)  # until all are up
+            made.append(child)
+            await self.core.controller.start(child)
+
+        results = await asyncio.gather(*(one(r) for r in requests), return_exceptions=True)
+        failed = [r for r in results if isinstance(r, BaseException)]
+        if failed:
+            await asyncio.gather(
+                *(self.core.controller.remove(c, force=True) for c in made), return_exceptions=True
+            )
+            raise failed[0]
+        for child in made:
+            rec = await self.db.update(child.id, ephemeral=False)
+            if rec is not None:
+                child.update(rec)
+        by_name = {r.id: i for i, r in enumerate(requests)}
+        return sorted(made, key=lambda c: by_name[c.id])
+
+    async def share(self, snap: SnapshotRecord) -> None:
+        """Give a saved state the copy-on-write form forks, templates and exports use."""
+        rt = self.core.rt
+        state = SavedState(snapshots.snapshot_dir(rt.home, snap.id), snap.facts)
+        engine = rt.engine(snap.facts.get("engine", "qemu"))
+        if engine.memory_shared(state.directory):
+            return
+        await engine.share_memory(state, Path(snap.layer))
+        await self.db.update_snapshot(snap.id, size=snapshots.dir_size(state.directory))
+
+    # -- templates -------------------------------------------------------------------------
+
+    async def template_key(self, entry: BoxEntry, image_digest: str) -> str:
+        """What an automatic template must share with a box to stand in for its boot."""
+        spec = entry.spec
+        request = BootRequest(accel=spec.accel, kernel=spec.kernel)
+        boot = await asyncio.to_thread(self.core.rt.engine(spec.engine).prepare, request)
+        key: list[Any] = [image_digest, spec.memory_mib, spec.cpus, spec.disk_size_gb, *boot.identity]
+        if spec.engine != "qemu":
+            key.append(spec.engine)
+        if spec.policy.has_nic:  # a network card is part of the saved device state
+            key.append("nic")
+        if spec.policy.proxied:  # so is the guest's resolver, chosen at boot (the relay)
+            key.append("dns-relay")
+        return hashlib.sha256(json.dumps(key).encode()).hexdigest()[:32]
+
+    async def auto_template(self, entry: BoxEntry, image_digest: str) -> SnapshotRecord | None:
+        """The image's automatic template for a box like this one, if one was saved."""
+        key = await self.template_key(entry, image_digest)
+        for snap in await self.db.snapshots(kind="template"):
+            if snap.template_key == key and snap.name is None:
+                found: SnapshotRecord = snap
+                return found
+        return None
+
+    async def save_auto_template(self, entry: BoxEntry) -> None:
+        """Right after an image's first boot (the box's lock held): later boxes of the
+        image restore this state instead of booting. A box that booted is never failed
+        for its template."""
+        rec = entry.record
+        try:
+            if rec.image_digest and await self.auto_template(entry, rec.image_digest) is None:
+                key = await self.template_key(entry, rec.image_digest)
+                await self.capture(entry, "template", template_key=key)
+        except Exception as exc:
+            log.warning("could not make a template of %s: %s", entry.spec.image, exc)
+        entry.spec.auto_template = False
+        done = await self.db.update(entry.id, options=entry.spec.to_options())
+        if done is not None:
+            entry.update(done)
+
+    async def make_template(self, entry: BoxEntry, name: str | None) -> SnapshotRecord:
+        """Save a set-up box as a template, in the form many boxes start from."""
+        async with entry.lock():
+            await self.core.controller.refresh(entry)
+            snap = await self.capture(entry, "template", name=name)
+        await self.share(snap)
+        return await self.db.find_snapshot(snap.id) or snap
+
+    # -- snapshots as things ----------------------------------------------------------------
+
+    async def find_snapshot(
+        self, key: str, *, box_id: str | None = None, kinds: tuple[str, ...] = ("snapshot", "template")
+    ) -> SnapshotRecord:
+        rec = await self.db.get_snapshot(key, box_id=box_id)
+        if rec.kind not in kinds:
+            raise InvalidArgument(f"{key!r} is a {rec.kind}, not a {' or '.join(kinds)}")
+        found: SnapshotRecord = rec
+        return found
+
+    async def list_snapshots(
+        self, *, box: str | None = None, kind: str | None = None
+    ) -> list[SnapshotRecord]:
+        """Snapshots and templates, oldest first (``box``: of that box)."""
+        await asyncio.to_thread(snapshots.reclaim_abandoned, self.core.rt.home, self.core.rt.store)
+        box_id = (await self.db.get(box)).id if box else None
+        recs = await self.db.snapshots(box_id=box_id, kind=kind)
+        return [r for r in recs if r.kind != "suspend"]
+
+    async def children(self, snap: SnapshotRecord) -> list[str]:
+        return [b.name for b in await self.db.children(snap.id)]
+
+    async def remove_snapshot(self, snap: SnapshotRecord) -> None:
+        """Delete a snapshot; refused (SnapshotInUse) while boxes started from it exist."""
+        kids = await self.db.children(snap.id)
+        if kids:
+            names = ", ".join(b.name for b in kids[:5]) + (" ..." if len(kids) > 5 else "")
+            raise SnapshotInUse(
+                f"snapshot {snap.name or snap.id} has {len(kids)} box(es) started from it: {names}"
+            )
+        await self.db.delete_snapshot(snap.id)
+        await asyncio.to_thread(snapshots.remove_files, self.core.rt.home, snap.id)
+        store = self.core.rt.store
+        await asyncio.to_thread(lambda: layers.gc(self.core.rt.home, store.list(), store.snapshots()))
+
+    async def prune_snapshots(self, *, templates: bool = False) -> list[SnapshotRecord]:
+        """Remove the snapshots no box needs: those of boxes that are gone (imported ones
+        too) from which no box was started; with ``templates``, named templates no box
+        was started from as well. Removing a box keeps its snapshots; this is how they go."""
+        rt = self.core.rt
+
+        def prune() -> list[SnapshotRecord]:
+            store = rt.store
+            boxes = {b.id for b in store.list()}
+            gone = []
+            for s in store.snapshots():
+                keep = (
+                    s.kind == "suspend"
+                    or (s.kind == "template" and not templates)
+                    or (s.kind == "snapshot" and s.box_id in boxes)
+                    or store.children(s.id)
+                )
+                if not keep:
+                    store.delete_snapshot(s.id)
+                    snapshots.remove_files(rt.home, s.id)
+                    gone.append(s)
+            layers.gc(rt.home, store.list(), store.snapshots())
+            return gone
+
+        return await asyncio.to_thread(prune)
+
+    async def export(self, snap: SnapshotRecord, path: Path) -> Path:
+        """Write a snapshot to one file another host imports; readers never see a partial file."""
+        found = await self.db.find_snapshot(snap.id)
+        if found is None:
+            raise SnapshotNotFound(f"snapshot {snap.id} was removed")
+        await self.share(found)
+        found = await self.db.find_snapshot(snap.id) or found
+        engine = self.core.rt.engine(found.facts.get("engine", "qemu"))
+        return await asyncio.to_thread(archive.export_snapshot, self.core.rt.home, engine, found, path)
+
+    async def import_snapshot(self, path: Path) -> SnapshotRecord:
+        """Verify an exported snapshot (integrity, compatibility with this host) and add it."""
+        rt = self.core.rt
+
+        def verify_and_add() -> SnapshotRecord:
+            engine = rt.engine("qemu")
+            boot = engine.prepare(BootRequest())
+            return archive.import_snapshot(rt.home, rt.store, engine, boot, path)
+
+        return await asyncio.to_thread(verify_and_add)

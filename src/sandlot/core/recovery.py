@@ -1,0 +1,217 @@
+"""Recovery: make a box's row agree with its processes after crashes.
+
+There is no daemon: whoever reads a box next finishes or undoes what a dead
+process left half done. What to do is a table over three facts:
+
+* the recorded state,
+* whether the process that recorded it (the *owner* of an operation in
+  progress) still lives,
+* what the VM process is doing (``VMStatus``, asked of the engine).
+
+``TABLE`` lists the rows, first match wins; ``decide`` looks a case up and
+``Recovery.apply`` carries the action out. Each row has a unit test (with the
+fake engine), and the rows read as the rules they are.
+
+Everything here blocks (it may ask QEMU over QMP); async code runs it in a
+worker thread.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from .. import pids
+from ..engine.base import VMStatus
+from . import snapshots
+from .runtime import Runtime
+from .state import BoxState
+from .store import BoxRecord
+
+S, V = BoxState, VMStatus
+ALIVE = frozenset({V.RUNNING, V.PAUSED, V.LOADING, V.SAVING, V.UNKNOWN})
+GONE = frozenset({V.GONE})
+ANY_VM = ALIVE | GONE
+
+
+class Action(enum.StrEnum):
+    KEEP = "keep"  # the row is right
+    DISCARD = "discard"  # end the VM and delete the box: it never fully existed, or was on its way out
+    RUN = "run"  # the VM runs: the row says running
+    CRASH = "crash"  # the VM is gone (or never ran): crashed, with the reason
+    STOP = "stop"  # end the VM: stopped
+    SUSPEND = "suspend"  # the state was saved: end the VM, suspended
+    UNSAVE = "unsave"  # a save was cut short: cancel it, let the guest run, back where it was
+    ROLLED = "rolled"  # a rollback's guest runs: running on the new disk
+    UNROLL = "unroll"  # a rollback never ran: end the VM, stopped on the old disk
+    RESUMED = "resumed"  # a resume's guest runs: running, its saved state dropped
+    UNRESUME = "unresume"  # a resume never ran: end the VM, suspended as before
+    END_VM = "end-vm"  # a VM that should not exist (a suspended box's): end it, keep the row
+
+
+@dataclass(frozen=True, slots=True)
+class Rule:
+    states: frozenset[BoxState] | None  # None: any
+    owner_alive: bool | None  # None: either
+    vm: frozenset[VMStatus]
+    action: Action
+    reason: str = ""
+    when: Callable[[BoxRecord], bool] | None = None
+    doc: str = ""
+
+
+def _ephemeral(rec: BoxRecord) -> bool:
+    return rec.ephemeral
+
+
+def _suspend_saved(rec: BoxRecord) -> bool:
+    return rec.suspended is not None
+
+
+def _has_new_disk(rec: BoxRecord) -> bool:
+    return bool(rec.op and rec.op.get("disk"))
+
+
+def _states(*states: BoxState) -> frozenset[BoxState]:
+    return frozenset(states)
+
+
+TABLE: tuple[Rule, ...] = (
+    Rule(None, False, ANY_VM, Action.DISCARD, when=_ephemeral,
+         doc="a `with` block whose process died: the box goes with it"),
+    Rule(_states(S.CREATING, S.REMOVING), True, ANY_VM, Action.KEEP, doc="being made or removed"),
+    Rule(_states(S.CREATING, S.REMOVING), False, ANY_VM, Action.DISCARD,
+         doc="its maker or remover died: finish removing it"),
+    Rule(_states(S.STARTING), False, frozenset({V.RUNNING, V.UNKNOWN}), Action.RUN,
+         doc="the starter died; the guest runs on alone"),
+    Rule(_states(S.STARTING), False, frozenset({V.PAUSED, V.LOADING, V.SAVING}), Action.CRASH,
+         "the process starting it died before its guest ran", doc="a restore that was never let run"),
+    Rule(_states(S.STARTING), False, GONE, Action.CRASH, "the process starting it died, and the VM with it"),
+    Rule(_states(S.STOPPING), False, ANY_VM, Action.STOP, doc="the stopper died: the VM is made to follow"),
+    Rule(_states(S.SUSPENDING), False, ANY_VM, Action.SUSPEND, when=_suspend_saved,
+         doc="the state was saved and recorded; only ending the VM was left"),
+    Rule(_states(S.SNAPSHOTTING, S.SUSPENDING), False, ALIVE, Action.UNSAVE,
+         doc="a save cut short: the VM goes on as it was"),
+    Rule(_states(S.SNAPSHOTTING, S.SUSPENDING), False, GONE, Action.CRASH,
+         "the VM exited while saving its state"),
+    Rule(_states(S.RESUMING), False, frozenset({V.RUNNING}), Action.RESUMED, doc="the guest came back"),
+    Rule(_states(S.RESUMING), False, ANY_VM, Action.UNRESUME,
+         doc="the guest never ran: the saved state still matches the disk"),
+    Rule(_states(S.RESTORING), False, frozenset({V.RUNNING}), Action.ROLLED, when=_has_new_disk,
+         doc="the rolled-back guest runs"),
+    Rule(_states(S.RESTORING), False, ANY_VM, Action.UNROLL,
+         "a rollback was interrupted; the disk is as it was before it"),
+    Rule(_states(S.SUSPENDED), None, ALIVE, Action.END_VM,
+         doc="the state was saved; the VM was about to be ended"),
+    Rule(_states(S.RUNNING, S.PAUSED), None, GONE, Action.CRASH,
+         "the VM process exited unexpectedly (killed, or the host restarted)"),
+    Rule(None, None, ANY_VM, Action.KEEP, doc="everything else is as recorded"),
+)  # fmt: skip
+
+
+def decide(rec: BoxRecord, owner_alive: bool, vm: VMStatus) -> Rule:
+    """The first rule matching (recorded state, owner alive, VM status)."""
+    state = BoxState(rec.state)
+    for rule in TABLE:
+        if rule.states is not None and state not in rule.states:
+            continue
+        if rule.owner_alive is not None and rule.owner_alive != owner_alive:
+            continue
+        if vm not in rule.vm:
+            continue
+        if rule.when is not None and not rule.when(rec):
+            continue
+        return rule
+    raise AssertionError("the last rule matches everything")
+
+
+# the states whose rows need the VM's exact status, not only whether it lives
+_PROBED = _states(S.STARTING, S.SNAPSHOTTING, S.SUSPENDING, S.RESUMING, S.RESTORING)
+
+
+class Recovery:
+    def __init__(self, runtime: Runtime) -> None:
+        self.rt = runtime
+
+    def facts(self, rec: BoxRecord) -> tuple[bool, VMStatus]:
+        """(owner alive, VM status) of a row; asks the VM only where the table needs it."""
+        owner_alive = pids.alive(rec.owner_pid, rec.owner_start)
+        engine = self.rt.engine(rec.engine)
+        if not engine.alive(rec.vm, rec.id):
+            return owner_alive, V.GONE
+        if BoxState(rec.state) in _PROBED and not owner_alive:
+            where = self.rt.placement(rec, rec.name)
+            return owner_alive, engine.probe(rec.vm, where)
+        return owner_alive, V.UNKNOWN
+
+    def needed(self, rec: BoxRecord) -> bool:
+        """Cheap (no QMP): whether ``apply`` could change anything."""
+        state = BoxState(rec.state)
+        if state in (S.CREATED, S.STOPPED, S.CRASHED) and not rec.ephemeral:
+            return False
+        owner_alive = pids.alive(rec.owner_pid, rec.owner_start)
+        if state.transient or rec.ephemeral:
+            return not owner_alive
+        alive = self.rt.engine(rec.engine).alive(rec.vm, rec.id)
+        return (state == S.SUSPENDED and alive) or (state in (S.RUNNING, S.PAUSED) and not alive)
+
+    def apply(self, rec: BoxRecord) -> BoxRecord | None:
+        """Carry out what the table says for ``rec``; the row after it, or None if the box is gone."""
+        if not self.needed(rec):
+            return rec
+        owner_alive, vm = self.facts(rec)
+        rule = decide(rec, owner_alive, vm)
+        return self.carry_out(rec, rule)
+
+    def carry_out(self, rec: BoxRecord, rule: Rule) -> BoxRecord | None:
+        store, engine = self.rt.store, self.rt.engine(rec.engine)
+        a = rule.action
+        expect = (rec.state,)
+
+        def update(**changes: Any) -> BoxRecord | None:
+            return store.update(rec.id, expect=expect, **changes) or store.find(rec.id)
+
+        if a is Action.KEEP:
+            return rec
+        if a is Action.DISCARD:
+            engine.kill_now(rec.vm, rec.id)
+            self.rt.discard_box(rec)
+            return None
+        if a is Action.RUN:
+            return update(state=S.RUNNING)
+        if a is Action.END_VM:
+            engine.kill_now(rec.vm, rec.id)
+            return rec
+        if a is Action.UNSAVE:
+            assert rec.vm is not None
+            source = BoxState((rec.op or {}).get("source") or S.RUNNING)
+            engine.abort_save(rec.vm, self.rt.placement(rec, rec.name), resume=source == S.RUNNING)
+            self._drop_pending_snapshot(rec)
+            return update(state=source, op=None)
+        if a is Action.ROLLED:
+            assert rec.op is not None
+            return update(state=S.RUNNING, disk=rec.op["disk"], op=None)
+        if a is Action.RESUMED:
+            return update(state=S.RUNNING, suspended=None, op=None)
+        engine.kill_now(rec.vm, rec.id)
+        if a is Action.CRASH:
+            return update(state=S.CRASHED, vm_pid=None, reason=rule.reason, op=None)
+        if a is Action.STOP:
+            return update(state=S.STOPPED, vm_pid=None, stopped_at=time.time(), op=None)
+        if a is Action.SUSPEND:
+            return update(state=S.SUSPENDED, vm_pid=None, op=None)
+        if a is Action.UNRESUME:
+            return update(state=S.SUSPENDED, vm_pid=None, op=None)
+        if a is Action.UNROLL:
+            return update(state=S.STOPPED, vm_pid=None, op=None, reason=rule.reason)
+        raise AssertionError(f"unhandled recovery action {a}")
+
+    def _drop_pending_snapshot(self, rec: BoxRecord) -> None:
+        """A save cut short leaves no snapshot behind (its directory is a temporary one,
+        swept later; its row was never written)."""
+        snap_id = (rec.op or {}).get("snapshot")
+        if snap_id and self.rt.store.find_snapshot(snap_id) is None:
+            snapshots.remove_files(self.rt.home, snap_id)

@@ -1,0 +1,170 @@
+"""A box to create, as a user described it: validated when it is described, made
+into a ``BoxSpec`` when it is created (a box started from a saved state takes
+that state's shape, environment and network where the user did not say)."""
+
+from __future__ import annotations
+
+import os
+import secrets as random_ids
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..errors import InvalidArgument
+from ..images.store import Image
+from ..net.secrets import Secret
+from .spec import DEFAULT_DISK_GB, DEFAULT_MEMORY_MIB, BoxSpec, PortSpec, VolumeSpec
+from .store import SnapshotRecord
+
+PULL_POLICIES = ("missing", "always", "never")
+
+
+@dataclass
+class BoxRequest:
+    """Everything ``AsyncBox(...)`` was given. ``template``: a snapshot or template
+    to start from (an id, name or row), False for none (not even the image's
+    automatic template), None for the automatic template if there is one."""
+
+    image_ref: str | None
+    image: Image | None
+    options: dict[str, Any]
+    secrets: list[Secret]
+    template: str | SnapshotRecord | bool | None
+    pull: str = "missing"
+    pull_options: dict[str, Any] = field(default_factory=dict)
+    keep: bool = False
+    id: str = field(default_factory=lambda: random_ids.token_hex(6))
+    name: str = ""
+
+    @classmethod
+    def build(
+        cls,
+        image: str | Image | None = None,
+        *,
+        rootfs: str | os.PathLike[str] | None = None,
+        name: str | None = None,
+        env: Mapping[str, str] | None = None,
+        workdir: str | None = None,
+        user: str | None = None,
+        volumes: Sequence[VolumeSpec] | Mapping[str, str] | None = None,
+        labels: Mapping[str, str] | None = None,
+        memory_mib: int = DEFAULT_MEMORY_MIB,
+        cpus: int = 1,
+        disk_size_gb: int = DEFAULT_DISK_GB,
+        auto_remove: bool = False,
+        keep: bool = False,
+        pull: str = "missing",
+        insecure: bool = False,
+        ca_cert: str | os.PathLike[str] | None = None,
+        credentials: tuple[str, str] | None = None,
+        engine: str = "qemu",
+        accel: str = "auto",
+        kernel: str | os.PathLike[str] | None = None,
+        hostname: str | None = None,
+        boot_timeout: float | None = None,
+        request_timeout: float = 30.0,
+        idle_timeout: float | None = None,
+        network: str | bool | None = None,
+        allow: Sequence[str] | str | None = None,
+        ports: Sequence[PortSpec] | None = None,
+        pids_limit: int | None = None,
+        secrets: Sequence[Secret] | None = None,
+        template: str | SnapshotRecord | bool | None = None,
+    ) -> BoxRequest:
+        if pull not in PULL_POLICIES:
+            raise InvalidArgument(f"pull must be 'missing', 'always' or 'never', not {pull!r}")
+        if template is True:
+            raise InvalidArgument("template= takes a template or snapshot (or its name), or False")
+        options = {
+            "rootfs": rootfs, "name": name, "env": env, "workdir": workdir, "user": user, "volumes": volumes,
+            "labels": labels, "memory_mib": memory_mib, "cpus": cpus, "disk_size_gb": disk_size_gb,
+            "auto_remove": auto_remove, "engine": engine, "accel": accel, "kernel": kernel,
+            "hostname": hostname,
+            "boot_timeout": boot_timeout, "request_timeout": request_timeout, "idle_timeout": idle_timeout,
+            "network": network, "allow": allow, "ports": ports, "pids_limit": pids_limit, "secrets": secrets,
+        }  # fmt: skip
+        req = cls(
+            image_ref=image.digest if isinstance(image, Image) else image,
+            image=image if isinstance(image, Image) else None,
+            options=options,
+            secrets=list(secrets or []),
+            template=template,
+            pull=pull,
+            pull_options={
+                "insecure": insecure,
+                "ca_cert": Path(ca_cert) if ca_cert else None,
+                "credentials": credentials,
+            },
+            keep=keep,
+        )
+        # every argument is checked now, before anything is made (against the saved state,
+        # if it is given as an object; one given by name is looked up when the box is made)
+        spec = req.spec_for(template if isinstance(template, SnapshotRecord) else None)
+        req.name = spec.name or f"box-{req.id[:6]}"
+        return req
+
+    @property
+    def saved(self) -> bool:
+        return self.template is not None and self.template is not False
+
+    def spec_for(self, snap: SnapshotRecord | None) -> BoxSpec:
+        """The box's spec; from saved state ``snap``, its shape and (unless given anew)
+        the environment, working directory, user and network policy it was saved with."""
+        o = dict(self.options)
+        image_ref = self.image_ref
+        if snap is None and self.saved and o["network"] is None and o["allow"] is None:
+            o["network"] = "allowlist"  # unknown until the saved state is looked up: the lenient one
+        if snap is not None:
+            saved_box, facts = snap.options.get("box", {}), snap.facts
+            if image_ref is None and o["rootfs"] is None:
+                image_ref, o["rootfs"] = snap.options.get("image_ref"), snap.options.get("rootfs")
+            # its shape, unless asked for another (which check_fits refuses)
+            if o["memory_mib"] == DEFAULT_MEMORY_MIB:
+                o["memory_mib"] = facts["memory_mib"]
+            if o["cpus"] == 1:
+                o["cpus"] = facts["cpus"]
+            if o["disk_size_gb"] == DEFAULT_DISK_GB:
+                o["disk_size_gb"] = saved_box.get("disk_size_gb", DEFAULT_DISK_GB)
+            if o["pids_limit"] is None:
+                o["pids_limit"] = saved_box.get("pids_limit")
+            if o["engine"] == "qemu":
+                o["engine"] = facts.get("engine", "qemu")
+            # what its commands ran with, unless given anew: a fork is the same box
+            for key in ("env", "workdir", "user"):
+                if o[key] is None:
+                    o[key] = saved_box.get(key)
+            if o["network"] is None and o["allow"] is None:  # its network policy too (its ports stay its own)
+                o["network"] = saved_box.get("network", "none")
+                o["allow"] = saved_box.get("allow") or None
+        spec = BoxSpec.build(
+            image_ref,
+            saved_secrets=(snap.options.get("box", {}).get("secrets", []) if snap else ()),
+            saved=self.saved,
+            **o,
+        )
+        if snap is not None:
+            check_fits(snap, spec)
+            spec.image_config = snap.options.get("box", {}).get("image_config")
+        return spec
+
+
+def check_fits(snap: SnapshotRecord, spec: BoxSpec) -> None:
+    """A box started from a saved state has the shape of that state."""
+    facts = snap.facts
+    label = snap.name or snap.id
+    if spec.memory_mib != facts["memory_mib"] or spec.cpus != facts["cpus"]:
+        raise InvalidArgument(
+            f"snapshot {label} is of a box with {facts['memory_mib']} MiB and {facts['cpus']} CPU(s); "
+            f"a box started from it cannot have {spec.memory_mib} MiB and {spec.cpus}"
+        )
+    if spec.volumes:
+        raise InvalidArgument("a box started from a snapshot cannot have volumes (their state is not saved)")
+    saved_nic = bool(facts.get("network"))
+    if spec.policy.has_nic != saved_nic:
+        had = "a network card" if saved_nic else "no network card"
+        hint = " (any other mode; 'allowlist' with no entries lets nothing out)" if saved_nic else ""
+        raise InvalidArgument(
+            f"snapshot {label} is of a box with {had}; a box started from it cannot have "
+            f"network={spec.network!r}{hint}"
+        )

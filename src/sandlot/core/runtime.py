@@ -1,0 +1,161 @@
+"""The runtime: one ``$SANDLOT_HOME`` and what every box there shares.
+
+It owns the layout of the home, the state store, the image manager and the
+engines, and the few blocking helpers recovery needs (removing a box's files,
+sweeping a crash's leftovers). Nothing here is per box, and nothing here runs
+on an event loop: async code reaches the store through ``Runtime.db``.
+
+>>> import sandlot
+>>> rt = sandlot.Runtime()            # $SANDLOT_HOME or ~/.local/share/sandlot
+>>> rt.home.name
+'sandlot'
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from ..config import default_home, runtime_dir
+from ..engine import engine_for, names
+from ..engine.base import Boot, BootRequest, Engine, Placement
+from ..errors import HostSetupError
+from ..images.manager import ImageManager
+from . import layers, snapshots
+from .store import AsyncStore, BoxRecord, BoxStore
+
+AGENT_PORTS = 8  # agent connections a box takes at once (one per process; see core.sessions)
+
+
+class Runtime:
+    """Shared state of one sandlot home. Cheap to create; work happens on first use."""
+
+    _instances: dict[Path, Runtime] = {}
+    _instances_lock = threading.Lock()
+
+    def __init__(self, home: str | os.PathLike[str] | None = None) -> None:
+        self.home = Path(home).expanduser().absolute() if home else default_home()
+        self._lock = threading.Lock()
+        self._store: BoxStore | None = None
+        self._db: AsyncStore | None = None
+        self.images = ImageManager(self.home)
+        self._engines: dict[str, Engine] = {}
+
+    @classmethod
+    def for_home(cls, home: str | os.PathLike[str] | None = None) -> Runtime:
+        """The shared runtime of a home (one per process)."""
+        key = Path(home).expanduser().absolute() if home else default_home()
+        with cls._instances_lock:
+            rt = cls._instances.get(key)
+            if rt is None:
+                rt = cls._instances[key] = cls(key)
+            return rt
+
+    # -- layout -----------------------------------------------------------------------------
+
+    @property
+    def boxes_dir(self) -> Path:
+        return self.home / "boxes"
+
+    @property
+    def bases_dir(self) -> Path:
+        return self.home / "bases"
+
+    def box_dir(self, box_id: str) -> Path:
+        return self.boxes_dir / box_id
+
+    def run_dir(self, box_id: str) -> Path:
+        return runtime_dir() / box_id
+
+    def placement(self, rec: BoxRecord, hostname: str, agent_ports: int = AGENT_PORTS) -> Placement:
+        return Placement(rec.id, hostname, self.box_dir(rec.id), self.run_dir(rec.id), agent_ports)
+
+    # -- the store and the engines ----------------------------------------------------------
+
+    @property
+    def store(self) -> BoxStore:
+        """The box registry (``sandlot.db``), opened on first use (sweeping a crash's leftovers)."""
+        with self._lock:
+            if self._store is not None:
+                return self._store
+            store = BoxStore(self.home / "sandlot.db")
+            self._sweep_orphan_dirs(store)
+            with contextlib.suppress(OSError):
+                snapshots.sweep(self.home, store)
+            self._store = store
+            return store
+
+    @property
+    def db(self) -> AsyncStore:
+        """The store for async code (each call on the store's own thread)."""
+        store = self.store
+        with self._lock:
+            if self._db is None:
+                self._db = AsyncStore(store)
+            return self._db
+
+    def engine(self, name: str = "qemu") -> Engine:
+        with self._lock:
+            engine = self._engines.get(name)
+            if engine is None:
+                engine = self._engines[name] = engine_for(name, self.home)
+            return engine
+
+    def prepare(self, request: BootRequest | None = None, *, engine: str = "qemu") -> Boot:
+        """Resolve what a boot needs (kernel, agent, initramfs, accelerator), fetching
+        or building it on first use. Blocking; worth calling once before timing boots."""
+        return self.engine(engine).prepare(request or BootRequest())
+
+    # -- what recovery and removal share ------------------------------------------------
+
+    def discard_box(self, rec: BoxRecord) -> None:
+        """Delete a box's files, then its row (a crash in between is swept), then the
+        disk layers and saved states only it used. Its VM must be gone."""
+        store = self.store
+        shutil.rmtree(self.box_dir(rec.id), ignore_errors=True)
+        with contextlib.suppress(HostSetupError):
+            shutil.rmtree(self.run_dir(rec.id), ignore_errors=True)
+        store.delete(rec.id)
+        if rec.suspended:
+            store.delete_snapshot(rec.suspended)
+            snapshots.remove_files(self.home, rec.suspended)
+        if rec.origin:  # a fork's own snapshot goes with the last of its children
+            origin = store.find_snapshot(rec.origin)
+            if origin is not None and origin.options.get("auto") and not store.children(origin.id):
+                store.delete_snapshot(origin.id)
+                snapshots.remove_files(self.home, origin.id)
+        mine = [Path(rec.disk)] if rec.disk else []
+        if rec.op and rec.op.get("disk"):
+            mine.append(Path(rec.op["disk"]))
+        layers.gc(self.home, store.list(), store.snapshots(), also=mine)
+
+    def _sweep_orphan_dirs(self, store: BoxStore) -> None:
+        """Box directories without a row are leftovers (rows are written first and
+        deleted last), once they are a minute old."""
+        if not self.boxes_dir.is_dir():
+            return
+        known = {rec.id for rec in store.list()}
+        now = time.time()
+        for d in self.boxes_dir.iterdir():
+            with contextlib.suppress(OSError):
+                if d.is_dir() and d.name not in known and now - d.stat().st_mtime > 60:
+                    shutil.rmtree(d, ignore_errors=True)
+                    shutil.rmtree(runtime_dir() / d.name, ignore_errors=True)
+
+    # -- facts ------------------------------------------------------------------------------
+
+    def doctor(self) -> dict[str, Any]:
+        """Facts about this host for ``sandlot doctor``; never raises for a missing part."""
+        report: dict[str, Any] = {"home": str(self.home)}
+        report.update(self.engine("qemu").doctor())
+        report["engines"] = list(names())
+        self.home.mkdir(parents=True, exist_ok=True)
+        usage = shutil.disk_usage(self.home)
+        report["disk_free_gib"] = round(usage.free / (1 << 30), 1)
+        report["runtime_dir"] = str(runtime_dir())
+        return report

@@ -1,0 +1,355 @@
+"""What a box is made of: its options, validated once, persisted with its record."""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .. import engine as engines
+from ..errors import InvalidArgument
+from ..images.reference import Reference
+from ..net.addresses import DNS_PORT, PROXY_PORT, proxy_env
+from ..net.policy import Policy, Rule, parse_ip
+from ..net.secrets import DEFAULT_PORT, Secret, host_rule, new_placeholder, trust_env
+from .store import validate_name
+from .validate import check_env, check_user, guest_path, positive
+
+DEFAULT_MEMORY_MIB = 512
+DEFAULT_DISK_GB = 8
+_HOSTNAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9.-]{0,62}$")
+_LABEL_KEY = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_./-]{0,127}$")
+
+VolumeSpec = str | tuple[str, str] | tuple[str, str, str] | tuple[str, str, bool]
+
+
+@dataclass(frozen=True, slots=True)
+class Volume:
+    """A host directory shared into the box (virtio-9p)."""
+
+    host: str
+    guest: str
+    readonly: bool = False
+
+    @classmethod
+    def parse(cls, spec: Any) -> Volume:
+        """``"HOST:GUEST[:ro|rw]"``, ``(host, guest)``, ``(host, guest, "ro")`` or a Volume."""
+        if isinstance(spec, Volume):
+            v = spec
+        elif isinstance(spec, str):
+            parts = spec.split(":")
+            if len(parts) not in (2, 3) or (len(parts) == 3 and parts[2] not in ("ro", "rw")):
+                raise InvalidArgument(f"volume {spec!r} is not HOST:GUEST[:ro]")
+            v = cls(parts[0], parts[1], len(parts) == 3 and parts[2] == "ro")
+        elif isinstance(spec, tuple) and len(spec) in (2, 3):
+            ro = spec[2] if len(spec) == 3 else False
+            if isinstance(ro, str):
+                if ro not in ("ro", "rw"):
+                    raise InvalidArgument(f"volume mode must be 'ro' or 'rw', not {ro!r}")
+                ro = ro == "ro"
+            v = cls(str(spec[0]), str(spec[1]), bool(ro))
+        else:
+            raise InvalidArgument(f"invalid volume {spec!r}")
+        host = Path(v.host).expanduser()
+        if not host.is_dir():
+            raise InvalidArgument(f"volume source {v.host!r} is not an existing directory")
+        guest = guest_path(v.guest)
+        if guest == "/" or guest.rstrip("/") in ("/proc", "/sys", "/dev"):
+            raise InvalidArgument(f"a volume cannot be mounted on {guest}")
+        return cls(str(host.resolve()), guest, v.readonly)
+
+
+PortSpec = int | str | tuple[int, int] | tuple[str, int, int]
+
+
+@dataclass(frozen=True, slots=True)
+class Port:
+    """A guest TCP port published on the host: ``address:host`` -> the box's ``guest``.
+    ``host`` 0 takes any free port (``inspect()["network"]["ports"]`` says which)."""
+
+    guest: int
+    host: int = 0
+    address: str = "127.0.0.1"
+
+    @classmethod
+    def parse(cls, spec: Any) -> Port:
+        """``80`` (any host port), ``"8080:80"``, ``"0.0.0.0:8080:80"``, ``(8080, 80)``,
+        ``("0.0.0.0", 8080, 80)`` or a Port. Bound to 127.0.0.1 unless an address is given."""
+        if isinstance(spec, Port):
+            p = spec
+        elif isinstance(spec, int) and not isinstance(spec, bool):
+            p = cls(guest=spec)
+        elif isinstance(spec, str):
+            parts = spec.rsplit(":", 2)
+            if not all(x.isdigit() for x in parts[-2:] if x) or not parts[-1]:
+                raise InvalidArgument(f"port {spec!r} is not GUEST, HOST:GUEST or ADDRESS:HOST:GUEST")
+            if len(parts) == 1:
+                p = cls(guest=int(parts[0]))
+            elif len(parts) == 2:
+                p = cls(guest=int(parts[1]), host=int(parts[0] or 0))
+            else:
+                p = cls(guest=int(parts[2]), host=int(parts[1] or 0), address=parts[0])
+        elif isinstance(spec, tuple) and len(spec) == 2:
+            p = cls(guest=spec[1], host=spec[0] or 0)
+        elif isinstance(spec, tuple) and len(spec) == 3:
+            p = cls(guest=spec[2], host=spec[1] or 0, address=spec[0])
+        else:
+            raise InvalidArgument(f"invalid port {spec!r}")
+        for what, n, low in (("guest port", p.guest, 1), ("host port", p.host, 0)):
+            if isinstance(n, bool) or not isinstance(n, int) or not low <= n <= 65535:
+                raise InvalidArgument(f"{what} must be a number in {low}..65535, not {n!r}")
+        address = parse_ip(p.address) if isinstance(p.address, str) else None
+        if address is None:
+            raise InvalidArgument(f"a published port binds to an IP address, not {p.address!r}")
+        if address.version != 4:  # QEMU 7.2's hostfwd
+            raise InvalidArgument(f"published ports bind to IPv4 addresses here, not {p.address!r}")
+        return cls(p.guest, p.host, str(address))
+
+
+def _secret_specs(given: Sequence[Secret] | None, saved: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The secrets' records: a secret the saved state had keeps its placeholder
+    (programs running in that state hold it); a new one gets a new placeholder."""
+    if given is not None and (isinstance(given, str | Secret) or not isinstance(given, Sequence)):
+        raise InvalidArgument(f"secrets must be a list of sandlot.Secret, not {type(given).__name__}")
+    specs = {s["name"]: dict(s) for s in saved}
+    seen = set()
+    for s in given or ():
+        if not isinstance(s, Secret):
+            raise InvalidArgument(f"secrets must be sandlot.Secret objects, not {type(s).__name__}")
+        if s.name in seen:
+            raise InvalidArgument(f"two secrets are named {s.name}")
+        seen.add(s.name)
+        placeholder = specs.get(s.name, {}).get("placeholder") or new_placeholder(s.name)
+        specs[s.name] = {"name": s.name, "placeholder": placeholder, "hosts": list(s.hosts)}
+    return list(specs.values())
+
+
+@dataclass
+class BoxSpec:
+    """Everything that defines a box; persisted (minus secrets) in its record."""
+
+    image: str | None = None
+    rootfs: str | None = None
+    name: str | None = None
+    env: dict[str, str] = field(default_factory=dict)
+    workdir: str | None = None
+    user: str | None = None
+    volumes: list[Volume] = field(default_factory=list)
+    labels: dict[str, str] = field(default_factory=dict)
+    memory_mib: int = DEFAULT_MEMORY_MIB
+    cpus: int = 1
+    disk_size_gb: int = DEFAULT_DISK_GB
+    auto_remove: bool = False
+    engine: str = "qemu"
+    accel: str = "auto"
+    kernel: str | None = None
+    hostname: str | None = None
+    boot_timeout: float | None = None
+    request_timeout: float = 30.0
+    idle_timeout: float | None = None  # suspend after this many seconds without requests
+    pids_limit: int | None = None  # processes all commands together may have
+    network: str = "none"  # see sandlot.net.policy
+    allow: list[str] = field(default_factory=list)
+    ports: list[Port] = field(default_factory=list)
+    # {"name", "placeholder", "hosts"} of each secret; the values are in the box's secrets file
+    secrets: list[dict[str, Any]] = field(default_factory=list)
+    image_config: dict[str, Any] | None = None  # the image's Env/WorkingDir/User/Entrypoint/Cmd, kept
+    # its first boot is saved as the image's automatic template (for any process that starts it)
+    auto_template: bool = False
+
+    @classmethod
+    def build(
+        cls,
+        image: str | None,
+        *,
+        rootfs: str | os.PathLike[str] | None,
+        name: str | None,
+        env: Mapping[str, str] | None,
+        workdir: str | None,
+        user: str | None,
+        volumes: Sequence[VolumeSpec] | Mapping[str, str] | None,
+        labels: Mapping[str, str] | None,
+        memory_mib: int,
+        cpus: int,
+        disk_size_gb: int,
+        auto_remove: bool,
+        accel: str,
+        engine: str = "qemu",
+        kernel: str | os.PathLike[str] | None,
+        hostname: str | None,
+        boot_timeout: float | None,
+        request_timeout: float,
+        idle_timeout: float | None = None,
+        network: str | bool | None = None,
+        allow: Sequence[str] | str | None = None,
+        ports: Sequence[PortSpec] | None = None,
+        pids_limit: int | None = None,
+        secrets: Sequence[Secret] | None = None,
+        saved_secrets: Sequence[dict[str, Any]] = (),
+        saved: bool = False,
+    ) -> BoxSpec:
+        """``saved``: the box starts from a saved state, which may name neither an
+        image nor a root filesystem here (an imported snapshot). ``saved_secrets``:
+        the secrets of that state (their placeholders are in its memory)."""
+        has_rootfs = rootfs is not None and bool(os.fspath(rootfs))
+        if saved and image is None and not has_rootfs:
+            pass
+        elif (image is None) == (not has_rootfs):
+            raise InvalidArgument(
+                "a box needs exactly one of: an image, or rootfs= (a directory or a tarball)"
+            )
+        if image is not None:
+            if not isinstance(image, str):
+                raise InvalidArgument(f"image must be a reference string, not {type(image).__name__}")
+            Reference.parse(image)  # malformed references fail now, before anything is made
+        root = None
+        if has_rootfs:
+            assert rootfs is not None
+            p = Path(rootfs).expanduser()
+            if not p.exists() and not saved:
+                raise InvalidArgument(f"rootfs {p} does not exist")
+            root = str(p.absolute())
+        if engine not in engines.names():
+            raise InvalidArgument(f"engine must be one of {', '.join(engines.names())}, not {engine!r}")
+        if accel not in ("auto", "kvm", "tcg"):
+            raise InvalidArgument(f"accel must be 'auto', 'kvm' or 'tcg', not {accel!r}")
+        positive("memory_mib", memory_mib, integer=True)
+        positive("cpus", cpus, integer=True)
+        positive("disk_size_gb", disk_size_gb, integer=True)
+        positive("boot_timeout", boot_timeout)
+        positive("request_timeout", request_timeout)
+        positive("idle_timeout", idle_timeout)
+        positive("pids_limit", pids_limit, integer=True)
+        if pids_limit is not None and pids_limit < 8:
+            raise InvalidArgument(f"pids_limit must be at least 8 (a shell needs a few), not {pids_limit}")
+        if memory_mib < 64:
+            raise InvalidArgument(f"memory_mib must be at least 64, not {memory_mib}")
+        if cpus > (os.cpu_count() or 1) * 4:
+            raise InvalidArgument(f"cpus={cpus} is more than this host can emulate sensibly")
+        if hostname is not None and not _HOSTNAME.match(hostname):
+            raise InvalidArgument(f"invalid hostname {hostname!r}")
+        if name is not None:
+            validate_name(name)
+        if isinstance(volumes, Mapping):
+            volumes = [(str(h), str(g)) for h, g in volumes.items()]
+        vols = [Volume.parse(v) for v in (volumes or [])]
+        if len({v.guest for v in vols}) != len(vols):
+            raise InvalidArgument("two volumes share one guest path")
+        policy = Policy.build(network, allow)
+        if ports is not None and not isinstance(ports, list | tuple):
+            raise InvalidArgument(f"ports must be a list, such as [8080] or [(8080, 80)], not {ports!r}")
+        published = [Port.parse(p) for p in (ports or [])]
+        taken = [(p.address, p.host) for p in published if p.host]
+        if len(set(taken)) != len(taken):
+            raise InvalidArgument("two published ports use the same host address and port")
+        if published and not policy.has_nic:
+            raise InvalidArgument(
+                "published ports need a network card: network='none' has none "
+                "(network='allowlist' with no allow entries publishes ports and lets nothing out)"
+            )
+        secret_specs = _secret_specs(secrets, saved_secrets)
+        if secret_specs and not policy.proxied:
+            raise InvalidArgument(
+                f"secrets need network='allowlist' or 'public' (the egress proxy swaps them in), "
+                f"not network={policy.mode!r}"
+            )
+        clash = sorted({s["name"] for s in secret_specs} & set(env or {}))
+        if clash:
+            raise InvalidArgument(f"{', '.join(clash)} is both a secret and an env= variable")
+        lab = {}
+        for k, v in (labels or {}).items():
+            if not isinstance(k, str) or not _LABEL_KEY.match(k) or not isinstance(v, str):
+                raise InvalidArgument(f"invalid label {k!r}={v!r}")
+            lab[k] = v
+        return cls(
+            image=image,
+            rootfs=root,
+            name=name,
+            env=check_env(env),
+            workdir=guest_path(workdir) if workdir is not None else None,
+            user=check_user(user),
+            volumes=vols,
+            labels=lab,
+            memory_mib=memory_mib,
+            cpus=cpus,
+            disk_size_gb=disk_size_gb,
+            auto_remove=bool(auto_remove),
+            engine=engine,
+            accel=accel,
+            kernel=str(kernel) if kernel else None,
+            hostname=hostname,
+            boot_timeout=boot_timeout,
+            request_timeout=request_timeout,
+            idle_timeout=idle_timeout,
+            network=policy.mode,
+            allow=[str(r) for r in policy.allow],
+            ports=published,
+            pids_limit=pids_limit,
+            secrets=secret_specs,
+        )
+
+    @property
+    def policy(self) -> Policy:
+        """The egress policy in force: in allowlist mode, a secret's hosts are reachable too."""
+        allow = list(self.allow)
+        if self.network == "allowlist":
+            for s in self.secrets:
+                allow += [h if host_rule(s["name"], h).port else f"{h}:{DEFAULT_PORT}" for h in s["hosts"]]
+        return Policy.build(self.network, allow or None)
+
+    def transparent_ports(self) -> list[int]:
+        """The ports a program may connect to straight (not through HTTP(S)_PROXY) at
+        the address sandlot's DNS gives allowed names: 80, 443 and those the allow
+        entries and secrets name. Fixed when the VM starts: QEMU cannot add them later."""
+        ports = {80, 443}
+        ports.update(r.port for r in self.policy.allow if r.port)
+        for s in self.secrets:
+            ports.update(r.port for r in map(Rule.parse, s["hosts"]) if r.port)
+        return sorted(ports - {PROXY_PORT, DNS_PORT})
+
+    def to_options(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["volumes"] = [[v.host, v.guest, v.readonly] for v in self.volumes]
+        d["ports"] = [[p.address, p.host, p.guest] for p in self.ports]
+        return d
+
+    @classmethod
+    def from_options(cls, options: dict[str, Any]) -> BoxSpec:
+        d = dict(options)
+        d["volumes"] = [Volume(h, g, bool(ro)) for h, g, ro in d.get("volumes", [])]
+        d["ports"] = [Port(g, h, a) for a, h, g in d.get("ports", [])]
+        known = set(cls.__dataclass_fields__)
+        return cls(**{k: v for k, v in d.items() if k in known})
+
+    # -- what a command gets by default -------------------------------------------------
+
+    def default_env(self) -> dict[str, str]:
+        image_env = {}
+        for e in (self.image_config or {}).get("env", []):
+            k, _, v = e.partition("=")
+            image_env[k] = v
+        if self.policy.proxied:
+            image_env.update(proxy_env())
+        if self.secrets:
+            image_env.update(trust_env())
+            image_env.update({s["name"]: s["placeholder"] for s in self.secrets})
+        return {**image_env, **self.env}
+
+    def default_cwd(self) -> str | None:
+        return self.workdir or (self.image_config or {}).get("workdir") or None
+
+    def default_user(self) -> str | None:
+        return self.user or (self.image_config or {}).get("user") or None
+
+    def boot_timeout_for(self, accel: str) -> float:
+        """The boot deadline: the box's own, ``$SANDLOT_BOOT_TIMEOUT``, else 30 s under
+        TCG and 15 s under KVM. It counts the box's own progress, not time in line."""
+        if self.boot_timeout:
+            return self.boot_timeout
+        env = os.environ.get("SANDLOT_BOOT_TIMEOUT")
+        if env:
+            return float(env)
+        return 15.0 if accel == "kvm" else 30.0

@@ -1,0 +1,157 @@
+"""A box's states and the transitions between them, declared in one table.
+
+Every operation that changes a box's state is an ``Op``. Its ``Transition``
+says from which states it may start (``sources``), in which states there is
+nothing to do (``done``), the state the box is in while it runs (``via``,
+recorded with the process that runs it, so recovery can tell a live operation
+from one whose process died), where it ends (``target``) and where it falls
+when it fails (``failure``; ``SOURCE`` means back where it started).
+
+``check`` is the one guard: it raises ``InvalidState`` (with ``.state`` and
+``.allowed``) for any other state. ``BoxController.transition`` applies it and
+writes ``via``, ``target`` and ``failure`` through the store; nothing else
+writes a box's state.
+
+>>> from sandlot.core.state import BoxState, Op, TRANSITIONS
+>>> TRANSITIONS[Op.START].failure
+<BoxState.CRASHED: 'crashed'>
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from ..errors import InvalidState
+
+
+class BoxState(enum.StrEnum):
+    # what users see
+    CREATED = "created"
+    RUNNING = "running"
+    PAUSED = "paused"
+    SUSPENDED = "suspended"
+    STOPPED = "stopped"
+    CRASHED = "crashed"
+    # an operation in progress: recovery finishes or undoes it if its process died
+    CREATING = "creating"
+    STARTING = "starting"
+    STOPPING = "stopping"
+    REMOVING = "removing"
+    SNAPSHOTTING = "snapshotting"
+    SUSPENDING = "suspending"
+    RESUMING = "resuming"
+    RESTORING = "restoring"
+
+    @property
+    def transient(self) -> bool:
+        return self in TRANSIENT
+
+    @property
+    def live(self) -> bool:
+        """A VM process belongs to the box in this state."""
+        return self in LIVE
+
+
+STABLE = frozenset({BoxState.CREATED, BoxState.RUNNING, BoxState.PAUSED, BoxState.SUSPENDED,
+                    BoxState.STOPPED, BoxState.CRASHED})  # fmt: skip
+TRANSIENT = frozenset(set(BoxState) - STABLE)
+LIVE = frozenset({BoxState.RUNNING, BoxState.PAUSED, BoxState.STARTING, BoxState.STOPPING,
+                  BoxState.SNAPSHOTTING, BoxState.SUSPENDING, BoxState.RESUMING,
+                  BoxState.RESTORING})  # fmt: skip
+# Commands can run in these states (a snapshot pauses the VM only for its save).
+SERVING = frozenset({BoxState.RUNNING, BoxState.SNAPSHOTTING})
+
+
+class Op(enum.StrEnum):
+    CREATE = "create"
+    START = "start"  # a cold boot, or the first start of a box made from a saved state
+    STOP = "stop"
+    DISCARD = "discard"  # stop of a suspended box: its saved processes end, the disk stays
+    KILL = "kill"
+    PAUSE = "pause"
+    UNPAUSE = "unpause"
+    REMOVE = "remove"
+    SNAPSHOT = "snapshot"
+    SUSPEND = "suspend"
+    RESUME = "resume"
+    ROLLBACK = "rollback"
+    NETWORK = "network"  # a policy change: no state change, but no operation may run meanwhile
+
+
+SOURCE = None  # as a failure state: back to the state the operation started from
+
+_ANY_STABLE = tuple(sorted(STABLE))
+
+
+@dataclass(frozen=True, slots=True)
+class Transition:
+    sources: tuple[BoxState, ...]
+    via: BoxState | None
+    target: BoxState | None  # None: back to the source (a snapshot leaves the box as it was)
+    failure: BoxState | None  # None (SOURCE): back to the source
+    done: tuple[BoxState, ...] = ()  # already where the operation leads: nothing to do
+
+
+S = BoxState
+TRANSITIONS: dict[Op, Transition] = {
+    Op.CREATE: Transition((), S.CREATING, S.CREATED, failure=SOURCE),  # a failed create leaves no box
+    Op.START: Transition(
+        (S.CREATED, S.STOPPED, S.CRASHED), S.STARTING, S.RUNNING, S.CRASHED, done=(S.RUNNING,)
+    ),
+    # an operation in progress holds the box's lock, so another one only ever sees stable states
+    Op.STOP: Transition(
+        (S.RUNNING, S.PAUSED), S.STOPPING, S.STOPPED, S.STOPPED, done=(S.CREATED, S.STOPPED, S.CRASHED)
+    ),
+    Op.DISCARD: Transition((S.SUSPENDED,), None, S.STOPPED, SOURCE),
+    Op.KILL: Transition(
+        (S.RUNNING, S.PAUSED), None, S.STOPPED, S.STOPPED, done=(S.CREATED, S.STOPPED, S.CRASHED, S.SUSPENDED)
+    ),
+    Op.PAUSE: Transition((S.RUNNING,), None, S.PAUSED, SOURCE, done=(S.PAUSED,)),
+    Op.UNPAUSE: Transition((S.PAUSED,), None, S.RUNNING, SOURCE, done=(S.RUNNING,)),
+    Op.REMOVE: Transition(_ANY_STABLE, S.REMOVING, None, SOURCE),
+    Op.SNAPSHOT: Transition((S.RUNNING, S.PAUSED), S.SNAPSHOTTING, None, SOURCE),
+    Op.SUSPEND: Transition((S.RUNNING, S.PAUSED), S.SUSPENDING, S.SUSPENDED, SOURCE, done=(S.SUSPENDED,)),
+    Op.RESUME: Transition((S.SUSPENDED,), S.RESUMING, S.RUNNING, S.SUSPENDED, done=(S.RUNNING, S.PAUSED)),
+    Op.ROLLBACK: Transition(_ANY_STABLE, S.RESTORING, S.RUNNING, S.STOPPED),
+    Op.NETWORK: Transition(_ANY_STABLE, None, None, SOURCE),
+}
+del S
+
+
+def check(op: Op, state: BoxState | str, *, box: str | None = None) -> bool:
+    """Whether ``op`` has work to do in ``state``: True if it may start, False if
+    the box is already where it leads; ``InvalidState`` otherwise."""
+    t = TRANSITIONS[op]
+    current = BoxState(state)
+    if current in t.done:
+        return False
+    if current in t.sources:
+        return True
+    raise InvalidState.refused(op.value, current.value, [s.value for s in t.sources], box=box)
+
+
+def end_state(op: Op, source: BoxState) -> BoxState:
+    target = TRANSITIONS[op].target
+    return source if target is None else target
+
+
+def failure_state(op: Op, source: BoxState) -> BoxState:
+    failure = TRANSITIONS[op].failure
+    return source if failure is None else failure
+
+
+__all__ = [
+    "LIVE",
+    "SERVING",
+    "SOURCE",
+    "STABLE",
+    "TRANSIENT",
+    "TRANSITIONS",
+    "BoxState",
+    "Op",
+    "Transition",
+    "check",
+    "end_state",
+    "failure_state",
+]

@@ -1,0 +1,510 @@
+"""The box registry: one SQLite database (WAL) per sandlot home.
+
+Every box is a row; its disk layers live in ``layers/`` and its logs in
+``boxes/<id>/``. A row is the truth about what a box *should* be; the VM
+process is the truth about what it *is*. Recovery (``core.recovery``) makes the
+two agree after crashes, so a kill -9 of any process at any moment leaves
+nothing half-existing.
+
+The schema is versioned with ``PRAGMA user_version``; ``MIGRATIONS[n]`` takes a
+database from version n to n+1 (SQL, or a function for data that moves), and a
+database newer than this code is refused rather than misread.
+
+Only the core writes here, and a box's ``state`` only through
+``BoxController.transition`` and recovery.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import builtins
+import json
+import re
+import sqlite3
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, ParamSpec, TypeVar
+
+from ..engine.base import VMRef
+from ..errors import BoxNotFound, InvalidArgument, SandlotError, SnapshotNotFound
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+SCHEMA_VERSION = 3
+
+
+def _v3(db: sqlite3.Connection) -> None:
+    """Engine-neutral VM columns, and the per-operation data that hid in private
+    option keys (``_machine_id``, ``_kernel``/``_initrd``/``_accel``, ``_ports``,
+    ``_suspend``, ``_op``) moved into columns of their own. Snapshot facts get the
+    engine-neutral shape ``{"engine", "memory_mib", "cpus", "agent_ports",
+    "network", "accel", "engine_facts": {...}}``."""
+    for stmt in (
+        "ALTER TABLE boxes RENAME COLUMN qemu_pid TO vm_pid",
+        "ALTER TABLE boxes RENAME COLUMN qemu_start TO vm_start",
+        "ALTER TABLE boxes ADD COLUMN engine TEXT NOT NULL DEFAULT 'qemu'",
+        "ALTER TABLE boxes ADD COLUMN machine_id TEXT",
+        "ALTER TABLE boxes ADD COLUMN boot TEXT NOT NULL DEFAULT '{}'",
+        "ALTER TABLE boxes ADD COLUMN ports TEXT NOT NULL DEFAULT '[]'",
+        "ALTER TABLE boxes ADD COLUMN suspended TEXT",
+        "ALTER TABLE boxes ADD COLUMN op TEXT",
+    ):
+        db.execute(stmt)
+    private = ("_machine_id", "_kernel", "_initrd", "_accel", "_ports", "_suspend", "_op")
+    for box_id, raw in db.execute("SELECT id, options FROM boxes").fetchall():
+        opts = json.loads(raw)
+        boot = {k: opts[f"_{k}"] for k in ("kernel", "initrd", "accel") if opts.get(f"_{k}")}
+        op = opts.get("_op")
+        op = {"kind": "rollback", **op} if isinstance(op, dict) else None
+        kept = {k: v for k, v in opts.items() if k not in private}
+        db.execute(
+            "UPDATE boxes SET machine_id = ?, boot = ?, ports = ?, suspended = ?, op = ?, options = ? "
+            "WHERE id = ?",
+            (opts.get("_machine_id"), json.dumps(boot), json.dumps(opts.get("_ports") or []),
+             opts.get("_suspend"), json.dumps(op) if op else None, json.dumps(kept), box_id),
+        )  # fmt: skip
+    for snap_id, raw in db.execute("SELECT id, options FROM snapshots").fetchall():
+        opts = json.loads(raw)
+        vm = opts.get("vm") or {}
+        if "engine" not in vm:
+            opts["vm"] = {
+                "engine": "qemu",
+                "memory_mib": vm.get("memory_mib"),
+                "cpus": vm.get("cpus"),
+                "agent_ports": vm.get("ports"),
+                "network": bool(vm.get("network")),
+                "accel": vm.get("accel"),
+                "engine_facts": {
+                    k: vm.get(k) for k in ("machine", "qemu_version", "cpu_model", "kernel", "initrd")
+                },
+            }
+        if isinstance(opts.get("box"), dict):
+            opts["box"] = {k: v for k, v in opts["box"].items() if k not in private}
+        db.execute("UPDATE snapshots SET options = ? WHERE id = ?", (json.dumps(opts), snap_id))
+
+
+MIGRATIONS: list[str | Callable[[sqlite3.Connection], None]] = [
+    """
+    CREATE TABLE boxes (
+        id TEXT PRIMARY KEY,
+        name TEXT NOT NULL UNIQUE,
+        state TEXT NOT NULL,
+        image_ref TEXT,
+        image_digest TEXT,
+        rootfs TEXT,
+        options TEXT NOT NULL,
+        labels TEXT NOT NULL DEFAULT '{}',
+        qemu_pid INTEGER,
+        qemu_start TEXT,
+        owner_pid INTEGER,
+        owner_start TEXT,
+        ephemeral INTEGER NOT NULL DEFAULT 0,
+        reason TEXT,
+        created_at REAL NOT NULL,
+        started_at REAL,
+        stopped_at REAL,
+        updated_at REAL NOT NULL
+    );
+    CREATE INDEX boxes_state ON boxes(state);
+    """,
+    """
+    ALTER TABLE boxes ADD COLUMN disk TEXT;
+    ALTER TABLE boxes ADD COLUMN origin TEXT;
+    CREATE TABLE snapshots (
+        id TEXT PRIMARY KEY,
+        name TEXT,
+        kind TEXT NOT NULL,
+        box_id TEXT,
+        box_name TEXT,
+        layer TEXT NOT NULL,
+        options TEXT NOT NULL,
+        template_key TEXT,
+        size INTEGER NOT NULL DEFAULT 0,
+        created_at REAL NOT NULL
+    );
+    CREATE INDEX snapshots_box ON snapshots(box_id);
+    CREATE INDEX snapshots_key ON snapshots(template_key);
+    """,
+    _v3,
+]
+
+SNAPSHOT_KINDS = ("snapshot", "template", "suspend")
+NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
+
+
+class StoreError(SandlotError):
+    """The state database cannot be used (corrupt, or from a newer sandlot)."""
+
+    code, status = "store_unusable", 500
+
+
+@dataclass(frozen=True, slots=True)
+class BoxRecord:
+    id: str
+    name: str
+    state: str
+    options: dict[str, Any]  # the box's spec (``BoxSpec.to_options``)
+    created_at: float
+    updated_at: float
+    image_ref: str | None = None
+    image_digest: str | None = None
+    rootfs: str | None = None
+    labels: dict[str, str] = field(default_factory=dict)
+    engine: str = "qemu"
+    vm_pid: int | None = None
+    vm_start: str | None = None
+    owner_pid: int | None = None  # the process running the operation in progress
+    owner_start: str | None = None
+    ephemeral: bool = False  # removed when its owner dies (a ``with`` block)
+    reason: str | None = None  # why it crashed, or why an operation was undone
+    started_at: float | None = None
+    stopped_at: float | None = None
+    disk: str | None = None  # the top layer of its disk (layers/<id>.qcow2)
+    origin: str | None = None  # the snapshot it was started from (fork, template)
+    machine_id: str | None = None
+    boot: dict[str, Any] = field(default_factory=dict)  # the engine's Boot.record of its VM
+    ports: list[list[Any]] = field(default_factory=list)  # published ports as bound: address, host, guest
+    suspended: str | None = None  # the snapshot holding its suspended state
+    op: dict[str, Any] | None = None  # what an operation in progress needs recovery to know
+
+    @property
+    def vm(self) -> VMRef | None:
+        if self.vm_pid is None or self.vm_start is None:
+            return None
+        return VMRef(self.vm_pid, self.vm_start)
+
+    def to_json(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+@dataclass(frozen=True, slots=True)
+class SnapshotRecord:
+    """A saved running state: a frozen disk layer plus the files in snapshots/<id>/."""
+
+    id: str
+    kind: str  # snapshot, template, or the state of a suspended box
+    layer: str
+    options: dict[str, Any]  # "box": the box's spec, "vm": the facts it loads with, ...
+    created_at: float
+    name: str | None = None
+    box_id: str | None = None
+    box_name: str | None = None
+    template_key: str | None = None
+    size: int = 0
+
+    @property
+    def facts(self) -> dict[str, Any]:
+        facts: dict[str, Any] = self.options["vm"]
+        return facts
+
+    def to_json(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+_JSON_COLUMNS = ("options", "labels", "boot", "ports", "op")
+
+
+def _encode(changes: dict[str, Any]) -> dict[str, Any]:
+    out = dict(changes)
+    for c in _JSON_COLUMNS:
+        if c in out and not (c == "op" and out[c] is None):
+            out[c] = json.dumps(out[c])
+    if "ephemeral" in out:
+        out["ephemeral"] = int(out["ephemeral"])
+    return out
+
+
+def _row(r: sqlite3.Row) -> BoxRecord:
+    d = dict(r)
+    for c in _JSON_COLUMNS:
+        d[c] = json.loads(d[c]) if d[c] is not None else None
+    d["ephemeral"] = bool(d["ephemeral"])
+    return BoxRecord(**d)
+
+
+def _snap_row(r: sqlite3.Row) -> SnapshotRecord:
+    d = dict(r)
+    d["options"] = json.loads(d["options"])
+    return SnapshotRecord(**d)
+
+
+class BoxStore:
+    """Blocking access to ``sandlot.db``; async code goes through ``AsyncStore``."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._lock = threading.Lock()
+        try:
+            self._db = sqlite3.connect(path, timeout=30.0, isolation_level=None, check_same_thread=False)
+            self._db.row_factory = sqlite3.Row
+            self._db.execute("PRAGMA journal_mode=WAL")
+            self._db.execute("PRAGMA synchronous=FULL")  # a committed transition survives power loss
+            self._db.execute("PRAGMA foreign_keys=ON")
+            self._migrate()
+        except sqlite3.DatabaseError as exc:
+            raise StoreError(f"the state database {path} cannot be used: {exc}") from exc
+
+    def _migrate(self) -> None:
+        with self._tx() as db:
+            version = db.execute("PRAGMA user_version").fetchone()[0]
+            if version > SCHEMA_VERSION:
+                raise StoreError(
+                    f"{self.path} has schema version {version}; this sandlot knows up to {SCHEMA_VERSION}: "
+                    "upgrade sandlot"
+                )
+            for v in range(version, SCHEMA_VERSION):
+                step = MIGRATIONS[v]
+                if callable(step):
+                    step(db)
+                else:
+                    for stmt in step.split(";"):
+                        if stmt.strip():
+                            db.execute(stmt)
+                db.execute(f"PRAGMA user_version={v + 1}")
+
+    @contextmanager
+    def _tx(self) -> Iterator[sqlite3.Connection]:
+        """One transaction (BEGIN IMMEDIATE: writers queue up instead of failing)."""
+        with self._lock:
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                yield self._db
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+            else:
+                self._db.execute("COMMIT")
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
+
+    # -- boxes ---------------------------------------------------------------------------
+
+    def insert(self, rec: BoxRecord) -> BoxRecord:
+        d = _encode(rec.to_json())
+        cols = ", ".join(d)
+        marks = ", ".join(f":{k}" for k in d)
+        try:
+            with self._tx() as db:
+                db.execute(f"INSERT INTO boxes ({cols}) VALUES ({marks})", d)
+        except sqlite3.IntegrityError as exc:
+            if "name" in str(exc):
+                raise InvalidArgument(f"a box named {rec.name!r} already exists") from None
+            raise
+        return rec
+
+    def get(self, key: str) -> BoxRecord:
+        """By exact id, exact name, or an unambiguous id prefix (at least 4 characters)."""
+        if not isinstance(key, str) or not key:
+            raise InvalidArgument(f"a box id or name is needed, not {key!r}")
+        with self._lock:
+            row = self._db.execute("SELECT * FROM boxes WHERE id = ? OR name = ?", (key, key)).fetchone()
+            if row is None and len(key) >= 4 and re.fullmatch(r"[0-9a-f]+", key):
+                rows = self._db.execute("SELECT * FROM boxes WHERE id LIKE ?", (key + "%",)).fetchall()
+                if len(rows) > 1:
+                    raise InvalidArgument(f"box id prefix {key!r} is ambiguous")
+                row = rows[0] if rows else None
+        if row is None:
+            raise BoxNotFound(f"no box {key!r}", box=key)
+        return _row(row)
+
+    def find(self, key: str) -> BoxRecord | None:
+        try:
+            return self.get(key)
+        except BoxNotFound:
+            return None
+
+    def list(self) -> builtins.list[BoxRecord]:
+        with self._lock:
+            rows = self._db.execute("SELECT * FROM boxes ORDER BY created_at").fetchall()
+        return [_row(r) for r in rows]
+
+    def update(
+        self,
+        box_id: str,
+        *,
+        expect: tuple[str, ...] | None = None,
+        expect_pid: int | None = None,
+        **changes: Any,
+    ) -> BoxRecord | None:
+        """Change a row; with ``expect``, only if its state is one of those, and with
+        ``expect_pid`` only if that is its VM's pid (else None: someone else moved it)."""
+        changes["updated_at"] = time.time()
+        enc = _encode(changes)
+        sets = ", ".join(f"{k} = :{k}" for k in enc)
+        where = "id = :_id"
+        params = {**enc, "_id": box_id}
+        if expect:
+            where += " AND state IN (" + ", ".join(f":_s{i}" for i in range(len(expect))) + ")"
+            params.update({f"_s{i}": str(s) for i, s in enumerate(expect)})
+        if expect_pid is not None:
+            where += " AND vm_pid = :_pid"
+            params["_pid"] = expect_pid
+        with self._tx() as db:
+            cur = db.execute(f"UPDATE boxes SET {sets} WHERE {where}", params)
+            if cur.rowcount == 0:
+                return None
+            row = db.execute("SELECT * FROM boxes WHERE id = ?", (box_id,)).fetchone()
+        return _row(row)
+
+    def delete(self, box_id: str) -> None:
+        with self._tx() as db:
+            db.execute("DELETE FROM boxes WHERE id = ?", (box_id,))
+
+    def children(self, snap_id: str) -> builtins.list[BoxRecord]:
+        with self._lock:
+            rows = self._db.execute("SELECT * FROM boxes WHERE origin = ?", (snap_id,)).fetchall()
+        return [_row(r) for r in rows]
+
+    # -- snapshots ------------------------------------------------------------------------
+
+    def insert_snapshot(self, rec: SnapshotRecord) -> SnapshotRecord:
+        d = rec.to_json()
+        d["options"] = json.dumps(d["options"])
+        cols = ", ".join(d)
+        marks = ", ".join(f":{k}" for k in d)
+        with self._tx() as db:
+            if rec.name is not None and rec.kind != "suspend":
+                clash = db.execute(
+                    "SELECT id FROM snapshots WHERE name = ? AND kind = ? AND box_id IS ?",
+                    (rec.name, rec.kind, rec.box_id),
+                ).fetchone()
+                if clash:
+                    owner = f"box {rec.box_name}" if rec.box_id else "this home"
+                    raise InvalidArgument(f"{owner} already has a {rec.kind} named {rec.name!r}")
+            db.execute(f"INSERT INTO snapshots ({cols}) VALUES ({marks})", d)
+        return rec
+
+    def snapshots(
+        self, *, box_id: str | None = None, kind: str | None = None
+    ) -> builtins.list[SnapshotRecord]:
+        sql, args = "SELECT * FROM snapshots WHERE 1=1", []
+        if box_id is not None:
+            sql += " AND box_id = ?"
+            args.append(box_id)
+        if kind is not None:
+            sql += " AND kind = ?"
+            args.append(kind)
+        with self._lock:
+            rows = self._db.execute(sql + " ORDER BY created_at", args).fetchall()
+        return [_snap_row(r) for r in rows]
+
+    def find_snapshot(self, snap_id: str) -> SnapshotRecord | None:
+        with self._lock:
+            row = self._db.execute("SELECT * FROM snapshots WHERE id = ?", (snap_id,)).fetchone()
+        return _snap_row(row) if row else None
+
+    def get_snapshot(self, key: str, *, box_id: str | None = None) -> SnapshotRecord:
+        """By id, unambiguous id prefix, or name (of that box's snapshots, or a template)."""
+        if not isinstance(key, str) or not key:
+            raise InvalidArgument(f"a snapshot id or name is needed, not {key!r}")
+        with self._lock:
+            rows = self._db.execute(
+                "SELECT * FROM snapshots WHERE id = ? AND kind != 'suspend'", (key,)
+            ).fetchall()
+            if not rows:
+                q = "SELECT * FROM snapshots WHERE name = ? AND kind != 'suspend'"
+                args: builtins.list[Any] = [key]
+                if box_id is not None:
+                    q += " AND (box_id = ? OR kind = 'template')"
+                    args.append(box_id)
+                rows = self._db.execute(q, args).fetchall()
+            if not rows and len(key) >= 4 and re.fullmatch(r"[0-9a-f]+", key):
+                rows = self._db.execute(
+                    "SELECT * FROM snapshots WHERE id LIKE ? AND kind != 'suspend'", (key + "%",)
+                ).fetchall()
+        if not rows:
+            raise SnapshotNotFound(f"no snapshot {key!r}")
+        if len(rows) > 1:
+            owners = ", ".join(sorted({str(dict(r)["box_name"]) for r in rows}))
+            raise InvalidArgument(f"snapshot {key!r} is ambiguous (boxes {owners}): use its id")
+        return _snap_row(rows[0])
+
+    def update_snapshot(self, snap_id: str, **changes: Any) -> None:
+        if "options" in changes:
+            changes["options"] = json.dumps(changes["options"])
+        sets = ", ".join(f"{k} = :{k}" for k in changes)
+        with self._tx() as db:
+            db.execute(f"UPDATE snapshots SET {sets} WHERE id = :_id", {**changes, "_id": snap_id})
+
+    def delete_snapshot(self, snap_id: str) -> None:
+        with self._tx() as db:
+            db.execute("DELETE FROM snapshots WHERE id = ?", (snap_id,))
+
+
+class AsyncStore:
+    """The store for async code: each call runs on the store's own thread, so a
+    commit's fsync never blocks the event loop and calls keep their order."""
+
+    def __init__(self, store: BoxStore) -> None:
+        self.sync = store
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sandlot-store")
+
+    async def call(self, fn: Callable[P, R], *args: P.args, **kwargs: P.kwargs) -> R:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._pool, lambda: fn(*args, **kwargs))
+
+    async def get(self, key: str) -> BoxRecord:
+        return await self.call(self.sync.get, key)
+
+    async def find(self, key: str) -> BoxRecord | None:
+        return await self.call(self.sync.find, key)
+
+    async def list(self) -> builtins.list[BoxRecord]:
+        return await self.call(self.sync.list)
+
+    async def insert(self, rec: BoxRecord) -> BoxRecord:
+        return await self.call(self.sync.insert, rec)
+
+    async def update(self, box_id: str, **kw: Any) -> BoxRecord | None:
+        return await self.call(self.sync.update, box_id, **kw)
+
+    async def delete(self, box_id: str) -> None:
+        await self.call(self.sync.delete, box_id)
+
+    async def children(self, snap_id: str) -> builtins.list[BoxRecord]:
+        return await self.call(self.sync.children, snap_id)
+
+    async def insert_snapshot(self, rec: SnapshotRecord) -> SnapshotRecord:
+        return await self.call(self.sync.insert_snapshot, rec)
+
+    async def snapshots(self, **kw: Any) -> builtins.list[SnapshotRecord]:
+        return await self.call(self.sync.snapshots, **kw)
+
+    async def find_snapshot(self, snap_id: str) -> SnapshotRecord | None:
+        return await self.call(self.sync.find_snapshot, snap_id)
+
+    async def get_snapshot(self, key: str, *, box_id: str | None = None) -> SnapshotRecord:
+        return await self.call(self.sync.get_snapshot, key, box_id=box_id)
+
+    async def update_snapshot(self, snap_id: str, **changes: Any) -> None:
+        await self.call(self.sync.update_snapshot, snap_id, **changes)
+
+    async def delete_snapshot(self, snap_id: str) -> None:
+        await self.call(self.sync.delete_snapshot, snap_id)
+
+
+def validate_name(name: str) -> str:
+    if not isinstance(name, str) or not NAME_RE.match(name):
+        rule = "1-63 letters, digits, '_', '.' or '-', starting with a letter or digit"
+        raise InvalidArgument(f"invalid box name {name!r}: {rule}")
+    return name
+
+
+__all__ = [
+    "SCHEMA_VERSION",
+    "AsyncStore",
+    "BoxRecord",
+    "BoxStore",
+    "SnapshotRecord",
+    "StoreError",
+    "validate_name",
+]

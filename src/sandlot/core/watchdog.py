@@ -1,0 +1,70 @@
+"""The idle watchdog: suspends a box with ``idle_timeout`` once nothing uses it.
+
+One detached process per such box (a file lock keeps it to one), so a box goes
+to sleep even after every process that used it has exited. It asks the agent
+how many operations are in flight (from any process) and how long ago the last
+request came; the asking itself does not count. Once the box has been idle for
+``idle_timeout`` it is suspended, and the watchdog exits; whoever resumes the
+box (explicitly, or by running a command in it) starts a new one.
+
+    python -m sandlot.core.watchdog HOME BOX_ID
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import fcntl
+import os
+import sys
+from pathlib import Path
+
+from .idle import POLL_MAX, watchdog_lock
+
+
+async def watch(home: Path, box_id: str) -> None:
+    from ..errors import SandlotError
+    from .runtime import Runtime
+    from .service import core_for
+    from .state import BoxState
+
+    core = core_for(Runtime.for_home(home))
+    try:
+        entry = await core.controller.find(box_id)
+    except SandlotError:
+        return
+    timeout = entry.spec.idle_timeout
+    if not timeout:
+        return
+    poll = min(POLL_MAX, max(0.2, timeout / 4))
+    try:
+        while True:
+            await asyncio.sleep(poll)
+            try:
+                if (await core.controller.refresh(entry)).state != BoxState.RUNNING:
+                    return  # stopped, suspended, removed: a later start or resume watches again
+                busy, idle = await core.controller.activity(entry)
+            except SandlotError:
+                return
+            if busy == 0 and idle >= timeout:
+                entry.session.drop()  # our own connection is not a user
+                with contextlib.suppress(SandlotError):
+                    await core.live.suspend(entry)
+                return
+    finally:
+        await core.close()
+
+
+def main() -> None:
+    home, box_id = Path(sys.argv[1]), sys.argv[2]
+    lock = watchdog_lock(home, box_id)
+    try:
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        return  # another watchdog has this box
+    asyncio.run(watch(home, box_id))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,299 @@
+"""The engine interface: what the core asks of a VM technology, and nothing more.
+
+The core (``sandlot.core``) decides *what* a box is and which state it is in;
+an engine only runs VMs. It prepares what a boot needs, launches a VM on a disk
+(booting it, or loading a saved state), finds a running VM again from the
+reference the store recorded, reports its status without an event loop (for
+recovery after crashes), connects to the agent inside, saves and shares
+running state, and says which saved states it can load.
+
+``engine/qemu`` implements it with QEMU (KVM or TCG). A fake engine for unit
+tests lives in ``tests/support``: it runs no VM, and lets lifecycle, recovery,
+locking and error paths be tested in milliseconds.
+
+A VM reference is engine-neutral: the pid and start time of the process that
+*is* the VM (``VMRef``); the store keeps it in ``vm_pid``/``vm_start`` with the
+engine's name beside it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+from abc import ABC, abstractmethod
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar
+
+from ..errors import BootError
+
+Connector = Callable[[], Awaitable[tuple[asyncio.StreamReader, asyncio.StreamWriter]]]
+
+
+class VMStatus(enum.StrEnum):
+    """What a VM process is doing, as recovery sees it."""
+
+    GONE = "gone"  # no such process (or another process reused its pid)
+    RUNNING = "running"  # the guest runs
+    PAUSED = "paused"  # vCPUs stopped: a pause, a finished save, or a loaded state not yet let run
+    LOADING = "loading"  # still loading a saved state
+    SAVING = "saving"  # writing its state out
+    UNKNOWN = "unknown"  # the process lives but did not say
+
+
+@dataclass(frozen=True, slots=True)
+class VMRef:
+    """Names one VM process across processes: a pid plus its start time, so a
+    recycled pid is never taken for the VM."""
+
+    pid: int
+    start: str
+
+
+@dataclass(frozen=True, slots=True)
+class BootRequest:
+    """What a boot needs decided before anything is launched."""
+
+    accel: str = "auto"  # "auto", or a name the engine knows ("kvm", "tcg")
+    kernel: str | None = None  # a kernel of the user's, instead of the engine's default
+    volumes: bool = False  # host directories are shared into the guest
+    network: bool = False  # the guest has a network card
+
+
+@dataclass(frozen=True, slots=True)
+class Boot:
+    """What an engine resolved for a boot (kernel, initramfs, accelerator...).
+
+    ``record`` is what the store keeps so that any process can attach to the VM
+    later; ``identity`` is what a saved state booted this way depends on, for
+    the keys of automatic templates."""
+
+    engine: str
+    accel: str
+    accel_reason: str
+    record: dict[str, Any]
+    identity: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class NetSpec:
+    """A network card on the engine's user-mode network. ``restrict``: nothing
+    leaves but the egress proxy, the DNS answerer and the published ports;
+    ``proxy_command`` and ``dns_command`` are run once per guest connection to
+    their port of ``sandlot.net.addresses.PROXY_ADDRESS``, with the connection
+    as their standard input and output; the proxy also on ``transparent_ports``
+    (with ``--transparent PORT``)."""
+
+    restrict: bool = True
+    proxy_command: str | None = None
+    dns_command: str | None = None
+    forwards: tuple[tuple[str, int, int], ...] = ()  # host address, host port, guest port
+    transparent_ports: tuple[int, ...] = ()
+
+    @property
+    def dns_relay(self) -> bool:
+        """Whether the guest asks ``dns_command`` for names through the agent's relay
+        (where the network is restricted, the engine's own resolver is out of reach)."""
+        return self.restrict and self.dns_command is not None
+
+
+@dataclass(frozen=True, slots=True)
+class Volume:
+    """A host directory shared into the guest, mounted by the agent under ``tag``."""
+
+    host: str
+    tag: str
+    readonly: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Placement:
+    """Where a VM's files live: ``state_dir`` (console log, engine logs, locks;
+    kept with the box) and ``run_dir`` (sockets; short paths, removed at exit)."""
+
+    box_id: str
+    hostname: str
+    state_dir: Path
+    run_dir: Path
+    agent_ports: int
+
+
+@dataclass(frozen=True, slots=True)
+class SavedState:
+    """A saved running state to start from: its directory and the facts it was saved with."""
+
+    directory: Path
+    facts: dict[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class LaunchSpec:
+    """Everything a VM is launched with."""
+
+    where: Placement
+    disk: Path
+    memory_mib: int
+    cpus: int
+    boot: dict[str, Any]  # a ``Boot.record``, with the VM's shape (memory_mib, cpus, agent_ports, network)
+    network: NetSpec | None = None  # None: no network card at all
+    volumes: tuple[Volume, ...] = ()
+    saved: SavedState | None = None  # load this state instead of booting
+    disk_readonly: bool = False
+    detached: bool = True  # outlives the process that launched it
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class VM(ABC):
+    """One running VM, launched here or found again by its reference."""
+
+    ref: VMRef
+
+    @property
+    @abstractmethod
+    def running(self) -> bool:
+        """The process lives (as far as this process has seen)."""
+
+    @abstractmethod
+    def exited(self) -> asyncio.Future[int | None]:
+        """Resolves when the VM process exits (with its status where known)."""
+
+    @abstractmethod
+    async def wait_exit(self, timeout: float | None = None) -> bool:
+        """True once the VM process has exited; False if ``timeout`` passed first."""
+
+    @abstractmethod
+    async def kill(self, grace: float = 2.0) -> None:
+        """End the VM: an orderly exit of the VM process first, SIGKILL after ``grace``."""
+
+    @abstractmethod
+    async def pause(self) -> None:
+        """Stop the vCPUs; memory and processes stay."""
+
+    @abstractmethod
+    async def resume(self) -> None:
+        """Let stopped vCPUs run again."""
+
+    @abstractmethod
+    async def status(self) -> VMStatus: ...
+
+    @abstractmethod
+    async def run_restored(self, timeout: float) -> None:
+        """A VM launched from a saved state: wait until the state is loaded, let the
+        guest run, and return only once it does. Raises ``BootError`` (with the
+        engine's reason) if the state cannot be loaded."""
+
+    @abstractmethod
+    async def save(self, directory: Path, *, new_disk: Path | None, keep_running: bool) -> float:
+        """Save memory and devices into ``directory`` (which exists and is empty).
+        ``new_disk``: the VM goes on writing to this new top layer (it starts empty
+        over the current one), switched while the VM is stopped. ``keep_running``:
+        let the guest run again afterwards (a snapshot), or leave it stopped (a
+        suspend). Returns the seconds the guest was stopped."""
+
+    @abstractmethod
+    async def published_ports(self) -> list[tuple[str, int, int]]:
+        """(host address, host port, guest port) of each published port, as bound."""
+
+    @abstractmethod
+    def agent_connector(self, port: int) -> Connector:
+        """Opens a byte stream to the agent's ``port``."""
+
+    @abstractmethod
+    def saved_facts(self) -> dict[str, Any]:
+        """The facts a state saved from this VM can only be loaded with."""
+
+    @abstractmethod
+    def console_tail(self, lines: int = 40) -> str: ...
+
+    @abstractmethod
+    def failure(self, what: str) -> BootError:
+        """``what`` went wrong, with the engine's own last words and the guest console."""
+
+    @abstractmethod
+    def cleanup(self) -> None:
+        """Remove what the VM left behind (sockets...) once it has exited."""
+
+
+class Engine(ABC):
+    """A VM technology. One instance per process and home; cheap to create."""
+
+    name: ClassVar[str]
+
+    @abstractmethod
+    def prepare(self, request: BootRequest) -> Boot:
+        """Resolve (fetching or building on first use) what a boot needs. Blocking."""
+
+    @abstractmethod
+    async def launch(self, spec: LaunchSpec) -> VM:
+        """Start a VM. It boots, or (``spec.saved``) waits to load a state until
+        ``VM.run_restored``. Returns once the VM process exists."""
+
+    @abstractmethod
+    def attach(self, ref: VMRef, where: Placement, boot: dict[str, Any]) -> VM:
+        """The VM behind ``ref`` (started by another process, or earlier); ``boot``: its
+        launch record (``LaunchSpec.boot``), from which it knows its own shape."""
+
+    @abstractmethod
+    def alive(self, ref: VMRef | None, box_id: str) -> bool:
+        """Whether ``ref`` still names the VM of ``box_id``. Blocking, loop-free."""
+
+    @abstractmethod
+    def probe(self, ref: VMRef | None, where: Placement) -> VMStatus:
+        """The VM's status, asked without an event loop (recovery runs anywhere)."""
+
+    @abstractmethod
+    def kill_now(self, ref: VMRef | None, box_id: str) -> None:
+        """SIGKILL the VM if ``ref`` still names it. Blocking, loop-free."""
+
+    @abstractmethod
+    def abort_save(self, ref: VMRef, where: Placement, *, resume: bool) -> None:
+        """A save was cut short (its process died): cancel it, and (``resume``) let the guest run."""
+
+    @abstractmethod
+    async def share_memory(self, state: SavedState, disk: Path) -> None:
+        """Give a saved state the form that many VMs map copy-on-write (forks,
+        templates, exports). Idempotent; concurrent callers wait for one another."""
+
+    @abstractmethod
+    def memory_shared(self, directory: Path) -> bool: ...
+
+    @abstractmethod
+    def state_files(self, directory: Path) -> dict[str, Path]:
+        """The files of a shared saved state, by archive member name."""
+
+    @abstractmethod
+    def check_compatible(self, facts: dict[str, Any], boot: Boot) -> None:
+        """Raise ``IncompatibleSnapshot`` unless a state saved with ``facts`` loads here."""
+
+    @abstractmethod
+    def facts_for_import(self, facts: dict[str, Any], boot: Boot) -> dict[str, Any]:
+        """The facts of an imported state, with this host's paths (kernel, initramfs)."""
+
+    @abstractmethod
+    def usage(self, ref: VMRef | None) -> dict[str, Any]:
+        """Host CPU seconds and resident memory of the VM (None where unknown)."""
+
+    @abstractmethod
+    def host_limits(self, ref: VMRef | None) -> dict[str, Any] | None:
+        """Where the host bounds the VM (its cgroup), if anywhere."""
+
+    @abstractmethod
+    def doctor(self) -> dict[str, Any]:
+        """Facts about this host for ``sandlot doctor``; never raises for a missing part."""
+
+
+__all__ = [
+    "VM",
+    "Boot",
+    "BootRequest",
+    "Connector",
+    "Engine",
+    "LaunchSpec",
+    "NetSpec",
+    "Placement",
+    "SavedState",
+    "VMRef",
+    "VMStatus",
+    "Volume",
+]

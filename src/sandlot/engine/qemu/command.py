@@ -1,0 +1,208 @@
+"""The QEMU command line of a microVM, and the facts measured that shape it."""
+
+from __future__ import annotations
+
+import functools
+import os
+import shutil
+import subprocess
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ...errors import HostSetupError
+from ...net.addresses import DNS_PORT, PROXY_ADDRESS, PROXY_PORT
+from ..base import NetSpec, Volume
+
+QEMU_BINARY = "qemu-system-x86_64"
+MACHINE = "microvm"
+
+# Facts measured for fast, reliable microvm boots (see DESIGN.md): without
+# tsc_early_khz about half of TCG boots hang; rtc=off costs 2 s; ACPI stays on
+# for virtio-mmio discovery.
+KERNEL_ARGS = (
+    "console=ttyS0 panic=-1 reboot=t quiet cryptomgr.notests no_timer_check tsc=reliable "
+    "mitigations=off i8042.noaux i8042.nokbd i8042.nopnp 8250.nr_uarts=1"
+)
+
+# Under TCG: "max" gives the guest the SSE4.2/AVX2 that modern wheels (numpy...)
+# require, but its ERMS/FSRM make the kernel and libc copy with `rep movsb`,
+# which TCG emulates byte by byte: without them pipes and virtio-serial run
+# 2-3x faster (measured: 66 -> 170 MB/s of exec stdout).
+TCG_CPU = "max,erms=off,fsrm=off"
+# The translated-code cache grows to 1 GiB by default; 128 MiB holds what a
+# Python workload translates (~100 MiB, no measurable slowdown) and bounds a
+# busy box's host memory. 32 MiB would save 13 MiB idle but cost 50% on Python.
+TCG_CODE_CACHE_MIB = 128
+
+
+def qemu_binary() -> str:
+    path = os.environ.get("SANDLOT_QEMU") or shutil.which(QEMU_BINARY)
+    if not path:
+        raise HostSetupError(f"{QEMU_BINARY} not found: install qemu-system-x86 (Debian/Ubuntu)")
+    return path
+
+
+def qemu_version(binary: str | None = None) -> str:
+    return _qemu_version(binary or qemu_binary())
+
+
+@functools.lru_cache(maxsize=8)
+def _qemu_version(binary: str) -> str:
+    out = subprocess.run([binary, "--version"], capture_output=True, text=True).stdout
+    first = out.splitlines()[0] if out else ""
+    return first.removeprefix("QEMU emulator version ").strip()
+
+
+def cpu_model(accel: str) -> str:
+    return "host" if accel == "kvm" else TCG_CPU
+
+
+def host_tsc_khz() -> int | None:
+    """The host TSC frequency, which a TCG guest's TSC runs at."""
+    try:
+        return int(Path("/sys/devices/system/cpu/cpu0/tsc_freq_khz").read_text())
+    except (OSError, ValueError):
+        pass
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("cpu MHz"):
+                return int(float(line.split(":")[1]) * 1000)
+    except (OSError, ValueError):
+        pass
+    return None
+
+
+@dataclass(slots=True)
+class VMConfig:
+    """One QEMU process's configuration (the engine's own view of a ``LaunchSpec``)."""
+
+    kernel: Path
+    initrd: Path
+    disk: Path
+    run_dir: Path  # sockets (short path)
+    state_dir: Path  # console log, QEMU stderr, the QMP lock
+    accel: str = "tcg"
+    memory_mib: int = 512
+    cpus: int = 1
+    hostname: str = "sandlot"
+    ports: int = 1
+    detached: bool = True
+    volumes: tuple[Volume, ...] = ()
+    extra_kernel_args: list[str] = field(default_factory=list)
+    network: NetSpec | None = None  # None: no network card at all
+    disk_readonly: bool = False
+    # Guest RAM in a file: shared (the file *is* the RAM: a state being prepared
+    # for forks) or private (copy-on-write over a saved memory image: a restore).
+    ram_file: Path | None = None
+    ram_shared: bool = False
+    incoming: bool = False  # wait for a saved state (``QemuVM.load_state``) instead of booting
+    # Or load this saved state, read from a descriptor QEMU inherits, when
+    # ``QemuVM.run_restored`` says so: every restore's path.
+    restore_from: Path | None = None
+    restore_ignore_shared: bool = False  # the state holds no RAM: it is in ``ram_file``
+
+    @property
+    def qmp_socket(self) -> Path:
+        return self.run_dir / "qmp.sock"
+
+    @property
+    def qmp_lock(self) -> Path:
+        return self.state_dir / "qmp.lock"
+
+    def agent_socket(self, port: int = 0) -> Path:
+        return self.run_dir / f"agent.{port}.sock"
+
+    @property
+    def console_log(self) -> Path:
+        return self.state_dir / "console.log"
+
+    @property
+    def stderr_log(self) -> Path:
+        return self.state_dir / "qemu.stderr"
+
+
+def _q(value: object) -> str:
+    """A value inside a QEMU option list: commas are doubled."""
+    return str(value).replace(",", ",,")
+
+
+def netdev(net: NetSpec) -> str:
+    """libslirp user networking: ``restrict=on`` blocks everything but hostfwd and
+    guestfwd; the helpers answer at the proxy address through guestfwd."""
+    opts = f"user,id=net0,ipv6=off,restrict={'on' if net.restrict else 'off'}"
+    for address, host_port, guest_port in net.forwards:
+        opts += f",hostfwd=tcp:{address}:{host_port}-:{guest_port}"
+    if net.proxy_command:
+        opts += f",guestfwd=tcp:{PROXY_ADDRESS}:{PROXY_PORT}-cmd:{_q(net.proxy_command)}"
+        for port in net.transparent_ports:
+            cmd = f"{net.proxy_command} --transparent {port}"
+            opts += f",guestfwd=tcp:{PROXY_ADDRESS}:{port}-cmd:{_q(cmd)}"
+    if net.dns_command:
+        opts += f",guestfwd=tcp:{PROXY_ADDRESS}:{DNS_PORT}-cmd:{_q(net.dns_command)}"
+    return opts
+
+
+def build_command(cfg: VMConfig, binary: str) -> list[str]:
+    append = KERNEL_ARGS
+    tsc = host_tsc_khz()
+    if tsc:
+        append += f" tsc_early_khz={tsc}"
+    append += f" sandlot.hostname={cfg.hostname} sandlot.ports={cfg.ports}"
+    if cfg.network is not None:
+        append += " sandlot.net=1"
+        if cfg.network.dns_relay:
+            append += " sandlot.dns=relay"
+    if cfg.extra_kernel_args:
+        append += " " + " ".join(cfg.extra_kernel_args)
+    machine = "microvm,x-option-roms=off,isa-serial=on,rtc=on"
+    ram: list[str] = []
+    if cfg.ram_file is not None:
+        # named like the machine's default RAM block, so a state saved by any VM loads into any other
+        machine += ",memory-backend=microvm.ram"
+        share = "on" if cfg.ram_shared else "off"
+        backend = f"memory-backend-file,id=microvm.ram,size={cfg.memory_mib}M,mem-path={_q(cfg.ram_file)}"
+        ram = ["-object", f"{backend},share={share}"]
+    if cfg.accel == "kvm":
+        accel = ["-accel", "kvm", "-cpu", "host"]
+    else:
+        accel = ["-accel", f"tcg,tb-size={TCG_CODE_CACHE_MIB}", "-cpu", TCG_CPU]
+    cmd = [
+        binary,
+        "-name", f"sandlot-{cfg.hostname}",
+        "-M", machine,
+        *accel,
+        "-smp", str(cfg.cpus),
+        "-m", f"{cfg.memory_mib}M",
+        *ram,
+        "-nodefaults", "-no-user-config", "-nographic", "-no-reboot",
+        "-chardev", f"file,id=console,path={_q(cfg.console_log)}",
+        "-serial", "chardev:console",
+        "-device", f"virtio-serial-device,max_ports={cfg.ports + 1}",  # port 0 is reserved for consoles
+    ]  # fmt: skip
+    if not (cfg.incoming or cfg.restore_from):
+        # a VM that loads a saved state gets its kernel from that state; loading the
+        # 45 MB vmlinux again would only cost time and memory
+        cmd += ["-kernel", str(cfg.kernel), "-initrd", str(cfg.initrd), "-append", append]
+    for port in range(cfg.ports):
+        cmd += [
+            "-chardev", f"socket,id=agent{port},path={_q(cfg.agent_socket(port))},server=on,wait=off",
+            "-device", f"virtserialport,chardev=agent{port},name=sandlot.{port}",
+        ]  # fmt: skip
+    cmd += [
+        "-drive", f"id=root,file={_q(cfg.disk)},format=qcow2,if=none,discard=unmap,detect-zeroes=unmap"
+                  + (",readonly=on" if cfg.disk_readonly else ""),
+        "-device", "virtio-blk-device,drive=root",
+        "-qmp", f"unix:{_q(cfg.qmp_socket)},server=on,wait=off",
+    ]  # fmt: skip
+    if cfg.network is not None:
+        cmd += ["-netdev", netdev(cfg.network), "-device", "virtio-net-device,netdev=net0"]
+    for vol in cfg.volumes:
+        # security_model=none: files keep the host user's ownership; no root needed
+        opts = f"local,id={vol.tag},path={_q(vol.host)},security_model=none" + (
+            ",readonly=on" if vol.readonly else ""
+        )
+        cmd += ["-fsdev", opts, "-device", f"virtio-9p-device,fsdev={vol.tag},mount_tag={vol.tag}"]
+    if cfg.incoming or cfg.restore_from is not None:
+        # -S: the guest runs only once the host says ``cont``
+        cmd += ["-S", "-incoming", "defer"]
+    return cmd

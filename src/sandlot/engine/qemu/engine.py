@@ -1,0 +1,286 @@
+"""The QEMU engine: microVMs under KVM, or under TCG emulation where KVM is not usable.
+
+Saved states are QEMU migration streams. A state directory holds one of two forms:
+
+* ``state``: RAM and devices in one stream. Any VM of the same shape loads it;
+  its RAM ends up private to that VM.
+* ``memory`` + ``devices``: the guest RAM as a raw file and the device state
+  without RAM (``x-ignore-shared``). VMs map ``memory`` copy-on-write
+  (``memory-backend-file,share=off``), so twenty children of one snapshot share
+  every page none of them wrote. ``share_memory`` turns the first form into the
+  second, once, with a helper QEMU; forks, templates and exports use it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import shutil
+import signal
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from ... import pids
+from ...config import fsync_dir, runtime_dir
+from ...errors import IncompatibleSnapshot, SavedStateError
+from .. import hostcgroup
+from ..base import Boot, BootRequest, Engine, LaunchSpec, NetSpec, Placement, SavedState, VMRef, VMStatus
+from . import accel as accel_mod
+from .assets import Assets, BootAssets
+from .command import MACHINE, VMConfig, cpu_model, host_tsc_khz, qemu_binary, qemu_version
+from .monitor import qmp_sync
+from .vm import STATUS, QemuVM, flock
+
+STATE_FILES = {"devices": "devices", "memory": "memory"}  # archive member -> file in the state directory
+
+
+class QemuEngine(Engine):
+    name = "qemu"
+
+    def __init__(self, home: Path) -> None:
+        self.home = home
+        self.assets = Assets(home)
+
+    # -- boots -------------------------------------------------------------------------
+
+    def resolve(self, request: BootRequest) -> BootAssets:
+        """The assets behind a ``Boot`` (for ``sandlot setup`` and the tests)."""
+        flavor = "generic" if request.volumes else "cloud"  # the cloud kernel has no 9p
+        extra: tuple[str, ...] = ("9p", "9pnet_virtio") if request.volumes else ()
+        if request.network:
+            extra += ("virtio_net",)
+        return self.assets.resolve(kernel=request.kernel, accel=request.accel, flavor=flavor,
+                                   extra_modules=extra)  # fmt: skip
+
+    def prepare(self, request: BootRequest) -> Boot:
+        assets = self.resolve(request)
+        return Boot(
+            engine=self.name,
+            accel=assets.accel.name,
+            accel_reason=assets.accel.reason,
+            record={
+                "kernel": str(assets.kernel.vmlinux),
+                "initrd": str(assets.initrd),
+                "accel": assets.accel.name,
+            },
+            identity=Assets.identity(assets),
+        )
+
+    def _config(self, where: Placement, boot: dict[str, Any], **kw: Any) -> VMConfig:
+        """A VM's configuration from its launch record (what attach knows) and ``kw``."""
+        shape: dict[str, Any] = {"memory_mib": boot.get("memory_mib", 512), "cpus": boot.get("cpus", 1),
+                                 "network": NetSpec() if boot.get("network") else None}  # fmt: skip
+        return VMConfig(
+            kernel=Path(boot.get("kernel") or ""), initrd=Path(boot.get("initrd") or ""),
+            run_dir=where.run_dir, state_dir=where.state_dir, accel=boot.get("accel") or "tcg",
+            hostname=where.hostname, ports=where.agent_ports, **{**shape, **kw},
+        )  # fmt: skip
+
+    async def launch(self, spec: LaunchSpec) -> QemuVM:
+        cfg = self._config(
+            spec.where, spec.boot, disk=spec.disk, memory_mib=spec.memory_mib, cpus=spec.cpus,
+            detached=spec.detached, volumes=spec.volumes, network=spec.network,
+            disk_readonly=spec.disk_readonly,
+        )  # fmt: skip
+        if spec.saved is not None:
+            d = spec.saved.directory
+            if self.memory_shared(d):
+                cfg.ram_file, cfg.ram_shared = d / "memory", False
+                cfg.restore_from, cfg.restore_ignore_shared = d / "devices", True
+            elif (d / "state").is_file():
+                cfg.restore_from, cfg.restore_ignore_shared = d / "state", False
+            else:
+                raise SavedStateError(f"the saved state in {d} has no files (removed meanwhile?)")
+        vm = QemuVM(cfg)
+        await vm.start()
+        return vm
+
+    def attach(self, ref: VMRef, where: Placement, boot: dict[str, Any]) -> QemuVM:
+        return QemuVM.attach(self._config(where, boot, disk=Path()), ref)
+
+    # -- recovery (no event loop) --------------------------------------------------------
+
+    def alive(self, ref: VMRef | None, box_id: str) -> bool:
+        if ref is None or not pids.alive(ref.pid, ref.start):
+            return False
+        return any(box_id in arg for arg in pids.cmdline(ref.pid))
+
+    def probe(self, ref: VMRef | None, where: Placement) -> VMStatus:
+        if not self.alive(ref, where.box_id):
+            return VMStatus.GONE
+        try:
+            reply = qmp_sync(
+                where.run_dir / "qmp.sock", where.state_dir / "qmp.lock", [("query-status", None)]
+            )
+        except Exception:
+            return VMStatus.UNKNOWN
+        status = reply[0].get("status") if isinstance(reply[0], dict) else None
+        return STATUS.get(str(status), VMStatus.UNKNOWN)
+
+    def kill_now(self, ref: VMRef | None, box_id: str) -> None:
+        if ref is not None and self.alive(ref, box_id):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(ref.pid, signal.SIGKILL)
+
+    def abort_save(self, ref: VMRef, where: Placement, *, resume: bool) -> None:
+        sock, lock = where.run_dir / "qmp.sock", where.state_dir / "qmp.lock"
+        with contextlib.suppress(Exception):
+            qmp_sync(sock, lock, [("migrate_cancel", None)])
+        if resume:
+            with contextlib.suppress(Exception):
+                qmp_sync(sock, lock, [("cont", None)])
+
+    # -- saved states ----------------------------------------------------------------------
+
+    def memory_shared(self, directory: Path) -> bool:
+        return (directory / "devices").is_file() and (directory / "memory").is_file()
+
+    def state_files(self, directory: Path) -> dict[str, Path]:
+        return {member: directory / name for member, name in STATE_FILES.items()}
+
+    async def share_memory(self, state: SavedState, disk: Path) -> None:
+        """Load the stream into a helper QEMU whose RAM is a shared file, then save
+        the devices without RAM: the file is the memory image children map."""
+        d = state.directory
+        if self.memory_shared(d):
+            return
+        fd = await asyncio.to_thread(flock, d / ".materialize.lock")
+        try:
+            if self.memory_shared(d):
+                return
+            facts = state.facts
+            work = Path(tempfile.mkdtemp(prefix=".work-", dir=d))
+            mem_tmp = d / ".memory.tmp"
+            with contextlib.suppress(FileNotFoundError):
+                mem_tmp.unlink()
+            boot = {"kernel": facts["engine_facts"]["kernel"], "initrd": facts["engine_facts"]["initrd"],
+                    "accel": facts["accel"]}  # fmt: skip
+            where = Placement(f"m-{d.name}", f"materialize-{d.name}", work, runtime_dir() / f"m-{d.name}",
+                              facts["agent_ports"])  # fmt: skip
+            cfg = self._config(
+                where, boot, disk=disk, disk_readonly=True, memory_mib=facts["memory_mib"],
+                cpus=facts["cpus"], detached=False, ram_file=mem_tmp, ram_shared=True, incoming=True,
+                network=NetSpec() if facts.get("network") else None,  # the same devices; it never runs
+            )  # fmt: skip
+            vm = QemuVM(cfg)
+            try:
+                await vm.start()
+                await vm.load_state(d / "state")
+                await vm.save_state(d / ".devices.tmp", ignore_shared=True)
+            except Exception as exc:
+                raise SavedStateError(
+                    f"the saved state {d.name} could not be prepared for forks: {exc}\n{vm.stderr_tail()}"
+                ) from exc
+            finally:
+                await vm.kill(grace=1.0)
+                vm.cleanup()
+                shutil.rmtree(work, ignore_errors=True)
+            await asyncio.to_thread(_fsync_file, mem_tmp)
+            os.rename(mem_tmp, d / "memory")
+            os.rename(d / ".devices.tmp", d / "devices")
+            fsync_dir(d)
+            with contextlib.suppress(FileNotFoundError):  # the stream says nothing the two files do not
+                (d / "state").unlink()
+        finally:
+            os.close(fd)
+
+    def check_compatible(self, facts: dict[str, Any], boot: Boot) -> None:
+        if facts.get("engine") != self.name:
+            raise IncompatibleSnapshot(
+                f"the snapshot was saved by the {facts.get('engine')!r} engine; this box runs on {self.name}"
+            )
+        ef = facts.get("engine_facts") or {}
+        mine = qemu_version()
+        if ef.get("machine") != MACHINE:
+            raise IncompatibleSnapshot(
+                f"the snapshot is of a {ef.get('machine')!r} machine; sandlot runs {MACHINE}"
+            )
+        if _major_minor(ef.get("qemu_version", "")) != _major_minor(mine):
+            raise IncompatibleSnapshot(
+                f"the snapshot was saved by QEMU {ef.get('qemu_version')}; this host has QEMU {mine}"
+            )
+        if facts.get("accel") != boot.accel:
+            raise IncompatibleSnapshot(
+                f"the snapshot was saved under {facts.get('accel')}; this host runs boxes under {boot.accel}"
+            )
+        wanted_cpu = cpu_model(boot.accel)
+        if ef.get("cpu_model") != wanted_cpu:
+            raise IncompatibleSnapshot(
+                f"the snapshot's CPU model {ef.get('cpu_model')!r} is not {wanted_cpu!r}"
+            )
+
+    def facts_for_import(self, facts: dict[str, Any], boot: Boot) -> dict[str, Any]:
+        ef = facts.get("engine_facts") or {}
+        keep = {k: ef[k] for k in ("machine", "qemu_version", "cpu_model") if k in ef}
+        return {
+            **facts,
+            "engine_facts": {**keep, "kernel": boot.record["kernel"], "initrd": boot.record["initrd"]},
+        }
+
+    # -- facts ----------------------------------------------------------------------------
+
+    def usage(self, ref: VMRef | None) -> dict[str, Any]:
+        out: dict[str, Any] = {"cpu_seconds": None, "rss_bytes": None}
+        if ref is None or not pids.alive(ref.pid, ref.start):
+            return out
+        try:
+            stat = Path(f"/proc/{ref.pid}/stat").read_text()
+            fields = stat[stat.rindex(")") + 2 :].split()
+            ticks = os.sysconf("SC_CLK_TCK")
+            out["cpu_seconds"] = round((int(fields[11]) + int(fields[12])) / ticks, 2)
+            for line in Path(f"/proc/{ref.pid}/status").read_text().splitlines():
+                if line.startswith("VmRSS:"):
+                    out["rss_bytes"] = int(line.split()[1]) * 1024
+        except (OSError, ValueError, IndexError):
+            pass
+        return out
+
+    def host_limits(self, ref: VMRef | None) -> dict[str, Any] | None:
+        if ref is None or not pids.alive(ref.pid, ref.start):
+            return None
+        placement = hostcgroup.placement_of(ref.pid)
+        return placement.report() if placement else None
+
+    def doctor(self) -> dict[str, Any]:
+        from ...errors import HostSetupError
+        from ...guest.kernel import BASE_MODULES
+
+        report: dict[str, Any] = {"engine": self.name}
+        try:
+            qemu = qemu_binary()
+            report["qemu"] = {"path": qemu, "version": qemu_version(qemu)}
+        except HostSetupError as exc:
+            report["qemu"] = {"error": str(exc)}
+        blocker = accel_mod.kvm_precheck()
+        report["kvm_precheck"] = "ok" if blocker is None else blocker
+        try:
+            assets = self.resolve(BootRequest())
+            report["accel"] = {"name": assets.accel.name, "reason": assets.accel.reason}
+            report["kernel"] = {
+                "version": assets.kernel.version,
+                "source": assets.kernel.source,
+                "vmlinux": str(assets.kernel.vmlinux),
+                "sha256": assets.kernel.sha256,
+                "modules": assets.kernel.load_order(BASE_MODULES),
+            }
+            report["agent"] = {"path": str(assets.agent.path), "compiler": assets.agent.compiler}
+            report["initramfs"] = str(assets.initrd)
+        except Exception as exc:
+            report["error"] = f"{type(exc).__name__}: {exc}"
+        report["tsc_khz"] = host_tsc_khz()
+        report["host_cgroup"] = hostcgroup.detect().report()
+        return report
+
+
+def _major_minor(version: str) -> tuple[str, ...]:
+    return tuple(version.split(" ")[0].split(".")[:2])
+
+
+def _fsync_file(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

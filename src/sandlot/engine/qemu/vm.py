@@ -1,0 +1,460 @@
+"""One QEMU process: launch, exit watch, QMP, saving and loading state.
+
+A VM is a QEMU process plus a few files: the console log, QEMU's stderr, and
+unix sockets for QMP and the agent's virtio-serial ports. Nothing here speaks
+the agent protocol; the core connects to the agent through ``agent_connector``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import fcntl
+import os
+import signal
+import subprocess
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+from qemu.qmp import QMPClient
+
+from ... import pids
+from ...errors import BootError, SavedStateError
+from .. import hostcgroup
+from ..base import VM, Connector, VMRef, VMStatus
+from .command import (
+    MACHINE,
+    TCG_CODE_CACHE_MIB,
+    VMConfig,
+    build_command,
+    cpu_model,
+    qemu_binary,
+    qemu_version,
+)
+
+# QEMU's run states, as ``query-status`` names them, in engine-neutral terms.
+STATUS = {
+    "running": VMStatus.RUNNING,
+    "paused": VMStatus.PAUSED,
+    "postmigrate": VMStatus.PAUSED,
+    "prelaunch": VMStatus.PAUSED,
+    "suspended": VMStatus.PAUSED,
+    "inmigrate": VMStatus.LOADING,
+    "finish-migrate": VMStatus.SAVING,
+    "save-vm": VMStatus.SAVING,
+    "restore-vm": VMStatus.LOADING,
+}
+
+
+def tail(path: Path, lines: int = 40, max_bytes: int = 64 * 1024) -> str:
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            size = f.tell()
+            f.seek(max(0, size - max_bytes))
+            data = f.read()
+    except OSError:
+        return ""
+    text = data.decode("utf-8", "replace").replace("\r\n", "\n")
+    return "\n".join(text.splitlines()[-lines:])
+
+
+def flock(path: Path) -> int:
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    return fd
+
+
+def _die_with_parent() -> None:
+    """preexec: an attached (not detached) VM is SIGKILLed when the process that made it dies."""
+    PR_SET_PDEATHSIG = 1
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+
+
+def parse_host_forwards(usernet: str) -> list[tuple[str, int, int]]:
+    """The TCP host forwards in HMP ``info usernet``, whose rows read
+    ``TCP[HOST_FORWARD]  FD  SRC_ADDR SRC_PORT  DST_ADDR DST_PORT  RECVQ SENDQ``."""
+    out = []
+    for line in usernet.splitlines():
+        fields = line.split()
+        if len(fields) >= 6 and fields[0] == "TCP[HOST_FORWARD]":
+            with contextlib.suppress(ValueError):
+                out.append((fields[2], int(fields[3]), int(fields[5])))
+    return out
+
+
+async def set_migration(q: QMPClient, ignore_shared: bool) -> None:
+    caps = [{"capability": "x-ignore-shared", "state": ignore_shared}]
+    await q.execute("migrate-set-capabilities", {"capabilities": caps})
+    # the default bandwidth cap (128 MiB/s) is for networks, not a local file
+    await q.execute("migrate-set-parameters", {"max-bandwidth": 1 << 40})
+
+
+class QemuVM(VM):
+    """One QEMU process: started here, or found again by pid from another process.
+
+    Its exit is watched through a pidfd, which works for processes that are not
+    our children too. QMP is used in short exchanges under a file lock, since
+    the QMP socket takes one client at a time and any process may need it.
+    """
+
+    def __init__(self, cfg: VMConfig) -> None:
+        self.cfg = cfg
+        self.ref = VMRef(0, "")
+        self._popen: subprocess.Popen[bytes] | None = None
+        self._exited: asyncio.Future[int | None] | None = None
+        self._pidfd: int | None = None
+        self._state_fd: int | None = None  # its number in QEMU, which inherits it
+        self.host_cgroup: hostcgroup.Placement | None = None  # where the host bounds it
+
+    @property
+    def pid(self) -> int:
+        return self.ref.pid
+
+    @property
+    def command(self) -> list[str]:
+        return build_command(self.cfg, qemu_binary())
+
+    async def start(self) -> None:
+        cfg = self.cfg
+        cfg.run_dir.mkdir(parents=True, exist_ok=True)
+        cfg.state_dir.mkdir(parents=True, exist_ok=True)
+        for port in range(cfg.ports):
+            with contextlib.suppress(FileNotFoundError):
+                cfg.agent_socket(port).unlink()
+        with contextlib.suppress(FileNotFoundError):
+            cfg.qmp_socket.unlink()
+        cfg.console_log.write_bytes(b"")
+        with contextlib.ExitStack() as files:
+            if cfg.restore_from is not None:
+                self._state_fd = files.enter_context(open(cfg.restore_from, "rb")).fileno()
+            err = files.enter_context(open(cfg.stderr_log, "wb"))
+            self._popen = subprocess.Popen(
+                self.command,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=err,
+                start_new_session=True,
+                close_fds=True,
+                pass_fds=() if self._state_fd is None else (self._state_fd,),
+                preexec_fn=None if cfg.detached else _die_with_parent,
+            )
+        pid = self._popen.pid
+        self.ref = VMRef(pid, pids.start_time(pid) or "")
+        # Right after the spawn, while QEMU still sets itself up: guest RAM and the code
+        # cache fill only once the guest runs or a state loads, so they are charged here.
+        code_cache = 0 if cfg.accel == "kvm" else TCG_CODE_CACHE_MIB
+        limits = hostcgroup.Limits.for_vm(cfg.memory_mib, cfg.cpus, code_cache)
+        self.host_cgroup = hostcgroup.place(pid, cfg.hostname, limits)
+        self._watch_exit()
+
+    @classmethod
+    def attach(cls, cfg: VMConfig, ref: VMRef) -> QemuVM:
+        """A QEMU started by another process (or an earlier one of ours)."""
+        vm = cls(cfg)
+        vm.ref = ref
+        if pids.alive(ref.pid, ref.start):
+            vm.host_cgroup = hostcgroup.placement_of(ref.pid)
+        vm._watch_exit()
+        return vm
+
+    def _watch_exit(self) -> None:
+        loop = asyncio.get_running_loop()
+        self._exited = loop.create_future()
+        if self._popen is None and not pids.alive(self.ref.pid, self.ref.start):
+            self._exited.set_result(None)
+            return
+        try:
+            self._pidfd = os.pidfd_open(self.ref.pid)
+        except OSError:  # already gone
+            self._reap()
+            return
+        loop.add_reader(self._pidfd, self._reap)
+
+    def _reap(self) -> None:
+        code: int | None = None
+        if self._popen is not None:
+            code = self._popen.poll()
+            if code is None:
+                return  # spurious wake-up
+        if self._pidfd is not None:
+            with contextlib.suppress(Exception):
+                asyncio.get_running_loop().remove_reader(self._pidfd)
+            os.close(self._pidfd)
+            self._pidfd = None
+        if self.host_cgroup is not None:
+            self.host_cgroup.remove()
+        if self._exited is not None and not self._exited.done():
+            self._exited.set_result(code)
+
+    # -- the VM interface ---------------------------------------------------------------
+
+    @property
+    def running(self) -> bool:
+        return self._exited is not None and not self._exited.done()
+
+    @property
+    def exit_code(self) -> int | None:
+        if self._exited is not None and self._exited.done():
+            return self._exited.result()
+        return None
+
+    def exited(self) -> asyncio.Future[int | None]:
+        assert self._exited is not None
+        return self._exited
+
+    async def wait_exit(self, timeout: float | None = None) -> bool:
+        if self._exited is None:
+            return True
+        try:
+            await asyncio.wait_for(asyncio.shield(self._exited), timeout)
+        except TimeoutError:
+            return False
+        return True
+
+    async def kill(self, grace: float = 2.0) -> None:
+        """QMP quit first, SIGKILL after ``grace`` seconds."""
+        if not self.running:
+            return
+        with contextlib.suppress(Exception):
+            await self.qmp("quit", timeout=max(grace, 0.5))
+        gone = await self.wait_exit(grace)
+        if not gone and pids.alive(self.ref.pid, self.ref.start):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.ref.pid, signal.SIGKILL)
+            await self.wait_exit(5.0)
+
+    async def pause(self) -> None:
+        await self.qmp("stop")
+
+    async def resume(self) -> None:
+        await self.qmp("cont")
+
+    async def status(self) -> VMStatus:
+        if not self.running:
+            return VMStatus.GONE
+        try:
+            reply = await self.qmp("query-status", timeout=5.0)
+        except Exception:
+            return VMStatus.GONE if not self.running else VMStatus.UNKNOWN
+        return STATUS.get(str(reply.get("status")) if isinstance(reply, dict) else "", VMStatus.UNKNOWN)
+
+    def agent_connector(self, port: int) -> Connector:
+        sock = str(self.cfg.agent_socket(port))
+
+        async def connect() -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+            return await asyncio.open_unix_connection(sock, limit=1 << 22)
+
+        return connect
+
+    def saved_facts(self) -> dict[str, Any]:
+        """What a state saved now can only be loaded with: the same VM shape, QEMU and accelerator."""
+        cfg = self.cfg
+        return {
+            "engine": "qemu",
+            "memory_mib": cfg.memory_mib,
+            "cpus": cfg.cpus,
+            "agent_ports": cfg.ports,
+            "network": cfg.network is not None,  # a network card is part of the device state
+            "accel": cfg.accel,
+            "engine_facts": {
+                "machine": MACHINE,
+                "qemu_version": qemu_version(),
+                "cpu_model": cpu_model(cfg.accel),
+                "kernel": str(cfg.kernel),
+                "initrd": str(cfg.initrd),
+            },
+        }
+
+    def console_tail(self, lines: int = 40) -> str:
+        return tail(self.cfg.console_log, lines)
+
+    def stderr_tail(self, lines: int = 20) -> str:
+        return tail(self.cfg.stderr_log, lines)
+
+    def failure(self, what: str) -> BootError:
+        code = self.exit_code
+        msg = what
+        if code is not None:
+            msg += f" (QEMU exited with status {code})"
+        err = self.stderr_tail()
+        if err:
+            msg += f"\n--- QEMU stderr ---\n{err}"
+        return BootError(msg, self.console_tail())
+
+    def cleanup(self) -> None:
+        """Remove sockets, and the host cgroup that outlived QEMU's exit, once QEMU is gone."""
+        if self.host_cgroup is not None:
+            self.host_cgroup.remove()
+        for port in range(self.cfg.ports):
+            with contextlib.suppress(FileNotFoundError):
+                self.cfg.agent_socket(port).unlink()
+        with contextlib.suppress(FileNotFoundError):
+            self.cfg.qmp_socket.unlink()
+        with contextlib.suppress(OSError):
+            self.cfg.run_dir.rmdir()
+
+    # -- QMP ------------------------------------------------------------------------------
+
+    async def qmp(self, command: str, arguments: dict[str, Any] | None = None, timeout: float = 10.0) -> Any:
+        """Run one QMP command (serialised with every other process through a lock)."""
+        async with self.qmp_session(timeout) as client:
+            return await asyncio.wait_for(client.execute(command, arguments), timeout)
+
+    @contextlib.asynccontextmanager
+    async def qmp_session(self, timeout: float = 10.0) -> AsyncIterator[QMPClient]:
+        """A QMP client for several commands in a row, holding the QMP lock."""
+        fd = await asyncio.to_thread(flock, self.cfg.qmp_lock)
+        try:
+            client = await self._qmp_connect(timeout)
+            try:
+                yield client
+            finally:
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(client.disconnect(), 2.0)
+        finally:
+            os.close(fd)
+
+    async def _qmp_connect(self, timeout: float) -> QMPClient:
+        """Connect, waiting for the socket of a QEMU that is still starting."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        # QEMU may still be starting, and qemu.qmp logs every refused try: wait for the socket
+        while True:
+            if self.cfg.qmp_socket.exists() or not self.running or loop.time() > deadline:
+                break
+            await asyncio.sleep(0.005)
+        while True:
+            client = QMPClient(f"sandlot-{self.cfg.hostname}")
+            try:
+                await asyncio.wait_for(client.connect(str(self.cfg.qmp_socket)), timeout)
+                return client
+            except Exception as exc:
+                cause = getattr(exc, "exc", None) or exc.__cause__
+                starting = isinstance(cause, FileNotFoundError | ConnectionRefusedError)
+                if not starting or not self.running or loop.time() > deadline:
+                    raise
+            await asyncio.sleep(0.005)
+
+    async def _wait_migration(self, q: QMPClient, timeout: float) -> None:
+        """Until the migration in progress (a save or a load) has completed."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        delay = 0.002
+        while True:
+            info = await q.execute("query-migrate")
+            if not isinstance(info, dict):
+                info = {}
+            status = info.get("status")
+            if status == "completed":
+                return
+            if status in ("failed", "cancelled"):
+                raise SavedStateError(
+                    f"QEMU could not save or load the state: {info.get('error-desc', status)}"
+                )
+            if status is None and not self.running:
+                raise SavedStateError("QEMU exited while saving or loading the state")
+            if loop.time() > deadline:
+                with contextlib.suppress(Exception):
+                    await q.execute("migrate_cancel")
+                raise SavedStateError(f"saving or loading the state took more than {timeout:.0f}s")
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 0.05)
+
+    # -- saved state ----------------------------------------------------------------------
+
+    async def save_state(self, path: Path, *, ignore_shared: bool = False, timeout: float = 120.0) -> int:
+        """Write the VM's device state (and RAM, unless it lives in a shared file
+        and ``ignore_shared``) to ``path`` with QEMU's migration. The VM must be
+        stopped. Returns the bytes written."""
+        with open(path, "wb") as f:
+            async with self.qmp_session() as q:
+                await set_migration(q, ignore_shared)
+                q.send_fd_scm(f.fileno())
+                await q.execute("getfd", {"fdname": "sandlot-state"})
+                await q.execute("migrate", {"uri": "fd:sandlot-state"})
+                await self._wait_migration(q, timeout)
+            os.fsync(f.fileno())
+            return f.tell()
+
+    async def load_state(self, path: Path, *, ignore_shared: bool = False, timeout: float = 120.0) -> None:
+        """Load a state written by ``save_state`` into a VM started with ``incoming``;
+        the VM stays stopped."""
+        with open(path, "rb") as f:
+            async with self.qmp_session() as q:
+                await set_migration(q, ignore_shared)
+                q.send_fd_scm(f.fileno())
+                await q.execute("getfd", {"fdname": "sandlot-state"})
+                await q.execute("migrate-incoming", {"uri": "fd:sandlot-state"})
+                await self._wait_migration(q, timeout)
+
+    async def save(self, directory: Path, *, new_disk: Path | None, keep_running: bool) -> float:
+        loop = asyncio.get_running_loop()
+        status = await self.qmp("query-status")
+        was_running = isinstance(status, dict) and status.get("status") == "running"
+        t0 = loop.time()
+        if was_running:
+            await self.qmp("stop")
+        try:
+            if new_disk is not None:
+                args = {
+                    "device": "root",
+                    "snapshot-file": str(new_disk),
+                    "format": "qcow2",
+                    "mode": "existing",
+                }
+                await self.qmp("blockdev-snapshot-sync", args)
+            await self.save_state(directory / "state")
+        finally:
+            if keep_running and was_running:
+                await self.qmp("cont")
+        return loop.time() - t0
+
+    async def run_restored(self, timeout: float) -> None:
+        """Load the state this VM was started with (``restore_from``), then let it run.
+
+        ``cont`` is sent only once the load has completed, and the VM is confirmed
+        running after it. Sent while the state still loads, ``cont`` only sets
+        QEMU's autostart flag, and autostart is ignored when the saved state
+        records a stopped VM (ours are saved stopped): QEMU then leaves the loaded
+        VM paused for good. That was the race behind boxes that never answered when
+        many started at once.
+        """
+        assert self._state_fd is not None, "a VM started with restore_from"
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        try:
+            async with self.qmp_session() as q:
+                await set_migration(q, self.cfg.restore_ignore_shared)
+                await q.execute("migrate-incoming", {"uri": f"fd:{self._state_fd}"})
+                await self._wait_migration(q, timeout)
+                delay = 0.001
+                while True:
+                    reply = await q.execute("query-status")
+                    status = reply.get("status") if isinstance(reply, dict) else None
+                    if status == "running":
+                        return
+                    if status != "inmigrate":  # loaded and stopped: let it run (again, if a
+                        await q.execute("cont")  # cont raced the load's last step)
+                    if loop.time() > deadline:
+                        raise SavedStateError(
+                            f"the restored VM did not run within {timeout:.0f}s (QEMU: {status})"
+                        )
+                    await asyncio.sleep(delay)
+                    delay = min(delay * 2, 0.05)
+        except Exception as exc:
+            if isinstance(exc, SavedStateError) and self.running:
+                raise
+            if await self.wait_exit(0.5) is False:
+                raise
+            await asyncio.sleep(0.05)  # let its stderr catch up
+            raise self.failure("QEMU could not load the saved state") from exc
+
+    async def published_ports(self) -> list[tuple[str, int, int]]:
+        if not self.cfg.network or not self.cfg.network.forwards:
+            return []
+        text = await self.qmp("human-monitor-command", {"command-line": "info usernet"})
+        return parse_host_forwards(text if isinstance(text, str) else "")

@@ -1,0 +1,24 @@
+"""What the guest sees of sandlot's network: the address where the egress proxy
+and the DNS answerer listen, and the environment that points programs at the
+proxy. Every engine must route these to the helpers the core names in its
+``NetSpec``; they are the guest's side of the contract, not an engine's.
+
+This module imports nothing: the proxy and the DNS answerer, started once per
+guest connection, read it.
+"""
+
+from __future__ import annotations
+
+# QEMU's user networking (libslirp) gives the guest 10.0.2.15 behind a virtual
+# gateway 10.0.2.2; sandlot's helpers answer at an address of that network.
+PROXY_ADDRESS = "10.0.2.100"
+PROXY_PORT = 3128
+DNS_PORT = 53
+
+
+def proxy_env() -> dict[str, str]:
+    """What makes proxy-aware programs (pip, curl, git, npm, requests...) use the egress proxy."""
+    url = f"http://{PROXY_ADDRESS}:{PROXY_PORT}"
+    no_proxy = "localhost,127.0.0.1,::1"
+    return {"HTTP_PROXY": url, "HTTPS_PROXY": url, "http_proxy": url, "https_proxy": url,
+            "NO_PROXY": no_proxy, "no_proxy": no_proxy}  # fmt: skip

@@ -1,0 +1,34 @@
+"""Root filesystems the tests and benchmarks boot, built from the host's Debian
+packages (no registry needed) and cached between runs."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+from pathlib import Path
+
+from sandlot.images.builders import busybox_rootfs, debian_rootfs
+
+CACHE = Path(os.environ.get("SANDLOT_TEST_CACHE", Path.home() / ".cache" / "sandlot-tests"))
+
+
+def _stamp(*parts: str) -> str:
+    return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:12]
+
+
+def busybox_root() -> Path:
+    """A busybox-static root filesystem (rebuilt when the host's busybox changes)."""
+    busybox = shutil.which("busybox") or "/bin/busybox"
+    dest = CACHE / f"rootfs-busybox-{_stamp(str(os.stat(busybox).st_mtime_ns), 'v2')}"
+    if not (dest / "bin" / "busybox").exists():
+        busybox_rootfs(dest)
+    return dest
+
+
+def debian_root() -> Path:
+    """Debian bookworm minbase with python3 (mmdebstrap; about 20 s the first time)."""
+    dest = CACHE / "rootfs-debian-python3-v1"
+    if not (dest / "usr" / "bin" / "python3").exists():
+        debian_rootfs(dest, ["python3"])
+    return dest

@@ -1,0 +1,288 @@
+"""The agent's protocol engine on the host: exec and files semantics without a
+VM, and fuzzing with random and mutated frames under ASan/UBSan."""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import os
+import random
+import socket
+import struct
+import time
+from pathlib import Path
+
+import pytest
+
+from sandlot.errors import GuestFileNotFoundError, GuestPermissionError
+from sandlot.protocol import files as pfiles
+from sandlot.protocol import wire
+from sandlot.protocol.exec import ExecRequest, RemoteProcess
+from sandlot.protocol.wire import FrameDecoder, FsOp, T, Tag
+
+from tests.support.hostagent import connected, spawn
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+async def _exec(conn, argv, **kw):
+    proc = await RemoteProcess.start(conn, ExecRequest(argv=argv, **kw))
+    status = await proc.wait()
+    return status, proc.stdout.take_buffered(), proc.stderr.take_buffered()
+
+
+def test_exec_and_output_streams(tmp_path: Path) -> None:
+    async def go() -> None:
+        async with connected(tmp_path) as (conn, _):
+            st, out, err = await _exec(conn, ["sh", "-c", "echo out; echo err >&2; exit 7"])
+            assert (st.exit_code, out, err) == (7, b"out\n", b"err\n")
+            st, out, _ = await _exec(conn, ["sh", "-c", "head -c 5000000 /dev/zero"])
+            assert st.exit_code == 0 and out == bytes(5000000)
+            with pytest.raises(GuestFileNotFoundError, match="no-such-program"):
+                await _exec(conn, ["no-such-program"])
+
+    run(go())
+
+
+def test_stdin_roundtrip_and_window(tmp_path: Path) -> None:
+    data = os.urandom(3 * wire.WINDOW + 12345)
+
+    async def go() -> None:
+        async with connected(tmp_path) as (conn, _):
+            proc = await RemoteProcess.start(conn, ExecRequest(argv=["cat"], stdin=True))
+            proc.stdout.drain()  # keep cat's output flowing while we feed it, as exec() does
+            await proc.write_stdin(data)
+            await proc.close_stdin()
+            st = await proc.wait()
+            assert st.exit_code == 0
+            assert proc.stdout.take_buffered() == data
+
+    run(go())
+
+
+def test_file_ops_on_host_tmp(tmp_path: Path) -> None:
+    async def go() -> None:
+        async with connected(tmp_path) as (conn, _):
+            target = str(tmp_path / "sub" / "f.bin")
+            blob = os.urandom(2_500_000)
+            assert await pfiles.write_stream(conn, target, blob, mode=0o640) == len(blob)
+            assert os.stat(target).st_mode & 0o777 == 0o640
+            size, _mode, chunks = await pfiles.read_stream(conn, target)
+            assert size == len(blob)
+            assert b"".join([c async for c in chunks]) == blob
+            entries = await pfiles.fs_request(conn, FsOp.LIST, str(tmp_path / "sub"))
+            assert [e.name for e in entries] == ["f.bin"]
+            with pytest.raises(GuestFileNotFoundError):
+                await pfiles.fs_request(conn, FsOp.STAT, str(tmp_path / "missing"))
+            # no temporary file is left beside the target
+            assert os.listdir(tmp_path / "sub") == ["f.bin"]
+
+    run(go())
+
+
+def test_safe_mode_refuses_side_effects(tmp_path: Path) -> None:
+    async def go() -> None:
+        async with connected(tmp_path, safe=True) as (conn, _):
+            with pytest.raises(GuestPermissionError):
+                await _exec(conn, ["true"])
+            with pytest.raises(GuestPermissionError):
+                await pfiles.write_stream(conn, str(tmp_path / "x"), b"x")
+            with pytest.raises(GuestPermissionError):
+                await pfiles.fs_request(conn, FsOp.REMOVE, str(tmp_path))
+            assert tmp_path.exists()
+
+    run(go())
+
+
+# ---- raw frames ------------------------------------------------------------------------
+
+
+class Raw:
+    """Speak raw bytes to a host agent and read back frames (which must always be valid)."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.dec = FrameDecoder()
+        self.pending: list[wire.Frame] = []
+        sock.settimeout(10)
+
+    def send(self, data: bytes) -> None:
+        self.sock.sendall(data)
+
+    def frame(self, ftype: int, ch: int = 0, payload: bytes = b"") -> None:
+        self.send(wire.encode_frame(ftype, ch, payload))
+
+    def hello(self) -> None:
+        self.frame(
+            T.HELLO,
+            0,
+            wire.tlv(Tag.VERSION_MIN, 1) + wire.tlv(Tag.VERSION_MAX, 1) + wire.tlv(Tag.SESSION, bytes(16)),
+        )
+        assert self.until(lambda f: f.type == T.HELLO_ACK)
+
+    def until(self, pred, timeout: float = 10.0):
+        """Read frames until one matches; returns it (ProtocolError if the agent's framing breaks)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            while self.pending:
+                f = self.pending.pop(0)
+                if pred(f):
+                    return f
+            try:
+                data = self.sock.recv(1 << 20)
+            except TimeoutError:
+                break
+            if not data:
+                raise AssertionError("agent closed the connection")
+            self.pending.extend(self.dec.feed(data))
+        raise AssertionError("no matching frame from the agent")
+
+    def ping_ok(self, tag: bytes) -> None:
+        # A frame in progress may still be waiting for up to MAX_PAYLOAD bytes:
+        # zeros complete it, then the agent resynchronises on our PING's magic.
+        self.send(bytes(wire.MAX_PAYLOAD + wire.HEADER_SIZE + 16))
+        self.frame(T.PING, 0, tag)
+        self.until(lambda f: f.type == T.PONG and f.payload == tag, timeout=30)
+
+
+def _errors(raw: Raw, n: int) -> list[int]:
+    got = []
+    for _ in range(n):
+        f = raw.until(lambda f: f.type == T.ERROR)
+        got.append(wire.Fields(f.payload).u32(Tag.ERRNO))
+    return got
+
+
+def test_bad_frames_get_error_replies(tmp_path: Path) -> None:
+    agent = spawn(tmp_path, kind="sanitize", safe=True)
+    raw = Raw(agent.sock)
+    try:
+        raw.frame(T.EXEC, 1, b"")  # before HELLO: skipped, as leftovers of an old connection would be
+        raw.send(wire.encode_frame(T.FS, 2, bytes(100))[:20])  # even half a frame
+        raw.hello()
+        raw.frame(0x7F, 5, b"whatever")  # unknown type
+        assert _errors(raw, 1) == [errno.ENOSYS]
+        raw.frame(T.EXEC, 6, b"\x01\x00\xff\xff\xff\xff")  # TLV longer than the payload
+        assert _errors(raw, 1) == [errno.EINVAL]
+        raw.send(struct.pack("<HBBII", wire.MAGIC, T.PING, 0, 0, wire.MAX_PAYLOAD + 1))  # oversized
+        assert _errors(raw, 1) == [errno.E2BIG]
+        raw.send(bytes(wire.MAX_PAYLOAD + 1))  # its payload is skipped, not buffered
+        raw.send(b"garbage!")  # bad magic, then resync
+        assert _errors(raw, 1) == [errno.EPROTO]
+        raw.ping_ok(b"alive")
+        assert agent.proc.poll() is None
+    finally:
+        agent.proc.kill()
+        agent.proc.wait()
+    assert "Sanitizer" not in agent.stderr() and "runtime error" not in agent.stderr()
+
+
+def _valid_frames(tmp: Path) -> list[tuple[int, bytes]]:
+    p = str(tmp)
+    tl = wire.tlv
+    return [
+        (T.EXEC, tl(Tag.ARG, "true") + tl(Tag.ENV, "A=B") + tl(Tag.CWD, "/") + tl(Tag.FLAGS, 3)),
+        (T.FS, tl(Tag.OP, FsOp.LIST) + tl(Tag.PATH, p) + tl(Tag.FLAGS, 0)),
+        (T.FS, tl(Tag.OP, FsOp.STAT) + tl(Tag.PATH, p)),
+        (T.FS, tl(Tag.OP, FsOp.MKDIR) + tl(Tag.PATH, p + "/d") + tl(Tag.MODE, 0o755) + tl(Tag.USER, "0:0")),
+        (
+            T.FILE_READ,
+            tl(Tag.PATH, "/etc/hostname") + wire.tlv_u64(Tag.OFFSET, 1) + wire.tlv_u64(Tag.LENGTH, 3),
+        ),
+        (T.FILE_WRITE, tl(Tag.PATH, p + "/w") + tl(Tag.FLAGS, 2)),
+        (T.DATA, wire.data_payload(0, 0, b"abc")),
+        (T.ACK, wire.data_payload(1, 10)),
+        (T.EOF, wire.data_payload(0, 3)),
+        (T.SIGNAL, tl(Tag.SIGNAL, 9) + tl(Tag.FLAGS, 1)),
+        (T.RESIZE, tl(Tag.ROWS, 10) + tl(Tag.COLS, 10)),
+        (T.RESUME, tl(Tag.STREAM_OFFSET, bytes(12))),
+        (T.CONTROL, tl(Tag.OP, 2)),
+        (T.CLOSE, b""),
+        (T.HELLO, tl(Tag.VERSION_MIN, 1) + tl(Tag.VERSION_MAX, 1) + tl(Tag.SESSION, bytes(16))),
+    ]
+
+
+def _mutate(rng: random.Random, data: bytes) -> bytes:
+    b = bytearray(data)
+    for _ in range(rng.randint(1, 6)):
+        op = rng.random()
+        if op < 0.4 and b:
+            b[rng.randrange(len(b))] = rng.randrange(256)
+        elif op < 0.6 and b:
+            del b[rng.randrange(len(b)) :]
+        elif op < 0.8:
+            b[rng.randrange(len(b) + 1) : rng.randrange(len(b) + 1)] = rng.randbytes(rng.randint(1, 16))
+        elif len(b) >= 6:  # corrupt a TLV length field
+            i = rng.randrange(len(b) - 5)
+            b[i + 2 : i + 6] = struct.pack("<I", rng.choice([0, 1, 0xFFFF, 0xFFFFFFFF, len(b)]))
+    return bytes(b)
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_fuzz_random_and_mutated_frames(tmp_path: Path, seed: int) -> None:
+    """Thousands of hostile frames: the agent (ASan+UBSan build, side effects
+    off) never crashes, never emits a malformed frame, and still answers."""
+    rng = random.Random(seed)
+    agent = spawn(tmp_path, kind="sanitize", safe=True)
+    raw = Raw(agent.sock)
+    valid = _valid_frames(tmp_path)
+    try:
+        raw.hello()
+        for i in range(3000):
+            r = rng.random()
+            if r < 0.15:
+                raw.send(rng.randbytes(rng.randint(1, 300)))
+            elif r < 0.35:
+                ftype = rng.choice([*list(T), rng.randrange(256)])
+                payload = rng.randbytes(rng.randint(0, 200))
+                raw.send(
+                    struct.pack(
+                        "<HBBII", wire.MAGIC, ftype, rng.choice([0, 0, 1]), rng.randrange(8), len(payload)
+                    )
+                )
+                raw.send(payload)
+            else:
+                ftype, payload = rng.choice(valid)
+                payload = _mutate(rng, payload)
+                raw.send(
+                    struct.pack("<HBBII", wire.MAGIC, ftype, 0, rng.randrange(1, 8), len(payload)) + payload
+                )
+            if i % 500 == 0:
+                raw.ping_ok(f"p{i}".encode())
+        raw.ping_ok(b"end")
+        assert agent.proc.poll() is None, "agent died"
+    finally:
+        agent.sock.close()
+        try:
+            agent.proc.wait(timeout=10)  # closing the socket makes it exit, running LeakSanitizer
+        except Exception:
+            agent.proc.kill()
+            agent.proc.wait()
+    log = agent.stderr()
+    assert "Sanitizer" not in log and "runtime error" not in log, log[-3000:]
+
+
+def test_memory_stays_bounded_when_the_host_never_reads(tmp_path: Path) -> None:
+    """A host that floods PINGs without reading replies cannot grow the agent without bound."""
+    agent = spawn(tmp_path, kind="host", safe=True)
+    raw = Raw(agent.sock)
+    raw.hello()
+    agent.sock.setblocking(False)
+    ping = wire.encode_frame(T.PING, 0, bytes(60000))
+    sent = 0
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and sent < 400 * len(ping):
+        try:
+            sent += agent.sock.send(ping)
+        except BlockingIOError:
+            time.sleep(0.05)
+            if time.monotonic() > deadline - 15:
+                break
+    status = Path(f"/proc/{agent.proc.pid}/status").read_text().splitlines()
+    rss_kb = int(next(line for line in status if line.startswith("VmRSS")).split()[1])
+    agent.proc.kill()
+    agent.proc.wait()
+    assert sent < 400 * len(ping), "the agent kept reading while its replies piled up"
+    assert rss_kb < 64 * 1024, f"agent RSS {rss_kb} KiB"

@@ -1,0 +1,68 @@
+"""The public surface: the sync classes are generated from the async ones and
+nothing drifts between them, and every error carries its structured fields."""
+
+from __future__ import annotations
+
+import inspect
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import sandlot
+from sandlot import errors
+
+ROOT = Path(__file__).resolve().parents[2]
+TWINS = [
+    (sandlot.AsyncBox, sandlot.Box),
+    (sandlot.AsyncSnapshot, sandlot.Snapshot),
+    (sandlot.AsyncFiles, sandlot.Files),
+    (sandlot.AsyncProcess, sandlot.Process),
+    (sandlot.AsyncStream, sandlot.Stream),
+]
+SYNC_NAMES = {"__aenter__": "__enter__", "__aexit__": "__exit__", "__aiter__": "__iter__"}
+
+
+def test_the_generated_sync_api_is_up_to_date() -> None:
+    proc = subprocess.run([sys.executable, "scripts/gen_sync.py", "--check"], cwd=ROOT, capture_output=True,
+                          text=True)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+
+
+def public(cls: type) -> dict[str, object]:
+    return {n: v for n, v in vars(cls).items() if not n.startswith("_") or n in SYNC_NAMES}
+
+
+@pytest.mark.parametrize(("async_cls", "sync_cls"), TWINS, ids=[s.__name__ for _, s in TWINS])
+def test_sync_twins_have_the_same_methods_and_signatures(async_cls: type, sync_cls: type) -> None:
+    for name, member in public(async_cls).items():
+        twin = SYNC_NAMES.get(name, name)
+        assert hasattr(sync_cls, twin), f"{sync_cls.__name__} has no {twin}"
+        if callable(member) and not isinstance(member, property) and name != "__init__":
+            fn = member.__func__ if isinstance(member, classmethod) else member  # type: ignore[attr-defined]
+            mine = getattr(sync_cls, twin)
+            a = inspect.signature(fn).parameters
+            b = inspect.signature(mine).parameters
+            assert list(a) == list(b), f"{sync_cls.__name__}.{twin}: {list(b)} != {list(a)}"
+            for p in a:
+                assert a[p].default == b[p].default and a[p].kind == b[p].kind, f"{twin}({p})"
+
+
+def test_every_error_has_a_stable_code_and_an_http_status() -> None:
+    classes = [c for c in vars(errors).values() if isinstance(c, type) and issubclass(c, errors.SandlotError)]
+    codes = {c.code for c in classes if "code" in vars(c)}
+    assert len(codes) == len([c for c in classes if "code" in vars(c)])  # one code, one class
+    for c in classes:
+        assert 400 <= c.status < 600, c
+    err = errors.InvalidState.refused("exec", "paused", ["running"], box="dev")
+    assert err.to_dict() == {"code": "invalid_state", "message": str(err), "box": "dev", "state": "paused",
+                             "allowed": ["running"]}  # fmt: skip
+    crash = errors.BoxCrashed("box dev stopped unexpectedly", "kernel: oops", box="dev")
+    assert crash.to_dict()["console_tail"] == "kernel: oops" and crash.state == "crashed"
+    assert isinstance(crash, errors.InvalidState) and crash.code == "box_crashed"
+    guest = errors.guest_os_error(2, "no such file")
+    assert (
+        isinstance(guest, FileNotFoundError) and guest.to_dict()["errno"] == "ENOENT" and guest.status == 404
+    )
+    assert issubclass(errors.BootTimeout, TimeoutError) and issubclass(errors.InvalidArgument, ValueError)

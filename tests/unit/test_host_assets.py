@@ -1,0 +1,129 @@
+"""Pure logic: accelerator choice, initramfs format, kernel conversion and modules."""
+
+from __future__ import annotations
+
+import stat
+import struct
+from pathlib import Path
+
+import pytest
+
+import sandlot
+from sandlot.core.runtime import Runtime
+from sandlot.engine.base import BootRequest
+from sandlot.engine.qemu import accel
+from sandlot.guest import initramfs, kernel
+
+
+def test_accel_precheck_reasons(tmp_path: Path) -> None:
+    assert "does not exist" in (accel.kvm_precheck(str(tmp_path / "kvm")) or "")
+    dev = tmp_path / "kvm"
+    dev.write_text("")
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text("processor : 0\nflags : fpu sse sse2 hypervisor\n")
+    reason = accel.kvm_precheck(str(dev), str(cpuinfo)) or ""
+    assert "neither vmx nor svm" in reason
+    cpuinfo.write_text("flags : fpu vmx sse\n")
+    assert accel.kvm_precheck(str(dev), str(cpuinfo)) is None
+
+
+def test_accel_choice_and_probe_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    with pytest.raises(sandlot.InvalidArgument):
+        accel.choose("warp", cache_dir=tmp_path, probe_key="k", probe=lambda: None)
+    assert accel.choose("tcg", cache_dir=tmp_path, probe_key="k", probe=lambda: None).name == "tcg"
+    monkeypatch.setattr(accel, "kvm_precheck", lambda: None)
+    calls = []
+
+    def probe() -> str | None:
+        calls.append(1)
+        return "no kernel output within 8s"
+
+    first = accel.choose("auto", cache_dir=tmp_path, probe_key="k", probe=probe)
+    second = accel.choose("auto", cache_dir=tmp_path, probe_key="k", probe=probe)
+    assert first.name == second.name == "tcg" and "probe boot failed" in first.reason
+    assert len(calls) == 1  # cached per host boot, QEMU and kernel
+
+
+def test_this_host_picks_tcg_and_says_why() -> None:
+    """This machine's /dev/kvm is nested PVM without vmx/svm: auto must choose TCG."""
+    boot = Runtime.for_home().prepare()
+    if accel.kvm_precheck() is None:
+        pytest.skip("this host has usable-looking KVM")
+    assert boot.accel == "tcg"
+    reason = boot.accel_reason
+    assert "vmx" in reason or "does not exist" in reason or "readable" in reason
+
+
+def test_newc_roundtrip() -> None:
+    entries = initramfs.agent_entries(b"\x7fELFagent", [("virtio", b"ko1"), ("virtio_blk", b"ko22")])
+    data = initramfs.write_newc(entries)
+    back = initramfs.parse_newc(data)
+    names = [e.name for e in back]
+    assert names[:2] == ["dev", "dev/console"] and "init" in names
+    init = next(e for e in back if e.name == "init")
+    assert init.data == b"\x7fELFagent" and stat.S_IMODE(init.mode) == 0o755
+    console = next(e for e in back if e.name == "dev/console")
+    assert stat.S_ISCHR(console.mode) and console.rdev == (5, 1)
+    order = next(e for e in back if e.name == "sandlot/modules.order")
+    assert order.data == b"virtio.ko\nvirtio_blk.ko\n"
+    assert len(data) % 4 == 0
+    assert initramfs.write_newc(entries) == data  # reproducible
+
+
+def test_distro_kernel_is_pvh_with_modules_in_dependency_order() -> None:
+    engine = Runtime.for_home().engine("qemu")
+    k = engine.resolve(BootRequest()).kernel  # type: ignore[attr-defined]
+    elf = k.vmlinux.read_bytes()
+    assert elf[:4] == b"\x7fELF" and kernel._has_pvh_note(elf)
+    order = k.load_order()
+    assert order.index("virtio_ring") < order.index("virtio") < order.index("virtio_mmio")
+    assert order[-2:] == ["virtio_console", "virtio_blk"] or set(order[-2:]) == {
+        "virtio_console",
+        "virtio_blk",
+    }
+    info = kernel._modinfo(k.modules["virtio_blk"].read_bytes())
+    assert set(info["depends"].split(",")) == {"virtio", "virtio_ring"}
+
+
+def test_kernel_conversion_rejects_garbage() -> None:
+    with pytest.raises(sandlot.HostSetupError, match="neither an ELF"):
+        kernel.to_vmlinux(b"not a kernel" * 100)
+    fake_bz = bytearray(0x300)
+    fake_bz[0x202:0x206] = b"HdrS"
+    fake_bz[0x1F1] = 1
+    struct.pack_into("<II", fake_bz, 0x248, 0, 16)
+    with pytest.raises(sandlot.HostSetupError, match="compression"):
+        kernel.to_vmlinux(bytes(fake_bz) + bytes(0x400))
+    elf_without_pvh = b"\x7fELF\x02" + bytes(200)
+    with pytest.raises(sandlot.HostSetupError, match="PVH"):
+        kernel.to_vmlinux(elf_without_pvh)
+
+
+def _tiny_pvh_elf() -> bytes:
+    """A minimal ELF64 whose only program header is a note with the Xen PVH entry."""
+    name = b"Xen\0"
+    note = struct.pack("<III", len(name), 4, 18) + name + struct.pack("<I", 0x1000000)
+    ehdr_size, phdr_size = 64, 56
+    ehdr = bytearray(ehdr_size)
+    ehdr[:4] = b"\x7fELF"
+    ehdr[4] = 2  # 64-bit
+    struct.pack_into("<Q", ehdr, 0x20, ehdr_size)  # e_phoff
+    struct.pack_into("<HH", ehdr, 0x36, phdr_size, 1)  # e_phentsize, e_phnum
+    phdr = struct.pack("<IIQQQQQQ", 4, 0, ehdr_size + phdr_size, 0, 0, len(note), len(note), 4)
+    return bytes(ehdr) + phdr + note
+
+
+@pytest.mark.parametrize("codec", ["gzip", "xz"])
+def test_bzimage_with_trailing_size_decompresses(codec: str) -> None:
+    """Kernels append the uncompressed size after the payload: decoders must stop at the stream's end."""
+    import gzip as gz
+    import lzma
+
+    elf = _tiny_pvh_elf() + bytes(4096)
+    payload = gz.compress(elf) if codec == "gzip" else lzma.compress(elf, format=lzma.FORMAT_XZ)
+    payload += struct.pack("<I", len(elf))
+    image = bytearray(0x400)
+    image[0x1F1] = 1  # setup sectors: the payload starts at (1 + 1) * 512 + offset
+    image[0x202:0x206] = b"HdrS"
+    struct.pack_into("<II", image, 0x248, 0, len(payload))
+    assert kernel.to_vmlinux(bytes(image) + payload) == elf

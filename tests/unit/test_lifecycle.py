@@ -1,0 +1,359 @@
+"""Lifecycle, locking, sessions and error paths, through the real API and core,
+on the fake engine (no VM: each test takes milliseconds). The same paths run
+on real VMs in ``tests/vm``."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import sandlot
+from sandlot.core import sessions
+from sandlot.core.locks import try_flock
+from sandlot.core.runtime import Runtime
+from sandlot.core.service import core_for
+from sandlot.core.state import Op
+
+from tests.support.fake_engine import FakeEngine, fake_rootfs, register
+
+register()
+
+
+@pytest.fixture
+def home(tmp_path: Path) -> Path:
+    return tmp_path / "home"
+
+
+@pytest.fixture
+def root(tmp_path: Path) -> Path:
+    return fake_rootfs(tmp_path)
+
+
+def run(main: Callable[[], Awaitable[Any]]) -> Any:
+    return asyncio.run(main())  # type: ignore[arg-type]
+
+
+def new_box(home: Path, root: Path, **kw: Any) -> sandlot.AsyncBox:
+    return sandlot.AsyncBox(rootfs=root, engine="fake", home=home, template=False, memory_mib=256, **kw)
+
+
+async def created(home: Path, root: Path, **kw: Any) -> sandlot.AsyncBox:
+    """A box made (disk ready) and not started."""
+    options: dict[str, Any] = {"engine": "fake", "template": False, "memory_mib": 256, "keep": True, **kw}
+    return await sandlot.AsyncBox.create(rootfs=root, home=home, **options)
+
+
+def test_create_start_exec_stop_start_remove(home: Path, root: Path) -> None:
+    async def main() -> None:
+        box = new_box(home, root, keep=True)
+        assert box.state == "new"
+        created = await sandlot.AsyncBox.create(rootfs=root, engine="fake", home=home, name="c1")
+        assert created.state == "created" and (await created.inspect())["vm_pid"] is None
+        await box.start()
+        assert box.state == "running" and box.accel == "fake"
+        r = await box.exec("echo", "hi")
+        assert (r.exit_code, r.stdout) == (0, "hi\n")
+        assert (await box.exec("exit", "3")).exit_code == 3
+        await box.stop()
+        assert box.state == "stopped" and (await box.inspect())["vm_pid"] is None
+        await box.stop()  # nothing to do
+        await box.start()
+        assert (await box.exec("true")).ok
+        await box.start()  # already running: nothing to do
+        assert FakeEngine.of(home).launches == 2
+        with pytest.raises(sandlot.InvalidState, match="stop it first"):
+            await box.remove()
+        await box.remove(force=True)
+        assert box.state == "removed"
+        with pytest.raises(sandlot.BoxNotFound) as err:
+            await sandlot.AsyncBox.get(box.id, home=home)
+        assert err.value.code == "box_not_found" and err.value.status == 404
+        await box.remove()  # removing a removed box does nothing
+        await created.remove()
+
+    run(main)
+
+
+def test_pause_refuses_commands_with_the_state_and_what_is_allowed(home: Path, root: Path) -> None:
+    async def main() -> None:
+        async with new_box(home, root) as box:
+            await box.pause()
+            await box.pause()  # already paused
+            assert box.state == "paused"
+            with pytest.raises(sandlot.InvalidState) as err:
+                await box.exec("true")
+            assert err.value.state == "paused" and err.value.allowed == ("running",)
+            assert err.value.to_dict()["code"] == "invalid_state" and "unpause" in str(err.value)
+            with pytest.raises(sandlot.InvalidState, match="unpause"):
+                await box.start()
+            await box.unpause()
+            assert (await box.exec("true")).ok
+
+    run(main)
+
+
+def test_a_failed_boot_crashes_with_the_reason_and_starts_again(home: Path, root: Path) -> None:
+    async def main() -> None:
+        box = await created(home, root)
+        try:
+            engine = FakeEngine.of(home)
+            engine.fail_boot = True
+            with pytest.raises(sandlot.BootError):
+                await box.start()
+            info = await box.inspect()
+            assert info["state"] == "crashed" and info["reason"].startswith(
+                "boot failed: fake: the VM would not"
+            )
+            engine.fail_boot = False
+            await box.start()
+            assert box.state == "running" and (await box.inspect())["reason"] is None
+        finally:
+            await box.remove(force=True)
+
+    run(main)
+
+
+def test_an_agent_that_never_answers_is_a_boot_timeout_that_says_so(home: Path, root: Path) -> None:
+    async def main() -> None:
+        box = await created(home, root, boot_timeout=0.5)
+        try:
+            FakeEngine.of(home).never_answer = True
+            with pytest.raises(sandlot.BootTimeout, match="start\\(\\) tries again") as err:
+                await box.start()
+            assert err.value.box == box.name and err.value.code == "boot_timeout"
+            assert box.state == "crashed" and not FakeEngine.of(home).vms  # the VM was ended
+            FakeEngine.of(home).never_answer = False
+            await box.start()
+            assert box.state == "running"
+        finally:
+            await box.remove(force=True)
+
+    run(main)
+
+
+def test_a_vm_that_dies_is_a_crash_with_the_console(home: Path, root: Path) -> None:
+    async def main() -> None:
+        box = new_box(home, root, keep=True)
+        await box.start()
+        try:
+            proc = await box.spawn("sleep", "30")
+            (vm,) = FakeEngine.of(home).vms.values()
+            vm.die(137)
+            with pytest.raises((sandlot.BoxCrashed, sandlot.ConnectionLost)):
+                await proc.wait(5)
+            assert await box.refresh() == "crashed"
+            assert "unexpectedly" in (await box.inspect())["reason"]
+            with pytest.raises(sandlot.InvalidState, match="crashed"):
+                await box.exec("true")
+            await box.start()
+            assert (await box.exec("true")).ok
+        finally:
+            await box.remove(force=True)
+
+    run(main)
+
+
+def test_memory_survives_snapshot_rollback_fork_suspend_resume(home: Path, root: Path) -> None:
+    async def main() -> None:
+        box = new_box(home, root, keep=True, name="src")
+        await box.start()
+        try:
+            await box.exec("remember", "k", "1")
+            snap = await box.snapshot("one")
+            assert box.last_pause is not None and box.state == "running"
+            await box.exec("remember", "k", "2")
+            await box.rollback(snap)
+            assert (await box.exec("recall", "k")).stdout == "1\n"
+            kids = await box.fork(3)
+            assert sorted([(await k.exec("recall", "k")).stdout for k in kids]) == ["1\n"] * 3
+            names = {(await k.exec("hostname")).stdout.strip() for k in kids}
+            assert len(names) == 3 and all(n.startswith("src-") for n in names)  # each its own identity
+            origin = (await kids[0].inspect())["origin"]
+            for k in kids:
+                await k.remove(force=True)
+            with pytest.raises(sandlot.SnapshotNotFound):  # a fork's own snapshot went with its last child
+                await sandlot.AsyncSnapshot.get(origin, home=home)
+            await box.suspend()
+            assert box.state == "suspended" and (await box.inspect())["vm_pid"] is None
+            assert (await box.exec("recall", "k")).stdout == "1\n"  # the next command resumes it
+            assert box.state == "running" and (await box.inspect())["suspended"] is None
+            assert [s.name for s in await box.snapshots()] == ["one"]
+        finally:
+            await box.remove(force=True)
+
+    run(main)
+
+
+def test_failed_restores_leave_the_box_where_it_was(home: Path, root: Path) -> None:
+    async def main() -> None:
+        box = new_box(home, root, keep=True)
+        await box.start()
+        engine = FakeEngine.of(home)
+        try:
+            snap = await box.snapshot()
+            await box.suspend()
+            engine.fail_restore = True
+            with pytest.raises(sandlot.BootError):
+                await box.resume()
+            assert await box.refresh() == "suspended"  # its saved state is still there
+            engine.fail_restore = False
+            await box.resume()
+            engine.fail_restore = True
+            with pytest.raises(sandlot.BootError):
+                await box.rollback(snap)
+            info = await box.inspect()
+            assert info["state"] == "stopped" and info["reason"].startswith("rollback failed")
+            engine.fail_restore = False
+            await box.rollback(snap)
+            assert box.state == "running"
+        finally:
+            await box.remove(force=True)
+
+    run(main)
+
+
+def test_handles_of_a_box_share_one_session_and_one_view(home: Path, root: Path) -> None:
+    async def main() -> None:
+        box = new_box(home, root, keep=True, name="shared")
+        await box.start()
+        try:
+            others = [await sandlot.AsyncBox.get("shared", home=home) for _ in range(50)]
+            results = await asyncio.gather(*(b.exec("echo", str(i)) for i, b in enumerate(others * 4)))
+            assert [r.stdout for r in results] == [f"{i}\n" for i in range(200)]
+            core = core_for(Runtime.for_home(home))
+            assert len(core.entries) == 1  # one entry, one session, one agent port for all 51 handles
+            taken = [
+                p
+                for p in range(8)
+                if try_flock(Path(home) / "boxes" / box.id / "ports" / f"{p}.lock") is None
+            ]
+            assert len(taken) == 1
+            await others[0].stop()
+            assert box.state == "stopped"  # every handle sees what any did
+        finally:
+            await box.remove(force=True)
+
+    run(main)
+
+
+def test_concurrent_operations_on_one_box_run_one_at_a_time(home: Path, root: Path) -> None:
+    async def main() -> None:
+        box = await created(home, root)
+        try:
+            await asyncio.gather(*(box.start() for _ in range(10)))
+            assert FakeEngine.of(home).launches == 1
+            results = await asyncio.gather(box.pause(), box.unpause(), box.stop(), return_exceptions=True)
+            assert not [
+                r for r in results if isinstance(r, Exception) and not isinstance(r, sandlot.InvalidState)
+            ]
+            assert await box.refresh() in ("stopped", "running", "paused")
+        finally:
+            await box.remove(force=True)
+
+    run(main)
+
+
+def test_a_transition_needs_the_boxs_lock(home: Path, root: Path) -> None:
+    async def main() -> None:
+        box = new_box(home, root, keep=True)
+        await box.start()
+        try:
+            core = core_for(Runtime.for_home(home))
+            entry = core.entries[box.id]
+            with pytest.raises(RuntimeError, match="without its lock"):
+                async with core.controller.transition(entry, Op.PAUSE):
+                    pass
+            assert box.state == "running"
+        finally:
+            await box.remove(force=True)
+
+    run(main)
+
+
+def test_when_other_processes_hold_every_agent_port_a_session_waits_its_turn(
+    home: Path, root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(sessions, "IDLE_RELEASE", 0.2)
+
+    async def main() -> None:
+        box = new_box(home, root, keep=True, request_timeout=2.0)
+        await box.start()
+        ports = Path(home) / "boxes" / box.id / "ports"
+        try:
+            await asyncio.sleep(0.6)  # idle: its port went back
+            held = [try_flock(ports / f"{p}.lock") for p in range(8)]
+            assert all(fd is not None for fd in held)  # as eight other processes would
+            waiting = asyncio.ensure_future(box.exec("echo", "late"))
+            await asyncio.sleep(0.3)
+            assert not waiting.done()  # in line, not failed
+            os.close(held.pop())  # one process lets go
+            assert (await waiting).stdout == "late\n"
+            await asyncio.sleep(0.6)
+            held.append(try_flock(ports / "7.lock"))
+            with pytest.raises(sandlot.BoxBusy, match="all 8 agent ports") as err:
+                await box.exec("true")
+            assert err.value.status == 423
+            for fd in held:
+                if fd is not None:
+                    os.close(fd)
+        finally:
+            await box.remove(force=True)
+
+    run(main)
+
+
+def test_network_policy_changes_and_what_needs_a_stop(home: Path, root: Path) -> None:
+    async def main() -> None:
+        box = new_box(home, root, keep=True, network="allowlist", allow=["pypi.org"])
+        await box.start()
+        try:
+            await box.set_network(allow=["example.org:443"])
+            assert (await box.inspect())["network"]["allow"] == ["example.org:443"]
+            with pytest.raises(sandlot.InvalidState, match="network card") as err:
+                await box.set_network("none")
+            assert err.value.state == "running"
+            await box.stop()
+            await box.set_network("none")
+            assert (await box.inspect())["network"]["mode"] == "none"
+        finally:
+            await box.remove(force=True)
+
+    run(main)
+
+
+def test_the_with_block_removes_its_box_and_keep_leaves_it(home: Path, root: Path) -> None:
+    async def main() -> None:
+        async with new_box(home, root) as box:
+            assert box.state == "running"
+        assert box.state == "removed" and await sandlot.AsyncBox.list(home=home) == []
+        async with new_box(home, root, keep=True, name="kept") as kept:
+            pass
+        again = await sandlot.AsyncBox.get("kept", home=home)
+        assert again.state == "running" and (await again.inspect())["ephemeral"] is False
+        await kept.remove(force=True)
+
+    run(main)
+
+
+def test_removing_a_box_keeps_its_snapshots_and_prune_removes_them(home: Path, root: Path) -> None:
+    async def main() -> None:
+        box = new_box(home, root, keep=True, name="old")
+        await box.start()
+        kept = await box.snapshot("kept")
+        needed = await box.snapshot("needed")
+        child = (await needed.start(1, name="child"))[0]
+        await box.remove(force=True)
+        names = {s.name for s in await sandlot.AsyncSnapshot.list(home=home)}
+        assert {"kept", "needed"} <= names  # removing a box keeps its snapshots
+        gone = await sandlot.prune_snapshots_async(home=home)
+        assert [s.id for s in gone] == [kept.id]  # a box started from "needed" still exists
+        await child.remove(force=True)
+        assert [s.id for s in await sandlot.prune_snapshots_async(home=home)] == [needed.id]
+        assert not (Path(home) / "snapshots" / needed.id).exists()
+
+    run(main)

@@ -1,0 +1,46 @@
+"""Every benchmark script, run in its quick mode (a few iterations of the same
+code paths), so that none rots: each must exit 0 and print one JSON document
+with the figures it promises."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.vm
+
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
+PROMISED = {
+    "core": ["boot_to_first_exec_s", "exec_true_ms", "stdout_MBps", "upload_MBps", "idle_256MiB_box_pss_MiB"],
+    "durable": ["create_start_first_exec_s", "stop_s", "start_to_first_exec_s"],
+    "images": [
+        "cold_pull_unpack_base_s",
+        "ratio_sandlot_over_skopeo_umoci",
+        "box_create_from_pulled_image_ms",
+    ],
+    "livestate": ["snapshot", "rollback_to_first_exec_s", "resume_to_first_exec_s", "fork"],
+    "network": ["host_to_host", "box_to_host_via_egress_proxy", "host_to_box_published_port"],
+    "concurrency": ["threads", "processes"],
+}
+
+
+def test_every_script_is_covered() -> None:
+    scripts = {p.stem for p in BENCH.glob("*.py") if not p.name.startswith("_")}
+    assert scripts == set(PROMISED)
+
+
+@pytest.mark.parametrize("name", sorted(PROMISED))
+def test_benchmark_quick_mode(name: str) -> None:
+    r = subprocess.run([sys.executable, str(BENCH / f"{name}.py"), "--quick"], capture_output=True, text=True,
+                       timeout=900)  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    doc = json.loads(r.stdout)
+    assert doc["benchmark"] == name and doc["quick"] is True
+    for key in PROMISED[name]:
+        assert key in doc, f"{name} does not report {key}"
+    if name == "concurrency":
+        assert doc["threads"]["failures"] == 0 and doc["processes"]["failures"] == 0

@@ -1,0 +1,294 @@
+"""Durable boxes: boxes outlive their process, are found again from others, and
+every crash (kill -9 of Python or of QEMU, at several points) is reconciled."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+import sandlot
+
+pytestmark = pytest.mark.vm
+
+
+def py(
+    code: str, timeout: float = 120, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    """Run Python in a separate process with the same sandlot home (``env``: added to ours)."""
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, **(env or {})})  # fmt: skip
+
+
+def test_create_exec_stop_start_across_processes(busybox_root: Path) -> None:
+    r = py(f"""
+        import sandlot
+        b = sandlot.create(rootfs={str(busybox_root)!r}, name="durable-1", memory_mib=256,
+                           labels={{"t": "durable"}})
+        b.start()
+        b.files.write("/root/from-a", "written by process A")
+        print(b.id)
+    """)
+    assert r.returncode == 0, r.stderr
+    box_id = r.stdout.strip()
+    try:
+        assert sandlot.get("durable-1").state == "running"  # the box outlived process A
+        r = py("""
+            import sandlot
+            b = sandlot.get("durable-1")
+            print(b.files.read_text("/root/from-a"))
+            b.sh("echo from-b > /root/from-b")
+            b.stop()
+            print(b.state)
+        """)
+        assert r.returncode == 0, r.stderr
+        assert r.stdout.split("\n")[:2] == ["written by process A", "stopped"]
+        r = py(f"""
+            import sandlot
+            b = sandlot.get({box_id[:6]!r})  # an id prefix works too
+            b.start()
+            print(b.exec("cat", "/root/from-a", "/root/from-b").stdout, end="")
+        """)
+        assert r.returncode == 0, r.stderr
+        assert r.stdout == "written by process Afrom-b\n"
+        box = sandlot.get("durable-1")
+        assert box.state == "running" and box.inspect()["labels"] == {"t": "durable"}
+        assert [b.name for b in sandlot.list(labels={"t": "durable"})] == ["durable-1"]
+    finally:
+        sandlot.get("durable-1").remove(force=True)
+    with pytest.raises(sandlot.BoxNotFound):
+        sandlot.get("durable-1")
+
+
+def test_two_processes_exec_in_one_box_at_once(busybox_root: Path) -> None:
+    with sandlot.Box(rootfs=busybox_root, name="shared-1", memory_mib=256) as box:
+        slow = box.spawn("sh", "-c", "sleep 2; echo main-done")
+        t0 = time.monotonic()
+        r = py("""
+            import sandlot
+            b = sandlot.get("shared-1")
+            print(b.exec("echo", "other-process").stdout, end="")
+            print(b.exec("sh", "-c", "echo $$").stdout, end="")
+        """)
+        assert r.returncode == 0, r.stderr
+        assert r.stdout.startswith("other-process\n")
+        assert time.monotonic() - t0 < 30
+        assert slow.result().stdout == "main-done\n"  # ours was undisturbed
+
+
+def test_kill9_mid_create_leaves_nothing(busybox_root: Path) -> None:
+    r = py(
+        f"""
+        import sandlot
+        sandlot.create(rootfs={str(busybox_root)!r}, name="half-made", memory_mib=256)
+    """,
+        env={"SANDLOT_CRASH_AT": "create.before-disk"},
+    )
+    assert r.returncode == -9
+    assert "half-made" not in [b.name for b in sandlot.list()]  # reconciled away
+    with pytest.raises(sandlot.BoxNotFound):
+        sandlot.get("half-made")
+    ids = {b.id for b in sandlot.list()}
+    recent = [
+        p for p in sandlot.Runtime.for_home().boxes_dir.iterdir() if time.time() - p.stat().st_mtime < 60
+    ]
+    assert {p.name for p in recent if p.is_dir()} <= ids  # no directory without its box
+    # the name is free again
+    sandlot.create(rootfs=busybox_root, name="half-made", memory_mib=256).remove()
+
+
+def test_kill9_mid_stop_reconciles_to_stopped(busybox_root: Path) -> None:
+    box = sandlot.create(rootfs=busybox_root, name="stop-crash", memory_mib=256)
+    try:
+        box.start()
+        box.files.write("/root/keep", "kept")
+        box.exec("sync")
+        qemu_pid = box.inspect()["vm_pid"]
+        r = py(
+            """
+            import sandlot
+            sandlot.get("stop-crash").stop()
+        """,
+            env={"SANDLOT_CRASH_AT": "stop.before-shutdown"},
+        )
+        assert r.returncode == -9
+        b = sandlot.get("stop-crash")  # reconciles: the stopper died, QEMU is made to follow
+        assert b.state == "stopped"
+        deadline = time.monotonic() + 10
+        while Path(f"/proc/{qemu_pid}").exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        b.start()
+        assert b.files.read("/root/keep") == b"kept"
+    finally:
+        box.remove(force=True)
+
+
+def test_kill9_of_qemu_is_a_crash_with_a_reason(busybox_root: Path) -> None:
+    box = sandlot.create(rootfs=busybox_root, name="qemu-crash", memory_mib=256)
+    try:
+        box.start()
+        os.kill(box.inspect()["vm_pid"], signal.SIGKILL)
+        time.sleep(0.5)
+        rec = sandlot.get("qemu-crash").inspect()
+        assert rec["state"] == "crashed" and "unexpectedly" in rec["reason"]
+        with pytest.raises((sandlot.InvalidState, sandlot.BoxCrashed, sandlot.ConnectionLost)):
+            box.exec("true")
+        box.start()  # a crashed box starts again, disk intact
+        assert box.exec("true").ok and box.state == "running"
+    finally:
+        box.remove(force=True)
+
+
+def test_kill9_of_the_owner_mid_start(busybox_root: Path) -> None:
+    r = py(
+        f"""
+        import sandlot
+        sandlot.create(rootfs={str(busybox_root)!r}, name="start-crash", memory_mib=256).start()
+    """,
+        env={"SANDLOT_CRASH_AT": "start.after-launch"},
+    )
+    assert r.returncode == -9
+    b = sandlot.get("start-crash")
+    try:
+        assert b.state in ("running", "crashed")  # the VM went on alone, or died: never "starting"
+        b.stop()
+        b.start()
+        assert b.exec("echo", "ok").stdout == "ok\n"
+    finally:
+        b.remove(force=True)
+
+
+def test_pause_unpause(busybox_root: Path) -> None:
+    with sandlot.Box(rootfs=busybox_root, memory_mib=256) as box:
+        box.exec("sh", "-c", "(while true; do date +%s >> /tmp/ticks; sleep 0.2; done) >/dev/null 2>&1 &")
+        time.sleep(1)
+        box.pause()
+        assert box.state == "paused"
+        with pytest.raises(sandlot.InvalidState, match="paused"):
+            box.exec("true")
+        time.sleep(2)
+        box.unpause()
+        assert abs(int(box.exec("date", "+%s").stdout) - time.time()) < 2  # the clock was set again
+        time.sleep(0.6)
+        ticks = [int(t) for t in box.files.read_text("/tmp/ticks").split()]
+        gaps = [b - a for a, b in itertools.pairwise(ticks)]
+        assert max(gaps) >= 2  # nothing ran while paused
+        assert box.exec("echo", "back").stdout == "back\n"
+
+
+def test_volumes_read_write_and_read_only(busybox_root: Path, tmp_path: Path) -> None:
+    rw, ro = tmp_path / "rw", tmp_path / "ro"
+    rw.mkdir()
+    ro.mkdir()
+    (ro / "data.txt").write_text("from the host\n")
+    with sandlot.Box(
+        rootfs=busybox_root, memory_mib=256, volumes=[f"{rw}:/mnt/rw", (str(ro), "/mnt/ro", "ro")]
+    ) as box:
+        assert box.exec("cat", "/mnt/ro/data.txt").stdout == "from the host\n"
+        assert box.sh("echo from-the-guest > /mnt/rw/out.txt").ok
+        assert (rw / "out.txt").read_text() == "from-the-guest\n"
+        (rw / "live.txt").write_text("changed on the host")
+        assert box.exec("cat", "/mnt/rw/live.txt").stdout == "changed on the host"
+        r = box.sh("echo no > /mnt/ro/new.txt")
+        assert r.exit_code != 0 and "Read-only" in r.stderr
+        assert not (ro / "new.txt").exists()
+        box.restart()  # volumes come back after a reboot
+        assert box.exec("cat", "/mnt/ro/data.txt").stdout == "from the host\n"
+
+
+def test_keep_and_auto_remove(busybox_root: Path) -> None:
+    with sandlot.Box(rootfs=busybox_root, name="kept-1", memory_mib=256, keep=True) as box:
+        box.files.write("/root/x", "y")
+    kept = sandlot.get("kept-1")
+    assert kept.state == "running" and kept.files.read("/root/x") == b"y"
+    kept.remove(force=True)
+    auto = sandlot.create(rootfs=busybox_root, name="auto-1", memory_mib=256, auto_remove=True)
+    auto.start()
+    auto.stop()
+    with pytest.raises(sandlot.BoxNotFound):
+        sandlot.get("auto-1")
+
+
+def test_bad_input_is_refused_and_changes_nothing(busybox_root: Path, tmp_path: Path) -> None:
+    box = sandlot.create(rootfs=busybox_root, name="original", memory_mib=256)
+    try:
+        before = box.inspect()
+        with pytest.raises(sandlot.BoxNotFound):
+            sandlot.get("no-such-box")
+        with pytest.raises(sandlot.InvalidArgument, match="already exists"):
+            sandlot.create(rootfs=busybox_root, name="original")
+        for kwargs in (
+            {"name": "bad name"},
+            {"name": "-leading"},
+            {"name": "x" * 64},
+            {"memory_mib": -512},
+            {"cpus": 0},
+            {"volumes": [f"{tmp_path / 'missing'}:/mnt"]},
+            {"volumes": ["nocolon"]},
+            {"volumes": [f"{tmp_path}:relative"]},
+            {"labels": {"bad key": "v"}},
+        ):
+            with pytest.raises(sandlot.InvalidArgument):
+                sandlot.create(rootfs=busybox_root, **kwargs)
+        with pytest.raises(sandlot.InvalidState, match="created"):
+            box.exec("true")
+        after = box.inspect()
+        assert {k: after[k] for k in ("state", "name", "options")} == {
+            k: before[k] for k in ("state", "name", "options")
+        }
+        assert len([b for b in sandlot.list() if b.name == "original"]) == 1
+    finally:
+        box.remove()
+
+
+def test_stats_logs_inspect(busybox_root: Path) -> None:
+    with sandlot.Box(rootfs=busybox_root, name="facts-1", memory_mib=256) as box:
+        box.exec("sh", "-c", "head -c 8388608 /dev/urandom > /root/f; sync")  # zeros would not be stored
+        s = box.stats()
+        assert s["cpu_seconds"] > 0 and s["rss_bytes"] > 32 << 20 and s["disk_bytes"] >= 8 << 20
+        assert "sandlot-agent: ready" in box.logs()
+        info = box.inspect()
+        assert (
+            info["name"] == "facts-1" and info["state"] == "running" and Path(info["paths"]["disk"]).exists()
+        )
+
+
+def test_concurrent_starts_of_one_box_boot_it_once(busybox_root: Path) -> None:
+    box = sandlot.create(rootfs=busybox_root, name="race-1", memory_mib=256)
+    try:
+        errors: list[BaseException] = []
+
+        def start() -> None:
+            try:
+                sandlot.get("race-1").start()
+            except BaseException as exc:
+                errors.append(exc)
+
+        threads = [threading.Thread(target=start) for _ in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert not errors
+        assert box.state == "running" and box.exec("true").ok
+    finally:
+        box.remove(force=True)
+
+
+def test_boxes_of_a_home_given_by_name(busybox_root: Path) -> None:
+    rt = sandlot.Runtime()  # the default home ($SANDLOT_HOME)
+    box = sandlot.create(rootfs=busybox_root, name="rt-api", memory_mib=256, home=rt.home)
+    try:
+        assert sandlot.get("rt-api", home=rt.home).id == box.id and box.state == "created"
+        assert "rt-api" in [b.name for b in sandlot.list(state="created", home=rt.home)]
+    finally:
+        box.remove()
+    assert "rt-api" not in [b.name for b in sandlot.list(home=rt.home)]

@@ -1,0 +1,89 @@
+"""The QEMU engine: command line facts, QMP, and what happens when the Python
+process that owns a box is killed."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import sandlot
+from sandlot.engine.base import Placement, VMRef, VMStatus
+from sandlot.engine.qemu.command import TCG_CPU, VMConfig, build_command
+
+pytestmark = pytest.mark.vm
+
+
+def test_command_line_carries_the_boot_facts(tmp_path: Path) -> None:
+    cfg = VMConfig(kernel=tmp_path / "k", initrd=tmp_path / "i", disk=tmp_path / "d", run_dir=tmp_path,
+                   state_dir=tmp_path, accel="tcg", memory_mib=256, hostname="h1")  # fmt: skip
+    cmd = build_command(cfg, "qemu-system-x86_64")
+    line = " ".join(cmd)
+    assert "microvm,x-option-roms=off,isa-serial=on,rtc=on" in line
+    assert "-nodefaults" in cmd and "-no-reboot" in cmd and "-no-user-config" in cmd
+    assert TCG_CPU in cmd and "erms=off" in TCG_CPU
+    append = cmd[cmd.index("-append") + 1]
+    for fact in (
+        "console=ttyS0",
+        "panic=-1",
+        "tsc=reliable",
+        "no_timer_check",
+        "8250.nr_uarts=1",
+        "sandlot.hostname=h1",
+    ):
+        assert fact in append
+    assert "tsc_early_khz=" in append
+    assert "name=sandlot.0" in line and "virtio-blk-device" in line
+
+
+def test_qmp_reports_running_and_quit_ends_qemu(busybox_root: Path) -> None:
+    async def main() -> None:
+        box = sandlot.AsyncBox(rootfs=busybox_root, memory_mib=256)
+        await box.start()
+        try:
+            info = await box.inspect()
+            rt = sandlot.Runtime.for_home()
+            engine = rt.engine("qemu")
+            ref = VMRef(info["vm_pid"], info["vm_start"])
+            where = Placement(box.id, box.hostname, rt.box_dir(box.id), rt.run_dir(box.id), 8)
+            assert await asyncio.to_thread(engine.probe, ref, where) == VMStatus.RUNNING  # QMP, no loop
+            vm = engine.attach(ref, where, info["boot"])
+            assert await vm.status() == VMStatus.RUNNING
+            await vm.kill(grace=5.0)  # QMP quit first
+            assert not engine.alive(ref, box.id)
+            assert await box.refresh() == "crashed"  # recovery saw the VM gone
+        finally:
+            await box.remove(force=True)
+
+    asyncio.run(main())
+
+
+def test_a_with_block_whose_process_died_is_cleaned_up(busybox_root: Path) -> None:
+    code = (
+        "import sandlot, sys, time\n"
+        f"with sandlot.Box(rootfs={str(busybox_root)!r}, memory_mib=256) as b:\n"
+        "    print(b.id, b.inspect()['vm_pid'], flush=True)\n"
+        "    time.sleep(600)\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    box_id, qemu_pid = proc.stdout.readline().split()
+    box_dir = sandlot.Runtime.for_home().boxes_dir / box_id
+    assert box_dir.exists() and sandlot.get(box_id).state == "running"
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    with sandlot.Box(rootfs=busybox_root, memory_mib=256) as mine:
+        ids = [b.id for b in sandlot.list()]  # any sandlot call reconciles
+        assert box_id not in ids and not box_dir.exists()
+        assert mine.id in ids and mine.exec("true").ok  # a live owner's box is untouched
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and Path(f"/proc/{qemu_pid}").exists():
+        time.sleep(0.1)
+    assert (
+        not Path(f"/proc/{qemu_pid}").exists() or "Z" in Path(f"/proc/{qemu_pid}/stat").read_text().split()[2]
+    )

@@ -1,0 +1,233 @@
+"""Box lifecycle in real VMs: persistence across stop/start, boot failures that
+end inside their deadline with the console tail, input validation, async API."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import stat
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+import sandlot
+from sandlot.core.service import core_for
+from sandlot.guest.initramfs import Entry, write_newc
+
+pytestmark = pytest.mark.vm
+
+
+def test_write_stop_start_read_back(busybox_root: Path) -> None:
+    with sandlot.Box(rootfs=busybox_root, memory_mib=256) as box:
+        box.files.write("/root/persist.txt", "survives")
+        box.exec("sh", "-c", "echo from-shell > /etc/marker")  # written, not synced by hand
+        box.stop()
+        assert not box.running
+        with pytest.raises(sandlot.InvalidState):
+            box.exec("true")
+        box.start()
+        assert box.files.read("/root/persist.txt") == b"survives"
+        assert box.exec("cat", "/etc/marker").stdout == "from-shell\n"
+        # the root filesystem was unmounted cleanly: no journal recovery on this boot
+        assert "recovery" not in box.exec("dmesg").stdout.lower()
+
+
+def test_boxes_are_isolated(busybox_root: Path) -> None:
+    with (
+        sandlot.Box(rootfs=busybox_root, memory_mib=256) as a,
+        sandlot.Box(rootfs=busybox_root, memory_mib=256) as b,
+    ):
+        a.files.write("/root/only-in-a", "a")
+        assert not b.files.exists("/root/only-in-a")
+        assert a.exec("hostname").stdout != b.exec("hostname").stdout
+        assert (
+            a.exec("cat", "/proc/sys/kernel/random/boot_id").stdout
+            != b.exec("cat", "/proc/sys/kernel/random/boot_id").stdout
+        )
+
+
+def test_kill_then_start_recovers(busybox_root: Path) -> None:
+    box = sandlot.Box(rootfs=busybox_root, memory_mib=256)
+    try:
+        box.start()
+        box.files.write("/root/before-kill", "x")
+        box.exec("sync")
+        box.kill()  # pull the plug
+        assert box.state == "stopped"
+        box.start()
+        assert box.files.read("/root/before-kill") == b"x"
+    finally:
+        box.remove(force=True)
+
+
+def test_vm_crash_is_reported_with_console(busybox_root: Path) -> None:
+    with sandlot.Box(rootfs=busybox_root, memory_mib=256) as box:
+        proc = box.spawn("sleep", "1000")
+        pid = box.inspect()["vm_pid"]  # the QEMU process
+        os.kill(pid, 9)
+        with pytest.raises((sandlot.BoxCrashed, sandlot.ConnectionLost)):
+            proc.wait(timeout=20)
+        with pytest.raises(sandlot.InvalidState, match="crashed"):
+            box.exec("true")
+        assert box.state == "crashed" and "unexpectedly" in box.inspect()["reason"]
+
+
+def test_bad_kernel_path_fails_fast(busybox_root: Path, tmp_path: Path) -> None:
+    t0 = time.monotonic()
+    missing = tmp_path / "missing-vmlinux"
+    with (
+        pytest.raises(sandlot.HostSetupError, match="does not exist"),
+        sandlot.Box(rootfs=busybox_root, kernel=missing),
+    ):
+        pass
+    junk = tmp_path / "junk-kernel"
+    junk.write_bytes(os.urandom(4096))
+    with (
+        pytest.raises(sandlot.HostSetupError, match="neither an ELF"),
+        sandlot.Box(rootfs=busybox_root, kernel=junk),
+    ):
+        pass
+    assert time.monotonic() - t0 < 10
+
+
+def test_corrupt_initramfs_fails_with_console_tail(
+    busybox_root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    bad = tmp_path / "corrupt.cpio"
+    bad.write_bytes(b"070701" + os.urandom(100_000))
+    monkeypatch.setenv("SANDLOT_INITRAMFS", str(bad))
+    t0 = time.monotonic()
+    with pytest.raises(sandlot.BootError) as info, sandlot.Box(rootfs=busybox_root, boot_timeout=20):
+        pass
+    assert time.monotonic() - t0 < 25
+    assert "Kernel panic" in info.value.console_tail
+    assert "guest console" in str(info.value)
+
+
+def test_agent_that_never_answers_hits_the_deadline(
+    busybox_root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    busybox = (busybox_root / "bin" / "busybox").read_bytes()
+    script = b"#!/bin/busybox sh\n/bin/busybox echo init-is-stuck\nexec /bin/busybox sleep 1000\n"
+    hang = tmp_path / "hang.cpio"
+    hang.write_bytes(
+        write_newc(
+            [
+                Entry("bin", stat.S_IFDIR | 0o755),
+                Entry("bin/busybox", stat.S_IFREG | 0o755, busybox),
+                Entry("dev", stat.S_IFDIR | 0o755),
+                Entry("dev/console", stat.S_IFCHR | 0o600, rdev=(5, 1)),
+                Entry("init", stat.S_IFREG | 0o755, script),
+            ]
+        )
+    )
+    monkeypatch.setenv("SANDLOT_INITRAMFS", str(hang))
+    t0 = time.monotonic()
+    with pytest.raises(sandlot.BootTimeout) as info, sandlot.Box(rootfs=busybox_root, boot_timeout=6):
+        pass
+    elapsed = time.monotonic() - t0
+    assert 5 < elapsed < 15
+    assert "init-is-stuck" in info.value.console_tail
+
+
+def test_invalid_arguments_change_nothing(busybox_root: Path, tmp_path: Path) -> None:
+    for kwargs in (
+        {"memory_mib": -1},
+        {"memory_mib": 0},
+        {"memory_mib": "512"},
+        {"cpus": 0},
+        {"disk_size_gb": 0},
+        {"hostname": "bad host"},
+        {"boot_timeout": 0},
+    ):
+        with pytest.raises(sandlot.InvalidArgument):
+            sandlot.Box(rootfs=busybox_root, **kwargs)
+    with pytest.raises(sandlot.InvalidArgument, match="does not exist"):
+        sandlot.Box(rootfs=tmp_path / "nope")
+    with pytest.raises(sandlot.InvalidArgument), sandlot.Box(rootfs=busybox_root, accel="warp"):
+        pass
+    with pytest.raises(ValueError):  # InvalidArgument is a ValueError too
+        sandlot.Box(rootfs="")
+
+
+def test_tarball_rootfs_and_hostile_tarball(busybox_root: Path, tmp_path: Path) -> None:
+    import tarfile
+
+    good = tmp_path / "root.tar.gz"
+    with tarfile.open(good, "w:gz") as tf:
+        tf.add(busybox_root, arcname=".")
+    with sandlot.Box(rootfs=good, memory_mib=256) as box:
+        assert box.exec("busybox", "true").ok
+        assert box.files.stat("/bin/busybox").mode == 0o755
+    evil = tmp_path / "evil.tar"
+    with tarfile.open(evil, "w") as tf:
+        info = tarfile.TarInfo("../../escape.txt")
+        info.size = 1
+        tf.addfile(info, __import__("io").BytesIO(b"x"))
+    with pytest.raises(sandlot.ImageError, match=r"contains '\.\.'"):
+        sandlot.Box(rootfs=evil).start()
+    assert not (tmp_path.parent / "escape.txt").exists()
+
+
+def test_async_api(busybox_root: Path) -> None:
+    async def main() -> None:
+        async with sandlot.AsyncBox(rootfs=busybox_root, memory_mib=256) as box:
+            results = await asyncio.gather(*(box.exec("echo", str(i)) for i in range(8)))
+            assert [r.stdout for r in results] == [f"{i}\n" for i in range(8)]
+            await box.files.write("/tmp/a", b"async")
+            assert await box.files.read("/tmp/a") == b"async"
+            proc = await box.spawn("sh", "-c", "for i in 1 2 3; do echo $i; done")
+            lines = [line async for line in proc.stdout.lines()]
+            assert lines == [b"1\n", b"2\n", b"3\n"]
+            assert await proc.wait() == 0
+
+    asyncio.run(main())
+
+
+def test_reconnect_resumes_streams_without_loss(busybox_root: Path) -> None:
+    """Drop the host socket mid-stream: the connection reconnects and every byte
+    arrives exactly once (the agent retains what was not acknowledged)."""
+
+    async def main() -> None:
+        async with sandlot.AsyncBox(rootfs=busybox_root, memory_mib=256) as box:
+            proc = await box.spawn("sh", "-c", "i=0; while [ $i -lt 3000 ]; do echo line$i; i=$((i+1)); done")
+            conn = core_for(sandlot.Runtime.for_home()).entries[box.id].session.conn
+            assert conn is not None
+            got = b""
+            drops = 0
+            async for chunk in proc.stdout:
+                got += chunk
+                if drops < 3 and len(got) > (drops + 1) * 5000:
+                    drops += 1
+                    conn.break_transport()  # the socket breaks under us
+            assert await proc.wait() == 0
+            assert got == b"".join(f"line{i}\n".encode() for i in range(3000))
+            assert drops == 3
+            assert (await box.exec("echo", "ok")).stdout == "ok\n"
+
+    asyncio.run(main())
+
+
+def test_the_accelerator_is_known_right_after_start(busybox_root: Path) -> None:
+    box = sandlot.Box(rootfs=busybox_root, memory_mib=256, keep=True).start()
+    try:
+        assert box.accel == sandlot.get(box.id).accel == box.inspect()["accel"]
+        assert box.accel in ("kvm", "tcg")
+    finally:
+        box.remove(force=True)
+
+
+def test_localhost_resolves_in_an_image_without_etc_hosts(
+    debian_root: Path, busybox_root: Path, tmp_path: Path
+) -> None:
+    assert not (debian_root / "etc" / "hosts").exists()  # minbase has none
+    with sandlot.Box(rootfs=debian_root, memory_mib=256) as box:
+        r = box.exec("python3", "-c", "import socket; print(socket.gethostbyname('localhost'))")
+        assert r.stdout == "127.0.0.1\n", r.stderr
+    own = tmp_path / "own-hosts"
+    subprocess.run(["cp", "-a", str(busybox_root), str(own)], check=True)  # device nodes stay nodes
+    (own / "etc" / "hosts").write_text("127.0.0.1 localhost mine.example\n")
+    with sandlot.Box(rootfs=own, memory_mib=256) as box:  # an image's own file is left as it is
+        assert box.files.read_text("/etc/hosts") == "127.0.0.1 localhost mine.example\n"
