@@ -13,6 +13,7 @@ import os
 import platform
 import statistics
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +21,42 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # for tests.sup
 
 from tests.support.roots import CACHE, busybox_root, debian_root
 
-__all__ = ["CACHE", "busybox_root", "debian_root", "emit", "host_facts", "parser", "pss_kib", "summary"]
+__all__ = [
+    "CACHE",
+    "busybox_root",
+    "debian_root",
+    "drop_home",
+    "emit",
+    "host_facts",
+    "parser",
+    "pss_kib",
+    "scratch_home",
+    "summary",
+]  # fmt: skip
+
+
+def scratch_home(prefix: str, where: Path | None = None) -> Path:
+    """A new, empty sandlot home sharing the default home's kernel, agent and initramfs
+    (so nothing is fetched or built again); under ``where`` (default: beside the default home)."""
+    import sandlot
+
+    shared = sandlot.Runtime.for_home().home
+    sandlot.Runtime.for_home().prepare()
+    home = Path(tempfile.mkdtemp(prefix=prefix, dir=where or shared.parent))
+    for d in ("kernels", "agent", "initramfs"):
+        (home / d).symlink_to(shared / d)
+    return home
+
+
+def drop_home(home: Path) -> None:
+    """Remove a scratch home and every box in it."""
+    import shutil
+
+    import sandlot
+
+    for b in sandlot.list(home=home):
+        b.remove(force=True)
+    shutil.rmtree(home, ignore_errors=True)
 
 
 def parser(doc: str | None) -> argparse.ArgumentParser:

@@ -12,7 +12,6 @@
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
 import threading
@@ -22,7 +21,7 @@ from typing import Any
 
 import sandlot
 
-from _common import busybox_root, emit, host_facts, parser, summary
+from _common import busybox_root, drop_home, emit, host_facts, parser, scratch_home, summary
 
 IMAGE = "bench/concurrency:1"
 
@@ -117,12 +116,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.quick:
         args.n = 6
-    shared = sandlot.Runtime.for_home().home
-    sandlot.Runtime.for_home().prepare()
-    home = shared.parent / f"bench-concurrency-{os.getpid()}"
-    home.mkdir(parents=True)
-    for d in ("kernels", "agent", "initramfs"):
-        (home / d).symlink_to(shared / d)
+    home = scratch_home("bench-concurrency-")
     try:
         sandlot.import_image(busybox_root(), IMAGE, home=home)
         with sandlot.Box(IMAGE, memory_mib=256, home=home) as first:  # the image's template is saved
@@ -135,9 +129,7 @@ def main() -> None:
         if doc["threads"]["failures"] or doc["processes"]["failures"]:
             sys.exit(1)
     finally:
-        for b in sandlot.list(home=home):
-            b.remove(force=True)
-        shutil.rmtree(home, ignore_errors=True)
+        drop_home(home)
 
 
 if __name__ == "__main__":

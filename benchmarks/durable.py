@@ -10,16 +10,13 @@
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
-import tempfile
 import time
-from pathlib import Path
 
 import sandlot
 
-from _common import busybox_root, emit, host_facts, parser, summary
+from _common import busybox_root, drop_home, emit, host_facts, parser, scratch_home, summary
 
 
 def main() -> None:
@@ -29,11 +26,7 @@ def main() -> None:
     listed, list_runs, ls_runs = (10, 3, 2) if args.quick else (50, 20, 5)
     if args.quick:
         args.runs = 2
-    shared = sandlot.Runtime.for_home().home
-    sandlot.Runtime.for_home().prepare()
-    home = Path(tempfile.mkdtemp(prefix="bench-durable-", dir=shared.parent))
-    for d in ("kernels", "agent", "initramfs"):
-        (home / d).symlink_to(shared / d)
+    home = scratch_home("bench-durable-")
     try:
         sandlot.import_image(busybox_root(), "bench/busybox:1", home=home)
         rt = sandlot.Runtime.for_home(home)
@@ -83,9 +76,7 @@ def main() -> None:
             }
         )
     finally:
-        for b in sandlot.list(home=home):
-            b.remove(force=True)
-        shutil.rmtree(home, ignore_errors=True)
+        drop_home(home)
 
 
 if __name__ == "__main__":

@@ -22,16 +22,9 @@ from pathlib import Path
 
 import sandlot
 
-from _common import CACHE, debian_root, emit, host_facts, parser, summary
+from _common import CACHE, debian_root, emit, host_facts, parser, scratch_home, summary
 from tests.support.images import base_disk_bytes, python_layout
 from tests.support.registry import run_registry
-
-
-def fresh_home(shared: Path, where: Path) -> Path:
-    home = Path(tempfile.mkdtemp(prefix="home-", dir=where))
-    for d in ("kernels", "agent", "initramfs"):
-        (home / d).symlink_to(shared / d)
-    return home
 
 
 def main() -> None:
@@ -42,7 +35,6 @@ def main() -> None:
         args.runs = 1
     root = debian_root()
     layout = python_layout(CACHE, root)
-    shared = sandlot.Runtime.for_home().home
     sandlot.Runtime.for_home().prepare()
     # under the cache, not /tmp: on some hosts /tmp is much slower to create files in
     work = Path(tempfile.mkdtemp(prefix="bench-images-", dir=CACHE))
@@ -59,7 +51,7 @@ def main() -> None:
 
             ours, baseline = [], []
             for i in range(args.runs):
-                home = fresh_home(shared, work)
+                home = scratch_home("home-", work)
                 settle()
                 t0 = time.perf_counter()
                 img = sandlot.pull(ref, home=home)

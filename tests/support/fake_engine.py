@@ -36,7 +36,7 @@ from sandlot.engine.base import (
     VMRef,
     VMStatus,
 )
-from sandlot.errors import BootError, IncompatibleSnapshot
+from sandlot.errors import BootError, IncompatibleSnapshot, SavedStateError
 from sandlot.protocol import wire
 from sandlot.protocol.wire import ControlOp, Fields, T, Tag
 
@@ -109,10 +109,16 @@ class FakeVM(VM):
     async def kill(self, grace: float = 2.0) -> None:
         self.die(0)
 
+    def _maybe_fail(self, what: str) -> None:
+        if what in self.engine.fail:
+            raise SavedStateError(f"fake: {what} failed")
+
     async def pause(self) -> None:
+        self._maybe_fail("pause")
         self.status_now = VMStatus.PAUSED
 
     async def resume(self) -> None:
+        self._maybe_fail("resume")
         self.status_now = VMStatus.RUNNING
 
     async def status(self) -> VMStatus:
@@ -128,6 +134,7 @@ class FakeVM(VM):
         self.status_now = VMStatus.RUNNING
 
     async def save(self, directory: Path, *, new_disk: Path | None, keep_running: bool) -> float:
+        self._maybe_fail("save")
         (directory / "state").write_text(json.dumps({"memory": self.memory}))
         self.status_now = VMStatus.RUNNING if keep_running else VMStatus.PAUSED
         return 0.001
@@ -255,6 +262,7 @@ class FakeEngine(Engine):
     def __init__(self, home: Path) -> None:
         self.home = home
         self.vms: dict[int, FakeVM] = {}
+        self.fail: set[str] = set()  # VM operations that raise: "pause", "resume", "save"
         self.fail_boot = False
         self.fail_restore = False
         self.never_answer = False

@@ -66,3 +66,13 @@ def test_every_error_has_a_stable_code_and_an_http_status() -> None:
         isinstance(guest, FileNotFoundError) and guest.to_dict()["errno"] == "ENOENT" and guest.status == 404
     )
     assert issubclass(errors.BootTimeout, TimeoutError) and issubclass(errors.InvalidArgument, ValueError)
+
+
+def test_the_boxs_options_are_spelled_once() -> None:
+    """AsyncBox takes every option of a box by the name and default BoxSpec.build gives it."""
+    from sandlot.core.requests import SPEC_DEFAULTS, SPEC_OPTIONS
+
+    params = inspect.signature(sandlot.AsyncBox.__init__).parameters
+    for name in SPEC_OPTIONS:
+        assert name in params, f"AsyncBox does not take {name}"
+        assert params[name].default == SPEC_DEFAULTS[name], f"{name}: {params[name].default!r}"

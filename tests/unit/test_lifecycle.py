@@ -357,3 +357,132 @@ def test_removing_a_box_keeps_its_snapshots_and_prune_removes_them(home: Path, r
         assert not (Path(home) / "snapshots" / needed.id).exists()
 
     run(main)
+
+
+# -- every row of the transition table, through the controller ----------------------------------
+
+SETUP = {  # how to bring a fresh box into each state users see
+    "created": [],
+    "running": ["start"],
+    "paused": ["start", "pause"],
+    "suspended": ["start", "suspend"],
+    "stopped": ["start", "stop"],
+    "crashed": ["start", "crash"],
+}
+
+
+async def into(box: sandlot.AsyncBox, state: str, home: Path) -> None:
+    for step in SETUP[state]:
+        if step == "crash":
+            for vm in list(FakeEngine.of(home).vms.values()):
+                vm.die(9)
+        else:
+            await getattr(box, step)()
+    assert await box.refresh() == state
+
+
+async def do(box: sandlot.AsyncBox, op: Op, snap: Any) -> None:
+    if op == Op.DISCARD:
+        await box.stop()  # a suspended box's stop discards its saved state
+    elif op == Op.NETWORK:
+        await box.set_network(allow=["example.org:443"])
+    elif op == Op.REMOVE:
+        await box.remove(force=True)
+    elif op == Op.ROLLBACK:
+        await box.rollback(snap)
+    elif op == Op.CREATE:
+        pass
+    else:
+        await getattr(box, op.value)()
+
+
+# The API delegates where an operation means another in a state: start() of a suspended box
+# resumes it, stop() of a suspended box discards its saved state (the DISCARD operation).
+DELEGATED = {(Op.START, "suspended"): "running", (Op.STOP, "suspended"): "stopped"}
+# (a box never started has no snapshot of its own: its rollback is refused as bad input first)
+CASES = [(op, s) for op in Op if op != Op.CREATE for s in SETUP
+         if (op != Op.DISCARD or s == "suspended") and (op, s) != (Op.ROLLBACK, "created")]  # fmt: skip
+
+
+@pytest.mark.parametrize(("op", "source"), CASES, ids=[f"{o.value}-from-{s}" for o, s in CASES])
+def test_every_transition_through_the_controller(home: Path, root: Path, op: Op, source: str) -> None:
+    from sandlot.core.state import TRANSITIONS, BoxState, end_state
+
+    t = TRANSITIONS[op]
+
+    async def main() -> None:
+        box = new_box(home, root, keep=True, network="allowlist")
+        await box.start()
+        snap = await box.snapshot("base")  # for the rollbacks
+        await box.stop()
+        await into(box, source, home) if source != "created" else None
+        if source == "created":  # a new box, never started
+            box = await created(home, root, network="allowlist")
+        state = BoxState(source)
+        try:
+            if (op, source) in DELEGATED:
+                await do(box, op, snap)
+                assert await box.refresh() == DELEGATED[(op, source)]
+            elif state in t.done:
+                await do(box, op, snap)
+                assert await box.refresh() == source  # nothing to do
+            elif state in t.sources:
+                await do(box, op, snap)
+                after = await box.refresh()
+                assert after == ("removed" if op == Op.REMOVE else end_state(op, state).value)
+            else:
+                with pytest.raises(sandlot.InvalidState) as err:
+                    await do(box, op, snap)
+                assert err.value.state == source and set(err.value.allowed) == {s.value for s in t.sources}
+                assert await box.refresh() == source  # refused: nothing changed
+        finally:
+            for b in await sandlot.AsyncBox.list(home=home):
+                await b.remove(force=True)
+
+    run(main)
+
+
+FAILING = [  # (operation, from, what fails in the VM, where the box must fall)
+    (Op.START, "stopped", "boot", "crashed"),
+    (Op.PAUSE, "running", "pause", "running"),
+    (Op.UNPAUSE, "paused", "resume", "paused"),
+    (Op.SNAPSHOT, "running", "save", "running"),
+    (Op.SNAPSHOT, "paused", "save", "paused"),
+    (Op.SUSPEND, "running", "save", "running"),
+    (Op.RESUME, "suspended", "restore", "suspended"),
+    (Op.ROLLBACK, "running", "restore", "stopped"),
+]
+
+
+@pytest.mark.parametrize(("op", "source", "fails", "falls_to"), FAILING,
+                         ids=[f"{o.value}-from-{s}" for o, s, _f, _t in FAILING])  # fmt: skip
+def test_failed_operations_fall_where_the_table_says(
+    home: Path, root: Path, op: Op, source: str, fails: str, falls_to: str
+) -> None:
+    from sandlot.core.state import BoxState, failure_state
+
+    assert failure_state(op, BoxState(source)).value == falls_to  # the table says so
+
+    async def main() -> None:
+        box = new_box(home, root, keep=True)
+        await box.start()
+        snap = await box.snapshot("base")
+        await into(box, source, home)
+        engine = FakeEngine.of(home)
+        if fails == "boot":
+            engine.fail_boot = True
+        elif fails == "restore":
+            engine.fail_restore = True
+        else:
+            engine.fail.add(fails)
+        try:
+            with pytest.raises(sandlot.SandlotError):
+                await do(box, op, snap)
+            assert await box.refresh() == falls_to
+            assert (await box.inspect())["op"] is None  # nothing left half done for recovery
+        finally:
+            engine.fail.clear()
+            engine.fail_boot = engine.fail_restore = False
+            await box.remove(force=True)
+
+    run(main)

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from ..core.controller import BoxController
-from ..core.requests import BoxRequest
+from ..core.requests import SPEC_OPTIONS, BoxRequest
 from ..core.runtime import Runtime
 from ..core.service import BoxEntry, Core, core_for, hostname_for
 from ..core.spec import DEFAULT_DISK_GB, DEFAULT_MEMORY_MIB, PortSpec, VolumeSpec
@@ -92,16 +92,19 @@ class AsyncBox:
         template: Any = None,
         home: Home = None,
     ) -> None:
+        given = locals()  # the box's own options are those BoxSpec.build takes, by the same names
         self.runtime = Runtime.for_home(home)
+        options = {k: given[k] for k in SPEC_OPTIONS}
         self._request: BoxRequest | None = BoxRequest.build(
-            image, rootfs=rootfs, name=name, env=env, workdir=workdir, user=user, volumes=volumes,
-            labels=labels, memory_mib=memory_mib, cpus=cpus, disk_size_gb=disk_size_gb,
-            auto_remove=auto_remove, keep=keep, pull=pull, insecure=insecure, ca_cert=ca_cert,
-            credentials=credentials, engine=engine, accel=accel, kernel=kernel, hostname=hostname,
-            boot_timeout=boot_timeout, request_timeout=request_timeout, idle_timeout=idle_timeout,
-            network=network, allow=allow, ports=ports, pids_limit=pids_limit, secrets=secrets,
+            image,
+            options,
             template=_template_arg(template),
-        )  # fmt: skip
+            keep=keep,
+            pull=pull,
+            insecure=insecure,
+            ca_cert=ca_cert,
+            credentials=credentials,
+        )
         self._id, self._name = self._request.id, self._request.name
         self.keep = keep
         self._image = self._request.image

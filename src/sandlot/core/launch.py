@@ -16,10 +16,11 @@ import os
 import shlex
 import sys
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..engine.base import VM, Boot, BootRequest, LaunchSpec, NetSpec, SavedState, Volume
+from ..engine.base import VM, Boot, BootRequest, Engine, LaunchSpec, NetSpec, SavedState, Volume
 from ..errors import AgentTimeout, BootTimeout, ConnectionLost
 from ..net.policy import write_policy
 from ..net.secrets import GUEST_BUNDLE, GUEST_CA, SYSTEM_BUNDLES, read_vault_json
@@ -106,28 +107,16 @@ class Launcher:
             boot=shape(boot, spec.memory_mib, spec.cpus, where.agent_ports, net), network=net,
             volumes=tuple(Volume(v.host, f"vol{i}", v.readonly) for i, v in enumerate(spec.volumes)),
         )  # fmt: skip
-        t0 = time.monotonic()
-        line = self.core.admission(boot.accel)
-        async with line.turn():
-            vm = await engine.launch(launch)
-            entry.vm = vm
-            await self._record_vm(entry, vm, boot, launch.boot)
-            crash_point("start.after-launch")
-            try:
-                await self._record_ports(entry, vm)
-                conn = await self.attach(entry, vm, spec.boot_timeout_for(boot.accel), boot)
-                for i, v in enumerate(spec.volumes):
-                    mount = (
-                        tlv(Tag.PATH, v.guest) + tlv(Tag.PATH2, f"vol{i}") + tlv(Tag.FLAGS, int(v.readonly))
-                    )
-                    await control(conn, ControlOp.MOUNT, mount)
-                await self.install_trust(entry, conn)
-            except BaseException:
-                await vm.kill(grace=0.5)
-                entry.session.drop()
-                raise
-        entry.boot_seconds = time.monotonic() - t0
-        return vm
+        timeout = spec.boot_timeout_for(boot.accel)
+
+        async def when_up(vm: VM) -> None:
+            conn = await self.attach(entry, vm, timeout, boot)
+            for i, v in enumerate(spec.volumes):
+                mount = tlv(Tag.PATH, v.guest) + tlv(Tag.PATH2, f"vol{i}") + tlv(Tag.FLAGS, int(v.readonly))
+                await control(conn, ControlOp.MOUNT, mount)
+            await self.install_trust(entry, conn)
+
+        return await self._bring_up(entry, engine, launch, boot, "start.after-launch", when_up)
 
     async def restore(
         self,
@@ -154,20 +143,37 @@ class Launcher:
             saved=SavedState(snapshots.snapshot_dir(self.core.rt.home, snap.id), facts),
         )  # fmt: skip
         timeout = entry.spec.boot_timeout_for(boot.accel)
+
+        async def when_up(vm: VM) -> None:
+            # loading a large state from a cold page cache may take longer than a boot
+            await vm.run_restored(max(timeout, 60.0))
+            if attach:
+                conn = await self.attach(entry, vm, timeout, boot)
+                if trust:
+                    await self.install_trust(entry, conn)
+
+        return await self._bring_up(entry, engine, launch, boot, "restore.after-launch", when_up)
+
+    async def _bring_up(
+        self,
+        entry: BoxEntry,
+        engine: Engine,
+        launch: LaunchSpec,
+        boot: Boot,
+        point: str,
+        when_up: Callable[[VM], Awaitable[None]],
+    ) -> VM:
+        """In the admission line's turn: launch, record the VM at once, publish its ports
+        and run ``when_up``; a VM that fails on the way is ended."""
         t0 = time.monotonic()
         async with self.core.admission(boot.accel).turn():
             vm = await engine.launch(launch)
             entry.vm = vm
             await self._record_vm(entry, vm, boot, launch.boot)
-            crash_point("restore.after-launch")
+            crash_point(point)
             try:
                 await self._record_ports(entry, vm)
-                # loading a large state from a cold page cache may take longer than a boot
-                await vm.run_restored(max(timeout, 60.0))
-                if attach:
-                    conn = await self.attach(entry, vm, timeout, boot)
-                    if trust:
-                        await self.install_trust(entry, conn)
+                await when_up(vm)
             except BaseException:
                 await vm.kill(grace=0.5)
                 entry.session.drop()

@@ -240,8 +240,8 @@ class LiveState:
         prefix = name or found.box_name or "box"
         exact = name is not None and n == 1 and not as_prefix
         requests = [
-            BoxRequest.build(template=found, name=name if exact else f"{prefix}-{os.urandom(3).hex()}",
-                             keep=True, **options)
+            BoxRequest.build(None, {**options, "name": name if exact else f"{prefix}-{os.urandom(3).hex()}"},
+                             template=found, keep=True)
             for _ in range(n)
         ]  # fmt: skip
         made: list[BoxEntry] = []

@@ -4,9 +4,10 @@ that state's shape, environment and network where the user did not say)."""
 
 from __future__ import annotations
 
+import inspect
 import os
 import secrets as random_ids
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -14,10 +15,15 @@ from typing import Any
 from ..errors import InvalidArgument
 from ..images.store import Image
 from ..net.secrets import Secret
-from .spec import DEFAULT_DISK_GB, DEFAULT_MEMORY_MIB, BoxSpec, PortSpec, VolumeSpec
+from .spec import DEFAULT_DISK_GB, DEFAULT_MEMORY_MIB, BoxSpec
 from .store import SnapshotRecord
 
 PULL_POLICIES = ("missing", "always", "never")
+_BUILD = inspect.signature(BoxSpec.build).parameters
+# the options that make a box what it is (everything BoxSpec.build takes but the image and what
+# a saved state brings), with their defaults
+SPEC_OPTIONS = tuple(n for n in _BUILD if n not in ("image", "saved_secrets", "saved"))
+SPEC_DEFAULTS: dict[str, Any] = {n: _BUILD[n].default for n in SPEC_OPTIONS}
 
 
 @dataclass
@@ -40,55 +46,30 @@ class BoxRequest:
     @classmethod
     def build(
         cls,
-        image: str | Image | None = None,
+        image: str | Image | None,
+        options: Mapping[str, Any],
         *,
-        rootfs: str | os.PathLike[str] | None = None,
-        name: str | None = None,
-        env: Mapping[str, str] | None = None,
-        workdir: str | None = None,
-        user: str | None = None,
-        volumes: Sequence[VolumeSpec] | Mapping[str, str] | None = None,
-        labels: Mapping[str, str] | None = None,
-        memory_mib: int = DEFAULT_MEMORY_MIB,
-        cpus: int = 1,
-        disk_size_gb: int = DEFAULT_DISK_GB,
-        auto_remove: bool = False,
+        template: str | SnapshotRecord | bool | None = None,
         keep: bool = False,
         pull: str = "missing",
         insecure: bool = False,
         ca_cert: str | os.PathLike[str] | None = None,
         credentials: tuple[str, str] | None = None,
-        engine: str = "qemu",
-        accel: str = "auto",
-        kernel: str | os.PathLike[str] | None = None,
-        hostname: str | None = None,
-        boot_timeout: float | None = None,
-        request_timeout: float = 30.0,
-        idle_timeout: float | None = None,
-        network: str | bool | None = None,
-        allow: Sequence[str] | str | None = None,
-        ports: Sequence[PortSpec] | None = None,
-        pids_limit: int | None = None,
-        secrets: Sequence[Secret] | None = None,
-        template: str | SnapshotRecord | bool | None = None,
     ) -> BoxRequest:
+        """``options``: the box's own (those of ``BoxSpec.build``, see ``SPEC_OPTIONS``);
+        the rest says where it starts from and how its image is fetched."""
+        unknown = sorted(set(options) - set(SPEC_OPTIONS))
+        if unknown:
+            raise InvalidArgument(f"unknown box option(s): {', '.join(unknown)}")
         if pull not in PULL_POLICIES:
             raise InvalidArgument(f"pull must be 'missing', 'always' or 'never', not {pull!r}")
         if template is True:
             raise InvalidArgument("template= takes a template or snapshot (or its name), or False")
-        options = {
-            "rootfs": rootfs, "name": name, "env": env, "workdir": workdir, "user": user, "volumes": volumes,
-            "labels": labels, "memory_mib": memory_mib, "cpus": cpus, "disk_size_gb": disk_size_gb,
-            "auto_remove": auto_remove, "engine": engine, "accel": accel, "kernel": kernel,
-            "hostname": hostname,
-            "boot_timeout": boot_timeout, "request_timeout": request_timeout, "idle_timeout": idle_timeout,
-            "network": network, "allow": allow, "ports": ports, "pids_limit": pids_limit, "secrets": secrets,
-        }  # fmt: skip
         req = cls(
             image_ref=image.digest if isinstance(image, Image) else image,
             image=image if isinstance(image, Image) else None,
-            options=options,
-            secrets=list(secrets or []),
+            options=dict(options),
+            secrets=list(options.get("secrets") or []),
             template=template,
             pull=pull,
             pull_options={
@@ -111,7 +92,7 @@ class BoxRequest:
     def spec_for(self, snap: SnapshotRecord | None) -> BoxSpec:
         """The box's spec; from saved state ``snap``, its shape and (unless given anew)
         the environment, working directory, user and network policy it was saved with."""
-        o = dict(self.options)
+        o = {**SPEC_DEFAULTS, **self.options}
         image_ref = self.image_ref
         if snap is None and self.saved and o["network"] is None and o["allow"] is None:
             o["network"] = "allowlist"  # unknown until the saved state is looked up: the lenient one

@@ -80,24 +80,14 @@ class Session:
         async with self._connecting:
             if self.conn is not None and self.conn.failed is None and self.vm is vm:
                 return self.conn
-            self.drop()
-            deadline = time.monotonic() + hello.request_timeout
-            await self.lease(deadline)
-            try:
-                conn = self._pending = self._new_connection(vm, hello)
-                await conn.connect(max(0.1, deadline - time.monotonic()))
-            except BaseException:
-                self.release_port()
-                raise
-            finally:
-                self._pending = None
-            self.conn, self.vm = conn, vm
-            self._arm_idle_release()
-            return conn
+            return await self._connect(vm, hello, time.monotonic() + hello.request_timeout, booting=False)
 
     async def attach_booting(self, vm: VM, hello: Hello, deadline: float) -> AgentConnection:
         """Connect to the agent of a VM that is coming up: retry until its socket
         exists and the agent answers, or until ``deadline``."""
+        return await self._connect(vm, hello, deadline, booting=True)
+
+    async def _connect(self, vm: VM, hello: Hello, deadline: float, *, booting: bool) -> AgentConnection:
         self.drop()
         await self.lease(deadline)
         try:
@@ -107,9 +97,9 @@ class Session:
                     await conn.connect(max(0.1, deadline - time.monotonic()))
                     break
                 except (FileNotFoundError, ConnectionRefusedError):
-                    if time.monotonic() > deadline:
+                    if not booting or time.monotonic() > deadline:
                         raise
-                    await asyncio.sleep(0.01)
+                    await asyncio.sleep(0.01)  # its socket is not there yet
         except BaseException:
             self.release_port()
             raise

@@ -113,7 +113,10 @@ TRANSITIONS: dict[Op, Transition] = {
     Op.SNAPSHOT: Transition((S.RUNNING, S.PAUSED), S.SNAPSHOTTING, None, SOURCE),
     Op.SUSPEND: Transition((S.RUNNING, S.PAUSED), S.SUSPENDING, S.SUSPENDED, SOURCE, done=(S.SUSPENDED,)),
     Op.RESUME: Transition((S.SUSPENDED,), S.RESUMING, S.RUNNING, S.SUSPENDED, done=(S.RUNNING, S.PAUSED)),
-    Op.ROLLBACK: Transition(_ANY_STABLE, S.RESTORING, S.RUNNING, S.STOPPED),
+    # a box never started has no snapshots of its own to go back to
+    Op.ROLLBACK: Transition(
+        (S.RUNNING, S.PAUSED, S.SUSPENDED, S.STOPPED, S.CRASHED), S.RESTORING, S.RUNNING, S.STOPPED
+    ),
     Op.NETWORK: Transition(_ANY_STABLE, None, None, SOURCE),
 }
 del S

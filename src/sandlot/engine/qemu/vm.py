@@ -16,7 +16,7 @@ import signal
 import subprocess
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from qemu.qmp import QMPClient
 
@@ -366,17 +366,22 @@ class QemuVM(VM):
 
     # -- saved state ----------------------------------------------------------------------
 
+    async def _migrate(self, f: IO[bytes], command: str, ignore_shared: bool, timeout: float) -> None:
+        """Run one migration (``migrate`` out to ``f``, ``migrate-incoming`` in from it),
+        handing QEMU the file's descriptor, until it completes."""
+        async with self.qmp_session() as q:
+            await set_migration(q, ignore_shared)
+            q.send_fd_scm(f.fileno())
+            await q.execute("getfd", {"fdname": "sandlot-state"})
+            await q.execute(command, {"uri": "fd:sandlot-state"})
+            await self._wait_migration(q, timeout)
+
     async def save_state(self, path: Path, *, ignore_shared: bool = False, timeout: float = 120.0) -> int:
         """Write the VM's device state (and RAM, unless it lives in a shared file
         and ``ignore_shared``) to ``path`` with QEMU's migration. The VM must be
         stopped. Returns the bytes written."""
         with open(path, "wb") as f:
-            async with self.qmp_session() as q:
-                await set_migration(q, ignore_shared)
-                q.send_fd_scm(f.fileno())
-                await q.execute("getfd", {"fdname": "sandlot-state"})
-                await q.execute("migrate", {"uri": "fd:sandlot-state"})
-                await self._wait_migration(q, timeout)
+            await self._migrate(f, "migrate", ignore_shared, timeout)
             os.fsync(f.fileno())
             return f.tell()
 
@@ -384,12 +389,7 @@ class QemuVM(VM):
         """Load a state written by ``save_state`` into a VM started with ``incoming``;
         the VM stays stopped."""
         with open(path, "rb") as f:
-            async with self.qmp_session() as q:
-                await set_migration(q, ignore_shared)
-                q.send_fd_scm(f.fileno())
-                await q.execute("getfd", {"fdname": "sandlot-state"})
-                await q.execute("migrate-incoming", {"uri": "fd:sandlot-state"})
-                await self._wait_migration(q, timeout)
+            await self._migrate(f, "migrate-incoming", ignore_shared, timeout)
 
     async def save(self, directory: Path, *, new_disk: Path | None, keep_running: bool) -> float:
         loop = asyncio.get_running_loop()
