@@ -76,3 +76,10 @@ def test_the_boxs_options_are_spelled_once() -> None:
     for name in SPEC_OPTIONS:
         assert name in params, f"AsyncBox does not take {name}"
         assert params[name].default == SPEC_DEFAULTS[name], f"{name}: {params[name].default!r}"
+
+
+def test_the_command_line_says_its_version() -> None:
+    r = subprocess.run([sys.executable, "-m", "sandlot.cli", "--version"], capture_output=True, text=True)
+    assert (r.returncode, r.stdout.strip()) == (0, sandlot.__version__), r.stderr
+    r = subprocess.run([sys.executable, "-m", "sandlot.cli"], capture_output=True, text=True)
+    assert r.returncode in (0, 2) and "Usage" in r.stdout + r.stderr  # no command: the help

@@ -81,7 +81,15 @@ class Launcher:
         if entry.vm is not None and entry.vm.ref == rec.vm:
             return entry.vm
         engine = self.core.rt.engine(rec.engine)
-        entry.vm = engine.attach(rec.vm, self.core.rt.placement(rec, entry.hostname), rec.boot)
+        # a row written before launch records held the VM's shape: the box's own is the best guess
+        spec = entry.spec
+        shaped = {
+            "memory_mib": spec.memory_mib,
+            "cpus": spec.cpus,
+            "network": spec.policy.has_nic,
+            **rec.boot,
+        }
+        entry.vm = engine.attach(rec.vm, self.core.rt.placement(rec, entry.hostname), shaped)
         return entry.vm
 
     async def prepare(self, entry: BoxEntry, *, network: bool) -> Boot:

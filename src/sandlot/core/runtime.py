@@ -92,11 +92,10 @@ class Runtime:
 
     @property
     def db(self) -> AsyncStore:
-        """The store for async code (each call on the store's own thread)."""
-        store = self.store
+        """The store for async code (each call on the store's own thread, where it is opened)."""
         with self._lock:
             if self._db is None:
-                self._db = AsyncStore(store)
+                self._db = AsyncStore(lambda: self.store)
             return self._db
 
     def engine(self, name: str = "qemu") -> Engine:

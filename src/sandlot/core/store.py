@@ -28,13 +28,10 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, ParamSpec, TypeVar
+from typing import Any
 
 from ..engine.base import VMRef
 from ..errors import BoxNotFound, InvalidArgument, SandlotError, SnapshotNotFound
-
-P = ParamSpec("P")
-R = TypeVar("R")
 
 SCHEMA_VERSION = 3
 
@@ -441,55 +438,67 @@ class BoxStore:
 
 
 class AsyncStore:
-    """The store for async code: each call runs on the store's own thread, so a
-    commit's fsync never blocks the event loop and calls keep their order."""
+    """The store for async code: each call runs on the store's own thread, in order,
+    so no commit's fsync (nor the first open, which sweeps a crash's leftovers)
+    blocks the event loop."""
 
-    def __init__(self, store: BoxStore) -> None:
-        self.sync = store
+    def __init__(self, opener: Callable[[], BoxStore]) -> None:
+        self._open = opener
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sandlot-store")
 
-    async def call(self, fn: Callable[P, R], *args: P.args, **kwargs: P.kwargs) -> R:
+    async def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        """``BoxStore.<method>(*args, **kwargs)`` on the store's thread."""
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._pool, lambda: fn(*args, **kwargs))
+        return await loop.run_in_executor(self._pool, lambda: getattr(self._open(), method)(*args, **kwargs))
 
     async def get(self, key: str) -> BoxRecord:
-        return await self.call(self.sync.get, key)
+        found: BoxRecord = await self.call("get", key)
+        return found
 
     async def find(self, key: str) -> BoxRecord | None:
-        return await self.call(self.sync.find, key)
+        found: BoxRecord | None = await self.call("find", key)
+        return found
 
     async def list(self) -> builtins.list[BoxRecord]:
-        return await self.call(self.sync.list)
+        found: builtins.list[BoxRecord] = await self.call("list")
+        return found
 
     async def insert(self, rec: BoxRecord) -> BoxRecord:
-        return await self.call(self.sync.insert, rec)
+        done: BoxRecord = await self.call("insert", rec)
+        return done
 
     async def update(self, box_id: str, **kw: Any) -> BoxRecord | None:
-        return await self.call(self.sync.update, box_id, **kw)
+        done: BoxRecord | None = await self.call("update", box_id, **kw)
+        return done
 
     async def delete(self, box_id: str) -> None:
-        await self.call(self.sync.delete, box_id)
+        await self.call("delete", box_id)
 
     async def children(self, snap_id: str) -> builtins.list[BoxRecord]:
-        return await self.call(self.sync.children, snap_id)
+        found: builtins.list[BoxRecord] = await self.call("children", snap_id)
+        return found
 
     async def insert_snapshot(self, rec: SnapshotRecord) -> SnapshotRecord:
-        return await self.call(self.sync.insert_snapshot, rec)
+        done: SnapshotRecord = await self.call("insert_snapshot", rec)
+        return done
 
     async def snapshots(self, **kw: Any) -> builtins.list[SnapshotRecord]:
-        return await self.call(self.sync.snapshots, **kw)
+        found: builtins.list[SnapshotRecord] = await self.call("snapshots", **kw)
+        return found
 
     async def find_snapshot(self, snap_id: str) -> SnapshotRecord | None:
-        return await self.call(self.sync.find_snapshot, snap_id)
+        found: SnapshotRecord | None = await self.call("find_snapshot", snap_id)
+        return found
 
     async def get_snapshot(self, key: str, *, box_id: str | None = None) -> SnapshotRecord:
-        return await self.call(self.sync.get_snapshot, key, box_id=box_id)
+        found: SnapshotRecord = await self.call("get_snapshot", key, box_id=box_id)
+        return found
 
     async def update_snapshot(self, snap_id: str, **changes: Any) -> None:
-        await self.call(self.sync.update_snapshot, snap_id, **changes)
+        await self.call("update_snapshot", snap_id, **changes)
 
     async def delete_snapshot(self, snap_id: str) -> None:
-        await self.call(self.sync.delete_snapshot, snap_id)
+        await self.call("delete_snapshot", snap_id)
 
 
 def validate_name(name: str) -> str:
