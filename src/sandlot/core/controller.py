@@ -110,6 +110,7 @@ class BoxController:
 
     async def refresh(self, entry: BoxEntry) -> BoxRecord:
         """The box's row as it is now, recovered (``BoxNotFound`` once removed)."""
+        entry.seen = self.db.version()
         rec = await self.db.find(entry.id)
         rec = await self.recover(rec) if rec is not None else None
         if rec is None:
@@ -475,13 +476,20 @@ class BoxController:
         box is resumed first (transparently: an idle box was put to sleep)."""
         if entry.removed:
             raise BoxNotFound(f"box {entry.name} was removed", box=entry.name, state="removed")
-        rec = await self.refresh(entry)  # every call: another process may have paused or stopped it
+        session = entry.session
+        version = self.db.version()
+        if version is not None and version == entry.seen and session.healthy and entry.state in SERVING:
+            # nothing was written since the row was read (and a VM that died would have
+            # ended the connection): the running box is as we know it
+            assert session.conn is not None
+            await session.conn.wait_ready()
+            return session.conn
+        rec = await self.refresh(entry)  # another process may have paused, stopped or suspended it
         if rec.state in (BoxState.SUSPENDED, BoxState.SUSPENDING, BoxState.RESUMING):
             await self.core.live.resume(entry)
             rec = entry.record
         if rec.state not in SERVING:
             raise InvalidState.refused("run commands", rec.state, ["running"], box=entry.name)
-        session = entry.session
         conn = session.conn
         if conn is not None and conn.failed is not None:
             session.drop()

@@ -43,6 +43,7 @@ class BoxEntry:
         self.lock = BoxLock(box_dir / "lock", rec.name)
         self.vm: VM | None = None
         self.session = Session(rec.id, rec.name, box_dir / "ports", AGENT_PORTS, core.controller.agent_lost)
+        self.seen: int | None = None  # the store's version when the record was last read
         self.boot_seconds: float | None = None  # how long the last start took
         self.last_pause: float | None = None  # seconds the last snapshot or suspend paused the VM
         self.removed = False

@@ -283,6 +283,14 @@ class BoxStore:
         with self._lock:
             self._db.close()
 
+    def watcher(self) -> sqlite3.Connection:
+        """A read-only connection of its own, for ``PRAGMA data_version``: in WAL mode a
+        reader never waits for a writer, and a zero timeout makes it fail rather than wait."""
+        db = sqlite3.connect(f"file:{self.path}?mode=ro", uri=True, timeout=0, isolation_level=None,
+                             check_same_thread=False)  # fmt: skip
+        db.execute("PRAGMA data_version").fetchone()
+        return db
+
     # -- boxes ---------------------------------------------------------------------------
 
     def insert(self, rec: BoxRecord) -> BoxRecord:
@@ -445,11 +453,32 @@ class AsyncStore:
     def __init__(self, opener: Callable[[], BoxStore]) -> None:
         self._open = opener
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sandlot-store")
+        self._watch: sqlite3.Connection | None = None
 
     async def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         """``BoxStore.<method>(*args, **kwargs)`` on the store's thread."""
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._pool, lambda: getattr(self._open(), method)(*args, **kwargs))
+        return await loop.run_in_executor(self._pool, lambda: self._run(method, args, kwargs))
+
+    def _run(self, method: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        store = self._open()
+        if self._watch is None:
+            self._watch = store.watcher()
+        return getattr(store, method)(*args, **kwargs)
+
+    def version(self) -> int | None:
+        """A number that changes whenever any process commits to the store, read
+        without waiting (None if it cannot be read now). Equal numbers mean nothing
+        was written between the two reads, so a row read then is still current:
+        commands skip a store round trip while nothing changes."""
+        watch = self._watch
+        if watch is None:
+            return None
+        try:
+            version: int = watch.execute("PRAGMA data_version").fetchone()[0]
+        except sqlite3.Error:
+            return None
+        return version
 
     async def get(self, key: str) -> BoxRecord:
         found: BoxRecord = await self.call("get", key)

@@ -18,7 +18,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import IO, Any
 
-from qemu.qmp import QMPClient
+from qemu.qmp import EventListener, QMPClient
 
 from ... import pids
 from ...errors import BootError, SavedStateError
@@ -87,7 +87,12 @@ def parse_host_forwards(usernet: str) -> list[tuple[str, int, int]]:
 
 
 async def set_migration(q: QMPClient, ignore_shared: bool) -> None:
-    caps = [{"capability": "x-ignore-shared", "state": ignore_shared}]
+    # events: QEMU says when a migration ends, so nobody polls for it (a poll's backoff
+    # overshot the end of a 100 ms load by tens of milliseconds)
+    caps = [
+        {"capability": "x-ignore-shared", "state": ignore_shared},
+        {"capability": "events", "state": True},
+    ]
     await q.execute("migrate-set-capabilities", {"capabilities": caps})
     # the default bandwidth cap (128 MiB/s) is for networks, not a local file
     await q.execute("migrate-set-parameters", {"max-bandwidth": 1 << 40})
@@ -339,30 +344,34 @@ class QemuVM(VM):
                     raise
             await asyncio.sleep(0.005)
 
-    async def _wait_migration(self, q: QMPClient, timeout: float) -> None:
-        """Until the migration in progress (a save or a load) has completed."""
+    async def _migration_done(self, q: QMPClient, events: EventListener, timeout: float) -> None:
+        """Until the migration in progress (a save or a load) completes, as its
+        MIGRATION events say; racing QEMU's exit and ``timeout``."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
-        delay = 0.002
+        exited = self.exited()
         while True:
-            info = await q.execute("query-migrate")
-            if not isinstance(info, dict):
-                info = {}
-            status = info.get("status")
-            if status == "completed":
-                return
-            if status in ("failed", "cancelled"):
-                raise SavedStateError(
-                    f"QEMU could not save or load the state: {info.get('error-desc', status)}"
-                )
-            if status is None and not self.running:
-                raise SavedStateError("QEMU exited while saving or loading the state")
-            if loop.time() > deadline:
+            event = asyncio.ensure_future(events.get())
+            waiting: set[asyncio.Future[Any]] = {event, exited}
+            done, _ = await asyncio.wait(waiting, timeout=max(0.0, deadline - loop.time()),
+                                         return_when=asyncio.FIRST_COMPLETED)  # fmt: skip
+            if event not in done:
+                event.cancel()
+                if exited in done:
+                    raise SavedStateError("QEMU exited while saving or loading the state")
                 with contextlib.suppress(Exception):
                     await q.execute("migrate_cancel")
                 raise SavedStateError(f"saving or loading the state took more than {timeout:.0f}s")
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, 0.05)
+            message: Any = event.result()
+            status = (message.get("data") or {}).get("status")
+            if status == "completed":
+                return
+            if status in ("failed", "cancelled"):
+                info: Any = {}
+                with contextlib.suppress(Exception):
+                    info = await q.execute("query-migrate")
+                why = info.get("error-desc", status) if isinstance(info, dict) else status
+                raise SavedStateError(f"QEMU could not save or load the state: {why}")
 
     # -- saved state ----------------------------------------------------------------------
 
@@ -373,8 +382,9 @@ class QemuVM(VM):
             await set_migration(q, ignore_shared)
             q.send_fd_scm(f.fileno())
             await q.execute("getfd", {"fdname": "sandlot-state"})
-            await q.execute(command, {"uri": "fd:sandlot-state"})
-            await self._wait_migration(q, timeout)
+            with q.listener("MIGRATION") as events:
+                await q.execute(command, {"uri": "fd:sandlot-state"})
+                await self._migration_done(q, events, timeout)
 
     async def save_state(self, path: Path, *, ignore_shared: bool = False, timeout: float = 120.0) -> int:
         """Write the VM's device state (and RAM, unless it lives in a shared file
@@ -429,8 +439,9 @@ class QemuVM(VM):
         try:
             async with self.qmp_session() as q:
                 await set_migration(q, self.cfg.restore_ignore_shared)
-                await q.execute("migrate-incoming", {"uri": f"fd:{self._state_fd}"})
-                await self._wait_migration(q, timeout)
+                with q.listener("MIGRATION") as events:
+                    await q.execute("migrate-incoming", {"uri": f"fd:{self._state_fd}"})
+                    await self._migration_done(q, events, timeout)
                 delay = 0.001
                 while True:
                     reply = await q.execute("query-status")
@@ -446,9 +457,8 @@ class QemuVM(VM):
                     await asyncio.sleep(delay)
                     delay = min(delay * 2, 0.05)
         except Exception as exc:
-            if isinstance(exc, SavedStateError) and self.running:
-                raise
-            if await self.wait_exit(0.5) is False:
+            # a load that fails ends QEMU, which says why on its stderr: wait for that
+            if await self.wait_exit(1.0) is False:
                 raise
             await asyncio.sleep(0.05)  # let its stderr catch up
             raise self.failure("QEMU could not load the saved state") from exc
