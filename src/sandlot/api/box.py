@@ -210,6 +210,14 @@ class AsyncBox:
             return "new" if self._request is not None else "removed"
         return "removed" if entry.removed else str(entry.record.state)
 
+    @property
+    def info(self) -> dict[str, Any]:
+        """The box's record as this process last read it (``list``, ``get`` and every
+        operation read it), JSON-ready, without reading it again; ``inspect()`` for now."""
+        if self._entry is None:
+            raise InvalidState(f"box {self.name} was not created; call start()", box=self.name, state="new")
+        return self._entry.record.to_json()
+
     async def refresh(self) -> str:
         """Read the box's state anew (another process may have changed it)."""
         try:

@@ -147,6 +147,12 @@ class Box(BoxBase):
         """The guest's file system: ``box.files.read(path)`` and so on."""
         return Files.wrap(self._a.files)
 
+    @property
+    def info(self) -> dict[str, Any]:
+        """The box's record as this process last read it (``list``, ``get`` and every
+        operation read it), JSON-ready, without reading it again; ``inspect()`` for now."""
+        return self._a.info
+
     def refresh(self) -> str:
         """Read the box's state anew (another process may have changed it)."""
         return loop.run(self._a.refresh())

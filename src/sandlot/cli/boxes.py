@@ -354,7 +354,7 @@ def ls(
 
     async def listing() -> list[dict[str, Any]]:
         boxes = await AsyncBox.list(all=all_ or state is not None, state=state, labels=labels or None)
-        return [await b.inspect() for b in boxes]
+        return [b.info for b in boxes]  # as just listed
 
     try:
         records = asyncio.run(listing())

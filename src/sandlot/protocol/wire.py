@@ -1,6 +1,6 @@
 """Wire format of the agent protocol: frame headers, TLV payloads, stream offsets.
 
-Mirrors ``guest/agent/proto.h``; ``tests/test_wire.py`` checks the two agree.
+Mirrors ``guest/agent/proto.h``; ``tests/unit/test_wire.py`` checks the two agree.
 See docs/protocol.md for the specification.
 """
 

@@ -1,6 +1,6 @@
 /* Wire constants of the sandlot agent protocol, version 1.
  * docs/protocol.md is the specification; src/sandlot/protocol/wire.py mirrors
- * these numbers and tests/test_wire.py checks that the two agree. */
+ * these numbers and tests/unit/test_wire.py checks that the two agree. */
 #ifndef SANDLOT_PROTO_H
 #define SANDLOT_PROTO_H
 
