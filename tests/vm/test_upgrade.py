@@ -51,6 +51,15 @@ def test_a_version_2_store_opens_and_its_boxes_start_and_resume(busybox_root: Pa
         b.suspend()
     """,
     )
+    try:
+        check_upgrade(home)
+    finally:  # whatever happened, no VM outlives the test
+        remove_all = "import sandlot\nfor b in sandlot.list(): b.remove(force=True)"
+        env = {**os.environ, "SANDLOT_HOME": str(home)}
+        subprocess.run([sys.executable, "-c", remove_all], env=env, capture_output=True, timeout=300)
+
+
+def check_upgrade(home: Path) -> None:
     downgrade_to_v2(home / "sandlot.db")
     db = sqlite3.connect(home / "sandlot.db")
     assert db.execute("PRAGMA user_version").fetchone()[0] == 2
