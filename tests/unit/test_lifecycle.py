@@ -48,6 +48,21 @@ async def created(home: Path, root: Path, **kw: Any) -> sandlot.AsyncBox:
     return await sandlot.AsyncBox.create(rootfs=root, home=home, **options)
 
 
+def test_refresh_reads_without_creating(home: Path, root: Path) -> None:
+    async def main() -> None:
+        box = new_box(home, root, keep=True, name="r1")
+        assert await box.refresh() == "new"
+        assert await sandlot.AsyncBox.list(home=home) == []  # refresh made nothing
+        await box.start()
+        other = await sandlot.AsyncBox.get("r1", home=home)
+        await other.stop()
+        assert await box.refresh() == "stopped"
+        await other.remove()
+        assert await box.refresh() == "removed"
+
+    run(main)
+
+
 def test_create_start_exec_stop_start_remove(home: Path, root: Path) -> None:
     async def main() -> None:
         box = new_box(home, root, keep=True)

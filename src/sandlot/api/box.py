@@ -220,13 +220,13 @@ class AsyncBox:
 
     async def refresh(self) -> str:
         """Read the box's state anew (another process may have changed it)."""
+        if self._request is not None and self._entry is None:
+            return "new"
         try:
-            ctl, entry = await self._existing()
+            ctl, entry = await self._created()
             await ctl.refresh(entry)
         except BoxNotFound:
             return "removed"
-        except InvalidState:
-            return "new"
         return self.state
 
     @property
