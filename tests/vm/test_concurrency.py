@@ -10,7 +10,7 @@ import sys
 import textwrap
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -40,6 +40,15 @@ def remove_all(prefix: str) -> None:
             b.remove(force=True)
 
 
+def run_threads(jobs: list[tuple[Callable[[int], None], int]], timeout: float) -> None:
+    """Run every job at once, each on a thread of its own, and wait for them all."""
+    threads = [threading.Thread(target=fn, args=(i,)) for fn, i in jobs]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout)
+
+
 def test_24_starts_from_one_template_at_once_from_threads(image: str) -> None:
     errors: list[BaseException] = []
     answered: list[float] = []
@@ -53,12 +62,8 @@ def test_24_starts_from_one_template_at_once_from_threads(image: str) -> None:
         except BaseException as exc:
             errors.append(exc)
 
-    threads = [threading.Thread(target=start, args=(i,)) for i in range(N)]
     try:
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(600)
+        run_threads([(start, i) for i in range(N)], timeout=600)
         assert not errors, f"{len(errors)} of {N} failed: {errors[0]!r}"
         assert len(answered) == N
         states = {b.name: b.state for b in sandlot.list() if b.name.startswith("thr-")}
@@ -98,10 +103,10 @@ def test_a_mixed_storm_of_starts_forks_snapshots_and_removes(image: str) -> None
     errors: list[BaseException] = []
     refused: list[BaseException] = []
 
-    def guard(fn: object) -> object:
-        def run(*args: object) -> None:
+    def guard(fn: Callable[[int], None]) -> Callable[[int], None]:
+        def run(i: int) -> None:
             try:
-                fn(*args)  # type: ignore[operator]
+                fn(i)
             except sandlot.InvalidState as exc:  # e.g. removed meanwhile: refused, said why
                 refused.append(exc)
             except BaseException as exc:
@@ -127,13 +132,11 @@ def test_a_mixed_storm_of_starts_forks_snapshots_and_removes(image: str) -> None
         snap = base.snapshot(f"storm-{i}")
         snap.start(1, name=f"storm-r{i}")[0].exec("true")
 
-    jobs = [(start, i) for i in range(8)] + [(fork, i) for i in range(3)] + [(snapshot, i) for i in range(3)]
-    threads = [threading.Thread(target=fn, args=(i,)) for fn, i in jobs]
+    jobs: list[tuple[Callable[[int], None], int]] = (
+        [(start, i) for i in range(8)] + [(fork, i) for i in range(3)] + [(snapshot, i) for i in range(3)]
+    )
     try:
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(900)
+        run_threads(jobs, timeout=900)
         assert not errors, f"{len(errors)} operations failed: {errors[0]!r}"
         assert not refused, f"refused: {refused[0]!r}"
         boxes = [b for b in sandlot.list() if b.name.startswith("storm-")]
