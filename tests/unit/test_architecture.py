@@ -1,7 +1,8 @@
 """The layering of ``docs/architecture.md``, checked on the source: the import graph
 of ``sandlot`` has no cycle and no import from a lower layer into a higher one,
 and no private member crosses a module. Imports inside functions count (they
-are real dependencies); imports only for type checking do not make cycles."""
+are real dependencies), and so do imports only for type checking: two modules
+that need each other's types are tangled as much as two that call each other."""
 
 from __future__ import annotations
 
@@ -63,14 +64,9 @@ def resolve(module: str, node: ast.ImportFrom) -> list[str]:
     return out
 
 
-def imports(module: str) -> list[tuple[str, bool]]:
-    """(imported sandlot module, only for type checking) for each import in ``module``."""
+def imports(module: str) -> list[str]:
+    """The sandlot modules ``module`` imports, wherever the import stands."""
     tree = ast.parse(MODULES[module].read_text())
-    typing_only: set[int] = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
-            for inner in node.body:
-                typing_only.update(id(n) for n in ast.walk(inner))
     out = []
     for node in ast.walk(tree):
         targets: list[str] = []
@@ -83,7 +79,7 @@ def imports(module: str) -> list[tuple[str, bool]]:
                 while t not in MODULES and "." in t:
                     t = t.rsplit(".", 1)[0]
                 if t != module:
-                    out.append((t, id(node) in typing_only))
+                    out.append(t)
     return out
 
 
@@ -99,7 +95,7 @@ def test_nothing_imports_upward_or_across() -> None:
     wrong = []
     for m, deps in GRAPH.items():
         mine = unit_of(m)
-        for dep, _typing in deps:
+        for dep in deps:
             theirs = unit_of(dep)
             if theirs == mine:
                 continue
@@ -111,9 +107,7 @@ def test_nothing_imports_upward_or_across() -> None:
 def test_the_import_graph_has_no_cycle() -> None:
     edges = defaultdict(set)
     for m, deps in GRAPH.items():
-        for dep, typing_only in deps:
-            if not typing_only:
-                edges[m].add(dep)
+        edges[m].update(deps)
     state: dict[str, int] = {}
     stack: list[str] = []
 

@@ -28,9 +28,10 @@ from pathlib import Path
 from typing import IO, Any
 
 from ..core.controller import BoxController
+from ..core.entry import BoxEntry, hostname_for
 from ..core.requests import SPEC_OPTIONS, BoxRequest
 from ..core.runtime import Runtime
-from ..core.service import BoxEntry, Core, core_for, hostname_for
+from ..core.service import Core, core_for
 from ..core.spec import DEFAULT_DISK_GB, DEFAULT_MEMORY_MIB, PortSpec, VolumeSpec
 from ..core.store import SnapshotRecord, validate_name
 from ..core.validate import argv as check_argv
@@ -199,6 +200,11 @@ class AsyncBox:
         if self._request is not None and self._entry is None:
             raise InvalidState(f"box {self.name} was not created; call start()", box=self.name, state="new")
         return await self._created()
+
+    async def _live(self) -> tuple[Core, BoxEntry]:
+        """The core (its live state) and the entry of a box that exists."""
+        _, entry = await self._existing()
+        return self._here()[0], entry
 
     @property
     def state(self) -> str:
@@ -461,8 +467,8 @@ class AsyncBox:
         save; ``last_pause`` says how long). Roll back to it, or start boxes from it."""
         if name is not None:
             validate_name(name)
-        ctl, entry = await self._existing()
-        return AsyncSnapshot(self.runtime, await ctl.core.live.snapshot(entry, name))
+        core, entry = await self._live()
+        return AsyncSnapshot(self.runtime, await core.live.snapshot(entry, name))
 
     async def snapshots(self) -> builtins.list[AsyncSnapshot]:
         """This box's snapshots, oldest first."""
@@ -472,27 +478,27 @@ class AsyncBox:
     async def rollback(self, snapshot: AsyncSnapshot | str | Any) -> None:
         """Take this box back to one of its snapshots: memory, processes and disk.
         Same id and name; commands running now end (their connection ends with ConnectionLost)."""
-        ctl, entry = await self._existing()
-        snap = await snapshot_record(ctl.core, snapshot, box_id=self.id, kinds=("snapshot",))
-        await ctl.core.live.rollback(entry, snap)
+        core, entry = await self._live()
+        snap = await snapshot_record(core, snapshot, box_id=self.id, kinds=("snapshot",))
+        await core.live.rollback(entry, snap)
 
     async def fork(self, n: int = 1, *, name: str | None = None) -> builtins.list[AsyncBox]:
         """``n`` running copies of this box, from a snapshot taken now; see ``AsyncSnapshot.start``."""
-        ctl, entry = await self._existing()
-        kids = await ctl.core.live.fork(entry, n, name=name)
-        return [AsyncBox.of(ctl.core, k) for k in kids]
+        core, entry = await self._live()
+        kids = await core.live.fork(entry, n, name=name)
+        return [AsyncBox.of(core, k) for k in kids]
 
     async def suspend(self) -> None:
         """Write the running state to disk and end the VM: no CPU, no RAM. ``resume()``
         (from any process), ``start()``, or the next command brings it back."""
-        ctl, entry = await self._existing()
-        await ctl.core.live.suspend(entry)
+        core, entry = await self._live()
+        await core.live.suspend(entry)
 
     async def resume(self) -> None:
         """Bring a suspended box back with its processes; this process's open commands
         and streams carry on where they were."""
-        ctl, entry = await self._existing()
-        await ctl.core.live.resume(entry)
+        core, entry = await self._live()
+        await core.live.resume(entry)
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name} ({self.id}) {self.state}>"

@@ -12,8 +12,9 @@ from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from ..core.entry import BoxEntry
 from ..core.runtime import Runtime
-from ..core.service import BoxEntry, Core
+from ..core.service import Core
 from ..core.spec import DEFAULT_DISK_GB, DEFAULT_MEMORY_MIB, PortSpec, VolumeSpec
 from ..core.store import SnapshotRecord
 from ..images.store import Image

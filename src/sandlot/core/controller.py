@@ -20,7 +20,7 @@ import time
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from .. import pids
 from ..engine.base import VM
@@ -33,15 +33,15 @@ from ..protocol.connection import AgentConnection
 from ..protocol.wire import ControlOp, Fields, Tag, tlv, tlv_u64
 from . import idle, layers, snapshots
 from .crashpoints import crash_point
-from .launch import control
+from .entry import BoxEntry
+from .launch import Launcher, control
+from .recovery import Recovery
 from .requests import BoxRequest
+from .runtime import Runtime
+from .sessions import Session
 from .state import LIVE, SERVING, TRANSITIONS, BoxState, Op, check, end_state, failure_state
 from .store import AsyncStore, BoxRecord, SnapshotRecord
 from .validate import positive
-
-if TYPE_CHECKING:
-    from .service import BoxEntry, Core
-    from .sessions import Session
 
 GiB = 1 << 30
 
@@ -63,29 +63,63 @@ def first_line(exc: BaseException) -> str:
     return str(exc).splitlines()[0] if str(exc) else type(exc).__name__
 
 
+class SavedStates(Protocol):
+    """What the controller asks of live state (``core.livestate``), which builds on
+    the controller: a suspended box resumes, an image's first boot is saved as its
+    automatic template and later boxes of the image start from it."""
+
+    async def resume(self, entry: BoxEntry) -> None: ...
+
+    async def drop_saved_state(self, snap_id: str) -> None: ...
+
+    async def auto_template(self, entry: BoxEntry, image_digest: str) -> SnapshotRecord | None: ...
+
+    async def save_auto_template(self, entry: BoxEntry) -> None: ...
+
+
 class BoxController:
-    def __init__(self, core: Core) -> None:
-        self.core = core
+    """The boxes of one event loop: their entries, and every operation but live state's."""
+
+    saved: SavedStates  # set by the core once live state exists
+
+    def __init__(self, runtime: Runtime, recovery: Recovery, launcher: Launcher) -> None:
+        self.rt = runtime
+        self.recovery = recovery
+        self.launcher = launcher
+        self.entries: dict[str, BoxEntry] = {}
 
     @property
     def db(self) -> AsyncStore:
-        return self.core.db
+        return self.rt.db
 
     # -- finding boxes ------------------------------------------------------------------------
 
+    def entry(self, rec: BoxRecord) -> BoxEntry:
+        """The entry of the box ``rec`` describes (made on first sight), brought up to date."""
+        entry = self.entries.get(rec.id)
+        if entry is None:
+            entry = self.entries[rec.id] = BoxEntry(rec, self.rt.box_dir(rec.id), self.agent_lost)
+        else:
+            entry.update(rec)
+        return entry
+
+    def forget(self, entry: BoxEntry) -> None:
+        entry.removed = True
+        entry.session.drop()
+        self.entries.pop(entry.id, None)
+
     async def recover(self, rec: BoxRecord) -> BoxRecord | None:
         """``rec`` made to agree with its processes (None: the box is gone)."""
-        recovery = self.core.recovery
-        if not recovery.needed(rec):
+        if not self.recovery.needed(rec):
             return rec
-        return await asyncio.to_thread(recovery.apply, rec)
+        return await asyncio.to_thread(self.recovery.apply, rec)
 
     async def find(self, key: str) -> BoxEntry:
         """The box with this id, name or id prefix (``BoxNotFound`` if none)."""
         rec = await self.recover(await self.db.get(key))
         if rec is None:
             raise BoxNotFound(f"no box {key!r}", box=key)
-        return self.core.entry(rec)
+        return self.entry(rec)
 
     async def list(
         self,
@@ -105,7 +139,7 @@ class BoxController:
                 continue
             if labels and any(found.labels.get(k) != v for k, v in labels.items()):
                 continue
-            out.append(self.core.entry(found))
+            out.append(self.entry(found))
         return out
 
     async def refresh(self, entry: BoxEntry) -> BoxRecord:
@@ -114,7 +148,7 @@ class BoxController:
         rec = await self.db.find(entry.id)
         rec = await self.recover(rec) if rec is not None else None
         if rec is None:
-            self.core.forget(entry)
+            self.forget(entry)
             raise BoxNotFound(f"box {entry.name} was removed", box=entry.name, state="removed")
         return entry.update(rec)
 
@@ -173,7 +207,7 @@ class BoxController:
 
     async def create(self, req: BoxRequest, *, ephemeral: bool = False) -> BoxEntry:
         """Create the box ``req`` describes: image pulled, disk ready, state created."""
-        rt = self.core.rt
+        rt = self.rt
         snap = await self._saved_state(req)
         spec = req.spec_for(snap)
         pid, start = pids.me()
@@ -186,12 +220,12 @@ class BoxController:
         )  # fmt: skip
         await self.db.insert(rec)  # reserves the name; a crash from here on is undone by recovery
         crash_point("create.after-row")
-        entry = self.core.entry(rec)
+        entry = self.entry(rec)
         try:
             image: Image | None = None
             if snap is None and req.template is None and spec.image and not spec.volumes and auto_templates():
                 image = await self._resolve_image(req, spec.image)
-                snap = await self.core.live.auto_template(entry, image.digest)
+                snap = await self.saved.auto_template(entry, image.digest)
                 if snap is None:
                     spec.auto_template = not spec.secrets  # its first boot becomes the template
                 else:
@@ -203,10 +237,10 @@ class BoxController:
         except BaseException:
             rec = await self.db.find(req.id) or rec
             await asyncio.to_thread(rt.discard_box, rec)
-            self.core.forget(entry)
+            self.forget(entry)
             raise
         if done is None:
-            self.core.forget(entry)
+            self.forget(entry)
             raise BoxNotFound(f"box {req.name} was removed while it was being created", box=req.name)
         entry.update(done)
         return entry
@@ -228,7 +262,7 @@ class BoxController:
     async def _resolve_image(self, req: BoxRequest, ref: str) -> Image:
         if req.image is not None:
             return req.image
-        images = self.core.rt.images
+        images = self.rt.images
         found = None if req.pull == "always" else await asyncio.to_thread(images.get, ref)
         if found is None:
             if req.pull == "never":
@@ -240,7 +274,7 @@ class BoxController:
     async def _create_fresh(
         self, entry: BoxEntry, req: BoxRequest, spec: Any, image: Image | None
     ) -> BoxRecord | None:
-        rt = self.core.rt
+        rt = self.rt
         digest = None
         if spec.image is not None:
             image = image or await self._resolve_image(req, spec.image)
@@ -268,7 +302,7 @@ class BoxController:
         self, entry: BoxEntry, req: BoxRequest, spec: Any, snap: SnapshotRecord
     ) -> BoxRecord | None:
         """The disk of a box started from a saved state: a new layer on the snapshot's."""
-        rt = self.core.rt
+        rt = self.rt
         await asyncio.to_thread(self._box_dir, entry)
         if spec.secrets:
             source = await self.db.find(snap.box_id) if snap.box_id else None
@@ -303,7 +337,7 @@ class BoxController:
         async with entry.lock():
             rec = await self.refresh(entry)
             if rec.state == BoxState.SUSPENDED:
-                await self.core.live.resume(entry)
+                await self.saved.resume(entry)
                 return
             if not check(Op.START, rec.state, box=entry.name):
                 return
@@ -317,12 +351,12 @@ class BoxController:
                 step.changes = {"started_at": time.time()}
                 if origin is not None:
                     step.failure_reason = "start failed"
-                    await self.core.launcher.restore(entry, rec, origin, attach=True, trust=True)
+                    await self.launcher.restore(entry, rec, origin, attach=True, trust=True)
                 else:
                     step.failure_reason = "boot failed"
-                    await self.core.launcher.boot(entry, rec)
+                    await self.launcher.boot(entry, rec)
             if origin is None and entry.spec.auto_template:
-                await self.core.live.save_auto_template(entry)
+                await self.saved.save_auto_template(entry)
         self.watch_idle(entry)
 
     async def stop(self, entry: BoxEntry, timeout: float = 10.0) -> None:
@@ -336,13 +370,13 @@ class BoxController:
                 async with self.transition(entry, Op.DISCARD) as step:
                     step.changes = {"suspended": None, "stopped_at": time.time()}
                 if rec.suspended:
-                    await self.core.live.drop_saved_state(rec.suspended)
+                    await self.saved.drop_saved_state(rec.suspended)
                 return
             if not check(Op.STOP, rec.state, box=entry.name):
                 return
             async with self.transition(entry, Op.STOP) as step:
                 step.changes = step.on_failure = {"stopped_at": time.time(), "vm_pid": None}
-                vm = self.core.launcher.vm_of(entry, rec)
+                vm = self.launcher.vm_of(entry, rec)
                 try:
                     crash_point("stop.before-shutdown")
                     if step.source == BoxState.PAUSED:
@@ -362,9 +396,7 @@ class BoxController:
             await self.remove(entry)
 
     async def _shutdown_via_agent(self, entry: BoxEntry, vm: VM, grace_ms: int) -> None:
-        conn = await entry.session.connection(
-            vm, replace(self.core.launcher.hello(entry), request_timeout=5.0)
-        )
+        conn = await entry.session.connection(vm, replace(self.launcher.hello(entry), request_timeout=5.0))
         await control(conn, ControlOp.SHUTDOWN, tlv(Tag.TIMEOUT_MS, grace_ms), timeout=grace_ms / 1000 + 10)
         await vm.wait_exit(5.0)
 
@@ -380,7 +412,7 @@ class BoxController:
                 return
             async with self.transition(entry, Op.KILL) as step:
                 step.changes = {"stopped_at": time.time(), "vm_pid": None, "reason": "killed"}
-                vm = self.core.launcher.vm_of(entry, rec)
+                vm = self.launcher.vm_of(entry, rec)
                 await vm.kill(grace=1.0)  # an orderly exit of the VM process: no guest involvement
                 entry.session.drop()
                 vm.cleanup()
@@ -394,7 +426,7 @@ class BoxController:
             if not check(Op.PAUSE, rec.state, box=entry.name):
                 return
             async with self.transition(entry, Op.PAUSE):
-                await self.core.launcher.vm_of(entry, rec).pause()
+                await self.launcher.vm_of(entry, rec).pause()
 
     async def unpause(self, entry: BoxEntry) -> None:
         async with entry.lock():
@@ -402,7 +434,7 @@ class BoxController:
             if not check(Op.UNPAUSE, rec.state, box=entry.name):
                 return
             async with self.transition(entry, Op.UNPAUSE):
-                await self.core.launcher.vm_of(entry, rec).resume()
+                await self.launcher.vm_of(entry, rec).resume()
         # the guest clock stood still while paused: set it to now
         with contextlib.suppress(Exception):
             await self.control(entry, ControlOp.SET_TIME, tlv_u64(Tag.TIME_NS, time.time_ns()))
@@ -423,16 +455,16 @@ class BoxController:
                         box=entry.name, state=state, allowed=["created", "stopped", "crashed", "suspended"],
                     )  # fmt: skip
                 async with self.transition(entry, Op.REMOVE) as step:
-                    engine = self.core.rt.engine(rec.engine)
+                    engine = self.rt.engine(rec.engine)
                     if engine.alive(rec.vm, rec.id):
-                        await self.core.launcher.vm_of(entry, rec).kill(grace=1.0)
+                        await self.launcher.vm_of(entry, rec).kill(grace=1.0)
                     entry.session.drop()
                     current = await self.db.find(entry.id) or rec
-                    await asyncio.to_thread(self.core.rt.discard_box, current)
+                    await asyncio.to_thread(self.rt.discard_box, current)
                     step.gone = True
         except FileNotFoundError:  # the box's directory went while we waited for its lock
             await self.db.delete(entry.id)
-        self.core.forget(entry)
+        self.forget(entry)
 
     async def set_network(
         self, entry: BoxEntry, network: str | bool | None = None, *, allow: Sequence[str] | str | None = None
@@ -486,7 +518,7 @@ class BoxController:
             return session.conn
         rec = await self.refresh(entry)  # another process may have paused, stopped or suspended it
         if rec.state in (BoxState.SUSPENDED, BoxState.SUSPENDING, BoxState.RESUMING):
-            await self.core.live.resume(entry)
+            await self.saved.resume(entry)
             rec = entry.record
         if rec.state not in SERVING:
             raise InvalidState.refused("run commands", rec.state, ["running"], box=entry.name)
@@ -494,8 +526,8 @@ class BoxController:
         if conn is not None and conn.failed is not None:
             session.drop()
             raise conn.failed
-        vm = self.core.launcher.vm_of(entry, rec)
-        return await session.connection(vm, self.core.launcher.hello(entry))
+        vm = self.launcher.vm_of(entry, rec)
+        return await session.connection(vm, self.launcher.hello(entry))
 
     async def control(self, entry: BoxEntry, op: ControlOp, payload: bytes = b"") -> Fields:
         return await control(await self.connection(entry), op, payload)
@@ -513,7 +545,7 @@ class BoxController:
         vm = session.vm
         if vm is not None and vm.running:
             return None
-        entry = self.core.entries.get(session.box_id)
+        entry = self.entries.get(session.box_id)
         while (rec := await self.db.find(session.box_id)) is not None and rec.state in (
             BoxState.SUSPENDING, BoxState.SUSPENDED, BoxState.RESUMING, BoxState.RESTORING
         ):  # fmt: skip
@@ -528,7 +560,7 @@ class BoxController:
             and session.conn is not None
         ):
             entry.update(rec)
-            new = self.core.launcher.vm_of(entry, rec)
+            new = self.launcher.vm_of(entry, rec)
             if new.running:
                 session.vm = new
                 return None
@@ -549,7 +581,7 @@ class BoxController:
         """Make sure a watchdog suspends this box once idle (``idle_timeout``); it is a
         detached process, so the box sleeps even after every user process has exited."""
         if entry.spec.idle_timeout:
-            idle.spawn(self.core.rt.home, entry.id)
+            idle.spawn(self.rt.home, entry.id)
 
     # -- facts --------------------------------------------------------------------------------
 
@@ -566,7 +598,7 @@ class BoxController:
             address, host = bound.get(p.guest, (p.address, p.host))
             ports.append({"address": address, "host": host or None, "guest": p.guest})
         d["network"] = {"mode": entry.spec.network, "allow": list(entry.spec.allow), "ports": ports}
-        engine = self.core.rt.engine(rec.engine)
+        engine = self.rt.engine(rec.engine)
         d["host_cgroup"] = await asyncio.to_thread(engine.host_limits, rec.vm) if live else None
         d["accel"] = rec.boot.get("accel")
         return d
@@ -574,7 +606,7 @@ class BoxController:
     async def stats(self, entry: BoxEntry) -> dict[str, Any]:
         """Host CPU time and memory of the VM, and the disk it uses."""
         rec = await self.refresh(entry)
-        engine = self.core.rt.engine(rec.engine)
+        engine = self.rt.engine(rec.engine)
         live = rec.state in (BoxState.RUNNING, BoxState.PAUSED)
 
         def measure() -> dict[str, Any]:

@@ -5,7 +5,8 @@ the operation runs in; everything here records the VM as soon as it exists, so
 a crash of this process leaves nothing recovery cannot find.
 
 Each bring-up waits in the admission line first (``core.admission``); the boot
-deadline starts when its turn comes.
+deadline starts when its turn comes. The launcher knows no other component:
+the controller and live state build on it.
 """
 
 from __future__ import annotations
@@ -18,8 +19,9 @@ import sys
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from ..config import runtime_dir
 from ..engine.base import VM, Boot, BootRequest, Engine, LaunchSpec, NetSpec, SavedState, Volume
 from ..errors import AgentTimeout, BootTimeout, ConnectionLost
 from ..net.policy import write_policy
@@ -28,17 +30,26 @@ from ..protocol import files as proto_files
 from ..protocol.connection import AgentConnection
 from ..protocol.wire import ControlOp, Fields, FsFlag, FsOp, T, Tag, tlv
 from . import snapshots
+from .admission import Admission, default_slots
 from .crashpoints import crash_point
+from .entry import BoxEntry
+from .runtime import Runtime
 from .sessions import Hello
 from .store import BoxRecord, SnapshotRecord
 
-if TYPE_CHECKING:
-    from .service import BoxEntry, Core
-
 
 class Launcher:
-    def __init__(self, core: Core) -> None:
-        self.core = core
+    def __init__(self, runtime: Runtime) -> None:
+        self.rt = runtime
+        self._admission: dict[int, Admission] = {}
+
+    def admission(self, accel: str) -> Admission:
+        """This loop's line for VMs coming up under ``accel`` (its bound depends on it)."""
+        slots = default_slots(accel)
+        line = self._admission.get(slots)
+        if line is None:
+            line = self._admission[slots] = Admission(runtime_dir() / "admission", slots)
+        return line
 
     # -- what a VM is launched with --------------------------------------------------------
 
@@ -80,7 +91,7 @@ class Launcher:
         assert rec.vm is not None, f"box {rec.name} has no VM"
         if entry.vm is not None and entry.vm.ref == rec.vm:
             return entry.vm
-        engine = self.core.rt.engine(rec.engine)
+        engine = self.rt.engine(rec.engine)
         # a row written before launch records held the VM's shape: the box's own is the best guess
         spec = entry.spec
         shaped = {
@@ -89,7 +100,7 @@ class Launcher:
             "network": spec.policy.has_nic,
             **rec.boot,
         }
-        entry.vm = engine.attach(rec.vm, self.core.rt.placement(rec, entry.hostname), shaped)
+        entry.vm = engine.attach(rec.vm, self.rt.placement(rec, entry.hostname), shaped)
         return entry.vm
 
     async def prepare(self, entry: BoxEntry, *, network: bool) -> Boot:
@@ -97,7 +108,7 @@ class Launcher:
         request = BootRequest(
             accel=spec.accel, kernel=spec.kernel, volumes=bool(spec.volumes), network=network
         )
-        return await asyncio.to_thread(self.core.rt.engine(spec.engine).prepare, request)
+        return await asyncio.to_thread(self.rt.engine(spec.engine).prepare, request)
 
     # -- bring-ups ----------------------------------------------------------------------------
 
@@ -105,11 +116,11 @@ class Launcher:
         """Boot the box's disk and wait for its agent (also mounting volumes and
         installing the trust of its secrets' CA)."""
         spec = entry.spec
-        engine = self.core.rt.engine(spec.engine)
+        engine = self.rt.engine(spec.engine)
         boot = await self.prepare(entry, network=spec.policy.has_nic)
         net = await asyncio.to_thread(self.net_spec, entry)
         assert rec.disk is not None
-        where = self.core.rt.placement(rec, entry.hostname)
+        where = self.rt.placement(rec, entry.hostname)
         launch = LaunchSpec(
             where=where, disk=Path(rec.disk), memory_mib=spec.memory_mib, cpus=spec.cpus,
             boot=shape(boot, spec.memory_mib, spec.cpus, where.agent_ports, net), network=net,
@@ -139,16 +150,16 @@ class Launcher:
         """Start a VM on ``disk`` (default: the box's) from ``snap``'s saved state and
         let it run; ``attach``: connect this process's session to its agent."""
         facts = snap.facts
-        engine = self.core.rt.engine(facts.get("engine", "qemu"))
+        engine = self.rt.engine(facts.get("engine", "qemu"))
         boot = await self.prepare(entry, network=bool(facts.get("network")))
         engine.check_compatible(facts, boot)
         net = await asyncio.to_thread(self.net_spec, entry, nic=bool(facts.get("network")))
         top = disk or Path(rec.disk or "")
-        where = self.core.rt.placement(rec, entry.hostname, facts["agent_ports"])
+        where = self.rt.placement(rec, entry.hostname, facts["agent_ports"])
         launch = LaunchSpec(
             where=where, disk=top, memory_mib=facts["memory_mib"], cpus=facts["cpus"], network=net,
             boot=shape(boot, facts["memory_mib"], facts["cpus"], facts["agent_ports"], net),
-            saved=SavedState(snapshots.snapshot_dir(self.core.rt.home, snap.id), facts),
+            saved=SavedState(snapshots.snapshot_dir(self.rt.home, snap.id), facts),
         )  # fmt: skip
         timeout = entry.spec.boot_timeout_for(boot.accel)
 
@@ -174,7 +185,7 @@ class Launcher:
         """In the admission line's turn: launch, record the VM at once, publish its ports
         and run ``when_up``; a VM that fails on the way is ended."""
         t0 = time.monotonic()
-        async with self.core.admission(boot.accel).turn():
+        async with self.admission(boot.accel).turn():
             vm = await engine.launch(launch)
             entry.vm = vm
             await self._record_vm(entry, vm, boot, launch.boot)
@@ -192,7 +203,7 @@ class Launcher:
     async def _record_vm(self, entry: BoxEntry, vm: VM, boot: Boot, record: dict[str, Any]) -> None:
         """The VM, in the row the moment it exists: its process, and all any process
         needs to find it again and save its state (the engine's boot record and the VM's shape)."""
-        rec = await self.core.db.update(entry.id, vm_pid=vm.ref.pid, vm_start=vm.ref.start, boot=record,
+        rec = await self.rt.db.update(entry.id, vm_pid=vm.ref.pid, vm_start=vm.ref.start, boot=record,
                                         engine=boot.engine)  # fmt: skip
         if rec is not None:
             entry.update(rec)
@@ -205,7 +216,7 @@ class Launcher:
             bound = await vm.published_ports()
         except Exception as exc:  # QEMU refused a rule (a port in use): it says so on stderr
             raise vm.failure(f"could not publish the ports of box {entry.name}") from exc
-        rec = await self.core.db.update(entry.id, ports=[list(b) for b in bound])
+        rec = await self.rt.db.update(entry.id, ports=[list(b) for b in bound])
         if rec is not None:
             entry.update(rec)
 

@@ -17,38 +17,43 @@ import logging
 import os
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from .. import pids
 from ..engine.base import BootRequest, SavedState
 from ..errors import InvalidArgument, InvalidState, SnapshotInUse, SnapshotNotFound
 from . import archive, layers, snapshots
+from .controller import BoxController
 from .crashpoints import crash_point
+from .entry import BoxEntry
+from .launch import Launcher
 from .requests import BoxRequest
+from .runtime import Runtime
 from .state import BoxState, Op, check
 from .store import AsyncStore, SnapshotRecord
 from .validate import count
-
-if TYPE_CHECKING:
-    from .service import BoxEntry, Core
 
 log = logging.getLogger("sandlot")
 
 
 class LiveState:
-    def __init__(self, core: Core) -> None:
-        self.core = core
+    """Snapshots and everything made of them, on the controller and the launcher."""
+
+    def __init__(self, runtime: Runtime, controller: BoxController, launcher: Launcher) -> None:
+        self.rt = runtime
+        self.controller = controller
+        self.launcher = launcher
 
     @property
     def db(self) -> AsyncStore:
-        return self.core.db
+        return self.rt.db
 
     # -- saving ----------------------------------------------------------------------------
 
     async def snapshot(self, entry: BoxEntry, name: str | None = None) -> SnapshotRecord:
         """Save memory, processes and disk while the box runs (it pauses only for the save)."""
         async with entry.lock():
-            await self.core.controller.refresh(entry)
+            await self.controller.refresh(entry)
             return await self.capture(entry, "snapshot", name=name)
 
     async def capture(
@@ -67,11 +72,11 @@ class LiveState:
                 box=entry.name, state=entry.state,
             )  # fmt: skip
         check(Op.SNAPSHOT, entry.state, box=entry.name)
-        home = self.core.rt.home
+        home = self.rt.home
         snap_id = snapshots.new_id()
         rec = entry.record
         op_data = {"kind": "snapshot", "source": str(entry.state), "snapshot": snap_id}
-        async with self.core.controller.transition(entry, Op.SNAPSHOT, op_data=op_data):
+        async with self.controller.transition(entry, Op.SNAPSHOT, op_data=op_data):
             assert rec.disk is not None
             frozen = Path(rec.disk)
             top = await asyncio.to_thread(layers.new_layer, home, frozen)
@@ -79,7 +84,7 @@ class LiveState:
             # so the row names a complete disk whether or not the switch happens
             await self.db.update(entry.id, disk=str(top))
             crash_point("snapshot.before-save")
-            vm = self.core.launcher.vm_of(entry, rec)
+            vm = self.launcher.vm_of(entry, rec)
             with snapshots.writing(home, snap_id) as tmp:
                 pause = await vm.save(tmp, new_disk=top, keep_running=True)
             crash_point("snapshot.after-save")
@@ -104,19 +109,19 @@ class LiveState:
     async def suspend(self, entry: BoxEntry) -> None:
         """Write the running state to disk and end the VM: no CPU, no RAM."""
         async with entry.lock():
-            rec = await self.core.controller.refresh(entry)
+            rec = await self.controller.refresh(entry)
             if entry.spec.volumes:
                 raise InvalidState(f"box {entry.name} has volumes: it cannot be suspended, only stopped",
                                    box=entry.name, state=rec.state)  # fmt: skip
             if not check(Op.SUSPEND, rec.state, box=entry.name):
                 return
-            home = self.core.rt.home
+            home = self.rt.home
             snap_id = snapshots.new_id()
             session = entry.session
             session.resumed.clear()
             op_data = {"kind": "suspend", "source": rec.state, "snapshot": snap_id}
-            async with self.core.controller.transition(entry, Op.SUSPEND, op_data=op_data) as step:
-                vm = self.core.launcher.vm_of(entry, rec)
+            async with self.controller.transition(entry, Op.SUSPEND, op_data=op_data) as step:
+                vm = self.launcher.vm_of(entry, rec)
                 crash_point("suspend.before-save")
                 try:
                     with snapshots.writing(home, snap_id) as tmp:
@@ -149,12 +154,12 @@ class LiveState:
         and streams carry on where they were."""
         session = entry.session
         async with entry.lock():
-            rec = await self.core.controller.refresh(entry)
+            rec = await self.controller.refresh(entry)
             if not check(Op.RESUME, rec.state, box=entry.name):
                 return
             snap = await self.db.find_snapshot(rec.suspended or "")
             if snap is None:
-                async with self.core.controller.transition(entry, Op.DISCARD) as step:
+                async with self.controller.transition(entry, Op.DISCARD) as step:
                     step.target = BoxState.CRASHED
                     step.changes = {"reason": "its suspended state is missing", "suspended": None}
                 raise InvalidState(
@@ -162,19 +167,19 @@ class LiveState:
                     box=entry.name, state="crashed",
                 )  # fmt: skip
             keep_conn = session.healthy  # its operations reconnect to the resumed VM
-            async with self.core.controller.transition(entry, Op.RESUME) as step:
+            async with self.controller.transition(entry, Op.RESUME) as step:
                 step.on_failure = {"vm_pid": None}
-                await self.core.launcher.restore(entry, rec, snap, attach=not keep_conn)
+                await self.launcher.restore(entry, rec, snap, attach=not keep_conn)
                 step.changes = {"suspended": None, "started_at": time.time()}
             await self.drop_saved_state(snap.id)
         session.resumed.set()
-        self.core.controller.watch_idle(entry)
+        self.controller.watch_idle(entry)
         if keep_conn and session.conn is not None:
             await session.conn.wait_ready()
 
     async def drop_saved_state(self, snap_id: str) -> None:
         await self.db.delete_snapshot(snap_id)
-        await asyncio.to_thread(snapshots.remove_files, self.core.rt.home, snap_id)
+        await asyncio.to_thread(snapshots.remove_files, self.rt.home, snap_id)
 
     async def rollback(self, entry: BoxEntry, snap: SnapshotRecord) -> None:
         """Take the box back to one of its snapshots: memory, processes and disk. Same
@@ -184,22 +189,22 @@ class LiveState:
                 f"snapshot {snap.name or snap.id} is of box {snap.box_name}; a box rolls back to its own "
                 "snapshots (snapshot.start() makes a new box from any)"
             )
-        rt = self.core.rt
+        rt = self.rt
         async with entry.lock():
-            rec = await self.core.controller.refresh(entry)
+            rec = await self.controller.refresh(entry)
             check(Op.ROLLBACK, rec.state, box=entry.name)
             top = await asyncio.to_thread(layers.new_layer, rt.home, Path(snap.layer))
             try:
                 op_data = {"kind": "rollback", "disk": str(top)}
-                async with self.core.controller.transition(entry, Op.ROLLBACK, op_data=op_data) as step:
+                async with self.controller.transition(entry, Op.ROLLBACK, op_data=op_data) as step:
                     step.failure_reason = "rollback failed, the disk is as it was before"
                     step.on_failure = {"vm_pid": None}
                     entry.session.drop()  # first: its end must not look like a crash to reconnect from
                     if rt.engine(rec.engine).alive(rec.vm, rec.id):
-                        old = self.core.launcher.vm_of(entry, rec)
+                        old = self.launcher.vm_of(entry, rec)
                         await old.kill(grace=0.5)
                         old.cleanup()
-                    await self.core.launcher.restore(entry, rec, snap, attach=True, disk=top)
+                    await self.launcher.restore(entry, rec, snap, attach=True, disk=top)
                     step.changes = {"disk": str(top), "started_at": time.time(), "suspended": None}
             except BaseException:
                 await asyncio.to_thread(self._gc, [top])
@@ -208,11 +213,11 @@ class LiveState:
                 await self.drop_saved_state(rec.suspended)
             if rec.disk:
                 await asyncio.to_thread(self._gc, [Path(rec.disk)])
-        self.core.controller.watch_idle(entry)
+        self.controller.watch_idle(entry)
 
     def _gc(self, also: list[Path]) -> None:
-        store = self.core.rt.store
-        layers.gc(self.core.rt.home, store.list(), store.snapshots(), also=also)
+        store = self.rt.store
+        layers.gc(self.rt.home, store.list(), store.snapshots(), also=also)
 
     # -- starting boxes from saved states ---------------------------------------------------
 
@@ -220,7 +225,7 @@ class LiveState:
         """``n`` running copies of the box, from a snapshot taken now (removed with its last child)."""
         count(n)
         async with entry.lock():
-            await self.core.controller.refresh(entry)
+            await self.controller.refresh(entry)
             snap = await self.capture(entry, "snapshot", auto=True)
         return await self.start_boxes(snap, n, name=name or entry.name, as_prefix=True)
 
@@ -248,15 +253,15 @@ class LiveState:
 
         async def one(req: BoxRequest) -> None:
             crash_point("fork.child-start")
-            child = await self.core.controller.create(req, ephemeral=True)  # until all are up
+            child = await self.controller.create(req, ephemeral=True)  # until all are up
             made.append(child)
-            await self.core.controller.start(child)
+            await self.controller.start(child)
 
         results = await asyncio.gather(*(one(r) for r in requests), return_exceptions=True)
         failed = [r for r in results if isinstance(r, BaseException)]
         if failed:
             await asyncio.gather(
-                *(self.core.controller.remove(c, force=True) for c in made), return_exceptions=True
+                *(self.controller.remove(c, force=True) for c in made), return_exceptions=True
             )
             raise failed[0]
         for child in made:
@@ -268,7 +273,7 @@ class LiveState:
 
     async def share(self, snap: SnapshotRecord) -> None:
         """Give a saved state the copy-on-write form forks, templates and exports use."""
-        rt = self.core.rt
+        rt = self.rt
         state = SavedState(snapshots.snapshot_dir(rt.home, snap.id), snap.facts)
         engine = rt.engine(snap.facts.get("engine", "qemu"))
         if engine.memory_shared(state.directory):
@@ -282,7 +287,7 @@ class LiveState:
         """What an automatic template must share with a box to stand in for its boot."""
         spec = entry.spec
         request = BootRequest(accel=spec.accel, kernel=spec.kernel)
-        boot = await asyncio.to_thread(self.core.rt.engine(spec.engine).prepare, request)
+        boot = await asyncio.to_thread(self.rt.engine(spec.engine).prepare, request)
         key: list[Any] = [image_digest, spec.memory_mib, spec.cpus, spec.disk_size_gb, *boot.identity]
         if spec.engine != "qemu":
             key.append(spec.engine)
@@ -320,7 +325,7 @@ class LiveState:
     async def make_template(self, entry: BoxEntry, name: str | None) -> SnapshotRecord:
         """Save a set-up box as a template, in the form many boxes start from."""
         async with entry.lock():
-            await self.core.controller.refresh(entry)
+            await self.controller.refresh(entry)
             snap = await self.capture(entry, "template", name=name)
         await self.share(snap)
         return await self.db.find_snapshot(snap.id) or snap
@@ -340,7 +345,7 @@ class LiveState:
         self, *, box: str | None = None, kind: str | None = None
     ) -> list[SnapshotRecord]:
         """Snapshots and templates, oldest first (``box``: of that box)."""
-        await asyncio.to_thread(snapshots.reclaim_abandoned, self.core.rt.home, self.core.rt.store)
+        await asyncio.to_thread(snapshots.reclaim_abandoned, self.rt.home, self.rt.store)
         box_id = (await self.db.get(box)).id if box else None
         recs = await self.db.snapshots(box_id=box_id, kind=kind)
         return [r for r in recs if r.kind != "suspend"]
@@ -357,15 +362,15 @@ class LiveState:
                 f"snapshot {snap.name or snap.id} has {len(kids)} box(es) started from it: {names}"
             )
         await self.db.delete_snapshot(snap.id)
-        await asyncio.to_thread(snapshots.remove_files, self.core.rt.home, snap.id)
-        store = self.core.rt.store
-        await asyncio.to_thread(lambda: layers.gc(self.core.rt.home, store.list(), store.snapshots()))
+        await asyncio.to_thread(snapshots.remove_files, self.rt.home, snap.id)
+        store = self.rt.store
+        await asyncio.to_thread(lambda: layers.gc(self.rt.home, store.list(), store.snapshots()))
 
     async def prune_snapshots(self, *, templates: bool = False) -> list[SnapshotRecord]:
         """Remove the snapshots no box needs: those of boxes that are gone (imported ones
         too) from which no box was started; with ``templates``, named templates no box
         was started from as well. Removing a box keeps its snapshots; this is how they go."""
-        rt = self.core.rt
+        rt = self.rt
 
         def prune() -> list[SnapshotRecord]:
             store = rt.store
@@ -394,12 +399,12 @@ class LiveState:
             raise SnapshotNotFound(f"snapshot {snap.id} was removed")
         await self.share(found)
         found = await self.db.find_snapshot(snap.id) or found
-        engine = self.core.rt.engine(found.facts.get("engine", "qemu"))
-        return await asyncio.to_thread(archive.export_snapshot, self.core.rt.home, engine, found, path)
+        engine = self.rt.engine(found.facts.get("engine", "qemu"))
+        return await asyncio.to_thread(archive.export_snapshot, self.rt.home, engine, found, path)
 
     async def import_snapshot(self, path: Path) -> SnapshotRecord:
         """Verify an exported snapshot (integrity, compatibility with this host) and add it."""
-        rt = self.core.rt
+        rt = self.rt
 
         def verify_and_add() -> SnapshotRecord:
             engine = rt.engine("qemu")
