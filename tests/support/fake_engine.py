@@ -56,7 +56,6 @@ class FakeVM(VM):
         self._clients: set[asyncio.StreamWriter] = set()
         self.last_request = 0.0
         self.busy = 0
-        self.exec_log: list[tuple[str, ...]] = []
         self._tasks: set[asyncio.Future[None]] = set()
         self.dead = False
 
@@ -223,7 +222,6 @@ class FakeVM(VM):
         if frame.type == T.EXEC:
             self.last_request = loop.time()
             argv = tuple(v.decode() for v in f.all(Tag.ARG))
-            self.exec_log.append(argv)
             self._tasks.add(task := asyncio.ensure_future(self._exec(argv, ch, w)))
             task.add_done_callback(self._tasks.discard)
 
@@ -267,7 +265,6 @@ class FakeEngine(Engine):
         self.fail_restore = False
         self.never_answer = False
         self.launches = 0
-        self.saved_status: dict[int, VMStatus] = {}  # what probe() says of a VM (default: its status)
 
     @classmethod
     def of(cls, home: Path | str) -> FakeEngine:

@@ -18,7 +18,7 @@ from sandlot.core.state import BoxState
 from sandlot.core.store import BoxRecord
 from sandlot.engine.base import Placement, VMStatus
 
-from tests.support.fake_engine import FakeEngine, FakeVM, register
+from tests.support.fake_engine import FakeEngine, FakeVM, pid_of_dead_process, register
 
 register()
 
@@ -71,7 +71,7 @@ def runtime(tmp_path: Path) -> Runtime:
 def make(rt: Runtime, case: Case) -> tuple[BoxRecord, FakeVM | None]:
     engine = rt.engine("fake")
     assert isinstance(engine, FakeEngine)
-    owner = pids.me() if case.owner_alive else (pids.me()[0], "0")
+    owner = pids.me() if case.owner_alive else pid_of_dead_process()
     box_id = f"b{time.monotonic_ns() % 10**9:09d}"
     vm = None
     if case.vm is not V.GONE:

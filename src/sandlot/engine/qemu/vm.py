@@ -98,6 +98,9 @@ async def set_migration(q: QMPClient, ignore_shared: bool) -> None:
     await q.execute("migrate-set-parameters", {"max-bandwidth": 1 << 40})
 
 
+QMP_TIMEOUT = 10.0  # seconds for one QMP command (a migration has a deadline of its own)
+
+
 class QemuVM(VM):
     """One QEMU process: started here, or found again by pid from another process.
 
@@ -114,10 +117,6 @@ class QemuVM(VM):
         self._pidfd: int | None = None
         self._state_fd: int | None = None  # its number in QEMU, which inherits it
         self.host_cgroup: hostcgroup.Placement | None = None  # where the host bounds it
-
-    @property
-    def pid(self) -> int:
-        return self.ref.pid
 
     @property
     def command(self) -> list[str]:
@@ -304,13 +303,15 @@ class QemuVM(VM):
 
     # -- QMP ------------------------------------------------------------------------------
 
-    async def qmp(self, command: str, arguments: dict[str, Any] | None = None, timeout: float = 10.0) -> Any:
+    async def qmp(
+        self, command: str, arguments: dict[str, Any] | None = None, timeout: float = QMP_TIMEOUT
+    ) -> Any:
         """Run one QMP command (serialised with every other process through a lock)."""
         async with self.qmp_session(timeout) as client:
             return await asyncio.wait_for(client.execute(command, arguments), timeout)
 
     @contextlib.asynccontextmanager
-    async def qmp_session(self, timeout: float = 10.0) -> AsyncIterator[QMPClient]:
+    async def qmp_session(self, timeout: float = QMP_TIMEOUT) -> AsyncIterator[QMPClient]:
         """A QMP client for several commands in a row, holding the QMP lock."""
         fd = await asyncio.to_thread(flock, self.cfg.qmp_lock)
         try:
@@ -375,23 +376,40 @@ class QemuVM(VM):
 
     # -- saved state ----------------------------------------------------------------------
 
-    async def _migrate(self, f: IO[bytes], command: str, ignore_shared: bool, timeout: float) -> None:
-        """Run one migration (``migrate`` out to ``f``, ``migrate-incoming`` in from it),
-        handing QEMU the file's descriptor, until it completes."""
-        async with self.qmp_session() as q:
-            await set_migration(q, ignore_shared)
+    async def _migrate(
+        self, q: QMPClient, command: str, uri: str, ignore_shared: bool, timeout: float
+    ) -> None:
+        """Run one migration (``migrate`` out, ``migrate-incoming`` in) on session ``q``
+        until it completes."""
+        await set_migration(q, ignore_shared)
+        with q.listener("MIGRATION") as events:
+            await q.execute(command, {"uri": uri})
+            await self._migration_done(q, events, timeout)
+
+    async def _migrate_file(
+        self, f: IO[bytes], command: str, ignore_shared: bool, timeout: float, session: QMPClient | None
+    ) -> None:
+        """A migration to or from ``f``, whose descriptor QEMU is handed; on ``session``
+        if the caller holds one (it then holds the QMP lock across its commands)."""
+        opened = contextlib.nullcontext(session) if session is not None else self.qmp_session()
+        async with opened as q:
             q.send_fd_scm(f.fileno())
             await q.execute("getfd", {"fdname": "sandlot-state"})
-            with q.listener("MIGRATION") as events:
-                await q.execute(command, {"uri": "fd:sandlot-state"})
-                await self._migration_done(q, events, timeout)
+            await self._migrate(q, command, "fd:sandlot-state", ignore_shared, timeout)
 
-    async def save_state(self, path: Path, *, ignore_shared: bool = False, timeout: float = 120.0) -> int:
+    async def save_state(
+        self,
+        path: Path,
+        *,
+        ignore_shared: bool = False,
+        timeout: float = 120.0,
+        session: QMPClient | None = None,
+    ) -> int:
         """Write the VM's device state (and RAM, unless it lives in a shared file
         and ``ignore_shared``) to ``path`` with QEMU's migration. The VM must be
         stopped. Returns the bytes written."""
         with open(path, "wb") as f:
-            await self._migrate(f, "migrate", ignore_shared, timeout)
+            await self._migrate_file(f, "migrate", ignore_shared, timeout, session)
             os.fsync(f.fileno())
             return f.tell()
 
@@ -399,29 +417,32 @@ class QemuVM(VM):
         """Load a state written by ``save_state`` into a VM started with ``incoming``;
         the VM stays stopped."""
         with open(path, "rb") as f:
-            await self._migrate(f, "migrate-incoming", ignore_shared, timeout)
+            await self._migrate_file(f, "migrate-incoming", ignore_shared, timeout, None)
 
     async def save(self, directory: Path, *, new_disk: Path | None, keep_running: bool) -> float:
+        # One QMP session for the whole save: every connection made while the VM is
+        # stopped lengthens the pause, and no other process's command may come between.
         loop = asyncio.get_running_loop()
-        status = await self.qmp("query-status")
-        was_running = isinstance(status, dict) and status.get("status") == "running"
-        t0 = loop.time()
-        if was_running:
-            await self.qmp("stop")
-        try:
-            if new_disk is not None:
-                args = {
-                    "device": "root",
-                    "snapshot-file": str(new_disk),
-                    "format": "qcow2",
-                    "mode": "existing",
-                }
-                await self.qmp("blockdev-snapshot-sync", args)
-            await self.save_state(directory / "state")
-        finally:
-            if keep_running and was_running:
-                await self.qmp("cont")
-        return loop.time() - t0
+        async with self.qmp_session() as q:
+
+            async def run(command: str, arguments: dict[str, Any] | None = None) -> Any:
+                return await asyncio.wait_for(q.execute(command, arguments), QMP_TIMEOUT)
+
+            status = await run("query-status")
+            was_running = isinstance(status, dict) and status.get("status") == "running"
+            t0 = loop.time()
+            if was_running:
+                await run("stop")
+            try:
+                if new_disk is not None:
+                    args = {"device": "root", "snapshot-file": str(new_disk), "format": "qcow2",
+                            "mode": "existing"}  # fmt: skip
+                    await run("blockdev-snapshot-sync", args)
+                await self.save_state(directory / "state", session=q)
+            finally:
+                if keep_running and was_running:
+                    await run("cont")
+            return loop.time() - t0
 
     async def run_restored(self, timeout: float) -> None:
         """Load the state this VM was started with (``restore_from``), then let it run.
@@ -438,10 +459,8 @@ class QemuVM(VM):
         deadline = loop.time() + timeout
         try:
             async with self.qmp_session() as q:
-                await set_migration(q, self.cfg.restore_ignore_shared)
-                with q.listener("MIGRATION") as events:
-                    await q.execute("migrate-incoming", {"uri": f"fd:{self._state_fd}"})
-                    await self._migration_done(q, events, timeout)
+                uri = f"fd:{self._state_fd}"  # inherited at spawn: no getfd
+                await self._migrate(q, "migrate-incoming", uri, self.cfg.restore_ignore_shared, timeout)
                 delay = 0.001
                 while True:
                     reply = await q.execute("query-status")
