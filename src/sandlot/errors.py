@@ -23,6 +23,10 @@ Catch ``SandlotError`` for all of them, or a branch for what you care about::
     ├── AgentTimeout (also TimeoutError)       the agent did not answer in time
     ├── ExecTimeout (also TimeoutError)        a command ran past its timeout; was killed
     ├── CommandFailed                          exec(check=True) saw a nonzero exit
+    ├── Unauthorized                           a server request without a valid API key
+    ├── Forbidden                              the key may not do this (admin only)
+    ├── QuotaExceeded                          over a key's quota; has .limit, .value
+    ├── RequestError                           a server refused a request as malformed
     └── GuestError                             the guest refused an operation
         └── GuestOSError (also OSError)        with .errno, and per-errno subclasses:
             GuestFileNotFoundError, GuestFileExistsError, GuestIsADirectoryError,
@@ -252,6 +256,38 @@ class CommandFailed(SandlotError):
         return {"exit_code": getattr(self.result, "exit_code", None)}
 
 
+class Unauthorized(SandlotError):
+    """A request to ``sandlot serve`` without a valid API key."""
+
+    code, status = "unauthorized", 401
+
+
+class Forbidden(SandlotError):
+    """The API key is valid but may not do this (an admin-only operation)."""
+
+    code, status = "forbidden", 403
+
+
+class QuotaExceeded(SandlotError):
+    """Doing this would take an API key over one of its quotas."""
+
+    code, status = "quota_exceeded", 429
+
+    def __init__(self, message: str, *, limit: str = "", value: int = 0, box: str | None = None) -> None:
+        super().__init__(message, box=box)
+        self.limit = limit
+        self.value = value
+
+    def _fields(self) -> dict[str, Any]:
+        return {"limit": self.limit, "value": self.value}
+
+
+class RequestError(SandlotError):
+    """A server refused a request as malformed (a body too large, a frame out of protocol)."""
+
+    code, status = "bad_request", 400
+
+
 class GuestError(SandlotError):
     """The guest agent refused or failed an operation."""
 
@@ -317,3 +353,45 @@ def guest_os_error(err: int, message: str) -> GuestOSError:
     """The most specific GuestOSError for a guest errno."""
     cls = _BY_ERRNO.get(err, GuestOSError)
     return cls(err, message or os.strerror(err))
+
+
+def _subclasses(cls: type[SandlotError]) -> list[type[SandlotError]]:
+    out = [cls]
+    for sub in cls.__subclasses__():
+        out.extend(_subclasses(sub))
+    return out
+
+
+def from_dict(data: dict[str, Any]) -> SandlotError:
+    """The exception a server's error (``to_dict()`` plus ``type``) stands for, as the
+    same class, so ``except`` clauses behave alike against a local and a remote box.
+    An unknown type falls back to the class of its ``code``, else ``SandlotError``."""
+    by_name = {c.__name__: c for c in _subclasses(SandlotError) if not c.__name__.startswith("_")}
+    by_code = {c.code: c for c in reversed(_subclasses(SandlotError))}
+    message = str(data.get("message", ""))
+    box, state = data.get("box"), data.get("state")
+    cls = by_name.get(str(data.get("type"))) or by_code.get(str(data.get("code")), SandlotError)
+    err: SandlotError
+    if issubclass(cls, GuestOSError):
+        number = getattr(_errno, str(data.get("errno")), None)
+        number = number if isinstance(number, int) else int(data.get("errno") or 0)
+        text = message.split("] ", 1)[1] if message.startswith("[guest ") and "] " in message else message
+        err = cls(number, text)
+    elif issubclass(cls, _WithConsole):
+        tail = str(data.get("console_tail", ""))
+        marker = "\n--- guest console (last lines) ---\n"
+        err = cls(message.split(marker, 1)[0] if tail else message, tail, box=box)
+    elif issubclass(cls, InvalidState):
+        err = cls(message, box=box, state=state, allowed=data.get("allowed") or ())
+    elif issubclass(cls, QuotaExceeded):
+        err = cls(message, limit=str(data.get("limit", "")), value=int(data.get("value") or 0), box=box)
+    elif issubclass(cls, ExecTimeout):
+        err = cls(message, box=box)
+    elif issubclass(cls, CommandFailed):
+        err = cls(message, None, box=box)
+    else:
+        try:
+            err = cls(message, box=box, state=state)
+        except TypeError:  # a class whose constructor takes other fields
+            err = SandlotError(message, box=box, state=state)
+    return err

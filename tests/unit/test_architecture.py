@@ -24,8 +24,9 @@ LAYERS: dict[str, int] = {
     "sandlot.engine": 3,
     "sandlot.core": 4,
     "sandlot.api": 5,
-    "sandlot.cli": 6,
-    "sandlot": 7,  # the package: it re-exports the API (by name, imported on first use)
+    "sandlot.server": 6,
+    "sandlot.cli": 7,  # the command: it runs the other faces (``sandlot serve``)
+    "sandlot": 8,  # the package: it re-exports the API (by name, imported on first use)
 }  # fmt: skip
 
 

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 import sandlot
+from sandlot.core.store import SCHEMA_VERSION
 
 from tests.support.legacy import downgrade_to_v2
 
@@ -85,5 +86,6 @@ def check_upgrade(home: Path) -> None:
     )
     assert out.split("\n")[:2] == ["on the disk", "True True running"]
     db = sqlite3.connect(home / "sandlot.db")
-    assert db.execute("PRAGMA user_version").fetchone()[0] == 3
+    assert db.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
+    assert db.execute("SELECT count(*) FROM keys").fetchone()[0] == 0  # version 4: keys and audit
     db.close()

@@ -12,7 +12,7 @@ import asyncio
 import os
 import stat as _stat
 import tempfile
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path, PurePosixPath
@@ -117,7 +117,7 @@ class AsyncFiles:
     async def write(
         self,
         path: str | os.PathLike[str],
-        data: bytes | str,
+        data: bytes | str | AsyncIterable[bytes],
         *,
         mode: int | None = None,
         user: str | None = None,
@@ -127,9 +127,16 @@ class AsyncFiles:
     ) -> int:
         """Write a whole file atomically (or append). Creates parent directories by
         default; keeps an existing file's mode and owner unless ``mode``/``user`` say
-        otherwise. Returns the bytes written."""
+        otherwise. ``data`` may be an async iterable of chunks, streamed as they come.
+        Returns the bytes written."""
         p = guest_path(path)
-        payload = data.encode() if isinstance(data, str) else bytes(data)
+        payload: bytes | AsyncIterable[bytes]
+        if isinstance(data, str):
+            payload = data.encode()
+        elif isinstance(data, bytes | bytearray | memoryview):
+            payload = bytes(data)
+        else:
+            payload = data
         return await proto.write_stream(
             await self._conn(), p, payload, mode=_mode(mode), user=user, append=append, parents=parents,
             exclusive=exclusive,

@@ -8,7 +8,7 @@ from __future__ import annotations
 import builtins
 import os
 import signal as _signal
-from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterable, Awaitable, Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -424,7 +424,7 @@ class Files(FilesBase):
     def write(
         self,
         path: str | os.PathLike[str],
-        data: bytes | str,
+        data: bytes | str | AsyncIterable[bytes],
         *,
         mode: int | None = None,
         user: str | None = None,
@@ -434,7 +434,8 @@ class Files(FilesBase):
     ) -> int:
         """Write a whole file atomically (or append). Creates parent directories by
         default; keeps an existing file's mode and owner unless ``mode``/``user`` say
-        otherwise. Returns the bytes written."""
+        otherwise. ``data`` may be an async iterable of chunks, streamed as they come.
+        Returns the bytes written."""
         return loop.run(
             self._a.write(
                 path, data, mode=mode, user=user, append=append, parents=parents, exclusive=exclusive

@@ -6,6 +6,8 @@
             ls | exec | cp | logs | inspect | stats              boxes
     sandlot snapshot | snapshots | rollback | fork | suspend |
             resume | template                                  live state
+    sandlot serve                                              the HTTP server
+    sandlot keys create|ls|revoke, audit                       its API keys, its audit trail
 
 Exit codes: a command's own status for ``run`` and ``exec``; 125 when sandlot
 itself failed; 127 when the command does not exist; 2 for usage errors.
@@ -17,7 +19,7 @@ from __future__ import annotations
 def main() -> None:
     import sys
 
-    from . import boxes, host, images, livestate  # noqa: F401 - they register their commands on `app`
+    from . import access, boxes, host, images, livestate, server  # noqa: F401 - they register on `app`
     from .common import app
 
     try:

@@ -222,12 +222,14 @@ class LiveState:
     # -- starting boxes from saved states ---------------------------------------------------
 
     async def fork(self, entry: BoxEntry, n: int = 1, *, name: str | None = None) -> list[BoxEntry]:
-        """``n`` running copies of the box, from a snapshot taken now (removed with its last child)."""
+        """``n`` running copies of the box, from a snapshot taken now (removed with its last
+        child); they carry its labels (a namespace, an owner)."""
         count(n)
         async with entry.lock():
             await self.controller.refresh(entry)
             snap = await self.capture(entry, "snapshot", auto=True)
-        return await self.start_boxes(snap, n, name=name or entry.name, as_prefix=True)
+        labels = dict(entry.spec.labels)
+        return await self.start_boxes(snap, n, name=name or entry.name, as_prefix=True, labels=labels)
 
     async def start_boxes(
         self, snap: SnapshotRecord, n: int = 1, *, name: str | None = None, as_prefix: bool = False,

@@ -11,7 +11,8 @@ database from version n to n+1 (SQL, or a function for data that moves), and a
 database newer than this code is refused rather than misread.
 
 Only the core writes here, and a box's ``state`` only through
-``BoxController.transition`` and recovery.
+``BoxController.transition`` and recovery. The ``keys`` and ``audit`` tables
+belong to ``core.access`` (the API keys and audit trail of ``sandlot serve``).
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from typing import Any
 from ..engine.base import VMRef
 from ..errors import BoxNotFound, InvalidArgument, SandlotError, SnapshotNotFound
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 
 
 def _v3(db: sqlite3.Connection) -> None:
@@ -129,6 +130,37 @@ MIGRATIONS: list[str | Callable[[sqlite3.Connection], None]] = [
     CREATE INDEX snapshots_key ON snapshots(template_key);
     """,
     _v3,
+    # API keys of ``sandlot serve`` (only a salted scrypt hash of each) and its audit trail
+    """
+    CREATE TABLE keys (
+        id TEXT PRIMARY KEY,
+        name TEXT NOT NULL UNIQUE,
+        namespace TEXT,
+        admin INTEGER NOT NULL DEFAULT 0,
+        salt BLOB NOT NULL,
+        hash BLOB NOT NULL,
+        quotas TEXT NOT NULL DEFAULT '{}',
+        created_at REAL NOT NULL,
+        last_used_at REAL,
+        revoked_at REAL
+    );
+    CREATE TABLE audit (
+        id INTEGER PRIMARY KEY AUTOINCREMENT,
+        at REAL NOT NULL,
+        key_id TEXT,
+        key_name TEXT,
+        namespace TEXT,
+        action TEXT NOT NULL,
+        box TEXT,
+        status INTEGER NOT NULL,
+        error TEXT,
+        duration REAL NOT NULL DEFAULT 0,
+        detail TEXT NOT NULL DEFAULT '{}'
+    );
+    CREATE INDEX audit_at ON audit(at);
+    CREATE INDEX audit_box ON audit(box);
+    CREATE INDEX audit_key_name ON audit(key_name);
+    """,
 ]
 
 SNAPSHOT_KINDS = ("snapshot", "template", "suspend")
@@ -443,6 +475,93 @@ class BoxStore:
     def delete_snapshot(self, snap_id: str) -> None:
         with self._tx() as db:
             db.execute("DELETE FROM snapshots WHERE id = ?", (snap_id,))
+
+    # -- API keys and the audit trail (rows as dicts; ``core.access`` gives them types) ---
+
+    def insert_key(self, row: dict[str, Any]) -> bool:
+        """Add a key's row; False (nothing written) if its id is taken. A taken name
+        raises InvalidArgument."""
+        cols = ", ".join(row)
+        marks = ", ".join(f":{k}" for k in row)
+        with self._tx() as db:
+            if db.execute("SELECT 1 FROM keys WHERE name = ?", (row["name"],)).fetchone():
+                raise InvalidArgument(f"an API key named {row['name']!r} already exists")
+            if db.execute("SELECT 1 FROM keys WHERE id = ?", (row["id"],)).fetchone():
+                return False
+            db.execute(f"INSERT INTO keys ({cols}) VALUES ({marks})", row)
+        return True
+
+    def key_row(self, key_id: str) -> dict[str, Any] | None:
+        with self._lock:
+            row = self._db.execute("SELECT * FROM keys WHERE id = ?", (key_id,)).fetchone()
+        return dict(row) if row else None
+
+    def find_key(self, name_or_id: str) -> dict[str, Any] | None:
+        """By name, else by id."""
+        with self._lock:
+            row = self._db.execute("SELECT * FROM keys WHERE name = ?", (name_or_id,)).fetchone()
+            if row is None:
+                row = self._db.execute("SELECT * FROM keys WHERE id = ?", (name_or_id,)).fetchone()
+        return dict(row) if row else None
+
+    def key_rows(self) -> builtins.list[dict[str, Any]]:
+        with self._lock:
+            rows = self._db.execute("SELECT * FROM keys ORDER BY created_at, name").fetchall()
+        return [dict(r) for r in rows]
+
+    def revoke_key(self, key_id: str, at: float) -> dict[str, Any] | None:
+        """Mark a key revoked (a revoked key keeps its first revocation time)."""
+        with self._tx() as db:
+            db.execute("UPDATE keys SET revoked_at = COALESCE(revoked_at, ?) WHERE id = ?", (at, key_id))
+            row = db.execute("SELECT * FROM keys WHERE id = ?", (key_id,)).fetchone()
+        return dict(row) if row else None
+
+    def touch_key(self, key_id: str, at: float) -> None:
+        with self._tx() as db:
+            db.execute("UPDATE keys SET last_used_at = MAX(COALESCE(last_used_at, 0), ?) WHERE id = ?",
+                       (at, key_id))  # fmt: skip
+
+    def insert_audit(self, rows: builtins.list[dict[str, Any]]) -> None:
+        """Append audit entries, all in one transaction."""
+        if not rows:
+            return
+        cols = ", ".join(rows[0])
+        marks = ", ".join(f":{k}" for k in rows[0])
+        with self._tx() as db:
+            db.executemany(f"INSERT INTO audit ({cols}) VALUES ({marks})", rows)
+
+    def prune_audit(self, *, before: float, keep: int) -> int:
+        """Delete audit entries older than ``before`` and all but the newest ``keep``;
+        the number deleted."""
+        with self._tx() as db:
+            n = db.execute("DELETE FROM audit WHERE at < ?", (before,)).rowcount
+            n += db.execute(
+                "DELETE FROM audit WHERE id IN "
+                "(SELECT id FROM audit ORDER BY at DESC, id DESC LIMIT -1 OFFSET ?)",
+                (max(keep, 0),),
+            ).rowcount
+        return n
+
+    def audit_rows(
+        self, *, box: str | None = None, key: str | None = None, since: float | None = None, limit: int = 1000
+    ) -> builtins.list[dict[str, Any]]:
+        """Audit entries, newest last: the last ``limit`` of those that match."""
+        sql = "SELECT * FROM audit WHERE 1=1"
+        args: builtins.list[Any] = []
+        if box is not None:
+            sql += " AND box = ?"
+            args.append(box)
+        if key is not None:
+            sql += " AND (key_name = ? OR key_id = ?)"
+            args += [key, key]
+        if since is not None:
+            sql += " AND at >= ?"
+            args.append(since)
+        with self._lock:
+            rows = self._db.execute(
+                sql + " ORDER BY at DESC, id DESC LIMIT ?", [*args, max(limit, 0)]
+            ).fetchall()
+        return [dict(r) for r in reversed(rows)]
 
 
 class AsyncStore:

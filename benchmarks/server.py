@@ -1,0 +1,158 @@
+"""``sandlot serve`` against the library, in one run on the same boxes: exec ``true``
+round trips (p50, p99), file upload and download (MB/s), and exec requests per
+second from many concurrent clients, with the server's RSS before and after.
+
+    .venv/bin/python benchmarks/server.py [--quick]
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from pathlib import Path
+
+import httpx
+
+import sandlot
+
+import _common  # noqa: F401 - puts the repository on the path
+from _common import busybox_root, drop_home, emit, host_facts, parser, scratch_home, summary
+from tests.support.serve import serving
+
+
+def rss_mib(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return round(int(line.split()[1]) / 1024, 1)
+    return 0.0
+
+
+def exec_round_trips(box: sandlot.Box, client: httpx.Client, n: int) -> dict:
+    box.exec("true")
+    client.post(f"/v1/boxes/{box.id}/exec", json={"argv": ["true"]}).raise_for_status()
+    local, remote = [], []
+    for _ in range(n):  # interleaved, so both see the same conditions
+        t0 = time.perf_counter()
+        box.exec("true")
+        local.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        client.post(f"/v1/boxes/{box.id}/exec", json={"argv": ["true"]}).raise_for_status()
+        remote.append(time.perf_counter() - t0)
+    lo, re = summary(local, 1e3), summary(remote, 1e3)
+    return {"exec_true_local_ms": lo, "exec_true_remote_ms": re,
+            "remote_overhead_p50_ms": round(re["median"] - lo["median"], 2)}  # fmt: skip
+
+
+def file_transfer(box: sandlot.Box, client: httpx.Client, size: int, reps: int) -> dict:
+    blob = os.urandom(size)
+    out: dict[str, list[float]] = {k: [] for k in ("local_up", "local_down", "remote_up", "remote_down")}
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        box.files.write("/tmp/bench.bin", blob)
+        out["local_up"].append(size / (time.perf_counter() - t0) / 1e6)
+        t0 = time.perf_counter()
+        assert len(box.files.read("/tmp/bench.bin")) == size
+        out["local_down"].append(size / (time.perf_counter() - t0) / 1e6)
+
+        def chunks() -> object:
+            for i in range(0, size, 1 << 20):
+                yield blob[i : i + (1 << 20)]
+
+        t0 = time.perf_counter()
+        client.put(f"/v1/boxes/{box.id}/files/content", params={"path": "/tmp/bench.bin"},
+                   content=chunks()).raise_for_status()  # fmt: skip
+        out["remote_up"].append(size / (time.perf_counter() - t0) / 1e6)
+        t0 = time.perf_counter()
+        got = 0
+        with client.stream(
+            "GET", f"/v1/boxes/{box.id}/files/content", params={"path": "/tmp/bench.bin"}
+        ) as r:
+            for chunk in r.iter_bytes():
+                got += len(chunk)
+        assert got == size
+        out["remote_down"].append(size / (time.perf_counter() - t0) / 1e6)
+    med = {k: summary(v, 1, 1)["median"] for k, v in out.items()}
+    return {
+        "file_MiB": size >> 20,
+        "upload_MBps": {
+            "local": med["local_up"],
+            "remote": med["remote_up"],
+            "ratio": round(med["remote_up"] / med["local_up"], 2),
+        },
+        "download_MBps": {
+            "local": med["local_down"],
+            "remote": med["remote_down"],
+            "ratio": round(med["remote_down"] / med["local_down"], 2),
+        },
+    }
+
+
+def load(url: str, key: str | None, boxes: list[str], clients: int, seconds: float) -> dict:
+    """``clients`` threads, each with its own connection, doing exec and a file round trip in turn."""
+    done, errors = [0], []
+    lock = threading.Lock()
+    stop = time.monotonic() + seconds
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+
+    def worker(i: int) -> None:
+        box = boxes[i % len(boxes)]
+        with httpx.Client(base_url=url, headers=headers, timeout=120) as c:
+            n = 0
+            while time.monotonic() < stop:
+                try:
+                    if n % 2 == 0:
+                        r = c.post(f"/v1/boxes/{box}/exec", json={"argv": ["true"]})
+                        r.raise_for_status()
+                    else:
+                        path = {"path": f"/tmp/load-{i}"}
+                        c.put(
+                            f"/v1/boxes/{box}/files/content", params=path, content=b"x" * 1024
+                        ).raise_for_status()
+                        assert c.get(f"/v1/boxes/{box}/files/content", params=path).content == b"x" * 1024
+                    n += 1
+                except Exception as e:  # counted and reported, never hidden
+                    with lock:
+                        errors.append(repr(e)[:200])
+            with lock:
+                done[0] += n
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(clients)]
+    t0 = time.monotonic()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    elapsed = time.monotonic() - t0
+    rate = round(done[0] / elapsed, 1)
+    return {"clients": clients, "boxes": len(boxes), "seconds": round(elapsed, 1), "requests_per_s": rate,
+            "errors": len(errors), "first_errors": errors[:3]}  # fmt: skip
+
+
+def main() -> None:
+    args = parser(__doc__).parse_args()
+    q = args.quick
+    home = scratch_home("bench-server-")
+    root = busybox_root()
+    try:
+        with serving(home) as served, httpx.Client(base_url=served.url, headers=served.headers(),
+                                                   timeout=120) as client:  # fmt: skip
+            boxes = [sandlot.Box(rootfs=root, memory_mib=256, home=home, keep=True).start()
+                     for _ in range(2 if q else 10)]  # fmt: skip
+            doc: dict = {"benchmark": "server", "quick": q, "host": host_facts(boxes[0].accel)}
+            doc.update(exec_round_trips(boxes[0], client, 20 if q else 300))
+            doc.update(file_transfer(boxes[0], client, (8 if q else 64) << 20, 1 if q else 3))
+            pid = served.process.pid
+            rss0 = rss_mib(pid)
+            doc["load"] = load(
+                served.url, served.api_key, [b.id for b in boxes], 5 if q else 50, 3 if q else 60
+            )
+            doc["load"]["server_rss_MiB"] = {"before": rss0, "after": rss_mib(pid)}
+            doc["load"]["server_fds"] = len(os.listdir(f"/proc/{pid}/fd"))
+            emit(doc)
+    finally:
+        drop_home(home)
+
+
+if __name__ == "__main__":
+    main()

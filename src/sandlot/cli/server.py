@@ -1,0 +1,74 @@
+"""``sandlot serve``: this home's boxes over HTTP and WebSocket (docs/server.md)."""
+
+from __future__ import annotations
+
+import ipaddress
+import socket
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from .common import app, err, fail
+
+
+def _loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        try:
+            return all(ipaddress.ip_address(a[4][0]).is_loopback for a in socket.getaddrinfo(host, None))
+        except OSError:
+            return False
+
+
+@app.command(rich_help_panel="Server")
+def serve(
+    host: Annotated[str, typer.Option(help="Address to listen on; a non-loopback one needs API keys.")] = (
+        "127.0.0.1"
+    ),
+    port: Annotated[int, typer.Option(help="Port to listen on.", min=0, max=65535)] = 7070,
+    tls_cert: Annotated[Path | None, typer.Option(help="Serve HTTPS with this certificate (PEM).")] = None,
+    tls_key: Annotated[Path | None, typer.Option(help="The certificate's private key (PEM).")] = None,
+    no_auth: Annotated[
+        bool, typer.Option("--no-auth", help="Loopback only: serve without API keys.")
+    ] = False,
+    log_level: Annotated[str, typer.Option(help="uvicorn's log level.")] = "warning",
+) -> None:
+    """Serve this home's boxes over HTTP and WebSocket, with API keys and an audit trail."""
+    import uvicorn
+
+    from ..api import access
+    from ..server.app import create_app
+    from ..server.state import Settings
+
+    if (tls_cert is None) != (tls_key is None):
+        raise fail("--tls-cert and --tls-key go together", 2)
+    for f in (tls_cert, tls_key):
+        if f is not None and not f.is_file():
+            raise fail(f"{f} is not a file", 2)
+    live_keys = [k for k in access.list_keys() if k.revoked_at is None]
+    if no_auth and not _loopback(host):
+        raise fail(f"--no-auth serves anyone who can reach {host}; it is refused off loopback", 2)
+    if not _loopback(host) and not live_keys:
+        raise fail(f"refusing to listen on {host} without API keys: create one with `sandlot keys create`", 2)
+    if not no_auth and not live_keys:
+        err.print("sandlot serve: no API keys exist yet; every request but /health gets 401 until "
+                  "`sandlot keys create --name NAME` makes one")  # fmt: skip
+    scheme = "https" if tls_cert else "http"
+    err.print(f"sandlot serve: {scheme}://{host}:{port} (docs at /docs)")
+    config = uvicorn.Config(
+        create_app(Settings(auth=not no_auth)),
+        host=host,
+        port=port,
+        ssl_certfile=str(tls_cert) if tls_cert else None,
+        ssl_keyfile=str(tls_key) if tls_key else None,
+        log_level=log_level,
+        ws="websockets",
+        ws_ping_interval=15.0,
+        timeout_keep_alive=30,
+        timeout_graceful_shutdown=5,
+    )
+    uvicorn.Server(config).run()

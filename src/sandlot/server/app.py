@@ -1,0 +1,150 @@
+"""The ASGI application: authentication, one error shape, body limits and the
+audit trail around the routes of ``server/routes.py``."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from ..errors import RequestError, SandlotError
+from ..version import __version__
+from .state import ServerState, Settings, error_response
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+JSON_LIMIT = 1 << 20  # bytes of a JSON body; uploads stream and have no such limit
+STREAMED_BODIES = ("/files/content", "/files/archive", "/snapshots/import")
+
+
+class BodyTooLarge(RequestError):
+    status = 413
+
+
+class Guard:
+    """Around every HTTP request: the body limit, the caller, and the audit record of
+    each mutating request (after the answer, off its path)."""
+
+    def __init__(self, app: ASGIApp, state: ServerState) -> None:
+        self.app = app
+        self.state = state
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        t0 = time.monotonic()
+        path: str = scope["path"]
+        scope.setdefault("state", {})
+        headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
+        status_seen: list[int] = [500]
+
+        async def sending(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                status_seen[0] = message["status"]
+            await send(message)
+
+        if path in ("/health", "/docs", "/openapi.json", "/redoc"):
+            await self.app(scope, receive, sending)
+            return
+        try:
+            caller = await self.state.caller(headers)
+        except SandlotError as e:
+            await error_response(e)(scope, receive, send)
+            return
+        scope["state"]["caller"] = caller
+        if not path.endswith(STREAMED_BODIES):
+            declared = headers.get("content-length")
+            if declared is not None and declared.isdigit() and int(declared) > JSON_LIMIT:
+                err = BodyTooLarge(f"the body is over the limit of {JSON_LIMIT} bytes for this route")
+                await error_response(err)(scope, receive, send)
+                return
+            receive = _limited(receive, JSON_LIMIT)
+        try:
+            await self.app(scope, receive, sending)
+        finally:
+            if scope["method"] not in ("GET", "HEAD", "OPTIONS"):
+                st = scope["state"]
+                route = scope.get("route")
+                template = getattr(route, "path", path)
+                if path.startswith("/v1/") and not template.startswith("/v1"):
+                    template = "/v1" + template  # the route as its router declared it, under the prefix
+                action = f"{scope['method']} {template}"
+                box = (scope.get("path_params") or {}).get("box")
+                self.state.record(caller, action, st.get("box_id", box), status_seen[0], st.get("error"),
+                                  time.monotonic() - t0, st.get("audit"))  # fmt: skip
+
+
+def _limited(receive: Receive, limit: int) -> Receive:
+    seen = 0
+
+    async def receiving() -> Message:
+        nonlocal seen
+        message = await receive()
+        seen += len(message.get("body", b""))
+        if seen > limit:
+            raise BodyTooLarge(f"the body is over the limit of {limit} bytes for this route")
+        return message
+
+    return receiving
+
+
+def create_app(settings: Settings) -> ASGIApp:
+    """The server's ASGI application for one sandlot home."""
+    from .routes import router
+
+    state = ServerState(settings)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        try:
+            yield
+        finally:
+            # boxes and their processes run on: only the server's own work ends here
+            state.audit.close()
+
+    api = FastAPI(
+        title="sandlot",
+        version=__version__,
+        description="Embeddable microVM sandboxes over HTTP: see docs/server.md.",
+        lifespan=lifespan,
+    )
+    api.state.server = state
+
+    @api.exception_handler(SandlotError)
+    async def sandlot_error(request: Request, exc: SandlotError) -> JSONResponse:
+        request.state.error = exc.code
+        return error_response(exc)
+
+    @api.exception_handler(RequestValidationError)
+    async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        parts = []
+        for e in exc.errors()[:5]:
+            where = ".".join(str(p) for p in e.get("loc", ()) if p != "body")
+            parts.append(f"{where}: {e.get('msg')}" if where else str(e.get("msg")))
+        request.state.error = "bad_request"
+        return error_response(RequestError("; ".join(parts) or "malformed request"))
+
+    @api.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "bad_request")
+        body = {"type": "RequestError", "code": code, "message": str(exc.detail), "box": None, "state": None}
+        return JSONResponse({"error": body}, status_code=exc.status_code)
+
+    @api.get("/health", tags=["server"])
+    async def health() -> dict[str, str]:
+        """Liveness, without a key."""
+        return {"status": "ok", "version": __version__}
+
+    api.include_router(router, prefix="/v1")
+    return Guard(api, state)

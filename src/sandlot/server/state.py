@@ -1,0 +1,86 @@
+"""What the server holds while it runs, and who is asking: shared by the app and its routes."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from fastapi.responses import JSONResponse
+
+from ..api import access
+from ..errors import ExecTimeout, Forbidden, SandlotError, Unauthorized
+from .streams import ProcessTable
+
+NAMESPACE_LABEL = "sandlot.namespace"
+KEY_LABEL = "sandlot.key"
+
+
+@dataclass(frozen=True)
+class Caller:
+    """Who is asking: the API key's identity and reach (everything when auth is off)."""
+
+    key_id: str | None = None
+    key_name: str | None = None
+    namespace: str | None = None
+    admin: bool = True
+    quotas: Any = None
+
+    def may_see(self, labels: dict[str, str]) -> bool:
+        return self.namespace is None or labels.get(NAMESPACE_LABEL) == self.namespace
+
+    def require_admin(self, what: str) -> None:
+        if not self.admin:
+            raise Forbidden(f"{what} needs an admin key")
+
+
+@dataclass
+class Settings:
+    home: str | os.PathLike[str] | None = None
+    auth: bool = True
+    tmp: Path = field(default_factory=lambda: Path(os.environ.get("TMPDIR", "/tmp")))
+
+
+class ServerState:
+    """What the server holds while it runs: nothing the store does not also know,
+    except the processes clients stream (and those survive the server in the box)."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.home = settings.home
+        self.processes = ProcessTable()
+        self.verifier = access.key_verifier(settings.home) if settings.auth else None
+        self.audit = access.audit_writer(settings.home)
+
+    async def caller(self, headers: Any) -> Caller:
+        if self.verifier is None:
+            return Caller()
+        presented = headers.get("x-api-key")
+        if presented is None:
+            scheme, _, token = (headers.get("authorization") or "").partition(" ")
+            presented = token.strip() if scheme.lower() == "bearer" else None
+        if not presented:
+            raise Unauthorized("an API key is needed: Authorization: Bearer <key>")
+        key = await self.verifier.verify_async(presented)
+        return Caller(key.id, key.name, key.namespace, key.admin, key.quotas)
+
+    def record(self, caller: Caller | None, action: str, box: str | None, status: int,
+               error: str | None, duration: float, detail: dict[str, Any] | None = None) -> None:  # fmt: skip
+        self.audit.record(access.AuditEntry(
+            key_id=caller.key_id if caller else None, key_name=caller.key_name if caller else None,
+            namespace=caller.namespace if caller else None, action=action, box=box, status=status,
+            error=error, duration=duration, detail=detail or {},
+        ))  # fmt: skip
+
+
+def error_body(err: SandlotError) -> dict[str, Any]:
+    body = {**err.to_dict(), "type": type(err).__name__}
+    if isinstance(err, ExecTimeout):
+        body["stdout"] = err.stdout.decode("utf-8", "replace")
+        body["stderr"] = err.stderr.decode("utf-8", "replace")
+    return {"error": body}
+
+
+def error_response(err: SandlotError, status: int | None = None) -> JSONResponse:
+    return JSONResponse(error_body(err), status_code=status or err.status)

@@ -1,0 +1,440 @@
+"""``sandlot serve`` for real: a server process on 127.0.0.1, real keys, real boxes.
+
+The auth matrix, namespaces, quotas, the error shape for bad input, exec (one
+shot and streamed over WebSocket, with a reattach after a client drop), files
+(streamed, and directories as tar), live state, the audit trail, and a kill -9
+of the server that leaves boxes and processes running."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import struct
+import tarfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from websockets.sync.client import ClientConnection, connect
+
+import sandlot
+
+from tests.support.serve import Served, create_key, sandlot_cli, serving
+
+pytestmark = pytest.mark.vm
+
+
+@pytest.fixture(scope="module")
+def served() -> Iterator[Served]:
+    home = Path(os.environ["SANDLOT_HOME"])
+    with serving(home) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def team_keys(served: Served) -> dict[str, str]:
+    """Keys of two namespaces (admin in their namespace, so they may boot a rootfs) and a plain one."""
+    tag = f"{os.getpid()}-{time.monotonic_ns() % 10**6}"
+    return {
+        "a": create_key(served.home, f"team-a-{tag}", "--namespace", f"a-{tag}", "--admin"),
+        "b": create_key(served.home, f"team-b-{tag}", "--namespace", f"b-{tag}", "--admin"),
+        "plain": create_key(served.home, f"plain-{tag}", "--namespace", f"p-{tag}"),
+    }
+
+
+@pytest.fixture(scope="module")
+def box_a(served: Served, team_keys: dict[str, str], busybox_root: Path) -> Iterator[dict[str, Any]]:
+    """A running box of namespace a, made through the server."""
+    with served.client(team_keys["a"]) as c:
+        r = c.post("/v1/boxes", json={"rootfs": str(busybox_root), "memory_mib": 256})
+        assert r.status_code == 201, r.text
+        box = r.json()
+        assert r.headers["location"] == f"/v1/boxes/{box['id']}"
+        try:
+            yield box
+        finally:
+            c.delete(f"/v1/boxes/{box['id']}", params={"force": True})
+
+
+def error(r: httpx.Response, status: int, code: str) -> dict[str, Any]:
+    assert r.status_code == status, (r.status_code, r.text)
+    body: dict[str, Any] = r.json()["error"]
+    assert body["code"] == code and body["message"] and "type" in body, body
+    return body
+
+
+# -- auth ------------------------------------------------------------------------------
+
+
+def test_health_needs_no_key_and_everything_else_does(served: Served) -> None:
+    assert httpx.get(f"{served.url}/health").json()["status"] == "ok"
+    for path in ("/v1/boxes", "/v1/info", "/v1/snapshots", "/v1/boxes/anything"):
+        error(httpx.get(served.url + path), 401, "unauthorized")
+    error(httpx.post(f"{served.url}/v1/boxes", json={}), 401, "unauthorized")
+    bad = {"Authorization": "Bearer sk-sl-00000000-not-a-key"}
+    error(httpx.get(f"{served.url}/v1/boxes", headers=bad), 401, "unauthorized")
+    error(httpx.get(f"{served.url}/v1/boxes", headers={"Authorization": "Basic abc"}), 401, "unauthorized")
+    # a real key id with a wrong secret
+    good = served.api_key or ""
+    forged = good[: good.rindex("-") + 1] + "A" * 43
+    error(httpx.get(f"{served.url}/v1/boxes", headers={"Authorization": f"Bearer {forged}"}), 401,
+          "unauthorized")  # fmt: skip
+    assert httpx.get(f"{served.url}/v1/info", headers=served.headers()).json()["admin"] is True
+    assert httpx.get(f"{served.url}/openapi.json").json()["info"]["title"] == "sandlot"
+
+
+def test_a_revoked_key_is_refused_at_once(served: Served) -> None:
+    name = f"short-lived-{time.monotonic_ns() % 10**9}"
+    key = create_key(served.home, name)
+    assert httpx.get(f"{served.url}/v1/boxes", headers=served.headers(key)).status_code == 200
+    assert sandlot_cli(served.home, "keys", "revoke", name).returncode == 0
+    time.sleep(1.1)  # the server re-reads a key's row at most once a second
+    error(httpx.get(f"{served.url}/v1/boxes", headers=served.headers(key)), 401, "unauthorized")
+
+
+def test_a_namespace_sees_only_its_boxes_and_others_are_404(served: Served, team_keys: dict[str, str],
+                                                            box_a: dict[str, Any]) -> None:  # fmt: skip
+    with served.client(team_keys["a"]) as a, served.client(team_keys["b"]) as b:
+        assert box_a["id"] in [x["id"] for x in a.get("/v1/boxes").json()["boxes"]]
+        assert box_a["labels"]["sandlot.namespace"].startswith("a-")
+        assert box_a["id"] not in [x["id"] for x in b.get("/v1/boxes").json()["boxes"]]
+        for r in (
+            b.get(f"/v1/boxes/{box_a['id']}"),
+            b.get(f"/v1/boxes/{box_a['name']}"),
+            b.post(f"/v1/boxes/{box_a['id']}/exec", json={"argv": ["true"]}),
+            b.post(f"/v1/boxes/{box_a['id']}/stop"),
+            b.delete(f"/v1/boxes/{box_a['id']}"),
+            b.get(f"/v1/boxes/{box_a['id']}/files/content", params={"path": "/etc/hostname"}),
+        ):
+            body = error(r, 404, "box_not_found")
+            missing = b.get("/v1/boxes/no-such-box").json()["error"]
+            assert body["message"].replace(box_a["id"], "X").replace(box_a["name"], "X") == \
+                missing["message"].replace("no-such-box", "X")  # fmt: skip
+        assert a.get(f"/v1/boxes/{box_a['id']}").json()["state"] == "running"
+    # the admin key without a namespace sees every box
+    with served.client() as admin:
+        assert admin.get(f"/v1/boxes/{box_a['id']}").status_code == 200
+
+
+def test_host_paths_and_open_network_need_an_admin_key(served: Served, team_keys: dict[str, str],
+                                                       busybox_root: Path) -> None:  # fmt: skip
+    with served.client(team_keys["plain"]) as c:
+        before = {x["id"] for x in c.get("/v1/boxes").json()["boxes"]}
+        error(c.post("/v1/boxes", json={"rootfs": str(busybox_root)}), 403, "forbidden")
+        error(c.post("/v1/boxes", json={"image": "x", "network": "open"}), 403, "forbidden")
+        error(c.post("/v1/boxes", json={"image": "x", "labels": {"sandlot.namespace": "a"}}), 400,
+              "invalid_argument")  # fmt: skip
+        error(c.get("/v1/audit"), 403, "forbidden")
+        assert {x["id"] for x in c.get("/v1/boxes").json()["boxes"]} == before
+
+
+def test_quota_of_boxes_answers_429_naming_the_limit(served: Served, busybox_root: Path) -> None:
+    tag = f"{time.monotonic_ns() % 10**9}"
+    key = create_key(served.home, f"quota-{tag}", "--namespace", f"q-{tag}", "--admin", "--max-boxes", "1",
+                     "--max-memory-mib", "512")  # fmt: skip
+    with served.client(key) as c:
+        first = c.post("/v1/boxes", json={"rootfs": str(busybox_root), "start": False})
+        assert first.status_code == 201, first.text
+        try:
+            body = error(c.post("/v1/boxes", json={"rootfs": str(busybox_root), "start": False}), 429,
+                         "quota_exceeded")  # fmt: skip
+            assert body["limit"] == "boxes" and body["value"] == 1
+            assert len(c.get("/v1/boxes").json()["boxes"]) == 1
+        finally:
+            c.delete(f"/v1/boxes/{first.json()['id']}", params={"force": True})
+        body = error(c.post("/v1/boxes", json={"rootfs": str(busybox_root), "start": False,
+                                               "memory_mib": 1024}), 429, "quota_exceeded")  # fmt: skip
+        assert body["limit"] == "memory_mib"
+        assert c.get("/v1/boxes").json()["boxes"] == []
+
+
+# -- bad input -------------------------------------------------------------------------
+
+
+def test_bad_input_gets_a_clear_4xx_and_changes_nothing(served: Served, box_a: dict[str, Any],
+                                                        team_keys: dict[str, str]) -> None:  # fmt: skip
+    bid = box_a["id"]
+    with served.client(team_keys["a"]) as c:
+        before = c.get("/v1/boxes").json()
+        error(c.post("/v1/boxes", json={"image": "x", "colour": "blue"}), 400, "bad_request")
+        error(c.post("/v1/boxes", content=b"{not json", headers={"content-type": "application/json"}), 400,
+              "bad_request")  # fmt: skip
+        error(c.post(f"/v1/boxes/{bid}/exec", json={"argv": []}), 400, "bad_request")
+        error(c.post(f"/v1/boxes/{bid}/exec", json={"argv": ["true"], "stdin_b64": "%%%"}), 400,
+              "invalid_argument")  # fmt: skip
+        error(c.post(f"/v1/boxes/{bid}/exec", content=b"x" * (2 << 20),
+                     headers={"content-type": "application/json"}), 413, "bad_request")  # fmt: skip
+        error(c.get(f"/v1/boxes/{bid}/files/content", params={"path": "relative/path"}), 400,
+              "invalid_argument")  # fmt: skip
+        error(c.get(f"/v1/boxes/{bid}/files/content", params={"path": "/etc/\x00passwd"}), 400,
+              "invalid_argument")  # fmt: skip
+        error(c.get(f"/v1/boxes/{bid}/files/content", params={"path": "/no/such/file"}), 404,
+              "guest_os_error")  # fmt: skip
+        error(c.get("/v1/boxes", params={"page_token": "!!"}), 400, "invalid_argument")
+        error(c.get("/v1/no-such-route"), 404, "not_found")
+        for evil in ("../escape.txt", "/abs.txt", "ok/../../escape.txt"):
+            buf = io.BytesIO()
+            with tarfile.open(fileobj=buf, mode="w") as tar:
+                good = tarfile.TarInfo("fine.txt")
+                good.size = 2
+                tar.addfile(good, io.BytesIO(b"ok"))
+                info = tarfile.TarInfo(evil)
+                info.size = 4
+                tar.addfile(info, io.BytesIO(b"evil"))
+            r = c.put(f"/v1/boxes/{bid}/files/archive", params={"path": "/tmp/untar"}, content=buf.getvalue())
+            assert "leaves the target directory" in error(r, 400, "bad_request")["message"]
+        assert c.get(f"/v1/boxes/{bid}/files/stat", params={"path": "/tmp/untar"}).status_code == 404
+        not_tar = b"not a tar" * 100
+        r = c.put(f"/v1/boxes/{bid}/files/archive", params={"path": "/tmp/untar"}, content=not_tar)
+        error(r, 400, "bad_request")
+        assert c.get("/v1/boxes").json() == before
+
+
+def ws_connect(served: Served, path: str, key: str | None = None) -> ClientConnection:
+    url = served.url.replace("http", "ws") + path
+    return connect(url, additional_headers=served.headers(key), open_timeout=30)
+
+
+def test_websocket_frames_out_of_protocol_are_refused(served: Served, box_a: dict[str, Any],
+                                                      team_keys: dict[str, str]) -> None:  # fmt: skip
+    bid = box_a["id"]
+    with ws_connect(served, f"/v1/boxes/{bid}/spawn", team_keys["a"]) as ws:
+        ws.send(json.dumps({"type": "launch", "argv": ["true"]}))
+        msg = json.loads(ws.recv(timeout=30))
+        assert msg["type"] == "error" and msg["error"]["code"] == "bad_request"
+    with ws_connect(served, f"/v1/boxes/{bid}/spawn", team_keys["a"]) as ws:
+        ws.send(json.dumps({"type": "spawn", "argv": ["cat"]}))
+        started = json.loads(ws.recv(timeout=60))
+        assert started["type"] == "started"
+        ws.send(b"\x07garbage")  # not a stdin frame
+        msg = json.loads(ws.recv(timeout=30))
+        assert msg["type"] == "error" and "binary frame" in msg["error"]["message"]
+    with ws_connect(served, f"/v1/boxes/{bid}/spawn", team_keys["b"]) as ws:  # another namespace
+        msg = json.loads(ws.recv(timeout=30))
+        assert msg["type"] == "error" and msg["error"]["code"] == "box_not_found"
+    with ws_connect(served, f"/v1/boxes/{bid}/spawn", "sk-sl-00000000-nope") as ws:
+        assert json.loads(ws.recv(timeout=30))["error"]["code"] == "unauthorized"
+
+
+# -- exec and files --------------------------------------------------------------------
+
+
+def test_exec_one_shot(served: Served, box_a: dict[str, Any], team_keys: dict[str, str]) -> None:
+    with served.client(team_keys["a"]) as c:
+        r = c.post(f"/v1/boxes/{box_a['id']}/exec",
+                   json={"argv": ["sh", "-c", "cat; echo err >&2; exit 3"], "stdin": "hello"})  # fmt: skip
+        assert r.status_code == 200, r.text
+        out = r.json()
+        assert (out["exit_code"], out["stdout"], out["stderr"]) == (3, "hello", "err\n")
+        body = error(c.post(f"/v1/boxes/{box_a['id']}/exec",
+                            json={"argv": ["sh", "-c", "echo partial; sleep 30"], "timeout": 1}), 504,
+                     "exec_timeout")  # fmt: skip
+        assert body["stdout"] == "partial\n"
+
+
+def frames(
+    ws: ClientConnection, got: dict[int, bytes] | None = None
+) -> tuple[dict[int, bytes], dict[str, Any]]:
+    """Output frames until the last message, checking each offset against what came before."""
+    got = got if got is not None else {1: b"", 2: b""}
+    last: dict[str, Any] = {}
+    while True:
+        msg = ws.recv(timeout=60)
+        if isinstance(msg, bytes):
+            stream, offset = struct.unpack(">BQ", msg[:9])
+            assert offset == len(got[stream]), "an offset out of order"
+            got[stream] += msg[9:]
+            continue
+        last = json.loads(msg)
+        if last["type"] in ("exit", "error"):
+            break
+    return got, last
+
+
+def test_a_stream_survives_a_client_drop_and_a_reattach(served: Served, box_a: dict[str, Any],
+                                                        team_keys: dict[str, str]) -> None:  # fmt: skip
+    bid = box_a["id"]
+    script = "for i in $(seq 1 60); do echo line $i; echo err $i >&2; sleep 0.05; done; read x; echo got $x"
+    with ws_connect(served, f"/v1/boxes/{bid}/spawn", team_keys["a"]) as ws:
+        ws.send(json.dumps({"type": "spawn", "argv": ["sh", "-c", script]}))
+        started = json.loads(ws.recv(timeout=60))
+        seen = b""
+        while b"line 5\n" not in seen:
+            msg = ws.recv(timeout=60)
+            if isinstance(msg, bytes) and msg[0] == 1:
+                assert struct.unpack(">BQ", msg[:9])[1] == len(seen)
+                seen += msg[9:]
+    # the client is gone; the process runs on and the server keeps its output
+    time.sleep(1.0)
+    with served.client(team_keys["a"]) as c:
+        listed = c.get(f"/v1/boxes/{bid}/processes").json()["processes"]
+        assert started["id"] in [p["id"] for p in listed]
+    with ws_connect(served, f"/v1/boxes/{bid}/processes/{started['id']}/attach?stdout={len(seen)}&stderr=0",
+                    team_keys["a"]) as ws:  # fmt: skip
+        ws.send(b"\x00" + b"yes\n")
+        got: dict[int, bytes] = {1: seen, 2: b""}
+        while True:
+            msg = ws.recv(timeout=60)
+            if isinstance(msg, bytes):
+                stream, offset = struct.unpack(">BQ", msg[:9])
+                assert offset == len(got[stream])
+                got[stream] += msg[9:]
+                continue
+            last = json.loads(msg)
+            if last["type"] == "exit":
+                break
+    lines = got[1].decode().splitlines()
+    assert lines == [f"line {i}" for i in range(1, 61)] + ["got yes"]  # none lost, none twice
+    assert got[2].decode().splitlines() == [f"err {i}" for i in range(1, 61)]
+    assert last["exit_code"] == 0
+
+
+def test_pty_and_signals_over_the_stream(served: Served, box_a: dict[str, Any],
+                                         team_keys: dict[str, str]) -> None:  # fmt: skip
+    with ws_connect(served, f"/v1/boxes/{box_a['id']}/spawn", team_keys["a"]) as ws:
+        ws.send(json.dumps({"type": "spawn", "argv": ["sh", "-c", "stty size; sleep 30"], "tty": True,
+                            "rows": 33, "cols": 101}))  # fmt: skip
+        assert json.loads(ws.recv(timeout=60))["type"] == "started"
+        seen = b""
+        while b"33 101" not in seen:
+            msg = ws.recv(timeout=60)
+            if isinstance(msg, bytes):
+                seen += msg[9:]
+        ws.send(json.dumps({"type": "signal", "signal": 9}))
+        _, last = frames(ws, {1: seen, 2: b""})
+        assert last["type"] == "exit" and last["exit_code"] == 137
+
+
+def test_files_stream_both_ways_and_directories_go_as_tar(
+    served: Served, box_a: dict[str, Any], team_keys: dict[str, str], tmp_path: Path
+) -> None:
+    bid = box_a["id"]
+    payload = os.urandom(3 << 20)
+    with served.client(team_keys["a"]) as c:
+
+        def chunks() -> Iterator[bytes]:
+            for i in range(0, len(payload), 1 << 16):
+                yield payload[i : i + (1 << 16)]
+
+        r = c.put(f"/v1/boxes/{bid}/files/content", params={"path": "/tmp/srv/big.bin", "mode": 0o600},
+                  content=chunks())  # fmt: skip
+        assert r.status_code == 200, r.text
+        assert r.json()["size"] == len(payload) and r.json()["mode"] == 0o600
+        with c.stream("GET", f"/v1/boxes/{bid}/files/content", params={"path": "/tmp/srv/big.bin"}) as s:
+            assert b"".join(s.iter_bytes()) == payload
+        part = c.get(f"/v1/boxes/{bid}/files/content", params={"path": "/tmp/srv/big.bin", "offset": 10,
+                                                                 "length": 5})  # fmt: skip
+        assert part.content == payload[10:15]
+        assert (
+            c.post(f"/v1/boxes/{bid}/files/mkdir", json={"path": "/tmp/srv/d/e", "parents": True}).status_code
+            == 204
+        )
+        assert (
+            c.post(
+                f"/v1/boxes/{bid}/files/rename", json={"src": "/tmp/srv/big.bin", "dst": "/tmp/srv/d/big.bin"}
+            ).status_code
+            == 204
+        )
+        assert (
+            c.post(
+                f"/v1/boxes/{bid}/files/chmod", json={"path": "/tmp/srv/d/big.bin", "mode": 0o640}
+            ).status_code
+            == 204
+        )
+        st = c.get(f"/v1/boxes/{bid}/files/stat", params={"path": "/tmp/srv/d/big.bin"}).json()
+        assert (st["type"], st["mode"], st["size"]) == ("file", 0o640, len(payload))
+        names = [
+            e["name"]
+            for e in c.get(f"/v1/boxes/{bid}/files", params={"path": "/tmp/srv/d"}).json()["entries"]
+        ]
+        assert names == ["big.bin", "e"]
+        c.put(f"/v1/boxes/{bid}/files/content", params={"path": "/tmp/srv/d/e/small.txt"}, content=b"small")
+        tar_bytes = c.get(f"/v1/boxes/{bid}/files/archive", params={"path": "/tmp/srv/d"}).content
+        with tarfile.open(fileobj=io.BytesIO(tar_bytes)) as tar:
+            got = {m.name: (tar.extractfile(m).read() if m.isfile() else None) for m in tar}  # type: ignore[union-attr]
+        assert got == {"big.bin": payload, "e": None, "e/small.txt": b"small"}
+        r = c.put(f"/v1/boxes/{bid}/files/archive", params={"path": "/tmp/srv/copy"}, content=tar_bytes)
+        assert r.status_code == 204, r.text
+        with c.stream("GET", f"/v1/boxes/{bid}/files/content", params={"path": "/tmp/srv/copy/big.bin"}) as s:
+            assert b"".join(s.iter_bytes()) == payload
+        assert (
+            c.delete(f"/v1/boxes/{bid}/files", params={"path": "/tmp/srv", "recursive": True}).status_code
+            == 204
+        )
+        error(c.get(f"/v1/boxes/{bid}/files/stat", params={"path": "/tmp/srv"}), 404, "guest_os_error")
+
+
+# -- live state, the library's view, the audit trail ---------------------------------------------
+
+
+def test_live_state_over_rest_and_the_library_sees_the_same_boxes(
+    served: Served, box_a: dict[str, Any], team_keys: dict[str, str]
+) -> None:
+    bid = box_a["id"]
+    with served.client(team_keys["a"]) as c:
+        c.put(f"/v1/boxes/{bid}/files/content", params={"path": "/root/mark"}, content=b"before")
+        snap = c.post(f"/v1/boxes/{bid}/snapshots", json={"name": None})
+        assert snap.status_code == 201, snap.text
+        c.put(f"/v1/boxes/{bid}/files/content", params={"path": "/root/mark"}, content=b"after")
+        r = c.post(f"/v1/boxes/{bid}/rollback", json={"snapshot": snap.json()["id"]})
+        assert r.status_code == 200 and r.json()["state"] == "running", r.text
+        assert c.get(f"/v1/boxes/{bid}/files/content", params={"path": "/root/mark"}).content == b"before"
+        kids = c.post(f"/v1/boxes/{bid}/fork", json={"n": 2})
+        assert kids.status_code == 201, kids.text
+        try:
+            for k in kids.json()["boxes"]:
+                assert k["labels"]["sandlot.namespace"] == box_a["labels"]["sandlot.namespace"]
+                out = c.post(f"/v1/boxes/{k['id']}/exec", json={"argv": ["cat", "/root/mark"]}).json()
+                assert out["stdout"] == "before"
+            # the library, in this process, sees the boxes the server made, and the other way round
+            assert {k["id"] for k in kids.json()["boxes"]} <= {b.id for b in sandlot.list()}
+            assert sandlot.get(bid).exec("cat", "/root/mark").stdout == "before"
+            assert c.post(f"/v1/boxes/{bid}/suspend").json()["state"] == "suspended"
+            assert sandlot.get(bid).state == "suspended"
+            assert c.post(f"/v1/boxes/{bid}/resume").json()["state"] == "running"
+        finally:
+            for k in kids.json()["boxes"]:
+                c.delete(f"/v1/boxes/{k['id']}", params={"force": True})
+        assert c.delete(f"/v1/snapshots/{snap.json()['id']}").status_code == 204
+
+
+def test_the_audit_trail_records_mutations_and_execs_without_stdin(
+    served: Served, box_a: dict[str, Any], team_keys: dict[str, str]
+) -> None:
+    with served.client(team_keys["a"]) as c:
+        c.post(f"/v1/boxes/{box_a['id']}/exec", json={"argv": ["sh", "-c", "cat >/dev/null; exit 4"],
+                                                      "stdin": "TOP-SECRET-STDIN"})  # fmt: skip
+    with served.client() as admin:
+        entries = admin.get("/v1/audit", params={"box": box_a["id"]}).json()["entries"]
+        everything = admin.get("/v1/audit").json()["entries"]
+    execs = [e for e in entries if e["action"].endswith("/exec") and e["detail"].get("exit_code") == 4]
+    assert execs and execs[-1]["detail"]["argv"] == ["sh", "-c", "cat >/dev/null; exit 4"]
+    assert execs[-1]["key_name"].startswith("team-a-") and execs[-1]["status"] == 200
+    assert any(e["action"] == "POST /v1/boxes" and e["status"] == 201 for e in everything)
+    assert "TOP-SECRET-STDIN" not in json.dumps(entries)
+    cli = sandlot_cli(served.home, "audit", "--box", box_a["id"], "--json")
+    assert cli.returncode == 0 and "TOP-SECRET-STDIN" not in cli.stdout and "exit" in cli.stdout
+
+
+def test_kill9_of_the_server_mid_stream_leaves_box_and_process_running(
+    served: Served, box_a: dict[str, Any], team_keys: dict[str, str]
+) -> None:
+    bid = box_a["id"]
+    with ws_connect(served, f"/v1/boxes/{bid}/spawn", team_keys["a"]) as ws:
+        loop = "i=0; while true; do i=$((i+1)); echo $i > /tmp/ticks; echo $i; sleep 0.1; done"
+        ws.send(json.dumps({"type": "spawn", "argv": ["sh", "-c", loop]}))
+        started = json.loads(ws.recv(timeout=60))
+        ws.recv(timeout=60)
+        served.kill9()
+    served.restart()
+    with served.client(team_keys["a"]) as c:
+        assert c.get(f"/v1/boxes/{bid}").json()["state"] == "running"
+        first = int(c.get(f"/v1/boxes/{bid}/files/content", params={"path": "/tmp/ticks"}).text)
+        time.sleep(0.6)
+        later = int(c.get(f"/v1/boxes/{bid}/files/content", params={"path": "/tmp/ticks"}).text)
+        assert later > first  # the process kept running through the server's death
+        c.post(f"/v1/boxes/{bid}/exec", json={"argv": ["kill", str(started["pid"])]})
