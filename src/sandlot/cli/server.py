@@ -66,6 +66,8 @@ def serve(
         ssl_certfile=str(tls_cert) if tls_cert else None,
         ssl_keyfile=str(tls_key) if tls_key else None,
         log_level=log_level,
+        loop="asyncio",  # the engine hands QEMU descriptors over asyncio's own sockets
+        http="auto",  # httptools where installed, else h11
         ws="websockets",
         ws_ping_interval=15.0,
         timeout_keep_alive=30,

@@ -64,11 +64,23 @@ def _caller(request: Request) -> Caller:
 
 
 async def _box(request: Request | WebSocket, key: str, caller: Caller) -> AsyncBox:
-    """The box ``key`` names, as 404 when the caller may not see it (ids do not leak)."""
-    try:
-        box = await AsyncBox.get(key, home=_server(request).home)
-    except BoxNotFound:
-        raise BoxNotFound(f"no box {key!r}", box=key) from None
+    """The box ``key`` names, as 404 when the caller may not see it (ids do not leak).
+
+    A box asked for by its full id is kept as a handle (ids are never reused), which
+    saves a store read on every request; a name or prefix is looked up each time,
+    since another process may give a name to a new box."""
+    handles = _server(request).handles
+    box = handles.get(key)
+    if box is not None and box.state == "removed":
+        del handles[key]
+        box = None
+    if box is None:
+        try:
+            box = await AsyncBox.get(key, home=_server(request).home)
+        except BoxNotFound:
+            raise BoxNotFound(f"no box {key!r}", box=key) from None
+        if box.id == key:
+            handles[key] = box
     if not caller.may_see(box.info["labels"]):
         raise BoxNotFound(f"no box {key!r}", box=key)
     if isinstance(request, Request):

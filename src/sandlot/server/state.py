@@ -10,6 +10,7 @@ from typing import Any
 from fastapi.responses import JSONResponse
 
 from ..api import access
+from ..api.box import AsyncBox
 from ..errors import ExecTimeout, Forbidden, SandlotError, Unauthorized
 from .streams import ProcessTable
 
@@ -50,6 +51,7 @@ class ServerState:
         self.settings = settings
         self.home = settings.home
         self.processes = ProcessTable()
+        self.handles: dict[str, AsyncBox] = {}  # box id -> its handle (see routes._box)
         self.verifier = access.key_verifier(settings.home) if settings.auth else None
         self.audit = access.audit_writer(settings.home)
 
