@@ -1,14 +1,18 @@
 #!/usr/bin/env python3
-"""Generate the sync API (``src/sandlot/api/sync.py``) from the async classes.
+"""Generate the sync API from the async classes: ``src/sandlot/api/sync.py`` (local
+boxes) and ``src/sandlot/api/remote_sync.py`` (the remote client, ``api/remote.py``).
 
 Each sync class is a thin twin of an async one: same methods, same signatures,
 same docstrings; a coroutine method runs on sandlot's loop thread, an async
 iterator is driven item by item, and async objects in results are wrapped in
-their sync twins. Members a ``*Base`` class in ``api/sync_base.py`` defines are
-written by hand there and skipped here.
+their sync twins (``aclose`` becomes ``close``). Members a ``*Base`` class in
+the output's base module (``api/sync_base.py``, ``api/remote_sync_base.py``)
+defines are written by hand there and skipped here. Module-level functions
+named in an output's ``functions`` get a sync twin too (``connect_async`` ->
+``connect``).
 
-    python scripts/gen_sync.py           # write the file
-    python scripts/gen_sync.py --check   # fail if it is not what would be written (CI)
+    python scripts/gen_sync.py           # write the files
+    python scripts/gen_sync.py --check   # fail if one is not what would be written (CI)
 """
 
 from __future__ import annotations
@@ -17,23 +21,66 @@ import ast
 import re
 import subprocess
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 API = ROOT / "src" / "sandlot" / "api"
-OUT = API / "sync.py"
 
-# async class -> (sync class, its module, its hand-written base)
-TWINS = {
-    "AsyncBox": ("Box", "box", "BoxBase"),
-    "AsyncSnapshot": ("Snapshot", "box", "SnapshotBase"),
-    "AsyncFiles": ("Files", "files", "FilesBase"),
-    "AsyncProcess": ("Process", "process", "ProcessBase"),
-    "AsyncStream": ("Stream", "process", "StreamBase"),
-}
-DUNDERS = {"__aenter__": "__enter__", "__aexit__": "__exit__", "__aiter__": "__iter__"}
+
+@dataclass(frozen=True)
+class Output:
+    """One generated module: its twins (async class -> (sync class, its module, its
+    hand-written base)), the module of those bases, and its docstring."""
+
+    path: Path
+    twins: dict[str, tuple[str, str, str]]
+    bases: str
+    doc: list[str]
+    functions: dict[str, str] = field(default_factory=dict)  # module-level function -> its sync twin
+
+
+LOCAL = Output(
+    API / "sync.py",
+    {
+        "AsyncBox": ("Box", "box", "BoxBase"),
+        "AsyncSnapshot": ("Snapshot", "box", "SnapshotBase"),
+        "AsyncFiles": ("Files", "files", "FilesBase"),
+        "AsyncProcess": ("Process", "process", "ProcessBase"),
+        "AsyncStream": ("Stream", "process", "StreamBase"),
+    },
+    "sync_base",
+    [
+        '"""The sync API: ``Box``, ``Snapshot``, ``Files``, ``Process`` and ``Stream``, each a',
+        "thin twin of its async class (same methods, same signatures) that runs the same",
+        'coroutines on sandlot\'s loop thread (``api/loop.py``)."""',
+    ],
+)
+REMOTE = Output(
+    API / "remote_sync.py",
+    {
+        "AsyncClient": ("Client", "remote", "ClientBase"),
+        "RemoteAsyncBox": ("RemoteBox", "remote", "RemoteBoxBase"),
+        "RemoteAsyncFiles": ("RemoteFiles", "remote", "RemoteFilesBase"),
+        "RemoteAsyncSnapshot": ("RemoteSnapshot", "remote", "RemoteSnapshotBase"),
+    },
+    "remote_sync_base",
+    [
+        '"""The sync remote client: ``connect``, ``Client``, ``RemoteBox``, ``RemoteFiles`` and',
+        "``RemoteSnapshot``, each a thin twin of its async original in ``api/remote.py`` that runs",
+        "the same coroutines on sandlot's loop thread (``api/loop.py``); processes are the",
+        '``Process`` of ``api/sync.py``."""',
+    ],
+    {"connect_async": "connect"},
+)
+OUTPUTS = (LOCAL, REMOTE)
+OUT = LOCAL.path
+
+# every twin, whichever module it is generated into: results are wrapped across modules
+TWINS = {a: t for o in OUTPUTS for a, t in o.twins.items()}
+DUNDERS = {"__aenter__": "__enter__", "__aexit__": "__exit__", "__aiter__": "__iter__", "aclose": "close"}
 NAMES = {a: s for a, (s, _, _) in TWINS.items()} | {"AsyncIterator": "Iterator"}
+NAMES |= {f: s for o in OUTPUTS for f, s in o.functions.items()}
 
 
 def sync_text(annotation: str) -> str:
@@ -58,6 +105,10 @@ def wrapped(expr: str, annotation: str | None) -> str:
         return expr
     if annotation in TWINS:
         return f"{TWINS[annotation][0]}.wrap({expr})"
+    union = [p.strip() for p in annotation.split("|")]
+    if len(union) == 2 and all(p in TWINS for p in union):  # one of two twins, told apart at run time
+        first, second = (TWINS[p][0] for p in union)
+        return f"{first}.wrap(r) if isinstance(r := {expr}, {union[0]}) else {second}.wrap(r)"
     m = re.fullmatch(r"(?:builtins\.)?list\[(\w+)\]", annotation)
     if m and m.group(1) in TWINS:
         return f"[{TWINS[m.group(1)][0]}.wrap(x) for x in {expr}]"
@@ -113,6 +164,18 @@ def doc(node: ast.AST, indent: str) -> list[str]:
     text = re.sub(r"\b(" + "|".join(NAMES) + r")\b", lambda m: NAMES[m.group(1)], text)
     body = text.replace('"""', r"\"\"\"")
     return [f'{indent}"""{body}"""']
+
+
+def generate_function(node: ast.FunctionDef | ast.AsyncFunctionDef, sync_name: str) -> list[str]:
+    """The sync twin of a module-level function of the async API."""
+    ret = ast.unparse(node.returns) if node.returns else None
+    call = f"{node.name}({call_args(node.args, False)})"
+    if isinstance(node, ast.AsyncFunctionDef):
+        call = f"loop.run({call})"
+    lines = [f"def {sync_name}({signature(node.args)}) -> {sync_text(ret or 'None')}:"]
+    lines += doc(node, "    ")
+    lines.append(f"    {'return ' if ret not in (None, 'None') else ''}{wrapped(call, ret)}")
+    return lines
 
 
 def generate_class(async_name: str, cls: ast.ClassDef, base_members: set[str]) -> list[str]:
@@ -188,47 +251,60 @@ def bindings(trees: dict[str, ast.Module]) -> dict[str, str]:
     return out
 
 
-def module_header(body: list[str], trees: dict[str, ast.Module]) -> list[str]:
+def module_header(output: Output, body: list[str], trees: dict[str, ast.Module]) -> list[str]:
     known = bindings(trees)
     used = set(re.findall(r"\b[A-Za-z_][A-Za-z0-9_]*\b", "\n".join(body)))
-    needed = sorted({known[n] for n in used if n in known and n not in {v[0] for v in TWINS.values()}})
+    mine = {s for s, _, _ in output.twins.values()} | set(output.functions.values())
+    needed = {known[n] for n in used if n in known and n not in mine}
+    for other in OUTPUTS:  # sync twins another output generates (a remote spawn returns a Process)
+        if other is not output:
+            needed |= {f"from .{other.path.stem} import {s}" for s, _, _ in other.twins.values() if s in used}
     return [
         "# Generated by scripts/gen_sync.py from the async classes: do not edit; run it instead.",
-        '"""The sync API: ``Box``, ``Snapshot``, ``Files``, ``Process`` and ``Stream``, each a',
-        "thin twin of its async class (same methods, same signatures) that runs the same",
-        'coroutines on sandlot\'s loop thread (``api/loop.py``)."""',
+        *output.doc,
         "",
         "from __future__ import annotations",
         "",
         "from collections.abc import Iterator",
-        *needed,
+        *sorted(needed),
         "from . import loop",
-        *[f"from .sync_base import {base}" for _a, (_s, _m, base) in TWINS.items()],
+        *[f"from .{output.bases} import {base}" for _a, (_s, _m, base) in output.twins.items()],
     ]
 
 
-def generate() -> str:
-    trees = {m: ast.parse((API / f"{m}.py").read_text()) for m in {v[1] for v in TWINS.values()}}
-    base_tree = ast.parse((API / "sync_base.py").read_text())
+def generate(output: Output = LOCAL) -> str:
+    modules = {v[1] for v in output.twins.values()}
+    trees = {m: ast.parse((API / f"{m}.py").read_text()) for m in modules}
+    base_tree = ast.parse((API / f"{output.bases}.py").read_text())
     base_members: dict[str, set[str]] = {}
     for node in base_tree.body:
         if isinstance(node, ast.ClassDef):
             own = {n.name for n in node.body if isinstance(n, ast.FunctionDef)}
             base_members[node.name] = own | {"wrap", "aio", "__repr__"}
     body: list[str] = []
-    for async_name, (_s, module, base) in TWINS.items():
+    for async_name, (_s, module, base) in output.twins.items():
         cls = next(n for n in trees[module].body if isinstance(n, ast.ClassDef) and n.name == async_name)
         body += ["", "", *generate_class(async_name, cls, base_members[base])]
-    out = module_header(body, trees) + body
+    for name, sync_name in output.functions.items():
+        node = next(
+            n
+            for tree in trees.values()
+            for n in tree.body
+            if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef) and n.name == name
+        )
+        body += ["", "", *generate_function(node, sync_name)]
+    out = module_header(output, body, trees) + body
     out.append("")
-    out.append(f"__all__ = {sorted(s for s, _, _ in TWINS.values())!r}")
+    names = [s for s, _, _ in output.twins.values()] + list(output.functions.values())
+    out.append(f"__all__ = {sorted(names)!r}")
     source = "\n".join(out) + "\n"
     ruff = [sys.executable, "-m", "ruff"]
-    fixed = subprocess.run([*ruff, "check", "--fix-only", "--quiet", "--stdin-filename", str(OUT), "-"],
+    name = str(output.path)
+    fixed = subprocess.run([*ruff, "check", "--fix-only", "--quiet", "--stdin-filename", name, "-"],
                            input=source, capture_output=True, text=True, cwd=ROOT)  # fmt: skip
     if fixed.returncode == 0 and fixed.stdout:
         source = fixed.stdout
-    formatted = subprocess.run([*ruff, "format", "--stdin-filename", str(OUT), "-"],
+    formatted = subprocess.run([*ruff, "format", "--stdin-filename", name, "-"],
                                input=source, capture_output=True, text=True, cwd=ROOT)  # fmt: skip
     if formatted.returncode != 0:
         raise SystemExit(f"ruff format failed on the generated code:\n{formatted.stderr}")
@@ -236,15 +312,18 @@ def generate() -> str:
 
 
 def main() -> int:
-    source = generate()
-    if "--check" in sys.argv[1:]:
-        if not OUT.is_file() or OUT.read_text() != source:
-            print(f"{OUT.relative_to(ROOT)} is out of date: run scripts/gen_sync.py", file=sys.stderr)
-            return 1
-        return 0
-    OUT.write_text(source)
-    print(f"wrote {OUT.relative_to(ROOT)}")
-    return 0
+    stale = []
+    for output in OUTPUTS:
+        source = generate(output)
+        if "--check" in sys.argv[1:]:
+            if not output.path.is_file() or output.path.read_text() != source:
+                stale.append(output.path)
+            continue
+        output.path.write_text(source)
+        print(f"wrote {output.path.relative_to(ROOT)}")
+    for path in stale:
+        print(f"{path.relative_to(ROOT)} is out of date: run scripts/gen_sync.py", file=sys.stderr)
+    return 1 if stale else 0
 
 
 if __name__ == "__main__":

@@ -3,6 +3,13 @@
 >>> import sandlot
 >>> with sandlot.Box("python:3.12-slim") as box:                # doctest: +SKIP
 ...     print(box.exec("python3", "-c", "print(6*7)").stdout)
+
+The boxes of a ``sandlot serve`` server have the same interface
+(``sandlot.connect``, or ``sandlot.connect_async`` for the async API):
+
+>>> client = sandlot.connect("http://127.0.0.1:7070", api_key="sk-sl-...")   # doctest: +SKIP
+>>> with client.Box("python:3.12-slim") as box:                             # doctest: +SKIP
+...     print(box.exec("python3", "-c", "print(6*7)").stdout)
 """
 
 import builtins
@@ -19,6 +26,7 @@ from .errors import (
     ConnectionLost,
     CorruptSnapshot,
     ExecTimeout,
+    Forbidden,
     GuestDirectoryNotEmpty,
     GuestError,
     GuestFileExistsError,
@@ -34,10 +42,13 @@ from .errors import (
     InvalidState,
     NotFound,
     ProtocolError,
+    QuotaExceeded,
+    RequestError,
     SandlotError,
     SavedStateError,
     SnapshotInUse,
     SnapshotNotFound,
+    Unauthorized,
 )
 from .version import __version__
 
@@ -55,6 +66,8 @@ if TYPE_CHECKING:
         remove_image,
     )
     from .api.process import AsyncProcess, AsyncStream, ExecResult
+    from .api.remote import AsyncClient, RemoteAsyncBox, RemoteAsyncFiles, RemoteAsyncSnapshot, connect_async
+    from .api.remote_sync import Client, RemoteBox, RemoteFiles, RemoteSnapshot, connect
     from .api.sync import Box, Files, Process, Snapshot, Stream
     from .api.templates import (
         import_snapshot,
@@ -91,6 +104,10 @@ _LAZY = {
     "prune_snapshots": "api.templates", "prune_snapshots_async": "api.templates",
     "template": "api.templates", "template_async": "api.templates",
     "ImageConfig": "images.oci", "Image": "images.store", "Runtime": "core.runtime", "Secret": "net.secrets",
+    "connect": "api.remote_sync", "Client": "api.remote_sync", "RemoteBox": "api.remote_sync",
+    "RemoteFiles": "api.remote_sync", "RemoteSnapshot": "api.remote_sync",
+    "connect_async": "api.remote", "AsyncClient": "api.remote", "RemoteAsyncBox": "api.remote",
+    "RemoteAsyncFiles": "api.remote", "RemoteAsyncSnapshot": "api.remote",
 }  # fmt: skip
 _ALIASES = {
     "create": ("Box", "create"),
@@ -122,6 +139,7 @@ def __dir__() -> builtins.list[str]:
 __all__ = [
     "AgentTimeout",
     "AsyncBox",
+    "AsyncClient",
     "AsyncFiles",
     "AsyncProcess",
     "AsyncSnapshot",
@@ -132,6 +150,7 @@ __all__ = [
     "BoxBusy",
     "BoxCrashed",
     "BoxNotFound",
+    "Client",
     "CommandFailed",
     "ConnectionLost",
     "CorruptSnapshot",
@@ -139,6 +158,7 @@ __all__ = [
     "ExecTimeout",
     "FileInfo",
     "Files",
+    "Forbidden",
     "GuestDirectoryNotEmpty",
     "GuestError",
     "GuestFileExistsError",
@@ -157,6 +177,14 @@ __all__ = [
     "NotFound",
     "Process",
     "ProtocolError",
+    "QuotaExceeded",
+    "RemoteAsyncBox",
+    "RemoteAsyncFiles",
+    "RemoteAsyncSnapshot",
+    "RemoteBox",
+    "RemoteFiles",
+    "RemoteSnapshot",
+    "RequestError",
     "Runtime",
     "SandlotError",
     "SavedStateError",
@@ -165,7 +193,10 @@ __all__ = [
     "SnapshotInUse",
     "SnapshotNotFound",
     "Stream",
+    "Unauthorized",
     "__version__",
+    "connect",
+    "connect_async",
     "create",
     "get",
     "get_image",

@@ -13,10 +13,10 @@ import signal as _signal
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from ..errors import CommandFailed, ExecTimeout
-from ..protocol.connection import InboundStream
-from ..protocol.exec import ExitStatus, RemoteProcess
+from ..protocol.exec import ExitStatus
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,6 +67,54 @@ class ExecResult:
         return self
 
 
+class OutputStream(Protocol):
+    """What a process's stdout or stderr offers: the agent's ``InboundStream`` locally,
+    a WebSocket stream for a remote box (``api/remote.py``)."""
+
+    async def read(self) -> bytes:
+        """The next chunk, or b"" at the end of the stream."""
+        ...
+
+    async def read_all(self) -> bytes:
+        """Everything until the end of the stream."""
+        ...
+
+    def take_buffered(self) -> bytes:
+        """The bytes received and not read yet, taken out of the stream."""
+        ...
+
+
+class ProcessHandle(Protocol):
+    """What ``AsyncProcess`` drives: the agent's ``RemoteProcess`` locally, a
+    WebSocket-backed process for a remote box (``api/remote.py``)."""
+
+    @property
+    def pid(self) -> int: ...
+
+    @property
+    def stdout(self) -> OutputStream: ...
+
+    @property
+    def stderr(self) -> OutputStream: ...
+
+    @property
+    def status(self) -> ExitStatus | None: ...
+
+    async def write_stdin(self, data: bytes) -> None: ...
+
+    async def close_stdin(self) -> None: ...
+
+    async def signal(self, sig: int, *, group: bool) -> None: ...
+
+    async def resize(self, rows: int, cols: int) -> None: ...
+
+    async def wait(self) -> ExitStatus:
+        """The exit status, once the process has ended; unread output keeps flowing meanwhile."""
+        ...
+
+    def detach(self) -> None: ...
+
+
 def _result(
     argv: tuple[str, ...], status: ExitStatus, out: bytes, err: bytes, t0: float, pid: int
 ) -> ExecResult:
@@ -77,7 +125,7 @@ def _result(
 class AsyncStream:
     """One output stream of a running process: ``async for chunk in stream``."""
 
-    def __init__(self, inbound: InboundStream) -> None:
+    def __init__(self, inbound: OutputStream) -> None:
         self._in = inbound
 
     def __aiter__(self) -> AsyncIterator[bytes]:
@@ -108,7 +156,7 @@ class AsyncProcess:
     """A command running in a box. Read its streams, feed its stdin, signal it, wait for it."""
 
     argv: tuple[str, ...]
-    _remote: RemoteProcess
+    _remote: ProcessHandle
     _t0: float = field(default_factory=time.monotonic)
 
     @property

@@ -19,11 +19,11 @@ from ..core.spec import DEFAULT_DISK_GB, DEFAULT_MEMORY_MIB, PortSpec, VolumeSpe
 from ..core.store import SnapshotRecord
 from ..images.store import Image
 from ..net.secrets import Secret
-from ..protocol.connection import AgentConnection, InboundStream
+from ..protocol.connection import AgentConnection
 from . import loop
 from .box import AsyncBox, AsyncSnapshot, Home, StdinSource
 from .files import AsyncFiles, FileInfo
-from .process import AsyncStream, ExecResult
+from .process import AsyncStream, ExecResult, OutputStream
 from .sync_base import BoxBase, FilesBase, ProcessBase, SnapshotBase, StreamBase
 
 
@@ -547,7 +547,7 @@ class Process(ProcessBase):
 class Stream(StreamBase):
     """One output stream of a running process: ``async for chunk in stream``."""
 
-    def __init__(self, inbound: InboundStream) -> None:
+    def __init__(self, inbound: OutputStream) -> None:
         self._a = AsyncStream(inbound)
 
     def __iter__(self) -> Iterator[bytes]:

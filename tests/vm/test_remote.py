@@ -1,0 +1,329 @@
+"""The same test bodies against a local box and a box of a real ``sandlot serve``
+(``sandlot.connect``): exec, streamed processes with stdin and a terminal, files,
+snapshot and rollback, fork, suspend and resume, the network policy, and the
+exceptions, which must be the same classes with the same fields on both sides.
+
+Each side shares one booted busybox box between the tests of this module (each
+test leaves it usable); the lifecycle test boots one more per side.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import sandlot
+from sandlot.api import loop
+
+from tests.support.serve import Served, serving
+
+pytestmark = pytest.mark.vm
+
+
+@dataclass
+class Side:
+    """How a test makes and finds boxes on one side: ``new(**options)`` an unstarted box
+    (``sandlot.Box`` or ``RemoteBox``), ``get(key)`` an existing one."""
+
+    kind: str
+    new: Callable[..., Any]
+    get: Callable[[str], Any]
+
+
+@pytest.fixture(scope="module")
+def served() -> Iterator[Served]:
+    """A real ``sandlot serve`` on the tests' home, with an admin key (host paths allowed)."""
+    home = Path(os.environ["SANDLOT_HOME"])
+    with serving(home) as s:
+        yield s
+    if s.api_key:  # best effort: leave no key behind in the shared home
+        env = {**os.environ, "SANDLOT_HOME": str(home)}
+        listing = subprocess.run([sys.executable, "-m", "sandlot.cli", "keys", "ls"], env=env,
+                                 capture_output=True, text=True, timeout=60)  # fmt: skip
+        for line in listing.stdout.splitlines():
+            if line.split() and line.split()[0].startswith(f"admin-{os.getpid()}-"):
+                subprocess.run([sys.executable, "-m", "sandlot.cli", "keys", "revoke", line.split()[0]],
+                               env=env, capture_output=True, timeout=60)  # fmt: skip
+
+
+@pytest.fixture(scope="module", params=["local", "remote"])
+def side(request: pytest.FixtureRequest, busybox_root: Path) -> Iterator[Side]:
+    if request.param == "local":
+        yield Side("local", lambda **kw: sandlot.Box(rootfs=busybox_root, memory_mib=256, **kw), sandlot.get)
+        return
+    served: Served = request.getfixturevalue("served")
+    with sandlot.connect(served.url, api_key=served.api_key) as client:
+        yield Side("remote", lambda **kw: client.Box(rootfs=busybox_root, memory_mib=256, **kw), client.get)
+
+
+@pytest.fixture(scope="module")
+def box(side: Side) -> Iterator[Any]:
+    with side.new(network="allowlist") as b:
+        yield b
+
+
+# -- exec ---------------------------------------------------------------------------------
+
+
+def test_exec_exit_codes_output_bytes_and_stdin(box: Any) -> None:
+    r = box.exec("echo", "hello", "world")
+    assert isinstance(r, sandlot.ExecResult)
+    assert (r.exit_code, r.stdout, r.stderr, r.ok) == (0, "hello world\n", "", True)
+    assert box.exec("sh", "-c", "exit 42").exit_code == 42
+    r = box.exec("sh", "-c", "kill -TERM $$")
+    assert r.signal == signal.SIGTERM and r.exit_code == 128 + signal.SIGTERM
+    r = box.exec("sh", "-c", r"printf '\377\000out'; printf 'err\n' >&2")
+    assert r.stdout_bytes == b"\xff\x00out" and r.stderr_bytes == b"err\n" and r.stdout == "\ufffd\x00out"
+    blob = bytes(range(256)) * 64
+    assert box.exec("cat", stdin=blob).stdout_bytes == blob
+    assert box.exec("cat", stdin="text in\n").stdout == "text in\n"
+    assert box.exec("wc", "-c", stdin=io.BytesIO(b"x" * 300_000)).stdout.strip() == "300000"
+    assert box.exec("wc", "-c", stdin=b"y" * 2_000_000).stdout.strip() == "2000000"  # past one JSON body
+    assert (
+        box.exec("sh", "-c", 'echo "$FOO"; pwd', env={"FOO": "bar baz"}, cwd="/etc").stdout
+        == "bar baz\n/etc\n"
+    )
+    assert box.sh("id -u", user="agent").stdout == "1000\n"
+
+
+def test_exec_timeout_and_check_raise_as_locally(box: Any) -> None:
+    t0 = time.monotonic()
+    with pytest.raises(sandlot.ExecTimeout) as timed_out:
+        box.exec("sh", "-c", "echo started; sleep 1000", timeout=1.5)
+    assert isinstance(timed_out.value, TimeoutError) and time.monotonic() - t0 < 15
+    assert timed_out.value.stdout == b"started\n"
+    assert box.exec("echo", "still here").stdout == "still here\n"
+    with pytest.raises(sandlot.CommandFailed) as failed:
+        box.exec("sh", "-c", "echo oops >&2; exit 3", check=True)
+    assert failed.value.result.exit_code == 3 and "oops" in str(failed.value)
+    assert box.exec("true", check=True).ok
+    with pytest.raises(FileNotFoundError, match="no-such-binary"):
+        box.exec("no-such-binary")
+    with pytest.raises(sandlot.InvalidArgument):
+        box.exec()
+
+
+# -- processes ------------------------------------------------------------------------------
+
+
+def test_spawn_streams_output_while_taking_stdin(box: Any) -> None:
+    p = box.spawn("sh", "-c", "while read l; do echo got:$l; done; echo bye >&2; exit 7")
+    assert isinstance(p, sandlot.Process) and p.pid > 0
+    lines = iter(p.stdout.lines())
+    for word in ("one", "two", "three"):
+        p.write_stdin(f"{word}\n")
+        assert next(lines) == f"got:{word}\n".encode()  # each answer comes before the next question
+    p.close_stdin()
+    assert p.wait(timeout=30) == 7 and p.returncode == 7
+    assert p.stderr.read() == b"bye\n"
+
+    sleeper = box.spawn("sleep", "1000")
+    sleeper.kill(signal.SIGTERM)
+    r = sleeper.result(timeout=30)
+    assert r.signal == signal.SIGTERM and r.exit_code == 128 + signal.SIGTERM
+
+
+def test_spawn_with_a_terminal(box: Any) -> None:
+    r = box.exec("sh", "-c", "tty; stty size; test -t 0 && echo interactive", tty=True)
+    out = r.stdout.replace("\r\n", "\n")
+    assert "/dev/pts/" in out and "24 80" in out and "interactive" in out
+    p = box.spawn("sh", tty=True, rows=30, cols=100)
+    chunks = iter(p.stdout)
+
+    def until(text: str) -> str:
+        seen = ""
+        while text not in seen:
+            seen += next(chunks).decode()
+        return seen
+
+    p.write_stdin("stty size\n")
+    assert "30 100" in until("30 100")
+    p.resize(50, 132)
+    p.write_stdin("stty size; exit 5\n")
+    assert "50 132" in until("50 132")
+    assert p.wait(timeout=30) == 5
+
+
+def test_a_remote_process_is_followed_again_by_id(box: Any, side: Side) -> None:
+    if side.kind == "local":
+        pytest.skip("processes held by a server: remote only")
+    p = box.spawn("sh", "-c", "for i in 1 2 3; do echo out$i; sleep 0.2; done; echo done >&2")
+    p.detach()  # this client stops following; the server keeps the process and its output
+    held = next(h for h in box.processes() if h["pid"] == p.pid)
+    again = box.attach(held["id"])
+    r = again.result(timeout=30)
+    assert r.stdout == "out1\nout2\nout3\n" and r.stderr == "done\n" and r.exit_code == 0
+    tail = box.attach(held["id"], stdout=5)  # from an offset: what this client already had is not sent
+    assert tail.result(timeout=30).stdout == "out2\nout3\n"
+    assert box.ping() > 0
+
+
+# -- files ------------------------------------------------------------------------------------
+
+
+def test_files_round_trip(box: Any, tmp_path: Path) -> None:
+    f = box.files
+    assert f.write("/tmp/t/a.txt", "hello\n") == 6
+    assert f.read("/tmp/t/a.txt") == b"hello\n" and f.read_text("/tmp/t/a.txt") == "hello\n"
+    f.write("/tmp/t/bin", bytes(range(256)), mode=0o600)
+    info = f.stat("/tmp/t/bin")
+    assert isinstance(info, sandlot.FileInfo) and info.is_file and info.size == 256 and info.mode == 0o600
+    assert info.mtime.tzinfo is not None and abs(info.mtime.timestamp() - time.time()) < 3600
+    assert b"".join(f.iter_read("/tmp/t/bin", offset=10, length=5)) == bytes(range(10, 15))
+
+    f.mkdir("/tmp/t/sub/deeper")
+    assert f.stat("/tmp/t/sub").is_dir and f.exists("/tmp/t/sub/deeper")
+    f.rename("/tmp/t/a.txt", "/tmp/t/sub/b.txt")
+    f.chmod("/tmp/t/sub/b.txt", 0o751)
+    assert f.stat("/tmp/t/sub/b.txt").mode == 0o751 and not f.exists("/tmp/t/a.txt")
+    assert [(e.name, e.type) for e in f.list("/tmp/t")] == [("bin", "file"), ("sub", "dir")]
+
+    local = tmp_path / "up.bin"
+    local.write_bytes(os.urandom(600_000))
+    local.chmod(0o640)
+    assert f.upload(local, "/tmp/t/up.bin") == 600_000
+    assert f.stat("/tmp/t/up.bin").mode == 0o640
+    assert (
+        box.exec("md5sum", "/tmp/t/up.bin").stdout.split()[0] == hashlib.md5(local.read_bytes()).hexdigest()
+    )
+    assert f.download("/tmp/t/up.bin", tmp_path / "down.bin") == 600_000
+    assert (tmp_path / "down.bin").read_bytes() == local.read_bytes()
+
+    tree = tmp_path / "tree"
+    (tree / "x").mkdir(parents=True)
+    (tree / "x" / "y.txt").write_text("why")
+    (tree / "z.txt").write_text("zed")
+    assert f.upload(tree, "/tmp/t/tree") == 6
+    assert f.read_text("/tmp/t/tree/x/y.txt") == "why" and f.read_text("/tmp/t/tree/z.txt") == "zed"
+
+    with pytest.raises(FileNotFoundError):
+        f.read("/tmp/t/missing")
+    with pytest.raises(FileNotFoundError):
+        f.stat("/tmp/t/missing")
+    with pytest.raises(sandlot.InvalidArgument):
+        f.read("relative/path")
+    with pytest.raises(OSError):  # a directory that is not empty
+        f.remove("/tmp/t/sub")
+    f.remove("/tmp/t/sub", recursive=True)
+    f.remove("/tmp/t/missing", missing_ok=True)
+    assert not f.exists("/tmp/t/sub")
+    f.remove("/tmp/t", recursive=True)
+
+
+# -- live state ---------------------------------------------------------------------------------
+
+
+def test_snapshot_then_rollback(box: Any) -> None:
+    box.files.write("/root/marker", "before")
+    snap = box.snapshot()
+    assert snap.kind == "snapshot" and snap.box_name == box.name
+    try:
+        box.files.write("/root/marker", "after")
+        box.rollback(snap)
+        assert box.files.read_text("/root/marker") == "before"
+        assert snap.id in [s.id for s in box.snapshots()]
+        with pytest.raises(sandlot.SnapshotNotFound):
+            box.rollback("no-such-snapshot")
+    finally:
+        snap.remove()
+
+
+def test_fork_two(box: Any) -> None:
+    box.files.write("/root/forked", "from the parent")
+    kids = box.fork(2)
+    try:
+        assert len(kids) == 2 and len({k.id for k in kids} | {box.id}) == 3
+        for kid in kids:
+            assert kid.state == "running"
+            assert kid.files.read_text("/root/forked") == "from the parent"
+        kids[0].files.write("/root/forked", "changed")
+        assert kids[1].files.read_text("/root/forked") == "from the parent"
+        assert box.files.read_text("/root/forked") == "from the parent"
+    finally:
+        for kid in kids:
+            kid.remove(force=True)
+    for snap in box.snapshots():  # the fork's own snapshot
+        snap.remove()
+
+
+def test_lifecycle_suspend_resume_and_invalid_states(side: Side) -> None:
+    b = side.new(keep=True)
+    try:
+        b.start()
+        assert b.state == "running"
+        b.sh("echo kept > /root/kept")
+        b.suspend()
+        assert side.get(b.id).state == "suspended"
+        b.resume()
+        assert b.state == "running" and b.files.read_text("/root/kept") == "kept\n"
+        b.stop()
+        assert b.state == "stopped"
+        with pytest.raises(sandlot.InvalidState) as refused:
+            b.pause()
+        assert refused.value.state == "stopped" and refused.value.allowed == ("running",)
+        b.start()
+        with pytest.raises(sandlot.InvalidState):
+            b.remove()  # a running box needs force=True
+    finally:
+        b.remove(force=True)
+    assert b.state == "removed"
+    with pytest.raises(sandlot.BoxNotFound):
+        side.get(b.id)
+    with pytest.raises(sandlot.BoxNotFound):
+        side.get("no-such-box-anywhere")
+
+
+def test_set_network(box: Any) -> None:
+    box.set_network(allow=["example.com"])
+    assert box.inspect()["network"]["allow"] == ["example.com"]
+    box.set_network(allow=[])
+    assert box.inspect()["network"]["allow"] == []
+    with pytest.raises(sandlot.InvalidState, match="network card"):
+        box.set_network("none")
+
+
+def test_a_dropped_process_socket_is_reattached_without_loss(box: Any, side: Side) -> None:
+    if side.kind == "local":
+        pytest.skip("a WebSocket to a server: remote only")
+    p = box.spawn("sh", "-c", "for i in $(seq 1 40); do echo line$i; sleep 0.05; done; echo end >&2")
+    lines = iter(p.stdout.lines())
+    assert next(lines) == b"line1\n"
+    handle = p.aio._remote  # the WebSocket-backed process AsyncProcess drives
+    loop.call(lambda: handle._ws.transport.abort())  # the connection breaks, as a network would
+    rest = b"".join(lines)
+    assert rest == b"".join(b"line%d\n" % i for i in range(2, 41))  # every byte, once
+    assert p.wait(timeout=30) == 0 and p.stderr.read() == b"end\n"
+    assert handle.reattached == 1
+
+
+@pytest.mark.xfail(
+    reason="server: after a restart, WS /v1/boxes/{box}/processes/{id}/attach answers 'no process' "
+    "(docs/server.md: the new server does not hold the old one's processes yet); the client then "
+    "fails the process with that error instead of waiting",
+    raises=sandlot.RequestError,
+    strict=False,
+)
+def test_a_process_outlives_a_server_restart(box: Any, side: Side) -> None:
+    if side.kind == "local":
+        pytest.skip("a server restart: remote only")
+    home = Path(os.environ["SANDLOT_HOME"])
+    with serving(home, no_auth=True) as other, sandlot.connect(other.url) as client:
+        b = client.get(box.id)  # the same box, through a second server of the same home
+        p = b.spawn("sh", "-c", "for i in $(seq 1 30); do echo line$i; sleep 0.1; done")
+        lines = iter(p.stdout.lines())
+        assert next(lines) == b"line1\n"
+        other.kill9()
+        other.restart()
+        assert b"".join(lines) == b"".join(b"line%d\n" % i for i in range(2, 31))
+        assert p.wait(timeout=30) == 0
