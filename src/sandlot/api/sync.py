@@ -539,10 +539,6 @@ class Process(ProcessBase):
         """Wait, then return an ExecResult holding the output not yet read."""
         return loop.run(self._a.result(timeout))
 
-    def detach(self) -> None:
-        """Stop following the process; it keeps running in the box, its output is dropped."""
-        self._a.detach()
-
 
 class Stream(StreamBase):
     """One output stream of a running process: ``async for chunk in stream``."""
