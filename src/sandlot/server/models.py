@@ -10,6 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from ..api.box import AsyncBox, AsyncSnapshot
 from ..api.files import FileInfo
 from ..api.process import ExecResult
+from ..errors import ExecTimeout, SandlotError
 
 
 class Strict(BaseModel):
@@ -144,6 +145,16 @@ def file_json(info: FileInfo) -> dict[str, Any]:
         "mtime": info.mtime.isoformat(),
         "link_target": info.link_target,
     }
+
+
+def error_json(err: SandlotError) -> dict[str, Any]:
+    """The error as every route and stream answers it: ``to_dict()`` plus its class name
+    (and the output so far of a command that timed out)."""
+    body = {**err.to_dict(), "type": type(err).__name__}
+    if isinstance(err, ExecTimeout):
+        body["stdout"] = err.stdout.decode("utf-8", "replace")
+        body["stderr"] = err.stderr.decode("utf-8", "replace")
+    return body
 
 
 def b64(data: bytes) -> str:

@@ -9,6 +9,7 @@ import binascii
 import contextlib
 import json
 import os
+import shutil
 import tempfile
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -45,8 +46,8 @@ from .models import (
     file_json,
     snapshot_json,
 )
-from .state import KEY_LABEL, NAMESPACE_LABEL, Caller, ServerState, error_body
-from .streams import STDERR, STDOUT, HeldProcess, serve, spawn
+from .state import KEY_LABEL, NAMESPACE_LABEL, Caller, ServerState
+from .streams import STDERR, STDOUT, HeldProcess, error_message, serve, spawn
 
 router = APIRouter()
 PAGE_MAX = 1000
@@ -143,6 +144,13 @@ def _stamped(caller: Caller, labels: dict[str, str] | None) -> dict[str, str]:
     return labels
 
 
+def _inherited(caller: Caller, snap: AsyncSnapshot) -> dict[str, str]:
+    """The labels of boxes started from ``snap``: its box's own, stamped for the caller
+    (the server's labels are the caller's, never the snapshot's)."""
+    own = {k: v for k, v in _snapshot_labels(snap).items() if not k.startswith("sandlot.")}
+    return _stamped(caller, own)
+
+
 # -- boxes ----------------------------------------------------------------------------
 
 
@@ -186,8 +194,7 @@ async def create_box(body: BoxCreate, request: Request, response: Response) -> d
 
 def _create_lock(server: ServerState, caller: Caller) -> asyncio.Lock:
     """Creations of one key or namespace in turn, so two cannot both pass a quota."""
-    locks: dict[str, asyncio.Lock] = server.__dict__.setdefault("_quota_locks", {})
-    return locks.setdefault(caller.namespace or caller.key_id or "", asyncio.Lock())
+    return server.quota_locks.setdefault(caller.namespace or caller.key_id or "", asyncio.Lock())
 
 
 @router.get("/boxes", tags=["boxes"])
@@ -366,7 +373,7 @@ async def _ws_box(ws: WebSocket, key: str) -> tuple[ServerState, Caller, AsyncBo
         caller = await server.caller(ws.headers)
         return server, caller, await _box(ws, key, caller)
     except SandlotError as e:
-        await ws.send_json({"type": "error", **error_body(e)})
+        await ws.send_json(error_message(e))
         await ws.close(1008)
         return None
 
@@ -400,7 +407,7 @@ async def attach_ws(ws: WebSocket, box: str, process: str, stdout: int = 0, stde
     if held is None or stdout < 0 or stderr < 0:
         err = RequestError(f"no process {process!r} in box {b.name}") if held is None else \
             RequestError("offsets must be >= 0")  # fmt: skip
-        await ws.send_json({"type": "error", **error_body(err)})
+        await ws.send_json(error_message(err))
         await ws.close(1008)
         return
     with contextlib.suppress(WebSocketDisconnect):
@@ -581,9 +588,7 @@ async def start_snapshot(snap: str, body: ForkIn, request: Request) -> dict[str,
     async with _create_lock(_server(request), caller):
         await check_quota(request, body.n, int(spec.get("memory_mib") or 0),
                           int(spec.get("disk_size_gb") or 0))  # fmt: skip
-        labels = _stamped(caller, {k: v for k, v in (spec.get("labels") or {}).items()
-                                   if not k.startswith("sandlot.")})  # fmt: skip
-        kids = await s.start(body.n, name=body.name, labels=labels)
+        kids = await s.start(body.n, name=body.name, labels=_inherited(caller, s))
     return {"boxes": [box_json(k) for k in kids]}
 
 
@@ -595,7 +600,7 @@ async def export_snapshot(snap: str, request: Request) -> Response:
     try:
         archive = await s.export(tmp / "snapshot.sandlot")
     except BaseException:
-        _remove_tree(tmp)
+        shutil.rmtree(tmp, ignore_errors=True)
         raise
 
     async def body() -> AsyncIterator[bytes]:
@@ -604,18 +609,10 @@ async def export_snapshot(snap: str, request: Request) -> Response:
                 while chunk := f.read(UPLOAD_CHUNK):
                     yield chunk
         finally:
-            _remove_tree(tmp)
+            shutil.rmtree(tmp, ignore_errors=True)
 
     headers = {"Content-Length": str(archive.stat().st_size)}
     return StreamingResponse(body(), media_type="application/octet-stream", headers=headers)
-
-
-def _remove_tree(path: Path) -> None:
-    for p in sorted(path.rglob("*"), reverse=True):
-        with contextlib.suppress(OSError):
-            p.unlink() if not p.is_dir() else p.rmdir()
-    with contextlib.suppress(OSError):
-        path.rmdir()
 
 
 @router.post("/snapshots/import", status_code=201, tags=["live state"])
@@ -635,10 +632,7 @@ async def import_snapshot(request: Request, name: str | None = None, start: bool
             assert isinstance(out, AsyncSnapshot)
             if not start:
                 return snapshot_json(out)
-            spec = out.record.options.get("box") or {}
-            labels = _stamped(caller, {k: v for k, v in (spec.get("labels") or {}).items()
-                                       if not k.startswith("sandlot.")})  # fmt: skip
-            box = (await out.start(1, name=name, labels=labels))[0]
+            box = (await out.start(1, name=name, labels=_inherited(caller, out)))[0]
             request.state.box_id = box.id
             return box_json(box)
     finally:

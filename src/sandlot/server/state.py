@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -11,7 +12,8 @@ from fastapi.responses import JSONResponse
 
 from ..api import access
 from ..api.box import AsyncBox
-from ..errors import ExecTimeout, Forbidden, SandlotError, Unauthorized
+from ..errors import Forbidden, SandlotError, Unauthorized
+from .models import error_json
 from .streams import ProcessTable
 
 NAMESPACE_LABEL = "sandlot.namespace"
@@ -52,6 +54,8 @@ class ServerState:
         self.home = settings.home
         self.processes = ProcessTable()
         self.handles: dict[str, AsyncBox] = {}  # box id -> its handle (see routes._box)
+        # creations of one namespace (or key) run in turn, so two cannot both pass a quota
+        self.quota_locks: dict[str, asyncio.Lock] = {}
         self.verifier = access.key_verifier(settings.home) if settings.auth else None
         self.audit = access.audit_writer(settings.home)
 
@@ -77,11 +81,7 @@ class ServerState:
 
 
 def error_body(err: SandlotError) -> dict[str, Any]:
-    body = {**err.to_dict(), "type": type(err).__name__}
-    if isinstance(err, ExecTimeout):
-        body["stdout"] = err.stdout.decode("utf-8", "replace")
-        body["stderr"] = err.stderr.decode("utf-8", "replace")
-    return {"error": body}
+    return {"error": error_json(err)}
 
 
 def error_response(err: SandlotError, status: int | None = None) -> JSONResponse:

@@ -20,7 +20,7 @@ from starlette.websockets import WebSocket, WebSocketDisconnect
 from ..api.box import AsyncBox
 from ..api.process import AsyncProcess, ExecResult
 from ..errors import RequestError, SandlotError
-from .models import Strict
+from .models import Strict, error_json
 
 STDOUT, STDERR = 1, 2
 BUFFER_BYTES = 4 << 20  # per stream: what a client that comes back late can still get
@@ -126,7 +126,7 @@ class HeldProcess:
 
     def exit_message(self) -> dict[str, Any]:
         if self.error is not None:
-            return {"type": "error", "error": {**self.error.to_dict(), "type": type(self.error).__name__}}
+            return error_message(self.error)
         r = self.result
         assert r is not None
         return {"type": "exit", "exit_code": r.exit_code, "signal": r.signal, "oom_killed": r.oom_killed}
@@ -159,8 +159,13 @@ class ProcessTable:
         return h if h is not None and h.box_id == box_id else None
 
 
+def error_message(err: SandlotError) -> dict[str, Any]:
+    """A stream's error message: the routes' error shape under ``"type": "error"``."""
+    return {"type": "error", "error": error_json(err)}
+
+
 def out_of_protocol(why: str) -> dict[str, Any]:
-    return {"type": "error", "error": {**RequestError(why).to_dict(), "type": "RequestError"}}
+    return error_message(RequestError(why))
 
 
 async def spawn(ws: WebSocket, box: AsyncBox, table: ProcessTable,
@@ -177,7 +182,7 @@ async def spawn(ws: WebSocket, box: AsyncBox, table: ProcessTable,
         proc = await box.spawn(*req.argv, env=req.env, cwd=req.cwd, user=req.user, tty=req.tty,
                                rows=req.rows, cols=req.cols)  # fmt: skip
     except SandlotError as e:
-        await ws.send_json({"type": "error", "error": {**e.to_dict(), "type": type(e).__name__}})
+        await ws.send_json(error_message(e))
         await ws.close(1011)
         return
     held = HeldProcess(box, proc, req.tty)
@@ -259,7 +264,7 @@ async def _from_client(ws: WebSocket, held: HeldProcess) -> None:
                 return
             except SandlotError as e:
                 if not held.done:  # a signal or stdin that raced the exit is no error
-                    await ws.send_json({"type": "error", "error": {**e.to_dict(), "type": type(e).__name__}})
+                    await ws.send_json(error_message(e))
     except WebSocketDisconnect:
         return
 
