@@ -307,13 +307,6 @@ def test_a_dropped_process_socket_is_reattached_without_loss(box: Any, side: Sid
     assert handle.reattached == 1
 
 
-@pytest.mark.xfail(
-    reason="server: after a restart, WS /v1/boxes/{box}/processes/{id}/attach answers 'no process' "
-    "(docs/server.md: the new server does not hold the old one's processes yet); the client then "
-    "fails the process with that error instead of waiting",
-    raises=sandlot.RequestError,
-    strict=False,
-)
 def test_a_process_outlives_a_server_restart(box: Any, side: Side) -> None:
     if side.kind == "local":
         pytest.skip("a server restart: remote only")
@@ -321,9 +314,17 @@ def test_a_process_outlives_a_server_restart(box: Any, side: Side) -> None:
     with serving(home, no_auth=True) as other, sandlot.connect(other.url) as client:
         b = client.get(box.id)  # the same box, through a second server of the same home
         p = b.spawn("sh", "-c", "for i in $(seq 1 30); do echo line$i; sleep 0.1; done")
+        reader = b.spawn("sh", "-c", "read x; echo got $x; exit 7")  # its stdin goes on too
+        late = b.spawn("sh", "-c", "sleep 0.5; echo late >&2; exit 3")  # ends while no server runs
         lines = iter(p.stdout.lines())
         assert next(lines) == b"line1\n"
         other.kill9()
+        time.sleep(1.0)
         other.restart()
         assert b"".join(lines) == b"".join(b"line%d\n" % i for i in range(2, 31))
         assert p.wait(timeout=30) == 0
+        reader.write_stdin(b"hi\n")
+        assert reader.stdout.read() == b"got hi\n" and reader.wait(timeout=30) == 7
+        assert late.stderr.read() == b"late\n" and late.wait(timeout=30) == 3
+        listed = {q["id"]: q for q in b.processes()}
+        assert listed[p.aio._remote.id]["exit_code"] == 0  # the new server holds what the old one ran

@@ -32,7 +32,9 @@ from ..core.entry import BoxEntry, hostname_for
 from ..core.requests import SPEC_OPTIONS, BoxRequest
 from ..core.runtime import Runtime
 from ..core.service import Core, core_for
+from ..core.sessions import Kept
 from ..core.spec import DEFAULT_DISK_GB, DEFAULT_MEMORY_MIB, PortSpec, VolumeSpec
+from ..core.state import BoxState
 from ..core.store import SnapshotRecord, validate_name
 from ..core.validate import argv as check_argv
 from ..core.validate import check_env, check_user, guest_path, positive
@@ -45,6 +47,14 @@ from .process import AsyncProcess, ExecResult
 
 StdinSource = bytes | str | IO[bytes] | AsyncIterable[bytes] | None
 Home = str | os.PathLike[str] | None
+
+
+def take_over_sessions(home: str | os.PathLike[str] | None = None) -> None:
+    """Make this process the heir of the agent sessions that processes of this home
+    left when they died: processes they started with ``spawn(keep=...)`` can be
+    followed again (``AsyncBox.taken_over()``). ``sandlot serve`` does this, so a
+    restarted server serves reattaches to what the last one ran."""
+    Runtime.for_home(home).takes_over_sessions = True
 
 
 class AsyncBox:
@@ -382,8 +392,15 @@ class AsyncBox:
         rows: int = 24,
         cols: int = 80,
         stdin: bool = True,
+        keep: str | None = None,
     ) -> AsyncProcess:
-        """Start a command and return at once with a handle to stream its output."""
+        """Start a command and return at once with a handle to stream its output.
+
+        ``keep`` names the process (as ``AsyncProcess.key``) for a process of this
+        host that follows it again if this one dies: the heir of agent sessions
+        (``take_over_sessions``, as ``sandlot serve`` is) gets it from
+        ``taken_over()``. Elsewhere it only names the process.
+        """
         args = check_argv(argv)
         if tty and not (0 < rows <= 10000 and 0 < cols <= 10000):
             raise InvalidArgument("rows and cols must be in 1..10000")
@@ -400,7 +417,27 @@ class AsyncBox:
             stdin=stdin,
         )
         remote = await RemoteProcess.start(await ctl.connection(entry), req)
-        return AsyncProcess(args, remote)
+        if keep is not None:
+            entry.session.keep(remote.channel_id, Kept(keep, args, remote.pid, tty))
+        return AsyncProcess(args, remote, key=keep)
+
+    async def taken_over(self) -> builtins.list[AsyncProcess]:
+        """The processes started with ``keep=`` by a process of this host that died,
+        now followed by this one (which must ``take_over_sessions``): their output
+        from what the box still held on, their exit, their stdin. Each is returned
+        once. Output the dead process had taken and not passed on is not there:
+        ``process.stdout.offset`` after a read says where the stream is.
+
+        >>> take_over_sessions()
+        >>> for p in await box.taken_over():
+        ...     print(p.key, p.argv, await p.wait())
+        """
+        ctl, entry = await self._existing()
+        session = entry.session
+        if session.conn is None and entry.state == BoxState.RUNNING and session.inheritance_left():
+            await ctl.connection(entry)  # leasing the port a dead host left takes its processes over
+        taken, session.taken_over = session.taken_over, []
+        return [AsyncProcess(kept.argv, remote, key=kept.key) for kept, remote in taken]
 
     async def exec(
         self,

@@ -83,6 +83,11 @@ class OutputStream(Protocol):
         """The bytes received and not read yet, taken out of the stream."""
         ...
 
+    @property
+    def offset(self) -> int:
+        """How far into the stream the bytes read so far reach."""
+        ...
+
 
 class ProcessHandle(Protocol):
     """What ``AsyncProcess`` drives: the agent's ``RemoteProcess`` locally, a
@@ -90,6 +95,9 @@ class ProcessHandle(Protocol):
 
     @property
     def pid(self) -> int: ...
+
+    @property
+    def tty(self) -> bool: ...
 
     @property
     def stdout(self) -> OutputStream: ...
@@ -139,6 +147,12 @@ class AsyncStream:
         """Everything until the stream ends."""
         return await self._in.read_all()
 
+    @property
+    def offset(self) -> int:
+        """How far into the stream the chunks read so far reach: the offset just past
+        the last one (a process taken over from a dead host starts past 0)."""
+        return self._in.offset
+
     async def lines(self) -> AsyncIterator[bytes]:
         """Complete lines (with their newline), the last one possibly without."""
         pending = b""
@@ -158,11 +172,17 @@ class AsyncProcess:
     argv: tuple[str, ...]
     _remote: ProcessHandle
     _t0: float = field(default_factory=time.monotonic)
+    key: str | None = None  # the ``keep=`` it was started with
 
     @property
     def pid(self) -> int:
         """The process id inside the guest."""
         return self._remote.pid
+
+    @property
+    def tty(self) -> bool:
+        """It runs on a terminal (``spawn(tty=True)``)."""
+        return self._remote.tty
 
     @property
     def stdout(self) -> AsyncStream:

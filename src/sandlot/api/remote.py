@@ -58,7 +58,7 @@ from urllib.parse import quote, urlencode
 import httpx
 from websockets.asyncio.client import ClientConnection
 from websockets.asyncio.client import connect as ws_connect
-from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidStatus
+from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidMessage, InvalidStatus
 
 from ..core.validate import argv as check_argv
 from ..core.validate import check_env, check_user, guest_path, positive
@@ -337,6 +337,8 @@ class AsyncClient:
             raise error_from_answer(
                 e.response.status_code, bytes(e.response.body or b""), self._url
             ) from None
+        except InvalidMessage as e:  # the server went away before it answered (a restart, say)
+            raise ConnectionLost(f"{self._url}: no answer to the WebSocket handshake: {e}") from None
         except InvalidHandshake as e:
             raise ProtocolError(f"{self._url}: the WebSocket handshake failed: {e}") from None
         except (OSError, TimeoutError) as e:
@@ -806,13 +808,15 @@ class RemoteAsyncBox:
         rows: int = 24,
         cols: int = 80,
         stdin: bool = True,
+        keep: str | None = None,
     ) -> AsyncProcess:
         """Start a command and return at once with a handle to stream its output
-        (a WebSocket to the server; a dropped one is reattached by itself)."""
+        (a WebSocket to the server; a dropped one is reattached by itself, also
+        across a restart of the server). ``keep`` names it (``AsyncProcess.key``)."""
         args = check_argv(argv)
         if tty and not (0 < rows <= 10000 and 0 < cols <= 10000):
             raise InvalidArgument("rows and cols must be in 1..10000")
-        request: dict[str, Any] = {"argv": list(args), "tty": tty}
+        request: dict[str, Any] = {"argv": list(args), "tty": tty, "stdin": stdin}
         if env:
             request["env"] = check_env(env)
         if cwd is not None:
@@ -837,9 +841,7 @@ class RemoteAsyncBox:
                 await ws.close()
             raise
         proc = WebSocketProcess(self._client, self._path(), first["id"], int(first.get("pid") or 0), tty, ws)
-        if not stdin and not tty:  # the command reads end of file at once, as from /dev/null
-            await proc.close_stdin()
-        return AsyncProcess(args, proc)
+        return AsyncProcess(args, proc, key=keep)
 
     async def processes(self) -> builtins.list[dict[str, Any]]:
         """The processes the server holds for this box (started by ``spawn`` from any
@@ -1057,7 +1059,8 @@ class WebSocketStream:
         self.stream = stream
         self.received = 0  # the offset of the next byte expected
         self.lost = 0
-        self._chunks: deque[bytes] = deque()
+        self.offset = 0  # just past the last byte read
+        self._chunks: deque[tuple[int, bytes]] = deque()
         self._eof = False
         self._error: BaseException | None = None
         self._event = asyncio.Event()
@@ -1070,7 +1073,7 @@ class WebSocketStream:
         end = offset + len(data)
         if end <= self.received:
             return  # bytes already here
-        self._chunks.append(data[self.received - offset :])
+        self._chunks.append((self.received, data[self.received - offset :]))
         self.received = end
         self._event.set()
 
@@ -1095,7 +1098,9 @@ class WebSocketStream:
                 return b""
             self._event.clear()
             await self._event.wait()
-        return self._chunks.popleft()
+        at, chunk = self._chunks.popleft()
+        self.offset = at + len(chunk)
+        return chunk
 
     async def read_all(self) -> bytes:
         parts = []
@@ -1104,8 +1109,12 @@ class WebSocketStream:
         return b"".join(parts)
 
     def take_buffered(self) -> bytes:
-        data = b"".join(self._chunks)
+        if not self._chunks:
+            return b""
+        at, last = self._chunks[-1]
+        data = b"".join(chunk for _, chunk in self._chunks)
         self._chunks.clear()
+        self.offset = at + len(last)
         return data
 
 

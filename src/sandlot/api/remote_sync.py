@@ -224,12 +224,16 @@ class RemoteBox(RemoteBoxBase):
         rows: int = 24,
         cols: int = 80,
         stdin: bool = True,
+        keep: str | None = None,
     ) -> Process:
         """Start a command and return at once with a handle to stream its output
-        (a WebSocket to the server; a dropped one is reattached by itself)."""
+        (a WebSocket to the server; a dropped one is reattached by itself, also
+        across a restart of the server). ``keep`` names it (``Process.key``)."""
         return Process.wrap(
             loop.run(
-                self._a.spawn(*argv, env=env, cwd=cwd, user=user, tty=tty, rows=rows, cols=cols, stdin=stdin)
+                self._a.spawn(
+                    *argv, env=env, cwd=cwd, user=user, tty=tty, rows=rows, cols=cols, stdin=stdin, keep=keep
+                )
             )
         )
 

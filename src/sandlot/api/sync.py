@@ -248,13 +248,35 @@ class Box(BoxBase):
         rows: int = 24,
         cols: int = 80,
         stdin: bool = True,
+        keep: str | None = None,
     ) -> Process:
-        """Start a command and return at once with a handle to stream its output."""
+        """Start a command and return at once with a handle to stream its output.
+
+        ``keep`` names the process (as ``Process.key``) for a process of this
+        host that follows it again if this one dies: the heir of agent sessions
+        (``take_over_sessions``, as ``sandlot serve`` is) gets it from
+        ``taken_over()``. Elsewhere it only names the process.
+        """
         return Process.wrap(
             loop.run(
-                self._a.spawn(*argv, env=env, cwd=cwd, user=user, tty=tty, rows=rows, cols=cols, stdin=stdin)
+                self._a.spawn(
+                    *argv, env=env, cwd=cwd, user=user, tty=tty, rows=rows, cols=cols, stdin=stdin, keep=keep
+                )
             )
         )
+
+    def taken_over(self) -> builtins.list[Process]:
+        """The processes started with ``keep=`` by a process of this host that died,
+        now followed by this one (which must ``take_over_sessions``): their output
+        from what the box still held on, their exit, their stdin. Each is returned
+        once. Output the dead process had taken and not passed on is not there:
+        ``process.stdout.offset`` after a read says where the stream is.
+
+        >>> take_over_sessions()
+        >>> for p in box.taken_over():
+        ...     print(p.key, p.argv, p.wait())
+        """
+        return [Process.wrap(x) for x in loop.run(self._a.taken_over())]
 
     def exec(
         self,
@@ -500,6 +522,11 @@ class Process(ProcessBase):
         return self._a.pid
 
     @property
+    def tty(self) -> bool:
+        """It runs on a terminal (``spawn(tty=True)``)."""
+        return self._a.tty
+
+    @property
     def stdout(self) -> Stream:
         return Stream.wrap(self._a.stdout)
 
@@ -552,6 +579,12 @@ class Stream(StreamBase):
     def read(self) -> bytes:
         """Everything until the stream ends."""
         return loop.run(self._a.read())
+
+    @property
+    def offset(self) -> int:
+        """How far into the stream the chunks read so far reach: the offset just past
+        the last one (a process taken over from a dead host starts past 0)."""
+        return self._a.offset
 
     def lines(self) -> Iterator[bytes]:
         """Complete lines (with their newline), the last one possibly without."""

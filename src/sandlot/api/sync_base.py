@@ -58,6 +58,11 @@ class ProcessBase(SyncTwin[AsyncProcess]):
     def argv(self) -> tuple[str, ...]:
         return self._a.argv
 
+    @property
+    def key(self) -> str | None:
+        """The ``keep=`` it was started with."""
+        return self._a.key
+
     def detach(self) -> None:
         """Stop following the process; it keeps running in the box, its output is dropped."""
         loop.call(self._a.detach)  # on the loop thread: it ends tasks and sockets the loop owns

@@ -98,7 +98,9 @@ class BoxController:
         """The entry of the box ``rec`` describes (made on first sight), brought up to date."""
         entry = self.entries.get(rec.id)
         if entry is None:
-            entry = self.entries[rec.id] = BoxEntry(rec, self.rt.box_dir(rec.id), self.agent_lost)
+            entry = self.entries[rec.id] = BoxEntry(
+                rec, self.rt.box_dir(rec.id), self.agent_lost, self.rt.takes_over_sessions
+            )
         else:
             entry.update(rec)
         return entry

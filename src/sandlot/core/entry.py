@@ -22,14 +22,16 @@ from .store import BoxRecord
 class BoxEntry:
     """One box, as this process (event loop) knows it."""
 
-    def __init__(self, rec: BoxRecord, box_dir: Path, on_agent_lost: LostHandler) -> None:
+    def __init__(
+        self, rec: BoxRecord, box_dir: Path, on_agent_lost: LostHandler, takes_over: bool = False
+    ) -> None:
         self.id = rec.id
         self.name = rec.name
         self.record = rec
         self.spec = BoxSpec.from_options(rec.options)
         self.lock = BoxLock(box_dir / "lock", rec.name)
         self.vm: VM | None = None
-        self.session = Session(rec.id, rec.name, box_dir / "ports", AGENT_PORTS, on_agent_lost)
+        self.session = Session(rec.id, rec.name, box_dir / "ports", AGENT_PORTS, on_agent_lost, takes_over)
         self.seen: int | None = None  # the store's version when the record was last read
         self.boot_seconds: float | None = None  # how long the last start took
         self.last_pause: float | None = None  # seconds the last snapshot or suspend paused the VM

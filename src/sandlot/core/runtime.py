@@ -45,6 +45,8 @@ class Runtime:
         self._db: AsyncStore | None = None
         self.images = ImageManager(self.home)
         self._engines: dict[str, Engine] = {}
+        # this process is the heir of agent sessions its predecessors left (core.sessions)
+        self.takes_over_sessions = False
 
     @classmethod
     def for_home(cls, home: str | os.PathLike[str] | None = None) -> Runtime:

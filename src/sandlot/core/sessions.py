@@ -14,21 +14,35 @@ taken by other processes, a new session waits in line for one (up to its
 request deadline) instead of failing, and a session idle for
 ``IDLE_RELEASE`` seconds (no operation in flight) gives its port back; its next
 operation connects again (a handshake, a few milliseconds).
+
+A process may outlive its host: the agent keeps the channels of a session whose
+host went away, until a host says the same session token again. A process that
+``takes_over`` sessions (``sandlot serve``) writes ``ports/<n>.session`` beside
+the lock: the token and the processes started with a ``keep`` key. When that
+host dies, its lock goes with it and the file stays; the next such process that
+leases a port takes that port first, says the dead host's token, and follows
+the kept processes again (``taken_over``); channels nobody kept are let go. A
+session file a live host holds is never touched (its lock is taken), and other
+processes lease such a port only when no other is free.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
+from ..config import atomic_write
 from ..engine.base import VM
 from ..errors import BoxBusy, ConnectionLost
 from ..protocol.connection import AgentConnection
+from ..protocol.exec import RemoteProcess
 from .locks import POLL_MAX, POLL_MIN, try_flock
 
 IDLE_RELEASE = 10.0
@@ -47,11 +61,56 @@ class Hello:
 LostHandler = Callable[["Session"], Awaitable[BaseException | None]]
 
 
+@dataclass(frozen=True, slots=True)
+class Kept:
+    """A process recorded in a session file, to be followed again by a later host."""
+
+    key: str
+    argv: tuple[str, ...]
+    pid: int
+    tty: bool
+
+    def to_json(self) -> dict[str, Any]:
+        return {"key": self.key, "argv": list(self.argv), "pid": self.pid, "tty": self.tty}
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> Kept:
+        argv, pid = d["argv"], d["pid"]
+        if not isinstance(argv, list) or not isinstance(pid, int):
+            raise TypeError("a kept process needs a list argv and an int pid")
+        return cls(str(d["key"]), tuple(str(a) for a in argv), pid, bool(d["tty"]))
+
+
+@dataclass(frozen=True, slots=True)
+class Inheritance:
+    """What a dead host left on a port: its session token and the processes it kept."""
+
+    token: bytes
+    kept: dict[int, Kept]  # by channel
+
+    @classmethod
+    def read(cls, path: Path) -> Inheritance | None:
+        """The file's content; None if it is missing or unreadable (then nothing is taken over)."""
+        try:
+            d = json.loads(path.read_bytes())
+            token = bytes.fromhex(d["token"])
+            kept = {int(ch): Kept.from_json(k) for ch, k in d["processes"].items()}
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            return None
+        return cls(token, kept) if len(token) == 16 else None
+
+
 class Session:
     """This process's connection to one box's agent."""
 
     def __init__(
-        self, box_id: str, name: str, ports_dir: Path, agent_ports: int, on_lost: LostHandler
+        self,
+        box_id: str,
+        name: str,
+        ports_dir: Path,
+        agent_ports: int,
+        on_lost: LostHandler,
+        takes_over: bool = False,
     ) -> None:
         self.box_id = box_id
         self.name = name
@@ -66,6 +125,10 @@ class Session:
         self._idle_timer: asyncio.TimerHandle | None = None
         self._pending: AgentConnection | None = None  # the connection being made
         self.resumed = asyncio.Event()  # a suspended box came back (waiting reconnections go on)
+        self.takes_over = takes_over
+        self._inherited: Inheritance | None = None  # what the port's last host left, when leased
+        self._kept: dict[int, Kept] = {}  # by channel: written to the session file
+        self.taken_over: list[tuple[Kept, RemoteProcess]] = []  # for the API to claim
 
     @property
     def healthy(self) -> bool:
@@ -106,8 +169,67 @@ class Session:
         finally:
             self._pending = None
         self.conn, self.vm = conn, vm
+        if self.takes_over:
+            self._take_over(conn)
         self._arm_idle_release()
         return conn
+
+    def _take_over(self, conn: AgentConnection) -> None:
+        """Follow again the kept processes of the dead host whose token ``conn`` says;
+        let go of its other channels."""
+        inherited, self._inherited = self._inherited, None
+        if inherited is not None and inherited.token == conn.token:
+            for ch in sorted(conn.orphans):
+                kept = inherited.kept.get(ch)
+                if kept is None:
+                    conn.let_go(ch)
+                    continue
+                self.taken_over.append((kept, RemoteProcess.adopt(conn, ch, kept.pid, kept.tty)))
+                self._kept[ch] = kept
+        self._write_session_file()
+
+    @property
+    def inheritance(self) -> Inheritance | None:
+        """What the leased port's dead host left, until the connection takes it over."""
+        return self._inherited
+
+    def inheritance_left(self) -> bool:
+        """A dead host left a session file on a port of this box (its lock is free)."""
+        for path in self.ports_dir.glob("*.session"):
+            fd = try_flock(path.with_suffix(".lock"))
+            if fd is not None:
+                os.close(fd)
+                return True
+        return False
+
+    def keep(self, channel: int, kept: Kept) -> None:
+        """Record a process in the session file, for a later host to follow."""
+        if not self.takes_over or self.conn is None:
+            return
+        self._kept[channel] = kept
+        self._write_session_file()
+
+    def _session_file(self) -> Path | None:
+        return None if self.port is None else self.ports_dir / f"{self.port}.session"
+
+    def _write_session_file(self) -> None:
+        path, conn = self._session_file(), self.conn
+        if path is None or conn is None:
+            return
+        self._kept = {ch: k for ch, k in self._kept.items() if conn.is_open(ch)}
+        if not self._kept:
+            self._remove_session_file()
+            return
+        kept = {str(ch): k.to_json() for ch, k in self._kept.items()}
+        body = {"token": conn.token.hex(), "processes": kept}
+        atomic_write(path, json.dumps(body).encode(), mode=0o600)
+
+    def _remove_session_file(self) -> None:
+        self._kept.clear()
+        path = self._session_file()
+        if path is not None:
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
 
     def _new_connection(self, vm: VM, hello: Hello) -> AgentConnection:
         assert self.port is not None
@@ -137,20 +259,33 @@ class Session:
             machine_id=hello.machine_id,
             pids_max=hello.pids_max,
             on_lost=lost,
+            token=self._inherited.token if self._inherited is not None else None,
         )
         return conn
 
     async def lease(self, deadline: float) -> None:
-        """Take a free agent port, waiting in line while other processes hold them all."""
+        """Take a free agent port, waiting in line while other processes hold them all.
+
+        A port a dead host left a session file on comes first for a process that
+        takes sessions over (it is that host's heir), and last for any other (its
+        kept processes are then let go)."""
         if self._port_fd is not None:
             return
         self.ports_dir.mkdir(parents=True, exist_ok=True)
         delay = POLL_MIN
         while True:
-            for port in range(self.agent_ports):
+            left = {p for p in range(self.agent_ports) if (self.ports_dir / f"{p}.session").exists()}
+            free = [p for p in range(self.agent_ports) if p not in left]
+            order = [*left, *free] if self.takes_over else [*free, *left]
+            for port in order:
                 fd = try_flock(self.ports_dir / f"{port}.lock")
                 if fd is not None:
                     self.port, self._port_fd = port, fd
+                    if port in left:
+                        path = self.ports_dir / f"{port}.session"
+                        self._inherited = Inheritance.read(path) if self.takes_over else None
+                        if self._inherited is None:
+                            path.unlink(missing_ok=True)
                     return
             if time.monotonic() > deadline:
                 raise BoxBusy(
@@ -160,7 +295,14 @@ class Session:
             await asyncio.sleep(delay)
             delay = min(delay * 2, POLL_MAX)
 
-    def release_port(self) -> None:
+    def release_port(self, *, keep_session: bool = False) -> None:
+        """Give the port back. Its session file goes too, unless ``keep_session`` (this
+        process is ending and its kept processes wait for a later host)."""
+        self._inherited = None
+        if keep_session and self._kept:
+            self._kept.clear()
+        else:
+            self._remove_session_file()
         if self._port_fd is not None:
             os.close(self._port_fd)
             self._port_fd = None
@@ -197,6 +339,7 @@ class Session:
         self.release_port()
 
     async def close(self) -> None:
+        """End the connection as this process ends: kept processes run on, for a later host."""
         conn, self.conn, self.vm = self.conn, None, None
         if self._idle_timer is not None:
             self._idle_timer.cancel()
@@ -204,4 +347,4 @@ class Session:
         if conn is not None:
             conn.closing()
             await conn.close()
-        self.release_port()
+        self.release_port(keep_session=True)

@@ -9,6 +9,11 @@ Reconnection keeps channels alive: the agent retains every byte the host has
 not acknowledged, so after the socket is replaced (the host reconnects, or a VM
 was restored behind a new socket) each channel asks for a resend from the
 offsets it has and nothing is lost or duplicated.
+
+A *later* host process can take a session over: a connection made with the
+session token of a host that died finds that host's channels still live in the
+agent (``orphans``) and may ``adopt`` them. An adopted stream starts at whatever
+offset the agent resends from, which only the first frame tells.
 """
 
 from __future__ import annotations
@@ -64,12 +69,24 @@ class InboundStream:
         self.received = 0
         self._consumed = 0
         self._acked = 0
+        self.offset = 0  # just past the last byte read
+        self._adopting = False  # taken over: the first frame sets where the stream is
         self._chunks: deque[bytes] = deque()
         self._eof = False
         self._draining = False
         self._event = asyncio.Event()
 
+    def adopt(self) -> None:
+        """This stream was begun by an earlier host: take its offsets from the first frame."""
+        self._adopting = True
+
+    def _take_position(self, offset: int) -> None:
+        if self._adopting:
+            self._adopting = False
+            self.received = self._consumed = self._acked = self.offset = offset
+
     def feed(self, offset: int, data: memoryview) -> None:
+        self._take_position(offset)
         end = offset + len(data)
         if offset > self.received:
             raise ProtocolError(f"stream {self.stream} skipped from {self.received} to {offset}")
@@ -84,6 +101,7 @@ class InboundStream:
         self._event.set()
 
     def feed_eof(self, offset: int) -> None:
+        self._take_position(offset)
         if offset != self.received:
             raise ProtocolError(f"stream {self.stream} ended at {offset} but {self.received} bytes arrived")
         self._eof = True
@@ -112,6 +130,7 @@ class InboundStream:
             self._event.clear()
             await self._channel.wait_event(self._event, idle_timeout=idle_timeout)
         chunk = self._chunks.popleft()
+        self.offset += len(chunk)
         if not self._draining:
             self._consumed += len(chunk)
             self._maybe_ack()
@@ -127,6 +146,7 @@ class InboundStream:
     def take_buffered(self) -> bytes:
         data = b"".join(self._chunks)
         self._chunks.clear()
+        self.offset += len(data)
         return data
 
 
@@ -142,8 +162,16 @@ class OutboundStream:
         self._retained: deque[tuple[int, bytes]] = deque()
         self._event = asyncio.Event()
         self.closed = False
+        self._adopting = False
+
+    def adopt(self) -> None:
+        """Begun by an earlier host: the agent's first ACK says how much it took."""
+        self._adopting = True
 
     def on_ack(self, offset: int) -> None:
+        if self._adopting:
+            self._adopting = False
+            self.sent = self.acked = offset
         if offset > self.sent:
             raise ProtocolError(f"agent acknowledged {offset} bytes but only {self.sent} were sent")
         if offset < self.acked:
@@ -322,6 +350,7 @@ class AgentConnection:
         machine_id: str | None = None,
         pids_max: int | None = None,
         on_lost: Callable[[], Awaitable[BaseException | None]] | None = None,
+        token: bytes | None = None,
     ) -> None:
         self._connector = connector
         self.request_timeout = request_timeout
@@ -329,7 +358,8 @@ class AgentConnection:
         self._machine_id = machine_id
         self._pids_max = pids_max
         self._on_lost = on_lost
-        self._token = secrets.token_bytes(16)
+        self.token = token or secrets.token_bytes(16)  # names this host's session to the agent
+        self.orphans: set[int] = set()  # live channels of an earlier host of this session
         self._reader: asyncio.StreamReader | None = None
         self._writer: asyncio.StreamWriter | None = None
         self._reader_task: asyncio.Task[None] | None = None
@@ -360,7 +390,7 @@ class AgentConnection:
         payload = (
             wire.tlv(Tag.VERSION_MIN, wire.PROTOCOL_VERSION)
             + wire.tlv(Tag.VERSION_MAX, wire.PROTOCOL_VERSION)
-            + wire.tlv(Tag.SESSION, self._token)
+            + wire.tlv(Tag.SESSION, self.token)
             + wire.tlv(Tag.ENTROPY, os.urandom(64))
             + wire.tlv_u64(Tag.TIME_NS, time.time_ns())
         )
@@ -392,6 +422,10 @@ class AgentConnection:
         )
         live = {int.from_bytes(v, "little") for v in f.all(Tag.CHANNEL)}
         if f.u32(Tag.RESUMED, 0):
+            self.orphans = (self.orphans | live) - self._channels.keys()
+            self.orphans &= live
+            if live:  # new channels must not take the number of one that lives on
+                self._next_id = max(self._next_id, max(live) + 1) & 0xFFFFFFFF
             for ch in list(self._channels.values()):
                 if ch.id in live:
                     self.send_frame(T.RESUME, ch.id, ch.resume_payload())
@@ -401,6 +435,7 @@ class AgentConnection:
                     ch.fail(ConnectionLost(f"channel {ch.id} ended while the connection was down"))
                     self._channels.pop(ch.id, None)
         else:
+            self.orphans.clear()
             for ch in list(self._channels.values()):
                 ch.fail(ConnectionLost("the agent started a new session"))
             self._channels.clear()
@@ -470,6 +505,10 @@ class AgentConnection:
     def failed(self) -> BaseException | None:
         return self._failure
 
+    def is_open(self, channel_id: int) -> bool:
+        """The channel is in use on this connection."""
+        return channel_id in self._channels
+
     @property
     def open_channels(self) -> int:
         """Operations in flight on this connection."""
@@ -492,12 +531,33 @@ class AgentConnection:
             with contextlib.suppress(ConnectionError):
                 await writer.drain()
 
+    def adopt(self, channel_id: int) -> Channel:
+        """Take over an orphan: its streams resend what the agent holds unacknowledged."""
+        if channel_id not in self.orphans:
+            raise ProtocolError(f"channel {channel_id} is no orphan of this session")
+        self.orphans.discard(channel_id)
+        ch = Channel(self, channel_id)
+        self._channels[channel_id] = ch
+        for stream in (wire.STREAM_STDOUT, wire.STREAM_STDERR):
+            ch.stream(stream).adopt()
+        # from offset 0, which the agent takes as "from the oldest byte you hold": what it
+        # sent since the last ACK may have gone nowhere (nobody held the port)
+        self.send_frame(T.RESUME, channel_id, ch.resume_payload())
+        self.last_used = time.monotonic()
+        return ch
+
+    def let_go(self, channel_id: int) -> None:
+        """An orphan nobody takes over: its process runs on, its output is dropped."""
+        if channel_id in self.orphans:
+            self.orphans.discard(channel_id)
+            self.send_frame(T.CLOSE, channel_id)
+
     def open_channel(self) -> Channel:
         if self._failure is not None:
             raise self._failure
         if len(self._channels) >= wire.MAX_CHANNELS:
             raise ProtocolError(f"more than {wire.MAX_CHANNELS} operations in flight on one connection")
-        while self._next_id == 0 or self._next_id in self._channels:
+        while self._next_id == 0 or self._next_id in self._channels or self._next_id in self.orphans:
             self._next_id = (self._next_id + 1) & 0xFFFFFFFF
         ch = Channel(self, self._next_id)
         self._next_id = (self._next_id + 1) & 0xFFFFFFFF

@@ -87,6 +87,18 @@ class RemoteProcess:
         f = Fields(frame.payload)
         return cls(conn, ch, f.u32(Tag.PID, 0) or 0, req.tty, f.u32(Tag.WINDOW, wire.WINDOW) or wire.WINDOW)
 
+    @classmethod
+    def adopt(cls, conn: AgentConnection, channel_id: int, pid: int, tty: bool) -> RemoteProcess:
+        """Follow a process that an earlier host of this session started (see
+        ``AgentConnection.adopt``): its output from what the agent still holds on."""
+        proc = cls(conn, conn.adopt(channel_id), pid, tty, conn.info.window if conn.info else wire.WINDOW)
+        proc._stdin.adopt()
+        return proc
+
+    @property
+    def channel_id(self) -> int:
+        return self._channel.id
+
     @property
     def status(self) -> ExitStatus | None:
         return self._status

@@ -3,6 +3,7 @@ audit trail around the routes of ``server/routes.py``."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
@@ -13,6 +14,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from ..api.box import take_over_sessions
 from ..errors import RequestError, SandlotError
 from ..version import __version__
 from .state import ServerState, Settings, error_response
@@ -104,13 +106,17 @@ def create_app(settings: Settings) -> ASGIApp:
     from .routes import router
 
     state = ServerState(settings)
+    take_over_sessions(settings.home)  # the processes a server before this one held are ours
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        taking_over = asyncio.ensure_future(state.take_over_all())
         try:
             yield
         finally:
-            # boxes and their processes run on: only the server's own work ends here
+            # boxes and their processes run on (a later server takes the processes
+            # over): only the server's own work ends here
+            taking_over.cancel()
             state.audit.close()
 
     api = FastAPI(

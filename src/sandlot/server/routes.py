@@ -47,7 +47,7 @@ from .models import (
     snapshot_json,
 )
 from .state import KEY_LABEL, NAMESPACE_LABEL, Caller, ServerState
-from .streams import STDERR, STDOUT, HeldProcess, error_message, serve, spawn
+from .streams import STDERR, STDOUT, error_message, serve, spawn
 
 router = APIRouter()
 PAGE_MAX = 1000
@@ -362,7 +362,9 @@ async def exec_box(box: str, body: ExecIn, request: Request) -> dict[str, Any]:
 @router.get("/boxes/{box}/processes", tags=["exec"])
 async def list_processes(box: str, request: Request) -> dict[str, Any]:
     b = await box_for(request, box)
-    return {"processes": [h.describe() for h in _server(request).processes.of_box(b.id)]}
+    server = _server(request)
+    await server.take_over(b)
+    return {"processes": [h.describe() for h in server.processes.of_box(b.id)]}
 
 
 async def _ws_box(ws: WebSocket, key: str) -> tuple[ServerState, Caller, AsyncBox] | None:
@@ -385,15 +387,8 @@ async def spawn_ws(ws: WebSocket, box: str) -> None:
     if found is None:
         return
     server, caller, b = found
-
-    def exited(held: HeldProcess) -> None:
-        r = held.result
-        server.record(caller, "spawn", b.id, 200 if held.error is None else held.error.status,
-                      held.error.code if held.error else None, 0.0,
-                      {"argv": list(held.proc.argv), "exit_code": r.exit_code if r else None})  # fmt: skip
-
     with contextlib.suppress(WebSocketDisconnect):
-        await spawn(ws, b, server.processes, exited)
+        await spawn(ws, b, server.processes, server.exited_by(caller))
 
 
 @router.websocket("/boxes/{box}/processes/{process}/attach")
@@ -404,6 +399,8 @@ async def attach_ws(ws: WebSocket, box: str, process: str, stdout: int = 0, stde
         return
     server, _, b = found
     held = server.processes.get(b.id, process)
+    if held is None and await server.take_over(b):  # a server before this one started it
+        held = server.processes.get(b.id, process)
     if held is None or stdout < 0 or stderr < 0:
         err = RequestError(f"no process {process!r} in box {b.name}") if held is None else \
             RequestError("offsets must be >= 0")  # fmt: skip

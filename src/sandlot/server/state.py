@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -14,7 +16,7 @@ from ..api import access
 from ..api.box import AsyncBox
 from ..errors import Forbidden, SandlotError, Unauthorized
 from .models import error_json
-from .streams import ProcessTable
+from .streams import HeldProcess, ProcessTable
 
 NAMESPACE_LABEL = "sandlot.namespace"
 KEY_LABEL = "sandlot.key"
@@ -70,6 +72,30 @@ class ServerState:
             raise Unauthorized("an API key is needed: Authorization: Bearer <key>")
         key = await self.verifier.verify_async(presented)
         return Caller(key.id, key.name, key.namespace, key.admin, key.quotas)
+
+    async def take_over(self, box: AsyncBox) -> int:
+        """Hold the processes that a server of this home which died held in ``box``."""
+        return await self.processes.take_over(box, self.exited_by(None))
+
+    async def take_over_all(self) -> None:
+        """At start: hold what a dead server held in every running box, so their
+        output keeps flowing before any client comes back for it."""
+        for box in await AsyncBox.list(home=self.home):
+            if box.state == "running":
+                with contextlib.suppress(SandlotError):
+                    await self.take_over(box)
+
+    def exited_by(self, caller: Caller | None) -> Callable[[HeldProcess], None]:
+        """What to do when a process ``caller`` started ends: its audit entry
+        (a process taken over from a dead server has no caller left)."""
+
+        def exited(held: HeldProcess) -> None:
+            r, err = held.result, held.error
+            self.record(caller, "spawn", held.box_id, 200 if err is None else err.status,
+                        err.code if err else None, 0.0,
+                        {"argv": list(held.proc.argv), "exit_code": r.exit_code if r else None})  # fmt: skip
+
+        return exited
 
     def record(self, caller: Caller | None, action: str, box: str | None, status: int,
                error: str | None, duration: float, detail: dict[str, Any] | None = None) -> None:  # fmt: skip

@@ -1,7 +1,12 @@
 """Processes the server holds for WebSocket clients: their output is read into a
 bounded buffer whatever the clients do, so a client may drop and reattach (by
 process id, from the offsets it has) without a byte lost or sent twice while
-the buffer holds it; what fell out of it is reported as a gap."""
+the buffer holds it; what fell out of it is reported as a gap.
+
+Every process is started with ``keep=<its id>``, so a server started after this
+one died (or was stopped) takes it over (``ProcessTable.take_over``): the box
+still holds the output not yet taken, and clients reattach by the same id. What
+the dead server had taken and not sent on is a gap."""
 
 from __future__ import annotations
 
@@ -37,6 +42,7 @@ class SpawnIn(Strict):
     cwd: str | None = None
     user: str | None = None
     tty: bool = False
+    stdin: bool = True
     rows: int = Field(default=24, ge=1, le=10000)
     cols: int = Field(default=80, ge=1, le=10000)
 
@@ -54,7 +60,11 @@ class Ring:
     def end(self) -> int:
         return self.start + len(self.data)
 
-    def append(self, chunk: bytes) -> None:
+    def append_at(self, offset: int, chunk: bytes) -> None:
+        """Add the bytes at ``offset`` of the stream (past the end: what lay between is lost)."""
+        if offset > self.end:
+            self.data.clear()
+            self.start = offset
         self.data += chunk
         if len(self.data) > self.limit:
             drop = len(self.data) - self.limit
@@ -69,12 +79,16 @@ class Ring:
         return at, bytes(self.data[i : i + most])
 
 
+def new_process_id() -> str:
+    return uuid.uuid4().hex[:16]
+
+
 class HeldProcess:
-    def __init__(self, box: AsyncBox, proc: AsyncProcess, tty: bool) -> None:
-        self.id = uuid.uuid4().hex[:16]
+    def __init__(self, box: AsyncBox, proc: AsyncProcess, process_id: str) -> None:
+        self.id = process_id
         self.box_id = box.id
         self.proc = proc
-        self.tty = tty
+        self.tty = proc.tty
         self.rings = {STDOUT: Ring(), STDERR: Ring()}
         self.result: ExecResult | None = None
         self.error: SandlotError | None = None
@@ -93,7 +107,7 @@ class HeldProcess:
     async def _read(self, stream: int) -> None:
         source = self.proc.stdout if stream == STDOUT else self.proc.stderr
         async for chunk in source:
-            self.rings[stream].append(chunk)
+            self.rings[stream].append_at(source.offset - len(chunk), chunk)
             self._notify()
         self.rings[stream].ended = True
 
@@ -106,6 +120,9 @@ class HeldProcess:
         finally:
             self.exited_at = time.monotonic()
             self._notify()
+
+    def on_done(self, callback: Callable[[HeldProcess], None]) -> None:
+        self._task.add_done_callback(lambda _t: callback(self))
 
     @property
     def done(self) -> bool:
@@ -138,11 +155,11 @@ class ProcessTable:
     def __init__(self) -> None:
         self.held: dict[str, HeldProcess] = {}
 
-    def add(self, held: HeldProcess) -> None:
+    def check_room(self) -> None:
+        """Refuse a new process when the table is full (exited ones are pruned first)."""
         self._prune()
         if len(self.held) >= MAX_HELD:
             raise RequestError(f"the server holds {MAX_HELD} processes already; reattach or wait for some")
-        self.held[held.id] = held
 
     def _prune(self) -> None:
         now = time.monotonic()
@@ -157,6 +174,15 @@ class ProcessTable:
     def get(self, box_id: str, process_id: str) -> HeldProcess | None:
         h = self.held.get(process_id)
         return h if h is not None and h.box_id == box_id else None
+
+    async def take_over(self, box: AsyncBox, on_exit: Callable[[HeldProcess], None]) -> int:
+        """Hold the processes a dead server of this home held in ``box``; how many."""
+        taken = await box.taken_over()
+        for proc in taken:
+            held = HeldProcess(box, proc, proc.key or new_process_id())
+            self.held[held.id] = held
+            held.on_done(on_exit)
+        return len(taken)
 
 
 def error_message(err: SandlotError) -> dict[str, Any]:
@@ -178,16 +204,18 @@ async def spawn(ws: WebSocket, box: AsyncBox, table: ProcessTable,
         await ws.send_json(out_of_protocol(f"the first message must be a spawn request: {e}"))
         await ws.close(1008)
         return
+    process_id = new_process_id()
     try:
+        table.check_room()
         proc = await box.spawn(*req.argv, env=req.env, cwd=req.cwd, user=req.user, tty=req.tty,
-                               rows=req.rows, cols=req.cols)  # fmt: skip
+                               rows=req.rows, cols=req.cols, stdin=req.stdin, keep=process_id)  # fmt: skip
     except SandlotError as e:
         await ws.send_json(error_message(e))
         await ws.close(1011)
         return
-    held = HeldProcess(box, proc, req.tty)
-    table.add(held)
-    held._task.add_done_callback(lambda _t: on_exit(held))
+    held = HeldProcess(box, proc, process_id)
+    table.held[held.id] = held
+    held.on_done(on_exit)
     await ws.send_json({"type": "started", "id": held.id, "pid": proc.pid})
     await serve(ws, held, {STDOUT: 0, STDERR: 0})
 
