@@ -282,6 +282,12 @@ class QuotaExceeded(SandlotError):
         return {"limit": self.limit, "value": self.value}
 
 
+class PortUnreachable(SandlotError):
+    """Nothing answers on the box's port a request through ``sandlot serve`` was for."""
+
+    code, status = "port_unreachable", 502
+
+
 class RequestError(SandlotError):
     """A server refused a request as malformed (a body too large, a frame out of protocol)."""
 
@@ -338,6 +344,12 @@ class GuestDirectoryNotEmpty(GuestOSError):
     status = 409
 
 
+class GuestConnectionRefusedError(GuestOSError, ConnectionRefusedError):
+    """Nothing listens on the port in the box (``box.connect``)."""
+
+    status = 502
+
+
 _BY_ERRNO: dict[int, type[GuestOSError]] = {
     _errno.ENOENT: GuestFileNotFoundError,
     _errno.EEXIST: GuestFileExistsError,
@@ -346,6 +358,7 @@ _BY_ERRNO: dict[int, type[GuestOSError]] = {
     _errno.EACCES: GuestPermissionError,
     _errno.EPERM: GuestPermissionError,
     _errno.ENOTEMPTY: GuestDirectoryNotEmpty,
+    _errno.ECONNREFUSED: GuestConnectionRefusedError,
 }
 
 

@@ -5,6 +5,7 @@ without a warning. The larger variants (50+) are in ``benchmarks/concurrency.py`
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -147,6 +148,8 @@ def test_a_mixed_storm_of_starts_forks_snapshots_and_removes(image: str) -> None
         remove_all("storm-")
 
 
+SLOW_CALLBACK = re.compile(r"^Executing <.*> took \d+\.\d+ seconds$")
+
 CLEAN_EXIT = """
 import asyncio, sandlot
 root = {root!r}
@@ -173,7 +176,8 @@ def test_a_process_that_used_boxes_exits_without_a_warning(busybox_root: Path) -
     )
     try:
         assert r.returncode == 0, r.stderr
-        noise = [ln for ln in r.stderr.splitlines() if ln.strip()]
+        # asyncio's debug mode also reports callbacks slower than 0.1 s: a busy host, not a leak
+        noise = [ln for ln in r.stderr.splitlines() if ln.strip() and not SLOW_CALLBACK.match(ln)]
         assert not noise, "stderr at exit:\n" + r.stderr
     finally:
         name = r.stdout.strip().splitlines()[-1] if r.stdout.strip() else None

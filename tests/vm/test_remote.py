@@ -9,10 +9,12 @@ test leaves it usable); the lifecycle test boots one more per side.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import io
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -219,6 +221,54 @@ def test_files_round_trip(box: Any, tmp_path: Path) -> None:
     f.remove("/tmp/t/missing", missing_ok=True)
     assert not f.exists("/tmp/t/sub")
     f.remove("/tmp/t", recursive=True)
+
+
+# -- ports ------------------------------------------------------------------------------------
+
+
+def _recv_all(s: socket.socket) -> bytes:
+    parts = []
+    while chunk := s.recv(65536):
+        parts.append(chunk)
+    return b"".join(parts)
+
+
+def _listening(box: Any, port: int) -> socket.socket:
+    """A connection to ``port`` once something listens there (a server just started)."""
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            return box.connect(port)
+        except ConnectionRefusedError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
+
+
+def test_connect_reaches_an_unpublished_port_in_the_box(box: Any) -> None:
+    web = box.spawn("sh", "-c", "mkdir -p /www && echo hello > /www/index.html && "
+                                "exec httpd -f -p 127.0.0.1:8080 -h /www")  # fmt: skip
+    echo = box.spawn("nc", "-ll", "-p", "9000", "-e", "cat")
+    try:
+        with _listening(box, 8080) as s:
+            s.sendall(b"GET /index.html HTTP/1.0\r\n\r\n")
+            answer = _recv_all(s)
+        assert answer.startswith(b"HTTP/1.") and b" 200 " in answer.split(b"\r\n")[0]
+        assert answer.endswith(b"\r\n\r\nhello\n")
+        blob = os.urandom(3 << 20)  # past every window and buffer on the way
+        with _listening(box, 9000) as s:
+            s.sendall(blob)
+            s.shutdown(socket.SHUT_WR)  # a half close: the box's side then ends
+            assert _recv_all(s) == blob
+        with pytest.raises(sandlot.GuestOSError) as refused:
+            box.connect(1)
+        assert isinstance(refused.value, ConnectionRefusedError) and refused.value.errno == errno.ECONNREFUSED
+        for bad in (0, 65536, "80"):
+            with pytest.raises(sandlot.InvalidArgument):
+                box.connect(bad)
+    finally:
+        web.kill()
+        echo.kill()
 
 
 # -- live state ---------------------------------------------------------------------------------

@@ -428,9 +428,23 @@ def test_kill9_of_the_server_mid_stream_leaves_box_and_process_running(
         loop = "i=0; while true; do i=$((i+1)); echo $i > /tmp/ticks; echo $i; sleep 0.1; done"
         ws.send(json.dumps({"type": "spawn", "argv": ["sh", "-c", loop]}))
         started = json.loads(ws.recv(timeout=60))
-        ws.recv(timeout=60)
+        first_frame = ws.recv(timeout=60)
+        assert isinstance(first_frame, bytes) and first_frame[:9] == struct.pack(">BQ", 1, 0)
+        had = len(first_frame) - 9
         served.kill9()
     served.restart()
+    # the new server took the process over: a reattach by the same id goes on from the offset
+    attach = f"/v1/boxes/{bid}/processes/{started['id']}/attach?stdout={had}&stderr=0"
+    with ws_connect(served, attach, team_keys["a"]) as ws:
+        frame = ws.recv(timeout=60)
+        if isinstance(frame, str):  # only what the dead server took and never sent may be missing
+            gap = json.loads(frame)
+            assert gap["type"] == "gap" and gap["from"] == had, gap
+            had = gap["to"]
+            frame = ws.recv(timeout=60)
+        assert isinstance(frame, bytes), frame
+        stream, offset = struct.unpack(">BQ", frame[:9])
+        assert (stream, offset) == (1, had) and frame[9:].split(b"\n")[0].isdigit()
     with served.client(team_keys["a"]) as c:
         assert c.get(f"/v1/boxes/{bid}").json()["state"] == "running"
         first = int(c.get(f"/v1/boxes/{bid}/files/content", params={"path": "/tmp/ticks"}).text)
@@ -438,3 +452,146 @@ def test_kill9_of_the_server_mid_stream_leaves_box_and_process_running(
         later = int(c.get(f"/v1/boxes/{bid}/files/content", params={"path": "/tmp/ticks"}).text)
         assert later > first  # the process kept running through the server's death
         c.post(f"/v1/boxes/{bid}/exec", json={"argv": ["kill", str(started["pid"])]})
+
+
+# -- ports ---------------------------------------------------------------------------------
+
+CGI = """#!/bin/sh
+echo "Content-Type: text/plain"
+echo
+echo "$REQUEST_METHOD $QUERY_STRING auth=[$HTTP_AUTHORIZATION] key=[$HTTP_X_API_KEY]"
+cat
+"""
+
+WS_ECHO = r"""
+import base64, hashlib, socket, struct
+s = socket.socket()
+s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind(("127.0.0.1", 8765))
+s.listen()
+def serve(c, f):
+    head = {}
+    f.readline()
+    while (line := f.readline()) not in (b"\r\n", b""):
+        k, _, v = line.decode().partition(":")
+        head[k.strip().lower()] = v.strip()
+    magic = head["sec-websocket-key"] + "258EAFA5-E914-47DA-95CA-C5AB0DC85B11"
+    accept = base64.b64encode(hashlib.sha1(magic.encode()).digest()).decode()
+    proto = head.get("sec-websocket-protocol", "").split(",")[0].strip()
+    chose = f"Sec-WebSocket-Protocol: {proto}\r\n" if proto else ""
+    c.sendall(("HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+               f"Sec-WebSocket-Accept: {accept}\r\n{chose}\r\n").encode())
+    while len(b := f.read(2)) == 2:
+        op, n = b[0] & 15, b[1] & 127
+        if n == 126:
+            n = struct.unpack(">H", f.read(2))[0]
+        elif n == 127:
+            n = struct.unpack(">Q", f.read(8))[0]
+        mask = f.read(4)
+        data = bytes(x ^ mask[i % 4] for i, x in enumerate(f.read(n)))
+        if op == 8:
+            c.sendall(b"\x88\x00")
+            break
+        out = data.upper() if op == 1 else data
+        size = bytes([len(out)]) if len(out) < 126 else struct.pack(">BH", 126, len(out))
+        c.sendall(bytes([0x80 | op]) + size + out)
+while True:
+    c, _ = s.accept()
+    try:
+        serve(c, c.makefile("rb"))
+    except (KeyError, OSError):
+        pass  # a probe that only connects
+    c.close()
+"""
+
+
+WAIT_FOR_8765 = (
+    "for i in $(seq 300); do python3 -c 'import socket; socket.create_connection((\"127.0.0.1\", 8765))' "
+    "2>/dev/null && exit 0; sleep 0.2; done; exit 1"
+)
+
+
+def _wait_answering(c: httpx.Client, url: str) -> httpx.Response:
+    deadline = time.monotonic() + 60
+    while True:
+        r = c.get(url)
+        if r.status_code != 502 or time.monotonic() > deadline:
+            return r
+        time.sleep(0.3)
+
+
+def test_http_to_a_box_port_with_a_key_or_a_preview_url(
+    served: Served, box_a: dict[str, Any], team_keys: dict[str, str]
+) -> None:
+    bid, key = box_a["id"], team_keys["a"]
+    with served.client(key) as c:
+        c.put(f"/v1/boxes/{bid}/files/content", params={"path": "/www/index.html"}, content=b"hello\n")
+        c.put(f"/v1/boxes/{bid}/files/content", params={"path": "/www/cgi-bin/echo", "mode": 0o755},
+              content=CGI.encode())  # fmt: skip
+        c.post(f"/v1/boxes/{bid}/exec", json={"argv": ["sh", "-c", "httpd -p 127.0.0.1:8080 -h /www"]})
+        base = f"/v1/boxes/{bid}/ports/8080"
+        r = _wait_answering(c, f"{base}/index.html")
+        assert (r.status_code, r.text) == (200, "hello\n")
+        body = os.urandom(2 << 20)  # streamed through, both ways
+        r = c.post(f"{base}/cgi-bin/echo", params={"q": "1"}, content=body, headers={"X-Api-Key": key})
+        assert r.status_code == 200
+        first, _, rest = r.content.partition(b"\n")
+        assert first == b"POST q=1 auth=[] key=[]" and rest == body  # the sandlot key stays out of the box
+        assert c.get(f"{base}/missing").status_code == 404  # the app's own answer
+        error(c.get(f"/v1/boxes/{bid}/ports/8081/"), 502, "port_unreachable")
+        error(c.get(f"/v1/boxes/{bid}/ports/0/"), 400, "bad_request")
+        r = c.post(f"/v1/boxes/{bid}/previews", json={"port": 8080, "ttl": 60})
+        assert r.status_code == 201, r.text
+        url = r.json()["url"]
+        assert url.startswith(served.url + "/p/") and r.json()["expires_at"] > time.time()
+        error(c.post(f"/v1/boxes/{bid}/previews", json={"port": 8080, "ttl": 60, "x": 1}), 400, "bad_request")
+        short = c.post(f"/v1/boxes/{bid}/previews", json={"port": 8080, "ttl": 1}).json()["url"]
+    error(httpx.get(f"{served.url}{base}/index.html"), 401, "unauthorized")
+    with served.client(team_keys["b"]) as other:
+        error(other.get(f"{base}/index.html"), 404, "box_not_found")  # another namespace's box: no such box
+        error(other.post(f"/v1/boxes/{bid}/previews", json={"port": 8080}), 404, "box_not_found")
+    r = httpx.get(url + "index.html")  # no key: the signature is the authorization
+    assert (r.status_code, r.text) == (200, "hello\n")
+    assert httpx.post(url + "cgi-bin/echo", content=b"x").text.endswith("\nx")
+    token = url.rstrip("/").rsplit("/", 1)[1]
+    box_id, port, expires, sig = token.split(".")
+    forged = [f"{box_id}.8081.{expires}.{sig}", f"{box_id}.{port}.{int(expires) + 3600}.{sig}",
+              f"{box_id}.{port}.{expires}.{sig[:-2]}AA", "garbage", f"{box_id}.{port}.{expires}"]  # fmt: skip
+    for bad in forged:
+        body = error(httpx.get(f"{served.url}/p/{bad}/index.html"), 403, "forbidden")
+        assert "preview URL" in body["message"]
+    time.sleep(2.1)
+    assert "expired" in error(httpx.get(short + "index.html"), 403, "forbidden")["message"]
+
+
+def test_websockets_to_a_box_port_with_a_key_or_a_preview_url(
+    served: Served, team_keys: dict[str, str], debian_root: Path
+) -> None:
+    key = team_keys["a"]
+    with served.client(key) as c:
+        r = c.post("/v1/boxes", json={"rootfs": str(debian_root), "memory_mib": 256})
+        assert r.status_code == 201, r.text
+        bid = r.json()["id"]
+        try:
+            c.put(f"/v1/boxes/{bid}/files/content", params={"path": "/srv/ws.py"}, content=WS_ECHO.encode())
+            start = "python3 /srv/ws.py >/dev/null 2>&1 & " + WAIT_FOR_8765
+            r = c.post(f"/v1/boxes/{bid}/exec", json={"argv": ["sh", "-c", start]}, timeout=120)
+            assert r.json()["exit_code"] == 0, r.text
+            preview = c.post(f"/v1/boxes/{bid}/previews", json={"port": 8765}).json()["url"]
+            url = served.url.replace("http", "ws") + f"/v1/boxes/{bid}/ports/8765/echo?x=1"
+            with connect(url, additional_headers=served.headers(key), subprotocols=["chat"],  # type: ignore[list-item]
+                         open_timeout=30) as ws:  # fmt: skip
+                assert ws.subprotocol == "chat"  # what the app in the box chose
+                ws.send("hi there")
+                assert ws.recv(timeout=30) == "HI THERE"
+                blob = os.urandom(50_000)
+                ws.send(blob)
+                assert ws.recv(timeout=30) == blob
+            with connect(preview.replace("http", "ws") + "echo", open_timeout=30) as ws:  # no key
+                ws.send("via preview")
+                assert ws.recv(timeout=30) == "VIA PREVIEW"
+            with connect(served.url.replace("http", "ws") + f"/v1/boxes/{bid}/ports/8765/echo",
+                         open_timeout=30) as ws:  # fmt: skip
+                assert json.loads(ws.recv(timeout=30))["error"]["code"] == "unauthorized"
+        finally:
+            c.delete(f"/v1/boxes/{bid}", params={"force": True})

@@ -23,6 +23,7 @@ import asyncio
 import builtins
 import contextlib
 import os
+import socket
 from collections.abc import AsyncIterable, Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any
@@ -42,6 +43,7 @@ from ..errors import BoxNotFound, ConnectionLost, InvalidArgument, InvalidState,
 from ..images.store import Image
 from ..net.secrets import Secret
 from ..protocol.exec import ExecRequest, RemoteProcess
+from .bridge import RELAY, RelayDuplex, check_port, relay_connected, socket_bridge
 from .files import AsyncFiles
 from .process import AsyncProcess, ExecResult
 
@@ -438,6 +440,21 @@ class AsyncBox:
             await ctl.connection(entry)  # leasing the port a dead host left takes its processes over
         taken, session.taken_over = session.taken_over, []
         return [AsyncProcess(kept.argv, remote, key=kept.key) for kept, remote in taken]
+
+    async def connect(self, port: int, *, timeout: float = 10.0) -> socket.socket:
+        """A socket connected to TCP ``port`` on the box's loopback, through the agent:
+        the port needs no publishing and the box no network. Use it as any socket;
+        closing it ends the connection (``shutdown(SHUT_WR)`` is a half close).
+        A port nothing listens on raises GuestOSError (``ECONNREFUSED``).
+
+        >>> s = await box.connect(8080)
+        >>> reader, writer = await asyncio.open_connection(sock=s)
+        """
+        check_port(port)
+        positive("timeout", timeout)
+        proc = await self.spawn(*RELAY, str(port), user="root", stdin=True)
+        await relay_connected(proc, port, timeout)
+        return socket_bridge(RelayDuplex(proc))
 
     async def exec(
         self,

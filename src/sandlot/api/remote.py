@@ -39,8 +39,10 @@ import base64
 import builtins
 import contextlib
 import json
+import math
 import os
 import posixpath
+import socket
 import ssl
 import stat as _stat
 import struct
@@ -78,6 +80,7 @@ from ..errors import (
 )
 from ..protocol.exec import ExitStatus
 from ..version import __version__
+from .bridge import check_port, socket_bridge
 from .files import FileInfo
 from .process import AsyncProcess, ExecResult
 
@@ -843,6 +846,34 @@ class RemoteAsyncBox:
         proc = WebSocketProcess(self._client, self._path(), first["id"], int(first.get("pid") or 0), tty, ws)
         return AsyncProcess(args, proc, key=keep)
 
+    async def connect(self, port: int, *, timeout: float = 10.0) -> socket.socket:
+        """A socket connected to TCP ``port`` on the box's loopback, through the server
+        (a WebSocket to ``/tcp/{port}``) and the agent: the port needs no publishing.
+        Use it as any socket; closing it ends the connection. A port nothing listens
+        on raises GuestOSError (``ECONNREFUSED``), as locally."""
+        check_port(port)
+        positive("timeout", timeout)
+        ws = await self._client._websocket(self._path(f"/tcp/{port}"))
+        try:
+            first = await asyncio.wait_for(_first_message(ws, self._client.url), timeout + 5)
+            if first.get("type") != "connected":
+                raise ProtocolError(f"{self._client.url}: the server answered a connection with {first!r}")
+        except BaseException:
+            with contextlib.suppress(Exception):
+                await ws.close()
+            raise
+        return socket_bridge(WebSocketDuplex(ws))
+
+    async def preview_url(self, port: int, ttl: float = 3600) -> str:
+        """A URL to ``port`` in the box that works without an API key (for a browser,
+        a webhook, a teammate) until ``ttl`` seconds from now; signed by the server."""
+        check_port(port)
+        positive("ttl", ttl)
+        body = {"port": port, "ttl": math.ceil(ttl)}
+        data = await self._client._json("POST", self._path("/previews"), json_body=body)
+        url: str = data["url"]
+        return url
+
     async def processes(self) -> builtins.list[dict[str, Any]]:
         """The processes the server holds for this box (started by ``spawn`` from any
         client): ``{"id", "pid", "argv", "tty", "exit_code", "clients"}`` each."""
@@ -1044,6 +1075,35 @@ async def _first_message(ws: ClientConnection, url: str) -> dict[str, Any]:
     if data.get("type") == "error" and isinstance(data.get("error"), dict):
         raise from_dict(data["error"])
     return data
+
+
+class WebSocketDuplex:
+    """A raw connection to a box's port over the server's ``/tcp/{port}`` WebSocket."""
+
+    def __init__(self, ws: ClientConnection) -> None:
+        self._ws = ws
+
+    async def read(self) -> bytes:
+        try:
+            while True:
+                msg = await self._ws.recv()
+                if isinstance(msg, bytes):
+                    if msg:
+                        return msg
+                    continue
+                return b""  # {"type": "eof"} (or an error): the box's side has closed
+        except ConnectionClosed:
+            return b""
+
+    async def write(self, data: bytes) -> None:
+        await self._ws.send(data)
+
+    async def close_write(self) -> None:
+        with contextlib.suppress(ConnectionClosed):
+            await self._ws.send(json.dumps({"type": "eof"}))
+
+    async def abort(self) -> None:
+        await self._ws.close()
 
 
 # -- processes over WebSocket -------------------------------------------------------------

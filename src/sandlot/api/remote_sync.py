@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import builtins
 import os
+import socket
 from collections.abc import AsyncIterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -236,6 +237,18 @@ class RemoteBox(RemoteBoxBase):
                 )
             )
         )
+
+    def connect(self, port: int, *, timeout: float = 10.0) -> socket.socket:
+        """A socket connected to TCP ``port`` on the box's loopback, through the server
+        (a WebSocket to ``/tcp/{port}``) and the agent: the port needs no publishing.
+        Use it as any socket; closing it ends the connection. A port nothing listens
+        on raises GuestOSError (``ECONNREFUSED``), as locally."""
+        return loop.run(self._a.connect(port, timeout=timeout))
+
+    def preview_url(self, port: int, ttl: float = 3600) -> str:
+        """A URL to ``port`` in the box that works without an API key (for a browser,
+        a webhook, a teammate) until ``ttl`` seconds from now; signed by the server."""
+        return loop.run(self._a.preview_url(port, ttl))
 
     def processes(self) -> builtins.list[dict[str, Any]]:
         """The processes the server holds for this box (started by ``spawn`` from any

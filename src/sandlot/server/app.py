@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import re
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
 from typing import Any
@@ -27,6 +28,8 @@ ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 JSON_LIMIT = 1 << 20  # bytes of a JSON body; uploads stream and have no such limit
 STREAMED_BODIES = ("/files/content", "/files/archive", "/snapshots/import")
+PORT_ROUTE = re.compile(r"^/v1/boxes/[^/]+/ports/\d+/")  # requests to an app in a box: streamed
+PREVIEWS = "/p/"
 
 
 class BodyTooLarge(RequestError):
@@ -56,7 +59,8 @@ class Guard:
                 status_seen[0] = message["status"]
             await send(message)
 
-        if path in ("/health", "/docs", "/openapi.json", "/redoc"):
+        if path in ("/health", "/docs", "/openapi.json", "/redoc") or path.startswith(PREVIEWS):
+            # a preview is authenticated by its signature (server/bridge.py), and streamed
             await self.app(scope, receive, sending)
             return
         try:
@@ -65,7 +69,7 @@ class Guard:
             await error_response(e)(scope, receive, send)
             return
         scope["state"]["caller"] = caller
-        if not path.endswith(STREAMED_BODIES):
+        if not path.endswith(STREAMED_BODIES) and not PORT_ROUTE.match(path):
             declared = headers.get("content-length")
             if declared is not None and declared.isdigit() and int(declared) > JSON_LIMIT:
                 err = BodyTooLarge(f"the body is over the limit of {JSON_LIMIT} bytes for this route")
@@ -103,6 +107,7 @@ def _limited(receive: Receive, limit: int) -> Receive:
 
 def create_app(settings: Settings) -> ASGIApp:
     """The server's ASGI application for one sandlot home."""
+    from . import bridge
     from .routes import router
 
     state = ServerState(settings)
@@ -153,4 +158,6 @@ def create_app(settings: Settings) -> ASGIApp:
         return {"status": "ok", "version": __version__}
 
     api.include_router(router, prefix="/v1")
+    api.include_router(bridge.v1, prefix="/v1")
+    api.include_router(bridge.router)
     return Guard(api, state)

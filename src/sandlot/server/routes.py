@@ -367,14 +367,18 @@ async def list_processes(box: str, request: Request) -> dict[str, Any]:
     return {"processes": [h.describe() for h in server.processes.of_box(b.id)]}
 
 
-async def _ws_box(ws: WebSocket, key: str) -> tuple[ServerState, Caller, AsyncBox] | None:
-    """Authenticate a WebSocket and find its box; on failure answer in the error shape and close."""
+async def ws_box(ws: WebSocket, key: str, accept: bool = True) -> tuple[ServerState, Caller, AsyncBox] | None:
+    """Authenticate a WebSocket and find its box; on failure answer in the error shape and
+    close. ``accept=False`` leaves accepting to the caller (unless it fails here)."""
     server = _server(ws)
-    await ws.accept()
+    if accept:
+        await ws.accept()
     try:
         caller = await server.caller(ws.headers)
         return server, caller, await _box(ws, key, caller)
     except SandlotError as e:
+        if not accept:
+            await ws.accept()
         await ws.send_json(error_message(e))
         await ws.close(1008)
         return None
@@ -383,7 +387,7 @@ async def _ws_box(ws: WebSocket, key: str) -> tuple[ServerState, Caller, AsyncBo
 @router.websocket("/boxes/{box}/spawn")
 async def spawn_ws(ws: WebSocket, box: str) -> None:
     """Start a process and stream it (frames in docs/server.md)."""
-    found = await _ws_box(ws, box)
+    found = await ws_box(ws, box)
     if found is None:
         return
     server, caller, b = found
@@ -394,7 +398,7 @@ async def spawn_ws(ws: WebSocket, box: str) -> None:
 @router.websocket("/boxes/{box}/processes/{process}/attach")
 async def attach_ws(ws: WebSocket, box: str, process: str, stdout: int = 0, stderr: int = 0) -> None:
     """Reattach to a process from the offsets the client has."""
-    found = await _ws_box(ws, box)
+    found = await ws_box(ws, box)
     if found is None:
         return
     server, _, b = found

@@ -14,6 +14,7 @@ from fastapi.responses import JSONResponse
 
 from ..api import access
 from ..api.box import AsyncBox
+from ..config import default_home
 from ..errors import Forbidden, SandlotError, Unauthorized
 from .models import error_json
 from .streams import HeldProcess, ProcessTable
@@ -54,6 +55,7 @@ class ServerState:
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
         self.home = settings.home
+        self.home_dir = Path(settings.home).expanduser().absolute() if settings.home else default_home()
         self.processes = ProcessTable()
         self.handles: dict[str, AsyncBox] = {}  # box id -> its handle (see routes._box)
         # creations of one namespace (or key) run in turn, so two cannot both pass a quota

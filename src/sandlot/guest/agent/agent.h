@@ -283,6 +283,10 @@ void chan_let_go(struct channel *c);
 void chan_disconnect_all(struct session *s);
 void chan_orphan_all(struct session *s);
 
+/* ---- relay mode (relay.c) -------------------------------------------- */
+
+int relay_main(const char *port);
+
 /* ---- frames (dispatch.c) -------------------------------------------- */
 
 void dispatch_init(uint64_t now);

@@ -4,6 +4,7 @@
  *   /init                       as PID 1 in the guest: boot duties, then serve ports
  *   sandlot-agent --fd N        serve one session on socket fd N (host builds, tests)
  *   sandlot-agent --fd N --safe same, but refuse exec and file-system changes (fuzzing)
+ *   /proc/1/exe --relay PORT    a command the host runs: a pipe to a guest TCP port (relay.c)
  *
  * The loop waits on the sessions (transport.c), on what each channel's kind asks
  * for (channel_ops.wait), on signals and on OOM events, and gives every channel
@@ -212,6 +213,9 @@ int main(int argc, char **argv)
 {
     int fd = -1;
     g_is_pid1 = getpid() == 1;
+    if (argc == 3 && !strcmp(argv[1], "--relay")) {
+        return relay_main(argv[2]);
+    }
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--fd") && i + 1 < argc) {
             fd = atoi(argv[++i]);

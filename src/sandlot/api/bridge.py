@@ -1,0 +1,137 @@
+"""A TCP port inside a box as a socket on the host (``box.connect(port)``).
+
+Locally the agent runs a relay (its own binary in relay mode, ``/proc/1/exe
+--relay PORT``: ``guest/agent/relay.c``) as an ordinary command whose stdin and
+stdout are the connection, so the bytes go over the agent channel the host
+already has: no published port, no network device, whatever the box's network
+policy. A remote box does the same over a WebSocket of the server
+(``api/remote.py``). Either way the caller gets one end of a socket pair and
+sandlot's loop copies between the other end and the box, so the socket works
+with anything: blocking code, ``asyncio.open_connection(sock=...)``, an HTTP
+client, a database driver.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import errno
+import re
+import socket
+from typing import Protocol
+
+from ..errors import InvalidArgument, guest_os_error
+from .process import AsyncProcess
+
+RELAY = ("/proc/1/exe", "--relay")  # the agent, in relay mode; /proc/1/exe works from any root
+RELAY_CONNECT_FAILED = 111
+CHUNK = 256 << 10
+
+_bridges: set[asyncio.Task[None]] = set()  # running copies, so they are not collected mid-way
+
+
+def check_port(port: object) -> int:
+    if isinstance(port, bool) or not isinstance(port, int) or not 1 <= port <= 65535:
+        raise InvalidArgument(f"port must be a TCP port number (1..65535), not {port!r}")
+    return port
+
+
+class Duplex(Protocol):
+    """Both directions of one connection into a box."""
+
+    async def read(self) -> bytes:
+        """The next bytes from the box; b"" once its side has closed."""
+        ...
+
+    async def write(self, data: bytes) -> None: ...
+
+    async def close_write(self) -> None:
+        """No more bytes to the box (a half close)."""
+        ...
+
+    async def abort(self) -> None:
+        """End the connection at once."""
+        ...
+
+
+class RelayDuplex:
+    """The relay command's stdout and stdin as a connection."""
+
+    def __init__(self, proc: AsyncProcess) -> None:
+        self._proc = proc
+        self._out = aiter(proc.stdout)
+
+    async def read(self) -> bytes:
+        return await anext(self._out, b"")
+
+    async def write(self, data: bytes) -> None:
+        await self._proc.write_stdin(data)
+
+    async def close_write(self) -> None:
+        await self._proc.close_stdin()
+
+    async def abort(self) -> None:
+        if self._proc.returncode is None:
+            await self._proc.kill()
+
+
+async def relay_connected(proc: AsyncProcess, port: int, timeout: float) -> None:
+    """Wait for the relay's word that ``port`` answered; raise the guest's reason if not."""
+    said = b""
+    try:
+        async with asyncio.timeout(timeout):
+            async for chunk in proc.stderr:
+                said += chunk
+                if said.endswith(b"\n"):
+                    break
+    except TimeoutError:
+        await proc.kill()
+        why = f"port {port} in the box did not answer within {timeout}s"
+        raise guest_os_error(errno.ETIMEDOUT, why) from None
+    if said == b"connected\n":
+        return
+    code = await proc.wait()
+    text = said.decode(errors="replace").strip()
+    m = re.match(r"errno (\d+): (.*)", text)
+    if code == RELAY_CONNECT_FAILED and m:
+        raise guest_os_error(int(m.group(1)), m.group(2))
+    raise guest_os_error(errno.EIO, f"could not reach port {port} in the box: {text or f'exit code {code}'}")
+
+
+def socket_bridge(duplex: Duplex) -> socket.socket:
+    """One end of a socket pair whose other end sandlot's loop copies to and from ``duplex``."""
+    loop = asyncio.get_running_loop()
+    ours, theirs = socket.socketpair()
+    ours.setblocking(False)
+
+    async def from_box() -> None:
+        while chunk := await duplex.read():
+            await loop.sock_sendall(ours, chunk)
+        ours.shutdown(socket.SHUT_WR)
+
+    async def to_box() -> None:
+        while data := await loop.sock_recv(ours, CHUNK):
+            await duplex.write(data)
+        await duplex.close_write()
+
+    async def copy() -> None:
+        tasks = [asyncio.ensure_future(from_box()), asyncio.ensure_future(to_box())]
+        try:
+            # both directions end on their own; an error in either ends the connection
+            for done in asyncio.as_completed(tasks):
+                await done
+        except (Exception, asyncio.CancelledError):
+            pass  # whatever ended it, the connection ends: both sides hear of it below
+        finally:
+            for t in tasks:
+                t.cancel()
+            with contextlib.suppress(BaseException):
+                await asyncio.gather(*tasks, return_exceptions=True)
+            ours.close()
+            with contextlib.suppress(Exception):
+                await duplex.abort()
+
+    task = asyncio.ensure_future(copy())
+    _bridges.add(task)
+    task.add_done_callback(_bridges.discard)
+    return theirs

@@ -1,0 +1,401 @@
+"""Ports of boxes through the server: HTTP and WebSocket to a guest port, a raw
+TCP connection over a WebSocket, and signed preview URLs.
+
+Every connection goes into the box through ``AsyncBox.connect`` (the agent's
+relay, ``api/bridge.py``): the port needs no publishing and the box no network.
+
+- ``/v1/boxes/{box}/ports/{port}/{path}``: HTTP (any method, streamed both ways)
+  and WebSocket, authenticated by an API key like every ``/v1`` route.
+- ``/p/{token}/{path}``: the same, authenticated by the signed, expiring token a
+  key holder made (``POST /v1/boxes/{box}/previews``), for browsers and apps that
+  carry no key. The token names the box, the port and the expiry, and is an
+  HMAC-SHA256 under a secret of this home (``server/preview.key``), so any server
+  of the home accepts it and nobody else can make one.
+- ``WS /v1/boxes/{box}/tcp/{port}``: a raw connection (binary frames both ways),
+  what the remote client's ``box.connect(port)`` uses.
+
+HTTP goes with ``Connection: close`` to the guest (one connection per request)
+and hop-by-hop headers, and a sandlot key, are not passed on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import hashlib
+import hmac
+import json
+import os
+import secrets
+import socket
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import h11
+from fastapi import APIRouter, Request, Response
+from fastapi.responses import RedirectResponse, StreamingResponse
+from pydantic import Field
+from starlette.websockets import WebSocket, WebSocketDisconnect
+from websockets.asyncio.client import ClientConnection
+from websockets.asyncio.client import connect as ws_connect
+from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidStatus
+from websockets.typing import Subprotocol
+
+from ..api.box import AsyncBox
+from ..errors import BoxNotFound, Forbidden, GuestOSError, PortUnreachable, RequestError, SandlotError
+from .models import Strict
+from .routes import box_for, ws_box
+from .state import ServerState
+from .streams import error_message
+
+router = APIRouter()  # /p/...: previews, authenticated by their signature
+v1 = APIRouter()  # under /v1, authenticated by a key
+
+HOP_BY_HOP = {b"connection", b"keep-alive", b"proxy-authenticate", b"proxy-authorization", b"te",
+              b"trailer", b"transfer-encoding", b"upgrade", b"host", b"x-api-key"}  # fmt: skip
+RESPONSE_HEAD_TIMEOUT = 300.0  # seconds the app in the box may take to start answering
+READ_CHUNK = 256 << 10
+MAX_PREVIEW_TTL = 7 * 24 * 3600
+METHODS = ["GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"]
+
+
+# -- preview tokens -------------------------------------------------------------------------
+
+
+def _preview_key(home: Path) -> bytes:
+    """The home's preview secret, made on first use (0600, written atomically)."""
+    path = home / "server" / "preview.key"
+    try:
+        return path.read_bytes()
+    except FileNotFoundError:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with contextlib.suppress(FileExistsError):
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)  # the first writer wins
+            with os.fdopen(fd, "wb") as f:
+                f.write(secrets.token_bytes(32))
+                f.flush()
+                os.fsync(f.fileno())
+        return path.read_bytes()
+
+
+def _signature(key: bytes, box_id: str, port: int, expires: int) -> str:
+    mac = hmac.new(key, f"{box_id}.{port}.{expires}".encode(), hashlib.sha256).digest()
+    return base64.urlsafe_b64encode(mac[:18]).decode()
+
+
+def make_preview_token(home: Path, box_id: str, port: int, ttl: int) -> tuple[str, int]:
+    expires = int(time.time()) + ttl
+    return f"{box_id}.{port}.{expires}.{_signature(_preview_key(home), box_id, port, expires)}", expires
+
+
+def check_preview_token(home: Path, token: str) -> tuple[str, int]:
+    """(box id, port) of a token that is well formed, signed by this home and not expired."""
+    parts = token.split(".")
+    if len(parts) != 4 or not parts[1].isdigit() or not parts[2].isdigit():
+        raise Forbidden("this preview URL is malformed")
+    box_id, port, expires, sig = parts[0], int(parts[1]), int(parts[2]), parts[3]
+    if not hmac.compare_digest(sig, _signature(_preview_key(home), box_id, port, expires)):
+        raise Forbidden("this preview URL's signature is wrong")
+    if expires < time.time():
+        when = time.strftime("%Y-%m-%d %H:%M:%SZ", time.gmtime(expires))
+        raise Forbidden(f"this preview URL expired at {when}")
+    return box_id, port
+
+
+class PreviewIn(Strict):
+    port: int = Field(ge=1, le=65535)
+    ttl: int = Field(default=3600, ge=1, le=MAX_PREVIEW_TTL)
+
+
+# -- HTTP -----------------------------------------------------------------------------------
+
+
+def _headers_for_box(request: Request, port: int, prefix: str) -> list[tuple[bytes, bytes]]:
+    out = [(b"host", f"localhost:{port}".encode())]
+    for k, v in request.headers.raw:
+        lk = k.lower()
+        if lk in HOP_BY_HOP or (lk == b"authorization" and v.lower().startswith(b"bearer sk-sl-")):
+            continue
+        out.append((k, v))
+    client = request.client.host if request.client else ""
+    out += [(b"x-forwarded-host", request.headers.get("host", "").encode("latin-1")),
+            (b"x-forwarded-proto", request.url.scheme.encode()),
+            (b"x-forwarded-for", client.encode()),
+            (b"x-forwarded-prefix", prefix.encode()),
+            (b"connection", b"close")]  # fmt: skip
+    has_body = "transfer-encoding" in request.headers or request.method in ("POST", "PUT", "PATCH")
+    if has_body and "content-length" not in request.headers:
+        out.append((b"transfer-encoding", b"chunked"))
+    return out
+
+
+async def proxy_http(request: Request, box: AsyncBox, port: int, path: str, prefix: str) -> Response:
+    """Send ``request`` to ``port`` in ``box`` and stream the answer back."""
+    sock = await _connect(box, port)
+    reader, writer = await asyncio.open_connection(sock=sock, limit=READ_CHUNK)
+    conn = h11.Connection(h11.CLIENT)
+    target = "/" + path + (f"?{request.url.query}" if request.url.query else "")
+
+    async def send(event: Any) -> None:
+        data = conn.send(event)
+        if data:
+            writer.write(data)
+            await writer.drain()
+
+    try:
+        await send(h11.Request(method=request.method, target=target.encode(),
+                               headers=_headers_for_box(request, port, prefix)))  # fmt: skip
+        async for chunk in request.stream():
+            if chunk:
+                await send(h11.Data(data=chunk))
+        await send(h11.EndOfMessage())
+        head = await asyncio.wait_for(_next_event(conn, reader), RESPONSE_HEAD_TIMEOUT)
+        if not isinstance(head, h11.Response):
+            raise PortUnreachable(f"port {port} in box {box.name} did not answer with HTTP", box=box.name)
+    except TimeoutError:
+        writer.close()
+        why = f"port {port} in box {box.name} did not answer within {RESPONSE_HEAD_TIMEOUT:.0f}s"
+        raise PortUnreachable(why, box=box.name) from None
+    except (h11.ProtocolError, OSError) as e:
+        writer.close()
+        why = f"port {port} in box {box.name} broke the HTTP exchange: {e}"
+        raise PortUnreachable(why, box=box.name) from None
+
+    async def body() -> AsyncIterator[bytes]:
+        try:
+            while True:
+                event = await _next_event(conn, reader)
+                if isinstance(event, h11.Data):
+                    yield bytes(event.data)
+                elif isinstance(event, h11.EndOfMessage | h11.ConnectionClosed):
+                    return
+        except (h11.ProtocolError, OSError):
+            return  # the app broke off: the client sees a short body
+        finally:
+            writer.close()
+
+    response = StreamingResponse(body(), status_code=head.status_code)
+    response.raw_headers = [(bytes(k), bytes(v)) for k, v in head.headers if k not in HOP_BY_HOP]
+    return response
+
+
+async def _next_event(conn: h11.Connection, reader: asyncio.StreamReader) -> Any:
+    while True:
+        event = conn.next_event()
+        if event is h11.NEED_DATA:
+            conn.receive_data(await reader.read(READ_CHUNK))
+            continue
+        return event
+
+
+async def _connect(box: AsyncBox, port: int) -> socket.socket:
+    try:
+        return await box.connect(port)
+    except GuestOSError as e:
+        raise PortUnreachable(f"port {port} in box {box.name}: {e.guest_message}", box=box.name) from None
+
+
+# -- WebSocket -----------------------------------------------------------------------------
+
+
+async def proxy_websocket(ws: WebSocket, box: AsyncBox, port: int, path: str) -> None:
+    """Open a WebSocket to ``port`` in ``box`` (with the client's subprotocols), then
+    accept the client's and pass messages both ways until either side closes."""
+    query = ws.url.query
+    protocols = [str(p) for p in ws.scope.get("subprotocols") or []]  # what the client offered
+    try:
+        sock = await _connect(box, port)
+        inner = await ws_connect(f"ws://localhost:{port}/{path}" + (f"?{query}" if query else ""),
+                                 sock=sock, subprotocols=[Subprotocol(p) for p in protocols] or None,
+                                 open_timeout=30, max_size=None, compression=None)  # fmt: skip
+    except (SandlotError, InvalidHandshake, OSError, TimeoutError) as e:
+        err = e if isinstance(e, SandlotError) else PortUnreachable(
+            f"port {port} in box {box.name} refused the WebSocket: {_handshake_reason(e)}")  # fmt: skip
+        await ws.accept()
+        await ws.send_json(error_message(err))
+        await ws.close(1011)
+        return
+    await ws.accept(subprotocol=inner.subprotocol)
+    await _splice(ws, inner)
+
+
+def _handshake_reason(e: BaseException) -> str:
+    if isinstance(e, InvalidStatus):
+        return f"HTTP {e.response.status_code}"
+    return str(e) or type(e).__name__
+
+
+async def _splice(ws: WebSocket, inner: ClientConnection) -> None:
+    async def outward() -> None:
+        async for msg in inner:
+            if isinstance(msg, bytes):
+                await ws.send_bytes(msg)
+            else:
+                await ws.send_text(msg)
+
+    async def inward() -> None:
+        while True:
+            msg = await ws.receive()
+            if msg["type"] == "websocket.disconnect":
+                return
+            if msg.get("bytes") is not None:
+                await inner.send(msg["bytes"])
+            elif msg.get("text") is not None:
+                await inner.send(msg["text"])
+
+    await _first_to_end(outward(), inward())
+    with contextlib.suppress(Exception):
+        await inner.close()
+    with contextlib.suppress(Exception):
+        await ws.close(1000)
+
+
+async def _first_to_end(*coros: Any) -> None:
+    """Run the coroutines until one ends (or fails); cancel the rest."""
+    tasks = [asyncio.ensure_future(c) for c in coros]
+    try:
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for t in tasks:
+            t.cancel()
+        for t in tasks:
+            with contextlib.suppress(BaseException):
+                await t
+
+
+async def raw_tcp(ws: WebSocket, box: AsyncBox, port: int) -> None:
+    """A raw connection: binary frames both ways; ``{"type": "eof"}`` from the client
+    is a half close; the server says ``{"type": "connected"}`` once the port answered."""
+    try:
+        sock = await box.connect(port)  # a refusal goes to the client as the guest's error, as locally
+    except SandlotError as e:
+        await ws.send_json(error_message(e))
+        await ws.close(1011)
+        return
+    reader, writer = await asyncio.open_connection(sock=sock, limit=READ_CHUNK)
+    await ws.send_json({"type": "connected"})
+
+    async def outward() -> None:
+        while data := await reader.read(READ_CHUNK):
+            await ws.send_bytes(data)
+        await ws.send_json({"type": "eof"})
+        await asyncio.Event().wait()  # the client may still send: it closes when done
+
+    async def inward() -> None:
+        while True:
+            msg = await ws.receive()
+            if msg["type"] == "websocket.disconnect":
+                return
+            if msg.get("bytes") is not None:
+                writer.write(msg["bytes"])
+                await writer.drain()
+            elif msg.get("text") is not None:  # {"type": "eof"}: nothing more to the box
+                if _control_type(msg["text"]) != "eof":
+                    await ws.send_json(
+                        error_message(RequestError("a raw connection takes binary frames and eof"))
+                    )
+                    return
+                if writer.can_write_eof():
+                    writer.write_eof()
+
+    with contextlib.suppress(WebSocketDisconnect, ConnectionClosed, OSError):
+        await _first_to_end(outward(), inward())
+    writer.close()
+    with contextlib.suppress(Exception):
+        await ws.close(1000)
+
+
+# -- routes ---------------------------------------------------------------------------------
+
+
+def _server(request: Request | WebSocket) -> ServerState:
+    state: ServerState = request.app.state.server
+    return state
+
+
+async def _preview_box(request: Request | WebSocket, token: str) -> tuple[AsyncBox, int]:
+    server = _server(request)
+    box_id, port = check_preview_token(server.home_dir, token)
+    try:
+        return await AsyncBox.get(box_id, home=server.home), port
+    except BoxNotFound:
+        raise BoxNotFound(f"the box of this preview URL is gone ({box_id})", box=box_id) from None
+
+
+@router.api_route("/p/{token}/{path:path}", methods=METHODS, include_in_schema=False)
+async def preview_http(request: Request, token: str, path: str) -> Response:
+    box, port = await _preview_box(request, token)
+    return await proxy_http(request, box, port, path, f"/p/{token}")
+
+
+@router.get("/p/{token}", include_in_schema=False)
+async def preview_root(request: Request) -> Response:
+    return RedirectResponse(request.url.path + "/", status_code=307)
+
+
+@router.websocket("/p/{token}/{path:path}")
+async def preview_ws(ws: WebSocket, token: str, path: str) -> None:
+    try:
+        box, port = await _preview_box(ws, token)
+    except SandlotError as e:
+        await ws.accept()
+        await ws.send_json(error_message(e))
+        await ws.close(1008)
+        return
+    await proxy_websocket(ws, box, port, path)
+
+
+@v1.api_route("/boxes/{box}/ports/{port}/{path:path}", methods=METHODS, tags=["ports"])
+async def port_http(request: Request, box: str, port: int, path: str) -> Response:
+    """HTTP to ``port`` in the box (streamed both ways)."""
+    b = await box_for(request, box)
+    return await proxy_http(request, b, _port(port), path, f"/v1/boxes/{box}/ports/{port}")
+
+
+@v1.get("/boxes/{box}/ports/{port}", include_in_schema=False)
+async def port_root(request: Request) -> Response:
+    """The app's root is ``.../ports/{port}/``: relative links resolve under it."""
+    return RedirectResponse(request.url.path + "/", status_code=307)
+
+
+@v1.websocket("/boxes/{box}/ports/{port}/{path:path}")
+async def port_ws(ws: WebSocket, box: str, port: int, path: str) -> None:
+    """A WebSocket to ``port`` in the box."""
+    found = await ws_box(ws, box, accept=False)
+    if found is not None:
+        await proxy_websocket(ws, found[2], _port(port), path)
+
+
+@v1.websocket("/boxes/{box}/tcp/{port}")
+async def tcp_ws(ws: WebSocket, box: str, port: int) -> None:
+    """A raw TCP connection to ``port`` in the box (``box.connect`` of the remote client)."""
+    found = await ws_box(ws, box)
+    if found is not None:
+        await raw_tcp(ws, found[2], _port(port))
+
+
+@v1.post("/boxes/{box}/previews", status_code=201, tags=["ports"])
+async def make_preview(request: Request, box: str, body: PreviewIn) -> dict[str, Any]:
+    """A signed URL to ``port`` in the box that works without a key until it expires."""
+    b = await box_for(request, box)
+    token, expires = make_preview_token(_server(request).home_dir, b.id, body.port, body.ttl)
+    base = str(request.base_url).rstrip("/")
+    return {"url": f"{base}/p/{token}/", "port": body.port, "expires_at": expires}
+
+
+def _control_type(text: str) -> str | None:
+    try:
+        msg = json.loads(text)
+    except ValueError:
+        return None
+    kind = msg.get("type") if isinstance(msg, dict) else None
+    return kind if isinstance(kind, str) else None
+
+
+def _port(port: int) -> int:
+    if not 1 <= port <= 65535:
+        raise RequestError(f"{port} is not a TCP port (1..65535)")
+    return port
