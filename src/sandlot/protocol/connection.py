@@ -422,8 +422,7 @@ class AgentConnection:
         )
         live = {int.from_bytes(v, "little") for v in f.all(Tag.CHANNEL)}
         if f.u32(Tag.RESUMED, 0):
-            self.orphans = (self.orphans | live) - self._channels.keys()
-            self.orphans &= live
+            self.orphans = live - self._channels.keys()  # an earlier host's, not ours
             if live:  # new channels must not take the number of one that lives on
                 self._next_id = max(self._next_id, max(live) + 1) & 0xFFFFFFFF
             for ch in list(self._channels.values()):

@@ -237,20 +237,26 @@ async def _splice(ws: WebSocket, inner: ClientConnection) -> None:
                 await ws.send_text(msg)
 
     async def inward() -> None:
-        while True:
-            msg = await ws.receive()
-            if msg["type"] == "websocket.disconnect":
-                return
-            if msg.get("bytes") is not None:
-                await inner.send(msg["bytes"])
-            elif msg.get("text") is not None:
-                await inner.send(msg["text"])
+        async for msg in _from_client(ws):
+            await inner.send(msg)
 
     await _first_to_end(outward(), inward())
     with contextlib.suppress(Exception):
         await inner.close()
     with contextlib.suppress(Exception):
         await ws.close(1000)
+
+
+async def _from_client(ws: WebSocket) -> AsyncIterator[bytes | str]:
+    """The client's messages, binary or text, until it goes away."""
+    while True:
+        msg = await ws.receive()
+        if msg["type"] == "websocket.disconnect":
+            return
+        if msg.get("bytes") is not None:
+            yield msg["bytes"]
+        elif msg.get("text") is not None:
+            yield msg["text"]
 
 
 async def _first_to_end(*coros: Any) -> None:
@@ -285,15 +291,12 @@ async def raw_tcp(ws: WebSocket, box: AsyncBox, port: int) -> None:
         await asyncio.Event().wait()  # the client may still send: it closes when done
 
     async def inward() -> None:
-        while True:
-            msg = await ws.receive()
-            if msg["type"] == "websocket.disconnect":
-                return
-            if msg.get("bytes") is not None:
-                writer.write(msg["bytes"])
+        async for msg in _from_client(ws):
+            if isinstance(msg, bytes):
+                writer.write(msg)
                 await writer.drain()
-            elif msg.get("text") is not None:  # {"type": "eof"}: nothing more to the box
-                if _control_type(msg["text"]) != "eof":
+            else:  # {"type": "eof"}: nothing more to the box
+                if _control_type(msg) != "eof":
                     await ws.send_json(
                         error_message(RequestError("a raw connection takes binary frames and eof"))
                     )
