@@ -10,6 +10,7 @@ every other name asked is one the policy refuses before any lookup.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import ssl
@@ -428,3 +429,117 @@ def test_cli_publishes_ports_and_changes_the_policy(debian_root: Path) -> None:
         assert r.returncode == 125 and "network card" in r.stderr
     finally:
         sandlot.get(name).remove(force=True)
+
+
+# From a box to another box's ports, by the names sandlot's DNS answers for boxes:
+# through the egress proxy ("proxy"), straight to the address DNS gave ("direct"),
+# and a raw exchange in which the server speaks first ("banner": no request, so
+# nothing in it could name where it goes). One JSON line per attempt.
+BOX_PROBE = r"""
+import json, socket, sys, urllib.request
+proxy = urllib.request.build_opener(urllib.request.ProxyHandler({"http": "http://10.0.2.100:3128"}))
+def attempt(kind, target):
+    host, port = target.rsplit(":", 1)
+    try:
+        if kind == "proxy":
+            return proxy.open(f"http://{target}/", timeout=60).read().decode().strip()
+        s = socket.create_connection((host, int(port)), timeout=60)
+        if kind == "direct":
+            s.sendall(f"GET / HTTP/1.0\r\nHost: {host}\r\n\r\n".encode())
+        data = b""
+        while chunk := s.recv(4096):
+            data += chunk
+        return data.split(b"\r\n\r\n")[-1].decode().strip() or "closed"
+    except Exception as exc:
+        return f"refused:{getattr(exc, 'code', None) or type(exc).__name__}"
+for line in sys.stdin:
+    kind, target = line.split()
+    print(json.dumps([kind, target, attempt(kind, target)]), flush=True)
+"""
+
+# A greeting on 7000 to whoever connects (a server that speaks first, as SSH, SMTP or MySQL do)
+BANNER = """
+import socket
+s = socket.create_server(("127.0.0.1", 7000))
+while True:
+    c, _ = s.accept()
+    c.sendall(b"banner-from-box\\n")
+    c.close()
+"""
+
+
+def box_probe(box: sandlot.Box, *attempts: tuple[str, str]) -> dict[tuple[str, str], str]:
+    stdin = "".join(f"{k} {t}\n" for k, t in attempts)
+    r = box.exec("python3", "-c", BOX_PROBE, stdin=stdin, timeout=300, env={"NO_PROXY": "", "no_proxy": ""})
+    assert r.returncode == 0, r.stderr
+    return {(k, t): v for k, t, v in map(json.loads, r.stdout.splitlines())}
+
+
+def test_a_box_reaches_only_the_ports_of_other_boxes_its_policy_names(debian_root: Path) -> None:
+    tag = os.urandom(3).hex()
+    web, other = f"web-{tag}", f"other-{tag}"
+    ns = {"sandlot.namespace": f"team-{tag}"}
+    # the service box has no network card: its ports are reached through its agent, on its loopback
+    server = sandlot.Box(rootfs=debian_root, memory_mib=256, name=web, labels=ns)
+    client = sandlot.Box(rootfs=debian_root, memory_mib=256, name=f"client-{tag}", labels=ns,
+                         allow=[f"box:{web}:8000", f"box:{web}:7000", f"box:{other}:8000"])  # fmt: skip
+    # a box of another namespace may name the same port: it is refused
+    elsewhere = {"sandlot.namespace": f"else-{tag}"}
+    stranger = sandlot.Box(rootfs=debian_root, memory_mib=256, name=f"stranger-{tag}", labels=elsewhere,
+                           allow=[f"box:{web}:8000"])  # fmt: skip
+    try:
+        server.start()
+        server.sh("cd /tmp && echo served-from-box > index.html")
+        for port in ("8000", "9000"):
+            server.spawn("sh", "-c", f"cd /tmp && exec python3 -m http.server {port} --bind 127.0.0.1")
+        server.spawn("python3", "-c", BANNER)
+        server.exec("python3", "-c", WAIT_FOR_8000)
+        client.start()
+        assert "eth0" not in server.exec("ls", "/sys/class/net").stdout
+        host = f"{web}.box.internal"
+        out = box_probe(
+            client,
+            ("proxy", f"{host}:8000"),
+            ("proxy", f"{web}:8000"),  # the plain box name, as a one-label host
+            ("direct", f"{host}:8000"),
+            ("banner", f"{host}:7000"),
+            ("proxy", f"{host}:9000"),  # a port the policy does not name, though something listens
+            ("direct", f"{host}:9000"),
+            ("proxy", f"{host}:22"),
+            ("proxy", f"{other}.box.internal:8000"),  # named, but no such box in the namespace
+            ("proxy", f"nobody-{tag}.box.internal:8000"),  # never named: refused, and never looked up
+        )
+        assert out[("proxy", f"{host}:8000")] == "served-from-box", out
+        assert out[("proxy", f"{web}:8000")] == "served-from-box", out
+        assert out[("direct", f"{host}:8000")] == "served-from-box", out
+        assert out[("banner", f"{host}:7000")] == "banner-from-box", out
+        assert out[("proxy", f"{host}:9000")] == "refused:403", out
+        assert out[("direct", f"{host}:9000")] == "refused:ConnectionRefusedError", out
+        assert out[("proxy", f"{host}:22")] == "refused:403", out
+        assert out[("proxy", f"{other}.box.internal:8000")] == "refused:403", out
+        assert out[("proxy", f"nobody-{tag}.box.internal:8000")] == "refused:403", out
+        answers = ask_dns(client, ("A", host), ("A", f"nobody-{tag}.box.internal"))
+        assert answers[("A", host)][0].startswith("NOERROR:10.0.2.101/"), answers
+        assert answers[("A", f"nobody-{tag}.box.internal")][0] == "NXDOMAIN", answers
+        reasons = [str(e.get("reason")) for e in egress_log(client) if e.get("decision") == "denied"]
+        assert any("port 9000 of box" in r for r in reasons), reasons
+        assert any(f"no box named {other}" in r for r in reasons), reasons
+        # a port the policy names but nothing listens on: the proxy says so (502), the box is unharmed
+        client.set_network(allow=[f"box:{web}:8000", f"box:{web}:8001"])
+        out = box_probe(client, ("proxy", f"{host}:8001"), ("proxy", f"{host}:8000"))
+        assert out == {("proxy", f"{host}:8001"): "refused:502", ("proxy", f"{host}:8000"): "served-from-box"}
+        # a policy change applies to the next connection, the address DNS gave included
+        client.set_network(allow=[f"box:{web}:8001"])
+        out = box_probe(client, ("direct", f"{host}:8000"), ("proxy", f"{host}:8000"))
+        assert out[("direct", f"{host}:8000")] in ("closed", "refused:ConnectionResetError"), out
+        assert out[("proxy", f"{host}:8000")] == "refused:403", out
+        stranger.start()
+        out = box_probe(stranger, ("proxy", f"{host}:8000"), ("direct", f"{host}:8000"))
+        assert out[("proxy", f"{host}:8000")] == "refused:403", out
+        assert out[("direct", f"{host}:8000")] in ("closed", "refused:ConnectionResetError"), out
+        reasons = [str(e.get("reason")) for e in egress_log(stranger)]
+        assert any(f"no box named {web} in the namespace" in r for r in reasons), reasons
+    finally:
+        for box in (client, stranger, server):
+            with contextlib.suppress(sandlot.SandlotError):
+                box.remove(force=True)

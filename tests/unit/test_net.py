@@ -132,15 +132,23 @@ def upstream() -> Iterator[Upstream]:
 
 
 def through_proxy(  # type: ignore[type-arg]
-    tmp_path: Path, policy: Policy, request: bytes, then: bytes = b"", *, transparent: int | None = None
+    tmp_path: Path,
+    policy: Policy,
+    request: bytes,
+    then: bytes = b"",
+    *,
+    transparent: int | None = None,
+    more: list[str] | None = None,
 ) -> tuple[bytes, dict]:
     """Run one proxy process on one connection, as QEMU does; return what the guest
-    read and the decision logged. ``transparent``: the port of a straight connection."""
+    read and the decision logged. ``transparent``: the port of a straight connection;
+    ``more``: more arguments."""
     write_policy(tmp_path / "policy.json", policy)
     guest, theirs = socket.socketpair()
     argv = [sys.executable, "-m", "sandlot.net.proxy", str(tmp_path / "policy.json"), str(tmp_path / "log")]
     if transparent is not None:
         argv += ["--transparent", str(transparent)]
+    argv += more or []
     proc = subprocess.Popen(argv, stdin=theirs, stdout=theirs, stderr=theirs)
     theirs.close()
     guest.settimeout(20)
@@ -505,3 +513,189 @@ def test_the_guest_asks_the_host_for_names_where_qemus_resolver_is_out_of_reach(
     append, netdev = kernel_and_netdev(NetConfig(restrict=False, dns_command="d"))  # open
     assert "sandlot.net=1" in append and "sandlot.dns" not in append
     assert "guestfwd=tcp:10.0.2.100:53-cmd:d" in netdev  # for a guest restored from a proxied box
+    boxes = NetConfig(proxy_command="p", guest_forwards=(("10.0.2.101", 5432, "p --box a,b 5432"),))
+    assert "guestfwd=tcp:10.0.2.101:5432-cmd:p --box a,,b 5432" in kernel_and_netdev(boxes)[1]
+
+
+def test_box_entries_name_a_box_and_one_of_its_ports() -> None:
+    policy = Policy.build(None, ["box:web:8000", "box:Db.main:5432", "pypi.org"])
+    assert policy.mode == "allowlist"
+    assert [str(r) for r in policy.allow] == ["box:web:8000", "box:Db.main:5432", "pypi.org"]
+    assert Policy.from_json(policy.to_json()) == policy
+    assert policy.boxes() == ["web", "Db.main"]
+    assert policy.box_named("web") == policy.box_named("WEB.box.internal.") == "web"
+    assert policy.box_named("db.main.box.internal") == "Db.main"
+    assert policy.box_named("db.main") is None  # a plain name of more than one label is a host outside
+    assert policy.box_named("nobody.box.internal") is None and policy.box_named("pypi.org") is None
+    assert policy.allows_box("web", 8000) and not policy.allows_box("web", 8001)
+    assert not policy.allows_box("Db.main", 8000) and not policy.allows_box("db.main", 5432)
+    assert not Policy.build("allowlist", ["pypi.org"]).allows_box("web", 8000)
+    # a box entry is no name, address or port of the internet
+    assert policy.ports() == (0,) and not policy.allows_name("web", 8000)
+    for bad in [
+        "box:web",
+        "box::80",
+        "box:web:0",
+        "box:web:http",
+        "box:-web:80",
+        "box:a/b:80",
+        "box:web:99999",
+    ]:
+        with pytest.raises(InvalidArgument, match="allow entry"):
+            Policy.build("allowlist", [bad])
+    with pytest.raises(InvalidArgument, match="no meaning"):
+        Policy.build("open", ["box:web:80"])
+    with pytest.raises(InvalidArgument, match="at most 100"):
+        Policy.build("allowlist", [f"box:b{i}:80" for i in range(101)])
+
+
+def test_names_in_the_box_domain_are_never_looked_up_on_the_host() -> None:
+    from sandlot.net.dns import handle
+    from sandlot.net.policy import Denied, resolve
+
+    lookup = FakeLookup()
+    policy = Policy.build("public", ["box:web:8000", "box:late:80"])
+    with pytest.raises(Denied, match="names that box"):
+        resolve(policy, "nobody.box.internal", 80, lookup=lookup)
+    boxes = {"web": "10.0.2.101"}  # "late" was named after the VM started: no address of its own
+    answers = {}
+    questions = [("web.box.internal", 1), ("web", 1), ("late.box.internal", 1), ("web.box.internal", 28),
+                 ("nobody.box.internal", 1), ("box.internal", 1)]  # fmt: skip
+    for name, qtype in questions:
+        reply, _ = handle(dns_query(name, qtype), policy, lookup, boxes)
+        assert reply is not None
+        answers[name, qtype] = dns_reply(reply)[1:]
+    assert answers["web.box.internal", 1] == (NOERROR, [("10.0.2.101", 10)])
+    assert answers["web", 1] == (NOERROR, [("10.0.2.101", 10)])
+    assert answers["late.box.internal", 1] == (NOERROR, [("10.0.2.100", 10)])  # through the proxy
+    assert answers["web.box.internal", 28] == (NOERROR, [])
+    assert answers["nobody.box.internal", 1] == (NXDOMAIN, [])
+    assert answers["box.internal", 1] == (NXDOMAIN, [])
+    assert lookup.asked == []
+
+
+def test_box_addresses_are_in_the_guest_network_and_bounded() -> None:
+    from sandlot.net.addresses import MAX_BOXES, PROXY_ADDRESS, box_address
+
+    addresses = [box_address(n) for n in range(MAX_BOXES)]
+    assert addresses[0] == "10.0.2.101" and addresses[-1] == "10.0.2.200" and PROXY_ADDRESS not in addresses
+    with pytest.raises(ValueError):
+        box_address(MAX_BOXES)
+
+
+class FakeLink:
+    """A box link on a unix socket that answers as the real one does, and then
+    echoes what it gets: what the proxy sends and reads, as a guest would see it."""
+
+    def __init__(self, path: Path, answer: bytes) -> None:
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.bind(str(path))
+        self.sock.listen()
+        self.answer = answer
+        self.requests: list[dict[str, object]] = []
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            with conn:
+                line = b""
+                while not line.endswith(b"\n"):
+                    line += conn.recv(1)
+                self.requests.append(json.loads(line))
+                conn.sendall(self.answer)
+                while self.answer == b"ok\n" and (data := conn.recv(4096)):
+                    conn.sendall(b"echo:" + data)
+
+
+def link_file(tmp_path: Path, sock: Path) -> Path:
+    from sandlot.net.boxlink import LinkInfo
+
+    info = LinkInfo(home=str(tmp_path), box="b0x1d", socket=str(sock), python=sys.executable, addresses={})
+    (tmp_path / "link.json").write_text(json.dumps(info.to_json()))
+    return tmp_path / "link.json"
+
+
+@pytest.mark.parametrize(
+    ("answer", "status", "decision"),
+    [
+        (b"ok\n", b"HTTP/1.1 200", "allowed"),
+        (b"denied not in this namespace\n", b"HTTP/1.1 403", "denied"),
+        (b"failed port 8000 refused\n", b"HTTP/1.1 502", "failed"),
+    ],
+)
+def test_proxy_reaches_boxes_through_the_homes_link(
+    tmp_path: Path, answer: bytes, status: bytes, decision: str
+) -> None:
+    link = FakeLink(tmp_path / "link.sock", answer)
+    policy = Policy.build("allowlist", ["box:web:8000"])
+    more = ["--link", str(link_file(tmp_path, tmp_path / "link.sock"))]
+    then = b"hello" if decision == "allowed" else b""
+    out, entry = through_proxy(tmp_path, policy, connect("web.box.internal:8000"), then=then, more=more)
+    assert out.startswith(status) and entry["decision"] == decision and entry["box"] == "web", (out, entry)
+    assert link.requests == [{"from": "b0x1d", "box": "web", "port": 8000}]
+    if decision == "allowed":
+        assert out.endswith(b"echo:hello")
+    else:
+        assert answer.split(b" ", 1)[1].strip().decode() in entry["reason"]
+    # straight to the box's own address: no request to read, the bytes go as they are
+    out, entry = through_proxy(tmp_path, policy, b"hi", more=[*more, "--box", "web", "8000"])
+    assert entry["decision"] == decision and out == (b"echo:hi" if decision == "allowed" else b"")
+    # a port the policy does not name never reaches the link
+    link.requests.clear()
+    out, entry = through_proxy(tmp_path, policy, connect("web.box.internal:9000"), more=more)
+    assert out.startswith(b"HTTP/1.1 403") and "port 9000 of box web" in entry["reason"]
+    out, entry = through_proxy(tmp_path, policy, b"hi", more=[*more, "--box", "web", "9000"])
+    assert out == b"" and entry["decision"] == "denied" and link.requests == []
+    link.sock.close()
+
+
+def test_proxy_of_a_box_started_without_a_link_refuses_boxes(tmp_path: Path) -> None:
+    out, entry = through_proxy(tmp_path, Policy.build("allowlist", ["box:web:80"]), connect("web:80"))
+    assert out.startswith(b"HTTP/1.1 403") and "without a box link" in entry["reason"]
+
+
+def test_proxy_arguments_old_and_new() -> None:
+    from sandlot.net.proxy import Args
+
+    assert Args.parse(["p", "POL", "LOG"]) == Args(Path("POL"), "LOG")
+    assert Args.parse(["p", "POL", "LOG", "--transparent", "443"]) == Args(
+        Path("POL"), "LOG", transparent=443
+    )
+    assert Args.parse(["p", "POL", "LOG", "--link", "L", "--box", "db.main", "5432"]) == Args(
+        Path("POL"), "LOG", link=Path("L"), box=("db.main", 5432)
+    )
+    for bad in (["p", "POL"], ["p", "POL", "LOG", "--box", "web"], ["p", "POL", "LOG", "--what", "1"]):
+        assert Args.parse(bad) is None
+
+
+def test_the_homes_link_refuses_what_it_cannot_check_and_runs_once(tmp_path: Path) -> None:
+    import time
+
+    sock = tmp_path / "link.sock"
+    argv = [sys.executable, "-m", "sandlot.api.boxlink", str(tmp_path / "home"), str(sock)]
+    link = subprocess.Popen(argv)
+    try:
+        for _ in range(300):
+            if sock.exists():
+                break
+            time.sleep(0.05)
+        assert subprocess.run(argv, timeout=60).returncode == 0  # the home has a link: the second one leaves
+
+        def ask(request: bytes) -> bytes:
+            with socket.socket(socket.AF_UNIX) as s:
+                s.settimeout(30)
+                s.connect(str(sock))
+                s.sendall(request)
+                return s.recv(4096)
+
+        assert ask(b"not json\n") == b"denied malformed request\n"
+        assert ask(b'{"from": "x", "box": "web", "port": 0}\n') == b"denied malformed request\n"
+        assert ask(b'{"from": "f00d", "box": "web", "port": 80}\n') == b"denied no box f00d\n"
+        assert link.poll() is None
+    finally:
+        link.terminate()
+        link.wait(10)

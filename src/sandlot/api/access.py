@@ -26,7 +26,7 @@ from __future__ import annotations
 import os
 
 from ..core import access
-from ..core.access import ApiKey, AuditEntry, AuditLog, KeyVerifier, Quotas
+from ..core.access import KEY_LABEL, NAMESPACE_LABEL, ApiKey, AuditEntry, AuditLog, KeyVerifier, Quotas
 from ..core.runtime import Runtime
 from ..core.store import BoxStore
 
@@ -93,6 +93,8 @@ def audit_writer(
 
 
 __all__ = [
+    "KEY_LABEL",
+    "NAMESPACE_LABEL",
     "ApiKey",
     "AuditEntry",
     "AuditLog",

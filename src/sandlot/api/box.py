@@ -43,7 +43,7 @@ from ..errors import BoxNotFound, ConnectionLost, InvalidArgument, InvalidState,
 from ..images.store import Image
 from ..net.secrets import Secret
 from ..protocol.exec import ExecRequest, RemoteProcess
-from .bridge import RELAY, RelayDuplex, check_port, relay_connected, socket_bridge
+from .bridge import check_port, open_relay, socket_bridge
 from .files import AsyncFiles
 from .process import AsyncProcess, ExecResult
 
@@ -452,9 +452,7 @@ class AsyncBox:
         """
         check_port(port)
         positive("timeout", timeout)
-        proc = await self.spawn(*RELAY, str(port), user="root", stdin=True)
-        await relay_connected(proc, port, timeout)
-        return socket_bridge(RelayDuplex(proc))
+        return socket_bridge(await open_relay(self.spawn, port, timeout))
 
     async def exec(
         self,

@@ -18,6 +18,7 @@ import contextlib
 import errno
 import re
 import socket
+from collections.abc import Awaitable, Callable
 from typing import Protocol
 
 from ..errors import InvalidArgument, guest_os_error
@@ -98,10 +99,26 @@ async def relay_connected(proc: AsyncProcess, port: int, timeout: float) -> None
     raise guest_os_error(errno.EIO, f"could not reach port {port} in the box: {text or f'exit code {code}'}")
 
 
+async def open_relay(spawn: Callable[..., Awaitable[AsyncProcess]], port: int, timeout: float) -> RelayDuplex:
+    """A connection to ``port`` on a box's loopback: the relay started by the box's
+    ``spawn``, once it said the port answered."""
+    proc = await spawn(*RELAY, str(port), user="root", stdin=True)
+    await relay_connected(proc, port, timeout)
+    return RelayDuplex(proc)
+
+
 def socket_bridge(duplex: Duplex) -> socket.socket:
     """One end of a socket pair whose other end sandlot's loop copies to and from ``duplex``."""
-    loop = asyncio.get_running_loop()
     ours, theirs = socket.socketpair()
+    bridge(ours, duplex)
+    return theirs
+
+
+def bridge(ours: socket.socket, duplex: Duplex) -> asyncio.Task[None]:
+    """Copy between a connected socket and ``duplex`` on the running loop, both ways,
+    until both have finished; then close ``ours`` and end ``duplex``. The task that
+    copies ends when the connection has (awaiting it is optional)."""
+    loop = asyncio.get_running_loop()
     ours.setblocking(False)
 
     async def from_box() -> None:
@@ -134,4 +151,4 @@ def socket_bridge(duplex: Duplex) -> socket.socket:
     task = asyncio.ensure_future(copy())
     _bridges.add(task)
     task.add_done_callback(_bridges.discard)
-    return theirs
+    return task

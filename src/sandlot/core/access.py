@@ -41,6 +41,11 @@ from .store import BoxStore
 
 log = logging.getLogger("sandlot.access")
 
+# Labels the server stamps on the boxes a key makes: the key's namespace, and the key.
+# Boxes of one namespace may reach each other (``box:NAME:PORT``); no others may.
+NAMESPACE_LABEL = "sandlot.namespace"
+KEY_LABEL = "sandlot.key"
+
 KEY_PREFIX = "sk-sl-"
 KEY_RE = re.compile(r"sk-sl-([0-9a-f]{8})-([A-Za-z0-9_-]{43})")  # token_urlsafe(32) is 43 characters
 NAME_RE = re.compile(r"[A-Za-z0-9_.-]{1,64}")

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import shlex
 import sys
@@ -21,9 +22,11 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
-from ..config import runtime_dir
+from ..config import atomic_write, runtime_dir
 from ..engine.base import VM, Boot, BootRequest, Engine, LaunchSpec, NetSpec, SavedState, Volume
 from ..errors import AgentTimeout, BootTimeout, ConnectionLost
+from ..net.addresses import box_address
+from ..net.boxlink import LinkInfo, link_socket
 from ..net.policy import write_policy
 from ..net.secrets import GUEST_BUNDLE, GUEST_CA, SYSTEM_BUNDLES, read_vault_json
 from ..protocol import files as proto_files
@@ -72,9 +75,18 @@ class Launcher:
             return NetSpec(restrict=True)
         policy_file = entry.dir / "egress-policy.json"
         write_policy(policy_file, policy)
+        # the boxes the policy names now get guest addresses of their own; one named
+        # later is reached through the proxy (QEMU's forwards are fixed at start)
+        addresses = {name: box_address(n) for n, name in enumerate(policy.boxes())}
+        sock = link_socket(runtime_dir(), self.rt.home)
+        link = LinkInfo(home=str(self.rt.home), box=entry.id, socket=str(sock), python=sys.executable,
+                        addresses=addresses)  # fmt: skip
+        link_file = entry.dir / "egress-link.json"
+        atomic_write(link_file, json.dumps(link.to_json()).encode(), mode=0o600)
 
-        def helper(module: str) -> str:  # started by the engine for each guest connection
-            argv = (sys.executable, "-m", module, str(policy_file), str(entry.dir / "egress.log"))
+        def helper(module: str, *more: str) -> str:  # started by the engine for each guest connection
+            argv = (sys.executable, "-m", module, str(policy_file), str(entry.dir / "egress.log"),
+                    "--link", str(link_file), *more)  # fmt: skip
             return " ".join(shlex.quote(x) for x in argv)
 
         return NetSpec(
@@ -84,6 +96,11 @@ class Launcher:
             dns_command=helper("sandlot.net.dns"),
             forwards=tuple((p.address, p.host, p.guest) for p in spec.ports),
             transparent_ports=tuple(spec.transparent_ports()),
+            guest_forwards=tuple(
+                (addresses[r.box], r.port, helper("sandlot.net.proxy", "--box", r.box, str(r.port)))
+                for r in policy.allow
+                if r.box is not None and r.port is not None and policy.proxied
+            ),
         )
 
     def vm_of(self, entry: BoxEntry, rec: BoxRecord) -> VM:

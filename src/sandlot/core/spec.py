@@ -305,7 +305,7 @@ class BoxSpec:
         the address sandlot's DNS gives allowed names: 80, 443 and those the allow
         entries and secrets name. Fixed when the VM starts: QEMU cannot add them later."""
         ports = {80, 443}
-        ports.update(r.port for r in self.policy.allow if r.port)
+        ports.update(r.port for r in self.policy.allow if r.port and r.box is None)
         for s in self.secrets:
             ports.update(r.port for r in map(Rule.parse, s["hosts"]) if r.port)
         return sorted(ports - {PROXY_PORT, DNS_PORT})

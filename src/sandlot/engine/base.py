@@ -83,13 +83,15 @@ class NetSpec:
     ``proxy_command`` and ``dns_command`` are run once per guest connection to
     their port of ``sandlot.net.addresses.PROXY_ADDRESS``, with the connection
     as their standard input and output; the proxy also on ``transparent_ports``
-    (with ``--transparent PORT``)."""
+    (with ``--transparent PORT``). ``guest_forwards``: more of the same, each a
+    guest address and port and the command its connections go to."""
 
     restrict: bool = True
     proxy_command: str | None = None
     dns_command: str | None = None
     forwards: tuple[tuple[str, int, int], ...] = ()  # host address, host port, guest port
     transparent_ports: tuple[int, ...] = ()
+    guest_forwards: tuple[tuple[str, int, str], ...] = ()  # guest address, guest port, command
 
     @property
     def dns_relay(self) -> bool:

@@ -14,6 +14,19 @@ from __future__ import annotations
 PROXY_ADDRESS = "10.0.2.100"
 PROXY_PORT = 3128
 DNS_PORT = 53
+# Boxes a box may reach (``box:NAME:PORT``) answer at addresses of their own, so a
+# connection to one needs no name inside it to be routed (a database's protocol
+# has none): the n-th box the policy names when the VM starts is at BOX_BASE + n.
+BOX_BASE = "10.0.2.101"
+MAX_BOXES = 100
+
+
+def box_address(n: int) -> str:
+    """The guest address of the ``n``-th box a policy names (from 0)."""
+    if not 0 <= n < MAX_BOXES:
+        raise ValueError(f"only {MAX_BOXES} boxes have an address")
+    head, _, last = BOX_BASE.rpartition(".")
+    return f"{head}.{int(last) + n}"
 
 
 def proxy_env() -> dict[str, str]:

@@ -21,6 +21,12 @@ names the box may reach (the guest network is IPv4 only) and NXDOMAIN for the
 rest; a malformed query gets FORMERR. Each decision is a JSON line in LOG, the
 egress log, with ``"method": "DNS"``.
 
+A box a ``box:NAME:PORT`` rule names (``NAME.box.internal``, or plain ``NAME``) is
+answered with the address its VM gave that box when it started (``--link FILE``,
+``boxlink.LinkInfo``), where QEMU hands connections to the proxy for that box;
+one named later, with the proxy address. Names under ``box.internal`` no rule
+names are NXDOMAIN, and never asked of the host.
+
 In ``open`` mode the guest uses QEMU's own resolver (10.0.2.3) and does not come
 here, unless it was restored from a snapshot of a box in another mode: then its
 A queries are answered with the host's own answer, IPv4 addresses only.
@@ -33,17 +39,19 @@ import json
 import socket
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import NamedTuple
 
 from .addresses import PROXY_ADDRESS
+from .boxlink import LinkInfo
 from .policy import (
     Denied,
     IPAddress,
     LookupFailed,
     Policy,
     adopt_guest_connection,
+    is_box_host,
     lookup_host,
     normalize_host,
     read_policy,
@@ -143,9 +151,22 @@ def error_response(msg: bytes, rcode: int) -> bytes | None:
     return msg[:2] + bytes([0x80 | opcode_rd, 0x80 | rcode]) + b"\x00" * 8
 
 
-def decide(policy: Policy, q: Question, lookup: Lookup = lookup_host) -> tuple[int, list[str], Entry]:
-    """(rcode, addresses to answer, what to log) for a well-formed question."""
+def decide(
+    policy: Policy, q: Question, lookup: Lookup = lookup_host, boxes: Mapping[str, str] | None = None
+) -> tuple[int, list[str], Entry]:
+    """(rcode, addresses to answer, what to log) for a well-formed question;
+    ``boxes``: the guest address of each box (by name) the VM has one for."""
     entry: Entry = {}
+    box = policy.box_named(q.name) if policy.proxied else None
+    if box is not None:
+        if q.qtype != A:
+            return NOERROR, [], entry
+        address = (boxes or {}).get(box, ANSWER_ADDRESS)
+        entry.update(box=box, answer=address)
+        return NOERROR, [address], entry
+    if is_box_host(q.name):
+        entry["reason"] = f"no box:NAME:PORT entry of this box's policy names {q.name}"
+        return NXDOMAIN, [], entry
     if policy.mode == "open":
         if q.qtype != A:
             return NOERROR, [], entry
@@ -167,7 +188,9 @@ def decide(policy: Policy, q: Question, lookup: Lookup = lookup_host) -> tuple[i
     return NOERROR, [ANSWER_ADDRESS], entry
 
 
-def handle(msg: bytes, policy: Policy, lookup: Lookup = lookup_host) -> tuple[bytes | None, Entry]:
+def handle(
+    msg: bytes, policy: Policy, lookup: Lookup = lookup_host, boxes: Mapping[str, str] | None = None
+) -> tuple[bytes | None, Entry]:
     """The reply to one message and its log entry; never raises."""
     entry: Entry = {"time": round(time.time(), 3), "method": "DNS"}
     try:
@@ -178,7 +201,7 @@ def handle(msg: bytes, policy: Policy, lookup: Lookup = lookup_host) -> tuple[by
     entry.update(host=q.name, type=TYPES.get(q.qtype, str(q.qtype)))
     addresses: list[str] = []
     try:
-        rcode, addresses, more = decide(policy, q, lookup)
+        rcode, addresses, more = decide(policy, q, lookup, boxes)
         entry.update(more, decision="denied" if "reason" in more else "allowed")
     except LookupFailed as exc:
         rcode = SERVFAIL if exc.temporary else NXDOMAIN
@@ -203,7 +226,13 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes | None:
     return data
 
 
-def serve(conn: socket.socket, policy_path: Path, log_path: Path, lookup: Lookup = lookup_host) -> None:
+def serve(
+    conn: socket.socket,
+    policy_path: Path,
+    log_path: Path,
+    lookup: Lookup = lookup_host,
+    boxes: Mapping[str, str] | None = None,
+) -> None:
     """Answer length-prefixed queries on ``conn`` until it ends or stays idle."""
     conn.settimeout(IDLE_TIMEOUT)
     while True:
@@ -212,7 +241,7 @@ def serve(conn: socket.socket, policy_path: Path, log_path: Path, lookup: Lookup
         msg = _recv_exact(conn, size) if 0 < size <= MAX_MESSAGE else None
         if msg is None:
             return  # ended, or a size no query has: the framing cannot be trusted further
-        reply, entry = handle(msg, read_policy(policy_path), lookup)
+        reply, entry = handle(msg, read_policy(policy_path), lookup, boxes)
         with contextlib.suppress(OSError), open(log_path, "a") as f:
             f.write(json.dumps(entry) + "\n")
         if reply is not None:
@@ -220,11 +249,13 @@ def serve(conn: socket.socket, policy_path: Path, log_path: Path, lookup: Lookup
 
 
 def main(argv: list[str]) -> int:
-    if len(argv) != 3:
+    """``POLICY LOG [--link FILE]``."""
+    if len(argv) not in (3, 5) or (len(argv) == 5 and argv[3] != "--link"):
         return 2
+    info = LinkInfo.read(Path(argv[4])) if len(argv) == 5 else None
     conn = adopt_guest_connection()
     with conn, contextlib.suppress(OSError):  # a broken connection just ends it
-        serve(conn, Path(argv[1]), Path(argv[2]))
+        serve(conn, Path(argv[1]), Path(argv[2]), boxes=info.addresses if info else None)
     return 0
 
 

@@ -16,6 +16,12 @@ Modes (``Box(network=...)``):
 either with ``":PORT"``; ``"203.0.113.7"``, ``"10.1.0.0/16"``, ``"[::1]:8443"``
 (addresses and networks, optionally with a port). A listed network is reachable
 even if private or loopback: listing it is the explicit opt-in.
+``"box:NAME:PORT"``: that TCP port of the box named NAME in the same namespace,
+and nothing else of it. The box asks for it as ``NAME.box.internal`` (or plain
+``NAME``, a name of one label): through the proxy, or straight, since sandlot's
+DNS answers the name with an address of its own for that box (``box_addresses``).
+The connection goes through the other box's agent (``sandlot.net.boxlink``), so
+the service needs no network card and may listen on its loopback only.
 
 ``resolve`` is the one decision for a name: the egress proxy asks it for the
 address to connect to, and the box's DNS (``sandlot.net.dns``) whether to
@@ -34,6 +40,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from ..errors import InvalidArgument
+from .addresses import MAX_BOXES
 
 MODES = ("none", "public", "allowlist", "open")
 PROXIED = ("public", "allowlist")  # the modes whose traffic goes through the egress proxy
@@ -42,6 +49,8 @@ IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
 
 _LABEL = re.compile(r"^(?!-)[a-z0-9-]{1,63}(?<!-)$")
+BOX_DOMAIN = "box.internal"  # NAME.box.internal is box NAME (.internal: ICANN's private-use domain)
+BOX_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")  # a box's name, as the store takes it
 
 
 def normalize_host(host: str) -> str:
@@ -92,17 +101,27 @@ def parse_ip(text: str) -> IPAddress | None:
 # NamedTuples, not dataclasses: the proxy imports this module once per guest
 # connection, and dataclasses' imports alone cost it 8 ms.
 class Rule(NamedTuple):
-    """One ``allow`` entry: a name (``*.`` for subdomains) or a network, and a port or any."""
+    """One ``allow`` entry: a name (``*.`` for subdomains) or a network, and a port or
+    any; or a port of another box (``box``, with a port always)."""
 
     name: str | None = None
     network: IPNetwork | None = None
     port: int | None = None
+    box: str | None = None
 
     @classmethod
     def parse(cls, text: str) -> Rule:
         if not isinstance(text, str) or not text.strip():
             raise InvalidArgument(f"an allow entry must be a non-empty string, not {text!r}")
         raw = text.strip()
+        if raw.startswith("box:"):
+            box, _, box_port = raw[4:].rpartition(":")
+            if not BOX_NAME.match(box) or not box_port:
+                raise InvalidArgument(
+                    f"allow entry {raw!r}: a box entry is box:NAME:PORT, NAME a box's name "
+                    "(1-63 letters, digits, '_', '.' or '-') and PORT one of its TCP ports"
+                )
+            return cls(box=box, port=_port(raw, box_port))
         try:
             host, port_text = split_host_port(raw)
         except ValueError as exc:
@@ -133,6 +152,8 @@ class Rule(NamedTuple):
         return ip.version == self.network.version and ip in self.network
 
     def __str__(self) -> str:
+        if self.box is not None:
+            return f"box:{self.box}:{self.port}"
         net = self.network
         if net is not None and net.num_addresses == 1:
             what = str(net.network_address)  # an address reads back as written
@@ -178,7 +199,10 @@ class Policy(NamedTuple):
         rules = tuple(Rule.parse(a) for a in (allow or ()))
         if rules and mode in ("none", "open"):
             raise InvalidArgument(f"allow= has no meaning with network={mode!r}")
-        return cls(mode=mode, allow=rules)
+        policy = cls(mode=mode, allow=rules)
+        if len(policy.boxes()) > MAX_BOXES:
+            raise InvalidArgument(f"allow= names {len(policy.boxes())} boxes; at most {MAX_BOXES} may be")
+        return policy
 
     @property
     def has_nic(self) -> bool:
@@ -203,11 +227,30 @@ class Policy(NamedTuple):
         so 0 decides as every port they do not name would."""
         if port is not None:
             return (port,)
-        return (0, *sorted({r.port for r in self.allow if r.port is not None}))
+        return (0, *sorted({r.port for r in self.allow if r.port is not None and r.box is None}))
 
     def name_ports(self, host: str, port: int | None = None) -> tuple[int, ...]:
         """Those of ``ports(port)`` the box may ask for ``host`` on; empty: the name is refused."""
         return tuple(p for p in self.ports(port) if self.allows_name(host, p))
+
+    def box_named(self, host: str) -> str | None:
+        """The box ``host`` stands for: ``NAME.box.internal``, or a plain ``NAME`` of one
+        label, where a ``box:`` rule names NAME (DNS names are case-insensitive, the
+        first rule wins); None for any other host."""
+        host = normalize_host(host)
+        if host.endswith("." + BOX_DOMAIN):
+            host = host[: -len(BOX_DOMAIN) - 1]
+        elif "." in host:
+            return None
+        return next((r.box for r in self.allow if r.box is not None and r.box.lower() == host), None)
+
+    def allows_box(self, box: str, port: int) -> bool:
+        """May the box connect to ``port`` of box ``box``?"""
+        return self.mode in PROXIED and any(r.box == box and r.port == port for r in self.allow)
+
+    def boxes(self) -> list[str]:
+        """The boxes ``box:`` rules name, each once, in their order."""
+        return list(dict.fromkeys(r.box for r in self.allow if r.box is not None))
 
     def allows_address(self, ip: IPAddress, port: int, *, name_allowed: bool) -> bool:
         """May the box connect to ``ip:port``? ``name_allowed``: it was reached through
@@ -270,6 +313,8 @@ def resolve(
     leaves the host. ``port`` None: on any port (a DNS answer does not know the
     port it will be used with)."""
     on = f" port {port}" if port is not None else ""
+    if is_box_host(host):
+        raise Denied(f"{host}{on}: no box:NAME:PORT entry of this box's policy names that box")
     literal = parse_ip(host)
     if literal is not None:
         if any(policy.allows_address(literal, p, name_allowed=False) for p in policy.ports(port)):
@@ -284,6 +329,12 @@ def resolve(
             return ip
     shown = ", ".join(str(ip) for ip in seen[:3]) or "nothing"
     raise Denied(f"{host} resolves to {shown}: not a public address this box may reach")
+
+
+def is_box_host(host: str) -> bool:
+    """A name in sandlot's domain for boxes: never looked up on the host."""
+    host = normalize_host(host)
+    return host == BOX_DOMAIN or host.endswith("." + BOX_DOMAIN)
 
 
 def adopt_guest_connection() -> socket.socket:

@@ -28,11 +28,13 @@ import socket
 import sys
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
+from .boxlink import LinkInfo, open_box_port
 from .policy import (
     Denied,
     IPAddress,
+    Policy,
     adopt_guest_connection,
     normalize_host,
     read_policy,
@@ -140,46 +142,70 @@ def read_client_hello(sock: socket.socket) -> bytes:
     return data
 
 
-def serve(guest: socket.socket, policy_path: Path, log: list[dict[str, object]]) -> None:
+class Args(NamedTuple):
+    """``POLICY LOG [--link FILE] [--transparent PORT | --box NAME PORT]``: a proxy
+    request per connection; a connection to the proxy address on PORT itself; or
+    one to the address of box NAME on PORT (``--link``: ``boxlink.LinkInfo``)."""
+
+    policy: Path
+    log: str
+    link: Path | None = None
+    transparent: int | None = None
+    box: tuple[str, int] | None = None
+
+    @classmethod
+    def parse(cls, argv: list[str]) -> Args | None:
+        if len(argv) < 3:
+            return None
+        link, transparent, box, rest = None, None, None, argv[3:]
+        while rest:
+            if rest[0] == "--link" and len(rest) > 1:
+                link, rest = Path(rest[1]), rest[2:]
+            elif rest[0] == "--transparent" and len(rest) > 1 and rest[1].isdigit():
+                transparent, rest = int(rest[1]), rest[2:]
+            elif rest[0] == "--box" and len(rest) > 2 and rest[2].isdigit():
+                box, rest = (rest[1], int(rest[2])), rest[3:]
+            else:
+                return None
+        return cls(Path(argv[1]), argv[2], link, transparent, box)
+
+
+def connect_box(policy: Policy, args: Args, box: str, port: int, entry: dict[str, object]) -> socket.socket:
+    """A connection to ``port`` of box ``box``, if the policy allows it (see ``boxlink``)."""
+    entry["box"] = box
+    if not policy.allows_box(box, port):
+        raise Denied(f"port {port} of box {box} is not on this box's allowlist")
+    info = LinkInfo.read(args.link) if args.link else None
+    if info is None:
+        raise Denied("this box's VM was started without a box link: restart it to reach other boxes")
+    return open_box_port(info, box, port)
+
+
+def serve(guest: socket.socket, args: Args, log: list[dict[str, object]]) -> None:
     guest.settimeout(HEAD_TIMEOUT)
     entry: dict[str, object] = {"time": round(time.time(), 3)}
     log.append(entry)
     answered = False  # the guest was told the tunnel is open: a refusal can only close it
+    policy_path = args.policy
     try:
         head, rest = read_head(guest)
         method, host, port, headers = parse_request(head)
         entry.update(method=method, host=host, port=port)
         policy = read_policy(policy_path)
-        ip = resolve(policy, host, port)
-        entry["address"] = str(ip)
-        vault = secrets_for(policy_path, host, port) if method == "CONNECT" else None
-        if vault is not None:
-            if rest:
-                raise Denied("data sent before the tunnel was open")
-            guest.sendall(b"HTTP/1.1 200 Connection established\r\n\r\n")
-            answered = True
-            swap_secrets(guest, policy_path, host, port, ip, vault, entry)
-            return
-        if method == "CONNECT" and policy.mode == "allowlist":
-            guest.sendall(b"HTTP/1.1 200 Connection established\r\n\r\n")
-            hello = rest + read_client_hello(guest)
-            answered, rest = True, hello
-            sni = client_hello_sni(hello)
-            if sni is not None and sni != host and not policy.allows_name(sni, port):
-                raise Denied(f"TLS server name {sni} is not on this box's allowlist")
-        upstream = socket.create_connection((str(ip), port), timeout=CONNECT_TIMEOUT)
+        box = policy.box_named(host)
+        upstream = None if box is None else connect_box(policy, args, box, port, entry)
     except Denied as exc:
         entry.update(decision="denied", reason=str(exc))
-        if not answered:
-            tell_denied(guest, exc)
+        tell_denied(guest, exc)
         return
     except OSError as exc:
         entry.update(decision="failed", reason=str(exc))
-        if answered:
-            return
-        with contextlib.suppress(OSError):
-            guest.sendall(b"HTTP/1.1 502 Bad Gateway\r\nConnection: close\r\nContent-Length: 0\r\n\r\n")
+        tell_failed(guest)
         return
+    if upstream is None:
+        upstream, answered, rest = open_upstream(guest, policy, args, host, port, method, rest, entry)
+        if upstream is None:
+            return
     entry["decision"] = "allowed"
     with upstream:
         upstream.settimeout(None)
@@ -203,8 +229,58 @@ def serve(guest: socket.socket, policy_path: Path, log: list[dict[str, object]])
         splice(guest, upstream)
 
 
+def open_upstream(
+    guest: socket.socket,
+    policy: Policy,
+    args: Args,
+    host: str,
+    port: int,
+    method: str,
+    rest: bytes,
+    entry: dict[str, object],
+) -> tuple[socket.socket | None, bool, bytes]:
+    """(the connection, whether the guest was told the tunnel is open, what the guest
+    sent first) for a proxy request to a host outside; None once it was refused
+    (the guest was told) or handed to the secrets' interception (served)."""
+    answered = False
+    policy_path = args.policy
+    try:
+        ip = resolve(policy, host, port)
+        entry["address"] = str(ip)
+        vault = secrets_for(policy_path, host, port) if method == "CONNECT" else None
+        if vault is not None:
+            if rest:
+                raise Denied("data sent before the tunnel was open")
+            guest.sendall(b"HTTP/1.1 200 Connection established\r\n\r\n")
+            answered = True
+            swap_secrets(guest, policy_path, host, port, ip, vault, entry)
+            return None, True, b""
+        if method == "CONNECT" and policy.mode == "allowlist":
+            guest.sendall(b"HTTP/1.1 200 Connection established\r\n\r\n")
+            hello = rest + read_client_hello(guest)
+            answered, rest = True, hello
+            sni = client_hello_sni(hello)
+            if sni is not None and sni != host and not policy.allows_name(sni, port):
+                raise Denied(f"TLS server name {sni} is not on this box's allowlist")
+        return socket.create_connection((str(ip), port), timeout=CONNECT_TIMEOUT), answered, rest
+    except Denied as exc:
+        entry.update(decision="denied", reason=str(exc))
+        if not answered:
+            tell_denied(guest, exc)
+    except OSError as exc:
+        entry.update(decision="failed", reason=str(exc))
+        if not answered:
+            tell_failed(guest)
+    return None, answered, rest
+
+
 def tell_denied(guest: socket.socket, exc: Denied) -> None:
     send_error(guest, "403 Forbidden", f"egress denied: {exc}", "X-Sandlot-Egress: denied\r\n")
+
+
+def tell_failed(guest: socket.socket) -> None:
+    with contextlib.suppress(OSError):
+        guest.sendall(b"HTTP/1.1 502 Bad Gateway\r\nConnection: close\r\nContent-Length: 0\r\n\r\n")
 
 
 def secrets_for(policy_path: Path, host: str, port: int) -> Vault | None:
@@ -272,17 +348,23 @@ def transparent_target(first: bytes, port: int) -> tuple[str, str]:
     raise Denied("neither TLS nor an HTTP request with a Host header")
 
 
-def serve_transparent(guest: socket.socket, policy_path: Path, port: int, log: list[dict[str, Any]]) -> None:
+def serve_transparent(guest: socket.socket, args: Args, port: int, log: list[dict[str, Any]]) -> None:
     """A connection to the proxy address on ``port`` itself, not a proxy request:
     routed by the name inside it, checked like a proxy request for that name."""
     entry: dict[str, object] = {"time": round(time.time(), 3), "port": port, "transparent": True}
     log.append(entry)
     kind = "TLS"
+    policy_path = args.policy
     try:
         first = peek_first(guest)
         kind, host = transparent_target(first, port)
         entry.update(method=kind, host=host)
-        ip = resolve(read_policy(policy_path), host, port)
+        policy = read_policy(policy_path)
+        box = policy.box_named(host)
+        if box is not None:  # a box named after the VM started: no address of its own
+            upstream = connect_box(policy, args, box, port, entry)
+            return carry(guest, upstream, entry)
+        ip = resolve(policy, host, port)
         entry["address"] = str(ip)
         vault = secrets_for(policy_path, host, port) if kind == "TLS" else None
         if vault is not None:
@@ -291,44 +373,68 @@ def serve_transparent(guest: socket.socket, policy_path: Path, port: int, log: l
         upstream = socket.create_connection((str(ip), port), timeout=CONNECT_TIMEOUT)
     except Denied as exc:
         entry.update(decision="denied", reason=str(exc))
-        with contextlib.suppress(OSError):  # read what was peeked: closing on unread data resets
-            guest.setblocking(False)
-            while guest.recv(HEAD_LIMIT):
-                pass
-        guest.setblocking(True)
+        drain(guest)
         if kind == "HTTP":
             tell_denied(guest, exc)
         return
     except OSError as exc:
         entry.update(decision="failed", reason=str(exc))
         return
+    carry(guest, upstream, entry)  # what was peeked is still to be read
+
+
+def serve_box(guest: socket.socket, args: Args, box: str, port: int, log: list[dict[str, Any]]) -> None:
+    """A connection to the address sandlot's DNS gave box ``box``, on ``port``."""
+    entry: dict[str, object] = {"time": round(time.time(), 3), "port": port, "transparent": True}
+    log.append(entry)
+    try:
+        upstream = connect_box(read_policy(args.policy), args, box, port, entry)
+    except (Denied, OSError) as exc:
+        entry.update(decision="denied" if isinstance(exc, Denied) else "failed", reason=str(exc))
+        drain(guest)  # the guest sees its connection closed
+        return
+    carry(guest, upstream, entry)
+
+
+def drain(guest: socket.socket) -> None:
+    """Read what the guest already sent (closing on unread data resets the connection)."""
+    with contextlib.suppress(OSError):
+        guest.setblocking(False)
+        while guest.recv(HEAD_LIMIT):
+            pass
+    guest.setblocking(True)
+
+
+def carry(guest: socket.socket, upstream: socket.socket, entry: dict[str, object]) -> None:
     entry["decision"] = "allowed"
     with upstream:
         upstream.settimeout(None)
         guest.settimeout(None)
-        splice(guest, upstream)  # what was peeked is still to be read
+        splice(guest, upstream)
 
 
 def main(argv: list[str]) -> int:
-    """``POLICY LOG`` (a proxy request per connection) or ``POLICY LOG --transparent PORT``."""
-    transparent = len(argv) == 5 and argv[3] == "--transparent" and argv[4].isdigit()
-    if len(argv) != 3 and not transparent:
+    """See ``Args``."""
+    args = Args.parse(argv)
+    if args is None:
         return 2
     guest = adopt_guest_connection()
     log: list[dict[str, object]] = []
     try:
         with guest:
-            if transparent:
-                serve_transparent(guest, Path(argv[1]), int(argv[4]), log)
+            if args.box is not None:
+                serve_box(guest, args, *args.box, log)
+            elif args.transparent is not None:
+                serve_transparent(guest, args, args.transparent, log)
             else:
-                serve(guest, Path(argv[1]), log)
+                serve(guest, args, log)
     except Exception as exc:  # a broken connection ends it; the log says why
         if log:
             log[-1].setdefault("decision", "failed")
             log[-1].setdefault("reason", f"{type(exc).__name__}: {exc}")
     finally:
         if log:
-            with contextlib.suppress(OSError), open(argv[2], "a") as f:
+            with contextlib.suppress(OSError), open(args.log, "a") as f:
                 f.write(json.dumps(log[-1]) + "\n")
     return 0
 

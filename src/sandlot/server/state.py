@@ -19,8 +19,7 @@ from ..errors import Forbidden, SandlotError, Unauthorized
 from .models import error_json
 from .streams import HeldProcess, ProcessTable
 
-NAMESPACE_LABEL = "sandlot.namespace"
-KEY_LABEL = "sandlot.key"
+NAMESPACE_LABEL, KEY_LABEL = access.NAMESPACE_LABEL, access.KEY_LABEL
 
 
 @dataclass(frozen=True)

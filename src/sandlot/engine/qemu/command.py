@@ -139,6 +139,8 @@ def netdev(net: NetSpec) -> str:
             opts += f",guestfwd=tcp:{PROXY_ADDRESS}:{port}-cmd:{_q(cmd)}"
     if net.dns_command:
         opts += f",guestfwd=tcp:{PROXY_ADDRESS}:{DNS_PORT}-cmd:{_q(net.dns_command)}"
+    for address, port, cmd in net.guest_forwards:
+        opts += f",guestfwd=tcp:{address}:{port}-cmd:{_q(cmd)}"
     return opts
 
 
