@@ -8,9 +8,7 @@ second from many concurrent clients, with the server's RSS before and after.
 from __future__ import annotations
 
 import os
-import threading
 import time
-from pathlib import Path
 
 import httpx
 
@@ -18,14 +16,7 @@ import sandlot
 
 import _common  # noqa: F401 - puts the repository on the path
 from _common import busybox_root, drop_home, emit, host_facts, parser, scratch_home, summary
-from tests.support.serve import serving
-
-
-def rss_mib(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return round(int(line.split()[1]) / 1024, 1)
-    return 0.0
+from tests.support.serve import load, open_fds, rss_mib, serving
 
 
 def exec_round_trips(box: sandlot.Box, client: httpx.Client, n: int) -> dict:
@@ -88,47 +79,6 @@ def file_transfer(box: sandlot.Box, client: httpx.Client, size: int, reps: int) 
     }
 
 
-def load(url: str, key: str | None, boxes: list[str], clients: int, seconds: float) -> dict:
-    """``clients`` threads, each with its own connection, doing exec and a file round trip in turn."""
-    done, errors = [0], []
-    lock = threading.Lock()
-    stop = time.monotonic() + seconds
-    headers = {"Authorization": f"Bearer {key}"} if key else {}
-
-    def worker(i: int) -> None:
-        box = boxes[i % len(boxes)]
-        with httpx.Client(base_url=url, headers=headers, timeout=120) as c:
-            n = 0
-            while time.monotonic() < stop:
-                try:
-                    if n % 2 == 0:
-                        r = c.post(f"/v1/boxes/{box}/exec", json={"argv": ["true"]})
-                        r.raise_for_status()
-                    else:
-                        path = {"path": f"/tmp/load-{i}"}
-                        c.put(
-                            f"/v1/boxes/{box}/files/content", params=path, content=b"x" * 1024
-                        ).raise_for_status()
-                        assert c.get(f"/v1/boxes/{box}/files/content", params=path).content == b"x" * 1024
-                    n += 1
-                except Exception as e:  # counted and reported, never hidden
-                    with lock:
-                        errors.append(repr(e)[:200])
-            with lock:
-                done[0] += n
-
-    threads = [threading.Thread(target=worker, args=(i,)) for i in range(clients)]
-    t0 = time.monotonic()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    elapsed = time.monotonic() - t0
-    rate = round(done[0] / elapsed, 1)
-    return {"clients": clients, "boxes": len(boxes), "seconds": round(elapsed, 1), "requests_per_s": rate,
-            "errors": len(errors), "first_errors": errors[:3]}  # fmt: skip
-
-
 def main() -> None:
     args = parser(__doc__).parse_args()
     q = args.quick
@@ -148,7 +98,7 @@ def main() -> None:
                 served.url, served.api_key, [b.id for b in boxes], 5 if q else 50, 3 if q else 60
             )
             doc["load"]["server_rss_MiB"] = {"before": rss0, "after": rss_mib(pid)}
-            doc["load"]["server_fds"] = len(os.listdir(f"/proc/{pid}/fd"))
+            doc["load"]["server_fds"] = open_fds(pid)
             emit(doc)
     finally:
         drop_home(home)

@@ -8,10 +8,12 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -49,7 +51,8 @@ class Served:
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        scheme = "https" if "--tls-cert" in self.args else "http"
+        return f"{scheme}://localhost:{self.port}" if scheme == "https" else f"http://127.0.0.1:{self.port}"
 
     def headers(self, key: str | None = None) -> dict[str, str]:
         key = key or self.api_key
@@ -84,9 +87,12 @@ def _start(home: Path, port: int, args: tuple[str, ...], log: Path) -> subproces
         proc = subprocess.Popen([sys.executable, "-m", "sandlot.cli", "serve", "--port", str(port), *args],
                                 env=env, stdout=out, stderr=subprocess.STDOUT)  # fmt: skip
     deadline = time.monotonic() + 60
+    scheme = "https" if "--tls-cert" in args else "http"
     while True:
         with contextlib.suppress(httpx.TransportError):
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+            # up is all this asks: the tests check the certificate themselves
+            health = httpx.get(f"{scheme}://127.0.0.1:{port}/health", timeout=2, verify=False)
+            if health.status_code == 200:
                 return proc
         if proc.poll() is not None or time.monotonic() > deadline:
             proc.kill()
@@ -111,3 +117,57 @@ def serving(home: Path, *, no_auth: bool = False, args: tuple[str, ...] = (),
         yield served
     finally:
         served.stop()
+
+
+def rss_mib(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return round(int(line.split()[1]) / 1024, 1)
+    return 0.0
+
+
+def open_fds(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+def load(url: str, key: str | None, boxes: list[str], clients: int, seconds: float) -> dict[str, Any]:
+    """``clients`` threads, each with its own connection, doing exec and a file round trip
+    in turn (each file its own bytes, read back and compared) for ``seconds``."""
+    done, errors = [0], []
+    lock = threading.Lock()
+    stop = time.monotonic() + seconds
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+
+    def worker(i: int) -> None:
+        box = boxes[i % len(boxes)]
+        with httpx.Client(base_url=url, headers=headers, timeout=120) as c:
+            n = 0
+            while time.monotonic() < stop:
+                try:
+                    if n % 2 == 0:
+                        r = c.post(f"/v1/boxes/{box}/exec", json={"argv": ["true"]})
+                        r.raise_for_status()
+                    else:
+                        path = {"path": f"/tmp/load-{i}"}
+                        data = f"{i}:{n}:".encode().ljust(1024, b"x")
+                        c.put(f"/v1/boxes/{box}/files/content", params=path, content=data).raise_for_status()
+                        back = c.get(f"/v1/boxes/{box}/files/content", params=path)
+                        back.raise_for_status()
+                        assert back.content == data, f"{box}:{path['path']} read back other bytes"
+                    n += 1
+                except Exception as e:  # counted and reported, never hidden
+                    with lock:
+                        errors.append(repr(e)[:200])
+            with lock:
+                done[0] += n
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(clients)]
+    t0 = time.monotonic()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    elapsed = time.monotonic() - t0
+    rate = round(done[0] / elapsed, 1)
+    return {"clients": clients, "boxes": len(boxes), "seconds": round(elapsed, 1), "requests_per_s": rate,
+            "errors": len(errors), "first_errors": errors[:3]}  # fmt: skip
