@@ -10,6 +10,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import socket
 import ssl
 import struct
 import tarfile
@@ -32,8 +33,11 @@ pytestmark = pytest.mark.vm
 @pytest.fixture(scope="module")
 def served() -> Iterator[Served]:
     home = Path(os.environ["SANDLOT_HOME"])
-    with serving(home) as s:
+    with serving(home, args=("--body-timeout", str(BODY_TIMEOUT))) as s:
         yield s
+
+
+BODY_TIMEOUT = 8
 
 
 @pytest.fixture(scope="module")
@@ -193,6 +197,30 @@ def test_bad_input_gets_a_clear_4xx_and_changes_nothing(served: Served, box_a: d
         r = c.put(f"/v1/boxes/{bid}/files/archive", params={"path": "/tmp/untar"}, content=not_tar)
         error(r, 400, "bad_request")
         assert c.get("/v1/boxes").json() == before
+
+
+def test_a_stalled_body_gets_408_and_holds_up_no_one_else(served: Served, box_a: dict[str, Any],
+                                                          team_keys: dict[str, str]) -> None:  # fmt: skip
+    bid, key = box_a["id"], team_keys["a"]
+    target = f"/v1/boxes/{bid}/files/content?path=/tmp/stalled"
+    with socket.create_connection(("127.0.0.1", served.port), timeout=60) as slow:
+        slow.sendall(f"PUT {target} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {key}\r\n"
+                     "Content-Length: 1000\r\n\r\n0123456789".encode())  # fmt: skip
+        t0 = time.monotonic()
+        with served.client(key) as c:  # meanwhile, everyone else is served
+            assert c.post(f"/v1/boxes/{bid}/exec", json={"argv": ["true"]}).json()["exit_code"] == 0
+        answer = b""
+        while b"\r\n\r\n" not in answer or not answer.rstrip().endswith(b"}"):
+            chunk = slow.recv(4096)
+            if not chunk:
+                break
+            answer += chunk
+    waited = time.monotonic() - t0
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 408"), answer
+    assert json.loads(body)["error"]["code"] == "request_timeout" and BODY_TIMEOUT - 1 < waited < 60
+    with served.client(key) as c:
+        assert c.get(f"/v1/boxes/{bid}/files/stat", params={"path": "/tmp/stalled"}).status_code == 404
 
 
 def ws_connect(served: Served, path: str, key: str | None = None) -> ClientConnection:

@@ -35,6 +35,9 @@ def serve(
     no_auth: Annotated[
         bool, typer.Option("--no-auth", help="Loopback only: serve without API keys.")
     ] = False,
+    body_timeout: Annotated[
+        float, typer.Option(help="Seconds a request body may stall before the answer is 408.", min=1)
+    ] = 60.0,
     log_level: Annotated[str, typer.Option(help="uvicorn's log level.")] = "warning",
 ) -> None:
     """Serve this home's boxes over HTTP and WebSocket, with API keys and an audit trail."""
@@ -60,7 +63,7 @@ def serve(
     scheme = "https" if tls_cert else "http"
     err.print(f"sandlot serve: {scheme}://{host}:{port} (docs at /docs)")
     config = uvicorn.Config(
-        create_app(Settings(auth=not no_auth)),
+        create_app(Settings(auth=not no_auth, body_timeout=body_timeout)),
         host=host,
         port=port,
         ssl_certfile=str(tls_cert) if tls_cert else None,

@@ -36,9 +36,20 @@ class BodyTooLarge(RequestError):
     status = 413
 
 
+class BodyTimeout(RequestError):
+    code, status = "request_timeout", 408
+
+
 class Guard:
-    """Around every HTTP request: the body limit, the caller, and the audit record of
-    each mutating request (after the answer, off its path)."""
+    """Around every HTTP request: the body limit, the body's idle timeout, the caller,
+    and the audit record of each mutating request (after the answer, off its path).
+
+    Time limits: a client that stops sending a request body for ``body_timeout``
+    seconds (``Settings``; ``sandlot serve --body-timeout``) gets 408, on every
+    route, uploads included; a slow client holds only its own request. What a
+    request then does runs under the core's own deadlines: a boot's, the box's
+    ``request_timeout`` for each agent call, an exec's ``timeout``.
+    Idle keep-alive connections are closed after 30 s (uvicorn)."""
 
     def __init__(self, app: ASGIApp, state: ServerState) -> None:
         self.app = app
@@ -59,6 +70,7 @@ class Guard:
                 status_seen[0] = message["status"]
             await send(message)
 
+        receive = _timed(receive, self.state.settings.body_timeout)
         if path in ("/health", "/docs", "/openapi.json", "/redoc") or path.startswith(PREVIEWS):
             # a preview is authenticated by its signature (server/bridge.py), and streamed
             await self.app(scope, receive, sending)
@@ -89,6 +101,28 @@ class Guard:
                 box = (scope.get("path_params") or {}).get("box")
                 self.state.record(caller, action, st.get("box_id", box), status_seen[0], st.get("error"),
                                   time.monotonic() - t0, st.get("audit"))  # fmt: skip
+
+
+def _timed(receive: Receive, timeout: float) -> Receive:
+    """``receive`` with a deadline on each part of the request body, until its last;
+    after that, waits (for the client's disconnect, while a response streams) are not
+    limited."""
+    body_done = False
+
+    async def receiving() -> Message:
+        nonlocal body_done
+        if body_done:
+            return await receive()
+        try:
+            async with asyncio.timeout(timeout):
+                message = await receive()
+        except TimeoutError:
+            raise BodyTimeout(f"the request body stalled: no bytes for {timeout:.0f}s") from None
+        if message["type"] != "http.request" or not message.get("more_body", False):
+            body_done = True
+        return message
+
+    return receiving
 
 
 def _limited(receive: Receive, limit: int) -> Receive:

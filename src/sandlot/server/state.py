@@ -44,6 +44,7 @@ class Caller:
 class Settings:
     home: str | os.PathLike[str] | None = None
     auth: bool = True
+    body_timeout: float = 60.0  # seconds a request body may stall before the answer is 408
     tmp: Path = field(default_factory=lambda: Path(os.environ.get("TMPDIR", "/tmp")))
 
 
