@@ -41,7 +41,13 @@ def serve(
     log_level: Annotated[str, typer.Option(help="uvicorn's log level.")] = "warning",
 ) -> None:
     """Serve this home's boxes over HTTP and WebSocket, with API keys and an audit trail."""
+    import warnings
+
     import uvicorn
+
+    # uvicorn 0.5x warns that "websockets" will later mean its sans-I/O variant; the
+    # legacy one is what sandlot is tested on (pings, subprotocols, close codes)
+    warnings.filterwarnings("ignore", message=".*`websockets` implementation is deprecated.*")
 
     from ..api import access
     from ..server.app import create_app
