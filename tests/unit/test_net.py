@@ -94,13 +94,11 @@ def connect(target: str) -> bytes:
 # -- the proxy process ------------------------------------------------------------------
 
 
-class Upstream:
-    """A TCP server on 127.0.0.1 that records what it received and answers 'pong'."""
+class SocketServer:
+    """A listening socket served on a thread of its own, a connection at a time."""
 
-    def __init__(self) -> None:
-        self.sock = socket.create_server(("127.0.0.1", 0))
-        self.port = self.sock.getsockname()[1]
-        self.received: list[bytes] = []
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
         threading.Thread(target=self._serve, daemon=True).start()
 
     def _serve(self) -> None:
@@ -110,18 +108,33 @@ class Upstream:
             except OSError:
                 return
             with conn:
-                conn.settimeout(5)
-                data = b""
-                try:
-                    while b"\r\n\r\n" not in data and not data.startswith(b"\x16"):
-                        chunk = conn.recv(4096)
-                        if not chunk:
-                            break
-                        data += chunk
-                    self.received.append(data)
-                    conn.sendall(b"pong")
-                except OSError:
-                    self.received.append(data)
+                self.handle(conn)
+
+    def handle(self, conn: socket.socket) -> None:
+        raise NotImplementedError
+
+
+class Upstream(SocketServer):
+    """A TCP server on 127.0.0.1 that records what it received and answers 'pong'."""
+
+    def __init__(self) -> None:
+        self.received: list[bytes] = []
+        super().__init__(socket.create_server(("127.0.0.1", 0)))
+        self.port = self.sock.getsockname()[1]
+
+    def handle(self, conn: socket.socket) -> None:
+        conn.settimeout(5)
+        data = b""
+        try:
+            while b"\r\n\r\n" not in data and not data.startswith(b"\x16"):
+                chunk = conn.recv(4096)
+                if not chunk:
+                    break
+                data += chunk
+            self.received.append(data)
+            conn.sendall(b"pong")
+        except OSError:
+            self.received.append(data)
 
 
 @pytest.fixture
@@ -583,32 +596,26 @@ def test_box_addresses_are_in_the_guest_network_and_bounded() -> None:
         box_address(MAX_BOXES)
 
 
-class FakeLink:
+class FakeLink(SocketServer):
     """A box link on a unix socket that answers as the real one does, and then
     echoes what it gets: what the proxy sends and reads, as a guest would see it."""
 
     def __init__(self, path: Path, answer: bytes) -> None:
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.sock.bind(str(path))
-        self.sock.listen()
         self.answer = answer
         self.requests: list[dict[str, object]] = []
-        threading.Thread(target=self._serve, daemon=True).start()
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.bind(str(path))
+        sock.listen()
+        super().__init__(sock)
 
-    def _serve(self) -> None:
-        while True:
-            try:
-                conn, _ = self.sock.accept()
-            except OSError:
-                return
-            with conn:
-                line = b""
-                while not line.endswith(b"\n"):
-                    line += conn.recv(1)
-                self.requests.append(json.loads(line))
-                conn.sendall(self.answer)
-                while self.answer == b"ok\n" and (data := conn.recv(4096)):
-                    conn.sendall(b"echo:" + data)
+    def handle(self, conn: socket.socket) -> None:
+        line = b""
+        while not line.endswith(b"\n"):
+            line += conn.recv(1)
+        self.requests.append(json.loads(line))
+        conn.sendall(self.answer)
+        while self.answer == b"ok\n" and (data := conn.recv(4096)):
+            conn.sendall(b"echo:" + data)
 
 
 def link_file(tmp_path: Path, sock: Path) -> Path:
