@@ -489,17 +489,17 @@ def test_unit_options_a_server_cannot_take_are_refused() -> None:
     async def main() -> None:
         box = await client.get("dev")
         for call in (
-            box.files.write("/x", b"", user="agent"),
-            box.files.write("/x", b"", append=True),
-            box.files.write("/x", b"", exclusive=True),
-            box.files.mkdir("/x", user="agent"),
-            box.files.chown("/x", "agent"),
+            box.files.write("/x", b"", user="agent;rm"),
+            box.files.mkdir("/x", user="a b"),
+            box.files.chown("/x", ""),
         ):
-            with pytest.raises(sandlot.InvalidArgument, match="not over a remote connection"):
+            with pytest.raises(sandlot.InvalidArgument, match="user"):
                 await call
         snap = remote.RemoteAsyncSnapshot(client, {"id": "s1", "name": "base", "kind": "snapshot"})
         with pytest.raises(sandlot.InvalidArgument, match="not over a remote connection"):
-            await snap.start(env={"A": "1"})
+            await snap.start(volumes={"/host": "/guest"})
+        with pytest.raises(sandlot.InvalidArgument, match="environment"):
+            await snap.start(env={"A=B": "1"})
         await client.aclose()
 
     run(main)

@@ -209,6 +209,26 @@ def test_files_round_trip(box: Any, tmp_path: Path) -> None:
     assert f.upload(tree, "/tmp/t/tree") == 6
     assert f.read_text("/tmp/t/tree/x/y.txt") == "why" and f.read_text("/tmp/t/tree/z.txt") == "zed"
 
+    # owners, appending, and a write that must not replace a file
+    f.write("/tmp/t/owned", "mine", user="agent")
+    assert (f.stat("/tmp/t/owned").uid, f.stat("/tmp/t/owned").gid) == (1000, 1000)
+    f.write("/tmp/t/owned", " and more", append=True)
+    assert f.read_text("/tmp/t/owned") == "mine and more" and f.stat("/tmp/t/owned").uid == 1000
+    with pytest.raises(FileExistsError):
+        f.write("/tmp/t/owned", "x", exclusive=True)
+    with pytest.raises(FileNotFoundError):
+        f.write("/tmp/t/nodir/x", "x", parents=False)
+    f.chown("/tmp/t/owned", "0:0")
+    assert f.stat("/tmp/t/owned").uid == 0
+    f.mkdir("/tmp/t/theirs", user="agent")
+    assert f.stat("/tmp/t/theirs").uid == 1000
+    f.upload(tree, "/tmp/t/tree2", user="agent")
+    assert {f.stat(p).uid for p in ("/tmp/t/tree2", "/tmp/t/tree2/x", "/tmp/t/tree2/x/y.txt")} == {1000}
+    with pytest.raises(sandlot.InvalidArgument):
+        f.chown("/tmp/t/owned", "no such:user:x")
+    with pytest.raises(FileNotFoundError, match="unknown user"):
+        f.chown("/tmp/t/owned", "nobody-here")
+
     with pytest.raises(FileNotFoundError):
         f.read("/tmp/t/missing")
     with pytest.raises(FileNotFoundError):
@@ -285,6 +305,14 @@ def test_snapshot_then_rollback(box: Any) -> None:
         assert snap.id in [s.id for s in box.snapshots()]
         with pytest.raises(sandlot.SnapshotNotFound):
             box.rollback("no-such-snapshot")
+        # a box started from it, with options of its own
+        (kid,) = snap.start(env={"FROM_SNAP": "yes"}, labels={"role": "kid"}, workdir="/root")
+        try:
+            said = kid.exec("sh", "-c", 'echo "$FROM_SNAP $(pwd) $(cat marker)"').stdout
+            assert said == "yes /root before\n"
+            assert kid.info["labels"]["role"] == "kid"
+        finally:
+            kid.remove(force=True)
     finally:
         snap.remove()
 

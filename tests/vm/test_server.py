@@ -33,11 +33,12 @@ pytestmark = pytest.mark.vm
 @pytest.fixture(scope="module")
 def served() -> Iterator[Served]:
     home = Path(os.environ["SANDLOT_HOME"])
-    with serving(home, args=("--body-timeout", str(BODY_TIMEOUT))) as s:
+    with serving(home, args=("--body-timeout", str(BODY_TIMEOUT), "--port-domain", PORT_DOMAIN)) as s:
         yield s
 
 
 BODY_TIMEOUT = 8
+PORT_DOMAIN = "boxes.sandlot.test"  # only ever sent as a Host header to 127.0.0.1
 
 
 @pytest.fixture(scope="module")
@@ -591,6 +592,60 @@ def test_http_to_a_box_port_with_a_key_or_a_preview_url(
         assert "preview URL" in body["message"]
     time.sleep(2.1)
     assert "expired" in error(httpx.get(short + "index.html"), 403, "forbidden")["message"]
+
+
+WHERE_CGI = """#!/bin/sh
+echo "Content-Type: text/plain"
+echo
+echo "prefix=[$HTTP_X_FORWARDED_PREFIX] uri=[$REQUEST_URI] cookie=[$HTTP_COOKIE]"
+"""
+
+
+def test_a_port_at_the_root_of_a_host_of_its_own(
+    served: Served, box_a: dict[str, Any], team_keys: dict[str, str]
+) -> None:
+    bid, key = box_a["id"], team_keys["a"]
+    host = f"8090-{bid}.{PORT_DOMAIN}"
+    at_host = f"http://127.0.0.1:{served.port}"
+
+    def get(path: str, **headers: str) -> httpx.Response:
+        return httpx.get(at_host + path, headers={"Host": host, **headers}, follow_redirects=False)
+
+    with served.client(key) as c:
+        c.put(f"/v1/boxes/{bid}/files/content", params={"path": "/root8090/index.html"}, content=b"root\n")
+        c.put(f"/v1/boxes/{bid}/files/content", params={"path": "/root8090/cgi-bin/where", "mode": 0o755},
+              content=WHERE_CGI.encode())  # fmt: skip
+        c.post(f"/v1/boxes/{bid}/exec", json={"argv": ["sh", "-c", "httpd -p 127.0.0.1:8090 -h /root8090"]})
+        _wait_answering(c, f"/v1/boxes/{bid}/ports/8090/")
+        preview = c.post(f"/v1/boxes/{bid}/previews", json={"port": 8090, "ttl": 60}).json()
+        other_port = c.post(f"/v1/boxes/{bid}/previews", json={"port": 8080, "ttl": 60}).json()
+    auth = {"Authorization": f"Bearer {key}"}
+    r = get("/", **auth)
+    assert (r.status_code, r.text) == (200, "root\n")
+    r = get("/cgi-bin/where?x=1", **auth)
+    assert r.text.strip() == "prefix=[] uri=[/cgi-bin/where?x=1] cookie=[]", r.text  # the app is at the root
+    error(get("/"), 401, "unauthorized")
+    error(get("/", Authorization=f"Bearer {team_keys['b']}"), 404, "box_not_found")
+    # a preview: the token once in the query, then a cookie of this host
+    assert preview["host_url"] == f"http://8090-{bid}.{PORT_DOMAIN}:{served.port}/?sandlot_token=" + \
+        preview["url"].rstrip("/").rsplit("/", 1)[1]  # fmt: skip
+    token = preview["host_url"].split("sandlot_token=")[1]
+    r = get(f"/cgi-bin/where?sandlot_token={token}&y=2")
+    assert r.status_code == 307 and r.headers["location"] == "/cgi-bin/where?y=2", r.headers
+    cookie = r.headers["set-cookie"]
+    assert cookie.startswith(f"sandlot_preview={token};") and "HttpOnly" in cookie and "Path=/" in cookie
+    r = get("/cgi-bin/where?y=2", Cookie=f"sandlot_preview={token}")
+    assert r.status_code == 200 and r.text.startswith("prefix=[] uri=[/cgi-bin/where?y=2]"), r.text
+    # a token of another port, a forged one, and a token on another box's host are refused
+    wrong = other_port["url"].rstrip("/").rsplit("/", 1)[1]
+    assert "not this host" in error(get("/", Cookie=f"sandlot_preview={wrong}"), 403, "forbidden")["message"]
+    error(get(f"/?sandlot_token={token[:-2]}AA"), 403, "forbidden")
+    r = httpx.get(
+        at_host + "/", headers={"Host": f"8090-0000.{PORT_DOMAIN}", "Cookie": f"sandlot_preview={token}"}
+    )
+    error(r, 403, "forbidden")
+    # a host outside the domain is the API as always
+    assert httpx.get(at_host + "/health", headers={"Host": "elsewhere.test"}).json()["status"] == "ok"
 
 
 def test_websockets_to_a_box_port_with_a_key_or_a_preview_url(

@@ -18,7 +18,7 @@ from datetime import UTC, datetime
 from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING
 
-from ..core.validate import guest_path
+from ..core.validate import check_user, guest_path
 from ..errors import InvalidArgument
 from ..protocol import files as proto
 from ..protocol.wire import FsFlag, FsOp, RawEntry
@@ -138,8 +138,8 @@ class AsyncFiles:
         else:
             payload = data
         return await proto.write_stream(
-            await self._conn(), p, payload, mode=_mode(mode), user=user, append=append, parents=parents,
-            exclusive=exclusive,
+            await self._conn(), p, payload, mode=_mode(mode), user=check_user(user), append=append,
+            parents=parents, exclusive=exclusive,
         )  # fmt: skip
 
     async def upload(
@@ -172,7 +172,8 @@ class AsyncFiles:
             finally:
                 f.close()
 
-        return await proto.write_stream(await self._conn(), dst, chunks(), mode=file_mode, user=user)
+        owner = check_user(user)
+        return await proto.write_stream(await self._conn(), dst, chunks(), mode=file_mode, user=owner)
 
     async def download(self, remote: str | os.PathLike[str], local: str | os.PathLike[str]) -> int:
         """Copy a guest file to the host (streamed, written atomically). Returns bytes copied."""
@@ -225,9 +226,8 @@ class AsyncFiles:
     ) -> None:
         """Create a directory; with ``parents`` (default) like ``mkdir -p``."""
         flags = FsFlag.PARENTS if parents else 0
-        await proto.fs_request(
-            await self._conn(), FsOp.MKDIR, guest_path(path), mode=_mode(mode), flags=flags, user=user
-        )
+        owner, where, conn = check_user(user), guest_path(path), await self._conn()
+        await proto.fs_request(conn, FsOp.MKDIR, where, mode=_mode(mode), flags=flags, user=owner)
 
     async def remove(
         self, path: str | os.PathLike[str], *, recursive: bool = False, missing_ok: bool = False
@@ -248,5 +248,6 @@ class AsyncFiles:
         """Change the owner; ``user`` is "name", "uid", "name:group" or "uid:gid"."""
         if not user:
             raise InvalidArgument("chown needs a user")
+        check_user(user)
         flags = 0 if follow_symlinks else FsFlag.NOFOLLOW
         await proto.fs_request(await self._conn(), FsOp.CHOWN, guest_path(path), user=user, flags=flags)

@@ -94,6 +94,9 @@ WS_MAX_MESSAGE = 16 << 20
 EXEC_STDIN_INLINE = 256 * 1024  # stdin up to this size goes in the exec request (JSON bodies stop at 1 MiB)
 REATTACH_DELAYS = (0.1, 0.25, 0.5, 1.0, 2.0, 4.0)  # seconds between tries to reach the server again
 LOCAL_ONLY = "not over a remote connection"
+# what a box started from a snapshot may have of its own over a server
+SNAPSHOT_START_OPTIONS = frozenset({"env", "labels", "workdir", "user", "idle_timeout", "request_timeout",
+                                    "network", "allow"})  # fmt: skip
 
 
 # -- the WebSocket frame protocol (docs/server.md, "Processes, streamed over WebSocket") ------
@@ -1472,26 +1475,26 @@ class RemoteAsyncFiles:
         exclusive: bool = False,
     ) -> int:
         """Write a whole file atomically, creating parent directories; keeps an existing
-        file's mode unless ``mode`` says otherwise. ``data`` may be an async iterable of
-        chunks, streamed as they come. Returns the bytes written. (``user``, ``append``,
-        ``exclusive`` and ``parents=False`` are not offered by the server: InvalidArgument.)"""
+        file's mode and owner unless ``mode``/``user`` say otherwise. ``append`` adds to
+        its end; ``exclusive`` fails if it exists (FileExistsError). ``data`` may be an
+        async iterable of chunks, streamed as they come. Returns the bytes written."""
         p = guest_path(path)
-        for what, used in (("user", user is not None), ("append", append), ("exclusive", exclusive),
-                           ("parents=False", not parents)):  # fmt: skip
-            if used:
-                raise InvalidArgument(f"{LOCAL_ONLY}: files.write({what})")
         if isinstance(data, str):
             data = data.encode()
+        options = {"user": check_user(user), "append": append or None, "parents": None if parents else False,
+                   "exclusive": exclusive or None}  # fmt: skip
         if isinstance(data, bytes | bytearray | memoryview):
             payload = bytes(data)
-            await self._put(p, payload, _mode(mode))
+            await self._put(p, payload, _mode(mode), **options)
             return len(payload)
         counted = _Counted(data)
-        await self._put(p, counted, _mode(mode))
+        await self._put(p, counted, _mode(mode), **options)
         return counted.total
 
-    async def _put(self, path: str, chunks: AsyncIterable[bytes] | bytes, mode: int | None) -> FileInfo:
-        params = {"path": path, "mode": mode}
+    async def _put(
+        self, path: str, chunks: AsyncIterable[bytes] | bytes, mode: int | None, **options: Any
+    ) -> FileInfo:
+        params = {"path": path, "mode": mode, **options}
         data = await self._client._json("PUT", self._path("/files/content"), params=params, content=chunks,
                                         timeout=self._client._long())  # fmt: skip
         return file_info(data) if isinstance(data, dict) else await self.stat(path)
@@ -1508,15 +1511,13 @@ class RemoteAsyncFiles:
         A file keeps its permission bits unless ``mode`` is given. Returns bytes copied."""
         src = Path(local)
         dst = guest_path(remote)
-        if user is not None:
-            raise InvalidArgument(f"{LOCAL_ONLY}: files.upload(user)")
         if src.is_dir():
-            return await self.upload_dir(src, dst)
+            return await self._put_tree(src, dst, check_user(user))
         if not src.is_file():
             raise InvalidArgument(f"{src} is not a file or directory")
         file_mode = _mode(mode) if mode is not None else _stat.S_IMODE(src.stat().st_mode)
         counted = _Counted(_file_chunks(src))
-        await self._put(dst, counted, file_mode)
+        await self._put(dst, counted, file_mode, user=check_user(user))
         return counted.total
 
     async def download(self, remote: str | os.PathLike[str], local: str | os.PathLike[str]) -> int:
@@ -1567,9 +1568,9 @@ class RemoteAsyncFiles:
         user: str | None = None,
     ) -> None:
         """Create a directory; with ``parents`` (default) like ``mkdir -p``."""
-        if user is not None:
-            raise InvalidArgument(f"{LOCAL_ONLY}: files.mkdir(user)")
         body = {"path": guest_path(path), "parents": parents, "mode": _mode(mode)}
+        if user is not None:
+            body["user"] = check_user(user)
         await self._client._json("POST", self._path("/files/mkdir"), json_body=body)
 
     async def remove(
@@ -1594,22 +1595,28 @@ class RemoteAsyncFiles:
         await self._client._json("POST", self._path("/files/chmod"), json_body=body)
 
     async def chown(self, path: str | os.PathLike[str], user: str, *, follow_symlinks: bool = True) -> None:
-        """Change the owner: the server offers no route for it (InvalidArgument)."""
-        raise InvalidArgument(f"{LOCAL_ONLY}: files.chown")
+        """Change the owner; ``user`` is "name", "uid", "name:group" or "uid:gid"."""
+        if not user:
+            raise InvalidArgument("chown needs a user")
+        body = {"path": guest_path(path), "user": check_user(user), "follow_symlinks": follow_symlinks}
+        await self._client._json("POST", self._path("/files/chown"), json_body=body)
 
     async def upload_dir(self, local_dir: str | os.PathLike[str], remote_dir: str | os.PathLike[str]) -> int:
         """Copy a host directory's tree into ``remote_dir`` (created if needed) as one
         tar stream, built as it is sent. Symbolic links are copied as what they point
         to; sockets and devices are left out. Returns the bytes of the files copied."""
         src = Path(local_dir)
-        dst = guest_path(remote_dir)
         if not src.is_dir():
             raise InvalidArgument(f"{src} is not a directory")
+        return await self._put_tree(src, guest_path(remote_dir), None)
+
+    async def _put_tree(self, src: Path, dst: str, user: str | None) -> int:
         r, w = os.pipe()
         total = [0]
         writer = _in_thread(_tar_tree, src, w, total)
         try:
-            await self._client._request("PUT", self._path("/files/archive"), params={"path": dst},
+            params = {"path": dst, "user": user}
+            await self._client._request("PUT", self._path("/files/archive"), params=params,
                                         content=_pipe_chunks(r), timeout=self._client._long())  # fmt: skip
         finally:
             os.close(r)  # a writer still busy gets EPIPE and ends
@@ -1796,12 +1803,19 @@ class RemoteAsyncSnapshot:
         self, n: int = 1, *, name: str | None = None, **options: Any
     ) -> builtins.list[RemoteAsyncBox]:
         """Start ``n`` boxes from this state, processes running. ``name``: the box's name
-        if ``n`` is 1, else the prefix of their names. The server starts them with the
-        snapshot's own options: other ``options`` (env, labels...) raise InvalidArgument."""
+        if ``n`` is 1, else the prefix of their names; ``options``: env, labels, workdir,
+        user, idle_timeout, request_timeout, network and allow for each."""
+        body: dict[str, Any] = {"n": n, "name": name}
         for option, value in options.items():
-            if value is not None:
+            if value is None:
+                continue
+            if option not in SNAPSHOT_START_OPTIONS:
                 raise InvalidArgument(f"{LOCAL_ONLY}: {option} for boxes started from a snapshot")
-        body = {"n": n, "name": name}
+            body[option] = dict(value) if isinstance(value, Mapping) else value
+        if "env" in body:
+            body["env"] = check_env(body["env"])
+        if "allow" in body and isinstance(body["allow"], str):
+            body["allow"] = [body["allow"]]
         data = await self._client._json("POST", self._path("/start"), json_body=body,
                                         timeout=self._client._long())  # fmt: skip
         return [_box_of(self._client, rec) for rec in data.get("boxes", [])]

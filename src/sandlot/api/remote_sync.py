@@ -360,9 +360,9 @@ class RemoteFiles(RemoteFilesBase):
         exclusive: bool = False,
     ) -> int:
         """Write a whole file atomically, creating parent directories; keeps an existing
-        file's mode unless ``mode`` says otherwise. ``data`` may be an async iterable of
-        chunks, streamed as they come. Returns the bytes written. (``user``, ``append``,
-        ``exclusive`` and ``parents=False`` are not offered by the server: InvalidArgument.)"""
+        file's mode and owner unless ``mode``/``user`` say otherwise. ``append`` adds to
+        its end; ``exclusive`` fails if it exists (FileExistsError). ``data`` may be an
+        async iterable of chunks, streamed as they come. Returns the bytes written."""
         return loop.run(
             self._a.write(
                 path, data, mode=mode, user=user, append=append, parents=parents, exclusive=exclusive
@@ -414,7 +414,7 @@ class RemoteFiles(RemoteFilesBase):
         loop.run(self._a.chmod(path, mode))
 
     def chown(self, path: str | os.PathLike[str], user: str, *, follow_symlinks: bool = True) -> None:
-        """Change the owner: the server offers no route for it (InvalidArgument)."""
+        """Change the owner; ``user`` is "name", "uid", "name:group" or "uid:gid"."""
         loop.run(self._a.chown(path, user, follow_symlinks=follow_symlinks))
 
     def upload_dir(self, local_dir: str | os.PathLike[str], remote_dir: str | os.PathLike[str]) -> int:
@@ -474,8 +474,8 @@ class RemoteSnapshot(RemoteSnapshotBase):
 
     def start(self, n: int = 1, *, name: str | None = None, **options: Any) -> builtins.list[RemoteBox]:
         """Start ``n`` boxes from this state, processes running. ``name``: the box's name
-        if ``n`` is 1, else the prefix of their names. The server starts them with the
-        snapshot's own options: other ``options`` (env, labels...) raise InvalidArgument."""
+        if ``n`` is 1, else the prefix of their names; ``options``: env, labels, workdir,
+        user, idle_timeout, request_timeout, network and allow for each."""
         return [RemoteBox.wrap(x) for x in loop.run(self._a.start(n, name=name, **options))]
 
     def export(self, path: str | os.PathLike[str]) -> Path:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ipaddress
+import re
 import socket
 from pathlib import Path
 from typing import Annotated
@@ -10,6 +11,8 @@ from typing import Annotated
 import typer
 
 from .common import app, err, fail
+
+DNS_NAME = r"(?!-)[A-Za-z0-9-]{1,63}(\.(?!-)[A-Za-z0-9-]{1,63})*"
 
 
 def _loopback(host: str) -> bool:
@@ -38,6 +41,13 @@ def serve(
     body_timeout: Annotated[
         float, typer.Option(help="Seconds a request body may stall before the answer is 408.", min=1)
     ] = 60.0,
+    port_domain: Annotated[
+        str | None,
+        typer.Option(
+            help="Serve {port}-{box}.DOMAIN at the root path of that port of the box "
+            "(a wildcard DNS name and certificate for *.DOMAIN point here)."
+        ),
+    ] = None,
     log_level: Annotated[str, typer.Option(help="uvicorn's log level.")] = "warning",
 ) -> None:
     """Serve this home's boxes over HTTP and WebSocket, with API keys and an audit trail."""
@@ -58,6 +68,10 @@ def serve(
     for f in (tls_cert, tls_key):
         if f is not None and not f.is_file():
             raise fail(f"{f} is not a file", 2)
+    if port_domain is not None and not re.fullmatch(
+        r"(?!-)[A-Za-z0-9-]{1,63}(\.(?!-)[A-Za-z0-9-]{1,63})*", port_domain
+    ):
+        raise fail(f"--port-domain {port_domain!r} is not a DNS name", 2)
     live_keys = [k for k in access.list_keys() if k.revoked_at is None]
     if no_auth and not _loopback(host):
         raise fail(f"--no-auth serves anyone who can reach {host}; it is refused off loopback", 2)
@@ -69,7 +83,7 @@ def serve(
     scheme = "https" if tls_cert else "http"
     err.print(f"sandlot serve: {scheme}://{host}:{port} (docs at /docs)")
     config = uvicorn.Config(
-        create_app(Settings(auth=not no_auth, body_timeout=body_timeout)),
+        create_app(Settings(auth=not no_auth, body_timeout=body_timeout, port_domain=port_domain)),
         host=host,
         port=port,
         ssl_certfile=str(tls_cert) if tls_cert else None,

@@ -194,4 +194,7 @@ def create_app(settings: Settings) -> ASGIApp:
     api.include_router(router, prefix="/v1")
     api.include_router(bridge.v1, prefix="/v1")
     api.include_router(bridge.router)
-    return Guard(api, state)
+    guarded = Guard(api, state)
+    if settings.port_domain:
+        return bridge.HostRoutes(guarded, state, settings.port_domain)
+    return guarded

@@ -13,6 +13,10 @@ relay, ``api/bridge.py``): the port needs no publishing and the box no network.
   of the home accepts it and nobody else can make one.
 - ``WS /v1/boxes/{box}/tcp/{port}``: a raw connection (binary frames both ways),
   what the remote client's ``box.connect(port)`` uses.
+- ``{port}-{box}.{domain}`` (``sandlot serve --port-domain DOMAIN``; ``HostRoutes``):
+  the same at the root path, for apps that need one, with a key, or with a
+  preview token given once as ``?sandlot_token=`` and then kept in a cookie of
+  that host only.
 
 HTTP goes with ``Connection: close`` to the guest (one connection per request)
 and hop-by-hop headers, and a sandlot key, are not passed on.
@@ -27,17 +31,21 @@ import hashlib
 import hmac
 import json
 import os
+import re
 import secrets
 import socket
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, MutableMapping
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlencode
 
 import h11
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import RedirectResponse, StreamingResponse
 from pydantic import Field
+from starlette.datastructures import Headers, QueryParams
+from starlette.requests import cookie_parser
 from starlette.websockets import WebSocket, WebSocketDisconnect
 from websockets.asyncio.client import ClientConnection
 from websockets.asyncio.client import connect as ws_connect
@@ -48,7 +56,7 @@ from ..api.box import AsyncBox
 from ..errors import BoxNotFound, Forbidden, GuestOSError, PortUnreachable, RequestError, SandlotError
 from .models import Strict
 from .routes import box_for, ws_box
-from .state import ServerState
+from .state import ServerState, error_response
 from .streams import error_message
 
 router = APIRouter()  # /p/...: previews, authenticated by their signature
@@ -108,6 +116,84 @@ def check_preview_token(home: Path, token: str) -> tuple[str, int]:
 class PreviewIn(Strict):
     port: int = Field(ge=1, le=65535)
     ttl: int = Field(default=3600, ge=1, le=MAX_PREVIEW_TTL)
+
+
+# -- host-based routes ----------------------------------------------------------------------
+
+HOST_ROUTE = "sandlot.host_route"  # in the scope of a request that came by a port host
+TOKEN_PARAM = "sandlot_token"
+TOKEN_COOKIE = "sandlot_preview"
+
+
+class HostRoutes:
+    """ASGI: requests to ``{port}-{box}.{domain}`` go to that port of the box at the
+    root path. Each becomes the request of a path route (``/v1/boxes/{box}/ports/
+    {port}/...`` with a key, ``/p/{token}/...`` with a preview cookie), so it is
+    authenticated, limited and audited as those are. ``{box}`` is the box's id (or
+    a lower-case name: host names have no case); a preview cookie is taken only
+    on the host of its own box id and port."""
+
+    def __init__(self, app: Any, state: ServerState, domain: str) -> None:
+        self.app = app
+        self.state = state
+        self.pattern = re.compile(
+            rf"^(\d{{1,5}})-([a-z0-9][a-z0-9_.-]*)\.{re.escape(domain.lower())}(?::\d+)?$"
+        )
+
+    async def __call__(self, scope: MutableMapping[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] not in ("http", "websocket"):
+            await self.app(scope, receive, send)
+            return
+        headers = Headers(scope=scope)
+        m = self.pattern.match(headers.get("host", "").lower())
+        if m is None:
+            await self.app(scope, receive, send)
+            return
+        port, box = m.group(1), m.group(2)
+        query = QueryParams(scope.get("query_string", b"").decode("latin-1"))
+        try:
+            if TOKEN_PARAM in query and scope["type"] == "http":
+                await self._keep_token(scope, query, port, box, send)
+                return
+            token = cookie_parser(headers.get("cookie", "")).get(TOKEN_COOKIE)
+            if token is not None:
+                self._check_token(token, port, box)
+        except SandlotError as e:
+            if scope["type"] == "http":
+                await error_response(e)(scope, receive, send)
+            else:
+                await send({"type": "websocket.close", "code": 1008})
+            return
+        path = scope["path"]
+        inner = f"/p/{token}{path}" if token else f"/v1/boxes/{box}/ports/{port}{path}"
+        scope = {**scope, "path": inner, "raw_path": inner.encode(), HOST_ROUTE: True}
+        await self.app(scope, receive, send)
+
+    def _check_token(self, token: str, port: str, box: str) -> None:
+        box_id, token_port = check_preview_token(self.state.home_dir, token)
+        if (box_id, token_port) != (box, int(port)):
+            raise Forbidden(f"this preview is for port {token_port} of box {box_id}, not this host")
+
+    async def _keep_token(
+        self, scope: MutableMapping[str, Any], query: QueryParams, port: str, box: str, send: Any
+    ) -> None:
+        """Answer ``?sandlot_token=`` with the same URL without it, and the token as a
+        cookie of this host (so the app's own links and requests carry it)."""
+        token = query[TOKEN_PARAM]
+        self._check_token(token, port, box)
+        rest = urlencode([(k, v) for k, v in query.multi_items() if k != TOKEN_PARAM])
+        location = scope["path"] + (f"?{rest}" if rest else "")
+        secure = "; Secure" if scope.get("scheme") in ("https", "wss") else ""
+        cookie = f"{TOKEN_COOKIE}={token}; Path=/; HttpOnly; SameSite=Lax{secure}"
+        await send({"type": "http.response.start", "status": 307,
+                    "headers": [(b"location", location.encode()), (b"set-cookie", cookie.encode()),
+                                (b"content-length", b"0")]})  # fmt: skip
+        await send({"type": "http.response.body", "body": b""})
+
+
+def _prefix(request: Request | WebSocket, path_prefix: str) -> str:
+    """Where the app in the box is mounted, as the client sees it."""
+    return "" if request.scope.get(HOST_ROUTE) else path_prefix
 
 
 # -- HTTP -----------------------------------------------------------------------------------
@@ -331,7 +417,7 @@ async def _preview_box(request: Request | WebSocket, token: str) -> tuple[AsyncB
 @router.api_route("/p/{token}/{path:path}", methods=METHODS, include_in_schema=False)
 async def preview_http(request: Request, token: str, path: str) -> Response:
     box, port = await _preview_box(request, token)
-    return await proxy_http(request, box, port, path, f"/p/{token}")
+    return await proxy_http(request, box, port, path, _prefix(request, f"/p/{token}"))
 
 
 @router.get("/p/{token}", include_in_schema=False)
@@ -355,7 +441,7 @@ async def preview_ws(ws: WebSocket, token: str, path: str) -> None:
 async def port_http(request: Request, box: str, port: int, path: str) -> Response:
     """HTTP to ``port`` in the box (streamed both ways)."""
     b = await box_for(request, box)
-    return await proxy_http(request, b, _port(port), path, f"/v1/boxes/{box}/ports/{port}")
+    return await proxy_http(request, b, _port(port), path, _prefix(request, f"/v1/boxes/{box}/ports/{port}"))
 
 
 @v1.get("/boxes/{box}/ports/{port}", include_in_schema=False)
@@ -384,9 +470,15 @@ async def tcp_ws(ws: WebSocket, box: str, port: int) -> None:
 async def make_preview(request: Request, box: str, body: PreviewIn) -> dict[str, Any]:
     """A signed URL to ``port`` in the box that works without a key until it expires."""
     b = await box_for(request, box)
-    token, expires = make_preview_token(_server(request).home_dir, b.id, body.port, body.ttl)
+    server = _server(request)
+    token, expires = make_preview_token(server.home_dir, b.id, body.port, body.ttl)
     base = str(request.base_url).rstrip("/")
-    return {"url": f"{base}/p/{token}/", "port": body.port, "expires_at": expires}
+    out: dict[str, Any] = {"url": f"{base}/p/{token}/", "port": body.port, "expires_at": expires}
+    domain = server.settings.port_domain
+    if domain:  # the same preview at the root path of the box's own host
+        netloc = f"{body.port}-{b.id}.{domain}" + (f":{request.url.port}" if request.url.port else "")
+        out["host_url"] = f"{request.url.scheme}://{netloc}/?{TOKEN_PARAM}={token}"
+    return out
 
 
 def _control_type(text: str) -> str | None:

@@ -85,10 +85,31 @@ class ForkIn(Strict):
     name: str | None = None
 
 
+class SnapshotStartIn(ForkIn):
+    """Boxes from a snapshot: how many, their name, and what each may have of its own
+    (the rest is the snapshot's: its memory, disk and processes)."""
+
+    env: dict[str, str] | None = None
+    labels: dict[str, str] | None = None
+    workdir: str | None = None
+    user: str | None = None
+    idle_timeout: float | None = None
+    request_timeout: float | None = None
+    network: str | None = None
+    allow: list[str] | None = None
+
+
 class MkdirIn(Strict):
     path: str
     parents: bool = False
     mode: int | None = None
+    user: str | None = None
+
+
+class ChownIn(Strict):
+    path: str
+    user: str
+    follow_symlinks: bool = True
 
 
 class RenameIn(Strict):

@@ -34,6 +34,7 @@ from . import tarstream
 from .models import (
     BoxCreate,
     ChmodIn,
+    ChownIn,
     ExecIn,
     ForkIn,
     MkdirIn,
@@ -41,6 +42,7 @@ from .models import (
     RenameIn,
     RollbackIn,
     SnapshotIn,
+    SnapshotStartIn,
     box_json,
     exec_json,
     file_json,
@@ -436,9 +438,17 @@ async def read_file(box: str, path: str, request: Request, offset: Annotated[int
 
 @router.put("/boxes/{box}/files/content", tags=["files"])
 async def write_file(
-    box: str, path: str, request: Request, mode: Annotated[int | None, Query(ge=0, le=0o7777)] = None
+    box: str,
+    path: str,
+    request: Request,
+    mode: Annotated[int | None, Query(ge=0, le=0o7777)] = None,
+    user: str | None = None,
+    append: bool = False,
+    parents: bool = True,
+    exclusive: bool = False,
 ) -> dict[str, Any]:
-    """Write the request body to the file, streamed (atomically replaced when complete)."""
+    """Write the request body to the file, streamed (atomically replaced when complete;
+    ``append`` adds to its end; ``exclusive``: 409 if it exists; ``user`` owns it)."""
     b = await box_for(request, box)
 
     async def chunks() -> AsyncIterator[bytes]:
@@ -446,7 +456,9 @@ async def write_file(
             if chunk:
                 yield chunk
 
-    await b.files.write(path, chunks(), mode=mode)
+    await b.files.write(
+        path, chunks(), mode=mode, user=user, append=append, parents=parents, exclusive=exclusive
+    )
     return file_json(await b.files.stat(path))
 
 
@@ -466,9 +478,9 @@ async def stat_file(box: str, path: str, request: Request, follow_symlinks: bool
 async def mkdir(box: str, body: MkdirIn, request: Request) -> Response:
     b = await box_for(request, box)
     if body.mode is None:
-        await b.files.mkdir(body.path, parents=body.parents)
+        await b.files.mkdir(body.path, parents=body.parents, user=body.user)
     else:
-        await b.files.mkdir(body.path, parents=body.parents, mode=body.mode)
+        await b.files.mkdir(body.path, parents=body.parents, mode=body.mode, user=body.user)
     return Response(status_code=204)
 
 
@@ -481,6 +493,13 @@ async def rename(box: str, body: RenameIn, request: Request) -> Response:
 @router.post("/boxes/{box}/files/chmod", status_code=204, tags=["files"])
 async def chmod(box: str, body: ChmodIn, request: Request) -> Response:
     await (await box_for(request, box)).files.chmod(body.path, body.mode)
+    return Response(status_code=204)
+
+
+@router.post("/boxes/{box}/files/chown", status_code=204, tags=["files"])
+async def chown(box: str, body: ChownIn, request: Request) -> Response:
+    b = await box_for(request, box)
+    await b.files.chown(body.path, body.user, follow_symlinks=body.follow_symlinks)
     return Response(status_code=204)
 
 
@@ -500,11 +519,12 @@ async def get_archive(box: str, path: str, request: Request) -> Response:
 
 
 @router.put("/boxes/{box}/files/archive", status_code=204, tags=["files"])
-async def put_archive(box: str, path: str, request: Request) -> Response:
-    """Unpack the tar stream of the body into the directory ``path`` (checked whole first)."""
+async def put_archive(box: str, path: str, request: Request, user: str | None = None) -> Response:
+    """Unpack the tar stream of the body into the directory ``path`` (checked whole
+    first), owned by ``user`` if given."""
     b = await box_for(request, box)
     with await _spooled(request) as archive:
-        await tarstream.tar_in(b.files, path, archive)
+        await tarstream.tar_in(b.files, path, archive, user=user)
     return Response(status_code=204)
 
 
@@ -582,14 +602,18 @@ async def fork(box: str, body: ForkIn, request: Request) -> dict[str, Any]:
 
 
 @router.post("/snapshots/{snap}/start", status_code=201, tags=["live state"])
-async def start_snapshot(snap: str, body: ForkIn, request: Request) -> dict[str, Any]:
+async def start_snapshot(snap: str, body: SnapshotStartIn, request: Request) -> dict[str, Any]:
     s = await snapshot_for(request, snap)
     spec = s.record.options.get("box") or {}
     caller = _caller(request)
+    if body.network == "open":
+        caller.require_admin("network='open' (it reaches the host)")
+    own = body.model_dump(exclude={"n", "name", "labels"}, exclude_none=True)
+    labels = {**_inherited(caller, s), **_stamped(caller, body.labels)}
     async with _create_lock(_server(request), caller):
         await check_quota(request, body.n, int(spec.get("memory_mib") or 0),
                           int(spec.get("disk_size_gb") or 0))  # fmt: skip
-        kids = await s.start(body.n, name=body.name, labels=_inherited(caller, s))
+        kids = await s.start(body.n, name=body.name, labels=labels, **own)
     return {"boxes": [box_json(k) for k in kids]}
 
 

@@ -45,6 +45,7 @@ class Settings:
     home: str | os.PathLike[str] | None = None
     auth: bool = True
     body_timeout: float = 60.0  # seconds a request body may stall before the answer is 408
+    port_domain: str | None = None  # {port}-{box}.{port_domain} reaches that port (server/bridge.py)
     tmp: Path = field(default_factory=lambda: Path(os.environ.get("TMPDIR", "/tmp")))
 
 

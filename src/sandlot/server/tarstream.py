@@ -81,17 +81,18 @@ def checked_members(archive: IO[bytes]) -> list[tarfile.TarInfo]:
     return members
 
 
-async def tar_in(files: AsyncFiles, root: str, archive: IO[bytes]) -> int:
-    """Write a checked archive under ``root``; returns the number of members."""
+async def tar_in(files: AsyncFiles, root: str, archive: IO[bytes], user: str | None = None) -> int:
+    """Write a checked archive under ``root`` (owned by ``user`` if given, as
+    ``files.upload`` does); returns the number of members."""
     members = checked_members(archive)
     archive.seek(0)
     with tarfile.open(fileobj=archive, mode="r:") as tar:
-        await files.mkdir(root, parents=True)
+        await files.mkdir(root, parents=True, user=user)
         for m in members:
             dest = posixpath.join(root, _inside(m.name))
             mode = stat.S_IMODE(m.mode)
             if m.isdir():
-                await files.mkdir(dest, parents=True, mode=mode)
+                await files.mkdir(dest, parents=True, mode=mode, user=user)
             else:
                 src = tar.extractfile(m)
                 assert src is not None
@@ -100,5 +101,5 @@ async def tar_in(files: AsyncFiles, root: str, archive: IO[bytes]) -> int:
                     while chunk := src.read(CHUNK):
                         yield chunk
 
-                await files.write(dest, chunks(), mode=mode)
+                await files.write(dest, chunks(), mode=mode, user=user)
     return len(members)
