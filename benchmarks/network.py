@@ -5,6 +5,10 @@
 * box -> host through QEMU's user networking directly (``network="open"``, 10.0.2.2):
   the same guest client without the proxy, to separate the proxy's cost from emulation's;
 * host -> box through a published port (``ports=[...]``), the server in the box;
+* box -> box (``allow=["box:NAME:8000"]``), the server in the box of the published
+  port: straight to the address sandlot's DNS gives NAME.box.internal, and through
+  the egress proxy; both go through the home's box link and the server box's agent
+  (the first connection also starts the link);
 * box -> host over HTTPS through the proxy twice from one box: a tunnel (end-to-end
   TLS) and a host the box's secret is for (decrypted, the placeholder swapped in).
 
@@ -199,6 +203,12 @@ def main() -> None:
                 time.sleep(0.2)
         raw = host_client(f"http://{address}:{host_port}", args.runs)
         out["host_to_box_published_port"] = ratio(figures(raw))
+        allow_box = [f"box:{box.name}:8000"]
+        with sandlot.Box(rootfs=root, memory_mib=512, allow=allow_box, template=False) as other:
+            url = f"http://{box.name}.box.internal:8000"
+            out["box_to_box_direct"] = ratio(figures(box_client(other, url, args.runs, None)))
+            raw = box_client(other, url, args.runs, "http://10.0.2.100:3128")
+            out["box_to_box_via_egress_proxy"] = ratio(figures(raw))
     server.shutdown()
     out.update(https_with_secrets(root, big, args.runs))
     out["host"] = host_facts(sandlot.Runtime.for_home().prepare().accel)
