@@ -1,6 +1,7 @@
 """``sandlot serve`` against the library, in one run on the same boxes: exec ``true``
-round trips (p50, p99), file upload and download (MB/s), and exec requests per
-second from many concurrent clients, with the server's RSS before and after.
+round trips (p50, p99: the library, the remote client, a REST request each),
+file upload and download (MB/s), and exec requests per second from many
+concurrent clients, with the server's RSS before and after.
 
     .venv/bin/python benchmarks/server.py [--quick]
 """
@@ -19,20 +20,26 @@ from _common import busybox_root, drop_home, emit, host_facts, parser, scratch_h
 from tests.support.serve import load, open_fds, rss_mib, serving
 
 
-def exec_round_trips(box: sandlot.Box, client: httpx.Client, n: int) -> dict:
+def exec_round_trips(box: sandlot.Box, client: httpx.Client, remote: sandlot.Client, n: int) -> dict:
+    """``exec("true")`` three ways, interleaved so all see the same conditions: the
+    library, the remote client (its exec channel, one WebSocket), and a plain REST
+    request per exec."""
+    far = remote.get(box.id)
     box.exec("true")
+    far.exec("true")
     client.post(f"/v1/boxes/{box.id}/exec", json={"argv": ["true"]}).raise_for_status()
-    local, remote = [], []
-    for _ in range(n):  # interleaved, so both see the same conditions
-        t0 = time.perf_counter()
-        box.exec("true")
-        local.append(time.perf_counter() - t0)
-        t0 = time.perf_counter()
-        client.post(f"/v1/boxes/{box.id}/exec", json={"argv": ["true"]}).raise_for_status()
-        remote.append(time.perf_counter() - t0)
-    lo, re = summary(local, 1e3), summary(remote, 1e3)
-    return {"exec_true_local_ms": lo, "exec_true_remote_ms": re,
-            "remote_overhead_p50_ms": round(re["median"] - lo["median"], 2)}  # fmt: skip
+    times: dict[str, list[float]] = {"local": [], "remote": [], "rest": []}
+    rest = f"/v1/boxes/{box.id}/exec"
+    for _ in range(n):
+        for kind, run in (("local", lambda: box.exec("true")), ("remote", lambda: far.exec("true")),
+                          ("rest", lambda: client.post(rest, json={"argv": ["true"]}))):  # fmt: skip
+            t0 = time.perf_counter()
+            run()
+            times[kind].append(time.perf_counter() - t0)
+    lo, re, rest = (summary(times[k], 1e3) for k in ("local", "remote", "rest"))
+    return {"exec_true_local_ms": lo, "exec_true_remote_ms": re, "exec_true_rest_ms": rest,
+            "remote_overhead_p50_ms": round(re["median"] - lo["median"], 2),
+            "rest_overhead_p50_ms": round(rest["median"] - lo["median"], 2)}  # fmt: skip
 
 
 def file_transfer(box: sandlot.Box, client: httpx.Client, size: int, reps: int) -> dict:
@@ -92,7 +99,8 @@ def main() -> None:
             boxes = [sandlot.Box(rootfs=root, memory_mib=256, home=home, keep=True).start()
                      for _ in range(2 if q else 10)]  # fmt: skip
             doc: dict = {"benchmark": "server", "quick": q, "host": host_facts(boxes[0].accel)}
-            doc.update(exec_round_trips(boxes[0], client, 20 if q else 300))
+            with sandlot.connect(served.url, api_key=served.api_key) as remote:
+                doc.update(exec_round_trips(boxes[0], client, remote, 20 if q else 300))
             doc.update(file_transfer(boxes[0], client, (8 if q else 64) << 20, 1 if q else 3))
             pid = served.process.pid
             rss0 = rss_mib(pid)

@@ -46,9 +46,11 @@ The guest ``OSError`` subclasses also derive from the matching built-in, so
 
 from __future__ import annotations
 
+import base64
+import contextlib
 import errno as _errno
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any, ClassVar
 
 
@@ -375,6 +377,16 @@ def _subclasses(cls: type[SandlotError]) -> list[type[SandlotError]]:
     return out
 
 
+def output_bytes(data: Mapping[str, Any], name: str) -> bytes:
+    """A stream's bytes in a server's error: exact in ``NAME_b64``, else as text in ``NAME``."""
+    raw = data.get(f"{name}_b64")
+    if isinstance(raw, str):
+        with contextlib.suppress(ValueError):
+            return base64.b64decode(raw)
+    text = data.get(name)
+    return text.encode() if isinstance(text, str) else b""
+
+
 def from_dict(data: dict[str, Any]) -> SandlotError:
     """The exception a server's error (``to_dict()`` plus ``type``) stands for, as the
     same class, so ``except`` clauses behave alike against a local and a remote box.
@@ -398,8 +410,8 @@ def from_dict(data: dict[str, Any]) -> SandlotError:
         err = cls(message, box=box, state=state, allowed=data.get("allowed") or ())
     elif issubclass(cls, QuotaExceeded):
         err = cls(message, limit=str(data.get("limit", "")), value=int(data.get("value") or 0), box=box)
-    elif issubclass(cls, ExecTimeout):
-        err = cls(message, box=box)
+    elif issubclass(cls, ExecTimeout):  # the output so far travels with a timeout
+        err = cls(message, output_bytes(data, "stdout"), output_bytes(data, "stderr"), box=box)
     elif issubclass(cls, CommandFailed):
         err = cls(message, None, box=box)
     else:

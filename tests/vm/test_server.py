@@ -7,6 +7,7 @@ of the server that leaves boxes and processes running."""
 
 from __future__ import annotations
 
+import base64
 import io
 import json
 import os
@@ -21,6 +22,7 @@ from typing import Any
 
 import httpx
 import pytest
+from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import ClientConnection, connect
 
 import sandlot
@@ -448,6 +450,43 @@ def test_the_audit_trail_records_mutations_and_execs_without_stdin(
     assert "TOP-SECRET-STDIN" not in json.dumps(entries)
     cli = sandlot_cli(served.home, "audit", "--box", box_a["id"], "--json")
     assert cli.returncode == 0 and "TOP-SECRET-STDIN" not in cli.stdout and "exit" in cli.stdout
+
+
+def test_the_exec_channel_runs_many_execs_on_one_websocket(
+    served: Served, box_a: dict[str, Any], team_keys: dict[str, str]
+) -> None:
+    bid = box_a["id"]
+    with ws_connect(served, "/v1/exec", team_keys["a"]) as ws:
+        # answers come as execs finish, each with its id: the slow one last
+        ws.send(json.dumps({"id": 1, "box": bid, "argv": ["sh", "-c", "sleep 2; echo slow"]}))
+        for i in range(2, 7):
+            ws.send(json.dumps({"id": i, "box": bid, "argv": ["sh", "-c", f"echo {i}; exit {i}"],
+                                "stdin_b64": base64.b64encode(b"SECRET-IN").decode()}))  # fmt: skip
+        ws.send(json.dumps({"id": 7, "box": "no-such-box", "argv": ["true"]}))
+        answers = [json.loads(ws.recv(timeout=120)) for _ in range(7)]
+        by_id = {a["id"]: a for a in answers}
+        assert answers[-1]["id"] == 1 and by_id[1]["result"]["stdout"] == "slow\n"
+        for i in range(2, 7):
+            assert (by_id[i]["result"]["exit_code"], by_id[i]["result"]["stdout"]) == (i, f"{i}\n")
+        assert by_id[7]["error"]["code"] == "box_not_found"
+        # a message that is no exec call ends the channel, saying why
+        ws.send(json.dumps({"id": 8, "box": bid, "argv": []}))
+        bad = json.loads(ws.recv(timeout=30))
+        assert bad["id"] is None and bad["error"]["code"] == "bad_request"
+        with pytest.raises(ConnectionClosed):
+            ws.recv(timeout=30)
+    with ws_connect(served, "/v1/exec", team_keys["b"]) as ws:  # another namespace: no such box
+        ws.send(json.dumps({"id": 1, "box": bid, "argv": ["true"]}))
+        assert json.loads(ws.recv(timeout=30))["error"]["code"] == "box_not_found"
+    with ws_connect(served, "/v1/exec", "sk-sl-00000000-nope") as ws:
+        refused = json.loads(ws.recv(timeout=30))
+        assert refused["id"] is None and refused["error"]["code"] == "unauthorized"
+    with served.client() as admin:
+        entries = admin.get("/v1/audit", params={"box": bid}).json()["entries"]
+    channel = [
+        e for e in entries if e["action"] == "POST /v1/boxes/{box}/exec" and e["detail"].get("exit_code") == 5
+    ]
+    assert channel and channel[-1]["key_name"].startswith("team-a-") and "in" not in json.dumps(channel[-1])
 
 
 def test_kill9_of_the_server_mid_stream_leaves_box_and_process_running(

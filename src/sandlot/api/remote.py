@@ -67,7 +67,6 @@ from ..core.validate import check_env, check_user, guest_path, positive
 from ..errors import (
     AgentTimeout,
     ConnectionLost,
-    ExecTimeout,
     Forbidden,
     InvalidArgument,
     InvalidState,
@@ -77,10 +76,12 @@ from ..errors import (
     SandlotError,
     Unauthorized,
     from_dict,
+    output_bytes,
 )
 from ..protocol.exec import ExitStatus
 from ..version import __version__
 from .bridge import check_port, socket_bridge
+from .exec_channel import ChannelUnavailable, ExecChannel
 from .files import FileInfo
 from .process import AsyncProcess, ExecResult
 
@@ -148,23 +149,10 @@ def error_from_answer(status: int, body: bytes, url: str) -> SandlotError:
         data = None
     err_body = data.get("error") if isinstance(data, dict) else None
     if isinstance(err_body, dict):
-        err = from_dict(err_body)
-        if isinstance(err, ExecTimeout):  # the output so far travels with a timeout
-            err.stdout = _body_bytes(err_body, "stdout")
-            err.stderr = _body_bytes(err_body, "stderr")
-        return err
+        return from_dict(err_body)
     text = body[:300].decode("utf-8", "replace").strip()
     cls = _STATUS_ERRORS.get(status, ProtocolError)
     return cls(f"{url} answered HTTP {status}" + (f": {text}" if text else ""))
-
-
-def _body_bytes(body: Mapping[str, Any], name: str) -> bytes:
-    raw = body.get(f"{name}_b64")
-    if isinstance(raw, str):
-        with contextlib.suppress(ValueError):
-            return base64.b64decode(raw)
-    text = body.get(name)
-    return text.encode() if isinstance(text, str) else b""
 
 
 def _transport_error(url: str, exc: Exception) -> SandlotError:
@@ -219,6 +207,9 @@ class AsyncClient:
             if verify is False:
                 self._ssl.check_hostname = False
                 self._ssl.verify_mode = ssl.CERT_NONE
+        # execs go over one WebSocket (api/exec_channel.py); with a transport of the
+        # caller's, everything goes through it, over HTTP
+        self._channel = ExecChannel(lambda: self._websocket("/exec"), url) if transport is None else None
         self._http = httpx.AsyncClient(
             base_url=url + "/v1",
             headers=self._headers,
@@ -425,7 +416,19 @@ class AsyncClient:
 
     async def aclose(self) -> None:
         """Close the connections to the server (boxes and their processes keep running)."""
+        if self._channel is not None:
+            await self._channel.aclose()
         await self._http.aclose()
+
+    async def _exec(self, box_id: str, body: dict[str, Any]) -> Any:
+        """The answer of a one-shot exec: on the exec channel, or over HTTP where the
+        server has none."""
+        if self._channel is not None:
+            try:
+                return await self._channel.call(box_id, body)
+            except ChannelUnavailable:
+                pass
+        return await self._json("POST", f"/boxes/{_seg(box_id)}/exec", json_body=body, timeout=self._long())
 
     async def __aenter__(self) -> AsyncClient:
         return self
@@ -939,9 +942,7 @@ class RemoteAsyncBox:
                 stdin, bytes | bytearray | memoryview
             ):  # base64: its size is known, whatever it holds
                 body["stdin_b64"] = base64.b64encode(stdin).decode()
-            data = await self._client._json("POST", self._path("/exec"), json_body=body,
-                                            timeout=self._client._long())  # fmt: skip
-            result = exec_result(args, data)
+            result = exec_result(args, await self._client._exec(self.id, body))
         return result.check() if check else result
 
     async def _exec_streamed(
@@ -1037,8 +1038,8 @@ def exec_result(argv: tuple[str, ...], data: Mapping[str, Any]) -> ExecResult:
         return ExecResult(
             argv=argv,
             exit_code=int(data["exit_code"]),
-            stdout_bytes=_body_bytes(data, "stdout"),
-            stderr_bytes=_body_bytes(data, "stderr"),
+            stdout_bytes=output_bytes(data, "stdout"),
+            stderr_bytes=output_bytes(data, "stderr"),
             signal=data.get("signal"),
             duration=float(data.get("duration") or 0.0),
             pid=int(data.get("pid") or 0),

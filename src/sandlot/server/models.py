@@ -67,6 +67,14 @@ class ExecIn(Strict):
     timeout: float | None = None
 
 
+class ExecCall(ExecIn):
+    """An exec on the exec channel (``WS /v1/exec``): the REST body, its box and an id
+    the answer carries back."""
+
+    id: int = Field(ge=0)
+    box: str = Field(min_length=1)
+
+
 class NetworkIn(Strict):
     network: str | bool | None = None
     allow: list[str] | None = None

@@ -35,6 +35,7 @@ from .models import (
     BoxCreate,
     ChmodIn,
     ChownIn,
+    ExecCall,
     ExecIn,
     ForkIn,
     MkdirIn,
@@ -44,6 +45,7 @@ from .models import (
     SnapshotIn,
     SnapshotStartIn,
     box_json,
+    error_json,
     exec_json,
     file_json,
     snapshot_json,
@@ -343,6 +345,13 @@ async def get_ports(box: str, request: Request) -> dict[str, Any]:
 async def exec_box(box: str, body: ExecIn, request: Request) -> dict[str, Any]:
     """Run a command to completion and answer its exit code and output."""
     b = await box_for(request, box)
+    audit: dict[str, Any] = {"argv": body.argv}
+    request.state.audit = audit
+    return await _run_exec(b, body, audit)
+
+
+async def _run_exec(box: AsyncBox, body: ExecIn, audit: dict[str, Any]) -> dict[str, Any]:
+    """One exec of the REST route or the exec channel: its answer, and ``exit_code`` in ``audit``."""
     stdin: bytes | None = None
     if body.stdin is not None and body.stdin_b64 is not None:
         raise InvalidArgument("give stdin or stdin_b64, not both")
@@ -353,12 +362,75 @@ async def exec_box(box: str, body: ExecIn, request: Request) -> dict[str, Any]:
             stdin = base64.b64decode(body.stdin_b64, validate=True)
         except binascii.Error:
             raise InvalidArgument("stdin_b64 is not base64") from None
-    audit: dict[str, Any] = {"argv": body.argv}
-    request.state.audit = audit
-    result = await b.exec(*body.argv, env=body.env, cwd=body.cwd, user=body.user, stdin=stdin,
-                          timeout=body.timeout)  # fmt: skip
+    result = await box.exec(*body.argv, env=body.env, cwd=body.cwd, user=body.user, stdin=stdin,
+                            timeout=body.timeout)  # fmt: skip
     audit["exit_code"] = result.exit_code
     return exec_json(result)
+
+
+EXEC_CHANNEL_IN_FLIGHT = 64  # execs of one channel running at once; more wait for a slot
+
+
+@router.websocket("/exec")
+async def exec_channel(ws: WebSocket) -> None:
+    """One-shot execs of any visible boxes over one WebSocket, many at once.
+
+    Each text message is an exec (``ExecCall``: the REST route's body with an ``id``
+    and a ``box``); each answer ``{"id", "result"}`` (the REST route's answer) or
+    ``{"id", "error"}`` (its error shape), in the order they finish. It saves the
+    HTTP request of each exec: the remote client's ``exec`` goes this way. Execs are
+    audited as ``POST /v1/boxes/{box}/exec``. A refused key, or a message that is
+    not an ExecCall, is answered with ``"id": null`` and ends the channel (1008)."""
+    server = _server(ws)
+    await ws.accept()
+    try:
+        caller = await server.caller(ws.headers)
+    except SandlotError as e:
+        await ws.send_json({"id": None, "error": error_json(e)})
+        await ws.close(1008)
+        return
+    slots = asyncio.Semaphore(EXEC_CHANNEL_IN_FLIGHT)
+    sending = asyncio.Lock()
+
+    async def answer(message: dict[str, Any]) -> None:
+        async with sending:
+            with contextlib.suppress(WebSocketDisconnect, RuntimeError, OSError):  # the client left
+                await ws.send_text(json.dumps(message))
+
+    async def run(call: ExecCall) -> None:
+        t0 = asyncio.get_running_loop().time()
+        audit: dict[str, Any] = {"argv": call.argv}
+        status, code, box_id = 200, None, call.box
+        try:
+            b = await _box(ws, call.box, caller)
+            box_id = b.id
+            await answer({"id": call.id, "result": await _run_exec(b, call, audit)})
+        except SandlotError as e:
+            status, code = e.status, e.code
+            await answer({"id": call.id, "error": error_json(e)})
+        finally:
+            slots.release()
+            duration = asyncio.get_running_loop().time() - t0
+            server.record(caller, "POST /v1/boxes/{box}/exec", box_id, status, code, duration, audit)
+
+    try:
+        while True:
+            text = await ws.receive_text()
+            try:
+                call = ExecCall.model_validate_json(text)
+            except ValueError as e:
+                await answer({"id": None, "error": error_json(RequestError(f"not an exec call: {e}"))})
+                await ws.close(1008)
+                return
+            await slots.acquire()
+            task = asyncio.ensure_future(run(call))
+            _channel_tasks.add(task)
+            task.add_done_callback(_channel_tasks.discard)
+    except (WebSocketDisconnect, RuntimeError, KeyError):
+        return  # the client left (a text frame expected: a binary one reads as KeyError)
+
+
+_channel_tasks: set[asyncio.Task[None]] = set()  # execs under way: kept from the collector
 
 
 @router.get("/boxes/{box}/processes", tags=["exec"])
