@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import fcntl
 import json
 import os
 import socket
@@ -24,6 +23,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from ..core.locks import try_flock
 from ..errors import SandlotError
 from ..net.policy import Policy
 from .access import NAMESPACE_LABEL
@@ -156,10 +156,7 @@ def main(argv: list[str]) -> int:
     if len(argv) != 3:
         return 2
     home, path = Path(argv[1]), Path(argv[2])
-    fd = os.open(f"{path}.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
+    if try_flock(Path(f"{path}.lock")) is None:  # held until this process ends
         return 0  # another link serves this home
     asyncio.run(BoxLink(home, path).serve())
     return 0

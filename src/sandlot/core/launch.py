@@ -99,7 +99,7 @@ class Launcher:
             guest_forwards=tuple(
                 (addresses[r.box], r.port, helper("sandlot.net.proxy", "--box", r.box, str(r.port)))
                 for r in policy.allow
-                if r.box is not None and r.port is not None and policy.proxied
+                if r.box is not None and r.port is not None  # box entries exist in proxied modes only
             ),
         )
 

@@ -33,6 +33,7 @@ from typing import Any
 
 from ..engine.base import VMRef
 from ..errors import BoxNotFound, InvalidArgument, SandlotError, SnapshotNotFound
+from ..net.policy import BOX_NAME
 
 SCHEMA_VERSION = 4
 
@@ -164,7 +165,7 @@ MIGRATIONS: list[str | Callable[[sqlite3.Connection], None]] = [
 ]
 
 SNAPSHOT_KINDS = ("snapshot", "template", "suspend")
-NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
+NAME_RE = BOX_NAME  # one rule for box names: the egress policy's box entries name boxes by it
 
 
 class StoreError(SandlotError):

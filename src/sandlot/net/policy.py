@@ -19,7 +19,7 @@ even if private or loopback: listing it is the explicit opt-in.
 ``"box:NAME:PORT"``: that TCP port of the box named NAME in the same namespace,
 and nothing else of it. The box asks for it as ``NAME.box.internal`` (or plain
 ``NAME``, a name of one label): through the proxy, or straight, since sandlot's
-DNS answers the name with an address of its own for that box (``box_addresses``).
+DNS answers the name with an address of its own for that box (``addresses.box_address``).
 The connection goes through the other box's agent (``sandlot.net.boxlink``), so
 the service needs no network card and may listen on its loopback only.
 
@@ -50,7 +50,7 @@ IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
 
 _LABEL = re.compile(r"^(?!-)[a-z0-9-]{1,63}(?<!-)$")
 BOX_DOMAIN = "box.internal"  # NAME.box.internal is box NAME (.internal: ICANN's private-use domain)
-BOX_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")  # a box's name, as the store takes it
+BOX_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")  # a box's name (the store's rule too)
 
 
 def normalize_host(host: str) -> str:
@@ -200,8 +200,9 @@ class Policy(NamedTuple):
         if rules and mode in ("none", "open"):
             raise InvalidArgument(f"allow= has no meaning with network={mode!r}")
         policy = cls(mode=mode, allow=rules)
-        if len(policy.boxes()) > MAX_BOXES:
-            raise InvalidArgument(f"allow= names {len(policy.boxes())} boxes; at most {MAX_BOXES} may be")
+        named = len(policy.boxes())
+        if named > MAX_BOXES:
+            raise InvalidArgument(f"allow= names {named} boxes; at most {MAX_BOXES} may be")
         return policy
 
     @property

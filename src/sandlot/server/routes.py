@@ -137,6 +137,12 @@ async def check_quota(request: Request, n: int, memory_mib: int, disk_gb: int) -
             )  # fmt: skip
 
 
+def _check_network(caller: Caller, network: object) -> None:
+    """Open networking reaches the server's host: only admin keys may ask for it."""
+    if network == "open":
+        caller.require_admin("network='open' (it reaches the host)")
+
+
 def _stamped(caller: Caller, labels: dict[str, str] | None) -> dict[str, str]:
     labels = dict(labels or {})
     if not caller.admin and any(k.startswith("sandlot.") for k in labels):
@@ -166,8 +172,7 @@ async def create_box(body: BoxCreate, request: Request, response: Response) -> d
     for host_path in ("rootfs", "kernel", "ca_cert"):
         if getattr(body, host_path) is not None:
             caller.require_admin(f"{host_path} (a host path)")
-    if body.network == "open":
-        caller.require_admin("network='open' (it reaches the host)")
+    _check_network(caller, body.network)
     options: dict[str, Any] = body.model_dump(exclude_none=True, exclude={"start", "snapshot", "secrets",
                                                                          "ports"})  # fmt: skip
     options["labels"] = _stamped(caller, body.labels)
@@ -324,8 +329,7 @@ async def get_network(box: str, request: Request) -> dict[str, Any]:
 
 @router.put("/boxes/{box}/network", tags=["network"])
 async def put_network(box: str, body: NetworkIn, request: Request) -> dict[str, Any]:
-    if body.network == "open":
-        _caller(request).require_admin("network='open' (it reaches the host)")
+    _check_network(_caller(request), body.network)
     b = await box_for(request, box)
     await b.set_network(body.network, allow=body.allow)
     net = (await b.inspect())["network"]
@@ -678,8 +682,7 @@ async def start_snapshot(snap: str, body: SnapshotStartIn, request: Request) -> 
     s = await snapshot_for(request, snap)
     spec = s.record.options.get("box") or {}
     caller = _caller(request)
-    if body.network == "open":
-        caller.require_admin("network='open' (it reaches the host)")
+    _check_network(caller, body.network)
     own = body.model_dump(exclude={"n", "name", "labels"}, exclude_none=True)
     labels = {**_inherited(caller, s), **_stamped(caller, body.labels)}
     async with _create_lock(_server(request), caller):
