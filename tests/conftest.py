@@ -6,6 +6,7 @@ box as it found it)."""
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -62,3 +63,16 @@ def py_box(debian_root: Path) -> Iterator[sandlot.Box]:
     """A booted Debian box with python3, shared by the tests of one module."""
     with sandlot.Box(rootfs=debian_root, memory_mib=512) as box:
         yield box
+
+
+@pytest.fixture
+def other_home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """A second sandlot home, as on another machine (the kernel is copied, not fetched)."""
+    home = Path.home() / ".cache" / "sandlot-tests" / f"other-home-{os.urandom(3).hex()}"
+    sandlot.Runtime.for_home().prepare()  # the kernel is fetched once, into the tests' home
+    src = sandlot.Runtime.for_home().home / "kernels"
+    shutil.copytree(src, home / "kernels", symlinks=True)
+    yield home
+    for b in sandlot.list(home=home):
+        b.remove(force=True)
+    shutil.rmtree(home, ignore_errors=True)

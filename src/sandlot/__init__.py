@@ -22,6 +22,8 @@ from .errors import (
     BoxBusy,
     BoxCrashed,
     BoxNotFound,
+    CodeContextNotFound,
+    CodeTimeout,
     CommandFailed,
     ConnectionLost,
     CorruptSnapshot,
@@ -39,6 +41,7 @@ from .errors import (
     HostSetupError,
     ImageError,
     IncompatibleSnapshot,
+    InterpreterError,
     InvalidArgument,
     InvalidState,
     NotFound,
@@ -56,6 +59,7 @@ from .version import __version__
 
 if TYPE_CHECKING:
     from .api.box import AsyncBox, AsyncSnapshot
+    from .api.code import CodeContext, Execution, ExecutionError, Result
     from .api.files import AsyncFiles, FileInfo
     from .api.images import (
         get_image,
@@ -97,6 +101,7 @@ _LAZY = {
     "AsyncBox": "api.box", "Box": "api.sync", "Files": "api.sync", "Process": "api.sync",
     "Snapshot": "api.sync", "Stream": "api.sync",
     "AsyncFiles": "api.files", "FileInfo": "api.files",
+    "CodeContext": "api.code", "Execution": "api.code", "ExecutionError": "api.code", "Result": "api.code",
     "get_image": "api.images", "import_image": "api.images", "list_images": "api.images",
     "load_image": "api.images", "prune_images": "api.images", "pull": "api.images",
     "pull_async": "api.images", "remove_image": "api.images",
@@ -153,11 +158,16 @@ __all__ = [
     "BoxCrashed",
     "BoxNotFound",
     "Client",
+    "CodeContext",
+    "CodeContextNotFound",
+    "CodeTimeout",
     "CommandFailed",
     "ConnectionLost",
     "CorruptSnapshot",
     "ExecResult",
     "ExecTimeout",
+    "Execution",
+    "ExecutionError",
     "FileInfo",
     "Files",
     "Forbidden",
@@ -175,6 +185,7 @@ __all__ = [
     "ImageConfig",
     "ImageError",
     "IncompatibleSnapshot",
+    "InterpreterError",
     "InvalidArgument",
     "InvalidState",
     "NotFound",
@@ -189,6 +200,7 @@ __all__ = [
     "RemoteFiles",
     "RemoteSnapshot",
     "RequestError",
+    "Result",
     "Runtime",
     "SandlotError",
     "SavedStateError",

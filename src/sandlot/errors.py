@@ -8,7 +8,8 @@ Catch ``SandlotError`` for all of them, or a branch for what you care about::
     ├── ImageError                             a root filesystem or image is malformed or unsafe
     ├── NotFound (also LookupError)
     │   ├── BoxNotFound                        no box by that id or name
-    │   └── SnapshotNotFound                   no snapshot or template by that id or name
+    │   ├── SnapshotNotFound                   no snapshot or template by that id or name
+    │   └── CodeContextNotFound                no code context by that id in the box
     ├── InvalidState                           not possible in the box's state; has .allowed
     │   ├── BoxBusy                            another process holds the box too long
     │   ├── BoxCrashed                         the VM died; has .console_tail
@@ -22,6 +23,8 @@ Catch ``SandlotError`` for all of them, or a branch for what you care about::
     │   └── ConnectionLost                     the agent channel broke mid-operation
     ├── AgentTimeout (also TimeoutError)       the agent did not answer in time
     ├── ExecTimeout (also TimeoutError)        a command ran past its timeout; was killed
+    ├── CodeTimeout (also TimeoutError)        a cell ran past its timeout; was interrupted
+    ├── InterpreterError                       a code context could not start (no python3, no kernel)
     ├── CommandFailed                          exec(check=True) saw a nonzero exit
     ├── Unauthorized                           a server request without a valid API key
     ├── Forbidden                              the key may not do this (admin only)
@@ -110,6 +113,12 @@ class SnapshotNotFound(NotFound):
     """No snapshot or template by that id or name."""
 
     code = "snapshot_not_found"
+
+
+class CodeContextNotFound(NotFound):
+    """No code context by that id in the box (it was removed, or the box rebooted)."""
+
+    code = "code_context_not_found"
 
 
 class InvalidState(SandlotError):
@@ -243,6 +252,32 @@ class ExecTimeout(SandlotError, TimeoutError):
         super().__init__(message, box=box)
         self.stdout = stdout
         self.stderr = stderr
+
+
+class CodeTimeout(SandlotError, TimeoutError):
+    """A cell ran past its timeout. It was interrupted (its context keeps its state)
+    or, where it ignored the interrupt, its interpreter was restarted (the state is
+    lost; ``state_lost`` says which). ``execution`` holds what the cell did so far."""
+
+    code, status = "code_timeout", 504
+
+    def __init__(
+        self, message: str, execution: Any = None, *, state_lost: bool = False, box: str | None = None
+    ) -> None:
+        super().__init__(message, box=box)
+        self.execution = execution
+        self.state_lost = state_lost
+
+    def _fields(self) -> dict[str, Any]:
+        to_dict = getattr(self.execution, "to_dict", None)
+        return {"state_lost": self.state_lost, "execution": to_dict() if to_dict else None}
+
+
+class InterpreterError(SandlotError):
+    """A code context could not start: the image has no python3, or no Jupyter kernel
+    for the language asked for. The message says what the image lacks."""
+
+    code, status = "interpreter_error", 422
 
 
 class CommandFailed(SandlotError):
@@ -414,6 +449,8 @@ def from_dict(data: dict[str, Any]) -> SandlotError:
         err = cls(message, output_bytes(data, "stdout"), output_bytes(data, "stderr"), box=box)
     elif issubclass(cls, CommandFailed):
         err = cls(message, None, box=box)
+    elif issubclass(cls, CodeTimeout):  # the host side rebuilds .execution (api/code.py)
+        err = cls(message, data.get("execution"), state_lost=bool(data.get("state_lost")), box=box)
     else:
         try:
             err = cls(message, box=box, state=state)

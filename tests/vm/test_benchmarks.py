@@ -25,6 +25,12 @@ PROMISED = {
     "livestate": ["snapshot", "rollback_to_first_exec_s", "resume_to_first_exec_s", "fork"],
     "network": ["host_to_host", "box_to_host_via_egress_proxy", "host_to_box_published_port"],
     "concurrency": ["threads", "processes"],
+    "interpreter": [
+        "run_code_warm_ms",
+        "first_run_code_new_box_s",
+        "first_run_code_from_template_ms",
+        "png_1MB_result_ms",
+    ],
     "server": ["exec_true_local_ms", "exec_true_remote_ms", "upload_MBps", "download_MBps", "load"],
 }
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 import io
 import json
 import os
-import shutil
 import subprocess
 import sys
 import tarfile
@@ -248,19 +247,6 @@ def test_plain_box_of_an_image_restores_its_automatic_template(debian_root: Path
     finally:
         sandlot.remove_image(ref)  # its automatic template goes with it
     assert not [s for s in sandlot.list_snapshots(kind="template") if s.box_name == first.name]
-
-
-@pytest.fixture
-def other_home(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A second sandlot home, as on another machine (the kernel is copied, not fetched)."""
-    home = Path.home() / ".cache" / "sandlot-tests" / f"other-home-{os.urandom(3).hex()}"
-    sandlot.Runtime.for_home().prepare()  # the kernel is fetched once, into the tests' home
-    src = sandlot.Runtime.for_home().home / "kernels"
-    shutil.copytree(src, home / "kernels", symlinks=True)
-    yield home
-    for b in sandlot.list(home=home):
-        b.remove(force=True)
-    shutil.rmtree(home, ignore_errors=True)
 
 
 def test_export_then_import_into_another_home(counting_box: sandlot.Box, other_home: Path,

@@ -44,6 +44,7 @@ from ..images.store import Image
 from ..net.secrets import Secret
 from ..protocol.exec import ExecRequest, RemoteProcess
 from .bridge import check_port, open_relay, socket_bridge
+from .code import CodeBox, CodeContext, ContextArg, Execution, Interpreter, OutputCallback, ResultCallback
 from .files import AsyncFiles
 from .process import AsyncProcess, ExecResult
 
@@ -453,6 +454,81 @@ class AsyncBox:
         check_port(port)
         positive("timeout", timeout)
         return socket_bridge(await open_relay(self.spawn, port, timeout))
+
+    def _interpreter(self) -> Interpreter:
+        return Interpreter(CodeBox(self.id, self.files, self.spawn, self.exec))
+
+    async def run_code(
+        self,
+        code: str,
+        *,
+        language: str = "python",
+        context: CodeContext | str | None = None,
+        timeout: float | None = None,
+        on_stdout: OutputCallback | None = None,
+        on_stderr: OutputCallback | None = None,
+        on_result: ResultCallback | None = None,
+    ) -> Execution:
+        """Run a cell of code in the box's interpreter and return what it did: the last
+        expression's value and what it ``display()``-ed (``results``, rich formats where
+        the value offers them), its output and its error with traceback. Variables stay
+        for the next cell of the same context; without ``context`` the cell runs in the
+        language's default one, started on first use. The callbacks get output and
+        results as they come. Past ``timeout`` the cell is interrupted and CodeTimeout
+        raised (with the execution so far). Needs python3 in the image; a language
+        other than Python needs the image's Jupyter kernel for it.
+
+        >>> ex = await box.run_code("x = 41\\nx + 1")
+        >>> ex.text
+        '42'
+        """
+        return await self._interpreter().run(
+            code,
+            language=language,
+            context=context,
+            timeout=timeout,
+            on_stdout=on_stdout,
+            on_stderr=on_stderr,
+            on_result=on_result,
+        )
+
+    async def create_code_context(
+        self,
+        *,
+        language: str = "python",
+        cwd: str | None = None,
+        kernel: str | None = None,
+        env: Mapping[str, str] | None = None,
+        user: str | None = None,
+    ) -> CodeContext:
+        """Start a new interpreter in the box, independent of the others: pass it as
+        ``run_code(..., context=ctx)``. ``kernel`` is None (sandlot's own for Python,
+        the image's Jupyter kernel for other languages), "builtin", "jupyter" (the
+        image's Jupyter kernel for ``language``) or "jupyter:NAME".
+
+        >>> ctx = await box.create_code_context(cwd="/srv")
+        >>> (await box.run_code("import os; os.getcwd()", context=ctx)).text
+        "'/srv'"
+        """
+        return await self._interpreter().create(language=language, cwd=cwd, kernel=kernel, env=env, user=user)
+
+    async def list_code_contexts(self) -> builtins.list[CodeContext]:
+        """The interpreters running in the box (default ones included once started)."""
+        return await self._interpreter().list()
+
+    async def interrupt_code_context(self, context: ContextArg) -> None:
+        """Interrupt the cell the context is running (KeyboardInterrupt in Python); the
+        context keeps its variables."""
+        await self._interpreter().interrupt(context)
+
+    async def restart_code_context(self, context: ContextArg) -> CodeContext:
+        """End the context's interpreter and start a fresh one with the same settings
+        (its variables are gone)."""
+        return await self._interpreter().restart(context)
+
+    async def remove_code_context(self, context: ContextArg) -> None:
+        """End the context's interpreter and forget it."""
+        await self._interpreter().remove(context)
 
     async def exec(
         self,

@@ -76,8 +76,9 @@ class RelayDuplex:
             await self._proc.kill()
 
 
-async def relay_connected(proc: AsyncProcess, port: int, timeout: float) -> None:
-    """Wait for the relay's word that ``port`` answered; raise the guest's reason if not."""
+async def relay_connected(proc: AsyncProcess, port: int | str, timeout: float) -> None:
+    """Wait for the relay's word that ``port`` (or a Unix socket's path) answered;
+    raise the guest's reason if not."""
     said = b""
     try:
         async with asyncio.timeout(timeout):
@@ -87,7 +88,7 @@ async def relay_connected(proc: AsyncProcess, port: int, timeout: float) -> None
                     break
     except TimeoutError:
         await proc.kill()
-        why = f"port {port} in the box did not answer within {timeout}s"
+        why = f"{_target(port)} in the box did not answer within {timeout}s"
         raise guest_os_error(errno.ETIMEDOUT, why) from None
     if said == b"connected\n":
         return
@@ -96,12 +97,21 @@ async def relay_connected(proc: AsyncProcess, port: int, timeout: float) -> None
     m = re.match(r"errno (\d+): (.*)", text)
     if code == RELAY_CONNECT_FAILED and m:
         raise guest_os_error(int(m.group(1)), m.group(2))
-    raise guest_os_error(errno.EIO, f"could not reach port {port} in the box: {text or f'exit code {code}'}")
+    raise guest_os_error(
+        errno.EIO, f"could not reach {_target(port)} in the box: {text or f'exit code {code}'}"
+    )
 
 
-async def open_relay(spawn: Callable[..., Awaitable[AsyncProcess]], port: int, timeout: float) -> RelayDuplex:
-    """A connection to ``port`` on a box's loopback: the relay started by the box's
-    ``spawn``, once it said the port answered."""
+def _target(port: int | str) -> str:
+    return f"port {port}" if isinstance(port, int) else port
+
+
+async def open_relay(
+    spawn: Callable[..., Awaitable[AsyncProcess]], port: int | str, timeout: float
+) -> RelayDuplex:
+    """A connection to ``port`` on a box's loopback, or to the Unix socket at an
+    absolute guest path: the relay started by the box's ``spawn``, once it said
+    the far side answered."""
     proc = await spawn(*RELAY, str(port), user="root", stdin=True)
     await relay_connected(proc, port, timeout)
     return RelayDuplex(proc)

@@ -66,6 +66,7 @@ from ..core.validate import argv as check_argv
 from ..core.validate import check_env, check_user, guest_path, positive
 from ..errors import (
     AgentTimeout,
+    CodeTimeout,
     ConnectionLost,
     Forbidden,
     InvalidArgument,
@@ -81,6 +82,17 @@ from ..errors import (
 from ..protocol.exec import ExitStatus
 from ..version import __version__
 from .bridge import check_port, socket_bridge
+from .code import (
+    Callbacks,
+    CodeContext,
+    ContextArg,
+    Execution,
+    OutputCallback,
+    Result,
+    ResultCallback,
+    check_language,
+    context_id,
+)
 from .exec_channel import ChannelUnavailable, ExecChannel
 from .files import FileInfo
 from .process import AsyncProcess, ExecResult
@@ -280,6 +292,7 @@ class AsyncClient:
         *,
         params: Mapping[str, Any] | None = None,
         content: AsyncIterable[bytes] | None = None,
+        json_body: Any = None,
         timeout: httpx.Timeout | None = None,
     ) -> AsyncIterator[httpx.Response]:
         """A request whose answer is read as it comes (``_chunks``)."""
@@ -288,6 +301,7 @@ class AsyncClient:
             path,
             params=_params(params),
             content=content,
+            json=json_body,
             timeout=timeout if timeout is not None else httpx.USE_CLIENT_DEFAULT,
         )
         try:
@@ -970,6 +984,73 @@ class RemoteAsyncBox:
     async def sh(self, script: str, **kwargs: Any) -> ExecResult:
         """Run a shell command line with ``/bin/sh -c``; ``kwargs`` as for ``exec``."""
         return await self.exec("/bin/sh", "-c", script, **kwargs)
+
+    # -- code interpreter -------------------------------------------------------------------
+
+    async def run_code(
+        self,
+        code: str,
+        *,
+        language: str = "python",
+        context: CodeContext | str | None = None,
+        timeout: float | None = None,
+        on_stdout: OutputCallback | None = None,
+        on_stderr: OutputCallback | None = None,
+        on_result: ResultCallback | None = None,
+    ) -> Execution:
+        """Run a cell of code in the box's interpreter (``AsyncBox.run_code``): the server
+        streams its output and results to the callbacks as they come."""
+        if not isinstance(code, str):
+            raise InvalidArgument(f"code must be a str, not {type(code).__name__}")
+        positive("timeout", timeout)
+        cid = None if context is None else context_id(context, language)
+        body = {"code": code, "language": check_language(language), "context": cid, "timeout": timeout}
+        callbacks = Callbacks(on_stdout, on_stderr, on_result)
+        buf = b""
+        async with self._client._stream("POST", self._path("/code"), json_body=body,
+                                        timeout=self._client._long()) as r:  # fmt: skip
+            async for chunk in self._client._chunks(r):
+                buf += chunk
+                *lines, buf = buf.split(b"\n")
+                for line in lines:
+                    done = await _code_event(json.loads(line), callbacks)
+                    if done is not None:
+                        return done
+        raise ConnectionLost(f"{self._client.url}: the server ended the cell's answer before its end")
+
+    async def create_code_context(
+        self,
+        *,
+        language: str = "python",
+        cwd: str | None = None,
+        kernel: str | None = None,
+        env: Mapping[str, str] | None = None,
+        user: str | None = None,
+    ) -> CodeContext:
+        """Start a new interpreter in the box (``AsyncBox.create_code_context``)."""
+        body = {"language": language, "cwd": cwd, "kernel": kernel, "env": env, "user": user}
+        data = await self._client._json("POST", self._path("/code/contexts"), json_body=body,
+                                        timeout=self._client._long())  # fmt: skip
+        return CodeContext.from_info(data)
+
+    async def list_code_contexts(self) -> builtins.list[CodeContext]:
+        """The interpreters running in the box."""
+        data = await self._client._json("GET", self._path("/code/contexts"))
+        return [CodeContext.from_info(c) for c in data["contexts"]]
+
+    async def interrupt_code_context(self, context: ContextArg) -> None:
+        """Interrupt the cell the context is running; it keeps its variables."""
+        path = self._path(f"/code/contexts/{context_id(context, 'python')}/interrupt")
+        await self._client._json("POST", path)
+
+    async def restart_code_context(self, context: ContextArg) -> CodeContext:
+        """End the context's interpreter and start a fresh one with the same settings."""
+        path = self._path(f"/code/contexts/{context_id(context, 'python')}/restart")
+        return CodeContext.from_info(await self._client._json("POST", path, timeout=self._client._long()))
+
+    async def remove_code_context(self, context: ContextArg) -> None:
+        """End the context's interpreter and forget it."""
+        await self._client._json("DELETE", self._path(f"/code/contexts/{context_id(context, 'python')}"))
 
     async def ping(self) -> float:
         """Round trip to the server, which reads the box, in seconds."""
@@ -1851,3 +1932,25 @@ def connect_async(url: str | None = None, api_key: str | None = None, **kwargs: 
     """A connection (``AsyncClient``) to the server at ``url`` (default ``$SANDLOT_URL``)
     with ``api_key`` (default ``$SANDLOT_API_KEY``); ``kwargs``: ``timeout``, ``verify``."""
     return AsyncClient(url, api_key, **kwargs)
+
+
+async def _code_event(event: dict[str, Any], callbacks: Callbacks) -> Execution | None:
+    """One line of a cell's answer: passed to its callback; the execution at the end
+    (an error at the end is raised, a CodeTimeout with its execution so far)."""
+    kind = event.get("type")
+    if kind == "stdout":
+        await callbacks.call(callbacks.on_stdout, str(event.get("text", "")))
+    elif kind == "stderr":
+        await callbacks.call(callbacks.on_stderr, str(event.get("text", "")))
+    elif kind == "result":
+        bundle = dict(event.get("result") or {})
+        main = bool(bundle.pop("is_main_result", False))
+        await callbacks.call(callbacks.on_result, Result.from_bundle(bundle, main))
+    elif kind == "execution":
+        return Execution.from_dict(event.get("execution") or {})
+    elif kind == "error":
+        err = from_dict(dict(event.get("error") or {}))
+        if isinstance(err, CodeTimeout) and isinstance(err.execution, dict):
+            err.execution = Execution.from_dict(err.execution)
+        raise err
+    return None

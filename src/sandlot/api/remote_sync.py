@@ -16,6 +16,7 @@ from typing import Any
 import httpx
 
 from . import loop
+from .code import CodeContext, ContextArg, Execution, OutputCallback, ResultCallback
 from .files import FileInfo
 from .process import ExecResult
 from .remote import AsyncClient, RemoteAsyncBox, StdinSource, connect_async
@@ -287,6 +288,61 @@ class RemoteBox(RemoteBoxBase):
     def sh(self, script: str, **kwargs: Any) -> ExecResult:
         """Run a shell command line with ``/bin/sh -c``; ``kwargs`` as for ``exec``."""
         return loop.run(self._a.sh(script, **kwargs))
+
+    def run_code(
+        self,
+        code: str,
+        *,
+        language: str = "python",
+        context: CodeContext | str | None = None,
+        timeout: float | None = None,
+        on_stdout: OutputCallback | None = None,
+        on_stderr: OutputCallback | None = None,
+        on_result: ResultCallback | None = None,
+    ) -> Execution:
+        """Run a cell of code in the box's interpreter (``Box.run_code``): the server
+        streams its output and results to the callbacks as they come."""
+        return loop.run(
+            self._a.run_code(
+                code,
+                language=language,
+                context=context,
+                timeout=timeout,
+                on_stdout=on_stdout,
+                on_stderr=on_stderr,
+                on_result=on_result,
+            )
+        )
+
+    def create_code_context(
+        self,
+        *,
+        language: str = "python",
+        cwd: str | None = None,
+        kernel: str | None = None,
+        env: Mapping[str, str] | None = None,
+        user: str | None = None,
+    ) -> CodeContext:
+        """Start a new interpreter in the box (``Box.create_code_context``)."""
+        return loop.run(
+            self._a.create_code_context(language=language, cwd=cwd, kernel=kernel, env=env, user=user)
+        )
+
+    def list_code_contexts(self) -> builtins.list[CodeContext]:
+        """The interpreters running in the box."""
+        return loop.run(self._a.list_code_contexts())
+
+    def interrupt_code_context(self, context: ContextArg) -> None:
+        """Interrupt the cell the context is running; it keeps its variables."""
+        loop.run(self._a.interrupt_code_context(context))
+
+    def restart_code_context(self, context: ContextArg) -> CodeContext:
+        """End the context's interpreter and start a fresh one with the same settings."""
+        return loop.run(self._a.restart_code_context(context))
+
+    def remove_code_context(self, context: ContextArg) -> None:
+        """End the context's interpreter and forget it."""
+        loop.run(self._a.remove_code_context(context))
 
     def ping(self) -> float:
         """Round trip to the server, which reads the box, in seconds."""

@@ -23,6 +23,7 @@ from ..net.secrets import Secret
 from ..protocol.connection import AgentConnection
 from . import loop
 from .box import AsyncBox, AsyncSnapshot, Home, StdinSource
+from .code import CodeContext, ContextArg, Execution, OutputCallback, ResultCallback
 from .files import AsyncFiles, FileInfo
 from .process import AsyncStream, ExecResult, OutputStream
 from .sync_base import BoxBase, FilesBase, ProcessBase, SnapshotBase, StreamBase
@@ -289,6 +290,82 @@ class Box(BoxBase):
         >>> reader, writer = asyncio.open_connection(sock=s)
         """
         return loop.run(self._a.connect(port, timeout=timeout))
+
+    def run_code(
+        self,
+        code: str,
+        *,
+        language: str = "python",
+        context: CodeContext | str | None = None,
+        timeout: float | None = None,
+        on_stdout: OutputCallback | None = None,
+        on_stderr: OutputCallback | None = None,
+        on_result: ResultCallback | None = None,
+    ) -> Execution:
+        """Run a cell of code in the box's interpreter and return what it did: the last
+        expression's value and what it ``display()``-ed (``results``, rich formats where
+        the value offers them), its output and its error with traceback. Variables stay
+        for the next cell of the same context; without ``context`` the cell runs in the
+        language's default one, started on first use. The callbacks get output and
+        results as they come. Past ``timeout`` the cell is interrupted and CodeTimeout
+        raised (with the execution so far). Needs python3 in the image; a language
+        other than Python needs the image's Jupyter kernel for it.
+
+        >>> ex = box.run_code("x = 41\nx + 1")
+        >>> ex.text
+        '42'
+        """
+        return loop.run(
+            self._a.run_code(
+                code,
+                language=language,
+                context=context,
+                timeout=timeout,
+                on_stdout=on_stdout,
+                on_stderr=on_stderr,
+                on_result=on_result,
+            )
+        )
+
+    def create_code_context(
+        self,
+        *,
+        language: str = "python",
+        cwd: str | None = None,
+        kernel: str | None = None,
+        env: Mapping[str, str] | None = None,
+        user: str | None = None,
+    ) -> CodeContext:
+        """Start a new interpreter in the box, independent of the others: pass it as
+        ``run_code(..., context=ctx)``. ``kernel`` is None (sandlot's own for Python,
+        the image's Jupyter kernel for other languages), "builtin", "jupyter" (the
+        image's Jupyter kernel for ``language``) or "jupyter:NAME".
+
+        >>> ctx = box.create_code_context(cwd="/srv")
+        >>> (box.run_code("import os; os.getcwd()", context=ctx)).text
+        "'/srv'"
+        """
+        return loop.run(
+            self._a.create_code_context(language=language, cwd=cwd, kernel=kernel, env=env, user=user)
+        )
+
+    def list_code_contexts(self) -> builtins.list[CodeContext]:
+        """The interpreters running in the box (default ones included once started)."""
+        return loop.run(self._a.list_code_contexts())
+
+    def interrupt_code_context(self, context: ContextArg) -> None:
+        """Interrupt the cell the context is running (KeyboardInterrupt in Python); the
+        context keeps its variables."""
+        loop.run(self._a.interrupt_code_context(context))
+
+    def restart_code_context(self, context: ContextArg) -> CodeContext:
+        """End the context's interpreter and start a fresh one with the same settings
+        (its variables are gone)."""
+        return loop.run(self._a.restart_code_context(context))
+
+    def remove_code_context(self, context: ContextArg) -> None:
+        """End the context's interpreter and forget it."""
+        loop.run(self._a.remove_code_context(context))
 
     def exec(
         self,

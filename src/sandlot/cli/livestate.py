@@ -173,12 +173,16 @@ def template(
     setup: Annotated[
         list[str] | None, typer.Option("--setup", help="A shell command to run first (repeat).")
     ] = None,
+    code: Annotated[
+        list[str] | None,
+        typer.Option("--code", help="A Python cell to run in the interpreter, kept started (repeat)."),
+    ] = None,
     memory: Annotated[int, typer.Option("--memory", "-m", help="MiB of RAM.")] = 512,
 ) -> None:
     """Boot an image, run setup commands, and save it as a template (Box(template=NAME))."""
 
     async def main() -> None:
-        snap = await template_async(image, setup=setup or [], name=name, memory_mib=memory)
+        snap = await template_async(image, setup=setup or [], code=code or [], name=name, memory_mib=memory)
         print(f"{snap.id}\t{snap.name}")
 
     run_coro(main())

@@ -75,6 +75,21 @@ class ExecCall(ExecIn):
     box: str = Field(min_length=1)
 
 
+class RunCodeIn(Strict):
+    code: str
+    language: str = "python"
+    context: str | None = None
+    timeout: float | None = Field(default=None, gt=0)
+
+
+class CodeContextIn(Strict):
+    language: str = "python"
+    cwd: str | None = None
+    kernel: str | None = None
+    env: dict[str, str] | None = None
+    user: str | None = None
+
+
 class NetworkIn(Strict):
     network: str | bool | None = None
     allow: list[str] | None = None

@@ -20,6 +20,7 @@ from fastapi.responses import StreamingResponse
 from starlette.websockets import WebSocketDisconnect
 
 from ..api.box import AsyncBox, AsyncSnapshot
+from ..api.code import CodeContext, Result
 from ..api.templates import import_snapshot_async
 from ..errors import (
     BoxNotFound,
@@ -35,6 +36,7 @@ from .models import (
     BoxCreate,
     ChmodIn,
     ChownIn,
+    CodeContextIn,
     ExecCall,
     ExecIn,
     ForkIn,
@@ -42,6 +44,7 @@ from .models import (
     NetworkIn,
     RenameIn,
     RollbackIn,
+    RunCodeIn,
     SnapshotIn,
     SnapshotStartIn,
     box_json,
@@ -491,6 +494,92 @@ async def attach_ws(ws: WebSocket, box: str, process: str, stdout: int = 0, stde
         return
     with contextlib.suppress(WebSocketDisconnect):
         await serve(ws, held, {STDOUT: stdout, STDERR: stderr})
+
+
+# -- code -----------------------------------------------------------------------------
+
+
+@router.post("/boxes/{box}/code", tags=["code"])
+async def run_code(box: str, body: RunCodeIn, request: Request) -> Response:
+    """Run a cell in the box's interpreter. The answer streams as JSON lines, as the cell
+    goes: ``{"type": "stdout"|"stderr", "text"}``, ``{"type": "result", "result": BUNDLE}``
+    (MIME type -> value, PNG and JPEG in base64, plus ``is_main_result``), then one
+    ``{"type": "execution", "execution": {...}}`` or ``{"type": "error", "error": {...}}``
+    (a CodeTimeout carries the execution so far). A client that leaves mid-cell
+    interrupts it."""
+    b = await box_for(request, box)
+    request.state.audit = {"language": body.language, "context": body.context, "code_bytes": len(body.code)}
+    events: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue()
+
+    async def cell() -> None:
+        try:
+            execution = await b.run_code(
+                body.code, language=body.language, context=body.context, timeout=body.timeout,
+                on_stdout=lambda text: events.put_nowait({"type": "stdout", "text": text}),
+                on_stderr=lambda text: events.put_nowait({"type": "stderr", "text": text}),
+                on_result=lambda r: events.put_nowait({"type": "result", "result": _result_json(r)}),
+            )  # fmt: skip
+            events.put_nowait({"type": "execution", "execution": execution.to_dict()})
+        except SandlotError as e:
+            events.put_nowait({"type": "error", "error": error_json(e)})
+        finally:
+            events.put_nowait(None)
+
+    task = asyncio.ensure_future(cell())
+
+    async def lines() -> AsyncIterator[bytes]:
+        try:
+            while (event := await events.get()) is not None:
+                yield (json.dumps(event) + "\n").encode()
+        finally:
+            if not task.done():  # the client left mid-cell
+                task.cancel()
+                with contextlib.suppress(SandlotError):
+                    await b.interrupt_code_context(body.context or f"default-{body.language}")
+
+    return StreamingResponse(lines(), media_type="application/x-ndjson")
+
+
+def _result_json(result: Result) -> dict[str, Any]:
+    return dict(result.to_bundle(), is_main_result=result.is_main_result)
+
+
+def _context_json(ctx: CodeContext) -> dict[str, Any]:
+    return {"id": ctx.id, "language": ctx.language, "cwd": ctx.cwd, "kernel": ctx.kernel}
+
+
+@router.get("/boxes/{box}/code/contexts", tags=["code"])
+async def list_code_contexts(box: str, request: Request) -> dict[str, Any]:
+    b = await box_for(request, box)
+    return {"contexts": [_context_json(c) for c in await b.list_code_contexts()]}
+
+
+@router.post("/boxes/{box}/code/contexts", tags=["code"], status_code=201)
+async def create_code_context(box: str, body: CodeContextIn, request: Request) -> dict[str, Any]:
+    b = await box_for(request, box)
+    ctx = await b.create_code_context(language=body.language, cwd=body.cwd, kernel=body.kernel,
+                                      env=body.env, user=body.user)  # fmt: skip
+    return _context_json(ctx)
+
+
+@router.post("/boxes/{box}/code/contexts/{context}/interrupt", tags=["code"], status_code=204)
+async def interrupt_code_context(box: str, context: str, request: Request) -> Response:
+    b = await box_for(request, box)
+    await b.interrupt_code_context(context)
+    return Response(status_code=204)
+
+
+@router.post("/boxes/{box}/code/contexts/{context}/restart", tags=["code"])
+async def restart_code_context(box: str, context: str, request: Request) -> dict[str, Any]:
+    b = await box_for(request, box)
+    return _context_json(await b.restart_code_context(context))
+
+
+@router.delete("/boxes/{box}/code/contexts/{context}", tags=["code"], status_code=204)
+async def remove_code_context(box: str, context: str, request: Request) -> Response:
+    b = await box_for(request, box)
+    await b.remove_code_context(context)
+    return Response(status_code=204)
 
 
 # -- files ----------------------------------------------------------------------------

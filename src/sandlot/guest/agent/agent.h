@@ -285,7 +285,7 @@ void chan_orphan_all(struct session *s);
 
 /* ---- relay mode (relay.c) -------------------------------------------- */
 
-int relay_main(const char *port);
+int relay_main(const char *target); /* a TCP port number, or an absolute Unix socket path */
 
 /* ---- frames (dispatch.c) -------------------------------------------- */
 

@@ -4,7 +4,7 @@
  *   /init                       as PID 1 in the guest: boot duties, then serve ports
  *   sandlot-agent --fd N        serve one session on socket fd N (host builds, tests)
  *   sandlot-agent --fd N --safe same, but refuse exec and file-system changes (fuzzing)
- *   /proc/1/exe --relay PORT    a command the host runs: a pipe to a guest TCP port (relay.c)
+ *   /proc/1/exe --relay PORT    a command the host runs: a pipe to a guest TCP port or Unix socket (relay.c)
  *
  * The loop waits on the sessions (transport.c), on what each channel's kind asks
  * for (channel_ops.wait), on signals and on OOM events, and gives every channel

@@ -1,6 +1,8 @@
 /* Relay mode: `/proc/1/exe --relay PORT`, run by the host as an ordinary exec,
  * connects to PORT on the guest's loopback and copies stdin to the connection
- * and the connection to stdout. The host reaches a port in the box this way
+ * and the connection to stdout. `--relay /ABSOLUTE/PATH` connects to a Unix
+ * socket instead (the code interpreter's kernels listen on one, so that only
+ * their owner and the agent can reach them). The host reaches a port in the box this way
  * (box.connect, the server's port bridge) through the agent channel it already
  * has: no published port, no network device, whatever the network policy.
  *
@@ -17,6 +19,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/socket.h>
+#include <sys/un.h>
 #include <unistd.h>
 
 #include "agent.h"
@@ -71,19 +74,51 @@ static int connect_loopback(long port)
     return -1;
 }
 
-int relay_main(const char *port_arg)
+static int connect_unix(const char *path)
 {
-    char *end = NULL;
-    long port = strtol(port_arg, &end, 10);
-    if (!end || *end || port < 1 || port > 65535) {
-        fprintf(stderr, "sandlot relay: %s is not a TCP port\n", port_arg);
-        return 2;
+    struct sockaddr_un un;
+    memset(&un, 0, sizeof(un));
+    un.sun_family = AF_UNIX;
+    memcpy(un.sun_path, path, strlen(path));
+    int s = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (s >= 0 && connect(s, (struct sockaddr *)&un, sizeof(un)) == 0) {
+        return s;
     }
+    int err = errno;
+    if (s >= 0) {
+        close(s);
+    }
+    errno = err;
+    return -1;
+}
+
+int relay_main(const char *target)
+{
+    int s;
     signal(SIGPIPE, SIG_IGN);
-    int s = connect_loopback(port);
-    if (s < 0) {
-        fprintf(stderr, "errno %d: nothing answers on port %ld in the box: %s\n", errno, port, strerror(errno));
-        return RELAY_CONNECT_FAILED;
+    if (target[0] == '/') {
+        if (strlen(target) >= sizeof(((struct sockaddr_un *)0)->sun_path)) {
+            fprintf(stderr, "sandlot relay: socket path too long: %s\n", target);
+            return 2;
+        }
+        s = connect_unix(target);
+        if (s < 0) {
+            fprintf(stderr, "errno %d: nothing answers on %s in the box: %s\n", errno, target, strerror(errno));
+            return RELAY_CONNECT_FAILED;
+        }
+    } else {
+        char *end = NULL;
+        long port = strtol(target, &end, 10);
+        if (!end || *end || port < 1 || port > 65535) {
+            fprintf(stderr, "sandlot relay: %s is not a TCP port\n", target);
+            return 2;
+        }
+        s = connect_loopback(port);
+        if (s < 0) {
+            fprintf(stderr, "errno %d: nothing answers on port %ld in the box: %s\n", errno, port,
+                    strerror(errno));
+            return RELAY_CONNECT_FAILED;
+        }
     }
     if (write_all(2, "connected\n", 10) < 0) {
         return 1;

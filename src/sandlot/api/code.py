@@ -1,0 +1,598 @@
+"""``box.run_code``: a stateful code interpreter inside the box.
+
+A code context is one interpreter process in the box (``guest/interpreter.py``,
+copied in on first use and run with the image's ``python3``). Its variables live
+in the box's memory, so they survive what the box's memory survives: a snapshot
+and its rollback, each child of a fork (diverging from there), a suspend and a
+resume by another process, an export and an import on another home. A reboot
+ends them, as it ends every process.
+
+The host reaches a context through the agent's relay to the context's Unix
+socket; one relay per context, box and event loop carries every cell, so a warm
+cell costs one round trip. Cells of one context run one after another.
+
+>>> ex = await box.run_code("x = 41\\nx + 1")              # doctest: +SKIP
+>>> ex.text, ex.execution_count
+('42', 1)
+>>> ex = await box.run_code("import matplotlib.pyplot as plt; plt.plot([1, 3, 2])")
+>>> ex.results[-1].png[:8]                                  # base64 of a PNG
+'iVBORw0K'
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import errno
+import hashlib
+import inspect
+import json
+import re
+import uuid
+import weakref
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
+from importlib import resources
+from typing import Any, NoReturn
+
+from ..core.validate import check_env, check_user, guest_path
+from ..errors import (
+    CodeContextNotFound,
+    CodeTimeout,
+    ConnectionLost,
+    GuestOSError,
+    InterpreterError,
+    InvalidArgument,
+    ProtocolError,
+)
+from .bridge import RelayDuplex, open_relay
+from .files import AsyncFiles
+from .process import AsyncProcess, ExecResult
+
+ROOT = "/run/sandlot/code"  # a tmpfs the agent mounts: contexts end with the boot they started in
+START_TIMEOUT = 300.0  # a Jupyter kernel importing IPython under emulation takes tens of seconds
+CONNECT_TIMEOUT = 30.0
+INTERRUPT_GRACE = 3.0  # how long a timed-out cell has to stop after its interrupt
+CONTEXT_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+LANGUAGE = re.compile(r"^[a-z0-9][a-z0-9+#._-]{0,31}$")
+
+MIME_FIELDS = {
+    "text/plain": "text",
+    "text/html": "html",
+    "text/markdown": "markdown",
+    "image/svg+xml": "svg",
+    "image/png": "png",
+    "image/jpeg": "jpeg",
+    "application/json": "json",
+    "text/latex": "latex",
+}
+
+
+@dataclass(frozen=True)
+class Result:
+    """One value a cell showed: the last expression's (``is_main_result``) or one it
+    passed to ``display()``, or a figure. Each format it offers has its field (PNG
+    and JPEG as base64 text); ``extra`` holds MIME types without a field."""
+
+    text: str | None = None
+    html: str | None = None
+    markdown: str | None = None
+    svg: str | None = None
+    png: str | None = None
+    jpeg: str | None = None
+    json: Any = None
+    latex: str | None = None
+    is_main_result: bool = False
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_bundle(cls, data: Mapping[str, Any], main: bool) -> Result:
+        known = {MIME_FIELDS[m]: _text(v) if m != "application/json" else v for m, v in data.items()
+                 if m in MIME_FIELDS}  # fmt: skip
+        extra = {m: v for m, v in data.items() if m not in MIME_FIELDS}
+        return cls(**known, is_main_result=main, extra=extra)
+
+    def formats(self) -> list[str]:
+        """The formats this result has, e.g. ``["text", "png"]``."""
+        names = [f for f in MIME_FIELDS.values() if getattr(self, f) is not None]
+        return names + list(self.extra)
+
+    def to_bundle(self) -> dict[str, Any]:
+        """The result as a MIME bundle, the form Jupyter uses."""
+        out = {m: getattr(self, f) for m, f in MIME_FIELDS.items() if getattr(self, f) is not None}
+        return {**out, **self.extra}
+
+    def image(self) -> bytes | None:
+        """The PNG or JPEG bytes, if the result is an image."""
+        data = self.png or self.jpeg
+        return base64.b64decode(data) if data else None
+
+
+def _text(value: Any) -> str:
+    if isinstance(value, list):  # Jupyter may split text into lines
+        return "".join(str(v) for v in value)
+    return value if isinstance(value, str) else json.dumps(value)
+
+
+@dataclass(frozen=True)
+class ExecutionError:
+    """The exception a cell raised: its type's ``name``, its ``value`` (message) and
+    the formatted ``traceback``. ``KernelDied`` means the interpreter itself exited."""
+
+    name: str
+    value: str
+    traceback: str
+
+
+@dataclass
+class Execution:
+    """What a cell did: its results, its output, its error, its number in the context."""
+
+    results: list[Result] = field(default_factory=list)
+    stdout: str = ""
+    stderr: str = ""
+    error: ExecutionError | None = None
+    execution_count: int | None = None
+
+    @property
+    def text(self) -> str | None:
+        """The text of the main result (the last expression's value), if any."""
+        for r in self.results:
+            if r.is_main_result:
+                return r.text
+        return None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "results": [dict(r.to_bundle(), is_main_result=r.is_main_result) for r in self.results],
+            "stdout": self.stdout,
+            "stderr": self.stderr,
+            "error": None if self.error is None else vars(self.error).copy(),
+            "execution_count": self.execution_count,
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Execution:
+        results = []
+        for r in data.get("results") or []:
+            bundle = {k: v for k, v in r.items() if k != "is_main_result"}
+            results.append(Result.from_bundle(bundle, bool(r.get("is_main_result"))))
+        error = data.get("error")
+        return cls(
+            results=results,
+            stdout=str(data.get("stdout") or ""),
+            stderr=str(data.get("stderr") or ""),
+            error=ExecutionError(str(error["name"]), str(error["value"]), str(error["traceback"]))
+            if error
+            else None,
+            execution_count=data.get("execution_count"),
+        )
+
+
+@dataclass(frozen=True)
+class CodeContext:
+    """An interpreter in the box: ``kernel`` is "builtin" (sandlot's own) or
+    "jupyter:NAME" (the image's Jupyter kernel NAME)."""
+
+    id: str
+    language: str
+    cwd: str
+    kernel: str
+
+    @classmethod
+    def from_info(cls, info: Mapping[str, Any]) -> CodeContext:
+        return cls(str(info["id"]), str(info["language"]), str(info["cwd"]), str(info["kernel"]))
+
+
+OutputCallback = Callable[[str], Any]
+ResultCallback = Callable[[Result], Any]
+ContextArg = CodeContext | str | None
+
+
+@dataclass(frozen=True)
+class CodeBox:
+    """What the interpreter needs of a box (a local or a remote one)."""
+
+    id: str
+    files: AsyncFiles
+    spawn: Callable[..., Awaitable[AsyncProcess]]
+    exec: Callable[..., Awaitable[ExecResult]]
+
+
+def context_id(context: ContextArg, language: str) -> str:
+    if context is None:
+        return f"default-{check_language(language)}"
+    cid = context.id if isinstance(context, CodeContext) else context
+    if not isinstance(cid, str) or not CONTEXT_ID.match(cid):
+        raise InvalidArgument(f"not a code context id: {cid!r}")
+    return cid
+
+
+def check_language(language: object) -> str:
+    if not isinstance(language, str) or not LANGUAGE.match(language):
+        raise InvalidArgument(f"language must be a name such as 'python' or 'bash', not {language!r}")
+    return language
+
+
+def check_kernel(kernel: object, language: str) -> str:
+    """``None`` is sandlot's own kernel for Python and the image's Jupyter kernel for
+    any other language; "jupyter" is the image's Jupyter kernel for the language,
+    "jupyter:NAME" its kernel NAME."""
+    if kernel is None:
+        return "builtin" if language == "python" else "jupyter:"
+    if kernel == "builtin":
+        if language != "python":
+            raise InvalidArgument(
+                f"sandlot's builtin kernel runs Python, not {language}; use kernel='jupyter'"
+            )
+        return "builtin"
+    if kernel == "jupyter":
+        return "jupyter:"
+    if isinstance(kernel, str) and kernel.startswith("jupyter:") and CONTEXT_ID.match(kernel[8:]):
+        return kernel
+    raise InvalidArgument(f"kernel must be None, 'builtin', 'jupyter' or 'jupyter:NAME', not {kernel!r}")
+
+
+def _script() -> tuple[bytes, str]:
+    data = resources.files("sandlot.guest").joinpath("interpreter.py").read_bytes()
+    return data, f"{ROOT}/interpreter-{hashlib.sha256(data).hexdigest()[:12]}.py"
+
+
+class KernelLink:
+    """One connection to a context's interpreter: requests out, events back, routed
+    to their cell by request id."""
+
+    def __init__(self, duplex: RelayDuplex) -> None:
+        self._duplex = duplex
+        self._cells: dict[str, asyncio.Queue[dict[str, Any] | None]] = {}
+        self._infos: list[asyncio.Future[dict[str, Any]]] = []
+        self.closed = False
+        self._reader = asyncio.ensure_future(self._read())
+
+    async def _read(self) -> None:
+        buf = b""
+        try:
+            while chunk := await self._duplex.read():
+                buf += chunk
+                *lines, buf = buf.split(b"\n")
+                for line in lines:
+                    self._route(json.loads(line))
+        except (ValueError, ConnectionLost, GuestOSError):
+            pass  # a broken link ends like a closed one: every waiter hears below
+        finally:
+            self.closed = True
+            for q in self._cells.values():
+                q.put_nowait(None)
+            for f in self._infos:
+                if not f.done():
+                    f.set_exception(ConnectionLost("the code context's connection closed"))
+
+    def _route(self, event: dict[str, Any]) -> None:
+        if event.get("ev") == "info":
+            while self._infos:
+                f = self._infos.pop(0)
+                if not f.done():
+                    f.set_result(event)
+                    return
+            return
+        q = self._cells.get(str(event.get("id")))
+        if q is not None:
+            q.put_nowait(event)
+
+    async def send(self, message: dict[str, Any]) -> None:
+        if self.closed:
+            raise ConnectionLost("the code context's connection closed")
+        await self._duplex.write((json.dumps(message) + "\n").encode())
+
+    def cell(self, rid: str) -> asyncio.Queue[dict[str, Any] | None]:
+        q: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue()
+        self._cells[rid] = q
+        return q
+
+    def forget(self, rid: str) -> None:
+        self._cells.pop(rid, None)
+
+    async def info(self, timeout: float = CONNECT_TIMEOUT) -> dict[str, Any]:
+        f: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
+        self._infos.append(f)
+        await self.send({"op": "info"})
+        async with asyncio.timeout(timeout):
+            return await f
+
+    async def closed_within(self, timeout: float) -> bool:
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(timeout):
+                await asyncio.shield(self._reader)
+        return self.closed
+
+    async def close(self) -> None:
+        with contextlib.suppress(Exception):
+            await self._duplex.abort()
+
+
+# links by event loop (a link's tasks belong to one), then by (box id, context id)
+_links: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[tuple[str, str], KernelLink]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+class Interpreter:
+    """The code contexts of one box, for one event loop."""
+
+    def __init__(self, box: CodeBox) -> None:
+        self.box = box
+        self._links = _links.setdefault(asyncio.get_running_loop(), {})
+
+    # ---- contexts --------------------------------------------------------------
+
+    async def create(
+        self,
+        *,
+        language: str = "python",
+        cwd: str | None = None,
+        kernel: str | None = None,
+        env: Mapping[str, str] | None = None,
+        user: str | None = None,
+        cid: str | None = None,
+    ) -> CodeContext:
+        language = check_language(language)
+        options = {
+            "kernel": check_kernel(kernel, language),
+            "cwd": guest_path(cwd) if cwd is not None else None,
+            "env": check_env(env),
+            "user": check_user(user),
+        }
+        return await self._start(cid or f"ctx-{uuid.uuid4().hex[:12]}", language, options)
+
+    async def list(self) -> list[CodeContext]:
+        try:
+            entries = await self.box.files.list(ROOT)
+        except FileNotFoundError:
+            return []
+        out = []
+        for e in entries:
+            if e.is_dir:
+                with contextlib.suppress(FileNotFoundError, ValueError, KeyError):
+                    out.append(CodeContext.from_info(await self._info(e.name)))
+        return out
+
+    async def interrupt(self, context: ContextArg) -> None:
+        cid = context_id(context, "python")
+        link = await self._link(cid, start=False)
+        await link.send({"op": "interrupt"})
+
+    async def restart(self, context: ContextArg) -> CodeContext:
+        cid = context_id(context, "python")
+        info = await self._info(cid)
+        await self._stop(cid)
+        return await self._start(cid, str(info["language"]), info.get("options") or {})
+
+    async def remove(self, context: ContextArg) -> None:
+        cid = context_id(context, "python")
+        await self._info(cid)
+        await self._stop(cid)
+        await self.box.files.remove(f"{ROOT}/{cid}", recursive=True, missing_ok=True)
+
+    async def _info(self, cid: str) -> dict[str, Any]:
+        try:
+            info = json.loads(await self.box.files.read(f"{ROOT}/{cid}/info.json"))
+        except FileNotFoundError:
+            raise CodeContextNotFound(
+                f"no code context {cid!r} in box {self.box.id} (removed, or the box rebooted since)",
+                box=self.box.id,
+            ) from None
+        if not isinstance(info, dict):
+            raise ProtocolError(f"code context {cid!r} has a malformed info.json")
+        return info
+
+    async def _stop(self, cid: str) -> None:
+        """End the context's interpreter: asked to shut down, else killed."""
+        try:
+            link = await self._link(cid, start=False)
+        except (CodeContextNotFound, GuestOSError):
+            return  # not running: nothing to stop
+        await link.send({"op": "shutdown"})
+        if not await link.closed_within(10.0):
+            with contextlib.suppress(ConnectionLost):
+                await link.send({"op": "kill"})
+            await link.closed_within(5.0)
+        self._links.pop((self.box.id, cid), None)
+
+    async def _start(self, cid: str, language: str, options: Mapping[str, Any]) -> CodeContext:
+        script = await self._install()
+        # the options go into the context's info.json, so a restart starts it the same way
+        kernel = str(options.get("kernel") or "builtin")
+        argv = ["python3", script, "start", "--root", ROOT, "--id", cid, "--language", language,
+                "--kernel", kernel, "--options", json.dumps(options)]  # fmt: skip
+        exec_options: dict[str, Any] = {"timeout": START_TIMEOUT}
+        for name in ("cwd", "env", "user"):
+            if options.get(name):
+                exec_options[name] = options[name]
+        try:
+            res = await self.box.exec(*argv, **exec_options)
+        except FileNotFoundError:
+            res = None
+        if res is None or res.exit_code == 127:
+            raise InterpreterError(
+                f"box {self.box.id} has no python3 on its PATH: the code interpreter needs an image with "
+                "Python 3 (any version from 3.8; no packages needed)",
+                box=self.box.id,
+            )
+        if res.exit_code != 0:
+            why = res.stderr.strip().splitlines()[-1:] or [f"exit code {res.exit_code}"]
+            raise InterpreterError(f"code context {cid!r} did not start: {why[0]}", box=self.box.id)
+        try:
+            return CodeContext.from_info(json.loads(res.stdout.strip().splitlines()[-1]))
+        except (ValueError, KeyError, IndexError):
+            raise ProtocolError(f"code context {cid!r} started but reported {res.stdout[-200:]!r}") from None
+
+    async def _install(self) -> str:
+        data, path = _script()
+        files = self.box.files
+        if not await files.exists(path):
+            await files.mkdir(ROOT, parents=True)
+            await files.chmod(ROOT, 0o1777)  # each context makes its own 0700 directory here
+            await files.write(path, data, mode=0o644)
+        return path
+
+    async def _link(self, cid: str, *, start: bool, language: str = "python") -> KernelLink:
+        key = (self.box.id, cid)
+        link = self._links.get(key)
+        if link is not None and not link.closed:
+            return link
+        sock = f"{ROOT}/{cid}/sock"
+        try:
+            duplex = await open_relay(self.box.spawn, sock, CONNECT_TIMEOUT)
+        except GuestOSError as e:
+            if e.errno not in (errno.ENOENT, errno.ECONNREFUSED):
+                raise
+            # not running: the default context starts on first use, a context whose
+            # interpreter died starts again as it was made
+            try:
+                info = await self._info(cid)
+            except CodeContextNotFound:
+                if not (start and cid.startswith("default-")):
+                    raise
+                await self._start(cid, language, {"kernel": check_kernel(None, language)})
+            else:
+                if not start:
+                    raise CodeContextNotFound(f"code context {cid!r} is not running", box=self.box.id) from e
+                await self._start(cid, str(info["language"]), info.get("options") or {})
+            duplex = await open_relay(self.box.spawn, sock, CONNECT_TIMEOUT)
+        link = KernelLink(duplex)
+        self._links[key] = link
+        return link
+
+    # ---- cells -----------------------------------------------------------------
+
+    async def run(
+        self,
+        code: str,
+        *,
+        language: str = "python",
+        context: ContextArg = None,
+        timeout: float | None = None,
+        on_stdout: OutputCallback | None = None,
+        on_stderr: OutputCallback | None = None,
+        on_result: ResultCallback | None = None,
+    ) -> Execution:
+        if not isinstance(code, str):
+            raise InvalidArgument(f"code must be a str, not {type(code).__name__}")
+        if timeout is not None and (isinstance(timeout, bool) or not timeout > 0):
+            raise InvalidArgument(f"timeout must be a positive number of seconds, not {timeout!r}")
+        cid = context_id(context, language)
+        link = await self._link(cid, start=True, language=check_language(language))
+        rid = uuid.uuid4().hex
+        events = link.cell(rid)
+        execution = Execution()
+        callbacks = Callbacks(on_stdout, on_stderr, on_result)
+        try:
+            await link.send({"op": "run", "id": rid, "code": code})
+            try:
+                async with asyncio.timeout(timeout):
+                    finished = await _collect(events, execution, callbacks)
+            except TimeoutError:
+                await self._stop_cell(cid, link, events, execution, callbacks, timeout)
+            if not finished:
+                await self._lost(cid, execution)
+        finally:
+            link.forget(rid)
+        return execution
+
+    async def _stop_cell(
+        self,
+        cid: str,
+        link: KernelLink,
+        events: asyncio.Queue[dict[str, Any] | None],
+        execution: Execution,
+        callbacks: Callbacks,
+        timeout: float | None,
+    ) -> NoReturn:
+        """A cell past its timeout: interrupt it; if it will not stop, end its interpreter."""
+        with contextlib.suppress(ConnectionLost):
+            await link.send({"op": "interrupt"})
+        stopped = False
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(INTERRUPT_GRACE):
+                stopped = await _collect(events, execution, callbacks)
+        if stopped:
+            raise CodeTimeout(
+                f"the cell ran past its timeout of {timeout}s and was interrupted; "
+                "the context keeps its state",
+                execution,
+                box=self.box.id,
+            )
+        with contextlib.suppress(ConnectionLost):
+            await link.send({"op": "kill"})
+        await link.closed_within(INTERRUPT_GRACE)
+        self._links.pop((self.box.id, cid), None)
+        raise CodeTimeout(
+            f"the cell ran past its timeout of {timeout}s and did not stop when interrupted; its "
+            "interpreter was ended and its state is lost (the next cell starts a new one)",
+            execution,
+            state_lost=True,
+            box=self.box.id,
+        )
+
+    async def _lost(self, cid: str, execution: Execution) -> None:
+        """The link closed before the cell finished: the interpreter died, or the link did."""
+        self._links.pop((self.box.id, cid), None)
+        with contextlib.suppress(Exception):
+            link = await self._link(cid, start=False)
+            await link.info(5.0)
+            raise ConnectionLost(
+                f"the connection to code context {cid!r} broke during the cell (the box was rolled back, "
+                "stopped or restored?); the interpreter still runs",
+                box=self.box.id,
+            )
+        execution.error = ExecutionError(
+            "KernelDied",
+            f"the interpreter of code context {cid!r} exited during this cell (os._exit, a crash or the "
+            "OOM killer); its variables are lost and the next cell starts a new interpreter",
+            "",
+        )
+
+
+@dataclass(frozen=True)
+class Callbacks:
+    on_stdout: OutputCallback | None
+    on_stderr: OutputCallback | None
+    on_result: ResultCallback | None
+
+    async def call(self, fn: Callable[[Any], Any] | None, value: Any) -> None:
+        if fn is not None:
+            got = fn(value)
+            if inspect.isawaitable(got):
+                await got
+
+
+async def _collect(
+    events: asyncio.Queue[dict[str, Any] | None], execution: Execution, callbacks: Callbacks
+) -> bool:
+    """Fold a cell's events into ``execution`` until it is done (True) or its link
+    closed first (False)."""
+    while True:
+        event = await events.get()
+        if event is None:
+            return False
+        kind = event.get("ev")
+        if kind == "stream":
+            text = str(event.get("text", ""))
+            if event.get("name") == "stderr":
+                execution.stderr += text
+                await callbacks.call(callbacks.on_stderr, text)
+            else:
+                execution.stdout += text
+                await callbacks.call(callbacks.on_stdout, text)
+        elif kind == "result":
+            result = Result.from_bundle(event.get("data") or {}, bool(event.get("main")))
+            execution.results.append(result)
+            await callbacks.call(callbacks.on_result, result)
+        elif kind == "error":
+            execution.error = ExecutionError(
+                str(event.get("name", "Error")), str(event.get("value", "")), str(event.get("traceback", ""))
+            )
+        elif kind == "done":
+            execution.execution_count = int(event.get("count") or 0) or None
+            return True

@@ -1,0 +1,936 @@
+"""The code interpreter that runs inside a box. The host never imports this
+module: it copies the file into the box (``/run/sandlot/code/``) and runs it
+with the image's own ``python3``, so it uses the standard library only and
+runs on any Python from 3.8 on.
+
+One process is one code context: it keeps the variables of its cells in its
+own memory, so a snapshot, a fork, a suspend or an export of the box carries
+them as it carries every other process. It listens on a Unix socket of its
+context's directory (``/run/sandlot/code/ID/sock``, mode 0700), which the host
+reaches through the agent's relay. Messages are JSON lines::
+
+    host -> kernel  {"op": "run", "id": R, "code": "..."}      run a cell
+                    {"op": "interrupt"}                      SIGINT to the running cell
+                    {"op": "info"}                           -> {"ev": "info", ...}
+                    {"op": "shutdown"}                       end this context
+                    {"op": "kill"}                           end it now (a cell ignoring interrupts)
+    kernel -> host  {"ev": "stream", "id": R, "name": "stdout"|"stderr", "text": "..."}
+                    {"ev": "result", "id": R, "data": {MIME: value}, "main": bool}
+                    {"ev": "error", "id": R, "name": ..., "value": ..., "traceback": ...}
+                    {"ev": "done", "id": R, "count": N}
+
+A context runs either sandlot's own kernel (``--kernel builtin``: exec of the
+cell's AST, the last expression's value as the main result, rich display
+through ``_repr_*_`` methods, IPython, matplotlib and pandas where the image
+has them) or a Jupyter kernel of the image (``--kernel jupyter:SPEC``: this
+process then speaks the Jupyter messaging protocol to it over ZeroMQ, with the
+pyzmq that every Jupyter kernel brings).
+
+``python3 interpreter.py start --root DIR --id ID ...`` starts a context in
+the background and prints one JSON line once it answers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import base64
+import codecs
+import contextlib
+import errno
+import fcntl
+import hashlib
+import hmac
+import json
+import linecache
+import os
+import queue
+import re
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import termios
+import threading
+import time
+import traceback
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+# One cell's output beyond this is dropped (and counted): a cell that prints
+# gigabytes costs the box nothing and the host a bounded amount.
+OUTPUT_LIMIT = 8 << 20
+FLUSH_BYTES = 64 << 10
+FLUSH_SECONDS = 0.02
+
+MIME_METHODS = [
+    ("_repr_html_", "text/html"),
+    ("_repr_markdown_", "text/markdown"),
+    ("_repr_svg_", "image/svg+xml"),
+    ("_repr_png_", "image/png"),
+    ("_repr_jpeg_", "image/jpeg"),
+    ("_repr_json_", "application/json"),
+    ("_repr_latex_", "text/latex"),
+]
+BINARY_MIMES = ("image/png", "image/jpeg")
+
+
+def block_sigint() -> None:
+    """Threads other than the main one never take SIGINT: an interrupt must land in
+    the thread that runs the cell, to break its blocking calls."""
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+
+
+def thread(target: Callable[..., None], *args: Any) -> threading.Thread:
+    def run() -> None:
+        block_sigint()
+        target(*args)
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t
+
+
+class Client:
+    """One connection from the host (through the relay)."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.lock = threading.Lock()
+        self.open = True
+
+    def send(self, message: dict[str, Any]) -> None:
+        data = (json.dumps(message, separators=(",", ":")) + "\n").encode()
+        with self.lock:
+            if not self.open:
+                return
+            try:
+                self.sock.sendall(data)
+            except OSError:
+                self.open = False
+
+
+class Cell:
+    """Where a running cell's output goes, bounded, with stream output batched."""
+
+    def __init__(self, client: Client, rid: str) -> None:
+        self.client = client
+        self.rid = rid
+        self.lock = threading.Lock()
+        self.pending: dict[str, list[str]] = {"stdout": [], "stderr": []}
+        self.pending_bytes = 0
+        self.sent = 0
+        self.dropped = 0
+
+    def stream(self, name: str, text: str) -> None:
+        if not text:
+            return
+        with self.lock:
+            room = OUTPUT_LIMIT - self.sent - self.pending_bytes
+            size = len(text.encode("utf-8", "replace"))
+            if size > room:
+                self.dropped += size - max(room, 0)
+                text = text.encode("utf-8", "replace")[: max(room, 0)].decode("utf-8", "ignore")
+                size = len(text.encode("utf-8", "replace"))
+                if not text:
+                    return
+            self.pending[name].append(text)
+            self.pending_bytes += size
+            full = self.pending_bytes >= FLUSH_BYTES
+        if full:
+            self.flush()
+
+    def flush(self) -> None:
+        with self.lock:
+            out = [(n, "".join(parts)) for n, parts in self.pending.items() if parts]
+            self.pending = {"stdout": [], "stderr": []}
+            self.sent += self.pending_bytes
+            self.pending_bytes = 0
+        for name, text in out:
+            self.client.send({"ev": "stream", "id": self.rid, "name": name, "text": text})
+
+    def result(self, data: dict[str, Any], main: bool) -> None:
+        self.flush()
+        self.client.send({"ev": "result", "id": self.rid, "data": data, "main": main})
+
+    def error(self, name: str, value: str, tb: str) -> None:
+        self.flush()
+        self.client.send({"ev": "error", "id": self.rid, "name": name, "value": value, "traceback": tb})
+
+    def done(self, count: int) -> None:
+        self.flush()
+        if self.dropped:
+            note = f"\n[sandlot: output truncated: {self.dropped} bytes of this cell's output were dropped]\n"
+            self.client.send({"ev": "stream", "id": self.rid, "name": "stderr", "text": note})
+        self.client.send({"ev": "done", "id": self.rid, "count": count})
+
+
+class Output:
+    """The cell that output belongs to now (none between cells: then it is dropped)."""
+
+    def __init__(self) -> None:
+        self.cell: Cell | None = None
+        self.fd_readers: list[FdCapture] = []
+
+    def stream(self, name: str, text: str) -> None:
+        cell = self.cell
+        if cell is not None:
+            cell.stream(name, text)
+
+    def settle(self) -> None:
+        """Wait until what the cell's processes wrote to fd 1 and 2 has been read."""
+        deadline = time.monotonic() + 0.5
+        for reader in self.fd_readers:
+            while reader.unread() and time.monotonic() < deadline:
+                time.sleep(0.001)
+
+
+OUT = Output()
+
+
+class TextStream:
+    """``sys.stdout`` and ``sys.stderr`` during cells."""
+
+    encoding = "utf-8"
+    errors = "replace"
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def write(self, text: str) -> int:
+        if not isinstance(text, str):
+            raise TypeError(f"write() argument must be str, not {type(text).__name__}")
+        OUT.stream(self.name, text)
+        return len(text)
+
+    def writelines(self, lines: list[str]) -> None:
+        for line in lines:
+            self.write(line)
+
+    def flush(self) -> None:
+        pass
+
+    def isatty(self) -> bool:
+        return False
+
+    def writable(self) -> bool:
+        return True
+
+    def readable(self) -> bool:
+        return False
+
+    def fileno(self) -> int:
+        return 1 if self.name == "stdout" else 2
+
+    @property
+    def buffer(self) -> ByteStream:
+        return ByteStream(self.name)
+
+
+class ByteStream:
+    """``sys.stdout.buffer``: bytes written to it are the cell's output as text."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def write(self, data: bytes) -> int:
+        OUT.stream(self.name, bytes(data).decode("utf-8", "replace"))
+        return len(data)
+
+    def flush(self) -> None:
+        pass
+
+
+class FdCapture:
+    """fd 1 or 2 as a pipe whose reader passes what child processes and C code write
+    to the running cell, so ``os.system`` output is part of the cell's output."""
+
+    def __init__(self, fd: int, name: str) -> None:
+        self.name = name
+        r, w = os.pipe()
+        os.dup2(w, fd)
+        os.close(w)
+        self.r = r
+        self.decoder = codecs.getincrementaldecoder("utf-8")("replace")
+        thread(self.pump)
+
+    def unread(self) -> int:
+        buf = bytearray(4)
+        try:
+            fcntl.ioctl(self.r, termios.FIONREAD, buf)
+        except OSError:
+            return 0
+        return int(struct.unpack("i", bytes(buf))[0])
+
+    def pump(self) -> None:
+        while True:
+            try:
+                data = os.read(self.r, 65536)
+            except InterruptedError:
+                continue
+            if not data:
+                return
+            OUT.stream(self.name, self.decoder.decode(data))
+
+
+# ---- rich display ------------------------------------------------------------
+
+
+def b64(value: Any) -> Any:
+    if isinstance(value, (bytes, bytearray)):
+        return base64.b64encode(bytes(value)).decode()
+    return value
+
+
+def figure_png(fig: Any) -> str:
+    import io
+
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", bbox_inches="tight")
+    return base64.b64encode(buf.getvalue()).decode()
+
+
+def is_figure(obj: Any) -> bool:
+    mpl = sys.modules.get("matplotlib.figure")
+    return mpl is not None and isinstance(obj, mpl.Figure)
+
+
+_ipython_formatter: Any = None
+
+
+def ipython_format(obj: Any) -> dict[str, Any] | None:
+    """IPython's own formatters, once the cell has imported IPython."""
+    global _ipython_formatter
+    if "IPython" not in sys.modules:
+        return None
+    try:
+        if _ipython_formatter is None:
+            from IPython.core.formatters import DisplayFormatter  # type: ignore[import-not-found]
+
+            _ipython_formatter = DisplayFormatter()
+        data, _ = _ipython_formatter.format(obj)
+    except Exception:
+        return None
+    return {k: b64(v) for k, v in data.items()} if data else None
+
+
+def mime_bundle(obj: Any) -> dict[str, Any]:
+    """What a value looks like in each format it offers: the ``_repr_*_`` protocol
+    of IPython and Jupyter, a matplotlib figure as PNG, and ``repr`` as text."""
+    if is_figure(obj):
+        return {"image/png": figure_png(obj), "text/plain": repr(obj)}
+    data = ipython_format(obj)
+    if data:
+        return data
+    data = {}
+    if not isinstance(obj, type):
+        bundle = getattr(obj, "_repr_mimebundle_", None)
+        if callable(bundle):
+            try:
+                got = bundle(include=None, exclude=None)
+                if isinstance(got, tuple):
+                    got = got[0]
+                if isinstance(got, dict):
+                    data.update({k: b64(v) for k, v in got.items()})
+            except Exception:
+                pass
+        for method, mime in MIME_METHODS:
+            fn = getattr(obj, method, None)
+            if mime in data or not callable(fn):
+                continue
+            try:
+                value = fn()
+            except Exception:
+                continue
+            if isinstance(value, tuple):
+                value = value[0]
+            if value is not None:
+                data[mime] = b64(value)
+    if "text/plain" not in data:
+        try:
+            data["text/plain"] = repr(obj)
+        except Exception as e:
+            data["text/plain"] = f"<repr failed: {type(e).__name__}: {e}>"
+    return data
+
+
+def display(*objs: Any, **kwargs: Any) -> None:
+    """Show each object as a result of the running cell (``display`` of IPython)."""
+    raw = kwargs.get("raw", False)
+    cell = OUT.cell
+    if cell is None:
+        return
+    for obj in objs:
+        if raw and isinstance(obj, dict):
+            cell.result({k: b64(v) for k, v in obj.items()}, False)
+        else:
+            cell.result(mime_bundle(obj), False)
+
+
+class IPythonDisplayHook:
+    """Once IPython's display functions are imported, route ``IPython.display.display``
+    here: without a running IPython shell it would only print the repr."""
+
+    NAMES = ("IPython.core.display_functions", "IPython.core.display", "IPython.display")
+
+    def find_spec(self, name: str, path: Any, target: Any = None) -> Any:
+        if name not in self.NAMES:
+            return None
+        import importlib.util
+
+        sys.meta_path.remove(self)
+        try:
+            spec = importlib.util.find_spec(name)
+        finally:
+            sys.meta_path.insert(0, self)
+        if spec is None or spec.loader is None:
+            return spec
+        loader = spec.loader
+        exec_module = loader.exec_module
+
+        def patched(module: Any) -> None:
+            exec_module(module)
+            if hasattr(module, "display"):
+                module.display = display
+
+        loader.exec_module = patched  # type: ignore[method-assign]
+        return spec
+
+
+def show_figures(cell: Cell, skip: Any = None) -> None:
+    """Each open matplotlib figure as a PNG result, then closed (what Jupyter's inline
+    backend does), so ``plt.plot(...)`` shows without ``plt.show()``."""
+    plt = sys.modules.get("matplotlib.pyplot")
+    if plt is None:
+        return
+    try:
+        for num in plt.get_fignums():
+            fig = plt.figure(num)
+            if fig is not skip:
+                cell.result({"image/png": figure_png(fig), "text/plain": repr(fig)}, False)
+        plt.close("all")
+    except Exception as e:
+        cell.stream("stderr", f"[sandlot: could not render a figure: {e}]\n")
+
+
+# ---- the builtin kernel ------------------------------------------------------
+
+
+class BuiltinKernel:
+    def __init__(self) -> None:
+        self.count = 0
+        self.namespace: dict[str, Any] = {"__name__": "__main__", "__builtins__": __builtins__}
+        self.loop: Any = None
+        import builtins
+
+        builtins.display = display  # type: ignore[attr-defined]
+        sys.meta_path.insert(0, IPythonDisplayHook())
+
+    def compile_cell(self, code: str, filename: str) -> list[Any]:
+        flags = getattr(ast, "PyCF_ALLOW_TOP_LEVEL_AWAIT", 0)
+        tree = ast.parse(code, filename, "exec")
+        units: list[Any] = []
+        body = tree.body
+        last = body[-1] if body and isinstance(body[-1], ast.Expr) else None
+        if last is not None:
+            body = body[:-1]
+        if body:
+            units.append(("exec", compile(ast.Module(body=body, type_ignores=[]), filename, "exec", flags)))
+        if last is not None:
+            expr = ast.Expression(body=last.value)
+            units.append(("eval", compile(expr, filename, "eval", flags)))
+        return units
+
+    def run_unit(self, code: Any) -> Any:
+        value = eval(code, self.namespace)
+        if code.co_flags & 0x80:  # CO_COROUTINE: the cell awaited at top level
+            import asyncio
+
+            if self.loop is None:
+                self.loop = asyncio.new_event_loop()
+            value = self.loop.run_until_complete(value)
+        return value
+
+    def execute(self, code: str, cell: Cell) -> int:
+        self.count += 1
+        filename = f"<cell {self.count}>"
+        linecache.cache[filename] = (len(code), None, code.splitlines(True), filename)
+        value: Any = None
+        try:
+            for kind, unit in self.compile_cell(code, filename):
+                result = self.run_unit(unit)
+                if kind == "eval":
+                    value = result
+        except BaseException as e:  # the cell's error, KeyboardInterrupt and SystemExit included
+            OUT.settle()
+            show_figures(cell)
+            cell.error(type(e).__name__, str(e), self.format_traceback(e, filename))
+            return self.count
+        OUT.settle()
+        if value is not None:
+            self.namespace["_"] = value
+            try:
+                data = mime_bundle(value)
+            except BaseException as e:
+                cell.error(type(e).__name__, str(e), self.format_traceback(e, filename))
+                return self.count
+            show_figures(cell, skip=value)
+            cell.result(data, True)
+        else:
+            show_figures(cell)
+        return self.count
+
+    def format_traceback(self, e: BaseException, filename: str) -> str:
+        tb = e.__traceback__
+        # leave out this kernel's own frames: the traceback starts in the cell
+        while tb is not None and not tb.tb_frame.f_code.co_filename.startswith("<cell "):
+            tb = tb.tb_next
+        if isinstance(e, SyntaxError):
+            tb = None
+        return "".join(traceback.format_exception(type(e), e, tb))
+
+    def interrupt(self) -> None:
+        os.kill(os.getpid(), signal.SIGINT)
+
+    def close(self) -> None:
+        pass
+
+
+# ---- a Jupyter kernel of the image -------------------------------------------
+
+ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+KERNEL_DIRS = [
+    "/usr/local/share/jupyter/kernels",
+    "/usr/share/jupyter/kernels",
+    os.path.join(sys.prefix, "share/jupyter/kernels"),
+    os.path.expanduser("~/.local/share/jupyter/kernels"),
+]
+
+
+def kernelspecs() -> dict[str, dict[str, Any]]:
+    """The Jupyter kernels this image has, by name."""
+    found: dict[str, dict[str, Any]] = {}
+    for base in KERNEL_DIRS:
+        try:
+            names = sorted(os.listdir(base))
+        except OSError:
+            continue
+        for name in names:
+            path = os.path.join(base, name, "kernel.json")
+            try:
+                with open(path) as f:
+                    spec = json.load(f)
+            except (OSError, ValueError):
+                continue
+            if isinstance(spec, dict) and isinstance(spec.get("argv"), list):
+                spec["resource_dir"] = os.path.dirname(path)
+                found.setdefault(name, spec)
+    return found
+
+
+def find_kernelspec(wanted: str, language: str) -> Any:
+    specs = kernelspecs()
+    if wanted and wanted in specs:
+        return wanted, specs[wanted]
+    if not wanted:
+        for name, spec in specs.items():
+            if str(spec.get("language", "")).lower() == language.lower():
+                return name, spec
+    have = ", ".join("{} ({})".format(n, s.get("language")) for n, s in specs.items()) or "none"
+    which = f"kernel {wanted!r}" if wanted else f"kernel for {language}"
+    raise LookupError(f"this image has no Jupyter {which}; it has: {have}")
+
+
+class JupyterKernel:
+    """A Jupyter kernel of the image, spoken to over its ZeroMQ sockets (IPC files
+    in the context's private directory, so no network is needed)."""
+
+    def __init__(self, spec_name: str, language: str, directory: str) -> None:
+        self.name, spec = find_kernelspec(spec_name, language)
+        try:
+            import zmq  # type: ignore[import-not-found]
+        except ImportError:
+            raise LookupError(f"this image has the Jupyter kernel {self.name} but no pyzmq") from None
+        self.zmq = zmq
+        self.count = 0
+        self.key = uuid.uuid4().hex.encode()
+        self.session = uuid.uuid4().hex
+        self.interrupt_mode = spec.get("interrupt_mode", "signal")
+        base = os.path.join(directory, "kernel")
+        conn = {
+            "transport": "ipc",
+            "ip": base,
+            "shell_port": 1,
+            "iopub_port": 2,
+            "stdin_port": 3,
+            "control_port": 4,
+            "hb_port": 5,
+            "key": self.key.decode(),
+            "signature_scheme": "hmac-sha256",
+            "kernel_name": self.name,
+        }
+        conn_file = os.path.join(directory, "connection.json")
+        with open(conn_file, "w") as f:
+            json.dump(conn, f)
+        argv = [
+            a.replace("{connection_file}", conn_file).replace("{resource_dir}", spec["resource_dir"])
+            for a in spec["argv"]
+        ]
+        env = dict(os.environ)
+        env.update(spec.get("env") or {})
+        self.proc = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, start_new_session=True)
+        ctx = zmq.Context.instance()
+        self.shell = ctx.socket(zmq.DEALER)
+        self.shell.connect(f"ipc://{base}-1")
+        self.control = ctx.socket(zmq.DEALER)
+        self.control.connect(f"ipc://{base}-4")
+        self.iopub = ctx.socket(zmq.SUB)
+        self.iopub.setsockopt(zmq.SUBSCRIBE, b"")
+        self.iopub.connect(f"ipc://{base}-2")
+        self.wait_ready(120.0)
+
+    def sign(self, parts: list[bytes]) -> bytes:
+        h = hmac.new(self.key, digestmod=hashlib.sha256)
+        for p in parts:
+            h.update(p)
+        return h.hexdigest().encode()
+
+    def send(self, sock: Any, msg_type: str, content: dict[str, Any]) -> str:
+        msg_id = uuid.uuid4().hex
+        header = {
+            "msg_id": msg_id,
+            "msg_type": msg_type,
+            "username": "sandlot",
+            "session": self.session,
+            "date": time.strftime("%Y-%m-%dT%H:%M:%S.000000Z", time.gmtime()),
+            "version": "5.3",
+        }
+        parts = [json.dumps(p).encode() for p in (header, {}, {}, content)]
+        sock.send_multipart([b"<IDS|MSG>", self.sign(parts), *parts])
+        return msg_id
+
+    def recv(self, sock: Any) -> dict[str, Any] | None:
+        frames = sock.recv_multipart()
+        try:
+            i = frames.index(b"<IDS|MSG>")
+        except ValueError:
+            return None
+        parts = frames[i + 2 : i + 6]
+        if len(parts) < 4 or not hmac.compare_digest(self.sign(parts), frames[i + 1]):
+            return None  # not signed with our key: not from our kernel
+        header, parent, _, content = (json.loads(p) for p in parts)
+        return {"header": header, "parent": parent, "content": content, "type": header.get("msg_type")}
+
+    def died(self) -> int | None:
+        return self.proc.poll()
+
+    def wait_ready(self, timeout: float) -> None:
+        """Ask kernel_info until the kernel answers and its iopub reaches us (a SUB
+        socket misses what was published before it joined)."""
+        zmq = self.zmq
+        deadline = time.monotonic() + timeout
+        replied = published = False
+        while not (replied and published):
+            if self.died() is not None:
+                raise RuntimeError(f"the Jupyter kernel {self.name} exited with status {self.died()}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the Jupyter kernel {self.name} did not answer within {timeout:.0f}s")
+            self.send(self.shell, "kernel_info_request", {})
+            poller = zmq.Poller()
+            poller.register(self.shell, zmq.POLLIN)
+            poller.register(self.iopub, zmq.POLLIN)
+            for sock, _ in poller.poll(500):
+                msg = self.recv(sock)
+                if msg and msg["type"] == "kernel_info_reply":
+                    replied = True
+                elif msg and sock is self.iopub:
+                    published = True
+
+    def execute(self, code: str, cell: Cell) -> int:
+        zmq = self.zmq
+        # stop_on_error False: the host sends one cell at a time, and an error in one must
+        # not make the kernel drop the next, which may already be on its way
+        msg_id = self.send(
+            self.shell,
+            "execute_request",
+            {"code": code, "silent": False, "store_history": True, "user_expressions": {},
+             "allow_stdin": False, "stop_on_error": False},
+        )  # fmt: skip
+        idle = replied = False
+        poller = zmq.Poller()
+        poller.register(self.shell, zmq.POLLIN)
+        poller.register(self.iopub, zmq.POLLIN)
+        while not (idle and replied):
+            events = poller.poll(200)
+            if not events and self.died() is not None:
+                raise KernelDied(f"the Jupyter kernel exited with status {self.died()} during this cell")
+            for sock, _ in events:
+                msg = self.recv(sock)
+                if msg is None or msg["parent"].get("msg_id") != msg_id:
+                    continue
+                content, kind = msg["content"], msg["type"]
+                if sock is self.shell and kind == "execute_reply":
+                    replied = True
+                    self.count = int(content.get("execution_count") or self.count + 1)
+                    if content.get("status") == "aborted":
+                        cell.error("Aborted", "the kernel did not run this cell (an earlier one failed)", "")
+                elif kind == "stream":
+                    OUT.stream(content.get("name", "stdout"), content.get("text", ""))
+                elif kind in ("execute_result", "display_data"):
+                    cell.result(content.get("data") or {}, kind == "execute_result")
+                elif kind == "error":
+                    tb = "\n".join(ANSI.sub("", line) for line in content.get("traceback") or [])
+                    cell.error(content.get("ename", "Error"), content.get("evalue", ""), tb)
+                elif kind == "status" and content.get("execution_state") == "idle":
+                    idle = True
+        return self.count
+
+    def interrupt(self) -> None:
+        if self.interrupt_mode == "message":
+            self.send(self.control, "interrupt_request", {})
+        else:
+            os.killpg(self.proc.pid, signal.SIGINT)
+
+    def close(self) -> None:
+        if self.died() is None:
+            try:
+                self.send(self.control, "shutdown_request", {"restart": False})
+                self.proc.wait(timeout=3)
+            except Exception:
+                pass
+        if self.died() is None:
+            with contextlib.suppress(OSError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+
+class KernelDied(Exception):
+    pass
+
+
+# ---- serving -----------------------------------------------------------------
+
+
+class Server:
+    def __init__(self, kernel: Any, directory: str, info: dict[str, Any]) -> None:
+        self.kernel = kernel
+        self.directory = directory
+        self.info = info
+        self.cells: queue.Queue[Any] = queue.Queue()
+        self.busy = False
+        self.busy_lock = threading.Lock()
+
+    def serve(self, listener: socket.socket) -> None:
+        thread(self.accept, listener)
+        thread(self.flusher)
+        while True:
+            try:
+                item = self.cells.get()
+            except KeyboardInterrupt:
+                continue  # an interrupt that came after its cell had finished
+            if item is None:
+                break
+            client, rid, code = item
+            cell = Cell(client, rid)
+            try:
+                with self.busy_lock:
+                    self.busy = True
+                    OUT.cell = cell
+                count = self.kernel.execute(code, cell)
+            except KeyboardInterrupt:
+                count = self.kernel.count  # an interrupt between the cell's end and here
+            except KernelDied as e:
+                cell.error("KernelDied", str(e), "")
+                cell.done(self.kernel.count)
+                self.shutdown(1)
+            finally:
+                with self.busy_lock:
+                    self.busy = False
+                    OUT.cell = None
+            cell.done(count)
+        self.shutdown(0)
+
+    def flusher(self) -> None:
+        while True:
+            time.sleep(FLUSH_SECONDS)
+            cell = OUT.cell
+            if cell is not None:
+                cell.flush()
+
+    def accept(self, listener: socket.socket) -> None:
+        while True:
+            try:
+                sock, _ = listener.accept()
+            except OSError as e:
+                if e.errno in (errno.EINTR, errno.ECONNABORTED):
+                    continue
+                raise
+            thread(self.read, Client(sock))
+
+    def read(self, client: Client) -> None:
+        buf = b""
+        while True:
+            try:
+                data = client.sock.recv(65536)
+            except OSError:
+                data = b""
+            if not data:
+                client.open = False
+                client.sock.close()
+                return
+            buf += data
+            while b"\n" in buf:
+                line, buf = buf.split(b"\n", 1)
+                try:
+                    msg = json.loads(line)
+                    op = msg["op"]
+                except (ValueError, KeyError, TypeError):
+                    client.send({"ev": "invalid", "message": "not a JSON request with an op"})
+                    continue
+                self.handle(client, op, msg)
+
+    def handle(self, client: Client, op: str, msg: dict[str, Any]) -> None:
+        if op == "run":
+            self.cells.put((client, str(msg.get("id", "")), str(msg.get("code", ""))))
+        elif op == "interrupt":
+            with self.busy_lock:
+                if self.busy:
+                    self.kernel.interrupt()
+        elif op == "info":
+            info = dict(self.info, count=self.kernel.count, busy=self.busy, queued=self.cells.qsize())
+            client.send(dict(info, ev="info"))
+        elif op == "shutdown":
+            self.cells.put(None)
+        elif op == "kill":  # the context stays: its next cell starts a new interpreter
+            if isinstance(self.kernel, JupyterKernel):
+                self.kernel.close()
+            os.kill(os.getpid(), signal.SIGKILL)
+        else:
+            client.send({"ev": "invalid", "message": f"unknown op {op!r}"})
+
+    def remove_files(self) -> None:
+        for name in os.listdir(self.directory):
+            with contextlib.suppress(OSError):
+                os.unlink(os.path.join(self.directory, name))
+        with contextlib.suppress(OSError):
+            os.rmdir(self.directory)
+
+    def shutdown(self, status: int) -> None:
+        self.remove_files()
+        try:
+            self.kernel.close()
+        finally:
+            os._exit(status)
+
+
+def start(args: argparse.Namespace) -> int:
+    """Start the context in a new session, detached from the command that started
+    it, and report once it listens (or why it could not)."""
+    directory = os.path.join(args.root, args.id)
+    try:
+        os.mkdir(directory, 0o700)
+    except FileExistsError:
+        if answers(os.path.join(directory, "sock")):
+            sys.stderr.write(f"code context {args.id} is already running\n")
+            return 17
+        for name in os.listdir(directory):  # what a context that died left behind
+            os.unlink(os.path.join(directory, name))
+    ready_r, ready_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(ready_r)
+        os.setsid()
+        if os.fork():
+            os._exit(0)
+        try:
+            serve_context(args, directory, ready_w)
+        except BaseException as e:
+            with contextlib.suppress(OSError):
+                os.write(ready_w, json.dumps({"error": f"{type(e).__name__}: {e}\n"}).encode())
+            os._exit(1)
+        os._exit(0)
+    os.close(ready_w)
+    os.waitpid(pid, 0)
+    with os.fdopen(ready_r, "rb") as f:
+        said = f.read()
+    try:
+        report = json.loads(said or b"{}")
+    except ValueError:
+        report = {"error": said.decode(errors="replace")}
+    if "error" in report or not report:
+        with contextlib.suppress(OSError):
+            os.rmdir(directory)
+        sys.stderr.write(report.get("error") or "the context exited before it answered\n")
+        return 1
+    sys.stdout.write(json.dumps(report) + "\n")
+    return 0
+
+
+def answers(path: str) -> bool:
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.connect(path)
+        return True
+    except OSError:
+        return False
+    finally:
+        probe.close()
+
+
+def serve_context(args: argparse.Namespace, directory: str, ready_w: int) -> None:
+    # the command that started us ends when nothing holds its output: not this
+    # process, nor a Jupyter kernel it starts
+    devnull = os.open(os.devnull, os.O_RDWR)
+    for fd in (0, 1, 2):
+        os.dup2(devnull, fd)
+    os.environ.setdefault("MPLBACKEND", "Agg")  # figures render to PNG results, never to a display
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    if args.kernel == "builtin":
+        kernel: Any = BuiltinKernel()
+    else:
+        kernel = JupyterKernel(args.kernel.partition(":")[2], args.language, directory)
+    path = os.path.join(directory, "sock")
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    listener.listen(16)
+    name = kernel.name if isinstance(kernel, JupyterKernel) else ""
+    info = {
+        "id": args.id,
+        "language": args.language,
+        "kernel": "jupyter:" + name if name else "builtin",
+        "cwd": os.getcwd(),
+        "pid": os.getpid(),
+        "created": time.time(),
+        "options": json.loads(args.options),
+    }
+    with open(os.path.join(directory, "info.json.tmp"), "w") as f:
+        json.dump(info, f)
+    os.rename(os.path.join(directory, "info.json.tmp"), os.path.join(directory, "info.json"))
+    server = Server(kernel, directory, info)
+    # from here fd 1 and 2 belong to the cells; the report goes through the pipe
+    OUT.fd_readers = [FdCapture(1, "stdout"), FdCapture(2, "stderr")]
+    os.close(devnull)
+    sys.stdout = TextStream("stdout")
+    sys.stderr = TextStream("stderr")
+    os.write(ready_w, json.dumps(info).encode())
+    os.close(ready_w)
+    server.serve(listener)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="sandlot-interpreter")
+    sub = parser.add_subparsers(dest="command", required=True)
+    s = sub.add_parser("start")
+    s.add_argument("--root", required=True)
+    s.add_argument("--id", required=True)
+    s.add_argument("--language", default="python")
+    s.add_argument("--kernel", default="builtin")
+    s.add_argument("--options", default="{}", help="JSON the host keeps in info.json")
+    args = parser.parse_args(argv)
+    return start(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

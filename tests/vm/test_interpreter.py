@@ -1,0 +1,293 @@
+"""The code interpreter in real boxes: values, rich output, errors, streaming,
+interrupt, timeout, restart, contexts, the Jupyter kernel of an image, and its
+state through snapshot, rollback, fork, suspend and export."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+import sandlot
+
+from tests.support import roots
+
+pytestmark = pytest.mark.vm
+
+
+@pytest.fixture(scope="module")
+def jupyter_box() -> Iterator[sandlot.Box]:
+    """Debian with python3-ipykernel, matplotlib and pandas."""
+    with sandlot.Box(rootfs=roots.jupyter_root(), memory_mib=768, disk_size_gb=4) as box:
+        yield box
+
+
+def test_values_output_and_errors_with_tracebacks(py_box: sandlot.Box) -> None:
+    ctx = py_box.create_code_context()
+    ex = py_box.run_code("x = 41\nx + 1", context=ctx)
+    assert ex.text == "42" and ex.error is None and ex.execution_count == 1
+    assert [r.is_main_result for r in ex.results] == [True]
+
+    ex = py_box.run_code("print('out'); import os, sys; print('err', file=sys.stderr); os.system('echo sub')",
+                         context=ctx)  # fmt: skip
+    assert ex.stdout == "out\nsub\n" and ex.stderr == "err\n" and ex.text == "0"
+    assert ex.execution_count == 2
+
+    ex = py_box.run_code("def f():\n    return 1 / 0\n\nf()", context=ctx)
+    assert ex.error is not None and ex.error.name == "ZeroDivisionError"
+    assert ex.error.value == "division by zero"
+    assert 'File "<cell 3>", line 2, in f' in ex.error.traceback and "return 1 / 0" in ex.error.traceback
+    assert "interpreter.py" not in ex.error.traceback  # the kernel's own frames are left out
+
+    ex = py_box.run_code("def broken(:", context=ctx)
+    assert ex.error is not None and ex.error.name == "SyntaxError" and ex.results == []
+
+    ex = py_box.run_code("display({'a': 1}); y = 2", context=ctx)  # display() without IPython
+    assert [(r.text, r.is_main_result) for r in ex.results] == [("{'a': 1}", False)]
+    ex = py_box.run_code("import asyncio\nawait asyncio.sleep(0.01)\nx * 2", context=ctx)
+    assert ex.text == "82"  # top-level await
+    py_box.remove_code_context(ctx)
+
+
+def test_streaming_callbacks_see_output_as_it_comes(py_box: sandlot.Box) -> None:
+    seen: list[tuple[float, str, str]] = []
+    t0 = time.monotonic()
+    ex = py_box.run_code(
+        "import time, sys\nprint('first', flush=True)\ntime.sleep(1.5)\nprint('oops', file=sys.stderr)\n"
+        "display(7)\n'last'",
+        on_stdout=lambda s: seen.append((time.monotonic() - t0, "out", s)),
+        on_stderr=lambda s: seen.append((time.monotonic() - t0, "err", s)),
+        on_result=lambda r: seen.append((time.monotonic() - t0, "result", r.text or "")),
+    )
+    assert [(kind, text) for _, kind, text in seen] == [
+        ("out", "first\n"), ("err", "oops\n"), ("result", "7"), ("result", "'last'")
+    ]  # fmt: skip
+    first_at, total = seen[0][0], time.monotonic() - t0
+    assert first_at < total - 1.0, "the first line came only with the end of the cell"
+    assert ex.stdout == "first\n" and ex.text == "'last'"
+
+
+def test_interrupt_keeps_state_and_timeout_interrupts(py_box: sandlot.Box) -> None:
+    import threading
+
+    ctx = py_box.create_code_context()
+    py_box.run_code("kept = 'yes'", context=ctx)
+    threading.Timer(1.5, py_box.interrupt_code_context, args=(ctx,)).start()
+    t0 = time.monotonic()
+    ex = py_box.run_code("import time\nwhile True: time.sleep(0.1)", context=ctx)
+    assert ex.error is not None and ex.error.name == "KeyboardInterrupt"
+    assert time.monotonic() - t0 < 10
+    assert py_box.run_code("kept", context=ctx).text == "'yes'"
+
+    with pytest.raises(sandlot.CodeTimeout) as info:
+        py_box.run_code("print('started', flush=True)\nimport time\ntime.sleep(60)", context=ctx, timeout=1.5)
+    assert not info.value.state_lost and info.value.execution.stdout == "started\n"
+    assert py_box.run_code("kept", context=ctx).text == "'yes'"
+
+    # a cell that ignores SIGINT: its interpreter is ended, the context starts afresh
+    with pytest.raises(sandlot.CodeTimeout) as info:
+        py_box.run_code("import signal\nsignal.signal(signal.SIGINT, signal.SIG_IGN)\nwhile True: pass",
+                        context=ctx, timeout=1.5)  # fmt: skip
+    assert info.value.state_lost
+    ex = py_box.run_code("kept", context=ctx)
+    assert ex.error is not None and ex.error.name == "NameError"
+    py_box.remove_code_context(ctx)
+
+
+def test_restart_two_contexts_and_unknown_ids(py_box: sandlot.Box) -> None:
+    a = py_box.create_code_context(cwd="/tmp")
+    b = py_box.create_code_context(env={"WHO": "b"})
+    py_box.run_code("v = 'a'", context=a)
+    py_box.run_code("v = 'b'", context=b)
+    assert py_box.run_code("v", context=a).text == "'a'"
+    assert py_box.run_code("import os; (v, os.environ['WHO'])", context=b).text == "('b', 'b')"
+    assert py_box.run_code("import os; os.getcwd()", context=a).text == "'/tmp'"
+    assert {a.id, b.id} <= {c.id for c in py_box.list_code_contexts()}
+
+    again = py_box.restart_code_context(a)
+    assert again.id == a.id and again.cwd == "/tmp"
+    ex = py_box.run_code("v", context=a)
+    assert ex.error is not None and ex.error.name == "NameError" and ex.execution_count == 1
+    assert py_box.run_code("import os; os.getcwd()", context=a).text == "'/tmp'"  # same settings
+
+    py_box.remove_code_context(b)
+    assert b.id not in {c.id for c in py_box.list_code_contexts()}
+    with pytest.raises(sandlot.CodeContextNotFound):
+        py_box.run_code("1", context=b)
+    with pytest.raises(sandlot.CodeContextNotFound):
+        py_box.run_code("1", context="no-such-context")
+    with pytest.raises(sandlot.InvalidArgument):
+        py_box.run_code("1", context="../etc")
+    with pytest.raises(sandlot.InvalidArgument):
+        py_box.run_code(b"1")  # type: ignore[arg-type]
+    with pytest.raises(sandlot.InvalidArgument):
+        py_box.create_code_context(language="python", kernel="other")
+    py_box.remove_code_context(a)
+
+
+def test_hostile_cells_leave_the_box_usable(py_box: sandlot.Box) -> None:
+    ctx = py_box.create_code_context()
+    ex = py_box.run_code(
+        "import sys\nfor i in range(400000): sys.stdout.write('x' * 99 + '\\n')", context=ctx
+    )
+    assert len(ex.stdout) == 8 << 20  # bounded: 40 MB printed, 8 MiB kept
+    assert "output truncated" in ex.stderr and ex.error is None
+
+    py_box.run_code("state = 1", context=ctx)
+    ex = py_box.run_code("import os; os._exit(3)", context=ctx)
+    assert ex.error is not None and ex.error.name == "KernelDied"
+    ex = py_box.run_code("'state' in globals()", context=ctx)  # started again, empty
+    assert ex.text == "False" and ex.execution_count == 1
+    assert py_box.exec("true").exit_code == 0
+    py_box.remove_code_context(ctx)
+
+
+def test_an_image_without_python_or_kernel_says_so(bb_box: sandlot.Box, py_box: sandlot.Box) -> None:
+    with pytest.raises(sandlot.InterpreterError, match="no python3"):
+        bb_box.run_code("1")
+    with pytest.raises(sandlot.InterpreterError, match="no Jupyter kernel for bash"):
+        py_box.create_code_context(language="bash")
+    with pytest.raises(sandlot.InterpreterError, match="no Jupyter kernel for python"):
+        py_box.run_code("1", context=py_box.create_code_context(kernel="jupyter"))
+
+
+def test_rich_display_with_matplotlib_pandas_and_ipython(jupyter_box: sandlot.Box) -> None:
+    ex = jupyter_box.run_code(
+        "import matplotlib.pyplot as plt\nplt.plot([1, 3, 2])\nplt.title('t')\nNone", timeout=300
+    )
+    assert ex.error is None, ex.error
+    (fig,) = ex.results
+    png = fig.image()
+    assert png is not None and png.startswith(b"\x89PNG\r\n\x1a\n") and not fig.is_main_result
+
+    ex = jupyter_box.run_code(
+        "import pandas as pd\npd.DataFrame({'a': [1, 2], 'b': ['x', 'y']})", timeout=300
+    )
+    (df,) = ex.results
+    assert df.is_main_result and df.html is not None and "<table" in df.html and "a" in (df.text or "")
+
+    ex = jupyter_box.run_code(
+        "from IPython.display import display, HTML, Markdown\ndisplay(HTML('<b>hi</b>'), Markdown('# t'))",
+        timeout=300,
+    )
+    assert [(r.html, r.markdown) for r in ex.results] == [("<b>hi</b>", None), (None, "# t")]
+
+
+def test_the_images_jupyter_kernel_speaks_through_the_same_execution(jupyter_box: sandlot.Box) -> None:
+    ctx = jupyter_box.create_code_context(kernel="jupyter")
+    assert ctx.kernel == "jupyter:python3" and ctx.language == "python"
+    ex = jupyter_box.run_code("x = 41\nprint('out')\nx + 1", context=ctx, timeout=120)
+    assert ex.text == "42" and ex.stdout == "out\n" and ex.execution_count == 1
+    ex = jupyter_box.run_code("1 / 0", context=ctx, timeout=120)
+    assert ex.error is not None and ex.error.name == "ZeroDivisionError" and "1 / 0" in ex.error.traceback
+    ex = jupyter_box.run_code("from IPython.display import HTML\nHTML('<i>j</i>')", context=ctx, timeout=120)
+    assert ex.results[0].html == "<i>j</i>"
+    with pytest.raises(sandlot.CodeTimeout) as info:
+        jupyter_box.run_code("import time\ntime.sleep(60)", context=ctx, timeout=2)
+    assert not info.value.state_lost
+    assert jupyter_box.run_code("x", context=ctx, timeout=60).text == "41"
+    jupyter_box.remove_code_context(ctx)
+
+
+def _py(code: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
+                          timeout=300, env=dict(os.environ))  # fmt: skip
+
+
+def test_state_survives_rollback_fork_suspend_and_export(debian_root: Path, other_home: Path,
+                                                         tmp_path: Path) -> None:  # fmt: skip
+    # keep=True: another process resumes it, and must not take it for an abandoned box
+    box = sandlot.Box(rootfs=debian_root, memory_mib=256, name="interpreter-state", keep=True)
+    try:
+        _state_survives(box.start(), other_home, tmp_path)
+    finally:
+        box.remove(force=True)
+        for s in sandlot.list_snapshots():
+            if s.box_name == "interpreter-state":
+                s.remove()
+
+
+def _state_survives(box: sandlot.Box, other_home: Path, tmp_path: Path) -> None:
+    box.run_code("x = 41")
+    snap = box.snapshot()
+    box.run_code("x = 0")
+    box.rollback(snap)
+    assert box.run_code("x + 1").text == "42"
+
+    kids = box.fork(4)
+    try:
+        for i, kid in enumerate(kids):
+            kid.run_code(f"x = {i * 100}")
+        assert [k.run_code("x + 1").text for k in kids] == ["1", "101", "201", "301"]
+        assert box.run_code("x + 1").text == "42"
+    finally:
+        for kid in kids:
+            kid.remove(force=True)
+
+    box.suspend()
+    got = _py(f"""
+        import sandlot
+        box = sandlot.get({box.id!r})
+        box.resume()
+        print(box.run_code("x + 1").text)
+    """)
+    assert got.returncode == 0 and got.stdout.strip() == "42", got.stderr
+
+    archive = box.snapshot().export(tmp_path / "box.sandlot")
+    moved = sandlot.import_snapshot(archive, home=other_home, name="moved")
+    assert isinstance(moved, sandlot.Box)
+    try:
+        assert moved.run_code("x + 1").text == "42"
+    finally:
+        moved.remove(force=True)
+
+
+def test_a_remote_box_runs_code_through_sandlot_serve(debian_root: Path) -> None:
+    import httpx
+
+    from tests.support.serve import serving
+
+    with serving(Path(os.environ["SANDLOT_HOME"])) as served, \
+            sandlot.connect(served.url, api_key=served.api_key) as client, \
+            client.Box(rootfs=debian_root, memory_mib=256) as box:  # fmt: skip
+        seen: list[str] = []
+        ex = box.run_code(
+            "print('a', flush=True)\ndisplay(1)\nv = 20\nv * 2 + 2",
+            on_stdout=seen.append,
+            on_result=lambda r: seen.append(f"result {r.text}"),
+        )
+        assert ex.text == "42" and ex.stdout == "a\n" and seen == ["a\n", "result 1", "result 42"]
+        ex = box.run_code("1 / 0")
+        assert ex.error is not None and ex.error.name == "ZeroDivisionError" and ex.execution_count == 2
+
+        with pytest.raises(sandlot.CodeTimeout) as info:
+            box.run_code("print('so far', flush=True)\nimport time\ntime.sleep(60)", timeout=1.5)
+        assert isinstance(info.value.execution, sandlot.Execution)
+        assert info.value.execution.stdout == "so far\n" and not info.value.state_lost
+        assert box.run_code("v").text == "20"
+
+        ctx = box.create_code_context(cwd="/tmp")
+        assert ctx.cwd == "/tmp" and ctx.id in {c.id for c in box.list_code_contexts()}
+        assert box.run_code("import os; os.getcwd()", context=ctx).text == "'/tmp'"
+        assert box.restart_code_context(ctx).id == ctx.id
+        box.remove_code_context(ctx)
+        with pytest.raises(sandlot.CodeContextNotFound):
+            box.run_code("1", context=ctx)
+
+        # the route itself: JSON lines as the cell goes, the execution last
+        with httpx.Client(base_url=served.url, headers=served.headers(), timeout=60) as http:
+            with http.stream("POST", f"/v1/boxes/{box.id}/code", json={"code": "print(1)\n2"}) as r:
+                lines = [json.loads(line) for line in r.iter_lines() if line]
+            assert [e["type"] for e in lines] == ["stdout", "result", "execution"]
+            assert lines[-1]["execution"]["results"][0] == {"text/plain": "2", "is_main_result": True}
+            bad = http.post(f"/v1/boxes/{box.id}/code", json={"code": 1})
+            assert bad.status_code == 400 and "code" in bad.text  # names the field
+            denied = http.post(f"/v1/boxes/{box.id}/code", json={"code": "1"}, headers={"Authorization": ""})
+            assert denied.status_code == 401
