@@ -14,12 +14,16 @@ from datetime import UTC, datetime
 from typing import Any
 
 import jsonschema
+import mcp_types as types
 import pytest
+from mcp import Client
+from mcp.shared.exceptions import MCPError
 
 from sandlot import tools
 from sandlot.api.files import FileInfo
 from sandlot.api.process import ExecResult
 from sandlot.errors import BoxNotFound, Forbidden, QuotaExceeded
+from sandlot.mcp.server import build, to_mcp
 from sandlot.tools import Limits, ToolInputError, Toolkit, UnknownTool
 from sandlot.tools.toolkit import Backend
 
@@ -203,6 +207,31 @@ def test_code_cells_give_text_and_images() -> None:
                             "source": {"type": "base64", "media_type": "image/png", "data": png}}  # fmt: skip
     assert r.to_openai_parts()[1] == {"type": "input_image", "image_url": f"data:image/png;base64,{png}"}
     assert "[image: image/png]" in r.to_openai()
+    mcp = to_mcp(r)
+    assert isinstance(mcp.content[1], types.ImageContent) and mcp.content[1].mime_type == "image/png"
+    assert mcp.structured_content == r.data and not mcp.is_error
+
+
+def test_mcp_server_lists_the_tools_and_answers_calls() -> None:
+    box = FakeBox("dev")
+
+    async def kit_for(ctx: Any) -> Toolkit:
+        return Toolkit(FakeBackend([box]), image="a:1")
+
+    async def session() -> None:
+        async with Client(build(kit_for)) as client:
+            listed = (await client.list_tools()).tools
+            assert [t.name for t in listed] == EXPECTED
+            assert all(t.annotations is not None and t.annotations.title == t.title for t in listed)
+            r = await client.call_tool("exec", {"box": "dev", "command": "echo hi"})
+            assert not r.is_error and r.content[0].text.endswith("echo hi")  # type: ignore[union-attr]
+            assert r.structured_content is not None and r.structured_content["exit_code"] == 0
+            r = await client.call_tool("exec", {"box": "dev", "command": 7})
+            assert r.is_error and "argument 'command'" in r.content[0].text  # type: ignore[union-attr]
+            with pytest.raises(MCPError, match="unknown tool 'nope'"):
+                await client.call_tool("nope", {})
+
+    asyncio.run(session())
 
 
 # -- fakes: a box that echoes its command, without a VM ------------------------------------------
