@@ -24,9 +24,11 @@ LAYERS: dict[str, int] = {
     "sandlot.engine": 3,
     "sandlot.core": 4,
     "sandlot.api": 5,
-    "sandlot.server": 6,
-    "sandlot.cli": 7,  # the command: it runs the other faces (``sandlot serve``)
-    "sandlot": 8,  # the package: it re-exports the API (by name, imported on first use)
+    "sandlot.tools": 6,  # the tools for language models, on the API
+    "sandlot.mcp": 7,  # the tools as an MCP server
+    "sandlot.server": 8,  # it mounts the MCP server at /mcp
+    "sandlot.cli": 9,  # the command: it runs the other faces (``sandlot serve``, ``sandlot mcp``)
+    "sandlot": 10,  # the package: it re-exports the API (by name, imported on first use)
 }  # fmt: skip
 
 

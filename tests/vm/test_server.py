@@ -434,6 +434,33 @@ def test_live_state_over_rest_and_the_library_sees_the_same_boxes(
         assert c.delete(f"/v1/snapshots/{snap.json()['id']}").status_code == 204
 
 
+def test_a_snapshot_name_other_namespaces_use_too_names_the_callers_own(
+    served: Served, box_a: dict[str, Any], team_keys: dict[str, str], busybox_root: Path
+) -> None:
+    name = f"shared-{os.getpid()}"
+    with served.client(team_keys["a"]) as a, served.client(team_keys["b"]) as b:
+        spec = {"rootfs": str(busybox_root), "memory_mib": 256, "name": f"secret-{name}"}
+        r = b.post("/v1/boxes", json=spec)
+        assert r.status_code == 201, r.text
+        box_b = r.json()
+        try:
+            for c, box in ((a, box_a), (b, box_b)):
+                assert c.post(f"/v1/boxes/{box['id']}/snapshots", json={"name": name}).status_code == 201
+            # each key finds its own by name, and hears nothing of the other's box
+            got = a.get(f"/v1/snapshots/{name}")
+            assert got.status_code == 200 and got.json()["box_id"] == box_a["id"], got.text
+            assert f"secret-{name}" not in got.text
+            r = a.post(f"/v1/boxes/{box_a['id']}/rollback", json={"snapshot": name})
+            assert r.status_code == 200, r.text
+            assert b.get(f"/v1/snapshots/{name}").json()["box_id"] == box_b["id"]
+        finally:
+            b.delete(f"/v1/boxes/{box_b['id']}", params={"force": True})
+            for c in (a, b):
+                for snap in c.get("/v1/snapshots").json()["snapshots"]:
+                    if snap["name"] == name:
+                        c.delete(f"/v1/snapshots/{snap['id']}")
+
+
 def test_the_audit_trail_records_mutations_and_execs_without_stdin(
     served: Served, box_a: dict[str, Any], team_keys: dict[str, str]
 ) -> None:

@@ -6,7 +6,8 @@
             ls | exec | cp | logs | inspect | stats              boxes
     sandlot snapshot | snapshots | rollback | fork | suspend |
             resume | template                                  live state
-    sandlot serve                                              the HTTP server
+    sandlot serve                                              the HTTP server (and MCP at /mcp)
+    sandlot mcp                                                the tools for models, over MCP stdio
     sandlot keys create|ls|revoke, audit                       its API keys, its audit trail
 
 Exit codes: a command's own status for ``run`` and ``exec``; 125 when sandlot
@@ -19,7 +20,7 @@ from __future__ import annotations
 def main() -> None:
     import sys
 
-    from . import access, boxes, host, images, livestate, server  # noqa: F401 - they register on `app`
+    from . import access, boxes, host, images, livestate, mcp, server  # noqa: F401 - they register on `app`
     from .common import app
 
     try:

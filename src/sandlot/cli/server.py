@@ -11,6 +11,7 @@ from typing import Annotated
 import typer
 
 from .common import app, err, fail
+from .mcp import AllowImage, MaxBoxes, MaxCpus, MaxMemory, MaxTimeout, limits
 
 DNS_NAME = r"(?!-)[A-Za-z0-9-]{1,63}(\.(?!-)[A-Za-z0-9-]{1,63})*"
 
@@ -49,6 +50,15 @@ def serve(
         ),
     ] = None,
     log_level: Annotated[str, typer.Option(help="uvicorn's log level.")] = "warning",
+    no_mcp: Annotated[bool, typer.Option("--no-mcp", help="Serve no MCP endpoint at /mcp.")] = False,
+    mcp_image: Annotated[
+        str | None, typer.Option(help="The image the MCP tools' create_box boots when a call names none.")
+    ] = None,
+    mcp_max_boxes: MaxBoxes = None,
+    mcp_max_memory_mib: MaxMemory = None,
+    mcp_max_cpus: MaxCpus = None,
+    mcp_allow_image: AllowImage = None,
+    mcp_max_timeout: MaxTimeout = None,
 ) -> None:
     """Serve this home's boxes over HTTP and WebSocket, with API keys and an audit trail."""
     import warnings
@@ -80,10 +90,13 @@ def serve(
     if not no_auth and not live_keys:
         err.print("sandlot serve: no API keys exist yet; every request but /health gets 401 until "
                   "`sandlot keys create --name NAME` makes one")  # fmt: skip
+    mcp_limits = limits(mcp_max_boxes, mcp_max_memory_mib, mcp_max_cpus, mcp_allow_image, mcp_max_timeout)
     scheme = "https" if tls_cert else "http"
     err.print(f"sandlot serve: {scheme}://{host}:{port} (docs at /docs)")
+    settings = Settings(auth=not no_auth, body_timeout=body_timeout, port_domain=port_domain, mcp=not no_mcp,
+                        mcp_image=mcp_image, mcp_limits=mcp_limits)  # fmt: skip
     config = uvicorn.Config(
-        create_app(Settings(auth=not no_auth, body_timeout=body_timeout, port_domain=port_domain)),
+        create_app(settings),
         host=host,
         port=port,
         ssl_certfile=str(tls_cert) if tls_cert else None,

@@ -8,17 +8,21 @@ import contextlib
 import re
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Route
 
 from ..api.box import take_over_sessions
 from ..errors import RequestError, SandlotError
 from ..version import __version__
 from .state import ServerState, Settings, error_response
+
+if TYPE_CHECKING:
+    from ..mcp.http import Endpoint
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -30,6 +34,7 @@ JSON_LIMIT = 1 << 20  # bytes of a JSON body; uploads stream and have no such li
 STREAMED_BODIES = ("/files/content", "/files/archive", "/snapshots/import")
 PORT_ROUTE = re.compile(r"^/v1/boxes/[^/]+/ports/\d+/")  # requests to an app in a box: streamed
 PREVIEWS = "/p/"
+MCP_PATH = "/mcp"
 
 
 class BodyTooLarge(RequestError):
@@ -91,7 +96,8 @@ class Guard:
         try:
             await self.app(scope, receive, sending)
         finally:
-            if scope["method"] not in ("GET", "HEAD", "OPTIONS"):
+            # an MCP message is not audited itself: each tool call is, as the REST request it becomes
+            if scope["method"] not in ("GET", "HEAD", "OPTIONS") and path != MCP_PATH:
                 st = scope["state"]
                 route = scope.get("route")
                 template = getattr(route, "path", path)
@@ -139,6 +145,22 @@ def _limited(receive: Receive, limit: int) -> Receive:
     return receiving
 
 
+def _mcp_endpoint(settings: Settings, inner: Callable[[], Guard | None]) -> Endpoint | None:
+    """The MCP endpoint (``mcp/http.py``) whose tool calls go through ``inner``, the
+    guarded app; None where the ``mcp`` package is not installed."""
+    try:
+        from ..mcp.http import Endpoint
+    except ImportError:
+        return None
+
+    def app() -> ASGIApp:
+        found = inner()
+        assert found is not None, "the app is built before the first request"
+        return found
+
+    return Endpoint(app, image=settings.mcp_image, limits=settings.mcp_limits)
+
+
 def create_app(settings: Settings) -> ASGIApp:
     """The server's ASGI application for one sandlot home."""
     from . import bridge
@@ -146,12 +168,15 @@ def create_app(settings: Settings) -> ASGIApp:
 
     state = ServerState(settings)
     take_over_sessions(settings.home)  # the processes a server before this one held are ours
+    guarded: Guard | None = None
+    mcp = _mcp_endpoint(settings, lambda: guarded) if settings.mcp else None
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         taking_over = asyncio.ensure_future(state.take_over_all())
         try:
-            yield
+            async with mcp.lifespan() if mcp is not None else contextlib.nullcontext():
+                yield
         finally:
             # boxes and their processes run on (a later server takes the processes
             # over): only the server's own work ends here
@@ -194,6 +219,8 @@ def create_app(settings: Settings) -> ASGIApp:
     api.include_router(router, prefix="/v1")
     api.include_router(bridge.v1, prefix="/v1")
     api.include_router(bridge.router)
+    if mcp is not None:
+        api.router.routes.append(Route(MCP_PATH, endpoint=mcp.app, include_in_schema=False))
     guarded = Guard(api, state)
     if settings.port_domain:
         return bridge.HostRoutes(guarded, state, settings.port_domain)

@@ -106,13 +106,30 @@ def _snapshot_labels(snap: AsyncSnapshot) -> dict[str, str]:
 
 
 async def snapshot_for(request: Request, key: str) -> AsyncSnapshot:
+    caller = _caller(request)
     try:
         snap = await AsyncSnapshot.get(key, home=_server(request).home)
     except SnapshotNotFound:
         raise SnapshotNotFound(f"no snapshot {key!r}") from None
-    if not _caller(request).may_see(_snapshot_labels(snap)):
+    except InvalidArgument:
+        # a name (or id prefix) that several snapshots of the home share: the store's error
+        # names their boxes, other namespaces' too, so choose among the caller's own instead
+        return await _visible_snapshot(request, caller, key)
+    if not caller.may_see(_snapshot_labels(snap)):
         raise SnapshotNotFound(f"no snapshot {key!r}")
     return snap
+
+
+async def _visible_snapshot(request: Request, caller: Caller, key: str) -> AsyncSnapshot:
+    visible = [s for s in await AsyncSnapshot.list(home=_server(request).home)
+               if caller.may_see(_snapshot_labels(s))]  # fmt: skip
+    found = [s for s in visible if s.name == key] or [s for s in visible if s.id.startswith(key)]
+    if not found:
+        raise SnapshotNotFound(f"no snapshot {key!r}")
+    if len(found) > 1:
+        owners = ", ".join(sorted({s.box_name or "?" for s in found}))
+        raise InvalidArgument(f"snapshot {key!r} is ambiguous (boxes {owners}): use its id")
+    return found[0]
 
 
 # -- quotas ---------------------------------------------------------------------------

@@ -16,6 +16,7 @@ from ..api import access
 from ..api.box import AsyncBox
 from ..config import default_home
 from ..errors import Forbidden, SandlotError, Unauthorized
+from ..tools import Limits
 from .models import error_json
 from .streams import HeldProcess, ProcessTable
 
@@ -47,6 +48,9 @@ class Settings:
     body_timeout: float = 60.0  # seconds a request body may stall before the answer is 408
     port_domain: str | None = None  # {port}-{box}.{port_domain} reaches that port (server/bridge.py)
     tmp: Path = field(default_factory=lambda: Path(os.environ.get("TMPDIR", "/tmp")))
+    mcp: bool = True  # the MCP endpoint at /mcp (when the mcp package is installed)
+    mcp_image: str | None = None  # what its create_box boots when a call names no image
+    mcp_limits: Limits = field(default_factory=Limits)  # what its tools may create, within the key's quotas
 
 
 class ServerState:
