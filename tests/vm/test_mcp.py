@@ -5,6 +5,7 @@ a real stdio subprocess, and the ``/mcp`` endpoint of a real ``sandlot serve``
 from __future__ import annotations
 
 import asyncio
+import base64
 import os
 import sys
 import time
@@ -161,7 +162,6 @@ def test_stdio_tools_on_real_boxes(image: str) -> None:
                 b.remove(force=True)
 
 
-@pytest.mark.skipif(not hasattr(sandlot.AsyncBox, "run_code"), reason="the code interpreter is not in yet")
 def test_stdio_run_code_keeps_state_and_reports_errors(debian_root: Path) -> None:
     sandlot.import_image(debian_root, PY_IMAGE)
     tag = f"mcpcode{os.getpid()}"
@@ -176,6 +176,14 @@ def test_stdio_run_code_keeps_state_and_reports_errors(debian_root: Path) -> Non
             assert "7" in text(r)
             r = await ok(client, "run_code", {"box": box, "code": "1 / 0"})
             assert data(r)["error"]["name"] == "ZeroDivisionError" and "ZeroDivisionError" in text(r)
+            picture = "class P:\n    def _repr_png_(self):\n        return b'\\x89PNG\\r\\n\\x1a\\nxyz'\nP()"
+            r = await ok(client, "run_code", {"box": box, "code": picture})
+            (image,) = [c for c in r.content if c.type == "image"]
+            assert image.mime_type == "image/png" and base64.b64decode(image.data) == b"\x89PNG\r\n\x1a\nxyz"
+            sleeper = {"box": box, "code": "import time\ntime.sleep(30)", "timeout": 1}
+            r = await ok(client, "run_code", sleeper)
+            assert data(r)["timed_out"] and "TIMED OUT" in text(r)
+            assert "7" in text(await ok(client, "run_code", {"box": box, "code": "x + 1"}))  # kept
             await ok(client, "remove_box", {"box": box})
 
     try:

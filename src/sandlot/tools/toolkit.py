@@ -24,6 +24,7 @@ from ..api.files import FileInfo
 from ..api.process import ExecResult
 from ..errors import (
     BoxNotFound,
+    CodeTimeout,
     ExecTimeout,
     Forbidden,
     InvalidArgument,
@@ -375,25 +376,13 @@ class Toolkit:
 
     async def run_code(self, a: specs.RunCode) -> ToolResult:
         box = await self.box(a.box)
-        run = getattr(box, "run_code", None)
-        if run is None:
-            raise ToolError("run_code: these boxes have no code interpreter (this sandlot, or this "
-                            "server, is older than it); use exec with python3 -c instead",
-                            tool="run_code")  # fmt: skip
-        options: dict[str, Any] = {"language": a.language, "timeout": a.timeout}
-        if a.context is not None:
-            contexts = [c for c in await box.list_code_contexts() if c.id == a.context]  # type: ignore[union-attr]
-            if not contexts:
-                raise ToolInputError(f"run_code: box {box.name} has no code context {a.context!r}",
-                                     tool="run_code", problems=["context"])  # fmt: skip
-            options["context"] = contexts[0]
         try:
-            execution = await run(a.code, **options)
-        except ExecTimeout as e:
-            text = f"TIMED OUT after {a.timeout:g}s: the cell was interrupted."
-            out = (e.stdout or b"").decode("utf-8", "replace")[-self.output_limit :]
-            return ToolResult([TextPart(text + (f"\nstdout:\n{out}" if out else ""))],
-                              {"timed_out": True, "stdout": out})  # fmt: skip
+            execution = await box.run_code(a.code, language=a.language, context=a.context, timeout=a.timeout)
+        except CodeTimeout as e:
+            kept = "its variables are lost" if e.state_lost else "the context keeps its variables"
+            result = self.execution_result(e.execution)
+            note = TextPart(f"TIMED OUT after {a.timeout:g}s: the cell was interrupted; {kept}.")
+            return ToolResult([note, *result.content], {**result.data, "timed_out": True})
         return self.execution_result(execution)
 
     def execution_result(self, execution: Any) -> ToolResult:
