@@ -112,6 +112,9 @@ class FileEvent:
     old_path: str | None = None  # "moved": where it was
 
 
+FILE_EVENT_TYPES: frozenset[FileEventType] = frozenset(
+    ("created", "modified", "deleted", "moved", "overflow")
+)
 _EVENT_TYPES: dict[WatchEvent, FileEventType] = {
     WatchEvent.CREATED: "created",
     WatchEvent.MODIFIED: "modified",
