@@ -26,6 +26,7 @@ PROMISED = {
     "network": ["host_to_host", "box_to_host_via_egress_proxy", "host_to_box_published_port"],
     "concurrency": ["threads", "processes"],
     "server": ["exec_true_local_ms", "exec_true_remote_ms", "upload_MBps", "download_MBps", "load"],
+    "watch": ["write_to_event_ms", "stdin_echo_baseline_ms", "burst"],
 }
 
 
