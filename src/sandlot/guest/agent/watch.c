@@ -28,6 +28,7 @@
 #include <string.h>
 #include <sys/inotify.h>
 #include <sys/stat.h>
+#include <sys/vfs.h>
 #include <unistd.h>
 
 #include "agent.h"
@@ -356,6 +357,34 @@ static void scanned_clear(struct watch_state *w)
 
 /* ---- watching a tree -------------------------------------------------------------- */
 
+#define NO_DEV ((dev_t)-1) /* add_tree: the parent's device is not worth comparing */
+
+/* File systems whose changes the kernel makes without telling inotify: a watch
+ * there would see nothing and cost thousands of watches (/proc, /sys). */
+static int silent_fs(int dfd)
+{
+    struct statfs sfs;
+    if (fstatfs(dfd, &sfs) < 0) {
+        return 0;
+    }
+    switch ((unsigned long)sfs.f_type) {
+    case 0x9fa0:     /* proc */
+    case 0x62656572: /* sysfs */
+    case 0x63677270: /* cgroup2 */
+    case 0x27e0eb:   /* cgroup */
+    case 0x64626720: /* debugfs */
+    case 0x74726163: /* tracefs */
+    case 0x73636673: /* securityfs */
+    case 0xcafe4a11: /* bpf */
+    case 0x6165676c: /* pstore */
+    case 0x62656570: /* configfs */
+    case 0x1cd1:     /* devpts */
+        return 1;
+    default:
+        return 0;
+    }
+}
+
 static int full_path(const struct watch_state *w, const char *rel, char *out, size_t n)
 {
     int k = rel[0] ? snprintf(out, n, "%s/%s", strcmp(w->base, "/") ? w->base : "", rel)
@@ -372,8 +401,8 @@ static int join(const char *dir, const char *name, char *out, size_t n)
 /* Watches the directory rel and, recursively, those below it. ``report``: its
  * entries are new to the host (a directory created or moved in), so each is
  * reported as created. The base itself may be reached through a symbolic link;
- * nothing below it is. */
-static void add_tree(struct watch_state *w, const char *rel, int report, int depth)
+ * nothing below it is. parent_dev: its parent's device, to notice a mount. */
+static void add_tree(struct watch_state *w, const char *rel, int report, int depth, dev_t parent_dev)
 {
     char abs[PATH_MAX];
     int is_base = rel[0] == 0;
@@ -384,28 +413,46 @@ static void add_tree(struct watch_state *w, const char *rel, int report, int dep
         emit_unwatched(w, rel);
         return;
     }
+    /* Opened first, so that what it is decides whether to watch it. */
+    int dfd = open(abs, O_RDONLY | O_DIRECTORY | O_CLOEXEC | (is_base ? 0 : O_NOFOLLOW));
+    struct stat dst;
+    if (dfd < 0 || fstat(dfd, &dst) < 0) {
+        if (dfd >= 0) {
+            close(dfd);
+            dfd = -1;
+        }
+        if (!is_base) {
+            return; /* gone already, or not a directory any more: its events say so */
+        }
+        dst.st_dev = parent_dev;
+    } else if (!is_base && parent_dev != NO_DEV && dst.st_dev != parent_dev && silent_fs(dfd)) {
+        close(dfd);
+        return; /* a mount of /proc or /sys below the watched path */
+    }
     int wd = inotify_add_watch(w->fd, abs, DIR_MASK | (is_base ? 0 : IN_DONT_FOLLOW));
     if (wd < 0) {
         if (errno == ENOSPC || errno == ENOMEM) { /* fs.inotify.max_user_watches */
             emit_unwatched(w, rel);
         }
-        return; /* gone already, or not a directory any more: its events say so */
+        if (dfd >= 0) {
+            close(dfd);
+        }
+        return;
     }
     if (node_set(w, wd, rel) < 0) {
         if (!is_base) {
             inotify_rm_watch(w->fd, wd);
         }
         emit_unwatched(w, rel);
+        if (dfd >= 0) {
+            close(dfd);
+        }
         return;
     }
     if (is_base && w->root_wd < 0) {
         w->root_wd = wd;
     }
-    if (!report && !w->recursive) {
-        return;
-    }
-    int dfd = open(abs, O_RDONLY | O_DIRECTORY | O_CLOEXEC | (is_base ? 0 : O_NOFOLLOW));
-    DIR *d = dfd >= 0 ? fdopendir(dfd) : NULL;
+    DIR *d = dfd >= 0 && (report || w->recursive) ? fdopendir(dfd) : NULL;
     if (!d) {
         if (dfd >= 0) {
             close(dfd);
@@ -429,7 +476,7 @@ static void add_tree(struct watch_state *w, const char *rel, int report, int dep
             scanned_add(w, wd, de->d_name);
         }
         if (is_dir && w->recursive) {
-            add_tree(w, child, report, depth + 1);
+            add_tree(w, child, report, depth + 1, dst.st_dev);
         }
     }
     free(child);
@@ -461,7 +508,7 @@ static void on_event(struct watch_state *w, const struct inotify_event *ev)
         move_flush(w);
         w->overflow = 1;
         if (w->recursive && !w->file_name) {
-            add_tree(w, "", 0, 0);
+            add_tree(w, "", 0, 0, 0);
         }
         return;
     }
@@ -513,7 +560,7 @@ static void on_event(struct watch_state *w, const struct inotify_event *ev)
         }
         emit(w, SL_WE_CREATED, is_dir, path, NULL);
         if (is_dir && w->recursive) {
-            add_tree(w, path, 1, 0);
+            add_tree(w, path, 1, 0, NO_DEV); /* made or moved here: on its parent's file system */
         }
     } else if (ev->mask & IN_MODIFY) {
         if (!is_dir) {
@@ -565,7 +612,7 @@ static void on_event(struct watch_state *w, const struct inotify_event *ev)
         } else { /* from outside the tree */
             emit(w, SL_WE_CREATED, is_dir, path, NULL);
             if (is_dir && w->recursive) {
-                add_tree(w, path, 1, 0);
+                add_tree(w, path, 1, 0, NO_DEV); /* made or moved here: on its parent's file system */
             }
         }
     }
@@ -687,7 +734,7 @@ void watch_start(struct session *s, uint32_t ch, const uint8_t *p, size_t n)
         }
     }
     if (!err) {
-        add_tree(w, "", 0, 0);
+        add_tree(w, "", 0, 0, 0);
         err = w->root_wd < 0 ? (errno ? errno : ENOMEM) : 0;
     }
     if (err) {
