@@ -46,12 +46,13 @@ LOCAL = Output(
         "AsyncBox": ("Box", "box", "BoxBase"),
         "AsyncSnapshot": ("Snapshot", "box", "SnapshotBase"),
         "AsyncFiles": ("Files", "files", "FilesBase"),
+        "AsyncWatch": ("Watch", "files", "WatchBase"),
         "AsyncProcess": ("Process", "process", "ProcessBase"),
         "AsyncStream": ("Stream", "process", "StreamBase"),
     },
     "sync_base",
     [
-        '"""The sync API: ``Box``, ``Snapshot``, ``Files``, ``Process`` and ``Stream``, each a',
+        '"""The sync API: ``Box``, ``Snapshot``, ``Files``, ``Watch``, ``Process`` and ``Stream``, each a',
         "thin twin of its async class (same methods, same signatures) that runs the same",
         'coroutines on sandlot\'s loop thread (``api/loop.py``)."""',
     ],
@@ -161,6 +162,7 @@ def doc(node: ast.AST, indent: str) -> list[str]:
     if not text:
         return []
     text = text.replace("(async API)", "(sync API)").replace("async with ", "with ").replace("await ", "")
+    text = text.replace("async for ", "for ")
     text = re.sub(r"\b(" + "|".join(NAMES) + r")\b", lambda m: NAMES[m.group(1)], text)
     body = text.replace('"""', r"\"\"\"")
     return [f'{indent}"""{body}"""']

@@ -60,7 +60,7 @@ from .version import __version__
 if TYPE_CHECKING:
     from .api.box import AsyncBox, AsyncSnapshot
     from .api.code import CodeContext, Execution, ExecutionError, Result
-    from .api.files import AsyncFiles, FileInfo
+    from .api.files import AsyncFiles, AsyncWatch, FileEvent, FileInfo
     from .api.images import (
         get_image,
         import_image,
@@ -74,7 +74,7 @@ if TYPE_CHECKING:
     from .api.process import AsyncProcess, AsyncStream, ExecResult
     from .api.remote import AsyncClient, RemoteAsyncBox, RemoteAsyncFiles, RemoteAsyncSnapshot, connect_async
     from .api.remote_sync import Client, RemoteBox, RemoteFiles, RemoteSnapshot, connect
-    from .api.sync import Box, Files, Process, Snapshot, Stream
+    from .api.sync import Box, Files, Process, Snapshot, Stream, Watch
     from .api.templates import (
         import_snapshot,
         import_snapshot_async,
@@ -99,8 +99,8 @@ if TYPE_CHECKING:
 # watchdog) need a small part of the package, and start in a tenth of the time.
 _LAZY = {
     "AsyncBox": "api.box", "Box": "api.sync", "Files": "api.sync", "Process": "api.sync",
-    "Snapshot": "api.sync", "Stream": "api.sync",
-    "AsyncFiles": "api.files", "FileInfo": "api.files",
+    "Snapshot": "api.sync", "Stream": "api.sync", "Watch": "api.sync",
+    "AsyncFiles": "api.files", "FileInfo": "api.files", "AsyncWatch": "api.files", "FileEvent": "api.files",
     "CodeContext": "api.code", "Execution": "api.code", "ExecutionError": "api.code", "Result": "api.code",
     "get_image": "api.images", "import_image": "api.images", "list_images": "api.images",
     "load_image": "api.images", "prune_images": "api.images", "pull": "api.images",
@@ -151,6 +151,7 @@ __all__ = [
     "AsyncProcess",
     "AsyncSnapshot",
     "AsyncStream",
+    "AsyncWatch",
     "BootError",
     "BootTimeout",
     "Box",
@@ -168,6 +169,7 @@ __all__ = [
     "ExecTimeout",
     "Execution",
     "ExecutionError",
+    "FileEvent",
     "FileInfo",
     "Files",
     "Forbidden",
@@ -210,6 +212,7 @@ __all__ = [
     "SnapshotNotFound",
     "Stream",
     "Unauthorized",
+    "Watch",
     "__version__",
     "connect",
     "connect_async",

@@ -18,10 +18,11 @@ TWINS = [
     (sandlot.AsyncBox, sandlot.Box),
     (sandlot.AsyncSnapshot, sandlot.Snapshot),
     (sandlot.AsyncFiles, sandlot.Files),
+    (sandlot.AsyncWatch, sandlot.Watch),
     (sandlot.AsyncProcess, sandlot.Process),
     (sandlot.AsyncStream, sandlot.Stream),
 ]
-SYNC_NAMES = {"__aenter__": "__enter__", "__aexit__": "__exit__", "__aiter__": "__iter__"}
+SYNC_NAMES = {"__aenter__": "__enter__", "__aexit__": "__exit__", "__aiter__": "__iter__", "aclose": "close"}
 
 
 def test_the_generated_sync_api_is_up_to_date() -> None:

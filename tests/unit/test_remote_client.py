@@ -428,6 +428,52 @@ def test_unit_files_requests_and_file_info() -> None:
                       {"path": "/tmp/z", "mode": 0o700}]  # fmt: skip
 
 
+def test_unit_watch_reads_the_servers_ndjson_stream() -> None:
+    def ndjson(*messages: dict[str, Any]) -> bytes:
+        return b"".join(json.dumps(m).encode() + b"\n" for m in messages)
+
+    def watch(request: httpx.Request) -> httpx.Response:
+        if request.url.params["path"] == "/missing":
+            return error(404, type="GuestFileNotFoundError", code="guest_os_error", errno="ENOENT",
+                         message="[guest ENOENT] /missing: No such file or directory")  # fmt: skip
+        if request.url.params["path"] == "/crash":
+            crash = {"type": "BoxCrashed", "code": "box_crashed", "message": "box dev stopped unexpectedly",
+                     "console_tail": "", "box": "dev", "state": "crashed", "allowed": []}  # fmt: skip
+            return httpx.Response(
+                200, content=ndjson({"type": "watching"}, {"type": "error", "error": crash})
+            )
+        return httpx.Response(200, content=ndjson(
+            {"type": "watching", "path": "/w", "recursive": False},
+            {"type": "created", "path": "/w/a", "is_dir": False, "old_path": None},
+            {"type": "ping"},
+            {"type": "moved", "path": "/w/d2", "is_dir": True, "old_path": "/w/d"},
+            {"type": "end"},
+        ))  # fmt: skip
+
+    rec = Recorder({
+        ("GET", "/v1/boxes/dev"): httpx.Response(200, json=BOX),
+        ("GET", "/v1/boxes/b0x1d/files/watch"): watch,
+    })  # fmt: skip
+
+    async def main() -> None:
+        async with rec.client() as client:
+            box = await client.get("dev")
+            async with box.files.watch("/w", recursive=False) as w:
+                assert [e async for e in w] == [
+                    sandlot.FileEvent("created", "/w/a"),
+                    sandlot.FileEvent("moved", "/w/d2", True, "/w/d"),
+                ]
+            with pytest.raises(FileNotFoundError):
+                await box.files.watch("/missing").start()
+            with pytest.raises(sandlot.BoxCrashed):
+                async for _ in box.files.watch("/crash"):
+                    pass
+
+    run(main)
+    watches = [dict(r.url.params) for r in rec.requests if r.url.path.endswith("/watch")]
+    assert watches[0] == {"path": "/w", "recursive": "false"}
+
+
 def test_unit_directory_transfers_are_tar_streams(tmp_path: Path) -> None:
     src = tmp_path / "src"
     (src / "sub").mkdir(parents=True)

@@ -42,6 +42,11 @@ def test_python_mirror_matches_c_header() -> None:
     assert c["SL_FS_RECURSIVE"] == wire.FsFlag.RECURSIVE
     for op in wire.FsOp:
         assert c[f"SL_FS_{op.name}"] == op.value
+    assert c["SL_WATCH_RECURSIVE"] == wire.WatchFlag.RECURSIVE
+    assert c["SL_WATCH_RECORD"] == wire.WATCH_RECORD.size
+    assert c["SL_WATCH_IS_DIR"] == wire.WATCH_IS_DIR
+    for event in wire.WatchEvent:
+        assert c[f"SL_WE_{event.name}"] == event.value
 
 
 def test_frame_roundtrip_in_pieces() -> None:
@@ -91,3 +96,25 @@ def test_entry_parse() -> None:
     assert (e.name, e.size, e.uid, e.gid, e.link_target) == ("abc", 42, 1, 2, "/tgt")
     with pytest.raises(ProtocolError):
         wire.parse_entry(raw[:-1])
+
+
+def test_watch_records_parse_across_frames() -> None:
+    records = [(1, 0, "a", ""), (4, 1, "d/new", "d/old"), (5, 1, "", ""), (2, 0, "sp\u00e9cial", "")]
+    blob = b"".join(
+        wire.WATCH_RECORD.pack(k, f, len(p.encode()), len(o.encode())) + p.encode() + o.encode()
+        for k, f, p, o in records
+    )
+    buf = bytearray()
+    got = []
+    for i in range(0, len(blob), 5):  # records cut anywhere by the ends of DATA frames
+        buf += blob[i : i + 5]
+        got += wire.parse_watch_records(buf)
+    assert not buf
+    assert [(r.kind, r.is_dir, r.path, r.old_path) for r in got] == [
+        (wire.WatchEvent.CREATED, False, "a", None),
+        (wire.WatchEvent.MOVED, True, "d/new", "d/old"),
+        (wire.WatchEvent.OVERFLOW, True, "", None),
+        (wire.WatchEvent.MODIFIED, False, "sp\u00e9cial", None),
+    ]
+    with pytest.raises(ProtocolError, match="kind"):
+        wire.parse_watch_records(bytearray(wire.WATCH_RECORD.pack(9, 0, 0, 0)))

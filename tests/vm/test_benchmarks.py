@@ -32,6 +32,7 @@ PROMISED = {
         "png_1MB_result_ms",
     ],
     "server": ["exec_true_local_ms", "exec_true_remote_ms", "upload_MBps", "download_MBps", "load"],
+    "watch": ["write_to_event_ms", "stdin_echo_baseline_ms", "burst"],
 }
 
 

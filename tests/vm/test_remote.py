@@ -265,6 +265,32 @@ def _listening(box: Any, port: int) -> socket.socket:
             time.sleep(0.2)
 
 
+def test_watch_reports_changes_and_stops_with_its_path(box: Any) -> None:
+    f = box.files
+    f.mkdir("/tmp/wr/sub")
+    with pytest.raises(FileNotFoundError):
+        f.watch("/tmp/wr/missing").start()
+    with f.watch("/tmp/wr") as w:
+        box.exec(
+            "sh", "-c", "echo x > /tmp/wr/sub/a && mv /tmp/wr/sub/a /tmp/wr/b && mkdir /tmp/wr/d"
+        ).check()
+        got = [w.next_event(10) for _ in range(4)]
+        assert got == [sandlot.FileEvent("created", "/tmp/wr/sub/a"),
+                       sandlot.FileEvent("modified", "/tmp/wr/sub/a"),
+                       sandlot.FileEvent("moved", "/tmp/wr/b", False, "/tmp/wr/sub/a"),
+                       sandlot.FileEvent("created", "/tmp/wr/d", True)]  # fmt: skip
+    assert w.closed
+    with f.watch("/tmp/wr/d") as w:
+        box.exec("rmdir", "/tmp/wr/d").check()
+        assert list(w) == [sandlot.FileEvent("deleted", "/tmp/wr/d", True)]  # then the iteration ends
+    # no watch is left behind in the box (a remote one ends when its stream does)
+    deadline = time.monotonic() + 10
+    while box.exec("sh", "-c", "ls -l /proc/1/fd | grep -c inotify").stdout.strip() != "0":
+        assert time.monotonic() < deadline, "a watch was not freed"
+        time.sleep(0.2)
+    f.remove("/tmp/wr", recursive=True)
+
+
 def test_connect_reaches_an_unpublished_port_in_the_box(box: Any) -> None:
     web = box.spawn("sh", "-c", "mkdir -p /www && echo hello > /www/index.html && "
                                 "exec httpd -f -p 127.0.0.1:8080 -h /www")  # fmt: skip

@@ -9,6 +9,7 @@ disk, not memory, when you use ``upload``/``download``/``iter_read``.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import stat as _stat
 import tempfile
@@ -16,12 +17,13 @@ from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path, PurePosixPath
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal, Protocol
 
 from ..core.validate import check_user, guest_path
-from ..errors import InvalidArgument
+from ..errors import ConnectionLost, InvalidArgument, InvalidState
 from ..protocol import files as proto
-from ..protocol.wire import FsFlag, FsOp, RawEntry
+from ..protocol.watch import WatchStream
+from ..protocol.wire import FsFlag, FsOp, RawEntry, WatchEvent
 
 if TYPE_CHECKING:
     from ..protocol.connection import AgentConnection
@@ -79,6 +81,211 @@ def _info(parent: str | None, e: RawEntry, path: str | None = None) -> FileInfo:
         mtime=datetime.fromtimestamp(e.mtime_ns / 1e9, tz=UTC),
         link_target=e.link_target,
     )
+
+
+FileEventType = Literal["created", "modified", "deleted", "moved", "overflow"]
+
+
+@dataclass(frozen=True, slots=True)
+class FileEvent:
+    """One change under a watched path (``box.files.watch``).
+
+    ``type`` is one of:
+
+    - ``"created"``: ``path`` appeared (created, or moved in from outside the
+      watched tree; the entries of a directory that appears are reported too);
+    - ``"modified"``: a file's content changed: reported when a writer closes it,
+      or at most every 0.25 s while a writer keeps it open (a 1 MiB write is one
+      event, not hundreds); attribute changes (chmod, touch) are not reported;
+    - ``"deleted"``: ``path`` is gone (removed, or moved out of the watched tree);
+    - ``"moved"``: renamed within the watched tree, from ``old_path`` to ``path``;
+    - ``"overflow"``: events under ``path`` may have been lost (the box's queue
+      filled while nobody read, or a directory could not be watched): look at
+      ``path`` again instead of trusting the events alone.
+
+    Paths are absolute guest paths; ``is_dir`` tells whether ``path`` is a directory.
+    """
+
+    type: FileEventType
+    path: str
+    is_dir: bool = False
+    old_path: str | None = None  # "moved": where it was
+
+
+FILE_EVENT_TYPES: frozenset[FileEventType] = frozenset(
+    ("created", "modified", "deleted", "moved", "overflow")
+)
+_EVENT_TYPES: dict[WatchEvent, FileEventType] = {
+    WatchEvent.CREATED: "created",
+    WatchEvent.MODIFIED: "modified",
+    WatchEvent.DELETED: "deleted",
+    WatchEvent.MOVED: "moved",
+    WatchEvent.OVERFLOW: "overflow",
+}
+
+
+class WatchSource(Protocol):
+    """What ``AsyncWatch`` reads: a watch channel of the box's agent locally, a
+    streamed HTTP answer for a remote box (``api/remote.py``)."""
+
+    async def next(self) -> FileEvent | None:
+        """The next event, or None once the watch has ended."""
+        ...
+
+    async def aclose(self) -> None:
+        """Stop watching (at once; idempotent)."""
+        ...
+
+
+class AsyncWatch:
+    """The events of a watched guest path: ``async for event in watch``.
+
+    The watch starts on ``async with``, ``start()`` or the first iteration, and
+    stops on ``aclose()``, at the end of the ``async with`` block, or when the
+    object is dropped (a ``break`` out of ``async for box.files.watch(...)``).
+    Iteration ends when the watched path itself is deleted or moved away (after a
+    ``"deleted"`` event for it), or when the box stops, is suspended or removed;
+    it raises ``BoxCrashed`` if the box crashes, ``ConnectionLost`` if the
+    connection to it fails otherwise.
+
+    Events wait in the box (up to 256 KiB of them) while you do not read; beyond
+    that they are dropped and one ``"overflow"`` event says so.
+    """
+
+    def __init__(self, path: str, recursive: bool, opener: Callable[[], Awaitable[WatchSource]]) -> None:
+        self._path = path
+        self._recursive = recursive
+        self._opener = opener
+        self._source: WatchSource | None = None
+        self._starting: asyncio.Future[WatchSource] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._closed = False
+        self._ended = False
+
+    @property
+    def path(self) -> str:
+        """The watched path."""
+        return self._path
+
+    @property
+    def recursive(self) -> bool:
+        return self._recursive
+
+    @property
+    def closed(self) -> bool:
+        """``aclose()`` was called, or the watch has ended."""
+        return self._closed or self._ended
+
+    async def start(self) -> AsyncWatch:
+        """Begin watching now (idempotent): changes from here on are reported. A
+        missing path raises ``FileNotFoundError``."""
+        if self._closed:
+            raise InvalidArgument(f"the watch of {self._path} is closed")
+        if self._source is None:
+            if self._starting is None:
+                self._loop = asyncio.get_running_loop()
+                self._starting = asyncio.ensure_future(self._opener())
+            try:
+                source = await asyncio.shield(self._starting)
+            except BaseException:
+                if self._starting.done():
+                    self._starting = None  # a failed start may be tried again
+                raise
+            if self._closed:  # closed while it started
+                await source.aclose()
+                raise InvalidArgument(f"the watch of {self._path} is closed")
+            self._source = source
+        return self
+
+    async def next_event(self, timeout: float | None = None) -> FileEvent | None:
+        """The next event, waiting at most ``timeout`` seconds (then ``TimeoutError``);
+        None once the watch has ended."""
+        if self._ended or self._closed:
+            return None
+        await self.start()
+        source = self._source
+        assert source is not None
+        try:
+            async with asyncio.timeout(timeout):
+                event = await source.next()
+        except TimeoutError:
+            if self._closed:
+                return None
+            raise
+        if event is None:
+            self._ended = True
+        return event
+
+    async def aclose(self) -> None:
+        """Stop watching; the box frees what it held for the watch."""
+        self._closed = True
+        source, self._source = self._source, None
+        starting, self._starting = self._starting, None
+        if source is None and starting is not None:  # a start in progress, or one nobody awaited
+            if not starting.done():
+                starting.cancel()  # the channel it may have opened is closed as it ends
+            elif not starting.cancelled() and starting.exception() is None:
+                source = starting.result()
+        if source is not None:
+            await source.aclose()
+
+    async def __aenter__(self) -> AsyncWatch:
+        return await self.start()
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    def __aiter__(self) -> AsyncIterator[FileEvent]:
+        return self
+
+    async def __anext__(self) -> FileEvent:
+        event = await self.next_event()
+        if event is None:
+            raise StopAsyncIteration
+        return event
+
+    def __del__(self) -> None:
+        # dropped while watching (a break out of ``async for``): stop it on its loop
+        source, loop = self._source, self._loop
+        if source is not None and loop is not None and not loop.is_closed():
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(lambda: asyncio.ensure_future(source.aclose()))
+
+    def __repr__(self) -> str:
+        state = "closed" if self.closed else "watching" if self._source is not None else "not started"
+        return f"<AsyncWatch {self._path} recursive={self._recursive} {state}>"
+
+
+class _AgentWatch:
+    """A watch channel of the box's agent, as a ``WatchSource``."""
+
+    def __init__(self, conn: AgentConnection, stream: WatchStream) -> None:
+        self._conn = conn
+        self._stream = stream
+
+    async def next(self) -> FileEvent | None:
+        try:
+            record = await self._stream.next()
+        except (ConnectionLost, InvalidState) as e:
+            # The box stopped, was suspended or removed: by this process (the
+            # connection was closed on purpose, so it records no failure), or by
+            # another one (the connection's failure says so). A crash raises.
+            failure = self._conn.failed
+            if failure is None or (type(failure) is InvalidState and failure is e):
+                return None
+            raise
+        if record is None:
+            return None
+        st = self._stream
+        return FileEvent(
+            _EVENT_TYPES[record.kind],
+            st.absolute(record.path),
+            record.is_dir,
+            st.absolute(record.old_path) if record.old_path is not None else None,
+        )
+
+    async def aclose(self) -> None:
+        self._stream.close()
 
 
 def _mode(mode: int | None) -> int | None:
@@ -251,3 +458,25 @@ class AsyncFiles:
         check_user(user)
         flags = 0 if follow_symlinks else FsFlag.NOFOLLOW
         await proto.fs_request(await self._conn(), FsOp.CHOWN, guest_path(path), user=user, flags=flags)
+
+    def watch(self, path: str | os.PathLike[str], *, recursive: bool = True) -> AsyncWatch:
+        """Watch a directory (with everything below it, unless ``recursive=False``)
+        or a file for changes: an iterator of ``FileEvent``::
+
+            async with box.files.watch("/work") as events:
+                async for event in events:
+                    print(event.type, event.path)
+
+        The watch begins on ``async with`` (or the first iteration): a missing
+        path raises ``FileNotFoundError`` then. A file is followed by its path, so
+        a file replaced by a rename (as ``files.write`` does) is still watched: the
+        replacement is a ``"moved"`` event onto the path. See ``AsyncWatch`` for
+        when iteration ends."""
+        p = guest_path(path)
+        connection = self._conn
+
+        async def opener() -> WatchSource:
+            conn = await connection()
+            return _AgentWatch(conn, await WatchStream.start(conn, p, recursive=recursive))
+
+        return AsyncWatch(p, recursive, opener)

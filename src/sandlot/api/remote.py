@@ -94,7 +94,7 @@ from .code import (
     context_id,
 )
 from .exec_channel import ChannelUnavailable, ExecChannel
-from .files import FileInfo
+from .files import FILE_EVENT_TYPES, AsyncWatch, FileEvent, FileInfo, WatchSource
 from .process import AsyncProcess, ExecResult
 
 StdinSource = bytes | str | IO[bytes] | AsyncIterable[bytes] | None
@@ -1513,6 +1513,105 @@ def _mode(mode: int | None) -> int | None:
     return mode
 
 
+WATCH_READ_TIMEOUT = 60.0  # the server says something at least every 15 s: beyond this it is gone
+WATCH_BUFFER = 1024  # events read ahead of the caller; beyond them the server (and the box) hold them
+
+
+class HttpWatch:
+    """A watch of a remote box's path: the server's NDJSON stream (``GET .../files/watch``)
+    read by a task of its own, so that a caller's timeout never cuts a line in two."""
+
+    def __init__(self, client: AsyncClient, url: str) -> None:
+        self._client = client
+        self._url = url
+        self._stack = contextlib.AsyncExitStack()
+        self._events: asyncio.Queue[FileEvent | BaseException | None] = asyncio.Queue(WATCH_BUFFER)
+        self._reader: asyncio.Task[None] | None = None
+        self._done = False
+
+    @classmethod
+    async def open(cls, client: AsyncClient, url: str, params: Mapping[str, Any]) -> HttpWatch:
+        w = cls(client, url)
+        timeout = httpx.Timeout(client._timeout, read=WATCH_READ_TIMEOUT)
+        try:
+            r = await w._stack.enter_async_context(client._stream("GET", url, params=params, timeout=timeout))
+            lines = r.aiter_lines()
+            first = await w._message(lines)
+            if first is None or first.get("type") != "watching":
+                raise ProtocolError(f"{client.url}{url}: a watch stream began with {first!r:.200}")
+        except BaseException:
+            await w._stack.aclose()
+            raise
+        w._reader = asyncio.ensure_future(w._read(lines))
+        return w
+
+    async def _message(self, lines: AsyncIterator[str]) -> dict[str, Any] | None:
+        """The next message; None at the end of the stream."""
+        try:
+            async for text in lines:
+                if not text.strip():
+                    continue
+                try:
+                    msg = json.loads(text)
+                except ValueError:
+                    msg = None
+                if not isinstance(msg, dict):
+                    raise ProtocolError(f"{self._client.url}{self._url}: not a watch message: {text[:200]!r}")
+                if msg.get("type") == "error" and isinstance(msg.get("error"), dict):
+                    raise from_dict(msg["error"])
+                return msg
+        except (httpx.TransportError, OSError) as e:
+            raise _transport_error(self._client.url, e) from None
+        return None
+
+    async def _read(self, lines: AsyncIterator[str]) -> None:
+        item: FileEvent | BaseException | None
+        try:
+            while True:
+                msg = await self._message(lines)
+                if msg is None:
+                    item = ConnectionLost(f"{self._client.url}: the watch stream ended without its end")
+                    break
+                kind = msg.get("type")
+                if kind == "ping":
+                    continue
+                if kind == "end":
+                    item = None
+                    break
+                if kind not in FILE_EVENT_TYPES or not isinstance(msg.get("path"), str):
+                    raise ProtocolError(f"{self._client.url}: not a watch event: {msg!r:.200}")
+                old = msg.get("old_path")
+                event = FileEvent(
+                    kind, msg["path"], bool(msg.get("is_dir")), old if isinstance(old, str) else None
+                )
+                await self._events.put(event)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            item = e
+        await self._events.put(item)
+
+    async def next(self) -> FileEvent | None:
+        if self._done:
+            return None
+        item = await self._events.get()
+        if isinstance(item, BaseException):
+            self._done = True
+            raise item
+        if item is None:
+            self._done = True
+            await self.aclose()
+        return item
+
+    async def aclose(self) -> None:
+        reader, self._reader = self._reader, None
+        if reader is not None:
+            reader.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await reader
+        await self._stack.aclose()  # the server sees the client go and ends the watch
+
+
 class RemoteAsyncFiles:
     """File operations on a remote box (``box.files``), with the methods of ``AsyncFiles``.
     Transfers stream both ways; a directory travels as one tar stream
@@ -1675,6 +1774,18 @@ class RemoteAsyncFiles:
             raise InvalidArgument("chmod needs a mode")
         body = {"path": guest_path(path), "mode": _mode(mode)}
         await self._client._json("POST", self._path("/files/chmod"), json_body=body)
+
+    def watch(self, path: str | os.PathLike[str], *, recursive: bool = True) -> AsyncWatch:
+        """Watch a directory (with everything below it, unless ``recursive=False``)
+        or a file for changes: an iterator of ``FileEvent`` (see ``AsyncFiles.watch``),
+        streamed from the server."""
+        p = guest_path(path)
+        client, url = self._client, self._path("/files/watch")
+
+        async def opener() -> WatchSource:
+            return await HttpWatch.open(client, url, {"path": p, "recursive": recursive})
+
+        return AsyncWatch(p, recursive, opener)
 
     async def chown(self, path: str | os.PathLike[str], user: str, *, follow_symlinks: bool = True) -> None:
         """Change the owner; ``user`` is "name", "uid", "name:group" or "uid:gid"."""

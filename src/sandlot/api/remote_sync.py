@@ -21,7 +21,7 @@ from .files import FileInfo
 from .process import ExecResult
 from .remote import AsyncClient, RemoteAsyncBox, StdinSource, connect_async
 from .remote_sync_base import ClientBase, RemoteBoxBase, RemoteFilesBase, RemoteSnapshotBase
-from .sync import Process
+from .sync import Process, Watch
 
 
 class Client(ClientBase):
@@ -468,6 +468,12 @@ class RemoteFiles(RemoteFilesBase):
 
     def chmod(self, path: str | os.PathLike[str], mode: int) -> None:
         loop.run(self._a.chmod(path, mode))
+
+    def watch(self, path: str | os.PathLike[str], *, recursive: bool = True) -> Watch:
+        """Watch a directory (with everything below it, unless ``recursive=False``)
+        or a file for changes: an iterator of ``FileEvent`` (see ``Files.watch``),
+        streamed from the server."""
+        return Watch.wrap(self._a.watch(path, recursive=recursive))
 
     def chown(self, path: str | os.PathLike[str], user: str, *, follow_symlinks: bool = True) -> None:
         """Change the owner; ``user`` is "name", "uid", "name:group" or "uid:gid"."""

@@ -8,7 +8,7 @@ from typing import Generic, Self, TypeVar
 
 from . import loop
 from .box import AsyncBox, AsyncSnapshot
-from .files import AsyncFiles
+from .files import AsyncFiles, AsyncWatch
 from .process import AsyncProcess, AsyncStream
 
 A = TypeVar("A")
@@ -51,6 +51,11 @@ class SnapshotBase(SyncTwin[AsyncSnapshot]):
 
 class FilesBase(SyncTwin[AsyncFiles]):
     pass
+
+
+class WatchBase(SyncTwin[AsyncWatch]):
+    """Leaving a ``for`` loop over a watch (``break``, an exception) closes it, as it
+    closes a generator; so does the end of its ``with`` block."""
 
 
 class ProcessBase(SyncTwin[AsyncProcess]):

@@ -55,6 +55,8 @@ class T(IntEnum):
     FILE_DONE = 0x34
     FS = 0x40
     FS_RESULT = 0x41
+    WATCH = 0x42
+    WATCH_STARTED = 0x43
     CONTROL = 0x50
     CONTROL_OK = 0x51
 
@@ -126,6 +128,20 @@ class FsFlag:
     RECURSIVE = 0x2
     NOFOLLOW = 0x4
     MISSING_OK = 0x8
+
+
+class WatchFlag:
+    RECURSIVE = 0x1
+
+
+class WatchEvent(IntEnum):
+    """The kind of a watch record (docs/protocol.md, "Watch")."""
+
+    CREATED = 1
+    MODIFIED = 2
+    DELETED = 3
+    MOVED = 4
+    OVERFLOW = 5
 
 
 class SignalFlag:
@@ -297,3 +313,41 @@ def parse_entry(raw: bytes) -> RawEntry:
     name = raw[_ENTRY.size : _ENTRY.size + name_len].decode("utf-8", "surrogateescape")
     target = raw[_ENTRY.size + name_len :].decode("utf-8", "surrogateescape") if target_len else None
     return RawEntry(name, mode, uid, gid, nlink, size, mtime_ns, target)
+
+
+# ---- watch records -----------------------------------------------------------------------
+
+WATCH_RECORD = struct.Struct("<BBHH")  # kind, flags, path length, old path length
+WATCH_IS_DIR = 0x1
+
+
+@dataclass(frozen=True, slots=True)
+class RawWatchRecord:
+    kind: WatchEvent
+    is_dir: bool
+    path: str  # relative to the watch's base directory; "" is the base itself
+    old_path: str | None  # a move's source, relative too
+
+
+def parse_watch_records(buf: bytearray) -> list[RawWatchRecord]:
+    """The whole records at the start of ``buf``, taken out of it; a record cut by
+    the end of a DATA frame stays for the next one."""
+    out: list[RawWatchRecord] = []
+    pos = 0
+    n = len(buf)
+    while n - pos >= WATCH_RECORD.size:
+        kind, flags, path_len, old_len = WATCH_RECORD.unpack_from(buf, pos)
+        end = pos + WATCH_RECORD.size + path_len + old_len
+        if end > n:
+            break
+        try:
+            event = WatchEvent(kind)
+        except ValueError:
+            raise ProtocolError(f"unknown watch event kind {kind}") from None
+        start = pos + WATCH_RECORD.size
+        path = bytes(buf[start : start + path_len]).decode("utf-8", "surrogateescape")
+        old = bytes(buf[start + path_len : end]).decode("utf-8", "surrogateescape") if old_len else None
+        out.append(RawWatchRecord(event, bool(flags & WATCH_IS_DIR), path, old))
+        pos = end
+    del buf[:pos]
+    return out

@@ -691,6 +691,45 @@ async def remove_file(box: str, path: str, request: Request, recursive: bool = F
     return Response(status_code=204)
 
 
+WATCH_HEARTBEAT = 15.0  # seconds of quiet after which a watch stream says it is still there
+
+
+@router.get("/boxes/{box}/files/watch", tags=["files"])
+async def watch_files(box: str, path: str, request: Request, recursive: bool = True) -> Response:
+    """Changes under a path as they happen, as NDJSON: ``{"type": "watching"}`` once the
+    watch holds, then one ``FileEvent`` a line, ``{"type": "ping"}`` after 15 s of
+    quiet, and last ``{"type": "end"}`` (the path or the box went away) or
+    ``{"type": "error", "error": {...}}``. A missing path answers 404 before the stream."""
+    b = await box_for(request, box)
+    watch = b.files.watch(path, recursive=recursive)
+    await watch.start()
+
+    def line(message: dict[str, Any]) -> bytes:
+        return json.dumps(message).encode() + b"\n"
+
+    async def body() -> AsyncIterator[bytes]:
+        try:
+            yield line({"type": "watching", "path": watch.path, "recursive": watch.recursive})
+            while True:
+                try:
+                    event = await watch.next_event(WATCH_HEARTBEAT)
+                except TimeoutError:
+                    yield line({"type": "ping"})
+                    continue
+                except SandlotError as e:
+                    yield line(error_message(e))
+                    return
+                if event is None:
+                    yield line({"type": "end"})
+                    return
+                yield line({"type": event.type, "path": event.path, "is_dir": event.is_dir,
+                            "old_path": event.old_path})  # fmt: skip
+        finally:
+            await watch.aclose()  # the client went away, or the watch ended: the box frees it
+
+    return StreamingResponse(body(), media_type="application/x-ndjson")
+
+
 @router.get("/boxes/{box}/files/archive", tags=["files"])
 async def get_archive(box: str, path: str, request: Request) -> Response:
     """The directory ``path`` as a tar stream."""

@@ -9,8 +9,9 @@
  * main.c runs the poll loop; transport.c moves frames to and from a session;
  * dispatch.c says what a frame means; channel.c keeps the table of channels;
  * stream.c holds the output streams. Each kind of channel (exec.c; files.c:
- * read, write, directory listing) owns its member of struct channel's union and
- * the struct channel_ops through which everything else reaches it. */
+ * read, write, directory listing; watch.c: file-system events) owns its member
+ * of struct channel's union and the struct channel_ops through which everything
+ * else reaches it. */
 #ifndef SANDLOT_AGENT_H
 #define SANDLOT_AGENT_H
 
@@ -212,6 +213,11 @@ struct dir_channel {          /* files.c: a directory listing */
     DIR *dir;
 };
 
+struct watch_state;
+struct watch_channel {        /* watch.c: inotify on a path, events as records on stream 1 */
+    struct watch_state *st;
+};
+
 /* One descriptor a channel wants the loop to wait on. The slot is the kind's
  * own name for it, handed back to ready() (exec and file reads use the stream). */
 struct chan_wait {
@@ -267,6 +273,7 @@ struct channel {
         struct file_read_channel read;
         struct file_write_channel write;
         struct dir_channel dir;
+        struct watch_channel watch;
     } u;
 };
 
@@ -307,6 +314,9 @@ void exec_reaped(pid_t pid, int status);
 void file_read_start(struct session *s, uint32_t ch, const uint8_t *p, size_t n);
 void file_write_start(struct session *s, uint32_t ch, const uint8_t *p, size_t n);
 void fs_request(struct session *s, uint32_t ch, const uint8_t *p, size_t n);
+
+/* watch.c */
+void watch_start(struct session *s, uint32_t ch, const uint8_t *p, size_t n);
 
 /* users.c */
 struct user_spec {

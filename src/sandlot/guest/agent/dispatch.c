@@ -240,6 +240,7 @@ void dispatch(struct session *s, uint8_t type, uint8_t flags, uint32_t ch, const
     case SL_FILE_READ:
     case SL_FILE_WRITE:
     case SL_FS:
+    case SL_WATCH:
         if (ch == 0) {
             send_error(s, ch, EINVAL, type, "channel 0 is reserved");
             return;
@@ -254,6 +255,8 @@ void dispatch(struct session *s, uint8_t type, uint8_t flags, uint32_t ch, const
             file_read_start(s, ch, p, n);
         } else if (type == SL_FILE_WRITE) {
             file_write_start(s, ch, p, n);
+        } else if (type == SL_WATCH) {
+            watch_start(s, ch, p, n);
         } else {
             fs_request(s, ch, p, n);
         }

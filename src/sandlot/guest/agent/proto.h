@@ -42,6 +42,8 @@ enum sl_frame_type {
 
     SL_FS = 0x40,
     SL_FS_RESULT = 0x41,
+    SL_WATCH = 0x42,
+    SL_WATCH_STARTED = 0x43,
 
     SL_CONTROL = 0x50,
     SL_CONTROL_OK = 0x51,
@@ -110,6 +112,22 @@ enum sl_tag {
 #define SL_FS_RECURSIVE 0x2u
 #define SL_FS_NOFOLLOW 0x4u
 #define SL_FS_MISSING_OK 0x8u
+
+/* SL_T_FLAGS bits of SL_WATCH */
+#define SL_WATCH_RECURSIVE 0x1u
+
+/* Event records of a watch channel's stream 1 (docs/protocol.md, "Watch"):
+ * kind u8, flags u8, path_len u16, old_len u16, path, old path. */
+#define SL_WATCH_RECORD 6u
+#define SL_WATCH_IS_DIR 0x1u    /* record flag: the path is a directory */
+
+enum sl_watch_event {
+    SL_WE_CREATED = 1,
+    SL_WE_MODIFIED = 2,
+    SL_WE_DELETED = 3,
+    SL_WE_MOVED = 4,
+    SL_WE_OVERFLOW = 5,      /* events under the path may be lost: look again */
+};
 
 /* SL_T_FLAGS bits of SL_SIGNAL */
 #define SL_SIGNAL_GROUP 0x1u

@@ -1,0 +1,73 @@
+"""Watch service: the guest's file-system events on one path, as the agent reports them.
+
+The agent sends event records on stream 1 of the channel under the stream's
+window, so a host that stops reading stops only this channel; the agent then
+keeps at most its own queue's worth and reports what it had to drop as one
+overflow record (docs/protocol.md, "Watch").
+"""
+
+from __future__ import annotations
+
+import contextlib
+import posixpath
+from collections import deque
+
+from ..errors import SandlotError
+from . import wire
+from .connection import AgentConnection, Channel, InboundStream
+from .wire import Fields, RawWatchRecord, T, Tag, WatchFlag
+
+
+class WatchStream:
+    """A live watch: its records, with paths made absolute."""
+
+    def __init__(self, channel: Channel, base: str, mode: int, watches: int) -> None:
+        self._channel = channel
+        self._stream: InboundStream = channel.stream(wire.STREAM_STDOUT)
+        self.base = base  # the watched directory, or a watched file's directory
+        self.mode = mode  # the watched path's st_mode when the watch began
+        self.watches = watches  # directories the agent watches for it
+        self._partial = bytearray()
+        self._ready: deque[RawWatchRecord] = deque()
+        self.ended = False
+
+    @classmethod
+    async def start(cls, conn: AgentConnection, path: str, *, recursive: bool) -> WatchStream:
+        """Watch ``path`` (absolute); a missing path raises the guest's FileNotFoundError."""
+        payload = wire.tlv(Tag.PATH, path) + wire.tlv(Tag.FLAGS, WatchFlag.RECURSIVE if recursive else 0)
+        ch = conn.open_channel()
+        try:
+            ch.send(T.WATCH, payload)
+            f = Fields((await ch.expect(T.WATCH_STARTED, timeout=conn.request_timeout)).payload)
+        except BaseException:
+            ch.close()
+            raise
+        return cls(ch, f.str(Tag.PATH, path) or path, f.u32(Tag.MODE, 0) or 0, f.u32(Tag.COUNT, 0) or 0)
+
+    def absolute(self, rel: str) -> str:
+        return posixpath.join(self.base, rel) if rel else self.base
+
+    async def next(self) -> RawWatchRecord | None:
+        """The next record, or None once the watch ended (its path went away).
+        Records are acknowledged as they are taken, so the agent's queue holds what
+        the caller has not read."""
+        while not self._ready:
+            if self.ended:
+                return None
+            chunk = await self._stream.read()
+            if not chunk:
+                self.ended = True
+                self.close()
+                continue
+            self._partial += chunk
+            self._ready.extend(wire.parse_watch_records(self._partial))
+        return self._ready.popleft()
+
+    def close(self) -> None:
+        """Stop watching: the agent frees the inotify instance."""
+        with contextlib.suppress(SandlotError):  # a connection that failed has nothing to tell
+            self._channel.close()
+
+    @property
+    def closed(self) -> bool:
+        return self._channel.closed
