@@ -32,15 +32,12 @@ the background and prints one JSON line once it answers.
 
 from __future__ import annotations
 
-import argparse
 import ast
 import base64
 import codecs
 import contextlib
 import errno
 import fcntl
-import hashlib
-import hmac
 import json
 import linecache
 import os
@@ -49,15 +46,16 @@ import re
 import signal
 import socket
 import struct
-import subprocess
 import sys
 import termios
 import threading
 import time
-import traceback
-import uuid
 from collections.abc import Callable
 from typing import Any
+
+# Imports above are what every context needs; the Jupyter bridge and error paths
+# import theirs where they are used, since under emulation each module costs
+# tens of milliseconds of the context's start.
 
 # One cell's output beyond this is dropped (and counted): a cell that prints
 # gigabytes costs the box nothing and the host a bounded amount.
@@ -489,6 +487,8 @@ class BuiltinKernel:
             tb = tb.tb_next
         if isinstance(e, SyntaxError):
             tb = None
+        import traceback
+
         return "".join(traceback.format_exception(type(e), e, tb))
 
     def interrupt(self) -> None:
@@ -555,8 +555,8 @@ class JupyterKernel:
             raise LookupError(f"this image has the Jupyter kernel {self.name} but no pyzmq") from None
         self.zmq = zmq
         self.count = 0
-        self.key = uuid.uuid4().hex.encode()
-        self.session = uuid.uuid4().hex
+        self.key = os.urandom(16).hex().encode()
+        self.session = os.urandom(16).hex()
         self.interrupt_mode = spec.get("interrupt_mode", "signal")
         base = os.path.join(directory, "kernel")
         conn = {
@@ -580,6 +580,8 @@ class JupyterKernel:
         ]
         env = dict(os.environ)
         env.update(spec.get("env") or {})
+        import subprocess
+
         self.proc = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, start_new_session=True)
         ctx = zmq.Context.instance()
         self.shell = ctx.socket(zmq.DEALER)
@@ -592,13 +594,16 @@ class JupyterKernel:
         self.wait_ready(120.0)
 
     def sign(self, parts: list[bytes]) -> bytes:
+        import hashlib
+        import hmac
+
         h = hmac.new(self.key, digestmod=hashlib.sha256)
         for p in parts:
             h.update(p)
         return h.hexdigest().encode()
 
     def send(self, sock: Any, msg_type: str, content: dict[str, Any]) -> str:
-        msg_id = uuid.uuid4().hex
+        msg_id = os.urandom(16).hex()
         header = {
             "msg_id": msg_id,
             "msg_type": msg_type,
@@ -618,6 +623,8 @@ class JupyterKernel:
         except ValueError:
             return None
         parts = frames[i + 2 : i + 6]
+        import hmac
+
         if len(parts) < 4 or not hmac.compare_digest(self.sign(parts), frames[i + 1]):
             return None  # not signed with our key: not from our kernel
         header, parent, _, content = (json.loads(p) for p in parts)
@@ -825,7 +832,7 @@ class Server:
             os._exit(status)
 
 
-def start(args: argparse.Namespace) -> int:
+def start(args: Args) -> int:
     """Start the context in a new session, detached from the command that started
     it, and report once it listens (or why it could not)."""
     directory = os.path.join(args.root, args.id)
@@ -879,7 +886,7 @@ def answers(path: str) -> bool:
         probe.close()
 
 
-def serve_context(args: argparse.Namespace, directory: str, ready_w: int) -> None:
+def serve_context(args: Args, directory: str, ready_w: int) -> None:
     # the command that started us ends when nothing holds its output: not this
     # process, nor a Jupyter kernel it starts
     devnull = os.open(os.devnull, os.O_RDWR)
@@ -919,17 +926,26 @@ def serve_context(args: argparse.Namespace, directory: str, ready_w: int) -> Non
     server.serve(listener)
 
 
+class Args:
+    """``start --root DIR --id ID [--language L] [--kernel K] [--options JSON]`` (by hand:
+    argparse alone costs a fifth of a second to import under emulation)."""
+
+    def __init__(self, argv: list[str]) -> None:
+        if not argv or argv[0] != "start" or len(argv) % 2 != 1:
+            raise SystemExit("usage: interpreter.py start --root DIR --id ID [--language L] [--kernel K]")
+        given = {argv[i]: argv[i + 1] for i in range(1, len(argv), 2)}  # zip(strict=) is 3.10+
+        unknown = set(given) - {"--root", "--id", "--language", "--kernel", "--options"}
+        if unknown or "--root" not in given or "--id" not in given:
+            raise SystemExit(f"interpreter.py start: bad options {sorted(unknown) or 'missing --root/--id'}")
+        self.root = given["--root"]
+        self.id = given["--id"]
+        self.language = given.get("--language", "python")
+        self.kernel = given.get("--kernel", "builtin")
+        self.options = given.get("--options", "{}")
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="sandlot-interpreter")
-    sub = parser.add_subparsers(dest="command", required=True)
-    s = sub.add_parser("start")
-    s.add_argument("--root", required=True)
-    s.add_argument("--id", required=True)
-    s.add_argument("--language", default="python")
-    s.add_argument("--kernel", default="builtin")
-    s.add_argument("--options", default="{}", help="JSON the host keeps in info.json")
-    args = parser.parse_args(argv)
-    return start(args)
+    return start(Args(sys.argv[1:] if argv is None else argv))
 
 
 if __name__ == "__main__":
