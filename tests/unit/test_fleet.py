@@ -93,6 +93,15 @@ def test_boxes_a_node_has_are_adopted_and_a_dead_replica_forgotten() -> None:
     assert out["b9"]["node"] == "nodeB" and out["b9"]["labels"] == {"team": "x"} and out["b9"]["adopted"]
 
 
+def test_a_lost_box_is_found_again_where_its_home_comes_back() -> None:
+    recs = {"b1": new_record(box("b1", "one"), "nodeA", 1.0)}
+    lost = reconcile(recs, alive=["nodeB"], seen={"nodeB": []}, now=2.0)
+    back = reconcile(
+        lost, alive=["nodeB", "nodeA2"], seen={"nodeB": [], "nodeA2": [box("b1", "one")]}, now=3.0
+    )
+    assert back["b1"]["node"] == "nodeA2" and back["b1"]["state"] == "running" and back["b1"]["lost"] is None
+
+
 def test_a_fork_shares_one_reservation_until_its_last_child_goes(tmp_path: Path) -> None:
     d = Directory(str(tmp_path / "directory.json"))
     for i in (1, 2):

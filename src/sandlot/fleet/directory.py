@@ -43,7 +43,8 @@ def reconcile(
     answered has (the summaries of its boxes). A box whose node is dead is marked
     ``lost`` with the node and the time it was first found so (its replica, on a
     live node, stays for ``recover``). A box its live node does not have is
-    dropped. A box a node has that the directory does not know is adopted.
+    dropped. A box a node has that the directory does not know is adopted, and a
+    lost one a node has again (its host came back with its home) is found there.
     A replica on a dead node is forgotten."""
     alive = set(alive)
     out: dict[str, Record] = {}
@@ -72,8 +73,11 @@ def reconcile(
         if node not in alive:
             continue
         for b in boxes:
-            if b["id"] not in out:
+            known = out.get(b["id"])
+            if known is None:
                 out[b["id"]] = new_record(b, node, now, adopted=True)
+            elif known["state"] == LOST:  # its host came back (as a new Ray node) with its home
+                known.update(node=node, state=b.get("state"), lost=None, reservation=None)
     return out
 
 

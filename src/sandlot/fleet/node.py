@@ -29,7 +29,7 @@ import ray
 from ..api.box import AsyncBox, AsyncSnapshot
 from ..api.templates import import_snapshot_async, restore_moved_box_async
 from ..core.runtime import Runtime
-from ..errors import InvalidArgument, SandlotError
+from ..errors import InvalidArgument, InvalidState, SandlotError
 from ..version import __version__
 from . import transfer
 
@@ -312,6 +312,8 @@ class NodeService:
         """Freeze a box for a move: a suspended one is resumed first; then it is paused
         and snapshotted (the state that moves). ``release`` undoes this, ``finish`` ends
         the box here once it runs elsewhere."""
+        if box_id in self.moving:
+            raise InvalidState(f"box {box_id} is being moved already", box=box_id, state="moving")
         box = await self.box(box_id)
         await box.refresh()
         was = box.state
