@@ -13,6 +13,7 @@ from __future__ import annotations
 import builtins
 import contextlib
 import os
+import secrets
 import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
@@ -221,6 +222,7 @@ class Fleet:
         for ``recover``. NoCapacity if no node has room in time."""
         if replicas not in (0, 1):
             raise InvalidArgument("replicas is 0 or 1")
+        options.pop("keep", None)  # a fleet box is kept until removed: its node outlives the driver
         if "home" in options:
             raise InvalidArgument("a fleet box lives in its node's home; home= is not an option")
         cpus, memory = int(options.get("cpus", 1)), int(options.get("memory_mib", DEFAULT_MEMORY_MIB))
@@ -242,7 +244,8 @@ class Fleet:
         id, name and labels; a suspended one arrives suspended. The target's room is
         reserved first (NoCapacity), the archive's compatibility checks apply
         (IncompatibleSnapshot); on any failure the box goes on where it was and nothing
-        stays on the target. ``last_migration`` of the result has the timings."""
+        stays on the target. A handle given follows the box and is returned;
+        ``last_migration`` has the timings."""
         fbox = box if isinstance(box, FleetBox) else self.get(box)
         rec = fbox.record_now()
         if rec["state"] == LOST:
@@ -287,7 +290,8 @@ class Fleet:
                                                    "state": held["was"], "lost": None}))  # fmt: skip
         if old and not any(r.get("reservation") == old for r in ray.get(self.directory().all.remote())):
             placement.release(old)
-        out = FleetBox(self, rec)
+        out = fbox
+        out._rec = rec
         out.last_migration = {
             "save_s": t1 - t0, "export_s": moved["export_s"], "move_s": landed["fetch_s"],
             "import_s": landed["import_s"], "restore_s": landed.get("start_s", 0.0),
@@ -640,7 +644,7 @@ class FleetBox:
             actor = self._actor()
             self._call("pause")
             try:
-                snap = self._ask(actor.snapshot.remote(self.id, None))
+                snap = self._ask(actor.snapshot.remote(self.id, f"replica-{secrets.token_hex(4)}"))
                 self._rec = self.fleet.replicate(self._record(), snap["id"])
             except BaseException:
                 with contextlib.suppress(Exception):
@@ -712,7 +716,7 @@ class FleetBox:
     ) -> builtins.list[tuple[str, dict[str, Any]]]:
         rec = self._record()
         t = time.monotonic()
-        snap = self._ask(actor.snapshot.remote(self.id, None))
+        snap = self._ask(actor.snapshot.remote(self.id, f"fork-{secrets.token_hex(4)}"))
         timings["snapshot_s"] = time.monotonic() - t
         made: builtins.list[tuple[str, dict[str, Any]]] = []
         others = {nid: k for nid, k in per_node.items() if nid != rec["node"]}
@@ -759,10 +763,8 @@ class FleetBox:
         return made
 
     def migrate(self, node: str, **kwargs: Any) -> FleetBox:
-        """``fleet.migrate(self, node)``."""
-        moved = self.fleet.migrate(self, node, **kwargs)
-        self._rec, self.last_migration = moved._rec, moved.last_migration
-        return self
+        """``fleet.migrate(self, node)``: this handle follows the box."""
+        return self.fleet.migrate(self, node, **kwargs)
 
 
 class FleetFiles:

@@ -24,7 +24,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from ..config import atomic_write
+from ..config import atomic_write, default_home
 from ..errors import BoxNotFound, InvalidArgument
 
 Record = dict[str, Any]
@@ -121,16 +121,16 @@ class Directory:
     """The directory's state and its persistence (the body of the directory actor)."""
 
     def __init__(self, path: str | None = None) -> None:
-        self.path = Path(path) if path else None
+        # by default in the home of the node it runs on (the head's)
+        self.path = Path(path) if path else default_home() / "fleet" / "directory.json"
         self.records: dict[str, Record] = {}
-        if self.path is not None and self.path.exists():
+        if self.path.exists():
             self.records = json.loads(self.path.read_text())["boxes"]
 
     def _save(self) -> None:
-        if self.path is not None:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            doc = {"version": 1, "boxes": self.records}
-            atomic_write(self.path, json.dumps(doc, indent=1, sort_keys=True).encode())
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        doc = {"version": 1, "boxes": self.records}
+        atomic_write(self.path, json.dumps(doc, indent=1, sort_keys=True).encode())
 
     def all(self) -> builtins.list[Record]:
         return sorted(self.records.values(), key=lambda r: (r.get("created_at") or 0, r["id"]))

@@ -33,6 +33,9 @@ from ..errors import InvalidArgument, InvalidState, SandlotError
 from ..version import __version__
 from . import transfer
 
+# the names of the snapshots the fleet makes to move a box or a fork's state (on the
+# source, and as imported on each target): they go with the last box started from them
+TRANSIENT = ("move-", "fork-", "replica-")
 P = ParamSpec("P")
 T = TypeVar("T")
 Reply = dict[str, Any]
@@ -150,8 +153,18 @@ class NodeService:
             box = await self.box(box_id)
         except SandlotError:
             return
+        await self.remove_box(box, force)
+
+    async def remove_box(self, box: AsyncBox, force: bool) -> None:
+        """Remove a box, and the state the fleet moved here for it once no box needs it."""
+        origin = (await box.inspect()).get("origin")
         await box.remove(force=force)
-        self.boxes.pop(box_id, None)
+        self.boxes.pop(box.id, None)
+        if origin:
+            with contextlib.suppress(SandlotError):  # SnapshotInUse: other children still need it
+                snap = await AsyncSnapshot.get(origin, home=self.home)
+                if (snap.name or "").startswith(TRANSIENT):
+                    await snap.remove()
 
     async def spawn(
         self, box_id: str, argv: Sequence[str], kwargs: dict[str, Any], stdin: bytes | None
@@ -356,9 +369,7 @@ class NodeService:
     async def finish(self, box_id: str) -> None:
         """A move succeeded: the box and its move snapshot go from this node."""
         held = self.moving.pop(box_id, None)
-        box = await self.box(box_id)
-        await box.remove(force=True)
-        self.boxes.pop(box_id, None)
+        await self.remove_box(await self.box(box_id), True)
         if held is not None:
             with contextlib.suppress(SandlotError):
                 await (await AsyncSnapshot.get(held["snapshot"], home=self.home)).remove()
