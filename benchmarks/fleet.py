@@ -25,7 +25,8 @@ import sandlot
 from _common import busybox_root, emit, host_facts, parser, summary
 from tests.support.fleet import FleetCluster
 
-FILL = "mkdir -p /mnt/t && mount -t tmpfs -o size=100m tmpfs /mnt/t && head -c 64m /dev/urandom > /mnt/t/x"
+FILL = "mkdir -p /mnt/t && mount -t tmpfs -o size=100m tmpfs /mnt/t && dd if=/dev/urandom of=/mnt/t/x bs=1M count=64"  # noqa: E501
+LOOP = "setsid sh -c 'while true; do sleep 0.1; done' </dev/null >/dev/null 2>&1 &"
 
 
 def overhead(f: Any, fc: FleetCluster, node: str, root: Path, runs: int) -> dict[str, Any]:
@@ -66,7 +67,7 @@ def migration(f: Any, fc: FleetCluster, nodes: list[str], root: Path, runs: int)
     sizes = []
     try:
         box.sh(FILL, check=True)
-        box.sh("nohup sh -c 'while true; do sleep 0.1; done' >/dev/null 2>&1 &")
+        box.sh(LOOP)
         for i in range(runs):
             box = f.migrate(box, node=nodes[(i + 1) % len(nodes)])
             box.exec("true")
@@ -86,7 +87,7 @@ def fork(f: Any, node: str, root: Path, n: int) -> dict[str, Any]:
     out: dict[str, Any] = {"children": n}
     src = f.create(rootfs=root, memory_mib=256, node=node)
     try:
-        src.sh("nohup sh -c 'while true; do sleep 0.1; done' >/dev/null 2>&1 &")
+        src.sh(LOOP)
         for label, spread in (("one_node", False), ("spread_3_nodes", True)):
             t = time.perf_counter()
             kids = src.fork(n, spread=spread, placement_timeout=60)

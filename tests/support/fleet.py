@@ -39,6 +39,7 @@ class FleetCluster:
         self.nodes: dict[str, Any] = {}
         self.homes: dict[str, Path] = {}
         self.head: str | None = None
+        self.runs: list[Path] = []
 
     @property
     def address(self) -> str:
@@ -49,17 +50,22 @@ class FleetCluster:
         from sandlot.fleet import CPUS, MEMORY
 
         home = node_home()
+        run = Path(tempfile.mkdtemp(prefix="sl-"))  # short: unix socket paths live there
+        run.chmod(0o700)
+        self.runs.append(run)
         args: dict[str, Any] = {
             "num_cpus": 1,
             "resources": {CPUS: cpus, MEMORY: memory_mib},
-            "env_vars": {"SANDLOT_HOME": str(home), **(env or {})},
+            # nodes on one machine: each its own run directory too, as each host has (a box keeps
+            # its id when it moves, and the run directory of a box is named by its id)
+            "env_vars": {"SANDLOT_HOME": str(home), "SANDLOT_RUNTIME_DIR": str(run), **(env or {})},
             "object_store_memory": 100 << 20,
             "include_dashboard": False,
         }
         if self.head is None:
             args["_system_config"] = HEALTH
         node = self.cluster.add_node(**args)
-        node_id = str(node.unique_id)
+        node_id = str(node.node_id)
         self.nodes[node_id] = node
         self.homes[node_id] = home
         if self.head is None:
@@ -83,3 +89,5 @@ class FleetCluster:
                 for b in sandlot.list(home=home):
                     b.remove(force=True)
             shutil.rmtree(home, ignore_errors=True)
+        for run in self.runs:
+            shutil.rmtree(run, ignore_errors=True)

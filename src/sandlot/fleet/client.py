@@ -75,9 +75,10 @@ def connect(
     cores and half its memory to boxes (``resources`` to say otherwise). A Ray already
     initialized in this process is used as it is. ``init_options`` go to ``ray.init``."""
     if not ray.is_initialized():
-        opts: dict[str, Any] = {"namespace": NAMESPACE, "include_dashboard": False, **init_options}
-        if address is None:
+        opts: dict[str, Any] = {"namespace": NAMESPACE, **init_options}
+        if address is None:  # what a new local Ray is; Ray refuses these when it joins one
             opts["resources"] = {**host_resources(), **(resources or {})}
+            opts.setdefault("include_dashboard", False)
         else:
             opts["address"] = address
         opts.setdefault("log_to_driver", False)
@@ -255,6 +256,7 @@ class Fleet:
         source = rec["node"]
         if target == source:
             raise InvalidArgument(f"box {rec['name']} is already on node {target[:12]}")
+        self.check_separate(source, target)
         t0 = time.monotonic()
         res = placement.reserve([box_bundle(rec)], node=target,
                                 timeout=placement_timeout or self.placement_timeout)  # fmt: skip
@@ -299,6 +301,17 @@ class Fleet:
             "chunks": len(moved["chunks"]),
         }  # fmt: skip
         return out
+
+    def check_separate(self, source: str, target: str) -> None:
+        """Two nodes on one host must not share a run directory: a moved box keeps its id,
+        and a VM's sockets are in the run directory under the box's id."""
+        facts = self._gather({n: self.node(n).facts.remote() for n in (source, target)}, timeout=30)
+        a, b = facts.get(source), facts.get(target)
+        if a and b and (a["host"], a["runtime_dir"]) == (b["host"], b["runtime_dir"]):
+            raise InvalidArgument(
+                f"nodes {source[:12]} and {target[:12]} run on one host with one run directory "
+                f"({a['runtime_dir']}): give each its own SANDLOT_RUNTIME_DIR to move boxes between them"
+            )
 
     def recover(self, box: FleetBox | str, *, placement_timeout: float | None = None) -> FleetBox:
         """Bring a lost box back on the node that keeps its replica, from its latest

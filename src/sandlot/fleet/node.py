@@ -18,6 +18,7 @@ import contextlib
 import functools
 import os
 import secrets
+import socket
 import tempfile
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
@@ -28,6 +29,7 @@ import ray
 
 from ..api.box import AsyncBox, AsyncSnapshot
 from ..api.templates import import_snapshot_async, restore_moved_box_async
+from ..config import runtime_dir
 from ..core.runtime import Runtime
 from ..errors import InvalidArgument, InvalidState, SandlotError
 from ..version import __version__
@@ -110,6 +112,7 @@ class NodeService:
     async def facts(self) -> dict[str, Any]:
         boxes = await AsyncBox.list(home=self.home)
         return {"node_id": self.node_id, "home": str(self.home), "version": __version__, "pid": os.getpid(),
+                "host": socket.gethostname(), "runtime_dir": str(runtime_dir()),
                 "started_at": self.started_at, "boxes": len(boxes),
                 "running": sum(1 for b in boxes if b.state == "running")}  # fmt: skip
 
