@@ -39,7 +39,7 @@ class FleetCluster:
         self.nodes: dict[str, Any] = {}
         self.homes: dict[str, Path] = {}
         self.head: str | None = None
-        self.runs: list[Path] = []
+        self.runs: dict[str, Path] = {}  # each node's SANDLOT_RUNTIME_DIR
 
     @property
     def address(self) -> str:
@@ -52,7 +52,6 @@ class FleetCluster:
         home = node_home()
         run = Path(tempfile.mkdtemp(prefix="sl-"))  # short: unix socket paths live there
         run.chmod(0o700)
-        self.runs.append(run)
         args: dict[str, Any] = {
             "num_cpus": 1,
             "resources": {CPUS: cpus, MEMORY: memory_mib},
@@ -68,6 +67,7 @@ class FleetCluster:
         node_id = str(node.node_id)
         self.nodes[node_id] = node
         self.homes[node_id] = home
+        self.runs[node_id] = run
         if self.head is None:
             self.head = node_id
         return node_id
@@ -89,5 +89,5 @@ class FleetCluster:
                 for b in sandlot.list(home=home):
                     b.remove(force=True)
             shutil.rmtree(home, ignore_errors=True)
-        for run in self.runs:
+        for run in self.runs.values():
             shutil.rmtree(run, ignore_errors=True)
