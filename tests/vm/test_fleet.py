@@ -85,6 +85,17 @@ def test_placement_by_resources(f: fleet.Fleet, nodes: Nodes, busybox_root: Path
     small = f.create(rootfs=busybox_root, memory_mib=256, node=nodes.b[:10], labels={"t": "place"})
     assert small.node == nodes.b
     assert small.exec("echo", "hi").stdout == "hi\n"
+    # the methods of a local box, run by the node's actor
+    proc = small.spawn("sh", "-c", "echo one; sleep 0.3; echo two >&2; cat", stdin="fed")
+    items = list(proc)
+    assert ("stdout", b"one\n") in items and ("stderr", b"two\n") in items and proc.returncode == 0
+    assert [k for k, _ in items].index("stdout") < [k for k, _ in items].index("stderr")  # as it came
+    assert small.spawn("sh", "-c", "exit 3").result().exit_code == 3
+    small.files.write("/root/v", "1")
+    snap = small.snapshot("one")
+    small.files.write("/root/v", "2")
+    small.rollback(snap)
+    assert small.files.read_text("/root/v") == "1" and [s.name for s in small.snapshots()] == ["one"]
     assert big.id in boxes_in(nodes.fc.homes[big.node]) and small.id in boxes_in(nodes.fc.homes[nodes.b])
     listed = {b.id: b.node for b in f.list(labels={"t": "place"})}
     assert listed == {big.id: big.node, small.id: nodes.b}
@@ -94,6 +105,11 @@ def test_placement_by_resources(f: fleet.Fleet, nodes: Nodes, busybox_root: Path
     small.remove(force=True)
     assert not {big.id, small.id} & {b.id for b in f.list()}
     assert boxes_in(nodes.fc.homes[nodes.b]) == []
+    # spread: boxes made one by one go to different nodes while each has room
+    spread = [f.create(rootfs=busybox_root, memory_mib=128, strategy="spread", start=False) for _ in range(3)]
+    assert len({b.node for b in spread}) == 3, [b.node for b in spread]
+    for b in spread:
+        b.remove()
     print(f"placement test {time.monotonic() - t0:.1f} s")
 
 
@@ -171,6 +187,16 @@ def test_a_second_driver_finds_the_boxes(f: fleet.Fleet, nodes: Nodes, busybox_r
         seen = json.loads(r.stdout.strip().splitlines()[-1])
         assert seen["boxes"]["found-later"] == nodes.a
         assert seen["note"] == "left by the first driver" and seen["node"] == nodes.a
+        # and the command line is one more driver
+        cli = [sys.executable, "-m", "sandlot.cli", "fleet"]
+        ls = subprocess.run([*cli, "ls", "--address", nodes.fc.address, "--json"], capture_output=True,
+                            text=True, timeout=180, env=env)  # fmt: skip
+        assert ls.returncode == 0, ls.stderr[-3000:]
+        assert {b["name"]: b["node"] for b in json.loads(ls.stdout)}["found-later"] == nodes.a
+        table = subprocess.run([*cli, "nodes", "--address", nodes.fc.address], capture_output=True,
+                               text=True, timeout=180, env=env)  # fmt: skip
+        assert table.returncode == 0, table.stderr[-3000:]
+        assert all(n[:12] in table.stdout for n in (nodes.head, nodes.a, nodes.b))
     finally:
         box.remove(force=True)
 

@@ -228,8 +228,11 @@ class Fleet:
             raise InvalidArgument("a fleet box lives in its node's home; home= is not an option")
         cpus, memory = int(options.get("cpus", 1)), int(options.get("memory_mib", DEFAULT_MEMORY_MIB))
         target = self.resolve_node(node) if node else None
-        res = placement.reserve([placement.bundle(cpus, memory)], strategy=strategy, node=target,
-                                timeout=placement_timeout or self.placement_timeout)  # fmt: skip
+        one, timeout = placement.bundle(cpus, memory), placement_timeout or self.placement_timeout
+        if strategy == "spread" and target is None:
+            res = self.reserve_spread(one, timeout)
+        else:
+            res = placement.reserve([one], strategy=strategy, node=target, timeout=timeout)
         where = res.nodes[0]
         try:
             made = unwrap(ray.get(self.node(where).create.remote(image, options, start)))
@@ -238,6 +241,25 @@ class Fleet:
             raise
         rec = new_record(made, where, time.time(), reservation=res.name, replicas=replicas)
         return FleetBox(self, ray.get(self.directory().put.remote(rec)))
+
+    def reserve_spread(self, one: dict[str, float], timeout: float) -> placement.Reservation:
+        """One box's reservation on the node with the fewest boxes of the fleet (then the
+        least share of its memory reserved), which Ray then admits or not; if it has no room now, wherever Ray
+        spreads it. Ray balances the bundles of one group, not separate groups."""
+        records = ray.get(self.directory().all.remote())
+        offered = {n["NodeID"]: n["Resources"].get(placement.MEMORY, 0.0) for n in placement.sandlot_nodes()}
+        used = dict.fromkeys(offered, 0.0)
+        boxes = dict.fromkeys(offered, 0)
+        for r in records:
+            if r["node"] in used and r["state"] != LOST:
+                used[r["node"]] += r.get("memory_mib") or 0
+                boxes[r["node"]] += 1
+        for nid in sorted(offered, key=lambda n: (boxes[n], used[n] / max(offered[n], 1.0))):
+            if offered[nid] - used[nid] >= one[placement.MEMORY]:
+                with contextlib.suppress(SandlotError):
+                    return placement.reserve([one], node=nid, timeout=min(placement.ROUND_WAIT, timeout))
+                break
+        return placement.reserve([one], strategy="spread", timeout=timeout)
 
     def migrate(self, box: FleetBox | str, node: str, *, placement_timeout: float | None = None) -> FleetBox:
         """Move a box to ``node``: a running one is frozen (paused, its state saved), its
@@ -695,12 +717,15 @@ class FleetBox:
         timeout = placement_timeout or self.fleet.placement_timeout
         t0 = time.monotonic()
         if spread:
-            res = placement.reserve([one] * n, strategy="spread", timeout=timeout)
+            held = placement.spread(one, n, timeout=timeout)
         else:
-            res = placement.reserve([one] * n, node=rec["node"], timeout=timeout)
+            held = [placement.reserve([one] * n, node=rec["node"], timeout=timeout)]
         per_node: dict[str, int] = {}
-        for nid in res.nodes:
-            per_node[nid] = per_node.get(nid, 0) + 1
+        reservations: dict[str, builtins.list[str]] = {}  # per node, the group of each of its children
+        for res in held:
+            for nid in res.nodes:
+                per_node[nid] = per_node.get(nid, 0) + 1
+                reservations.setdefault(nid, []).append(res.name)
         timings: dict[str, float] = {"reserve_s": time.monotonic() - t0}
         made: builtins.list[tuple[str, dict[str, Any]]] = []
         try:
@@ -712,12 +737,13 @@ class FleetBox:
             for nid, k in made:
                 with contextlib.suppress(Exception):
                     ray.get(self.fleet.node(nid).remove.remote(k["id"], True))
-            placement.release(res.name)
+            for res in held:
+                placement.release(res.name)
             raise
         now = time.time()
         out = Forked()
         for nid, k in made:
-            kid = new_record(k, nid, now, reservation=res.name)
+            kid = new_record(k, nid, now, reservation=reservations[nid].pop())
             out.append(FleetBox(self.fleet, ray.get(self.fleet.directory().put.remote(kid))))
         out.per_node = per_node
         timings["total_s"] = time.monotonic() - t0

@@ -28,6 +28,7 @@ MEMORY = "sandlot_memory_mib"
 NODE_LABEL = "ray.io/node-id"
 NAMESPACE = "sandlot"
 STRATEGIES = {"pack": "PACK", "spread": "SPREAD"}
+ROUND_WAIT = 5.0  # how long a round of one box per node may wait before the rest is spread as Ray can
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,13 +73,14 @@ def reserve(
 ) -> Reservation:
     """Have Ray place ``bundles`` (on ``node`` if given) and hold them; NoCapacity
     if it cannot within ``timeout`` seconds."""
-    if strategy not in STRATEGIES:
+    if strategy not in STRATEGIES and strategy != "strict_spread":
         raise InvalidArgument(f"strategy must be 'pack' or 'spread', not {strategy!r}")
     check_feasible(bundles, node)
     name = f"sandlot-{secrets.token_hex(6)}"
     selector = [{NODE_LABEL: node} for _ in bundles] if node else None
     pg = placement_group(
-        [dict(b) for b in bundles], strategy=STRATEGIES[strategy], name=name, lifetime="detached",
+        [dict(b) for b in bundles], strategy=STRATEGIES.get(strategy, "STRICT_SPREAD"), name=name,
+        lifetime="detached",
         bundle_label_selector=selector,
     )  # fmt: skip
     if not pg.wait(timeout):
@@ -92,6 +94,31 @@ def reserve(
     table = placement_group_table(pg)
     nodes = table["bundles_to_node_id"]
     return Reservation(name, tuple(nodes[i] for i in range(len(bundles))))
+
+
+def spread(one: Mapping[str, float], n: int, *, timeout: float = 30.0) -> list[Reservation]:
+    """``n`` boxes of ``one`` each, over the nodes as evenly as Ray can: rounds of one
+    box per node (STRICT_SPREAD groups), and when a round cannot be placed (a node is
+    full) the rest as one SPREAD group. Ray's SPREAD alone balances one group's
+    bundles loosely (10, 9 and 1 of 20 over three nodes)."""
+    width = len(sandlot_nodes())
+    out: list[Reservation] = []
+    left = n
+    try:
+        while left > 1 and width > 1:
+            size = min(width, left)
+            try:
+                out.append(reserve([one] * size, strategy="strict_spread", timeout=ROUND_WAIT))
+            except NoCapacity:
+                break
+            left -= size
+        if left:
+            out.append(reserve([one] * left, strategy="spread", timeout=timeout))
+    except BaseException:
+        for r in out:
+            release(r.name)
+        raise
+    return out
 
 
 def release(name: str | None) -> None:
