@@ -25,6 +25,7 @@ import asyncio
 import base64
 import contextlib
 import errno
+import functools
 import hashlib
 import inspect
 import json
@@ -234,6 +235,7 @@ def check_kernel(kernel: object, language: str) -> str:
     raise InvalidArgument(f"kernel must be None, 'builtin', 'jupyter' or 'jupyter:NAME', not {kernel!r}")
 
 
+@functools.cache
 def _script() -> tuple[bytes, str]:
     data = resources.files("sandlot.guest").joinpath("interpreter.py").read_bytes()
     return data, f"{ROOT}/interpreter-{hashlib.sha256(data).hexdigest()[:12]}.py"
@@ -306,10 +308,6 @@ class KernelLink:
                 await asyncio.shield(self._reader)
         return self.closed
 
-    async def close(self) -> None:
-        with contextlib.suppress(Exception):
-            await self._duplex.abort()
-
 
 # links by event loop (a link's tasks belong to one), then by (box id, context id)
 _links: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[tuple[str, str], KernelLink]] = (
@@ -334,7 +332,6 @@ class Interpreter:
         kernel: str | None = None,
         env: Mapping[str, str] | None = None,
         user: str | None = None,
-        cid: str | None = None,
     ) -> CodeContext:
         language = check_language(language)
         options = {
@@ -343,7 +340,7 @@ class Interpreter:
             "env": check_env(env),
             "user": check_user(user),
         }
-        return await self._start(cid or f"ctx-{uuid.uuid4().hex[:12]}", language, options)
+        return await self._start(f"ctx-{uuid.uuid4().hex[:12]}", language, options)
 
     async def list(self) -> list[CodeContext]:
         try:

@@ -126,12 +126,13 @@ class Cell:
         if not text:
             return
         with self.lock:
-            room = OUTPUT_LIMIT - self.sent - self.pending_bytes
+            room = max(OUTPUT_LIMIT - self.sent - self.pending_bytes, 0)
             size = len(text.encode("utf-8", "replace"))
-            if size > room:
-                self.dropped += size - max(room, 0)
-                text = text.encode("utf-8", "replace")[: max(room, 0)].decode("utf-8", "ignore")
-                size = len(text.encode("utf-8", "replace"))
+            if size > room:  # keep what fits, cut at a character boundary
+                text = text.encode("utf-8", "replace")[:room].decode("utf-8", "ignore")
+                kept = len(text.encode("utf-8"))
+                self.dropped += size - kept
+                size = kept
                 if not text:
                     return
             self.pending[name].append(text)

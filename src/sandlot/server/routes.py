@@ -20,7 +20,7 @@ from fastapi.responses import StreamingResponse
 from starlette.websockets import WebSocketDisconnect
 
 from ..api.box import AsyncBox, AsyncSnapshot
-from ..api.code import CodeContext, Result
+from ..api.code import CodeContext, Result, context_id
 from ..api.templates import import_snapshot_async
 from ..errors import (
     BoxNotFound,
@@ -552,7 +552,7 @@ async def run_code(box: str, body: RunCodeIn, request: Request) -> Response:
             if not task.done():  # the client left mid-cell
                 task.cancel()
                 with contextlib.suppress(SandlotError):
-                    await b.interrupt_code_context(body.context or f"default-{body.language}")
+                    await b.interrupt_code_context(context_id(body.context, body.language))
 
     return StreamingResponse(lines(), media_type="application/x-ndjson")
 

@@ -15,6 +15,7 @@ import builtins
 import os
 import secrets
 import time
+from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, TypeAlias
@@ -77,17 +78,17 @@ class Limits:
             object.__setattr__(self, "images", tuple(self.images))
 
 
-class Backend:
+class Backend(ABC):
     """Where boxes are found and made: a home of this host, or a server."""
 
-    async def create(self, image: str | None, options: dict[str, Any]) -> AnyBox:
-        raise NotImplementedError
+    @abstractmethod
+    async def create(self, image: str | None, options: dict[str, Any]) -> AnyBox: ...
 
-    async def get(self, key: str) -> AnyBox:
-        raise NotImplementedError
+    @abstractmethod
+    async def get(self, key: str) -> AnyBox: ...
 
-    async def list(self, labels: Mapping[str, str] | None) -> builtins.list[AnyBox]:
-        raise NotImplementedError
+    @abstractmethod
+    async def list(self, labels: Mapping[str, str] | None) -> builtins.list[AnyBox]: ...
 
 
 class HomeBackend(Backend):
