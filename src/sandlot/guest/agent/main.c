@@ -3,6 +3,8 @@
  * Usage:
  *   /init                       as PID 1 in the guest: boot duties, then serve ports
  *   sandlot-agent --fd N        serve one session on socket fd N (host builds, tests)
+ *   /init --listen DIR --ports N  as a container's init (gVisor): the root, /proc, /dev
+ *                               and the rest are already there; serve Unix sockets DIR/port.0..N-1
  *   sandlot-agent --fd N --safe same, but refuse exec and file-system changes (fuzzing)
  *   /proc/1/exe --relay PORT    a command the host runs: a pipe to a guest TCP port or Unix socket (relay.c)
  *
@@ -89,7 +91,7 @@ static void handle_signals(void)
     }
 }
 
-enum { P_SESSION = 1, P_SIGNAL, P_CHANNEL, P_OOM };
+enum { P_SESSION = 1, P_SIGNAL, P_CHANNEL, P_OOM, P_LISTEN };
 
 struct pollref {
     int what;
@@ -127,6 +129,10 @@ static void serve(void)
         }
         for (int i = 0; i < g_nsessions; i++) {
             struct session *s = &g_sessions[i];
+            if (s->listen_fd > 0) {
+                pfds[n] = (struct pollfd){.fd = s->listen_fd, .events = POLLIN};
+                refs[n++] = (struct pollref){.what = P_LISTEN, .s = s};
+            }
             int k = session_poll(s, &pfds[n], &timeout);
             for (int j = 0; j < k; j++) {
                 refs[n++] = (struct pollref){.what = P_SESSION, .s = s};
@@ -162,6 +168,9 @@ static void serve(void)
                 break;
             case P_SESSION:
                 session_events(ref->s, re);
+                break;
+            case P_LISTEN:
+                listener_accept(ref->s);
                 break;
             case P_CHANNEL:
                 if (chan_alive(ref->c)) {
@@ -211,7 +220,8 @@ static void setup_signals(void)
 
 int main(int argc, char **argv)
 {
-    int fd = -1;
+    int fd = -1, ports = 1;
+    const char *listen_dir = NULL;
     g_is_pid1 = getpid() == 1;
     if (argc == 3 && !strcmp(argv[1], "--relay")) {
         return relay_main(argv[2]);
@@ -220,6 +230,10 @@ int main(int argc, char **argv)
         if (!strcmp(argv[i], "--fd") && i + 1 < argc) {
             fd = atoi(argv[++i]);
             g_host_mode = 1;
+        } else if (!strcmp(argv[i], "--listen") && i + 1 < argc) {
+            listen_dir = argv[++i];
+        } else if (!strcmp(argv[i], "--ports") && i + 1 < argc) {
+            ports = atoi(argv[++i]);
         } else if (!strcmp(argv[i], "--safe")) {
             g_safe_mode = 1;
         } else if (!strcmp(argv[i], "--version")) {
@@ -227,7 +241,7 @@ int main(int argc, char **argv)
             return 0;
         }
     }
-    if (!g_is_pid1 && !g_host_mode) {
+    if (!g_is_pid1 && !g_host_mode && listen_dir == NULL) {
         fprintf(stderr, "usage: sandlot-agent --fd N [--safe]   (or run as PID 1 in a guest)\n");
         return 2;
     }
@@ -235,7 +249,12 @@ int main(int argc, char **argv)
     setrlimit(RLIMIT_NOFILE, &rl);
     setup_signals();
 
-    if (g_is_pid1) {
+    if (listen_dir != NULL) {
+        /* the sandbox made the root and its mounts; the rest of a boot's duties remain */
+        init_after_root();
+        g_nsessions = open_listeners(g_sessions, MAX_SESSIONS, listen_dir, ports);
+        logmsg("ready: %d socket(s) in %s", g_nsessions, listen_dir);
+    } else if (g_is_pid1) {
         init_early();
         init_after_root();
         g_nsessions = open_ports(g_sessions, MAX_SESSIONS, boot_ports());
