@@ -1,4 +1,5 @@
-"""Disk layers: a box's disk is a chain of qcow2 files in ``layers/``.
+"""Disk layers: a box's disk is a chain of qcow2 files in ``layers/``, or (engines
+whose box root is an overlay: gvisor) one layer directory ``layers/<id>.dir``.
 
 The image's ext4 base is at the bottom, the box's writable *top* layer above.
 A snapshot freezes the top (the box goes on writing to a new layer on top of
@@ -34,14 +35,32 @@ def layers_dir(home: Path) -> Path:
     return home / "layers"
 
 
-def new_path(home: Path) -> Path:
+def new_path(home: Path, suffix: str = ".qcow2") -> Path:
     d = layers_dir(home)
     d.mkdir(parents=True, exist_ok=True)
-    return d / f"{secrets.token_hex(8)}.qcow2"
+    return d / f"{secrets.token_hex(8)}{suffix}"
+
+
+DIR_SUFFIX = ".dir"  # a layer directory: the disk of engines whose box root is an overlay
+
+
+def make_dir_layer(path: Path, base: Path) -> None:
+    """An empty layer directory over ``base`` (an unpacked image root): ``upper/`` and
+    ``work/`` for the overlay, ``base`` naming what lies below. Made beside and renamed,
+    so a crash leaves either nothing or a whole layer."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    (tmp / "upper").mkdir()
+    (tmp / "work").mkdir()
+    (tmp / "base").write_text(str(base))
+    os.rename(tmp, path)
 
 
 def new_layer(home: Path, backing: Path, size: int | None = None, backing_format: str = "qcow2") -> Path:
     """An empty qcow2 layer on ``backing`` (``-u``: the backing may be open in a running VM)."""
+    if backing.suffix == DIR_SUFFIX:
+        raise SavedStateError(f"the layer directory {backing} cannot be frozen under a new layer yet")
     qemu_img = shutil.which("qemu-img")
     if not qemu_img:
         raise HostSetupError("qemu-img not found: install qemu-utils")
@@ -75,6 +94,8 @@ def chain(top: Path) -> list[Path]:
     """``top`` and every file below it, down to the base."""
     out = [top]
     seen = {top}
+    if top.suffix == DIR_SUFFIX:  # its base is an image's root, which the image store keeps
+        return out
     while True:
         backing = qcow2_backing_file(out[-1])
         if not backing:
@@ -123,9 +144,12 @@ def gc(
             keep.update(chain(top))
     now = time.time()
     forced = set(also)
-    for f in d.glob("*.qcow2"):
+    for f in [*d.glob("*.qcow2"), *d.glob(f"*{DIR_SUFFIX}"), *d.glob(f".*{DIR_SUFFIX}.tmp")]:
         if f in keep:
             continue
         with contextlib.suppress(OSError):
             if f in forced or now - f.stat().st_mtime > min_age:
-                f.unlink()
+                if f.is_dir():
+                    shutil.rmtree(f)
+                else:
+                    f.unlink()

@@ -72,6 +72,7 @@ class LiveState:
                 box=entry.name, state=entry.state,
             )  # fmt: skip
         check(Op.SNAPSHOT, entry.state, box=entry.name)
+        self.require_live_state(entry)
         home = self.rt.home
         snap_id = snapshots.new_id()
         rec = entry.record
@@ -115,6 +116,7 @@ class LiveState:
                                    box=entry.name, state=rec.state)  # fmt: skip
             if not check(Op.SUSPEND, rec.state, box=entry.name):
                 return
+            self.require_live_state(entry)
             home = self.rt.home
             snap_id = snapshots.new_id()
             session = entry.session
@@ -176,6 +178,16 @@ class LiveState:
         self.controller.watch_idle(entry)
         if keep_conn and session.conn is not None:
             await session.conn.wait_ready()
+
+    def require_live_state(self, entry: BoxEntry) -> None:
+        """Refuse, saying why, on an engine that cannot save a running state."""
+        engine = self.rt.engine(entry.record.engine)
+        if not engine.live_state:
+            raise InvalidState(
+                f"box {entry.name} runs on engine {engine.name!r}, which cannot save its running state yet: "
+                "snapshot, suspend, fork, templates and export need engine='qemu'",
+                box=entry.name, state=entry.state,
+            )  # fmt: skip
 
     async def drop_saved_state(self, snap_id: str) -> None:
         await self.db.delete_snapshot(snap_id)

@@ -221,6 +221,10 @@ class Engine(ABC):
     """A VM technology. One instance per process and home; cheap to create."""
 
     name: ClassVar[str]
+    # "qcow2": a box's disk is a qcow2 layer chain over the image's ext4 base;
+    # "dir": a layer directory over the image's unpacked root (an overlay mount)
+    disk_format: ClassVar[str] = "qcow2"
+    live_state: ClassVar[bool] = True  # saves and loads running states (snapshot, suspend, fork...)
 
     @abstractmethod
     def prepare(self, request: BootRequest) -> Boot:

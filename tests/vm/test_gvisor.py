@@ -1,0 +1,115 @@
+"""engine='gvisor': the same agent as the sandbox's init, the same API; each box an
+overlay on the image's shared root that survives stop and start; what the engine
+does not do yet refused with a clear error (the "no" cells of the engine table)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import sandlot
+
+pytestmark = pytest.mark.vm  # runsc comes with scripts/setup; boxes run as root here
+
+
+def test_exec_files_and_persistence(busybox_root: Path) -> None:
+    with sandlot.Box(rootfs=busybox_root, engine="gvisor", memory_mib=256) as box:
+        t0 = time.monotonic()
+        assert box.exec("echo", "hi").stdout == "hi\n"
+        assert time.monotonic() - t0 < 2.0
+        assert "gVisor" in box.exec("dmesg").stdout  # the user-space kernel, not a VM's
+        r = box.exec("sh", "-c", "cat; echo err >&2; exit 3", stdin=b"in\n")
+        assert (r.stdout, r.stderr, r.exit_code) == ("in\n", "err\n", 3)
+        box.files.write("/root/persist.txt", "survives")
+        box.exec("sh", "-c", "echo from-shell > /etc/marker")
+        box.stop()
+        box.start()
+        assert box.files.read("/root/persist.txt") == b"survives"
+        assert box.exec("cat", "/etc/marker").stdout == "from-shell\n"
+        info = box.inspect()
+        assert info["engine"] == "gvisor" and info["paths"]["disk"].endswith(".dir")
+
+
+def test_boxes_share_a_read_only_base(busybox_root: Path) -> None:
+    with (
+        sandlot.Box(rootfs=busybox_root, engine="gvisor", memory_mib=256) as a,
+        sandlot.Box(rootfs=busybox_root, engine="gvisor", memory_mib=256) as b,
+    ):
+        a.files.write("/bin/only-in-a", "a")
+        assert not b.files.exists("/bin/only-in-a")
+        assert a.exec("hostname").stdout != b.exec("hostname").stdout
+        layer_a, layer_b = Path(a.inspect()["paths"]["disk"]), Path(b.inspect()["paths"]["disk"])
+        base = (layer_a / "base").read_text()
+        assert base == (layer_b / "base").read_text()  # one unpacked root under both
+        assert not (Path(base) / "bin" / "only-in-a").exists()
+        assert (layer_a / "upper" / "bin" / "only-in-a").read_text() == "a"
+
+
+def test_users_spawn_and_kill(busybox_root: Path) -> None:
+    with sandlot.Box(rootfs=busybox_root, engine="gvisor", memory_mib=256) as box:
+        assert box.exec("id", "-u", user="nobody").stdout.strip() != "0"
+        proc = box.spawn("sh", "-c", "read line; echo got:$line")
+        proc.stdin.write(b"abc\n")
+        proc.stdin.close()
+        assert proc.wait() == 0
+        assert proc.stdout.read() == b"got:abc\n"
+        with pytest.raises(sandlot.ExecTimeout):
+            box.exec("sleep", "30", timeout=0.5)
+        assert box.exec("true").exit_code == 0
+
+
+def test_interpreter(debian_root: Path) -> None:
+    with sandlot.Box(rootfs=debian_root, engine="gvisor", memory_mib=512) as box:
+        box.run_code("x = 6 * 7")
+        assert box.run_code("print(x)").stdout == "42\n"
+
+
+def test_live_state_is_refused_clearly(busybox_root: Path) -> None:
+    with sandlot.Box(rootfs=busybox_root, engine="gvisor", memory_mib=256) as box:
+        for op in (box.snapshot, box.suspend, box.fork):
+            with pytest.raises(sandlot.InvalidState, match=r"engine 'gvisor'.*cannot save its running state"):
+                op()
+        assert box.exec("true").exit_code == 0  # refused, not broken
+
+
+def test_network_and_volumes_are_refused_clearly(busybox_root: Path, tmp_path: Path) -> None:
+    with pytest.raises(sandlot.InvalidArgument, match=r"gvisor.*without a network"):
+        sandlot.Box(rootfs=busybox_root, engine="gvisor", network="open").start()
+    with pytest.raises(sandlot.InvalidArgument, match=r"gvisor.*volumes"):
+        sandlot.Box(rootfs=busybox_root, engine="gvisor", volumes={str(tmp_path): "/mnt"}).start()
+
+
+def test_kill9_of_the_owner_then_reattach(busybox_root: Path) -> None:
+    """The sandbox outlives a process killed with SIGKILL; another process finds it again."""
+    name = f"gv-crash-{os.getpid()}"
+    script = (
+        "import sandlot, time\n"
+        f"b = sandlot.create(rootfs={str(busybox_root)!r}, engine='gvisor', name={name!r}, memory_mib=256)\n"
+        "b.start(); b.files.write('/root/x', 'kept'); print('up', flush=True); time.sleep(60)\n"
+    )
+    child = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout is not None and child.stdout.readline().strip() == "up"
+        os.kill(child.pid, signal.SIGKILL)
+        child.wait()
+        box = sandlot.get(name)
+        assert box.state == "running"
+        assert box.files.read("/root/x") == b"kept"
+        vm_pid = box.inspect()["vm_pid"]
+        os.kill(vm_pid, signal.SIGKILL)  # the sandbox itself, pulled like a plug
+        time.sleep(0.5)
+        box.start()
+        assert box.files.read("/root/x") == b"kept"
+        box.remove(force=True)
+    finally:
+        if child.poll() is None:
+            child.kill()
+        with contextlib.suppress(sandlot.BoxNotFound):
+            sandlot.get(name).remove(force=True)
