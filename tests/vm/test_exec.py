@@ -76,6 +76,18 @@ def test_stdin_streaming(bb_box: Box) -> None:
     assert bb_box.exec("cat").stdout == ""
 
 
+def test_input_for_a_process_that_already_ended_is_dropped_not_refused(bb_box: Box) -> None:
+    # the race of a command that exits before its stdin arrives (many execs at once
+    # through sandlot serve hit it): the input goes nowhere, as into a closed pipe
+    p = bb_box.spawn("sh", "-c", "exit 4")
+    assert p.wait() == 4
+    p.write_stdin(b"too late\n" * 1000)
+    p.close_stdin()
+    assert p.wait() == 4
+    for _ in range(10):
+        assert bb_box.exec("sh", "-c", "exit 5", stdin=b"x" * 100_000).exit_code == 5
+
+
 def test_spawn_interactive_stdin(bb_box: Box) -> None:
     p = bb_box.spawn("sh", "-c", 'while read line; do echo "got $line"; done')
     p.write_stdin("one\n")

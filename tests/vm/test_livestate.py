@@ -233,8 +233,11 @@ def test_template_starts_with_its_server_running(debian_root: Path) -> None:
 
 
 def test_plain_box_of_an_image_restores_its_automatic_template(debian_root: Path) -> None:
-    ref = f"localhost/auto-tmpl-{os.urandom(3).hex()}:1"
-    sandlot.import_image(debian_root, ref)
+    tag = os.urandom(3).hex()
+    ref = f"localhost/auto-tmpl-{tag}:1"
+    # an image of its own (the label makes its digest unique): other tests import the
+    # same tree under other names, and a digest's template lives as long as one of them
+    sandlot.import_image(debian_root, ref, labels={"sandlot.test": tag})
     try:
         with sandlot.Box(ref, memory_mib=256) as first:
             assert first.inspect()["origin"] is None  # booted

@@ -192,6 +192,7 @@ def test_stdio_run_code_keeps_state_and_reports_errors(debian_root: Path) -> Non
         for b in sandlot.list():
             if b.name.startswith(tag):
                 b.remove(force=True)
+        sandlot.remove_image(PY_IMAGE)  # and the automatic template of its first boot
 
 
 # -- over HTTP, behind the server's keys ---------------------------------------------------------

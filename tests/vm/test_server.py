@@ -494,6 +494,7 @@ def test_the_exec_channel_runs_many_execs_on_one_websocket(
         by_id = {a["id"]: a for a in answers}
         assert answers[-1]["id"] == 1 and by_id[1]["result"]["stdout"] == "slow\n"
         for i in range(2, 7):
+            assert by_id[i].get("result", {}).get("exit_code") == i, by_id[i]
             assert (by_id[i]["result"]["exit_code"], by_id[i]["result"]["stdout"]) == (i, f"{i}\n")
         assert by_id[7]["error"]["code"] == "box_not_found"
         # a message that is no exec call ends the channel, saying why

@@ -158,6 +158,7 @@ struct istream {              /* host -> agent, e.g. stdin */
     uint64_t written;         /* bytes written to fd */
     uint64_t acked_sent;      /* last ACK sent to the host */
     int eof;                  /* host sent EOF */
+    int gone;                 /* the process stopped reading: later input is dropped, not refused */
     struct buf pending;
 };
 

@@ -589,6 +589,7 @@ static void istream_flush(struct channel *c)
             buf_free(&in->pending);
             close(in->fd);
             in->fd = -1;
+            in->gone = 1;
         }
     }
     if (!buf_used(&in->pending) && in->pending.cap > SL_DATA_CHUNK) {
@@ -618,6 +619,7 @@ static void exec_progress(struct channel *c)
     if (x->in.fd >= 0 && !x->tty) {
         close(x->in.fd); /* nobody reads it any more */
         x->in.fd = -1;
+        x->in.gone = 1;
     }
     /* A background process may hold the output open forever. Once the main
      * process is gone and the streams have had nothing to read for 100 ms,
@@ -728,6 +730,21 @@ static struct ostream *exec_output(struct channel *c, uint32_t stream)
 static int exec_input(struct channel *c, uint8_t type, uint64_t off, const uint8_t *d, size_t n)
 {
     struct istream *in = &c->u.exec.in;
+    if (in->fd < 0 && in->gone) {
+        /* A process that exits (or closes stdin) before its input arrives: the
+         * input is dropped, as a pipe to a finished reader drops it, and
+         * acknowledged so the host's window does not stall. Which comes first
+         * is a race the host cannot see, so it is no error. */
+        if (type != SL_EOF && off + n > in->received) {
+            in->received = off + n;
+        }
+        in->written = in->received;
+        if (in->written > in->acked_sent) {
+            send_ack(c->s, c->id, SL_STREAM_STDIN, in->written);
+            in->acked_sent = in->written;
+        }
+        return 0;
+    }
     if (in->fd < 0) {
         return -1;
     }
