@@ -56,10 +56,10 @@ def test_users_spawn_and_kill(busybox_root: Path) -> None:
     with sandlot.Box(rootfs=busybox_root, engine="gvisor", memory_mib=256) as box:
         assert box.exec("id", "-u", user="nobody").stdout.strip() != "0"
         proc = box.spawn("sh", "-c", "read line; echo got:$line")
-        proc.stdin.write(b"abc\n")
-        proc.stdin.close()
+        proc.write_stdin(b"abc\n")
+        proc.close_stdin()
         assert proc.wait() == 0
-        assert proc.stdout.read() == b"got:abc\n"
+        assert proc.result().stdout == "got:abc\n"
         with pytest.raises(sandlot.ExecTimeout):
             box.exec("sleep", "30", timeout=0.5)
         assert box.exec("true").exit_code == 0

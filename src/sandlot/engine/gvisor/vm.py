@@ -203,16 +203,18 @@ class GvisorVM(VM):
         await asyncio.to_thread(mount_overlay, cfg)
         (cfg.bundle / "config.json").write_text(json.dumps(oci_config(cfg)))
         cfg.runsc_log.write_bytes(b"")
+        # The container's stdout and stderr are runsc's own, inherited by the sandbox for
+        # its whole life: a pipe would never reach its end, so both go to the console log
+        # (where runsc's own complaints then land too).
         with open(cfg.console_log, "wb") as console:
             proc = await asyncio.to_thread(
                 subprocess.run,
                 [*cfg.flags(), "run", "--detach", f"--bundle={cfg.bundle}", cfg.cid],
-                stdin=subprocess.DEVNULL, stdout=console, stderr=subprocess.PIPE, timeout=60,
+                stdin=subprocess.DEVNULL, stdout=console, stderr=console, timeout=60,
             )  # fmt: skip
         if proc.returncode != 0:
             await asyncio.to_thread(destroy, cfg)
-            why = proc.stderr.decode("utf-8", "replace").strip() if proc.stderr else ""
-            raise BootError(f"runsc could not start the sandbox: {why}\n{tail(cfg.runsc_log, 20)}",
+            raise BootError(f"runsc could not start the sandbox:\n{tail(cfg.runsc_log, 20)}",
                             tail(cfg.console_log))  # fmt: skip
         state = await asyncio.to_thread(container_state, cfg)
         pid = int(state.get("pid") or 0) if state else 0
