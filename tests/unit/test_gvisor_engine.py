@@ -12,7 +12,8 @@ from sandlot.core import layers
 from sandlot.engine import engine_for, names
 from sandlot.engine.base import Boot
 from sandlot.engine.gvisor import runsc
-from sandlot.errors import IncompatibleSnapshot, SavedStateError
+from sandlot.engine.gvisor.vm import lower_dirs
+from sandlot.errors import IncompatibleSnapshot
 
 
 def test_platform_by_release() -> None:
@@ -37,6 +38,24 @@ def test_saved_state_of_the_other_engine_is_refused(tmp_path: Path) -> None:
         engine.check_compatible({"engine": "qemu", "engine_facts": {}}, boot)
     with pytest.raises(IncompatibleSnapshot, match="saved by runsc 1"):
         engine.check_compatible({"engine": "gvisor", "engine_facts": {"runsc_version": "1"}}, boot)
+    saved = {"engine": "gvisor", "engine_facts": {"runsc_version": "0.0~20221219.0", "platform": "ptrace"}}
+    ptrace = Boot("gvisor", "ptrace", "", {"runsc_version": "0.0~20221219.0", "platform": "ptrace"}, ())
+    systrap = Boot("gvisor", "systrap", "", {"runsc_version": "0.0~20221219.0", "platform": "systrap"}, ())
+    with pytest.raises(IncompatibleSnapshot, match="ptrace platform; this host runs systrap"):
+        engine.check_compatible(saved, systrap)
+    # the restored init maps its executable again: only the very agent build it ran will do
+    with pytest.raises(IncompatibleSnapshot, match="agent build"):
+        engine.check_compatible(saved, ptrace)
+
+    def built(name: str) -> dict[str, object]:
+        return {**saved, "engine_facts": {**saved["engine_facts"], "agent_build": name}}
+
+    with pytest.raises(IncompatibleSnapshot, match="agent build"):
+        engine.check_compatible(built("../x"), ptrace)
+    build = tmp_path / "agent" / "guest-0123"
+    build.mkdir(parents=True)
+    (build / "sandlot-agent").write_bytes(b"")
+    engine.check_compatible(built(build.name), ptrace)
     qemu = engine_for("qemu", tmp_path)
     qboot = Boot("qemu", "tcg", "", {}, ())
     with pytest.raises(IncompatibleSnapshot, match="'gvisor' engine"):
@@ -51,8 +70,14 @@ def test_layer_directories(tmp_path: Path) -> None:
     assert (path / "upper").is_dir() and (path / "work").is_dir()
     assert (path / "base").read_text() == str(base)
     assert layers.chain(path) == [path]  # the image's root is the image store's to keep
-    with pytest.raises(SavedStateError, match="cannot be frozen"):
-        layers.new_layer(tmp_path, path)
+    # a snapshot freezes the layer: the box goes on over a new one, whose overlay has the
+    # frozen layer's upper as its top lower layer
+    top = layers.new_layer(tmp_path, path)
+    assert top.suffix == layers.DIR_SUFFIX and layers.dir_parent(top) == path
+    assert layers.dir_base(top) == base and layers.chain(top) == [top, path]
+    assert lower_dirs(top, base) == [path / "upper", base]
+    layers.gc(tmp_path, [], [], also=[top])
+    assert not top.exists() and path.exists()
     layers.gc(tmp_path, [], [], also=[path])
     assert not path.exists() and base.is_dir()
 

@@ -1,6 +1,7 @@
 """engine='gvisor': the same agent as the sandbox's init, the same API; each box an
-overlay on the image's shared root that survives stop and start; what the engine
-does not do yet refused with a clear error (the "no" cells of the engine table)."""
+overlay on the image's shared root that survives stop and start; live state through
+runsc checkpoint and restore; what the engine does not do yet refused with a clear
+error (the "no" cells of the engine table)."""
 
 from __future__ import annotations
 
@@ -71,12 +72,108 @@ def test_interpreter(debian_root: Path) -> None:
         assert box.run_code("print(x)").stdout == "42\n"
 
 
-def test_live_state_is_refused_clearly(busybox_root: Path) -> None:
+# a process whose state lives only in its memory, writing its counter to a file (atomically)
+COUNTER = (
+    "(i=0; while true; do i=$((i+1)); echo $i > /tmp/n.tmp; mv /tmp/n.tmp /tmp/n; sleep 0.1; done)"
+    " >/dev/null 2>&1 &"
+)
+
+
+def count(box: sandlot.Box) -> int:
+    return int(box.exec("cat", "/tmp/n").stdout)
+
+
+def wait_count(box: sandlot.Box) -> int:
+    deadline = time.monotonic() + 10
+    while True:
+        with contextlib.suppress(sandlot.GuestError, ValueError):
+            if (n := count(box)) > 2:
+                return n
+        assert time.monotonic() < deadline, "the counter never started"
+        time.sleep(0.1)
+
+
+def test_snapshot_rollback_and_fork_through_runsc_checkpoint(busybox_root: Path) -> None:
+    """A checkpoint ends the sandbox: the box runs on from it at once, over a new layer
+    on the frozen one, with this process's running command and connection carried over."""
     with sandlot.Box(rootfs=busybox_root, engine="gvisor", memory_mib=256) as box:
-        for op in (box.snapshot, box.suspend, box.fork):
-            with pytest.raises(sandlot.InvalidState, match=r"engine 'gvisor'.*cannot save its running state"):
-                op()
+        box.exec("sh", "-c", COUNTER)
+        wait_count(box)
+        box.files.write("/root/f", "before")
+        echo = box.spawn("sh", "-c", 'while read l; do echo "got $l"; done')
+        lines = echo.stdout.lines()
+        pid_before = box.inspect()["vm_pid"]
+        snap = box.snapshot("s1")
+        assert box.state == "running" and box.last_pause is not None and box.last_pause < 10
+        assert box.inspect()["vm_pid"] != pid_before  # runsc restored it as a new sandbox
+        echo.write_stdin("one\n")
+        assert next(lines) == b"got one\n"  # the command and its streams came along
+        echo.close_stdin()
+        assert echo.wait(10) == 0
+        at_snap = count(box)
+        box.files.write("/root/f", "after")
+        time.sleep(0.6)
+        later = count(box)
+        assert later > at_snap
+        box.rollback(snap)
+        assert box.files.read_text("/root/f") == "before"
+        back = count(box)
+        assert back < later
+        time.sleep(0.4)
+        assert count(box) > back  # its processes run on
+
+        kids = box.fork(2)
+        try:
+            script = "hostname; cat /etc/machine-id; date +%s"
+            facts = [k.exec("sh", "-c", script).stdout.split() for k in kids]
+            assert facts[0][0] != facts[1][0] and facts[0][1] != facts[1][1]  # fork-safety
+            assert all(abs(int(f[2]) - time.time()) < 10 for f in facts)
+            kids[0].files.write("/root/mine", "0")
+            assert not kids[1].files.exists("/root/mine")
+            assert all(count(k) > 0 for k in kids)
+        finally:
+            for k in kids:
+                k.remove(force=True)
+
+
+def test_suspend_then_resume_from_another_process(busybox_root: Path) -> None:
+    name = f"gv-suspend-{os.getpid()}"
+    box = sandlot.create(rootfs=busybox_root, engine="gvisor", name=name, memory_mib=256)
+    try:
+        box.start()
+        box.exec("sh", "-c", COUNTER)
+        before = wait_count(box)
+        box.suspend()
+        assert box.state == "suspended" and box.inspect()["vm_pid"] is None
+        script = (
+            f"import sandlot\nb = sandlot.get({name!r})\nb.resume()\n"
+            "print(b.exec('cat', '/tmp/n').stdout.strip())\n"
+        )
+        r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, r.stderr
+        assert before <= int(r.stdout) < before + 30  # continued, not restarted
+        assert box.state == "running" and count(box) >= int(r.stdout)
+    finally:
+        box.remove(force=True)
+
+
+def test_export_is_refused_clearly(busybox_root: Path, tmp_path: Path) -> None:
+    with sandlot.Box(rootfs=busybox_root, engine="gvisor", memory_mib=256) as box:
+        snap = box.snapshot()
+        with pytest.raises(sandlot.InvalidState, match=r"engine 'gvisor'.*not exported yet"):
+            snap.export(tmp_path / "s.sandlot")
+        assert not list(tmp_path.iterdir())
         assert box.exec("true").exit_code == 0  # refused, not broken
+
+
+def test_a_saved_state_of_the_other_engine_is_refused(busybox_root: Path) -> None:
+    with sandlot.Box(rootfs=busybox_root, memory_mib=256) as box:  # qemu
+        snap = box.snapshot()
+    try:
+        with pytest.raises(sandlot.IncompatibleSnapshot, match=r"saved by the 'qemu' engine.*gvisor"):
+            snap.start(engine="gvisor")
+    finally:
+        snap.remove()
 
 
 def test_network_and_volumes_are_refused_clearly(busybox_root: Path, tmp_path: Path) -> None:

@@ -20,6 +20,8 @@ import zstandard
 
 import sandlot
 
+from tests.conftest import TEST_ENGINE
+
 pytestmark = pytest.mark.vm
 
 # A shell loop and a Python process whose state lives only in their memory;
@@ -69,7 +71,7 @@ def py(
 
 @pytest.fixture
 def counting_box(debian_root: Path) -> Iterator[sandlot.Box]:
-    box = sandlot.Box(rootfs=debian_root, memory_mib=256, keep=True)
+    box = sandlot.Box(rootfs=debian_root, memory_mib=256, keep=True, engine=TEST_ENGINE)
     box.start()
     box.sh(COUNTERS)
     wait_counters(box)

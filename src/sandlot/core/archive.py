@@ -43,7 +43,7 @@ import zstandard
 
 from ..config import fsync_dir
 from ..engine.base import Boot, Engine
-from ..errors import CorruptSnapshot, HostSetupError, InvalidArgument
+from ..errors import CorruptSnapshot, HostSetupError, InvalidArgument, InvalidState
 from . import layers, snapshots
 from .crashpoints import crash_point
 from .spec import BoxSpec
@@ -79,6 +79,11 @@ def export_snapshot(home: Path, engine: Engine, rec: SnapshotRecord, dest: Path)
     """Write ``rec`` (its memory shared, see ``Engine.share_memory``) to ``dest``;
     readers never see a partial file."""
     src = snapshots.snapshot_dir(home, rec.id)
+    if Path(rec.layer).suffix == layers.DIR_SUFFIX:
+        raise InvalidState(
+            f"snapshot {rec.name or rec.id} is of engine {engine.name!r}, whose saved states are not "
+            "exported yet (its disk is a layer directory, not a qcow2 chain)"
+        )
     if not engine.memory_shared(src):
         raise CorruptSnapshot(f"snapshot {rec.id} has no memory image to export")
     dest = dest.expanduser().absolute()

@@ -88,6 +88,10 @@ class LiveState:
             vm = self.launcher.vm_of(entry, rec)
             with snapshots.writing(home, snap_id) as tmp:
                 pause = await vm.save(tmp, new_disk=top, keep_running=True)
+            if vm.ref != rec.vm:  # an engine whose save ends the VM process runs it anew (gvisor)
+                moved = await self.db.update(entry.id, vm_pid=vm.ref.pid, vm_start=vm.ref.start)
+                if moved is not None:
+                    entry.update(moved)
             crash_point("snapshot.after-save")
             options: dict[str, Any] = {"box": rec.options, "image_ref": rec.image_ref,
                                        "image_digest": rec.image_digest, "rootfs": rec.rootfs,

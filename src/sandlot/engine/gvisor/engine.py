@@ -2,9 +2,10 @@
 speed where KVM is not usable. Not hardware isolation.
 
 A box's disk is a *layer directory* (``layers/<id>.dir``): ``upper/`` and
-``work/`` of a host overlay mount, and ``base``, the path of the image's unpacked
-root below it. Saved states (runsc checkpoint images) are not made yet: live
-state operations on a gVisor box are refused with ``SavedStateError``.
+``work/`` of a host overlay mount, ``base``, the path of the image's unpacked
+root at the bottom, and ``parent``, the frozen layer directory right below (a
+snapshot's), if any. A saved state is a ``runsc checkpoint`` image: forks,
+templates and rollbacks each restore it over a new layer on the frozen one.
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ from ..base import Boot, BootRequest, Engine, LaunchSpec, Placement, SavedState,
 from . import runsc
 from .vm import STATUS, GvisorVM, SandboxConfig, container_state, destroy
 
+CHECKPOINT = "checkpoint.img"  # what runsc checkpoint writes into its --image-path
+
 
 def layer_base(layer: Path) -> Path:
     """The image root a layer directory lies over (its ``base`` file)."""
@@ -35,7 +38,7 @@ def layer_base(layer: Path) -> Path:
 class GvisorEngine(Engine):
     name = "gvisor"
     disk_format: ClassVar[str] = "dir"
-    live_state: ClassVar[bool] = False
+    live_state: ClassVar[bool] = True
 
     def __init__(self, home: Path) -> None:
         self.home = home
@@ -76,14 +79,25 @@ class GvisorEngine(Engine):
         )  # fmt: skip
 
     async def launch(self, spec: LaunchSpec) -> GvisorVM:
-        if spec.saved is not None:
-            raise SavedStateError("engine 'gvisor' does not restore saved states yet")
         if spec.network is not None:
             raise InvalidArgument("engine='gvisor' runs boxes without a network for now")
-        cfg = self._config(spec.where, spec.boot, spec.disk, memory_mib=spec.memory_mib, cpus=spec.cpus)
+        boot = spec.boot
+        if spec.saved is not None:  # the agent build the state was saved with, not today's
+            boot = {**boot, "agent_dir": str(self._saved_agent(spec.saved.facts))}
+        cfg = self._config(spec.where, boot, spec.disk, memory_mib=spec.memory_mib, cpus=spec.cpus)
         vm = GvisorVM(cfg)
-        await vm.start()
+        await vm.start(restore_from=spec.saved.directory if spec.saved is not None else None)
         return vm
+
+    def _saved_agent(self, facts: dict[str, Any]) -> Path:
+        build = str((facts.get("engine_facts") or {}).get("agent_build") or "")
+        path = self.home / "agent" / build
+        if not build or "/" in build or build.startswith(".") or not (path / "sandlot-agent").is_file():
+            raise IncompatibleSnapshot(
+                f"the snapshot's agent build ({build or 'unnamed'}) is not in this home: a gVisor state "
+                "restores only with the very agent binary it was saved with"
+            )
+        return path
 
     def attach(self, ref: VMRef, where: Placement, boot: dict[str, Any]) -> GvisorVM:
         return GvisorVM.attach(self._config(where, boot, Path()), ref)
@@ -125,13 +139,13 @@ class GvisorEngine(Engine):
     # -- saved states ----------------------------------------------------------------------
 
     async def share_memory(self, state: SavedState, disk: Path) -> None:
-        raise SavedStateError("engine 'gvisor' does not save running states yet")
+        """A checkpoint image is already what many restores read: nothing to do."""
 
     def memory_shared(self, directory: Path) -> bool:
-        return False
+        return (directory / CHECKPOINT).is_file()
 
     def state_files(self, directory: Path) -> dict[str, Path]:
-        return {}
+        return {CHECKPOINT: directory / CHECKPOINT}
 
     def check_compatible(self, facts: dict[str, Any], boot: Boot) -> None:
         if facts.get("engine", "qemu") != self.name:
@@ -139,9 +153,16 @@ class GvisorEngine(Engine):
                 f"the snapshot was saved by the {facts.get('engine', 'qemu')!r} engine; this box runs on "
                 f"{self.name}, which cannot load it"
             )
-        saved, mine = (facts.get("engine_facts") or {}).get("runsc_version"), boot.record.get("runsc_version")
+        engine_facts = facts.get("engine_facts") or {}
+        saved, mine = engine_facts.get("runsc_version"), boot.record.get("runsc_version")
         if saved != mine:
             raise IncompatibleSnapshot(f"the snapshot was saved by runsc {saved}; this host has runsc {mine}")
+        if engine_facts.get("platform") != boot.record.get("platform"):
+            raise IncompatibleSnapshot(
+                f"the snapshot was saved on gVisor's {engine_facts.get('platform')} platform; this host "
+                f"runs {boot.record.get('platform')}"
+            )
+        self._saved_agent(facts)
 
     def facts_for_import(self, facts: dict[str, Any], boot: Boot) -> dict[str, Any]:
         return dict(facts)
@@ -189,5 +210,7 @@ class GvisorEngine(Engine):
             f"runsc {version} on its {platform} platform: a user-space kernel, not hardware isolation"
         )
         report["network"] = "none only (no egress proxy on gvisor yet)"
-        report["live_state"] = "not yet (snapshot, suspend, fork, templates and export are refused)"
+        report["live_state"] = (
+            "snapshot, suspend, fork and templates through runsc checkpoint and restore; export not yet"
+        )
         return report

@@ -50,6 +50,10 @@ CAPABILITIES = [
 ]  # fmt: skip
 
 MNT_DETACH = 2
+MAX_LOWER = 400  # overlayfs takes 500 lower layers; each snapshot of a box adds one
+START_TIMEOUT = 120.0  # a large saved state from a cold page cache takes a while
+MOUNT_DATA_MAX = 4096  # the kernel copies one page of mount options
+CONSOLE_DIR = "/.sandlot-console"  # the box's console directory on the host, bound read-write
 _libc = ctypes.CDLL(None, use_errno=True)
 
 
@@ -80,8 +84,13 @@ class SandboxConfig:
         return self.state_dir / "bundle"
 
     @property
+    def console_dir(self) -> Path:
+        """Bound into the sandbox, where its init writes its log (see ``--console``)."""
+        return self.state_dir / "console"
+
+    @property
     def console_log(self) -> Path:
-        return self.state_dir / "console.log"
+        return self.console_dir / "console.log"
 
     @property
     def runsc_log(self) -> Path:
@@ -111,14 +120,39 @@ def is_mounted(path: Path) -> bool:
     return any(line.split()[4] == target for line in text.splitlines() if len(line.split()) > 4)
 
 
+def lower_dirs(layer: Path, base: Path) -> list[Path]:
+    """What lies below a layer directory, top first: the ``upper`` of each frozen layer
+    its ``parent`` files name (snapshots froze them), then the image's root."""
+    out: list[Path] = []
+    here = layer
+    while True:
+        try:
+            parent = Path((here / "parent").read_text().strip())
+        except FileNotFoundError:
+            return [*out, base]
+        except OSError as exc:
+            raise SavedStateError(f"the layer {here} cannot be read: {exc}") from exc
+        if len(out) >= MAX_LOWER:
+            raise SavedStateError(f"the layer chain of {layer} is deeper than {MAX_LOWER} (or loops)")
+        out.append(parent / "upper")
+        here = parent
+
+
 def mount_overlay(cfg: SandboxConfig) -> None:
-    """The box's root: its layer over the image's root (a host overlayfs; root only)."""
+    """The box's root: its layer over the frozen layers below and the image's root (a
+    host overlayfs; root only)."""
     upper, work = cfg.layer / "upper", cfg.layer / "work"
     upper.mkdir(exist_ok=True)
     work.mkdir(exist_ok=True)
     cfg.root.mkdir(parents=True, exist_ok=True)
     unmount(cfg.root)
-    opts = f"lowerdir={cfg.base},upperdir={upper},workdir={work}".encode()
+    lower = ":".join(str(p) for p in lower_dirs(cfg.layer, cfg.base))
+    opts = f"lowerdir={lower},upperdir={upper},workdir={work}".encode()
+    if len(opts) >= MOUNT_DATA_MAX:
+        raise SavedStateError(
+            f"the box's disk is too many snapshots deep for one overlay mount ({len(opts)} bytes of "
+            "layer paths): start a new box from its latest snapshot, or copy its files out"
+        )
     if _libc.mount(b"overlay", str(cfg.root).encode(), b"overlay", 0, opts) != 0:
         err = ctypes.get_errno()
         raise HostSetupError(f"cannot mount the box's overlay root at {cfg.root}: {os.strerror(err)}")
@@ -141,7 +175,15 @@ def oci_config(cfg: SandboxConfig) -> dict[str, Any]:
         "process": {
             "terminal": False,
             "user": {"uid": 0, "gid": 0},
-            "args": [AGENT, "--listen", SOCKETS, "--ports", str(cfg.ports)],
+            "args": [
+                AGENT,
+                "--listen",
+                SOCKETS,
+                "--ports",
+                str(cfg.ports),
+                "--console",
+                f"{CONSOLE_DIR}/console.log",
+            ],
             "env": ["PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "HOME=/root"],
             "cwd": "/",
             "capabilities": {"bounding": caps, "effective": caps, "permitted": caps},
@@ -154,6 +196,7 @@ def oci_config(cfg: SandboxConfig) -> dict[str, Any]:
             {"destination": "/dev", "type": "tmpfs", "source": "tmpfs"},
             {"destination": "/sys", "type": "sysfs", "source": "sysfs", "options": ["nosuid", "noexec"]},
             {"destination": AGENT_DIR, "type": "bind", "source": str(cfg.agent_dir), "options": ["ro"]},
+            {"destination": CONSOLE_DIR, "type": "bind", "source": str(cfg.console_dir), "options": ["rw"]},
         ],
         "linux": {
             "namespaces": [{"type": t} for t in ("pid", "network", "ipc", "uts", "mount")],
@@ -161,6 +204,25 @@ def oci_config(cfg: SandboxConfig) -> dict[str, Any]:
             "cgroupsPath": f"/sandlot/{cfg.cid}",
         },
     }
+
+
+def _read_pid(path: Path) -> int:
+    try:
+        text = path.read_text().strip()
+    except OSError:
+        return 0
+    return int(text) if text.isdigit() else 0
+
+
+def parent_of(pid: int) -> VMRef | None:
+    """The parent of ``pid``, unless it is the host's init (an orphan's adopter)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    ppid = int(stat[stat.rindex(")") + 2 :].split()[1])
+    start = pids.start_time(ppid)
+    return VMRef(ppid, start) if ppid > 1 and start else None
 
 
 def container_state(cfg: SandboxConfig) -> dict[str, Any] | None:
@@ -186,7 +248,11 @@ def destroy(cfg: SandboxConfig) -> None:
 
 
 class GvisorVM(VM):
-    """One sandbox: started here, or found again by its sandbox process from another process."""
+    """One sandbox: started here, or found again by its sandbox process from another process.
+
+    A saved state is written by ``runsc checkpoint``, which ends the sandbox: a snapshot
+    restores it at once over the box's new top layer, so the sandbox process changes
+    (``ref``) while the VM, for the core, runs on."""
 
     def __init__(self, cfg: SandboxConfig) -> None:
         self.cfg = cfg
@@ -194,33 +260,55 @@ class GvisorVM(VM):
         self._exited: asyncio.Future[int | None] | None = None
         self._pidfd: int | None = None
         self._relays: set[asyncio.subprocess.Process] = set()
+        self._open: asyncio.Event | None = None  # cleared while a save runs: no new relay may start
+        self._ending = False  # a save that leaves the sandbox stopped (a suspend) is under way
 
-    async def start(self) -> None:
+    async def start(self, restore_from: Path | None = None) -> None:
+        """Run the sandbox: booted, or (``restore_from``) from a checkpoint image."""
         cfg = self.cfg
         cfg.run_dir.mkdir(parents=True, exist_ok=True)
         cfg.bundle.mkdir(parents=True, exist_ok=True)
+        cfg.console_dir.mkdir(parents=True, exist_ok=True)
         await asyncio.to_thread(destroy, cfg)  # a crash's leftovers under the same id
         await asyncio.to_thread(mount_overlay, cfg)
         (cfg.bundle / "config.json").write_text(json.dumps(oci_config(cfg)))
         cfg.runsc_log.write_bytes(b"")
-        # The container's stdout and stderr are runsc's own, inherited by the sandbox for
-        # its whole life: a pipe would never reach its end, so both go to the console log
-        # (where runsc's own complaints then land too).
-        with open(cfg.console_log, "wb") as console:
-            proc = await asyncio.to_thread(
-                subprocess.run,
-                [*cfg.flags(), "run", "--detach", f"--bundle={cfg.bundle}", cfg.cid],
-                stdin=subprocess.DEVNULL, stdout=console, stderr=console, timeout=60,
-            )  # fmt: skip
-        if proc.returncode != 0:
-            await asyncio.to_thread(destroy, cfg)
-            raise BootError(f"runsc could not start the sandbox:\n{tail(cfg.runsc_log, 20)}",
-                            tail(cfg.console_log))  # fmt: skip
-        state = await asyncio.to_thread(container_state, cfg)
-        pid = int(state.get("pid") or 0) if state else 0
-        if pid <= 0:
-            await asyncio.to_thread(destroy, cfg)
-            raise BootError("runsc started the sandbox but did not report its process", tail(cfg.console_log))
+        pid_file = cfg.state_dir / "sandbox.pid"  # written once the sandbox runs
+        pid_file.unlink(missing_ok=True)
+        common = [f"--bundle={cfg.bundle}", f"--pid-file={pid_file}"]
+        if restore_from is None:
+            cfg.console_log.write_bytes(b"")
+            argv = [*cfg.flags(), "run", *common, cfg.cid]
+        else:
+            cfg.console_log.touch()  # the restored init's log is reopened by its path
+            argv = [*cfg.flags(), "restore", f"--image-path={restore_from}", *common, cfg.cid]
+        what = "start the sandbox" if restore_from is None else "restore the saved state"
+        # Not --detach: this runsc stays the sandbox's parent and reaps it the moment it
+        # ends, so that nothing waits on an orphan for whatever init the host has (runsc
+        # delete does, and a checkpoint ends the sandbox). Its own session: it outlives
+        # this process, as the box does. The container's stdout and stderr are runsc's
+        # own, so both go to the console log (where runsc's complaints then land too).
+        with open(cfg.console_log, "ab") as console:
+            runner = subprocess.Popen(
+                argv, stdin=subprocess.DEVNULL, stdout=console, stderr=console, start_new_session=True
+            )
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + START_TIMEOUT
+        delay = 0.005
+        while True:
+            if _read_pid(pid_file):
+                state = await asyncio.to_thread(container_state, cfg)
+                pid = int(state.get("pid") or 0) if state else 0
+                if state is not None and state.get("status") == "running" and pid > 0:
+                    break
+            if runner.poll() is not None or loop.time() > deadline:
+                if runner.returncode is None:
+                    runner.kill()
+                await asyncio.to_thread(runner.wait)
+                await asyncio.to_thread(destroy, cfg)
+                raise BootError(f"runsc could not {what}:\n{tail(cfg.runsc_log, 20)}", tail(cfg.console_log))
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 0.05)
         self.ref = VMRef(pid, pids.start_time(pid) or "")
         self._watch_exit()
 
@@ -233,7 +321,8 @@ class GvisorVM(VM):
 
     def _watch_exit(self) -> None:
         loop = asyncio.get_running_loop()
-        self._exited = loop.create_future()
+        if self._exited is None or self._exited.done():
+            self._exited = loop.create_future()
         if not pids.alive(self.ref.pid, self.ref.start):
             self._exited.set_result(None)
             return
@@ -244,12 +333,16 @@ class GvisorVM(VM):
             return
         loop.add_reader(self._pidfd, self._gone)
 
-    def _gone(self) -> None:
+    def _unwatch(self) -> None:
+        """Stop taking the sandbox process's end for the VM's (a checkpoint ends it)."""
         if self._pidfd is not None:
             with contextlib.suppress(Exception):
                 asyncio.get_running_loop().remove_reader(self._pidfd)
             os.close(self._pidfd)
             self._pidfd = None
+
+    def _gone(self) -> None:
+        self._unwatch()
         if self._exited is not None and not self._exited.done():
             self._exited.set_result(None)  # not our child: its status is runsc's to know
 
@@ -257,7 +350,7 @@ class GvisorVM(VM):
 
     @property
     def running(self) -> bool:
-        return self._exited is not None and not self._exited.done()
+        return self._exited is not None and not self._exited.done() and not self._ending
 
     def exited(self) -> asyncio.Future[int | None]:
         assert self._exited is not None
@@ -274,7 +367,9 @@ class GvisorVM(VM):
 
     async def kill(self, grace: float = 2.0) -> None:
         """SIGTERM to the box's init first, the whole sandbox killed after ``grace``."""
-        if self.running:
+        if not pids.alive(self.ref.pid, self.ref.start):
+            self._gone()  # a suspend's checkpoint ended it already
+        if self.running or self._ending:
             with contextlib.suppress(Exception):
                 await asyncio.to_thread(runsc.run, [*self.cfg.flags(), "kill", self.cfg.cid, "TERM"], 10.0)
             if not await self.wait_exit(grace) and pids.alive(self.ref.pid, self.ref.start):
@@ -283,10 +378,11 @@ class GvisorVM(VM):
                 await self.wait_exit(5.0)
         await asyncio.to_thread(destroy, self.cfg)
 
-    async def _runsc(self, *args: str) -> None:
-        proc = await asyncio.to_thread(runsc.run, [*self.cfg.flags(), *args], 30.0)
+    async def _runsc(self, *args: str, timeout: float = 30.0) -> None:
+        proc = await asyncio.to_thread(runsc.run, [*self.cfg.flags(), *args], timeout)
         if proc.returncode != 0:
-            raise SavedStateError(f"runsc {args[0]} failed: {proc.stderr.strip()}")
+            why = proc.stderr.strip() or tail(self.cfg.runsc_log, 5)
+            raise SavedStateError(f"runsc {args[0]} failed: {why}")
 
     async def pause(self) -> None:
         await self._runsc("pause", self.cfg.cid)
@@ -303,10 +399,124 @@ class GvisorVM(VM):
         return STATUS.get(str(state.get("status")), VMStatus.UNKNOWN)
 
     async def run_restored(self, timeout: float) -> None:
-        raise SavedStateError("engine 'gvisor' does not restore saved states yet")
+        """``runsc restore --detach`` returned once the state was loaded and running."""
+        if await self.status() != VMStatus.RUNNING:
+            raise self.failure("the restored sandbox is not running")
 
     async def save(self, directory: Path, *, new_disk: Path | None, keep_running: bool) -> float:
-        raise SavedStateError("engine 'gvisor' does not save running states yet")
+        """Checkpoint the sandbox into ``directory`` (which ends it) and, to keep it running,
+        restore it at once over ``new_disk``. No host file may be open in the sandbox
+        then: its relays (this process's and any other's) are ended first, and no new one
+        starts until the save is over (this process's wait; others' find it paused)."""
+        loop = asyncio.get_running_loop()
+        gate = self._gate()
+        gate.clear()
+        self._ending = not keep_running  # a suspend: this process's sessions wait for a resume
+        try:
+            await self._quiesce()
+            t0 = loop.time()
+            runner = parent_of(self.ref.pid)
+            self._unwatch()
+            proc = await asyncio.to_thread(
+                runsc.run, [*self.cfg.flags(), "checkpoint", f"--image-path={directory}", self.cfg.cid], 300.0
+            )
+            if proc.returncode != 0:
+                self._ending = False
+                if pids.alive(self.ref.pid, self.ref.start):
+                    self._watch_exit()
+                    with contextlib.suppress(SavedStateError):
+                        await self.resume()
+                else:
+                    self._gone()
+                raise SavedStateError(
+                    f"runsc checkpoint failed: {proc.stderr.strip() or tail(self.cfg.runsc_log, 5)}"
+                )
+            # The image is whole once runsc returns; a booted sandbox then takes seconds to
+            # wind down by itself (a restored one does not): nothing of it is needed any more.
+            with contextlib.suppress(OSError):
+                fd = os.open(directory / "checkpoint.img", os.O_RDONLY)
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+            if pids.alive(self.ref.pid, self.ref.start):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(self.ref.pid, signal.SIGKILL)
+            await self._reaped(self.ref)
+            if runner is not None:
+                # the runsc that ran it deletes the container as it ends: the restore must not
+                # make its container of the same name before that
+                await self._reaped(runner)
+            if keep_running:
+                if new_disk is not None:
+                    self.cfg.layer = new_disk
+                    self.cfg.base = Path((new_disk / "base").read_text().strip())
+                try:
+                    await self.start(restore_from=directory)
+                except BaseException:
+                    self._gone()
+                    raise
+            return loop.time() - t0
+        finally:
+            gate.set()
+
+    def _gate(self) -> asyncio.Event:
+        if self._open is None:
+            self._open = asyncio.Event()
+            self._open.set()
+        return self._open
+
+    async def _reaped(self, ref: VMRef) -> None:
+        """Wait for a process to end (the checkpointed sandbox, then the runsc that ran it)."""
+        for _ in range(500):
+            if not pids.alive(ref.pid, ref.start):
+                return
+            await asyncio.sleep(0.005)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(ref.pid, signal.SIGKILL)
+
+    async def _quiesce(self) -> None:
+        """End every process started from outside the sandbox (``runsc exec``: the relays
+        of this process and of others), whose standard streams are host pipes no saved
+        state can hold; then pause the sandbox, in which no new one can start."""
+        mine = list(self._relays)
+        for proc in mine:
+            if proc.stdin is not None:
+                proc.stdin.close()  # the relay's end of input: it closes the socket and exits
+        if mine:
+            await asyncio.wait([asyncio.ensure_future(p.wait()) for p in mine], timeout=2.0)
+        for proc in mine:
+            if proc.returncode is None:
+                with contextlib.suppress(ProcessLookupError):
+                    proc.kill()
+        for _ in range(50):
+            outsiders = await self._outsiders()
+            if not outsiders:
+                await self.pause()
+                if not await self._outsiders():
+                    return
+                await self.resume()
+                continue
+            for pid in outsiders:
+                await asyncio.to_thread(
+                    runsc.run, [*self.cfg.flags(), "kill", f"--pid={pid}", self.cfg.cid, "KILL"], 10.0
+                )
+            await asyncio.sleep(0.02)
+        raise SavedStateError(
+            "processes started from outside the sandbox kept coming; the state was not saved"
+        )
+
+    async def _outsiders(self) -> list[int]:
+        """The pids in the sandbox started by ``runsc exec`` (parent 0, and not the init)."""
+        proc = await asyncio.to_thread(runsc.run, [*self.cfg.flags(), "ps", self.cfg.cid], 10.0)
+        if proc.returncode != 0:
+            raise SavedStateError(f"runsc ps failed: {proc.stderr.strip()}")
+        out = []
+        for line in proc.stdout.splitlines()[1:]:
+            fields = line.split()
+            if len(fields) >= 3 and fields[1].isdigit() and fields[2] == "0" and fields[1] != "1":
+                out.append(int(fields[1]))
+        return out
 
     async def published_ports(self) -> list[tuple[str, int, int]]:
         return []
@@ -315,6 +525,9 @@ class GvisorVM(VM):
         cfg = self.cfg
 
         async def connect() -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+            await self._gate().wait()  # a save in progress: the sandbox it restores answers
+            if not self.running:
+                raise ConnectionRefusedError(f"agent port {port}: the sandbox has ended")
             argv = [*cfg.flags(), "exec", cfg.cid, AGENT, "--relay", f"{SOCKETS}/port.{port}"]
             proc = await asyncio.create_subprocess_exec(
                 *argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -347,7 +560,12 @@ class GvisorVM(VM):
             "agent_ports": cfg.ports,
             "network": False,
             "accel": cfg.platform,
-            "engine_facts": {"runsc_version": runsc.runsc_version(), "platform": cfg.platform},
+            # the restored init maps its executable again by path: it must be the very same build
+            "engine_facts": {
+                "runsc_version": runsc.runsc_version(),
+                "platform": cfg.platform,
+                "agent_build": cfg.agent_dir.name,
+            },
         }
 
     def console_tail(self, lines: int = 40) -> str:
