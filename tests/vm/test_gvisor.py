@@ -157,13 +157,23 @@ def test_suspend_then_resume_from_another_process(busybox_root: Path) -> None:
         box.remove(force=True)
 
 
-def test_export_is_refused_clearly(busybox_root: Path, tmp_path: Path) -> None:
+def test_export_then_import_into_another_home(busybox_root: Path, other_home: Path, tmp_path: Path) -> None:
     with sandlot.Box(rootfs=busybox_root, engine="gvisor", memory_mib=256) as box:
-        snap = box.snapshot()
-        with pytest.raises(sandlot.InvalidState, match=r"engine 'gvisor'.*not exported yet"):
-            snap.export(tmp_path / "s.sandlot")
-        assert not list(tmp_path.iterdir())
-        assert box.exec("true").exit_code == 0  # refused, not broken
+        box.exec("sh", "-c", COUNTER)
+        before = wait_count(box)
+        box.files.write("/root/moved", "with the box")
+        box.exec("rm", "/bin/ls")  # a deletion (an overlay whiteout) moves too
+        archive = box.snapshot("to-move").export(tmp_path / "box.sandlot")
+    assert archive.is_file() and not list(tmp_path.glob(".*"))
+    moved = sandlot.import_snapshot(archive, home=other_home, name="moved")
+    assert isinstance(moved, sandlot.Box)
+    try:
+        assert moved.state == "running" and moved.inspect()["engine"] == "gvisor"
+        assert moved.files.read_text("/root/moved") == "with the box"
+        assert not moved.files.exists("/bin/ls") and moved.files.exists("/bin/busybox")
+        assert before <= count(moved) < before + 50  # the process came along, still counting
+    finally:
+        moved.remove(force=True)
 
 
 def test_a_saved_state_of_the_other_engine_is_refused(busybox_root: Path) -> None:

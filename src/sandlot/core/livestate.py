@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from .. import pids
-from ..engine.base import BootRequest, SavedState
+from ..engine.base import Boot, BootRequest, Engine, SavedState
 from ..errors import InvalidArgument, InvalidState, SnapshotInUse, SnapshotNotFound
 from . import archive, layers, snapshots
 from .controller import BoxController
@@ -424,9 +424,11 @@ class LiveState:
         """Verify an exported snapshot (integrity, compatibility with this host) and add it."""
         rt = self.rt
 
+        def engine_for(name: str) -> tuple[Engine, Boot]:
+            engine = rt.engine(name)
+            return engine, engine.prepare(BootRequest())
+
         def verify_and_add() -> SnapshotRecord:
-            engine = rt.engine("qemu")
-            boot = engine.prepare(BootRequest())
-            return archive.import_snapshot(rt.home, rt.store, engine, boot, path)
+            return archive.import_snapshot(rt.home, rt.store, engine_for, path)
 
         return await asyncio.to_thread(verify_and_add)

@@ -13,6 +13,8 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import subprocess
+import tempfile
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -22,7 +24,16 @@ from ...guest.agent import build_agent
 from .. import hostcgroup
 from ..base import Boot, BootRequest, Engine, LaunchSpec, Placement, SavedState, VMRef, VMStatus
 from . import runsc
-from .vm import STATUS, GvisorVM, SandboxConfig, container_state, destroy
+from .vm import (
+    STATUS,
+    GvisorVM,
+    SandboxConfig,
+    container_state,
+    destroy,
+    lower_dirs,
+    mount_read_only,
+    unmount,
+)
 
 CHECKPOINT = "checkpoint.img"  # what runsc checkpoint writes into its --image-path
 
@@ -167,6 +178,26 @@ class GvisorEngine(Engine):
     def facts_for_import(self, facts: dict[str, Any], boot: Boot) -> dict[str, Any]:
         return dict(facts)
 
+    def flatten_root(self, layer: Path, dest: Path) -> None:
+        """A read-only overlay of the layer and all below it (the merged view the box saw,
+        whiteouts applied), written out by tar with owners, modes and xattrs."""
+        mnt = Path(tempfile.mkdtemp(prefix=".flatten-", dir=layer.parent))
+        try:
+            mount_read_only([layer / "upper", *lower_dirs(layer, layer_base(layer))], mnt)
+            try:
+                proc = subprocess.run(
+                    ["tar", "--numeric-owner", "--xattrs", "--xattrs-include=*", "--sparse", "-C", str(mnt),
+                     "-cf", str(dest), "."],
+                    capture_output=True, text=True,
+                )  # fmt: skip
+                if proc.returncode != 0:
+                    raise SavedStateError(f"writing the box's files out failed: {proc.stderr.strip()[-400:]}")
+            finally:
+                unmount(mnt)
+        finally:
+            with contextlib.suppress(OSError):
+                mnt.rmdir()
+
     # -- facts ----------------------------------------------------------------------------
 
     def usage(self, ref: VMRef | None) -> dict[str, Any]:
@@ -210,7 +241,5 @@ class GvisorEngine(Engine):
             f"runsc {version} on its {platform} platform: a user-space kernel, not hardware isolation"
         )
         report["network"] = "none only (no egress proxy on gvisor yet)"
-        report["live_state"] = (
-            "snapshot, suspend, fork and templates through runsc checkpoint and restore; export not yet"
-        )
+        report["live_state"] = "snapshot, suspend, fork, templates, export: runsc checkpoint and restore"
         return report

@@ -50,6 +50,7 @@ CAPABILITIES = [
 ]  # fmt: skip
 
 MNT_DETACH = 2
+MS_RDONLY = 1
 MAX_LOWER = 400  # overlayfs takes 500 lower layers; each snapshot of a box adds one
 START_TIMEOUT = 120.0  # a large saved state from a cold page cache takes a while
 MOUNT_DATA_MAX = 4096  # the kernel copies one page of mount options
@@ -156,6 +157,16 @@ def mount_overlay(cfg: SandboxConfig) -> None:
     if _libc.mount(b"overlay", str(cfg.root).encode(), b"overlay", 0, opts) != 0:
         err = ctypes.get_errno()
         raise HostSetupError(f"cannot mount the box's overlay root at {cfg.root}: {os.strerror(err)}")
+
+
+def mount_read_only(lower: list[Path], target: Path) -> None:
+    """A read-only overlay of ``lower`` (top first; two at least) at ``target``."""
+    opts = ("lowerdir=" + ":".join(str(p) for p in lower)).encode()
+    if len(opts) >= MOUNT_DATA_MAX:
+        raise SavedStateError("the layer chain is too deep for one overlay mount")
+    if _libc.mount(b"overlay", str(target).encode(), b"overlay", MS_RDONLY, opts) != 0:
+        err = ctypes.get_errno()
+        raise HostSetupError(f"cannot mount a read-only overlay at {target}: {os.strerror(err)}")
 
 
 def unmount(path: Path) -> None:
