@@ -157,6 +157,32 @@ def test_suspend_then_resume_from_another_process(busybox_root: Path) -> None:
         box.remove(force=True)
 
 
+def test_a_snapshot_by_another_process_keeps_this_ones_connection(busybox_root: Path) -> None:
+    """The other process's save ends this process's relay too: its session waits for the
+    snapshot to finish, then follows the restored sandbox, its running command with it."""
+    name = f"gv-other-{os.getpid()}"
+    box = sandlot.create(rootfs=busybox_root, engine="gvisor", name=name, memory_mib=256)
+    try:
+        box.start()
+        echo = box.spawn("sh", "-c", 'while read l; do echo "got $l"; done')
+        lines = echo.stdout.lines()
+        echo.write_stdin("one\n")
+        assert next(lines) == b"got one\n"
+        script = f"import sandlot\nprint(sandlot.get({name!r}).snapshot('by-other').name)\n"
+        r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0 and r.stdout.strip() == "by-other", r.stderr
+        echo.write_stdin("two\n")
+        assert next(lines) == b"got two\n"
+        echo.close_stdin()
+        assert echo.wait(10) == 0
+        assert box.exec("echo", "still").stdout == "still\n"
+    finally:
+        box.remove(force=True)
+        for snap in sandlot.list_snapshots():
+            if snap.box_name == name:
+                snap.remove()
+
+
 def test_export_then_import_into_another_home(busybox_root: Path, other_home: Path, tmp_path: Path) -> None:
     with sandlot.Box(rootfs=busybox_root, engine="gvisor", memory_mib=256) as box:
         box.exec("sh", "-c", COUNTER)
