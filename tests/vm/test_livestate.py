@@ -214,7 +214,7 @@ def test_cli_snapshot_commands(counting_box: sandlot.Box) -> None:
 def test_template_starts_with_its_server_running(debian_root: Path) -> None:
     name = f"web-{os.urandom(3).hex()}"
     tmpl = sandlot.template(
-        rootfs=debian_root, memory_mib=256, name=name,
+        rootfs=debian_root, memory_mib=256, name=name, engine=TEST_ENGINE,
         setup=["mkdir -p /srv && echo hello-from-template > /srv/index.html",
                "cd /srv && nohup python3 -m http.server 8000 >/dev/null 2>&1 & sleep 1.5"],
     )  # fmt: skip
@@ -241,11 +241,11 @@ def test_plain_box_of_an_image_restores_its_automatic_template(debian_root: Path
     # same tree under other names, and a digest's template lives as long as one of them
     sandlot.import_image(debian_root, ref, labels={"sandlot.test": tag})
     try:
-        with sandlot.Box(ref, memory_mib=256) as first:
+        with sandlot.Box(ref, memory_mib=256, engine=TEST_ENGINE) as first:
             assert first.inspect()["origin"] is None  # booted
         templates = [s for s in sandlot.list_snapshots(kind="template") if s.box_name == first.name]
         assert len(templates) == 1
-        with sandlot.Box(ref, memory_mib=256) as second:
+        with sandlot.Box(ref, memory_mib=256, engine=TEST_ENGINE) as second:
             assert second.inspect()["origin"] == templates[0].id  # restored, not booted
             assert second.exec("hostname").stdout.strip() == second.hostname
             assert second.exec("python3", "-c", "print(6*7)").stdout == "42\n"
