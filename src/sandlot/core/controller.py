@@ -552,12 +552,13 @@ class BoxController:
         """A box's agent socket closed: reconnect if its VM lives (or once a suspended
         or rolled-back box runs again, here or in another process); else say why it is gone."""
         await asyncio.sleep(0.05)
-        # A snapshot taken by another process, on an engine whose save ends every
-        # connection and the VM process (gvisor: a checkpoint, then a restore): wait for
-        # it, then follow the VM it runs on.
+        # A save by another process, on an engine whose save ends every connection and
+        # the VM process (gvisor: a checkpoint, then a restore for a snapshot): wait for
+        # it, then follow the VM it runs on (or wait for the resume below).
+        saving = (BoxState.SNAPSHOTTING, BoxState.SUSPENDING)
         for _ in range(6000):  # a save's own limit is minutes: recovery ends one cut short
             found = await self.db.find(session.box_id)
-            if found is None or found.state != BoxState.SNAPSHOTTING or found.engine == "qemu":
+            if found is None or found.state not in saving or found.engine == "qemu":
                 break
             if session.conn is None:
                 break
