@@ -44,6 +44,8 @@ from .errors import (
     InterpreterError,
     InvalidArgument,
     InvalidState,
+    NoCapacity,
+    NodeNotFound,
     NotFound,
     PortUnreachable,
     ProtocolError,
@@ -128,7 +130,9 @@ _ALIASES = {
 def __getattr__(name: str) -> Any:
     import importlib
 
-    if name in _LAZY:
+    if name == "fleet":  # Ray is imported only by those who ask for a fleet
+        value: Any = importlib.import_module(".fleet", __name__)
+    elif name in _LAZY:
         value = getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
     elif name in _ALIASES:
         owner, attr = _ALIASES[name]
@@ -190,6 +194,8 @@ __all__ = [
     "InterpreterError",
     "InvalidArgument",
     "InvalidState",
+    "NoCapacity",
+    "NodeNotFound",
     "NotFound",
     "PortUnreachable",
     "Process",

@@ -9,7 +9,8 @@ Catch ``SandlotError`` for all of them, or a branch for what you care about::
     ├── NotFound (also LookupError)
     │   ├── BoxNotFound                        no box by that id or name
     │   ├── SnapshotNotFound                   no snapshot or template by that id or name
-    │   └── CodeContextNotFound                no code context by that id in the box
+    │   ├── CodeContextNotFound                no code context by that id in the box
+    │   └── NodeNotFound                       no fleet node by that id (``sandlot.fleet``)
     ├── InvalidState                           not possible in the box's state; has .allowed
     │   ├── BoxBusy                            another process holds the box too long
     │   ├── BoxCrashed                         the VM died; has .console_tail
@@ -29,6 +30,7 @@ Catch ``SandlotError`` for all of them, or a branch for what you care about::
     ├── Unauthorized                           a server request without a valid API key
     ├── Forbidden                              the key may not do this (admin only)
     ├── QuotaExceeded                          over a key's quota; has .limit, .value
+    ├── NoCapacity                             no fleet node has room for the box (in time)
     ├── RequestError                           a server refused a request as malformed
     └── GuestError                             the guest refused an operation
         └── GuestOSError (also OSError)        with .errno, and per-errno subclasses:
@@ -119,6 +121,12 @@ class CodeContextNotFound(NotFound):
     """No code context by that id in the box (it was removed, or the box rebooted)."""
 
     code = "code_context_not_found"
+
+
+class NodeNotFound(NotFound):
+    """No node of the fleet has that id (or it is not a sandlot node, or it is dead)."""
+
+    code = "node_not_found"
 
 
 class InvalidState(SandlotError):
@@ -317,6 +325,13 @@ class QuotaExceeded(SandlotError):
 
     def _fields(self) -> dict[str, Any]:
         return {"limit": self.limit, "value": self.value}
+
+
+class NoCapacity(SandlotError):
+    """No node of the fleet has room for the box's CPUs and memory (Ray's scheduler did
+    not place its reservation in time); nothing was made or moved."""
+
+    code, status = "no_capacity", 503
 
 
 class PortUnreachable(SandlotError):

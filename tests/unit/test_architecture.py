@@ -24,6 +24,7 @@ LAYERS: dict[str, int] = {
     "sandlot.engine": 3,
     "sandlot.core": 4,
     "sandlot.api": 5,
+    "sandlot.fleet": 6,  # the fleet on Ray, on the API (next to the tools; neither imports the other)
     "sandlot.tools": 6,  # the tools for language models, on the API
     "sandlot.mcp": 7,  # the tools as an MCP server
     "sandlot.server": 8,  # it mounts the MCP server at /mcp

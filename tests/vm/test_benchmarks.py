@@ -17,6 +17,7 @@ BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
 PROMISED = {
     "core": ["boot_to_first_exec_s", "exec_true_ms", "stdout_MBps", "upload_MBps", "idle_256MiB_box_pss_MiB"],
     "durable": ["create_start_first_exec_s", "stop_s", "start_to_first_exec_s"],
+    "fleet": ["create_first_exec_s", "exec_true_ms", "migration_256MiB", "fork"],
     "images": [
         "cold_pull_unpack_base_s",
         "ratio_sandlot_over_skopeo_umoci",

@@ -280,4 +280,8 @@ def test_http_tools_act_within_the_keys_namespace(served: Served) -> None:
         actions = {e["action"] for e in entries}
         assert {"POST /v1/boxes", "POST /v1/boxes/{box}/exec", "DELETE /v1/boxes/{box}"} <= actions
 
-    asyncio.run(session())
+    try:
+        asyncio.run(session())
+    finally:  # boxes made over MCP are durable: a failed run must not leave them running
+        for b in sandlot.list(labels={"sandlot.namespace": f"mcp-a-{tag}"}):
+            b.remove(force=True)

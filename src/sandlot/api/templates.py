@@ -96,6 +96,20 @@ async def import_snapshot_async(
     return boxes[0]
 
 
+async def restore_moved_box_async(
+    snapshot: AsyncSnapshot | str, *, box_id: str, name: str, labels: dict[str, str] | None = None,
+    home: str | os.PathLike[str] | None = None,
+) -> AsyncBox:  # fmt: skip
+    """Start the box a snapshot was moved here for, under the id and name it had in its
+    old home (a box migrated or recovered from another host is the same box): one box,
+    processes running. The id must be free in this home."""
+    rt = Runtime.for_home(home)
+    core = core_for(rt)
+    rec = snapshot.record if isinstance(snapshot, AsyncSnapshot) else await core.live.find_snapshot(snapshot)
+    entries = await core.live.start_boxes(rec, 1, name=name, box_id=box_id, labels=dict(labels or {}))
+    return AsyncBox.of(core, entries[0])
+
+
 def import_snapshot(
     path: str | os.PathLike[str], *, name: str | None = None, home: str | os.PathLike[str] | None = None,
     start: bool = True, **box_options: Any,

@@ -9,6 +9,7 @@
     sandlot serve                                              the HTTP server (and MCP at /mcp)
     sandlot mcp                                                the tools for models, over MCP stdio
     sandlot keys create|ls|revoke, audit                       its API keys, its audit trail
+    sandlot fleet join|nodes|ls|migrate                        boxes over the nodes of a Ray cluster
 
 Exit codes: a command's own status for ``run`` and ``exec``; 125 when sandlot
 itself failed; 127 when the command does not exist; 2 for usage errors.
@@ -20,7 +21,7 @@ from __future__ import annotations
 def main() -> None:
     import sys
 
-    from . import access, boxes, host, images, livestate, mcp, server  # noqa: F401 - they register on `app`
+    from . import access, boxes, fleet, host, images, livestate, mcp, server  # noqa: F401 - they register on `app`
     from .common import app
 
     try:

@@ -15,6 +15,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import time
 from pathlib import Path
 from typing import Any
@@ -32,6 +33,8 @@ from .runtime import Runtime
 from .state import BoxState, Op, check
 from .store import AsyncStore, SnapshotRecord
 from .validate import count
+
+BOX_ID_RE = re.compile(r"[0-9a-f]{12}")
 
 log = logging.getLogger("sandlot")
 
@@ -249,12 +252,18 @@ class LiveState:
 
     async def start_boxes(
         self, snap: SnapshotRecord, n: int = 1, *, name: str | None = None, as_prefix: bool = False,
-        **options: Any,
+        box_id: str | None = None, **options: Any,
     ) -> list[BoxEntry]:  # fmt: skip
         """Start ``n`` boxes from a saved state, all or none. They share unchanged memory
         copy-on-write and each has its own disk layer, hostname, machine-id, RNG state
-        and wall clock. ``name``: the box's name if ``n`` is 1, else the prefix of their names."""
+        and wall clock. ``name``: the box's name if ``n`` is 1, else the prefix of their names.
+        ``box_id``: the id of the one box (a box moved from another home keeps its id)."""
         count(n)
+        if box_id is not None:
+            if n != 1:
+                raise InvalidArgument("box_id names one box; start one box with it (n=1)")
+            if not BOX_ID_RE.fullmatch(box_id):
+                raise InvalidArgument(f"box_id must be 12 lowercase hex digits, not {box_id!r}")
         found = await self.db.find_snapshot(snap.id)
         if found is None:
             raise SnapshotNotFound(f"snapshot {snap.id} was removed")
@@ -267,6 +276,8 @@ class LiveState:
                              template=found, keep=True)
             for _ in range(n)
         ]  # fmt: skip
+        if box_id is not None:
+            requests[0].id = box_id
         made: list[BoxEntry] = []
 
         async def one(req: BoxRequest) -> None:

@@ -1,0 +1,93 @@
+"""A real multi-node Ray cluster on this machine for the fleet's tests and benchmarks:
+``ray.cluster_utils.Cluster``, each node a raylet of its own with its own
+``SANDLOT_HOME`` (sharing the default home's kernel, agent and initramfs, so nothing
+is fetched again) and its own sandlot resources. Sized for a small host: one Ray
+CPU and a 100 MiB object store per node, no dashboard."""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import sandlot
+
+# a dead raylet is noticed in about 3 s instead of Ray's default 30
+HEALTH = {"health_check_initial_delay_ms": 1000, "health_check_period_ms": 1000,
+          "health_check_timeout_ms": 1000, "health_check_failure_threshold": 3}  # fmt: skip
+
+
+def node_home(prefix: str = "fleet-node-") -> Path:
+    """A new, empty sandlot home sharing the default home's kernel, agent and initramfs."""
+    shared = sandlot.Runtime.for_home().home
+    sandlot.Runtime.for_home().prepare()
+    home = Path(tempfile.mkdtemp(prefix=prefix, dir=shared.parent))
+    for d in ("kernels", "agent", "initramfs"):
+        (home / d).symlink_to(shared / d)
+    return home
+
+
+class FleetCluster:
+    """Ray nodes on this machine, each a sandlot node of its own home."""
+
+    def __init__(self) -> None:
+        from ray.cluster_utils import Cluster
+
+        self.cluster = Cluster(initialize_head=False)
+        self.nodes: dict[str, Any] = {}
+        self.homes: dict[str, Path] = {}
+        self.head: str | None = None
+        self.runs: dict[str, Path] = {}  # each node's SANDLOT_RUNTIME_DIR
+
+    @property
+    def address(self) -> str:
+        return str(self.cluster.address)
+
+    def add(self, cpus: int, memory_mib: int, env: dict[str, str] | None = None) -> str:
+        """Add a node offering ``cpus`` and ``memory_mib`` to boxes; its Ray node id."""
+        from sandlot.fleet import CPUS, MEMORY
+
+        home = node_home()
+        run = Path(tempfile.mkdtemp(prefix="sl-"))  # short: unix socket paths live there
+        run.chmod(0o700)
+        args: dict[str, Any] = {
+            "num_cpus": 1,
+            "resources": {CPUS: cpus, MEMORY: memory_mib},
+            # nodes on one machine: each its own run directory too, as each host has (a box keeps
+            # its id when it moves, and the run directory of a box is named by its id)
+            "env_vars": {"SANDLOT_HOME": str(home), "SANDLOT_RUNTIME_DIR": str(run), **(env or {})},
+            "object_store_memory": 100 << 20,
+            "include_dashboard": False,
+        }
+        if self.head is None:
+            args["_system_config"] = HEALTH
+        node = self.cluster.add_node(**args)
+        node_id = str(node.node_id)
+        self.nodes[node_id] = node
+        self.homes[node_id] = home
+        self.runs[node_id] = run
+        if self.head is None:
+            self.head = node_id
+        return node_id
+
+    def kill(self, node_id: str) -> None:
+        """Kill the node's raylet and the processes of its Ray node (its VMs live on, as
+        orphans of a dead host would not: ``shutdown`` removes them)."""
+        self.cluster.remove_node(self.nodes[node_id], allow_graceful=False)
+
+    def shutdown(self) -> None:
+        import ray
+
+        with contextlib.suppress(Exception):
+            ray.shutdown()
+        with contextlib.suppress(Exception):
+            self.cluster.shutdown()
+        for home in self.homes.values():
+            with contextlib.suppress(Exception):
+                for b in sandlot.list(home=home):
+                    b.remove(force=True)
+            shutil.rmtree(home, ignore_errors=True)
+        for run in self.runs.values():
+            shutil.rmtree(run, ignore_errors=True)

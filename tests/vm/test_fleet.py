@@ -1,0 +1,279 @@
+"""The fleet on a real multi-node Ray cluster on this machine (``ray.cluster_utils``):
+three nodes, each its own raylet, sandlot home and resources; real VMs, real
+moves of saved state through Ray's object store. The tests share one cluster and
+run in order: the node-loss test kills a node last."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+import sandlot
+
+pytestmark = pytest.mark.vm
+
+ray = pytest.importorskip("ray", reason="the fleet needs Ray: pip install 'sandlot[fleet]'")
+
+from sandlot import fleet  # noqa: E402 (after Ray is known to be there)
+
+from tests.support.fleet import FleetCluster  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
+# a shell whose counter lives only in its memory; it writes it to a file the tests read
+COUNTER = r"""
+setsid sh -c 'echo $$ > /tmp/pid; i=0; while true; do i=$((i+1)); echo $i > /tmp/c.tmp;
+  mv /tmp/c.tmp /tmp/count; sleep 0.1; done' </dev/null >/dev/null 2>&1 &
+"""
+
+
+def count(box: fleet.FleetBox) -> int:
+    return int(box.sh("cat /tmp/count").stdout)
+
+
+def wait_count(box: fleet.FleetBox, at_least: int = 3) -> int:
+    deadline = time.monotonic() + 20
+    while True:
+        try:
+            c = count(box)
+            if c >= at_least:
+                return c
+        except ValueError:
+            pass
+        assert time.monotonic() < deadline, "the counter never started"
+        time.sleep(0.2)
+
+
+class Nodes:
+    def __init__(self, fc: FleetCluster, head: str, a: str, b: str) -> None:
+        self.fc, self.head, self.a, self.b = fc, head, a, b
+
+
+@pytest.fixture(scope="module")
+def nodes() -> Iterator[Nodes]:
+    fc = FleetCluster()
+    try:
+        head = fc.add(cpus=4, memory_mib=2048)
+        a = fc.add(cpus=4, memory_mib=2048)
+        b = fc.add(cpus=2, memory_mib=512)  # the small one
+        ray.init(address=fc.address, namespace="sandlot", log_to_driver=False)
+        yield Nodes(fc, head, a, b)
+    finally:
+        fc.shutdown()
+
+
+@pytest.fixture(scope="module")
+def f(nodes: Nodes) -> fleet.Fleet:
+    return fleet.connect(nodes.fc.address, placement_timeout=5)
+
+
+def boxes_in(home: Path) -> list[str]:
+    return sorted(b.id for b in sandlot.list(home=home))
+
+
+def test_placement_by_resources(f: fleet.Fleet, nodes: Nodes, busybox_root: Path) -> None:
+    t0 = time.monotonic()
+    big = f.create(rootfs=busybox_root, memory_mib=768, labels={"t": "place"})
+    assert big.node in (nodes.head, nodes.a)  # the small node offers 512 MiB: Ray never puts it there
+    small = f.create(rootfs=busybox_root, memory_mib=256, node=nodes.b[:10], labels={"t": "place"})
+    assert small.node == nodes.b
+    assert small.exec("echo", "hi").stdout == "hi\n"
+    # the methods of a local box, run by the node's actor
+    proc = small.spawn("sh", "-c", "echo one; sleep 0.3; echo two >&2; cat", stdin="fed")
+    items = list(proc)
+    assert ("stdout", b"one\n") in items and ("stderr", b"two\n") in items and proc.returncode == 0
+    assert [k for k, _ in items].index("stdout") < [k for k, _ in items].index("stderr")  # as it came
+    assert small.spawn("sh", "-c", "exit 3").result().exit_code == 3
+    small.files.write("/root/v", "1")
+    snap = small.snapshot("one")
+    small.files.write("/root/v", "2")
+    small.rollback(snap)
+    assert small.files.read_text("/root/v") == "1" and [s.name for s in small.snapshots()] == ["one"]
+    assert big.id in boxes_in(nodes.fc.homes[big.node]) and small.id in boxes_in(nodes.fc.homes[nodes.b])
+    listed = {b.id: b.node for b in f.list(labels={"t": "place"})}
+    assert listed == {big.id: big.node, small.id: nodes.b}
+    reserved = {n["node_id"]: n["reserved_memory_mib"] for n in f.nodes()}
+    assert reserved[nodes.b] == 256
+    big.remove(force=True)
+    small.remove(force=True)
+    assert not {big.id, small.id} & {b.id for b in f.list()}
+    assert boxes_in(nodes.fc.homes[nodes.b]) == []
+    # spread: boxes made one by one go to different nodes while each has room
+    spread = [f.create(rootfs=busybox_root, memory_mib=128, strategy="spread", start=False) for _ in range(3)]
+    assert len({b.node for b in spread}) == 3, [b.node for b in spread]
+    for b in spread:
+        b.remove()
+    print(f"placement test {time.monotonic() - t0:.1f} s")
+
+
+def test_a_fork_spreads_over_nodes_and_its_children_diverge(f: fleet.Fleet, nodes: Nodes,
+                                                            busybox_root: Path) -> None:  # fmt: skip
+    src = f.create(rootfs=busybox_root, memory_mib=256, node=nodes.head, labels={"team": "fork"})
+    src.files.write("/root/seed", "from the parent")
+    kids = src.fork(3, spread=True)
+    try:
+        assert kids.per_node == {nodes.head: 1, nodes.a: 1, nodes.b: 1}
+        assert sorted(k.node for k in kids) == sorted([nodes.head, nodes.a, nodes.b])
+        for i, k in enumerate(kids):
+            assert k.labels == {"team": "fork"} and k.state == "running"
+            assert k.files.read_text("/root/seed") == "from the parent"
+            k.files.write("/root/mine", f"child {i}")
+            assert k.id in boxes_in(nodes.fc.homes[k.node])
+        assert [k.files.read_text("/root/mine") for k in kids] == ["child 0", "child 1", "child 2"]
+        assert not src.files.exists("/root/mine")
+        assert len({k.sh("hostname").stdout for k in kids}) == 3  # each its own identity
+    finally:
+        for k in kids:
+            k.remove(force=True)
+        src.remove(force=True)
+
+
+def test_migration_keeps_the_box_and_its_running_processes(f: fleet.Fleet, nodes: Nodes,
+                                                           busybox_root: Path) -> None:  # fmt: skip
+    box = f.create(rootfs=busybox_root, memory_mib=256, node=nodes.head, name="mover", labels={"app": "m"})
+    try:
+        box.sh(COUNTER)
+        wait_count(box)
+        box.files.write("/root/state", "kept")
+        pid = box.files.read_text("/tmp/pid")
+        before = count(box)
+        moved = f.migrate(box, node=nodes.a)
+        assert (moved.id, moved.name, moved.labels) == (box.id, "mover", {"app": "m"})
+        assert moved.node == nodes.a and moved.state == "running"
+        after = count(moved)
+        assert before <= after < before + 100  # the same counter went on, it did not start again
+        time.sleep(0.5)
+        assert count(moved) > after
+        assert (
+            moved.files.read_text("/tmp/pid") == pid and moved.exec("kill", "-0", pid.strip()).exit_code == 0
+        )
+        assert moved.files.read_text("/root/state") == "kept"
+        assert boxes_in(nodes.fc.homes[nodes.head]).count(box.id) == 0
+        assert box.id in boxes_in(nodes.fc.homes[nodes.a])
+        t = moved.last_migration
+        assert t is not None and t["bytes"] > 0 and t["chunks"] >= 1
+        # a suspended box arrives suspended
+        moved.suspend()
+        back = f.migrate(moved.id, node=nodes.head)
+        assert back.state == "suspended" and back.node == nodes.head
+        back.resume()
+        assert count(back) >= after
+    finally:
+        f.get(box.id).remove(force=True)
+
+
+def test_a_second_driver_finds_the_boxes(f: fleet.Fleet, nodes: Nodes, busybox_root: Path) -> None:
+    box = f.create(rootfs=busybox_root, memory_mib=256, node=nodes.a, name="found-later")
+    box.files.write("/root/note", "left by the first driver")
+    code = textwrap.dedent(f"""
+        import json
+        from sandlot import fleet
+        f = fleet.connect({nodes.fc.address!r})
+        boxes = {{b.name: b.node for b in f.list()}}
+        box = f.get("found-later")
+        print(json.dumps({{"boxes": boxes, "note": box.files.read_text("/root/note"), "node": box.node}}))
+    """)
+    env = {**os.environ, "PYTHONPATH": f"{ROOT / 'src'}{os.pathsep}{ROOT}"}
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180, env=env)
+    try:
+        assert r.returncode == 0, r.stderr[-3000:]
+        seen = json.loads(r.stdout.strip().splitlines()[-1])
+        assert seen["boxes"]["found-later"] == nodes.a
+        assert seen["note"] == "left by the first driver" and seen["node"] == nodes.a
+        # and the command line is one more driver
+        cli = [sys.executable, "-m", "sandlot.cli", "fleet"]
+        ls = subprocess.run([*cli, "ls", "--address", nodes.fc.address, "--json"], capture_output=True,
+                            text=True, timeout=180, env=env)  # fmt: skip
+        assert ls.returncode == 0, ls.stderr[-3000:]
+        assert {b["name"]: b["node"] for b in json.loads(ls.stdout)}["found-later"] == nodes.a
+        table = subprocess.run([*cli, "nodes", "--address", nodes.fc.address], capture_output=True,
+                               text=True, timeout=180, env=env)  # fmt: skip
+        assert table.returncode == 0, table.stderr[-3000:]
+        assert all(n[:12] in table.stdout for n in (nodes.head, nodes.a, nodes.b))
+    finally:
+        box.remove(force=True)
+
+
+def test_bad_input_gives_a_clear_error_and_moves_nothing(f: fleet.Fleet, nodes: Nodes, busybox_root: Path,
+                                                         tmp_path: Path) -> None:  # fmt: skip
+    box = f.create(rootfs=busybox_root, memory_mib=256, node=nodes.a, name="stays")
+    try:
+        box.sh(COUNTER)
+        wait_count(box)
+        with pytest.raises(sandlot.NodeNotFound, match="no live sandlot node"):
+            f.migrate(box, node="ffffffffffff")
+        # over capacity: the small node has 512 MiB, a 768 MiB box never fits there
+        with pytest.raises(sandlot.NoCapacity, match=r"fits node .* never"):
+            f.create(rootfs=busybox_root, memory_mib=768, node=nodes.b)
+        # ... and two 256 MiB boxes fill it: a third waits for room, then gives up
+        fill = [f.create(rootfs=busybox_root, memory_mib=256, node=nodes.b, start=False) for _ in range(2)]
+        before = boxes_in(nodes.fc.homes[nodes.b])
+        with pytest.raises(sandlot.NoCapacity, match="no room on node"):
+            f.create(rootfs=busybox_root, memory_mib=256, node=nodes.b, placement_timeout=2)
+        with pytest.raises(sandlot.NoCapacity, match="no room on node"):
+            f.migrate(box, node=nodes.b, placement_timeout=2)
+        assert boxes_in(nodes.fc.homes[nodes.b]) == before
+        for x in fill:
+            x.remove()
+        # a node whose QEMU is another version cannot load the box's state
+        qemu = tmp_path / "qemu"
+        fake = '[ "$1" = --version ] && { echo "QEMU emulator version 99.0.0"; exit 0; }'
+        qemu.write_text(f'#!/bin/sh\n{fake}\nexec qemu-system-x86_64 "$@"\n')
+        qemu.chmod(0o755)
+        odd = nodes.fc.add(cpus=2, memory_mib=512, env={"SANDLOT_QEMU": str(qemu)})
+        with pytest.raises(sandlot.IncompatibleSnapshot, match=r"QEMU 99\.0\.0"):
+            f.migrate(box, node=odd)
+        odd_home = nodes.fc.homes[odd]
+        assert boxes_in(odd_home) == [] and sandlot.list_snapshots(home=odd_home) == []
+        still = f.get("stays")
+        assert still.node == nodes.a and still.state == "running"
+        c = count(still)
+        time.sleep(0.5)
+        assert count(still) > c  # its processes went on
+        assert [s.box_name for s in sandlot.list_snapshots(home=nodes.fc.homes[nodes.a])] == []
+        assert not any(n["node_id"] == odd and n["reserved_memory_mib"] for n in f.nodes())
+    finally:
+        box.remove(force=True)
+
+
+def test_a_dead_nodes_boxes_are_lost_and_a_replicated_one_recovers(f: fleet.Fleet, nodes: Nodes,
+                                                                   busybox_root: Path) -> None:  # fmt: skip
+    safe = f.create(rootfs=busybox_root, memory_mib=256, node=nodes.a, name="safe", replicas=1)
+    plain = f.create(rootfs=busybox_root, memory_mib=256, node=nodes.a, name="plain")
+    assert plain.node == nodes.a
+    safe.files.write("/root/saved", "in the snapshot")
+    safe.snapshot()
+    replica = safe.replica
+    assert replica is not None and replica["node"] != nodes.a
+    safe.files.write("/root/later", "after the snapshot")
+    nodes.fc.kill(nodes.a)
+    killed = time.time()
+    deadline = time.monotonic() + 60
+    while True:
+        states = {b.name: b for b in f.list()}
+        if states["safe"].state == "lost" and states["plain"].state == "lost":
+            break
+        assert time.monotonic() < deadline, f"never lost: {[(b.name, b.state) for b in states.values()]}"
+        time.sleep(1)
+    lost = states["plain"].lost
+    assert lost is not None and lost["node"] == nodes.a and killed - 5 < lost["at"] < time.time()
+    with pytest.raises(sandlot.InvalidState, match="lost"):
+        states["plain"].exec("true")
+    with pytest.raises(sandlot.InvalidState, match="has no replica"):
+        f.recover("plain")
+    back = f.recover("safe")
+    assert (back.id, back.name, back.state, back.node) == (safe.id, "safe", "running", replica["node"])
+    assert back.files.read_text("/root/saved") == "in the snapshot"
+    assert not back.files.exists("/root/later")  # what it did after its last saved state is gone
+    assert back.id in boxes_in(nodes.fc.homes[replica["node"]])
+    # nothing in the directory claims a box no node has: forgetting the lost one leaves none
+    states["plain"].remove()
+    assert "plain" not in {b.name for b in f.list()}
+    back.remove(force=True)
