@@ -21,6 +21,10 @@ from tests.support.roots import CACHE
 # Kernel, agent and base disks are reused between runs; boxes are per test.
 os.environ.setdefault("SANDLOT_HOME", str(CACHE / "home"))
 
+# The engine of the shared boxes (bb_box, py_box): the API suites that use them run
+# on gVisor with SANDLOT_TEST_ENGINE=gvisor, unchanged.
+TEST_ENGINE = os.environ.get("SANDLOT_TEST_ENGINE", "qemu")
+
 
 @pytest.fixture(scope="session")
 def busybox_root() -> Path:
@@ -54,14 +58,14 @@ def test_ca(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def bb_box(busybox_root: Path) -> Iterator[sandlot.Box]:
     """A booted busybox box shared by the tests of one module."""
-    with sandlot.Box(rootfs=busybox_root, memory_mib=256) as box:
+    with sandlot.Box(rootfs=busybox_root, memory_mib=256, engine=TEST_ENGINE) as box:
         yield box
 
 
 @pytest.fixture(scope="module")
 def py_box(debian_root: Path) -> Iterator[sandlot.Box]:
     """A booted Debian box with python3, shared by the tests of one module."""
-    with sandlot.Box(rootfs=debian_root, memory_mib=512) as box:
+    with sandlot.Box(rootfs=debian_root, memory_mib=512, engine=TEST_ENGINE) as box:
         yield box
 
 

@@ -20,6 +20,8 @@ import zstandard
 
 import sandlot
 
+from tests.conftest import TEST_ENGINE
+
 pytestmark = pytest.mark.vm
 
 # A shell loop and a Python process whose state lives only in their memory;
@@ -69,7 +71,7 @@ def py(
 
 @pytest.fixture
 def counting_box(debian_root: Path) -> Iterator[sandlot.Box]:
-    box = sandlot.Box(rootfs=debian_root, memory_mib=256, keep=True)
+    box = sandlot.Box(rootfs=debian_root, memory_mib=256, keep=True, engine=TEST_ENGINE)
     box.start()
     box.sh(COUNTERS)
     wait_counters(box)
@@ -212,7 +214,7 @@ def test_cli_snapshot_commands(counting_box: sandlot.Box) -> None:
 def test_template_starts_with_its_server_running(debian_root: Path) -> None:
     name = f"web-{os.urandom(3).hex()}"
     tmpl = sandlot.template(
-        rootfs=debian_root, memory_mib=256, name=name,
+        rootfs=debian_root, memory_mib=256, name=name, engine=TEST_ENGINE,
         setup=["mkdir -p /srv && echo hello-from-template > /srv/index.html",
                "cd /srv && nohup python3 -m http.server 8000 >/dev/null 2>&1 & sleep 1.5"],
     )  # fmt: skip
@@ -239,11 +241,11 @@ def test_plain_box_of_an_image_restores_its_automatic_template(debian_root: Path
     # same tree under other names, and a digest's template lives as long as one of them
     sandlot.import_image(debian_root, ref, labels={"sandlot.test": tag})
     try:
-        with sandlot.Box(ref, memory_mib=256) as first:
+        with sandlot.Box(ref, memory_mib=256, engine=TEST_ENGINE) as first:
             assert first.inspect()["origin"] is None  # booted
         templates = [s for s in sandlot.list_snapshots(kind="template") if s.box_name == first.name]
         assert len(templates) == 1
-        with sandlot.Box(ref, memory_mib=256) as second:
+        with sandlot.Box(ref, memory_mib=256, engine=TEST_ENGINE) as second:
             assert second.inspect()["origin"] == templates[0].id  # restored, not booted
             assert second.exec("hostname").stdout.strip() == second.hostname
             assert second.exec("python3", "-c", "print(6*7)").stdout == "42\n"
@@ -393,13 +395,16 @@ def crash_at(point: str, code: str) -> None:
 def test_kill9_mid_snapshot(counting_box: sandlot.Box, point: str) -> None:
     box = counting_box
     snaps_before = {s.id for s in sandlot.list_snapshots()}
-    if point == "mid-save":  # inside QEMU's migration: the engine is killed with its caller
+    if point == "mid-save":  # inside the engine's save: QEMU's migration, or runsc's
+        # checkpoint of the paused sandbox (its relays ended): the engine dies with its caller
+        qemu = "from sandlot.engine.qemu.vm import QemuVM as VM; VM.save_state = die"
+        gvisor = "from sandlot.engine.gvisor.vm import GvisorVM as VM; VM._unwatch = die"
+        where = qemu if TEST_ENGINE == "qemu" else gvisor
         r = py(f"""
 import os, sandlot
-from sandlot.engine.qemu.vm import QemuVM
-async def die(*a, **k):
+def die(*a, **k):
     os.kill(os.getpid(), 9)
-QemuVM.save_state = die
+{where}
 sandlot.get({box.name!r}).snapshot("crash")
 """)
         assert r.returncode == -9, r.stderr
@@ -422,9 +427,12 @@ def test_kill9_mid_suspend_and_mid_resume(counting_box: sandlot.Box) -> None:
     assert sandlot.get(box.name).state == "running"  # the suspend never happened
     crash_at("suspend.after-save", f"sandlot.get({box.name!r}).suspend()")
     assert sandlot.get(box.name).state == "suspended"  # saved and recorded: recovery finished it
-    crash_at("restore.after-launch", f"sandlot.get({box.name!r}).resume()")  # the guest has not run
+    crash_at("restore.after-launch", f"sandlot.get({box.name!r}).resume()")
     b = sandlot.get(box.name)
-    assert b.state == "suspended"  # the guest never ran: its saved state still holds
+    if TEST_ENGINE == "qemu":  # QEMU loads the state stopped: the guest has not run
+        assert b.state == "suspended"  # and its saved state still holds
+    else:  # runsc restore runs what it loads: recovery finishes the resume
+        assert b.state == "running"
     b.resume()
     assert min(counters(b)) > 0
 
@@ -435,7 +443,10 @@ def test_kill9_mid_rollback_and_mid_fork(counting_box: sandlot.Box) -> None:
     snap = box.snapshot("base")
     crash_at("restore.after-launch", f"sandlot.get({box.name!r}).rollback({snap.id!r})")
     b = sandlot.get(box.name)
-    assert b.state == "stopped"  # the old VM was ended; the disk is as it was
+    if TEST_ENGINE == "qemu":  # the loaded guest never ran: the old VM was ended, the disk is as it was
+        assert b.state == "stopped"
+    else:  # runsc restore runs what it loads: recovery finishes the rollback
+        assert b.state == "running" and b.files.read_text("/root/f") == "kept"
     b.rollback(snap)  # and the snapshot still works
     assert b.files.read_text("/root/f") == "kept"
     names_before = {x.name for x in sandlot.list()}
@@ -505,13 +516,15 @@ sandlot.get_snapshot({snap.id!r}).start(2)
 def test_a_damaged_saved_state_fails_clearly_and_loses_nothing(counting_box: sandlot.Box) -> None:
     box = counting_box
     snap = box.snapshot("damaged")
-    state = Path(snap.inspect()["path"]) / "state"
+    saved, why = ("state", "load of migration failed") if TEST_ENGINE == "qemu" else (
+        "checkpoint.img", "could not restore the saved state")  # fmt: skip
+    state = Path(snap.inspect()["path"]) / saved
     state.write_bytes(state.read_bytes()[: state.stat().st_size // 3])  # as a failing disk might
     names = {b.name for b in sandlot.list()}
-    with pytest.raises(sandlot.BootError, match="load of migration failed"):
+    with pytest.raises(sandlot.BootError, match=why):
         snap.start()
     assert {b.name for b in sandlot.list()} == names  # the half-started child is gone
-    with pytest.raises(sandlot.BootError, match="load of migration failed"):
+    with pytest.raises(sandlot.BootError, match=why):
         box.rollback(snap)
     b = sandlot.get(box.name)
     assert b.state == "stopped" and "rollback failed" in (b.inspect()["reason"] or "")

@@ -17,7 +17,7 @@ from .common import app, fail
 
 @app.command()
 def doctor(as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False) -> None:
-    """Check QEMU, the accelerator (and why), the guest kernel, the agent and free disk."""
+    """Check QEMU, the accelerator (and why), the guest kernel, the agent, gVisor (runsc) and free disk."""
     from ..core.runtime import Runtime
 
     report = Runtime.for_home().doctor()
@@ -49,6 +49,13 @@ def doctor(as_json: Annotated[bool, typer.Option("--json", help="Machine-readabl
         out.print(f"host cgroup  {ok}  v{cgroup['version']}: {', '.join(cgroup['controllers'])} in {where}")
     elif isinstance(cgroup, dict) and cgroup:
         out.print(f"host cgroup  [yellow]none[/]  {cgroup['reason']}; QEMU runs without host limits")
+    gvisor = report.get("gvisor", {})
+    if isinstance(gvisor, dict) and gvisor:
+        runsc = gvisor.get("runsc") or {}
+        color = "green" if gvisor.get("usable") else "yellow"
+        state = "usable" if gvisor.get("usable") else "unusable"
+        found = f"runsc {runsc['version']}, platform {runsc['platform']} ({runsc['path']}); " if runsc else ""
+        out.print(f"gvisor       [{color}]{state}[/]  {found}{gvisor.get('why', '')}")
     out.print(f"disk free    {report.get('disk_free_gib')} GiB under {report['home']}")
     out.print(f"sockets      {report.get('runtime_dir')}")
     if "error" in report:

@@ -12,6 +12,14 @@ An archive is a zstd-compressed tar with exactly these members, in this order::
     memory          guest RAM, raw
     disk.qcow2      the disk, every layer and the image base flattened into one
 
+or, for an engine whose disk is a layer directory (gvisor)::
+
+    manifest.json
+    checkpoint.img  runsc's checkpoint image (memory, processes, kernel state)
+    root.tar        the box's whole root as it saw it: every layer and the image's
+                    root merged (tar, with owners, modes and xattrs); imported as a
+                    read-only image root of its own, unpacked as image layers are
+
 Version 1 archives (before engines were named; their compatibility facts were
 QEMU's, at the top level) are read too.
 
@@ -36,6 +44,7 @@ import shutil
 import subprocess
 import tarfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
 
@@ -54,6 +63,8 @@ FORMAT = "sandlot-snapshot"
 VERSION = 2
 READABLE = (1, 2)
 PARTS = ("devices", "memory", "disk.qcow2")
+# the members after the manifest, by the engine that saved the state
+PARTS_BY_ENGINE = {"qemu": PARTS, "gvisor": ("checkpoint.img", "root.tar")}
 MAX_MANIFEST = 1 << 20
 MAX_DEVICES = 256 << 20
 MAX_DISK = 16 << 40
@@ -89,12 +100,17 @@ def export_snapshot(home: Path, engine: Engine, rec: SnapshotRecord, dest: Path)
     work.mkdir()
     tmp = dest.parent / f".{dest.name}.tmp-{secrets.token_hex(4)}"
     try:
-        disk = work / "disk.qcow2"
-        proc = subprocess.run([_qemu_img(), "convert", "-O", "qcow2", "-U", rec.layer, str(disk)],
-                              capture_output=True, text=True)  # fmt: skip
-        if proc.returncode != 0:
-            raise CorruptSnapshot(f"the disk of snapshot {rec.id} cannot be read: {proc.stderr.strip()}")
-        paths = {**engine.state_files(src), "disk.qcow2": disk}
+        if Path(rec.layer).suffix == layers.DIR_SUFFIX:
+            disk_member = "root.tar"
+            engine.flatten_root(Path(rec.layer), work / disk_member)
+        else:
+            disk_member = "disk.qcow2"
+            proc = subprocess.run([_qemu_img(), "convert", "-O", "qcow2", "-U", rec.layer,
+                                   str(work / disk_member)], capture_output=True, text=True)  # fmt: skip
+            if proc.returncode != 0:
+                raise CorruptSnapshot(f"the disk of snapshot {rec.id} cannot be read: {proc.stderr.strip()}")
+        paths = {**engine.state_files(src), disk_member: work / disk_member}
+        parts = PARTS_BY_ENGINE[rec.facts.get("engine", "qemu")]
         facts = rec.facts
         engine_facts = dict(facts.get("engine_facts") or {})
         kernel_sha = None
@@ -129,7 +145,7 @@ def export_snapshot(home: Path, engine: Engine, rec: SnapshotRecord, dest: Path)
                 info = tarfile.TarInfo("manifest.json")
                 info.size, info.mtime, info.mode = len(raw), int(time.time()), 0o644
                 tar.addfile(info, io.BytesIO(raw))
-                for name in PARTS:
+                for name in parts:
                     info = tarfile.TarInfo(name)
                     info.size, info.mtime, info.mode = paths[name].stat().st_size, int(time.time()), 0o644
                     with open(paths[name], "rb") as f:
@@ -173,9 +189,15 @@ def _check_manifest(m: Any) -> dict[str, Any]:
     _need(m.get("format") == FORMAT, f"format is {m.get('format')!r}")
     _need(m.get("version") in READABLE, f"version {m.get('version')!r} is not one of {READABLE}")
     files, compat, snap = m.get("files"), m.get("compat"), m.get("snapshot")
+    _need(isinstance(compat, dict), "no compatibility facts")
+    if m["version"] == 1:
+        compat = m["compat"] = _v1_compat(compat)
+    parts = PARTS_BY_ENGINE.get(compat.get("engine"))
+    _need(parts is not None, f"compat.engine {compat.get('engine')!r} is not one this host knows")
+    assert parts is not None
     _need(
-        isinstance(files, dict) and set(files) == set(PARTS),
-        "the manifest must list devices, memory, disk.qcow2",
+        isinstance(files, dict) and set(files) == set(parts),
+        f"the manifest must list {', '.join(parts)}",
     )
     for name, f in files.items():
         _need(isinstance(f, dict), f"entry {name} is not an object")
@@ -185,9 +207,6 @@ def _check_manifest(m: Any) -> dict[str, Any]:
             isinstance(digest, str) and re.fullmatch(r"[0-9a-f]{64}", digest) is not None,
             f"{name}: bad sha256",
         )
-    _need(isinstance(compat, dict), "no compatibility facts")
-    if m["version"] == 1:
-        compat = m["compat"] = _v1_compat(compat)
     for key in ("engine", "accel"):
         _need(isinstance(compat.get(key), str), f"compat.{key} missing")
     _need(isinstance(compat.get("engine_facts"), dict), "compat.engine_facts missing")
@@ -198,9 +217,17 @@ def _check_manifest(m: Any) -> dict[str, Any]:
         v = compat.get(key)
         _need(isinstance(v, int) and not isinstance(v, bool) and 0 < v <= hi, f"compat.{key} out of range")
     _need(isinstance(compat.get("network", False), bool), "compat.network is not true or false")
-    _need(files["memory"]["size"] == compat["memory_mib"] << 20, "the memory image does not match memory_mib")
-    _need(files["devices"]["size"] <= MAX_DEVICES, "the device state is too large")
-    _need(files["disk.qcow2"]["size"] <= MAX_DISK, "the disk is too large")
+    if parts == PARTS:
+        _need(
+            files["memory"]["size"] == compat["memory_mib"] << 20,
+            "the memory image does not match memory_mib",
+        )
+        _need(files["devices"]["size"] <= MAX_DEVICES, "the device state is too large")
+        _need(files["disk.qcow2"]["size"] <= MAX_DISK, "the disk is too large")
+    else:
+        _need(files["checkpoint.img"]["size"] <= (compat["memory_mib"] << 20) + MAX_DEVICES,
+              "the checkpoint is larger than the memory it was saved with")  # fmt: skip
+        _need(files["root.tar"]["size"] <= MAX_DISK, "the root is too large")
     _need(isinstance(snap, dict) and isinstance(snap.get("box", {}), dict), "no snapshot facts")
     checked: dict[str, Any] = m
     return checked
@@ -264,9 +291,12 @@ def _check_disk(path: Path) -> None:
     _need("data-file" not in data, "the disk names an external data file")
 
 
-def import_snapshot(home: Path, store: BoxStore, engine: Engine, boot: Boot, path: Path) -> SnapshotRecord:
+def import_snapshot(
+    home: Path, store: BoxStore, engines: Callable[[str], tuple[Engine, Boot]], path: Path
+) -> SnapshotRecord:
     """Verify and add an exported snapshot to this home; the new row is returned.
-    ``boot``: how this host boots the engine's VMs (the archive must match it)."""
+    ``engines``: the engine the archive names, and how this host boots its VMs (the
+    archive must match it)."""
     path = path.expanduser()
     if not path.is_file():
         raise InvalidArgument(f"{path} is not a file")
@@ -275,7 +305,10 @@ def import_snapshot(home: Path, store: BoxStore, engine: Engine, boot: Boot, pat
     tmp = final.parent / f".tmp-{snap_id}"
     tmp.mkdir(parents=True)
     layer = layers.new_path(home)
-    state_names = {member: p.name for member, p in engine.state_files(final).items()}
+    root: Path | None = None  # an imported layer directory's own image root
+    engine: Engine | None = None
+    state_names: dict[str, str] = {}
+    parts: tuple[str, ...] = PARTS
     try:
         with open(path, "rb") as raw:
             reader = zstandard.ZstdDecompressor().stream_reader(raw)
@@ -297,23 +330,42 @@ def import_snapshot(home: Path, store: BoxStore, engine: Engine, boot: Boot, pat
                             manifest = _check_manifest(json.loads(f.read()))
                         except ValueError:
                             raise CorruptSnapshot("the manifest is not JSON") from None
+                        engine, boot = engines(manifest["compat"]["engine"])
                         engine.check_compatible(manifest["compat"], boot)
+                        state_names = {member: p.name for member, p in engine.state_files(final).items()}
+                        parts = PARTS_BY_ENGINE[engine.name]
+                        if engine.disk_format == "dir":
+                            layer = layers.new_path(home, layers.DIR_SUFFIX)
                         continue
-                    want = PARTS[len(seen)] if len(seen) < len(PARTS) else None
+                    want = parts[len(seen)] if len(seen) < len(parts) else None
                     _need(member.name == want, f"unexpected member {member.name!r}")
                     entry = manifest["files"][member.name]
                     _need(member.size == entry["size"], f"{member.name} is not the size the manifest says")
                     f = tar.extractfile(member)
                     assert f is not None
-                    dest = layer if member.name == "disk.qcow2" else tmp / state_names[member.name]
+                    if member.name == "disk.qcow2":
+                        dest = layer
+                    elif member.name == "root.tar":
+                        dest = tmp / "root.tar"
+                    else:
+                        dest = tmp / state_names[member.name]
                     _copy_member(f, dest, member.size, entry["sha256"], member.name)
                     seen.append(member.name)
             except (tarfile.TarError, zstandard.ZstdError, EOFError, OSError) as exc:
                 raise CorruptSnapshot(f"{path} is damaged: {exc}") from None
         _need(manifest is not None, "no manifest")
         assert manifest is not None
-        _need(seen == list(PARTS), f"parts missing: {', '.join(p for p in PARTS if p not in seen)}")
-        _check_disk(layer)
+        _need(seen == list(parts), f"parts missing: {', '.join(p for p in parts if p not in seen)}")
+        assert engine is not None
+        if engine.disk_format == "dir":
+            # unpacked as image layers are (the same checks against hostile tars), into a
+            # read-only root of its own that the snapshot's empty layer lies over
+            root = home / "bases" / f"imported-{snap_id}.rootfs"
+            _unpack_root(tmp / "root.tar", root)
+            (tmp / "root.tar").unlink()
+            layers.make_dir_layer(layer, root)
+        else:
+            _check_disk(layer)
         compat, info = manifest["compat"], manifest["snapshot"]
         facts = engine.facts_for_import(
             {
@@ -333,8 +385,7 @@ def import_snapshot(home: Path, store: BoxStore, engine: Engine, boot: Boot, pat
         fsync_dir(final.parent)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
-        with contextlib.suppress(FileNotFoundError):
-            layer.unlink()
+        _remove_layer(layer, root)
         raise
     digest = info.get("image_digest")
     rec = SnapshotRecord(
@@ -348,6 +399,32 @@ def import_snapshot(home: Path, store: BoxStore, engine: Engine, boot: Boot, pat
         store.insert_snapshot(rec)
     except BaseException:
         shutil.rmtree(final, ignore_errors=True)
-        layer.unlink(missing_ok=True)
+        _remove_layer(layer, root)
         raise
     return rec
+
+
+def _unpack_root(tar: Path, root: Path) -> None:
+    from ..images.unpack import apply_layers
+
+    staging = root.with_name(f".{root.name}.tmp")
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    try:
+        apply_layers(staging, [(tar, "none")], whiteouts=False)
+    except Exception as exc:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise CorruptSnapshot(
+            f"not a valid sandlot snapshot archive: its root cannot be unpacked: {exc}"
+        ) from None
+    os.rename(staging, root)
+    fsync_dir(root.parent)
+
+
+def _remove_layer(layer: Path, root: Path | None) -> None:
+    if layer.is_dir():
+        shutil.rmtree(layer, ignore_errors=True)
+    else:
+        layer.unlink(missing_ok=True)
+    if root is not None:
+        shutil.rmtree(root, ignore_errors=True)

@@ -25,7 +25,7 @@ from typing import Any, Protocol
 from .. import pids
 from ..engine.base import VM
 from ..errors import BoxCrashed, BoxNotFound, ConnectionLost, InvalidArgument, InvalidState, SnapshotNotFound
-from ..images.rootfs import base_for, create_overlay
+from ..images.rootfs import base_for, create_overlay, rootfs_dir_for
 from ..images.store import Image
 from ..net.policy import PROXIED, Policy, write_policy
 from ..net.secrets import build_vault, read_vault_json, write_vault
@@ -225,7 +225,9 @@ class BoxController:
         entry = self.entry(rec)
         try:
             image: Image | None = None
-            if snap is None and req.template is None and spec.image and not spec.volumes and auto_templates():
+            # an engine that saves no running state makes no automatic template
+            live = rt.engine(spec.engine).live_state and auto_templates()
+            if snap is None and req.template is None and spec.image and not spec.volumes and live:
                 image = await self._resolve_image(req, spec.image)
                 snap = await self.saved.auto_template(entry, image.digest)
                 if snap is None:
@@ -278,22 +280,28 @@ class BoxController:
     ) -> BoxRecord | None:
         rt = self.rt
         digest = None
+        as_dir = rt.engine(spec.engine).disk_format == "dir"  # an overlay's layer directory, not qcow2
         if spec.image is not None:
             image = image or await self._resolve_image(req, spec.image)
             digest = image.digest
             c = image.config
             spec.image_config = {"env": list(c.env), "workdir": c.workdir, "user": c.user,
                                  "entrypoint": list(c.entrypoint), "cmd": list(c.cmd)}  # fmt: skip
-            base = await asyncio.to_thread(rt.images.ensure_base, image)
+            ensure = rt.images.ensure_rootfs if as_dir else rt.images.ensure_base
+            base = await asyncio.to_thread(ensure, image)
         else:
             assert spec.rootfs is not None
-            base = await asyncio.to_thread(base_for, rt.bases_dir, spec.rootfs)
+            make_base = rootfs_dir_for if as_dir else base_for
+            base = await asyncio.to_thread(make_base, rt.bases_dir, spec.rootfs)
         await asyncio.to_thread(self._box_dir, entry)
         await self._write_vault(entry, spec, req, None)
-        disk = layers.new_path(rt.home)
+        disk = layers.new_path(rt.home, layers.DIR_SUFFIX if as_dir else ".qcow2")
         await self.db.update(entry.id, disk=str(disk))  # before the file: a crash leaves nothing unnamed
         crash_point("create.before-disk")
-        await asyncio.to_thread(create_overlay, base, disk, spec.disk_size_gb * GiB)
+        if as_dir:
+            await asyncio.to_thread(layers.make_dir_layer, disk, base)
+        else:
+            await asyncio.to_thread(create_overlay, base, disk, spec.disk_size_gb * GiB)
         result: BoxRecord | None = await self.db.update(
             entry.id, expect=(BoxState.CREATING,), state=BoxState.CREATED, image_digest=digest,
             options=spec.to_options(),
@@ -544,6 +552,17 @@ class BoxController:
         """A box's agent socket closed: reconnect if its VM lives (or once a suspended
         or rolled-back box runs again, here or in another process); else say why it is gone."""
         await asyncio.sleep(0.05)
+        # A save by another process, on an engine whose save ends every connection and
+        # the VM process (gvisor: a checkpoint, then a restore for a snapshot): wait for
+        # it, then follow the VM it runs on (or wait for the resume below).
+        saving = (BoxState.SNAPSHOTTING, BoxState.SUSPENDING)
+        for _ in range(6000):  # a save's own limit is minutes: recovery ends one cut short
+            found = await self.db.find(session.box_id)
+            if found is None or found.state not in saving or found.engine == "qemu":
+                break
+            if session.conn is None:
+                break
+            await asyncio.sleep(0.05)
         vm = session.vm
         if vm is not None and vm.running:
             return None

@@ -167,7 +167,8 @@ class Launcher:
         """Start a VM on ``disk`` (default: the box's) from ``snap``'s saved state and
         let it run; ``attach``: connect this process's session to its agent."""
         facts = snap.facts
-        engine = self.rt.engine(facts.get("engine", "qemu"))
+        # the box's engine judges the state: one saved by the other engine is refused clearly
+        engine = self.rt.engine(entry.spec.engine)
         boot = await self.prepare(entry, network=bool(facts.get("network")))
         engine.check_compatible(facts, boot)
         net = await asyncio.to_thread(self.net_spec, entry, nic=bool(facts.get("network")))

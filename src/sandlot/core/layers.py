@@ -1,4 +1,6 @@
-"""Disk layers: a box's disk is a chain of qcow2 files in ``layers/``.
+"""Disk layers: a box's disk is a chain of qcow2 files in ``layers/``, or (engines
+whose box root is an overlay: gvisor) a chain of layer directories ``layers/<id>.dir``
+(each one's ``upper`` a lower layer of the overlay above it, down to the image root).
 
 The image's ext4 base is at the bottom, the box's writable *top* layer above.
 A snapshot freezes the top (the box goes on writing to a new layer on top of
@@ -34,14 +36,54 @@ def layers_dir(home: Path) -> Path:
     return home / "layers"
 
 
-def new_path(home: Path) -> Path:
+def new_path(home: Path, suffix: str = ".qcow2") -> Path:
     d = layers_dir(home)
     d.mkdir(parents=True, exist_ok=True)
-    return d / f"{secrets.token_hex(8)}.qcow2"
+    return d / f"{secrets.token_hex(8)}{suffix}"
+
+
+DIR_SUFFIX = ".dir"  # a layer directory: the disk of engines whose box root is an overlay
+
+
+def make_dir_layer(path: Path, base: Path, parent: Path | None = None) -> None:
+    """An empty layer directory over ``parent`` (a frozen layer directory) or straight
+    over ``base`` (an unpacked image root): ``upper/`` and ``work/`` for the overlay,
+    ``base`` and ``parent`` naming what lies below. Made beside and renamed, so a crash
+    leaves either nothing or a whole layer."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    (tmp / "upper").mkdir()
+    (tmp / "work").mkdir()
+    (tmp / "base").write_text(str(base))
+    if parent is not None:
+        (tmp / "parent").write_text(str(parent))
+    os.rename(tmp, path)
+
+
+def dir_base(layer: Path) -> Path:
+    """The image root at the bottom of a layer directory's chain."""
+    try:
+        return Path((layer / "base").read_text().strip())
+    except OSError as exc:
+        raise SavedStateError(f"the layer {layer} names no base: {exc}") from exc
+
+
+def dir_parent(layer: Path) -> Path | None:
+    """The frozen layer directory right below ``layer`` (None: the image root is)."""
+    try:
+        return Path((layer / "parent").read_text().strip())
+    except FileNotFoundError:
+        return None
 
 
 def new_layer(home: Path, backing: Path, size: int | None = None, backing_format: str = "qcow2") -> Path:
-    """An empty qcow2 layer on ``backing`` (``-u``: the backing may be open in a running VM)."""
+    """An empty layer on ``backing``: qcow2 (``-u``: the backing may be open in a
+    running VM), or a layer directory over a layer directory."""
+    if backing.suffix == DIR_SUFFIX:
+        path = new_path(home, DIR_SUFFIX)
+        make_dir_layer(path, dir_base(backing), backing)
+        return path
     qemu_img = shutil.which("qemu-img")
     if not qemu_img:
         raise HostSetupError("qemu-img not found: install qemu-utils")
@@ -57,7 +99,10 @@ def new_layer(home: Path, backing: Path, size: int | None = None, backing_format
 
 def child_layer(home: Path, frozen: Path, blank: Path) -> Path:
     """A new top layer over ``frozen``: a copy of an empty overlay made once and
-    kept at ``blank`` (a file copy instead of a qemu-img process per child of a fan-out)."""
+    kept at ``blank`` (a file copy instead of a qemu-img process per child of a fan-out).
+    A layer directory is made directly: an empty one costs three mkdirs."""
+    if frozen.suffix == DIR_SUFFIX:
+        return new_layer(home, frozen)
     if not blank.is_file():
         made = new_layer(home, frozen)
         try:
@@ -72,11 +117,16 @@ def child_layer(home: Path, frozen: Path, blank: Path) -> Path:
 
 
 def chain(top: Path) -> list[Path]:
-    """``top`` and every file below it, down to the base."""
+    """``top`` and every file below it, down to the base (a layer directory's chain
+    ends above its image root, which the image store keeps)."""
     out = [top]
     seen = {top}
     while True:
-        backing = qcow2_backing_file(out[-1])
+        if top.suffix == DIR_SUFFIX:
+            below = dir_parent(out[-1])
+            backing = str(below) if below is not None else None
+        else:
+            backing = qcow2_backing_file(out[-1])
         if not backing:
             return out
         p = Path(backing)
@@ -123,9 +173,12 @@ def gc(
             keep.update(chain(top))
     now = time.time()
     forced = set(also)
-    for f in d.glob("*.qcow2"):
+    for f in [*d.glob("*.qcow2"), *d.glob(f"*{DIR_SUFFIX}"), *d.glob(f".*{DIR_SUFFIX}.tmp")]:
         if f in keep:
             continue
         with contextlib.suppress(OSError):
             if f in forced or now - f.stat().st_mtime > min_age:
-                f.unlink()
+                if f.is_dir():
+                    shutil.rmtree(f)
+                else:
+                    f.unlink()

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from .. import pids
-from ..engine.base import BootRequest, SavedState
+from ..engine.base import Boot, BootRequest, Engine, SavedState
 from ..errors import InvalidArgument, InvalidState, SnapshotInUse, SnapshotNotFound
 from . import archive, layers, snapshots
 from .controller import BoxController
@@ -75,6 +75,7 @@ class LiveState:
                 box=entry.name, state=entry.state,
             )  # fmt: skip
         check(Op.SNAPSHOT, entry.state, box=entry.name)
+        self.require_live_state(entry)
         home = self.rt.home
         snap_id = snapshots.new_id()
         rec = entry.record
@@ -90,6 +91,10 @@ class LiveState:
             vm = self.launcher.vm_of(entry, rec)
             with snapshots.writing(home, snap_id) as tmp:
                 pause = await vm.save(tmp, new_disk=top, keep_running=True)
+            if vm.ref != rec.vm:  # an engine whose save ends the VM process runs it anew (gvisor)
+                moved = await self.db.update(entry.id, vm_pid=vm.ref.pid, vm_start=vm.ref.start)
+                if moved is not None:
+                    entry.update(moved)
             crash_point("snapshot.after-save")
             options: dict[str, Any] = {"box": rec.options, "image_ref": rec.image_ref,
                                        "image_digest": rec.image_digest, "rootfs": rec.rootfs,
@@ -118,6 +123,7 @@ class LiveState:
                                    box=entry.name, state=rec.state)  # fmt: skip
             if not check(Op.SUSPEND, rec.state, box=entry.name):
                 return
+            self.require_live_state(entry)
             home = self.rt.home
             snap_id = snapshots.new_id()
             session = entry.session
@@ -179,6 +185,16 @@ class LiveState:
         self.controller.watch_idle(entry)
         if keep_conn and session.conn is not None:
             await session.conn.wait_ready()
+
+    def require_live_state(self, entry: BoxEntry) -> None:
+        """Refuse, saying why, on an engine that cannot save a running state."""
+        engine = self.rt.engine(entry.record.engine)
+        if not engine.live_state:
+            raise InvalidState(
+                f"box {entry.name} runs on engine {engine.name!r}, which cannot save its running state yet: "
+                "snapshot, suspend, fork, templates and export need engine='qemu'",
+                box=entry.name, state=entry.state,
+            )  # fmt: skip
 
     async def drop_saved_state(self, snap_id: str) -> None:
         await self.db.delete_snapshot(snap_id)
@@ -419,9 +435,11 @@ class LiveState:
         """Verify an exported snapshot (integrity, compatibility with this host) and add it."""
         rt = self.rt
 
+        def engine_for(name: str) -> tuple[Engine, Boot]:
+            engine = rt.engine(name)
+            return engine, engine.prepare(BootRequest())
+
         def verify_and_add() -> SnapshotRecord:
-            engine = rt.engine("qemu")
-            boot = engine.prepare(BootRequest())
-            return archive.import_snapshot(rt.home, rt.store, engine, boot, path)
+            return archive.import_snapshot(rt.home, rt.store, engine_for, path)
 
         return await asyncio.to_thread(verify_and_add)

@@ -155,6 +155,12 @@ class Runtime:
         report: dict[str, Any] = {"home": str(self.home)}
         report.update(self.engine("qemu").doctor())
         report["engines"] = list(names())
+        for other in names():
+            if other != "qemu":
+                try:
+                    report[other] = self.engine(other).doctor()
+                except Exception as exc:  # a registered engine that cannot even say: report it
+                    report[other] = {"engine": other, "usable": False, "why": f"{type(exc).__name__}: {exc}"}
         self.home.mkdir(parents=True, exist_ok=True)
         usage = shutil.disk_usage(self.home)
         report["disk_free_gib"] = round(usage.free / (1 << 30), 1)

@@ -1,4 +1,5 @@
-"""Engines run VMs for the core: ``base`` is the interface, ``qemu`` the QEMU engine.
+"""Engines run VMs for the core: ``base`` is the interface, ``qemu`` the QEMU engine,
+``gvisor`` the gVisor one (runsc).
 
 Engines are found by name. ``register`` adds one (a second engine, gVisor, plugs
 in here; the tests register a fake one that runs no VM).
@@ -21,7 +22,13 @@ def _qemu(home: Path) -> Engine:
     return QemuEngine(home)
 
 
-_FACTORIES: dict[str, Factory] = {"qemu": _qemu}
+def _gvisor(home: Path) -> Engine:
+    from .gvisor import GvisorEngine
+
+    return GvisorEngine(home)
+
+
+_FACTORIES: dict[str, Factory] = {"qemu": _qemu, "gvisor": _gvisor}
 
 
 def register(name: str, factory: Factory) -> None:

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
-from ..errors import BootError
+from ..errors import BootError, SavedStateError
 
 Connector = Callable[[], Awaitable[tuple[asyncio.StreamReader, asyncio.StreamWriter]]]
 
@@ -221,6 +221,10 @@ class Engine(ABC):
     """A VM technology. One instance per process and home; cheap to create."""
 
     name: ClassVar[str]
+    # "qcow2": a box's disk is a qcow2 layer chain over the image's ext4 base;
+    # "dir": a layer directory over the image's unpacked root (an overlay mount)
+    disk_format: ClassVar[str] = "qcow2"
+    live_state: ClassVar[bool] = True  # saves and loads running states (snapshot, suspend, fork...)
 
     @abstractmethod
     def prepare(self, request: BootRequest) -> Boot:
@@ -271,6 +275,12 @@ class Engine(ABC):
     @abstractmethod
     def facts_for_import(self, facts: dict[str, Any], boot: Boot) -> dict[str, Any]:
         """The facts of an imported state, with this host's paths (kernel, initramfs)."""
+
+    def flatten_root(self, layer: Path, dest: Path) -> None:
+        """Write everything a layer directory's box sees (every frozen layer below it and
+        the image's root) to ``dest`` as one tar: the disk of an exported saved state, for
+        engines whose disk is a layer directory (``disk_format`` "dir")."""
+        raise SavedStateError(f"engine {self.name!r} keeps no layer directories")
 
     @abstractmethod
     def usage(self, ref: VMRef | None) -> dict[str, Any]:

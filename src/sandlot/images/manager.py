@@ -13,6 +13,7 @@ import contextlib
 import fcntl
 import os
 import shutil
+import subprocess
 import tempfile
 import time
 from collections.abc import Iterator
@@ -121,6 +122,22 @@ class _BaseBuilder:
 
     def cleanup(self) -> None:
         shutil.rmtree(self.work, ignore_errors=True)
+
+
+def _move_tree(src: Path, dest: Path) -> None:
+    """Rename, or copy with owners and modes kept where the staging tree is on another file system."""
+    try:
+        os.rename(src, dest)
+        return
+    except OSError:
+        pass
+    tmp = dest.with_name(f".{dest.name}.{os.getpid()}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    proc = subprocess.run(["cp", "-a", str(src), str(tmp)], capture_output=True, text=True)
+    if proc.returncode != 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise ImageError(f"copying the unpacked image failed: {proc.stderr.strip()}")
+    os.rename(tmp, dest)
 
 
 class ImageManager:
@@ -276,6 +293,10 @@ class ImageManager:
 
     def prune(self, boxes_dir: Path) -> PruneReport:
         in_use: set[Path] = set()
+        layer_dirs = (boxes_dir.parent / "layers").glob("*.dir")
+        for layer in layer_dirs:  # an overlay's lower layer is named in its "base" file
+            with contextlib.suppress(OSError):
+                in_use.add(Path((layer / "base").read_text().strip()))
         disks = list(boxes_dir.glob("*/*.qcow2")) + list((boxes_dir.parent / "layers").glob("*.qcow2"))
         if disks:
             for disk in disks:
@@ -304,6 +325,30 @@ class ImageManager:
             if final.exists():
                 return final
             return builder.finish(final, image.config.workdir)
+
+    def ensure_rootfs(self, image: Image) -> Path:
+        """The image unpacked as a directory, made from its layers if not there yet:
+        the read-only lower layer that boxes of overlay engines (gvisor) share."""
+        final = self.store.rootfs_path(image)
+        if final.is_dir():
+            return final
+        with self._build_lock(image):
+            if final.is_dir():
+                return final
+            builder = _BaseBuilder(self.store, image.digest.split(":")[1], _estimate(image.layers))
+            try:
+                for i, layer in enumerate(image.layers):
+                    diff_id = image.config.diff_ids[i] if i < len(image.config.diff_ids) else None
+                    builder.apply(layer, diff_id)
+                workdir = image.config.workdir
+                if workdir.startswith("/"):
+                    builder.applier.ensure_dir(workdir)
+                builder.applier.finish()
+                _move_tree(builder.work / "root", final)
+                fsync_dir(final.parent)
+                return final
+            finally:
+                builder.cleanup()
 
     def ensure_base(self, image: Image) -> Path:
         """The ext4 base disk of an image, made from its layers if not there yet."""

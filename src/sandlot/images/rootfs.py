@@ -147,6 +147,49 @@ def base_for(cache: Path, rootfs: str | os.PathLike[str]) -> Path:
     return base_from_tarball(cache, path)
 
 
+def rootfs_dir_for(cache: Path, rootfs: str | os.PathLike[str]) -> Path:
+    """The cached, read-only copy of a root filesystem directory or tarball, as a
+    directory (the lower layer of boxes whose disk is an overlay: engine gvisor).
+    A copy, not the user's directory itself: an overlay's lower layer must not change."""
+    from .unpack import apply_layers, detect_compression
+
+    path = Path(rootfs).expanduser()
+    if not path.exists():
+        raise InvalidArgument(f"rootfs {path} does not exist")
+    if path.is_dir():
+        key = hashlib.sha256(f"dir:{_dir_digest(path)}".encode()).hexdigest()[:24]
+    else:
+        h = hashlib.sha256()
+        with open(path, "rb") as f:
+            while chunk := f.read(1 << 20):
+                h.update(chunk)
+        key = hashlib.sha256(f"tar:{h.hexdigest()}".encode()).hexdigest()[:24]
+    final = cache / f"{key}.rootfs"
+    if final.is_dir():
+        return final
+    cache.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{key}.", dir=cache))
+    try:
+        root = tmp / "root"
+        if path.is_dir():
+            proc = subprocess.run(["cp", "-a", "--reflink=auto", f"{path}/.", str(root)], capture_output=True,
+                                  text=True)  # fmt: skip
+            if proc.returncode != 0:
+                raise ImageError(f"copying rootfs {path} failed: {proc.stderr.strip()}")
+        else:
+            root.mkdir()
+            apply_layers(root, [(path, detect_compression(path))], whiteouts=False)
+        try:
+            os.rename(root, final)
+        except OSError:
+            if not final.is_dir():  # a racing maker's copy is as good
+                raise
+        fsync_dir(cache)
+        return final
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 def qcow2_backing_file(path: Path) -> str | None:
     """The backing file a qcow2 image names (its header: offset 8, length at 16)."""
     try:

@@ -22,6 +22,7 @@ import dataclasses
 import fcntl
 import json
 import os
+import shutil
 import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
@@ -332,6 +333,10 @@ class ImageStore:
     def base_path(self, image: Image) -> Path:
         return self.bases / f"img-{_hex(image.digest)}.ext4"
 
+    def rootfs_path(self, image: Image) -> Path:
+        """The image unpacked as a directory (the shared lower layer of gvisor boxes)."""
+        return self.bases / f"img-{_hex(image.digest)}.rootfs"
+
     def prune(self, bases_in_use: set[Path]) -> PruneReport:
         """Remove blobs no image references, partial downloads, and base disks that
         belong to no image and back no box."""
@@ -358,7 +363,7 @@ class ImageStore:
                             continue  # a pull is using it
                         report.bytes_freed += part.stat().st_size
                         part.unlink()
-            image_bases = {self.base_path(img) for img in images}
+            image_bases = {self.base_path(img) for img in images} | {self.rootfs_path(img) for img in images}
             if self.bases.is_dir():
                 for base in self.bases.iterdir():
                     if base.name.startswith("."):
@@ -369,7 +374,10 @@ class ImageStore:
                         continue
                     if base in image_bases:
                         continue
-                    report.bytes_freed += base.stat().st_blocks * 512
-                    base.unlink()
+                    if base.is_dir():  # an unpacked root
+                        shutil.rmtree(base, ignore_errors=True)
+                    else:
+                        report.bytes_freed += base.stat().st_blocks * 512
+                        base.unlink()
                     report.bases_removed += 1
         return report

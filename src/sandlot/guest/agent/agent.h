@@ -102,6 +102,7 @@ struct session {
     char name[64];
     char dev[300];
     int is_port;          /* a virtio-serial port (reconnects) rather than a pipe */
+    int listen_fd;        /* >0: a listening Unix socket whose connections this session takes */
     int connected;        /* the host end is open */
     int hello_done;
     uint8_t token[16];
@@ -128,6 +129,8 @@ int session_congested(const struct session *s); /* stop producing output for it 
 void session_open_fd(struct session *s, int fd); /* host mode: one socket */
 int open_ports(struct session *sessions, int max, int want); /* guest: every sandlot.* port */
 void port_check(struct session *s);
+int open_listeners(struct session *sessions, int max, const char *dir, int want); /* container: one socket a port */
+void listener_accept(struct session *s);
 /* The loop's share: what to poll for (at most 2 fds), what came of it. */
 int session_poll(struct session *s, struct pollfd *pfds, int *timeout_ms);
 void session_events(struct session *s, short revents);

@@ -3,6 +3,10 @@
  * Usage:
  *   /init                       as PID 1 in the guest: boot duties, then serve ports
  *   sandlot-agent --fd N        serve one session on socket fd N (host builds, tests)
+ *   /init --listen DIR --ports N [--console FILE]
+ *                               as a container's init (gVisor): the root, /proc, /dev
+ *                               and the rest are already there; serve Unix sockets DIR/port.0..N-1,
+ *                               log to FILE instead of the standard output the sandbox was given
  *   sandlot-agent --fd N --safe same, but refuse exec and file-system changes (fuzzing)
  *   /proc/1/exe --relay PORT    a command the host runs: a pipe to a guest TCP port or Unix socket (relay.c)
  *
@@ -13,6 +17,7 @@
  */
 #define _GNU_SOURCE
 #include <errno.h>
+#include <fcntl.h>
 #include <poll.h>
 #include <signal.h>
 #include <stdarg.h>
@@ -89,7 +94,7 @@ static void handle_signals(void)
     }
 }
 
-enum { P_SESSION = 1, P_SIGNAL, P_CHANNEL, P_OOM };
+enum { P_SESSION = 1, P_SIGNAL, P_CHANNEL, P_OOM, P_LISTEN };
 
 struct pollref {
     int what;
@@ -127,6 +132,10 @@ static void serve(void)
         }
         for (int i = 0; i < g_nsessions; i++) {
             struct session *s = &g_sessions[i];
+            if (s->listen_fd > 0) {
+                pfds[n] = (struct pollfd){.fd = s->listen_fd, .events = POLLIN};
+                refs[n++] = (struct pollref){.what = P_LISTEN, .s = s};
+            }
             int k = session_poll(s, &pfds[n], &timeout);
             for (int j = 0; j < k; j++) {
                 refs[n++] = (struct pollref){.what = P_SESSION, .s = s};
@@ -162,6 +171,9 @@ static void serve(void)
                 break;
             case P_SESSION:
                 session_events(ref->s, re);
+                break;
+            case P_LISTEN:
+                listener_accept(ref->s);
                 break;
             case P_CHANNEL:
                 if (chan_alive(ref->c)) {
@@ -209,9 +221,32 @@ static void setup_signals(void)
     signal(SIGPIPE, SIG_IGN);
 }
 
+/* A container's standard streams are host file descriptors, which no saved state
+ * can hold (gVisor restores them by number, into a process where the number means
+ * nothing): the init logs to a file of the sandbox's own instead and keeps none. */
+static void console_to(const char *path)
+{
+    int null = open("/dev/null", O_RDWR | O_CLOEXEC);
+    int log = open(path, O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0600);
+    if (null < 0 || log < 0) {
+        logmsg("console %s: %s", path, strerror(errno));
+    } else {
+        dup2(null, 0);
+        dup2(log, 1);
+        dup2(log, 2);
+    }
+    if (null >= 0) {
+        close(null);
+    }
+    if (log >= 0) {
+        close(log);
+    }
+}
+
 int main(int argc, char **argv)
 {
-    int fd = -1;
+    int fd = -1, ports = 1;
+    const char *listen_dir = NULL, *console = NULL;
     g_is_pid1 = getpid() == 1;
     if (argc == 3 && !strcmp(argv[1], "--relay")) {
         return relay_main(argv[2]);
@@ -220,6 +255,12 @@ int main(int argc, char **argv)
         if (!strcmp(argv[i], "--fd") && i + 1 < argc) {
             fd = atoi(argv[++i]);
             g_host_mode = 1;
+        } else if (!strcmp(argv[i], "--listen") && i + 1 < argc) {
+            listen_dir = argv[++i];
+        } else if (!strcmp(argv[i], "--ports") && i + 1 < argc) {
+            ports = atoi(argv[++i]);
+        } else if (!strcmp(argv[i], "--console") && i + 1 < argc) {
+            console = argv[++i];
         } else if (!strcmp(argv[i], "--safe")) {
             g_safe_mode = 1;
         } else if (!strcmp(argv[i], "--version")) {
@@ -227,7 +268,7 @@ int main(int argc, char **argv)
             return 0;
         }
     }
-    if (!g_is_pid1 && !g_host_mode) {
+    if (!g_is_pid1 && !g_host_mode && listen_dir == NULL) {
         fprintf(stderr, "usage: sandlot-agent --fd N [--safe]   (or run as PID 1 in a guest)\n");
         return 2;
     }
@@ -235,7 +276,15 @@ int main(int argc, char **argv)
     setrlimit(RLIMIT_NOFILE, &rl);
     setup_signals();
 
-    if (g_is_pid1) {
+    if (listen_dir != NULL) {
+        if (console != NULL) {
+            console_to(console);
+        }
+        /* the sandbox made the root and its mounts; the rest of a boot's duties remain */
+        init_after_root();
+        g_nsessions = open_listeners(g_sessions, MAX_SESSIONS, listen_dir, ports);
+        logmsg("ready: %d socket(s) in %s", g_nsessions, listen_dir);
+    } else if (g_is_pid1) {
         init_early();
         init_after_root();
         g_nsessions = open_ports(g_sessions, MAX_SESSIONS, boot_ports());

@@ -10,6 +10,9 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
 #include <unistd.h>
 
 #include "agent.h"
@@ -151,6 +154,12 @@ static void session_disconnected(struct session *s)
     buf_free(&s->in);
     buf_free(&s->out);
     chan_disconnect_all(s);
+    if (s->listen_fd > 0) {
+        /* a listener's connection is gone for good: the next host connects anew */
+        close(s->in_fd);
+        s->in_fd = s->out_fd = -1;
+        return;
+    }
     if (!s->is_port) {
         logmsg("host closed the session; exiting");
         exit(0);
@@ -451,4 +460,60 @@ void port_check(struct session *s)
     } else if (!up && s->connected) {
         session_disconnected(s);
     }
+}
+
+/* ---- listeners (a container's init: no virtio-serial ports) ---------- */
+
+/* Port N is the Unix socket DIR/port.N. It takes one host at a time, as a
+ * virtio-serial port does: a new connection replaces the one before (a host that
+ * died without closing, or one reconnecting after a restore), and the host's
+ * kept channels follow it, as they follow a port's reconnection. */
+int open_listeners(struct session *sessions, int max, const char *dir, int want)
+{
+    int n = 0;
+    want = want < 1 ? 1 : want > max ? max : want;
+    mkdir(dir, 0700);
+    for (int i = 0; i < want; i++) {
+        struct sockaddr_un un;
+        memset(&un, 0, sizeof(un));
+        un.sun_family = AF_UNIX;
+        int len = snprintf(un.sun_path, sizeof(un.sun_path), "%s/port.%d", dir, i);
+        if (len < 0 || (size_t)len >= sizeof(un.sun_path)) {
+            logmsg("listen: %s is too long a directory", dir);
+            break;
+        }
+        unlink(un.sun_path);
+        int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+        if (fd < 0 || bind(fd, (struct sockaddr *)&un, sizeof(un)) < 0 || listen(fd, 4) < 0) {
+            logmsg("listen %s: %s", un.sun_path, strerror(errno));
+            if (fd >= 0) {
+                close(fd);
+            }
+            break;
+        }
+        struct session *s = &sessions[n++];
+        memset(s, 0, sizeof(*s));
+        snprintf(s->name, sizeof(s->name), "sandlot.%d", i);
+        s->in_fd = s->out_fd = -1;
+        s->listen_fd = fd;
+    }
+    return n;
+}
+
+void listener_accept(struct session *s)
+{
+    int fd = accept4(s->listen_fd, NULL, NULL, SOCK_CLOEXEC | SOCK_NONBLOCK);
+    if (fd < 0) {
+        return;
+    }
+    if (s->connected) {
+        session_disconnected(s);
+    } else if (s->in_fd >= 0) {
+        close(s->in_fd);
+    }
+    s->in_fd = s->out_fd = fd;
+    s->connected = 1;
+    s->hello_done = 0;
+    s->discard = 0;
+    s->resync = 0;
 }

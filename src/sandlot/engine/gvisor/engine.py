@@ -1,0 +1,245 @@
+"""The gVisor engine (``runsc``): boxes in a user-space kernel, at near-native CPU
+speed where KVM is not usable. Not hardware isolation.
+
+A box's disk is a *layer directory* (``layers/<id>.dir``): ``upper/`` and
+``work/`` of a host overlay mount, ``base``, the path of the image's unpacked
+root at the bottom, and ``parent``, the frozen layer directory right below (a
+snapshot's), if any. A saved state is a ``runsc checkpoint`` image: forks,
+templates and rollbacks each restore it over a new layer on the frozen one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Any, ClassVar
+
+from ... import pids
+from ...errors import HostSetupError, IncompatibleSnapshot, InvalidArgument, SavedStateError
+from ...guest.agent import build_agent
+from .. import hostcgroup
+from ..base import Boot, BootRequest, Engine, LaunchSpec, Placement, SavedState, VMRef, VMStatus
+from . import runsc
+from .vm import (
+    STATUS,
+    GvisorVM,
+    SandboxConfig,
+    container_state,
+    destroy,
+    lower_dirs,
+    mount_read_only,
+    unmount,
+)
+
+CHECKPOINT = "checkpoint.img"  # what runsc checkpoint writes into its --image-path
+
+
+def layer_base(layer: Path) -> Path:
+    """The image root a layer directory lies over (its ``base`` file)."""
+    try:
+        return Path((layer / "base").read_text().strip())
+    except OSError as exc:
+        raise SavedStateError(f"the box's layer {layer} has no base: {exc}") from exc
+
+
+class GvisorEngine(Engine):
+    name = "gvisor"
+    disk_format: ClassVar[str] = "dir"
+    live_state: ClassVar[bool] = True
+
+    def __init__(self, home: Path) -> None:
+        self.home = home
+
+    # -- boots -------------------------------------------------------------------------
+
+    def prepare(self, request: BootRequest) -> Boot:
+        if request.network:
+            raise InvalidArgument(
+                "engine='gvisor' runs boxes without a network for now: use network='none' or engine='qemu'"
+            )
+        if request.volumes:
+            raise InvalidArgument("engine='gvisor' does not share host directories (volumes) yet")
+        if request.kernel:
+            raise InvalidArgument("engine='gvisor' has no guest kernel to replace (kernel= is for qemu)")
+        runsc.require_root()
+        binary = runsc.runsc_binary()
+        version = runsc.runsc_version(binary)
+        platform = runsc.platform_for(version)
+        agent = build_agent(self.home)
+        return Boot(
+            engine=self.name,
+            accel=platform,
+            accel_reason=f"gVisor's {platform} platform (runsc {version}): a user-space kernel, "
+            "not hardware virtualization",
+            record={"runsc_version": version, "platform": platform, "agent_dir": str(agent.path.parent)},
+            identity=("gvisor", version, platform, agent.digest),
+        )
+
+    def _config(self, where: Placement, boot: dict[str, Any], disk: Path, **kw: Any) -> SandboxConfig:
+        agent_dir = boot.get("agent_dir") or ""
+        return SandboxConfig(
+            box_id=where.box_id, hostname=where.hostname, run_dir=where.run_dir, state_dir=where.state_dir,
+            layer=disk, base=layer_base(disk) if disk != Path() else Path(), agent_dir=Path(agent_dir),
+            platform=boot.get("platform") or "ptrace", ports=where.agent_ports,
+            memory_mib=kw.get("memory_mib", boot.get("memory_mib", 512)),
+            cpus=kw.get("cpus", boot.get("cpus", 1)),
+        )  # fmt: skip
+
+    async def launch(self, spec: LaunchSpec) -> GvisorVM:
+        if spec.network is not None:
+            raise InvalidArgument("engine='gvisor' runs boxes without a network for now")
+        boot = spec.boot
+        if spec.saved is not None:  # the agent build the state was saved with, not today's
+            boot = {**boot, "agent_dir": str(self._saved_agent(spec.saved.facts))}
+        cfg = self._config(spec.where, boot, spec.disk, memory_mib=spec.memory_mib, cpus=spec.cpus)
+        vm = GvisorVM(cfg)
+        await vm.start(restore_from=spec.saved.directory if spec.saved is not None else None)
+        return vm
+
+    def _saved_agent(self, facts: dict[str, Any]) -> Path:
+        build = str((facts.get("engine_facts") or {}).get("agent_build") or "")
+        path = self.home / "agent" / build
+        if not build or "/" in build or build.startswith(".") or not (path / "sandlot-agent").is_file():
+            raise IncompatibleSnapshot(
+                f"the snapshot's agent build ({build or 'unnamed'}) is not in this home: a gVisor state "
+                "restores only with the very agent binary it was saved with"
+            )
+        return path
+
+    def attach(self, ref: VMRef, where: Placement, boot: dict[str, Any]) -> GvisorVM:
+        return GvisorVM.attach(self._config(where, boot, Path()), ref)
+
+    # -- recovery (no event loop) --------------------------------------------------------
+
+    def alive(self, ref: VMRef | None, box_id: str) -> bool:
+        if ref is None or not pids.alive(ref.pid, ref.start):
+            return False
+        return any(box_id in arg for arg in pids.cmdline(ref.pid))
+
+    def _bare(self, where: Placement) -> SandboxConfig:
+        return SandboxConfig(where.box_id, where.hostname, where.run_dir, where.state_dir, Path(), Path(),
+                             Path(), "ptrace", where.agent_ports, 0, 0)  # fmt: skip
+
+    def probe(self, ref: VMRef | None, where: Placement) -> VMStatus:
+        if not self.alive(ref, where.box_id):
+            return VMStatus.GONE
+        state = container_state(self._bare(where))
+        if state is None:
+            return VMStatus.UNKNOWN
+        return STATUS.get(str(state.get("status")), VMStatus.UNKNOWN)
+
+    def kill_now(self, ref: VMRef | None, box_id: str) -> None:
+        if ref is not None and self.alive(ref, box_id):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(ref.pid, signal.SIGKILL)
+
+    def abort_save(self, ref: VMRef, where: Placement, *, resume: bool) -> None:
+        if resume:  # a save pauses the container first
+            with contextlib.suppress(Exception):
+                cfg = self._bare(where)
+                runsc.run([*cfg.flags(), "resume", cfg.cid], timeout=10)
+
+    def forget(self, where: Placement) -> None:
+        """Remove a dead sandbox's container state and root mount (recovery's cleanup)."""
+        destroy(self._bare(where))
+
+    # -- saved states ----------------------------------------------------------------------
+
+    async def share_memory(self, state: SavedState, disk: Path) -> None:
+        """A checkpoint image is already what many restores read: nothing to do."""
+
+    def memory_shared(self, directory: Path) -> bool:
+        return (directory / CHECKPOINT).is_file()
+
+    def state_files(self, directory: Path) -> dict[str, Path]:
+        return {CHECKPOINT: directory / CHECKPOINT}
+
+    def check_compatible(self, facts: dict[str, Any], boot: Boot) -> None:
+        if facts.get("engine", "qemu") != self.name:
+            raise IncompatibleSnapshot(
+                f"the snapshot was saved by the {facts.get('engine', 'qemu')!r} engine; this box runs on "
+                f"{self.name}, which cannot load it"
+            )
+        engine_facts = facts.get("engine_facts") or {}
+        saved, mine = engine_facts.get("runsc_version"), boot.record.get("runsc_version")
+        if saved != mine:
+            raise IncompatibleSnapshot(f"the snapshot was saved by runsc {saved}; this host has runsc {mine}")
+        if engine_facts.get("platform") != boot.record.get("platform"):
+            raise IncompatibleSnapshot(
+                f"the snapshot was saved on gVisor's {engine_facts.get('platform')} platform; this host "
+                f"runs {boot.record.get('platform')}"
+            )
+        self._saved_agent(facts)
+
+    def facts_for_import(self, facts: dict[str, Any], boot: Boot) -> dict[str, Any]:
+        return dict(facts)
+
+    def flatten_root(self, layer: Path, dest: Path) -> None:
+        """A read-only overlay of the layer and all below it (the merged view the box saw,
+        whiteouts applied), written out by tar with owners, modes and xattrs."""
+        mnt = Path(tempfile.mkdtemp(prefix=".flatten-", dir=layer.parent))
+        try:
+            mount_read_only([layer / "upper", *lower_dirs(layer, layer_base(layer))], mnt)
+            try:
+                proc = subprocess.run(
+                    ["tar", "--numeric-owner", "--xattrs", "--xattrs-include=*", "--sparse", "-C", str(mnt),
+                     "-cf", str(dest), "."],
+                    capture_output=True, text=True,
+                )  # fmt: skip
+                if proc.returncode != 0:
+                    raise SavedStateError(f"writing the box's files out failed: {proc.stderr.strip()[-400:]}")
+            finally:
+                unmount(mnt)
+        finally:
+            with contextlib.suppress(OSError):
+                mnt.rmdir()
+
+    # -- facts ----------------------------------------------------------------------------
+
+    def usage(self, ref: VMRef | None) -> dict[str, Any]:
+        out: dict[str, Any] = {"cpu_seconds": None, "rss_bytes": None}
+        if ref is None or not pids.alive(ref.pid, ref.start):
+            return out
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            stat = Path(f"/proc/{ref.pid}/stat").read_text()
+            fields = stat[stat.rindex(")") + 2 :].split()
+            ticks = os.sysconf("SC_CLK_TCK")
+            out["cpu_seconds"] = round((int(fields[11]) + int(fields[12])) / ticks, 2)
+            for line in Path(f"/proc/{ref.pid}/status").read_text().splitlines():
+                if line.startswith("VmRSS:"):
+                    out["rss_bytes"] = int(line.split()[1]) * 1024
+        return out
+
+    def host_limits(self, ref: VMRef | None) -> dict[str, Any] | None:
+        if ref is None or not pids.alive(ref.pid, ref.start):
+            return None
+        placement = hostcgroup.placement_of(ref.pid)
+        return placement.report() if placement else None
+
+    def doctor(self) -> dict[str, Any]:
+        report: dict[str, Any] = {"engine": self.name}
+        try:
+            binary = runsc.runsc_binary()
+        except HostSetupError as exc:
+            report.update(usable=False, why=str(exc))
+            return report
+        version = runsc.runsc_version(binary)
+        platform = runsc.platform_for(version)
+        report["runsc"] = {"path": binary, "version": version, "platform": platform}
+        why = []
+        if os.geteuid() != 0:
+            why.append("not root: the box's overlay root and its host cgroups need root "
+                       "(runsc --rootless has neither)")  # fmt: skip
+        if "overlay" not in Path("/proc/filesystems").read_text():
+            why.append("the host kernel has no overlayfs")
+        report["usable"] = not why
+        report["why"] = "; ".join(why) or (
+            f"runsc {version} on its {platform} platform: a user-space kernel, not hardware isolation"
+        )
+        report["network"] = "none only (no egress proxy on gvisor yet)"
+        report["live_state"] = "snapshot, suspend, fork, templates, export: runsc checkpoint and restore"
+        return report

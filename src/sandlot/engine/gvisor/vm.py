@@ -1,0 +1,610 @@
+"""One gVisor sandbox: its overlay root, its OCI bundle, the ``runsc`` commands that
+run it, and the byte streams to its agent.
+
+The box's root is a host overlay mount: the image's unpacked root (read-only,
+shared by every box of the image) below, the box's own layer directory (its
+``upper``) on top, so what the box writes survives stop and start. The agent is
+the container's init (``--listen``): it serves one Unix socket per agent port
+inside the sandbox. The host reaches port N through ``runsc exec`` of the agent's
+own relay mode (``--relay /run/.sandlot/port.N``), whose standard input and output
+are the stream: no host socket crosses into the sandbox, so nothing of the host
+is part of the sandbox's state.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import json
+import os
+import signal
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ... import pids
+from ...errors import BootError, HostSetupError, SavedStateError
+from .. import hostcgroup
+from ..base import VM, Connector, VMRef, VMStatus
+from . import runsc
+
+AGENT_DIR = "/.sandlot"  # where the host's agent directory is bound, read-only
+AGENT = f"{AGENT_DIR}/sandlot-agent"
+SOCKETS = "/run/.sandlot"  # the agent's port sockets (on the box's /run tmpfs)
+
+STATUS = {"running": VMStatus.RUNNING, "paused": VMStatus.PAUSED, "created": VMStatus.LOADING,
+          "creating": VMStatus.LOADING, "stopped": VMStatus.GONE}  # fmt: skip
+
+# Every capability gVisor knows in its 2022 release: the agent is the box's root,
+# as it is a VM's, and hands commands the users and capabilities they ask for.
+CAPABILITIES = [
+    "CAP_CHOWN", "CAP_DAC_OVERRIDE", "CAP_DAC_READ_SEARCH", "CAP_FOWNER", "CAP_FSETID", "CAP_KILL",
+    "CAP_SETGID", "CAP_SETUID", "CAP_SETPCAP", "CAP_LINUX_IMMUTABLE", "CAP_NET_BIND_SERVICE",
+    "CAP_NET_BROADCAST", "CAP_NET_ADMIN", "CAP_NET_RAW", "CAP_IPC_LOCK", "CAP_IPC_OWNER", "CAP_SYS_MODULE",
+    "CAP_SYS_RAWIO", "CAP_SYS_CHROOT", "CAP_SYS_PTRACE", "CAP_SYS_PACCT", "CAP_SYS_ADMIN", "CAP_SYS_BOOT",
+    "CAP_SYS_NICE", "CAP_SYS_RESOURCE", "CAP_SYS_TIME", "CAP_SYS_TTY_CONFIG", "CAP_MKNOD", "CAP_LEASE",
+    "CAP_AUDIT_WRITE", "CAP_AUDIT_CONTROL", "CAP_SETFCAP", "CAP_MAC_OVERRIDE", "CAP_MAC_ADMIN",
+    "CAP_SYSLOG", "CAP_WAKE_ALARM", "CAP_BLOCK_SUSPEND", "CAP_AUDIT_READ",
+]  # fmt: skip
+
+MNT_DETACH = 2
+MS_RDONLY = 1
+MAX_LOWER = 400  # overlayfs takes 500 lower layers; each snapshot of a box adds one
+START_TIMEOUT = 120.0  # a large saved state from a cold page cache takes a while
+MOUNT_DATA_MAX = 4096  # the kernel copies one page of mount options
+CONSOLE_DIR = "/.sandlot-console"  # the box's console directory on the host, bound read-write
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+@dataclass(slots=True)
+class SandboxConfig:
+    box_id: str
+    hostname: str
+    run_dir: Path
+    state_dir: Path
+    layer: Path  # the box's layer directory: upper/, work/ and the name of its base
+    base: Path  # the image's unpacked root, shared and read-only
+    agent_dir: Path  # the host directory holding the static agent
+    platform: str
+    ports: int
+    memory_mib: int
+    cpus: int
+
+    @property
+    def cid(self) -> str:
+        return f"sandlot-{self.box_id}"
+
+    @property
+    def root(self) -> Path:
+        return self.run_dir / "root"
+
+    @property
+    def bundle(self) -> Path:
+        return self.state_dir / "bundle"
+
+    @property
+    def console_dir(self) -> Path:
+        """Bound into the sandbox, where its init writes its log (see ``--console``)."""
+        return self.state_dir / "console"
+
+    @property
+    def console_log(self) -> Path:
+        return self.console_dir / "console.log"
+
+    @property
+    def runsc_log(self) -> Path:
+        return self.state_dir / "runsc.log"
+
+    def flags(self) -> list[str]:
+        return [runsc.runsc_binary(), *runsc.global_flags(self.platform, self.runsc_log)]
+
+
+def tail(path: Path, lines: int = 40, max_bytes: int = 64 * 1024) -> str:
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - max_bytes))
+            data = f.read()
+    except OSError:
+        return ""
+    return "\n".join(data.decode("utf-8", "replace").splitlines()[-lines:])
+
+
+def is_mounted(path: Path) -> bool:
+    try:
+        text = Path("/proc/self/mountinfo").read_text()
+    except OSError:
+        return False
+    target = str(path)
+    return any(line.split()[4] == target for line in text.splitlines() if len(line.split()) > 4)
+
+
+def lower_dirs(layer: Path, base: Path) -> list[Path]:
+    """What lies below a layer directory, top first: the ``upper`` of each frozen layer
+    its ``parent`` files name (snapshots froze them), then the image's root."""
+    out: list[Path] = []
+    here = layer
+    while True:
+        try:
+            parent = Path((here / "parent").read_text().strip())
+        except FileNotFoundError:
+            return [*out, base]
+        except OSError as exc:
+            raise SavedStateError(f"the layer {here} cannot be read: {exc}") from exc
+        if len(out) >= MAX_LOWER:
+            raise SavedStateError(f"the layer chain of {layer} is deeper than {MAX_LOWER} (or loops)")
+        out.append(parent / "upper")
+        here = parent
+
+
+def mount_overlay(cfg: SandboxConfig) -> None:
+    """The box's root: its layer over the frozen layers below and the image's root (a
+    host overlayfs; root only)."""
+    upper, work = cfg.layer / "upper", cfg.layer / "work"
+    upper.mkdir(exist_ok=True)
+    work.mkdir(exist_ok=True)
+    cfg.root.mkdir(parents=True, exist_ok=True)
+    unmount(cfg.root)
+    lower = ":".join(str(p) for p in lower_dirs(cfg.layer, cfg.base))
+    opts = f"lowerdir={lower},upperdir={upper},workdir={work}".encode()
+    if len(opts) >= MOUNT_DATA_MAX:
+        raise SavedStateError(
+            f"the box's disk is too many snapshots deep for one overlay mount ({len(opts)} bytes of "
+            "layer paths): start a new box from its latest snapshot, or copy its files out"
+        )
+    if _libc.mount(b"overlay", str(cfg.root).encode(), b"overlay", 0, opts) != 0:
+        err = ctypes.get_errno()
+        raise HostSetupError(f"cannot mount the box's overlay root at {cfg.root}: {os.strerror(err)}")
+
+
+def mount_read_only(lower: list[Path], target: Path) -> None:
+    """A read-only overlay of ``lower`` (top first; two at least) at ``target``."""
+    opts = ("lowerdir=" + ":".join(str(p) for p in lower)).encode()
+    if len(opts) >= MOUNT_DATA_MAX:
+        raise SavedStateError("the layer chain is too deep for one overlay mount")
+    if _libc.mount(b"overlay", str(target).encode(), b"overlay", MS_RDONLY, opts) != 0:
+        err = ctypes.get_errno()
+        raise HostSetupError(f"cannot mount a read-only overlay at {target}: {os.strerror(err)}")
+
+
+def unmount(path: Path) -> None:
+    while is_mounted(path):
+        if _libc.umount2(str(path).encode(), MNT_DETACH) != 0:
+            return
+
+
+def oci_config(cfg: SandboxConfig) -> dict[str, Any]:
+    caps = list(CAPABILITIES)
+    resources: dict[str, Any] = {
+        "memory": {"limit": cfg.memory_mib << 20},
+        "cpu": {"quota": 100_000 * max(1, cfg.cpus), "period": 100_000},
+    }
+    return {
+        "ociVersion": "1.0.2",
+        "process": {
+            "terminal": False,
+            "user": {"uid": 0, "gid": 0},
+            "args": [
+                AGENT,
+                "--listen",
+                SOCKETS,
+                "--ports",
+                str(cfg.ports),
+                "--console",
+                f"{CONSOLE_DIR}/console.log",
+            ],
+            "env": ["PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "HOME=/root"],
+            "cwd": "/",
+            "capabilities": {"bounding": caps, "effective": caps, "permitted": caps},
+            "rlimits": [{"type": "RLIMIT_NOFILE", "hard": 65536, "soft": 65536}],
+        },
+        "root": {"path": str(cfg.root), "readonly": False},
+        "hostname": cfg.hostname,
+        "mounts": [
+            {"destination": "/proc", "type": "proc", "source": "proc"},
+            {"destination": "/dev", "type": "tmpfs", "source": "tmpfs"},
+            {"destination": "/sys", "type": "sysfs", "source": "sysfs", "options": ["nosuid", "noexec"]},
+            {"destination": AGENT_DIR, "type": "bind", "source": str(cfg.agent_dir), "options": ["ro"]},
+            {"destination": CONSOLE_DIR, "type": "bind", "source": str(cfg.console_dir), "options": ["rw"]},
+        ],
+        "linux": {
+            "namespaces": [{"type": t} for t in ("pid", "network", "ipc", "uts", "mount")],
+            "resources": resources,
+            "cgroupsPath": f"/sandlot/{cfg.cid}",
+        },
+    }
+
+
+def _read_pid(path: Path) -> int:
+    try:
+        text = path.read_text().strip()
+    except OSError:
+        return 0
+    return int(text) if text.isdigit() else 0
+
+
+def parent_of(pid: int) -> VMRef | None:
+    """The parent of ``pid``, unless it is the host's init (an orphan's adopter)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    ppid = int(stat[stat.rindex(")") + 2 :].split()[1])
+    start = pids.start_time(ppid)
+    return VMRef(ppid, start) if ppid > 1 and start else None
+
+
+def container_state(cfg: SandboxConfig) -> dict[str, Any] | None:
+    """``runsc state``: the container's status and its sandbox's pid (None: no such container)."""
+    try:
+        proc = runsc.run([*cfg.flags(), "state", cfg.cid], timeout=10)
+    except (subprocess.TimeoutExpired, OSError):
+        return None
+    if proc.returncode != 0:
+        return None
+    try:
+        state: dict[str, Any] = json.loads(proc.stdout)
+    except ValueError:
+        return None
+    return state
+
+
+def destroy(cfg: SandboxConfig) -> None:
+    """Remove the container (killing what is left of it) and unmount its root. Idempotent."""
+    with contextlib.suppress(subprocess.TimeoutExpired, OSError, HostSetupError):
+        runsc.run([*cfg.flags(), "delete", "--force", cfg.cid], timeout=15)
+    unmount(cfg.root)
+
+
+class GvisorVM(VM):
+    """One sandbox: started here, or found again by its sandbox process from another process.
+
+    A saved state is written by ``runsc checkpoint``, which ends the sandbox: a snapshot
+    restores it at once over the box's new top layer, so the sandbox process changes
+    (``ref``) while the VM, for the core, runs on."""
+
+    def __init__(self, cfg: SandboxConfig) -> None:
+        self.cfg = cfg
+        self.ref = VMRef(0, "")
+        self._exited: asyncio.Future[int | None] | None = None
+        self._pidfd: int | None = None
+        self._relays: set[asyncio.subprocess.Process] = set()
+        self._open: asyncio.Event | None = None  # cleared while a save runs: no new relay may start
+        self._ending = False  # a save that leaves the sandbox stopped (a suspend) is under way
+
+    async def start(self, restore_from: Path | None = None) -> None:
+        """Run the sandbox: booted, or (``restore_from``) from a checkpoint image."""
+        cfg = self.cfg
+        cfg.run_dir.mkdir(parents=True, exist_ok=True)
+        cfg.bundle.mkdir(parents=True, exist_ok=True)
+        cfg.console_dir.mkdir(parents=True, exist_ok=True)
+        await asyncio.to_thread(destroy, cfg)  # a crash's leftovers under the same id
+        await asyncio.to_thread(mount_overlay, cfg)
+        (cfg.bundle / "config.json").write_text(json.dumps(oci_config(cfg)))
+        cfg.runsc_log.write_bytes(b"")
+        pid_file = cfg.state_dir / "sandbox.pid"  # written once the sandbox runs
+        pid_file.unlink(missing_ok=True)
+        common = [f"--bundle={cfg.bundle}", f"--pid-file={pid_file}"]
+        if restore_from is None:
+            cfg.console_log.write_bytes(b"")
+            argv = [*cfg.flags(), "run", *common, cfg.cid]
+        else:
+            cfg.console_log.touch()  # the restored init's log is reopened by its path
+            argv = [*cfg.flags(), "restore", f"--image-path={restore_from}", *common, cfg.cid]
+        what = "start the sandbox" if restore_from is None else "restore the saved state"
+        # Not --detach: this runsc stays the sandbox's parent and reaps it the moment it
+        # ends, so that nothing waits on an orphan for whatever init the host has (runsc
+        # delete does, and a checkpoint ends the sandbox). Its own session: it outlives
+        # this process, as the box does. The container's stdout and stderr are runsc's
+        # own, so both go to the console log (where runsc's complaints then land too).
+        with open(cfg.console_log, "ab") as console:
+            runner = subprocess.Popen(
+                argv, stdin=subprocess.DEVNULL, stdout=console, stderr=console, start_new_session=True
+            )
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + START_TIMEOUT
+        delay = 0.005
+        while True:
+            if _read_pid(pid_file):
+                state = await asyncio.to_thread(container_state, cfg)
+                pid = int(state.get("pid") or 0) if state else 0
+                if state is not None and state.get("status") == "running" and pid > 0:
+                    break
+            if runner.poll() is not None or loop.time() > deadline:
+                if runner.returncode is None:
+                    runner.kill()
+                await asyncio.to_thread(runner.wait)
+                await asyncio.to_thread(destroy, cfg)
+                raise BootError(f"runsc could not {what}:\n{tail(cfg.runsc_log, 20)}", tail(cfg.console_log))
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 0.05)
+        self.ref = VMRef(pid, pids.start_time(pid) or "")
+        self._watch_exit()
+
+    @classmethod
+    def attach(cls, cfg: SandboxConfig, ref: VMRef) -> GvisorVM:
+        vm = cls(cfg)
+        vm.ref = ref
+        vm._watch_exit()
+        return vm
+
+    def _watch_exit(self) -> None:
+        loop = asyncio.get_running_loop()
+        if self._exited is None or self._exited.done():
+            self._exited = loop.create_future()
+        if not pids.alive(self.ref.pid, self.ref.start):
+            self._exited.set_result(None)
+            return
+        try:
+            self._pidfd = os.pidfd_open(self.ref.pid)
+        except OSError:
+            self._exited.set_result(None)
+            return
+        loop.add_reader(self._pidfd, self._gone)
+
+    def _unwatch(self) -> None:
+        """Stop taking the sandbox process's end for the VM's (a checkpoint ends it)."""
+        if self._pidfd is not None:
+            with contextlib.suppress(Exception):
+                asyncio.get_running_loop().remove_reader(self._pidfd)
+            os.close(self._pidfd)
+            self._pidfd = None
+
+    def _gone(self) -> None:
+        self._unwatch()
+        if self._exited is not None and not self._exited.done():
+            self._exited.set_result(None)  # not our child: its status is runsc's to know
+
+    # -- the VM interface ---------------------------------------------------------------
+
+    @property
+    def running(self) -> bool:
+        return self._exited is not None and not self._exited.done() and not self._ending
+
+    def exited(self) -> asyncio.Future[int | None]:
+        assert self._exited is not None
+        return self._exited
+
+    async def wait_exit(self, timeout: float | None = None) -> bool:
+        if self._exited is None:
+            return True
+        try:
+            await asyncio.wait_for(asyncio.shield(self._exited), timeout)
+        except TimeoutError:
+            return False
+        return True
+
+    async def kill(self, grace: float = 2.0) -> None:
+        """SIGTERM to the box's init first, the whole sandbox killed after ``grace``."""
+        if not pids.alive(self.ref.pid, self.ref.start):
+            self._gone()  # a suspend's checkpoint ended it already
+        if self.running or self._ending:
+            with contextlib.suppress(Exception):
+                await asyncio.to_thread(runsc.run, [*self.cfg.flags(), "kill", self.cfg.cid, "TERM"], 10.0)
+            if not await self.wait_exit(grace) and pids.alive(self.ref.pid, self.ref.start):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(self.ref.pid, signal.SIGKILL)
+                await self.wait_exit(5.0)
+        await asyncio.to_thread(destroy, self.cfg)
+
+    async def _runsc(self, *args: str, timeout: float = 30.0) -> None:
+        proc = await asyncio.to_thread(runsc.run, [*self.cfg.flags(), *args], timeout)
+        if proc.returncode != 0:
+            why = proc.stderr.strip() or tail(self.cfg.runsc_log, 5)
+            raise SavedStateError(f"runsc {args[0]} failed: {why}")
+
+    async def pause(self) -> None:
+        await self._runsc("pause", self.cfg.cid)
+
+    async def resume(self) -> None:
+        await self._runsc("resume", self.cfg.cid)
+
+    async def status(self) -> VMStatus:
+        if not self.running:
+            return VMStatus.GONE
+        state = await asyncio.to_thread(container_state, self.cfg)
+        if state is None:
+            return VMStatus.GONE if not self.running else VMStatus.UNKNOWN
+        return STATUS.get(str(state.get("status")), VMStatus.UNKNOWN)
+
+    async def run_restored(self, timeout: float) -> None:
+        """``runsc restore --detach`` returned once the state was loaded and running."""
+        if await self.status() != VMStatus.RUNNING:
+            raise self.failure("the restored sandbox is not running")
+
+    async def save(self, directory: Path, *, new_disk: Path | None, keep_running: bool) -> float:
+        """Checkpoint the sandbox into ``directory`` (which ends it) and, to keep it running,
+        restore it at once over ``new_disk``. No host file may be open in the sandbox
+        then: its relays (this process's and any other's) are ended first, and no new one
+        starts until the save is over (this process's wait; others' find it paused)."""
+        loop = asyncio.get_running_loop()
+        gate = self._gate()
+        gate.clear()
+        self._ending = not keep_running  # a suspend: this process's sessions wait for a resume
+        try:
+            await self._quiesce()
+            t0 = loop.time()
+            runner = parent_of(self.ref.pid)
+            self._unwatch()
+            proc = await asyncio.to_thread(
+                runsc.run, [*self.cfg.flags(), "checkpoint", f"--image-path={directory}", self.cfg.cid], 300.0
+            )
+            if proc.returncode != 0:
+                self._ending = False
+                if pids.alive(self.ref.pid, self.ref.start):
+                    self._watch_exit()
+                    with contextlib.suppress(SavedStateError):
+                        await self.resume()
+                else:
+                    self._gone()
+                raise SavedStateError(
+                    f"runsc checkpoint failed: {proc.stderr.strip() or tail(self.cfg.runsc_log, 5)}"
+                )
+            # The image is whole once runsc returns; a booted sandbox then takes seconds to
+            # wind down by itself (a restored one does not): nothing of it is needed any more.
+            with contextlib.suppress(OSError):
+                fd = os.open(directory / "checkpoint.img", os.O_RDONLY)
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+            if pids.alive(self.ref.pid, self.ref.start):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(self.ref.pid, signal.SIGKILL)
+            await self._reaped(self.ref)
+            if runner is not None:
+                # the runsc that ran it deletes the container as it ends: the restore must not
+                # make its container of the same name before that
+                await self._reaped(runner)
+            if keep_running:
+                if new_disk is not None:
+                    self.cfg.layer = new_disk
+                    self.cfg.base = Path((new_disk / "base").read_text().strip())
+                try:
+                    await self.start(restore_from=directory)
+                except BaseException:
+                    self._gone()
+                    raise
+            return loop.time() - t0
+        finally:
+            gate.set()
+
+    def _gate(self) -> asyncio.Event:
+        if self._open is None:
+            self._open = asyncio.Event()
+            self._open.set()
+        return self._open
+
+    async def _reaped(self, ref: VMRef) -> None:
+        """Wait for a process to end (the checkpointed sandbox, then the runsc that ran it)."""
+        for _ in range(500):
+            if not pids.alive(ref.pid, ref.start):
+                return
+            await asyncio.sleep(0.005)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(ref.pid, signal.SIGKILL)
+
+    async def _quiesce(self) -> None:
+        """End every process started from outside the sandbox (``runsc exec``: the relays
+        of this process and of others), whose standard streams are host pipes no saved
+        state can hold; then pause the sandbox, in which no new one can start."""
+        mine = list(self._relays)
+        for proc in mine:
+            if proc.stdin is not None:
+                proc.stdin.close()  # the relay's end of input: it closes the socket and exits
+        if mine:
+            await asyncio.wait([asyncio.ensure_future(p.wait()) for p in mine], timeout=2.0)
+        for proc in mine:
+            if proc.returncode is None:
+                with contextlib.suppress(ProcessLookupError):
+                    proc.kill()
+        for _ in range(50):
+            outsiders = await self._outsiders()
+            if not outsiders:
+                await self.pause()
+                if not await self._outsiders():
+                    return
+                await self.resume()
+                continue
+            for pid in outsiders:
+                await asyncio.to_thread(
+                    runsc.run, [*self.cfg.flags(), "kill", f"--pid={pid}", self.cfg.cid, "KILL"], 10.0
+                )
+            await asyncio.sleep(0.02)
+        raise SavedStateError(
+            "processes started from outside the sandbox kept coming; the state was not saved"
+        )
+
+    async def _outsiders(self) -> list[int]:
+        """The pids in the sandbox started by ``runsc exec`` (parent 0, and not the init)."""
+        proc = await asyncio.to_thread(runsc.run, [*self.cfg.flags(), "ps", self.cfg.cid], 10.0)
+        if proc.returncode != 0:
+            raise SavedStateError(f"runsc ps failed: {proc.stderr.strip()}")
+        out = []
+        for line in proc.stdout.splitlines()[1:]:
+            fields = line.split()
+            if len(fields) >= 3 and fields[1].isdigit() and fields[2] == "0" and fields[1] != "1":
+                out.append(int(fields[1]))
+        return out
+
+    async def published_ports(self) -> list[tuple[str, int, int]]:
+        return []
+
+    def agent_connector(self, port: int) -> Connector:
+        cfg = self.cfg
+
+        async def connect() -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+            await self._gate().wait()  # a save in progress: the sandbox it restores answers
+            if not self.running:
+                raise ConnectionRefusedError(f"agent port {port}: the sandbox has ended")
+            argv = [*cfg.flags(), "exec", cfg.cid, AGENT, "--relay", f"{SOCKETS}/port.{port}"]
+            proc = await asyncio.create_subprocess_exec(
+                *argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                limit=1 << 22, start_new_session=True,
+            )  # fmt: skip
+            assert proc.stdin is not None and proc.stdout is not None and proc.stderr is not None
+            said = b""
+            while b"connected\n" not in said:  # the relay says so once the agent's socket took it
+                line = await proc.stderr.readline()
+                if not line:
+                    await proc.wait()
+                    # not there yet (the agent still starting) or the sandbox is gone: the
+                    # session's retry loop tells the two apart by the VM's exit
+                    why = said.decode(errors="replace").strip()
+                    raise ConnectionRefusedError(f"agent port {port}: {why}")
+                said += line
+            self._relays.add(proc)
+            drain = asyncio.ensure_future(_drain(proc))
+            drain.add_done_callback(lambda _: self._relays.discard(proc))
+            return proc.stdout, proc.stdin
+
+        return connect
+
+    def saved_facts(self) -> dict[str, Any]:
+        cfg = self.cfg
+        return {
+            "engine": "gvisor",
+            "memory_mib": cfg.memory_mib,
+            "cpus": cfg.cpus,
+            "agent_ports": cfg.ports,
+            "network": False,
+            "accel": cfg.platform,
+            # the restored init maps its executable again by path: it must be the very same build
+            "engine_facts": {
+                "runsc_version": runsc.runsc_version(),
+                "platform": cfg.platform,
+                "agent_build": cfg.agent_dir.name,
+            },
+        }
+
+    def console_tail(self, lines: int = 40) -> str:
+        return tail(self.cfg.console_log, lines)
+
+    def failure(self, what: str) -> BootError:
+        msg = what
+        err = tail(self.cfg.runsc_log, 20)
+        if err:
+            msg += f"\n--- runsc log ---\n{err}"
+        return BootError(msg, self.console_tail())
+
+    def cleanup(self) -> None:
+        destroy(self.cfg)
+        with contextlib.suppress(OSError):
+            self.cfg.root.rmdir()
+        with contextlib.suppress(OSError):
+            self.cfg.run_dir.rmdir()
+
+    def host_cgroup(self) -> hostcgroup.Placement | None:
+        return hostcgroup.placement_of(self.ref.pid) if pids.alive(self.ref.pid, self.ref.start) else None
+
+
+async def _drain(proc: asyncio.subprocess.Process) -> None:
+    """Read the relay's stderr to its end (so it never blocks on it) and reap it."""
+    assert proc.stderr is not None
+    with contextlib.suppress(Exception):
+        while await proc.stderr.read(4096):
+            pass
+    with contextlib.suppress(Exception):
+        await proc.wait()
