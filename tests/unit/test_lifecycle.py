@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -290,6 +291,20 @@ def test_a_transition_needs_the_boxs_lock(home: Path, root: Path) -> None:
     run(main)
 
 
+async def hold_port(lock: Path, within: float = 5.0) -> int:
+    """Take an agent port's lock as another process would, once the box's idle session
+    has given it back (when exactly depends on the idle timer, so it is polled)."""
+    deadline = time.monotonic() + within
+    while (fd := try_flock(lock)) is None:
+        assert time.monotonic() < deadline, f"{lock.name} was not given back in {within} s"
+        await asyncio.sleep(0.05)
+    return fd
+
+
+async def hold_every_port(ports: Path) -> list[int | None]:
+    return [await hold_port(ports / f"{p}.lock") for p in range(8)]
+
+
 def test_when_other_processes_hold_every_agent_port_a_session_waits_its_turn(
     home: Path, root: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -300,16 +315,13 @@ def test_when_other_processes_hold_every_agent_port_a_session_waits_its_turn(
         await box.start()
         ports = Path(home) / "boxes" / box.id / "ports"
         try:
-            await asyncio.sleep(0.6)  # idle: its port went back
-            held = [try_flock(ports / f"{p}.lock") for p in range(8)]
-            assert all(fd is not None for fd in held)  # as eight other processes would
+            held = await hold_every_port(ports)  # once idle, its port went back
             waiting = asyncio.ensure_future(box.exec("echo", "late"))
             await asyncio.sleep(0.3)
             assert not waiting.done()  # in line, not failed
             os.close(held.pop())  # one process lets go
             assert (await waiting).stdout == "late\n"
-            await asyncio.sleep(0.6)
-            held.append(try_flock(ports / "7.lock"))
+            held.append(await hold_port(ports / "7.lock"))  # once idle again
             with pytest.raises(sandlot.BoxBusy, match="all 8 agent ports") as err:
                 await box.exec("true")
             assert err.value.status == 423

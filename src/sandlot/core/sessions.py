@@ -323,7 +323,7 @@ class Session:
             self.drop()  # the port goes back; the next operation connects again
         else:
             self._idle_timer = asyncio.get_running_loop().call_later(
-                max(0.5, IDLE_RELEASE - idle), self._idle_check
+                max(IDLE_RELEASE / 4, IDLE_RELEASE - idle), self._idle_check
             )
 
     def drop(self) -> None:
