@@ -110,13 +110,16 @@ def serving(home: Path, *, no_auth: bool = False, args: tuple[str, ...] = (),
     if not no_auth:
         key = create_key(home, f"admin-{os.getpid()}-{time.monotonic_ns() % 10**9}", "--admin")
     args = (*args, "--no-auth") if no_auth else args
-    log = log or home / f"serve-{os.getpid()}.log"
+    own_log = log is None  # kept only when the test failed, for the reason in it
     port = free_port()
+    log = log or home / f"serve-{os.getpid()}-{port}.log"
     served = Served(home, port, _start(home, port, args, log), key, args, log)
     try:
         yield served
     finally:
         served.stop()
+    if own_log:
+        log.unlink(missing_ok=True)
 
 
 def rss_mib(pid: int) -> float:
