@@ -105,7 +105,9 @@ STDOUT, STDERR = 1, 2
 HEADER = struct.Struct(">BQ")  # an output frame: [stream u8][offset u64 big-endian][bytes]
 WS_MAX_MESSAGE = 16 << 20
 EXEC_STDIN_INLINE = 256 * 1024  # stdin up to this size goes in the exec request (JSON bodies stop at 1 MiB)
-REATTACH_DELAYS = (0.1, 0.25, 0.5, 1.0, 2.0, 4.0)  # seconds between tries to reach the server again
+# Seconds between tries to reach the server again (about 30 s in all): a restarted
+# server needs a few seconds to import and listen, more on a loaded host.
+REATTACH_DELAYS = (0.1, 0.25, 0.5, 1.0, 2.0, *[3.0] * 8)
 LOCAL_ONLY = "not over a remote connection"
 # what a box started from a snapshot may have of its own over a server
 SNAPSHOT_START_OPTIONS = frozenset({"env", "labels", "workdir", "user", "idle_timeout", "request_timeout",
@@ -1270,7 +1272,7 @@ class WebSocketProcess:
     Output is read off the socket as it comes (the server buffers it whatever the
     client does, so there is nothing to hold back). If the socket drops before the
     exit, the process is reattached from the offsets received (the server is tried
-    again for about 8 s if it cannot be reached); stdin written while it was down
+    again for about 30 s if it cannot be reached); stdin written while it was down
     waits for the new socket. Bytes written just before a drop may be
     lost: stdin is not acknowledged by the protocol.
     """

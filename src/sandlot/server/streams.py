@@ -101,8 +101,10 @@ class HeldProcess:
         self._tick.set()
         self._tick = asyncio.Event()
 
-    async def changed(self) -> None:
-        await self._tick.wait()
+    def changed(self) -> asyncio.Event:
+        """The event the next append or the exit sets. Take it *before* reading the
+        rings: what is appended after the read then still wakes the waiter."""
+        return self._tick
 
     async def _read(self, stream: int) -> None:
         source = self.proc.stdout if stream == STDOUT else self.proc.stderr
@@ -240,7 +242,7 @@ async def serve(ws: WebSocket, held: HeldProcess, offsets: dict[int, int]) -> No
 
 async def _to_client(ws: WebSocket, held: HeldProcess, offsets: dict[int, int]) -> None:
     while True:
-        changed = held.changed()  # taken before reading, so no append is missed
+        changed = held.changed()
         sent = False
         for stream, ring in held.rings.items():
             at, data = ring.read_from(offsets[stream])
@@ -257,7 +259,7 @@ async def _to_client(ws: WebSocket, held: HeldProcess, offsets: dict[int, int]) 
             await ws.send_json(held.exit_message())
             await ws.close(1000)
             return
-        await changed
+        await changed.wait()
 
 
 async def _from_client(ws: WebSocket, held: HeldProcess) -> None:
