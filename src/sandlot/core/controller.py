@@ -133,7 +133,7 @@ class BoxController:
         out = []
         for rec in await self.db.list():
             found = await self.recover(rec)
-            if found is None:
+            if found is None or found.options.get("pool"):  # a warm pool's VM is no box (yet)
                 continue
             if not all and found.state not in (BoxState.RUNNING, BoxState.PAUSED):
                 continue
@@ -158,11 +158,18 @@ class BoxController:
 
     @contextlib.asynccontextmanager
     async def transition(
-        self, entry: BoxEntry, op: Op, *, op_data: dict[str, Any] | None = None
+        self,
+        entry: BoxEntry,
+        op: Op,
+        *,
+        op_data: dict[str, Any] | None = None,
+        with_start: dict[str, Any] | None = None,
     ) -> AsyncIterator[Step]:
         """Run ``op`` on the box: check it against the table, record its in-progress
         state (and ``op_data``, what recovery needs to finish or undo it), then its end
-        state, or its failure state if the block raises. Needs the box's lock."""
+        state, or its failure state if the block raises. Needs the box's lock.
+        ``with_start``: columns written in the same compare-and-swap as the in-progress
+        state (a pool claim's new identity: no two claimers can both write theirs)."""
         entry.lock.require()
         t = TRANSITIONS[op]
         source = entry.state
@@ -180,6 +187,7 @@ class BoxController:
                 owner_start=start,
                 op=op_data,
                 reason=None,
+                **(with_start or {}),
             )
             if rec is None:
                 now = await self.refresh(entry)

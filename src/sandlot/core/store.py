@@ -386,12 +386,26 @@ class BoxStore:
         if expect_pid is not None:
             where += " AND vm_pid = :_pid"
             params["_pid"] = expect_pid
-        with self._tx() as db:
-            cur = db.execute(f"UPDATE boxes SET {sets} WHERE {where}", params)
-            if cur.rowcount == 0:
-                return None
-            row = db.execute("SELECT * FROM boxes WHERE id = ?", (box_id,)).fetchone()
+        try:
+            with self._tx() as db:
+                cur = db.execute(f"UPDATE boxes SET {sets} WHERE {where}", params)
+                if cur.rowcount == 0:
+                    return None
+                row = db.execute("SELECT * FROM boxes WHERE id = ?", (box_id,)).fetchone()
+        except sqlite3.IntegrityError as exc:
+            if "name" in str(exc):  # a claimed pool VM takes the box's name
+                raise InvalidArgument(f"a box named {changes.get('name')!r} already exists") from None
+            raise
         return _row(row)
+
+    def pooled(self, template_id: str) -> builtins.list[BoxRecord]:
+        """The ready VMs of a template's warm pool, oldest first (``core.pools``)."""
+        with self._lock:
+            rows = self._db.execute(
+                "SELECT * FROM boxes WHERE state = 'pooled' AND origin = ? ORDER BY created_at",
+                (template_id,),
+            ).fetchall()
+        return [r for r in map(_row, rows) if r.options.get("pool") == template_id]
 
     def delete(self, box_id: str) -> None:
         with self._tx() as db:
@@ -622,6 +636,10 @@ class AsyncStore:
 
     async def delete(self, box_id: str) -> None:
         await self.call("delete", box_id)
+
+    async def pooled(self, template_id: str) -> builtins.list[BoxRecord]:
+        found: builtins.list[BoxRecord] = await self.call("pooled", template_id)
+        return found
 
     async def children(self, snap_id: str) -> builtins.list[BoxRecord]:
         found: builtins.list[BoxRecord] = await self.call("children", snap_id)
