@@ -180,3 +180,11 @@ async def pools_async(*, home: str | os.PathLike[str] | None = None) -> list[Poo
 def pools(*, home: str | os.PathLike[str] | None = None) -> list[PoolInfo]:
     """Sync ``pools_async``."""
     return loop.run(pools_async(home=home))
+
+
+async def keep_pools_filled_async(
+    *, home: str | os.PathLike[str] | None = None, interval: float = 5.0
+) -> None:
+    """Top every warm pool of the home up, now and every ``interval`` seconds, until
+    cancelled (what ``sandlot serve`` runs beside its routes)."""
+    await core_for(Runtime.for_home(home)).pools.keep_filled(interval)

@@ -383,6 +383,25 @@ class Pools:
             spawn_refill(self.rt.home, found.id)
         return await self.info(found.id)
 
+    async def keep_filled(self, interval: float = 5.0) -> None:
+        """Top every pool up now and every ``interval`` seconds, where no refiller is at
+        work (``sandlot serve`` runs this for as long as it runs; cancelled mid-fill, the
+        half-made VM is removed)."""
+        while True:
+            for snap in await self.db.snapshots(kind="template"):
+                if not pool_size(snap):
+                    continue
+                fd = try_flock(pool_lock(self.rt.home, snap.id))
+                if fd is None:
+                    continue
+                try:
+                    await self.top_up(snap.id)
+                except Exception as exc:  # one pool's trouble must not stop the others'
+                    log.warning("refilling the pool of %s: %s", snap.name or snap.id, exc)
+                finally:
+                    os.close(fd)
+            await asyncio.sleep(interval)
+
     async def drop(self, snap: SnapshotRecord) -> None:
         """Remove a template's pool (before the template goes)."""
         if pool_size(snap) or await self.rows(snap.id):
