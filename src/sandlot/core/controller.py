@@ -119,7 +119,7 @@ class BoxController:
     async def find(self, key: str) -> BoxEntry:
         """The box with this id, name or id prefix (``BoxNotFound`` if none)."""
         rec = await self.recover(await self.db.get(key))
-        if rec is None:
+        if rec is None or rec.options.get("pool"):  # a warm pool's VM is no box (yet)
             raise BoxNotFound(f"no box {key!r}", box=key)
         return self.entry(rec)
 

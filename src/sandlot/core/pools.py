@@ -41,7 +41,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from ..errors import BoxBusy, InvalidArgument, InvalidState, SnapshotNotFound
+from ..errors import BoxBusy, BoxNotFound, InvalidArgument, InvalidState, SnapshotNotFound
 from ..protocol.exec import ExecRequest, RemoteProcess
 from .controller import BoxController
 from .crashpoints import crash_point
@@ -264,6 +264,22 @@ class Pools:
         ctl.watch_idle(entry)
         return entry
 
+    async def _drain(self, rec: BoxRecord) -> None:
+        """Remove a ready pool VM, unless a claimer took it meanwhile (then it is a box)."""
+        ctl = self.controller
+        known = ctl.entries.get(rec.id)
+        if known is not None and not known.spec.pool:
+            return  # claimed by a task of this loop: its entry is the box's
+        entry = ctl.entry(rec)
+        with contextlib.suppress(BoxBusy, BoxNotFound):
+            async with entry.lock(timeout=30.0):
+                now = await ctl.refresh(entry)
+                if now.state == BoxState.POOLED and now.options.get("pool"):
+                    await ctl.remove(entry, force=True)  # its own compare-and-swap expects pooled
+                    return
+        if ctl.entries.get(rec.id) is entry and known is None:
+            ctl.entries.pop(rec.id, None)
+
     async def _discard(self, entry: BoxEntry) -> None:
         with contextlib.suppress(Exception):
             await self.controller.remove(entry, force=True)
@@ -321,7 +337,7 @@ class Pools:
             extra = len(ready) + len(coming) - size
             if extra > 0:
                 for rec in ready[:extra]:
-                    await self._discard(self.controller.entry(rec))
+                    await self._drain(rec)
                 return
             if snap is None or extra == 0:
                 return
