@@ -260,6 +260,12 @@ class Pools:
             log.warning("a pool VM of %s could not be claimed (%s); restoring afresh", snap.name, exc)
             await self._discard(entry)
             return None
+        except BaseException:  # cancelled mid-claim: the half-claimed VM goes, nobody has it
+            if won:
+                await asyncio.shield(self._discard(entry))
+            else:
+                ctl.forget(entry)
+            raise
         entry.boot_seconds = time.monotonic() - t0
         ctl.watch_idle(entry)
         return entry
