@@ -353,7 +353,8 @@ class AsyncBox:
         """Boot the box (creating it first if needed) and wait for its agent.
         A running box is left as it is; the disk is kept across stop/start."""
         ctl, entry = await self._created(claim=True)
-        await ctl.start(entry)
+        if not self._claimed:  # a claimed pool VM runs already
+            await ctl.start(entry)
         return self
 
     async def stop(self, timeout: float = 10.0) -> None:

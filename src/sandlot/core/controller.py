@@ -164,12 +164,15 @@ class BoxController:
         *,
         op_data: dict[str, Any] | None = None,
         with_start: dict[str, Any] | None = None,
+        durable: bool = True,
     ) -> AsyncIterator[Step]:
         """Run ``op`` on the box: check it against the table, record its in-progress
         state (and ``op_data``, what recovery needs to finish or undo it), then its end
         state, or its failure state if the block raises. Needs the box's lock.
         ``with_start``: columns written in the same compare-and-swap as the in-progress
-        state (a pool claim's new identity: no two claimers can both write theirs)."""
+        state (a pool claim's new identity: no two claimers can both write theirs).
+        ``durable=False``: its writes are not fsynced (they survive any process's crash,
+        not a power loss: for an operation whose VM a power loss ends anyway)."""
         entry.lock.require()
         t = TRANSITIONS[op]
         source = entry.state
@@ -187,6 +190,7 @@ class BoxController:
                 owner_start=start,
                 op=op_data,
                 reason=None,
+                durable=durable,
                 **(with_start or {}),
             )
             if rec is None:
@@ -209,7 +213,9 @@ class BoxController:
         if step.gone:
             return
         end = step.target or end_state(op, source)
-        rec = await self.db.update(entry.id, expect=(writing,), state=end, op=None, **step.changes)
+        rec = await self.db.update(
+            entry.id, expect=(writing,), state=end, op=None, durable=durable, **step.changes
+        )
         if rec is not None:
             entry.update(rec)
 

@@ -29,7 +29,7 @@ POINTS = frozenset({
     "export.mid-write",  # part of an archive is written
     "pool.fill-after-start",  # a pool VM runs (its HELLO done), not yet paused and ready
     "pool.claim-after-row",  # a claim's compare-and-swap is written; the pool VM is still paused
-    "pool.claim-after-resume",  # the claimed VM runs again; its agent has not been re-identified
+    "pool.claim-after-resume",  # the claimed VM runs again; its re-identifying HELLO is under way
 })  # fmt: skip
 
 _passes: dict[str, int] = {}

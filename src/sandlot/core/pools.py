@@ -238,18 +238,29 @@ class Pools:
         try:
             async with (
                 entry.lock(timeout=0.05),
+                # not fsynced: after a power loss the VM is gone whatever the row says, and
+                # recovery removes a pool VM's row whose VM is gone, claimed or not
                 ctl.transition(
-                    entry, Op.CLAIM, op_data={"kind": "claim", "template": snap.id}, with_start=identity
+                    entry, Op.CLAIM, op_data={"kind": "claim", "template": snap.id}, with_start=identity,
+                    durable=False,
                 ) as step,
-            ):
+            ):  # fmt: skip
                 won = True
                 step.failure_reason = "claiming a pool VM failed"
                 crash_point("pool.claim-after-row")
                 vm = self.launcher.vm_of(entry, entry.record)
-                await vm.resume()
-                crash_point("pool.claim-after-resume")
-                # its HELLO reseeds the guest's RNG and sets its clock, hostname and machine-id
-                await entry.session.connection(vm, self.launcher.hello(entry))
+                # its HELLO reseeds the guest's RNG and sets its clock, hostname and machine-id;
+                # sent while QEMU's cont is under way, it waits in the socket for the guest
+                hello = asyncio.ensure_future(entry.session.connection(vm, self.launcher.hello(entry)))
+                try:
+                    await vm.resume()
+                    crash_point("pool.claim-after-resume")
+                    await hello
+                except BaseException:
+                    hello.cancel()
+                    with contextlib.suppress(BaseException):
+                        await hello
+                    raise
                 step.changes = {"options": spec.to_options(), "started_at": time.time()}
         except Exception as exc:
             if not won:  # another claimer (or a drain) had it, or the name is taken: nothing changed
