@@ -329,6 +329,7 @@ class AsyncBox:
     async def __aenter__(self) -> AsyncBox:
         ctl, entry = await self._created(ephemeral=not self.keep, claim=True)
         if self._claimed:  # a ready VM of its template's warm pool: running already
+            self._claimed = False
             return self
         try:
             await ctl.start(entry)
@@ -353,8 +354,10 @@ class AsyncBox:
         """Boot the box (creating it first if needed) and wait for its agent.
         A running box is left as it is; the disk is kept across stop/start."""
         ctl, entry = await self._created(claim=True)
-        if not self._claimed:  # a claimed pool VM runs already
-            await ctl.start(entry)
+        if self._claimed:  # a claimed pool VM runs already
+            self._claimed = False
+            return self
+        await ctl.start(entry)
         return self
 
     async def stop(self, timeout: float = 10.0) -> None:
