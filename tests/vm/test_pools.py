@@ -5,6 +5,7 @@ orphaned (the next caller reconciles). Pools of 1-3 VMs of a 256 MiB busybox tem
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -81,8 +82,19 @@ def py(
                           timeout=timeout, env={**os.environ, **(env or {})})  # fmt: skip
 
 
+def cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "sandlot.cli", *args], capture_output=True, text=True,
+                          timeout=180)  # fmt: skip
+
+
 def test_exhaustion_falls_back_to_a_plain_restore(tmpl: sandlot.Snapshot) -> None:
-    sandlot.set_pool(tmpl, 1, wait=True)
+    r = cli("pool", "set", tmpl.id, "1", "--wait")  # the command line's face of set_pool
+    assert r.returncode == 0 and "ready 1" in r.stdout, r.stderr
+    r = cli("pool", "ls", "--json")
+    [listed] = [p for p in json.loads(r.stdout) if p["template_id"] == tmpl.id]
+    assert (listed["size"], listed["ready"], listed["nominal_mib"]) == (1, 1, 256) and listed["pss_mib"] > 0
+    r = cli("pool", "set", tmpl.id, "64")  # 64 VMs of 256 MiB: past the memory cap, refused
+    assert r.returncode == 125 and "over the cap" in r.stderr, r.stderr
     [pooled] = pool_rows(tmpl)
     with sandlot.Box(template=tmpl) as first, sandlot.Box(template=tmpl) as second:
         assert first.id == pooled.id
