@@ -54,6 +54,8 @@ def drop_home(home: Path) -> None:
 
     import sandlot
 
+    for p in sandlot.pools(home=home):  # warm pools' VMs are no boxes: they go with their pool
+        sandlot.set_pool(p.template_id, 0, wait=True, home=home)
     for b in sandlot.list(home=home):
         b.remove(force=True)
     shutil.rmtree(home, ignore_errors=True)

@@ -38,24 +38,27 @@ class Case:
 
 SAVE_CUT_SHORT = {"kind": "snapshot", "source": "paused", "snapshot": "pending1"}
 ROLLBACK = {"kind": "rollback", "disk": "/new.qcow2"}
+POOL_VM = {"pool": "tmpl1"}
 CASES: dict[int, Case] = {
-    0: Case(S.RUNNING, False, V.RUNNING, None, False, {"ephemeral": True}),
-    1: Case(S.CREATING, True, V.GONE, "creating", True),
-    2: Case(S.CREATING, False, V.GONE, None, False),
-    3: Case(S.STARTING, False, V.RUNNING, "running", True),
-    4: Case(S.STARTING, False, V.LOADING, "crashed", False, reason="before its guest ran"),
-    5: Case(S.STARTING, False, V.GONE, "crashed", False, reason="and the VM with it"),
-    6: Case(S.STOPPING, False, V.RUNNING, "stopped", False),
-    7: Case(S.SUSPENDING, False, V.PAUSED, "suspended", False, {"suspended": "s1"}),
-    8: Case(S.SNAPSHOTTING, False, V.PAUSED, "paused", True, {"op": SAVE_CUT_SHORT}),
-    9: Case(S.SNAPSHOTTING, False, V.GONE, "crashed", False, reason="saving its state"),
-    10: Case(S.RESUMING, False, V.RUNNING, "running", True, {"suspended": "s2"}),
-    11: Case(S.RESUMING, False, V.LOADING, "suspended", False, {"suspended": "s3"}),
-    12: Case(S.RESTORING, False, V.RUNNING, "running", True, {"op": ROLLBACK}),
-    13: Case(S.RESTORING, False, V.GONE, "stopped", False, reason="rollback was interrupted"),
-    14: Case(S.SUSPENDED, False, V.RUNNING, "suspended", False, {"suspended": "s4"}),
-    15: Case(S.RUNNING, True, V.GONE, "crashed", False, reason="exited unexpectedly"),
-    16: Case(S.RUNNING, True, V.RUNNING, "running", True),
+    0: Case(S.POOLED, False, V.GONE, None, False, {"options": POOL_VM}),
+    1: Case(S.CLAIMING, False, V.RUNNING, None, False, {"options": POOL_VM}),
+    2: Case(S.RUNNING, False, V.RUNNING, None, False, {"ephemeral": True}),
+    3: Case(S.CREATING, True, V.GONE, "creating", True),
+    4: Case(S.CREATING, False, V.GONE, None, False),
+    5: Case(S.STARTING, False, V.RUNNING, "running", True),
+    6: Case(S.STARTING, False, V.LOADING, "crashed", False, reason="before its guest ran"),
+    7: Case(S.STARTING, False, V.GONE, "crashed", False, reason="and the VM with it"),
+    8: Case(S.STOPPING, False, V.RUNNING, "stopped", False),
+    9: Case(S.SUSPENDING, False, V.PAUSED, "suspended", False, {"suspended": "s1"}),
+    10: Case(S.SNAPSHOTTING, False, V.PAUSED, "paused", True, {"op": SAVE_CUT_SHORT}),
+    11: Case(S.SNAPSHOTTING, False, V.GONE, "crashed", False, reason="saving its state"),
+    12: Case(S.RESUMING, False, V.RUNNING, "running", True, {"suspended": "s2"}),
+    13: Case(S.RESUMING, False, V.LOADING, "suspended", False, {"suspended": "s3"}),
+    14: Case(S.RESTORING, False, V.RUNNING, "running", True, {"op": ROLLBACK}),
+    15: Case(S.RESTORING, False, V.GONE, "stopped", False, reason="rollback was interrupted"),
+    16: Case(S.SUSPENDED, False, V.RUNNING, "suspended", False, {"suspended": "s4"}),
+    17: Case(S.RUNNING, True, V.GONE, "crashed", False, reason="exited unexpectedly"),
+    18: Case(S.RUNNING, True, V.RUNNING, "running", True),
 }
 
 
@@ -80,10 +83,12 @@ def make(rt: Runtime, case: Case) -> tuple[BoxRecord, FakeVM | None]:
         vm.status_now = case.vm
         engine.vms[vm.ref.pid] = vm
     now = time.time()
+    extra = dict(case.extra)
+    options = extra.pop("options", {})
     rec = BoxRecord(
-        id=box_id, name=box_id, state=case.state, options={}, created_at=now, updated_at=now, engine="fake",
-        owner_pid=owner[0], owner_start=owner[1], vm_pid=vm.ref.pid if vm else None,
-        vm_start=vm.ref.start if vm else None, **case.extra,
+        id=box_id, name=box_id, state=case.state, options=options, created_at=now, updated_at=now,
+        engine="fake", owner_pid=owner[0], owner_start=owner[1], vm_pid=vm.ref.pid if vm else None,
+        vm_start=vm.ref.start if vm else None, **extra,
     )  # fmt: skip
     rt.store.insert(rec)
     return rec, vm
@@ -99,7 +104,7 @@ def test_rule(runtime: Runtime, row: int) -> None:
     assert recovery.TABLE.index(rule) == row, (
         f"case {row} matched rule {recovery.TABLE.index(rule)}: {rule.doc}"
     )
-    if row == 8:  # a save cut short left its directory behind; no row names it
+    if row == 10:  # a save cut short left its directory behind; no row names it
         (runtime.home / "snapshots" / "pending1").mkdir(parents=True)
     after = rec_recovery.apply(rec)
     if case.expect_state is None:
@@ -113,11 +118,11 @@ def test_rule(runtime: Runtime, row: int) -> None:
             assert after.vm_pid is None or after.state in ("suspended",)
     if vm is not None:
         assert vm.running == case.vm_survives, "the VM should have been ended" if vm.running else "killed"
-    if row == 8:
-        assert not (runtime.home / "snapshots" / "pending1").exists()
     if row == 10:
-        assert after is not None and after.suspended is None
+        assert not (runtime.home / "snapshots" / "pending1").exists()
     if row == 12:
+        assert after is not None and after.suspended is None
+    if row == 14:
         assert after is not None and after.disk == "/new.qcow2" and after.op is None
 
 

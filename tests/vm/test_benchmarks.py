@@ -24,6 +24,12 @@ PROMISED = {
         "box_create_from_pulled_image_ms",
     ],
     "livestate": ["snapshot", "rollback_to_first_exec_s", "resume_to_first_exec_s", "fork"],
+    "pool": [
+        "template_start_to_first_exec_s",
+        "pool_claim_to_first_exec_ms",
+        "pool_fill_s_per_vm",
+        "pool_vm_pss_mib",
+    ],
     "network": ["host_to_host", "box_to_host_via_egress_proxy", "host_to_box_published_port"],
     "concurrency": ["threads", "processes"],
     "interpreter": [

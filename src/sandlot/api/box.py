@@ -124,6 +124,7 @@ class AsyncBox:
         self._image = self._request.image
         self._entry: BoxEntry | None = None
         self._core: Core | None = None
+        self._claimed = False
         self._files = AsyncFiles(self._connection)
 
     @classmethod
@@ -136,6 +137,7 @@ class AsyncBox:
         box.keep = True
         box._image = None
         box._entry, box._core = entry, core
+        box._claimed = False
         box._files = AsyncFiles(box._connection)
         return box
 
@@ -192,8 +194,12 @@ class AsyncBox:
             self._entry = core.entries.get(self.id)
         return core, self._entry
 
-    async def _created(self, *, ephemeral: bool = False) -> tuple[BoxController, BoxEntry]:
-        """The controller and the box's entry, creating the box first if it is new."""
+    async def _created(
+        self, *, ephemeral: bool = False, claim: bool = False
+    ) -> tuple[BoxController, BoxEntry]:
+        """The controller and the box's entry, creating the box first if it is new.
+        ``claim``: it is about to start, so a ready VM of its template's warm pool may
+        be it (already running)."""
         core, entry = self._here()
         if entry is not None and not entry.removed:
             return core.controller, entry
@@ -203,7 +209,12 @@ class AsyncBox:
             try:
                 entry = await core.controller.find(self.id)
             except BoxNotFound:
-                entry = await core.controller.create(self._request, ephemeral=ephemeral)
+                claimed = await core.pools.claim(self._request, ephemeral=ephemeral) if claim else None
+                if claimed is not None:
+                    entry = claimed
+                    self._id, self._claimed = entry.id, True  # the pool VM's row is the box's now
+                else:
+                    entry = await core.controller.create(self._request, ephemeral=ephemeral)
                 self._image = self._request.image
             self._request = None
         self._entry = entry
@@ -316,7 +327,10 @@ class AsyncBox:
     # -- lifecycle -----------------------------------------------------------------------------
 
     async def __aenter__(self) -> AsyncBox:
-        ctl, entry = await self._created(ephemeral=not self.keep)
+        ctl, entry = await self._created(ephemeral=not self.keep, claim=True)
+        if self._claimed:  # a ready VM of its template's warm pool: running already
+            self._claimed = False
+            return self
         try:
             await ctl.start(entry)
         except BaseException:
@@ -339,7 +353,10 @@ class AsyncBox:
     async def start(self) -> AsyncBox:
         """Boot the box (creating it first if needed) and wait for its agent.
         A running box is left as it is; the disk is kept across stop/start."""
-        ctl, entry = await self._created()
+        ctl, entry = await self._created(claim=True)
+        if self._claimed:  # a claimed pool VM runs already
+            self._claimed = False
+            return self
         await ctl.start(entry)
         return self
 
@@ -726,8 +743,14 @@ class AsyncSnapshot:
         return await core_for(self.runtime).live.export(self._rec, Path(path))
 
     async def remove(self) -> None:
-        """Delete the snapshot; refused (SnapshotInUse) while boxes started from it exist."""
-        await core_for(self.runtime).live.remove_snapshot(self._rec)
+        """Delete the snapshot; refused (SnapshotInUse) while boxes started from it exist.
+        A template's warm pool goes first (its VMs are no boxes yet)."""
+        core = core_for(self.runtime)
+        if self._rec.kind == "template":
+            found = await core.db.find_snapshot(self._rec.id)
+            if found is not None:
+                await core.pools.drop(found)
+        await core.live.remove_snapshot(self._rec)
 
 
 def _template_arg(template: Any) -> str | SnapshotRecord | bool | None:

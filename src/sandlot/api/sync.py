@@ -509,7 +509,8 @@ class Snapshot(SnapshotBase):
         return loop.run(self._a.export(path))
 
     def remove(self) -> None:
-        """Delete the snapshot; refused (SnapshotInUse) while boxes started from it exist."""
+        """Delete the snapshot; refused (SnapshotInUse) while boxes started from it exist.
+        A template's warm pool goes first (its VMs are no boxes yet)."""
         loop.run(self._a.remove())
 
 

@@ -1,9 +1,10 @@
-"""Templates (a booted, set-up box saved to start others from) and snapshot import.
+"""Templates (a booted, set-up box saved to start others from), their warm pools,
+and snapshot import.
 
 >>> import sandlot
 >>> t = sandlot.template("python:3.12-slim", name="py",               # doctest: +SKIP
-...                      setup=["pip install numpy", "python3 -c 'import numpy'"])
->>> with sandlot.Box(template="py") as box:    # a restore, not a boot    # doctest: +SKIP
+...                      setup=["pip install numpy", "python3 -c 'import numpy'"], pool=2)
+>>> with sandlot.Box(template="py") as box:    # a pool VM claimed, or a restore  # doctest: +SKIP
 ...     box.exec("python3", "-c", "import numpy; print(numpy.__version__)")
 """
 
@@ -14,9 +15,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from ..core.pools import PoolInfo
 from ..core.runtime import Runtime
 from ..core.service import core_for
-from ..core.store import validate_name
+from ..core.store import SnapshotRecord, validate_name
 from ..errors import InterpreterError, InvalidArgument
 from ..images.store import Image
 from . import loop
@@ -30,6 +32,7 @@ async def template_async(
     setup: Sequence[str | Sequence[str]] = (),
     code: Sequence[str] = (),
     name: str | None = None,
+    pool: int = 0,
     home: str | os.PathLike[str] | None = None,
     **box_options: Any,
 ) -> AsyncSnapshot:
@@ -38,7 +41,8 @@ async def template_async(
     interpreter (an error raises InterpreterError), and save the running box as a
     template. Boxes started with ``Box(template=name)`` begin in that state,
     processes included: with ``code``, their first ``run_code`` finds the interpreter
-    started and what its cells imported and defined.
+    started and what its cells imported and defined. ``pool``: keep that many VMs of
+    it ready (``set_pool``), filled in the background.
 
     >>> sandlot.template("python:3.12-slim", code=["import json, csv"], name="py")  # doctest: +SKIP
     """
@@ -46,6 +50,8 @@ async def template_async(
         validate_name(name)
     if isinstance(setup, str) or isinstance(code, str):
         raise InvalidArgument("setup and code are lists (of commands, of cells), not one string")
+    if not isinstance(pool, int) or isinstance(pool, bool) or pool < 0:
+        raise InvalidArgument(f"pool is a number of VMs (0 or more), not {pool!r}")
     rt = Runtime.for_home(home)
     core = core_for(rt)
     if name is not None and any(s.name == name for s in await core.live.list_snapshots(kind="template")):
@@ -65,6 +71,8 @@ async def template_async(
                 )
         entry = await core.controller.find(box.id)
         snap = await core.live.make_template(entry, name)
+    if pool:
+        await core.pools.set_size(snap, pool)
     return AsyncSnapshot(rt, snap)
 
 
@@ -74,11 +82,12 @@ def template(
     setup: Sequence[str | Sequence[str]] = (),
     code: Sequence[str] = (),
     name: str | None = None,
+    pool: int = 0,
     home: str | os.PathLike[str] | None = None,
     **box_options: Any,
 ) -> Snapshot:
     """Sync ``template_async``."""
-    made = template_async(image, setup=setup, code=code, name=name, home=home, **box_options)
+    made = template_async(image, setup=setup, code=code, name=name, pool=pool, home=home, **box_options)
     return Snapshot.wrap(loop.run(made))
 
 
@@ -132,3 +141,50 @@ async def prune_snapshots_async(
 def prune_snapshots(*, templates: bool = False, home: str | os.PathLike[str] | None = None) -> list[Snapshot]:
     """Sync ``prune_snapshots_async``."""
     return [Snapshot.wrap(s) for s in loop.run(prune_snapshots_async(templates=templates, home=home))]
+
+
+async def set_pool_async(
+    template: AsyncSnapshot | Snapshot | str, size: int, *, wait: bool = False,
+    home: str | os.PathLike[str] | None = None,
+) -> PoolInfo:  # fmt: skip
+    """Keep ``size`` VMs of ``template`` restored, their first exec done, paused until
+    ``Box(template=...)`` claims one (0: none, and its VMs go). Refused (InvalidArgument)
+    past the pools' memory cap, ``$SANDLOT_POOL_MEMORY_MIB``. ``wait``: fill or drain
+    before returning, else a process of its own does it in the background."""
+    rt = Runtime.for_home(home)
+    core = core_for(rt)
+    rec = (
+        await core.db.get_snapshot(template)
+        if isinstance(template, str)
+        else getattr(template, "record", None)
+    )
+    if not isinstance(rec, SnapshotRecord):
+        raise InvalidArgument(f"set_pool takes a template or its name, not {template!r}")
+    return await core.pools.set_size(rec, size, wait=wait)
+
+
+def set_pool(
+    template: AsyncSnapshot | Snapshot | str, size: int, *, wait: bool = False,
+    home: str | os.PathLike[str] | None = None,
+) -> PoolInfo:  # fmt: skip
+    """Sync ``set_pool_async``."""
+    return loop.run(set_pool_async(template, size, wait=wait, home=home))
+
+
+async def pools_async(*, home: str | os.PathLike[str] | None = None) -> list[PoolInfo]:
+    """Every template's warm pool: its size, the VMs ready and being made, their memory
+    (guest RAM, and host PSS now) and the cap on all pools' memory."""
+    return await core_for(Runtime.for_home(home)).pools.list()
+
+
+def pools(*, home: str | os.PathLike[str] | None = None) -> list[PoolInfo]:
+    """Sync ``pools_async``."""
+    return loop.run(pools_async(home=home))
+
+
+async def keep_pools_filled_async(
+    *, home: str | os.PathLike[str] | None = None, interval: float = 5.0
+) -> None:
+    """Top every warm pool of the home up, now and every ``interval`` seconds, until
+    cancelled (what ``sandlot serve`` runs beside its routes)."""
+    await core_for(Runtime.for_home(home)).pools.keep_filled(interval)

@@ -6,6 +6,7 @@
             ls | exec | cp | logs | inspect | stats              boxes
     sandlot snapshot | snapshots | rollback | fork | suspend |
             resume | template                                  live state
+    sandlot pool set|ls                                        warm pools of templates
     sandlot serve                                              the HTTP server (and MCP at /mcp)
     sandlot mcp                                                the tools for models, over MCP stdio
     sandlot keys create|ls|revoke, audit                       its API keys, its audit trail
@@ -21,7 +22,7 @@ from __future__ import annotations
 def main() -> None:
     import sys
 
-    from . import access, boxes, fleet, host, images, livestate, mcp, server  # noqa: F401 - they register on `app`
+    from . import access, boxes, fleet, host, images, livestate, mcp, pools, server  # noqa: F401 - they register on `app`
     from .common import app
 
     try:

@@ -119,7 +119,7 @@ class BoxController:
     async def find(self, key: str) -> BoxEntry:
         """The box with this id, name or id prefix (``BoxNotFound`` if none)."""
         rec = await self.recover(await self.db.get(key))
-        if rec is None:
+        if rec is None or rec.options.get("pool"):  # a warm pool's VM is no box (yet)
             raise BoxNotFound(f"no box {key!r}", box=key)
         return self.entry(rec)
 
@@ -133,7 +133,7 @@ class BoxController:
         out = []
         for rec in await self.db.list():
             found = await self.recover(rec)
-            if found is None:
+            if found is None or found.options.get("pool"):  # a warm pool's VM is no box (yet)
                 continue
             if not all and found.state not in (BoxState.RUNNING, BoxState.PAUSED):
                 continue
@@ -158,11 +158,21 @@ class BoxController:
 
     @contextlib.asynccontextmanager
     async def transition(
-        self, entry: BoxEntry, op: Op, *, op_data: dict[str, Any] | None = None
+        self,
+        entry: BoxEntry,
+        op: Op,
+        *,
+        op_data: dict[str, Any] | None = None,
+        with_start: dict[str, Any] | None = None,
+        durable: bool = True,
     ) -> AsyncIterator[Step]:
         """Run ``op`` on the box: check it against the table, record its in-progress
         state (and ``op_data``, what recovery needs to finish or undo it), then its end
-        state, or its failure state if the block raises. Needs the box's lock."""
+        state, or its failure state if the block raises. Needs the box's lock.
+        ``with_start``: columns written in the same compare-and-swap as the in-progress
+        state (a pool claim's new identity: no two claimers can both write theirs).
+        ``durable=False``: its writes are not fsynced (they survive any process's crash,
+        not a power loss: for an operation whose VM a power loss ends anyway)."""
         entry.lock.require()
         t = TRANSITIONS[op]
         source = entry.state
@@ -180,6 +190,8 @@ class BoxController:
                 owner_start=start,
                 op=op_data,
                 reason=None,
+                durable=durable,
+                **(with_start or {}),
             )
             if rec is None:
                 now = await self.refresh(entry)
@@ -201,7 +213,9 @@ class BoxController:
         if step.gone:
             return
         end = step.target or end_state(op, source)
-        rec = await self.db.update(entry.id, expect=(writing,), state=end, op=None, **step.changes)
+        rec = await self.db.update(
+            entry.id, expect=(writing,), state=end, op=None, durable=durable, **step.changes
+        )
         if rec is not None:
             entry.update(rec)
 

@@ -75,11 +75,23 @@ def _has_new_disk(rec: BoxRecord) -> bool:
     return bool(rec.op and rec.op.get("disk"))
 
 
+def _pool_vm(rec: BoxRecord) -> bool:
+    return bool(rec.options.get("pool"))
+
+
+def _pool_vm_unready(rec: BoxRecord) -> bool:
+    return _pool_vm(rec) and rec.state != BoxState.POOLED
+
+
 def _states(*states: BoxState) -> frozenset[BoxState]:
     return frozenset(states)
 
 
 TABLE: tuple[Rule, ...] = (
+    Rule(_states(S.POOLED), None, GONE, Action.DISCARD, when=_pool_vm,
+         doc="a warm pool's VM that exited: it goes, and the pool refills"),
+    Rule(None, False, ANY_VM, Action.DISCARD, when=_pool_vm_unready,
+         doc="a pool VM whose filler or claimer died before it was done: nobody shares or owns it"),
     Rule(None, False, ANY_VM, Action.DISCARD, when=_ephemeral,
          doc="a `with` block whose process died: the box goes with it"),
     Rule(_states(S.CREATING, S.REMOVING), True, ANY_VM, Action.KEEP, doc="being made or removed"),
@@ -150,6 +162,10 @@ class Recovery:
     def needed(self, rec: BoxRecord) -> bool:
         """Cheap (no QMP): whether ``apply`` could change anything."""
         state = BoxState(rec.state)
+        if _pool_vm(rec):  # ready while its VM lives; else only while its filler or claimer does
+            if state == S.POOLED:
+                return not self.rt.engine(rec.engine).alive(rec.vm, rec.id)
+            return not pids.alive(rec.owner_pid, rec.owner_start)
         if state in (S.CREATED, S.STOPPED, S.CRASHED) and not rec.ephemeral:
             return False
         owner_alive = pids.alive(rec.owner_pid, rec.owner_start)

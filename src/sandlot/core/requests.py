@@ -42,6 +42,7 @@ class BoxRequest:
     keep: bool = False
     id: str = field(default_factory=lambda: random_ids.token_hex(6))
     name: str = ""
+    pool: str | None = None  # a VM for the warm pool of this template (core.pools), not a box
 
     @classmethod
     def build(
@@ -124,6 +125,7 @@ class BoxRequest:
             saved=self.saved,
             **o,
         )
+        spec.pool = self.pool
         if snap is not None:
             check_fits(snap, spec)
             spec.image_config = snap.options.get("box", {}).get("image_config")

@@ -19,6 +19,7 @@ from .controller import BoxController
 from .entry import BoxEntry
 from .launch import Launcher
 from .livestate import LiveState
+from .pools import Pools
 from .recovery import Recovery
 from .runtime import Runtime
 from .store import AsyncStore
@@ -39,6 +40,7 @@ class Core:
         self.controller = BoxController(runtime, Recovery(runtime), self.launcher)
         self.live = LiveState(runtime, self.controller, self.launcher)
         self.controller.saved = self.live
+        self.pools = Pools(runtime, self.controller, self.launcher)
 
     @property
     def db(self) -> AsyncStore:

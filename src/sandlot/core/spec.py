@@ -159,6 +159,8 @@ class BoxSpec:
     image_config: dict[str, Any] | None = None  # the image's Env/WorkingDir/User/Entrypoint/Cmd, kept
     # its first boot is saved as the image's automatic template (for any process that starts it)
     auto_template: bool = False
+    # a warm pool's VM: the template it waits in the pool of, until a box claims it (core.pools)
+    pool: str | None = None
 
     @classmethod
     def build(

@@ -33,6 +33,8 @@ class BoxState(enum.StrEnum):
     SUSPENDED = "suspended"
     STOPPED = "stopped"
     CRASHED = "crashed"
+    # a warm pool's VM (``core.pools``): restored from its template, paused until claimed
+    POOLED = "pooled"
     # an operation in progress: recovery finishes or undoes it if its process died
     CREATING = "creating"
     STARTING = "starting"
@@ -42,6 +44,7 @@ class BoxState(enum.StrEnum):
     SUSPENDING = "suspending"
     RESUMING = "resuming"
     RESTORING = "restoring"
+    CLAIMING = "claiming"  # a pool VM taken by a box: resumed and re-identified
 
     @property
     def transient(self) -> bool:
@@ -54,11 +57,11 @@ class BoxState(enum.StrEnum):
 
 
 STABLE = frozenset({BoxState.CREATED, BoxState.RUNNING, BoxState.PAUSED, BoxState.SUSPENDED,
-                    BoxState.STOPPED, BoxState.CRASHED})  # fmt: skip
+                    BoxState.STOPPED, BoxState.CRASHED, BoxState.POOLED})  # fmt: skip
 TRANSIENT = frozenset(set(BoxState) - STABLE)
 LIVE = frozenset({BoxState.RUNNING, BoxState.PAUSED, BoxState.STARTING, BoxState.STOPPING,
                   BoxState.SNAPSHOTTING, BoxState.SUSPENDING, BoxState.RESUMING,
-                  BoxState.RESTORING})  # fmt: skip
+                  BoxState.RESTORING, BoxState.POOLED, BoxState.CLAIMING})  # fmt: skip
 # Commands can run in these states (a snapshot pauses the VM only for its save).
 SERVING = frozenset({BoxState.RUNNING, BoxState.SNAPSHOTTING})
 
@@ -77,6 +80,8 @@ class Op(enum.StrEnum):
     RESUME = "resume"
     ROLLBACK = "rollback"
     NETWORK = "network"  # a policy change: no state change, but no operation may run meanwhile
+    POOL = "pool"  # a pool VM made ready (its HELLO and first exec done) is paused until claimed
+    CLAIM = "claim"  # a box takes a pool VM (core.pools: its start is a compare-and-swap)
 
 
 SOURCE = None  # as a failure state: back to the state the operation started from
@@ -118,6 +123,9 @@ TRANSITIONS: dict[Op, Transition] = {
         (S.RUNNING, S.PAUSED, S.SUSPENDED, S.STOPPED, S.CRASHED), S.RESTORING, S.RUNNING, S.STOPPED
     ),
     Op.NETWORK: Transition(_ANY_STABLE, None, None, SOURCE),
+    Op.POOL: Transition((S.RUNNING,), None, S.POOLED, SOURCE, done=(S.POOLED,)),
+    # a failed claim falls to crashed, and the claimer removes the box and restores afresh
+    Op.CLAIM: Transition((S.POOLED,), S.CLAIMING, S.RUNNING, S.CRASHED),
 }
 del S
 

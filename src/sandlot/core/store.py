@@ -300,17 +300,26 @@ class BoxStore:
                 db.execute(f"PRAGMA user_version={v + 1}")
 
     @contextmanager
-    def _tx(self) -> Iterator[sqlite3.Connection]:
-        """One transaction (BEGIN IMMEDIATE: writers queue up instead of failing)."""
+    def _tx(self, *, durable: bool = True) -> Iterator[sqlite3.Connection]:
+        """One transaction (BEGIN IMMEDIATE: writers queue up instead of failing).
+        ``durable=False``: its commit is not fsynced (WAL with synchronous=NORMAL: it
+        survives a crash of any process, not a power loss), for rows a power loss
+        makes moot anyway (a warm pool's claim: its VM dies with the host)."""
         with self._lock:
-            self._db.execute("BEGIN IMMEDIATE")
+            if not durable:
+                self._db.execute("PRAGMA synchronous=NORMAL")
             try:
-                yield self._db
-            except BaseException:
-                self._db.execute("ROLLBACK")
-                raise
-            else:
-                self._db.execute("COMMIT")
+                self._db.execute("BEGIN IMMEDIATE")
+                try:
+                    yield self._db
+                except BaseException:
+                    self._db.execute("ROLLBACK")
+                    raise
+                else:
+                    self._db.execute("COMMIT")
+            finally:
+                if not durable:
+                    self._db.execute("PRAGMA synchronous=FULL")
 
     def close(self) -> None:
         with self._lock:
@@ -371,10 +380,12 @@ class BoxStore:
         *,
         expect: tuple[str, ...] | None = None,
         expect_pid: int | None = None,
+        durable: bool = True,
         **changes: Any,
     ) -> BoxRecord | None:
         """Change a row; with ``expect``, only if its state is one of those, and with
-        ``expect_pid`` only if that is its VM's pid (else None: someone else moved it)."""
+        ``expect_pid`` only if that is its VM's pid (else None: someone else moved it).
+        ``durable=False``: not fsynced (see ``_tx``)."""
         changes["updated_at"] = time.time()
         enc = _encode(changes)
         sets = ", ".join(f"{k} = :{k}" for k in enc)
@@ -386,12 +397,26 @@ class BoxStore:
         if expect_pid is not None:
             where += " AND vm_pid = :_pid"
             params["_pid"] = expect_pid
-        with self._tx() as db:
-            cur = db.execute(f"UPDATE boxes SET {sets} WHERE {where}", params)
-            if cur.rowcount == 0:
-                return None
-            row = db.execute("SELECT * FROM boxes WHERE id = ?", (box_id,)).fetchone()
+        try:
+            with self._tx(durable=durable) as db:
+                cur = db.execute(f"UPDATE boxes SET {sets} WHERE {where}", params)
+                if cur.rowcount == 0:
+                    return None
+                row = db.execute("SELECT * FROM boxes WHERE id = ?", (box_id,)).fetchone()
+        except sqlite3.IntegrityError as exc:
+            if "name" in str(exc):  # a claimed pool VM takes the box's name
+                raise InvalidArgument(f"a box named {changes.get('name')!r} already exists") from None
+            raise
         return _row(row)
+
+    def pooled(self, template_id: str) -> builtins.list[BoxRecord]:
+        """The ready VMs of a template's warm pool, oldest first (``core.pools``)."""
+        with self._lock:
+            rows = self._db.execute(
+                "SELECT * FROM boxes WHERE state = 'pooled' AND origin = ? ORDER BY created_at",
+                (template_id,),
+            ).fetchall()
+        return [r for r in map(_row, rows) if r.options.get("pool") == template_id]
 
     def delete(self, box_id: str) -> None:
         with self._tx() as db:
@@ -622,6 +647,10 @@ class AsyncStore:
 
     async def delete(self, box_id: str) -> None:
         await self.call("delete", box_id)
+
+    async def pooled(self, template_id: str) -> builtins.list[BoxRecord]:
+        found: builtins.list[BoxRecord] = await self.call("pooled", template_id)
+        return found
 
     async def children(self, snap_id: str) -> builtins.list[BoxRecord]:
         found: builtins.list[BoxRecord] = await self.call("children", snap_id)

@@ -17,6 +17,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Route
 
 from ..api.box import take_over_sessions
+from ..api.templates import keep_pools_filled_async
 from ..errors import RequestError, SandlotError
 from ..version import __version__
 from .state import ServerState, Settings, error_response
@@ -174,6 +175,7 @@ def create_app(settings: Settings) -> ASGIApp:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         taking_over = asyncio.ensure_future(state.take_over_all())
+        filling = asyncio.ensure_future(keep_pools_filled_async(home=settings.home))  # warm pools
         try:
             async with mcp.lifespan() if mcp is not None else contextlib.nullcontext():
                 yield
@@ -181,6 +183,9 @@ def create_app(settings: Settings) -> ASGIApp:
             # boxes and their processes run on (a later server takes the processes
             # over): only the server's own work ends here
             taking_over.cancel()
+            filling.cancel()
+            with contextlib.suppress(BaseException):
+                await filling  # a VM it was making is removed, not left half made
             state.audit.close()
 
     api = FastAPI(

@@ -1,0 +1,155 @@
+"""Warm pools on the fake engine (the paths in milliseconds; ``tests/vm/test_pools.py``
+runs them on real VMs, with kill -9 and several processes): fill, claim with a new
+identity, exhaustion falling back to a plain restore, concurrent claims, drain,
+the memory cap, and a template's removal taking its pool along."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import sandlot
+from sandlot.core.pools import fits
+from sandlot.core.service import core_for
+from sandlot.core.spec import BoxSpec
+from sandlot.core.state import BoxState
+
+from tests.support.fake_engine import FakeEngine, fake_rootfs, register
+
+register()
+
+
+@pytest.fixture(autouse=True)
+def no_background_refill(monkeypatch: pytest.MonkeyPatch) -> None:
+    # the detached refiller is another process, which knows no fake engine
+    monkeypatch.setenv("SANDLOT_POOL_REFILL", "0")
+    monkeypatch.setenv("SANDLOT_POOL_MEMORY_MIB", "1024")
+
+
+@pytest.fixture
+def home(tmp_path: Path) -> Path:
+    return tmp_path / "home"
+
+
+@pytest.fixture
+def root(tmp_path: Path) -> Path:
+    return fake_rootfs(tmp_path)
+
+
+def run(main: Callable[[], Awaitable[Any]]) -> Any:
+    return asyncio.run(main())  # type: ignore[arg-type]
+
+
+async def template(home: Path, root: Path, pool: int = 0) -> sandlot.AsyncSnapshot:
+    return await sandlot.template_async(rootfs=root, engine="fake", home=home, memory_mib=256, name="t",
+                                        pool=pool)  # fmt: skip
+
+
+async def pool_rows(home: Path) -> list[Any]:
+    return await core_for(sandlot.Runtime.for_home(home)).pools.rows()
+
+
+def test_claim_takes_a_ready_vm_with_a_new_identity_and_falls_back_when_empty(home: Path, root: Path) -> None:
+    async def main() -> None:
+        t = await template(home, root)
+        info = await sandlot.set_pool_async("t", 2, wait=True, home=home)
+        assert (info.size, info.ready, info.filling) == (2, 2, 0)
+        ready = await pool_rows(home)
+        assert {r.state for r in ready} == {"pooled"} and len(ready) == 2
+        assert await sandlot.AsyncBox.list(home=home) == []  # pool VMs are no boxes
+        vms = FakeEngine.of(home).vms
+        paused = {pid for pid, vm in vms.items() if vm.status_now == "paused"}
+        assert len(paused) == 2
+
+        a = sandlot.AsyncBox(
+            template="t", name="a", env={"X": "1"}, labels={"who": "a"}, keep=True, home=home
+        )
+        await a.start()
+        assert a.id in {r.id for r in ready} and a.state == "running"
+        assert (await a.exec("hostname")).stdout == "a\n"  # its HELLO named it
+        info_a = await a.inspect()
+        assert info_a["labels"] == {"who": "a"} and info_a["options"]["env"] == {"X": "1"}
+        assert info_a["options"]["pool"] is None and info_a["origin"] == t.id
+        assert info_a["machine_id"] not in {r.machine_id for r in ready}
+
+        async with sandlot.AsyncBox(template=t, name="b", home=home) as b:
+            assert b.id in {r.id for r in ready} and b.id != a.id
+            assert (await b.exec("hostname")).stdout == "b\n"
+            async with sandlot.AsyncBox(template=t, name="c", home=home) as c:  # the pool is empty
+                assert c.id not in {r.id for r in ready}
+                assert (await c.exec("echo", "ok")).stdout == "ok\n"
+        assert sorted(x.name for x in await sandlot.AsyncBox.list(home=home)) == ["a"]
+        await a.remove(force=True)
+        assert (await sandlot.set_pool_async(t, 2, wait=True, home=home)).ready == 2  # refilled
+
+    run(main)
+
+
+def test_concurrent_claims_never_share_a_vm(home: Path, root: Path) -> None:
+    async def main() -> None:
+        await template(home, root)
+        await sandlot.set_pool_async("t", 3, wait=True, home=home)
+        boxes = [sandlot.AsyncBox(template="t", keep=True, home=home) for _ in range(5)]
+        await asyncio.gather(*(b.start() for b in boxes))
+        ids = [b.id for b in boxes]
+        assert len(set(ids)) == 5
+        assert len(await pool_rows(home)) == 0  # three claimed, two restored afresh
+        for b in boxes:
+            assert (await b.exec("echo", "hi")).stdout == "hi\n"
+            await b.remove(force=True)
+
+    run(main)
+
+
+def test_drain_cap_and_template_removal(home: Path, root: Path) -> None:
+    async def main() -> None:
+        t = await template(home, root, pool=0)
+        with pytest.raises(sandlot.InvalidArgument, match="over the cap of 1024 MiB"):
+            await sandlot.set_pool_async(t, 5, home=home)
+        with pytest.raises(sandlot.InvalidArgument, match="whole number"):
+            await sandlot.set_pool_async(t, -1, home=home)
+        await sandlot.set_pool_async(t, 2, wait=True, home=home)
+        [p] = await sandlot.pools_async(home=home)
+        assert (p.template, p.size, p.ready, p.memory_mib) == ("t", 2, 2, 256)
+        assert p.to_json()["nominal_mib"] == 512
+        info = await sandlot.set_pool_async(t, 0, wait=True, home=home)
+        assert (info.size, info.ready) == (0, 0) and await pool_rows(home) == []
+        assert not [vm for vm in FakeEngine.of(home).vms.values() if vm.running]
+        await sandlot.set_pool_async(t, 1, wait=True, home=home)
+        await t.remove()  # its pool goes with it
+        assert await pool_rows(home) == [] and await sandlot.pools_async(home=home) == []
+        assert not [vm for vm in FakeEngine.of(home).vms.values() if vm.running]
+
+    run(main)
+
+
+def test_a_claim_that_asks_for_what_a_pool_vm_cannot_become_restores_afresh(home: Path, root: Path) -> None:
+    async def main() -> None:
+        t = await template(home, root)
+        await sandlot.set_pool_async(t, 1, wait=True, home=home)
+        pooled = (await pool_rows(home))[0]
+        async with sandlot.AsyncBox(template=t, disk_size_gb=16, home=home) as box:  # another disk
+            assert box.id != pooled.id
+        [still] = await pool_rows(home)
+        assert (still.id, still.state) == (pooled.id, BoxState.POOLED)
+        with pytest.raises(sandlot.InvalidArgument, match="network card"):  # refused as ever
+            await sandlot.AsyncBox(template=t, network="allowlist", home=home).start()
+        await sandlot.set_pool_async(t, 2, wait=True, home=home)
+        async with sandlot.AsyncBox(template=t, name="taken", home=home):
+            with pytest.raises(sandlot.InvalidArgument, match="already exists"):  # at the claim's swap
+                await sandlot.AsyncBox(template=t, name="taken", home=home).start()
+            [left] = await pool_rows(home)  # the VM it tried is still ready
+            assert left.state == BoxState.POOLED
+
+    run(main)
+
+
+def test_fits_compares_what_a_restore_fixed() -> None:
+    base = BoxSpec.build("busybox", memory_mib=256)
+    assert fits(base, BoxSpec.build("busybox", memory_mib=256, name="x", env={"A": "1"}, user="nobody"))
+    assert not fits(base, BoxSpec.build("busybox", memory_mib=512))
+    assert not fits(base, BoxSpec.build("busybox", memory_mib=256, network="allowlist"))
