@@ -27,6 +27,16 @@ app = typer.Typer(
 err = Console(stderr=True)
 
 
+def only(typer_app: typer.Typer, command: str) -> None:
+    """Keep only ``command`` on ``typer_app``: typer converts every command it holds (and
+    builds a validator for each of its parameters) before it runs one."""
+    typer_app.registered_commands = [
+        c for c in typer_app.registered_commands
+        if str(c.name or getattr(c.callback, "__name__", "")).lower().replace("_", "-") == command
+    ]  # fmt: skip
+    typer_app.registered_groups = [g for g in typer_app.registered_groups if g.name == command]
+
+
 def fail(exc: BaseException | str, code: int = 1) -> typer.Exit:
     err.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
     return typer.Exit(code)

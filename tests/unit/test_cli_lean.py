@@ -1,0 +1,87 @@
+"""The command line imports only what a command needs: its start is most of what
+``sandlot ls`` costs (``benchmarks/cli.py`` measures it). These check what is
+imported, never how long it takes."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from sandlot.cli import COMMANDS, MODULES
+from sandlot.cli.common import app
+
+# What no box command needs: the other faces, their libraries, and the parts of
+# the core that only some operations use.
+HEAVY = (
+    "httpx", "pydantic", "fastapi", "starlette", "uvicorn", "websockets", "mcp", "ray", "cryptography",
+    "zstandard", "rich.table", "sandlot.server", "sandlot.mcp", "sandlot.fleet", "sandlot.tools",
+    "sandlot.api.remote", "sandlot.api.code", "sandlot.core.livestate", "sandlot.core.archive",
+    "sandlot.images.registry", "sandlot.cli.server", "sandlot.cli.mcp", "sandlot.cli.fleet",
+    "sandlot.cli.access", "sandlot.cli.images", "sandlot.cli.livestate",
+)  # fmt: skip
+
+
+# ``sandlot ARGV`` as ``python -m sandlot.cli`` runs it, writing the modules it
+# imported at exit (after the command's own exit)
+PROBE = """
+import atexit, json, runpy, sys
+out, sys.argv = sys.argv[1], ["sandlot", *sys.argv[2:]]
+atexit.register(lambda: open(out, "w").write(json.dumps(sorted(sys.modules))))
+runpy.run_module("sandlot.cli", run_name="__main__", alter_sys=True)
+"""
+
+
+def imported_by(tmp_path: Path, *argv: str) -> tuple[set[str], subprocess.CompletedProcess[str]]:
+    """The modules a run of ``sandlot ARGV`` imported."""
+    env = {**os.environ, "SANDLOT_HOME": str(tmp_path / "home")}
+    out = tmp_path / "modules.json"
+    r = subprocess.run([sys.executable, "-c", PROBE, str(out), *argv], capture_output=True, text=True,
+                       env=env, timeout=60)  # fmt: skip
+    return set(json.loads(out.read_text())), r
+
+
+def heavy(names: set[str]) -> list[str]:
+    return sorted(n for n in names if any(n == h or n.startswith(h + ".") for h in HEAVY))
+
+
+def test_ls_imports_no_other_face_and_no_heavy_library(tmp_path: Path) -> None:
+    names, r = imported_by(tmp_path, "ls")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "sandlot.cli.boxes" in names and "sandlot.core.store" in names  # the probe sees imports
+    assert heavy(names) == []
+
+
+def test_exec_imports_no_other_face_and_no_heavy_library(tmp_path: Path) -> None:
+    names, r = imported_by(tmp_path, "exec", "no-such-box", "true")
+    assert r.returncode == 125 and "no-such-box" in r.stderr, r.stderr[-2000:]
+    assert heavy(names) == []
+
+
+@pytest.mark.parametrize("argv", [["--version"], ["--help"], ["ls", "--help"], ["snapshots", "--json"]])
+def test_every_path_still_answers(tmp_path: Path, argv: list[str]) -> None:
+    names, r = imported_by(tmp_path, *argv)
+    assert r.returncode == 0, r.stderr[-2000:]
+    if argv == ["--help"]:  # the full help lists every command, so it loads them all
+        assert {f"sandlot.cli.{m}" for m in MODULES} <= names
+        assert "serve" in r.stdout and "fleet" in r.stdout
+
+
+def test_the_table_of_commands_is_what_the_modules_register() -> None:
+    for module in MODULES:  # registered by importing them all (the slow path does the same)
+        importlib.import_module(f"sandlot.cli.{module}")
+    registered = {(c.name or c.callback.__name__).lower().replace("_", "-") for c in app.registered_commands
+                  if c.callback is not None}  # fmt: skip
+    registered |= {g.name for g in app.registered_groups if g.name}
+    assert registered == set(COMMANDS)
+    for command, module in COMMANDS.items():
+        owner = [c.callback.__module__ for c in app.registered_commands
+                 if c.callback and (c.name or c.callback.__name__).replace("_", "-") == command]  # fmt: skip
+        owner += [c.callback.__module__ for g in app.registered_groups if g.name == command
+                  for c in g.typer_instance.registered_commands if c.callback]  # fmt: skip
+        assert owner and owner[0] == f"sandlot.cli.{module}", command
