@@ -13,14 +13,14 @@ from pathlib import Path
 
 import pytest
 
-from sandlot.cli import COMMANDS, MODULES
+from sandlot.cli import COMMANDS, MODULES, quick
 from sandlot.cli.common import app
 
 # What no box command needs: the other faces, their libraries, and the parts of
 # the core that only some operations use.
 HEAVY = (
     "httpx", "pydantic", "fastapi", "starlette", "uvicorn", "websockets", "mcp", "ray", "cryptography",
-    "zstandard", "rich.table", "sandlot.server", "sandlot.mcp", "sandlot.fleet", "sandlot.tools",
+    "zstandard", "sandlot.server", "sandlot.mcp", "sandlot.fleet", "sandlot.tools",
     "sandlot.api.remote", "sandlot.api.code", "sandlot.core.livestate", "sandlot.core.archive",
     "sandlot.images.registry", "sandlot.cli.server", "sandlot.cli.mcp", "sandlot.cli.fleet",
     "sandlot.cli.access", "sandlot.cli.images", "sandlot.cli.livestate",
@@ -53,14 +53,16 @@ def heavy(names: set[str]) -> list[str]:
 def test_ls_imports_no_other_face_and_no_heavy_library(tmp_path: Path) -> None:
     names, r = imported_by(tmp_path, "ls")
     assert r.returncode == 0, r.stderr[-2000:]
-    assert "sandlot.cli.boxes" in names and "sandlot.core.store" in names  # the probe sees imports
+    assert "sandlot.cli.quick" in names and "sandlot.core.store" in names  # the probe sees imports
     assert heavy(names) == []
+    assert "typer" not in names and "rich" not in names  # the plain form skips them (cli/quick.py)
 
 
 def test_exec_imports_no_other_face_and_no_heavy_library(tmp_path: Path) -> None:
     names, r = imported_by(tmp_path, "exec", "no-such-box", "true")
     assert r.returncode == 125 and "no-such-box" in r.stderr, r.stderr[-2000:]
     assert heavy(names) == []
+    assert "typer" not in names and "rich" not in names
 
 
 @pytest.mark.parametrize("argv", [["--version"], ["--help"], ["ls", "--help"], ["snapshots", "--json"]])
@@ -85,3 +87,59 @@ def test_the_table_of_commands_is_what_the_modules_register() -> None:
         owner += [c.callback.__module__ for g in app.registered_groups if g.name == command
                   for c in g.typer_instance.registered_commands if c.callback]  # fmt: skip
         assert owner and owner[0] == f"sandlot.cli.{module}", command
+
+
+LS_FORMS = [[], ["-a"], ["--all"], ["-q"], ["--json"], ["-a", "-q", "--json"], ["-aq"], ["-f", "label=a=b"],
+            ["--filter", "state=running"], ["--filter=label=x=y", "-f", "state=stopped", "-a"]]  # fmt: skip
+EXEC_FORMS = [["box", "true"], ["-i", "box", "cat"], ["-it", "box", "sh"], ["-ti", "box", "sh"],
+              ["-e", "A=1", "-e", "HOME", "box", "env"], ["--env=A=1", "box", "env"],
+              ["-w", "/tmp", "-u", "root", "box", "pwd"], ["--workdir=/x", "--user", "1:1", "box", "ls"],
+              ["--timeout", "2.5", "box", "sleep", "1"], ["box", "sh", "-c", "echo -x"],
+              ["box", "--", "ls", "-l"], ["--interactive", "--tty", "box", "-", "x"]]  # fmt: skip
+TO_TYPER = {"ls": [["--help"], ["-x"], ["-f"], ["-f", "bogus=1"], ["extra"], ["-ax"]],
+            "exec": [[], ["box"], ["--help"], ["--bogus", "box", "true"], ["--timeout", "abc", "box", "true"],
+                     ["--timeout", "nan", "box", "true"], ["--", "box", "true"], ["-e"],
+                     ["-ix", "box", "true"]]}  # fmt: skip
+
+
+def through_typer(monkeypatch: pytest.MonkeyPatch, argv: list[str]) -> dict[str, object]:
+    """What typer hands the shared code for ``sandlot ARGV``."""
+    from typer.testing import CliRunner
+
+    from sandlot.cli import boxes
+
+    seen: dict[str, object] = {}
+
+    def run_ls(all_: bool, filter_: list[str] | None, quiet: bool, as_json: bool) -> int:
+        seen.update(all_=all_, filter_=filter_ or None, quiet=quiet, as_json=as_json)
+        return 0
+
+    async def exec_in(key: str, argv: list[str], **options: object) -> int:
+        seen.update(key=key, argv=argv, **options)
+        return 0
+
+    monkeypatch.setattr(boxes, "run_ls", run_ls)
+    monkeypatch.setattr(boxes, "exec_in", exec_in)
+    r = CliRunner().invoke(app, argv)
+    assert r.exit_code == 0, r.output
+    return seen
+
+
+@pytest.mark.parametrize("args", LS_FORMS, ids=" ".join)
+def test_the_fast_ls_parses_as_typer_does(monkeypatch: pytest.MonkeyPatch, args: list[str]) -> None:
+    mine = quick.parse_ls(args)
+    assert mine is not None
+    assert {**mine, "filter_": mine["filter_"] or None} == through_typer(monkeypatch, ["ls", *args])
+
+
+@pytest.mark.parametrize("args", EXEC_FORMS, ids=" ".join)
+def test_the_fast_exec_parses_as_typer_does(monkeypatch: pytest.MonkeyPatch, args: list[str]) -> None:
+    mine = quick.parse_exec(args)
+    assert mine is not None
+    mine["env"] = quick.env_pairs(mine["env"]) or None  # as both paths hand it on
+    assert mine == through_typer(monkeypatch, ["exec", *args])
+
+
+@pytest.mark.parametrize(("command", "args"), [(c, a) for c, forms in TO_TYPER.items() for a in forms])
+def test_other_forms_go_to_typer(command: str, args: list[str]) -> None:
+    assert quick.run([command, *args]) is None

@@ -45,14 +45,20 @@ def main() -> None:
     import sys
 
     command = sys.argv[1] if len(sys.argv) > 1 else ""
-    module = COMMANDS.get(command)
-    for name in [module] if module else MODULES:  # they register on `app`
-        importlib.import_module(f".{name}", __name__)
-    from .common import app, only
-
-    if module:
-        only(app, command)
     try:
+        if command in ("ls", "exec"):  # their plain forms skip typer (cli/quick.py says why)
+            from .quick import run
+
+            code = run(sys.argv[1:])
+            if code is not None:
+                sys.exit(code)
+        module = COMMANDS.get(command)
+        for name in [module] if module else MODULES:  # they register on `app`
+            importlib.import_module(f".{name}", __name__)
+        from .common import app, only
+
+        if module:
+            only(app, command)
         app()
     except KeyboardInterrupt:
         sys.exit(130)

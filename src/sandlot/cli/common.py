@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -13,6 +12,7 @@ from rich.markup import escape
 
 from ..errors import SandlotError
 from ..version import __version__
+from .text import age, human
 
 if TYPE_CHECKING:
     from ..api.box import AsyncBox
@@ -25,6 +25,7 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 err = Console(stderr=True)
+__all__ = ["age", "app", "err", "fail", "for_each_box", "human", "only", "run_coro"]
 
 
 def only(typer_app: typer.Typer, command: str) -> None:
@@ -40,24 +41,6 @@ def only(typer_app: typer.Typer, command: str) -> None:
 def fail(exc: BaseException | str, code: int = 1) -> typer.Exit:
     err.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
     return typer.Exit(code)
-
-
-def human(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB"):
-        if n < 1000:
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1000
-    return f"{n:.1f} TB"
-
-
-def age(t: float | None) -> str:
-    if not t:
-        return "-"
-    s = int(time.time() - t)
-    for unit, n in (("d", 86400), ("h", 3600), ("m", 60)):
-        if s >= n:
-            return f"{s // n}{unit} ago"
-    return f"{s}s ago"
 
 
 def run_coro(coro: Awaitable[int | None]) -> int | None:
