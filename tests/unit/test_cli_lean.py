@@ -143,3 +143,31 @@ def test_the_fast_exec_parses_as_typer_does(monkeypatch: pytest.MonkeyPatch, arg
 @pytest.mark.parametrize(("command", "args"), [(c, a) for c, forms in TO_TYPER.items() for a in forms])
 def test_other_forms_go_to_typer(command: str, args: list[str]) -> None:
     assert quick.run([command, *args]) is None
+
+
+def test_progress_shows_on_a_terminal_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    from rich.console import Console
+
+    from sandlot.cli import common
+
+    recorded = Console(record=True, force_terminal=True, width=100)
+    monkeypatch.setattr(common, "err", recorded)
+    with common.busy("pulling x"):  # pytest's stdout is no terminal: a script's view
+        pass
+    assert recorded.export_text() == ""
+    monkeypatch.setattr(sys.stdout, "isatty", lambda: True)
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
+    assert common.on_terminal() and not common.on_terminal(quiet=True)
+    with common.busy("pulling x", quiet=True):
+        pass
+    assert recorded.export_text() == ""
+    with common.busy("pulling x"):
+        pass
+    assert "pulling x" in recorded.export_text()
+
+
+def test_ls_columns_are_never_cut() -> None:
+    rows = [["NAME", "ID"], ["a-very-long-box-name-" * 5, "abc"], ["b", "d"]]
+    lines = quick.columns(rows).splitlines()
+    assert lines[0] == "NAME" + " " * (len(rows[1][0]) - 4) + "  ID"
+    assert [line.split() for line in lines] == rows

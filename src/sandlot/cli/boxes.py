@@ -19,7 +19,7 @@ from rich.table import Table
 from ..api.box import AsyncBox
 from ..errors import InvalidArgument, SandlotError
 from ..net.secrets import Secret
-from .common import app, fail, for_each_box, human, run_coro
+from .common import app, busy, fail, for_each_box, human, run_coro
 from .quick import env_pairs, exec_attached, exec_in, filters, run_ls
 
 # Options stop at the first positional argument, as in Docker: what follows the
@@ -184,7 +184,9 @@ def run(
 
     async def main() -> int:
         box = AsyncBox(**opts)
-        await box.start()
+        with busy(f"starting a box of {image or rootfs} (an image is pulled if missing; its first boot "
+                  "is saved as its template)"):  # fmt: skip
+            await box.start()
         argv = None
         try:
             if entrypoint is not None:
@@ -254,7 +256,8 @@ def create(
     )
 
     async def main() -> None:
-        box = await AsyncBox.create(**opts)
+        with busy(f"creating a box of {image or rootfs} (an image is pulled if missing)"):
+            box = await AsyncBox.create(**opts)
         print(box.name)
 
     run_coro(main())

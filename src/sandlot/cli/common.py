@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
+import contextlib
+import sys
+from collections.abc import Awaitable, Callable, Iterator
 from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
@@ -25,7 +27,7 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 err = Console(stderr=True)
-__all__ = ["age", "app", "err", "fail", "for_each_box", "human", "only", "run_coro"]
+__all__ = ["age", "app", "busy", "err", "fail", "for_each_box", "human", "on_terminal", "only", "run_coro"]
 
 
 def only(typer_app: typer.Typer, command: str) -> None:
@@ -41,6 +43,27 @@ def only(typer_app: typer.Typer, command: str) -> None:
 def fail(exc: BaseException | str, code: int = 1) -> typer.Exit:
     err.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
     return typer.Exit(code)
+
+
+def on_terminal(quiet: bool = False) -> bool:
+    """Whether progress belongs on screen: stdout and stderr are a terminal, and no
+    ``--quiet`` or ``--json`` asked for output that a script reads."""
+    return not quiet and sys.stdout.isatty() and sys.stderr.isatty()
+
+
+@contextlib.contextmanager
+def busy(message: str, *, quiet: bool = False) -> Iterator[None]:
+    """A spinner, ``message`` and the time so far on stderr while a long operation runs
+    (only ``on_terminal``); it goes when the operation ends."""
+    if not on_terminal(quiet):
+        yield
+        return
+    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    columns = (SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn())
+    with Progress(*columns, console=err, transient=True) as progress:
+        progress.add_task(message, total=None)
+        yield
 
 
 def run_coro(coro: Awaitable[int | None]) -> int | None:
