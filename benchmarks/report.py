@@ -243,6 +243,8 @@ class EngineRun:
 
     async def boots(self) -> None:
         times = []
+        async with AsyncBox(**self.opts):  # untimed: makes the base disk (or root) of the root filesystem
+            pass
         for _ in range(self.sz.boots):
             box = AsyncBox(**self.opts)
             try:
