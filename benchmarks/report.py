@@ -559,7 +559,8 @@ def charts(doc: dict[str, Any], out: Path) -> list[str]:
     def bars(name: str, rows: list[tuple[str, str]], engines: list[str],
              value: Callable[[str, str], float | None], xlabel: str, log: bool,
              marks: tuple[float, ...] = ()) -> None:  # fmt: skip
-        fig, ax = plt.subplots(figsize=(9, 0.5 + 0.45 * len(rows) * max(1, len(engines)) / 2))
+        rows = [(k, label) for k, label in rows if any(value(n, k) for n in engines)]
+        fig, ax = plt.subplots(figsize=(9, 1.6 + 0.45 * len(rows) * max(1, len(engines)) / 2))
         height = 0.8 / max(1, len(engines))
         for i, n in enumerate(engines):
             ys = [r + i * height for r in range(len(rows))]
@@ -573,7 +574,10 @@ def charts(doc: dict[str, Any], out: Path) -> list[str]:
         for m in marks:
             ax.axvline(m, color="grey", linestyle="--", linewidth=0.8)
         ax.set_xlabel(xlabel)
-        ax.legend(loc="lower right", fontsize="small")
+        if len(rows) > 2:  # below the axis, clear of the bars
+            ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=len(engines), fontsize="small")
+        else:  # one row: the short bars leave the lower right free
+            ax.legend(loc="lower right", fontsize="small")
         fig.tight_layout()
         fig.savefig(out / name, dpi=110)
         plt.close(fig)
@@ -604,7 +608,14 @@ def main() -> None:
     ap.add_argument(
         "--root", type=Path, default=None, help="a root filesystem with python3 (default: Debian's)"
     )
+    ap.add_argument("--redraw", type=Path, default=None, metavar="DIR",
+                    help="only write report.md and the charts again from DIR/report.json")  # fmt: skip
     args = ap.parse_args()
+    if args.redraw:
+        doc = json.loads((args.redraw / "report.json").read_text())
+        (args.redraw / "report.md").write_text(markdown(doc))
+        charts(doc, args.redraw)
+        return
     wanted = [e.strip() for e in args.engines.split(",") if e.strip()]
     unknown = sorted(set(wanted) - set(ENGINES))
     if unknown:
