@@ -5,7 +5,8 @@ Engines (columns): QEMU with KVM where KVM really works, QEMU with TCG, gVisor
 (``runsc``), and the host process in a bubblewrap sandbox over the same root
 filesystem (Debian with python3), so every column runs the same binaries; that
 sandbox is kept running with a small exec server in it, so its commands start
-and answer the way an engine's agent's do. An
+and answer the way an engine's agent's do. The floor runs before the engines and
+after them, and keeps the better figure of each workload. An
 engine this host lacks is a column that says why.
 
 Workloads (rows): start -> first exec (a cold boot, no template); exec ``true``;
@@ -459,6 +460,17 @@ def run_host(root: Path, scratch: Path, wheel: Path, sz: Sizes) -> Column:
     return col
 
 
+def best_of(runs: list[Column]) -> dict[str, dict[str, Any]]:
+    """Per workload, the cell with the lower figure (a cell without one only if all are)."""
+    out: dict[str, dict[str, Any]] = {}
+    for col in runs:
+        for key, cell in col.cells.items():
+            mine, best = value_of(cell), value_of(out.get(key, {}))
+            if key not in out or (mine is not None and (best is None or mine < best)):
+                out[key] = {**cell, "runs": len(runs)}
+    return out
+
+
 # -- which engines this host has ------------------------------------------------------------
 
 
@@ -523,7 +535,8 @@ def markdown(doc: dict[str, Any]) -> str:
     lines = [
         f"Engines side by side ({'quick run' if doc['quick'] else 'full run'}, {doc['date']}; "
         f"{doc['host']['cpu']}, {doc['host']['cores']} cores). Medians; in brackets, the ratio to the "
-        "host process under bwrap.",
+        "host process under bwrap (the better of a run before the engines and one after: the "
+        "host is shared, and this floor errs against the engines).",
         "",
         "| workload | " + " | ".join(LABELS[n] for n in cols) + " |",
         "|---|" + "---:|" * len(cols),
@@ -631,17 +644,21 @@ def main() -> None:
     results: dict[str, dict[str, dict[str, Any]]] = {}
     home = scratch_home("report-")
     try:
-        for name in ENGINES:
+        floors: list[Column] = []
+        # The host floor runs first and last, and each figure is the better of the two:
+        # on a shared host, the floor at its least loaded (a ratio errs against the engine).
+        order = [HOST] + [n for n in ENGINES if n != HOST] + [HOST]
+        for name in order:
             if not engines[name]["available"]:
                 continue
             t0 = time.perf_counter()
             print(f"report: {name}...", file=sys.stderr, flush=True)
             if name == HOST:
-                col = run_host(root, home, wheel, sz)
+                floors.append(run_host(root, home, wheel, sz))
+                results[name] = best_of(floors)
             else:
-                col = asyncio.run(EngineRun(name, root, home, wheel, sz).run())
-            engines[name]["run_s"] = round(time.perf_counter() - t0, 1)
-            results[name] = col.cells
+                results[name] = asyncio.run(EngineRun(name, root, home, wheel, sz).run()).cells
+            engines[name]["run_s"] = round(engines[name].get("run_s", 0) + time.perf_counter() - t0, 1)
     finally:
         drop_home(home)
     loads = os.getloadavg()
