@@ -45,6 +45,11 @@ def main() -> None:
     import sys
 
     command = sys.argv[1] if len(sys.argv) > 1 else ""
+    if sys.argv[1:] == ["--version"]:  # typer would load every command to print it
+        from ..version import __version__
+
+        print(__version__)
+        return
     try:
         if command in ("ls", "exec"):  # their plain forms skip typer (cli/quick.py says why)
             from .quick import run
