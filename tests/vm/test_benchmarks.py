@@ -15,6 +15,7 @@ pytestmark = pytest.mark.vm
 
 BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
 PROMISED = {
+    "cli": ["python_startup_ms", "version_ms", "ls_ms", "exec_true_ms", "targets_met"],
     "core": ["boot_to_first_exec_s", "exec_true_ms", "stdout_MBps", "upload_MBps", "idle_256MiB_box_pss_MiB"],
     "durable": ["create_start_first_exec_s", "stop_s", "start_to_first_exec_s"],
     "fleet": ["create_first_exec_s", "exec_true_ms", "migration_256MiB", "fork"],
@@ -38,6 +39,7 @@ PROMISED = {
         "first_run_code_from_template_ms",
         "png_1MB_result_ms",
     ],
+    "report": ["engines", "workloads", "results", "ratios_to_host", "files"],
     "server": ["exec_true_local_ms", "exec_true_remote_ms", "upload_MBps", "download_MBps", "load"],
     "watch": ["write_to_event_ms", "stdin_echo_baseline_ms", "burst"],
 }
@@ -49,9 +51,10 @@ def test_every_script_is_covered() -> None:
 
 
 @pytest.mark.parametrize("name", sorted(PROMISED))
-def test_benchmark_quick_mode(name: str) -> None:
-    r = subprocess.run([sys.executable, str(BENCH / f"{name}.py"), "--quick"], capture_output=True, text=True,
-                       timeout=900)  # fmt: skip
+def test_benchmark_quick_mode(name: str, tmp_path: Path) -> None:
+    extra = ["--out", str(tmp_path)] if name == "report" else []  # its folder of files, not the tree's
+    r = subprocess.run([sys.executable, str(BENCH / f"{name}.py"), "--quick", *extra], capture_output=True,
+                       text=True, timeout=900)  # fmt: skip
     assert r.returncode == 0, r.stderr[-3000:]
     doc = json.loads(r.stdout)
     assert doc["benchmark"] == name and doc["quick"] is True
@@ -59,3 +62,9 @@ def test_benchmark_quick_mode(name: str) -> None:
         assert key in doc, f"{name} does not report {key}"
     if name == "concurrency":
         assert doc["threads"]["failures"] == 0 and doc["processes"]["failures"] == 0
+    if name == "report":  # every engine it ran fills every row: a figure, or why not
+        for engine, cells in doc["results"].items():
+            assert set(cells) == set(doc["workloads"]), engine
+            assert not [k for k, c in cells.items() if "error" in c], (engine, cells)
+        assert {"report.json", "report.md"} <= set(doc["files"])
+        assert all((tmp_path / f).stat().st_size > 0 for f in doc["files"])

@@ -26,7 +26,7 @@ import os
 import socket
 from collections.abc import AsyncIterable, Mapping, Sequence
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
 
 from ..core.controller import BoxController
 from ..core.entry import BoxEntry, hostname_for
@@ -43,10 +43,11 @@ from ..errors import BoxNotFound, ConnectionLost, InvalidArgument, InvalidState,
 from ..images.store import Image
 from ..net.secrets import Secret
 from ..protocol.exec import ExecRequest, RemoteProcess
-from .bridge import check_port, open_relay, socket_bridge
-from .code import CodeBox, CodeContext, ContextArg, Execution, Interpreter, OutputCallback, ResultCallback
-from .files import AsyncFiles
 from .process import AsyncProcess, ExecResult
+
+if TYPE_CHECKING:  # imported where used: a command that runs no code nor files starts without them
+    from .code import CodeContext, ContextArg, Execution, Interpreter, OutputCallback, ResultCallback
+    from .files import AsyncFiles
 
 StdinSource = bytes | str | IO[bytes] | AsyncIterable[bytes] | None
 Home = str | os.PathLike[str] | None
@@ -125,7 +126,7 @@ class AsyncBox:
         self._entry: BoxEntry | None = None
         self._core: Core | None = None
         self._claimed = False
-        self._files = AsyncFiles(self._connection)
+        self._files: AsyncFiles | None = None
 
     @classmethod
     def of(cls, core: Core, entry: BoxEntry) -> AsyncBox:
@@ -138,7 +139,7 @@ class AsyncBox:
         box._image = None
         box._entry, box._core = entry, core
         box._claimed = False
-        box._files = AsyncFiles(box._connection)
+        box._files = None
         return box
 
     # -- finding boxes ------------------------------------------------------------------------
@@ -184,6 +185,10 @@ class AsyncBox:
     @property
     def files(self) -> AsyncFiles:
         """The guest's file system: ``await box.files.read(path)`` and so on."""
+        if self._files is None:
+            from .files import AsyncFiles
+
+            self._files = AsyncFiles(self._connection)
         return self._files
 
     def _here(self) -> tuple[Core, BoxEntry | None]:
@@ -468,11 +473,15 @@ class AsyncBox:
         >>> s = await box.connect(8080)
         >>> reader, writer = await asyncio.open_connection(sock=s)
         """
+        from .bridge import check_port, open_relay, socket_bridge
+
         check_port(port)
         positive("timeout", timeout)
         return socket_bridge(await open_relay(self.spawn, port, timeout))
 
     def _interpreter(self) -> Interpreter:
+        from .code import CodeBox, Interpreter
+
         return Interpreter(CodeBox(self.id, self.files, self.spawn, self.exec))
 
     async def run_code(

@@ -19,22 +19,12 @@ from rich.table import Table
 from ..api.box import AsyncBox
 from ..errors import InvalidArgument, SandlotError
 from ..net.secrets import Secret
-from .common import age, app, fail, for_each_box, human, run_coro
-from .terminal import attach, raw_terminal, terminal_size
+from .common import app, busy, fail, for_each_box, human, run_coro
+from .quick import env_pairs, exec_attached, exec_in, filters, run_ls
 
 # Options stop at the first positional argument, as in Docker: what follows the
 # image (or the box) is the command, flags included.
 COMMAND = {"allow_extra_args": True, "ignore_unknown_options": True, "allow_interspersed_args": False}
-
-
-def _env(items: list[str] | None) -> dict[str, str]:
-    out = {}
-    for item in items or []:
-        key, sep, value = item.partition("=")
-        if not sep:
-            key, value = item, os.environ.get(item, "")  # -e NAME passes the host's value, as Docker does
-        out[key] = value
-    return out
 
 
 def _secrets(items: list[str] | None) -> list[Secret] | None:
@@ -65,21 +55,6 @@ def _labels(items: list[str] | None) -> dict[str, str]:
     return out
 
 
-async def _exec_attached(
-    box: AsyncBox, argv: list[str], *, interactive: bool, tty_mode: bool, env: dict[str, str] | None = None,
-    workdir: str | None = None, user: str | None = None, timeout: float | None = None,
-) -> int:  # fmt: skip
-    """As Docker does: stdin is forwarded only with -i; -t gives a terminal (raw mode here)."""
-    rows, cols = terminal_size()
-    proc = await box.spawn(
-        *argv, env=env, cwd=workdir, user=user, tty=tty_mode, rows=rows, cols=cols, stdin=True
-    )
-    if tty_mode and interactive and sys.stdin.isatty():
-        with raw_terminal(sys.stdin.fileno()):
-            return await attach(proc, stdin=True, tty_mode=True, timeout=timeout)
-    return await attach(proc, stdin=interactive, tty_mode=tty_mode, timeout=timeout)
-
-
 def _box_options(
     image_or_rootfs: tuple[str | None, Path | None], name: str | None, env: list[str] | None,
     volume: list[str] | None, label: list[str] | None, cpus: int, memory: int, disk: int, workdir: str | None,
@@ -90,7 +65,7 @@ def _box_options(
     network, allow, publish, secret = net
     return {
         "network": network, "allow": allow or None, "ports": publish or None, "secrets": _secrets(secret),
-        "image": image, "rootfs": rootfs, "name": name, "env": _env(env), "volumes": volume or None,
+        "image": image, "rootfs": rootfs, "name": name, "env": env_pairs(env), "volumes": volume or None,
         "labels": _labels(label), "cpus": cpus, "memory_mib": memory, "disk_size_gb": disk,
         "workdir": workdir, "user": user, "auto_remove": rm, "pull": pull, "insecure": insecure,
         "accel": accel, "keep": True,
@@ -209,7 +184,9 @@ def run(
 
     async def main() -> int:
         box = AsyncBox(**opts)
-        await box.start()
+        with busy(f"starting a box of {image or rootfs} (an image is pulled if missing; its first boot "
+                  "is saved as its template)"):  # fmt: skip
+            await box.start()
         argv = None
         try:
             if entrypoint is not None:
@@ -226,9 +203,7 @@ def run(
                 print(box.name)
                 return 0
             assert argv is not None
-            return await _exec_attached(
-                box, argv, interactive=interactive, tty_mode=tty_mode, timeout=timeout
-            )
+            return await exec_attached(box, argv, interactive=interactive, tty_mode=tty_mode, timeout=timeout)
         finally:
             if not detach:
                 if rm:
@@ -281,7 +256,8 @@ def create(
     )
 
     async def main() -> None:
-        box = await AsyncBox.create(**opts)
+        with busy(f"creating a box of {image or rootfs} (an image is pulled if missing)"):
+            box = await AsyncBox.create(**opts)
         print(box.name)
 
     run_coro(main())
@@ -340,47 +316,11 @@ def ls(
     as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
 ) -> None:
     """List boxes (running and paused ones; -a for all)."""
-    labels: dict[str, str] = {}
-    state = None
-    for f in filter_ or []:
-        key, _, value = f.partition("=")
-        if key == "label":
-            k, _, v = value.partition("=")
-            labels[k] = v
-        elif key == "state":
-            state = value
-        else:
-            raise fail(f"unknown filter {f!r} (label=K=V or state=S)", 2)
-
-    async def listing() -> list[dict[str, Any]]:
-        boxes = await AsyncBox.list(all=all_ or state is not None, state=state, labels=labels or None)
-        return [b.info for b in boxes]  # as just listed
-
     try:
-        records = asyncio.run(listing())
-    except SandlotError as exc:
-        raise fail(exc) from exc
-    if quiet:
-        for rec in records:
-            print(rec["name"])
-        return
-    if as_json:
-        print(json.dumps(records, indent=1))
-        return
-    table = Table(box=None, pad_edge=False)
-    for col in ("NAME", "ID", "IMAGE", "STATE", "CREATED", "STATUS"):
-        table.add_column(col)
-    for r in records:
-        source = (r["image_ref"] or "").removeprefix("docker.io/").removeprefix("library/")
-        state_ = r["state"]
-        status = (
-            r["reason"]
-            if state_ == "crashed" and r["reason"]
-            else age(r["started_at"] if state_ == "running" else r["stopped_at"])
-        )
-        table.add_row(r["name"], r["id"], source or f"rootfs:{r['rootfs']}", state_, age(r["created_at"]),
-                      status or "-")  # fmt: skip
-    Console(soft_wrap=True, highlight=False).print(table)
+        filters(filter_)
+    except ValueError as exc:
+        raise fail(exc, 2) from exc
+    raise typer.Exit(run_ls(all_, filter_, quiet, as_json))  # what `sandlot ls` runs without typer
 
 
 @app.command("exec", context_settings=COMMAND)
@@ -401,14 +341,9 @@ def exec_cmd(
     if argv and argv[0] == "--":
         argv = argv[1:]
 
-    async def main() -> int:
-        box = await AsyncBox.get(key)
-        return await _exec_attached(
-            box, argv, interactive=interactive, tty_mode=tty_mode, env=_env(env) or None, workdir=workdir,
-            user=user, timeout=timeout,
-        )  # fmt: skip
-
-    raise typer.Exit(run_coro(main()) or 0)
+    coro = exec_in(key, argv, interactive=interactive, tty_mode=tty_mode, env=env_pairs(env) or None,
+                   workdir=workdir, user=user, timeout=timeout)  # fmt: skip
+    raise typer.Exit(run_coro(coro) or 0)
 
 
 def _split_box_path(arg: str) -> tuple[str | None, str]:

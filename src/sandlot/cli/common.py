@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import asyncio
-import time
-from collections.abc import Awaitable, Callable
+import contextlib
+import sys
+from collections.abc import Awaitable, Callable, Iterator
 from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
@@ -13,6 +14,7 @@ from rich.markup import escape
 
 from ..errors import SandlotError
 from ..version import __version__
+from .text import age, human
 
 if TYPE_CHECKING:
     from ..api.box import AsyncBox
@@ -25,6 +27,17 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 err = Console(stderr=True)
+__all__ = ["age", "app", "busy", "err", "fail", "for_each_box", "human", "on_terminal", "only", "run_coro"]
+
+
+def only(typer_app: typer.Typer, command: str) -> None:
+    """Keep only ``command`` on ``typer_app``: typer converts every command it holds (and
+    builds a validator for each of its parameters) before it runs one."""
+    typer_app.registered_commands = [
+        c for c in typer_app.registered_commands
+        if str(c.name or getattr(c.callback, "__name__", "")).lower().replace("_", "-") == command
+    ]  # fmt: skip
+    typer_app.registered_groups = [g for g in typer_app.registered_groups if g.name == command]
 
 
 def fail(exc: BaseException | str, code: int = 1) -> typer.Exit:
@@ -32,22 +45,25 @@ def fail(exc: BaseException | str, code: int = 1) -> typer.Exit:
     return typer.Exit(code)
 
 
-def human(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB"):
-        if n < 1000:
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1000
-    return f"{n:.1f} TB"
+def on_terminal(quiet: bool = False) -> bool:
+    """Whether progress belongs on screen: stdout and stderr are a terminal, and no
+    ``--quiet`` or ``--json`` asked for output that a script reads."""
+    return not quiet and sys.stdout.isatty() and sys.stderr.isatty()
 
 
-def age(t: float | None) -> str:
-    if not t:
-        return "-"
-    s = int(time.time() - t)
-    for unit, n in (("d", 86400), ("h", 3600), ("m", 60)):
-        if s >= n:
-            return f"{s // n}{unit} ago"
-    return f"{s}s ago"
+@contextlib.contextmanager
+def busy(message: str, *, quiet: bool = False) -> Iterator[None]:
+    """A spinner, ``message`` and the time so far on stderr while a long operation runs
+    (only ``on_terminal``); it goes when the operation ends."""
+    if not on_terminal(quiet):
+        yield
+        return
+    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    columns = (SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn())
+    with Progress(*columns, console=err, transient=True) as progress:
+        progress.add_task(message, total=None)
+        yield
 
 
 def run_coro(coro: Awaitable[int | None]) -> int | None:

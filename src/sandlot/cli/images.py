@@ -12,7 +12,7 @@ import typer
 from rich.console import Console
 
 from ..errors import SandlotError
-from .common import app, fail, human
+from .common import app, busy, fail, human, on_terminal
 
 
 def progress_display() -> tuple[Any, Callable[[Any], None]]:
@@ -49,7 +49,7 @@ def pull_cmd(
 
     progress, on_event = progress_display()
     try:
-        if quiet:
+        if not on_terminal(quiet):
             img = pull(ref, insecure=insecure, ca_cert=ca_cert)
         else:
             with progress:
@@ -130,7 +130,9 @@ def load(
 
     try:
         wanted = str(Reference.parse(name)) if name else None
-        for img in load_image(path, name):
+        with busy(f"loading {path}"):
+            loaded = load_image(path, name)
+        for img in loaded:
             # the name this load gave (an image known already keeps its older names too)
             shown = wanted if wanted in img.names else img.name
             print(f"{shown} {img.digest}")
@@ -148,7 +150,8 @@ def import_cmd(
     from ..api.images import import_image
 
     try:
-        img = import_image(directory, name, cmd=["/bin/sh", "-c", cmd] if cmd else None)
+        with busy(f"making {name} from {directory}"):
+            img = import_image(directory, name, cmd=["/bin/sh", "-c", cmd] if cmd else None)
     except SandlotError as exc:
         raise fail(exc) from exc
     print(f"{img.name} {img.digest}")

@@ -26,7 +26,7 @@ from rich.table import Table
 from ..api.box import AsyncBox, AsyncSnapshot
 from ..api.templates import import_snapshot_async, prune_snapshots_async, template_async
 from .boxes import BoxesArg
-from .common import age, app, fail, for_each_box, human, run_coro
+from .common import age, app, busy, fail, for_each_box, human, run_coro
 
 
 @app.command()
@@ -70,7 +70,8 @@ def snapshot(
 
         async def export() -> None:
             t = time.monotonic()
-            path = await (await AsyncSnapshot.get(args[1])).export(args[2])
+            with busy(f"exporting {args[1]} to {args[2]}"):
+                path = await (await AsyncSnapshot.get(args[1])).export(args[2])
             print(f"{path} ({human(path.stat().st_size)}, {time.monotonic() - t:.1f}s)")
 
         run_coro(export())
@@ -80,7 +81,8 @@ def snapshot(
             raise fail("snapshot import needs FILE", 2)
 
         async def import_() -> None:
-            box = await import_snapshot_async(args[1], name=name)
+            with busy(f"importing {args[1]}"):
+                box = await import_snapshot_async(args[1], name=name)
             print(box.name)
 
         run_coro(import_())
@@ -182,7 +184,10 @@ def template(
     """Boot an image, run setup commands, and save it as a template (Box(template=NAME))."""
 
     async def main() -> None:
-        snap = await template_async(image, setup=setup or [], code=code or [], name=name, memory_mib=memory)
+        with busy(f"building the template {name} from {image}"):
+            snap = await template_async(
+                image, setup=setup or [], code=code or [], name=name, memory_mib=memory
+            )
         print(f"{snap.id}\t{snap.name}")
 
     run_coro(main())

@@ -19,15 +19,17 @@ import shutil
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..config import default_home, runtime_dir
 from ..engine import engine_for, names
 from ..engine.base import Boot, BootRequest, Engine, Placement
 from ..errors import HostSetupError
-from ..images.manager import ImageManager
 from . import layers, snapshots
 from .store import AsyncStore, BoxRecord, BoxStore
+
+if TYPE_CHECKING:
+    from ..images.manager import ImageManager
 
 AGENT_PORTS = 8  # agent connections a box takes at once (one per process; see core.sessions)
 
@@ -43,10 +45,22 @@ class Runtime:
         self._lock = threading.Lock()
         self._store: BoxStore | None = None
         self._db: AsyncStore | None = None
-        self.images = ImageManager(self.home)
+        self._images: ImageManager | None = None
+        self._images_lock = threading.Lock()
         self._engines: dict[str, Engine] = {}
         # this process is the heir of agent sessions its predecessors left (core.sessions)
         self.takes_over_sessions = False
+
+    @property
+    def images(self) -> ImageManager:
+        """The home's images, loaded on first use: a command on existing boxes needs
+        none of the image code (archives, layers, registries)."""
+        with self._images_lock:
+            if self._images is None:
+                from ..images.manager import ImageManager
+
+                self._images = ImageManager(self.home)
+            return self._images
 
     @classmethod
     def for_home(cls, home: str | os.PathLike[str] | None = None) -> Runtime:

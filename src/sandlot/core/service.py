@@ -14,15 +14,18 @@ import asyncio
 import contextlib
 import weakref
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from .controller import BoxController
 from .entry import BoxEntry
 from .launch import Launcher
-from .livestate import LiveState
-from .pools import Pools
 from .recovery import Recovery
 from .runtime import Runtime
-from .store import AsyncStore
+from .store import AsyncStore, SnapshotRecord
+
+if TYPE_CHECKING:
+    from .livestate import LiveState
+    from .pools import Pools
 
 
 class Core:
@@ -31,16 +34,35 @@ class Core:
     The components import downward only: the launcher knows none of them, the
     controller knows the launcher, live state knows both. The controller reaches
     live state (a suspended box resumes on start) through the ``SavedStates``
-    interface it declares, set here.
+    interface it declares, set here. Live state and pools are built on first use: most
+    commands (``sandlot ls``, ``sandlot exec``) never need it, and its modules
+    (the archive format, zstandard) would be most of their start.
     """
 
     def __init__(self, runtime: Runtime) -> None:
         self.rt = runtime
         self.launcher = Launcher(runtime)
         self.controller = BoxController(runtime, Recovery(runtime), self.launcher)
-        self.live = LiveState(runtime, self.controller, self.launcher)
-        self.controller.saved = self.live
-        self.pools = Pools(runtime, self.controller, self.launcher)
+        self._live: LiveState | None = None
+        self._pools: Pools | None = None
+        self.controller.saved = LiveStateOnUse(self)
+
+    @property
+    def live(self) -> LiveState:
+        if self._live is None:
+            from .livestate import LiveState
+
+            self._live = LiveState(self.rt, self.controller, self.launcher)
+        return self._live
+
+    @property
+    def pools(self) -> Pools:
+        """Warm pools, made on first use (a claim, a fill, a drain)."""
+        if self._pools is None:
+            from .pools import Pools
+
+            self._pools = Pools(self.rt, self.controller, self.launcher)
+        return self._pools
 
     @property
     def db(self) -> AsyncStore:
@@ -56,6 +78,25 @@ class Core:
         for entry in list(self.entries.values()):
             with contextlib.suppress(Exception):
                 await entry.session.close()
+
+
+class LiveStateOnUse:
+    """The controller's ``SavedStates``: the core's live state, built when first asked."""
+
+    def __init__(self, core: Core) -> None:
+        self.core = core
+
+    async def resume(self, entry: BoxEntry) -> None:
+        await self.core.live.resume(entry)
+
+    async def drop_saved_state(self, snap_id: str) -> None:
+        await self.core.live.drop_saved_state(snap_id)
+
+    async def auto_template(self, entry: BoxEntry, image_digest: str) -> SnapshotRecord | None:
+        return await self.core.live.auto_template(entry, image_digest)
+
+    async def save_auto_template(self, entry: BoxEntry) -> None:
+        await self.core.live.save_auto_template(entry)
 
 
 _cores: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[Path, Core]] = weakref.WeakKeyDictionary()
