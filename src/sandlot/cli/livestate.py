@@ -180,13 +180,16 @@ def template(
         typer.Option("--code", help="A Python cell to run in the interpreter, kept started (repeat)."),
     ] = None,
     memory: Annotated[int, typer.Option("--memory", "-m", help="MiB of RAM.")] = 512,
+    pool: Annotated[
+        int, typer.Option("--pool", min=0, help="VMs of it to keep ready (filled in the background).")
+    ] = 0,
 ) -> None:
     """Boot an image, run setup commands, and save it as a template (Box(template=NAME))."""
 
     async def main() -> None:
         with busy(f"building the template {name} from {image}"):
             snap = await template_async(
-                image, setup=setup or [], code=code or [], name=name, memory_mib=memory
+                image, setup=setup or [], code=code or [], name=name, memory_mib=memory, pool=pool
             )
         print(f"{snap.id}\t{snap.name}")
 
