@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from .. import pids
+from ..engine.auto import AUTO
 from ..engine.base import VM
 from ..errors import BoxCrashed, BoxNotFound, ConnectionLost, InvalidArgument, InvalidState, SnapshotNotFound
 from ..images.rootfs import base_for, create_overlay, rootfs_dir_for
@@ -212,6 +213,8 @@ class BoxController:
         rt = self.rt
         snap = await self._saved_state(req)
         spec = req.spec_for(snap)
+        if spec.engine == AUTO:  # the row records the engine the box got, never "auto"
+            spec.engine = (await asyncio.to_thread(rt.auto_engine)).name
         pid, start = pids.me()
         now = time.time()
         rec = BoxRecord(

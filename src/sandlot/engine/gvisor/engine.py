@@ -50,6 +50,7 @@ class GvisorEngine(Engine):
     name = "gvisor"
     disk_format: ClassVar[str] = "dir"
     live_state: ClassVar[bool] = True
+    save_ends_vm: ClassVar[bool] = True  # runsc checkpoint ends the sandbox
 
     def __init__(self, home: Path) -> None:
         self.home = home
