@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from .. import pids
+from ..crashpoints import crash_point
 from ..engine.auto import AUTO
 from ..engine.base import VM
 from ..errors import BoxCrashed, BoxNotFound, ConnectionLost, InvalidArgument, InvalidState, SnapshotNotFound
@@ -33,7 +34,6 @@ from ..net.secrets import build_vault, read_vault_json, write_vault
 from ..protocol.connection import AgentConnection
 from ..protocol.wire import ControlOp, Fields, Tag, tlv, tlv_u64
 from . import idle, layers, snapshots
-from .crashpoints import crash_point
 from .entry import BoxEntry
 from .launch import Launcher, control
 from .recovery import Recovery

@@ -59,6 +59,8 @@ class BootRequest:
     kernel: str | None = None  # a kernel of the user's, instead of the engine's default
     volumes: bool = False  # host directories are shared into the guest
     network: bool = False  # the guest has a network card
+    disk_gb: int = 0  # the box's disk size (0: unknown)
+    disk_required: bool = False  # the user asked for that size (it is not the default)
 
 
 @dataclass(frozen=True, slots=True)

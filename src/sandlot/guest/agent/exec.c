@@ -556,6 +556,15 @@ static void exec_resize(struct channel *c, const uint8_t *p, size_t n)
     ioctl(x->out[1].fd, TIOCSWINSZ, &ws);
 }
 
+void exec_mark_oom(pid_t sid)
+{
+    for (struct channel *c = g_channels; c; c = c->next) {
+        if (c->ops == &exec_ops && c->u.exec.pid == sid) {
+            c->u.exec.oom_killed = 1;
+        }
+    }
+}
+
 void exec_reaped(pid_t pid, int status)
 {
     for (struct channel *c = g_channels; c; c = c->next) {
