@@ -23,7 +23,7 @@ from ...errors import HostSetupError, IncompatibleSnapshot, InvalidArgument, Sav
 from ...guest.agent import build_agent
 from .. import hostcgroup
 from ..base import Boot, BootRequest, Engine, LaunchSpec, Placement, SavedState, VMRef, VMStatus
-from . import limits, runsc
+from . import limits, probe, runsc
 from .vm import (
     STATUS,
     GvisorVM,
@@ -243,6 +243,10 @@ class GvisorEngine(Engine):
                        "(runsc --rootless has neither)")  # fmt: skip
         if "overlay" not in Path("/proc/filesystems").read_text():
             why.append("the host kernel has no overlayfs")
+        if not why:  # a runsc that cannot run a sandbox here is found out now, not by a box
+            failed = probe.why_unusable(self.home)
+            if failed:
+                why.append(failed)
         report["usable"] = not why
         report["why"] = "; ".join(why) or (
             f"runsc {version} on its {platform} platform: a user-space kernel, not hardware isolation"
