@@ -198,9 +198,16 @@ uint32_t exec_cgroup_new(char *procs_path, size_t n)
 void exec_cgroup_join(const char *procs_path)
 {
     if (procs_path[0]) {
+        /* its own pid, not "0": gVisor's releases before 2023 take "0" for no
+         * process at all */
+        char num[16];
+        int i = (int)sizeof(num);
+        for (unsigned v = (unsigned)getpid(); v || i == (int)sizeof(num); v /= 10) {
+            num[--i] = (char)('0' + v % 10);
+        }
         int fd = open(procs_path, O_WRONLY | O_CLOEXEC);
         if (fd >= 0) {
-            if (write(fd, "0", 1) < 0) {
+            if (write(fd, num + i, sizeof(num) - (size_t)i) < 0) {
                 /* the command runs outside its cgroup: no OOM report for it */
             }
             close(fd);
