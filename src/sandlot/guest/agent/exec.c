@@ -575,7 +575,7 @@ void exec_reaped(pid_t pid, int status)
             x->quiet_since_ms = now_ms();
             int killed = WIFSIGNALED(status) && WTERMSIG(status) == SIGKILL;
             int child_killed = WIFEXITED(status) && WEXITSTATUS(status) == 128 + SIGKILL;
-            x->oom_killed = exec_cgroup_oom_killed(x->cgroup, killed || child_killed);
+            x->oom_killed |= exec_cgroup_oom_killed(x->cgroup, killed || child_killed); /* or the agent's own (limits.c) */
             return;
         }
     }
