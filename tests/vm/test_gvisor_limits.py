@@ -163,12 +163,13 @@ def test_hostile_box_is_contained_and_its_neighbour_answers(
         thread = threading.Thread(target=sample, daemon=True)
         thread.start()
         try:
-            bomb = bad.spawn("sh", "-c", "bomb() { bomb | bomb & }; bomb; sleep 100")
+            # one process each (no shell that must fork once the bomb holds every pid)
             hog = bad.spawn("python3", "-c", MEMORY_HOG)
-            fill = bad.spawn("sh", "-c", "dd if=/dev/zero of=/root/fill bs=1M 2>&1; sync")
+            fill = bad.spawn("dd", "if=/dev/zero", "of=/root/fill", "bs=1M")
+            bomb = bad.spawn("sh", "-c", "bomb() { bomb | bomb & }; bomb; sleep 100")
             assert hog.wait(120) == 137 and hog.result().oom_killed
             fill.wait(300)
-            out = fill.result().stdout
+            out = fill.result().stderr
             assert "quota exceeded" in out or "No space left" in out, out
             bomb.kill()
             time.sleep(1)
