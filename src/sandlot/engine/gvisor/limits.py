@@ -11,7 +11,7 @@ inside for what gVisor does not bound itself.
   ``HOST_MEMORY_SLACK_MIB`` above, for the Sentry itself and for a hog that outruns
   one of the agent's checks.
 - **Processes**: gVisor's own cgroupfs (v1) pids controller, which the agent mounts and
-  sets (``pids_limit``); the sandbox's host processes are bounded too (``HOST_PIDS``).
+  sets (``pids_limit``). Not the host's (see below).
 - **Disk**: a project quota on the box's layer directory, where the file system of
   the home has them (XFS, or ext4 with the project feature, mounted ``prjquota``):
   writes past ``disk_size_gb`` fail inside the box. Elsewhere a box's disk is not
@@ -34,12 +34,14 @@ from ..base import BootRequest
 CPU_PERIOD_US = 100_000
 # The Sentry's own heap, page tables and the gofer: measured ~60-90 MiB for an idle
 # box; the rest is room for a memory hog that grows between two of the agent's checks
-# (every 50 ms; a Python loop of 16 MiB appends grows ~1 GiB/s under the ptrace platform).
-HOST_MEMORY_SLACK_MIB = 192
-# Under the ptrace platform each address space in the box is a host stub process, and
-# the Sentry runs a few dozen threads: far above the box's own pids limit, and a bound
-# on the host should the box's fail.
-HOST_PIDS = 4096
+# (every 25 ms), and the host page cache of what the box writes, charged to its cgroup:
+# 192 MiB was not enough for a memory hog and a disk fill at once (the host ended the sandbox).
+HOST_MEMORY_SLACK_MIB = 384
+# No host pids bound: under the ptrace platform every address space in the box is a host
+# stub process, made ahead and pooled, and the Sentry panics when it cannot make one
+# ("error initializing first thread: resource temporarily unavailable"): measured with a
+# fork bomb held at 64 processes in the box, a host bound of 4096 ended the sandbox
+# within seconds. The box's own pids limit (gVisor's cgroupfs) holds the bomb instead.
 
 
 def resources(memory_mib: int, cpus: int) -> dict[str, Any]:
@@ -47,7 +49,6 @@ def resources(memory_mib: int, cpus: int) -> dict[str, Any]:
     return {
         "memory": {"limit": (memory_mib + HOST_MEMORY_SLACK_MIB) << 20},
         "cpu": {"quota": CPU_PERIOD_US * max(1, cpus), "period": CPU_PERIOD_US},
-        "pids": {"limit": HOST_PIDS},
     }
 
 

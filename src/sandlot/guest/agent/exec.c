@@ -531,12 +531,20 @@ static void exec_signal(struct channel *c, const uint8_t *p, size_t n)
         send_error(c->s, c->id, EINVAL, SL_SIGNAL, "malformed SIGNAL");
         return;
     }
-    if (x->exited || x->pid <= 0) {
+    int group = (flags & SL_SIGNAL_GROUP) != 0;
+    if (x->pid <= 0 || (x->exited && !group)) {
         return; /* already gone: signalling a dead process is not an error */
     }
-    pid_t target = (flags & SL_SIGNAL_GROUP) ? -x->pid : x->pid;
+    /* a group outlives its leader: it is signalled as long as one member lives */
+    pid_t target = group ? -x->pid : x->pid;
     if (kill(target, (int)sig) < 0 && errno != ESRCH) {
         send_error(c->s, c->id, errno, SL_SIGNAL, "kill: %s", strerror(errno));
+        return;
+    }
+    /* gVisor lets a child being forked escape a SIGKILL of its group (Linux does not):
+     * a fork bomb's group is killed again until it is empty, for at most ~100 ms */
+    for (int i = 0; group && sig == SIGKILL && i < 50 && kill(target, SIGKILL) == 0; i++) {
+        usleep(2000);
     }
 }
 

@@ -270,7 +270,7 @@ void exec_cgroup_release(uint32_t id)
  * it, SIGKILLs the largest process a command started, as Linux's OOM killer would, and
  * marks that command out-of-memory. The host cgroup's limit sits above the box's, so
  * a hog that outruns one check (MEM_CHECK_MS) still fits. */
-#define MEM_CHECK_MS 50
+#define MEM_CHECK_MS 25
 #define MEM_AFTER_KILL_MS 300 /* what a killed process held takes a moment to be freed */
 static uint64_t g_mem_limit_kib;
 static uint64_t g_mem_next_ms;
