@@ -34,6 +34,7 @@ class Case:
     vm_survives: bool
     extra: dict[str, Any] = field(default_factory=dict)
     reason: str | None = None
+    save_ends_vm: bool = False  # the engine's save ends the VM process (gVisor)
 
 
 SAVE_CUT_SHORT = {"kind": "snapshot", "source": "paused", "snapshot": "pending1"}
@@ -51,14 +52,26 @@ CASES: dict[int, Case] = {
     8: Case(S.STOPPING, False, V.RUNNING, "stopped", False),
     9: Case(S.SUSPENDING, False, V.PAUSED, "suspended", False, {"suspended": "s1"}),
     10: Case(S.SNAPSHOTTING, False, V.PAUSED, "paused", True, {"op": SAVE_CUT_SHORT}),
-    11: Case(S.SNAPSHOTTING, False, V.GONE, "crashed", False, reason="saving its state"),
-    12: Case(S.RESUMING, False, V.RUNNING, "running", True, {"suspended": "s2"}),
-    13: Case(S.RESUMING, False, V.LOADING, "suspended", False, {"suspended": "s3"}),
-    14: Case(S.RESTORING, False, V.RUNNING, "running", True, {"op": ROLLBACK}),
-    15: Case(S.RESTORING, False, V.GONE, "stopped", False, reason="rollback was interrupted"),
-    16: Case(S.SUSPENDED, False, V.RUNNING, "suspended", False, {"suspended": "s4"}),
-    17: Case(S.RUNNING, True, V.GONE, "crashed", False, reason="exited unexpectedly"),
-    18: Case(S.RUNNING, True, V.RUNNING, "running", True),
+    # on an engine whose save ends the VM (gVisor): the owner died between the checkpoint
+    # and the restore
+    11: Case(
+        S.SNAPSHOTTING,
+        False,
+        V.GONE,
+        "stopped",
+        False,
+        {"op": SAVE_CUT_SHORT},
+        reason="as they were saved",
+        save_ends_vm=True,
+    ),
+    12: Case(S.SNAPSHOTTING, False, V.GONE, "crashed", False, reason="saving its state"),
+    13: Case(S.RESUMING, False, V.RUNNING, "running", True, {"suspended": "s2"}),
+    14: Case(S.RESUMING, False, V.LOADING, "suspended", False, {"suspended": "s3"}),
+    15: Case(S.RESTORING, False, V.RUNNING, "running", True, {"op": ROLLBACK}),
+    16: Case(S.RESTORING, False, V.GONE, "stopped", False, reason="rollback was interrupted"),
+    17: Case(S.SUSPENDED, False, V.RUNNING, "suspended", False, {"suspended": "s4"}),
+    18: Case(S.RUNNING, True, V.GONE, "crashed", False, reason="exited unexpectedly"),
+    19: Case(S.RUNNING, True, V.RUNNING, "running", True),
 }
 
 
@@ -98,13 +111,16 @@ def make(rt: Runtime, case: Case) -> tuple[BoxRecord, FakeVM | None]:
 def test_rule(runtime: Runtime, row: int) -> None:
     case = CASES[row]
     rec, vm = make(runtime, case)
+    engine = runtime.engine("fake")
+    assert isinstance(engine, FakeEngine)
+    engine.save_ends_vm = case.save_ends_vm  # type: ignore[misc]
     rec_recovery = recovery.Recovery(runtime)
     owner_alive, status = rec_recovery.facts(rec)
-    rule = recovery.decide(rec, owner_alive, status)
+    rule = recovery.decide(rec, owner_alive, status, save_ends_vm=case.save_ends_vm)
     assert recovery.TABLE.index(rule) == row, (
         f"case {row} matched rule {recovery.TABLE.index(rule)}: {rule.doc}"
     )
-    if row == 10:  # a save cut short left its directory behind; no row names it
+    if row in (10, 11):  # a save cut short left its directory behind; no row names it
         (runtime.home / "snapshots" / "pending1").mkdir(parents=True)
     after = rec_recovery.apply(rec)
     if case.expect_state is None:
@@ -118,11 +134,11 @@ def test_rule(runtime: Runtime, row: int) -> None:
             assert after.vm_pid is None or after.state in ("suspended",)
     if vm is not None:
         assert vm.running == case.vm_survives, "the VM should have been ended" if vm.running else "killed"
-    if row == 10:
+    if row in (10, 11):
         assert not (runtime.home / "snapshots" / "pending1").exists()
-    if row == 12:
+    if row == 13:
         assert after is not None and after.suspended is None
-    if row == 14:
+    if row == 15:
         assert after is not None and after.disk == "/new.qcow2" and after.op is None
 
 

@@ -92,7 +92,7 @@ class AsyncBox:
         insecure: bool = False,
         ca_cert: str | os.PathLike[str] | None = None,
         credentials: tuple[str, str] | None = None,
-        engine: str = "qemu",
+        engine: str | None = None,
         accel: str = "auto",
         kernel: str | os.PathLike[str] | None = None,
         hostname: str | None = None,

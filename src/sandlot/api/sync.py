@@ -60,7 +60,7 @@ class Box(BoxBase):
         insecure: bool = False,
         ca_cert: str | None = None,
         credentials: tuple[str, str] | None = None,
-        engine: str = "qemu",
+        engine: str | None = None,
         accel: str = "auto",
         kernel: str | None = None,
         hostname: str | None = None,

@@ -56,6 +56,11 @@ def doctor(as_json: Annotated[bool, typer.Option("--json", help="Machine-readabl
         state = "usable" if gvisor.get("usable") else "unusable"
         found = f"runsc {runsc['version']}, platform {runsc['platform']} ({runsc['path']}); " if runsc else ""
         out.print(f"gvisor       [{color}]{state}[/]  {found}{gvisor.get('why', '')}")
+    auto = report.get("auto") or {}
+    if isinstance(auto, dict) and auto:
+        out.print(f"engine auto  [bold]{auto.get('engine')}[/]  {auto.get('why', '')}")
+    out.print(f"engine       {report.get('default_engine')} for boxes that name none "
+              "(engine= of the box, else $SANDLOT_ENGINE, else qemu)")  # fmt: skip
     out.print(f"disk free    {report.get('disk_free_gib')} GiB under {report['home']}")
     out.print(f"sockets      {report.get('runtime_dir')}")
     if "error" in report:

@@ -51,10 +51,10 @@ from typing import IO, Any
 import zstandard
 
 from ..config import fsync_dir
+from ..crashpoints import crash_point
 from ..engine.base import Boot, Engine
 from ..errors import CorruptSnapshot, HostSetupError, InvalidArgument
 from . import layers, snapshots
-from .crashpoints import crash_point
 from .spec import BoxSpec
 from .store import NAME_RE, BoxStore, SnapshotRecord
 from .validate import check_env, check_user, guest_path

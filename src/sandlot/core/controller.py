@@ -23,6 +23,8 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from .. import pids
+from ..crashpoints import crash_point
+from ..engine.auto import AUTO
 from ..engine.base import VM
 from ..errors import BoxCrashed, BoxNotFound, ConnectionLost, InvalidArgument, InvalidState, SnapshotNotFound
 from ..images.rootfs import base_for, create_overlay, rootfs_dir_for
@@ -32,7 +34,6 @@ from ..net.secrets import build_vault, read_vault_json, write_vault
 from ..protocol.connection import AgentConnection
 from ..protocol.wire import ControlOp, Fields, Tag, tlv, tlv_u64
 from . import idle, layers, snapshots
-from .crashpoints import crash_point
 from .entry import BoxEntry
 from .launch import Launcher, control
 from .recovery import Recovery
@@ -226,6 +227,8 @@ class BoxController:
         rt = self.rt
         snap = await self._saved_state(req)
         spec = req.spec_for(snap)
+        if spec.engine == AUTO:  # the row records the engine the box got, never "auto"
+            spec.engine = (await asyncio.to_thread(rt.auto_engine)).name
         pid, start = pids.me()
         now = time.time()
         rec = BoxRecord(

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from ..config import atomic_write, runtime_dir
+from ..crashpoints import crash_point
 from ..engine.base import VM, Boot, BootRequest, Engine, LaunchSpec, NetSpec, SavedState, Volume
 from ..errors import AgentTimeout, BootTimeout, ConnectionLost
 from ..net.addresses import box_address
@@ -34,10 +35,10 @@ from ..protocol.connection import AgentConnection
 from ..protocol.wire import ControlOp, Fields, FsFlag, FsOp, T, Tag, tlv
 from . import snapshots
 from .admission import Admission, default_slots
-from .crashpoints import crash_point
 from .entry import BoxEntry
 from .runtime import Runtime
 from .sessions import Hello
+from .spec import DEFAULT_DISK_GB
 from .store import BoxRecord, SnapshotRecord
 
 
@@ -123,8 +124,9 @@ class Launcher:
     async def prepare(self, entry: BoxEntry, *, network: bool) -> Boot:
         spec = entry.spec
         request = BootRequest(
-            accel=spec.accel, kernel=spec.kernel, volumes=bool(spec.volumes), network=network
-        )
+            accel=spec.accel, kernel=spec.kernel, volumes=bool(spec.volumes), network=network,
+            disk_gb=spec.disk_size_gb, disk_required=spec.disk_size_gb != DEFAULT_DISK_GB,
+        )  # fmt: skip
         return await asyncio.to_thread(self.rt.engine(spec.engine).prepare, request)
 
     # -- bring-ups ----------------------------------------------------------------------------

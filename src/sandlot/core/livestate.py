@@ -21,11 +21,11 @@ from pathlib import Path
 from typing import Any
 
 from .. import pids
+from ..crashpoints import crash_point
 from ..engine.base import Boot, BootRequest, Engine, SavedState
 from ..errors import InvalidArgument, InvalidState, SnapshotInUse, SnapshotNotFound
 from . import archive, layers, snapshots
 from .controller import BoxController
-from .crashpoints import crash_point
 from .entry import BoxEntry
 from .launch import Launcher
 from .requests import BoxRequest

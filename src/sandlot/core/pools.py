@@ -41,10 +41,10 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from ..crashpoints import crash_point
 from ..errors import BoxBusy, BoxNotFound, InvalidArgument, InvalidState, SnapshotNotFound
 from ..protocol.exec import ExecRequest, RemoteProcess
 from .controller import BoxController
-from .crashpoints import crash_point
 from .entry import BoxEntry
 from .launch import Launcher
 from .locks import flock_within, try_flock

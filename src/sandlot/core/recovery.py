@@ -61,6 +61,9 @@ class Rule:
     reason: str = ""
     when: Callable[[BoxRecord], bool] | None = None
     doc: str = ""
+    # the box's engine ends the VM process to save its state (gVisor's runsc checkpoint);
+    # None: either
+    save_ends_vm: bool | None = None
 
 
 def _ephemeral(rec: BoxRecord) -> bool:
@@ -107,6 +110,11 @@ TABLE: tuple[Rule, ...] = (
          doc="the state was saved and recorded; only ending the VM was left"),
     Rule(_states(S.SNAPSHOTTING, S.SUSPENDING), False, ALIVE, Action.UNSAVE,
          doc="a save cut short: the VM goes on as it was"),
+    Rule(_states(S.SNAPSHOTTING, S.SUSPENDING), False, GONE, Action.STOP,
+         "its process died while the state was saved, before the box ran on from it; it stopped with "
+         "its files as they were saved", save_ends_vm=True,
+         doc="a save that ends the VM (runsc checkpoint) whose owner died before the restore: stopped, "
+             "files kept, nothing half-restored left running"),
     Rule(_states(S.SNAPSHOTTING, S.SUSPENDING), False, GONE, Action.CRASH,
          "the VM exited while saving its state"),
     Rule(_states(S.RESUMING), False, frozenset({V.RUNNING}), Action.RESUMED, doc="the guest came back"),
@@ -124,13 +132,16 @@ TABLE: tuple[Rule, ...] = (
 )  # fmt: skip
 
 
-def decide(rec: BoxRecord, owner_alive: bool, vm: VMStatus) -> Rule:
-    """The first rule matching (recorded state, owner alive, VM status)."""
+def decide(rec: BoxRecord, owner_alive: bool, vm: VMStatus, *, save_ends_vm: bool = False) -> Rule:
+    """The first rule matching (recorded state, owner alive, VM status, and whether the
+    box's engine ends the VM to save it)."""
     state = BoxState(rec.state)
     for rule in TABLE:
         if rule.states is not None and state not in rule.states:
             continue
         if rule.owner_alive is not None and rule.owner_alive != owner_alive:
+            continue
+        if rule.save_ends_vm is not None and rule.save_ends_vm != save_ends_vm:
             continue
         if vm not in rule.vm:
             continue
@@ -179,7 +190,7 @@ class Recovery:
         if not self.needed(rec):
             return rec
         owner_alive, vm = self.facts(rec)
-        rule = decide(rec, owner_alive, vm)
+        rule = decide(rec, owner_alive, vm, save_ends_vm=self.rt.engine(rec.engine).save_ends_vm)
         return self.carry_out(rec, rule)
 
     def carry_out(self, rec: BoxRecord, rule: Rule) -> BoxRecord | None:
@@ -216,7 +227,13 @@ class Recovery:
         if a is Action.CRASH:
             return update(state=S.CRASHED, vm_pid=None, reason=rule.reason, op=None)
         if a is Action.STOP:
-            return update(state=S.STOPPED, vm_pid=None, stopped_at=time.time(), op=None)
+            # a sandbox restored after its owner died runs under a pid no row names: the
+            # engine ends whatever the box left (a no-op for QEMU, whose VM is its process)
+            engine.forget(self.rt.placement(rec, rec.name))
+            changes: dict[str, Any] = {"reason": rule.reason} if rule.reason else {}
+            if rule.save_ends_vm:
+                self._drop_pending_snapshot(rec)
+            return update(state=S.STOPPED, vm_pid=None, stopped_at=time.time(), op=None, **changes)
         if a is Action.SUSPEND:
             return update(state=S.SUSPENDED, vm_pid=None, op=None)
         if a is Action.UNRESUME:

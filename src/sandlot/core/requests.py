@@ -110,7 +110,7 @@ class BoxRequest:
                 o["disk_size_gb"] = saved_box.get("disk_size_gb", DEFAULT_DISK_GB)
             if o["pids_limit"] is None:
                 o["pids_limit"] = saved_box.get("pids_limit")
-            if o["engine"] == "qemu":
+            if o["engine"] in (None, "auto"):  # a saved state runs on the engine that saved it
                 o["engine"] = facts.get("engine", "qemu")
             # what its commands ran with, unless given anew: a fork is the same box
             for key in ("env", "workdir", "user"):

@@ -23,8 +23,11 @@ from typing import TYPE_CHECKING, Any
 
 from ..config import default_home, runtime_dir
 from ..engine import engine_for, names
+from ..engine.auto import EngineChoice
+from ..engine.auto import choose as choose_engine
+from ..engine.auto import requested as requested_engine
 from ..engine.base import Boot, BootRequest, Engine, Placement
-from ..errors import HostSetupError
+from ..errors import HostSetupError, InvalidArgument
 from . import layers, snapshots
 from .store import AsyncStore, BoxRecord, BoxStore
 
@@ -48,6 +51,8 @@ class Runtime:
         self._images: ImageManager | None = None
         self._images_lock = threading.Lock()
         self._engines: dict[str, Engine] = {}
+        self._auto: EngineChoice | None = None
+        self._auto_lock = threading.Lock()  # a probe may take seconds: one at a time, not under _lock
         # this process is the heir of agent sessions its predecessors left (core.sessions)
         self.takes_over_sessions = False
 
@@ -121,6 +126,14 @@ class Runtime:
                 engine = self._engines[name] = engine_for(name, self.home)
             return engine
 
+    def auto_engine(self) -> EngineChoice:
+        """What ``engine="auto"`` gives a box here, and why (probed once per process;
+        the probes themselves are cached per host boot)."""
+        with self._auto_lock:
+            if self._auto is None:
+                self._auto = choose_engine(self.home)
+            return self._auto
+
     def prepare(self, request: BootRequest | None = None, *, engine: str = "qemu") -> Boot:
         """Resolve what a boot needs (kernel, agent, initramfs, accelerator), fetching
         or building it on first use. Blocking; worth calling once before timing boots."""
@@ -132,6 +145,10 @@ class Runtime:
         """Delete a box's files, then its row (a crash in between is swept), then the
         disk layers and saved states only it used. Its VM must be gone."""
         store = self.store
+        # what a VM that died (a crashed box) left on the host: a gVisor sandbox's state and
+        # its root mount, which would otherwise outlive the box (found leaked by the tests)
+        with contextlib.suppress(Exception):
+            self.engine(rec.engine).forget(self.placement(rec, rec.name))
         shutil.rmtree(self.box_dir(rec.id), ignore_errors=True)
         with contextlib.suppress(HostSetupError):
             shutil.rmtree(self.run_dir(rec.id), ignore_errors=True)
@@ -169,6 +186,16 @@ class Runtime:
         report: dict[str, Any] = {"home": str(self.home)}
         report.update(self.engine("qemu").doctor())
         report["engines"] = list(names())
+        try:
+            auto = self.auto_engine()
+            report["auto"] = {"engine": auto.name, "why": auto.reason}
+        except Exception as exc:  # a probe that cannot even run: say so, never raise
+            report["auto"] = {"engine": None, "why": f"{type(exc).__name__}: {exc}"}
+        try:  # what a box that names no engine gets: $SANDLOT_ENGINE, else qemu
+            report["default_engine"] = requested_engine(None)
+        except InvalidArgument as exc:
+            report["default_engine"] = None
+            report["error"] = str(exc)
         for other in names():
             if other != "qemu":
                 try:

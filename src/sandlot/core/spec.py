@@ -9,7 +9,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .. import engine as engines
+from ..engine import auto as engine_choice
 from ..errors import InvalidArgument
 from ..images.reference import Reference
 from ..net.addresses import DNS_PORT, PROXY_PORT, proxy_env
@@ -178,7 +178,7 @@ class BoxSpec:
         cpus: int = 1,
         disk_size_gb: int = DEFAULT_DISK_GB,
         auto_remove: bool = False,
-        engine: str = "qemu",
+        engine: str | None = None,
         accel: str = "auto",
         kernel: str | os.PathLike[str] | None = None,
         hostname: str | None = None,
@@ -214,8 +214,7 @@ class BoxSpec:
             if not p.exists() and not saved:
                 raise InvalidArgument(f"rootfs {p} does not exist")
             root = str(p.absolute())
-        if engine not in engines.names():
-            raise InvalidArgument(f"engine must be one of {', '.join(engines.names())}, not {engine!r}")
+        engine = engine_choice.requested(engine)  # "auto" is resolved when the box is made
         if accel not in ("auto", "kvm", "tcg"):
             raise InvalidArgument(f"accel must be 'auto', 'kvm' or 'tcg', not {accel!r}")
         positive("memory_mib", memory_mib, integer=True)

@@ -59,6 +59,8 @@ class BootRequest:
     kernel: str | None = None  # a kernel of the user's, instead of the engine's default
     volumes: bool = False  # host directories are shared into the guest
     network: bool = False  # the guest has a network card
+    disk_gb: int = 0  # the box's disk size (0: unknown)
+    disk_required: bool = False  # the user asked for that size (it is not the default)
 
 
 @dataclass(frozen=True, slots=True)
@@ -225,6 +227,9 @@ class Engine(ABC):
     # "dir": a layer directory over the image's unpacked root (an overlay mount)
     disk_format: ClassVar[str] = "qcow2"
     live_state: ClassVar[bool] = True  # saves and loads running states (snapshot, suspend, fork...)
+    # saving a running state ends the VM process, which a restore then replaces (runsc
+    # checkpoint): recovery knows a VM gone mid-save is no crash of it
+    save_ends_vm: ClassVar[bool] = False
 
     @abstractmethod
     def prepare(self, request: BootRequest) -> Boot:
@@ -251,6 +256,10 @@ class Engine(ABC):
     @abstractmethod
     def kill_now(self, ref: VMRef | None, box_id: str) -> None:
         """SIGKILL the VM if ``ref`` still names it. Blocking, loop-free."""
+
+    def forget(self, where: Placement) -> None:  # noqa: B027 (a hook most engines need not fill)
+        """Remove what a VM that is gone (or that no row names) left on the host: an
+        engine's container state and mounts. Blocking, idempotent; nothing by default."""
 
     @abstractmethod
     def abort_save(self, ref: VMRef, where: Placement, *, resume: bool) -> None:

@@ -23,7 +23,7 @@ from ...errors import HostSetupError, IncompatibleSnapshot, InvalidArgument, Sav
 from ...guest.agent import build_agent
 from .. import hostcgroup
 from ..base import Boot, BootRequest, Engine, LaunchSpec, Placement, SavedState, VMRef, VMStatus
-from . import runsc
+from . import limits, probe, runsc
 from .vm import (
     STATUS,
     GvisorVM,
@@ -50,6 +50,7 @@ class GvisorEngine(Engine):
     name = "gvisor"
     disk_format: ClassVar[str] = "dir"
     live_state: ClassVar[bool] = True
+    save_ends_vm: ClassVar[bool] = True  # runsc checkpoint ends the sandbox
 
     def __init__(self, home: Path) -> None:
         self.home = home
@@ -65,6 +66,7 @@ class GvisorEngine(Engine):
             raise InvalidArgument("engine='gvisor' does not share host directories (volumes) yet")
         if request.kernel:
             raise InvalidArgument("engine='gvisor' has no guest kernel to replace (kernel= is for qemu)")
+        disk_gb = limits.disk_bound(request, self.home / "layers")
         runsc.require_root()
         binary = runsc.runsc_binary()
         version = runsc.runsc_version(binary)
@@ -75,7 +77,12 @@ class GvisorEngine(Engine):
             accel=platform,
             accel_reason=f"gVisor's {platform} platform (runsc {version}): a user-space kernel, "
             "not hardware virtualization",
-            record={"runsc_version": version, "platform": platform, "agent_dir": str(agent.path.parent)},
+            record={
+                "runsc_version": version,
+                "platform": platform,
+                "agent_dir": str(agent.path.parent),
+                "disk_gb": disk_gb,
+            },
             identity=("gvisor", version, platform, agent.digest),
         )
 
@@ -86,7 +93,7 @@ class GvisorEngine(Engine):
             layer=disk, base=layer_base(disk) if disk != Path() else Path(), agent_dir=Path(agent_dir),
             platform=boot.get("platform") or "ptrace", ports=where.agent_ports,
             memory_mib=kw.get("memory_mib", boot.get("memory_mib", 512)),
-            cpus=kw.get("cpus", boot.get("cpus", 1)),
+            cpus=kw.get("cpus", boot.get("cpus", 1)), disk_gb=boot.get("disk_gb") or 0,
         )  # fmt: skip
 
     async def launch(self, spec: LaunchSpec) -> GvisorVM:
@@ -236,6 +243,10 @@ class GvisorEngine(Engine):
                        "(runsc --rootless has neither)")  # fmt: skip
         if "overlay" not in Path("/proc/filesystems").read_text():
             why.append("the host kernel has no overlayfs")
+        if not why:  # a runsc that cannot run a sandbox here is found out now, not by a box
+            failed = probe.why_unusable(self.home)
+            if failed:
+                why.append(failed)
         report["usable"] = not why
         report["why"] = "; ".join(why) or (
             f"runsc {version} on its {platform} platform: a user-space kernel, not hardware isolation"

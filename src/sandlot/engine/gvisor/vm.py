@@ -25,10 +25,11 @@ from pathlib import Path
 from typing import Any
 
 from ... import pids
+from ...crashpoints import crash_point
 from ...errors import BootError, HostSetupError, SavedStateError
 from .. import hostcgroup
 from ..base import VM, Connector, VMRef, VMStatus
-from . import runsc
+from . import limits, runsc
 
 AGENT_DIR = "/.sandlot"  # where the host's agent directory is bound, read-only
 AGENT = f"{AGENT_DIR}/sandlot-agent"
@@ -71,6 +72,7 @@ class SandboxConfig:
     ports: int
     memory_mib: int
     cpus: int
+    disk_gb: int = 0  # the project quota of the layer directory (limits.bound_disk); 0: none
 
     @property
     def cid(self) -> str:
@@ -177,10 +179,7 @@ def unmount(path: Path) -> None:
 
 def oci_config(cfg: SandboxConfig) -> dict[str, Any]:
     caps = list(CAPABILITIES)
-    resources: dict[str, Any] = {
-        "memory": {"limit": cfg.memory_mib << 20},
-        "cpu": {"quota": 100_000 * max(1, cfg.cpus), "period": 100_000},
-    }
+    resources = limits.resources(cfg.memory_mib, cfg.cpus)
     return {
         "ociVersion": "1.0.2",
         "process": {
@@ -194,6 +193,7 @@ def oci_config(cfg: SandboxConfig) -> dict[str, Any]:
                 str(cfg.ports),
                 "--console",
                 f"{CONSOLE_DIR}/console.log",
+                *limits.agent_args(cfg.memory_mib),
             ],
             "env": ["PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "HOME=/root"],
             "cwd": "/",
@@ -281,6 +281,8 @@ class GvisorVM(VM):
         cfg.bundle.mkdir(parents=True, exist_ok=True)
         cfg.console_dir.mkdir(parents=True, exist_ok=True)
         await asyncio.to_thread(destroy, cfg)  # a crash's leftovers under the same id
+        if cfg.disk_gb:
+            await asyncio.to_thread(limits.bound_disk, cfg.layer, cfg.disk_gb)
         await asyncio.to_thread(mount_overlay, cfg)
         (cfg.bundle / "config.json").write_text(json.dumps(oci_config(cfg)))
         cfg.runsc_log.write_bytes(b"")
@@ -289,10 +291,17 @@ class GvisorVM(VM):
         common = [f"--bundle={cfg.bundle}", f"--pid-file={pid_file}"]
         if restore_from is None:
             cfg.console_log.write_bytes(b"")
-            argv = [*cfg.flags(), "run", *common, cfg.cid]
+            argv = [*cfg.flags(), *limits.runsc_flags(), "run", *common, cfg.cid]
         else:
             cfg.console_log.touch()  # the restored init's log is reopened by its path
-            argv = [*cfg.flags(), "restore", f"--image-path={restore_from}", *common, cfg.cid]
+            argv = [
+                *cfg.flags(),
+                *limits.runsc_flags(),
+                "restore",
+                f"--image-path={restore_from}",
+                *common,
+                cfg.cid,
+            ]
         what = "start the sandbox" if restore_from is None else "restore the saved state"
         # Not --detach: this runsc stays the sandbox's parent and reaps it the moment it
         # ends, so that nothing waits on an orphan for whatever init the host has (runsc
@@ -459,6 +468,7 @@ class GvisorVM(VM):
                 # make its container of the same name before that
                 await self._reaped(runner)
             if keep_running:
+                crash_point("snapshot.after-checkpoint")
                 if new_disk is not None:
                     self.cfg.layer = new_disk
                     self.cfg.base = Path((new_disk / "base").read_text().strip())

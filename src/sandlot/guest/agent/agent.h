@@ -347,6 +347,10 @@ int exec_cgroup_oom_killed(uint32_t id, int certain);
 void limits_oom_event(void); /* g_oom_fd polled POLLPRI */
 extern int g_oom_fd;
 void exec_cgroup_release(uint32_t id);
+void limits_watch_memory(uint64_t mib); /* be the box's OOM killer (gVisor has none) */
+int limits_mem_timeout(int timeout);    /* the poll timeout, shortened while watching */
+void limits_mem_check(uint64_t now_ms);
+void exec_mark_oom(pid_t sid); /* the command of session sid lost a process to it */
 
 /* init.c */
 void init_early(void);          /* mounts, modules, root switch (PID 1 only) */

@@ -531,12 +531,20 @@ static void exec_signal(struct channel *c, const uint8_t *p, size_t n)
         send_error(c->s, c->id, EINVAL, SL_SIGNAL, "malformed SIGNAL");
         return;
     }
-    if (x->exited || x->pid <= 0) {
+    int group = (flags & SL_SIGNAL_GROUP) != 0;
+    if (x->pid <= 0 || (x->exited && !group)) {
         return; /* already gone: signalling a dead process is not an error */
     }
-    pid_t target = (flags & SL_SIGNAL_GROUP) ? -x->pid : x->pid;
+    /* a group outlives its leader: it is signalled as long as one member lives */
+    pid_t target = group ? -x->pid : x->pid;
     if (kill(target, (int)sig) < 0 && errno != ESRCH) {
         send_error(c->s, c->id, errno, SL_SIGNAL, "kill: %s", strerror(errno));
+        return;
+    }
+    /* gVisor lets a child being forked escape a SIGKILL of its group (Linux does not):
+     * a fork bomb's group is killed again until it is empty, for at most ~100 ms */
+    for (int i = 0; group && sig == SIGKILL && i < 50 && kill(target, SIGKILL) == 0; i++) {
+        usleep(2000);
     }
 }
 
@@ -556,6 +564,15 @@ static void exec_resize(struct channel *c, const uint8_t *p, size_t n)
     ioctl(x->out[1].fd, TIOCSWINSZ, &ws);
 }
 
+void exec_mark_oom(pid_t sid)
+{
+    for (struct channel *c = g_channels; c; c = c->next) {
+        if (c->ops == &exec_ops && c->u.exec.pid == sid) {
+            c->u.exec.oom_killed = 1;
+        }
+    }
+}
+
 void exec_reaped(pid_t pid, int status)
 {
     for (struct channel *c = g_channels; c; c = c->next) {
@@ -566,7 +583,7 @@ void exec_reaped(pid_t pid, int status)
             x->quiet_since_ms = now_ms();
             int killed = WIFSIGNALED(status) && WTERMSIG(status) == SIGKILL;
             int child_killed = WIFEXITED(status) && WEXITSTATUS(status) == 128 + SIGKILL;
-            x->oom_killed = exec_cgroup_oom_killed(x->cgroup, killed || child_killed);
+            x->oom_killed |= exec_cgroup_oom_killed(x->cgroup, killed || child_killed); /* or the agent's own (limits.c) */
             return;
         }
     }

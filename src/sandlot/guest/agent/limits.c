@@ -4,20 +4,28 @@
  * limit, so a fork bomb or a memory hog never silences it. A command's cgroup
  * also tells, when its process ends, whether the OOM killer struck inside it
  * (memory.events counts kills by any OOM killer, the whole guest's included). */
+#include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
+#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mount.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
 #include "agent.h"
 
 #define CG_ROOT "/sys/fs/cgroup"
-#define CG_BOX CG_ROOT "/sandlot"
+#define CG_BOX_V2 CG_ROOT "/sandlot"
+#define CG_PIDS_V1 CG_ROOT "/pids"
 
 static int g_cg_ok;
+/* gVisor's cgroupfs is v1: one pids hierarchy, and every command in one cgroup of it
+ * (CG_PIDS_V1/sandlot), whose pids.max bounds them together; no per-command cgroups */
+static int g_cg_v1;
+static char g_cg_box[64] = CG_BOX_V2;
 int g_oom_fd = -1; /* CG_BOX/memory.events: polled (POLLPRI) for OOM kills */
 enum { CG_FREE, CG_IN_USE, CG_DRAINING };
 static struct cgroup_slot {
@@ -41,38 +49,67 @@ static int write_str(const char *path, const char *s)
     return n == (ssize_t)strlen(s) ? 0 : -1;
 }
 
+/* No cgroup2 (gVisor): the pids controller of cgroup v1, mounted by the agent. */
+static int limits_init_v1(void)
+{
+    mkdir(CG_ROOT, 0755);
+    if (access(CG_ROOT, W_OK) != 0 || mkdir(CG_PIDS_V1, 0755) < 0) {
+        if (errno != EEXIST) {
+            mount("tmpfs", CG_ROOT, "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC, "mode=0755");
+            mkdir(CG_PIDS_V1, 0755);
+        }
+    }
+    if (mount("cgroup", CG_PIDS_V1, "cgroup", MS_NOSUID | MS_NODEV | MS_NOEXEC, "pids") < 0 && errno != EBUSY) {
+        logmsg("limits: no cgroup2, and cgroup v1 pids: %s", strerror(errno));
+        return -1;
+    }
+    snprintf(g_cg_box, sizeof(g_cg_box), "%s", CG_PIDS_V1 "/sandlot");
+    if (mkdir(g_cg_box, 0755) < 0 && errno != EEXIST) {
+        logmsg("limits: %s: %s", g_cg_box, strerror(errno));
+        return -1;
+    }
+    g_cg_v1 = 1;
+    g_cg_ok = 1;
+    return 0;
+}
+
 void limits_init(void)
 {
+    if (access(CG_ROOT "/cgroup.controllers", F_OK) != 0) {
+        limits_init_v1();
+        return;
+    }
     /* one controller at a time: a kernel without one still gets the other */
     write_str(CG_ROOT "/cgroup.subtree_control", "+memory");
     write_str(CG_ROOT "/cgroup.subtree_control", "+pids");
-    if (mkdir(CG_BOX, 0755) < 0 && errno != EEXIST) {
-        logmsg("limits: %s: %s", CG_BOX, strerror(errno));
+    if (mkdir(CG_BOX_V2, 0755) < 0 && errno != EEXIST) {
+        logmsg("limits: %s: %s", CG_BOX_V2, strerror(errno));
         return;
     }
-    write_str(CG_BOX "/cgroup.subtree_control", "+memory");
-    write_str(CG_BOX "/cgroup.subtree_control", "+pids");
+    write_str(CG_BOX_V2 "/cgroup.subtree_control", "+memory");
+    write_str(CG_BOX_V2 "/cgroup.subtree_control", "+pids");
     g_cg_ok = 1;
     /* With no memory limit set, this file changes only when the OOM killer strikes
      * below it: watching it keeps every ordinary command free of cgroup reads
      * (measured: 30+ ms on the first command of a restored VM under emulation). */
-    g_oom_fd = open(CG_BOX "/memory.events", O_RDONLY | O_CLOEXEC);
+    g_oom_fd = open(CG_BOX_V2 "/memory.events", O_RDONLY | O_CLOEXEC);
     limits_oom_event();
     keep_spares();
 }
 
 void limits_set_pids(uint32_t max)
 {
-    char v[16];
+    char v[16], path[96];
     snprintf(v, sizeof(v), "%u", max);
-    if (g_cg_ok && write_str(CG_BOX "/pids.max", max ? v : "max") < 0) {
+    snprintf(path, sizeof(path), "%s/pids.max", g_cg_box);
+    if (g_cg_ok && write_str(path, max ? v : "max") < 0) {
         logmsg("limits: pids.max %s: %s", v, strerror(errno));
     }
 }
 
 static void cg_path(uint32_t id, const char *file, char *buf, size_t n)
 {
-    snprintf(buf, n, CG_BOX "/e%u%s%s", id, file ? "/" : "", file ? file : "");
+    snprintf(buf, n, "%s/e%u%s%s", g_cg_box, id, file ? "/" : "", file ? file : "");
 }
 
 static uint64_t read_count(uint32_t id, const char *file, const char *key)
@@ -117,7 +154,7 @@ static void keep_spares(void)
     for (int i = 0; i < g_ncg; i++) {
         free_slots += g_cg[i].state == CG_FREE;
     }
-    while (g_cg_ok && free_slots < SPARE_CGROUPS && slot_make()) {
+    while (g_cg_ok && !g_cg_v1 && free_slots < SPARE_CGROUPS && slot_make()) {
         free_slots++;
     }
 }
@@ -128,6 +165,10 @@ uint32_t exec_cgroup_new(char *procs_path, size_t n)
 {
     procs_path[0] = 0;
     if (!g_cg_ok) {
+        return 0;
+    }
+    if (g_cg_v1) { /* the one cgroup of every command; no OOM report from it */
+        snprintf(procs_path, n, "%s/cgroup.procs", g_cg_box);
         return 0;
     }
     struct cgroup_slot *slot = NULL;
@@ -157,9 +198,16 @@ uint32_t exec_cgroup_new(char *procs_path, size_t n)
 void exec_cgroup_join(const char *procs_path)
 {
     if (procs_path[0]) {
+        /* its own pid, not "0": gVisor's releases before 2023 take "0" for no
+         * process at all */
+        char num[16];
+        int i = (int)sizeof(num);
+        for (unsigned v = (unsigned)getpid(); v || i == (int)sizeof(num); v /= 10) {
+            num[--i] = (char)('0' + v % 10);
+        }
         int fd = open(procs_path, O_WRONLY | O_CLOEXEC);
         if (fd >= 0) {
-            if (write(fd, "0", 1) < 0) {
+            if (write(fd, num + i, sizeof(num) - (size_t)i) < 0) {
                 /* the command runs outside its cgroup: no OOM report for it */
             }
             close(fd);
@@ -213,4 +261,101 @@ void exec_cgroup_release(uint32_t id)
     /* a command that left processes behind keeps its cgroup until they end */
     c->state = read_count(id, "cgroup.events", "populated ") ? CG_DRAINING : CG_FREE;
     keep_spares();
+}
+
+/* ---- the box's own OOM killer (gVisor) --------------------------------------
+ * gVisor has no OOM killer: past its host cgroup's limit the host's would end the
+ * whole sandbox, agent included. So where the host says the box's memory (--memory-mib),
+ * the agent watches what the box uses (/proc/meminfo: MemTotal - MemAvailable) and, past
+ * it, SIGKILLs the largest process a command started, as Linux's OOM killer would, and
+ * marks that command out-of-memory. The host cgroup's limit sits above the box's, so
+ * a hog that outruns one check (MEM_CHECK_MS) still fits. */
+#define MEM_CHECK_MS 25
+#define MEM_AFTER_KILL_MS 300 /* what a killed process held takes a moment to be freed */
+static uint64_t g_mem_limit_kib;
+static uint64_t g_mem_next_ms;
+
+void limits_watch_memory(uint64_t mib)
+{
+    g_mem_limit_kib = mib * 1024;
+}
+
+int limits_mem_timeout(int timeout)
+{
+    return g_mem_limit_kib && (timeout < 0 || timeout > MEM_CHECK_MS) ? MEM_CHECK_MS : timeout;
+}
+
+static uint64_t meminfo_used_kib(void)
+{
+    char text[2048];
+    int fd = open("/proc/meminfo", O_RDONLY | O_CLOEXEC);
+    if (fd < 0) {
+        return 0;
+    }
+    ssize_t n = read(fd, text, sizeof(text) - 1);
+    close(fd);
+    text[n > 0 ? n : 0] = 0;
+    const char *t = strstr(text, "MemTotal:"), *a = strstr(text, "MemAvailable:");
+    if (!t || !a) {
+        return 0;
+    }
+    uint64_t total = strtoull(t + 9, NULL, 10), avail = strtoull(a + 13, NULL, 10);
+    return total > avail ? total - avail : 0;
+}
+
+/* The process holding the most resident memory, the agent and its relays aside. */
+static pid_t largest_process(void)
+{
+    DIR *d = opendir("/proc");
+    if (!d) {
+        return 0;
+    }
+    pid_t best = 0, me = getpid();
+    unsigned long best_rss = 0;
+    struct dirent *e;
+    while ((e = readdir(d))) {
+        pid_t pid = (pid_t)atoi(e->d_name);
+        if (pid <= 1 || pid == me) {
+            continue;
+        }
+        char path[64], text[128];
+        snprintf(path, sizeof(path), "/proc/%d/statm", pid);
+        int fd = open(path, O_RDONLY | O_CLOEXEC);
+        if (fd < 0) {
+            continue;
+        }
+        ssize_t n = read(fd, text, sizeof(text) - 1);
+        close(fd);
+        text[n > 0 ? n : 0] = 0;
+        unsigned long size = 0, rss = 0;
+        if (sscanf(text, "%lu %lu", &size, &rss) == 2 && rss > best_rss) {
+            best_rss = rss;
+            best = pid;
+        }
+    }
+    closedir(d);
+    return best;
+}
+
+void limits_mem_check(uint64_t now)
+{
+    if (!g_mem_limit_kib || now < g_mem_next_ms) {
+        return;
+    }
+    g_mem_next_ms = now + MEM_CHECK_MS;
+    uint64_t used = meminfo_used_kib();
+    if (used < g_mem_limit_kib) {
+        return;
+    }
+    pid_t victim = largest_process();
+    if (victim <= 0) {
+        return;
+    }
+    pid_t sid = getsid(victim);
+    if (kill(victim, SIGKILL) == 0) {
+        logmsg("out of memory: %llu KiB used of %llu; killed process %d (session %d)",
+               (unsigned long long)used, (unsigned long long)g_mem_limit_kib, victim, sid);
+        exec_mark_oom(sid);
+        g_mem_next_ms = now + MEM_AFTER_KILL_MS;
+    }
 }

@@ -3,10 +3,11 @@
  * Usage:
  *   /init                       as PID 1 in the guest: boot duties, then serve ports
  *   sandlot-agent --fd N        serve one session on socket fd N (host builds, tests)
- *   /init --listen DIR --ports N [--console FILE]
+ *   /init --listen DIR --ports N [--console FILE] [--memory-mib N]
  *                               as a container's init (gVisor): the root, /proc, /dev
  *                               and the rest are already there; serve Unix sockets DIR/port.0..N-1,
- *                               log to FILE instead of the standard output the sandbox was given
+ *                               log to FILE instead of the standard output the sandbox was given;
+ *                               with --memory-mib, be the box's OOM killer (limits.c)
  *   sandlot-agent --fd N --safe same, but refuse exec and file-system changes (fuzzing)
  *   /proc/1/exe --relay PORT    a command the host runs: a pipe to a guest TCP port or Unix socket (relay.c)
  *
@@ -151,7 +152,7 @@ static void serve(void)
             }
         }
 
-        int r = poll(pfds, (nfds_t)n, timeout);
+        int r = poll(pfds, (nfds_t)n, limits_mem_timeout(timeout));
         if (r < 0 && errno != EINTR) {
             logmsg("poll: %s", strerror(errno));
             continue;
@@ -188,6 +189,7 @@ static void serve(void)
             }
         }
         now = now_ms();
+        limits_mem_check(now);
         for (int i = 0; i < g_nsessions; i++) {
             session_drop_stale(&g_sessions[i], now);
         }
@@ -261,6 +263,8 @@ int main(int argc, char **argv)
             ports = atoi(argv[++i]);
         } else if (!strcmp(argv[i], "--console") && i + 1 < argc) {
             console = argv[++i];
+        } else if (!strcmp(argv[i], "--memory-mib") && i + 1 < argc) {
+            limits_watch_memory(strtoull(argv[++i], NULL, 10));
         } else if (!strcmp(argv[i], "--safe")) {
             g_safe_mode = 1;
         } else if (!strcmp(argv[i], "--version")) {

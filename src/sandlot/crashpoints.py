@@ -1,5 +1,6 @@
 """Named points where a test may have this process killed, as a crash would.
 
+It sits below every layer (the engines' own steps have points too, as the core's).
 Crash safety is tested the way SQLite tests it: kill the process at a chosen
 point and check that the next process finds every box and snapshot whole. A
 test sets ``SANDLOT_CRASH_AT`` to a point's name (``NAME#N``: its Nth
@@ -22,6 +23,8 @@ POINTS = frozenset({
     "stop.before-shutdown",  # the row says stopping; the VM still runs
     "snapshot.before-save",  # the new top layer is recorded; the VM has not switched to it
     "snapshot.after-save",  # the saved state is in place, its row is not
+    # (gVisor) runsc checkpoint wrote the state and ended the sandbox; the restore has not begun
+    "snapshot.after-checkpoint",
     "suspend.before-save",  # the row says suspending; nothing is saved yet
     "suspend.after-save",  # the suspended state is saved and recorded; the VM still exists
     "restore.after-launch",  # a VM loading a saved state exists; the guest has not run
