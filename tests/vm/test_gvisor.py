@@ -213,10 +213,12 @@ def test_a_saved_state_of_the_other_engine_is_refused(busybox_root: Path) -> Non
 
 
 def test_network_and_volumes_are_refused_clearly(busybox_root: Path, tmp_path: Path) -> None:
+    before = {b.id for b in sandlot.list()}
     with pytest.raises(sandlot.InvalidArgument, match=r"gvisor.*without a network"):
         sandlot.Box(rootfs=busybox_root, engine="gvisor", network="open").start()
     with pytest.raises(sandlot.InvalidArgument, match=r"gvisor.*volumes"):
         sandlot.Box(rootfs=busybox_root, engine="gvisor", volumes={str(tmp_path): "/mnt"}).start()
+    assert {b.id for b in sandlot.list()} == before  # refused before a box was made for them
 
 
 def test_kill9_of_the_owner_then_reattach(busybox_root: Path) -> None:

@@ -229,6 +229,7 @@ class BoxController:
         spec = req.spec_for(snap)
         if spec.engine == AUTO:  # the row records the engine the box got, never "auto"
             spec.engine = (await asyncio.to_thread(rt.auto_engine)).name
+        self.launcher.refuse(spec)  # before the row: a request the engine refuses leaves no box
         pid, start = pids.me()
         now = time.time()
         rec = BoxRecord(

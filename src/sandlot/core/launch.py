@@ -38,7 +38,7 @@ from .admission import Admission, default_slots
 from .entry import BoxEntry
 from .runtime import Runtime
 from .sessions import Hello
-from .spec import DEFAULT_DISK_GB
+from .spec import DEFAULT_DISK_GB, BoxSpec
 from .store import BoxRecord, SnapshotRecord
 
 
@@ -122,12 +122,12 @@ class Launcher:
         return entry.vm
 
     async def prepare(self, entry: BoxEntry, *, network: bool) -> Boot:
-        spec = entry.spec
-        request = BootRequest(
-            accel=spec.accel, kernel=spec.kernel, volumes=bool(spec.volumes), network=network,
-            disk_gb=spec.disk_size_gb, disk_required=spec.disk_size_gb != DEFAULT_DISK_GB,
-        )  # fmt: skip
-        return await asyncio.to_thread(self.rt.engine(spec.engine).prepare, request)
+        request = boot_request(entry.spec, network=network)
+        return await asyncio.to_thread(self.rt.engine(entry.spec.engine).prepare, request)
+
+    def refuse(self, spec: BoxSpec) -> None:
+        """What the box's engine cannot run at all, refused before the box is made."""
+        self.rt.engine(spec.engine).refuse(boot_request(spec, network=spec.policy.has_nic))
 
     # -- bring-ups ----------------------------------------------------------------------------
 
@@ -306,6 +306,14 @@ class Launcher:
             bundle = bundle or data
         await proto_files.write_stream(conn, GUEST_BUNDLE, bundle or ca, mode=0o644)
         await proto_files.write_stream(conn, GUEST_CA, ca, mode=0o644)  # last: it says the rest is done
+
+
+def boot_request(spec: BoxSpec, *, network: bool) -> BootRequest:
+    """What the engine is asked to boot, from the box's spec."""
+    return BootRequest(
+        accel=spec.accel, kernel=spec.kernel, volumes=bool(spec.volumes), network=network,
+        disk_gb=spec.disk_size_gb, disk_required=spec.disk_size_gb != DEFAULT_DISK_GB,
+    )  # fmt: skip
 
 
 def shape(boot: Boot, memory_mib: int, cpus: int, agent_ports: int, net: NetSpec | None) -> dict[str, Any]:

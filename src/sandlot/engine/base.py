@@ -231,6 +231,12 @@ class Engine(ABC):
     # checkpoint): recovery knows a VM gone mid-save is no crash of it
     save_ends_vm: ClassVar[bool] = False
 
+    def refuse(self, request: BootRequest) -> None:
+        """Raise ``InvalidArgument`` for what this engine cannot run at all, whatever the
+        host has. Cheap and blocking nothing: the core asks before it makes a box, so
+        a request the engine refuses leaves no box behind."""
+        return None  # an engine that runs every request refuses nothing
+
     @abstractmethod
     def prepare(self, request: BootRequest) -> Boot:
         """Resolve (fetching or building on first use) what a boot needs. Blocking."""

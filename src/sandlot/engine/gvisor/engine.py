@@ -57,7 +57,7 @@ class GvisorEngine(Engine):
 
     # -- boots -------------------------------------------------------------------------
 
-    def prepare(self, request: BootRequest) -> Boot:
+    def refuse(self, request: BootRequest) -> None:
         if request.network:
             raise InvalidArgument(
                 "engine='gvisor' runs boxes without a network for now: use network='none' or engine='qemu'"
@@ -66,6 +66,9 @@ class GvisorEngine(Engine):
             raise InvalidArgument("engine='gvisor' does not share host directories (volumes) yet")
         if request.kernel:
             raise InvalidArgument("engine='gvisor' has no guest kernel to replace (kernel= is for qemu)")
+
+    def prepare(self, request: BootRequest) -> Boot:
+        self.refuse(request)
         disk_gb = limits.disk_bound(request, self.home / "layers")
         runsc.require_root()
         binary = runsc.runsc_binary()
