@@ -80,19 +80,6 @@ class FakeVM(VM):
     def running(self) -> bool:
         return not self.dead
 
-    def exited(self) -> asyncio.Future[int | None]:
-        assert self._exited is not None
-        return self._exited
-
-    async def wait_exit(self, timeout: float | None = None) -> bool:
-        if self._exited is None:
-            return True
-        try:
-            await asyncio.wait_for(asyncio.shield(self._exited), timeout)
-        except TimeoutError:
-            return False
-        return True
-
     def die(self, code: int | None = None) -> None:
         """The VM process ends (a crash, a kill, a power-off)."""
         for server in self._servers:

@@ -19,14 +19,18 @@ engine's name beside it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import enum
+import os
 from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
+from .. import pids
 from ..errors import BootError, SavedStateError
+from . import hostcgroup
 
 Connector = Callable[[], Awaitable[tuple[asyncio.StreamReader, asyncio.StreamWriter]]]
 
@@ -152,19 +156,29 @@ class VM(ABC):
     """One running VM, launched here or found again by its reference."""
 
     ref: VMRef
+    # resolves when the VM process exits, with its status where known; set by the
+    # engine once the process is launched or found again
+    _exited: asyncio.Future[int | None] | None = None
 
     @property
     @abstractmethod
     def running(self) -> bool:
         """The process lives (as far as this process has seen)."""
 
-    @abstractmethod
     def exited(self) -> asyncio.Future[int | None]:
         """Resolves when the VM process exits (with its status where known)."""
+        assert self._exited is not None
+        return self._exited
 
-    @abstractmethod
     async def wait_exit(self, timeout: float | None = None) -> bool:
         """True once the VM process has exited; False if ``timeout`` passed first."""
+        if self._exited is None:
+            return True
+        try:
+            await asyncio.wait_for(asyncio.shield(self._exited), timeout)
+        except TimeoutError:
+            return False
+        return True
 
     @abstractmethod
     async def kill(self, grace: float = 2.0) -> None:
@@ -297,13 +311,28 @@ class Engine(ABC):
         engines whose disk is a layer directory (``disk_format`` "dir")."""
         raise SavedStateError(f"engine {self.name!r} keeps no layer directories")
 
-    @abstractmethod
     def usage(self, ref: VMRef | None) -> dict[str, Any]:
-        """Host CPU seconds and resident memory of the VM (None where unknown)."""
+        """Host CPU seconds and resident memory of the VM (None where unknown): those of
+        the process ``ref`` names, for an engine whose VM is one host process."""
+        out: dict[str, Any] = {"cpu_seconds": None, "rss_bytes": None}
+        if ref is None or not pids.alive(ref.pid, ref.start):
+            return out
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            stat = Path(f"/proc/{ref.pid}/stat").read_text()
+            fields = stat[stat.rindex(")") + 2 :].split()
+            ticks = os.sysconf("SC_CLK_TCK")
+            out["cpu_seconds"] = round((int(fields[11]) + int(fields[12])) / ticks, 2)
+            for line in Path(f"/proc/{ref.pid}/status").read_text().splitlines():
+                if line.startswith("VmRSS:"):
+                    out["rss_bytes"] = int(line.split()[1]) * 1024
+        return out
 
-    @abstractmethod
     def host_limits(self, ref: VMRef | None) -> dict[str, Any] | None:
-        """Where the host bounds the VM (its cgroup), if anywhere."""
+        """Where the host bounds the VM (the cgroup of the process ``ref`` names), if anywhere."""
+        if ref is None or not pids.alive(ref.pid, ref.start):
+            return None
+        placement = hostcgroup.placement_of(ref.pid)
+        return placement.report() if placement else None
 
     @abstractmethod
     def doctor(self) -> dict[str, Any]:

@@ -21,7 +21,6 @@ from typing import Any, ClassVar
 from ... import pids
 from ...errors import HostSetupError, IncompatibleSnapshot, InvalidArgument, SavedStateError
 from ...guest.agent import build_agent
-from .. import hostcgroup
 from ..base import Boot, BootRequest, Engine, LaunchSpec, Placement, SavedState, VMRef, VMStatus
 from . import limits, probe, runsc
 from .vm import (
@@ -209,26 +208,6 @@ class GvisorEngine(Engine):
                 mnt.rmdir()
 
     # -- facts ----------------------------------------------------------------------------
-
-    def usage(self, ref: VMRef | None) -> dict[str, Any]:
-        out: dict[str, Any] = {"cpu_seconds": None, "rss_bytes": None}
-        if ref is None or not pids.alive(ref.pid, ref.start):
-            return out
-        with contextlib.suppress(OSError, ValueError, IndexError):
-            stat = Path(f"/proc/{ref.pid}/stat").read_text()
-            fields = stat[stat.rindex(")") + 2 :].split()
-            ticks = os.sysconf("SC_CLK_TCK")
-            out["cpu_seconds"] = round((int(fields[11]) + int(fields[12])) / ticks, 2)
-            for line in Path(f"/proc/{ref.pid}/status").read_text().splitlines():
-                if line.startswith("VmRSS:"):
-                    out["rss_bytes"] = int(line.split()[1]) * 1024
-        return out
-
-    def host_limits(self, ref: VMRef | None) -> dict[str, Any] | None:
-        if ref is None or not pids.alive(ref.pid, ref.start):
-            return None
-        placement = hostcgroup.placement_of(ref.pid)
-        return placement.report() if placement else None
 
     def doctor(self) -> dict[str, Any]:
         report: dict[str, Any] = {"engine": self.name}

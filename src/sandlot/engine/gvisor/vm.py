@@ -372,19 +372,6 @@ class GvisorVM(VM):
     def running(self) -> bool:
         return self._exited is not None and not self._exited.done() and not self._ending
 
-    def exited(self) -> asyncio.Future[int | None]:
-        assert self._exited is not None
-        return self._exited
-
-    async def wait_exit(self, timeout: float | None = None) -> bool:
-        if self._exited is None:
-            return True
-        try:
-            await asyncio.wait_for(asyncio.shield(self._exited), timeout)
-        except TimeoutError:
-            return False
-        return True
-
     async def kill(self, grace: float = 2.0) -> None:
         """SIGTERM to the box's init first, the whole sandbox killed after ``grace``."""
         if not pids.alive(self.ref.pid, self.ref.start):

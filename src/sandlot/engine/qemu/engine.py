@@ -221,28 +221,6 @@ class QemuEngine(Engine):
 
     # -- facts ----------------------------------------------------------------------------
 
-    def usage(self, ref: VMRef | None) -> dict[str, Any]:
-        out: dict[str, Any] = {"cpu_seconds": None, "rss_bytes": None}
-        if ref is None or not pids.alive(ref.pid, ref.start):
-            return out
-        try:
-            stat = Path(f"/proc/{ref.pid}/stat").read_text()
-            fields = stat[stat.rindex(")") + 2 :].split()
-            ticks = os.sysconf("SC_CLK_TCK")
-            out["cpu_seconds"] = round((int(fields[11]) + int(fields[12])) / ticks, 2)
-            for line in Path(f"/proc/{ref.pid}/status").read_text().splitlines():
-                if line.startswith("VmRSS:"):
-                    out["rss_bytes"] = int(line.split()[1]) * 1024
-        except (OSError, ValueError, IndexError):
-            pass
-        return out
-
-    def host_limits(self, ref: VMRef | None) -> dict[str, Any] | None:
-        if ref is None or not pids.alive(ref.pid, ref.start):
-            return None
-        placement = hostcgroup.placement_of(ref.pid)
-        return placement.report() if placement else None
-
     def doctor(self) -> dict[str, Any]:
         from ...errors import HostSetupError
         from ...guest.kernel import BASE_MODULES

@@ -207,19 +207,6 @@ class QemuVM(VM):
             return self._exited.result()
         return None
 
-    def exited(self) -> asyncio.Future[int | None]:
-        assert self._exited is not None
-        return self._exited
-
-    async def wait_exit(self, timeout: float | None = None) -> bool:
-        if self._exited is None:
-            return True
-        try:
-            await asyncio.wait_for(asyncio.shield(self._exited), timeout)
-        except TimeoutError:
-            return False
-        return True
-
     async def kill(self, grace: float = 2.0) -> None:
         """QMP quit first, SIGKILL after ``grace`` seconds."""
         if not self.running:
