@@ -20,19 +20,9 @@ from sandlot.core.runtime import Runtime
 from sandlot.core.service import core_for
 from sandlot.core.state import Op
 
-from tests.support.fake_engine import FakeEngine, fake_rootfs, register
+from tests.support.fake_engine import FakeEngine, register
 
 register()
-
-
-@pytest.fixture
-def home(tmp_path: Path) -> Path:
-    return tmp_path / "home"
-
-
-@pytest.fixture
-def root(tmp_path: Path) -> Path:
-    return fake_rootfs(tmp_path)
 
 
 def run(main: Callable[[], Awaitable[Any]]) -> Any:

@@ -18,7 +18,7 @@ from sandlot.core.service import core_for
 from sandlot.core.spec import BoxSpec
 from sandlot.core.state import BoxState
 
-from tests.support.fake_engine import FakeEngine, fake_rootfs, register
+from tests.support.fake_engine import FakeEngine, register
 
 register()
 
@@ -28,16 +28,6 @@ def no_background_refill(monkeypatch: pytest.MonkeyPatch) -> None:
     # the detached refiller is another process, which knows no fake engine
     monkeypatch.setenv("SANDLOT_POOL_REFILL", "0")
     monkeypatch.setenv("SANDLOT_POOL_MEMORY_MIB", "1024")
-
-
-@pytest.fixture
-def home(tmp_path: Path) -> Path:
-    return tmp_path / "home"
-
-
-@pytest.fixture
-def root(tmp_path: Path) -> Path:
-    return fake_rootfs(tmp_path)
 
 
 def run(main: Callable[[], Awaitable[Any]]) -> Any:

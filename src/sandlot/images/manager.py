@@ -101,6 +101,12 @@ class _BaseBuilder:
         if diff_id and diff_id.startswith("sha256:") and got != diff_id:
             raise ImageError(f"layer {layer.digest} does not unpack to its diff_id {diff_id}")
 
+    def apply_all(self, image: Image) -> None:
+        """Every layer of ``image`` in order, each checked against its diff_id."""
+        for i, layer in enumerate(image.layers):
+            diff_ids = image.config.diff_ids
+            self.apply(layer, diff_ids[i] if i < len(diff_ids) else None)
+
     def finish(self, final: Path, workdir: str = "") -> Path:
         if workdir.startswith("/"):
             self.applier.ensure_dir(workdir)  # Docker creates a missing WorkingDir too
@@ -337,9 +343,7 @@ class ImageManager:
                 return final
             builder = _BaseBuilder(self.store, image.digest.split(":")[1], _estimate(image.layers))
             try:
-                for i, layer in enumerate(image.layers):
-                    diff_id = image.config.diff_ids[i] if i < len(image.config.diff_ids) else None
-                    builder.apply(layer, diff_id)
+                builder.apply_all(image)
                 workdir = image.config.workdir
                 if workdir.startswith("/"):
                     builder.applier.ensure_dir(workdir)
@@ -360,9 +364,7 @@ class ImageManager:
                 return final
             builder = _BaseBuilder(self.store, image.digest.split(":")[1], _estimate(image.layers))
             try:
-                for i, layer in enumerate(image.layers):
-                    diff_id = image.config.diff_ids[i] if i < len(image.config.diff_ids) else None
-                    builder.apply(layer, diff_id)
+                builder.apply_all(image)
                 return builder.finish(final, image.config.workdir)
             finally:
                 builder.cleanup()
