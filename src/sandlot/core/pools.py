@@ -34,8 +34,6 @@ import contextlib
 import logging
 import os
 import secrets as random_ids
-import subprocess
-import sys
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -47,7 +45,7 @@ from ..protocol.exec import ExecRequest, RemoteProcess
 from .controller import BoxController
 from .entry import BoxEntry
 from .launch import Launcher
-from .locks import flock_within, try_flock
+from .locks import flock_within, spawn_unless_locked, try_flock
 from .requests import BoxRequest
 from .runtime import Runtime
 from .spec import BoxSpec
@@ -123,17 +121,7 @@ def spawn_refill(home: Path, template_id: str) -> bool:
     are then topped up only by ``set_pool(wait=True)`` and ``sandlot serve``)."""
     if os.environ.get("SANDLOT_POOL_REFILL", "1") == "0":
         return False
-    lock = pool_lock(home, template_id)
-    fd = try_flock(lock)
-    if fd is None:
-        return False
-    os.close(fd)
-    subprocess.Popen(
-        [sys.executable, "-m", "sandlot.core.refill", str(home), template_id],
-        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        start_new_session=True, close_fds=True,
-    )  # fmt: skip
-    return True
+    return spawn_unless_locked(pool_lock(home, template_id), "sandlot.core.refill", str(home), template_id)
 
 
 def refill_quietly(home: Path, template_id: str) -> None:
