@@ -7,7 +7,7 @@ import hashlib
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from .errors import HostSetupError
@@ -114,3 +114,61 @@ def fsync_tree(root: Path) -> None:
             finally:
                 os.close(fd)
         fsync_dir(Path(dirpath))
+
+
+def try_flock(path: Path) -> int | None:
+    """An exclusive flock on ``path`` if free now: its fd, else None."""
+    import fcntl
+
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return None
+    return fd
+
+
+_compiler_versions: dict[str, list[str]] = {}
+
+
+def compiler_version(cc: str) -> list[str]:
+    """The first line of ``cc --version`` (asked once per process)."""
+    if cc not in _compiler_versions:
+        import subprocess  # not at the top: most importers of this module never build
+
+        out = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
+        _compiler_versions[cc] = out.splitlines()[:1]
+    return _compiler_versions[cc]
+
+
+def build_c(
+    dest: Path, name: str, sources: Sequence[Path], cc: Sequence[str], flags: Sequence[str]
+) -> tuple[Path, str]:
+    """The binary ``name`` built from ``sources`` (``.c`` and ``.h``) under ``dest``
+    (``dest`` is ``<area>/<kind>``: the hash is appended); its path and digest.
+    ``HostSetupError`` with the compiler's complaint if the build fails.
+
+    The guest agent and the egress relay are C because they run where Python would
+    cost too much (as the guest's init; once per guest connection). A build is cached
+    under ``dest-<hash>/``, the hash covering the sources, the compiler and the flags,
+    so an upgrade rebuilds and two versions live side by side; it is renamed into
+    place whole, so two processes building at once never see half a binary."""
+    import subprocess
+
+    h = hashlib.sha256()
+    h.update(repr((list(cc), list(flags), compiler_version(cc[0]))).encode())
+    for f in sources:
+        h.update(f.name.encode())
+        h.update(f.read_bytes())
+    digest = h.hexdigest()[:16]
+    final = dest.parent / f"{dest.name}-{digest}"
+    binary = final / name
+    if binary.exists():
+        return binary, digest
+    with atomic_dir(final) as tmp:
+        cmd = [*cc, *flags, "-o", str(tmp / name), *[str(f) for f in sources if f.suffix == ".c"]]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise HostSetupError(f"building {name} failed ({' '.join(cmd[:2])}):\n{proc.stderr[-4000:]}")
+    return binary, digest

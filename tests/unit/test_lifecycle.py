@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 
 import sandlot
+from sandlot.config import try_flock
 from sandlot.core import sessions
-from sandlot.core.locks import try_flock
 from sandlot.core.runtime import Runtime
 from sandlot.core.service import core_for
 from sandlot.core.state import Op

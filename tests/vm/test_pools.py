@@ -157,6 +157,29 @@ def test_kill9_mid_fill_leaves_no_orphan(tmpl: sandlot.Snapshot) -> None:
     assert sandlot.set_pool(tmpl, 1, wait=True).ready == 1  # and filling works again
 
 
+def test_sandlot_serve_claims_from_the_pool_and_tops_it_up(tmpl: sandlot.Snapshot) -> None:
+    """A box created through the server from a template is a pool VM, and the server's
+    own loop refills the pool (the detached refiller is off: SANDLOT_POOL_REFILL=0 is in
+    the environment the server inherits)."""
+    sandlot.set_pool(tmpl, 1, wait=True)
+    [pooled] = pool_rows(tmpl)
+    home = Path(os.environ["SANDLOT_HOME"])
+    with serving(home) as served, served.client() as c:
+        r = c.post("/v1/boxes", json={"template": tmpl.id, "name": f"served-{os.getpid()}"})
+        assert r.status_code == 201, r.text
+        box = r.json()
+        assert box["id"] == pooled.id  # the ready VM, claimed
+        run = c.post(f"/v1/boxes/{box['id']}/exec", json={"argv": ["hostname"]})
+        assert run.status_code == 200 and run.json()["stdout"] == f"served-{os.getpid()}\n"
+        deadline = time.monotonic() + 120
+        while the_pool(tmpl).ready < 1:
+            assert time.monotonic() < deadline, f"sandlot serve did not top the pool up: {the_pool(tmpl)}"
+            time.sleep(1)
+        [refilled] = pool_rows(tmpl)
+        assert refilled.id != box["id"]
+        assert c.delete(f"/v1/boxes/{box['id']}", params={"force": "true"}).status_code in (200, 204)
+
+
 def test_claims_are_reidentified_and_the_pool_refills_drains_and_goes_with_its_template(
     tmpl: sandlot.Snapshot, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -202,26 +225,3 @@ def test_claims_are_reidentified_and_the_pool_refills_drains_and_goes_with_its_t
         assert not [p for p in sandlot.pools() if p.template_id == t.id]
     finally:
         cleanup(t)
-
-
-def test_sandlot_serve_claims_from_the_pool_and_tops_it_up(tmpl: sandlot.Snapshot) -> None:
-    """A box created through the server from a template is a pool VM, and the server's
-    own loop refills the pool (the detached refiller is off: SANDLOT_POOL_REFILL=0 is in
-    the environment the server inherits)."""
-    sandlot.set_pool(tmpl, 1, wait=True)
-    [pooled] = pool_rows(tmpl)
-    home = Path(os.environ["SANDLOT_HOME"])
-    with serving(home) as served, served.client() as c:
-        r = c.post("/v1/boxes", json={"template": tmpl.id, "name": f"served-{os.getpid()}"})
-        assert r.status_code == 201, r.text
-        box = r.json()
-        assert box["id"] == pooled.id  # the ready VM, claimed
-        run = c.post(f"/v1/boxes/{box['id']}/exec", json={"argv": ["hostname"]})
-        assert run.status_code == 200 and run.json()["stdout"] == f"served-{os.getpid()}\n"
-        deadline = time.monotonic() + 120
-        while the_pool(tmpl).ready < 1:
-            assert time.monotonic() < deadline, f"sandlot serve did not top the pool up: {the_pool(tmpl)}"
-            time.sleep(1)
-        [refilled] = pool_rows(tmpl)
-        assert refilled.id != box["id"]
-        assert c.delete(f"/v1/boxes/{box['id']}", params={"force": "true"}).status_code in (200, 204)

@@ -53,12 +53,16 @@ StdinSource = bytes | str | IO[bytes] | AsyncIterable[bytes] | None
 Home = str | os.PathLike[str] | None
 
 
-def take_over_sessions(home: str | os.PathLike[str] | None = None) -> None:
+def take_over_sessions(home: str | os.PathLike[str] | None = None, *, heir: str = "") -> None:
     """Make this process the heir of the agent sessions that processes of this home
-    left when they died: processes they started with ``spawn(keep=...)`` can be
-    followed again (``AsyncBox.taken_over()``). ``sandlot serve`` does this, so a
-    restarted server serves reattaches to what the last one ran."""
-    Runtime.for_home(home).takes_over_sessions = True
+    with the same ``heir`` name left when they died: processes they started with
+    ``spawn(keep=...)`` can be followed again (``AsyncBox.taken_over()``). ``sandlot
+    serve`` does this with its address as the name, so a server restarted there
+    serves reattaches to what the last one ran, and another server of the home
+    never takes them from it."""
+    if not isinstance(heir, str):
+        raise InvalidArgument(f"heir must be a string, not {heir!r}")
+    Runtime.for_home(home).takes_over_sessions = heir
 
 
 class AsyncBox:

@@ -23,7 +23,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ..core.locks import try_flock
+from ..config import try_flock
 from ..errors import SandlotError
 from ..net.policy import Policy
 from .access import NAMESPACE_LABEL

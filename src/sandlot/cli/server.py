@@ -94,7 +94,7 @@ def serve(
     scheme = "https" if tls_cert else "http"
     err.print(f"sandlot serve: {scheme}://{host}:{port} (docs at /docs)")
     settings = Settings(auth=not no_auth, body_timeout=body_timeout, port_domain=port_domain, mcp=not no_mcp,
-                        mcp_image=mcp_image, mcp_limits=mcp_limits)  # fmt: skip
+                        mcp_image=mcp_image, mcp_limits=mcp_limits, heir=f"serve {host}:{port}")  # fmt: skip
     config = uvicorn.Config(
         create_app(settings),
         host=host,

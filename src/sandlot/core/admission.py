@@ -28,8 +28,9 @@ import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+from ..config import try_flock
 from ..errors import BoxBusy
-from .locks import POLL_MAX, POLL_MIN, try_flock
+from .locks import POLL_MAX, POLL_MIN
 
 QUEUE_TIMEOUT = 600.0  # a start waits this long in line at most
 

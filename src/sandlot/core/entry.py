@@ -23,7 +23,7 @@ class BoxEntry:
     """One box, as this process (event loop) knows it."""
 
     def __init__(
-        self, rec: BoxRecord, box_dir: Path, on_agent_lost: LostHandler, takes_over: bool = False
+        self, rec: BoxRecord, box_dir: Path, on_agent_lost: LostHandler, takes_over: str | None = None
     ) -> None:
         self.id = rec.id
         self.name = rec.name

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import fcntl
 import os
 import subprocess
 import sys
@@ -23,6 +22,7 @@ import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+from ..config import try_flock
 from ..errors import BoxBusy
 
 LOCK_TIMEOUT = 300.0
@@ -45,17 +45,6 @@ def spawn_unless_locked(lock: Path, module: str, *args: str) -> bool:
         start_new_session=True, close_fds=True,
     )  # fmt: skip
     return True
-
-
-def try_flock(path: Path) -> int | None:
-    """An exclusive flock on ``path`` if free now: its fd, else None."""
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(fd)
-        return None
-    return fd
 
 
 async def flock_within(path: Path, timeout: float, what: str) -> int:

@@ -16,8 +16,8 @@ import os
 import sys
 from pathlib import Path
 
+from ..config import try_flock
 from ..errors import SandlotError
-from .locks import try_flock
 from .pools import FILL_TIMEOUT, pool_lock, pool_size
 from .runtime import Runtime
 from .service import core_for

@@ -54,7 +54,7 @@ class Runtime:
         self._auto: EngineChoice | None = None
         self._auto_lock = threading.Lock()  # a probe may take seconds: one at a time, not under _lock
         # this process is the heir of agent sessions its predecessors left (core.sessions)
-        self.takes_over_sessions = False
+        self.takes_over_sessions: str | None = None  # the heir's name (None: no heir)
 
     @property
     def images(self) -> ImageManager:

@@ -19,11 +19,12 @@ A process may outlive its host: the agent keeps the channels of a session whose
 host went away, until a host says the same session token again. A process that
 ``takes_over`` sessions (``sandlot serve``) writes ``ports/<n>.session`` beside
 the lock: the token and the processes started with a ``keep`` key. When that
-host dies, its lock goes with it and the file stays; the next such process that
-leases a port takes that port first, says the dead host's token, and follows
-the kept processes again (``taken_over``); channels nobody kept are let go. A
-session file a live host holds is never touched (its lock is taken), and other
-processes lease such a port only when no other is free.
+host dies, its lock goes with it and the file stays; the next process with the
+same heir name (``sandlot serve`` on the same address) that leases a port takes
+that port first, says the dead host's token, and follows the kept processes
+again (``taken_over``); channels nobody kept are let go. A session file a live
+host holds is never touched (its lock is taken), and other processes (another
+server of the home, the library) lease such a port only when no other is free.
 """
 
 from __future__ import annotations
@@ -38,12 +39,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..config import atomic_write
+from ..config import atomic_write, try_flock
 from ..engine.base import VM
 from ..errors import BoxBusy, ConnectionLost
 from ..protocol.connection import AgentConnection
 from ..protocol.exec import RemoteProcess
-from .locks import POLL_MAX, POLL_MIN, try_flock
+from .locks import POLL_MAX, POLL_MIN
 
 IDLE_RELEASE = 10.0
 
@@ -86,6 +87,7 @@ class Inheritance:
     """What a dead host left on a port: its session token and the processes it kept."""
 
     token: bytes
+    heir: str  # which later host may take it over (``take_over_sessions``)
     kept: dict[int, Kept]  # by channel
 
     @classmethod
@@ -94,10 +96,11 @@ class Inheritance:
         try:
             d = json.loads(path.read_bytes())
             token = bytes.fromhex(d["token"])
+            heir = str(d.get("heir", ""))
             kept = {int(ch): Kept.from_json(k) for ch, k in d["processes"].items()}
         except (OSError, ValueError, KeyError, TypeError, AttributeError):
             return None
-        return cls(token, kept) if len(token) == 16 else None
+        return cls(token, heir, kept) if len(token) == 16 else None
 
 
 class Session:
@@ -110,7 +113,7 @@ class Session:
         ports_dir: Path,
         agent_ports: int,
         on_lost: LostHandler,
-        takes_over: bool = False,
+        takes_over: str | None = None,
     ) -> None:
         self.box_id = box_id
         self.name = name
@@ -125,7 +128,7 @@ class Session:
         self._idle_timer: asyncio.TimerHandle | None = None
         self._pending: AgentConnection | None = None  # the connection being made
         self.resumed = asyncio.Event()  # a suspended box came back (waiting reconnections go on)
-        self.takes_over = takes_over
+        self.takes_over = takes_over  # the name of the heir this process is (None: none)
         self._inherited: Inheritance | None = None  # what the port's last host left, when leased
         self._kept: dict[int, Kept] = {}  # by channel: written to the session file
         self.taken_over: list[tuple[Kept, RemoteProcess]] = []  # for the API to claim
@@ -169,7 +172,7 @@ class Session:
         finally:
             self._pending = None
         self.conn, self.vm = conn, vm
-        if self.takes_over:
+        if self.takes_over is not None:
             self._take_over(conn)
         self._arm_idle_release()
         return conn
@@ -194,8 +197,11 @@ class Session:
         return self._inherited
 
     def inheritance_left(self) -> bool:
-        """A dead host left a session file on a port of this box (its lock is free)."""
+        """A dead host whose heir this process is left a session file on a port of this
+        box (its lock is free)."""
         for path in self.ports_dir.glob("*.session"):
+            if not path.stem.isdigit() or not self._heir_of(int(path.stem)):
+                continue
             fd = try_flock(path.with_suffix(".lock"))
             if fd is not None:
                 os.close(fd)
@@ -204,7 +210,7 @@ class Session:
 
     def keep(self, channel: int, kept: Kept) -> None:
         """Record a process in the session file, for a later host to follow."""
-        if not self.takes_over or self.conn is None:
+        if self.takes_over is None or self.conn is None:
             return
         self._kept[channel] = kept
         self._write_session_file()
@@ -221,7 +227,7 @@ class Session:
             self._remove_session_file()
             return
         kept = {str(ch): k.to_json() for ch, k in self._kept.items()}
-        body = {"token": conn.token.hex(), "processes": kept}
+        body = {"token": conn.token.hex(), "heir": self.takes_over or "", "processes": kept}
         atomic_write(path, json.dumps(body).encode(), mode=0o600)
 
     def _remove_session_file(self) -> None:
@@ -266,9 +272,9 @@ class Session:
     async def lease(self, deadline: float) -> None:
         """Take a free agent port, waiting in line while other processes hold them all.
 
-        A port a dead host left a session file on comes first for a process that
-        takes sessions over (it is that host's heir), and last for any other (its
-        kept processes are then let go)."""
+        A port a dead host left a session file on comes first for the process that
+        is that host's heir (the same ``takes_over`` name), and last for any other
+        (its kept processes are then let go)."""
         if self._port_fd is not None:
             return
         self.ports_dir.mkdir(parents=True, exist_ok=True)
@@ -276,14 +282,16 @@ class Session:
         while True:
             left = {p for p in range(self.agent_ports) if (self.ports_dir / f"{p}.session").exists()}
             free = [p for p in range(self.agent_ports) if p not in left]
-            order = [*left, *free] if self.takes_over else [*free, *left]
+            ours = [p for p in sorted(left) if self._heir_of(p)]
+            order = [*ours, *free, *(p for p in sorted(left) if p not in ours)]
             for port in order:
                 fd = try_flock(self.ports_dir / f"{port}.lock")
                 if fd is not None:
                     self.port, self._port_fd = port, fd
                     if port in left:
                         path = self.ports_dir / f"{port}.session"
-                        self._inherited = Inheritance.read(path) if self.takes_over else None
+                        found = Inheritance.read(path)
+                        self._inherited = found if found and found.heir == self.takes_over else None
                         if self._inherited is None:
                             path.unlink(missing_ok=True)
                     return
@@ -294,6 +302,13 @@ class Session:
                 )
             await asyncio.sleep(delay)
             delay = min(delay * 2, POLL_MAX)
+
+    def _heir_of(self, port: int) -> bool:
+        """Whether this process is the heir of the session file on ``port``."""
+        if self.takes_over is None:
+            return False
+        found = Inheritance.read(self.ports_dir / f"{port}.session")
+        return found is not None and found.heir == self.takes_over
 
     def release_port(self, *, keep_session: bool = False) -> None:
         """Give the port back. Its session file goes too, unless ``keep_session`` (this

@@ -1,21 +1,18 @@
 """Build the guest agent (static C) from the sources shipped in this package.
 
-The build is cached under ``$SANDLOT_HOME/agent/<hash>/`` where the hash covers
-the sources, the compiler and the flags, so an upgrade rebuilds and two
-versions can live side by side. ``musl-gcc`` (Debian: musl-tools) gives a
+The build is cached under ``$SANDLOT_HOME/agent/<kind>-<hash>/`` (``config.build_c``).
+``musl-gcc`` (Debian: musl-tools) gives a
 ~130 KB binary; ``gcc -static`` works too.
 """
 
 from __future__ import annotations
 
-import hashlib
 import shutil
-import subprocess
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
-from ..config import atomic_dir
+from ..config import build_c
 from ..errors import HostSetupError
 
 CFLAGS = ["-std=gnu11", "-Os", "-Wall", "-Wextra", "-Wno-unused-parameter", "-fno-strict-aliasing"]
@@ -62,22 +59,5 @@ def build_agent(home: Path, *, kind: str = "guest") -> AgentBuild:
         raise ValueError(f"unknown agent build kind {kind!r}")
     cc = _compiler_for(kind)
     flags = CFLAGS + (SANITIZE_FLAGS if kind == "sanitize" else [])
-    version = subprocess.run([cc[0], "--version"], capture_output=True, text=True).stdout.splitlines()[:1]
-    h = hashlib.sha256()
-    h.update(repr((cc, flags, version)).encode())
-    files = _sources()
-    for f in files:
-        h.update(f.name.encode())
-        h.update(f.read_bytes())
-    digest = h.hexdigest()[:16]
-    final = home / "agent" / f"{kind}-{digest}"
-    binary = final / "sandlot-agent"
-    if binary.exists():
-        return AgentBuild(binary, digest, cc[0])
-    with atomic_dir(final) as tmp:
-        out = tmp / "sandlot-agent"
-        cmd = [*cc, *flags, "-o", str(out), *[str(f) for f in files if f.suffix == ".c"]]
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-        if proc.returncode != 0:
-            raise HostSetupError(f"agent build failed ({' '.join(cmd[:2])}):\n{proc.stderr[-4000:]}")
+    binary, digest = build_c(home / "agent" / kind, "sandlot-agent", _sources(), cc, flags)
     return AgentBuild(binary, digest, cc[0])

@@ -168,7 +168,7 @@ def create_app(settings: Settings) -> ASGIApp:
     from .routes import router
 
     state = ServerState(settings)
-    take_over_sessions(settings.home)  # the processes a server before this one held are ours
+    take_over_sessions(settings.home, heir=settings.heir)  # what the last server here held is ours
     guarded: Guard | None = None
     mcp = _mcp_endpoint(settings, lambda: guarded) if settings.mcp else None
 

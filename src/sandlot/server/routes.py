@@ -501,7 +501,8 @@ async def attach_ws(ws: WebSocket, box: str, process: str, stdout: int = 0, stde
         return
     server, _, b = found
     held = server.processes.get(b.id, process)
-    if held is None and await server.take_over(b):  # a server before this one started it
+    if held is None:  # a server before this one started it (and its take-over may be under way)
+        await server.take_over(b)
         held = server.processes.get(b.id, process)
     if held is None or stdout < 0 or stderr < 0:
         err = RequestError(f"no process {process!r} in box {b.name}") if held is None else \

@@ -51,6 +51,9 @@ class Settings:
     mcp: bool = True  # the MCP endpoint at /mcp (when the mcp package is installed)
     mcp_image: str | None = None  # what its create_box boots when a call names no image
     mcp_limits: Limits = field(default_factory=Limits)  # what its tools may create, within the key's quotas
+    # whose agent sessions it inherits: a server restarted on the same address takes over
+    # what the last one there held, and another server of the home leaves them alone
+    heir: str = "serve"
 
 
 class ServerState:
@@ -65,6 +68,9 @@ class ServerState:
         self.handles: dict[str, AsyncBox] = {}  # box id -> its handle (see routes._box)
         # creations of one namespace (or key) run in turn, so two cannot both pass a quota
         self.quota_locks: dict[str, asyncio.Lock] = {}
+        # a box's take-over runs once at a time: the one at start and a client's reattach
+        # may overlap, and the second must find what the first took, not nothing
+        self.take_over_locks: dict[str, asyncio.Lock] = {}
         self.verifier = access.key_verifier(settings.home) if settings.auth else None
         self.audit = access.audit_writer(settings.home)
 
@@ -82,7 +88,8 @@ class ServerState:
 
     async def take_over(self, box: AsyncBox) -> int:
         """Hold the processes that a server of this home which died held in ``box``."""
-        return await self.processes.take_over(box, self.exited_by(None))
+        async with self.take_over_locks.setdefault(box.id, asyncio.Lock()):
+            return await self.processes.take_over(box, self.exited_by(None))
 
     async def take_over_all(self) -> None:
         """At start: hold what a dead server held in every running box, so their

@@ -272,6 +272,7 @@ struct channel {
     uint32_t id;
     const struct channel_ops *ops; /* tells which member of u is live */
     int detached;             /* host closed the channel: discard output */
+    int awaiting_resume;      /* its host went away: send nothing until a host RESUMEs it */
     union {
         struct exec_channel exec;
         struct file_read_channel read;

@@ -97,7 +97,11 @@ void chan_disconnect_all(struct session *s)
             chan_free(c);
             continue;
         }
-        /* Nothing sent since the last ACK is known to have arrived: resend on RESUME. */
+        /* Nothing sent since the last ACK is known to have arrived: resend on RESUME,
+         * and only then. Output sent before it would reach a new host ahead of the
+         * RESUME that makes the channel its own; it would drop the bytes and take its
+         * position from whatever frame came next (an EOF past them). */
+        c->awaiting_resume = 1;
         for (uint32_t k = SL_STREAM_STDOUT; k <= SL_STREAM_STDERR; k++) {
             struct ostream *o = chan_output(c, k);
             if (o) {

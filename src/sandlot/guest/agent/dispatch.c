@@ -97,6 +97,7 @@ static void handle_resume(struct session *s, struct channel *c, const uint8_t *p
             o->eof_sent = 0;
         }
     }
+    c->awaiting_resume = 0;
     if (c->ops->resume) {
         c->ops->resume(c);
     }

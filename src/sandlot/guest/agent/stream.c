@@ -106,7 +106,7 @@ void ostream_pump(struct channel *c, uint32_t stream, struct ostream *o)
         o->eof_sent = o->eof;
         return;
     }
-    if (!session_live(s) || !s->hello_done) {
+    if (!session_live(s) || !s->hello_done || c->awaiting_resume) {
         return;
     }
     while (o->sent < o->end && !session_congested(s)) {
