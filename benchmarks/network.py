@@ -1,7 +1,10 @@
 """Network benchmarks: the same HTTP client and server, placed four ways.
 
 * host -> host: the client on the host, the server on the host's 127.0.0.1 (baseline);
-* box -> host through the egress proxy (``network="allowlist"`` listing the server);
+* box -> host through the egress proxy (``network="allowlist"`` listing the server),
+  once through the home's egress server (the relay hands it each connection) and once
+  the way it was before, a Python helper started per connection
+  (``SANDLOT_EGRESS_RELAY=0``); each with its latency over the direct path's;
 * box -> host through QEMU's user networking directly (``network="open"``, 10.0.2.2):
   the same guest client without the proxy, to separate the proxy's cost from emulation's;
 * host -> box through a published port (``ports=[...]``), the server in the box;
@@ -184,9 +187,20 @@ def main() -> None:
     with sandlot.Box(rootfs=root, memory_mib=512, network="allowlist", allow=allow, template=False) as box:
         raw = box_client(box, f"http://127.0.0.1:{port}", args.runs, "http://10.0.2.100:3128")
         out["box_to_host_via_egress_proxy"] = ratio(figures(raw))
+    # before the persistent egress path: QEMU starts a Python helper per connection
+    os.environ["SANDLOT_EGRESS_RELAY"] = "0"
+    try:
+        with sandlot.Box(rootfs=root, memory_mib=512, network="allowlist", allow=allow, template=False) as b:
+            raw = box_client(b, f"http://127.0.0.1:{port}", args.runs, "http://10.0.2.100:3128")
+            out["box_to_host_via_proxy_helper_per_connection"] = ratio(figures(raw))
+    finally:
+        del os.environ["SANDLOT_EGRESS_RELAY"]
     with sandlot.Box(rootfs=root, memory_mib=512, network="open", template=False) as box:
         raw = box_client(box, f"http://10.0.2.2:{port}", args.runs, None)
-        out["box_to_host_direct_open_mode"] = ratio(figures(raw))
+        out["box_to_host_direct_open_mode"] = direct = ratio(figures(raw))
+    for key in ("box_to_host_via_egress_proxy", "box_to_host_via_proxy_helper_per_connection"):
+        over = out[key]["latency_ms"]["median"] - direct["latency_ms"]["median"]
+        out[key]["latency_ms_over_direct_p50"] = round(over, 2)
     with sandlot.Box(rootfs=root, memory_mib=512, network="allowlist", ports=[8000], template=False) as box:
         box.files.write("/srv/big", big)
         box.files.write("/srv/small", b"ok")

@@ -13,9 +13,11 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import signal
 import ssl
 import subprocess
 import sys
+import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,6 +25,8 @@ from pathlib import Path
 import pytest
 
 import sandlot
+from sandlot.config import default_home, runtime_dir
+from sandlot.net.egress import egress_socket
 
 from tests.support.servers import LocalServer, QuietHandler
 
@@ -371,6 +375,38 @@ def test_policy_changes_apply_to_a_running_box(debian_root: Path, service: HostS
             box.set_network("none")
         with pytest.raises(sandlot.InvalidState, match="network card"):
             box.set_network("open")
+
+
+def test_guest_connections_go_through_the_homes_egress_server_and_survive_its_death(
+    debian_root: Path, service: HostService
+) -> None:
+    """QEMU runs the relay per connection and the home's egress server serves it; with
+    the server killed (-9) connections still work, each in a helper of its own, and
+    the next box's start brings a server back."""
+    sock = egress_socket(runtime_dir(), default_home())
+
+    def servers() -> list[int]:
+        out = subprocess.run(["pgrep", "-f", f"sandlot.net.egress {sock}"], capture_output=True, text=True)
+        return [int(p) for p in out.stdout.split()]
+
+    allow = [f"127.0.0.1:{service.port}"]
+    target = ("proxy", f"127.0.0.1:{service.port}")
+    with sandlot.Box(rootfs=debian_root, memory_mib=256, network="allowlist", allow=allow) as box:
+        cmdline = Path(f"/proc/{box.inspect()['vm_pid']}/cmdline").read_bytes()
+        assert b"sandlot-fdrelay" in cmdline and str(sock).encode() in cmdline
+        assert probe(box, target)[target] == "host-only-data"
+        [server] = servers()
+        os.kill(server, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while servers():
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        assert probe(box, target)[target] == "host-only-data"  # a helper of its own served it
+        assert servers() == []  # nothing started one: a VM's start does
+        with sandlot.Box(rootfs=debian_root, memory_mib=256, network="allowlist", allow=allow) as other:
+            assert probe(other, target)[target] == "host-only-data"
+        assert len(servers()) == 1
+        assert probe(box, target)[target] == "host-only-data"
 
 
 def test_open_mode_reaches_the_host_as_documented(debian_root: Path, service: HostService) -> None:

@@ -31,7 +31,12 @@ PROMISED = {
         "pool_fill_s_per_vm",
         "pool_vm_pss_mib",
     ],
-    "network": ["host_to_host", "box_to_host_via_egress_proxy", "host_to_box_published_port"],
+    "network": [
+        "host_to_host",
+        "box_to_host_via_egress_proxy",
+        "box_to_host_via_proxy_helper_per_connection",
+        "host_to_box_published_port",
+    ],
     "concurrency": ["threads", "processes"],
     "interpreter": [
         "run_code_warm_ms",

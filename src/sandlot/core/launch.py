@@ -28,6 +28,7 @@ from ..engine.base import VM, Boot, BootRequest, Engine, LaunchSpec, NetSpec, Sa
 from ..errors import AgentTimeout, BootTimeout, ConnectionLost
 from ..net.addresses import box_address
 from ..net.boxlink import LinkInfo, link_socket
+from ..net.egress import ensure_server, relay_for
 from ..net.policy import write_policy
 from ..net.secrets import GUEST_BUNDLE, GUEST_CA, SYSTEM_BUNDLES, read_vault_json
 from ..protocol import files as proto_files
@@ -85,10 +86,14 @@ class Launcher:
         link_file = entry.dir / "egress-link.json"
         atomic_write(link_file, json.dumps(link.to_json()).encode(), mode=0o600)
 
+        relay = relay_for(self.rt.home, runtime_dir())
+        if relay is not None:
+            ensure_server(relay)
+
         def helper(module: str, *more: str) -> str:  # started by the engine for each guest connection
-            argv = (sys.executable, "-m", module, str(policy_file), str(entry.dir / "egress.log"),
-                    "--link", str(link_file), *more)  # fmt: skip
-            return " ".join(shlex.quote(x) for x in argv)
+            argv = [sys.executable, "-m", module, str(policy_file), str(entry.dir / "egress.log"),
+                    "--link", str(link_file), *more]  # fmt: skip
+            return shlex.join(relay.command(argv) if relay is not None else argv)
 
         return NetSpec(
             restrict=policy.mode != "open",

@@ -3,8 +3,9 @@
 In the ``public`` and ``allowlist`` modes the guest cannot reach any resolver:
 the agent relays each query its programs send to 127.0.0.53 (UDP, what glibc,
 musl and Go speak) over a TCP connection to 10.0.2.100:53, which QEMU forwards
-(``guestfwd ... cmd:``) to a new ``python -m sandlot.net.dns POLICY LOG`` whose
-descriptors 0-2 are that connection, as it does for the egress proxy. It reads
+(``guestfwd ... cmd:``) to ``python -m sandlot.net.dns POLICY LOG``, served as
+the egress proxy's connections are (``egress``: in the home's egress server, or
+as a process of its own). It reads
 length-prefixed DNS messages (RFC 1035 over TCP) until the connection ends, and
 reads the policy file afresh for each, so ``set_network`` applies at once.
 
@@ -249,14 +250,25 @@ def serve(
 
 
 def main(argv: list[str]) -> int:
-    """``POLICY LOG [--link FILE]``."""
-    if len(argv) not in (3, 5) or (len(argv) == 5 and argv[3] != "--link"):
+    """``POLICY LOG [--link FILE]``: one connection, handed over by QEMU as descriptors 0-2."""
+    if not _valid(argv):
         return 2
-    info = LinkInfo.read(Path(argv[4])) if len(argv) == 5 else None
-    conn = adopt_guest_connection()
-    with conn, contextlib.suppress(OSError):  # a broken connection just ends it
-        serve(conn, Path(argv[1]), Path(argv[2]), boxes=info.addresses if info else None)
+    handle_connection(adopt_guest_connection(), argv)
     return 0
+
+
+def _valid(argv: list[str]) -> bool:
+    return len(argv) in (3, 5) and (len(argv) == 3 or argv[3] == "--link")
+
+
+def handle_connection(conn: socket.socket, argv: list[str]) -> None:
+    """Serve one guest connection as ``main`` with ``argv`` would (the egress server
+    runs this in a thread of its own); the connection is closed at the end."""
+    with conn, contextlib.suppress(OSError):  # a broken connection just ends it
+        if not _valid(argv):
+            return
+        info = LinkInfo.read(Path(argv[4])) if len(argv) == 5 else None
+        serve(conn, Path(argv[1]), Path(argv[2]), boxes=info.addresses if info else None)
 
 
 if __name__ == "__main__":

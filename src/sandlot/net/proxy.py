@@ -1,10 +1,12 @@
-"""The egress proxy: one process per guest connection, started by QEMU.
+"""The egress proxy: one guest connection at a time, handed over by QEMU.
 
 QEMU's user networking forwards each connection the guest opens to the proxy
-address (``guestfwd ... cmd:``) to a new ``python -m sandlot.net.proxy POLICY LOG``
-whose descriptors 0-2 are that connection. No daemon: the proxy lives and dies
-with the connection, and reads the policy file afresh each time, so a policy
-change applies to a running box at its next connection.
+address (``guestfwd ... cmd:``) to the command line ``python -m sandlot.net.proxy
+POLICY LOG``, with the connection as descriptors 0-2. The relay in front of it
+hands the connection to the home's egress server (``egress``), which runs
+``handle_connection`` in a thread; where none takes it the command runs as its
+own process (``main``). Either way the policy file is read afresh for each
+connection, so a policy change applies to a running box at its next connection.
 
 It speaks what proxy-aware clients send (``HTTPS_PROXY``/``HTTP_PROXY``, which
 sandlot sets in every command's environment): ``CONNECT host:port`` and
@@ -414,11 +416,20 @@ def carry(guest: socket.socket, upstream: socket.socket, entry: dict[str, object
 
 
 def main(argv: list[str]) -> int:
-    """See ``Args``."""
+    """See ``Args``: one connection, handed over by QEMU as descriptors 0-2."""
+    if Args.parse(argv) is None:
+        return 2
+    handle_connection(adopt_guest_connection(), argv)
+    return 0
+
+
+def handle_connection(guest: socket.socket, argv: list[str]) -> None:
+    """Serve one guest connection as ``main`` with ``argv`` would (the egress server
+    runs this in a thread of its own); the connection is closed at the end."""
     args = Args.parse(argv)
     if args is None:
-        return 2
-    guest = adopt_guest_connection()
+        guest.close()
+        return
     log: list[dict[str, object]] = []
     try:
         with guest:
@@ -436,7 +447,6 @@ def main(argv: list[str]) -> int:
         if log:
             with contextlib.suppress(OSError), open(args.log, "a") as f:
                 f.write(json.dumps(log[-1]) + "\n")
-    return 0
 
 
 if __name__ == "__main__":

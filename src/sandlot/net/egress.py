@@ -1,0 +1,269 @@
+"""The home's egress server: the guest connections to the egress proxy and the DNS
+answerer of every box, served by one long-lived process.
+
+QEMU's user network runs a command once per guest connection (``guestfwd ...
+cmd:``) with the connection as the command's descriptors 0-2. A Python helper per
+connection (``python -m sandlot.net.proxy`` or ``.dns``) costs 60-80 ms before it
+reads a byte, mostly the interpreter starting. So the command is the relay
+(``fdrelay.c``, built once per home, about a millisecond to run): it hands
+descriptor 0 and the helper's command line to this server over a Unix socket and
+exits, and the server runs the helper's ``handle_connection`` on that connection in
+a thread of its own. Everything else stays per connection: the policy, the log, the
+secrets and the box link are read from the files the command line names, so a
+policy change still applies at the next connection.
+
+One server per home (``egress_socket``), which takes a lock first so at most one
+runs. The launcher starts it whenever a VM with a network card starts
+(``ensure_server``). It lives while any process whose command line names its
+socket (a QEMU it serves) lives, and ends ``IDLE_EXIT`` seconds after the last
+connection once none does. Where no server takes a connection (it was killed, it
+refuses, it is ending) the relay runs the helper itself: a connection is slower
+then, never lost. Where no C compiler is at hand the launcher gives QEMU the
+helper's command line directly, as does ``SANDLOT_EGRESS_RELAY=0``.
+
+The server's proxy threads are not in any box's host cgroup (the per-connection
+helpers were QEMU's children, and were).
+
+The message is the helper's argv as NUL-terminated strings with one descriptor
+(SCM_RIGHTS) on a SOCK_SEQPACKET connection; the answer one byte, ``+`` (the server
+owns the connection now) or ``-`` (refused: the relay runs the helper). Only the
+helpers named in ``HELPERS``, run by this very interpreter, are served here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import importlib
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..config import build_c, try_flock
+from ..errors import HostSetupError
+
+MODULE = "sandlot.net.egress"
+SWITCH = "SANDLOT_EGRESS_RELAY"
+HELPERS = ("sandlot.net.proxy", "sandlot.net.dns")
+RELAY_SOURCE = Path(__file__).with_name("fdrelay.c")
+RELAY_FLAGS = ["-std=gnu11", "-O2", "-Wall", "-Wextra"]
+MAX_MESSAGE = 16384  # the relay's limit too
+MAX_ACTIVE = 2048  # connections served at once; past it the relay runs the helper itself
+IDLE_EXIT = 60.0  # seconds without a connection, once no QEMU names the socket
+CHECK_EVERY = 10.0
+RECEIPT_TIMEOUT = 5.0  # for the relay's message, which it sent before waiting
+
+Handler = Callable[[socket.socket, list[str]], None]
+
+
+@dataclass(frozen=True, slots=True)
+class Relay:
+    """What the launcher needs to route a VM's guest connections to the server."""
+
+    binary: Path
+    socket: Path
+    lock: Path
+
+    def command(self, helper: list[str]) -> list[str]:
+        """The per-connection command: the relay, falling back to ``helper``."""
+        return [str(self.binary), str(self.socket), "--", *helper]
+
+
+def egress_socket(runtime: Path, home: Path) -> Path:
+    """Where a home's egress server listens: a short path (unix sockets allow 107
+    bytes) in the private runtime directory."""
+    digest = hashlib.sha256(str(home).encode()).hexdigest()[:16]
+    return runtime / f"egress-{digest}.sock"
+
+
+_relays: dict[tuple[Path, Path], Relay | None] = {}
+
+
+def relay_for(home: Path, runtime: Path) -> Relay | None:
+    """The home's relay, built on first use; None where it cannot be built (no C
+    compiler) or ``SANDLOT_EGRESS_RELAY=0`` turns it off: the launcher then has QEMU
+    run a helper per connection."""
+    if os.environ.get(SWITCH) == "0":
+        return None
+    key = (home, runtime)
+    if key not in _relays:
+        cc = shutil.which("gcc") or shutil.which("cc")
+        relay = None
+        if cc is not None:
+            try:
+                binary, _ = build_c(home / "relay" / "host", "sandlot-fdrelay", [RELAY_SOURCE], [cc],
+                                    RELAY_FLAGS)  # fmt: skip
+                sock = egress_socket(runtime, home)
+                relay = Relay(binary, sock, sock.with_suffix(".lock"))
+            except (HostSetupError, OSError):
+                relay = None
+        _relays[key] = relay
+    return _relays[key]
+
+
+def ensure_server(relay: Relay) -> bool:
+    """Start the home's server, detached, unless one runs; True if one was started.
+    (Two callers may both start one: the second finds the lock taken and exits.)"""
+    fd = try_flock(relay.lock)
+    if fd is None:
+        return False
+    os.close(fd)
+    subprocess.Popen(
+        [sys.executable, "-m", MODULE, str(relay.socket), str(relay.lock)],
+        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        start_new_session=True, close_fds=True, cwd="/",
+    )  # fmt: skip
+    return True
+
+
+# -- the server -------------------------------------------------------------------------
+
+
+class Server:
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.active = 0
+        self.last = time.monotonic()
+        self._count = threading.Lock()
+        self._handlers: dict[str, Handler] = {}
+
+    def serve(self) -> None:
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        with contextlib.suppress(FileNotFoundError):
+            self.path.unlink()  # one a dead server left: we hold the lock
+        listener.bind(str(self.path))
+        os.chmod(self.path, 0o600)
+        listener.listen(512)
+        listener.settimeout(CHECK_EVERY)
+        with listener:
+            while True:
+                try:
+                    conn, _ = listener.accept()
+                except TimeoutError:
+                    if self._done():
+                        break
+                    continue
+                self.take(conn)
+            # new relays find no socket from here on; those already queued are still served
+            with contextlib.suppress(FileNotFoundError):
+                self.path.unlink()
+            listener.setblocking(False)
+            while True:
+                try:
+                    conn, _ = listener.accept()
+                except (BlockingIOError, OSError):
+                    break
+                self.take(conn)
+
+    def _done(self) -> bool:
+        with self._count:
+            idle = self.active == 0 and time.monotonic() - self.last >= IDLE_EXIT
+        return idle and not _named_by_a_process(self.path)
+
+    def take(self, conn: socket.socket) -> None:
+        """One relay's message: its connection, and the helper to serve it with."""
+        with conn:
+            conn.settimeout(RECEIPT_TIMEOUT)
+            try:
+                msg, fds, flags, _ = socket.recv_fds(conn, MAX_MESSAGE, 1)
+            except OSError:
+                return
+            guest_fd = fds[0] if len(fds) == 1 else None
+            for extra in fds[1:]:
+                os.close(extra)
+            handler, argv = self._helper(msg) if guest_fd is not None else (None, [])
+            truncated = flags & (socket.MSG_TRUNC | socket.MSG_CTRUNC)
+            with self._count:
+                full = self.active >= MAX_ACTIVE
+                if handler is not None and not truncated and not full:
+                    self.active += 1
+                    self.last = time.monotonic()
+                else:
+                    handler = None
+            if handler is None or guest_fd is None:
+                if guest_fd is not None:
+                    os.close(guest_fd)
+                with contextlib.suppress(OSError):
+                    conn.send(b"-")  # the relay runs the helper itself
+                return
+            guest = socket.socket(fileno=guest_fd)
+            if guest.family in (socket.AF_INET, socket.AF_INET6):
+                # libslirp's end is a loopback TCP socket: small answers go out at once
+                with contextlib.suppress(OSError):
+                    guest.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            try:
+                conn.send(b"+")
+            except OSError:  # the relay is gone: whatever it did with its copy stands
+                guest.close()
+                self._finished()
+                return
+        threading.Thread(target=self._run, args=(handler, guest, argv), daemon=True).start()
+
+    def _helper(self, msg: bytes) -> tuple[Handler | None, list[str]]:
+        """The helper a relay asks for: ``PYTHON -m MODULE ARGS...``, served here only
+        if it is one of ours run by this interpreter (another sandlot's is not)."""
+        try:
+            parts = msg.decode().split("\0")
+        except UnicodeDecodeError:
+            return None, []
+        if len(parts) < 4 or parts[-1] != "" or parts[0] != sys.executable or parts[1] != "-m":
+            return None, []
+        module, args = parts[2], parts[3:-1]
+        if module not in HELPERS:
+            return None, []
+        if module not in self._handlers:
+            self._handlers[module] = importlib.import_module(module).handle_connection
+        return self._handlers[module], [module, *args]
+
+    def _run(self, handler: Handler, guest: socket.socket, argv: list[str]) -> None:
+        try:
+            handler(guest, argv)
+        except Exception:  # one connection's failure is its own
+            with contextlib.suppress(OSError):
+                guest.close()
+        finally:
+            self._finished()
+
+    def _finished(self) -> None:
+        with self._count:
+            self.active -= 1
+            self.last = time.monotonic()
+
+
+def _named_by_a_process(path: Path) -> bool:
+    """Whether a live process other than this one names ``path`` on its command line
+    (a QEMU whose relays come here)."""
+    needle, me = str(path).encode(), str(os.getpid())
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit() and entry.name != me:
+            with contextlib.suppress(OSError), open(f"/proc/{entry.name}/cmdline", "rb") as f:
+                if needle in f.read():
+                    return True
+    return False
+
+
+def main(argv: list[str]) -> int:
+    """``SOCKET LOCK``: serve until idle; exit at once if the home already has a server."""
+    if len(argv) != 3:
+        return 2
+    if try_flock(Path(argv[2])) is None:  # held until this process ends
+        return 0
+    import resource
+
+    with contextlib.suppress(ValueError, OSError):  # two descriptors a connection, for MAX_ACTIVE of them
+        _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, 65536), hard))
+    threading.stack_size(512 * 1024)  # the helpers recurse little; a thread per connection
+    Server(Path(argv[1])).serve()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))
