@@ -29,6 +29,7 @@ __all__ = [
     "emit",
     "host_facts",
     "parser",
+    "pss_breakdown_mib",
     "pss_kib",
     "scratch_home",
     "summary",
@@ -89,6 +90,36 @@ def pss_kib(pid: int) -> dict[str, int]:
             if key in ("Rss", "Pss", "Pss_Anon", "Pss_File"):
                 out[key.lower()] = int(line.split()[1])
     return out
+
+
+def pss_breakdown_mib(pid: int, memory_mib: int) -> dict[str, float]:
+    """Where a QEMU process's PSS goes, by mapping: the guest's RAM (the mapping of
+    ``memory_mib``), TCG's translated-code cache (an anonymous mapping of about
+    ``tb-size``), the kernel image QEMU keeps mapped after loading it (``vmlinux``,
+    shared page cache: split between the boxes that booted it), QEMU's own code and
+    libraries, and the rest (heap, stacks, device state)."""
+    parts = {"guest_ram": 0, "tcg_code_cache": 0, "kernel_image": 0, "qemu_and_libraries": 0, "other": 0}
+    kind = "other"
+    with open(f"/proc/{pid}/smaps") as f:
+        for line in f:
+            fields = line.split()
+            is_header = len(fields) >= 5 and fields[0].count("-") == 1 and ":" in fields[3]
+            if is_header:
+                start, end = (int(x, 16) for x in fields[0].split("-"))
+                size_mib, path = (end - start) >> 20, fields[5] if len(fields) > 5 else ""
+                if size_mib == memory_mib:
+                    kind = "guest_ram"
+                elif path.endswith("vmlinux"):
+                    kind = "kernel_image"
+                elif not path and 96 <= size_mib <= 160:
+                    kind = "tcg_code_cache"
+                elif path.startswith("/usr/"):
+                    kind = "qemu_and_libraries"
+                else:
+                    kind = "other"
+            elif fields and fields[0] == "Pss:":
+                parts[kind] += int(fields[1])
+    return {k: round(v / 1024, 1) for k, v in parts.items()}
 
 
 def host_facts(accel: str | None) -> dict[str, Any]:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import sandlot
 
-from _common import busybox_root, emit, host_facts, parser, pss_kib, summary
+from _common import busybox_root, emit, host_facts, parser, pss_breakdown_mib, pss_kib, summary
 
 MB = 1_000_000
 
@@ -113,6 +113,11 @@ def bench_memory(root: Path, quick: bool) -> dict:
         one.exec("true")
         time.sleep(settle)
         single = pss_kib(one.inspect()["vm_pid"])
+        breakdown = pss_breakdown_mib(one.inspect()["vm_pid"], 256)
+        # inside: what the guest kernel holds (the agent ports' receive buffers are unreclaimable slab)
+        guest = dict(line.split(":") for line in one.sh("cat /proc/meminfo").stdout.splitlines())
+        keys = ("MemTotal", "MemFree", "SUnreclaim")
+        guest_mib = {k: round(int(guest[k].split()[0]) / 1024, 1) for k in keys}
         boxes += [sandlot.Box(rootfs=root, memory_mib=256).start() for _ in range(1 if quick else 3)]
         for b in boxes:
             b.exec("true")
@@ -125,6 +130,8 @@ def bench_memory(root: Path, quick: bool) -> dict:
         "idle_256MiB_box_pss_MiB": round(single["pss"] / 1024, 1),
         "idle_256MiB_box_pss_anon_MiB": round(single["pss_anon"] / 1024, 1),
         "idle_256MiB_box_pss_file_MiB": round(single["pss_file"] / 1024, 1),
+        "idle_256MiB_box_pss_breakdown_MiB": breakdown,
+        "idle_256MiB_box_guest_meminfo_MiB": guest_mib,
         f"idle_pss_per_box_with_{len(per_box)}_boxes_MiB": summary([p / 1024 for p in per_box], digits=1),
     }
 
