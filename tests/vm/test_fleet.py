@@ -239,6 +239,11 @@ def test_bad_input_gives_a_clear_error_and_moves_nothing(f: fleet.Fleet, nodes: 
         assert count(still) > c  # its processes went on
         assert [s.box_name for s in sandlot.list_snapshots(home=nodes.fc.homes[nodes.a])] == []
         assert not any(n["node_id"] == odd and n["reserved_memory_mib"] for n in f.nodes())
+        nodes.fc.kill(odd)  # the later tests place replicas: never on a node that cannot load them
+        deadline = time.monotonic() + 60
+        while any(n["node_id"] == odd and n["alive"] for n in f.nodes()):
+            assert time.monotonic() < deadline, "Ray still counts the removed node alive"
+            time.sleep(0.5)
     finally:
         box.remove(force=True)
 
