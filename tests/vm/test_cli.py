@@ -9,6 +9,10 @@ from pathlib import Path
 
 import pytest
 
+import sandlot as sl
+
+from tests.unit.test_cli_lean import PROBE, heavy
+
 SANDLOT = [sys.executable, "-m", "sandlot.cli"]
 
 
@@ -67,3 +71,17 @@ def test_run_errors(busybox_root: Path, tmp_path: Path) -> None:
     assert r.returncode == 125 and b"does not exist" in r.stderr
     r = sandlot("run", "--rootfs", str(busybox_root))
     assert r.returncode == 2 and b"no command" in r.stderr
+
+
+def test_exec_and_ls_on_a_running_box_load_nothing_booting_needs(busybox_root: Path, tmp_path: Path) -> None:
+    """``sandlot exec`` and ``ls`` on a box that runs: the engine's boot assets, QMP and
+    the image store stay unimported (benchmarks/cli.py: what that is worth)."""
+    with sl.Box(rootfs=busybox_root, memory_mib=256) as box:
+        for argv in (["exec", box.name, "true"], ["ls"]):
+            out = tmp_path / "modules.json"
+            r = subprocess.run([sys.executable, "-c", PROBE, str(out), *argv], capture_output=True, text=True,
+                               timeout=120)  # fmt: skip
+            assert r.returncode == 0, r.stderr[-2000:]
+            names = set(json.loads(out.read_text()))
+            assert "sandlot.engine.qemu.vm" in names or argv == ["ls"]  # it reached the VM
+            assert heavy(names) == []

@@ -40,12 +40,12 @@ from ..core.store import SnapshotRecord, validate_name
 from ..core.validate import argv as check_argv
 from ..core.validate import check_env, check_user, guest_path, positive
 from ..errors import BoxNotFound, ConnectionLost, InvalidArgument, InvalidState, SnapshotNotFound
-from ..images.store import Image
 from ..net.secrets import Secret
 from ..protocol.exec import ExecRequest, RemoteProcess
 from .process import AsyncProcess, ExecResult
 
 if TYPE_CHECKING:  # imported where used: a command that runs no code nor files starts without them
+    from ..images.store import Image
     from .code import CodeContext, ContextArg, Execution, Interpreter, OutputCallback, ResultCallback
     from .files import AsyncFiles
 

@@ -20,15 +20,13 @@ import time
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from .. import pids
 from ..crashpoints import crash_point
 from ..engine.auto import AUTO
 from ..engine.base import VM
 from ..errors import BoxCrashed, BoxNotFound, ConnectionLost, InvalidArgument, InvalidState, SnapshotNotFound
-from ..images.rootfs import base_for, create_overlay, rootfs_dir_for
-from ..images.store import Image
 from ..net.policy import PROXIED, Policy, write_policy
 from ..net.secrets import build_vault, read_vault_json, write_vault
 from ..protocol.connection import AgentConnection
@@ -43,6 +41,9 @@ from .sessions import Session
 from .state import LIVE, SERVING, TRANSITIONS, BoxState, Op, check, end_state, failure_state
 from .store import AsyncStore, BoxRecord, SnapshotRecord
 from .validate import positive
+
+if TYPE_CHECKING:
+    from ..images.store import Image
 
 GiB = 1 << 30
 
@@ -296,6 +297,9 @@ class BoxController:
     async def _create_fresh(
         self, entry: BoxEntry, req: BoxRequest, spec: Any, image: Image | None
     ) -> BoxRecord | None:
+        # not at the top: commands on an existing box never make a disk, nor import what does
+        from ..images.rootfs import base_for, create_overlay, rootfs_dir_for
+
         rt = self.rt
         digest = None
         as_dir = rt.engine(spec.engine).disk_format == "dir"  # an overlay's layer directory, not qcow2

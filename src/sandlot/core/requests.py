@@ -10,13 +10,15 @@ import secrets as random_ids
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..errors import InvalidArgument
-from ..images.store import Image
 from ..net.secrets import Secret
 from .spec import DEFAULT_DISK_GB, DEFAULT_MEMORY_MIB, BoxSpec
 from .store import SnapshotRecord
+
+if TYPE_CHECKING:
+    from ..images.store import Image
 
 PULL_POLICIES = ("missing", "always", "never")
 _BUILD = inspect.signature(BoxSpec.build).parameters
@@ -59,6 +61,8 @@ class BoxRequest:
     ) -> BoxRequest:
         """``options``: the box's own (those of ``BoxSpec.build``, see ``SPEC_OPTIONS``);
         the rest says where it starts from and how its image is fetched."""
+        from ..images.store import Image  # not at the top: commands on an existing box never build one
+
         unknown = sorted(set(options) - set(SPEC_OPTIONS))
         if unknown:
             raise InvalidArgument(f"unknown box option(s): {', '.join(unknown)}")

@@ -20,7 +20,7 @@ import shutil
 import signal
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ... import pids
 from ...config import fsync_dir, runtime_dir
@@ -28,10 +28,12 @@ from ...errors import IncompatibleSnapshot, SavedStateError
 from .. import hostcgroup
 from ..base import Boot, BootRequest, Engine, LaunchSpec, NetSpec, Placement, SavedState, VMRef, VMStatus
 from . import accel as accel_mod
-from .assets import Assets, BootAssets
 from .command import MACHINE, VMConfig, cpu_model, host_tsc_khz, qemu_binary, qemu_version
 from .monitor import qmp_sync
 from .vm import STATUS, QemuVM, flock
+
+if TYPE_CHECKING:
+    from .assets import Assets, BootAssets
 
 STATE_FILES = {"devices": "devices", "memory": "memory"}  # archive member -> file in the state directory
 
@@ -41,7 +43,17 @@ class QemuEngine(Engine):
 
     def __init__(self, home: Path) -> None:
         self.home = home
-        self.assets = Assets(home)
+        self._assets: Assets | None = None
+
+    @property
+    def assets(self) -> Assets:
+        """Kernel, initramfs and accelerator, looked into at the first boot (a command on
+        a running box never needs them, nor their imports)."""
+        if self._assets is None:
+            from .assets import Assets
+
+            self._assets = Assets(self.home)
+        return self._assets
 
     # -- boots -------------------------------------------------------------------------
 
@@ -65,7 +77,7 @@ class QemuEngine(Engine):
                 "initrd": str(assets.initrd),
                 "accel": assets.accel.name,
             },
-            identity=Assets.identity(assets),
+            identity=type(self.assets).identity(assets),
         )
 
     def _config(self, where: Placement, boot: dict[str, Any], **kw: Any) -> VMConfig:

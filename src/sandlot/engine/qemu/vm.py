@@ -17,9 +17,7 @@ import signal
 import subprocess
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import IO, Any
-
-from qemu.qmp import EventListener, QMPClient
+from typing import IO, TYPE_CHECKING, Any
 
 from ... import pids
 from ...errors import BootError, SavedStateError
@@ -34,6 +32,9 @@ from .command import (
     qemu_binary,
     qemu_version,
 )
+
+if TYPE_CHECKING:
+    from qemu.qmp import EventListener, QMPClient
 
 # QEMU's run states, as ``query-status`` names them, in engine-neutral terms.
 STATUS = {
@@ -367,6 +368,8 @@ class QemuVM(VM):
                 break
             await asyncio.sleep(0.005)
         while True:
+            from qemu.qmp import QMPClient  # not at the top: commands on a running box never need it
+
             client = QMPClient(f"sandlot-{self.cfg.hostname}")
             try:
                 await asyncio.wait_for(client.connect(str(self.cfg.qmp_socket)), timeout)
