@@ -5,7 +5,8 @@
 * template start to first exec;
 * fork of 1, 8 and 20 children to the first exec of all (``box.fork``: the
   snapshot and its one-time preparation for copy-on-write included), then the
-  same from an already prepared snapshot; host PSS per child.
+  same from an already prepared snapshot; host PSS and the CPU seconds each child's
+  VM used to get there.
 
     .venv/bin/python benchmarks/livestate.py [--runs 10] [--root busybox|debian] [--quick]
 """
@@ -13,6 +14,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -25,6 +27,17 @@ from _common import busybox_root, debian_root, emit, host_facts, parser, pss_kib
 
 async def first_exec_all(boxes: list[AsyncBox]) -> None:
     await asyncio.gather(*(b.exec("true") for b in boxes))
+
+
+async def cpu_seconds(boxes: list[AsyncBox]) -> list[float]:
+    """CPU each box's VM process has used since it started (user + system): for a child
+    just restored, what its restore, HELLO and first exec cost the host."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out = []
+    for b in boxes:
+        fields = Path(f"/proc/{(await b.inspect())['vm_pid']}/stat").read_text().rsplit(")", 1)[1].split()
+        out.append((int(fields[11]) + int(fields[12])) / tick)  # utime, stime (fields 14, 15)
+    return out
 
 
 LOOP = "nohup sh -c 'while true; do sleep 0.1; done' >/dev/null 2>&1 &"
@@ -87,6 +100,7 @@ async def run(root: Path, runs: int, fan_out: tuple[int, ...]) -> dict[str, Any]
             kids = await box.fork(n)
             await first_exec_all(kids)
             fork_wall = time.perf_counter() - t
+            fork_cpu = await cpu_seconds(kids)
             await asyncio.sleep(1.0)
             pss = [pss_kib((await k.inspect())["vm_pid"])["pss"] / 1024 for k in kids]
             for k in kids:
@@ -95,10 +109,13 @@ async def run(root: Path, runs: int, fan_out: tuple[int, ...]) -> dict[str, Any]
             kids = await tmpl.start(n)
             await first_exec_all(kids)
             prepared_wall = time.perf_counter() - t
+            prepared_cpu = await cpu_seconds(kids)
             for k in kids:
                 await k.remove(force=True)
             forks[str(n)] = {"fork_to_first_exec_all_s": round(fork_wall, 3),
+                             "fork_vm_cpu_s_per_child": summary(fork_cpu, digits=3),
                              "prepared_snapshot_to_first_exec_all_s": round(prepared_wall, 3),
+                             "prepared_vm_cpu_s_per_child": summary(prepared_cpu, digits=3),
                              "pss_mb_per_child": summary(pss, digits=1)}  # fmt: skip
         out["fork"] = forks
         await tmpl.remove()
