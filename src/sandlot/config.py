@@ -9,8 +9,12 @@ import shutil
 import tempfile
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from .errors import HostSetupError
+
+if TYPE_CHECKING:
+    import socket
 
 
 def default_home() -> Path:
@@ -114,6 +118,20 @@ def fsync_tree(root: Path) -> None:
             finally:
                 os.close(fd)
         fsync_dir(Path(dirpath))
+
+
+def private_listener(path: Path, kind: int, backlog: int) -> socket.socket:
+    """A unix socket of ``kind`` listening at ``path``, mode 0600. A file a dead owner
+    left there is replaced: the caller holds the lock that makes it the owner."""
+    import socket
+
+    listener = socket.socket(socket.AF_UNIX, kind)
+    with contextlib.suppress(FileNotFoundError):
+        path.unlink()
+    listener.bind(str(path))
+    os.chmod(path, 0o600)
+    listener.listen(backlog)
+    return listener
 
 
 def try_flock(path: Path) -> int | None:

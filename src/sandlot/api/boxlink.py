@@ -17,13 +17,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import os
 import socket
 import sys
 from pathlib import Path
 from typing import Any
 
-from ..config import try_flock
+from ..config import private_listener, try_flock
 from ..errors import SandlotError
 from ..net.policy import Policy
 from .access import NAMESPACE_LABEL
@@ -47,12 +46,7 @@ class BoxLink:
         self.active = 0  # connections asked for or carried
 
     async def serve(self) -> None:
-        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        with contextlib.suppress(FileNotFoundError):
-            self.path.unlink()  # one a dead link left: we hold the lock
-        listener.bind(str(self.path))
-        os.chmod(self.path, 0o600)
-        listener.listen(128)
+        listener = private_listener(self.path, socket.SOCK_STREAM, 128)  # we hold the lock
         listener.setblocking(False)
         inode = self.path.stat().st_ino
         loop = asyncio.get_running_loop()

@@ -46,7 +46,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..config import build_c, try_flock
+from ..config import build_c, private_listener, try_flock
 from ..errors import HostSetupError
 
 MODULE = "sandlot.net.egress"
@@ -135,12 +135,7 @@ class Server:
         self._handlers: dict[str, Handler] = {}
 
     def serve(self) -> None:
-        listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        with contextlib.suppress(FileNotFoundError):
-            self.path.unlink()  # one a dead server left: we hold the lock
-        listener.bind(str(self.path))
-        os.chmod(self.path, 0o600)
-        listener.listen(512)
+        listener = private_listener(self.path, socket.SOCK_SEQPACKET, 512)  # we hold the lock
         listener.settimeout(CHECK_EVERY)
         with listener:
             while True:
