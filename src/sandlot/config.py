@@ -122,15 +122,19 @@ def fsync_tree(root: Path) -> None:
 
 def private_listener(path: Path, kind: int, backlog: int) -> socket.socket:
     """A unix socket of ``kind`` listening at ``path``, mode 0600. A file a dead owner
-    left there is replaced: the caller holds the lock that makes it the owner."""
+    left there is replaced: the caller holds the lock that makes it the owner. It is
+    bound under another name and renamed into place once it listens, so whoever finds
+    the path can connect (never refused between bind and listen)."""
     import socket
 
     listener = socket.socket(socket.AF_UNIX, kind)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")
     with contextlib.suppress(FileNotFoundError):
-        path.unlink()
-    listener.bind(str(path))
-    os.chmod(path, 0o600)
+        tmp.unlink()
+    listener.bind(str(tmp))
+    os.chmod(tmp, 0o600)
     listener.listen(backlog)
+    os.replace(tmp, path)
     return listener
 
 

@@ -126,6 +126,7 @@ def test_unit_malformed_messages_are_refused_and_the_server_goes_on(
     egress.ensure_server(relay)
     _wait_server(relay)
     bad = [(b"no terminator", 1), (b"", 1), (b"\xff\xfe\0", 1), (b"x\0-m\0sandlot.net.proxy\0", 0)]
+    ours = f"{sys.executable}\0-m\0sandlot.net.proxy\0{tmp_path}/p\0{tmp_path}/l\0".encode()
     for payload, fds in bad:
         s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         s.connect(str(relay.socket))
@@ -135,6 +136,14 @@ def test_unit_malformed_messages_are_refused_and_the_server_goes_on(
         s.close()
         a.close()
         b.close()
+    r, w = os.pipe()  # a helper of ours, but on a descriptor that is no connection
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    s.connect(str(relay.socket))
+    socket.send_fds(s, [ours], [r])
+    assert s.recv(1) == b"-"
+    for fd in (r, w):
+        os.close(fd)
+    s.close()
     guest, proc = _connect(relay, _helper(tmp_path))
     assert proc.wait(timeout=10) == 0  # served by the server, which goes on
     guest.sendall(REQUEST)

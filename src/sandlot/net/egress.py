@@ -174,21 +174,26 @@ class Server:
             for extra in fds[1:]:
                 os.close(extra)
             handler, argv = self._helper(msg) if guest_fd is not None else (None, [])
+            guest = None
+            if guest_fd is not None:
+                try:
+                    guest = socket.socket(fileno=guest_fd)
+                except OSError:  # not a socket: no connection QEMU made
+                    os.close(guest_fd)
             truncated = flags & (socket.MSG_TRUNC | socket.MSG_CTRUNC)
             with self._count:
                 full = self.active >= MAX_ACTIVE
-                if handler is not None and not truncated and not full:
+                if handler is not None and guest is not None and not truncated and not full:
                     self.active += 1
                     self.last = time.monotonic()
                 else:
                     handler = None
-            if handler is None or guest_fd is None:
-                if guest_fd is not None:
-                    os.close(guest_fd)
+            if handler is None or guest is None:
+                if guest is not None:
+                    guest.close()
                 with contextlib.suppress(OSError):
                     conn.send(b"-")  # the relay runs the helper itself
                 return
-            guest = socket.socket(fileno=guest_fd)
             if guest.family in (socket.AF_INET, socket.AF_INET6):
                 # libslirp's end is a loopback TCP socket: small answers go out at once
                 with contextlib.suppress(OSError):
