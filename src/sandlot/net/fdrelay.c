@@ -10,8 +10,9 @@
  *
  * Where no server takes the connection (none runs, it refuses, it dies before
  * its receipt), the relay execs HELPER itself with the connection still on 0-2
- * and SANDLOT_EGRESS_SOCKET naming the socket (the helper then starts a
- * server): a connection is served slowly, never lost. There is no timeout on
+ * and SANDLOT_EGRESS_SOCKET naming the socket it tried: a connection is served
+ * slowly, never lost (the launcher starts a server again at the next boot, from
+ * outside any box's cgroup). There is no timeout on
  * the receipt: a receipt that came late after a fallback would have two
  * processes serve one connection.
  */
