@@ -151,6 +151,27 @@ def try_flock(path: Path) -> int | None:
     return fd
 
 
+def spawn_unless_locked(lock: Path, module: str, *args: str, cwd: str | None = None) -> bool:
+    """Start ``python -m module args`` as a detached process (its own session, no
+    standard streams) unless the process that holds ``lock`` runs already: each such
+    helper takes its lock first, so at most one runs. True if one was started. (A
+    check, then a start: two callers may both start one; the second finds the lock
+    taken and exits.)"""
+    import subprocess
+    import sys
+
+    fd = try_flock(lock)
+    if fd is None:
+        return False
+    os.close(fd)
+    subprocess.Popen(
+        [sys.executable, "-m", module, *args],
+        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        start_new_session=True, close_fds=True, cwd=cwd,
+    )  # fmt: skip
+    return True
+
+
 _compiler_versions: dict[str, list[str]] = {}
 
 

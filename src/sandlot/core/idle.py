@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .locks import spawn_unless_locked
+from ..config import spawn_unless_locked
 
 POLL_MAX = 5.0  # the watchdog asks the agent at least this often
 

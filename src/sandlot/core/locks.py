@@ -16,8 +16,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import subprocess
-import sys
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -27,24 +25,6 @@ from ..errors import BoxBusy
 
 LOCK_TIMEOUT = 300.0
 POLL_MIN, POLL_MAX = 0.005, 0.1
-
-
-def spawn_unless_locked(lock: Path, module: str, *args: str) -> bool:
-    """Start ``python -m module args`` as a detached process (its own session, no
-    standard streams) unless the process that holds ``lock`` runs already: each such
-    helper takes its lock first, so at most one runs. True if one was started. (A
-    check, then a start: two callers may both start one; the second finds the lock
-    taken and exits.)"""
-    fd = try_flock(lock)
-    if fd is None:
-        return False
-    os.close(fd)
-    subprocess.Popen(
-        [sys.executable, "-m", module, *args],
-        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        start_new_session=True, close_fds=True,
-    )  # fmt: skip
-    return True
 
 
 async def flock_within(path: Path, timeout: float, what: str) -> int:

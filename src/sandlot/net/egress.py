@@ -38,7 +38,6 @@ import importlib
 import os
 import shutil
 import socket
-import subprocess
 import sys
 import threading
 import time
@@ -46,7 +45,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..config import build_c, private_listener, try_flock
+from ..config import build_c, private_listener, spawn_unless_locked, try_flock
 from ..errors import HostSetupError
 
 MODULE = "sandlot.net.egress"
@@ -109,18 +108,8 @@ def relay_for(home: Path, runtime: Path) -> Relay | None:
 
 
 def ensure_server(relay: Relay) -> bool:
-    """Start the home's server, detached, unless one runs; True if one was started.
-    (Two callers may both start one: the second finds the lock taken and exits.)"""
-    fd = try_flock(relay.lock)
-    if fd is None:
-        return False
-    os.close(fd)
-    subprocess.Popen(
-        [sys.executable, "-m", MODULE, str(relay.socket), str(relay.lock)],
-        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        start_new_session=True, close_fds=True, cwd="/",
-    )  # fmt: skip
-    return True
+    """Start the home's server, detached, unless one runs; True if one was started."""
+    return spawn_unless_locked(relay.lock, MODULE, str(relay.socket), str(relay.lock), cwd="/")
 
 
 # -- the server -------------------------------------------------------------------------
