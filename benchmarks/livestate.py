@@ -5,10 +5,10 @@
 * template start to first exec;
 * fork of 1, 8 and 20 children to the first exec of all (``box.fork``: the
   snapshot and its one-time preparation for copy-on-write included), then the
-  same from an already prepared snapshot; host PSS and the CPU seconds each child's
-  VM used to get there.
+  same from an already prepared snapshot (``--rounds`` times); host PSS and the CPU
+  seconds each child's VM used to get there.
 
-    .venv/bin/python benchmarks/livestate.py [--runs 10] [--root busybox|debian] [--quick]
+    .venv/bin/python benchmarks/livestate.py [--runs 10] [--rounds 3] [--root busybox|debian] [--quick]
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ async def cpu_seconds(boxes: list[AsyncBox]) -> list[float]:
 LOOP = "nohup sh -c 'while true; do sleep 0.1; done' >/dev/null 2>&1 &"
 
 
-async def run(root: Path, runs: int, fan_out: tuple[int, ...]) -> dict[str, Any]:
+async def run(root: Path, runs: int, fan_out: tuple[int, ...], rounds: int) -> dict[str, Any]:
     out: dict[str, Any] = {}
     box = AsyncBox(rootfs=root, memory_mib=256, keep=True, template=False)
     await box.start()
@@ -105,18 +105,20 @@ async def run(root: Path, runs: int, fan_out: tuple[int, ...]) -> dict[str, Any]
             pss = [pss_kib((await k.inspect())["vm_pid"])["pss"] / 1024 for k in kids]
             for k in kids:
                 await k.remove(force=True)
-            t = time.perf_counter()
-            kids = await tmpl.start(n)
-            await first_exec_all(kids)
-            prepared_wall = time.perf_counter() - t
-            prepared_cpu = await cpu_seconds(kids)
-            for k in kids:
-                await k.remove(force=True)
+            prepared_walls, prepared_cpu = [], []
+            for _ in range(rounds):
+                t = time.perf_counter()
+                kids = await tmpl.start(n)
+                await first_exec_all(kids)
+                prepared_walls.append(time.perf_counter() - t)
+                prepared_cpu += await cpu_seconds(kids)
+                for k in kids:
+                    await k.remove(force=True)
             forks[str(n)] = {"fork_to_first_exec_all_s": round(fork_wall, 3),
                              "fork_vm_cpu_s_per_child": summary(fork_cpu, digits=3),
-                             "prepared_snapshot_to_first_exec_all_s": round(prepared_wall, 3),
+                             "prepared_snapshot_to_first_exec_all_s": summary(prepared_walls, digits=3),
                              "prepared_vm_cpu_s_per_child": summary(prepared_cpu, digits=3),
-                             "pss_mb_per_child": summary(pss, digits=1)}  # fmt: skip
+                             "pss_mib_per_child": summary(pss, digits=1)}  # fmt: skip
         out["fork"] = forks
         await tmpl.remove()
         await snap.remove()
@@ -128,14 +130,16 @@ async def run(root: Path, runs: int, fan_out: tuple[int, ...]) -> dict[str, Any]
 def main() -> None:
     ap = parser(__doc__)
     ap.add_argument("--runs", type=int, default=10)
+    ap.add_argument("--rounds", type=int, default=3, help="starts of N children from the prepared snapshot")
     ap.add_argument("--root", choices=("busybox", "debian"), default="busybox")
     args = ap.parse_args()
     fan_out = (1, 3) if args.quick else (1, 8, 20)
+    rounds = 1 if args.quick else args.rounds
     if args.quick:
         args.runs = 2
     root = busybox_root() if args.root == "busybox" else debian_root()
     accel = sandlot.Runtime.for_home().prepare().accel
-    figures = asyncio.run(run(root, args.runs, fan_out))
+    figures = asyncio.run(run(root, args.runs, fan_out, rounds))
     emit({"benchmark": "livestate", "quick": args.quick, "root": args.root, "memory_mib": 256,
           "host": host_facts(accel), **figures})  # fmt: skip
 

@@ -30,6 +30,7 @@ from ..errors import BoxCrashed, BoxNotFound, ConnectionLost, InvalidArgument, I
 from ..net.policy import PROXIED, Policy, write_policy
 from ..net.secrets import build_vault, read_vault_json, write_vault
 from ..protocol.connection import AgentConnection
+from ..protocol.exec import ExecRequest, RemoteProcess
 from ..protocol.wire import ControlOp, Fields, Tag, tlv, tlv_u64
 from . import idle, layers, snapshots
 from .entry import BoxEntry
@@ -560,6 +561,17 @@ class BoxController:
             raise conn.failed
         vm = self.launcher.vm_of(entry, rec)
         return await session.connection(vm, self.launcher.hello(entry))
+
+    async def first_exec(self, entry: BoxEntry) -> None:
+        """Run ``true`` as a box's first command runs (its default user, directory and
+        environment). Done before a state that many VMs restore is saved: the state then
+        holds what a first command reads (the directories on PATH, the dynamic loader
+        and libc, the user database, the agent's command cgroup), so that no restored
+        VM reads them from disk through kernel paths it has yet to translate."""
+        spec = entry.spec
+        first = ExecRequest(argv=["true"], env=spec.default_env() or None, cwd=spec.default_cwd(),
+                            user=spec.default_user())  # fmt: skip
+        await (await RemoteProcess.start(await self.connection(entry), first)).wait()
 
     async def control(self, entry: BoxEntry, op: ControlOp, payload: bytes = b"") -> Fields:
         return await control(await self.connection(entry), op, payload)

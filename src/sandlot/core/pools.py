@@ -42,7 +42,6 @@ from typing import Any
 from ..config import spawn_unless_locked, try_flock
 from ..crashpoints import crash_point
 from ..errors import BoxBusy, BoxNotFound, InvalidArgument, InvalidState, SnapshotNotFound
-from ..protocol.exec import ExecRequest, RemoteProcess
 from .controller import BoxController
 from .entry import BoxEntry
 from .launch import Launcher
@@ -310,11 +309,7 @@ class Pools:
         try:
             await ctl.start(entry)
             crash_point("pool.fill-after-start")
-            spec = entry.spec
-            conn = await ctl.connection(entry)
-            first = ExecRequest(argv=["true"], env=spec.default_env() or None, cwd=spec.default_cwd(),
-                                user=spec.default_user())  # fmt: skip
-            await (await RemoteProcess.start(conn, first)).wait()
+            await ctl.first_exec(entry)
             async with entry.lock():
                 rec = await ctl.refresh(entry)
                 async with ctl.transition(entry, Op.POOL):

@@ -18,10 +18,13 @@ MACHINE = "microvm"
 
 # Facts measured for fast, reliable microvm boots (see DESIGN.md): without
 # tsc_early_khz about half of TCG boots hang; rtc=off costs 2 s; ACPI stays on
-# for virtio-mmio discovery.
+# for virtio-mmio discovery. cgroup.memory=nokmem and psi=0 take kernel-memory
+# charging and pressure accounting off every fork, exec and allocation (the
+# agent's per-command cgroups charge and report user memory, which is what an
+# OOM is about); under TCG each such path is code a restored VM translates again.
 KERNEL_ARGS = (
     "console=ttyS0 panic=-1 reboot=t quiet cryptomgr.notests no_timer_check tsc=reliable "
-    "mitigations=off i8042.noaux i8042.nokbd i8042.nopnp 8250.nr_uarts=1"
+    "mitigations=off i8042.noaux i8042.nokbd i8042.nopnp 8250.nr_uarts=1 cgroup.memory=nokmem psi=0"
 )
 
 # Under TCG: "max" gives the guest the SSE4.2/AVX2 that modern wheels (numpy...)
