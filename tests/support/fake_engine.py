@@ -227,6 +227,8 @@ class FakeVM(VM):
                 await asyncio.sleep(float(argv[1]))
             elif argv[0] == "hostname":
                 out = (str(self.memory.get("hostname", "fake")) + "\n").encode()
+            elif argv[0] == "true":  # counted in the VM's memory: a saved state tells how many ran
+                self.memory["true_runs"] = int(self.memory.get("true_runs", 0)) + 1
             elif argv[0] == "remember":  # remember KEY VALUE: state that lives in the VM's memory
                 self.memory[argv[1]] = argv[2]
             elif argv[0] == "recall":

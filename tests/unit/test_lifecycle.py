@@ -164,6 +164,32 @@ def test_a_vm_that_dies_is_a_crash_with_the_console(home: Path, root: Path) -> N
     run(main)
 
 
+def test_forks_and_templates_are_saved_after_a_first_command(home: Path, root: Path) -> None:
+    """What a first command reads is in the state many VMs restore (core.livestate.warm_up);
+    a plain snapshot's pause stays the user's alone."""
+
+    async def main() -> None:
+        box = new_box(home, root, keep=True, name="cold")
+        await box.start()
+        try:
+            await box.snapshot("plain")
+            assert (await box.exec("recall", "true_runs")).stdout == "\n"
+            kids = await box.fork(2)
+            assert [(await k.exec("recall", "true_runs")).stdout for k in kids] == ["1\n", "1\n"]
+            for k in kids:
+                await k.remove(force=True)
+            rt = Runtime.for_home(home)
+            core = core_for(rt)
+            snap = await core.live.make_template(await core.controller.find(box.id), "warm")
+            [kid] = await sandlot.AsyncSnapshot(rt, snap).start(1)
+            assert (await kid.exec("recall", "true_runs")).stdout == "2\n"
+            await kid.remove(force=True)
+        finally:
+            await box.remove(force=True)
+
+    run(main)
+
+
 def test_memory_survives_snapshot_rollback_fork_suspend_resume(home: Path, root: Path) -> None:
     async def main() -> None:
         box = new_box(home, root, keep=True, name="src")
