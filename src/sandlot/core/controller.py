@@ -573,6 +573,10 @@ class BoxController:
                             user=spec.default_user())  # fmt: skip
         await (await RemoteProcess.start(await self.connection(entry), first)).wait()
 
+    async def sync(self, entry: BoxEntry) -> None:
+        """Have the guest write what it holds for its disk (``sync``), now."""
+        await self.control(entry, ControlOp.SYNC)
+
     async def control(self, entry: BoxEntry, op: ControlOp, payload: bytes = b"") -> Fields:
         return await control(await self.connection(entry), op, payload)
 

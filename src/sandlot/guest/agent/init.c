@@ -359,6 +359,42 @@ static void bring_up_network(void)
     }
 }
 
+/* Every HELLO writes the box's machine-id (each start, restore and fork child): into
+ * a file of /run's tmpfs bound over the image's /etc/machine-id, not onto the root's
+ * ext4, which would then journal and write back in every restored VM (under TCG a
+ * few thousand kernel blocks each VM translates again). The box's id comes with each
+ * HELLO, so nothing needs it on disk (an image without the file gets an empty one
+ * to bind over, written once, at the first boot). */
+static void machine_id_in_memory(void)
+{
+    struct stat st;
+    if (lstat("/etc/machine-id", &st) != 0) {
+        int cover = open("/etc/machine-id", O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0444); /* something to bind over */
+        if (cover < 0) {
+            return; /* no /etc, or a read-only root: the HELLO does what it can */
+        }
+        close(cover);
+    } else if (!S_ISREG(st.st_mode)) {
+        return;
+    }
+    char id[40] = {0};
+    int in = open("/etc/machine-id", O_RDONLY | O_CLOEXEC);
+    ssize_t n = in >= 0 ? read(in, id, sizeof(id) - 1) : -1;
+    if (in >= 0) {
+        close(in);
+    }
+    mkdir("/run/sandlot", 0755);
+    int out = open("/run/sandlot/machine-id", O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0444);
+    if (out < 0) {
+        return;
+    }
+    int ok = n <= 0 || write(out, id, (size_t)n) == n;
+    close(out);
+    if (!ok || mount("/run/sandlot/machine-id", "/etc/machine-id", NULL, MS_BIND, NULL) < 0) {
+        logmsg("machine-id in /run: %s", ok ? strerror(errno) : "write failed");
+    }
+}
+
 /* Minimal images (debootstrap's minbase, scratch images) have no /etc/hosts, and
  * then "localhost" does not resolve: a program connecting to itself fails (CPython's
  * own test suite: 298 failures). An image's own file is never touched. */
@@ -397,6 +433,7 @@ void init_after_root(void)
     }
     bring_up_loopback();
     ensure_hosts_file();
+    machine_id_in_memory();
     if (g_cmd_net) {
         bring_up_network();
     }
@@ -487,7 +524,7 @@ void set_machine_id(const char *id)
     int fd = open("/etc/machine-id", O_RDWR | O_CLOEXEC | O_NOFOLLOW);
     if (fd >= 0) {
         ssize_t n = pread(fd, cur, sizeof(cur), 0);
-        int ok = n == 33 && (memcmp(cur, line, 33) == 0 || pwrite(fd, line, 33, 0) == 33);
+        int ok = (n == 33 && memcmp(cur, line, 33) == 0) || (pwrite(fd, line, 33, 0) == 33 && ftruncate(fd, 33) == 0);
         close(fd);
         if (ok) {
             return;
