@@ -329,7 +329,7 @@ class LiveState:
             await asyncio.wait_for(self.controller.first_exec(entry), WARM_UP_TIMEOUT)
             await asyncio.wait_for(self.controller.sync(entry), WARM_UP_TIMEOUT)
         except (SandlotError, OSError, TimeoutError) as exc:
-            log.debug("no first command in %s before its state was saved: %s", entry.name, exc)
+            log.debug("no first command or sync in %s before its state was saved: %s", entry.name, exc)
 
     async def template_key(self, entry: BoxEntry, image_digest: str) -> str:
         """What an automatic template must share with a box to stand in for its boot."""
