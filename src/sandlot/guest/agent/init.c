@@ -261,6 +261,21 @@ static int set_addr(int fd, const char *ifname, unsigned long req, const char *a
  * and the resolver is the relay to the host's answerer (dns.c). The image's
  * /etc/resolv.conf (often copied from the machine that built it) is covered,
  * not changed: ours is bind-mounted over it. */
+/* Bind SOURCE (a file of /run's tmpfs) over TARGET, which is made, empty, where the
+ * image has none: something to cover. 0, or -1 with errno. */
+static int bind_over(const char *source, const char *target, mode_t cover_mode)
+{
+    struct stat st;
+    if (lstat(target, &st) != 0) {
+        int cover = open(target, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, cover_mode);
+        if (cover < 0) {
+            return -1;
+        }
+        close(cover);
+    }
+    return mount(source, target, NULL, MS_BIND, NULL);
+}
+
 static void bring_up_network(void)
 {
     char ifname[IFNAMSIZ] = "";
@@ -348,13 +363,7 @@ static void bring_up_network(void)
     if (strcmp(target, "/run/sandlot/resolv.conf")) {
         return; /* written through the link */
     }
-    if (lstat("/etc/resolv.conf", &st) != 0) {
-        int ef = open("/etc/resolv.conf", O_WRONLY | O_CREAT | O_CLOEXEC, 0644); /* something to cover */
-        if (ef >= 0) {
-            close(ef);
-        }
-    }
-    if (mount(target, "/etc/resolv.conf", NULL, MS_BIND, NULL) < 0) {
+    if (bind_over(target, "/etc/resolv.conf", 0644) < 0) {
         logmsg("network: /etc/resolv.conf: %s", strerror(errno));
     }
 }
@@ -368,13 +377,7 @@ static void bring_up_network(void)
 static void machine_id_in_memory(void)
 {
     struct stat st;
-    if (lstat("/etc/machine-id", &st) != 0) {
-        int cover = open("/etc/machine-id", O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0444); /* something to bind over */
-        if (cover < 0) {
-            return; /* no /etc, or a read-only root: the HELLO does what it can */
-        }
-        close(cover);
-    } else if (!S_ISREG(st.st_mode)) {
+    if (lstat("/etc/machine-id", &st) == 0 && !S_ISREG(st.st_mode)) {
         return;
     }
     char id[40] = {0};
@@ -390,8 +393,10 @@ static void machine_id_in_memory(void)
     }
     int ok = n <= 0 || write(out, id, (size_t)n) == n;
     close(out);
-    if (!ok || mount("/run/sandlot/machine-id", "/etc/machine-id", NULL, MS_BIND, NULL) < 0) {
-        logmsg("machine-id in /run: %s", ok ? strerror(errno) : "write failed");
+    if (!ok) {
+        logmsg("machine-id in /run: write failed");
+    } else if (bind_over("/run/sandlot/machine-id", "/etc/machine-id", 0444) < 0 && errno != ENOENT && errno != EROFS) {
+        logmsg("machine-id in /run: %s", strerror(errno)); /* no /etc, or a read-only root: the HELLO does what it can */
     }
 }
 
