@@ -4,6 +4,7 @@ VM, and fuzzing with random and mutated frames under ASan/UBSan."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import os
 import random
@@ -297,3 +298,60 @@ def test_memory_stays_bounded_when_the_host_never_reads(tmp_path: Path) -> None:
     agent.proc.wait()
     assert sent < 400 * len(ping), "the agent kept reading while its replies piled up"
     assert rss_kb < 64 * 1024, f"agent RSS {rss_kb} KiB"
+
+
+def test_a_lost_connection_follows_a_socket_that_appears_late(tmp_path: Path, monkeypatch) -> None:
+    """A VM replaced by another process (a rollback) closes its socket before its process
+    exits, and the new VM's socket appears only once it runs: the connection asks its owner
+    again and retries while the socket is missing, then works on the new agent; past its
+    patience it fails with the reason."""
+    import sandlot.protocol.connection as connection_mod
+    from sandlot.errors import ConnectionLost
+    from sandlot.protocol.connection import AgentConnection
+
+    monkeypatch.setattr(connection_mod, "RECONNECT_PAUSE", 0.01)
+
+    async def go(missing: int, patience: float) -> tuple[int, BaseException | None]:
+        monkeypatch.setattr(connection_mod, "RECONNECT_PATIENCE", patience)
+        first, second = spawn(tmp_path), spawn(tmp_path)
+        targets = [first.sock]
+        asked = 0
+        asked_enough = asyncio.Event()
+
+        async def connector() -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+            if not targets:
+                raise FileNotFoundError(2, "No such file or directory")
+            return await asyncio.open_unix_connection(sock=targets.pop(0), limit=1 << 22)
+
+        async def on_lost() -> BaseException | None:
+            nonlocal asked
+            asked += 1
+            if asked > missing:  # the new VM's socket is there now
+                targets.append(second.sock)
+                asked_enough.set()
+            return None  # the owner says: follow the box
+
+        conn = AgentConnection(connector, request_timeout=10, on_lost=on_lost)
+        try:
+            await conn.connect(5)
+            first.proc.kill()
+            first.proc.wait()
+            try:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(asked_enough.wait(), 5)
+                await conn.wait_ready()
+                st, out, _ = await _exec(conn, ["echo", "again"])
+                assert (st.exit_code, out) == (0, b"again\n")
+                return asked, None
+            except ConnectionLost as exc:
+                return asked, exc
+        finally:
+            await conn.close()
+            for agent in (first, second):
+                agent.proc.kill()
+                agent.proc.wait()
+
+    asked, failure = run(go(missing=3, patience=30.0))
+    assert failure is None and asked == 4
+    asked, failure = run(go(missing=1000, patience=0.2))
+    assert isinstance(failure, ConnectionLost) and "No such file" in str(failure)

@@ -38,6 +38,12 @@ Connector = Callable[[], Awaitable[tuple[asyncio.StreamReader, asyncio.StreamWri
 
 DEFAULT_REQUEST_TIMEOUT = 30.0
 HELLO_RETRY = 1.0
+# How long a lost connection keeps asking its owner and connecting again while the
+# agent's socket is missing or refuses: a VM that another process stops or replaces
+# (a rollback) closes its sockets before its process exits, so the owner may still
+# see the old VM alive for a moment, and the new VM's socket appears only once it runs.
+RECONNECT_PATIENCE = 30.0
+RECONNECT_PAUSE = 0.1
 
 
 @dataclass(frozen=True, slots=True)
@@ -626,24 +632,34 @@ class AgentConnection:
     async def _lost(self) -> None:
         """The socket closed: ask the owner whether the VM still lives, and reconnect."""
         self._reader_task = None
-        reason: BaseException | None = ConnectionLost("the agent connection closed")
-        self._reconnecting = asyncio.get_running_loop().create_future()
-        if self._on_lost is not None:
+        reason: BaseException | None = None
+        loop = asyncio.get_running_loop()
+        self._reconnecting = loop.create_future()
+        deadline = loop.time() + RECONNECT_PATIENCE
+        while self._on_lost is not None:
             try:
                 reason = await self._on_lost()
             except Exception as exc:
                 reason = exc
-        if reason is None:
+            if reason is not None:
+                break
             try:
                 await self.reconnect()
-                return
+            except (FileNotFoundError, ConnectionRefusedError) as exc:
+                # the socket is gone or not yet there: ask the owner again which VM to follow
+                reason = ConnectionLost(f"could not reconnect to the agent: {exc}")
+                if loop.time() >= deadline:
+                    break
+                await asyncio.sleep(RECONNECT_PAUSE)
+                continue
             except Exception as exc:
                 reason = ConnectionLost(f"could not reconnect to the agent: {exc}")
-            finally:
-                fut, self._reconnecting = self._reconnecting, None
-                if fut is not None and not fut.done():
-                    fut.set_result(None)
-        self._fail_all(reason)
+                break
+            fut, self._reconnecting = self._reconnecting, None
+            if fut is not None and not fut.done():
+                fut.set_result(None)
+            return
+        self._fail_all(reason or ConnectionLost("the agent connection closed"))
         done, self._reconnecting = self._reconnecting, None
         if done is not None and not done.done():
             done.set_result(None)
