@@ -95,9 +95,9 @@ def pss_kib(pid: int) -> dict[str, int]:
 def pss_breakdown_mib(pid: int, memory_mib: int) -> dict[str, float]:
     """Where a QEMU process's PSS goes, by mapping: the guest's RAM (the mapping of
     ``memory_mib``), TCG's translated-code cache (an anonymous mapping of about
-    ``tb-size``), the kernel image QEMU keeps mapped after loading it (``vmlinux``,
-    shared page cache: split between the boxes that booted it), QEMU's own code and
-    libraries, and the rest (heap, stacks, device state)."""
+    ``tb-size``), the kernel image QEMU loaded (``vmlinux``: none since the copy
+    QEMU loads is given back once loaded, where it kept 44 MiB before), QEMU's own
+    code and libraries, and the rest (heap, stacks, device state)."""
     parts = {"guest_ram": 0, "tcg_code_cache": 0, "kernel_image": 0, "qemu_and_libraries": 0, "other": 0}
     kind = "other"
     with open(f"/proc/{pid}/smaps") as f:

@@ -85,6 +85,36 @@ def test_distro_kernel_is_pvh_with_modules_in_dependency_order() -> None:
     assert set(info["depends"].split(",")) == {"virtio", "virtio_ring"}
 
 
+def test_the_kernel_copy_qemu_loads_holds_the_segments_and_no_symbols(tmp_path: Path) -> None:
+    """What QEMU loads: the same bytes for every segment, no section headers (so no
+    symbol table in QEMU's heap), and the rest of the file a hole."""
+    engine = Runtime.for_home().engine("qemu")
+    src = engine.resolve(BootRequest()).kernel.vmlinux  # type: ignore[attr-defined]
+    dest = tmp_path / "vmlinux"
+    kernel.copy_loadable(src, dest)
+    elf, copy = src.read_bytes(), dest.read_bytes()
+    assert kernel._has_pvh_note(copy)
+    assert struct.unpack_from("<Q", copy, 0x28) == (0,) and struct.unpack_from("<HH", copy, 0x3C) == (0, 0)
+    (e_phoff,) = struct.unpack_from("<Q", elf, 0x20)
+    e_phentsize, e_phnum = struct.unpack_from("<HH", elf, 0x36)
+    loaded = 0
+    for i in range(e_phnum):
+        p_type, _f, off, _va, _pa, size = struct.unpack_from("<IIQQQQ", elf, e_phoff + i * e_phentsize)
+        if p_type == 1:
+            assert copy[off : off + size] == elf[off : off + size]
+            loaded += size
+    assert dest.stat().st_blocks * 512 < loaded + (1 << 20) < len(elf)  # only the segments take space
+    (tmp_path / "junk").write_bytes(b"MZ" + bytes(100))
+    with pytest.raises(sandlot.HostSetupError, match="not a 64-bit"):
+        kernel.copy_loadable(tmp_path / "junk", tmp_path / "again")
+    cut = bytearray(_tiny_pvh_elf())
+    cut[5] = 1  # little-endian
+    struct.pack_into("<H", cut, 0x38, 40)  # more program headers than the file holds
+    (tmp_path / "cut").write_bytes(bytes(cut))
+    with pytest.raises(sandlot.HostSetupError, match="cut short"):
+        kernel.copy_loadable(tmp_path / "cut", tmp_path / "again")
+
+
 def test_kernel_conversion_rejects_garbage() -> None:
     with pytest.raises(sandlot.HostSetupError, match="neither an ELF"):
         kernel.to_vmlinux(b"not a kernel" * 100)

@@ -47,7 +47,16 @@ def test_qmp_reports_running_and_quit_ends_qemu(busybox_root: Path) -> None:
         await box.start()
         try:
             info = await box.inspect()
+            # QEMU loaded a copy of the kernel, given back once loaded: none of it in its memory
+            kernel_rss, mapping = [], ""
+            for line in Path(f"/proc/{info['vm_pid']}/smaps").read_text().splitlines():
+                if line[:1] in "0123456789abcdef" and "-" in line.split()[0]:
+                    mapping = line
+                elif line.startswith("Rss:") and "vmlinux" in mapping:
+                    kernel_rss.append(int(line.split()[1]))
+            assert kernel_rss and sum(kernel_rss) == 0
             rt = sandlot.Runtime.for_home()
+            assert not (rt.run_dir(box.id) / "vmlinux").exists()
             engine = rt.engine("qemu")
             ref = VMRef(info["vm_pid"], info["vm_start"])
             where = Placement(box.id, box.hostname, rt.box_dir(box.id), rt.run_dir(box.id), 8)

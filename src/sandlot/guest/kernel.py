@@ -110,6 +110,45 @@ def _has_pvh_note(elf: bytes) -> bool:
     return False
 
 
+def copy_loadable(vmlinux: Path, dest: Path) -> None:
+    """Write a copy of ``vmlinux`` holding only what a loader reads: the ELF header,
+    the program headers and the segments they name, at their offsets (the rest is a
+    hole). It has no section headers, so a loader finds no symbol table to keep
+    (QEMU reads one into its heap for its disassembler)."""
+    with open(vmlinux, "rb") as src, open(dest, "wb") as out:
+        ident = os.pread(src.fileno(), 64, 0)
+        if len(ident) < 64 or ident[:4] != b"\x7fELF" or ident[4] != 2 or ident[5] != 1:
+            raise HostSetupError(f"{vmlinux} is not a 64-bit little-endian ELF kernel")
+        (e_phoff,) = struct.unpack_from("<Q", ident, 0x20)
+        e_phentsize, e_phnum = struct.unpack_from("<HH", ident, 0x36)
+        table = os.pread(src.fileno(), e_phentsize * e_phnum, e_phoff)
+        if e_phentsize < 56 or len(table) != e_phentsize * e_phnum:
+            raise HostSetupError(f"{vmlinux}: its program headers are cut short")
+        header = bytearray(ident)
+        struct.pack_into("<Q", header, 0x28, 0)  # e_shoff
+        struct.pack_into("<HH", header, 0x3C, 0, 0)  # e_shnum, e_shstrndx
+        out.write(header)
+        os.pwrite(out.fileno(), table, e_phoff)
+        for i in range(e_phnum):
+            entry = struct.unpack_from("<IIQQQQ", table, i * e_phentsize)
+            p_type, p_offset, p_filesz = entry[0], entry[2], entry[5]
+            if p_type in (1, 4) and p_filesz:  # PT_LOAD, PT_NOTE
+                _copy_range(src.fileno(), out.fileno(), p_offset, p_filesz)
+
+
+def _copy_range(src: int, dst: int, offset: int, size: int) -> None:
+    """Copy ``size`` bytes at ``offset`` to the same offset, in the kernel where it can."""
+    done = 0
+    while done < size:
+        try:
+            n = os.copy_file_range(src, dst, size - done, offset + done, offset + done)
+        except OSError:  # another filesystem, or no copy_file_range: through a buffer
+            n = os.pwrite(dst, os.pread(src, min(size - done, 1 << 22), offset + done), offset + done)
+        if n <= 0:
+            raise HostSetupError(f"the kernel image ended early, at byte {offset + done}")
+        done += n
+
+
 def _decompress(payload: bytes) -> bytes:
     if payload[:4] == b"\x02\x21\x4c\x18":  # lz4 legacy, as the kernel writes it
         if not shutil.which("lz4"):

@@ -117,6 +117,16 @@ class VMConfig:
     def qmp_lock(self) -> Path:
         return self.state_dir / "qmp.lock"
 
+    @property
+    def boots(self) -> bool:
+        """Whether this VM boots a kernel (else it loads a saved state)."""
+        return not (self.incoming or self.restore_from)
+
+    @property
+    def kernel_copy(self) -> Path:
+        """The copy of the kernel that QEMU loads, given back once loaded (``QemuVM.start``)."""
+        return self.run_dir / "vmlinux"
+
     def agent_socket(self, port: int = 0) -> Path:
         return self.run_dir / f"agent.{port}.sock"
 
@@ -189,10 +199,10 @@ def build_command(cfg: VMConfig, binary: str) -> list[str]:
         "-serial", "chardev:console",
         "-device", f"virtio-serial-device,max_ports={cfg.ports + 1}",  # port 0 is reserved for consoles
     ]  # fmt: skip
-    if not (cfg.incoming or cfg.restore_from):
+    if cfg.boots:
         # a VM that loads a saved state gets its kernel from that state; loading the
         # 45 MB vmlinux again would only cost time and memory
-        cmd += ["-kernel", str(cfg.kernel), "-initrd", str(cfg.initrd), "-append", append]
+        cmd += ["-kernel", str(cfg.kernel_copy), "-initrd", str(cfg.initrd), "-append", append]
     for port in range(cfg.ports):
         cmd += [
             "-chardev", f"socket,id=agent{port},path={_q(cfg.agent_socket(port))},server=on,wait=off",
