@@ -93,6 +93,14 @@ async def run(root: Path, runs: int, fan_out: tuple[int, ...], rounds: int) -> d
             starts.append(time.perf_counter() - t)
             await b.remove(force=True)
         out["template_start_to_first_exec_s"] = summary(starts, digits=3)
+        # the host memory of an idle box started from a template, alone (the state it maps
+        # is not shared with any other running VM): what a box costs after its image's first
+        b = AsyncBox(template=tmpl, keep=True)
+        await b.start()
+        await b.exec("true")
+        await asyncio.sleep(2.0)
+        out["template_box_idle_pss_MiB"] = round(pss_kib((await b.inspect())["vm_pid"])["pss"] / 1024, 1)
+        await b.remove(force=True)
 
         forks: dict[str, Any] = {}
         for n in fan_out:

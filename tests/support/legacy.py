@@ -60,10 +60,8 @@ def downgrade_to_v2(db: Path) -> None:
     for s in snaps:
         o = json.loads(s["options"])
         vm, ef = o["vm"], o["vm"]["engine_facts"]
-        o["vm"] = {"machine": ef["machine"], "qemu_version": ef["qemu_version"], "accel": vm["accel"],
-                   "cpu_model": ef["cpu_model"], "memory_mib": vm["memory_mib"], "cpus": vm["cpus"],
-                   "ports": vm["agent_ports"], "kernel": ef["kernel"], "initrd": ef["initrd"],
-                   "network": vm["network"]}  # fmt: skip
+        o["vm"] = {**ef, "accel": vm["accel"], "memory_mib": vm["memory_mib"], "cpus": vm["cpus"],
+                   "ports": vm["agent_ports"], "network": vm["network"]}  # fmt: skip
         row = s | {"options": json.dumps(o)}
         insert(dst, "snapshots", row)
     dst.commit()

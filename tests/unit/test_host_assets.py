@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
+import shutil
 import stat
 import struct
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -77,10 +82,8 @@ def test_distro_kernel_is_pvh_with_modules_in_dependency_order() -> None:
     assert elf[:4] == b"\x7fELF" and kernel._has_pvh_note(elf)
     order = k.load_order()
     assert order.index("virtio_ring") < order.index("virtio") < order.index("virtio_mmio")
-    assert order[-2:] == ["virtio_console", "virtio_blk"] or set(order[-2:]) == {
-        "virtio_console",
-        "virtio_blk",
-    }
+    assert order.index("virtio_mmio") < order.index("virtio_console") < order.index("virtio_blk")
+    assert order[-1] == "virtio_balloon"  # free page reporting: wanted, never needed to boot
     info = kernel._modinfo(k.modules["virtio_blk"].read_bytes())
     assert set(info["depends"].split(",")) == {"virtio", "virtio_ring"}
 
@@ -157,3 +160,75 @@ def test_bzimage_with_trailing_size_decompresses(codec: str) -> None:
     image[0x202:0x206] = b"HdrS"
     struct.pack_into("<II", image, 0x248, 0, len(payload))
     assert kernel.to_vmlinux(bytes(image) + payload) == elf
+
+
+def _fake_apt(tmp_path: Path, deb: Path | None) -> tuple[Path, Path]:
+    """An ``apt-get`` that 'downloads' ``deb`` (or fails), counting its calls."""
+    bin_dir, calls = tmp_path / "bin", tmp_path / "apt-calls"
+    bin_dir.mkdir(parents=True)
+    body = f'cp "{deb}" . && ' if deb is not None else ""
+    script = bin_dir / "apt-get"
+    script.write_text(f'#!/bin/sh\necho "$@" >> "{calls}"\n{body}{"true" if deb else "exit 100"}\n')
+    script.chmod(0o755)
+    return bin_dir, calls
+
+
+def test_a_kernel_prepared_with_fewer_modules_gets_the_missing_ones_from_its_package(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A kernel an earlier sandlot prepared (no 'wanted' list) is topped up from its own
+    package, once; its vmlinux is untouched; a package whose vmlinux differs is not used;
+    where apt fails, the kernel is used as it is and apt is not asked again."""
+    engine = Runtime.for_home().engine("qemu")
+    real_ko = engine.resolve(BootRequest()).kernel.modules["virtio_balloon"]  # type: ignore[attr-defined]
+    elf, version, package = _tiny_pvh_elf(), "6.1.0-test-cloud-amd64", "linux-image-6.1.0-test-cloud-amd64"
+
+    def make_home(name: str) -> Path:
+        home = tmp_path / name
+        root = home / "kernels" / package
+        (root / "modules").mkdir(parents=True)
+        (root / "vmlinux").write_bytes(elf)
+        meta = {"version": version, "sha256": hashlib.sha256(elf).hexdigest(), "modules": {}, "deps": {},
+                "source": f"apt:{package}"}  # fmt: skip
+        (root / "kernel.json").write_text(json.dumps(meta))
+        (home / "kernels" / "default").write_text(package)
+        return home
+
+    def make_deb(name: str, vmlinuz: bytes) -> Path:
+        tree = tmp_path / name
+        (tree / "DEBIAN").mkdir(parents=True)
+        (tree / "DEBIAN" / "control").write_text(
+            f"Package: {package}\nVersion: 1\nArchitecture: amd64\nMaintainer: t <t@t>\nDescription: t\n"
+        )
+        (tree / "boot").mkdir()
+        (tree / "boot" / f"vmlinuz-{version}").write_bytes(vmlinuz)
+        mods = tree / "lib" / "modules" / version / "kernel" / "drivers" / "virtio"
+        mods.mkdir(parents=True)
+        shutil.copy(real_ko, mods / "virtio_balloon.ko")
+        subprocess.run(["dpkg-deb", "--build", str(tree), str(tmp_path / f"{name}.deb")], check=True,
+                       capture_output=True)  # fmt: skip
+        return tmp_path / f"{name}.deb"
+
+    # the same build: the module is added beside the others, once
+    home = make_home("same")
+    bin_dir, calls = _fake_apt(tmp_path / "a", make_deb("same", elf))
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    k = kernel.fetch_distro_kernel(home)
+    assert "virtio_balloon" in k.modules and k.modules["virtio_balloon"].read_bytes() == real_ko.read_bytes()
+    assert k.vmlinux.read_bytes() == elf and k.load_order() == ["virtio_balloon"]
+    assert kernel.fetch_distro_kernel(home).modules == k.modules
+    assert len(calls.read_text().splitlines()) == 1
+
+    # another build under the same name: not used
+    home = make_home("other")
+    bin_dir, calls = _fake_apt(tmp_path / "b", make_deb("other", elf + b"\0"))
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    assert kernel.fetch_distro_kernel(home).modules == {}
+
+    # apt fails: used as it is, and not asked again
+    home = make_home("offline")
+    bin_dir, calls = _fake_apt(tmp_path / "c", None)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    assert kernel.fetch_distro_kernel(home).modules == {}
+    assert kernel.fetch_distro_kernel(home).modules == {}
+    assert len(calls.read_text().splitlines()) == 1

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -96,3 +97,70 @@ def test_a_with_block_whose_process_died_is_cleaned_up(busybox_root: Path) -> No
     assert (
         not Path(f"/proc/{qemu_pid}").exists() or "Z" in Path(f"/proc/{qemu_pid}/stat").read_text().split()[2]
     )
+
+
+def _guest_ram_rss_mib(pid: int, memory_mib: int) -> float:
+    """The host memory behind a VM's guest RAM (its mapping of ``memory_mib``)."""
+    size, rss = 0, 0
+    for line in Path(f"/proc/{pid}/smaps").read_text().splitlines():
+        fields = line.split()
+        if len(fields) >= 5 and fields[0].count("-") == 1 and ":" in fields[3]:
+            start, end = (int(x, 16) for x in fields[0].split("-"))
+            size = (end - start) >> 20
+        elif fields and fields[0] == "Rss:" and size == memory_mib:
+            rss += int(fields[1])
+    return rss / 1024
+
+
+def test_memory_the_guest_frees_goes_back_to_the_host(busybox_root: Path) -> None:
+    """Free page reporting through the balloon: 100 MiB that a program in the box used
+    and freed leave the host's memory within seconds (without it they stayed)."""
+    with sandlot.Box(rootfs=busybox_root, memory_mib=256) as box:
+        pid = box.inspect()["vm_pid"]
+        assert box.sh("test -d /sys/bus/virtio/drivers/virtio_balloon").exit_code == 0
+        before = _guest_ram_rss_mib(pid, 256)
+        fill = box.sh("mkdir -p /run/fill && mount -t tmpfs tmpfs /run/fill && "
+                      "dd if=/dev/zero of=/run/fill/x bs=1M count=100 2>/dev/null")  # fmt: skip
+        assert fill.exit_code == 0, fill.stderr
+        used = _guest_ram_rss_mib(pid, 256)
+        assert used > before + 60, (before, used)
+        assert box.sh("rm /run/fill/x && umount /run/fill").exit_code == 0
+        deadline = time.monotonic() + 20
+        while (now := _guest_ram_rss_mib(pid, 256)) > before + 20 and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert now <= before + 20, (before, used, now)
+
+
+def test_states_saved_before_the_balloon_came_still_load(
+    busybox_root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A state saved by a VM without the balloon (device set "1": every state saved
+    before it came) is loaded by a VM without one, for a rollback and for forks."""
+    from sandlot.engine.qemu.engine import QemuEngine
+
+    real = QemuEngine._config
+
+    def without_balloon(self: QemuEngine, *args: Any, **kw: Any) -> VMConfig:
+        cfg = real(self, *args, **kw)
+        cfg.balloon = False
+        return cfg
+
+    def has_balloon(box: sandlot.Box) -> bool:
+        return "virtio-balloon" in Path(f"/proc/{box.inspect()['vm_pid']}/cmdline").read_text()
+
+    monkeypatch.setattr(QemuEngine, "_config", without_balloon)
+    with sandlot.Box(rootfs=busybox_root, memory_mib=256) as box:
+        assert not has_balloon(box)
+        assert box.sh("echo before > /root/mark").exit_code == 0
+        snap = box.snapshot()
+        monkeypatch.undo()  # this sandlot again: its new VMs have the balloon, states keep theirs
+        assert box.sh("echo after > /root/mark").exit_code == 0
+        box.rollback(snap)
+        assert not has_balloon(box) and box.sh("cat /root/mark").stdout == "before\n"
+        [kid] = box.fork(1)
+        try:
+            assert not has_balloon(kid) and kid.sh("cat /root/mark").stdout == "before\n"
+        finally:
+            kid.remove(force=True)
+    with sandlot.Box(rootfs=busybox_root, memory_mib=256) as box:
+        assert has_balloon(box)

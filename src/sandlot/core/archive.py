@@ -170,8 +170,14 @@ def _need(cond: bool, what: str) -> None:
         raise CorruptSnapshot(f"not a valid sandlot snapshot archive: {what}")
 
 
+_V1_GENERAL = ("accel", "memory_mib", "cpus", "ports", "kernel_sha256")
+
+
 def _v1_compat(compat: dict[str, Any]) -> dict[str, Any]:
-    """A version 1 archive's compatibility facts (QEMU's, at the top level) in today's shape."""
+    """A version 1 archive's compatibility facts (QEMU's, at the top level) in today's shape:
+    every fact but the general ones is the engine's."""
+    engine_facts = {k: compat.get(k) for k in ("machine", "qemu_version", "cpu_model")}
+    engine_facts |= {k: v for k, v in compat.items() if k not in _V1_GENERAL}
     return {
         "engine": "qemu",
         "accel": compat.get("accel"),
@@ -179,7 +185,7 @@ def _v1_compat(compat: dict[str, Any]) -> dict[str, Any]:
         "cpus": compat.get("cpus"),
         "agent_ports": compat.get("ports"),
         "network": False,  # version 1 wrote no network facts: it exported boxes without a card only
-        "engine_facts": {k: compat.get(k) for k in ("machine", "qemu_version", "cpu_model")},
+        "engine_facts": engine_facts,
         "kernel_sha256": compat.get("kernel_sha256"),
     }
 

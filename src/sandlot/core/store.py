@@ -38,6 +38,9 @@ from ..net.policy import BOX_NAME
 SCHEMA_VERSION = 4
 
 
+_V2_GENERAL_FACTS = ("memory_mib", "cpus", "ports", "network", "accel")
+
+
 def _v3(db: sqlite3.Connection) -> None:
     """Engine-neutral VM columns, and the per-operation data that hid in private
     option keys (``_machine_id``, ``_kernel``/``_initrd``/``_accel``, ``_ports``,
@@ -79,9 +82,11 @@ def _v3(db: sqlite3.Connection) -> None:
                 "agent_ports": vm.get("ports"),
                 "network": bool(vm.get("network")),
                 "accel": vm.get("accel"),
+                # flat, QEMU's: every fact but the general ones is the engine's
                 "engine_facts": {
                     k: vm.get(k) for k in ("machine", "qemu_version", "cpu_model", "kernel", "initrd")
-                },
+                }
+                | {k: v for k, v in vm.items() if k not in _V2_GENERAL_FACTS},
             }
         if isinstance(opts.get("box"), dict):
             opts["box"] = {k: v for k, v in opts["box"].items() if k not in private}

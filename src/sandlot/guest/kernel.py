@@ -13,9 +13,11 @@ the directory appears atomically, complete or not at all.
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import hashlib
 import json
+import logging
 import lzma
 import os
 import re
@@ -30,6 +32,8 @@ from pathlib import Path
 from ..config import atomic_dir, atomic_write, sha256_file
 from ..errors import HostSetupError
 
+log = logging.getLogger("sandlot")
+
 # The cloud flavour boots faster and is smaller; the generic one also has 9p (volumes).
 META_PACKAGES = {"cloud": "linux-image-cloud-amd64", "generic": "linux-image-amd64"}
 
@@ -37,11 +41,14 @@ META_PACKAGES = {"cloud": "linux-image-cloud-amd64", "generic": "linux-image-amd
 # Built-in in one kernel flavour, modules in another: whatever this kernel has as a
 # module is loaded (with its dependencies); what is built in needs nothing.
 # (ext4 asks the crypto API for crc32c, which cannot load modules on its own here)
-BASE_MODULES = ("virtio_mmio", "virtio_console", "virtio_blk", "crc32c_generic", "ext4")
+# virtio_balloon reports the pages the guest frees (free page reporting), which QEMU
+# then gives back to the host: an idle box does not keep what its programs once used.
+BASE_MODULES = ("virtio_mmio", "virtio_console", "virtio_blk", "crc32c_generic", "ext4", "virtio_balloon")
 OPTIONAL_MODULES: tuple[str, ...] = ("virtio_net", "virtio_rng", "overlay", "fuse", "virtiofs")
 OPTIONAL_MODULES += ("vmw_vsock_virtio_transport", "9p", "9pnet_virtio")
 
 _XEN_ELFNOTE_PHYS32_ENTRY = 18
+DOWNLOAD_TIMEOUT = 600.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -268,6 +275,11 @@ def _install_modules(tree: Path, dest: Path) -> tuple[dict[str, str], dict[str, 
 # ---- cache -----------------------------------------------------------------------------------
 
 
+def wanted_modules() -> list[str]:
+    """Every module this sandlot may load into a guest."""
+    return sorted({*BASE_MODULES, *OPTIONAL_MODULES})
+
+
 def _load(root: Path) -> Kernel:
     meta = json.loads((root / "kernel.json").read_text())
     return Kernel(
@@ -296,6 +308,7 @@ def _store(final: Path, elf: bytes, version: str, source: str, modules_tree: Pat
             "modules": modules,
             "deps": deps,
             "source": source,
+            "wanted": wanted_modules(),
         }
         (tmp / "kernel.json").write_text(json.dumps(meta, indent=1))
     return _load(final)
@@ -331,37 +344,77 @@ def fetch_distro_kernel(home: Path, *, refresh: bool = False, flavor: str = "clo
         try:
             pinned = home / "kernels" / pointer.read_text().strip()
             if (pinned / "kernel.json").exists():
-                return _load(pinned)
+                return _topped_up(pinned, pinned.name)
         except OSError:
             pass
     package = _apt_kernel_package(META_PACKAGES[flavor])
     final = home / "kernels" / package
     if (final / "kernel.json").exists():
         atomic_write(pointer, package.encode())
-        return _load(final)
-    if not shutil.which("dpkg-deb"):
-        raise HostSetupError("dpkg-deb is needed to unpack the kernel package")
+        return _topped_up(final, package)
     (home / "kernels").mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix=".fetch-", dir=home / "kernels") as tmpdir:
-        tmp = Path(tmpdir)
-        proc = subprocess.run(["apt-get", "download", package], cwd=tmp, capture_output=True, text=True)
-        debs = list(tmp.glob("*.deb"))
-        if proc.returncode != 0 or not debs:
-            raise HostSetupError(f"apt-get download {package} failed:\n{proc.stderr[-2000:]}")
-        unpacked = tmp / "x"
-        subprocess.run(["dpkg-deb", "-x", str(debs[0]), str(unpacked)], check=True, capture_output=True)
-        images = sorted((unpacked / "boot").glob("vmlinuz-*"))
-        if not images:
-            raise HostSetupError(f"{package} holds no /boot/vmlinuz")
-        version = images[0].name.removeprefix("vmlinuz-")
-        elf = to_vmlinux(images[0].read_bytes())
-        trees = [
-            p for p in (unpacked / "lib" / "modules", unpacked / "usr" / "lib" / "modules") if p.exists()
-        ]
-        tree = trees[0] / version if trees else None
+        version, elf, tree = _unpack_package(package, Path(tmpdir))
         kernel = _store(final, elf, version, f"apt:{package}", tree)
     atomic_write(pointer, package.encode())
     return kernel
+
+
+def _unpack_package(package: str, tmp: Path) -> tuple[str, bytes, Path | None]:
+    """Download and unpack a kernel package: its version, vmlinux, and modules tree."""
+    if not shutil.which("dpkg-deb"):
+        raise HostSetupError("dpkg-deb is needed to unpack the kernel package")
+    try:
+        argv = ["apt-get", "download", package]
+        proc = subprocess.run(argv, cwd=tmp, capture_output=True, text=True, timeout=DOWNLOAD_TIMEOUT)
+    except subprocess.TimeoutExpired as exc:
+        raise HostSetupError(f"apt-get download {package} took over {DOWNLOAD_TIMEOUT:.0f} s") from exc
+    debs = list(tmp.glob("*.deb"))
+    if proc.returncode != 0 or not debs:
+        raise HostSetupError(f"apt-get download {package} failed:\n{proc.stderr[-2000:]}")
+    unpacked = tmp / "x"
+    subprocess.run(["dpkg-deb", "-x", str(debs[0]), str(unpacked)], check=True, capture_output=True)
+    images = sorted((unpacked / "boot").glob("vmlinuz-*"))
+    if not images:
+        raise HostSetupError(f"{package} holds no /boot/vmlinuz")
+    version = images[0].name.removeprefix("vmlinuz-")
+    elf = to_vmlinux(images[0].read_bytes())
+    trees = [p for p in (unpacked / "lib" / "modules", unpacked / "usr" / "lib" / "modules") if p.exists()]
+    return version, elf, (trees[0] / version if trees else None)
+
+
+def _topped_up(root: Path, package: str) -> Kernel:
+    """A kernel prepared by an earlier sandlot that wanted fewer modules: add the ones
+    it lacks, from its own package, beside the others. The vmlinux, which saved states
+    depend on, stays as it is; a package whose vmlinux differs is not used. Where the
+    package cannot be had now, the kernel is used as it is (and asked again next time):
+    what the added modules do is never needed to boot."""
+    meta = json.loads((root / "kernel.json").read_text())
+    wanted = wanted_modules()
+    if set(wanted) <= set(meta.get("wanted", ())):
+        return _load(root)
+    try:
+        with tempfile.TemporaryDirectory(prefix=".fetch-", dir=root.parent) as tmpdir:
+            tmp = Path(tmpdir)
+            version, elf, tree = _unpack_package(package, tmp)
+            if hashlib.sha256(elf).hexdigest() != meta["sha256"] or version != meta["version"]:
+                raise HostSetupError(f"{package} is now another build than the kernel prepared from it")
+            modules, deps = _install_modules(tree, tmp / "modules") if tree is not None else ({}, {})
+            for name, rel in modules.items():
+                if name not in meta["modules"]:
+                    os.replace(tmp / rel, root / rel)
+            meta["modules"] = {**modules, **meta["modules"]}
+            meta["deps"] = {**deps, **meta["deps"]}
+            meta["wanted"] = wanted
+            atomic_write(root / "kernel.json", json.dumps(meta, indent=1).encode())
+    except (HostSetupError, OSError, subprocess.SubprocessError) as exc:
+        # not asked again at every start (a host offline would wait each time)
+        log.warning("kernel %s keeps the modules it has (%s); 'sandlot setup --refresh-kernel' "
+                    "prepares the newest kernel with all of them", meta["version"], exc)  # fmt: skip
+        meta["wanted"] = wanted
+        with contextlib.suppress(OSError):
+            atomic_write(root / "kernel.json", json.dumps(meta, indent=1).encode())
+    return _load(root)
 
 
 def custom_kernel(home: Path, path: Path, modules_tree: Path | None) -> Kernel:

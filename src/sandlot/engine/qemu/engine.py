@@ -28,7 +28,7 @@ from ...errors import IncompatibleSnapshot, SavedStateError
 from .. import hostcgroup
 from ..base import Boot, BootRequest, Engine, LaunchSpec, NetSpec, Placement, SavedState, VMRef, VMStatus
 from . import accel as accel_mod
-from .command import MACHINE, VMConfig, cpu_model, host_tsc_khz, qemu_binary, qemu_version
+from .command import DEVICE_SETS, MACHINE, VMConfig, cpu_model, host_tsc_khz, qemu_binary, qemu_version
 from .monitor import qmp_sync
 from .vm import STATUS, QemuVM, flock
 
@@ -97,6 +97,7 @@ class QemuEngine(Engine):
             disk_readonly=spec.disk_readonly,
         )  # fmt: skip
         if spec.saved is not None:
+            cfg.balloon = has_balloon(spec.saved.facts)
             d = spec.saved.directory
             if self.memory_shared(d):
                 cfg.ram_file, cfg.ram_shared = d / "memory", False
@@ -175,6 +176,7 @@ class QemuEngine(Engine):
                 where, boot, disk=disk, disk_readonly=True, memory_mib=facts["memory_mib"],
                 cpus=facts["cpus"], detached=False, ram_file=mem_tmp, ram_shared=True, incoming=True,
                 network=NetSpec() if facts.get("network") else None,  # the same devices; it never runs
+                balloon=has_balloon(facts),
             )  # fmt: skip
             vm = QemuVM(cfg)
             try:
@@ -209,6 +211,11 @@ class QemuEngine(Engine):
             raise IncompatibleSnapshot(
                 f"the snapshot is of a {ef.get('machine')!r} machine; sandlot runs {MACHINE}"
             )
+        if ef.get("devices", "1") not in DEVICE_SETS:
+            raise IncompatibleSnapshot(
+                f"the snapshot's VM has device set {ef.get('devices')!r}; "
+                f"this sandlot knows sets {', '.join(DEVICE_SETS)}"
+            )
         if _major_minor(ef.get("qemu_version", "")) != _major_minor(mine):
             raise IncompatibleSnapshot(
                 f"the snapshot was saved by QEMU {ef.get('qemu_version')}; this host has QEMU {mine}"
@@ -225,7 +232,7 @@ class QemuEngine(Engine):
 
     def facts_for_import(self, facts: dict[str, Any], boot: Boot) -> dict[str, Any]:
         ef = facts.get("engine_facts") or {}
-        keep = {k: ef[k] for k in ("machine", "qemu_version", "cpu_model") if k in ef}
+        keep = {k: ef[k] for k in ("machine", "devices", "qemu_version", "cpu_model") if k in ef}
         return {
             **facts,
             "engine_facts": {**keep, "kernel": boot.record["kernel"], "initrd": boot.record["initrd"]},
@@ -262,6 +269,12 @@ class QemuEngine(Engine):
         report["tsc_khz"] = host_tsc_khz()
         report["host_cgroup"] = hostcgroup.detect().report()
         return report
+
+
+def has_balloon(facts: dict[str, Any]) -> bool:
+    """Whether a saved state's VM had the balloon (states saved before it came do not say)."""
+    devices: object = (facts.get("engine_facts") or {}).get("devices", "1")
+    return devices != "1"
 
 
 def _major_minor(version: str) -> tuple[str, ...]:

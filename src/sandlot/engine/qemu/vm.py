@@ -24,6 +24,7 @@ from ...errors import BootError, SavedStateError
 from .. import hostcgroup
 from ..base import VM, Connector, VMRef, VMStatus
 from .command import (
+    DEVICE_SET,
     MACHINE,
     TCG_CODE_CACHE_MIB,
     VMConfig,
@@ -298,6 +299,7 @@ class QemuVM(VM):
             "accel": cfg.accel,
             "engine_facts": {
                 "machine": MACHINE,
+                "devices": DEVICE_SET if cfg.balloon else "1",
                 "qemu_version": qemu_version(),
                 "cpu_model": cpu_model(cfg.accel),
                 "kernel": str(cfg.kernel),
