@@ -118,6 +118,8 @@ def test_memory_the_guest_frees_goes_back_to_the_host(busybox_root: Path) -> Non
     with sandlot.Box(rootfs=busybox_root, memory_mib=256) as box:
         pid = box.inspect()["vm_pid"]
         assert box.sh("test -d /sys/bus/virtio/drivers/virtio_balloon").exit_code == 0
+        order = box.sh("cat /sys/module/page_reporting/parameters/page_reporting_order").stdout
+        assert order == "5\n"  # 128 KiB blocks, set by the agent
         before = _guest_ram_rss_mib(pid, 256)
         fill = box.sh("mkdir -p /run/fill && mount -t tmpfs tmpfs /run/fill && "
                       "dd if=/dev/zero of=/run/fill/x bs=1M count=100 2>/dev/null")  # fmt: skip

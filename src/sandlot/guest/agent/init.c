@@ -127,6 +127,22 @@ static void load_modules(void)
     fclose(f);
 }
 
+/* Free page reporting (the balloon's) in blocks of 128 KiB, not the 2 MiB the kernel
+ * sets when the balloon registers: what boot-time work touched and freed is scattered
+ * in smaller blocks (measured: an idle box's guest RAM on the host 108 -> 100.5 MiB).
+ * Lower orders gave little more for many more reports. */
+static void tune_page_reporting(void)
+{
+    int fd = open("/sys/module/page_reporting/parameters/page_reporting_order", O_WRONLY | O_CLOEXEC);
+    if (fd < 0) {
+        return; /* no balloon, or a kernel without free page reporting */
+    }
+    if (write(fd, "5", 1) < 0) {
+        logmsg("page_reporting_order: %s", strerror(errno));
+    }
+    close(fd);
+}
+
 int wait_for(const char *path, int ms)
 {
     struct stat st;
@@ -197,6 +213,7 @@ void init_early(void)
     mount_or_log("sysfs", "/sys", "sysfs", MS_NOSUID | MS_NODEV | MS_NOEXEC, NULL);
     parse_cmdline();
     load_modules();
+    tune_page_reporting();
 
     if (wait_for(g_root_dev, 10000) < 0) {
         panic_poweroff("root disk did not appear");
