@@ -107,10 +107,12 @@ def test_a_full_disk_is_enospc_inside_and_bounded_outside(busybox_root: Path, ne
     home = sandlot.Runtime.for_home().home
     missing = gvisor_limits.project_quota_missing(home) if TEST_ENGINE == "gvisor" else None
     if missing is not None:  # gVisor on a file system without project quotas: refused, saying why
+        before = {b.id for b in sandlot.list()}
         with pytest.raises(
             sandlot.InvalidArgument, match=r"gvisor' cannot bound a box's disk here.*prjquota"
         ):
             sandlot.Box(rootfs=busybox_root, memory_mib=256, disk_size_gb=1, engine=TEST_ENGINE).start()
+        assert {b.id for b in sandlot.list()} == before  # refused before a box was made
         return
     with sandlot.Box(rootfs=busybox_root, memory_mib=256, disk_size_gb=1, engine=TEST_ENGINE) as box:
         disk = Path(box.inspect()["paths"]["disk"])

@@ -10,6 +10,7 @@ import pytest
 
 from sandlot.engine.base import BootRequest
 from sandlot.engine.gvisor import limits
+from sandlot.engine.gvisor.engine import GvisorEngine
 from sandlot.engine.gvisor.vm import SandboxConfig, oci_config
 from sandlot.errors import InvalidArgument
 
@@ -36,6 +37,10 @@ def test_a_disk_size_is_refused_where_no_project_quota_bounds_it(tmp_path: Path)
         limits.disk_bound(BootRequest(disk_gb=2, disk_required=True), tmp_path)
     # the default size is not a request: the box runs, its disk unbounded (docs say so)
     assert limits.disk_bound(BootRequest(disk_gb=8), tmp_path) is None
+    # the engine says so before the core makes a box: a refused request leaves no box behind
+    with pytest.raises(InvalidArgument, match=r"cannot bound a box's disk here"):
+        GvisorEngine(tmp_path).refuse(BootRequest(disk_gb=2, disk_required=True))
+    GvisorEngine(tmp_path).refuse(BootRequest(disk_gb=8))
 
 
 def test_mount_options_decide(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:

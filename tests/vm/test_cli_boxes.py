@@ -12,7 +12,15 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.names import unique
+
 pytestmark = pytest.mark.vm
+CLI_BOX = unique("cli-box")
+CLI_RM = unique("cli-rm")
+CLI_KEPT = unique("cli-kept")
+CLI_CREATED = unique("cli-created")
+CLI_DETACHED = unique("cli-detached")
+CLI_TTY = unique("cli-tty")
 SANDLOT = [sys.executable, "-m", "sandlot.cli"]
 
 
@@ -31,7 +39,7 @@ def test_box_lifecycle_commands(busybox_root: Path, tmp_path: Path) -> None:
     shared = tmp_path / "shared"
     shared.mkdir()
     (shared / "in.txt").write_text("from host")
-    name = "cli-box"
+    name = CLI_BOX
     try:
         assert ok("run", "-d", "--name", name, "-l", "team=cli", "-e", "FOO=bar", "-v", f"{shared}:/mnt/s",
                   "--rootfs", root).strip() == name  # fmt: skip
@@ -74,27 +82,27 @@ def test_box_lifecycle_commands(busybox_root: Path, tmp_path: Path) -> None:
 
 def test_run_rm_and_create(busybox_root: Path) -> None:
     root = str(busybox_root)
-    r = cli("run", "--rm", "--name", "cli-rm", "--rootfs", root, "--", "sh", "-c", "echo once; exit 3")
+    r = cli("run", "--rm", "--name", CLI_RM, "--rootfs", root, "--", "sh", "-c", "echo once; exit 3")
     assert r.returncode == 3 and r.stdout == "once\n"
-    assert "cli-rm" not in ok("ls", "-a")
-    r = cli("run", "--name", "cli-kept", "--rootfs", root, "--", "true")  # no --rm: stopped, kept
+    assert CLI_RM not in ok("ls", "-a")
+    r = cli("run", "--name", CLI_KEPT, "--rootfs", root, "--", "true")  # no --rm: stopped, kept
     try:
         assert r.returncode == 0
         assert "stopped" in ok("ls", "-a", "--filter", "state=stopped")
-        assert ok("create", "--name", "cli-created", "--rootfs", root).strip() == "cli-created"
+        assert ok("create", "--name", CLI_CREATED, "--rootfs", root).strip() == CLI_CREATED
         assert "created" in ok("ls", "-a", "-f", "state=created")
-        ok("start", "cli-created")
-        assert ok("exec", "cli-created", "echo", "hi") == "hi\n"
-        r = cli("create", "--name", "cli-created", "--rootfs", root)
+        ok("start", CLI_CREATED)
+        assert ok("exec", CLI_CREATED, "echo", "hi") == "hi\n"
+        r = cli("create", "--name", CLI_CREATED, "--rootfs", root)
         assert r.returncode == 125 and "already exists" in r.stderr
     finally:
-        cli("rm", "-f", "cli-kept", "cli-created")
+        cli("rm", "-f", CLI_KEPT, CLI_CREATED)
 
 
 def test_a_detached_command_leaves_the_next_process_free_to_exec(busybox_root: Path) -> None:
     # run -d CMD leaves the command on a channel of its (now gone) connection; the next
     # process that takes the same agent port numbers its channels from 1 again
-    name = "cli-detached"
+    name = CLI_DETACHED
     try:
         ok("run", "-d", "--name", name, "--rootfs", str(busybox_root), "--", "sleep", "300")
         assert ok("exec", name, "echo", "next") == "next\n"
@@ -106,7 +114,7 @@ def test_a_detached_command_leaves_the_next_process_free_to_exec(busybox_root: P
 
 @pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is not installed")
 def test_exec_it_in_a_real_terminal(busybox_root: Path, tmp_path: Path) -> None:
-    name = "cli-tty"
+    name = CLI_TTY
     ok("run", "-d", "--name", name, "--rootfs", str(busybox_root))
     session = f"sandlot-test-{int(time.time())}"
     sock = str(tmp_path / "tmux.sock")

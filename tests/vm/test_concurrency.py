@@ -18,7 +18,10 @@ import pytest
 
 import sandlot
 
+from tests.support.names import unique
+
 pytestmark = pytest.mark.vm
+STORM_BASE = unique("storm-base")
 
 IMAGE = "concurrency/busybox:1"
 N = 24
@@ -100,7 +103,7 @@ def test_a_mixed_storm_of_starts_forks_snapshots_and_removes(image: str) -> None
     """Starts, forks, snapshots and removes on the same template and boxes at once:
     every operation either succeeds or is refused with a typed error, and the
     store ends consistent (every box answers, no snapshot half made)."""
-    base = sandlot.Box(image, name="storm-base", memory_mib=256, keep=True).start()
+    base = sandlot.Box(image, name=STORM_BASE, memory_mib=256, keep=True).start()
     errors: list[BaseException] = []
     refused: list[BaseException] = []
 

@@ -17,7 +17,21 @@ import pytest
 
 import sandlot
 
+from tests.support.names import unique
+
 pytestmark = pytest.mark.vm
+DURABLE_1 = unique("durable-1")
+SHARED_1 = unique("shared-1")
+HALF_MADE = unique("half-made")
+STOP_CRASH = unique("stop-crash")
+QEMU_CRASH = unique("qemu-crash")
+START_CRASH = unique("start-crash")
+KEPT_1 = unique("kept-1")
+AUTO_1 = unique("auto-1")
+ORIGINAL = unique("original")
+FACTS_1 = unique("facts-1")
+RACE_1 = unique("race-1")
+RT_API = unique("rt-api")
 
 
 def py(
@@ -31,7 +45,7 @@ def py(
 def test_create_exec_stop_start_across_processes(busybox_root: Path) -> None:
     r = py(f"""
         import sandlot
-        b = sandlot.create(rootfs={str(busybox_root)!r}, name="durable-1", memory_mib=256,
+        b = sandlot.create(rootfs={str(busybox_root)!r}, name={DURABLE_1!r}, memory_mib=256,
                            labels={{"t": "durable"}})
         b.start()
         b.files.write("/root/from-a", "written by process A")
@@ -40,10 +54,10 @@ def test_create_exec_stop_start_across_processes(busybox_root: Path) -> None:
     assert r.returncode == 0, r.stderr
     box_id = r.stdout.strip()
     try:
-        assert sandlot.get("durable-1").state == "running"  # the box outlived process A
-        r = py("""
+        assert sandlot.get(DURABLE_1).state == "running"  # the box outlived process A
+        r = py(f"""
             import sandlot
-            b = sandlot.get("durable-1")
+            b = sandlot.get({DURABLE_1!r})
             print(b.files.read_text("/root/from-a"))
             b.sh("echo from-b > /root/from-b")
             b.stop()
@@ -59,22 +73,22 @@ def test_create_exec_stop_start_across_processes(busybox_root: Path) -> None:
         """)
         assert r.returncode == 0, r.stderr
         assert r.stdout == "written by process Afrom-b\n"
-        box = sandlot.get("durable-1")
+        box = sandlot.get(DURABLE_1)
         assert box.state == "running" and box.inspect()["labels"] == {"t": "durable"}
-        assert [b.name for b in sandlot.list(labels={"t": "durable"})] == ["durable-1"]
+        assert [b.name for b in sandlot.list(labels={"t": "durable"})] == [DURABLE_1]
     finally:
-        sandlot.get("durable-1").remove(force=True)
+        sandlot.get(DURABLE_1).remove(force=True)
     with pytest.raises(sandlot.BoxNotFound):
-        sandlot.get("durable-1")
+        sandlot.get(DURABLE_1)
 
 
 def test_two_processes_exec_in_one_box_at_once(busybox_root: Path) -> None:
-    with sandlot.Box(rootfs=busybox_root, name="shared-1", memory_mib=256) as box:
+    with sandlot.Box(rootfs=busybox_root, name=SHARED_1, memory_mib=256) as box:
         slow = box.spawn("sh", "-c", "sleep 2; echo main-done")
         t0 = time.monotonic()
-        r = py("""
+        r = py(f"""
             import sandlot
-            b = sandlot.get("shared-1")
+            b = sandlot.get({SHARED_1!r})
             print(b.exec("echo", "other-process").stdout, end="")
             print(b.exec("sh", "-c", "echo $$").stdout, end="")
         """)
@@ -88,39 +102,39 @@ def test_kill9_mid_create_leaves_nothing(busybox_root: Path) -> None:
     r = py(
         f"""
         import sandlot
-        sandlot.create(rootfs={str(busybox_root)!r}, name="half-made", memory_mib=256)
+        sandlot.create(rootfs={str(busybox_root)!r}, name={HALF_MADE!r}, memory_mib=256)
     """,
         env={"SANDLOT_CRASH_AT": "create.before-disk"},
     )
     assert r.returncode == -9
-    assert "half-made" not in [b.name for b in sandlot.list()]  # reconciled away
+    assert HALF_MADE not in [b.name for b in sandlot.list()]  # reconciled away
     with pytest.raises(sandlot.BoxNotFound):
-        sandlot.get("half-made")
+        sandlot.get(HALF_MADE)
     ids = {b.id for b in sandlot.list()}
     recent = [
         p for p in sandlot.Runtime.for_home().boxes_dir.iterdir() if time.time() - p.stat().st_mtime < 60
     ]
     assert {p.name for p in recent if p.is_dir()} <= ids  # no directory without its box
     # the name is free again
-    sandlot.create(rootfs=busybox_root, name="half-made", memory_mib=256).remove()
+    sandlot.create(rootfs=busybox_root, name=HALF_MADE, memory_mib=256).remove()
 
 
 def test_kill9_mid_stop_reconciles_to_stopped(busybox_root: Path) -> None:
-    box = sandlot.create(rootfs=busybox_root, name="stop-crash", memory_mib=256)
+    box = sandlot.create(rootfs=busybox_root, name=STOP_CRASH, memory_mib=256)
     try:
         box.start()
         box.files.write("/root/keep", "kept")
         box.exec("sync")
         qemu_pid = box.inspect()["vm_pid"]
         r = py(
-            """
+            f"""
             import sandlot
-            sandlot.get("stop-crash").stop()
+            sandlot.get({STOP_CRASH!r}).stop()
         """,
             env={"SANDLOT_CRASH_AT": "stop.before-shutdown"},
         )
         assert r.returncode == -9
-        b = sandlot.get("stop-crash")  # reconciles: the stopper died, QEMU is made to follow
+        b = sandlot.get(STOP_CRASH)  # reconciles: the stopper died, QEMU is made to follow
         assert b.state == "stopped"
         deadline = time.monotonic() + 10
         while Path(f"/proc/{qemu_pid}").exists() and time.monotonic() < deadline:
@@ -132,12 +146,12 @@ def test_kill9_mid_stop_reconciles_to_stopped(busybox_root: Path) -> None:
 
 
 def test_kill9_of_qemu_is_a_crash_with_a_reason(busybox_root: Path) -> None:
-    box = sandlot.create(rootfs=busybox_root, name="qemu-crash", memory_mib=256)
+    box = sandlot.create(rootfs=busybox_root, name=QEMU_CRASH, memory_mib=256)
     try:
         box.start()
         os.kill(box.inspect()["vm_pid"], signal.SIGKILL)
         time.sleep(0.5)
-        rec = sandlot.get("qemu-crash").inspect()
+        rec = sandlot.get(QEMU_CRASH).inspect()
         assert rec["state"] == "crashed" and "unexpectedly" in rec["reason"]
         with pytest.raises((sandlot.InvalidState, sandlot.BoxCrashed, sandlot.ConnectionLost)):
             box.exec("true")
@@ -151,12 +165,12 @@ def test_kill9_of_the_owner_mid_start(busybox_root: Path) -> None:
     r = py(
         f"""
         import sandlot
-        sandlot.create(rootfs={str(busybox_root)!r}, name="start-crash", memory_mib=256).start()
+        sandlot.create(rootfs={str(busybox_root)!r}, name={START_CRASH!r}, memory_mib=256).start()
     """,
         env={"SANDLOT_CRASH_AT": "start.after-launch"},
     )
     assert r.returncode == -9
-    b = sandlot.get("start-crash")
+    b = sandlot.get(START_CRASH)
     try:
         assert b.state in ("running", "crashed")  # the VM went on alone, or died: never "starting"
         b.stop()
@@ -205,26 +219,26 @@ def test_volumes_read_write_and_read_only(busybox_root: Path, tmp_path: Path) ->
 
 
 def test_keep_and_auto_remove(busybox_root: Path) -> None:
-    with sandlot.Box(rootfs=busybox_root, name="kept-1", memory_mib=256, keep=True) as box:
+    with sandlot.Box(rootfs=busybox_root, name=KEPT_1, memory_mib=256, keep=True) as box:
         box.files.write("/root/x", "y")
-    kept = sandlot.get("kept-1")
+    kept = sandlot.get(KEPT_1)
     assert kept.state == "running" and kept.files.read("/root/x") == b"y"
     kept.remove(force=True)
-    auto = sandlot.create(rootfs=busybox_root, name="auto-1", memory_mib=256, auto_remove=True)
+    auto = sandlot.create(rootfs=busybox_root, name=AUTO_1, memory_mib=256, auto_remove=True)
     auto.start()
     auto.stop()
     with pytest.raises(sandlot.BoxNotFound):
-        sandlot.get("auto-1")
+        sandlot.get(AUTO_1)
 
 
 def test_bad_input_is_refused_and_changes_nothing(busybox_root: Path, tmp_path: Path) -> None:
-    box = sandlot.create(rootfs=busybox_root, name="original", memory_mib=256)
+    box = sandlot.create(rootfs=busybox_root, name=ORIGINAL, memory_mib=256)
     try:
         before = box.inspect()
         with pytest.raises(sandlot.BoxNotFound):
             sandlot.get("no-such-box")
         with pytest.raises(sandlot.InvalidArgument, match="already exists"):
-            sandlot.create(rootfs=busybox_root, name="original")
+            sandlot.create(rootfs=busybox_root, name=ORIGINAL)
         for kwargs in (
             {"name": "bad name"},
             {"name": "-leading"},
@@ -244,31 +258,29 @@ def test_bad_input_is_refused_and_changes_nothing(busybox_root: Path, tmp_path: 
         assert {k: after[k] for k in ("state", "name", "options")} == {
             k: before[k] for k in ("state", "name", "options")
         }
-        assert len([b for b in sandlot.list() if b.name == "original"]) == 1
+        assert len([b for b in sandlot.list() if b.name == ORIGINAL]) == 1
     finally:
         box.remove()
 
 
 def test_stats_logs_inspect(busybox_root: Path) -> None:
-    with sandlot.Box(rootfs=busybox_root, name="facts-1", memory_mib=256) as box:
+    with sandlot.Box(rootfs=busybox_root, name=FACTS_1, memory_mib=256) as box:
         box.exec("sh", "-c", "head -c 8388608 /dev/urandom > /root/f; sync")  # zeros would not be stored
         s = box.stats()
         assert s["cpu_seconds"] > 0 and s["rss_bytes"] > 32 << 20 and s["disk_bytes"] >= 8 << 20
         assert "sandlot-agent: ready" in box.logs()
         info = box.inspect()
-        assert (
-            info["name"] == "facts-1" and info["state"] == "running" and Path(info["paths"]["disk"]).exists()
-        )
+        assert info["name"] == FACTS_1 and info["state"] == "running" and Path(info["paths"]["disk"]).exists()
 
 
 def test_concurrent_starts_of_one_box_boot_it_once(busybox_root: Path) -> None:
-    box = sandlot.create(rootfs=busybox_root, name="race-1", memory_mib=256)
+    box = sandlot.create(rootfs=busybox_root, name=RACE_1, memory_mib=256)
     try:
         errors: list[BaseException] = []
 
         def start() -> None:
             try:
-                sandlot.get("race-1").start()
+                sandlot.get(RACE_1).start()
             except BaseException as exc:
                 errors.append(exc)
 
@@ -285,10 +297,10 @@ def test_concurrent_starts_of_one_box_boot_it_once(busybox_root: Path) -> None:
 
 def test_boxes_of_a_home_given_by_name(busybox_root: Path) -> None:
     rt = sandlot.Runtime()  # the default home ($SANDLOT_HOME)
-    box = sandlot.create(rootfs=busybox_root, name="rt-api", memory_mib=256, home=rt.home)
+    box = sandlot.create(rootfs=busybox_root, name=RT_API, memory_mib=256, home=rt.home)
     try:
-        assert sandlot.get("rt-api", home=rt.home).id == box.id and box.state == "created"
-        assert "rt-api" in [b.name for b in sandlot.list(state="created", home=rt.home)]
+        assert sandlot.get(RT_API, home=rt.home).id == box.id and box.state == "created"
+        assert RT_API in [b.name for b in sandlot.list(state="created", home=rt.home)]
     finally:
         box.remove()
-    assert "rt-api" not in [b.name for b in sandlot.list(home=rt.home)]
+    assert RT_API not in [b.name for b in sandlot.list(home=rt.home)]

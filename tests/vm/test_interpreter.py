@@ -18,8 +18,10 @@ import pytest
 import sandlot
 
 from tests.support import roots
+from tests.support.names import unique
 
 pytestmark = pytest.mark.vm
+INTERPRETER_STATE = unique("interpreter-state")
 
 
 @pytest.fixture(scope="module")
@@ -208,13 +210,13 @@ def _py(code: str) -> subprocess.CompletedProcess[str]:
 def test_state_survives_rollback_fork_suspend_and_export(debian_root: Path, other_home: Path,
                                                          tmp_path: Path) -> None:  # fmt: skip
     # keep=True: another process resumes it, and must not take it for an abandoned box
-    box = sandlot.Box(rootfs=debian_root, memory_mib=256, name="interpreter-state", keep=True)
+    box = sandlot.Box(rootfs=debian_root, memory_mib=256, name=INTERPRETER_STATE, keep=True)
     try:
         _state_survives(box.start(), other_home, tmp_path)
     finally:
         box.remove(force=True)
         for s in sandlot.list_snapshots():
-            if s.box_name == "interpreter-state":
+            if s.box_name == INTERPRETER_STATE:
                 s.remove()
 
 

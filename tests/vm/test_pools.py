@@ -22,12 +22,14 @@ from sandlot.core.pools import PoolInfo
 from sandlot.core.store import BoxRecord
 
 from tests.conftest import TEST_ENGINE
+from tests.support.names import unique
 from tests.support.serve import serving
 
 pytestmark = [
     pytest.mark.vm,
     pytest.mark.skipif(TEST_ENGINE != "qemu", reason="warm pools are tested on QEMU (gVisor: not yet)"),
 ]
+CRASHY, POOL_A, POOL_B = unique("crashy"), unique("pool-a"), unique("pool-b")
 
 FACTS = "hostname; cat /etc/machine-id; head -c 16 /dev/urandom | od -An -tx1 | tr -d ' \\n'; echo; date +%s"
 
@@ -132,18 +134,18 @@ def test_two_processes_claiming_at_once_never_get_the_same_vm(tmpl: sandlot.Snap
 def test_kill9_mid_claim_leaves_nothing_shared_or_orphaned(tmpl: sandlot.Snapshot, point: str) -> None:
     sandlot.set_pool(tmpl, 2, wait=True)
     before = pool_rows(tmpl)
-    r = py(f"import sandlot; sandlot.Box(template={tmpl.id!r}, name='crashy', keep=True).start()",
+    r = py(f"import sandlot; sandlot.Box(template={tmpl.id!r}, name={CRASHY!r}, keep=True).start()",
            env={"SANDLOT_CRASH_AT": point})  # fmt: skip
     assert r.returncode == -9, r.stderr
     [claimed] = [x for x in pool_rows(tmpl) if x.state == "claiming"]
-    assert claimed.name == "crashy" and vm_alive(claimed)
+    assert claimed.name == CRASHY and vm_alive(claimed)
     # the next caller reconciles: the half-claimed VM goes, no box has it
-    assert "crashy" not in {b.name for b in sandlot.list()}
+    assert CRASHY not in {b.name for b in sandlot.list()}
     assert not vm_alive(claimed)
     [left] = pool_rows(tmpl)
     assert left.state == "pooled" and left.id in {x.id for x in before} and left.id != claimed.id
-    with sandlot.Box(template=tmpl, name="crashy") as box:  # the name is free; the other VM serves
-        assert box.id == left.id and box.exec("hostname").stdout == "crashy\n"
+    with sandlot.Box(template=tmpl, name=CRASHY) as box:  # the name is free; the other VM serves
+        assert box.id == left.id and box.exec("hostname").stdout == f"{CRASHY}\n"
 
 
 def test_kill9_mid_fill_leaves_no_orphan(tmpl: sandlot.Snapshot) -> None:
@@ -193,13 +195,13 @@ def test_claims_are_reidentified_and_the_pool_refills_drains_and_goes_with_its_t
         assert not [b for b in sandlot.list() if b.info["origin"] == t.id]  # no boxes, yet
         time.sleep(2)  # the clock of a paused VM stands still: the claim's HELLO sets it
         monkeypatch.setenv("SANDLOT_POOL_REFILL", "1")
-        a = sandlot.Box(template=t.name, name="pool-a", env={"CLAIMED": "a"}, keep=True)
+        a = sandlot.Box(template=t.name, name=POOL_A, env={"CLAIMED": "a"}, keep=True)
         a.start()
-        b = sandlot.Box(template=t, name="pool-b", env={"CLAIMED": "b"}, keep=True)
+        b = sandlot.Box(template=t, name=POOL_B, env={"CLAIMED": "b"}, keep=True)
         b.start()
         assert {a.id, b.id} == {r.id for r in ready}  # both were pool VMs
         fa, fb = (x.sh(FACTS).stdout.split() for x in (a, b))
-        assert (fa[0], fb[0]) == ("pool-a", "pool-b")  # hostnames
+        assert (fa[0], fb[0]) == (POOL_A, POOL_B)  # hostnames
         assert fa[1] != fb[1] and len(fa[1]) == 32  # machine-ids
         assert fa[2] != fb[2]  # the RNG was reseeded in each
         assert abs(int(fa[3]) - time.time()) < 3 and abs(int(fb[3]) - time.time()) < 3  # wall clock

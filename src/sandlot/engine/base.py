@@ -246,9 +246,9 @@ class Engine(ABC):
     save_ends_vm: ClassVar[bool] = False
 
     def refuse(self, request: BootRequest) -> None:
-        """Raise ``InvalidArgument`` for what this engine cannot run at all, whatever the
-        host has. Cheap and blocking nothing: the core asks before it makes a box, so
-        a request the engine refuses leaves no box behind."""
+        """Raise ``InvalidArgument`` for what this engine cannot run, at all or on this
+        host. Cheap and blocking nothing: the core asks before it makes a box, so a
+        request the engine refuses leaves no box behind."""
         return None  # an engine that runs every request refuses nothing
 
     @abstractmethod

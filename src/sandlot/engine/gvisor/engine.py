@@ -65,6 +65,7 @@ class GvisorEngine(Engine):
             raise InvalidArgument("engine='gvisor' does not share host directories (volumes) yet")
         if request.kernel:
             raise InvalidArgument("engine='gvisor' has no guest kernel to replace (kernel= is for qemu)")
+        limits.disk_bound(request, self.home / "layers")  # a size this host cannot hold a box to
 
     def prepare(self, request: BootRequest) -> Boot:
         self.refuse(request)
