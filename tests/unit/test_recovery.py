@@ -35,6 +35,7 @@ class Case:
     extra: dict[str, Any] = field(default_factory=dict)
     reason: str | None = None
     save_ends_vm: bool = False  # the engine's save ends the VM process (gVisor)
+    holder_alive: bool | None = None  # an ephemeral box's: whether its with block's process lives
 
 
 SAVE_CUT_SHORT = {"kind": "snapshot", "source": "paused", "snapshot": "pending1"}
@@ -43,18 +44,19 @@ POOL_VM = {"pool": "tmpl1"}
 CASES: dict[int, Case] = {
     0: Case(S.POOLED, False, V.GONE, None, False, {"options": POOL_VM}),
     1: Case(S.CLAIMING, False, V.RUNNING, None, False, {"options": POOL_VM}),
-    2: Case(S.RUNNING, False, V.RUNNING, None, False, {"ephemeral": True}),
-    3: Case(S.CREATING, True, V.GONE, "creating", True),
-    4: Case(S.CREATING, False, V.GONE, None, False),
-    5: Case(S.STARTING, False, V.RUNNING, "running", True),
-    6: Case(S.STARTING, False, V.LOADING, "crashed", False, reason="before its guest ran"),
-    7: Case(S.STARTING, False, V.GONE, "crashed", False, reason="and the VM with it"),
-    8: Case(S.STOPPING, False, V.RUNNING, "stopped", False),
-    9: Case(S.SUSPENDING, False, V.PAUSED, "suspended", False, {"suspended": "s1"}),
-    10: Case(S.SNAPSHOTTING, False, V.PAUSED, "paused", True, {"op": SAVE_CUT_SHORT}),
+    2: Case(S.RUNNING, False, V.RUNNING, None, False, {"ephemeral": True}, holder_alive=False),
+    3: Case(S.RUNNING, True, V.RUNNING, None, False, {"ephemeral": True}, holder_alive=False),
+    4: Case(S.CREATING, True, V.GONE, "creating", True),
+    5: Case(S.CREATING, False, V.GONE, None, False),
+    6: Case(S.STARTING, False, V.RUNNING, "running", True),
+    7: Case(S.STARTING, False, V.LOADING, "crashed", False, reason="before its guest ran"),
+    8: Case(S.STARTING, False, V.GONE, "crashed", False, reason="and the VM with it"),
+    9: Case(S.STOPPING, False, V.RUNNING, "stopped", False),
+    10: Case(S.SUSPENDING, False, V.PAUSED, "suspended", False, {"suspended": "s1"}),
+    11: Case(S.SNAPSHOTTING, False, V.PAUSED, "paused", True, {"op": SAVE_CUT_SHORT}),
     # on an engine whose save ends the VM (gVisor): the owner died between the checkpoint
     # and the restore
-    11: Case(
+    12: Case(
         S.SNAPSHOTTING,
         False,
         V.GONE,
@@ -64,14 +66,14 @@ CASES: dict[int, Case] = {
         reason="as they were saved",
         save_ends_vm=True,
     ),
-    12: Case(S.SNAPSHOTTING, False, V.GONE, "crashed", False, reason="saving its state"),
-    13: Case(S.RESUMING, False, V.RUNNING, "running", True, {"suspended": "s2"}),
-    14: Case(S.RESUMING, False, V.LOADING, "suspended", False, {"suspended": "s3"}),
-    15: Case(S.RESTORING, False, V.RUNNING, "running", True, {"op": ROLLBACK}),
-    16: Case(S.RESTORING, False, V.GONE, "stopped", False, reason="rollback was interrupted"),
-    17: Case(S.SUSPENDED, False, V.RUNNING, "suspended", False, {"suspended": "s4"}),
-    18: Case(S.RUNNING, True, V.GONE, "crashed", False, reason="exited unexpectedly"),
-    19: Case(S.RUNNING, True, V.RUNNING, "running", True),
+    13: Case(S.SNAPSHOTTING, False, V.GONE, "crashed", False, reason="saving its state"),
+    14: Case(S.RESUMING, False, V.RUNNING, "running", True, {"suspended": "s2"}),
+    15: Case(S.RESUMING, False, V.LOADING, "suspended", False, {"suspended": "s3"}),
+    16: Case(S.RESTORING, False, V.RUNNING, "running", True, {"op": ROLLBACK}),
+    17: Case(S.RESTORING, False, V.GONE, "stopped", False, reason="rollback was interrupted"),
+    18: Case(S.SUSPENDED, False, V.RUNNING, "suspended", False, {"suspended": "s4"}),
+    19: Case(S.RUNNING, True, V.GONE, "crashed", False, reason="exited unexpectedly"),
+    20: Case(S.RUNNING, True, V.RUNNING, "running", True),
 }
 
 
@@ -98,6 +100,9 @@ def make(rt: Runtime, case: Case) -> tuple[BoxRecord, FakeVM | None]:
     now = time.time()
     extra = dict(case.extra)
     options = extra.pop("options", {})
+    if case.holder_alive is not None:
+        holder = pids.me() if case.holder_alive else pid_of_dead_process()
+        extra.update(holder_pid=holder[0], holder_start=holder[1])
     rec = BoxRecord(
         id=box_id, name=box_id, state=case.state, options=options, created_at=now, updated_at=now,
         engine="fake", owner_pid=owner[0], owner_start=owner[1], vm_pid=vm.ref.pid if vm else None,
@@ -120,7 +125,7 @@ def test_rule(runtime: Runtime, row: int) -> None:
     assert recovery.TABLE.index(rule) == row, (
         f"case {row} matched rule {recovery.TABLE.index(rule)}: {rule.doc}"
     )
-    if row in (10, 11):  # a save cut short left its directory behind; no row names it
+    if row in (11, 12):  # a save cut short left its directory behind; no row names it
         (runtime.home / "snapshots" / "pending1").mkdir(parents=True)
     after = rec_recovery.apply(rec)
     if case.expect_state is None:
@@ -134,11 +139,11 @@ def test_rule(runtime: Runtime, row: int) -> None:
             assert after.vm_pid is None or after.state in ("suspended",)
     if vm is not None:
         assert vm.running == case.vm_survives, "the VM should have been ended" if vm.running else "killed"
-    if row in (10, 11):
+    if row in (11, 12):
         assert not (runtime.home / "snapshots" / "pending1").exists()
-    if row == 13:
+    if row == 14:
         assert after is not None and after.suspended is None
-    if row == 15:
+    if row == 16:
         assert after is not None and after.disk == "/new.qcow2" and after.op is None
 
 
@@ -148,3 +153,19 @@ def test_a_row_with_nothing_to_do_is_not_probed(runtime: Runtime) -> None:
     assert not recovery.Recovery(runtime).needed(rec)
     rec, _vm = make(runtime, Case(S.RUNNING, True, V.RUNNING, "running", True))
     assert not recovery.Recovery(runtime).needed(rec)
+
+
+def test_an_ephemeral_box_stays_with_its_holder_whoever_ran_its_last_operation(runtime: Runtime) -> None:
+    """A ``with`` block's box is its process's, not the last operation's: another process
+    that snapshotted it (its owner for the operation) and exited leaves it alone, and one
+    whose operation is under way finishes it even where the holder has died."""
+    rec, _vm = make(runtime, Case(S.RUNNING, False, V.RUNNING, "running", True, {"ephemeral": True},
+                                  holder_alive=True))  # fmt: skip
+    rec_recovery = recovery.Recovery(runtime)
+    assert not rec_recovery.needed(rec)
+    after = rec_recovery.apply(rec)
+    assert after is not None and after.state == "running"
+    rec, _vm = make(runtime, Case(S.SNAPSHOTTING, True, V.RUNNING, "snapshotting", True, {"ephemeral": True},
+                                  holder_alive=False))  # fmt: skip
+    after = rec_recovery.apply(rec)
+    assert after is not None and after.state == "snapshotting"

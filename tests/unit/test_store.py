@@ -61,6 +61,28 @@ def test_a_version_2_store_is_upgraded_with_every_fact_in_its_new_place(tmp_path
     assert again.get("dev") == rec
 
 
+def test_a_version_4_stores_with_blocks_keep_their_holders(tmp_path: Path) -> None:
+    """Before version 5 a ``with`` block's box was held by its owner (the process of its
+    last operation): the upgrade makes that process the holder of each ephemeral box."""
+    db = sqlite3.connect(tmp_path / "sandlot.db")
+    for step in MIGRATIONS[:4]:
+        db.executescript(step) if isinstance(step, str) else step(db)
+    db.execute("PRAGMA user_version=4")
+    for name, ephemeral in (("held", 1), ("kept", 0)):
+        db.execute(
+            "INSERT INTO boxes (id, name, state, options, owner_pid, owner_start, ephemeral, created_at,"
+            " updated_at) VALUES (?, ?, 'running', '{}', 77, '88', ?, 1, 1)",
+            (name, name, ephemeral),
+        )
+    db.commit()
+    db.close()
+    store = BoxStore(tmp_path / "sandlot.db")
+    held, kept = store.get("held"), store.get("kept")
+    assert held.ephemeral and (held.holder_pid, held.holder_start) == (77, "88")
+    assert not kept.ephemeral and (kept.holder_pid, kept.holder_start) == (None, None)
+    assert (held.owner_pid, held.owner_start) == (77, "88")
+
+
 def test_a_store_from_a_newer_sandlot_is_refused(tmp_path: Path) -> None:
     BoxStore(tmp_path / "sandlot.db").close()
     db = sqlite3.connect(tmp_path / "sandlot.db")

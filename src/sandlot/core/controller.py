@@ -40,7 +40,7 @@ from .requests import BoxRequest
 from .runtime import Runtime
 from .sessions import Session
 from .state import LIVE, SERVING, TRANSITIONS, BoxState, Op, check, end_state, failure_state
-from .store import AsyncStore, BoxRecord, SnapshotRecord
+from .store import AsyncStore, BoxRecord, SnapshotRecord, holder_columns
 from .validate import positive
 
 if TYPE_CHECKING:
@@ -238,6 +238,7 @@ class BoxController:
             id=req.id, name=req.name, state=BoxState.CREATING, options=spec.to_options(), created_at=now,
             updated_at=now, image_ref=spec.image, rootfs=spec.rootfs, labels=dict(spec.labels),
             engine=spec.engine, owner_pid=pid, owner_start=start, ephemeral=ephemeral,
+            **holder_columns(ephemeral),
             machine_id=random_ids.token_hex(16),
         )  # fmt: skip
         await self.db.insert(rec)  # reserves the name; a crash from here on is undone by recovery

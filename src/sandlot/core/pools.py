@@ -50,7 +50,7 @@ from .requests import BoxRequest
 from .runtime import Runtime
 from .spec import BoxSpec
 from .state import BoxState, Op
-from .store import AsyncStore, BoxRecord, SnapshotRecord
+from .store import AsyncStore, BoxRecord, SnapshotRecord, holder_columns
 
 log = logging.getLogger("sandlot")
 
@@ -227,6 +227,7 @@ class Pools:
         identity: dict[str, Any] = {
             "name": req.name, "labels": dict(spec.labels), "options": options,
             "machine_id": random_ids.token_hex(16), "ephemeral": ephemeral,
+            **holder_columns(ephemeral),
         }  # fmt: skip
         ctl = self.controller
         ctl.entries.pop(rec.id, None)

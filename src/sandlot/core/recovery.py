@@ -28,7 +28,7 @@ from .. import pids
 from ..engine.base import VMStatus
 from . import snapshots
 from .runtime import Runtime
-from .state import BoxState
+from .state import STABLE, BoxState
 from .store import BoxRecord
 
 S, V = BoxState, VMStatus
@@ -66,8 +66,9 @@ class Rule:
     save_ends_vm: bool | None = None
 
 
-def _ephemeral(rec: BoxRecord) -> bool:
-    return rec.ephemeral
+def _unheld(rec: BoxRecord) -> bool:
+    """An ephemeral box (a ``with`` block's) whose holding process is gone."""
+    return rec.ephemeral and not pids.alive(rec.holder_pid, rec.holder_start)
 
 
 def _suspend_saved(rec: BoxRecord) -> bool:
@@ -95,8 +96,11 @@ TABLE: tuple[Rule, ...] = (
          doc="a warm pool's VM that exited: it goes, and the pool refills"),
     Rule(None, False, ANY_VM, Action.DISCARD, when=_pool_vm_unready,
          doc="a pool VM whose filler or claimer died before it was done: nobody shares or owns it"),
-    Rule(None, False, ANY_VM, Action.DISCARD, when=_ephemeral,
-         doc="a `with` block whose process died: the box goes with it"),
+    Rule(None, False, ANY_VM, Action.DISCARD, when=_unheld,
+         doc="a `with` block whose process died: the box goes with it (no other process is "
+             "running an operation on it)"),
+    Rule(STABLE, True, ANY_VM, Action.DISCARD, when=_unheld,
+         doc="the same, where another process, still alive, ran the box's last operation"),
     Rule(_states(S.CREATING, S.REMOVING), True, ANY_VM, Action.KEEP, doc="being made or removed"),
     Rule(_states(S.CREATING, S.REMOVING), False, ANY_VM, Action.DISCARD,
          doc="its maker or remover died: finish removing it"),
@@ -177,10 +181,12 @@ class Recovery:
             if state == S.POOLED:
                 return not self.rt.engine(rec.engine).alive(rec.vm, rec.id)
             return not pids.alive(rec.owner_pid, rec.owner_start)
-        if state in (S.CREATED, S.STOPPED, S.CRASHED) and not rec.ephemeral:
-            return False
         owner_alive = pids.alive(rec.owner_pid, rec.owner_start)
-        if state.transient or rec.ephemeral:
+        if _unheld(rec) and not (state.transient and owner_alive):
+            return True
+        if state in (S.CREATED, S.STOPPED, S.CRASHED):
+            return False
+        if state.transient:
             return not owner_alive
         alive = self.rt.engine(rec.engine).alive(rec.vm, rec.id)
         return (state == S.SUSPENDED and alive) or (state in (S.RUNNING, S.PAUSED) and not alive)

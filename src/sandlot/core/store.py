@@ -31,11 +31,12 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from .. import pids
 from ..engine.base import VMRef
 from ..errors import BoxNotFound, InvalidArgument, SandlotError, SnapshotNotFound
 from ..net.policy import BOX_NAME
 
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 
 
 _V2_GENERAL_FACTS = ("memory_mib", "cpus", "ports", "network", "accel")
@@ -167,6 +168,14 @@ MIGRATIONS: list[str | Callable[[sqlite3.Connection], None]] = [
     CREATE INDEX audit_box ON audit(box);
     CREATE INDEX audit_key_name ON audit(key_name);
     """,
+    # the process whose ``with`` block holds an ephemeral box, apart from the owner (the
+    # process running the operation in progress): another process's snapshot of the box
+    # no longer makes that process its holder
+    """
+    ALTER TABLE boxes ADD COLUMN holder_pid INTEGER;
+    ALTER TABLE boxes ADD COLUMN holder_start TEXT;
+    UPDATE boxes SET holder_pid = owner_pid, holder_start = owner_start WHERE ephemeral = 1;
+    """,
 ]
 
 SNAPSHOT_KINDS = ("snapshot", "template", "suspend")
@@ -196,7 +205,9 @@ class BoxRecord:
     vm_start: str | None = None
     owner_pid: int | None = None  # the process running the operation in progress
     owner_start: str | None = None
-    ephemeral: bool = False  # removed when its owner dies (a ``with`` block)
+    ephemeral: bool = False  # removed when its holder dies (a ``with`` block)
+    holder_pid: int | None = None  # the process whose ``with`` block holds an ephemeral box
+    holder_start: str | None = None
     reason: str | None = None  # why it crashed, or why an operation was undone
     started_at: float | None = None
     stopped_at: float | None = None
@@ -240,6 +251,13 @@ class SnapshotRecord:
 
     def to_json(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+def holder_columns(ephemeral: bool) -> dict[str, Any]:
+    """The holder columns of a box this process makes or claims: this process if the box
+    is ephemeral (a ``with`` block's), else none."""
+    pid, start = pids.me() if ephemeral else (None, None)
+    return {"holder_pid": pid, "holder_start": start}
 
 
 _JSON_COLUMNS = ("options", "labels", "boot", "ports", "op")
