@@ -83,6 +83,7 @@ def test_distro_kernel_is_pvh_with_modules_in_dependency_order() -> None:
     order = k.load_order()
     assert order.index("virtio_ring") < order.index("virtio") < order.index("virtio_mmio")
     assert order.index("virtio_mmio") < order.index("virtio_console") < order.index("virtio_blk")
+    assert order.index("virtio_pci_modern_dev") < order.index("virtio_pci") < order.index("virtio_console")
     assert order[-1] == "virtio_balloon"  # free page reporting: wanted, never needed to boot
     info = kernel._modinfo(k.modules["virtio_blk"].read_bytes())
     assert set(info["depends"].split(",")) == {"virtio", "virtio_ring"}

@@ -15,7 +15,7 @@ import pytest
 
 import sandlot
 from sandlot.engine.base import Placement, VMRef, VMStatus
-from sandlot.engine.qemu.command import TCG_CPU, VMConfig, build_command
+from sandlot.engine.qemu.command import TCG_CPU, VMConfig, build_command, device_set_of
 
 pytestmark = pytest.mark.vm
 
@@ -40,6 +40,27 @@ def test_command_line_carries_the_boot_facts(tmp_path: Path) -> None:
         assert fact in append
     assert "tsc_early_khz=" in append
     assert "name=sandlot.0" in line and "virtio-blk-device" in line
+
+
+@pytest.mark.parametrize(
+    ("devices", "machine_has", "serial", "balloon"),
+    [("1", "", "virtio-serial-device", False), ("2", "", "virtio-serial-device", True),
+     ("3", ",pcie=on", "virtio-serial-pci", True)],
+)  # fmt: skip
+def test_each_device_set_has_its_devices(
+    tmp_path: Path, devices: str, machine_has: str, serial: str, balloon: bool
+) -> None:
+    """A VM that loads a state has the devices of the VM that saved it; its command line
+    says which set it has (how another process attaching to it knows)."""
+    cfg = VMConfig(kernel=tmp_path / "k", initrd=tmp_path / "i", disk=tmp_path / "d", run_dir=tmp_path,
+                   state_dir=tmp_path, memory_mib=256, hostname="h1", devices=devices)  # fmt: skip
+    cmd = build_command(cfg, "qemu-system-x86_64")
+    machine = cmd[cmd.index("-M") + 1]
+    assert machine.endswith("rtc=on" + machine_has)
+    assert f"{serial},max_ports=2" in cmd
+    assert any(a.startswith("virtio-balloon-device") for a in cmd) == balloon
+    assert device_set_of(cmd) == devices
+    assert device_set_of(["sleep", "30"]) is None
 
 
 def test_qmp_reports_running_and_quit_ends_qemu(busybox_root: Path) -> None:
@@ -133,36 +154,51 @@ def test_memory_the_guest_frees_goes_back_to_the_host(busybox_root: Path) -> Non
         assert now <= before + 20, (before, used, now)
 
 
-def test_states_saved_before_the_balloon_came_still_load(
-    busybox_root: Path, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("old", ["1", "2"])
+def test_states_saved_with_earlier_device_sets_still_load(
+    busybox_root: Path, monkeypatch: pytest.MonkeyPatch, old: str
 ) -> None:
-    """A state saved by a VM without the balloon (device set "1": every state saved
-    before it came) is loaded by a VM without one, for a rollback and for forks."""
+    """A state saved by a VM of an earlier device set (every state saved before the
+    balloon came: "1"; before the agent ports moved to PCI: "2") is loaded by a VM with
+    those devices, for a rollback and for forks; another process that attaches to such
+    a VM and saves it again records the VM's set, not the one it would boot."""
     from sandlot.engine.qemu.engine import QemuEngine
 
     real = QemuEngine._config
 
-    def without_balloon(self: QemuEngine, *args: Any, **kw: Any) -> VMConfig:
+    def with_old_devices(self: QemuEngine, *args: Any, **kw: Any) -> VMConfig:
         cfg = real(self, *args, **kw)
-        cfg.balloon = False
+        cfg.devices = old
         return cfg
 
-    def has_balloon(box: sandlot.Box) -> bool:
-        return "virtio-balloon" in Path(f"/proc/{box.inspect()['vm_pid']}/cmdline").read_text()
+    def devices_of(box: sandlot.Box) -> str | None:
+        return device_set_of(Path(f"/proc/{box.inspect()['vm_pid']}/cmdline").read_text().split("\0"))
 
-    monkeypatch.setattr(QemuEngine, "_config", without_balloon)
+    monkeypatch.setattr(QemuEngine, "_config", with_old_devices)
     with sandlot.Box(rootfs=busybox_root, memory_mib=256) as box:
-        assert not has_balloon(box)
+        assert devices_of(box) == old
         assert box.sh("echo before > /root/mark").exit_code == 0
         snap = box.snapshot()
-        monkeypatch.undo()  # this sandlot again: its new VMs have the balloon, states keep theirs
+        monkeypatch.undo()  # this sandlot again: its new VMs have the newest set, states keep theirs
         assert box.sh("echo after > /root/mark").exit_code == 0
         box.rollback(snap)
-        assert not has_balloon(box) and box.sh("cat /root/mark").stdout == "before\n"
+        assert devices_of(box) == old and box.sh("cat /root/mark").stdout == "before\n"
         [kid] = box.fork(1)
         try:
-            assert not has_balloon(kid) and kid.sh("cat /root/mark").stdout == "before\n"
+            assert devices_of(kid) == old and kid.sh("cat /root/mark").stdout == "before\n"
         finally:
             kid.remove(force=True)
+        code = f"import sandlot; s = sandlot.get({box.id!r}).snapshot(); print(s.id)"
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180)
+        assert r.returncode == 0, r.stderr
+        again = sandlot.get_snapshot(r.stdout.strip())
+        assert again.record.facts["engine_facts"]["devices"] == old
+        box.rollback(again)
+        assert devices_of(box) == old and box.sh("cat /root/mark").stdout == "before\n"
     with sandlot.Box(rootfs=busybox_root, memory_mib=256) as box:
-        assert has_balloon(box)
+        assert devices_of(box) == "3"
+        # the agent ports on PCI: their receive queues hold 128 pages each, not 1024
+        port = box.sh("readlink -f /sys/class/virtio-ports/vport*p1").stdout
+        assert "/pci0000:00/" in port, port
+        unreclaimable = box.sh("grep SUnreclaim /proc/meminfo").stdout.split()[1]
+        assert int(unreclaimable) < 24 << 10, unreclaimable  # KiB; 43 MiB on virtio-mmio

@@ -41,9 +41,19 @@ META_PACKAGES = {"cloud": "linux-image-cloud-amd64", "generic": "linux-image-amd
 # Built-in in one kernel flavour, modules in another: whatever this kernel has as a
 # module is loaded (with its dependencies); what is built in needs nothing.
 # (ext4 asks the crypto API for crc32c, which cannot load modules on its own here)
-# virtio_balloon reports the pages the guest frees (free page reporting), which QEMU
-# then gives back to the host: an idle box does not keep what its programs once used.
-BASE_MODULES = ("virtio_mmio", "virtio_console", "virtio_blk", "crc32c_generic", "ext4", "virtio_balloon")
+# virtio_pci carries the agent ports (their queues are smaller on PCI: see the QEMU
+# engine's device sets); virtio_balloon reports the pages the guest frees (free page
+# reporting), which QEMU then gives back to the host: an idle box does not keep what its
+# programs once used. A kernel without either boots all the same (the engine asks).
+BASE_MODULES: tuple[str, ...] = (
+    "virtio_mmio",
+    "virtio_pci",
+    "virtio_console",
+    "virtio_blk",
+    "crc32c_generic",
+    "ext4",
+    "virtio_balloon",
+)
 OPTIONAL_MODULES: tuple[str, ...] = ("virtio_net", "virtio_rng", "overlay", "fuse", "virtiofs")
 OPTIONAL_MODULES += ("vmw_vsock_virtio_transport", "9p", "9pnet_virtio")
 
@@ -388,7 +398,8 @@ def _topped_up(root: Path, package: str) -> Kernel:
     it lacks, from its own package, beside the others. The vmlinux, which saved states
     depend on, stays as it is; a package whose vmlinux differs is not used. Where the
     package cannot be had now, the kernel is used as it is (and asked again next time):
-    what the added modules do is never needed to boot."""
+    what the added modules do is never needed to boot (the QEMU engine puts the agent
+    ports on virtio-mmio where the kernel lacks virtio_pci)."""
     meta = json.loads((root / "kernel.json").read_text())
     wanted = wanted_modules()
     if set(wanted) <= set(meta.get("wanted", ())):

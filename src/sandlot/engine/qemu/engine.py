@@ -28,7 +28,18 @@ from ...errors import IncompatibleSnapshot, SavedStateError
 from .. import hostcgroup
 from ..base import Boot, BootRequest, Engine, LaunchSpec, NetSpec, Placement, SavedState, VMRef, VMStatus
 from . import accel as accel_mod
-from .command import DEVICE_SETS, MACHINE, VMConfig, cpu_model, host_tsc_khz, qemu_binary, qemu_version
+from .command import (
+    DEVICE_SET,
+    DEVICE_SETS,
+    MACHINE,
+    SERIAL_ON_PCI_MODULE,
+    VMConfig,
+    cpu_model,
+    device_set_of,
+    host_tsc_khz,
+    qemu_binary,
+    qemu_version,
+)
 from .monitor import qmp_sync
 from .vm import STATUS, QemuVM, flock
 
@@ -76,6 +87,8 @@ class QemuEngine(Engine):
                 "kernel": str(assets.kernel.vmlinux),
                 "initrd": str(assets.initrd),
                 "accel": assets.accel.name,
+                # the agent ports go on PCI where the kernel has its driver
+                "devices": DEVICE_SET if SERIAL_ON_PCI_MODULE in assets.kernel.modules else "2",
             },
             identity=type(self.assets).identity(assets),
         )
@@ -83,7 +96,9 @@ class QemuEngine(Engine):
     def _config(self, where: Placement, boot: dict[str, Any], **kw: Any) -> VMConfig:
         """A VM's configuration from its launch record (what attach knows) and ``kw``."""
         shape: dict[str, Any] = {"memory_mib": boot.get("memory_mib", 512), "cpus": boot.get("cpus", 1),
-                                 "network": NetSpec() if boot.get("network") else None}  # fmt: skip
+                                 "network": NetSpec() if boot.get("network") else None,
+                                 # launch records from before the device sets say nothing: "2"
+                                 "devices": boot.get("devices", "2")}  # fmt: skip
         return VMConfig(
             kernel=Path(boot.get("kernel") or ""), initrd=Path(boot.get("initrd") or ""),
             run_dir=where.run_dir, state_dir=where.state_dir, accel=boot.get("accel") or "tcg",
@@ -97,7 +112,7 @@ class QemuEngine(Engine):
             disk_readonly=spec.disk_readonly,
         )  # fmt: skip
         if spec.saved is not None:
-            cfg.balloon = has_balloon(spec.saved.facts)
+            cfg.devices = device_set(spec.saved.facts)
             d = spec.saved.directory
             if self.memory_shared(d):
                 cfg.ram_file, cfg.ram_shared = d / "memory", False
@@ -111,7 +126,11 @@ class QemuEngine(Engine):
         return vm
 
     def attach(self, ref: VMRef, where: Placement, boot: dict[str, Any]) -> QemuVM:
-        return QemuVM.attach(self._config(where, boot, disk=Path()), ref)
+        cfg = self._config(where, boot, disk=Path())
+        # the VM's own devices: one restored from an older state has that state's, whatever
+        # the launch record (which says how this sandlot boots) holds
+        cfg.devices = device_set_of(pids.cmdline(ref.pid)) or cfg.devices
+        return QemuVM.attach(cfg, ref)
 
     # -- recovery (no event loop) --------------------------------------------------------
 
@@ -176,7 +195,7 @@ class QemuEngine(Engine):
                 where, boot, disk=disk, disk_readonly=True, memory_mib=facts["memory_mib"],
                 cpus=facts["cpus"], detached=False, ram_file=mem_tmp, ram_shared=True, incoming=True,
                 network=NetSpec() if facts.get("network") else None,  # the same devices; it never runs
-                balloon=has_balloon(facts),
+                devices=device_set(facts),
             )  # fmt: skip
             vm = QemuVM(cfg)
             try:
@@ -271,10 +290,9 @@ class QemuEngine(Engine):
         return report
 
 
-def has_balloon(facts: dict[str, Any]) -> bool:
-    """Whether a saved state's VM had the balloon (states saved before it came do not say)."""
-    devices: object = (facts.get("engine_facts") or {}).get("devices", "1")
-    return devices != "1"
+def device_set(facts: dict[str, Any]) -> str:
+    """The device set of a saved state's VM (states saved before the sets came do not say: "1")."""
+    return str((facts.get("engine_facts") or {}).get("devices", "1"))
 
 
 def _major_minor(version: str) -> tuple[str, ...]:

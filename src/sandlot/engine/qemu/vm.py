@@ -24,7 +24,6 @@ from ...errors import BootError, SavedStateError
 from .. import hostcgroup
 from ..base import VM, Connector, VMRef, VMStatus
 from .command import (
-    DEVICE_SET,
     MACHINE,
     TCG_CODE_CACHE_MIB,
     VMConfig,
@@ -299,7 +298,7 @@ class QemuVM(VM):
             "accel": cfg.accel,
             "engine_facts": {
                 "machine": MACHINE,
-                "devices": DEVICE_SET if cfg.balloon else "1",
+                "devices": cfg.devices,
                 "qemu_version": qemu_version(),
                 "cpu_model": cpu_model(cfg.accel),
                 "kernel": str(cfg.kernel),
