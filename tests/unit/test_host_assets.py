@@ -87,6 +87,21 @@ def test_distro_kernel_is_pvh_with_modules_in_dependency_order() -> None:
     assert order[-1] == "virtio_balloon"  # free page reporting: wanted, never needed to boot
     info = kernel._modinfo(k.modules["virtio_blk"].read_bytes())
     assert set(info["depends"].split(",")) == {"virtio", "virtio_ring"}
+    assert k.modules_signed()  # the distro signs its modules: boxes boot it in lockdown
+
+
+def test_a_kernel_with_an_unsigned_module_is_not_locked_down(tmp_path: Path) -> None:
+    signed, unsigned = tmp_path / "a.ko", tmp_path / "b.ko"
+    signed.write_bytes(b"\x7fELF...sig" + kernel.MODULE_SIGNATURE_MARK)
+    unsigned.write_bytes(b"\x7fELF... no signature")
+
+    def kernel_with(modules: dict[str, Path]) -> kernel.Kernel:
+        return kernel.Kernel(tmp_path, tmp_path / "vmlinux", "6.1", "0", modules, {}, "test")
+
+    assert kernel_with({"a": signed}).modules_signed()
+    assert not kernel_with({"a": signed, "b": unsigned}).modules_signed()
+    assert not kernel_with({}).modules_signed()  # no module to tell: a custom build
+    assert not kernel_with({"a": tmp_path / "gone.ko"}).modules_signed()
 
 
 def test_the_kernel_copy_qemu_loads_holds_the_segments_and_no_symbols(tmp_path: Path) -> None:

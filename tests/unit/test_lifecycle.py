@@ -190,6 +190,32 @@ def test_forks_and_templates_are_saved_after_a_first_command(home: Path, root: P
     run(main)
 
 
+def test_a_template_whose_sharing_fails_is_not_left_behind(
+    home: Path, root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    async def main() -> None:
+        async def disk_full(self: FakeEngine, state: Any, disk: Path) -> None:
+            raise OSError(28, "No space left on device")
+
+        box = new_box(home, root, keep=True, name="tsrc")
+        await box.start()
+        try:
+            live = core_for(Runtime.for_home(home)).live
+            entry = await core_for(Runtime.for_home(home)).controller.find(box.id)
+            with monkeypatch.context() as m:
+                m.setattr(FakeEngine, "share_memory", disk_full)
+                with pytest.raises(OSError, match="No space left"):
+                    await live.make_template(entry, "t1")
+            assert await live.list_snapshots(kind="template") == []
+            snap = await live.make_template(entry, "t1")  # the name is free again; sharing works
+            assert snap.name == "t1" and (await live.list_snapshots(kind="template")) == [snap]
+            assert (await box.exec("true")).ok  # the box itself runs on
+        finally:
+            await box.remove(force=True)
+
+    run(main)
+
+
 def test_memory_survives_snapshot_rollback_fork_suspend_resume(home: Path, root: Path) -> None:
     async def main() -> None:
         box = new_box(home, root, keep=True, name="src")

@@ -377,7 +377,13 @@ class LiveState:
         async with entry.lock():
             await self.controller.refresh(entry)
             snap = await self.capture(entry, "template", name=name)
-        await self.share(snap)
+        try:
+            await self.share(snap)
+        except Exception:
+            # the caller is told there is no template: none stays under the name asked for
+            with contextlib.suppress(SandlotError, OSError):
+                await self.remove_snapshot(snap)
+            raise
         return await self.db.find_snapshot(snap.id) or snap
 
     # -- snapshots as things ----------------------------------------------------------------

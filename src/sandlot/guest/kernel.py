@@ -58,6 +58,7 @@ OPTIONAL_MODULES: tuple[str, ...] = ("virtio_net", "virtio_rng", "overlay", "fus
 OPTIONAL_MODULES += ("vmw_vsock_virtio_transport", "9p", "9pnet_virtio")
 
 _XEN_ELFNOTE_PHYS32_ENTRY = 18
+MODULE_SIGNATURE_MARK = b"~Module signature appended~\n"  # the kernel's own tail of a signed .ko
 DOWNLOAD_TIMEOUT = 600.0
 
 
@@ -72,6 +73,21 @@ class Kernel:
     modules: dict[str, Path]
     deps: dict[str, list[str]]
     source: str
+
+    def modules_signed(self) -> bool:
+        """Whether this kernel has modules and every one carries a signature: a kernel in
+        lockdown loads no unsigned module (a custom kernel's own builds seldom are)."""
+        if not self.modules:
+            return False
+        for path in self.modules.values():
+            try:
+                with path.open("rb") as f:
+                    f.seek(-len(MODULE_SIGNATURE_MARK), os.SEEK_END)
+                    if f.read() != MODULE_SIGNATURE_MARK:
+                        return False
+            except OSError:
+                return False
+        return True
 
     def load_order(self, wanted: tuple[str, ...] = BASE_MODULES) -> list[str]:
         """Wanted modules (those this kernel has) and their dependencies, dependencies first."""

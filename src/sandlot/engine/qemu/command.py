@@ -53,6 +53,13 @@ TCG_CPU = "max,erms=off,fsrm=off"
 # busy box's host memory. 32 MiB would save 13 MiB idle but cost 50% on Python.
 TCG_CODE_CACHE_MIB = 128
 
+# Kernel lockdown in the box, for kernels whose modules are all signed (lockdown loads
+# no other). Nothing in a box needs what it withholds (tracefs, kprobes, BPF and perf
+# reads of kernel memory, /dev/mem, /proc/kcore), and 6.1 builds tracefs's event tree
+# at boot unless locked down: 10k inodes, about 9 MiB of every idle box's RAM and
+# 0.1 s of its boot.
+LOCKDOWN_ARG = "lockdown=confidentiality"
+
 
 def qemu_binary() -> str:
     path = os.environ.get("SANDLOT_QEMU") or shutil.which(QEMU_BINARY)
@@ -108,6 +115,7 @@ class VMConfig:
     detached: bool = True
     volumes: tuple[Volume, ...] = ()
     extra_kernel_args: list[str] = field(default_factory=list)
+    lockdown: bool = False  # boot the kernel in lockdown (``LOCKDOWN_ARG``): its modules are signed
     network: NetSpec | None = None  # None: no network card at all
     disk_readonly: bool = False
     # Guest RAM in a file: shared (the file *is* the RAM: a state being prepared
@@ -209,6 +217,8 @@ def build_command(cfg: VMConfig, binary: str) -> list[str]:
         append += " sandlot.net=1"
         if cfg.network.dns_relay:
             append += " sandlot.dns=relay"
+    if cfg.lockdown:
+        append += " " + LOCKDOWN_ARG
     if cfg.extra_kernel_args:
         append += " " + " ".join(cfg.extra_kernel_args)
     machine = "microvm,x-option-roms=off,isa-serial=on,rtc=on" + (",pcie=on" if cfg.serial_on_pci else "")

@@ -89,6 +89,7 @@ class QemuEngine(Engine):
                 "accel": assets.accel.name,
                 # the agent ports go on PCI where the kernel has its driver
                 "devices": DEVICE_SET if SERIAL_ON_PCI_MODULE in assets.kernel.modules else "2",
+                "lockdown": assets.kernel.modules_signed(),
             },
             identity=type(self.assets).identity(assets),
         )
@@ -98,7 +99,8 @@ class QemuEngine(Engine):
         shape: dict[str, Any] = {"memory_mib": boot.get("memory_mib", 512), "cpus": boot.get("cpus", 1),
                                  "network": NetSpec() if boot.get("network") else None,
                                  # launch records from before the device sets say nothing: "2"
-                                 "devices": boot.get("devices", "2")}  # fmt: skip
+                                 "devices": boot.get("devices", "2"),
+                                 "lockdown": bool(boot.get("lockdown"))}  # fmt: skip
         return VMConfig(
             kernel=Path(boot.get("kernel") or ""), initrd=Path(boot.get("initrd") or ""),
             run_dir=where.run_dir, state_dir=where.state_dir, accel=boot.get("accel") or "tcg",
