@@ -14,8 +14,11 @@ from typing import Any
 import pytest
 
 import sandlot
+from sandlot.core.controller import CLOCKSOURCES
 from sandlot.engine.base import Placement, VMRef, VMStatus
 from sandlot.engine.qemu.command import TCG_CPU, VMConfig, build_command, device_set_of
+
+from tests.support.names import unique
 
 pytestmark = pytest.mark.vm
 
@@ -168,6 +171,18 @@ def test_the_box_kernel_runs_in_lockdown(busybox_root: Path) -> None:
         assert mode.stdout.strip() == "none integrity [confidentiality]", mode
         assert box.sh("ls /sys/kernel/tracing").stdout == ""  # tracefs never populated
         assert box.sh("test -d /sys/bus/virtio/drivers/virtio_blk").exit_code == 0  # a module
+
+
+def test_a_template_is_saved_once_the_kernels_boot_time_work_is_done(busybox_root: Path) -> None:
+    """The TSC calibration registers the kernel's final clocksource about a second after
+    boot and switches to it: a template saved before it would make every box started
+    from it do that work (core: ``BoxController.boot_work_done``)."""
+    tmpl = sandlot.template(rootfs=busybox_root, memory_mib=256, name=unique("settled"))
+    try:
+        with sandlot.Box(template=tmpl) as box:
+            assert "tsc-early" not in box.files.read_text(CLOCKSOURCES).split()
+    finally:
+        tmpl.remove()
 
 
 @pytest.mark.parametrize("old", ["1", "2"])

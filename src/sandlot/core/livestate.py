@@ -320,13 +320,15 @@ class LiveState:
         a fifth fewer blocks to translate for a restored VM's first command), then a
         sync, so that what the box wrote goes to the disk layer they share once, not
         to each of theirs by each of them (a journal commit and a writeback, ~5k blocks
-        to translate, in every restored VM). A box whose image cannot run ``true`` is
-        saved as it is; one that is not running (paused, suspended) is left as it is,
-        for the save to judge."""
+        to translate, in every restored VM). Between them, the guest kernel's boot-time
+        work is waited out (``BoxController.boot_work_done``). A box whose image cannot
+        run ``true`` is saved as it is; one that is not running (paused, suspended) is
+        left as it is, for the save to judge."""
         if (await self.controller.refresh(entry)).state != BoxState.RUNNING:
             return
         try:
             await asyncio.wait_for(self.controller.first_exec(entry), WARM_UP_TIMEOUT)
+            await asyncio.wait_for(self.controller.boot_work_done(entry), WARM_UP_TIMEOUT)
             await asyncio.wait_for(self.controller.sync(entry), WARM_UP_TIMEOUT)
         except (SandlotError, OSError, TimeoutError) as exc:
             log.debug("no first command or sync in %s before its state was saved: %s", entry.name, exc)
