@@ -30,10 +30,12 @@ def test_doctor_reports_accelerator_and_reason() -> None:
     assert report["accel"]["reason"]
     assert report["qemu"]["version"]
     assert "virtio_blk" in report["kernel"]["modules"]
+    assert report["kernel"]["lockdown"] is True  # the distro's modules are signed
     assert report["host_cgroup"].get("where") or report["host_cgroup"]["reason"]
     text = sandlot("doctor").stdout.decode()
     assert "accelerator" in text and report["accel"]["name"] in text
     assert "host cgroup" in text
+    assert "lockdown (confidentiality): yes" in text
 
 
 @pytest.mark.vm

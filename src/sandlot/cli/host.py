@@ -41,6 +41,9 @@ def doctor(as_json: Annotated[bool, typer.Option("--json", help="Machine-readabl
     if isinstance(kernel, dict) and kernel:
         out.print(f"kernel       {ok}  {kernel['version']} from {kernel['source']}")
         out.print(f"             modules: {', '.join(kernel['modules'])}")
+        if "lockdown" in kernel:
+            lockdown = "yes" if kernel["lockdown"] else "no (its modules are not all signed, or it has none)"
+            out.print(f"             lockdown (confidentiality): {lockdown}")
     if isinstance(agent, dict) and agent:
         out.print(f"agent        {ok}  {agent['path']} (built with {agent['compiler']})")
     cgroup = report.get("host_cgroup", {})

@@ -282,6 +282,7 @@ class QemuEngine(Engine):
                 "vmlinux": str(assets.kernel.vmlinux),
                 "sha256": assets.kernel.sha256,
                 "modules": assets.kernel.load_order(BASE_MODULES),
+                "lockdown": assets.kernel.modules_signed(),
             }
             report["agent"] = {"path": str(assets.agent.path), "compiler": assets.agent.compiler}
             report["initramfs"] = str(assets.initrd)
