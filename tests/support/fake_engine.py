@@ -176,6 +176,11 @@ class FakeVM(VM):
 
     async def _frame(self, frame: wire.Frame, w: asyncio.StreamWriter) -> None:
         loop = asyncio.get_running_loop()
+        if frame.type in (T.FILE_READ, T.FILE_WRITE, T.FS, T.WATCH):
+            # no file system here: answered at once, as a guest without the path would
+            err = wire.tlv(Tag.ERRNO, 2) + wire.tlv(Tag.MESSAGE, "the fake agent has no file system")
+            self._send(w, T.ERROR, frame.channel, err)
+            return
         if frame.type not in (T.HELLO, T.PING, T.CONTROL, T.EXEC):
             return  # acknowledgements, closes: nothing to keep track of here
         f = Fields(frame.payload) if frame.type != T.PING else Fields(b"")
