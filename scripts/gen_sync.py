@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
-"""Generate the sync API from the async classes: ``src/sandlot/api/sync.py`` (local
-boxes) and ``src/sandlot/api/remote_sync.py`` (the remote client, ``api/remote.py``).
+"""Generate the sync API from the async classes: ``src/sandlot/api/sync.py`` (boxes,
+snapshots, files, processes, and the client of boxes elsewhere, ``api/client.py``).
 
 Each sync class is a thin twin of an async one: same methods, same signatures,
 same docstrings; a coroutine method runs on sandlot's loop thread, an async
@@ -49,32 +49,17 @@ LOCAL = Output(
         "AsyncWatch": ("Watch", "files", "WatchBase"),
         "AsyncProcess": ("Process", "process", "ProcessBase"),
         "AsyncStream": ("Stream", "process", "StreamBase"),
+        "AsyncClient": ("Client", "client", "ClientBase"),
     },
     "sync_base",
     [
-        '"""The sync API: ``Box``, ``Snapshot``, ``Files``, ``Watch``, ``Process`` and ``Stream``, each a',
-        "thin twin of its async class (same methods, same signatures) that runs the same",
-        'coroutines on sandlot\'s loop thread (``api/loop.py``)."""',
-    ],
-)
-REMOTE = Output(
-    API / "remote_sync.py",
-    {
-        "AsyncClient": ("Client", "remote", "ClientBase"),
-        "RemoteAsyncBox": ("RemoteBox", "remote", "RemoteBoxBase"),
-        "RemoteAsyncFiles": ("RemoteFiles", "remote", "RemoteFilesBase"),
-        "RemoteAsyncSnapshot": ("RemoteSnapshot", "remote", "RemoteSnapshotBase"),
-    },
-    "remote_sync_base",
-    [
-        '"""The sync remote client: ``connect``, ``Client``, ``RemoteBox``, ``RemoteFiles`` and',
-        "``RemoteSnapshot``, each a thin twin of its async original in ``api/remote.py`` that runs",
-        "the same coroutines on sandlot's loop thread (``api/loop.py``); processes are the",
-        '``Process`` of ``api/sync.py``."""',
+        '"""The sync API: ``Box``, ``Snapshot``, ``Files``, ``Watch``, ``Process``, ``Stream`` and',
+        "``Client``, each a thin twin of its async class (same methods, same signatures) that runs",
+        'the same coroutines on sandlot\'s loop thread (``api/loop.py``)."""',
     ],
     {"connect_async": "connect"},
 )
-OUTPUTS = (LOCAL, REMOTE)
+OUTPUTS = (LOCAL,)
 OUT = LOCAL.path
 
 # every twin, whichever module it is generated into: results are wrapped across modules
@@ -180,8 +165,22 @@ def generate_function(node: ast.FunctionDef | ast.AsyncFunctionDef, sync_name: s
     return lines
 
 
+def shadowed(cls: ast.ClassDef) -> set[str]:
+    """Twin names a class's own methods take (``Client.Box``): within the class, an
+    annotation by that name would mean the method, so it names the ``...Type`` alias."""
+    own = {n.name for n in cls.body if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef)}
+    return own & {s for s, _, _ in TWINS.values()}
+
+
+def unshadow(text: str, names: set[str]) -> str:
+    for name in names:
+        text = re.sub(rf"(?<![\w.]){name}\b(?!\()", f"{name}Type", text)
+    return text
+
+
 def generate_class(async_name: str, cls: ast.ClassDef, base_members: set[str]) -> list[str]:
     sync_name, _module, base = TWINS[async_name]
+    hidden = shadowed(cls)
     lines = [f"class {sync_name}({base}):"]
     lines += doc(cls, "    ") or [f'    """The sync twin of ``{async_name}``."""']
     for m in members(cls):
@@ -218,7 +217,9 @@ def generate_class(async_name: str, cls: ast.ClassDef, base_members: set[str]) -
             body = [f"        {'return ' if ret not in (None, 'None') else ''}{expr}"]
         if m.kind == "classmethod":
             lines.append("    @classmethod")
-        lines.append(f"    def {name}({signature(node.args)}) -> {result_type}:")
+        lines.append(
+            f"    def {name}({unshadow(signature(node.args), hidden)}) -> {unshadow(result_type, hidden)}:"
+        )
         lines += doc(node, "        ")
         lines += body
     return lines
@@ -253,14 +254,49 @@ def bindings(trees: dict[str, ast.Module]) -> dict[str, str]:
     return out
 
 
+def run_time_names(body: list[str]) -> set[str]:
+    """The names the generated code uses when it runs: in function bodies, default values,
+    decorators and base classes, not in annotations (which stay strings: ``from __future__
+    import annotations``)."""
+    tree = ast.parse("\n".join(body))
+    out: set[str] = set()
+
+    def visit(node: ast.AST) -> None:
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            for part in (*node.decorator_list, *node.args.defaults, *node.args.kw_defaults, *node.body):
+                if part is not None:
+                    visit(part)
+            return
+        if isinstance(node, ast.ClassDef):
+            for part in (*node.bases, *node.decorator_list, *node.body):
+                visit(part)
+            return
+        if isinstance(node, ast.AnnAssign):
+            if node.value is not None:
+                visit(node.value)
+            return
+        if isinstance(node, ast.Name):
+            out.add(node.id)
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+
+    visit(tree)
+    return out
+
+
 def module_header(output: Output, body: list[str], trees: dict[str, ast.Module]) -> list[str]:
     known = bindings(trees)
     used = set(re.findall(r"\b[A-Za-z_][A-Za-z0-9_]*\b", "\n".join(body)))
     mine = {s for s, _, _ in output.twins.values()} | set(output.functions.values())
-    needed = {known[n] for n in used if n in known and n not in mine}
-    for other in OUTPUTS:  # sync twins another output generates (a remote spawn returns a Process)
+    names = {n for n in used if n in known and n not in mine}
+    running = run_time_names(body)
+    # what only annotations name is imported for type checkers alone: ``import sandlot``
+    # then loads neither the remote client's libraries nor what only some methods need
+    now = {known[n] for n in names if n in running}
+    later = {known[n] for n in names if n not in running} - now
+    for other in OUTPUTS:  # sync twins another output generates
         if other is not output:
-            needed |= {f"from .{other.path.stem} import {s}" for s, _, _ in other.twins.values() if s in used}
+            now |= {f"from .{other.path.stem} import {s}" for s, _, _ in other.twins.values() if s in used}
     return [
         "# Generated by scripts/gen_sync.py from the async classes: do not edit; run it instead.",
         *output.doc,
@@ -268,9 +304,11 @@ def module_header(output: Output, body: list[str], trees: dict[str, ast.Module])
         "from __future__ import annotations",
         "",
         "from collections.abc import Iterator",
-        *sorted(needed),
+        "from typing import TYPE_CHECKING, TypeAlias",
+        *sorted(now),
         "from . import loop",
         *[f"from .{output.bases} import {base}" for _a, (_s, _m, base) in output.twins.items()],
+        *(["", "if TYPE_CHECKING:", *[f"    {line}" for line in sorted(later)]] if later else []),
     ]
 
 
@@ -296,6 +334,21 @@ def generate(output: Output = LOCAL) -> str:
         )
         body += ["", "", *generate_function(node, sync_name)]
     out = module_header(output, body, trees) + body
+    aliases = sorted(
+        {
+            n
+            for o in output.twins
+            for n in shadowed(
+                next(c for t in trees.values() for c in t.body if isinstance(c, ast.ClassDef) and c.name == o)
+            )
+        }
+    )
+    if aliases:
+        out += [
+            "",
+            "",
+            *[f"{n}Type: TypeAlias = {n}  # for annotations where a method has the name" for n in aliases],
+        ]
     out.append("")
     names = [s for s, _, _ in output.twins.values()] + list(output.functions.values())
     out.append(f"__all__ = {sorted(names)!r}")

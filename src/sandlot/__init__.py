@@ -4,7 +4,7 @@
 >>> with sandlot.Box("python:3.12-slim") as box:                # doctest: +SKIP
 ...     print(box.exec("python3", "-c", "print(6*7)").stdout)
 
-The boxes of a ``sandlot serve`` server have the same interface
+The boxes of a ``sandlot serve`` server are the same ``Box``
 (``sandlot.connect``, or ``sandlot.connect_async`` for the async API):
 
 >>> client = sandlot.connect("http://127.0.0.1:7070", api_key="sk-sl-...")   # doctest: +SKIP
@@ -56,11 +56,13 @@ from .errors import (
     SnapshotInUse,
     SnapshotNotFound,
     Unauthorized,
+    Unsupported,
 )
 from .version import __version__
 
 if TYPE_CHECKING:
     from .api.box import AsyncBox, AsyncSnapshot
+    from .api.client import AsyncClient, connect_async
     from .api.code import CodeContext, Execution, ExecutionError, Result
     from .api.files import AsyncFiles, AsyncWatch, FileEvent, FileInfo
     from .api.images import (
@@ -74,9 +76,7 @@ if TYPE_CHECKING:
         remove_image,
     )
     from .api.process import AsyncProcess, AsyncStream, ExecResult
-    from .api.remote import AsyncClient, RemoteAsyncBox, RemoteAsyncFiles, RemoteAsyncSnapshot, connect_async
-    from .api.remote_sync import Client, RemoteBox, RemoteFiles, RemoteSnapshot, connect
-    from .api.sync import Box, Files, Process, Snapshot, Stream, Watch
+    from .api.sync import Box, Client, Files, Process, Snapshot, Stream, Watch, connect
     from .api.templates import (
         import_snapshot,
         import_snapshot_async,
@@ -119,10 +119,7 @@ _LAZY = {
     "set_pool": "api.templates", "set_pool_async": "api.templates",
     "pools": "api.templates", "pools_async": "api.templates",
     "ImageConfig": "images.oci", "Image": "images.store", "Runtime": "core.runtime", "Secret": "net.secrets",
-    "connect": "api.remote_sync", "Client": "api.remote_sync", "RemoteBox": "api.remote_sync",
-    "RemoteFiles": "api.remote_sync", "RemoteSnapshot": "api.remote_sync",
-    "connect_async": "api.remote", "AsyncClient": "api.remote", "RemoteAsyncBox": "api.remote",
-    "RemoteAsyncFiles": "api.remote", "RemoteAsyncSnapshot": "api.remote",
+    "connect": "api.sync", "Client": "api.sync", "connect_async": "api.client", "AsyncClient": "api.client",
 }  # fmt: skip
 _ALIASES = {
     "create": ("Box", "create"),
@@ -207,12 +204,6 @@ __all__ = [
     "Process",
     "ProtocolError",
     "QuotaExceeded",
-    "RemoteAsyncBox",
-    "RemoteAsyncFiles",
-    "RemoteAsyncSnapshot",
-    "RemoteBox",
-    "RemoteFiles",
-    "RemoteSnapshot",
     "RequestError",
     "Result",
     "Runtime",
@@ -224,6 +215,7 @@ __all__ = [
     "SnapshotNotFound",
     "Stream",
     "Unauthorized",
+    "Unsupported",
     "Watch",
     "__version__",
     "connect",

@@ -4,6 +4,7 @@ Catch ``SandlotError`` for all of them, or a branch for what you care about::
 
     SandlotError                               .code .box .state .status .to_dict()
     ├── InvalidArgument (also ValueError)      bad input to a public call; nothing was changed
+    │   └── Unsupported                        the box's transport cannot do this; has .transport
     ├── HostSetupError                         QEMU, kernel or agent missing on the host
     ├── ImageError                             a root filesystem or image is malformed or unsafe
     ├── NotFound (also LookupError)
@@ -85,6 +86,21 @@ class InvalidArgument(SandlotError, ValueError):
     """A public call got input it cannot accept; nothing was changed."""
 
     code, status = "invalid_argument", 400
+
+
+class Unsupported(InvalidArgument):
+    """What was asked is not offered over the transport the box is reached through
+    (``"local"``, ``"http"`` or ``"ray"``): a host path sent to a server, a server's
+    preview URL asked of a local box. Nothing was changed."""
+
+    code, status = "unsupported", 501
+
+    def __init__(self, message: str, *, transport: str = "", box: str | None = None) -> None:
+        super().__init__(message, box=box)
+        self.transport = transport
+
+    def _fields(self) -> dict[str, Any]:
+        return {"transport": self.transport}
 
 
 class HostSetupError(SandlotError):
@@ -462,6 +478,8 @@ def from_dict(data: dict[str, Any]) -> SandlotError:
         err = cls(message, limit=str(data.get("limit", "")), value=int(data.get("value") or 0), box=box)
     elif issubclass(cls, ExecTimeout):  # the output so far travels with a timeout
         err = cls(message, output_bytes(data, "stdout"), output_bytes(data, "stderr"), box=box)
+    elif issubclass(cls, Unsupported):
+        err = cls(message, transport=str(data.get("transport") or ""), box=box)
     elif issubclass(cls, CommandFailed):
         err = cls(message, None, box=box)
     elif issubclass(cls, CodeTimeout):  # the host side rebuilds .execution (api/code.py)

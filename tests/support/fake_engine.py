@@ -8,18 +8,27 @@ instance a home uses, to inspect or rig (``fail_boot``, ``fail_restore``,
 ``never_answer``, ``vms``).
 
 What its agent understands: HELLO, PING, CONTROL (STATUS, SHUTDOWN, SET_TIME,
-MOUNT), and EXEC of ``true``, ``false``, ``echo ...``, ``exit N`` and ``sleep S``
-(nothing runs: the output is made up). Saved states are a JSON file holding
-the VM's ``memory`` dict, so a test can tell which state a VM came from.
+MOUNT), files (FILE_READ, FILE_WRITE, FS: a small file system held in the VM's
+memory), and EXEC of ``true``, ``false``, ``echo ...``, ``exit N``, ``sleep S``,
+``cat`` (its stdin back), ``lines N``, ``hostname``, ``remember K V``, ``recall K``
+and ``/bin/sh -c "one of those"`` (nothing runs: the output is made up). Watches
+answer ENOENT. Saved states are a JSON file holding the VM's ``memory`` dict
+(its files too), so a test can tell which state a VM came from.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import itertools
 import json
 import os
+import posixpath
+import shlex
+import stat
+import struct
+import time
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +47,7 @@ from sandlot.engine.base import (
 )
 from sandlot.errors import BootError, IncompatibleSnapshot, SavedStateError
 from sandlot.protocol import wire
-from sandlot.protocol.wire import ControlOp, Fields, T, Tag
+from sandlot.protocol.wire import ControlOp, ExecFlag, Fields, FsFlag, FsOp, T, Tag, WriteFlag
 
 _pids = itertools.count(3_000_000_000)  # never a real pid
 
@@ -57,6 +66,7 @@ class FakeVM(VM):
         self.last_request = 0.0
         self.busy = 0
         self._tasks: set[asyncio.Future[None]] = set()
+        self._stdin: dict[int, asyncio.Queue[bytes | None]] = {}  # channel -> what the host sends on it
         self.dead = False
 
     # -- the process -----------------------------------------------------------------------
@@ -176,9 +186,25 @@ class FakeVM(VM):
 
     async def _frame(self, frame: wire.Frame, w: asyncio.StreamWriter) -> None:
         loop = asyncio.get_running_loop()
-        if frame.type in (T.FILE_READ, T.FILE_WRITE, T.FS, T.WATCH):
-            # no file system here: answered at once, as a guest without the path would
-            err = wire.tlv(Tag.ERRNO, 2) + wire.tlv(Tag.MESSAGE, "the fake agent has no file system")
+        if frame.type in (T.DATA, T.EOF) and frame.channel in self._stdin:
+            _stream, offset, data = wire.parse_data(frame.payload)
+            queue = self._stdin[frame.channel]
+            if frame.type == T.DATA:
+                self._send(w, T.ACK, frame.channel, wire.data_payload(wire.STREAM_STDIN, offset + len(data)))
+                queue.put_nowait(bytes(data))
+            else:
+                queue.put_nowait(None)
+            return
+        if frame.type in (T.FILE_READ, T.FILE_WRITE, T.FS):
+            self.last_request = asyncio.get_running_loop().time()
+            try:
+                self._files(frame, w)
+            except OSError as e:
+                err = wire.tlv(Tag.ERRNO, e.errno or errno.EIO) + wire.tlv(Tag.MESSAGE, f"{e.strerror}")
+                self._send(w, T.ERROR, frame.channel, err)
+            return
+        if frame.type == T.WATCH:  # no watches here: answered at once, as for a missing path
+            err = wire.tlv(Tag.ERRNO, errno.ENOENT) + wire.tlv(Tag.MESSAGE, "the fake agent watches nothing")
             self._send(w, T.ERROR, frame.channel, err)
             return
         if frame.type not in (T.HELLO, T.PING, T.CONTROL, T.EXEC):
@@ -214,6 +240,8 @@ class FakeVM(VM):
         if frame.type == T.EXEC:
             self.last_request = loop.time()
             argv = tuple(v.decode() for v in f.all(Tag.ARG))
+            if (f.u32(Tag.FLAGS, 0) or 0) & ExecFlag.STDIN:
+                self._stdin[ch] = asyncio.Queue()
             self._tasks.add(task := asyncio.ensure_future(self._exec(argv, ch, w)))
             task.add_done_callback(self._tasks.discard)
 
@@ -221,7 +249,9 @@ class FakeVM(VM):
         self.busy += 1
         try:
             self._send(w, T.EXEC_STARTED, ch, wire.tlv(Tag.PID, 4242) + wire.tlv(Tag.WINDOW, wire.WINDOW))
-            out, code = b"", 0
+            if len(argv) == 3 and argv[0] in ("sh", "/bin/sh") and argv[1] == "-c":
+                argv = tuple(shlex.split(argv[2])) or ("true",)
+            out, err, code = b"", b"", 0
             if argv[0] == "echo":
                 out = (" ".join(argv[1:]) + "\n").encode()
             elif argv[0] == "false":
@@ -238,14 +268,164 @@ class FakeVM(VM):
                 self.memory[argv[1]] = argv[2]
             elif argv[0] == "recall":
                 out = (str(self.memory.get(argv[1], "")) + "\n").encode()
-            if out:
-                self._send(w, T.DATA, ch, wire.data_payload(wire.STREAM_STDOUT, 0, out))
-            self._send(w, T.EOF, ch, wire.data_payload(wire.STREAM_STDOUT, len(out)))
-            self._send(w, T.EOF, ch, wire.data_payload(wire.STREAM_STDERR, 0))
+            elif argv[0] == "lines":  # lines N: N numbered lines on stdout
+                out = b"".join(b"line %d\n" % i for i in range(int(argv[1])))
+            elif argv[0] == "cat":
+                queue = self._stdin.get(ch)
+                while queue is not None and (chunk := await queue.get()) is not None:
+                    self._send(w, T.DATA, ch, wire.data_payload(wire.STREAM_STDOUT, len(out), chunk))
+                    out += chunk
+                self._send(w, T.EOF, ch, wire.data_payload(wire.STREAM_STDOUT, len(out)))
+                self._send(w, T.EOF, ch, wire.data_payload(wire.STREAM_STDERR, 0))
+                self._send(w, T.EXIT, ch, wire.tlv(Tag.EXIT_CODE, 0))
+                return
+            else:
+                err, code = f"fake: {argv[0]}: not found\n".encode(), 127
+            for stream, data in ((wire.STREAM_STDOUT, out), (wire.STREAM_STDERR, err)):
+                if data:
+                    self._send(w, T.DATA, ch, wire.data_payload(stream, 0, data))
+                self._send(w, T.EOF, ch, wire.data_payload(stream, len(data)))
             self._send(w, T.EXIT, ch, wire.tlv(Tag.EXIT_CODE, code))
         finally:
+            self._stdin.pop(ch, None)
             self.busy -= 1
             self.last_request = asyncio.get_running_loop().time()
+
+    # -- files: a dict of path -> node in the VM's memory ------------------------------------
+
+    def _fs(self) -> dict[str, dict[str, Any]]:
+        fs: dict[str, dict[str, Any]] = self.memory.setdefault("fs", {})
+        if "/" not in fs:
+            for d in ("/", "/tmp", "/root", "/home", "/etc"):
+                fs[d] = {"type": "dir", "mode": 0o755 if d != "/tmp" else 0o1777, "mtime": time.time_ns()}
+        return fs
+
+    def _files(self, frame: wire.Frame, w: asyncio.StreamWriter) -> None:
+        f = Fields(frame.payload)
+        ch = frame.channel
+        fs = self._fs()
+        path = posixpath.normpath(f.str(Tag.PATH, "") or "/")
+        flags = f.u32(Tag.FLAGS, 0) or 0
+        if frame.type == T.FILE_READ:
+            node = _node(fs, path)
+            if node["type"] == "dir":
+                raise OSError(errno.EISDIR, f"{path}: Is a directory")
+            data = node["data"].encode("latin-1")
+            offset = f.u64(Tag.OFFSET, 0) or 0
+            length = f.u64(Tag.LENGTH, len(data))
+            part = data[offset : offset + (length if length is not None else len(data))]
+            self._send(
+                w, T.FILE_INFO, ch, wire.tlv_u64(Tag.SIZE, len(data)) + wire.tlv(Tag.MODE, node["mode"])
+            )
+            if part:
+                self._send(w, T.DATA, ch, wire.data_payload(wire.STREAM_STDOUT, 0, part))
+            self._send(w, T.EOF, ch, wire.data_payload(wire.STREAM_STDOUT, len(part)))
+            return
+        if frame.type == T.FILE_WRITE:
+            parent = posixpath.dirname(path)
+            if parent not in fs:
+                if not flags & WriteFlag.PARENTS:
+                    raise OSError(errno.ENOENT, f"{parent}: No such file or directory")
+                _mkdirs(fs, parent)
+            if fs.get(path, {}).get("type") == "dir":
+                raise OSError(errno.EISDIR, f"{path}: Is a directory")
+            if flags & WriteFlag.EXCLUSIVE and path in fs:
+                raise OSError(errno.EEXIST, f"{path}: File exists")
+            queue: asyncio.Queue[bytes | None] = asyncio.Queue()
+            self._stdin[ch] = queue
+            mode = f.u32(Tag.MODE, None)
+            self._send(w, T.FILE_READY, ch, wire.tlv(Tag.WINDOW, wire.WINDOW))
+            self._tasks.add(task := asyncio.ensure_future(self._write(ch, w, path, queue, flags, mode)))
+            task.add_done_callback(self._tasks.discard)
+            return
+        op = f.u32(Tag.OP, 0)
+        entries: list[bytes] = []
+        if op == FsOp.STAT:
+            node = _node(fs, path)
+            entries.append(_entry(posixpath.basename(path) or "/", node))
+        elif op == FsOp.LIST:
+            if _node(fs, path)["type"] != "dir":
+                raise OSError(errno.ENOTDIR, f"{path}: Not a directory")
+            for name in sorted(_children(fs, path)):
+                entries.append(_entry(name, fs[posixpath.join(path, name)]))
+        elif op == FsOp.MKDIR:
+            if path in fs:
+                if not flags & FsFlag.PARENTS:
+                    raise OSError(errno.EEXIST, f"{path}: File exists")
+            elif flags & FsFlag.PARENTS:
+                _mkdirs(fs, path)
+            else:
+                _node(fs, posixpath.dirname(path))
+                fs[path] = {"type": "dir", "mode": f.u32(Tag.MODE, 0o755), "mtime": time.time_ns()}
+        elif op == FsOp.REMOVE:
+            if path not in fs:
+                if not flags & FsFlag.MISSING_OK:
+                    raise OSError(errno.ENOENT, f"{path}: No such file or directory")
+            elif _children(fs, path) and not flags & FsFlag.RECURSIVE:
+                raise OSError(errno.ENOTEMPTY, f"{path}: Directory not empty")
+            else:
+                for p in [p for p in fs if p == path or p.startswith(path.rstrip("/") + "/")]:
+                    del fs[p]
+        elif op == FsOp.RENAME:
+            dst = posixpath.normpath(f.str(Tag.PATH2, "") or "/")
+            _node(fs, path)
+            for p in [p for p in fs if p == path or p.startswith(path + "/")]:
+                fs[dst + p[len(path) :]] = fs.pop(p)
+        elif op == FsOp.CHMOD:
+            _node(fs, path)["mode"] = f.u32(Tag.MODE, 0o644)
+        elif op == FsOp.CHOWN:
+            _node(fs, path)
+        self._send(w, T.FS_RESULT, ch, b"".join(wire.tlv(Tag.ENTRY, e) for e in entries))
+
+    async def _write(self, ch: int, w: asyncio.StreamWriter, path: str, queue: asyncio.Queue[bytes | None],
+                     flags: int, mode: int | None) -> None:  # fmt: skip
+        data = b""
+        try:
+            while (chunk := await queue.get()) is not None:
+                data += chunk
+        finally:
+            self._stdin.pop(ch, None)
+        fs = self._fs()
+        old = fs.get(path)
+        if flags & WriteFlag.APPEND and old is not None:
+            data = old["data"].encode("latin-1") + data
+        keep = old["mode"] if old is not None else 0o644
+        fs[path] = {"type": "file", "data": data.decode("latin-1"), "mtime": time.time_ns(),
+                    "mode": mode if mode is not None else keep}  # fmt: skip
+        self._send(w, T.FILE_DONE, ch, wire.tlv_u64(Tag.SIZE, len(data)))
+
+
+def _node(fs: dict[str, dict[str, Any]], path: str) -> dict[str, Any]:
+    node = fs.get(path)
+    if node is None:
+        raise OSError(errno.ENOENT, f"{path}: No such file or directory")
+    return node
+
+
+def _children(fs: dict[str, dict[str, Any]], path: str) -> list[str]:
+    prefix = path.rstrip("/") + "/"
+    return [
+        p[len(prefix) :] for p in fs if p.startswith(prefix) and "/" not in p[len(prefix) :] and p != path
+    ]
+
+
+def _mkdirs(fs: dict[str, dict[str, Any]], path: str) -> None:
+    parts = [p for p in path.split("/") if p]
+    for i in range(1, len(parts) + 1):
+        p = "/" + "/".join(parts[:i])
+        node = fs.setdefault(p, {"type": "dir", "mode": 0o755, "mtime": time.time_ns()})
+        if node["type"] != "dir":
+            raise OSError(errno.ENOTDIR, f"{p}: Not a directory")
+
+
+_ENTRY = struct.Struct("<IIIIQqHH")
+
+
+def _entry(name: str, node: dict[str, Any]) -> bytes:
+    kind = stat.S_IFDIR if node["type"] == "dir" else stat.S_IFREG
+    size = len(node.get("data", ""))
+    raw = name.encode()
+    return _ENTRY.pack(kind | node["mode"], 0, 0, 1, size, node["mtime"], len(raw), 0) + raw
 
 
 class FakeEngine(Engine):

@@ -13,9 +13,12 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from sandlot.api.files import AsyncWatch
+from sandlot.api.fs import AgentWatch, WatchSource
 from sandlot.config import default_home
 from sandlot.guest.agent import build_agent
 from sandlot.protocol.connection import AgentConnection
+from sandlot.protocol.watch import WatchStream
 
 
 @dataclass
@@ -55,3 +58,18 @@ async def connected(tmp: Path, **kw: object) -> AsyncIterator[tuple[AgentConnect
         await conn.close()
         agent.proc.kill()
         agent.proc.wait()
+
+
+class Watcher:
+    """``files.watch`` straight over an agent connection (no box, no backend)."""
+
+    def __init__(self, conn: AgentConnection) -> None:
+        self.conn = conn
+
+    def watch(self, path: str | os.PathLike[str], *, recursive: bool = True) -> AsyncWatch:
+        p = os.fspath(path)
+
+        async def opener() -> WatchSource:
+            return AgentWatch(self.conn, await WatchStream.start(self.conn, p, recursive=recursive))
+
+        return AsyncWatch(p, recursive, opener)

@@ -18,6 +18,7 @@ from websockets.asyncio.server import ServerConnection, serve
 
 import sandlot
 from sandlot.api.exec_channel import ExecChannel
+from sandlot.api.http import HttpBackend
 
 Handler = Callable[[ServerConnection], Awaitable[None]]
 
@@ -112,7 +113,7 @@ def test_unit_a_server_without_the_channel_is_asked_over_http() -> None:
         return httpx.Response(200, json={"exit_code": 3, "stdout": "", "stderr": ""})
 
     async def main() -> None:
-        client = sandlot.connect_async("http://127.0.0.1:9", api_key="k", transport=httpx.MockTransport(http))
+        client = HttpBackend("http://127.0.0.1:9", api_key="k", transport=httpx.MockTransport(http))
 
         async def no_such_route() -> Any:
             raise sandlot.Forbidden("403 at the handshake: no WebSocket route /v1/exec")

@@ -1,11 +1,11 @@
 """The fleet's rules without a cluster: moved state in checksummed chunks, the
 directory's reconciliation with the nodes (lost boxes, nothing claimed that no
-node has, adopted boxes, reservations given back), its persistence, the parity
-of a fleet box with a local one, and Ray imported only by the fleet."""
+node has, adopted boxes, reservations given back), its persistence, errors from nodes,
+and Ray imported only by the fleet. That a fleet box is the same ``Box`` with every
+operation is ``tests/unit/test_surface.py``'s; its behaviour, ``tests/vm/test_contract.py``'s."""
 
 from __future__ import annotations
 
-import inspect
 import os
 import subprocess
 import sys
@@ -16,7 +16,7 @@ import pytest
 import sandlot
 from sandlot.errors import BoxNotFound, CorruptSnapshot, InvalidArgument
 from sandlot.fleet import transfer
-from sandlot.fleet.client import FleetBox, FleetFiles, unwrap
+from sandlot.fleet.backend import unwrap
 from sandlot.fleet.directory import LOST, Directory, new_record, reconcile, released
 from sandlot.fleet.node import error_reply
 
@@ -130,36 +130,6 @@ def test_a_node_error_comes_back_as_the_same_class() -> None:
     with pytest.raises(sandlot.IncompatibleSnapshot, match=r"QEMU 99\.0"):
         unwrap(error_reply(err))
     assert unwrap({"ok": 3}) == 3
-
-
-# -- the same interface as a local box ------------------------------------------------------
-
-SHARED = ["start", "stop", "restart", "kill", "pause", "unpause", "remove", "refresh", "inspect", "stats",
-          "logs", "ping", "exec", "sh", "spawn", "snapshot", "snapshots", "rollback", "fork", "suspend",
-          "resume"]  # fmt: skip
-# what a fleet box cannot take: a process kept for an heir of this host's sessions
-NOT_OVER_RAY = {"spawn": {"keep"}}
-
-
-@pytest.mark.parametrize("name", SHARED)
-def test_a_fleet_box_has_the_methods_of_a_local_box(name: str) -> None:
-    local = inspect.signature(getattr(sandlot.Box, name)).parameters
-    fleet = inspect.signature(getattr(FleetBox, name)).parameters
-    missing = set(local) - set(fleet) - NOT_OVER_RAY.get(name, set())
-    assert not missing, f"FleetBox.{name} lacks {sorted(missing)}"
-    for p in set(local) & set(fleet):
-        assert local[p].kind == fleet[p].kind, f"{name}({p}) is passed differently"
-        if (name, p) == ("spawn", "stdin"):
-            continue  # over Ray a spawn's stdin is its whole input, given at once (locally: a flag)
-        assert local[p].default == fleet[p].default, f"{name}({p}) has another default"
-
-
-@pytest.mark.parametrize("name", ["read", "read_text", "write", "stat", "exists", "list", "mkdir", "remove",
-                                  "rename"])  # fmt: skip
-def test_fleet_files_have_the_methods_of_local_files(name: str) -> None:
-    local = inspect.signature(getattr(sandlot.Files, name)).parameters
-    fleet = inspect.signature(getattr(FleetFiles, name)).parameters
-    assert list(local) == list(fleet)
 
 
 def test_only_the_fleet_imports_ray() -> None:

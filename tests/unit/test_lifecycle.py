@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 
 import sandlot
+from sandlot.api.local import LocalBackend, LocalSnapshotRef
 from sandlot.config import try_flock
 from sandlot.core import sessions
 from sandlot.core.runtime import Runtime
@@ -181,7 +182,7 @@ def test_forks_and_templates_are_saved_after_a_first_command(home: Path, root: P
             rt = Runtime.for_home(home)
             core = core_for(rt)
             snap = await core.live.make_template(await core.controller.find(box.id), "warm")
-            [kid] = await sandlot.AsyncSnapshot(rt, snap).start(1)
+            [kid] = await sandlot.AsyncSnapshot(LocalSnapshotRef(LocalBackend.for_home(home), snap)).start(1)
             assert (await kid.exec("recall", "true_runs")).stdout == "2\n"
             await kid.remove(force=True)
         finally:

@@ -1,7 +1,9 @@
 """``sandlot.tools`` without VMs: the schemas in every format are valid JSON Schema
 and describe every tool; dispatch refuses bad input with errors naming the problem,
 before anything runs; limits show in the schemas and hold in the calls; results
-take the shapes the model APIs and MCP want (a fake box stands in for a VM)."""
+take the shapes the model APIs and MCP want. The boxes are real ``Box`` objects of
+a home on the fake engine (the real core, its agent faked), reached locally and
+through ``sandlot serve``'s application served in this process."""
 
 from __future__ import annotations
 
@@ -9,8 +11,8 @@ import asyncio
 import base64
 import json
 import re
-from dataclasses import dataclass, field
-from datetime import UTC, datetime
+from collections.abc import Awaitable, Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import jsonschema
@@ -19,13 +21,19 @@ import pytest
 from mcp import Client
 from mcp.shared.exceptions import MCPError
 
+import sandlot
 from sandlot import tools
-from sandlot.api.files import FileInfo
-from sandlot.api.process import ExecResult
+from sandlot.api.backend import Backend
+from sandlot.api.box import AsyncBox
+from sandlot.api.code import Execution, ExecutionError, Result
+from sandlot.api.http import HttpBackend
+from sandlot.api.local import LocalBackend
 from sandlot.errors import BoxNotFound, Forbidden, QuotaExceeded
 from sandlot.mcp.server import build, to_mcp
 from sandlot.tools import Limits, ToolInputError, Toolkit, UnknownTool
-from sandlot.tools.toolkit import Backend
+
+from tests.support.fake_engine import fake_rootfs, register
+from tests.support.inproc import serving
 
 EXPECTED = ["create_box", "list_boxes", "exec", "run_code", "read_file", "write_file", "list_files",
             "snapshot", "list_snapshots", "rollback", "fork", "suspend", "resume", "remove_box"]  # fmt: skip
@@ -100,8 +108,38 @@ def refused(kit: Toolkit, name: str, args: Any) -> ToolInputError | UnknownTool:
     return caught.value
 
 
-def test_dispatch_names_each_problem_before_anything_runs() -> None:
-    kit = Toolkit(NoBoxes())
+@pytest.fixture
+def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A home on the fake engine whose images a:1 and b:2 are a fake root file system."""
+    register()
+    monkeypatch.setenv("SANDLOT_ENGINE", "fake")
+    home = tmp_path / "home"
+    root = fake_rootfs(tmp_path)
+    for name in ("a:1", "b:2"):
+        sandlot.import_image(root, name, home=home)
+    return home
+
+
+Where = Callable[[], Backend]
+
+
+@pytest.fixture(params=["local", "http"])
+def where(request: pytest.FixtureRequest, home: Path) -> Iterator[Where]:
+    """Where the tools find boxes, as a backend for the running loop: the home itself, or a
+    server of it (``sandlot serve``'s application, served in this process)."""
+    if request.param == "local":
+        yield lambda: LocalBackend.for_home(home)
+        return
+    with serving(home) as srv:
+        yield lambda: HttpBackend(srv.url, api_key=srv.api_key)
+
+
+def run(main: Callable[[], Awaitable[Any]]) -> Any:
+    return asyncio.run(main())  # type: ignore[arg-type]
+
+
+def test_dispatch_names_each_problem_before_anything_runs(home: Path) -> None:
+    kit = Toolkit(home=home)
     e = refused(kit, "exex", {})
     assert isinstance(e, UnknownTool) and e.tool == "exex" and "did you mean 'exec'" in str(e)
     e = refused(kit, "exec", {"box": "dev"})
@@ -127,67 +165,93 @@ def test_dispatch_names_each_problem_before_anything_runs() -> None:
     assert tools.TOOLS[2].validate('{"box": "dev", "command": "ls"}').model_dump()["command"] == "ls"
 
 
-def test_errors_come_back_as_results_for_the_model() -> None:
-    kit = Toolkit(NoBoxes())
-    r = asyncio.run(kit.call("exec", {"box": "gone", "command": "ls"}, raise_errors=False))
-    assert r.is_error and isinstance(r.error, BoxNotFound)
-    assert r.text == "Error (BoxNotFound): no box 'gone'"
-    assert r.data["error"]["code"] == "box_not_found"
-    r = asyncio.run(kit.call("exec", {}, raise_errors=False))
-    assert r.is_error and "missing required argument 'command'" in r.text
-    block = r.to_anthropic("toolu_1")
-    assert block["is_error"] is True and block["tool_use_id"] == "toolu_1"
+def test_errors_come_back_as_results_for_the_model(where: Where) -> None:
+    async def main() -> None:
+        kit = Toolkit(where())
+        r = await kit.call("exec", {"box": "gone", "command": "ls"}, raise_errors=False)
+        assert r.is_error and isinstance(r.error, BoxNotFound)
+        assert r.text == "Error (BoxNotFound): no box 'gone'"
+        assert r.data["error"]["code"] == "box_not_found"
+        r = await kit.call("exec", {}, raise_errors=False)
+        assert r.is_error and "missing required argument 'command'" in r.text
+        block = r.to_anthropic("toolu_1")
+        assert block["is_error"] is True and block["tool_use_id"] == "toolu_1"
+
+    run(main)
 
 
-def test_limits_show_in_the_schemas_and_hold_in_calls() -> None:
+def test_limits_show_in_the_schemas_and_hold_in_calls(where: Where) -> None:
     limits = Limits(max_boxes=1, max_memory_mib=256, max_cpus=2, images=("a:1", "b:2"), max_timeout=30)
-    kit = Toolkit(FakeBackend(), image="a:1", limits=limits)
-    schema = {e["name"]: e["input_schema"] for e in kit.schemas("anthropic")}
-    create = schema["create_box"]["properties"]
-    assert create["image"]["enum"] == ["a:1", "b:2"] and "'a:1'" in create["image"]["description"]
-    assert create["memory_mib"]["maximum"] == 256 and create["memory_mib"]["default"] == 256
-    assert create["cpus"]["maximum"] == 2
-    assert schema["exec"]["properties"]["timeout"]["maximum"] == 30
-    assert "image" not in schema["create_box"].get("required", [])
-    assert "image" in Toolkit(FakeBackend()).schemas("anthropic")[0]["input_schema"]["required"]
 
-    with pytest.raises(Forbidden, match="image 'c:3' is not allowed here; the images are: a:1, b:2"):
-        asyncio.run(kit.call("create_box", {"image": "c:3"}))
-    with pytest.raises(ToolInputError, match="memory_mib 512 is over the limit of 256"):
-        asyncio.run(kit.call("create_box", {"memory_mib": 512}))
-    with pytest.raises(ToolInputError, match="timeout 60s is over the limit of 30s"):
-        asyncio.run(kit.call("exec", {"box": "x", "command": "ls", "timeout": 60}))
-    made = asyncio.run(kit.call("create_box", {}))  # defaults over a limit come down to it
-    assert made.data["memory_mib"] == 256 and made.data["image"] == "a:1"
-    with pytest.raises(QuotaExceeded, match="at most 1 boxes") as caught:
-        asyncio.run(kit.call("create_box", {"image": "b:2"}))
-    assert caught.value.limit == "boxes"
+    async def main() -> None:
+        kit = Toolkit(where(), image="a:1", limits=limits, labels={"t": "limits"}, own_only=True)
+        schema = {e["name"]: e["input_schema"] for e in kit.schemas("anthropic")}
+        create = schema["create_box"]["properties"]
+        assert create["image"]["enum"] == ["a:1", "b:2"] and "'a:1'" in create["image"]["description"]
+        assert create["memory_mib"]["maximum"] == 256 and create["memory_mib"]["default"] == 256
+        assert create["cpus"]["maximum"] == 2
+        assert schema["exec"]["properties"]["timeout"]["maximum"] == 30
+        assert "image" not in schema["create_box"].get("required", [])
+        assert "image" in Toolkit(where()).schemas("anthropic")[0]["input_schema"]["required"]
 
+        with pytest.raises(Forbidden, match="image 'c:3' is not allowed here; the images are: a:1, b:2"):
+            await kit.call("create_box", {"image": "c:3"})
+        with pytest.raises(ToolInputError, match="memory_mib 512 is over the limit of 256"):
+            await kit.call("create_box", {"memory_mib": 512})
+        with pytest.raises(ToolInputError, match="timeout 60s is over the limit of 30s"):
+            await kit.call("exec", {"box": "x", "command": "ls", "timeout": 60})
+        made = await kit.call("create_box", {})  # defaults over a limit come down to it
+        assert (
+            made.data["memory_mib"] == 256 and made.data["image"] == "a:1" and made.data["state"] == "running"
+        )
+        with pytest.raises(QuotaExceeded, match="at most 1 boxes") as caught:
+            await kit.call("create_box", {"image": "b:2"})
+        assert caught.value.limit == "boxes"
+        await kit.call("remove_box", {"box": made.data["name"]})
 
-def test_a_single_box_agent_names_no_box() -> None:
-    box = FakeBox("solo")
-    kit = Toolkit(FakeBackend([box]))
-    kit.default_box = box
-    schema = kit.schemas("openai", tools=["exec"])[0]["function"]["parameters"]
-    assert schema["required"] == ["command"] and "'solo'" in schema["properties"]["box"]["description"]
-    r = asyncio.run(kit.call("exec", {"command": "echo hi"}))
-    assert r.text == "exit code: 0\nstdout:\necho hi" and r.data["exit_code"] == 0
+    run(main)
 
 
-def test_long_output_is_cut_and_kept_whole_in_the_box() -> None:
-    box = FakeBox("dev", stdout=b"".join(b"line %d\n" % i for i in range(20000)))
-    kit = Toolkit(FakeBackend([box]), output_limit=4096)
-    r = asyncio.run(kit.call("exec", {"box": "dev", "command": "seq"}))
-    path = r.data["stdout_file"]
-    assert path.startswith("/tmp/sandlot-output/exec-") and path.endswith(".stdout")
-    assert box.written[path] == box.stdout
-    assert r.text.startswith("exit code: 0\nstdout:\nline 0\n")
-    assert f"read_file with path={path!r} and offset=1024" in r.text
-    assert r.text.endswith("line 19999\n") and len(r.data["stdout"]) < 4096 + 400
-    assert r.data["stderr_file"] is None
+def test_a_single_box_agent_names_no_box_and_its_output_is_cut_and_kept_whole(where: Where) -> None:
+    async def main() -> None:
+        async with AsyncBox.bound(
+            where().describe("a:1", {"memory_mib": 256}, keep=False), keep=False
+        ) as box:
+            kit = Toolkit(box, output_limit=4096)
+            schema = kit.schemas("openai", tools=["exec"])[0]["function"]["parameters"]
+            assert (
+                schema["required"] == ["command"]
+                and f"'{box.name}'" in schema["properties"]["box"]["description"]
+            )
+            r = await kit.call("exec", {"command": "echo hi"})
+            assert r.text == "exit code: 0\nstdout:\nhi\n" and r.data["exit_code"] == 0
+            r = await kit.call("exec", {"command": "lines 20000"})
+            path = r.data["stdout_file"]
+            assert path.startswith("/tmp/sandlot-output/exec-") and path.endswith(".stdout")
+            whole = b"".join(b"line %d\n" % i for i in range(20000))
+            assert await box.files.read(path) == whole  # kept in the box, whole
+            assert r.text.startswith("exit code: 0\nstdout:\nline 0\n")
+            assert f"read_file with path={path!r} and offset=1024" in r.text
+            assert r.text.endswith("line 19999\n") and len(r.data["stdout"]) < 4096 + 400
+            assert r.data["stderr_file"] is None
+            r = await kit.call("read_file", {"path": path, "offset": 1024, "length": 100})
+            assert r.data["content"] == whole[1024:1124].decode() and r.data["remaining"] > 0
+            await kit.call("write_file", {"path": "/root/notes.md", "content": "hello"})
+            listed = await kit.call("list_files", {"path": "/root"})
+            assert [e["name"] for e in listed.data["entries"]] == ["notes.md"]
+            snap = await kit.call("snapshot", {"name": "before"})
+            await kit.call("write_file", {"path": "/root/notes.md", "content": "changed"})
+            await kit.call("rollback", {"snapshot": snap.data["name"]})
+            assert (await kit.call("read_file", {"path": "/root/notes.md"})).data["content"] == "hello"
+            kids = await kit.call("fork", {"n": 2})
+            assert len(kids.data["boxes"]) == 2
+            for kid in kids.data["boxes"]:
+                await kit.call("remove_box", {"box": kid["name"]})
+
+    run(main)
 
 
-def test_code_cells_give_text_and_images() -> None:
+def test_code_cells_give_text_and_images(home: Path) -> None:
     png = base64.b64encode(b"\x89PNG\r\n\x1a\n-fake-").decode()
     execution = Execution(
         results=[Result(text="<Figure>", png=png), Result(text="42", is_main_result=True)],
@@ -195,7 +259,7 @@ def test_code_cells_give_text_and_images() -> None:
         error=ExecutionError("ZeroDivisionError", "division by zero", "Traceback ...\nZeroDivisionError"),
         execution_count=3,
     )
-    r = Toolkit(NoBoxes()).execution_result(execution)
+    r = Toolkit(home=home).execution_result(execution)
     kinds = [type(p).__name__ for p in r.content]
     assert kinds == ["TextPart", "ImagePart", "TextPart"]  # the image where the cell showed it
     assert r.images[0].mime_type == "image/png" and r.images[0].data == png
@@ -212,106 +276,56 @@ def test_code_cells_give_text_and_images() -> None:
     assert mcp.structured_content == r.data and not mcp.is_error
 
 
-def test_mcp_server_lists_the_tools_and_answers_calls() -> None:
-    box = FakeBox("dev")
-
-    async def kit_for(ctx: Any) -> Toolkit:
-        return Toolkit(FakeBackend([box]), image="a:1")
-
+def test_mcp_server_lists_the_tools_and_answers_calls(where: Where) -> None:
     async def session() -> None:
+        backend = where()
+
+        async def kit_for(ctx: Any) -> Toolkit:
+            return Toolkit(backend, image="a:1")
+
         async with Client(build(kit_for)) as client:
             listed = (await client.list_tools()).tools
             assert [t.name for t in listed] == EXPECTED
             assert all(t.annotations is not None and t.annotations.title == t.title for t in listed)
-            r = await client.call_tool("exec", {"box": "dev", "command": "echo hi"})
-            assert not r.is_error and r.content[0].text.endswith("echo hi")  # type: ignore[union-attr]
+            made = await client.call_tool("create_box", {"name": "mcp-dev", "memory_mib": 256})
+            assert not made.is_error and made.structured_content is not None
+            r = await client.call_tool("exec", {"box": "mcp-dev", "command": "echo hi"})
+            assert not r.is_error and r.content[0].text.endswith("hi\n")  # type: ignore[union-attr]
             assert r.structured_content is not None and r.structured_content["exit_code"] == 0
-            r = await client.call_tool("exec", {"box": "dev", "command": 7})
+            r = await client.call_tool("exec", {"box": "mcp-dev", "command": 7})
             assert r.is_error and "argument 'command'" in r.content[0].text  # type: ignore[union-attr]
+            r = await client.call_tool("read_file", {"box": "mcp-dev", "path": "/nope"})
+            assert r.is_error and "GuestFileNotFoundError" in r.content[0].text  # type: ignore[union-attr]
             with pytest.raises(MCPError, match="unknown tool 'nope'"):
                 await client.call_tool("nope", {})
+            assert not (await client.call_tool("remove_box", {"box": "mcp-dev"})).is_error
 
-    asyncio.run(session())
-
-
-# -- fakes: a box that echoes its command, without a VM ------------------------------------------
+    run(session)
 
 
-@dataclass(frozen=True)
-class Result:
-    text: str | None = None
-    html: str | None = None
-    markdown: str | None = None
-    svg: str | None = None
-    png: str | None = None
-    jpeg: str | None = None
-    json: Any = None
-    latex: str | None = None
-    is_main_result: bool = False
-    extra: dict[str, Any] = field(default_factory=dict)
+def test_the_servers_mcp_endpoint_acts_within_the_keys_namespace(home: Path) -> None:
+    """The MCP SDK's streamable HTTP client against the in-process server's ``/mcp``: the
+    tool calls are REST requests of the caller's key, in its namespace."""
+    import httpx2
+    from mcp.client.streamable_http import streamable_http_client
 
+    with serving(home) as srv:
+        team = srv.key("team-a", namespace="a")
 
-@dataclass(frozen=True)
-class ExecutionError:
-    name: str
-    value: str
-    traceback: str
+        async def session() -> None:
+            headers = {"Authorization": f"Bearer {team}"}
+            async with httpx2.AsyncClient(headers=headers, timeout=60) as http, \
+                    Client(streamable_http_client(f"{srv.url}/mcp", http_client=http)) as client:  # fmt: skip
+                made = await client.call_tool(
+                    "create_box", {"image": "a:1", "name": "in-a", "memory_mib": 256}
+                )
+                assert not made.is_error, made.content
+                r = await client.call_tool("exec", {"box": "in-a", "command": "echo from a"})
+                assert not r.is_error and "from a" in r.content[0].text  # type: ignore[union-attr]
 
-
-@dataclass
-class Execution:
-    results: list[Result]
-    stdout: str = ""
-    stderr: str = ""
-    error: ExecutionError | None = None
-    execution_count: int | None = None
-
-
-class FakeFiles:
-    def __init__(self, box: FakeBox) -> None:
-        self.box = box
-
-    async def write(self, path: str, data: bytes, **kw: Any) -> int:
-        self.box.written[path] = data
-        return len(data)
-
-    async def stat(self, path: str) -> FileInfo:
-        size = len(self.box.written.get(path, b""))
-        return FileInfo(path, path.rsplit("/", 1)[-1], "file", size, 0o644, 0, 0, datetime.now(UTC))
-
-
-class FakeBox:
-    def __init__(self, name: str, stdout: bytes | None = None) -> None:
-        self.name = self.id = name
-        self.stdout = stdout
-        self.written: dict[str, bytes] = {}
-        self.files = FakeFiles(self)
-        self.state = "running"
-        self.info = {"labels": {}, "image": "a:1", "memory_mib": 256, "cpus": 1, "network": "none",
-                     "created_at": 1.7e9}  # fmt: skip
-
-    async def exec(self, *argv: str, **kw: Any) -> ExecResult:
-        return ExecResult(tuple(argv), 0, self.stdout if self.stdout is not None else argv[-1].encode())
-
-
-class FakeBackend(Backend):
-    def __init__(self, boxes: list[FakeBox] | None = None) -> None:
-        self.boxes = {b.name: b for b in boxes or []}
-
-    async def create(self, image: str | None, options: dict[str, Any]) -> Any:
-        box = FakeBox(options.get("name") or f"box{len(self.boxes)}")
-        box.info.update(image=image, memory_mib=options["memory_mib"])
-        self.boxes[box.name] = box
-        return box
-
-    async def get(self, key: str) -> Any:
-        if key not in self.boxes:
-            raise BoxNotFound(f"no box {key!r}", box=key)
-        return self.boxes[key]
-
-    async def list(self, labels: Any) -> list[Any]:
-        return list(self.boxes.values())
-
-
-class NoBoxes(FakeBackend):
-    pass
+        run(session)
+        admin = sandlot.connect(srv.url, api_key=srv.api_key)
+        [box] = admin.list()
+        assert box.name == "in-a" and box.info["labels"]["sandlot.namespace"] == "a"
+        box.remove(force=True)
+        admin.close()

@@ -12,25 +12,20 @@ from pathlib import Path
 
 import pytest
 
-from sandlot.api.files import AsyncFiles, AsyncWatch, FileEvent
+from sandlot.api.files import AsyncWatch, FileEvent
 from sandlot.errors import GuestFileNotFoundError
-from sandlot.protocol.connection import AgentConnection
 
-from tests.support.hostagent import HostAgent, connected
+from tests.support.hostagent import HostAgent, Watcher, connected
 
-Test = Callable[[AsyncFiles, Path, HostAgent], Awaitable[None]]
+Test = Callable[[Watcher, Path, HostAgent], Awaitable[None]]
 
 
 def run(tmp_path: Path, test: Test) -> None:
     async def go() -> None:
         async with connected(tmp_path, kind="sanitize") as (conn, agent):
-
-            async def connection() -> AgentConnection:
-                return conn
-
             tree = tmp_path / "tree"
             tree.mkdir()
-            await test(AsyncFiles(connection), tree, agent)
+            await test(Watcher(conn), tree, agent)
             await asyncio.sleep(0.1)
             assert "ERROR: AddressSanitizer" not in agent.stderr()
             assert "runtime error" not in agent.stderr()
@@ -59,7 +54,7 @@ def inotify_fds(agent: HostAgent) -> int:
 
 
 def test_unit_create_modify_delete_and_moves(tmp_path: Path) -> None:
-    async def test(files: AsyncFiles, tree: Path, agent: HostAgent) -> None:
+    async def test(files: Watcher, tree: Path, agent: HostAgent) -> None:
         outside = tree.parent / "outside"
         async with files.watch(tree) as w:
             (tree / "a").write_bytes(b"x" * 1_000_000)  # one write of 1 MB: one event, not hundreds
@@ -91,7 +86,7 @@ def test_unit_create_modify_delete_and_moves(tmp_path: Path) -> None:
 
 
 def test_unit_recursive_trees_follow_new_and_moved_directories(tmp_path: Path) -> None:
-    async def test(files: AsyncFiles, tree: Path, agent: HostAgent) -> None:
+    async def test(files: Watcher, tree: Path, agent: HostAgent) -> None:
         (tree / "old").mkdir()
         async with files.watch(tree) as w:
             # a tree made faster than its watches can be added: nothing inside is lost
@@ -142,7 +137,7 @@ def test_unit_recursive_trees_follow_new_and_moved_directories(tmp_path: Path) -
 
 
 def test_unit_a_file_is_watched_by_its_path(tmp_path: Path) -> None:
-    async def test(files: AsyncFiles, tree: Path, agent: HostAgent) -> None:
+    async def test(files: Watcher, tree: Path, agent: HostAgent) -> None:
         f = tree / "f.txt"
         f.write_text("1")
         async with files.watch(f) as w:
@@ -161,7 +156,7 @@ def test_unit_a_file_is_watched_by_its_path(tmp_path: Path) -> None:
 
 
 def test_unit_the_watch_ends_when_its_root_goes_and_missing_paths_raise(tmp_path: Path) -> None:
-    async def test(files: AsyncFiles, tree: Path, agent: HostAgent) -> None:
+    async def test(files: Watcher, tree: Path, agent: HostAgent) -> None:
         with pytest.raises(GuestFileNotFoundError):
             await files.watch(tree / "missing").start()
         with pytest.raises(FileNotFoundError):
@@ -186,7 +181,7 @@ def test_unit_the_watch_ends_when_its_root_goes_and_missing_paths_raise(tmp_path
 
 
 def test_unit_a_host_that_does_not_read_gets_one_overflow(tmp_path: Path) -> None:
-    async def test(files: AsyncFiles, tree: Path, agent: HostAgent) -> None:
+    async def test(files: Watcher, tree: Path, agent: HostAgent) -> None:
         async with files.watch(tree) as w:
             for i in range(20000):  # far more than the agent's queue of 256 KiB holds
                 os.close(os.open(tree / f"file-with-a-long-name-{i:06d}", os.O_CREAT | os.O_WRONLY))

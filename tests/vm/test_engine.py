@@ -223,7 +223,7 @@ def test_states_saved_with_earlier_device_sets_still_load(
         r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180)
         assert r.returncode == 0, r.stderr
         again = sandlot.get_snapshot(r.stdout.strip())
-        assert again.record.facts["engine_facts"]["devices"] == old
+        assert again.ref.record.facts["engine_facts"]["devices"] == old  # type: ignore[attr-defined]
         box.rollback(again)
         assert devices_of(box) == old and box.sh("cat /root/mark").stdout == "before\n"
     with sandlot.Box(rootfs=busybox_root, memory_mib=256) as box:

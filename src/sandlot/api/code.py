@@ -7,9 +7,11 @@ and its rollback, each child of a fork (diverging from there), a suspend and a
 resume by another process, an export and an import on another home. A reboot
 ends them, as it ends every process.
 
-The host reaches a context through the agent's relay to the context's Unix
-socket; one relay per context, box and event loop carries every cell, so a warm
-cell costs one round trip. Cells of one context run one after another.
+The side where the box runs (this process for a local box, a server or a fleet
+node for others: the contexts are backend operations, ``api/contract.py``)
+reaches a context through the agent's relay to the context's Unix socket; one
+relay per context, box and event loop carries every cell, so a warm cell costs
+one round trip. Cells of one context run one after another.
 
 >>> ex = await box.run_code("x = 41\\nx + 1")              # doctest: +SKIP
 >>> ex.text, ex.execution_count
@@ -35,7 +37,7 @@ import weakref
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from importlib import resources
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn, Protocol
 
 from ..core.validate import check_env, check_user, guest_path
 from ..errors import (
@@ -48,8 +50,10 @@ from ..errors import (
     ProtocolError,
 )
 from .bridge import RelayDuplex, open_relay
-from .files import AsyncFiles
 from .process import AsyncProcess, ExecResult
+
+if TYPE_CHECKING:
+    from .fs import FileInfo
 
 ROOT = "/run/sandlot/code"  # a tmpfs the agent mounts: contexts end with the boot they started in
 START_TIMEOUT = 300.0  # a Jupyter kernel importing IPython under emulation takes tens of seconds
@@ -191,12 +195,30 @@ ResultCallback = Callable[[Result], Any]
 ContextArg = CodeContext | str | None
 
 
+class CodeFiles(Protocol):
+    """What the interpreter needs of a box's files (``AsyncFiles``)."""
+
+    async def read(self, path: str) -> bytes: ...
+
+    async def write(self, path: str, data: bytes, *, mode: int | None = None) -> int: ...
+
+    async def exists(self, path: str) -> bool: ...
+
+    async def list(self, path: str) -> list[FileInfo]: ...
+
+    async def mkdir(self, path: str, *, parents: bool = True) -> None: ...
+
+    async def chmod(self, path: str, mode: int) -> None: ...
+
+    async def remove(self, path: str, *, recursive: bool = False, missing_ok: bool = False) -> None: ...
+
+
 @dataclass(frozen=True)
 class CodeBox:
-    """What the interpreter needs of a box (a local or a remote one)."""
+    """What the interpreter needs of a box: its files and commands, where the box runs."""
 
     id: str
-    files: AsyncFiles
+    files: CodeFiles
     spawn: Callable[..., Awaitable[AsyncProcess]]
     exec: Callable[..., Awaitable[ExecResult]]
 
@@ -593,3 +615,36 @@ async def _collect(
         elif kind == "done":
             execution.execution_count = int(event.get("count") or 0) or None
             return True
+
+
+def context_json(ctx: CodeContext) -> dict[str, Any]:
+    return {"id": ctx.id, "language": ctx.language, "cwd": ctx.cwd, "kernel": ctx.kernel}
+
+
+def result_json(result: Result) -> dict[str, Any]:
+    return dict(result.to_bundle(), is_main_result=result.is_main_result)
+
+
+async def code_event(event: dict[str, Any], callbacks: Callbacks) -> Execution | None:
+    """One event of a cell run by a host elsewhere (``api/host.py``'s ``code_messages``):
+    passed to its callback; the execution at the end (an error at the end is raised, a
+    CodeTimeout with its execution so far)."""
+    from ..errors import from_dict
+
+    kind = event.get("type")
+    if kind == "stdout":
+        await callbacks.call(callbacks.on_stdout, str(event.get("text", "")))
+    elif kind == "stderr":
+        await callbacks.call(callbacks.on_stderr, str(event.get("text", "")))
+    elif kind == "result":
+        bundle = dict(event.get("result") or {})
+        main = bool(bundle.pop("is_main_result", False))
+        await callbacks.call(callbacks.on_result, Result.from_bundle(bundle, main))
+    elif kind == "execution":
+        return Execution.from_dict(event.get("execution") or {})
+    elif kind == "error":
+        err = from_dict(dict(event.get("error") or {}))
+        if isinstance(err, CodeTimeout) and isinstance(err.execution, dict):
+            err.execution = Execution.from_dict(err.execution)
+        raise err
+    return None

@@ -4,6 +4,9 @@ Paths are absolute guest paths. Guest errors raise typed exceptions that also
 derive from the built-in ones (``FileNotFoundError``, ``IsADirectoryError``...).
 Transfers stream in both directions with flow control, so size is bounded by
 disk, not memory, when you use ``upload``/``download``/``iter_read``.
+
+``AsyncFiles`` is written once over the box's backend (``api/backend.py``): the same
+methods, arguments, results and errors whichever way the box is reached.
 """
 
 from __future__ import annotations
@@ -14,127 +17,25 @@ import os
 import stat as _stat
 import tempfile
 from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
-from datetime import UTC, datetime
 from pathlib import Path, PurePosixPath
-from typing import TYPE_CHECKING, Literal, Protocol
+from typing import TYPE_CHECKING, Any
 
-from ..core.validate import check_user, guest_path
-from ..errors import ConnectionLost, InvalidArgument, InvalidState
-from ..protocol import files as proto
-from ..protocol.watch import WatchStream
-from ..protocol.wire import FsFlag, FsOp, RawEntry, WatchEvent
+from ..core.validate import guest_path
+from ..errors import InvalidArgument
+from .fs import FILE_EVENT_TYPES, FileEvent, FileEventType, FileInfo, WatchSource, check_mode
 
 if TYPE_CHECKING:
-    from ..protocol.connection import AgentConnection
+    from .backend import Backend, BoxRef
 
-CHUNK = 256 * 1024
-
-
-@dataclass(frozen=True, slots=True)
-class FileInfo:
-    """What ``stat`` and ``list`` report about a guest path."""
-
-    path: str
-    name: str
-    type: str  # "file", "dir", "symlink" or "other"
-    size: int
-    mode: int  # permission bits, e.g. 0o644
-    uid: int
-    gid: int
-    mtime: datetime
-    link_target: str | None = None
-
-    @property
-    def is_dir(self) -> bool:
-        return self.type == "dir"
-
-    @property
-    def is_file(self) -> bool:
-        return self.type == "file"
-
-    @property
-    def is_symlink(self) -> bool:
-        return self.type == "symlink"
-
-
-def _kind(mode: int) -> str:
-    if _stat.S_ISREG(mode):
-        return "file"
-    if _stat.S_ISDIR(mode):
-        return "dir"
-    if _stat.S_ISLNK(mode):
-        return "symlink"
-    return "other"
-
-
-def _info(parent: str | None, e: RawEntry, path: str | None = None) -> FileInfo:
-    full = path if path is not None else str(PurePosixPath(parent or "/") / e.name)
-    return FileInfo(
-        path=full,
-        name=e.name,
-        type=_kind(e.mode),
-        size=e.size,
-        mode=_stat.S_IMODE(e.mode),
-        uid=e.uid,
-        gid=e.gid,
-        mtime=datetime.fromtimestamp(e.mtime_ns / 1e9, tz=UTC),
-        link_target=e.link_target,
-    )
-
-
-FileEventType = Literal["created", "modified", "deleted", "moved", "overflow"]
-
-
-@dataclass(frozen=True, slots=True)
-class FileEvent:
-    """One change under a watched path (``box.files.watch``).
-
-    ``type`` is one of:
-
-    - ``"created"``: ``path`` appeared (created, or moved in from outside the
-      watched tree; the entries of a directory that appears are reported too);
-    - ``"modified"``: a file's content changed: reported when a writer closes it,
-      or at most every 0.25 s while a writer keeps it open (a 1 MiB write is one
-      event, not hundreds); attribute changes (chmod, touch) are not reported;
-    - ``"deleted"``: ``path`` is gone (removed, or moved out of the watched tree);
-    - ``"moved"``: renamed within the watched tree, from ``old_path`` to ``path``;
-    - ``"overflow"``: events under ``path`` may have been lost (the box's queue
-      filled while nobody read, or a directory could not be watched): look at
-      ``path`` again instead of trusting the events alone.
-
-    Paths are absolute guest paths; ``is_dir`` tells whether ``path`` is a directory.
-    """
-
-    type: FileEventType
-    path: str
-    is_dir: bool = False
-    old_path: str | None = None  # "moved": where it was
-
-
-FILE_EVENT_TYPES: frozenset[FileEventType] = frozenset(
-    ("created", "modified", "deleted", "moved", "overflow")
-)
-_EVENT_TYPES: dict[WatchEvent, FileEventType] = {
-    WatchEvent.CREATED: "created",
-    WatchEvent.MODIFIED: "modified",
-    WatchEvent.DELETED: "deleted",
-    WatchEvent.MOVED: "moved",
-    WatchEvent.OVERFLOW: "overflow",
-}
-
-
-class WatchSource(Protocol):
-    """What ``AsyncWatch`` reads: a watch channel of the box's agent locally, a
-    streamed HTTP answer for a remote box (``api/remote.py``)."""
-
-    async def next(self) -> FileEvent | None:
-        """The next event, or None once the watch has ended."""
-        ...
-
-    async def aclose(self) -> None:
-        """Stop watching (at once; idempotent)."""
-        ...
+__all__ = [
+    "FILE_EVENT_TYPES",
+    "AsyncFiles",
+    "AsyncWatch",
+    "FileEvent",
+    "FileEventType",
+    "FileInfo",
+    "WatchSource",
+]
 
 
 class AsyncWatch:
@@ -256,49 +157,15 @@ class AsyncWatch:
         return f"<AsyncWatch {self._path} recursive={self._recursive} {state}>"
 
 
-class _AgentWatch:
-    """A watch channel of the box's agent, as a ``WatchSource``."""
-
-    def __init__(self, conn: AgentConnection, stream: WatchStream) -> None:
-        self._conn = conn
-        self._stream = stream
-
-    async def next(self) -> FileEvent | None:
-        try:
-            record = await self._stream.next()
-        except (ConnectionLost, InvalidState) as e:
-            # The box stopped, was suspended or removed: by this process (the
-            # connection was closed on purpose, so it records no failure), or by
-            # another one (the connection's failure says so). A crash raises.
-            failure = self._conn.failed
-            if failure is None or (type(failure) is InvalidState and failure is e):
-                return None
-            raise
-        if record is None:
-            return None
-        st = self._stream
-        return FileEvent(
-            _EVENT_TYPES[record.kind],
-            st.absolute(record.path),
-            record.is_dir,
-            st.absolute(record.old_path) if record.old_path is not None else None,
-        )
-
-    async def aclose(self) -> None:
-        self._stream.close()
-
-
-def _mode(mode: int | None) -> int | None:
-    if mode is not None and not (isinstance(mode, int) and 0 <= mode <= 0o7777):
-        raise InvalidArgument(f"mode must be an int in 0..0o7777, not {mode!r}")
-    return mode
-
-
 class AsyncFiles:
-    """File operations on a running box (``box.files``)."""
+    """The guest's file system of a box (``box.files``)."""
 
-    def __init__(self, connection: Callable[[], Awaitable[AgentConnection]]) -> None:
-        self._conn = connection
+    def __init__(self, backend: Backend, ref: BoxRef) -> None:
+        self._backend = backend
+        self._ref = ref
+
+    async def _call(self, name: str, **args: Any) -> Any:
+        return await self._backend.call("files", name, self._ref, args)
 
     async def read(self, path: str | os.PathLike[str]) -> bytes:
         """The whole file as bytes."""
@@ -312,13 +179,9 @@ class AsyncFiles:
         self, path: str | os.PathLike[str], *, offset: int = 0, length: int | None = None
     ) -> AsyncIterator[bytes]:
         """Stream a file in chunks (``offset``/``length`` select a range)."""
-        p = guest_path(path)
         if offset < 0 or (length is not None and length < 0):
             raise InvalidArgument("offset and length must not be negative")
-        _size, _mode_bits, chunks = await proto.read_stream(
-            await self._conn(), p, offset=offset, length=length
-        )
-        async for chunk in chunks:
+        async for chunk in self._backend.read(self._ref, guest_path(path), offset, length):
             yield chunk
 
     async def write(
@@ -334,9 +197,8 @@ class AsyncFiles:
     ) -> int:
         """Write a whole file atomically (or append). Creates parent directories by
         default; keeps an existing file's mode and owner unless ``mode``/``user`` say
-        otherwise. ``data`` may be an async iterable of chunks, streamed as they come.
-        Returns the bytes written."""
-        p = guest_path(path)
+        otherwise; ``exclusive`` fails if it exists (FileExistsError). ``data`` may be an
+        async iterable of chunks, streamed as they come. Returns the bytes written."""
         payload: bytes | AsyncIterable[bytes]
         if isinstance(data, str):
             payload = data.encode()
@@ -344,10 +206,16 @@ class AsyncFiles:
             payload = bytes(data)
         else:
             payload = data
-        return await proto.write_stream(
-            await self._conn(), p, payload, mode=_mode(mode), user=check_user(user), append=append,
-            parents=parents, exclusive=exclusive,
-        )  # fmt: skip
+        return await self._backend.write(
+            self._ref,
+            guest_path(path),
+            payload,
+            mode=check_mode(mode),
+            user=user,
+            append=append,
+            parents=parents,
+            exclusive=exclusive,
+        )
 
     async def upload(
         self,
@@ -357,46 +225,53 @@ class AsyncFiles:
         mode: int | None = None,
         user: str | None = None,
     ) -> int:
-        """Copy a host file (streamed) or directory (recursively) into the guest.
-        A file keeps its permission bits unless ``mode`` is given. Returns bytes copied."""
+        """Copy a host file (streamed) or directory (its tree, as one tar stream) into the
+        guest. A file keeps its permission bits unless ``mode`` is given; in a tree,
+        symbolic links are copied as what they point to, sockets and devices left out.
+        Returns the bytes of the files copied."""
+        from .tarstream import host_file, host_tree
+
         src = Path(local)
         dst = guest_path(remote)
         if src.is_dir():
-            total = 0
-            await self.mkdir(dst, parents=True, user=user)
-            for child in sorted(src.iterdir()):
-                total += await self.upload(child, str(PurePosixPath(dst) / child.name), user=user)
-            return total
+            async with host_tree(src) as (chunks, total):
+                await self._backend.put_archive(self._ref, dst, chunks, user=user)
+            return total[0]
         if not src.is_file():
             raise InvalidArgument(f"{src} is not a file or directory")
-        file_mode = _mode(mode) if mode is not None else _stat.S_IMODE(src.stat().st_mode)
-
-        async def chunks() -> AsyncIterator[bytes]:
-            f = await asyncio.to_thread(open, src, "rb")
-            try:
-                while chunk := await asyncio.to_thread(f.read, CHUNK):
-                    yield chunk
-            finally:
-                f.close()
-
-        owner = check_user(user)
-        return await proto.write_stream(await self._conn(), dst, chunks(), mode=file_mode, user=owner)
+        file_mode = check_mode(mode) if mode is not None else _stat.S_IMODE(src.stat().st_mode)
+        return await self._backend.write(
+            self._ref,
+            dst,
+            host_file(src),
+            mode=file_mode,
+            user=user,
+            append=False,
+            parents=True,
+            exclusive=False,
+        )
 
     async def download(self, remote: str | os.PathLike[str], local: str | os.PathLike[str]) -> int:
-        """Copy a guest file to the host (streamed, written atomically). Returns bytes copied."""
+        """Copy a guest file to the host (streamed, written atomically), or a guest
+        directory's tree into ``local`` (made if needed; members that would land outside
+        it are refused). Returns the bytes of the files copied."""
+        from .tarstream import unpack
+
         p = guest_path(remote)
+        info = await self.stat(p)
         dst = Path(local)
+        if info.is_dir:
+            return await unpack(self._backend.get_archive(self._ref, p), dst)
         if dst.is_dir():
             dst = dst / PurePosixPath(p).name
         fd, tmp = tempfile.mkstemp(prefix=f".{dst.name}.", dir=dst.parent)
         total = 0
         try:
             with os.fdopen(fd, "wb") as f:
-                _size, mode_bits, chunks = await proto.read_stream(await self._conn(), p)
-                async for chunk in chunks:
+                async for chunk in self._backend.read(self._ref, p, 0, None):
                     await asyncio.to_thread(f.write, chunk)
                     total += len(chunk)
-            os.chmod(tmp, _stat.S_IMODE(mode_bits) or 0o644)
+            os.chmod(tmp, info.mode or 0o644)
             os.replace(tmp, dst)
         except BaseException:
             if os.path.exists(tmp):
@@ -405,10 +280,8 @@ class AsyncFiles:
         return total
 
     async def stat(self, path: str | os.PathLike[str], *, follow_symlinks: bool = True) -> FileInfo:
-        p = guest_path(path)
-        flags = 0 if follow_symlinks else FsFlag.NOFOLLOW
-        entries = await proto.fs_request(await self._conn(), FsOp.STAT, p, flags=flags)
-        return _info(None, entries[0], path=p)
+        info: FileInfo = await self._call("stat", path=guest_path(path), follow_symlinks=follow_symlinks)
+        return info
 
     async def exists(self, path: str | os.PathLike[str]) -> bool:
         try:
@@ -419,9 +292,8 @@ class AsyncFiles:
 
     async def list(self, path: str | os.PathLike[str]) -> list[FileInfo]:
         """Entries of a directory (without . and ..), sorted by name."""
-        p = guest_path(path)
-        entries = await proto.fs_request(await self._conn(), FsOp.LIST, p)
-        return sorted((_info(p, e) for e in entries), key=lambda i: i.name)
+        found: list[FileInfo] = await self._call("list", path=guest_path(path))
+        return found
 
     async def mkdir(
         self,
@@ -432,32 +304,27 @@ class AsyncFiles:
         user: str | None = None,
     ) -> None:
         """Create a directory; with ``parents`` (default) like ``mkdir -p``."""
-        flags = FsFlag.PARENTS if parents else 0
-        owner, where, conn = check_user(user), guest_path(path), await self._conn()
-        await proto.fs_request(conn, FsOp.MKDIR, where, mode=_mode(mode), flags=flags, user=owner)
+        await self._call("mkdir", path=guest_path(path), parents=parents, mode=check_mode(mode), user=user)
 
     async def remove(
         self, path: str | os.PathLike[str], *, recursive: bool = False, missing_ok: bool = False
     ) -> None:
         """Remove a file, symlink or empty directory (``recursive`` for trees; links are not followed)."""
-        flags = (FsFlag.RECURSIVE if recursive else 0) | (FsFlag.MISSING_OK if missing_ok else 0)
-        await proto.fs_request(await self._conn(), FsOp.REMOVE, guest_path(path), flags=flags)
+        await self._call("remove", path=guest_path(path), recursive=recursive, missing_ok=missing_ok)
 
     async def rename(self, src: str | os.PathLike[str], dst: str | os.PathLike[str]) -> None:
-        await proto.fs_request(await self._conn(), FsOp.RENAME, guest_path(src), path2=guest_path(dst))
+        await self._call("rename", src=guest_path(src), dst=guest_path(dst))
 
     async def chmod(self, path: str | os.PathLike[str], mode: int) -> None:
         if mode is None:
             raise InvalidArgument("chmod needs a mode")
-        await proto.fs_request(await self._conn(), FsOp.CHMOD, guest_path(path), mode=_mode(mode))
+        await self._call("chmod", path=guest_path(path), mode=check_mode(mode))
 
     async def chown(self, path: str | os.PathLike[str], user: str, *, follow_symlinks: bool = True) -> None:
         """Change the owner; ``user`` is "name", "uid", "name:group" or "uid:gid"."""
         if not user:
             raise InvalidArgument("chown needs a user")
-        check_user(user)
-        flags = 0 if follow_symlinks else FsFlag.NOFOLLOW
-        await proto.fs_request(await self._conn(), FsOp.CHOWN, guest_path(path), user=user, flags=flags)
+        await self._call("chown", path=guest_path(path), user=user, follow_symlinks=follow_symlinks)
 
     def watch(self, path: str | os.PathLike[str], *, recursive: bool = True) -> AsyncWatch:
         """Watch a directory (with everything below it, unless ``recursive=False``)
@@ -473,10 +340,9 @@ class AsyncFiles:
         replacement is a ``"moved"`` event onto the path. See ``AsyncWatch`` for
         when iteration ends."""
         p = guest_path(path)
-        connection = self._conn
+        backend, ref = self._backend, self._ref
 
         async def opener() -> WatchSource:
-            conn = await connection()
-            return _AgentWatch(conn, await WatchStream.start(conn, p, recursive=recursive))
+            return await backend.watch(ref, p, recursive)
 
         return AsyncWatch(p, recursive, opener)

@@ -11,11 +11,11 @@ import asyncio
 import contextlib
 import signal as _signal
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterable, AsyncIterator
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import IO, Protocol
 
-from ..errors import CommandFailed, ExecTimeout
+from ..errors import CommandFailed, ConnectionLost, ExecTimeout
 from ..protocol.exec import ExitStatus
 
 
@@ -69,7 +69,7 @@ class ExecResult:
 
 class OutputStream(Protocol):
     """What a process's stdout or stderr offers: the agent's ``InboundStream`` locally,
-    a WebSocket stream for a remote box (``api/remote.py``)."""
+    a followed stream for a box elsewhere (``api/follow.py``)."""
 
     async def read(self) -> bytes:
         """The next chunk, or b"" at the end of the stream."""
@@ -90,8 +90,8 @@ class OutputStream(Protocol):
 
 
 class ProcessHandle(Protocol):
-    """What ``AsyncProcess`` drives: the agent's ``RemoteProcess`` locally, a
-    WebSocket-backed process for a remote box (``api/remote.py``)."""
+    """What ``AsyncProcess`` drives: the agent's ``RemoteProcess`` locally, a process
+    the host holds, followed over a link, for a box elsewhere (``api/follow.py``)."""
 
     @property
     def pid(self) -> int: ...
@@ -250,3 +250,34 @@ class AsyncProcess:
     def detach(self) -> None:
         """Stop following the process; it keeps running in the box, its output is dropped."""
         self._remote.detach()
+
+
+StdinSource = bytes | str | IO[bytes] | AsyncIterable[bytes] | None
+
+
+async def feed(proc: AsyncProcess, stdin: StdinSource) -> None:
+    """Send ``stdin`` to the process, then close it. A process that exits first is not an error."""
+    with contextlib.suppress(ConnectionLost):
+        if isinstance(stdin, str):
+            await proc.write_stdin(stdin.encode())
+        elif isinstance(stdin, bytes | bytearray | memoryview):
+            await proc.write_stdin(bytes(stdin))
+        elif hasattr(stdin, "read"):
+            while chunk := await asyncio.to_thread(stdin.read, 256 * 1024):  # type: ignore[union-attr]
+                await proc.write_stdin(chunk)
+        elif stdin is not None:
+            async for chunk in stdin:
+                await proc.write_stdin(chunk)
+        await proc.close_stdin()
+
+
+async def feed_and_wait(proc: AsyncProcess, stdin: StdinSource, timeout: float | None) -> ExecResult:
+    """Send ``stdin`` to a process as it reads it, close it, and wait for the process's result."""
+    feeder = asyncio.ensure_future(feed(proc, stdin))
+    try:
+        return await proc.result(timeout)
+    finally:
+        if not feeder.done():
+            feeder.cancel()
+        with contextlib.suppress(BaseException):
+            await feeder

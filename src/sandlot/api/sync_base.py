@@ -4,10 +4,11 @@ The few members that differ from a plain delegation are written here."""
 
 from __future__ import annotations
 
-from typing import Generic, Self, TypeVar
+from typing import Any, Generic, Self, TypeVar
 
 from . import loop
 from .box import AsyncBox, AsyncSnapshot
+from .client import AsyncClient
 from .files import AsyncFiles, AsyncWatch
 from .process import AsyncProcess, AsyncStream
 
@@ -37,7 +38,8 @@ class BoxBase(SyncTwin[AsyncBox]):
     @property
     def state(self) -> str:
         """created, running, paused, suspended, stopped or crashed, read anew on each
-        access ("new" before it was created, "removed" once it is gone)."""
+        access (locally from the store, elsewhere from the server or node; "new"
+        before it was created, "removed" once it is gone)."""
         return loop.run(self._a.refresh())
 
     @property
@@ -50,7 +52,8 @@ class SnapshotBase(SyncTwin[AsyncSnapshot]):
 
 
 class FilesBase(SyncTwin[AsyncFiles]):
-    pass
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        raise TypeError("Files come from their box: box.files")
 
 
 class WatchBase(SyncTwin[AsyncWatch]):
@@ -74,4 +77,8 @@ class ProcessBase(SyncTwin[AsyncProcess]):
 
 
 class StreamBase(SyncTwin[AsyncStream]):
+    pass
+
+
+class ClientBase(SyncTwin[AsyncClient]):
     pass

@@ -22,7 +22,9 @@ from ..core.store import SnapshotRecord, validate_name
 from ..errors import InterpreterError, InvalidArgument
 from ..images.store import Image
 from . import loop
+from .backend import SnapshotRef
 from .box import AsyncBox, AsyncSnapshot
+from .local import LocalBackend, LocalSnapshotRef
 from .sync import Box, Snapshot
 
 
@@ -54,6 +56,7 @@ async def template_async(
         raise InvalidArgument(f"pool is a number of VMs (0 or more), not {pool!r}")
     rt = Runtime.for_home(home)
     core = core_for(rt)
+    backend = LocalBackend.for_home(rt.home)
     if name is not None and any(s.name == name for s in await core.live.list_snapshots(kind="template")):
         raise InvalidArgument(f"a template named {name!r} already exists")
     box = AsyncBox(image, template=False, home=rt.home, **box_options)
@@ -73,7 +76,7 @@ async def template_async(
         snap = await core.live.make_template(entry, name)
     if pool:
         await core.pools.set_size(snap, pool)
-    return AsyncSnapshot(rt, snap)
+    return AsyncSnapshot(LocalSnapshotRef(backend, snap))
 
 
 def template(
@@ -97,12 +100,9 @@ async def import_snapshot_async(
 ) -> AsyncBox | AsyncSnapshot:  # fmt: skip
     """Verify an exported snapshot (integrity, compatibility with this host) and add
     it to this home; with ``start`` (the default) start a box from it and return the box."""
-    rt = Runtime.for_home(home)
-    snap = AsyncSnapshot(rt, await core_for(rt).live.import_snapshot(Path(path)))
-    if not start:
-        return snap
-    boxes = await snap.start(1, name=name, **box_options)
-    return boxes[0]
+    made = await LocalBackend.for_home(home).import_snapshot(Path(path), name=name, start=start,
+                                                              options=box_options)  # fmt: skip
+    return AsyncSnapshot(made) if isinstance(made, SnapshotRef) else AsyncBox.bound(made)
 
 
 async def restore_moved_box_async(
@@ -114,7 +114,8 @@ async def restore_moved_box_async(
     processes running. The id must be free in this home."""
     rt = Runtime.for_home(home)
     core = core_for(rt)
-    rec = snapshot.record if isinstance(snapshot, AsyncSnapshot) else await core.live.find_snapshot(snapshot)
+    ref = snapshot.ref if isinstance(snapshot, AsyncSnapshot) else None
+    rec = ref.record if isinstance(ref, LocalSnapshotRef) else await core.live.find_snapshot(str(snapshot))
     entries = await core.live.start_boxes(rec, 1, name=name, box_id=box_id, labels=dict(labels or {}))
     return AsyncBox.of(core, entries[0])
 
@@ -134,8 +135,9 @@ async def prune_snapshots_async(
     """Remove the snapshots no box needs: those of removed boxes (and imported ones)
     from which no box was started; ``templates``: named templates no box was started
     from too. Returns what was removed. (Removing a box keeps its snapshots.)"""
-    rt = Runtime.for_home(home)
-    return [AsyncSnapshot(rt, r) for r in await core_for(rt).live.prune_snapshots(templates=templates)]
+    backend = LocalBackend.for_home(home)
+    pruned = await backend.core().live.prune_snapshots(templates=templates)
+    return [AsyncSnapshot(LocalSnapshotRef(backend, r)) for r in pruned]
 
 
 def prune_snapshots(*, templates: bool = False, home: str | os.PathLike[str] | None = None) -> list[Snapshot]:
@@ -153,11 +155,8 @@ async def set_pool_async(
     before returning, else a process of its own does it in the background."""
     rt = Runtime.for_home(home)
     core = core_for(rt)
-    rec = (
-        await core.db.get_snapshot(template)
-        if isinstance(template, str)
-        else getattr(template, "record", None)
-    )
+    ref = getattr(template, "ref", None)
+    rec = await core.db.get_snapshot(template) if isinstance(template, str) else getattr(ref, "record", None)
     if not isinstance(rec, SnapshotRecord):
         raise InvalidArgument(f"set_pool takes a template or its name, not {template!r}")
     return await core.pools.set_size(rec, size, wait=wait)

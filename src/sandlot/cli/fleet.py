@@ -71,18 +71,19 @@ def nodes(address: Address = "auto", as_json: AsJson = False) -> None:
 @fleet_app.command("ls")
 def ls(address: Address = "auto", as_json: AsJson = False) -> None:
     """Every box of the fleet and its node; a lost one with the node and when it was lost."""
-    boxes = connected(address).list()
+    f = connected(address)
+    records = f.reconcile()
     if as_json:
-        print(json.dumps([b.info for b in boxes], indent=1))
+        print(json.dumps(records, indent=1))
         return
     print(f"{'ID':<14}{'NAME':<24}{'STATE':<11}{'NODE':<14}{'REPLICA':<14}CREATED")
-    for b in boxes:
-        state = b.state
-        if b.lost:
-            state += f" (at {time.strftime('%H:%M:%S', time.localtime(b.lost['at']))})"
-        replica = (b.replica or {}).get("node", "-")[:12]
+    for r in records:
+        state = r["state"]
+        if r.get("lost"):
+            state += f" (at {time.strftime('%H:%M:%S', time.localtime(r['lost']['at']))})"
+        replica = (r.get("replica") or {}).get("node", "-")[:12]
         print(
-            f"{b.id:<14}{b.name:<24}{state:<11}{b.node[:12]:<14}{replica:<14}{age(b.info.get('created_at'))}"
+            f"{r['id']:<14}{r['name']:<24}{state:<11}{r['node'][:12]:<14}{replica:<14}{age(r.get('created_at'))}"
         )
 
 
@@ -93,12 +94,14 @@ def migrate(
     address: Address = "auto",
 ) -> None:
     """Move a box to another node; it goes on there with its processes, id, name and labels."""
+    f = connected(address)
     try:
-        moved = connected(address).migrate(box, node)
+        moved = f.migrate(box, node)
     except SandlotError as exc:
         raise fail(exc, 125) from exc
-    t = moved.last_migration or {}
+    t = f.last_migration or {}
     restore = t.get("import_s", 0) + t.get("restore_s", 0)
-    print(f"{moved.name} is on node {moved.node[:12]} ({moved.state}) after {t.get('total_s', 0):.2f} s: "
+    where = moved.info["node"][:12]
+    print(f"{moved.name} is on node {where} ({moved.state}) after {t.get('total_s', 0):.2f} s: "
           f"save {t.get('save_s', 0):.2f} s, export {t.get('export_s', 0):.2f} s, "
           f"move {t.get('move_s', 0):.2f} s, restore {restore:.2f} s")  # fmt: skip

@@ -72,7 +72,7 @@ def mcp_command(
     bounds = limits(max_boxes, max_memory_mib, max_cpus, allow_image, max_timeout)
     target = None
     if url is not None:
-        from ..api.remote import AsyncClient
+        from ..api.client import AsyncClient
 
         try:
             target = AsyncClient(url)

@@ -5,25 +5,15 @@ node; forks spread over nodes, migration, node loss and replicas.
 >>> from sandlot import fleet                                   # doctest: +SKIP
 >>> f = fleet.connect("auto")                                   # doctest: +SKIP
 >>> box = f.create(rootfs="/srv/rootfs", memory_mib=256)        # doctest: +SKIP
->>> box.exec("uname", "-r").stdout                              # doctest: +SKIP
->>> kids = box.fork(20, spread=True); kids.per_node             # doctest: +SKIP
+>>> box.exec("uname", "-r").stdout       # a sandlot.Box like any # doctest: +SKIP
+>>> kids = f.fork(box, 20, spread=True); kids.per_node          # doctest: +SKIP
 >>> f.migrate(box, node=other_node_id)                          # doctest: +SKIP
 
 Importing this package imports Ray (``pip install 'sandlot[fleet]'``); nothing
 else in sandlot does. See ``docs/fleet.md``.
 """
 
-from .client import Fleet, FleetBox, FleetFiles, FleetProcess, FleetSnapshot, Forked, connect
+from .client import Fleet, Spread, connect
 from .placement import CPUS, MEMORY
 
-__all__ = [
-    "CPUS",
-    "MEMORY",
-    "Fleet",
-    "FleetBox",
-    "FleetFiles",
-    "FleetProcess",
-    "FleetSnapshot",
-    "Forked",
-    "connect",
-]
+__all__ = ["CPUS", "MEMORY", "Fleet", "Spread", "connect"]

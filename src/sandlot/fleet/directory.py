@@ -66,7 +66,7 @@ def reconcile(
         have = {b["id"]: b for b in seen[node]}
         if box_id not in have:
             continue  # the node no longer has it (removed, or never finished): nothing claims it
-        rec.update({k: have[box_id][k] for k in ("name", "labels", "state") if k in have[box_id]})
+        rec.update({k: v for k, v in have[box_id].items() if k not in ("id", "node", "created_at")})
         rec["lost"] = None
         out[box_id] = rec
     for node, boxes in seen.items():
@@ -82,9 +82,10 @@ def reconcile(
 
 
 def new_record(summary: Mapping[str, Any], node: str, now: float, **extra: Any) -> Record:
-    """A directory record of a box a node reported (its summary: id, name, labels, state,
-    cpus, memory_mib)."""
+    """A directory record of a box a node reported (its description, ``contract.BoxOut``:
+    id, name, labels, state, cpus, memory_mib...)."""
     rec: Record = {
+        **{k: v for k, v in summary.items() if k not in ("node", "created_at")},
         "id": summary["id"],
         "name": summary["name"],
         "labels": dict(summary.get("labels") or {}),
@@ -96,7 +97,7 @@ def new_record(summary: Mapping[str, Any], node: str, now: float, **extra: Any) 
         "replicas": 0,
         "replica": None,
         "lost": None,
-        "created_at": now,
+        "created_at": summary.get("created_at") or now,
     }
     rec.update(extra)
     return rec

@@ -1,13 +1,17 @@
 """The sandlot node actor: one per Ray node, detached, holding that node's own
-sandlot home (its store, its engine, its VMs) and running the async API on the
-actor's event loop. Everything a fleet does to a box happens here, on the node
-that has it; the client only says which node.
+sandlot home (its store, its engine, its VMs). Everything a fleet does to a box
+happens here, on the node that has it; the driver's backend (``fleet/backend.py``)
+only says which node.
 
-Its calls take and give plain data (summaries, ``ExecResult``, ``FileInfo``); a
-sandlot error comes back as ``{"error": err.to_dict()}`` and is raised again as
-the same class by the client, since Ray would wrap it in its own exception.
-Saved state leaves a node as chunks it ``ray.put``s and enters another as the
-chunks that node fetches and verifies (``transfer``).
+The actor is the Ray face of ``api/host.py``, as ``sandlot serve`` is its HTTP
+face: ``call`` runs any operation of ``api/contract.py``'s table, its arguments
+and answer in the contract's JSON; processes are held in a ``ProcessTable`` and
+followed by offset with the contract's frames (``follow``, ``send``); files,
+archives, watches and code cells stream as Ray streaming generators. A sandlot
+error comes back as ``{"error": ...}`` (the contract's error shape) and is raised
+again as the same class by the driver, since Ray would wrap it in its own
+exception. Saved state leaves a node as chunks it ``ray.put``s and enters another
+as the chunks that node fetches and verifies (``transfer``).
 """
 
 from __future__ import annotations
@@ -16,45 +20,56 @@ import asyncio
 import builtins
 import contextlib
 import functools
+import json
 import os
 import secrets
 import socket
 import tempfile
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from pathlib import Path
 from typing import Any, ParamSpec, TypeVar
 
 import ray
 
+from ..api import host
+from ..api.backend import BoxRef, SnapshotRef
 from ..api.box import AsyncBox, AsyncSnapshot
-from ..api.templates import import_snapshot_async, restore_moved_box_async
+from ..api.contract import (
+    STDERR,
+    STDOUT,
+    ArchiveIn,
+    ExecIn,
+    ReadIn,
+    RunCodeIn,
+    SpawnIn,
+    WatchIn,
+    WriteIn,
+    box_create,
+    error_json,
+    error_message,
+    exec_json,
+    operation,
+    validated,
+)
+from ..api.local import LocalBackend
+from ..api.templates import restore_moved_box_async
 from ..config import runtime_dir
-from ..core.runtime import Runtime
-from ..errors import InvalidArgument, InvalidState, SandlotError
+from ..errors import InvalidArgument, InvalidState, RequestError, SandlotError, Unsupported
 from ..version import __version__
 from . import transfer
 
 # the names of the snapshots the fleet makes to move a box or a fork's state (on the
 # source, and as imported on each target): they go with the last box started from them
 TRANSIENT = ("move-", "fork-", "replica-")
+UPLOAD_IDLE = 120.0  # seconds an upload may wait for its next chunk before it is given up
 P = ParamSpec("P")
 T = TypeVar("T")
 Reply = dict[str, Any]
 
-# what a fleet box may ask of its box and of its files, by name: the methods whose
-# arguments and results are plain data
-BOX_CALLS = frozenset({
-    "exec", "sh", "start", "stop", "restart", "kill", "pause", "unpause", "inspect", "stats", "logs",
-    "refresh", "ping", "suspend", "resume", "activity", "port",
-})  # fmt: skip
-FILE_CALLS = frozenset(
-    {"read", "read_text", "write", "stat", "exists", "list", "mkdir", "remove", "rename", "chmod", "chown"}
-)
-
 
 def error_reply(exc: SandlotError) -> Reply:
-    return {"error": {**exc.to_dict(), "type": type(exc).__name__}}
+    return {"error": error_json(exc)}
 
 
 def guarded(fn: Callable[P, Awaitable[T]]) -> Callable[P, Awaitable[Reply]]:
@@ -70,170 +85,288 @@ def guarded(fn: Callable[P, Awaitable[T]]) -> Callable[P, Awaitable[Reply]]:
     return call
 
 
-def summary(box: AsyncBox) -> dict[str, Any]:
-    """What the directory and ``list()`` show of a box."""
-    rec = box.info
-    opts = rec.get("options") or {}
-    return {
-        "id": box.id,
-        "name": box.name,
-        "labels": dict(rec.get("labels") or {}),
-        "state": box.state,
-        "cpus": opts.get("cpus"),
-        "memory_mib": opts.get("memory_mib"),
-    }
+class Upload:
+    """A file or an archive arriving in chunks: one task writes what a queue yields."""
 
+    def __init__(self) -> None:
+        self.queue: asyncio.Queue[bytes | None] = asyncio.Queue(maxsize=4)
+        self.task: asyncio.Task[Any] | None = None
 
-def snapshot_summary(snap: AsyncSnapshot) -> dict[str, Any]:
-    return {"id": snap.id, "name": snap.name, "box_name": snap.box_name, "created_at": snap.created_at,
-            "size": snap.size}  # fmt: skip
+    async def chunks(self) -> AsyncIterator[bytes]:
+        while True:
+            try:
+                chunk = await asyncio.wait_for(self.queue.get(), UPLOAD_IDLE)
+            except TimeoutError:
+                raise RequestError(f"an upload had no chunk for {UPLOAD_IDLE:g} s and was given up") from None
+            if chunk is None:
+                return
+            yield chunk
 
 
 class NodeService:
-    """The body of a node actor (``ray.remote`` is applied by the client)."""
+    """The body of a node actor (``ray.remote`` is applied by the driver)."""
 
     def __init__(self, node_id: str, home: str | None = None) -> None:
         self.node_id = node_id
-        # the home is the node's: its SANDLOT_HOME (set where `ray start` runs), unless given
-        self.home = Runtime.for_home(home).home
+        self.backend = LocalBackend.for_home(home)  # the node's SANDLOT_HOME (set where `ray start` runs)
+        self.home = self.backend.runtime.home
         self.started_at = time.time()
-        self.boxes: dict[str, AsyncBox] = {}
+        self.refs: dict[str, BoxRef] = {}
         self.moving: dict[str, dict[str, Any]] = {}
+        self.processes = host.ProcessTable()
+        self.uploads: dict[str, Upload] = {}
 
-    async def box(self, key: str) -> AsyncBox:
-        found = self.boxes.get(key)
-        if found is None:
-            found = await AsyncBox.get(key, home=self.home)
-            self.boxes[found.id] = found
+    async def ref(self, key: str) -> BoxRef:
+        found = self.refs.get(key)
+        if found is None or found.state == "removed":
+            found = await self.backend.find(key)
+            self.refs[found.id] = found
         return found
+
+    def info(self, ref: BoxRef) -> dict[str, Any]:
+        return {**ref.info, "node": self.node_id}
 
     # -- the node --------------------------------------------------------------------------
 
     async def facts(self) -> dict[str, Any]:
-        boxes = await AsyncBox.list(home=self.home)
-        return {"node_id": self.node_id, "home": str(self.home), "version": __version__, "pid": os.getpid(),
-                "host": socket.gethostname(), "runtime_dir": str(runtime_dir()),
-                "started_at": self.started_at, "boxes": len(boxes),
-                "running": sum(1 for b in boxes if b.state == "running")}  # fmt: skip
+        boxes = await self.backend.boxes(state=None, labels=None)
+        return {
+            "node_id": self.node_id,
+            "home": str(self.home),
+            "version": __version__,
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "runtime_dir": str(runtime_dir()),
+            "started_at": self.started_at,
+            "boxes": len(boxes),
+            "running": sum(1 for b in boxes if b.state == "running"),
+        }
 
     @guarded
     async def list(self) -> builtins.list[dict[str, Any]]:
-        return [summary(b) for b in await AsyncBox.list(home=self.home)]
+        return [self.info(r) for r in await self.backend.boxes(state=None, labels=None)]
 
-    # -- boxes -----------------------------------------------------------------------------
-
-    @guarded
-    async def create(self, image: str | None, options: dict[str, Any], start: bool) -> dict[str, Any]:
-        box = await AsyncBox.create(image, keep=True, home=self.home, **options)
-        if start:
-            await box.start()
-        self.boxes[box.id] = box
-        return summary(box)
+    # -- the contract ------------------------------------------------------------------------
 
     @guarded
-    async def call(self, box_id: str, method: str, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
-        if method not in BOX_CALLS:
-            raise InvalidArgument(f"a fleet box has no method {method!r}")
-        box = await self.box(box_id)
-        return await getattr(box, method)(*args, **kwargs)
+    async def create(self, image: str | None, body: dict[str, Any], start: bool) -> dict[str, Any]:
+        """A box made here from ``contract.BoxCreate``'s fields (validated again here)."""
+        options = box_create(image, body, "ray")
+        image = options.pop("image", None)
+        options.pop("start", None)
+        if "ports" in options:
+            options["ports"] = [
+                f"{p['host']}:{p['guest']}" if p.get("host") else str(p["guest"]) for p in options["ports"]
+            ]
+        if "secrets" in options:
+            from ..net.secrets import Secret
+
+            options["secrets"] = [
+                Secret(s["name"], s["value"], hosts=s.get("hosts") or []) for s in options["secrets"]
+            ]
+        ref = self.backend.describe(image, options, keep=True)
+        await self.backend.create(ref, start=start)
+        self.refs[ref.id] = ref
+        return self.info(ref)
 
     @guarded
-    async def state(self, box_id: str) -> dict[str, Any]:
-        box = await self.box(box_id)
-        await box.refresh()
-        return summary(box)
+    async def call(self, scope: str, name: str, key: str, params: dict[str, Any]) -> Any:
+        """Operation ``scope.name`` on box or snapshot ``key``: the answer in the contract's JSON."""
+        op = operation(scope, name)  # type: ignore[arg-type]
+        args = host.arguments(op, params)
+        if op.key == "box.processes":
+            ref = await self.ref(key)
+            await self.processes.take_over(self.backend, ref)
+            return {"processes": [h.describe() for h in self.processes.of_box(ref.id)]}
+        if op.key == "box.preview_url":
+            raise Unsupported(
+                "preview_url() is not offered over the ray transport: a preview URL is signed "
+                "by a sandlot serve",
+                transport="ray",
+            )
+        target: Any = await self.ref(key) if scope != "snapshot" else await self.backend.find_snapshot(key)
+        if op.key == "box.remove":
+            await self._remove(target, bool(args.force))  # type: ignore[attr-defined]
+            return None
+        answer = await host.run(self.backend, op, target, args)
+        if op.result.kind == "box":
+            answer = self.info(target)
+        elif op.result.kind == "boxes":
+            answer = {"boxes": [{**b, "node": self.node_id} for b in answer["boxes"]]}
+        elif op.result.kind in ("snapshot", "snapshots"):
+            answer = node_snapshots(answer, self.node_id)
+        return answer
 
     @guarded
-    async def files(self, box_id: str, method: str, args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
-        if method not in FILE_CALLS:
-            raise InvalidArgument(f"a fleet box's files have no method {method!r}")
-        box = await self.box(box_id)
-        return await getattr(box.files, method)(*args, **kwargs)
+    async def exec(self, key: str, body: dict[str, Any]) -> dict[str, Any]:
+        call = validated(ExecIn, body)
+        ref = await self.ref(key)
+        stdin = call.stdin.encode() if call.stdin is not None else None
+        if call.stdin_b64 is not None:
+            import base64
+
+            stdin = base64.b64decode(call.stdin_b64)
+        result = await self.backend.exec(
+            ref, call.argv, env=call.env, cwd=call.cwd, user=call.user, stdin=stdin, timeout=call.timeout
+        )
+        return exec_json(result)
 
     @guarded
-    async def remove(self, box_id: str, force: bool) -> None:
+    async def spawn(self, key: str, body: dict[str, Any]) -> dict[str, Any]:
+        held = await self.processes.spawn(self.backend, await self.ref(key), validated(SpawnIn, body))
+        return {"id": held.id, "pid": held.proc.pid}
+
+    async def follow(self, key: str, process_id: str, offsets: tuple[int, int]) -> AsyncIterator[bytes | str]:
+        """A held process's frames from ``offsets`` (a Ray streaming generator)."""
         try:
-            box = await self.box(box_id)
-        except SandlotError:
+            ref = await self.ref(key)
+            held = self.processes.get(ref.id, process_id)
+            if held is None:  # a node actor before this one started it
+                await self.processes.take_over(self.backend, ref)
+                held = self.processes.find(ref.id, process_id)
+        except SandlotError as exc:
+            yield json.dumps(error_message(exc))
             return
-        await self.remove_box(box, force)
+        async for frame in held.frames({STDOUT: offsets[0], STDERR: offsets[1]}):
+            yield frame
 
-    async def remove_box(self, box: AsyncBox, force: bool) -> None:
+    @guarded
+    async def send(self, key: str, process_id: str, frame: bytes | str) -> str | None:
+        """A client's frame to a held process (stdin bytes, or a control message)."""
+        return await self.processes.find(key, process_id).take_input(frame)
+
+    async def run_code(self, key: str, body: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+        """A cell's events (``host.code_messages``) as a Ray streaming generator."""
+        try:
+            ref, params = await self.ref(key), validated(RunCodeIn, body)
+        except SandlotError as exc:
+            yield error_message(exc)
+            return
+        async for event in host.code_messages(self.backend, ref, params):
+            yield event
+
+    async def watch(self, key: str, body: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+        """A watch's messages (``host.watch_messages``) as a Ray streaming generator."""
+        try:
+            params = validated(WatchIn, body)
+            source = await self.backend.watch(await self.ref(key), params.path, params.recursive)
+        except SandlotError as exc:
+            yield error_message(exc)
+            return
+        from ..api.files import AsyncWatch
+
+        async def opener() -> Any:
+            return source
+
+        watch = await AsyncWatch(params.path, params.recursive, opener).start()
+        async for message in host.watch_messages(watch):
+            yield message
+
+    async def read(self, key: str, body: dict[str, Any]) -> AsyncIterator[bytes | dict[str, Any]]:
+        """A file's bytes (an error message first and last, if any) as a Ray streaming generator."""
+        try:
+            params = validated(ReadIn, body)
+            async for chunk in self.backend.read(
+                await self.ref(key), params.path, params.offset, params.length
+            ):
+                yield chunk
+        except SandlotError as exc:
+            yield error_message(exc)
+
+    async def get_archive(self, key: str, body: dict[str, Any]) -> AsyncIterator[bytes | dict[str, Any]]:
+        try:
+            params = validated(ArchiveIn, body)
+            async for chunk in self.backend.get_archive(await self.ref(key), params.path):
+                yield chunk
+        except SandlotError as exc:
+            yield error_message(exc)
+
+    @guarded
+    async def upload_begin(self, key: str, kind: str, body: dict[str, Any]) -> str:
+        """Begin a file (``kind`` "file", ``contract.WriteIn``) or an archive ("archive",
+        ``contract.ArchiveIn``) that arrives in chunks (``upload_chunk``, ``upload_end``)."""
+        ref = await self.ref(key)
+        upload = Upload()
+        if kind == "file":
+            p = validated(WriteIn, body)
+            upload.task = asyncio.ensure_future(
+                self.backend.write(
+                    ref,
+                    p.path,
+                    upload.chunks(),
+                    mode=p.mode,
+                    user=p.user,
+                    append=p.append,
+                    parents=p.parents,
+                    exclusive=p.exclusive,
+                )
+            )
+        elif kind == "archive":
+            a = validated(ArchiveIn, body)
+            upload.task = asyncio.ensure_future(
+                self.backend.put_archive(ref, a.path, upload.chunks(), user=a.user)
+            )
+        else:
+            raise InvalidArgument(f"an upload is a file or an archive, not {kind!r}")
+        upload_id = secrets.token_hex(8)
+        self.uploads[upload_id] = upload
+        return upload_id
+
+    @guarded
+    async def upload_chunk(self, upload_id: str, data: bytes) -> None:
+        upload = self._upload(upload_id)
+        assert upload.task is not None
+        put = asyncio.ensure_future(upload.queue.put(data))
+        await asyncio.wait({put, upload.task}, return_when=asyncio.FIRST_COMPLETED)
+        if not put.done():  # the write ended first (an error): say why
+            put.cancel()
+            self.uploads.pop(upload_id, None)
+            await upload.task
+
+    @guarded
+    async def upload_end(self, upload_id: str) -> Any:
+        upload = self._upload(upload_id)
+        assert upload.task is not None
+        try:
+            if not upload.task.done():
+                await upload.queue.put(None)
+            return await upload.task
+        finally:
+            self.uploads.pop(upload_id, None)
+
+    def _upload(self, upload_id: str) -> Upload:
+        upload = self.uploads.get(upload_id)
+        if upload is None:
+            raise RequestError(f"no upload {upload_id!r} (it ended, or waited too long for its next chunk)")
+        return upload
+
+    @guarded
+    async def find_snapshot(self, key: str) -> dict[str, Any]:
+        return {**(await self.backend.find_snapshot(key)).info, "node": self.node_id}
+
+    @guarded
+    async def snapshot_list(self, box: str | None, kind: str | None) -> builtins.list[dict[str, Any]]:
+        return [
+            {**s.info, "node": self.node_id} for s in await self.backend.snapshot_list(box=box, kind=kind)
+        ]
+
+    @guarded
+    async def remove(self, key: str, force: bool) -> None:
+        with contextlib.suppress(SandlotError):  # a box already gone is removed
+            await self._remove(await self.ref(key), force)
+
+    async def _remove(self, ref: BoxRef, force: bool) -> None:
         """Remove a box, and the state the fleet moved here for it once no box needs it."""
-        origin = (await box.inspect()).get("origin")
-        await box.remove(force=force)
-        self.boxes.pop(box.id, None)
+        origin = (await self.backend.box_inspect(ref)).get("origin")
+        await self.backend.box_remove(ref, force=force)
+        self.refs.pop(ref.id, None)
         if origin:
             with contextlib.suppress(SandlotError):  # SnapshotInUse: other children still need it
-                snap = await AsyncSnapshot.get(origin, home=self.home)
-                if (snap.name or "").startswith(TRANSIENT):
-                    await snap.remove()
+                snap = await self.backend.find_snapshot(origin)
+                if (snap.info.get("name") or "").startswith(TRANSIENT):
+                    await self.backend.snapshot_remove(snap)
 
-    async def spawn(
-        self, box_id: str, argv: Sequence[str], kwargs: dict[str, Any], stdin: bytes | None
-    ) -> AsyncIterator[tuple[str, Any]]:
-        """A command's output as it comes: ("stdout"|"stderr", bytes) items, then ("exit",
-        code); or ("error", the error) (a Ray streaming generator)."""
-        try:
-            box = await self.box(box_id)
-            proc = await box.spawn(*argv, stdin=stdin is not None, **kwargs)
-        except SandlotError as exc:
-            yield "error", error_reply(exc)["error"]
-            return
-        queue: asyncio.Queue[tuple[str, bytes] | None] = asyncio.Queue()
-
-        async def pump(name: str, stream: Any) -> None:
-            async for chunk in stream:
-                await queue.put((name, chunk))
-            await queue.put(None)
-
-        async def feed() -> None:
-            assert stdin is not None
-            await proc.write_stdin(stdin)
-            await proc.close_stdin()
-
-        tasks = [asyncio.ensure_future(pump("stdout", proc.stdout))]
-        if not kwargs.get("tty"):
-            tasks.append(asyncio.ensure_future(pump("stderr", proc.stderr)))
-        if stdin is not None:
-            tasks.append(asyncio.ensure_future(feed()))
-        try:
-            open_streams = 2 if not kwargs.get("tty") else 1
-            while open_streams:
-                item = await queue.get()
-                if item is None:
-                    open_streams -= 1
-                else:
-                    yield item
-            yield "exit", await proc.wait()
-        except SandlotError as exc:
-            yield "error", error_reply(exc)["error"]
-        finally:
-            for t in tasks:
-                if not t.done():
-                    t.cancel()
-            with contextlib.suppress(BaseException):
-                await asyncio.gather(*tasks, return_exceptions=True)
-
-    # -- live state ------------------------------------------------------------------------
-
-    @guarded
-    async def snapshot(self, box_id: str, name: str | None) -> dict[str, Any]:
-        return snapshot_summary(await (await self.box(box_id)).snapshot(name))
-
-    @guarded
-    async def snapshots(self, box_id: str) -> builtins.list[dict[str, Any]]:
-        return [snapshot_summary(s) for s in await (await self.box(box_id)).snapshots()]
-
-    @guarded
-    async def rollback(self, box_id: str, snapshot: str) -> None:
-        await (await self.box(box_id)).rollback(snapshot)
-
-    @guarded
-    async def fork(self, box_id: str, n: int, name: str | None) -> builtins.list[dict[str, Any]]:
-        kids = await (await self.box(box_id)).fork(n, name=name)
-        self.boxes.update({k.id: k for k in kids})
-        return [summary(k) for k in kids]
+    # -- live state across nodes -------------------------------------------------------------
 
     @guarded
     async def start_from(
@@ -249,15 +382,15 @@ class NodeService:
         of their names even for one (a fork's child)."""
         if as_prefix and name is not None:
             name = prefixed(name)
-        snap = await AsyncSnapshot.get(snapshot, home=self.home)
-        kids = await start_boxes(snap, n, name, box_id, labels)
-        self.boxes.update({k.id: k for k in kids})
-        return [summary(k) for k in kids]
+        snap = AsyncSnapshot(await self.backend.find_snapshot(snapshot))
+        kids = await start_boxes(snap, n, name, box_id, labels, self.home)
+        self.refs.update({k.id: k.ref for k in kids})
+        return [self.info(k.ref) for k in kids]
 
     @guarded
     async def drop_snapshot(self, snapshot: str) -> None:
         with contextlib.suppress(SandlotError):
-            await (await AsyncSnapshot.get(snapshot, home=self.home)).remove()
+            await self.backend.snapshot_remove(await self.backend.find_snapshot(snapshot))
 
     # -- moving saved state ----------------------------------------------------------------
 
@@ -265,18 +398,23 @@ class NodeService:
     async def export(self, snapshot: str) -> dict[str, Any]:
         """A snapshot of this node as chunks in the object store: their descriptions and
         references (owned by this actor, which lives as long as the node)."""
-        snap = await AsyncSnapshot.get(snapshot, home=self.home)
+        snap = await self.backend.find_snapshot(snapshot)
         work = Path(tempfile.mkdtemp(prefix="fleet-export-", dir=self.home))
         try:
             t0 = time.monotonic()
-            path = await snap.export(work / "state.sandlot")
+            path = await self.backend.export(snap, work / "state.sandlot")
             saved = time.monotonic() - t0
             total = await asyncio.to_thread(transfer.digest, path)
             chunks = []
             for piece, data in await asyncio.to_thread(lambda: builtins.list(transfer.pieces(path))):
                 chunks.append((piece, ray.put(data)))
-            return {"chunks": chunks, "sha256": total, "size": path.stat().st_size, "export_s": saved,
-                    "snapshot": snapshot_summary(snap)}  # fmt: skip
+            return {
+                "chunks": chunks,
+                "sha256": total,
+                "size": path.stat().st_size,
+                "export_s": saved,
+                "snapshot": {**snap.info, "node": self.node_id},
+            }
         finally:
             await asyncio.to_thread(_rmtree, work)
 
@@ -300,8 +438,9 @@ class NodeService:
                 raise
             fetched_s = time.monotonic() - t0
             t1 = time.monotonic()
-            snap = await import_snapshot_async(archive, home=self.home, start=False)
-            assert isinstance(snap, AsyncSnapshot)
+            made = await self.backend.import_snapshot(archive, name=None, start=False, options={})
+            assert isinstance(made, SnapshotRef)
+            snap = AsyncSnapshot(made)
             imported_s = time.monotonic() - t1
         finally:
             await asyncio.to_thread(_rmtree, work)
@@ -312,14 +451,15 @@ class NodeService:
                 name = start.get("name")
                 if start.get("as_prefix") and name is not None:
                     name = prefixed(name)
-                kids = await start_boxes(snap, start.get("n", 1), name, start.get("box_id"),
-                                         start.get("labels") or {})  # fmt: skip
+                kids = await start_boxes(
+                    snap, start.get("n", 1), name, start.get("box_id"), start.get("labels") or {}, self.home
+                )
             except BaseException:
                 with contextlib.suppress(SandlotError):
                     await snap.remove()  # nothing half-moved stays behind
                 raise
-            self.boxes.update({k.id: k for k in kids})
-            out["boxes"] = [summary(k) for k in kids]
+            self.refs.update({k.id: k.ref for k in kids})
+            out["boxes"] = [self.info(k.ref) for k in kids]
             out["start_s"] = time.monotonic() - t2
         return out
 
@@ -330,7 +470,7 @@ class NodeService:
         the box here once it runs elsewhere."""
         if box_id in self.moving:
             raise InvalidState(f"box {box_id} is being moved already", box=box_id, state="moving")
-        box = await self.box(box_id)
+        box = AsyncBox.bound(await self.ref(box_id))
         await box.refresh()
         was = box.state
         if was not in ("running", "paused", "suspended"):
@@ -363,34 +503,38 @@ class NodeService:
         held = self.moving.pop(box_id, None)
         if held is None:
             return
-        box = await self.box(box_id)
+        box = AsyncBox.bound(await self.ref(box_id))
         with contextlib.suppress(SandlotError):
-            await (await AsyncSnapshot.get(held["snapshot"], home=self.home)).remove()
+            await self.backend.snapshot_remove(await self.backend.find_snapshot(held["snapshot"]))
         await self._undo_hold(box, held["was"])
 
     @guarded
     async def finish(self, box_id: str) -> None:
         """A move succeeded: the box and its move snapshot go from this node."""
         held = self.moving.pop(box_id, None)
-        await self.remove_box(await self.box(box_id), True)
+        ref = await self.ref(box_id)
+        await self.backend.box_remove(ref, force=True)
+        self.refs.pop(box_id, None)
         if held is not None:
             with contextlib.suppress(SandlotError):
-                await (await AsyncSnapshot.get(held["snapshot"], home=self.home)).remove()
+                await self.backend.snapshot_remove(await self.backend.find_snapshot(held["snapshot"]))
+
+
+def node_snapshots(answer: Any, node: str) -> Any:
+    if isinstance(answer, dict) and isinstance(answer.get("snapshots"), builtins.list):
+        return {"snapshots": [{**s, "node": node} for s in answer["snapshots"]]}
+    return {**answer, "node": node}
 
 
 async def start_boxes(
-    snap: AsyncSnapshot, n: int, name: str | None, box_id: str | None, labels: Mapping[str, str]
+    snap: AsyncSnapshot, n: int, name: str | None, box_id: str | None, labels: Mapping[str, str], home: Path
 ) -> builtins.list[AsyncBox]:
     """Boxes from a snapshot of this home: a moved box under its own id and name, or
     ``n`` new ones (a fork's children)."""
     if box_id is not None:
         if name is None:
             raise InvalidArgument("a moved box keeps its name; give it")
-        return [
-            await restore_moved_box_async(
-                snap, box_id=box_id, name=name, labels=dict(labels), home=snap.runtime.home
-            )
-        ]
+        return [await restore_moved_box_async(snap, box_id=box_id, name=name, labels=dict(labels), home=home)]
     return await snap.start(n, name=name, labels=dict(labels))
 
 

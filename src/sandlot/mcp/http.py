@@ -18,7 +18,7 @@ import httpx
 from mcp.server import ServerRequestContext
 from mcp.server.streamable_http_manager import StreamableHTTPASGIApp, StreamableHTTPSessionManager
 
-from ..api.remote import AsyncClient
+from ..api.client import AsyncClient
 from ..errors import Unauthorized
 from ..tools.toolkit import Limits, Toolkit
 from .server import build

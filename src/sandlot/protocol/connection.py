@@ -61,7 +61,67 @@ def error_from_frame(frame: Frame) -> GuestOSError:
     return guest_os_error(err, f.str(Tag.MESSAGE, "") or "")
 
 
-class InboundStream:
+class OffsetStream:
+    """Bytes of one stream addressed by their offset in it, as they arrive: a chunk sent
+    again after a reconnection (the agent resending what was not acknowledged, a
+    server resending from the offsets a client had) is dropped, so nothing is
+    repeated. ``received`` is the offset of the next byte expected, ``offset`` just
+    past the last byte read."""
+
+    def __init__(self, stream: int) -> None:
+        self.stream = stream
+        self.received = 0
+        self.offset = 0
+        self._chunks: deque[bytes] = deque()
+        self._eof = False
+        self._event = asyncio.Event()
+
+    def fresh(self, offset: int, data: bytes | memoryview) -> bytes | None:
+        """Take the bytes at ``offset``: those not here yet (None if none), queued for reading."""
+        end = offset + len(data)
+        if offset > self.received:
+            raise ProtocolError(f"stream {self.stream} skipped from {self.received} to {offset}")
+        if end <= self.received:
+            return None  # a resend of bytes already here
+        chunk = bytes(data[self.received - offset :])
+        self.received = end
+        self._chunks.append(chunk)
+        self._event.set()
+        return chunk
+
+    @property
+    def ready(self) -> bool:
+        """Bytes are here to be read."""
+        return bool(self._chunks)
+
+    @property
+    def ended(self) -> bool:
+        return self._eof
+
+    def finish(self) -> None:
+        """No more bytes will come."""
+        self._eof = True
+        self._event.set()
+
+    async def arrival(self) -> None:
+        """Wait for the next bytes (or the end)."""
+        self._event.clear()
+        await self._event.wait()
+
+    def take(self) -> bytes:
+        chunk = self._chunks.popleft()
+        self.offset += len(chunk)
+        return chunk
+
+    def take_buffered(self) -> bytes:
+        """The bytes received and not read yet, taken out of the stream."""
+        data = b"".join(self._chunks)
+        self._chunks.clear()
+        self.offset += len(data)
+        return data
+
+
+class InboundStream(OffsetStream):
     """Bytes the agent sends on one stream (stdout, stderr, a file's content).
 
     Bytes are acknowledged when the consumer takes them, so a consumer that
@@ -70,17 +130,12 @@ class InboundStream:
     """
 
     def __init__(self, channel: Channel, stream: int) -> None:
+        super().__init__(stream)
         self._channel = channel
-        self.stream = stream
-        self.received = 0
         self._consumed = 0
         self._acked = 0
-        self.offset = 0  # just past the last byte read
         self._adopting = False  # taken over: the first frame sets where the stream is
-        self._chunks: deque[bytes] = deque()
-        self._eof = False
         self._draining = False
-        self._event = asyncio.Event()
 
     def adopt(self) -> None:
         """This stream was begun by an earlier host: take its offsets from the first frame."""
@@ -93,18 +148,10 @@ class InboundStream:
 
     def feed(self, offset: int, data: memoryview) -> None:
         self._take_position(offset)
-        end = offset + len(data)
-        if offset > self.received:
-            raise ProtocolError(f"stream {self.stream} skipped from {self.received} to {offset}")
-        if end <= self.received:
-            return  # a resend of bytes already here
-        fresh = bytes(data[self.received - offset :])
-        self.received = end
-        self._chunks.append(fresh)
-        if self._draining:
+        fresh = self.fresh(offset, data)
+        if fresh is not None and self._draining:
             self._consumed += len(fresh)
             self._maybe_ack()
-        self._event.set()
 
     def feed_eof(self, offset: int) -> None:
         self._take_position(offset)
@@ -135,8 +182,7 @@ class InboundStream:
             self._channel.raise_if_failed()
             self._event.clear()
             await self._channel.wait_event(self._event, idle_timeout=idle_timeout)
-        chunk = self._chunks.popleft()
-        self.offset += len(chunk)
+        chunk = self.take()
         if not self._draining:
             self._consumed += len(chunk)
             self._maybe_ack()
@@ -148,12 +194,6 @@ class InboundStream:
         while chunk := await self.read():
             parts.append(chunk)
         return b"".join(parts)
-
-    def take_buffered(self) -> bytes:
-        data = b"".join(self._chunks)
-        self._chunks.clear()
-        self.offset += len(data)
-        return data
 
 
 class OutboundStream:

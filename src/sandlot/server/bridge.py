@@ -30,6 +30,7 @@ import contextlib
 import hashlib
 import hmac
 import json
+import math
 import os
 import re
 import secrets
@@ -43,7 +44,6 @@ from urllib.parse import urlencode
 import h11
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import RedirectResponse, StreamingResponse
-from pydantic import Field
 from starlette.datastructures import Headers, QueryParams
 from starlette.requests import cookie_parser
 from starlette.websockets import WebSocket, WebSocketDisconnect
@@ -53,11 +53,18 @@ from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidSta
 from websockets.typing import Subprotocol
 
 from ..api.box import AsyncBox
-from ..errors import BoxNotFound, Forbidden, GuestOSError, PortUnreachable, RequestError, SandlotError
-from .models import Strict
-from .routes import box_for, ws_box
+from ..api.contract import error_message
+from ..errors import (
+    BoxNotFound,
+    Forbidden,
+    GuestOSError,
+    InvalidArgument,
+    PortUnreachable,
+    RequestError,
+    SandlotError,
+)
+from .routes import SERVED, box_for, ws_box
 from .state import ServerState, error_response
-from .streams import error_message
 
 router = APIRouter()  # /p/...: previews, authenticated by their signature
 v1 = APIRouter()  # under /v1, authenticated by a key
@@ -111,11 +118,6 @@ def check_preview_token(home: Path, token: str) -> tuple[str, int]:
         when = time.strftime("%Y-%m-%d %H:%M:%SZ", time.gmtime(expires))
         raise Forbidden(f"this preview URL expired at {when}")
     return box_id, port
-
-
-class PreviewIn(Strict):
-    port: int = Field(ge=1, le=65535)
-    ttl: int = Field(default=3600, ge=1, le=MAX_PREVIEW_TTL)
 
 
 # -- host-based routes ----------------------------------------------------------------------
@@ -466,19 +468,23 @@ async def tcp_ws(ws: WebSocket, box: str, port: int) -> None:
         await raw_tcp(ws, found[2], _port(port))
 
 
-@v1.post("/boxes/{box}/previews", status_code=201, tags=["ports"])
-async def make_preview(request: Request, box: str, body: PreviewIn) -> dict[str, Any]:
-    """A signed URL to ``port`` in the box that works without a key until it expires."""
-    b = await box_for(request, box)
+async def make_preview(request: Request, box: AsyncBox, params: Any) -> dict[str, Any]:
+    """``box.preview_url``: a signed URL to ``port`` in the box that works without a key
+    until it expires."""
+    if params.ttl > MAX_PREVIEW_TTL:
+        raise InvalidArgument(f"ttl must be at most {MAX_PREVIEW_TTL} seconds, not {params.ttl}")
     server = _server(request)
-    token, expires = make_preview_token(server.home_dir, b.id, body.port, body.ttl)
+    token, expires = make_preview_token(server.home_dir, box.id, params.port, math.ceil(params.ttl))
     base = str(request.base_url).rstrip("/")
-    out: dict[str, Any] = {"url": f"{base}/p/{token}/", "port": body.port, "expires_at": expires}
+    out: dict[str, Any] = {"url": f"{base}/p/{token}/", "port": params.port, "expires_at": expires}
     domain = server.settings.port_domain
     if domain:  # the same preview at the root path of the box's own host
-        netloc = f"{body.port}-{b.id}.{domain}" + (f":{request.url.port}" if request.url.port else "")
+        netloc = f"{params.port}-{box.id}.{domain}" + (f":{request.url.port}" if request.url.port else "")
         out["host_url"] = f"{request.url.scheme}://{netloc}/?{TOKEN_PARAM}={token}"
     return out
+
+
+SERVED["box.preview_url"] = make_preview
 
 
 def _control_type(text: str) -> str | None:

@@ -1,5 +1,15 @@
-"""The REST and WebSocket routes of docs/server.md: each translates a request into
-calls of the public API on the server's home, seen through the caller's namespace."""
+"""The REST and WebSocket routes of docs/server.md, on the server's home, seen through
+the caller's namespace.
+
+Each operation of ``api/contract.py``'s table gets its route from the table: its
+arguments are the operation's model, its answer the operation's codec, and what
+it does is the local backend's (``api/host.py``'s ``run``). The server adds only
+what is its own: who may see which box, quotas on what makes boxes, the labels
+it stamps, and the processes and previews it holds. The routes written out below
+are those no request-and-answer fits: a box's creation and listing, commands,
+held processes over WebSocket, streamed files, archives, watches, code cells and
+saved state.
+"""
 
 from __future__ import annotations
 
@@ -7,58 +17,52 @@ import asyncio
 import base64
 import binascii
 import contextlib
+import inspect
 import json
 import os
 import shutil
 import tempfile
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
+from enum import Enum
 from pathlib import Path
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Query, Request, Response, WebSocket
+from fastapi import APIRouter, Body, Query, Request, Response, WebSocket
 from fastapi.responses import StreamingResponse
 from starlette.websockets import WebSocketDisconnect
 
+from ..api import host
+from ..api.backend import SnapshotRef
 from ..api.box import AsyncBox, AsyncSnapshot
-from ..api.code import CodeContext, Result, context_id
-from ..api.templates import import_snapshot_async
-from ..errors import (
-    BoxNotFound,
-    InvalidArgument,
-    QuotaExceeded,
-    RequestError,
-    SandlotError,
-    SnapshotNotFound,
-)
-from ..net.secrets import Secret
-from . import tarstream
-from .models import (
+from ..api.contract import (
+    OPERATIONS,
+    STDERR,
+    STDOUT,
+    ArchiveIn,
     BoxCreate,
-    ChmodIn,
-    ChownIn,
-    CodeContextIn,
     ExecCall,
     ExecIn,
-    ForkIn,
-    MkdirIn,
-    NetworkIn,
-    RenameIn,
-    RollbackIn,
+    ListBoxesIn,
+    Operation,
+    ReadIn,
     RunCodeIn,
-    SnapshotIn,
-    SnapshotStartIn,
-    box_json,
+    WatchIn,
+    WriteIn,
     error_json,
+    error_message,
     exec_json,
     file_json,
-    snapshot_json,
 )
+from ..api.local import LocalBackend, local_snapshot
+from ..api.tarstream import tar_in
+from ..errors import BoxNotFound, InvalidArgument, QuotaExceeded, RequestError, SandlotError, SnapshotNotFound
+from ..net.secrets import Secret
 from .state import KEY_LABEL, NAMESPACE_LABEL, Caller, ServerState
-from .streams import STDERR, STDOUT, error_message, serve, spawn
+from .streams import serve, spawn
 
 router = APIRouter()
-PAGE_MAX = 1000
 UPLOAD_CHUNK = 1 << 20
+EXEC_CHANNEL_IN_FLIGHT = 64  # execs of one channel running at once; more wait for a slot
 
 
 def _server(request: Request | WebSocket) -> ServerState:
@@ -69,6 +73,10 @@ def _server(request: Request | WebSocket) -> ServerState:
 def _caller(request: Request) -> Caller:
     caller: Caller = request.state.caller
     return caller
+
+
+def _backend(request: Request | WebSocket) -> LocalBackend:
+    return LocalBackend.for_home(_server(request).home)
 
 
 async def _box(request: Request | WebSocket, key: str, caller: Caller) -> AsyncBox:
@@ -100,8 +108,9 @@ async def box_for(request: Request, key: str) -> AsyncBox:
     return await _box(request, key, _caller(request))
 
 
-def _snapshot_labels(snap: AsyncSnapshot) -> dict[str, str]:
-    labels: dict[str, str] = (snap.record.options.get("box") or {}).get("labels") or {}
+def _snapshot_labels(snap: AsyncSnapshot | SnapshotRef) -> dict[str, str]:
+    ref = snap.ref if isinstance(snap, AsyncSnapshot) else snap
+    labels: dict[str, str] = (local_snapshot(ref).record.options.get("box") or {}).get("labels") or {}
     return labels
 
 
@@ -121,8 +130,9 @@ async def snapshot_for(request: Request, key: str) -> AsyncSnapshot:
 
 
 async def _visible_snapshot(request: Request, caller: Caller, key: str) -> AsyncSnapshot:
-    visible = [s for s in await AsyncSnapshot.list(home=_server(request).home)
-               if caller.may_see(_snapshot_labels(s))]  # fmt: skip
+    visible = [
+        s for s in await AsyncSnapshot.list(home=_server(request).home) if caller.may_see(_snapshot_labels(s))
+    ]
     found = [s for s in visible if s.name == key] or [s for s in visible if s.id.startswith(key)]
     if not found:
         raise SnapshotNotFound(f"no snapshot {key!r}")
@@ -132,7 +142,7 @@ async def _visible_snapshot(request: Request, caller: Caller, key: str) -> Async
     return found[0]
 
 
-# -- quotas ---------------------------------------------------------------------------
+# -- what the server adds: quotas, labels, admin-only requests ---------------------------
 
 
 async def check_quota(request: Request, n: int, memory_mib: int, disk_gb: int) -> None:
@@ -143,8 +153,8 @@ async def check_quota(request: Request, n: int, memory_mib: int, disk_gb: int) -
         return
     mine = {NAMESPACE_LABEL: caller.namespace} if caller.namespace else {KEY_LABEL: caller.key_id or ""}
     boxes = await AsyncBox.list(labels=mine, home=_server(request).home)
-    used_memory = sum(int(b.info["options"].get("memory_mib") or 0) for b in boxes)
-    used_disk = sum(int(b.info["options"].get("disk_size_gb") or 0) for b in boxes)
+    used_memory = sum(int(b.info.get("memory_mib") or 0) for b in boxes)
+    used_disk = sum(int(b.info.get("disk_size_gb") or 0) for b in boxes)
     for limit, have, adding, most in (
         ("boxes", len(boxes), n, q.boxes),
         ("memory_mib", used_memory, n * memory_mib, q.memory_mib),
@@ -153,8 +163,9 @@ async def check_quota(request: Request, n: int, memory_mib: int, disk_gb: int) -
         if most is not None and have + adding > most:
             raise QuotaExceeded(
                 f"the key's quota of {limit} is {most}: {have} in use, {adding} more asked",
-                limit=limit, value=most,
-            )  # fmt: skip
+                limit=limit,
+                value=most,
+            )
 
 
 def _check_network(caller: Caller, network: object) -> None:
@@ -174,51 +185,11 @@ def _stamped(caller: Caller, labels: dict[str, str] | None) -> dict[str, str]:
     return labels
 
 
-def _inherited(caller: Caller, snap: AsyncSnapshot) -> dict[str, str]:
+def _inherited(caller: Caller, snap: AsyncSnapshot | SnapshotRef) -> dict[str, str]:
     """The labels of boxes started from ``snap``: its box's own, stamped for the caller
     (the server's labels are the caller's, never the snapshot's)."""
     own = {k: v for k, v in _snapshot_labels(snap).items() if not k.startswith("sandlot.")}
     return _stamped(caller, own)
-
-
-# -- boxes ----------------------------------------------------------------------------
-
-
-@router.post("/boxes", status_code=201, tags=["boxes"])
-async def create_box(body: BoxCreate, request: Request, response: Response) -> dict[str, Any]:
-    """Create a box from an image, a template or a snapshot, and start it unless ``start`` is false."""
-    caller = _caller(request)
-    server = _server(request)
-    for host_path in ("rootfs", "kernel", "ca_cert"):
-        if getattr(body, host_path) is not None:
-            caller.require_admin(f"{host_path} (a host path)")
-    _check_network(caller, body.network)
-    options: dict[str, Any] = body.model_dump(exclude_none=True, exclude={"start", "snapshot", "secrets",
-                                                                         "ports"})  # fmt: skip
-    options["labels"] = _stamped(caller, body.labels)
-    if body.ports is not None:
-        options["ports"] = [f"{p.host}:{p.guest}" if p.host else str(p.guest) for p in body.ports]
-    if body.secrets is not None:
-        options["secrets"] = [Secret(s.name, s.value, hosts=s.hosts) for s in body.secrets]
-    memory = int(options.get("memory_mib") or 256)
-    disk = int(options.get("disk_size_gb") or 0)
-    async with _create_lock(server, caller):
-        await check_quota(request, 1, memory, disk)
-        if body.snapshot is not None:
-            snap = await snapshot_for(request, body.snapshot)
-            start_options = {k: v for k, v in options.items() if k not in ("image", "template", "name")}
-            box = (await snap.start(1, name=body.name, **start_options))[0]
-        else:
-            if body.template is not None:
-                options["template"] = (await snapshot_for(request, body.template)).id
-            image = options.pop("image", None)
-            if body.start:
-                box = await AsyncBox(image, keep=True, home=server.home, **options).start()
-            else:
-                box = await AsyncBox.create(image, keep=True, home=server.home, **options)
-    request.state.box_id = box.id
-    response.headers["Location"] = f"/v1/boxes/{box.id}"
-    return box_json(box)
 
 
 def _create_lock(server: ServerState, caller: Caller) -> asyncio.Lock:
@@ -226,33 +197,199 @@ def _create_lock(server: ServerState, caller: Caller) -> asyncio.Lock:
     return server.quota_locks.setdefault(caller.namespace or caller.key_id or "", asyncio.Lock())
 
 
+Guard = Callable[[Request, Any, Any], contextlib.AbstractAsyncContextManager[Any]]
+
+
+@contextlib.asynccontextmanager
+async def _as_is(request: Request, target: Any, params: Any) -> AsyncIterator[Any]:
+    yield params
+
+
+@contextlib.asynccontextmanager
+async def _network_guard(request: Request, target: Any, params: Any) -> AsyncIterator[Any]:
+    _check_network(_caller(request), params.network)
+    yield params
+
+
+@contextlib.asynccontextmanager
+async def _fork_guard(request: Request, target: Any, params: Any) -> AsyncIterator[Any]:
+    info = target.info
+    async with _create_lock(_server(request), _caller(request)):
+        await check_quota(
+            request, params.n, int(info.get("memory_mib") or 0), int(info.get("disk_size_gb") or 0)
+        )
+        yield params
+
+
+@contextlib.asynccontextmanager
+async def _snapshot_start_guard(request: Request, target: Any, params: Any) -> AsyncIterator[Any]:
+    caller = _caller(request)
+    _check_network(caller, params.network)
+    spec = local_snapshot(target).record.options.get("box") or {}
+    labels = {**_inherited(caller, target), **_stamped(caller, params.labels)}
+    async with _create_lock(_server(request), caller):
+        await check_quota(
+            request, params.n, int(spec.get("memory_mib") or 0), int(spec.get("disk_size_gb") or 0)
+        )
+        yield params.model_copy(update={"labels": labels})
+
+
+GUARDS: dict[str, Guard] = {
+    "box.set_network": _network_guard,
+    "box.fork": _fork_guard,
+    "snapshot.start": _snapshot_start_guard,
+}
+
+
+async def _processes(request: Request, box: AsyncBox, params: Any) -> Any:
+    server = _server(request)
+    await server.take_over(box.ref)
+    return {"processes": [h.describe() for h in server.processes.of_box(box.id)]}
+
+
+# Operations the server answers itself: what it holds, which the local backend does not.
+# server/bridge.py adds the preview URLs it signs.
+SERVED: dict[str, Callable[[Request, Any, Any], Awaitable[Any]]] = {"box.processes": _processes}
+
+
+# -- the operations of api/contract.py, a route each ----------------------------------------
+
+
+def _operation_route(op: Operation) -> Callable[..., Awaitable[Any]]:
+    """The route of ``op``: its target from the path (as the caller may see it), its
+    arguments as its model (from the query or the body), its answer by its codec."""
+
+    async def handler(request: Request, **kwargs: Any) -> Any:
+        params = (
+            kwargs["params"] if "params" in kwargs else host.arguments(op, {n: kwargs[n] for n in op.in_path})
+        )
+        if op.scope == "snapshot":
+            target: Any = await snapshot_for(request, kwargs["snap"])
+        else:
+            target = await box_for(request, kwargs["box"])
+        served = SERVED.get(op.key)
+        if served is not None:
+            return await served(request, target, params)
+        async with GUARDS.get(op.key, _as_is)(request, target.ref, params) as params:
+            return await host.run(_backend(request), op, target.ref, params)
+
+    async def route(request: Request, **kwargs: Any) -> Any:
+        value = await handler(request, **kwargs)
+        if op.result.kind == "none":
+            return Response(status_code=204)
+        if op.result.kind == "text":
+            return Response(value, media_type="text/plain; charset=utf-8")
+        return value
+
+    key = "snap" if op.scope == "snapshot" else "box"
+    source = Query() if op.in_query else Body()
+    params = [
+        inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, annotation=str) for name in (key, *op.in_path)
+    ]
+    params.append(inspect.Parameter("request", inspect.Parameter.KEYWORD_ONLY, annotation=Request))
+    if set(op.params.model_fields) - set(op.in_path):  # arguments beyond the path's: the query or the body
+        params.append(
+            inspect.Parameter(
+                "params", inspect.Parameter.KEYWORD_ONLY, annotation=Annotated[op.params, source]
+            )
+        )
+    route.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]
+    route.__name__ = f"{op.scope}_{op.name}"
+    route.__doc__ = op.summary + f" (``{'AsyncSnapshot' if op.scope == 'snapshot' else 'AsyncBox'}"
+    route.__doc__ += f"{'.files' if op.scope == 'files' else ''}.{op.name}``)"
+    return route
+
+
+def _register(op: Operation) -> None:
+    """Add ``op``'s route, unless a route written out above serves its method and path."""
+    written = {(m, getattr(r, "path", None)) for r in router.routes for m in getattr(r, "methods", ())}
+    if (op.method, op.path) in written:
+        return
+    endpoint = _operation_route(op)
+    kind = op.result.kind
+    status = 204 if kind == "none" else 201 if op.method == "POST" and kind in ("snapshot", "boxes") else 200
+    tags: list[str | Enum] = [
+        "files" if op.scope == "files" else "live state" if op.scope == "snapshot" else "boxes"
+    ]
+    router.add_api_route(
+        op.path,
+        endpoint,
+        methods=[op.method],
+        status_code=status,
+        tags=tags,
+        name=endpoint.__name__,
+        summary=op.summary,
+    )
+
+
+# -- boxes ----------------------------------------------------------------------------
+
+
+@router.post("/boxes", status_code=201, tags=["boxes"])
+async def create_box(body: BoxCreate, request: Request, response: Response) -> dict[str, Any]:  # type: ignore[valid-type]
+    """Create a box from an image, a template or a snapshot, and start it unless ``start`` is false."""
+    caller = _caller(request)
+    server = _server(request)
+    wanted: dict[str, Any] = body.model_dump(exclude_none=True)  # type: ignore[attr-defined]
+    for host_path in ("rootfs", "kernel", "ca_cert"):
+        if wanted.get(host_path) is not None:
+            caller.require_admin(f"{host_path} (a host path)")
+    _check_network(caller, wanted.get("network"))
+    start = wanted.pop("start", True)
+    snapshot = wanted.pop("snapshot", None)
+    options: dict[str, Any] = dict(wanted)
+    options["labels"] = _stamped(caller, wanted.get("labels"))
+    if "ports" in wanted:
+        options["ports"] = [
+            f"{p['host']}:{p['guest']}" if p.get("host") else str(p["guest"]) for p in wanted["ports"]
+        ]
+    if "secrets" in wanted:
+        options["secrets"] = [
+            Secret(s["name"], s["value"], hosts=s.get("hosts") or []) for s in wanted["secrets"]
+        ]
+    memory = int(options.get("memory_mib") or 256)
+    disk = int(options.get("disk_size_gb") or 0)
+    async with _create_lock(server, caller):
+        await check_quota(request, 1, memory, disk)
+        if snapshot is not None:
+            snap = await snapshot_for(request, snapshot)
+            start_options = {k: v for k, v in options.items() if k not in ("image", "template", "name")}
+            box = (await snap.start(1, name=options.get("name"), **start_options))[0]
+        else:
+            if "template" in options:
+                options["template"] = (await snapshot_for(request, options["template"])).id
+            image = options.pop("image", None)
+            box = AsyncBox(image, keep=True, home=server.home, **options)
+            await (box.start() if start else box.ref.backend.create(box.ref, start=False))
+    request.state.box_id = box.id
+    response.headers["Location"] = f"/v1/boxes/{box.id}"
+    return box.info
+
+
 @router.get("/boxes", tags=["boxes"])
-async def list_boxes(
-    request: Request,
-    state: str | None = None,
-    label: Annotated[list[str] | None, Query()] = None,
-    limit: Annotated[int, Query(ge=1, le=PAGE_MAX)] = 100,
-    page_token: str | None = None,
-) -> dict[str, Any]:
+async def list_boxes(request: Request, params: Annotated[ListBoxesIn, Query()]) -> dict[str, Any]:
     """Boxes the caller may see, oldest first, a page at a time."""
     labels = {}
-    for item in label or []:
+    for item in params.label:
         k, sep, v = item.partition("=")
         if not sep or not k:
             raise InvalidArgument(f"label filter {item!r} is not KEY=VALUE")
         labels[k] = v
     caller = _caller(request)
-    boxes = [b for b in await AsyncBox.list(state=state, labels=labels or None, home=_server(request).home)
-             if caller.may_see(b.info["labels"])]  # fmt: skip
-    after = _page_after(page_token)
+    boxes = [
+        b
+        for b in await AsyncBox.list(state=params.state, labels=labels or None, home=_server(request).home)
+        if caller.may_see(b.info["labels"])
+    ]
+    after = _page_after(params.page_token)
     if after is not None:
         boxes = [b for b in boxes if (b.info["created_at"], b.id) > after]
-    page = boxes[:limit]
+    page = boxes[: params.limit]
     token = None
-    if len(boxes) > limit:
+    if len(boxes) > params.limit:
         last = page[-1]
         token = base64.urlsafe_b64encode(json.dumps([last.info["created_at"], last.id]).encode()).decode()
-    return {"boxes": [box_json(b) for b in page], "next_page_token": token}
+    return {"boxes": [b.info for b in page], "next_page_token": token}
 
 
 def _page_after(token: str | None) -> tuple[float, str] | None:
@@ -265,60 +402,16 @@ def _page_after(token: str | None) -> tuple[float, str] | None:
         raise InvalidArgument("page_token is malformed") from None
 
 
-@router.get("/boxes/{box}", tags=["boxes"])
-async def get_box(box: str, request: Request) -> dict[str, Any]:
-    return box_json(await box_for(request, box))
-
-
-@router.delete("/boxes/{box}", status_code=204, tags=["boxes"])
-async def remove_box(box: str, request: Request, force: bool = False) -> Response:
-    b = await box_for(request, box)
-    await b.remove(force=force)
-    return Response(status_code=204)
-
-
-async def _lifecycle(request: Request, key: str, op: str, timeout: float | None) -> dict[str, Any]:
-    b = await box_for(request, key)
-    if op in ("stop", "restart"):
-        await getattr(b, op)(timeout if timeout is not None else 10.0)
-    else:
-        await getattr(b, op)()
-    await b.refresh()
-    return box_json(b)
-
-
-for _op in ("start", "stop", "restart", "kill", "pause", "unpause", "suspend", "resume"):
-
-    def _route(op: str) -> Any:
-        async def lifecycle(box: str, request: Request, timeout: float | None = None) -> dict[str, Any]:
-            return await _lifecycle(request, box, op, timeout)
-
-        lifecycle.__name__ = f"{op}_box"
-        lifecycle.__doc__ = f"{op.capitalize()} the box (the library's ``{op}()``)."
-        return lifecycle
-
-    router.post(f"/boxes/{{box}}/{_op}", tags=["boxes"])(_route(_op))
-
-
-@router.get("/boxes/{box}/inspect", tags=["boxes"])
-async def inspect_box(box: str, request: Request) -> dict[str, Any]:
-    return await (await box_for(request, box)).inspect()
-
-
-@router.get("/boxes/{box}/stats", tags=["boxes"])
-async def box_stats(box: str, request: Request) -> dict[str, Any]:
-    return await (await box_for(request, box)).stats()
-
-
 @router.get("/boxes/{box}/logs", tags=["boxes"])
-async def box_logs(box: str, request: Request, lines: Annotated[int | None, Query(ge=1)] = None,
-                   follow: bool = False) -> Response:  # fmt: skip
+async def box_logs(
+    box: str, request: Request, lines: Annotated[int | None, Query(ge=1)] = None, follow: bool = False
+) -> Response:
     """The guest console of the last boot; ``follow`` streams it as it grows while the box runs."""
     b = await box_for(request, box)
     text = await b.logs(lines)
     if not follow:
         return Response(text, media_type="text/plain; charset=utf-8")
-    path = b.runtime.box_dir(b.id) / "console.log"
+    path = _backend(request).runtime.box_dir(b.id) / "console.log"
 
     async def growing() -> AsyncIterator[bytes]:
         yield text.encode()
@@ -340,29 +433,7 @@ async def box_logs(box: str, request: Request, lines: Annotated[int | None, Quer
     return StreamingResponse(growing(), media_type="text/plain; charset=utf-8")
 
 
-@router.get("/boxes/{box}/network", tags=["network"])
-async def get_network(box: str, request: Request) -> dict[str, Any]:
-    b = await box_for(request, box)
-    net = (await b.inspect())["network"]
-    return {"network": net.get("mode"), "allow": net.get("allow", [])}
-
-
-@router.put("/boxes/{box}/network", tags=["network"])
-async def put_network(box: str, body: NetworkIn, request: Request) -> dict[str, Any]:
-    _check_network(_caller(request), body.network)
-    b = await box_for(request, box)
-    await b.set_network(body.network, allow=body.allow)
-    net = (await b.inspect())["network"]
-    return {"network": net.get("mode"), "allow": net.get("allow", [])}
-
-
-@router.get("/boxes/{box}/ports", tags=["network"])
-async def get_ports(box: str, request: Request) -> dict[str, Any]:
-    b = await box_for(request, box)
-    return {"ports": (await b.inspect())["network"]["ports"]}
-
-
-# -- exec -----------------------------------------------------------------------------
+# -- commands -------------------------------------------------------------------------
 
 
 @router.post("/boxes/{box}/exec", tags=["exec"])
@@ -386,13 +457,11 @@ async def _run_exec(box: AsyncBox, body: ExecIn, audit: dict[str, Any]) -> dict[
             stdin = base64.b64decode(body.stdin_b64, validate=True)
         except binascii.Error:
             raise InvalidArgument("stdin_b64 is not base64") from None
-    result = await box.exec(*body.argv, env=body.env, cwd=body.cwd, user=body.user, stdin=stdin,
-                            timeout=body.timeout)  # fmt: skip
+    result = await box.ref.backend.exec(
+        box.ref, body.argv, env=body.env, cwd=body.cwd, user=body.user, stdin=stdin, timeout=body.timeout
+    )
     audit["exit_code"] = result.exit_code
     return exec_json(result)
-
-
-EXEC_CHANNEL_IN_FLIGHT = 64  # execs of one channel running at once; more wait for a slot
 
 
 @router.websocket("/exec")
@@ -457,14 +526,6 @@ async def exec_channel(ws: WebSocket) -> None:
 _channel_tasks: set[asyncio.Task[None]] = set()  # execs under way: kept from the collector
 
 
-@router.get("/boxes/{box}/processes", tags=["exec"])
-async def list_processes(box: str, request: Request) -> dict[str, Any]:
-    b = await box_for(request, box)
-    server = _server(request)
-    await server.take_over(b)
-    return {"processes": [h.describe() for h in server.processes.of_box(b.id)]}
-
-
 async def ws_box(ws: WebSocket, key: str, accept: bool = True) -> tuple[ServerState, Caller, AsyncBox] | None:
     """Authenticate a WebSocket and find its box; on failure answer in the error shape and
     close. ``accept=False`` leaves accepting to the caller (unless it fails here)."""
@@ -490,23 +551,26 @@ async def spawn_ws(ws: WebSocket, box: str) -> None:
         return
     server, caller, b = found
     with contextlib.suppress(WebSocketDisconnect):
-        await spawn(ws, b, server.processes, server.exited_by(caller))
+        await spawn(ws, _backend(ws), b.ref, server.processes, server.exited_by(caller))
 
 
 @router.websocket("/boxes/{box}/processes/{process}/attach")
 async def attach_ws(ws: WebSocket, box: str, process: str, stdout: int = 0, stderr: int = 0) -> None:
-    """Reattach to a process from the offsets the client has."""
+    """Follow a held process again from the offsets the client has."""
     found = await ws_box(ws, box)
     if found is None:
         return
     server, _, b = found
     held = server.processes.get(b.id, process)
     if held is None:  # a server before this one started it (and its take-over may be under way)
-        await server.take_over(b)
+        await server.take_over(b.ref)
         held = server.processes.get(b.id, process)
     if held is None or stdout < 0 or stderr < 0:
-        err = RequestError(f"no process {process!r} in box {b.name}") if held is None else \
-            RequestError("offsets must be >= 0")  # fmt: skip
+        err = (
+            RequestError(f"no process {process!r} in box {b.name}")
+            if held is None
+            else RequestError("offsets must be >= 0")
+        )
         await ws.send_json(error_message(err))
         await ws.close(1008)
         return
@@ -527,88 +591,22 @@ async def run_code(box: str, body: RunCodeIn, request: Request) -> Response:
     interrupts it."""
     b = await box_for(request, box)
     request.state.audit = {"language": body.language, "context": body.context, "code_bytes": len(body.code)}
-    events: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue()
-
-    async def cell() -> None:
-        try:
-            execution = await b.run_code(
-                body.code, language=body.language, context=body.context, timeout=body.timeout,
-                on_stdout=lambda text: events.put_nowait({"type": "stdout", "text": text}),
-                on_stderr=lambda text: events.put_nowait({"type": "stderr", "text": text}),
-                on_result=lambda r: events.put_nowait({"type": "result", "result": _result_json(r)}),
-            )  # fmt: skip
-            events.put_nowait({"type": "execution", "execution": execution.to_dict()})
-        except SandlotError as e:
-            events.put_nowait({"type": "error", "error": error_json(e)})
-        finally:
-            events.put_nowait(None)
-
-    task = asyncio.ensure_future(cell())
 
     async def lines() -> AsyncIterator[bytes]:
-        try:
-            while (event := await events.get()) is not None:
-                yield (json.dumps(event) + "\n").encode()
-        finally:
-            if not task.done():  # the client left mid-cell
-                task.cancel()
-                with contextlib.suppress(SandlotError):
-                    await b.interrupt_code_context(context_id(body.context, body.language))
+        async for event in host.code_messages(_backend(request), b.ref, body):
+            yield (json.dumps(event) + "\n").encode()
 
     return StreamingResponse(lines(), media_type="application/x-ndjson")
-
-
-def _result_json(result: Result) -> dict[str, Any]:
-    return dict(result.to_bundle(), is_main_result=result.is_main_result)
-
-
-def _context_json(ctx: CodeContext) -> dict[str, Any]:
-    return {"id": ctx.id, "language": ctx.language, "cwd": ctx.cwd, "kernel": ctx.kernel}
-
-
-@router.get("/boxes/{box}/code/contexts", tags=["code"])
-async def list_code_contexts(box: str, request: Request) -> dict[str, Any]:
-    b = await box_for(request, box)
-    return {"contexts": [_context_json(c) for c in await b.list_code_contexts()]}
-
-
-@router.post("/boxes/{box}/code/contexts", tags=["code"], status_code=201)
-async def create_code_context(box: str, body: CodeContextIn, request: Request) -> dict[str, Any]:
-    b = await box_for(request, box)
-    ctx = await b.create_code_context(language=body.language, cwd=body.cwd, kernel=body.kernel,
-                                      env=body.env, user=body.user)  # fmt: skip
-    return _context_json(ctx)
-
-
-@router.post("/boxes/{box}/code/contexts/{context}/interrupt", tags=["code"], status_code=204)
-async def interrupt_code_context(box: str, context: str, request: Request) -> Response:
-    b = await box_for(request, box)
-    await b.interrupt_code_context(context)
-    return Response(status_code=204)
-
-
-@router.post("/boxes/{box}/code/contexts/{context}/restart", tags=["code"])
-async def restart_code_context(box: str, context: str, request: Request) -> dict[str, Any]:
-    b = await box_for(request, box)
-    return _context_json(await b.restart_code_context(context))
-
-
-@router.delete("/boxes/{box}/code/contexts/{context}", tags=["code"], status_code=204)
-async def remove_code_context(box: str, context: str, request: Request) -> Response:
-    b = await box_for(request, box)
-    await b.remove_code_context(context)
-    return Response(status_code=204)
 
 
 # -- files ----------------------------------------------------------------------------
 
 
 @router.get("/boxes/{box}/files/content", tags=["files"])
-async def read_file(box: str, path: str, request: Request, offset: Annotated[int, Query(ge=0)] = 0,
-                    length: Annotated[int | None, Query(ge=0)] = None) -> Response:  # fmt: skip
+async def read_file(box: str, request: Request, params: Annotated[ReadIn, Query()]) -> Response:
     """The file's bytes, streamed."""
     b = await box_for(request, box)
-    chunks = b.files.iter_read(path, offset=offset, length=length)
+    chunks = b.files.iter_read(params.path, offset=params.offset, length=params.length)
     first = await anext(chunks, b"")  # errors (no such file) answer before the stream begins
 
     async def body() -> AsyncIterator[bytes]:
@@ -620,18 +618,10 @@ async def read_file(box: str, path: str, request: Request, offset: Annotated[int
 
 
 @router.put("/boxes/{box}/files/content", tags=["files"])
-async def write_file(
-    box: str,
-    path: str,
-    request: Request,
-    mode: Annotated[int | None, Query(ge=0, le=0o7777)] = None,
-    user: str | None = None,
-    append: bool = False,
-    parents: bool = True,
-    exclusive: bool = False,
-) -> dict[str, Any]:
+async def write_file(box: str, request: Request, params: Annotated[WriteIn, Query()]) -> dict[str, Any]:
     """Write the request body to the file, streamed (atomically replaced when complete;
-    ``append`` adds to its end; ``exclusive``: 409 if it exists; ``user`` owns it)."""
+    ``append`` adds to its end; ``exclusive``: 409 if it exists; ``user`` owns it).
+    Answers the file's description."""
     b = await box_for(request, box)
 
     async def chunks() -> AsyncIterator[bytes]:
@@ -640,113 +630,55 @@ async def write_file(
                 yield chunk
 
     await b.files.write(
-        path, chunks(), mode=mode, user=user, append=append, parents=parents, exclusive=exclusive
+        params.path,
+        chunks(),
+        mode=params.mode,
+        user=params.user,
+        append=params.append,
+        parents=params.parents,
+        exclusive=params.exclusive,
     )
-    return file_json(await b.files.stat(path))
-
-
-@router.get("/boxes/{box}/files", tags=["files"])
-async def list_files(box: str, path: str, request: Request) -> dict[str, Any]:
-    b = await box_for(request, box)
-    return {"entries": [file_json(i) for i in await b.files.list(path)]}
-
-
-@router.get("/boxes/{box}/files/stat", tags=["files"])
-async def stat_file(box: str, path: str, request: Request, follow_symlinks: bool = True) -> dict[str, Any]:
-    b = await box_for(request, box)
-    return file_json(await b.files.stat(path, follow_symlinks=follow_symlinks))
-
-
-@router.post("/boxes/{box}/files/mkdir", status_code=204, tags=["files"])
-async def mkdir(box: str, body: MkdirIn, request: Request) -> Response:
-    b = await box_for(request, box)
-    if body.mode is None:
-        await b.files.mkdir(body.path, parents=body.parents, user=body.user)
-    else:
-        await b.files.mkdir(body.path, parents=body.parents, mode=body.mode, user=body.user)
-    return Response(status_code=204)
-
-
-@router.post("/boxes/{box}/files/rename", status_code=204, tags=["files"])
-async def rename(box: str, body: RenameIn, request: Request) -> Response:
-    await (await box_for(request, box)).files.rename(body.src, body.dst)
-    return Response(status_code=204)
-
-
-@router.post("/boxes/{box}/files/chmod", status_code=204, tags=["files"])
-async def chmod(box: str, body: ChmodIn, request: Request) -> Response:
-    await (await box_for(request, box)).files.chmod(body.path, body.mode)
-    return Response(status_code=204)
-
-
-@router.post("/boxes/{box}/files/chown", status_code=204, tags=["files"])
-async def chown(box: str, body: ChownIn, request: Request) -> Response:
-    b = await box_for(request, box)
-    await b.files.chown(body.path, body.user, follow_symlinks=body.follow_symlinks)
-    return Response(status_code=204)
-
-
-@router.delete("/boxes/{box}/files", status_code=204, tags=["files"])
-async def remove_file(box: str, path: str, request: Request, recursive: bool = False) -> Response:
-    await (await box_for(request, box)).files.remove(path, recursive=recursive)
-    return Response(status_code=204)
-
-
-WATCH_HEARTBEAT = 15.0  # seconds of quiet after which a watch stream says it is still there
+    return file_json(await b.files.stat(params.path))
 
 
 @router.get("/boxes/{box}/files/watch", tags=["files"])
-async def watch_files(box: str, path: str, request: Request, recursive: bool = True) -> Response:
+async def watch_files(box: str, request: Request, params: Annotated[WatchIn, Query()]) -> Response:
     """Changes under a path as they happen, as NDJSON: ``{"type": "watching"}`` once the
     watch holds, then one ``FileEvent`` a line, ``{"type": "ping"}`` after 15 s of
     quiet, and last ``{"type": "end"}`` (the path or the box went away) or
     ``{"type": "error", "error": {...}}``. A missing path answers 404 before the stream."""
     b = await box_for(request, box)
-    watch = b.files.watch(path, recursive=recursive)
-    await watch.start()
-
-    def line(message: dict[str, Any]) -> bytes:
-        return json.dumps(message).encode() + b"\n"
+    watch = await b.files.watch(params.path, recursive=params.recursive).start()
 
     async def body() -> AsyncIterator[bytes]:
-        try:
-            yield line({"type": "watching", "path": watch.path, "recursive": watch.recursive})
-            while True:
-                try:
-                    event = await watch.next_event(WATCH_HEARTBEAT)
-                except TimeoutError:
-                    yield line({"type": "ping"})
-                    continue
-                except SandlotError as e:
-                    yield line(error_message(e))
-                    return
-                if event is None:
-                    yield line({"type": "end"})
-                    return
-                yield line({"type": event.type, "path": event.path, "is_dir": event.is_dir,
-                            "old_path": event.old_path})  # fmt: skip
-        finally:
-            await watch.aclose()  # the client went away, or the watch ended: the box frees it
+        async for message in host.watch_messages(watch):
+            yield json.dumps(message).encode() + b"\n"
 
     return StreamingResponse(body(), media_type="application/x-ndjson")
 
 
 @router.get("/boxes/{box}/files/archive", tags=["files"])
-async def get_archive(box: str, path: str, request: Request) -> Response:
+async def get_archive(box: str, request: Request, params: Annotated[ArchiveIn, Query()]) -> Response:
     """The directory ``path`` as a tar stream."""
     b = await box_for(request, box)
-    if not (await b.files.stat(path)).is_dir:
-        raise InvalidArgument(f"{path} is not a directory")
-    return StreamingResponse(tarstream.tar_out(b.files, path), media_type="application/x-tar")
+    chunks = b.ref.backend.get_archive(b.ref, params.path)
+    first = await anext(chunks, b"")  # errors (not a directory) answer before the stream begins
+
+    async def body() -> AsyncIterator[bytes]:
+        yield first
+        async for chunk in chunks:
+            yield chunk
+
+    return StreamingResponse(body(), media_type="application/x-tar")
 
 
 @router.put("/boxes/{box}/files/archive", status_code=204, tags=["files"])
-async def put_archive(box: str, path: str, request: Request, user: str | None = None) -> Response:
+async def put_archive(box: str, request: Request, params: Annotated[ArchiveIn, Query()]) -> Response:
     """Unpack the tar stream of the body into the directory ``path`` (checked whole
     first), owned by ``user`` if given."""
     b = await box_for(request, box)
     with await _spooled(request) as archive:
-        await tarstream.tar_in(b.files, path, archive, user=user)
+        await tar_in(b.files, params.path, archive, user=params.user)
     return Response(status_code=204)
 
 
@@ -763,79 +695,21 @@ async def _spooled(request: Request) -> Any:
     return f
 
 
-# -- live state -----------------------------------------------------------------------
-
-
-@router.post("/boxes/{box}/snapshots", status_code=201, tags=["live state"])
-async def take_snapshot(box: str, body: SnapshotIn, request: Request) -> dict[str, Any]:
-    b = await box_for(request, box)
-    return snapshot_json(await b.snapshot(body.name))
-
-
-@router.get("/boxes/{box}/snapshots", tags=["live state"])
-async def box_snapshots(box: str, request: Request) -> dict[str, Any]:
-    b = await box_for(request, box)
-    return {"snapshots": [snapshot_json(s) for s in await b.snapshots()]}
+# -- saved state ----------------------------------------------------------------------
 
 
 @router.get("/snapshots", tags=["live state"])
-async def list_snapshots(request: Request, kind: str | None = None) -> dict[str, Any]:
+async def list_snapshots(request: Request, kind: str | None = None, box: str | None = None) -> dict[str, Any]:
+    """Snapshots and templates the caller may see (``kind``: of that kind; ``box``: of that box)."""
     caller = _caller(request)
-    snaps = await AsyncSnapshot.list(home=_server(request).home)
-    return {
-        "snapshots": [
-            snapshot_json(s)
-            for s in snaps
-            if caller.may_see(_snapshot_labels(s)) and (kind is None or s.kind == kind)
-        ]
-    }
+    box_id = (await box_for(request, box)).id if box is not None else None
+    snaps = await AsyncSnapshot.list(box=box_id, kind=kind, home=_server(request).home)
+    return {"snapshots": [s.info for s in snaps if caller.may_see(_snapshot_labels(s))]}
 
 
 @router.get("/snapshots/{snap}", tags=["live state"])
 async def get_snapshot(snap: str, request: Request) -> dict[str, Any]:
-    return snapshot_json(await snapshot_for(request, snap))
-
-
-@router.delete("/snapshots/{snap}", status_code=204, tags=["live state"])
-async def remove_snapshot(snap: str, request: Request) -> Response:
-    await (await snapshot_for(request, snap)).remove()
-    return Response(status_code=204)
-
-
-@router.post("/boxes/{box}/rollback", tags=["live state"])
-async def rollback(box: str, body: RollbackIn, request: Request) -> dict[str, Any]:
-    b = await box_for(request, box)
-    snap = await snapshot_for(request, body.snapshot)
-    await b.rollback(snap)
-    await b.refresh()
-    return box_json(b)
-
-
-@router.post("/boxes/{box}/fork", status_code=201, tags=["live state"])
-async def fork(box: str, body: ForkIn, request: Request) -> dict[str, Any]:
-    b = await box_for(request, box)
-    opts = b.info["options"]
-    caller = _caller(request)
-    async with _create_lock(_server(request), caller):
-        await check_quota(request, body.n, int(opts.get("memory_mib") or 0),
-                          int(opts.get("disk_size_gb") or 0))  # fmt: skip
-        kids = await b.fork(body.n, name=body.name)
-    return {"boxes": [box_json(k) for k in kids]}
-
-
-@router.post("/snapshots/{snap}/start", status_code=201, tags=["live state"])
-async def start_snapshot(snap: str, body: SnapshotStartIn, request: Request) -> dict[str, Any]:
-    s = await snapshot_for(request, snap)
-    spec = s.record.options.get("box") or {}
-    caller = _caller(request)
-    _check_network(caller, body.network)
-    own = body.model_dump(exclude={"n", "name", "labels"}, exclude_none=True)
-    labels = {**_inherited(caller, s), **_stamped(caller, body.labels)}
-    async with _create_lock(_server(request), caller):
-        await check_quota(request, body.n, int(spec.get("memory_mib") or 0),
-                          int(spec.get("disk_size_gb") or 0))  # fmt: skip
-        kids = await s.start(body.n, name=body.name, labels=labels, **own)
-    return {"boxes": [box_json(k) for k in kids]}
+    return (await snapshot_for(request, snap)).info
 
 
 @router.get("/snapshots/{snap}/export", tags=["live state"])
@@ -866,6 +740,7 @@ async def import_snapshot(request: Request, name: str | None = None, start: bool
     """Import an uploaded archive (checked whole); start a box from it unless ``start`` is false."""
     server = _server(request)
     caller = _caller(request)
+    backend = _backend(request)
     fd, tmp_name = tempfile.mkstemp(prefix="sandlot-import-", suffix=".sandlot", dir=server.settings.tmp)
     try:
         with os.fdopen(fd, "wb") as f:
@@ -874,13 +749,13 @@ async def import_snapshot(request: Request, name: str | None = None, start: bool
         async with _create_lock(server, caller):
             if start:
                 await check_quota(request, 1, 0, 0)
-            out = await import_snapshot_async(tmp_name, name=name, home=server.home, start=False)
-            assert isinstance(out, AsyncSnapshot)
+            snap = await backend.import_snapshot(Path(tmp_name), name=name, start=False, options={})
+            assert isinstance(snap, SnapshotRef)
             if not start:
-                return snapshot_json(out)
-            box = (await out.start(1, name=name, labels=_inherited(caller, out)))[0]
+                return snap.info
+            [box] = await backend.snapshot_start(snap, 1, name, labels=_inherited(caller, snap))
             request.state.box_id = box.id
-            return box_json(box)
+            return box.info
     finally:
         with contextlib.suppress(OSError):
             os.unlink(tmp_name)
@@ -894,8 +769,12 @@ async def info(request: Request) -> dict[str, Any]:
     from ..version import __version__
 
     caller = _caller(request)
-    return {"version": __version__, "namespace": caller.namespace, "admin": caller.admin,
-            "key": caller.key_name}  # fmt: skip
+    return {
+        "version": __version__,
+        "namespace": caller.namespace,
+        "admin": caller.admin,
+        "key": caller.key_name,
+    }
 
 
 @router.get("/events", tags=["server"])
@@ -930,15 +809,26 @@ async def events(request: Request) -> Response:
 
 
 @router.get("/audit", tags=["server"])
-async def audit(request: Request, box: str | None = None, key: str | None = None,
-                since: float | None = None,
-                limit: Annotated[int, Query(ge=1, le=100_000)] = 1000) -> dict[str, Any]:  # fmt: skip
+async def audit(
+    request: Request,
+    box: str | None = None,
+    key: str | None = None,
+    since: float | None = None,
+    limit: Annotated[int, Query(ge=1, le=100_000)] = 1000,
+) -> dict[str, Any]:
     """The audit trail (admin keys)."""
     from ..api import access
 
     _caller(request).require_admin("reading the audit trail")
     server = _server(request)
     await asyncio.to_thread(server.audit.flush)
-    entries = await asyncio.to_thread(access.audit_log, box=box, key=key, since=since, limit=limit,
-                                      home=server.home)  # fmt: skip
+    entries = await asyncio.to_thread(
+        access.audit_log, box=box, key=key, since=since, limit=limit, home=server.home
+    )
     return {"entries": [e.to_json() for e in entries]}
+
+
+# the operations' routes come after the routes written out: a written route of the same
+# method and path (the logs that follow) is matched first
+for _op in OPERATIONS:
+    _register(_op)

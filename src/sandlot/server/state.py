@@ -13,12 +13,14 @@ from typing import Any
 from fastapi.responses import JSONResponse
 
 from ..api import access
+from ..api.backend import BoxRef
 from ..api.box import AsyncBox
+from ..api.contract import error_json
+from ..api.host import HeldProcess, ProcessTable
+from ..api.local import LocalBackend
 from ..config import default_home
 from ..errors import Forbidden, SandlotError, Unauthorized
 from ..tools import Limits
-from .models import error_json
-from .streams import HeldProcess, ProcessTable
 
 NAMESPACE_LABEL, KEY_LABEL = access.NAMESPACE_LABEL, access.KEY_LABEL
 
@@ -86,10 +88,10 @@ class ServerState:
         key = await self.verifier.verify_async(presented)
         return Caller(key.id, key.name, key.namespace, key.admin, key.quotas)
 
-    async def take_over(self, box: AsyncBox) -> int:
+    async def take_over(self, box: BoxRef) -> int:
         """Hold the processes that a server of this home which died held in ``box``."""
         async with self.take_over_locks.setdefault(box.id, asyncio.Lock()):
-            return await self.processes.take_over(box, self.exited_by(None))
+            return await self.processes.take_over(LocalBackend.for_home(self.home), box, self.exited_by(None))
 
     async def take_over_all(self) -> None:
         """At start: hold what a dead server held in every running box, so their
@@ -97,7 +99,7 @@ class ServerState:
         for box in await AsyncBox.list(home=self.home):
             if box.state == "running":
                 with contextlib.suppress(SandlotError):
-                    await self.take_over(box)
+                    await self.take_over(box.ref)
 
     def exited_by(self, caller: Caller | None) -> Callable[[HeldProcess], None]:
         """What to do when a process ``caller`` started ends: its audit entry

@@ -65,7 +65,7 @@ def call(
 async def call_async(
     target: Any, name: str, arguments: Mapping[str, Any] | str | None = None, *, raise_errors: bool = True
 ) -> ToolResult:
-    """``call`` for async code: ``target`` an ``AsyncBox``, ``RemoteAsyncBox``,
+    """``call`` for async code: ``target`` an ``AsyncBox``,
     ``AsyncClient``, ``Toolkit`` or None."""
     return await toolkit(target).call(name, arguments, raise_errors=raise_errors)
 

@@ -1,27 +1,27 @@
 """``Toolkit``: where the tools find boxes and make new ones, what they may do, and
 the code behind each tool.
 
-A toolkit works on a home's boxes (``AsyncBox``, the library's own) or a server's
-(an ``AsyncClient`` of ``sandlot serve``): every tool goes through that public API,
-so the server's keys, namespaces, quotas and audit apply to tool calls as to any
-other request."""
+A toolkit works on the boxes of a backend (``api/backend.py``): a home of this host,
+a ``sandlot serve`` (an ``AsyncClient``), a fleet. Every tool goes through the one
+``AsyncBox`` API, so a server's keys, namespaces, quotas and audit apply to tool
+calls as to any other request."""
 
 from __future__ import annotations
 
 import asyncio
 import base64
 import binascii
-import builtins
 import os
 import secrets
 import time
-from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal, TypeAlias
+from typing import Any, Literal
 
-from ..api.box import AsyncBox
+from ..api.backend import Backend
+from ..api.box import AsyncBox, boxes_of
 from ..api.files import FileInfo
+from ..api.local import LocalBackend
 from ..api.process import ExecResult
 from ..errors import (
     BoxNotFound,
@@ -37,11 +37,6 @@ from . import specs
 from .results import ImagePart, Part, TextPart, ToolResult, json_text
 from .specs import Args, ToolError, ToolInputError
 
-if TYPE_CHECKING:
-    # the remote client needs websockets (sandlot[remote]); local tools do without it
-    from ..api.remote import AsyncClient, RemoteAsyncBox
-
-AnyBox: TypeAlias = "AsyncBox | RemoteAsyncBox"
 Format = Literal["openai", "anthropic", "mcp"]
 FORMATS = ("openai", "anthropic", "mcp")
 OUTPUT_DIR = "/tmp/sandlot-output"  # where exec keeps the whole of an output it had to cut
@@ -78,58 +73,8 @@ class Limits:
             object.__setattr__(self, "images", tuple(self.images))
 
 
-class Backend(ABC):
-    """Where boxes are found and made: a home of this host, or a server."""
-
-    @abstractmethod
-    async def create(self, image: str | None, options: dict[str, Any]) -> AnyBox: ...
-
-    @abstractmethod
-    async def get(self, key: str) -> AnyBox: ...
-
-    @abstractmethod
-    async def list(self, labels: Mapping[str, str] | None) -> builtins.list[AnyBox]: ...
-
-
-class HomeBackend(Backend):
-    def __init__(self, home: str | os.PathLike[str] | None) -> None:
-        self.home = home
-
-    async def create(self, image: str | None, options: dict[str, Any]) -> AnyBox:
-        return await AsyncBox(image, keep=True, home=self.home, **options).start()
-
-    async def get(self, key: str) -> AnyBox:
-        return await AsyncBox.get(key, home=self.home)
-
-    async def list(self, labels: Mapping[str, str] | None) -> builtins.list[AnyBox]:
-        return list(await AsyncBox.list(labels=labels, home=self.home))
-
-
-class ServerBackend(Backend):
-    def __init__(self, client: AsyncClient) -> None:
-        self.client = client
-
-    async def create(self, image: str | None, options: dict[str, Any]) -> AnyBox:
-        return await self.client.Box(image, keep=True, **options).start()
-
-    async def get(self, key: str) -> AnyBox:
-        return await self.client.get(key)
-
-    async def list(self, labels: Mapping[str, str] | None) -> builtins.list[AnyBox]:
-        return list(await self.client.list(labels=labels))
-
-
-def remote_types() -> tuple[type[AsyncClient], type[RemoteAsyncBox]] | None:
-    """The remote client's classes, or None where it is not installed (nor can a target be one)."""
-    try:
-        from ..api.remote import AsyncClient, RemoteAsyncBox
-    except ImportError:
-        return None
-    return AsyncClient, RemoteAsyncBox
-
-
 def unwrap(target: Any) -> Any:
-    """The async object behind a sync one (``Box``, ``RemoteBox``, ``Client``)."""
+    """The async object behind a sync one (``Box``, ``Client``)."""
     aio = getattr(type(target), "aio", None)
     return target.aio if isinstance(aio, property) else target
 
@@ -137,10 +82,11 @@ def unwrap(target: Any) -> Any:
 class Toolkit:
     """The tools bound to where they act.
 
-    ``target``: a box (local or remote, sync or async: the *default box*, which the
-    box tools act on when a call gives no ``box``; create_box makes new boxes beside
-    it), a server's client (``sandlot.connect``: that server's boxes, as its key sees
-    them), or None (the boxes of ``home``, ``$SANDLOT_HOME`` by default).
+    ``target``: a box (sync or async, however it is reached: the *default box*, which
+    the box tools act on when a call gives no ``box``; create_box makes new boxes
+    beside it), a client (``sandlot.connect``: that server's boxes, as its key sees
+    them; a fleet's), a backend, or None (the boxes of ``home``, ``$SANDLOT_HOME`` by
+    default).
 
     ``image``: what create_box boots when the call names none. ``limits``: see
     ``Limits``. ``labels``: put on every box create_box makes (forks carry them too);
@@ -161,22 +107,18 @@ class Toolkit:
         home: str | os.PathLike[str] | None = None,
     ) -> None:
         target = unwrap(target)
-        self.default_box: AnyBox | None = None
+        self.default_box: AsyncBox | None = None
         self.backend: Backend
         if isinstance(target, AsyncBox):
-            self.backend, self.default_box = HomeBackend(target.runtime.home), target
+            self.backend, self.default_box = target.ref.backend, target
         elif target is None:
-            self.backend = HomeBackend(home)
+            self.backend = LocalBackend.for_home(home)
         elif isinstance(target, Backend):
             self.backend = target
+        elif isinstance(getattr(target, "backend", None), Backend):  # a client
+            self.backend = target.backend
         else:
-            remote = remote_types()
-            if remote is not None and isinstance(target, remote[1]):
-                self.backend, self.default_box = ServerBackend(target.client), target
-            elif remote is not None and isinstance(target, remote[0]):
-                self.backend = ServerBackend(target)
-            else:
-                raise InvalidArgument(f"tools act on a box, a client or a home, not {type(target).__name__}")
+            raise InvalidArgument(f"tools act on a box, a client or a home, not {type(target).__name__}")
         if own_only and not labels:
             raise InvalidArgument("own_only needs labels: the boxes of the toolkit are those carrying them")
         if output_limit < 1024:
@@ -277,14 +219,14 @@ class Toolkit:
 
     # -- boxes ------------------------------------------------------------------------------
 
-    async def visible(self) -> list[AnyBox]:
-        return await self.backend.list(self.labels if self.own_only else None)
+    async def visible(self) -> list[AsyncBox]:
+        return await boxes_of(self.backend, labels=self.labels if self.own_only else None)
 
-    def mine(self, box: AnyBox) -> bool:
+    def mine(self, box: AsyncBox) -> bool:
         labels = box.info.get("labels") or {}
         return not self.own_only or all(labels.get(k) == v for k, v in self.labels.items())
 
-    async def box(self, key: str | None) -> AnyBox:
+    async def box(self, key: str | None) -> AsyncBox:
         """The box a call names, or the default box; others' boxes (``own_only``) as none."""
         if key is None:
             if self.default_box is None:
@@ -293,7 +235,7 @@ class Toolkit:
             return self.default_box
         if self.default_box is not None and key in (self.default_box.name, self.default_box.id):
             return self.default_box
-        box = await self.backend.get(key)
+        box = AsyncBox.bound(await self.backend.find(key))
         if not self.mine(box):
             raise BoxNotFound(f"no box {key!r}", box=key)
         return box
@@ -307,7 +249,8 @@ class Toolkit:
             options["labels"] = dict(self.labels)
         async with self.creating:
             await self.room_for(1)
-            box = await self.backend.create(a.image or self.image, options)
+            box = AsyncBox.bound(self.backend.describe(a.image or self.image, options, keep=True))
+            await box.start()
         data = summary(box)
         text = (f"Created box {box.name!r} (id {box.id}, image {data['image']}, {data['memory_mib']} MiB): "
                 f"it is {box.state}. Pass box={box.name!r} to the other tools.")  # fmt: skip
@@ -355,7 +298,7 @@ class Toolkit:
                 "duration": round(r.duration, 3)}  # fmt: skip
         return ToolResult([TextPart("\n".join(parts))], data)
 
-    async def clipped(self, box: AnyBox, data: bytes, name: str, what: str) -> tuple[str, str | None]:
+    async def clipped(self, box: AsyncBox, data: bytes, name: str, what: str) -> tuple[str, str | None]:
         """``data`` as text, its middle cut out past ``output_limit``; the whole then saved
         in the box (returned: the text, and the file's path if it was cut)."""
         if len(data) <= self.output_limit:
@@ -561,20 +504,12 @@ class Toolkit:
 # -- rendering ---------------------------------------------------------------------------------
 
 
-def summary(box: AnyBox) -> dict[str, Any]:
-    """A box as the tools show it (a local record and a server's answer differ in shape)."""
+def summary(box: AsyncBox) -> dict[str, Any]:
+    """A box as the tools show it."""
     info = box.info
-    options = info.get("options") or {}
-    return {
-        "name": box.name,
-        "id": box.id,
-        "state": box.state,
-        "image": info.get("image") or info.get("image_ref"),
-        "memory_mib": info.get("memory_mib") or options.get("memory_mib"),
-        "cpus": info.get("cpus") or options.get("cpus"),
-        "network": info.get("network") or options.get("network"),
-        "created": stamp(info.get("created_at")),
-    }
+    return {"name": box.name, "id": box.id, "state": box.state, "image": info.get("image"),
+            "memory_mib": info.get("memory_mib"), "cpus": info.get("cpus"), "network": info.get("network"),
+            "created": stamp(info.get("created_at"))}  # fmt: skip
 
 
 def snapshot_json(snap: Any, box: str) -> dict[str, Any]:

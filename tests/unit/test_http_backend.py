@@ -1,4 +1,4 @@
-"""Unit tests of the remote client (``sandlot.connect``), without a server or a VM.
+"""Unit tests of the HTTP backend (``sandlot.connect``), without a server or a VM.
 
 HTTP answers come from ``httpx.MockTransport``: these tests check only how error
 bodies map to exception classes and how URLs, query parameters and bodies are
@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import inspect
 import json
 import socket
 import struct
@@ -26,16 +25,9 @@ import pytest
 from websockets.asyncio.server import ServerConnection, serve
 
 import sandlot
-from sandlot.api import remote
-from sandlot.api.remote import (
-    AsyncClient,
-    WebSocketStream,
-    control,
-    decode_output,
-    encode_output,
-    encode_stdin,
-    error_from_answer,
-)
+from sandlot.api.client import AsyncClient
+from sandlot.api.contract import control, decode_output, encode_output, encode_stdin, error_from_answer
+from sandlot.api.follow import FollowedStream
 
 Handler = Callable[[httpx.Request], httpx.Response]
 URL = "http://sandlot.test:7070"
@@ -162,7 +154,6 @@ def test_unit_client_calls_raise_the_server_errors() -> None:
             with pytest.raises(FileNotFoundError):
                 await box.files.read("/nope")
             assert not await box.files.exists("/nope")
-            await box.files.remove("/nope", missing_ok=True)
             with pytest.raises(FileNotFoundError):
                 await box.files.remove("/nope")
 
@@ -223,7 +214,6 @@ def test_unit_connect_reads_the_environment(monkeypatch: pytest.MonkeyPatch) -> 
     monkeypatch.setenv("SANDLOT_API_KEY", "sk-sl-env")
     client = sandlot.connect_async()
     assert client.url == "https://sandlot.example"
-    assert client._ws_url("/boxes/x/spawn") == "wss://sandlot.example/v1/boxes/x/spawn"
     monkeypatch.delenv("SANDLOT_URL")
     with pytest.raises(sandlot.InvalidArgument, match="SANDLOT_URL"):
         sandlot.connect()
@@ -351,8 +341,6 @@ def test_unit_exec_posts_the_command_and_rebuilds_the_result() -> None:
             with pytest.raises(sandlot.InvalidArgument):
                 await box.exec()
             with pytest.raises(sandlot.InvalidArgument):
-                await box.exec("true", cwd="relative")
-            with pytest.raises(sandlot.InvalidArgument):
                 await box.exec("true", timeout=-1)
 
     run(main)
@@ -420,7 +408,9 @@ def test_unit_files_requests_and_file_info() -> None:
         {"path": "/etc/hostname", "offset": "1", "length": "2"},
     ) in paths
     assert (
-        dict(puts[0].url.params) == {"path": "/tmp/x", "mode": "384"} and puts[0].content == "héllo".encode()
+        dict(puts[0].url.params)
+        == {"path": "/tmp/x", "mode": "384", "append": "false", "parents": "true", "exclusive": "false"}
+        and puts[0].content == "héllo".encode()
     )
     assert puts[1].content == b"abcd" and "mode" not in puts[1].url.params
     bodies = [json.loads(r.content) for r in rec.requests if r.method == "POST"]
@@ -506,13 +496,14 @@ def test_unit_directory_transfers_are_tar_streams(tmp_path: Path) -> None:
         ("GET", "/v1/boxes/dev"): httpx.Response(200, json=BOX),
         ("PUT", "/v1/boxes/b0x1d/files/archive"): put_archive,
         ("GET", "/v1/boxes/b0x1d/files/archive"): get_archive,
+        ("GET", "/v1/boxes/b0x1d/files/stat"): httpx.Response(200, json={**FILE, "type": "dir"}),
     })  # fmt: skip
 
     async def main() -> None:
         async with rec.client() as client:
             box = await client.get("dev")
             assert await box.files.upload(src, "/work") == 5 + 70_000 + 5
-            assert await box.files.download_dir("/work", tmp_path / "out") == 12
+            assert await box.files.download("/work", tmp_path / "out") == 12
 
     run(main)
     assert received == {"a.txt": b"alpha", "link": b"alpha", "sub": b"<dir>", "sub/b.bin": b"\x00" * 70_000}
@@ -526,26 +517,15 @@ def test_unit_options_a_server_cannot_take_are_refused() -> None:
     for options in ({"volumes": {"/host": "/guest"}}, {"home": "/tmp/h"}, {"credentials": ("u", "p")},
                     {"engine": "firecracker"}, {"auto_remove": True}, {"template": False},
                     {"ports": ["0.0.0.0:8080:80"]}):  # fmt: skip
-        with pytest.raises(sandlot.InvalidArgument, match="not over a remote connection"):
+        with pytest.raises(sandlot.Unsupported, match="not offered over the http transport") as refused:
             client.Box("alpine", **options)
-    with pytest.raises(TypeError):  # as AsyncBox("alpine", colour="blue")
+        assert refused.value.transport == "http"
+    with pytest.raises(sandlot.InvalidArgument, match="unknown box option"):
         client.Box("alpine", colour="blue")
-    client.Box("alpine", engine="qemu", accel="auto", volumes=None)  # the local defaults are fine
+    client.Box("alpine", engine=None, accel="auto", volumes=None)  # the local defaults are fine
 
     async def main() -> None:
-        box = await client.get("dev")
-        for call in (
-            box.files.write("/x", b"", user="agent;rm"),
-            box.files.mkdir("/x", user="a b"),
-            box.files.chown("/x", ""),
-        ):
-            with pytest.raises(sandlot.InvalidArgument, match="user"):
-                await call
-        snap = remote.RemoteAsyncSnapshot(client, {"id": "s1", "name": "base", "kind": "snapshot"})
-        with pytest.raises(sandlot.InvalidArgument, match="not over a remote connection"):
-            await snap.start(volumes={"/host": "/guest"})
-        with pytest.raises(sandlot.InvalidArgument, match="environment"):
-            await snap.start(env={"A=B": "1"})
+        assert (await client.get("dev")).transport == "http"
         await client.aclose()
 
     run(main)
@@ -575,16 +555,16 @@ def test_unit_frames_encode_and_decode() -> None:
 
 def test_unit_streams_drop_repeats_and_skip_gaps() -> None:
     async def main() -> None:
-        s = WebSocketStream(1)
-        s.feed(0, b"hello")
-        s.feed(3, b"lo world")  # resent after a reattach: only " world" is new
-        s.feed(0, b"hel")  # all old
+        s = FollowedStream(1)
+        s.fresh(0, b"hello")
+        s.fresh(3, b"lo world")  # resent after a reattach: only " world" is new
+        s.fresh(0, b"hel")  # all old
         assert s.received == 11 and await s.read() == b"hello" and await s.read() == b" world"
         s.gap(11, 20)
         assert s.lost == 9 and s.received == 20
         with pytest.raises(sandlot.ProtocolError):
-            s.feed(25, b"x")  # bytes skipped without a gap
-        s.feed(20, b"!")
+            s.fresh(25, b"x")  # bytes skipped without a gap
+        s.fresh(20, b"!")
         s.end()
         assert await s.read_all() == b"!" and await s.read() == b""
 
@@ -664,7 +644,16 @@ def test_unit_a_dropped_process_socket_reattaches_without_loss_or_repeat() -> No
 
     run(main)
     assert fake.spawned == [
-        {"type": "spawn", "argv": ["cat"], "tty": False, "stdin": True, "env": {"A": "1"}, "cwd": "/tmp"}
+        {
+            "type": "spawn",
+            "argv": ["cat"],
+            "env": {"A": "1"},
+            "cwd": "/tmp",
+            "tty": False,
+            "stdin": True,
+            "rows": 24,
+            "cols": 80,
+        }
     ]
     assert fake.stdin == b"in" * 100_000
     assert fake.controls == [{"type": "signal", "signal": 15, "group": True}, {"type": "stdin_eof"}]
@@ -692,75 +681,3 @@ def test_unit_a_refused_spawn_raises_the_servers_error() -> None:
                 assert info.value.state == "paused"
 
     run(main)
-
-
-# -- the sync twins ------------------------------------------------------------------------
-
-REMOTE_TWINS = [
-    (sandlot.AsyncClient, sandlot.Client),
-    (sandlot.RemoteAsyncBox, sandlot.RemoteBox),
-    (sandlot.RemoteAsyncFiles, sandlot.RemoteFiles),
-    (sandlot.RemoteAsyncSnapshot, sandlot.RemoteSnapshot),
-]
-SYNC_NAMES = {"__aenter__": "__enter__", "__aexit__": "__exit__", "aclose": "close"}
-
-
-@pytest.mark.parametrize(("async_cls", "sync_cls"), REMOTE_TWINS, ids=[s.__name__ for _, s in REMOTE_TWINS])
-def test_unit_remote_sync_twins_have_the_same_methods(async_cls: type, sync_cls: type) -> None:
-    for name, member in vars(async_cls).items():
-        if name.startswith("_") and name not in SYNC_NAMES:
-            continue
-        twin = SYNC_NAMES.get(name, name)
-        assert hasattr(sync_cls, twin), f"{sync_cls.__name__} has no {twin}"
-        if callable(member) and not isinstance(member, property):
-            a = inspect.signature(member).parameters
-            b = inspect.signature(getattr(sync_cls, twin)).parameters
-            assert list(a) == list(b), f"{sync_cls.__name__}.{twin}"
-            assert all(a[p].default == b[p].default for p in a), twin
-
-
-LOCAL_ONLY_MEMBERS = {
-    sandlot.AsyncBox: {"of", "get", "list", "default_command", "activity", "hostname", "accel",
-                       "boot_seconds", "last_pause",
-                       "taken_over"},  # the heir of a dead host process: a server's own business
-    sandlot.AsyncFiles: set(),
-    sandlot.AsyncSnapshot: {"get", "list", "record"},
-}  # fmt: skip
-
-
-@pytest.mark.parametrize(
-    ("local", "remote_cls"),
-    [(sandlot.AsyncBox, sandlot.RemoteAsyncBox), (sandlot.AsyncFiles, sandlot.RemoteAsyncFiles),
-     (sandlot.AsyncSnapshot, sandlot.RemoteAsyncSnapshot)],
-)  # fmt: skip
-def test_unit_remote_classes_have_the_local_methods_and_signatures(local: type, remote_cls: type) -> None:
-    for name, member in vars(local).items():
-        if (name.startswith("_") and name not in ("__aenter__", "__aexit__")) or name in LOCAL_ONLY_MEMBERS[
-            local
-        ]:
-            continue
-        assert hasattr(remote_cls, name), f"{remote_cls.__name__} has no {name}"
-        if callable(member) and not isinstance(member, property | classmethod) and name != "__init__":
-            a = inspect.signature(member).parameters
-            b = inspect.signature(getattr(remote_cls, name)).parameters
-            assert list(a) == list(b), f"{remote_cls.__name__}.{name}: {list(b)} != {list(a)}"
-            assert all(a[p].default == b[p].default and a[p].kind == b[p].kind for p in a), name
-
-
-def test_unit_sync_client_returns_sync_twins() -> None:
-    rec = Recorder({
-        ("GET", "/v1/boxes"): httpx.Response(200, json={"boxes": [BOX], "next_page_token": None}),
-        ("GET", "/v1/boxes/b0x1d"): httpx.Response(200, json={**BOX, "state": "paused"}),
-        ("GET", "/v1/boxes/b0x1d/snapshots"): httpx.Response(200, json={"snapshots": [
-            {"id": "s1", "name": "base", "kind": "snapshot", "box_id": "b0x1d", "box_name": "dev",
-             "created_at": 5.0, "size": 10}]}),
-    })  # fmt: skip
-    with sandlot.connect(URL, api_key="k", transport=httpx.MockTransport(rec)) as client:
-        assert isinstance(client, sandlot.Client)
-        (box,) = client.list()
-        assert isinstance(box, sandlot.RemoteBox) and isinstance(box.files, sandlot.RemoteFiles)
-        assert box.state == "paused"  # the sync state asks the server
-        (snap,) = box.snapshots()
-        assert isinstance(snap, sandlot.RemoteSnapshot) and snap.name == "base" and snap.created_at == 5.0
-    with pytest.raises(TypeError, match=r"client\.Box"):
-        sandlot.RemoteBox()

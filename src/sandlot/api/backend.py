@@ -1,0 +1,245 @@
+"""The seam between the box as users see it and the transports that reach it.
+
+``AsyncBox``, ``AsyncFiles`` and ``AsyncSnapshot`` (``api/box.py``, ``api/files.py``)
+are written once, over a ``Backend``: the local one runs the core in this process
+(``api/local.py``), the HTTP one asks a ``sandlot serve`` (``api/http.py``), the
+Ray one asks the node actor of a fleet node (``fleet/backend.py``). A backend
+offers the operations of ``api/contract.py``'s table through one method,
+``call``, and the streaming primitives beside it (a process followed as it runs,
+a file streamed each way, a watch, an archive, saved state to and from a file).
+Where a transport cannot do something it raises ``Unsupported`` naming itself.
+
+Nothing here imports pydantic or an HTTP library: a command on a local box loads
+the core and this interface only (``tests/unit/test_cli_lean.py``).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import AsyncIterable, AsyncIterator, Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from ..errors import InvalidArgument, InvalidState, Unsupported
+
+if TYPE_CHECKING:
+    from .code import Callbacks, Execution
+    from .fs import WatchSource
+    from .process import AsyncProcess, ExecResult
+
+
+class BoxRef(ABC):
+    """What a backend knows of one box, held by its ``AsyncBox``: a box described and not
+    made yet, or one that exists (its description as last read)."""
+
+    backend: Backend
+
+    @property
+    @abstractmethod
+    def id(self) -> str: ...
+
+    @property
+    @abstractmethod
+    def name(self) -> str: ...
+
+    @property
+    @abstractmethod
+    def state(self) -> str:
+        """As last read: "new" before it was made, "removed" once it is gone."""
+
+    @property
+    @abstractmethod
+    def info(self) -> dict[str, Any]:
+        """The box's description (``contract.BoxOut``'s fields) as last read; InvalidState
+        before it was made."""
+
+    @property
+    def made(self) -> bool:
+        return self.state != "new"
+
+    def need_made(self) -> None:
+        if not self.made:
+            raise InvalidState(f"box {self.name or '(new)'} was not created; call start()", box=self.name,
+                               state="new")  # fmt: skip
+
+    # what only some transports know: None elsewhere
+    @property
+    def image(self) -> Any:
+        """The image the box was made from: its reference (locally, the ``Image`` given)."""
+        return self.info.get("image") if self.made else None
+
+    @property
+    def hostname(self) -> str | None:
+        return self.info.get("hostname") if self.made else None
+
+    @property
+    def accel(self) -> str | None:
+        return self.info.get("accel") if self.made else None
+
+    def image_config(self) -> dict[str, Any] | None:
+        """The image's Entrypoint and Cmd, where this side knows them."""
+        return None
+
+    @property
+    def boot_seconds(self) -> float | None:
+        return None
+
+    @property
+    def last_pause(self) -> float | None:
+        return None
+
+
+class SnapshotRef(ABC):
+    """A snapshot or template as a backend found it."""
+
+    backend: Backend
+
+    @property
+    @abstractmethod
+    def info(self) -> dict[str, Any]:
+        """``contract.SnapshotOut``'s fields."""
+
+    @property
+    def id(self) -> str:
+        return str(self.info["id"])
+
+
+class Backend(ABC):
+    """The operations of boxes reached one way. ``transport`` names the way in errors."""
+
+    transport: ClassVar[str]
+    # stdin up to this size travels with an exec's request; more is streamed to a process
+    inline_stdin: ClassVar[int] = 1 << 62
+
+    def unsupported(self, what: str, box: str | None = None, hint: str = "") -> Unsupported:
+        return Unsupported(f"{what} is not offered over the {self.transport} transport" + (f": {hint}" if hint
+                           else ""), transport=self.transport, box=box)  # fmt: skip
+
+    # -- boxes ------------------------------------------------------------------------------
+
+    @abstractmethod
+    def describe(self, image: Any, options: Mapping[str, Any], *, keep: bool) -> BoxRef:
+        """A box to make (validated now, made by ``create``)."""
+
+    @abstractmethod
+    async def create(self, ref: BoxRef, *, start: bool, ephemeral: bool = False) -> None:
+        """Make a described box, and boot it with ``start``. ``ephemeral``: it is a
+        ``with`` block's, removed if the block's process dies (where the transport
+        knows of such a thing) and by the block's end; a failed start removes it."""
+
+    async def release(self, ref: BoxRef) -> None:
+        """A ``with`` block that keeps its box ended: it is no longer the block's."""
+        return None
+
+    @abstractmethod
+    async def find(self, key: str) -> BoxRef:
+        """The box with this id, name or id prefix (BoxNotFound if none)."""
+
+    @abstractmethod
+    async def boxes(self, *, state: str | None, labels: Mapping[str, str] | None) -> list[BoxRef]:
+        """The boxes, oldest first."""
+
+    @abstractmethod
+    async def call(self, scope: str, name: str, target: Any, args: dict[str, Any]) -> Any:
+        """Run operation ``scope.name`` (``contract.OPERATIONS``) on ``target`` (a
+        ``BoxRef`` for the box and files scopes, a ``SnapshotRef`` for the snapshot one)
+        with ``args`` (the fields of the operation's model). A box's description in the
+        answer updates ``target``; boxes and snapshots come back as refs."""
+
+    # -- commands ---------------------------------------------------------------------------
+
+    @abstractmethod
+    async def exec(
+        self, ref: BoxRef, argv: Sequence[str], *, env: Mapping[str, str] | None, cwd: str | None,
+        user: str | None, stdin: bytes | None, timeout: float | None,
+    ) -> ExecResult:  # fmt: skip
+        """A command run to completion, its stdin (if any) all given."""
+
+    @abstractmethod
+    async def spawn(
+        self, ref: BoxRef, argv: Sequence[str], *, env: Mapping[str, str] | None, cwd: str | None,
+        user: str | None, tty: bool, rows: int, cols: int, stdin: bool, keep: str | None,
+    ) -> AsyncProcess:  # fmt: skip
+        """A command started, its output followed as it comes."""
+
+    @abstractmethod
+    async def run_code(
+        self, ref: BoxRef, code: str, *, language: str, context: str | None, timeout: float | None,
+        callbacks: Callbacks,
+    ) -> Execution:  # fmt: skip
+        """A cell run in a code context of the box (``context`` None: the language's default
+        one), its output and results passed to ``callbacks`` as they come."""
+
+    async def attach(self, ref: BoxRef, process_id: str, offsets: tuple[int, int]) -> AsyncProcess:
+        """A process the host holds for the box, followed from these offsets of its output."""
+        raise self.unsupported("attach()", ref.name, "a local process is followed by its AsyncProcess")
+
+    async def taken_over(self, ref: BoxRef) -> list[AsyncProcess]:
+        """The processes a dead process of this host kept (``spawn(keep=...)``)."""
+        raise self.unsupported("taken_over()", ref.name, "the host holds the processes: processes() and "
+                               "attach() follow them again")  # fmt: skip
+
+    # -- files ------------------------------------------------------------------------------
+
+    @abstractmethod
+    def read(self, ref: BoxRef, path: str, offset: int, length: int | None) -> AsyncIterator[bytes]:
+        """A guest file's bytes as they come."""
+
+    @abstractmethod
+    async def write(
+        self, ref: BoxRef, path: str, data: bytes | AsyncIterable[bytes], *, mode: int | None,
+        user: str | None, append: bool, parents: bool, exclusive: bool,
+    ) -> int:  # fmt: skip
+        """A guest file written (atomically unless ``append``); the bytes written."""
+
+    @abstractmethod
+    def get_archive(self, ref: BoxRef, path: str) -> AsyncIterator[bytes]:
+        """A guest directory as a tar stream."""
+
+    @abstractmethod
+    async def put_archive(
+        self, ref: BoxRef, path: str, tar: AsyncIterable[bytes], *, user: str | None
+    ) -> None:
+        """A tar stream unpacked into a guest directory (checked whole first)."""
+
+    @abstractmethod
+    async def watch(self, ref: BoxRef, path: str, recursive: bool) -> WatchSource:
+        """A watch of a guest path, begun."""
+
+    # -- snapshots --------------------------------------------------------------------------
+
+    @abstractmethod
+    async def find_snapshot(self, key: str) -> SnapshotRef: ...
+
+    @abstractmethod
+    async def snapshot_list(self, *, box: str | None, kind: str | None) -> list[SnapshotRef]: ...
+
+    @abstractmethod
+    async def export(self, snap: SnapshotRef, path: Path) -> Path:
+        """The snapshot written to ``path`` (complete, or not there at all)."""
+
+    @abstractmethod
+    async def import_snapshot(
+        self, path: Path, *, name: str | None, start: bool, options: Mapping[str, Any]
+    ) -> BoxRef | SnapshotRef:
+        """An exported snapshot added; with ``start``, the box started from it."""
+
+    # -- the backend ------------------------------------------------------------------------
+
+    async def info(self) -> dict[str, Any]:
+        """What the other end says of itself."""
+        return {"transport": self.transport}
+
+    async def aclose(self) -> None:
+        """Close what the backend holds open (boxes run on)."""
+        return None
+
+
+def snapshot_key(snap: Any) -> str:
+    """A snapshot's id from a snapshot object, or an id or name as given."""
+    if isinstance(snap, str):
+        return snap
+    key = getattr(snap, "id", None)
+    if isinstance(key, str):
+        return key
+    raise InvalidArgument(f"a snapshot, or its id or name, is needed, not {type(snap).__name__}")

@@ -1,0 +1,819 @@
+"""The wire contract: every operation a box offers, as data, with the shapes of what
+it takes and what it answers, and the frames a followed process is streamed in.
+
+One table (``OPERATIONS``) is the whole request/answer surface of a box, of its
+files and of its snapshots, as Firecracker's ``VmmAction`` is the whole interface
+of its VMM. Each ``Operation`` names the method it is on its object (``AsyncBox``,
+``AsyncFiles``, ``AsyncSnapshot``), the model its arguments travel in, how its
+result is written as JSON and read back, and the REST route that serves it. The
+facades (``api/box.py``) ask a backend to run an operation; the server
+(``server/routes.py``) registers one route per operation from this table; the HTTP
+backend (``api/http.py``) and the fleet's Ray backend send the same models and
+read the same answers. What does not fit a request and its answer (a process
+followed as it runs, a file streamed, a watch, an archive) is a streaming
+primitive of the backend interface (``api/backend.py``), and its frames are here
+too.
+
+A box's options are declared once, by ``BoxSpec.build`` (``core/spec.py``);
+``BoxCreate``, the body of ``POST /v1/boxes``, is derived from its signature with
+the wire form of the options that a host path, a Python object or a local
+resource stands for (``WIRE_FORMS``, ``LOCAL_ONLY``).
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import re
+import struct
+import typing
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Annotated, Any, Literal
+from urllib.parse import quote
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, create_model
+
+from ..core.requests import PULL_POLICIES, SPEC_DEFAULTS, SPEC_OPTIONS
+from ..core.spec import BoxSpec
+from ..errors import (
+    ExecTimeout,
+    Forbidden,
+    InvalidArgument,
+    NotFound,
+    ProtocolError,
+    RequestError,
+    SandlotError,
+    Unauthorized,
+    Unsupported,
+    from_dict,
+    output_bytes,
+)
+from ..protocol.exec import ExitStatus
+from .backend import snapshot_key
+from .fs import FILE_EVENT_TYPES, FileEvent, FileInfo
+from .process import ExecResult
+
+# -- the frames of a followed process (docs/server.md, "Processes, streamed") ---------------
+#
+# Server to client: binary ``[stream u8][offset u64 big-endian][bytes]`` for output, and
+# JSON text messages ``{"type": "exit"|"gap"|"error"|"pong", ...}``. Client to server:
+# binary ``[0][stdin bytes]`` and JSON ``{"type": "stdin_eof"|"signal"|"resize"|"ping"}``.
+# The same frames travel over a WebSocket (``sandlot serve``) and a Ray stream (a fleet node).
+
+STDOUT, STDERR = 1, 2
+HEADER = struct.Struct(">BQ")
+CHUNK = 256 * 1024  # bytes per stdin frame, per file chunk read from disk
+
+
+def encode_stdin(data: bytes | bytearray | memoryview) -> bytes:
+    """A client -> host frame carrying stdin bytes: ``[0][bytes]``."""
+    return b"\x00" + bytes(data)
+
+
+def decode_stdin(frame: bytes) -> bytes:
+    """The stdin bytes of a client frame (RequestError if it is not one)."""
+    if not frame or frame[0] != 0:
+        raise RequestError("a binary frame from the client must be [0][stdin bytes]")
+    return bytes(frame[1:])
+
+
+def decode_output(frame: bytes) -> tuple[int, int, bytes]:
+    """A host -> client output frame as (stream, offset, bytes); stream 1 is stdout, 2 stderr.
+    ProtocolError if it is not one."""
+    if len(frame) < HEADER.size:
+        raise ProtocolError(f"an output frame of {len(frame)} bytes is shorter than its header")
+    stream, offset = HEADER.unpack_from(frame)
+    if stream not in (STDOUT, STDERR):
+        raise ProtocolError(f"an output frame names stream {stream}; only 1 (stdout) and 2 (stderr) exist")
+    return stream, offset, bytes(frame[HEADER.size :])
+
+
+def encode_output(stream: int, offset: int, data: bytes) -> bytes:
+    """A host -> client output frame (the inverse of ``decode_output``)."""
+    return HEADER.pack(stream, offset) + data
+
+
+def control(kind: str, **fields: Any) -> str:
+    """A JSON control message: ``control("signal", signal=15, group=True)``."""
+    return json.dumps({"type": kind, **fields}, separators=(",", ":"))
+
+
+def decode_control(text: str | bytes, where: str) -> dict[str, Any]:
+    """A JSON control message as a dict with a ``type`` (ProtocolError if it is not one)."""
+    try:
+        msg = json.loads(text)
+    except ValueError:
+        msg = None
+    if not isinstance(msg, dict) or not isinstance(msg.get("type"), str):
+        raise ProtocolError(f"{where}: a message out of protocol: {str(text)[:100]!r}")
+    return msg
+
+
+def exit_status(msg: Mapping[str, Any]) -> ExitStatus:
+    """The exit status an ``exit`` message carries."""
+    sig = msg.get("signal")
+    return ExitStatus(int(msg.get("exit_code") or 0), int(sig) if sig else None,
+                      oom_killed=bool(msg.get("oom_killed")))  # fmt: skip
+
+
+def exit_message(result: ExecResult) -> dict[str, Any]:
+    return {"type": "exit", "exit_code": result.exit_code, "signal": result.signal,
+            "oom_killed": result.oom_killed}  # fmt: skip
+
+
+# -- errors --------------------------------------------------------------------------------
+
+
+def error_json(err: SandlotError) -> dict[str, Any]:
+    """An error as every answer and stream carries it: ``to_dict()`` plus its class name
+    (and the output so far of a command that timed out)."""
+    body = {**err.to_dict(), "type": type(err).__name__}
+    if isinstance(err, ExecTimeout):
+        body["stdout"] = err.stdout.decode("utf-8", "replace")
+        body["stderr"] = err.stderr.decode("utf-8", "replace")
+        body["stdout_b64"] = b64(err.stdout)
+        body["stderr_b64"] = b64(err.stderr)
+    return body
+
+
+def error_message(err: SandlotError) -> dict[str, Any]:
+    """A stream's error message: the error shape under ``"type": "error"``."""
+    return {"type": "error", "error": error_json(err)}
+
+
+_STATUS_ERRORS: dict[int, type[SandlotError]] = {
+    400: RequestError,
+    401: Unauthorized,
+    403: Forbidden,
+    404: NotFound,
+    413: RequestError,
+}
+
+
+def error_from_answer(status: int, body: bytes, where: str) -> SandlotError:
+    """The exception a non-2xx answer stands for: the error body rebuilt as its own
+    class (``errors.from_dict``); else one chosen by the HTTP status."""
+    try:
+        data = json.loads(body)
+    except (ValueError, UnicodeDecodeError):
+        data = None
+    err_body = data.get("error") if isinstance(data, dict) else None
+    if isinstance(err_body, dict):
+        return from_dict(err_body)
+    text = body[:300].decode("utf-8", "replace").strip()
+    cls = _STATUS_ERRORS.get(status, ProtocolError)
+    return cls(f"{where} answered HTTP {status}" + (f": {text}" if text else ""))
+
+
+def raise_if_error(msg: Mapping[str, Any]) -> None:
+    if msg.get("type") == "error" and isinstance(msg.get("error"), dict):
+        raise from_dict(msg["error"])
+
+
+# -- request models ------------------------------------------------------------------------
+
+
+class Strict(BaseModel):
+    """A request body or query: unknown fields are refused."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+def _fspath(value: Any) -> Any:
+    return os.fspath(value) if isinstance(value, os.PathLike) else value
+
+
+Path_ = Annotated[str, BeforeValidator(_fspath)]  # a guest path (checked where it is used)
+
+
+class Empty(Strict):
+    pass
+
+
+class PortIn(Strict):
+    guest: int = Field(ge=1, le=65535)
+    host: int = Field(default=0, ge=0, le=65535)
+
+
+class SecretIn(Strict):
+    name: str
+    value: str
+    hosts: list[str] = []
+
+
+# The options whose wire form is not their Python one: what a host path, a Python
+# object or a sequence of specs becomes in JSON.
+WIRE_FORMS: dict[str, Any] = {
+    "rootfs": str | None,  # admin keys only: a path on the server's host
+    "kernel": str | None,  # admin keys only
+    "env": dict[str, str] | None,
+    "labels": dict[str, str] | None,
+    "allow": list[str] | None,
+    "ports": list[PortIn] | None,
+    "secrets": list[SecretIn] | None,
+}
+# Options that name something of the caller's own host, which a server or another node
+# does not have, with the value that means "not used".
+LOCAL_ONLY: dict[str, Any] = {"volumes": None, "credentials": None, "auto_remove": False, "engine": None,
+                              "accel": "auto"}  # fmt: skip
+# Options of the request rather than of the box: where it starts from, how its image is fetched.
+REQUEST_FIELDS: dict[str, Any] = {
+    "image": (str | None, None),
+    "template": (str | None, None),
+    "snapshot": (str | None, None),
+    "pull": (Literal["missing", "always", "never"] | None, None),
+    "insecure": (bool | None, None),
+    "ca_cert": (str | None, None),  # admin keys only: a path on the server's host
+    "start": (bool, True),
+}
+HOST_PATHS = ("rootfs", "kernel", "ca_cert")
+assert set(PULL_POLICIES) == set(typing.get_args(typing.get_args(REQUEST_FIELDS["pull"][0])[0]))
+
+
+def _box_create() -> type[Strict]:
+    hints = typing.get_type_hints(BoxSpec.build)
+    fields: dict[str, Any] = {}
+    for name in SPEC_OPTIONS:
+        if name in LOCAL_ONLY:
+            continue
+        form = WIRE_FORMS.get(name, hints[name])
+        fields[name] = (form | None, None)  # unset: the server's default, BoxSpec's
+    fields.update(REQUEST_FIELDS)
+    model = create_model("BoxCreate", __base__=Strict, **fields)
+    model.__doc__ = ("A box to create: ``POST /v1/boxes``. Its options are ``BoxSpec.build``'s (see "
+                     "``sandlot.AsyncBox``); host paths need an admin key.")  # fmt: skip
+    return model
+
+
+BoxCreate = _box_create()
+BOX_CREATE_FIELDS = tuple(BoxCreate.model_fields)
+
+
+def box_create(image: Any, options: Mapping[str, Any], transport: str) -> dict[str, Any]:
+    """The JSON body of ``POST /v1/boxes`` for ``AsyncBox``-style arguments. An option a
+    box reached over ``transport`` cannot have raises Unsupported; an unknown one
+    InvalidArgument."""
+    body: dict[str, Any] = {}
+    for name, value in options.items():
+        if name in LOCAL_ONLY:
+            if value is not None and value != LOCAL_ONLY[name] and value != SPEC_DEFAULTS.get(name, None):
+                raise Unsupported(f"{name}= is not offered over the {transport} transport: it names "
+                                  "something of this host", transport=transport)  # fmt: skip
+            continue
+        if name not in BoxCreate.model_fields or name == "start":
+            raise InvalidArgument(f"unknown box option(s): {name}")
+        if value is None:
+            continue
+        body[name] = _option_json(name, value, transport)
+    if image is not None:
+        if not isinstance(image, str):
+            raise Unsupported(f"an Image object is not offered over the {transport} transport; give its "
+                              "reference (a string)", transport=transport)  # fmt: skip
+        body = {"image": image, **body}
+    made: dict[str, Any] = validated(BoxCreate, body).model_dump(exclude_none=True)
+    return made
+
+
+def _option_json(name: str, value: Any, transport: str) -> Any:
+    if name in HOST_PATHS:
+        return os.fspath(value)
+    if name in ("template", "snapshot"):
+        if value is False and name == "template":
+            raise Unsupported(f"template=False is not offered over the {transport} transport",
+                              transport=transport)  # fmt: skip
+        return snapshot_key(value)
+    if name == "allow":
+        return [value] if isinstance(value, str) else [str(a) for a in value]
+    if name == "ports":
+        return [_port_json(p, transport) for p in value]
+    if name == "secrets":
+        return [_secret_json(s, transport) for s in value]
+    if name in ("env", "labels"):
+        return {str(k): str(v) for k, v in dict(value).items()}
+    return value
+
+
+def _port_json(spec: Any, transport: str) -> dict[str, int]:
+    """``80``, ``"8080:80"``, ``(8080, 80)`` or ``{"guest", "host"}`` as a server takes it
+    (the server picks the address it binds)."""
+    guest: Any
+    host: Any = 0
+    if isinstance(spec, Mapping):
+        guest, host = spec.get("guest"), spec.get("host", 0)
+    elif isinstance(spec, int) and not isinstance(spec, bool):
+        guest = spec
+    elif isinstance(spec, str) and spec.count(":") <= 1:
+        h, _, g = spec.rpartition(":")
+        if not g.isdigit() or (h and not h.isdigit()):
+            raise InvalidArgument(f"port {spec!r} is not GUEST or HOST:GUEST")
+        guest, host = int(g), int(h or 0)
+    elif isinstance(spec, tuple) and len(spec) == 2:
+        host, guest = spec[0] or 0, spec[1]
+    elif isinstance(spec, str | tuple):
+        raise Unsupported(f"a port's address ({spec!r}) is not offered over the {transport} transport: the "
+                          "server chooses it", transport=transport)  # fmt: skip
+    else:
+        raise InvalidArgument(f"invalid port {spec!r}")
+    for what, n, low in (("guest port", guest, 1), ("host port", host, 0)):
+        if isinstance(n, bool) or not isinstance(n, int) or not low <= n <= 65535:
+            raise InvalidArgument(f"{what} must be a number in {low}..65535, not {n!r}")
+    return {"guest": guest, "host": host}
+
+
+def _secret_json(secret: Any, transport: str) -> dict[str, Any]:
+    if isinstance(secret, Mapping):
+        return {"name": secret["name"], "value": secret["value"], "hosts": list(secret.get("hosts", []))}
+    if getattr(secret, "ca_pem", None):
+        raise Unsupported(f"a secret's ca= is not offered over the {transport} transport (secret "
+                          f"{secret.name})", transport=transport)  # fmt: skip
+    return {"name": secret.name, "value": secret.value, "hosts": list(secret.hosts)}
+
+
+def validated(model: type[Strict], data: Mapping[str, Any]) -> Any:
+    """``data`` as ``model``; what it cannot be raises InvalidArgument naming the fields."""
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        parts = []
+        for err in e.errors()[:5]:
+            where = ".".join(str(p) for p in err.get("loc", ()))
+            parts.append(f"{where}: {err.get('msg')}" if where else str(err.get("msg")))
+        raise InvalidArgument("; ".join(parts) or "malformed arguments") from None
+
+
+class ExecIn(Strict):
+    argv: list[str] = Field(min_length=1)
+    env: dict[str, str] | None = None
+    cwd: str | None = None
+    user: str | None = None
+    stdin: str | None = None
+    stdin_b64: str | None = None
+    timeout: float | None = None
+
+
+class ExecCall(ExecIn):
+    """An exec on the exec channel (``WS /v1/exec``): the REST body, its box and an id
+    the answer carries back."""
+
+    id: int = Field(ge=0)
+    box: str = Field(min_length=1)
+
+
+class SpawnIn(Strict):
+    """The first message of ``WS /v1/boxes/{box}/spawn``, and what a node's ``spawn`` takes."""
+
+    type: Literal["spawn"] = "spawn"
+    argv: list[str] = Field(min_length=1)
+    env: dict[str, str] | None = None
+    cwd: str | None = None
+    user: str | None = None
+    tty: bool = False
+    stdin: bool = True
+    rows: int = Field(default=24, ge=1, le=10000)
+    cols: int = Field(default=80, ge=1, le=10000)
+
+
+class RunCodeIn(Strict):
+    code: str
+    language: str = "python"
+    context: str | None = None
+    timeout: float | None = Field(default=None, gt=0)
+
+
+class CodeContextIn(Strict):
+    language: str = "python"
+    cwd: str | None = None
+    kernel: str | None = None
+    env: dict[str, str] | None = None
+    user: str | None = None
+
+
+class ContextIn(Strict):
+    context: str
+
+
+class TimeoutIn(Strict):
+    timeout: float = Field(default=10.0, gt=0)
+
+
+class LogsIn(Strict):
+    lines: int | None = Field(default=None, ge=1)
+
+
+class RemoveBoxIn(Strict):
+    force: bool = False
+
+
+class NetworkIn(Strict):
+    network: str | bool | None = None
+    allow: list[str] | None = None
+
+
+class SnapshotIn(Strict):
+    name: str | None = None
+
+
+class RollbackIn(Strict):
+    snapshot: str
+
+
+class ForkIn(Strict):
+    n: int = Field(default=1, ge=1, le=100)
+    name: str | None = None
+
+
+class PreviewIn(Strict):
+    port: int = Field(ge=1, le=65535)
+    ttl: float = Field(default=3600, gt=0)
+
+
+class SnapshotStartIn(ForkIn):
+    """Boxes from a snapshot: how many, their name, and what each may have of its own
+    (the rest is the snapshot's: its memory, disk and processes)."""
+
+    env: dict[str, str] | None = None
+    labels: dict[str, str] | None = None
+    workdir: str | None = None
+    user: str | None = None
+    idle_timeout: float | None = None
+    request_timeout: float | None = None
+    network: str | None = None
+    allow: list[str] | None = None
+
+
+SNAPSHOT_START_OPTIONS = tuple(f for f in SnapshotStartIn.model_fields if f not in ("n", "name"))
+
+
+class PathIn(Strict):
+    path: Path_
+
+
+class StatIn(PathIn):
+    follow_symlinks: bool = True
+
+
+class FileRemoveIn(PathIn):
+    recursive: bool = False
+    missing_ok: bool = False
+
+
+class MkdirIn(PathIn):
+    parents: bool = True
+    mode: int = Field(default=0o755, ge=0, le=0o7777)
+    user: str | None = None
+
+
+class RenameIn(Strict):
+    src: Path_
+    dst: Path_
+
+
+class ChmodIn(PathIn):
+    mode: int = Field(ge=0, le=0o7777)
+
+
+class ChownIn(PathIn):
+    user: str = Field(min_length=1)
+    follow_symlinks: bool = True
+
+
+class WriteIn(PathIn):
+    """A file's write (``PUT .../files/content`` takes these as its query; the body is the bytes)."""
+
+    mode: int | None = Field(default=None, ge=0, le=0o7777)
+    user: str | None = None
+    append: bool = False
+    parents: bool = True
+    exclusive: bool = False
+
+
+class ReadIn(PathIn):
+    offset: int = Field(default=0, ge=0)
+    length: int | None = Field(default=None, ge=0)
+
+
+class WatchIn(PathIn):
+    recursive: bool = True
+
+
+class ArchiveIn(PathIn):
+    user: str | None = None
+
+
+class ListBoxesIn(Strict):
+    state: str | None = None
+    label: list[str] = []
+    limit: int = Field(default=100, ge=1, le=1000)
+    page_token: str | None = None
+
+
+# -- answers -------------------------------------------------------------------------------
+
+
+class BoxOut(BaseModel):
+    """A box as every transport describes it (``AsyncBox.info``)."""
+
+    id: str
+    name: str
+    state: str
+    image: str | None = None
+    labels: dict[str, str] = {}
+    created_at: float | None = None
+    started_at: float | None = None
+    memory_mib: int | None = None
+    cpus: int | None = None
+    disk_size_gb: int | None = None
+    network: str | None = None
+    hostname: str | None = None
+    engine: str | None = None
+    accel: str | None = None
+    origin: str | None = None
+    reason: str | None = None
+    node: str | None = None  # the fleet node the box lives on (``sandlot.fleet``)
+
+
+class SnapshotOut(BaseModel):
+    """A snapshot or template as every transport describes it (``AsyncSnapshot.info``)."""
+
+    id: str
+    name: str | None = None
+    kind: str = "snapshot"
+    box_id: str | None = None
+    box_name: str | None = None
+    created_at: float = 0.0
+    size: int = 0
+    node: str | None = None
+
+
+def b64(data: bytes) -> str:
+    return base64.b64encode(data).decode()
+
+
+def exec_json(r: ExecResult) -> dict[str, Any]:
+    return {"argv": list(r.argv), "exit_code": r.exit_code, "signal": r.signal, "oom_killed": r.oom_killed,
+            "duration": r.duration, "pid": r.pid, "stdout": r.stdout, "stderr": r.stderr,
+            "stdout_b64": b64(r.stdout_bytes), "stderr_b64": b64(r.stderr_bytes)}  # fmt: skip
+
+
+def exec_result(data: Any, argv: tuple[str, ...] = ()) -> ExecResult:
+    """An ``ExecResult`` from its JSON (``exec_json``)."""
+    if not isinstance(data, Mapping):
+        raise ProtocolError(f"an exec's answer is not an object: {data!r:.200}")
+    sig = data.get("signal")
+    return ExecResult(
+        tuple(str(a) for a in data.get("argv") or argv),
+        int(data.get("exit_code") or 0),
+        output_bytes(data, "stdout"),
+        output_bytes(data, "stderr"),
+        int(sig) if sig else None,
+        float(data.get("duration") or 0.0),
+        int(data.get("pid") or 0),
+        bool(data.get("oom_killed")),
+    )
+
+
+def file_json(info: FileInfo) -> dict[str, Any]:
+    return {"path": info.path, "name": info.name, "type": info.type, "size": info.size, "mode": info.mode,
+            "uid": info.uid, "gid": info.gid, "mtime": info.mtime.isoformat(),
+            "link_target": info.link_target}  # fmt: skip
+
+
+def file_info(data: Any) -> FileInfo:
+    """A ``FileInfo`` from its JSON (``mtime`` in ISO 8601)."""
+    try:
+        mtime = datetime.fromisoformat(str(data["mtime"]))
+        if mtime.tzinfo is None:
+            mtime = mtime.replace(tzinfo=UTC)
+        return FileInfo(path=str(data["path"]), name=str(data["name"]), type=str(data["type"]),
+                        size=int(data["size"]), mode=int(data["mode"]), uid=int(data["uid"]),
+                        gid=int(data["gid"]), mtime=mtime, link_target=data.get("link_target"))  # fmt: skip
+    except (KeyError, TypeError, ValueError) as e:
+        raise ProtocolError(f"a file's description is malformed ({e}): {data!r:.200}") from None
+
+
+def file_event_json(event: FileEvent) -> dict[str, Any]:
+    return {"type": event.type, "path": event.path, "is_dir": event.is_dir, "old_path": event.old_path}
+
+
+def file_event(msg: Mapping[str, Any], where: str) -> FileEvent:
+    """A watch message as the ``FileEvent`` it carries (ProtocolError if it is none)."""
+    kind = msg.get("type")
+    if kind not in FILE_EVENT_TYPES or not isinstance(msg.get("path"), str):
+        raise ProtocolError(f"{where}: not a watch event: {dict(msg)!r:.200}")
+    old = msg.get("old_path")
+    return FileEvent(kind, msg["path"], bool(msg.get("is_dir")), old if isinstance(old, str) else None)
+
+
+# -- results: how each operation's value is written as JSON and read back ------------------
+
+
+@dataclass(frozen=True)
+class Codec:
+    """A result's JSON form: ``encode`` where the box is, ``decode`` where the caller is.
+    ``kind`` tells the facade what the value is (a box's description, boxes, a snapshot...)."""
+
+    kind: str
+    encode: Callable[[Any], Any]
+    decode: Callable[[Any], Any]
+
+
+def _same(value: Any) -> Any:
+    return value
+
+
+def _nothing(_value: Any) -> None:
+    return None
+
+
+def _model(model: type[BaseModel]) -> Callable[[Any], dict[str, Any]]:
+    def decode(data: Any) -> dict[str, Any]:
+        try:
+            return model.model_validate(data).model_dump()
+        except ValidationError as e:
+            raise ProtocolError(f"a {model.__name__} answer is malformed: {e.errors()[:1]}") from None
+
+    return decode
+
+
+def _many(decode: Callable[[Any], Any], key: str) -> Callable[[Any], list[Any]]:
+    def decode_all(data: Any) -> list[Any]:
+        items = data.get(key) if isinstance(data, Mapping) else None
+        if not isinstance(items, list):
+            raise ProtocolError(f"an answer without its list of {key}: {data!r:.200}")
+        return [decode(i) for i in items]
+
+    return decode_all
+
+
+NONE = Codec("none", _nothing, _nothing)
+JSON = Codec("json", _same, _same)
+TEXT = Codec("text", str, str)
+FLOAT = Codec("float", lambda v: {"value": float(v)}, lambda d: float(d["value"]))
+BOX = Codec("box", _same, _model(BoxOut))
+BOXES = Codec("boxes", lambda v: {"boxes": v}, _many(_model(BoxOut), "boxes"))
+SNAPSHOT = Codec("snapshot", _same, _model(SnapshotOut))
+SNAPSHOTS = Codec("snapshots", lambda v: {"snapshots": v}, _many(_model(SnapshotOut), "snapshots"))
+FILE = Codec("file", file_json, file_info)
+FILES = Codec("files", lambda v: {"entries": [file_json(i) for i in v]},
+              lambda d: sorted(_many(file_info, "entries")(d), key=lambda i: i.name))  # fmt: skip
+ACTIVITY = Codec("activity", lambda v: {"busy": v[0], "idle_s": v[1]},
+                 lambda d: (int(d["busy"]), float(d["idle_s"])))  # fmt: skip
+NETWORK = Codec("network", _same, _same)
+PORTS = Codec("ports", lambda v: {"ports": v}, lambda d: list(d["ports"]))
+PROCESSES = Codec("processes", lambda v: {"processes": v}, lambda d: list(d["processes"]))
+URL = Codec("url", lambda v: {"url": v}, lambda d: str(d["url"]))
+
+
+def _context(data: Any) -> Any:
+    from .code import CodeContext
+
+    try:
+        return CodeContext.from_info(data)
+    except (KeyError, TypeError) as e:
+        raise ProtocolError(f"a code context's description is malformed ({e}): {data!r:.200}") from None
+
+
+def _context_json(ctx: Any) -> dict[str, Any]:
+    from .code import context_json
+
+    return context_json(ctx)
+
+
+CONTEXT = Codec("context", _context_json, _context)
+CONTEXTS = Codec(
+    "contexts", lambda v: {"contexts": [_context_json(c) for c in v]}, _many(_context, "contexts")
+)
+
+
+# -- the operations ------------------------------------------------------------------------
+
+Scope = Literal["box", "files", "snapshot"]
+
+
+@dataclass(frozen=True)
+class Operation:
+    """One request and its answer. ``name`` is the method of its ``scope``'s object
+    (``AsyncBox``, ``AsyncFiles``, ``AsyncSnapshot``) and of the backends; ``method`` and
+    ``path`` its REST route under ``/v1``, whose parameters come from ``params`` (in the
+    query for GET and DELETE, and where ``query`` says so; else in a JSON body)."""
+
+    scope: Scope
+    name: str
+    method: str
+    path: str
+    params: type[Strict]
+    result: Codec
+    query: bool = False
+    summary: str = ""
+
+    @property
+    def key(self) -> str:
+        return f"{self.scope}.{self.name}"
+
+    @property
+    def in_query(self) -> bool:
+        return self.query or self.method in ("GET", "DELETE")
+
+    @property
+    def in_path(self) -> tuple[str, ...]:
+        """The arguments the route's path carries (``{context}``), beside the box or snapshot."""
+        return tuple(n for n in re.findall(r"{(\w+)}", self.path) if n not in ("box", "snap"))
+
+    def url(self, target: str, params: Mapping[str, Any]) -> str:
+        """The route's path for ``target`` (a box's or a snapshot's id) and ``params``."""
+        values = {n: quote(str(params[n]), safe="") for n in self.in_path}
+        return self.path.format(box=quote(target, safe=""), snap=quote(target, safe=""), **values)
+
+    def arguments(self, values: Mapping[str, Any]) -> Any:
+        """The operation's arguments as its model (InvalidArgument for what cannot be one)."""
+        return validated(self.params, {k: v for k, v in values.items() if v is not None})
+
+
+def _ops(scope: Scope, base: str, rows: tuple[tuple[Any, ...], ...]) -> tuple[Operation, ...]:
+    """Operations of one scope: (name, "METHOD path under base", params, result, summary[, query])."""
+    out = []
+    for name, route, params, result, summary, *query in rows:
+        method, _, path = route.partition(" ")
+        out.append(Operation(scope, name, method, base + path, params, result, bool(query), summary))
+    return tuple(out)
+
+
+CTX = "/code/contexts/{context}"
+OPERATIONS: tuple[Operation, ...] = (
+    *_ops("box", "/boxes/{box}", (
+        ("refresh", "GET ", Empty, BOX, "The box's description, read anew."),
+        ("inspect", "GET /inspect", Empty, JSON, "Everything about the box."),
+        ("stats", "GET /stats", Empty, JSON, "Host CPU, memory and disk use."),
+        ("logs", "GET /logs", LogsIn, TEXT, "The guest console of the last boot."),
+        ("start", "POST /start", Empty, BOX, "Boot the box."),
+        ("stop", "POST /stop", TimeoutIn, BOX, "Stop gracefully.", True),
+        ("restart", "POST /restart", TimeoutIn, BOX, "Stop, then start.", True),
+        ("kill", "POST /kill", Empty, BOX, "Stop at once."),
+        ("pause", "POST /pause", Empty, BOX, "Freeze the vCPUs."),
+        ("unpause", "POST /unpause", Empty, BOX, "Thaw the vCPUs."),
+        ("suspend", "POST /suspend", Empty, BOX, "Save the running state, end the VM."),
+        ("resume", "POST /resume", Empty, BOX, "Bring a suspended box back."),
+        ("remove", "DELETE ", RemoveBoxIn, NONE, "Delete the box."),
+        ("set_network", "PUT /network", NetworkIn, NETWORK, "Change the egress policy."),
+        ("ports", "GET /ports", Empty, PORTS, "The published ports."),
+        ("ping", "GET /ping", Empty, FLOAT, "The agent's round trip, in seconds."),
+        ("activity", "GET /activity", Empty, ACTIVITY, "What the idle timeout sees."),
+        ("snapshot", "POST /snapshots", SnapshotIn, SNAPSHOT, "Save the running state."),
+        ("snapshots", "GET /snapshots", Empty, SNAPSHOTS, "The box's snapshots."),
+        ("rollback", "POST /rollback", RollbackIn, BOX, "Back to a snapshot."),
+        ("fork", "POST /fork", ForkIn, BOXES, "Running copies of the box."),
+        ("processes", "GET /processes", Empty, PROCESSES, "The processes the host holds for the box."),
+        ("preview_url", "POST /previews", PreviewIn, URL, "A signed URL to a port."),
+        ("create_code_context", "POST /code/contexts", CodeContextIn, CONTEXT, "Start an interpreter."),
+        ("list_code_contexts", "GET /code/contexts", Empty, CONTEXTS, "The interpreters running."),
+        ("interrupt_code_context", f"POST {CTX}/interrupt", ContextIn, NONE, "Interrupt a context's cell."),
+        ("restart_code_context", f"POST {CTX}/restart", ContextIn, CONTEXT, "Start its interpreter afresh."),
+        ("remove_code_context", f"DELETE {CTX}", ContextIn, NONE, "End a context and forget it."),
+    )),
+    *_ops("files", "/boxes/{box}/files", (
+        ("stat", "GET /stat", StatIn, FILE, "A path's description."),
+        ("list", "GET ", PathIn, FILES, "A directory's entries."),
+        ("mkdir", "POST /mkdir", MkdirIn, NONE, "Make a directory."),
+        ("remove", "DELETE ", FileRemoveIn, NONE, "Remove a path."),
+        ("rename", "POST /rename", RenameIn, NONE, "Rename a path."),
+        ("chmod", "POST /chmod", ChmodIn, NONE, "Change a path's mode."),
+        ("chown", "POST /chown", ChownIn, NONE, "Change a path's owner."),
+    )),
+    *_ops("snapshot", "/snapshots/{snap}", (
+        ("inspect", "GET /inspect", Empty, JSON, "Everything about a snapshot."),
+        ("start", "POST /start", SnapshotStartIn, BOXES, "Boxes from a snapshot."),
+        ("remove", "DELETE ", Empty, NONE, "Delete a snapshot."),
+    )),
+)  # fmt: skip
+BY_KEY: dict[str, Operation] = {op.key: op for op in OPERATIONS}
+assert len(BY_KEY) == len(OPERATIONS), "one operation per scope and name"
+
+
+def operation(scope: Scope, name: str) -> Operation:
+    return BY_KEY[f"{scope}.{name}"]
+
+
+# The streaming primitives every backend offers beside ``call`` (``api/backend.py``), and
+# the object and method of the public surface that each serves.
+STREAMS: dict[str, str] = {
+    "create": "AsyncBox.start / AsyncBox.create / __aenter__",
+    "find": "AsyncBox.get / client.get",
+    "boxes": "AsyncBox.list / client.list",
+    "exec": "AsyncBox.exec",
+    "run_code": "AsyncBox.run_code",
+    "spawn": "AsyncBox.spawn (and connect, run_code: relays are processes)",
+    "attach": "AsyncBox.attach",
+    "taken_over": "AsyncBox.taken_over",
+    "read": "AsyncFiles.iter_read / read / download",
+    "write": "AsyncFiles.write / upload",
+    "get_archive": "AsyncFiles.download of a directory",
+    "put_archive": "AsyncFiles.upload of a directory",
+    "watch": "AsyncFiles.watch",
+    "find_snapshot": "AsyncSnapshot.get / client.get_snapshot",
+    "snapshot_list": "AsyncSnapshot.list / client.snapshots",
+    "export": "AsyncSnapshot.export",
+    "import_snapshot": "client.import_snapshot",
+}

@@ -1,0 +1,163 @@
+"""The guest's file system as sandlot describes it, on every transport: what ``stat``
+and ``list`` report (``FileInfo``), what a watch reports (``FileEvent``), and where a
+watch's events come from (``WatchSource``: the agent's watch channel here, a stream
+from a server or a fleet node elsewhere)."""
+
+from __future__ import annotations
+
+import stat as _stat
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import PurePosixPath
+from typing import TYPE_CHECKING, Literal, Protocol
+
+from ..errors import ConnectionLost, InvalidArgument, InvalidState
+from ..protocol.wire import RawEntry, WatchEvent
+
+if TYPE_CHECKING:
+    from ..protocol.connection import AgentConnection
+    from ..protocol.watch import WatchStream
+
+
+@dataclass(frozen=True, slots=True)
+class FileInfo:
+    """What ``stat`` and ``list`` report about a guest path."""
+
+    path: str
+    name: str
+    type: str  # "file", "dir", "symlink" or "other"
+    size: int
+    mode: int  # permission bits, e.g. 0o644
+    uid: int
+    gid: int
+    mtime: datetime
+    link_target: str | None = None
+
+    @property
+    def is_dir(self) -> bool:
+        return self.type == "dir"
+
+    @property
+    def is_file(self) -> bool:
+        return self.type == "file"
+
+    @property
+    def is_symlink(self) -> bool:
+        return self.type == "symlink"
+
+
+def _kind(mode: int) -> str:
+    if _stat.S_ISREG(mode):
+        return "file"
+    if _stat.S_ISDIR(mode):
+        return "dir"
+    if _stat.S_ISLNK(mode):
+        return "symlink"
+    return "other"
+
+
+def entry_info(parent: str | None, e: RawEntry, path: str | None = None) -> FileInfo:
+    full = path if path is not None else str(PurePosixPath(parent or "/") / e.name)
+    return FileInfo(
+        path=full,
+        name=e.name,
+        type=_kind(e.mode),
+        size=e.size,
+        mode=_stat.S_IMODE(e.mode),
+        uid=e.uid,
+        gid=e.gid,
+        mtime=datetime.fromtimestamp(e.mtime_ns / 1e9, tz=UTC),
+        link_target=e.link_target,
+    )
+
+
+FileEventType = Literal["created", "modified", "deleted", "moved", "overflow"]
+
+
+@dataclass(frozen=True, slots=True)
+class FileEvent:
+    """One change under a watched path (``box.files.watch``).
+
+    ``type`` is one of:
+
+    - ``"created"``: ``path`` appeared (created, or moved in from outside the
+      watched tree; the entries of a directory that appears are reported too);
+    - ``"modified"``: a file's content changed: reported when a writer closes it,
+      or at most every 0.25 s while a writer keeps it open (a 1 MiB write is one
+      event, not hundreds); attribute changes (chmod, touch) are not reported;
+    - ``"deleted"``: ``path`` is gone (removed, or moved out of the watched tree);
+    - ``"moved"``: renamed within the watched tree, from ``old_path`` to ``path``;
+    - ``"overflow"``: events under ``path`` may have been lost (the box's queue
+      filled while nobody read, or a directory could not be watched): look at
+      ``path`` again instead of trusting the events alone.
+
+    Paths are absolute guest paths; ``is_dir`` tells whether ``path`` is a directory.
+    """
+
+    type: FileEventType
+    path: str
+    is_dir: bool = False
+    old_path: str | None = None  # "moved": where it was
+
+
+FILE_EVENT_TYPES: frozenset[FileEventType] = frozenset(
+    ("created", "modified", "deleted", "moved", "overflow")
+)
+_EVENT_TYPES: dict[WatchEvent, FileEventType] = {
+    WatchEvent.CREATED: "created",
+    WatchEvent.MODIFIED: "modified",
+    WatchEvent.DELETED: "deleted",
+    WatchEvent.MOVED: "moved",
+    WatchEvent.OVERFLOW: "overflow",
+}
+
+
+class WatchSource(Protocol):
+    """What ``AsyncWatch`` reads: a watch channel of the box's agent locally, a
+    streamed HTTP answer for a remote box (``api/remote.py``)."""
+
+    async def next(self) -> FileEvent | None:
+        """The next event, or None once the watch has ended."""
+        ...
+
+    async def aclose(self) -> None:
+        """Stop watching (at once; idempotent)."""
+        ...
+
+
+class AgentWatch:
+    """A watch channel of the box's agent, as a ``WatchSource``."""
+
+    def __init__(self, conn: AgentConnection, stream: WatchStream) -> None:
+        self._conn = conn
+        self._stream = stream
+
+    async def next(self) -> FileEvent | None:
+        try:
+            record = await self._stream.next()
+        except (ConnectionLost, InvalidState) as e:
+            # The box stopped, was suspended or removed: by this process (the
+            # connection was closed on purpose, so it records no failure), or by
+            # another one (the connection's failure says so). A crash raises.
+            failure = self._conn.failed
+            if failure is None or (type(failure) is InvalidState and failure is e):
+                return None
+            raise
+        if record is None:
+            return None
+        st = self._stream
+        return FileEvent(
+            _EVENT_TYPES[record.kind],
+            st.absolute(record.path),
+            record.is_dir,
+            st.absolute(record.old_path) if record.old_path is not None else None,
+        )
+
+    async def aclose(self) -> None:
+        self._stream.close()
+
+
+def check_mode(mode: int | None) -> int | None:
+    if mode is not None and not (isinstance(mode, int) and 0 <= mode <= 0o7777):
+        raise InvalidArgument(f"mode must be an int in 0..0o7777, not {mode!r}")
+    return mode

@@ -1,0 +1,389 @@
+"""The side where the boxes are, for clients elsewhere: what ``sandlot serve`` and a
+fleet node do for the boxes of their home, whatever carries the requests (HTTP and
+WebSocket, or Ray actor calls).
+
+- ``run``: one operation of ``api/contract.py``'s table, its arguments as JSON in,
+  its answer as JSON out, on the local backend.
+- ``ProcessTable``: processes held for clients. Each process's output is read into
+  a bounded buffer whatever the clients do, so a client may drop and follow it
+  again (by process id, from the offsets it has) without a byte lost or sent
+  twice while the buffer holds it; what fell out of it is reported as a gap.
+  ``frames`` is what a client is sent, ``take_input`` what it sends.
+- ``watch_messages``: a watch as the messages a client reads.
+
+Every held process is started with ``keep=<its id>``, so a host started after one
+that died takes it over (``ProcessTable.take_over``): the box still holds the
+output not yet taken, and clients follow it again by the same id. What the dead
+host had taken and not sent on is a gap.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from ..errors import RequestError, SandlotError
+from .backend import BoxRef, SnapshotRef
+from .contract import (
+    STDERR,
+    STDOUT,
+    Operation,
+    Strict,
+    control,
+    decode_control,
+    decode_stdin,
+    encode_output,
+    error_message,
+    exit_message,
+    file_event_json,
+    validated,
+)
+from .files import AsyncWatch
+from .local import LocalBackend
+from .process import AsyncProcess, ExecResult
+
+BUFFER_BYTES = 4 << 20  # per stream: what a client that comes back late can still get
+FRAME_BYTES = 256 << 10
+KEEP_EXITED_S = 600.0  # an exited process stays reattachable this long
+MAX_HELD = 4096
+WATCH_HEARTBEAT = 15.0  # seconds of quiet after which a watch stream says it is still there
+
+
+async def run(backend: LocalBackend, op: Operation, target: BoxRef | SnapshotRef, params: Strict) -> Any:
+    """Operation ``op`` on ``target`` with ``params``: its answer as JSON."""
+    value = await backend.call(op.scope, op.name, target, params.model_dump())
+    kind = op.result.kind
+    if kind == "box":
+        assert isinstance(target, BoxRef)
+        return target.info
+    if kind == "boxes":
+        return op.result.encode([ref.info for ref in value])
+    if kind == "snapshot":
+        return value.info
+    if kind == "snapshots":
+        return op.result.encode([ref.info for ref in value])
+    return op.result.encode(value)
+
+
+def arguments(op: Operation, data: Any) -> Strict:
+    """A client's JSON arguments as the operation's model (InvalidArgument if they cannot be)."""
+    params: Strict = validated(op.params, data if isinstance(data, dict) else {})
+    return params
+
+
+# -- held processes ------------------------------------------------------------------------
+
+
+class Ring:
+    """The newest ``limit`` bytes of a stream, addressed by their offset in the stream."""
+
+    def __init__(self, limit: int = BUFFER_BYTES) -> None:
+        self.limit = limit
+        self.data = bytearray()
+        self.start = 0  # the offset of data[0]
+        self.ended = False
+
+    @property
+    def end(self) -> int:
+        return self.start + len(self.data)
+
+    def append_at(self, offset: int, chunk: bytes) -> None:
+        """Add the bytes at ``offset`` of the stream (past the end: what lay between is lost)."""
+        if offset > self.end:
+            self.data.clear()
+            self.start = offset
+        self.data += chunk
+        if len(self.data) > self.limit:
+            drop = len(self.data) - self.limit
+            del self.data[:drop]
+            self.start += drop
+
+    def read_from(self, offset: int, most: int = FRAME_BYTES) -> tuple[int, bytes]:
+        """(the offset the bytes start at, at most ``most`` bytes from ``offset`` on);
+        the start is past ``offset`` when the ring no longer holds those bytes."""
+        at = max(offset, self.start)
+        i = at - self.start
+        return at, bytes(self.data[i : i + most])
+
+
+def new_process_id() -> str:
+    return uuid.uuid4().hex[:16]
+
+
+class HeldProcess:
+    def __init__(self, box_id: str, proc: AsyncProcess, process_id: str) -> None:
+        self.id = process_id
+        self.box_id = box_id
+        self.proc = proc
+        self.tty = proc.tty
+        self.rings = {STDOUT: Ring(), STDERR: Ring()}
+        self.result: ExecResult | None = None
+        self.error: SandlotError | None = None
+        self.exited_at: float | None = None
+        self.clients = 0
+        self._tick = asyncio.Event()
+        self._task = asyncio.ensure_future(self._pump())
+
+    def _notify(self) -> None:
+        self._tick.set()
+        self._tick = asyncio.Event()
+
+    def changed(self) -> asyncio.Event:
+        """The event the next append or the exit sets. Take it *before* reading the
+        rings: what is appended after the read then still wakes the waiter."""
+        return self._tick
+
+    async def _read(self, stream: int) -> None:
+        source = self.proc.stdout if stream == STDOUT else self.proc.stderr
+        async for chunk in source:
+            self.rings[stream].append_at(source.offset - len(chunk), chunk)
+            self._notify()
+        self.rings[stream].ended = True
+
+    async def _pump(self) -> None:
+        try:
+            await asyncio.gather(self._read(STDOUT), self._read(STDERR))
+            self.result = await self.proc.result()
+        except SandlotError as e:
+            self.error = e
+        finally:
+            self.exited_at = time.monotonic()
+            self._notify()
+
+    def on_done(self, callback: Callable[[HeldProcess], None]) -> None:
+        self._task.add_done_callback(lambda _t: callback(self))
+
+    @property
+    def done(self) -> bool:
+        return self.exited_at is not None
+
+    def describe(self) -> dict[str, Any]:
+        r = self.result
+        return {
+            "id": self.id,
+            "pid": self.proc.pid,
+            "argv": list(self.proc.argv),
+            "tty": self.tty,
+            "exit_code": None if r is None else r.exit_code,
+            "clients": self.clients,
+            "stdout": self.rings[STDOUT].end,
+            "stderr": self.rings[STDERR].end,
+        }
+
+    def last_message(self) -> dict[str, Any]:
+        if self.error is not None:
+            return error_message(self.error)
+        assert self.result is not None
+        return exit_message(self.result)
+
+    async def frames(self, offsets: dict[int, int]) -> AsyncIterator[bytes | str]:
+        """What a client following from ``offsets`` is sent: its output as it comes (a gap
+        where the buffer no longer holds it), then the exit (or the error)."""
+        self.clients += 1
+        try:
+            while True:
+                changed = self.changed()
+                sent = False
+                for stream, ring in self.rings.items():
+                    at, data = ring.read_from(offsets[stream])
+                    if at > offsets[stream]:
+                        yield control("gap", stream=stream, **{"from": offsets[stream], "to": at})
+                        offsets[stream] = at
+                    if data:
+                        yield encode_output(stream, at, data)
+                        offsets[stream] = at + len(data)
+                        sent = True
+                if sent:
+                    continue
+                if self.done and all(offsets[s] >= r.end for s, r in self.rings.items()):
+                    yield json.dumps(self.last_message(), separators=(",", ":"))
+                    return
+                await changed.wait()
+        finally:
+            self.clients -= 1
+
+    async def take_input(self, message: bytes | str) -> str | None:
+        """A client's frame: stdin bytes, or a control message; the answer to send back
+        (a pong), if any. RequestError for a frame out of protocol."""
+        proc = self.proc
+        if isinstance(message, bytes):
+            data = decode_stdin(message)
+            if not self.done:
+                await proc.write_stdin(data)
+            return None
+        try:
+            ctl = decode_control(message, "a client")
+        except SandlotError as e:
+            raise RequestError(str(e)) from None
+        kind = ctl["type"]
+        try:
+            if kind == "stdin_eof":
+                await proc.close_stdin()
+            elif kind == "signal":
+                await proc.kill(int(ctl["signal"]), group=bool(ctl.get("group", True)))
+            elif kind == "resize":
+                await proc.resize(int(ctl["rows"]), int(ctl["cols"]))
+            elif kind == "ping":
+                return control("pong")
+            else:
+                raise RequestError(f"a message out of protocol: unknown message type {kind!r}")
+        except (KeyError, TypeError, ValueError) as e:
+            raise RequestError(f"a message out of protocol: {e}") from None
+        except SandlotError:
+            if not self.done:  # a signal or stdin that raced the exit is no error
+                raise
+        return None
+
+
+class ProcessTable:
+    """Every process a host holds, by id."""
+
+    def __init__(self) -> None:
+        self.held: dict[str, HeldProcess] = {}
+
+    def check_room(self) -> None:
+        """Refuse a new process when the table is full (exited ones are pruned first)."""
+        self._prune()
+        if len(self.held) >= MAX_HELD:
+            raise RequestError(f"{MAX_HELD} processes are held already; reattach or wait for some")
+
+    def _prune(self) -> None:
+        now = time.monotonic()
+        for pid, h in list(self.held.items()):
+            if h.exited_at is not None and now - h.exited_at > KEEP_EXITED_S and not h.clients:
+                del self.held[pid]
+
+    def of_box(self, box_id: str) -> list[HeldProcess]:
+        self._prune()
+        return [h for h in self.held.values() if h.box_id == box_id]
+
+    def get(self, box_id: str, process_id: str) -> HeldProcess | None:
+        h = self.held.get(process_id)
+        return h if h is not None and h.box_id == box_id else None
+
+    def find(self, box_id: str, process_id: str) -> HeldProcess:
+        held = self.get(box_id, process_id)
+        if held is None:
+            raise RequestError(f"no process {process_id!r} in box {box_id}")
+        return held
+
+    def hold(
+        self,
+        box_id: str,
+        proc: AsyncProcess,
+        process_id: str,
+        on_exit: Callable[[HeldProcess], None] | None = None,
+    ) -> HeldProcess:
+        held = HeldProcess(box_id, proc, process_id)
+        self.held[held.id] = held
+        if on_exit is not None:
+            held.on_done(on_exit)
+        return held
+
+    async def spawn(
+        self,
+        backend: LocalBackend,
+        ref: BoxRef,
+        request: Any,
+        on_exit: Callable[[HeldProcess], None] | None = None,
+    ) -> HeldProcess:
+        """Start ``request`` (a ``contract.SpawnIn``) in the box and hold it."""
+        self.check_room()
+        process_id = new_process_id()
+        proc = await backend.spawn(
+            ref,
+            request.argv,
+            env=request.env,
+            cwd=request.cwd,
+            user=request.user,
+            tty=request.tty,
+            rows=request.rows,
+            cols=request.cols,
+            stdin=request.stdin,
+            keep=process_id,
+        )
+        return self.hold(ref.id, proc, process_id, on_exit)
+
+    async def take_over(
+        self, backend: LocalBackend, ref: BoxRef, on_exit: Callable[[HeldProcess], None] | None = None
+    ) -> int:
+        """Hold the processes a dead host of this home held in the box; how many."""
+        taken = await backend.taken_over(ref)
+        for proc in taken:
+            self.hold(ref.id, proc, proc.key or new_process_id(), on_exit)
+        return len(taken)
+
+
+# -- code cells ---------------------------------------------------------------------------
+
+
+async def code_messages(backend: LocalBackend, ref: BoxRef, params: Any) -> AsyncIterator[dict[str, Any]]:
+    """A cell (``contract.RunCodeIn``) as a client reads it, as it goes: ``{"type":
+    "stdout"|"stderr", "text"}``, ``{"type": "result", "result": BUNDLE}``, then one
+    ``{"type": "execution", ...}`` or an error message (a CodeTimeout carries the execution
+    so far). A client that leaves mid-cell interrupts it."""
+    from .code import Callbacks, context_id, result_json
+
+    events: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue()
+    callbacks = Callbacks(
+        lambda text: events.put_nowait({"type": "stdout", "text": text}),
+        lambda text: events.put_nowait({"type": "stderr", "text": text}),
+        lambda r: events.put_nowait({"type": "result", "result": result_json(r)}),
+    )
+
+    async def cell() -> None:
+        try:
+            execution = await backend.run_code(
+                ref,
+                params.code,
+                language=params.language,
+                context=params.context,
+                timeout=params.timeout,
+                callbacks=callbacks,
+            )
+            events.put_nowait({"type": "execution", "execution": execution.to_dict()})
+        except SandlotError as e:
+            events.put_nowait(error_message(e))
+        finally:
+            events.put_nowait(None)
+
+    task = asyncio.ensure_future(cell())
+    try:
+        while (event := await events.get()) is not None:
+            yield event
+    finally:
+        if not task.done():  # the client left mid-cell
+            task.cancel()
+            with contextlib.suppress(SandlotError):
+                await backend.box_interrupt_code_context(ref, context_id(params.context, params.language))
+
+
+# -- watches -------------------------------------------------------------------------------
+
+
+async def watch_messages(watch: AsyncWatch) -> AsyncIterator[dict[str, Any]]:
+    """A begun watch as a client reads it: ``{"type": "watching"}``, then one event a
+    message, ``{"type": "ping"}`` after 15 s of quiet, and last ``{"type": "end"}`` (the
+    path or the box went away) or an error message. The watch ends with the messages."""
+    try:
+        yield {"type": "watching", "path": watch.path, "recursive": watch.recursive}
+        while True:
+            try:
+                event = await watch.next_event(WATCH_HEARTBEAT)
+            except TimeoutError:
+                yield {"type": "ping"}
+                continue
+            except SandlotError as e:
+                yield error_message(e)
+                return
+            if event is None:
+                yield {"type": "end"}
+                return
+            yield file_event_json(event)
+    finally:
+        await watch.aclose()  # the client went away, or the watch ended: the box frees it

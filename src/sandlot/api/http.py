@@ -1,0 +1,785 @@
+"""The HTTP backend: the boxes of a ``sandlot serve``, over its REST routes and
+WebSockets (docs/server.md).
+
+Every operation of ``api/contract.py``'s table is one request to the route the
+table names, its arguments in the operation's model and its answer read back by
+the operation's codec: this module knows no operation by name. Commands run on
+the exec channel (one WebSocket, ``api/exec_channel.py``); processes are followed
+over a WebSocket each (``api/follow.py``), made again by themselves if they drop;
+files, archives, watches and saved state stream both ways.
+
+Requests go over one HTTP/1.1 keep-alive connection pool (``httpx``). A failure to
+reach the server raises ``ConnectionLost`` (``AgentTimeout`` when it does not
+answer in time), with the server's address in the message; an error the server
+answers is raised as the sandlot exception it stands for (``errors.from_dict``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import ssl
+import tempfile
+from collections.abc import AsyncIterable, AsyncIterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any, ClassVar
+from urllib.parse import quote, urlencode
+
+import httpx
+from websockets.asyncio.client import ClientConnection
+from websockets.asyncio.client import connect as ws_connect
+from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidMessage, InvalidStatus
+
+from ..core.validate import positive
+from ..errors import AgentTimeout, ConnectionLost, InvalidArgument, NotFound, ProtocolError, SandlotError
+from ..version import __version__
+from .backend import Backend, BoxRef, SnapshotRef
+from .code import Callbacks, Execution, code_event
+from .contract import (
+    CHUNK,
+    ArchiveIn,
+    BoxOut,
+    ReadIn,
+    RunCodeIn,
+    SnapshotOut,
+    SpawnIn,
+    WatchIn,
+    WriteIn,
+    box_create,
+    decode_control,
+    exec_result,
+    file_event,
+    operation,
+    raise_if_error,
+    validated,
+)
+from .contract import error_from_answer as answer_error
+from .exec_channel import ChannelUnavailable, ExecChannel
+from .follow import FollowedProcess, Link, LinkClosed
+from .fs import FileEvent, WatchSource
+from .process import AsyncProcess, ExecResult
+
+WS_MAX_MESSAGE = 16 << 20
+EXEC_STDIN_INLINE = 256 * 1024  # stdin up to this size goes in the exec request (JSON bodies stop at 1 MiB)
+WATCH_READ_TIMEOUT = 60.0  # the server says something at least every 15 s: beyond this it is gone
+WATCH_BUFFER = 1024  # events read ahead of the caller; beyond them the server (and the box) hold them
+
+
+def transport_error(url: str, exc: Exception) -> SandlotError:
+    if isinstance(exc, httpx.TimeoutException | TimeoutError):
+        return AgentTimeout(f"{url} did not answer in time ({type(exc).__name__})")
+    detail = str(exc) or type(exc).__name__
+    return ConnectionLost(f"lost the connection to {url}: {detail}")
+
+
+def seg(key: str) -> str:
+    """A path segment: a box's or snapshot's id or name."""
+    if not isinstance(key, str) or not key:
+        raise InvalidArgument(f"an id or a name is needed, not {key!r}")
+    return quote(key, safe="")
+
+
+def query(params: Mapping[str, Any] | None) -> dict[str, Any] | None:
+    """Query parameters without the unset ones; booleans as the server spells them."""
+    if params is None:
+        return None
+    out: dict[str, Any] = {}
+    for k, v in params.items():
+        if v is None or v == []:
+            continue
+        out[k] = ("true" if v else "false") if isinstance(v, bool) else v
+    return out
+
+
+class HttpBoxRef(BoxRef):
+    def __init__(self, backend: HttpBackend, body: dict[str, Any] | None, rec: dict[str, Any] | None) -> None:
+        self.backend = backend
+        self.body = body  # what creating it will ask for; None once it exists
+        self.rec = rec
+        self.removed = False
+
+    @property
+    def id(self) -> str:
+        self.need_made()
+        assert self.rec is not None
+        return str(self.rec["id"])
+
+    @property
+    def name(self) -> str:
+        if self.rec is None:
+            return str((self.body or {}).get("name") or "")
+        return str(self.rec.get("name") or "")
+
+    @property
+    def state(self) -> str:
+        if self.removed:
+            return "removed"
+        if self.rec is None:
+            return "new"
+        return str(self.rec.get("state"))
+
+    @property
+    def info(self) -> dict[str, Any]:
+        self.need_made()
+        assert self.rec is not None
+        return dict(self.rec)
+
+    @property
+    def image(self) -> Any:
+        return (self.body or {}).get("image") if self.rec is None else self.rec.get("image")
+
+    def update(self, rec: Any) -> None:
+        if isinstance(rec, dict) and isinstance(rec.get("id"), str):
+            self.rec = rec
+
+    def path(self, suffix: str = "") -> str:
+        return f"/boxes/{seg(self.id)}{suffix}"
+
+
+class HttpSnapshotRef(SnapshotRef):
+    def __init__(self, backend: HttpBackend, rec: dict[str, Any]) -> None:
+        self.backend = backend
+        self.rec = rec
+
+    @property
+    def info(self) -> dict[str, Any]:
+        return self.rec
+
+
+class WsLink:
+    """A process's WebSocket as a ``follow.Link``."""
+
+    def __init__(self, ws: ClientConnection) -> None:
+        self.ws = ws
+
+    async def recv(self) -> str | bytes:
+        try:
+            return await self.ws.recv()
+        except ConnectionClosed:
+            raise LinkClosed from None
+
+    async def send(self, message: str | bytes) -> None:
+        try:
+            await self.ws.send(message)
+        except ConnectionClosed:
+            raise LinkClosed from None
+
+    async def close(self) -> None:
+        await self.ws.close()
+
+
+class HttpBackend(Backend):
+    """A connection to a ``sandlot serve`` server. See ``AsyncClient`` for the arguments."""
+
+    transport: ClassVar[str] = "http"
+    inline_stdin: ClassVar[int] = EXEC_STDIN_INLINE
+
+    def __init__(
+        self,
+        url: str | None = None,
+        api_key: str | None = None,
+        *,
+        timeout: float = 60.0,
+        verify: bool | str = True,
+        transport: httpx.AsyncBaseTransport | None = None,
+    ) -> None:
+        url = url or os.environ.get("SANDLOT_URL")
+        if not url:
+            raise InvalidArgument("a server URL is needed: connect(url) or $SANDLOT_URL")
+        url = url.rstrip("/").removesuffix("/v1")
+        if not url.startswith(("http://", "https://")):
+            raise InvalidArgument(f"the server URL must start with http:// or https://, not {url!r}")
+        positive("timeout", timeout)
+        self.url = url
+        key = api_key if api_key is not None else os.environ.get("SANDLOT_API_KEY")
+        self._headers = {"User-Agent": f"sandlot/{__version__}"}
+        if key:
+            self._headers["Authorization"] = f"Bearer {key}"
+        self._timeout = timeout
+        self._ssl: ssl.SSLContext | None = None
+        if url.startswith("https://"):
+            self._ssl = ssl.create_default_context(cafile=verify if isinstance(verify, str) else None)
+            if verify is False:
+                self._ssl.check_hostname = False
+                self._ssl.verify_mode = ssl.CERT_NONE
+        # execs go over one WebSocket (api/exec_channel.py); with a transport of the
+        # caller's, everything goes through it, over HTTP
+        self._channel = ExecChannel(lambda: self.websocket("/exec"), url) if transport is None else None
+        self._http = httpx.AsyncClient(
+            base_url=url + "/v1",
+            headers=self._headers,
+            timeout=httpx.Timeout(timeout),
+            verify=self._ssl if self._ssl is not None else True,
+            http1=True,
+            http2=False,
+            follow_redirects=False,
+            transport=transport,
+        )
+
+    def __repr__(self) -> str:
+        return f"<HttpBackend {self.url}>"
+
+    # -- requests ---------------------------------------------------------------------------
+
+    def long(self) -> httpx.Timeout:
+        """For requests that take as long as they take (a boot, a command, an upload): no
+        read deadline."""
+        return httpx.Timeout(self._timeout, read=None, write=None)
+
+    async def request(
+        self,
+        method: str,
+        path: str,
+        *,
+        params: Mapping[str, Any] | None = None,
+        json_body: Any = None,
+        content: AsyncIterable[bytes] | bytes | None = None,
+        timeout: httpx.Timeout | None = None,
+    ) -> httpx.Response:
+        """One request; a non-2xx answer raises the error it carries."""
+        kwargs: dict[str, Any] = {"params": query(params)}
+        if json_body is not None:
+            kwargs["json"] = json_body
+        if content is not None:
+            kwargs["content"] = content
+        if timeout is not None:
+            kwargs["timeout"] = timeout
+        for attempt in (0, 1):
+            try:
+                r = await self._http.request(method, path, **kwargs)
+                break
+            except (httpx.RemoteProtocolError, httpx.ReadError) as e:
+                # a kept-alive connection the server closed meanwhile: a read is safe to send again
+                if attempt or method != "GET":
+                    raise transport_error(self.url, e) from None
+            except (httpx.TransportError, OSError) as e:
+                raise transport_error(self.url, e) from None
+        if r.status_code >= 300:
+            raise answer_error(r.status_code, r.content, self.url)
+        return r
+
+    async def json(self, method: str, path: str, **kwargs: Any) -> Any:
+        r = await self.request(method, path, **kwargs)
+        if r.status_code == 204 or not r.content:
+            return None
+        try:
+            return r.json()
+        except ValueError:
+            raise ProtocolError(f"{self.url}{r.url.path}: the answer is not JSON") from None
+
+    @contextlib.asynccontextmanager
+    async def stream(
+        self,
+        method: str,
+        path: str,
+        *,
+        params: Mapping[str, Any] | None = None,
+        content: AsyncIterable[bytes] | bytes | None = None,
+        timeout: httpx.Timeout | None = None,
+        headers: Mapping[str, str] | None = None,
+    ) -> AsyncIterator[httpx.Response]:
+        """A request whose answer is read as it comes (``chunks``)."""
+        req = self._http.build_request(
+            method,
+            path,
+            params=query(params),
+            content=content,
+            headers=headers,
+            timeout=timeout if timeout is not None else httpx.USE_CLIENT_DEFAULT,
+        )
+        try:
+            r = await self._http.send(req, stream=True)
+        except (httpx.TransportError, OSError) as e:
+            raise transport_error(self.url, e) from None
+        try:
+            if r.status_code >= 300:
+                try:
+                    body = await r.aread()
+                except (httpx.TransportError, OSError) as e:
+                    raise transport_error(self.url, e) from None
+                raise answer_error(r.status_code, body, self.url)
+            yield r
+        finally:
+            await r.aclose()
+
+    async def chunks(self, r: httpx.Response) -> AsyncIterator[bytes]:
+        try:
+            async for chunk in r.aiter_bytes(CHUNK):
+                yield chunk
+        except (httpx.TransportError, OSError) as e:
+            raise transport_error(self.url, e) from None
+
+    async def websocket(self, path: str, params: Mapping[str, Any] | None = None) -> ClientConnection:
+        """A WebSocket to ``path``; a refused handshake raises the error the server gave."""
+        base = "wss://" + self.url[8:] if self.url.startswith("https://") else "ws://" + self.url[7:]
+        q = urlencode(query(params) or {})
+        url = f"{base}/v1{path}" + (f"?{q}" if q else "")
+        try:
+            return await ws_connect(
+                url,
+                additional_headers=self._headers,
+                user_agent_header=None,
+                ssl=self._ssl,
+                open_timeout=self._timeout,
+                max_size=WS_MAX_MESSAGE,
+                compression=None,
+            )
+        except InvalidStatus as e:
+            raise answer_error(e.response.status_code, bytes(e.response.body or b""), self.url) from None
+        except InvalidMessage as e:  # the server went away before it answered (a restart, say)
+            raise ConnectionLost(f"{self.url}: no answer to the WebSocket handshake: {e}") from None
+        except InvalidHandshake as e:
+            raise ProtocolError(f"{self.url}: the WebSocket handshake failed: {e}") from None
+        except (OSError, TimeoutError) as e:
+            raise transport_error(self.url, e) from None
+
+    async def first_message(self, ws: ClientConnection) -> dict[str, Any]:
+        """The server's first JSON message on a socket; an ``error`` one is raised."""
+        msg = await ws.recv()
+        if not isinstance(msg, str):
+            raise ProtocolError(f"{self.url}: a socket began with a binary frame")
+        data = decode_control(msg, self.url)
+        raise_if_error(data)
+        return data
+
+    # -- boxes ------------------------------------------------------------------------------
+
+    def ref_of(self, rec: Any) -> HttpBoxRef:
+        if not isinstance(rec, dict) or not isinstance(rec.get("id"), str):
+            raise ProtocolError(f"{self.url}: a box's description lacks its id")
+        return HttpBoxRef(self, None, BoxOut.model_validate(rec).model_dump())
+
+    def describe(self, image: Any, options: Mapping[str, Any], *, keep: bool) -> HttpBoxRef:
+        if "home" in options:
+            raise self.unsupported("home=", hint="a server's boxes live in its home")
+        return HttpBoxRef(self, box_create(image, options, self.transport), None)
+
+    async def create(self, ref: BoxRef, *, start: bool, ephemeral: bool = False) -> None:
+        box = http(ref)
+        if box.body is not None:
+            # created first, then started: a box that fails to start is known here and can go
+            body = {**box.body, "start": start and not ephemeral}
+            box.update(await self.json("POST", "/boxes", json_body=body, timeout=self.long()))
+            box.body = None
+            if not start or not ephemeral:
+                return
+        elif not start:
+            return
+        try:
+            await self.call("box", "start", box, {})
+        except BaseException:
+            if ephemeral:
+                with contextlib.suppress(Exception):
+                    await self.call("box", "remove", box, {"force": True})
+            raise
+
+    async def find(self, key: str) -> HttpBoxRef:
+        return self.ref_of(await self.json("GET", f"/boxes/{seg(key)}"))
+
+    async def boxes(self, *, state: str | None, labels: Mapping[str, str] | None) -> list[BoxRef]:
+        out: list[BoxRef] = []
+        label_params = [f"{k}={v}" for k, v in (labels or {}).items()]
+        token: str | None = None
+        while True:
+            page = await self.json(
+                "GET",
+                "/boxes",
+                params={"state": state, "label": label_params, "limit": 100, "page_token": token},
+            )
+            out += [self.ref_of(rec) for rec in page.get("boxes", [])]
+            token = page.get("next_page_token")
+            if not token:
+                return out
+
+    async def call(self, scope: str, name: str, target: Any, args: dict[str, Any]) -> Any:
+        op = operation(scope, name)  # type: ignore[arg-type]
+        params = op.arguments(args).model_dump(exclude_none=True)
+        path = op.url(target.id, params)
+        for name in op.in_path:
+            del params[name]
+        slow = op.method != "GET"
+        kwargs: dict[str, Any] = {"timeout": self.long()} if slow else {}
+        if params or not op.in_path:
+            kwargs["params" if op.in_query else "json_body"] = params
+        kind = op.result.kind
+        value: Any
+        try:
+            if kind == "text":
+                value = (await self.request(op.method, path, **kwargs)).text
+            else:
+                value = op.result.decode(await self.json(op.method, path, **kwargs))
+        except NotFound:
+            if scope == "box" and name in ("refresh", "remove"):  # gone: as a local box is
+                target.removed = True
+                return None
+            raise
+        if kind == "box":
+            target.update(value)
+            return None
+        if kind == "boxes":
+            return [self.ref_of(rec) for rec in value]
+        if kind == "snapshot":
+            return HttpSnapshotRef(self, value)
+        if kind == "snapshots":
+            return [HttpSnapshotRef(self, rec) for rec in value]
+        if scope == "box" and name == "remove":
+            target.removed = True
+        return value
+
+    # -- commands ---------------------------------------------------------------------------
+
+    async def exec(
+        self,
+        ref: BoxRef,
+        argv: Sequence[str],
+        *,
+        env: Mapping[str, str] | None,
+        cwd: str | None,
+        user: str | None,
+        stdin: bytes | None,
+        timeout: float | None,
+    ) -> ExecResult:
+        body: dict[str, Any] = {"argv": list(argv)}
+        for key, value in (("env", env), ("cwd", cwd), ("user", user), ("timeout", timeout)):
+            if value is not None:
+                body[key] = dict(value) if isinstance(value, Mapping) else value
+        if stdin is not None:  # base64: its size is known, whatever it holds
+            import base64
+
+            body["stdin_b64"] = base64.b64encode(stdin).decode()
+        return exec_result(await self._exec(ref.id, body), tuple(argv))
+
+    async def _exec(self, box_id: str, body: dict[str, Any]) -> Any:
+        """The answer of a one-shot exec: on the exec channel, or over HTTP where the
+        server has none."""
+        if self._channel is not None:
+            try:
+                return await self._channel.call(box_id, body)
+            except ChannelUnavailable:
+                pass
+        return await self.json("POST", f"/boxes/{seg(box_id)}/exec", json_body=body, timeout=self.long())
+
+    async def run_code(
+        self,
+        ref: BoxRef,
+        code: str,
+        *,
+        language: str,
+        context: str | None,
+        timeout: float | None,
+        callbacks: Callbacks,
+    ) -> Execution:
+        body = validated(
+            RunCodeIn, {"code": code, "language": language, "context": context, "timeout": timeout}
+        )
+        buf = b""
+        async with self.stream(
+            "POST",
+            http(ref).path("/code"),
+            content=body.model_dump_json().encode(),
+            timeout=self.long(),
+            headers={"content-type": "application/json"},
+        ) as r:
+            async for chunk in self.chunks(r):
+                buf += chunk
+                *lines, buf = buf.split(b"\n")
+                for line in lines:
+                    done = await code_event(decode_control(line, self.url), callbacks)
+                    if done is not None:
+                        return done
+        raise ConnectionLost(f"{self.url}: the server ended the cell's answer before its end")
+
+    def _opener(self, box: HttpBoxRef, process_id: str) -> Any:
+        async def attach(offsets: tuple[int, int]) -> Link:
+            params = {"stdout": offsets[0], "stderr": offsets[1]}
+            return WsLink(await self.websocket(box.path(f"/processes/{seg(process_id)}/attach"), params))
+
+        return attach
+
+    async def spawn(
+        self,
+        ref: BoxRef,
+        argv: Sequence[str],
+        *,
+        env: Mapping[str, str] | None,
+        cwd: str | None,
+        user: str | None,
+        tty: bool,
+        rows: int,
+        cols: int,
+        stdin: bool,
+        keep: str | None,
+    ) -> AsyncProcess:
+        box = http(ref)
+        request = validated(
+            SpawnIn,
+            {
+                "argv": list(argv),
+                "env": dict(env) if env else None,
+                "cwd": cwd,
+                "user": user,
+                "tty": tty,
+                "rows": rows,
+                "cols": cols,
+                "stdin": stdin,
+            },
+        )
+        ws = await self.websocket(box.path("/spawn"))
+        try:
+            with contextlib.suppress(ConnectionClosed):  # a refusal may come first: read it below
+                await ws.send(json.dumps(request.model_dump(exclude_none=True)))
+            first = await self.first_message(ws)
+            if first.get("type") != "started" or not isinstance(first.get("id"), str):
+                raise ProtocolError(f"{self.url}: the server answered a spawn with {first!r}")
+        except ConnectionClosed as e:
+            raise ConnectionLost(f"lost the connection to {self.url} while starting {argv[0]}: {e}") from None
+        except BaseException:
+            with contextlib.suppress(Exception):
+                await ws.close()
+            raise
+        proc = FollowedProcess(
+            first["id"], int(first.get("pid") or 0), tty, self._opener(box, first["id"]), self.url, WsLink(ws)
+        )
+        return AsyncProcess(tuple(argv), proc, key=keep)
+
+    async def attach(self, ref: BoxRef, process_id: str, offsets: tuple[int, int]) -> AsyncProcess:
+        box = http(ref)
+        held = next(
+            (p for p in await self.call("box", "processes", box, {}) if p.get("id") == process_id), None
+        )
+        if held is None:
+            raise NotFound(f"box {box.name} has no process {process_id} on {self.url}", box=box.name)
+        proc = FollowedProcess(
+            process_id,
+            int(held.get("pid") or 0),
+            bool(held.get("tty")),
+            self._opener(box, process_id),
+            self.url,
+            offsets=offsets,
+        )
+        await proc.connect()
+        return AsyncProcess(tuple(str(a) for a in held.get("argv", ())), proc)
+
+    # -- files ------------------------------------------------------------------------------
+
+    async def read(self, ref: BoxRef, path: str, offset: int, length: int | None) -> AsyncIterator[bytes]:
+        params = validated(ReadIn, {"path": path, "offset": offset, "length": length}).model_dump(
+            exclude_none=True
+        )
+        async with self.stream("GET", http(ref).path("/files/content"), params=params) as r:
+            async for chunk in self.chunks(r):
+                yield chunk
+
+    async def write(
+        self,
+        ref: BoxRef,
+        path: str,
+        data: bytes | AsyncIterable[bytes],
+        *,
+        mode: int | None,
+        user: str | None,
+        append: bool,
+        parents: bool,
+        exclusive: bool,
+    ) -> int:
+        params = validated(
+            WriteIn,
+            {
+                "path": path,
+                "mode": mode,
+                "user": user,
+                "append": append,
+                "parents": parents,
+                "exclusive": exclusive,
+            },
+        ).model_dump(exclude_none=True)
+        counted = data if isinstance(data, bytes) else Counted(data)
+        await self.request(
+            "PUT", http(ref).path("/files/content"), params=params, content=counted, timeout=self.long()
+        )
+        return len(counted) if isinstance(counted, bytes) else counted.total
+
+    async def get_archive(self, ref: BoxRef, path: str) -> AsyncIterator[bytes]:
+        params = validated(ArchiveIn, {"path": path}).model_dump(exclude_none=True)
+        async with self.stream(
+            "GET", http(ref).path("/files/archive"), params=params, timeout=self.long()
+        ) as r:
+            async for chunk in self.chunks(r):
+                yield chunk
+
+    async def put_archive(
+        self, ref: BoxRef, path: str, tar: AsyncIterable[bytes], *, user: str | None
+    ) -> None:
+        params = validated(ArchiveIn, {"path": path, "user": user}).model_dump(exclude_none=True)
+        await self.request(
+            "PUT", http(ref).path("/files/archive"), params=params, content=tar, timeout=self.long()
+        )
+
+    async def watch(self, ref: BoxRef, path: str, recursive: bool) -> WatchSource:
+        params = validated(WatchIn, {"path": path, "recursive": recursive}).model_dump()
+        return await HttpWatch.open(self, http(ref).path("/files/watch"), params)
+
+    # -- snapshots --------------------------------------------------------------------------
+
+    def snapshot_of(self, rec: Any) -> HttpSnapshotRef:
+        if not isinstance(rec, dict) or not isinstance(rec.get("id"), str):
+            raise ProtocolError(f"{self.url}: a snapshot's description lacks its id")
+        return HttpSnapshotRef(self, SnapshotOut.model_validate(rec).model_dump())
+
+    async def find_snapshot(self, key: str) -> HttpSnapshotRef:
+        return self.snapshot_of(await self.json("GET", f"/snapshots/{seg(key)}"))
+
+    async def snapshot_list(self, *, box: str | None, kind: str | None) -> list[SnapshotRef]:
+        data = await self.json("GET", "/snapshots", params={"kind": kind, "box": box})
+        return [self.snapshot_of(rec) for rec in data.get("snapshots", [])]
+
+    async def export(self, snap: SnapshotRef, path: Path) -> Path:
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                async with self.stream("GET", f"/snapshots/{seg(snap.id)}/export", timeout=self.long()) as r:
+                    async for chunk in self.chunks(r):
+                        await asyncio.to_thread(f.write, chunk)
+                await asyncio.to_thread(os.fsync, f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+            raise
+        return path
+
+    async def import_snapshot(
+        self, path: Path, *, name: str | None, start: bool, options: Mapping[str, Any]
+    ) -> BoxRef | SnapshotRef:
+        from .tarstream import host_file
+
+        if options:
+            raise self.unsupported(
+                f"options for the box an import starts ({', '.join(options)})",
+                hint="start it with snapshot.start(...)",
+            )
+        if not path.is_file():
+            raise InvalidArgument(f"{path} is not a file")
+        data = await self.json(
+            "POST",
+            "/snapshots/import",
+            params={"name": name, "start": start},
+            content=host_file(path),
+            timeout=self.long(),
+        )
+        return self.ref_of(data) if start else self.snapshot_of(data)
+
+    # -- the server -------------------------------------------------------------------------
+
+    async def info(self) -> dict[str, Any]:
+        data: dict[str, Any] = await self.json("GET", "/info")
+        return {"transport": self.transport, "url": self.url, **data}
+
+    async def aclose(self) -> None:
+        if self._channel is not None:
+            await self._channel.aclose()
+        await self._http.aclose()
+
+
+def http(ref: BoxRef) -> HttpBoxRef:
+    if not isinstance(ref, HttpBoxRef):
+        raise InvalidArgument(f"not a box of a server: {ref!r}")
+    return ref
+
+
+class Counted:
+    """An async iterable of chunks that counts the bytes it passed on."""
+
+    def __init__(self, source: AsyncIterable[bytes]) -> None:
+        self._source = source
+        self.total = 0
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        async for chunk in self._source:
+            self.total += len(chunk)
+            yield bytes(chunk)
+
+
+class HttpWatch:
+    """A watch of a remote box's path: the server's NDJSON stream (``GET .../files/watch``)
+    read by a task of its own, so that a caller's timeout never cuts a line in two."""
+
+    def __init__(self, backend: HttpBackend, url: str) -> None:
+        self._backend = backend
+        self._url = url
+        self._stack = contextlib.AsyncExitStack()
+        self._events: asyncio.Queue[FileEvent | BaseException | None] = asyncio.Queue(WATCH_BUFFER)
+        self._reader: asyncio.Task[None] | None = None
+        self._done = False
+
+    @classmethod
+    async def open(cls, backend: HttpBackend, url: str, params: Mapping[str, Any]) -> HttpWatch:
+        w = cls(backend, url)
+        timeout = httpx.Timeout(backend.long().connect, read=WATCH_READ_TIMEOUT)
+        try:
+            r = await w._stack.enter_async_context(backend.stream("GET", url, params=params, timeout=timeout))
+            lines = r.aiter_lines()
+            first = await w._message(lines)
+            if first is None or first.get("type") != "watching":
+                raise ProtocolError(f"{backend.url}{url}: a watch stream began with {first!r:.200}")
+        except BaseException:
+            await w._stack.aclose()
+            raise
+        w._reader = asyncio.ensure_future(w._read(lines))
+        return w
+
+    async def _message(self, lines: AsyncIterator[str]) -> dict[str, Any] | None:
+        """The next message; None at the end of the stream."""
+        try:
+            async for text in lines:
+                if not text.strip():
+                    continue
+                msg = decode_control(text, f"{self._backend.url}{self._url}")
+                raise_if_error(msg)
+                return msg
+        except (httpx.TransportError, OSError) as e:
+            raise transport_error(self._backend.url, e) from None
+        return None
+
+    async def _read(self, lines: AsyncIterator[str]) -> None:
+        item: FileEvent | BaseException | None
+        try:
+            while True:
+                msg = await self._message(lines)
+                if msg is None:
+                    item = ConnectionLost(f"{self._backend.url}: the watch stream ended without its end")
+                    break
+                kind = msg.get("type")
+                if kind == "ping":
+                    continue
+                if kind == "end":
+                    item = None
+                    break
+                await self._events.put(file_event(msg, self._backend.url))
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            item = e
+        await self._events.put(item)
+
+    async def next(self) -> FileEvent | None:
+        if self._done:
+            return None
+        item = await self._events.get()
+        if isinstance(item, BaseException):
+            self._done = True
+            raise item
+        if item is None:
+            self._done = True
+            await self.aclose()
+        return item
+
+    async def aclose(self) -> None:
+        reader, self._reader = self._reader, None
+        if reader is not None:
+            reader.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await reader
+        await self._stack.aclose()  # the server sees the client go and ends the watch

@@ -1,0 +1,765 @@
+"""The local backend: boxes of a home of this host, run by the core in this process.
+
+Every operation of ``api/contract.py``'s table is a method ``{scope}_{name}`` here,
+which translates it into calls of the core (``core/``): the controller for the
+lifecycle, live state for snapshots, forks and suspends, the agent session for
+commands and files. A box's ``LocalBoxRef`` shares the core's ``BoxEntry`` with
+every handle of the box in this process, so its state is what this process last
+saw of it, without asking again.
+
+``sandlot serve`` and a fleet node run these same methods for their clients
+(``api/host.py``): what a box does is written here once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import tempfile
+from collections.abc import AsyncIterable, AsyncIterator, Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from ..core.controller import BoxController
+from ..core.entry import BoxEntry, hostname_for
+from ..core.requests import SPEC_OPTIONS, BoxRequest
+from ..core.runtime import Runtime
+from ..core.service import Core, core_for
+from ..core.sessions import Kept
+from ..core.state import BoxState
+from ..core.store import BoxRecord, SnapshotRecord, validate_name
+from ..core.validate import argv as check_argv
+from ..core.validate import check_env, check_user, guest_path, positive
+from ..errors import BoxNotFound, InvalidArgument, SnapshotNotFound
+from ..protocol import files as proto
+from ..protocol.exec import ExecRequest, RemoteProcess
+from ..protocol.watch import WatchStream
+from ..protocol.wire import FsFlag, FsOp
+from .backend import Backend, BoxRef, SnapshotRef
+from .fs import AgentWatch, FileInfo, WatchSource, check_mode, entry_info
+from .process import AsyncProcess, ExecResult, feed_and_wait
+
+if TYPE_CHECKING:
+    from ..images.store import Image
+    from .code import Callbacks, CodeContext, Execution, Interpreter
+
+CONSOLE_TAIL = 256 * 1024  # bytes of the console read for its last lines
+
+
+def box_info(rec: BoxRecord, state: str | None = None) -> dict[str, Any]:
+    """A box's record as every transport describes a box (``contract.BoxOut``)."""
+    opts = rec.options
+    return {
+        "id": rec.id,
+        "name": rec.name,
+        "state": state or str(rec.state),
+        "image": rec.image_ref,
+        "labels": dict(rec.labels),
+        "created_at": rec.created_at,
+        "started_at": rec.started_at,
+        "memory_mib": opts.get("memory_mib"),
+        "cpus": opts.get("cpus"),
+        "disk_size_gb": opts.get("disk_size_gb"),
+        "network": opts.get("network"),
+        "hostname": opts.get("hostname") or hostname_for(rec.name),
+        "engine": rec.engine,
+        "accel": rec.boot.get("accel") or None,
+        "origin": rec.origin,
+        "reason": rec.reason,
+        "node": None,
+    }
+
+
+def snapshot_info(rec: SnapshotRecord) -> dict[str, Any]:
+    """A snapshot's record as every transport describes it (``contract.SnapshotOut``)."""
+    return {
+        "id": rec.id,
+        "name": rec.name,
+        "kind": rec.kind,
+        "box_id": rec.box_id,
+        "box_name": rec.box_name,
+        "created_at": rec.created_at,
+        "size": rec.size,
+        "node": None,
+    }
+
+
+class LocalBoxRef(BoxRef):
+    """A box of this host's home: described (its ``BoxRequest``), or made (its entry)."""
+
+    backend: LocalBackend
+
+    def __init__(
+        self,
+        backend: LocalBackend,
+        request: BoxRequest | None,
+        entry: BoxEntry | None,
+        core: Core | None = None,
+    ) -> None:
+        self.backend = backend
+        self.request = request
+        self.entry = entry
+        self.core = core
+        self.box_id = request.id if request is not None else entry.id if entry is not None else ""
+        self.box_name = request.name if request is not None else entry.name if entry is not None else ""
+        self.given_image: Image | None = request.image if request is not None else None
+
+    @property
+    def runtime(self) -> Runtime:
+        return self.backend.runtime
+
+    @property
+    def id(self) -> str:
+        return self.box_id
+
+    @property
+    def name(self) -> str:
+        return self.box_name
+
+    @property
+    def state(self) -> str:
+        entry = self.entry
+        if entry is None:
+            return "new" if self.request is not None else "removed"
+        return "removed" if entry.removed else str(entry.record.state)
+
+    @property
+    def info(self) -> dict[str, Any]:
+        self.need_made()
+        assert self.entry is not None
+        return box_info(self.entry.record, self.state)
+
+    @property
+    def record(self) -> BoxRecord:
+        """The core's record of the box (front ends on this host: the server, the box link)."""
+        self.need_made()
+        assert self.entry is not None
+        return self.entry.record
+
+    @property
+    def image(self) -> Any:
+        if self.given_image is not None:
+            return self.given_image
+        return self.entry.record.image_ref if self.entry is not None else None
+
+    @property
+    def hostname(self) -> str | None:
+        if self.entry is not None:
+            return self.entry.hostname
+        assert self.request is not None
+        return self.request.spec_for(None).hostname or hostname_for(self.name)
+
+    @property
+    def accel(self) -> str | None:
+        return (self.entry.record.boot.get("accel") if self.entry else None) or None
+
+    @property
+    def boot_seconds(self) -> float | None:
+        return self.entry.boot_seconds if self.entry else None
+
+    @property
+    def last_pause(self) -> float | None:
+        return self.entry.last_pause if self.entry else None
+
+    def image_config(self) -> dict[str, Any] | None:
+        cfg = self.entry.spec.image_config if self.entry else None
+        if cfg is None and self.given_image is not None:
+            cfg = {
+                "entrypoint": list(self.given_image.config.entrypoint),
+                "cmd": list(self.given_image.config.cmd),
+            }
+        return cfg
+
+    # -- the core of the running loop -------------------------------------------------------
+
+    def here(self) -> tuple[Core, BoxEntry | None]:
+        """The core of the running loop, and the box's entry there if it was seen."""
+        core = core_for(self.runtime)
+        if self.core is not core:
+            self.core = core
+            self.entry = core.entries.get(self.id)
+        return core, self.entry
+
+    async def made_entry(
+        self, *, ephemeral: bool = False, claim: bool = False
+    ) -> tuple[BoxController, BoxEntry]:
+        """The controller and the box's entry, making the box first if it is new. ``claim``:
+        it is about to start, so a ready VM of its template's warm pool may be it."""
+        core, entry = self.here()
+        if entry is not None and not entry.removed:
+            return core.controller, entry
+        request = self.request
+        if request is None:  # a box found by id, seen before on another loop
+            entry = await core.controller.find(self.id)
+        else:
+            try:
+                entry = await core.controller.find(self.id)
+            except BoxNotFound:
+                claimed = await core.pools.claim(request, ephemeral=ephemeral) if claim else None
+                if claimed is not None:
+                    entry = claimed
+                    self.box_id = entry.id  # the pool VM's row is the box's now
+                    self.claimed = True
+                else:
+                    entry = await core.controller.create(request, ephemeral=ephemeral)
+            self.request = None
+        self.entry = entry
+        return core.controller, entry
+
+    claimed = False
+
+    async def existing(self) -> tuple[BoxController, BoxEntry]:
+        if self.request is not None and self.entry is None:
+            self.need_made()
+        return await self.made_entry()
+
+    async def live(self) -> tuple[Core, BoxEntry]:
+        _, entry = await self.existing()
+        return self.here()[0], entry
+
+
+class LocalSnapshotRef(SnapshotRef):
+    backend: LocalBackend
+
+    def __init__(self, backend: LocalBackend, rec: SnapshotRecord) -> None:
+        self.backend = backend
+        self.record = rec
+
+    @property
+    def info(self) -> dict[str, Any]:
+        return snapshot_info(self.record)
+
+
+class LocalBackend(Backend):
+    """Boxes of one home of this host."""
+
+    transport: ClassVar[str] = "local"
+    _by_home: ClassVar[dict[Path, LocalBackend]] = {}
+
+    def __init__(self, runtime: Runtime) -> None:
+        self.runtime = runtime
+
+    @classmethod
+    def for_home(cls, home: str | os.PathLike[str] | None = None) -> LocalBackend:
+        rt = Runtime.for_home(home)
+        found = cls._by_home.get(rt.home)
+        if found is None or found.runtime is not rt:
+            found = cls._by_home[rt.home] = cls(rt)
+        return found
+
+    def ref_of(self, core: Core, entry: BoxEntry) -> LocalBoxRef:
+        return LocalBoxRef(self, None, entry, core)
+
+    def core(self) -> Core:
+        return core_for(self.runtime)
+
+    # -- boxes ------------------------------------------------------------------------------
+
+    def describe(self, image: Any, options: Mapping[str, Any], *, keep: bool) -> LocalBoxRef:
+        opts = dict(options)
+        template = template_arg(opts.pop("template", None))
+        request_options = {
+            k: opts.pop(k) for k in ("pull", "insecure", "ca_cert", "credentials") if k in opts
+        }
+        unknown = sorted(set(opts) - set(SPEC_OPTIONS))
+        if unknown:
+            raise InvalidArgument(f"unknown box option(s): {', '.join(unknown)}")
+        request = BoxRequest.build(image, opts, template=template, keep=keep, **request_options)
+        return LocalBoxRef(self, request, None)
+
+    async def create(self, ref: BoxRef, *, start: bool, ephemeral: bool = False) -> None:
+        box = local(ref)
+        ctl, entry = await box.made_entry(ephemeral=ephemeral, claim=start)
+        if not start:
+            return
+        if box.claimed:  # a ready VM of its template's warm pool: running already
+            box.claimed = False
+            return
+        try:
+            await ctl.start(entry)
+        except BaseException:
+            if ephemeral:  # the with block will not run its end: do its work
+                with contextlib.suppress(Exception):
+                    await ctl.remove(entry, force=True)
+            raise
+
+    async def release(self, ref: BoxRef) -> None:
+        ctl, entry = await local(ref).existing()
+        if not entry.removed:  # the session stays for other handles; idle, it gives its port back
+            rec = await ctl.db.update(entry.id, ephemeral=False)
+            if rec is not None:
+                entry.update(rec)
+
+    async def find(self, key: str) -> LocalBoxRef:
+        core = self.core()
+        return self.ref_of(core, await core.controller.find(key))
+
+    async def boxes(self, *, state: str | None, labels: Mapping[str, str] | None) -> list[BoxRef]:
+        core = self.core()
+        return [self.ref_of(core, e) for e in await core.controller.list(state=state, labels=labels)]
+
+    async def call(self, scope: str, name: str, target: Any, args: dict[str, Any]) -> Any:
+        method = getattr(self, f"{scope}_{name}", None)
+        if method is None:
+            raise InvalidArgument(f"a box has no operation {scope}.{name}")
+        return await method(target, **args)
+
+    # -- the box's operations ---------------------------------------------------------------
+
+    async def box_refresh(self, ref: BoxRef) -> None:
+        box = local(ref)
+        if box.request is not None and box.entry is None:
+            return
+        try:
+            ctl, entry = await box.made_entry()
+            await ctl.refresh(entry)
+        except BoxNotFound:
+            if box.entry is not None:
+                box.entry.removed = True
+            else:
+                box.request = None
+
+    async def box_inspect(self, ref: BoxRef) -> dict[str, Any]:
+        ctl, entry = await local(ref).existing()
+        return await ctl.inspect(entry)
+
+    async def box_stats(self, ref: BoxRef) -> dict[str, Any]:
+        ctl, entry = await local(ref).existing()
+        return await ctl.stats(entry)
+
+    async def box_logs(self, ref: BoxRef, lines: int | None = None) -> str:
+        positive("lines", lines, integer=True)
+        path = self.runtime.box_dir(ref.id) / "console.log"
+        return await asyncio.to_thread(read_console, path, lines)
+
+    async def box_start(self, ref: BoxRef) -> None:
+        box = local(ref)
+        ctl, entry = await box.made_entry(claim=True)
+        if box.claimed:
+            box.claimed = False
+            return
+        await ctl.start(entry)
+
+    async def box_stop(self, ref: BoxRef, timeout: float = 10.0) -> None:
+        positive("timeout", timeout)
+        ctl, entry = await local(ref).existing()
+        await ctl.stop(entry, timeout)
+
+    async def box_restart(self, ref: BoxRef, timeout: float = 10.0) -> None:
+        positive("timeout", timeout)
+        ctl, entry = await local(ref).existing()
+        await ctl.restart(entry, timeout)
+
+    async def box_kill(self, ref: BoxRef) -> None:
+        ctl, entry = await local(ref).existing()
+        await ctl.kill(entry)
+
+    async def box_pause(self, ref: BoxRef) -> None:
+        ctl, entry = await local(ref).existing()
+        await ctl.pause(entry)
+
+    async def box_unpause(self, ref: BoxRef) -> None:
+        ctl, entry = await local(ref).existing()
+        await ctl.unpause(entry)
+
+    async def box_suspend(self, ref: BoxRef) -> None:
+        core, entry = await local(ref).live()
+        await core.live.suspend(entry)
+
+    async def box_resume(self, ref: BoxRef) -> None:
+        core, entry = await local(ref).live()
+        await core.live.resume(entry)
+
+    async def box_remove(self, ref: BoxRef, force: bool = False) -> None:
+        box = local(ref)
+        if box.request is not None and box.entry is None:
+            return
+        try:
+            ctl, entry = await box.existing()
+        except BoxNotFound:
+            return
+        await ctl.remove(entry, force=force)
+
+    async def box_set_network(
+        self, ref: BoxRef, network: str | bool | None = None, allow: Sequence[str] | str | None = None
+    ) -> dict[str, Any]:
+        ctl, entry = await local(ref).existing()
+        await ctl.set_network(entry, network, allow=allow)
+        net = (await ctl.inspect(entry))["network"]
+        return {"network": net.get("mode"), "allow": net.get("allow", [])}
+
+    async def box_ports(self, ref: BoxRef) -> list[dict[str, Any]]:
+        ports: list[dict[str, Any]] = (await self.box_inspect(ref))["network"]["ports"]
+        return ports
+
+    async def box_ping(self, ref: BoxRef) -> float:
+        ctl, entry = await local(ref).existing()
+        rtt: float = await (await ctl.connection(entry)).ping()
+        return rtt
+
+    async def box_activity(self, ref: BoxRef) -> tuple[int, float]:
+        ctl, entry = await local(ref).existing()
+        return await ctl.activity(entry)
+
+    async def box_snapshot(self, ref: BoxRef, name: str | None = None) -> LocalSnapshotRef:
+        if name is not None:
+            validate_name(name)
+        core, entry = await local(ref).live()
+        return LocalSnapshotRef(self, await core.live.snapshot(entry, name))
+
+    async def box_snapshots(self, ref: BoxRef) -> list[SnapshotRef]:
+        return await self.snapshot_list(box=ref.id, kind=None)
+
+    async def box_rollback(self, ref: BoxRef, snapshot: str) -> None:
+        core, entry = await local(ref).live()
+        snap = await core.live.find_snapshot(snapshot, box_id=ref.id, kinds=("snapshot",))
+        await core.live.rollback(entry, snap)
+
+    async def box_fork(self, ref: BoxRef, n: int = 1, name: str | None = None) -> list[BoxRef]:
+        core, entry = await local(ref).live()
+        return [self.ref_of(core, k) for k in await core.live.fork(entry, n, name=name)]
+
+    async def box_processes(self, ref: BoxRef) -> list[dict[str, Any]]:
+        raise self.unsupported(
+            "processes()",
+            ref.name,
+            "a local process is followed by its AsyncProcess, and by taken_over() once its process died",
+        )
+
+    async def box_preview_url(self, ref: BoxRef, port: int, ttl: float = 3600) -> str:
+        raise self.unsupported(
+            "preview_url()",
+            ref.name,
+            "a preview URL is signed by a sandlot serve; locally, connect(port) reaches the port",
+        )
+
+    # -- code contexts ----------------------------------------------------------------------
+
+    def _interpreter(self, ref: BoxRef) -> Interpreter:
+        from .code import CodeBox, Interpreter
+        from .files import AsyncFiles
+
+        async def spawn(*argv: str, env: Mapping[str, str] | None = None, cwd: str | None = None,
+                        user: str | None = None, stdin: bool = True) -> AsyncProcess:  # fmt: skip
+            return await self.spawn(ref, argv, env=env, cwd=cwd, user=user, tty=False, rows=24, cols=80,
+                                    stdin=stdin, keep=None)  # fmt: skip
+
+        async def exec_(*argv: str, env: Mapping[str, str] | None = None, cwd: str | None = None,
+                        user: str | None = None, timeout: float | None = None) -> ExecResult:  # fmt: skip
+            return await self.exec(ref, argv, env=env, cwd=cwd, user=user, stdin=None, timeout=timeout)
+
+        return Interpreter(CodeBox(ref.id, AsyncFiles(self, ref), spawn, exec_))
+
+    async def run_code(
+        self,
+        ref: BoxRef,
+        code: str,
+        *,
+        language: str,
+        context: str | None,
+        timeout: float | None,
+        callbacks: Callbacks,
+    ) -> Execution:
+        return await self._interpreter(ref).run(
+            code,
+            language=language,
+            context=context,
+            timeout=timeout,
+            on_stdout=callbacks.on_stdout,
+            on_stderr=callbacks.on_stderr,
+            on_result=callbacks.on_result,
+        )
+
+    async def box_create_code_context(
+        self,
+        ref: BoxRef,
+        language: str = "python",
+        cwd: str | None = None,
+        kernel: str | None = None,
+        env: Mapping[str, str] | None = None,
+        user: str | None = None,
+    ) -> CodeContext:
+        return await self._interpreter(ref).create(
+            language=language, cwd=cwd, kernel=kernel, env=env, user=user
+        )
+
+    async def box_list_code_contexts(self, ref: BoxRef) -> list[CodeContext]:
+        return await self._interpreter(ref).list()
+
+    async def box_interrupt_code_context(self, ref: BoxRef, context: str) -> None:
+        await self._interpreter(ref).interrupt(context)
+
+    async def box_restart_code_context(self, ref: BoxRef, context: str) -> CodeContext:
+        return await self._interpreter(ref).restart(context)
+
+    async def box_remove_code_context(self, ref: BoxRef, context: str) -> None:
+        await self._interpreter(ref).remove(context)
+
+    # -- files ------------------------------------------------------------------------------
+
+    async def _conn(self, ref: BoxRef) -> Any:
+        ctl, entry = await local(ref).existing()
+        return await ctl.connection(entry)
+
+    async def files_stat(self, ref: BoxRef, path: str, follow_symlinks: bool = True) -> FileInfo:
+        p = guest_path(path)
+        flags = 0 if follow_symlinks else FsFlag.NOFOLLOW
+        entries = await proto.fs_request(await self._conn(ref), FsOp.STAT, p, flags=flags)
+        return entry_info(None, entries[0], path=p)
+
+    async def files_list(self, ref: BoxRef, path: str) -> list[FileInfo]:
+        p = guest_path(path)
+        entries = await proto.fs_request(await self._conn(ref), FsOp.LIST, p)
+        return sorted((entry_info(p, e) for e in entries), key=lambda i: i.name)
+
+    async def files_mkdir(
+        self, ref: BoxRef, path: str, parents: bool = True, mode: int = 0o755, user: str | None = None
+    ) -> None:
+        flags = FsFlag.PARENTS if parents else 0
+        owner, where = check_user(user), guest_path(path)
+        await proto.fs_request(
+            await self._conn(ref), FsOp.MKDIR, where, mode=check_mode(mode), flags=flags, user=owner
+        )
+
+    async def files_remove(
+        self, ref: BoxRef, path: str, recursive: bool = False, missing_ok: bool = False
+    ) -> None:
+        flags = (FsFlag.RECURSIVE if recursive else 0) | (FsFlag.MISSING_OK if missing_ok else 0)
+        await proto.fs_request(await self._conn(ref), FsOp.REMOVE, guest_path(path), flags=flags)
+
+    async def files_rename(self, ref: BoxRef, src: str, dst: str) -> None:
+        await proto.fs_request(await self._conn(ref), FsOp.RENAME, guest_path(src), path2=guest_path(dst))
+
+    async def files_chmod(self, ref: BoxRef, path: str, mode: int) -> None:
+        if mode is None:
+            raise InvalidArgument("chmod needs a mode")
+        await proto.fs_request(await self._conn(ref), FsOp.CHMOD, guest_path(path), mode=check_mode(mode))
+
+    async def files_chown(self, ref: BoxRef, path: str, user: str, follow_symlinks: bool = True) -> None:
+        if not user:
+            raise InvalidArgument("chown needs a user")
+        check_user(user)
+        flags = 0 if follow_symlinks else FsFlag.NOFOLLOW
+        await proto.fs_request(await self._conn(ref), FsOp.CHOWN, guest_path(path), user=user, flags=flags)
+
+    async def read(self, ref: BoxRef, path: str, offset: int, length: int | None) -> AsyncIterator[bytes]:
+        p = guest_path(path)
+        if offset < 0 or (length is not None and length < 0):
+            raise InvalidArgument("offset and length must not be negative")
+        _size, _mode, chunks = await proto.read_stream(await self._conn(ref), p, offset=offset, length=length)
+        async for chunk in chunks:
+            yield chunk
+
+    async def write(
+        self,
+        ref: BoxRef,
+        path: str,
+        data: bytes | AsyncIterable[bytes],
+        *,
+        mode: int | None,
+        user: str | None,
+        append: bool,
+        parents: bool,
+        exclusive: bool,
+    ) -> int:
+        return await proto.write_stream(
+            await self._conn(ref),
+            guest_path(path),
+            data,
+            mode=check_mode(mode),
+            user=check_user(user),
+            append=append,
+            parents=parents,
+            exclusive=exclusive,
+        )
+
+    async def get_archive(self, ref: BoxRef, path: str) -> AsyncIterator[bytes]:
+        from .files import AsyncFiles
+        from .tarstream import tar_out
+
+        files = AsyncFiles(self, ref)
+        if not (await files.stat(path)).is_dir:
+            raise InvalidArgument(f"{path} is not a directory")
+        async for chunk in tar_out(files, guest_path(path)):
+            yield chunk
+
+    async def put_archive(
+        self, ref: BoxRef, path: str, tar: AsyncIterable[bytes], *, user: str | None
+    ) -> None:
+        from .files import AsyncFiles
+        from .tarstream import tar_in
+
+        with tempfile.SpooledTemporaryFile(max_size=8 << 20, dir=str(self.runtime.home)) as spool:
+            async for chunk in tar:
+                await asyncio.to_thread(spool.write, chunk)
+            spool.seek(0)
+            await tar_in(AsyncFiles(self, ref), guest_path(path), spool, user=check_user(user))
+
+    async def watch(self, ref: BoxRef, path: str, recursive: bool) -> WatchSource:
+        conn = await self._conn(ref)
+        return AgentWatch(conn, await WatchStream.start(conn, guest_path(path), recursive=recursive))
+
+    # -- commands ---------------------------------------------------------------------------
+
+    async def exec(
+        self,
+        ref: BoxRef,
+        argv: Sequence[str],
+        *,
+        env: Mapping[str, str] | None,
+        cwd: str | None,
+        user: str | None,
+        stdin: bytes | None,
+        timeout: float | None,
+    ) -> ExecResult:
+        positive("timeout", timeout)
+        proc = await self.spawn(
+            ref,
+            argv,
+            env=env,
+            cwd=cwd,
+            user=user,
+            tty=False,
+            rows=24,
+            cols=80,
+            stdin=stdin is not None,
+            keep=None,
+        )
+        if stdin is None:
+            return await proc.result(timeout)
+        return await feed_and_wait(proc, stdin, timeout)
+
+    async def spawn(
+        self,
+        ref: BoxRef,
+        argv: Sequence[str],
+        *,
+        env: Mapping[str, str] | None,
+        cwd: str | None,
+        user: str | None,
+        tty: bool,
+        rows: int,
+        cols: int,
+        stdin: bool,
+        keep: str | None,
+    ) -> AsyncProcess:
+        args = check_argv(argv)
+        if tty and not (0 < rows <= 10000 and 0 < cols <= 10000):
+            raise InvalidArgument("rows and cols must be in 1..10000")
+        ctl, entry = await local(ref).existing()
+        spec = entry.spec
+        req = ExecRequest(
+            argv=args,
+            env={**spec.default_env(), **check_env(env)} or None,
+            cwd=guest_path(cwd) if cwd is not None else spec.default_cwd(),
+            user=check_user(user) or spec.default_user(),
+            tty=tty,
+            rows=rows,
+            cols=cols,
+            stdin=stdin,
+        )
+        remote = await RemoteProcess.start(await ctl.connection(entry), req)
+        if keep is not None:
+            entry.session.keep(remote.channel_id, Kept(keep, args, remote.pid, tty))
+        return AsyncProcess(args, remote, key=keep)
+
+    async def taken_over(self, ref: BoxRef) -> list[AsyncProcess]:
+        ctl, entry = await local(ref).existing()
+        session = entry.session
+        if session.conn is None and entry.state == BoxState.RUNNING and session.inheritance_left():
+            await ctl.connection(entry)  # leasing the port a dead host left takes its processes over
+        taken, session.taken_over = session.taken_over, []
+        return [AsyncProcess(kept.argv, remote, key=kept.key) for kept, remote in taken]
+
+    # -- snapshots --------------------------------------------------------------------------
+
+    async def find_snapshot(self, key: str) -> LocalSnapshotRef:
+        return LocalSnapshotRef(self, await self.core().live.find_snapshot(key))
+
+    async def snapshot_list(self, *, box: str | None, kind: str | None) -> list[SnapshotRef]:
+        return [LocalSnapshotRef(self, r) for r in await self.core().live.list_snapshots(box=box, kind=kind)]
+
+    async def _record(self, snap: SnapshotRef) -> SnapshotRecord:
+        rec = local_snapshot(snap).record
+        found = await self.core().db.find_snapshot(rec.id)
+        if found is None:
+            raise SnapshotNotFound(f"snapshot {rec.id} was removed")
+        return found
+
+    async def snapshot_inspect(self, snap: SnapshotRef) -> dict[str, Any]:
+        rec = await self._record(snap)
+        d = rec.to_json()
+        d["children"] = await self.core().live.children(rec)
+        d["path"] = str(self.runtime.home / "snapshots" / rec.id)
+        return d
+
+    async def snapshot_start(
+        self, snap: SnapshotRef, n: int = 1, name: str | None = None, **options: Any
+    ) -> list[BoxRef]:
+        core = self.core()
+        entries = await core.live.start_boxes(local_snapshot(snap).record, n, name=name, **options)
+        return [self.ref_of(core, e) for e in entries]
+
+    async def snapshot_remove(self, snap: SnapshotRef) -> None:
+        core = self.core()
+        rec = local_snapshot(snap).record
+        if rec.kind == "template":  # a template's warm pool goes first (its VMs are no boxes yet)
+            found = await core.db.find_snapshot(rec.id)
+            if found is not None:
+                await core.pools.drop(found)
+        await core.live.remove_snapshot(rec)
+
+    async def export(self, snap: SnapshotRef, path: Path) -> Path:
+        return await self.core().live.export(local_snapshot(snap).record, path)
+
+    async def import_snapshot(
+        self, path: Path, *, name: str | None, start: bool, options: Mapping[str, Any]
+    ) -> BoxRef | SnapshotRef:
+        snap = LocalSnapshotRef(self, await self.core().live.import_snapshot(path))
+        if not start:
+            return snap
+        return (await self.snapshot_start(snap, 1, name, **options))[0]
+
+    async def info(self) -> dict[str, Any]:
+        return {"transport": self.transport, "home": str(self.runtime.home)}
+
+
+def local(ref: BoxRef) -> LocalBoxRef:
+    if not isinstance(ref, LocalBoxRef):
+        raise InvalidArgument(f"not a box of this host: {ref!r}")
+    return ref
+
+
+def local_snapshot(snap: SnapshotRef) -> LocalSnapshotRef:
+    if not isinstance(snap, LocalSnapshotRef):
+        raise InvalidArgument(f"not a snapshot of this host: {snap!r}")
+    return snap
+
+
+def template_arg(template: Any) -> str | SnapshotRecord | bool | None:
+    """``template=``: a snapshot object of this host, its id or name, False or None."""
+    if template is None or template is False or isinstance(template, str | SnapshotRecord):
+        return template
+    ref = getattr(template, "ref", None)
+    if isinstance(ref, LocalSnapshotRef):
+        return ref.record
+    if isinstance(ref, SnapshotRef):
+        return ref.id
+    raise InvalidArgument(f"template= takes a template or snapshot, its name, or False; not {template!r}")
+
+
+def read_console(path: Path, lines: int | None) -> str:
+    if lines is None:
+        try:
+            return path.read_text(errors="replace")
+        except FileNotFoundError:
+            return ""
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - CONSOLE_TAIL))
+            data = f.read()
+    except OSError:
+        return ""
+    return "\n".join(data.decode("utf-8", "replace").replace("\r\n", "\n").splitlines()[-lines:])

@@ -1,0 +1,70 @@
+"""``sandlot serve``'s application served in this process, over the fake engine: the
+real routes, middleware, keys and WebSockets on a real socket of 127.0.0.1 (uvicorn
+in a thread of its own), with boxes that are objects in this process. The fast tier
+drives it with the real HTTP backend, the MCP SDK client and the tools; the same
+paths against a real ``sandlot serve`` process and real VMs are in ``tests/vm``."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+import time
+import warnings
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+from sandlot.api import access
+from sandlot.server.app import create_app
+from sandlot.server.state import Settings
+
+from tests.support.fake_engine import register
+from tests.support.serve import free_port
+
+
+@dataclass
+class InProcess:
+    home: Path
+    url: str
+    api_key: str | None
+
+    def key(self, name: str, **options: object) -> str:
+        """A new API key of this server's home (``sandlot keys create``)."""
+        return access.create_key(name, home=self.home, **options)[1]  # type: ignore[arg-type]
+
+
+@contextlib.contextmanager
+def serving(home: Path, *, auth: bool = True, mcp: bool = True) -> Iterator[InProcess]:
+    """The server's app for ``home`` on a free port of 127.0.0.1, in a thread with its own
+    event loop (the fake engine's VMs live on that loop); an admin key unless ``auth`` is off."""
+    import uvicorn
+
+    warnings.filterwarnings("ignore", message=".*`websockets` implementation is deprecated.*")
+    register()
+    key = access.create_key(f"admin-{time.monotonic_ns()}", admin=True, home=home)[1] if auth else None
+    port = free_port()
+    settings = Settings(home=home, auth=auth, mcp=mcp, heir=f"test 127.0.0.1:{port}")
+    config = uvicorn.Config(create_app(settings), host="127.0.0.1", port=port, log_level="warning",
+                            loop="asyncio", ws="websockets", lifespan="on")  # fmt: skip
+    server = uvicorn.Server(config)
+    thread = threading.Thread(
+        target=lambda: asyncio.run(server.serve()), name="sandlot-test-server", daemon=True
+    )
+    thread.start()
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 30
+    while True:
+        with contextlib.suppress(httpx.TransportError):
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                break
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise RuntimeError("the in-process server did not come up")
+        time.sleep(0.02)
+    try:
+        yield InProcess(home, url, key)
+    finally:
+        server.should_exit = True
+        thread.join(15)
