@@ -1,7 +1,9 @@
 """The fleet on a real multi-node Ray cluster on this machine (``ray.cluster_utils``):
 three nodes, each its own raylet, sandlot home and resources; real VMs, real
 moves of saved state through Ray's object store. The tests share one cluster and
-run in order: the node-loss test kills a node last."""
+run in order: the node-loss test kills a node last. A fleet box is a ``sandlot.Box``
+(its contract on every transport is ``test_contract.py``'s); these are what only a
+fleet does: placement, forks spread over nodes, moves, node loss and replicas."""
 
 from __future__ import annotations
 
@@ -34,11 +36,15 @@ setsid sh -c 'echo $$ > /tmp/pid; i=0; while true; do i=$((i+1)); echo $i > /tmp
 """
 
 
-def count(box: fleet.FleetBox) -> int:
+def node_of(box: sandlot.Box) -> str:
+    return str(box.info["node"])
+
+
+def count(box: sandlot.Box) -> int:
     return int(box.sh("cat /tmp/count").stdout)
 
 
-def wait_count(box: fleet.FleetBox, at_least: int = 3) -> int:
+def wait_count(box: sandlot.Box, at_least: int = 3) -> int:
     deadline = time.monotonic() + 20
     while True:
         try:
@@ -81,15 +87,17 @@ def boxes_in(home: Path) -> list[str]:
 def test_placement_by_resources(f: fleet.Fleet, nodes: Nodes, busybox_root: Path) -> None:
     t0 = time.monotonic()
     big = f.create(rootfs=busybox_root, memory_mib=768, labels={"t": "place"})
-    assert big.node in (nodes.head, nodes.a)  # the small node offers 512 MiB: Ray never puts it there
+    assert node_of(big) in (nodes.head, nodes.a)  # the small node offers 512 MiB: Ray never puts it there
     small = f.create(rootfs=busybox_root, memory_mib=256, node=nodes.b[:10], labels={"t": "place"})
-    assert small.node == nodes.b
+    assert node_of(small) == nodes.b and small.transport == "ray"
     assert small.exec("echo", "hi").stdout == "hi\n"
     # the methods of a local box, run by the node's actor
-    proc = small.spawn("sh", "-c", "echo one; sleep 0.3; echo two >&2; cat", stdin="fed")
-    items = list(proc)
-    assert ("stdout", b"one\n") in items and ("stderr", b"two\n") in items and proc.returncode == 0
-    assert [k for k, _ in items].index("stdout") < [k for k, _ in items].index("stderr")  # as it came
+    proc = small.spawn("sh", "-c", "echo one; sleep 0.3; echo two >&2; cat")
+    assert next(iter(proc.stdout)) == b"one\n"  # as it comes
+    proc.write_stdin("fed")
+    proc.close_stdin()
+    r = proc.result(timeout=30)
+    assert (r.stdout, r.stderr, r.exit_code) == ("fed", "two\n", 0)
     assert small.spawn("sh", "-c", "exit 3").result().exit_code == 3
     small.files.write("/root/v", "1")
     snap = small.snapshot("one")
@@ -97,8 +105,8 @@ def test_placement_by_resources(f: fleet.Fleet, nodes: Nodes, busybox_root: Path
     small.rollback(snap)
     assert small.files.read_text("/root/v") == "1" and [s.name for s in small.snapshots()] == ["one"]
     assert big.id in boxes_in(nodes.fc.homes[big.node]) and small.id in boxes_in(nodes.fc.homes[nodes.b])
-    listed = {b.id: b.node for b in f.list(labels={"t": "place"})}
-    assert listed == {big.id: big.node, small.id: nodes.b}
+    listed = {b.id: node_of(b) for b in f.list(labels={"t": "place"})}
+    assert listed == {big.id: node_of(big), small.id: nodes.b}
     reserved = {n["node_id"]: n["reserved_memory_mib"] for n in f.nodes()}
     assert reserved[nodes.b] == 256
     big.remove(force=True)
@@ -107,7 +115,7 @@ def test_placement_by_resources(f: fleet.Fleet, nodes: Nodes, busybox_root: Path
     assert boxes_in(nodes.fc.homes[nodes.b]) == []
     # spread: boxes made one by one go to different nodes while each has room
     spread = [f.create(rootfs=busybox_root, memory_mib=128, strategy="spread", start=False) for _ in range(3)]
-    assert len({b.node for b in spread}) == 3, [b.node for b in spread]
+    assert len({node_of(b) for b in spread}) == 3, [node_of(b) for b in spread]
     for b in spread:
         b.remove()
     print(f"placement test {time.monotonic() - t0:.1f} s")
@@ -117,15 +125,15 @@ def test_a_fork_spreads_over_nodes_and_its_children_diverge(f: fleet.Fleet, node
                                                             busybox_root: Path) -> None:  # fmt: skip
     src = f.create(rootfs=busybox_root, memory_mib=256, node=nodes.head, labels={"team": "fork"})
     src.files.write("/root/seed", "from the parent")
-    kids = src.fork(3, spread=True)
+    kids = f.fork(src, 3, spread=True)
     try:
         assert kids.per_node == {nodes.head: 1, nodes.a: 1, nodes.b: 1}
-        assert sorted(k.node for k in kids) == sorted([nodes.head, nodes.a, nodes.b])
+        assert sorted(node_of(k) for k in kids) == sorted([nodes.head, nodes.a, nodes.b])
         for i, k in enumerate(kids):
-            assert k.labels == {"team": "fork"} and k.state == "running"
+            assert k.info["labels"] == {"team": "fork"} and k.state == "running"
             assert k.files.read_text("/root/seed") == "from the parent"
             k.files.write("/root/mine", f"child {i}")
-            assert k.id in boxes_in(nodes.fc.homes[k.node])
+            assert k.id in boxes_in(nodes.fc.homes[node_of(k)])
         assert [k.files.read_text("/root/mine") for k in kids] == ["child 0", "child 1", "child 2"]
         assert not src.files.exists("/root/mine")
         assert len({k.sh("hostname").stdout for k in kids}) == 3  # each its own identity
@@ -145,8 +153,8 @@ def test_migration_keeps_the_box_and_its_running_processes(f: fleet.Fleet, nodes
         pid = box.files.read_text("/tmp/pid")
         before = count(box)
         moved = f.migrate(box, node=nodes.a)
-        assert (moved.id, moved.name, moved.labels) == (box.id, "mover", {"app": "m"})
-        assert moved.node == nodes.a and moved.state == "running"
+        assert (moved.id, moved.name, moved.info["labels"]) == (box.id, "mover", {"app": "m"})
+        assert node_of(moved) == nodes.a and moved.state == "running"
         after = count(moved)
         assert before <= after < before + 100  # the same counter went on, it did not start again
         time.sleep(0.5)
@@ -157,12 +165,12 @@ def test_migration_keeps_the_box_and_its_running_processes(f: fleet.Fleet, nodes
         assert moved.files.read_text("/root/state") == "kept"
         assert boxes_in(nodes.fc.homes[nodes.head]).count(box.id) == 0
         assert box.id in boxes_in(nodes.fc.homes[nodes.a])
-        t = moved.last_migration
+        t = f.last_migration
         assert t is not None and t["bytes"] > 0 and t["chunks"] >= 1
         # a suspended box arrives suspended
         moved.suspend()
         back = f.migrate(moved.id, node=nodes.head)
-        assert back.state == "suspended" and back.node == nodes.head
+        assert back.state == "suspended" and node_of(back) == nodes.head
         back.resume()
         assert count(back) >= after
     finally:
@@ -176,9 +184,10 @@ def test_a_second_driver_finds_the_boxes(f: fleet.Fleet, nodes: Nodes, busybox_r
         import json
         from sandlot import fleet
         f = fleet.connect({nodes.fc.address!r})
-        boxes = {{b.name: b.node for b in f.list()}}
+        boxes = {{b.name: b.info["node"] for b in f.list()}}
         box = f.get("found-later")
-        print(json.dumps({{"boxes": boxes, "note": box.files.read_text("/root/note"), "node": box.node}}))
+        note = box.files.read_text("/root/note")
+        print(json.dumps({{"boxes": boxes, "note": note, "node": box.info["node"]}}))
     """)
     env = {**os.environ, "PYTHONPATH": f"{ROOT / 'src'}{os.pathsep}{ROOT}"}
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180, env=env)
@@ -233,7 +242,7 @@ def test_bad_input_gives_a_clear_error_and_moves_nothing(f: fleet.Fleet, nodes: 
         odd_home = nodes.fc.homes[odd]
         assert boxes_in(odd_home) == [] and sandlot.list_snapshots(home=odd_home) == []
         still = f.get("stays")
-        assert still.node == nodes.a and still.state == "running"
+        assert node_of(still) == nodes.a and still.state == "running"
         c = count(still)
         time.sleep(0.5)
         assert count(still) > c  # its processes went on
@@ -252,10 +261,10 @@ def test_a_dead_nodes_boxes_are_lost_and_a_replicated_one_recovers(f: fleet.Flee
                                                                    busybox_root: Path) -> None:  # fmt: skip
     safe = f.create(rootfs=busybox_root, memory_mib=256, node=nodes.a, name="safe", replicas=1)
     plain = f.create(rootfs=busybox_root, memory_mib=256, node=nodes.a, name="plain")
-    assert plain.node == nodes.a
+    assert node_of(plain) == nodes.a
     safe.files.write("/root/saved", "in the snapshot")
     safe.snapshot()
-    replica = safe.replica
+    replica = f.record(safe)["replica"]
     assert replica is not None and replica["node"] != nodes.a
     safe.files.write("/root/later", "after the snapshot")
     nodes.fc.kill(nodes.a)
@@ -267,14 +276,14 @@ def test_a_dead_nodes_boxes_are_lost_and_a_replicated_one_recovers(f: fleet.Flee
             break
         assert time.monotonic() < deadline, f"never lost: {[(b.name, b.state) for b in states.values()]}"
         time.sleep(1)
-    lost = states["plain"].lost
+    lost = f.record(states["plain"])["lost"]
     assert lost is not None and lost["node"] == nodes.a and killed - 5 < lost["at"] < time.time()
     with pytest.raises(sandlot.InvalidState, match="lost"):
         states["plain"].exec("true")
     with pytest.raises(sandlot.InvalidState, match="has no replica"):
         f.recover("plain")
     back = f.recover("safe")
-    assert (back.id, back.name, back.state, back.node) == (safe.id, "safe", "running", replica["node"])
+    assert (back.id, back.name, back.state, node_of(back)) == (safe.id, "safe", "running", replica["node"])
     assert back.files.read_text("/root/saved") == "in the snapshot"
     assert not back.files.exists("/root/later")  # what it did after its last saved state is gone
     assert back.id in boxes_in(nodes.fc.homes[replica["node"]])

@@ -273,7 +273,7 @@ def box_create(image: Any, options: Mapping[str, Any], transport: str) -> dict[s
             raise Unsupported(f"an Image object is not offered over the {transport} transport; give its "
                               "reference (a string)", transport=transport)  # fmt: skip
         body = {"image": image, **body}
-    made: dict[str, Any] = validated(BoxCreate, body).model_dump(exclude_none=True)
+    made: dict[str, Any] = validated(BoxCreate, body).model_dump(exclude_none=True, exclude={"start"})
     return made
 
 

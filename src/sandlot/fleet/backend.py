@@ -401,11 +401,20 @@ class RayBackend(Backend):
             )
             return value
         box = ray_box(target)
-        if name == "remove":
+        if op.key == "box.refresh":  # a lost box is what the directory says: its node cannot be asked
+            await self.reconcile()
+            try:
+                rec = await self.reread(box)
+            except NotFound:
+                box.removed = True
+                return None
+            if rec["state"] == LOST:
+                return None
+        if op.key == "box.remove":
             return await self.remove(box, bool(params.get("force")))
-        if name == "fork":
+        if op.key == "box.fork":
             return await self.fork(box, params["n"], params.get("name"))
-        if name == "suspend" and box.rec and box.rec.get("replicas"):
+        if op.key == "box.suspend" and box.rec and box.rec.get("replicas"):
             return await self.suspend_replicated(box)
         answer = await self.ask(box, self.actor(box).call.remote(scope, name, box.id, params))
         value = op.result.decode(answer) if op.result.kind != "text" else answer
@@ -417,7 +426,7 @@ class RayBackend(Backend):
             return None
         if kind == "snapshot":
             made = RaySnapshotRef(self, value)
-            if name == "snapshot" and box.rec and box.rec.get("replicas"):
+            if op.key == "box.snapshot" and box.rec and box.rec.get("replicas"):
                 box.rec = await self.replicate(box.rec, made.id)
             return made
         if kind == "snapshots":

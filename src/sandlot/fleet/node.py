@@ -55,7 +55,7 @@ from ..api.contract import (
 from ..api.local import LocalBackend
 from ..api.templates import restore_moved_box_async
 from ..config import runtime_dir
-from ..errors import InvalidArgument, InvalidState, RequestError, SandlotError, Unsupported
+from ..errors import BoxNotFound, InvalidArgument, InvalidState, RequestError, SandlotError, Unsupported
 from ..version import __version__
 from . import transfer
 
@@ -352,8 +352,11 @@ class NodeService:
 
     @guarded
     async def remove(self, key: str, force: bool) -> None:
-        with contextlib.suppress(SandlotError):  # a box already gone is removed
-            await self._remove(await self.ref(key), force)
+        try:
+            ref = await self.ref(key)
+        except BoxNotFound:  # a box already gone is removed
+            return
+        await self._remove(ref, force)
 
     async def _remove(self, ref: BoxRef, force: bool) -> None:
         """Remove a box, and the state the fleet moved here for it once no box needs it."""

@@ -1,10 +1,14 @@
-"""The same test bodies against a local box and a box of a real ``sandlot serve``
-(``sandlot.connect``): exec, streamed processes with stdin and a terminal, files,
-snapshot and rollback, fork, suspend and resume, the network policy, and the
-exceptions, which must be the same classes with the same fields on both sides.
+"""The contract of a box, on every transport: the same test bodies against a box of
+this host's home, a box of a real ``sandlot serve`` process (``sandlot.connect``) and
+a box of a real Ray cluster's node (``sandlot.fleet``). Exec, streamed processes with
+stdin and a terminal, files and trees, watches, ports, code, snapshot and rollback,
+fork, suspend and resume, the network policy, and the exceptions, which must be the
+same classes with the same fields on every side. Each is a ``sandlot.Box``.
 
 Each side shares one booted busybox box between the tests of this module (each
-test leaves it usable); the lifecycle test boots one more per side.
+test leaves it usable); the lifecycle test boots one more per side. The same
+operations on the fake engine, locally and through the server's application, run
+in the fast tier (``tests/unit/test_contract.py``).
 """
 
 from __future__ import annotations
@@ -36,11 +40,11 @@ pytestmark = pytest.mark.vm
 @dataclass
 class Side:
     """How a test makes and finds boxes on one side: ``new(**options)`` an unstarted box
-    (``sandlot.Box`` or ``RemoteBox``), ``get(key)`` an existing one."""
+    (a ``sandlot.Box`` of the side's transport), ``get(key)`` an existing one."""
 
     kind: str
-    new: Callable[..., Any]
-    get: Callable[[str], Any]
+    new: Callable[..., sandlot.Box]
+    get: Callable[[str], sandlot.Box]
 
 
 @pytest.fixture(scope="module")
@@ -59,19 +63,45 @@ def served() -> Iterator[Served]:
                                env=env, capture_output=True, timeout=60)  # fmt: skip
 
 
-@pytest.fixture(scope="module", params=["local", "remote"])
+@pytest.fixture(scope="module")
+def fleet_of_one() -> Iterator[Any]:
+    """A real Ray cluster on this machine with one sandlot node (its own home)."""
+    ray = pytest.importorskip("ray", reason="the fleet needs Ray: pip install 'sandlot[fleet]'")
+    from sandlot import fleet
+
+    from tests.support.fleet import FleetCluster
+
+    fc = FleetCluster()
+    try:
+        fc.add(cpus=4, memory_mib=2048)
+        ray.init(address=fc.address, namespace="sandlot", log_to_driver=False)
+        yield fleet.connect(fc.address, placement_timeout=30)
+    finally:
+        fc.shutdown()
+
+
+@pytest.fixture(scope="module", params=["local", "remote", "fleet"])
 def side(request: pytest.FixtureRequest, busybox_root: Path) -> Iterator[Side]:
+    plain = {"rootfs": str(busybox_root), "memory_mib": 256}
     if request.param == "local":
-        yield Side("local", lambda **kw: sandlot.Box(rootfs=busybox_root, memory_mib=256, **kw), sandlot.get)
+        yield Side("local", lambda **kw: sandlot.Box(**{**plain, **kw}), sandlot.get)
+        return
+    if request.param == "fleet":
+        f = request.getfixturevalue("fleet_of_one")
+        yield Side("fleet", lambda **kw: f.Box(**{**plain, **kw}), f.get)
         return
     served: Served = request.getfixturevalue("served")
     with sandlot.connect(served.url, api_key=served.api_key) as client:
-        yield Side("remote", lambda **kw: client.Box(rootfs=busybox_root, memory_mib=256, **kw), client.get)
+        yield Side("remote", lambda **kw: client.Box(**{**plain, **kw}), client.get)
+
+
+TRANSPORTS = {"local": "local", "remote": "http", "fleet": "ray"}
 
 
 @pytest.fixture(scope="module")
 def box(side: Side) -> Iterator[Any]:
     with side.new(network="allowlist") as b:
+        assert isinstance(b, sandlot.Box) and b.transport == TRANSPORTS[side.kind]
         yield b
 
 
@@ -157,9 +187,15 @@ def test_spawn_with_a_terminal(box: Any) -> None:
     assert p.wait(timeout=30) == 5
 
 
-def test_a_remote_process_is_followed_again_by_id(box: Any, side: Side) -> None:
+def test_a_held_process_is_followed_again_by_id(box: Any, side: Side) -> None:
+    """A server or a node holds the processes its clients start: another client (or the
+    same, after ``detach``) follows one again by id. Locally there is no such host, and
+    the error says so, naming the transport."""
     if side.kind == "local":
-        pytest.skip("processes held by a server: remote only")
+        with pytest.raises(sandlot.Unsupported, match="local transport") as refused:
+            box.processes()
+        assert refused.value.transport == "local"
+        return
     p = box.spawn("sh", "-c", "for i in 1 2 3; do echo out$i; sleep 0.2; done; echo done >&2")
     p.detach()  # this client stops following; the server keeps the process and its output
     held = next(h for h in box.processes() if h["pid"] == p.pid)
@@ -317,6 +353,33 @@ def test_connect_reaches_an_unpublished_port_in_the_box(box: Any) -> None:
         echo.kill()
 
 
+# -- code ---------------------------------------------------------------------------------------
+
+
+def test_code_cells_keep_state_stream_and_time_out(side: Side, debian_root: Path) -> None:
+    with side.new(rootfs=str(debian_root), memory_mib=512) as box:
+        seen: list[str] = []
+        ex = box.run_code("print('a', flush=True)\ndisplay(1)\nv = 20\nv * 2 + 2", on_stdout=seen.append,
+                          on_result=lambda r: seen.append(f"result {r.text}"))  # fmt: skip
+        # output comes in batches as it is written: "a" and "\n" may be two of them
+        assert ex.text == "42" and ex.stdout == "a\n"
+        assert "".join(seen[:-2]) == "a\n" and seen[-2:] == ["result 1", "result 42"]
+        ex = box.run_code("1 / 0")
+        assert ex.error is not None and ex.error.name == "ZeroDivisionError" and ex.execution_count == 2
+        with pytest.raises(sandlot.CodeTimeout) as info:
+            box.run_code("print('so far', flush=True)\nimport time\ntime.sleep(60)", timeout=1.5)
+        assert isinstance(info.value.execution, sandlot.Execution)
+        assert info.value.execution.stdout == "so far\n" and not info.value.state_lost
+        assert box.run_code("v").text == "20"
+        ctx = box.create_code_context(cwd="/tmp")
+        assert ctx.cwd == "/tmp" and ctx.id in {c.id for c in box.list_code_contexts()}
+        assert box.run_code("import os; os.getcwd()", context=ctx).text == "'/tmp'"
+        assert box.restart_code_context(ctx).id == ctx.id
+        box.remove_code_context(ctx)
+        with pytest.raises(sandlot.CodeContextNotFound):
+            box.run_code("1", context=ctx)
+
+
 # -- live state ---------------------------------------------------------------------------------
 
 
@@ -397,14 +460,22 @@ def test_set_network(box: Any) -> None:
         box.set_network("none")
 
 
-def test_a_dropped_process_socket_is_reattached_without_loss(box: Any, side: Side) -> None:
+def test_a_dropped_process_link_is_followed_again_without_loss(box: Any, side: Side) -> None:
+    """The link to a held process (a server's WebSocket, a node's Ray stream) breaks, as a
+    network would: the process is followed again from the offsets received. (A local
+    process has no link: its agent connection's own reconnection is in the unit tier.)"""
     if side.kind == "local":
-        pytest.skip("a WebSocket to a server: remote only")
+        pytest.skip("a local process is followed over the agent connection, not a link")
     p = box.spawn("sh", "-c", "for i in $(seq 1 40); do echo line$i; sleep 0.05; done; echo end >&2")
     lines = iter(p.stdout.lines())
     assert next(lines) == b"line1\n"
-    handle = p.aio._remote  # the WebSocket-backed process AsyncProcess drives
-    loop.call(lambda: handle._ws.transport.abort())  # the connection breaks, as a network would
+    handle = p.aio._remote  # the followed process AsyncProcess drives
+    if side.kind == "remote":
+        loop.call(lambda: handle._link.ws.transport.abort())
+    else:
+        import ray
+
+        ray.cancel(handle._link.gen)
     rest = b"".join(lines)
     assert rest == b"".join(b"line%d\n" % i for i in range(2, 41))  # every byte, once
     assert p.wait(timeout=30) == 0 and p.stderr.read() == b"end\n"
@@ -412,8 +483,8 @@ def test_a_dropped_process_socket_is_reattached_without_loss(box: Any, side: Sid
 
 
 def test_a_process_outlives_a_server_restart(box: Any, side: Side) -> None:
-    if side.kind == "local":
-        pytest.skip("a server restart: remote only")
+    if side.kind != "remote":
+        pytest.skip("a server restart: what the HTTP transport survives")
     home = Path(os.environ["SANDLOT_HOME"])
     with serving(home, no_auth=True) as other, sandlot.connect(other.url) as client:
         b = client.get(box.id)  # the same box, through a second server of the same home

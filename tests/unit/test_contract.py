@@ -1,0 +1,255 @@
+"""The contract of a box in the fast tier: the same test bodies against a box of a home
+on the fake engine reached locally, and through ``sandlot serve``'s application served
+in this process (the real routes, keys and WebSockets, driven by the real HTTP
+backend); and every operation served by a fleet node's actor body. No VM: the core is
+real, the guest's agent is the fake engine's. The same contract on real VMs, and over
+a real server process and a real Ray cluster, is ``tests/vm/test_contract.py``'s."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import sandlot
+from sandlot.api import contract
+
+from tests.support.fake_engine import fake_rootfs, register
+from tests.support.inproc import serving
+
+
+@dataclass
+class Side:
+    kind: str
+    new: Callable[..., sandlot.Box]
+    get: Callable[[str], sandlot.Box]
+    client: Any = None
+
+
+@pytest.fixture(params=["local", "http"])
+def side(request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Side]:
+    register()
+    monkeypatch.setenv("SANDLOT_ENGINE", "fake")
+    home = tmp_path / "home"
+    root = str(fake_rootfs(tmp_path))
+    if request.param == "local":
+        yield Side("local", lambda **kw: sandlot.Box(rootfs=root, memory_mib=256, home=home, **kw),
+                   lambda key: sandlot.get(key, home=home))  # fmt: skip
+        for b in sandlot.list(home=home):
+            b.remove(force=True)
+        return
+    with serving(home) as srv, sandlot.connect(srv.url, api_key=srv.api_key) as client:
+        yield Side("http", lambda **kw: client.Box(rootfs=root, memory_mib=256, **kw), client.get, client)
+        for b in client.list():
+            b.remove(force=True)
+
+
+def test_lifecycle_and_the_states_it_refuses(side: Side) -> None:
+    box = side.new(keep=True, name="life")
+    assert (box.transport, box.aio.state) == (side.kind, "new")
+    box.start()
+    assert box.state == "running" and box.info["state"] == "running" and box.name == "life"
+    assert set(box.info) == set(contract.BoxOut.model_fields)  # one description, whatever the transport
+    box.stop()
+    assert box.state == "stopped"
+    with pytest.raises(sandlot.InvalidState) as refused:
+        box.pause()
+    assert refused.value.state == "stopped" and refused.value.allowed == ("running",)
+    box.start()
+    box.pause()
+    assert side.get("life").state == "paused"
+    box.unpause()
+    box.suspend()
+    assert side.get(box.id).state == "suspended"
+    box.resume()
+    box.restart()
+    assert box.state == "running" and box.exec("echo", "again").stdout == "again\n"
+    with pytest.raises(sandlot.InvalidState):
+        box.remove()  # a running box needs force=True
+    box.remove(force=True)
+    assert box.state == "removed"
+    box.remove()  # removing a removed box does nothing
+    with pytest.raises(sandlot.BoxNotFound):
+        side.get("life")
+
+
+def test_exec_and_processes_with_stdin(side: Side) -> None:
+    with side.new() as box:
+        r = box.exec("echo", "hello", "world")
+        assert isinstance(r, sandlot.ExecResult) and (r.exit_code, r.stdout, r.ok) == (
+            0,
+            "hello world\n",
+            True,
+        )
+        assert box.exec("exit", "42").exit_code == 42
+        assert box.exec("cat", stdin=b"\x00\xff bytes").stdout_bytes == b"\x00\xff bytes"
+        assert box.exec("cat", stdin="text").stdout == "text"
+        big = os.urandom(600_000)  # past what travels inline with a request: streamed to a process
+        assert box.exec("cat", stdin=big).stdout_bytes == big
+        with pytest.raises(sandlot.CommandFailed) as failed:
+            box.exec("false", check=True)
+        assert failed.value.result.exit_code == 1
+        assert box.sh("echo via sh").stdout == "via sh\n"
+        p = box.spawn("cat")
+        assert isinstance(p, sandlot.Process)
+        p.write_stdin(b"one ")
+        p.write_stdin("two")
+        p.close_stdin()
+        assert p.result(timeout=10).stdout == "one two" and p.returncode == 0
+        with pytest.raises(sandlot.InvalidArgument):
+            box.exec()
+        assert box.ping() > 0 and box.activity()[0] >= 0
+        assert "sandlot-agent" in box.logs() and box.logs(lines=1).count("\n") == 0
+
+
+def test_files_and_trees(side: Side, tmp_path: Path) -> None:
+    with side.new() as box:
+        f = box.files
+        assert f.write("/tmp/t/a.txt", "hello\n") == 6
+        assert f.read("/tmp/t/a.txt") == b"hello\n" and f.read_text("/tmp/t/a.txt") == "hello\n"
+        f.write("/tmp/t/bin", bytes(range(256)), mode=0o600)
+        info = f.stat("/tmp/t/bin")
+        assert isinstance(info, sandlot.FileInfo) and info.is_file and (info.size, info.mode) == (256, 0o600)
+        assert b"".join(f.iter_read("/tmp/t/bin", offset=10, length=5)) == bytes(range(10, 15))
+        f.write("/tmp/t/a.txt", "more", append=True)
+        assert f.read_text("/tmp/t/a.txt") == "hello\nmore"
+        with pytest.raises(FileExistsError):
+            f.write("/tmp/t/a.txt", "x", exclusive=True)
+        f.mkdir("/tmp/t/sub/deeper")
+        assert f.stat("/tmp/t/sub").is_dir and f.exists("/tmp/t/sub/deeper") and not f.exists("/tmp/t/no")
+        f.rename("/tmp/t/a.txt", "/tmp/t/sub/b.txt")
+        f.chmod("/tmp/t/sub/b.txt", 0o751)
+        assert f.stat("/tmp/t/sub/b.txt").mode == 0o751
+        assert [(e.name, e.type) for e in f.list("/tmp/t")] == [("bin", "file"), ("sub", "dir")]
+        with pytest.raises(FileNotFoundError):
+            f.read("/tmp/t/missing")
+        with pytest.raises(sandlot.InvalidArgument):
+            f.read("relative/path")
+        with pytest.raises(OSError):  # not empty
+            f.remove("/tmp/t/sub")
+        f.remove("/tmp/t/missing", missing_ok=True)
+
+        local = tmp_path / "up.bin"
+        local.write_bytes(os.urandom(300_000))
+        local.chmod(0o640)
+        assert f.upload(local, "/tmp/t/up.bin") == 300_000 and f.stat("/tmp/t/up.bin").mode == 0o640
+        assert f.download("/tmp/t/up.bin", tmp_path / "down.bin") == 300_000
+        assert (tmp_path / "down.bin").read_bytes() == local.read_bytes()
+        tree = tmp_path / "tree"
+        (tree / "x").mkdir(parents=True)
+        (tree / "x" / "y.txt").write_text("why")
+        (tree / "z.txt").write_text("zed")
+        assert f.upload(tree, "/tmp/t/tree") == 6  # one tar stream, unpacked in the box
+        assert f.read_text("/tmp/t/tree/x/y.txt") == "why"
+        assert f.download("/tmp/t/tree", tmp_path / "back") == 6
+        assert (tmp_path / "back" / "x" / "y.txt").read_text() == "why"
+        f.remove("/tmp/t", recursive=True)
+        assert not f.exists("/tmp/t")
+
+
+def test_snapshots_rollback_fork_and_starts(side: Side) -> None:
+    with side.new() as box:
+        box.files.write("/root/marker", "before")
+        snap = box.snapshot("mark")
+        assert isinstance(snap, sandlot.Snapshot) and (snap.name, snap.kind, snap.box_name) == (
+            "mark", "snapshot", box.name)  # fmt: skip
+        assert [s.id for s in box.snapshots()] == [snap.id]
+        box.files.write("/root/marker", "after")
+        box.rollback(snap)
+        assert box.files.read_text("/root/marker") == "before" and box.state == "running"
+        box.rollback("mark")  # by name as well
+        with pytest.raises(sandlot.SnapshotNotFound):
+            box.rollback("no-such-snapshot")
+        kids = box.fork(2)
+        try:
+            assert len({k.id for k in kids} | {box.id}) == 3 and all(k.transport == side.kind for k in kids)
+            kids[0].files.write("/root/marker", "kid")
+            assert kids[1].files.read_text("/root/marker") == "before"
+        finally:
+            for k in kids:
+                k.remove(force=True)
+        (started,) = snap.start(labels={"role": "kid"}, env={"A": "1"})
+        assert started.info["labels"]["role"] == "kid" and started.files.read_text("/root/marker") == "before"
+        started.remove(force=True)
+        assert "children" in snap.inspect()
+        for s in box.snapshots():
+            if s.id != snap.id:
+                s.remove()  # the fork's own
+        snap.remove()
+        assert box.snapshots() == []
+
+
+def test_what_a_transport_cannot_do_is_a_typed_error_naming_it(side: Side) -> None:
+    with side.new() as box:
+        if side.kind == "local":
+            with pytest.raises(sandlot.Unsupported, match="local transport"):
+                box.preview_url(8080)
+            with pytest.raises(sandlot.Unsupported, match="local transport"):
+                box.processes()
+        else:
+            assert "/p/" in box.preview_url(8080)
+            with pytest.raises(sandlot.Unsupported, match="http transport") as refused:
+                box.taken_over()
+            assert refused.value.transport == "http"
+            with pytest.raises(sandlot.Unsupported, match="http transport"):
+                side.new(volumes={"/tmp": "/mnt"})
+            p = box.spawn("cat")
+            held = {h["id"]: h for h in box.processes()}
+            assert [h["argv"] for h in held.values()] == [["cat"]]
+            again = box.attach(next(iter(held)))
+            p.write_stdin("through one, read by the other")
+            p.close_stdin()
+            assert again.result(timeout=10).stdout == "through one, read by the other"
+
+
+# -- a fleet node's side -------------------------------------------------------------------------
+
+
+def test_a_fleet_node_serves_every_operation(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The node actor's body (run here without Ray: the cluster is the VM tier's) answers
+    each operation of the contract in the contract's JSON, or with a typed error that
+    names the ray transport."""
+    pytest.importorskip("ray")
+    from sandlot.fleet.node import NodeService
+
+    register()
+    monkeypatch.setenv("SANDLOT_ENGINE", "fake")
+    root = str(fake_rootfs(tmp_path))
+
+    async def main() -> None:
+        node = NodeService("n1", str(tmp_path / "home"))
+        made = (await node.create(None, {"rootfs": root, "memory_mib": 256, "name": "on-node"}, True))["ok"]
+        assert made["node"] == "n1" and made["state"] == "running"
+        key = made["id"]
+        snap = (await node.call("box", "snapshot", key, {"name": "s1"}))["ok"]
+        assert snap["node"] == "n1"
+        args = {"path": "/tmp/x", "src": "/tmp/x", "dst": "/tmp/y", "snapshot": "s1", "mode": 0o644,
+                "user": "root", "context": "ctx-1", "port": 8080}  # fmt: skip
+        for op in contract.OPERATIONS:
+            if op.key in ("box.remove", "snapshot.remove"):
+                continue  # last
+            params = {n: args[n] for n, f in op.params.model_fields.items() if f.is_required()}
+            target = snap["id"] if op.scope == "snapshot" else key
+            reply = await node.call(op.scope, op.name, target, params)
+            if "error" in reply:
+                err = sandlot.errors.from_dict(reply["error"])
+                assert isinstance(err, sandlot.SandlotError), op.key
+                if isinstance(err, sandlot.Unsupported):
+                    assert err.transport == "ray", op.key
+                continue
+            if op.result.kind != "text":
+                op.result.decode(reply["ok"])  # the driver reads it back
+        for kid in (await node.list())["ok"]:
+            if kid["id"] != key:
+                assert "error" not in await node.remove(kid["id"], True)
+        for s in (await node.snapshot_list(None, None))["ok"]:
+            await node.drop_snapshot(s["id"])
+        assert "error" not in await node.call("box", "remove", key, {"force": True})
+        assert (await node.list())["ok"] == []
+
+    asyncio.run(main())
