@@ -8,7 +8,7 @@ on this machine (``ray.cluster_utils``; each node its own raylet and sandlot hom
 * migration of a 256 MB box holding 64 MiB of random data in RAM (tmpfs),
   broken into save (freeze and snapshot), export, move (fetch and verify the
   chunks through the object store), import and restore;
-* ``fork(20, spread=True)`` over three nodes against ``fork(20)`` on one, to the
+* ``f.fork(box, 20, spread=True)`` over three nodes against ``fork(20)`` on one, to the
   first exec of every child, with where the children landed.
 
     .venv/bin/python benchmarks/fleet.py [--runs 10] [--quick]
@@ -75,7 +75,7 @@ def migration(f: Any, fc: FleetCluster, nodes: list[str], root: Path, runs: int)
         for i in range(runs):
             box = f.migrate(box, node=nodes[(i + 1) % len(nodes)])
             box.exec("true")
-            t = box.last_migration
+            t = f.last_migration
             assert t is not None
             for k in ("save_s", "export_s", "move_s", "import_s", "restore_s", "total_s"):
                 parts.setdefault(k, []).append(t[k])
@@ -94,7 +94,7 @@ def fork(f: Any, node: str, root: Path, n: int) -> dict[str, Any]:
         src.sh(LOOP)
         for label, spread in (("one_node", False), ("spread_3_nodes", True)):
             t = time.perf_counter()
-            kids = src.fork(n, spread=spread, placement_timeout=60)
+            kids = f.fork(src, n, spread=spread, placement_timeout=60)
             for k in kids:
                 k.exec("true")
             wall = time.perf_counter() - t

@@ -16,7 +16,7 @@ the core and this interface only (``tests/unit/test_cli_lean.py``).
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import AsyncIterable, AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -87,6 +87,49 @@ class BoxRef(ABC):
     @property
     def last_pause(self) -> float | None:
         return None
+
+
+class DescribedBoxRef(BoxRef):
+    """A box of a backend elsewhere: the description it last answered (``rec``), or what
+    making it will ask for (``wanted``: its image, name and options)."""
+
+    def __init__(self, backend: Backend, wanted: dict[str, Any] | None, rec: dict[str, Any] | None) -> None:
+        self.backend = backend
+        self.wanted = wanted
+        self.rec = rec
+        self.removed = False
+
+    @property
+    def id(self) -> str:
+        self.need_made()
+        assert self.rec is not None
+        return str(self.rec["id"])
+
+    @property
+    def described(self) -> dict[str, Any]:
+        return self.rec if self.rec is not None else self.wanted or {}
+
+    @property
+    def name(self) -> str:
+        return str(self.described.get("name") or "")
+
+    @property
+    def state(self) -> str:
+        return "removed" if self.removed else "new" if self.rec is None else str(self.rec.get("state"))
+
+    @property
+    def info(self) -> dict[str, Any]:
+        self.need_made()
+        assert self.rec is not None
+        return dict(self.rec)
+
+    @property
+    def image(self) -> Any:
+        return self.described.get("image")
+
+    def update(self, rec: Mapping[str, Any]) -> None:
+        """Its description as the other side answered it."""
+        self.rec = {**(self.rec or {}), **rec}
 
 
 class SnapshotRef(ABC):
@@ -233,6 +276,22 @@ class Backend(ABC):
     async def aclose(self) -> None:
         """Close what the backend holds open (boxes run on)."""
         return None
+
+
+def answered(kind: str, value: Any, target: Any, box: Callable[[Any], BoxRef],
+             snapshot: Callable[[Any], SnapshotRef]) -> Any:  # fmt: skip
+    """An operation's decoded answer as the facade takes it from a backend elsewhere: a box's
+    description updates ``target`` (None is returned), boxes and snapshots become refs."""
+    if kind == "box":
+        target.update(value)
+        return None
+    if kind == "boxes":
+        return [box(rec) for rec in value]
+    if kind == "snapshot":
+        return snapshot(value)
+    if kind == "snapshots":
+        return [snapshot(rec) for rec in value]
+    return value
 
 
 def snapshot_key(snap: Any) -> str:

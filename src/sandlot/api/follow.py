@@ -1,6 +1,7 @@
 """A process that a host holds for its clients (``sandlot serve``, a fleet node),
 followed over a link that may drop: what ``AsyncProcess`` drives for a box that is
-not in this process, as the agent's ``RemoteProcess`` is for a local one.
+not in this process, as the agent's ``RemoteProcess`` is for a local one; and a
+watch the host runs, followed over a stream of its messages.
 
 The host reads the process's output into a bounded buffer whatever the client
 does (``api/host.py``), so the client reads its link as it comes. The frames are
@@ -17,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Awaitable, Callable
-from typing import Protocol
+from typing import Any, Protocol
 
 from ..errors import AgentTimeout, ConnectionLost, ProtocolError, SandlotError
 from ..protocol.connection import OffsetStream
@@ -30,8 +31,10 @@ from .contract import (
     decode_output,
     encode_stdin,
     exit_status,
+    file_event,
     raise_if_error,
 )
+from .fs import FileEvent
 
 # Seconds between tries to reach the host again (about 30 s in all): a restarted
 # server needs a few seconds to import and listen, more on a loaded host.
@@ -293,3 +296,72 @@ class FollowedProcess:
 async def _close_quietly(link: Link) -> None:
     with contextlib.suppress(Exception):
         await link.close()
+
+
+WATCH_BUFFER = 1024  # events read ahead of the caller; beyond them the host (and the box) hold them
+
+
+class FollowedWatch:
+    """A watch the host runs, followed over a stream of its messages (``host.watch_messages``:
+    a server's NDJSON answer, a node's Ray stream) read by a task of its own, so that a
+    caller's timeout never cuts a message in two. ``receive`` gives the next message
+    (None at the stream's end); ``close`` ends the stream, and the host ends the watch."""
+
+    def __init__(self, receive: Callable[[], Awaitable[dict[str, Any] | None]],
+                 close: Callable[[], Awaitable[None]], where: str) -> None:  # fmt: skip
+        self._receive, self._close, self._where = receive, close, where
+        self._events: asyncio.Queue[FileEvent | BaseException | None] = asyncio.Queue(WATCH_BUFFER)
+        self._reader: asyncio.Task[None] | None = None
+        self._done = False
+
+    async def open(self) -> FollowedWatch:
+        try:
+            first = await self._message()
+            if first is None or first.get("type") != "watching":
+                raise ProtocolError(f"{self._where}: a watch began with {first!r:.200}")
+        except BaseException:
+            await self._close()
+            raise
+        self._reader = asyncio.ensure_future(self._read())
+        return self
+
+    async def _message(self) -> dict[str, Any] | None:
+        msg = await self._receive()
+        if msg is not None:
+            raise_if_error(msg)
+        return msg
+
+    async def _read(self) -> None:
+        item: FileEvent | BaseException | None
+        try:
+            while (msg := await self._message()) is not None and msg.get("type") != "end":
+                if msg.get("type") != "ping":
+                    await self._events.put(file_event(msg, self._where))
+            item = (
+                None if msg is not None else ConnectionLost(f"{self._where}: a watch ended without its end")
+            )
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            item = e
+        await self._events.put(item)
+
+    async def next(self) -> FileEvent | None:
+        if self._done:
+            return None
+        item = await self._events.get()
+        if isinstance(item, BaseException):
+            self._done = True
+            raise item
+        if item is None:
+            self._done = True
+            await self.aclose()
+        return item
+
+    async def aclose(self) -> None:
+        reader, self._reader = self._reader, None
+        if reader is not None:
+            reader.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await reader
+        await self._close()

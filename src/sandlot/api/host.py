@@ -20,6 +20,8 @@ host had taken and not sent on is a gap.
 from __future__ import annotations
 
 import asyncio
+import base64
+import binascii
 import contextlib
 import json
 import time
@@ -27,7 +29,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from ..errors import RequestError, SandlotError
+from ..errors import InvalidArgument, RequestError, SandlotError
 from .backend import BoxRef, SnapshotRef
 from .contract import (
     STDERR,
@@ -39,6 +41,7 @@ from .contract import (
     decode_stdin,
     encode_output,
     error_message,
+    exec_json,
     exit_message,
     file_event_json,
     validated,
@@ -68,6 +71,37 @@ async def run(backend: LocalBackend, op: Operation, target: BoxRef | SnapshotRef
     if kind == "snapshots":
         return op.result.encode([ref.info for ref in value])
     return op.result.encode(value)
+
+
+async def run_exec(backend: LocalBackend, ref: BoxRef, call: Any) -> dict[str, Any]:
+    """A one-shot exec (``contract.ExecIn``): its answer (``contract.exec_json``)."""
+    if call.stdin is not None and call.stdin_b64 is not None:
+        raise InvalidArgument("give stdin or stdin_b64, not both")
+    stdin = call.stdin.encode() if call.stdin is not None else None
+    if call.stdin_b64 is not None:
+        try:
+            stdin = base64.b64decode(call.stdin_b64, validate=True)
+        except binascii.Error:
+            raise InvalidArgument("stdin_b64 is not base64") from None
+    result = await backend.exec(ref, call.argv, env=call.env, cwd=call.cwd, user=call.user, stdin=stdin,
+                                timeout=call.timeout)  # fmt: skip
+    return exec_json(result)
+
+
+def box_options(wanted: dict[str, Any]) -> dict[str, Any]:
+    """``contract.BoxCreate``'s fields (``image`` and ``start`` aside) as the local backend
+    takes them: ports as ``HOST:GUEST`` specs, secrets as ``Secret`` objects."""
+    from ..net.secrets import Secret
+
+    options = {k: v for k, v in wanted.items() if k not in ("image", "start", "snapshot")}
+    if "ports" in options:
+        options["ports"] = [f"{p['host']}:{p['guest']}" if p.get("host") else str(p["guest"])
+                            for p in options["ports"]]  # fmt: skip
+    if "secrets" in options:
+        options["secrets"] = [
+            Secret(s["name"], s["value"], hosts=s.get("hosts") or []) for s in options["secrets"]
+        ]
+    return options
 
 
 def arguments(op: Operation, data: Any) -> Strict:

@@ -35,7 +35,7 @@ from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidMes
 from ..core.validate import positive
 from ..errors import AgentTimeout, ConnectionLost, InvalidArgument, NotFound, ProtocolError, SandlotError
 from ..version import __version__
-from .backend import Backend, BoxRef, SnapshotRef
+from .backend import Backend, BoxRef, DescribedBoxRef, SnapshotRef, answered
 from .code import Callbacks, Execution, code_event
 from .contract import (
     CHUNK,
@@ -50,21 +50,19 @@ from .contract import (
     box_create,
     decode_control,
     exec_result,
-    file_event,
     operation,
     raise_if_error,
     validated,
 )
 from .contract import error_from_answer as answer_error
 from .exec_channel import ChannelUnavailable, ExecChannel
-from .follow import FollowedProcess, Link, LinkClosed
-from .fs import FileEvent, WatchSource
+from .follow import FollowedProcess, FollowedWatch, Link, LinkClosed
+from .fs import WatchSource
 from .process import AsyncProcess, ExecResult
 
 WS_MAX_MESSAGE = 16 << 20
 EXEC_STDIN_INLINE = 256 * 1024  # stdin up to this size goes in the exec request (JSON bodies stop at 1 MiB)
 WATCH_READ_TIMEOUT = 60.0  # the server says something at least every 15 s: beyond this it is gone
-WATCH_BUFFER = 1024  # events read ahead of the caller; beyond them the server (and the box) hold them
 
 
 def transport_error(url: str, exc: Exception) -> SandlotError:
@@ -93,46 +91,8 @@ def query(params: Mapping[str, Any] | None) -> dict[str, Any] | None:
     return out
 
 
-class HttpBoxRef(BoxRef):
-    def __init__(self, backend: HttpBackend, body: dict[str, Any] | None, rec: dict[str, Any] | None) -> None:
-        self.backend = backend
-        self.body = body  # what creating it will ask for; None once it exists
-        self.rec = rec
-        self.removed = False
-
-    @property
-    def id(self) -> str:
-        self.need_made()
-        assert self.rec is not None
-        return str(self.rec["id"])
-
-    @property
-    def name(self) -> str:
-        if self.rec is None:
-            return str((self.body or {}).get("name") or "")
-        return str(self.rec.get("name") or "")
-
-    @property
-    def state(self) -> str:
-        if self.removed:
-            return "removed"
-        if self.rec is None:
-            return "new"
-        return str(self.rec.get("state"))
-
-    @property
-    def info(self) -> dict[str, Any]:
-        self.need_made()
-        assert self.rec is not None
-        return dict(self.rec)
-
-    @property
-    def image(self) -> Any:
-        return (self.body or {}).get("image") if self.rec is None else self.rec.get("image")
-
-    def update(self, rec: Any) -> None:
-        if isinstance(rec, dict) and isinstance(rec.get("id"), str):
-            self.rec = rec
+class HttpBoxRef(DescribedBoxRef):
+    backend: HttpBackend
 
     def path(self, suffix: str = "") -> str:
         return f"/boxes/{seg(self.id)}{suffix}"
@@ -358,11 +318,11 @@ class HttpBackend(Backend):
 
     async def create(self, ref: BoxRef, *, start: bool, ephemeral: bool = False) -> None:
         box = http(ref)
-        if box.body is not None:
+        if box.wanted is not None:
             # created first, then started: a box that fails to start is known here and can go
-            body = {**box.body, "start": start and not ephemeral}
-            box.update(await self.json("POST", "/boxes", json_body=body, timeout=self.long()))
-            box.body = None
+            body = {**box.wanted, "start": start and not ephemeral}
+            box.rec = self.ref_of(await self.json("POST", "/boxes", json_body=body, timeout=self.long())).rec
+            box.wanted = None
             if not start or not ephemeral:
                 return
         elif not start:
@@ -415,18 +375,9 @@ class HttpBackend(Backend):
                 target.removed = True
                 return None
             raise
-        if kind == "box":
-            target.update(value)
-            return None
-        if kind == "boxes":
-            return [self.ref_of(rec) for rec in value]
-        if kind == "snapshot":
-            return HttpSnapshotRef(self, value)
-        if kind == "snapshots":
-            return [HttpSnapshotRef(self, rec) for rec in value]
         if scope == "box" and name == "remove":
             target.removed = True
-        return value
+        return answered(kind, value, target, self.ref_of, self.snapshot_of)
 
     # -- commands ---------------------------------------------------------------------------
 
@@ -619,7 +570,22 @@ class HttpBackend(Backend):
 
     async def watch(self, ref: BoxRef, path: str, recursive: bool) -> WatchSource:
         params = validated(WatchIn, {"path": path, "recursive": recursive}).model_dump()
-        return await HttpWatch.open(self, http(ref).path("/files/watch"), params)
+        stack = contextlib.AsyncExitStack()
+        timeout = httpx.Timeout(self._timeout, read=WATCH_READ_TIMEOUT)
+        r = await stack.enter_async_context(self.stream("GET", http(ref).path("/files/watch"), params=params,
+                                                        timeout=timeout))  # fmt: skip
+        lines = r.aiter_lines()
+
+        async def receive() -> dict[str, Any] | None:
+            try:
+                async for text in lines:
+                    if text.strip():
+                        return decode_control(text, f"{self.url} (a watch)")
+            except (httpx.TransportError, OSError) as e:
+                raise transport_error(self.url, e) from None
+            return None
+
+        return await FollowedWatch(receive, stack.aclose, self.url).open()
 
     # -- snapshots --------------------------------------------------------------------------
 
@@ -700,86 +666,3 @@ class Counted:
         async for chunk in self._source:
             self.total += len(chunk)
             yield bytes(chunk)
-
-
-class HttpWatch:
-    """A watch of a remote box's path: the server's NDJSON stream (``GET .../files/watch``)
-    read by a task of its own, so that a caller's timeout never cuts a line in two."""
-
-    def __init__(self, backend: HttpBackend, url: str) -> None:
-        self._backend = backend
-        self._url = url
-        self._stack = contextlib.AsyncExitStack()
-        self._events: asyncio.Queue[FileEvent | BaseException | None] = asyncio.Queue(WATCH_BUFFER)
-        self._reader: asyncio.Task[None] | None = None
-        self._done = False
-
-    @classmethod
-    async def open(cls, backend: HttpBackend, url: str, params: Mapping[str, Any]) -> HttpWatch:
-        w = cls(backend, url)
-        timeout = httpx.Timeout(backend.long().connect, read=WATCH_READ_TIMEOUT)
-        try:
-            r = await w._stack.enter_async_context(backend.stream("GET", url, params=params, timeout=timeout))
-            lines = r.aiter_lines()
-            first = await w._message(lines)
-            if first is None or first.get("type") != "watching":
-                raise ProtocolError(f"{backend.url}{url}: a watch stream began with {first!r:.200}")
-        except BaseException:
-            await w._stack.aclose()
-            raise
-        w._reader = asyncio.ensure_future(w._read(lines))
-        return w
-
-    async def _message(self, lines: AsyncIterator[str]) -> dict[str, Any] | None:
-        """The next message; None at the end of the stream."""
-        try:
-            async for text in lines:
-                if not text.strip():
-                    continue
-                msg = decode_control(text, f"{self._backend.url}{self._url}")
-                raise_if_error(msg)
-                return msg
-        except (httpx.TransportError, OSError) as e:
-            raise transport_error(self._backend.url, e) from None
-        return None
-
-    async def _read(self, lines: AsyncIterator[str]) -> None:
-        item: FileEvent | BaseException | None
-        try:
-            while True:
-                msg = await self._message(lines)
-                if msg is None:
-                    item = ConnectionLost(f"{self._backend.url}: the watch stream ended without its end")
-                    break
-                kind = msg.get("type")
-                if kind == "ping":
-                    continue
-                if kind == "end":
-                    item = None
-                    break
-                await self._events.put(file_event(msg, self._backend.url))
-        except asyncio.CancelledError:
-            raise
-        except Exception as e:
-            item = e
-        await self._events.put(item)
-
-    async def next(self) -> FileEvent | None:
-        if self._done:
-            return None
-        item = await self._events.get()
-        if isinstance(item, BaseException):
-            self._done = True
-            raise item
-        if item is None:
-            self._done = True
-            await self.aclose()
-        return item
-
-    async def aclose(self) -> None:
-        reader, self._reader = self._reader, None
-        if reader is not None:
-            reader.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await reader
-        await self._stack.aclose()  # the server sees the client go and ends the watch

@@ -25,28 +25,30 @@ from typing import Any, ClassVar, Protocol
 
 import ray
 
-from ..api.backend import Backend, BoxRef, SnapshotRef
+from ..api.backend import Backend, BoxRef, DescribedBoxRef, SnapshotRef, answered
 from ..api.code import Callbacks, Execution, code_event
 from ..api.contract import (
     BoxOut,
     SnapshotOut,
     box_create,
     exec_result,
-    file_event,
     operation,
     raise_if_error,
 )
-from ..api.follow import FollowedProcess, Link, LinkClosed
-from ..api.fs import FileEvent, WatchSource
+from ..api.follow import FollowedProcess, FollowedWatch, Link, LinkClosed
+from ..api.fs import WatchSource
 from ..api.process import AsyncProcess, ExecResult
 from ..core.spec import DEFAULT_MEMORY_MIB
 from ..errors import (
     BoxNotFound,
     InvalidArgument,
     InvalidState,
+    NoCapacity,
+    NodeNotFound,
     NotFound,
     ProtocolError,
     SandlotError,
+    SnapshotNotFound,
     from_dict,
 )
 from . import placement, transfer
@@ -97,50 +99,25 @@ def box_bundle(rec: Mapping[str, Any]) -> dict[str, float]:
     return placement.bundle(rec.get("cpus") or 1, rec.get("memory_mib") or DEFAULT_MEMORY_MIB)
 
 
-class RayBoxRef(BoxRef):
-    """A fleet box: its directory record (its node, reservation, replica), or the box to make."""
+class RayBoxRef(DescribedBoxRef):
+    """A fleet box: its directory record (its node, reservation, replica), or the box to make
+    and ``where`` (its placement: strategy, node, replicas, placement_timeout)."""
 
-    def __init__(
-        self, backend: RayBackend, rec: Record | None, pending: dict[str, Any] | None = None
-    ) -> None:
-        self.backend = backend
-        self.rec = rec
-        self.pending = pending  # image, body (contract.BoxCreate) and placement of a box to make
-        self.removed = False
+    backend: RayBackend
 
-    @property
-    def id(self) -> str:
-        self.need_made()
-        assert self.rec is not None
-        return str(self.rec["id"])
-
-    @property
-    def name(self) -> str:
-        if self.rec is None:
-            return str(((self.pending or {}).get("body") or {}).get("name") or "")
-        return str(self.rec["name"])
-
-    @property
-    def state(self) -> str:
-        if self.removed:
-            return "removed"
-        return "new" if self.rec is None else str(self.rec.get("state"))
+    def __init__(self, backend: RayBackend, rec: Record | None, wanted: dict[str, Any] | None = None,
+                 where: dict[str, Any] | None = None) -> None:  # fmt: skip
+        super().__init__(backend, wanted, rec)
+        self.where = where or {}
 
     @property
     def info(self) -> dict[str, Any]:
-        self.need_made()
-        assert self.rec is not None
-        return {k: self.rec.get(k) for k in BoxOut.model_fields} | {
-            "labels": dict(self.rec.get("labels") or {})
-        }
+        rec = super().info
+        return {k: rec.get(k) for k in BoxOut.model_fields} | {"labels": dict(rec.get("labels") or {})}
 
     @property
     def node(self) -> str:
         return str(self.info["node"])
-
-    def update(self, info: Mapping[str, Any]) -> None:
-        assert self.rec is not None
-        self.rec = {**self.rec, **{k: v for k, v in info.items() if k in BoxOut.model_fields}}
 
 
 class RaySnapshotRef(SnapshotRef):
@@ -188,72 +165,6 @@ class RayLink:
     async def close(self) -> None:
         with contextlib.suppress(Exception):
             ray.cancel(self.gen)
-
-
-class RayWatch:
-    """A watch on a node: its messages from a streaming generator, read by a task of its own."""
-
-    def __init__(self, gen: Any, where: str) -> None:
-        self._gen = gen
-        self._where = where
-        self._events: asyncio.Queue[FileEvent | BaseException | None] = asyncio.Queue(1024)
-        self._reader: asyncio.Task[None] | None = None
-        self._done = False
-
-    async def open(self) -> RayWatch:
-        first = await self._message()
-        if first is None or first.get("type") != "watching":
-            raise ProtocolError(f"{self._where}: a watch began with {first!r:.200}")
-        self._reader = asyncio.ensure_future(self._read())
-        return self
-
-    async def _message(self) -> dict[str, Any] | None:
-        try:
-            msg = await (await self._gen.__anext__())
-        except StopAsyncIteration:
-            return None
-        raise_if_error(msg)
-        return dict(msg)
-
-    async def _read(self) -> None:
-        item: FileEvent | BaseException | None
-        try:
-            while True:
-                msg = await self._message()
-                if msg is None:
-                    item = None
-                    break
-                if msg.get("type") == "ping":
-                    continue
-                if msg.get("type") == "end":
-                    item = None
-                    break
-                await self._events.put(file_event(msg, self._where))
-        except asyncio.CancelledError:
-            raise
-        except Exception as e:
-            item = e
-        await self._events.put(item)
-
-    async def next(self) -> FileEvent | None:
-        if self._done:
-            return None
-        item = await self._events.get()
-        if isinstance(item, BaseException):
-            self._done = True
-            raise item
-        if item is None:
-            self._done = True
-        return item
-
-    async def aclose(self) -> None:
-        reader, self._reader = self._reader, None
-        if reader is not None:
-            reader.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await reader
-        with contextlib.suppress(Exception):
-            ray.cancel(self._gen)
 
 
 class RayBackend(Backend):
@@ -317,25 +228,21 @@ class RayBackend(Backend):
 
     def describe(self, image: Any, options: Mapping[str, Any], *, keep: bool) -> RayBoxRef:
         opts = dict(options)
-        where = {k: opts.pop(k) for k in ("strategy", "node", "replicas", "placement_timeout") if k in opts}
+        where: dict[str, Any] = {k: opts.pop(k) for k in ("strategy", "node", "replicas", "placement_timeout")
+                                 if k in opts}  # fmt: skip
         if "home" in opts:
             raise self.unsupported("home=", hint="a fleet box lives in its node's home")
         if where.get("replicas", 0) not in (0, 1):
             raise InvalidArgument("replicas is 0 or 1")
         if where.get("strategy", "pack") not in ("pack", "spread"):
             raise InvalidArgument(f"strategy must be 'pack' or 'spread', not {where['strategy']!r}")
-        body = box_create(image, opts, self.transport)
-        return RayBoxRef(self, None, {"image": body.pop("image", None), "body": body, "where": where})
+        return RayBoxRef(self, None, box_create(image, opts, self.transport), where)
 
     async def create(self, ref: BoxRef, *, start: bool, ephemeral: bool = False) -> None:
         box = ray_box(ref)
-        if box.pending is not None:
-            pending, box.pending = box.pending, None
-            try:
-                box.rec = await self.place(pending, start=start and not ephemeral)
-            except BaseException:
-                box.pending = pending
-                raise
+        if box.wanted is not None:
+            box.rec = await self.place(box.wanted, box.where, start=start and not ephemeral)
+            box.wanted = None
             if not (start and ephemeral):
                 return
         elif not start:
@@ -348,26 +255,37 @@ class RayBackend(Backend):
                     await self.call("box", "remove", box, {"force": True})
             raise
 
-    async def place(self, pending: dict[str, Any], *, start: bool) -> Record:
-        """A box made on the node Ray's scheduler picks (or the node asked for), its room
-        reserved first (NoCapacity if none in time), and its directory record."""
-        body, where = pending["body"], pending["where"]
-        cpus, memory = int(body.get("cpus") or 1), int(body.get("memory_mib") or DEFAULT_MEMORY_MIB)
-        target = self.fleet.resolve_node(where["node"]) if where.get("node") else None
-        one = placement.bundle(cpus, memory)
-        timeout = where.get("placement_timeout") or self.fleet.placement_timeout
-        if where.get("strategy") == "spread" and target is None:
-            res = await asyncio.to_thread(self.fleet.reserve_spread, one, timeout)
+    @contextlib.asynccontextmanager
+    async def reserved(self, bundles: list[dict[str, float]], *, spread: bool = False,
+                       **how: Any) -> AsyncIterator[placement.Reservation]:  # fmt: skip
+        """Room for ``bundles`` held through Ray (``placement.reserve``; ``spread``: one box on
+        the node with the fewest, ``Fleet.reserve_spread``), NoCapacity if none in time; given
+        back if what it was for fails."""
+        how.setdefault("timeout", self.fleet.placement_timeout)
+        if spread:
+            res = await asyncio.to_thread(self.fleet.reserve_spread, bundles[0], how["timeout"])
         else:
-            res = await asyncio.to_thread(
-                placement.reserve, [one], strategy=where.get("strategy", "pack"), node=target, timeout=timeout
-            )
-        node = res.nodes[0]
+            res = await asyncio.to_thread(placement.reserve, bundles, **how)
         try:
-            made = await got(self.fleet.node(node).create.remote(pending["image"], body, start))
+            yield res
         except BaseException:
             await asyncio.to_thread(placement.release, res.name)
             raise
+
+    async def place(self, wanted: dict[str, Any], where: dict[str, Any], *, start: bool) -> Record:
+        """A box made on the node Ray's scheduler picks (or the node asked for), its room
+        reserved first (NoCapacity if none in time), and its directory record."""
+        one = placement.bundle(
+            int(wanted.get("cpus") or 1), int(wanted.get("memory_mib") or DEFAULT_MEMORY_MIB)
+        )
+        target = self.fleet.resolve_node(where["node"]) if where.get("node") else None
+        timeout = where.get("placement_timeout") or self.fleet.placement_timeout
+        spread = where.get("strategy") == "spread" and target is None
+        how = {} if spread else {"strategy": where.get("strategy", "pack"), "node": target}
+        async with self.reserved([one], spread=spread, timeout=timeout, **how) as res:
+            node = res.nodes[0]
+            body = {k: v for k, v in wanted.items() if k != "image"}
+            made = await got(self.fleet.node(node).create.remote(wanted.get("image"), body, start))
         rec = new_record(made, node, time.time(), reservation=res.name, replicas=where.get("replicas", 0))
         created: Record = await got(self.fleet.directory().put.remote(rec))
         return created
@@ -396,10 +314,9 @@ class RayBackend(Backend):
             snap = ray_snapshot(target)
             if name == "start":
                 return await self.start_snapshot(snap, params)
-            value = op.result.decode(
+            return op.result.decode(
                 await got(self.fleet.node(snap.node).call.remote(scope, name, snap.id, params))
             )
-            return value
         box = ray_box(target)
         if op.key == "box.refresh":  # a lost box is what the directory says: its node cannot be asked
             await self.reconcile()
@@ -418,20 +335,13 @@ class RayBackend(Backend):
             return await self.suspend_replicated(box)
         answer = await self.ask(box, self.actor(box).call.remote(scope, name, box.id, params))
         value = op.result.decode(answer) if op.result.kind != "text" else answer
-        kind = op.result.kind
-        if kind == "box":
-            if value["state"] != box.state:
-                await self.record(box, {"state": value["state"]})
-            box.update(value)
-            return None
-        if kind == "snapshot":
-            made = RaySnapshotRef(self, value)
-            if op.key == "box.snapshot" and box.rec and box.rec.get("replicas"):
-                box.rec = await self.replicate(box.rec, made.id)
-            return made
-        if kind == "snapshots":
-            return [RaySnapshotRef(self, rec) for rec in value]
-        return value
+        if op.result.kind == "box" and value["state"] != box.state:
+            await self.record(box, {"state": value["state"]})
+        out = answered(op.result.kind, value, box, lambda rec: RayBoxRef(self, rec),
+                       lambda rec: RaySnapshotRef(self, rec))  # fmt: skip
+        if op.key == "box.snapshot" and box.rec and box.rec.get("replicas"):
+            box.rec = await self.replicate(box.rec, out.id)
+        return out
 
     async def remove(self, box: RayBoxRef, force: bool) -> None:
         """Delete the box on its node and from the directory, and give its room back
@@ -555,28 +465,18 @@ class RayBackend(Backend):
     async def start_snapshot(self, snap: RaySnapshotRef, params: dict[str, Any]) -> list[BoxRef]:
         """Boxes from a snapshot, on its node, their room reserved there first."""
         node = self.fleet.node(snap.node)
-        facts = await got(node.call.remote("snapshot", "inspect", snap.id, {}))
-        vm = (facts.get("options") or {}).get("vm") or {}
+        vm = ((await got(node.call.remote("snapshot", "inspect", snap.id, {}))).get("options") or {}).get(
+            "vm"
+        ) or {}
         one = placement.bundle(int(vm.get("cpus") or 1), int(vm.get("memory_mib") or DEFAULT_MEMORY_MIB))
-        n = int(params.get("n") or 1)
-        res = await asyncio.to_thread(
-            placement.reserve, [one] * n, node=snap.node, timeout=self.fleet.placement_timeout
-        )
-        try:
+        async with self.reserved([one] * int(params.get("n") or 1), node=snap.node) as res:
             started = await got(node.call.remote("snapshot", "start", snap.id, params))
-        except BaseException:
-            await asyncio.to_thread(placement.release, res.name)
-            raise
         now = time.time()
-        return [
-            RayBoxRef(
-                self,
-                await got(
-                    self.fleet.directory().put.remote(new_record(k, snap.node, now, reservation=res.name))
-                ),
-            )
-            for k in started["boxes"]
-        ]
+        return [await self.put(new_record(k, snap.node, now, reservation=res.name)) for k in started["boxes"]]
+
+    async def put(self, rec: Record) -> RayBoxRef:
+        """A box's record written to the directory, and the box's ref."""
+        return RayBoxRef(self, await got(self.fleet.directory().put.remote(rec)))
 
     async def suspend_replicated(self, box: RayBoxRef) -> None:
         """Write the running state to disk on its node and end the VM; that state (saved
@@ -608,8 +508,6 @@ class RayBackend(Backend):
             if n["NodeID"] != rec["node"]
         ]
         if not nodes:
-            from ..errors import NodeNotFound
-
             raise NodeNotFound(f"box {rec['name']} wants a replica, and the fleet has no second live node")
         old = rec.get("replica") or {}
         records = await got(self.fleet.directory().all.remote())
@@ -817,12 +715,19 @@ class RayBackend(Backend):
 
     async def watch(self, ref: BoxRef, path: str, recursive: bool) -> WatchSource:
         box = ray_box(ref)
-        gen = (
-            self.actor(box)
-            .watch.options(num_returns="streaming")
-            .remote(box.id, {"path": path, "recursive": recursive})
-        )
-        return await RayWatch(gen, f"node {box.node[:12]}").open()
+        body = {"path": path, "recursive": recursive}
+        gen = self.actor(box).watch.options(num_returns="streaming").remote(box.id, body)
+
+        async def receive() -> dict[str, Any] | None:
+            with contextlib.suppress(StopAsyncIteration):
+                return dict(await (await gen.__anext__()))
+            return None
+
+        async def close() -> None:
+            with contextlib.suppress(Exception):
+                ray.cancel(gen)
+
+        return await FollowedWatch(receive, close, f"node {box.node[:12]}").open()
 
     # -- snapshots --------------------------------------------------------------------------
 
@@ -835,8 +740,6 @@ class RayBackend(Backend):
             with contextlib.suppress(NotFound):
                 found.append(await got(self.fleet.node(nid).find_snapshot.remote(key)))
         if not found:
-            from ..errors import SnapshotNotFound
-
             raise SnapshotNotFound(f"no snapshot {key!r} on any live node of the fleet")
         if len(found) > 1:
             raise InvalidArgument(f"snapshot {key!r} is on more than one node; use its id")
@@ -869,51 +772,26 @@ class RayBackend(Backend):
     async def import_snapshot(
         self, path: Path, *, name: str | None, start: bool, options: Mapping[str, Any]
     ) -> BoxRef | SnapshotRef:
+        """The archive moved in chunks to the live node with the fewest boxes, imported there
+        (and with ``start``, a box started from it, its room reserved first)."""
         if options:
-            raise self.unsupported(
-                f"options for the box an import starts ({', '.join(options)})",
-                hint="start it with snapshot.start(...)",
-            )
+            raise self.unsupported(f"options for the box an import starts ({', '.join(options)})",
+                                   hint="start it with snapshot.start(...)")  # fmt: skip
         nodes = await self._live_nodes()
         if not nodes:
-            from ..errors import NoCapacity
-
             raise NoCapacity(
                 "no node of the Ray cluster offers sandlot resources (see `sandlot fleet nodes`)"
             )
-        target = nodes[0]
-        res = None
-        if start:
-            res = await asyncio.to_thread(
-                placement.reserve,
-                [placement.bundle(1, DEFAULT_MEMORY_MIB)],
-                timeout=self.fleet.placement_timeout,
-            )
-            target = res.nodes[0]
-        total = await asyncio.to_thread(transfer.digest, path)
-        chunks = [
-            (piece, ray.put(data))
-            for piece, data in await asyncio.to_thread(lambda: list(transfer.pieces(path)))
-        ]
-        moved = {"chunks": chunks, "sha256": total, "size": path.stat().st_size}
-        try:
-            landed = await got(
-                self.fleet.node(target).import_state.remote(moved, {"n": 1, "name": name} if start else None)
-            )
-        except BaseException:
-            if res is not None:
-                await asyncio.to_thread(placement.release, res.name)
-            raise
+        records = await got(self.fleet.directory().all.remote())
+        target = min(nodes, key=lambda nid: sum(1 for r in records if r["node"] == nid))
+        pieces = await asyncio.to_thread(lambda: list(transfer.pieces(path)))
+        moved = {"chunks": [(piece, ray.put(data)) for piece, data in pieces], "size": path.stat().st_size,
+                 "sha256": await asyncio.to_thread(transfer.digest, path)}  # fmt: skip
+        landed = await got(self.fleet.node(target).import_state.remote(moved, None))
+        snap = RaySnapshotRef(self, {"id": landed["snapshot"], "node": target})
         if not start:
-            return await self.find_snapshot(landed["snapshot"])
-        [kid] = landed["boxes"]
-        assert res is not None
-        return RayBoxRef(
-            self,
-            await got(
-                self.fleet.directory().put.remote(new_record(kid, target, time.time(), reservation=res.name))
-            ),
-        )
+            return snap
+        return (await self.start_snapshot(snap, {"n": 1, "name": name}))[0]
 
     async def info(self) -> dict[str, Any]:
         return {"transport": self.transport, "nodes": len(await self._live_nodes())}

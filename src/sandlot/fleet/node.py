@@ -48,7 +48,6 @@ from ..api.contract import (
     box_create,
     error_json,
     error_message,
-    exec_json,
     operation,
     validated,
 )
@@ -151,19 +150,8 @@ class NodeService:
     @guarded
     async def create(self, image: str | None, body: dict[str, Any], start: bool) -> dict[str, Any]:
         """A box made here from ``contract.BoxCreate``'s fields (validated again here)."""
-        options = box_create(image, body, "ray")
-        image = options.pop("image", None)
-        options.pop("start", None)
-        if "ports" in options:
-            options["ports"] = [
-                f"{p['host']}:{p['guest']}" if p.get("host") else str(p["guest"]) for p in options["ports"]
-            ]
-        if "secrets" in options:
-            from ..net.secrets import Secret
-
-            options["secrets"] = [
-                Secret(s["name"], s["value"], hosts=s.get("hosts") or []) for s in options["secrets"]
-            ]
+        wanted = box_create(image, body, "ray")
+        image, options = wanted.get("image"), host.box_options(wanted)
         ref = self.backend.describe(image, options, keep=True)
         await self.backend.create(ref, start=start)
         self.refs[ref.id] = ref
@@ -199,17 +187,7 @@ class NodeService:
 
     @guarded
     async def exec(self, key: str, body: dict[str, Any]) -> dict[str, Any]:
-        call = validated(ExecIn, body)
-        ref = await self.ref(key)
-        stdin = call.stdin.encode() if call.stdin is not None else None
-        if call.stdin_b64 is not None:
-            import base64
-
-            stdin = base64.b64decode(call.stdin_b64)
-        result = await self.backend.exec(
-            ref, call.argv, env=call.env, cwd=call.cwd, user=call.user, stdin=stdin, timeout=call.timeout
-        )
-        return exec_json(result)
+        return await host.run_exec(self.backend, await self.ref(key), validated(ExecIn, body))
 
     @guarded
     async def spawn(self, key: str, body: dict[str, Any]) -> dict[str, Any]:
@@ -225,7 +203,7 @@ class NodeService:
                 await self.processes.take_over(self.backend, ref)
                 held = self.processes.find(ref.id, process_id)
         except SandlotError as exc:
-            yield json.dumps(error_message(exc))
+            yield json.dumps(error_message(exc))  # a process's frames are text or bytes
             return
         async for frame in held.frames({STDOUT: offsets[0], STDERR: offsets[1]}):
             yield frame
@@ -237,49 +215,45 @@ class NodeService:
 
     async def run_code(self, key: str, body: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
         """A cell's events (``host.code_messages``) as a Ray streaming generator."""
-        try:
-            ref, params = await self.ref(key), validated(RunCodeIn, body)
-        except SandlotError as exc:
-            yield error_message(exc)
-            return
+        async for event in streamed(lambda: self._run_code(key, body)):
+            yield event
+
+    async def _run_code(self, key: str, body: dict[str, Any]) -> AsyncIterator[Any]:
+        ref, params = await self.ref(key), validated(RunCodeIn, body)
         async for event in host.code_messages(self.backend, ref, params):
             yield event
 
     async def watch(self, key: str, body: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
         """A watch's messages (``host.watch_messages``) as a Ray streaming generator."""
-        try:
-            params = validated(WatchIn, body)
-            source = await self.backend.watch(await self.ref(key), params.path, params.recursive)
-        except SandlotError as exc:
-            yield error_message(exc)
-            return
-        from ..api.files import AsyncWatch
+        async for message in streamed(lambda: self._watch(key, body)):
+            yield message
 
-        async def opener() -> Any:
-            return source
-
-        watch = await AsyncWatch(params.path, params.recursive, opener).start()
-        async for message in host.watch_messages(watch):
+    async def _watch(self, key: str, body: dict[str, Any]) -> AsyncIterator[Any]:
+        params = validated(WatchIn, body)
+        watch = AsyncBox.bound(await self.ref(key)).files.watch(params.path, recursive=params.recursive)
+        async for message in host.watch_messages(await watch.start()):
             yield message
 
     async def read(self, key: str, body: dict[str, Any]) -> AsyncIterator[bytes | dict[str, Any]]:
-        """A file's bytes (an error message first and last, if any) as a Ray streaming generator."""
-        try:
-            params = validated(ReadIn, body)
-            async for chunk in self.backend.read(
-                await self.ref(key), params.path, params.offset, params.length
-            ):
+        """A file's bytes (or an error message) as a Ray streaming generator."""
+
+        async def chunks() -> AsyncIterator[bytes]:
+            p = validated(ReadIn, body)
+            async for chunk in self.backend.read(await self.ref(key), p.path, p.offset, p.length):
                 yield chunk
-        except SandlotError as exc:
-            yield error_message(exc)
+
+        async for item in streamed(chunks):
+            yield item
 
     async def get_archive(self, key: str, body: dict[str, Any]) -> AsyncIterator[bytes | dict[str, Any]]:
-        try:
-            params = validated(ArchiveIn, body)
-            async for chunk in self.backend.get_archive(await self.ref(key), params.path):
+        """A guest directory as tar chunks (or an error message) as a Ray streaming generator."""
+
+        async def chunks() -> AsyncIterator[bytes]:
+            async for chunk in self.backend.get_archive(await self.ref(key), validated(ArchiveIn, body).path):
                 yield chunk
-        except SandlotError as exc:
-            yield error_message(exc)
+
+        async for item in streamed(chunks):
+            yield item
 
     @guarded
     async def upload_begin(self, key: str, kind: str, body: dict[str, Any]) -> str:
@@ -521,6 +495,19 @@ class NodeService:
         if held is not None:
             with contextlib.suppress(SandlotError):
                 await self.backend.snapshot_remove(await self.backend.find_snapshot(held["snapshot"]))
+
+
+async def streamed(
+    make: Callable[[], AsyncIterator[Any]], first: Awaitable[Any] | None = None
+) -> AsyncIterator[Any]:
+    """What ``make`` yields (after ``first``, awaited), its sandlot error as a last message."""
+    try:
+        if first is not None:
+            await first
+        async for item in make():
+            yield item
+    except SandlotError as exc:
+        yield error_message(exc)
 
 
 def node_snapshots(answer: Any, node: str) -> Any:

@@ -50,13 +50,11 @@ from ..api.contract import (
     WriteIn,
     error_json,
     error_message,
-    exec_json,
     file_json,
 )
 from ..api.local import LocalBackend, local_snapshot
 from ..api.tarstream import tar_in
 from ..errors import BoxNotFound, InvalidArgument, QuotaExceeded, RequestError, SandlotError, SnapshotNotFound
-from ..net.secrets import Secret
 from .state import KEY_LABEL, NAMESPACE_LABEL, Caller, ServerState
 from .streams import serve, spawn
 
@@ -335,18 +333,8 @@ async def create_box(body: BoxCreate, request: Request, response: Response) -> d
         if wanted.get(host_path) is not None:
             caller.require_admin(f"{host_path} (a host path)")
     _check_network(caller, wanted.get("network"))
-    start = wanted.pop("start", True)
-    snapshot = wanted.pop("snapshot", None)
-    options: dict[str, Any] = dict(wanted)
-    options["labels"] = _stamped(caller, wanted.get("labels"))
-    if "ports" in wanted:
-        options["ports"] = [
-            f"{p['host']}:{p['guest']}" if p.get("host") else str(p["guest"]) for p in wanted["ports"]
-        ]
-    if "secrets" in wanted:
-        options["secrets"] = [
-            Secret(s["name"], s["value"], hosts=s.get("hosts") or []) for s in wanted["secrets"]
-        ]
+    start, snapshot = wanted.get("start", True), wanted.get("snapshot")
+    options = {**host.box_options(wanted), "labels": _stamped(caller, wanted.get("labels"))}
     memory = int(options.get("memory_mib") or 256)
     disk = int(options.get("disk_size_gb") or 0)
     async with _create_lock(server, caller):
@@ -358,8 +346,7 @@ async def create_box(body: BoxCreate, request: Request, response: Response) -> d
         else:
             if "template" in options:
                 options["template"] = (await snapshot_for(request, options["template"])).id
-            image = options.pop("image", None)
-            box = AsyncBox(image, keep=True, home=server.home, **options)
+            box = AsyncBox(wanted.get("image"), keep=True, home=server.home, **options)
             await (box.start() if start else box.ref.backend.create(box.ref, start=False))
     request.state.box_id = box.id
     response.headers["Location"] = f"/v1/boxes/{box.id}"
@@ -442,26 +429,16 @@ async def exec_box(box: str, body: ExecIn, request: Request) -> dict[str, Any]:
     b = await box_for(request, box)
     audit: dict[str, Any] = {"argv": body.argv}
     request.state.audit = audit
-    return await _run_exec(b, body, audit)
+    return await _run_exec(request, b, body, audit)
 
 
-async def _run_exec(box: AsyncBox, body: ExecIn, audit: dict[str, Any]) -> dict[str, Any]:
+async def _run_exec(
+    where: Request | WebSocket, box: AsyncBox, body: ExecIn, audit: dict[str, Any]
+) -> dict[str, Any]:
     """One exec of the REST route or the exec channel: its answer, and ``exit_code`` in ``audit``."""
-    stdin: bytes | None = None
-    if body.stdin is not None and body.stdin_b64 is not None:
-        raise InvalidArgument("give stdin or stdin_b64, not both")
-    if body.stdin is not None:
-        stdin = body.stdin.encode()
-    elif body.stdin_b64 is not None:
-        try:
-            stdin = base64.b64decode(body.stdin_b64, validate=True)
-        except binascii.Error:
-            raise InvalidArgument("stdin_b64 is not base64") from None
-    result = await box.ref.backend.exec(
-        box.ref, body.argv, env=body.env, cwd=body.cwd, user=body.user, stdin=stdin, timeout=body.timeout
-    )
-    audit["exit_code"] = result.exit_code
-    return exec_json(result)
+    answer = await host.run_exec(_backend(where), box.ref, body)
+    audit["exit_code"] = answer["exit_code"]
+    return answer
 
 
 @router.websocket("/exec")
@@ -497,7 +474,7 @@ async def exec_channel(ws: WebSocket) -> None:
         try:
             b = await _box(ws, call.box, caller)
             box_id = b.id
-            await answer({"id": call.id, "result": await _run_exec(b, call, audit)})
+            await answer({"id": call.id, "result": await _run_exec(ws, b, call, audit)})
         except SandlotError as e:
             status, code = e.status, e.code
             await answer({"id": call.id, "error": error_json(e)})
