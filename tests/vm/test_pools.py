@@ -206,7 +206,7 @@ def test_claims_are_reidentified_and_the_pool_refills_drains_and_goes_with_its_t
         assert fa[2] != fb[2]  # the RNG was reseeded in each
         assert abs(int(fa[3]) - time.time()) < 3 and abs(int(fb[3]) - time.time()) < 3  # wall clock
         assert a.sh("echo $CLAIMED").stdout == "a\n" and b.sh("echo $CLAIMED").stdout == "b\n"
-        assert a.info["machine_id"] == fa[1]
+        assert a.inspect()["machine_id"] == fa[1]
         # the refiller (a detached process the claims started) brings the pool back to 2
         deadline = time.monotonic() + 240
         while the_pool(t).ready < 2:

@@ -16,16 +16,60 @@ the core and this interface only (``tests/unit/test_cli_lean.py``).
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import AsyncIterable, AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Mapping
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from ..core.validate import argv as check_argv
 from ..errors import InvalidArgument, InvalidState, Unsupported
 
 if TYPE_CHECKING:
     from .code import Callbacks, Execution
     from .fs import WatchSource
     from .process import AsyncProcess, ExecResult
+
+
+@dataclass(frozen=True, slots=True)
+class Command:
+    """A command to run in a box, as every backend takes it: its argv (checked when made),
+    its environment, directory and user (a box's own defaults where None), a terminal of
+    ``rows`` x ``cols`` with ``tty``, and whether it reads stdin."""
+
+    argv: tuple[str, ...]
+    env: Mapping[str, str] | None = None
+    cwd: str | None = None
+    user: str | None = None
+    tty: bool = False
+    rows: int = 24
+    cols: int = 80
+    stdin: bool = True
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "argv", check_argv(self.argv))
+        if self.env is not None:
+            object.__setattr__(self, "env", dict(self.env))
+        if self.tty and not (0 < self.rows <= 10000 and 0 < self.cols <= 10000):
+            raise InvalidArgument("rows and cols must be in 1..10000")
+
+    def fields(self) -> dict[str, Any]:
+        """As JSON (``contract.SpawnIn``'s fields), the unset ones left out."""
+        return {k: v for k, v in asdict(self).items() if v is not None} | {"argv": list(self.argv)}
+
+
+@dataclass(frozen=True, slots=True)
+class Write:
+    """How a file is written: its mode and owner (an existing file's kept where None),
+    appended to or replaced atomically, its parents made, refused if it exists."""
+
+    mode: int | None = None
+    user: str | None = None
+    append: bool = False
+    parents: bool = True
+    exclusive: bool = False
+
+    def fields(self) -> dict[str, Any]:
+        return {k: v for k, v in asdict(self).items() if v is not None}
 
 
 class BoxRef(ABC):
@@ -192,17 +236,11 @@ class Backend(ABC):
     # -- commands ---------------------------------------------------------------------------
 
     @abstractmethod
-    async def exec(
-        self, ref: BoxRef, argv: Sequence[str], *, env: Mapping[str, str] | None, cwd: str | None,
-        user: str | None, stdin: bytes | None, timeout: float | None,
-    ) -> ExecResult:  # fmt: skip
+    async def exec(self, ref: BoxRef, cmd: Command, stdin: bytes | None, timeout: float | None) -> ExecResult:
         """A command run to completion, its stdin (if any) all given."""
 
     @abstractmethod
-    async def spawn(
-        self, ref: BoxRef, argv: Sequence[str], *, env: Mapping[str, str] | None, cwd: str | None,
-        user: str | None, tty: bool, rows: int, cols: int, stdin: bool, keep: str | None,
-    ) -> AsyncProcess:  # fmt: skip
+    async def spawn(self, ref: BoxRef, cmd: Command, keep: str | None = None) -> AsyncProcess:
         """A command started, its output followed as it comes."""
 
     @abstractmethod
@@ -229,11 +267,8 @@ class Backend(ABC):
         """A guest file's bytes as they come."""
 
     @abstractmethod
-    async def write(
-        self, ref: BoxRef, path: str, data: bytes | AsyncIterable[bytes], *, mode: int | None,
-        user: str | None, append: bool, parents: bool, exclusive: bool,
-    ) -> int:  # fmt: skip
-        """A guest file written (atomically unless ``append``); the bytes written."""
+    async def write(self, ref: BoxRef, path: str, data: bytes | AsyncIterable[bytes], how: Write) -> int:
+        """A guest file written (atomically unless ``how.append``); the bytes written."""
 
     @abstractmethod
     def get_archive(self, ref: BoxRef, path: str) -> AsyncIterator[bytes]:

@@ -32,11 +32,10 @@ from typing import TYPE_CHECKING, Any
 from ..core.requests import SPEC_OPTIONS
 from ..core.runtime import Runtime
 from ..core.spec import DEFAULT_DISK_GB, DEFAULT_MEMORY_MIB, PortSpec, VolumeSpec
-from ..core.validate import argv as check_argv
 from ..core.validate import positive
 from ..errors import InvalidArgument
 from ..net.secrets import Secret
-from .backend import Backend, BoxRef, SnapshotRef, snapshot_key
+from .backend import Backend, BoxRef, Command, SnapshotRef, snapshot_key
 from .local import LocalBackend
 from .process import AsyncProcess, ExecResult, StdinSource, feed_and_wait
 
@@ -361,18 +360,8 @@ class AsyncBox:
         if it drops; the host holds the process (``processes()``, ``attach()``).
         """
         self._ref.need_made()
-        return await self._backend.spawn(
-            self._ref,
-            check_argv(argv),
-            env=env,
-            cwd=cwd,
-            user=user,
-            tty=tty,
-            rows=rows,
-            cols=cols,
-            stdin=stdin,
-            keep=keep,
-        )
+        cmd = Command(tuple(argv), env, cwd, user, tty, rows, cols, stdin)  # type: ignore[arg-type]
+        return await self._backend.spawn(self._ref, cmd, keep)
 
     async def taken_over(self) -> builtins.list[AsyncProcess]:
         """The processes started with ``keep=`` by a process of this host that died,
@@ -450,21 +439,17 @@ class AsyncBox:
         ``check=True`` raises CommandFailed on a nonzero exit.
         """
         positive("timeout", timeout)
-        args = check_argv(argv)
+        cmd = Command(tuple(argv), dict(env) if env else None, cwd, user, tty, stdin=stdin is not None)  # type: ignore[arg-type]
         self._ref.need_made()
         if isinstance(stdin, str):
             stdin = stdin.encode()
-        whole = stdin is None or (
-            isinstance(stdin, bytes | bytearray | memoryview) and len(stdin) <= self._backend.inline_stdin
-        )
+        whole = stdin is None or (isinstance(stdin, bytes | bytearray | memoryview)
+                                  and len(stdin) <= self._backend.inline_stdin)  # fmt: skip
         if tty or not whole:  # through a process: a terminal, or stdin streamed as it is read
-            proc = await self.spawn(*args, env=env, cwd=cwd, user=user, tty=tty, stdin=stdin is not None)
-            result = await feed_and_wait(proc, stdin, timeout)
+            result = await feed_and_wait(await self._backend.spawn(self._ref, cmd), stdin, timeout)
         else:
             data = bytes(stdin) if stdin is not None else None  # type: ignore[arg-type]
-            result = await self._backend.exec(
-                self._ref, args, env=env, cwd=cwd, user=user, stdin=data, timeout=timeout
-            )
+            result = await self._backend.exec(self._ref, cmd, data, timeout)
         return result.check() if check else result
 
     async def sh(self, script: str, **kwargs: Any) -> ExecResult:

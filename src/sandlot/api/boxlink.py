@@ -28,6 +28,7 @@ from ..net.policy import Policy
 from .access import NAMESPACE_LABEL
 from .box import AsyncBox
 from .bridge import bridge, check_port, open_relay
+from .local import local
 
 IDLE_EXIT = 60.0
 REQUEST_TIMEOUT = 30.0  # for a box asleep to wake and its port to answer
@@ -102,7 +103,7 @@ class BoxLink:
             raise Refused(f"no box {source_id}") from None
         if source.id != source_id:
             raise Refused(f"no box {source_id}")
-        options = source.info["options"]
+        options = local(source.ref).record.options
         policy = Policy.build(options.get("network"), options.get("allow") or None)
         if not policy.allows_box(name, port):
             raise Refused(f"port {port} of box {name} is not on the allowlist of box {source.name}")

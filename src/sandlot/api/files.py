@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..core.validate import guest_path
 from ..errors import InvalidArgument
+from .backend import Write
 from .fs import FILE_EVENT_TYPES, FileEvent, FileEventType, FileInfo, WatchSource, check_mode
 
 if TYPE_CHECKING:
@@ -206,16 +207,8 @@ class AsyncFiles:
             payload = bytes(data)
         else:
             payload = data
-        return await self._backend.write(
-            self._ref,
-            guest_path(path),
-            payload,
-            mode=check_mode(mode),
-            user=user,
-            append=append,
-            parents=parents,
-            exclusive=exclusive,
-        )
+        how = Write(check_mode(mode), user, append, parents, exclusive)
+        return await self._backend.write(self._ref, guest_path(path), payload, how)
 
     async def upload(
         self,
@@ -240,16 +233,7 @@ class AsyncFiles:
         if not src.is_file():
             raise InvalidArgument(f"{src} is not a file or directory")
         file_mode = check_mode(mode) if mode is not None else _stat.S_IMODE(src.stat().st_mode)
-        return await self._backend.write(
-            self._ref,
-            dst,
-            host_file(src),
-            mode=file_mode,
-            user=user,
-            append=False,
-            parents=True,
-            exclusive=False,
-        )
+        return await self._backend.write(self._ref, dst, host_file(src), Write(file_mode, user))
 
     async def download(self, remote: str | os.PathLike[str], local: str | os.PathLike[str]) -> int:
         """Copy a guest file to the host (streamed, written atomically), or a guest

@@ -30,7 +30,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from ..errors import InvalidArgument, RequestError, SandlotError
-from .backend import BoxRef, SnapshotRef
+from .backend import BoxRef, Command, SnapshotRef
 from .contract import (
     STDERR,
     STDOUT,
@@ -83,8 +83,8 @@ async def run_exec(backend: LocalBackend, ref: BoxRef, call: Any) -> dict[str, A
             stdin = base64.b64decode(call.stdin_b64, validate=True)
         except binascii.Error:
             raise InvalidArgument("stdin_b64 is not base64") from None
-    result = await backend.exec(ref, call.argv, env=call.env, cwd=call.cwd, user=call.user, stdin=stdin,
-                                timeout=call.timeout)  # fmt: skip
+    cmd = Command(tuple(call.argv), call.env, call.cwd, call.user, stdin=stdin is not None)
+    result = await backend.exec(ref, cmd, stdin, call.timeout)
     return exec_json(result)
 
 
@@ -329,18 +329,8 @@ class ProcessTable:
         """Start ``request`` (a ``contract.SpawnIn``) in the box and hold it."""
         self.check_room()
         process_id = new_process_id()
-        proc = await backend.spawn(
-            ref,
-            request.argv,
-            env=request.env,
-            cwd=request.cwd,
-            user=request.user,
-            tty=request.tty,
-            rows=request.rows,
-            cols=request.cols,
-            stdin=request.stdin,
-            keep=process_id,
-        )
+        fields = request.model_dump(exclude={"type"})
+        proc = await backend.spawn(ref, Command(tuple(fields.pop("argv")), **fields), keep=process_id)
         return self.hold(ref.id, proc, process_id, on_exit)
 
     async def take_over(

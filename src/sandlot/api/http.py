@@ -17,12 +17,13 @@ answers is raised as the sandlot exception it stands for (``errors.from_dict``).
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import json
 import os
 import ssl
 import tempfile
-from collections.abc import AsyncIterable, AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterable, AsyncIterator, Mapping
 from pathlib import Path
 from typing import Any, ClassVar
 from urllib.parse import quote, urlencode
@@ -35,7 +36,7 @@ from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidMes
 from ..core.validate import positive
 from ..errors import AgentTimeout, ConnectionLost, InvalidArgument, NotFound, ProtocolError, SandlotError
 from ..version import __version__
-from .backend import Backend, BoxRef, DescribedBoxRef, SnapshotRef, answered
+from .backend import Backend, BoxRef, Command, DescribedBoxRef, SnapshotRef, Write, answered
 from .code import Callbacks, Execution, code_event
 from .contract import (
     CHUNK,
@@ -381,26 +382,13 @@ class HttpBackend(Backend):
 
     # -- commands ---------------------------------------------------------------------------
 
-    async def exec(
-        self,
-        ref: BoxRef,
-        argv: Sequence[str],
-        *,
-        env: Mapping[str, str] | None,
-        cwd: str | None,
-        user: str | None,
-        stdin: bytes | None,
-        timeout: float | None,
-    ) -> ExecResult:
-        body: dict[str, Any] = {"argv": list(argv)}
-        for key, value in (("env", env), ("cwd", cwd), ("user", user), ("timeout", timeout)):
-            if value is not None:
-                body[key] = dict(value) if isinstance(value, Mapping) else value
+    async def exec(self, ref: BoxRef, cmd: Command, stdin: bytes | None, timeout: float | None) -> ExecResult:
+        body = {k: v for k, v in cmd.fields().items() if k in ("argv", "env", "cwd", "user")}
+        if timeout is not None:
+            body["timeout"] = timeout
         if stdin is not None:  # base64: its size is known, whatever it holds
-            import base64
-
             body["stdin_b64"] = base64.b64encode(stdin).decode()
-        return exec_result(await self._exec(ref.id, body), tuple(argv))
+        return exec_result(await self._exec(ref.id, body), cmd.argv)
 
     async def _exec(self, box_id: str, body: dict[str, Any]) -> Any:
         """The answer of a one-shot exec: on the exec channel, or over HTTP where the
@@ -449,34 +437,9 @@ class HttpBackend(Backend):
 
         return attach
 
-    async def spawn(
-        self,
-        ref: BoxRef,
-        argv: Sequence[str],
-        *,
-        env: Mapping[str, str] | None,
-        cwd: str | None,
-        user: str | None,
-        tty: bool,
-        rows: int,
-        cols: int,
-        stdin: bool,
-        keep: str | None,
-    ) -> AsyncProcess:
+    async def spawn(self, ref: BoxRef, cmd: Command, keep: str | None = None) -> AsyncProcess:
         box = http(ref)
-        request = validated(
-            SpawnIn,
-            {
-                "argv": list(argv),
-                "env": dict(env) if env else None,
-                "cwd": cwd,
-                "user": user,
-                "tty": tty,
-                "rows": rows,
-                "cols": cols,
-                "stdin": stdin,
-            },
-        )
+        request = validated(SpawnIn, cmd.fields())
         ws = await self.websocket(box.path("/spawn"))
         try:
             with contextlib.suppress(ConnectionClosed):  # a refusal may come first: read it below
@@ -485,15 +448,22 @@ class HttpBackend(Backend):
             if first.get("type") != "started" or not isinstance(first.get("id"), str):
                 raise ProtocolError(f"{self.url}: the server answered a spawn with {first!r}")
         except ConnectionClosed as e:
-            raise ConnectionLost(f"lost the connection to {self.url} while starting {argv[0]}: {e}") from None
+            raise ConnectionLost(
+                f"lost the connection to {self.url} while starting {cmd.argv[0]}: {e}"
+            ) from None
         except BaseException:
             with contextlib.suppress(Exception):
                 await ws.close()
             raise
         proc = FollowedProcess(
-            first["id"], int(first.get("pid") or 0), tty, self._opener(box, first["id"]), self.url, WsLink(ws)
+            first["id"],
+            int(first.get("pid") or 0),
+            cmd.tty,
+            self._opener(box, first["id"]),
+            self.url,
+            WsLink(ws),
         )
-        return AsyncProcess(tuple(argv), proc, key=keep)
+        return AsyncProcess(cmd.argv, proc, key=keep)
 
     async def attach(self, ref: BoxRef, process_id: str, offsets: tuple[int, int]) -> AsyncProcess:
         box = http(ref)
@@ -523,29 +493,8 @@ class HttpBackend(Backend):
             async for chunk in self.chunks(r):
                 yield chunk
 
-    async def write(
-        self,
-        ref: BoxRef,
-        path: str,
-        data: bytes | AsyncIterable[bytes],
-        *,
-        mode: int | None,
-        user: str | None,
-        append: bool,
-        parents: bool,
-        exclusive: bool,
-    ) -> int:
-        params = validated(
-            WriteIn,
-            {
-                "path": path,
-                "mode": mode,
-                "user": user,
-                "append": append,
-                "parents": parents,
-                "exclusive": exclusive,
-            },
-        ).model_dump(exclude_none=True)
+    async def write(self, ref: BoxRef, path: str, data: bytes | AsyncIterable[bytes], how: Write) -> int:
+        params = validated(WriteIn, {"path": path, **how.fields()}).model_dump(exclude_none=True)
         counted = data if isinstance(data, bytes) else Counted(data)
         await self.request(
             "PUT", http(ref).path("/files/content"), params=params, content=counted, timeout=self.long()

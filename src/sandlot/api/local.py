@@ -18,6 +18,7 @@ import contextlib
 import os
 import tempfile
 from collections.abc import AsyncIterable, AsyncIterator, Mapping, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -29,14 +30,13 @@ from ..core.service import Core, core_for
 from ..core.sessions import Kept
 from ..core.state import BoxState
 from ..core.store import BoxRecord, SnapshotRecord, validate_name
-from ..core.validate import argv as check_argv
 from ..core.validate import check_env, check_user, guest_path, positive
 from ..errors import BoxNotFound, InvalidArgument, SnapshotNotFound
 from ..protocol import files as proto
 from ..protocol.exec import ExecRequest, RemoteProcess
 from ..protocol.watch import WatchStream
 from ..protocol.wire import FsFlag, FsOp
-from .backend import Backend, BoxRef, SnapshotRef
+from .backend import Backend, BoxRef, Command, SnapshotRef, Write
 from .fs import AgentWatch, FileInfo, WatchSource, check_mode, entry_info
 from .process import AsyncProcess, ExecResult, feed_and_wait
 
@@ -440,14 +440,12 @@ class LocalBackend(Backend):
         from .code import CodeBox, Interpreter
         from .files import AsyncFiles
 
-        async def spawn(*argv: str, env: Mapping[str, str] | None = None, cwd: str | None = None,
-                        user: str | None = None, stdin: bool = True) -> AsyncProcess:  # fmt: skip
-            return await self.spawn(ref, argv, env=env, cwd=cwd, user=user, tty=False, rows=24, cols=80,
-                                    stdin=stdin, keep=None)  # fmt: skip
+        async def spawn(*argv: str, user: str | None = None, stdin: bool = True) -> AsyncProcess:
+            return await self.spawn(ref, Command(argv, user=user, stdin=stdin))
 
         async def exec_(*argv: str, env: Mapping[str, str] | None = None, cwd: str | None = None,
                         user: str | None = None, timeout: float | None = None) -> ExecResult:  # fmt: skip
-            return await self.exec(ref, argv, env=env, cwd=cwd, user=user, stdin=None, timeout=timeout)
+            return await self.exec(ref, Command(argv, env, cwd, user, stdin=False), None, timeout)
 
         return Interpreter(CodeBox(ref.id, AsyncFiles(self, ref), spawn, exec_))
 
@@ -551,28 +549,11 @@ class LocalBackend(Backend):
         async for chunk in chunks:
             yield chunk
 
-    async def write(
-        self,
-        ref: BoxRef,
-        path: str,
-        data: bytes | AsyncIterable[bytes],
-        *,
-        mode: int | None,
-        user: str | None,
-        append: bool,
-        parents: bool,
-        exclusive: bool,
-    ) -> int:
+    async def write(self, ref: BoxRef, path: str, data: bytes | AsyncIterable[bytes], how: Write) -> int:
         return await proto.write_stream(
-            await self._conn(ref),
-            guest_path(path),
-            data,
-            mode=check_mode(mode),
-            user=check_user(user),
-            append=append,
-            parents=parents,
-            exclusive=exclusive,
-        )
+            await self._conn(ref), guest_path(path), data, mode=check_mode(how.mode),
+            user=check_user(how.user), append=how.append, parents=how.parents, exclusive=how.exclusive,
+        )  # fmt: skip
 
     async def get_archive(self, ref: BoxRef, path: str) -> AsyncIterator[bytes]:
         from .files import AsyncFiles
@@ -602,67 +583,26 @@ class LocalBackend(Backend):
 
     # -- commands ---------------------------------------------------------------------------
 
-    async def exec(
-        self,
-        ref: BoxRef,
-        argv: Sequence[str],
-        *,
-        env: Mapping[str, str] | None,
-        cwd: str | None,
-        user: str | None,
-        stdin: bytes | None,
-        timeout: float | None,
-    ) -> ExecResult:
+    async def exec(self, ref: BoxRef, cmd: Command, stdin: bytes | None, timeout: float | None) -> ExecResult:
         positive("timeout", timeout)
-        proc = await self.spawn(
-            ref,
-            argv,
-            env=env,
-            cwd=cwd,
-            user=user,
-            tty=False,
-            rows=24,
-            cols=80,
-            stdin=stdin is not None,
-            keep=None,
-        )
+        proc = await self.spawn(ref, replace(cmd, tty=False, stdin=stdin is not None))
         if stdin is None:
             return await proc.result(timeout)
         return await feed_and_wait(proc, stdin, timeout)
 
-    async def spawn(
-        self,
-        ref: BoxRef,
-        argv: Sequence[str],
-        *,
-        env: Mapping[str, str] | None,
-        cwd: str | None,
-        user: str | None,
-        tty: bool,
-        rows: int,
-        cols: int,
-        stdin: bool,
-        keep: str | None,
-    ) -> AsyncProcess:
-        args = check_argv(argv)
-        if tty and not (0 < rows <= 10000 and 0 < cols <= 10000):
-            raise InvalidArgument("rows and cols must be in 1..10000")
+    async def spawn(self, ref: BoxRef, cmd: Command, keep: str | None = None) -> AsyncProcess:
         ctl, entry = await local(ref).existing()
         spec = entry.spec
         req = ExecRequest(
-            argv=args,
-            env={**spec.default_env(), **check_env(env)} or None,
-            cwd=guest_path(cwd) if cwd is not None else spec.default_cwd(),
-            user=check_user(user) or spec.default_user(),
-            tty=tty,
-            rows=rows,
-            cols=cols,
-            stdin=stdin,
-        )
+            argv=cmd.argv, env={**spec.default_env(), **check_env(cmd.env)} or None,
+            cwd=guest_path(cmd.cwd) if cmd.cwd is not None else spec.default_cwd(),
+            user=check_user(cmd.user) or spec.default_user(), tty=cmd.tty, rows=cmd.rows, cols=cmd.cols,
+            stdin=cmd.stdin,
+        )  # fmt: skip
         remote = await RemoteProcess.start(await ctl.connection(entry), req)
         if keep is not None:
-            entry.session.keep(remote.channel_id, Kept(keep, args, remote.pid, tty))
-        return AsyncProcess(args, remote, key=keep)
+            entry.session.keep(remote.channel_id, Kept(keep, cmd.argv, remote.pid, cmd.tty))
+        return AsyncProcess(cmd.argv, remote, key=keep)
 
     async def taken_over(self, ref: BoxRef) -> list[AsyncProcess]:
         ctl, entry = await local(ref).existing()

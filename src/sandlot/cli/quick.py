@@ -20,6 +20,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from ..api.box import AsyncBox
+from ..api.local import local
 from ..errors import SandlotError
 from .terminal import attach, raw_terminal, terminal_size
 from .text import age
@@ -76,7 +77,7 @@ def filters(items: list[str] | None) -> tuple[dict[str, str], str | None]:
 
 async def listing(all_: bool, labels: dict[str, str], state: str | None) -> list[dict[str, Any]]:
     boxes = await AsyncBox.list(all=all_ or state is not None, state=state, labels=labels or None)
-    return [b.info for b in boxes]  # as just listed
+    return [local(b.ref).record.to_json() for b in boxes]  # the store's records, as just listed
 
 
 def show_listing(records: list[dict[str, Any]], *, quiet: bool, as_json: bool) -> None:

@@ -19,13 +19,13 @@ import base64
 import contextlib
 import secrets
 import time
-from collections.abc import AsyncIterable, AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterable, AsyncIterator, Mapping
 from pathlib import Path
 from typing import Any, ClassVar, Protocol
 
 import ray
 
-from ..api.backend import Backend, BoxRef, DescribedBoxRef, SnapshotRef, answered
+from ..api.backend import Backend, BoxRef, Command, DescribedBoxRef, SnapshotRef, Write, answered
 from ..api.code import Callbacks, Execution, code_event
 from ..api.contract import (
     BoxOut,
@@ -532,63 +532,20 @@ class RayBackend(Backend):
 
     # -- commands ---------------------------------------------------------------------------
 
-    async def exec(
-        self,
-        ref: BoxRef,
-        argv: Sequence[str],
-        *,
-        env: Mapping[str, str] | None,
-        cwd: str | None,
-        user: str | None,
-        stdin: bytes | None,
-        timeout: float | None,
-    ) -> ExecResult:
+    async def exec(self, ref: BoxRef, cmd: Command, stdin: bytes | None, timeout: float | None) -> ExecResult:
         box = ray_box(ref)
-        body: dict[str, Any] = {
-            "argv": list(argv),
-            "env": dict(env) if env else None,
-            "cwd": cwd,
-            "user": user,
-            "timeout": timeout,
-        }
+        body = {k: v for k, v in cmd.fields().items() if k in ("argv", "env", "cwd", "user")}
+        if timeout is not None:
+            body["timeout"] = timeout
         if stdin is not None:
             body["stdin_b64"] = base64.b64encode(stdin).decode()
-        answer = await self.ask(
-            box, self.actor(box).exec.remote(box.id, {k: v for k, v in body.items() if v is not None})
-        )
-        return exec_result(answer, tuple(argv))
+        return exec_result(await self.ask(box, self.actor(box).exec.remote(box.id, body)), cmd.argv)
 
-    async def spawn(
-        self,
-        ref: BoxRef,
-        argv: Sequence[str],
-        *,
-        env: Mapping[str, str] | None,
-        cwd: str | None,
-        user: str | None,
-        tty: bool,
-        rows: int,
-        cols: int,
-        stdin: bool,
-        keep: str | None,
-    ) -> AsyncProcess:
+    async def spawn(self, ref: BoxRef, cmd: Command, keep: str | None = None) -> AsyncProcess:
         box = ray_box(ref)
-        actor = self.actor(box)
-        body = {
-            "argv": list(argv),
-            "env": dict(env) if env else None,
-            "cwd": cwd,
-            "user": user,
-            "tty": tty,
-            "rows": rows,
-            "cols": cols,
-            "stdin": stdin,
-        }
-        started = await self.ask(
-            box, actor.spawn.remote(box.id, {k: v for k, v in body.items() if v is not None})
-        )
+        started = await self.ask(box, self.actor(box).spawn.remote(box.id, cmd.fields()))
         return AsyncProcess(
-            tuple(argv), self._followed(box, started["id"], int(started["pid"]), tty), key=keep
+            cmd.argv, self._followed(box, started["id"], int(started["pid"]), cmd.tty), key=keep
         )
 
     def _followed(
@@ -676,30 +633,9 @@ class RayBackend(Backend):
                 await got(actor.upload_chunk.remote(upload, bytes(view[i : i + CHUNK])))
         return await got(actor.upload_end.remote(upload))
 
-    async def write(
-        self,
-        ref: BoxRef,
-        path: str,
-        data: bytes | AsyncIterable[bytes],
-        *,
-        mode: int | None,
-        user: str | None,
-        append: bool,
-        parents: bool,
-        exclusive: bool,
-    ) -> int:
-        body = {
-            "path": path,
-            "mode": mode,
-            "user": user,
-            "append": append,
-            "parents": parents,
-            "exclusive": exclusive,
-        }
+    async def write(self, ref: BoxRef, path: str, data: bytes | AsyncIterable[bytes], how: Write) -> int:
         source = one(data) if isinstance(data, bytes) else data
-        return int(
-            await self._upload(ray_box(ref), "file", {k: v for k, v in body.items() if v is not None}, source)
-        )
+        return int(await self._upload(ray_box(ref), "file", {"path": path, **how.fields()}, source))
 
     async def get_archive(self, ref: BoxRef, path: str) -> AsyncIterator[bytes]:
         box = ray_box(ref)

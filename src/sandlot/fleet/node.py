@@ -33,7 +33,7 @@ from typing import Any, ParamSpec, TypeVar
 import ray
 
 from ..api import host
-from ..api.backend import BoxRef, SnapshotRef
+from ..api.backend import BoxRef, SnapshotRef, Write
 from ..api.box import AsyncBox, AsyncSnapshot
 from ..api.contract import (
     STDERR,
@@ -263,18 +263,8 @@ class NodeService:
         upload = Upload()
         if kind == "file":
             p = validated(WriteIn, body)
-            upload.task = asyncio.ensure_future(
-                self.backend.write(
-                    ref,
-                    p.path,
-                    upload.chunks(),
-                    mode=p.mode,
-                    user=p.user,
-                    append=p.append,
-                    parents=p.parents,
-                    exclusive=p.exclusive,
-                )
-            )
+            how = Write(p.mode, p.user, p.append, p.parents, p.exclusive)
+            upload.task = asyncio.ensure_future(self.backend.write(ref, p.path, upload.chunks(), how))
         elif kind == "archive":
             a = validated(ArchiveIn, body)
             upload.task = asyncio.ensure_future(
