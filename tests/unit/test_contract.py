@@ -244,6 +244,13 @@ def test_a_fleet_node_serves_every_operation(tmp_path: Path, monkeypatch: pytest
                 continue
             if op.result.kind != "text":
                 op.result.decode(reply["ok"])  # the driver reads it back
+        # what a node streams ends with a typed error where it fails
+        for kind, body in (("read", {"path": "/no/such"}), ("archive", {"path": "/no/such"}),
+                           ("read", {"path": "relative"}), ("bogus", {})):  # fmt: skip
+            *_, last = [m async for m in node.stream(kind, key, body)]
+            assert isinstance(sandlot.errors.from_dict(last["error"]), sandlot.SandlotError), kind
+        cell = [m async for m in node.stream("code", key, {"code": "1", "language": "python"})]
+        assert cell and cell[-1]["type"] in ("execution", "error")
         for kid in (await node.list())["ok"]:
             if kid["id"] != key:
                 assert "error" not in await node.remove(kid["id"], True)

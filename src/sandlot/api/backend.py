@@ -15,6 +15,8 @@ the core and this interface only (``tests/unit/test_cli_lean.py``).
 
 from __future__ import annotations
 
+import base64
+import contextlib
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterable, AsyncIterator, Callable, Mapping
 from dataclasses import asdict, dataclass
@@ -22,12 +24,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from ..core.validate import argv as check_argv
-from ..errors import InvalidArgument, InvalidState, Unsupported
+from ..errors import InvalidArgument, InvalidState, NotFound, Unsupported
+from .process import AsyncProcess, ProcessHandle
 
 if TYPE_CHECKING:
     from .code import Callbacks, Execution
     from .fs import WatchSource
-    from .process import AsyncProcess, ExecResult
+    from .process import ExecResult
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,6 +58,16 @@ class Command:
     def fields(self) -> dict[str, Any]:
         """As JSON (``contract.SpawnIn``'s fields), the unset ones left out."""
         return {k: v for k, v in asdict(self).items() if v is not None} | {"argv": list(self.argv)}
+
+    def exec_fields(self, stdin: bytes | None, timeout: float | None) -> dict[str, Any]:
+        """As an exec's JSON (``contract.ExecIn``'s fields); stdin in base64, so that its
+        size is known whatever it holds."""
+        body = {k: v for k, v in self.fields().items() if k in ("argv", "env", "cwd", "user")}
+        if timeout is not None:
+            body["timeout"] = timeout
+        if stdin is not None:
+            body["stdin_b64"] = base64.b64encode(stdin).decode()
+        return body
 
 
 @dataclass(frozen=True, slots=True)
@@ -311,6 +324,58 @@ class Backend(ABC):
     async def aclose(self) -> None:
         """Close what the backend holds open (boxes run on)."""
         return None
+
+
+class RemoteBackend(Backend):
+    """A backend elsewhere (a server, a fleet's nodes): its boxes are ``DescribedBoxRef``s,
+    made by the far side, and its processes are held there and followed from here."""
+
+    @abstractmethod
+    async def make(self, ref: BoxRef, *, start: bool) -> dict[str, Any]:
+        """Make the described box on the far side (booted with ``start``): its description."""
+
+    @abstractmethod
+    async def follow(self, ref: BoxRef, process_id: str, pid: int, tty: bool,
+                     offsets: tuple[int, int]) -> ProcessHandle:  # fmt: skip
+        """A process held on the far side, followed from ``offsets`` of its output."""
+
+    async def create(self, ref: BoxRef, *, start: bool, ephemeral: bool = False) -> None:
+        # made first, then started: a box that fails to start is known here and can go
+        box = described(ref)
+        if box.wanted is not None:
+            box.rec = await self.make(box, start=start and not ephemeral)
+            box.wanted = None
+            if not (start and ephemeral):
+                return
+        elif not start:
+            return
+        try:
+            await self.call("box", "start", box, {})
+        except BaseException:
+            if ephemeral:
+                with contextlib.suppress(Exception):
+                    await self.call("box", "remove", box, {"force": True})
+            raise
+
+    async def attach(self, ref: BoxRef, process_id: str, offsets: tuple[int, int]) -> AsyncProcess:
+        held = next((p for p in await self.call("box", "processes", ref, {}) if p.get("id") == process_id),
+                    None)  # fmt: skip
+        if held is None:
+            raise NotFound(f"box {ref.name} has no process {process_id} ({self.transport})", box=ref.name)
+        proc = await self.follow(ref, process_id, int(held.get("pid") or 0), bool(held.get("tty")), offsets)
+        return AsyncProcess(tuple(str(a) for a in held.get("argv", ())), proc)
+
+    def refuse_start_options(self, options: Mapping[str, Any]) -> None:
+        """An import here starts its box as the snapshot's: no options for it."""
+        if options:
+            raise self.unsupported(f"options for the box an import starts ({', '.join(options)})",
+                                   hint="start it with snapshot.start(...)")  # fmt: skip
+
+
+def described(ref: BoxRef) -> DescribedBoxRef:
+    if not isinstance(ref, DescribedBoxRef):
+        raise InvalidArgument(f"not a box of a backend elsewhere: {ref!r}")
+    return ref
 
 
 def answered(kind: str, value: Any, target: Any, box: Callable[[Any], BoxRef],

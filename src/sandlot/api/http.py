@@ -17,7 +17,6 @@ answers is raised as the sandlot exception it stands for (``errors.from_dict``).
 from __future__ import annotations
 
 import asyncio
-import base64
 import contextlib
 import json
 import os
@@ -36,7 +35,7 @@ from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidMes
 from ..core.validate import positive
 from ..errors import AgentTimeout, ConnectionLost, InvalidArgument, NotFound, ProtocolError, SandlotError
 from ..version import __version__
-from .backend import Backend, BoxRef, Command, DescribedBoxRef, SnapshotRef, Write, answered
+from .backend import BoxRef, Command, DescribedBoxRef, RemoteBackend, SnapshotRef, Write, answered
 from .code import Callbacks, Execution, code_event
 from .contract import (
     CHUNK,
@@ -131,7 +130,7 @@ class WsLink:
         await self.ws.close()
 
 
-class HttpBackend(Backend):
+class HttpBackend(RemoteBackend):
     """A connection to a ``sandlot serve`` server. See ``AsyncClient`` for the arguments."""
 
     transport: ClassVar[str] = "http"
@@ -317,24 +316,9 @@ class HttpBackend(Backend):
             raise self.unsupported("home=", hint="a server's boxes live in its home")
         return HttpBoxRef(self, box_create(image, options, self.transport), None)
 
-    async def create(self, ref: BoxRef, *, start: bool, ephemeral: bool = False) -> None:
-        box = http(ref)
-        if box.wanted is not None:
-            # created first, then started: a box that fails to start is known here and can go
-            body = {**box.wanted, "start": start and not ephemeral}
-            box.rec = self.ref_of(await self.json("POST", "/boxes", json_body=body, timeout=self.long())).rec
-            box.wanted = None
-            if not start or not ephemeral:
-                return
-        elif not start:
-            return
-        try:
-            await self.call("box", "start", box, {})
-        except BaseException:
-            if ephemeral:
-                with contextlib.suppress(Exception):
-                    await self.call("box", "remove", box, {"force": True})
-            raise
+    async def make(self, ref: BoxRef, *, start: bool) -> dict[str, Any]:
+        body = {**(http(ref).wanted or {}), "start": start}
+        return self.ref_of(await self.json("POST", "/boxes", json_body=body, timeout=self.long())).info
 
     async def find(self, key: str) -> HttpBoxRef:
         return self.ref_of(await self.json("GET", f"/boxes/{seg(key)}"))
@@ -383,12 +367,7 @@ class HttpBackend(Backend):
     # -- commands ---------------------------------------------------------------------------
 
     async def exec(self, ref: BoxRef, cmd: Command, stdin: bytes | None, timeout: float | None) -> ExecResult:
-        body = {k: v for k, v in cmd.fields().items() if k in ("argv", "env", "cwd", "user")}
-        if timeout is not None:
-            body["timeout"] = timeout
-        if stdin is not None:  # base64: its size is known, whatever it holds
-            body["stdin_b64"] = base64.b64encode(stdin).decode()
-        return exec_result(await self._exec(ref.id, body), cmd.argv)
+        return exec_result(await self._exec(ref.id, cmd.exec_fields(stdin, timeout)), cmd.argv)
 
     async def _exec(self, box_id: str, body: dict[str, Any]) -> Any:
         """The answer of a one-shot exec: on the exec channel, or over HTTP where the
@@ -465,23 +444,13 @@ class HttpBackend(Backend):
         )
         return AsyncProcess(cmd.argv, proc, key=keep)
 
-    async def attach(self, ref: BoxRef, process_id: str, offsets: tuple[int, int]) -> AsyncProcess:
-        box = http(ref)
-        held = next(
-            (p for p in await self.call("box", "processes", box, {}) if p.get("id") == process_id), None
-        )
-        if held is None:
-            raise NotFound(f"box {box.name} has no process {process_id} on {self.url}", box=box.name)
+    async def follow(self, ref: BoxRef, process_id: str, pid: int, tty: bool,
+                     offsets: tuple[int, int]) -> FollowedProcess:  # fmt: skip
         proc = FollowedProcess(
-            process_id,
-            int(held.get("pid") or 0),
-            bool(held.get("tty")),
-            self._opener(box, process_id),
-            self.url,
-            offsets=offsets,
+            process_id, pid, tty, self._opener(http(ref), process_id), self.url, offsets=offsets
         )
         await proc.connect()
-        return AsyncProcess(tuple(str(a) for a in held.get("argv", ())), proc)
+        return proc
 
     # -- files ------------------------------------------------------------------------------
 
@@ -570,11 +539,7 @@ class HttpBackend(Backend):
     ) -> BoxRef | SnapshotRef:
         from .tarstream import host_file
 
-        if options:
-            raise self.unsupported(
-                f"options for the box an import starts ({', '.join(options)})",
-                hint="start it with snapshot.start(...)",
-            )
+        self.refuse_start_options(options)
         if not path.is_file():
             raise InvalidArgument(f"{path} is not a file")
         data = await self.json(

@@ -15,7 +15,6 @@ a node as checksummed chunks through the object store (``fleet/transfer.py``).
 from __future__ import annotations
 
 import asyncio
-import base64
 import contextlib
 import secrets
 import time
@@ -25,7 +24,7 @@ from typing import Any, ClassVar, Protocol
 
 import ray
 
-from ..api.backend import Backend, BoxRef, Command, DescribedBoxRef, SnapshotRef, Write, answered
+from ..api.backend import BoxRef, Command, DescribedBoxRef, RemoteBackend, SnapshotRef, Write, answered
 from ..api.code import Callbacks, Execution, code_event
 from ..api.contract import (
     BoxOut,
@@ -167,7 +166,7 @@ class RayLink:
             ray.cancel(self.gen)
 
 
-class RayBackend(Backend):
+class RayBackend(RemoteBackend):
     """The boxes of a fleet (made by ``Fleet``)."""
 
     transport: ClassVar[str] = "ray"
@@ -238,22 +237,10 @@ class RayBackend(Backend):
             raise InvalidArgument(f"strategy must be 'pack' or 'spread', not {where['strategy']!r}")
         return RayBoxRef(self, None, box_create(image, opts, self.transport), where)
 
-    async def create(self, ref: BoxRef, *, start: bool, ephemeral: bool = False) -> None:
+    async def make(self, ref: BoxRef, *, start: bool) -> dict[str, Any]:
         box = ray_box(ref)
-        if box.wanted is not None:
-            box.rec = await self.place(box.wanted, box.where, start=start and not ephemeral)
-            box.wanted = None
-            if not (start and ephemeral):
-                return
-        elif not start:
-            return
-        try:
-            await self.call("box", "start", box, {})
-        except BaseException:
-            if ephemeral:
-                with contextlib.suppress(Exception):
-                    await self.call("box", "remove", box, {"force": True})
-            raise
+        assert box.wanted is not None
+        return await self.place(box.wanted, box.where, start=start)
 
     @contextlib.asynccontextmanager
     async def reserved(self, bundles: list[dict[str, float]], *, spread: bool = False,
@@ -534,52 +521,30 @@ class RayBackend(Backend):
 
     async def exec(self, ref: BoxRef, cmd: Command, stdin: bytes | None, timeout: float | None) -> ExecResult:
         box = ray_box(ref)
-        body = {k: v for k, v in cmd.fields().items() if k in ("argv", "env", "cwd", "user")}
-        if timeout is not None:
-            body["timeout"] = timeout
-        if stdin is not None:
-            body["stdin_b64"] = base64.b64encode(stdin).decode()
-        return exec_result(await self.ask(box, self.actor(box).exec.remote(box.id, body)), cmd.argv)
+        answer = await self.ask(box, self.actor(box).exec.remote(box.id, cmd.exec_fields(stdin, timeout)))
+        return exec_result(answer, cmd.argv)
 
     async def spawn(self, ref: BoxRef, cmd: Command, keep: str | None = None) -> AsyncProcess:
         box = ray_box(ref)
         started = await self.ask(box, self.actor(box).spawn.remote(box.id, cmd.fields()))
-        return AsyncProcess(
-            cmd.argv, self._followed(box, started["id"], int(started["pid"]), cmd.tty), key=keep
-        )
+        first = RayLink(self.actor(box), box.id, started["id"], (0, 0))
+        proc = self._followed(box, started["id"], int(started["pid"]), cmd.tty, (0, 0), first)
+        return AsyncProcess(cmd.argv, proc, key=keep)
 
-    def _followed(
-        self,
-        box: RayBoxRef,
-        process_id: str,
-        pid: int,
-        tty: bool,
-        offsets: tuple[int, int] = (0, 0),
-        *,
-        link: bool = True,
-    ) -> FollowedProcess:
+    async def follow(self, ref: BoxRef, process_id: str, pid: int, tty: bool,
+                     offsets: tuple[int, int]) -> FollowedProcess:  # fmt: skip
+        proc = self._followed(ray_box(ref), process_id, pid, tty, offsets)
+        await proc.connect()
+        return proc
+
+    def _followed(self, box: RayBoxRef, process_id: str, pid: int, tty: bool, offsets: tuple[int, int],
+                  first: Link | None = None) -> FollowedProcess:  # fmt: skip
         actor, key = self.actor(box), box.id
 
         async def opener(at: tuple[int, int]) -> Link:
             return RayLink(actor, key, process_id, at)
 
-        first = RayLink(actor, key, process_id, offsets) if link else None
         return FollowedProcess(process_id, pid, tty, opener, f"node {box.node[:12]}", first, offsets=offsets)
-
-    async def attach(self, ref: BoxRef, process_id: str, offsets: tuple[int, int]) -> AsyncProcess:
-        box = ray_box(ref)
-        held = next(
-            (p for p in await self.call("box", "processes", box, {}) if p.get("id") == process_id), None
-        )
-        if held is None:
-            raise NotFound(
-                f"box {box.name} has no process {process_id} on node {box.node[:12]}", box=box.name
-            )
-        proc = self._followed(
-            box, process_id, int(held.get("pid") or 0), bool(held.get("tty")), offsets, link=False
-        )
-        await proc.connect()
-        return AsyncProcess(tuple(str(a) for a in held.get("argv", ())), proc)
 
     async def run_code(
         self,
@@ -593,8 +558,7 @@ class RayBackend(Backend):
     ) -> Execution:
         box = ray_box(ref)
         body = {"code": code, "language": language, "context": context, "timeout": timeout}
-        gen = self.actor(box).run_code.options(num_returns="streaming").remote(box.id, body)
-        async for item in gen:
+        async for item in self.streamed(box, "code", body):
             done = await code_event(await item, callbacks)
             if done is not None:
                 return done
@@ -602,7 +566,12 @@ class RayBackend(Backend):
 
     # -- files ------------------------------------------------------------------------------
 
-    async def _chunks(self, gen: Any) -> AsyncIterator[bytes]:
+    def streamed(self, box: RayBoxRef, kind: str, body: dict[str, Any]) -> Any:
+        """What the box's node streams (``NodeService.stream``): a Ray streaming generator."""
+        return self.actor(box).stream.options(num_returns="streaming").remote(kind, box.id, body)
+
+    async def _chunks(self, box: RayBoxRef, kind: str, body: dict[str, Any]) -> AsyncIterator[bytes]:
+        gen = self.streamed(box, kind, body)
         try:
             async for item in gen:
                 chunk = await item
@@ -614,13 +583,8 @@ class RayBackend(Backend):
             with contextlib.suppress(Exception):
                 ray.cancel(gen)
 
-    async def read(self, ref: BoxRef, path: str, offset: int, length: int | None) -> AsyncIterator[bytes]:
-        box = ray_box(ref)
-        body = {"path": path, "offset": offset, "length": length}
-        async for chunk in self._chunks(
-            self.actor(box).read.options(num_returns="streaming").remote(box.id, body)
-        ):
-            yield chunk
+    def read(self, ref: BoxRef, path: str, offset: int, length: int | None) -> AsyncIterator[bytes]:
+        return self._chunks(ray_box(ref), "read", {"path": path, "offset": offset, "length": length})
 
     async def _upload(
         self, box: RayBoxRef, kind: str, body: dict[str, Any], data: AsyncIterable[bytes]
@@ -637,11 +601,8 @@ class RayBackend(Backend):
         source = one(data) if isinstance(data, bytes) else data
         return int(await self._upload(ray_box(ref), "file", {"path": path, **how.fields()}, source))
 
-    async def get_archive(self, ref: BoxRef, path: str) -> AsyncIterator[bytes]:
-        box = ray_box(ref)
-        gen = self.actor(box).get_archive.options(num_returns="streaming").remote(box.id, {"path": path})
-        async for chunk in self._chunks(gen):
-            yield chunk
+    def get_archive(self, ref: BoxRef, path: str) -> AsyncIterator[bytes]:
+        return self._chunks(ray_box(ref), "archive", {"path": path})
 
     async def put_archive(
         self, ref: BoxRef, path: str, tar: AsyncIterable[bytes], *, user: str | None
@@ -651,8 +612,7 @@ class RayBackend(Backend):
 
     async def watch(self, ref: BoxRef, path: str, recursive: bool) -> WatchSource:
         box = ray_box(ref)
-        body = {"path": path, "recursive": recursive}
-        gen = self.actor(box).watch.options(num_returns="streaming").remote(box.id, body)
+        gen = self.streamed(box, "watch", {"path": path, "recursive": recursive})
 
         async def receive() -> dict[str, Any] | None:
             with contextlib.suppress(StopAsyncIteration):
@@ -710,9 +670,7 @@ class RayBackend(Backend):
     ) -> BoxRef | SnapshotRef:
         """The archive moved in chunks to the live node with the fewest boxes, imported there
         (and with ``start``, a box started from it, its room reserved first)."""
-        if options:
-            raise self.unsupported(f"options for the box an import starts ({', '.join(options)})",
-                                   hint="start it with snapshot.start(...)")  # fmt: skip
+        self.refuse_start_options(options)
         nodes = await self._live_nodes()
         if not nodes:
             raise NoCapacity(

@@ -213,47 +213,31 @@ class NodeService:
         """A client's frame to a held process (stdin bytes, or a control message)."""
         return await self.processes.find(key, process_id).take_input(frame)
 
-    async def run_code(self, key: str, body: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
-        """A cell's events (``host.code_messages``) as a Ray streaming generator."""
-        async for event in streamed(lambda: self._run_code(key, body)):
-            yield event
-
-    async def _run_code(self, key: str, body: dict[str, Any]) -> AsyncIterator[Any]:
-        ref, params = await self.ref(key), validated(RunCodeIn, body)
-        async for event in host.code_messages(self.backend, ref, params):
-            yield event
-
-    async def watch(self, key: str, body: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
-        """A watch's messages (``host.watch_messages``) as a Ray streaming generator."""
-        async for message in streamed(lambda: self._watch(key, body)):
-            yield message
-
-    async def _watch(self, key: str, body: dict[str, Any]) -> AsyncIterator[Any]:
-        params = validated(WatchIn, body)
-        watch = AsyncBox.bound(await self.ref(key)).files.watch(params.path, recursive=params.recursive)
-        async for message in host.watch_messages(await watch.start()):
-            yield message
-
-    async def read(self, key: str, body: dict[str, Any]) -> AsyncIterator[bytes | dict[str, Any]]:
-        """A file's bytes (or an error message) as a Ray streaming generator."""
-
-        async def chunks() -> AsyncIterator[bytes]:
-            p = validated(ReadIn, body)
-            async for chunk in self.backend.read(await self.ref(key), p.path, p.offset, p.length):
-                yield chunk
-
-        async for item in streamed(chunks):
-            yield item
-
-    async def get_archive(self, key: str, body: dict[str, Any]) -> AsyncIterator[bytes | dict[str, Any]]:
-        """A guest directory as tar chunks (or an error message) as a Ray streaming generator."""
-
-        async def chunks() -> AsyncIterator[bytes]:
-            async for chunk in self.backend.get_archive(await self.ref(key), validated(ArchiveIn, body).path):
-                yield chunk
-
-        async for item in streamed(chunks):
-            yield item
+    async def stream(self, kind: str, key: str, body: dict[str, Any]) -> AsyncIterator[Any]:
+        """What a box streams, as a Ray streaming generator: a file's bytes ("read",
+        ``contract.ReadIn``), a directory's tar ("archive", ``ArchiveIn``), a watch's
+        messages ("watch", ``host.watch_messages``) or a cell's events ("code",
+        ``host.code_messages``); a sandlot error is its last message."""
+        try:
+            ref = await self.ref(key)
+            items: AsyncIterator[Any]
+            if kind == "read":
+                p = validated(ReadIn, body)
+                items = self.backend.read(ref, p.path, p.offset, p.length)
+            elif kind == "archive":
+                items = self.backend.get_archive(ref, validated(ArchiveIn, body).path)
+            elif kind == "watch":
+                w = validated(WatchIn, body)
+                watch = AsyncBox.bound(ref).files.watch(w.path, recursive=w.recursive)
+                items = host.watch_messages(await watch.start())
+            elif kind == "code":
+                items = host.code_messages(self.backend, ref, validated(RunCodeIn, body))
+            else:
+                raise InvalidArgument(f"a node streams a read, an archive, a watch or code, not {kind!r}")
+            async for item in items:
+                yield item
+        except SandlotError as exc:
+            yield error_message(exc)
 
     @guarded
     async def upload_begin(self, key: str, kind: str, body: dict[str, Any]) -> str:
@@ -263,7 +247,7 @@ class NodeService:
         upload = Upload()
         if kind == "file":
             p = validated(WriteIn, body)
-            how = Write(p.mode, p.user, p.append, p.parents, p.exclusive)
+            how = Write(**p.model_dump(exclude={"path"}))
             upload.task = asyncio.ensure_future(self.backend.write(ref, p.path, upload.chunks(), how))
         elif kind == "archive":
             a = validated(ArchiveIn, body)
@@ -485,19 +469,6 @@ class NodeService:
         if held is not None:
             with contextlib.suppress(SandlotError):
                 await self.backend.snapshot_remove(await self.backend.find_snapshot(held["snapshot"]))
-
-
-async def streamed(
-    make: Callable[[], AsyncIterator[Any]], first: Awaitable[Any] | None = None
-) -> AsyncIterator[Any]:
-    """What ``make`` yields (after ``first``, awaited), its sandlot error as a last message."""
-    try:
-        if first is not None:
-            await first
-        async for item in make():
-            yield item
-    except SandlotError as exc:
-        yield error_message(exc)
 
 
 def node_snapshots(answer: Any, node: str) -> Any:

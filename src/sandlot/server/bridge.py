@@ -439,11 +439,15 @@ async def preview_ws(ws: WebSocket, token: str, path: str) -> None:
     await proxy_websocket(ws, box, port, path)
 
 
-@v1.api_route("/boxes/{box}/ports/{port}/{path:path}", methods=METHODS, tags=["ports"])
 async def port_http(request: Request, box: str, port: int, path: str) -> Response:
     """HTTP to ``port`` in the box (streamed both ways)."""
     b = await box_for(request, box)
     return await proxy_http(request, b, _port(port), path, _prefix(request, f"/v1/boxes/{box}/ports/{port}"))
+
+
+for _method in METHODS:  # a route per method: each its own OpenAPI operation
+    v1.add_api_route("/boxes/{box}/ports/{port}/{path:path}", port_http, methods=[_method], tags=["ports"],
+                     name=f"port_http_{_method.lower()}")  # fmt: skip
 
 
 @v1.get("/boxes/{box}/ports/{port}", include_in_schema=False)

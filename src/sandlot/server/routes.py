@@ -32,7 +32,7 @@ from fastapi.responses import StreamingResponse
 from starlette.websockets import WebSocketDisconnect
 
 from ..api import host
-from ..api.backend import SnapshotRef
+from ..api.backend import SnapshotRef, Write
 from ..api.box import AsyncBox, AsyncSnapshot
 from ..api.contract import (
     OPERATIONS,
@@ -583,15 +583,8 @@ async def run_code(box: str, body: RunCodeIn, request: Request) -> Response:
 async def read_file(box: str, request: Request, params: Annotated[ReadIn, Query()]) -> Response:
     """The file's bytes, streamed."""
     b = await box_for(request, box)
-    chunks = b.files.iter_read(params.path, offset=params.offset, length=params.length)
-    first = await anext(chunks, b"")  # errors (no such file) answer before the stream begins
-
-    async def body() -> AsyncIterator[bytes]:
-        yield first
-        async for chunk in chunks:
-            yield chunk
-
-    return StreamingResponse(body(), media_type="application/octet-stream")
+    chunks = _backend(request).read(b.ref, params.path, params.offset, params.length)
+    return await _streamed(chunks, "application/octet-stream")
 
 
 @router.put("/boxes/{box}/files/content", tags=["files"])
@@ -606,16 +599,20 @@ async def write_file(box: str, request: Request, params: Annotated[WriteIn, Quer
             if chunk:
                 yield chunk
 
-    await b.files.write(
-        params.path,
-        chunks(),
-        mode=params.mode,
-        user=params.user,
-        append=params.append,
-        parents=params.parents,
-        exclusive=params.exclusive,
-    )
+    await _backend(request).write(b.ref, params.path, chunks(), Write(**params.model_dump(exclude={"path"})))
     return file_json(await b.files.stat(params.path))
+
+
+async def _streamed(chunks: AsyncIterator[bytes], media_type: str) -> StreamingResponse:
+    """``chunks`` as the answer; an error before the first (no such file) answers as itself."""
+    first = await anext(chunks, b"")
+
+    async def body() -> AsyncIterator[bytes]:
+        yield first
+        async for chunk in chunks:
+            yield chunk
+
+    return StreamingResponse(body(), media_type=media_type)
 
 
 @router.get("/boxes/{box}/files/watch", tags=["files"])
@@ -638,15 +635,7 @@ async def watch_files(box: str, request: Request, params: Annotated[WatchIn, Que
 async def get_archive(box: str, request: Request, params: Annotated[ArchiveIn, Query()]) -> Response:
     """The directory ``path`` as a tar stream."""
     b = await box_for(request, box)
-    chunks = b.ref.backend.get_archive(b.ref, params.path)
-    first = await anext(chunks, b"")  # errors (not a directory) answer before the stream begins
-
-    async def body() -> AsyncIterator[bytes]:
-        yield first
-        async for chunk in chunks:
-            yield chunk
-
-    return StreamingResponse(body(), media_type="application/x-tar")
+    return await _streamed(_backend(request).get_archive(b.ref, params.path), "application/x-tar")
 
 
 @router.put("/boxes/{box}/files/archive", status_code=204, tags=["files"])
