@@ -63,7 +63,7 @@ async def run(root: Path, home: Path, runs: int, pool: int) -> dict[str, Any]:
             await b.exec("true")  # what an exec costs on this host now: the floor of the figure above
             again.append(time.perf_counter() - t)
             claimed.append(b)
-        assert all((await b.inspect())["options"]["pool"] is None for b in claimed)
+        assert all([(await b.inspect())["options"]["pool"] is None for b in claimed])
         for b in claimed:
             await b.remove(force=True)
     out["pool_claim_to_first_exec_ms"] = summary(claims, 1000, digits=1)

@@ -6,7 +6,7 @@ Each sync class is a thin twin of an async one: same methods, same signatures,
 same docstrings; a coroutine method runs on sandlot's loop thread, an async
 iterator is driven item by item, and async objects in results are wrapped in
 their sync twins (``aclose`` becomes ``close``). Members a ``*Base`` class in
-the output's base module (``api/sync_base.py``, ``api/remote_sync_base.py``)
+the output's base module (``api/sync_base.py``)
 defines are written by hand there and skipped here. Module-level functions
 named in an output's ``functions`` get a sync twin too (``connect_async`` ->
 ``connect``).

@@ -251,6 +251,21 @@ def test_a_fleet_node_serves_every_operation(tmp_path: Path, monkeypatch: pytest
             assert isinstance(sandlot.errors.from_dict(last["error"]), sandlot.SandlotError), kind
         cell = [m async for m in node.stream("code", key, {"code": "1", "language": "python"})]
         assert cell and cell[-1]["type"] in ("execution", "error")
+        # uploads: chunks in, the write's answer at the end; a write that fails says why (it
+        # does not leave the driver waiting); one given up is gone
+        up = (await node.upload_begin(key, "file", {"path": "/tmp/up.txt"}))["ok"]
+        assert "error" not in await node.upload_chunk(up, b"hello ")
+        assert "error" not in await node.upload_chunk(up, b"node")
+        assert (await node.upload_end(up))["ok"] == 10
+        up = (await node.upload_begin(key, "file", {"path": "/tmp/up.txt", "exclusive": True}))["ok"]
+        replies = [await node.upload_chunk(up, b"x" * 1000) for _ in range(8)]
+        replies.append(await asyncio.wait_for(node.upload_end(up), 30))
+        errors = [sandlot.errors.from_dict(r["error"]) for r in replies if "error" in r]
+        assert errors and isinstance(errors[0], FileExistsError | sandlot.SandlotError), replies
+        up = (await node.upload_begin(key, "archive", {"path": "/tmp/tree"}))["ok"]
+        assert "error" not in await node.upload_abort(up)
+        assert "error" in await node.upload_end(up)
+        assert not node.uploads
         for kid in (await node.list())["ok"]:
             if kid["id"] != key:
                 assert "error" not in await node.remove(kid["id"], True)

@@ -4,7 +4,7 @@ HTTP answers come from ``httpx.MockTransport``: these tests check only how error
 bodies map to exception classes and how URLs, query parameters and bodies are
 built. The WebSocket process protocol runs against a tiny real ``websockets``
 server that plays the server's part (drops included). The same calls against a
-real ``sandlot serve`` and real boxes are in ``tests/vm/test_remote.py``.
+real ``sandlot serve`` and real boxes are in ``tests/vm/test_contract.py``.
 """
 
 from __future__ import annotations
@@ -564,9 +564,19 @@ def test_unit_streams_drop_repeats_and_skip_gaps() -> None:
         assert s.lost == 9 and s.received == 20
         with pytest.raises(sandlot.ProtocolError):
             s.fresh(25, b"x")  # bytes skipped without a gap
+        assert s.offset == 11  # past the last byte read: the gap is not read yet
         s.fresh(20, b"!")
         s.end()
         assert await s.read_all() == b"!" and await s.read() == b""
+        assert s.offset == 21  # where a reader that comes back asks from
+        # followed from an offset (a reattach): offsets are the stream's, not this reader's
+        t = FollowedStream(1)
+        t.start_at(100)
+        t.fresh(100, b"abc")
+        t.gap(103, 110)
+        t.fresh(110, b"de")
+        assert await t.read() == b"abc" and t.offset == 103
+        assert await t.read() == b"de" and t.offset == 112
 
     run(main)
 

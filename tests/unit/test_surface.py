@@ -74,6 +74,16 @@ def test_every_operation_has_its_route_in_the_server() -> None:
         body = route[op.method.lower()].get("requestBody")
         for field in op.params.model_fields:  # each argument is in the path, the query or the body
             assert field in declared or body is not None, f"{op.key}: the route does not take {field}"
+        answers = route[op.method.lower()]["responses"]
+        assert str(op.status) in answers, f"{op.key} answers {sorted(answers)}, not {op.status}"
+    made = {op.key for op in contract.OPERATIONS if op.status == 201}
+    assert made == {
+        "box.snapshot",
+        "box.fork",
+        "box.preview_url",
+        "box.create_code_context",
+        "snapshot.start",
+    }
 
 
 def test_every_backend_implements_every_primitive() -> None:

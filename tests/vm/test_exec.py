@@ -144,27 +144,6 @@ def test_32_concurrent_execs_with_heavy_output(bb_box: Box) -> None:
         assert r.stderr_bytes == f"{i}\n".encode() + bytes(1 << 20)
 
 
-def test_pty(bb_box: Box) -> None:
-    r = bb_box.exec("sh", "-c", "tty; stty size; test -t 0 && echo interactive", tty=True)
-    out = r.stdout.replace("\r\n", "\n")
-    assert "/dev/pts/" in out and "24 80" in out and "interactive" in out
-    p = bb_box.spawn("sh", tty=True, rows=30, cols=100)
-    chunks = iter(p.stdout)
-
-    def until(text: str) -> str:
-        seen = ""
-        while text not in seen:
-            seen += next(chunks).decode()
-        return seen
-
-    p.write_stdin("stty size\n")
-    assert "30 100" in until("30 100")
-    p.resize(50, 132)
-    p.write_stdin("stty size; exit 5\n")
-    assert "50 132" in until("50 132")
-    assert p.wait(timeout=30) == 5
-
-
 def test_timeout_kills_and_box_stays_usable(bb_box: Box) -> None:
     t0 = time.monotonic()
     with pytest.raises(sandlot.ExecTimeout) as info:

@@ -104,7 +104,7 @@ def test_placement_by_resources(f: fleet.Fleet, nodes: Nodes, busybox_root: Path
     small.files.write("/root/v", "2")
     small.rollback(snap)
     assert small.files.read_text("/root/v") == "1" and [s.name for s in small.snapshots()] == ["one"]
-    assert big.id in boxes_in(nodes.fc.homes[big.node]) and small.id in boxes_in(nodes.fc.homes[nodes.b])
+    assert big.id in boxes_in(nodes.fc.homes[node_of(big)]) and small.id in boxes_in(nodes.fc.homes[nodes.b])
     listed = {b.id: node_of(b) for b in f.list(labels={"t": "place"})}
     assert listed == {big.id: node_of(big), small.id: nodes.b}
     reserved = {n["node_id"]: n["reserved_memory_mib"] for n in f.nodes()}

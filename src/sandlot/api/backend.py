@@ -85,6 +85,21 @@ class Write:
         return {k: v for k, v in asdict(self).items() if v is not None}
 
 
+@dataclass(frozen=True, slots=True)
+class Cell:
+    """A cell of code to run, as every backend takes it: its code, its language, the code
+    context it runs in (None: the language's default one), and how long it may take."""
+
+    code: str
+    language: str = "python"
+    context: str | None = None
+    timeout: float | None = None
+
+    def fields(self) -> dict[str, Any]:
+        """As JSON (``contract.RunCodeIn``'s fields)."""
+        return asdict(self)
+
+
 class BoxRef(ABC):
     """What a backend knows of one box, held by its ``AsyncBox``: a box described and not
     made yet, or one that exists (its description as last read)."""
@@ -257,12 +272,9 @@ class Backend(ABC):
         """A command started, its output followed as it comes."""
 
     @abstractmethod
-    async def run_code(
-        self, ref: BoxRef, code: str, *, language: str, context: str | None, timeout: float | None,
-        callbacks: Callbacks,
-    ) -> Execution:  # fmt: skip
-        """A cell run in a code context of the box (``context`` None: the language's default
-        one), its output and results passed to ``callbacks`` as they come."""
+    async def run_code(self, ref: BoxRef, cell: Cell, callbacks: Callbacks) -> Execution:
+        """A cell run in a code context of the box, its output and results passed to
+        ``callbacks`` as they come."""
 
     async def attach(self, ref: BoxRef, process_id: str, offsets: tuple[int, int]) -> AsyncProcess:
         """A process the host holds for the box, followed from these offsets of its output."""

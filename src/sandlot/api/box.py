@@ -35,7 +35,7 @@ from ..core.spec import DEFAULT_DISK_GB, DEFAULT_MEMORY_MIB, PortSpec, VolumeSpe
 from ..core.validate import positive
 from ..errors import InvalidArgument
 from ..net.secrets import Secret
-from .backend import Backend, BoxRef, Command, SnapshotRef, snapshot_key
+from .backend import Backend, BoxRef, Cell, Command, SnapshotRef, snapshot_key
 from .local import LocalBackend
 from .process import AsyncProcess, ExecResult, StdinSource, feed_and_wait
 
@@ -512,14 +512,8 @@ class AsyncBox:
         positive("timeout", timeout)
         cid = None if context is None else context_id(context, language)
         self._ref.need_made()
-        return await self._backend.run_code(
-            self._ref,
-            code,
-            language=check_language(language),
-            context=cid,
-            timeout=timeout,
-            callbacks=Callbacks(on_stdout, on_stderr, on_result),
-        )
+        cell = Cell(code, check_language(language), cid, timeout)
+        return await self._backend.run_code(self._ref, cell, Callbacks(on_stdout, on_stderr, on_result))
 
     async def create_code_context(
         self,

@@ -4,8 +4,8 @@ Locally the agent runs a relay (its own binary in relay mode, ``/proc/1/exe
 --relay PORT``: ``guest/agent/relay.c``) as an ordinary command whose stdin and
 stdout are the connection, so the bytes go over the agent channel the host
 already has: no published port, no network device, whatever the box's network
-policy. A remote box does the same over a WebSocket of the server
-(``api/remote.py``). Either way the caller gets one end of a socket pair and
+policy. A box of a server does the same over a WebSocket of the server
+(``api/http.py``). Either way the caller gets one end of a socket pair and
 sandlot's loop copies between the other end and the box, so the socket works
 with anything: blocking code, ``asyncio.open_connection(sock=...)``, an HTTP
 client, a database driver.

@@ -38,6 +38,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationEr
 
 from ..core.requests import PULL_POLICIES, SPEC_DEFAULTS, SPEC_OPTIONS
 from ..core.spec import BoxSpec
+from ..core.validate import MOST_AT_ONCE
 from ..errors import (
     ExecTimeout,
     Forbidden,
@@ -249,7 +250,6 @@ def _box_create() -> type[Strict]:
 
 
 BoxCreate = _box_create()
-BOX_CREATE_FIELDS = tuple(BoxCreate.model_fields)
 
 
 def box_create(image: Any, options: Mapping[str, Any], transport: str) -> dict[str, Any]:
@@ -421,7 +421,7 @@ class RollbackIn(Strict):
 
 
 class ForkIn(Strict):
-    n: int = Field(default=1, ge=1, le=100)
+    n: int = Field(default=1, ge=1, le=MOST_AT_ONCE)
     name: str | None = None
 
 
@@ -442,9 +442,6 @@ class SnapshotStartIn(ForkIn):
     request_timeout: float | None = None
     network: str | None = None
     allow: list[str] | None = None
-
-
-SNAPSHOT_START_OPTIONS = tuple(f for f in SnapshotStartIn.model_fields if f not in ("n", "name"))
 
 
 class PathIn(Strict):
@@ -698,7 +695,8 @@ class Operation:
     """One request and its answer. ``name`` is the method of its ``scope``'s object
     (``AsyncBox``, ``AsyncFiles``, ``AsyncSnapshot``) and of the backends; ``method`` and
     ``path`` its REST route under ``/v1``, whose parameters come from ``params`` (in the
-    query for GET and DELETE, and where ``query`` says so; else in a JSON body)."""
+    query for GET and DELETE, and where ``query`` says so; else in a JSON body). An
+    operation that makes something (``created``) answers 201; one that answers nothing, 204."""
 
     scope: Scope
     name: str
@@ -708,6 +706,11 @@ class Operation:
     result: Codec
     query: bool = False
     summary: str = ""
+    created: bool = False
+
+    @property
+    def status(self) -> int:
+        return 204 if self.result.kind == "none" else 201 if self.created else 200
 
     @property
     def key(self) -> str:
@@ -733,11 +736,14 @@ class Operation:
 
 
 def _ops(scope: Scope, base: str, rows: tuple[tuple[Any, ...], ...]) -> tuple[Operation, ...]:
-    """Operations of one scope: (name, "METHOD path under base", params, result, summary[, query])."""
+    """Operations of one scope: (name, "METHOD path under base[ 201]", params, result, summary[, query])."""
     out = []
     for name, route, params, result, summary, *query in rows:
-        method, _, path = route.partition(" ")
-        out.append(Operation(scope, name, method, base + path, params, result, bool(query), summary))
+        method, path, *created = route.split(" ")
+        op = Operation(
+            scope, name, method, base + path, params, result, bool(query), summary, created == ["201"]
+        )
+        out.append(op)
     return tuple(out)
 
 
@@ -761,13 +767,13 @@ OPERATIONS: tuple[Operation, ...] = (
         ("ports", "GET /ports", Empty, PORTS, "The published ports."),
         ("ping", "GET /ping", Empty, FLOAT, "The agent's round trip, in seconds."),
         ("activity", "GET /activity", Empty, ACTIVITY, "What the idle timeout sees."),
-        ("snapshot", "POST /snapshots", SnapshotIn, SNAPSHOT, "Save the running state."),
+        ("snapshot", "POST /snapshots 201", SnapshotIn, SNAPSHOT, "Save the running state."),
         ("snapshots", "GET /snapshots", Empty, SNAPSHOTS, "The box's snapshots."),
         ("rollback", "POST /rollback", RollbackIn, BOX, "Back to a snapshot."),
-        ("fork", "POST /fork", ForkIn, BOXES, "Running copies of the box."),
+        ("fork", "POST /fork 201", ForkIn, BOXES, "Running copies of the box."),
         ("processes", "GET /processes", Empty, PROCESSES, "The processes the host holds for the box."),
-        ("preview_url", "POST /previews", PreviewIn, URL, "A signed URL to a port."),
-        ("create_code_context", "POST /code/contexts", CodeContextIn, CONTEXT, "Start an interpreter."),
+        ("preview_url", "POST /previews 201", PreviewIn, URL, "A signed URL to a port."),
+        ("create_code_context", "POST /code/contexts 201", CodeContextIn, CONTEXT, "Start an interpreter."),
         ("list_code_contexts", "GET /code/contexts", Empty, CONTEXTS, "The interpreters running."),
         ("interrupt_code_context", f"POST {CTX}/interrupt", ContextIn, NONE, "Interrupt a context's cell."),
         ("restart_code_context", f"POST {CTX}/restart", ContextIn, CONTEXT, "Start its interpreter afresh."),
@@ -784,7 +790,7 @@ OPERATIONS: tuple[Operation, ...] = (
     )),
     *_ops("snapshot", "/snapshots/{snap}", (
         ("inspect", "GET /inspect", Empty, JSON, "Everything about a snapshot."),
-        ("start", "POST /start", SnapshotStartIn, BOXES, "Boxes from a snapshot."),
+        ("start", "POST /start 201", SnapshotStartIn, BOXES, "Boxes from a snapshot."),
         ("remove", "DELETE ", Empty, NONE, "Delete a snapshot."),
     )),
 )  # fmt: skip
@@ -794,26 +800,3 @@ assert len(BY_KEY) == len(OPERATIONS), "one operation per scope and name"
 
 def operation(scope: Scope, name: str) -> Operation:
     return BY_KEY[f"{scope}.{name}"]
-
-
-# The streaming primitives every backend offers beside ``call`` (``api/backend.py``), and
-# the object and method of the public surface that each serves.
-STREAMS: dict[str, str] = {
-    "create": "AsyncBox.start / AsyncBox.create / __aenter__",
-    "find": "AsyncBox.get / client.get",
-    "boxes": "AsyncBox.list / client.list",
-    "exec": "AsyncBox.exec",
-    "run_code": "AsyncBox.run_code",
-    "spawn": "AsyncBox.spawn (and connect, run_code: relays are processes)",
-    "attach": "AsyncBox.attach",
-    "taken_over": "AsyncBox.taken_over",
-    "read": "AsyncFiles.iter_read / read / download",
-    "write": "AsyncFiles.write / upload",
-    "get_archive": "AsyncFiles.download of a directory",
-    "put_archive": "AsyncFiles.upload of a directory",
-    "watch": "AsyncFiles.watch",
-    "find_snapshot": "AsyncSnapshot.get / client.get_snapshot",
-    "snapshot_list": "AsyncSnapshot.list / client.snapshots",
-    "export": "AsyncSnapshot.export",
-    "import_snapshot": "client.import_snapshot",
-}

@@ -15,7 +15,6 @@ import asyncio
 import contextlib
 import os
 import stat as _stat
-import tempfile
 from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable
 from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING, Any
@@ -239,7 +238,7 @@ class AsyncFiles:
         """Copy a guest file to the host (streamed, written atomically), or a guest
         directory's tree into ``local`` (made if needed; members that would land outside
         it are refused). Returns the bytes of the files copied."""
-        from .tarstream import unpack
+        from .tarstream import to_host_file, unpack
 
         p = guest_path(remote)
         info = await self.stat(p)
@@ -248,20 +247,7 @@ class AsyncFiles:
             return await unpack(self._backend.get_archive(self._ref, p), dst)
         if dst.is_dir():
             dst = dst / PurePosixPath(p).name
-        fd, tmp = tempfile.mkstemp(prefix=f".{dst.name}.", dir=dst.parent)
-        total = 0
-        try:
-            with os.fdopen(fd, "wb") as f:
-                async for chunk in self._backend.read(self._ref, p, 0, None):
-                    await asyncio.to_thread(f.write, chunk)
-                    total += len(chunk)
-            os.chmod(tmp, info.mode or 0o644)
-            os.replace(tmp, dst)
-        except BaseException:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-            raise
-        return total
+        return await to_host_file(dst, self._backend.read(self._ref, p, 0, None), info.mode or 0o644)
 
     async def stat(self, path: str | os.PathLike[str], *, follow_symlinks: bool = True) -> FileInfo:
         info: FileInfo = await self._call("stat", path=guest_path(path), follow_symlinks=follow_symlinks)

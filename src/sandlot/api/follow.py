@@ -113,7 +113,8 @@ class FollowedProcess:
         self._where = where
         self._stdout = FollowedStream(1)
         self._stderr = FollowedStream(2)
-        self._stdout.received, self._stderr.received = offsets
+        self._stdout.start_at(offsets[0])
+        self._stderr.start_at(offsets[1])
         self._link = link
         self._status: ExitStatus | None = None
         self._done: asyncio.Future[ExitStatus] = asyncio.get_running_loop().create_future()

@@ -114,7 +114,7 @@ _EVENT_TYPES: dict[WatchEvent, FileEventType] = {
 
 class WatchSource(Protocol):
     """What ``AsyncWatch`` reads: a watch channel of the box's agent locally, a
-    streamed HTTP answer for a remote box (``api/remote.py``)."""
+    server's NDJSON or a node's Ray stream for a box elsewhere (``follow.FollowedWatch``)."""
 
     async def next(self) -> FileEvent | None:
         """The next event, or None once the watch has ended."""

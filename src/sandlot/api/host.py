@@ -29,8 +29,8 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from ..errors import InvalidArgument, RequestError, SandlotError
-from .backend import BoxRef, Command, SnapshotRef
+from ..errors import InvalidArgument, NotFound, RequestError, SandlotError
+from .backend import BoxRef, Cell, Command, SnapshotRef
 from .contract import (
     STDERR,
     STDOUT,
@@ -46,7 +46,7 @@ from .contract import (
     file_event_json,
     validated,
 )
-from .files import AsyncWatch
+from .files import AsyncFiles, AsyncWatch
 from .local import LocalBackend
 from .process import AsyncProcess, ExecResult
 
@@ -185,6 +185,8 @@ class HeldProcess:
             self.result = await self.proc.result()
         except SandlotError as e:
             self.error = e
+        except Exception as e:  # a bug must still end the process for its clients, with a reason
+            self.error = SandlotError(f"following the process failed: {type(e).__name__}: {e}")
         finally:
             self.exited_at = time.monotonic()
             self._notify()
@@ -275,10 +277,16 @@ class HeldProcess:
 
 
 class ProcessTable:
-    """Every process a host holds, by id."""
+    """Every process a host holds, by id. ``on_taken_exit`` is told of the end of each
+    process taken over from a host that died."""
 
-    def __init__(self) -> None:
+    def __init__(
+        self, backend: LocalBackend, on_taken_exit: Callable[[HeldProcess], None] | None = None
+    ) -> None:
+        self.backend = backend
         self.held: dict[str, HeldProcess] = {}
+        self.on_taken_exit = on_taken_exit
+        self.taking_over: dict[str, asyncio.Lock] = {}
 
     def check_room(self) -> None:
         """Refuse a new process when the table is full (exited ones are pruned first)."""
@@ -303,8 +311,19 @@ class ProcessTable:
     def find(self, box_id: str, process_id: str) -> HeldProcess:
         held = self.get(box_id, process_id)
         if held is None:
-            raise RequestError(f"no process {process_id!r} in box {box_id}")
+            raise NotFound(f"no process {process_id!r} in box {box_id}", box=box_id)
         return held
+
+    async def found(self, ref: BoxRef, process_id: str) -> HeldProcess:
+        """A held process of the box, one a dead host held taken over first (NotFound if none)."""
+        if self.get(ref.id, process_id) is None:
+            await self.take_over(ref)
+        return self.find(ref.id, process_id)
+
+    async def listed(self, ref: BoxRef) -> dict[str, Any]:
+        """``box.processes``'s answer: the box's held processes, a dead host's taken over first."""
+        await self.take_over(ref)
+        return {"processes": [h.describe() for h in self.of_box(ref.id)]}
 
     def hold(
         self,
@@ -320,27 +339,23 @@ class ProcessTable:
         return held
 
     async def spawn(
-        self,
-        backend: LocalBackend,
-        ref: BoxRef,
-        request: Any,
-        on_exit: Callable[[HeldProcess], None] | None = None,
+        self, ref: BoxRef, request: Any, on_exit: Callable[[HeldProcess], None] | None = None
     ) -> HeldProcess:
         """Start ``request`` (a ``contract.SpawnIn``) in the box and hold it."""
         self.check_room()
         process_id = new_process_id()
         fields = request.model_dump(exclude={"type"})
-        proc = await backend.spawn(ref, Command(tuple(fields.pop("argv")), **fields), keep=process_id)
+        proc = await self.backend.spawn(ref, Command(tuple(fields.pop("argv")), **fields), keep=process_id)
         return self.hold(ref.id, proc, process_id, on_exit)
 
-    async def take_over(
-        self, backend: LocalBackend, ref: BoxRef, on_exit: Callable[[HeldProcess], None] | None = None
-    ) -> int:
-        """Hold the processes a dead host of this home held in the box; how many."""
-        taken = await backend.taken_over(ref)
-        for proc in taken:
-            self.hold(ref.id, proc, proc.key or new_process_id(), on_exit)
-        return len(taken)
+    async def take_over(self, ref: BoxRef) -> int:
+        """Hold the processes a dead host of this home held in the box (once: takers of one
+        box wait their turn); how many."""
+        async with self.taking_over.setdefault(ref.id, asyncio.Lock()):
+            taken = await self.backend.taken_over(ref)
+            for proc in taken:
+                self.hold(ref.id, proc, proc.key or new_process_id(), self.on_taken_exit)
+            return len(taken)
 
 
 # -- code cells ---------------------------------------------------------------------------
@@ -362,14 +377,7 @@ async def code_messages(backend: LocalBackend, ref: BoxRef, params: Any) -> Asyn
 
     async def cell() -> None:
         try:
-            execution = await backend.run_code(
-                ref,
-                params.code,
-                language=params.language,
-                context=params.context,
-                timeout=params.timeout,
-                callbacks=callbacks,
-            )
+            execution = await backend.run_code(ref, Cell(**params.model_dump()), callbacks)
             events.put_nowait({"type": "execution", "execution": execution.to_dict()})
         except SandlotError as e:
             events.put_nowait(error_message(e))
@@ -388,6 +396,12 @@ async def code_messages(backend: LocalBackend, ref: BoxRef, params: Any) -> Asyn
 
 
 # -- watches -------------------------------------------------------------------------------
+
+
+async def begun_watch(backend: LocalBackend, ref: BoxRef, params: Any) -> AsyncWatch:
+    """A watch (``contract.WatchIn``) of the box, begun: a missing path fails here, before
+    any message."""
+    return await AsyncFiles(backend, ref).watch(params.path, recursive=params.recursive).start()
 
 
 async def watch_messages(watch: AsyncWatch) -> AsyncIterator[dict[str, Any]]:

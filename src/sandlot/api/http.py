@@ -16,12 +16,10 @@ answers is raised as the sandlot exception it stands for (``errors.from_dict``).
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 import os
 import ssl
-import tempfile
 from collections.abc import AsyncIterable, AsyncIterator, Mapping
 from pathlib import Path
 from typing import Any, ClassVar
@@ -35,15 +33,15 @@ from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidMes
 from ..core.validate import positive
 from ..errors import AgentTimeout, ConnectionLost, InvalidArgument, NotFound, ProtocolError, SandlotError
 from ..version import __version__
-from .backend import BoxRef, Command, DescribedBoxRef, RemoteBackend, SnapshotRef, Write, answered
+from .backend import BoxRef, Cell, Command, DescribedBoxRef, RemoteBackend, SnapshotRef, Write, answered
 from .code import Callbacks, Execution, code_event
 from .contract import (
+    BOX,
     CHUNK,
+    SNAPSHOT,
     ArchiveIn,
-    BoxOut,
     ReadIn,
     RunCodeIn,
-    SnapshotOut,
     SpawnIn,
     WatchIn,
     WriteIn,
@@ -309,7 +307,7 @@ class HttpBackend(RemoteBackend):
     def ref_of(self, rec: Any) -> HttpBoxRef:
         if not isinstance(rec, dict) or not isinstance(rec.get("id"), str):
             raise ProtocolError(f"{self.url}: a box's description lacks its id")
-        return HttpBoxRef(self, None, BoxOut.model_validate(rec).model_dump())
+        return HttpBoxRef(self, None, BOX.decode(rec))
 
     def describe(self, image: Any, options: Mapping[str, Any], *, keep: bool) -> HttpBoxRef:
         if "home" in options:
@@ -342,8 +340,8 @@ class HttpBackend(RemoteBackend):
         op = operation(scope, name)  # type: ignore[arg-type]
         params = op.arguments(args).model_dump(exclude_none=True)
         path = op.url(target.id, params)
-        for name in op.in_path:
-            del params[name]
+        for arg in op.in_path:
+            del params[arg]
         slow = op.method != "GET"
         kwargs: dict[str, Any] = {"timeout": self.long()} if slow else {}
         if params or not op.in_path:
@@ -379,19 +377,8 @@ class HttpBackend(RemoteBackend):
                 pass
         return await self.json("POST", f"/boxes/{seg(box_id)}/exec", json_body=body, timeout=self.long())
 
-    async def run_code(
-        self,
-        ref: BoxRef,
-        code: str,
-        *,
-        language: str,
-        context: str | None,
-        timeout: float | None,
-        callbacks: Callbacks,
-    ) -> Execution:
-        body = validated(
-            RunCodeIn, {"code": code, "language": language, "context": context, "timeout": timeout}
-        )
+    async def run_code(self, ref: BoxRef, cell: Cell, callbacks: Callbacks) -> Execution:
+        body = validated(RunCodeIn, cell.fields())
         buf = b""
         async with self.stream(
             "POST",
@@ -510,7 +497,7 @@ class HttpBackend(RemoteBackend):
     def snapshot_of(self, rec: Any) -> HttpSnapshotRef:
         if not isinstance(rec, dict) or not isinstance(rec.get("id"), str):
             raise ProtocolError(f"{self.url}: a snapshot's description lacks its id")
-        return HttpSnapshotRef(self, SnapshotOut.model_validate(rec).model_dump())
+        return HttpSnapshotRef(self, SNAPSHOT.decode(rec))
 
     async def find_snapshot(self, key: str) -> HttpSnapshotRef:
         return self.snapshot_of(await self.json("GET", f"/snapshots/{seg(key)}"))
@@ -520,18 +507,10 @@ class HttpBackend(RemoteBackend):
         return [self.snapshot_of(rec) for rec in data.get("snapshots", [])]
 
     async def export(self, snap: SnapshotRef, path: Path) -> Path:
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-        try:
-            with os.fdopen(fd, "wb") as f:
-                async with self.stream("GET", f"/snapshots/{seg(snap.id)}/export", timeout=self.long()) as r:
-                    async for chunk in self.chunks(r):
-                        await asyncio.to_thread(f.write, chunk)
-                await asyncio.to_thread(os.fsync, f.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-            raise
+        from .tarstream import to_host_file
+
+        async with self.stream("GET", f"/snapshots/{seg(snap.id)}/export", timeout=self.long()) as r:
+            await to_host_file(path, self.chunks(r), 0o600)  # a box's memory: its secrets too
         return path
 
     async def import_snapshot(

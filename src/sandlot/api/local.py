@@ -36,7 +36,7 @@ from ..protocol import files as proto
 from ..protocol.exec import ExecRequest, RemoteProcess
 from ..protocol.watch import WatchStream
 from ..protocol.wire import FsFlag, FsOp
-from .backend import Backend, BoxRef, Command, SnapshotRef, Write
+from .backend import Backend, BoxRef, Cell, Command, SnapshotRef, Write
 from .fs import AgentWatch, FileInfo, WatchSource, check_mode, entry_info
 from .process import AsyncProcess, ExecResult, feed_and_wait
 
@@ -449,21 +449,12 @@ class LocalBackend(Backend):
 
         return Interpreter(CodeBox(ref.id, AsyncFiles(self, ref), spawn, exec_))
 
-    async def run_code(
-        self,
-        ref: BoxRef,
-        code: str,
-        *,
-        language: str,
-        context: str | None,
-        timeout: float | None,
-        callbacks: Callbacks,
-    ) -> Execution:
+    async def run_code(self, ref: BoxRef, cell: Cell, callbacks: Callbacks) -> Execution:
         return await self._interpreter(ref).run(
-            code,
-            language=language,
-            context=context,
-            timeout=timeout,
+            cell.code,
+            language=cell.language,
+            context=cell.context,
+            timeout=cell.timeout,
             on_stdout=callbacks.on_stdout,
             on_stderr=callbacks.on_stderr,
             on_result=callbacks.on_result,

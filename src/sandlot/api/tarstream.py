@@ -21,6 +21,7 @@ import os
 import posixpath
 import stat
 import tarfile
+import tempfile
 import threading
 from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterator
 from pathlib import Path
@@ -257,3 +258,23 @@ async def host_file(path: Path) -> AsyncIterator[bytes]:
             yield chunk
     finally:
         f.close()
+
+
+async def to_host_file(dst: Path, chunks: AsyncIterable[bytes], mode: int = 0o644) -> int:
+    """``chunks`` written to the host file ``dst`` whole or not at all (a temporary file
+    beside it, synced and renamed once complete); the bytes written."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{dst.name}.", dir=dst.parent)
+    total = 0
+    try:
+        with os.fdopen(fd, "wb") as f:
+            async for chunk in chunks:
+                await asyncio.to_thread(f.write, chunk)
+                total += len(chunk)
+            await asyncio.to_thread(os.fsync, f.fileno())
+        os.chmod(tmp, mode)
+        os.replace(tmp, dst)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+    return total

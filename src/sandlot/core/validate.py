@@ -78,7 +78,10 @@ def argv(args: Sequence[Any]) -> tuple[str, ...]:
     return tuple(out)
 
 
-def count(n: Any, *, most: int = 256) -> int:
+MOST_AT_ONCE = 256  # boxes one fork or one start of a snapshot makes, on every transport
+
+
+def count(n: Any, *, most: int = MOST_AT_ONCE) -> int:
     if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= most:
         raise InvalidArgument(f"n must be a whole number in 1..{most}, not {n!r}")
     return n

@@ -24,11 +24,11 @@ from typing import Any, ClassVar, Protocol
 
 import ray
 
-from ..api.backend import BoxRef, Command, DescribedBoxRef, RemoteBackend, SnapshotRef, Write, answered
+from ..api.backend import BoxRef, Cell, Command, DescribedBoxRef, RemoteBackend, SnapshotRef, Write, answered
 from ..api.code import Callbacks, Execution, code_event
 from ..api.contract import (
+    SNAPSHOT,
     BoxOut,
-    SnapshotOut,
     box_create,
     exec_result,
     operation,
@@ -40,6 +40,7 @@ from ..api.process import AsyncProcess, ExecResult
 from ..core.spec import DEFAULT_MEMORY_MIB
 from ..errors import (
     BoxNotFound,
+    ConnectionLost,
     InvalidArgument,
     InvalidState,
     NoCapacity,
@@ -83,14 +84,27 @@ async def got(ref: Any) -> Any:
     """An actor call's answer, awaited; a node's error reply, or a sandlot error the
     directory raised, is raised as itself."""
     try:
-        value = await ref
+        return opened(await ref)
     except ray.exceptions.RayTaskError as exc:
-        if isinstance(exc.cause, SandlotError):
-            raise exc.cause from None
-        raise
+        raise cause(exc) from None
+
+
+def answer(ref: Any, timeout: float | None = None) -> Any:
+    """``got`` for the driver's synchronous calls."""
+    try:
+        return opened(ray.get(ref, timeout=timeout))
+    except ray.exceptions.RayTaskError as exc:
+        raise cause(exc) from None
+
+
+def opened(value: Any) -> Any:
     if isinstance(value, dict) and ("ok" in value or "error" in value) and len(value) == 1:
         return unwrap(value)
     return value
+
+
+def cause(exc: ray.exceptions.RayTaskError) -> BaseException:
+    return exc.cause if isinstance(exc.cause, SandlotError) else exc
 
 
 def box_bundle(rec: Mapping[str, Any]) -> dict[str, float]:
@@ -122,7 +136,7 @@ class RayBoxRef(DescribedBoxRef):
 class RaySnapshotRef(SnapshotRef):
     def __init__(self, backend: RayBackend, rec: Mapping[str, Any]) -> None:
         self.backend = backend
-        self.rec = SnapshotOut.model_validate(rec).model_dump()
+        self.rec: dict[str, Any] = SNAPSHOT.decode(rec)
         if not self.rec.get("node"):
             raise ProtocolError(f"a fleet snapshot's description names no node: {dict(rec)!r:.200}")
 
@@ -162,6 +176,28 @@ class RayLink:
             raise LinkClosed from None
 
     async def close(self) -> None:
+        with contextlib.suppress(Exception):
+            ray.cancel(self.gen)
+
+
+class NodeStream:
+    """What a box's node streams (``NodeService.stream``), item by item: a node lost midway
+    is ConnectionLost; ``close`` cancels the node's side (a cell left is interrupted)."""
+
+    def __init__(self, backend: RayBackend, box: RayBoxRef, kind: str, body: dict[str, Any]) -> None:
+        self.where = f"node {box.node[:12]}"
+        self.gen = backend.actor(box).stream.options(num_returns="streaming").remote(kind, box.id, body)
+
+    async def next(self) -> Any:
+        """The next item, None at the end."""
+        try:
+            return await (await self.gen.__anext__())
+        except StopAsyncIteration:
+            return None
+        except ray.exceptions.RayError as exc:
+            raise ConnectionLost(f"lost {self.where} while it streamed ({type(exc).__name__})") from None
+
+    def close(self) -> None:
         with contextlib.suppress(Exception):
             ray.cancel(self.gen)
 
@@ -213,7 +249,7 @@ class RayBackend(RemoteBackend):
     async def reconcile(self) -> list[Record]:
         """Make the directory agree with the live nodes (``directory.reconcile``), give back
         the reservations of boxes dropped or lost, and return the records."""
-        alive = [n["NodeID"] for n in await asyncio.to_thread(placement.sandlot_nodes)]
+        alive = await self.live_nodes()
         seen: dict[str, Any] = {}
         for nid in alive:
             with contextlib.suppress(ray.exceptions.RayError, TimeoutError, SandlotError):
@@ -305,15 +341,8 @@ class RayBackend(RemoteBackend):
                 await got(self.fleet.node(snap.node).call.remote(scope, name, snap.id, params))
             )
         box = ray_box(target)
-        if op.key == "box.refresh":  # a lost box is what the directory says: its node cannot be asked
-            await self.reconcile()
-            try:
-                rec = await self.reread(box)
-            except NotFound:
-                box.removed = True
-                return None
-            if rec["state"] == LOST:
-                return None
+        if op.key == "box.refresh":
+            return await self.refresh(box, op)
         if op.key == "box.remove":
             return await self.remove(box, bool(params.get("force")))
         if op.key == "box.fork":
@@ -329,6 +358,26 @@ class RayBackend(RemoteBackend):
         if op.key == "box.snapshot" and box.rec and box.rec.get("replicas"):
             box.rec = await self.replicate(box.rec, out.id)
         return out
+
+    async def refresh(self, box: RayBoxRef, op: Any) -> None:
+        """The box's state from its node; a lost box's is what the directory says (its node
+        cannot be asked), and a box gone from its node is removed."""
+        try:
+            rec = await self.reread(box)
+            if rec["state"] != LOST:
+                box.update(
+                    op.result.decode(
+                        await self.ask(box, self.actor(box).call.remote("box", "refresh", box.id, {}))
+                    )
+                )
+                if box.state != rec["state"]:
+                    await self.record(box, {"state": box.state})
+        except NotFound:
+            await self.reconcile()  # the directory forgets it too
+            box.removed = True
+        except InvalidState:
+            if box.state != LOST:  # not the node's death (ask makes the box lost then)
+                raise
 
     async def remove(self, box: RayBoxRef, force: bool) -> None:
         """Delete the box on its node and from the directory, and give its room back
@@ -489,11 +538,7 @@ class RayBackend(RemoteBackend):
     async def replicate(self, rec: Record, snapshot: str) -> Record:
         """Keep ``snapshot`` (of the box's node) on a second node as the box's replica,
         in place of the one before."""
-        nodes = [
-            n["NodeID"]
-            for n in await asyncio.to_thread(placement.sandlot_nodes)
-            if n["NodeID"] != rec["node"]
-        ]
+        nodes = [nid for nid in await self.live_nodes() if nid != rec["node"]]
         if not nodes:
             raise NodeNotFound(f"box {rec['name']} wants a replica, and the fleet has no second live node")
         old = rec.get("replica") or {}
@@ -546,42 +591,30 @@ class RayBackend(RemoteBackend):
 
         return FollowedProcess(process_id, pid, tty, opener, f"node {box.node[:12]}", first, offsets=offsets)
 
-    async def run_code(
-        self,
-        ref: BoxRef,
-        code: str,
-        *,
-        language: str,
-        context: str | None,
-        timeout: float | None,
-        callbacks: Callbacks,
-    ) -> Execution:
+    async def run_code(self, ref: BoxRef, cell: Cell, callbacks: Callbacks) -> Execution:
         box = ray_box(ref)
-        body = {"code": code, "language": language, "context": context, "timeout": timeout}
-        async for item in self.streamed(box, "code", body):
-            done = await code_event(await item, callbacks)
-            if done is not None:
-                return done
+        stream = NodeStream(self, box, "code", cell.fields())
+        try:  # a cell left (cancelled, a callback's error) is interrupted on the node
+            while (item := await stream.next()) is not None:
+                done = await code_event(item, callbacks)
+                if done is not None:
+                    return done
+        finally:
+            stream.close()
         raise ProtocolError(f"node {box.node[:12]} ended the cell's events before its end")
 
     # -- files ------------------------------------------------------------------------------
 
-    def streamed(self, box: RayBoxRef, kind: str, body: dict[str, Any]) -> Any:
-        """What the box's node streams (``NodeService.stream``): a Ray streaming generator."""
-        return self.actor(box).stream.options(num_returns="streaming").remote(kind, box.id, body)
-
     async def _chunks(self, box: RayBoxRef, kind: str, body: dict[str, Any]) -> AsyncIterator[bytes]:
-        gen = self.streamed(box, kind, body)
+        stream = NodeStream(self, box, kind, body)
         try:
-            async for item in gen:
-                chunk = await item
+            while (chunk := await stream.next()) is not None:
                 if isinstance(chunk, dict):
                     raise_if_error(chunk)
-                    raise ProtocolError(f"a node sent {chunk!r:.200} among a file's bytes")
+                    raise ProtocolError(f"{stream.where} sent {chunk!r:.200} among a file's bytes")
                 yield chunk
         finally:
-            with contextlib.suppress(Exception):
-                ray.cancel(gen)
+            stream.close()
 
     def read(self, ref: BoxRef, path: str, offset: int, length: int | None) -> AsyncIterator[bytes]:
         return self._chunks(ray_box(ref), "read", {"path": path, "offset": offset, "length": length})
@@ -591,11 +624,16 @@ class RayBackend(RemoteBackend):
     ) -> Any:
         actor = self.actor(box)
         upload = await self.ask(box, actor.upload_begin.remote(box.id, kind, body))
-        async for chunk in data:
-            view = memoryview(chunk)
-            for i in range(0, len(view), CHUNK):
-                await got(actor.upload_chunk.remote(upload, bytes(view[i : i + CHUNK])))
-        return await got(actor.upload_end.remote(upload))
+        try:
+            async for chunk in data:
+                view = memoryview(chunk)
+                for i in range(0, len(view), CHUNK):
+                    await self.ask(box, actor.upload_chunk.remote(upload, bytes(view[i : i + CHUNK])))
+            return await self.ask(box, actor.upload_end.remote(upload))
+        except BaseException:
+            with contextlib.suppress(Exception):
+                await got(actor.upload_abort.remote(upload))
+            raise
 
     async def write(self, ref: BoxRef, path: str, data: bytes | AsyncIterable[bytes], how: Write) -> int:
         source = one(data) if isinstance(data, bytes) else data
@@ -611,28 +649,26 @@ class RayBackend(RemoteBackend):
         await self._upload(ray_box(ref), "archive", body, tar)
 
     async def watch(self, ref: BoxRef, path: str, recursive: bool) -> WatchSource:
-        box = ray_box(ref)
-        gen = self.streamed(box, "watch", {"path": path, "recursive": recursive})
+        stream = NodeStream(self, ray_box(ref), "watch", {"path": path, "recursive": recursive})
 
         async def receive() -> dict[str, Any] | None:
-            with contextlib.suppress(StopAsyncIteration):
-                return dict(await (await gen.__anext__()))
-            return None
+            message = await stream.next()
+            return None if message is None else dict(message)
 
         async def close() -> None:
-            with contextlib.suppress(Exception):
-                ray.cancel(gen)
+            stream.close()
 
-        return await FollowedWatch(receive, close, f"node {box.node[:12]}").open()
+        return await FollowedWatch(receive, close, stream.where).open()
 
     # -- snapshots --------------------------------------------------------------------------
 
-    async def _live_nodes(self) -> list[str]:
+    async def live_nodes(self) -> list[str]:
+        """The nodes of the Ray cluster that offer sandlot resources and are alive."""
         return [n["NodeID"] for n in await asyncio.to_thread(placement.sandlot_nodes)]
 
     async def find_snapshot(self, key: str) -> RaySnapshotRef:
         found = []
-        for nid in await self._live_nodes():
+        for nid in await self.live_nodes():
             with contextlib.suppress(NotFound):
                 found.append(await got(self.fleet.node(nid).find_snapshot.remote(key)))
         if not found:
@@ -645,7 +681,7 @@ class RayBackend(RemoteBackend):
         if box is not None:
             nodes = [(await self.find(box)).node]
         else:
-            nodes = await self._live_nodes()
+            nodes = await self.live_nodes()
         out: list[SnapshotRef] = []
         for nid in nodes:
             out += [
@@ -656,14 +692,7 @@ class RayBackend(RemoteBackend):
 
     async def export(self, snap: SnapshotRef, path: Path) -> Path:
         moved = await got(self.fleet.node(ray_snapshot(snap).node).export.remote(snap.id))
-        assembly = transfer.Assembly(path, moved["sha256"])
-        try:
-            for piece, ref in moved["chunks"]:
-                await asyncio.to_thread(assembly.add, piece, await ref)
-            return await asyncio.to_thread(assembly.finish)
-        except BaseException:
-            assembly.abort()
-            raise
+        return await transfer.receive(moved, path)
 
     async def import_snapshot(
         self, path: Path, *, name: str | None, start: bool, options: Mapping[str, Any]
@@ -671,16 +700,14 @@ class RayBackend(RemoteBackend):
         """The archive moved in chunks to the live node with the fewest boxes, imported there
         (and with ``start``, a box started from it, its room reserved first)."""
         self.refuse_start_options(options)
-        nodes = await self._live_nodes()
+        nodes = await self.live_nodes()
         if not nodes:
             raise NoCapacity(
                 "no node of the Ray cluster offers sandlot resources (see `sandlot fleet nodes`)"
             )
         records = await got(self.fleet.directory().all.remote())
         target = min(nodes, key=lambda nid: sum(1 for r in records if r["node"] == nid))
-        pieces = await asyncio.to_thread(lambda: list(transfer.pieces(path)))
-        moved = {"chunks": [(piece, ray.put(data)) for piece, data in pieces], "size": path.stat().st_size,
-                 "sha256": await asyncio.to_thread(transfer.digest, path)}  # fmt: skip
+        moved = await transfer.offer(path, ray.put)
         landed = await got(self.fleet.node(target).import_state.remote(moved, None))
         snap = RaySnapshotRef(self, {"id": landed["snapshot"], "node": target})
         if not start:
@@ -688,7 +715,7 @@ class RayBackend(RemoteBackend):
         return (await self.start_snapshot(snap, {"n": 1, "name": name}))[0]
 
     async def info(self) -> dict[str, Any]:
-        return {"transport": self.transport, "nodes": len(await self._live_nodes())}
+        return {"transport": self.transport, "nodes": len(await self.live_nodes())}
 
 
 class Forked(list[BoxRef]):

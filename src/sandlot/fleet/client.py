@@ -28,7 +28,7 @@ from ..api.sync import Box as SyncBox
 from ..api.sync import Client
 from ..errors import InvalidArgument, InvalidState, NodeNotFound, SandlotError
 from . import placement
-from .backend import Forked, RayBackend, RayBoxRef, box_bundle, got, unwrap
+from .backend import Forked, RayBackend, RayBoxRef, answer, box_bundle, got
 from .directory import LOST, Directory, Record
 from .node import NodeService
 
@@ -40,16 +40,6 @@ HEAD = "node:__internal_head__"
 
 def node_actor_name(node_id: str) -> str:
     return NODE_ACTOR.format(node_id)
-
-
-def answer(ref: Any) -> Any:
-    """The directory actor's answer; a sandlot error it raised is raised as itself."""
-    try:
-        return ray.get(ref)
-    except ray.exceptions.RayTaskError as exc:
-        if isinstance(exc.cause, SandlotError):
-            raise exc.cause from None
-        raise
 
 
 def host_resources() -> dict[str, float]:
@@ -146,7 +136,7 @@ class Fleet:
                 f"node {node_id[:12]} offers no sandlot resources: start Ray there with "
                 f'--resources \'{{"{placement.CPUS}": N, "{placement.MEMORY}": MIB}}\''
             )
-        facts: dict[str, Any] = ray.get(self.node(node_id).facts.remote())
+        facts: dict[str, Any] = answer(self.node(node_id).facts.remote())
         return facts
 
     # -- nodes and boxes -------------------------------------------------------------------
@@ -154,7 +144,7 @@ class Fleet:
     def nodes(self) -> builtins.list[dict[str, Any]]:
         """Every sandlot node Ray knows of, dead ones too: its id, whether it is alive,
         the resources it offers, what its boxes reserve, and (live ones) its home and boxes."""
-        records = ray.get(self.directory().all.remote())
+        records = answer(self.directory().all.remote())
         out = []
         for n in placement.sandlot_nodes(alive_only=False):
             nid = n["NodeID"]
@@ -242,13 +232,13 @@ class Fleet:
         replica (``{"node", "snapshot", "at"}``) and, for a lost box, ``lost`` (the node it
         was on and when it was found lost)."""
         key = box if isinstance(box, str) else box.id
-        return dict(ray.get(self.directory().get.remote(key)))
+        return dict(answer(self.directory().get.remote(key)))
 
     def reserve_spread(self, one: dict[str, float], timeout: float) -> placement.Reservation:
         """One box's reservation on the node with the fewest boxes of the fleet (then the
         least share of its memory reserved), which Ray then admits or not; if it has no room now, wherever Ray
         spreads it. Ray balances the bundles of one group, not separate groups."""
-        records = ray.get(self.directory().all.remote())
+        records = answer(self.directory().all.remote())
         offered = {n["NodeID"]: n["Resources"].get(placement.MEMORY, 0.0) for n in placement.sandlot_nodes()}
         used = dict.fromkeys(offered, 0.0)
         boxes = dict.fromkeys(offered, 0)
@@ -315,38 +305,38 @@ class Fleet:
         )
         src, dst = self.node(source), self.node(target)
         try:
-            held = unwrap(ray.get(src.hold.remote(rec["id"])))
+            held = answer(src.hold.remote(rec["id"]))
             t1 = time.monotonic()
             try:
-                moved = unwrap(ray.get(src.export.remote(held["snapshot"])))
+                moved = answer(src.export.remote(held["snapshot"]))
                 t2 = time.monotonic()
                 start = {"n": 1, "box_id": rec["id"], "name": rec["name"], "labels": rec["labels"]}
-                landed = unwrap(ray.get(dst.import_state.remote(moved, start)))
+                landed = answer(dst.import_state.remote(moved, start))
                 if held["was"] in ("suspended", "paused"):
                     method = "suspend" if held["was"] == "suspended" else "pause"
                     try:
-                        unwrap(ray.get(dst.call.remote("box", method, rec["id"], {})))
+                        answer(dst.call.remote("box", method, rec["id"], {}))
                     except BaseException:
-                        unwrap(ray.get(dst.remove.remote(rec["id"], True)))
-                        unwrap(ray.get(dst.drop_snapshot.remote(landed["snapshot"])))
+                        answer(dst.remove.remote(rec["id"], True))
+                        answer(dst.drop_snapshot.remote(landed["snapshot"]))
                         raise
             except BaseException:
                 with contextlib.suppress(Exception):
-                    unwrap(ray.get(src.release.remote(rec["id"])))
+                    answer(src.release.remote(rec["id"]))
                 raise
         except BaseException:
             placement.release(res.name)
             raise
         t3 = time.monotonic()
         with contextlib.suppress(SandlotError):  # the box runs on the target: the source's copy must go
-            unwrap(ray.get(src.finish.remote(rec["id"])))
+            answer(src.finish.remote(rec["id"]))
         old = rec.get("reservation")
-        ref.rec = ray.get(
+        ref.rec = answer(
             self.directory().put.remote(
                 {**rec, "node": target, "reservation": res.name, "state": held["was"], "lost": None}
             )
         )
-        if old and not any(r.get("reservation") == old for r in ray.get(self.directory().all.remote())):
+        if old and not any(r.get("reservation") == old for r in answer(self.directory().all.remote())):
             placement.release(old)
         self.last_migration = {
             "save_s": t1 - t0,
@@ -378,7 +368,7 @@ class Fleet:
         labels, running."""
         self.reconcile()
         key = box if isinstance(box, str) else box.id
-        rec = ray.get(self.directory().get.remote(key))
+        rec = answer(self.directory().get.remote(key))
         if rec["state"] != LOST:
             raise InvalidState(
                 f"box {rec['name']} is not lost (it is {rec['state']})", box=rec["name"], state=rec["state"]
@@ -395,17 +385,15 @@ class Fleet:
             [box_bundle(rec)], node=replica["node"], timeout=placement_timeout or self.placement_timeout
         )
         try:
-            started = unwrap(
-                ray.get(
-                    self.node(replica["node"]).start_from.remote(
-                        replica["snapshot"], 1, rec["name"], rec["id"], rec["labels"]
-                    )
+            started = answer(
+                self.node(replica["node"]).start_from.remote(
+                    replica["snapshot"], 1, rec["name"], rec["id"], rec["labels"]
                 )
             )
         except BaseException:
             placement.release(res.name)
             raise
-        rec = ray.get(
+        rec = answer(
             self.directory().put.remote(
                 {
                     **rec,

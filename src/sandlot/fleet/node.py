@@ -65,6 +65,7 @@ UPLOAD_IDLE = 120.0  # seconds an upload may wait for its next chunk before it i
 P = ParamSpec("P")
 T = TypeVar("T")
 Reply = dict[str, Any]
+Writer = Callable[[AsyncIterator[bytes]], Awaitable[Any]]  # a write that takes its chunks as they come
 
 
 def error_reply(exc: SandlotError) -> Reply:
@@ -85,11 +86,20 @@ def guarded(fn: Callable[P, Awaitable[T]]) -> Callable[P, Awaitable[Reply]]:
 
 
 class Upload:
-    """A file or an archive arriving in chunks: one task writes what a queue yields."""
+    """A file or an archive arriving in chunks: one task writes what a queue yields. Once
+    the write ends, ``forget`` runs after UPLOAD_IDLE (the time its driver has to ask how
+    it ended), so an upload its driver abandoned does not stay."""
 
-    def __init__(self) -> None:
+    def __init__(self, write: Writer, forget: Callable[[], object]) -> None:
         self.queue: asyncio.Queue[bytes | None] = asyncio.Queue(maxsize=4)
-        self.task: asyncio.Task[Any] | None = None
+        self.task = asyncio.ensure_future(write(self.chunks()))
+
+        def ended(task: asyncio.Future[Any]) -> None:
+            if not task.cancelled():
+                task.exception()  # retrieved here: the driver may never ask
+            asyncio.get_running_loop().call_later(UPLOAD_IDLE, forget)
+
+        self.task.add_done_callback(ended)
 
     async def chunks(self) -> AsyncIterator[bytes]:
         while True:
@@ -100,6 +110,22 @@ class Upload:
             if chunk is None:
                 return
             yield chunk
+
+    async def put(self, chunk: bytes | None) -> None:
+        """Hand the write a chunk (None: the end); if the write ended first, say why."""
+        if not self.task.done():
+            put = asyncio.ensure_future(self.queue.put(chunk))
+            await asyncio.wait({put, self.task}, return_when=asyncio.FIRST_COMPLETED)
+            if put.done():
+                return
+            put.cancel()
+        await self.task  # its error
+        raise RequestError("the write ended before the upload's last chunk")
+
+    async def finish(self) -> Any:
+        if not self.task.done():
+            await self.put(None)
+        return await self.task
 
 
 class NodeService:
@@ -112,7 +138,7 @@ class NodeService:
         self.started_at = time.time()
         self.refs: dict[str, BoxRef] = {}
         self.moving: dict[str, dict[str, Any]] = {}
-        self.processes = host.ProcessTable()
+        self.processes = host.ProcessTable(self.backend)
         self.uploads: dict[str, Upload] = {}
 
     async def ref(self, key: str) -> BoxRef:
@@ -163,9 +189,7 @@ class NodeService:
         op = operation(scope, name)  # type: ignore[arg-type]
         args = host.arguments(op, params)
         if op.key == "box.processes":
-            ref = await self.ref(key)
-            await self.processes.take_over(self.backend, ref)
-            return {"processes": [h.describe() for h in self.processes.of_box(ref.id)]}
+            return await self.processes.listed(await self.ref(key))
         if op.key == "box.preview_url":
             raise Unsupported(
                 "preview_url() is not offered over the ray transport: a preview URL is signed "
@@ -191,17 +215,13 @@ class NodeService:
 
     @guarded
     async def spawn(self, key: str, body: dict[str, Any]) -> dict[str, Any]:
-        held = await self.processes.spawn(self.backend, await self.ref(key), validated(SpawnIn, body))
+        held = await self.processes.spawn(await self.ref(key), validated(SpawnIn, body))
         return {"id": held.id, "pid": held.proc.pid}
 
     async def follow(self, key: str, process_id: str, offsets: tuple[int, int]) -> AsyncIterator[bytes | str]:
         """A held process's frames from ``offsets`` (a Ray streaming generator)."""
         try:
-            ref = await self.ref(key)
-            held = self.processes.get(ref.id, process_id)
-            if held is None:  # a node actor before this one started it
-                await self.processes.take_over(self.backend, ref)
-                held = self.processes.find(ref.id, process_id)
+            held = await self.processes.found(await self.ref(key), process_id)  # perhaps an earlier actor's
         except SandlotError as exc:
             yield json.dumps(error_message(exc))  # a process's frames are text or bytes
             return
@@ -227,9 +247,9 @@ class NodeService:
             elif kind == "archive":
                 items = self.backend.get_archive(ref, validated(ArchiveIn, body).path)
             elif kind == "watch":
-                w = validated(WatchIn, body)
-                watch = AsyncBox.bound(ref).files.watch(w.path, recursive=w.recursive)
-                items = host.watch_messages(await watch.start())
+                items = host.watch_messages(
+                    await host.begun_watch(self.backend, ref, validated(WatchIn, body))
+                )
             elif kind == "code":
                 items = host.code_messages(self.backend, ref, validated(RunCodeIn, body))
             else:
@@ -242,45 +262,39 @@ class NodeService:
     @guarded
     async def upload_begin(self, key: str, kind: str, body: dict[str, Any]) -> str:
         """Begin a file (``kind`` "file", ``contract.WriteIn``) or an archive ("archive",
-        ``contract.ArchiveIn``) that arrives in chunks (``upload_chunk``, ``upload_end``)."""
+        ``contract.ArchiveIn``) that arrives in chunks (``upload_chunk``; ``upload_end``
+        answers how it ended, ``upload_abort`` gives it up)."""
         ref = await self.ref(key)
-        upload = Upload()
+        write: Writer
         if kind == "file":
             p = validated(WriteIn, body)
             how = Write(**p.model_dump(exclude={"path"}))
-            upload.task = asyncio.ensure_future(self.backend.write(ref, p.path, upload.chunks(), how))
+            write = functools.partial(self.backend.write, ref, p.path, how=how)
         elif kind == "archive":
             a = validated(ArchiveIn, body)
-            upload.task = asyncio.ensure_future(
-                self.backend.put_archive(ref, a.path, upload.chunks(), user=a.user)
-            )
+            write = functools.partial(self.backend.put_archive, ref, a.path, user=a.user)
         else:
             raise InvalidArgument(f"an upload is a file or an archive, not {kind!r}")
         upload_id = secrets.token_hex(8)
-        self.uploads[upload_id] = upload
+        self.uploads[upload_id] = Upload(write, lambda: self.uploads.pop(upload_id, None))
         return upload_id
 
     @guarded
     async def upload_chunk(self, upload_id: str, data: bytes) -> None:
-        upload = self._upload(upload_id)
-        assert upload.task is not None
-        put = asyncio.ensure_future(upload.queue.put(data))
-        await asyncio.wait({put, upload.task}, return_when=asyncio.FIRST_COMPLETED)
-        if not put.done():  # the write ended first (an error): say why
-            put.cancel()
-            self.uploads.pop(upload_id, None)
-            await upload.task
+        await self._upload(upload_id).put(data)
 
     @guarded
     async def upload_end(self, upload_id: str) -> Any:
-        upload = self._upload(upload_id)
-        assert upload.task is not None
         try:
-            if not upload.task.done():
-                await upload.queue.put(None)
-            return await upload.task
+            return await self._upload(upload_id).finish()
         finally:
             self.uploads.pop(upload_id, None)
+
+    @guarded
+    async def upload_abort(self, upload_id: str) -> None:
+        upload = self.uploads.pop(upload_id, None)
+        if upload is not None:
+            upload.task.cancel()
 
     def _upload(self, upload_id: str) -> Upload:
         upload = self.uploads.get(upload_id)
@@ -355,17 +369,8 @@ class NodeService:
             t0 = time.monotonic()
             path = await self.backend.export(snap, work / "state.sandlot")
             saved = time.monotonic() - t0
-            total = await asyncio.to_thread(transfer.digest, path)
-            chunks = []
-            for piece, data in await asyncio.to_thread(lambda: builtins.list(transfer.pieces(path))):
-                chunks.append((piece, ray.put(data)))
-            return {
-                "chunks": chunks,
-                "sha256": total,
-                "size": path.stat().st_size,
-                "export_s": saved,
-                "snapshot": {**snap.info, "node": self.node_id},
-            }
+            moved = await transfer.offer(path, ray.put)
+            return {**moved, "export_s": saved, "snapshot": {**snap.info, "node": self.node_id}}
         finally:
             await asyncio.to_thread(_rmtree, work)
 
@@ -377,16 +382,7 @@ class NodeService:
         work = Path(tempfile.mkdtemp(prefix="fleet-import-", dir=self.home))
         try:
             t0 = time.monotonic()
-            # one chunk in memory at a time: fetched, checked, written
-            assembly = transfer.Assembly(work / "state.sandlot", moved["sha256"])
-            try:
-                for piece, ref in moved["chunks"]:
-                    data = await ref
-                    await asyncio.to_thread(assembly.add, piece, data)
-                archive = await asyncio.to_thread(assembly.finish)
-            except BaseException:
-                assembly.abort()
-                raise
+            archive = await transfer.receive(moved, work / "state.sandlot")
             fetched_s = time.monotonic() - t0
             t1 = time.monotonic()
             made = await self.backend.import_snapshot(archive, name=None, start=False, options={})

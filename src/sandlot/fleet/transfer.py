@@ -1,16 +1,19 @@
 """Saved state in pieces: an exported snapshot cut into checksummed chunks that travel
 through Ray's object store one by one, and put together again on the node that
-imports it. Pure functions on files and bytes (the node actor does the ``ray.put``),
-so a damaged or missing chunk is caught here, before the archive's own checks."""
+imports it. Functions on files and bytes (the caller passes ``ray.put``; Ray's object
+references are awaited as they are), so a damaged or missing chunk is caught here,
+before the archive's own checks."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import hashlib
 import os
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from ..errors import CorruptSnapshot
 
@@ -94,6 +97,29 @@ def assemble(chunks: Iterable[tuple[Piece, bytes]], dest: Path, total_sha256: st
         for piece, data in chunks:
             work.add(piece, data)
         return work.finish()
+    except BaseException:
+        work.abort()
+        raise
+
+
+async def offer(path: Path, put: Callable[[bytes], Any]) -> dict[str, Any]:
+    """A file as it moves (``receive`` takes it): its pieces, read one at a time and each
+    kept by ``put`` (``ray.put``), with the file's size and checksum."""
+    reader = pieces(path)
+    chunks = []
+    while (item := await asyncio.to_thread(next, reader, None)) is not None:
+        chunks.append((item[0], put(item[1])))
+    return {"chunks": chunks, "size": path.stat().st_size, "sha256": await asyncio.to_thread(digest, path)}
+
+
+async def receive(moved: Mapping[str, Any], dest: Path) -> Path:
+    """A moved file (``offer``) put together at ``dest``: its pieces fetched (awaited) one
+    at a time, each checked, then the whole; nothing is left behind on failure."""
+    work = Assembly(dest, moved["sha256"])
+    try:
+        for piece, ref in moved["chunks"]:
+            await asyncio.to_thread(work.add, piece, await ref)
+        return await asyncio.to_thread(work.finish)
     except BaseException:
         work.abort()
         raise

@@ -66,13 +66,13 @@ class OffsetStream:
     again after a reconnection (the agent resending what was not acknowledged, a
     server resending from the offsets a client had) is dropped, so nothing is
     repeated. ``received`` is the offset of the next byte expected, ``offset`` just
-    past the last byte read."""
+    past the last byte read (a reader that comes back later asks from there)."""
 
     def __init__(self, stream: int) -> None:
         self.stream = stream
         self.received = 0
         self.offset = 0
-        self._chunks: deque[bytes] = deque()
+        self._chunks: deque[tuple[int, bytes]] = deque()  # (offset, bytes): a gap may lie between two
         self._eof = False
         self._event = asyncio.Event()
 
@@ -84,8 +84,8 @@ class OffsetStream:
         if end <= self.received:
             return None  # a resend of bytes already here
         chunk = bytes(data[self.received - offset :])
+        self._chunks.append((self.received, chunk))
         self.received = end
-        self._chunks.append(chunk)
         self._event.set()
         return chunk
 
@@ -108,16 +108,23 @@ class OffsetStream:
         self._event.clear()
         await self._event.wait()
 
+    def start_at(self, offset: int) -> None:
+        """The stream is followed from ``offset`` (what came before it was read elsewhere)."""
+        self.received = self.offset = offset
+
     def take(self) -> bytes:
-        chunk = self._chunks.popleft()
-        self.offset += len(chunk)
+        start, chunk = self._chunks.popleft()
+        self.offset = start + len(chunk)
         return chunk
 
     def take_buffered(self) -> bytes:
         """The bytes received and not read yet, taken out of the stream."""
-        data = b"".join(self._chunks)
+        if not self._chunks:
+            return b""
+        start, last = self._chunks[-1]
+        data = b"".join(chunk for _, chunk in self._chunks)
         self._chunks.clear()
-        self.offset += len(data)
+        self.offset = start + len(last)
         return data
 
 
@@ -144,7 +151,8 @@ class InboundStream(OffsetStream):
     def _take_position(self, offset: int) -> None:
         if self._adopting:
             self._adopting = False
-            self.received = self._consumed = self._acked = self.offset = offset
+            self.start_at(offset)
+            self._consumed = self._acked = offset
 
     def feed(self, offset: int, data: memoryview) -> None:
         self._take_position(offset)

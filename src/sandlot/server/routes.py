@@ -53,7 +53,6 @@ from ..api.contract import (
     file_json,
 )
 from ..api.local import LocalBackend, local_snapshot
-from ..api.tarstream import tar_in
 from ..errors import BoxNotFound, InvalidArgument, QuotaExceeded, RequestError, SandlotError, SnapshotNotFound
 from .state import KEY_LABEL, NAMESPACE_LABEL, Caller, ServerState
 from .streams import serve, spawn
@@ -240,9 +239,7 @@ GUARDS: dict[str, Guard] = {
 
 
 async def _processes(request: Request, box: AsyncBox, params: Any) -> Any:
-    server = _server(request)
-    await server.take_over(box.ref)
-    return {"processes": [h.describe() for h in server.processes.of_box(box.id)]}
+    return await _server(request).processes.listed(box.ref)
 
 
 # Operations the server answers itself: what it holds, which the local backend does not.
@@ -304,8 +301,6 @@ def _register(op: Operation) -> None:
     if (op.method, op.path) in written:
         return
     endpoint = _operation_route(op)
-    kind = op.result.kind
-    status = 204 if kind == "none" else 201 if op.method == "POST" and kind in ("snapshot", "boxes") else 200
     tags: list[str | Enum] = [
         "files" if op.scope == "files" else "live state" if op.scope == "snapshot" else "boxes"
     ]
@@ -313,7 +308,7 @@ def _register(op: Operation) -> None:
         op.path,
         endpoint,
         methods=[op.method],
-        status_code=status,
+        status_code=op.status,
         tags=tags,
         name=endpoint.__name__,
         summary=op.summary,
@@ -528,7 +523,7 @@ async def spawn_ws(ws: WebSocket, box: str) -> None:
         return
     server, caller, b = found
     with contextlib.suppress(WebSocketDisconnect):
-        await spawn(ws, _backend(ws), b.ref, server.processes, server.exited_by(caller))
+        await spawn(ws, b.ref, server.processes, server.exited_by(caller))
 
 
 @router.websocket("/boxes/{box}/processes/{process}/attach")
@@ -538,17 +533,12 @@ async def attach_ws(ws: WebSocket, box: str, process: str, stdout: int = 0, stde
     if found is None:
         return
     server, _, b = found
-    held = server.processes.get(b.id, process)
-    if held is None:  # a server before this one started it (and its take-over may be under way)
-        await server.take_over(b.ref)
-        held = server.processes.get(b.id, process)
-    if held is None or stdout < 0 or stderr < 0:
-        err = (
-            RequestError(f"no process {process!r} in box {b.name}")
-            if held is None
-            else RequestError("offsets must be >= 0")
-        )
-        await ws.send_json(error_message(err))
+    try:
+        if stdout < 0 or stderr < 0:
+            raise RequestError("offsets must be >= 0")
+        held = await server.processes.found(b.ref, process)  # a server before this one may have started it
+    except SandlotError as e:
+        await ws.send_json(error_message(e))
         await ws.close(1008)
         return
     with contextlib.suppress(WebSocketDisconnect):
@@ -622,7 +612,7 @@ async def watch_files(box: str, request: Request, params: Annotated[WatchIn, Que
     quiet, and last ``{"type": "end"}`` (the path or the box went away) or
     ``{"type": "error", "error": {...}}``. A missing path answers 404 before the stream."""
     b = await box_for(request, box)
-    watch = await b.files.watch(params.path, recursive=params.recursive).start()
+    watch = await host.begun_watch(_backend(request), b.ref, params)
 
     async def body() -> AsyncIterator[bytes]:
         async for message in host.watch_messages(watch):
@@ -643,22 +633,8 @@ async def put_archive(box: str, request: Request, params: Annotated[ArchiveIn, Q
     """Unpack the tar stream of the body into the directory ``path`` (checked whole
     first), owned by ``user`` if given."""
     b = await box_for(request, box)
-    with await _spooled(request) as archive:
-        await tar_in(b.files, params.path, archive, user=params.user)
+    await _backend(request).put_archive(b.ref, params.path, request.stream(), user=params.user)
     return Response(status_code=204)
-
-
-async def _spooled(request: Request) -> Any:
-    """The request body in a temporary file of the server's (memory holds one chunk at a time)."""
-    f = tempfile.SpooledTemporaryFile(max_size=8 << 20, dir=str(_server(request).settings.tmp))  # noqa: SIM115
-    try:
-        async for chunk in request.stream():
-            f.write(chunk)
-        f.seek(0)
-    except BaseException:
-        f.close()
-        raise
-    return f
 
 
 # -- saved state ----------------------------------------------------------------------

@@ -13,7 +13,6 @@ from typing import Any
 from fastapi.responses import JSONResponse
 
 from ..api import access
-from ..api.backend import BoxRef
 from ..api.box import AsyncBox
 from ..api.contract import error_json
 from ..api.host import HeldProcess, ProcessTable
@@ -66,13 +65,12 @@ class ServerState:
         self.settings = settings
         self.home = settings.home
         self.home_dir = Path(settings.home).expanduser().absolute() if settings.home else default_home()
-        self.processes = ProcessTable()
+        # the processes clients started, and those a server of this home that died held
+        # (taken over once a box at a time: the take-over at start and a client's may overlap)
+        self.processes = ProcessTable(LocalBackend.for_home(settings.home), self.exited_by(None))
         self.handles: dict[str, AsyncBox] = {}  # box id -> its handle (see routes._box)
         # creations of one namespace (or key) run in turn, so two cannot both pass a quota
         self.quota_locks: dict[str, asyncio.Lock] = {}
-        # a box's take-over runs once at a time: the one at start and a client's reattach
-        # may overlap, and the second must find what the first took, not nothing
-        self.take_over_locks: dict[str, asyncio.Lock] = {}
         self.verifier = access.key_verifier(settings.home) if settings.auth else None
         self.audit = access.audit_writer(settings.home)
 
@@ -88,18 +86,13 @@ class ServerState:
         key = await self.verifier.verify_async(presented)
         return Caller(key.id, key.name, key.namespace, key.admin, key.quotas)
 
-    async def take_over(self, box: BoxRef) -> int:
-        """Hold the processes that a server of this home which died held in ``box``."""
-        async with self.take_over_locks.setdefault(box.id, asyncio.Lock()):
-            return await self.processes.take_over(LocalBackend.for_home(self.home), box, self.exited_by(None))
-
     async def take_over_all(self) -> None:
         """At start: hold what a dead server held in every running box, so their
         output keeps flowing before any client comes back for it."""
         for box in await AsyncBox.list(home=self.home):
             if box.state == "running":
                 with contextlib.suppress(SandlotError):
-                    await self.take_over(box.ref)
+                    await self.processes.take_over(box.ref)
 
     def exited_by(self, caller: Caller | None) -> Callable[[HeldProcess], None]:
         """What to do when a process ``caller`` started ends: its audit entry

@@ -15,7 +15,6 @@ from starlette.websockets import WebSocket, WebSocketDisconnect
 from ..api.backend import BoxRef
 from ..api.contract import STDERR, STDOUT, SpawnIn, error_message
 from ..api.host import HeldProcess, ProcessTable
-from ..api.local import LocalBackend
 from ..errors import RequestError, SandlotError
 
 SPAWN_REQUEST_TIMEOUT = 30.0
@@ -25,8 +24,9 @@ def out_of_protocol(why: str) -> dict[str, object]:
     return error_message(RequestError(why))
 
 
-async def spawn(ws: WebSocket, backend: LocalBackend, box: BoxRef, table: ProcessTable,
-                on_exit: Callable[[HeldProcess], None]) -> None:  # fmt: skip
+async def spawn(
+    ws: WebSocket, box: BoxRef, table: ProcessTable, on_exit: Callable[[HeldProcess], None]
+) -> None:
     """The first message asks for a process: start it, then serve it."""
     try:
         first = json.loads(await asyncio.wait_for(ws.receive_text(), SPAWN_REQUEST_TIMEOUT))
@@ -36,7 +36,7 @@ async def spawn(ws: WebSocket, backend: LocalBackend, box: BoxRef, table: Proces
         await ws.close(1008)
         return
     try:
-        held = await table.spawn(backend, box, req, on_exit)
+        held = await table.spawn(box, req, on_exit)
     except SandlotError as e:
         await ws.send_json(error_message(e))
         await ws.close(1011)

@@ -52,7 +52,7 @@ def call(
 ) -> ToolResult:
     """Run the tool call ``name(arguments)`` of a model and return its result (sync).
 
-    ``target``: a ``Box`` or ``RemoteBox`` (the default box of the call), a ``Client``,
+    ``target``: a ``Box`` of any transport (the default box of the call), a ``Client``,
     a ``Toolkit``, or None (this home's boxes). ``arguments``: a mapping, or the JSON
     text of one (as OpenAI's tool calls carry it). Bad input raises ``UnknownTool``
     or ``ToolInputError`` (both ``InvalidArgument``) naming the problem, before
