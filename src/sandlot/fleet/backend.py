@@ -227,14 +227,17 @@ class RayBackend(RemoteBackend):
         return self.fleet.node(rec["node"])
 
     async def ask(self, ref: RayBoxRef, call: Any) -> Any:
-        """A node call about a box; a node that died meanwhile makes the box lost (InvalidState)."""
+        """A node call about a box; a node that died meanwhile makes the box lost (InvalidState),
+        one that does not answer (yet alive to Ray) is ConnectionLost."""
         try:
             return await got(call)
-        except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError):
+        except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as exc:
             await self.reconcile()
             await self.reread(ref)
             self.actor(ref)  # raises InvalidState(lost) if its node is gone
-            raise
+            raise ConnectionLost(
+                f"node {ref.node[:12]} of box {ref.name} did not answer ({type(exc).__name__})"
+            ) from None
 
     async def reread(self, ref: RayBoxRef) -> Record:
         ref.rec = await got(self.fleet.directory().get.remote(ref.id))
@@ -361,7 +364,8 @@ class RayBackend(RemoteBackend):
 
     async def refresh(self, box: RayBoxRef, op: Any) -> None:
         """The box's state from its node; a lost box's is what the directory says (its node
-        cannot be asked), and a box gone from its node is removed."""
+        cannot be asked), as is the state of one whose node does not answer now (Ray has not
+        found it dead yet); a box gone from its node is removed."""
         try:
             rec = await self.reread(box)
             if rec["state"] != LOST:
@@ -378,6 +382,8 @@ class RayBackend(RemoteBackend):
         except InvalidState:
             if box.state != LOST:  # not the node's death (ask makes the box lost then)
                 raise
+        except ConnectionLost:
+            pass
 
     async def remove(self, box: RayBoxRef, force: bool) -> None:
         """Delete the box on its node and from the directory, and give its room back

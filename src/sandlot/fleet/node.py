@@ -459,9 +459,7 @@ class NodeService:
     async def finish(self, box_id: str) -> None:
         """A move succeeded: the box and its move snapshot go from this node."""
         held = self.moving.pop(box_id, None)
-        ref = await self.ref(box_id)
-        await self.backend.box_remove(ref, force=True)
-        self.refs.pop(box_id, None)
+        await self._remove(await self.ref(box_id), True)  # and the state moved here for it
         if held is not None:
             with contextlib.suppress(SandlotError):
                 await self.backend.snapshot_remove(await self.backend.find_snapshot(held["snapshot"]))
