@@ -80,6 +80,19 @@ def atomic_dir(final: Path) -> Iterator[Path]:
             shutil.rmtree(tmp, ignore_errors=True)
 
 
+def tail(path: Path, lines: int = 40, max_bytes: int = 64 * 1024) -> str:
+    """The last ``lines`` lines of a log (a guest console, QEMU's or runsc's), read from
+    at most its last ``max_bytes``; "" if it cannot be read."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - max_bytes))
+            data = f.read()
+    except OSError:
+        return ""
+    return "\n".join(data.decode("utf-8", "replace").replace("\r\n", "\n").splitlines()[-lines:])
+
+
 def atomic_write(path: Path, data: bytes, mode: int = 0o644) -> None:
     """Write a file so that readers see the old content or the new, never a mix."""
     path.parent.mkdir(parents=True, exist_ok=True)

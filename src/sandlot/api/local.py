@@ -22,6 +22,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from ..config import tail
 from ..core.controller import BoxController
 from ..core.entry import BoxEntry, hostname_for
 from ..core.requests import SPEC_OPTIONS, BoxRequest
@@ -686,11 +687,4 @@ def read_console(path: Path, lines: int | None) -> str:
             return path.read_text(errors="replace")
         except FileNotFoundError:
             return ""
-    try:
-        with open(path, "rb") as f:
-            f.seek(0, os.SEEK_END)
-            f.seek(max(0, f.tell() - CONSOLE_TAIL))
-            data = f.read()
-    except OSError:
-        return ""
-    return "\n".join(data.decode("utf-8", "replace").replace("\r\n", "\n").splitlines()[-lines:])
+    return tail(path, lines, CONSOLE_TAIL)

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from ... import pids
+from ...config import tail
 from ...crashpoints import crash_point
 from ...errors import BootError, HostSetupError, SavedStateError
 from .. import hostcgroup
@@ -101,17 +102,6 @@ class SandboxConfig:
 
     def flags(self) -> list[str]:
         return [runsc.runsc_binary(), *runsc.global_flags(self.platform, self.runsc_log)]
-
-
-def tail(path: Path, lines: int = 40, max_bytes: int = 64 * 1024) -> str:
-    try:
-        with open(path, "rb") as f:
-            f.seek(0, os.SEEK_END)
-            f.seek(max(0, f.tell() - max_bytes))
-            data = f.read()
-    except OSError:
-        return ""
-    return "\n".join(data.decode("utf-8", "replace").splitlines()[-lines:])
 
 
 def is_mounted(path: Path) -> bool:

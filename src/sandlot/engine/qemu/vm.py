@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
 from ... import pids
+from ...config import tail
 from ...errors import BootError, SavedStateError
 from .. import hostcgroup
 from ..base import VM, Connector, VMRef, VMStatus
@@ -48,19 +49,6 @@ STATUS = {
     "save-vm": VMStatus.SAVING,
     "restore-vm": VMStatus.LOADING,
 }
-
-
-def tail(path: Path, lines: int = 40, max_bytes: int = 64 * 1024) -> str:
-    try:
-        with open(path, "rb") as f:
-            f.seek(0, os.SEEK_END)
-            size = f.tell()
-            f.seek(max(0, size - max_bytes))
-            data = f.read()
-    except OSError:
-        return ""
-    text = data.decode("utf-8", "replace").replace("\r\n", "\n")
-    return "\n".join(text.splitlines()[-lines:])
 
 
 def flock(path: Path) -> int:
