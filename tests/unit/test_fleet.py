@@ -6,6 +6,7 @@ operation is ``tests/unit/test_surface.py``'s; its behaviour, ``tests/vm/test_co
 
 from __future__ import annotations
 
+import asyncio
 import os
 import subprocess
 import sys
@@ -16,9 +17,9 @@ import pytest
 import sandlot
 from sandlot.errors import BoxNotFound, CorruptSnapshot, InvalidArgument
 from sandlot.fleet import transfer
-from sandlot.fleet.backend import unwrap
+from sandlot.fleet.backend import opened
 from sandlot.fleet.directory import LOST, Directory, new_record, reconcile, released
-from sandlot.fleet.node import error_reply
+from sandlot.fleet.node import guarded
 
 SRC = Path(__file__).resolve().parents[2] / "src"
 
@@ -126,10 +127,18 @@ def test_the_directory_survives_its_actor_and_finds_by_name_or_prefix(tmp_path: 
 
 
 def test_a_node_error_comes_back_as_the_same_class() -> None:
-    err = sandlot.IncompatibleSnapshot("the snapshot was saved by QEMU 99.0; this host has QEMU 8.2")
+    @guarded
+    async def fails() -> None:
+        raise sandlot.IncompatibleSnapshot("the snapshot was saved by QEMU 99.0; this host has QEMU 8.2")
+
+    @guarded
+    async def answers() -> int:
+        return 3
+
     with pytest.raises(sandlot.IncompatibleSnapshot, match=r"QEMU 99\.0"):
-        unwrap(error_reply(err))
-    assert unwrap({"ok": 3}) == 3
+        opened(asyncio.run(fails()))
+    assert opened(asyncio.run(answers())) == 3
+    assert opened({"node": "n1"}) == {"node": "n1"}  # the directory's answers pass as they are
 
 
 def test_only_the_fleet_imports_ray() -> None:

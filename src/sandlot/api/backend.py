@@ -21,7 +21,7 @@ from abc import ABC, abstractmethod
 from collections.abc import AsyncIterable, AsyncIterator, Callable, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 from ..core.validate import argv as check_argv
 from ..errors import InvalidArgument, InvalidState, NotFound, Unsupported
@@ -384,10 +384,19 @@ class RemoteBackend(Backend):
                                    hint="start it with snapshot.start(...)")  # fmt: skip
 
 
-def described(ref: BoxRef) -> DescribedBoxRef:
-    if not isinstance(ref, DescribedBoxRef):
-        raise InvalidArgument(f"not a box of a backend elsewhere: {ref!r}")
+Ref = TypeVar("Ref", bound="BoxRef | SnapshotRef")
+
+
+def narrowed(ref: BoxRef | SnapshotRef, kind: type[Ref], what: str) -> Ref:
+    """``ref`` as the ref class of one backend (InvalidArgument, naming ``what``, if it is
+    another backend's: a box of one transport handed to another)."""
+    if not isinstance(ref, kind):
+        raise InvalidArgument(f"not {what}: {ref!r}")
     return ref
+
+
+def described(ref: BoxRef) -> DescribedBoxRef:
+    return narrowed(ref, DescribedBoxRef, "a box of a backend elsewhere")
 
 
 def answered(kind: str, value: Any, target: Any, box: Callable[[Any], BoxRef],

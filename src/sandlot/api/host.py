@@ -64,12 +64,10 @@ async def run(backend: LocalBackend, op: Operation, target: BoxRef | SnapshotRef
     if kind == "box":
         assert isinstance(target, BoxRef)
         return target.info
-    if kind == "boxes":
+    if kind in ("boxes", "snapshots"):
         return op.result.encode([ref.info for ref in value])
     if kind == "snapshot":
         return value.info
-    if kind == "snapshots":
-        return op.result.encode([ref.info for ref in value])
     return op.result.encode(value)
 
 

@@ -33,7 +33,17 @@ from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidMes
 from ..core.validate import positive
 from ..errors import AgentTimeout, ConnectionLost, InvalidArgument, NotFound, ProtocolError, SandlotError
 from ..version import __version__
-from .backend import BoxRef, Cell, Command, DescribedBoxRef, RemoteBackend, SnapshotRef, Write, answered
+from .backend import (
+    BoxRef,
+    Cell,
+    Command,
+    DescribedBoxRef,
+    RemoteBackend,
+    SnapshotRef,
+    Write,
+    answered,
+    narrowed,
+)
 from .code import Callbacks, Execution, code_event
 from .contract import (
     BOX,
@@ -543,9 +553,7 @@ class HttpBackend(RemoteBackend):
 
 
 def http(ref: BoxRef) -> HttpBoxRef:
-    if not isinstance(ref, HttpBoxRef):
-        raise InvalidArgument(f"not a box of a server: {ref!r}")
-    return ref
+    return narrowed(ref, HttpBoxRef, "a box of a server")
 
 
 class Counted:

@@ -37,7 +37,7 @@ from ..protocol import files as proto
 from ..protocol.exec import ExecRequest, RemoteProcess
 from ..protocol.watch import WatchStream
 from ..protocol.wire import FsFlag, FsOp
-from .backend import Backend, BoxRef, Cell, Command, SnapshotRef, Write
+from .backend import Backend, BoxRef, Cell, Command, SnapshotRef, Write, narrowed
 from .fs import AgentWatch, FileInfo, WatchSource, check_mode, entry_info
 from .process import AsyncProcess, ExecResult, feed_and_wait
 
@@ -105,6 +105,7 @@ class LocalBoxRef(BoxRef):
         self.box_id = request.id if request is not None else entry.id if entry is not None else ""
         self.box_name = request.name if request is not None else entry.name if entry is not None else ""
         self.given_image: Image | None = request.image if request is not None else None
+        self.claimed = False  # made from a warm pool's VM, running already (made_entry with claim)
 
     @property
     def runtime(self) -> Runtime:
@@ -208,8 +209,6 @@ class LocalBoxRef(BoxRef):
         self.entry = entry
         return core.controller, entry
 
-    claimed = False
-
     async def existing(self) -> tuple[BoxController, BoxEntry]:
         if self.request is not None and self.entry is None:
             self.need_made()
@@ -274,11 +273,8 @@ class LocalBackend(Backend):
         ctl, entry = await box.made_entry(ephemeral=ephemeral, claim=start)
         if not start:
             return
-        if box.claimed:  # a ready VM of its template's warm pool: running already
-            box.claimed = False
-            return
         try:
-            await ctl.start(entry)
+            await boot(box, ctl, entry)
         except BaseException:
             if ephemeral:  # the with block will not run its end: do its work
                 with contextlib.suppress(Exception):
@@ -336,11 +332,7 @@ class LocalBackend(Backend):
 
     async def box_start(self, ref: BoxRef) -> None:
         box = local(ref)
-        ctl, entry = await box.made_entry(claim=True)
-        if box.claimed:
-            box.claimed = False
-            return
-        await ctl.start(entry)
+        await boot(box, *await box.made_entry(claim=True))
 
     async def box_stop(self, ref: BoxRef, timeout: float = 10.0) -> None:
         positive("timeout", timeout)
@@ -535,8 +527,6 @@ class LocalBackend(Backend):
 
     async def read(self, ref: BoxRef, path: str, offset: int, length: int | None) -> AsyncIterator[bytes]:
         p = guest_path(path)
-        if offset < 0 or (length is not None and length < 0):
-            raise InvalidArgument("offset and length must not be negative")
         _size, _mode, chunks = await proto.read_stream(await self._conn(ref), p, offset=offset, length=length)
         async for chunk in chunks:
             yield chunk
@@ -657,16 +647,20 @@ class LocalBackend(Backend):
         return {"transport": self.transport, "home": str(self.runtime.home)}
 
 
+async def boot(box: LocalBoxRef, ctl: BoxController, entry: BoxEntry) -> None:
+    """Start the box, unless a ready VM of its template's warm pool became it (running already)."""
+    if box.claimed:
+        box.claimed = False
+        return
+    await ctl.start(entry)
+
+
 def local(ref: BoxRef) -> LocalBoxRef:
-    if not isinstance(ref, LocalBoxRef):
-        raise InvalidArgument(f"not a box of this host: {ref!r}")
-    return ref
+    return narrowed(ref, LocalBoxRef, "a box of this host")
 
 
 def local_snapshot(snap: SnapshotRef) -> LocalSnapshotRef:
-    if not isinstance(snap, LocalSnapshotRef):
-        raise InvalidArgument(f"not a snapshot of this host: {snap!r}")
-    return snap
+    return narrowed(snap, LocalSnapshotRef, "a snapshot of this host")
 
 
 def template_arg(template: Any) -> str | SnapshotRecord | bool | None:

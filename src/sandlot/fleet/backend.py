@@ -24,7 +24,17 @@ from typing import Any, ClassVar, Protocol
 
 import ray
 
-from ..api.backend import BoxRef, Cell, Command, DescribedBoxRef, RemoteBackend, SnapshotRef, Write, answered
+from ..api.backend import (
+    BoxRef,
+    Cell,
+    Command,
+    DescribedBoxRef,
+    RemoteBackend,
+    SnapshotRef,
+    Write,
+    answered,
+    narrowed,
+)
 from ..api.code import Callbacks, Execution, code_event
 from ..api.contract import (
     SNAPSHOT,
@@ -73,13 +83,6 @@ INLINE_STDIN = 64 << 20  # stdin up to this size travels with an exec's call (th
 CHUNK = 1 << 20  # bytes of a file or archive per upload call
 
 
-def unwrap(reply: Mapping[str, Any]) -> Any:
-    """A node call's value, or its error raised again as the same sandlot class."""
-    if "error" in reply:
-        raise from_dict(reply["error"])
-    return reply["ok"]
-
-
 async def got(ref: Any) -> Any:
     """An actor call's answer, awaited; a node's error reply, or a sandlot error the
     directory raised, is raised as itself."""
@@ -98,8 +101,13 @@ def answer(ref: Any, timeout: float | None = None) -> Any:
 
 
 def opened(value: Any) -> Any:
-    if isinstance(value, dict) and ("ok" in value or "error" in value) and len(value) == 1:
-        return unwrap(value)
+    """A node call's value (its reply ``{"ok": value}``), or its error (``{"error": ...}``)
+    raised again as the same sandlot class; anything else (the directory's answers) as it is."""
+    if isinstance(value, dict) and len(value) == 1:
+        if "error" in value:
+            raise from_dict(value["error"])
+        if "ok" in value:
+            return value["ok"]
     return value
 
 
@@ -736,12 +744,8 @@ async def one(data: bytes) -> AsyncIterator[bytes]:
 
 
 def ray_box(ref: BoxRef) -> RayBoxRef:
-    if not isinstance(ref, RayBoxRef):
-        raise InvalidArgument(f"not a box of a fleet: {ref!r}")
-    return ref
+    return narrowed(ref, RayBoxRef, "a box of a fleet")
 
 
 def ray_snapshot(snap: SnapshotRef) -> RaySnapshotRef:
-    if not isinstance(snap, RaySnapshotRef):
-        raise InvalidArgument(f"not a snapshot of a fleet: {snap!r}")
-    return snap
+    return narrowed(snap, RaySnapshotRef, "a snapshot of a fleet")

@@ -68,10 +68,6 @@ Reply = dict[str, Any]
 Writer = Callable[[AsyncIterator[bytes]], Awaitable[Any]]  # a write that takes its chunks as they come
 
 
-def error_reply(exc: SandlotError) -> Reply:
-    return {"error": error_json(exc)}
-
-
 def guarded(fn: Callable[P, Awaitable[T]]) -> Callable[P, Awaitable[Reply]]:
     """A node call's result as ``{"ok": value}``, or its sandlot error as ``{"error": ...}``."""
 
@@ -80,7 +76,7 @@ def guarded(fn: Callable[P, Awaitable[T]]) -> Callable[P, Awaitable[Reply]]:
         try:
             return {"ok": await fn(*args, **kwargs)}
         except SandlotError as exc:
-            return error_reply(exc)
+            return {"error": error_json(exc)}
 
     return call
 
