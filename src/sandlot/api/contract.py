@@ -37,7 +37,7 @@ from urllib.parse import quote
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, create_model
 
 from ..core.requests import PULL_POLICIES, SPEC_DEFAULTS, SPEC_OPTIONS
-from ..core.spec import BoxSpec
+from ..core.spec import BoxSpec, Port
 from ..core.validate import MOST_AT_ONCE
 from ..errors import (
     ExecTimeout,
@@ -297,30 +297,19 @@ def _option_json(name: str, value: Any, transport: str) -> Any:
 
 
 def _port_json(spec: Any, transport: str) -> dict[str, int]:
-    """``80``, ``"8080:80"``, ``(8080, 80)`` or ``{"guest", "host"}`` as a server takes it
-    (the server picks the address it binds)."""
-    guest: Any
-    host: Any = 0
+    """``80``, ``"8080:80"``, ``(8080, 80)`` or ``{"guest", "host"}`` as a server takes it,
+    checked as a local box's port (``Port.parse``); the server picks the address it binds."""
     if isinstance(spec, Mapping):
-        guest, host = spec.get("guest"), spec.get("host", 0)
-    elif isinstance(spec, int) and not isinstance(spec, bool):
-        guest = spec
-    elif isinstance(spec, str) and spec.count(":") <= 1:
-        h, _, g = spec.rpartition(":")
-        if not g.isdigit() or (h and not h.isdigit()):
-            raise InvalidArgument(f"port {spec!r} is not GUEST or HOST:GUEST")
-        guest, host = int(g), int(h or 0)
-    elif isinstance(spec, tuple) and len(spec) == 2:
-        host, guest = spec[0] or 0, spec[1]
-    elif isinstance(spec, str | tuple):
+        spec = Port(spec.get("guest"), spec.get("host", 0))  # type: ignore[arg-type]  # Port.parse checks
+    elif (
+        isinstance(spec, Port)
+        or (isinstance(spec, str) and spec.count(":") > 1)
+        or (isinstance(spec, tuple) and len(spec) == 3)
+    ):
         raise Unsupported(f"a port's address ({spec!r}) is not offered over the {transport} transport: the "
                           "server chooses it", transport=transport)  # fmt: skip
-    else:
-        raise InvalidArgument(f"invalid port {spec!r}")
-    for what, n, low in (("guest port", guest, 1), ("host port", host, 0)):
-        if isinstance(n, bool) or not isinstance(n, int) or not low <= n <= 65535:
-            raise InvalidArgument(f"{what} must be a number in {low}..65535, not {n!r}")
-    return {"guest": guest, "host": host}
+    port = Port.parse(spec)
+    return {"guest": port.guest, "host": port.host}
 
 
 def _secret_json(secret: Any, transport: str) -> dict[str, Any]:

@@ -529,8 +529,6 @@ class HttpBackend(RemoteBackend):
         from .tarstream import host_file
 
         self.refuse_start_options(options)
-        if not path.is_file():
-            raise InvalidArgument(f"{path} is not a file")
         data = await self.json(
             "POST",
             "/snapshots/import",

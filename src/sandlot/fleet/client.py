@@ -28,7 +28,7 @@ from ..api.sync import Box as SyncBox
 from ..api.sync import Client
 from ..errors import InvalidArgument, InvalidState, NodeNotFound, SandlotError
 from . import placement
-from .backend import Forked, RayBackend, RayBoxRef, answer, box_bundle, got
+from .backend import Forked, RayBackend, RayBoxRef, answer, box_bundle, got, ray_box
 from .directory import LOST, Directory, Record
 from .node import NodeService
 
@@ -275,10 +275,7 @@ class Fleet:
 
     def _ref(self, box: SyncBox | AsyncBox | str) -> RayBoxRef:
         found = self.get(box) if isinstance(box, str) else box
-        ref = found.aio.ref if isinstance(found, SyncBox) else found.ref
-        if not isinstance(ref, RayBoxRef):
-            raise InvalidArgument(f"box {found.name} is not a box of this fleet")
-        return ref
+        return ray_box(found.aio.ref if isinstance(found, SyncBox) else found.ref)
 
     def migrate(self, box: SyncBox | str, node: str, *, placement_timeout: float | None = None) -> SyncBox:
         """Move a box to ``node``: a running one is frozen (paused, its state saved), its
