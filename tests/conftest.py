@@ -80,3 +80,16 @@ def other_home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     for b in sandlot.list(home=home):
         b.remove(force=True)
     shutil.rmtree(home, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def hub_mirror(tmp_path_factory: pytest.TempPathFactory, debian_root: Path) -> Iterator[str]:
+    """A registry on 127.0.0.1 that stands in for Docker Hub: ``python:3.12-slim`` is the
+    Debian + python3 test image. Set ``SANDLOT_REGISTRY_MIRRORS=docker.io=<this>`` and the
+    docs' and README's examples run as written, with nothing fetched from the internet."""
+    from tests.support.images import python_layout
+    from tests.support.registry import run_registry
+
+    with run_registry(tmp_path_factory.mktemp("hub")) as reg:
+        reg.push(python_layout(CACHE, debian_root), "test/python:3", "library/python:3.12-slim")
+        yield reg.host

@@ -159,3 +159,17 @@ def test_credentials_from_docker_config(tmp_path: Path) -> None:
     cfg.write_text("{not json")
     with pytest.raises(sandlot.ImageError):
         auth.lookup("docker.io", cfg)
+
+
+def test_registry_mirrors_are_parsed_and_checked(monkeypatch: pytest.MonkeyPatch) -> None:
+    from sandlot.images.registry import RegistryClient, mirrors
+
+    monkeypatch.setenv("SANDLOT_REGISTRY_MIRRORS", " docker.io=127.0.0.1:5000/, ghcr.io=https://m.example ")
+    assert mirrors() == {"docker.io": (None, "127.0.0.1:5000"), "ghcr.io": ("https", "m.example")}
+    client = RegistryClient(Reference.parse("python:3.12-slim"))
+    assert client.host == "127.0.0.1:5000" and client.ref.registry == "docker.io"
+    assert RegistryClient(Reference.parse("quay.io/a/b")).host == "quay.io"
+    for bad in ("docker.io", "=127.0.0.1:5000", "docker.io=ftp://x", "docker.io=a b", "docker.io=h/path"):
+        monkeypatch.setenv("SANDLOT_REGISTRY_MIRRORS", bad)
+        with pytest.raises(sandlot.ImageError, match="SANDLOT_REGISTRY_MIRRORS"):
+            mirrors()

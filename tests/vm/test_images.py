@@ -314,6 +314,23 @@ def test_python_image_from_registry(registry: Registry, debian_root: Path, home:
         assert box.exec("stat", "-c", "%U", "/home/agent").stdout == "agent\n"
 
 
+
+def test_registry_mirror_serves_docker_hub_names(
+    registry: Registry, debian_root: Path, home: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With a mirror for docker.io, ``python:3.12-slim`` comes from the mirror and keeps
+    its Docker Hub name (the docs' examples run this way against a local registry)."""
+    registry.push(python_layout(CACHE, debian_root), "test/python:3", "library/python:3.12-slim")
+    monkeypatch.setenv("SANDLOT_REGISTRY_MIRRORS", f"index.docker.io={registry.host}")
+    img = sandlot.pull("python:3.12-slim", home=home)
+    assert img.names == ("docker.io/library/python:3.12-slim",)
+    assert img.config.cmd == ("python3",)
+    assert [i.names for i in sandlot.list_images(home=home)] == [img.names]
+    monkeypatch.setenv("SANDLOT_REGISTRY_MIRRORS", "docker.io=127.0.0.1:1")  # a mirror that is down
+    with pytest.raises(sandlot.ImageError, match="127.0.0.1:1"):
+        sandlot.pull("python:3.11-slim", home=home)
+
+
 def test_load_checks_layers_at_once_as_pull_does(
     layouts: dict[str, Path], home: Path, tmp_path: Path
 ) -> None:

@@ -74,14 +74,30 @@ def doctor(as_json: Annotated[bool, typer.Option("--json", help="Machine-readabl
 @app.command()
 def setup(
     refresh_kernel: Annotated[bool, typer.Option(help="Fetch the newest distro kernel.")] = False,
+    install: Annotated[
+        bool, typer.Option(help="Install missing host packages with apt (as root, or with sudo -n).")
+    ] = True,
+    optional: Annotated[
+        bool, typer.Option("--optional", help="Also install the optional packages (gVisor, rootfs builders).")
+    ] = False,
 ) -> None:
-    """Prepare everything a boot needs (kernel, agent, initramfs) and report it."""
+    """Install the host packages sandlot needs (apt), then fetch the guest kernel and
+    prepare the agent and initramfs, and report them."""
+    from .. import hostsetup
     from ..core.runtime import Runtime
-    from ..guest.kernel import fetch_distro_kernel
+    from ..guest.kernel import META_PACKAGES, fetch_distro_kernel, has_distro_kernel
 
     rt = Runtime.for_home()
+    distro_kernel = not os.environ.get("SANDLOT_KERNEL")
     try:
-        if refresh_kernel and not os.environ.get("SANDLOT_KERNEL"):
+        apt_lists = distro_kernel and (refresh_kernel or not has_distro_kernel(rt.home))
+        _host_packages(
+            install=install, optional=optional, kernel=META_PACKAGES["cloud"] if apt_lists else None
+        )
+    except SandlotError as exc:
+        raise fail(exc) from exc
+    try:
+        if refresh_kernel and distro_kernel:
             fetch_distro_kernel(rt.home, refresh=True)
         rt.prepare()
     except SandlotError as exc:
@@ -89,9 +105,36 @@ def setup(
     report = rt.doctor()
     kernel, agent = report.get("kernel", {}), report.get("agent", {})
     print(f"kernel  {kernel.get('version')} ({kernel.get('vmlinux')})")
-    print(f"agent   {agent.get('path')}")
+    print(f"agent   {agent.get('path')} ({agent.get('compiler')})")
     print(f"initrd  {report.get('initramfs')}")
     print(f"accel   {report['accel']['name']}: {report['accel']['reason']}")
+    left = hostsetup.missing(optional=True)
+    if left:
+        print("optional, not installed: " + "; ".join(f"{p.name} ({p.needed_for})" for p in left))
+        print(
+            f"  to add them: sandlot setup --optional, or {hostsetup.install_command([p.name for p in left])}"
+        )
+
+
+def _host_packages(*, install: bool, optional: bool, kernel: str | None) -> None:
+    """Install what is missing where apt may run as root; else name it and how to get
+    it. ``kernel``: the package apt must know to fetch the guest kernel, if it must."""
+    from .. import hostsetup
+    from ..errors import HostSetupError
+
+    wanted = hostsetup.missing(optional=optional)
+    names = [p.name for p in wanted]
+    stale_lists = kernel is not None and not hostsetup.apt_knows(kernel)
+    if not names and not stale_lists:
+        return
+    why = "; ".join(f"{p.name} ({p.needed_for})" for p in wanted) or f"apt lists that know {kernel}"
+    if not install or not hostsetup.can_install():
+        raise HostSetupError(f"sandlot needs: {why}. Install with: {hostsetup.install_command(names)}")
+    print(f"installing with apt: {why}", flush=True)
+    hostsetup.install(names)
+    still = [p.name for p in hostsetup.missing(optional=optional)]
+    if still:
+        raise HostSetupError(f"apt installed {' '.join(names)}, yet {', '.join(still)} are still missing")
 
 
 @app.command()

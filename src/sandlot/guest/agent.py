@@ -1,22 +1,22 @@
-"""Build the guest agent (static C) from the sources shipped in this package.
+"""The guest agent (static C): the wheel's prebuilt binary, or built from the
+sources shipped in this package.
 
-The build is cached under ``$SANDLOT_HOME/agent/<kind>-<hash>/`` (``config.build_c``).
-``musl-gcc`` (Debian: musl-tools) gives a
-~130 KB binary; ``gcc -static`` works too.
+A build is cached under ``$SANDLOT_HOME/agent/<kind>-<hash>/`` (``config.build_c``).
+``musl-gcc`` (Debian: musl-tools) gives a ~130 KB binary; ``gcc -static`` works too.
+What the program is, and where a prebuilt one comes from: ``sandlot.native``.
 """
 
 from __future__ import annotations
 
 import shutil
 from dataclasses import dataclass
-from importlib import resources
 from pathlib import Path
 
-from ..config import build_c
+from ..config import build_c, sha256_file
 from ..errors import HostSetupError
+from ..native import AGENT, PACKAGE, prebuilt, static_compiler
 
-CFLAGS = ["-std=gnu11", "-Os", "-Wall", "-Wextra", "-Wno-unused-parameter", "-fno-strict-aliasing"]
-SANITIZE_FLAGS = ["-O1", "-g", "-fsanitize=address,undefined", "-fno-sanitize-recover=undefined"]
+SANITIZE_FLAGS = ("-O1", "-g", "-fsanitize=address,undefined", "-fno-sanitize-recover=undefined")
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,37 +27,39 @@ class AgentBuild:
 
 
 def source_dir() -> Path:
-    return Path(str(resources.files("sandlot.guest") / "agent"))
+    return PACKAGE / AGENT.folder
 
 
 def _sources() -> list[Path]:
-    src = source_dir()
-    files = sorted([*src.glob("*.c"), *src.glob("*.h")])
+    files = AGENT.sources()
     if not any(f.suffix == ".c" for f in files):
-        raise HostSetupError(f"agent sources are missing from {src}")
+        raise HostSetupError(f"agent sources are missing from {source_dir()}")
     return files
 
 
 def _compiler_for(kind: str) -> list[str]:
     if kind == "guest":
-        if shutil.which("musl-gcc"):
-            return ["musl-gcc", "-static"]
-        if shutil.which("gcc"):
-            return ["gcc", "-static"]
-        raise HostSetupError(
-            "building the guest agent needs a C compiler: install musl-tools (preferred) or gcc"
-        )
+        cc = static_compiler()
+        if cc is None:
+            raise HostSetupError(
+                "building the guest agent needs a C compiler: install musl-tools (preferred) or gcc"
+            )
+        return cc
     if shutil.which("gcc"):
         return ["gcc"]
     raise HostSetupError("building the host agent needs gcc")
 
 
 def build_agent(home: Path, *, kind: str = "guest") -> AgentBuild:
-    """Build (or reuse) the agent. ``kind``: "guest" (static, for /init),
-    "host" (for tests on the host) or "sanitize" (host, ASan+UBSan, for fuzzing)."""
+    """The agent: the wheel's prebuilt one where it has one (``kind="guest"``), else
+    built (or reused). ``kind``: "guest" (static, for /init), "host" (for tests on the
+    host) or "sanitize" (host, ASan+UBSan, for fuzzing)."""
     if kind not in ("guest", "host", "sanitize"):
         raise ValueError(f"unknown agent build kind {kind!r}")
+    shipped = prebuilt(AGENT) if kind == "guest" else None
+    if shipped is not None:
+        return AgentBuild(shipped, sha256_file(shipped)[:16], "prebuilt")
     cc = _compiler_for(kind)
-    flags = CFLAGS + (SANITIZE_FLAGS if kind == "sanitize" else [])
-    binary, digest = build_c(home / "agent" / kind, "sandlot-agent", _sources(), cc, flags)
+    flags = [*AGENT.flags, *(SANITIZE_FLAGS if kind == "sanitize" else ())]
+    binary, digest = build_c(home / "agent" / kind, AGENT.name, _sources(), cc, flags)
     return AgentBuild(binary, digest, cc[0])

@@ -355,6 +355,15 @@ def _apt_kernel_package(meta: str) -> str:
     return m.group(1)
 
 
+def has_distro_kernel(home: Path, flavor: str = "cloud") -> bool:
+    """Whether a distro kernel is already fetched and pinned in ``home`` (no apt needed)."""
+    pointer = home / "kernels" / ("default" if flavor == "cloud" else f"default-{flavor}")
+    try:
+        return (home / "kernels" / pointer.read_text().strip() / "kernel.json").exists()
+    except OSError:
+        return False
+
+
 def fetch_distro_kernel(home: Path, *, refresh: bool = False, flavor: str = "cloud") -> Kernel:
     """Download the concrete package behind linux-image-cloud-amd64 (or the generic
     linux-image-amd64) and prepare it.

@@ -108,8 +108,10 @@ class Reference:
         return name
 
     def is_local_registry(self) -> bool:
-        if self.registry.startswith("["):
-            host = self.registry[: self.registry.index("]") + 1]
-        else:
-            host = self.registry.rsplit(":", 1)[0]
-        return host in ("localhost", "[::1]") or host.startswith("127.")
+        return is_loopback(self.registry)
+
+
+def is_loopback(registry: str) -> bool:
+    """Whether ``host[:port]`` names this machine's loopback (plain HTTP is allowed there)."""
+    host = registry[: registry.index("]") + 1] if registry.startswith("[") else registry.rsplit(":", 1)[0]
+    return host in ("localhost", "[::1]") or host.startswith("127.")

@@ -3,10 +3,10 @@
 Anonymous, bearer-token (``WWW-Authenticate: Bearer``) and basic auth; TLS with
 the system trust store plus per-registry CAs (``ca_cert``, or Docker's
 ``certs.d`` directories); plain HTTP only for registries on the loopback or
-ones marked insecure. Every answer is checked: manifests against their digest,
-blobs against digest and size, while they stream to disk. Interrupted blob
-downloads resume with a Range request; the bytes already on disk are hashed
-again rather than trusted.
+ones marked insecure; mirrors by ``$SANDLOT_REGISTRY_MIRRORS``. Every answer is
+checked: manifests against their digest, blobs against digest and size, while they
+stream to disk. Interrupted blob downloads resume with a Range request; the bytes
+already on disk are hashed again rather than trusted.
 """
 
 from __future__ import annotations
@@ -27,11 +27,33 @@ import httpx
 from ..errors import ImageError
 from . import auth as auth_mod
 from .oci import ACCEPT, Descriptor, sha256_digest, verify
-from .reference import Reference
+from .reference import DOCKER_HUB, Reference, is_loopback
 from .store import ImageStore
 
 USER_AGENT = "sandlot/0.1"
 RETRIES = 3
+MIRRORS = "SANDLOT_REGISTRY_MIRRORS"
+_HOST = re.compile(r"^(\[[0-9a-fA-F:]+\]|[A-Za-z0-9.-]+)(:[0-9]{1,5})?$")
+
+
+def mirrors() -> dict[str, tuple[str | None, str]]:
+    """``$SANDLOT_REGISTRY_MIRRORS``: ``registry=[scheme://]host[:port]`` pairs, comma
+    separated (``docker.io=127.0.0.1:5000,ghcr.io=https://mirror.example``). A pull
+    from a registry with a mirror goes to the mirror only, with no fallback: an
+    air-gapped host must never reach past it. Images keep their own names, so a box
+    made through a mirror is the same box as one made without."""
+    out: dict[str, tuple[str | None, str]] = {}
+    for item in filter(None, (p.strip() for p in os.environ.get(MIRRORS, "").split(","))):
+        registry, sep, target = item.partition("=")
+        scheme, has_scheme, host = target.strip().rstrip("/").rpartition("://")
+        registry = registry.strip().lower()
+        if registry in ("index.docker.io", "registry-1.docker.io"):
+            registry = DOCKER_HUB
+        bad_scheme = bool(has_scheme) and scheme not in ("http", "https")
+        if not sep or not registry or bad_scheme or not _HOST.match(host):
+            raise ImageError(f"{MIRRORS}: {item!r} is not registry=[http(s)://]host[:port]")
+        out[registry] = (scheme or None, host)
+    return out
 
 
 @dataclass(slots=True)
@@ -86,13 +108,17 @@ class RegistryClient:
         timeout: float = 60.0,
     ) -> None:
         self.ref = ref
-        self._creds = credentials if credentials is not None else auth_mod.lookup(ref.registry)
-        self._plain_http_ok = insecure or ref.is_local_registry()
-        self._scheme: str | None = None
+        mirror = mirrors().get(ref.registry)
+        scheme, self.host = mirror if mirror else (None, ref.api_host)
+        where = mirror[1] if mirror else ref.registry  # whose credentials count
+        self.label = f"{ref.registry} (through its mirror {self.host})" if mirror else ref.registry
+        self._creds = credentials if credentials is not None else auth_mod.lookup(where)
+        self._plain_http_ok = insecure or is_loopback(where) or scheme == "http"
+        self._scheme: str | None = scheme
         self._token: str | None = None
         self._basic = False
         self._client = httpx.AsyncClient(
-            verify=_ssl_context(ref.api_host, ca_cert),
+            verify=_ssl_context(self.host, ca_cert),
             timeout=httpx.Timeout(timeout, connect=15.0),
             headers={"User-Agent": USER_AGENT},
             follow_redirects=True,
@@ -114,21 +140,21 @@ class RegistryClient:
     async def _base(self) -> str:
         if self._scheme is None:
             try:
-                await self._client.get(f"https://{self.ref.api_host}/v2/")
+                await self._client.get(f"https://{self.host}/v2/")
                 self._scheme = "https"
             except (httpx.ConnectError, httpx.ReadError, ssl.SSLError) as exc:
                 if "CERTIFICATE_VERIFY_FAILED" in str(exc) or "certificate verify failed" in str(exc):
                     # it speaks TLS with a certificate we do not trust: never downgrade that
                     raise ImageError(
-                        f"the TLS certificate of {self.ref.api_host} is not trusted ({exc}); "
+                        f"the TLS certificate of {self.host} is not trusted ({exc}); "
                         "pass ca_cert= or put the CA in /etc/docker/certs.d/<host>/ca.crt"
                     ) from exc
                 if not self._plain_http_ok:
-                    raise ImageError(f"cannot reach https://{self.ref.api_host}: {exc}") from exc
+                    raise ImageError(f"cannot reach https://{self.host}: {exc}") from exc
                 self._scheme = "http"  # no TLS there: a loopback or explicitly insecure registry
             except httpx.HTTPError as exc:
-                raise ImageError(f"cannot reach registry {self.ref.registry}: {exc}") from exc
-        return f"{self._scheme}://{self.ref.api_host}/v2/{self.ref.repository}"
+                raise ImageError(f"cannot reach registry {self.label}: {exc}") from exc
+        return f"{self._scheme}://{self.host}/v2/{self.ref.repository}"
 
     def _auth_headers(self) -> dict[str, str]:
         if self._token:
@@ -142,12 +168,12 @@ class RegistryClient:
         scheme, params = _parse_challenge(challenge)
         if scheme == "basic":
             if not self._creds:
-                raise ImageError(f"registry {self.ref.registry} requires a login (no credentials found)")
+                raise ImageError(f"registry {self.label} requires a login (no credentials found)")
             self._basic = True
             return
         if scheme != "bearer" or "realm" not in params:
             raise ImageError(
-                f"registry {self.ref.registry} asks for unsupported authentication {challenge!r}"
+                f"registry {self.label} asks for unsupported authentication {challenge!r}"
             )
         query = {"service": params.get("service", ""), "scope": f"repository:{self.ref.repository}:pull"}
         auth = None
@@ -164,7 +190,7 @@ class RegistryClient:
             resp = await self._client.get(params["realm"], params=query, auth=auth)
         if resp.status_code in (401, 403):
             raise ImageError(
-                f"registry {self.ref.registry} refused the credentials for {self.ref.repository}"
+                f"registry {self.label} refused the credentials for {self.ref.repository}"
             )
         if resp.status_code != 200:
             raise ImageError(f"token request to {params['realm']} failed with HTTP {resp.status_code}")
@@ -187,7 +213,7 @@ class RegistryClient:
                 resp = await self._client.send(req, stream=stream)
             except httpx.TransportError as exc:
                 if attempt == RETRIES:
-                    raise ImageError(f"registry {self.ref.registry}: {exc}") from exc
+                    raise ImageError(f"registry {self.label}: {exc}") from exc
                 await asyncio.sleep(delay)
                 delay *= 2
                 continue
@@ -202,7 +228,7 @@ class RegistryClient:
                 delay *= 2
                 continue
             return resp
-        raise ImageError(f"registry {self.ref.registry} kept failing")
+        raise ImageError(f"registry {self.label} kept failing")
 
     async def _check(self, resp: httpx.Response, what: str) -> None:
         if resp.status_code in (200, 206):
@@ -217,7 +243,7 @@ class RegistryClient:
             raise ImageError(
                 f"not allowed to pull {self.ref.name} (HTTP {resp.status_code}): check credentials"
             )
-        raise ImageError(f"{what}: HTTP {resp.status_code} from {self.ref.registry}: {body[:200]!r}")
+        raise ImageError(f"{what}: HTTP {resp.status_code} from {self.label}: {body[:200]!r}")
 
     # -- API ---------------------------------------------------------------------------------
 

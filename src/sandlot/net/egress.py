@@ -45,14 +45,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from .. import pids
 from ..config import build_c, private_listener, spawn_unless_locked, try_flock
 from ..errors import HostSetupError
+from ..native import RELAY, prebuilt
 
 MODULE = "sandlot.net.egress"
 SWITCH = "SANDLOT_EGRESS_RELAY"
 HELPERS = ("sandlot.net.proxy", "sandlot.net.dns")
-RELAY_SOURCE = Path(__file__).with_name("fdrelay.c")
-RELAY_FLAGS = ["-std=gnu11", "-O2", "-Wall", "-Wextra"]
 MAX_MESSAGE = 16384  # the relay's limit too
 MAX_ACTIVE = 2048  # connections served at once; past it the relay runs the helper itself
 IDLE_EXIT = 60.0  # seconds without a connection, once no QEMU names the socket
@@ -86,23 +86,23 @@ _relays: dict[tuple[Path, Path], Relay | None] = {}
 
 
 def relay_for(home: Path, runtime: Path) -> Relay | None:
-    """The home's relay, built on first use; None where it cannot be built (no C
-    compiler) or ``SANDLOT_EGRESS_RELAY=0`` turns it off: the launcher then has QEMU
-    run a helper per connection."""
+    """The home's relay (the wheel's prebuilt one, or built on first use); None where
+    there is none and no C compiler to build it, or ``SANDLOT_EGRESS_RELAY=0`` turns it
+    off: the launcher then has QEMU run a helper per connection."""
     if os.environ.get(SWITCH) == "0":
         return None
     key = (home, runtime)
     if key not in _relays:
+        binary = prebuilt(RELAY)
         cc = shutil.which("gcc") or shutil.which("cc")
+        if binary is None and cc is not None:
+            with contextlib.suppress(HostSetupError, OSError):
+                binary, _ = build_c(home / "relay" / "host", RELAY.name, RELAY.sources(), [cc], RELAY.flags)
         relay = None
-        if cc is not None:
-            try:
-                binary, _ = build_c(home / "relay" / "host", "sandlot-fdrelay", [RELAY_SOURCE], [cc],
-                                    RELAY_FLAGS)  # fmt: skip
+        if binary is not None:
+            with contextlib.suppress(HostSetupError, OSError):
                 sock = egress_socket(runtime, home)
                 relay = Relay(binary, sock, sock.with_suffix(".lock"))
-            except (HostSetupError, OSError):
-                relay = None
         _relays[key] = relay
     return _relays[key]
 
@@ -229,13 +229,8 @@ class Server:
 def _named_by_a_process(path: Path) -> bool:
     """Whether a live process other than this one names ``path`` on its command line
     (a QEMU whose relays come here)."""
-    needle, me = str(path).encode(), str(os.getpid())
-    for entry in os.scandir("/proc"):
-        if entry.name.isdigit() and entry.name != me:
-            with contextlib.suppress(OSError), open(f"/proc/{entry.name}/cmdline", "rb") as f:
-                if needle in f.read():
-                    return True
-    return False
+    needle = str(path)
+    return any(needle in arg for process in pids.processes() for arg in process.argv)
 
 
 def main(argv: list[str]) -> int:
