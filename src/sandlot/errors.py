@@ -33,10 +33,12 @@ Catch ``SandlotError`` for all of them, or a branch for what you care about::
     ├── QuotaExceeded                          over a key's quota; has .limit, .value
     ├── NoCapacity                             no fleet node has room for the box (in time)
     ├── RequestError                           a server refused a request as malformed
+    ├── PortUnreachable                        nothing answers on the box's port (a preview URL)
     └── GuestError                             the guest refused an operation
         └── GuestOSError (also OSError)        with .errno, and per-errno subclasses:
             GuestFileNotFoundError, GuestFileExistsError, GuestIsADirectoryError,
-            GuestNotADirectoryError, GuestPermissionError, GuestDirectoryNotEmpty
+            GuestNotADirectoryError, GuestPermissionError, GuestDirectoryNotEmpty,
+            GuestConnectionRefusedError (nothing listens on the port: ``box.connect``)
 
 Every error carries a stable ``code`` (a string that never changes between
 releases), the ``box`` it concerns and that box's ``state`` where known, and the

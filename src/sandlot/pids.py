@@ -3,7 +3,11 @@ recorded pid that was reused by something else is never mistaken for ours."""
 
 from __future__ import annotations
 
+import contextlib
+import os
+from collections.abc import Iterator
 from pathlib import Path
+from typing import NamedTuple
 
 
 def start_time(pid: int | None) -> str | None:
@@ -32,7 +36,58 @@ def cmdline(pid: int) -> list[str]:
 
 
 def me() -> tuple[int, str]:
-    import os
-
     pid = os.getpid()
     return pid, start_time(pid) or ""
+
+
+def age(start: str) -> float | None:
+    """Seconds since a process started, from its start time (``start_time``); None if unknown."""
+    try:
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+        return uptime - int(start) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def children(pid: int) -> list[int]:
+    """The child processes of ``pid`` (none if it is gone), whichever of its threads
+    started them (a Go program forks from any)."""
+    out = []
+    try:
+        for task in os.scandir(f"/proc/{pid}/task"):
+            with contextlib.suppress(OSError, ValueError):
+                out += [int(c) for c in Path(task.path, "children").read_text().split()]
+    except OSError:
+        pass
+    return out
+
+
+class Process(NamedTuple):
+    """A live process: its pid, its start time (``start_time``) and its command line."""
+
+    pid: int
+    start: str
+    argv: list[str]
+
+
+def processes() -> Iterator[Process]:
+    """The live processes this one may take for its own, each with its command line:
+    this user's, in this mount namespace (a path on the command line of a process in
+    another one, a container's, names another file), other than this process."""
+    uid, me = os.getuid(), os.getpid()
+    try:
+        ns = os.readlink("/proc/self/ns/mnt")
+    except OSError:
+        return
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit() or int(entry.name) == me:
+            continue
+        pid = int(entry.name)
+        try:
+            if entry.stat().st_uid != uid or os.readlink(f"/proc/{pid}/ns/mnt") != ns:
+                continue
+        except OSError:  # gone meanwhile, or not ours to look into
+            continue
+        argv, start = cmdline(pid), start_time(pid)
+        if start is not None and any(argv):  # a kernel thread has no command line
+            yield Process(pid, start, argv)

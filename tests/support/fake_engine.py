@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from sandlot import engine as engines
+from sandlot import pids
 from sandlot.engine.base import (
     VM,
     Boot,
@@ -50,6 +51,10 @@ from sandlot.protocol import wire
 from sandlot.protocol.wire import ControlOp, ExecFlag, Fields, FsFlag, FsOp, T, Tag, WriteFlag
 
 _pids = itertools.count(3_000_000_000)  # never a real pid
+# The command line of a host process that stands for a fake VM (``FakeEngine.vm_of``), for
+# the tests that hand the core the processes it looks at (``process_of``): fake VMs are
+# objects here.
+FAKE_VM_PROCESS = "sandlot-fake-vm"
 
 
 class FakeVM(VM):
@@ -486,6 +491,12 @@ class FakeEngine(Engine):
         if ref is not None and ref.pid in self.vms:
             self.vms[ref.pid].die(None)
 
+    def vm_of(self, process: pids.Process) -> tuple[VMRef, Path] | None:
+        argv = process.argv
+        if len(argv) != 2 or argv[0] != FAKE_VM_PROCESS:
+            return None
+        return VMRef(process.pid, process.start), Path(argv[1])
+
     def abort_save(self, ref: VMRef, where: Placement, *, resume: bool) -> None:
         vm = self.vms.get(ref.pid)
         if vm is not None and resume:
@@ -519,6 +530,12 @@ class FakeEngine(Engine):
 
 def register() -> None:
     engines.register("fake", FakeEngine)
+
+
+def process_of(vm: VM) -> pids.Process:
+    """The host process a fake VM would be (``FakeEngine.vm_of`` knows it)."""
+    assert isinstance(vm, FakeVM)
+    return pids.Process(vm.ref.pid, vm.ref.start, [FAKE_VM_PROCESS, str(vm.where.state_dir)])
 
 
 def fake_rootfs(where: Path) -> Path:

@@ -20,14 +20,14 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 
 from ..errors import SandlotError
-from .common import age, app, err, fail
+from .common import Sandlot, age, app, err, fail
 
 if TYPE_CHECKING:
     from rich.console import Console
 
     from ..api.access import ApiKey, AuditEntry
 
-keys_app = typer.Typer(help="API keys of `sandlot serve`: create, ls, revoke.", no_args_is_help=True)
+keys_app = Sandlot(help="API keys of `sandlot serve`: create, ls, revoke.", no_args_is_help=True)
 app.add_typer(keys_app, name="keys")
 
 UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}

@@ -17,14 +17,21 @@ from rich.console import Console
 from rich.table import Table
 
 from ..api.box import AsyncBox
+from ..engine import auto as engine_choice
 from ..errors import InvalidArgument, SandlotError
 from ..net.secrets import Secret
-from .common import app, busy, fail, for_each_box, human, run_coro
+from .common import QuietOpt, app, busy, fail, for_each_box, human, run_coro
 from .quick import env_pairs, exec_attached, exec_in, filters, run_ls
 
 # Options stop at the first positional argument, as in Docker: what follows the
 # image (or the box) is the command, flags included.
-COMMAND = {"allow_extra_args": True, "ignore_unknown_options": True, "allow_interspersed_args": False}
+COMMAND = {"allow_interspersed_args": False}
+
+
+def _after_dashes(words: list[str]) -> list[str]:
+    """The command after IMAGE or BOX: a ``--`` between them is dropped (``sandlot exec
+    BOX -- ls -l``); click takes one only before the first positional argument."""
+    return words[1:] if words[:1] == ["--"] else words
 
 
 def _secrets(items: list[str] | None) -> list[Secret] | None:
@@ -58,7 +65,7 @@ def _labels(items: list[str] | None) -> dict[str, str]:
 def _box_options(
     image_or_rootfs: tuple[str | None, Path | None], name: str | None, env: list[str] | None,
     volume: list[str] | None, label: list[str] | None, cpus: int, memory: int, disk: int, workdir: str | None,
-    user: str | None, rm: bool, pull: str, insecure: bool, accel: str,
+    user: str | None, rm: bool, pull: str, insecure: bool, accel: str, engine: str | None,
     net: tuple[str | None, list[str] | None, list[str] | None, list[str] | None] = (None, None, None, None),
 ) -> dict[str, Any]:  # fmt: skip
     image, rootfs = image_or_rootfs
@@ -68,10 +75,27 @@ def _box_options(
         "image": image, "rootfs": rootfs, "name": name, "env": env_pairs(env), "volumes": volume or None,
         "labels": _labels(label), "cpus": cpus, "memory_mib": memory, "disk_size_gb": disk,
         "workdir": workdir, "user": user, "auto_remove": rm, "pull": pull, "insecure": insecure,
-        "accel": accel, "keep": True,
+        "accel": accel, "engine": engine, "keep": True,
     }  # fmt: skip
 
 
+def _engine(value: str | None) -> str | None:
+    """``--engine``: a usage error now, not a failure once the image is pulled."""
+    if value is not None:
+        try:
+            engine_choice.requested(value)
+        except InvalidArgument as exc:
+            raise typer.BadParameter(str(exc)) from None
+    return value
+
+
+def _engines(incomplete: str) -> list[str]:
+    return [e for e in engine_choice.choices() if e.startswith(incomplete)]
+
+
+ImageArg = Annotated[
+    str | None, typer.Argument(metavar="IMAGE", help="Image reference, e.g. python:3.12-slim (or --rootfs).")
+]
 NameOpt = Annotated[str | None, typer.Option("--name", help="Name of the box (unique).")]
 EnvOpt = Annotated[
     list[str] | None, typer.Option("--env", "-e", help="KEY=VALUE (or KEY: take it from here).")
@@ -103,6 +127,15 @@ SecretOpt = Annotated[
         "only on HTTPS to those hosts; the box never holds it.",
     ),
 ]
+EngineOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--engine", callback=_engine, autocompletion=_engines,
+        help="qemu (a microVM), gvisor (a user-space kernel, runsc) or auto (the best one this host runs); "
+        "default: $SANDLOT_ENGINE, else qemu.",
+    ),
+]  # fmt: skip
+AccelOpt = Annotated[str, typer.Option(help="QEMU's accelerator: auto, kvm or tcg.")]
 PublishOpt = Annotated[
     list[str] | None,
     typer.Option("--publish", "-p", help="[ADDRESS:]HOST:GUEST, or GUEST: a guest TCP port on the host."),
@@ -111,7 +144,10 @@ PublishOpt = Annotated[
 
 @app.command(context_settings=COMMAND)
 def run(
-    ctx: typer.Context,
+    image: ImageArg = None,
+    cmd: Annotated[
+        list[str] | None, typer.Argument(help="The command and its arguments (default: the image's).")
+    ] = None,
     name: NameOpt = None,
     rm: Annotated[bool, typer.Option("--rm", help="Remove the box when the command ends.")] = False,
     detach: Annotated[
@@ -132,11 +168,13 @@ def run(
     insecure: Annotated[bool, typer.Option(help="Allow plain HTTP to the registry.")] = False,
     rootfs: RootfsOpt = None,
     timeout: Annotated[float | None, typer.Option(help="Kill the command after this many seconds.")] = None,
-    accel: Annotated[str, typer.Option(help="auto, kvm or tcg.")] = "auto",
+    engine: EngineOpt = None,
+    accel: AccelOpt = "auto",
     network: NetOpt = None,
     allow: AllowOpt = None,
     publish: PublishOpt = None,
     secret: SecretOpt = None,
+    quiet: QuietOpt = False,
 ) -> None:
     """Create and start a box from IMAGE (or --rootfs), run a command in it.
 
@@ -152,18 +190,14 @@ def run(
 
     Exits with the command's status.
     """
-    args = list(ctx.args)
-    if args and args[0] == "--":
-        args = args[1:]
-    image = None
-    if rootfs is None:
-        if not args:
-            raise fail("give an IMAGE, or --rootfs DIR: sandlot run IMAGE [CMD...]", 2)
-        image, args = args[0], args[1:]
-        if args and args[0] == "--":
-            args = args[1:]
-    elif not args and not detach:
-        raise fail("no command given: sandlot run --rootfs DIR -- CMD [ARGS...]", 2)
+    args = _after_dashes(cmd or [])
+    if rootfs is not None:  # no image: the first word is the command's
+        args = [image, *args] if image is not None else []
+        image = None
+        if not args and not detach:
+            raise fail("no command given: sandlot run --rootfs DIR -- CMD [ARGS...]", 2)
+    elif image is None:
+        raise fail("give an IMAGE, or --rootfs DIR: sandlot run IMAGE [CMD...]", 2)
     opts = _box_options(
         (image, rootfs),
         name,
@@ -179,13 +213,14 @@ def run(
         pull,
         insecure,
         accel,
+        engine,
         (network, allow, publish, secret),
     )
 
     async def main() -> int:
         box = AsyncBox(**opts)
         with busy(f"starting a box of {image or rootfs} (an image is pulled if missing; its first boot "
-                  "is saved as its template)"):  # fmt: skip
+                  "is saved as its template)", quiet=quiet):  # fmt: skip
             await box.start()
         argv = None
         try:
@@ -217,7 +252,7 @@ def run(
 
 @app.command()
 def create(
-    image: Annotated[str | None, typer.Argument(help="Image reference (or use --rootfs).")] = None,
+    image: ImageArg = None,
     name: NameOpt = None,
     env: EnvOpt = None,
     volume: VolOpt = None,
@@ -230,11 +265,13 @@ def create(
     pull: PullOpt = "missing",
     insecure: Annotated[bool, typer.Option(help="Allow plain HTTP to the registry.")] = False,
     rootfs: RootfsOpt = None,
-    accel: Annotated[str, typer.Option(help="auto, kvm or tcg.")] = "auto",
+    engine: EngineOpt = None,
+    accel: AccelOpt = "auto",
     network: NetOpt = None,
     allow: AllowOpt = None,
     publish: PublishOpt = None,
     secret: SecretOpt = None,
+    quiet: QuietOpt = False,
 ) -> None:
     """Create a box (image pulled, disk made) without starting it; print its name."""
     opts = _box_options(
@@ -252,18 +289,19 @@ def create(
         pull,
         insecure,
         accel,
+        engine,
         (network, allow, publish, secret),
     )
 
     async def main() -> None:
-        with busy(f"creating a box of {image or rootfs} (an image is pulled if missing)"):
+        with busy(f"creating a box of {image or rootfs} (an image is pulled if missing)", quiet=quiet):
             box = await AsyncBox.create(**opts)
         print(box.name)
 
     run_coro(main())
 
 
-BoxesArg = Annotated[list[str], typer.Argument(help="Box names or ids.")]
+BoxesArg = Annotated[list[str], typer.Argument(metavar="BOX...", help="Box names or ids.")]
 
 
 @app.command()
@@ -325,7 +363,9 @@ def ls(
 
 @app.command("exec", context_settings=COMMAND)
 def exec_cmd(
-    ctx: typer.Context,
+    box: Annotated[str, typer.Argument(help="A running box: its name or id.")],
+    cmd: Annotated[str, typer.Argument(help="The command (a program in the box's PATH, or a path).")],
+    args: Annotated[list[str] | None, typer.Argument(help="Its arguments.")] = None,
     interactive: Annotated[bool, typer.Option("--interactive", "-i", help="Forward stdin.")] = False,
     tty_mode: Annotated[bool, typer.Option("--tty", "-t", help="Give the command a terminal.")] = False,
     env: EnvOpt = None,
@@ -334,14 +374,10 @@ def exec_cmd(
     timeout: Annotated[float | None, typer.Option(help="Kill the command after this many seconds.")] = None,
 ) -> None:
     """Run a command in a running box: sandlot exec [-it] BOX CMD [ARGS...]"""
-    args = list(ctx.args)
-    if len(args) < 2:
-        raise fail("usage: sandlot exec [-i] [-t] BOX CMD [ARGS...]", 2)
-    key, argv = args[0], args[1:]
-    if argv and argv[0] == "--":
-        argv = argv[1:]
-
-    coro = exec_in(key, argv, interactive=interactive, tty_mode=tty_mode, env=env_pairs(env) or None,
+    argv = _after_dashes([cmd, *(args or [])])
+    if not argv:
+        raise fail("no command given: sandlot exec BOX CMD [ARGS...]", 2)
+    coro = exec_in(box, argv, interactive=interactive, tty_mode=tty_mode, env=env_pairs(env) or None,
                    workdir=workdir, user=user, timeout=timeout)  # fmt: skip
     raise typer.Exit(run_coro(coro) or 0)
 
@@ -488,7 +524,8 @@ def inspect(boxes: BoxesArg) -> None:
 @app.command()
 def stats(
     boxes: Annotated[
-        list[str] | None, typer.Argument(help="Box names or ids (default: running boxes).")
+        list[str] | None,
+        typer.Argument(metavar="[BOX]...", help="Box names or ids (default: running boxes)."),
     ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
 ) -> None:

@@ -17,13 +17,13 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 
 from ..errors import SandlotError
-from .common import age, app, fail
+from .common import Sandlot, age, app, fail
 
 if TYPE_CHECKING:
     from ..fleet import Fleet
 
-fleet_app = typer.Typer(help="Boxes over the nodes of a Ray cluster: join, nodes, ls, migrate.",
-                        no_args_is_help=True)  # fmt: skip
+fleet_app = Sandlot(help="Boxes over the nodes of a Ray cluster: join, nodes, ls, migrate.",
+                    no_args_is_help=True)  # fmt: skip
 app.add_typer(fleet_app, name="fleet")
 
 Address = Annotated[

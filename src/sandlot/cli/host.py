@@ -16,11 +16,23 @@ from .common import app, fail
 
 
 @app.command()
-def doctor(as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False) -> None:
-    """Check QEMU, the accelerator (and why), the guest kernel, the agent, gVisor (runsc) and free disk."""
+def doctor(
+    as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
+    kill_orphans: Annotated[
+        bool, typer.Option("--kill-orphans", help="End the VMs that no home owns (listed under 'orphans').")
+    ] = False,
+) -> None:
+    """Check QEMU, the accelerator (and why), the guest kernel, the agent, gVisor (runsc) and
+    free disk; list the VMs of this user that no home owns (its home removed, or no row of
+    its home's names it)."""
+    from ..core import orphans
     from ..core.runtime import Runtime
 
-    report = Runtime.for_home().doctor()
+    rt = Runtime.for_home()
+    report = rt.doctor()
+    orphaned = orphans.find(rt)
+    ended = {o.box.ref for o in orphans.end(orphaned, rt)} if kill_orphans else set()
+    report["orphans"] = [{**o.to_json(), "ended": o.box.ref in ended} for o in orphaned]
     if as_json:
         print(json.dumps(report, indent=2))
         return
@@ -66,6 +78,18 @@ def doctor(as_json: Annotated[bool, typer.Option("--json", help="Machine-readabl
               "(engine= of the box, else $SANDLOT_ENGINE, else qemu)")  # fmt: skip
     out.print(f"disk free    {report.get('disk_free_gib')} GiB under {report['home']}")
     out.print(f"sockets      {report.get('runtime_dir')}")
+    if not orphaned:
+        out.print(f"orphans      {ok}  none (VMs that no home owns)")
+    else:
+        out.print(f"orphans      [yellow]{len(orphaned)} VM(s) that no home owns[/]")
+        for o in orphaned:
+            rss = f"{o.rss_bytes / (1 << 20):.0f} MiB" if o.rss_bytes is not None else "? MiB"
+            state = "  [green]ended[/]" if o.box.ref in ended else ""
+            vm = f"pid {o.box.ref.pid}  {o.box.engine}  {rss}"
+            out.print(f"             {vm}  {o.box.home}: {o.why}{state}")
+        if not kill_orphans:
+            listed = " ".join(str(o.box.ref.pid) for o in orphaned)
+            out.print(f"             end them: sandlot doctor --kill-orphans (or kill {listed})")
     if "error" in report:
         out.print(f"[red]problem[/]      {report['error']}")
         raise typer.Exit(1)

@@ -12,7 +12,7 @@ import typer
 from rich.console import Console
 
 from ..errors import SandlotError
-from .common import app, busy, fail, human, on_terminal
+from .common import QuietOpt, Sandlot, app, busy, fail, human, on_terminal
 
 
 def progress_display() -> tuple[Any, Callable[[Any], None]]:
@@ -42,7 +42,7 @@ def pull_cmd(
     ],
     insecure: Annotated[bool, typer.Option(help="Allow plain HTTP to this registry.")] = False,
     ca_cert: Annotated[Path | None, typer.Option(help="Trust this CA certificate for the registry.")] = None,
-    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress display.")] = False,
+    quiet: QuietOpt = False,
 ) -> None:
     """Pull an image (its x86_64 variant) and prepare its disk."""
     from ..api.images import pull
@@ -59,7 +59,8 @@ def pull_cmd(
     print(f"{img.name} {img.digest}")
 
 
-images_app = typer.Typer(help="List images (default) or prune unused ones.", no_args_is_help=False)
+images_app = Sandlot(help="List images (default) or prune unused ones.", no_args_is_help=False,
+                     subcommand_metavar="[prune]")  # fmt: skip
 app.add_typer(images_app, name="images")
 
 
@@ -123,6 +124,7 @@ def load(
         Path, typer.Argument(help="docker save / OCI archive (.tar, .tar.gz) or OCI layout directory")
     ],
     name: Annotated[str | None, typer.Option("--name", "-n", help="Name the loaded image.")] = None,
+    quiet: QuietOpt = False,
 ) -> None:
     """Load images from an archive or an OCI layout directory."""
     from ..api.images import load_image
@@ -130,7 +132,7 @@ def load(
 
     try:
         wanted = str(Reference.parse(name)) if name else None
-        with busy(f"loading {path}"):
+        with busy(f"loading {path}", quiet=quiet):
             loaded = load_image(path, name)
         for img in loaded:
             # the name this load gave (an image known already keeps its older names too)
@@ -145,12 +147,13 @@ def import_cmd(
     directory: Annotated[Path, typer.Argument(help="Root filesystem directory.")],
     name: Annotated[str, typer.Argument(help="NAME:TAG for the new image.")],
     cmd: Annotated[str | None, typer.Option(help="Default command (a shell line).")] = None,
+    quiet: QuietOpt = False,
 ) -> None:
     """Make an image from a directory."""
     from ..api.images import import_image
 
     try:
-        with busy(f"making {name} from {directory}"):
+        with busy(f"making {name} from {directory}", quiet=quiet):
             img = import_image(directory, name, cmd=["/bin/sh", "-c", cmd] if cmd else None)
     except SandlotError as exc:
         raise fail(exc) from exc

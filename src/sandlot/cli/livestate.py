@@ -26,21 +26,29 @@ from rich.table import Table
 from ..api.box import AsyncBox, AsyncSnapshot
 from ..api.templates import import_snapshot_async, prune_snapshots_async, template_async
 from .boxes import BoxesArg
-from .common import age, app, busy, fail, for_each_box, human, run_coro
+from .common import QuietOpt, age, app, busy, fail, for_each_box, human, run_coro
 
 
 @app.command()
 def snapshot(
     args: Annotated[
-        list[str], typer.Argument(help="BOX [NAME] | rm SNAP... | export SNAP FILE | import FILE")
+        list[str],
+        typer.Argument(
+            metavar="BOX [NAME] | ACTION ARGS...",
+            help="A box to save (and the snapshot's name), or rm, prune, export or import and theirs.",
+        ),
     ],
     name: Annotated[str | None, typer.Option("--name", help="import: the new box's name.")] = None,
     templates: Annotated[bool, typer.Option("--templates", help="prune: named templates too.")] = False,
+    quiet: QuietOpt = False,
 ) -> None:
     """Save a running box's memory, processes and disk (it goes on running).
 
-    sandlot snapshot BOX [NAME]; snapshot rm SNAP...; snapshot prune [--templates];
-    snapshot export SNAP FILE; snapshot import FILE [--name N]
+    sandlot snapshot BOX [NAME]              save a running box (it goes on running)
+    sandlot snapshot rm SNAP...              refused while boxes started from one exist
+    sandlot snapshot prune [--templates]     those of removed boxes no box was started from
+    sandlot snapshot export SNAP FILE        one file for another machine
+    sandlot snapshot import FILE [--name N]  start the box it holds here
     """
     if args[0] == "prune":
         if len(args) != 1:
@@ -70,7 +78,7 @@ def snapshot(
 
         async def export() -> None:
             t = time.monotonic()
-            with busy(f"exporting {args[1]} to {args[2]}"):
+            with busy(f"exporting {args[1]} to {args[2]}", quiet=quiet):
                 path = await (await AsyncSnapshot.get(args[1])).export(args[2])
             print(f"{path} ({human(path.stat().st_size)}, {time.monotonic() - t:.1f}s)")
 
@@ -81,7 +89,7 @@ def snapshot(
             raise fail("snapshot import needs FILE", 2)
 
         async def import_() -> None:
-            with busy(f"importing {args[1]}"):
+            with busy(f"importing {args[1]}", quiet=quiet):
                 box = await import_snapshot_async(args[1], name=name)
             print(box.name)
 
@@ -183,11 +191,12 @@ def template(
     pool: Annotated[
         int, typer.Option("--pool", min=0, help="VMs of it to keep ready (filled in the background).")
     ] = 0,
+    quiet: QuietOpt = False,
 ) -> None:
     """Boot an image, run setup commands, and save it as a template (Box(template=NAME))."""
 
     async def main() -> None:
-        with busy(f"building the template {name} from {image}"):
+        with busy(f"building the template {name} from {image}", quiet=quiet):
             snap = await template_async(
                 image, setup=setup or [], code=code or [], name=name, memory_mib=memory, pool=pool
             )

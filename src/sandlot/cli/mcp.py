@@ -41,7 +41,7 @@ def limits(
         raise fail(e, 2) from None
 
 
-@app.command("mcp", rich_help_panel="Server")
+@app.command("mcp")
 def mcp_command(
     image: Annotated[
         str | None, typer.Option(help="The image create_box boots when a call names none.")

@@ -12,9 +12,9 @@ from typing import Annotated
 
 import typer
 
-from .common import app, fail, run_coro
+from .common import Sandlot, app, fail, run_coro
 
-pool_app = typer.Typer(help="Warm pools of templates: set, ls.", no_args_is_help=True)
+pool_app = Sandlot(help="Warm pools of templates: set, ls.", no_args_is_help=True)
 app.add_typer(pool_app, name="pool")
 
 

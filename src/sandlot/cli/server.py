@@ -28,7 +28,7 @@ def _loopback(host: str) -> bool:
             return False
 
 
-@app.command(rich_help_panel="Server")
+@app.command()
 def serve(
     host: Annotated[str, typer.Option(help="Address to listen on; a non-loopback one needs API keys.")] = (
         "127.0.0.1"

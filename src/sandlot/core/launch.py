@@ -34,7 +34,7 @@ from ..net.secrets import GUEST_BUNDLE, GUEST_CA, SYSTEM_BUNDLES, read_vault_jso
 from ..protocol import files as proto_files
 from ..protocol.connection import AgentConnection
 from ..protocol.wire import ControlOp, Fields, FsFlag, FsOp, T, Tag, tlv
-from . import snapshots
+from . import homewatch, snapshots
 from .admission import Admission, default_slots
 from .entry import BoxEntry
 from .runtime import Runtime
@@ -214,6 +214,11 @@ class Launcher:
             vm = await engine.launch(launch)
             entry.vm = vm
             await self._record_vm(entry, vm, boot, launch.boot)
+            if engine.host_processes:
+                # ends the VM should its home be removed (core.homewatch); after the VM
+                # exists, which a watcher that is letting go then still sees. From a worker
+                # thread, as a pool's refiller: the boot does not wait for a fork.
+                asyncio.get_running_loop().run_in_executor(None, homewatch.ensure, self.rt.home)
             crash_point(point)
             try:
                 await self._record_ports(entry, vm)

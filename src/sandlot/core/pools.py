@@ -17,7 +17,8 @@ template's id), hidden from listings:
   (threads, loops, processes) never take the same VM; the guest then resumes and
   says HELLO; the row ends ``running`` without the mark;
 * recovery (``core.recovery``): a marked row whose filler or claimer died before
-  it was done is discarded (its VM killed), and so is a ready one whose VM exited.
+  it was done is discarded (its VM killed), and so is a ready one whose VM exited;
+* a removed home: its watcher (``core.homewatch``) ends its VMs, pool VMs and all.
 
 The size of a template's pool is in its row (``options["pool"]``); whoever
 claims starts a detached refiller (``python -m sandlot.core.refill HOME TEMPLATE``,

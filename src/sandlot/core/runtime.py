@@ -35,6 +35,14 @@ if TYPE_CHECKING:
     from ..images.manager import ImageManager
 
 AGENT_PORTS = 8  # agent connections a box takes at once (one per process; see core.sessions)
+STORE_FILE = "sandlot.db"
+BOXES = "boxes"
+
+
+def store_path(home: Path) -> Path:
+    """A home's store (``core.store``): every home that ran a VM has one, so a home
+    without it is one that was removed (or moved away)."""
+    return home / STORE_FILE
 
 
 class Runtime:
@@ -81,7 +89,15 @@ class Runtime:
 
     @property
     def boxes_dir(self) -> Path:
-        return self.home / "boxes"
+        return self.home / BOXES
+
+    @staticmethod
+    def box_of(box_dir: Path) -> tuple[Path, str] | None:
+        """The home and the box id whose directory ``box_dir`` is (``box_dir``, read
+        backwards); None where it is no box's."""
+        if box_dir.parent.name != BOXES or not box_dir.name:
+            return None
+        return box_dir.parent.parent, box_dir.name
 
     @property
     def bases_dir(self) -> Path:
@@ -104,7 +120,7 @@ class Runtime:
         with self._lock:
             if self._store is not None:
                 return self._store
-            store = BoxStore(self.home / "sandlot.db")
+            store = BoxStore(store_path(self.home))
             self._sweep_orphan_dirs(store)
             with contextlib.suppress(OSError):
                 snapshots.sweep(self.home, store)

@@ -287,6 +287,22 @@ def _snap_row(r: sqlite3.Row) -> SnapshotRecord:
     return SnapshotRecord(**d)
 
 
+def recorded_vms(path: Path) -> dict[str, VMRef | None] | None:
+    """The VM each box of the store at ``path`` records (box id: its ``VMRef``), read
+    without opening the store as ``BoxStore`` does (which creates, migrates and sweeps):
+    another sandlot's home is only looked at. None where it cannot be read."""
+    try:
+        db = sqlite3.connect(f"{path.absolute().as_uri()}?mode=ro", uri=True, timeout=5.0)
+        try:
+            rows = db.execute("SELECT id, vm_pid, vm_start FROM boxes").fetchall()
+        finally:
+            db.close()
+    except sqlite3.Error:
+        return None
+    return {str(box): VMRef(int(pid), str(start)) if pid is not None and start else None
+            for box, pid, start in rows}  # fmt: skip
+
+
 class BoxStore:
     """Blocking access to ``sandlot.db``; async code goes through ``AsyncStore``."""
 

@@ -244,6 +244,9 @@ class Engine(ABC):
     # saving a running state ends the VM process, which a restore then replaces (runsc
     # checkpoint): recovery knows a VM gone mid-save is no crash of it
     save_ends_vm: ClassVar[bool] = False
+    # its VMs are host processes that ``vm_of`` knows by their command lines, so a process
+    # other than their launcher finds them (a home's watcher, ``sandlot doctor``)
+    host_processes: ClassVar[bool] = False
 
     def refuse(self, request: BootRequest) -> None:
         """Raise ``InvalidArgument`` for what this engine cannot run, at all or on this
@@ -276,6 +279,13 @@ class Engine(ABC):
     @abstractmethod
     def kill_now(self, ref: VMRef | None, box_id: str) -> None:
         """SIGKILL the VM if ``ref`` still names it. Blocking, loop-free."""
+
+    def vm_of(self, process: pids.Process) -> tuple[VMRef, Path] | None:
+        """The VM a host process of this mount namespace stands for (the process its
+        ``VMRef`` names, or the one that runs it there), and the ``Placement.state_dir`` it
+        was launched with, from the process's command line; None where it stands for
+        none of this engine's VMs (each VM is found once). Blocking."""
+        return None
 
     def forget(self, where: Placement) -> None:  # noqa: B027 (a hook most engines need not fill)
         """Remove what a VM that is gone (or that no row names) left on the host: an

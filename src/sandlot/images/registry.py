@@ -172,9 +172,7 @@ class RegistryClient:
             self._basic = True
             return
         if scheme != "bearer" or "realm" not in params:
-            raise ImageError(
-                f"registry {self.label} asks for unsupported authentication {challenge!r}"
-            )
+            raise ImageError(f"registry {self.label} asks for unsupported authentication {challenge!r}")
         query = {"service": params.get("service", ""), "scope": f"repository:{self.ref.repository}:pull"}
         auth = None
         if self._creds and self._creds.identity_token:
@@ -189,9 +187,7 @@ class RegistryClient:
                 auth = httpx.BasicAuth(self._creds.username, self._creds.password)
             resp = await self._client.get(params["realm"], params=query, auth=auth)
         if resp.status_code in (401, 403):
-            raise ImageError(
-                f"registry {self.label} refused the credentials for {self.ref.repository}"
-            )
+            raise ImageError(f"registry {self.label} refused the credentials for {self.ref.repository}")
         if resp.status_code != 200:
             raise ImageError(f"token request to {params['realm']} failed with HTTP {resp.status_code}")
         try:

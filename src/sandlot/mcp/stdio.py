@@ -1,6 +1,6 @@
 """``sandlot mcp``: the tools over stdio, for an MCP client that starts the server
 itself (Claude Desktop, Claude Code, an IDE). Its boxes are ordinary boxes of the
-home, labeled ``sandlot.mcp=stdio`` (``sandlot ls --label sandlot.mcp=stdio``)."""
+home, labeled ``sandlot.mcp=stdio`` (``sandlot ls -a -f label=sandlot.mcp=stdio``)."""
 
 from __future__ import annotations
 

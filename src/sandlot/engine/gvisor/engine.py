@@ -24,6 +24,8 @@ from ...guest.agent import build_agent
 from ..base import Boot, BootRequest, Engine, LaunchSpec, Placement, SavedState, VMRef, VMStatus
 from . import limits, probe, runsc
 from .vm import (
+    RUNSC_LOG,
+    SANDBOX_PROCESS,
     STATUS,
     GvisorVM,
     SandboxConfig,
@@ -50,6 +52,7 @@ class GvisorEngine(Engine):
     disk_format: ClassVar[str] = "dir"
     live_state: ClassVar[bool] = True
     save_ends_vm: ClassVar[bool] = True  # runsc checkpoint ends the sandbox
+    host_processes: ClassVar[bool] = True
 
     def __init__(self, home: Path) -> None:
         self.home = home
@@ -146,6 +149,22 @@ class GvisorEngine(Engine):
         if ref is not None and self.alive(ref, box_id):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(ref.pid, signal.SIGKILL)
+
+    def vm_of(self, process: pids.Process) -> tuple[VMRef, Path] | None:
+        # Found through the runsc that runs the sandbox (``run`` or ``restore``, not an
+        # ``exec``): the sandbox process, which the box's VMRef names, is its child, in a
+        # mount namespace of its own (no process there is looked at, see ``pids.processes``)
+        argv = process.argv
+        if not argv or Path(argv[0]).name != "runsc" or not {"run", "restore"} & set(argv):
+            return None
+        log = next((Path(a.removeprefix("--log=")) for a in argv if a.startswith("--log=")), None)
+        if log is None or log.name != RUNSC_LOG:
+            return None
+        for child in pids.children(process.pid):
+            start = pids.start_time(child)
+            if start is not None and pids.cmdline(child)[:1] == [SANDBOX_PROCESS]:
+                return VMRef(child, start), log.parent
+        return None
 
     def abort_save(self, ref: VMRef, where: Placement, *, resume: bool) -> None:
         if resume:  # a save pauses the container first

@@ -57,6 +57,8 @@ MAX_LOWER = 400  # overlayfs takes 500 lower layers; each snapshot of a box adds
 START_TIMEOUT = 120.0  # a large saved state from a cold page cache takes a while
 MOUNT_DATA_MAX = 4096  # the kernel copies one page of mount options
 CONSOLE_DIR = "/.sandlot-console"  # the box's console directory on the host, bound read-write
+RUNSC_LOG = "runsc.log"  # in the state directory; every runsc command of the box names it
+SANDBOX_PROCESS = "runsc-sandbox"  # the sandbox's own process (its VMRef): argv[0] as runsc sets it
 _libc = ctypes.CDLL(None, use_errno=True)
 
 
@@ -98,7 +100,7 @@ class SandboxConfig:
 
     @property
     def runsc_log(self) -> Path:
-        return self.state_dir / "runsc.log"
+        return self.state_dir / RUNSC_LOG
 
     def flags(self) -> list[str]:
         return [runsc.runsc_binary(), *runsc.global_flags(self.platform, self.runsc_log)]

@@ -170,6 +170,10 @@ class VMConfig:
         return self.state_dir / "qemu.stderr"
 
 
+NAME_PREFIX = "sandlot-"  # of ``-name``: every VM sandlot starts
+CONSOLE_CHARDEV = "file,id=console,path="  # the console log's chardev, its path last
+
+
 def _q(value: object) -> str:
     """A value inside a QEMU option list: commas are doubled."""
     return str(value).replace(",", ",,")
@@ -207,6 +211,18 @@ def device_set_of(argv: list[str]) -> str | None:
     return "2" if "virtio-balloon-device" in devices else "1"
 
 
+def state_dir_of(argv: list[str]) -> Path | None:
+    """The state directory of a running QEMU, from its command line (the one its
+    console log is in); None: not a VM of sandlot's."""
+    named, console = False, None
+    for prev, arg in itertools.pairwise(argv):
+        if prev == "-name":
+            named = arg.startswith(NAME_PREFIX)
+        elif prev == "-chardev" and arg.startswith(CONSOLE_CHARDEV):
+            console = Path(arg.removeprefix(CONSOLE_CHARDEV).replace(",,", ","))
+    return console.parent if named and console is not None else None
+
+
 def build_command(cfg: VMConfig, binary: str) -> list[str]:
     append = KERNEL_ARGS
     tsc = host_tsc_khz()
@@ -235,14 +251,14 @@ def build_command(cfg: VMConfig, binary: str) -> list[str]:
         accel = ["-accel", f"tcg,tb-size={TCG_CODE_CACHE_MIB}", "-cpu", TCG_CPU]
     cmd = [
         binary,
-        "-name", f"sandlot-{cfg.hostname}",
+        "-name", f"{NAME_PREFIX}{cfg.hostname}",
         "-M", machine,
         *accel,
         "-smp", str(cfg.cpus),
         "-m", f"{cfg.memory_mib}M",
         *ram,
         "-nodefaults", "-no-user-config", "-nographic", "-no-reboot",
-        "-chardev", f"file,id=console,path={_q(cfg.console_log)}",
+        "-chardev", f"{CONSOLE_CHARDEV}{_q(cfg.console_log)}",
         "-serial", "chardev:console",
         "-device", f"{serial_device(cfg)},max_ports={cfg.ports + 1}",  # port 0 is reserved for consoles
     ]  # fmt: skip

@@ -39,6 +39,7 @@ from .command import (
     host_tsc_khz,
     qemu_binary,
     qemu_version,
+    state_dir_of,
 )
 from .monitor import qmp_sync
 from .vm import STATUS, QemuVM, flock
@@ -51,6 +52,7 @@ STATE_FILES = {"devices": "devices", "memory": "memory"}  # archive member -> fi
 
 class QemuEngine(Engine):
     name = "qemu"
+    host_processes = True
 
     def __init__(self, home: Path) -> None:
         self.home = home
@@ -157,6 +159,10 @@ class QemuEngine(Engine):
         if ref is not None and self.alive(ref, box_id):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(ref.pid, signal.SIGKILL)
+
+    def vm_of(self, process: pids.Process) -> tuple[VMRef, Path] | None:
+        state_dir = state_dir_of(process.argv)  # QEMU is the VM
+        return (VMRef(process.pid, process.start), state_dir) if state_dir is not None else None
 
     def abort_save(self, ref: VMRef, where: Placement, *, resume: bool) -> None:
         sock, lock = where.run_dir / "qmp.sock", where.state_dir / "qmp.lock"

@@ -1,0 +1,67 @@
+"""Every page of the README and docs/ runs as written (tests/support/docs.py says how
+a page marks what it needs): its Python and console blocks in order, on real boxes, in
+a fresh home. ``python:3.12-slim`` and the like come from a local registry standing in
+for Docker Hub; a block marked ``server`` talks to a real ``sandlot serve``."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from contextlib import ExitStack
+from pathlib import Path
+
+import pytest
+
+import sandlot
+
+from tests.support.docs import PAGES, REPO, blocks
+from tests.support.serve import serving
+
+pytestmark = pytest.mark.vm
+
+RUNNABLE = [p for p in PAGES if any("skip" not in b.marks for b in blocks(p))]
+
+
+def page_home(tmp: Path) -> Path:
+    """A fresh home that shares the tests' kernel, agent and initramfs caches."""
+    home = tmp / "home"
+    shared = sandlot.Runtime.for_home().home
+    sandlot.Runtime.for_home(shared).prepare()
+    home.mkdir()
+    for d in ("kernels", "agent", "initramfs"):
+        (home / d).symlink_to(shared / d)
+    return home
+
+
+@pytest.mark.timeout(1500)
+@pytest.mark.parametrize("page", RUNNABLE, ids=[p.name for p in RUNNABLE])
+def test_page_runs_as_written(
+    page: Path, tmp_path: Path, hub_mirror: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    home = page_home(tmp_path)
+    monkeypatch.setenv("SANDLOT_REGISTRY_MIRRORS", f"docker.io={hub_mirror}")  # a server started here too
+    work = tmp_path / "work"
+    work.mkdir()
+    env = {**os.environ, "SANDLOT_HOME": str(home), "PYTHONPATH": str(REPO)}
+    outcomes = []
+    with ExitStack() as stack:
+        if any("server" in b.marks for b in blocks(page)):
+            served = stack.enter_context(serving(home))
+            env |= {"SANDLOT_URL": served.url, "SANDLOT_API_KEY": served.api_key or ""}
+        try:
+            r = subprocess.run([sys.executable, "-m", "tests.support.docs", str(page)], env=env, cwd=work,
+                               capture_output=True, text=True, timeout=1400)  # fmt: skip
+            outcomes = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
+        finally:
+            for box in sandlot.list(all=True, home=home):  # what the page left behind
+                box.remove(force=True)
+    for o in outcomes:  # shown with -rP, or -s: what each block printed, and how long it took
+        print(f"--- {o['where']}: {o['result']} {o.get('seconds', '')} {o.get('why', '')}")
+        print(o.get("stdout", ""), end="")
+    failed = [o for o in outcomes if o["result"] == "failed"]
+    assert not failed, f"{failed[0]['where']} failed:\n{failed[0]['error']}\n{failed[0]['stdout']}"
+    assert r.returncode == 0, r.stderr[-3000:]
+    ran = {o["where"] for o in outcomes}
+    assert ran == {b.where for b in blocks(page)}, "the page stopped before its end"
