@@ -129,8 +129,29 @@ def blocks(page: Path) -> list[Block]:
 # -- checks without a VM ---------------------------------------------------------------
 
 
+def python(source: str, where: str) -> Any:
+    """Python code as a reader's session compiles it: top-level ``await`` allowed."""
+    return compile(source, where, "exec", flags=ast.PyCF_ALLOW_TOP_LEVEL_AWAIT, dont_inherit=True)
+
+
 def compiled(block: Block) -> Any:
-    return compile(block.code, block.where, "exec", flags=ast.PyCF_ALLOW_TOP_LEVEL_AWAIT, dont_inherit=True)
+    return python(block.code, block.where)
+
+
+def setup_problems(block: Block) -> list[str]:
+    """A ``setup`` marker's code that would not even start: Python that does not
+    compile, shell that bash cannot parse."""
+    code = block.marks.get("setup")
+    if code is None:
+        return []
+    if block.lang == "python":
+        try:
+            python(code, f"{block.where} (setup)")
+        except SyntaxError as exc:
+            return [f"setup: {exc}"]
+        return []
+    r = subprocess.run(["bash", "-n", "-c", code], capture_output=True, text=True, timeout=30)
+    return [f"setup: {r.stderr.strip()}"] if r.returncode else []
 
 
 def python_names(block: Block) -> list[str]:
@@ -210,16 +231,22 @@ def _cli() -> Any:
 
 
 def command_lines(cmd: str) -> Iterator[list[str]]:
-    """The ``sandlot ...`` commands of a shell line (pipes, ``;``, ``&&`` split it)."""
-    lex = shlex.shlex(cmd, posix=True, punctuation_chars=";&|")
+    """The ``sandlot ...`` commands of a shell line (pipes, ``;``, ``&&`` split it;
+    redirections are not arguments)."""
+    lex = shlex.shlex(cmd, posix=True, punctuation_chars=";&|<>")
     lex.whitespace_split = True
     lex.commenters = "#"
     words: list[str] = []
+    redirected = False  # the word after > or < is a file, not an argument
     for token in [*lex, ";"]:
-        if token and set(token) <= set(";&|"):
+        if token and set(token) <= set("<>"):
+            redirected = True
+        elif token and set(token) <= set(";&|"):
             if words and words[0] == "sandlot":
                 yield words[1:]
-            words = []
+            words, redirected = [], False
+        elif redirected:
+            redirected = False
         else:
             words.append(token)
 
@@ -249,36 +276,40 @@ def signature_problems(block: Block) -> list[str]:
     return []
 
 
+def parse_cli(argv: list[str]) -> None:
+    """Parse ``sandlot ARGV`` as the command line would, down to its command, running
+    nothing: a UsageError (typer's click) for an unknown command or option, a missing
+    argument, a bad value."""
+    command: Any = _cli()
+    ctx: Any = None
+    name, args = "sandlot", list(argv)
+    while True:
+        ctx = command.make_context(name, list(args), parent=ctx)
+        rest = [*ctx._protected_args, *ctx.args]  # a group's: its subcommand and what follows
+        if not hasattr(command, "resolve_command") or not rest:
+            return
+        name, command, args = command.resolve_command(ctx, rest)
+
+
 def cli_problems(block: Block) -> list[str]:
     """Each ``sandlot`` command of a console block, parsed by the real command line."""
-    import click
+    from typer._click.exceptions import UsageError
 
-    root = _cli()
     problems = []
-    for cmd, _ in block.commands():
+    for cmd, shown in block.commands():
+        # a line shown to exit 2 is an example of a usage error: it must be one
+        expect_error = any(line.strip() == "exit 2" for line in shown)
         for args in command_lines(cmd):
-            ctx = root.make_context("sandlot", [], resilient_parsing=True)
-            command: Any = root
-            rest = list(args)
-            path = ["sandlot"]
-            while isinstance(command, click.Group) and rest and not rest[0].startswith("-"):
-                sub = command.get_command(ctx, rest[0])
-                if sub is None:
-                    problems.append(f"`{cmd}`: no command {' '.join([*path, rest[0]])!r}")
-                    break
-                path.append(rest.pop(0))
-                command = sub
-                if isinstance(command, click.Group):
-                    ctx = command.make_context(path[-1], [], parent=ctx, resilient_parsing=True)
-            else:
-                if "--help" in rest or "-h" in rest:
-                    continue
-                try:
-                    command.make_context(path[-1], rest, parent=ctx)
-                except click.UsageError as exc:
+            if "--help" in args or "-h" in args:
+                continue
+            try:
+                parse_cli(args)
+            except UsageError as exc:
+                if not expect_error:
                     problems.append(f"`{cmd}`: {exc.format_message()}")
-                except click.exceptions.Exit:
-                    pass
+            else:
+                if expect_error:
+                    problems.append(f"`{cmd}`: shown as a usage error (exit 2), yet it parses")
     return problems
 
 
@@ -298,11 +329,9 @@ def _python(block: Block, namespace: dict[str, Any], loop: asyncio.AbstractEvent
     """Run a Python block (its ``setup`` first) in the page's namespace. Top-level
     ``await`` (in the block or its setup) runs on the page's one event loop, as in an
     asyncio REPL, so an ``AsyncBox`` made by one block serves the next."""
-    code = served(block, block.code)
-    flags = ast.PyCF_ALLOW_TOP_LEVEL_AWAIT
     parts = [(block.marks["setup"], f"{block.where} (setup)")] if "setup" in block.marks else []
-    for source, where in [*parts, (code, block.where)]:
-        obj = compile(source, where, "exec", flags=flags, dont_inherit=True)
+    for source, where in [*parts, (served(block, block.code), block.where)]:
+        obj = python(source, where)
         if obj.co_flags & inspect.CO_COROUTINE:
             loop.run_until_complete(eval(obj, namespace))
         else:

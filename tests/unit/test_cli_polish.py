@@ -30,6 +30,7 @@ from sandlot.cli.common import app
 from sandlot.errors import SandlotError
 
 from tests.support.docs import REPO, blocks, command_lines
+from tests.support.docs import parse_cli as parse
 
 for _module in MODULES:  # every command registered, as `sandlot --help` has them
     importlib.import_module(f"sandlot.cli.{_module}")
@@ -439,21 +440,6 @@ def examples() -> list[list[str]]:
     docs tests read them (run or not), up to a redirection."""
     found = [args for block in blocks(DOCS) for cmd, _ in block.commands() for args in command_lines(cmd)]
     return [list(itertools.takewhile(lambda word: word not in (">", ">>", "<"), args)) for args in found]
-
-
-def parse(argv: list[str]) -> None:
-    """Parse ``sandlot ARGV`` as typer would, down to its command, running nothing:
-    UsageError for an unknown command or option, a missing argument, a bad value."""
-    command = ROOT
-    ctx: Context | None = None
-    name, args = "sandlot", argv
-    while True:
-        ctx = command.make_context(name, list(args), parent=ctx)
-        if not isinstance(command, TyperGroup) or not ctx._protected_args:
-            return
-        found, sub, args = command.resolve_command(ctx, [*ctx._protected_args, *ctx.args])
-        assert found is not None and sub is not None
-        name, command = found, sub
 
 
 def test_the_docs_examples_are_commands_sandlot_takes() -> None:

@@ -17,6 +17,7 @@ from tests.support.docs import (
     cli_problems,
     compiled,
     python_names,
+    setup_problems,
     signature_problems,
 )
 
@@ -28,6 +29,7 @@ KNOWN_MARKS = {"skip", "setup", "server", "any-output", "signature"}
 def test_block_matches_the_code(block: Block) -> None:
     assert set(block.marks) <= KNOWN_MARKS, f"unknown docs-test marker in {block.marks}"
     assert "skip" not in block.marks or block.marks["skip"], "a skipped block says why"
+    assert setup_problems(block) == []
     if "signature" in block.marks:
         assert signature_problems(block) == []
     elif block.lang == "python":
@@ -55,3 +57,21 @@ def test_relative_links_resolve(page) -> None:  # type: ignore[no-untyped-def]
             continue
         path = (page.parent / target.split("#")[0]).resolve()
         assert path.exists(), f"{page.relative_to(REPO)} links to {target}, which is not there"
+
+
+def test_the_checks_catch_drift(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """The checks are not vacuous: the mistakes the docs once had are caught."""
+    page = tmp_path / "page.md"
+    page.write_text(
+        "```console\n$ sandlot ls --label team=a\n$ sandlot export dev out.sandlot > log\n"
+        "$ sandlot snapshot export dev x.sandlot --quiet\n$ sandlot ls -q; echo \"exit $?\"\nexit 2\n```\n\n"
+        "```python\nfrom sandlot import fleet\nfleet.recover(box)\nsandlot.Box('x', memory=1)\n```\n"
+    )
+    console, python = blocks(page)
+    problems = cli_problems(console)
+    assert len(problems) == 3, problems
+    assert "--label" in problems[0] and "export" in problems[1] and "parses" in problems[2]
+    assert python_names(python) == [
+        "fleet.recover: sandlot.fleet has no 'recover'",
+        "sandlot.Box(): no keyword argument 'memory'",
+    ]
