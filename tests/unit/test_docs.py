@@ -64,7 +64,7 @@ def test_the_checks_catch_drift(tmp_path) -> None:  # type: ignore[no-untyped-de
     page = tmp_path / "page.md"
     page.write_text(
         "```console\n$ sandlot ls --label team=a\n$ sandlot export dev out.sandlot > log\n"
-        "$ sandlot snapshot export dev x.sandlot --quiet\n$ sandlot ls -q; echo \"exit $?\"\nexit 2\n```\n\n"
+        '$ sandlot snapshot export dev x.sandlot --quiet\n$ sandlot ls -q; echo "exit $?"\nexit 2\n```\n\n'
         "```python\nfrom sandlot import fleet\nfleet.recover(box)\nsandlot.Box('x', memory=1)\n```\n"
     )
     console, python = blocks(page)
