@@ -38,16 +38,14 @@ class HostPackage:
 
 PACKAGES: tuple[HostPackage, ...] = (
     HostPackage("qemu-system-x86", ("qemu-system-x86_64",), "running boxes", True, "SANDLOT_QEMU"),
-    HostPackage("qemu-utils", ("qemu-img",), "box disks (qcow2 overlays)", True),
-    HostPackage("e2fsprogs", ("mkfs.ext4", "debugfs"), "image disks (ext4)", True),
+    HostPackage("qemu-utils", ("qemu-img",), "qcow2 box disks", True),
+    HostPackage("e2fsprogs", ("mkfs.ext4", "debugfs"), "ext4 image disks", True),
     HostPackage("zstd", ("zstd",), "the distro kernel's zstd modules", True),
     HostPackage("lz4", ("lz4",), "lz4-compressed kernels", True),
-    HostPackage("runsc", ("runsc",), "the gVisor engine (engine='gvisor', as root)", False, "SANDLOT_RUNSC"),
+    HostPackage("runsc", ("runsc",), "the gVisor engine, as root", False, "SANDLOT_RUNSC"),
     HostPackage("mmdebstrap", ("mmdebstrap",), "sandlot rootfs debian", False),
     HostPackage("busybox-static", ("busybox",), "sandlot rootfs busybox", False),
-    HostPackage(
-        "musl-tools", ("musl-gcc",), "building the agent from source (SANDLOT_BUILD_NATIVE=1)", False
-    ),
+    HostPackage("musl-tools", ("musl-gcc",), "building the agent from source", False),
 )
 
 
