@@ -88,8 +88,8 @@ def serve(
     if not _loopback(host) and not live_keys:
         raise fail(f"refusing to listen on {host} without API keys: create one with `sandlot keys create`", 2)
     if not no_auth and not live_keys:
-        err.print("sandlot serve: no API keys exist yet; every request but /health gets 401 until "
-                  "`sandlot keys create --name NAME` makes one")  # fmt: skip
+        err.print("sandlot serve: no API keys exist yet; every API request gets 401 (/health, the docs "
+                  "and preview URLs excepted) until `sandlot keys create --name NAME` makes one")  # fmt: skip
     mcp_limits = limits(mcp_max_boxes, mcp_max_memory_mib, mcp_max_cpus, mcp_allow_image, mcp_max_timeout)
     scheme = "https" if tls_cert else "http"
     err.print(f"sandlot serve: {scheme}://{host}:{port} (docs at /docs)")
