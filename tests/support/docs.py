@@ -31,6 +31,7 @@ from __future__ import annotations
 import ast
 import asyncio
 import contextlib
+import functools
 import importlib
 import inspect
 import io
@@ -220,6 +221,7 @@ def python_names(block: Block) -> list[str]:
     return sorted(set(problems))
 
 
+@functools.cache  # the whole command tree, built once per process
 def _cli() -> Any:
     import typer
 
