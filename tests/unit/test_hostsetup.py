@@ -86,3 +86,15 @@ def test_a_wheels_prebuilt_agent_is_used_and_a_stale_one_is_not(
     with open(package / native.AGENT.folder / "main.c", "a") as f:  # sources changed: stale binary
         f.write("\n/* changed */\n")
     assert build_agent(tmp_path / "home").compiler != "prebuilt"
+
+
+def test_doctor_reports_the_host_packages(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from sandlot.core.runtime import Runtime
+
+    rt = Runtime(tmp_path / "home")
+    for name in ("qemu", "gvisor"):  # each engine's own report is tested beside it
+        monkeypatch.setattr(rt.engine(name), "doctor", lambda: {})
+    monkeypatch.setattr(rt, "auto_engine", lambda: None)
+    qemu, runsc = hostsetup.PACKAGES[0], hostsetup.PACKAGES[5]
+    monkeypatch.setattr(hostsetup, "missing", lambda optional=False: [qemu, runsc] if optional else [qemu])
+    assert rt.doctor()["host_packages"] == {"missing": ["qemu-system-x86"], "optional_missing": ["runsc"]}

@@ -76,6 +76,14 @@ def doctor(
         out.print(f"engine auto  [bold]{auto.get('engine')}[/]  {auto.get('why', '')}")
     out.print(f"engine       {report.get('default_engine')} for boxes that name none "
               "(engine= of the box, else $SANDLOT_ENGINE, else qemu)")  # fmt: skip
+    packages = report.get("host_packages") or {}
+    if packages.get("missing"):
+        out.print(
+            f"packages     [red]missing[/]  {' '.join(packages['missing'])}: sandlot setup installs them"
+        )
+    else:
+        optional = " ".join(packages.get("optional_missing", [])) or "none"
+        out.print(f"packages     {ok}  every one boxes need; optional ones not installed: {optional}")
     out.print(f"disk free    {report.get('disk_free_gib')} GiB under {report['home']}")
     out.print(f"sockets      {report.get('runtime_dir')}")
     if not orphaned:

@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from .. import hostsetup
 from ..config import default_home, runtime_dir
 from ..engine import engine_for, names
 from ..engine.auto import EngineChoice
@@ -218,6 +219,10 @@ class Runtime:
                     report[other] = self.engine(other).doctor()
                 except Exception as exc:  # a registered engine that cannot even say: report it
                     report[other] = {"engine": other, "usable": False, "why": f"{type(exc).__name__}: {exc}"}
+        report["host_packages"] = {  # what `sandlot setup` would install
+            "missing": [p.name for p in hostsetup.missing()],
+            "optional_missing": [p.name for p in hostsetup.missing(optional=True) if not p.required],
+        }
         self.home.mkdir(parents=True, exist_ok=True)
         usage = shutil.disk_usage(self.home)
         report["disk_free_gib"] = round(usage.free / (1 << 30), 1)
