@@ -54,8 +54,10 @@ def test_page_runs_as_written(
             r = subprocess.run([sys.executable, "-m", "tests.support.docs", str(page)], env=env, cwd=work,
                                capture_output=True, text=True, timeout=1400)  # fmt: skip
             outcomes = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
-        finally:
-            for box in sandlot.list(all=True, home=home):  # what the page left behind
+        finally:  # what the page left behind, should it have stopped half way
+            for pool in sandlot.pools(home=home):
+                sandlot.set_pool(pool.template_id, 0, wait=True, home=home)
+            for box in sandlot.list(all=True, home=home):
                 box.remove(force=True)
     for o in outcomes:  # shown with -rP, or -s: what each block printed, and how long it took
         print(f"--- {o['where']}: {o['result']} {o.get('seconds', '')} {o.get('why', '')}")
