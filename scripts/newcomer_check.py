@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import subprocess
 import sys
 import tempfile
@@ -31,6 +30,7 @@ sys.path.insert(0, str(REPO))
 
 import sandlot  # noqa: E402
 
+from tests.support.docs import blocks  # noqa: E402
 from tests.support.images import python_layout  # noqa: E402
 from tests.support.registry import run_registry  # noqa: E402
 from tests.support.roots import CACHE, debian_root  # noqa: E402
@@ -53,8 +53,7 @@ def main() -> None:
     subprocess.run([sys.executable, "-m", "build", "--wheel", "--outdir", str(work / "dist"), str(REPO)],
                    check=True, capture_output=True)  # fmt: skip
     wheel = sorted((work / "dist").glob("*.whl"))[-1]
-    quick_start = re.search(r"```python\n(.*?)```", (REPO / "README.md").read_text(), re.S)
-    assert quick_start, "the README has no Python example"
+    quick_start = next(b.code for b in blocks(REPO / "README.md") if b.lang == "python")  # the three lines
     times: dict[str, float] = {}
     with run_registry(work / "registry") as reg:
         reg.push(python_layout(CACHE, debian_root()), "test/python:3", "library/python:3.12-slim")
@@ -62,7 +61,7 @@ def main() -> None:
         with sandlot.Box(rootfs=str(root), network="open", memory_mib=3072, cpus=2, disk_size_gb=10,
                          boot_timeout=120) as box:  # fmt: skip
             box.files.write(f"/root/{wheel.name}", wheel.read_bytes())
-            box.files.write("/root/quickstart.py", quick_start.group(1))
+            box.files.write("/root/quickstart.py", quick_start)
             for path in HOST_NETWORK_FILES:
                 if Path(path).exists():
                     box.files.write(path, Path(path).read_bytes())

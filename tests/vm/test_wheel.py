@@ -22,18 +22,16 @@ import pytest
 
 import sandlot
 
+from tests.support.docs import REPO, blocks
+
 pytestmark = pytest.mark.vm
 
-REPO = Path(__file__).resolve().parents[2]
 WHEELHOUSE = REPO / ".cache" / "wheelhouse"
 
 
 def readme_quick_start() -> str:
     """The README's first Python example: the three lines."""
-    text = (REPO / "README.md").read_text()
-    m = re.search(r"```python\n(.*?)```", text, re.S)
-    assert m, "the README has no Python example"
-    return m.group(1)
+    return next(b.code for b in blocks(REPO / "README.md") if b.lang == "python")
 
 
 def test_wheel_installs_anywhere_and_runs_the_readme(tmp_path: Path, hub_mirror: str) -> None:

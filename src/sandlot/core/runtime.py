@@ -219,9 +219,10 @@ class Runtime:
                     report[other] = self.engine(other).doctor()
                 except Exception as exc:  # a registered engine that cannot even say: report it
                     report[other] = {"engine": other, "usable": False, "why": f"{type(exc).__name__}: {exc}"}
-        report["host_packages"] = {  # what `sandlot setup` would install
-            "missing": [p.name for p in hostsetup.missing()],
-            "optional_missing": [p.name for p in hostsetup.missing(optional=True) if not p.required],
+        absent = hostsetup.missing(optional=True)  # what `sandlot setup` would install
+        report["host_packages"] = {
+            "missing": [p.name for p in absent if p.required],
+            "optional_missing": [p.name for p in absent if not p.required],
         }
         self.home.mkdir(parents=True, exist_ok=True)
         usage = shutil.disk_usage(self.home)

@@ -94,8 +94,7 @@ def relay_for(home: Path, runtime: Path) -> Relay | None:
     key = (home, runtime)
     if key not in _relays:
         binary = prebuilt(RELAY)
-        cc = shutil.which("gcc") or shutil.which("cc")
-        if binary is None and cc is not None:
+        if binary is None and (cc := shutil.which("gcc") or shutil.which("cc")) is not None:
             with contextlib.suppress(HostSetupError, OSError):
                 binary, _ = build_c(home / "relay" / "host", RELAY.name, RELAY.sources(), [cc], RELAY.flags)
         relay = None
