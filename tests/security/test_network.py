@@ -28,6 +28,7 @@ import sandlot
 from sandlot.config import default_home, runtime_dir
 from sandlot.net.egress import egress_socket
 
+from tests.conftest import TEST_ENGINE
 from tests.support.servers import LocalServer, QuietHandler
 
 pytestmark = pytest.mark.vm
@@ -204,17 +205,24 @@ def egress_log(box: sandlot.Box) -> list[dict[str, object]]:
     return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
 
 
+def interfaces(box: sandlot.Box) -> list[str]:
+    """The box's network interfaces, as its programs see them (on either engine)."""
+    r = box.exec("python3", "-c", "import socket; print(*sorted(n for _, n in socket.if_nameindex()))")
+    assert r.returncode == 0, r.stderr
+    return r.stdout.split()
+
+
 def test_no_network_card_by_default(debian_root: Path) -> None:
-    with sandlot.Box(rootfs=debian_root, memory_mib=256) as box:
-        assert box.exec("ls", "/sys/class/net").stdout.split() == ["lo"]
+    with sandlot.Box(rootfs=debian_root, engine=TEST_ENGINE, memory_mib=256) as box:
+        assert interfaces(box) == ["lo"]
         assert box.inspect()["network"] == {"mode": "none", "allow": [], "ports": []}
     with pytest.raises(sandlot.InvalidArgument, match="network card"):
-        sandlot.Box(rootfs=debian_root, ports=[8080])
+        sandlot.Box(rootfs=debian_root, engine=TEST_ENGINE, ports=[8080])
 
 
 def test_public_mode_never_reaches_the_hosts_loopback(debian_root: Path, service: HostService) -> None:
     before = len(service.hits)
-    with sandlot.Box(rootfs=debian_root, memory_mib=256, network="public") as box:
+    with sandlot.Box(rootfs=debian_root, engine=TEST_ENGINE, memory_mib=256, network="public") as box:
         p = service.port
         out = probe(
             box,
@@ -243,7 +251,9 @@ def test_allowlist_lets_through_only_what_is_listed(
     debian_root: Path, service: HostService, tls_service: HostService, test_ca: Path
 ) -> None:
     allow = [f"127.0.0.1:{service.port}", "localhost", f"127.0.0.1:{tls_service.port}"]
-    with sandlot.Box(rootfs=debian_root, memory_mib=256, network="allowlist", allow=allow) as box:
+    with sandlot.Box(
+        rootfs=debian_root, engine=TEST_ENGINE, memory_mib=256, network="allowlist", allow=allow
+    ) as box:
         other = HostService()  # a service the box was not given
         try:
             out = probe(
@@ -290,7 +300,9 @@ def test_allowlist_lets_through_only_what_is_listed(
 
 def test_dns_answers_allowed_names_only_and_never_with_a_private_address(debian_root: Path) -> None:
     # localhost is listed, but not the address it resolves to
-    with sandlot.Box(rootfs=debian_root, memory_mib=256, network="allowlist", allow=["localhost"]) as box:
+    with sandlot.Box(
+        rootfs=debian_root, engine=TEST_ENGINE, memory_mib=256, network="allowlist", allow=["localhost"]
+    ) as box:
         box.files.write("/etc/hosts", b"")  # names are asked of DNS, whatever the image has
         assert ask_dns(box, ("A", "localhost"))[("A", "localhost")][0] == "NXDOMAIN"
         reason = str(egress_log(box)[-1]["reason"])
@@ -363,7 +375,7 @@ else:
 
 
 def test_policy_changes_apply_to_a_running_box(debian_root: Path, service: HostService) -> None:
-    with sandlot.Box(rootfs=debian_root, memory_mib=256, network="allowlist") as box:
+    with sandlot.Box(rootfs=debian_root, engine=TEST_ENGINE, memory_mib=256, network="allowlist") as box:
         target = ("proxy", f"127.0.0.1:{service.port}")
         assert probe(box, target)[target] == "refused:403"  # an empty allowlist lets nothing out
         box.set_network(allow=[f"127.0.0.1:{service.port}"])
@@ -380,7 +392,8 @@ def test_policy_changes_apply_to_a_running_box(debian_root: Path, service: HostS
 def test_guest_connections_go_through_the_homes_egress_server_and_survive_its_death(
     debian_root: Path, service: HostService
 ) -> None:
-    """QEMU runs the relay per connection and the home's egress server serves it; with
+    """The engine (QEMU, or a gVisor box's forwarder) runs the relay per connection and
+    the home's egress server serves it; with
     the server killed (-9) connections still work, each in a helper of its own, and
     the next box's start brings a server back."""
     sock = egress_socket(runtime_dir(), default_home())
@@ -391,8 +404,10 @@ def test_guest_connections_go_through_the_homes_egress_server_and_survive_its_de
 
     allow = [f"127.0.0.1:{service.port}"]
     target = ("proxy", f"127.0.0.1:{service.port}")
-    with sandlot.Box(rootfs=debian_root, memory_mib=256, network="allowlist", allow=allow) as box:
-        cmdline = Path(f"/proc/{box.inspect()['vm_pid']}/cmdline").read_bytes()
+    with sandlot.Box(
+        rootfs=debian_root, engine=TEST_ENGINE, memory_mib=256, network="allowlist", allow=allow
+    ) as box:
+        cmdline = network_process(box)
         assert b"sandlot-fdrelay" in cmdline and str(sock).encode() in cmdline
         assert probe(box, target)[target] == "host-only-data"
         [server] = servers()
@@ -403,14 +418,26 @@ def test_guest_connections_go_through_the_homes_egress_server_and_survive_its_de
             time.sleep(0.05)
         assert probe(box, target)[target] == "host-only-data"  # a helper of its own served it
         assert servers() == []  # nothing started one: a VM's start does
-        with sandlot.Box(rootfs=debian_root, memory_mib=256, network="allowlist", allow=allow) as other:
+        with sandlot.Box(
+            rootfs=debian_root, engine=TEST_ENGINE, memory_mib=256, network="allowlist", allow=allow
+        ) as other:
             assert probe(other, target)[target] == "host-only-data"
         assert len(servers()) == 1
         assert probe(box, target)[target] == "host-only-data"
 
 
+def network_process(box: sandlot.Box) -> bytes:
+    """The command line of the process that runs the box's guest connections: QEMU's,
+    or the forwarder of a gVisor box (``sandlot.net.forwarder``)."""
+    if TEST_ENGINE == "qemu":
+        return Path(f"/proc/{box.inspect()['vm_pid']}/cmdline").read_bytes()
+    state = Path(box.inspect()["paths"]["dir"])
+    pid = next(state.rglob("forwarder.pid")).read_text().split()[0]
+    return Path(f"/proc/{pid}/cmdline").read_bytes()
+
+
 def test_open_mode_reaches_the_host_as_documented(debian_root: Path, service: HostService) -> None:
-    with sandlot.Box(rootfs=debian_root, memory_mib=256, network="open") as box:
+    with sandlot.Box(rootfs=debian_root, engine=TEST_ENGINE, memory_mib=256, network="open") as box:
         target = ("direct", f"10.0.2.2:{service.port}")
         assert probe(box, target)[target] == "connected"
         assert box.exec("sh", "-c", "echo ${HTTPS_PROXY:-unset}").stdout.strip() == "unset"
@@ -418,7 +445,9 @@ def test_open_mode_reaches_the_host_as_documented(debian_root: Path, service: Ho
 
 
 def test_published_ports_are_on_the_hosts_loopback_and_survive_a_rollback(debian_root: Path) -> None:
-    with sandlot.Box(rootfs=debian_root, memory_mib=256, network="allowlist", ports=[(0, 8000)]) as box:
+    with sandlot.Box(
+        rootfs=debian_root, engine=TEST_ENGINE, memory_mib=256, network="allowlist", ports=[(0, 8000)]
+    ) as box:
         box.sh("cd /tmp && echo served-from-box > index.html")
         box.sh("cd /tmp && nohup python3 -m http.server 8000 >/dev/null 2>&1 &")
         box.exec("python3", "-c", WAIT_FOR_8000)
@@ -433,7 +462,7 @@ def test_published_ports_are_on_the_hosts_loopback_and_survive_a_rollback(debian
         kid = snap.start()[0]  # a child has the card and the policy, not the parent's host ports
         try:
             assert kid.inspect()["network"] == {"mode": "allowlist", "allow": [], "ports": []}
-            assert "eth0" in kid.exec("ls", "/sys/class/net").stdout
+            assert "eth0" in interfaces(kid)
         finally:
             kid.remove(force=True)
         snap_rm = sandlot.get_snapshot(snap.id)
@@ -447,8 +476,8 @@ def test_cli_publishes_ports_and_changes_the_policy(debian_root: Path) -> None:
 
     name = f"web-{os.urandom(3).hex()}"
     r = cli("run", "-d", "--name", name, "-p", "8000", "--network", "allowlist", "--allow", "pypi.org",
-            "--rootfs", str(debian_root), "-m", "256", "--", "python3", "-m", "http.server",
-            "8000")  # fmt: skip
+            "--engine", TEST_ENGINE, "--rootfs", str(debian_root), "-m", "256", "--", "python3", "-m",
+            "http.server", "8000")  # fmt: skip
     assert r.returncode == 0 and r.stdout.strip() == name, r.stderr
     try:
         box = sandlot.get(name)
@@ -461,7 +490,9 @@ def test_cli_publishes_ports_and_changes_the_policy(debian_root: Path) -> None:
         assert r.returncode == 0 and json.loads(r.stdout)["allow"] == ["*.pythonhosted.org:443"], r.stderr
         r = cli("network", name, "--network", "none")
         assert r.returncode == 125 and "stop() it first" in r.stderr
-        r = cli("run", "--rm", "--rootfs", str(debian_root), "-p", "8000", "--", "true")
+        r = cli(
+            "run", "--rm", "--engine", TEST_ENGINE, "--rootfs", str(debian_root), "-p", "8000", "--", "true"
+        )
         assert r.returncode == 125 and "network card" in r.stderr
     finally:
         sandlot.get(name).remove(force=True)
@@ -516,13 +547,14 @@ def test_a_box_reaches_only_the_ports_of_other_boxes_its_policy_names(debian_roo
     web, other = f"web-{tag}", f"other-{tag}"
     ns = {"sandlot.namespace": f"team-{tag}"}
     # the service box has no network card: its ports are reached through its agent, on its loopback
-    server = sandlot.Box(rootfs=debian_root, memory_mib=256, name=web, labels=ns)
-    client = sandlot.Box(rootfs=debian_root, memory_mib=256, name=f"client-{tag}", labels=ns,
+    server = sandlot.Box(rootfs=debian_root, engine=TEST_ENGINE, memory_mib=256, name=web, labels=ns)
+    client = sandlot.Box(rootfs=debian_root, engine=TEST_ENGINE, memory_mib=256, name=f"client-{tag}",
+                         labels=ns,
                          allow=[f"box:{web}:8000", f"box:{web}:7000", f"box:{other}:8000"])  # fmt: skip
     # a box of another namespace may name the same port: it is refused
     elsewhere = {"sandlot.namespace": f"else-{tag}"}
-    stranger = sandlot.Box(rootfs=debian_root, memory_mib=256, name=f"stranger-{tag}", labels=elsewhere,
-                           allow=[f"box:{web}:8000"])  # fmt: skip
+    stranger = sandlot.Box(rootfs=debian_root, engine=TEST_ENGINE, memory_mib=256, name=f"stranger-{tag}",
+                           labels=elsewhere, allow=[f"box:{web}:8000"])  # fmt: skip
     try:
         server.start()
         server.sh("cd /tmp && echo served-from-box > index.html")
@@ -531,7 +563,7 @@ def test_a_box_reaches_only_the_ports_of_other_boxes_its_policy_names(debian_roo
         server.spawn("python3", "-c", BANNER)
         server.exec("python3", "-c", WAIT_FOR_8000)
         client.start()
-        assert "eth0" not in server.exec("ls", "/sys/class/net").stdout
+        assert "eth0" not in interfaces(server)
         host = f"{web}.box.internal"
         out = box_probe(
             client,

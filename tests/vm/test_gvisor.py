@@ -8,14 +8,18 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
 
 import sandlot
+
+from tests.security.test_network import WAIT_FOR_8000
 
 pytestmark = pytest.mark.vm  # runsc comes with scripts/setup; boxes run as root here
 
@@ -212,10 +216,8 @@ def test_a_saved_state_of_the_other_engine_is_refused(busybox_root: Path) -> Non
         snap.remove()
 
 
-def test_network_and_volumes_are_refused_clearly(busybox_root: Path, tmp_path: Path) -> None:
+def test_volumes_are_refused_clearly(busybox_root: Path, tmp_path: Path) -> None:
     before = {b.id for b in sandlot.list()}
-    with pytest.raises(sandlot.InvalidArgument, match=r"gvisor.*without a network"):
-        sandlot.Box(rootfs=busybox_root, engine="gvisor", network="open").start()
     with pytest.raises(sandlot.InvalidArgument, match=r"gvisor.*volumes"):
         sandlot.Box(rootfs=busybox_root, engine="gvisor", volumes={str(tmp_path): "/mnt"}).start()
     assert {b.id for b in sandlot.list()} == before  # refused before a box was made for them
@@ -248,3 +250,88 @@ def test_kill9_of_the_owner_then_reattach(busybox_root: Path) -> None:
             child.kill()
         with contextlib.suppress(sandlot.BoxNotFound):
             sandlot.get(name).remove(force=True)
+
+
+# In the box: one connection to the egress proxy left open and idle (as a program
+# waiting on a long poll would hold one), whose end it records in /tmp/conn.txt
+HOLD_A_CONNECTION = r"""
+import socket
+s = socket.create_connection(("10.0.2.100", 3128), timeout=30)
+open("/tmp/conn.txt", "w").write("open\n")
+s.settimeout(None)
+try:
+    s.recv(1)
+    end = "closed"
+except OSError as exc:
+    end = type(exc).__name__
+open("/tmp/conn.txt", "a").write(end + "\n")
+"""
+
+# In the box: a connection the box closes first (its side would wait in TIME_WAIT)
+CLOSE_FIRST = r"""
+import socket
+s = socket.create_connection(("10.0.2.100", 3128), timeout=30)
+s.close()
+"""
+
+
+def fetch(port: int) -> bytes:
+    return urllib.request.urlopen(f"http://127.0.0.1:{port}/", timeout=20).read()
+
+
+SERVE_8000 = "cd /tmp && echo served-from-box > index.html && exec python3 -m http.server 8000"
+
+
+def test_live_state_of_a_box_with_a_network_and_connections(debian_root: Path) -> None:
+    """A snapshot, rollback, fork and suspend of a gVisor box with a network card, with a
+    server listening in it, a connection open and connections just closed on either
+    side: the save resets what is connected (the box's programs see ECONNRESET), leaves
+    nothing in TIME_WAIT, and every state restores; each child has its own namespace."""
+    box = sandlot.Box(
+        rootfs=debian_root, engine="gvisor", memory_mib=256, network="allowlist", ports=[(0, 8000)]
+    )
+    with box:
+        cid = f"sandlot-{box.id}"
+        assert Path(f"/run/netns/{cid}").exists()
+        box.spawn("sh", "-c", SERVE_8000)
+        box.exec("python3", "-c", WAIT_FOR_8000)
+        _, port = box.port(8000)
+        for _ in range(3):  # the box's server closes first (HTTP/1.0)
+            assert fetch(port) == b"served-from-box\n"
+        box.exec("python3", "-c", CLOSE_FIRST)
+        box.spawn("python3", "-c", HOLD_A_CONNECTION)
+        idle = socket.create_connection(("127.0.0.1", port))  # a host client's, left open
+        for _ in range(100):
+            if box.files.exists("/tmp/conn.txt"):
+                break
+            time.sleep(0.05)
+        snap = box.snapshot("with-connections")
+        assert idle.recv(1) == b""  # the host's side was reset, or closed
+        for _ in range(100):
+            if box.files.read_text("/tmp/conn.txt").count("\n") == 2:
+                break
+            time.sleep(0.05)
+        assert box.files.read_text("/tmp/conn.txt").split() == ["open", "ConnectionResetError"]
+        _, port = box.port(8000)
+        assert fetch(port) == b"served-from-box\n"
+        box.rollback(snap)
+        _, port = box.port(8000)
+        assert fetch(port) == b"served-from-box\n"
+        kid = box.fork()[0]
+        try:
+            assert Path(f"/run/netns/sandlot-{kid.id}").exists()
+            assert kid.inspect()["network"]["mode"] == "allowlist"
+            r = kid.exec(
+                "python3", "-c", "import socket; socket.create_connection(('10.0.2.100', 3128), 10).close()"
+            )
+            assert r.returncode == 0, r.stderr  # its own proxy, in its own namespace
+        finally:
+            kid.remove(force=True)
+        assert not Path(f"/run/netns/sandlot-{kid.id}").exists()
+        box.suspend()
+        assert not Path(f"/run/netns/{cid}").exists() or box.state == "suspended"
+        box.resume()
+        _, port = box.port(8000)
+        assert fetch(port) == b"served-from-box\n"
+        snap.remove()
+    assert not Path(f"/run/netns/{cid}").exists()

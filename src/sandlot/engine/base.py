@@ -30,6 +30,7 @@ from typing import Any, ClassVar
 
 from .. import pids
 from ..errors import BootError, SavedStateError
+from ..net.addresses import DNS_PORT, PROXY_ADDRESS, PROXY_PORT
 from . import hostcgroup
 
 Connector = Callable[[], Awaitable[tuple[asyncio.StreamReader, asyncio.StreamWriter]]]
@@ -98,6 +99,18 @@ class NetSpec:
     forwards: tuple[tuple[str, int, int], ...] = ()  # host address, host port, guest port
     transparent_ports: tuple[int, ...] = ()
     guest_forwards: tuple[tuple[str, int, str], ...] = ()  # guest address, guest port, command
+
+    def helpers(self) -> list[tuple[str, int, str]]:
+        """(guest address, port, command) of each helper the guest's connections reach:
+        what an engine routes, each connection to its own run of the command."""
+        out = []
+        if self.proxy_command:
+            out.append((PROXY_ADDRESS, PROXY_PORT, self.proxy_command))
+            out += [(PROXY_ADDRESS, port, f"{self.proxy_command} --transparent {port}")
+                    for port in self.transparent_ports]  # fmt: skip
+        if self.dns_command:
+            out.append((PROXY_ADDRESS, DNS_PORT, self.dns_command))
+        return [*out, *self.guest_forwards]
 
     @property
     def dns_relay(self) -> bool:

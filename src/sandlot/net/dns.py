@@ -58,6 +58,7 @@ from .policy import (
     read_policy,
     resolve,
 )
+from .relay import guest_connection
 
 ANSWER_ADDRESS = PROXY_ADDRESS
 TTL = 10  # seconds: the policy can change (the agent's relay keeps an answer this long)
@@ -264,7 +265,7 @@ def _valid(argv: list[str]) -> bool:
 def handle_connection(conn: socket.socket, argv: list[str]) -> None:
     """Serve one guest connection as ``main`` with ``argv`` would (the egress server
     runs this in a thread of its own); the connection is closed at the end."""
-    with conn, contextlib.suppress(OSError):  # a broken connection just ends it
+    with guest_connection(conn), contextlib.suppress(OSError):  # a broken connection just ends it
         if not _valid(argv):
             return
         info = LinkInfo.read(Path(argv[4])) if len(argv) == 5 else None

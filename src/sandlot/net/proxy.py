@@ -44,7 +44,7 @@ from .policy import (
     split_host_port,
     valid_host,
 )
-from .relay import send_error, splice
+from .relay import guest_connection, send_error, splice
 
 if TYPE_CHECKING:
     from .secrets import Vault
@@ -432,7 +432,7 @@ def handle_connection(guest: socket.socket, argv: list[str]) -> None:
         return
     log: list[dict[str, object]] = []
     try:
-        with guest:
+        with guest_connection(guest):
             if args.box is not None:
                 serve_box(guest, args, *args.box, log)
             elif args.transparent is not None:

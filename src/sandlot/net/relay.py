@@ -5,13 +5,67 @@ proxy (``proxy``) and the connections it decrypts to swap secrets in
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import select
 import socket
+import struct
+import time
+from collections.abc import Iterator
+
+TCP_CLOSE_WAIT = 8  # the peer has closed its side (Linux's tcp_states.h)
+SIOCOUTQ = 0x5411  # bytes not yet acknowledged by the peer
+DRAIN_SECONDS = 5.0
+
+
+def _peer_closed_first(sock: socket.socket) -> bool:
+    """Whether ``sock`` is TCP and its peer has closed its side (CLOSE_WAIT): then, once
+    what was sent is acknowledged, it is set to end with a reset."""
+    try:
+        if sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 1)[0] != TCP_CLOSE_WAIT:
+            return False
+        deadline = time.monotonic() + DRAIN_SECONDS
+        while time.monotonic() < deadline:
+            if struct.unpack("i", fcntl.ioctl(sock.fileno(), SIOCOUTQ, b"\0\0\0\0"))[0] == 0:
+                break
+            time.sleep(0.002)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    except OSError:
+        return False
+    return True
+
+
+def end_guest_output(sock: socket.socket) -> None:
+    """Nothing more to send to a guest: a FIN, unless the guest closed its side first;
+    then nothing now, and a reset when the connection is closed, so that the guest's
+    side ends at once instead of waiting in TIME_WAIT for a minute. A gVisor box's
+    netstack cannot save a state holding an endpoint in TIME_WAIT (and ends the
+    sandbox trying): see ``sandlot.engine.gvisor.network``. QEMU's connections are
+    not TCP sockets here: they are shut down as any other."""
+    if not _peer_closed_first(sock):
+        with contextlib.suppress(OSError):
+            sock.shutdown(socket.SHUT_WR)
+
+
+def close_guest(sock: socket.socket) -> None:
+    """Close a guest's connection (with a reset where the guest closed first: see
+    ``end_guest_output``)."""
+    _peer_closed_first(sock)
+    sock.close()
+
+
+@contextlib.contextmanager
+def guest_connection(sock: socket.socket) -> Iterator[socket.socket]:
+    """``with`` a guest's connection: closed by ``close_guest`` at the end."""
+    try:
+        yield sock
+    finally:
+        close_guest(sock)
 
 
 def splice(a: socket.socket, b: socket.socket) -> None:
     """Copy both ways until both sides have finished (TLS sockets too: what they
-    have decrypted already is not in the kernel's buffer, where select looks)."""
+    have decrypted already is not in the kernel's buffer, where select looks).
+    ``a`` is the guest's side (``end_guest_output``)."""
     retry: tuple[type[OSError], ...] = (BlockingIOError,)
     tls = [s for s in (a, b) if hasattr(s, "pending")]
     if tls:  # only decrypting connections import ssl: it costs every proxy process 10 ms
@@ -39,8 +93,11 @@ def splice(a: socket.socket, b: socket.socket) -> None:
                 peer[s].setblocking(False)
             else:
                 open_.discard(s)
-                with contextlib.suppress(OSError):
-                    peer[s].shutdown(socket.SHUT_WR)
+                if peer[s] is a:
+                    end_guest_output(a)
+                else:
+                    with contextlib.suppress(OSError):
+                        b.shutdown(socket.SHUT_WR)
 
 
 def send_error(sock: socket.socket, status: str, message: str, headers: str = "") -> None:

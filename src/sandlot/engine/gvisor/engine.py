@@ -11,6 +11,7 @@ templates and rollbacks each restore it over a new layer on the frozen one.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -19,10 +20,11 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from ... import pids
+from ...config import atomic_write
 from ...errors import HostSetupError, IncompatibleSnapshot, InvalidArgument, SavedStateError
 from ...guest.agent import build_agent
 from ..base import Boot, BootRequest, Engine, LaunchSpec, Placement, SavedState, VMRef, VMStatus
-from . import limits, probe, runsc
+from . import limits, network, probe, runsc
 from .vm import (
     RUNSC_LOG,
     SANDBOX_PROCESS,
@@ -60,10 +62,6 @@ class GvisorEngine(Engine):
     # -- boots -------------------------------------------------------------------------
 
     def refuse(self, request: BootRequest) -> None:
-        if request.network:
-            raise InvalidArgument(
-                "engine='gvisor' runs boxes without a network for now: use network='none' or engine='qemu'"
-            )
         if request.volumes:
             raise InvalidArgument("engine='gvisor' does not share host directories (volumes) yet")
         if request.kernel:
@@ -103,12 +101,16 @@ class GvisorEngine(Engine):
         )  # fmt: skip
 
     async def launch(self, spec: LaunchSpec) -> GvisorVM:
-        if spec.network is not None:
-            raise InvalidArgument("engine='gvisor' runs boxes without a network for now")
         boot = spec.boot
         if spec.saved is not None:  # the agent build the state was saved with, not today's
             boot = {**boot, "agent_dir": str(self._saved_agent(spec.saved.facts))}
         cfg = self._config(spec.where, boot, spec.disk, memory_mib=spec.memory_mib, cpus=spec.cpus)
+        if spec.network is not None:
+            cfg.net = network.forwarder_spec(spec.network)
+            cfg.net_file.parent.mkdir(parents=True, exist_ok=True)
+            atomic_write(cfg.net_file, json.dumps(cfg.net).encode(), mode=0o600)
+        else:
+            cfg.net_file.unlink(missing_ok=True)
         vm = GvisorVM(cfg)
         await vm.start(restore_from=spec.saved.directory if spec.saved is not None else None)
         return vm
@@ -124,7 +126,11 @@ class GvisorEngine(Engine):
         return path
 
     def attach(self, ref: VMRef, where: Placement, boot: dict[str, Any]) -> GvisorVM:
-        return GvisorVM.attach(self._config(where, boot, Path()), ref)
+        cfg = self._config(where, boot, Path())
+        if boot.get("network"):  # what its launcher asked for, for the restores this process runs
+            with contextlib.suppress(OSError, ValueError):
+                cfg.net = json.loads(cfg.net_file.read_text())
+        return GvisorVM.attach(cfg, ref)
 
     # -- recovery (no event loop) --------------------------------------------------------
 
@@ -253,6 +259,9 @@ class GvisorEngine(Engine):
         report["why"] = "; ".join(why) or (
             f"runsc {version} on its {platform} platform: a user-space kernel, not hardware isolation"
         )
-        report["network"] = "none only (no egress proxy on gvisor yet)"
+        report["network"] = (
+            "every mode: a network namespace per box, its card given to gVisor's netstack "
+            "(open mode needs iptables)"
+        )
         report["live_state"] = "snapshot, suspend, fork, templates, export: runsc checkpoint and restore"
         return report

@@ -55,9 +55,11 @@ def state_root() -> Path:
     return runtime_dir() / STATE_ROOT_NAME
 
 
-def global_flags(platform: str, log: Path | None = None) -> list[str]:
-    """Flags every runsc command of a container needs (they must agree across its commands)."""
-    flags = [f"--root={state_root()}", f"--platform={platform}", "--network=none"]
+def global_flags(platform: str, log: Path | None = None, *, network: bool = False) -> list[str]:
+    """Flags every runsc command of a container needs (they must agree across its commands).
+    ``network``: the sandbox's netstack takes the card of the box's namespace."""
+    net = "sandbox" if network else "none"
+    flags = [f"--root={state_root()}", f"--platform={platform}", f"--network={net}"]
     if log is not None:
         flags.append(f"--log={log}")
     return flags

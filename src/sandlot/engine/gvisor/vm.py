@@ -20,6 +20,8 @@ import json
 import os
 import signal
 import subprocess
+import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,7 +32,7 @@ from ...crashpoints import crash_point
 from ...errors import BootError, HostSetupError, SavedStateError
 from .. import hostcgroup
 from ..base import VM, Connector, VMRef, VMStatus
-from . import limits, runsc
+from . import limits, network, runsc
 
 AGENT_DIR = "/.sandlot"  # where the host's agent directory is bound, read-only
 AGENT = f"{AGENT_DIR}/sandlot-agent"
@@ -76,6 +78,9 @@ class SandboxConfig:
     memory_mib: int
     cpus: int
     disk_gb: int = 0  # the project quota of the layer directory (limits.bound_disk); 0: none
+    # the network card's forwarder spec (``network_spec``); None: no card, or not known
+    # to this process (then ``networked`` asks whether the box's namespace exists)
+    net: dict[str, Any] | None = None
 
     @property
     def cid(self) -> str:
@@ -102,8 +107,34 @@ class SandboxConfig:
     def runsc_log(self) -> Path:
         return self.state_dir / RUNSC_LOG
 
+    @property
+    def networked(self) -> bool:
+        return self.net is not None or network.exists(self.cid)
+
+    @property
+    def net_file(self) -> Path:
+        """The forwarder's spec, kept for whichever process restores the sandbox next."""
+        return self.state_dir / "network.json"
+
+    @property
+    def forwarder_file(self) -> Path:
+        return self.state_dir / "forwarder.pid"
+
+    @property
+    def ports_file(self) -> Path:
+        return self.state_dir / "ports.json"
+
     def flags(self) -> list[str]:
-        return [runsc.runsc_binary(), *runsc.global_flags(self.platform, self.runsc_log)]
+        """Every runsc command but ``run`` and ``restore`` (``launch_flags``)."""
+        return self._runsc(network.entered(self.cid))
+
+    def launch_flags(self) -> list[str]:
+        return self._runsc(network.launcher(self.cid))
+
+    def _runsc(self, in_netns: list[str]) -> list[str]:
+        net = self.networked
+        flags = runsc.global_flags(self.platform, self.runsc_log, network=net)
+        return [*(in_netns if net else []), runsc.runsc_binary(), *flags]
 
 
 def is_mounted(path: Path) -> bool:
@@ -172,6 +203,9 @@ def unmount(path: Path) -> None:
 def oci_config(cfg: SandboxConfig) -> dict[str, Any]:
     caps = list(CAPABILITIES)
     resources = limits.resources(cfg.memory_mib, cfg.cpus)
+    netns: dict[str, str] = {"type": "network"}  # a new one, with loopback only
+    if cfg.networked:
+        netns["path"] = str(network.netns_path(cfg.cid))
     return {
         "ociVersion": "1.0.2",
         "process": {
@@ -186,6 +220,7 @@ def oci_config(cfg: SandboxConfig) -> dict[str, Any]:
                 "--console",
                 f"{CONSOLE_DIR}/console.log",
                 *limits.agent_args(cfg.memory_mib),
+                *([("--net=relay" if cfg.net.get("dns_relay") else "--net")] if cfg.net is not None else []),
             ],
             "env": ["PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "HOME=/root"],
             "cwd": "/",
@@ -202,7 +237,7 @@ def oci_config(cfg: SandboxConfig) -> dict[str, Any]:
             {"destination": CONSOLE_DIR, "type": "bind", "source": str(cfg.console_dir), "options": ["rw"]},
         ],
         "linux": {
-            "namespaces": [{"type": t} for t in ("pid", "network", "ipc", "uts", "mount")],
+            "namespaces": [{"type": t} for t in ("pid", "ipc", "uts", "mount")] + [netns],
             "resources": resources,
             "cgroupsPath": f"/sandlot/{cfg.cid}",
         },
@@ -255,10 +290,56 @@ def leftovers(cfg: SandboxConfig) -> bool:
 
 
 def destroy(cfg: SandboxConfig) -> None:
-    """Remove the container (killing what is left of it) and unmount its root. Idempotent."""
+    """Remove the container (killing what is left of it), its forwarder and network
+    namespace, and unmount its root. Idempotent."""
     with contextlib.suppress(subprocess.TimeoutExpired, OSError, HostSetupError):
         runsc.run([*cfg.flags(), "delete", "--force", cfg.cid], timeout=15)
+    end_forwarder(cfg)
+    with contextlib.suppress(HostSetupError, OSError, subprocess.TimeoutExpired):
+        network.remove(cfg.cid)
     unmount(cfg.root)
+
+
+def end_forwarder(cfg: SandboxConfig) -> None:
+    """End the sandbox's forwarder, if one runs (it ends with its sandbox anyway)."""
+    try:
+        pid_text, _, start = cfg.forwarder_file.read_text().partition(" ")
+        pid = int(pid_text)
+    except (OSError, ValueError):
+        return
+    if pids.alive(pid, start.strip()):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+        for _ in range(200):
+            if not pids.alive(pid, start.strip()):
+                break
+            time.sleep(0.005)
+    cfg.forwarder_file.unlink(missing_ok=True)
+
+
+def start_forwarder(cfg: SandboxConfig, sandbox_pid: int) -> None:
+    """The box's network, host side (``sandlot.net.forwarder``), for the sandbox just started."""
+    assert cfg.net is not None
+    end_forwarder(cfg)
+    try:
+        bound = json.loads(cfg.ports_file.read_text())
+    except (OSError, ValueError):
+        bound = []
+    spec = {**cfg.net, "netns": str(network.netns_path(cfg.cid)), "sandbox_pid": sandbox_pid, "bound": bound}
+    with open(cfg.state_dir / "forwarder.log", "ab") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "sandlot.net.forwarder", json.dumps(spec)],
+            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=log, start_new_session=True,
+        )  # fmt: skip
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    proc.stdout.close()
+    if not line:
+        proc.wait()
+        raise HostSetupError(f"the box's network did not start:\n{tail(cfg.state_dir / 'forwarder.log', 10)}")
+    cfg.forwarder_file.write_text(f"{proc.pid} {pids.start_time(proc.pid) or ''}")
+    ports = json.loads(line).get("ports", [])
+    cfg.ports_file.write_text(json.dumps(ports))
 
 
 class GvisorVM(VM):
@@ -288,6 +369,8 @@ class GvisorVM(VM):
         if cfg.disk_gb:
             await asyncio.to_thread(limits.bound_disk, cfg.layer, cfg.disk_gb)
         await asyncio.to_thread(mount_overlay, cfg)
+        if cfg.net is not None:
+            await asyncio.to_thread(network.prepare, cfg.cid, open_mode=bool(cfg.net.get("open_port")))
         (cfg.bundle / "config.json").write_text(json.dumps(oci_config(cfg)))
         cfg.runsc_log.write_bytes(b"")
         pid_file = cfg.state_dir / "sandbox.pid"  # written once the sandbox runs
@@ -295,11 +378,11 @@ class GvisorVM(VM):
         common = [f"--bundle={cfg.bundle}", f"--pid-file={pid_file}"]
         if restore_from is None:
             cfg.console_log.write_bytes(b"")
-            argv = [*cfg.flags(), *limits.runsc_flags(), "run", *common, cfg.cid]
+            argv = [*cfg.launch_flags(), *limits.runsc_flags(), "run", *common, cfg.cid]
         else:
             cfg.console_log.touch()  # the restored init's log is reopened by its path
             argv = [
-                *cfg.flags(),
+                *cfg.launch_flags(),
                 *limits.runsc_flags(),
                 "restore",
                 f"--image-path={restore_from}",
@@ -334,6 +417,13 @@ class GvisorVM(VM):
             await asyncio.sleep(delay)
             delay = min(delay * 2, 0.05)
         self.ref = VMRef(pid, pids.start_time(pid) or "")
+        if cfg.net is not None:
+            try:
+                await asyncio.to_thread(network.started, cfg.cid, list(cfg.net.get("addresses", [])))
+                await asyncio.to_thread(start_forwarder, cfg, pid)
+            except BaseException:
+                await asyncio.to_thread(destroy, cfg)
+                raise
         self._watch_exit()
 
     @classmethod
@@ -492,7 +582,9 @@ class GvisorVM(VM):
     async def _quiesce(self) -> None:
         """End every process started from outside the sandbox (``runsc exec``: the relays
         of this process and of others), whose standard streams are host pipes no saved
-        state can hold; then pause the sandbox, in which no new one can start."""
+        state can hold, and reset every TCP connection of the box (its netstack cannot
+        save a connected endpoint: the box's programs see ECONNRESET); then pause the
+        sandbox, in which no new one can start."""
         mine = list(self._relays)
         for proc in mine:
             if proc.stdin is not None:
@@ -503,11 +595,17 @@ class GvisorVM(VM):
             if proc.returncode is None:
                 with contextlib.suppress(ProcessLookupError):
                     proc.kill()
+        networked = self.cfg.networked
         for _ in range(50):
+            if networked:
+                reset: int = await asyncio.to_thread(network.reset_connections, self.cfg.cid)
+                if reset:
+                    await asyncio.sleep(0.02)  # the resets reach the box's netstack
             outsiders = await self._outsiders()
             if not outsiders:
                 await self.pause()
-                if not await self._outsiders():
+                live: int = await asyncio.to_thread(network.connections, self.cfg.cid) if networked else 0
+                if not live and not await self._outsiders():
                     return
                 await self.resume()
                 continue
@@ -533,7 +631,11 @@ class GvisorVM(VM):
         return out
 
     async def published_ports(self) -> list[tuple[str, int, int]]:
-        return []
+        try:
+            ports = json.loads(self.cfg.ports_file.read_text())
+        except (OSError, ValueError):
+            return []
+        return [(str(a), int(h), int(g)) for a, h, g in ports]
 
     def agent_connector(self, port: int) -> Connector:
         cfg = self.cfg
@@ -572,7 +674,7 @@ class GvisorVM(VM):
             "memory_mib": cfg.memory_mib,
             "cpus": cfg.cpus,
             "agent_ports": cfg.ports,
-            "network": False,
+            "network": cfg.networked,
             "accel": cfg.platform,
             # the restored init maps its executable again by path: it must be the very same build
             "engine_facts": {

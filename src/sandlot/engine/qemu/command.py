@@ -11,7 +11,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ...errors import HostSetupError
-from ...net.addresses import DNS_PORT, PROXY_ADDRESS, PROXY_PORT
 from ..base import NetSpec, Volume
 
 QEMU_BINARY = "qemu-system-x86_64"
@@ -185,14 +184,7 @@ def netdev(net: NetSpec) -> str:
     opts = f"user,id=net0,ipv6=off,restrict={'on' if net.restrict else 'off'}"
     for address, host_port, guest_port in net.forwards:
         opts += f",hostfwd=tcp:{address}:{host_port}-:{guest_port}"
-    if net.proxy_command:
-        opts += f",guestfwd=tcp:{PROXY_ADDRESS}:{PROXY_PORT}-cmd:{_q(net.proxy_command)}"
-        for port in net.transparent_ports:
-            cmd = f"{net.proxy_command} --transparent {port}"
-            opts += f",guestfwd=tcp:{PROXY_ADDRESS}:{port}-cmd:{_q(cmd)}"
-    if net.dns_command:
-        opts += f",guestfwd=tcp:{PROXY_ADDRESS}:{DNS_PORT}-cmd:{_q(net.dns_command)}"
-    for address, port, cmd in net.guest_forwards:
+    for address, port, cmd in net.helpers():
         opts += f",guestfwd=tcp:{address}:{port}-cmd:{_q(cmd)}"
     return opts
 

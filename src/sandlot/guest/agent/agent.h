@@ -356,6 +356,7 @@ void exec_mark_oom(pid_t sid); /* the command of session sid lost a process to i
 /* init.c */
 void init_early(void);          /* mounts, modules, root switch (PID 1 only) */
 void init_after_root(void);
+void network_given(int dns_relay); /* --net[=relay]: a sandbox's card, configured already */
 int wait_for(const char *path, int ms); /* a device node to appear */
 int boot_ports(void);          /* sandlot.ports=N from the kernel command line (0: not given) */
 void set_hostname(const char *name);

@@ -43,6 +43,7 @@ static char g_boot_id[64] = "unknown";
 static char g_cmd_hostname[65];
 static int g_cmd_net; /* sandlot.net=1: the box has a network card (QEMU user networking) */
 static int g_cmd_dns_relay; /* sandlot.dns=relay: names are answered by the host (dns.c), not QEMU */
+static int g_net_given;     /* --net: the sandbox configured the card itself (gVisor takes its netns's) */
 static int g_cmd_ports;     /* sandlot.ports=N: the agent ports the host made (0: it did not say) */
 static char g_root_dev[64] = "/dev/vda";
 static char g_root_fstype[16] = "ext4";
@@ -293,7 +294,8 @@ static int bind_over(const char *source, const char *target, mode_t cover_mode)
     return mount(source, target, NULL, MS_BIND, NULL);
 }
 
-static void bring_up_network(void)
+/* QEMU's card: the guest's fixed address and route (see above). */
+static void configure_card(void)
 {
     char ifname[IFNAMSIZ] = "";
     for (int waited = 0; waited < 2000 && !ifname[0]; waited += 10) {
@@ -345,6 +347,22 @@ static void bring_up_network(void)
         logmsg("network: default route: %s", strerror(errno));
     }
     close(fd);
+}
+
+/* A container's init (gVisor) is told by its arguments what a VM's reads from the
+ * kernel's command line; its sandbox gave the card its address and routes already. */
+void network_given(int dns_relay)
+{
+    g_cmd_net = 1;
+    g_net_given = 1;
+    g_cmd_dns_relay = dns_relay;
+}
+
+static void bring_up_network(void)
+{
+    if (!g_net_given) {
+        configure_card();
+    }
     if (g_cmd_dns_relay) {
         dns_relay_start();
     }

@@ -3,7 +3,7 @@
  * Usage:
  *   /init                       as PID 1 in the guest: boot duties, then serve ports
  *   sandlot-agent --fd N        serve one session on socket fd N (host builds, tests)
- *   /init --listen DIR --ports N [--console FILE] [--memory-mib N]
+ *   /init --listen DIR --ports N [--console FILE] [--memory-mib N] [--net[=relay]]
  *                               as a container's init (gVisor): the root, /proc, /dev
  *                               and the rest are already there; serve Unix sockets DIR/port.0..N-1,
  *                               log to FILE instead of the standard output the sandbox was given;
@@ -265,6 +265,10 @@ int main(int argc, char **argv)
             console = argv[++i];
         } else if (!strcmp(argv[i], "--memory-mib") && i + 1 < argc) {
             limits_watch_memory(strtoull(argv[++i], NULL, 10));
+        } else if (!strcmp(argv[i], "--net")) {
+            network_given(0);
+        } else if (!strcmp(argv[i], "--net=relay")) {
+            network_given(1);
         } else if (!strcmp(argv[i], "--safe")) {
             g_safe_mode = 1;
         } else if (!strcmp(argv[i], "--version")) {

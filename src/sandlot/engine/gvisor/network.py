@@ -1,0 +1,213 @@
+"""A gVisor box's network card: a network namespace of the box's own, with both ends
+of a veth pair inside it.
+
+- ``eth0`` is the box's: runsc (``--network=sandbox``) hands it to the sandbox's
+  netstack, with the address and routes it has when the sandbox starts (QEMU's
+  fixed ones: ``10.0.2.15/24``, default route through ``10.0.2.2``), and takes
+  the address off the namespace's side. So they are set again before every start
+  or restore.
+- ``gw0`` is sandlot's: it holds the gateway and the helpers' addresses
+  (``10.0.2.2``, ``10.0.2.3``, ``10.0.2.100`` and the linked boxes' addresses), on
+  which the box's forwarder (``sandlot.net.forwarder``) listens with sockets it makes in
+  this namespace. It is down and has no address while runsc starts, as runsc
+  takes every interface that is up, and a local gateway address could not be the
+  box's route.
+
+Nothing routes between this namespace and the host's (no forwarding, no route out):
+what the box reaches is what the forwarder's listeners take, as under QEMU's
+restricted user networking. Open mode adds one ``iptables`` rule here, which sends
+every other TCP connection of the box to the forwarder.
+
+runsc 0.0~20221219 refuses ``--network=sandbox`` where
+``/proc/sys/net/core/rmem_default`` exists, its sign of the host's root namespace;
+Linux 6.x has that file in every namespace. So runsc runs in a mount namespace of
+its own with a tmpfs over ``/proc/sys/net/core`` (``launcher``). Every runsc
+command for the container runs in the box's namespace: the sandbox's control
+socket is an abstract Unix socket, and those are per namespace.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import shutil
+import subprocess
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from ...errors import HostSetupError
+from ...net.addresses import PROXY_ADDRESS
+from ..base import NetSpec
+
+NETNS_DIR = Path("/run/netns")  # where ``ip netns`` keeps named namespaces
+BOX_DEVICE = "eth0"
+GATEWAY_DEVICE = "gw0"
+GUEST_CIDR = "10.0.2.15/24"
+GATEWAY = "10.0.2.2"
+RESOLVER = "10.0.2.3"
+OPEN_PORT = 1  # where open mode's rule sends the box's other TCP connections (nothing else listens)
+CLONE_NEWNET = 0x40000000
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+def forwarder_spec(net: NetSpec) -> dict[str, Any]:
+    """What the box's forwarder serves (``sandlot.net.forwarder``), from the card the core asked for."""
+    helpers = net.helpers()
+    return {
+        "listen": [list(h) for h in helpers],
+        "publish": [list(f) for f in net.forwards],
+        "open_port": 0 if net.restrict else OPEN_PORT,
+        "addresses": sorted({PROXY_ADDRESS, *(address for address, _, _ in helpers)}),
+        "dns_relay": net.dns_relay,
+    }
+
+
+def netns_path(cid: str) -> Path:
+    return NETNS_DIR / cid
+
+
+def exists(cid: str) -> bool:
+    return netns_path(cid).exists()
+
+
+def _run(argv: list[str], what: str, *, check: bool = True) -> subprocess.CompletedProcess[str]:
+    try:
+        proc = subprocess.run(argv, capture_output=True, text=True, timeout=30, stdin=subprocess.DEVNULL)
+    except FileNotFoundError as exc:
+        raise HostSetupError(f"{what}: {argv[0]} not found (apt-get install iproute2)") from exc
+    except subprocess.TimeoutExpired as exc:
+        raise HostSetupError(f"{what}: {argv[0]} took more than 30 s") from exc
+    if check and proc.returncode != 0:
+        raise HostSetupError(f"{what}: {' '.join(argv)}: {proc.stderr.strip()}")
+    return proc
+
+
+def _ip_batch(cid: str, commands: list[str], what: str) -> None:
+    """Several ``ip`` commands in one process, in the box's namespace."""
+    script = "\n".join(commands) + "\n"
+    proc = subprocess.run(
+        ["ip", "-n", cid, "-batch", "-"], input=script, capture_output=True, text=True, timeout=30
+    )
+    if proc.returncode != 0:
+        raise HostSetupError(f"{what}: ip: {proc.stderr.strip()}")
+
+
+def in_namespace(cid: str, fn: Callable[[], None]) -> None:
+    """Run ``fn`` on a thread of its own that entered the box's namespace."""
+    failure: list[BaseException] = []
+
+    def thread() -> None:
+        fd = os.open(netns_path(cid), os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            if _libc.setns(fd, CLONE_NEWNET) != 0:
+                err = ctypes.get_errno()
+                raise OSError(err, f"setns into {cid}: {os.strerror(err)}")
+            fn()
+        except BaseException as exc:  # handed to the caller
+            failure.append(exc)
+        finally:
+            os.close(fd)
+
+    t = threading.Thread(target=thread)
+    t.start()
+    t.join()
+    if failure:
+        raise failure[0]
+
+
+def _sysctls() -> None:
+    for name in ("all", "default"):  # IPv4 only, as QEMU's user network here (ipv6=off)
+        with open(f"/proc/sys/net/ipv6/conf/{name}/disable_ipv6", "w") as f:
+            f.write("1")
+
+
+def prepare(cid: str, *, open_mode: bool) -> None:
+    """Before runsc starts or restores the sandbox: the namespace and its veth pair
+    (made once), the box's address and route on ``eth0``, ``gw0`` down and bare."""
+    if not exists(cid):
+        _run(["ip", "netns", "add", cid], "making the box's network namespace")
+        with contextlib.suppress(FileNotFoundError):
+            in_namespace(cid, _sysctls)  # a kernel without IPv6 has nothing to turn off
+    have = _run(["ip", "-n", cid, "-o", "link", "show"], "listing the box's interfaces").stdout
+    batch = []
+    if f" {GATEWAY_DEVICE}@" not in have:
+        batch.append(f"link add {BOX_DEVICE} type veth peer name {GATEWAY_DEVICE}")
+    batch += [
+        f"link set {GATEWAY_DEVICE} down",
+        f"addr flush dev {GATEWAY_DEVICE}",
+        f"addr replace {GUEST_CIDR} dev {BOX_DEVICE}",
+        "link set lo up",
+        f"link set {BOX_DEVICE} up",
+        f"route replace default via {GATEWAY} dev {BOX_DEVICE} onlink",
+    ]
+    _ip_batch(cid, batch, "configuring the box's network")
+    redirect(cid, open_mode)
+
+
+def redirect(cid: str, open_mode: bool) -> None:
+    """Open mode's rule: every TCP connection of the box but to the helpers' address
+    goes to the forwarder, which makes it from the host. Other modes have none."""
+    iptables = shutil.which("iptables")
+    if iptables is None:
+        if open_mode:
+            raise HostSetupError("network='open' on gVisor needs iptables (apt-get install iptables)")
+        return
+    ns = ["nsenter", f"--net={netns_path(cid)}", iptables, "-w", "-t", "nat"]
+    _run([*ns, "-F", "PREROUTING"], "clearing the box's redirect", check=open_mode)
+    if open_mode:
+        rule = ["-A", "PREROUTING", "-i", GATEWAY_DEVICE, "-p", "tcp", "!", "-d", PROXY_ADDRESS,
+                "-j", "REDIRECT", "--to-ports", str(OPEN_PORT)]  # fmt: skip
+        _run([*ns, *rule], "redirecting the box's connections (open mode)")
+
+
+def started(cid: str, addresses: list[str]) -> None:
+    """Once the sandbox runs (its netstack took ``eth0``): ``gw0`` up, with the gateway
+    and the helpers' addresses."""
+    batch = [f"addr replace {GATEWAY}/24 dev {GATEWAY_DEVICE}"]
+    batch += [f"addr replace {a}/32 dev {GATEWAY_DEVICE}" for a in [RESOLVER, *addresses] if a != GATEWAY]
+    batch.append(f"link set {GATEWAY_DEVICE} up")
+    _ip_batch(cid, batch, "giving the box's gateway its addresses")
+
+
+# The TCP states of a connection whose box side is still connected (the host's side
+# in TIME_WAIT means the box's has ended)
+LIVE_STATES = ("established", "syn-sent", "syn-recv", "fin-wait-1", "fin-wait-2", "close-wait", "last-ack",
+               "closing")  # fmt: skip
+
+
+def _ss(cid: str, *args: str) -> list[str]:
+    states = [word for state in LIVE_STATES for word in ("state", state)]
+    argv = ["nsenter", f"--net={netns_path(cid)}", "ss", *args, "-t", "-n", "-H", *states]
+    return [line for line in _run(argv, "listing the box's connections").stdout.splitlines() if line.strip()]
+
+
+def reset_connections(cid: str) -> int:
+    """Abort every live TCP connection of the namespace's side (sandlot's ends of the
+    box's connections): each is sent a reset, so the box's netstack holds no connected
+    endpoint, which it could not save. Returns how many there were."""
+    return len(_ss(cid, "-K"))
+
+
+def connections(cid: str) -> int:
+    """How many live TCP connections the namespace's side holds."""
+    return len(_ss(cid))
+
+
+def remove(cid: str) -> None:
+    """The namespace goes (its veth pair with it). Idempotent."""
+    if exists(cid):
+        _run(["ip", "netns", "delete", cid], "removing the box's network namespace", check=False)
+
+
+def launcher(cid: str) -> list[str]:
+    """What ``runsc run`` and ``runsc restore`` are run under (see the module's doc)."""
+    return ["nsenter", f"--net={netns_path(cid)}", "unshare", "--mount", "--propagation", "private",
+            "sh", "-c", 'mount -t tmpfs none /proc/sys/net/core && exec "$@"', "sh"]  # fmt: skip
+
+
+def entered(cid: str) -> list[str]:
+    """What every other runsc command for the container is run under."""
+    return ["nsenter", f"--net={netns_path(cid)}"]

@@ -1,0 +1,263 @@
+"""A gVisor box's network, host side: what QEMU's user networking (libslirp) does
+for a VM, for a sandbox whose netstack owns one end of a veth pair in a network
+namespace of the box's own (``sandlot.engine.gvisor.network``).
+
+One process per running sandbox, in the host's namespaces, started once the sandbox
+runs and ended with it (it watches the sandbox's process). Its sockets on the box's
+side are made in the box's namespace (a socket stays in the namespace it was made
+in), so nothing routes from the host's namespace into a box:
+
+- each helper address and port the core names (``listen``: the egress proxy and the
+  DNS answerer at ``10.0.2.100``, the proxy's transparent ports, the addresses of
+  linked boxes) is a listener there; each connection it takes runs the helper's
+  command with the connection as its standard input and output, as QEMU's
+  ``guestfwd`` does (the command is the egress relay, which hands it to the home's
+  egress server);
+- each published port (``publish``) is a listener on the host's loopback; each
+  connection it takes is joined to a connection to the box's address and port;
+- in ``open`` mode the box's other TCP connections are redirected here (an
+  ``iptables`` REDIRECT in the box's namespace) and made from the host to where
+  they were going (``10.0.2.2`` being the host's loopback, as with QEMU), and its
+  DNS questions to ``10.0.2.3`` go to the host's resolver.
+
+The standard library and ``sandlot.net.relay`` only, as it starts with every
+sandbox. The spec is one JSON
+argument, so the egress server, which lives while a process names its socket,
+sees this one name it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import json
+import os
+import select
+import shlex
+import signal
+import socket
+import struct
+import sys
+import threading
+from typing import Any
+
+from .relay import close_guest, end_guest_output
+
+CLONE_NEWNET = 0x40000000
+SO_ORIGINAL_DST = 80
+IP_FREEBIND = 15  # bind to an address the namespace gets a moment later
+GUEST = "10.0.2.15"
+HOST_LOOPBACK = "10.0.2.2"  # the gateway: the host's 127.0.0.1, as under QEMU
+RESOLVER = "10.0.2.3"
+CHUNK = 1 << 16
+UDP_TIMEOUT = 5.0
+
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+class Namespaces:
+    """The host's network namespace and the box's; sockets made in either."""
+
+    def __init__(self, box_netns: str) -> None:
+        self.host = os.open("/proc/thread-self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
+        self.box = os.open(box_netns, os.O_RDONLY | os.O_CLOEXEC)
+
+    def _enter(self, fd: int) -> None:
+        if _libc.setns(fd, CLONE_NEWNET) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"setns: {os.strerror(err)}")
+
+    def box_socket(self, kind: int = socket.SOCK_STREAM) -> socket.socket:
+        """A socket of the box's namespace (only this thread enters it, for a moment)."""
+        self._enter(self.box)
+        try:
+            return socket.socket(socket.AF_INET, kind)
+        finally:
+            self._enter(self.host)
+
+
+def listener(sock: socket.socket, address: str, port: int, kind: int = socket.SOCK_STREAM) -> socket.socket:
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.SOL_IP, IP_FREEBIND, 1)
+    sock.bind((address, port))
+    if kind == socket.SOCK_STREAM:
+        sock.listen(128)
+    return sock
+
+
+def pump(a: socket.socket, b: socket.socket) -> None:
+    """Copy both ways until both sides are done, then close both (``a``, the box's
+    side, as ``close_guest`` closes a guest's connection)."""
+
+    def one_way(src: socket.socket, dst: socket.socket) -> None:
+        try:
+            while data := src.recv(CHUNK):
+                dst.sendall(data)
+        except OSError:
+            pass
+        if dst is a:
+            end_guest_output(a)
+        else:
+            with contextlib.suppress(OSError):
+                dst.shutdown(socket.SHUT_WR)
+
+    other = threading.Thread(target=one_way, args=(b, a), daemon=True)
+    other.start()
+    one_way(a, b)
+    other.join()
+    close_guest(a)
+    b.close()
+
+
+def serve(sock: socket.socket, handle: Any) -> None:
+    def loop() -> None:
+        while True:
+            try:
+                conn, _ = sock.accept()
+            except OSError:
+                return
+            threading.Thread(target=handle, args=(conn,), daemon=True).start()
+
+    threading.Thread(target=loop, daemon=True).start()
+
+
+def run_command(argv: list[str]) -> Any:
+    """A helper run for one connection, as QEMU's ``guestfwd=...-cmd:`` runs it."""
+
+    def handle(conn: socket.socket) -> None:
+        try:
+            fd = conn.fileno()
+            streams = [(os.POSIX_SPAWN_DUP2, fd, 0), (os.POSIX_SPAWN_DUP2, fd, 1)]
+            os.posix_spawnp(argv[0], argv, dict(os.environ), file_actions=streams)
+        except OSError as exc:
+            print(f"forwarder: {argv[0]}: {exc}", file=sys.stderr, flush=True)
+        finally:
+            conn.close()
+
+    return handle
+
+
+def to_box(ns: Namespaces, guest_port: int) -> Any:
+    """A published port: a connection to the box's address and port, joined to this one."""
+
+    def handle(conn: socket.socket) -> None:
+        inside = ns.box_socket()
+        try:
+            inside.settimeout(10)
+            inside.connect((GUEST, guest_port))
+            inside.settimeout(None)
+        except OSError:
+            inside.close()
+            conn.close()
+            return
+        pump(inside, conn)
+
+    return handle
+
+
+def nameserver() -> str:
+    """The host's first IPv4 resolver (what a box in open mode asks at 10.0.2.3)."""
+    with contextlib.suppress(OSError):
+        for line in open("/etc/resolv.conf").read().splitlines():  # noqa: SIM115
+            parts = line.split()
+            if len(parts) >= 2 and parts[0] == "nameserver" and "." in parts[1]:
+                return parts[1]
+    return "127.0.0.1"
+
+
+def outward(conn: socket.socket) -> None:
+    """Open mode: a box's connection, made from the host to where it was going."""
+    try:
+        raw = conn.getsockopt(socket.SOL_IP, SO_ORIGINAL_DST, 16)
+        port, packed = struct.unpack_from("!2xH4s", raw)
+        address = socket.inet_ntoa(packed)
+        if address == HOST_LOOPBACK:
+            address = "127.0.0.1"
+        elif address == RESOLVER:
+            address = nameserver()
+        out = socket.create_connection((address, port), timeout=30)
+        out.settimeout(None)
+    except OSError:
+        conn.close()
+        return
+    pump(conn, out)
+
+
+def dns_outward(sock: socket.socket) -> None:
+    """Open mode: each question to 10.0.2.3 asked of the host's resolver, the answer sent back."""
+
+    def ask(question: bytes, peer: Any) -> None:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as up:
+            up.settimeout(UDP_TIMEOUT)
+            try:
+                up.sendto(question, (nameserver(), 53))
+                answer = up.recv(CHUNK)
+            except OSError:
+                return
+        with contextlib.suppress(OSError):
+            sock.sendto(answer, peer)
+
+    def loop() -> None:
+        while True:
+            try:
+                question, peer = sock.recvfrom(CHUNK)
+            except OSError:
+                return
+            threading.Thread(target=ask, args=(question, peer), daemon=True).start()
+
+    threading.Thread(target=loop, daemon=True).start()
+
+
+def bind_published(spec: dict[str, Any]) -> list[tuple[socket.socket, int]]:
+    """The host's listeners of the published ports, the same host ports as before where
+    the box had them (a restore in place), else the ones asked for (0: any)."""
+    earlier = {int(g): int(h) for _, h, g in spec.get("bound", [])}
+    out = []
+    for address, host_port, guest_port in spec.get("publish", []):
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((address, host_port or earlier.get(guest_port, 0)))
+        except OSError:
+            if host_port:
+                raise
+            sock.bind((address, 0))
+        sock.listen(128)
+        out.append((sock, int(guest_port)))
+    return out
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 2:
+        print("usage: python -m sandlot.net.forwarder SPEC_JSON", file=sys.stderr)
+        return 2
+    spec = json.loads(argv[1])
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # the helpers' exits are nobody's business here
+    try:
+        sandbox = os.pidfd_open(int(spec["sandbox_pid"]))
+    except OSError:
+        return 0  # the sandbox is gone already
+    ns = Namespaces(spec["netns"])
+    published = bind_published(spec)  # in the host's namespace
+    for address, port, command in spec.get("listen", []):
+        serve(listener(ns.box_socket(), address, int(port)), run_command(shlex.split(command)))
+    if spec.get("open_port"):
+        serve(listener(ns.box_socket(), "0.0.0.0", int(spec["open_port"])), outward)
+        dns_outward(listener(ns.box_socket(socket.SOCK_DGRAM), RESOLVER, 53, socket.SOCK_DGRAM))
+    bound = []
+    for sock, guest_port in published:
+        address, port = sock.getsockname()[:2]
+        bound.append([address, port, guest_port])
+        serve(sock, to_box(ns, guest_port))
+    sys.stdout.write(json.dumps({"ports": bound}) + "\n")
+    sys.stdout.flush()
+    with contextlib.suppress(OSError):
+        os.close(1)
+    signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
+    while True:  # until the sandbox ends
+        if select.select([sandbox], [], [], 60.0)[0]:
+            os._exit(0)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))
