@@ -78,7 +78,7 @@ class SandboxConfig:
     memory_mib: int
     cpus: int
     disk_gb: int = 0  # the project quota of the layer directory (limits.bound_disk); 0: none
-    # the network card's forwarder spec (``network_spec``); None: no card, or not known
+    # the network card's forwarder spec (``network.forwarder_spec``); None: no card, or not known
     # to this process (then ``networked`` asks whether the box's namespace exists)
     net: dict[str, Any] | None = None
 
