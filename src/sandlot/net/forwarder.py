@@ -41,7 +41,7 @@ import sys
 import threading
 from typing import Any
 
-from .relay import close_guest, end_guest_output
+from .relay import close_guest, splice
 
 CLONE_NEWNET = 0x40000000
 SO_ORIGINAL_DST = 80
@@ -86,25 +86,10 @@ def listener(sock: socket.socket, address: str, port: int, kind: int = socket.SO
 
 
 def pump(a: socket.socket, b: socket.socket) -> None:
-    """Copy both ways until both sides are done, then close both (``a``, the box's
-    side, as ``close_guest`` closes a guest's connection)."""
-
-    def one_way(src: socket.socket, dst: socket.socket) -> None:
-        try:
-            while data := src.recv(CHUNK):
-                dst.sendall(data)
-        except OSError:
-            pass
-        if dst is a:
-            end_guest_output(a)
-        else:
-            with contextlib.suppress(OSError):
-                dst.shutdown(socket.SHUT_WR)
-
-    other = threading.Thread(target=one_way, args=(b, a), daemon=True)
-    other.start()
-    one_way(a, b)
-    other.join()
+    """Copy both ways until both sides are done (``a``, the box's side, ended as
+    ``relay.splice`` and ``close_guest`` end a guest's connection), then close both."""
+    with contextlib.suppress(OSError):
+        splice(a, b)
     close_guest(a)
     b.close()
 
