@@ -47,6 +47,7 @@ import sandlot
 from sandlot import AsyncBox
 
 from _common import CACHE, debian_root, drop_home, emit, host_facts, parser, pss_kib, scratch_home, summary
+from network import CLIENT, host_client, serve
 
 HOST = "host"  # the floor's column
 ENGINES = ("qemu-kvm", "qemu-tcg", "gvisor", HOST)
@@ -70,6 +71,10 @@ WORKLOADS = (
     ("snapshot", "snapshot", "ms"),
     ("restore_to_first_exec", "restore -> first exec", "ms"),
     ("fork_8_all_answer", "fork {fork} -> all answer", "s"),
+    ("http_direct", "HTTP request to the host, direct", "ms"),
+    ("http_proxied", "HTTP request through the egress proxy", "ms"),
+    ("proxy_over_direct", "the proxy's cost over direct", "ms"),
+    ("restore_net_to_first_exec", "restore -> first exec, with a network card", "ms"),
     ("idle_pss", "idle PSS (256 MiB box)", "MiB"),
 )
 NO_SAVED_STATE = "a host process has no saved state"
@@ -88,10 +93,11 @@ class Sizes:
     snapshots: int = 5
     fork: int = 8
     settle: float = 5.0  # seconds an idle box rests before its PSS is read
+    requests: int = 50  # HTTP requests per path, each on a new connection
 
     @classmethod
     def quick(cls) -> Sizes:
-        return cls(boots=2, execs=20, reps=1, loop=200_000, mb=8, snapshots=2, fork=2, settle=1.0)
+        return cls(boots=2, execs=20, reps=1, loop=200_000, mb=8, snapshots=2, fork=2, settle=1.0, requests=5)
 
 
 @dataclasses.dataclass
@@ -227,6 +233,8 @@ class EngineRun:
         # has run (architecture.md), and the runs above should not weigh on it.
         await self.on_a_box([(["snapshot"], self.snapshots), (["restore_to_first_exec"], self.restores),
                              (["fork_8_all_answer"], self.forks)])  # fmt: skip
+        await measure(self.col, ["http_direct", "http_proxied", "proxy_over_direct"], self.requests)
+        await measure(self.col, ["restore_net_to_first_exec"], self.network_restores)
         await measure(self.col, ["idle_pss"], self.idle)
         return self.col
 
@@ -301,7 +309,7 @@ class EngineRun:
             await snap.remove()
         self.col.put("snapshot", walls)
 
-    async def restores(self, box: AsyncBox) -> None:
+    async def restores(self, box: AsyncBox, key: str = "restore_to_first_exec") -> None:
         snap = await box.snapshot("report-base")
         walls = []
         for _ in range(self.sz.snapshots):
@@ -310,7 +318,7 @@ class EngineRun:
             await check(box, ["true"])
             walls.append(time.perf_counter() - t0)
         await snap.remove()
-        self.col.put("restore_to_first_exec", walls)
+        self.col.put(key, walls)
 
     async def forks(self, box: AsyncBox) -> None:
         t0 = time.perf_counter()
@@ -322,11 +330,48 @@ class EngineRun:
             for k in kids:
                 await k.remove(force=True)
 
+    async def requests(self) -> None:
+        """One HTTP server on the host's 127.0.0.1; a client in the box makes each request
+        on a new connection: straight to it (open mode, the host at 10.0.2.2), then
+        through the egress proxy of a box whose allowlist names it."""
+        server = serve(b"big")
+        port = server.server_address[1]
+        try:
+            async with AsyncBox(**self.opts, network="open") as box:
+                direct = await box_requests(box, f"http://10.0.2.2:{port}", self.sz.requests)
+            async with AsyncBox(**self.opts, network="allowlist", allow=[f"127.0.0.1:{port}"]) as box:
+                proxied = await box_requests(box, f"http://127.0.0.1:{port}", self.sz.requests, PROXY)
+        finally:
+            server.shutdown()
+        self.col.put("http_direct", direct, n=len(direct))
+        self.col.put("http_proxied", proxied, n=len(proxied))
+        over = summary(proxied, digits=4)["median"] - summary(direct, digits=4)["median"]
+        self.col.put("proxy_over_direct", value=round(over, 4), note="median over median")
+
+    async def network_restores(self) -> None:
+        async with AsyncBox(**self.opts, network="allowlist") as box:
+            await check(box, ["true"])
+            await self.restores(box, key="restore_net_to_first_exec")
+
     async def idle(self) -> None:
         async with AsyncBox(**{**self.opts, "memory_mib": IDLE_MEMORY_MIB}) as box:
             await check(box, ["true"])
             await asyncio.sleep(self.sz.settle)
             self.col.put("idle_pss", value=tree_pss_mib(vm_root_pid(await box.inspect())))
+
+
+PROXY = "http://10.0.2.100:3128"  # the egress proxy's address in every box
+
+
+async def box_requests(box: AsyncBox, url: str, runs: int, proxy: str | None = None) -> list[float]:
+    """``runs`` requests from the box (network.py's client), each on a new connection:
+    their seconds, timed in the box."""
+    argv = ["python3", "-c", CLIENT, url, str(runs), "big", *([proxy] if proxy else [])]
+    r = await box.exec(*argv, timeout=600, env={"NO_PROXY": "", "no_proxy": ""})
+    if r.returncode != 0:
+        raise Failed(f"the HTTP client failed: {r.stderr[-300:]}")
+    latency: list[float] = json.loads(r.stdout)["latency"]
+    return latency
 
 
 def dd(target: str, mb: int, *extra: str) -> list[str]:
@@ -456,7 +501,19 @@ def run_host(root: Path, scratch: Path, wheel: Path, sz: Sizes) -> Column:
     finally:
         bw.stop()
         shutil.rmtree(d, ignore_errors=True)
-    col.why_not(["snapshot", "restore_to_first_exec", "fork_8_all_answer"], NO_SAVED_STATE)
+    try:
+        server = serve(b"big")
+        try:
+            latency = host_client(f"http://127.0.0.1:{server.server_address[1]}", sz.requests)["latency"]
+        finally:
+            server.shutdown()
+        col.put("http_direct", latency, n=len(latency))
+        col.put("http_proxied", latency, n=len(latency), note="no proxy: the same request, direct")
+    except (RuntimeError, OSError, subprocess.SubprocessError) as exc:
+        col.why_not(["http_direct", "http_proxied"], f"{type(exc).__name__}: {exc}"[:300], error=True)
+    col.why_not(["proxy_over_direct"], "a host process has no proxy")
+    col.why_not(["snapshot", "restore_to_first_exec", "fork_8_all_answer", "restore_net_to_first_exec"],
+                NO_SAVED_STATE)  # fmt: skip
     return col
 
 

@@ -43,7 +43,7 @@ PACKAGES: tuple[HostPackage, ...] = (
     HostPackage("zstd", ("zstd",), "the distro kernel's zstd modules", True),
     HostPackage("lz4", ("lz4",), "lz4-compressed kernels", True),
     HostPackage("runsc", ("runsc",), "the gVisor engine, as root", False, "SANDLOT_RUNSC"),
-    HostPackage("iptables", ("iptables",), "network='open' on the gVisor engine", False),
+    HostPackage("iptables", ("iptables",), "gVisor: network='open'; saves checking closed TCP", False),
     HostPackage("mmdebstrap", ("mmdebstrap",), "sandlot rootfs debian", False),
     HostPackage("busybox-static", ("busybox",), "sandlot rootfs busybox", False),
     HostPackage("musl-tools", ("musl-gcc",), "building the agent from source", False),

@@ -335,3 +335,85 @@ def test_live_state_of_a_box_with_a_network_and_connections(debian_root: Path) -
         assert fetch(port) == b"served-from-box\n"
         snap.remove()
     assert not Path(f"/run/netns/{cid}").exists()
+
+
+def test_a_save_waits_for_the_box_s_time_wait_to_end(
+    debian_root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A connection the box closed first, whose peer then closed as usual (not one of
+    sandlot's ends, which answer with a reset): the box's endpoint waits in TIME_WAIT
+    for a minute, and gVisor cannot save it. A save finds it, waits for it to end and
+    then succeeds; given less time, it refuses clearly and the box keeps running."""
+    from sandlot.engine.gvisor import network, vm
+
+    with sandlot.Box(rootfs=debian_root, engine="gvisor", memory_mib=256, network="allowlist") as box:
+        cid = f"sandlot-{box.id}"
+        listening: list[socket.socket] = []
+
+        def listen() -> None:  # a plain peer of the box, in its namespace
+            s = socket.socket()
+            s.bind((network.GATEWAY, 5555))
+            s.listen()
+            listening.append(s)
+
+        network.in_namespace(cid, listen)
+        with listening[0]:
+            r = box.exec(
+                "python3", "-c", "import socket; s = socket.create_connection(('10.0.2.2', 5555), 10); "
+                "print(s.getsockname()[1]); s.close()",
+            )  # fmt: skip
+            assert r.returncode == 0, r.stderr
+            peer, _ = listening[0].accept()
+            assert peer.recv(1) == b""  # the box closed first
+            peer.close()  # an ordinary close: the box's side goes to TIME_WAIT
+        box_port = int(r.stdout)
+        assert network.held_time_waits(cid) == [(box_port, network.GATEWAY, 5555, 5555)]
+
+        monkeypatch.setattr(vm, "TIME_WAIT_LIMIT", 1.0)
+        with pytest.raises(sandlot.SavedStateError, match="TIME_WAIT"):
+            box.snapshot("too-soon")
+        assert box.state == "running" and box.exec("echo", "alive").stdout == "alive\n"
+
+        monkeypatch.undo()
+        t0 = time.monotonic()
+        snap = box.snapshot("after-time-wait")
+        assert time.monotonic() - t0 < vm.TIME_WAIT_LIMIT + 30
+        assert network.held_time_waits(cid) == []
+        box.files.write("/tmp/later", "x")
+        box.rollback(snap)
+        assert not box.files.exists("/tmp/later") and box.exec("true").returncode == 0
+        snap.remove()
+
+
+def test_export_then_import_of_a_box_with_a_network(
+    debian_root: Path, other_home: Path, tmp_path: Path
+) -> None:
+    """A networked box moves with its server listening: the imported box gets a namespace
+    of its own and a host port of its own, and its card works (its proxy answers). The
+    archive carries no policy: the importer gives one, as for any box started from a
+    saved state with a card."""
+    with sandlot.Box(
+        rootfs=debian_root, engine="gvisor", memory_mib=256, network="allowlist", ports=[(0, 8000)]
+    ) as box:
+        box.spawn("sh", "-c", SERVE_8000)
+        box.exec("python3", "-c", WAIT_FOR_8000)
+        _, port = box.port(8000)
+        assert fetch(port) == b"served-from-box\n"
+        archive = box.snapshot("to-move").export(tmp_path / "box.sandlot")
+        moved = sandlot.import_snapshot(  # the policy is the importer's to give, as for any start
+            archive, home=other_home, name="moved-with-network", network="allowlist", ports=[(0, 8000)]
+        )
+        assert isinstance(moved, sandlot.Box)
+        try:
+            assert moved.inspect()["network"]["mode"] == "allowlist"
+            assert Path(f"/run/netns/sandlot-{moved.id}").exists() and moved.id != box.id
+            _, moved_port = moved.port(8000)
+            assert moved_port != port and fetch(moved_port) == b"served-from-box\n"
+            assert fetch(port) == b"served-from-box\n"  # the original still serves too
+            r = moved.exec(
+                "python3", "-c", "import socket; socket.create_connection(('10.0.2.100', 3128), 10).close()"
+            )
+            assert r.returncode == 0, r.stderr
+        finally:
+            moved.remove(force=True)
+        assert not Path(f"/run/netns/sandlot-{moved.id}").exists()

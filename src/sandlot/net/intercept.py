@@ -30,7 +30,7 @@ from typing import Any
 import h11
 
 from .policy import normalize_host, valid_host
-from .relay import send_error, splice
+from .relay import guest_connection, send_error, splice
 from .secrets import Masker, Swap, Vault, make_leaf, swap_in, swap_in_header
 
 BODY_LIMIT = 32 * 1024 * 1024
@@ -88,7 +88,7 @@ def serve(guest: socket.socket, host: str, port: int, ip: str, vault: Vault, swa
         g = ctx.wrap_socket(guest, server_side=True)
     except (ssl.SSLError, OSError) as exc:
         raise InterceptError(f"TLS with the box failed (does it trust the box CA?): {exc}") from None
-    with g:
+    with guest_connection(g):  # the decrypting socket now owns the guest's descriptor
         if names and normalize_host(names[0]) != host:
             _refuse(g, 421, f"TLS server name {names[0]} is not {host}")
             raise InterceptError(f"TLS server name {names[0]} is not {host}")

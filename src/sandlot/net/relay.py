@@ -15,6 +15,7 @@ from collections.abc import Iterator
 TCP_CLOSE_WAIT = 8  # the peer has closed its side (Linux's tcp_states.h)
 SIOCOUTQ = 0x5411  # bytes not yet acknowledged by the peer
 DRAIN_SECONDS = 5.0
+FIN_GRACE = 0.02  # how long a guest's own FIN may take to arrive before sandlot's is sent
 
 
 def _peer_closed_first(sock: socket.socket) -> bool:
@@ -41,9 +42,18 @@ def end_guest_output(sock: socket.socket) -> None:
     netstack cannot save a state holding an endpoint in TIME_WAIT (and ends the
     sandbox trying): see ``sandlot.engine.gvisor.network``. QEMU's connections are
     not TCP sockets here: they are shut down as any other."""
-    if not _peer_closed_first(sock):
-        with contextlib.suppress(OSError):
-            sock.shutdown(socket.SHUT_WR)
+    if _peer_closed_first(sock):
+        return
+    if sock.family == socket.AF_INET:
+        # A FIN of ours that crosses the guest's ends both sides in TIME_WAIT: where the
+        # guest is about to close too (a server that closes after its answer, which the
+        # client here has just read), its FIN is let arrive first.
+        with contextlib.suppress(OSError, ValueError):
+            select.select([sock], [], [], FIN_GRACE)
+        if _peer_closed_first(sock):
+            return
+    with contextlib.suppress(OSError):
+        sock.shutdown(socket.SHUT_WR)
 
 
 def close_guest(sock: socket.socket) -> None:

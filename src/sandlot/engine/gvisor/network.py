@@ -32,11 +32,13 @@ import contextlib
 import ctypes
 import os
 import shutil
+import socket
 import subprocess
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from ...errors import HostSetupError
 from ...net.addresses import PROXY_ADDRESS
@@ -149,7 +151,10 @@ def prepare(cid: str, *, open_mode: bool) -> None:
 
 def redirect(cid: str, open_mode: bool) -> None:
     """Open mode's rule: every TCP connection of the box but to the helpers' address
-    goes to the forwarder, which makes it from the host. Other modes have none."""
+    goes to the forwarder, which makes it from the host. Other modes have none.
+    Every mode gets a rule that only turns connection tracking on in the namespace
+    (a rule that asks for it is what does): ``held_time_waits`` reads the tracked
+    connections."""
     iptables = shutil.which("iptables")
     if iptables is None:
         if open_mode:
@@ -157,6 +162,10 @@ def redirect(cid: str, open_mode: bool) -> None:
         return
     ns = ["nsenter", f"--net={netns_path(cid)}", iptables, "-w", "-t", "nat"]
     _run([*ns, "-F", "PREROUTING"], "clearing the box's redirect", check=open_mode)
+    track = [ns[0], ns[1], iptables, "-w", "-t", "mangle"]
+    rule = ["PREROUTING", "-m", "conntrack", "--ctstate", "INVALID", "-j", "RETURN"]  # changes nothing
+    if _run([*track, "-C", *rule], "checking the box's connection tracking", check=False).returncode != 0:
+        _run([*track, "-A", *rule], "tracking the box's connections", check=False)
     if open_mode:
         rule = ["-A", "PREROUTING", "-i", GATEWAY_DEVICE, "-p", "tcp", "!", "-d", PROXY_ADDRESS,
                 "-j", "REDIRECT", "--to-ports", str(OPEN_PORT)]  # fmt: skip
@@ -211,3 +220,136 @@ def launcher(cid: str) -> list[str]:
 def entered(cid: str) -> list[str]:
     """What every other runsc command for the container is run under."""
     return ["nsenter", f"--net={netns_path(cid)}"]
+
+
+# -- the box's endpoints in TIME_WAIT --------------------------------------------------
+#
+# gVisor cannot save an endpoint in TIME_WAIT either, and ends the sandbox trying. The
+# box holds one where it sent the first FIN and its peer then closed normally. sandlot's
+# own ends answer such a close with a reset (``sandlot.net.relay``), but a close from
+# both sides at once, or a peer of sandlot's that died, still leaves one. The netstack
+# shows no endpoint to the outside, so they are found by asking: for every connection
+# the namespace's connection tracking saw closed, a bare ACK is sent to the box's side
+# as from its peer. An endpoint that is gone answers with a reset; one in TIME_WAIT
+# answers with an ACK or not at all (RFC 793), and a reset would not end it (RFC 1337).
+
+BOX_ADDRESS = GUEST_CIDR.split("/")[0]
+PROBE_SECONDS = 0.2
+_TCP_ACK, _TCP_RST = 0x10, 0x04
+ENDED = {"TIME_WAIT", "LAST_ACK", "CLOSE"}
+ADDRESS_KEYS = ("src", "dst", "sport", "dport")  # tracked states after which the box may be in TIME_WAIT
+
+
+class Flow(NamedTuple):
+    """A connection of the box's, as a probe needs it: the box's port, the peer's
+    address and port (the box's view), and the port the box's answer reaches here
+    (another where open mode's rule redirected the connection)."""
+
+    box_port: int
+    peer: str
+    peer_port: int
+    answer_port: int
+
+
+def closed_flows(conntrack: str) -> set[Flow]:
+    """The box's TCP connections that connection tracking (``conntrack``: the text of
+    ``/proc/net/nf_conntrack``) saw end: candidates for ``held_time_waits`` only."""
+    flows = set()
+    for line in conntrack.splitlines():
+        words = line.split()
+        if "tcp" not in words[:3] or not ENDED.intersection(words):
+            continue
+        # the original direction's src, dst, sport, dport, then the reply's
+        values = [w.partition("=")[2] for w in words if w.partition("=")[0] in ADDRESS_KEYS]
+        if len(values) != 8:
+            continue
+        src, dst, sport, dport, _, _, reply_sport, reply_dport = values
+        if src == BOX_ADDRESS:  # the box connected out
+            flows.add(Flow(int(sport), dst, int(dport), int(reply_sport)))
+        elif dst == BOX_ADDRESS:  # a connection to the box (published ports)
+            flows.add(Flow(int(dport), src, int(sport), int(reply_dport)))
+    return flows
+
+
+def host_time_waits(proc_net_tcp: str) -> set[Flow]:
+    """The same, for the namespace's own sockets in TIME_WAIT whose peer is the box
+    (``proc_net_tcp``: the text of ``/proc/net/tcp``)."""
+    flows = set()
+    for line in proc_net_tcp.splitlines()[1:]:
+        local, remote, state = line.split()[1:4]
+        if state == "06":  # TIME_WAIT
+            peer, peer_port = _hex_address(local)
+            box, box_port = _hex_address(remote)
+            if box == BOX_ADDRESS:
+                flows.add(Flow(box_port, peer, peer_port, peer_port))
+    return flows
+
+
+def _hex_address(text: str) -> tuple[str, int]:
+    address, port = text.split(":")
+    return socket.inet_ntoa(int(address, 16).to_bytes(4, "little")), int(port, 16)
+
+
+def _read(path: str) -> str:
+    try:
+        with open(path) as f:
+            return f.read()
+    except OSError:  # no connection tracking in this kernel
+        return ""
+
+
+def internet_checksum(data: bytes) -> int:
+    if len(data) % 2:
+        data += b"\0"
+    total = sum(int.from_bytes(data[i : i + 2], "big") for i in range(0, len(data), 2))
+    while total >> 16:
+        total = (total & 0xFFFF) + (total >> 16)
+    return ~total & 0xFFFF
+
+
+def bare_ack(src: str, sport: int, dst: str, dport: int) -> bytes:
+    """An IPv4 packet holding a TCP ACK with no data (the kernel fills in the IP
+    header's checksum, identification and length)."""
+    tcp = bytearray(sport.to_bytes(2, "big") + dport.to_bytes(2, "big") + bytes(8))
+    tcp += bytes([5 << 4, _TCP_ACK]) + (65535).to_bytes(2, "big") + bytes(4)
+    pseudo = socket.inet_aton(src) + socket.inet_aton(dst) + bytes([0, 6]) + len(tcp).to_bytes(2, "big")
+    tcp[16:18] = internet_checksum(pseudo + bytes(tcp)).to_bytes(2, "big")
+    ip = bytes([0x45, 0]) + bytes(2) + bytes(4) + bytes([64, 6]) + bytes(2)
+    return ip + socket.inet_aton(src) + socket.inet_aton(dst) + bytes(tcp)
+
+
+def _unanswered(flows: set[Flow]) -> list[Flow]:
+    """Of ``flows``, those whose box side did not answer a bare ACK with a reset."""
+    waiting = {(f.box_port, f.answer_port): f for f in flows}
+    with socket.socket(socket.AF_INET, socket.SOCK_RAW, socket.IPPROTO_TCP) as raw:
+        raw.setsockopt(socket.IPPROTO_IP, socket.IP_HDRINCL, 1)
+        for f in flows:
+            raw.sendto(bare_ack(f.peer, f.peer_port, BOX_ADDRESS, f.box_port), (BOX_ADDRESS, 0))
+        deadline = time.monotonic() + PROBE_SECONDS
+        while waiting and (left := deadline - time.monotonic()) > 0:
+            raw.settimeout(left)
+            try:
+                packet = raw.recv(256)
+            except TimeoutError:
+                break
+            tcp = packet[(packet[0] & 0x0F) * 4 :]
+            if socket.inet_ntoa(packet[12:16]) == BOX_ADDRESS and tcp[13] & _TCP_RST:
+                waiting.pop((int.from_bytes(tcp[0:2], "big"), int.from_bytes(tcp[2:4], "big")), None)
+    return sorted(waiting.values())
+
+
+def held_time_waits(cid: str) -> list[Flow]:
+    """The box's connections whose endpoint is still in TIME_WAIT,
+    which no saved state can hold (see above). Where the namespace tracks no
+    connections (no iptables), the host side's own TIME_WAITs are the candidates: a
+    close from both sides at once leaves one on each."""
+    found: list[Flow] = []
+
+    def probe() -> None:  # /proc/thread-self: this thread's namespace, not the process's
+        flows = closed_flows(_read("/proc/thread-self/net/nf_conntrack"))
+        flows |= host_time_waits(_read("/proc/thread-self/net/tcp"))
+        if flows:
+            found.extend(_unanswered(flows))
+
+    in_namespace(cid, probe)
+    return found

@@ -76,3 +76,20 @@ def require_root() -> None:
             "engine='gvisor' needs root on this host: the box's root is a host overlay mount and its "
             "limits are host cgroups; runsc --rootless has neither (run as root, or use engine='qemu')"
         )
+
+
+REASON_LIMIT = 600
+
+
+def reason(stderr: str) -> str:
+    """What a failed runsc command said, short enough to read: its own refusals can
+    dump a whole kernel object (a checkpoint of an unsavable socket prints tens of KB),
+    so a long message is cut to the part that says why."""
+    text = stderr.strip()
+    if len(text) <= REASON_LIMIT:
+        return text
+    for marker in ("save rejected", "error:", "failed:"):
+        at = text.rfind(marker)
+        if at >= 0:
+            return "… " + text[at : at + REASON_LIMIT].splitlines()[0]
+    return text[:REASON_LIMIT] + " …"

@@ -60,6 +60,7 @@ START_TIMEOUT = 120.0  # a large saved state from a cold page cache takes a whil
 MOUNT_DATA_MAX = 4096  # the kernel copies one page of mount options
 CONSOLE_DIR = "/.sandlot-console"  # the box's console directory on the host, bound read-write
 RUNSC_LOG = "runsc.log"  # in the state directory; every runsc command of the box names it
+TIME_WAIT_LIMIT = 65.0  # a save waits this long for the box's TIME_WAITs to end (gVisor's last 60 s)
 SANDBOX_PROCESS = "runsc-sandbox"  # the sandbox's own process (its VMRef): argv[0] as runsc sets it
 _libc = ctypes.CDLL(None, use_errno=True)
 
@@ -532,7 +533,7 @@ class GvisorVM(VM):
                 else:
                     self._gone()
                 raise SavedStateError(
-                    f"runsc checkpoint failed: {proc.stderr.strip() or tail(self.cfg.runsc_log, 5)}"
+                    f"runsc checkpoint failed: {runsc.reason(proc.stderr) or tail(self.cfg.runsc_log, 5)}"
                 )
             # The image is whole once runsc returns; a booted sandbox then takes seconds to
             # wind down by itself (a restored one does not): nothing of it is needed any more.
@@ -579,6 +580,21 @@ class GvisorVM(VM):
         with contextlib.suppress(ProcessLookupError):
             os.kill(ref.pid, signal.SIGKILL)
 
+    async def _wait_time_waits(self, held: list[network.Flow], end: float) -> None:
+        """The box holds endpoints in TIME_WAIT (a close from both sides at once; see
+        ``network.held_time_waits``): a save waits for them to end, up to ``end``; then
+        it is refused, the box left running."""
+        while held:
+            if time.monotonic() >= end:
+                box_port, peer, peer_port, _ = held[0]
+                raise SavedStateError(
+                    f"the box holds {len(held)} TCP connection(s) in TIME_WAIT (10.0.2.15:{box_port} to "
+                    f"{peer}:{peer_port} among them), which gVisor cannot save; they end a minute after "
+                    "they closed: try again then (the box is still running)"
+                )
+            await asyncio.sleep(1.0)
+            held = await asyncio.to_thread(network.held_time_waits, self.cfg.cid)
+
     async def _quiesce(self) -> None:
         """End every process started from outside the sandbox (``runsc exec``: the relays
         of this process and of others), whose standard streams are host pipes no saved
@@ -596,6 +612,7 @@ class GvisorVM(VM):
                 with contextlib.suppress(ProcessLookupError):
                     proc.kill()
         networked = self.cfg.networked
+        time_waits_end = time.monotonic() + TIME_WAIT_LIMIT
         for _ in range(50):
             if networked:
                 reset: int = await asyncio.to_thread(network.reset_connections, self.cfg.cid)
@@ -605,9 +622,12 @@ class GvisorVM(VM):
             if not outsiders:
                 await self.pause()
                 live: int = await asyncio.to_thread(network.connections, self.cfg.cid) if networked else 0
-                if not live and not await self._outsiders():
+                held = await asyncio.to_thread(network.held_time_waits, self.cfg.cid) if networked else []
+                if not live and not held and not await self._outsiders():
                     return
                 await self.resume()
+                if held:
+                    await self._wait_time_waits(held, time_waits_end)
                 continue
             for pid in outsiders:
                 await asyncio.to_thread(
