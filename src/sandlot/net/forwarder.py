@@ -2,8 +2,9 @@
 for a VM, for a sandbox whose netstack owns one end of a veth pair in a network
 namespace of the box's own (``sandlot.engine.gvisor.network``).
 
-One process per running sandbox, in the host's namespaces, started once the sandbox
-runs and ended with it (it watches the sandbox's process). Its sockets on the box's
+One process per running sandbox, in the host's namespaces, started beside the
+``runsc`` that runs the sandbox and ended with it (it watches that process, the
+sandbox's parent, which ends when the sandbox does). Its sockets on the box's
 side are made in the box's namespace (a socket stays in the namespace it was made
 in), so nothing routes from the host's namespace into a box:
 
@@ -219,7 +220,7 @@ def main(argv: list[str]) -> int:
     spec = json.loads(argv[1])
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # the helpers' exits are nobody's business here
     try:
-        sandbox = os.pidfd_open(int(spec["sandbox_pid"]))
+        sandbox = os.pidfd_open(int(spec["watch_pid"]))
     except OSError:
         return 0  # the sandbox is gone already
     ns = Namespaces(spec["netns"])

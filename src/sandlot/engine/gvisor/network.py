@@ -126,10 +126,14 @@ def _sysctls() -> None:
             f.write("1")
 
 
-def prepare(cid: str, *, open_mode: bool) -> None:
+def prepare(cid: str, *, open_mode: bool, rules: Path) -> None:
     """Before runsc starts or restores the sandbox: the namespace and its veth pair
-    (made once), the box's address and route on ``eth0``, ``gw0`` down and bare."""
-    if not exists(cid):
+    (made once), the box's address and route on ``eth0``, ``gw0`` down and bare, and
+    the namespace's ``iptables`` rules where they are not as wanted yet (``rules``:
+    the file that records which were made for the namespace, as a restore in place
+    keeps the namespace, and two ``iptables`` runs cost it ~15 ms)."""
+    made = not exists(cid)
+    if made:
         _run(["ip", "netns", "add", cid], "making the box's network namespace")
         with contextlib.suppress(FileNotFoundError):
             in_namespace(cid, _sysctls)  # a kernel without IPv6 has nothing to turn off
@@ -146,7 +150,14 @@ def prepare(cid: str, *, open_mode: bool) -> None:
         f"route replace default via {GATEWAY} dev {BOX_DEVICE} onlink",
     ]
     _ip_batch(cid, batch, "configuring the box's network")
-    redirect(cid, open_mode)
+    wanted = "open" if open_mode else "restricted"
+    try:
+        have_rules = rules.read_text()
+    except OSError:
+        have_rules = ""
+    if made or have_rules != wanted:
+        redirect(cid, open_mode)
+        rules.write_text(wanted)
 
 
 def redirect(cid: str, open_mode: bool) -> None:

@@ -281,20 +281,28 @@ def container_state(cfg: SandboxConfig) -> dict[str, Any] | None:
 
 def leftovers(cfg: SandboxConfig) -> bool:
     """Whether runsc or the host still holds anything of the container: a file of it in
-    runsc's state root (whatever runsc names them, they carry the container's id), or
-    its root mounted. Looked at instead of running ``runsc delete`` (20 ms) for nothing."""
+    runsc's state root, or its root mounted. Looked at instead of running ``runsc
+    delete`` (20 ms) for nothing."""
+    return runsc_holds(cfg) or is_mounted(cfg.root)
+
+
+def runsc_holds(cfg: SandboxConfig) -> bool:
+    """Whether runsc's state root has a file of the container (whatever runsc names
+    them, they carry the container's id)."""
     try:
         names = os.listdir(runsc.state_root())
     except OSError:
-        names = []
-    return any(cfg.cid in name for name in names) or is_mounted(cfg.root)
+        return True  # unknown: ``runsc delete`` finds out
+    return any(cfg.cid in name for name in names)
 
 
 def destroy(cfg: SandboxConfig) -> None:
     """Remove the container (killing what is left of it), its forwarder and network
-    namespace, and unmount its root. Idempotent."""
-    with contextlib.suppress(subprocess.TimeoutExpired, OSError, HostSetupError):
-        runsc.run([*cfg.flags(), "delete", "--force", cfg.cid], timeout=15)
+    namespace, and unmount its root. Idempotent, and cheap where there is nothing left
+    (the core ends a VM, then cleans up after it)."""
+    if runsc_holds(cfg):
+        with contextlib.suppress(subprocess.TimeoutExpired, OSError, HostSetupError):
+            runsc.run([*cfg.flags(), "delete", "--force", cfg.cid], timeout=15)
     end_forwarder(cfg)
     with contextlib.suppress(HostSetupError, OSError, subprocess.TimeoutExpired):
         network.remove(cfg.cid)
@@ -318,27 +326,35 @@ def end_forwarder(cfg: SandboxConfig) -> None:
     cfg.forwarder_file.unlink(missing_ok=True)
 
 
-def start_forwarder(cfg: SandboxConfig, sandbox_pid: int) -> None:
-    """The box's network, host side (``sandlot.net.forwarder``), for the sandbox just started."""
+def launch_forwarder(cfg: SandboxConfig, runner_pid: int) -> subprocess.Popen[bytes]:
+    """The box's network, host side (``sandlot.net.forwarder``): started beside ``runsc
+    run``/``restore`` rather than after it (a Python process takes ~70 ms to start), and
+    ended with ``runner_pid``, the runsc that stays the sandbox's parent. Its listeners
+    in the namespace need no address yet (``IP_FREEBIND``). ``forwarder_ready`` waits."""
     assert cfg.net is not None
     end_forwarder(cfg)
     try:
         bound = json.loads(cfg.ports_file.read_text())
     except (OSError, ValueError):
         bound = []
-    spec = {**cfg.net, "netns": str(network.netns_path(cfg.cid)), "sandbox_pid": sandbox_pid, "bound": bound}
+    spec = {**cfg.net, "netns": str(network.netns_path(cfg.cid)), "watch_pid": runner_pid, "bound": bound}
     with open(cfg.state_dir / "forwarder.log", "ab") as log:
         proc = subprocess.Popen(
             [sys.executable, "-m", "sandlot.net.forwarder", json.dumps(spec)],
             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=log, start_new_session=True,
         )  # fmt: skip
+    cfg.forwarder_file.write_text(f"{proc.pid} {pids.start_time(proc.pid) or ''}")
+    return proc
+
+
+def forwarder_ready(cfg: SandboxConfig, proc: subprocess.Popen[bytes]) -> None:
+    """Wait for the forwarder's listeners; record the host ports it published."""
     assert proc.stdout is not None
     line = proc.stdout.readline()
     proc.stdout.close()
     if not line:
         proc.wait()
         raise HostSetupError(f"the box's network did not start:\n{tail(cfg.state_dir / 'forwarder.log', 10)}")
-    cfg.forwarder_file.write_text(f"{proc.pid} {pids.start_time(proc.pid) or ''}")
     ports = json.loads(line).get("ports", [])
     cfg.ports_file.write_text(json.dumps(ports))
 
@@ -371,7 +387,9 @@ class GvisorVM(VM):
             await asyncio.to_thread(limits.bound_disk, cfg.layer, cfg.disk_gb)
         await asyncio.to_thread(mount_overlay, cfg)
         if cfg.net is not None:
-            await asyncio.to_thread(network.prepare, cfg.cid, open_mode=bool(cfg.net.get("open_port")))
+            open_mode = bool(cfg.net.get("open_port"))
+            rules = cfg.state_dir / "netns-rules"
+            await asyncio.to_thread(network.prepare, cfg.cid, open_mode=open_mode, rules=rules)
         (cfg.bundle / "config.json").write_text(json.dumps(oci_config(cfg)))
         cfg.runsc_log.write_bytes(b"")
         pid_file = cfg.state_dir / "sandbox.pid"  # written once the sandbox runs
@@ -400,6 +418,15 @@ class GvisorVM(VM):
             runner = subprocess.Popen(
                 argv, stdin=subprocess.DEVNULL, stdout=console, stderr=console, start_new_session=True
             )
+        forwarder = None
+        if cfg.net is not None:
+            try:
+                forwarder = await asyncio.to_thread(launch_forwarder, cfg, runner.pid)
+            except BaseException:
+                runner.kill()
+                await asyncio.to_thread(runner.wait)
+                await asyncio.to_thread(destroy, cfg)
+                raise
         loop = asyncio.get_running_loop()
         deadline = loop.time() + START_TIMEOUT
         delay = 0.005
@@ -418,10 +445,10 @@ class GvisorVM(VM):
             await asyncio.sleep(delay)
             delay = min(delay * 2, 0.05)
         self.ref = VMRef(pid, pids.start_time(pid) or "")
-        if cfg.net is not None:
+        if cfg.net is not None and forwarder is not None:
             try:
                 await asyncio.to_thread(network.started, cfg.cid, list(cfg.net.get("addresses", [])))
-                await asyncio.to_thread(start_forwarder, cfg, pid)
+                await asyncio.to_thread(forwarder_ready, cfg, forwarder)
             except BaseException:
                 await asyncio.to_thread(destroy, cfg)
                 raise
