@@ -79,6 +79,29 @@ def test_auto_is_resolved_and_recorded(tmp_path: Path, monkeypatch: pytest.Monke
     asyncio.run(main())
 
 
+def test_auto_gives_qemu_to_a_box_its_choice_cannot_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where auto picks gVisor, a box asking for what gVisor refuses (volumes, a kernel
+    of its own) gets QEMU instead of an error; any other box gets gVisor."""
+    home = tmp_path / "home"
+    rt = Runtime.for_home(home)
+    monkeypatch.setattr(rt, "auto_engine", lambda: EngineChoice("gvisor", "the test's choice"))
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    rootfs = fake_rootfs(tmp_path)
+    with_volume = sandlot.create(rootfs=rootfs, engine="auto", home=home, volumes=[(shared, "/mnt")])
+    plain = sandlot.create(rootfs=rootfs, engine="auto", home=home)
+    try:
+        assert with_volume.inspect()["engine"] == "qemu"
+        assert plain.inspect()["engine"] == "gvisor"
+    finally:
+        with_volume.remove(force=True)
+        plain.remove(force=True)
+    with pytest.raises(sandlot.InvalidArgument, match="volumes"):  # asked for by name: refused, as before
+        sandlot.create(rootfs=rootfs, engine="gvisor", home=home, volumes=[(shared, "/mnt")])
+
+
 def test_sandlot_engine_is_the_default(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(auto.ENV, "fake")
     home = tmp_path / "home"

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from .. import pids
 from ..crashpoints import crash_point
 from ..engine.auto import AUTO
+from ..engine.auto import DEFAULT as DEFAULT_ENGINE
 from ..engine.base import VM
 from ..errors import (
     BoxCrashed,
@@ -53,6 +54,7 @@ from .validate import positive
 
 if TYPE_CHECKING:
     from ..images.store import Image
+    from .spec import BoxSpec
 
 GiB = 1 << 30
 CLOCKSOURCES = "/sys/devices/system/clocksource/clocksource0/available_clocksource"
@@ -234,13 +236,25 @@ class BoxController:
 
     # -- creation ---------------------------------------------------------------------------
 
+    def _auto_engine_for(self, spec: BoxSpec) -> str:
+        """``engine="auto"`` for this box: the host's choice (``Runtime.auto_engine``),
+        unless that engine cannot run what the box asks for (volumes or a kernel of
+        its own on gVisor): then QEMU, which runs every request. Blocking."""
+        choice = self.rt.auto_engine().name
+        if choice != DEFAULT_ENGINE:
+            try:
+                self.launcher.refuse(replace(spec, engine=choice))
+            except InvalidArgument:
+                return DEFAULT_ENGINE
+        return choice
+
     async def create(self, req: BoxRequest, *, ephemeral: bool = False) -> BoxEntry:
         """Create the box ``req`` describes: image pulled, disk ready, state created."""
         rt = self.rt
         snap = await self._saved_state(req)
         spec = req.spec_for(snap)
         if spec.engine == AUTO:  # the row records the engine the box got, never "auto"
-            spec.engine = (await asyncio.to_thread(rt.auto_engine)).name
+            spec.engine = await asyncio.to_thread(self._auto_engine_for, spec)
         self.launcher.refuse(spec)  # before the row: a request the engine refuses leaves no box
         pid, start = pids.me()
         now = time.time()
