@@ -18,10 +18,10 @@ ipv4     2 tcp      6 100 TIME_WAIT src=10.9.9.9 dst=10.9.9.8 sport=1 dport=2 sr
 
 def test_closed_flows_are_the_box_s_ended_tcp_connections_either_way() -> None:
     assert network.closed_flows(CONNTRACK) == {
-        (60545, "10.0.2.2", 5555, 5555),  # the box connected out, and closed
-        (31926, "10.0.2.100", 80, 80),  # ended by a reset: probed all the same (a TIME_WAIT ignores one)
-        (8000, "10.0.2.2", 41234, 41234),  # a connection to the box's published port
-        (40001, "93.184.216.34", 443, 1),  # open mode's: the answer reaches the redirect's port
+        (60545, "10.0.2.2", 5555),  # the box connected out, and closed
+        (31926, "10.0.2.100", 80),  # ended by a reset: probed all the same (a TIME_WAIT ignores one)
+        (8000, "10.0.2.2", 41234),  # a connection to the box's published port
+        (40001, "93.184.216.34", 443),  # open mode's: as the box sees it, not as redirected
     }
     assert network.closed_flows("") == set()
 
@@ -33,7 +33,7 @@ def test_host_time_waits_read_proc_net_tcp() -> None:
         "   1: 6402000A:0050 0F02000A:7CBE 01 00000000:00000000 00:00000000 00000000     0        0 1\n"
         "   2: 0100007F:0050 0100007F:7CBE 06 00000000:00000000 03:00001770 00000000     0        0 0\n"
     )
-    assert network.host_time_waits(text) == {(0xEC81, "10.0.2.2", 5555, 5555)}
+    assert network.host_time_waits(text) == {(0xEC81, "10.0.2.2", 5555)}
 
 
 def test_a_bare_ack_is_a_well_formed_tcp_segment() -> None:

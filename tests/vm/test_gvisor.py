@@ -367,7 +367,7 @@ def test_a_save_waits_for_the_box_s_time_wait_to_end(
             assert peer.recv(1) == b""  # the box closed first
             peer.close()  # an ordinary close: the box's side goes to TIME_WAIT
         box_port = int(r.stdout)
-        assert network.held_time_waits(cid) == [(box_port, network.GATEWAY, 5555, 5555)]
+        assert network.held_time_waits(cid) == [(box_port, network.GATEWAY, 5555)]
 
         monkeypatch.setattr(vm, "TIME_WAIT_LIMIT", 1.0)
         with pytest.raises(sandlot.SavedStateError, match="TIME_WAIT"):
@@ -417,3 +417,38 @@ def test_export_then_import_of_a_box_with_a_network(
         finally:
             moved.remove(force=True)
         assert not Path(f"/run/netns/sandlot-{moved.id}").exists()
+
+
+def test_a_save_after_open_mode_connections_finds_no_phantom_time_wait(debian_root: Path) -> None:
+    """Open mode's connections are redirected to the forwarder (NAT in the box's
+    namespace): the save's probes of the ended ones read the box's answers as it sent
+    them, so a save finds nothing held and does not wait."""
+    import http.server
+    import threading
+
+    from sandlot.engine.gvisor import network, vm
+
+    class Quiet(http.server.SimpleHTTPRequestHandler):
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Quiet)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    port = server.server_address[1]
+    try:
+        with sandlot.Box(rootfs=debian_root, engine="gvisor", memory_mib=256, network="open") as box:
+            fetch_three = (
+                "import socket, urllib.request\n"
+                f"for _ in range(3): urllib.request.urlopen('http://10.0.2.2:{port}/', timeout=20).read()\n"
+                f"s = socket.create_connection(('10.0.2.2', {port}), 10); s.close()\n"  # the box closes first
+            )
+            r = box.exec("python3", "-c", fetch_three, env={"NO_PROXY": "*"})
+            assert r.returncode == 0, r.stderr
+            assert network.held_time_waits(f"sandlot-{box.id}") == []
+            t0 = time.monotonic()
+            snap = box.snapshot("after-open-mode")
+            assert time.monotonic() - t0 < vm.TIME_WAIT_LIMIT / 2  # nothing waited for
+            assert box.exec("true").returncode == 0
+            snap.remove()
+    finally:
+        server.shutdown()

@@ -52,6 +52,8 @@ GATEWAY = "10.0.2.2"
 RESOLVER = "10.0.2.3"
 OPEN_PORT = 1  # where open mode's rule sends the box's other TCP connections (nothing else listens)
 CLONE_NEWNET = 0x40000000
+ETH_P_IP = 0x0800
+PROBE_MARK = 0x5A4D  # the firewall mark of ``held_time_waits``'s probes, left untracked (``redirect``)
 _libc = ctypes.CDLL(None, use_errno=True)
 
 
@@ -165,7 +167,8 @@ def redirect(cid: str, open_mode: bool) -> None:
     goes to the forwarder, which makes it from the host. Other modes have none.
     Every mode gets a rule that only turns connection tracking on in the namespace
     (a rule that asks for it is what does): ``held_time_waits`` reads the tracked
-    connections."""
+    connections; and one that leaves its probes untracked (else open mode's NAT
+    would give a probe that clashes with a redirected connection another port)."""
     iptables = shutil.which("iptables")
     if iptables is None:
         if open_mode:
@@ -173,10 +176,17 @@ def redirect(cid: str, open_mode: bool) -> None:
         return
     ns = ["nsenter", f"--net={netns_path(cid)}", iptables, "-w", "-t", "nat"]
     _run([*ns, "-F", "PREROUTING"], "clearing the box's redirect", check=open_mode)
-    track = [ns[0], ns[1], iptables, "-w", "-t", "mangle"]
-    rule = ["PREROUTING", "-m", "conntrack", "--ctstate", "INVALID", "-j", "RETURN"]  # changes nothing
-    if _run([*track, "-C", *rule], "checking the box's connection tracking", check=False).returncode != 0:
-        _run([*track, "-A", *rule], "tracking the box's connections", check=False)
+    kept = [  # in every mode: what ``held_time_waits`` reads and sends
+        (
+            "mangle",
+            ["PREROUTING", "-m", "conntrack", "--ctstate", "INVALID", "-j", "RETURN"],
+        ),  # changes nothing
+        ("raw", ["OUTPUT", "-m", "mark", "--mark", str(PROBE_MARK), "-j", "NOTRACK"]),
+    ]
+    for table, rule in kept:
+        at = [ns[0], ns[1], iptables, "-w", "-t", table]
+        if _run([*at, "-C", *rule], "checking the box's connection tracking", check=False).returncode != 0:
+            _run([*at, "-A", *rule], "tracking the box's connections", check=False)
     if open_mode:
         rule = ["-A", "PREROUTING", "-i", GATEWAY_DEVICE, "-p", "tcp", "!", "-d", PROXY_ADDRESS,
                 "-j", "REDIRECT", "--to-ports", str(OPEN_PORT)]  # fmt: skip
@@ -247,19 +257,18 @@ def entered(cid: str) -> list[str]:
 BOX_ADDRESS = GUEST_CIDR.split("/")[0]
 PROBE_SECONDS = 0.2
 _TCP_ACK, _TCP_RST = 0x10, 0x04
+_BOX_PACKED = socket.inet_aton(BOX_ADDRESS)
 ENDED = {"TIME_WAIT", "LAST_ACK", "CLOSE"}
 ADDRESS_KEYS = ("src", "dst", "sport", "dport")  # tracked states after which the box may be in TIME_WAIT
 
 
 class Flow(NamedTuple):
-    """A connection of the box's, as a probe needs it: the box's port, the peer's
-    address and port (the box's view), and the port the box's answer reaches here
-    (another where open mode's rule redirected the connection)."""
+    """A connection of the box's, as the box sees it: its port, the peer's address
+    and port (where open mode's rule redirected it, the address it was going to)."""
 
     box_port: int
     peer: str
     peer_port: int
-    answer_port: int
 
 
 def closed_flows(conntrack: str) -> set[Flow]:
@@ -274,11 +283,11 @@ def closed_flows(conntrack: str) -> set[Flow]:
         values = [w.partition("=")[2] for w in words if w.partition("=")[0] in ADDRESS_KEYS]
         if len(values) != 8:
             continue
-        src, dst, sport, dport, _, _, reply_sport, reply_dport = values
+        src, dst, sport, dport = values[:4]
         if src == BOX_ADDRESS:  # the box connected out
-            flows.add(Flow(int(sport), dst, int(dport), int(reply_sport)))
+            flows.add(Flow(int(sport), dst, int(dport)))
         elif dst == BOX_ADDRESS:  # a connection to the box (published ports)
-            flows.add(Flow(int(dport), src, int(sport), int(reply_dport)))
+            flows.add(Flow(int(dport), src, int(sport)))
     return flows
 
 
@@ -292,7 +301,7 @@ def host_time_waits(proc_net_tcp: str) -> set[Flow]:
             peer, peer_port = _hex_address(local)
             box, box_port = _hex_address(remote)
             if box == BOX_ADDRESS:
-                flows.add(Flow(box_port, peer, peer_port, peer_port))
+                flows.add(Flow(box_port, peer, peer_port))
     return flows
 
 
@@ -330,21 +339,31 @@ def bare_ack(src: str, sport: int, dst: str, dport: int) -> bytes:
 
 
 def _unanswered(flows: set[Flow]) -> list[Flow]:
-    """Of ``flows``, those whose box side did not answer a bare ACK with a reset."""
-    waiting = {(f.box_port, f.answer_port): f for f in flows}
-    with socket.socket(socket.AF_INET, socket.SOCK_RAW, socket.IPPROTO_TCP) as raw:
+    """Of ``flows``, those whose box side did not answer a bare ACK with a reset. The
+    answers are read off ``gw0`` as the box sent them (a packet socket): before the
+    namespace routes them or open mode's rule rewrites them, which it does not for a
+    reset it finds out of its window."""
+    waiting = {(f.box_port, f.peer_port): f for f in flows}
+    with (
+        socket.socket(socket.AF_PACKET, socket.SOCK_DGRAM, socket.htons(ETH_P_IP)) as answers,
+        socket.socket(socket.AF_INET, socket.SOCK_RAW, socket.IPPROTO_TCP) as raw,
+    ):
+        answers.bind((GATEWAY_DEVICE, ETH_P_IP))
         raw.setsockopt(socket.IPPROTO_IP, socket.IP_HDRINCL, 1)
+        raw.setsockopt(socket.SOL_SOCKET, socket.SO_MARK, PROBE_MARK)
         for f in flows:
             raw.sendto(bare_ack(f.peer, f.peer_port, BOX_ADDRESS, f.box_port), (BOX_ADDRESS, 0))
         deadline = time.monotonic() + PROBE_SECONDS
         while waiting and (left := deadline - time.monotonic()) > 0:
-            raw.settimeout(left)
+            answers.settimeout(left)
             try:
-                packet = raw.recv(256)
+                packet = answers.recv(256)
             except TimeoutError:
                 break
+            if len(packet) < 40 or packet[9] != socket.IPPROTO_TCP or packet[12:16] != _BOX_PACKED:
+                continue
             tcp = packet[(packet[0] & 0x0F) * 4 :]
-            if socket.inet_ntoa(packet[12:16]) == BOX_ADDRESS and tcp[13] & _TCP_RST:
+            if len(tcp) >= 14 and tcp[13] & _TCP_RST:
                 waiting.pop((int.from_bytes(tcp[0:2], "big"), int.from_bytes(tcp[2:4], "big")), None)
     return sorted(waiting.values())
 

@@ -608,16 +608,15 @@ class GvisorVM(VM):
             os.kill(ref.pid, signal.SIGKILL)
 
     async def _wait_time_waits(self, held: list[network.Flow], end: float) -> None:
-        """The box holds endpoints in TIME_WAIT (a close from both sides at once; see
-        ``network.held_time_waits``): a save waits for them to end, up to ``end``; then
-        it is refused, the box left running."""
+        """The box holds endpoints in TIME_WAIT (``network.held_time_waits``): a save
+        waits for them to end, up to ``end``; then it is refused, the box left running."""
         while held:
             if time.monotonic() >= end:
-                box_port, peer, peer_port, _ = held[0]
+                box_port, peer, peer_port = held[0]
                 raise SavedStateError(
-                    f"the box holds {len(held)} TCP connection(s) in TIME_WAIT (10.0.2.15:{box_port} to "
-                    f"{peer}:{peer_port} among them), which gVisor cannot save; they end a minute after "
-                    "they closed: try again then (the box is still running)"
+                    f"the box holds {len(held)} TCP connection(s) in TIME_WAIT ({network.BOX_ADDRESS}:"
+                    f"{box_port} to {peer}:{peer_port} among them), which gVisor cannot save; they end "
+                    "a minute after they closed: try again then (the box is still running)"
                 )
             await asyncio.sleep(1.0)
             held = await asyncio.to_thread(network.held_time_waits, self.cfg.cid)
