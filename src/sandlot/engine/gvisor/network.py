@@ -258,8 +258,8 @@ BOX_ADDRESS = GUEST_CIDR.split("/")[0]
 PROBE_SECONDS = 0.2
 _TCP_ACK, _TCP_RST = 0x10, 0x04
 _BOX_PACKED = socket.inet_aton(BOX_ADDRESS)
-ENDED = {"TIME_WAIT", "LAST_ACK", "CLOSE"}
-ADDRESS_KEYS = ("src", "dst", "sport", "dport")  # tracked states after which the box may be in TIME_WAIT
+ENDED = {"TIME_WAIT", "LAST_ACK", "CLOSE"}  # tracked states after which the box may be in TIME_WAIT
+ADDRESS_KEYS = ("src", "dst", "sport", "dport")
 
 
 class Flow(NamedTuple):
@@ -319,6 +319,7 @@ def _read(path: str) -> str:
 
 
 def internet_checksum(data: bytes) -> int:
+    """RFC 1071's one's-complement sum, as TCP's checksum field takes it."""
     if len(data) % 2:
         data += b"\0"
     total = sum(int.from_bytes(data[i : i + 2], "big") for i in range(0, len(data), 2))
@@ -369,10 +370,10 @@ def _unanswered(flows: set[Flow]) -> list[Flow]:
 
 
 def held_time_waits(cid: str) -> list[Flow]:
-    """The box's connections whose endpoint is still in TIME_WAIT,
-    which no saved state can hold (see above). Where the namespace tracks no
-    connections (no iptables), the host side's own TIME_WAITs are the candidates: a
-    close from both sides at once leaves one on each."""
+    """The box's connections whose endpoint is still in TIME_WAIT, which no saved state
+    can hold (see above). Where the namespace tracks no connections (no iptables), the
+    host side's own TIME_WAITs are the candidates: a close from both sides at once
+    leaves one on each."""
     found: list[Flow] = []
 
     def probe() -> None:  # /proc/thread-self: this thread's namespace, not the process's
