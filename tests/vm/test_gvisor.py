@@ -345,6 +345,7 @@ def test_a_save_waits_for_the_box_s_time_wait_to_end(
     for a minute, and gVisor cannot save it. A save finds it, waits for it to end and
     then succeeds; given less time, it refuses clearly and the box keeps running."""
     from sandlot.engine.gvisor import network, vm
+    from sandlot.net.addresses import GATEWAY_ADDRESS
 
     with sandlot.Box(rootfs=debian_root, engine="gvisor", memory_mib=256, network="allowlist") as box:
         cid = f"sandlot-{box.id}"
@@ -352,7 +353,7 @@ def test_a_save_waits_for_the_box_s_time_wait_to_end(
 
         def listen() -> None:  # a plain peer of the box, in its namespace
             s = socket.socket()
-            s.bind((network.GATEWAY, 5555))
+            s.bind((GATEWAY_ADDRESS, 5555))
             s.listen()
             listening.append(s)
 
@@ -367,7 +368,7 @@ def test_a_save_waits_for_the_box_s_time_wait_to_end(
             assert peer.recv(1) == b""  # the box closed first
             peer.close()  # an ordinary close: the box's side goes to TIME_WAIT
         box_port = int(r.stdout)
-        assert network.held_time_waits(cid) == [(box_port, network.GATEWAY, 5555)]
+        assert network.held_time_waits(cid) == [(box_port, GATEWAY_ADDRESS, 5555)]
 
         monkeypatch.setattr(vm, "TIME_WAIT_LIMIT", 1.0)
         with pytest.raises(sandlot.SavedStateError, match="TIME_WAIT"):

@@ -10,7 +10,12 @@ guest connection, read it.
 from __future__ import annotations
 
 # QEMU's user networking (libslirp) gives the guest 10.0.2.15 behind a virtual
-# gateway 10.0.2.2; sandlot's helpers answer at an address of that network.
+# gateway 10.0.2.2 (the host's loopback, seen from the guest) with a resolver at
+# 10.0.2.3; a gVisor box's namespace gives it the same (engine/gvisor/network.py).
+# sandlot's helpers answer at an address of that network.
+GUEST_ADDRESS = "10.0.2.15"
+GATEWAY_ADDRESS = "10.0.2.2"
+RESOLVER_ADDRESS = "10.0.2.3"
 PROXY_ADDRESS = "10.0.2.100"
 PROXY_PORT = 3128
 DNS_PORT = 53

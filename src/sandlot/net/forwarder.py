@@ -30,7 +30,6 @@ sees this one name it.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import json
 import os
 import select
@@ -42,18 +41,14 @@ import sys
 import threading
 from typing import Any
 
+from . import netns
+from .addresses import GATEWAY_ADDRESS, GUEST_ADDRESS, RESOLVER_ADDRESS
 from .relay import close_guest, splice
 
-CLONE_NEWNET = 0x40000000
 SO_ORIGINAL_DST = 80
 IP_FREEBIND = 15  # bind to an address the namespace gets a moment later
-GUEST = "10.0.2.15"
-HOST_LOOPBACK = "10.0.2.2"  # the gateway: the host's 127.0.0.1, as under QEMU
-RESOLVER = "10.0.2.3"
 CHUNK = 1 << 16
 UDP_TIMEOUT = 5.0
-
-_libc = ctypes.CDLL(None, use_errno=True)
 
 
 class Namespaces:
@@ -63,18 +58,13 @@ class Namespaces:
         self.host = os.open("/proc/thread-self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
         self.box = os.open(box_netns, os.O_RDONLY | os.O_CLOEXEC)
 
-    def _enter(self, fd: int) -> None:
-        if _libc.setns(fd, CLONE_NEWNET) != 0:
-            err = ctypes.get_errno()
-            raise OSError(err, f"setns: {os.strerror(err)}")
-
     def box_socket(self, kind: int = socket.SOCK_STREAM) -> socket.socket:
         """A socket of the box's namespace (only this thread enters it, for a moment)."""
-        self._enter(self.box)
+        netns.enter(self.box, "the box's namespace")
         try:
             return socket.socket(socket.AF_INET, kind)
         finally:
-            self._enter(self.host)
+            netns.enter(self.host, "the host's namespace")
 
 
 def listener(sock: socket.socket, address: str, port: int, kind: int = socket.SOCK_STREAM) -> socket.socket:
@@ -130,7 +120,7 @@ def to_box(ns: Namespaces, guest_port: int) -> Any:
         inside = ns.box_socket()
         try:
             inside.settimeout(10)
-            inside.connect((GUEST, guest_port))
+            inside.connect((GUEST_ADDRESS, guest_port))
             inside.settimeout(None)
         except OSError:
             inside.close()
@@ -157,9 +147,9 @@ def outward(conn: socket.socket) -> None:
         raw = conn.getsockopt(socket.SOL_IP, SO_ORIGINAL_DST, 16)
         port, packed = struct.unpack_from("!2xH4s", raw)
         address = socket.inet_ntoa(packed)
-        if address == HOST_LOOPBACK:
+        if address == GATEWAY_ADDRESS:  # the host's loopback, as under QEMU
             address = "127.0.0.1"
-        elif address == RESOLVER:
+        elif address == RESOLVER_ADDRESS:
             address = nameserver()
         out = socket.create_connection((address, port), timeout=30)
         out.settimeout(None)
@@ -229,7 +219,7 @@ def main(argv: list[str]) -> int:
         serve(listener(ns.box_socket(), address, int(port)), run_command(shlex.split(command)))
     if spec.get("open_port"):
         serve(listener(ns.box_socket(), "0.0.0.0", int(spec["open_port"])), outward)
-        dns_outward(listener(ns.box_socket(socket.SOCK_DGRAM), RESOLVER, 53, socket.SOCK_DGRAM))
+        dns_outward(listener(ns.box_socket(socket.SOCK_DGRAM), RESOLVER_ADDRESS, 53, socket.SOCK_DGRAM))
     bound = []
     for sock, guest_port in published:
         address, port = sock.getsockname()[:2]

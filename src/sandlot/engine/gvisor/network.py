@@ -29,7 +29,6 @@ socket is an abstract Unix socket, and those are per namespace.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import os
 import shutil
 import socket
@@ -41,20 +40,17 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from ...errors import HostSetupError
-from ...net.addresses import PROXY_ADDRESS
+from ...net import netns
+from ...net.addresses import GATEWAY_ADDRESS, GUEST_ADDRESS, PROXY_ADDRESS, RESOLVER_ADDRESS
 from ..base import NetSpec
 
 NETNS_DIR = Path("/run/netns")  # where ``ip netns`` keeps named namespaces
 BOX_DEVICE = "eth0"
 GATEWAY_DEVICE = "gw0"
-GUEST_CIDR = "10.0.2.15/24"
-GATEWAY = "10.0.2.2"
-RESOLVER = "10.0.2.3"
+GUEST_CIDR = f"{GUEST_ADDRESS}/24"
 OPEN_PORT = 1  # where open mode's rule sends the box's other TCP connections (nothing else listens)
-CLONE_NEWNET = 0x40000000
 ETH_P_IP = 0x0800
 PROBE_MARK = 0x5A4D  # the firewall mark of ``held_time_waits``'s probes, left untracked (``redirect``)
-_libc = ctypes.CDLL(None, use_errno=True)
 
 
 def forwarder_spec(net: NetSpec) -> dict[str, Any]:
@@ -106,9 +102,7 @@ def in_namespace(cid: str, fn: Callable[[], None]) -> None:
     def thread() -> None:
         fd = os.open(netns_path(cid), os.O_RDONLY | os.O_CLOEXEC)
         try:
-            if _libc.setns(fd, CLONE_NEWNET) != 0:
-                err = ctypes.get_errno()
-                raise OSError(err, f"setns into {cid}: {os.strerror(err)}")
+            netns.enter(fd, cid)
             fn()
         except BaseException as exc:  # handed to the caller
             failure.append(exc)
@@ -149,7 +143,7 @@ def prepare(cid: str, *, open_mode: bool, rules: Path) -> None:
         f"addr replace {GUEST_CIDR} dev {BOX_DEVICE}",
         "link set lo up",
         f"link set {BOX_DEVICE} up",
-        f"route replace default via {GATEWAY} dev {BOX_DEVICE} onlink",
+        f"route replace default via {GATEWAY_ADDRESS} dev {BOX_DEVICE} onlink",
     ]
     _ip_batch(cid, batch, "configuring the box's network")
     wanted = "open" if open_mode else "restricted"
@@ -196,8 +190,12 @@ def redirect(cid: str, open_mode: bool) -> None:
 def started(cid: str, addresses: list[str]) -> None:
     """Once the sandbox runs (its netstack took ``eth0``): ``gw0`` up, with the gateway
     and the helpers' addresses."""
-    batch = [f"addr replace {GATEWAY}/24 dev {GATEWAY_DEVICE}"]
-    batch += [f"addr replace {a}/32 dev {GATEWAY_DEVICE}" for a in [RESOLVER, *addresses] if a != GATEWAY]
+    batch = [f"addr replace {GATEWAY_ADDRESS}/24 dev {GATEWAY_DEVICE}"]
+    batch += [
+        f"addr replace {a}/32 dev {GATEWAY_DEVICE}"
+        for a in [RESOLVER_ADDRESS, *addresses]
+        if a != GATEWAY_ADDRESS
+    ]
     batch.append(f"link set {GATEWAY_DEVICE} up")
     _ip_batch(cid, batch, "giving the box's gateway its addresses")
 
@@ -254,10 +252,9 @@ def entered(cid: str) -> list[str]:
 # as from its peer. An endpoint that is gone answers with a reset; one in TIME_WAIT
 # answers with an ACK or not at all (RFC 793), and a reset would not end it (RFC 1337).
 
-BOX_ADDRESS = GUEST_CIDR.split("/")[0]
 PROBE_SECONDS = 0.2
 _TCP_ACK, _TCP_RST = 0x10, 0x04
-_BOX_PACKED = socket.inet_aton(BOX_ADDRESS)
+_BOX_PACKED = socket.inet_aton(GUEST_ADDRESS)
 ENDED = {"TIME_WAIT", "LAST_ACK", "CLOSE"}  # tracked states after which the box may be in TIME_WAIT
 ADDRESS_KEYS = ("src", "dst", "sport", "dport")
 
@@ -284,9 +281,9 @@ def closed_flows(conntrack: str) -> set[Flow]:
         if len(values) != 8:
             continue
         src, dst, sport, dport = values[:4]
-        if src == BOX_ADDRESS:  # the box connected out
+        if src == GUEST_ADDRESS:  # the box connected out
             flows.add(Flow(int(sport), dst, int(dport)))
-        elif dst == BOX_ADDRESS:  # a connection to the box (published ports)
+        elif dst == GUEST_ADDRESS:  # a connection to the box (published ports)
             flows.add(Flow(int(dport), src, int(sport)))
     return flows
 
@@ -300,7 +297,7 @@ def host_time_waits(proc_net_tcp: str) -> set[Flow]:
         if state == "06":  # TIME_WAIT
             peer, peer_port = _hex_address(local)
             box, box_port = _hex_address(remote)
-            if box == BOX_ADDRESS:
+            if box == GUEST_ADDRESS:
                 flows.add(Flow(box_port, peer, peer_port))
     return flows
 
@@ -353,7 +350,7 @@ def _unanswered(flows: set[Flow]) -> list[Flow]:
         raw.setsockopt(socket.IPPROTO_IP, socket.IP_HDRINCL, 1)
         raw.setsockopt(socket.SOL_SOCKET, socket.SO_MARK, PROBE_MARK)
         for f in flows:
-            raw.sendto(bare_ack(f.peer, f.peer_port, BOX_ADDRESS, f.box_port), (BOX_ADDRESS, 0))
+            raw.sendto(bare_ack(f.peer, f.peer_port, GUEST_ADDRESS, f.box_port), (GUEST_ADDRESS, 0))
         deadline = time.monotonic() + PROBE_SECONDS
         while waiting and (left := deadline - time.monotonic()) > 0:
             answers.settimeout(left)

@@ -30,6 +30,7 @@ from ... import pids
 from ...config import tail
 from ...crashpoints import crash_point
 from ...errors import BootError, HostSetupError, SavedStateError
+from ...net.addresses import GUEST_ADDRESS
 from .. import hostcgroup
 from ..base import VM, Connector, VMRef, VMStatus
 from . import limits, network, runsc
@@ -614,7 +615,7 @@ class GvisorVM(VM):
             if time.monotonic() >= end:
                 box_port, peer, peer_port = held[0]
                 raise SavedStateError(
-                    f"the box holds {len(held)} TCP connection(s) in TIME_WAIT ({network.BOX_ADDRESS}:"
+                    f"the box holds {len(held)} TCP connection(s) in TIME_WAIT ({GUEST_ADDRESS}:"
                     f"{box_port} to {peer}:{peer_port} among them), which gVisor cannot save; they end "
                     "a minute after they closed: try again then (the box is still running)"
                 )
