@@ -786,12 +786,13 @@ def test_off_loopback_needs_keys_and_no_auth_stays_on_loopback(tmp_path: Path) -
 # -- load ---------------------------------------------------------------------------------
 
 
-def test_fifty_clients_on_ten_boxes_for_a_minute_lose_nothing_and_leak_nothing(
+def test_fifty_clients_on_ten_boxes_for_half_a_minute_lose_nothing_and_leak_nothing(
     tmp_path: Path, busybox_root: Path
 ) -> None:
-    """The issue's load test: 50 concurrent clients doing exec and file round trips on
-    10 boxes for 60 s, with no error, and no descriptor or memory growth in the server
-    between a warmed-up state and the end."""
+    """50 concurrent clients doing exec and file round trips on 10 boxes for 30 s
+    (the issue asked for 60; ``benchmarks/server.py`` runs the full minute), with no
+    error, and no descriptor or memory growth in the server between a warmed-up
+    state and the end."""
     with serving(tmp_path / "home") as s, s.client() as c:
         made = []
         try:
@@ -800,11 +801,11 @@ def test_fifty_clients_on_ten_boxes_for_a_minute_lose_nothing_and_leak_nothing(
                 assert r.status_code == 201, r.text
                 made.append(r.json()["id"])
             pid = s.process.pid
-            warm = load(s.url, s.api_key, made, clients=50, seconds=10)
+            warm = load(s.url, s.api_key, made, clients=50, seconds=5)
             assert warm["errors"] == 0, warm
             time.sleep(2)  # the warm-up's connections closed
             fds0, rss0 = open_fds(pid), rss_mib(pid)
-            result = load(s.url, s.api_key, made, clients=50, seconds=60)
+            result = load(s.url, s.api_key, made, clients=50, seconds=30)
             time.sleep(2)
             fds1, rss1 = open_fds(pid), rss_mib(pid)
             assert result["errors"] == 0, result
