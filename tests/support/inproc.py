@@ -14,6 +14,7 @@ import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -37,18 +38,19 @@ class InProcess:
 
 
 @contextlib.contextmanager
-def serving(home: Path, *, auth: bool = True, mcp: bool = True) -> Iterator[InProcess]:
+def serving(home: Path, *, auth: bool = True, mcp: bool = True, **settings: Any) -> Iterator[InProcess]:
     """The server's app for ``home`` on a free port of 127.0.0.1, in a thread with its own
-    event loop (the fake engine's VMs live on that loop); an admin key unless ``auth`` is off."""
+    event loop (the fake engine's VMs live on that loop); an admin key unless ``auth`` is
+    off. ``settings``: more of ``Settings``'s fields."""
     import uvicorn
 
     warnings.filterwarnings("ignore", message=".*`websockets` implementation is deprecated.*")
     register()
     key = access.create_key(f"admin-{time.monotonic_ns()}", admin=True, home=home)[1] if auth else None
     port = free_port()
-    settings = Settings(home=home, auth=auth, mcp=mcp, heir=f"test 127.0.0.1:{port}")
-    config = uvicorn.Config(create_app(settings), host="127.0.0.1", port=port, log_level="warning",
-                            loop="asyncio", ws="websockets", lifespan="on")  # fmt: skip
+    app = create_app(Settings(home=home, auth=auth, mcp=mcp, heir=f"test 127.0.0.1:{port}", **settings))
+    config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", loop="asyncio",
+                            ws="websockets", lifespan="on")  # fmt: skip
     server = uvicorn.Server(config)
     thread = threading.Thread(
         target=lambda: asyncio.run(server.serve()), name="sandlot-test-server", daemon=True

@@ -69,7 +69,7 @@ def test_create_list_and_revoke(store: BoxStore) -> None:
     assert rec.to_json() == {"id": rec.id, "name": "ci", "namespace": "team-a", "admin": False,
                              "quotas": {"boxes": 3, "memory_mib": 4096, "disk_gb": None},
                              "created_at": rec.created_at, "last_used_at": None,
-                             "revoked_at": None}  # fmt: skip
+                             "revoked_at": None, "lease": None}  # fmt: skip
 
     gone = revoke_key(store, "ci")
     assert gone.revoked and gone.revoked_at is not None

@@ -191,7 +191,7 @@ def test_root_help_groups_the_commands_in_order(monkeypatch: pytest.MonkeyPatch)
 def test_the_groups_hold_what_the_brief_asks() -> None:
     assert list(GROUPS["Boxes"])[:2] == ["run", "create"] and "audit" in GROUPS["Server"]
     assert {"pool", "template", "snapshot"} <= set(GROUPS["Live state"])
-    assert {"serve", "keys", "audit", "mcp"} == set(GROUPS["Server"])
+    assert {"serve", "keys", "previews", "audit", "mcp"} == set(GROUPS["Server"])
     assert list(GROUPS["Host"]) == ["doctor", "setup", "rootfs", "completion"]
     assert next(iter(COMMANDS)) == "run"
 

@@ -311,7 +311,7 @@ def test_unit_create_start_and_with_block() -> None:
                           "ports": [{"guest": 80, "host": 0}, {"guest": 81, "host": 8080},
                                     {"guest": 82, "host": 0}]}  # fmt: skip
     assert created[1] == {"image": "alpine", "labels": {"x": "y"}, "start": True}
-    assert created[2] == {"image": "alpine", "start": False}
+    assert created[2] == {"image": "alpine", "start": False, "ephemeral": True}  # a with block's: leased
 
 
 def test_unit_exec_posts_the_command_and_rebuilds_the_result() -> None:

@@ -651,14 +651,78 @@ def test_http_to_a_box_port_with_a_key_or_a_preview_url(
     assert (r.status_code, r.text) == (200, "hello\n")
     assert httpx.post(url + "cgi-bin/echo", content=b"x").text.endswith("\nx")
     token = url.rstrip("/").rsplit("/", 1)[1]
-    box_id, port, expires, sig = token.split(".")
-    forged = [f"{box_id}.8081.{expires}.{sig}", f"{box_id}.{port}.{int(expires) + 3600}.{sig}",
-              f"{box_id}.{port}.{expires}.{sig[:-2]}AA", "garbage", f"{box_id}.{port}.{expires}"]  # fmt: skip
+    pid, box_id, port, expires, sig = token.split(".")
+    forged = [f"{pid}.{box_id}.8081.{expires}.{sig}", f"{pid}.{box_id}.{port}.{int(expires) + 3600}.{sig}",
+              f"{pid}.{box_id}.{port}.{expires}.{sig[:-2]}AA", "garbage", f"{pid}.{box_id}.{port}.{expires}",
+              f"{box_id}.{port}.{expires}.{sig}"]  # fmt: skip
     for bad in forged:
         body = error(httpx.get(f"{served.url}/p/{bad}/index.html"), 403, "forbidden")
         assert "preview URL" in body["message"]
     time.sleep(2.1)
     assert "expired" in error(httpx.get(short + "index.html"), 403, "forbidden")["message"]
+
+
+SLOW_CGI = """#!/bin/sh
+echo "Content-Type: text/plain"
+echo
+for i in $(seq 100); do echo tick; sleep 0.2; done
+"""
+
+
+def test_revoking_a_key_ends_its_previews_at_once_on_every_server_of_the_home(
+    served: Served, box_a: dict[str, Any], team_keys: dict[str, str]
+) -> None:
+    """A preview made with a key that is then revoked stops answering on this server and
+    on another server of the same home, and a response streaming through it is cut;
+    another key's preview of the same port lives on, until it is revoked over REST."""
+    bid = box_a["id"]
+    namespace = box_a["labels"]["sandlot.namespace"]
+    name = f"leaky-{os.getpid()}-{time.monotonic_ns() % 10**6}"
+    leaky = create_key(served.home, name, "--namespace", namespace)
+    with served.client(team_keys["a"]) as c:
+        c.put(f"/v1/boxes/{bid}/files/content", params={"path": "/www8095/index.html"}, content=b"up\n")
+        c.put(f"/v1/boxes/{bid}/files/content", params={"path": "/www8095/cgi-bin/slow", "mode": 0o755},
+              content=SLOW_CGI.encode())  # fmt: skip
+        c.post(f"/v1/boxes/{bid}/exec", json={"argv": ["sh", "-c", "httpd -p 127.0.0.1:8095 -h /www8095"]})
+        _wait_answering(c, f"/v1/boxes/{bid}/ports/8095/index.html")
+        kept = c.post(f"/v1/boxes/{bid}/previews", json={"port": 8095, "ttl": 600}).json()
+    with served.client(leaky) as c:
+        r = c.post(f"/v1/boxes/{bid}/previews", json={"port": 8095, "ttl": 3600})
+        assert r.status_code == 201, r.text
+        leaked = r.json()
+    assert leaked["id"].startswith("pv-") and leaked["id"] in leaked["url"]
+    with serving(served.home) as second:
+        paths = [leaked["url"].removeprefix(served.url), kept["url"].removeprefix(served.url)]
+        for base in (served.url, second.url):
+            for path in paths:
+                r = httpx.get(base + path + "index.html", timeout=30)
+                assert (r.status_code, r.text) == (200, "up\n"), (base, path)
+        ticks: list[float] = []
+        with httpx.stream("GET", second.url + paths[0] + "cgi-bin/slow", timeout=30) as stream:
+            lines = stream.iter_lines()
+            assert next(lines) == "tick"
+            revoked = sandlot_cli(served.home, "keys", "revoke", name)
+            assert revoked.returncode == 0 and revoked.stdout.strip() == name, revoked.stderr
+            assert "1 preview URL ended with it" in revoked.stderr
+            t0 = time.monotonic()
+            ticks += [time.monotonic() - t0 for _ in lines]
+        assert len(ticks) < 30, f"the stream went on for {ticks[-1]:.1f}s after the revocation"
+        for base in (served.url, second.url):
+            body = error(httpx.get(base + paths[0] + "index.html"), 403, "forbidden")
+            assert "its API key was revoked" in body["message"]
+            assert httpx.get(base + paths[1] + "index.html").status_code == 200  # another key's
+        with served.client(team_keys["a"]) as c:
+            live = c.get("/v1/previews", params={"box": bid}).json()["previews"]
+            assert kept["id"] in [p["id"] for p in live] and leaked["id"] not in [p["id"] for p in live]
+            every = {p["id"]: p for p in c.get("/v1/previews", params={"live": False}).json()["previews"]}
+            assert every[leaked["id"]]["ended_why"] == "its API key was revoked"
+            with served.client(team_keys["b"]) as other:  # another namespace sees none of them
+                assert other.get("/v1/previews").json()["previews"] == []
+                error(other.delete(f"/v1/previews/{kept['id']}"), 404, "not_found")
+            assert c.delete(f"/v1/previews/{kept['id']}").status_code == 204
+            error(c.delete("/v1/previews/nonsense"), 400, "invalid_argument")
+        body = error(httpx.get(second.url + paths[1] + "index.html"), 403, "forbidden")
+        assert "revoked" in body["message"]
 
 
 WHERE_CGI = """#!/bin/sh
@@ -741,11 +805,20 @@ def test_websockets_to_a_box_port_with_a_key_or_a_preview_url(
             with connect(preview.replace("http", "ws") + "echo", open_timeout=30) as ws:  # no key
                 ws.send("via preview")
                 assert ws.recv(timeout=30) == "VIA PREVIEW"
+                # revoking the preview closes a WebSocket open through it (policy violation)
+                preview_id = preview.rstrip("/").rsplit("/", 1)[1].split(".")[0]
+                assert c.delete(f"/v1/previews/{preview_id}").status_code == 204
+                with pytest.raises(ConnectionClosed) as closed:
+                    ws.recv(timeout=10)
+                assert closed.value.rcvd is not None and closed.value.rcvd.code == 1008
+            outlived = c.post(f"/v1/boxes/{bid}/previews", json={"port": 8765}).json()["url"]
             with connect(served.url.replace("http", "ws") + f"/v1/boxes/{bid}/ports/8765/echo",
                          open_timeout=30) as ws:  # fmt: skip
                 assert json.loads(ws.recv(timeout=30))["error"]["code"] == "unauthorized"
         finally:
             c.delete(f"/v1/boxes/{bid}", params={"force": True})
+    body = error(httpx.get(outlived + "index.html"), 403, "forbidden")  # the box's removal ended it
+    assert "its box was removed" in body["message"]
 
 
 # -- listening ----------------------------------------------------------------------------

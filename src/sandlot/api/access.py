@@ -24,11 +24,15 @@ True
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
-from ..core import access
+from ..core import access, previews
 from ..core.access import KEY_LABEL, NAMESPACE_LABEL, ApiKey, AuditEntry, AuditLog, KeyVerifier, Quotas
+from ..core.previews import MAX_TTL as MAX_PREVIEW_TTL
+from ..core.previews import Preview
 from ..core.runtime import Runtime
 from ..core.store import BoxStore
+from ..errors import NotFound
 
 
 def create_key(
@@ -39,12 +43,15 @@ def create_key(
     max_boxes: int | None = None,
     max_memory_mib: int | None = None,
     max_disk_gb: int | None = None,
+    lease: float | None = None,
     home: str | os.PathLike[str] | None = None,
 ) -> tuple[ApiKey, str]:
-    """Make an API key: its record and the key itself, which is shown only this once."""
+    """Make an API key: its record and the key itself, which is shown only this once.
+    ``lease``: seconds a box its remote ``with`` block made outlives the client's last
+    renewal (api/leases.py; the server's default otherwise)."""
     quotas = Quotas(boxes=max_boxes, memory_mib=max_memory_mib, disk_gb=max_disk_gb)
     store = Runtime.for_home(home).store
-    return access.create_key(store, name, namespace=namespace, admin=admin, quotas=quotas)
+    return access.create_key(store, name, namespace=namespace, admin=admin, quotas=quotas, lease=lease)
 
 
 def list_keys(home: str | os.PathLike[str] | None = None) -> list[ApiKey]:
@@ -53,8 +60,82 @@ def list_keys(home: str | os.PathLike[str] | None = None) -> list[ApiKey]:
 
 
 def revoke_key(name: str, home: str | os.PathLike[str] | None = None) -> ApiKey:
-    """End an API key (by name or id) at once and for good; NotFound if there is none."""
+    """End an API key (by name or id) at once and for good, and the preview URLs it
+    made (``previews_ended_with`` counts them); NotFound if there is none."""
     return access.revoke_key(Runtime.for_home(home).store, name)
+
+
+# -- preview URLs (core/previews.py): signed, expiring, revocable ----------------------------
+
+
+def _home_dir(home: str | os.PathLike[str] | None) -> Path:
+    return Runtime.for_home(home).home
+
+
+def make_preview(box_id: str, port: int, ttl: float, *, key_id: str | None = None,
+                 key_name: str | None = None, namespace: str | None = None,
+                 home: str | os.PathLike[str] | None = None) -> tuple[Preview, str]:  # fmt: skip
+    """Record a preview URL of ``port`` in a box for ``ttl`` seconds, made by a key (its
+    id, name and namespace); its record and its token (the URL's secret, shown once)."""
+    rt = Runtime.for_home(home)
+    return previews.make_preview(rt.store, rt.home, box_id, port, ttl, key_id=key_id, key_name=key_name,
+                                 namespace=namespace)  # fmt: skip
+
+
+def preview_target(token: str, home: str | os.PathLike[str] | None = None) -> tuple[str, str, int]:
+    """(preview id, box id, port) from a token's signature alone: no store read."""
+    return previews.token_target(_home_dir(home), token)
+
+
+def check_preview(token: str, home: str | os.PathLike[str] | None = None) -> Preview:
+    """The live preview of ``token``; Forbidden, saying why (expired, revoked...), otherwise."""
+    rt = Runtime.for_home(home)
+    return previews.check_token(rt.store, rt.home, token)
+
+
+def list_previews(
+    *,
+    box: str | None = None,
+    key: str | None = None,
+    namespace: str | None = None,
+    live: bool = True,
+    home: str | os.PathLike[str] | None = None,
+) -> list[Preview]:
+    """Preview URLs, oldest first: of a box (id), a key (name or id), a namespace; the
+    live ones, or also those that ended or expired in the last week (``live=False``)."""
+    store = Runtime.for_home(home).store
+    return previews.list_previews(
+        store, box_id=box, key_id=_key_id(store, key), namespace=namespace, live=live
+    )
+
+
+def end_previews(*, preview: str | None = None, box: str | None = None, key: str | None = None,
+                 namespace: str | None = None, why: str = "revoked",
+                 home: str | os.PathLike[str] | None = None) -> int:  # fmt: skip
+    """End the live preview URLs that match every filter given; how many ended."""
+    store = Runtime.for_home(home).store
+    return previews.end_previews(store, why, preview_id=preview, box_id=box, key_id=_key_id(store, key),
+                                 namespace=namespace)  # fmt: skip
+
+
+def get_preview(preview: str, home: str | os.PathLike[str] | None = None) -> Preview:
+    return previews.get_preview(Runtime.for_home(home).store, preview)
+
+
+def previews_ended_with(key: ApiKey, home: str | os.PathLike[str] | None = None) -> int:
+    """How many preview URLs ended when ``key`` was revoked (0 for a live key)."""
+    if key.revoked_at is None:
+        return 0
+    return previews.ended_with_key(Runtime.for_home(home).store, key.id, key.revoked_at)
+
+
+def _key_id(store: BoxStore, key: str | None) -> str | None:
+    if key is None:
+        return None
+    row = store.find_key(key)
+    if row is None:
+        raise NotFound(f"no API key {key!r}")
+    return str(row["id"])
 
 
 def audit_log(
@@ -94,16 +175,25 @@ def audit_writer(
 
 __all__ = [
     "KEY_LABEL",
+    "MAX_PREVIEW_TTL",
     "NAMESPACE_LABEL",
     "ApiKey",
     "AuditEntry",
     "AuditLog",
     "KeyVerifier",
+    "Preview",
     "Quotas",
     "audit_log",
     "audit_writer",
+    "check_preview",
     "create_key",
+    "end_previews",
+    "get_preview",
     "key_verifier",
     "list_keys",
+    "list_previews",
+    "make_preview",
+    "preview_target",
+    "previews_ended_with",
     "revoke_key",
 ]

@@ -343,8 +343,9 @@ class RemoteBackend(Backend):
     made by the far side, and its processes are held there and followed from here."""
 
     @abstractmethod
-    async def make(self, ref: BoxRef, *, start: bool) -> dict[str, Any]:
-        """Make the described box on the far side (booted with ``start``): its description."""
+    async def make(self, ref: BoxRef, *, start: bool, ephemeral: bool = False) -> dict[str, Any]:
+        """Make the described box on the far side (booted with ``start``): its description.
+        ``ephemeral``: a ``with`` block's, to go when this side goes (a server's lease)."""
 
     @abstractmethod
     async def follow(self, ref: BoxRef, process_id: str, pid: int, tty: bool,
@@ -355,7 +356,7 @@ class RemoteBackend(Backend):
         # made first, then started: a box that fails to start is known here and can go
         box = described(ref)
         if box.wanted is not None:
-            box.rec = await self.make(box, start=start and not ephemeral)
+            box.rec = await self.make(box, start=start and not ephemeral, ephemeral=ephemeral)
             box.wanted = None
             if not (start and ephemeral):
                 return

@@ -229,6 +229,10 @@ REQUEST_FIELDS: dict[str, Any] = {
     "insecure": (bool | None, None),
     "ca_cert": (str | None, None),  # admin keys only: a path on the server's host
     "start": (bool, True),
+    # a remote ``with`` block's box: it holds a lease its client renews (server/leases.py),
+    # of ``lease`` seconds (else its key's length, else the server's)
+    "ephemeral": (bool | None, None),
+    "lease": (float | None, None),
 }
 HOST_PATHS = ("rootfs", "kernel", "ca_cert")
 assert set(PULL_POLICIES) == set(typing.get_args(typing.get_args(REQUEST_FIELDS["pull"][0])[0]))
@@ -263,7 +267,7 @@ def box_create(image: Any, options: Mapping[str, Any], transport: str) -> dict[s
                 raise Unsupported(f"{name}= is not offered over the {transport} transport: it names "
                                   "something of this host", transport=transport)  # fmt: skip
             continue
-        if name not in BoxCreate.model_fields or name == "start":
+        if name not in BoxCreate.model_fields or name in ("start", "ephemeral"):
             raise InvalidArgument(f"unknown box option(s): {name}")
         if value is None:
             continue

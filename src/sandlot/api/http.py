@@ -16,6 +16,7 @@ answers is raised as the sandlot exception it stands for (``errors.from_dict``).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import os
@@ -66,6 +67,7 @@ from .contract import error_from_answer as answer_error
 from .exec_channel import ChannelUnavailable, ExecChannel
 from .follow import FollowedProcess, FollowedWatch, Link, LinkClosed
 from .fs import WatchSource
+from .lease_keeper import LeaseKeeper
 from .process import AsyncProcess, ExecResult
 
 WS_MAX_MESSAGE = 16 << 20
@@ -175,6 +177,8 @@ class HttpBackend(RemoteBackend):
         # execs go over one WebSocket (api/exec_channel.py); with a transport of the
         # caller's, everything goes through it, over HTTP
         self._channel = ExecChannel(lambda: self.websocket("/exec"), url) if transport is None else None
+        self._transport = transport
+        self._leases: LeaseKeeper | None = None  # made with the first box that holds a lease
         self._http = httpx.AsyncClient(
             base_url=url + "/v1",
             headers=self._headers,
@@ -324,9 +328,32 @@ class HttpBackend(RemoteBackend):
             raise self.unsupported("home=", hint="a server's boxes live in its home")
         return HttpBoxRef(self, box_create(image, options, self.transport), None)
 
-    async def make(self, ref: BoxRef, *, start: bool) -> dict[str, Any]:
+    async def make(self, ref: BoxRef, *, start: bool, ephemeral: bool = False) -> dict[str, Any]:
         body = {**(http(ref).wanted or {}), "start": start}
-        return self.ref_of(await self.json("POST", "/boxes", json_body=body, timeout=self.long())).info
+        if ephemeral:  # a with block's: the box holds a lease this client renews
+            body["ephemeral"] = True
+        answer = await self.json("POST", "/boxes", json_body=body, timeout=self.long())
+        info = self.ref_of(answer).info
+        lease = answer.get("lease") if isinstance(answer, dict) else None
+        if isinstance(lease, dict) and isinstance(lease.get("seconds"), int | float):
+            self._lease_keeper().hold(info["id"], float(lease["seconds"]))
+        return info
+
+    def _let_go(self, box_id: str) -> None:
+        if self._leases is not None:
+            self._leases.let_go(box_id)
+
+    def _lease_keeper(self) -> LeaseKeeper:
+        if self._leases is None:
+            if self._transport is None:
+                self._leases = LeaseKeeper.over_http(self.url + "/v1", self._headers,
+                                                     self._ssl if self._ssl is not None else True,
+                                                     self._timeout)  # fmt: skip
+            else:  # an in-process transport: renewals go through it, on this loop
+                self._leases = LeaseKeeper.on_loop(
+                    lambda ids: self.json("POST", "/leases/renew", json_body={"boxes": ids}),
+                    asyncio.get_running_loop(), self._timeout)  # fmt: skip
+        return self._leases
 
     async def find(self, key: str) -> HttpBoxRef:
         return self.ref_of(await self.json("GET", f"/boxes/{seg(key)}"))
@@ -366,10 +393,12 @@ class HttpBackend(RemoteBackend):
         except NotFound:
             if scope == "box" and name in ("refresh", "remove"):  # gone: as a local box is
                 target.removed = True
+                self._let_go(target.id)
                 return None
             raise
         if scope == "box" and name == "remove":
             target.removed = True
+            self._let_go(target.id)
         return answered(kind, value, target, self.ref_of, self.snapshot_of)
 
     # -- commands ---------------------------------------------------------------------------
@@ -545,6 +574,8 @@ class HttpBackend(RemoteBackend):
         return {"transport": self.transport, "url": self.url, **data}
 
     async def aclose(self) -> None:
+        if self._leases is not None:  # the with blocks' boxes go once their leases lapse
+            await asyncio.to_thread(self._leases.close)
         if self._channel is not None:
             await self._channel.aclose()
         await self._http.aclose()

@@ -1,9 +1,11 @@
 """API keys and the audit trail of ``sandlot serve``.
 
 sandlot keys create --name N [--namespace NS] [--admin] [--max-boxes N]
-                    [--max-memory-mib N] [--max-disk-gb N]      the key, once
+                    [--max-memory-mib N] [--max-disk-gb N] [--lease S]   the key, once
 sandlot keys ls [--json]                                       revoked ones too
-sandlot keys revoke NAME                                       at once, for good
+sandlot keys revoke NAME                 at once, for good, with the preview URLs it made
+sandlot previews ls [--box B] [--key K] [--namespace NS] [--all] [--json]
+sandlot previews revoke [ID] [--box B] [--key K] [--namespace NS]
 sandlot audit [--box B] [--key K] [--since 1h|30m|2d|ISO-8601] [--limit N] [--json]
 """
 
@@ -29,6 +31,8 @@ if TYPE_CHECKING:
 
 keys_app = Sandlot(help="API keys of `sandlot serve`: create, ls, revoke.", no_args_is_help=True)
 app.add_typer(keys_app, name="keys")
+previews_app = Sandlot(help="Preview URLs that `sandlot serve` signed: ls, revoke.", no_args_is_help=True)
+app.add_typer(previews_app, name="previews")
 
 UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
 
@@ -76,13 +80,18 @@ def keys_create(
     max_disk_gb: Annotated[
         int | None, typer.Option("--max-disk-gb", min=1, help="GB of disk in all.")
     ] = None,
+    lease: Annotated[
+        float | None,
+        typer.Option("--lease", help="Seconds a box of its remote `with` block outlives the client (10+)."),
+    ] = None,
 ) -> None:
     """Make an API key and print it (shown only this once; the store keeps a hash)."""
     from ..api.access import create_key
 
     try:
         key, secret = create_key(name, namespace=namespace, admin=admin, max_boxes=max_boxes,
-                                 max_memory_mib=max_memory_mib, max_disk_gb=max_disk_gb)  # fmt: skip
+                                 max_memory_mib=max_memory_mib, max_disk_gb=max_disk_gb,
+                                 lease=lease)  # fmt: skip
     except SandlotError as exc:
         raise fail(exc, 125) from exc
     print(secret, flush=True)
@@ -120,14 +129,73 @@ def keys_ls(
 
 @keys_app.command("revoke")
 def keys_revoke(name: Annotated[str, typer.Argument(help="The key's name (or id).")]) -> None:
-    """End an API key at once and for good."""
-    from ..api.access import revoke_key
+    """End an API key at once and for good, and every preview URL it made, on every
+    server of the home. Prints the key's name; says on stderr how many previews ended."""
+    from ..api.access import previews_ended_with, revoke_key
 
     try:
         key = revoke_key(name)
+        ended = previews_ended_with(key)
     except SandlotError as exc:
         raise fail(exc, 125) from exc
     print(key.name)
+    err.print(f"{ended} preview URL{'' if ended == 1 else 's'} ended with it")
+
+
+PreviewFilter = Annotated[str | None, typer.Option(help="Only those of this box (id).")]
+KeyFilter = Annotated[str | None, typer.Option("--key", help="Only those this key made (name or id).")]
+NamespaceFilter = Annotated[str | None, typer.Option("--namespace", help="Only those of this namespace.")]
+
+
+@previews_app.command("ls")
+def previews_ls(
+    box: PreviewFilter = None,
+    key: KeyFilter = None,
+    namespace: NamespaceFilter = None,
+    everything: Annotated[
+        bool, typer.Option("--all", "-a", help="Also those that ended or expired in the last week.")
+    ] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
+) -> None:
+    """List preview URLs: id, box, port, the key that made it, when it expires or ended, and why."""
+    from ..api.access import list_previews
+
+    try:
+        found = list_previews(box=box, key=key, namespace=namespace, live=not everything)
+    except SandlotError as exc:
+        raise fail(exc, 125) from exc
+    if as_json:
+        print(json.dumps([p.to_json() for p in found], indent=1))
+        return
+    from rich.table import Table
+
+    table = Table(box=None, pad_edge=False)
+    for col in ("ID", "BOX", "PORT", "KEY", "NAMESPACE", "CREATED", "EXPIRES", "ENDED"):
+        table.add_column(col)
+    for p in found:
+        expires = datetime.datetime.fromtimestamp(p.expires_at).strftime("%Y-%m-%d %H:%M")
+        ended = f"{age(p.ended_at)} ({p.ended_why})" if p.ended_at else "-"
+        table.add_row(p.id, p.box_id, str(p.port), p.key_name or p.key_id or "-", p.namespace or "-",
+                      age(p.created_at), expires, ended)  # fmt: skip
+    table_console().print(table)
+
+
+@previews_app.command("revoke")
+def previews_revoke(
+    preview: Annotated[str | None, typer.Argument(help="The preview's id (pv-...).")] = None,
+    box: PreviewFilter = None,
+    key: KeyFilter = None,
+    namespace: NamespaceFilter = None,
+) -> None:
+    """End preview URLs at once, on every server of the home: one by its id, or all of a
+    box, a key or a namespace. Prints how many ended."""
+    from ..api.access import end_previews
+
+    try:
+        ended = end_previews(preview=preview, box=box, key=key, namespace=namespace)
+    except SandlotError as exc:
+        raise fail(exc, 125) from exc
+    print(ended)
 
 
 def detail_text(entry: AuditEntry) -> str:

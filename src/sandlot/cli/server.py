@@ -49,6 +49,14 @@ def serve(
             "(a wildcard DNS name and certificate for *.DOMAIN point here)."
         ),
     ] = None,
+    lease: Annotated[
+        float,
+        typer.Option(
+            help="Seconds a box of a remote `with` block outlives its client's last renewal, "
+            "unless its key sets another (10+).",
+            min=10,
+        ),
+    ] = 60.0,
     log_level: Annotated[str, typer.Option(help="uvicorn's log level.")] = "warning",
     no_mcp: Annotated[bool, typer.Option("--no-mcp", help="Serve no MCP endpoint at /mcp.")] = False,
     mcp_image: Annotated[
@@ -94,7 +102,8 @@ def serve(
     scheme = "https" if tls_cert else "http"
     err.print(f"sandlot serve: {scheme}://{host}:{port} (docs at /docs)")
     settings = Settings(auth=not no_auth, body_timeout=body_timeout, port_domain=port_domain, mcp=not no_mcp,
-                        mcp_image=mcp_image, mcp_limits=mcp_limits, heir=f"serve {host}:{port}")  # fmt: skip
+                        mcp_image=mcp_image, mcp_limits=mcp_limits, heir=f"serve {host}:{port}",
+                        lease=lease)  # fmt: skip
     config = uvicorn.Config(
         create_app(settings),
         host=host,

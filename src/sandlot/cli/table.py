@@ -27,7 +27,7 @@ GROUPS: dict[str, dict[str, str]] = {
         "pull": "images", "images": "images", "rmi": "images", "load": "images", "import": "images",
         "inspect-image": "images",
     },
-    "Server": {"serve": "server", "keys": "access", "audit": "access", "mcp": "mcp"},
+    "Server": {"serve": "server", "keys": "access", "previews": "access", "audit": "access", "mcp": "mcp"},
     "Fleet": {"fleet": "fleet"},
     "Host": {"doctor": "host", "setup": "host", "rootfs": "host", "completion": "completion"},
 }  # fmt: skip

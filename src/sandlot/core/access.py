@@ -37,6 +37,7 @@ from types import TracebackType
 from typing import Any
 
 from ..errors import InvalidArgument, NotFound, Unauthorized
+from . import leases
 from .store import BoxStore
 
 log = logging.getLogger("sandlot.access")
@@ -109,6 +110,7 @@ class ApiKey:
     created_at: float
     last_used_at: float | None = None
     revoked_at: float | None = None
+    lease: float | None = None  # seconds the leases of its remote ``with`` boxes run (core/leases.py)
 
     @property
     def revoked(self) -> bool:
@@ -124,6 +126,7 @@ class ApiKey:
             "created_at": self.created_at,
             "last_used_at": self.last_used_at,
             "revoked_at": self.revoked_at,
+            "lease": self.lease,
         }
 
 
@@ -137,6 +140,7 @@ def _key(row: dict[str, Any]) -> ApiKey:
         created_at=row["created_at"],
         last_used_at=row["last_used_at"],
         revoked_at=row["revoked_at"],
+        lease=row.get("lease"),
     )
 
 
@@ -147,9 +151,13 @@ def create_key(
     namespace: str | None = None,
     admin: bool = False,
     quotas: Quotas = NO_QUOTAS,
+    lease: float | None = None,
 ) -> tuple[ApiKey, str]:
-    """Make a key: its record, and the key itself (returned this once, stored nowhere)."""
+    """Make a key: its record, and the key itself (returned this once, stored nowhere).
+    ``lease``: how long the leases of the boxes its remote ``with`` blocks make run."""
     _check_name("key name", name)
+    if lease is not None:
+        lease = leases.check_seconds(lease)
     if namespace is not None:
         _check_name("namespace", namespace)
     if not isinstance(admin, bool):
@@ -160,10 +168,10 @@ def create_key(
     salt = secrets.token_bytes(SALT_BYTES)
     digest = _scrypt(secret, salt)
     for _ in range(16):  # 8 hex digits: a clash is one in four billion per key
-        key = ApiKey(secrets.token_hex(4), name, namespace, admin, quotas, time.time())
+        key = ApiKey(secrets.token_hex(4), name, namespace, admin, quotas, time.time(), lease=lease)
         row = {"id": key.id, "name": name, "namespace": namespace, "admin": int(admin), "salt": salt,
                "hash": digest, "quotas": json.dumps(quotas.to_json()),
-               "created_at": key.created_at}  # fmt: skip
+               "created_at": key.created_at, "lease": lease}  # fmt: skip
         if store.insert_key(row):
             return key, f"{KEY_PREFIX}{key.id}-{secret}"
     raise RuntimeError("no free key id after 16 tries")  # pragma: no cover

@@ -36,7 +36,7 @@ from ..engine.base import VMRef
 from ..errors import BoxNotFound, InvalidArgument, SandlotError, SnapshotNotFound
 from ..net.policy import BOX_NAME
 
-SCHEMA_VERSION = 5
+SCHEMA_VERSION = 6
 
 
 _V2_GENERAL_FACTS = ("memory_mib", "cpus", "ports", "network", "accel")
@@ -176,9 +176,41 @@ MIGRATIONS: list[str | Callable[[sqlite3.Connection], None]] = [
     ALTER TABLE boxes ADD COLUMN holder_start TEXT;
     UPDATE boxes SET holder_pid = owner_pid, holder_start = owner_start WHERE ephemeral = 1;
     """,
+    # the preview URLs servers signed: each is checked here on every request, so revoking
+    # its key (or it, or removing its box) ends it on every server of the home at once.
+    # The leases of the boxes remote clients made for ``with`` blocks: a server removes a
+    # box whose lease lapsed (its client died). A key may set how long its leases run.
+    """
+    CREATE TABLE previews (
+        id TEXT PRIMARY KEY,
+        box_id TEXT NOT NULL,
+        port INTEGER NOT NULL,
+        key_id TEXT,
+        key_name TEXT,
+        namespace TEXT,
+        created_at REAL NOT NULL,
+        expires_at REAL NOT NULL,
+        ended_at REAL,
+        ended_why TEXT
+    );
+    CREATE INDEX previews_box ON previews(box_id);
+    CREATE INDEX previews_key ON previews(key_id);
+    CREATE TABLE leases (
+        box_id TEXT PRIMARY KEY,
+        seconds REAL NOT NULL,
+        until REAL NOT NULL,
+        key_id TEXT,
+        key_name TEXT,
+        namespace TEXT,
+        created_at REAL NOT NULL
+    );
+    CREATE INDEX leases_until ON leases(until);
+    ALTER TABLE keys ADD COLUMN lease REAL;
+    """,
 ]
 
 SNAPSHOT_KINDS = ("snapshot", "template", "suspend")
+KEY_REVOKED = "its API key was revoked"  # why the previews a revocation ended did end
 NAME_RE = BOX_NAME  # one rule for box names: the egress policy's box entries name boxes by it
 
 
@@ -460,6 +492,12 @@ class BoxStore:
     def delete(self, box_id: str) -> None:
         with self._tx() as db:
             db.execute("DELETE FROM boxes WHERE id = ?", (box_id,))
+            db.execute("DELETE FROM leases WHERE box_id = ?", (box_id,))
+            db.execute(
+                "UPDATE previews SET ended_at = ?, ended_why = 'its box was removed' "
+                "WHERE box_id = ? AND ended_at IS NULL",
+                (time.time(), box_id),
+            )
 
     def children(self, snap_id: str) -> builtins.list[BoxRecord]:
         with self._lock:
@@ -575,9 +613,17 @@ class BoxStore:
         return [dict(r) for r in rows]
 
     def revoke_key(self, key_id: str, at: float) -> dict[str, Any] | None:
-        """Mark a key revoked (a revoked key keeps its first revocation time)."""
+        """Mark a key revoked (a revoked key keeps its first revocation time), and end its
+        live previews at that same time."""
         with self._tx() as db:
-            db.execute("UPDATE keys SET revoked_at = COALESCE(revoked_at, ?) WHERE id = ?", (at, key_id))
+            if db.execute(
+                "UPDATE keys SET revoked_at = ? WHERE id = ? AND revoked_at IS NULL", (at, key_id)
+            ).rowcount:
+                db.execute(
+                    "UPDATE previews SET ended_at = ?, ended_why = ? WHERE key_id = ? "
+                    "AND ended_at IS NULL AND expires_at > ?",
+                    (at, KEY_REVOKED, key_id, at),
+                )
             row = db.execute("SELECT * FROM keys WHERE id = ?", (key_id,)).fetchone()
         return dict(row) if row else None
 
@@ -585,6 +631,120 @@ class BoxStore:
         with self._tx() as db:
             db.execute("UPDATE keys SET last_used_at = MAX(COALESCE(last_used_at, 0), ?) WHERE id = ?",
                        (at, key_id))  # fmt: skip
+
+    def insert_preview(self, row: dict[str, Any], *, prune_before: float) -> None:
+        """Add a preview's row, and drop those that expired or ended before ``prune_before``."""
+        cols = ", ".join(row)
+        marks = ", ".join(f":{k}" for k in row)
+        with self._tx() as db:
+            db.execute("DELETE FROM previews WHERE COALESCE(ended_at, expires_at) < ?", (prune_before,))
+            db.execute(f"INSERT INTO previews ({cols}) VALUES ({marks})", row)
+
+    def preview_row(self, preview_id: str) -> dict[str, Any] | None:
+        """A preview's row, with ``key_revoked_at`` (its key's revocation time, if any)."""
+        with self._lock:
+            row = self._db.execute(
+                "SELECT p.*, k.revoked_at AS key_revoked_at FROM previews p "
+                "LEFT JOIN keys k ON k.id = p.key_id WHERE p.id = ?",
+                (preview_id,),
+            ).fetchone()
+        return dict(row) if row else None
+
+    def preview_rows(
+        self,
+        *,
+        box_id: str | None = None,
+        key_id: str | None = None,
+        namespace: str | None = None,
+        live_at: float | None = None,
+    ) -> builtins.list[dict[str, Any]]:
+        """Previews, oldest first: of a box, a key, a namespace; only those live at
+        ``live_at`` (not ended, not expired) when it is given."""
+        sql, args = self._preview_filter(box_id, key_id, namespace, live_at)
+        with self._lock:
+            rows = self._db.execute(f"SELECT * FROM previews WHERE {sql} ORDER BY created_at, id", args)
+            found = rows.fetchall()
+        return [dict(r) for r in found]
+
+    def end_previews(
+        self,
+        why: str,
+        at: float,
+        *,
+        preview_id: str | None = None,
+        box_id: str | None = None,
+        key_id: str | None = None,
+        namespace: str | None = None,
+    ) -> int:
+        """End the live previews that match (all given filters); how many ended."""
+        sql, args = self._preview_filter(box_id, key_id, namespace, at)
+        if preview_id is not None:
+            sql += " AND id = ?"
+            args.append(preview_id)
+        with self._tx() as db:
+            n: int = db.execute(
+                f"UPDATE previews SET ended_at = ?, ended_why = ? WHERE {sql}", [at, why, *args]
+            ).rowcount
+        return n
+
+    @staticmethod
+    def _preview_filter(
+        box_id: str | None, key_id: str | None, namespace: str | None, live_at: float | None
+    ) -> tuple[str, builtins.list[Any]]:
+        sql = "1=1"
+        args: builtins.list[Any] = []
+        for column, value in (("box_id", box_id), ("key_id", key_id), ("namespace", namespace)):
+            if value is not None:
+                sql += f" AND {column} = ?"
+                args.append(value)
+        if live_at is not None:
+            sql += " AND ended_at IS NULL AND expires_at > ?"
+            args.append(live_at)
+        return sql, args
+
+    def put_lease(self, row: dict[str, Any]) -> None:
+        """Give a box a lease (or replace its lease)."""
+        cols = ", ".join(row)
+        marks = ", ".join(f":{k}" for k in row)
+        with self._tx() as db:
+            db.execute(f"INSERT OR REPLACE INTO leases ({cols}) VALUES ({marks})", row)
+
+    def lease_rows(self, box_ids: builtins.list[str] | None = None) -> builtins.list[dict[str, Any]]:
+        """The leases of these boxes (of every box: None)."""
+        with self._lock:
+            if box_ids is None:
+                rows = self._db.execute("SELECT * FROM leases ORDER BY until").fetchall()
+            else:
+                marks = ", ".join("?" for _ in box_ids)
+                rows = self._db.execute(f"SELECT * FROM leases WHERE box_id IN ({marks})", box_ids).fetchall()
+        return [dict(r) for r in rows]
+
+    def renew_leases(self, box_ids: builtins.list[str], now: float) -> builtins.list[dict[str, Any]]:
+        """Run the leases of these boxes again from ``now`` (each for its own length),
+        unless one has lapsed already; the leases renewed."""
+        marks = ", ".join("?" for _ in box_ids)
+        with self._tx(durable=False) as db:  # a lost renewal costs a renewal, not a box
+            db.execute(f"UPDATE leases SET until = ? + seconds WHERE until >= ? AND box_id IN ({marks})",
+                       [now, now, *box_ids])  # fmt: skip
+            rows = db.execute(f"SELECT * FROM leases WHERE until >= ? AND box_id IN ({marks})",
+                              [now, *box_ids]).fetchall()  # fmt: skip
+        return [dict(r) for r in rows]
+
+    def extend_leases(self, until_at_least: float) -> int:
+        """Move every lease that would end before ``until_at_least`` (plus its length) out
+        to there: a server that starts gives clients one whole lease to come back."""
+        with self._tx() as db:
+            n: int = db.execute("UPDATE leases SET until = ? + seconds WHERE until < ? + seconds",
+                                (until_at_least, until_at_least)).rowcount  # fmt: skip
+        return n
+
+    def drop_lease(self, box_id: str) -> None:
+        with self._tx() as db:
+            db.execute("DELETE FROM leases WHERE box_id = ?", (box_id,))
+
+    def set_key_lease(self, key_id: str, seconds: float | None) -> None:
+        with self._tx() as db:
+            db.execute("UPDATE keys SET lease = ? WHERE id = ?", (seconds, key_id))
 
     def insert_audit(self, rows: builtins.list[dict[str, Any]]) -> None:
         """Append audit entries, all in one transaction."""

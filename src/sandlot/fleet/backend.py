@@ -284,7 +284,9 @@ class RayBackend(RemoteBackend):
             raise InvalidArgument(f"strategy must be 'pack' or 'spread', not {where['strategy']!r}")
         return RayBoxRef(self, None, box_create(image, opts, self.transport), where)
 
-    async def make(self, ref: BoxRef, *, start: bool) -> dict[str, Any]:
+    async def make(self, ref: BoxRef, *, start: bool, ephemeral: bool = False) -> dict[str, Any]:
+        # a with block's box goes by the block's end; the fleet holds no lease (the driver
+        # that dies takes the cluster's job with it)
         box = ray_box(ref)
         assert box.wanted is not None
         return await self.place(box.wanted, box.where, start=start)

@@ -164,7 +164,7 @@ def _mcp_endpoint(settings: Settings, inner: Callable[[], Guard | None]) -> Endp
 
 def create_app(settings: Settings) -> ASGIApp:
     """The server's ASGI application for one sandlot home."""
-    from . import bridge
+    from . import bridge, leases
     from .routes import router
 
     state = ServerState(settings)
@@ -176,6 +176,7 @@ def create_app(settings: Settings) -> ASGIApp:
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         taking_over = asyncio.ensure_future(state.take_over_all())
         filling = asyncio.ensure_future(keep_pools_filled_async(home=settings.home))  # warm pools
+        sweeping = asyncio.ensure_future(leases.sweep(state))  # boxes of clients that died
         try:
             async with mcp.lifespan() if mcp is not None else contextlib.nullcontext():
                 yield
@@ -183,6 +184,7 @@ def create_app(settings: Settings) -> ASGIApp:
             # boxes and their processes run on (a later server takes the processes
             # over): only the server's own work ends here
             taking_over.cancel()
+            sweeping.cancel()
             filling.cancel()
             with contextlib.suppress(BaseException):
                 await filling  # a VM it was making is removed, not left half made
@@ -223,6 +225,7 @@ def create_app(settings: Settings) -> ASGIApp:
 
     api.include_router(router, prefix="/v1")
     api.include_router(bridge.v1, prefix="/v1")
+    api.include_router(leases.v1, prefix="/v1")
     api.include_router(bridge.router)
     if mcp is not None:
         api.router.routes.append(Route(MCP_PATH, endpoint=mcp.app, include_in_schema=False))

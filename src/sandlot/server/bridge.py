@@ -8,9 +8,11 @@ relay, ``api/bridge.py``): the port needs no publishing and the box no network.
   and WebSocket, authenticated by an API key like every ``/v1`` route.
 - ``/p/{token}/{path}``: the same, authenticated by the signed, expiring token a
   key holder made (``POST /v1/boxes/{box}/previews``), for browsers and apps that
-  carry no key. The token names the box, the port and the expiry, and is an
-  HMAC-SHA256 under a secret of this home (``server/preview.key``), so any server
-  of the home accepts it and nobody else can make one.
+  carry no key. Every request checks the token's signature and its row in the
+  store (``core/previews.py``), so a preview whose key is revoked, or that is
+  revoked itself, or whose box is removed, ends at once on every server of the
+  home; a WebSocket or a response still streaming through it is cut within
+  ``PREVIEW_RECHECK`` seconds.
 - ``WS /v1/boxes/{box}/tcp/{port}``: a raw connection (binary frames both ways),
   what the remote client's ``box.connect(port)`` uses.
 - ``{port}-{box}.{domain}`` (``sandlot serve --port-domain DOMAIN``; ``HostRoutes``):
@@ -25,19 +27,12 @@ and hop-by-hop headers, and a sandlot key, are not passed on.
 from __future__ import annotations
 
 import asyncio
-import base64
 import contextlib
-import hashlib
-import hmac
 import json
 import math
-import os
 import re
-import secrets
 import socket
-import time
-from collections.abc import AsyncIterator, MutableMapping
-from pathlib import Path
+from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
 from typing import Any
 from urllib.parse import urlencode
 
@@ -52,6 +47,8 @@ from websockets.asyncio.client import connect as ws_connect
 from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidStatus
 from websockets.typing import Subprotocol
 
+from ..api import access
+from ..api.access import MAX_PREVIEW_TTL, Preview
 from ..api.box import AsyncBox
 from ..api.contract import error_message
 from ..errors import (
@@ -59,6 +56,7 @@ from ..errors import (
     Forbidden,
     GuestOSError,
     InvalidArgument,
+    NotFound,
     PortUnreachable,
     RequestError,
     SandlotError,
@@ -73,51 +71,25 @@ HOP_BY_HOP = {b"connection", b"keep-alive", b"proxy-authenticate", b"proxy-autho
               b"trailer", b"transfer-encoding", b"upgrade", b"host", b"x-api-key"}  # fmt: skip
 RESPONSE_HEAD_TIMEOUT = 300.0  # seconds the app in the box may take to start answering
 READ_CHUNK = 256 << 10
-MAX_PREVIEW_TTL = 7 * 24 * 3600
+PREVIEW_RECHECK = 1.0  # seconds between checks that a preview still lives, while it streams
 METHODS = ["GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"]
 
 
-# -- preview tokens -------------------------------------------------------------------------
+# -- preview tokens (core/previews.py) ------------------------------------------------------
 
 
-def _preview_key(home: Path) -> bytes:
-    """The home's preview secret, made on first use (0600, written atomically)."""
-    path = home / "server" / "preview.key"
-    try:
-        return path.read_bytes()
-    except FileNotFoundError:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with contextlib.suppress(FileExistsError):
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)  # the first writer wins
-            with os.fdopen(fd, "wb") as f:
-                f.write(secrets.token_bytes(32))
-                f.flush()
-                os.fsync(f.fileno())
-        return path.read_bytes()
+async def check_preview(server: ServerState, token: str) -> Preview:
+    return await asyncio.to_thread(access.check_preview, token, server.home)
 
 
-def _signature(key: bytes, box_id: str, port: int, expires: int) -> str:
-    mac = hmac.new(key, f"{box_id}.{port}.{expires}".encode(), hashlib.sha256).digest()
-    return base64.urlsafe_b64encode(mac[:18]).decode()
-
-
-def make_preview_token(home: Path, box_id: str, port: int, ttl: int) -> tuple[str, int]:
-    expires = int(time.time()) + ttl
-    return f"{box_id}.{port}.{expires}.{_signature(_preview_key(home), box_id, port, expires)}", expires
-
-
-def check_preview_token(home: Path, token: str) -> tuple[str, int]:
-    """(box id, port) of a token that is well formed, signed by this home and not expired."""
-    parts = token.split(".")
-    if len(parts) != 4 or not parts[1].isdigit() or not parts[2].isdigit():
-        raise Forbidden("this preview URL is malformed")
-    box_id, port, expires, sig = parts[0], int(parts[1]), int(parts[2]), parts[3]
-    if not hmac.compare_digest(sig, _signature(_preview_key(home), box_id, port, expires)):
-        raise Forbidden("this preview URL's signature is wrong")
-    if expires < time.time():
-        when = time.strftime("%Y-%m-%d %H:%M:%SZ", time.gmtime(expires))
-        raise Forbidden(f"this preview URL expired at {when}")
-    return box_id, port
+async def _until_ended(server: ServerState, token: str) -> None:
+    """Return once the preview of ``token`` has ended (revoked, expired, its box gone)."""
+    while True:
+        await asyncio.sleep(PREVIEW_RECHECK)
+        try:
+            await check_preview(server, token)
+        except SandlotError:
+            return
 
 
 # -- host-based routes ----------------------------------------------------------------------
@@ -172,7 +144,8 @@ class HostRoutes:
         await self.app(scope, receive, send)
 
     def _check_token(self, token: str, port: str, box: str) -> None:
-        box_id, token_port = check_preview_token(self.state.home_dir, token)
+        """The token's signature, expiry and target (the /p/ route it goes on to reads its row)."""
+        _, box_id, token_port = access.preview_target(token, self.state.home)
         if (box_id, token_port) != (box, int(port)):
             raise Forbidden(f"this preview is for port {token_port} of box {box_id}, not this host")
 
@@ -183,6 +156,7 @@ class HostRoutes:
         cookie of this host (so the app's own links and requests carry it)."""
         token = query[TOKEN_PARAM]
         self._check_token(token, port, box)
+        await check_preview(self.state, token)  # no cookie for a preview that has ended
         rest = urlencode([(k, v) for k, v in query.multi_items() if k != TOKEN_PARAM])
         location = scope["path"] + (f"?{rest}" if rest else "")
         secure = "; Secure" if scope.get("scheme") in ("https", "wss") else ""
@@ -220,8 +194,10 @@ def _headers_for_box(request: Request, port: int, prefix: str) -> list[tuple[byt
     return out
 
 
-async def proxy_http(request: Request, box: AsyncBox, port: int, path: str, prefix: str) -> Response:
-    """Send ``request`` to ``port`` in ``box`` and stream the answer back."""
+async def proxy_http(request: Request, box: AsyncBox, port: int, path: str, prefix: str,
+                     until: Callable[[], Awaitable[None]] | None = None) -> Response:  # fmt: skip
+    """Send ``request`` to ``port`` in ``box`` and stream the answer back (cut short
+    when ``until()`` returns)."""
     sock = await _connect(box, port)
     reader, writer = await asyncio.open_connection(sock=sock, limit=READ_CHUNK)
     conn = h11.Connection(h11.CLIENT)
@@ -253,6 +229,7 @@ async def proxy_http(request: Request, box: AsyncBox, port: int, path: str, pref
         raise PortUnreachable(why, box=box.name) from None
 
     async def body() -> AsyncIterator[bytes]:
+        cut = asyncio.ensure_future(_close_when(until(), writer)) if until else None
         try:
             while True:
                 event = await _next_event(conn, reader)
@@ -261,13 +238,20 @@ async def proxy_http(request: Request, box: AsyncBox, port: int, path: str, pref
                 elif isinstance(event, h11.EndOfMessage | h11.ConnectionClosed):
                     return
         except (h11.ProtocolError, OSError):
-            return  # the app broke off: the client sees a short body
+            return  # the app broke off (or the preview ended): the client sees a short body
         finally:
+            if cut is not None:
+                cut.cancel()
             writer.close()
 
     response = StreamingResponse(body(), status_code=head.status_code)
     response.raw_headers = [(bytes(k), bytes(v)) for k, v in head.headers if k not in HOP_BY_HOP]
     return response
+
+
+async def _close_when(ended: Awaitable[None], writer: asyncio.StreamWriter) -> None:
+    await ended
+    writer.close()
 
 
 async def _next_event(conn: h11.Connection, reader: asyncio.StreamReader) -> Any:
@@ -289,9 +273,11 @@ async def _connect(box: AsyncBox, port: int) -> socket.socket:
 # -- WebSocket -----------------------------------------------------------------------------
 
 
-async def proxy_websocket(ws: WebSocket, box: AsyncBox, port: int, path: str) -> None:
+async def proxy_websocket(ws: WebSocket, box: AsyncBox, port: int, path: str,
+                          until: Callable[[], Awaitable[None]] | None = None) -> None:  # fmt: skip
     """Open a WebSocket to ``port`` in ``box`` (with the client's subprotocols), then
-    accept the client's and pass messages both ways until either side closes."""
+    accept the client's and pass messages both ways until either side closes, or
+    ``until()`` returns (then the client's closes with 1008, policy violation)."""
     query = ws.url.query
     protocols = [str(p) for p in ws.scope.get("subprotocols") or []]  # what the client offered
     try:
@@ -307,7 +293,7 @@ async def proxy_websocket(ws: WebSocket, box: AsyncBox, port: int, path: str) ->
         await ws.close(1011)
         return
     await ws.accept(subprotocol=inner.subprotocol)
-    await _splice(ws, inner)
+    await _splice(ws, inner, until)
 
 
 def _handshake_reason(e: BaseException) -> str:
@@ -316,7 +302,10 @@ def _handshake_reason(e: BaseException) -> str:
     return str(e) or type(e).__name__
 
 
-async def _splice(ws: WebSocket, inner: ClientConnection) -> None:
+Until = Callable[[], Awaitable[None]]  # returns when a connection through a preview must end
+
+
+async def _splice(ws: WebSocket, inner: ClientConnection, until: Until | None) -> None:
     async def outward() -> None:
         async for msg in inner:
             if isinstance(msg, bytes):
@@ -328,11 +317,12 @@ async def _splice(ws: WebSocket, inner: ClientConnection) -> None:
         async for msg in _from_client(ws):
             await inner.send(msg)
 
-    await _first_to_end(outward(), inward())
+    ended = asyncio.ensure_future(until()) if until else None
+    await _first_to_end(outward(), inward(), *([ended] if ended else []))
     with contextlib.suppress(Exception):
         await inner.close()
     with contextlib.suppress(Exception):
-        await ws.close(1000)
+        await ws.close(1008 if ended is not None and ended.done() and not ended.cancelled() else 1000)
 
 
 async def _from_client(ws: WebSocket) -> AsyncIterator[bytes | str]:
@@ -409,17 +399,19 @@ def _server(request: Request | WebSocket) -> ServerState:
 
 async def _preview_box(request: Request | WebSocket, token: str) -> tuple[AsyncBox, int]:
     server = _server(request)
-    box_id, port = check_preview_token(server.home_dir, token)
+    preview = await check_preview(server, token)
     try:
-        return await AsyncBox.get(box_id, home=server.home), port
+        return await AsyncBox.get(preview.box_id, home=server.home), preview.port
     except BoxNotFound:
-        raise BoxNotFound(f"the box of this preview URL is gone ({box_id})", box=box_id) from None
+        gone = f"the box of this preview URL is gone ({preview.box_id})"
+        raise BoxNotFound(gone, box=preview.box_id) from None
 
 
 @router.api_route("/p/{token}/{path:path}", methods=METHODS, include_in_schema=False)
 async def preview_http(request: Request, token: str, path: str) -> Response:
     box, port = await _preview_box(request, token)
-    return await proxy_http(request, box, port, path, _prefix(request, f"/p/{token}"))
+    return await proxy_http(request, box, port, path, _prefix(request, f"/p/{token}"),
+                            lambda: _until_ended(_server(request), token))  # fmt: skip
 
 
 @router.get("/p/{token}", include_in_schema=False)
@@ -436,7 +428,7 @@ async def preview_ws(ws: WebSocket, token: str, path: str) -> None:
         await ws.send_json(error_message(e))
         await ws.close(1008)
         return
-    await proxy_websocket(ws, box, port, path)
+    await proxy_websocket(ws, box, port, path, lambda: _until_ended(_server(ws), token))
 
 
 async def port_http(request: Request, box: str, port: int, path: str) -> Response:
@@ -474,13 +466,18 @@ async def tcp_ws(ws: WebSocket, box: str, port: int) -> None:
 
 async def make_preview(request: Request, box: AsyncBox, params: Any) -> dict[str, Any]:
     """``box.preview_url``: a signed URL to ``port`` in the box that works without a key
-    until it expires."""
+    until it expires, or its key or it is revoked, or the box is removed."""
     if params.ttl > MAX_PREVIEW_TTL:
         raise InvalidArgument(f"ttl must be at most {MAX_PREVIEW_TTL} seconds, not {params.ttl}")
     server = _server(request)
-    token, expires = make_preview_token(server.home_dir, box.id, params.port, math.ceil(params.ttl))
+    caller = request.state.caller
+    preview, token = await asyncio.to_thread(
+        access.make_preview, box.id, params.port, math.ceil(params.ttl), key_id=caller.key_id,
+        key_name=caller.key_name, namespace=caller.namespace, home=server.home)  # fmt: skip
+    request.state.audit = {"preview": preview.id, "port": preview.port, "expires_at": preview.expires_at}
     base = str(request.base_url).rstrip("/")
-    out: dict[str, Any] = {"url": f"{base}/p/{token}/", "port": params.port, "expires_at": expires}
+    out: dict[str, Any] = {"url": f"{base}/p/{token}/", "port": params.port, "expires_at": preview.expires_at,
+                           "id": preview.id}  # fmt: skip
     domain = server.settings.port_domain
     if domain:  # the same preview at the root path of the box's own host
         netloc = f"{params.port}-{box.id}.{domain}" + (f":{request.url.port}" if request.url.port else "")
@@ -489,6 +486,34 @@ async def make_preview(request: Request, box: AsyncBox, params: Any) -> dict[str
 
 
 SERVED["box.preview_url"] = make_preview
+
+
+@v1.get("/previews", tags=["ports"])
+async def list_previews(request: Request, box: str | None = None, live: bool = True) -> dict[str, Any]:
+    """The preview URLs the caller may see (its namespace's), oldest first: of one box, and
+    the live ones only unless ``live`` is false (then those ended in the last week too)."""
+    caller = request.state.caller
+    box_id = (await box_for(request, box)).id if box is not None else None
+    found = await asyncio.to_thread(access.list_previews, box=box_id, namespace=caller.namespace, live=live,
+                                    home=_server(request).home)  # fmt: skip
+    return {"previews": [p.to_json() for p in found]}
+
+
+@v1.delete("/previews/{preview}", status_code=204, tags=["ports"])
+async def revoke_preview(request: Request, preview: str) -> Response:
+    """End a preview URL now, on every server of the home (404 if the caller may not see it)."""
+    caller = request.state.caller
+    home = _server(request).home
+    try:
+        found = await asyncio.to_thread(access.get_preview, preview, home)
+    except NotFound:
+        found = None
+    if found is None or (caller.namespace is not None and found.namespace != caller.namespace):
+        raise NotFound(f"no preview {preview}")
+    request.state.box_id = found.box_id
+    request.state.audit = {"preview": preview}
+    await asyncio.to_thread(access.end_previews, preview=preview, why="revoked", home=home)
+    return Response(status_code=204)
 
 
 def _control_type(text: str) -> str | None:

@@ -54,6 +54,7 @@ from ..api.contract import (
 )
 from ..api.local import LocalBackend, local_snapshot
 from ..errors import BoxNotFound, InvalidArgument, QuotaExceeded, RequestError, SandlotError, SnapshotNotFound
+from . import leases
 from .state import KEY_LABEL, NAMESPACE_LABEL, Caller, ServerState
 from .streams import serve, spawn
 
@@ -324,6 +325,7 @@ async def create_box(body: BoxCreate, request: Request, response: Response) -> d
     caller = _caller(request)
     server = _server(request)
     wanted: dict[str, Any] = body.model_dump(exclude_none=True)  # type: ignore[attr-defined]
+    lease = leases.lease_for(server, caller, wanted)
     for host_path in ("rootfs", "kernel", "ca_cert"):
         if wanted.get(host_path) is not None:
             caller.require_admin(f"{host_path} (a host path)")
@@ -343,9 +345,11 @@ async def create_box(body: BoxCreate, request: Request, response: Response) -> d
                 options["template"] = (await snapshot_for(request, options["template"])).id
             box = AsyncBox(wanted.get("image"), keep=True, home=server.home, **options)
             await (box.start() if start else box.ref.backend.create(box.ref, start=False))
+        # granted once the box exists: a client that dies while its box boots loses it all the same
+        held = await leases.grant(server, caller, box.id, lease) if lease is not None else None
     request.state.box_id = box.id
     response.headers["Location"] = f"/v1/boxes/{box.id}"
-    return box.info
+    return {**box.info, "lease": held.to_json()} if held is not None else box.info
 
 
 @router.get("/boxes", tags=["boxes"])

@@ -33,6 +33,7 @@ class Caller:
     namespace: str | None = None
     admin: bool = True
     quotas: Any = None
+    lease: float | None = None  # the length of the leases of its remote ``with`` boxes
 
     def may_see(self, labels: dict[str, str]) -> bool:
         return self.namespace is None or labels.get(NAMESPACE_LABEL) == self.namespace
@@ -55,6 +56,7 @@ class Settings:
     # whose agent sessions it inherits: a server restarted on the same address takes over
     # what the last one there held, and another server of the home leaves them alone
     heir: str = "serve"
+    lease: float = 60.0  # seconds a remote ``with`` block's box outlives its client's last renewal
 
 
 class ServerState:
@@ -84,7 +86,7 @@ class ServerState:
         if not presented:
             raise Unauthorized("an API key is needed: Authorization: Bearer <key>")
         key = await self.verifier.verify_async(presented)
-        return Caller(key.id, key.name, key.namespace, key.admin, key.quotas)
+        return Caller(key.id, key.name, key.namespace, key.admin, key.quotas, key.lease)
 
     async def take_over_all(self) -> None:
         """At start: hold what a dead server held in every running box, so their
