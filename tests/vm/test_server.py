@@ -8,12 +8,16 @@ of the server that leaves boxes and processes running."""
 from __future__ import annotations
 
 import base64
+import contextlib
 import io
 import json
 import os
+import signal
 import socket
 import ssl
 import struct
+import subprocess
+import sys
 import tarfile
 import time
 from collections.abc import Iterator
@@ -854,6 +858,54 @@ def test_off_loopback_needs_keys_and_no_auth_stays_on_loopback(tmp_path: Path) -
     assert r.returncode == 2 and "refused off loopback" in r.stderr, r.stderr
     r = sandlot_cli(home, "serve", "--tls-cert", str(tmp_path / "missing.pem"))
     assert r.returncode == 2 and "go together" in r.stderr, r.stderr
+
+
+# -- leases -------------------------------------------------------------------------------
+
+LEASED_CLIENT = """
+import sys, time, sandlot
+with sandlot.connect(sys.argv[1], api_key=sys.argv[2]) as client:
+    with client.Box(rootfs=sys.argv[3], memory_mib=128) as box:
+        print(box.id, flush=True)
+        time.sleep(600)
+"""
+
+
+def test_a_remote_with_block_s_box_lives_as_long_as_its_client_across_a_server_restart(
+    tmp_path: Path, busybox_root: Path
+) -> None:
+    """The box of a remote ``with`` block outlives a kill -9 of the server and a downtime
+    longer than its lease (the lease is in the store, and a starting server gives clients
+    one whole lease to come back); the kill -9 of the client ends it within a lease, and
+    the audit trail says why."""
+    with serving(tmp_path / "home", args=("--lease", "10")) as s:
+        env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2] / "src")}
+        argv = [sys.executable, "-c", LEASED_CLIENT, s.url, s.api_key or "", str(busybox_root)]
+        client = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, env=env)
+        try:
+            assert client.stdout is not None
+            box_id = client.stdout.readline().strip()
+            with s.client() as c:
+                assert c.get(f"/v1/boxes/{box_id}").json()["state"] == "running"
+            s.kill9()
+            time.sleep(13)  # the server is away for longer than the lease
+            s.restart()
+            time.sleep(6)  # the client's renewals reach the new server
+            with s.client() as c:
+                assert c.get(f"/v1/boxes/{box_id}").json()["state"] == "running"
+            client.send_signal(signal.SIGKILL)
+            deadline = time.monotonic() + 30
+            with s.client() as c:
+                while c.get(f"/v1/boxes/{box_id}").status_code != 404:
+                    assert time.monotonic() < deadline, "the dead client's box is still there"
+                    time.sleep(0.5)
+                entries = c.get("/v1/audit", params={"box": box_id}).json()["entries"]
+            lapsed = [e for e in entries if e["action"] == "lease lapsed"]
+            assert len(lapsed) == 1 and lapsed[0]["detail"]["seconds"] == 10, entries
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                client.kill()
+            client.wait()
 
 
 # -- load ---------------------------------------------------------------------------------
