@@ -860,6 +860,42 @@ def test_off_loopback_needs_keys_and_no_auth_stays_on_loopback(tmp_path: Path) -
     assert r.returncode == 2 and "go together" in r.stderr, r.stderr
 
 
+def test_a_watch_is_in_the_audit_trail_from_start_to_end(
+    served: Served, box_a: dict[str, Any], team_keys: dict[str, str]
+) -> None:
+    bid = box_a["id"]
+    with served.client(team_keys["a"]) as c:
+        c.post(f"/v1/boxes/{bid}/exec", json={"argv": ["mkdir", "-p", "/tmp/audited"]})
+        with c.stream("GET", f"/v1/boxes/{bid}/files/watch", params={"path": "/tmp/audited"},
+                      headers={"User-Agent": "watcher/1"}) as r:  # fmt: skip
+            lines = r.iter_lines()
+            assert json.loads(next(lines))["type"] == "watching"
+            c.post(f"/v1/boxes/{bid}/exec", json={"argv": ["touch", "/tmp/audited/x"]})
+            assert json.loads(next(lines))["path"] == "/tmp/audited/x"
+        error(
+            c.get(f"/v1/boxes/{bid}/files/watch", params={"path": "/tmp/missing-dir"}), 404, "guest_os_error"
+        )
+    deadline = time.monotonic() + 10
+    with served.client() as admin:
+        while True:
+            entries = admin.get("/v1/audit", params={"box": bid}).json()["entries"]
+            watches = [e for e in entries if e["action"].startswith("watch")]
+            ends = [
+                e for e in watches if e["action"] == "watch end" and e["detail"]["path"] == "/tmp/audited"
+            ]
+            if ends or time.monotonic() > deadline:
+                break
+            time.sleep(0.3)
+    start = next(e for e in watches if e["action"] == "watch start" and e["detail"]["path"] == "/tmp/audited")
+    assert start["key_name"].startswith("team-a-") and start["detail"]["user_agent"] == "watcher/1"
+    assert start["detail"]["client"].startswith("127.0.0.1:")
+    assert ends and ends[0]["detail"]["events"] >= 1 and ends[0]["detail"]["ended_by"] == "client gone", (
+        watches
+    )
+    refused = [e for e in watches if e["detail"]["path"] == "/tmp/missing-dir"]
+    assert refused and refused[0]["status"] == 404
+
+
 # -- leases -------------------------------------------------------------------------------
 
 LEASED_CLIENT = """

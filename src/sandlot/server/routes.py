@@ -22,6 +22,7 @@ import json
 import os
 import shutil
 import tempfile
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from enum import Enum
 from pathlib import Path
@@ -616,11 +617,34 @@ async def watch_files(box: str, request: Request, params: Annotated[WatchIn, Que
     quiet, and last ``{"type": "end"}`` (the path or the box went away) or
     ``{"type": "error", "error": {...}}``. A missing path answers 404 before the stream."""
     b = await box_for(request, box)
-    watch = await host.begun_watch(_backend(request), b.ref, params)
+    server, caller = _server(request), _caller(request)
+    peer = request.client
+    # a watch is a GET, which the audit trail leaves out, yet it reads the box for as long
+    # as it lasts: its start and its end are entries of their own, with the client
+    detail: dict[str, Any] = {"path": params.path, "recursive": params.recursive,
+                              "client": f"{peer.host}:{peer.port}" if peer else None,
+                              "user_agent": request.headers.get("user-agent")}  # fmt: skip
+    try:
+        watch = await host.begun_watch(_backend(request), b.ref, params)
+    except SandlotError as e:
+        server.record(caller, "watch start", b.id, e.status, e.code, 0.0, detail)
+        raise
+    server.record(caller, "watch start", b.id, 200, None, 0.0, detail)
+    began = time.monotonic()
 
     async def body() -> AsyncIterator[bytes]:
-        async for message in host.watch_messages(watch):
-            yield json.dumps(message).encode() + b"\n"
+        events, how = 0, "client gone"
+        try:
+            async for message in host.watch_messages(watch):
+                kind = message.get("type")
+                if kind in ("end", "error"):
+                    how = kind
+                elif kind not in ("watching", "ping"):
+                    events += 1
+                yield json.dumps(message).encode() + b"\n"
+        finally:
+            server.record(caller, "watch end", b.id, 200, None, time.monotonic() - began,
+                          {**detail, "events": events, "ended_by": how})  # fmt: skip
 
     return StreamingResponse(body(), media_type="application/x-ndjson")
 
@@ -730,7 +754,6 @@ async def events(request: Request) -> Response:
     home = _server(request).home
 
     async def stream() -> AsyncIterator[bytes]:
-        import time
 
         seen: dict[str, str] = {}
         first = True
