@@ -465,12 +465,20 @@ def test_kill9_mid_rollback_and_mid_fork(counting_box: sandlot.Box) -> None:
 
 
 def test_kill9_mid_export_leaves_no_file(counting_box: sandlot.Box, tmp_path: Path) -> None:
+    """No archive appears, and the hidden parts it was writing beside it are gone after
+    the next operation on the home: here, a listing by another process."""
     snap = counting_box.snapshot("exp")
     crash_at(
         "export.mid-write", f"sandlot.get_snapshot({snap.id!r}).export({str(tmp_path / 'out.sandlot')!r})"
     )
     assert not (tmp_path / "out.sandlot").exists()
+    assert sorted(p.name.split("-")[0] for p in tmp_path.glob(".out.sandlot.*")) == [
+        ".out.sandlot.parts", ".out.sandlot.tmp"]  # fmt: skip
+    listed = subprocess.run([sys.executable, "-m", "sandlot.cli", "ls"], capture_output=True, timeout=60)
+    assert listed.returncode == 0, listed.stderr
+    assert list(tmp_path.glob(".out.sandlot.*")) == []
     assert sandlot.get_snapshot(snap.id).export(tmp_path / "out.sandlot").is_file()
+    assert [p.name for p in tmp_path.iterdir()] == ["out.sandlot"]
 
 
 def test_idle_timeout_suspends_and_the_next_command_resumes(debian_root: Path) -> None:
