@@ -1,4 +1,4 @@
-"""What an export killed part-way leaves beside its destination (``core/archive.py``):
+"""What an export killed part-way leaves beside its destination (``core/exports.py``):
 named in the home before it is written, and deleted by the next process that opens
 the home's store, or the next export, once the exporting process is gone."""
 
@@ -10,7 +10,8 @@ import sys
 from pathlib import Path
 
 from sandlot import pids
-from sandlot.core.archive import EXPORTS, sweep_exports
+from sandlot.core.exports import EXPORTS
+from sandlot.core.exports import sweep as sweep_exports
 
 
 def note(home: Path, name: str, pid: int, start: str | None, paths: list[Path]) -> Path:

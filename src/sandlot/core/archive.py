@@ -50,17 +50,14 @@ from typing import IO, Any
 
 import zstandard
 
-from .. import pids
-from ..config import atomic_write, fsync_dir
+from ..config import fsync_dir
 from ..crashpoints import crash_point
 from ..engine.base import Boot, Engine
 from ..errors import CorruptSnapshot, HostSetupError, InvalidArgument
-from . import layers, snapshots
+from . import exports, layers, snapshots
 from .spec import BoxSpec
 from .store import NAME_RE, BoxStore, SnapshotRecord
 from .validate import check_env, check_user, guest_path
-
-EXPORTS = "exports"  # exports/<token>.json in a home: what an export in progress writes, and whose
 
 FORMAT = "sandlot-snapshot"
 VERSION = 2
@@ -99,10 +96,10 @@ def export_snapshot(home: Path, engine: Engine, rec: SnapshotRecord, dest: Path)
     if dest.is_dir():
         raise InvalidArgument(f"{dest} is a directory; give a file name")
     dest.parent.mkdir(parents=True, exist_ok=True)
-    sweep_exports(home)  # what killed exports left (a new process's first store use does it too)
+    exports.sweep(home)  # what killed exports left (a new process's first store use does it too)
     work = Path(dest.parent / f".{dest.name}.parts-{secrets.token_hex(4)}")
     tmp = dest.parent / f".{dest.name}.tmp-{secrets.token_hex(4)}"
-    record = _record_export(home, work, tmp)  # before either exists: a kill leaves them named
+    record = exports.note(home, work, tmp)  # before either exists: a kill leaves them named
     work.mkdir()
     try:
         if Path(rec.layer).suffix == layers.DIR_SUFFIX:
@@ -166,38 +163,6 @@ def export_snapshot(home: Path, engine: Engine, rec: SnapshotRecord, dest: Path)
         with contextlib.suppress(FileNotFoundError):
             tmp.unlink()
         record.unlink(missing_ok=True)
-
-
-def _record_export(home: Path, work: Path, tmp: Path) -> Path:
-    """Note, in the home, the files an export is about to write beside its destination,
-    and whose they are: a kill -9 mid-export leaves them for ``sweep_exports``."""
-    folder = home / EXPORTS
-    folder.mkdir(parents=True, exist_ok=True)
-    pid, start = pids.me()
-    record = folder / f"{secrets.token_hex(8)}.json"
-    atomic_write(record, json.dumps({"pid": pid, "start": start, "paths": [str(work), str(tmp)]}).encode())
-    return record
-
-
-def sweep_exports(home: Path) -> int:
-    """Delete what exports killed part-way left beside their destinations (the hidden
-    parts directory and temporary archive), once their process is gone; how many."""
-    swept = 0
-    folder = home / EXPORTS
-    for record in sorted(folder.glob("*.json")) if folder.is_dir() else []:
-        try:
-            noted = json.loads(record.read_text())
-            if pids.alive(noted["pid"], noted["start"]):
-                continue
-            for name in noted["paths"]:
-                path = Path(name)
-                if path.name.startswith("."):  # only the hidden files an export makes
-                    shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(missing_ok=True)
-        except (OSError, ValueError, KeyError, TypeError):
-            pass  # unreadable (a record cut short): dropped below, it names nothing certain
-        record.unlink(missing_ok=True)
-        swept += 1
-    return swept
 
 
 # -- import -----------------------------------------------------------------------------------

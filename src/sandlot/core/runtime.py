@@ -29,7 +29,7 @@ from ..engine.auto import choose as choose_engine
 from ..engine.auto import requested as requested_engine
 from ..engine.base import Boot, BootRequest, Engine, Placement
 from ..errors import HostSetupError, InvalidArgument
-from . import archive, layers, snapshots
+from . import exports, layers, snapshots
 from .store import AsyncStore, BoxRecord, BoxStore
 
 if TYPE_CHECKING:
@@ -125,7 +125,7 @@ class Runtime:
             self._sweep_orphan_dirs(store)
             with contextlib.suppress(OSError):
                 snapshots.sweep(self.home, store)
-            archive.sweep_exports(self.home)
+            exports.sweep(self.home)
             self._store = store
             return store
 
