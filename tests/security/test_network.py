@@ -26,6 +26,7 @@ import pytest
 
 import sandlot
 from sandlot.config import default_home, runtime_dir
+from sandlot.engine import hostcgroup
 from sandlot.net.egress import egress_socket
 
 from tests.conftest import TEST_ENGINE
@@ -542,6 +543,17 @@ def box_probe(box: sandlot.Box, *attempts: tuple[str, str]) -> dict[tuple[str, s
     return {(k, t): v for k, t, v in map(json.loads, r.stdout.splitlines())}
 
 
+def box_link_process(home: Path) -> int | None:
+    """The pid of the home's box link (``python -m sandlot.api.boxlink HOME SOCKET``)."""
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit():
+            with contextlib.suppress(OSError):
+                argv = (proc / "cmdline").read_bytes().split(b"\0")
+                if b"sandlot.api.boxlink" in argv and str(home).encode() in argv:
+                    return int(proc.name)
+    return None
+
+
 def test_a_box_reaches_only_the_ports_of_other_boxes_its_policy_names(debian_root: Path) -> None:
     tag = os.urandom(3).hex()
     web, other = f"web-{tag}", f"other-{tag}"
@@ -586,6 +598,13 @@ def test_a_box_reaches_only_the_ports_of_other_boxes_its_policy_names(debian_roo
         assert out[("proxy", f"{host}:22")] == "refused:403", out
         assert out[("proxy", f"{other}.box.internal:8000")] == "refused:403", out
         assert out[("proxy", f"nobody-{tag}.box.internal:8000")] == "refused:403", out
+        # the home's link runs in a host cgroup of its own, not in that of the client box
+        # whose proxy started it: it counts against no box's limits
+        link = box_link_process(sandlot.Runtime.for_home().home)
+        assert link is not None
+        where = Path(f"/proc/{link}/cgroup").read_text()
+        if hostcgroup.detect().trees:
+            assert f"/sandlot/helper-boxlink-{link}" in where, where
         answers = ask_dns(client, ("A", host), ("A", f"nobody-{tag}.box.internal"))
         assert answers[("A", host)][0].startswith("NOERROR:10.0.2.101/"), answers
         assert answers[("A", f"nobody-{tag}.box.internal")][0] == "NXDOMAIN", answers
@@ -601,6 +620,8 @@ def test_a_box_reaches_only_the_ports_of_other_boxes_its_policy_names(debian_roo
         out = box_probe(client, ("direct", f"{host}:8000"), ("proxy", f"{host}:8000"))
         assert out[("direct", f"{host}:8000")] in ("closed", "refused:ConnectionResetError"), out
         assert out[("proxy", f"{host}:8000")] == "refused:403", out
+        client.stop()  # the link outlives the box whose proxy started it
+        assert box_link_process(sandlot.Runtime.for_home().home) == link
         stranger.start()
         out = box_probe(stranger, ("proxy", f"{host}:8000"), ("direct", f"{host}:8000"))
         assert out[("proxy", f"{host}:8000")] == "refused:403", out

@@ -9,7 +9,9 @@ in one namespace (the ``sandlot.namespace`` label the server stamps, or none on
 both), then opens the port through the box's agent, as ``box.connect`` does.
 A box asleep is woken; a stopped one is not started (``failed``). It exits once
 it has had no connection for ``IDLE_EXIT`` seconds; its agent sessions give
-their ports back after their own idle time.
+their ports back after their own idle time. It runs in a host cgroup of its own
+(``hostcgroup.place_helper``), not in that of the box whose proxy started it: it
+counts against no box's limits, and a box's stop does not take it along.
 """
 
 from __future__ import annotations
@@ -17,12 +19,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import socket
 import sys
 from pathlib import Path
 from typing import Any
 
 from ..config import private_listener, try_flock
+from ..engine import hostcgroup
 from ..errors import SandlotError
 from ..net.policy import Policy
 from .access import NAMESPACE_LABEL
@@ -153,6 +157,9 @@ def main(argv: list[str]) -> int:
     home, path = Path(argv[1]), Path(argv[2])
     if try_flock(Path(f"{path}.lock")) is None:  # held until this process ends
         return 0  # another link serves this home
+    # started by the egress proxy of the first box that needed it, so in that box's
+    # cgroup: out of it, since it serves every box and outlives that one
+    hostcgroup.place_helper(os.getpid(), "boxlink")
     asyncio.run(BoxLink(home, path).serve())
     return 0
 

@@ -59,6 +59,11 @@ PIDS_MAX = 512
 # already holds all a VM needs, so swap would only let a runaway spill past it
 # into the host's swap.
 SWAP_FILES = frozenset({"memory.swap.max", "memory.memsw.limit_in_bytes"})
+# sandlot's own long-lived helpers (the home's box link) run in a cgroup of their own,
+# ``sandlot/helper-<name>-<pid>``, never in the cgroup of the box whose connection
+# started them: they serve every box, and outlive that one. Bounded all the same.
+HELPER_LIMITS_MIB, HELPER_CPUS, HELPER_PIDS = 512, 1, 256
+HELPER_PREFIX = "helper-"
 # A cgroup is made and given its QEMU within milliseconds: an empty one older
 # than this belongs to a QEMU that is gone (its owner was SIGKILLed).
 STALE_AFTER_S = 60.0
@@ -320,7 +325,16 @@ def _place_in(tree: Tree, version: int, name: str, pid: int, limits: Limits) -> 
 _warned: set[tuple[Path, int | None]] = set()
 
 
-def place(pid: int, label: str, limits: Limits, host: HostCgroups | None = None) -> Placement | None:
+def place_helper(pid: int, name: str, host: HostCgroups | None = None) -> Placement | None:
+    """Move sandlot's helper process ``pid`` (``name``: what it is) out of whatever
+    cgroup it started in, into one of its own under sandlot's (``HELPER_LIMITS_MIB``
+    and the rest); as ``place``."""
+    limits = Limits(HELPER_LIMITS_MIB << 20, HELPER_CPUS * CPU_PERIOD_US, HELPER_PIDS)
+    return place(pid, HELPER_PREFIX + name, limits, host, what=f"the {name} helper")
+
+
+def place(pid: int, label: str, limits: Limits, host: HostCgroups | None = None,
+          what: str = "QEMU") -> Placement | None:  # fmt: skip
     """Move process ``pid`` into a new cgroup with ``limits`` in each tree the
     host offers; returns where it went, None for nowhere. Never raises: a tree
     that refuses is logged once (per tree and error) as a warning."""
@@ -331,12 +345,12 @@ def place(pid: int, label: str, limits: Limits, host: HostCgroups | None = None)
         try:
             paths.append(_place_in(tree, host.version, name, pid, limits))
         except ProcessLookupError:
-            break  # QEMU exited at once; the boot reports why
+            break  # it exited at once (a QEMU: the boot reports why)
         except OSError as exc:
             if (tree.base, exc.errno) in _warned:
                 continue
             _warned.add((tree.base, exc.errno))
-            why = f"QEMU (pid {pid}) is not bounded by a host cgroup under {tree.base}: {exc}"
+            why = f"{what} (pid {pid}) is not bounded by a host cgroup under {tree.base}: {exc}"
             if host.version == 2 and exc.errno in (errno.EACCES, errno.EPERM):
                 why += (
                     f" (cgroup v2 moves a process only for a user who may write cgroup.procs "
