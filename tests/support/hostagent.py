@@ -31,14 +31,18 @@ class HostAgent:
         return self.stderr_path.read_text(errors="replace")
 
 
-def spawn(tmp: Path, *, kind: str = "host", safe: bool = False) -> HostAgent:
+def spawn(
+    tmp: Path, *, kind: str = "host", safe: bool = False, env: dict[str, str] | None = None
+) -> HostAgent:
+    """``env``: more of the agent's environment (``tests/support/faults.py``'s, say)."""
     build = build_agent(default_home(), kind=kind)
     ours, theirs = socket.socketpair()
     args = [str(build.path), "--fd", str(theirs.fileno())] + (["--safe"] if safe else [])
     err = tmp / f"agent-{os.getpid()}-{theirs.fileno()}.stderr"
-    env = dict(os.environ, ASAN_OPTIONS="abort_on_error=0:detect_leaks=1", UBSAN_OPTIONS="print_stacktrace=1")
+    sanitizers = {"ASAN_OPTIONS": "abort_on_error=0:detect_leaks=1", "UBSAN_OPTIONS": "print_stacktrace=1"}
+    full = {**os.environ, **sanitizers, **(env or {})}
     with open(err, "wb") as f:
-        proc = subprocess.Popen(args, pass_fds=[theirs.fileno()], stderr=f, env=env, cwd=tmp)
+        proc = subprocess.Popen(args, pass_fds=[theirs.fileno()], stderr=f, env=full, cwd=tmp)
     theirs.close()
     return HostAgent(proc, ours, err)
 

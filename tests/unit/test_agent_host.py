@@ -15,12 +15,13 @@ from pathlib import Path
 
 import pytest
 
-from sandlot.errors import GuestFileNotFoundError, GuestPermissionError
+from sandlot.errors import GuestFileNotFoundError, GuestOSError, GuestPermissionError
 from sandlot.protocol import files as pfiles
 from sandlot.protocol import wire
 from sandlot.protocol.exec import ExecRequest, RemoteProcess
 from sandlot.protocol.wire import FrameDecoder, FsOp, T, Tag
 
+from tests.support import faults
 from tests.support.hostagent import connected, spawn
 
 
@@ -355,3 +356,26 @@ def test_a_lost_connection_follows_a_socket_that_appears_late(tmp_path: Path, mo
     assert failure is None and asked == 4
     asked, failure = run(go(missing=1000, patience=0.2))
     assert isinstance(failure, ConnectionLost) and "No such file" in str(failure)
+
+
+def test_a_listing_that_fails_part_way_is_an_error_not_a_short_list(tmp_path: Path) -> None:
+    """readdir() failing after two entries (a failing disk, a vanished /proc
+    directory) ends the listing with the error, never a list that looks complete."""
+    faulty = tmp_path / "faulty-dir"
+    faulty.mkdir()
+    for i in range(10):
+        (faulty / f"f{i}").write_text("x")
+    fine = tmp_path / "fine-dir"
+    fine.mkdir()
+    (fine / "a").write_text("x")
+
+    async def go() -> None:
+        async with connected(tmp_path, env=faults.readdir_fails("faulty-dir")) as (conn, agent):
+            with pytest.raises(GuestOSError) as failed:
+                await pfiles.fs_request(conn, FsOp.LIST, str(faulty))
+            assert failed.value.errno == errno.EIO and "listing cut short" in str(failed.value)
+            entries = await pfiles.fs_request(conn, FsOp.LIST, str(fine))  # the session goes on
+            assert [e.name for e in entries] == ["a"]
+            assert agent.proc.poll() is None
+
+    run(go())

@@ -513,6 +513,13 @@ static void list_progress(struct channel *c)
     while (m.len < LIST_BATCH) {
         errno = 0;
         de = readdir(dir);
+        if (!de && errno) { /* not the end: a failure, which must not pass for one */
+            int e = errno;
+            msg_free(&m);
+            send_error(s, c->id, e, SL_FS, "listing cut short: %s", strerror(e));
+            chan_free(c);
+            return;
+        }
         if (!de) {
             done = 1;
             break;
