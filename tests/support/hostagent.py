@@ -31,12 +31,14 @@ class HostAgent:
         return self.stderr_path.read_text(errors="replace")
 
 
-def spawn(
-    tmp: Path, *, kind: str = "host", safe: bool = False, env: dict[str, str] | None = None
-) -> HostAgent:
-    """``env``: more of the agent's environment (``tests/support/faults.py``'s, say)."""
+def spawn(tmp: Path, *, kind: str = "host", safe: bool = False, env: dict[str, str] | None = None,
+          sndbuf: int | None = None) -> HostAgent:  # fmt: skip
+    """``env``: more of the agent's environment (``tests/support/faults.py``'s, say);
+    ``sndbuf``: the agent's socket send buffer, small to have its frames go out in part."""
     build = build_agent(default_home(), kind=kind)
     ours, theirs = socket.socketpair()
+    if sndbuf is not None:
+        theirs.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, sndbuf)
     args = [str(build.path), "--fd", str(theirs.fileno())] + (["--safe"] if safe else [])
     err = tmp / f"agent-{os.getpid()}-{theirs.fileno()}.stderr"
     sanitizers = {"ASAN_OPTIONS": "abort_on_error=0:detect_leaks=1", "UBSAN_OPTIONS": "print_stacktrace=1"}

@@ -379,3 +379,45 @@ def test_a_listing_that_fails_part_way_is_an_error_not_a_short_list(tmp_path: Pa
             assert agent.proc.poll() is None
 
     run(go())
+
+
+def test_running_out_of_memory_mid_frame_never_breaks_the_framing(tmp_path: Path) -> None:
+    """A command writes a byte, then 3 MB while the host reads nothing, so the socket
+    fills and, once the host reads, whole 256 KB frames go out in part; every
+    allocation of 64 KB or more fails meanwhile, so the rest of such a frame cannot be
+    queued. The frame begun on the wire
+    is finished, one not begun is sent again later: the host reads every byte, in
+    order, in well-formed frames (before, the rest of a half-written frame was dropped,
+    and with it the framing of the connection)."""
+    armed = tmp_path / "armed"
+    agent = spawn(tmp_path, kind="host", env=faults.allocations_fail(65536, armed), sndbuf=16384)
+    raw = Raw(agent.sock)
+    try:
+        raw.hello()
+        total = 3_000_000
+        script = f"printf x; sleep 1; head -c {total - 1} /dev/zero | tr '\\0' x"
+        raw.frame(T.EXEC, 1, ExecRequest(argv=["sh", "-c", script]).encode())
+        first = raw.until(lambda f: f.channel == 1 and f.type == T.DATA)  # the stream's buffer is in place
+        armed.touch()
+        time.sleep(2.5)  # nothing read: the socket fills and the stream's buffer too
+        got = len(wire.parse_data(first.payload)[2])
+        exited = None
+        while exited is None:
+            f = raw.until(lambda f: f.channel == 1 and f.type in (T.DATA, T.EOF, T.EXIT, T.ERROR), timeout=30)
+            assert f.type != T.ERROR, f
+            if f.type == T.DATA:
+                stream, offset, data = wire.parse_data(f.payload)
+                if stream == 1:
+                    assert offset == got, (offset, got)  # no gap, no repeat
+                    assert bytes(data) == b"x" * len(data)
+                    got += len(data)
+                    raw.frame(T.ACK, 1, wire.data_payload(1, got))
+                    if got > total // 2:  # memory comes back
+                        armed.unlink(missing_ok=True)
+            elif f.type == T.EXIT:
+                exited = f
+        assert got == total
+        assert "writing them through" in agent.stderr()  # the path under test was taken
+    finally:
+        agent.proc.kill()
+        agent.proc.wait()

@@ -67,8 +67,10 @@ struct msg {
     uint8_t *data;
     size_t len;
     size_t cap;
-    int overflow;
+    int overflow; /* MSG_TOO_BIG or MSG_NO_MEMORY: what went wrong, the message is void */
 };
+#define MSG_TOO_BIG 1
+#define MSG_NO_MEMORY 2
 
 void msg_init(struct msg *m);
 void msg_free(struct msg *m);
@@ -113,6 +115,7 @@ struct session {
     uint64_t last_input_ms; /* when the pending partial frame began (0: none); dropped when stale */
     uint64_t frames_in;     /* frames parsed, to tell progress from a stuck partial frame */
     struct buf out;       /* frames waiting for the port */
+    int lost_output;      /* a frame could not be finished: the session is given up (transport.c) */
     uint32_t nchannels;
 };
 
@@ -122,8 +125,9 @@ void send_frame(struct session *s, uint8_t type, uint8_t flags, uint32_t ch, con
 void send_msg(struct session *s, uint8_t type, uint8_t flags, uint32_t ch, struct msg *m);
 void send_error(struct session *s, uint32_t ch, int err, uint8_t frame_type, const char *fmt, ...);
 void send_ack(struct session *s, uint32_t ch, uint32_t stream, uint64_t off);
-void send_data(struct session *s, uint32_t ch, uint32_t stream, uint64_t off, const void *p, size_t n);
-void send_eof(struct session *s, uint32_t ch, uint32_t stream, uint64_t off);
+/* 0: sent or queued whole; -1: not sent at all (out of memory), to be sent again */
+int send_data(struct session *s, uint32_t ch, uint32_t stream, uint64_t off, const void *p, size_t n);
+int send_eof(struct session *s, uint32_t ch, uint32_t stream, uint64_t off);
 int session_live(const struct session *s);      /* frames sent now reach a host */
 int session_congested(const struct session *s); /* stop producing output for it */
 void session_open_fd(struct session *s, int fd); /* host mode: one socket */
@@ -150,6 +154,7 @@ struct ostream {              /* agent -> host, e.g. stdout */
     uint64_t limit;           /* stop after this many bytes (file ranges) */
     uint8_t *ring;            /* bytes [acked, end) */
     size_t ring_cap;
+    int stalled;              /* the last send found no memory: try again soon (ostream_wait) */
 };
 
 struct istream {              /* host -> agent, e.g. stdin */

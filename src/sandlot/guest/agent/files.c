@@ -56,7 +56,7 @@ static void put_entry(struct msg *m, const char *name, const struct stat *st, co
     }
     uint8_t *e = malloc(ENTRY_FIXED + nl + tl);
     if (!e) {
-        m->overflow = 1;
+        m->overflow = MSG_NO_MEMORY;
         return;
     }
     wr32(e, st->st_mode);

@@ -73,12 +73,15 @@ int ostream_fill(struct ostream *o)
             cap = SL_WINDOW;
         }
         uint8_t *r = realloc(o->ring, cap);
-        if (!r) {
-            return 0;
+        if (r) {
+            g_ring_bytes += cap - o->ring_cap;
+            o->ring = r;
+            o->ring_cap = cap;
+        } else if (o->ring_cap > held) {
+            want = o->ring_cap - held; /* no memory to grow: read into the room there is */
+        } else {
+            return 0; /* none: a later ACK frees some */
         }
-        g_ring_bytes += cap - o->ring_cap;
-        o->ring = r;
-        o->ring_cap = cap;
     }
     ssize_t n = read(o->fd, o->ring + held, want);
     if (n > 0) {
@@ -114,12 +117,15 @@ void ostream_pump(struct channel *c, uint32_t stream, struct ostream *o)
         if (n > SL_DATA_CHUNK) {
             n = SL_DATA_CHUNK;
         }
-        send_data(s, c->id, stream, o->sent, o->ring + (o->sent - o->acked), n);
+        o->stalled = send_data(s, c->id, stream, o->sent, o->ring + (o->sent - o->acked), n) < 0;
+        if (o->stalled) {
+            return; /* out of memory: the ring keeps it, a pump soon sends it */
+        }
         o->sent += n;
     }
     if (o->eof && o->sent == o->end && !o->eof_sent) {
-        send_eof(s, c->id, stream, o->end);
-        o->eof_sent = 1;
+        o->stalled = send_eof(s, c->id, stream, o->end) < 0;
+        o->eof_sent = !o->stalled;
     }
 }
 
@@ -140,8 +146,13 @@ void ostream_ack(struct ostream *o, uint64_t off)
     }
 }
 
+#define STALLED_RETRY_MS 50
+
 int ostream_wait(const struct ostream *o, struct chan_wait *w, int slot, int *timeout_ms)
 {
+    if (o->stalled && *timeout_ms > STALLED_RETRY_MS) {
+        *timeout_ms = STALLED_RETRY_MS;
+    }
     if (!ostream_can_read(o)) {
         return 0;
     }

@@ -39,7 +39,13 @@ void send_frame(struct session *s, uint8_t type, uint8_t flags, uint32_t ch, con
     wr32(h + 4, ch);
     wr32(h + 8, (uint32_t)n);
     if (buf_reserve(&s->out, sizeof(h) + n) < 0) {
-        logmsg("out of memory queueing a frame");
+        /* Never half a frame: none is queued. Its channel ends with an error in its
+         * place where that one, small, still fits; a channel's result is never
+         * silently missing. */
+        logmsg("out of memory queueing a %zu-byte frame for channel %u", n, ch);
+        if (type != SL_ERROR && ch != 0) {
+            send_error(s, ch, ENOMEM, type, "the agent ran out of memory sending this");
+        }
         return;
     }
     buf_append(&s->out, h, sizeof(h));
@@ -50,7 +56,9 @@ void send_frame(struct session *s, uint8_t type, uint8_t flags, uint32_t ch, con
 
 void send_msg(struct session *s, uint8_t type, uint8_t flags, uint32_t ch, struct msg *m)
 {
-    if (m->overflow) {
+    if (m->overflow == MSG_NO_MEMORY) {
+        send_error(s, ch, ENOMEM, type, "the agent ran out of memory building the reply");
+    } else if (m->overflow) {
         send_error(s, ch, E2BIG, type, "reply does not fit in one frame");
     } else {
         send_frame(s, type, flags, ch, m->data, m->len);
@@ -74,9 +82,38 @@ void send_error(struct session *s, uint32_t ch, int err, uint8_t frame_type, con
     msg_free(&m);
 }
 
+#define WRITE_THROUGH_MS 30000
+
+/* The rest of a frame begun on the wire, written as the port takes it (the out queue
+ * could not hold it). A port that takes nothing for WRITE_THROUGH_MS has no live host:
+ * the session is given up, as if the host had gone, and a reconnected host resumes. */
+static void write_through(struct session *s, const uint8_t *hdr, size_t hlen, const uint8_t *data, size_t done,
+                          size_t total)
+{
+    while (done < total) {
+        const uint8_t *p = done < hlen ? hdr + done : data + (done - hlen);
+        size_t len = done < hlen ? hlen - done : total - done;
+        ssize_t w = write(s->out_fd, p, len);
+        if (w > 0) {
+            done += (size_t)w;
+            continue;
+        }
+        if (w < 0 && errno == EINTR) {
+            continue;
+        }
+        struct pollfd pfd = {.fd = s->out_fd, .events = POLLOUT};
+        if (w < 0 && errno == EAGAIN && poll(&pfd, 1, WRITE_THROUGH_MS) > 0 && !(pfd.revents & (POLLERR | POLLHUP))) {
+            continue;
+        }
+        logmsg("the port took no more of a frame; giving the session up");
+        s->lost_output = 1;
+        return;
+    }
+}
+
 /* Write straight to the port while it takes data; queue whatever it does not.
  * Streamed bytes then cost no user-space copy in the common case. */
-static void send_direct(struct session *s, const uint8_t *hdr, size_t hlen, const uint8_t *data, size_t n)
+static int send_direct(struct session *s, const uint8_t *hdr, size_t hlen, const uint8_t *data, size_t n)
 {
     size_t done = 0, total = hlen + n;
     if (buf_used(&s->out) == 0) {
@@ -94,24 +131,31 @@ static void send_direct(struct session *s, const uint8_t *hdr, size_t hlen, cons
         }
     }
     if (done == total) {
-        return;
+        return 0;
     }
     if (buf_reserve(&s->out, total - done) < 0) {
-        logmsg("out of memory queueing a frame");
-        return;
+        if (done > 0) {
+            /* Part of the frame is on the wire: dropping the rest would cost the host the
+             * framing of every channel. Write the rest as the port takes it instead. */
+            logmsg("out of memory queueing a frame's last %zu bytes: writing them through", total - done);
+            write_through(s, hdr, hlen, data, done, total);
+            return 0;
+        }
+        return -1; /* nothing sent: the caller keeps it, to send again */
     }
     if (done < hlen) {
         buf_append(&s->out, hdr + done, hlen - done);
         done = hlen;
     }
     buf_append(&s->out, data + (done - hlen), total - done);
+    return 0;
 }
 
-static void send_stream_offset(struct session *s, uint8_t type, uint32_t ch, uint32_t stream, uint64_t off,
-                               const void *data, size_t n)
+static int send_stream_offset(struct session *s, uint8_t type, uint32_t ch, uint32_t stream, uint64_t off,
+                              const void *data, size_t n)
 {
     if (!session_live(s)) {
-        return;
+        return 0;
     }
     if (n > SL_DATA_CHUNK) {
         n = SL_DATA_CHUNK;
@@ -125,22 +169,22 @@ static void send_stream_offset(struct session *s, uint8_t type, uint32_t ch, uin
     wr32(h + 12, stream);
     wr32(h + 16, 0);
     wr64(h + 20, off);
-    send_direct(s, h, sizeof(h), data, n);
+    return send_direct(s, h, sizeof(h), data, n);
 }
 
 void send_ack(struct session *s, uint32_t ch, uint32_t stream, uint64_t off)
 {
-    send_stream_offset(s, SL_ACK, ch, stream, off, NULL, 0);
+    (void)send_stream_offset(s, SL_ACK, ch, stream, off, NULL, 0); /* a later ACK covers it */
 }
 
-void send_data(struct session *s, uint32_t ch, uint32_t stream, uint64_t off, const void *p, size_t n)
+int send_data(struct session *s, uint32_t ch, uint32_t stream, uint64_t off, const void *p, size_t n)
 {
-    send_stream_offset(s, SL_DATA, ch, stream, off, p, n);
+    return send_stream_offset(s, SL_DATA, ch, stream, off, p, n);
 }
 
-void send_eof(struct session *s, uint32_t ch, uint32_t stream, uint64_t off)
+int send_eof(struct session *s, uint32_t ch, uint32_t stream, uint64_t off)
 {
-    send_stream_offset(s, SL_EOF, ch, stream, off, NULL, 0);
+    return send_stream_offset(s, SL_EOF, ch, stream, off, NULL, 0);
 }
 
 /* ---- receiving ------------------------------------------------------ */
@@ -295,6 +339,10 @@ void session_write(struct session *s)
 
 int session_poll(struct session *s, struct pollfd *pfds, int *timeout_ms)
 {
+    if (s->lost_output) { /* here, where no channel's code is running */
+        s->lost_output = 0;
+        session_disconnected(s);
+    }
     if (!s->connected) {
         return 0;
     }

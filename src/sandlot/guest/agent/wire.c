@@ -179,8 +179,11 @@ void msg_free(struct msg *m)
 void msg_put(struct msg *m, uint16_t tag, const void *val, uint32_t len)
 {
     size_t need = m->len + TLV_HDR + len;
-    if (m->overflow || need > SL_MAX_PAYLOAD) {
-        m->overflow = 1;
+    if (m->overflow) {
+        return;
+    }
+    if (need > SL_MAX_PAYLOAD) {
+        m->overflow = MSG_TOO_BIG;
         return;
     }
     if (need > m->cap) {
@@ -190,7 +193,7 @@ void msg_put(struct msg *m, uint16_t tag, const void *val, uint32_t len)
         }
         uint8_t *d = realloc(m->data, cap);
         if (!d) {
-            m->overflow = 1;
+            m->overflow = MSG_NO_MEMORY;
             return;
         }
         m->data = d;
