@@ -32,19 +32,20 @@ class HostAgent:
 
 
 def spawn(tmp: Path, *, kind: str = "host", safe: bool = False, env: dict[str, str] | None = None,
-          sndbuf: int | None = None) -> HostAgent:  # fmt: skip
+          sndbuf: int | None = None, args: tuple[str, ...] = ()) -> HostAgent:  # fmt: skip
     """``env``: more of the agent's environment (``tests/support/faults.py``'s, say);
-    ``sndbuf``: the agent's socket send buffer, small to have its frames go out in part."""
+    ``sndbuf``: the agent's socket send buffer, small to have its frames go out in part;
+    ``args``: more of its options (``--read-idle-ms N``)."""
     build = build_agent(default_home(), kind=kind)
     ours, theirs = socket.socketpair()
     if sndbuf is not None:
         theirs.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, sndbuf)
-    args = [str(build.path), "--fd", str(theirs.fileno())] + (["--safe"] if safe else [])
+    argv = [str(build.path), "--fd", str(theirs.fileno()), *(["--safe"] if safe else []), *args]
     err = tmp / f"agent-{os.getpid()}-{theirs.fileno()}.stderr"
     sanitizers = {"ASAN_OPTIONS": "abort_on_error=0:detect_leaks=1", "UBSAN_OPTIONS": "print_stacktrace=1"}
     full = {**os.environ, **sanitizers, **(env or {})}
     with open(err, "wb") as f:
-        proc = subprocess.Popen(args, pass_fds=[theirs.fileno()], stderr=f, env=full, cwd=tmp)
+        proc = subprocess.Popen(argv, pass_fds=[theirs.fileno()], stderr=f, env=full, cwd=tmp)
     theirs.close()
     return HostAgent(proc, ours, err)
 

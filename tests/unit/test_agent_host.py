@@ -421,3 +421,43 @@ def test_running_out_of_memory_mid_frame_never_breaks_the_framing(tmp_path: Path
     finally:
         agent.proc.kill()
         agent.proc.wait()
+
+
+def test_a_file_read_the_host_leaves_untouched_is_closed(tmp_path: Path) -> None:
+    """A read whose host neither acknowledges nor closes it (its client died while the
+    session lived on) is closed after the idle time, with ETIMEDOUT, and its descriptor
+    freed; a read the host keeps acknowledging, however slowly, is not."""
+    big = tmp_path / "big"
+    big.write_bytes(os.urandom(4 << 20))
+    agent = spawn(tmp_path, kind="host", args=("--read-idle-ms", "1000"))
+    raw = Raw(agent.sock)
+
+    def fds() -> int:
+        return len(os.listdir(f"/proc/{agent.proc.pid}/fd"))
+
+    try:
+        raw.hello()
+        before = fds()
+        request = wire.tlv(Tag.PATH, str(big)) + wire.tlv_u64(Tag.OFFSET, 0)
+        raw.frame(T.FILE_READ, 1, request)  # read, then never acknowledged
+        raw.frame(T.FILE_READ, 3, request)  # read slowly, acknowledged all along
+        acked = 0
+        deadline = time.monotonic() + 3
+        while time.monotonic() < deadline:
+            f = raw.until(lambda f: f.channel in (1, 3) and f.type in (T.DATA, T.ERROR), timeout=1.5)
+            assert f.channel == 1 or f.type == T.DATA, f  # the slow reader's read is never closed
+            if f.channel == 3:
+                acked = wire.parse_data(f.payload)[1] + len(wire.parse_data(f.payload)[2])
+                time.sleep(0.4)
+                raw.frame(T.ACK, 3, wire.data_payload(1, acked))
+            elif f.type == T.ERROR:
+                break
+        else:
+            pytest.fail("the untouched read was not closed")
+        fields = wire.Fields(f.payload)
+        assert fields.u32(Tag.ERRNO) == errno.ETIMEDOUT and "untouched" in (fields.str(Tag.MESSAGE) or "")
+        assert fds() == before + 1  # the slow read's descriptor only
+        raw.frame(T.CLOSE, 3)
+    finally:
+        agent.proc.kill()
+        agent.proc.wait()

@@ -202,6 +202,8 @@ struct exec_channel {         /* exec.c */
 
 struct file_read_channel {    /* files.c */
     struct ostream out;       /* stream 1 */
+    uint64_t acked_seen;      /* the host's last ACK, as last seen */
+    uint64_t active_ms;       /* when the host last acknowledged (or opened) it */
 };
 
 struct file_write_channel {   /* files.c */
@@ -312,6 +314,7 @@ void dispatch(struct session *s, uint8_t type, uint8_t flags, uint32_t ch, const
 /* ---- the process (main.c) ------------------------------------------- */
 
 extern int g_safe_mode;      /* host fuzzing: refuse exec and mutations */
+extern int g_read_idle_ms;   /* a file read the host has not touched for this long is closed */
 extern int g_is_pid1;
 uint64_t now_ms(void);
 void logmsg(const char *fmt, ...);

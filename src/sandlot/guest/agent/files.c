@@ -148,8 +148,33 @@ void file_read_start(struct session *s, uint32_t ch, const uint8_t *p, size_t n)
     send_msg(s, SL_FILE_INFO, 0, ch, &m);
 }
 
+int g_read_idle_ms = 600000;
+
+/* A read the host neither acknowledges nor closes (its client died while the session
+ * lived on, in a server) would hold its descriptor and buffer for as long as the
+ * session lives: after g_read_idle_ms without an ACK it is closed, with an error the
+ * host sees should it come back. */
+static int read_reclaimed(struct channel *c, uint64_t now)
+{
+    struct file_read_channel *r = &c->u.read;
+    if (r->out.acked != r->acked_seen || r->active_ms == 0) {
+        r->acked_seen = r->out.acked;
+        r->active_ms = now;
+        return 0;
+    }
+    if (now - r->active_ms < (uint64_t)g_read_idle_ms) {
+        return 0;
+    }
+    send_error(c->s, c->id, ETIMEDOUT, SL_FILE_READ, "file read closed: untouched for %d s", g_read_idle_ms / 1000);
+    chan_free(c);
+    return 1;
+}
+
 static void read_progress(struct channel *c)
 {
+    if (read_reclaimed(c, now_ms())) {
+        return;
+    }
     struct ostream *o = &c->u.read.out;
     for (int i = 0; i < 8 && o->is_file && ostream_can_read(o); i++) {
         if (ostream_fill(o) <= 0) {
@@ -164,7 +189,13 @@ static void read_release(struct channel *c) { ostream_close(&c->u.read.out); }
 
 static int read_wait(struct channel *c, struct chan_wait *w, uint64_t now, int *timeout_ms)
 {
-    return ostream_wait(&c->u.read.out, w, SL_STREAM_STDOUT, timeout_ms);
+    struct file_read_channel *r = &c->u.read;
+    uint64_t due = r->active_ms + (uint64_t)g_read_idle_ms;
+    int left = due > now ? (int)(due - now) : 0;
+    if (r->active_ms && left < *timeout_ms) {
+        *timeout_ms = left;
+    }
+    return ostream_wait(&r->out, w, SL_STREAM_STDOUT, timeout_ms);
 }
 
 static void read_ready(struct channel *c, int slot) { ostream_fill(&c->u.read.out); }

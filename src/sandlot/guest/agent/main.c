@@ -9,6 +9,7 @@
  *                               log to FILE instead of the standard output the sandbox was given;
  *                               with --memory-mib, be the box's OOM killer (limits.c)
  *   sandlot-agent --fd N --safe same, but refuse exec and file-system changes (fuzzing)
+ *   ... --read-idle-ms N        close file reads the host leaves untouched for N ms (600000)
  *   /proc/1/exe --relay PORT    a command the host runs: a pipe to a guest TCP port or Unix socket (relay.c)
  *
  * The loop waits on the sessions (transport.c), on what each channel's kind asks
@@ -271,6 +272,8 @@ int main(int argc, char **argv)
             network_given(1);
         } else if (!strcmp(argv[i], "--safe")) {
             g_safe_mode = 1;
+        } else if (!strcmp(argv[i], "--read-idle-ms") && i + 1 < argc) {
+            g_read_idle_ms = atoi(argv[++i]);
         } else if (!strcmp(argv[i], "--version")) {
             printf("sandlot-agent %s protocol %d\n", AGENT_VERSION, SL_PROTOCOL_VERSION);
             return 0;
