@@ -55,6 +55,8 @@ from .errors import (
     SavedStateError,
     SnapshotInUse,
     SnapshotNotFound,
+    StoreBusy,
+    StoreError,
     Unauthorized,
     Unsupported,
 )
@@ -213,6 +215,8 @@ __all__ = [
     "Snapshot",
     "SnapshotInUse",
     "SnapshotNotFound",
+    "StoreBusy",
+    "StoreError",
     "Stream",
     "Unauthorized",
     "Unsupported",

@@ -249,6 +249,20 @@ class CorruptSnapshot(SavedStateError):
     code, status = "corrupt_snapshot", 422
 
 
+class StoreError(SandlotError):
+    """A home's state database cannot be used (corrupt, or from a newer sandlot)."""
+
+    code, status = "store_unusable", 500
+
+
+class StoreBusy(StoreError):
+    """Another process held the home's state database locked for longer than the busy
+    timeout (``SANDLOT_STORE_BUSY_TIMEOUT``, 30 s); nothing was changed, and the call
+    may be tried again."""
+
+    code, status = "store_busy", 503
+
+
 class ProtocolError(SandlotError):
     """The agent sent a frame that breaks the protocol."""
 

@@ -557,3 +557,48 @@ def test_failed_operations_fall_where_the_table_says(
             await box.remove(force=True)
 
     run(main)
+
+
+HOLD_THE_STORE = """
+import sqlite3, sys, time
+db = sqlite3.connect(sys.argv[1], isolation_level=None)
+db.execute("BEGIN IMMEDIATE")  # the write lock, as a process stuck mid-transaction holds it
+print("held", flush=True)
+time.sleep(float(sys.argv[2]))
+"""
+
+
+def test_a_store_locked_past_the_busy_timeout_is_store_busy_and_loses_nothing(
+    home: Path, root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Another process holds the home's database locked for longer than a call may wait:
+    every change fails with StoreBusy, naming the database, within the timeout and not
+    before; the boxes keep running, nothing half made is left, and once the lock goes
+    everything works again."""
+    import subprocess
+    import sys
+
+    monkeypatch.setenv("SANDLOT_STORE_BUSY_TIMEOUT", "1")
+
+    async def main() -> None:
+        box = await created(home, root)
+        await box.start()
+        holder = subprocess.Popen([sys.executable, "-c", HOLD_THE_STORE, str(home / "sandlot.db"), "4"],
+                                  stdout=subprocess.PIPE)  # fmt: skip
+        try:
+            assert holder.stdout is not None and holder.stdout.readline() == b"held\n"
+            for attempt in (lambda: created(home, root, name="second"), box.stop, box.snapshot):
+                t0 = time.monotonic()
+                with pytest.raises(sandlot.StoreBusy, match=r"sandlot\.db stayed locked by another process"):
+                    await attempt()
+                assert 0.9 < time.monotonic() - t0 < 3
+            assert (await box.exec("echo", "up")).stdout == "up\n"  # the box runs on
+        finally:
+            holder.wait()
+        assert [b.name for b in await sandlot.AsyncBox.list(home=home)] == [box.name]
+        assert box.state == "running" and await sandlot.AsyncSnapshot.list(home=home) == []
+        await box.snapshot()
+        await box.stop()
+        assert (await created(home, root, name="second")).state == "created"
+
+    run(main)

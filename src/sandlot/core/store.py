@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import builtins
 import json
+import os
 import re
 import sqlite3
 import threading
@@ -33,7 +34,7 @@ from typing import Any
 
 from .. import pids
 from ..engine.base import VMRef
-from ..errors import BoxNotFound, InvalidArgument, SandlotError, SnapshotNotFound
+from ..errors import BoxNotFound, InvalidArgument, SnapshotNotFound, StoreBusy, StoreError
 from ..net.policy import BOX_NAME
 
 SCHEMA_VERSION = 6
@@ -214,12 +215,6 @@ KEY_REVOKED = "its API key was revoked"  # why the previews a revocation ended d
 NAME_RE = BOX_NAME  # one rule for box names: the egress policy's box entries name boxes by it
 
 
-class StoreError(SandlotError):
-    """The state database cannot be used (corrupt, or from a newer sandlot)."""
-
-    code, status = "store_unusable", 500
-
-
 @dataclass(frozen=True, slots=True)
 class BoxRecord:
     id: str
@@ -342,13 +337,21 @@ class BoxStore:
         self.path = path
         path.parent.mkdir(parents=True, exist_ok=True)
         self._lock = threading.Lock()
+        # how long a write waits for another process's transaction (SQLite's busy timeout)
+        self.busy_timeout = float(os.environ.get("SANDLOT_STORE_BUSY_TIMEOUT", "30"))
         try:
-            self._db = sqlite3.connect(path, timeout=30.0, isolation_level=None, check_same_thread=False)
+            self._db = sqlite3.connect(path, timeout=self.busy_timeout, isolation_level=None,
+                                       check_same_thread=False)  # fmt: skip
             self._db.row_factory = sqlite3.Row
             self._db.execute("PRAGMA journal_mode=WAL")
             self._db.execute("PRAGMA synchronous=FULL")  # a committed transition survives power loss
             self._db.execute("PRAGMA foreign_keys=ON")
             self._migrate()
+        except sqlite3.OperationalError as exc:
+            if "locked" in str(exc) or "busy" in str(exc):
+                raise StoreBusy(f"the state database {path} stayed locked by another process for more "
+                                f"than {self.busy_timeout:g}s: try again") from exc  # fmt: skip
+            raise StoreError(f"the state database {path} cannot be used: {exc}") from exc
         except sqlite3.DatabaseError as exc:
             raise StoreError(f"the state database {path} cannot be used: {exc}") from exc
 
@@ -376,7 +379,7 @@ class BoxStore:
         ``durable=False``: its commit is not fsynced (WAL with synchronous=NORMAL: it
         survives a crash of any process, not a power loss), for rows a power loss
         makes moot anyway (a warm pool's claim: its VM dies with the host)."""
-        with self._lock:
+        with self._reading():
             if not durable:
                 self._db.execute("PRAGMA synchronous=NORMAL")
             try:
@@ -391,6 +394,21 @@ class BoxStore:
             finally:
                 if not durable:
                     self._db.execute("PRAGMA synchronous=FULL")
+
+    @contextmanager
+    def _reading(self) -> Iterator[None]:
+        """This connection, to itself: a lock another process held past the busy timeout
+        (``SANDLOT_STORE_BUSY_TIMEOUT``, 30 s) is StoreBusy, not SQLite's own error."""
+        with self._lock:
+            try:
+                yield
+            except sqlite3.OperationalError as exc:
+                if "locked" in str(exc) or "busy" in str(exc):
+                    raise StoreBusy(
+                        f"the state database {self.path} stayed locked by another process for more than "
+                        f"{self.busy_timeout:g}s; nothing was changed: try again"
+                    ) from exc
+                raise
 
     def close(self) -> None:
         with self._lock:
@@ -423,7 +441,7 @@ class BoxStore:
         """By exact id, exact name, or an unambiguous id prefix (at least 4 characters)."""
         if not isinstance(key, str) or not key:
             raise InvalidArgument(f"a box id or name is needed, not {key!r}")
-        with self._lock:
+        with self._reading():
             row = self._db.execute("SELECT * FROM boxes WHERE id = ? OR name = ?", (key, key)).fetchone()
             if row is None and len(key) >= 4 and re.fullmatch(r"[0-9a-f]+", key):
                 rows = self._db.execute("SELECT * FROM boxes WHERE id LIKE ?", (key + "%",)).fetchall()
@@ -441,7 +459,7 @@ class BoxStore:
             return None
 
     def list(self) -> builtins.list[BoxRecord]:
-        with self._lock:
+        with self._reading():
             rows = self._db.execute("SELECT * FROM boxes ORDER BY created_at").fetchall()
         return [_row(r) for r in rows]
 
@@ -482,7 +500,7 @@ class BoxStore:
 
     def pooled(self, template_id: str) -> builtins.list[BoxRecord]:
         """The ready VMs of a template's warm pool, oldest first (``core.pools``)."""
-        with self._lock:
+        with self._reading():
             rows = self._db.execute(
                 "SELECT * FROM boxes WHERE state = 'pooled' AND origin = ? ORDER BY created_at",
                 (template_id,),
@@ -500,7 +518,7 @@ class BoxStore:
             )
 
     def children(self, snap_id: str) -> builtins.list[BoxRecord]:
-        with self._lock:
+        with self._reading():
             rows = self._db.execute("SELECT * FROM boxes WHERE origin = ?", (snap_id,)).fetchall()
         return [_row(r) for r in rows]
 
@@ -533,12 +551,12 @@ class BoxStore:
         if kind is not None:
             sql += " AND kind = ?"
             args.append(kind)
-        with self._lock:
+        with self._reading():
             rows = self._db.execute(sql + " ORDER BY created_at", args).fetchall()
         return [_snap_row(r) for r in rows]
 
     def find_snapshot(self, snap_id: str) -> SnapshotRecord | None:
-        with self._lock:
+        with self._reading():
             row = self._db.execute("SELECT * FROM snapshots WHERE id = ?", (snap_id,)).fetchone()
         return _snap_row(row) if row else None
 
@@ -546,7 +564,7 @@ class BoxStore:
         """By id, unambiguous id prefix, or name (of that box's snapshots, or a template)."""
         if not isinstance(key, str) or not key:
             raise InvalidArgument(f"a snapshot id or name is needed, not {key!r}")
-        with self._lock:
+        with self._reading():
             rows = self._db.execute(
                 "SELECT * FROM snapshots WHERE id = ? AND kind != 'suspend'", (key,)
             ).fetchall()
@@ -595,20 +613,20 @@ class BoxStore:
         return True
 
     def key_row(self, key_id: str) -> dict[str, Any] | None:
-        with self._lock:
+        with self._reading():
             row = self._db.execute("SELECT * FROM keys WHERE id = ?", (key_id,)).fetchone()
         return dict(row) if row else None
 
     def find_key(self, name_or_id: str) -> dict[str, Any] | None:
         """By name, else by id."""
-        with self._lock:
+        with self._reading():
             row = self._db.execute("SELECT * FROM keys WHERE name = ?", (name_or_id,)).fetchone()
             if row is None:
                 row = self._db.execute("SELECT * FROM keys WHERE id = ?", (name_or_id,)).fetchone()
         return dict(row) if row else None
 
     def key_rows(self) -> builtins.list[dict[str, Any]]:
-        with self._lock:
+        with self._reading():
             rows = self._db.execute("SELECT * FROM keys ORDER BY created_at, name").fetchall()
         return [dict(r) for r in rows]
 
@@ -642,7 +660,7 @@ class BoxStore:
 
     def preview_row(self, preview_id: str) -> dict[str, Any] | None:
         """A preview's row, with ``key_revoked_at`` (its key's revocation time, if any)."""
-        with self._lock:
+        with self._reading():
             row = self._db.execute(
                 "SELECT p.*, k.revoked_at AS key_revoked_at FROM previews p "
                 "LEFT JOIN keys k ON k.id = p.key_id WHERE p.id = ?",
@@ -661,7 +679,7 @@ class BoxStore:
         """Previews, oldest first: of a box, a key, a namespace; only those live at
         ``live_at`` (not ended, not expired) when it is given."""
         sql, args = self._preview_filter(box_id, key_id, namespace, live_at)
-        with self._lock:
+        with self._reading():
             rows = self._db.execute(f"SELECT * FROM previews WHERE {sql} ORDER BY created_at, id", args)
             found = rows.fetchall()
         return [dict(r) for r in found]
@@ -711,7 +729,7 @@ class BoxStore:
 
     def lease_rows(self, box_ids: builtins.list[str] | None = None) -> builtins.list[dict[str, Any]]:
         """The leases of these boxes (of every box: None)."""
-        with self._lock:
+        with self._reading():
             if box_ids is None:
                 rows = self._db.execute("SELECT * FROM leases ORDER BY until").fetchall()
             else:
@@ -782,7 +800,7 @@ class BoxStore:
         if since is not None:
             sql += " AND at >= ?"
             args.append(since)
-        with self._lock:
+        with self._reading():
             rows = self._db.execute(
                 sql + " ORDER BY at DESC, id DESC LIMIT ?", [*args, max(limit, 0)]
             ).fetchall()
