@@ -249,6 +249,31 @@ class CorruptSnapshot(SavedStateError):
     code, status = "corrupt_snapshot", 422
 
 
+class NoSpace(SandlotError, OSError):
+    """A filesystem sandlot writes to (the home's, an export's destination) is full:
+    what needed the space was not done, and nothing half-written is left visible."""
+
+    code, status = "no_space", 507
+
+    def __init__(self, message: str = "", *, box: str | None = None, state: str | None = None) -> None:
+        SandlotError.__init__(self, message, box=box, state=state)
+        self.errno = _errno.ENOSPC
+
+
+def no_space(path: os.PathLike[str] | str, what: str, *, box: str | None = None) -> NoSpace:
+    """NoSpace for ``what``, saying how much the filesystem of ``path`` has left (named by
+    its nearest folder that is not a hidden work folder of sandlot's)."""
+    path = os.fspath(path)
+    while os.path.basename(path).startswith(".") and os.path.dirname(path) != path:
+        path = os.path.dirname(path)
+    try:
+        st = os.statvfs(path)
+        left = f"{st.f_bavail * st.f_frsize / (1 << 20):.0f} MiB free"
+    except OSError:
+        left = "its free space unknown"
+    return NoSpace(f"{what}: the filesystem of {path} is full ({left})", box=box)
+
+
 class StoreError(SandlotError):
     """A home's state database cannot be used (corrupt, or from a newer sandlot)."""
 

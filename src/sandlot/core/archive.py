@@ -34,6 +34,7 @@ is committed.
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import io
 import json
@@ -53,7 +54,7 @@ import zstandard
 from ..config import fsync_dir
 from ..crashpoints import crash_point
 from ..engine.base import Boot, Engine
-from ..errors import CorruptSnapshot, HostSetupError, InvalidArgument
+from ..errors import CorruptSnapshot, HostSetupError, InvalidArgument, no_space
 from . import exports, layers, snapshots
 from .spec import BoxSpec
 from .store import NAME_RE, BoxStore, SnapshotRecord
@@ -109,6 +110,8 @@ def export_snapshot(home: Path, engine: Engine, rec: SnapshotRecord, dest: Path)
             disk_member = "disk.qcow2"
             proc = subprocess.run([_qemu_img(), "convert", "-O", "qcow2", "-U", rec.layer,
                                    str(work / disk_member)], capture_output=True, text=True)  # fmt: skip
+            if proc.returncode != 0 and "No space left" in proc.stderr:
+                raise no_space(dest.parent, f"snapshot {rec.id} could not be exported to {dest}")
             if proc.returncode != 0:
                 raise CorruptSnapshot(f"the disk of snapshot {rec.id} cannot be read: {proc.stderr.strip()}")
         paths = {**engine.state_files(src), disk_member: work / disk_member}
@@ -158,6 +161,10 @@ def export_snapshot(home: Path, engine: Engine, rec: SnapshotRecord, dest: Path)
         os.rename(tmp, dest)
         fsync_dir(dest.parent)
         return dest
+    except OSError as exc:
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise no_space(dest.parent, f"snapshot {rec.id} could not be exported to {dest}") from None
+        raise
     finally:
         shutil.rmtree(work, ignore_errors=True)
         with contextlib.suppress(FileNotFoundError):

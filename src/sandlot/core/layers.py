@@ -25,7 +25,7 @@ import time
 from collections.abc import Iterable
 from pathlib import Path
 
-from ..errors import HostSetupError, SavedStateError
+from ..errors import HostSetupError, SavedStateError, no_space
 from ..images.rootfs import qcow2_backing_file
 from .store import BoxRecord, SnapshotRecord
 
@@ -92,6 +92,9 @@ def new_layer(home: Path, backing: Path, size: int | None = None, backing_format
     cmd = [qemu_img, "create", "-q", "-f", "qcow2", "-u", "-F", backing_format, "-b", str(backing), str(path),
            str(size)]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0 and "No space left" in proc.stderr:
+        path.unlink(missing_ok=True)
+        raise no_space(path.parent, "a disk layer could not be made")
     if proc.returncode != 0:
         raise HostSetupError(f"qemu-img create failed: {proc.stderr.strip()}")
     return path

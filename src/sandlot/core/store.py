@@ -34,7 +34,7 @@ from typing import Any
 
 from .. import pids
 from ..engine.base import VMRef
-from ..errors import BoxNotFound, InvalidArgument, SnapshotNotFound, StoreBusy, StoreError
+from ..errors import BoxNotFound, InvalidArgument, SnapshotNotFound, StoreBusy, StoreError, no_space
 from ..net.policy import BOX_NAME
 
 SCHEMA_VERSION = 6
@@ -403,6 +403,8 @@ class BoxStore:
             try:
                 yield
             except sqlite3.OperationalError as exc:
+                if "full" in str(exc):  # SQLITE_FULL: the filesystem, as a home's limit is
+                    raise no_space(self.path.parent, f"the state database {self.path} cannot grow") from exc
                 if "locked" in str(exc) or "busy" in str(exc):
                     raise StoreBusy(
                         f"the state database {self.path} stayed locked by another process for more than "

@@ -17,7 +17,7 @@ import tempfile
 from pathlib import Path
 
 from ..config import fsync_dir
-from ..errors import HostSetupError, ImageError, InvalidArgument
+from ..errors import HostSetupError, ImageError, InvalidArgument, no_space
 
 GiB = 1 << 30
 
@@ -87,6 +87,8 @@ def make_ext4(src_dir: Path, out: Path, size_bytes: int, label: str = "sandlot-r
     size = f"{size_bytes // 1024}k"
     cmd = [mkfs, "-q", "-F", "-t", "ext4", "-m", "0", "-L", label, "-d", str(src_dir), str(out), size]
     proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0 and "No space left" in proc.stderr:
+        raise no_space(out.parent, f"the disk image of {src_dir} could not be made")
     if proc.returncode != 0:
         raise ImageError(f"mkfs.ext4 failed for {src_dir}: {proc.stderr.strip()[-2000:]}")
 
@@ -235,5 +237,8 @@ def create_overlay(base: Path, overlay: Path, size_bytes: int) -> None:
     size = size_bytes
     cmd = [qemu_img, "create", "-q", "-f", "qcow2", "-F", "raw", "-b", str(base), str(overlay), str(size)]
     proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0 and "No space left" in proc.stderr:
+        overlay.unlink(missing_ok=True)
+        raise no_space(overlay.parent, "a disk layer could not be made")
     if proc.returncode != 0:
         raise HostSetupError(f"qemu-img create failed: {proc.stderr.strip()}")

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from ... import pids
 from ...config import fsync_dir, runtime_dir
-from ...errors import IncompatibleSnapshot, SavedStateError
+from ...errors import IncompatibleSnapshot, NoSpace, SavedStateError, no_space
 from .. import hostcgroup
 from ..base import Boot, BootRequest, Engine, LaunchSpec, NetSpec, Placement, SavedState, VMRef, VMStatus
 from . import accel as accel_mod
@@ -207,10 +207,23 @@ class QemuEngine(Engine):
             )  # fmt: skip
             vm = QemuVM(cfg)
             try:
+                if _free_bytes(d) < (facts["memory_mib"] << 20):  # the memory file it is about to write
+                    raise no_space(d, f"the saved state {d.name} cannot be prepared for forks and exports "
+                                      f"(its {facts['memory_mib']} MiB memory file)")  # fmt: skip
                 await vm.start()
                 await vm.load_state(d / "state")
                 await vm.save_state(d / ".devices.tmp", ignore_shared=True)
+            except NoSpace:
+                with contextlib.suppress(FileNotFoundError):
+                    mem_tmp.unlink()
+                raise
             except Exception as exc:
+                if "No space left" in f"{exc}\n{vm.stderr_tail()}":
+                    with contextlib.suppress(FileNotFoundError):
+                        mem_tmp.unlink()
+                    raise no_space(
+                        d, f"the saved state {d.name} cannot be prepared for forks and exports"
+                    ) from exc
                 raise SavedStateError(
                     f"the saved state {d.name} could not be prepared for forks: {exc}\n{vm.stderr_tail()}"
                 ) from exc
@@ -306,6 +319,11 @@ def device_set(facts: dict[str, Any]) -> str:
 
 def _major_minor(version: str) -> tuple[str, ...]:
     return tuple(version.split(" ")[0].split(".")[:2])
+
+
+def _free_bytes(path: Path) -> int:
+    st = os.statvfs(path)
+    return st.f_bavail * st.f_frsize
 
 
 def _fsync_file(path: Path) -> None:

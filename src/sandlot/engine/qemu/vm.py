@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
+import errno
 import fcntl
 import json
 import os
@@ -21,7 +22,7 @@ from typing import IO, TYPE_CHECKING, Any
 
 from ... import pids
 from ...config import tail
-from ...errors import BootError, SavedStateError
+from ...errors import BootError, NoSpace, SavedStateError, no_space
 from .. import hostcgroup
 from ..base import VM, Connector, VMRef, VMStatus
 from .command import (
@@ -439,6 +440,8 @@ class QemuVM(VM):
                 with contextlib.suppress(Exception):
                     info = await q.execute("query-migrate")
                 why = info.get("error-desc", status) if isinstance(info, dict) else status
+                if "No space left" in str(why):  # save_state names the file's filesystem
+                    raise NoSpace(f"QEMU could not save the state ({why})")
                 raise SavedStateError(f"QEMU could not save or load the state: {why}")
 
     # -- saved state ----------------------------------------------------------------------
@@ -448,9 +451,20 @@ class QemuVM(VM):
     ) -> None:
         """Run one migration (``migrate`` out, ``migrate-incoming`` in) on session ``q``
         until it completes."""
-        await set_migration(q, ignore_shared)
+        from qemu.qmp import ExecuteError
+
         with q.listener("MIGRATION") as events:
-            await q.execute(command, {"uri": uri})
+            for wait in (0.05, 0.1, 0.2, 0.4, 0.8, 1.6, 3.2, 0.0):
+                try:
+                    await set_migration(q, ignore_shared)
+                    await q.execute(command, {"uri": uri})
+                    break
+                except ExecuteError as exc:
+                    # a migration that failed (a full disk) is cleaned up by QEMU's migration
+                    # thread a moment after it says so: the next one waits for that
+                    if "not finalized" not in str(exc) or not wait:
+                        raise
+                    await asyncio.sleep(wait)
             await self._migration_done(q, events, timeout)
 
     async def _migrate_file(
@@ -475,10 +489,17 @@ class QemuVM(VM):
         """Write the VM's device state (and RAM, unless it lives in a shared file
         and ``ignore_shared``) to ``path`` with QEMU's migration. The VM must be
         stopped. Returns the bytes written."""
-        with open(path, "wb") as f:
-            await self._migrate_file(f, "migrate", ignore_shared, timeout, session)
-            os.fsync(f.fileno())
-            return f.tell()
+        try:
+            with open(path, "wb") as f:
+                await self._migrate_file(f, "migrate", ignore_shared, timeout, session)
+                os.fsync(f.fileno())
+                return f.tell()
+        except NoSpace:
+            raise no_space(path.parent, "QEMU could not save the state") from None
+        except OSError as exc:
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise no_space(path.parent, "the state could not be saved") from None
+            raise
 
     async def load_state(self, path: Path, *, ignore_shared: bool = False, timeout: float = 120.0) -> None:
         """Load a state written by ``save_state`` into a VM started with ``incoming``;

@@ -1,0 +1,103 @@
+"""A home whose filesystem runs full, for real: a tmpfs of its own, filled with a file
+but for a MiB. Each way of writing saved state or disks (a snapshot, a fork, a
+suspension, a template, an export, a new box's disk) fails with ``NoSpace`` naming
+the filesystem; the running box keeps running, the store still lists exactly what
+it did, nothing half-written is visible, and with room again each works."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import sandlot
+
+pytestmark = pytest.mark.vm
+
+
+@pytest.fixture
+def small_home(tmp_path: Path) -> Iterator[tuple[Path, Path]]:
+    """(the mount point of a 400 MiB tmpfs, a home on it that shares the tests' kernel,
+    agent and initramfs caches)."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small filesystem for the home needs root")
+    mnt = tmp_path / "fs"
+    mnt.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=400m", "tmpfs", str(mnt)], check=True)
+    home = mnt / "home"
+    try:
+        shared = sandlot.Runtime.for_home().home
+        sandlot.Runtime.for_home(shared).prepare()
+        home.mkdir()
+        for d in ("kernels", "agent", "initramfs"):
+            (home / d).symlink_to(shared / d)
+        yield mnt, home
+    finally:
+        (mnt / "filler").unlink(missing_ok=True)
+        with contextlib.suppress(sandlot.SandlotError):
+            for box in sandlot.list(all=True, home=home):
+                box.remove(force=True)
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def fill(mnt: Path, leave: int = 1 << 20) -> Path:
+    st = os.statvfs(mnt)
+    filler = mnt / "filler"
+    subprocess.run(["fallocate", "-l", str(st.f_bavail * st.f_frsize - leave), str(filler)], check=True)
+    return filler
+
+
+def visible(home: Path) -> set[str]:
+    """What a reader of the home sees: saved states, disk layers and base disks (the
+    hidden names are work in progress, which no reader takes)."""
+    return {f"{d}/{p.name}" for d in ("snapshots", "layers", "bases") if (home / d).is_dir()
+            for p in (home / d).iterdir() if not p.name.startswith(".")}  # fmt: skip
+
+
+def test_a_full_home_fails_each_save_clearly_and_loses_nothing(
+    small_home: tuple[Path, Path], busybox_root: Path, debian_root: Path
+) -> None:
+    mnt, home = small_home
+    box = sandlot.Box(rootfs=busybox_root, memory_mib=128, home=home, keep=True, template=False).start()
+    box.exec("sh", "-c", "echo before > /root/mark").check()
+    kept = box.snapshot("kept")  # saved before the disk filled: it must come through
+    before = visible(home)
+    filler = fill(mnt)
+    attempts: dict[str, Callable[[], Any]] = {
+        "snapshot": lambda: box.snapshot("late"),
+        "fork": lambda: box.fork(2),
+        "suspend": box.suspend,
+        "template": lambda: sandlot.template(rootfs=busybox_root, memory_mib=128, home=home, name="t"),
+        "export": lambda: kept.export(mnt / "out.sandlot"),
+        "new box": lambda: sandlot.Box(rootfs=debian_root, memory_mib=128, home=home, template=False).start(),
+    }
+    for what, attempt in attempts.items():
+        with pytest.raises(sandlot.NoSpace, match=f"the filesystem of {mnt}/home.* is full") as failed:
+            attempt()
+        assert failed.value.errno == 28 and failed.value.status == 507, what  # ENOSPC
+        assert box.state == "running", what
+        assert box.exec("cat", "/root/mark").stdout == "before\n", what
+        assert [s.id for s in sandlot.list_snapshots(home=home)] == [kept.id], what
+        assert [b.name for b in sandlot.list(all=True, home=home)] == [box.name], what
+        # a snapshot moves the box onto a new top layer before it saves: that layer is
+        # the box's disk now (the one it was on is under it), not a leftover
+        before.add(f"layers/{Path(sandlot.Runtime.for_home(home).store.get(box.id).disk or '').name}")
+        assert visible(home) == before, what
+    assert sorted(p.name for p in mnt.iterdir()) == ["filler", "home"]  # no archive, whole or in part
+    filler.unlink()
+    # with room again, each works
+    assert box.snapshot("late").id != kept.id
+    kids = box.fork(2)
+    assert [k.exec("cat", "/root/mark").stdout for k in kids] == ["before\n", "before\n"]
+    for k in kids:
+        k.remove(force=True)
+    box.suspend()
+    box.resume()
+    assert kept.export(mnt / "out.sandlot").stat().st_size > 0
+    box.rollback(kept)
+    assert box.exec("cat", "/root/mark").stdout == "before\n"
