@@ -896,6 +896,36 @@ def test_a_watch_is_in_the_audit_trail_from_start_to_end(
     assert refused and refused[0]["status"] == 404
 
 
+def test_a_server_killed_mid_fork_loses_no_box_and_the_next_one_forks(
+    tmp_path: Path, busybox_root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The server dies (SIGKILL at its crash point) as the second child of a fork over
+    REST starts: the client gets ConnectionLost naming the server; the restarted server
+    has the parent running as it was, no half-made child and no fork snapshot; the
+    fork then works."""
+    home = tmp_path / "home"
+    monkeypatch.setenv("SANDLOT_CRASH_AT", "fork.child-start#2")  # the server inherits it
+    with serving(home) as s:
+        monkeypatch.delenv("SANDLOT_CRASH_AT")
+        with sandlot.connect(s.url, api_key=s.api_key) as client:
+            box = client.create(rootfs=str(busybox_root), memory_mib=128)
+            box.start()
+            box.exec("sh", "-c", "echo parent > /root/who").check()
+            with pytest.raises(sandlot.ConnectionLost, match=s.url.split("//")[1]):
+                box.fork(3)
+        assert s.process.wait(10) == -signal.SIGKILL
+        s.restart()
+        with sandlot.connect(s.url, api_key=s.api_key) as client:
+            assert [(b.id, b.state) for b in client.list(all=True)] == [(box.id, "running")]
+            assert client.snapshots() == []
+            parent = client.get(box.id)
+            assert parent.exec("cat", "/root/who").stdout == "parent\n"
+            kids = parent.fork(2)
+            assert [k.exec("cat", "/root/who").stdout for k in kids] == ["parent\n"] * 2
+            for k in [*kids, parent]:
+                k.remove(force=True)
+
+
 # -- leases -------------------------------------------------------------------------------
 
 LEASED_CLIENT = """
