@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from sandlot.errors import GuestFileNotFoundError, GuestOSError, GuestPermissionError
+from sandlot.errors import ConnectionLost, GuestFileNotFoundError, GuestOSError, GuestPermissionError
 from sandlot.protocol import files as pfiles
 from sandlot.protocol import wire
 from sandlot.protocol.exec import ExecRequest, RemoteProcess
@@ -461,3 +461,21 @@ def test_a_file_read_the_host_leaves_untouched_is_closed(tmp_path: Path) -> None
     finally:
         agent.proc.kill()
         agent.proc.wait()
+
+
+def test_a_frame_sent_as_the_transport_breaks_waits_for_the_reconnection(tmp_path: Path) -> None:
+    """Between a transport's break and its reader seeing it, a frame (a stream's ACK)
+    is dropped for RESUME to cover, not an error: the reconnection has not begun yet.
+    (Under load, test_reconnect_resumes_streams_without_loss met that moment.)"""
+
+    async def go() -> None:
+        async with connected(tmp_path) as (conn, _):
+            conn.break_transport()
+            conn.send_frame(T.ACK, 1, wire.data_payload(1, 10))  # the reader has not seen the break
+            for _ in range(100):  # no reconnection in this harness: the reader ends the connection
+                await asyncio.sleep(0.05)
+                if conn.failed is not None:
+                    break
+            assert isinstance(conn.failed, ConnectionLost)
+
+    run(go())

@@ -573,8 +573,11 @@ class AgentConnection:
         if self._failure is not None:
             raise self._failure
         if self._writer is None or self._writer.is_closing():
-            if self._reconnecting is not None:
-                return  # dropped now, resent by RESUME after the reconnection
+            if self._reconnecting is not None or (self._reader_task is not None and not self._closed):
+                # dropped now, resent by RESUME after the reconnection; that includes the
+                # moment between a transport's break and its reader seeing it, when the
+                # reconnection is not under way yet (or ends in a failure every channel gets)
+                return
             raise ConnectionLost("not connected to the agent")
         self._writer.write(wire.encode_frame(frame_type, channel, payload, flags))
 
