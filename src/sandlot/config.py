@@ -177,10 +177,13 @@ def spawn_unless_locked(lock: Path, module: str, *args: str, cwd: str | None = N
     if fd is None:
         return False
     os.close(fd)
-    subprocess.Popen(
-        [sys.executable, "-m", module, *args],
+    # Through a shell that puts it in the background and exits at once, waited for here:
+    # the helper is then no child of this process, which leaves neither a zombie when it
+    # ends nor a Popen still running when it is collected (a ResourceWarning at exit).
+    subprocess.run(
+        ["/bin/sh", "-c", '"$0" -m "$@" &', sys.executable, module, *args],
         stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        start_new_session=True, close_fds=True, cwd=cwd,
+        start_new_session=True, close_fds=True, cwd=cwd, check=False,
     )  # fmt: skip
     return True
 

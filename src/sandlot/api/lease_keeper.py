@@ -39,7 +39,6 @@ class LeaseKeeper:
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
         self._closed = False
-        self.lapsed: set[str] = set()  # boxes whose lease the server no longer knew
 
     @classmethod
     def over_http(cls, base_url: str, headers: dict[str, str], verify: Any, timeout: float) -> LeaseKeeper:
@@ -74,10 +73,6 @@ class LeaseKeeper:
     def let_go(self, box_id: str) -> None:
         with self._lock:
             self._boxes.pop(box_id, None)
-
-    def holds(self, box_id: str) -> bool:
-        with self._lock:
-            return box_id in self._boxes
 
     def close(self) -> None:
         """Stop renewing: the leases held lapse, and the server removes their boxes."""
@@ -123,8 +118,8 @@ class LeaseKeeper:
             return False
         for box_id in box_ids:
             if box_id not in renewed:
-                log.warning("box %s: its lease lapsed on the server (it will be removed)", box_id)
-                with self._lock:
-                    self._boxes.pop(box_id, None)
-                    self.lapsed.add(box_id)
+                with self._lock:  # one let go meanwhile (removed by its block) lapsed on purpose
+                    held = self._boxes.pop(box_id, None) is not None
+                if held:
+                    log.warning("box %s: its lease lapsed on the server (it will be removed)", box_id)
         return True

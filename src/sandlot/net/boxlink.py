@@ -128,9 +128,9 @@ def _start(info: LinkInfo) -> None:
     """Start the home's link, detached; if another is starting, it exits at once."""
     import subprocess  # only connections to boxes pay for it
 
-    with contextlib.suppress(OSError):
-        subprocess.Popen(
-            [info.python, "-m", LINK_MODULE, info.home, info.socket],
+    with contextlib.suppress(OSError):  # backgrounded by a shell, as config.spawn_unless_locked says why
+        subprocess.run(
+            ["/bin/sh", "-c", '"$0" -m "$@" &', info.python, LINK_MODULE, info.home, info.socket],
             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-            start_new_session=True, close_fds=True, cwd="/", env={**os.environ},
+            start_new_session=True, close_fds=True, cwd="/", env={**os.environ}, check=False,
         )  # fmt: skip

@@ -72,6 +72,7 @@ HOP_BY_HOP = {b"connection", b"keep-alive", b"proxy-authenticate", b"proxy-autho
 RESPONSE_HEAD_TIMEOUT = 300.0  # seconds the app in the box may take to start answering
 READ_CHUNK = 256 << 10
 PREVIEW_RECHECK = 1.0  # seconds between checks that a preview still lives, while it streams
+Until = Callable[[], Awaitable[None]]  # returns when a connection through a preview must end
 METHODS = ["GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"]
 
 
@@ -195,7 +196,7 @@ def _headers_for_box(request: Request, port: int, prefix: str) -> list[tuple[byt
 
 
 async def proxy_http(request: Request, box: AsyncBox, port: int, path: str, prefix: str,
-                     until: Callable[[], Awaitable[None]] | None = None) -> Response:  # fmt: skip
+                     until: Until | None = None) -> Response:  # fmt: skip
     """Send ``request`` to ``port`` in ``box`` and stream the answer back (cut short
     when ``until()`` returns)."""
     sock = await _connect(box, port)
@@ -274,7 +275,7 @@ async def _connect(box: AsyncBox, port: int) -> socket.socket:
 
 
 async def proxy_websocket(ws: WebSocket, box: AsyncBox, port: int, path: str,
-                          until: Callable[[], Awaitable[None]] | None = None) -> None:  # fmt: skip
+                          until: Until | None = None) -> None:  # fmt: skip
     """Open a WebSocket to ``port`` in ``box`` (with the client's subprotocols), then
     accept the client's and pass messages both ways until either side closes, or
     ``until()`` returns (then the client's closes with 1008, policy violation)."""
@@ -300,9 +301,6 @@ def _handshake_reason(e: BaseException) -> str:
     if isinstance(e, InvalidStatus):
         return f"HTTP {e.response.status_code}"
     return str(e) or type(e).__name__
-
-
-Until = Callable[[], Awaitable[None]]  # returns when a connection through a preview must end
 
 
 async def _splice(ws: WebSocket, inner: ClientConnection, until: Until | None) -> None:

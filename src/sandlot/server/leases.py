@@ -81,7 +81,10 @@ async def _remove(state: ServerState, lease: leases.Lease) -> None:
             await asyncio.to_thread(leases.drop, lease.box_id, home=state.home)
         return
     except SandlotError as exc:
+        # tried again after one more length of the lease (not at every sweep)
         log.warning("box %s: its lease lapsed but it could not be removed: %s", lease.box_id, exc)
         state.record(caller, "lease lapsed", lease.box_id, exc.status, exc.code, 0.0, detail)
+        with contextlib.suppress(SandlotError):
+            await grant(state, caller, lease.box_id, lease.seconds)
         return
     state.record(caller, "lease lapsed", lease.box_id, 200, None, 0.0, detail)
