@@ -20,11 +20,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from typer.testing import CliRunner
 
 from sandlot.api import access as api
 from sandlot.cli import access as cli_access
-from sandlot.cli.common import app
 from sandlot.core.access import (
     ApiKey,
     AuditEntry,
@@ -38,6 +36,8 @@ from sandlot.core.access import (
 )
 from sandlot.core.store import MIGRATIONS, SCHEMA_VERSION, BoxStore
 from sandlot.errors import InvalidArgument, NotFound, Unauthorized
+
+from tests.support.cli import in_process
 
 KEY_FORMAT = re.compile(r"sk-sl-[0-9a-f]{8}-[A-Za-z0-9_-]{43}")
 
@@ -406,12 +406,7 @@ def test_parse_since() -> None:
 def test_the_commands(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     home = tmp_path / "home"
     monkeypatch.setenv("SANDLOT_HOME", str(home))
-    runner = CliRunner()
-
-    def cli(*args: str, code: int = 0) -> Any:
-        r = runner.invoke(app, list(args))
-        assert r.exit_code == code, (args, r.output)
-        return r
+    cli = in_process()
 
     r = cli("keys", "create", "--name", "ci", "--namespace", "team-a", "--max-boxes", "3",
             "--max-memory-mib", "4096")  # fmt: skip

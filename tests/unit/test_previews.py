@@ -14,15 +14,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from typer.testing import CliRunner
 
 from sandlot.api import access as api
-from sandlot.cli import access as cli_access  # noqa: F401 - adds the commands to the app
-from sandlot.cli.common import app
 from sandlot.core import previews
 from sandlot.core.access import create_key, revoke_key
 from sandlot.core.store import MIGRATIONS, BoxStore
 from sandlot.errors import Forbidden, InvalidArgument, NotFound
+
+from tests.support.cli import in_process
 
 
 @pytest.fixture
@@ -186,12 +185,7 @@ def test_a_store_of_the_last_schema_gains_the_table(tmp_path: Path) -> None:
 
 def test_the_commands(home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("SANDLOT_HOME", str(home))
-    runner = CliRunner()
-
-    def cli(*args: str, code: int = 0) -> Any:
-        r = runner.invoke(app, list(args))
-        assert r.exit_code == code, (args, r.output)
-        return r
+    cli = in_process()
 
     cli("keys", "create", "--name", "ci", "--namespace", "team-a")
     key = api.list_keys()[0]

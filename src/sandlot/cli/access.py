@@ -17,7 +17,8 @@ import re
 import shlex
 import sys
 import time
-from typing import TYPE_CHECKING, Annotated
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Annotated, Any, Protocol, TypeVar
 
 import typer
 
@@ -27,7 +28,7 @@ from .common import Sandlot, age, app, err, fail
 if TYPE_CHECKING:
     from rich.console import Console
 
-    from ..api.access import ApiKey, AuditEntry
+    from ..api.access import ApiKey, AuditEntry, Preview
 
 keys_app = Sandlot(help="API keys of `sandlot serve`: create, ls, revoke.", no_args_is_help=True)
 app.add_typer(keys_app, name="keys")
@@ -55,6 +56,30 @@ def table_console() -> Console:
     from rich.console import Console
 
     return Console(highlight=False, markup=False, width=None if sys.stdout.isatty() else 1000)
+
+
+class _Record(Protocol):
+    def to_json(self) -> dict[str, Any]: ...
+
+
+R = TypeVar("R", bound=_Record)
+
+
+def print_records(records: Sequence[R], as_json: bool, columns: tuple[str, ...],
+                  row: Callable[[R], Sequence[str]]) -> None:  # fmt: skip
+    """What a listing command prints: the records as JSON (``--json``), or a table of
+    ``columns`` with ``row(record)`` for each."""
+    if as_json:
+        print(json.dumps([r.to_json() for r in records], indent=1))
+        return
+    from rich.table import Table
+
+    table = Table(box=None, pad_edge=False)
+    for col in columns:
+        table.add_column(col)
+    for r in records:
+        table.add_row(*row(r))
+    table_console().print(table)
 
 
 def quotas_text(key: ApiKey) -> str:
@@ -112,19 +137,11 @@ def keys_ls(
         keys = list_keys()
     except SandlotError as exc:
         raise fail(exc, 125) from exc
-    if as_json:
-        print(json.dumps([k.to_json() for k in keys], indent=1))
-        return
-    from rich.table import Table
-
-    table = Table(box=None, pad_edge=False)
-    for col in ("NAME", "ID", "NAMESPACE", "ADMIN", "QUOTAS", "CREATED", "LAST USED", "REVOKED"):
-        table.add_column(col)
-    for k in keys:
-        table.add_row(k.name, k.id, k.namespace or "-", "yes" if k.admin else "no", quotas_text(k),
-                      age(k.created_at), age(k.last_used_at) if k.last_used_at else "never",
-                      age(k.revoked_at))  # fmt: skip
-    table_console().print(table)
+    columns = ("NAME", "ID", "NAMESPACE", "ADMIN", "QUOTAS", "CREATED", "LAST USED", "REVOKED")
+    print_records(keys, as_json, columns,
+                  lambda k: (k.name, k.id, k.namespace or "-", "yes" if k.admin else "no", quotas_text(k),
+                             age(k.created_at), age(k.last_used_at) if k.last_used_at else "never",
+                             age(k.revoked_at)))  # fmt: skip
 
 
 @keys_app.command("revoke")
@@ -164,20 +181,16 @@ def previews_ls(
         found = list_previews(box=box, key=key, namespace=namespace, live=not everything)
     except SandlotError as exc:
         raise fail(exc, 125) from exc
-    if as_json:
-        print(json.dumps([p.to_json() for p in found], indent=1))
-        return
-    from rich.table import Table
 
-    table = Table(box=None, pad_edge=False)
-    for col in ("ID", "BOX", "PORT", "KEY", "NAMESPACE", "CREATED", "EXPIRES", "ENDED"):
-        table.add_column(col)
-    for p in found:
+    def row(p: Preview) -> tuple[str, ...]:
         expires = datetime.datetime.fromtimestamp(p.expires_at).strftime("%Y-%m-%d %H:%M")
         ended = f"{age(p.ended_at)} ({p.ended_why})" if p.ended_at else "-"
-        table.add_row(p.id, p.box_id, str(p.port), p.key_name or p.key_id or "-", p.namespace or "-",
-                      age(p.created_at), expires, ended)  # fmt: skip
-    table_console().print(table)
+        return (p.id, p.box_id, str(p.port), p.key_name or p.key_id or "-", p.namespace or "-",
+                age(p.created_at), expires, ended)  # fmt: skip
+
+    print_records(
+        found, as_json, ("ID", "BOX", "PORT", "KEY", "NAMESPACE", "CREATED", "EXPIRES", "ENDED"), row
+    )
 
 
 @previews_app.command("revoke")
@@ -230,18 +243,11 @@ def audit(
         entries = audit_log(box=box, key=key, since=start, limit=limit)
     except SandlotError as exc:
         raise fail(exc, 125) from exc
-    if as_json:
-        print(json.dumps([e.to_json() for e in entries], indent=1))
-        return
-    from rich.table import Table
 
-    table = Table(box=None, pad_edge=False)
-    for col in ("TIME", "KEY", "ACTION", "BOX", "STATUS", "DURATION", "DETAIL"):
-        table.add_column(col)
-    for e in entries:
+    def row(e: AuditEntry) -> tuple[str, ...]:
         when = datetime.datetime.fromtimestamp(e.at).strftime("%Y-%m-%d %H:%M:%S")
         status = f"{e.status} {e.error}" if e.error else str(e.status)
         took = f"{e.duration * 1000:.0f} ms" if e.duration < 10 else f"{e.duration:.1f} s"
-        table.add_row(when, e.key_name or e.key_id or "-", e.action, e.box or "-", status, took,
-                      detail_text(e))  # fmt: skip
-    table_console().print(table)
+        return when, e.key_name or e.key_id or "-", e.action, e.box or "-", status, took, detail_text(e)
+
+    print_records(entries, as_json, ("TIME", "KEY", "ACTION", "BOX", "STATUS", "DURATION", "DETAIL"), row)

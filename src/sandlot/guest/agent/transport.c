@@ -84,10 +84,9 @@ void send_error(struct session *s, uint32_t ch, int err, uint8_t frame_type, con
 
 #define WRITE_THROUGH_MS 30000
 
-/* The rest of a frame begun on the wire, written as the port takes it (the out queue
- * could not hold it). A port that takes nothing for WRITE_THROUGH_MS has no live host:
- * the session is given up, as if the host had gone, and a reconnected host resumes. */
-static void write_through(struct session *s, const uint8_t *hdr, size_t hlen, const uint8_t *data, size_t done,
+/* Write bytes [done, total) of a frame (its header, then its data) while the port takes
+ * them; how far it got. errno says why it stopped short (EAGAIN: the port is full). */
+static size_t write_frame(struct session *s, const uint8_t *hdr, size_t hlen, const uint8_t *data, size_t done,
                           size_t total)
 {
     while (done < total) {
@@ -96,18 +95,35 @@ static void write_through(struct session *s, const uint8_t *hdr, size_t hlen, co
         ssize_t w = write(s->out_fd, p, len);
         if (w > 0) {
             done += (size_t)w;
+        } else if (w < 0 && errno == EINTR) {
             continue;
+        } else {
+            if (w == 0) {
+                errno = EIO; /* took nothing, said nothing: not a full port */
+            }
+            break;
         }
-        if (w < 0 && errno == EINTR) {
-            continue;
+    }
+    return done;
+}
+
+/* The rest of a frame begun on the wire, written as the port takes it (the out queue
+ * could not hold it). A port that takes nothing for WRITE_THROUGH_MS has no live host:
+ * the session is given up, as if the host had gone, and a reconnected host resumes. */
+static void write_through(struct session *s, const uint8_t *hdr, size_t hlen, const uint8_t *data, size_t done,
+                          size_t total)
+{
+    for (;;) {
+        done = write_frame(s, hdr, hlen, data, done, total);
+        if (done == total) {
+            return;
         }
         struct pollfd pfd = {.fd = s->out_fd, .events = POLLOUT};
-        if (w < 0 && errno == EAGAIN && poll(&pfd, 1, WRITE_THROUGH_MS) > 0 && !(pfd.revents & (POLLERR | POLLHUP))) {
-            continue;
+        if (errno != EAGAIN || poll(&pfd, 1, WRITE_THROUGH_MS) <= 0 || (pfd.revents & (POLLERR | POLLHUP))) {
+            logmsg("the port took no more of a frame; giving the session up");
+            s->lost_output = 1;
+            return;
         }
-        logmsg("the port took no more of a frame; giving the session up");
-        s->lost_output = 1;
-        return;
     }
 }
 
@@ -117,18 +133,7 @@ static int send_direct(struct session *s, const uint8_t *hdr, size_t hlen, const
 {
     size_t done = 0, total = hlen + n;
     if (buf_used(&s->out) == 0) {
-        while (done < total) {
-            const uint8_t *p = done < hlen ? hdr + done : data + (done - hlen);
-            size_t len = done < hlen ? hlen - done : total - done;
-            ssize_t w = write(s->out_fd, p, len);
-            if (w > 0) {
-                done += (size_t)w;
-            } else if (w < 0 && errno == EINTR) {
-                continue;
-            } else {
-                break;
-            }
-        }
+        done = write_frame(s, hdr, hlen, data, 0, total);
     }
     if (done == total) {
         return 0;
