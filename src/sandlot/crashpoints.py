@@ -33,6 +33,8 @@ POINTS = frozenset({
     "pool.fill-after-start",  # a pool VM runs (its HELLO done), not yet paused and ready
     "pool.claim-after-row",  # a claim's compare-and-swap is written; the pool VM is still paused
     "pool.claim-after-resume",  # the claimed VM runs again; its re-identifying HELLO is under way
+    "fleet.export-after-save",  # a node wrote the archive of a box it holds for a move, not yet offered
+    "fleet.import-after-start",  # a moved box runs on its target node, which has not answered yet
 })  # fmt: skip
 
 _passes: dict[str, int] = {}

@@ -45,13 +45,18 @@ class FleetCluster:
     def address(self) -> str:
         return str(self.cluster.address)
 
-    def add(self, cpus: int, memory_mib: int, env: dict[str, str] | None = None) -> str:
-        """Add a node offering ``cpus`` and ``memory_mib`` to boxes; its Ray node id."""
+    def add(self, cpus: int, memory_mib: int, env: dict[str, str] | None = None,
+            like: str | None = None) -> str:  # fmt: skip
+        """Add a node offering ``cpus`` and ``memory_mib`` to boxes; its Ray node id.
+        ``like``: a dead node whose host comes back, with its home and run directory."""
         from sandlot.fleet import CPUS, MEMORY
 
-        home = node_home()
-        run = Path(tempfile.mkdtemp(prefix="sl-"))  # short: unix socket paths live there
-        run.chmod(0o700)
+        if like is not None:
+            home, run = self.homes[like], self.runs[like]
+        else:
+            home = node_home()
+            run = Path(tempfile.mkdtemp(prefix="sl-"))  # short: unix socket paths live there
+            run.chmod(0o700)
         args: dict[str, Any] = {
             "num_cpus": 1,
             "resources": {CPUS: cpus, MEMORY: memory_mib},

@@ -7,6 +7,7 @@ fleet does: placement, forks spread over nodes, moves, node loss and replicas.""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -255,6 +256,76 @@ def test_bad_input_gives_a_clear_error_and_moves_nothing(f: fleet.Fleet, nodes: 
             time.sleep(0.5)
     finally:
         box.remove(force=True)
+
+
+def goes_on(f: fleet.Fleet, box: sandlot.Box, node: str, pid: str) -> None:
+    """The box runs on ``node`` with the processes it had, and they go on."""
+    here = f.get(box.id)
+    assert (here.state, node_of(here)) == ("running", node)
+    c = count(here)
+    time.sleep(0.5)
+    assert count(here) > c and here.files.read_text("/tmp/pid") == pid
+
+
+def moves_left(home: Path) -> list[str]:
+    """What a move may leave in a node's home: move snapshots, holds, temporary directories."""
+    snaps = [s.name for s in sandlot.list_snapshots(home=home) if (s.name or "").startswith("move-")]
+    return snaps + [p.name for p in (*home.glob("fleet-*-*"), *home.glob("fleet/holds/*"))]
+
+
+def dead(f: fleet.Fleet, nodes: Nodes, node: str) -> None:
+    nodes.fc.kill(node)
+    deadline = time.monotonic() + 60
+    while any(n["node_id"] == node and n["alive"] for n in f.nodes()):
+        assert time.monotonic() < deadline, "Ray still counts the removed node alive"
+        time.sleep(0.5)
+
+
+def test_a_node_dying_mid_migration_leaves_the_box_where_it_was(f: fleet.Fleet, nodes: Nodes,
+                                                                busybox_root: Path) -> None:  # fmt: skip
+    """The target dies with the moved box already running there, before it answers; then
+    a source dies with the box held (paused, its state written). Each time the box goes
+    on where it was with its processes, and nothing of the move stays on either node,
+    also once the dead target's host comes back with its home."""
+    head_home = nodes.fc.homes[nodes.head]
+    target = nodes.fc.add(cpus=2, memory_mib=512, env={"SANDLOT_CRASH_AT": "fleet.import-after-start"})
+    source = nodes.fc.add(cpus=2, memory_mib=512, env={"SANDLOT_CRASH_AT": "fleet.export-after-save"})
+    made: list[sandlot.Box] = []
+    try:
+        box = f.create(rootfs=busybox_root, memory_mib=256, node=nodes.head, name="anchored")
+        made.append(box)
+        box.sh(COUNTER)
+        wait_count(box)
+        pid = box.files.read_text("/tmp/pid")
+        with pytest.raises(sandlot.ConnectionLost, match=f"node {target[:12]} died during the move"):
+            f.migrate(box, node=target)
+        goes_on(f, box, nodes.head, pid)
+        assert moves_left(head_home) == []
+        target_home = nodes.fc.homes[target]
+        assert box.id in boxes_in(target_home)  # the copy the dead actor had started
+        dead(f, nodes, target)
+        back = nodes.fc.add(cpus=2, memory_mib=512, like=target)  # its host comes back with its home
+        f.join(back)
+        assert boxes_in(target_home) == [] and moves_left(target_home) == []
+        goes_on(f, box, nodes.head, pid)
+        dead(f, nodes, back)
+
+        held = f.create(rootfs=busybox_root, memory_mib=256, node=source, name="held")
+        made.append(held)
+        held.sh(COUNTER)
+        wait_count(held)
+        pid = held.files.read_text("/tmp/pid")
+        with pytest.raises(sandlot.ConnectionLost, match=f"node {source[:12]} died during the move"):
+            f.migrate(held, node=nodes.head)
+        goes_on(f, held, source, pid)  # the source's next actor let it go on
+        assert held.id not in boxes_in(head_home)
+        assert moves_left(nodes.fc.homes[source]) == [] and moves_left(head_home) == []
+    finally:
+        for b in made:
+            with contextlib.suppress(sandlot.SandlotError):
+                f.get(b.id).remove(force=True)
+        if source in {n["node_id"] for n in f.nodes() if n["alive"]}:
+            dead(f, nodes, source)
 
 
 def test_a_dead_nodes_boxes_are_lost_and_a_replicated_one_recovers(f: fleet.Fleet, nodes: Nodes,

@@ -74,6 +74,8 @@ class Fleet(Protocol):
 
     def node(self, node_id: str) -> Any: ...
 
+    def forget_node(self, node_id: str) -> None: ...
+
     def resolve_node(self, key: str) -> str: ...
 
     def reserve_spread(self, one: dict[str, float], timeout: float) -> placement.Reservation: ...
@@ -240,6 +242,8 @@ class RayBackend(RemoteBackend):
         try:
             return await got(call)
         except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as exc:
+            if isinstance(exc, ray.exceptions.RayActorError):
+                self.fleet.forget_node(ref.node)  # the next call gets the node's next actor
             await self.reconcile()
             await self.reread(ref)
             self.actor(ref)  # raises InvalidState(lost) if its node is gone

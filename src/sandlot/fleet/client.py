@@ -26,14 +26,16 @@ from ..api.box import AsyncBox
 from ..api.client import AsyncClient
 from ..api.sync import Box as SyncBox
 from ..api.sync import Client
-from ..errors import InvalidArgument, InvalidState, NodeNotFound, SandlotError
+from ..errors import ConnectionLost, InvalidArgument, InvalidState, NodeNotFound, SandlotError
 from . import placement
 from .backend import Forked, RayBackend, RayBoxRef, answer, box_bundle, got, ray_box
 from .directory import LOST, Directory, Record
+from .directory import NAME as DIRECTORY
 from .node import NodeService
 
+NODE_SETTLE = 120.0  # seconds a node may take to end a move (undo or finish a hold), its successor included
+
 NAMESPACE = placement.NAMESPACE
-DIRECTORY = "sandlot-directory"
 NODE_ACTOR = "sandlot-node:{}"
 HEAD = "node:__internal_head__"
 
@@ -117,6 +119,25 @@ class Fleet:
             )
             handle = self._nodes[node_id] = actor.remote(node_id)
         return handle
+
+    def forget_node(self, node_id: str) -> None:
+        """Drop the handle of a node actor that died: the next ``node()`` gets its successor
+        (``get_if_exists``), which settles what the dead one left first."""
+        self._nodes.pop(node_id, None)
+
+    def tell_node(self, node_id: str, method: str, *args: Any) -> None:
+        """Best effort: call a node, and once more through a new actor if its actor died
+        while its node lives on (the caller goes on either way)."""
+        for _ in range(2):
+            try:
+                answer(getattr(self.node(node_id), method).remote(*args), timeout=NODE_SETTLE)
+                return
+            except ray.exceptions.RayActorError:
+                self.forget_node(node_id)
+                if node_id not in {n["NodeID"] for n in placement.sandlot_nodes()}:
+                    return
+            except (ray.exceptions.RayError, SandlotError):
+                return
 
     def resolve_node(self, key: str) -> str:
         """The id of a live sandlot node from its id or a unique prefix of it."""
@@ -301,6 +322,7 @@ class Fleet:
             [box_bundle(rec)], node=target, timeout=placement_timeout or self.placement_timeout
         )
         src, dst = self.node(source), self.node(target)
+        step = source
         try:
             held = answer(src.hold.remote(rec["id"]))
             t1 = time.monotonic()
@@ -308,31 +330,41 @@ class Fleet:
                 moved = answer(src.export.remote(held["snapshot"]))
                 t2 = time.monotonic()
                 start = {"n": 1, "box_id": rec["id"], "name": rec["name"], "labels": rec["labels"]}
+                step = target
                 landed = answer(dst.import_state.remote(moved, start))
                 if held["was"] in ("suspended", "paused"):
                     method = "suspend" if held["was"] == "suspended" else "pause"
                     try:
                         answer(dst.call.remote("box", method, rec["id"], {}))
                     except BaseException:
-                        answer(dst.remove.remote(rec["id"], True))
-                        answer(dst.drop_snapshot.remote(landed["snapshot"]))
+                        with contextlib.suppress(Exception):  # a dead target: its next actor removes it
+                            answer(dst.remove.remote(rec["id"], True))
+                            answer(dst.drop_snapshot.remote(landed["snapshot"]))
                         raise
             except BaseException:
-                with contextlib.suppress(Exception):
-                    answer(src.release.remote(rec["id"]))
+                self.tell_node(source, "release", rec["id"])
                 raise
+        except ray.exceptions.RayActorError as exc:
+            placement.release(res.name)
+            self.forget_node(step)
+            raise ConnectionLost(
+                f"node {step[:12]} died during the move of box {rec['name']} ({type(exc).__name__}): "
+                f"the move was undone, the box stays on node {source[:12]}",
+                box=rec["name"],
+            ) from None
         except BaseException:
             placement.release(res.name)
             raise
         t3 = time.monotonic()
-        with contextlib.suppress(SandlotError):  # the box runs on the target: the source's copy must go
-            answer(src.finish.remote(rec["id"]))
         old = rec.get("reservation")
+        # the move is done when the directory says so; only then does the source's copy go
+        # (a source that dies before it does leaves a hold its next actor ends by this record)
         ref.rec = answer(
             self.directory().put.remote(
                 {**rec, "node": target, "reservation": res.name, "state": held["was"], "lost": None}
             )
         )
+        self.tell_node(source, "finish", rec["id"])
         if old and not any(r.get("reservation") == old for r in answer(self.directory().all.remote())):
             placement.release(old)
         self.last_migration = {

@@ -29,6 +29,7 @@ from ..errors import BoxNotFound, InvalidArgument
 
 Record = dict[str, Any]
 LOST = "lost"
+NAME = "sandlot-directory"  # the directory actor's name in the sandlot namespace
 
 
 def reconcile(

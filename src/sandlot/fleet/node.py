@@ -28,7 +28,7 @@ import tempfile
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from pathlib import Path
-from typing import Any, ParamSpec, TypeVar
+from typing import Any, Concatenate, ParamSpec, TypeVar
 
 import ray
 
@@ -53,14 +53,17 @@ from ..api.contract import (
 )
 from ..api.local import LocalBackend
 from ..api.templates import restore_moved_box_async
-from ..config import runtime_dir
+from ..config import atomic_write, runtime_dir
+from ..crashpoints import crash_point
 from ..errors import BoxNotFound, InvalidArgument, InvalidState, RequestError, SandlotError, Unsupported
 from ..version import __version__
-from . import transfer
+from . import directory, transfer
+from .placement import NAMESPACE
 
 # the names of the snapshots the fleet makes to move a box or a fork's state (on the
 # source, and as imported on each target): they go with the last box started from them
 TRANSIENT = ("move-", "fork-", "replica-")
+WORK_DIRS = ("fleet-export-*", "fleet-import-*")  # a node's temporary directories in its home
 UPLOAD_IDLE = 120.0  # seconds an upload may wait for its next chunk before it is given up
 P = ParamSpec("P")
 T = TypeVar("T")
@@ -68,13 +71,17 @@ Reply = dict[str, Any]
 Writer = Callable[[AsyncIterator[bytes]], Awaitable[Any]]  # a write that takes its chunks as they come
 
 
-def guarded(fn: Callable[P, Awaitable[T]]) -> Callable[P, Awaitable[Reply]]:
-    """A node call's result as ``{"ok": value}``, or its sandlot error as ``{"error": ...}``."""
+def guarded(
+    fn: Callable[Concatenate[NodeService, P], Awaitable[T]],
+) -> Callable[Concatenate[NodeService, P], Awaitable[Reply]]:
+    """A node call's result as ``{"ok": value}``, or its sandlot error as ``{"error": ...}``;
+    the first call of an actor waits for it to settle what its predecessor left."""
 
     @functools.wraps(fn)
-    async def call(*args: P.args, **kwargs: P.kwargs) -> Reply:
+    async def call(self: NodeService, /, *args: P.args, **kwargs: P.kwargs) -> Reply:
         try:
-            return {"ok": await fn(*args, **kwargs)}
+            await self.settled()
+            return {"ok": await fn(self, *args, **kwargs)}
         except SandlotError as exc:
             return {"error": error_json(exc)}
 
@@ -136,6 +143,8 @@ class NodeService:
         self.moving: dict[str, dict[str, Any]] = {}
         self.processes = host.ProcessTable(self.backend)
         self.uploads: dict[str, Upload] = {}
+        self.holds = self.home / "fleet" / "holds"  # the boxes held for a move, one file each
+        self._settling: asyncio.Future[None] | None = None
 
     async def ref(self, key: str) -> BoxRef:
         found = self.refs.get(key)
@@ -149,7 +158,52 @@ class NodeService:
 
     # -- the node --------------------------------------------------------------------------
 
+    async def settled(self) -> None:
+        """Settle, once per actor and before its first call, what an earlier actor of this
+        node left half done (``settle``)."""
+        if self._settling is None:
+            self._settling = asyncio.ensure_future(self.settle())
+        with contextlib.suppress(Exception):  # what it could not settle must not stop the node
+            await asyncio.shield(self._settling)
+
+    async def settle(self) -> None:
+        """A node actor killed mid-move (its process, or its whole node with a host that
+        comes back with its home) leaves work half done; the directory, where a move
+        commits, says how each piece ends:
+
+        - a box it held for a move goes on here as it was if the directory still places
+          it here, or goes from here if the move was recorded (the box runs elsewhere);
+        - a box of this home that the directory places on another node (not lost) is a
+          copy a move started here and did not record: it goes, with the state moved for it;
+        - the temporary directories of exports and imports go."""
+        for pattern in WORK_DIRS:
+            for work in self.home.glob(pattern):
+                await asyncio.to_thread(_rmtree, work)
+        placed = await self._placements()
+        for path in sorted(self.holds.glob("*.json")):
+            box_id = path.stem
+            with contextlib.suppress(SandlotError, OSError, ValueError):
+                if placed.get(box_id, self.node_id) == self.node_id:
+                    await self._release(box_id)
+                else:
+                    await self._finish(box_id)
+        for ref in await self.backend.boxes(state=None, labels=None):
+            elsewhere = placed.get(ref.id)
+            if elsewhere is not None and elsewhere != self.node_id:
+                with contextlib.suppress(SandlotError):
+                    await self._remove(ref, True)
+
+    async def _placements(self) -> dict[str, str]:
+        """The node of each box the directory does not count lost (none if it does not run)."""
+        try:
+            actor = ray.get_actor(directory.NAME, namespace=NAMESPACE)
+            records = await actor.all.remote()
+        except (ValueError, ray.exceptions.RayError):
+            return {}
+        return {r["id"]: r["node"] for r in records if r.get("state") != directory.LOST}
+
     async def facts(self) -> dict[str, Any]:
+        await self.settled()
         boxes = await self.backend.boxes(state=None, labels=None)
         return {
             "node_id": self.node_id,
@@ -364,6 +418,7 @@ class NodeService:
         try:
             t0 = time.monotonic()
             path = await self.backend.export(snap, work / "state.sandlot")
+            crash_point("fleet.export-after-save")
             saved = time.monotonic() - t0
             moved = await transfer.offer(path, ray.put)
             return {**moved, "export_s": saved, "snapshot": {**snap.info, "node": self.node_id}}
@@ -401,6 +456,7 @@ class NodeService:
                 with contextlib.suppress(SandlotError):
                     await snap.remove()  # nothing half-moved stays behind
                 raise
+            crash_point("fleet.import-after-start")
             self.refs.update({k.id: k.ref for k in kids})
             out["boxes"] = [self.info(k.ref) for k in kids]
             out["start_s"] = time.monotonic() - t2
@@ -410,8 +466,9 @@ class NodeService:
     async def hold(self, box_id: str) -> dict[str, Any]:
         """Freeze a box for a move: a suspended one is resumed first; then it is paused
         and snapshotted (the state that moves). ``release`` undoes this, ``finish`` ends
-        the box here once it runs elsewhere."""
-        if box_id in self.moving:
+        the box here once it runs elsewhere. The hold is a file of the home, so that
+        the next actor of this node ends it if this one dies (``settle``)."""
+        if box_id in self.moving or self._hold_file(box_id).exists():
             raise InvalidState(f"box {box_id} is being moved already", box=box_id, state="moving")
         box = AsyncBox.bound(await self.ref(box_id))
         await box.refresh()
@@ -421,44 +478,72 @@ class NodeService:
                 f"box {box.name} is {was}: only a running, paused or suspended box moves with its processes",
             )
         t0 = time.monotonic()
-        if was == "suspended":
-            await box.resume()
-        if box.state == "running":
-            await box.pause()
+        self._write_hold(box_id, {"was": was, "snapshot": None})
         try:
+            if was == "suspended":
+                await box.resume()
+            if box.state == "running":
+                await box.pause()
             snap = await box.snapshot(f"move-{secrets.token_hex(4)}")
         except BaseException:
             await self._undo_hold(box, was)
+            self._hold_file(box_id).unlink(missing_ok=True)
             raise
         self.moving[box_id] = {"was": was, "snapshot": snap.id}
+        self._write_hold(box_id, self.moving[box_id])
         return {"was": was, "snapshot": snap.id, "hold_s": time.monotonic() - t0}
+
+    def _hold_file(self, box_id: str) -> Path:
+        return self.holds / f"{box_id}.json"
+
+    def _write_hold(self, box_id: str, held: dict[str, Any]) -> None:
+        atomic_write(self._hold_file(box_id), json.dumps(held).encode())
+
+    def _take_hold(self, box_id: str) -> dict[str, Any] | None:
+        """The hold of a box, this actor's or an earlier one's, ended for the caller."""
+        held = self.moving.pop(box_id, None)
+        path = self._hold_file(box_id)
+        if held is None and path.exists():
+            held = json.loads(path.read_text())
+        path.unlink(missing_ok=True)
+        return held
 
     async def _undo_hold(self, box: AsyncBox, was: str) -> None:
         with contextlib.suppress(SandlotError):
-            if was in ("running", "suspended"):
+            await box.refresh()
+            if was in ("running", "suspended") and box.state == "paused":
                 await box.unpause()
             if was == "suspended":
                 await box.suspend()
 
+    async def _drop_move_snapshot(self, held: Mapping[str, Any]) -> None:
+        if held.get("snapshot"):
+            with contextlib.suppress(SandlotError):
+                await self.backend.snapshot_remove(await self.backend.find_snapshot(held["snapshot"]))
+
     @guarded
     async def release(self, box_id: str) -> None:
         """A move failed: the box goes on here as it was."""
-        held = self.moving.pop(box_id, None)
+        await self._release(box_id)
+
+    async def _release(self, box_id: str) -> None:
+        held = self._take_hold(box_id)
         if held is None:
             return
-        box = AsyncBox.bound(await self.ref(box_id))
-        with contextlib.suppress(SandlotError):
-            await self.backend.snapshot_remove(await self.backend.find_snapshot(held["snapshot"]))
-        await self._undo_hold(box, held["was"])
+        await self._drop_move_snapshot(held)
+        await self._undo_hold(AsyncBox.bound(await self.ref(box_id)), held["was"])
 
     @guarded
     async def finish(self, box_id: str) -> None:
         """A move succeeded: the box and its move snapshot go from this node."""
-        held = self.moving.pop(box_id, None)
-        await self._remove(await self.ref(box_id), True)  # and the state moved here for it
+        await self._finish(box_id)
+
+    async def _finish(self, box_id: str) -> None:
+        held = self._take_hold(box_id)
+        with contextlib.suppress(BoxNotFound):
+            await self._remove(await self.ref(box_id), True)  # and the state moved here for it
         if held is not None:
-            with contextlib.suppress(SandlotError):
-                await self.backend.snapshot_remove(await self.backend.find_snapshot(held["snapshot"]))
+            await self._drop_move_snapshot(held)
 
 
 def node_snapshots(answer: Any, node: str) -> Any:

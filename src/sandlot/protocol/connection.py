@@ -433,7 +433,12 @@ class AgentConnection:
         """Connect and handshake within ``timeout`` seconds."""
         reader, writer = await self._connector()
         self._install(reader, writer)
-        return await self._handshake(timeout)
+        try:
+            return await self._handshake(timeout)
+        except BaseException:  # a timeout or a cancel: no reader task left pending behind it
+            with contextlib.suppress(Exception):
+                await asyncio.shield(self.close())
+            raise
 
     def _install(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self._reader, self._writer = reader, writer
