@@ -58,7 +58,7 @@ import base64
 import contextlib
 import errno as _errno
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any, ClassVar
 
 
@@ -258,6 +258,19 @@ class NoSpace(SandlotError, OSError):
     def __init__(self, message: str = "", *, box: str | None = None, state: str | None = None) -> None:
         SandlotError.__init__(self, message, box=box, state=state)
         self.errno = _errno.ENOSPC
+
+
+@contextlib.contextmanager
+def space_for(path: os.PathLike[str] | str, what: str, *, box: str | None = None) -> Iterator[None]:
+    """Raise an ``OSError`` of a full filesystem (ENOSPC, EDQUOT) in the block as ``no_space``."""
+    try:
+        yield
+    except NoSpace:
+        raise
+    except OSError as exc:
+        if exc.errno in (_errno.ENOSPC, _errno.EDQUOT):
+            raise no_space(path, what, box=box) from None
+        raise
 
 
 def no_space(path: os.PathLike[str] | str, what: str, *, box: str | None = None) -> NoSpace:

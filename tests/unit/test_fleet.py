@@ -127,17 +127,27 @@ def test_the_directory_survives_its_actor_and_finds_by_name_or_prefix(tmp_path: 
 
 
 def test_a_node_error_comes_back_as_the_same_class() -> None:
-    @guarded
-    async def fails() -> None:
-        raise sandlot.IncompatibleSnapshot("the snapshot was saved by QEMU 99.0; this host has QEMU 8.2")
+    class Node:
+        """A node actor's shape as ``guarded`` sees it: each call waits for it to settle."""
 
-    @guarded
-    async def answers() -> int:
-        return 3
+        settles = 0
 
+        async def settled(self) -> None:
+            self.settles += 1
+
+        @guarded
+        async def fails(self) -> None:
+            raise sandlot.IncompatibleSnapshot("the snapshot was saved by QEMU 99.0; this host has QEMU 8.2")
+
+        @guarded
+        async def answers(self) -> int:
+            return 3
+
+    node = Node()
     with pytest.raises(sandlot.IncompatibleSnapshot, match=r"QEMU 99\.0"):
-        opened(asyncio.run(fails()))
-    assert opened(asyncio.run(answers())) == 3
+        opened(asyncio.run(node.fails()))
+    assert opened(asyncio.run(node.answers())) == 3
+    assert node.settles == 2
     assert opened({"node": "n1"}) == {"node": "n1"}  # the directory's answers pass as they are
 
 

@@ -258,6 +258,39 @@ def test_bad_input_gives_a_clear_error_and_moves_nothing(f: fleet.Fleet, nodes: 
         box.remove(force=True)
 
 
+def test_a_with_box_goes_with_its_killed_driver(f: fleet.Fleet, nodes: Nodes, busybox_root: Path) -> None:
+    """A driver killed inside ``with f.Box()`` cannot remove its box: the box's node does,
+    once the driver's job is gone; a live driver's box stays."""
+    code = textwrap.dedent(f"""
+        import sys
+        from sandlot import fleet
+        f = fleet.connect({nodes.fc.address!r})
+        with f.Box(rootfs={str(busybox_root)!r}, memory_mib=256, node={nodes.a!r}, name="orphan") as box:
+            box.exec("true")
+            print(box.id, flush=True)
+            sys.stdin.read()  # until it is killed
+    """)
+    env = {**os.environ, "PYTHONPATH": f"{ROOT / 'src'}{os.pathsep}{ROOT}"}
+    home = nodes.fc.homes[nodes.a]
+    with f.Box(rootfs=busybox_root, memory_mib=256, node=nodes.a, name="kept") as mine:
+        driver = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                  text=True, env=env)  # fmt: skip
+        try:
+            orphan = (driver.stdout.readline() if driver.stdout else "").strip()
+            assert orphan in boxes_in(home), f"the driver made no box: {orphan!r}"
+            assert f.record(orphan)["held_by"] and f.record(mine)["held_by"]
+        finally:
+            driver.kill()
+            driver.wait()
+        deadline = time.monotonic() + 90
+        while orphan in boxes_in(home) or orphan in {b.id for b in f.list()}:
+            assert time.monotonic() < deadline, "the box of the killed driver stayed"
+            time.sleep(1)
+        assert mine.exec("true").exit_code == 0 and mine.id in boxes_in(home)
+        assert not any(n["node_id"] == nodes.a and n["reserved_memory_mib"] > 256 for n in f.nodes())
+    assert mine.id not in boxes_in(home)
+
+
 def goes_on(f: fleet.Fleet, box: sandlot.Box, node: str, pid: str) -> None:
     """The box runs on ``node`` with the processes it had, and they go on."""
     here = f.get(box.id)

@@ -17,6 +17,10 @@ import pytest
 
 import sandlot
 
+from tests.support.images import build_layouts
+from tests.support.registry import run_registry
+from tests.support.roots import CACHE
+
 pytestmark = pytest.mark.vm
 
 
@@ -66,8 +70,15 @@ def test_a_full_home_fails_each_save_clearly_and_loses_nothing(
     box = sandlot.Box(rootfs=busybox_root, memory_mib=128, home=home, keep=True, template=False).start()
     box.exec("sh", "-c", "echo before > /root/mark").check()
     kept = box.snapshot("kept")  # saved before the disk filled: it must come through
-    before = visible(home)
+    spare = sandlot.Box.create(rootfs=busybox_root, memory_mib=128, home=home, name="spare")
+    spare_disk = Path(sandlot.Runtime.for_home(home).store.get(spare.id).disk or "")
+    registry = contextlib.ExitStack()
+    reg = registry.enter_context(run_registry(mnt.parent / "registry"))
+    reg.push(build_layouts(CACHE, busybox_root)["busybox"], "test/busybox:1")
     filler = fill(mnt)
+    spare.remove()  # what frees room works on a full disk: a box goes, with its disk
+    assert not spare_disk.exists() and [b.name for b in sandlot.list(all=True, home=home)] == [box.name]
+    before = visible(home)
     attempts: dict[str, Callable[[], Any]] = {
         "snapshot": lambda: box.snapshot("late"),
         "fork": lambda: box.fork(2),
@@ -75,6 +86,7 @@ def test_a_full_home_fails_each_save_clearly_and_loses_nothing(
         "template": lambda: sandlot.template(rootfs=busybox_root, memory_mib=128, home=home, name="t"),
         "export": lambda: kept.export(mnt / "out.sandlot"),
         "new box": lambda: sandlot.Box(rootfs=debian_root, memory_mib=128, home=home, template=False).start(),
+        "pull": lambda: sandlot.pull(f"{reg.host}/test/busybox:1", insecure=True, home=home),
     }
     for what, attempt in attempts.items():
         with pytest.raises(sandlot.NoSpace, match=f"the filesystem of {mnt}/home.* is full") as failed:
@@ -84,6 +96,7 @@ def test_a_full_home_fails_each_save_clearly_and_loses_nothing(
         assert box.exec("cat", "/root/mark").stdout == "before\n", what
         assert [s.id for s in sandlot.list_snapshots(home=home)] == [kept.id], what
         assert [b.name for b in sandlot.list(all=True, home=home)] == [box.name], what
+        assert sandlot.list_images(home=home) == [], what
         # a snapshot moves the box onto a new top layer before it saves: that layer is
         # the box's disk now (the one it was on is under it), not a leftover
         before.add(f"layers/{Path(sandlot.Runtime.for_home(home).store.get(box.id).disk or '').name}")
@@ -100,4 +113,27 @@ def test_a_full_home_fails_each_save_clearly_and_loses_nothing(
     box.resume()
     assert kept.export(mnt / "out.sandlot").stat().st_size > 0
     box.rollback(kept)
+    assert box.exec("cat", "/root/mark").stdout == "before\n"
+    pulled = sandlot.pull(f"{reg.host}/test/busybox:1", insecure=True, home=home)
+    assert [i.digest for i in sandlot.list_images(home=home)] == [pulled.digest]
+    registry.close()
+
+
+def test_a_full_home_fails_a_gvisor_save_clearly(small_home: tuple[Path, Path], busybox_root: Path) -> None:
+    """runsc checkpoint on a full home: NoSpace, and the sandbox goes on."""
+    mnt, home = small_home
+    box = sandlot.Box(rootfs=busybox_root, engine="gvisor", memory_mib=256, home=home, keep=True).start()
+    box.exec("sh", "-c", "echo before > /root/mark").check()
+    before = visible(home)
+    filler = fill(mnt, leave=16 << 10)  # a sandbox's checkpoint is small (45 KiB): less room than that
+    for what, attempt in {"snapshot": lambda: box.snapshot("late"), "suspend": box.suspend}.items():
+        with pytest.raises(sandlot.NoSpace, match=f"the filesystem of {mnt}/home.* is full"):
+            attempt()
+        assert box.state == "running", what
+        assert box.exec("cat", "/root/mark").stdout == "before\n", what
+        assert sandlot.list_snapshots(home=home) == [], what
+        before.add(f"layers/{Path(sandlot.Runtime.for_home(home).store.get(box.id).disk or '').name}")
+        assert visible(home) == before, what  # the box's disk, as above, and nothing else
+    filler.unlink()
+    box.snapshot("late")
     assert box.exec("cat", "/root/mark").stdout == "before\n"

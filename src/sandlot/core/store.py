@@ -33,11 +33,15 @@ from pathlib import Path
 from typing import Any
 
 from .. import pids
+from ..config import hold_room
 from ..engine.base import VMRef
 from ..errors import BoxNotFound, InvalidArgument, SnapshotNotFound, StoreBusy, StoreError, no_space
 from ..net.policy import BOX_NAME
 
 SCHEMA_VERSION = 6
+# bytes held allocated past the end of the database and of its WAL (BoxStore.hold_room)
+ROOM = {"": 1 << 20, "-wal": 4 << 20}
+ROOM_EVERY = 256  # commits between two renewals of that room
 
 
 _V2_GENERAL_FACTS = ("memory_mib", "cpus", "ports", "network", "accel")
@@ -337,6 +341,7 @@ class BoxStore:
         self.path = path
         path.parent.mkdir(parents=True, exist_ok=True)
         self._lock = threading.Lock()
+        self._commits = 0
         # how long a write waits for another process's transaction (SQLite's busy timeout)
         self.busy_timeout = float(os.environ.get("SANDLOT_STORE_BUSY_TIMEOUT", "30"))
         try:
@@ -347,6 +352,7 @@ class BoxStore:
             self._db.execute("PRAGMA synchronous=FULL")  # a committed transition survives power loss
             self._db.execute("PRAGMA foreign_keys=ON")
             self._migrate()
+            self.hold_room()
         except sqlite3.OperationalError as exc:
             if "locked" in str(exc) or "busy" in str(exc):
                 raise StoreBusy(f"the state database {path} stayed locked by another process for more "
@@ -354,6 +360,13 @@ class BoxStore:
             raise StoreError(f"the state database {path} cannot be used: {exc}") from exc
         except sqlite3.DatabaseError as exc:
             raise StoreError(f"the state database {path} cannot be used: {exc}") from exc
+
+    def hold_room(self) -> None:
+        """Keep room allocated past the ends of the database and its WAL, so that the
+        rows saying how an operation ended are written when the filesystem ran full
+        (the operation fails with NoSpace; the store must still record that)."""
+        for suffix, extra in ROOM.items():
+            hold_room(self.path.with_name(self.path.name + suffix), extra)
 
     def _migrate(self) -> None:
         with self._tx() as db:
@@ -391,6 +404,9 @@ class BoxStore:
                     raise
                 else:
                     self._db.execute("COMMIT")
+                    self._commits += 1
+                    if self._commits % ROOM_EVERY == 0:  # the database grows into its room
+                        self.hold_room()
             finally:
                 if not durable:
                     self._db.execute("PRAGMA synchronous=FULL")

@@ -76,6 +76,8 @@ class Fleet(Protocol):
 
     def forget_node(self, node_id: str) -> None: ...
 
+    def driver_mark(self) -> str: ...
+
     def resolve_node(self, key: str) -> str: ...
 
     def reserve_spread(self, one: dict[str, float], timeout: float) -> placement.Reservation: ...
@@ -289,11 +291,15 @@ class RayBackend(RemoteBackend):
         return RayBoxRef(self, None, box_create(image, opts, self.transport), where)
 
     async def make(self, ref: BoxRef, *, start: bool, ephemeral: bool = False) -> dict[str, Any]:
-        # a with block's box goes by the block's end; the fleet holds no lease (the driver
-        # that dies takes the cluster's job with it)
+        # a with block's box goes by the block's end, or with its driver: the record names
+        # the driver's mark, an actor that dies with the driver's job, and the box's node
+        # removes a box whose mark is gone
         box = ray_box(ref)
         assert box.wanted is not None
-        return await self.place(box.wanted, box.where, start=start)
+        where = dict(box.where)
+        if ephemeral:
+            where["held_by"] = await asyncio.to_thread(self.fleet.driver_mark)
+        return await self.place(box.wanted, where, start=start)
 
     @contextlib.asynccontextmanager
     async def reserved(self, bundles: list[dict[str, float]], *, spread: bool = False,
@@ -326,7 +332,8 @@ class RayBackend(RemoteBackend):
             node = res.nodes[0]
             body = {k: v for k, v in wanted.items() if k != "image"}
             made = await got(self.fleet.node(node).create.remote(wanted.get("image"), body, start))
-        rec = new_record(made, node, time.time(), reservation=res.name, replicas=where.get("replicas", 0))
+        rec = new_record(made, node, time.time(), reservation=res.name, replicas=where.get("replicas", 0),
+                         held_by=where.get("held_by"))  # fmt: skip
         created: Record = await got(self.fleet.directory().put.remote(rec))
         return created
 

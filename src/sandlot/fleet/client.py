@@ -14,6 +14,7 @@ from __future__ import annotations
 import builtins
 import contextlib
 import os
+import secrets
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -31,17 +32,12 @@ from . import placement
 from .backend import Forked, RayBackend, RayBoxRef, answer, box_bundle, got, ray_box
 from .directory import LOST, Directory, Record
 from .directory import NAME as DIRECTORY
-from .node import NodeService
+from .node import NodeService, node_actor_name
 
 NODE_SETTLE = 120.0  # seconds a node may take to end a move (undo or finish a hold), its successor included
 
 NAMESPACE = placement.NAMESPACE
-NODE_ACTOR = "sandlot-node:{}"
 HEAD = "node:__internal_head__"
-
-
-def node_actor_name(node_id: str) -> str:
-    return NODE_ACTOR.format(node_id)
 
 
 def host_resources() -> dict[str, float]:
@@ -71,6 +67,35 @@ def connect(
         opts.setdefault("log_to_driver", False)
         ray.init(**opts)
     return Fleet(placement_timeout=placement_timeout)
+
+
+class DriverMark:
+    """A do-nothing actor a driver owns, so it lives exactly as long as the driver's job:
+    a box of a ``with`` block names it (``held_by``), and the box's node removes the box
+    once the name is gone (``NodeService.end_unheld``)."""
+
+    def ping(self) -> bool:
+        return True
+
+
+_marks: dict[str, tuple[str, Any]] = {}  # job id -> (the name of its driver's mark, its handle)
+
+
+def driver_mark() -> str:
+    """The name of this driver's mark, made on first use (one per job: its handle is
+    kept here, as the actor goes with its last handle)."""
+    job = ray.get_runtime_context().get_job_id()
+    if job not in _marks:
+        name = f"sandlot-driver-{job}-{secrets.token_hex(4)}"
+        here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+        handle: Any = (  # on the driver's node: a mark on another node would die with that one
+            ray.remote(DriverMark)
+            .options(name=name, namespace=NAMESPACE, num_cpus=0, scheduling_strategy=here)
+            .remote()
+        )
+        answer(handle.ping.remote(), timeout=120)  # named once it answers
+        _marks[job] = (name, handle)
+    return _marks[job][0]
 
 
 class Fleet:
@@ -119,6 +144,9 @@ class Fleet:
             )
             handle = self._nodes[node_id] = actor.remote(node_id)
         return handle
+
+    def driver_mark(self) -> str:
+        return driver_mark()
 
     def forget_node(self, node_id: str) -> None:
         """Drop the handle of a node actor that died: the next ``node()`` gets its successor

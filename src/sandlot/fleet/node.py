@@ -57,13 +57,15 @@ from ..config import atomic_write, runtime_dir
 from ..crashpoints import crash_point
 from ..errors import BoxNotFound, InvalidArgument, InvalidState, RequestError, SandlotError, Unsupported
 from ..version import __version__
-from . import directory, transfer
+from . import directory, placement, transfer
 from .placement import NAMESPACE
 
 # the names of the snapshots the fleet makes to move a box or a fork's state (on the
 # source, and as imported on each target): they go with the last box started from them
 TRANSIENT = ("move-", "fork-", "replica-")
 WORK_DIRS = ("fleet-export-*", "fleet-import-*")  # a node's temporary directories in its home
+NODE_ACTOR = "sandlot-node:{}"  # a node actor's name, by its Ray node id
+HELD_SWEEP = 5.0  # seconds between two looks for boxes of dead drivers' with blocks
 UPLOAD_IDLE = 120.0  # seconds an upload may wait for its next chunk before it is given up
 P = ParamSpec("P")
 T = TypeVar("T")
@@ -145,6 +147,7 @@ class NodeService:
         self.uploads: dict[str, Upload] = {}
         self.holds = self.home / "fleet" / "holds"  # the boxes held for a move, one file each
         self._settling: asyncio.Future[None] | None = None
+        self._sweeping: asyncio.Future[None] | None = None
 
     async def ref(self, key: str) -> BoxRef:
         found = self.refs.get(key)
@@ -163,6 +166,7 @@ class NodeService:
         node left half done (``settle``)."""
         if self._settling is None:
             self._settling = asyncio.ensure_future(self.settle())
+            self._sweeping = asyncio.ensure_future(self._sweep_unheld())
         with contextlib.suppress(Exception):  # what it could not settle must not stop the node
             await asyncio.shield(self._settling)
 
@@ -192,6 +196,40 @@ class NodeService:
             if elsewhere is not None and elsewhere != self.node_id:
                 with contextlib.suppress(SandlotError):
                     await self._remove(ref, True)
+
+    async def _sweep_unheld(self) -> None:
+        while True:
+            await asyncio.sleep(HELD_SWEEP)
+            with contextlib.suppress(Exception):  # a directory restarting: the next round
+                await self.end_unheld()
+
+    async def end_unheld(self) -> builtins.list[str]:
+        """Remove this node's boxes of ``with`` blocks whose driver died (the driver's mark,
+        an actor its job owns, is gone), with their replicas and reservations, as the
+        driver would have at the block's end. The ids of the boxes removed."""
+        try:
+            book = ray.get_actor(directory.NAME, namespace=NAMESPACE)
+            records = await book.all.remote()
+        except (ValueError, ray.exceptions.RayError):
+            return []
+        ended = []
+        for rec in records:
+            mark = rec.get("held_by")
+            if not mark or rec.get("node") != self.node_id or rec.get("state") == directory.LOST:
+                continue
+            if await asyncio.to_thread(actor_lives, mark):
+                continue
+            with contextlib.suppress(BoxNotFound):
+                await self._remove(await self.ref(rec["id"]), True)
+            replica = rec.get("replica")
+            if replica:
+                with contextlib.suppress(ValueError, ray.exceptions.RayError):
+                    node = ray.get_actor(node_actor_name(replica["node"]), namespace=NAMESPACE)
+                    await node.drop_snapshot.remote(replica["snapshot"])
+            for name in await book.release.remote(rec["id"]):
+                await asyncio.to_thread(placement.release, name)
+            ended.append(rec["id"])
+        return ended
 
     async def _placements(self) -> dict[str, str]:
         """The node of each box the directory does not count lost (none if it does not run)."""
@@ -544,6 +582,18 @@ class NodeService:
             await self._remove(await self.ref(box_id), True)  # and the state moved here for it
         if held is not None:
             await self._drop_move_snapshot(held)
+
+
+def actor_lives(name: str) -> bool:
+    try:
+        ray.get_actor(name, namespace=NAMESPACE)
+    except ValueError:
+        return False
+    return True
+
+
+def node_actor_name(node_id: str) -> str:
+    return NODE_ACTOR.format(node_id)
 
 
 def node_snapshots(answer: Any, node: str) -> Any:

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..config import fsync_dir
-from ..errors import ImageError, InvalidArgument
+from ..errors import ImageError, InvalidArgument, NoSpace, space_for
 from . import auth as auth_mod
 from .local import import_dir, load_archive, load_oci_layout, read_manifest
 from .oci import LAYER_COMPRESSION, MAX_CONFIG_BYTES, ImageConfig, Index, Manifest, is_index
@@ -211,52 +211,60 @@ class ImageManager:
         """Pull an image (x86_64) into the store and, with ``prepare``, make its disk."""
         from .registry import RegistryClient  # httpx is imported only by those who pull
 
-        r = ref if isinstance(ref, Reference) else Reference.parse(ref)
-        creds = auth_mod.Credentials(*credentials) if isinstance(credentials, tuple) else credentials
-        async with RegistryClient(r, credentials=creds, insecure=insecure, ca_cert=ca_cert) as client:
-            data, media_type, digest = await client.manifest(r.digest or r.tag or "latest")
-            if is_index(media_type, data):
+        with space_for(self.store.home, f"image {ref} could not be pulled"):
+            r = ref if isinstance(ref, Reference) else Reference.parse(ref)
+            creds = auth_mod.Credentials(*credentials) if isinstance(credentials, tuple) else credentials
+            async with RegistryClient(r, credentials=creds, insecure=insecure, ca_cert=ca_cert) as client:
+                data, media_type, digest = await client.manifest(r.digest or r.tag or "latest")
+                if is_index(media_type, data):
+                    self.store.put_blob(data, digest)
+                    chosen = Index.parse(data, media_type).select()
+                    data, media_type, digest = await client.manifest(chosen.digest)
+                manifest = Manifest.parse(data, media_type)
                 self.store.put_blob(data, digest)
-                chosen = Index.parse(data, media_type).select()
-                data, media_type, digest = await client.manifest(chosen.digest)
-            manifest = Manifest.parse(data, media_type)
-            self.store.put_blob(data, digest)
-            config_bytes = await client.blob_bytes(manifest.config, MAX_CONFIG_BYTES)
-            self.store.put_blob(config_bytes, manifest.config.digest)
-            config = ImageConfig.parse(config_bytes)
-            existing = self.store.get(digest)
-            base_ready = existing is not None and self.store.base_path(existing).exists()
-            builder = None
-            if prepare and not base_ready:
-                layers = [Layer(d.digest, d.media_type, d.size) for d in manifest.layers]
-                builder = _BaseBuilder(self.store, digest.split(":")[1], _estimate(layers))
-            try:
-                sem = asyncio.Semaphore(MAX_CONCURRENT_DOWNLOADS)
-
-                async def fetch(desc: Any) -> None:
-                    async with sem:
-                        await client.fetch_blob(desc, self.store, progress)
-
-                tasks = [asyncio.ensure_future(fetch(d)) for d in manifest.layers]
+                config_bytes = await client.blob_bytes(manifest.config, MAX_CONFIG_BYTES)
+                self.store.put_blob(config_bytes, manifest.config.digest)
+                config = ImageConfig.parse(config_bytes)
+                existing = self.store.get(digest)
+                base_ready = existing is not None and self.store.base_path(existing).exists()
+                builder = None
+                if prepare and not base_ready:
+                    layers = [Layer(d.digest, d.media_type, d.size) for d in manifest.layers]
+                    builder = _BaseBuilder(self.store, digest.split(":")[1], _estimate(layers))
                 try:
-                    for i, (task, desc) in enumerate(zip(tasks, manifest.layers, strict=True)):
-                        await task
-                        if builder is not None:
-                            layer = Layer(desc.digest, desc.media_type, desc.size)
-                            diff_id = config.diff_ids[i] if i < len(config.diff_ids) else None
-                            await asyncio.to_thread(builder.apply, layer, diff_id)
+                    sem = asyncio.Semaphore(MAX_CONCURRENT_DOWNLOADS)
+
+                    async def fetch(desc: Any) -> None:
+                        async with sem:
+                            await client.fetch_blob(desc, self.store, progress)
+
+                    tasks = [asyncio.ensure_future(fetch(d)) for d in manifest.layers]
+                    try:
+                        for i, (task, desc) in enumerate(zip(tasks, manifest.layers, strict=True)):
+                            await task
+                            if builder is not None:
+                                layer = Layer(desc.digest, desc.media_type, desc.size)
+                                diff_id = config.diff_ids[i] if i < len(config.diff_ids) else None
+                                await asyncio.to_thread(builder.apply, layer, diff_id)
+                    finally:
+                        for task in tasks:
+                            task.cancel()
+                        await asyncio.gather(*tasks, return_exceptions=True)
+                    tagged = not r.digest or r.tag
+                    names = [str(Reference(r.registry, r.repository, r.tag))] if tagged else []
+                    image = self._record(digest, names, f"registry:{r.name}")
+                    if builder is not None:
+                        try:
+                            await asyncio.to_thread(self._publish_base, builder, image)
+                        except NoSpace:
+                            if existing is None:  # an image this pull recorded goes again
+                                with contextlib.suppress(Exception):
+                                    self.store.remove(image.digest)
+                            raise
                 finally:
-                    for task in tasks:
-                        task.cancel()
-                    await asyncio.gather(*tasks, return_exceptions=True)
-                names = [] if r.digest and not r.tag else [str(Reference(r.registry, r.repository, r.tag))]
-                image = self._record(digest, names, f"registry:{r.name}")
-                if builder is not None:
-                    await asyncio.to_thread(self._publish_base, builder, image)
-            finally:
-                if builder is not None:
-                    builder.cleanup()
-        return image
+                    if builder is not None:
+                        builder.cleanup()
+            return image
 
     # -- local sources ----------------------------------------------------------------------------
 
@@ -265,7 +273,8 @@ class ImageManager:
         path = Path(path)
         if not path.exists():
             raise InvalidArgument(f"{path} does not exist")
-        loaded = load_oci_layout(self.store, path) if path.is_dir() else load_archive(self.store, path)
+        with space_for(self.store.home, f"images of {path} could not be loaded"):
+            loaded = load_oci_layout(self.store, path) if path.is_dir() else load_archive(self.store, path)
         if not loaded:
             raise ImageError(f"{path} holds no image")
         images = []
@@ -281,7 +290,7 @@ class ImageManager:
                 # its layers are checked (unpacked, into its base disk) now, as a pull checks
                 # them, not only when a box is first made of it
                 self.ensure_base(image)
-            except ImageError:
+            except (ImageError, NoSpace):
                 if image.digest not in before:  # an image this load made goes again
                     with contextlib.suppress(Exception):
                         self.store.remove(image.digest)
@@ -341,18 +350,19 @@ class ImageManager:
         with self._build_lock(image):
             if final.is_dir():
                 return final
-            builder = _BaseBuilder(self.store, image.digest.split(":")[1], _estimate(image.layers))
-            try:
-                builder.apply_all(image)
-                workdir = image.config.workdir
-                if workdir.startswith("/"):
-                    builder.applier.ensure_dir(workdir)
-                builder.applier.finish()
-                _move_tree(builder.work / "root", final)
-                fsync_dir(final.parent)
-                return final
-            finally:
-                builder.cleanup()
+            with space_for(self.store.home, f"image {image.digest[:19]} could not be unpacked"):
+                builder = _BaseBuilder(self.store, image.digest.split(":")[1], _estimate(image.layers))
+                try:
+                    builder.apply_all(image)
+                    workdir = image.config.workdir
+                    if workdir.startswith("/"):
+                        builder.applier.ensure_dir(workdir)
+                    builder.applier.finish()
+                    _move_tree(builder.work / "root", final)
+                    fsync_dir(final.parent)
+                    return final
+                finally:
+                    builder.cleanup()
 
     def ensure_base(self, image: Image) -> Path:
         """The ext4 base disk of an image, made from its layers if not there yet."""
@@ -362,9 +372,10 @@ class ImageManager:
         with self._build_lock(image):
             if final.exists():
                 return final
-            builder = _BaseBuilder(self.store, image.digest.split(":")[1], _estimate(image.layers))
-            try:
-                builder.apply_all(image)
-                return builder.finish(final, image.config.workdir)
-            finally:
-                builder.cleanup()
+            with space_for(self.store.home, f"the disk of image {image.digest[:19]} could not be made"):
+                builder = _BaseBuilder(self.store, image.digest.split(":")[1], _estimate(image.layers))
+                try:
+                    builder.apply_all(image)
+                    return builder.finish(final, image.config.workdir)
+                finally:
+                    builder.cleanup()

@@ -29,7 +29,7 @@ from typing import Any
 from ... import pids
 from ...config import tail
 from ...crashpoints import crash_point
-from ...errors import BootError, HostSetupError, SavedStateError
+from ...errors import BootError, HostSetupError, SavedStateError, no_space
 from ...net.addresses import GUEST_ADDRESS
 from .. import hostcgroup
 from ..base import VM, Connector, VMRef, VMStatus
@@ -59,6 +59,7 @@ MS_RDONLY = 1
 MAX_LOWER = 400  # overlayfs takes 500 lower layers; each snapshot of a box adds one
 START_TIMEOUT = 120.0  # a large saved state from a cold page cache takes a while
 MOUNT_DATA_MAX = 4096  # the kernel copies one page of mount options
+CHECKPOINT_OVERHEAD = 4 << 20  # bytes of a checkpoint beyond the sandbox's memory: its kernel's state
 CONSOLE_DIR = "/.sandlot-console"  # the box's console directory on the host, bound read-write
 RUNSC_LOG = "runsc.log"  # in the state directory; every runsc command of the box names it
 TIME_WAIT_LIMIT = 65.0  # a save waits this long for the box's TIME_WAITs to end (gVisor's last 60 s)
@@ -540,6 +541,7 @@ class GvisorVM(VM):
         restore it at once over ``new_disk``. No host file may be open in the sandbox
         then: its relays (this process's and any other's) are ended first, and no new one
         starts until the save is over (this process's wait; others' find it paused)."""
+        await asyncio.to_thread(self._check_room, directory)
         loop = asyncio.get_running_loop()
         gate = self._gate()
         gate.clear()
@@ -560,9 +562,10 @@ class GvisorVM(VM):
                         await self.resume()
                 else:
                     self._gone()
-                raise SavedStateError(
-                    f"runsc checkpoint failed: {runsc.reason(proc.stderr) or tail(self.cfg.runsc_log, 5)}"
-                )
+                why = runsc.reason(proc.stderr) or tail(self.cfg.runsc_log, 5)
+                if "no space left" in why.lower():
+                    raise no_space(directory, "runsc checkpoint could not save the state")
+                raise SavedStateError(f"runsc checkpoint failed: {why}")
             # The image is whole once runsc returns; a booted sandbox then takes seconds to
             # wind down by itself (a restored one does not): nothing of it is needed any more.
             with contextlib.suppress(OSError):
@@ -592,6 +595,21 @@ class GvisorVM(VM):
             return loop.time() - t0
         finally:
             gate.set()
+
+    def _check_room(self, directory: Path) -> None:
+        """NoSpace unless the checkpoint fits for sure: runsc ends a sandbox whose save
+        fails, so a full home must be found before, not by the save. A checkpoint holds
+        at most the sandbox's memory in use (the pages of its memory file) and its
+        kernel's state."""
+        need = CHECKPOINT_OVERHEAD
+        with contextlib.suppress(OSError):
+            for fd in os.listdir(f"/proc/{self.ref.pid}/fd"):
+                with contextlib.suppress(OSError):
+                    if os.readlink(f"/proc/{self.ref.pid}/fd/{fd}").startswith("/memfd:runsc-memory"):
+                        need += os.stat(f"/proc/{self.ref.pid}/fd/{fd}").st_blocks * 512
+        st = os.statvfs(directory.parent)
+        if st.f_bavail * st.f_frsize < need:
+            raise no_space(directory, f"a checkpoint of this sandbox needs up to {need >> 20} MiB")
 
     def _gate(self) -> asyncio.Event:
         if self._open is None:

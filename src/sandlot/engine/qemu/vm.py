@@ -454,17 +454,20 @@ class QemuVM(VM):
         from qemu.qmp import ExecuteError
 
         with q.listener("MIGRATION") as events:
-            for wait in (0.05, 0.1, 0.2, 0.4, 0.8, 1.6, 3.2, 0.0):
+            settled_by = asyncio.get_running_loop().time() + min(timeout, 30.0)
+            wait = 0.05
+            while True:
                 try:
                     await set_migration(q, ignore_shared)
                     await q.execute(command, {"uri": uri})
                     break
                 except ExecuteError as exc:
                     # a migration that failed (a full disk) is cleaned up by QEMU's migration
-                    # thread a moment after it says so: the next one waits for that
-                    if "not finalized" not in str(exc) or not wait:
+                    # thread a moment after it says so (seconds on a busy host): the next waits
+                    if "not finalized" not in str(exc) or asyncio.get_running_loop().time() > settled_by:
                         raise
                     await asyncio.sleep(wait)
+                    wait = min(wait * 2, 1.0)
             await self._migration_done(q, events, timeout)
 
     async def _migrate_file(
