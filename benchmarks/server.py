@@ -1,7 +1,8 @@
 """``sandlot serve`` against the library, in one run on the same boxes: exec ``true``
-round trips (p50, p99: the library, the remote client, a REST request each),
-file upload and download (MB/s), and exec requests per second from many
-concurrent clients, with the server's RSS before and after.
+round trips (p50, p99: the library, the remote client, a REST request each), a GET
+of a page in the box by its port route and by a preview URL, file upload and
+download (MB/s), and exec requests per second from many concurrent clients, with
+the server's RSS before and after.
 
     .venv/bin/python benchmarks/server.py [--quick]
 """
@@ -40,6 +41,33 @@ def exec_round_trips(box: sandlot.Box, client: httpx.Client, remote: sandlot.Cli
     return {"exec_true_local_ms": lo, "exec_true_remote_ms": re, "exec_true_rest_ms": rest,
             "remote_overhead_p50_ms": round(re["median"] - lo["median"], 2),
             "rest_overhead_p50_ms": round(rest["median"] - lo["median"], 2)}  # fmt: skip
+
+
+def port_round_trips(box: sandlot.Box, client: httpx.Client, n: int) -> dict:
+    """GET of a small page of a web server in the box, through the server: by the port
+    route with a key, and by a preview URL (no key: its signature, and its row of the
+    store, checked on each request), interleaved; a new connection each, as browsers
+    opening a shared link do."""
+    client.put(f"/v1/boxes/{box.id}/files/content", params={"path": "/www/index.html"}, content=b"hi\n")
+    box.exec("sh", "-c", "httpd -p 127.0.0.1:8080 -h /www").check()
+    route = f"{str(client.base_url).rstrip('/')}/v1/boxes/{box.id}/ports/8080/index.html"
+    preview = client.post(f"/v1/boxes/{box.id}/previews", json={"port": 8080, "ttl": 600}).json()["url"]
+    keyed = dict(client.headers)
+    times: dict[str, list[float]] = {"key": [], "preview": []}
+    for url, headers in ((route, keyed), (preview + "index.html", {})):  # the first answers start both
+        deadline = time.monotonic() + 30
+        while httpx.get(url, headers=headers).status_code != 200:
+            assert time.monotonic() < deadline, f"{url} never answered"
+            time.sleep(0.1)
+    for _ in range(n):
+        for kind, url, headers in (("key", route, keyed), ("preview", preview + "index.html", {})):
+            t0 = time.perf_counter()
+            r = httpx.get(url, headers=headers)
+            times[kind].append(time.perf_counter() - t0)
+            assert r.text == "hi\n", r.text
+    key, pv = summary(times["key"], 1e3), summary(times["preview"], 1e3)
+    return {"port_get_key_ms": key, "port_get_preview_ms": pv,
+            "preview_overhead_p50_ms": round(pv["median"] - key["median"], 2)}  # fmt: skip
 
 
 def file_transfer(box: sandlot.Box, client: httpx.Client, size: int, reps: int) -> dict:
@@ -101,6 +129,7 @@ def main() -> None:
             doc: dict = {"benchmark": "server", "quick": q, "host": host_facts(boxes[0].accel)}
             with sandlot.connect(served.url, api_key=served.api_key) as remote:
                 doc.update(exec_round_trips(boxes[0], client, remote, 20 if q else 300))
+            doc.update(port_round_trips(boxes[0], client, 20 if q else 300))
             doc.update(file_transfer(boxes[0], client, (8 if q else 64) << 20, 1 if q else 3))
             pid = served.process.pid
             rss0 = rss_mib(pid)
