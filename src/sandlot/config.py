@@ -119,28 +119,6 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-_FALLOC_FL_KEEP_SIZE = 1
-
-
-def hold_room(path: Path, extra: int) -> bool:
-    """Allocate ``extra`` bytes past the end of ``path`` without changing its size
-    (``fallocate(FALLOC_FL_KEEP_SIZE)``): a later write there needs no free space, so
-    it goes on when the filesystem is full. Best effort: False where the filesystem
-    has no room or no fallocate."""
-    import ctypes
-
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.fallocate.argtypes = (ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64)
-    try:
-        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
-    except OSError:
-        return False
-    try:
-        return bool(libc.fallocate(fd, _FALLOC_FL_KEEP_SIZE, os.fstat(fd).st_size, extra) == 0)
-    finally:
-        os.close(fd)
-
-
 def fsync_tree(root: Path) -> None:
     for dirpath, _dirs, files in os.walk(root):
         for name in files:

@@ -16,6 +16,13 @@ pytestmark = pytest.mark.vm
 BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
 PROMISED = {
     "cli": ["python_startup_ms", "version_ms", "ls_ms", "exec_true_ms", "targets_met"],
+    "density": [
+        "boxes",
+        "stopped_by",
+        "pss_per_box_MiB",
+        "idle_host_cpu_ms_per_s_per_box",
+        "neighbour_exec_true_ms_rest_idle",
+    ],
     "core": ["boot_to_first_exec_s", "exec_true_ms", "stdout_MBps", "upload_MBps", "idle_256MiB_box_pss_MiB"],
     "durable": ["create_start_first_exec_s", "stop_s", "start_to_first_exec_s"],
     "fleet": ["create_first_exec_s", "exec_true_ms", "migration_256MiB", "fork"],

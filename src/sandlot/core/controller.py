@@ -35,6 +35,7 @@ from ..errors import (
     InvalidArgument,
     InvalidState,
     SnapshotNotFound,
+    no_space,
 )
 from ..net.policy import PROXIED, Policy, write_policy
 from ..net.secrets import build_vault, read_vault_json, write_vault
@@ -57,6 +58,21 @@ if TYPE_CHECKING:
     from .spec import BoxSpec
 
 GiB = 1 << 30
+SAVES = frozenset({Op.SNAPSHOT, Op.SUSPEND})  # operations that write a saved state: room first
+
+
+def require_room(home: Path, what: str, *, box: str | None = None) -> None:
+    """NoSpace unless the home has ``SANDLOT_MIN_FREE_MIB`` (64) free: an operation that
+    writes saved state or a disk does not begin on a nearly full home, so that the rows
+    saying how it ended find room (the store keeps a reserve of its own for those,
+    ``store.ROOM_FILE``, which a payload must not eat up first)."""
+    need = float(os.environ.get("SANDLOT_MIN_FREE_MIB", "64")) * (1 << 20)
+    st = os.statvfs(home)
+    if st.f_bavail * st.f_frsize < need:
+        floor = f"sandlot keeps {need / (1 << 20):g} MiB free for it (SANDLOT_MIN_FREE_MIB)"
+        raise no_space(home, f"{what}: {floor}", box=box)
+
+
 CLOCKSOURCES = "/sys/devices/system/clocksource/clocksource0/available_clocksource"
 BOOT_WORK_LIMIT = 3.0  # seconds; the TSC's calibration ends about 1.2 s after boot
 
@@ -195,6 +211,8 @@ class BoxController:
             raise InvalidState.refused(op.value, source.value, [s.value for s in t.sources], box=entry.name)
         step = Step(op, source)
         writing = source
+        if op in SAVES:
+            require_room(self.rt.home, f"{op.value} of box {entry.name} was not begun", box=entry.name)
         if t.via is not None:
             owner, start = pids.me()
             rec = await self.db.update(
@@ -265,6 +283,7 @@ class BoxController:
             **holder_columns(ephemeral),
             machine_id=random_ids.token_hex(16),
         )  # fmt: skip
+        require_room(rt.home, f"box {req.name} could not be created")
         await self.db.insert(rec)  # reserves the name; a crash from here on is undone by recovery
         crash_point("create.after-row")
         entry = self.entry(rec)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import builtins
+import contextlib
 import json
 import os
 import re
@@ -33,15 +34,19 @@ from pathlib import Path
 from typing import Any
 
 from .. import pids
-from ..config import hold_room
 from ..engine.base import VMRef
-from ..errors import BoxNotFound, InvalidArgument, SnapshotNotFound, StoreBusy, StoreError, no_space
+from ..errors import BoxNotFound, InvalidArgument, NoSpace, SnapshotNotFound, StoreBusy, StoreError, no_space
 from ..net.policy import BOX_NAME
 
 SCHEMA_VERSION = 6
-# bytes held allocated past the end of the database and of its WAL (BoxStore.hold_room)
-ROOM = {"": 1 << 20, "-wal": 4 << 20}
-ROOM_EVERY = 256  # commits between two renewals of that room
+# Room the store keeps for itself (BoxStore.hold_room): a file of its own, given up when
+# a write finds the filesystem full so that the write is tried again and the rows saying
+# how an operation ended are written; made again once the filesystem has room.
+# (Never space held through the database's own files: a process that closes a descriptor
+# of a SQLite file drops SQLite's POSIX locks on it.)
+ROOM_FILE = ".sandlot-room"
+ROOM_BYTES = 8 << 20
+ROOM_EVERY = 256  # commits between two looks at whether the room can be made again
 
 
 _V2_GENERAL_FACTS = ("memory_mib", "cpus", "ports", "network", "accel")
@@ -362,11 +367,31 @@ class BoxStore:
             raise StoreError(f"the state database {path} cannot be used: {exc}") from exc
 
     def hold_room(self) -> None:
-        """Keep room allocated past the ends of the database and its WAL, so that the
-        rows saying how an operation ended are written when the filesystem ran full
-        (the operation fails with NoSpace; the store must still record that)."""
-        for suffix, extra in ROOM.items():
-            hold_room(self.path.with_name(self.path.name + suffix), extra)
+        """Make the store's room (``ROOM_FILE``) if it is not there and the filesystem has
+        plenty: best effort."""
+        room = self.path.with_name(ROOM_FILE)
+        if room.exists():
+            return
+        with contextlib.suppress(OSError):
+            st = os.statvfs(self.path.parent)
+            if st.f_bavail * st.f_frsize < 8 * ROOM_BYTES:
+                return
+            tmp = room.with_name(f"{ROOM_FILE}.{os.getpid()}")
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+            try:
+                os.posix_fallocate(fd, 0, ROOM_BYTES)
+            finally:
+                os.close(fd)
+            os.replace(tmp, room)
+
+    def give_room(self) -> bool:
+        """Give the store's room back to the filesystem, for a write that found it full to
+        be tried again; False if there was none to give."""
+        try:
+            self.path.with_name(ROOM_FILE).unlink()
+        except FileNotFoundError:
+            return False
+        return True
 
     def _migrate(self) -> None:
         with self._tx() as db:
@@ -399,14 +424,15 @@ class BoxStore:
                 self._db.execute("BEGIN IMMEDIATE")
                 try:
                     yield self._db
-                except BaseException:
-                    self._db.execute("ROLLBACK")
-                    raise
-                else:
                     self._db.execute("COMMIT")
-                    self._commits += 1
-                    if self._commits % ROOM_EVERY == 0:  # the database grows into its room
-                        self.hold_room()
+                except BaseException:
+                    if self._db.in_transaction:  # a COMMIT that failed (a full disk) leaves it open
+                        with contextlib.suppress(sqlite3.Error):
+                            self._db.execute("ROLLBACK")
+                    raise
+                self._commits += 1
+                if self._commits % ROOM_EVERY == 0:
+                    self.hold_room()
             finally:
                 if not durable:
                     self._db.execute("PRAGMA synchronous=FULL")
@@ -844,7 +870,12 @@ class AsyncStore:
         store = self._open()
         if self._watch is None:
             self._watch = store.watcher()
-        return getattr(store, method)(*args, **kwargs)
+        try:
+            return getattr(store, method)(*args, **kwargs)
+        except NoSpace:  # each method is one transaction, rolled back: it runs again in the room
+            if not store.give_room():
+                raise
+            return getattr(store, method)(*args, **kwargs)
 
     def version(self) -> int | None:
         """A number that changes whenever any process commits to the store, read

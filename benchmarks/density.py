@@ -1,0 +1,128 @@
+"""Density: how many idle boxes one host holds, and what each costs while idle.
+
+Boxes start from one 256 MiB busybox template, in batches, until a limit: ``--max``
+boxes, the host's available memory down to ``--reserve-mib``, or a neighbour's exec
+``true`` p99 over 100 ms with the rest idle. Then, in one run:
+
+* the count and why it stopped;
+* PSS per box (a sample of up to 30 boxes, ``/proc/PID/smaps_rollup``);
+* idle host CPU per box: the CPU time of every box's VM process over a window with
+  all of them idle, in ms per second per box;
+* a neighbour's exec ``true`` p50/p99 with the rest idle, and with a tenth of them
+  busy (a shell loop each).
+
+Every box is a ``with`` block's (ephemeral): a benchmark killed midway leaves no VM,
+its boxes go with their holder.
+
+    .venv/bin/python benchmarks/density.py [--max 200] [--reserve-mib 2048] [--quick]
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from pathlib import Path
+
+import sandlot
+
+from _common import busybox_root, drop_home, emit, host_facts, parser, pss_kib, scratch_home, summary
+
+P99_LIMIT_MS = 100.0
+BUSY = "nohup sh -c 'while :; do :; done' >/dev/null 2>&1 & echo $!"
+
+
+def mem_available_mib() -> int:
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) >> 10
+    return 0
+
+
+def cpu_seconds(pid: int) -> float:
+    """User and system CPU time of a process so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def exec_times_ms(box: sandlot.Box, n: int) -> list[float]:
+    out = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        box.exec("true")
+        out.append((time.perf_counter() - t0) * 1e3)
+    return out
+
+
+def idle_cpu_ms_per_s(pids: list[int], window: float) -> list[float]:
+    """Each VM's CPU time over ``window`` seconds with nothing asked of it, per second."""
+    before = {p: cpu_seconds(p) for p in pids}
+    t0 = time.monotonic()
+    time.sleep(window)
+    spent = time.monotonic() - t0
+    return [(cpu_seconds(p) - before[p]) * 1e3 / spent for p in pids]
+
+
+def main() -> None:
+    ap = parser(__doc__)
+    ap.add_argument("--max", type=int, default=200, help="boxes at most")
+    ap.add_argument("--reserve-mib", type=int, default=2048, help="host memory left available at least")
+    ap.add_argument("--batch", type=int, default=10, help="boxes started between two checks")
+    args = ap.parse_args()
+    q = args.quick
+    most, batch, window = (4, 2, 2.0) if q else (args.max, args.batch, 10.0)
+    home = scratch_home("bench-density-")
+    try:
+        tmpl = sandlot.template(rootfs=busybox_root(), memory_mib=256, name="dense", home=home)
+        with contextlib.ExitStack() as held:
+            boxes: list[sandlot.Box] = []
+            starts: list[float] = []
+            stopped_by = "max"
+            neighbour: sandlot.Box | None = None
+            while len(boxes) < most:
+                for _ in range(min(batch, most - len(boxes))):
+                    t0 = time.perf_counter()
+                    boxes.append(held.enter_context(sandlot.Box(template=tmpl, home=home)))
+                    starts.append(time.perf_counter() - t0)
+                neighbour = neighbour or boxes[0]
+                if mem_available_mib() < args.reserve_mib:
+                    stopped_by = "memory"
+                    break
+                time.sleep(0.5)  # the batch's first moments (its restores' own work) pass
+                exec_times_ms(neighbour, 5)  # and a first exec's translation under TCG
+                if summary(exec_times_ms(neighbour, 20))["p99"] > P99_LIMIT_MS:
+                    stopped_by = "neighbour exec p99"
+                    break
+            assert neighbour is not None
+            time.sleep(1.0 if q else 5.0)  # the last starts settle
+            pids = [int(b.inspect()["vm_pid"]) for b in boxes]
+            idle = idle_cpu_ms_per_s(pids, window)
+            quiet = exec_times_ms(neighbour, 20 if q else 200)
+            busy_boxes = [b for b in boxes[1:] if b is not neighbour][: max(1, len(boxes) // 10)]
+            loops = [b.sh(BUSY).stdout.strip() for b in busy_boxes]
+            time.sleep(0.5)
+            noisy = exec_times_ms(neighbour, 20 if q else 200)
+            for b, pid in zip(busy_boxes, loops, strict=True):
+                b.exec("kill", pid)
+            sample = pids[:: max(1, len(pids) // 30)][:30]
+            doc = {
+                "benchmark": "density",
+                "quick": q,
+                "host": host_facts(neighbour.accel),
+                "boxes": len(boxes),
+                "stopped_by": stopped_by,
+                "host_mem_available_MiB_at_end": mem_available_mib(),
+                "start_from_template_s": summary(starts, digits=3),
+                "pss_per_box_MiB": summary([pss_kib(p)["pss"] / 1024 for p in sample], digits=1),
+                "idle_host_cpu_ms_per_s_per_box": summary(idle, digits=2),
+                "idle_host_cpu_all_boxes_cores": round(sum(idle) / 1e3, 3),
+                "neighbour_exec_true_ms_rest_idle": summary(quiet),
+                f"neighbour_exec_true_ms_{len(busy_boxes)}_busy": summary(noisy),
+            }
+        emit(doc)
+    finally:
+        drop_home(home)
+
+
+if __name__ == "__main__":
+    main()
