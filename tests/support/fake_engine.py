@@ -73,6 +73,7 @@ class FakeVM(VM):
         self._tasks: set[asyncio.Future[None]] = set()
         self._stdin: dict[int, asyncio.Queue[bytes | None]] = {}  # channel -> what the host sends on it
         self.dead = False
+        self.hung = False
 
     # -- the process -----------------------------------------------------------------------
 
@@ -82,6 +83,10 @@ class FakeVM(VM):
         self.where.run_dir.mkdir(parents=True, exist_ok=True)
         self.where.state_dir.mkdir(parents=True, exist_ok=True)
         (self.where.state_dir / "console.log").write_text("fake console\nsandlot-agent: ready\n")
+        self.hung = self.engine.hangs > 0
+        if self.hung:  # a guest that hangs before its init: the agent never opens its port
+            self.engine.hangs -= 1
+            return
         if self.engine.never_answer:
             return
         for port in range(self.where.agent_ports):
@@ -94,6 +99,9 @@ class FakeVM(VM):
     @property
     def running(self) -> bool:
         return not self.dead
+
+    async def agent_opened(self) -> bool | None:
+        return not self.hung
 
     def die(self, code: int | None = None) -> None:
         """The VM process ends (a crash, a kill, a power-off)."""
@@ -443,6 +451,7 @@ class FakeEngine(Engine):
         self.fail_boot = False
         self.fail_restore = False
         self.never_answer = False
+        self.hangs = 0  # the next this many boots hang before their init
         self.launches = 0
 
     @classmethod

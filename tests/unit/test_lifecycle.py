@@ -125,6 +125,27 @@ def test_a_failed_boot_crashes_with_the_reason_and_starts_again(home: Path, root
     run(main)
 
 
+def test_a_boot_that_hangs_before_init_is_tried_once_more(home: Path, root: Path) -> None:
+    async def main() -> None:
+        box = await created(home, root, boot_timeout=0.5)
+        engine = FakeEngine.of(home)
+        try:
+            engine.hangs, before = 1, engine.launches
+            await box.start()  # the first guest hung: a second boot, which comes up
+            assert box.state == "running" and engine.launches == before + 2
+            await box.stop()
+            engine.hangs, before = 5, engine.launches
+            with pytest.raises(sandlot.BootTimeout, match="in 2 boots its guest never opened") as err:
+                await box.start()
+            assert engine.launches == before + 2 and err.value.code == "boot_timeout"
+            assert box.state == "crashed" and not engine.vms
+        finally:
+            engine.hangs = 0
+            await box.remove(force=True)
+
+    run(main)
+
+
 def test_an_agent_that_never_answers_is_a_boot_timeout_that_says_so(home: Path, root: Path) -> None:
     async def main() -> None:
         box = await created(home, root, boot_timeout=0.5)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import os
 import shlex
 import sys
@@ -41,6 +42,14 @@ from .runtime import Runtime
 from .sessions import Hello
 from .spec import DEFAULT_DISK_GB, BoxSpec
 from .store import BoxRecord, SnapshotRecord
+
+log = logging.getLogger("sandlot")
+BOOT_ATTEMPTS = 2  # boots of a box whose guest hangs before its init (a rare TCG hang) before it fails
+
+
+class HungBoot(BootTimeout):
+    """Past the deadline, the guest had not opened its agent's port: it hung before its
+    init ran, and ``Launcher.boot`` tries once more (a fresh VM on the same disk)."""
 
 
 class Launcher:
@@ -159,7 +168,19 @@ class Launcher:
                 await control(conn, ControlOp.MOUNT, mount)
             await self.install_trust(entry, conn)
 
-        return await self._bring_up(entry, engine, launch, boot, "start.after-launch", when_up)
+        for attempt in range(1, BOOT_ATTEMPTS + 1):
+            try:
+                return await self._bring_up(entry, engine, launch, boot, "start.after-launch", when_up)
+            except HungBoot as exc:
+                if attempt == BOOT_ATTEMPTS:
+                    raise BootTimeout(
+                        f"{exc.message}; in {attempt} boots its guest never opened the agent's port",
+                        exc.console_tail,
+                        box=entry.name,
+                    ) from None
+                log.warning("box %s: its guest hung before its init (%s); booting it again",
+                            entry.name, exc.console_tail.strip().splitlines()[-1:])  # fmt: skip
+        raise AssertionError("unreachable")
 
     async def restore(
         self,
@@ -276,6 +297,7 @@ class Launcher:
         if exited in done or not vm.running:
             await asyncio.sleep(0.05)  # let the console file catch up
             raise vm.failure("the VM exited before its agent answered")
+        opened = await vm.agent_opened()
         await vm.kill(grace=0.5)
         load = os.getloadavg()[0]
         busy = (
@@ -283,7 +305,7 @@ class Launcher:
             if load > (os.cpu_count() or 1)
             else ""
         )
-        raise BootTimeout(
+        raise (HungBoot if opened is False else BootTimeout)(
             f"the agent did not answer within {timeout:.0f}s (accel={boot.accel}){busy}; start() tries again",
             vm.console_tail(),
             box=entry.name,

@@ -222,6 +222,12 @@ class VM(ABC):
         let the guest run again afterwards (a snapshot), or leave it stopped (a
         suspend). Returns the seconds the guest was stopped."""
 
+    async def agent_opened(self) -> bool | None:
+        """Whether the guest has opened its agent's port (its init ran); None where the
+        engine cannot tell. A boot past its deadline with the port never opened hung
+        before init, and is tried once more."""
+        return None
+
     @abstractmethod
     async def published_ports(self) -> list[tuple[str, int, int]]:
         """(host address, host port, guest port) of each published port, as bound."""

@@ -573,6 +573,17 @@ class QemuVM(VM):
             await asyncio.sleep(0.05)  # let its stderr catch up
             raise self.failure("QEMU could not load the saved state") from exc
 
+    async def agent_opened(self) -> bool | None:
+        """The guest side of the first agent port, as QEMU sees it (``frontend-open``)."""
+        try:
+            chardevs = await self.qmp("query-chardev", timeout=5.0)
+        except Exception:  # a QEMU too busy or gone: unknown
+            return None
+        for dev in chardevs if isinstance(chardevs, list) else []:
+            if dev.get("label") == "agent0":
+                return bool(dev.get("frontend-open"))
+        return None
+
     async def published_ports(self) -> list[tuple[str, int, int]]:
         if not self.cfg.network or not self.cfg.network.forwards:
             return []
