@@ -177,8 +177,11 @@ class NodeService:
 
         - a box it held for a move goes on here as it was if the directory still places
           it here, or goes from here if the move was recorded (the box runs elsewhere);
-        - a box of this home that the directory places on another node (not lost) is a
-          copy a move started here and did not record: it goes, with the state moved for it;
+        - a box of this home started from a moved state (a ``move-`` snapshot) that the
+          directory places on another node (not lost) is a copy a move started here and
+          did not record: it goes, with that state. Only such a copy: a box made here any
+          other way is never this actor's to judge (were two nodes' homes one, against
+          the rule, each node's own boxes would be placed "elsewhere");
         - the temporary directories of exports and imports go."""
         for pattern in WORK_DIRS:
             for work in self.home.glob(pattern):
@@ -195,7 +198,16 @@ class NodeService:
             elsewhere = placed.get(ref.id)
             if elsewhere is not None and elsewhere != self.node_id:
                 with contextlib.suppress(SandlotError):
-                    await self._remove(ref, True)
+                    if await self._moved_here(ref):
+                        await self._remove(ref, True)
+
+    async def _moved_here(self, ref: BoxRef) -> bool:
+        """The box was started here from a state a move brought (a ``move-`` snapshot)."""
+        origin = (await self.backend.box_inspect(ref)).get("origin")
+        if not origin:
+            return False
+        snap = await self.backend.find_snapshot(origin)
+        return (snap.info.get("name") or "").startswith("move-")
 
     async def _sweep_unheld(self) -> None:
         while True:
