@@ -58,6 +58,7 @@ from ..crashpoints import crash_point
 from ..errors import BoxNotFound, InvalidArgument, InvalidState, RequestError, SandlotError, Unsupported
 from ..version import __version__
 from . import directory, placement, transfer
+from .directory import Record
 from .placement import NAMESPACE
 
 # the names of the snapshots the fleet makes to move a box or a fork's state (on the
@@ -219,11 +220,10 @@ class NodeService:
         """Remove this node's boxes of ``with`` blocks whose driver died (the driver's mark,
         an actor its job owns, is gone), with their replicas and reservations, as the
         driver would have at the block's end. The ids of the boxes removed."""
-        try:
-            book = ray.get_actor(directory.NAME, namespace=NAMESPACE)
-            records = await book.all.remote()
-        except (ValueError, ray.exceptions.RayError):
+        found = await _directory_records()
+        if found is None:
             return []
+        book, records = found
         ended = []
         for rec in records:
             mark = rec.get("held_by")
@@ -245,11 +245,8 @@ class NodeService:
 
     async def _placements(self) -> dict[str, str]:
         """The node of each box the directory does not count lost (none if it does not run)."""
-        try:
-            actor = ray.get_actor(directory.NAME, namespace=NAMESPACE)
-            records = await actor.all.remote()
-        except (ValueError, ray.exceptions.RayError):
-            return {}
+        found = await _directory_records()
+        records = found[1] if found is not None else []
         return {r["id"]: r["node"] for r in records if r.get("state") != directory.LOST}
 
     async def facts(self) -> dict[str, Any]:
@@ -594,6 +591,15 @@ class NodeService:
             await self._remove(await self.ref(box_id), True)  # and the state moved here for it
         if held is not None:
             await self._drop_move_snapshot(held)
+
+
+async def _directory_records() -> tuple[Any, builtins.list[Record]] | None:
+    """The directory actor and its records, if it runs (a node never starts it)."""
+    try:
+        book = ray.get_actor(directory.NAME, namespace=NAMESPACE)
+        return book, await book.all.remote()
+    except (ValueError, ray.exceptions.RayError):
+        return None
 
 
 def actor_lives(name: str) -> bool:
