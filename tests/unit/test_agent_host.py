@@ -479,3 +479,54 @@ def test_a_frame_sent_as_the_transport_breaks_waits_for_the_reconnection(tmp_pat
             assert isinstance(conn.failed, ConnectionLost)
 
     run(go())
+
+
+def test_a_late_hello_answer_sets_the_guest_clock_again() -> None:
+    """A VM still restoring its memory on a loaded host answers HELLO seconds late, and
+    would keep the time the first HELLO carried: each HELLO carries the time it is sent,
+    and a late answer is followed by a SET_TIME with the time then."""
+    from sandlot.protocol.connection import CLOCK_SLACK, HELLO_RETRY, AgentConnection
+
+    async def go(late: float) -> tuple[list[int], list[tuple[int, int]]]:
+        host_sock, agent_sock = socket.socketpair()
+        hellos: list[int] = []
+        clock_sets: list[tuple[int, int]] = []  # (time set, host time when it arrived)
+
+        async def agent() -> None:
+            reader, writer = await asyncio.open_unix_connection(sock=agent_sock)
+            decoder = FrameDecoder()
+            first = None
+            while data := await reader.read(65536):
+                for frame in decoder.feed(data):
+                    f = wire.Fields(frame.payload)
+                    if frame.type == T.HELLO:
+                        hellos.append(f.u64(Tag.TIME_NS))
+                        first = first or time.monotonic()
+                        if time.monotonic() - first >= late:
+                            ack = wire.tlv(Tag.VERSION, wire.PROTOCOL_VERSION)
+                            writer.write(wire.encode_frame(T.HELLO_ACK, 0, ack))
+                    elif frame.type == T.CONTROL and f.u32(Tag.OP) == wire.ControlOp.SET_TIME:
+                        clock_sets.append((f.u64(Tag.TIME_NS), time.time_ns()))
+                        writer.write(wire.encode_frame(T.CONTROL_OK, frame.channel))
+                await writer.drain()
+
+        async def connector() -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+            return await asyncio.open_unix_connection(sock=host_sock)
+
+        task = asyncio.create_task(agent())
+        conn = AgentConnection(connector, request_timeout=10)
+        try:
+            await conn.connect(10)
+        finally:
+            await conn.close()
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        return hellos, clock_sets
+
+    hellos, clock_sets = run(go(late=0))
+    assert len(hellos) == 1 and clock_sets == []  # a prompt answer: the HELLO's time stands
+    hellos, clock_sets = run(go(late=HELLO_RETRY * 1.5))
+    assert len(hellos) >= 2 and hellos == sorted(hellos) and hellos[-1] - hellos[0] >= HELLO_RETRY * 1e9 * 0.9
+    [(set_to, arrived)] = clock_sets
+    assert abs(arrived - set_to) < CLOCK_SLACK * 1e9

@@ -34,7 +34,7 @@ from ..net.policy import write_policy
 from ..net.secrets import GUEST_BUNDLE, GUEST_CA, SYSTEM_BUNDLES, read_vault_json
 from ..protocol import files as proto_files
 from ..protocol.connection import AgentConnection
-from ..protocol.wire import ControlOp, Fields, FsFlag, FsOp, T, Tag, tlv
+from ..protocol.wire import ControlOp, Fields, FsFlag, FsOp, Tag, tlv
 from . import homewatch, snapshots
 from .admission import Admission, default_slots
 from .entry import BoxEntry
@@ -364,10 +364,4 @@ async def control(
     conn: AgentConnection, op: ControlOp, payload: bytes = b"", timeout: float | None = None
 ) -> Fields:
     """One control request to the agent."""
-    ch = conn.open_channel()
-    try:
-        ch.send(T.CONTROL, tlv(Tag.OP, op) + payload)
-        frame = await ch.expect(T.CONTROL_OK, timeout=timeout or conn.request_timeout)
-        return Fields(frame.payload)
-    finally:
-        ch.close()
+    return await conn.control(op, payload, timeout)

@@ -38,6 +38,8 @@ Connector = Callable[[], Awaitable[tuple[asyncio.StreamReader, asyncio.StreamWri
 
 DEFAULT_REQUEST_TIMEOUT = 30.0
 HELLO_RETRY = 1.0
+# A HELLO answered later than this set the guest's clock that far behind: set it again
+CLOCK_SLACK = 0.25
 # How long a lost connection keeps asking its owner and connecting again while the
 # agent's socket is missing or refuses: a VM that another process stops or replaces
 # (a rollback) closes its sockets before its process exits, so the owner may still
@@ -451,7 +453,6 @@ class AgentConnection:
             + wire.tlv(Tag.VERSION_MAX, wire.PROTOCOL_VERSION)
             + wire.tlv(Tag.SESSION, self.token)
             + wire.tlv(Tag.ENTROPY, os.urandom(64))
-            + wire.tlv_u64(Tag.TIME_NS, time.time_ns())
         )
         # Every HELLO reseeds the guest's RNG, sets its clock and its identity: after a
         # restore or fork these are what must differ from the saved state.
@@ -463,7 +464,7 @@ class AgentConnection:
             payload += wire.tlv(Tag.PIDS_MAX, self._pids_max)
         self._handshaking = True
         try:
-            frame = await self._hello(payload, timeout)
+            frame, waited = await self._hello(payload, timeout)
         finally:
             self._handshaking = False
         f = Fields(frame.payload)
@@ -497,23 +498,39 @@ class AgentConnection:
             for ch in list(self._channels.values()):
                 ch.fail(ConnectionLost("the agent started a new session"))
             self._channels.clear()
+        if waited > CLOCK_SLACK:
+            # The guest set its clock from a HELLO sent `waited` seconds ago (a VM still
+            # restoring its memory on a loaded host answers late): set it again, now.
+            await self.control(wire.ControlOp.SET_TIME, wire.tlv_u64(Tag.TIME_NS, time.time_ns()), timeout)
         return self.info
 
-    async def _hello(self, payload: bytes, timeout: float) -> Frame:
-        """Send HELLO until HELLO_ACK arrives. The agent skips everything before a
+    async def control(self, op: wire.ControlOp, payload: bytes = b"", timeout: float | None = None) -> Fields:
+        """One control request to the agent."""
+        ch = self.open_channel()
+        try:
+            ch.send(T.CONTROL, wire.tlv(Tag.OP, op) + payload)
+            frame = await ch.expect(T.CONTROL_OK, timeout=timeout or self.request_timeout)
+            return Fields(frame.payload)
+        finally:
+            ch.close()
+
+    async def _hello(self, payload: bytes, timeout: float) -> tuple[Frame, float]:
+        """Send HELLO (with the time now) until HELLO_ACK arrives; return it and the
+        seconds since the first HELLO went. The agent skips everything before a
         HELLO header, so resending recovers from bytes an earlier connection left
         behind (a half frame may swallow one HELLO; the agent drops it after 2 s)."""
-        deadline = time.monotonic() + timeout
+        first = time.monotonic()
+        deadline = first + timeout
         while True:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise AgentTimeout(f"agent did not answer HELLO within {timeout:.1f}s")
-            self.send_frame(T.HELLO, 0, payload)
+            self.send_frame(T.HELLO, 0, payload + wire.tlv_u64(Tag.TIME_NS, time.time_ns()))
             try:
                 while True:
                     frame = await self._control.next_frame(timeout=min(HELLO_RETRY, remaining))
                     if frame.type == T.HELLO_ACK:
-                        return frame
+                        return frame, time.monotonic() - first
                     if frame.type == T.ERROR:
                         f = Fields(frame.payload)
                         if f.u32(Tag.FRAME_TYPE) == T.HELLO:
