@@ -98,3 +98,42 @@ def test_doctor_reports_the_host_packages(tmp_path: Path, monkeypatch: pytest.Mo
     qemu, runsc = hostsetup.PACKAGES[0], hostsetup.PACKAGES[5]
     monkeypatch.setattr(hostsetup, "missing", lambda optional=False: [qemu, runsc] if optional else [qemu])
     assert rt.doctor()["host_packages"] == {"missing": ["qemu-system-x86"], "optional_missing": ["runsc"]}
+
+
+def _ksm_dir(tmp_path: Path, run: int, sharing: int = 0) -> Path:
+    where = tmp_path / f"ksm-{run}"
+    where.mkdir()
+    (where / "run").write_text(f"{run}\n")
+    (where / "pages_sharing").write_text(f"{sharing}\n")
+    return where
+
+
+def test_ksm_status_says_whether_boxes_memory_is_merged(tmp_path: Path) -> None:
+    from sandlot import ksm
+
+    absent = ksm.status(tmp_path / "none")
+    assert not absent["available"] and "CONFIG_KSM" in absent["why"]
+    off = ksm.status(_ksm_dir(tmp_path, 0))
+    assert off["available"] and not off["on"] and "sandlot setup --ksm" in off["why"]
+    on = ksm.status(_ksm_dir(tmp_path, 1, sharing=2560))
+    assert on["on"] and on["saved_mib"] == 2560 * os.sysconf("SC_PAGE_SIZE") / (1 << 20)
+    real = ksm.status()  # this host's own, whatever it is: never raises
+    assert set(real) >= {"available", "on", "state"}
+
+
+def test_ksm_is_turned_on_only_by_root_and_says_how_otherwise(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from sandlot import ksm
+    from sandlot.errors import HostSetupError
+
+    where = _ksm_dir(tmp_path, 0)
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    monkeypatch.setenv("PATH", str(tmp_path / "nobin"))  # no sudo here
+    with pytest.raises(HostSetupError, match=r"echo 1 \| sudo tee .*/ksm-0/run"):
+        ksm.enable(where)
+    assert (where / "run").read_text() == "0\n"  # nothing changed
+    monkeypatch.setattr(os, "geteuid", lambda: 0)
+    assert ksm.enable(where)["on"] and (where / "run").read_text() == "1\n"
+    with pytest.raises(HostSetupError, match="no KSM"):
+        ksm.enable(tmp_path / "none")

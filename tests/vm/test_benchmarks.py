@@ -65,6 +65,7 @@ def test_every_script_is_covered() -> None:
 @pytest.mark.parametrize("name", sorted(PROMISED))
 def test_benchmark_quick_mode(name: str, tmp_path: Path) -> None:
     extra = ["--out", str(tmp_path)] if name == "report" else []  # its folder of files, not the tree's
+    extra += ["--ksm"] if name == "density" else []  # KSM's figures, or why the host gives none
     r = subprocess.run([sys.executable, str(BENCH / f"{name}.py"), "--quick", *extra], capture_output=True,
                        text=True, timeout=900)  # fmt: skip
     assert r.returncode == 0, r.stderr[-3000:]
@@ -72,6 +73,8 @@ def test_benchmark_quick_mode(name: str, tmp_path: Path) -> None:
     assert doc["benchmark"] == name and doc["quick"] is True
     for key in PROMISED[name]:
         assert key in doc, f"{name} does not report {key}"
+    if name == "density":
+        assert "saved_MiB" in doc["ksm"] or doc["ksm"]["skipped"], doc["ksm"]
     if name == "concurrency":
         assert doc["threads"]["failures"] == 0 and doc["processes"]["failures"] == 0
     if name == "report":  # every engine it ran fills every row: a figure, or why not

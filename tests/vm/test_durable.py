@@ -273,6 +273,22 @@ def test_stats_logs_inspect(busybox_root: Path) -> None:
         assert info["name"] == FACTS_1 and info["state"] == "running" and Path(info["paths"]["disk"]).exists()
 
 
+def test_a_port_opened_while_the_box_idles_is_seen_from_its_sigio(busybox_root: Path) -> None:
+    """An idle agent checks its ports on a timer that backs off to every 8 s; a host
+    opening or closing one raises SIGIO in the guest, which is how the agent learns of
+    it at once. Other processes, each on a port of its own, come and go after the box
+    idled: the agent never found one by its timer (it says so on the console if it does)."""
+    with sandlot.Box(rootfs=busybox_root, memory_mib=256) as box:
+        time.sleep(16)  # idle: the timer is at 8 s
+        code = f"import sandlot; print(sandlot.get({box.id!r}).exec('echo', 'other').stdout, end='')"
+        for _ in range(3):
+            r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+            assert (r.returncode, r.stdout) == (0, "other\n"), r.stderr
+            time.sleep(1)
+        assert box.exec("echo", "mine").stdout == "mine\n"
+        assert "without SIGIO" not in box.logs()
+
+
 def test_concurrent_starts_of_one_box_boot_it_once(busybox_root: Path) -> None:
     box = sandlot.create(rootfs=busybox_root, name=RACE_1, memory_mib=256)
     try:

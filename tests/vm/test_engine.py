@@ -16,7 +16,7 @@ import pytest
 import sandlot
 from sandlot.core.controller import CLOCKSOURCES
 from sandlot.engine.base import Placement, VMRef, VMStatus
-from sandlot.engine.qemu.command import TCG_CPU, VMConfig, build_command, device_set_of
+from sandlot.engine.qemu.command import DEVICE_SET, TCG_CPU, VMConfig, build_command, device_set_of
 
 from tests.support.names import unique
 
@@ -39,6 +39,8 @@ def test_command_line_carries_the_boot_facts(tmp_path: Path) -> None:
         "no_timer_check",
         "8250.nr_uarts=1",
         "sandlot.hostname=h1",
+        "nowatchdog",  # what an idle box would wake up for, and none needs
+        "sysctl.vm.compaction_proactiveness=0",
     ):
         assert fact in append
     assert "tsc_early_khz=" in append
@@ -52,7 +54,7 @@ def test_command_line_carries_the_boot_facts(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("devices", "machine_has", "serial", "balloon"),
     [("1", "", "virtio-serial-device", False), ("2", "", "virtio-serial-device", True),
-     ("3", ",pcie=on", "virtio-serial-pci", True)],
+     ("3", ",pcie=on", "virtio-serial-pci", True), ("4", ",pcie=on,pit=off", "virtio-serial-pci", True)],
 )  # fmt: skip
 def test_each_device_set_has_its_devices(
     tmp_path: Path, devices: str, machine_has: str, serial: str, balloon: bool
@@ -63,7 +65,7 @@ def test_each_device_set_has_its_devices(
                    state_dir=tmp_path, memory_mib=256, hostname="h1", devices=devices)  # fmt: skip
     cmd = build_command(cfg, "qemu-system-x86_64")
     machine = cmd[cmd.index("-M") + 1]
-    assert machine.endswith("rtc=on" + machine_has)
+    assert machine.endswith("rtc=on,mem-merge=on" + machine_has)  # KSM may merge its RAM
     assert f"{serial},max_ports=2" in cmd
     assert any(a.startswith("virtio-balloon-device") for a in cmd) == balloon
     assert device_set_of(cmd) == devices
@@ -185,12 +187,13 @@ def test_a_template_is_saved_once_the_kernels_boot_time_work_is_done(busybox_roo
         tmpl.remove()
 
 
-@pytest.mark.parametrize("old", ["1", "2"])
+@pytest.mark.parametrize("old", ["1", "2", "3"])
 def test_states_saved_with_earlier_device_sets_still_load(
     busybox_root: Path, monkeypatch: pytest.MonkeyPatch, old: str
 ) -> None:
     """A state saved by a VM of an earlier device set (every state saved before the
-    balloon came: "1"; before the agent ports moved to PCI: "2") is loaded by a VM with
+    balloon came: "1"; before the agent ports moved to PCI: "2"; before the PIT went: "3")
+    is loaded by a VM with
     those devices, for a rollback and for forks; another process that attaches to such
     a VM and saves it again records the VM's set, not the one it would boot."""
     from sandlot.engine.qemu.engine import QemuEngine
@@ -227,7 +230,7 @@ def test_states_saved_with_earlier_device_sets_still_load(
         box.rollback(again)
         assert devices_of(box) == old and box.sh("cat /root/mark").stdout == "before\n"
     with sandlot.Box(rootfs=busybox_root, memory_mib=256) as box:
-        assert devices_of(box) == "3"
+        assert devices_of(box) == DEVICE_SET
         # the agent ports on PCI: their receive queues hold 128 pages each, not 1024
         port = box.sh("readlink -f /sys/class/virtio-ports/vport*p1").stdout
         assert "/pci0000:00/" in port, port

@@ -84,6 +84,12 @@ def doctor(
     else:
         optional = " ".join(packages.get("optional_missing", [])) or "none"
         out.print(f"packages     {ok}  every one boxes need; optional ones not installed: {optional}")
+    merging = report.get("ksm") or {}
+    if merging.get("on"):
+        saved = merging["saved_mib"]
+        out.print(f"ksm          {ok}  on: identical pages of boxes are kept once ({saved} MiB saved now)")
+    elif merging:
+        out.print(f"ksm          [yellow]{merging['state']}[/]  {merging.get('why', '')}")
     out.print(f"disk free    {report.get('disk_free_gib')} GiB under {report['home']}")
     out.print(f"sockets      {report.get('runtime_dir')}")
     if not orphaned:
@@ -112,10 +118,19 @@ def setup(
     optional: Annotated[
         bool, typer.Option("--optional", help="Also install the optional packages (gVisor, rootfs builders).")
     ] = False,
+    ksm: Annotated[
+        bool,
+        typer.Option(
+            "--ksm",
+            help="Also turn on the host's kernel samepage merging (as root, until reboot): "
+            "identical pages of boxes are kept once, for ksmd's scanning.",
+        ),
+    ] = False,
 ) -> None:
     """Install the host packages sandlot needs (apt), then fetch the guest kernel and
     prepare the agent and initramfs, and report them."""
     from .. import hostsetup
+    from .. import ksm as merging
     from ..core.runtime import Runtime
     from ..guest.kernel import META_PACKAGES, fetch_distro_kernel, has_distro_kernel
 
@@ -134,12 +149,18 @@ def setup(
         rt.prepare()
     except SandlotError as exc:
         raise fail(exc) from exc
+    if ksm:
+        try:
+            merging.enable()
+        except SandlotError as exc:
+            raise fail(exc) from exc
     report = rt.doctor()
     kernel, agent = report.get("kernel", {}), report.get("agent", {})
     print(f"kernel  {kernel.get('version')} ({kernel.get('vmlinux')})")
     print(f"agent   {agent.get('path')} ({agent.get('compiler')})")
     print(f"initrd  {report.get('initramfs')}")
     print(f"accel   {report['accel']['name']}: {report['accel']['reason']}")
+    print(f"ksm     {report['ksm']['state']}" + ("" if report["ksm"]["on"] else f": {report['ksm']['why']}"))
     left = hostsetup.missing(optional=True)
     if left:
         print("optional, not installed: " + "; ".join(f"{p.name} ({p.needed_for})" for p in left))

@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .. import hostsetup
+from .. import hostsetup, ksm
 from ..config import default_home, runtime_dir
 from ..engine import engine_for, names
 from ..engine.auto import EngineChoice
@@ -221,6 +221,7 @@ class Runtime:
                 except Exception as exc:  # a registered engine that cannot even say: report it
                     report[other] = {"engine": other, "usable": False, "why": f"{type(exc).__name__}: {exc}"}
         absent = hostsetup.missing(optional=True)  # what `sandlot setup` would install
+        report["ksm"] = ksm.status()
         report["host_packages"] = {
             "missing": [p.name for p in absent if p.required],
             "optional_missing": [p.name for p in absent if not p.required],

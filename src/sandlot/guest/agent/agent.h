@@ -132,7 +132,7 @@ int session_live(const struct session *s);      /* frames sent now reach a host 
 int session_congested(const struct session *s); /* stop producing output for it */
 void session_open_fd(struct session *s, int fd); /* host mode: one socket */
 int open_ports(struct session *sessions, int max, int want); /* guest: every sandlot.* port */
-void port_check(struct session *s);
+int port_check(struct session *s);
 int open_listeners(struct session *sessions, int max, const char *dir, int want); /* container: one socket a port */
 void listener_accept(struct session *s);
 /* The loop's share: what to poll for (at most 2 fds), what came of it. */

@@ -72,16 +72,41 @@ void logmsg(const char *fmt, ...)
 
 /* ---- the loop ------------------------------------------------------- */
 
+/* A port's host end opening or closing raises SIGIO; the timer is the fallback for
+ * one that did not. It backs off while nothing changes (1, 2, 4, then every 8 s), so
+ * an idle box wakes for it every 8 s, not every second (under TCG each wakeup costs
+ * the host a few hundred microseconds), and is back at 1 s after any change. */
+#define PORT_CHECK_MIN_MS 1000
+#define PORT_CHECK_MAX_MS 8000
+static uint64_t g_port_check_every = PORT_CHECK_MIN_MS;
+static uint64_t g_port_check_at;
+
+static void check_ports(uint64_t now, int on_sigio)
+{
+    int changed = 0;
+    for (int i = 0; i < g_nsessions; i++) {
+        if (g_sessions[i].is_port && port_check(&g_sessions[i])) {
+            changed = 1;
+            if (!on_sigio) { /* a SIGIO that never came: said, as it costs a host up to 8 s */
+                logmsg("port %s: its host end came or went without SIGIO", g_sessions[i].name);
+            }
+        }
+    }
+    if (changed) {
+        g_port_check_every = PORT_CHECK_MIN_MS;
+    } else if (g_port_check_every < PORT_CHECK_MAX_MS) {
+        g_port_check_every *= 2;
+    }
+    g_port_check_at = now + g_port_check_every;
+}
+
 static void handle_signals(void)
 {
     struct signalfd_siginfo si;
     while (read(g_sigfd, &si, sizeof(si)) == (ssize_t)sizeof(si)) {
         if (si.ssi_signo == SIGIO) {
-            for (int i = 0; i < g_nsessions; i++) {
-                if (g_sessions[i].is_port) {
-                    port_check(&g_sessions[i]);
-                }
-            }
+            g_port_check_every = PORT_CHECK_MIN_MS / 2; /* a change: checked at 1 s again */
+            check_ports(now_ms(), 1);
         }
     }
     for (;;) {
@@ -120,12 +145,14 @@ static void serve(void)
 {
     static struct pollfd pfds[4096];
     static struct pollref refs[4096];
-    uint64_t last_port_check = now_ms();
-    dispatch_init(last_port_check);
+    uint64_t start = now_ms();
+    dispatch_init(start);
+    g_port_check_at = start + g_port_check_every;
 
     for (;;) {
         progress_all();
-        int n = 0, timeout = 1000;
+        uint64_t due = g_port_check_at, t = now_ms();
+        int n = 0, timeout = due > t ? (int)(due - t) : 0;
         pfds[n] = (struct pollfd){.fd = g_sigfd, .events = POLLIN};
         refs[n++] = (struct pollref){.what = P_SIGNAL};
         if (g_oom_fd >= 0) {
@@ -194,13 +221,8 @@ static void serve(void)
         for (int i = 0; i < g_nsessions; i++) {
             session_drop_stale(&g_sessions[i], now);
         }
-        if (now - last_port_check >= 1000) {
-            last_port_check = now;
-            for (int i = 0; i < g_nsessions; i++) {
-                if (g_sessions[i].is_port) {
-                    port_check(&g_sessions[i]);
-                }
-            }
+        if (now >= g_port_check_at) {
+            check_ports(now, 0);
         }
     }
 }

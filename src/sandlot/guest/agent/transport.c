@@ -499,20 +499,25 @@ int open_ports(struct session *sessions, int max, int want)
 }
 
 /* A port whose host end is closed polls as POLLHUP forever, so it leaves the
- * poll set; SIGIO (O_ASYNC) and a slow timer bring it back. */
-void port_check(struct session *s)
+ * poll set; SIGIO (O_ASYNC) and a slow timer bring it back. Returns whether the
+ * port's host end came or went. */
+int port_check(struct session *s)
 {
     struct pollfd pfd = {.fd = s->in_fd, .events = POLLIN};
     if (poll(&pfd, 1, 0) < 0) {
-        return;
+        return 0;
     }
     int up = !(pfd.revents & POLLHUP);
     if (up && !s->connected) {
         s->connected = 1;
         s->hello_done = 0;
-    } else if (!up && s->connected) {
-        session_disconnected(s);
+        return 1;
     }
+    if (!up && s->connected) {
+        session_disconnected(s);
+        return 1;
+    }
+    return 0;
 }
 
 /* ---- listeners (a container's init: no virtio-serial ports) ---------- */
