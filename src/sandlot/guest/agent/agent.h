@@ -38,6 +38,7 @@ int buf_append(struct buf *b, const void *p, size_t n);
 void buf_consume(struct buf *b, size_t n);
 size_t buf_used(const struct buf *b);
 void buf_free(struct buf *b);
+void buf_reset(struct buf *b);
 
 /* ---- TLV payloads ---------------------------------------------------- */
 

@@ -200,8 +200,8 @@ static void session_disconnected(struct session *s)
     s->hello_done = 0;
     s->discard = 0;
     s->resync = 0;
-    buf_free(&s->in);
-    buf_free(&s->out);
+    buf_reset(&s->in);
+    buf_reset(&s->out);
     chan_disconnect_all(s);
     if (s->listen_fd > 0) {
         /* a listener's connection is gone for good: the next host connects anew */

@@ -63,6 +63,19 @@ void buf_free(struct buf *b)
     memset(b, 0, sizeof(*b));
 }
 
+/* Empty, keeping a buffer of a session's usual size for the next host: under TCG
+ * allocating it again cost each connection (every pool claim's) ~2.5 ms of the guest's
+ * time. A buffer grown for a large frame is given back. */
+#define BUF_KEEP (256 * 1024)
+void buf_reset(struct buf *b)
+{
+    if (b->cap > BUF_KEEP) {
+        buf_free(b);
+        return;
+    }
+    b->head = b->len = 0;
+}
+
 /* A TLV item is tag u16, length u32, then length bytes. */
 #define TLV_HDR 6u
 
