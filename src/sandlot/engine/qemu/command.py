@@ -22,7 +22,7 @@ MACHINE = "microvm"
 # whatever the device's own size, and the guest's virtio_console fills each port's receive
 # queue with 4 KiB buffers: 36 MiB of an idle box's RAM for 8 ports. On PCI a queue has
 # the device's 128 entries (4.5 MiB). "4" is "3" without the i8254 PIT (microvm pit=off):
-# the guest never uses it (its clock is the TSC, its timer the local APIC's TSC deadline),
+# the guest never uses it (its clock is the TSC, its timer the local APIC's),
 # yet QEMU's PIT, left counting from reset, woke the VM's main loop every 27 ms, for
 # nothing: 60% of an idle box's host CPU (measured: 7.0 of 11.3 ms a second). A kernel
 # without virtio_pci boots set "2".
