@@ -16,7 +16,7 @@ import json
 import os
 import signal
 import subprocess
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
@@ -108,6 +108,30 @@ async def set_migration(q: QMPClient, ignore_shared: bool) -> None:
 
 
 QMP_TIMEOUT = 10.0  # seconds for one QMP command (a migration has a deadline of its own)
+
+
+# A migration that ended (saved, or failed on a full disk) is finalized by QEMU a moment
+# after its event says so, seconds on a busy host; until then QEMU refuses both a new
+# migration and ``cont`` ("Migration is not finalized yet").
+FINALIZE_LIMIT = 30.0
+
+
+async def once_finalized(action: Callable[[], Awaitable[Any]], within: float) -> Any:
+    """Run a QMP ``action``; while QEMU says its last migration is not finalized, again
+    (for ``within`` seconds at most)."""
+    from qemu.qmp import ExecuteError
+
+    loop = asyncio.get_running_loop()
+    settled_by = loop.time() + within
+    wait = 0.02
+    while True:
+        try:
+            return await action()
+        except ExecuteError as exc:
+            if "not finalized" not in str(exc) or loop.time() > settled_by:
+                raise
+        await asyncio.sleep(wait)
+        wait = min(wait * 2, 1.0)
 
 
 class QemuVM(VM):
@@ -451,23 +475,14 @@ class QemuVM(VM):
     ) -> None:
         """Run one migration (``migrate`` out, ``migrate-incoming`` in) on session ``q``
         until it completes."""
-        from qemu.qmp import ExecuteError
 
         with q.listener("MIGRATION") as events:
-            settled_by = asyncio.get_running_loop().time() + min(timeout, 30.0)
-            wait = 0.05
-            while True:
-                try:
-                    await set_migration(q, ignore_shared)
-                    await q.execute(command, {"uri": uri})
-                    break
-                except ExecuteError as exc:
-                    # a migration that failed (a full disk) is cleaned up by QEMU's migration
-                    # thread a moment after it says so (seconds on a busy host): the next waits
-                    if "not finalized" not in str(exc) or asyncio.get_running_loop().time() > settled_by:
-                        raise
-                    await asyncio.sleep(wait)
-                    wait = min(wait * 2, 1.0)
+
+            async def start() -> None:
+                await set_migration(q, ignore_shared)
+                await q.execute(command, {"uri": uri})
+
+            await once_finalized(start, min(timeout, FINALIZE_LIMIT))
             await self._migration_done(q, events, timeout)
 
     async def _migrate_file(
@@ -532,7 +547,7 @@ class QemuVM(VM):
                 await self.save_state(directory / "state", session=q)
             finally:
                 if keep_running and was_running:
-                    await run("cont")
+                    await once_finalized(lambda: run("cont"), FINALIZE_LIMIT)
             return loop.time() - t0
 
     async def run_restored(self, timeout: float) -> None:
@@ -558,8 +573,9 @@ class QemuVM(VM):
                     status = reply.get("status") if isinstance(reply, dict) else None
                     if status == "running":
                         return
-                    if status != "inmigrate":  # loaded and stopped: let it run (again, if a
-                        await q.execute("cont")  # cont raced the load's last step)
+                    if status != "inmigrate":  # loaded and stopped: let it run (again, if
+                        # a cont raced the load's last step)
+                        await once_finalized(lambda: q.execute("cont"), FINALIZE_LIMIT)
                     if loop.time() > deadline:
                         raise SavedStateError(
                             f"the restored VM did not run within {timeout:.0f}s (QEMU: {status})"
