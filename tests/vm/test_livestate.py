@@ -50,7 +50,9 @@ def counters(box: sandlot.Box) -> tuple[int, int]:
 
 
 def wait_counters(box: sandlot.Box, at_least: int = 3) -> tuple[int, int]:
-    deadline = time.monotonic() + 20
+    # a first python3 in a freshly booted box, under TCG, with a second test run beside
+    # this one on 2 cores, once took over 20 s to write its first count
+    deadline = time.monotonic() + 60
     while True:
         try:
             c = counters(box)
