@@ -73,7 +73,6 @@ def idle_cpu_ms_per_s(pids: list[int], window: float) -> list[float]:
     return [(cpu_seconds(p) - before[p]) * 1e3 / spent for p in pids]
 
 
-KSM = Path("/sys/kernel/mm/ksm")
 KSM_FAST = {"pages_to_scan": "2000", "sleep_millisecs": "20"}  # ~390 MiB a second
 
 
@@ -90,27 +89,28 @@ def measure_ksm(pids: list[int], patience: float, fast: bool) -> dict[str, objec
     or ``patience`` seconds pass, measure, and set every KSM setting back as it was."""
     from sandlot import ksm
 
+    where = ksm.KSM_DIR
     state = ksm.status()
     if not state["available"]:
         return {"skipped": state["why"]}
     names = ["run", *KSM_FAST]
-    before = {n: (KSM / n).read_text().strip() for n in names}
+    before = {n: (where / n).read_text().strip() for n in names}
     pss_before = [pss_kib(p)["pss"] / 1024 for p in pids]
     ksmd = ksmd_pid()
     cpu0 = cpu_seconds(ksmd) if ksmd else 0.0
     try:
         for name, value in {**(KSM_FAST if fast else {}), "run": "1"}.items():
-            (KSM / name).write_text(value)
+            (where / name).write_text(value)
     except OSError as exc:
         return {"skipped": f"cannot turn KSM on here: {exc}"}
     try:
         t0 = time.monotonic()
-        scans0 = int((KSM / "full_scans").read_text())
+        scans0 = int((where / "full_scans").read_text())
         last, settled = -1, 0
         while time.monotonic() - t0 < patience and settled < 2:
             time.sleep(2.0)
-            scans = int((KSM / "full_scans").read_text())
-            sharing = int((KSM / "pages_sharing").read_text())
+            scans = int((where / "full_scans").read_text())
+            sharing = int((where / "pages_sharing").read_text())
             if scans - scans0 >= 2:  # a page is merged on its second scan
                 # settled: two readings in a row within 1% (pages keep changing in live VMs)
                 settled = settled + 1 if abs(sharing - last) <= max(64, last // 100) else 0
@@ -120,7 +120,7 @@ def measure_ksm(pids: list[int], patience: float, fast: bool) -> dict[str, objec
         merged = ksm.status()
         doc: dict[str, object] = {
             "boxes": len(pids),
-            "full_scans": int((KSM / "full_scans").read_text()) - scans0,
+            "full_scans": int((where / "full_scans").read_text()) - scans0,
             "seconds_to_settle": round(spent, 1),
             "saved_MiB": merged["saved_mib"],
             "pss_per_box_MiB_before": summary(pss_before, digits=1),
@@ -132,7 +132,7 @@ def measure_ksm(pids: list[int], patience: float, fast: bool) -> dict[str, objec
     finally:
         for name in reversed(names):  # run last: merged pages stay merged if it was on
             with contextlib.suppress(OSError):
-                (KSM / name).write_text(before[name])
+                (where / name).write_text(before[name])
 
 
 def main() -> None:

@@ -41,10 +41,10 @@ from ..net.policy import PROXIED, Policy, write_policy
 from ..net.secrets import build_vault, read_vault_json, write_vault
 from ..protocol.connection import AgentConnection
 from ..protocol.exec import ExecRequest, RemoteProcess
-from ..protocol.wire import ControlOp, Fields, Tag, tlv, tlv_u64
+from ..protocol.wire import ControlOp, Fields, Tag, tlv
 from . import idle, layers, snapshots
 from .entry import BoxEntry
-from .launch import Launcher, control, read_file
+from .launch import Launcher, read_file
 from .recovery import Recovery
 from .requests import BoxRequest
 from .runtime import Runtime
@@ -474,7 +474,7 @@ class BoxController:
 
     async def _shutdown_via_agent(self, entry: BoxEntry, vm: VM, grace_ms: int) -> None:
         conn = await entry.session.connection(vm, replace(self.launcher.hello(entry), request_timeout=5.0))
-        await control(conn, ControlOp.SHUTDOWN, tlv(Tag.TIMEOUT_MS, grace_ms), timeout=grace_ms / 1000 + 10)
+        await conn.control(ControlOp.SHUTDOWN, tlv(Tag.TIMEOUT_MS, grace_ms), timeout=grace_ms / 1000 + 10)
         await vm.wait_exit(5.0)
 
     async def restart(self, entry: BoxEntry, timeout: float = 10.0) -> None:
@@ -514,7 +514,7 @@ class BoxController:
                 await self.launcher.vm_of(entry, rec).resume()
         # the guest clock stood still while paused: set it to now
         with contextlib.suppress(Exception):
-            await self.control(entry, ControlOp.SET_TIME, tlv_u64(Tag.TIME_NS, time.time_ns()))
+            await (await self.connection(entry)).set_clock()
 
     async def remove(self, entry: BoxEntry, *, force: bool = False) -> None:
         """Delete the box: its disk, logs and record. A running box needs ``force``
@@ -640,7 +640,7 @@ class BoxController:
         await self.control(entry, ControlOp.SYNC)
 
     async def control(self, entry: BoxEntry, op: ControlOp, payload: bytes = b"") -> Fields:
-        return await control(await self.connection(entry), op, payload)
+        return await (await self.connection(entry)).control(op, payload)
 
     async def activity(self, entry: BoxEntry) -> tuple[int, float]:
         """(operations in progress from any process, seconds since the last request):

@@ -34,7 +34,7 @@ from ..net.policy import write_policy
 from ..net.secrets import GUEST_BUNDLE, GUEST_CA, SYSTEM_BUNDLES, read_vault_json
 from ..protocol import files as proto_files
 from ..protocol.connection import AgentConnection
-from ..protocol.wire import ControlOp, Fields, FsFlag, FsOp, Tag, tlv
+from ..protocol.wire import ControlOp, FsFlag, FsOp, Tag, tlv
 from . import homewatch, snapshots
 from .admission import Admission, default_slots
 from .entry import BoxEntry
@@ -165,7 +165,7 @@ class Launcher:
             conn = await self.attach(entry, vm, timeout, boot)
             for i, v in enumerate(spec.volumes):
                 mount = tlv(Tag.PATH, v.guest) + tlv(Tag.PATH2, f"vol{i}") + tlv(Tag.FLAGS, int(v.readonly))
-                await control(conn, ControlOp.MOUNT, mount)
+                await conn.control(ControlOp.MOUNT, mount)
             await self.install_trust(entry, conn)
 
         for attempt in range(1, BOOT_ATTEMPTS + 1):
@@ -358,10 +358,3 @@ def shape(boot: Boot, memory_mib: int, cpus: int, agent_ports: int, net: NetSpec
 async def read_file(conn: AgentConnection, path: str) -> bytes:
     _size, _mode, chunks = await proto_files.read_stream(conn, path)
     return b"".join([chunk async for chunk in chunks])
-
-
-async def control(
-    conn: AgentConnection, op: ControlOp, payload: bytes = b"", timeout: float | None = None
-) -> Fields:
-    """One control request to the agent."""
-    return await conn.control(op, payload, timeout)

@@ -501,8 +501,12 @@ class AgentConnection:
         if waited > CLOCK_SLACK:
             # The guest set its clock from a HELLO sent `waited` seconds ago (a VM still
             # restoring its memory on a loaded host answers late): set it again, now.
-            await self.control(wire.ControlOp.SET_TIME, wire.tlv_u64(Tag.TIME_NS, time.time_ns()), timeout)
+            await self.set_clock(timeout)
         return self.info
+
+    async def set_clock(self, timeout: float | None = None) -> None:
+        """Set the guest's wall clock to the host's, now."""
+        await self.control(wire.ControlOp.SET_TIME, wire.tlv_u64(Tag.TIME_NS, time.time_ns()), timeout)
 
     async def control(self, op: wire.ControlOp, payload: bytes = b"", timeout: float | None = None) -> Fields:
         """One control request to the agent."""
