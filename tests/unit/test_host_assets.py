@@ -248,3 +248,57 @@ def test_a_kernel_prepared_with_fewer_modules_gets_the_missing_ones_from_its_pac
     assert kernel.fetch_distro_kernel(home).modules == {}
     assert kernel.fetch_distro_kernel(home).modules == {}
     assert len(calls.read_text().splitlines()) == 1
+
+
+def test_nested_virt_support_by_accelerator_and_host_setting(tmp_path: Path) -> None:
+    tcg = accel.nested_support("tcg")
+    assert tcg.available and tcg.module == "kvm_amd"  # QEMU's TCG CPU is an AMD one with SVM
+    cpuinfo, modules = tmp_path / "cpuinfo", tmp_path / "module"
+    cpuinfo.write_text("processor : 0\nvendor_id : GenuineIntel\nflags : fpu vmx\n")
+    on_kvm = lambda: accel.nested_support("kvm", cpuinfo_path=str(cpuinfo), modules_dir=str(modules))  # noqa: E731
+    assert not on_kvm().available and "kvm_intel module is not loaded" in on_kvm().why
+    params = modules / "kvm_intel" / "parameters"
+    params.mkdir(parents=True)
+    (params / "nested").write_text("N\n")
+    refused = on_kvm()
+    # the refusal names the host setting, and the way out
+    assert refused.module is None and "nested=N" in refused.why
+    assert "options kvm_intel nested=1" in refused.why and "accel='tcg'" in refused.why
+    (params / "nested").write_text("Y\n")
+    assert on_kvm().module == "kvm_intel"
+    cpuinfo.write_text("vendor_id : AuthenticAMD\n")
+    (modules / "kvm_amd" / "parameters").mkdir(parents=True)
+    (modules / "kvm_amd" / "parameters" / "nested").write_text("1\n")
+    assert on_kvm().module == "kvm_amd"
+    cpuinfo.write_text("vendor_id : CentaurHauls\n")
+    assert not on_kvm().available and "CentaurHauls" in on_kvm().why
+
+
+def test_nested_virt_is_refused_where_the_box_would_get_kvm_without_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The cheap check, before a box is made: KVM usable-looking, nested off."""
+    from sandlot.engine.qemu.engine import QemuEngine
+
+    engine = QemuEngine(tmp_path)
+    engine.refuse(BootRequest(nested_virt=True, accel="tcg"))  # emulated SVM: always there
+    monkeypatch.setattr(accel, "kvm_precheck", lambda: None)
+    off = accel.NestedSupport(None, "the host's kvm_intel module runs with nested=N")
+    monkeypatch.setattr(accel, "nested_support", lambda name: off)
+    with pytest.raises(sandlot.Unsupported, match="nested=N"):
+        engine.refuse(BootRequest(nested_virt=True))
+    engine.refuse(BootRequest(nested_virt=True, accel="tcg"))
+    engine.refuse(BootRequest())  # no nested virtualization asked: nothing to refuse
+
+
+def test_nested_virt_is_a_box_option_on_qemu_only(tmp_path: Path) -> None:
+    from sandlot.core.spec import BoxSpec
+    from sandlot.engine.gvisor.engine import GvisorEngine
+
+    root = tmp_path / "root"
+    root.mkdir()
+    assert BoxSpec.build(None, rootfs=root, nested_virt=True).nested_virt is True
+    with pytest.raises(sandlot.InvalidArgument, match="nested_virt must be True or False"):
+        BoxSpec.build(None, rootfs=root, nested_virt="yes")  # type: ignore[arg-type]
+    with pytest.raises(sandlot.InvalidArgument, match="nested_virt"):
+        GvisorEngine(tmp_path).refuse(BootRequest(nested_virt=True))

@@ -32,7 +32,11 @@ def test_doctor_reports_accelerator_and_reason() -> None:
     assert "virtio_blk" in report["kernel"]["modules"]
     assert report["kernel"]["lockdown"] is True  # the distro's modules are signed
     assert report["host_cgroup"].get("where") or report["host_cgroup"]["reason"]
+    if report["accel"]["name"] == "tcg":  # QEMU's emulated SVM
+        assert report["nested_virt"] == {"available": True, "why": report["nested_virt"]["why"]}
+        assert "emulated CPU offers SVM" in report["nested_virt"]["why"]
     text = sandlot("doctor").stdout.decode()
+    assert "nested virt" in text
     assert "accelerator" in text and report["accel"]["name"] in text
     assert "host cgroup" in text
     assert "lockdown (confidentiality): yes" in text

@@ -104,6 +104,7 @@ class AsyncBox:
         allow: Sequence[str] | str | None = None,
         ports: Sequence[PortSpec] | None = None,
         pids_limit: int | None = None,
+        nested_virt: bool = False,
         secrets: Sequence[Secret] | None = None,
         template: Any = None,
         home: Home = None,

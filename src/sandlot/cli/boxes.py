@@ -67,6 +67,7 @@ def _box_options(
     volume: list[str] | None, label: list[str] | None, cpus: int, memory: int, disk: int, workdir: str | None,
     user: str | None, rm: bool, pull: str, insecure: bool, accel: str, engine: str | None,
     net: tuple[str | None, list[str] | None, list[str] | None, list[str] | None] = (None, None, None, None),
+    nested_virt: bool = False,
 ) -> dict[str, Any]:  # fmt: skip
     image, rootfs = image_or_rootfs
     network, allow, publish, secret = net
@@ -75,7 +76,7 @@ def _box_options(
         "image": image, "rootfs": rootfs, "name": name, "env": env_pairs(env), "volumes": volume or None,
         "labels": _labels(label), "cpus": cpus, "memory_mib": memory, "disk_size_gb": disk,
         "workdir": workdir, "user": user, "auto_remove": rm, "pull": pull, "insecure": insecure,
-        "accel": accel, "engine": engine, "keep": True,
+        "accel": accel, "engine": engine, "nested_virt": nested_virt, "keep": True,
     }  # fmt: skip
 
 
@@ -136,6 +137,9 @@ EngineOpt = Annotated[
     ),
 ]  # fmt: skip
 AccelOpt = Annotated[str, typer.Option(help="QEMU's accelerator: auto, kvm or tcg.")]
+NestedOpt = Annotated[
+    bool, typer.Option("--nested-virt", help="The box runs VMs of its own: /dev/kvm in it (qemu engine).")
+]
 PublishOpt = Annotated[
     list[str] | None,
     typer.Option("--publish", "-p", help="[ADDRESS:]HOST:GUEST, or GUEST: a guest TCP port on the host."),
@@ -170,6 +174,7 @@ def run(
     timeout: Annotated[float | None, typer.Option(help="Kill the command after this many seconds.")] = None,
     engine: EngineOpt = None,
     accel: AccelOpt = "auto",
+    nested_virt: NestedOpt = False,
     network: NetOpt = None,
     allow: AllowOpt = None,
     publish: PublishOpt = None,
@@ -215,6 +220,7 @@ def run(
         accel,
         engine,
         (network, allow, publish, secret),
+        nested_virt,
     )
 
     async def main() -> int:
@@ -267,6 +273,7 @@ def create(
     rootfs: RootfsOpt = None,
     engine: EngineOpt = None,
     accel: AccelOpt = "auto",
+    nested_virt: NestedOpt = False,
     network: NetOpt = None,
     allow: AllowOpt = None,
     publish: PublishOpt = None,
@@ -291,6 +298,7 @@ def create(
         accel,
         engine,
         (network, allow, publish, secret),
+        nested_virt,
     )
 
     async def main() -> None:

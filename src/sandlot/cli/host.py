@@ -56,6 +56,10 @@ def doctor(
         if "lockdown" in kernel:
             lockdown = "yes" if kernel["lockdown"] else "no (its modules are not all signed, or it has none)"
             out.print(f"             lockdown (confidentiality): {lockdown}")
+    nested = report.get("nested_virt") or {}
+    if nested:
+        state = f"{ok}  boxes may have it (nested_virt=True): " if nested["available"] else "[yellow]no[/]  "
+        out.print(f"nested virt  {state}{nested['why']}")
     if isinstance(agent, dict) and agent:
         out.print(f"agent        {ok}  {agent['path']} (built with {agent['compiler']})")
     cgroup = report.get("host_cgroup", {})

@@ -34,6 +34,7 @@ from ..errors import (
     GuestError,
     InvalidArgument,
     InvalidState,
+    SandlotError,
     SnapshotNotFound,
     no_space,
 )
@@ -75,6 +76,10 @@ def require_room(home: Path, what: str, *, box: str | None = None) -> None:
 
 CLOCKSOURCES = "/sys/devices/system/clocksource/clocksource0/available_clocksource"
 BOOT_WORK_LIMIT = 3.0  # seconds; the TSC's calibration ends about 1.2 s after boot
+# A box with VMs of its own has its commands frozen while its VM stands still for a save
+# or a pause (``BoxController.still``); should no host thaw them (a VM restored from the
+# state saved then, and not attached to), they run again after this much of the guest's time
+FREEZE_LEASE = 3.0
 
 
 @dataclass
@@ -502,7 +507,9 @@ class BoxController:
             rec = await self.refresh(entry)
             if not check(Op.PAUSE, rec.state, box=entry.name):
                 return
-            async with self.transition(entry, Op.PAUSE):
+            # a paused box may be saved (snapshot, suspend): one with VMs of its own
+            # stands still with no vCPU inside them
+            async with self.still(entry), self.transition(entry, Op.PAUSE):
                 await self.launcher.vm_of(entry, rec).pause()
 
     async def unpause(self, entry: BoxEntry) -> None:
@@ -514,7 +521,28 @@ class BoxController:
                 await self.launcher.vm_of(entry, rec).resume()
         # the guest clock stood still while paused: set it to now
         with contextlib.suppress(Exception):
-            await (await self.connection(entry)).set_clock()
+            conn = await self.connection(entry)
+            await conn.set_clock()
+            if entry.spec.nested_virt:
+                await conn.thaw()
+
+    @contextlib.asynccontextmanager
+    async def still(self, entry: BoxEntry) -> AsyncIterator[None]:
+        """Around a step that stops a running box's VM (a save, a pause): a box with VMs of
+        its own has its commands frozen for it, since QEMU cannot load a state saved while
+        a vCPU runs a nested guest, and a frozen task has left ``KVM_RUN``. They are thawed
+        after it if the box runs on (a VM restored from the state saved then is thawed by
+        ``Launcher.restore``, or by the freeze's lease). Any other box needs nothing."""
+        conn = None
+        if entry.spec.nested_virt and entry.state == BoxState.RUNNING:
+            conn = await self.connection(entry)
+            await conn.freeze(FREEZE_LEASE)
+        try:
+            yield
+        finally:
+            if conn is not None and entry.state == BoxState.RUNNING:  # not paused, suspended, gone
+                with contextlib.suppress(SandlotError, OSError):
+                    await conn.thaw()
 
     async def remove(self, entry: BoxEntry, *, force: bool = False) -> None:
         """Delete the box: its disk, logs and record. A running box needs ``force``

@@ -216,6 +216,8 @@ class Launcher:
                 conn = await self.attach(entry, vm, timeout, boot)
                 if trust:
                     await self.install_trust(entry, conn)
+                if entry.spec.nested_virt:  # saved with its commands frozen (BoxController.still)
+                    await conn.thaw()
 
         return await self._bring_up(entry, engine, launch, boot, "restore.after-launch", when_up)
 
@@ -345,6 +347,7 @@ def boot_request(spec: BoxSpec, *, network: bool) -> BootRequest:
     return BootRequest(
         accel=spec.accel, kernel=spec.kernel, volumes=bool(spec.volumes), network=network,
         disk_gb=spec.disk_size_gb, disk_required=spec.disk_size_gb != DEFAULT_DISK_GB,
+        nested_virt=spec.nested_virt,
     )  # fmt: skip
 
 

@@ -81,7 +81,10 @@ class LiveState:
         snap_id = snapshots.new_id()
         rec = entry.record
         op_data = {"kind": "snapshot", "source": str(entry.state), "snapshot": snap_id}
-        async with self.controller.transition(entry, Op.SNAPSHOT, op_data=op_data):
+        async with (
+            self.controller.still(entry),
+            self.controller.transition(entry, Op.SNAPSHOT, op_data=op_data),
+        ):
             assert rec.disk is not None
             frozen = Path(rec.disk)
             top = await asyncio.to_thread(layers.new_layer, home, frozen)
@@ -130,7 +133,10 @@ class LiveState:
             session = entry.session
             session.resumed.clear()
             op_data = {"kind": "suspend", "source": rec.state, "snapshot": snap_id}
-            async with self.controller.transition(entry, Op.SUSPEND, op_data=op_data) as step:
+            async with (
+                self.controller.still(entry),
+                self.controller.transition(entry, Op.SUSPEND, op_data=op_data) as step,
+            ):
                 vm = self.launcher.vm_of(entry, rec)
                 crash_point("suspend.before-save")
                 try:
@@ -186,6 +192,8 @@ class LiveState:
         self.controller.watch_idle(entry)
         if keep_conn and session.conn is not None:
             await session.conn.wait_ready()
+            if entry.spec.nested_virt:  # saved with its commands frozen (BoxController.still)
+                await session.conn.thaw()
 
     def require_live_state(self, entry: BoxEntry) -> None:
         """Refuse, saying why, on an engine that cannot save a running state."""
@@ -336,13 +344,15 @@ class LiveState:
     async def template_key(self, entry: BoxEntry, image_digest: str) -> str:
         """What an automatic template must share with a box to stand in for its boot."""
         spec = entry.spec
-        request = BootRequest(accel=spec.accel, kernel=spec.kernel)
+        request = BootRequest(accel=spec.accel, kernel=spec.kernel, nested_virt=spec.nested_virt)
         boot = await asyncio.to_thread(self.rt.engine(spec.engine).prepare, request)
         key: list[Any] = [image_digest, spec.memory_mib, spec.cpus, spec.disk_size_gb, *boot.identity]
         if spec.engine != "qemu":
             key.append(spec.engine)
         if spec.policy.has_nic:  # a network card is part of the saved device state
             key.append("nic")
+        if spec.nested_virt:  # its kernel loaded KVM at boot
+            key.append("nested-virt")
         if spec.policy.proxied:  # so is the guest's resolver, chosen at boot (the relay)
             key.append("dns-relay")
         return hashlib.sha256(json.dumps(key).encode()).hexdigest()[:32]

@@ -114,6 +114,8 @@ class BoxRequest:
                 o["disk_size_gb"] = saved_box.get("disk_size_gb", DEFAULT_DISK_GB)
             if o["pids_limit"] is None:
                 o["pids_limit"] = saved_box.get("pids_limit")
+            # its KVM modules are loaded in the saved memory: a box from it has them
+            o["nested_virt"] = bool(o["nested_virt"] or saved_box.get("nested_virt"))
             if o["engine"] in (None, "auto"):  # a saved state runs on the engine that saved it
                 o["engine"] = facts.get("engine", "qemu")
             # what its commands ran with, unless given anew: a fork is the same box
@@ -147,6 +149,11 @@ def check_fits(snap: SnapshotRecord, spec: BoxSpec) -> None:
         )
     if spec.volumes:
         raise InvalidArgument("a box started from a snapshot cannot have volumes (their state is not saved)")
+    if spec.nested_virt and not snap.options.get("box", {}).get("nested_virt"):
+        raise InvalidArgument(
+            f"snapshot {label} is of a box without nested virtualization (its kernel booted without "
+            "KVM); a box started from it cannot have nested_virt=True"
+        )
     saved_nic = bool(facts.get("network"))
     if spec.policy.has_nic != saved_nic:
         had = "a network card" if saved_nic else "no network card"

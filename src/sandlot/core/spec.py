@@ -151,6 +151,7 @@ class BoxSpec:
     request_timeout: float = 30.0
     idle_timeout: float | None = None  # suspend after this many seconds without requests
     pids_limit: int | None = None  # processes all commands together may have
+    nested_virt: bool = False  # the box runs VMs of its own: /dev/kvm, on the guest's KVM
     network: str = "none"  # see sandlot.net.policy
     allow: list[str] = field(default_factory=list)
     ports: list[Port] = field(default_factory=list)
@@ -189,6 +190,7 @@ class BoxSpec:
         allow: Sequence[str] | str | None = None,
         ports: Sequence[PortSpec] | None = None,
         pids_limit: int | None = None,
+        nested_virt: bool = False,
         secrets: Sequence[Secret] | None = None,
         saved_secrets: Sequence[dict[str, Any]] = (),
         saved: bool = False,
@@ -226,6 +228,8 @@ class BoxSpec:
         positive("pids_limit", pids_limit, integer=True)
         if pids_limit is not None and pids_limit < 8:
             raise InvalidArgument(f"pids_limit must be at least 8 (a shell needs a few), not {pids_limit}")
+        if not isinstance(nested_virt, bool):
+            raise InvalidArgument(f"nested_virt must be True or False, not {nested_virt!r}")
         if memory_mib < 64:
             raise InvalidArgument(f"memory_mib must be at least 64, not {memory_mib}")
         if cpus > (os.cpu_count() or 1) * 4:
@@ -289,6 +293,7 @@ class BoxSpec:
             allow=[str(r) for r in policy.allow],
             ports=published,
             pids_limit=pids_limit,
+            nested_virt=nested_virt,
             secrets=secret_specs,
         )
 

@@ -56,6 +56,7 @@ BASE_MODULES: tuple[str, ...] = (
 )
 OPTIONAL_MODULES: tuple[str, ...] = ("virtio_net", "virtio_rng", "overlay", "fuse", "virtiofs")
 OPTIONAL_MODULES += ("vmw_vsock_virtio_transport", "9p", "9pnet_virtio")
+OPTIONAL_MODULES += ("kvm", "kvm_amd", "kvm_intel")  # nested virtualization: a box's own VMs
 
 _XEN_ELFNOTE_PHYS32_ENTRY = 18
 MODULE_SIGNATURE_MARK = b"~Module signature appended~\n"  # the kernel's own tail of a signed .ko

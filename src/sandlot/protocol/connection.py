@@ -508,6 +508,15 @@ class AgentConnection:
         """Set the guest's wall clock to the host's, now."""
         await self.control(wire.ControlOp.SET_TIME, wire.tlv_u64(Tag.TIME_NS, time.time_ns()), timeout)
 
+    async def freeze(self, lease: float) -> None:
+        """Stop every command's processes (a save of a box with VMs of its own: no vCPU of
+        the guest may be inside a nested VM). They run again on ``thaw``, or on their own
+        after ``lease`` seconds of the guest's time, as in a VM restored from the save."""
+        await self.control(wire.ControlOp.FREEZE, wire.tlv(Tag.TIMEOUT_MS, round(lease * 1000)))
+
+    async def thaw(self) -> None:
+        await self.control(wire.ControlOp.THAW)
+
     async def control(self, op: wire.ControlOp, payload: bytes = b"", timeout: float | None = None) -> Fields:
         """One control request to the agent."""
         ch = self.open_channel()

@@ -166,6 +166,8 @@ class ControlOp(IntEnum):
     ADD_ENTROPY = 5
     MOUNT = 6
     STATUS = 7
+    FREEZE = 8  # every command stopped for a save (TIMEOUT_MS: how long at most, in guest time)
+    THAW = 9
 
 
 @dataclass(frozen=True, slots=True)

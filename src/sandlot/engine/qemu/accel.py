@@ -52,6 +52,73 @@ def kvm_precheck(dev: str = "/dev/kvm", cpuinfo_path: str = "/proc/cpuinfo") -> 
     return None
 
 
+# The KVM module of each CPU vendor, which a box with nested virtualization loads.
+# QEMU's TCG "max" CPU is an AMD one, with SVM and nested paging: under TCG it is kvm_amd.
+KVM_MODULES = {"GenuineIntel": "kvm_intel", "AuthenticAMD": "kvm_amd", "HygonGenuine": "kvm_amd"}
+TCG_KVM_MODULE = "kvm_amd"
+
+
+@dataclass(frozen=True, slots=True)
+class NestedSupport:
+    """Whether a box on this accelerator can run VMs of its own, and why (or why not).
+    ``module``: the guest's KVM vendor module; None where a box cannot have KVM."""
+
+    module: str | None
+    why: str
+
+    @property
+    def available(self) -> bool:
+        return self.module is not None
+
+
+def cpu_vendor(cpuinfo: str) -> str:
+    for line in cpuinfo.splitlines():
+        if line.startswith("vendor_id"):
+            return line.split(":", 1)[1].strip()
+    return ""
+
+
+def nested_support(
+    accel: str, *, cpuinfo_path: str = "/proc/cpuinfo", modules_dir: str = "/sys/module"
+) -> NestedSupport:
+    """Nested virtualization for boxes on ``accel`` ("kvm" or "tcg"). Under TCG it is
+    QEMU's emulated SVM, always there. Under KVM, ``-cpu host`` passes VMX/SVM to the
+    guest only where the host's KVM module runs with ``nested=1``."""
+    if accel != "kvm":
+        return NestedSupport(TCG_KVM_MODULE, "QEMU's emulated CPU offers SVM with nested paging "
+                             "(a box's own VMs run under emulation too: slowly)")  # fmt: skip
+    try:
+        with open(cpuinfo_path) as f:
+            vendor = cpu_vendor(f.read())
+    except OSError:
+        vendor = ""
+    module = KVM_MODULES.get(vendor)
+    if module is None:
+        return NestedSupport(None, f"the host CPU's vendor ({vendor or 'unknown'}) has no KVM module "
+                             "sandlot knows (kvm_intel, kvm_amd)")  # fmt: skip
+    try:
+        value = Path(modules_dir, module, "parameters", "nested").read_text().strip()
+    except OSError:
+        return NestedSupport(None, f"the host's {module} module is not loaded")
+    if value not in ("Y", "1"):
+        return NestedSupport(
+            None,
+            f"the host's {module} module runs with nested={value}: load it with nested=1 "
+            f"(echo 'options {module} nested=1' > /etc/modprobe.d/kvm-nested.conf as root, then "
+            f"'modprobe -r {module} && modprobe {module}' with no VM running), or give the box accel='tcg'",
+        )
+    return NestedSupport(module, f"the host's {module} module runs with nested=1")
+
+
+def nested_blocker(requested: str) -> str | None:
+    """Cheap (no probe boot): why a box asking for ``requested`` accel cannot have nested
+    virtualization, where that is known before the accelerator is chosen; else None."""
+    if requested == "tcg" or kvm_precheck() is not None:
+        return None  # TCG (the accel='kvm' request itself fails where KVM is unusable)
+    support = nested_support("kvm")
+    return None if support.available else support.why
+
+
 def _host_boot_id() -> str:
     try:
         return Path("/proc/sys/kernel/random/boot_id").read_text().strip()

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from ... import pids
 from ...config import fsync_dir, runtime_dir
-from ...errors import IncompatibleSnapshot, NoSpace, SavedStateError, no_space
+from ...errors import HostSetupError, IncompatibleSnapshot, NoSpace, SavedStateError, Unsupported, no_space
 from .. import hostcgroup
 from ..base import Boot, BootRequest, Engine, LaunchSpec, NetSpec, Placement, SavedState, VMRef, VMStatus
 from . import accel as accel_mod
@@ -70,14 +70,33 @@ class QemuEngine(Engine):
 
     # -- boots -------------------------------------------------------------------------
 
+    def refuse(self, request: BootRequest) -> None:
+        if request.nested_virt:
+            blocker = accel_mod.nested_blocker(request.accel)
+            if blocker is not None:
+                raise Unsupported(f"nested_virt=True cannot be had on this host: {blocker}")
+
     def resolve(self, request: BootRequest) -> BootAssets:
         """The assets behind a ``Boot`` (for ``sandlot setup`` and the tests)."""
         flavor = "generic" if request.volumes else "cloud"  # the cloud kernel has no 9p
         extra: tuple[str, ...] = ("9p", "9pnet_virtio") if request.volumes else ()
         if request.network:
             extra += ("virtio_net",)
+        assets = self.assets.resolve(kernel=request.kernel, accel=request.accel, flavor=flavor,
+                                     extra_modules=extra)  # fmt: skip
+        if not request.nested_virt:
+            return assets
+        # the guest's KVM: the vendor module of the CPU it gets (and kvm, irqbypass beneath it)
+        support = accel_mod.nested_support(assets.accel.name)
+        if support.module is None:
+            raise Unsupported(f"nested_virt=True cannot be had on this host: {support.why}")
+        kvm = ("kvm", support.module)
+        lacking = [m for m in kvm if m not in assets.kernel.modules]
+        if lacking:
+            raise HostSetupError(f"nested_virt=True needs the guest kernel's {' and '.join(lacking)} "
+                                 f"module(s), which kernel {assets.kernel.version} lacks")  # fmt: skip
         return self.assets.resolve(kernel=request.kernel, accel=request.accel, flavor=flavor,
-                                   extra_modules=extra)  # fmt: skip
+                                   extra_modules=extra + kvm)  # fmt: skip
 
     def prepare(self, request: BootRequest) -> Boot:
         assets = self.resolve(request)
@@ -281,7 +300,6 @@ class QemuEngine(Engine):
     # -- facts ----------------------------------------------------------------------------
 
     def doctor(self) -> dict[str, Any]:
-        from ...errors import HostSetupError
         from ...guest.kernel import BASE_MODULES
 
         report: dict[str, Any] = {"engine": self.name}
@@ -303,6 +321,10 @@ class QemuEngine(Engine):
                 "modules": assets.kernel.load_order(BASE_MODULES),
                 "lockdown": assets.kernel.modules_signed(),
             }
+            support = accel_mod.nested_support(assets.accel.name)
+            lacking = [m for m in ("kvm", support.module) if m and m not in assets.kernel.modules]
+            why = f"kernel {assets.kernel.version} lacks {', '.join(lacking)}" if lacking else support.why
+            report["nested_virt"] = {"available": support.available and not lacking, "why": why}
             report["agent"] = {"path": str(assets.agent.path), "compiler": assets.agent.compiler}
             report["initramfs"] = str(assets.initrd)
         except Exception as exc:

@@ -343,6 +343,7 @@ struct user_spec {
     int ngroups;
 };
 int resolve_user(const char *spec, struct user_spec *u, char *err, size_t errlen);
+int find_group(const char *name, gid_t *gid); /* the guest's /etc/group; 0: none */
 
 /* dns.c */
 void dns_relay_start(void);      /* PID 1, at network bring-up in the proxied modes */
@@ -358,8 +359,12 @@ void limits_oom_event(void); /* g_oom_fd polled POLLPRI */
 extern int g_oom_fd;
 void exec_cgroup_release(uint32_t id);
 void limits_watch_memory(uint64_t mib); /* be the box's OOM killer (gVisor has none) */
-int limits_mem_timeout(int timeout);    /* the poll timeout, shortened while watching */
-void limits_mem_check(uint64_t now_ms);
+int limits_timeout(int timeout, uint64_t now_ms); /* the poll timeout, shortened while watching */
+void limits_check(uint64_t now_ms);               /* the memory watch, a freeze's lease */
+/* every command frozen (a save of a box with VMs of its own), until limits_thaw or
+ * lease_ms of guest time; -1 and err where they did not all stop within wait_ms */
+int limits_freeze(uint32_t lease_ms, uint32_t wait_ms, char *err, size_t errlen);
+void limits_thaw(void);
 void exec_mark_oom(pid_t sid); /* the command of session sid lost a process to it */
 
 /* init.c */

@@ -183,6 +183,19 @@ static void handle_control(struct session *s, uint32_t ch, const uint8_t *p, siz
         }
         break;
     }
+    case SL_CTL_FREEZE: {
+        uint32_t lease_ms = 3000;
+        char why[160];
+        tlv_u32(p, n, SL_T_TIMEOUT_MS, &lease_ms);
+        if (limits_freeze(lease_ms > 60000 ? 60000 : lease_ms, 2000, why, sizeof(why)) < 0) {
+            send_error(s, ch, EAGAIN, SL_CONTROL, "%s", why);
+            return;
+        }
+        break;
+    }
+    case SL_CTL_THAW:
+        limits_thaw();
+        break;
     case SL_CTL_STATUS: {
         /* how busy the box is, for the host's idle timeout: channels in use by any
          * host (this request's own aside) and the time since a request last came */

@@ -452,6 +452,23 @@ static void ensure_hosts_file(void)
     close(fd);
 }
 
+/* /dev/kvm, in a box with nested virtualization (its modules load with the others), as a
+ * distro's udev leaves it: group kvm where the image has one, and mode 0666 as systemd's
+ * default rule has it, so that any user of the box may run VMs of their own. */
+static void open_up_kvm(void)
+{
+    gid_t gid;
+    if (access("/dev/kvm", F_OK) != 0) {
+        return;
+    }
+    if (find_group("kvm", &gid) && chown("/dev/kvm", 0, gid) < 0) {
+        logmsg("chown /dev/kvm: %s", strerror(errno));
+    }
+    if (chmod("/dev/kvm", 0666) < 0) {
+        logmsg("chmod /dev/kvm: %s", strerror(errno));
+    }
+}
+
 void init_after_root(void)
 {
     mount_or_log("devpts", "/dev/pts", "devpts", MS_NOSUID | MS_NOEXEC, "newinstance,ptmxmode=0666,mode=0620,gid=5");
@@ -471,6 +488,7 @@ void init_after_root(void)
     if (access("/dev/ptmx", F_OK) != 0) {
         symlink("pts/ptmx", "/dev/ptmx");
     }
+    open_up_kvm();
     bring_up_loopback();
     ensure_hosts_file();
     machine_id_in_memory();

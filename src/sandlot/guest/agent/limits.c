@@ -280,7 +280,7 @@ void limits_watch_memory(uint64_t mib)
     g_mem_limit_kib = mib * 1024;
 }
 
-int limits_mem_timeout(int timeout)
+static int limits_mem_timeout(int timeout)
 {
     return g_mem_limit_kib && (timeout < 0 || timeout > MEM_CHECK_MS) ? MEM_CHECK_MS : timeout;
 }
@@ -337,7 +337,7 @@ static pid_t largest_process(void)
     return best;
 }
 
-void limits_mem_check(uint64_t now)
+static void limits_mem_check(uint64_t now)
 {
     if (!g_mem_limit_kib || now < g_mem_next_ms) {
         return;
@@ -357,5 +357,131 @@ void limits_mem_check(uint64_t now)
                (unsigned long long)used, (unsigned long long)g_mem_limit_kib, victim, sid);
         exec_mark_oom(sid);
         g_mem_next_ms = now + MEM_AFTER_KILL_MS;
+    }
+}
+
+/* ---- freezing every command for a save ------------------------------------------ */
+
+/* QEMU cannot load a state saved while a vCPU ran a box's own (nested) VM: the guest-mode
+ * state lives in the guest's KVM, which QEMU does not save under TCG. A frozen task has
+ * left KVM_RUN (the freezer kicks it out as a signal would), so a box with VMs of its own
+ * freezes its commands for the length of a save. The freeze holds for a lease of guest
+ * time: a VM restored from that state thaws when its host says so, or when the lease
+ * runs out (a VM's clock stands still while it is stopped for the save). */
+static uint64_t g_thaw_at; /* 0: not frozen by a host */
+
+static int cg_frozen(void)
+{
+    char text[256];
+    int fd = open(CG_BOX_V2 "/cgroup.events", O_RDONLY | O_CLOEXEC);
+    if (fd < 0) {
+        return -1;
+    }
+    ssize_t n = read(fd, text, sizeof(text) - 1);
+    close(fd);
+    text[n > 0 ? n : 0] = 0;
+    const char *p = strstr(text, "frozen ");
+    return p ? p[7] == '1' : -1;
+}
+
+/* A kernel thread in a command's cgroup (KVM's kvm-nx-lpage-recovery, which a VM's
+ * creator has in its own cgroup before Linux 6.13) is never frozen, and a cgroup that
+ * holds one is never reported frozen: such threads move to the root cgroup first. */
+static void move_out_kernel_threads(void)
+{
+    DIR *d = opendir("/proc");
+    if (!d) {
+        return;
+    }
+    struct dirent *e;
+    while ((e = readdir(d))) {
+        int pid = atoi(e->d_name);
+        char path[64], text[512];
+        if (pid <= 2) {
+            continue;
+        }
+        snprintf(path, sizeof(path), "/proc/%d/cgroup", pid);
+        int fd = open(path, O_RDONLY | O_CLOEXEC);
+        ssize_t n = fd < 0 ? -1 : read(fd, text, sizeof(text) - 1);
+        if (fd >= 0) {
+            close(fd);
+        }
+        text[n > 0 ? n : 0] = 0;
+        if (!strstr(text, "::/sandlot/")) {
+            continue;
+        }
+        snprintf(path, sizeof(path), "/proc/%d/stat", pid);
+        fd = open(path, O_RDONLY | O_CLOEXEC);
+        n = fd < 0 ? -1 : read(fd, text, sizeof(text) - 1);
+        if (fd >= 0) {
+            close(fd);
+        }
+        text[n > 0 ? n : 0] = 0;
+        const char *after = strrchr(text, ')'); /* the name may hold spaces and parentheses */
+        unsigned long flags = 0;
+        if (after && sscanf(after + 1, " %*c %*d %*d %*d %*d %*d %lu", &flags) == 1 && (flags & 0x00200000UL)) {
+            char v[16];
+            snprintf(v, sizeof(v), "%d", pid); /* PF_KTHREAD */
+            if (write_str(CG_ROOT "/cgroup.procs", v) < 0) {
+                logmsg("freeze: kernel thread %d stays in its cgroup: %s", pid, strerror(errno));
+            }
+        }
+    }
+    closedir(d);
+}
+
+int limits_freeze(uint32_t lease_ms, uint32_t wait_ms, char *err, size_t errlen)
+{
+    if (!g_cg_ok || g_cg_v1) {
+        snprintf(err, errlen, "this guest has no cgroup v2 freezer");
+        return -1;
+    }
+    move_out_kernel_threads();
+    if (write_str(CG_BOX_V2 "/cgroup.freeze", "1") < 0) {
+        snprintf(err, errlen, "freeze: %s", strerror(errno));
+        return -1;
+    }
+    g_thaw_at = now_ms() + lease_ms;
+    /* every task stopped: the kernel says so in cgroup.events (a task deep in an
+     * uninterruptible wait may take a moment); bounded, as the host waits on it */
+    uint64_t deadline = now_ms() + wait_ms;
+    for (;;) {
+        int frozen = cg_frozen();
+        if (frozen == 1) {
+            return 0;
+        }
+        if (frozen < 0 || now_ms() >= deadline) {
+            limits_thaw();
+            snprintf(err, errlen, "the box's processes did not all stop within %u ms", wait_ms);
+            return -1;
+        }
+        usleep(1000);
+    }
+}
+
+void limits_thaw(void)
+{
+    if (g_thaw_at && write_str(CG_BOX_V2 "/cgroup.freeze", "0") < 0) {
+        logmsg("thaw: %s", strerror(errno));
+    }
+    g_thaw_at = 0;
+}
+
+int limits_timeout(int timeout, uint64_t now)
+{
+    timeout = limits_mem_timeout(timeout);
+    if (g_thaw_at) {
+        int left = g_thaw_at > now ? (int)(g_thaw_at - now) : 0;
+        timeout = timeout < 0 || timeout > left ? left : timeout;
+    }
+    return timeout;
+}
+
+void limits_check(uint64_t now)
+{
+    limits_mem_check(now);
+    if (g_thaw_at && now >= g_thaw_at) {
+        logmsg("thawed: the lease of a freeze for a save ran out");
+        limits_thaw();
     }
 }

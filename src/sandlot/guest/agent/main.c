@@ -180,7 +180,7 @@ static void serve(void)
             }
         }
 
-        int r = poll(pfds, (nfds_t)n, limits_mem_timeout(timeout));
+        int r = poll(pfds, (nfds_t)n, limits_timeout(timeout, now_ms()));
         if (r < 0 && errno != EINTR) {
             logmsg("poll: %s", strerror(errno));
             continue;
@@ -217,7 +217,7 @@ static void serve(void)
             }
         }
         now = now_ms();
-        limits_mem_check(now);
+        limits_check(now);
         for (int i = 0; i < g_nsessions; i++) {
             session_drop_stale(&g_sessions[i], now);
         }

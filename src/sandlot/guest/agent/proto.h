@@ -150,6 +150,8 @@ enum sl_control_op {
     SL_CTL_ADD_ENTROPY = 5,
     SL_CTL_MOUNT = 6,        /* PATH: mount point, PATH2: virtio-9p tag, FLAGS: SL_MOUNT_* */
     SL_CTL_STATUS = 7,       /* reply: COUNT (channels in use by any host), IDLE_MS */
+    SL_CTL_FREEZE = 8,       /* every command stopped; TIMEOUT_MS: the lease (guest time) */
+    SL_CTL_THAW = 9,
 };
 
 #define SL_MOUNT_READONLY 0x1u

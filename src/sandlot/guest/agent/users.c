@@ -73,7 +73,7 @@ static int find_passwd(const char *name, uid_t uid, struct user_spec *u)
     return found;
 }
 
-static int find_group(const char *name, gid_t *gid)
+int find_group(const char *name, gid_t *gid)
 {
     FILE *f = fopen("/etc/group", "re");
     if (!f) {
