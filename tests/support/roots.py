@@ -44,3 +44,14 @@ def jupyter_root() -> Path:
         packages = ["python3", "python3-ipykernel", "python3-matplotlib", "python3-pandas", "python3-munkres"]
         debian_rootfs(dest, packages, recommends=False)
     return dest
+
+
+def kvm_host_root() -> Path:
+    """Debian with python3, QEMU (qemu-system-x86), qemu-img, zstd and lz4, without recommended
+    packages: a box that runs sandlot on its own KVM (tests/support/kvmhost.py)."""
+    dest = CACHE / "rootfs-debian-kvmhost-v2"
+    if not (dest / "usr" / "bin" / "qemu-system-x86_64").exists():
+        # what `sandlot setup` installs on a host (hostsetup.PACKAGES' required ones)
+        packages = ["python3", "qemu-system-x86", "qemu-utils", "e2fsprogs", "zstd", "lz4"]
+        debian_rootfs(dest, packages, recommends=False)
+    return dest

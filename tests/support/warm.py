@@ -1,7 +1,8 @@
 """What the VM tier's two runs share, made once before they start side by side
 (``scripts/test``): the root filesystems and the test image built from the host's
-packages, and each home's guest kernel, agent and initramfs. Built lazily, as they
-otherwise are, two runs could race to write the same cache.
+packages (the KVM host's among them: mmdebstrap, about a minute the first time), and
+each home's guest kernel, agent and initramfs. Built lazily, as they otherwise are,
+two runs could race to write the same cache.
 
     .venv/bin/python -m tests.support.warm HOME [HOME...]
 """
@@ -20,6 +21,7 @@ from tests.support.images import python_layout
 def main(homes: list[str]) -> int:
     debian = roots.debian_root()
     roots.busybox_root()
+    roots.kvm_host_root()
     python_layout(roots.CACHE, debian)
     for home in homes:
         sandlot.Runtime.for_home(Path(home)).prepare()

@@ -54,6 +54,7 @@ PROMISED = {
     "report": ["engines", "workloads", "results", "ratios_to_host", "files"],
     "server": ["exec_true_local_ms", "exec_true_remote_ms", "upload_MBps", "download_MBps", "load"],
     "watch": ["write_to_event_ms", "stdin_echo_baseline_ms", "burst"],
+    "nested": ["inner", "kvm_in_box", "tcg_on_host", "ratio_kvm_in_box_over_tcg_on_host"],
 }
 
 

@@ -18,6 +18,8 @@ from ...guest.kernel import BASE_MODULES, Kernel, ensure_kernel
 from . import accel as accel_mod
 from .command import KERNEL_ARGS, qemu_binary, qemu_version
 
+PROBE_TIMEOUT = 8.0  # seconds a KVM probe boot has to print the kernel's banner
+
 
 @dataclass(frozen=True, slots=True)
 class BootAssets:
@@ -69,7 +71,7 @@ class Assets:
                 accel,
                 cache_dir=self.home,
                 probe_key=f"{qemu}:{kern.sha256[:16]}",
-                probe=lambda: probe_kvm(qemu, kern.vmlinux),
+                probe=lambda: probe_kvm(qemu, kern.vmlinux, probe_timeout()),
             )
             assets = BootAssets(qemu, kern, agent, initrd, choice)
             self._cache[key] = assets
@@ -82,7 +84,22 @@ class Assets:
                 qemu_version(assets.qemu))  # fmt: skip
 
 
-def probe_kvm(qemu: str, vmlinux: Path, timeout: float = 8.0) -> str | None:
+def probe_timeout() -> float:
+    """``$SANDLOT_KVM_PROBE_TIMEOUT``, else 8 s: what a KVM that works needs to print a
+    kernel's banner, with room to spare. A host that emulates the CPU it runs KVM on
+    (a nested box under TCG) may need more; a wrong value only costs that probe, once
+    per host boot."""
+    value = os.environ.get("SANDLOT_KVM_PROBE_TIMEOUT")
+    try:
+        seconds = float(value) if value else PROBE_TIMEOUT
+    except ValueError:
+        raise HostSetupError(f"SANDLOT_KVM_PROBE_TIMEOUT={value!r} is not a number of seconds") from None
+    if not seconds > 0:
+        raise HostSetupError(f"SANDLOT_KVM_PROBE_TIMEOUT={value!r} must be more than 0")
+    return seconds
+
+
+def probe_kvm(qemu: str, vmlinux: Path, timeout: float = PROBE_TIMEOUT) -> str | None:
     """Boot the kernel under KVM without a root disk; None if it prints its banner in time."""
     cmd = [
         qemu, "-M", "microvm,x-option-roms=off,isa-serial=on,rtc=on", "-accel", "kvm", "-cpu", "host",
