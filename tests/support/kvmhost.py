@@ -17,6 +17,7 @@ import importlib.metadata as metadata
 import json
 import re
 import shutil
+import subprocess
 import sys
 import tarfile
 import tempfile
@@ -34,12 +35,21 @@ REPO = Path(__file__).resolve().parents[2]
 SITE = "/opt/sandlot/site"  # sandlot and its dependencies, in the box
 HOME = "/root/.local/share/sandlot"  # the inner sandlot's home
 BUSYBOX = "/opt/sandlot/busybox"  # a root filesystem for the inner boxes
+KVM_GUEST = "/opt/sandlot/kvm_guest"  # the KVM API program (kvm_guest.c), static
 # KVM on an emulated CPU is slow to start: QEMU itself runs under TCG, and its probe boot
 # (8 s by default) and its boxes' boots (15 s under KVM) get the time a TCG host gives
 # (and a claim from a warm pool starts no refiller that would go on beside the tests)
 ENV = {"PYTHONPATH": SITE, "PYTHONDONTWRITEBYTECODE": "1", "SANDLOT_KVM_PROBE_TIMEOUT": "120",
        "SANDLOT_BOOT_TIMEOUT": "300", "SANDLOT_POOL_REFILL": "0"}  # fmt: skip
 MEMORY_MIB = 2048  # the inner QEMUs and their guests: three 256 MiB boxes and a pool's VM at most
+
+
+def build_kvm_guest(dest: Path) -> Path:
+    """``kvm_guest.c`` built static into ``dest``: a VM of its own on any box's /dev/kvm."""
+    source = Path(__file__).parent / "kvm_guest.c"
+    subprocess.run(["gcc", "-static", "-O2", "-Wall", "-Werror", "-o", str(dest), str(source)],
+                   check=True, capture_output=True)  # fmt: skip
+    return dest
 
 
 def _requirements() -> list[metadata.Distribution]:
@@ -118,6 +128,7 @@ def kvm_host(**options: Any) -> Iterator[sandlot.Box]:
         with tarfile.open(busybox, "w") as tar:
             tar.add(roots.busybox_root(), ".")
         _unpack(box, busybox, BUSYBOX)
+        box.files.write(KVM_GUEST, build_kvm_guest(Path(tmp) / "kvm_guest").read_bytes(), mode=0o755)
         yield box
 
 

@@ -22,7 +22,7 @@ import pytest
 
 import sandlot
 
-from tests.support.kvmhost import BUSYBOX, inner_cli, kvm_host, run_inner
+from tests.support.kvmhost import BUSYBOX, KVM_GUEST, inner_cli, kvm_host, run_inner
 
 pytestmark = pytest.mark.vm
 
@@ -62,9 +62,10 @@ def timed(fn):
     value = fn()
     return value, round(time.monotonic() - t, 2)
 
-# a template's cold boot, with a process that every box from it has (and its limits)
+# a template's cold boot, with a process that every box from it has (and its limits), and a
+# KVM of its own: under KVM, the CPU's vendor module and -cpu host's SVM (the host's nested=1)
 tmpl, boot_s = timed(lambda: sandlot.template(rootfs={BUSYBOX!r}, memory_mib=256, pids_limit=32, name="kvm",
-                                              setup=["sleep 1000 >/dev/null 2>&1 &"]))
+                                              nested_virt=True, setup=["sleep 1000 >/dev/null 2>&1 &"]))
 _, fill_s = timed(lambda: sandlot.set_pool(tmpl, 1, wait=True))
 pooled = {{r.id for r in sandlot.Runtime.for_home().store.list() if r.options.get("pool") == tmpl.id}}
 out(step="template", boot_s=boot_s, fill_s=fill_s, pooled=len(pooled))
@@ -78,6 +79,9 @@ with sandlot.Box(template=tmpl) as box:  # its pids_limit is the template's
         thp=[line.split(":")[1].strip() for line in status if line.startswith("THP_enabled")],
         memory_max=Path(info["host_cgroup"]["paths"][0], "memory.max").read_text().strip(),
         slots=default_slots("kvm"))
+    box.files.write("/root/kvm_guest", Path({KVM_GUEST!r}).read_bytes(), mode=0o755)
+    own = box.exec("/root/kvm_guest", timeout=300)
+    out(step="nested", stdout=own.stdout, stderr=own.stderr, exit_code=own.exit_code)
     box.files.write("/root/note", b"written on KVM")
     out(step="exec", stdout=box.exec("sh", "-c", "grep -c ^processor /proc/cpuinfo; cat /root/note").stdout)
     try:
@@ -124,6 +128,9 @@ def test_boxes_run_on_kvm_with_its_branches_and_limits(life: dict[str, dict[str,
     assert int(claim["memory_max"]) == (256 + 256) << 20  # guest RAM + 256 MiB: no TCG code cache
     assert claim["slots"] >= 4  # the admission line is wider under KVM
     assert life["exec"]["stdout"] == "1\nwritten on KVM"
+    # nested virtualization under KVM: the box's own VM runs (its live state was saved with
+    # its commands frozen, as below)
+    assert life["nested"] == {"step": "nested", "stdout": "KVM\n", "stderr": "", "exit_code": 0}
     assert life["limits"] == {"step": "limits", "pids_max": "32", "after": "fine\n"}
 
 
@@ -142,3 +149,31 @@ def test_a_state_saved_under_kvm_is_refused_here_saying_why(
     archive.write_bytes(host.files.read(life["export"]["path"]))
     with pytest.raises(sandlot.IncompatibleSnapshot, match="saved under kvm; this host runs boxes under tcg"):
         sandlot.import_snapshot(archive, start=False)
+
+
+REFUSED = f"""
+import json
+import sandlot
+try:
+    sandlot.Box(rootfs={BUSYBOX!r}, memory_mib=256, nested_virt=True, name="never").start()
+except sandlot.Unsupported as exc:
+    print(json.dumps({{"refused": str(exc), "boxes": [b.name for b in sandlot.list(all=True)]}}))
+"""
+
+
+def test_a_kvm_host_without_nested_support_refuses_nested_boxes_naming_the_setting(host: sandlot.Box) -> None:
+    """The host setting, as a host without nested support has it: the box's kvm_amd
+    module's ``nested`` parameter reads N (a file bound over it; the module itself is
+    untouched). The inner sandlot runs its boxes on KVM, and refuses one that asks for
+    nested virtualization before anything is made."""
+    param = "/sys/module/kvm_amd/parameters/nested"
+    host.exec("sh", "-c", f"echo N > /tmp/nested-off && mount --bind /tmp/nested-off {param}", check=True)
+    try:
+        [outcome] = run_inner(host, REFUSED)
+        report = json.loads(inner_cli(host, "doctor", "--json").stdout)
+    finally:
+        host.exec("umount", param, check=True)
+    assert "kvm_amd module runs with nested=N" in outcome["refused"]
+    assert "options kvm_amd nested=1" in outcome["refused"] and "accel='tcg'" in outcome["refused"]
+    assert outcome["boxes"] == []  # refused before the box was made
+    assert report["accel"]["name"] == "kvm" and report["nested_virt"]["available"] is False

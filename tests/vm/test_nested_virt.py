@@ -6,7 +6,6 @@ made through the KVM API by ``tests/support/kvm_guest.c``."""
 from __future__ import annotations
 
 import os
-import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,21 +14,18 @@ import pytest
 
 import sandlot
 
+from tests.support.kvmhost import build_kvm_guest
 from tests.vm.test_cli import sandlot as sandlot_cli
 
 pytestmark = pytest.mark.vm
 
-GUEST_PROGRAM = Path(__file__).parent.parent / "support" / "kvm_guest.c"
 COUNT = "/tmp/count"  # what the looping guest has written so far, every 1000 writes
 
 
 @pytest.fixture(scope="module")
 def kvm_guest(tmp_path_factory: pytest.TempPathFactory) -> bytes:
     """The KVM API program, static: it runs in any image."""
-    out = tmp_path_factory.mktemp("kvm") / "kvm_guest"
-    subprocess.run(["gcc", "-static", "-O2", "-Wall", "-Werror", "-o", str(out), str(GUEST_PROGRAM)],
-                   check=True, capture_output=True)  # fmt: skip
-    return out.read_bytes()
+    return build_kvm_guest(tmp_path_factory.mktemp("kvm") / "kvm_guest").read_bytes()
 
 
 @pytest.fixture(scope="module")
