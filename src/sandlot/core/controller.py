@@ -78,8 +78,11 @@ CLOCKSOURCES = "/sys/devices/system/clocksource/clocksource0/available_clocksour
 BOOT_WORK_LIMIT = 3.0  # seconds; the TSC's calibration ends about 1.2 s after boot
 # A box with VMs of its own has its commands frozen while its VM stands still for a save
 # or a pause (``BoxController.still``); should no host thaw them (a VM restored from the
-# state saved then, and not attached to), they run again after this much of the guest's time
-FREEZE_LEASE = 3.0
+# state saved then, and not attached to), they run again after this much of the guest's
+# time. It must outlast the moment between the freeze and the VM's stop on a loaded host
+# (a new disk layer is made in between): a lease run out before the stop would let a
+# nested guest run into the save, and the state would not load.
+FREEZE_LEASE = 10.0
 
 
 @dataclass
