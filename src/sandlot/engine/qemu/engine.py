@@ -45,6 +45,7 @@ from .monitor import qmp_sync
 from .vm import STATUS, QemuVM, flock
 
 if TYPE_CHECKING:
+    from ...guest.kernel import Kernel
     from .assets import Assets, BootAssets
 
 STATE_FILES = {"devices": "devices", "memory": "memory"}  # archive member -> file in the state directory
@@ -91,7 +92,7 @@ class QemuEngine(Engine):
         if support.module is None:
             raise Unsupported(f"nested_virt=True cannot be had on this host: {support.why}")
         kvm = ("kvm", support.module)
-        lacking = [m for m in kvm if m not in assets.kernel.modules]
+        lacking = kvm_lacking(support, assets.kernel)
         if lacking:
             raise HostSetupError(f"nested_virt=True needs the guest kernel's {' and '.join(lacking)} "
                                  f"module(s), which kernel {assets.kernel.version} lacks")  # fmt: skip
@@ -322,7 +323,7 @@ class QemuEngine(Engine):
                 "lockdown": assets.kernel.modules_signed(),
             }
             support = accel_mod.nested_support(assets.accel.name)
-            lacking = [m for m in ("kvm", support.module) if m and m not in assets.kernel.modules]
+            lacking = kvm_lacking(support, assets.kernel)
             why = f"kernel {assets.kernel.version} lacks {', '.join(lacking)}" if lacking else support.why
             report["nested_virt"] = {"available": support.available and not lacking, "why": why}
             report["agent"] = {"path": str(assets.agent.path), "compiler": assets.agent.compiler}
@@ -332,6 +333,12 @@ class QemuEngine(Engine):
         report["tsc_khz"] = host_tsc_khz()
         report["host_cgroup"] = hostcgroup.detect().report()
         return report
+
+
+def kvm_lacking(support: accel_mod.NestedSupport, kernel: Kernel) -> list[str]:
+    """The guest KVM modules a box with nested virtualization loads (kvm and the vendor's)
+    that ``kernel`` does not have."""
+    return [m for m in ("kvm", support.module) if m and m not in kernel.modules]
 
 
 def device_set(facts: dict[str, Any]) -> str:
