@@ -526,7 +526,11 @@ def test_kill9_of_the_server_mid_stream_leaves_box_and_process_running(
 ) -> None:
     bid = box_a["id"]
     with ws_connect(served, f"/v1/boxes/{bid}/spawn", team_keys["a"]) as ws:
-        loop = "i=0; while true; do i=$((i+1)); echo $i > /tmp/ticks; echo $i; sleep 0.1; done"
+        # the count is renamed into place so that a read never meets the file truncated and empty
+        loop = (
+            "i=0; while true; do i=$((i+1)); echo $i > /tmp/ticks.new; mv /tmp/ticks.new /tmp/ticks;"
+            " echo $i; sleep 0.1; done"
+        )
         ws.send(json.dumps({"type": "spawn", "argv": ["sh", "-c", loop]}))
         started = json.loads(ws.recv(timeout=60))
         first_frame = ws.recv(timeout=60)
