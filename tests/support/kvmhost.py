@@ -116,10 +116,19 @@ def _unpack(box: sandlot.Box, tarball: Path, where: str) -> None:
     box.exec("sh", "-c", script, check=True, timeout=300)
 
 
+def outer_accel() -> str | None:
+    """The outer box's accelerator: this host's own where its boxes may have nested
+    virtualization (TCG's emulated SVM always; KVM with the module's ``nested=1``), else
+    TCG, whose emulated SVM any host has."""
+    report = sandlot.Runtime.for_home().doctor()
+    return None if report.get("nested_virt", {}).get("available") else "tcg"
+
+
 @contextmanager
 def kvm_host(**options: Any) -> Iterator[sandlot.Box]:
     """A running box ready to run sandlot on its own KVM (removed at the end)."""
     root = roots.kvm_host_root()
+    options.setdefault("accel", outer_accel())
     with tempfile.TemporaryDirectory(prefix="kvmhost-") as tmp, \
             sandlot.Box(rootfs=root, nested_virt=True, memory_mib=MEMORY_MIB, **options) as box:  # fmt: skip
         _unpack(box, site_tarball(Path(tmp) / "site.tar"), SITE)

@@ -22,6 +22,7 @@ import pytest
 
 import sandlot
 
+from tests.support.benchmarks import run_quick
 from tests.support.kvmhost import BUSYBOX, KVM_GUEST, inner_cli, kvm_host, run_inner
 
 pytestmark = pytest.mark.vm
@@ -163,17 +164,29 @@ except sandlot.Unsupported as exc:
 
 def test_a_kvm_host_without_nested_support_refuses_nested_boxes_naming_the_setting(host: sandlot.Box) -> None:
     """The host setting, as a host without nested support has it: the box's kvm_amd
-    module's ``nested`` parameter reads N (a file bound over it; the module itself is
+    (or kvm_intel) module's ``nested`` parameter reads N (a file bound over it; the module itself is
     untouched). The inner sandlot runs its boxes on KVM, and refuses one that asks for
     nested virtualization before anything is made."""
-    param = "/sys/module/kvm_amd/parameters/nested"
+    vendor = host.exec("sh", "-c", "cd /sys/module && ls -d kvm_amd kvm_intel 2>/dev/null").stdout.split()
+    assert len(vendor) == 1, vendor  # the CPU vendor's module, loaded at the box's boot
+    module = vendor[0]
+    param = f"/sys/module/{module}/parameters/nested"
     host.exec("sh", "-c", f"echo N > /tmp/nested-off && mount --bind /tmp/nested-off {param}", check=True)
     try:
         [outcome] = run_inner(host, REFUSED)
         report = json.loads(inner_cli(host, "doctor", "--json").stdout)
     finally:
         host.exec("umount", param, check=True)
-    assert "kvm_amd module runs with nested=N" in outcome["refused"]
-    assert "options kvm_amd nested=1" in outcome["refused"] and "accel='tcg'" in outcome["refused"]
+    assert f"{module} module runs with nested=N" in outcome["refused"]
+    assert f"options {module} nested=1" in outcome["refused"] and "accel='tcg'" in outcome["refused"]
     assert outcome["boxes"] == []  # refused before the box was made
     assert report["accel"]["name"] == "kvm" and report["nested_virt"]["available"] is False
+
+
+def test_the_nested_benchmark_quick_mode_runs_in_this_box(host: sandlot.Box) -> None:
+    """benchmarks/nested.py, in its quick mode, in the tier's box (so CI boots one, not two)."""
+    doc = run_quick("nested", "--box", host.id)
+    assert doc["outer_box_given"] is True
+    assert doc["inner"]["accel"]["name"] == "kvm" and doc["kvm_in_box"]["accel"] == "kvm"
+    assert doc["tcg_on_host"]["accel"] == "tcg"
+    assert all(ratio > 0 for ratio in doc["ratio_kvm_in_box_over_tcg_on_host"].values())

@@ -1,0 +1,68 @@
+"""The benchmark scripts' quick modes, as the tests run them: each prints one JSON
+document holding the figures it promises (``PROMISED``)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
+PROMISED = {
+    "cli": ["python_startup_ms", "version_ms", "ls_ms", "exec_true_ms", "targets_met"],
+    "density": [
+        "boxes",
+        "stopped_by",
+        "pss_per_box_MiB",
+        "idle_host_cpu_ms_per_s_per_box",
+        "neighbour_exec_true_ms_rest_idle",
+    ],
+    "core": ["boot_to_first_exec_s", "exec_true_ms", "stdout_MBps", "upload_MBps", "idle_256MiB_box_pss_MiB"],
+    "durable": ["create_start_first_exec_s", "stop_s", "start_to_first_exec_s"],
+    "fleet": ["create_first_exec_s", "exec_true_ms", "migration_256MiB", "fork"],
+    "images": [
+        "cold_pull_unpack_base_s",
+        "ratio_sandlot_over_skopeo_umoci",
+        "box_create_from_pulled_image_ms",
+    ],
+    "livestate": ["snapshot", "rollback_to_first_exec_s", "resume_to_first_exec_s", "fork"],
+    "pool": [
+        "template_start_to_first_exec_s",
+        "pool_claim_to_first_exec_ms",
+        "pool_fill_s_per_vm",
+        "pool_vm_pss_mib",
+    ],
+    "network": [
+        "host_to_host",
+        "box_to_host_via_egress_proxy",
+        "box_to_host_via_proxy_helper_per_connection",
+        "host_to_box_published_port",
+    ],
+    "concurrency": ["threads", "processes"],
+    "interpreter": [
+        "run_code_warm_ms",
+        "first_run_code_new_box_s",
+        "first_run_code_from_template_ms",
+        "png_1MB_result_ms",
+    ],
+    "report": ["engines", "workloads", "results", "ratios_to_host", "files"],
+    "server": ["exec_true_local_ms", "exec_true_remote_ms", "upload_MBps", "download_MBps", "load"],
+    "watch": ["write_to_event_ms", "stdin_echo_baseline_ms", "burst"],
+    "nested": ["inner", "kvm_in_box", "tcg_on_host", "ratio_kvm_in_box_over_tcg_on_host"],
+}
+
+
+def run_quick(name: str, *extra: str, env: dict[str, str] | None = None) -> dict[str, Any]:
+    """``benchmarks/NAME.py --quick EXTRA...``: its JSON document, after checking that it
+    exited 0 and holds every figure the script promises."""
+    r = subprocess.run([sys.executable, str(BENCH / f"{name}.py"), "--quick", *extra], capture_output=True,
+                       text=True, timeout=900, env={**os.environ, **(env or {})})  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    doc: dict[str, Any] = json.loads(r.stdout)
+    assert doc["benchmark"] == name and doc["quick"] is True
+    for key in PROMISED[name]:
+        assert key in doc, f"{name} does not report {key}"
+    return doc
