@@ -116,12 +116,12 @@ def _unpack(box: sandlot.Box, tarball: Path, where: str) -> None:
     box.exec("sh", "-c", script, check=True, timeout=300)
 
 
-def outer_accel() -> str | None:
+def outer_accel() -> str:
     """The outer box's accelerator: this host's own where its boxes may have nested
     virtualization (TCG's emulated SVM always; KVM with the module's ``nested=1``), else
     TCG, whose emulated SVM any host has."""
     report = sandlot.Runtime.for_home().doctor()
-    return None if report.get("nested_virt", {}).get("available") else "tcg"
+    return "auto" if report.get("nested_virt", {}).get("available") else "tcg"
 
 
 @contextmanager

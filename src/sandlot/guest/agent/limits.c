@@ -10,6 +10,7 @@
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <poll.h>
 #include <string.h>
 #include <sys/mount.h>
 #include <sys/stat.h>
@@ -47,6 +48,21 @@ static int write_str(const char *path, const char *s)
     ssize_t n = write(fd, s, strlen(s));
     close(fd);
     return n == (ssize_t)strlen(s) ? 0 : -1;
+}
+
+/* A small file's first size-1 bytes into buf, NUL-terminated (empty on any error): the
+ * kernel's files here (cgroup, /proc) are read whole by one read. -1 if it cannot be opened. */
+static int read_text(const char *path, char *buf, size_t size)
+{
+    buf[0] = 0;
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0) {
+        return -1;
+    }
+    ssize_t n = read(fd, buf, size - 1);
+    close(fd);
+    buf[n > 0 ? n : 0] = 0;
+    return 0;
 }
 
 /* No cgroup2 (gVisor): the pids controller of cgroup v1, mounted by the agent. */
@@ -116,13 +132,9 @@ static uint64_t read_count(uint32_t id, const char *file, const char *key)
 {
     char path[64], text[512];
     cg_path(id, file, path, sizeof(path));
-    int fd = open(path, O_RDONLY | O_CLOEXEC);
-    if (fd < 0) {
+    if (read_text(path, text, sizeof(text)) < 0) {
         return 0;
     }
-    ssize_t n = read(fd, text, sizeof(text) - 1);
-    close(fd);
-    text[n > 0 ? n : 0] = 0;
     const char *p = strstr(text, key);
     return p ? strtoull(p + strlen(key), NULL, 10) : 0;
 }
@@ -288,13 +300,9 @@ static int limits_mem_timeout(int timeout)
 static uint64_t meminfo_used_kib(void)
 {
     char text[2048];
-    int fd = open("/proc/meminfo", O_RDONLY | O_CLOEXEC);
-    if (fd < 0) {
+    if (read_text("/proc/meminfo", text, sizeof(text)) < 0) {
         return 0;
     }
-    ssize_t n = read(fd, text, sizeof(text) - 1);
-    close(fd);
-    text[n > 0 ? n : 0] = 0;
     const char *t = strstr(text, "MemTotal:"), *a = strstr(text, "MemAvailable:");
     if (!t || !a) {
         return 0;
@@ -320,13 +328,9 @@ static pid_t largest_process(void)
         }
         char path[64], text[128];
         snprintf(path, sizeof(path), "/proc/%d/statm", pid);
-        int fd = open(path, O_RDONLY | O_CLOEXEC);
-        if (fd < 0) {
+        if (read_text(path, text, sizeof(text)) < 0) {
             continue;
         }
-        ssize_t n = read(fd, text, sizeof(text) - 1);
-        close(fd);
-        text[n > 0 ? n : 0] = 0;
         unsigned long size = 0, rss = 0;
         if (sscanf(text, "%lu %lu", &size, &rss) == 2 && rss > best_rss) {
             best_rss = rss;
@@ -370,16 +374,16 @@ static void limits_mem_check(uint64_t now)
  * runs out (a VM's clock stands still while it is stopped for the save). */
 static uint64_t g_thaw_at; /* 0: not frozen by a host */
 
-static int cg_frozen(void)
+/* Whether the box's cgroup is frozen, read from its open cgroup.events (the read also
+ * re-arms the file's POLLPRI, which the kernel raises when a value in it changes). */
+static int cg_frozen(int events)
 {
     char text[256];
-    int fd = open(CG_BOX_V2 "/cgroup.events", O_RDONLY | O_CLOEXEC);
-    if (fd < 0) {
+    ssize_t n = pread(events, text, sizeof(text) - 1, 0);
+    if (n <= 0) {
         return -1;
     }
-    ssize_t n = read(fd, text, sizeof(text) - 1);
-    close(fd);
-    text[n > 0 ? n : 0] = 0;
+    text[n] = 0;
     const char *p = strstr(text, "frozen ");
     return p ? p[7] == '1' : -1;
 }
@@ -401,22 +405,12 @@ static void move_out_kernel_threads(void)
             continue;
         }
         snprintf(path, sizeof(path), "/proc/%d/cgroup", pid);
-        int fd = open(path, O_RDONLY | O_CLOEXEC);
-        ssize_t n = fd < 0 ? -1 : read(fd, text, sizeof(text) - 1);
-        if (fd >= 0) {
-            close(fd);
-        }
-        text[n > 0 ? n : 0] = 0;
+        read_text(path, text, sizeof(text));
         if (!strstr(text, "::/sandlot/")) {
             continue;
         }
         snprintf(path, sizeof(path), "/proc/%d/stat", pid);
-        fd = open(path, O_RDONLY | O_CLOEXEC);
-        n = fd < 0 ? -1 : read(fd, text, sizeof(text) - 1);
-        if (fd >= 0) {
-            close(fd);
-        }
-        text[n > 0 ? n : 0] = 0;
+        read_text(path, text, sizeof(text));
         const char *after = strrchr(text, ')'); /* the name may hold spaces and parentheses */
         unsigned long flags = 0;
         if (after && sscanf(after + 1, " %*c %*d %*d %*d %*d %*d %lu", &flags) == 1 && (flags & 0x00200000UL)) {
@@ -443,19 +437,30 @@ int limits_freeze(uint32_t lease_ms, uint32_t wait_ms, char *err, size_t errlen)
     }
     g_thaw_at = now_ms() + lease_ms;
     /* every task stopped: the kernel says so in cgroup.events (a task deep in an
-     * uninterruptible wait may take a moment); bounded, as the host waits on it */
+     * uninterruptible wait may take a moment); bounded, as the host waits on it. The file
+     * is opened before its first read, so a change after that read wakes the poll. */
     uint64_t deadline = now_ms() + wait_ms;
+    int events = open(CG_BOX_V2 "/cgroup.events", O_RDONLY | O_CLOEXEC);
     for (;;) {
-        int frozen = cg_frozen();
-        if (frozen == 1) {
-            return 0;
-        }
-        if (frozen < 0 || now_ms() >= deadline) {
+        int frozen = events < 0 ? -1 : cg_frozen(events);
+        uint64_t now = now_ms();
+        if (frozen == 1 || frozen < 0 || now >= deadline) {
+            if (events >= 0) {
+                close(events);
+            }
+            if (frozen == 1) {
+                return 0;
+            }
             limits_thaw();
-            snprintf(err, errlen, "the box's processes did not all stop within %u ms", wait_ms);
+            if (frozen < 0) {
+                snprintf(err, errlen, "freeze: cannot read the box's cgroup.events");
+            } else {
+                snprintf(err, errlen, "the box's processes did not all stop within %u ms", wait_ms);
+            }
             return -1;
         }
-        usleep(1000);
+        struct pollfd p = {.fd = events, .events = POLLPRI};
+        poll(&p, 1, (int)(deadline - now));
     }
 }
 
