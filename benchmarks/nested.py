@@ -11,7 +11,7 @@ and the ratios of the nested KVM figures to the host's TCG ones. KVM here runs o
 QEMU's emulated SVM inside a TCG box: the figures show what the KVM path does and how
 far emulated hardware virtualization is from plain emulation one level down, never
 what KVM on real hardware does. TCG inside the box (``--tcg-inside``) is emulation
-inside emulation: its boots take minutes, and some hang in the guest's PCI probe.
+inside emulation: its boots take minutes.
 
     .venv/bin/python benchmarks/nested.py [--runs 3] [--tcg-inside] [--quick] [--box BOX]
 

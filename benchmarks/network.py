@@ -15,8 +15,10 @@
 * box -> host over HTTPS through the proxy twice from one box: a tunnel (end-to-end
   TLS) and a host the box's secret is for (decrypted, the placeholder swapped in).
 
-Each: request latency on a new connection per request (median, p99) and the
-throughput of one large download; ratios against host -> host.
+Each: request latency on a new connection per request (median, p99), the same request
+read to the connection's end (the close path too: a client without a length, or any
+tunnel whose server closes, waits for it), and the throughput of one large download;
+ratios against host -> host.
 
     .venv/bin/python benchmarks/network.py [--runs 20] [--mib 32] [--quick]
 """
@@ -40,7 +42,7 @@ from _common import CACHE, debian_root, emit, host_facts, parser, summary
 from tests.support.tls import make_ca, make_leaf
 
 CLIENT = r"""
-import json, sys, time, urllib.request
+import json, socket, sys, time, urllib.parse, urllib.request
 url, runs, big = sys.argv[1], int(sys.argv[2]), sys.argv[3]
 proxy = sys.argv[4] if len(sys.argv) > 4 else None
 handlers = [urllib.request.ProxyHandler({"http": proxy} if proxy else {})]
@@ -50,9 +52,22 @@ for _ in range(runs):
     t = time.perf_counter()
     opener.open(url + "/small", timeout=60).read()
     lat.append(time.perf_counter() - t)
+# the same request read to the connection's end, as a client without a length must (and
+# as any tunnelled protocol whose server closes): the close path is timed too
+u = urllib.parse.urlsplit(url)
+via = urllib.parse.urlsplit(proxy) if proxy else u
+path = url + "/small" if proxy else "/small"
+to_end = []
+for _ in range(runs):
+    t = time.perf_counter()
+    with socket.create_connection((via.hostname, via.port), timeout=60) as s:
+        s.sendall(f"GET {path} HTTP/1.1\r\nHost: {u.netloc}\r\nConnection: close\r\n\r\n".encode())
+        while s.recv(65536):
+            pass
+    to_end.append(time.perf_counter() - t)
 t = time.perf_counter()
 n = len(opener.open(url + "/big", timeout=300).read())
-print(json.dumps({"latency": lat, "bytes": n, "seconds": time.perf_counter() - t}))
+print(json.dumps({"latency": lat, "to_end": to_end, "bytes": n, "seconds": time.perf_counter() - t}))
 """
 
 
@@ -95,6 +110,7 @@ def serve(big: bytes, tls: ssl.SSLContext | None = None) -> http.server.Threadin
 def figures(raw: dict[str, Any]) -> dict[str, Any]:
     return {
         "latency_ms": summary(raw["latency"], 1000, 2),
+        **({"to_connection_end_ms": summary(raw["to_end"], 1000, 2)} if "to_end" in raw else {}),
         "throughput_mb_s": round(raw["bytes"] / raw["seconds"] / 1e6, 1),
     }
 
@@ -201,6 +217,8 @@ def main() -> None:
     for key in ("box_to_host_via_egress_proxy", "box_to_host_via_proxy_helper_per_connection"):
         over = out[key]["latency_ms"]["median"] - direct["latency_ms"]["median"]
         out[key]["latency_ms_over_direct_p50"] = round(over, 2)
+        over = out[key]["to_connection_end_ms"]["median"] - direct["to_connection_end_ms"]["median"]
+        out[key]["to_connection_end_ms_over_direct_p50"] = round(over, 2)
     with sandlot.Box(rootfs=root, memory_mib=512, network="allowlist", ports=[8000], template=False) as box:
         box.files.write("/srv/big", big)
         box.files.write("/srv/small", b"ok")

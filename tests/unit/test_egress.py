@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from sandlot.net import egress
+from sandlot.net import relay as relay_mod
 from sandlot.net.policy import Policy, write_policy
 
 REQUEST = b"CONNECT example.com:443 HTTP/1.1\r\nHost: example.com\r\n\r\n"
@@ -168,3 +169,38 @@ def test_unit_the_server_ends_when_idle_and_no_process_names_its_socket(
         holder.wait()
     t.join(5)
     assert not t.is_alive() and not path.exists()
+
+
+def _tcp_pair(host: str) -> tuple[socket.socket, socket.socket]:
+    """A TCP pair on ``host``, made as libslirp makes a guest connection's."""
+    with socket.create_server((host, 0)) as listener:
+        near = socket.create_connection(listener.getsockname())
+        far, _ = listener.accept()
+    return near, far
+
+
+def test_unit_a_qemu_guest_connection_gets_its_fin_without_the_grace(monkeypatch: pytest.MonkeyPatch) -> None:
+    """libslirp's end of a guest connection is on the host's loopback: the guest's TCP
+    state is the VM's, so the FIN goes at once. The grace before it (a gVisor netstack's
+    FIN let arrive first) is for connections from a box's own address."""
+    waited: list[float] = []
+    real_select = relay_mod.select.select
+
+    def select(r: list[socket.socket], w: list[socket.socket], x: list[socket.socket], t: float) -> object:
+        waited.append(t)
+        return real_select(r, w, x, t)
+
+    monkeypatch.setattr(relay_mod.select, "select", select)
+    near, far = _tcp_pair("127.0.0.1")
+    with near, far:
+        relay_mod.end_guest_output(near)
+        far.settimeout(5)
+        assert far.recv(1) == b""  # the FIN
+    assert waited == []
+    # a peer elsewhere (a gVisor box's netstack) is given the grace before the FIN
+    monkeypatch.setattr(relay_mod, "_from_slirp", lambda sock: False)
+    near, far = _tcp_pair("127.0.0.1")
+    with near, far:
+        relay_mod.end_guest_output(near)
+        assert far.recv(1) == b""
+    assert waited == [relay_mod.FIN_GRACE]
