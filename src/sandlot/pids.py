@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import NamedTuple
@@ -33,6 +34,18 @@ def cmdline(pid: int) -> list[str]:
         return Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
     except OSError:
         return []
+
+
+def wait_gone(pid: int, recorded_start: str, timeout: float) -> bool:
+    """Wait until that process has ended (a zombie has), ``timeout`` seconds at most;
+    whether it has. A SIGKILLed process tears its memory down before it is gone: a
+    moment for a VM of gigabytes, longer on a loaded host."""
+    deadline = time.monotonic() + timeout
+    while alive(pid, recorded_start):
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.005)
+    return True
 
 
 def me() -> tuple[int, str]:

@@ -273,3 +273,19 @@ def test_a_store_made_again_at_once_is_no_removed_home(
     assert vm.poll() is None and w.poll() is None
     w.send_signal(signal.SIGTERM)
     w.wait()
+
+
+def test_kill_now_returns_once_the_vm_is_gone_and_spares_what_is_not_the_box(
+    tmp_path: Path, processes: list[subprocess.Popen[bytes]]
+) -> None:
+    """Recovery removes a killed VM's files and reports the box gone right after
+    ``kill_now``: the VM must be gone by then, not still tearing its memory down."""
+    engine = Runtime.for_home(tmp_path / "h").engine("qemu")
+    p = like_qemu(processes, tmp_path / "h", "k1")
+    ref = VMRef(p.pid, pids.start_time(p.pid) or "")
+    assert pids.wait_gone(p.pid, ref.start, 0.05) is False  # alive: the wait ends at its timeout
+    engine.kill_now(ref, "k2")  # not that box's VM: left alone
+    assert pids.alive(p.pid, ref.start)
+    engine.kill_now(ref, "k1")
+    assert not pids.alive(p.pid, ref.start)  # no sleep: gone when kill_now returns
+    assert p.wait(timeout=5) == -signal.SIGKILL

@@ -22,6 +22,7 @@ import asyncio
 import contextlib
 import enum
 import os
+import signal
 from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -45,6 +46,11 @@ class VMStatus(enum.StrEnum):
     LOADING = "loading"  # still loading a saved state
     SAVING = "saving"  # writing its state out
     UNKNOWN = "unknown"  # the process lives but did not say
+
+
+# a SIGKILLed VM tears its memory down before it is gone: well under a second, but a
+# loaded host has been seen to take longer than a caller's next look
+KILL_WAIT = 5.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -296,9 +302,15 @@ class Engine(ABC):
     def probe(self, ref: VMRef | None, where: Placement) -> VMStatus:
         """The VM's status, asked without an event loop (recovery runs anywhere)."""
 
-    @abstractmethod
     def kill_now(self, ref: VMRef | None, box_id: str) -> None:
-        """SIGKILL the VM if ``ref`` still names it. Blocking, loop-free."""
+        """SIGKILL the VM if ``ref`` still names it, and wait until it is gone
+        (``KILL_WAIT`` at most): whoever goes on to remove its files or report it ended
+        finds it so. Blocking, loop-free."""
+        if ref is None or not self.alive(ref, box_id):
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(ref.pid, signal.SIGKILL)
+        pids.wait_gone(ref.pid, ref.start, KILL_WAIT)
 
     def vm_of(self, process: pids.Process) -> tuple[VMRef, Path] | None:
         """The VM a host process of this mount namespace stands for (the process its

@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import signal
 import subprocess
 import tempfile
 from pathlib import Path
@@ -152,11 +151,6 @@ class GvisorEngine(Engine):
         if state is None:
             return VMStatus.UNKNOWN
         return STATUS.get(str(state.get("status")), VMStatus.UNKNOWN)
-
-    def kill_now(self, ref: VMRef | None, box_id: str) -> None:
-        if ref is not None and self.alive(ref, box_id):
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(ref.pid, signal.SIGKILL)
 
     def vm_of(self, process: pids.Process) -> tuple[VMRef, Path] | None:
         # Found through the runsc that runs the sandbox (``run`` or ``restore``, not an

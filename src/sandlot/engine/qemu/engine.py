@@ -17,7 +17,6 @@ import asyncio
 import contextlib
 import os
 import shutil
-import signal
 import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -174,11 +173,6 @@ class QemuEngine(Engine):
             return VMStatus.UNKNOWN
         status = reply[0].get("status") if isinstance(reply[0], dict) else None
         return STATUS.get(str(status), VMStatus.UNKNOWN)
-
-    def kill_now(self, ref: VMRef | None, box_id: str) -> None:
-        if ref is not None and self.alive(ref, box_id):
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(ref.pid, signal.SIGKILL)
 
     def vm_of(self, process: pids.Process) -> tuple[VMRef, Path] | None:
         state_dir = state_dir_of(process.argv)  # QEMU is the VM
