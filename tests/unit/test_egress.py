@@ -171,9 +171,9 @@ def test_unit_the_server_ends_when_idle_and_no_process_names_its_socket(
     assert not t.is_alive() and not path.exists()
 
 
-def _tcp_pair(host: str) -> tuple[socket.socket, socket.socket]:
-    """A TCP pair on ``host``, made as libslirp makes a guest connection's."""
-    with socket.create_server((host, 0)) as listener:
+def _tcp_pair() -> tuple[socket.socket, socket.socket]:
+    """A TCP pair on the host's loopback, made as libslirp makes a guest connection's."""
+    with socket.create_server(("127.0.0.1", 0)) as listener:
         near = socket.create_connection(listener.getsockname())
         far, _ = listener.accept()
     return near, far
@@ -191,7 +191,7 @@ def test_unit_a_qemu_guest_connection_gets_its_fin_without_the_grace(monkeypatch
         return real_select(r, w, x, t)
 
     monkeypatch.setattr(relay_mod.select, "select", select)
-    near, far = _tcp_pair("127.0.0.1")
+    near, far = _tcp_pair()
     with near, far:
         relay_mod.end_guest_output(near)
         far.settimeout(5)
@@ -199,7 +199,7 @@ def test_unit_a_qemu_guest_connection_gets_its_fin_without_the_grace(monkeypatch
     assert waited == []
     # a peer elsewhere (a gVisor box's netstack) is given the grace before the FIN
     monkeypatch.setattr(relay_mod, "_from_slirp", lambda sock: False)
-    near, far = _tcp_pair("127.0.0.1")
+    near, far = _tcp_pair()
     with near, far:
         relay_mod.end_guest_output(near)
         assert far.recv(1) == b""
