@@ -530,3 +530,43 @@ def test_a_late_hello_answer_sets_the_guest_clock_again() -> None:
     assert len(hellos) >= 2 and hellos == sorted(hellos) and hellos[-1] - hellos[0] >= HELLO_RETRY * 1e9 * 0.9
     [(set_to, arrived)] = clock_sets
     assert abs(arrived - set_to) < CLOCK_SLACK * 1e9
+
+
+def test_a_connection_starts_at_the_hello_answer_after_bytes_a_saved_vm_left() -> None:
+    """The tail of a frame the agent was writing when its VM was saved arrives first on
+    the restored VM's new connection: the handshake skips it instead of failing with
+    "bad frame magic" (a mixed storm of forks and snapshots met this once)."""
+    from sandlot.protocol.connection import AgentConnection
+
+    async def go() -> int:
+        host_sock, agent_sock = socket.socketpair()
+
+        async def agent() -> None:
+            reader, writer = await asyncio.open_unix_connection(sock=agent_sock)
+            writer.write(wire.encode_frame(T.DATA, 5, b"stdout " * 300)[100:])
+            decoder = FrameDecoder()
+            ack = wire.encode_frame(T.HELLO_ACK, 0, wire.tlv(Tag.VERSION, wire.PROTOCOL_VERSION))
+            while data := await reader.read(65536):
+                for frame in decoder.feed(data):
+                    if frame.type == T.HELLO:
+                        writer.write(ack)
+                    elif frame.type == T.PING:
+                        writer.write(wire.encode_frame(T.PONG, frame.channel))
+                await writer.drain()
+
+        async def connector() -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+            return await asyncio.open_unix_connection(sock=host_sock)
+
+        task = asyncio.create_task(agent())
+        conn = AgentConnection(connector, request_timeout=10)
+        try:
+            info = await conn.connect(10)
+            await conn.ping(5)
+            return info.protocol_version
+        finally:
+            await conn.close()
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+
+    assert run(go()) == wire.PROTOCOL_VERSION

@@ -70,6 +70,27 @@ def test_decoder_rejects_bad_magic_and_oversize() -> None:
         wire.encode_frame(T.DATA, 1, bytes(wire.MAX_PAYLOAD + 1))
 
 
+def test_a_synchronising_decoder_skips_what_an_earlier_connection_left() -> None:
+    """A VM saved mid-frame hands the rest of that frame to the next connection, ahead
+    of the answer to HELLO: the new connection's decoder starts at that answer, fed in
+    any pieces, and decodes strictly from there on."""
+    stale = wire.encode_frame(T.DATA, 3, b"stdout of a command " * 50)[37:]  # a frame's tail
+    stale += wire.encode_frame(T.PONG, 9)  # and a whole frame of the old session
+    ack = wire.encode_frame(T.HELLO_ACK, 0, wire.tlv(Tag.VERSION, 1))
+    after = wire.encode_frame(T.PONG, 4)
+    blob = stale + ack + after
+    for piece in (1, 5, 7, 64, len(blob)):
+        dec = FrameDecoder(sync=wire.session_start_headers())
+        got = [f for i in range(0, len(blob), piece) for f in dec.feed(blob[i : i + piece])]
+        assert [(f.type, f.channel) for f in got] == [(T.HELLO_ACK, 0), (T.PONG, 4)]
+        assert dec.skipped == len(stale)
+        with pytest.raises(ProtocolError, match="magic"):  # synchronised once, strict after
+            list(dec.feed(b"st" + bytes(10)))
+    refused = wire.encode_frame(T.ERROR, 0, wire.tlv(Tag.FRAME_TYPE, T.HELLO))
+    [frame] = FrameDecoder(sync=wire.session_start_headers()).feed(b"junk" + refused)
+    assert frame.type == T.ERROR
+
+
 def test_tlv_roundtrip_and_strictness() -> None:
     payload = (
         wire.tlv(Tag.ARG, "a")

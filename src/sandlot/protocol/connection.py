@@ -673,7 +673,7 @@ class AgentConnection:
             self._forget(ch)
 
     async def _read_loop(self, reader: asyncio.StreamReader) -> None:
-        decoder = wire.FrameDecoder()
+        decoder = wire.FrameDecoder(sync=wire.session_start_headers())
         try:
             while True:
                 data = await reader.read(256 * 1024)
@@ -681,6 +681,9 @@ class AgentConnection:
                     break
                 for frame in decoder.feed(data):
                     self._route(frame)
+                if decoder.skipped:
+                    log.debug("skipped %d bytes an earlier connection left in the port", decoder.skipped)
+                    decoder.skipped = 0
         except asyncio.CancelledError:
             raise
         except ProtocolError as exc:

@@ -184,15 +184,41 @@ def encode_frame(frame_type: int, channel: int, payload: bytes = b"", flags: int
     return HEADER.pack(MAGIC, frame_type, flags, channel, len(payload)) + payload
 
 
+def session_start_headers() -> tuple[bytes, ...]:
+    """The first 8 bytes of each frame that can open an agent's answer on a new
+    connection: HELLO_ACK, or the ERROR refusing a HELLO (both on channel 0)."""
+    return tuple(HEADER.pack(MAGIC, t, 0, 0, 0)[:8] for t in (T.HELLO_ACK, T.ERROR))
+
+
 class FrameDecoder:
     """Incremental decoder: feed bytes, iterate whole frames. The agent is trusted
-    less than the host's own memory: any framing error is a ProtocolError."""
+    less than the host's own memory: any framing error is a ProtocolError.
 
-    def __init__(self) -> None:
+    With ``sync``, bytes before the first occurrence of one of those header prefixes
+    are skipped (and counted in ``skipped``): a VM saved while its agent was half way
+    through a frame still holds the rest in its virtio-serial queue, and a restored or
+    forked VM hands it to the next host connection ahead of the answer to HELLO."""
+
+    def __init__(self, sync: tuple[bytes, ...] = ()) -> None:
         self._buf = bytearray()
+        self._sync = sync
+        self.skipped = 0
+
+    def _synchronise(self) -> bool:
+        hits = [i for i in (self._buf.find(p) for p in self._sync) if i >= 0]
+        if hits:
+            start = min(hits)
+            self._sync = ()
+        else:  # keep a tail that may be the start of a header
+            start = max(0, len(self._buf) - max(len(p) for p in self._sync) + 1)
+        self.skipped += start
+        del self._buf[:start]
+        return not self._sync
 
     def feed(self, data: bytes) -> Iterator[Frame]:
         self._buf += data
+        if self._sync and not self._synchronise():
+            return
         view = self._buf
         pos = 0
         try:
