@@ -67,6 +67,7 @@ if TYPE_CHECKING:
     from .api.box import AsyncBox, AsyncSnapshot
     from .api.client import AsyncClient, connect_async
     from .api.code import CodeContext, Execution, ExecutionError, Result
+    from .api.events import Event, events, events_async
     from .api.files import AsyncFiles, AsyncWatch, FileEvent, FileInfo
     from .api.images import (
         get_image,
@@ -123,6 +124,7 @@ _LAZY = {
     "pools": "api.templates", "pools_async": "api.templates",
     "ImageConfig": "images.oci", "Image": "images.store", "Runtime": "core.runtime", "Secret": "net.secrets",
     "connect": "api.sync", "Client": "api.sync", "connect_async": "api.client", "AsyncClient": "api.client",
+    "events": "api.events", "events_async": "api.events", "Event": "api.events",
 }  # fmt: skip
 _ALIASES = {
     "create": ("Box", "create"),
@@ -175,6 +177,7 @@ __all__ = [
     "CommandFailed",
     "ConnectionLost",
     "CorruptSnapshot",
+    "Event",
     "ExecResult",
     "ExecTimeout",
     "Execution",
@@ -227,6 +230,8 @@ __all__ = [
     "connect",
     "connect_async",
     "create",
+    "events",
+    "events_async",
     "get",
     "get_image",
     "get_snapshot",

@@ -151,6 +151,35 @@ def private_listener(path: Path, kind: int, backlog: int) -> socket.socket:
     return listener
 
 
+# inotify(7)'s events: an entry written, moved away or in, made, removed; the watched
+# directory itself removed or moved
+IN_MODIFY, IN_MOVED_FROM, IN_MOVED_TO, IN_CREATE, IN_DELETE = 0x2, 0x40, 0x80, 0x100, 0x200
+IN_DELETE_SELF, IN_MOVE_SELF = 0x400, 0x800
+
+
+def inotify(path: Path, mask: int) -> int | None:
+    """A non-blocking descriptor that turns readable on ``mask``'s events of ``path``
+    (a directory: of its entries too); None where inotify cannot watch it. Read and
+    drop what it holds (``drain``) before waiting on it again."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    fd = int(libc.inotify_init1(os.O_NONBLOCK | os.O_CLOEXEC))
+    if fd < 0:
+        return None
+    if libc.inotify_add_watch(fd, os.fsencode(path), mask) < 0:
+        os.close(fd)
+        return None
+    return fd
+
+
+def drain(fd: int) -> None:
+    """Read and drop what a non-blocking descriptor holds."""
+    with contextlib.suppress(BlockingIOError):
+        while os.read(fd, 4096):
+            pass
+
+
 def try_flock(path: Path) -> int | None:
     """An exclusive flock on ``path`` if free now: its fd, else None."""
     import fcntl

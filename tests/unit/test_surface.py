@@ -29,7 +29,7 @@ from sandlot.errors import Unsupported
 
 FACADES: dict[str, type] = {"box": AsyncBox, "files": AsyncFiles, "snapshot": AsyncSnapshot}
 PRIMITIVES = {n for n, v in vars(Backend).items() if getattr(v, "__isabstractmethod__", False)} | {
-    "attach", "taken_over", "release", "info", "aclose"}  # fmt: skip
+    "attach", "taken_over", "release", "info", "aclose", "events"}  # fmt: skip
 
 
 def public_methods(cls: type) -> dict[str, Any]:

@@ -108,6 +108,8 @@ def test_kill9_mid_create_leaves_nothing(busybox_root: Path) -> None:
     )
     assert r.returncode == -9
     assert HALF_MADE not in [b.name for b in sandlot.list()]  # reconciled away
+    gone = list(sandlot.events(box=HALF_MADE, since=-120, follow=False))[-1]
+    assert (gone.kind, gone.by, gone.detail["was"]) == ("removed", "recovery", "creating"), gone
     with pytest.raises(sandlot.BoxNotFound):
         sandlot.get(HALF_MADE)
     ids = {b.id for b in sandlot.list()}
@@ -136,6 +138,8 @@ def test_kill9_mid_stop_reconciles_to_stopped(busybox_root: Path) -> None:
         assert r.returncode == -9
         b = sandlot.get(STOP_CRASH)  # reconciles: the stopper died, QEMU is made to follow
         assert b.state == "stopped"
+        last = list(b.events(follow=False))[-1]  # said by the recovery that did it
+        assert (last.kind, last.by, last.detail["was"]) == ("stopped", "recovery", "stopping"), last
         deadline = time.monotonic() + 10
         while Path(f"/proc/{qemu_pid}").exists() and time.monotonic() < deadline:
             time.sleep(0.1)
@@ -153,6 +157,8 @@ def test_kill9_of_qemu_is_a_crash_with_a_reason(busybox_root: Path) -> None:
         time.sleep(0.5)
         rec = sandlot.get(QEMU_CRASH).inspect()
         assert rec["state"] == "crashed" and "unexpectedly" in rec["reason"]
+        crash = list(box.events(follow=False))[-1]  # with the reason and what the guest last said
+        assert crash.kind == "crashed" and crash.reason == rec["reason"] and crash.detail["console"], crash
         with pytest.raises((sandlot.InvalidState, sandlot.BoxCrashed, sandlot.ConnectionLost)):
             box.exec("true")
         box.start()  # a crashed box starts again, disk intact

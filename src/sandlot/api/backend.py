@@ -28,6 +28,7 @@ from ..errors import InvalidArgument, InvalidState, NotFound, Unsupported
 from .process import AsyncProcess, ProcessHandle
 
 if TYPE_CHECKING:
+    from ..core.events import Event
     from .code import Callbacks, Execution
     from .fs import WatchSource
     from .process import ExecResult
@@ -326,6 +327,16 @@ class Backend(ABC):
         self, path: Path, *, name: str | None, start: bool, options: Mapping[str, Any]
     ) -> BoxRef | SnapshotRef:
         """An exported snapshot added; with ``start``, the box started from it."""
+
+    # -- events -----------------------------------------------------------------------------
+
+    def events(
+        self, *, box: str | None, since: float | None, after: int | None, follow: bool
+    ) -> AsyncIterator[Event]:
+        """What happened to the boxes (``core.events``), in order: after event id
+        ``after`` and from Unix time ``since``, about the box ``box`` (id or name) or
+        every box; with ``follow``, each new event as it comes, until the caller stops."""
+        raise self.unsupported("events")
 
     # -- the backend ------------------------------------------------------------------------
 

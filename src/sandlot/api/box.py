@@ -25,10 +25,12 @@ from __future__ import annotations
 import builtins
 import os
 import socket
-from collections.abc import Mapping, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ..core.events import Event
+from ..core.events import query as check_events_query
 from ..core.requests import SPEC_OPTIONS
 from ..core.runtime import Runtime
 from ..core.spec import DEFAULT_DISK_GB, DEFAULT_MEMORY_MIB, PortSpec, VolumeSpec
@@ -262,6 +264,22 @@ class AsyncBox:
         """The guest console (kernel and agent messages) of the last boot; ``lines``: its last lines."""
         text: str = await self._op("logs", lines=lines)
         return text
+
+    async def events(
+        self, *, since: float | None = None, after: int | None = None, follow: bool = True
+    ) -> AsyncIterator[Event]:
+        """What happened to this box, oldest first (``sandlot.events`` for this box): from
+        Unix time ``since`` (negative: seconds ago), after event id ``after``; with
+        ``follow`` (the default), each new event as it comes.
+
+        >>> for event in box.events(follow=False):            # doctest: +SKIP
+        ...     print(event.kind, event.state, event.by, event.reason)
+        created created process 4242 (python3 agent.py) None
+        started running process 4242 (python3 agent.py) None
+        """
+        _, since, after = check_events_query(None, since, after)
+        async for ev in self._backend.events(box=self.id, since=since, after=after, follow=follow):
+            yield ev
 
     async def ports(self) -> builtins.list[dict[str, Any]]:
         """The box's published ports: ``{"address", "host", "guest"}`` each (an address of

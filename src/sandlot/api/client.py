@@ -29,10 +29,12 @@ from __future__ import annotations
 
 import builtins
 import os
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ..core.events import Event
+from ..core.events import query as check_events_query
 from ..errors import InvalidArgument
 from .backend import Backend, BoxRef
 from .box import AsyncBox, AsyncSnapshot, boxes_of
@@ -143,6 +145,20 @@ class AsyncClient:
             raise InvalidArgument(f"{src} is not a file")
         made = await self._backend.import_snapshot(src, name=name, start=start, options={})
         return AsyncBox.bound(made) if isinstance(made, BoxRef) else AsyncSnapshot(made)
+
+    # -- events -------------------------------------------------------------------------------
+
+    async def events(
+        self, *, box: str | None = None, since: float | None = None, after: int | None = None,
+        follow: bool = True,
+    ) -> AsyncIterator[Event]:  # fmt: skip
+        """What happened to the boxes this client may see, oldest first (``sandlot.events``):
+        ``box``: of that box (id or name); ``since``: from that Unix time (a negative
+        number: that many seconds ago); ``after``: after that event id (``Event.id``).
+        With ``follow`` (the default) it goes on with each new event as it comes."""
+        box, since, after = check_events_query(box, since, after)
+        async for ev in self._backend.events(box=box, since=since, after=after, follow=follow):
+            yield ev
 
     # -- the other side -----------------------------------------------------------------------
 

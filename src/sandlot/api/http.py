@@ -31,6 +31,7 @@ from websockets.asyncio.client import ClientConnection
 from websockets.asyncio.client import connect as ws_connect
 from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidMessage, InvalidStatus
 
+from ..core.events import Event
 from ..core.validate import positive
 from ..errors import AgentTimeout, ConnectionLost, InvalidArgument, NotFound, ProtocolError, SandlotError
 from ..version import __version__
@@ -73,6 +74,7 @@ from .process import AsyncProcess, ExecResult
 WS_MAX_MESSAGE = 16 << 20
 EXEC_STDIN_INLINE = 256 * 1024  # stdin up to this size goes in the exec request (JSON bodies stop at 1 MiB)
 WATCH_READ_TIMEOUT = 60.0  # the server says something at least every 15 s: beyond this it is gone
+EVENTS_RECONNECT_FOR = 30.0  # seconds a followed event stream is tried again after it broke
 
 
 def transport_error(url: str, exc: Exception) -> SandlotError:
@@ -531,6 +533,34 @@ class HttpBackend(RemoteBackend):
 
         return await FollowedWatch(receive, stack.aclose, self.url).open()
 
+    # -- events ---------------------------------------------------------------------------
+
+    async def events(
+        self, *, box: str | None, since: float | None, after: int | None, follow: bool
+    ) -> AsyncIterator[Event]:
+        """The server's ``GET /v1/events`` (Server-Sent Events). A stream cut while
+        following is opened again after the last event seen (as an SSE client's
+        ``Last-Event-ID``), for ``EVENTS_RECONNECT_FOR`` seconds after it broke."""
+        cursor = after
+        broke: float | None = None
+        while True:
+            params = {"box": box, "since": since, "after": cursor, "follow": follow}
+            timeout = httpx.Timeout(self._timeout, read=WATCH_READ_TIMEOUT)
+            try:
+                async with self.stream("GET", "/events", params=params, timeout=timeout) as r:
+                    async for ev in sse_events(r.aiter_lines(), f"{self.url}/v1/events"):
+                        broke = None
+                        cursor = ev.id
+                        yield ev
+                return
+            except (ConnectionLost, httpx.TransportError, OSError) as e:
+                err = e if isinstance(e, ConnectionLost) else transport_error(self.url, e)
+                now = asyncio.get_running_loop().time()
+                broke = broke or now
+                if not (follow and isinstance(err, ConnectionLost)) or now - broke > EVENTS_RECONNECT_FOR:
+                    raise err from None
+                await asyncio.sleep(1.0)
+
     # -- snapshots --------------------------------------------------------------------------
 
     def snapshot_of(self, rec: Any) -> HttpSnapshotRef:
@@ -579,6 +609,21 @@ class HttpBackend(RemoteBackend):
         if self._channel is not None:
             await self._channel.aclose()
         await self._http.aclose()
+
+
+async def sse_events(lines: AsyncIterator[str], where: str) -> AsyncIterator[Event]:
+    """Events from the lines of a Server-Sent Events stream: each ``data:`` block an
+    event's JSON (comments and other fields skipped)."""
+    data: list[str] = []
+    async for line in lines:
+        if line.startswith("data:"):
+            data.append(line[5:].lstrip())
+        elif not line and data:
+            try:
+                yield Event.from_json(json.loads("\n".join(data)))
+            except (ValueError, InvalidArgument) as exc:
+                raise ProtocolError(f"{where}: an event that is not one: {exc}") from None
+            data = []
 
 
 def http(ref: BoxRef) -> HttpBoxRef:

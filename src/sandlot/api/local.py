@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from ..config import tail
+from ..core import events
 from ..core.controller import BoxController
 from ..core.entry import BoxEntry, hostname_for
 from ..core.requests import SPEC_OPTIONS, BoxRequest
@@ -584,7 +585,11 @@ class LocalBackend(Backend):
         remote = await RemoteProcess.start(await ctl.connection(entry), req)
         if keep is not None:
             entry.session.keep(remote.channel_id, Kept(keep, cmd.argv, remote.pid, cmd.tty))
-        return AsyncProcess(cmd.argv, remote, key=keep)
+
+        async def news(kind: str, reason: str, detail: dict[str, Any]) -> None:
+            await ctl.db.add_event(events.draft(kind, reason, **detail), entry.id)
+
+        return AsyncProcess(cmd.argv, remote, key=keep, _on_news=news)
 
     async def taken_over(self, ref: BoxRef) -> list[AsyncProcess]:
         ctl, entry = await local(ref).existing()
@@ -593,6 +598,14 @@ class LocalBackend(Backend):
             await ctl.connection(entry)  # leasing the port a dead host left takes its processes over
         taken, session.taken_over = session.taken_over, []
         return [AsyncProcess(kept.argv, remote, key=kept.key) for kept, remote in taken]
+
+    # -- events ---------------------------------------------------------------------------
+
+    async def events(
+        self, *, box: str | None, since: float | None, after: int | None, follow: bool
+    ) -> AsyncIterator[events.Event]:
+        async for ev in events.follow(self.core().db, after=after, since=since, box=box, wait=follow):
+            yield ev
 
     # -- snapshots --------------------------------------------------------------------------
 

@@ -9,14 +9,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import signal as _signal
 import time
-from collections.abc import AsyncIterable, AsyncIterator
+from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import IO, Protocol
+from typing import IO, Any, Protocol
 
 from ..errors import CommandFailed, ConnectionLost, ExecTimeout
 from ..protocol.exec import ExitStatus
+
+log = logging.getLogger("sandlot")
 
 
 @dataclass(frozen=True, slots=True)
@@ -173,6 +176,9 @@ class AsyncProcess:
     _remote: ProcessHandle
     _t0: float = field(default_factory=time.monotonic)
     key: str | None = None  # the ``keep=`` it was started with
+    # told once how the process ended, where that is news (``core.events``): a kind
+    # ("command_oom", "command_timeout"), a reason and details
+    _on_news: Callable[[str, str, dict[str, Any]], Awaitable[None]] | None = None
 
     @property
     def pid(self) -> int:
@@ -222,18 +228,32 @@ class AsyncProcess:
         status = await self._wait_status(timeout)
         return status.exit_code
 
+    async def _tell(self, kind: str, reason: str, **detail: Any) -> None:
+        tell, self._on_news = self._on_news, None
+        if tell is not None:
+            try:
+                await tell(kind, reason, {"argv": list(self.argv), "pid": self.pid, **detail})
+            except Exception as exc:  # the command's result matters more than its news
+                log.warning("could not record that %r %s: %s", self.argv, reason, exc)
+
     async def _wait_status(self, timeout: float | None) -> ExitStatus:
         try:
-            return await asyncio.wait_for(self._remote.wait(), timeout)
+            status = await asyncio.wait_for(self._remote.wait(), timeout)
         except TimeoutError:
             await self.kill()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._remote.wait(), 10.0)
+            await self._tell("command_timeout", f"ran past its {timeout:g}s timeout and was killed",
+                             timeout=timeout)  # fmt: skip
             raise ExecTimeout(
                 f"{' '.join(self.argv)!r} ran past its {timeout}s timeout and was killed",
                 self._remote.stdout.take_buffered(),
                 self._remote.stderr.take_buffered(),
             ) from None
+        if status.oom_killed:
+            await self._tell("command_oom", "the OOM killer ended a process of it: the box ran out of memory",
+                             exit_code=status.exit_code, signal=status.signal)  # fmt: skip
+        return status
 
     async def result(self, timeout: float | None = None) -> ExecResult:
         """Wait, then return an ExecResult holding the output not yet read."""

@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     import httpx
 
     from ..core.entry import BoxEntry
+    from ..core.events import Event
     from ..core.service import Core
     from ..core.spec import PortSpec, VolumeSpec
     from ..images.store import Image
@@ -228,6 +229,20 @@ class Box(BoxBase):
     def logs(self, lines: int | None = None) -> str:
         """The guest console (kernel and agent messages) of the last boot; ``lines``: its last lines."""
         return loop.run(self._a.logs(lines))
+
+    def events(
+        self, *, since: float | None = None, after: int | None = None, follow: bool = True
+    ) -> Iterator[Event]:
+        """What happened to this box, oldest first (``sandlot.events`` for this box): from
+        Unix time ``since`` (negative: seconds ago), after event id ``after``; with
+        ``follow`` (the default), each new event as it comes.
+
+        >>> for event in box.events(follow=False):            # doctest: +SKIP
+        ...     print(event.kind, event.state, event.by, event.reason)
+        created created process 4242 (python3 agent.py) None
+        started running process 4242 (python3 agent.py) None
+        """
+        return loop.iterate(self._a.events(since=since, after=after, follow=follow))
 
     def ports(self) -> builtins.list[dict[str, Any]]:
         """The box's published ports: ``{"address", "host", "guest"}`` each (an address of
@@ -912,6 +927,20 @@ class Client(ClientBase):
             if isinstance(r := loop.run(self._a.import_snapshot(path, name=name, start=start)), AsyncBox)
             else Snapshot.wrap(r)
         )
+
+    def events(
+        self,
+        *,
+        box: str | None = None,
+        since: float | None = None,
+        after: int | None = None,
+        follow: bool = True,
+    ) -> Iterator[Event]:
+        """What happened to the boxes this client may see, oldest first (``sandlot.events``):
+        ``box``: of that box (id or name); ``since``: from that Unix time (a negative
+        number: that many seconds ago); ``after``: after that event id (``Event.id``).
+        With ``follow`` (the default) it goes on with each new event as it comes."""
+        return loop.iterate(self._a.events(box=box, since=since, after=after, follow=follow))
 
     def info(self) -> dict[str, Any]:
         """What the other side says of itself: a server's version, its host's accelerator and

@@ -2,7 +2,7 @@
 its help:
 
     boxes       run | create | start | stop | restart | pause | unpause | rm | ls |
-                exec | cp | logs | port | network | inspect | stats
+                exec | cp | logs | port | network | inspect | stats | events
     live state  snapshot | snapshots | rollback | fork | suspend | resume | template |
                 pool set|ls
     images      pull | images [prune] | rmi | load | import | inspect-image

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ipaddress
+import os
 import re
 import socket
 from pathlib import Path
@@ -26,6 +27,27 @@ def _loopback(host: str) -> bool:
             return all(ipaddress.ip_address(a[4][0]).is_loopback for a in socket.getaddrinfo(host, None))
         except OSError:
             return False
+
+
+def webhook_settings(urls: list[str], secret_file: Path | None) -> tuple[tuple[str, ...], bytes]:
+    """The webhooks' URLs (http or https, each once) and their signing secret, checked."""
+    from urllib.parse import urlsplit
+
+    for url in urls:
+        parts = urlsplit(url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise fail(f"--webhook {url!r} is not an http:// or https:// URL", 2)
+    if secret_file is not None:
+        try:
+            secret = secret_file.read_bytes().strip()
+        except OSError as exc:
+            raise fail(f"--webhook-secret-file: {exc}", 2) from None
+    else:
+        secret = os.environ.get("SANDLOT_WEBHOOK_SECRET", "").encode()
+    if urls and len(secret) < 16:
+        raise fail("webhooks sign what they send: give a secret of 16 bytes or more "
+                   "($SANDLOT_WEBHOOK_SECRET or --webhook-secret-file)", 2)  # fmt: skip
+    return tuple(dict.fromkeys(urls)), secret
 
 
 @app.command()
@@ -67,6 +89,14 @@ def serve(
     mcp_max_cpus: MaxCpus = None,
     mcp_allow_image: AllowImage = None,
     mcp_max_timeout: MaxTimeout = None,
+    webhook: Annotated[
+        list[str] | None,
+        typer.Option(help="POST each event of the home to this URL, signed (repeatable; docs/events.md)."),
+    ] = None,
+    webhook_secret_file: Annotated[
+        Path | None,
+        typer.Option(help="The file holding the webhooks' signing secret (else $SANDLOT_WEBHOOK_SECRET)."),
+    ] = None,
 ) -> None:
     """Serve this home's boxes over HTTP and WebSocket, with API keys and an audit trail."""
     import warnings
@@ -99,11 +129,12 @@ def serve(
         err.print("sandlot serve: no API keys exist yet; every API request gets 401 (/health, the docs "
                   "and preview URLs excepted) until `sandlot keys create --name NAME` makes one")  # fmt: skip
     mcp_limits = limits(mcp_max_boxes, mcp_max_memory_mib, mcp_max_cpus, mcp_allow_image, mcp_max_timeout)
+    hooks, secret = webhook_settings(webhook or [], webhook_secret_file)
     scheme = "https" if tls_cert else "http"
     err.print(f"sandlot serve: {scheme}://{host}:{port} (docs at /docs)")
     settings = Settings(auth=not no_auth, body_timeout=body_timeout, port_domain=port_domain, mcp=not no_mcp,
                         mcp_image=mcp_image, mcp_limits=mcp_limits, heir=f"serve {host}:{port}",
-                        lease=lease)  # fmt: skip
+                        lease=lease, webhooks=hooks, webhook_secret=secret)  # fmt: skip
     config = uvicorn.Config(
         create_app(settings),
         host=host,

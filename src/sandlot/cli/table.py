@@ -18,6 +18,7 @@ GROUPS: dict[str, dict[str, str]] = {
         "run": "boxes", "create": "boxes", "start": "boxes", "stop": "boxes", "restart": "boxes",
         "pause": "boxes", "unpause": "boxes", "rm": "boxes", "ls": "boxes", "exec": "boxes", "cp": "boxes",
         "logs": "boxes", "port": "boxes", "network": "boxes", "inspect": "boxes", "stats": "boxes",
+        "events": "events",
     },
     "Live state": {
         "snapshot": "livestate", "snapshots": "livestate", "rollback": "livestate", "fork": "livestate",
@@ -32,6 +33,7 @@ GROUPS: dict[str, dict[str, str]] = {
     "Host": {"doctor": "host", "setup": "host", "rootfs": "host", "completion": "completion"},
 }  # fmt: skip
 COMMANDS = {command: module for commands in GROUPS.values() for command, module in commands.items()}
-MODULES = ("access", "boxes", "completion", "fleet", "host", "images", "livestate", "mcp", "pools", "server")
+MODULES = ("access", "boxes", "completion", "events", "fleet", "host", "images", "livestate", "mcp", "pools",
+           "server")  # fmt: skip
 # what a shell's completion script sets when it asks sandlot what may follow (cli/completion.py)
 COMPLETE_VAR = "_SANDLOT_COMPLETE"

@@ -43,7 +43,7 @@ from ..net.secrets import build_vault, read_vault_json, write_vault
 from ..protocol.connection import AgentConnection
 from ..protocol.exec import ExecRequest, RemoteProcess
 from ..protocol.wire import ControlOp, Fields, Tag, tlv
-from . import idle, layers, snapshots
+from . import events, idle, layers, snapshots
 from .entry import BoxEntry
 from .launch import Launcher, read_file
 from .recovery import Recovery
@@ -96,10 +96,39 @@ class Step:
     on_failure: dict[str, Any] = field(default_factory=dict)  # written with the failure state
     failure_reason: str | None = None  # a failure records "<this>: <the error's first line>"
     gone: bool = False  # the box was deleted: nothing to write
+    detail: dict[str, Any] = field(default_factory=dict)  # the end's event's detail (``core.events``)
+    reason: str | None = None  # the end's event's reason (an idle suspend's)
 
 
 def first_line(exc: BaseException) -> str:
     return str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+
+
+def end_events(op: Op, step: Step) -> list[events.Draft]:
+    """What an operation's successful end tells of."""
+    kind = events.OP_KINDS[op]
+    if kind is None:
+        return []
+    detail = dict(step.detail)
+    if op == Op.KILL:
+        detail["killed"] = True
+    elif op == Op.DISCARD:
+        detail["saved_state_discarded"] = True
+    done = [events.draft(kind, step.reason, **detail)]
+    if op == Op.CLAIM:  # the box is new to its users: made from a warm pool's VM, and running
+        done.insert(0, events.draft("created", None, **detail))
+    return done
+
+
+def failure_event(op: Op, fail: BoxState, exc: BaseException, reason: str | None) -> events.Draft:
+    """What an operation's failure tells of: a crash (with the guest console's tail where
+    the error has it), or an operation that failed and left the box as it was."""
+    detail: dict[str, Any] = {"op": op.value, "error": type(exc).__name__}
+    tail = getattr(exc, "console_tail", None)
+    if tail:
+        detail["console"] = str(tail)[-events.CONSOLE_TAIL :]
+    kind = "crashed" if fail == BoxState.CRASHED else "failed"
+    return events.draft(kind, reason or first_line(exc), **detail)
 
 
 class SavedStates(Protocol):
@@ -247,7 +276,10 @@ class BoxController:
                 changes = dict(step.on_failure)
                 if step.failure_reason:
                     changes["reason"] = f"{step.failure_reason}: {first_line(exc)}"
-                rec = await self.db.update(entry.id, expect=(writing,), state=fail, op=None, **changes)
+                event = failure_event(op, fail, exc, changes.get("reason"))
+                rec = await self.db.update(
+                    entry.id, expect=(writing,), state=fail, op=None, event=event, **changes
+                )
                 if rec is not None:
                     entry.update(rec)
             raise
@@ -255,7 +287,13 @@ class BoxController:
             return
         end = step.target or end_state(op, source)
         rec = await self.db.update(
-            entry.id, expect=(writing,), state=end, op=None, durable=durable, **step.changes
+            entry.id,
+            expect=(writing,),
+            state=end,
+            op=None,
+            durable=durable,
+            event=end_events(op, step),
+            **step.changes,
         )
         if rec is not None:
             entry.update(rec)
@@ -310,9 +348,12 @@ class BoxController:
                 done = await self._create_from(entry, req, spec, snap)
             else:
                 done = await self._create_fresh(entry, req, spec, image)
-        except BaseException:
+        except BaseException as exc:
             rec = await self.db.find(req.id) or rec
-            await asyncio.to_thread(rt.discard_box, rec)
+            gone = events.draft(
+                "removed", f"its creation failed: {first_line(exc)}", error=type(exc).__name__
+            )
+            await asyncio.to_thread(rt.discard_box, rec, gone)
             self.forget(entry)
             raise
         if done is None:
@@ -379,7 +420,7 @@ class BoxController:
             await asyncio.to_thread(create_overlay, base, disk, spec.disk_size_gb * GiB)
         result: BoxRecord | None = await self.db.update(
             entry.id, expect=(BoxState.CREATING,), state=BoxState.CREATED, image_digest=digest,
-            options=spec.to_options(),
+            options=spec.to_options(), event=events.draft("created", image=spec.image, rootfs=spec.rootfs),
         )  # fmt: skip
         return result
 
@@ -395,9 +436,11 @@ class BoxController:
             await self._write_vault(entry, spec, req, vault)
         blank = snapshots.snapshot_dir(rt.home, snap.id) / "blank.qcow2"
         disk = await asyncio.to_thread(layers.child_layer, rt.home, Path(snap.layer), blank)
+        made = events.draft("created", image=snap.options.get("image_ref"), snapshot=snap.id,
+                            snapshot_name=snap.name, from_box=snap.box_name)  # fmt: skip
         result: BoxRecord | None = await self.db.update(
             entry.id, expect=(BoxState.CREATING,), state=BoxState.CREATED, disk=str(disk), origin=snap.id,
-            image_digest=snap.options.get("image_digest"), options=spec.to_options(),
+            image_digest=snap.options.get("image_digest"), options=spec.to_options(), event=made,
         )  # fmt: skip
         return result
 
@@ -568,10 +611,11 @@ class BoxController:
                         await self.launcher.vm_of(entry, rec).kill(grace=1.0)
                     entry.session.drop()
                     current = await self.db.find(entry.id) or rec
-                    await asyncio.to_thread(self.rt.discard_box, current)
+                    removed = events.draft("removed", was=state.value)
+                    await asyncio.to_thread(self.rt.discard_box, current, removed)
                     step.gone = True
         except FileNotFoundError:  # the box's directory went while we waited for its lock
-            await self.db.delete(entry.id)
+            await self.db.delete(entry.id, event=events.draft("removed"))
         self.forget(entry)
 
     async def set_network(
@@ -723,9 +767,11 @@ class BoxController:
         tail_text = vm.console_tail() if vm is not None else ""
         if vm is not None:
             # only if the row still describes this VM: a restart may have started another
+            why = "the VM process exited unexpectedly"
+            crashed = events.draft("crashed", why, console=tail_text[-events.CONSOLE_TAIL :])
             await self.db.update(
                 session.box_id, expect=(BoxState.RUNNING, BoxState.PAUSED), expect_pid=vm.ref.pid,
-                state=BoxState.CRASHED, reason="the VM process exited unexpectedly", vm_pid=None,
+                state=BoxState.CRASHED, reason=why, vm_pid=None, event=crashed,
             )  # fmt: skip
         return BoxCrashed(f"box {session.name} stopped unexpectedly", tail_text, box=session.name)
 

@@ -34,8 +34,6 @@ removed home ended 0.5 s after ``rm -rf`` began (``CONFIRM_S``, and milliseconds
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
 import logging
 import os
 import select
@@ -43,7 +41,16 @@ import sys
 import time
 from pathlib import Path
 
-from ..config import spawn_unless_locked, try_flock
+from ..config import (
+    IN_DELETE,
+    IN_DELETE_SELF,
+    IN_MOVE_SELF,
+    IN_MOVED_FROM,
+    drain,
+    inotify,
+    spawn_unless_locked,
+    try_flock,
+)
 from .orphans import box_vms, end_vm, home_gone
 from .runtime import Runtime
 
@@ -55,8 +62,6 @@ SWEEP_EVERY = 30.0  # seconds between scans of the host's processes
 # A store missing for this long is no store being replaced (unlinked, then made again,
 # as a tool that rewrites it may do): its home was removed.
 CONFIRM_S = 0.5
-# inotify(7): an entry of the watched directory removed or renamed away, or the directory itself
-IN_MOVED_FROM, IN_DELETE, IN_DELETE_SELF, IN_MOVE_SELF = 0x40, 0x200, 0x400, 0x800
 
 
 def watch_lock(home: Path) -> Path:
@@ -72,20 +77,6 @@ def ensure(home: Path) -> None:
         log.warning("could not start the watcher of home %s: %s", home, exc)
 
 
-def _inotify(home: Path) -> int | None:
-    """A descriptor that turns readable once an entry of ``home``, or ``home`` itself,
-    is removed or renamed; None where inotify cannot watch it."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    fd = int(libc.inotify_init1(os.O_NONBLOCK | os.O_CLOEXEC))
-    if fd < 0:
-        return None
-    mask = IN_MOVED_FROM | IN_DELETE | IN_DELETE_SELF | IN_MOVE_SELF
-    if libc.inotify_add_watch(fd, os.fsencode(home), mask) < 0:
-        os.close(fd)
-        return None
-    return fd
-
-
 def _wait(notify: int | None, timeout: float) -> None:
     """Until inotify has news (read and dropped: the home is looked at anyway) or ``timeout``."""
     if notify is None:
@@ -93,9 +84,7 @@ def _wait(notify: int | None, timeout: float) -> None:
         return
     ready, _, _ = select.select([notify], [], [], timeout)
     if ready:
-        with contextlib.suppress(BlockingIOError):
-            while os.read(notify, 4096):
-                pass
+        drain(notify)
 
 
 def sweep(rt: Runtime, home: Path) -> int:
@@ -118,7 +107,7 @@ class Watcher:
         self.lock = lock
 
     def run(self) -> None:
-        notify = _inotify(self.home)
+        notify = inotify(self.home, IN_MOVED_FROM | IN_DELETE | IN_DELETE_SELF | IN_MOVE_SELF)
         next_sweep = 0.0
         while True:
             gone = home_gone(self.home)

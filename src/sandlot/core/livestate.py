@@ -24,7 +24,7 @@ from .. import pids
 from ..crashpoints import crash_point
 from ..engine.base import Boot, BootRequest, Engine, SavedState
 from ..errors import InvalidArgument, InvalidState, SandlotError, SnapshotInUse, SnapshotNotFound
-from . import archive, layers, snapshots
+from . import archive, events, layers, snapshots
 from .controller import BoxController
 from .entry import BoxEntry
 from .launch import Launcher
@@ -83,8 +83,9 @@ class LiveState:
         op_data = {"kind": "snapshot", "source": str(entry.state), "snapshot": snap_id}
         async with (
             self.controller.still(entry),
-            self.controller.transition(entry, Op.SNAPSHOT, op_data=op_data),
+            self.controller.transition(entry, Op.SNAPSHOT, op_data=op_data) as step,
         ):
+            step.detail = {"snapshot": snap_id, "name": name, "snapshot_kind": kind}
             assert rec.disk is not None
             frozen = Path(rec.disk)
             top = await asyncio.to_thread(layers.new_layer, home, frozen)
@@ -226,6 +227,7 @@ class LiveState:
                 op_data = {"kind": "rollback", "disk": str(top)}
                 async with self.controller.transition(entry, Op.ROLLBACK, op_data=op_data) as step:
                     step.failure_reason = "rollback failed, the disk is as it was before"
+                    step.detail = {"snapshot": snap.id, "name": snap.name}
                     step.on_failure = {"vm_pid": None}
                     entry.session.drop()  # first: its end must not look like a crash to reconnect from
                     if rt.engine(rec.engine).alive(rec.vm, rec.id):
@@ -258,7 +260,12 @@ class LiveState:
             await self.controller.refresh(entry)
             snap = await self.capture(entry, "snapshot", auto=True)
         labels = dict(entry.spec.labels)
-        return await self.start_boxes(snap, n, name=name or entry.name, as_prefix=True, labels=labels)
+        children = await self.start_boxes(snap, n, name=name or entry.name, as_prefix=True, labels=labels)
+        forked = events.draft(
+            "forked", snapshot=snap.id, children=[{"id": c.id, "name": c.name} for c in children]
+        )
+        await self.db.add_event(forked, entry.id)
+        return children
 
     async def start_boxes(
         self, snap: SnapshotRecord, n: int = 1, *, name: str | None = None, as_prefix: bool = False,

@@ -26,7 +26,8 @@ from typing import Any
 
 from .. import pids
 from ..engine.base import VMStatus
-from . import snapshots
+from . import events, snapshots
+from .events import Draft
 from .runtime import Runtime
 from .state import STABLE, BoxState
 from .store import BoxRecord
@@ -159,6 +160,9 @@ def decide(rec: BoxRecord, owner_alive: bool, vm: VMStatus, *, save_ends_vm: boo
 _PROBED = _states(S.STARTING, S.SNAPSHOTTING, S.SUSPENDING, S.RESUMING, S.RESTORING)
 
 
+RECOVERY = "recovery"  # who its events say acted
+
+
 class Recovery:
     def __init__(self, runtime: Runtime) -> None:
         self.rt = runtime
@@ -205,13 +209,14 @@ class Recovery:
         expect = (rec.state,)
 
         def update(**changes: Any) -> BoxRecord | None:
-            return store.update(rec.id, expect=expect, **changes) or store.find(rec.id)
+            event = self._event(rec, a, rule.reason, changes.get("state"))
+            return store.update(rec.id, expect=expect, event=event, **changes) or store.find(rec.id)
 
         if a is Action.KEEP:
             return rec
         if a is Action.DISCARD:
             engine.kill_now(rec.vm, rec.id)
-            self.rt.discard_box(rec)
+            self.rt.discard_box(rec, Draft("removed", rule.reason, {"action": a.value}, RECOVERY))
             return None
         if a is Action.RUN:
             return update(state=S.RUNNING)
@@ -247,6 +252,17 @@ class Recovery:
         if a is Action.UNROLL:
             return update(state=S.STOPPED, vm_pid=None, op=None, reason=rule.reason)
         raise AssertionError(f"unhandled recovery action {a}")
+
+    def _event(self, rec: BoxRecord, action: Action, reason: str | None, state: BoxState | None) -> Draft:
+        """What recovery's change of a row tells of: a crash (with the console's tail), a
+        stop or a suspend it carried out, or an operation it finished or undid."""
+        detail: dict[str, Any] = {"action": action.value, "was": rec.state}
+        if state == BoxState.CRASHED:
+            where = self.rt.placement(rec, rec.name)
+            console = self.rt.engine(rec.engine).console_tail(where, events.CONSOLE_TAIL)
+            return Draft("crashed", reason, {**detail, "console": console}, RECOVERY)
+        kind = {Action.STOP: "stopped", Action.SUSPEND: "suspended"}.get(action, "recovered")
+        return Draft(kind, reason, detail, RECOVERY)
 
     def _drop_pending_snapshot(self, rec: BoxRecord) -> None:
         """A save cut short leaves no snapshot behind (its directory is a temporary one,

@@ -30,6 +30,7 @@ from ..engine.auto import requested as requested_engine
 from ..engine.base import Boot, BootRequest, Engine, Placement
 from ..errors import HostSetupError, InvalidArgument
 from . import exports, layers, snapshots
+from .events import Draft
 from .store import AsyncStore, BoxRecord, BoxStore
 
 if TYPE_CHECKING:
@@ -134,7 +135,7 @@ class Runtime:
         """The store for async code (each call on the store's own thread, where it is opened)."""
         with self._lock:
             if self._db is None:
-                self._db = AsyncStore(lambda: self.store)
+                self._db = AsyncStore(lambda: self.store, self.home)
             return self._db
 
     def engine(self, name: str = "qemu") -> Engine:
@@ -159,9 +160,10 @@ class Runtime:
 
     # -- what recovery and removal share ------------------------------------------------
 
-    def discard_box(self, rec: BoxRecord) -> None:
-        """Delete a box's files, then its row (a crash in between is swept), then the
-        disk layers and saved states only it used. Its VM must be gone."""
+    def discard_box(self, rec: BoxRecord, event: Draft | None = None) -> None:
+        """Delete a box's files, then its row (a crash in between is swept; ``event`` says
+        who removed it, and why), then the disk layers and saved states only it used.
+        Its VM must be gone."""
         store = self.store
         # what a VM that died (a crashed box) left on the host: a gVisor sandbox's state and
         # its root mount, which would otherwise outlive the box (found leaked by the tests)
@@ -170,7 +172,7 @@ class Runtime:
         shutil.rmtree(self.box_dir(rec.id), ignore_errors=True)
         with contextlib.suppress(HostSetupError):
             shutil.rmtree(self.run_dir(rec.id), ignore_errors=True)
-        store.delete(rec.id)
+        store.delete(rec.id, event=event)
         if rec.suspended:
             store.delete_snapshot(rec.suspended)
             snapshots.remove_files(self.home, rec.suspended)

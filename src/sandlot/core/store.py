@@ -26,10 +26,10 @@ import re
 import sqlite3
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -37,8 +37,10 @@ from .. import pids
 from ..engine.base import VMRef
 from ..errors import BoxNotFound, InvalidArgument, NoSpace, SnapshotNotFound, StoreBusy, StoreError, no_space
 from ..net.policy import BOX_NAME
+from . import events as box_events
+from .events import Draft, Event
 
-SCHEMA_VERSION = 6
+SCHEMA_VERSION = 7
 # Room the store keeps for itself (BoxStore.hold_room): a file of its own, given up when
 # a write finds the filesystem full so that the write is tried again and the rows saying
 # how an operation ended are written; made again once the filesystem has room.
@@ -47,6 +49,7 @@ SCHEMA_VERSION = 6
 ROOM_FILE = ".sandlot-room"
 ROOM_BYTES = 8 << 20
 ROOM_EVERY = 256  # commits between two looks at whether the room can be made again
+PRUNE_EVERY = 1000  # events written between two prunes of the oldest past events.KEEP
 
 
 _V2_GENERAL_FACTS = ("memory_mib", "cpus", "ports", "network", "accel")
@@ -217,6 +220,32 @@ MIGRATIONS: list[str | Callable[[sqlite3.Connection], None]] = [
     CREATE INDEX leases_until ON leases(until);
     ALTER TABLE keys ADD COLUMN lease REAL;
     """,
+    # what happened to the boxes (``core.events``): AUTOINCREMENT, so that an id is never
+    # used again after the oldest rows are pruned (ids are cursors). And where each of a
+    # server's webhooks got to: the last event delivered, and the process delivering.
+    """
+    CREATE TABLE events (
+        id INTEGER PRIMARY KEY AUTOINCREMENT,
+        at REAL NOT NULL,
+        kind TEXT NOT NULL,
+        box_id TEXT,
+        box_name TEXT,
+        state TEXT,
+        reason TEXT,
+        by TEXT NOT NULL DEFAULT '',
+        detail TEXT NOT NULL DEFAULT '{}',
+        labels TEXT NOT NULL DEFAULT '{}'
+    );
+    CREATE INDEX events_box ON events(box_id, id);
+    CREATE INDEX events_at ON events(at);
+    CREATE TABLE deliveries (
+        target TEXT PRIMARY KEY,
+        cursor INTEGER NOT NULL,
+        owner_pid INTEGER,
+        owner_start TEXT,
+        updated_at REAL NOT NULL
+    );
+    """,
 ]
 
 SNAPSHOT_KINDS = ("snapshot", "template", "suspend")
@@ -317,6 +346,13 @@ def _row(r: sqlite3.Row) -> BoxRecord:
     return BoxRecord(**d)
 
 
+def _event_row(r: sqlite3.Row) -> Event:
+    d = dict(r)
+    d["detail"] = json.loads(d["detail"])
+    d["labels"] = json.loads(d["labels"])
+    return Event(**d)
+
+
 def _snap_row(r: sqlite3.Row) -> SnapshotRecord:
     d = dict(r)
     d["options"] = json.loads(d["options"])
@@ -347,6 +383,7 @@ class BoxStore:
         path.parent.mkdir(parents=True, exist_ok=True)
         self._lock = threading.Lock()
         self._commits = 0
+        self._events_written = 0
         # how long a write waits for another process's transaction (SQLite's busy timeout)
         self.busy_timeout = float(os.environ.get("SANDLOT_STORE_BUSY_TIMEOUT", "30"))
         try:
@@ -468,13 +505,15 @@ class BoxStore:
 
     # -- boxes ---------------------------------------------------------------------------
 
-    def insert(self, rec: BoxRecord) -> BoxRecord:
+    def insert(self, rec: BoxRecord, *, event: Draft | None = None) -> BoxRecord:
         d = _encode(rec.to_json())
         cols = ", ".join(d)
         marks = ", ".join(f":{k}" for k in d)
         try:
             with self._tx() as db:
                 db.execute(f"INSERT INTO boxes ({cols}) VALUES ({marks})", d)
+                if event is not None:
+                    self._write_events(db, rec, [event])
         except sqlite3.IntegrityError as exc:
             if "name" in str(exc):
                 raise InvalidArgument(f"a box named {rec.name!r} already exists") from None
@@ -514,11 +553,13 @@ class BoxStore:
         expect: tuple[str, ...] | None = None,
         expect_pid: int | None = None,
         durable: bool = True,
+        event: Draft | Sequence[Draft] | None = None,
         **changes: Any,
     ) -> BoxRecord | None:
         """Change a row; with ``expect``, only if its state is one of those, and with
         ``expect_pid`` only if that is its VM's pid (else None: someone else moved it).
-        ``durable=False``: not fsynced (see ``_tx``)."""
+        ``durable=False``: not fsynced (see ``_tx``). ``event``: what the change tells
+        of, written in the same transaction (``core.events``)."""
         changes["updated_at"] = time.time()
         enc = _encode(changes)
         sets = ", ".join(f"{k} = :{k}" for k in enc)
@@ -536,6 +577,8 @@ class BoxStore:
                 if cur.rowcount == 0:
                     return None
                 row = db.execute("SELECT * FROM boxes WHERE id = ?", (box_id,)).fetchone()
+                if event is not None:
+                    self._write_events(db, _row(row), [event] if isinstance(event, Draft) else event)
         except sqlite3.IntegrityError as exc:
             if "name" in str(exc):  # a claimed pool VM takes the box's name
                 raise InvalidArgument(f"a box named {changes.get('name')!r} already exists") from None
@@ -551,8 +594,16 @@ class BoxStore:
             ).fetchall()
         return [r for r in map(_row, rows) if r.options.get("pool") == template_id]
 
-    def delete(self, box_id: str) -> None:
+    def delete(self, box_id: str, *, event: Draft | None = None) -> None:
+        """Delete a box's row, writing a "removed" event (by ``event.by``, with its
+        reason and detail, and the state it was in) if there was one."""
         with self._tx() as db:
+            row = db.execute("SELECT * FROM boxes WHERE id = ?", (box_id,)).fetchone()
+            if row is not None:
+                rec = _row(row)
+                said = event or Draft("removed")
+                removed = replace(said, kind="removed", detail={"was": rec.state, **said.detail})
+                self._write_events(db, replace(rec, state=""), [removed])
             db.execute("DELETE FROM boxes WHERE id = ?", (box_id,))
             db.execute("DELETE FROM leases WHERE box_id = ?", (box_id,))
             db.execute(
@@ -565,6 +616,100 @@ class BoxStore:
         with self._reading():
             rows = self._db.execute("SELECT * FROM boxes WHERE origin = ?", (snap_id,)).fetchall()
         return [_row(r) for r in rows]
+
+    # -- events (``core.events``) ------------------------------------------------------------
+
+    def _write_events(self, db: sqlite3.Connection, rec: BoxRecord, drafts: Sequence[Draft]) -> None:
+        """Write ``drafts`` about ``rec`` (its row as the change left it; state "" once it is
+        gone). A warm pool's VM is no box of anyone's until claimed: nothing is written."""
+        if rec.options.get("pool"):
+            return
+        for d in drafts:
+            self._insert_event(db, d, rec.id, rec.name, rec.state or None, rec.labels)
+
+    def _insert_event(self, db: sqlite3.Connection, d: Draft, box_id: str | None, box_name: str | None,
+                      state: str | None, labels: dict[str, str]) -> None:  # fmt: skip
+        db.execute(
+            "INSERT INTO events (at, kind, box_id, box_name, state, reason, by, detail, labels) "
+            "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            (time.time(), d.kind, box_id, box_name, state, d.reason, d.by, json.dumps(d.detail),
+             json.dumps(labels)),
+        )  # fmt: skip
+        self._events_written += 1
+        if self._events_written >= PRUNE_EVERY:
+            self._events_written = 0
+            db.execute("DELETE FROM events WHERE id <= (SELECT MAX(id) FROM events) - ?", (box_events.KEEP,))
+
+    def add_event(
+        self, event: Draft, box_id: str | None = None, labels: dict[str, str] | None = None
+    ) -> None:
+        """Write an event that changes no row (a command killed by the OOM killer, a
+        refused request): about ``box_id``'s box as it is now, if given and there, else
+        with ``labels`` (a refused request's namespace)."""
+        with self._tx(durable=False) as db:
+            row = db.execute("SELECT * FROM boxes WHERE id = ?", (box_id,)).fetchone() if box_id else None
+            if row is not None:
+                self._write_events(db, _row(row), [event])
+            else:
+                self._insert_event(db, event, box_id, None, None, labels or {})
+
+    def events(
+        self,
+        *,
+        after: int | None = None,
+        since: float | None = None,
+        box: str | None = None,
+        limit: int = 1000,
+    ) -> builtins.list[Event]:
+        """Kept events in order: after event id ``after``, at or after Unix time ``since``,
+        about the box whose id or name is ``box``; at most ``limit``."""
+        where, params = ["1"], builtins.list[Any]()
+        if after is not None:
+            where.append("id > ?")
+            params.append(after)
+        if since is not None:
+            where.append("at >= ?")
+            params.append(since)
+        if box is not None:
+            where.append("(box_id = ? OR box_name = ?)")
+            params += [box, box]
+        sql = f"SELECT * FROM events WHERE {' AND '.join(where)} ORDER BY id LIMIT ?"
+        with self._reading():
+            rows = self._db.execute(sql, (*params, limit)).fetchall()
+        return [_event_row(r) for r in rows]
+
+    def claim_delivery(self, target: str, start_at: int) -> int | None:
+        """Become the one process delivering events to ``target`` (a webhook's URL),
+        unless a live process is; the cursor to deliver after (a new target starts
+        after ``start_at``), or None."""
+        me, my_start = pids.me()
+        with self._tx() as db:
+            row = db.execute("SELECT * FROM deliveries WHERE target = ?", (target,)).fetchone()
+            if row is None:
+                db.execute("INSERT INTO deliveries VALUES (?, ?, ?, ?, ?)",
+                           (target, start_at, me, my_start, time.time()))  # fmt: skip
+                return start_at
+            held = (row["owner_pid"], row["owner_start"])
+            if held != (me, my_start) and pids.alive(*held):
+                return None
+            db.execute("UPDATE deliveries SET owner_pid = ?, owner_start = ? WHERE target = ?",
+                       (me, my_start, target))  # fmt: skip
+            return int(row["cursor"])
+
+    def delivered(self, target: str, cursor: int) -> None:
+        """``target`` got every event up to id ``cursor``."""
+        me, my_start = pids.me()
+        with self._tx(durable=False) as db:
+            db.execute(
+                "UPDATE deliveries SET cursor = ?, updated_at = ? "
+                "WHERE target = ? AND owner_pid = ? AND owner_start = ? AND cursor < ?",
+                (cursor, time.time(), target, me, my_start, cursor),
+            )
+
+    def last_event_id(self) -> int:
+        with self._reading():
+            row = self._db.execute("SELECT seq FROM sqlite_sequence WHERE name = 'events'").fetchone()
+        return int(row[0]) if row else 0
 
     # -- snapshots ------------------------------------------------------------------------
 
@@ -856,10 +1001,11 @@ class AsyncStore:
     so no commit's fsync (nor the first open, which sweeps a crash's leftovers)
     blocks the event loop."""
 
-    def __init__(self, opener: Callable[[], BoxStore]) -> None:
+    def __init__(self, opener: Callable[[], BoxStore], directory: Path | None = None) -> None:
         self._open = opener
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sandlot-store")
         self._watch: sqlite3.Connection | None = None
+        self.directory = directory  # where the database and its WAL are (None: not said)
 
     async def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         """``BoxStore.<method>(*args, **kwargs)`` on the store's thread."""
@@ -911,8 +1057,8 @@ class AsyncStore:
         done: BoxRecord | None = await self.call("update", box_id, **kw)
         return done
 
-    async def delete(self, box_id: str) -> None:
-        await self.call("delete", box_id)
+    async def delete(self, box_id: str, *, event: Draft | None = None) -> None:
+        await self.call("delete", box_id, event=event)
 
     async def pooled(self, template_id: str) -> builtins.list[BoxRecord]:
         found: builtins.list[BoxRecord] = await self.call("pooled", template_id)
@@ -943,6 +1089,15 @@ class AsyncStore:
 
     async def delete_snapshot(self, snap_id: str) -> None:
         await self.call("delete_snapshot", snap_id)
+
+    async def add_event(
+        self, event: Draft, box_id: str | None = None, labels: dict[str, str] | None = None
+    ) -> None:
+        await self.call("add_event", event, box_id, labels)
+
+    async def events(self, **kw: Any) -> builtins.list[Event]:
+        found: builtins.list[Event] = await self.call("events", **kw)
+        return found
 
 
 def validate_name(name: str) -> str:

@@ -19,7 +19,10 @@ import os
 import sys
 from pathlib import Path
 
+from .events import acting_as
 from .idle import POLL_MAX, watchdog_lock
+
+IDLE = "idle"  # who its events say acted
 
 
 async def watch(home: Path, box_id: str) -> None:
@@ -48,7 +51,7 @@ async def watch(home: Path, box_id: str) -> None:
                 return
             if busy == 0 and idle >= timeout:
                 entry.session.drop()  # our own connection is not a user
-                with contextlib.suppress(SandlotError):
+                with contextlib.suppress(SandlotError), acting_as(IDLE, f"idle for {idle:.0f}s"):
                     await core.live.suspend(entry)
                 return
     finally:

@@ -319,6 +319,19 @@ class Engine(ABC):
         none of this engine's VMs (each VM is found once). Blocking."""
         return None
 
+    def console_log(self, where: Placement) -> Path:
+        """The file a VM's console (the guest kernel's and its init's words) goes to."""
+        return where.state_dir / "console.log"
+
+    def console_tail(self, where: Placement, nbytes: int = 4096) -> str:
+        """The last ``nbytes`` of a VM's console, read from its file (the VM may be gone)."""
+        try:
+            with open(self.console_log(where), "rb") as f:
+                f.seek(max(0, f.seek(0, os.SEEK_END) - nbytes))
+                return f.read().decode(errors="replace")
+        except OSError:
+            return ""
+
     def forget(self, where: Placement) -> None:  # noqa: B027 (a hook most engines need not fill)
         """Remove what a VM that is gone (or that no row names) left on the host: an
         engine's container state and mounts. Blocking, idempotent; nothing by default."""

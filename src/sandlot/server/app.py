@@ -17,6 +17,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Route
 
 from ..api.box import take_over_sessions
+from ..api.events import acting_as
 from ..api.templates import keep_pools_filled_async
 from ..errors import RequestError, SandlotError
 from ..version import __version__
@@ -95,7 +96,8 @@ class Guard:
                 return
             receive = _limited(receive, JSON_LIMIT)
         try:
-            await self.app(scope, receive, sending)
+            with acting_as(f"key {caller.key_name}" if caller.key_name else "server"):
+                await self.app(scope, receive, sending)
         finally:
             # an MCP message is not audited itself: each tool call is, as the REST request it becomes
             if scope["method"] not in ("GET", "HEAD", "OPTIONS") and path != MCP_PATH:
@@ -164,7 +166,7 @@ def _mcp_endpoint(settings: Settings, inner: Callable[[], Guard | None]) -> Endp
 
 def create_app(settings: Settings) -> ASGIApp:
     """The server's ASGI application for one sandlot home."""
-    from . import bridge, leases
+    from . import bridge, leases, webhooks
     from .routes import router
 
     state = ServerState(settings)
@@ -178,7 +180,10 @@ def create_app(settings: Settings) -> ASGIApp:
         filling = asyncio.ensure_future(keep_pools_filled_async(home=settings.home))  # warm pools
         sweeping = asyncio.ensure_future(leases.sweep(state))  # boxes of clients that died
         try:
-            async with mcp.lifespan() if mcp is not None else contextlib.nullcontext():
+            async with (
+                mcp.lifespan() if mcp is not None else contextlib.nullcontext(),
+                webhooks.delivering(settings.webhooks, settings.webhook_secret, settings.home),
+            ):
                 yield
         finally:
             # boxes and their processes run on (a later server takes the processes

@@ -53,6 +53,8 @@ from ..api.contract import (
     error_message,
     file_json,
 )
+from ..api.events import check_query as check_events_query
+from ..api.events import record_refusal
 from ..api.local import LocalBackend, local_snapshot
 from ..errors import BoxNotFound, InvalidArgument, QuotaExceeded, RequestError, SandlotError, SnapshotNotFound
 from . import leases
@@ -61,6 +63,7 @@ from .streams import serve, spawn
 
 router = APIRouter()
 UPLOAD_CHUNK = 1 << 20
+SSE_KEEPALIVE = 15.0  # seconds between two comments on an idle event stream (proxies close silent ones)
 EXEC_CHANNEL_IN_FLIGHT = 64  # execs of one channel running at once; more wait for a slot
 
 
@@ -160,11 +163,13 @@ async def check_quota(request: Request, n: int, memory_mib: int, disk_gb: int) -
         ("disk_gb", used_disk, n * disk_gb, q.disk_gb),
     ):
         if most is not None and have + adding > most:
-            raise QuotaExceeded(
+            refused = QuotaExceeded(
                 f"the key's quota of {limit} is {most}: {have} in use, {adding} more asked",
                 limit=limit,
                 value=most,
             )
+            await record_refusal(str(refused), mine, home=_server(request).home)
+            raise refused
 
 
 def _check_network(caller: Caller, network: object) -> None:
@@ -748,33 +753,58 @@ async def info(request: Request) -> dict[str, Any]:
 
 
 @router.get("/events", tags=["server"])
-async def events(request: Request) -> Response:
-    """Server-Sent Events: each change of a visible box's state, whichever process made it."""
+async def events(
+    request: Request,
+    box: Annotated[str | None, Query(max_length=256)] = None,
+    since: float | None = None,
+    after: Annotated[int | None, Query(ge=0)] = None,
+    follow: bool = True,
+) -> Response:
+    """Server-Sent Events: what happened to the boxes the key may see (``core.events``,
+    docs/events.md), whichever process did it. Each is ``id: <event id>``, ``event:
+    <kind>`` and ``data: <the event's JSON>``; a client that reconnects with
+    ``Last-Event-ID`` (or ``after``) goes on after it. ``since``: from that Unix time
+    (negative: seconds ago); ``box``: of that box (id or name); ``follow=false``: the
+    kept events only, then the stream ends. A comment every 15 s keeps it open."""
     caller = _caller(request)
-    home = _server(request).home
+    last_seen = request.headers.get("last-event-id")
+    if last_seen is not None:
+        if not last_seen.isdigit():
+            raise InvalidArgument(f"Last-Event-ID must be an event id, not {last_seen!r}")
+        after = max(after or 0, int(last_seen))
+    box, since, after = check_events_query(box, since, after)
+    backend = _backend(request)
 
     async def stream() -> AsyncIterator[bytes]:
+        yield b": events\n\n"
+        source = backend.events(box=box, since=since, after=after, follow=follow).__aiter__()
+        pending: asyncio.Future[Any] | None = None
+        try:
+            while True:
+                pending = pending or asyncio.ensure_future(anext(source))
+                done, _ = await asyncio.wait({pending}, timeout=SSE_KEEPALIVE)
+                if not done:
+                    if await request.is_disconnected():
+                        return
+                    yield b": keepalive\n\n"
+                    continue
+                pending = None
+                try:
+                    ev = done.pop().result()
+                except StopAsyncIteration:
+                    return
+                if caller.may_see(ev.labels):
+                    data = json.dumps(ev.to_json())
+                    yield f"id: {ev.id}\nevent: {ev.kind}\ndata: {data}\n\n".encode()
+        finally:
+            if pending is not None:
+                pending.cancel()
+                with contextlib.suppress(BaseException):
+                    await pending
+            with contextlib.suppress(Exception):
+                await source.aclose()  # type: ignore[attr-defined]
 
-        seen: dict[str, str] = {}
-        first = True
-        while not await request.is_disconnected():
-            now = {b.id: b for b in await AsyncBox.list(home=home) if caller.may_see(b.info["labels"])}
-            for box_id, b in now.items():
-                if seen.get(box_id) != b.state:
-                    seen[box_id] = b.state
-                    if not first:
-                        data = {"id": box_id, "name": b.name, "state": b.state, "at": time.time()}
-                        yield f"event: box\ndata: {json.dumps(data)}\n\n".encode()
-            for box_id in [i for i in seen if i not in now]:
-                del seen[box_id]
-                data = {"id": box_id, "name": None, "state": "removed", "at": time.time()}
-                yield f"event: box\ndata: {json.dumps(data)}\n\n".encode()
-            if first:
-                yield b": watching\n\n"
-                first = False
-            await asyncio.sleep(0.25)
-
-    return StreamingResponse(stream(), media_type="text/event-stream")
+    return StreamingResponse(stream(), media_type="text/event-stream", headers={"Cache-Control": "no-store"})
 
 
 @router.get("/audit", tags=["server"])

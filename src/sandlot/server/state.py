@@ -57,6 +57,8 @@ class Settings:
     # what the last one there held, and another server of the home leaves them alone
     heir: str = "serve"
     lease: float = 60.0  # seconds a remote ``with`` block's box outlives its client's last renewal
+    webhooks: tuple[str, ...] = ()  # URLs each event of the home is POSTed to (server/webhooks.py)
+    webhook_secret: bytes = b""  # what signs their bodies
 
 
 class ServerState:

@@ -174,6 +174,9 @@ class GvisorEngine(Engine):
                 cfg = self._bare(where)
                 runsc.run([*cfg.flags(), "resume", cfg.cid], timeout=10)
 
+    def console_log(self, where: Placement) -> Path:
+        return self._bare(where).console_log
+
     def forget(self, where: Placement) -> None:
         """Remove a dead sandbox's container state and root mount (recovery's cleanup)."""
         destroy(self._bare(where))
