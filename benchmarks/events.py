@@ -7,13 +7,17 @@
   unpaused here while a second process follows ``sandlot.events`` and prints
   each event; the clock runs from the call's return to the line's arrival. The
   baseline, in the same run and the same pipe: that process echoing a line;
-* a query: one box's whole history (one in ten of ``--events`` kept events).
+* a query: one box's whole history (one in ten of ``--events`` kept events);
+* a metrics sample of a running box (``core.metrics``: the host's figures and the
+  agent's STATUS), as the home's sampler takes one every 10 s, and the host CPU the
+  box's VM spends on answering it.
 
     .venv/bin/python benchmarks/events.py [--runs 200] [--events 100000] [--quick]
 """
 
 from __future__ import annotations
 
+import asyncio
 import subprocess
 import sys
 import time
@@ -21,7 +25,9 @@ from typing import Any
 
 import sandlot
 from sandlot.core import events as core_events
+from sandlot.core import metrics, sampler
 from sandlot.core.runtime import Runtime
+from sandlot.core.service import core_for
 from sandlot.core.store import BoxRecord
 
 from _common import busybox_root, drop_home, emit, host_facts, parser, scratch_home, summary
@@ -86,14 +92,35 @@ def follow_latency(home: Any, runs: int) -> dict[str, Any]:
                 if i >= 3:
                     seen.append(t1 - t0)
             accel = box.accel
+            sampling = sample_cost(home, box, runs)
     finally:
         proc.kill()
         proc.wait()
     return {
         "change_to_other_process_ms": summary(seen, 1e3, 2),
         "pipe_echo_baseline_ms": summary(echo, 1e3, 3),
+        "metrics_sample": sampling,
         "accel": accel,
     }
+
+
+def sample_cost(home: Any, box: sandlot.Box, runs: int) -> dict[str, Any]:
+    async def go() -> list[float]:
+        core = core_for(Runtime.for_home(home))
+        rec = await core.db.get(box.id)
+        times = []
+        for _ in range(runs + 3):
+            t0 = time.perf_counter()
+            await sampler.sample_box(core, rec)
+            times.append(time.perf_counter() - t0)
+        await core.close()
+        return times[3:]
+
+    cpu0 = box.stats()["cpu_seconds"]
+    times = asyncio.run(go())
+    vm_cpu = (box.stats()["cpu_seconds"] - cpu0) / (runs + 3)
+    return {"ms": summary(times, 1e3, 2), "vm_cpu_ms_per_sample": round(vm_cpu * 1e3, 2),
+            "vm_cpu_ms_per_s_at_every_10s": round(vm_cpu * 1e3 / metrics.DEFAULT_EVERY, 3)}  # fmt: skip
 
 
 def query(home: Any, kept: int) -> dict[str, Any]:

@@ -22,7 +22,7 @@ PROMISED = {
     ],
     "core": ["boot_to_first_exec_s", "exec_true_ms", "stdout_MBps", "upload_MBps", "idle_256MiB_box_pss_MiB"],
     "durable": ["create_start_first_exec_s", "stop_s", "start_to_first_exec_s"],
-    "events": ["state_write", "follow", "query"],
+    "events": ["state_write", "follow", "query"],  # follow holds metrics_sample
     "fleet": ["create_first_exec_s", "exec_true_ms", "migration_256MiB", "fork"],
     "images": [
         "cold_pull_unpack_base_s",

@@ -396,6 +396,11 @@ class LogsIn(Strict):
     lines: int | None = Field(default=None, ge=1)
 
 
+class MetricsIn(Strict):
+    since: float | None = None  # a Unix time, or negative: seconds ago
+    limit: int | None = Field(default=None, ge=1, le=100_000)
+
+
 class RemoveBoxIn(Strict):
     force: bool = False
 
@@ -747,6 +752,7 @@ OPERATIONS: tuple[Operation, ...] = (
         ("inspect", "GET /inspect", Empty, JSON, "Everything about the box."),
         ("stats", "GET /stats", Empty, JSON, "Host CPU, memory and disk use."),
         ("logs", "GET /logs", LogsIn, TEXT, "The guest console of the last boot."),
+        ("metrics", "GET /metrics", MetricsIn, JSON, "Sampled CPU, memory, disk, network and commands."),
         ("start", "POST /start", Empty, BOX, "Boot the box."),
         ("stop", "POST /stop", TimeoutIn, BOX, "Stop gracefully.", True),
         ("restart", "POST /restart", TimeoutIn, BOX, "Stop, then start.", True),

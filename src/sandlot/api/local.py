@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from ..config import tail
-from ..core import events
+from ..core import events, metrics, tracing
 from ..core.controller import BoxController
 from ..core.entry import BoxEntry, hostname_for
 from ..core.requests import SPEC_OPTIONS, BoxRequest
@@ -326,6 +326,15 @@ class LocalBackend(Backend):
         ctl, entry = await local(ref).existing()
         return await ctl.stats(entry)
 
+    async def box_metrics(
+        self, ref: BoxRef, since: float | None = None, limit: int | None = None
+    ) -> list[Any]:
+        since = events.since_time(since)
+        positive("limit", limit, integer=True)
+        _, entry = await local(ref).existing()
+        found = await self.core().db.call("samples", entry.id, since=since, limit=limit or 10_000)
+        return metrics.rates(found)
+
     async def box_logs(self, ref: BoxRef, lines: int | None = None) -> str:
         positive("lines", lines, integer=True)
         path = self.runtime.box_dir(ref.id) / "console.log"
@@ -568,10 +577,11 @@ class LocalBackend(Backend):
 
     async def exec(self, ref: BoxRef, cmd: Command, stdin: bytes | None, timeout: float | None) -> ExecResult:
         positive("timeout", timeout)
-        proc = await self.spawn(ref, replace(cmd, tty=False, stdin=stdin is not None))
-        if stdin is None:
-            return await proc.result(timeout)
-        return await feed_and_wait(proc, stdin, timeout)
+        with tracing.span("exec", box=ref.id, command=cmd.argv[0]):
+            proc = await self.spawn(ref, replace(cmd, tty=False, stdin=stdin is not None))
+            if stdin is None:
+                return await proc.result(timeout)
+            return await feed_and_wait(proc, stdin, timeout)
 
     async def spawn(self, ref: BoxRef, cmd: Command, keep: str | None = None) -> AsyncProcess:
         ctl, entry = await local(ref).existing()

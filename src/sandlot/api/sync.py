@@ -226,6 +226,18 @@ class Box(BoxBase):
         """Host CPU time and memory of the VM, and the disk it uses."""
         return loop.run(self._a.stats())
 
+    def metrics(self, since: float | None = None, limit: int | None = None) -> builtins.list[dict[str, Any]]:
+        """The box's sampled metrics, oldest first (every 10 s while it runs: docs/events.md):
+        host CPU seconds, RSS and PSS, its disk's bytes; the guest's memory, network and
+        disk bytes, commands started; and per second since the sample before
+        (``cpu_percent``, ``net_rx_Bps``, ``execs_per_s``, ``exec_start_ms``...).
+        ``since``: from that Unix time (negative: seconds ago); ``limit``: the newest that many.
+
+        >>> [round(s["cpu_percent"] or 0) for s in box.metrics(since=-60)]   # doctest: +SKIP
+        [0, 12, 97, 3]
+        """
+        return loop.run(self._a.metrics(since, limit))
+
     def logs(self, lines: int | None = None) -> str:
         """The guest console (kernel and agent messages) of the last boot; ``lines``: its last lines."""
         return loop.run(self._a.logs(lines))

@@ -536,25 +536,72 @@ def stats(
         typer.Argument(metavar="[BOX]...", help="Box names or ids (default: running boxes)."),
     ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
+    watch: Annotated[
+        bool, typer.Option("--watch", "-w", help="Keep showing the sampled figures (Ctrl-C ends).")
+    ] = False,
+    every: Annotated[float, typer.Option(help="Seconds between two refreshes of --watch.", min=0.5)] = 2.0,
 ) -> None:
-    """Host CPU time, memory and disk of boxes."""
+    """Host CPU time, memory and disk of boxes; with --watch, their sampled metrics as they
+    come: CPU %, guest memory, PSS, network and disk bytes per second, commands per second."""
 
     async def measure() -> list[dict[str, Any]]:
         targets = [await AsyncBox.get(k) for k in boxes] if boxes else await AsyncBox.list(all=False)
-        return [await b.stats() for b in targets]
+        if not watch:
+            return [await b.stats() for b in targets]
+        rows = []
+        for b in targets:
+            latest = (await b.metrics(since=-120, limit=2))[-1:] or [{}]
+            rows.append({"name": b.name, "state": await b.refresh(), **latest[0]})
+        return rows
+
+    def table(rows: list[dict[str, Any]]) -> Table:
+        t = Table(box=None, pad_edge=False)
+        if not watch:
+            for col in ("NAME", "STATE", "CPU TIME", "MEMORY", "DISK"):
+                t.add_column(col)
+            for r in rows:
+                cpu = f"{r['cpu_seconds']:.1f}s" if r["cpu_seconds"] is not None else "-"
+                mem = human(r["rss_bytes"]) if r["rss_bytes"] is not None else "-"
+                t.add_row(r["name"], r["state"], cpu, mem, human(r["disk_bytes"]))
+            return t
+        for col in ("NAME", "STATE", "CPU %", "GUEST MEM", "PSS", "NET RX/s", "NET TX/s", "DISK W/s",
+                    "EXECS/s"):  # fmt: skip
+            t.add_column(col)
+
+        def fig(r: dict[str, Any], key: str, fmt: Any = human) -> str:
+            return fmt(r[key]) if r.get(key) is not None else "-"
+
+        for r in rows:
+            t.add_row(r["name"], r["state"], fig(r, "cpu_percent", lambda v: f"{v:.1f}"),
+                      fig(r, "guest_memory_used_bytes"), fig(r, "pss_bytes"), fig(r, "net_rx_Bps"),
+                      fig(r, "net_tx_Bps"), fig(r, "disk_written_Bps"),
+                      fig(r, "execs_per_s", str))  # fmt: skip
+        return t
 
     try:
         rows = asyncio.run(measure())
     except SandlotError as exc:
         raise fail(exc) from exc
-    if as_json:
+    if as_json and not watch:
         print(json.dumps(rows, indent=1))
         return
-    table = Table(box=None, pad_edge=False)
-    for col in ("NAME", "STATE", "CPU TIME", "MEMORY", "DISK"):
-        table.add_column(col)
-    for r in rows:
-        cpu = f"{r['cpu_seconds']:.1f}s" if r["cpu_seconds"] is not None else "-"
-        mem = human(r["rss_bytes"]) if r["rss_bytes"] is not None else "-"
-        table.add_row(r["name"], r["state"], cpu, mem, human(r["disk_bytes"]))
-    Console(soft_wrap=True, highlight=False).print(table)
+    if not watch:
+        Console(soft_wrap=True, highlight=False).print(table(rows))
+        return
+    from rich.live import Live
+
+    try:
+        if as_json:  # one JSON document a line, each refresh
+            while True:
+                print(json.dumps(rows), flush=True)
+                time.sleep(every)
+                rows = asyncio.run(measure())
+        with Live(table(rows), console=Console(highlight=False), auto_refresh=False) as live:
+            while True:
+                time.sleep(every)
+                rows = asyncio.run(measure())
+                live.update(table(rows), refresh=True)
+    except KeyboardInterrupt:
+        pass
+    except SandlotError as exc:
+        raise fail(exc) from exc

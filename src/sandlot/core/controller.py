@@ -43,7 +43,7 @@ from ..net.secrets import build_vault, read_vault_json, write_vault
 from ..protocol.connection import AgentConnection
 from ..protocol.exec import ExecRequest, RemoteProcess
 from ..protocol.wire import ControlOp, Fields, Tag, tlv
-from . import events, idle, layers, snapshots
+from . import events, idle, layers, snapshots, tracing
 from .entry import BoxEntry
 from .launch import Launcher, read_file
 from .recovery import Recovery
@@ -242,6 +242,19 @@ class BoxController:
         ``durable=False``: its writes are not fsynced (they survive any process's crash,
         not a power loss: for an operation whose VM a power loss ends anyway)."""
         entry.lock.require()
+        with tracing.span(op.value, box=entry.id, name=entry.name):
+            async with self._transition(entry, op, op_data, with_start, durable) as step:
+                yield step
+
+    @contextlib.asynccontextmanager
+    async def _transition(
+        self,
+        entry: BoxEntry,
+        op: Op,
+        op_data: dict[str, Any] | None,
+        with_start: dict[str, Any] | None,
+        durable: bool,
+    ) -> AsyncIterator[Step]:
         t = TRANSITIONS[op]
         source = entry.state
         if source not in t.sources:
@@ -314,6 +327,10 @@ class BoxController:
 
     async def create(self, req: BoxRequest, *, ephemeral: bool = False) -> BoxEntry:
         """Create the box ``req`` describes: image pulled, disk ready, state created."""
+        with tracing.span("create", box=req.id, name=req.name):
+            return await self._create(req, ephemeral)
+
+    async def _create(self, req: BoxRequest, ephemeral: bool) -> BoxEntry:
         rt = self.rt
         snap = await self._saved_state(req)
         spec = req.spec_for(snap)

@@ -35,7 +35,7 @@ from ..net.secrets import GUEST_BUNDLE, GUEST_CA, SYSTEM_BUNDLES, read_vault_jso
 from ..protocol import files as proto_files
 from ..protocol.connection import AgentConnection
 from ..protocol.wire import ControlOp, FsFlag, FsOp, Tag, tlv
-from . import homewatch, snapshots
+from . import homewatch, metrics, snapshots
 from .admission import Admission, default_slots
 from .entry import BoxEntry
 from .runtime import Runtime
@@ -50,6 +50,12 @@ BOOT_ATTEMPTS = 2  # boots of a box whose guest hangs before its init (a rare TC
 class HungBoot(BootTimeout):
     """Past the deadline, the guest had not opened its agent's port: it hung before its
     init ran, and ``Launcher.boot`` tries once more (a fresh VM on the same disk)."""
+
+
+def home_helpers(home: Path) -> None:
+    """Make sure the home's watcher and its metrics sampler run."""
+    homewatch.ensure(home)
+    metrics.ensure(home)
 
 
 class Launcher:
@@ -240,8 +246,9 @@ class Launcher:
             if engine.host_processes:
                 # ends the VM should its home be removed (core.homewatch); after the VM
                 # exists, which a watcher that is letting go then still sees. From a worker
-                # thread, as a pool's refiller: the boot does not wait for a fork.
-                asyncio.get_running_loop().run_in_executor(None, homewatch.ensure, self.rt.home)
+                # thread, as a pool's refiller: the boot does not wait for a fork. And the
+                # home's metrics sampler (core.metrics).
+                asyncio.get_running_loop().run_in_executor(None, home_helpers, self.rt.home)
             crash_point(point)
             try:
                 await self._record_ports(entry, vm)

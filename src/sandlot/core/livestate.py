@@ -24,7 +24,7 @@ from .. import pids
 from ..crashpoints import crash_point
 from ..engine.base import Boot, BootRequest, Engine, SavedState
 from ..errors import InvalidArgument, InvalidState, SandlotError, SnapshotInUse, SnapshotNotFound
-from . import archive, events, layers, snapshots
+from . import archive, events, layers, snapshots, tracing
 from .controller import BoxController
 from .entry import BoxEntry
 from .launch import Launcher
@@ -255,12 +255,13 @@ class LiveState:
         """``n`` running copies of the box, from a snapshot taken now (removed with its last
         child); they carry its labels (a namespace, an owner)."""
         count(n)
-        await self.warm_up(entry)
-        async with entry.lock():
-            await self.controller.refresh(entry)
-            snap = await self.capture(entry, "snapshot", auto=True)
-        labels = dict(entry.spec.labels)
-        children = await self.start_boxes(snap, n, name=name or entry.name, as_prefix=True, labels=labels)
+        with tracing.span("fork", box=entry.id, name=entry.name, n=n):
+            await self.warm_up(entry)
+            async with entry.lock():
+                await self.controller.refresh(entry)
+                snap = await self.capture(entry, "snapshot", auto=True)
+            labels = dict(entry.spec.labels)
+            children = await self.start_boxes(snap, n, name=name or entry.name, as_prefix=True, labels=labels)
         forked = events.draft(
             "forked", snapshot=snap.id, children=[{"id": c.id, "name": c.name} for c in children]
         )

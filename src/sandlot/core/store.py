@@ -40,7 +40,7 @@ from ..net.policy import BOX_NAME
 from . import events as box_events
 from .events import Draft, Event
 
-SCHEMA_VERSION = 7
+SCHEMA_VERSION = 8
 # Room the store keeps for itself (BoxStore.hold_room): a file of its own, given up when
 # a write finds the filesystem full so that the write is tried again and the rows saying
 # how an operation ended are written; made again once the filesystem has room.
@@ -245,6 +245,15 @@ MIGRATIONS: list[str | Callable[[sqlite3.Connection], None]] = [
         owner_start TEXT,
         updated_at REAL NOT NULL
     );
+    """,
+    # each box's sampled metrics (``core.metrics``): one JSON document a sample
+    """
+    CREATE TABLE metrics (
+        box_id TEXT NOT NULL,
+        at REAL NOT NULL,
+        sample TEXT NOT NULL
+    );
+    CREATE INDEX metrics_box ON metrics(box_id, at);
     """,
 ]
 
@@ -606,6 +615,7 @@ class BoxStore:
                 self._write_events(db, replace(rec, state=""), [removed])
             db.execute("DELETE FROM boxes WHERE id = ?", (box_id,))
             db.execute("DELETE FROM leases WHERE box_id = ?", (box_id,))
+            db.execute("DELETE FROM metrics WHERE box_id = ?", (box_id,))
             db.execute(
                 "UPDATE previews SET ended_at = ?, ended_why = 'its box was removed' "
                 "WHERE box_id = ? AND ended_at IS NULL",
@@ -705,6 +715,36 @@ class BoxStore:
                 "WHERE target = ? AND owner_pid = ? AND owner_start = ? AND cursor < ?",
                 (cursor, time.time(), target, me, my_start, cursor),
             )
+
+    # -- metrics (``core.metrics``) ---------------------------------------------------------
+
+    def add_samples(self, rows: Sequence[tuple[str, dict[str, Any]]], keep_s: float) -> None:
+        """Add one sample per (box id, sample), and drop those older than ``keep_s``."""
+        with self._tx(durable=False) as db:
+            db.executemany("INSERT INTO metrics (box_id, at, sample) VALUES (?, ?, ?)",
+                           [(box_id, s["at"], json.dumps(s)) for box_id, s in rows])  # fmt: skip
+            db.execute("DELETE FROM metrics WHERE at < ?", (time.time() - keep_s,))
+
+    def samples(
+        self, box_id: str, *, since: float | None = None, limit: int = 10_000
+    ) -> builtins.list[dict[str, Any]]:
+        """A box's samples, oldest first: from Unix time ``since``, the newest ``limit``."""
+        with self._reading():
+            rows = self._db.execute(
+                "SELECT sample FROM (SELECT sample, at FROM metrics WHERE box_id = ? AND at >= ? "
+                "ORDER BY at DESC LIMIT ?) ORDER BY at",
+                (box_id, since if since is not None else 0.0, limit),
+            ).fetchall()
+        return [json.loads(r[0]) for r in rows]
+
+    def latest_samples(self) -> dict[str, dict[str, Any]]:
+        """Each box's newest sample (box id: sample)."""
+        with self._reading():
+            rows = self._db.execute(
+                "SELECT m.box_id, m.sample FROM metrics m JOIN (SELECT box_id, MAX(at) AS at FROM metrics "
+                "GROUP BY box_id) last ON m.box_id = last.box_id AND m.at = last.at"
+            ).fetchall()
+        return {r[0]: json.loads(r[1]) for r in rows}
 
     def last_event_id(self) -> int:
         with self._reading():

@@ -108,6 +108,14 @@ class Tag(IntEnum):
     IDLE_MS = 42
     PIDS_MAX = 43
     OOM_KILLED = 44
+    MEM_TOTAL_KB = 45
+    MEM_AVAILABLE_KB = 46
+    NET_RX_BYTES = 47
+    NET_TX_BYTES = 48
+    DISK_READ_BYTES = 49
+    DISK_WRITTEN_BYTES = 50
+    EXECS = 51
+    EXEC_START_US = 52
 
 
 class ExecFlag:

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Route
 
@@ -227,6 +227,17 @@ def create_app(settings: Settings) -> ASGIApp:
     async def health() -> dict[str, str]:
         """Liveness, without a key."""
         return {"status": "ok", "version": __version__}
+
+    @api.get("/metrics", tags=["server"], response_class=Response)
+    async def metrics(request: Request) -> Response:
+        """Prometheus' text format: the boxes the key may see, from their newest samples."""
+        from ..api.metrics import latest
+        from .prometheus import CONTENT_TYPE, exposition
+
+        caller = request.state.caller
+        rows = [({"id": b.id, "name": b.name, "state": b.state}, sample)
+                for b, sample in await latest(settings.home) if caller.may_see(b.info["labels"])]  # fmt: skip
+        return Response(exposition(rows), media_type=CONTENT_TYPE)
 
     api.include_router(router, prefix="/v1")
     api.include_router(bridge.v1, prefix="/v1")

@@ -345,6 +345,11 @@ struct user_spec {
 int resolve_user(const char *spec, struct user_spec *u, char *err, size_t errlen);
 int find_group(const char *name, gid_t *gid); /* the guest's /etc/group; 0: none */
 
+/* stats.c */
+uint64_t now_us(void);
+void stats_exec_started(uint64_t since_us); /* a command runs, asked for at since_us */
+void stats_add(struct msg *m);              /* the guest's figures, for STATUS */
+
 /* dns.c */
 void dns_relay_start(void);      /* PID 1, at network bring-up in the proxied modes */
 int dns_relay_reaped(pid_t pid); /* 1: it was the relay's (restarted) */

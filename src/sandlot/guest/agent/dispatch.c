@@ -207,6 +207,7 @@ static void handle_control(struct session *s, uint32_t ch, const uint8_t *p, siz
         msg_init(&m);
         msg_u32(&m, SL_T_COUNT, count);
         msg_u64(&m, SL_T_IDLE_MS, now_ms() - g_last_request_ms);
+        stats_add(&m);
         send_msg(s, SL_CONTROL_OK, 0, ch, &m);
         return;
     }

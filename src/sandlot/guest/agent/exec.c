@@ -324,6 +324,7 @@ static int open_pty(int *master, int *slave, uint32_t rows, uint32_t cols)
 
 void exec_start(struct session *s, uint32_t ch, const uint8_t *p, size_t n)
 {
+    uint64_t asked_us = now_us();
     struct exec_req r;
     char msg[512];
     int err = parse_exec(p, n, &r, msg, sizeof(msg));
@@ -500,6 +501,7 @@ void exec_start(struct session *s, uint32_t ch, const uint8_t *p, size_t n)
             x->in.fd = in_pipe[1];
         }
     }
+    stats_exec_started(asked_us);
     struct msg m;
     msg_init(&m);
     msg_u32(&m, SL_T_PID, (uint32_t)pid);

@@ -94,6 +94,15 @@ enum sl_tag {
     SL_T_IDLE_MS = 42,
     SL_T_PIDS_MAX = 43,   /* HELLO: processes all commands together may have (0: no limit) */
     SL_T_OOM_KILLED = 44, /* EXIT: the OOM killer killed a process of this command */
+    /* CONTROL_OK of STATUS: what the guest says of itself (stats.c) */
+    SL_T_MEM_TOTAL_KB = 45,
+    SL_T_MEM_AVAILABLE_KB = 46,
+    SL_T_NET_RX_BYTES = 47,
+    SL_T_NET_TX_BYTES = 48,
+    SL_T_DISK_READ_BYTES = 49,
+    SL_T_DISK_WRITTEN_BYTES = 50,
+    SL_T_EXECS = 51,         /* commands started since the agent started */
+    SL_T_EXEC_START_US = 52, /* their microseconds from request to running, summed */
 };
 
 /* SL_T_FLAGS bits of SL_EXEC */

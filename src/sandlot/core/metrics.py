@@ -1,0 +1,140 @@
+"""Per-box metrics, sampled while boxes run and kept as a bounded history in the store.
+
+One sampler per home (``python -m sandlot.core.sampler HOME``, holding
+``HOME/metrics.lock``) is started with the first VM a launch brings up, like the
+home's watcher, and exits once no VM of the home has run for ``IDLE_S`` seconds
+(and ``IDLE_ROUNDS`` rounds). Every ``every()`` seconds (``$SANDLOT_METRICS_EVERY``, 10; 0 turns sampling off)
+it writes one sample per running or paused box:
+
+* from the host, without asking the guest: the VM's CPU seconds, resident and
+  proportional memory (RSS, PSS: ``/proc``), and the bytes its disk layer takes;
+* from the guest, in the agent's answer to CONTROL STATUS (``guest/agent/stats.c``):
+  memory in use and in all, network and disk bytes as the guest kernel counts them,
+  commands started, and their time from request to running. Asking is no
+  activity: an idle box still sleeps at its ``idle_timeout``.
+
+Counters are cumulative (as Prometheus has them); ``rates`` turns two samples into
+per-second figures. Samples older than ``keep_s()`` (``$SANDLOT_METRICS_KEEP_S``, a
+day) go, and a box's go with it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+from ..config import spawn_unless_locked
+from ..protocol.wire import Tag
+
+log = logging.getLogger("sandlot")
+
+MODULE = "sandlot.core.sampler"  # the sampler process
+DEFAULT_EVERY, DEFAULT_KEEP_S = 10.0, 86400.0
+ASK_TIMEOUT = 3.0  # seconds the agent has to answer; past it, the sample has the host's figures only
+IDLE_ROUNDS = 3  # rounds without a VM in the home before the sampler exits (and sampler.IDLE_S)
+
+# the agent's STATUS fields and the names a sample gives them (bytes where the agent says KiB)
+GUEST = {
+    "guest_memory_total_bytes": (Tag.MEM_TOTAL_KB, 1024),
+    "guest_memory_available_bytes": (Tag.MEM_AVAILABLE_KB, 1024),
+    "net_rx_bytes": (Tag.NET_RX_BYTES, 1),
+    "net_tx_bytes": (Tag.NET_TX_BYTES, 1),
+    "disk_read_bytes": (Tag.DISK_READ_BYTES, 1),
+    "disk_written_bytes": (Tag.DISK_WRITTEN_BYTES, 1),
+    "execs": (Tag.EXECS, 1),
+    "exec_start_us": (Tag.EXEC_START_US, 1),
+}
+COUNTERS = ("cpu_seconds", "net_rx_bytes", "net_tx_bytes", "disk_read_bytes", "disk_written_bytes", "execs",
+            "exec_start_us")  # fmt: skip
+
+
+def every() -> float:
+    """Seconds between two samples (``$SANDLOT_METRICS_EVERY``; 0: no sampling)."""
+    return _seconds("SANDLOT_METRICS_EVERY", DEFAULT_EVERY)
+
+
+def keep_s() -> float:
+    """Seconds a sample is kept (``$SANDLOT_METRICS_KEEP_S``)."""
+    return _seconds("SANDLOT_METRICS_KEEP_S", DEFAULT_KEEP_S)
+
+
+def _seconds(name: str, default: float) -> float:
+    try:
+        value = float(os.environ.get(name, default))
+    except ValueError:
+        return default
+    return value if value >= 0 else default
+
+
+def metrics_lock(home: Path) -> Path:
+    return home / "metrics.lock"
+
+
+def ensure(home: Path) -> None:
+    """Start the home's sampler unless one runs or sampling is off. Never raises."""
+    if every() <= 0:
+        return
+    try:
+        spawn_unless_locked(metrics_lock(home), MODULE, str(home), cwd="/")
+    except OSError as exc:
+        log.warning("could not start the metrics sampler of home %s: %s", home, exc)
+
+
+def pss_bytes(pid: int | None) -> int | None:
+    """A process's proportional set size (``/proc/PID/smaps_rollup``), None where unknown."""
+    if pid is None:
+        return None
+    with contextlib.suppress(OSError, ValueError):
+        for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+            if line.startswith("Pss:"):
+                return int(line.split()[1]) * 1024
+    return None
+
+
+def guest_figures(status: Any) -> dict[str, int | None]:
+    """A sample's guest part from the agent's STATUS answer (``Fields``); None where it
+    says nothing (an agent older than these fields)."""
+    out: dict[str, int | None] = {}
+    for name, (tag, scale) in GUEST.items():
+        value = status.u64(tag, None) if status is not None else None
+        out[name] = value * scale if value is not None else None
+    total, available = out["guest_memory_total_bytes"], out["guest_memory_available_bytes"]
+    out["guest_memory_used_bytes"] = (
+        total - available if total is not None and available is not None else None
+    )
+    return out
+
+
+def _per_s(key: str, before: dict[str, Any] | None, now: dict[str, Any]) -> float | None:
+    """How fast counter ``key`` grew from ``before`` to ``now``; None where it cannot say."""
+    if before is None:
+        return None
+    a, b, span = before.get(key), now.get(key), float(now["at"] - before["at"])
+    if a is None or b is None or span <= 0 or b < a:  # a counter that went back: the box started again
+        return None
+    return (float(b) - float(a)) / span
+
+
+def rates(samples: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each sample with what changed since the one before it, per second: ``cpu_percent``
+    (of one host CPU), ``net_rx_Bps``, ``net_tx_Bps``, ``disk_read_Bps``,
+    ``disk_written_Bps``, ``execs_per_s``, and ``exec_start_ms`` (the mean time from
+    request to running of the commands started in between). None for the first, and
+    where a counter went back (the box was started again)."""
+    out = []
+    for before, now in zip([None, *samples], samples, strict=False):
+        d = dict(now)
+        cpu = _per_s("cpu_seconds", before, now)
+        d["cpu_percent"] = round(cpu * 100, 1) if cpu is not None else None
+        for key in ("net_rx", "net_tx", "disk_read", "disk_written"):
+            r = _per_s(f"{key}_bytes", before, now)
+            d[f"{key}_Bps"] = round(r) if r is not None else None
+        execs = _per_s("execs", before, now)
+        d["execs_per_s"] = round(execs, 3) if execs is not None else None
+        started = _per_s("exec_start_us", before, now)
+        d["exec_start_ms"] = round(started / execs / 1000, 3) if started is not None and execs else None
+        out.append(d)
+    return out

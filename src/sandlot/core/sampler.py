@@ -1,0 +1,105 @@
+"""The home's metrics sampler: ``python -m sandlot.core.sampler HOME`` (``core.metrics``
+says what it samples and when; ``metrics.ensure`` starts it). A module of its own: it
+runs the core, which the launcher that starts it is part of."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from ..config import try_flock
+from ..protocol.wire import ControlOp
+from .metrics import (
+    ASK_TIMEOUT,
+    DEFAULT_EVERY,
+    IDLE_ROUNDS,
+    every,
+    guest_figures,
+    keep_s,
+    metrics_lock,
+    pss_bytes,
+)
+
+log = logging.getLogger("sandlot")
+IDLE_S = 30.0  # seconds without a VM in the home before the sampler exits (and IDLE_ROUNDS rounds)
+
+
+async def sample_box(core: Any, rec: Any) -> dict[str, Any]:
+    """One sample of a box (a ``BoxRecord`` of a running or paused box)."""
+    from .state import BoxState
+
+    engine = core.rt.engine(rec.engine)
+    disk = Path(rec.disk) if rec.disk else None
+
+    def host() -> dict[str, Any]:
+        usage = engine.usage(rec.vm)
+        try:
+            allocated = disk.stat().st_blocks * 512 if disk is not None else 0
+        except OSError:
+            allocated = None
+        return {"cpu_seconds": usage["cpu_seconds"], "rss_bytes": usage["rss_bytes"],
+                "pss_bytes": pss_bytes(rec.vm.pid if rec.vm else None), "disk_bytes": allocated}  # fmt: skip
+
+    status = None
+    if rec.state == BoxState.RUNNING:
+        with contextlib.suppress(Exception):
+            entry = await core.controller.find(rec.id)
+            status = await asyncio.wait_for(core.controller.control(entry, ControlOp.STATUS), ASK_TIMEOUT)
+    return {
+        "at": time.time(),
+        "state": str(rec.state),
+        **await asyncio.to_thread(host),
+        **guest_figures(status),
+    }
+
+
+async def sample_home(core: Any) -> int:
+    """Sample every running or paused box of the home once; how many boxes have a VM
+    (those starting, stopping or being saved too)."""
+    from .state import LIVE, BoxState
+
+    boxes = [r for r in await core.db.list() if r.state in LIVE and not r.options.get("pool")]
+    due = [r for r in boxes if r.state in (BoxState.RUNNING, BoxState.PAUSED)]
+    taken = await asyncio.gather(*(sample_box(core, r) for r in due), return_exceptions=True)
+    rows = [(r.id, s) for r, s in zip(due, taken, strict=True) if isinstance(s, dict)]
+    if rows:
+        await core.db.call("add_samples", rows, keep_s())
+    return len(boxes)
+
+
+async def run(home: Path) -> None:
+    from .orphans import home_gone
+    from .runtime import Runtime
+    from .service import core_for
+
+    core = core_for(Runtime.for_home(home))
+    idle = 0
+    try:
+        while idle < max(IDLE_ROUNDS, IDLE_S / (every() or DEFAULT_EVERY)) and not home_gone(home):
+            started = time.monotonic()
+            try:
+                idle = 0 if await sample_home(core) else idle + 1
+            except Exception as exc:  # a busy store, a full disk: the next round tries again
+                log.warning("metrics of home %s: %s", home, exc)
+                idle += 1  # but not for ever
+            await asyncio.sleep(max(0.5, (every() or DEFAULT_EVERY) - (time.monotonic() - started)))
+    finally:
+        await core.close()
+
+
+def main(home: str) -> None:
+    try:
+        held = try_flock(metrics_lock(Path(home)))  # kept until the process ends
+    except OSError:  # the home went before this started
+        return
+    if held is not None:  # else the home has its sampler
+        asyncio.run(run(Path(home)))
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:2])

@@ -1,0 +1,77 @@
+"""``GET /metrics``: the boxes a key may see, in Prometheus' text format, from each box's
+newest sample (``core.metrics``: every 10 s while it runs), written with the official
+client library. Counters are the cumulative ones of the sample; a box started again
+starts its guest counters over, which Prometheus' ``rate()`` takes as a reset."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from ..version import __version__
+
+# (name, help, the sample's field, counter?)
+BOX_FIGURES = (
+    ("sandlot_box_cpu_seconds", "Host CPU time of the box's VM", "cpu_seconds", True),
+    ("sandlot_box_memory_rss_bytes", "Resident memory of the box's VM on the host", "rss_bytes", False),
+    ("sandlot_box_memory_pss_bytes", "Proportional set size of the box's VM on the host", "pss_bytes", False),
+    ("sandlot_box_guest_memory_used_bytes", "Memory in use in the guest", "guest_memory_used_bytes", False),
+    ("sandlot_box_guest_memory_total_bytes", "Memory the guest has", "guest_memory_total_bytes", False),
+    (
+        "sandlot_box_disk_allocated_bytes",
+        "Bytes the box's own disk layer takes on the host",
+        "disk_bytes",
+        False,
+    ),
+    ("sandlot_box_network_receive_bytes", "Bytes the guest received", "net_rx_bytes", True),
+    ("sandlot_box_network_transmit_bytes", "Bytes the guest sent", "net_tx_bytes", True),
+    ("sandlot_box_disk_read_bytes", "Bytes the guest read from its disks", "disk_read_bytes", True),
+    ("sandlot_box_disk_written_bytes", "Bytes the guest wrote to its disks", "disk_written_bytes", True),
+    ("sandlot_box_execs", "Commands started in the box", "execs", True),
+)
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+
+class _Boxes(Collector):
+    def __init__(self, rows: list[tuple[dict[str, Any], dict[str, Any] | None]]) -> None:
+        self.rows = rows  # (the box's id, name and state; its newest sample)
+
+    def collect(self) -> Iterator[Metric]:
+        info = GaugeMetricFamily("sandlot_info", "The server's sandlot", labels=["version"])
+        info.add_metric([__version__], 1)
+        yield info
+        states = GaugeMetricFamily("sandlot_boxes", "Boxes by state", labels=["state"])
+        for state in sorted({box["state"] for box, _ in self.rows}):
+            states.add_metric([state], sum(1 for box, _ in self.rows if box["state"] == state))
+        yield states
+        labels = ["box", "name"]
+        for name, doc, field, counter in BOX_FIGURES:
+            family = (CounterMetricFamily if counter else GaugeMetricFamily)(name, doc, labels=labels)
+            for box, sample in self.rows:
+                if sample is not None and sample.get(field) is not None:
+                    family.add_metric([box["id"], box["name"]], float(sample[field]))
+            yield family
+        started = CounterMetricFamily("sandlot_box_exec_start_seconds",
+                                      "Time from request to running of the commands started, summed",
+                                      labels=labels)  # fmt: skip
+        sampled = GaugeMetricFamily("sandlot_box_sample_timestamp_seconds", "When the box was last sampled",
+                                    labels=labels)  # fmt: skip
+        for box, sample in self.rows:
+            if sample is None:
+                continue
+            if sample.get("exec_start_us") is not None:
+                started.add_metric([box["id"], box["name"]], sample["exec_start_us"] / 1e6)
+            sampled.add_metric([box["id"], box["name"]], sample["at"])
+        yield started
+        yield sampled
+
+
+def exposition(rows: list[tuple[dict[str, Any], dict[str, Any] | None]]) -> bytes:
+    """The text format of these boxes and samples."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Boxes(rows))
+    return generate_latest(registry)
