@@ -242,3 +242,27 @@ def test_a_warm_pool_vm_is_nobodys_box_until_claimed(
     got = history(home, box=box_id)
     assert [e.kind for e in got] == ["created", "started", "removed"]
     assert got[0].state == "running" and got[0].box_name == "claimed"
+
+
+def test_a_failed_snapshot_is_an_event_and_removing_the_box_leaves_no_layer(home: Path, root: Path) -> None:
+    """A snapshot moves the box onto a new top layer before it saves; when the save fails,
+    the layer it froze is the box's alone, and goes with the box (found by a full disk's
+    test: it stayed until the next sweep of old layers)."""
+
+    async def main() -> str:
+        box = new_box(home, root, keep=True)
+        await box.start()
+        FakeEngine.of(home).fail.add("save")
+        with pytest.raises(sandlot.SavedStateError):
+            await box.snapshot("never")
+        FakeEngine.of(home).fail.discard("save")
+        await box.remove(force=True)
+        return box.id
+
+    box_id = asyncio.run(main())
+    failed = [e for e in history(home, box=box_id) if e.kind == "failed"]
+    assert [(e.detail["op"], e.state, e.detail["error"]) for e in failed] == [
+        ("snapshot", "running", "SavedStateError")
+    ]
+    assert "fake: save failed" in (failed[0].reason or "")
+    assert sorted(p.name for p in (home / "layers").iterdir()) == []

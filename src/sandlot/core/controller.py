@@ -97,7 +97,6 @@ class Step:
     failure_reason: str | None = None  # a failure records "<this>: <the error's first line>"
     gone: bool = False  # the box was deleted: nothing to write
     detail: dict[str, Any] = field(default_factory=dict)  # the end's event's detail (``core.events``)
-    reason: str | None = None  # the end's event's reason (an idle suspend's)
 
 
 def first_line(exc: BaseException) -> str:
@@ -114,9 +113,9 @@ def end_events(op: Op, step: Step) -> list[events.Draft]:
         detail["killed"] = True
     elif op == Op.DISCARD:
         detail["saved_state_discarded"] = True
-    done = [events.draft(kind, step.reason, **detail)]
+    done = [events.draft(kind, **detail)]
     if op == Op.CLAIM:  # the box is new to its users: made from a warm pool's VM, and running
-        done.insert(0, events.draft("created", None, **detail))
+        done.insert(0, events.draft("created", **detail))
     return done
 
 
@@ -437,7 +436,7 @@ class BoxController:
             await asyncio.to_thread(create_overlay, base, disk, spec.disk_size_gb * GiB)
         result: BoxRecord | None = await self.db.update(
             entry.id, expect=(BoxState.CREATING,), state=BoxState.CREATED, image_digest=digest,
-            options=spec.to_options(), event=events.draft("created", image=spec.image, rootfs=spec.rootfs),
+            options=spec.to_options(), event=events.draft("created", image=spec.image),
         )  # fmt: skip
         return result
 

@@ -91,7 +91,11 @@ class LiveState:
             top = await asyncio.to_thread(layers.new_layer, home, frozen)
             # recorded before the VM switches: the new top starts empty over the old one,
             # so the row names a complete disk whether or not the switch happens
-            await self.db.update(entry.id, disk=str(top))
+            try:
+                await self.db.update(entry.id, disk=str(top))
+            except BaseException:  # not recorded (a full disk): no row names it, so it goes
+                top.unlink(missing_ok=True)
+                raise
             crash_point("snapshot.before-save")
             vm = self.launcher.vm_of(entry, rec)
             with snapshots.writing(home, snap_id) as tmp:

@@ -18,6 +18,7 @@ worker thread.
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import time
 from collections.abc import Callable
@@ -210,7 +211,8 @@ class Recovery:
 
         def update(**changes: Any) -> BoxRecord | None:
             event = self._event(rec, a, rule.reason, changes.get("state"))
-            return store.update(rec.id, expect=expect, event=event, **changes) or store.find(rec.id)
+            done = store.in_room("update", rec.id, expect=expect, event=event, **changes)
+            return done or store.find(rec.id)
 
         if a is Action.KEEP:
             return rec
@@ -258,8 +260,10 @@ class Recovery:
         stop or a suspend it carried out, or an operation it finished or undid."""
         detail: dict[str, Any] = {"action": action.value, "was": rec.state}
         if state == BoxState.CRASHED:
-            where = self.rt.placement(rec, rec.name)
-            console = self.rt.engine(rec.engine).console_tail(where, events.CONSOLE_TAIL)
+            console = ""
+            with contextlib.suppress(Exception):  # an engine this host lacks now: no tail, still the crash
+                where = self.rt.placement(rec, rec.name)
+                console = self.rt.engine(rec.engine).console_tail(where, events.CONSOLE_TAIL)
             return Draft("crashed", reason, {**detail, "console": console}, RECOVERY)
         kind = {Action.STOP: "stopped", Action.SUSPEND: "suspended"}.get(action, "recovered")
         return Draft(kind, reason, detail, RECOVERY)

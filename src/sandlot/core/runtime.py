@@ -28,7 +28,7 @@ from ..engine.auto import EngineChoice
 from ..engine.auto import choose as choose_engine
 from ..engine.auto import requested as requested_engine
 from ..engine.base import Boot, BootRequest, Engine, Placement
-from ..errors import HostSetupError, InvalidArgument
+from ..errors import HostSetupError, InvalidArgument, SavedStateError
 from . import exports, layers, snapshots
 from .events import Draft
 from .store import AsyncStore, BoxRecord, BoxStore
@@ -172,7 +172,9 @@ class Runtime:
         shutil.rmtree(self.box_dir(rec.id), ignore_errors=True)
         with contextlib.suppress(HostSetupError):
             shutil.rmtree(self.run_dir(rec.id), ignore_errors=True)
-        store.delete(rec.id, event=event)
+        # on a full disk too: what frees room must work there (the row and its event are
+        # written in the room the store keeps, should the filesystem have none)
+        store.in_room("delete", rec.id, event=event)
         if rec.suspended:
             store.delete_snapshot(rec.suspended)
             snapshots.remove_files(self.home, rec.suspended)
@@ -181,9 +183,15 @@ class Runtime:
             if origin is not None and origin.options.get("auto") and not store.children(origin.id):
                 store.delete_snapshot(origin.id)
                 snapshots.remove_files(self.home, origin.id)
-        mine = [Path(rec.disk)] if rec.disk else []
-        if rec.op and rec.op.get("disk"):
-            mine.append(Path(rec.op["disk"]))
+        # its whole chain: the layers under its top that only it used go too (one a failed
+        # snapshot froze under it, say), while those another box or a snapshot reaches stay
+        mine: list[Path] = []
+        for top in (rec.disk, (rec.op or {}).get("disk")):
+            if top:
+                try:
+                    mine += layers.chain(Path(top))
+                except (SavedStateError, OSError):
+                    mine.append(Path(top))
         layers.gc(self.home, store.list(), store.snapshots(), also=mine)
 
     def _sweep_orphan_dirs(self, store: BoxStore) -> None:

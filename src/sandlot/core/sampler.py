@@ -68,7 +68,7 @@ async def sample_home(core: Any) -> int:
     taken = await asyncio.gather(*(sample_box(core, r) for r in due), return_exceptions=True)
     rows = [(r.id, s) for r, s in zip(due, taken, strict=True) if isinstance(s, dict)]
     if rows:
-        await core.db.call("add_samples", rows, keep_s())
+        await core.db.call_unless_full("add_samples", rows, keep_s())
     return len(boxes)
 
 
