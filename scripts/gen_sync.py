@@ -98,6 +98,8 @@ def wrapped(expr: str, annotation: str | None) -> str:
     m = re.fullmatch(r"(?:builtins\.)?list\[(\w+)\]", annotation)
     if m and m.group(1) in TWINS:
         return f"[{TWINS[m.group(1)][0]}.wrap(x) for x in {expr}]"
+    if annotation == "AsyncIterator[Event]":  # independent records: prefetched (api/loop.py)
+        return f"loop.iterate({expr}, prefetch=loop.RECORDS_AHEAD)"
     if annotation.startswith("AsyncIterator["):
         return f"loop.iterate({expr})"
     return expr

@@ -266,3 +266,37 @@ def test_a_failed_snapshot_is_an_event_and_removing_the_box_leaves_no_layer(home
     ]
     assert "fake: save failed" in (failed[0].reason or "")
     assert sorted(p.name for p in (home / "layers").iterdir()) == []
+
+
+def test_a_prefetching_iterator_runs_ahead_by_at_most_its_room_and_closes_what_it_drives() -> None:
+    """``sandlot.events`` and ``box.events`` drive their async iterator from a task that runs
+    a bounded number of records ahead (one round trip per record made a box's history of
+    2000 events take 0.6 s); stopping early closes the iterator, and its errors reach the
+    caller."""
+    from sandlot.api import loop
+
+    made, closed = [], []
+
+    async def numbers(fail_at: int | None = None):  # type: ignore[no-untyped-def]
+        try:
+            for i in range(1000):
+                if i == fail_at:
+                    raise sandlot.InvalidArgument(f"no {i}")
+                made.append(i)
+                yield i
+        finally:
+            closed.append(True)
+
+    for i, n in enumerate(loop.iterate(numbers(), prefetch=8)):
+        assert n == i
+        if i == 3:
+            time.sleep(0.2)  # the task fills its room meanwhile, and no more
+            assert len(made) <= 4 + 8 + 1, made
+            break
+    deadline = time.monotonic() + 5
+    while not closed and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert closed == [True]
+    assert list(loop.iterate(numbers(), prefetch=8)) == list(range(1000))
+    with pytest.raises(sandlot.InvalidArgument, match="no 5"):
+        list(loop.iterate(numbers(fail_at=5), prefetch=8))

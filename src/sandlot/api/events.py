@@ -53,7 +53,9 @@ def events(
     home: str | os.PathLike[str] | None = None,
 ) -> Iterator[Event]:
     """``events_async`` as a plain iterator."""
-    return loop.iterate(events_async(box=box, since=since, after=after, follow=follow, home=home))
+    return loop.iterate(
+        events_async(box=box, since=since, after=after, follow=follow, home=home), prefetch=loop.RECORDS_AHEAD
+    )
 
 
 async def record_refusal(reason: str, labels: dict[str, str], *, home: str | os.PathLike[str] | None) -> None:

@@ -11,12 +11,14 @@ import asyncio
 import atexit
 import concurrent.futures
 import contextlib
+import queue
 import sys
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterator
 from typing import Any, TypeVar
 
 T = TypeVar("T")
+RECORDS_AHEAD = 256  # items a prefetching iterator of records runs ahead of its caller
 
 _lock = threading.Lock()
 _loop: asyncio.AbstractEventLoop | None = None
@@ -94,8 +96,15 @@ def call(fn: Callable[..., T], *args: Any) -> T:
     return run(wrapper())
 
 
-def iterate(agen: AsyncIterator[T]) -> Iterator[T]:
-    """Drive an async iterator from sync code, one item per round trip."""
+def iterate(agen: AsyncIterator[T], prefetch: int = 0) -> Iterator[T]:
+    """Drive an async iterator from sync code, one item per round trip. With
+    ``prefetch``, a task on the loop runs up to that many items ahead of the caller,
+    which takes them from a queue without a round trip each: for iterators of
+    independent records (events), never for a stream whose caller may stop and read
+    the rest another way."""
+    if prefetch > 0:
+        yield from _prefetched(agen, prefetch)
+        return
     try:
         while True:
             try:
@@ -110,3 +119,44 @@ def iterate(agen: AsyncIterator[T]) -> Iterator[T]:
             fut = asyncio.run_coroutine_threadsafe(_as_coroutine(aclose()), _loop)
             with contextlib.suppress(Exception):
                 fut.result(timeout=5)
+
+
+_END = object()
+
+
+def _prefetched(agen: AsyncIterator[T], ahead: int) -> Iterator[T]:
+    loop = _loop_thread()
+    items: queue.Queue[Any] = queue.Queue()
+    room = asyncio.Semaphore(ahead)  # not bound to a loop until first awaited: on the loop thread
+
+    async def produce() -> None:
+        try:
+            async for item in agen:
+                await room.acquire()
+                items.put((item, None))
+            items.put((_END, None))
+        except BaseException as exc:  # handed to the caller (a cancel: the caller stopped)
+            items.put((_END, exc))
+            if isinstance(exc, asyncio.CancelledError):
+                raise
+        finally:
+            aclose = getattr(agen, "aclose", None)
+            if aclose is not None:
+                with contextlib.suppress(Exception):
+                    await aclose()
+
+    task = asyncio.run_coroutine_threadsafe(produce(), loop)
+    try:
+        while True:
+            item, error = items.get()
+            if item is _END:
+                if error is not None and not isinstance(error, asyncio.CancelledError):
+                    raise error
+                return
+            loop.call_soon_threadsafe(room.release)
+            yield item
+    finally:
+        if not task.done() and not sys.is_finalizing() and loop.is_running():
+            task.cancel()  # the generator is closed where it waits
+            with contextlib.suppress(Exception):
+                task.result(timeout=5)

@@ -254,7 +254,9 @@ class Box(BoxBase):
         created created process 4242 (python3 agent.py) None
         started running process 4242 (python3 agent.py) None
         """
-        return loop.iterate(self._a.events(since=since, after=after, follow=follow))
+        return loop.iterate(
+            self._a.events(since=since, after=after, follow=follow), prefetch=loop.RECORDS_AHEAD
+        )
 
     def ports(self) -> builtins.list[dict[str, Any]]:
         """The box's published ports: ``{"address", "host", "guest"}`` each (an address of
@@ -952,7 +954,9 @@ class Client(ClientBase):
         ``box``: of that box (id or name); ``since``: from that Unix time (a negative
         number: that many seconds ago); ``after``: after that event id (``Event.id``).
         With ``follow`` (the default) it goes on with each new event as it comes."""
-        return loop.iterate(self._a.events(box=box, since=since, after=after, follow=follow))
+        return loop.iterate(
+            self._a.events(box=box, since=since, after=after, follow=follow), prefetch=loop.RECORDS_AHEAD
+        )
 
     def info(self) -> dict[str, Any]:
         """What the other side says of itself: a server's version, its host's accelerator and
