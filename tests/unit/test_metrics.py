@@ -39,6 +39,48 @@ def test_rates_turn_counters_into_per_second_figures_and_say_none_where_they_can
     assert second["execs_per_s"] == 2.0 and second["exec_start_ms"] == 2.0  # 40 ms over 20 commands
     assert third["cpu_percent"] is None and third["net_rx_Bps"] is None and third["execs_per_s"] is None
     assert [s["at"] for s in (first, second, third)] == [100.0, 110.0, 120.0]
+    # the host's figures every sample, the guest's every few: a guest rate spans from the
+    # last sample that had the figure
+    host_only = {"at": 105.0, "cpu_seconds": 2.0, "net_rx_bytes": None, "execs": None, "exec_start_us": None}
+    _, b, c = metrics.rates([samples[0], host_only, samples[1]])
+    assert b["cpu_percent"] == 20.0 and b["net_rx_Bps"] is None and b["execs_per_s"] is None
+    assert c["cpu_percent"] == 20.0 and c["net_rx_Bps"] == 1000 and c["execs_per_s"] == 2.0
+
+
+def test_the_guest_is_asked_every_guest_interval_and_the_host_every_round(
+    home: Path, root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An answer from the agent costs the box CPU (benchmarks/events.py), the host's
+    figures do not: each round samples the host, every minute the guest too."""
+    monkeypatch.setenv("SANDLOT_METRICS_GUEST_EVERY", "60")
+    asks: list[bool] = []
+    real = sampler.sample_box
+
+    async def spied(core: Any, rec: Any, ask_guest: bool = True) -> dict[str, Any]:
+        asks.append(ask_guest)
+        return await real(core, rec, ask_guest)
+
+    monkeypatch.setattr(sampler, "sample_box", spied)
+
+    async def main() -> int:
+        box = sandlot.AsyncBox(rootfs=root, engine="fake", home=home, template=False, memory_mib=256,
+                               keep=True)  # fmt: skip
+        await box.start()
+        core = core_for(Runtime.for_home(home))
+        asked: dict[str, float] = {}
+        for _ in range(3):
+            await sampler.sample_home(core, asked)
+        asked[box.id] -= 61  # a minute on
+        await sampler.sample_home(core, asked)
+        await sampler.sample_home(core, asked)
+        samples = len(await box.metrics())
+        await box.remove(force=True)
+        await sampler.sample_home(core, asked)
+        assert asked == {}  # a removed box is forgotten
+        return samples
+
+    assert asyncio.run(main()) == 5
+    assert asks == [True, False, False, True, False]
 
 
 def test_samples_are_kept_bounded_read_with_rates_and_go_with_their_box(home: Path, root: Path) -> None:

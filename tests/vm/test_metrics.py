@@ -53,6 +53,7 @@ def test_a_running_box_is_sampled_from_host_and_guest(
     tmp_path: Path, busybox_root: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("SANDLOT_METRICS_EVERY", "1")
+    monkeypatch.setenv("SANDLOT_METRICS_GUEST_EVERY", "1")
     home = fresh_home(tmp_path)
     with sandlot.Box(rootfs=busybox_root, memory_mib=256, engine=TEST_ENGINE, home=home) as box:
         wait_for("a first sample", lambda: box.metrics())
@@ -84,6 +85,7 @@ def test_prometheus_metrics_parse_and_show_a_key_its_namespace(
     tmp_path: Path, busybox_root: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("SANDLOT_METRICS_EVERY", "1")
+    monkeypatch.setenv("SANDLOT_METRICS_GUEST_EVERY", "1")
     home = fresh_home(tmp_path)
     team = create_key(home, "team-a", "--namespace", "a")
     with serving(home) as served:

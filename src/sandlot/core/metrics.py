@@ -8,10 +8,12 @@ it writes one sample per running or paused box:
 
 * from the host, without asking the guest: the VM's CPU seconds, resident and
   proportional memory (RSS, PSS: ``/proc``), and the bytes its disk layer takes;
-* from the guest, in the agent's answer to CONTROL STATUS (``guest/agent/stats.c``):
-  memory in use and in all, network and disk bytes as the guest kernel counts them,
-  commands started, and their time from request to running. Asking is no
-  activity: an idle box still sleeps at its ``idle_timeout``.
+* from the guest, in the agent's answer to CONTROL STATUS (``guest/agent/stats.c``),
+  every ``guest_every()`` seconds (``$SANDLOT_METRICS_GUEST_EVERY``, 60): memory in
+  use and in all, network and disk bytes as the guest kernel counts them, commands
+  started, and their time from request to running. Asking is no activity (an idle
+  box still sleeps at its ``idle_timeout``), but it costs the box CPU where the
+  host's figures cost it none (``benchmarks/events.py``).
 
 Counters are cumulative (as Prometheus has them); ``rates`` turns two samples into
 per-second figures. Samples older than ``keep_s()`` (``$SANDLOT_METRICS_KEEP_S``, a
@@ -32,7 +34,7 @@ from ..protocol.wire import Tag
 log = logging.getLogger("sandlot")
 
 MODULE = "sandlot.core.sampler"  # the sampler process
-DEFAULT_EVERY, DEFAULT_KEEP_S = 10.0, 86400.0
+DEFAULT_EVERY, DEFAULT_GUEST_EVERY, DEFAULT_KEEP_S = 10.0, 60.0, 86400.0
 ASK_TIMEOUT = 3.0  # seconds the agent has to answer; past it, the sample has the host's figures only
 IDLE_ROUNDS = 3  # rounds without a VM in the home before the sampler exits (and sampler.IDLE_S)
 
@@ -47,13 +49,17 @@ GUEST = {
     "execs": (Tag.EXECS, 1),
     "exec_start_us": (Tag.EXEC_START_US, 1),
 }
-COUNTERS = ("cpu_seconds", "net_rx_bytes", "net_tx_bytes", "disk_read_bytes", "disk_written_bytes", "execs",
-            "exec_start_us")  # fmt: skip
 
 
 def every() -> float:
     """Seconds between two samples (``$SANDLOT_METRICS_EVERY``; 0: no sampling)."""
     return _seconds("SANDLOT_METRICS_EVERY", DEFAULT_EVERY)
+
+
+def guest_every() -> float:
+    """Seconds between two samples that ask the guest too (``$SANDLOT_METRICS_GUEST_EVERY``):
+    the host's figures cost the box nothing, an answer from its agent does."""
+    return _seconds("SANDLOT_METRICS_GUEST_EVERY", DEFAULT_GUEST_EVERY)
 
 
 def keep_s() -> float:
@@ -119,22 +125,31 @@ def _per_s(key: str, before: dict[str, Any] | None, now: dict[str, Any]) -> floa
 
 
 def rates(samples: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Each sample with what changed since the one before it, per second: ``cpu_percent``
-    (of one host CPU), ``net_rx_Bps``, ``net_tx_Bps``, ``disk_read_Bps``,
-    ``disk_written_Bps``, ``execs_per_s``, and ``exec_start_ms`` (the mean time from
-    request to running of the commands started in between). None for the first, and
+    """Each sample with what changed since the last one before it that has the same
+    figure, per second: ``cpu_percent`` (of one host CPU), ``net_rx_Bps``,
+    ``net_tx_Bps``, ``disk_read_Bps``, ``disk_written_Bps``, ``execs_per_s``, and
+    ``exec_start_ms`` (the mean time from request to running of the commands started
+    in between). None for the first, in a sample without the guest's figures, and
     where a counter went back (the box was started again)."""
     out = []
-    for before, now in zip([None, *samples], samples, strict=False):
+    last: dict[str, dict[str, Any]] = {}  # counter: the last sample that had it
+    for now in samples:
         d = dict(now)
-        cpu = _per_s("cpu_seconds", before, now)
+
+        def per_s(key: str, now: dict[str, Any] = now) -> float | None:
+            return _per_s(key, last.get(key), now)
+
+        cpu = per_s("cpu_seconds")
         d["cpu_percent"] = round(cpu * 100, 1) if cpu is not None else None
         for key in ("net_rx", "net_tx", "disk_read", "disk_written"):
-            r = _per_s(f"{key}_bytes", before, now)
+            r = per_s(f"{key}_bytes")
             d[f"{key}_Bps"] = round(r) if r is not None else None
-        execs = _per_s("execs", before, now)
+        execs = per_s("execs")
         d["execs_per_s"] = round(execs, 3) if execs is not None else None
-        started = _per_s("exec_start_us", before, now)
+        started = per_s("exec_start_us")
         d["exec_start_ms"] = round(started / execs / 1000, 3) if started is not None and execs else None
+        for key, value in now.items():
+            if value is not None:
+                last[key] = now
         out.append(d)
     return out

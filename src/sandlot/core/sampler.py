@@ -19,6 +19,7 @@ from .metrics import (
     DEFAULT_EVERY,
     IDLE_ROUNDS,
     every,
+    guest_every,
     guest_figures,
     keep_s,
     metrics_lock,
@@ -29,8 +30,9 @@ log = logging.getLogger("sandlot")
 IDLE_S = 30.0  # seconds without a VM in the home before the sampler exits (and IDLE_ROUNDS rounds)
 
 
-async def sample_box(core: Any, rec: Any) -> dict[str, Any]:
-    """One sample of a box (a ``BoxRecord`` of a running or paused box)."""
+async def sample_box(core: Any, rec: Any, ask_guest: bool = True) -> dict[str, Any]:
+    """One sample of a box (a ``BoxRecord`` of a running or paused box); with
+    ``ask_guest``, of a running one, with the guest's figures."""
     from .state import BoxState
 
     engine = core.rt.engine(rec.engine)
@@ -46,7 +48,7 @@ async def sample_box(core: Any, rec: Any) -> dict[str, Any]:
                 "pss_bytes": pss_bytes(rec.vm.pid if rec.vm else None), "disk_bytes": allocated}  # fmt: skip
 
     status = None
-    if rec.state == BoxState.RUNNING:
+    if ask_guest and rec.state == BoxState.RUNNING:
         with contextlib.suppress(Exception):
             entry = await core.controller.find(rec.id)
             status = await asyncio.wait_for(core.controller.control(entry, ControlOp.STATUS), ASK_TIMEOUT)
@@ -58,14 +60,22 @@ async def sample_box(core: Any, rec: Any) -> dict[str, Any]:
     }
 
 
-async def sample_home(core: Any) -> int:
+async def sample_home(core: Any, asked: dict[str, float] | None = None) -> int:
     """Sample every running or paused box of the home once; how many boxes have a VM
-    (those starting, stopping or being saved too)."""
+    (those starting, stopping or being saved too). ``asked``: when each box's guest
+    was last asked (kept by the caller): it is asked again once ``guest_every()``
+    seconds have passed; without it, always."""
     from .state import LIVE, BoxState
 
     boxes = [r for r in await core.db.list() if r.state in LIVE and not r.options.get("pool")]
     due = [r for r in boxes if r.state in (BoxState.RUNNING, BoxState.PAUSED)]
-    taken = await asyncio.gather(*(sample_box(core, r) for r in due), return_exceptions=True)
+    now = time.monotonic()
+    ask = {r.id: asked is None or now - asked.get(r.id, -1e9) >= guest_every() - 0.5 for r in due}
+    if asked is not None:
+        asked.update({box_id: now for box_id, yes in ask.items() if yes})
+        for gone in set(asked) - set(ask):
+            del asked[gone]
+    taken = await asyncio.gather(*(sample_box(core, r, ask[r.id]) for r in due), return_exceptions=True)
     rows = [(r.id, s) for r, s in zip(due, taken, strict=True) if isinstance(s, dict)]
     if rows:
         await core.db.call_unless_full("add_samples", rows, keep_s())
@@ -79,11 +89,12 @@ async def run(home: Path) -> None:
 
     core = core_for(Runtime.for_home(home))
     idle = 0
+    asked: dict[str, float] = {}
     try:
         while idle < max(IDLE_ROUNDS, IDLE_S / (every() or DEFAULT_EVERY)) and not home_gone(home):
             started = time.monotonic()
             try:
-                idle = 0 if await sample_home(core) else idle + 1
+                idle = 0 if await sample_home(core, asked) else idle + 1
             except Exception as exc:  # a busy store, a full disk: the next round tries again
                 log.warning("metrics of home %s: %s", home, exc)
                 idle += 1  # but not for ever
