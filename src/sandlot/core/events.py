@@ -155,11 +155,6 @@ def acting_as(who: str, why: str | None = None) -> Iterator[None]:
         _ACTOR.reset(token)
 
 
-def act_as(who: str) -> None:
-    """``acting_as`` for the rest of this context (a server's request handler)."""
-    _ACTOR.set((who, None))
-
-
 def draft(kind: str, reason: str | None = None, **detail: Any) -> Draft:
     """An event by whoever acts in this context (``actor``)."""
     set_by = _ACTOR.get()
