@@ -691,3 +691,42 @@ def test_unit_a_refused_spawn_raises_the_servers_error() -> None:
                 assert info.value.state == "paused"
 
     run(main)
+
+
+def test_unit_a_followed_event_stream_that_ends_or_breaks_goes_on_after_the_last_event() -> None:
+    """An SSE stream of events has no end while following: one that ended (a proxy's
+    timeout, a server's restart) or broke is opened again after the last event id seen;
+    without following, its end is the end."""
+
+    def event(i: int) -> str:
+        ev = {"id": i, "at": 1.0, "kind": "started", "box_id": "b0x1d", "box_name": "dev", "state": "running",
+              "reason": None, "by": "key k", "detail": {}, "labels": {}}  # fmt: skip
+        return f"id: {i}\nevent: started\ndata: {json.dumps(ev)}\n\n"
+
+    calls: list[dict[str, str]] = []
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        calls.append(dict(request.url.params))
+        if len(calls) == 2:
+            raise httpx.ReadError("the connection broke")
+        after = int(request.url.params.get("after", 0))
+        return httpx.Response(
+            200, text=": events\n\n" + event(after + 1), headers={"content-type": "text/event-stream"}
+        )
+
+    rec = Recorder({("GET", "/v1/events"): answer})
+
+    async def main() -> tuple[list[int], list[int]]:
+        async with rec.client() as client:
+            followed = []
+            async for ev in client.events():
+                followed.append(ev.id)
+                if len(followed) == 3:
+                    break
+            once = [ev.id async for ev in client.events(follow=False)]
+        return followed, once
+
+    followed, once = run(main)
+    assert followed == [1, 2, 3]
+    assert [c.get("after") for c in calls[:4]] == [None, "1", "1", "2"]  # the break retried after 1 s
+    assert once == [1] and calls[-1]["follow"] == "false"

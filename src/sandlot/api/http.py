@@ -546,20 +546,24 @@ class HttpBackend(RemoteBackend):
         while True:
             params = {"box": box, "since": since, "after": cursor, "follow": follow}
             timeout = httpx.Timeout(self._timeout, read=WATCH_READ_TIMEOUT)
+            err: SandlotError
             try:
                 async with self.stream("GET", "/events", params=params, timeout=timeout) as r:
                     async for ev in sse_events(r.aiter_lines(), f"{self.url}/v1/events"):
                         broke = None
                         cursor = ev.id
                         yield ev
-                return
+                if not follow:
+                    return
+                # a followed stream has no end: one that ended was cut (a proxy, a restart)
+                err = ConnectionLost(f"{self.url}/v1/events ended")
             except (ConnectionLost, httpx.TransportError, OSError) as e:
                 err = e if isinstance(e, ConnectionLost) else transport_error(self.url, e)
-                now = asyncio.get_running_loop().time()
-                broke = broke or now
-                if not (follow and isinstance(err, ConnectionLost)) or now - broke > EVENTS_RECONNECT_FOR:
-                    raise err from None
-                await asyncio.sleep(1.0)
+            now = asyncio.get_running_loop().time()
+            broke = broke or now
+            if not (follow and isinstance(err, ConnectionLost)) or now - broke > EVENTS_RECONNECT_FOR:
+                raise err from None
+            await asyncio.sleep(1.0)
 
     # -- snapshots --------------------------------------------------------------------------
 
