@@ -18,6 +18,20 @@ from typing import Any
 import httpx
 
 
+def shared_home(parent: Path) -> Path:
+    """A fresh, empty home under ``parent`` that shares the default home's kernel, agent
+    and initramfs caches (nothing is fetched or built again)."""
+    import sandlot
+
+    home = parent / "home"
+    shared = sandlot.Runtime.for_home().home
+    sandlot.Runtime.for_home(shared).prepare()
+    home.mkdir()
+    for d in ("kernels", "agent", "initramfs"):
+        (home / d).symlink_to(shared / d)
+    return home
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

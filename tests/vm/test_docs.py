@@ -17,22 +17,11 @@ import pytest
 import sandlot
 
 from tests.support.docs import PAGES, REPO, blocks
-from tests.support.serve import serving
+from tests.support.serve import serving, shared_home
 
 pytestmark = pytest.mark.vm
 
 RUNNABLE = [p for p in PAGES if any("skip" not in b.marks for b in blocks(p))]
-
-
-def page_home(tmp: Path) -> Path:
-    """A fresh home that shares the tests' kernel, agent and initramfs caches."""
-    home = tmp / "home"
-    shared = sandlot.Runtime.for_home().home
-    sandlot.Runtime.for_home(shared).prepare()
-    home.mkdir()
-    for d in ("kernels", "agent", "initramfs"):
-        (home / d).symlink_to(shared / d)
-    return home
 
 
 @pytest.mark.timeout(1500)
@@ -40,7 +29,7 @@ def page_home(tmp: Path) -> Path:
 def test_page_runs_as_written(
     page: Path, tmp_path: Path, hub_mirror: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    home = page_home(tmp_path)
+    home = shared_home(tmp_path)
     monkeypatch.setenv("SANDLOT_REGISTRY_MIRRORS", f"docker.io={hub_mirror}")  # a server started here too
     work = tmp_path / "work"
     work.mkdir()

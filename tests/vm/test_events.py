@@ -18,7 +18,7 @@ import sandlot
 from sandlot.server.webhooks import verify
 
 from tests.conftest import TEST_ENGINE
-from tests.support.serve import create_key, serving
+from tests.support.serve import create_key, serving, shared_home
 
 pytestmark = pytest.mark.vm
 
@@ -95,11 +95,7 @@ def receiver() -> Iterator[Receiver]:
 def test_the_server_streams_events_and_its_webhook_gets_each_once_across_a_restart(
     tmp_path: Path, busybox_root: Path, receiver: Receiver, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    home = tmp_path / "home"
-    shared = sandlot.Runtime.for_home().home
-    home.mkdir()
-    for d in ("kernels", "agent", "initramfs"):
-        (home / d).symlink_to(shared / d)
+    home = shared_home(tmp_path)
     monkeypatch.setenv("SANDLOT_WEBHOOK_SECRET", SECRET)
     team = create_key(home, "team-a", "--namespace", "a", "--max-boxes", "1")
     with serving(home, args=("--webhook", receiver.url)) as served:
@@ -160,11 +156,7 @@ def test_the_server_streams_events_and_its_webhook_gets_each_once_across_a_resta
 def test_a_stream_shows_a_key_only_its_namespace_and_refuses_bad_queries(
     tmp_path: Path, busybox_root: Path
 ) -> None:
-    home = tmp_path / "home"
-    shared = sandlot.Runtime.for_home().home
-    home.mkdir()
-    for d in ("kernels", "agent", "initramfs"):
-        (home / d).symlink_to(shared / d)
+    home = shared_home(tmp_path)
     a, b = create_key(home, "ns-a", "--namespace", "a"), create_key(home, "ns-b", "--namespace", "b")
     with serving(home) as served:
         admin = sandlot.connect(served.url, api_key=served.api_key)

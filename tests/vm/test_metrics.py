@@ -18,19 +18,10 @@ from sandlot.config import try_flock
 from sandlot.core.metrics import metrics_lock
 
 from tests.conftest import TEST_ENGINE
-from tests.support.serve import create_key, serving
+from tests.support.serve import create_key, serving, shared_home
 
 pytestmark = pytest.mark.vm
 NS = "sandlot.namespace"  # the label of a key's namespace
-
-
-def fresh_home(tmp_path: Path) -> Path:
-    home = tmp_path / "home"
-    shared = sandlot.Runtime.for_home().home
-    home.mkdir()
-    for d in ("kernels", "agent", "initramfs"):
-        (home / d).symlink_to(shared / d)
-    return home
 
 
 def sampler_running(home: Path) -> bool:
@@ -54,7 +45,7 @@ def test_a_running_box_is_sampled_from_host_and_guest(
 ) -> None:
     monkeypatch.setenv("SANDLOT_METRICS_EVERY", "1")
     monkeypatch.setenv("SANDLOT_METRICS_GUEST_EVERY", "1")
-    home = fresh_home(tmp_path)
+    home = shared_home(tmp_path)
     with sandlot.Box(rootfs=busybox_root, memory_mib=256, engine=TEST_ENGINE, home=home) as box:
         wait_for("a first sample", lambda: box.metrics())
         for _ in range(5):
@@ -86,7 +77,7 @@ def test_prometheus_metrics_parse_and_show_a_key_its_namespace(
 ) -> None:
     monkeypatch.setenv("SANDLOT_METRICS_EVERY", "1")
     monkeypatch.setenv("SANDLOT_METRICS_GUEST_EVERY", "1")
-    home = fresh_home(tmp_path)
+    home = shared_home(tmp_path)
     team = create_key(home, "team-a", "--namespace", "a")
     with serving(home) as served:
         admin = sandlot.connect(served.url, api_key=served.api_key)
