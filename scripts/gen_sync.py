@@ -18,6 +18,7 @@ named in an output's ``functions`` get a sync twin too (``connect_async`` ->
 from __future__ import annotations
 
 import ast
+import copy
 import re
 import subprocess
 import sys
@@ -128,7 +129,14 @@ def call_args(args: ast.arguments, skip_first: bool) -> str:
 
 
 def signature(args: ast.arguments) -> str:
-    return sync_text(ast.unparse(args))
+    """The parameters as the sync twin spells them: each annotation on its own (a union's
+    members that became the same are one), so two parameters' unions never mix."""
+    args = copy.deepcopy(args)
+    every = [*args.posonlyargs, *args.args, *args.kwonlyargs, args.vararg, args.kwarg]
+    for a in every:
+        if a is not None and a.annotation is not None:
+            a.annotation = ast.parse(sync_text(ast.unparse(a.annotation)), mode="eval").body
+    return ast.unparse(args)
 
 
 def members(cls: ast.ClassDef) -> list[Member]:

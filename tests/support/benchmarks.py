@@ -21,6 +21,7 @@ PROMISED = {
         "neighbour_exec_true_ms_rest_idle",
     ],
     "core": ["boot_to_first_exec_s", "exec_true_ms", "stdout_MBps", "upload_MBps", "idle_256MiB_box_pss_MiB"],
+    "diffs": ["tree", "snapshot_to_now", "snapshot_start_remove", "box_to_box", "restore_one_file"],
     "durable": ["create_start_first_exec_s", "stop_s", "start_to_first_exec_s"],
     "events": ["state_write", "follow", "query"],  # follow holds metrics_sample
     "fleet": ["create_first_exec_s", "exec_true_ms", "migration_256MiB", "fork"],

@@ -388,6 +388,24 @@ class FakeVM(VM):
             _node(fs, path)["mode"] = f.u32(Tag.MODE, 0o644)
         elif op == FsOp.CHOWN:
             _node(fs, path)
+        elif op == FsOp.TREE:  # the root first as "", then every path under it
+            node = _node(fs, path)
+            if not flags & FsFlag.SELF and node["type"] != "dir":
+                raise OSError(errno.ENOTDIR, f"{path}: Not a directory")
+            prefix = path.rstrip("/") + "/"
+            under = [] if flags & FsFlag.SELF else sorted(p for p in fs if p.startswith(prefix) and p != path)
+            found = [_tree_entry("", node), *(_tree_entry(p[len(prefix) :], fs[p]) for p in under)]
+            self._send(w, T.FS_RESULT, ch, b"".join(wire.tlv(Tag.TREE_ENTRY, e) for e in found))
+            return
+        elif op in (FsOp.SYMLINK, FsOp.MKNOD):
+            if path in fs:
+                raise OSError(errno.EEXIST, f"{path}: File exists")
+            _node(fs, posixpath.dirname(path))
+            fs[path] = (
+                {"type": "symlink", "mode": 0o777, "mtime": time.time_ns(), "target": f.str(Tag.TARGET, "")}
+                if op == FsOp.SYMLINK
+                else {"type": "fifo", "mode": (f.u32(Tag.MODE, 0) or 0) & 0o7777, "mtime": time.time_ns()}
+            )
         self._send(w, T.FS_RESULT, ch, b"".join(wire.tlv(Tag.ENTRY, e) for e in entries))
 
     async def _write(self, ch: int, w: asyncio.StreamWriter, path: str, queue: asyncio.Queue[bytes | None],
@@ -439,6 +457,23 @@ def _entry(name: str, node: dict[str, Any]) -> bytes:
     size = len(node.get("data", ""))
     raw = name.encode()
     return _ENTRY.pack(kind | node["mode"], 0, 0, 1, size, node["mtime"], len(raw), 0) + raw
+
+
+_TREE_ENTRY = struct.Struct("<IIIIQqqQQHH")
+_KINDS = {"dir": stat.S_IFDIR, "symlink": stat.S_IFLNK, "fifo": stat.S_IFIFO}
+_inodes = iter(range(1000, 1 << 40))
+
+
+def _tree_entry(rel: str, node: dict[str, Any]) -> bytes:
+    """A TREE_ENTRY of a node, which gets an inode number the first time it is listed
+    (kept in the VM's memory, so a snapshot's boxes see the same numbers)."""
+    ino = node.setdefault("ino", next(_inodes))
+    raw, target = rel.encode(), node.get("target", "").encode()
+    size = len(node.get("data", "")) if node["type"] == "file" else len(target)
+    return _TREE_ENTRY.pack(
+        _KINDS.get(node["type"], stat.S_IFREG) | node["mode"], 0, 0, 1, size, node["mtime"], node["mtime"],
+        ino, 0, len(raw), len(target),
+    ) + raw + target  # fmt: skip
 
 
 class FakeEngine(Engine):

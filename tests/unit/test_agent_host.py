@@ -9,13 +9,20 @@ import errno
 import os
 import random
 import socket
+import stat
 import struct
 import time
 from pathlib import Path
 
 import pytest
 
-from sandlot.errors import ConnectionLost, GuestFileNotFoundError, GuestOSError, GuestPermissionError
+from sandlot.errors import (
+    ConnectionLost,
+    GuestFileNotFoundError,
+    GuestOSError,
+    GuestPermissionError,
+    ProtocolError,
+)
 from sandlot.protocol import files as pfiles
 from sandlot.protocol import wire
 from sandlot.protocol.exec import ExecRequest, RemoteProcess
@@ -570,3 +577,76 @@ def test_a_connection_starts_at_the_hello_answer_after_bytes_a_saved_vm_left() -
                 await task
 
     assert run(go()) == wire.PROTOCOL_VERSION
+
+
+def test_a_tree_manifest_lists_every_path_with_what_a_diff_compares(tmp_path: Path) -> None:
+    root = tmp_path / "root"
+    (root / "a" / "b" / "c").mkdir(parents=True)
+    (root / "a" / "f.txt").write_text("hello\n")
+    (root / "a" / "b" / "c" / "deep").write_bytes(b"\0" * 3000)
+    os.link(root / "a" / "f.txt", root / "hard")
+    os.symlink("a/f.txt", root / "link")
+    os.mkfifo(root / "fifo")
+    os.chmod(root / "a" / "f.txt", 0o640)
+    for i in range(3000):  # more than one batch of entries
+        (root / "many").mkdir(exist_ok=True)
+        (root / "many" / f"file-{i:05d}-{'x' * 60}").write_text(str(i))
+
+    async def go() -> None:
+        async with connected(tmp_path) as (conn, _):
+            entries = await pfiles.tree(conn, str(root))
+            by_path = {e.path: e for e in entries}
+            assert len(by_path) == len(entries), "each path once"
+            expected = {""} | {str(p.relative_to(root)) for p in root.rglob("*")}
+            assert set(by_path) == expected
+            for path, e in by_path.items():
+                st = os.lstat(root / path) if path else os.lstat(root)
+                assert (e.mode, e.uid, e.gid, e.size, e.ino, e.nlink) == (
+                    st.st_mode,
+                    st.st_uid,
+                    st.st_gid,
+                    st.st_size,
+                    st.st_ino,
+                    st.st_nlink,
+                ), path
+                assert (e.mtime_ns, e.ctime_ns) == (st.st_mtime_ns, st.st_ctime_ns), path
+            assert by_path["link"].link_target == "a/f.txt"
+            assert by_path["hard"].ino == by_path["a/f.txt"].ino
+            with pytest.raises(GuestOSError):  # a file is no tree
+                await pfiles.tree(conn, str(root / "a" / "f.txt"))
+            with pytest.raises(GuestFileNotFoundError):
+                await pfiles.tree(conn, str(root / "missing"))
+
+    run(go())
+
+
+def test_a_tree_entry_with_a_path_that_climbs_out_is_a_protocol_error() -> None:
+    fixed = struct.pack("<IIIIQqqQQHH", 0o100644, 0, 0, 1, 1, 0, 0, 5, 0, 5, 0)
+    assert wire.parse_tree_entry(fixed + b"a/b/c"[:5]).path == "a/b/c"
+    for bad in (b"../x", b"a/../", b"/etc", b"a//b", b"a\0b"):
+        raw = struct.pack("<IIIIQqqQQHH", 0o100644, 0, 0, 1, 1, 0, 0, 5, 0, len(bad), 0) + bad
+        with pytest.raises(ProtocolError):
+            wire.parse_tree_entry(raw)
+    with pytest.raises(ProtocolError):
+        wire.parse_tree_entry(fixed[:20])
+
+
+def test_symlink_and_mknod_make_what_a_restore_brings_back(tmp_path: Path) -> None:
+    async def go() -> None:
+        async with connected(tmp_path) as (conn, _):
+            link = str(tmp_path / "link")
+            await pfiles.fs_request(conn, FsOp.SYMLINK, link, target="../relative/target")
+            assert os.readlink(link) == "../relative/target"
+            with pytest.raises(GuestOSError):  # it exists now
+                await pfiles.fs_request(conn, FsOp.SYMLINK, link, target="x")
+            with pytest.raises(GuestOSError, match="target"):
+                await pfiles.fs_request(conn, FsOp.SYMLINK, str(tmp_path / "l2"))
+            fifo = str(tmp_path / "fifo")
+            await pfiles.fs_request(conn, FsOp.MKNOD, fifo, mode=0o010600, rdev=0)
+            assert stat.S_ISFIFO(os.lstat(fifo).st_mode) and stat.S_IMODE(os.lstat(fifo).st_mode) == 0o600
+            with pytest.raises(GuestOSError):  # a regular file's mode is no special file
+                await pfiles.fs_request(conn, FsOp.MKNOD, str(tmp_path / "f"), mode=0o100644, rdev=0)
+            (own,) = await pfiles.tree(conn, link, self_only=True)
+            assert own.path == "" and own.link_target == "../relative/target"
+
+    run(go())

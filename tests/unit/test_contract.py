@@ -165,11 +165,24 @@ def test_snapshots_rollback_fork_and_starts(side: Side) -> None:
         box.rollback("mark")  # by name as well
         with pytest.raises(sandlot.SnapshotNotFound):
             box.rollback("no-such-snapshot")
+        box.files.write("/root/marker", "changed")
+        box.files.write("/root/new", "x")
+        d = box.diff("mark", paths=["/root"])
+        assert [(c.path, c.status, c.fields) for c in d] == [
+            ("/root/marker", "modified", ("content",)), ("/root/new", "added", ()),
+        ]  # fmt: skip
+        nl = "\\ No newline at end of file\n"
+        head = "--- a/root/marker\n+++ b/root/marker\n@@ -1 +1 @@\n"
+        assert d.changes[0].diff == f"{head}-before\n{nl}+changed\n{nl}"
+        assert box.files.restore("/root/marker", from_=snap)["entries"] == 1
+        assert box.files.read_text("/root/marker") == "before"
+        assert [c.path for c in box.diff(snap, paths="/root")] == ["/root/new"]
         kids = box.fork(2)
         try:
             assert len({k.id for k in kids} | {box.id}) == 3 and all(k.transport == side.kind for k in kids)
             kids[0].files.write("/root/marker", "kid")
             assert kids[1].files.read_text("/root/marker") == "before"
+            assert [c.path for c in kids[0].diff(kids[1], paths="/root")] == ["/root/marker"]
         finally:
             for k in kids:
                 k.remove(force=True)

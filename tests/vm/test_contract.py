@@ -406,6 +406,34 @@ def test_snapshot_then_rollback(box: Any) -> None:
         snap.remove()
 
 
+def test_diff_and_restore(box: Any) -> None:
+    box.sh("mkdir -p /root/d && echo one > /root/d/kept && echo old > /root/d/edited")
+    snap = box.snapshot()
+    try:
+        box.sh("echo new > /root/d/edited && rm /root/d/kept && echo hi > /root/d/added")
+        d = box.diff(snap, paths=["/root/d"])
+        assert [(c.path, c.status) for c in d] == [
+            ("/root/d/added", "added"), ("/root/d/edited", "modified"), ("/root/d/kept", "deleted"),
+        ]  # fmt: skip
+        assert "-old\n+new\n" in (d.changes[1].diff or "") and d.stat["modified"] == 1
+        done = box.files.restore("/root/d", from_=snap)
+        assert done["entries"] == 3 and box.files.read_text("/root/d/kept") == "one\n"
+        assert not box.diff(snap, paths="/root/d")
+        (kid,) = box.fork()
+        try:
+            kid.files.write("/root/d/kid", "mine")
+            assert [(c.path, c.status) for c in kid.diff(box, paths="/root/d")] == [("/root/d/kid", "added")]
+        finally:
+            kid.remove(force=True)
+        with pytest.raises(sandlot.SnapshotNotFound):
+            box.diff("no-such-snapshot")
+        with pytest.raises(sandlot.InvalidArgument):
+            box.diff(snap, paths=["relative"])
+    finally:
+        for s in box.snapshots():  # this one and the fork's
+            s.remove()
+
+
 def test_fork_two(box: Any) -> None:
     box.files.write("/root/forked", "from the parent")
     kids = box.fork(2)

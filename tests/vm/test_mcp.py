@@ -118,6 +118,11 @@ def test_stdio_tools_on_real_boxes(image: str) -> None:
             assert data(read)["content"] == "first\nsecond\n"
             snaps = await ok(client, "list_snapshots", {"box": box})
             assert [s["name"] for s in data(snaps)["snapshots"]] == ["clean"]
+            changed = await ok(client, "diff", {"box": box, "since": "clean", "paths": ["/work"]})
+            assert data(changed)["changes"] == [
+                {"path": "/work/notes.txt", "status": "modified", "fields": ["content"]}
+            ]
+            assert " first\n+second\n" in text(changed)
             await ok(client, "rollback", {"box": box, "snapshot": "clean"})
             read = await ok(client, "read_file", {"box": box, "path": "/work/notes.txt"})
             assert data(read)["content"] == "first\n"
@@ -252,6 +257,8 @@ def test_http_tools_act_within_the_keys_namespace(served: Served) -> None:
             assert data(await ok(a, "read_file", {"box": box, "path": "/tmp/x"}))["content"] == "x"
             await ok(a, "snapshot", {"box": box, "name": "s1"})
             await ok(a, "write_file", {"box": box, "path": "/tmp/x", "content": "y"})
+            changed = await ok(a, "diff", {"box": box, "since": "s1", "paths": ["/tmp/x"], "patch": False})
+            assert [c["path"] for c in data(changed)["changes"]] == ["/tmp/x"]
             await ok(a, "rollback", {"box": box, "snapshot": "s1"})
             assert data(await ok(a, "read_file", {"box": box, "path": "/tmp/x"}))["content"] == "x"
 

@@ -38,6 +38,7 @@ from ..core.validate import positive
 from ..errors import InvalidArgument
 from ..net.secrets import Secret
 from .backend import Backend, BoxRef, Cell, Command, SnapshotRef, snapshot_key
+from .diffs import Diff, side_arg
 from .local import LocalBackend
 from .process import AsyncProcess, ExecResult, StdinSource, feed_and_wait
 
@@ -623,6 +624,39 @@ class AsyncBox:
     async def fork(self, n: int = 1, *, name: str | None = None) -> builtins.list[AsyncBox]:
         """``n`` running copies of this box, from a snapshot taken now; see ``AsyncSnapshot.start``."""
         return [AsyncBox.bound(r) for r in await self._op("fork", n=n, name=name)]
+
+    async def diff(
+        self,
+        a: AsyncSnapshot | AsyncBox | str | Any = None,
+        b: AsyncSnapshot | AsyncBox | str | Any = None,
+        *,
+        paths: Sequence[str] | str | None = None,
+        text_limit: int | None = None,
+    ) -> Diff:
+        """What changed in the box's files from ``a`` to ``b``: files added, deleted,
+        modified (content, type, mode, owner, link target) and renamed, with a unified
+        diff for text and sizes and SHA-256 hashes for the rest (docs/diffs.md).
+
+        ``a`` defaults to the box's image, ``b`` to the box now. Either may be a snapshot
+        (the object, its id or its name: any snapshot of the home, so forks compare with
+        each other), another box (its files now), ``"image"`` or ``"now"``. ``paths``:
+        only these subtrees. ``text_limit``: the largest text file that gets a unified
+        diff (1 MiB; 0: none). A side that is a snapshot or the image is started as a
+        box of its own for the comparison and removed after it.
+
+        >>> snap = box.snapshot()                                   # doctest: +SKIP
+        >>> box.sh("echo hi > /root/new.txt && rm /etc/motd")      # doctest: +SKIP
+        >>> print(box.diff(snap).summary())                         # doctest: +SKIP
+        D /etc/motd  +0 -5
+        A /root/new.txt  +1 -0
+        2 changes (1 added, 1 deleted), +1 -5 lines, from snapshot ... to box now
+        """
+        if isinstance(paths, str):
+            paths = [paths]
+        found = await self._op(
+            "diff", a=side_arg(a), b=side_arg(b), paths=list(paths) if paths else None, text_limit=text_limit
+        )
+        return Diff.from_json(found)
 
     async def suspend(self) -> None:
         """Write the running state to disk and end the VM: no CPU, no RAM. ``resume()``

@@ -418,6 +418,13 @@ class RollbackIn(Strict):
     snapshot: str
 
 
+class DiffIn(Strict):
+    a: str | None = None  # "image" (the default), "now", "box:KEY", "snapshot:KEY" or a snapshot
+    b: str | None = None  # "now" (the default), or as a
+    paths: list[str] | None = Field(default=None, max_length=MOST_AT_ONCE)
+    text_limit: int | None = Field(default=None, ge=0, le=64 * 1024 * 1024)
+
+
 class ForkIn(Strict):
     n: int = Field(default=1, ge=1, le=MOST_AT_ONCE)
     name: str | None = None
@@ -464,6 +471,11 @@ class MkdirIn(PathIn):
 class RenameIn(Strict):
     src: Path_
     dst: Path_
+
+
+class RestoreIn(Strict):
+    path: Path_
+    snapshot: str
 
 
 class ChmodIn(PathIn):
@@ -770,6 +782,7 @@ OPERATIONS: tuple[Operation, ...] = (
         ("snapshots", "GET /snapshots", Empty, SNAPSHOTS, "The box's snapshots."),
         ("rollback", "POST /rollback", RollbackIn, BOX, "Back to a snapshot."),
         ("fork", "POST /fork 201", ForkIn, BOXES, "Running copies of the box."),
+        ("diff", "POST /diff", DiffIn, JSON, "What changed in its files between two states."),
         ("processes", "GET /processes", Empty, PROCESSES, "The processes the host holds for the box."),
         ("preview_url", "POST /previews 201", PreviewIn, URL, "A signed URL to a port."),
         ("create_code_context", "POST /code/contexts 201", CodeContextIn, CONTEXT, "Start an interpreter."),
@@ -786,6 +799,7 @@ OPERATIONS: tuple[Operation, ...] = (
         ("rename", "POST /rename", RenameIn, NONE, "Rename a path."),
         ("chmod", "POST /chmod", ChmodIn, NONE, "Change a path's mode."),
         ("chown", "POST /chown", ChownIn, NONE, "Change a path's owner."),
+        ("restore", "POST /restore", RestoreIn, JSON, "Bring a path back from a snapshot."),
     )),
     *_ops("snapshot", "/snapshots/{snap}", (
         ("inspect", "GET /inspect", Empty, JSON, "Everything about a snapshot."),

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from ..config import tail
-from ..core import events, metrics, tracing
+from ..core import diffs, events, metrics, tracing
 from ..core.controller import BoxController
 from ..core.entry import BoxEntry, hostname_for
 from ..core.requests import SPEC_OPTIONS, BoxRequest
@@ -423,6 +423,18 @@ class LocalBackend(Backend):
         core, entry = await local(ref).live()
         return [self.ref_of(core, k) for k in await core.live.fork(entry, n, name=name)]
 
+    async def box_diff(
+        self,
+        ref: BoxRef,
+        a: str | None = None,
+        b: str | None = None,
+        paths: Sequence[str] | None = None,
+        text_limit: int | None = None,
+    ) -> dict[str, Any]:
+        core, entry = await local(ref).live()
+        limit = diffs.TEXT_LIMIT if text_limit is None else text_limit
+        return await diffs.diff(core, entry, a, b, paths=paths, text_limit=limit)
+
     async def box_processes(self, ref: BoxRef) -> list[dict[str, Any]]:
         raise self.unsupported(
             "processes()",
@@ -522,6 +534,10 @@ class LocalBackend(Backend):
 
     async def files_rename(self, ref: BoxRef, src: str, dst: str) -> None:
         await proto.fs_request(await self._conn(ref), FsOp.RENAME, guest_path(src), path2=guest_path(dst))
+
+    async def files_restore(self, ref: BoxRef, path: str, snapshot: str) -> dict[str, Any]:
+        core, entry = await local(ref).live()
+        return await diffs.restore(core, entry, guest_path(path), snapshot)
 
     async def files_chmod(self, ref: BoxRef, path: str, mode: int) -> None:
         if mode is None:

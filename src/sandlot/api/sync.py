@@ -36,6 +36,7 @@ if TYPE_CHECKING:
     from .backend import Backend, BoxRef, SnapshotRef
     from .box import Home
     from .code import CodeContext, ContextArg, Execution, OutputCallback, ResultCallback
+    from .diffs import Diff
     from .fs import FileEvent, FileInfo, WatchSource
     from .process import ExecResult, OutputStream, StdinSource
 
@@ -70,11 +71,11 @@ class Box(BoxBase):
         keep: bool = False,
         pull: str = "missing",
         insecure: bool = False,
-        ca_cert: str | None = None,
+        ca_cert: str | os.PathLike[str] | None = None,
         credentials: tuple[str, str] | None = None,
         engine: str | None = None,
         accel: str = "auto",
-        kernel: str | None = None,
+        kernel: str | os.PathLike[str] | None = None,
         hostname: str | None = None,
         boot_timeout: float | None = None,
         request_timeout: float = 30.0,
@@ -523,6 +524,34 @@ class Box(BoxBase):
         """``n`` running copies of this box, from a snapshot taken now; see ``Snapshot.start``."""
         return [Box.wrap(x) for x in loop.run(self._a.fork(n, name=name))]
 
+    def diff(
+        self,
+        a: Snapshot | Box | str | Any = None,
+        b: Snapshot | Box | str | Any = None,
+        *,
+        paths: Sequence[str] | str | None = None,
+        text_limit: int | None = None,
+    ) -> Diff:
+        """What changed in the box's files from ``a`` to ``b``: files added, deleted,
+        modified (content, type, mode, owner, link target) and renamed, with a unified
+        diff for text and sizes and SHA-256 hashes for the rest (docs/diffs.md).
+
+        ``a`` defaults to the box's image, ``b`` to the box now. Either may be a snapshot
+        (the object, its id or its name: any snapshot of the home, so forks compare with
+        each other), another box (its files now), ``"image"`` or ``"now"``. ``paths``:
+        only these subtrees. ``text_limit``: the largest text file that gets a unified
+        diff (1 MiB; 0: none). A side that is a snapshot or the image is started as a
+        box of its own for the comparison and removed after it.
+
+        >>> snap = box.snapshot()                                   # doctest: +SKIP
+        >>> box.sh("echo hi > /root/new.txt && rm /etc/motd")      # doctest: +SKIP
+        >>> print(box.diff(snap).summary())                         # doctest: +SKIP
+        D /etc/motd  +0 -5
+        A /root/new.txt  +1 -0
+        2 changes (1 added, 1 deleted), +1 -5 lines, from snapshot ... to box now
+        """
+        return loop.run(self._a.diff(a, b, paths=paths, text_limit=text_limit))
+
     def suspend(self) -> None:
         """Write the running state to disk and end the VM: no CPU, no RAM. ``resume()``
         (from any process), ``start()``, or the next command brings it back."""
@@ -704,6 +733,21 @@ class Files(FilesBase):
     def chown(self, path: str | os.PathLike[str], user: str, *, follow_symlinks: bool = True) -> None:
         """Change the owner; ``user`` is "name", "uid", "name:group" or "uid:gid"."""
         loop.run(self._a.chown(path, user, follow_symlinks=follow_symlinks))
+
+    def restore(
+        self, path: str | os.PathLike[str], snapshot: Any = None, *, from_: Any = None
+    ) -> dict[str, Any]:
+        """Bring ``path`` back as it was in a snapshot (``from_=`` or ``snapshot``: the
+        object, its id or its name), without rolling the box back: a file, a link, a
+        special file or a whole tree (what was added under it since goes), with modes
+        and owners. The snapshot's copy is built beside the path and renamed into place,
+        so the path is never half restored. Answers what was copied: ``{"path", "from",
+        "entries", "bytes", "skipped"}``.
+
+        >>> box.files.restore("/app/config.yaml", from_=snap)        # doctest: +SKIP
+        {'path': '/app/config.yaml', 'from': 'snapshot before', 'entries': 1, 'bytes': 412, 'skipped': None}
+        """
+        return loop.run(self._a.restore(path, snapshot, from_=from_))
 
     def watch(self, path: str | os.PathLike[str], *, recursive: bool = True) -> Watch:
         """Watch a directory (with everything below it, unless ``recursive=False``)

@@ -7,6 +7,7 @@ sandlot snapshot export SNAPSHOT FILE   one file for another machine
 sandlot snapshot import FILE [--name N] start the box it holds here
 sandlot snapshots [BOX]                 list (templates too)
 sandlot rollback BOX SNAPSHOT
+sandlot diff BOX [SNAP] [SNAP2]         what changed in its files (--stat, --json)
 sandlot fork BOX [-n N]
 sandlot suspend BOX... / resume BOX...
 sandlot template IMAGE --name N [--setup CMD]...
@@ -146,6 +147,56 @@ def rollback(
         print(b.name)
 
     run_coro(main())
+
+
+@app.command()
+def diff(
+    box: Annotated[str, typer.Argument(help="The box.")],
+    sides: Annotated[
+        list[str] | None,
+        typer.Argument(
+            metavar="[SNAP] [SNAP2]",
+            help="None: the box's image to the box now; one: that snapshot to now; two: the "
+            "first to the second. Each may also be 'image', 'now' or box:NAME (its files now).",
+        ),
+    ] = None,
+    stat: Annotated[bool, typer.Option("--stat", help="A line a changed path, and the counts.")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="The whole answer as JSON.")] = False,
+    paths: Annotated[
+        list[str] | None, typer.Option("--path", "-p", help="Only this subtree (repeatable).")
+    ] = None,
+    text_limit: Annotated[
+        int | None, typer.Option("--text-limit", help="Largest text file given a unified diff, in bytes.")
+    ] = None,
+    exit_code: Annotated[bool, typer.Option("--exit-code", help="Exit 1 if anything changed.")] = False,
+) -> None:
+    """What changed in a box's files between two states: added, deleted, modified and
+    renamed paths, with unified diffs of text files.
+
+    sandlot diff BOX                 its image to the box now
+    sandlot diff BOX SNAP            that snapshot to the box now
+    sandlot diff BOX SNAP SNAP2      one snapshot to another (forks' too)
+    sandlot diff BOX box:OTHER       another box now to this one now (two forks)
+    """
+    given = list(sides or [])
+    if len(given) > 2:
+        raise fail("diff takes at most two snapshots: SNAP [SNAP2]", 2)
+    a = given[0] if given else None
+    b = given[1] if len(given) > 1 else None
+
+    async def main() -> bool:
+        found = await (await AsyncBox.get(box)).diff(a, b, paths=paths, text_limit=text_limit)
+        if as_json:
+            print(json.dumps(found.to_json(), indent=2))
+        elif stat:
+            print(found.summary())
+        else:
+            print(found.patch(), end="")
+        return bool(found)
+
+    changed = run_coro(main())
+    if exit_code and changed:
+        raise typer.Exit(1)
 
 
 @app.command()

@@ -21,7 +21,8 @@ GROUPS: dict[str, dict[str, str]] = {
         "events": "events",
     },
     "Live state": {
-        "snapshot": "livestate", "snapshots": "livestate", "rollback": "livestate", "fork": "livestate",
+        "snapshot": "livestate", "snapshots": "livestate", "rollback": "livestate", "diff": "livestate",
+        "fork": "livestate",
         "suspend": "livestate", "resume": "livestate", "template": "livestate", "pool": "pools",
     },
     "Images": {

@@ -274,12 +274,14 @@ class LiveState:
 
     async def start_boxes(
         self, snap: SnapshotRecord, n: int = 1, *, name: str | None = None, as_prefix: bool = False,
-        box_id: str | None = None, **options: Any,
+        box_id: str | None = None, held_by_me: bool = False, **options: Any,
     ) -> list[BoxEntry]:  # fmt: skip
         """Start ``n`` boxes from a saved state, all or none. They share unchanged memory
         copy-on-write and each has its own disk layer, hostname, machine-id, RNG state
         and wall clock. ``name``: the box's name if ``n`` is 1, else the prefix of their names.
-        ``box_id``: the id of the one box (a box moved from another home keeps its id)."""
+        ``box_id``: the id of the one box (a box moved from another home keeps its id).
+        ``held_by_me``: the boxes are this process's, removed by recovery once it dies
+        (a ``with`` block's, a diff's)."""
         count(n)
         if box_id is not None:
             if n != 1:
@@ -315,7 +317,7 @@ class LiveState:
                 *(self.controller.remove(c, force=True) for c in made), return_exceptions=True
             )
             raise failed[0]
-        for child in made:
+        for child in [] if held_by_me else made:
             rec = await self.db.update(child.id, ephemeral=False)
             if rec is not None:
                 child.update(rec)

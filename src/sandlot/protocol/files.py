@@ -6,7 +6,7 @@ from collections.abc import AsyncIterable, AsyncIterator
 
 from . import wire
 from .connection import AgentConnection, OutboundStream
-from .wire import Fields, FsOp, RawEntry, T, Tag, WriteFlag
+from .wire import Fields, FsOp, RawEntry, T, Tag, TreeEntry, WriteFlag
 
 
 async def read_stream(
@@ -97,11 +97,18 @@ async def fs_request(
     mode: int | None = None,
     flags: int = 0,
     user: str | None = None,
+    target: str | None = None,
+    rdev: int | None = None,
 ) -> list[RawEntry]:
-    """One file-system request; returns the entries of STAT or LIST."""
+    """One file-system request; returns the entries of STAT or LIST. ``target``: a
+    SYMLINK's; ``rdev``: a MKNOD's device number (``mode`` then holds the type)."""
     payload = wire.tlv(Tag.OP, int(op)) + wire.tlv(Tag.PATH, path) + wire.tlv(Tag.FLAGS, flags)
     if path2 is not None:
         payload += wire.tlv(Tag.PATH2, path2)
+    if target is not None:
+        payload += wire.tlv(Tag.TARGET, target)
+    if rdev is not None:
+        payload += wire.tlv_u64(Tag.RDEV, rdev)
     if mode is not None:
         payload += wire.tlv(Tag.MODE, mode)
     if user is not None:
@@ -113,6 +120,25 @@ async def fs_request(
         while True:
             frame = await ch.expect(T.FS_RESULT, timeout=conn.request_timeout)
             entries.extend(wire.parse_entry(e) for e in Fields(frame.payload).all(Tag.ENTRY))
+            if not frame.flags & wire.FLAG_MORE:
+                return entries
+    finally:
+        ch.close()
+
+
+async def tree(conn: AgentConnection, path: str, *, self_only: bool = False) -> list[TreeEntry]:
+    """The manifest of the tree at ``path`` (a directory), on its own file system only:
+    every path under it, relative to it, the root itself as ``""``. ``self_only``: the
+    path's own entry alone, whatever it is."""
+    flags = wire.FsFlag.SELF if self_only else 0
+    payload = wire.tlv(Tag.OP, int(FsOp.TREE)) + wire.tlv(Tag.PATH, path) + wire.tlv(Tag.FLAGS, flags)
+    ch = conn.open_channel()
+    entries: list[TreeEntry] = []
+    try:
+        ch.send(T.FS, payload)
+        while True:
+            frame = await ch.expect(T.FS_RESULT, timeout=conn.request_timeout)
+            entries.extend(wire.parse_tree_entry(e) for e in Fields(frame.payload).all(Tag.TREE_ENTRY))
             if not frame.flags & wire.FLAG_MORE:
                 return entries
     finally:

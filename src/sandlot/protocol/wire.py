@@ -116,6 +116,9 @@ class Tag(IntEnum):
     DISK_WRITTEN_BYTES = 50
     EXECS = 51
     EXEC_START_US = 52
+    TREE_ENTRY = 53
+    TARGET = 54
+    RDEV = 55
 
 
 class ExecFlag:
@@ -136,6 +139,7 @@ class FsFlag:
     RECURSIVE = 0x2
     NOFOLLOW = 0x4
     MISSING_OK = 0x8
+    SELF = 0x10  # TREE: the path's own entry only
 
 
 class WatchFlag:
@@ -164,6 +168,9 @@ class FsOp(IntEnum):
     RENAME = 5
     CHMOD = 6
     CHOWN = 7
+    TREE = 8
+    SYMLINK = 9
+    MKNOD = 10
 
 
 class ControlOp(IntEnum):
@@ -251,8 +258,8 @@ _TLV = struct.Struct("<HI")
 
 
 def tlv(tag: int, value: bytes | str | int, *, width: int = 4) -> bytes:
-    if isinstance(value, str):
-        value = value.encode()
+    if isinstance(value, str):  # a guest's undecodable name, read with surrogateescape, goes back as it was
+        value = value.encode("utf-8", "surrogateescape")
     elif isinstance(value, int):
         value = value.to_bytes(width, "little", signed=False)
     return _TLV.pack(tag, len(value)) + value
@@ -349,6 +356,43 @@ def parse_entry(raw: bytes) -> RawEntry:
     name = raw[_ENTRY.size : _ENTRY.size + name_len].decode("utf-8", "surrogateescape")
     target = raw[_ENTRY.size + name_len :].decode("utf-8", "surrogateescape") if target_len else None
     return RawEntry(name, mode, uid, gid, nlink, size, mtime_ns, target)
+
+
+_TREE_ENTRY = struct.Struct("<IIIIQqqQQHH")
+
+
+@dataclass(frozen=True, slots=True)
+class TreeEntry:
+    """One path of a file tree's manifest (FS TREE), relative to the tree's root ("" for
+    the root itself)."""
+
+    path: str
+    mode: int
+    uid: int
+    gid: int
+    nlink: int
+    size: int
+    mtime_ns: int
+    ctime_ns: int
+    ino: int
+    rdev: int
+    link_target: str | None
+
+
+def parse_tree_entry(raw: bytes) -> TreeEntry:
+    if len(raw) < _TREE_ENTRY.size:
+        raise ProtocolError("truncated file tree entry")
+    mode, uid, gid, nlink, size, mtime_ns, ctime_ns, ino, rdev, name_len, target_len = (
+        _TREE_ENTRY.unpack_from(raw)
+    )
+    if _TREE_ENTRY.size + name_len + target_len != len(raw):
+        raise ProtocolError("file tree entry lengths do not add up")
+    end = _TREE_ENTRY.size + name_len
+    path = raw[_TREE_ENTRY.size : end].decode("utf-8", "surrogateescape")
+    if "\x00" in path or (path and any(c in ("", ".", "..") for c in path.split("/"))):
+        raise ProtocolError(f"file tree entry with a bad path {path!r}")
+    target = raw[end:].decode("utf-8", "surrogateescape") if target_len else None
+    return TreeEntry(path, mode, uid, gid, nlink, size, mtime_ns, ctime_ns, ino, rdev, target)
 
 
 # ---- watch records -----------------------------------------------------------------------

@@ -56,6 +56,7 @@ from ..api.contract import (
 from ..api.events import check_query as check_events_query
 from ..api.events import record_refusal
 from ..api.local import LocalBackend, local_snapshot
+from ..core.diffs import side_key
 from ..errors import BoxNotFound, InvalidArgument, QuotaExceeded, RequestError, SandlotError, SnapshotNotFound
 from . import leases
 from .state import KEY_LABEL, NAMESPACE_LABEL, Caller, ServerState
@@ -238,7 +239,31 @@ async def _snapshot_start_guard(request: Request, target: Any, params: Any) -> A
         yield params.model_copy(update={"labels": labels})
 
 
+@contextlib.asynccontextmanager
+async def _diff_guard(request: Request, target: Any, params: Any) -> AsyncIterator[Any]:
+    """A diff's other sides are boxes and snapshots the caller may see, named by id."""
+    sides = {}
+    for field in ("a", "b"):
+        kind, key = side_key(getattr(params, field), "image" if field == "a" else "now")
+        if kind == "box":
+            sides[field] = f"box:{(await box_for(request, key)).id}"
+        elif kind == "snapshot":
+            sides[field] = f"snapshot:{(await snapshot_for(request, key)).id}"
+    yield params.model_copy(update=sides)
+
+
+@contextlib.asynccontextmanager
+async def _restore_guard(request: Request, target: Any, params: Any) -> AsyncIterator[Any]:
+    """A restore's snapshot is one the caller may see, named by id."""
+    kind, key = side_key(params.snapshot, "")
+    if kind != "snapshot":
+        raise InvalidArgument(f"restore takes a snapshot to restore from, not {params.snapshot!r}")
+    yield params.model_copy(update={"snapshot": f"snapshot:{(await snapshot_for(request, key)).id}"})
+
+
 GUARDS: dict[str, Guard] = {
+    "box.diff": _diff_guard,
+    "files.restore": _restore_guard,
     "box.set_network": _network_guard,
     "box.fork": _fork_guard,
     "snapshot.start": _snapshot_start_guard,

@@ -11,7 +11,7 @@ import difflib
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -22,6 +22,7 @@ ABSOLUTE = r"^/"
 MAX_TIMEOUT = 3600.0  # seconds: the most any exec or run_code may be given
 MAX_READ = 1 << 20  # bytes one read_file returns at most
 MAX_FORK = 8
+MAX_PATCH = 20_000  # characters of unified diff one diff call returns at most
 DEFAULT_MEMORY_MIB = 512
 
 
@@ -207,6 +208,31 @@ class Rollback(Args):
     box: str | None = box_field()
     snapshot: str = Field(description="Name or id of a snapshot of this box.", min_length=1, max_length=64,
                           examples=["before-upgrade"])  # fmt: skip
+
+
+class Diff(Args):
+    box: str | None = box_field()
+    since: str | None = Field(
+        None,
+        description="Name or id of a snapshot of this box to compare with. Leave it out to compare with the "
+        "box's image: everything changed since the box was made.",
+        min_length=1,
+        max_length=64,
+        examples=["before-upgrade"],
+    )
+    against_box: str | None = Field(
+        None,
+        description="Another box (a sibling fork, say) to compare with instead of a snapshot: what this box "
+        "has that the other has not.",
+        pattern=BOX_NAME,
+    )
+    paths: list[Annotated[str, Field(pattern=ABSOLUTE)]] | None = Field(
+        None, description="Only these absolute paths (files or directories).", max_length=32,
+        examples=[["/work"]],
+    )  # fmt: skip
+    patch: bool = Field(
+        True, description=f"Include the unified diffs of changed text files (at most {MAX_PATCH} characters)."
+    )
 
 
 class Fork(Args):
@@ -397,6 +423,17 @@ TOOLS: tuple[ToolSpec, ...] = (
         '"snapshot": "before-upgrade"}.',
         Rollback,
         destructive=True,
+    ),
+    ToolSpec(
+        "diff",
+        "What changed in a box's files",
+        "List the files a box added, deleted, modified or renamed since one of its snapshots (since), "
+        "since its image (the default), or against another box (against_box), with what changed about "
+        "each (content, mode, owner, link target) and unified diffs of text files. Use it to review work "
+        'before keeping it, or to compare forks. Example: {"box": "analysis", "since": "before-upgrade", '
+        '"paths": ["/work"]}.',
+        Diff,
+        read_only=True,
     ),
     ToolSpec(
         "fork",

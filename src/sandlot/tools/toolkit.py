@@ -42,6 +42,7 @@ FORMATS = ("openai", "anthropic", "mcp")
 OUTPUT_DIR = "/tmp/sandlot-output"  # where exec keeps the whole of an output it had to cut
 MAX_IMAGE = 5 << 20  # bytes of an image read_file shows (what the model APIs take)
 MAX_ENTRIES = 1000  # entries list_files shows
+MAX_LISTED = 500  # changes diff lists in its structured answer
 IMAGE_MAGIC = ((b"\x89PNG\r\n\x1a\n", "image/png"), (b"\xff\xd8\xff", "image/jpeg"), (b"GIF87a", "image/gif"),
                (b"GIF89a", "image/gif"))  # fmt: skip
 
@@ -133,8 +134,8 @@ class Toolkit:
             "create_box": self.create_box, "list_boxes": self.list_boxes, "exec": self.exec,
             "run_code": self.run_code, "read_file": self.read_file, "write_file": self.write_file,
             "list_files": self.list_files, "snapshot": self.snapshot, "list_snapshots": self.list_snapshots,
-            "rollback": self.rollback, "fork": self.fork, "suspend": self.suspend, "resume": self.resume,
-            "remove_box": self.remove_box,
+            "rollback": self.rollback, "diff": self.diff, "fork": self.fork, "suspend": self.suspend,
+            "resume": self.resume, "remove_box": self.remove_box,
         }  # fmt: skip
         assert set(self.handlers) == set(specs.BY_NAME), "every tool has its handler"
 
@@ -456,18 +457,41 @@ class Toolkit:
 
     async def rollback(self, a: specs.Rollback) -> ToolResult:
         box = await self.box(a.box)
-        # among this box's own snapshots: a name may also be taken by other boxes' snapshots
-        snaps = await box.snapshots()
-        found = [s for s in snaps if a.snapshot in (s.name, s.id)]
-        found = found or [s for s in snaps if s.id.startswith(a.snapshot)]
-        if len(found) != 1:
-            have = ", ".join(repr(s.name or s.id) for s in snaps) or "none"
-            why = "is ambiguous" if found else "does not exist"
-            raise SnapshotNotFound(f"snapshot {a.snapshot!r} of box {box.name!r} {why}; its snapshots: "
-                                   f"{have}", box=box.name)  # fmt: skip
-        await box.rollback(found[0].id)
+        await box.rollback(await own_snapshot(box, a.snapshot))
         text = f"Box {box.name!r} is back at snapshot {a.snapshot!r}: memory, processes and disk."
         return ToolResult([TextPart(text)], {"box": box.name, "snapshot": a.snapshot})
+
+    async def diff(self, a: specs.Diff) -> ToolResult:
+        box = await self.box(a.box)
+        if a.since is not None and a.against_box is not None:
+            raise specs.ToolError("give since (a snapshot) or against_box, not both", tool="diff")
+        if a.against_box is not None:
+            side: Any = await self.box(a.against_box)
+        else:
+            side = await own_snapshot(box, a.since) if a.since is not None else None
+        found = await box.diff(side, paths=a.paths)
+        text = found.summary()
+        if a.patch and found:
+            patch = found.patch()
+            if len(patch) > specs.MAX_PATCH:
+                cut = len(patch) - specs.MAX_PATCH
+                patch = patch[: specs.MAX_PATCH] + f"\n[... {cut} more characters: narrow it with paths]\n"
+            text += "\n\n" + patch
+        listed = [
+            {k: v for k, v in (("path", c.path), ("status", c.status), ("fields", list(c.fields)),
+                               ("renamed_from", c.renamed_from)) if v}
+            for c in found.changes[:MAX_LISTED]
+        ]  # fmt: skip
+        data: dict[str, Any] = {
+            "box": box.name,
+            "from": found.a,
+            "to": found.b,
+            "stat": found.stat,
+            "changes": listed,
+        }
+        if len(found) > MAX_LISTED:
+            data["more"] = len(found) - MAX_LISTED
+        return ToolResult([TextPart(text)], data)
 
     async def fork(self, a: specs.Fork) -> ToolResult:
         box = await self.box(a.box)
@@ -502,6 +526,20 @@ class Toolkit:
 
 
 # -- rendering ---------------------------------------------------------------------------------
+
+
+async def own_snapshot(box: AsyncBox, key: str) -> str:
+    """The id of the box's own snapshot named or numbered ``key``: a name may also be
+    taken by other boxes' snapshots."""
+    snaps = await box.snapshots()
+    found = [s for s in snaps if key in (s.name, s.id)] or [s for s in snaps if s.id.startswith(key)]
+    if len(found) != 1:
+        have = ", ".join(repr(s.name or s.id) for s in snaps) or "none"
+        why = "is ambiguous" if found else "does not exist"
+        raise SnapshotNotFound(
+            f"snapshot {key!r} of box {box.name!r} {why}; its snapshots: {have}", box=box.name
+        )
+    return found[0].id
 
 
 def summary(box: AsyncBox) -> dict[str, Any]:

@@ -225,6 +225,11 @@ struct dir_channel {          /* files.c: a directory listing */
     DIR *dir;
 };
 
+struct tree_walk;
+struct tree_channel {         /* tree.c: a file tree's manifest */
+    struct tree_walk *walk;
+};
+
 struct watch_state;
 struct watch_channel {        /* watch.c: inotify on a path, events as records on stream 1 */
     struct watch_state *st;
@@ -286,6 +291,7 @@ struct channel {
         struct file_read_channel read;
         struct file_write_channel write;
         struct dir_channel dir;
+        struct tree_channel tree;
         struct watch_channel watch;
     } u;
 };
@@ -328,6 +334,9 @@ void exec_reaped(pid_t pid, int status);
 void file_read_start(struct session *s, uint32_t ch, const uint8_t *p, size_t n);
 void file_write_start(struct session *s, uint32_t ch, const uint8_t *p, size_t n);
 void fs_request(struct session *s, uint32_t ch, const uint8_t *p, size_t n);
+/* tree.c: start streaming the manifest of the tree at path (-1 and errno: not begun);
+ * self_only: the path's own entry, whatever its type */
+int tree_start(struct session *s, uint32_t ch, const char *path, int self_only);
 
 /* watch.c */
 void watch_start(struct session *s, uint32_t ch, const uint8_t *p, size_t n);

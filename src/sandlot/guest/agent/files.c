@@ -635,7 +635,7 @@ static int remove_tree(int dirfd, const char *name, int depth)
     return unlinkat(dirfd, name, AT_REMOVEDIR);
 }
 
-static int is_mutation(uint32_t op) { return op != SL_FS_STAT && op != SL_FS_LIST; }
+static int is_mutation(uint32_t op) { return op != SL_FS_STAT && op != SL_FS_LIST && op != SL_FS_TREE; }
 
 void fs_request(struct session *s, uint32_t ch, const uint8_t *p, size_t n)
 {
@@ -645,7 +645,7 @@ void fs_request(struct session *s, uint32_t ch, const uint8_t *p, size_t n)
         send_error(s, ch, EINVAL, SL_FS, "malformed FS request");
         return;
     }
-    if (op < SL_FS_STAT || op > SL_FS_CHOWN) {
+    if (op < SL_FS_STAT || op > SL_FS_MKNOD) {
         send_error(s, ch, ENOSYS, SL_FS, "unknown file-system operation %u", op);
         return;
     }
@@ -692,6 +692,37 @@ void fs_request(struct session *s, uint32_t ch, const uint8_t *p, size_t n)
         msg_free(&m);
         goto out;
     }
+    case SL_FS_SYMLINK: {
+        char *target = NULL;
+        int t = tlv_str(p, n, SL_T_TARGET, &target);
+        if (t != 1 || !*target || strlen(target) >= PATH_MAX) {
+            free(target);
+            msg_free(&m);
+            send_error(s, ch, EINVAL, SL_FS, "a symlink needs a target: non-empty, no NUL, under PATH_MAX");
+            goto out;
+        }
+        r = symlink(target, path);
+        free(target);
+        break;
+    }
+    case SL_FS_MKNOD: {
+        uint64_t rdev = 0;
+        if (tlv_u32(p, n, SL_T_MODE, &mode) != 1 || tlv_u64(p, n, SL_T_RDEV, &rdev) < 0 ||
+            !(S_ISFIFO(mode) || S_ISCHR(mode) || S_ISBLK(mode)) || (mode & ~(S_IFMT | 07777))) {
+            errno = EINVAL;
+            r = -1;
+        } else {
+            r = mknod(path, mode, (dev_t)rdev);
+        }
+        break;
+    }
+    case SL_FS_TREE:
+        r = tree_start(s, ch, path, flags & SL_FS_SELF);
+        if (r == 0) {
+            msg_free(&m);
+            goto out;
+        }
+        break;
     case SL_FS_MKDIR: {
         uid_t uid = 0;
         gid_t gid = 0;

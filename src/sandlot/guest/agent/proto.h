@@ -103,6 +103,9 @@ enum sl_tag {
     SL_T_DISK_WRITTEN_BYTES = 50,
     SL_T_EXECS = 51,         /* commands started since the agent started */
     SL_T_EXEC_START_US = 52, /* their microseconds from request to running, summed */
+    SL_T_TREE_ENTRY = 53,    /* FS TREE: one path of the manifest (files.py parse_tree_entry) */
+    SL_T_TARGET = 54,        /* FS SYMLINK: the link's target, as given (relative or absolute) */
+    SL_T_RDEV = 55,          /* FS MKNOD: the device number (u64, the kernel's encoding) */
 };
 
 /* SL_T_FLAGS bits of SL_EXEC */
@@ -121,6 +124,7 @@ enum sl_tag {
 #define SL_FS_RECURSIVE 0x2u
 #define SL_FS_NOFOLLOW 0x4u
 #define SL_FS_MISSING_OK 0x8u
+#define SL_FS_SELF 0x10u /* TREE: the path's own entry only (any type) */
 
 /* SL_T_FLAGS bits of SL_WATCH */
 #define SL_WATCH_RECURSIVE 0x1u
@@ -149,6 +153,9 @@ enum sl_fs_op {
     SL_FS_RENAME = 5,
     SL_FS_CHMOD = 6,
     SL_FS_CHOWN = 7,
+    SL_FS_TREE = 8, /* a manifest of the tree under the path, on its device (tree.c) */
+    SL_FS_SYMLINK = 9, /* make PATH a symbolic link to TARGET */
+    SL_FS_MKNOD = 10,  /* make PATH a fifo or device: MODE holds the type, RDEV the number */
 };
 
 enum sl_control_op {
