@@ -57,8 +57,8 @@ def main() -> None:
     runs, mib = (2, 20) if args.quick else (args.runs, args.mb)
     home = scratch_home("bench-diffs-")
     try:
-        disk_gb = max(2, mib // 1024 + 2)
-        with sandlot.Box(rootfs=busybox_root(), memory_mib=256, disk_size_gb=disk_gb, home=home) as box:
+        bigger = {"disk_size_gb": mib // 1024 + 2} if mib > 6 * 1024 else {}  # past the default 8 GB
+        with sandlot.Box(rootfs=busybox_root(), memory_mib=256, home=home, **bigger) as box:
             made_s = make_tree(box, mib)
             snap = box.snapshot("bench")
             box.sh(f"for d in $(seq 0 {DIRS - 1}); do echo changed >> /data/$d/0; done")

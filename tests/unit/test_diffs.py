@@ -174,3 +174,29 @@ def test_sides_by_name() -> None:
     assert side_arg("x") == "x" and side_arg(None) is None
     with pytest.raises(InvalidArgument):
         side_arg(3)
+
+
+def test_two_boxes_histories_are_trusted_only_before_they_split() -> None:
+    """Two forks can each write a path to the same size within one tick of the guest's
+    clock: equal metadata after the older box was made prove nothing, and are read."""
+    old, recent = 1_000_000_000_000, 2_000_000_000_000  # ns: before and after the split at 1500 s
+    a = side("fork a", f("inherited", 60, b"same\n", t=old), f("seed", 61, b"1\n", t=recent))
+    b = side("fork b", f("inherited", 60, b"same\n", t=old), f("seed", 61, b"2\n", t=recent))
+    a.box_id, a.born, b.box_id, b.born = "a" * 12, 1500.0, "b" * 12, 1600.0
+    found = by_path(compare(a, b))
+    assert list(found) == ["/seed"] and found["/seed"]["fields"] == ["content"]
+    assert "/inherited" not in a.read + b.read
+    b.box_id = a.box_id  # one box's history: its metadata are proof
+    assert compare(a, b)["changes"] == []
+    b.box_id, b.born = "b" * 12, None  # a side whose box is gone: every equal-looking path is read
+    assert list(by_path(compare(a, b))) == ["/seed"] and "/inherited" in b.read
+
+
+def test_without_stable_inodes_times_decide_and_renames_are_a_delete_and_an_add() -> None:
+    """gVisor numbers inodes afresh in a restored sandbox."""
+    a = side("a", f("kept", 70, b"k\n"), f("old-name", 71, b"m\n"))
+    b = side("b", f("kept", 170, b"k\n"), f("new-name", 71, b"m\n", t=2))
+    a.stable_ino = b.stable_ino = False
+    found = by_path(compare(a, b))
+    assert {p: c["status"] for p, c in found.items()} == {"/old-name": "deleted", "/new-name": "added"}
+    assert "/kept" not in a.read + b.read

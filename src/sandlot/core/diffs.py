@@ -105,10 +105,16 @@ def check_paths(paths: Sequence[str] | str | None) -> list[str]:
 
 @dataclass
 class Side:
-    """One state being compared: what it is called, and its agent."""
+    """One state being compared: what it is called, and its agent. ``box_id`` is the box
+    whose history it is a state of, made at ``born``; ``stable_ino``: its engine keeps
+    inode numbers across a restore (QEMU: the guest's own ext4; gVisor numbers them
+    afresh as a restored sandbox looks files up)."""
 
     label: str
     conn: AgentConnection
+    box_id: str | None = None
+    born: float | None = None
+    stable_ino: bool = True
 
     async def walk(self, roots: Sequence[str]) -> dict[str, TreeEntry]:
         """Absolute path -> entry, for every root that exists on this side."""
@@ -160,10 +166,17 @@ async def read_content(side: Side, path: str, size: int, text_limit: int) -> Con
 # -- the comparison ---------------------------------------------------------------------
 
 
-def unchanged(a: TreeEntry, b: TreeEntry) -> bool:
-    """Certainly the same file, without reading it."""
+def unchanged(
+    a: TreeEntry, b: TreeEntry, *, by_ino: bool = True, trusted_before_ns: int | None = None
+) -> bool:
+    """Certainly the same file, without reading it: the same change time (which no
+    program can set) and the rest. ``trusted_before_ns``: only for a change time before
+    it (two boxes' histories that split then can each change a path within one clock
+    tick of the guest kernel's timestamps, to the same size). ``by_ino``: the inode too."""
+    if trusted_before_ns is not None and a.ctime_ns >= trusted_before_ns:
+        return False
     return (
-        a.ino == b.ino
+        (a.ino == b.ino or not by_ino)
         and a.ctime_ns == b.ctime_ns
         and a.mtime_ns == b.mtime_ns
         and a.size == b.size
@@ -217,11 +230,29 @@ def unified(path: str, old: str | None, new: str | None) -> str:
     return "".join(line if line.endswith("\n") else line + end for line in lines)
 
 
+def trusted_before(a: Side, b: Side) -> int | None:
+    """Up to when equal metadata prove a file unchanged, in ns (None: always).
+
+    A false match needs both sides to have changed the path after their histories
+    split, within one tick of the guest clock, to the same size. States of one box's
+    history cannot: one is the earlier (a snapshot), and what the later changed since
+    has later times. Two boxes (forks, say) can; their histories split no earlier than
+    the older box was made, and a change time before that (less a second's margin) is
+    a file both inherited. The image's box is fresh: its changes are made now."""
+    if a.box_id is None or b.box_id is None or a.box_id == b.box_id:
+        return None
+    if a.born is None or b.born is None:
+        return 0  # a box that is gone: every path that looks equal is read
+    return int((min(a.born, b.born) - 1.0) * 1e9)
+
+
 async def compare(
     a: Side, b: Side, paths: Sequence[str] | str | None = None, *, text_limit: int = TEXT_LIMIT
 ) -> dict[str, Any]:
     """Every change from side ``a`` to side ``b`` under ``paths`` (all of ``/`` if none)."""
     roots = check_paths(paths)
+    by_ino = a.stable_ino and b.stable_ino
+    horizon = trusted_before(a, b)
     if not isinstance(text_limit, int) or text_limit < 0:
         raise InvalidArgument(f"text_limit must be a whole number of bytes, not {text_limit!r}")
     began = time.monotonic()
@@ -263,13 +294,14 @@ async def compare(
     only_b = {p: e for p, e in tb.items() if p not in ta}
     # a rename keeps its inode: those pairs are read whatever their size, to tell
     # a rename from a freed inode number given to a new file
-    moved = {e.ino for e in only_a.values() if stat.S_ISREG(e.mode)} & {
+    moved = {e.ino for e in only_a.values() if stat.S_ISREG(e.mode) and by_ino} & {
         e.ino for e in only_b.values() if stat.S_ISREG(e.mode)
     }
     for path in sorted(ta.keys() | tb.keys()):
         ea, eb = ta.get(path), tb.get(path)
         if ea is not None and eb is not None:
-            if unchanged(ea, eb) and ea.link_target == eb.link_target and ea.rdev == eb.rdev:
+            same = unchanged(ea, eb, by_ino=by_ino, trusted_before_ns=horizon)
+            if same and ea.link_target == eb.link_target and ea.rdev == eb.rdev:
                 continue
             fields = attribute_fields(ea, eb)
             if regular(ea) and regular(eb):
@@ -285,7 +317,7 @@ async def compare(
         if stat.S_ISREG(e.mode) and (e.size <= max(text_limit, HASH_LIMIT) or e.ino in moved):
             reads.append(settle_one(path, e, side, status))
     await asyncio.gather(*reads)
-    found = detect_renames(changes, ta, tb)
+    found = detect_renames(changes, ta, tb) if by_ino else sorted(changes.values(), key=lambda c: c["path"])
     stat_ = summary(found)
     return {
         "a": a.label,
@@ -395,11 +427,12 @@ async def open_side(
     core: Core, entry: BoxEntry, kind_: str, key: str, held: contextlib.AsyncExitStack
 ) -> Side:
     ctl = core.controller
-    if kind_ == "now":
-        return Side(f"{entry.name} now", await ctl.connection(entry))
-    if kind_ == "box":
-        other = await ctl.find(key)
-        return Side(f"{other.name} now", await ctl.connection(other))
+    if kind_ in ("now", "box"):
+        box = entry if kind_ == "now" else await ctl.find(key)
+        rec = box.record
+        return Side(
+            f"{box.name} now", await ctl.connection(box), box.id, rec.created_at, box.spec.engine != "gvisor"
+        )
     options: dict[str, Any] = {
         "name": f"{entry.name}-diff-{os.urandom(3).hex()}",
         "labels": {"sandlot.diff-of": entry.id},
@@ -408,13 +441,16 @@ async def open_side(
         snap = await core.live.find_snapshot(key)
         (temp,) = await core.live.start_boxes(snap, 1, held_by_me=True, **options)
         held.push_async_callback(ctl.remove, temp, force=True)
-        label = f"snapshot {snap.name or snap.id}"
+        owner = await core.db.find(snap.box_id) if snap.box_id else None
+        side = Side(f"snapshot {snap.name or snap.id}", await ctl.connection(temp), snap.box_id,
+                    owner.created_at if owner else None)  # fmt: skip
     else:
         temp = await ctl.create(await image_request(core, entry, options), ephemeral=True)
         held.push_async_callback(ctl.remove, temp, force=True)
         await ctl.start(temp)
-        label = f"image {entry.spec.image or entry.spec.rootfs}"
-    return Side(label, await ctl.connection(temp))
+        side = Side(f"image {entry.spec.image or entry.spec.rootfs}", await ctl.connection(temp))
+    side.stable_ino = temp.spec.engine != "gvisor"
+    return side
 
 
 async def image_request(core: Core, entry: BoxEntry, options: dict[str, Any]) -> BoxRequest:
