@@ -208,6 +208,11 @@ def test_limits_show_in_the_schemas_and_hold_in_calls(where: Where) -> None:
         with pytest.raises(QuotaExceeded, match="at most 1 boxes") as caught:
             await kit.call("create_box", {"image": "b:2"})
         assert caught.value.limit == "boxes"
+        backend = kit.backend
+        if isinstance(backend, LocalBackend):  # the refusal is an event, as a server's is
+            found = [e async for e in backend.events(box=None, since=None, after=None, follow=False)]
+            refusal = [e for e in found if e.kind == "quota_refused"][-1]
+            assert "at most 1 boxes" in (refusal.reason or "") and refusal.labels == {"t": "limits"}
         await kit.call("remove_box", {"box": made.data["name"]})
 
     run(main)

@@ -434,6 +434,20 @@ def test_diff_and_restore(box: Any) -> None:
             s.remove()
 
 
+def test_a_box_events_past_and_followed(box: Any) -> None:
+    story = list(box.events(follow=False))
+    assert story and story[0].kind == "created" and {e.box_name for e in story} == {box.name}
+    following = iter(box.events(after=story[-1].id))
+    try:
+        box.pause()
+        box.unpause()
+        assert [next(following).kind, next(following).kind] == ["paused", "unpaused"]
+    finally:
+        following.close()  # type: ignore[attr-defined]
+    recent = [e.kind for e in box.events(since=story[-1].at, follow=False)]
+    assert recent[-2:] == ["paused", "unpaused"]
+
+
 def test_fork_two(box: Any) -> None:
     box.files.write("/root/forked", "from the parent")
     kids = box.fork(2)

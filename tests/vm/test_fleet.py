@@ -124,10 +124,20 @@ def test_placement_by_resources(f: fleet.Fleet, nodes: Nodes, busybox_root: Path
 
 def test_a_fork_spreads_over_nodes_and_its_children_diverge(f: fleet.Fleet, nodes: Nodes,
                                                             busybox_root: Path) -> None:  # fmt: skip
+    t0 = time.time()
     src = f.create(rootfs=busybox_root, memory_mib=256, node=nodes.head, labels={"team": "fork"})
     src.files.write("/root/seed", "from the parent")
     kids = f.fork(src, 3, spread=True)
     try:
+        # each node's events, merged by time: the children were made on three nodes
+        merged = list(f.events(since=t0, follow=False))
+        assert {k.id for k in kids} <= {e.box_id for e in merged if e.kind == "created"}
+        assert [e.at for e in merged] == sorted(e.at for e in merged)
+        with pytest.raises(sandlot.InvalidArgument, match="after= needs box="):
+            next(iter(f.events(after=1)))
+        # two children on two nodes are compared on neither: a clear refusal
+        with pytest.raises(sandlot.Unsupported, match="one node"):
+            kids[0].diff(kids[1])
         assert kids.per_node == {nodes.head: 1, nodes.a: 1, nodes.b: 1}
         assert sorted(node_of(k) for k in kids) == sorted([nodes.head, nodes.a, nodes.b])
         for i, k in enumerate(kids):

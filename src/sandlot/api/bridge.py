@@ -22,6 +22,7 @@ from collections.abc import Awaitable, Callable
 from typing import Protocol
 
 from ..errors import InvalidArgument, guest_os_error
+from .loop import cancel_and_reap
 from .process import AsyncProcess
 
 RELAY = ("/proc/1/exe", "--relay")  # the agent, in relay mode; /proc/1/exe works from any root
@@ -150,13 +151,12 @@ def bridge(ours: socket.socket, duplex: Duplex) -> asyncio.Task[None]:
         except (Exception, asyncio.CancelledError):
             pass  # whatever ended it, the connection ends: both sides hear of it below
         finally:
-            for t in tasks:
-                t.cancel()
-            with contextlib.suppress(BaseException):
-                await asyncio.gather(*tasks, return_exceptions=True)
-            ours.close()
-            with contextlib.suppress(Exception):
-                await duplex.abort()
+            try:
+                await cancel_and_reap(tasks)
+            finally:
+                ours.close()
+                with contextlib.suppress(Exception):
+                    await duplex.abort()
 
     task = asyncio.ensure_future(copy())
     _bridges.add(task)

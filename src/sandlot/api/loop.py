@@ -14,7 +14,7 @@ import contextlib
 import queue
 import sys
 import threading
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterable, Iterator
 from typing import Any, TypeVar
 
 T = TypeVar("T")
@@ -42,6 +42,21 @@ def _loop_thread() -> asyncio.AbstractEventLoop:
         return _loop
 
 
+async def cancel_and_reap(tasks: Iterable[asyncio.Future[Any]]) -> None:
+    """Cancel ``tasks`` and wait until each has ended, whatever it ended with (its error
+    is taken, so none is reported as never retrieved). The caller's own cancellation
+    while it waits is not swallowed: it raises, as any await does."""
+    tasks = list(tasks)
+    for t in tasks:
+        t.cancel()
+    if not tasks:
+        return
+    await asyncio.wait(tasks)
+    for t in tasks:
+        if not t.cancelled():
+            t.exception()
+
+
 def _shutdown() -> None:
     """At exit: end the loop's tasks (agent readers...) quietly, then the loop."""
     loop = _loop
@@ -49,10 +64,7 @@ def _shutdown() -> None:
         return
 
     async def cancel_all() -> None:
-        tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await cancel_and_reap(t for t in asyncio.all_tasks() if t is not asyncio.current_task())
 
     with contextlib.suppress(Exception):
         asyncio.run_coroutine_threadsafe(cancel_all(), loop).result(timeout=2)

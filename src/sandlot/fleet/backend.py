@@ -46,7 +46,10 @@ from ..api.contract import (
 )
 from ..api.follow import FollowedProcess, FollowedWatch, Link, LinkClosed
 from ..api.fs import WatchSource
+from ..api.loop import cancel_and_reap
 from ..api.process import AsyncProcess, ExecResult
+from ..core.diffs import side_key
+from ..core.events import Event
 from ..core.spec import DEFAULT_MEMORY_MIB
 from ..errors import (
     BoxNotFound,
@@ -59,6 +62,7 @@ from ..errors import (
     ProtocolError,
     SandlotError,
     SnapshotNotFound,
+    Unsupported,
     from_dict,
 )
 from . import placement, transfer
@@ -194,11 +198,19 @@ class RayLink:
 
 class NodeStream:
     """What a box's node streams (``NodeService.stream``), item by item: a node lost midway
-    is ConnectionLost; ``close`` cancels the node's side (a cell left is interrupted)."""
+    is ConnectionLost; ``close`` cancels the node's side (a cell left is interrupted).
+    ``of_node``: what a node streams of its own (``NodeService.events``)."""
 
     def __init__(self, backend: RayBackend, box: RayBoxRef, kind: str, body: dict[str, Any]) -> None:
         self.where = f"node {box.node[:12]}"
         self.gen = backend.actor(box).stream.options(num_returns="streaming").remote(kind, box.id, body)
+
+    @classmethod
+    def of_node(cls, actor: Any, node_id: str, method: str, body: dict[str, Any]) -> NodeStream:
+        stream = cls.__new__(cls)
+        stream.where = f"node {node_id[:12]}"
+        stream.gen = getattr(actor, method).options(num_returns="streaming").remote(body)
+        return stream
 
     async def next(self) -> Any:
         """The next item, None at the end."""
@@ -212,6 +224,40 @@ class NodeStream:
     def close(self) -> None:
         with contextlib.suppress(Exception):
             ray.cancel(self.gen)
+
+
+async def events_of(stream: NodeStream) -> AsyncIterator[Event]:
+    while (message := await stream.next()) is not None:
+        raise_if_error(message)
+        yield Event.from_json(message)
+
+
+async def merged_as_they_come(streams: list[NodeStream]) -> AsyncIterator[Event]:
+    """The events of several nodes' streams, each as it arrives, until they all end; the
+    first failure ends it."""
+    queue: asyncio.Queue[Event | BaseException | None] = asyncio.Queue()
+
+    async def pump(stream: NodeStream) -> None:
+        try:
+            async for ev in events_of(stream):
+                await queue.put(ev)
+            await queue.put(None)
+        except Exception as exc:  # handed to the reader, which raises it
+            await queue.put(exc)
+
+    tasks = [asyncio.ensure_future(pump(s)) for s in streams]
+    running = len(tasks)
+    try:
+        while running:
+            item = await queue.get()
+            if isinstance(item, BaseException):
+                raise item
+            if item is None:
+                running -= 1
+                continue
+            yield item
+    finally:
+        await cancel_and_reap(tasks)
 
 
 class RayBackend(RemoteBackend):
@@ -373,6 +419,8 @@ class RayBackend(RemoteBackend):
             return await self.fork(box, params["n"], params.get("name"))
         if op.key == "box.suspend" and box.rec and box.rec.get("replicas"):
             return await self.suspend_replicated(box)
+        if op.key == "box.diff":
+            params = await self.same_node_sides(box, params)
         answer = await self.ask(box, self.actor(box).call.remote(scope, name, box.id, params))
         value = op.result.decode(answer) if op.result.kind != "text" else answer
         if op.result.kind == "box" and value["state"] != box.state:
@@ -382,6 +430,23 @@ class RayBackend(RemoteBackend):
         if op.key == "box.snapshot" and box.rec and box.rec.get("replicas"):
             box.rec = await self.replicate(box.rec, out.id)
         return out
+
+    async def same_node_sides(self, box: RayBoxRef, params: dict[str, Any]) -> dict[str, Any]:
+        """A diff runs on the box's node, against states of that node: another box is
+        named by its id there, and one on another node is refused."""
+        for field in ("a", "b"):
+            kind, key = side_key(params.get(field), "image" if field == "a" else "now")
+            if kind != "box":
+                continue
+            other = await self.find(key)
+            if other.node != box.node:
+                raise Unsupported(
+                    f"diff() compares boxes of one node: {box.name} is on node {box.node[:12]}, "
+                    f"{other.name} on node {other.node[:12]} (migrate one, or fork onto one node)",
+                    transport=self.transport, box=box.name,
+                )  # fmt: skip
+            params = {**params, field: f"box:{other.id}"}
+        return params
 
     async def refresh(self, box: RayBoxRef, op: Any) -> None:
         """The box's state from its node; a lost box's is what the directory says (its node
@@ -686,6 +751,38 @@ class RayBackend(RemoteBackend):
             stream.close()
 
         return await FollowedWatch(receive, close, stream.where).open()
+
+    # -- events ---------------------------------------------------------------------------
+
+    async def events(
+        self, *, box: str | None, since: float | None, after: int | None, follow: bool
+    ) -> AsyncIterator[Event]:
+        """Each node keeps its own boxes' events. A box's come from its node; every box's
+        from every live node, merged by time (as they come, when following). Event ids
+        count on each node, so ``after`` needs ``box``."""
+        body = {"since": since, "after": after, "follow": follow}
+        if box is not None:
+            ref = await self.find(box)
+            streams = [NodeStream.of_node(self.actor(ref), ref.node, "events", {**body, "box": ref.id})]
+        elif after is not None:
+            raise InvalidArgument(
+                "a fleet's event ids count on each node: after= needs box=; every box's events from a "
+                "time need since="
+            )
+        else:
+            nodes = await self.live_nodes()
+            streams = [NodeStream.of_node(self.fleet.node(n), n, "events", body) for n in nodes]
+        try:
+            if follow:
+                async for ev in merged_as_they_come(streams):
+                    yield ev
+            else:
+                found = [ev for s in streams async for ev in events_of(s)]
+                for ev in sorted(found, key=lambda e: e.at):
+                    yield ev
+        finally:
+            for s in streams:
+                s.close()
 
     # -- snapshots --------------------------------------------------------------------------
 

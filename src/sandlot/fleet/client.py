@@ -16,7 +16,7 @@ import contextlib
 import os
 import secrets
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import ray
@@ -27,6 +27,7 @@ from ..api.box import AsyncBox
 from ..api.client import AsyncClient
 from ..api.sync import Box as SyncBox
 from ..api.sync import Client
+from ..core.events import Event
 from ..errors import ConnectionLost, InvalidArgument, InvalidState, NodeNotFound, SandlotError
 from . import placement
 from .backend import Forked, RayBackend, RayBoxRef, answer, box_bundle, got, ray_box
@@ -275,6 +276,15 @@ class Fleet:
         """Every box of the fleet (lost ones too, with ``state == "lost"``), oldest first;
         ``labels``: only those carrying all of them."""
         return self.client.list(labels=labels)
+
+    def events(
+        self, *, box: str | None = None, since: float | None = None, after: int | None = None,
+        follow: bool = True,
+    ) -> Iterator[Event]:  # fmt: skip
+        """What happened to the fleet's boxes, from each node's store (``sandlot.events``):
+        ``box``'s from its node, every box's from every live node merged by time. Event
+        ids count on each node, so ``after`` needs ``box``; ``since`` works for all."""
+        return self.client.events(box=box, since=since, after=after, follow=follow)
 
     def record(self, box: SyncBox | AsyncBox | str) -> Record:
         """The directory's record of a box, read anew: its node, its reservation, its

@@ -54,6 +54,7 @@ from ..api.contract import (
 from ..api.local import LocalBackend
 from ..api.templates import restore_moved_box_async
 from ..config import atomic_write, runtime_dir
+from ..core.events import query as check_events_query
 from ..crashpoints import crash_point
 from ..errors import BoxNotFound, InvalidArgument, InvalidState, RequestError, SandlotError, Unsupported
 from ..version import __version__
@@ -353,6 +354,17 @@ class NodeService:
                 raise InvalidArgument(f"a node streams a read, an archive, a watch or code, not {kind!r}")
             async for item in items:
                 yield item
+        except SandlotError as exc:
+            yield error_message(exc)
+
+    async def events(self, body: dict[str, Any]) -> AsyncIterator[Any]:
+        """This node's events (``Backend.events``: ``box``, ``since``, ``after``, ``follow``),
+        each as its JSON, as a Ray streaming generator; a sandlot error is the last message."""
+        try:
+            box, since, after = check_events_query(body.get("box"), body.get("since"), body.get("after"))
+            found = self.backend.events(box=box, since=since, after=after, follow=bool(body.get("follow")))
+            async for ev in found:
+                yield ev.to_json()
         except SandlotError as exc:
             yield error_message(exc)
 

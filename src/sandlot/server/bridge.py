@@ -51,6 +51,7 @@ from ..api import access
 from ..api.access import MAX_PREVIEW_TTL, Preview
 from ..api.box import AsyncBox
 from ..api.contract import error_message
+from ..api.loop import cancel_and_reap
 from ..errors import (
     BoxNotFound,
     Forbidden,
@@ -341,11 +342,7 @@ async def _first_to_end(*coros: Any) -> None:
     try:
         await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
     finally:
-        for t in tasks:
-            t.cancel()
-        for t in tasks:
-            with contextlib.suppress(BaseException):
-                await t
+        await cancel_and_reap(tasks)
 
 
 async def raw_tcp(ws: WebSocket, box: AsyncBox, port: int) -> None:

@@ -40,6 +40,7 @@ from typing import Any
 import httpx
 
 from ..api.events import Event, claim_delivery, events_async, mark_delivered
+from ..api.loop import cancel_and_reap
 from ..version import __version__
 
 log = logging.getLogger("sandlot.webhooks")
@@ -124,8 +125,4 @@ async def delivering(
     try:
         yield
     finally:
-        for t in tasks:
-            t.cancel()
-        for t in tasks:
-            with contextlib.suppress(BaseException):
-                await t
+        await cancel_and_reap(tasks)

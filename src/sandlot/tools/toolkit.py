@@ -20,6 +20,7 @@ from typing import Any, Literal
 
 from ..api.backend import Backend
 from ..api.box import AsyncBox, boxes_of
+from ..api.events import record_refusal
 from ..api.files import FileInfo
 from ..api.local import LocalBackend
 from ..api.process import ExecResult
@@ -215,8 +216,11 @@ class Toolkit:
             return
         have = len(await self.visible())
         if have + n > most:
-            raise QuotaExceeded(f"at most {most} boxes at once here: {have} exist and {n} more were asked; "
-                                "remove_box one first", limit="boxes", value=most)  # fmt: skip
+            refused = QuotaExceeded(f"at most {most} boxes at once here: {have} exist and {n} more were "
+                                    "asked; remove_box one first", limit="boxes", value=most)  # fmt: skip
+            if isinstance(self.backend, LocalBackend):  # a server's own refusals are its to record
+                await record_refusal(str(refused), self.labels, home=self.backend.runtime.home)
+            raise refused
 
     # -- boxes ------------------------------------------------------------------------------
 
