@@ -200,3 +200,15 @@ def test_without_stable_inodes_times_decide_and_renames_are_a_delete_and_an_add(
     found = by_path(compare(a, b))
     assert {p: c["status"] for p, c in found.items()} == {"/old-name": "deleted", "/new-name": "added"}
     assert "/kept" not in a.read + b.read
+
+
+def test_one_answer_holds_so_much_diff_text_and_says_what_it_left_out(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(diffs, "DIFFS_LIMIT", 60)
+    a = side("a", f("one", 80, b"a\n"), f("two", 81, b"b\n"))
+    b = side("b", f("one", 80, b"A\n", t=2), f("two", 81, b"B\n", t=2))
+    found = Diff.from_json(compare(a, b))
+    first, second = found.changes
+    assert first.diff and not first.diff_omitted
+    assert second.diff is None and second.diff_omitted and "left out" in second.line()

@@ -151,7 +151,8 @@ def test_restore_one_file_and_one_tree_from_a_snapshot(edited: tuple[sandlot.Box
 
 
 def test_forks_compare_with_each_other_and_snapshots_with_snapshots(busybox_root: Path) -> None:
-    with sandlot.Box(rootfs=busybox_root, memory_mib=256, engine=TEST_ENGINE) as box:
+    long_name = "a-box-whose-name-is-as-long-as-a-name-may-be-" + "x" * 18  # 63: the most
+    with sandlot.Box(rootfs=busybox_root, memory_mib=256, engine=TEST_ENGINE, name=long_name) as box:
         box.sh("mkdir /app && echo base > /app/state")
         a, b = box.fork(2)
         try:

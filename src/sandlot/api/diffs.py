@@ -64,6 +64,7 @@ class Change:
     fields: tuple[str, ...] = ()
     renamed_from: str | None = None
     diff: str | None = None
+    diff_omitted: bool = False  # a text diff past the 64 MiB of diffs one answer holds
 
     @property
     def type(self) -> str:
@@ -74,7 +75,7 @@ class Change:
     def from_json(cls, d: dict[str, Any]) -> Change:
         return cls(
             d["path"], d["status"], FileState.from_json(d.get("old")), FileState.from_json(d.get("new")),
-            tuple(d.get("fields") or ()), d.get("renamed_from"), d.get("diff"),
+            tuple(d.get("fields") or ()), d.get("renamed_from"), d.get("diff"), bool(d.get("diff_omitted")),
         )  # fmt: skip
 
     def line(self) -> str:
@@ -93,6 +94,8 @@ class Change:
             extra = f"+{plus} -{minus}"
         elif self.old is not None and self.new is not None and "content" in self.fields:
             extra = f"{self.old.size} -> {self.new.size} bytes"
+        if self.diff_omitted:
+            extra = "(text diff left out: the answer's diffs are full; narrow it with paths)"
         others = [f for f in self.fields if f != "content"]
         if others:
             extra = (extra + " " if extra else "") + "(" + ", ".join(others) + ")"

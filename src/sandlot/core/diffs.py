@@ -69,6 +69,7 @@ if TYPE_CHECKING:
 TEXT_LIMIT = 1024 * 1024  # bytes of a text file that still gets a unified diff
 READS_AT_ONCE = 8  # files read from each side at the same time
 HASH_LIMIT = 1024 * 1024  # an added or deleted file up to this size is read for its hash
+DIFFS_LIMIT = 64 * 1024 * 1024  # characters of unified diff one answer holds; later ones are left out
 BINARY_SNIFF = 8192  # a NUL byte in these first bytes marks a binary file, as git decides
 
 
@@ -266,6 +267,15 @@ async def compare(
 
     changes: dict[str, dict[str, Any]] = {}
     reads: list[Awaitable[None]] = []
+    budget = [DIFFS_LIMIT]
+
+    def attach(change: dict[str, Any], old: str | None, new: str | None) -> None:
+        text = unified(change["path"], old, new)
+        if len(text) > budget[0]:
+            change["diff_omitted"] = True  # the answer holds its counts, not every patch
+            return
+        budget[0] -= len(text)
+        change["diff"] = text
 
     def regular(e: TreeEntry | None) -> bool:
         return e is not None and stat.S_ISREG(e.mode)
@@ -279,7 +289,7 @@ async def compare(
         change = {"path": path, "status": "modified", "fields": fields,
                   "old": state(ea, ca), "new": state(eb, cb)}  # fmt: skip
         if "content" in fields and ca.text is not None and cb.text is not None:
-            change["diff"] = unified(path, ca.text, cb.text)
+            attach(change, ca.text, cb.text)
         changes[path] = change
 
     async def settle_one(path: str, e: TreeEntry, side: Side, status: str) -> None:
@@ -288,7 +298,7 @@ async def compare(
         change["old" if status == "deleted" else "new"] = state(e, content)
         if content.text is not None:
             old, new = (content.text, None) if status == "deleted" else (None, content.text)
-            change["diff"] = unified(path, old, new)
+            attach(change, old, new)
 
     only_a = {p: e for p, e in ta.items() if p not in tb}
     only_b = {p: e for p, e in tb.items() if p not in ta}
@@ -434,7 +444,7 @@ async def open_side(
             f"{box.name} now", await ctl.connection(box), box.id, rec.created_at, box.spec.engine != "gvisor"
         )
     options: dict[str, Any] = {
-        "name": f"{entry.name}-diff-{os.urandom(3).hex()}",
+        "name": f"{entry.name[:50]}-diff-{os.urandom(3).hex()}",  # a name is at most 63 characters
         "labels": {"sandlot.diff-of": entry.id},
     }
     if kind_ == "snapshot":
@@ -495,7 +505,7 @@ async def restore(core: Core, entry: BoxEntry, path: str, snapshot: str) -> dict
         top = own[0]
         entries = await pfiles.tree(src.conn, path) if stat.S_ISDIR(top.mode) else [top]
         parent, name = posixpath.split(path)
-        stage = posixpath.join(parent, f".{name}.sandlot-restore-{os.urandom(4).hex()}")
+        stage = posixpath.join(parent, f".{name[:200]}.sandlot-restore-{os.urandom(4).hex()}")  # NAME_MAX
         copied = Copied()
         try:
             for e in entries:
@@ -549,7 +559,7 @@ async def swap_into_place(here: AgentConnection, stage: str, path: str) -> None:
         await pfiles.fs_request(here, FsOp.RENAME, stage, path2=path)
         return
     parent, name = posixpath.split(path)
-    old = posixpath.join(parent, f".{name}.sandlot-replaced-{os.urandom(4).hex()}")
+    old = posixpath.join(parent, f".{name[:200]}.sandlot-replaced-{os.urandom(4).hex()}")
     await pfiles.fs_request(here, FsOp.RENAME, path, path2=old)
     try:
         await pfiles.fs_request(here, FsOp.RENAME, stage, path2=path)

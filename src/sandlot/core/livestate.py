@@ -265,7 +265,7 @@ class LiveState:
                 await self.controller.refresh(entry)
                 snap = await self.capture(entry, "snapshot", auto=True)
             labels = dict(entry.spec.labels)
-            children = await self.start_boxes(snap, n, name=name or entry.name, as_prefix=True, labels=labels)
+            children = await self.start_boxes(snap, n, name=name, as_prefix=True, labels=labels)
         forked = events.draft(
             "forked", snapshot=snap.id, children=[{"id": c.id, "name": c.name} for c in children]
         )
@@ -293,7 +293,8 @@ class LiveState:
             raise SnapshotNotFound(f"snapshot {snap.id} was removed")
         if n > 1:  # one load of the whole stream, then copy-on-write for everyone
             await self.share(found)
-        prefix = name or found.box_name or "box"
+        # the box's own name, cut to leave room for "-" and 6 hex digits within 63 characters
+        prefix = name or (found.box_name or "box")[:56]
         exact = name is not None and n == 1 and not as_prefix
         requests = [
             BoxRequest.build(None, {**options, "name": name if exact else f"{prefix}-{os.urandom(3).hex()}"},

@@ -646,8 +646,9 @@ async def start_boxes(
 
 def prefixed(name: str) -> str:
     """A child's own name under a fork's prefix: ``snap.start`` takes one box's name as
-    exact, and the children of one fork on several nodes must not share one."""
-    return f"{name}-{secrets.token_hex(3)}"
+    exact, and the children of one fork on several nodes must not share one (the prefix
+    cut to leave room within a name's 63 characters)."""
+    return f"{name[:56]}-{secrets.token_hex(3)}"
 
 
 def _rmtree(path: Path) -> None:
