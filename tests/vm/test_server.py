@@ -1012,3 +1012,42 @@ def test_fifty_clients_on_ten_boxes_for_half_a_minute_lose_nothing_and_leak_noth
         finally:
             for bid in made:
                 c.delete(f"/v1/boxes/{bid}", params={"force": True})
+
+
+def test_a_diff_and_a_restore_name_only_what_the_key_may_see(
+    served: Served, team_keys: dict[str, str], box_a: dict[str, Any], busybox_root: Path
+) -> None:
+    with served.client(team_keys["a"]) as a, served.client(team_keys["b"]) as b:
+        url = f"/v1/boxes/{box_a['id']}"
+        a.post(f"{url}/exec", json={"argv": ["sh", "-c", "echo before > /root/kept"]})
+        snap = a.post(f"{url}/snapshots", json={"name": f"seen-{box_a['id'][:6]}"}).json()
+        edit = "echo after > /root/kept; echo new > /root/added"
+        r = a.post(f"{url}/exec", json={"argv": ["sh", "-c", edit]})
+        assert r.status_code == 200, r.text
+        found = a.post(f"{url}/diff", json={"a": snap["name"], "paths": ["/root"]})
+        assert found.status_code == 200, found.text
+        changes = {c["path"]: c for c in found.json()["changes"]}
+        assert {p: c["status"] for p, c in changes.items()} == {
+            "/root/added": "added", "/root/kept": "modified",
+        }  # fmt: skip
+        assert "-before\n+after\n" in changes["/root/kept"]["diff"]
+        done = a.post(f"{url}/files/restore", json={"path": "/root/kept", "snapshot": snap["name"]})
+        assert done.status_code == 200 and done.json()["entries"] == 1, done.text
+        cat = a.post(f"{url}/exec", json={"argv": ["cat", "/root/kept"]}).json()
+        assert cat["stdout"] == "before\n"
+        mine = b.post("/v1/boxes", json={"rootfs": str(busybox_root), "memory_mib": 256})
+        assert mine.status_code == 201, mine.text
+        theirs = f"/v1/boxes/{mine.json()['id']}"
+        try:  # b names a's snapshot and a's box from a box of its own: neither exists for it
+            error(b.post(f"{theirs}/diff", json={"a": snap["id"]}), 404, "snapshot_not_found")
+            error(b.post(f"{theirs}/diff", json={"a": f"box:{box_a['id']}"}), 404, "box_not_found")
+            error(b.post(f"{theirs}/files/restore", json={"path": "/root", "snapshot": snap["id"]}), 404,
+                  "snapshot_not_found")  # fmt: skip
+        finally:
+            b.delete(theirs, params={"force": True})
+        with served.client() as admin:  # the audit names the box each request was about
+            of_a = admin.get("/v1/audit", params={"box": box_a["id"]}).json()["entries"]
+            of_b = admin.get("/v1/audit", params={"box": mine.json()["id"]}).json()["entries"]
+        assert [e["status"] for e in of_a if e["action"].endswith("/diff")] == [200]
+        assert [e["status"] for e in of_b if e["action"].endswith("/diff")] == [404, 404]
+        a.delete(f"/v1/snapshots/{snap['id']}")

@@ -246,7 +246,9 @@ async def _diff_guard(request: Request, target: Any, params: Any) -> AsyncIterat
     for field in ("a", "b"):
         kind, key = side_key(getattr(params, field), "image" if field == "a" else "now")
         if kind == "box":
+            audited = getattr(request.state, "box_id", None)
             sides[field] = f"box:{(await box_for(request, key)).id}"
+            request.state.box_id = audited  # the request is about its own box, for the audit
         elif kind == "snapshot":
             sides[field] = f"snapshot:{(await snapshot_for(request, key)).id}"
     yield params.model_copy(update=sides)
