@@ -212,3 +212,11 @@ def test_one_answer_holds_so_much_diff_text_and_says_what_it_left_out(
     first, second = found.changes
     assert first.diff and not first.diff_omitted
     assert second.diff is None and second.diff_omitted and "left out" in second.line()
+
+
+def test_lines_that_look_like_headers_are_counted_as_lines() -> None:
+    a = side("a", f("c.txt", 90, b"--x\nkeep\n"))
+    b = side("b", f("c.txt", 90, b"++y\nkeep\n", t=2))
+    found = Diff.from_json(compare(a, b))
+    assert found.stat["lines_added"] == found.stat["lines_removed"] == 1
+    assert found.changes[0].line() == "M /c.txt  +1 -1"

@@ -89,8 +89,8 @@ class Change:
             name += f" -> {state.target}"
         extra = ""
         if self.diff is not None:
-            plus = sum(1 for x in self.diff.splitlines() if x.startswith("+") and not x.startswith("+++"))
-            minus = sum(1 for x in self.diff.splitlines() if x.startswith("-") and not x.startswith("---"))
+            body = self.diff.splitlines()[2:]  # past the "--- a/..." and "+++ b/..." of the one file
+            plus, minus = sum(x.startswith("+") for x in body), sum(x.startswith("-") for x in body)
             extra = f"+{plus} -{minus}"
         elif self.old is not None and self.new is not None and "content" in self.fields:
             extra = f"{self.old.size} -> {self.new.size} bytes"

@@ -368,10 +368,10 @@ def summary(changes: list[dict[str, Any]]) -> dict[str, int]:
     out = {"added": 0, "deleted": 0, "modified": 0, "renamed": 0, "lines_added": 0, "lines_removed": 0}
     for c in changes:
         out[c["status"]] += 1
-        for line in (c.get("diff") or "").splitlines():
-            if line.startswith("+") and not line.startswith("+++"):
+        for line in (c.get("diff") or "").splitlines()[2:]:  # past the file's two header lines
+            if line.startswith("+"):
                 out["lines_added"] += 1
-            elif line.startswith("-") and not line.startswith("---"):
+            elif line.startswith("-"):
                 out["lines_removed"] += 1
     return out
 
