@@ -197,20 +197,23 @@ class RayLink:
 
 
 class NodeStream:
-    """What a box's node streams (``NodeService.stream``), item by item: a node lost midway
-    is ConnectionLost; ``close`` cancels the node's side (a cell left is interrupted).
-    ``of_node``: what a node streams of its own (``NodeService.events``)."""
+    """What a node streams, item by item: a box's (``of_box``: ``NodeService.stream``) or
+    its own (``of_node``: ``NodeService.events``). A node lost midway is ConnectionLost;
+    ``close`` cancels the node's side (a cell left is interrupted)."""
 
-    def __init__(self, backend: RayBackend, box: RayBoxRef, kind: str, body: dict[str, Any]) -> None:
-        self.where = f"node {box.node[:12]}"
-        self.gen = backend.actor(box).stream.options(num_returns="streaming").remote(kind, box.id, body)
+    def __init__(self, where: str, gen: Any) -> None:
+        self.where = where
+        self.gen = gen
+
+    @classmethod
+    def of_box(cls, backend: RayBackend, box: RayBoxRef, kind: str, body: dict[str, Any]) -> NodeStream:
+        stream = backend.actor(box).stream.options(num_returns="streaming")
+        return cls(f"node {box.node[:12]}", stream.remote(kind, box.id, body))
 
     @classmethod
     def of_node(cls, actor: Any, node_id: str, method: str, body: dict[str, Any]) -> NodeStream:
-        stream = cls.__new__(cls)
-        stream.where = f"node {node_id[:12]}"
-        stream.gen = getattr(actor, method).options(num_returns="streaming").remote(body)
-        return stream
+        stream = getattr(actor, method).options(num_returns="streaming")
+        return cls(f"node {node_id[:12]}", stream.remote(body))
 
     async def next(self) -> Any:
         """The next item, None at the end."""
@@ -685,7 +688,7 @@ class RayBackend(RemoteBackend):
 
     async def run_code(self, ref: BoxRef, cell: Cell, callbacks: Callbacks) -> Execution:
         box = ray_box(ref)
-        stream = NodeStream(self, box, "code", cell.fields())
+        stream = NodeStream.of_box(self, box, "code", cell.fields())
         try:  # a cell left (cancelled, a callback's error) is interrupted on the node
             while (item := await stream.next()) is not None:
                 done = await code_event(item, callbacks)
@@ -698,7 +701,7 @@ class RayBackend(RemoteBackend):
     # -- files ------------------------------------------------------------------------------
 
     async def _chunks(self, box: RayBoxRef, kind: str, body: dict[str, Any]) -> AsyncIterator[bytes]:
-        stream = NodeStream(self, box, kind, body)
+        stream = NodeStream.of_box(self, box, kind, body)
         try:
             while (chunk := await stream.next()) is not None:
                 if isinstance(chunk, dict):
@@ -741,7 +744,7 @@ class RayBackend(RemoteBackend):
         await self._upload(ray_box(ref), "archive", body, tar)
 
     async def watch(self, ref: BoxRef, path: str, recursive: bool) -> WatchSource:
-        stream = NodeStream(self, ray_box(ref), "watch", {"path": path, "recursive": recursive})
+        stream = NodeStream.of_box(self, ray_box(ref), "watch", {"path": path, "recursive": recursive})
 
         async def receive() -> dict[str, Any] | None:
             message = await stream.next()
