@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterable, AsyncIterator
+from collections.abc import AsyncIterable, AsyncIterator, Callable
+from typing import TypeVar
 
 from . import wire
 from .connection import AgentConnection, OutboundStream
 from .wire import Fields, FsOp, RawEntry, T, Tag, TreeEntry, WriteFlag
+
+E = TypeVar("E")
 
 
 async def read_stream(
@@ -113,17 +116,7 @@ async def fs_request(
         payload += wire.tlv(Tag.MODE, mode)
     if user is not None:
         payload += wire.tlv(Tag.USER, user)
-    ch = conn.open_channel()
-    entries: list[RawEntry] = []
-    try:
-        ch.send(T.FS, payload)
-        while True:
-            frame = await ch.expect(T.FS_RESULT, timeout=conn.request_timeout)
-            entries.extend(wire.parse_entry(e) for e in Fields(frame.payload).all(Tag.ENTRY))
-            if not frame.flags & wire.FLAG_MORE:
-                return entries
-    finally:
-        ch.close()
+    return await _fs_results(conn, payload, Tag.ENTRY, wire.parse_entry)
 
 
 async def tree(conn: AgentConnection, path: str, *, self_only: bool = False) -> list[TreeEntry]:
@@ -132,13 +125,21 @@ async def tree(conn: AgentConnection, path: str, *, self_only: bool = False) -> 
     path's own entry alone, whatever it is."""
     flags = wire.FsFlag.SELF if self_only else 0
     payload = wire.tlv(Tag.OP, int(FsOp.TREE)) + wire.tlv(Tag.PATH, path) + wire.tlv(Tag.FLAGS, flags)
+    return await _fs_results(conn, payload, Tag.TREE_ENTRY, wire.parse_tree_entry)
+
+
+async def _fs_results(
+    conn: AgentConnection, payload: bytes, tag: Tag, parse: Callable[[bytes], E]
+) -> list[E]:
+    """Send one FS request; its ``tag`` entries, parsed, from every FS_RESULT frame up to
+    the one without MORE (a listing's and a tree's come in batches)."""
     ch = conn.open_channel()
-    entries: list[TreeEntry] = []
+    entries: list[E] = []
     try:
         ch.send(T.FS, payload)
         while True:
             frame = await ch.expect(T.FS_RESULT, timeout=conn.request_timeout)
-            entries.extend(wire.parse_tree_entry(e) for e in Fields(frame.payload).all(Tag.TREE_ENTRY))
+            entries.extend(parse(e) for e in Fields(frame.payload).all(tag))
             if not frame.flags & wire.FLAG_MORE:
                 return entries
     finally:

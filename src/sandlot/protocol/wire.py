@@ -351,11 +351,20 @@ def parse_entry(raw: bytes) -> RawEntry:
     if len(raw) < _ENTRY.size:
         raise ProtocolError("truncated directory entry")
     mode, uid, gid, nlink, size, mtime_ns, name_len, target_len = _ENTRY.unpack_from(raw)
-    if _ENTRY.size + name_len + target_len != len(raw):
-        raise ProtocolError("directory entry lengths do not add up")
-    name = raw[_ENTRY.size : _ENTRY.size + name_len].decode("utf-8", "surrogateescape")
-    target = raw[_ENTRY.size + name_len :].decode("utf-8", "surrogateescape") if target_len else None
+    name, target = _name_and_target(raw, _ENTRY.size, name_len, target_len, "directory entry")
     return RawEntry(name, mode, uid, gid, nlink, size, mtime_ns, target)
+
+
+def _name_and_target(
+    raw: bytes, fixed: int, name_len: int, target_len: int, what: str
+) -> tuple[str, str | None]:
+    """The name (or path) and link target after an entry's ``fixed`` bytes, as the guest
+    wrote them (undecodable bytes kept by surrogateescape)."""
+    if fixed + name_len + target_len != len(raw):
+        raise ProtocolError(f"{what} lengths do not add up")
+    name = raw[fixed : fixed + name_len].decode("utf-8", "surrogateescape")
+    target = raw[fixed + name_len :].decode("utf-8", "surrogateescape") if target_len else None
+    return name, target
 
 
 _TREE_ENTRY = struct.Struct("<IIIIQqqQQHH")
@@ -385,13 +394,9 @@ def parse_tree_entry(raw: bytes) -> TreeEntry:
     mode, uid, gid, nlink, size, mtime_ns, ctime_ns, ino, rdev, name_len, target_len = (
         _TREE_ENTRY.unpack_from(raw)
     )
-    if _TREE_ENTRY.size + name_len + target_len != len(raw):
-        raise ProtocolError("file tree entry lengths do not add up")
-    end = _TREE_ENTRY.size + name_len
-    path = raw[_TREE_ENTRY.size : end].decode("utf-8", "surrogateescape")
+    path, target = _name_and_target(raw, _TREE_ENTRY.size, name_len, target_len, "file tree entry")
     if "\x00" in path or (path and any(c in ("", ".", "..") for c in path.split("/"))):
         raise ProtocolError(f"file tree entry with a bad path {path!r}")
-    target = raw[end:].decode("utf-8", "surrogateescape") if target_len else None
     return TreeEntry(path, mode, uid, gid, nlink, size, mtime_ns, ctime_ns, ino, rdev, target)
 
 

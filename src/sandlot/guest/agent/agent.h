@@ -334,6 +334,12 @@ void exec_reaped(pid_t pid, int status);
 void file_read_start(struct session *s, uint32_t ch, const uint8_t *p, size_t n);
 void file_write_start(struct session *s, uint32_t ch, const uint8_t *p, size_t n);
 void fs_request(struct session *s, uint32_t ch, const uint8_t *p, size_t n);
+/* files.c, for tree.c too: a link's target (malloc'd; NULL on failure), and the pacing
+ * of an answer sent in batches (a listing, a tree): the next batch as soon as the
+ * session takes more output; restarted by the host after a reconnection. */
+char *read_link_at(int dirfd, const char *name);
+int batch_wait(struct channel *c, struct chan_wait *w, uint64_t now, int *timeout_ms);
+int batch_disconnected(struct channel *c);
 /* tree.c: start streaming the manifest of the tree at path (-1 and errno: not begun);
  * self_only: the path's own entry, whatever its type */
 int tree_start(struct session *s, uint32_t ch, const char *path, int self_only);

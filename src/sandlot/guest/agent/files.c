@@ -75,7 +75,7 @@ static void put_entry(struct msg *m, const char *name, const struct stat *st, co
     free(e);
 }
 
-static char *read_link_at(int dirfd, const char *name)
+char *read_link_at(int dirfd, const char *name)
 {
     char buf[PATH_MAX];
     ssize_t n = readlinkat(dirfd, name, buf, sizeof(buf) - 1);
@@ -573,7 +573,7 @@ static void list_progress(struct channel *c)
 }
 
 /* Another batch is due as soon as the session takes more output. */
-static int list_wait(struct channel *c, struct chan_wait *w, uint64_t now, int *timeout_ms)
+int batch_wait(struct channel *c, struct chan_wait *w, uint64_t now, int *timeout_ms)
 {
     if (c->s->connected && !session_congested(c->s)) {
         *timeout_ms = 0;
@@ -581,15 +581,15 @@ static int list_wait(struct channel *c, struct chan_wait *w, uint64_t now, int *
     return 0;
 }
 
-/* A listing is restarted by the host, not resumed. */
-static int list_disconnected(struct channel *c) { return 0; }
+/* A batched answer is restarted by the host, not resumed. */
+int batch_disconnected(struct channel *c) { return 0; }
 
 static const struct channel_ops list_ops = {
     .name = "directory listing",
     .release = list_release,
     .progress = list_progress,
-    .wait = list_wait,
-    .disconnected = list_disconnected,
+    .wait = batch_wait,
+    .disconnected = batch_disconnected,
 };
 
 /* ---- one-shot requests ------------------------------------------------------ */

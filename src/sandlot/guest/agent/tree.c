@@ -63,22 +63,6 @@ static void put_tree_entry(struct msg *m, const char *rel, const struct stat *st
     free(e);
 }
 
-static char *link_target(int dirfd, const char *name, size_t size)
-{
-    size_t cap = size > 0 && size < 65536 ? size + 1 : 4096;
-    char *buf = malloc(cap);
-    if (!buf) {
-        return NULL;
-    }
-    ssize_t n = readlinkat(dirfd, name, buf, cap - 1);
-    if (n < 0) {
-        free(buf);
-        return NULL;
-    }
-    buf[n] = 0;
-    return buf;
-}
-
 static void walk_close(struct tree_walk *w)
 {
     while (w->depth > 0) {
@@ -175,7 +159,7 @@ static void tree_progress(struct channel *c)
             *at++ = '/';
         }
         memcpy(at, de->d_name, nl + 1);
-        char *target = S_ISLNK(st.st_mode) ? link_target(dirfd(d), de->d_name, (size_t)st.st_size) : NULL;
+        char *target = S_ISLNK(st.st_mode) ? read_link_at(dirfd(d), de->d_name) : NULL;
         put_tree_entry(&m, w->path, &st, target);
         free(target);
         if (S_ISDIR(st.st_mode)) {
@@ -200,23 +184,12 @@ static void tree_progress(struct channel *c)
     }
 }
 
-static int tree_wait(struct channel *c, struct chan_wait *w, uint64_t now, int *timeout_ms)
-{
-    if (c->s->connected && !session_congested(c->s)) {
-        *timeout_ms = 0;
-    }
-    return 0;
-}
-
-/* A walk is restarted by the host, not resumed. */
-static int tree_disconnected(struct channel *c) { return 0; }
-
 static const struct channel_ops tree_ops = {
     .name = "file tree",
     .release = tree_release,
     .progress = tree_progress,
-    .wait = tree_wait,
-    .disconnected = tree_disconnected,
+    .wait = batch_wait,                 /* paced, and restarted by the host, as a listing is */
+    .disconnected = batch_disconnected,
 };
 
 int tree_start(struct session *s, uint32_t ch, const char *path, int self_only)
@@ -226,7 +199,7 @@ int tree_start(struct session *s, uint32_t ch, const char *path, int self_only)
         return -1;
     }
     if (self_only) {
-        char *target = S_ISLNK(st.st_mode) ? link_target(AT_FDCWD, path, (size_t)st.st_size) : NULL;
+        char *target = S_ISLNK(st.st_mode) ? read_link_at(AT_FDCWD, path) : NULL;
         struct msg m;
         msg_init(&m);
         put_tree_entry(&m, "", &st, target);
