@@ -33,7 +33,7 @@ def make_tree(box: sandlot.Box, mib: int) -> float:
     t0 = time.monotonic()
     r = box.sh(
         f"for d in $(seq 0 {DIRS - 1}); do mkdir -p /data/$d; for f in $(seq 0 {per_dir - 1}); do "
-        "dd if=/dev/urandom of=/data/$d/$f bs=64k count=16 2>/dev/null; done; done; sync",
+        "dd if=/dev/urandom of=/data/$d/$f bs=64k count=16 iflag=fullblock 2>/dev/null; done; done; sync",
         timeout=3600,
     )
     assert r.exit_code == 0, r.stderr
