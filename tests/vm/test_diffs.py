@@ -175,8 +175,8 @@ def test_forks_compare_with_each_other_and_snapshots_with_snapshots(busybox_root
 def test_a_1gb_tree_with_ten_changed_files(busybox_root: Path) -> None:
     with sandlot.Box(rootfs=busybox_root, memory_mib=256, engine=TEST_ENGINE) as box:  # an 8 GB disk
         made = box.sh(
-            "for d in 0 1 2 3 4 5 6 7 8 9; do mkdir -p /data/$d; for f in $(seq 0 99); do "
-            "dd if=/dev/urandom of=/data/$d/$f bs=64k count=16 iflag=fullblock 2>/dev/null; done; done; sync; "
+            "for d in 0 1 2 3 4 5 6 7 8 9; do mkdir -p /data/$d; for f in $(seq 0 99); do dd "
+            "if=/dev/urandom of=/data/$d/$f bs=64k count=16 iflag=fullblock 2>/dev/null; done; done; sync; "
             "du -sm /data | cut -f1",
             timeout=900,
         )

@@ -36,6 +36,8 @@ JSON_LIMIT = 1 << 20  # bytes of a JSON body; uploads stream and have no such li
 STREAMED_BODIES = ("/files/content", "/files/archive", "/snapshots/import")
 PORT_ROUTE = re.compile(r"^/v1/boxes/[^/]+/ports/\d+/")  # requests to an app in a box: streamed
 PREVIEWS = "/p/"
+CONSOLE = "/console"
+OPEN_PATHS = ("/", "/health", "/docs", "/openapi.json", "/redoc")  # no key: nothing of a box's
 MCP_PATH = "/mcp"
 
 
@@ -78,8 +80,9 @@ class Guard:
             await send(message)
 
         receive = _timed(receive, self.state.settings.body_timeout)
-        if path in ("/health", "/docs", "/openapi.json", "/redoc") or path.startswith(PREVIEWS):
-            # a preview is authenticated by its signature (server/bridge.py), and streamed
+        if path in OPEN_PATHS or path.startswith((PREVIEWS, CONSOLE)):
+            # a preview is authenticated by its signature (server/bridge.py), and streamed;
+            # the console's files hold no secret (the page asks for a key)
             await self.app(scope, receive, sending)
             return
         try:
@@ -166,7 +169,7 @@ def _mcp_endpoint(settings: Settings, inner: Callable[[], Guard | None]) -> Endp
 
 def create_app(settings: Settings) -> ASGIApp:
     """The server's ASGI application for one sandlot home."""
-    from . import bridge, leases, webhooks
+    from . import bridge, console, leases, webhooks
     from .routes import router
 
     state = ServerState(settings)
@@ -243,6 +246,7 @@ def create_app(settings: Settings) -> ASGIApp:
     api.include_router(bridge.v1, prefix="/v1")
     api.include_router(leases.v1, prefix="/v1")
     api.include_router(bridge.router)
+    api.include_router(console.pages)
     if mcp is not None:
         api.router.routes.append(Route(MCP_PATH, endpoint=mcp.app, include_in_schema=False))
     guarded = Guard(api, state)

@@ -63,7 +63,7 @@ from ..errors import (
     SandlotError,
 )
 from .routes import SERVED, box_for, ws_box
-from .state import ServerState, error_response
+from .state import ServerState, accept_websocket, app_subprotocols, error_response
 
 router = APIRouter()  # /p/...: previews, authenticated by their signature
 v1 = APIRouter()  # under /v1, authenticated by a key
@@ -281,7 +281,7 @@ async def proxy_websocket(ws: WebSocket, box: AsyncBox, port: int, path: str,
     accept the client's and pass messages both ways until either side closes, or
     ``until()`` returns (then the client's closes with 1008, policy violation)."""
     query = ws.url.query
-    protocols = [str(p) for p in ws.scope.get("subprotocols") or []]  # what the client offered
+    protocols = app_subprotocols([str(p) for p in ws.scope.get("subprotocols") or []])  # the client's
     try:
         sock = await _connect(box, port)
         inner = await ws_connect(f"ws://localhost:{port}/{path}" + (f"?{query}" if query else ""),
@@ -290,11 +290,11 @@ async def proxy_websocket(ws: WebSocket, box: AsyncBox, port: int, path: str,
     except (SandlotError, InvalidHandshake, OSError, TimeoutError) as e:
         err = e if isinstance(e, SandlotError) else PortUnreachable(
             f"port {port} in box {box.name} refused the WebSocket: {_handshake_reason(e)}")  # fmt: skip
-        await ws.accept()
+        await accept_websocket(ws)
         await ws.send_json(error_message(err))
         await ws.close(1011)
         return
-    await ws.accept(subprotocol=inner.subprotocol)
+    await accept_websocket(ws, inner.subprotocol)
     await _splice(ws, inner, until)
 
 
@@ -419,7 +419,7 @@ async def preview_ws(ws: WebSocket, token: str, path: str) -> None:
     try:
         box, port = await _preview_box(ws, token)
     except SandlotError as e:
-        await ws.accept()
+        await accept_websocket(ws)
         await ws.send_json(error_message(e))
         await ws.close(1008)
         return

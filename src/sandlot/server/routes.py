@@ -59,7 +59,7 @@ from ..api.local import LocalBackend, local_snapshot
 from ..core.diffs import side_key
 from ..errors import BoxNotFound, InvalidArgument, QuotaExceeded, RequestError, SandlotError, SnapshotNotFound
 from . import leases
-from .state import KEY_LABEL, NAMESPACE_LABEL, Caller, ServerState
+from .state import KEY_LABEL, NAMESPACE_LABEL, Caller, ServerState, accept_websocket
 from .streams import serve, spawn
 
 router = APIRouter()
@@ -484,7 +484,7 @@ async def exec_channel(ws: WebSocket) -> None:
     audited as ``POST /v1/boxes/{box}/exec``. A refused key, or a message that is
     not an ExecCall, is answered with ``"id": null`` and ends the channel (1008)."""
     server = _server(ws)
-    await ws.accept()
+    await accept_websocket(ws)
     try:
         caller = await server.caller(ws.headers)
     except SandlotError as e:
@@ -540,13 +540,13 @@ async def ws_box(ws: WebSocket, key: str, accept: bool = True) -> tuple[ServerSt
     close. ``accept=False`` leaves accepting to the caller (unless it fails here)."""
     server = _server(ws)
     if accept:
-        await ws.accept()
+        await accept_websocket(ws)
     try:
         caller = await server.caller(ws.headers)
         return server, caller, await _box(ws, key, caller)
     except SandlotError as e:
         if not accept:
-            await ws.accept()
+            await accept_websocket(ws)
         await ws.send_json(error_message(e))
         await ws.close(1008)
         return None
@@ -832,6 +832,30 @@ async def events(
                 await source.aclose()  # type: ignore[attr-defined]
 
     return StreamingResponse(stream(), media_type="text/event-stream", headers={"Cache-Control": "no-store"})
+
+
+@router.get("/pools", tags=["server"])
+async def list_pools(request: Request) -> dict[str, Any]:
+    """The warm pools of the templates the key may see: size, ready, filling, memory."""
+    from ..api.templates import pools_async
+
+    caller = _caller(request)
+    server = _server(request)
+    visible = {s.id for s in await AsyncSnapshot.list(kind="template", home=server.home)
+               if caller.may_see(_snapshot_labels(s))}  # fmt: skip
+    return {"pools": [p.to_json() for p in await pools_async(home=server.home) if p.template_id in visible]}
+
+
+@router.get("/metrics/latest", tags=["server"])
+async def latest_samples(request: Request) -> dict[str, Any]:
+    """The newest sample of each box the key may see (``box.metrics``'s fields; null
+    where it was never sampled): what a table of boxes shows beside their states."""
+    from ..api.metrics import latest
+
+    caller = _caller(request)
+    return {"boxes": [{"id": b.id, "name": b.name, "state": b.state, "sample": sample}
+                      for b, sample in await latest(_server(request).home)
+                      if caller.may_see(b.info["labels"])]}  # fmt: skip
 
 
 @router.get("/audit", tags=["server"])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import os
 from collections.abc import Callable
@@ -11,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from fastapi.responses import JSONResponse
+from starlette.websockets import WebSocket
 
 from ..api import access
 from ..api.box import AsyncBox
@@ -85,6 +87,8 @@ class ServerState:
         if presented is None:
             scheme, _, token = (headers.get("authorization") or "").partition(" ")
             presented = token.strip() if scheme.lower() == "bearer" else None
+        if presented is None:
+            presented = key_from_subprotocols(headers.get("sec-websocket-protocol"))
         if not presented:
             raise Unauthorized("an API key is needed: Authorization: Bearer <key>")
         key = await self.verifier.verify_async(presented)
@@ -117,6 +121,42 @@ class ServerState:
             namespace=caller.namespace if caller else None, action=action, box=box, status=status,
             error=error, duration=duration, detail=detail or {},
         ))  # fmt: skip
+
+
+# A browser cannot give a WebSocket headers: the console offers the subprotocols
+# "sandlot" and "sandlot.key.<the key in base64url>", and the server answers "sandlot".
+# A header, so never in a URL or a log line; and never passed on to an app in a box.
+SUBPROTOCOL = "sandlot"
+KEY_SUBPROTOCOL = "sandlot.key."
+
+
+def key_from_subprotocols(offered: str | None) -> str | None:
+    for item in (offered or "").split(","):
+        item = item.strip()
+        if item.startswith(KEY_SUBPROTOCOL):
+            encoded = item[len(KEY_SUBPROTOCOL) :]
+            try:
+                padded = encoded + "=" * (-len(encoded) % 4)
+                return base64.b64decode(padded, altchars=b"-_", validate=True).decode()
+            except (ValueError, UnicodeDecodeError):
+                raise Unauthorized("the key offered as a WebSocket subprotocol is not base64url") from None
+    return None
+
+
+def our_subprotocol(offered: list[str]) -> str | None:
+    """What to accept a WebSocket with: "sandlot" where the client offered it (a client
+    that offers subprotocols fails the handshake unless one is chosen)."""
+    return SUBPROTOCOL if SUBPROTOCOL in offered else None
+
+
+async def accept_websocket(ws: WebSocket, subprotocol: str | None = None) -> None:
+    """Accept ``ws`` with ``subprotocol``, else with sandlot's own where it was offered."""
+    await ws.accept(subprotocol=subprotocol or our_subprotocol(list(ws.scope.get("subprotocols") or [])))
+
+
+def app_subprotocols(offered: list[str]) -> list[str]:
+    """The subprotocols a client offered, less sandlot's own: what an app in a box sees."""
+    return [p for p in offered if p != SUBPROTOCOL and not p.startswith(KEY_SUBPROTOCOL)]
 
 
 def error_body(err: SandlotError) -> dict[str, Any]:

@@ -1,0 +1,165 @@
+// The boxes: a table kept live by the server's events, with filters, actions and a
+// form to create one.
+import { enc, followEvents, get, post } from "./api.js";
+import { actionButtons } from "./actions.js";
+import { age, ask, bytes, clear, h, toast } from "./dom.js";
+
+const STATES = ["", "created", "running", "paused", "suspended", "stopped", "crashed"];
+
+export async function boxesPage(main, whoami) {
+  const boxes = new Map(); // id -> info
+  const usage = new Map(); // id -> {cpu, mem}
+  let lastSamples = new Map();
+  const stateFilter = h("select", { "aria-label": "state", id: "filter-state" },
+    STATES.map((s) => h("option", { value: s }, s || "any state")));
+  const labelFilter = h("input", { id: "filter-label", placeholder: "label: key=value", "aria-label": "label" });
+  const count = h("span", { class: "muted", id: "box-count" });
+  const tbody = h("tbody", { id: "boxes" });
+  const live = h("span", { class: "live", id: "live", title: "state changes arrive as events" }, "connecting…");
+  clear(main,
+    h("div", { class: "toolbar" },
+      h("h2", {}, "Boxes"), count, live, h("span", { class: "grow" }),
+      stateFilter, labelFilter,
+      h("button", { class: "primary", id: "create-box", onclick: () => createBox(whoami) }, "Create box")),
+    h("table", { class: "boxes" },
+      h("thead", {}, h("tr", {}, ["Name", "Image", "State", "Age", "CPU", "Memory", "Labels", ""].map((t) => h("th", {}, t)))),
+      tbody));
+
+  function matches(b) {
+    if (stateFilter.value && b.state !== stateFilter.value) return false;
+    const want = labelFilter.value.trim();
+    if (want) {
+      const [k, ...v] = want.split("=");
+      const have = (b.labels || {})[k.trim()];
+      if (have === undefined || (v.length && have !== v.join("=").trim())) return false;
+    }
+    return true;
+  }
+
+  function row(b) {
+    const u = usage.get(b.id) || {};
+    const labels = Object.entries(b.labels || {}).filter(([k]) => !k.startsWith("sandlot."));
+    return h("tr", { dataset: { id: b.id, name: b.name, state: b.state } },
+      h("td", {}, h("a", { href: `#/box/${enc(b.name)}`, class: "box-name" }, b.name)),
+      h("td", { class: "muted" }, b.image || (b.origin ? `from ${b.origin.slice(0, 12)}` : "")),
+      h("td", {}, h("span", { class: `state ${b.state}` }, b.state)),
+      h("td", { title: new Date(b.created_at * 1000).toLocaleString() }, age(b.created_at)),
+      h("td", { class: "num" }, u.cpu == null ? "" : `${u.cpu.toFixed(1)}%`),
+      h("td", { class: "num" }, bytes(u.mem)),
+      h("td", {}, labels.map(([k, v]) => h("span", { class: "label" }, `${k}=${v}`))),
+      h("td", { class: "actions" }, actionButtons(b, async (result) => {
+        if (result === "removed") { boxes.delete(b.id); render(); }
+        else if (result) { boxes.set(b.id, { ...b, state: result }); render(); }
+      })));
+  }
+
+  let scheduled = false;
+  function render() {
+    if (scheduled) return;
+    scheduled = true;
+    requestAnimationFrame(() => {
+      scheduled = false;
+      const shown = [...boxes.values()].filter(matches).sort((a, b) => a.created_at - b.created_at);
+      const frag = document.createDocumentFragment();
+      for (const b of shown) frag.append(row(b));
+      tbody.replaceChildren(frag);
+      if (!shown.length) tbody.append(h("tr", {}, h("td", { colspan: 8, class: "muted" }, "No boxes.")));
+      clear(count, `${shown.length} of ${boxes.size}`);
+    });
+  }
+  stateFilter.addEventListener("change", render);
+  labelFilter.addEventListener("input", render);
+
+  async function load() {
+    let token = null;
+    const seen = new Map();
+    do {
+      const page = await get("/boxes", { limit: 1000, page_token: token });
+      for (const b of page.boxes) seen.set(b.id, b);
+      token = page.next_page_token;
+    } while (token);
+    boxes.clear();
+    for (const [id, b] of seen) boxes.set(id, b);
+    render();
+  }
+
+  async function sample() {
+    try {
+      const now = await get("/metrics/latest");
+      const next = new Map();
+      for (const { id, sample } of now.boxes) {
+        if (!sample) continue;
+        next.set(id, sample);
+        const before = lastSamples.get(id);
+        let cpu = usage.get(id)?.cpu ?? null;
+        if (before && sample.at > before.at && sample.cpu_seconds >= before.cpu_seconds) {
+          cpu = ((sample.cpu_seconds - before.cpu_seconds) / (sample.at - before.at)) * 100;
+        }
+        usage.set(id, { cpu, mem: sample.pss_bytes ?? sample.rss_bytes });
+      }
+      lastSamples = next;
+      render();
+    } catch { /* the next round tries again */ }
+  }
+
+  const pending = new Set();
+  async function onEvent(ev) {
+    if (!ev.box_id) return;
+    if (ev.kind === "removed") { boxes.delete(ev.box_id); render(); return; }
+    const known = boxes.get(ev.box_id);
+    if (known) {
+      if (ev.state) boxes.set(ev.box_id, { ...known, state: ev.state });
+      render();
+      return;
+    }
+    if (pending.has(ev.box_id)) return;
+    pending.add(ev.box_id);
+    try { boxes.set(ev.box_id, await get(`/boxes/${enc(ev.box_id)}`)); render(); }
+    catch { /* removed meanwhile, or not this key's */ }
+    finally { pending.delete(ev.box_id); }
+  }
+
+  let opened = false;
+  const stop = followEvents(onEvent, { onOpen: () => {
+    clear(live, "live");
+    live.classList.add("on");
+    if (!opened) { opened = true; load().catch((e) => toast(e.message, "error")); }
+  } });
+  await sample();
+  const timer = setInterval(sample, 10000); // the host samples each box every 10 s
+  return () => { stop(); clearInterval(timer); };
+}
+
+async function createBox(whoami) {
+  const v = await ask("Create a box", { ok: "Create", fields: [
+    { name: "image", label: "Image (a reference), or…", placeholder: "python:3.12-slim" },
+    { name: "template", label: "…a template (name or id)" },
+    { name: "name", label: "Name (optional)" },
+    { name: "cpus", label: "vCPUs", type: "number", value: "1", min: 1, max: 64 },
+    { name: "memory_mib", label: "Memory (MiB)", type: "number", value: "512", min: 64 },
+    { name: "labels", label: "Labels (key=value, comma separated)" },
+    { name: "env", label: "Environment (KEY=value, comma separated)" },
+    { name: "options", label: "More options, as the API's JSON (network, allow, ports, idle_timeout…)",
+      type: "textarea", placeholder: '{"network": "none"}' + (whoami.admin ? "" : "") },
+  ] });
+  if (!v) return;
+  const pairs = (s) => Object.fromEntries(s.split(",").map((p) => p.trim()).filter(Boolean)
+    .map((p) => { const i = p.indexOf("="); return i < 0 ? [p, ""] : [p.slice(0, i), p.slice(i + 1)]; }));
+  let extra = {};
+  if (v.options.trim()) {
+    try { extra = JSON.parse(v.options); } catch (e) { toast(`More options: ${e.message}`, "error"); return; }
+  }
+  const body = { ...extra };
+  for (const k of ["image", "template", "name"]) if (v[k].trim()) body[k] = v[k].trim();
+  if (v.cpus) body.cpus = Number(v.cpus);
+  if (v.memory_mib) body.memory_mib = Number(v.memory_mib);
+  if (v.labels.trim()) body.labels = pairs(v.labels);
+  if (v.env.trim()) body.env = pairs(v.env);
+  toast("Creating…");
+  try {
+    const box = await post("/boxes", body);
+    toast(`Created ${box.name}`);
+  } catch (e) {
+    toast(e.message, "error");
+  }
+}

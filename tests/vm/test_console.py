@@ -1,0 +1,276 @@
+"""The web console in a real browser: the distro's Chromium, driven by Playwright,
+against a real ``sandlot serve`` with real boxes (docs/console.md).
+
+Every page keeps the server's Content-Security-Policy on (no bypass), so what runs
+here is what a user's browser runs. A page that raises, or an ``alert`` that fires,
+fails the test that opened it."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.support.names import unique
+from tests.support.serve import Served, create_key, serving
+
+pytestmark = pytest.mark.vm
+
+playwright_api = pytest.importorskip("playwright.sync_api")  # in the dev extras: there under scripts/test
+# the distro's Chromium (scripts/setup installs it); else Playwright's own build, which
+# setup fetches where the distro has none (Ubuntu)
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+DEADLINE_MS = 120_000  # a boot under TCG on a busy 2-core host
+
+
+@pytest.fixture(scope="module")
+def served() -> Iterator[Served]:
+    with serving(Path(os.environ["SANDLOT_HOME"])) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def key(served: Served) -> str:
+    """A key of a namespace of its own, admin in it (so it may boot a test rootfs)."""
+    tag = unique("console")
+    return create_key(served.home, tag, "--namespace", tag, "--admin")
+
+
+@pytest.fixture(scope="module")
+def api(served: Served, key: str) -> Iterator[httpx.Client]:
+    with served.client(key) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def box(api: httpx.Client, busybox_root: Path) -> Iterator[dict[str, Any]]:
+    r = api.post("/v1/boxes", json={"rootfs": str(busybox_root), "memory_mib": 256, "name": unique("con")})
+    assert r.status_code == 201, r.text
+    made = r.json()
+    try:
+        yield made
+    finally:
+        api.delete(f"/v1/boxes/{made['id']}", params={"force": True})
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[Any]:
+    with playwright_api.sync_playwright() as p:
+        b = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
+        try:
+            yield b
+        finally:
+            b.close()
+
+
+@pytest.fixture
+def page(browser: Any, served: Served) -> Iterator[Any]:
+    context = browser.new_context(base_url=served.url, viewport={"width": 1280, "height": 800},
+                                  accept_downloads=True)  # fmt: skip
+    pg = context.new_page()
+    pg.set_default_timeout(30_000)
+    trouble: list[str] = []
+    pg.on("pageerror", lambda e: trouble.append(f"page error: {e}"))
+    pg.on("dialog", lambda d: (trouble.append(f"a dialog opened: {d.message}"), d.dismiss()))
+    # the browser logs each refused request: a sign-in with a wrong key is one
+    pg.on("console", lambda m: trouble.append(f"console: {m.text}")
+          if m.type == "error" and "status of 401" not in m.text else None)  # fmt: skip
+    try:
+        yield pg
+    finally:
+        context.close()
+    assert not trouble, trouble
+
+
+def sign_in(page: Any, key: str) -> None:
+    page.goto("/")
+    page.fill("#sign-in input[name=key]", key)
+    page.press("#sign-in input[name=key]", "Enter")
+    page.wait_for_selector("#box-count")
+
+
+def row(page: Any, name: str, state: str | None = None) -> Any:
+    selector = f'tr[data-name="{name}"]' + (f'[data-state="{state}"]' if state else "")
+    return page.locator(selector)
+
+
+def confirm(page: Any, **fields: str) -> None:
+    dialog = page.locator("dialog.ask")
+    for name, value in fields.items():
+        dialog.locator(f"[name={name}]").fill(value)
+    dialog.locator("button[type=submit]").click()
+
+
+def test_a_wrong_key_is_refused_and_the_right_one_stays_in_the_tab(
+    page: Any, key: str, served: Served
+) -> None:
+    page.goto("/")
+    page.fill("#sign-in input[name=key]", "sk-not-a-key")
+    page.press("#sign-in input[name=key]", "Enter")
+    page.get_by_text("The key was refused.").wait_for()
+    assert page.locator("#box-count").count() == 0
+    page.fill("#sign-in input[name=key]", key)
+    page.press("#sign-in input[name=key]", "Enter")
+    page.wait_for_selector("#box-count")
+    assert key not in page.url and page.context.cookies() == []
+    assert page.evaluate("() => sessionStorage.getItem('sandlot.key')") == key
+    assert page.evaluate("() => localStorage.length") == 0
+    assert "admin" in page.inner_text("#who") and page.is_visible("#nav-audit")
+    plain = create_key(served.home, unique("plain"), "--namespace", unique("ns"))
+    page.click("#sign-out")
+    sign_in(page, plain)
+    assert not page.is_visible("#nav-audit")  # what the key may not read is not offered
+
+
+def test_create_a_box_then_remove_it(page: Any, key: str, api: httpx.Client, busybox_root: Path) -> None:
+    name = unique("made")
+    sign_in(page, key)
+    page.click("#create-box")
+    confirm(page, name=name, memory_mib="256", labels="made-by=console",
+            options=f'{{"rootfs": "{busybox_root}"}}')  # fmt: skip
+    row(page, name, "running").wait_for(timeout=DEADLINE_MS)
+    assert api.get(f"/v1/boxes/{name}").json()["labels"]["made-by"] == "console"
+    row(page, name).locator("button[data-action=remove]").click()
+    confirm(page)
+    row(page, name).wait_for(state="detached")
+    assert api.get(f"/v1/boxes/{name}").status_code == 404
+
+
+def test_echo_in_the_terminal_and_reattach_after_a_reload(page: Any, key: str, box: dict[str, Any]) -> None:
+    sign_in(page, key)
+    page.click(f'tr[data-name="{box["name"]}"] a.box-name')
+    page.locator("#terminal-status", has_text="shell ").wait_for(timeout=DEADLINE_MS)
+    page.click("#terminal")
+    page.keyboard.type("echo console-$((6*7))\n")
+    page.locator("#terminal .xterm-rows", has_text="console-42").wait_for()
+    shell = page.inner_text("#terminal-status")
+    page.reload()
+    page.locator("#terminal-status", has_text=shell).wait_for()  # the same shell, not a new one
+    page.locator("#terminal .xterm-rows", has_text="console-42").wait_for()  # its output, held by the server
+    page.click("#terminal")
+    page.keyboard.type("echo again-$((2*3))\n")
+    page.locator("#terminal .xterm-rows", has_text="again-6").wait_for()
+
+
+def test_upload_by_button_and_by_drop_then_download(
+    page: Any, key: str, box: dict[str, Any], api: httpx.Client, tmp_path: Path
+) -> None:
+    blob = bytes(range(256)) * 40 + b"\x00end"
+    local = tmp_path / "up.bin"
+    local.write_bytes(blob)
+    sign_in(page, key)
+    page.goto(f"/console/#/box/{box['name']}/files")
+    page.fill("#files-path", "/tmp")
+    page.press("#files-path", "Enter")
+    page.set_input_files("#files-upload", str(local))
+    page.locator('#files tr[data-name="up.bin"]').wait_for()
+    got = api.get(f"/v1/boxes/{box['id']}/files/content", params={"path": "/tmp/up.bin"})
+    assert got.content == blob
+    dropped = page.evaluate_handle(
+        "() => { const t = new DataTransfer(); "
+        "t.items.add(new File(['dropped here\\n'], 'dropped.txt')); return t; }"
+    )
+    page.dispatch_event("#files-drop", "drop", {"dataTransfer": dropped})
+    page.locator('#files tr[data-name="dropped.txt"]').wait_for()
+    got = api.get(f"/v1/boxes/{box['id']}/files/content", params={"path": "/tmp/dropped.txt"})
+    assert got.text == "dropped here\n"
+    with page.expect_download() as download:
+        page.click('#files tr[data-name="up.bin"] button[data-action=download]')
+    assert Path(download.value.path()).read_bytes() == blob
+    page.click('#files tr[data-name="dropped.txt"] button[data-action=edit]')
+    page.fill("#editor-text", "edited in the console\n")
+    page.click("#editor-save")
+    page.get_by_text("Saved /tmp/dropped.txt").wait_for()
+    got = api.get(f"/v1/boxes/{box['id']}/files/content", params={"path": "/tmp/dropped.txt"})
+    assert got.text == "edited in the console\n"
+
+
+def test_hostile_names_labels_and_contents_render_as_text(
+    page: Any, key: str, box: dict[str, Any], api: httpx.Client
+) -> None:
+    refused = api.post("/v1/boxes", json={"name": "<script>alert(1)</script>", "start": False})
+    assert refused.status_code == 400  # a box's name cannot hold markup at all
+    hostile_name = '<img src=x onerror="window.pwned=1">.txt'
+    hostile_text = '<script>window.pwned=2</script><img src=x onerror="window.pwned=3">\n'
+    put = api.put(f"/v1/boxes/{box['id']}/files/content", params={"path": f"/tmp/{hostile_name}"},
+                  content=hostile_text.encode())  # fmt: skip
+    assert put.status_code == 200, put.text
+    kmsg = f"echo '<2>{hostile_text.strip()}' > /dev/kmsg"  # a line on the guest's console
+    api.post(f"/v1/boxes/{box['id']}/exec", json={"argv": ["sh", "-c", kmsg]})
+    sign_in(page, key)
+    page.goto(f"/console/#/box/{box['name']}/files")
+    page.fill("#files-path", "/tmp")
+    page.press("#files-path", "Enter")
+    entry = page.locator("#files tr", has_text=hostile_name)
+    entry.wait_for()
+    assert entry.locator(".file-name").inner_text() == hostile_name
+    entry.locator("button[data-action=edit]").click()
+    assert page.input_value("#editor-text") == hostile_text
+    page.click("nav.tabs a[data-tab=logs]")
+    page.locator("#logs", has_text="window.pwned=2").wait_for()
+    assert page.evaluate("() => window.pwned") is None
+    assert page.locator("#main img, #main script").count() == 0
+
+
+def test_snapshot_then_roll_back_from_the_tree(
+    page: Any, key: str, box: dict[str, Any], api: httpx.Client
+) -> None:
+    def sh(cmd: str) -> dict[str, Any]:
+        r = api.post(f"/v1/boxes/{box['id']}/exec", json={"argv": ["sh", "-c", cmd]})
+        assert r.status_code == 200, r.text
+        return dict(r.json())
+
+    snap = unique("before")
+    sh("echo kept > /root/kept.txt")
+    sign_in(page, key)
+    page.goto(f"/console/#/box/{box['name']}/tree")
+    page.click(".box-head button[data-action=snapshot]")
+    confirm(page, name=snap)
+    page.get_by_text(f"Snapshot {snap} of {box['name']}").wait_for(timeout=DEADLINE_MS)
+    sh("echo lost > /root/after.txt")
+    page.click("nav.tabs a[data-tab=tree]")
+    node = page.locator(f'g.node.snapshot[data-name="{snap}"]')
+    node.wait_for()
+    node.click()
+    page.click("#node-rollback")
+    confirm(page)
+    page.get_by_text(f"Rolled {box['name']} back").wait_for(timeout=DEADLINE_MS)
+    assert sh("cat /root/kept.txt; test -e /root/after.txt; echo $?")["stdout"] == "kept\n1\n"
+    assert api.get(f"/v1/boxes/{box['id']}").json()["state"] == "running"
+
+
+def test_a_state_change_by_another_process_arrives_live(
+    page: Any, key: str, box: dict[str, Any], served: Served
+) -> None:
+    sign_in(page, key)
+    row(page, box["name"], "running").wait_for()
+    cli = [sys.executable, "-m", "sandlot.cli"]
+    env = {**os.environ, "SANDLOT_HOME": str(served.home)}
+    try:
+        subprocess.run([*cli, "pause", box["id"]], env=env, check=True, capture_output=True, timeout=120)
+        t = time.monotonic()
+        row(page, box["name"], "paused").wait_for(timeout=10_000)
+        print(f"a pause by another process shown in {time.monotonic() - t:.2f} s")
+    finally:
+        subprocess.run([*cli, "unpause", box["id"]], env=env, check=True, capture_output=True, timeout=120)
+    row(page, box["name"], "running").wait_for(timeout=10_000)
+
+
+def test_the_other_pages_render(page: Any, key: str, box: dict[str, Any]) -> None:
+    sign_in(page, key)
+    for tab, ready in (("logs", "#logs"), ("network", "#network-policy"), ("stats", "#stats svg"),
+                       ("code", "#code-run")):  # fmt: skip
+        page.goto(f"/console/#/box/{box['name']}/{tab}")
+        page.wait_for_selector(ready)
+    page.click("#nav a[data-page=templates]")
+    page.wait_for_selector("#templates")
+    page.click("#nav-audit")
+    page.locator("#audit tr", has_text="POST /v1/boxes").first.wait_for()
