@@ -44,6 +44,7 @@ PROMISED = {
         "host_to_box_published_port",
     ],
     "concurrency": ["threads", "processes"],
+    "console": ["boxes_page_render_ms", "state_change_to_screen_ms", "keystroke_echo_ms"],
     "interpreter": [
         "run_code_warm_ms",
         "first_run_code_new_box_s",

@@ -128,7 +128,8 @@ function chart(samples, key, label, format) {
   }
   const t0 = points[0].at, t1 = points[points.length - 1].at;
   const max = Math.max(...points.map((p) => p[key]), key === "cpu_percent" ? 100 : 1);
-  const d = points.map((p, i) => `${i ? "L" : "M"}${((p.at - t0) / (t1 - t0 || 1)) * W},${H - (p[key] / max) * H + 10}`).join(" ");
+  const y = (v) => 20 + (H - 10) * (1 - v / max); // the top 20 px hold the label
+  const d = points.map((p, i) => `${i ? "L" : "M"}${((p.at - t0) / (t1 - t0 || 1)) * W},${y(p[key])}`).join(" ");
   svg.append(h("svg:path", { d, class: "line" }),
     h("svg:text", { x: 4, y: 12, class: "sub" }, `${label}: ${format(points[points.length - 1][key])} (max ${format(max)})`));
   return svg;

@@ -7,6 +7,7 @@ import { age, ask, bytes, clear, h, toast } from "./dom.js";
 const STATES = ["", "created", "running", "paused", "suspended", "stopped", "crashed"];
 
 export async function boxesPage(main, whoami) {
+  performance.mark("sandlot:boxes-open"); // benchmarks/console.py reads these marks
   const boxes = new Map(); // id -> info
   const usage = new Map(); // id -> {cpu, mem}
   let lastSamples = new Map();
@@ -49,11 +50,12 @@ export async function boxesPage(main, whoami) {
       h("td", {}, labels.map(([k, v]) => h("span", { class: "label" }, `${k}=${v}`))),
       h("td", { class: "actions" }, actionButtons(b, async (result) => {
         if (result === "removed") { boxes.delete(b.id); render(); }
-        else if (result) { boxes.set(b.id, { ...b, state: result }); render(); }
+        else if (result && boxes.has(b.id)) { boxes.set(b.id, { ...boxes.get(b.id), state: result }); update(boxes.get(b.id)); }
       })));
   }
 
   let scheduled = false;
+  let loaded = false;
   function render() {
     if (scheduled) return;
     scheduled = true;
@@ -65,7 +67,16 @@ export async function boxesPage(main, whoami) {
       tbody.replaceChildren(frag);
       if (!shown.length) tbody.append(h("tr", {}, h("td", { colspan: 8, class: "muted" }, "No boxes.")));
       clear(count, `${shown.length} of ${boxes.size}`);
+      if (loaded && !performance.getEntriesByName("sandlot:boxes-rendered").length) {
+        performance.mark("sandlot:boxes-rendered");
+      }
     });
+  }
+  // One box changed: its row alone is drawn again, unless the filter now shows or hides it
+  function update(b) {
+    const old = tbody.querySelector(`tr[data-id="${CSS.escape(b.id)}"]`);
+    if (!old || !matches(b) || scheduled) { render(); return; }
+    old.replaceWith(row(b));
   }
   stateFilter.addEventListener("change", render);
   labelFilter.addEventListener("input", render);
@@ -80,6 +91,7 @@ export async function boxesPage(main, whoami) {
     } while (token);
     boxes.clear();
     for (const [id, b] of seen) boxes.set(id, b);
+    loaded = true;
     render();
   }
 
@@ -108,8 +120,11 @@ export async function boxesPage(main, whoami) {
     if (ev.kind === "removed") { boxes.delete(ev.box_id); render(); return; }
     const known = boxes.get(ev.box_id);
     if (known) {
-      if (ev.state) boxes.set(ev.box_id, { ...known, state: ev.state });
-      render();
+      if (ev.state && ev.state !== known.state) {
+        const b = { ...known, state: ev.state };
+        boxes.set(ev.box_id, b);
+        update(b);
+      }
       return;
     }
     if (pending.has(ev.box_id)) return;
@@ -140,7 +155,7 @@ async function createBox(whoami) {
     { name: "labels", label: "Labels (key=value, comma separated)" },
     { name: "env", label: "Environment (KEY=value, comma separated)" },
     { name: "options", label: "More options, as the API's JSON (network, allow, ports, idle_timeout…)",
-      type: "textarea", placeholder: '{"network": "none"}' + (whoami.admin ? "" : "") },
+      type: "textarea", placeholder: whoami.admin ? '{"network": "none", "rootfs": "/path/on/the/server"}' : '{"network": "none"}' },
   ] });
   if (!v) return;
   const pairs = (s) => Object.fromEntries(s.split(",").map((p) => p.trim()).filter(Boolean)
