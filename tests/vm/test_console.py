@@ -8,6 +8,7 @@ fails the test that opened it."""
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -20,7 +21,7 @@ import httpx
 import pytest
 
 from tests.support.names import unique
-from tests.support.serve import Served, create_key, serving
+from tests.support.serve import Served, create_key, free_port, serving
 
 pytestmark = pytest.mark.vm
 
@@ -29,6 +30,7 @@ playwright_api = pytest.importorskip("playwright.sync_api")  # in the dev extras
 # setup fetches where the distro has none (Ubuntu)
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 DEADLINE_MS = 120_000  # a boot under TCG on a busy 2-core host
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
@@ -247,20 +249,25 @@ def test_snapshot_then_roll_back_from_the_tree(
     assert api.get(f"/v1/boxes/{box['id']}").json()["state"] == "running"
 
 
+def by_another_process(served: Served, action: str, box: dict[str, Any]) -> None:
+    """``sandlot ACTION BOX`` run by the CLI in a process of its own, on the server's home."""
+    env = {**os.environ, "SANDLOT_HOME": str(served.home)}
+    argv = [sys.executable, "-m", "sandlot.cli", action, box["id"]]
+    subprocess.run(argv, env=env, check=True, capture_output=True, timeout=120)
+
+
 def test_a_state_change_by_another_process_arrives_live(
     page: Any, key: str, box: dict[str, Any], served: Served
 ) -> None:
     sign_in(page, key)
     row(page, box["name"], "running").wait_for()
-    cli = [sys.executable, "-m", "sandlot.cli"]
-    env = {**os.environ, "SANDLOT_HOME": str(served.home)}
     try:
-        subprocess.run([*cli, "pause", box["id"]], env=env, check=True, capture_output=True, timeout=120)
+        by_another_process(served, "pause", box)
         t = time.monotonic()
         row(page, box["name"], "paused").wait_for(timeout=10_000)
         print(f"a pause by another process shown in {time.monotonic() - t:.2f} s")
     finally:
-        subprocess.run([*cli, "unpause", box["id"]], env=env, check=True, capture_output=True, timeout=120)
+        by_another_process(served, "unpause", box)
     row(page, box["name"], "running").wait_for(timeout=10_000)
 
 
@@ -274,3 +281,77 @@ def test_the_other_pages_render(page: Any, key: str, box: dict[str, Any]) -> Non
     page.wait_for_selector("#templates")
     page.click("#nav-audit")
     page.locator("#audit tr", has_text="POST /v1/boxes").first.wait_for()
+
+
+@pytest.fixture
+def behind_nginx(served: Served, tmp_path: Path) -> Iterator[str]:
+    """nginx on a free port of 127.0.0.1 in front of the server, configured with the
+    ``location`` block docs/server.md gives, as it is written there."""
+    nginx = shutil.which("nginx") or "/usr/sbin/nginx"
+    doc = (REPO / "docs" / "server.md").read_text()
+    found = re.search(r"```nginx\n(.*?)```", doc, re.S)
+    assert found, "docs/server.md has no nginx block"
+    location = found.group(1).replace("http://127.0.0.1:7070", f"http://127.0.0.1:{served.port}")
+    port = free_port()
+    temp = " ".join(
+        f"{k}_temp_path {tmp_path}/{k};" for k in ("client_body", "proxy", "fastcgi", "uwsgi", "scgi")
+    )
+    (tmp_path / "nginx.conf").write_text(f"""
+worker_processes 1;
+pid {tmp_path}/nginx.pid;
+error_log {tmp_path}/error.log;
+events {{}}
+http {{
+    access_log off;
+    {temp}
+    map $http_upgrade $connection_upgrade {{ default upgrade; "" close; }}
+    server {{
+        listen 127.0.0.1:{port};
+        {location}
+    }}
+}}
+""")
+    argv = [nginx, "-p", str(tmp_path), "-c", str(tmp_path / "nginx.conf"), "-g", "daemon off;"]
+    proc = subprocess.Popen(argv, stderr=subprocess.PIPE)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            alive = proc.poll() is None and time.monotonic() < deadline
+            assert alive, proc.stderr.read() if proc.stderr else "nginx did not answer"
+            time.sleep(0.1)
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+def test_the_console_behind_the_docs_reverse_proxy(
+    browser: Any, behind_nginx: str, key: str, box: dict[str, Any], served: Served
+) -> None:
+    context = browser.new_context(base_url=behind_nginx, viewport={"width": 1280, "height": 800})
+    page = context.new_page()
+    page.set_default_timeout(30_000)
+    errors: list[str] = []
+    page.on("pageerror", lambda e: errors.append(str(e)))
+    try:
+        sign_in(page, key)
+        row(page, box["name"], "running").wait_for()
+        by_another_process(served, "pause", box)
+        try:
+            row(page, box["name"], "paused").wait_for(timeout=10_000)  # events stream through the proxy
+        finally:
+            by_another_process(served, "unpause", box)
+        page.click(f'tr[data-name="{box["name"]}"] a.box-name')
+        page.locator("#terminal-status", has_text="shell ").wait_for(timeout=DEADLINE_MS)
+        page.click("#terminal")
+        page.keyboard.type("echo proxied-$((40+2))\n")  # a WebSocket upgraded through nginx
+        page.locator("#terminal .xterm-rows", has_text="proxied-42").wait_for()
+    finally:
+        context.close()
+    assert not errors, errors
