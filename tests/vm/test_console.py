@@ -31,6 +31,7 @@ playwright_api = pytest.importorskip("playwright.sync_api")  # in the dev extras
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 DEADLINE_MS = 120_000  # a boot under TCG on a busy 2-core host
 REPO = Path(__file__).resolve().parents[2]
+HOSTILE_LABEL = '<img src=x onerror="window.pwned=4">'
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +55,9 @@ def api(served: Served, key: str) -> Iterator[httpx.Client]:
 
 @pytest.fixture(scope="module")
 def box(api: httpx.Client, busybox_root: Path) -> Iterator[dict[str, Any]]:
-    r = api.post("/v1/boxes", json={"rootfs": str(busybox_root), "memory_mib": 256, "name": unique("con")})
+    labels = {"note": HOSTILE_LABEL}
+    r = api.post("/v1/boxes", json={"rootfs": str(busybox_root), "memory_mib": 256, "name": unique("con"),
+                                    "labels": labels})  # fmt: skip
     assert r.status_code == 201, r.text
     made = r.json()
     try:
@@ -208,6 +211,7 @@ def test_hostile_names_labels_and_contents_render_as_text(
     kmsg = f"echo '<2>{hostile_text.strip()}' > /dev/kmsg"  # a line on the guest's console
     api.post(f"/v1/boxes/{box['id']}/exec", json={"argv": ["sh", "-c", kmsg]})
     sign_in(page, key)
+    assert row(page, box["name"]).locator(".label").inner_text() == f"note={HOSTILE_LABEL}"
     page.goto(f"/console/#/box/{box['name']}/files")
     page.fill("#files-path", "/tmp")
     page.press("#files-path", "Enter")
@@ -277,6 +281,8 @@ def test_the_other_pages_render(page: Any, key: str, box: dict[str, Any]) -> Non
                        ("code", "#code-run")):  # fmt: skip
         page.goto(f"/console/#/box/{box['name']}/{tab}")
         page.wait_for_selector(ready)
+    page.goto(f"/console/#/box/{box['name']}/stats")
+    page.locator("#stats path.line").first.wait_for()  # the box has run for a few samples by now
     page.click("#nav a[data-page=templates]")
     page.wait_for_selector("#templates")
     page.click("#nav-audit")
@@ -355,3 +361,46 @@ def test_the_console_behind_the_docs_reverse_proxy(
     finally:
         context.close()
     assert not errors, errors
+
+
+SEEN_CGI = """#!/bin/sh
+printf 'Content-Type: text/plain\\r\\n\\r\\n'
+echo "proto=[$HTTP_SEC_WEBSOCKET_PROTOCOL] auth=[$HTTP_AUTHORIZATION] other=[$HTTP_X_OTHER]"
+"""
+SW_CGI = """#!/bin/sh
+printf 'Content-Type: text/javascript\\r\\nService-Worker-Allowed: /\\r\\nX-App: kept\\r\\n\\r\\n'
+echo 'self.addEventListener("fetch", () => {});'
+"""
+
+
+def test_an_app_may_not_widen_a_service_worker_over_the_console(
+    api: httpx.Client, box: dict[str, Any]
+) -> None:
+    """Through a port route or a preview an app answers on the console's origin: a
+    worker it registers must keep to the app's own path, never cover /console/. And
+    what reaches the app carries no key, in whatever header it came."""
+    bid = box["id"]
+    for name, script in (("sw", SW_CGI), ("seen", SEEN_CGI)):
+        api.put(f"/v1/boxes/{bid}/files/content", params={"path": f"/srv8091/cgi-bin/{name}", "mode": 0o755},
+                content=script.encode()).raise_for_status()  # fmt: skip
+    api.post(f"/v1/boxes/{bid}/exec", json={"argv": ["httpd", "-p", "127.0.0.1:8091", "-h", "/srv8091"]})
+    deadline = time.monotonic() + 60
+    while (r := api.get(f"/v1/boxes/{bid}/ports/8091/cgi-bin/sw")).status_code == 502:
+        assert time.monotonic() < deadline, r.text
+        time.sleep(0.3)
+    assert r.status_code == 200 and r.headers["x-app"] == "kept", (r.status_code, r.headers)
+    assert "service-worker-allowed" not in r.headers
+    offered = "sandlot, sandlot.key.c2stc2wtc2VjcmV0"  # a key offered as the console offers it
+    seen = api.get(f"/v1/boxes/{bid}/ports/8091/cgi-bin/seen",
+                   headers={"Sec-WebSocket-Protocol": offered, "X-Other": "passed"})  # fmt: skip
+    assert seen.text.strip() == "proto=[] auth=[] other=[passed]", seen.text
+
+
+def test_a_console_opened_by_another_page_does_not_start(page: Any) -> None:
+    page.goto("/console/")
+    page.wait_for_selector("#sign-in")
+    with page.context.expect_page() as opened:
+        page.evaluate("() => { window.open('/console/'); }")  # as an app on this origin could
+    other = opened.value
+    other.get_by_text("opened by another page").wait_for()
+    assert other.locator("#sign-in").count() == 0

@@ -9,6 +9,7 @@ import re
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
 from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -19,7 +20,7 @@ from starlette.routing import Route
 from ..api.box import take_over_sessions
 from ..api.events import acting_as
 from ..api.templates import keep_pools_filled_async
-from ..errors import RequestError, SandlotError
+from ..errors import Forbidden, RequestError, SandlotError
 from ..version import __version__
 from .state import ServerState, Settings, error_response
 
@@ -52,6 +53,8 @@ class BodyTimeout(RequestError):
 class Guard:
     """Around every HTTP request: the body limit, the body's idle timeout, the caller,
     and the audit record of each mutating request (after the answer, off its path).
+    Around every request and WebSocket: no web page of another origin gets through
+    (``foreign_origin``).
 
     Time limits: a client that stops sending a request body for ``body_timeout``
     seconds (``Settings``; ``sandlot serve --body-timeout``) gets 408, on every
@@ -65,13 +68,24 @@ class Guard:
         self.state = state
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
+        if scope["type"] not in ("http", "websocket"):
             await self.app(scope, receive, send)
+            return
+        headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
+        foreign = foreign_origin(headers)
+        if scope["type"] == "websocket":  # each WebSocket route checks its key itself
+            if foreign:
+                await send({"type": "websocket.close", "code": 1008})  # a 403 to the handshake
+            else:
+                await self.app(scope, receive, send)
             return
         t0 = time.monotonic()
         path: str = scope["path"]
         scope.setdefault("state", {})
-        headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
+        if foreign:
+            refused = Forbidden(f"a request of a page of {foreign} is refused: not this server's origin")
+            await error_response(refused)(scope, receive, send)
+            return
         status_seen: list[int] = [500]
 
         async def sending(message: Message) -> None:
@@ -80,7 +94,7 @@ class Guard:
             await send(message)
 
         receive = _timed(receive, self.state.settings.body_timeout)
-        if path in OPEN_PATHS or path.startswith((PREVIEWS, CONSOLE)):
+        if path in OPEN_PATHS or path == CONSOLE or path.startswith((PREVIEWS, CONSOLE + "/")):
             # a preview is authenticated by its signature (server/bridge.py), and streamed;
             # the console's files hold no secret (the page asks for a key)
             await self.app(scope, receive, sending)
@@ -113,6 +127,28 @@ class Guard:
                 box = (scope.get("path_params") or {}).get("box")
                 self.state.record(caller, action, st.get("box_id", box), status_seen[0], st.get("error"),
                                   time.monotonic() - t0, st.get("audit"))  # fmt: skip
+
+
+def foreign_origin(headers: dict[str, str]) -> str | None:
+    """The ``Origin`` of a request made by a web page of another site, else None. A
+    browser names the page's origin on every cross-site request and WebSocket; other
+    clients send none. Refusing them keeps any site a user visits from driving a
+    server with the user's network position (a ``--no-auth`` server on loopback),
+    whatever the route. Ports are compared where the Host header has one (a proxy's
+    ``Host $host`` has none)."""
+    origin = headers.get("origin")
+    if origin is None:
+        return None
+    parts = urlsplit(origin)
+    host = headers.get("host", "").lower()
+    if not parts.hostname or parts.scheme not in ("http", "https"):
+        return origin  # "null" (a sandboxed frame, a file), or nothing a server could be
+    if ":" in host.rsplit("]", 1)[-1]:  # the Host has a port: compare it too
+        default = 443 if parts.scheme == "https" else 80
+        seen = f"{parts.hostname}:{parts.port or default}"
+        name, _, port = host.rpartition(":")
+        return None if seen == f"{name.strip('[]')}:{port}" else origin
+    return None if parts.hostname == host.strip("[]") else origin
 
 
 def _timed(receive: Receive, timeout: float) -> Receive:

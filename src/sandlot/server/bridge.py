@@ -63,13 +63,16 @@ from ..errors import (
     SandlotError,
 )
 from .routes import SERVED, box_for, ws_box
-from .state import ServerState, accept_websocket, app_subprotocols, error_response
+from .state import KEY_SUBPROTOCOL, ServerState, accept_websocket, app_subprotocols, error_response
 
 router = APIRouter()  # /p/...: previews, authenticated by their signature
 v1 = APIRouter()  # under /v1, authenticated by a key
 
 HOP_BY_HOP = {b"connection", b"keep-alive", b"proxy-authenticate", b"proxy-authorization", b"te",
               b"trailer", b"transfer-encoding", b"upgrade", b"host", b"x-api-key"}  # fmt: skip
+# Through a path route or a preview an app answers on the server's origin (the console's
+# too): it may not widen a service worker's scope past its own path.
+NOT_FROM_APPS = {b"service-worker-allowed"}
 RESPONSE_HEAD_TIMEOUT = 300.0  # seconds the app in the box may take to start answering
 READ_CHUNK = 256 << 10
 PREVIEW_RECHECK = 1.0  # seconds between checks that a preview still lives, while it streams
@@ -183,6 +186,8 @@ def _headers_for_box(request: Request, port: int, prefix: str) -> list[tuple[byt
         lk = k.lower()
         if lk in HOP_BY_HOP or (lk == b"authorization" and v.lower().startswith(b"bearer sk-sl-")):
             continue
+        if lk == b"sec-websocket-protocol" and KEY_SUBPROTOCOL.encode() in v:
+            continue
         out.append((k, v))
     client = request.client.host if request.client else ""
     out += [(b"x-forwarded-host", request.headers.get("host", "").encode("latin-1")),
@@ -247,7 +252,8 @@ async def proxy_http(request: Request, box: AsyncBox, port: int, path: str, pref
             writer.close()
 
     response = StreamingResponse(body(), status_code=head.status_code)
-    response.raw_headers = [(bytes(k), bytes(v)) for k, v in head.headers if k not in HOP_BY_HOP]
+    response.raw_headers = [(bytes(k), bytes(v)) for k, v in head.headers
+                            if k.lower() not in HOP_BY_HOP and k.lower() not in NOT_FROM_APPS]  # fmt: skip
     return response
 
 

@@ -47,10 +47,8 @@ pages = APIRouter(include_in_schema=False)  # no key: the page asks for one
 def _asset(path: str) -> tuple[bytes, str]:
     """A file of the console by its path under ``/console/``; NotFound for anything
     else (no parent steps, no hidden files)."""
-    parts = [p for p in path.split("/") if p]
-    if not parts:
-        parts = ["index.html"]
-    if any(p in (".", "..") or p.startswith(".") or "\\" in p for p in parts):
+    parts = path.split("/") if path else ["index.html"]
+    if any(not p or p.startswith(".") or "\\" in p for p in parts):  # "", ".", "..", hidden
         raise NotFound(f"no console file {path!r}")
     node = ASSETS
     for p in parts:

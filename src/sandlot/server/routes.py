@@ -486,7 +486,7 @@ async def exec_channel(ws: WebSocket) -> None:
     server = _server(ws)
     await accept_websocket(ws)
     try:
-        caller = await server.caller(ws.headers)
+        caller = await server.caller(ws.headers, websocket=True)
     except SandlotError as e:
         await ws.send_json({"id": None, "error": error_json(e)})
         await ws.close(1008)
@@ -542,7 +542,7 @@ async def ws_box(ws: WebSocket, key: str, accept: bool = True) -> tuple[ServerSt
     if accept:
         await accept_websocket(ws)
     try:
-        caller = await server.caller(ws.headers)
+        caller = await server.caller(ws.headers, websocket=True)
         return server, caller, await _box(ws, key, caller)
     except SandlotError as e:
         if not accept:

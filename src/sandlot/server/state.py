@@ -80,14 +80,16 @@ class ServerState:
         self.verifier = access.key_verifier(settings.home) if settings.auth else None
         self.audit = access.audit_writer(settings.home)
 
-    async def caller(self, headers: Any) -> Caller:
+    async def caller(self, headers: Any, *, websocket: bool = False) -> Caller:
+        """Who presents these headers: a key in ``Authorization: Bearer``, ``X-API-Key``,
+        or (a WebSocket's only) the console's key subprotocol."""
         if self.verifier is None:
             return Caller()
         presented = headers.get("x-api-key")
         if presented is None:
             scheme, _, token = (headers.get("authorization") or "").partition(" ")
             presented = token.strip() if scheme.lower() == "bearer" else None
-        if presented is None:
+        if presented is None and websocket:
             presented = key_from_subprotocols(headers.get("sec-websocket-protocol"))
         if not presented:
             raise Unauthorized("an API key is needed: Authorization: Bearer <key>")

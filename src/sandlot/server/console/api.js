@@ -47,6 +47,18 @@ export async function request(method, path, { json, body, query, raw = false, si
 }
 
 export const get = (path, query) => request("GET", path, { query });
+
+// Every item of a paged list route (``next_page_token``), in order.
+export async function getAll(path, field, query = {}) {
+  const out = [];
+  let token = null;
+  do {
+    const page = await get(path, { ...query, limit: 1000, page_token: token });
+    out.push(...page[field]);
+    token = page.next_page_token;
+  } while (token);
+  return out;
+}
 export const post = (path, json, query) => request("POST", path, { json: json ?? {}, query });
 export const put = (path, json) => request("PUT", path, { json });
 export const del = (path, query) => request("DELETE", path, { query });
@@ -95,7 +107,11 @@ export function followEvents(onEvent, { box, onOpen } = {}) {
         }
       } catch (e) {
         if (control.signal.aborted) return;
-        if (e instanceof ApiError && (e.status === 401 || e.status === 403)) return;
+        if (e instanceof ApiError && e.status === 401) { // the key was revoked: the page signs out
+          window.dispatchEvent(new Event("sandlot:refused"));
+          return;
+        }
+        if (e instanceof ApiError && e.status === 403) return;
       }
       await new Promise((r) => setTimeout(r, delay));
       delay = Math.min(delay * 2, 8000);

@@ -8,6 +8,7 @@ import { auditPage, templatesPage } from "./admin.js";
 const main = document.getElementById("main");
 let whoami = null;
 let leave = null; // what the current page stops when another opens (streams, sockets)
+let navigation = 0; // which route() is the current one: a page that finishes loading late is stopped
 
 async function signedIn() {
   try {
@@ -57,29 +58,53 @@ function showWho() {
 }
 
 async function route() {
+  const mine = ++navigation;
   if (leave) { leave(); leave = null; }
-  if (!whoami && !(await signedIn())) { signInPage(auth.key ? "The key was refused." : null); return; }
+  if (!whoami && !(await signedIn())) {
+    if (mine === navigation) signInPage(auth.key ? "The key was refused." : null);
+    return;
+  }
+  if (mine !== navigation) return;
   showWho();
   const [page, ...rest] = location.hash.replace(/^#\/?/, "").split("/");
   for (const a of document.querySelectorAll("#nav a")) a.classList.toggle("active", a.dataset.page === (page || "boxes"));
-  clear(main);
+  const view = h("div", { class: "view" }); // this navigation's own: a late page draws into it, unseen
+  clear(main, view);
   try {
-    if (page === "box" && rest.length) leave = await boxPage(main, decodeURIComponent(rest[0]), rest[1] || "terminal", whoami);
-    else if (page === "templates") leave = await templatesPage(main, whoami);
-    else if (page === "audit") leave = await auditPage(main, whoami);
-    else leave = await boxesPage(main, whoami);
+    let stop;
+    if (page === "box" && rest.length) stop = await boxPage(view, decodeURIComponent(rest[0]), rest[1] || "terminal", whoami);
+    else if (page === "templates") stop = await templatesPage(view, whoami);
+    else if (page === "audit") stop = await auditPage(view, whoami);
+    else stop = await boxesPage(view, whoami);
+    if (mine === navigation) leave = stop;
+    else stop();
   } catch (e) {
-    if (e instanceof ApiError && e.status === 401) { whoami = null; auth.key = null; signInPage("The key was refused."); return; }
-    clear(main, h("p", { class: "error", role: "alert" }, e.message));
+    if (mine !== navigation) return;
+    if (e instanceof ApiError && e.status === 401) { signOut("The key was refused."); return; }
+    clear(view, h("p", { class: "error", role: "alert" }, e.message));
   }
 }
 
-document.getElementById("sign-out").addEventListener("click", () => {
+// Forget the key and what this tab kept for it (terminals, folders), and ask again.
+function signOut(message = null) {
+  navigation++;
+  if (leave) { leave(); leave = null; }
   auth.key = null;
   whoami = null;
-  if (leave) { leave(); leave = null; }
-  signInPage(null);
-});
+  for (const k of Object.keys(sessionStorage)) if (k.startsWith("sandlot.")) sessionStorage.removeItem(k);
+  signInPage(message);
+}
+
+// A page that opened this window keeps a handle on it, and a page of this origin (an app
+// in a box, through a port route or a preview) could read what is typed here: the
+// console runs only in a window of its own.
+if (window.opener !== null) {
+  clear(main, h("p", { class: "error", role: "alert" },
+    "The console was opened by another page: open it from the address bar instead."));
+  throw new Error("opened by another page");
+}
+document.getElementById("sign-out").addEventListener("click", () => signOut());
+window.addEventListener("sandlot:refused", () => signOut("The key was refused.")); // api.js: a 401 mid-page
 window.addEventListener("hashchange", route);
 window.addEventListener("unhandledrejection", (e) => toast(e.reason?.message || String(e.reason), "error"));
 route();

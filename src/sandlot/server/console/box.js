@@ -41,7 +41,17 @@ export async function boxPage(main, key, tab) {
   }, { box: box.id });
 
   let leavePanel = () => {};
-  const redraw = async () => { leavePanel(); leavePanel = (await panels[tab](panel, box, redraw)) || (() => {}); };
+  let drawing = 0, left = false; // the newest redraw wins; a page left while one loads stops it
+  const redraw = async () => {
+    const mine = ++drawing;
+    leavePanel();
+    leavePanel = () => {};
+    const view = h("div"); // this redraw's own: a superseded one draws into it, unseen
+    clear(panel, view);
+    const stop = (await panels[tab](view, box, redraw)) || (() => {});
+    if (left || mine !== drawing) stop();
+    else leavePanel = stop;
+  };
   const panels = {
     terminal: terminalPanel, files: filesPanel, tree: treePanel,
     logs: logsPanel, network: networkPanel, stats: statsPanel, code: codePanel,
@@ -51,7 +61,7 @@ export async function boxPage(main, key, tab) {
   } else {
     await redraw();
   }
-  return () => { stopEvents(); leavePanel(); };
+  return () => { left = true; stopEvents(); leavePanel(); };
 }
 
 function logsPanel(panel, box) {
@@ -90,7 +100,10 @@ async function networkPanel(panel, box, redraw) {
   const links = h("ul", { id: "previews" });
   async function preview(port) {
     try {
-      const { url } = await post(`/boxes/${enc(box.id)}/previews`, { port: Number(port) });
+      // a host of its own where the server has --port-domain: then the app is not on the
+      // console's origin (docs/console.md)
+      const made = await post(`/boxes/${enc(box.id)}/previews`, { port: Number(port) });
+      const url = made.host_url || made.url;
       links.append(h("li", {}, h("a", { href: url, target: "_blank", rel: "noopener noreferrer" }, `port ${port}: ${url}`)));
     } catch (e) { toast(e.message, "error"); }
   }
@@ -172,7 +185,12 @@ async function codePanel(panel, box, redraw) {
         const m = JSON.parse(line);
         if (m.type === "stdout" || m.type === "stderr") out.append(h("span", { class: m.type }, m.text));
         else if (m.type === "result") out.append(h("span", { class: "result" }, `${m.result["text/plain"] ?? Object.keys(m.result).join(", ")}\n`));
-        else if (m.type === "error") out.append(h("span", { class: "stderr" }, `${m.error.name || "error"}: ${m.error.value || m.error.message || ""}\n`));
+        else if (m.type === "error") out.append(h("span", { class: "stderr" }, `${m.error.type}: ${m.error.message}\n`));
+        else if (m.type === "execution" && m.execution.error) {
+          const err = m.execution.error; // an exception of the cell: its traceback, as the kernel gave it
+          const trace = (err.traceback || `${err.name}: ${err.value}`).replace(/\x1b\[[0-9;]*m/g, ""); // no colours
+          out.append(h("span", { class: "stderr" }, `${trace}\n`));
+        }
       }
     } catch (e) { out.append(h("span", { class: "stderr" }, e.message)); }
   };

@@ -1,6 +1,6 @@
 // The boxes: a table kept live by the server's events, with filters, actions and a
 // form to create one.
-import { enc, followEvents, get, post } from "./api.js";
+import { ApiError, enc, followEvents, get, getAll, post } from "./api.js";
 import { actionButtons } from "./actions.js";
 import { age, ask, bytes, clear, h, toast } from "./dom.js";
 
@@ -82,15 +82,9 @@ export async function boxesPage(main, whoami) {
   labelFilter.addEventListener("input", render);
 
   async function load() {
-    let token = null;
-    const seen = new Map();
-    do {
-      const page = await get("/boxes", { limit: 1000, page_token: token });
-      for (const b of page.boxes) seen.set(b.id, b);
-      token = page.next_page_token;
-    } while (token);
+    const listed = await getAll("/boxes", "boxes");
     boxes.clear();
-    for (const [id, b] of seen) boxes.set(id, b);
+    for (const b of listed) boxes.set(b.id, b);
     loaded = true;
     render();
   }
@@ -114,31 +108,58 @@ export async function boxesPage(main, whoami) {
     } catch { /* the next round tries again */ }
   }
 
-  const pending = new Set();
-  async function onEvent(ev) {
-    if (!ev.box_id) return;
-    if (ev.kind === "removed") { boxes.delete(ev.box_id); render(); return; }
-    const known = boxes.get(ev.box_id);
-    if (known) {
-      if (ev.state && ev.state !== known.state) {
-        const b = { ...known, state: ev.state };
-        boxes.set(ev.box_id, b);
-        update(b);
-      }
-      return;
+  // Events that arrive while the list loads wait for it: the list may be older than
+  // they are, so each box they name is read again after it (a removed one stays gone).
+  let waiting = null; // the box ids events named while a load ran; null: none runs
+  const gone = new Set(); // boxes whose removal was seen: a late read does not bring them back
+  const reading = new Set();
+
+  async function reread(id) {
+    if (reading.has(id)) return;
+    reading.add(id);
+    try {
+      const b = await get(`/boxes/${enc(id)}`);
+      if (!gone.has(id)) { boxes.set(id, b); render(); }
+    } catch (e) {
+      if (e instanceof ApiError && e.status === 404) { boxes.delete(id); render(); } // removed meanwhile
     }
-    if (pending.has(ev.box_id)) return;
-    pending.add(ev.box_id);
-    try { boxes.set(ev.box_id, await get(`/boxes/${enc(ev.box_id)}`)); render(); }
-    catch { /* removed meanwhile, or not this key's */ }
-    finally { pending.delete(ev.box_id); }
+    finally { reading.delete(id); }
   }
 
-  let opened = false;
+  function onEvent(ev) {
+    if (!ev.box_id) return;
+    if (ev.kind === "removed") { gone.add(ev.box_id); boxes.delete(ev.box_id); render(); }
+    if (waiting) { waiting.add(ev.box_id); return; }
+    if (ev.kind === "removed") return;
+    const known = boxes.get(ev.box_id);
+    if (!known) { reread(ev.box_id); return; }
+    if (ev.state && ev.state !== known.state) {
+      const b = { ...known, state: ev.state };
+      boxes.set(ev.box_id, b);
+      update(b);
+    }
+  }
+
+  async function reload() {
+    waiting = new Set();
+    try {
+      await load();
+      for (const id of gone) boxes.delete(id);
+      render();
+    } catch (e) { toast(e.message, "error"); }
+    finally {
+      const named = waiting;
+      waiting = null;
+      for (const id of named) if (!gone.has(id)) reread(id);
+    }
+  }
+
+  // listed once the stream is open, so no change falls between the two; again after
+  // a reconnect, which may have missed changes
   const stop = followEvents(onEvent, { onOpen: () => {
     clear(live, "live");
     live.classList.add("on");
-    if (!opened) { opened = true; load().catch((e) => toast(e.message, "error")); }
+    reload();
   } });
   await sample();
   const timer = setInterval(sample, 10000); // the host samples each box every 10 s

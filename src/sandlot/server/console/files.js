@@ -29,30 +29,35 @@ export function filesPanel(panel, box) {
       h("button", { type: "button", class: "small", onclick: () => picker.click() }, "Upload"), picker),
     drop, editor);
 
+  let listing = 0; // the newest open(): an older one that answers late is dropped
   async function open(path) {
-    dir = path || "/";
-    pathInput.value = dir;
-    sessionStorage.setItem(`sandlot.files.${box.id}`, dir);
+    const mine = ++listing;
+    const here = path || "/";
+    dir = here;
+    pathInput.value = here;
+    sessionStorage.setItem(`sandlot.files.${box.id}`, here);
     editor.hidden = true;
     try {
-      const { entries } = await get(`/boxes/${enc(box.id)}/files`, { path: dir });
+      const { entries } = await get(`/boxes/${enc(box.id)}/files`, { path: here });
+      if (mine !== listing) return;
       entries.sort((a, b) => (a.type === "dir") === (b.type === "dir")
         ? a.name.localeCompare(b.name) : a.type === "dir" ? -1 : 1);
       const frag = document.createDocumentFragment();
-      for (const f of entries) frag.append(row(f));
+      for (const f of entries) frag.append(row(here, f));
       list.replaceChildren(frag);
       if (!entries.length) list.append(h("tr", {}, h("td", { colspan: 6, class: "muted" }, "Empty.")));
     } catch (e) {
-      clear(list, h("tr", {}, h("td", { colspan: 6, class: "error" }, e.message)));
+      if (mine === listing) clear(list, h("tr", {}, h("td", { colspan: 6, class: "error" }, e.message)));
     }
   }
 
-  function row(f) {
-    const path = join(dir, f.name);
+  function row(here, f) {
+    const path = join(here, f.name);
     const isDir = f.type === "dir";
+    const opens = isDir || f.type === "symlink"; // a link may lead to a folder: opening it says
     return h("tr", { dataset: { name: f.name } },
-      h("td", {}, isDir
-        ? h("a", { href: "#", class: "file-name", onclick: (e) => { e.preventDefault(); open(path); } }, `${f.name}/`)
+      h("td", {}, opens
+        ? h("a", { href: "#", class: "file-name", onclick: (e) => { e.preventDefault(); open(path); } }, isDir ? `${f.name}/` : f.name)
         : h("span", { class: "file-name" }, f.name)),
       h("td", { class: "muted" }, f.type + (f.link_target ? ` → ${f.link_target}` : "")),
       h("td", { class: "num" }, isDir ? "" : bytes(f.size)),
@@ -74,12 +79,14 @@ export function filesPanel(panel, box) {
     if (text === null || raw.includes(0)) { toast(`${path} is not text: download it instead`, "error"); return; }
     const area = h("textarea", { id: "editor-text", spellcheck: "false" });
     area.value = text;
+    const crlf = text.includes("\r\n"); // a textarea gives back "\n" only: the file's own endings are kept
     clear(editor,
       h("div", { class: "toolbar" }, h("strong", {}, path), h("span", { class: "grow" }),
         h("button", { type: "button", class: "small", onclick: () => { editor.hidden = true; } }, "Close"),
         h("button", { type: "button", class: "small primary", id: "editor-save", onclick: async () => {
           try {
-            await request("PUT", `/boxes/${enc(box.id)}/files/content`, { query: { path }, body: area.value });
+            const body = crlf ? area.value.replace(/\r?\n/g, "\r\n") : area.value;
+            await request("PUT", `/boxes/${enc(box.id)}/files/content`, { query: { path }, body });
             toast(`Saved ${path}`);
             open(dir);
           } catch (e) { toast(e.message, "error"); }

@@ -1,97 +1,113 @@
-// A terminal into a box: xterm over the spawn WebSocket with a PTY. The process id
-// and how far its output was read stay in this tab, so a reload reattaches to the
-// same shell (the server holds its output) instead of starting another.
+// A terminal into a box: xterm over the spawn WebSocket with a PTY. The shell's id
+// stays in this tab, so a reload, or a dropped connection, reattaches to the same
+// shell (the server holds its output) instead of starting another.
 import { Terminal } from "./vendor/xterm.mjs";
 import { FitAddon } from "./vendor/addon-fit.mjs";
 import { enc, websocket } from "./api.js";
 import { clear, h } from "./dom.js";
 
 const SHELL = ["/bin/sh", "-c", "if command -v bash >/dev/null 2>&1; then exec bash -l; else exec sh -l; fi"];
-const STDOUT = 1;
+const STDOUT = 1, STDERR = 2, HEADER = 9; // [stream u8][offset u64 big-endian][bytes]
 
 export function terminalPanel(panel, box) {
   const saved = `sandlot.terminal.${box.id}`;
   const status = h("span", { class: "muted", id: "terminal-status" });
-  const again = h("button", { type: "button", class: "small", hidden: true, id: "terminal-new" }, "New shell");
+  const button = h("button", { type: "button", class: "small", hidden: true, id: "terminal-new" });
   const screen = h("div", { class: "terminal", id: "terminal" });
-  clear(panel, h("div", { class: "toolbar" }, status, h("span", { class: "grow" }), again), screen);
+  clear(panel, h("div", { class: "toolbar" }, status, h("span", { class: "grow" }), button), screen);
   const term = new Terminal({ cursorBlink: true, fontSize: 13, scrollback: 5000, convertEol: false });
   const fit = new FitAddon();
   term.loadAddon(fit);
   term.open(screen);
   fit.fit();
   let ws = null;
-  let process = null;
+  let closing = false; // the panel is being left: a closed socket is no news
   const encoder = new TextEncoder();
+
+  function offer(label, action) {
+    clear(button, label);
+    button.onclick = action;
+    button.hidden = false;
+  }
 
   function connect() {
     const stored = JSON.parse(sessionStorage.getItem(saved) || "null");
-    again.hidden = true;
+    let heard = false; // output came: the process exists, and a later error is about the stream
+    button.hidden = true;
     if (stored) {
-      // again from the start of what the server holds: the screen is drawn anew
+      term.reset(); // the server sends the shell's output again from its start: drawn anew
       ws = websocket(`/boxes/${enc(box.id)}/processes/${enc(stored.id)}/attach?stdout=0&stderr=0`);
-      process = stored.id;
       clear(status, "reattaching…");
     } else {
       ws = websocket(`/boxes/${enc(box.id)}/spawn`);
-      process = null;
       clear(status, "starting a shell…");
     }
-    ws.onopen = () => {
-      if (!stored) {
-        ws.send(JSON.stringify({ type: "spawn", argv: SHELL, tty: true, stdin: true, rows: term.rows,
-          cols: term.cols, env: { TERM: "xterm-256color" } }));
-      } else {
+    const socket = ws;
+    socket.onopen = () => {
+      if (stored) {
         clear(status, `shell ${stored.id}`);
-        ws.send(JSON.stringify({ type: "resize", rows: term.rows, cols: term.cols }));
+        socket.send(JSON.stringify({ type: "resize", rows: term.rows, cols: term.cols }));
+      } else {
+        socket.send(JSON.stringify({ type: "spawn", argv: SHELL, tty: true, stdin: true, rows: term.rows,
+          cols: term.cols, env: { TERM: "xterm-256color" } }));
       }
     };
-    ws.onmessage = (m) => {
+    socket.onmessage = (m) => {
       if (typeof m.data !== "string") {
         const bytes = new Uint8Array(m.data);
-        if (bytes[0] === STDOUT || bytes[0] === 2) term.write(bytes.subarray(9));
+        if (bytes[0] === STDOUT || bytes[0] === STDERR) { heard = true; term.write(bytes.subarray(HEADER)); }
         return;
       }
       const msg = JSON.parse(m.data);
       if (msg.type === "started") {
-        process = msg.id;
+        heard = true;
         sessionStorage.setItem(saved, JSON.stringify({ id: msg.id }));
         clear(status, `shell ${msg.id}`);
       } else if (msg.type === "exit") {
         sessionStorage.removeItem(saved);
         term.write(`\r\n[the shell exited${msg.exit_code != null ? ` with ${msg.exit_code}` : ""}]\r\n`);
         clear(status, "exited");
-        again.hidden = false;
+        offer("New shell", connect);
       } else if (msg.type === "error") {
-        if (stored) { sessionStorage.removeItem(saved); ws.onclose = null; ws.close(); connect(); return; }
+        socket.onclose = null;
+        if (stored && !heard) { // the shell is gone (the box restarted, a server forgot it)
+          sessionStorage.removeItem(saved);
+          connect();
+          return;
+        }
         term.write(`\r\n[${msg.error.message}]\r\n`);
         clear(status, msg.error.message);
-        again.hidden = false;
+        offer(sessionStorage.getItem(saved) ? "Reattach" : "New shell", connect);
       } else if (msg.type === "gap") {
         term.write("\r\n[earlier output is no longer held]\r\n");
       }
     };
-    ws.onclose = () => { if (process && again.hidden) clear(status, "disconnected"); };
+    socket.onclose = () => {
+      if (closing || socket !== ws) return;
+      clear(status, "disconnected");
+      offer(sessionStorage.getItem(saved) ? "Reattach" : "New shell", connect);
+    };
   }
 
-  term.onData((data) => {
+  function send(body) {
     if (!ws || ws.readyState !== WebSocket.OPEN) return;
-    const body = encoder.encode(data);
     const frame = new Uint8Array(body.length + 1);
     frame.set(body, 1); // [0] is stdin
     ws.send(frame);
-  });
+  }
+  term.onData((data) => send(encoder.encode(data)));
+  term.onBinary((data) => send(Uint8Array.from(data, (c) => c.charCodeAt(0) & 0xff))); // mouse reports
   term.onResize(({ rows, cols }) => {
     if (ws && ws.readyState === WebSocket.OPEN) ws.send(JSON.stringify({ type: "resize", rows, cols }));
   });
   const refit = () => fit.fit();
   window.addEventListener("resize", refit);
-  again.addEventListener("click", () => { term.reset(); connect(); });
   connect();
   term.focus();
   return () => {
+    closing = true;
     window.removeEventListener("resize", refit);
-    if (ws) { ws.onclose = null; ws.close(); }
+    if (ws) ws.close();
     term.dispose();
   };
 }

@@ -2,13 +2,13 @@
 // first; then down from there, each box's snapshots in the order they were taken,
 // and the boxes started or forked from each. Drawn as an SVG graph; a snapshot's
 // node rolls its box back, starts a box from it, exports it or removes it.
-import { del, download, enc, get, post } from "./api.js";
+import { del, download, enc, get, getAll, post } from "./api.js";
 import { ask, bytes, clear, h, toast, when } from "./dom.js";
 
 const COL = 190, ROW = 46, W = 164, HT = 32;
 
 export async function lineage(box) {
-  const [{ boxes }, { snapshots }] = await Promise.all([get("/boxes", { limit: 1000 }), get("/snapshots")]);
+  const [boxes, { snapshots }] = await Promise.all([getAll("/boxes", "boxes"), get("/snapshots")]);
   const boxById = new Map(boxes.map((b) => [b.id, b]));
   const snapById = new Map(snapshots.map((s) => [s.id, s]));
   // up: from this box through the snapshots each came from
@@ -35,7 +35,7 @@ export async function lineage(box) {
     }
     return { kind, item, children: children.filter(Boolean), current: kind === "box" && item.id === box.id };
   }
-  return node(top.kind, top.item);
+  return { root: node(top.kind, top.item), boxById };
 }
 
 function layout(root) {
@@ -54,7 +54,7 @@ function layout(root) {
 }
 
 export async function treePanel(panel, box, refresh) {
-  const root = await lineage(box);
+  const { root, boxById } = await lineage(box);
   const nodes = layout(root);
   const width = Math.max(...nodes.map((n) => n.x)) + W + 20;
   const height = Math.max(...nodes.map((n) => n.y)) + HT + 20;
@@ -94,7 +94,7 @@ export async function treePanel(panel, box, refresh) {
       return;
     }
     const s = n.item;
-    const owner = s.box_id;
+    const owner = boxById.has(s.box_id) ? s.box_id : null; // a removed box has nothing to roll back
     const run = (fn) => async () => { try { await fn(); } catch (e) { toast(e.message, "error"); } };
     clear(detail,
       h("h3", {}, `${s.kind} ${s.name || s.id.slice(0, 12)}`),
