@@ -848,8 +848,9 @@ async def list_pools(request: Request) -> dict[str, Any]:
 
 @router.get("/metrics/latest", tags=["server"])
 async def latest_samples(request: Request) -> dict[str, Any]:
-    """The newest sample of each box the key may see (``box.metrics``'s fields; null
-    where it was never sampled): what a table of boxes shows beside their states."""
+    """The newest sample of each box the key may see, as taken (counters and gauges,
+    without the per-second rates ``box.metrics`` adds; null where it was never
+    sampled): what a table of boxes shows beside their states."""
     from ..api.metrics import latest
 
     caller = _caller(request)
