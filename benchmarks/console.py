@@ -16,8 +16,6 @@ real ``sandlot serve``, measured as its users feel it:
 from __future__ import annotations
 
 import json
-import shutil
-import struct
 import time
 from typing import Any
 
@@ -25,6 +23,7 @@ from websockets.sync.client import connect
 
 import _common  # noqa: F401 - puts the repository on the path
 from _common import busybox_root, drop_home, emit, host_facts, parser, scratch_home, summary
+from tests.support.browser import CHROMIUM, launch
 from tests.support.serve import serving
 
 # Timestamps in the page, set before its own scripts run: when a key went down, and
@@ -125,7 +124,6 @@ def keystroke_times(page: Any, url: str, box: dict[str, Any], runs: int) -> tupl
                 page.keyboard.press("Control+u")
                 raw.send(b"\x00\x15")
                 drain(raw)
-    assert struct.calcsize(">BQ") == 9  # the frame header the page skips
     return browser, plain
 
 
@@ -137,7 +135,6 @@ def main() -> None:
     n, runs = (20, 5) if args.quick else (args.boxes, args.runs)
     from playwright.sync_api import sync_playwright
 
-    chromium = shutil.which("chromium") or shutil.which("chromium-browser")
     home = scratch_home("bench-console-")
     try:
         with serving(home, no_auth=True) as srv, srv.client() as api:
@@ -157,7 +154,7 @@ def main() -> None:
                 assert len(api.get("/v1/boxes", params={"limit": 1000}).json()["boxes"]) == n
                 listing.append(time.perf_counter() - t1)
             with sync_playwright() as p:
-                browser = p.chromium.launch(executable_path=chromium, args=["--no-sandbox"])
+                browser = launch(p)
                 context = browser.new_context(base_url=srv.url, viewport={"width": 1280, "height": 900})
                 context.add_init_script(PROBE)
                 page = context.new_page()
@@ -170,7 +167,7 @@ def main() -> None:
             emit({
                 "benchmark": "console",
                 "quick": args.quick,
-                "host": {**host_facts(box.get("accel")), "chromium": chromium, "sandlot": version},
+                "host": {**host_facts(box.get("accel")), "chromium": CHROMIUM, "sandlot": version},
                 "boxes": n,
                 "create_unstarted_box_ms": round(made_s / max(1, n - 1) * 1e3, 1),
                 "boxes_page_render_ms": summary(render, 1e3, 1),

@@ -18,6 +18,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from tests.support.browser import launch  # noqa: E402
 from tests.support.roots import busybox_root  # noqa: E402
 from tests.support.serve import serving, shared_home  # noqa: E402
 
@@ -57,8 +58,7 @@ def main() -> None:
             make("nightly-build", labels={"team": "ci"})
             time.sleep(25)  # a few metrics samples (one every 10 s)
             with sync_playwright() as p:
-                chromium = shutil.which("chromium") or shutil.which("chromium-browser")
-                browser = p.chromium.launch(executable_path=chromium, args=["--no-sandbox"])
+                browser = launch(p)
                 page = browser.new_page(base_url=srv.url, viewport=SIZE)
 
                 def shot(name: str) -> None:

@@ -20,15 +20,13 @@ from typing import Any
 import httpx
 import pytest
 
+from tests.support.browser import launch
 from tests.support.names import unique
 from tests.support.serve import Served, create_key, free_port, serving
 
 pytestmark = pytest.mark.vm
 
 playwright_api = pytest.importorskip("playwright.sync_api")  # in the dev extras: there under scripts/test
-# the distro's Chromium (scripts/setup installs it); else Playwright's own build, which
-# setup fetches where the distro has none (Ubuntu)
-CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 DEADLINE_MS = 120_000  # a boot under TCG on a busy 2-core host
 REPO = Path(__file__).resolve().parents[2]
 HOSTILE_LABEL = '<img src=x onerror="window.pwned=4">'
@@ -69,7 +67,7 @@ def box(api: httpx.Client, busybox_root: Path) -> Iterator[dict[str, Any]]:
 @pytest.fixture(scope="module")
 def browser() -> Iterator[Any]:
     with playwright_api.sync_playwright() as p:
-        b = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
+        b = launch(p)
         try:
             yield b
         finally:

@@ -72,7 +72,7 @@ async function route() {
   clear(main, view);
   try {
     let stop;
-    if (page === "box" && rest.length) stop = await boxPage(view, decodeURIComponent(rest[0]), rest[1] || "terminal", whoami);
+    if (page === "box" && rest.length) stop = await boxPage(view, decodeURIComponent(rest[0]), rest[1] || "terminal");
     else if (page === "templates") stop = await templatesPage(view, whoami);
     else if (page === "audit") stop = await auditPage(view, whoami);
     else stop = await boxesPage(view, whoami);
