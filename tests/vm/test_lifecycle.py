@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import re
 import stat
 import subprocess
 import time
@@ -139,11 +140,13 @@ def test_agent_that_never_answers_hits_the_deadline(
     assert "in 2 boots its guest never opened the agent's port" in str(info.value)
     assert "guest console" in str(info.value) and info.value.console_tail.strip()
     # each boot's console says where it stood: the first boot's last line is logged as it is
-    # booted again, the second's tail is the error's. Under CI's load one of the two may
-    # still be in the kernel's boot at its deadline (seen: 2.9 s of guest time in 15 s)
+    # booted again, the second's tail is the error's. Each is that boot's guest console: its
+    # init's echo or, where the host was too busy for the kernel to reach its init before the
+    # deadline (seen in CI at load 10 on 2 cores: 0.8 s of guest time in 15 s), a kernel line
     again = [r.getMessage() for r in caplog.records if "booting it again" in r.getMessage()]
     assert len(again) == 1
-    assert "init-is-stuck" in again[0] + info.value.console_tail
+    for last in (again[0], info.value.console_tail.strip().splitlines()[-1]):
+        assert "init-is-stuck" in last or re.search(r"\[\s*\d+\.\d+\] \S", last), last
 
 
 def test_invalid_arguments_change_nothing(busybox_root: Path, tmp_path: Path) -> None:

@@ -184,8 +184,10 @@ class Launcher:
                         exc.console_tail,
                         box=entry.name,
                     ) from None
-                log.warning("box %s: its guest hung before its init (%s); booting it again",
-                            entry.name, exc.console_tail.strip().splitlines()[-1:])  # fmt: skip
+                log.warning(
+                    "box %s: its guest never opened the agent's port (its last line %s); booting it again",
+                    entry.name, exc.console_tail.strip().splitlines()[-1:],
+                )  # fmt: skip
         raise AssertionError("unreachable")
 
     async def restore(
