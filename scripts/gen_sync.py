@@ -51,6 +51,7 @@ LOCAL = Output(
         "AsyncProcess": ("Process", "process", "ProcessBase"),
         "AsyncStream": ("Stream", "process", "StreamBase"),
         "AsyncClient": ("Client", "client", "ClientBase"),
+        "AsyncVolumes": ("Volumes", "volumes", "VolumesBase"),
     },
     "sync_base",
     [

@@ -60,6 +60,8 @@ from .errors import (
     StoreError,
     Unauthorized,
     Unsupported,
+    VolumeInUse,
+    VolumeNotFound,
 )
 from .version import __version__
 
@@ -80,7 +82,7 @@ if TYPE_CHECKING:
         remove_image,
     )
     from .api.process import AsyncProcess, AsyncStream, ExecResult
-    from .api.sync import Box, Client, Files, Process, Snapshot, Stream, Watch, connect
+    from .api.sync import Box, Client, Files, Process, Snapshot, Stream, Volumes, Watch, connect
     from .api.templates import (
         import_snapshot,
         import_snapshot_async,
@@ -93,6 +95,7 @@ if TYPE_CHECKING:
         template,
         template_async,
     )
+    from .api.volumes import AsyncVolumes, Volume
     from .core.runtime import Runtime
     from .images.oci import ImageConfig
     from .images.store import Image
@@ -103,6 +106,8 @@ if TYPE_CHECKING:
     list = Box.list
     list_snapshots = Snapshot.list
     get_snapshot = Snapshot.get
+    volume = Volumes()  # the named volumes of $SANDLOT_HOME: sandlot.volume.create("data")
+    volume_async = AsyncVolumes()
 
 # The API is imported on first use, not by ``import sandlot``: helpers that run as
 # their own processes (the egress proxy, once per guest connection; the idle
@@ -125,6 +130,7 @@ _LAZY = {
     "ImageConfig": "images.oci", "Image": "images.store", "Runtime": "core.runtime", "Secret": "net.secrets",
     "connect": "api.sync", "Client": "api.sync", "connect_async": "api.client", "AsyncClient": "api.client",
     "events": "api.events", "events_async": "api.events", "Event": "api.events",
+    "Volumes": "api.sync", "AsyncVolumes": "api.volumes", "Volume": "api.volumes",
 }  # fmt: skip
 _ALIASES = {
     "create": ("Box", "create"),
@@ -140,6 +146,8 @@ def __getattr__(name: str) -> Any:
 
     if name == "fleet":  # Ray is imported only by those who ask for a fleet
         value: Any = importlib.import_module(".fleet", __name__)
+    elif name in ("volume", "volume_async"):  # each resolves $SANDLOT_HOME when it is called
+        value = __getattr__("Volumes" if name == "volume" else "AsyncVolumes")()
     elif name in _LAZY:
         value = getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
     elif name in _ALIASES:
@@ -163,6 +171,7 @@ __all__ = [
     "AsyncProcess",
     "AsyncSnapshot",
     "AsyncStream",
+    "AsyncVolumes",
     "AsyncWatch",
     "BootError",
     "BootTimeout",
@@ -225,6 +234,10 @@ __all__ = [
     "Stream",
     "Unauthorized",
     "Unsupported",
+    "Volume",
+    "VolumeInUse",
+    "VolumeNotFound",
+    "Volumes",
     "Watch",
     "__version__",
     "connect",
@@ -254,4 +267,6 @@ __all__ = [
     "set_pool_async",
     "template",
     "template_async",
+    "volume",
+    "volume_async",
 ]

@@ -11,11 +11,13 @@ Catch ``SandlotError`` for all of them, or a branch for what you care about::
     │   ├── BoxNotFound                        no box by that id or name
     │   ├── SnapshotNotFound                   no snapshot or template by that id or name
     │   ├── CodeContextNotFound                no code context by that id in the box
+    │   ├── VolumeNotFound                     no named volume by that name or id
     │   └── NodeNotFound                       no fleet node by that id (``sandlot.fleet``)
     ├── InvalidState                           not possible in the box's state; has .allowed
     │   ├── BoxBusy                            another process holds the box too long
     │   ├── BoxCrashed                         the VM died; has .console_tail
-    │   └── SnapshotInUse                      boxes started from it still exist
+    │   ├── SnapshotInUse                      boxes started from it still exist
+    │   └── VolumeInUse                        boxes mount it (remove), or one writes it (copy)
     ├── BootError                              the VM did not come up; has .console_tail
     │   └── BootTimeout (also TimeoutError)
     ├── SavedStateError                        saving or loading a running state failed
@@ -141,6 +143,12 @@ class CodeContextNotFound(NotFound):
     code = "code_context_not_found"
 
 
+class VolumeNotFound(NotFound):
+    """No named volume has that name or id (in this sandlot home)."""
+
+    code = "volume_not_found"
+
+
 class NodeNotFound(NotFound):
     """No node of the fleet has that id (or it is not a sandlot node, or it is dead)."""
 
@@ -216,6 +224,20 @@ class SnapshotInUse(InvalidState):
     """A snapshot cannot be removed while boxes started from it exist."""
 
     code = "snapshot_in_use"
+
+
+class VolumeInUse(InvalidState):
+    """A volume cannot be removed while boxes mount it, and only one box at a time
+    writes a volume back (``copy`` mode): ``.boxes`` names them."""
+
+    code = "volume_in_use"
+
+    def __init__(self, message: str, *, boxes: Iterable[str] = ()) -> None:
+        super().__init__(message)
+        self.boxes = list(boxes)
+
+    def _fields(self) -> dict[str, Any]:
+        return {**super()._fields(), "boxes": self.boxes}
 
 
 class BootError(_WithConsole):
@@ -526,6 +548,8 @@ def from_dict(data: dict[str, Any]) -> SandlotError:
         tail = str(data.get("console_tail", ""))
         marker = "\n--- guest console (last lines) ---\n"
         err = cls(message.split(marker, 1)[0] if tail else message, tail, box=box)
+    elif issubclass(cls, VolumeInUse):
+        err = cls(message, boxes=[str(b) for b in data.get("boxes") or ()])
     elif issubclass(cls, InvalidState):
         err = cls(message, box=box, state=state, allowed=data.get("allowed") or ())
     elif issubclass(cls, QuotaExceeded):

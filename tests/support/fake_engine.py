@@ -29,6 +29,7 @@ import shlex
 import stat
 import struct
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +40,7 @@ from sandlot.engine.base import (
     Boot,
     BootRequest,
     Connector,
+    Drive,
     Engine,
     LaunchSpec,
     Placement,
@@ -142,7 +144,14 @@ class FakeVM(VM):
         self.memory = dict(state["memory"])
         self.status_now = VMStatus.RUNNING
 
-    async def save(self, directory: Path, *, new_disk: Path | None, keep_running: bool) -> float:
+    async def save(
+        self,
+        directory: Path,
+        *,
+        new_disk: Path | None,
+        keep_running: bool,
+        new_drives: Mapping[str, Path] | None = None,
+    ) -> float:
         self._maybe_fail("save")
         (directory / "state").write_text(json.dumps({"memory": self.memory}))
         self.status_now = VMStatus.RUNNING if keep_running else VMStatus.PAUSED
@@ -546,7 +555,7 @@ class FakeEngine(Engine):
         if vm is not None and resume:
             vm.status_now = VMStatus.RUNNING
 
-    async def share_memory(self, state: SavedState, disk: Path) -> None:
+    async def share_memory(self, state: SavedState, disk: Path, drives: tuple[Drive, ...] = ()) -> None:
         (state.directory / "shared").write_text("1")
 
     def memory_shared(self, directory: Path) -> bool:

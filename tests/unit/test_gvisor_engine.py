@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from sandlot.core import layers
+from sandlot.core.store import BoxStore
 from sandlot.engine import engine_for, names
 from sandlot.engine.base import Boot
 from sandlot.engine.gvisor import runsc
@@ -76,9 +77,10 @@ def test_layer_directories(tmp_path: Path) -> None:
     assert top.suffix == layers.DIR_SUFFIX and layers.dir_parent(top) == path
     assert layers.dir_base(top) == base and layers.chain(top) == [top, path]
     assert lower_dirs(top, base) == [path / "upper", base]
-    layers.gc(tmp_path, [], [], also=[top])
+    store = BoxStore(tmp_path / "sandlot.db")
+    layers.gc(tmp_path, store, also=[top])
     assert not top.exists() and path.exists()
-    layers.gc(tmp_path, [], [], also=[path])
+    layers.gc(tmp_path, store, also=[path])
     assert not path.exists() and base.is_dir()
 
 

@@ -523,6 +523,7 @@ def test_unit_options_a_server_cannot_take_are_refused() -> None:
     with pytest.raises(sandlot.InvalidArgument, match="unknown box option"):
         client.Box("alpine", colour="blue")
     client.Box("alpine", engine=None, accel="auto", volumes=None)  # the local defaults are fine
+    client.Box("alpine", volumes={"data": "/data"})  # named volumes are the server's
 
     async def main() -> None:
         assert (await client.get("dev")).transport == "http"

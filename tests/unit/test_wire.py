@@ -47,6 +47,8 @@ def test_python_mirror_matches_c_header() -> None:
     assert c["SL_WATCH_IS_DIR"] == wire.WATCH_IS_DIR
     for event in wire.WatchEvent:
         assert c[f"SL_WE_{event.name}"] == event.value
+    for flag in wire.MountFlag:
+        assert c[f"SL_MOUNT_{flag.name}"] == flag.value
 
 
 def test_frame_roundtrip_in_pieces() -> None:

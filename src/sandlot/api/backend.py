@@ -338,6 +338,23 @@ class Backend(ABC):
         every box; with ``follow``, each new event as it comes, until the caller stops."""
         raise self.unsupported("events")
 
+    # -- named volumes (``core.volumes``) ----------------------------------------------------
+    # each answers a volume as ``VolumeInfo.to_json`` writes it
+
+    async def volume_create(
+        self, name: str, size_gb: float, labels: Mapping[str, str] | None
+    ) -> dict[str, Any]:
+        raise self.unsupported("named volumes")
+
+    async def volume_list(self) -> list[dict[str, Any]]:
+        raise self.unsupported("named volumes")
+
+    async def volume_get(self, key: str) -> dict[str, Any]:
+        raise self.unsupported("named volumes")
+
+    async def volume_remove(self, key: str) -> None:
+        raise self.unsupported("named volumes")
+
     # -- the backend ------------------------------------------------------------------------
 
     async def info(self) -> dict[str, Any]:

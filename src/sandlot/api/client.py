@@ -38,6 +38,7 @@ from ..core.events import query as check_events_query
 from ..errors import InvalidArgument
 from .backend import Backend, BoxRef
 from .box import AsyncBox, AsyncSnapshot, boxes_of
+from .volumes import AsyncVolumes
 
 if TYPE_CHECKING:
     import httpx
@@ -95,6 +96,12 @@ class AsyncClient:
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.url or self.transport}>"
+
+    @property
+    def volume(self) -> AsyncVolumes:
+        """The named volumes of the far side: ``client.volume.create("data")``, then
+        ``client.Box(image, volumes={"data": "/data"})``."""
+        return AsyncVolumes(backend=self._backend)
 
     # -- boxes --------------------------------------------------------------------------------
 

@@ -37,7 +37,7 @@ from urllib.parse import quote
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, create_model
 
 from ..core.requests import PULL_POLICIES, SPEC_DEFAULTS, SPEC_OPTIONS
-from ..core.spec import BoxSpec, Port
+from ..core.spec import BoxSpec, Mount, Port, is_volume_name, parse_mount
 from ..core.validate import MOST_AT_ONCE
 from ..errors import (
     ExecTimeout,
@@ -215,11 +215,11 @@ WIRE_FORMS: dict[str, Any] = {
     "allow": list[str] | None,
     "ports": list[PortIn] | None,
     "secrets": list[SecretIn] | None,
+    "volumes": list[str] | None,  # named volumes, "NAME:GUEST[:MODE]"; host directories stay local
 }
 # Options that name something of the caller's own host, which a server or another node
 # does not have, with the value that means "not used".
-LOCAL_ONLY: dict[str, Any] = {"volumes": None, "credentials": None, "auto_remove": False, "engine": None,
-                              "accel": "auto"}  # fmt: skip
+LOCAL_ONLY: dict[str, Any] = {"credentials": None, "auto_remove": False, "engine": None, "accel": "auto"}
 # Options of the request rather than of the box: where it starts from, how its image is fetched.
 REQUEST_FIELDS: dict[str, Any] = {
     "image": (str | None, None),
@@ -297,7 +297,31 @@ def _option_json(name: str, value: Any, transport: str) -> Any:
         return [_secret_json(s, transport) for s in value]
     if name in ("env", "labels"):
         return {str(k): str(v) for k, v in dict(value).items()}
+    if name == "volumes":
+        return volumes_json(value, transport)
     return value
+
+
+def volumes_json(value: Any, transport: str) -> list[str]:
+    """``volumes=`` as a server takes it: named volumes only, each ``NAME:GUEST:MODE``
+    (checked as a local box's); a host directory is the caller's, which a server has not."""
+    specs = [(str(k), str(v)) for k, v in value.items()] if isinstance(value, Mapping) else value
+    if isinstance(specs, str) or not isinstance(specs, list | tuple):
+        raise InvalidArgument(f"volumes must be a list or a mapping, not {value!r}")
+    out = []
+    for spec in specs:
+        source = spec.split(":", 1)[0] if isinstance(spec, str) else ""
+        if isinstance(spec, tuple) and spec:
+            source = str(spec[0])
+        if isinstance(spec, Mount) or is_volume_name(source):
+            m = parse_mount(spec)
+            assert isinstance(m, Mount)
+            out.append(f"{m.volume}:{m.guest}:{m.mode}")
+        else:
+            raise Unsupported(f"a host directory as a volume ({spec!r}) is not offered over the {transport} "
+                              "transport: create a named volume (client.volume.create) and mount it by name",
+                              transport=transport)  # fmt: skip
+    return out
 
 
 def _port_json(spec: Any, transport: str) -> dict[str, int]:
@@ -408,6 +432,14 @@ class RemoveBoxIn(Strict):
 class NetworkIn(Strict):
     network: str | bool | None = None
     allow: list[str] | None = None
+
+
+class VolumeCreate(Strict):
+    """A named volume to create: ``POST /v1/volumes``."""
+
+    name: str
+    size_gb: float = 10
+    labels: dict[str, str] | None = None
 
 
 class SnapshotIn(Strict):

@@ -601,6 +601,26 @@ class HttpBackend(RemoteBackend):
         )
         return self.ref_of(data) if start else self.snapshot_of(data)
 
+    # -- named volumes ----------------------------------------------------------------------
+
+    async def volume_create(
+        self, name: str, size_gb: float, labels: Mapping[str, str] | None
+    ) -> dict[str, Any]:
+        body = {"name": name, "size_gb": size_gb, "labels": dict(labels or {})}
+        made: dict[str, Any] = await self.json("POST", "/volumes", json=body)
+        return made
+
+    async def volume_list(self) -> list[dict[str, Any]]:
+        data = await self.json("GET", "/volumes")
+        return list(data.get("volumes", []))
+
+    async def volume_get(self, key: str) -> dict[str, Any]:
+        found: dict[str, Any] = await self.json("GET", f"/volumes/{seg(key)}")
+        return found
+
+    async def volume_remove(self, key: str) -> None:
+        await self.json("DELETE", f"/volumes/{seg(key)}")
+
     # -- the server -------------------------------------------------------------------------
 
     async def info(self) -> dict[str, Any]:

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from ..config import tail
-from ..core import diffs, events, metrics, tracing
+from ..core import diffs, events, metrics, tracing, volumes
 from ..core.controller import BoxController
 from ..core.entry import BoxEntry, hostname_for
 from ..core.requests import SPEC_OPTIONS, BoxRequest
@@ -681,6 +681,26 @@ class LocalBackend(Backend):
         if not start:
             return snap
         return (await self.snapshot_start(snap, 1, name, **options))[0]
+
+    # -- named volumes ----------------------------------------------------------------------
+
+    async def volume_create(
+        self, name: str, size_gb: float, labels: Mapping[str, str] | None
+    ) -> dict[str, Any]:
+        rt = self.runtime
+        rec = await asyncio.to_thread(volumes.create, rt.home, rt.store, name, size_gb, labels)
+        return await self.volume_get(rec.id)
+
+    async def volume_list(self) -> list[dict[str, Any]]:
+        store = self.runtime.store
+        found = await asyncio.to_thread(lambda: [volumes.inspect(store, v.id) for v in store.volumes()])
+        return [v.to_json() for v in found]
+
+    async def volume_get(self, key: str) -> dict[str, Any]:
+        return (await asyncio.to_thread(volumes.inspect, self.runtime.store, key)).to_json()
+
+    async def volume_remove(self, key: str) -> None:
+        await asyncio.to_thread(volumes.remove, self.runtime.home, self.runtime.store, key)
 
     async def info(self) -> dict[str, Any]:
         return {"transport": self.transport, "home": str(self.runtime.home)}

@@ -10,12 +10,23 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, TypeAlias
 
 from ..core.spec import DEFAULT_DISK_GB, DEFAULT_MEMORY_MIB
+from ..core.volumes import DEFAULT_SIZE_GB
 from . import loop
 from .box import AsyncBox, AsyncSnapshot
 from .client import AsyncClient, connect_async
 from .files import AsyncWatch
 from .process import AsyncStream
-from .sync_base import BoxBase, ClientBase, FilesBase, ProcessBase, SnapshotBase, StreamBase, WatchBase
+from .sync_base import (
+    BoxBase,
+    ClientBase,
+    FilesBase,
+    ProcessBase,
+    SnapshotBase,
+    StreamBase,
+    VolumesBase,
+    WatchBase,
+)
+from .volumes import AsyncVolumes
 
 if TYPE_CHECKING:
     import builtins
@@ -39,6 +50,7 @@ if TYPE_CHECKING:
     from .diffs import Diff
     from .fs import FileEvent, FileInfo, WatchSource
     from .process import ExecResult, OutputStream, StdinSource
+    from .volumes import Volume
 
 
 class Box(BoxBase):
@@ -943,6 +955,12 @@ class Client(ClientBase):
         """The server's address (without ``/v1``); None for a client that is not of a server."""
         return self._a.url
 
+    @property
+    def volume(self) -> Volumes:
+        """The named volumes of the far side: ``client.volume.create("data")``, then
+        ``client.Box(image, volumes={"data": "/data"})``."""
+        return Volumes.wrap(self._a.volume)
+
     def Box(self, image: str | None = None, **options: Any) -> BoxType:
         """A box that does not exist yet: ``start()`` creates and boots it, ``async with``
         does the same and removes it at the end (``keep=True``: leaves it running).
@@ -1019,6 +1037,42 @@ class Client(ClientBase):
         loop.run(self._a.__aexit__(*exc))
 
 
+class Volumes(VolumesBase):
+    """The named volumes of a home (``sandlot.volume_async``; ``home``: default
+    ``$SANDLOT_HOME``) or of the far side of a backend (``client.volume``)."""
+
+    def __init__(self, home: str | os.PathLike[str] | None = None, *, backend: Backend | None = None) -> None:
+        self._a = AsyncVolumes(home, backend=backend)
+
+    def create(
+        self, name: str, *, size_gb: float = DEFAULT_SIZE_GB, labels: Mapping[str, str] | None = None
+    ) -> Volume:
+        """A new, empty volume of ``size_gb`` (its filesystem's size: a full volume is
+        ENOSPC in the box; the host holds only what was written).
+
+        >>> sandlot.volume.create("cache", size_gb=2, labels={"team": "evals"})  # doctest: +SKIP
+        """
+        return loop.run(self._a.create(name, size_gb=size_gb, labels=labels))
+
+    def list(self) -> builtins.list[Volume]:
+        """Every volume, oldest first."""
+        return loop.run(self._a.list())
+
+    def get(self, key: str) -> Volume:
+        """The volume of that name (or id); VolumeNotFound if there is none."""
+        return loop.run(self._a.get(key))
+
+    def inspect(self, key: str) -> dict[str, Any]:
+        """The volume as JSON: ``get``'s fields plus its size in bytes."""
+        return loop.run(self._a.inspect(key))
+
+    def remove(self, key: str) -> None:
+        """Remove the volume and the files only it used. VolumeInUse while a box mounts
+        it (whatever the box's state; its ``boxes`` says which); snapshots taken of boxes
+        that mounted it keep their copies."""
+        loop.run(self._a.remove(key))
+
+
 def connect(url: str | None = None, api_key: str | None = None, **kwargs: Any) -> Client:
     """A client (``Client``) of the server at ``url`` (default ``$SANDLOT_URL``) with
     ``api_key`` (default ``$SANDLOT_API_KEY``); ``kwargs``: ``timeout``, ``verify``."""
@@ -1027,4 +1081,4 @@ def connect(url: str | None = None, api_key: str | None = None, **kwargs: Any) -
 
 BoxType: TypeAlias = Box  # for annotations where a method has the name
 
-__all__ = ["Box", "Client", "Files", "Process", "Snapshot", "Stream", "Watch", "connect"]
+__all__ = ["Box", "Client", "Files", "Process", "Snapshot", "Stream", "Volumes", "Watch", "connect"]

@@ -11,6 +11,7 @@ from .box import AsyncBox, AsyncSnapshot
 from .client import AsyncClient
 from .files import AsyncFiles, AsyncWatch
 from .process import AsyncProcess, AsyncStream
+from .volumes import AsyncVolumes
 
 A = TypeVar("A")
 
@@ -81,4 +82,8 @@ class StreamBase(SyncTwin[AsyncStream]):
 
 
 class ClientBase(SyncTwin[AsyncClient]):
+    pass
+
+
+class VolumesBase(SyncTwin[AsyncVolumes]):
     pass

@@ -101,7 +101,12 @@ NameOpt = Annotated[str | None, typer.Option("--name", help="Name of the box (un
 EnvOpt = Annotated[
     list[str] | None, typer.Option("--env", "-e", help="KEY=VALUE (or KEY: take it from here).")
 ]
-VolOpt = Annotated[list[str] | None, typer.Option("--volume", "-v", help="HOST:GUEST[:ro] shared directory.")]
+VolOpt = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--volume", "-v", help="NAME:GUEST[:copy|ro] named volume, or HOST:GUEST[:ro] shared directory."
+    ),
+]
 LabelOpt = Annotated[list[str] | None, typer.Option("--label", "-l", help="KEY=VALUE label.")]
 CpusOpt = Annotated[int, typer.Option("--cpus", help="Virtual CPUs.")]
 MemOpt = Annotated[int, typer.Option("--memory", "-m", help="Guest memory in MiB.")]

@@ -56,13 +56,13 @@ from ..crashpoints import crash_point
 from ..engine.base import Boot, Engine
 from ..errors import CorruptSnapshot, HostSetupError, InvalidArgument, no_space
 from . import exports, layers, snapshots
-from .spec import BoxSpec
+from .spec import MAX_MOUNTS, BoxSpec, Mount, parse_mount
 from .store import NAME_RE, BoxStore, SnapshotRecord
 from .validate import check_env, check_user, guest_path
 
 FORMAT = "sandlot-snapshot"
-VERSION = 2
-READABLE = (1, 2)
+VERSION = 3  # 3: the named volumes' layers, ``volume<i>.qcow2`` after the parts
+READABLE = (1, 2, 3)
 PARTS = ("devices", "memory", "disk.qcow2")
 # the members after the manifest, by the engine that saved the state
 PARTS_BY_ENGINE = {"qemu": PARTS, "gvisor": ("checkpoint.img", "root.tar")}
@@ -70,6 +70,10 @@ MAX_MANIFEST = 1 << 20
 MAX_DEVICES = 256 << 20
 MAX_DISK = 16 << 40
 CHUNK = 1 << 20
+
+
+def volume_member(index: int) -> str:
+    return f"volume{index}.qcow2"
 
 
 def _sha256(path: Path) -> str:
@@ -108,14 +112,13 @@ def export_snapshot(home: Path, engine: Engine, rec: SnapshotRecord, dest: Path)
             engine.flatten_root(Path(rec.layer), work / disk_member)
         else:
             disk_member = "disk.qcow2"
-            proc = subprocess.run([_qemu_img(), "convert", "-O", "qcow2", "-U", rec.layer,
-                                   str(work / disk_member)], capture_output=True, text=True)  # fmt: skip
-            if proc.returncode != 0 and "No space left" in proc.stderr:
-                raise no_space(dest.parent, f"snapshot {rec.id} could not be exported to {dest}")
-            if proc.returncode != 0:
-                raise CorruptSnapshot(f"the disk of snapshot {rec.id} cannot be read: {proc.stderr.strip()}")
+            _flatten(Path(rec.layer), work / disk_member, rec, dest)
         paths = {**engine.state_files(src), disk_member: work / disk_member}
         parts = PARTS_BY_ENGINE[rec.facts.get("engine", "qemu")]
+        for i, layer in enumerate(rec.options.get("drives") or []):  # each named volume, as it was
+            _flatten(Path(layer), work / volume_member(i), rec, dest)
+            paths[volume_member(i)] = work / volume_member(i)
+            parts = (*parts, volume_member(i))
         facts = rec.facts
         engine_facts = dict(facts.get("engine_facts") or {})
         kernel_sha = None
@@ -172,6 +175,16 @@ def export_snapshot(home: Path, engine: Engine, rec: SnapshotRecord, dest: Path)
         record.unlink(missing_ok=True)
 
 
+def _flatten(layer: Path, out: Path, rec: SnapshotRecord, dest: Path) -> None:
+    """A disk's chain as one qcow2 file of its own (no backing file)."""
+    proc = subprocess.run([_qemu_img(), "convert", "-O", "qcow2", "-U", str(layer), str(out)],
+                          capture_output=True, text=True)  # fmt: skip
+    if proc.returncode != 0 and "No space left" in proc.stderr:
+        raise no_space(dest.parent, f"snapshot {rec.id} could not be exported to {dest}")
+    if proc.returncode != 0:
+        raise CorruptSnapshot(f"a disk of snapshot {rec.id} cannot be read: {proc.stderr.strip()}")
+
+
 # -- import -----------------------------------------------------------------------------------
 
 
@@ -211,6 +224,12 @@ def _check_manifest(m: Any) -> dict[str, Any]:
     parts = PARTS_BY_ENGINE.get(compat.get("engine"))
     _need(parts is not None, f"compat.engine {compat.get('engine')!r} is not one this host knows")
     assert parts is not None
+    _need(isinstance(snap, dict) and isinstance(snap.get("box", {}), dict), "no snapshot facts")
+    mounts = snap["box"].get("mounts") or []
+    _need(isinstance(mounts, list) and len(mounts) <= MAX_MOUNTS, "snapshot.box.mounts is not a short list")
+    if mounts:
+        _need(parts == PARTS, "named volumes in a snapshot of an engine without them")
+    parts = (*parts, *(volume_member(i) for i in range(len(mounts))))
     _need(
         isinstance(files, dict) and set(files) == set(parts),
         f"the manifest must list {', '.join(parts)}",
@@ -233,19 +252,20 @@ def _check_manifest(m: Any) -> dict[str, Any]:
         v = compat.get(key)
         _need(isinstance(v, int) and not isinstance(v, bool) and 0 < v <= hi, f"compat.{key} out of range")
     _need(isinstance(compat.get("network", False), bool), "compat.network is not true or false")
-    if parts == PARTS:
+    if parts[: len(PARTS)] == PARTS:
         _need(
             files["memory"]["size"] == compat["memory_mib"] << 20,
             "the memory image does not match memory_mib",
         )
         _need(files["devices"]["size"] <= MAX_DEVICES, "the device state is too large")
-        _need(files["disk.qcow2"]["size"] <= MAX_DISK, "the disk is too large")
+        for name in parts[len(PARTS) - 1 :]:
+            _need(files[name]["size"] <= MAX_DISK, f"{name} is too large")
     else:
         _need(files["checkpoint.img"]["size"] <= (compat["memory_mib"] << 20) + MAX_DEVICES,
               "the checkpoint is larger than the memory it was saved with")  # fmt: skip
         _need(files["root.tar"]["size"] <= MAX_DISK, "the root is too large")
-    _need(isinstance(snap, dict) and isinstance(snap.get("box", {}), dict), "no snapshot facts")
     checked: dict[str, Any] = m
+    checked["parts"] = parts
     return checked
 
 
@@ -261,6 +281,15 @@ def _clean_box_options(box: dict[str, Any]) -> dict[str, Any]:
             out["user"] = check_user(box["user"])
         if isinstance(box.get("disk_size_gb"), int):
             out["disk_size_gb"] = box["disk_size_gb"]
+        given = box.get("mounts") or []
+        if not isinstance(given, list) or not all(
+            isinstance(m, list) and len(m) == 3 and all(isinstance(x, str) for x in m) for m in given
+        ):
+            raise InvalidArgument("its named volumes are malformed")
+        mounts = [parse_mount(tuple(m)) for m in given]
+        if any(not isinstance(m, Mount) for m in mounts) or len({m.guest for m in mounts}) != len(mounts):
+            raise InvalidArgument("its named volumes are malformed")
+        out["mounts"] = [[m.volume, m.guest, m.mode] for m in mounts if isinstance(m, Mount)]
         cfg = box.get("image_config")
         if isinstance(cfg, dict):
             clean: dict[str, Any] = {}
@@ -321,6 +350,7 @@ def import_snapshot(
     tmp = final.parent / f".tmp-{snap_id}"
     tmp.mkdir(parents=True)
     layer = layers.new_path(home)
+    volume_layers: list[Path] = []  # its named volumes' layers, in their order
     root: Path | None = None  # an imported layer directory's own image root
     engine: Engine | None = None
     state_names: dict[str, str] = {}
@@ -349,7 +379,7 @@ def import_snapshot(
                         engine, boot = engines(manifest["compat"]["engine"])
                         engine.check_compatible(manifest["compat"], boot)
                         state_names = {member: p.name for member, p in engine.state_files(final).items()}
-                        parts = PARTS_BY_ENGINE[engine.name]
+                        parts = manifest["parts"]
                         if engine.disk_format == "dir":
                             layer = layers.new_path(home, layers.DIR_SUFFIX)
                         continue
@@ -361,6 +391,9 @@ def import_snapshot(
                     assert f is not None
                     if member.name == "disk.qcow2":
                         dest = layer
+                    elif member.name.startswith("volume"):
+                        volume_layers.append(layers.new_path(home))
+                        dest = volume_layers[-1]
                     elif member.name == "root.tar":
                         dest = tmp / "root.tar"
                     else:
@@ -381,7 +414,8 @@ def import_snapshot(
             (tmp / "root.tar").unlink()
             layers.make_dir_layer(layer, root)
         else:
-            _check_disk(layer)
+            for disk in (layer, *volume_layers):
+                _check_disk(disk)
         compat, info = manifest["compat"], manifest["snapshot"]
         facts = engine.facts_for_import(
             {
@@ -402,13 +436,17 @@ def import_snapshot(
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         _remove_layer(layer, root)
+        for made in volume_layers:
+            made.unlink(missing_ok=True)
         raise
     digest = info.get("image_digest")
+    # a box started from it mounts private copies of its volumes (none of this home's)
+    drives = {"drives": [str(p) for p in volume_layers], "drive_volumes": [""] * len(volume_layers)}
     rec = SnapshotRecord(
         id=snap_id, kind="snapshot", layer=str(layer), name=name, box_id=None, box_name=box_name,
         created_at=time.time(), size=snapshots.dir_size(final),
         options={"box": box, "image_ref": None, "image_digest": digest if isinstance(digest, str) else None,
-                 "rootfs": None, "vm": facts,
+                 "rootfs": None, "vm": facts, **(drives if volume_layers else {}),
                  "imported_from": {"kernel_sha256": compat.get("kernel_sha256"), "id": info.get("id")}},
     )  # fmt: skip
     try:
@@ -416,6 +454,8 @@ def import_snapshot(
     except BaseException:
         shutil.rmtree(final, ignore_errors=True)
         _remove_layer(layer, root)
+        for made in volume_layers:
+            made.unlink(missing_ok=True)
         raise
     return rec
 

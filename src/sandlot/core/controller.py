@@ -17,7 +17,7 @@ import contextlib
 import os
 import secrets as random_ids
 import time
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -43,7 +43,7 @@ from ..net.secrets import build_vault, read_vault_json, write_vault
 from ..protocol.connection import AgentConnection
 from ..protocol.exec import ExecRequest, RemoteProcess
 from ..protocol.wire import ControlOp, Fields, Tag, tlv
-from . import events, idle, layers, snapshots, tracing
+from . import events, idle, layers, snapshots, tracing, volumes
 from .entry import BoxEntry
 from .launch import Launcher, read_file
 from .recovery import Recovery
@@ -353,7 +353,8 @@ class BoxController:
             image: Image | None = None
             # an engine that saves no running state makes no automatic template
             live = rt.engine(spec.engine).live_state and auto_templates()
-            if snap is None and req.template is None and spec.image and not spec.volumes and live:
+            plain = not spec.volumes and not spec.mounts  # an automatic template has no volumes
+            if snap is None and req.template is None and spec.image and plain and live:
                 image = await self._resolve_image(req, spec.image)
                 snap = await self.saved.auto_template(entry, image.digest)
                 if snap is None:
@@ -427,6 +428,8 @@ class BoxController:
             base = await asyncio.to_thread(make_base, rt.bases_dir, spec.rootfs)
         await asyncio.to_thread(self._box_dir, entry)
         await self._write_vault(entry, spec, req, None)
+        if spec.mounts:  # made before they are named: the row's claim on a volume names whole files
+            await self._record_drives(entry, volumes.tops_for, rt.home, rt.store, spec.mounts)
         disk = layers.new_path(rt.home, layers.DIR_SUFFIX if as_dir else ".qcow2")
         await self.db.update(entry.id, disk=str(disk))  # before the file: a crash leaves nothing unnamed
         crash_point("create.before-disk")
@@ -450,8 +453,10 @@ class BoxController:
             source = await self.db.find(snap.box_id) if snap.box_id else None
             vault = await asyncio.to_thread(read_vault_json, rt.box_dir(source.id)) if source else None
             await self._write_vault(entry, spec, req, vault)
-        blank = snapshots.snapshot_dir(rt.home, snap.id) / "blank.qcow2"
-        disk = await asyncio.to_thread(layers.child_layer, rt.home, Path(snap.layer), blank)
+        saved = snapshots.snapshot_dir(rt.home, snap.id)
+        if snap.options.get("drives"):
+            await self._record_drives(entry, volumes.tops_from, rt.home, snap, saved)
+        disk = await asyncio.to_thread(layers.child_layer, rt.home, Path(snap.layer), saved / "blank.qcow2")
         made = events.draft("created", image=snap.options.get("image_ref"), snapshot=snap.id,
                             snapshot_name=snap.name, from_box=snap.box_name)  # fmt: skip
         result: BoxRecord | None = await self.db.update(
@@ -459,6 +464,20 @@ class BoxController:
             image_digest=snap.options.get("image_digest"), options=spec.to_options(), event=made,
         )  # fmt: skip
         return result
+
+    async def _record_drives(
+        self, entry: BoxEntry, make: Callable[..., builtins.list[dict[str, Any]]], *args: Any
+    ) -> None:
+        """Make the tops of a new box's volumes (``make(*args)``), then name them in its row,
+        which claims the volumes it writes back; refused (another box writes one), or not
+        recorded, they go: no row names them."""
+        drives = await asyncio.to_thread(make, *args)
+        try:
+            await self.db.update(entry.id, drives=drives)
+        except BaseException:
+            for d in drives:
+                Path(d["top"]).unlink(missing_ok=True)
+            raise
 
     def _box_dir(self, entry: BoxEntry) -> None:
         entry.dir.mkdir(parents=True, exist_ok=True)

@@ -25,7 +25,7 @@ from typing import Any
 
 from ..config import atomic_write, runtime_dir
 from ..crashpoints import crash_point
-from ..engine.base import VM, Boot, BootRequest, Engine, LaunchSpec, NetSpec, SavedState, Volume
+from ..engine.base import VM, Boot, BootRequest, Drive, Engine, LaunchSpec, NetSpec, SavedState, Volume
 from ..errors import AgentTimeout, BootTimeout, ConnectionLost
 from ..net.addresses import box_address
 from ..net.boxlink import LinkInfo, link_socket
@@ -34,7 +34,7 @@ from ..net.policy import write_policy
 from ..net.secrets import GUEST_BUNDLE, GUEST_CA, SYSTEM_BUNDLES, read_vault_json
 from ..protocol import files as proto_files
 from ..protocol.connection import AgentConnection
-from ..protocol.wire import ControlOp, FsFlag, FsOp, Tag, tlv
+from ..protocol.wire import ControlOp, FsFlag, FsOp, MountFlag, Tag, tlv
 from . import homewatch, metrics, snapshots
 from .admission import Admission, default_slots
 from .entry import BoxEntry
@@ -164,14 +164,18 @@ class Launcher:
             where=where, disk=Path(rec.disk), memory_mib=spec.memory_mib, cpus=spec.cpus,
             boot=shape(boot, spec.memory_mib, spec.cpus, where.agent_ports, net), network=net,
             volumes=tuple(Volume(v.host, f"vol{i}", v.readonly) for i, v in enumerate(spec.volumes)),
+            drives=drives_of(rec.drives),
         )  # fmt: skip
         timeout = spec.boot_timeout_for(boot.accel)
 
         async def when_up(vm: VM) -> None:
             conn = await self.attach(entry, vm, timeout, boot)
             for i, v in enumerate(spec.volumes):
-                mount = tlv(Tag.PATH, v.guest) + tlv(Tag.PATH2, f"vol{i}") + tlv(Tag.FLAGS, int(v.readonly))
-                await conn.control(ControlOp.MOUNT, mount)
+                flags = MountFlag.READONLY if v.readonly else 0
+                await conn.control(ControlOp.MOUNT, mount_request(v.guest, f"vol{i}", flags))
+            for m, d in zip(spec.mounts, rec.drives, strict=True):
+                flags = MountFlag.BLOCK | (MountFlag.READONLY if m.mode == "ro" else 0)
+                await conn.control(ControlOp.MOUNT, mount_request(m.guest, d["serial"], flags))
             await self.install_trust(entry, conn)
 
         for attempt in range(1, BOOT_ATTEMPTS + 1):
@@ -198,10 +202,11 @@ class Launcher:
         *,
         attach: bool,
         disk: Path | None = None,
+        drives: list[dict[str, Any]] | None = None,
         trust: bool = False,
     ) -> VM:
-        """Start a VM on ``disk`` (default: the box's) from ``snap``'s saved state and
-        let it run; ``attach``: connect this process's session to its agent."""
+        """Start a VM on ``disk`` and ``drives`` (default: the box's) from ``snap``'s saved
+        state and let it run; ``attach``: connect this process's session to its agent."""
         facts = snap.facts
         # the box's engine judges the state: one saved by the other engine is refused clearly
         engine = self.rt.engine(entry.spec.engine)
@@ -214,6 +219,7 @@ class Launcher:
             where=where, disk=top, memory_mib=facts["memory_mib"], cpus=facts["cpus"], network=net,
             boot=shape(boot, facts["memory_mib"], facts["cpus"], facts["agent_ports"], net),
             saved=SavedState(snapshots.snapshot_dir(self.rt.home, snap.id), facts),
+            drives=drives_of(rec.drives if drives is None else drives),
         )  # fmt: skip
         timeout = entry.spec.boot_timeout_for(boot.accel)
 
@@ -356,8 +362,17 @@ def boot_request(spec: BoxSpec, *, network: bool) -> BootRequest:
     return BootRequest(
         accel=spec.accel, kernel=spec.kernel, volumes=bool(spec.volumes), network=network,
         disk_gb=spec.disk_size_gb, disk_required=spec.disk_size_gb != DEFAULT_DISK_GB,
-        nested_virt=spec.nested_virt,
+        nested_virt=spec.nested_virt, drives=len(spec.mounts),
     )  # fmt: skip
+
+
+def drives_of(drives: list[dict[str, Any]]) -> tuple[Drive, ...]:
+    """The engine's drives of a box's (or a state's) volume tops, in their order."""
+    return tuple(Drive(Path(d["top"]), d["serial"]) for d in drives)
+
+
+def mount_request(guest: str, source: str, flags: int) -> bytes:
+    return tlv(Tag.PATH, guest) + tlv(Tag.PATH2, source) + tlv(Tag.FLAGS, int(flags))
 
 
 def shape(boot: Boot, memory_mib: int, cpus: int, agent_ports: int, net: NetSpec | None) -> dict[str, Any]:

@@ -27,7 +27,7 @@ from pathlib import Path
 
 from ..errors import HostSetupError, SavedStateError, no_space
 from ..images.rootfs import qcow2_backing_file
-from .store import BoxRecord, SnapshotRecord
+from .store import BoxRecord, BoxStore, SnapshotRecord
 
 ORPHAN_AGE = 60.0  # seconds before an unreferenced file may be a crash's leftover
 
@@ -43,6 +43,7 @@ def new_path(home: Path, suffix: str = ".qcow2") -> Path:
 
 
 DIR_SUFFIX = ".dir"  # a layer directory: the disk of engines whose box root is an overlay
+RAW_SUFFIX = ".raw"  # the bottom of a named volume's chain: its empty filesystem
 
 
 def make_dir_layer(path: Path, base: Path, parent: Path | None = None) -> None:
@@ -139,49 +140,65 @@ def chain(top: Path) -> list[Path]:
         out.append(p)
 
 
+def chains(tops: Iterable[Path]) -> list[Path]:
+    """Every file of the chains under ``tops`` (a top whose chain cannot be read: itself)."""
+    out: list[Path] = []
+    for top in tops:
+        try:
+            out += chain(top)
+        except (SavedStateError, OSError):
+            out.append(top)
+    return out
+
+
 def virtual_size(path: Path) -> int:
     with open(path, "rb") as f:
         header = f.read(32)
     return int.from_bytes(header[24:32], "big")
 
 
-def referenced(boxes: Iterable[BoxRecord], snapshots: Iterable[SnapshotRecord]) -> list[Path]:
+def box_tops(box: BoxRecord) -> list[Path]:
+    """The tops a box's row names: its disk's and its drives', and those of an operation
+    in progress (a rollback's new ones)."""
+    op = box.op or {}
+    names = [box.disk, op.get("disk"), *(d.get("top") for d in box.drives), *(op.get("drives") or ())]
+    return [Path(n) for n in names if n]
+
+
+def snapshot_layers(snap: SnapshotRecord) -> list[Path]:
+    """A snapshot's frozen layers: its disk's, then its drives' in their order."""
+    return [Path(snap.layer), *(Path(p) for p in snap.options.get("drives") or ())]
+
+
+def referenced(
+    boxes: Iterable[BoxRecord], snapshots: Iterable[SnapshotRecord], volumes: Iterable[Path] = ()
+) -> list[Path]:
     """The tops that rows name (each keeps its whole chain)."""
-    tops = []
-    for b in boxes:
-        if b.disk:
-            tops.append(Path(b.disk))
-        if b.op and b.op.get("disk"):
-            tops.append(Path(b.op["disk"]))
-    tops += [Path(s.layer) for s in snapshots]
-    return tops
+    tops = [top for b in boxes for top in box_tops(b)]
+    tops += [layer for s in snapshots for layer in snapshot_layers(s)]
+    return tops + list(volumes)
 
 
-def gc(
-    home: Path,
-    boxes: Iterable[BoxRecord],
-    snapshots: Iterable[SnapshotRecord],
-    *,
-    min_age: float = ORPHAN_AGE,
-    also: Iterable[Path] = (),
-) -> None:
-    """Delete layers no box and no snapshot reaches. ``also``: unreferenced layers
-    to delete now, whatever their age (a removed box's top)."""
+def gc(home: Path, store: BoxStore, *, min_age: float = ORPHAN_AGE, also: Iterable[Path] = ()) -> None:
+    """Delete layers no box, snapshot or volume of ``store`` reaches. ``also``: unreferenced
+    layers to delete now, whatever their age (a removed box's top)."""
     d = layers_dir(home)
     if not d.is_dir():
         return
     keep: set[Path] = set()
-    for top in referenced(boxes, snapshots):
+    # boxes first: a box removed meanwhile may have handed its tops to a volume, read after
+    for top in referenced(store.list(), store.snapshots(), store.volume_layers()):
         with contextlib.suppress(SavedStateError, OSError):
             keep.update(chain(top))
     now = time.time()
     forced = set(also)
-    for f in [*d.glob("*.qcow2"), *d.glob(f"*{DIR_SUFFIX}"), *d.glob(f".*{DIR_SUFFIX}.tmp")]:
-        if f in keep:
-            continue
-        with contextlib.suppress(OSError):
-            if f in forced or now - f.stat().st_mtime > min_age:
-                if f.is_dir():
-                    shutil.rmtree(f)
-                else:
-                    f.unlink()
+    for pattern in ("*.qcow2", f"*{RAW_SUFFIX}", f"*{DIR_SUFFIX}", f".*{DIR_SUFFIX}.tmp"):
+        for f in d.glob(pattern):
+            if f in keep:
+                continue
+            with contextlib.suppress(OSError):
+                if f in forced or now - f.stat().st_mtime > min_age:
+                    if f.is_dir():
+                        shutil.rmtree(f)
+                    else:
+                        f.unlink()

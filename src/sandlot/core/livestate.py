@@ -24,20 +24,28 @@ from .. import pids
 from ..crashpoints import crash_point
 from ..engine.base import Boot, BootRequest, Engine, SavedState
 from ..errors import InvalidArgument, InvalidState, SandlotError, SnapshotInUse, SnapshotNotFound
-from . import archive, events, layers, snapshots, tracing
+from . import archive, events, layers, snapshots, tracing, volumes
 from .controller import BoxController
 from .entry import BoxEntry
-from .launch import Launcher
+from .launch import Launcher, drives_of
 from .requests import BoxRequest
 from .runtime import Runtime
 from .state import BoxState, Op, check
-from .store import AsyncStore, SnapshotRecord
+from .store import AsyncStore, BoxRecord, SnapshotRecord
 from .validate import count
 
 BOX_ID_RE = re.compile(r"[0-9a-f]{12}")
 WARM_UP_TIMEOUT = 30.0  # seconds for the first command run before a template or fork is saved
 
 log = logging.getLogger("sandlot")
+
+
+def saved_drives(rec: BoxRecord) -> dict[str, Any]:
+    """A saved state's options for the box's named volumes: the layer of each (frozen
+    by the save), and the volume it is a copy of."""
+    if not rec.drives:
+        return {}
+    return {"drives": [d["top"] for d in rec.drives], "drive_volumes": [d["volume"] for d in rec.drives]}
 
 
 class LiveState:
@@ -72,7 +80,8 @@ class LiveState:
         """Save the running state as a snapshot of ``kind`` (the box's lock held); the box goes on."""
         if entry.spec.volumes:
             raise InvalidState(
-                f"box {entry.name} has volumes: their host directories are not part of a saved state",
+                f"box {entry.name} shares host directories: they are not part of a saved state "
+                "(named volumes are: sandlot.volume)",
                 box=entry.name, state=entry.state,
             )  # fmt: skip
         check(Op.SNAPSHOT, entry.state, box=entry.name)
@@ -88,18 +97,20 @@ class LiveState:
             step.detail = {"snapshot": snap_id, "name": name, "snapshot_kind": kind}
             assert rec.disk is not None
             frozen = Path(rec.disk)
-            top = await asyncio.to_thread(layers.new_layer, home, frozen)
-            # recorded before the VM switches: the new top starts empty over the old one,
-            # so the row names a complete disk whether or not the switch happens
+            top, drives = await asyncio.to_thread(self._new_tops, rec)
+            # recorded before the VM switches: the new tops start empty over the old ones,
+            # so the row names complete disks whether or not the switch happens
             try:
-                await self.db.update(entry.id, disk=str(top))
-            except BaseException:  # not recorded (a full disk): no row names it, so it goes
-                top.unlink(missing_ok=True)
+                await self.db.update(entry.id, disk=str(top), drives=drives)
+            except BaseException:  # not recorded (a full disk): no row names them, so they go
+                for made in (top, *(Path(d["top"]) for d in drives)):
+                    made.unlink(missing_ok=True)
                 raise
             crash_point("snapshot.before-save")
             vm = self.launcher.vm_of(entry, rec)
             with snapshots.writing(home, snap_id) as tmp:
-                pause = await vm.save(tmp, new_disk=top, keep_running=True)
+                new_drives = {d["serial"]: Path(d["top"]) for d in drives}
+                pause = await vm.save(tmp, new_disk=top, keep_running=True, new_drives=new_drives)
             if vm.ref != rec.vm:  # an engine whose save ends the VM process runs it anew (gvisor)
                 moved = await self.db.update(entry.id, vm_pid=vm.ref.pid, vm_start=vm.ref.start)
                 if moved is not None:
@@ -107,7 +118,7 @@ class LiveState:
             crash_point("snapshot.after-save")
             options: dict[str, Any] = {"box": rec.options, "image_ref": rec.image_ref,
                                        "image_digest": rec.image_digest, "rootfs": rec.rootfs,
-                                       "vm": vm.saved_facts()}  # fmt: skip
+                                       "vm": vm.saved_facts(), **saved_drives(rec)}  # fmt: skip
             if auto:  # a fork's own: it goes with its last child, or with its owner if no child came
                 options.update(auto=True, owner=list(pids.me()))
             snap = SnapshotRecord(
@@ -128,8 +139,8 @@ class LiveState:
         async with entry.lock():
             rec = await self.controller.refresh(entry)
             if entry.spec.volumes:
-                raise InvalidState(f"box {entry.name} has volumes: it cannot be suspended, only stopped",
-                                   box=entry.name, state=rec.state)  # fmt: skip
+                raise InvalidState(f"box {entry.name} shares host directories: it cannot be suspended, "
+                                   "only stopped", box=entry.name, state=rec.state)  # fmt: skip
             if not check(Op.SUSPEND, rec.state, box=entry.name):
                 return
             self.require_live_state(entry)
@@ -153,7 +164,7 @@ class LiveState:
                         size=snapshots.dir_size(snapshots.snapshot_dir(home, snap_id)),
                         options={"box": rec.options, "image_ref": rec.image_ref,
                                  "image_digest": rec.image_digest, "rootfs": rec.rootfs,
-                                 "vm": vm.saved_facts()},
+                                 "vm": vm.saved_facts(), **saved_drives(rec)},
                     )  # fmt: skip
                     await self.db.insert_snapshot(snap)
                     await self.db.update(entry.id, suspended=snap_id)  # from here on, recovery finishes it
@@ -227,8 +238,13 @@ class LiveState:
             rec = await self.controller.refresh(entry)
             check(Op.ROLLBACK, rec.state, box=entry.name)
             top = await asyncio.to_thread(layers.new_layer, rt.home, Path(snap.layer))
+            drives = [
+                {**d, "top": str(await asyncio.to_thread(layers.new_layer, rt.home, Path(layer)))}
+                for d, layer in zip(rec.drives, snap.options.get("drives") or [], strict=True)
+            ]
+            made = [top, *(Path(d["top"]) for d in drives)]
             try:
-                op_data = {"kind": "rollback", "disk": str(top)}
+                op_data = {"kind": "rollback", "disk": str(top), "drives": [d["top"] for d in drives]}
                 async with self.controller.transition(entry, Op.ROLLBACK, op_data=op_data) as step:
                     step.failure_reason = "rollback failed, the disk is as it was before"
                     step.detail = {"snapshot": snap.id, "name": snap.name}
@@ -238,20 +254,39 @@ class LiveState:
                         old = self.launcher.vm_of(entry, rec)
                         await old.kill(grace=0.5)
                         old.cleanup()
-                    await self.launcher.restore(entry, rec, snap, attach=True, disk=top)
-                    step.changes = {"disk": str(top), "started_at": time.time(), "suspended": None}
+                    await self.launcher.restore(entry, rec, snap, attach=True, disk=top, drives=drives)
+                    step.changes = {"disk": str(top), "drives": drives, "started_at": time.time(),
+                                    "suspended": None}  # fmt: skip
             except BaseException:
-                await asyncio.to_thread(self._gc, [top])
+                await asyncio.to_thread(self._gc, made)
                 raise
             if rec.suspended:
                 await self.drop_saved_state(rec.suspended)
-            if rec.disk:
-                await asyncio.to_thread(self._gc, [Path(rec.disk)])
+            # the old tops and what only they reached (layers a snapshot or fork froze under
+            # them since): gc keeps whatever a snapshot, a box or a volume still reaches
+            await asyncio.to_thread(self._gc, layers.chains(layers.box_tops(rec)))
         self.controller.watch_idle(entry)
+
+    def _new_tops(self, rec: BoxRecord) -> tuple[Path, list[dict[str, Any]]]:
+        """A new top over the box's disk and over each of its drives (a snapshot's)."""
+        home = self.rt.home
+        assert rec.disk is not None
+        made: list[Path] = []
+        try:
+            made.append(layers.new_layer(home, Path(rec.disk)))
+            drives = []
+            for d in rec.drives:
+                made.append(layers.new_layer(home, Path(d["top"])))
+                drives.append({**d, "top": str(made[-1])})
+        except BaseException:
+            for p in made:
+                p.unlink(missing_ok=True)
+            raise
+        return made[0], drives
 
     def _gc(self, also: list[Path]) -> None:
         store = self.rt.store
-        layers.gc(self.rt.home, store.list(), store.snapshots(), also=also)
+        layers.gc(self.rt.home, store, also=also)
 
     # -- starting boxes from saved states ---------------------------------------------------
 
@@ -332,7 +367,11 @@ class LiveState:
         engine = rt.engine(snap.facts.get("engine", "qemu"))
         if engine.memory_shared(state.directory):
             return
-        await engine.share_memory(state, Path(snap.layer))
+        drives = [
+            {"top": layer, "serial": volumes.serial(i)}
+            for i, layer in enumerate(snap.options.get("drives") or [])
+        ]
+        await engine.share_memory(state, Path(snap.layer), drives_of(drives))
         await self.db.update_snapshot(snap.id, size=snapshots.dir_size(state.directory))
 
     # -- templates -------------------------------------------------------------------------
@@ -446,8 +485,8 @@ class LiveState:
             )
         await self.db.delete_snapshot(snap.id)
         await asyncio.to_thread(snapshots.remove_files, self.rt.home, snap.id)
-        store = self.rt.store
-        await asyncio.to_thread(lambda: layers.gc(self.rt.home, store.list(), store.snapshots()))
+        # its layers and what only they reached go now (what a box or a volume reaches stays)
+        await asyncio.to_thread(self._gc, layers.chains(layers.snapshot_layers(snap)))
 
     async def prune_snapshots(self, *, templates: bool = False) -> list[SnapshotRecord]:
         """Remove the snapshots no box needs: those of boxes that are gone (imported ones
@@ -470,7 +509,7 @@ class LiveState:
                     store.delete_snapshot(s.id)
                     snapshots.remove_files(rt.home, s.id)
                     gone.append(s)
-            layers.gc(rt.home, store.list(), store.snapshots())
+            layers.gc(rt.home, store)
             return gone
 
         return await asyncio.to_thread(prune)

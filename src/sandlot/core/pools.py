@@ -93,7 +93,7 @@ def memory_cap_mib() -> int:
 
 def fits(pool_vm: BoxSpec, wanted: BoxSpec) -> bool:
     """Whether a box of spec ``wanted`` may be a claimed pool VM of spec ``pool_vm``."""
-    if wanted.secrets or wanted.volumes:
+    if wanted.secrets or wanted.volumes or wanted.mounts:
         return False
     a = {k: v for k, v in pool_vm.to_options().items() if k not in CLAIMABLE}
     b = {k: v for k, v in wanted.to_options().items() if k not in CLAIMABLE}

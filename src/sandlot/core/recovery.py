@@ -233,7 +233,9 @@ class Recovery:
             return update(state=source, op=None)
         if a is Action.ROLLED:
             assert rec.op is not None
-            return update(state=S.RUNNING, disk=rec.op["disk"], op=None)
+            tops = rec.op.get("drives") or [d["top"] for d in rec.drives]
+            drives = [{**d, "top": top} for d, top in zip(rec.drives, tops, strict=True)]
+            return update(state=S.RUNNING, disk=rec.op["disk"], drives=drives, op=None)
         if a is Action.RESUMED:
             return update(state=S.RUNNING, suspended=None, op=None)
         engine.kill_now(rec.vm, rec.id)

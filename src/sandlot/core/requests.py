@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..errors import InvalidArgument
 from ..net.secrets import Secret
-from .spec import DEFAULT_DISK_GB, DEFAULT_MEMORY_MIB, BoxSpec
+from .spec import DEFAULT_DISK_GB, DEFAULT_MEMORY_MIB, BoxSpec, Mount
 from .store import SnapshotRecord
 
 if TYPE_CHECKING:
@@ -135,6 +135,8 @@ class BoxRequest:
         if snap is not None:
             check_fits(snap, spec)
             spec.image_config = snap.options.get("box", {}).get("image_config")
+            # its named volumes are mounted in the saved memory: a box from it has its copies
+            spec.mounts = [Mount(*m) for m in snap.options.get("box", {}).get("mounts", [])]
         return spec
 
 
@@ -149,6 +151,12 @@ def check_fits(snap: SnapshotRecord, spec: BoxSpec) -> None:
         )
     if spec.volumes:
         raise InvalidArgument("a box started from a snapshot cannot have volumes (their state is not saved)")
+    saved_mounts = [m[:3] for m in snap.options.get("box", {}).get("mounts", [])]
+    if spec.mounts and [[m.volume, m.guest, m.mode] for m in spec.mounts] != saved_mounts:
+        raise InvalidArgument(
+            f"snapshot {label} has its own named volumes ({saved_mounts or 'none'}): a box started from it "
+            "mounts copies of those as they were, and no others"
+        )
     if spec.nested_virt and not snap.options.get("box", {}).get("nested_virt"):
         raise InvalidArgument(
             f"snapshot {label} is of a box without nested virtualization (its kernel booted without "

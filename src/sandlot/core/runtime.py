@@ -28,7 +28,7 @@ from ..engine.auto import EngineChoice
 from ..engine.auto import choose as choose_engine
 from ..engine.auto import requested as requested_engine
 from ..engine.base import Boot, BootRequest, Engine, Placement
-from ..errors import HostSetupError, InvalidArgument, SavedStateError
+from ..errors import HostSetupError, InvalidArgument
 from . import exports, layers, snapshots
 from .events import Draft
 from .store import AsyncStore, BoxRecord, BoxStore
@@ -185,14 +185,8 @@ class Runtime:
                 snapshots.remove_files(self.home, origin.id)
         # its whole chain: the layers under its top that only it used go too (one a failed
         # snapshot froze under it, say), while those another box or a snapshot reaches stay
-        mine: list[Path] = []
-        for top in (rec.disk, (rec.op or {}).get("disk")):
-            if top:
-                try:
-                    mine += layers.chain(Path(top))
-                except (SavedStateError, OSError):
-                    mine.append(Path(top))
-        layers.gc(self.home, store.list(), store.snapshots(), also=mine)
+        # (a volume's head it handed on is kept: the volume names it)
+        layers.gc(self.home, store, also=layers.chains(layers.box_tops(rec)))
 
     def _sweep_orphan_dirs(self, store: BoxStore) -> None:
         """Box directories without a row are leftovers (rows are written first and

@@ -70,7 +70,7 @@ def drop_automatic_templates(home: Path, store: BoxStore, image_digests: set[str
         if automatic and not store.children(snap.id):
             store.delete_snapshot(snap.id)
             remove_files(home, snap.id)
-    layers.gc(home, store.list(), store.snapshots())
+    layers.gc(home, store)
 
 
 def reclaim_abandoned(home: Path, store: BoxStore) -> None:
@@ -112,4 +112,4 @@ def sweep(home: Path, store: BoxStore) -> None:
                 if d.name in pending or now - d.stat().st_mtime < ORPHAN_AGE:
                     continue
                 shutil.rmtree(d, ignore_errors=True)
-    layers.gc(home, boxes, snaps.values(), min_age=ORPHAN_AGE)
+    layers.gc(home, store, min_age=ORPHAN_AGE)

@@ -20,6 +20,10 @@ from .validate import check_env, check_user, guest_path, positive
 
 DEFAULT_MEMORY_MIB = 512
 DEFAULT_DISK_GB = 8
+# microvm has 8 virtio-mmio transports: the agent's serial ports, the root disk, the
+# balloon and the network card take up to 4, which leaves 4 for volumes (the disks of
+# named ones and the shares of host directories)
+MAX_MOUNTS = 4
 _HOSTNAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9.-]{0,62}$")
 _LABEL_KEY = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_./-]{0,127}$")
 
@@ -60,6 +64,61 @@ class Volume:
         if guest == "/" or guest.rstrip("/") in ("/proc", "/sys", "/dev"):
             raise InvalidArgument(f"a volume cannot be mounted on {guest}")
         return cls(str(host.resolve()), guest, v.readonly)
+
+
+MOUNT_MODES = ("copy", "ro")
+_VOLUME_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
+
+
+def is_volume_name(source: str) -> bool:
+    """A mount's source names a volume unless it is a path: ``data`` is the volume, while
+    ``./data``, ``/srv/data`` and ``~/data`` are host directories."""
+    return bool(_VOLUME_NAME.match(source)) and not source.startswith(".")
+
+
+@dataclass(frozen=True, slots=True)
+class Mount:
+    """A named volume (``sandlot.volume``) mounted in the box at ``guest``. ``copy``: the
+    box writes its own copy-on-write layer over the volume, saved with its snapshots,
+    given to its forks as copies and restored by a rollback; the box that mounted the
+    volume by name writes it back when it is removed. ``ro``: read-only, any number of
+    boxes at once."""
+
+    volume: str
+    guest: str
+    mode: str = "copy"
+
+
+def parse_mount(spec: Any) -> Volume | Mount:
+    """``"SOURCE:GUEST[:MODE]"`` or ``(source, guest[, mode])``: a named volume (modes
+    ``copy``, the default, and ``ro``) or a host directory (``rw``, the default, and ``ro``)."""
+    if isinstance(spec, Volume | Mount):
+        return spec
+    if isinstance(spec, str):
+        parts = spec.split(":")
+        if len(parts) not in (2, 3) or not parts[0] or not parts[1]:
+            raise InvalidArgument(f"volume {spec!r} is not SOURCE:GUEST[:MODE]")
+    elif isinstance(spec, tuple) and len(spec) in (2, 3):
+        parts = [str(spec[0]), str(spec[1]), *spec[2:]]
+    else:
+        raise InvalidArgument(f"invalid volume {spec!r}: give 'SOURCE:GUEST[:MODE]' or (source, guest, mode)")
+    source, mode = str(parts[0]), parts[2] if len(parts) == 3 else None
+    if not is_volume_name(source):
+        return Volume.parse(spec)
+    if isinstance(mode, bool):
+        mode = "ro" if mode else "copy"
+    mode = "copy" if mode in (None, "rw") else mode
+    if mode == "shared":
+        raise InvalidArgument(
+            f"volume {source!r}: mode 'shared' is not available for named volumes yet; "
+            "'copy' (the default) and 'ro' are (a host directory is shared: give its path)"
+        )
+    if mode not in MOUNT_MODES:
+        raise InvalidArgument(f"volume {source!r}: mode must be 'copy' or 'ro', not {mode!r}")
+    guest = guest_path(str(parts[1]))
+    if guest == "/" or guest.rstrip("/") in ("/proc", "/sys", "/dev"):
+        raise InvalidArgument(f"a volume cannot be mounted on {guest}")
+    return Mount(source, guest, mode)
 
 
 PortSpec = int | str | tuple[int, int] | tuple[str, int, int]
@@ -138,6 +197,7 @@ class BoxSpec:
     workdir: str | None = None
     user: str | None = None
     volumes: list[Volume] = field(default_factory=list)
+    mounts: list[Mount] = field(default_factory=list)  # named volumes
     labels: dict[str, str] = field(default_factory=dict)
     memory_mib: int = DEFAULT_MEMORY_MIB
     cpus: int = 1
@@ -240,9 +300,17 @@ class BoxSpec:
             validate_name(name)
         if isinstance(volumes, Mapping):
             volumes = [(str(h), str(g)) for h, g in volumes.items()]
-        vols = [Volume.parse(v) for v in (volumes or [])]
-        if len({v.guest for v in vols}) != len(vols):
+        if isinstance(volumes, str) or not isinstance(volumes, Sequence | None):
+            raise InvalidArgument(f"volumes must be a list or a mapping, not {volumes!r}")
+        parsed = [parse_mount(v) for v in (volumes or [])]
+        vols = [v for v in parsed if isinstance(v, Volume)]
+        mounts = [m for m in parsed if isinstance(m, Mount)]
+        if len({v.guest for v in parsed}) != len(parsed):
             raise InvalidArgument("two volumes share one guest path")
+        if len({m.volume for m in mounts}) != len(mounts):
+            raise InvalidArgument("a box mounts a named volume once")
+        if len(parsed) > MAX_MOUNTS:
+            raise InvalidArgument(f"a box mounts at most {MAX_MOUNTS} volumes, not {len(parsed)}")
         policy = Policy.build(network, allow)
         if ports is not None and not isinstance(ports, list | tuple):
             raise InvalidArgument(f"ports must be a list, such as [8080] or [(8080, 80)], not {ports!r}")
@@ -277,6 +345,7 @@ class BoxSpec:
             workdir=guest_path(workdir) if workdir is not None else None,
             user=check_user(user),
             volumes=vols,
+            mounts=mounts,
             labels=lab,
             memory_mib=memory_mib,
             cpus=cpus,
@@ -319,6 +388,7 @@ class BoxSpec:
     def to_options(self) -> dict[str, Any]:
         d = asdict(self)
         d["volumes"] = [[v.host, v.guest, v.readonly] for v in self.volumes]
+        d["mounts"] = [[m.volume, m.guest, m.mode] for m in self.mounts]
         d["ports"] = [[p.address, p.host, p.guest] for p in self.ports]
         return d
 
@@ -326,6 +396,7 @@ class BoxSpec:
     def from_options(cls, options: dict[str, Any]) -> BoxSpec:
         d = dict(options)
         d["volumes"] = [Volume(h, g, bool(ro)) for h, g, ro in d.get("volumes", [])]
+        d["mounts"] = [Mount(v, g, mode) for v, g, mode in d.get("mounts", [])]
         d["ports"] = [Port(g, h, a) for a, h, g in d.get("ports", [])]
         known = set(cls.__dataclass_fields__)
         return cls(**{k: v for k, v in d.items() if k in known})

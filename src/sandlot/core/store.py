@@ -35,12 +35,22 @@ from typing import Any
 
 from .. import pids
 from ..engine.base import VMRef
-from ..errors import BoxNotFound, InvalidArgument, NoSpace, SnapshotNotFound, StoreBusy, StoreError, no_space
+from ..errors import (
+    BoxNotFound,
+    InvalidArgument,
+    NoSpace,
+    SnapshotNotFound,
+    StoreBusy,
+    StoreError,
+    VolumeInUse,
+    VolumeNotFound,
+    no_space,
+)
 from ..net.policy import BOX_NAME
 from . import events as box_events
 from .events import Draft, Event
 
-SCHEMA_VERSION = 8
+SCHEMA_VERSION = 9
 # Room the store keeps for itself (BoxStore.hold_room): a file of its own, given up when
 # a write finds the filesystem full so that the write is tried again and the rows saying
 # how an operation ended are written; made again once the filesystem has room.
@@ -257,6 +267,21 @@ MIGRATIONS: list[str | Callable[[sqlite3.Connection], None]] = [
     CREATE INDEX metrics_box ON metrics(box_id, at);
     CREATE INDEX events_name ON events(box_name, id);
     """,
+    # named volumes (``core.volumes``): each is a chain of disk layers whose frozen head is
+    # ``layer``; ``holder`` the box that writes it back (``copy`` mode). A box's drives: the
+    # top layer of each volume it mounts, with the serial the guest finds it by.
+    """
+    CREATE TABLE volumes (
+        id TEXT PRIMARY KEY,
+        name TEXT NOT NULL UNIQUE,
+        size INTEGER NOT NULL,
+        layer TEXT NOT NULL,
+        holder TEXT,
+        labels TEXT NOT NULL DEFAULT '{}',
+        created_at REAL NOT NULL
+    );
+    ALTER TABLE boxes ADD COLUMN drives TEXT NOT NULL DEFAULT '[]';
+    """,
 ]
 
 SNAPSHOT_KINDS = ("snapshot", "template", "suspend")
@@ -294,6 +319,9 @@ class BoxRecord:
     ports: list[list[Any]] = field(default_factory=list)  # published ports as bound: address, host, guest
     suspended: str | None = None  # the snapshot holding its suspended state
     op: dict[str, Any] | None = None  # what an operation in progress needs recovery to know
+    # one per named volume it mounts, in its spec's order: {"volume": id, "serial", "top":
+    # the layer it writes, "holds": it writes the volume back when it is removed}
+    drives: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def vm(self) -> VMRef | None:
@@ -329,6 +357,28 @@ class SnapshotRecord:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
+@dataclass(frozen=True, slots=True)
+class VolumeRecord:
+    """A named volume: an ext4 filesystem in a chain of disk layers (``core.volumes``)."""
+
+    id: str
+    name: str
+    size: int  # bytes
+    layer: str  # its frozen head: what a box that mounts it next starts from
+    created_at: float
+    labels: dict[str, str] = field(default_factory=dict)
+    holder: str | None = None  # the box that writes it back when removed (``copy`` mode)
+
+    def to_json(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+def _volume_row(r: sqlite3.Row) -> VolumeRecord:
+    d = dict(r)
+    d["labels"] = json.loads(d["labels"])
+    return VolumeRecord(**d)
+
+
 def holder_columns(ephemeral: bool) -> dict[str, Any]:
     """The holder columns of a box this process makes or claims: this process if the box
     is ephemeral (a ``with`` block's), else none."""
@@ -336,7 +386,7 @@ def holder_columns(ephemeral: bool) -> dict[str, Any]:
     return {"holder_pid": pid, "holder_start": start}
 
 
-_JSON_COLUMNS = ("options", "labels", "boot", "ports", "op")
+_JSON_COLUMNS = ("options", "labels", "boot", "ports", "op", "drives")
 
 
 def _encode(changes: dict[str, Any]) -> dict[str, Any]:
@@ -533,6 +583,7 @@ class BoxStore:
         try:
             with self._tx() as db:
                 db.execute(f"INSERT INTO boxes ({cols}) VALUES ({marks})", d)
+                self._hold_volumes(db, rec)
                 if event is not None:
                     self._write_events(db, rec, [event])
         except sqlite3.IntegrityError as exc:
@@ -598,6 +649,8 @@ class BoxStore:
                 if cur.rowcount == 0:
                     return None
                 row = db.execute("SELECT * FROM boxes WHERE id = ?", (box_id,)).fetchone()
+                if "drives" in changes:
+                    self._hold_volumes(db, _row(row))
                 if event is not None:
                     self._write_events(db, _row(row), [event] if isinstance(event, Draft) else event)
         except sqlite3.IntegrityError as exc:
@@ -625,6 +678,7 @@ class BoxStore:
                 said = event or Draft("removed")
                 removed = replace(said, kind="removed", detail={"was": rec.state, **said.detail})
                 self._write_events(db, replace(rec, state=""), [removed])
+                self._release_volumes(db, rec)
             db.execute("DELETE FROM boxes WHERE id = ?", (box_id,))
             db.execute("DELETE FROM leases WHERE box_id = ?", (box_id,))
             db.execute("DELETE FROM metrics WHERE box_id = ?", (box_id,))
@@ -633,6 +687,88 @@ class BoxStore:
                 "WHERE box_id = ? AND ended_at IS NULL",
                 (time.time(), box_id),
             )
+
+    # -- named volumes (``core.volumes``) -----------------------------------------------------
+
+    def _hold_volumes(self, db: sqlite3.Connection, rec: BoxRecord) -> None:
+        """Make ``rec`` the writer of the volumes it holds, in the transaction that inserts
+        it; refused while another box that still exists writes one."""
+        for d in rec.drives:
+            if not d.get("holds"):
+                continue
+            row = db.execute("SELECT name, holder FROM volumes WHERE id = ?", (d["volume"],)).fetchone()
+            if row is None:
+                raise VolumeNotFound(f"no volume {d['volume']!r} (removed meanwhile?)")
+            holder = row["holder"]
+            other = db.execute("SELECT name FROM boxes WHERE id = ?", (holder or "",)).fetchone()
+            if other is not None and holder != rec.id:
+                raise VolumeInUse(
+                    f"volume {row['name']!r} is mounted in copy mode by box {other['name']}, which writes it "
+                    "back when it is removed: one box at a time does; mount it 'ro', or fork that box",
+                    boxes=[other["name"]],
+                )
+            db.execute("UPDATE volumes SET holder = ? WHERE id = ?", (rec.id, d["volume"]))
+
+    @staticmethod
+    def _release_volumes(db: sqlite3.Connection, rec: BoxRecord) -> None:
+        """A removed box's volumes in ``copy`` mode keep what it wrote: each one's head
+        becomes the box's top layer (its disk, frozen from now on), in the transaction
+        that deletes the box. A top that was never made leaves the head as it was."""
+        for d in rec.drives:
+            if d.get("holds") and d.get("top") and os.path.exists(d["top"]):
+                db.execute(
+                    "UPDATE volumes SET layer = ?, holder = NULL WHERE id = ? AND holder = ?",
+                    (d["top"], d["volume"], rec.id),
+                )
+
+    def insert_volume(self, rec: VolumeRecord) -> VolumeRecord:
+        d = rec.to_json() | {"labels": json.dumps(rec.labels)}
+        marks = ", ".join(f":{k}" for k in d)
+        try:
+            with self._tx() as db:
+                db.execute(f"INSERT INTO volumes ({', '.join(d)}) VALUES ({marks})", d)
+        except sqlite3.IntegrityError:
+            raise InvalidArgument(f"a volume named {rec.name!r} already exists") from None
+        return rec
+
+    def volumes(self) -> builtins.list[VolumeRecord]:
+        with self._reading():
+            rows = self._db.execute("SELECT * FROM volumes ORDER BY created_at").fetchall()
+        return [_volume_row(r) for r in rows]
+
+    def get_volume(self, key: str) -> VolumeRecord:
+        """By exact name or id."""
+        if not isinstance(key, str) or not key:
+            raise InvalidArgument(f"a volume name or id is needed, not {key!r}")
+        with self._reading():
+            row = self._db.execute("SELECT * FROM volumes WHERE name = ? OR id = ?", (key, key)).fetchone()
+        if row is None:
+            raise VolumeNotFound(f"no volume {key!r} (sandlot.volume.create({key!r}) makes one)")
+        return _volume_row(row)
+
+    def mounting(self, volume_id: str) -> builtins.list[BoxRecord]:
+        """The boxes that mount a volume, in any mode and state."""
+        return [b for b in self.list() if any(d.get("volume") == volume_id for d in b.drives)]
+
+    def delete_volume(self, volume_id: str) -> None:
+        """Delete a volume's row, refused while any box mounts it (checked in the same
+        transaction). Its layers go with the next ``layers.gc`` that no snapshot stops."""
+        with self._tx() as db:
+            boxes = [_row(r) for r in db.execute("SELECT * FROM boxes WHERE drives != '[]'").fetchall()]
+            users = [b.name for b in boxes if any(d.get("volume") == volume_id for d in b.drives)]
+            if users:
+                row = db.execute("SELECT name FROM volumes WHERE id = ?", (volume_id,)).fetchone()
+                name = row["name"] if row else volume_id
+                raise VolumeInUse(
+                    f"volume {name!r} is mounted by {', '.join(users)}: remove those boxes first", boxes=users
+                )
+            db.execute("DELETE FROM volumes WHERE id = ?", (volume_id,))
+
+    def volume_layers(self) -> builtins.list[Path]:
+        """The head of every volume (each keeps its chain)."""
+        with self._reading():
+            rows = self._db.execute("SELECT layer FROM volumes").fetchall()
+        return [Path(r[0]) for r in rows]
 
     def children(self, snap_id: str) -> builtins.list[BoxRecord]:
         with self._reading():

@@ -24,7 +24,7 @@ import enum
 import os
 import signal
 from abc import ABC, abstractmethod
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
@@ -69,6 +69,7 @@ class BootRequest:
     accel: str = "auto"  # "auto", or a name the engine knows ("kvm", "tcg")
     kernel: str | None = None  # a kernel of the user's, instead of the engine's default
     volumes: bool = False  # host directories are shared into the guest
+    drives: int = 0  # block devices beside the root disk (named volumes)
     network: bool = False  # the guest has a network card
     disk_gb: int = 0  # the box's disk size (0: unknown)
     disk_required: bool = False  # the user asked for that size (it is not the default)
@@ -136,6 +137,16 @@ class Volume:
 
 
 @dataclass(frozen=True, slots=True)
+class Drive:
+    """A block device beside the root disk (a named volume's top layer), found in the
+    guest by its ``serial`` (which the agent mounts; its ``/dev/vdX`` name is not fixed)."""
+
+    path: Path
+    serial: str
+    readonly: bool = False
+
+
+@dataclass(frozen=True, slots=True)
 class Placement:
     """Where a VM's files live: ``state_dir`` (console log, engine logs, locks;
     kept with the box) and ``run_dir`` (sockets; short paths, removed at exit)."""
@@ -166,6 +177,7 @@ class LaunchSpec:
     boot: dict[str, Any]  # a ``Boot.record``, with the VM's shape (memory_mib, cpus, agent_ports, network)
     network: NetSpec | None = None  # None: no network card at all
     volumes: tuple[Volume, ...] = ()
+    drives: tuple[Drive, ...] = ()  # after the root disk, in this order (a saved state's order)
     saved: SavedState | None = None  # load this state instead of booting
     disk_readonly: bool = False
     detached: bool = True  # outlives the process that launched it
@@ -222,10 +234,18 @@ class VM(ABC):
         engine's reason) if the state cannot be loaded."""
 
     @abstractmethod
-    async def save(self, directory: Path, *, new_disk: Path | None, keep_running: bool) -> float:
+    async def save(
+        self,
+        directory: Path,
+        *,
+        new_disk: Path | None,
+        keep_running: bool,
+        new_drives: Mapping[str, Path] | None = None,
+    ) -> float:
         """Save memory and devices into ``directory`` (which exists and is empty).
         ``new_disk``: the VM goes on writing to this new top layer (it starts empty
-        over the current one), switched while the VM is stopped. ``keep_running``:
+        over the current one), switched while the VM is stopped; ``new_drives``: the
+        same for its drives, by serial (every disk is switched at once, or none is). ``keep_running``:
         let the guest run again afterwards (a snapshot), or leave it stopped (a
         suspend). Returns the seconds the guest was stopped."""
 
@@ -341,7 +361,7 @@ class Engine(ABC):
         """A save was cut short (its process died): cancel it, and (``resume``) let the guest run."""
 
     @abstractmethod
-    async def share_memory(self, state: SavedState, disk: Path) -> None:
+    async def share_memory(self, state: SavedState, disk: Path, drives: tuple[Drive, ...] = ()) -> None:
         """Give a saved state the form that many VMs map copy-on-write (forks,
         templates, exports). Idempotent; concurrent callers wait for one another."""
 

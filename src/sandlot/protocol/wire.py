@@ -9,7 +9,7 @@ from __future__ import annotations
 import struct
 from collections.abc import Iterator
 from dataclasses import dataclass
-from enum import IntEnum
+from enum import IntEnum, IntFlag
 
 from ..errors import ProtocolError
 
@@ -183,6 +183,13 @@ class ControlOp(IntEnum):
     STATUS = 7
     FREEZE = 8  # every command stopped for a save (TIMEOUT_MS: how long at most, in guest time)
     THAW = 9
+
+
+class MountFlag(IntFlag):
+    """FLAGS of a MOUNT: a read-only mount; PATH2 names a drive by serial (ext4), not a 9p tag."""
+
+    READONLY = 0x1
+    BLOCK = 0x2
 
 
 @dataclass(frozen=True, slots=True)

@@ -47,6 +47,7 @@ from ..api.contract import (
     Operation,
     ReadIn,
     RunCodeIn,
+    VolumeCreate,
     WatchIn,
     WriteIn,
     error_json,
@@ -57,7 +58,16 @@ from ..api.events import check_query as check_events_query
 from ..api.events import record_refusal
 from ..api.local import LocalBackend, local_snapshot
 from ..core.diffs import side_key
-from ..errors import BoxNotFound, InvalidArgument, QuotaExceeded, RequestError, SandlotError, SnapshotNotFound
+from ..core.spec import is_volume_name
+from ..errors import (
+    BoxNotFound,
+    InvalidArgument,
+    QuotaExceeded,
+    RequestError,
+    SandlotError,
+    SnapshotNotFound,
+    VolumeNotFound,
+)
 from . import leases
 from .state import KEY_LABEL, NAMESPACE_LABEL, Caller, ServerState, accept_websocket
 from .streams import serve, spawn
@@ -364,6 +374,12 @@ async def create_box(body: BoxCreate, request: Request, response: Response) -> d
             caller.require_admin(f"{host_path} (a host path)")
     _check_network(caller, wanted.get("network"))
     start, snapshot = wanted.get("start", True), wanted.get("snapshot")
+    for mount in wanted.get("volumes") or ():
+        source = str(mount).split(":", 1)[0]
+        if not is_volume_name(source):
+            caller.require_admin(f"volume {mount!r} (a directory of the server's host)")
+        else:  # a volume of another namespace is not there
+            await volume_for(request, source)
     options = {**host.box_options(wanted), "labels": _stamped(caller, wanted.get("labels"))}
     memory = int(options.get("memory_mib") or 256)
     disk = int(options.get("disk_size_gb") or 0)
@@ -761,6 +777,51 @@ async def import_snapshot(request: Request, name: str | None = None, start: bool
     finally:
         with contextlib.suppress(OSError):
             os.unlink(tmp_name)
+
+
+# -- named volumes --------------------------------------------------------------------
+
+
+async def volume_for(request: Request, key: str) -> dict[str, Any]:
+    """The volume ``key`` names, as 404 when the caller may not see it."""
+    try:
+        found = await _backend(request).volume_get(key)
+    except VolumeNotFound:
+        found = None
+    if found is None or not _caller(request).may_see(found.get("labels") or {}):
+        raise VolumeNotFound(f"no volume {key!r}")
+    return found
+
+
+@router.post("/volumes", status_code=201, tags=["volumes"])
+async def create_volume(body: VolumeCreate, request: Request, response: Response) -> dict[str, Any]:
+    """Create an empty named volume (labelled with the key's namespace, as its boxes are)."""
+    labels = _stamped(_caller(request), body.labels)
+    made = await _backend(request).volume_create(body.name, body.size_gb, labels)
+    response.headers["Location"] = f"/v1/volumes/{made['id']}"
+    return made
+
+
+@router.get("/volumes", tags=["volumes"])
+async def list_volumes(request: Request) -> dict[str, Any]:
+    """The volumes the caller may see, oldest first."""
+    caller = _caller(request)
+    found = await _backend(request).volume_list()
+    return {"volumes": [v for v in found if caller.may_see(v.get("labels") or {})]}
+
+
+@router.get("/volumes/{volume}", tags=["volumes"])
+async def get_volume(volume: str, request: Request) -> dict[str, Any]:
+    """A volume: its size, labels, the boxes that mount it and the one that writes it back."""
+    return await volume_for(request, volume)
+
+
+@router.delete("/volumes/{volume}", status_code=204, tags=["volumes"])
+async def remove_volume(volume: str, request: Request) -> Response:
+    """Remove a volume; 409 (volume_in_use) while a box mounts it."""
+    found = await volume_for(request, volume)
+    await _backend(request).volume_remove(found["id"])
+    return Response(status_code=204)
 
 
 # -- the server -----------------------------------------------------------------------

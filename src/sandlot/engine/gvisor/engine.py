@@ -22,7 +22,7 @@ from ... import pids
 from ...config import atomic_write
 from ...errors import HostSetupError, IncompatibleSnapshot, InvalidArgument, SavedStateError
 from ...guest.agent import build_agent
-from ..base import Boot, BootRequest, Engine, LaunchSpec, Placement, SavedState, VMRef, VMStatus
+from ..base import Boot, BootRequest, Drive, Engine, LaunchSpec, Placement, SavedState, VMRef, VMStatus
 from . import limits, network, probe, runsc
 from .vm import (
     RUNSC_LOG,
@@ -63,6 +63,8 @@ class GvisorEngine(Engine):
     def refuse(self, request: BootRequest) -> None:
         if request.volumes:
             raise InvalidArgument("engine='gvisor' does not share host directories (volumes) yet")
+        if request.drives:
+            raise InvalidArgument("engine='gvisor' does not mount named volumes yet: they need engine='qemu'")
         if request.kernel:
             raise InvalidArgument("engine='gvisor' has no guest kernel to replace (kernel= is for qemu)")
         if request.nested_virt:
@@ -183,7 +185,7 @@ class GvisorEngine(Engine):
 
     # -- saved states ----------------------------------------------------------------------
 
-    async def share_memory(self, state: SavedState, disk: Path) -> None:
+    async def share_memory(self, state: SavedState, disk: Path, drives: tuple[Drive, ...] = ()) -> None:
         """A checkpoint image is already what many restores read: nothing to do."""
 
     def memory_shared(self, directory: Path) -> bool:

@@ -22,6 +22,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -536,7 +537,14 @@ class GvisorVM(VM):
         if not self.running:
             raise self.failure("the restored sandbox is not running")
 
-    async def save(self, directory: Path, *, new_disk: Path | None, keep_running: bool) -> float:
+    async def save(
+        self,
+        directory: Path,
+        *,
+        new_disk: Path | None,
+        keep_running: bool,
+        new_drives: Mapping[str, Path] | None = None,
+    ) -> float:
         """Checkpoint the sandbox into ``directory`` (which ends it) and, to keep it running,
         restore it at once over ``new_disk``. No host file may be open in the sandbox
         then: its relays (this process's and any other's) are ended first, and no new one

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ...errors import HostSetupError
-from ..base import NetSpec, Volume
+from ..base import Drive, NetSpec, Volume
 
 QEMU_BINARY = "qemu-system-x86_64"
 MACHINE = "microvm"
@@ -132,6 +132,7 @@ class VMConfig:
     ports: int = 1
     detached: bool = True
     volumes: tuple[Volume, ...] = ()
+    drives: tuple[Drive, ...] = ()
     extra_kernel_args: list[str] = field(default_factory=list)
     lockdown: bool = False  # boot the kernel in lockdown (``LOCKDOWN_ARG``): its modules are signed
     network: NetSpec | None = None  # None: no network card at all
@@ -302,6 +303,13 @@ def build_command(cfg: VMConfig, binary: str) -> list[str]:
         cmd += ["-device", "virtio-balloon-device,free-page-reporting=on"]
     if cfg.network is not None:
         cmd += ["-netdev", netdev(cfg.network), "-device", "virtio-net-device,netdev=net0"]
+    for drive in cfg.drives:
+        # after every other block device: the root stays the guest's first (/dev/vda)
+        cmd += [
+            "-drive", f"id={drive.serial},file={_q(drive.path)},format=qcow2,if=none,discard=unmap,"
+                      f"detect-zeroes=unmap" + (",readonly=on" if drive.readonly else ""),
+            "-device", f"virtio-blk-device,drive={drive.serial},serial={drive.serial}",
+        ]  # fmt: skip
     for vol in cfg.volumes:
         # security_model=none: files keep the host user's ownership; no root needed
         opts = f"local,id={vol.tag},path={_q(vol.host)},security_model=none" + (

@@ -18,6 +18,7 @@ import contextlib
 import os
 import shutil
 import tempfile
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -25,7 +26,18 @@ from ... import pids
 from ...config import fsync_dir, runtime_dir
 from ...errors import HostSetupError, IncompatibleSnapshot, NoSpace, SavedStateError, Unsupported, no_space
 from .. import hostcgroup
-from ..base import Boot, BootRequest, Engine, LaunchSpec, NetSpec, Placement, SavedState, VMRef, VMStatus
+from ..base import (
+    Boot,
+    BootRequest,
+    Drive,
+    Engine,
+    LaunchSpec,
+    NetSpec,
+    Placement,
+    SavedState,
+    VMRef,
+    VMStatus,
+)
 from . import accel as accel_mod
 from .command import (
     DEVICE_SET,
@@ -132,7 +144,7 @@ class QemuEngine(Engine):
         cfg = self._config(
             spec.where, spec.boot, disk=spec.disk, memory_mib=spec.memory_mib, cpus=spec.cpus,
             detached=spec.detached, volumes=spec.volumes, network=spec.network,
-            disk_readonly=spec.disk_readonly,
+            disk_readonly=spec.disk_readonly, drives=spec.drives,
         )  # fmt: skip
         if spec.saved is not None:
             cfg.devices = device_set(spec.saved.facts)
@@ -194,7 +206,7 @@ class QemuEngine(Engine):
     def state_files(self, directory: Path) -> dict[str, Path]:
         return {member: directory / name for member, name in STATE_FILES.items()}
 
-    async def share_memory(self, state: SavedState, disk: Path) -> None:
+    async def share_memory(self, state: SavedState, disk: Path, drives: tuple[Drive, ...] = ()) -> None:
         """Load the stream into a helper QEMU whose RAM is a shared file, then save
         the devices without RAM: the file is the memory image children map."""
         d = state.directory
@@ -217,7 +229,7 @@ class QemuEngine(Engine):
                 where, boot, disk=disk, disk_readonly=True, memory_mib=facts["memory_mib"],
                 cpus=facts["cpus"], detached=False, ram_file=mem_tmp, ram_shared=True, incoming=True,
                 network=NetSpec() if facts.get("network") else None,  # the same devices; it never runs
-                devices=device_set(facts),
+                devices=device_set(facts), drives=tuple(replace(d, readonly=True) for d in drives),
             )  # fmt: skip
             vm = QemuVM(cfg)
             try:

@@ -16,7 +16,7 @@ import json
 import os
 import signal
 import subprocess
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
@@ -525,7 +525,14 @@ class QemuVM(VM):
         with open(path, "rb") as f:
             await self._migrate_file(f, "migrate-incoming", ignore_shared, timeout, None)
 
-    async def save(self, directory: Path, *, new_disk: Path | None, keep_running: bool) -> float:
+    async def save(
+        self,
+        directory: Path,
+        *,
+        new_disk: Path | None,
+        keep_running: bool,
+        new_drives: Mapping[str, Path] | None = None,
+    ) -> float:
         # One QMP session for the whole save: every connection made while the VM is
         # stopped lengthens the pause, and no other process's command may come between.
         loop = asyncio.get_running_loop()
@@ -541,9 +548,15 @@ class QemuVM(VM):
                 await run("stop")
             try:
                 if new_disk is not None:
-                    args = {"device": "root", "snapshot-file": str(new_disk), "format": "qcow2",
-                            "mode": "existing"}  # fmt: skip
-                    await run("blockdev-snapshot-sync", args)
+                    # one transaction: every disk switches to its new top, or none does
+                    switches = [("root", new_disk), *(new_drives or {}).items()]
+                    actions = [
+                        {"type": "blockdev-snapshot-sync",
+                         "data": {"device": device, "snapshot-file": str(top), "format": "qcow2",
+                                  "mode": "existing"}}
+                        for device, top in switches
+                    ]  # fmt: skip
+                    await run("transaction", {"actions": actions})
                 await self.save_state(directory / "state", session=q)
             finally:
                 if keep_running and was_running:

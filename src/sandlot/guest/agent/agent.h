@@ -394,7 +394,7 @@ void network_given(int dns_relay); /* --net[=relay]: a sandbox's card, configure
 int wait_for(const char *path, int ms); /* a device node to appear */
 int boot_ports(void);          /* sandlot.ports=N from the kernel command line (0: not given) */
 void set_hostname(const char *name);
-int mount_volume(const char *tag, const char *where, int readonly);
+int mount_volume(const char *tag, const char *where, uint32_t flags);
 void add_entropy(const uint8_t *p, size_t n);
 void set_wall_clock(uint64_t ns);
 void set_machine_id(const char *id);

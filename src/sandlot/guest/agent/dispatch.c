@@ -171,7 +171,7 @@ static void handle_control(struct session *s, uint32_t ch, const uint8_t *p, siz
             send_error(s, ch, EINVAL, SL_CONTROL, "MOUNT needs an absolute PATH and a PATH2 tag");
             return;
         }
-        int r = g_safe_mode || !g_is_pid1 ? (errno = EPERM, -1) : mount_volume(tag, where, flags & SL_MOUNT_READONLY);
+        int r = g_safe_mode || !g_is_pid1 ? (errno = EPERM, -1) : mount_volume(tag, where, flags);
         int e = errno;
         if (r < 0) {
             send_error(s, ch, e, SL_CONTROL, "mount %s on %s: %s", tag, where, strerror(e));

@@ -508,7 +508,43 @@ void init_after_root(void)
 const char *boot_id(void) { return g_boot_id; }
 
 /* A host directory shared over virtio-9p, mounted where the box wants it. */
-int mount_volume(const char *tag, const char *where, int readonly)
+/* /dev/<name> of the virtio disk whose serial is ``serial``: drives are named by the
+ * order the kernel found them, so a volume is known by the serial the host gave it. */
+static int find_drive(const char *serial, char *dev, size_t len)
+{
+    for (int tries = 0; tries < 100; tries++) { /* probed at boot; a late probe gets 2 s */
+        DIR *d = opendir("/sys/block");
+        struct dirent *e;
+        while (d && (e = readdir(d)) != NULL) {
+            if (strncmp(e->d_name, "vd", 2) != 0) {
+                continue;
+            }
+            char path[300], got[64] = "";
+            snprintf(path, sizeof(path), "/sys/block/%s/serial", e->d_name);
+            int fd = open(path, O_RDONLY | O_CLOEXEC);
+            if (fd < 0) {
+                continue;
+            }
+            ssize_t n = read(fd, got, sizeof(got) - 1);
+            close(fd);
+            got[n > 0 ? n : 0] = 0;
+            got[strcspn(got, "\n")] = 0;
+            if (strcmp(got, serial) == 0) {
+                snprintf(dev, len, "/dev/%s", e->d_name);
+                closedir(d);
+                return 0;
+            }
+        }
+        if (d) {
+            closedir(d);
+        }
+        usleep(20000);
+    }
+    errno = ENODEV;
+    return -1;
+}
+
+int mount_volume(const char *tag, const char *where, uint32_t flags)
 {
     char tmp[4096];
     snprintf(tmp, sizeof(tmp), "%s", where);
@@ -520,8 +556,17 @@ int mount_volume(const char *tag, const char *where, int readonly)
         }
     }
     mkdir(tmp, 0755);
-    unsigned long flags = MS_NOSUID | MS_NODEV | (readonly ? MS_RDONLY : 0);
-    return mount(tag, where, "9p", flags, "trans=virtio,version=9p2000.L,msize=524288,cache=mmap");
+    unsigned long mflags = MS_NOSUID | MS_NODEV | ((flags & SL_MOUNT_READONLY) ? MS_RDONLY : 0);
+    if (flags & SL_MOUNT_BLOCK) {
+        char dev[300];
+        if (find_drive(tag, dev, sizeof(dev)) < 0) {
+            return -1;
+        }
+        /* read-only or not, the drive is writable (a private top layer), so the kernel
+         * replays a journal left by a box that ended without unmounting */
+        return mount(dev, where, "ext4", mflags, "noinit_itable,no_prefetch_block_bitmaps");
+    }
+    return mount(tag, where, "9p", mflags, "trans=virtio,version=9p2000.L,msize=524288,cache=mmap");
 }
 
 void set_hostname(const char *name)

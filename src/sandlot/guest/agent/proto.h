@@ -164,13 +164,14 @@ enum sl_control_op {
     SL_CTL_SET_HOSTNAME = 3,
     SL_CTL_SET_TIME = 4,
     SL_CTL_ADD_ENTROPY = 5,
-    SL_CTL_MOUNT = 6,        /* PATH: mount point, PATH2: virtio-9p tag, FLAGS: SL_MOUNT_* */
+    SL_CTL_MOUNT = 6,        /* PATH: mount point, PATH2: virtio-9p tag or drive serial, FLAGS: SL_MOUNT_* */
     SL_CTL_STATUS = 7,       /* reply: COUNT (channels in use by any host), IDLE_MS */
     SL_CTL_FREEZE = 8,       /* every command stopped; TIMEOUT_MS: the lease (guest time) */
     SL_CTL_THAW = 9,
 };
 
 #define SL_MOUNT_READONLY 0x1u
+#define SL_MOUNT_BLOCK 0x2u /* PATH2 is the serial of a virtio-blk drive holding ext4 */
 
 /* Streams of a channel. */
 #define SL_STREAM_STDIN 0u

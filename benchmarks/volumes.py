@@ -1,0 +1,155 @@
+"""Named volume benchmarks (docs/volumes.md).
+
+One Debian box mounts a named volume in ``copy`` mode (``/vol``), another volume
+read-only (``/ro``, written by an earlier box) and a host directory (``/host``,
+virtio-9p); its own disk (``/root``) is the baseline, in the same box and run.
+Measured, each over ``--runs``:
+
+* ``sequential_write_MBps`` and ``sequential_read_MBps`` per place: ``--mb`` MiB of
+  random bytes copied from memory with ``fsync`` at the end, then read back with the
+  guest's caches dropped (the read-only volume is read only);
+* ``stat_us``: ``os.stat`` of 1000 files, per file, with the guest's caches dropped
+  first (the metadata round trips a place costs);
+* ``ratios``: each place's figure over the box's own disk;
+* ``fork_ms``: ``box.fork()`` of a box with a ``copy`` volume holding ``--fork-mb``
+  MiB against one without (the target: no dearer, as the copy is copy-on-write).
+
+    .venv/bin/python benchmarks/volumes.py [--runs 5] [--mb 256] [--fork-mb 1024] [--quick]
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import sandlot
+
+from _common import debian_root, drop_home, emit, host_facts, parser, scratch_home, summary
+
+PLACES = {
+    "own_disk": "/root/bench",
+    "volume_copy": "/vol/bench",
+    "volume_ro": "/ro/bench",
+    "host_dir": "/host/bench",
+}
+
+PROBE = """
+import json, os, sys, time
+place, mib, what = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+def drop():
+    os.sync()
+    with open("/proc/sys/vm/drop_caches", "w") as f:
+        f.write("3")
+if what == "write":
+    os.makedirs(place, exist_ok=True)
+    block = os.urandom(1 << 20)
+    t0 = time.perf_counter()
+    with open(f"{place}/big", "wb") as f:
+        for _ in range(mib):
+            f.write(block)
+        f.flush()
+        os.fsync(f.fileno())
+    print(json.dumps({"s": time.perf_counter() - t0}))
+elif what == "read":
+    drop()
+    t0 = time.perf_counter()
+    with open(f"{place}/big", "rb") as f:
+        while f.read(1 << 20):
+            pass
+    print(json.dumps({"s": time.perf_counter() - t0}))
+elif what == "files":
+    os.makedirs(f"{place}/many", exist_ok=True)
+    for i in range(1000):
+        open(f"{place}/many/{i}", "w").close()
+    os.sync()
+else:
+    drop()
+    t0 = time.perf_counter()
+    for i in range(1000):
+        os.stat(f"{place}/many/{i}")
+    print(json.dumps({"us": (time.perf_counter() - t0) * 1e6 / 1000}))
+"""
+
+
+def probe(box: sandlot.Box, *args: Any) -> dict[str, Any]:
+    r = box.exec("python3", "/root/probe.py", *map(str, args), timeout=1800)
+    assert r.exit_code == 0, r.stderr
+    out: dict[str, Any] = json.loads(r.stdout) if r.stdout.strip() else {}
+    return out
+
+
+def fork_ms(box: sandlot.Box, runs: int) -> list[float]:
+    times = []
+    for _ in range(runs):
+        t0 = time.perf_counter()
+        [child] = box.fork(1)
+        times.append((time.perf_counter() - t0) * 1000)
+        child.remove(force=True)
+    return times
+
+
+def main() -> None:
+    ap = parser(__doc__)
+    ap.add_argument("--runs", type=int, default=5)
+    ap.add_argument("--mb", type=int, default=256)
+    ap.add_argument("--fork-mb", type=int, default=1024)
+    args = ap.parse_args()
+    runs, mib, fork_mib = (2, 16, 32) if args.quick else (args.runs, args.mb, args.fork_mb)
+    home = scratch_home("bench-volumes-")
+    volumes = sandlot.Volumes(home)
+    shared = Path(tempfile.mkdtemp(prefix="bench-volumes-host-"))
+    try:
+        size_gb = max(1, -(-(mib * 2 + fork_mib + 256) // 1024))
+        for name in ("work", "reference", "big"):
+            volumes.create(name, size_gb=size_gb)
+        root = debian_root()
+        with sandlot.Box(rootfs=root, memory_mib=512, home=home, volumes={"reference": "/ro"}) as writer:
+            writer.files.write("/root/probe.py", PROBE)
+            probe(writer, "/ro/bench", mib, "write")
+            probe(writer, "/ro/bench", 0, "files")
+        mounts = ["work:/vol", "reference:/ro:ro", f"{shared}:/host"]
+        figures: dict[str, dict[str, Any]] = {}
+        with sandlot.Box(rootfs=root, memory_mib=512, home=home, volumes=mounts) as box:
+            box.files.write("/root/probe.py", PROBE)
+            accel = box.accel
+            for place, path in PLACES.items():
+                row: dict[str, Any] = {}
+                if place != "volume_ro":
+                    writes = [mib / probe(box, path, mib, "write")["s"] for _ in range(runs)]
+                    row["sequential_write_MBps"] = summary(writes, 1, 1)
+                    probe(box, path, 0, "files")
+                reads = [mib / probe(box, path, mib, "read")["s"] for _ in range(runs)]
+                row["sequential_read_MBps"] = summary(reads, 1, 1)
+                row["stat_us"] = summary([probe(box, path, 0, "stat")["us"] for _ in range(runs)], 1, 1)
+                figures[place] = row
+        base = figures["own_disk"]
+        ratios = {
+            place: {k: round(float(row[k]["median"]) / float(base[k]["median"]), 2) for k in row}
+            for place, row in figures.items() if place != "own_disk"
+        }  # fmt: skip
+        # forking: a box whose copy volume holds fork_mib MiB, against one with no volume
+        with sandlot.Box(rootfs=root, memory_mib=512, home=home, volumes={"big": "/big"}) as full:
+            full.sh(f"head -c {fork_mib << 20} /dev/urandom > /big/data && sync", timeout=3600)
+            with_volume = fork_ms(full, runs)
+        with sandlot.Box(rootfs=root, memory_mib=512, home=home) as plain:
+            without = fork_ms(plain, runs)
+        fork = {"with_volume_ms": summary(with_volume, 1, 0), "without_ms": summary(without, 1, 0),
+                "volume_mib": fork_mib}  # fmt: skip
+        fork["ratio"] = round(
+            float(fork["with_volume_ms"]["median"]) / float(fork["without_ms"]["median"]), 2
+        )
+    finally:
+        drop_home(home)
+        shutil.rmtree(shared, ignore_errors=True)
+    emit({
+        "benchmark": "volumes", "quick": args.quick, "host": host_facts(accel), "mib": mib,
+        "places": figures, "ratios": ratios, "fork_ms": fork,
+    })  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,226 @@
+"""Named volumes: filesystems that live beside boxes, mounted by name.
+
+A volume is an ext4 filesystem in a chain of disk layers (``core.layers``), like a
+box's disk: at its bottom an empty filesystem of the volume's size (a sparse raw
+file, ``layers/<id>.raw``), above it qcow2 layers, and its *head*, the frozen layer
+a box that mounts it next starts from (the ``volumes`` row's ``layer``). A box never
+writes a volume's layers: it mounts a *top* of its own over the head (a drive beside
+its root disk, found in the guest by its serial), so everything live state does to a
+root disk it does to volumes, in the same QEMU transaction:
+
+- a snapshot freezes the tops with the disk (the box goes on over new ones), so a
+  restore, a rollback or a fork sees each volume as it was then, and a fork's children
+  get copy-on-write tops of their own over the frozen layers: they cost a file copy
+  each, whatever the volume holds;
+- the box that mounted a volume by name in ``copy`` mode *holds* it: when that box is
+  removed, its top becomes the volume's head (in the transaction that deletes the box),
+  so the next box that mounts the volume sees what it wrote. One box holds a volume at
+  a time; boxes made from snapshots (forks, templates, restores) write private copies;
+- ``ro`` mounts are read-only in the guest, over a private top too (the kernel replays
+  a journal a holder left unfinished there, never in the volume), and any number of
+  boxes have them at once.
+
+The size is the filesystem's: a full volume is ENOSPC in the box, and the host's disk
+holds only what was written (every layer is sparse).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+import shutil
+import subprocess
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ..errors import HostSetupError, InvalidArgument, SavedStateError, VolumeNotFound, no_space
+from . import layers
+from .spec import MOUNT_MODES, Mount, is_volume_name
+from .store import BoxRecord, BoxStore, SnapshotRecord, VolumeRecord
+
+GiB = 1 << 30
+DEFAULT_SIZE_GB = 10
+MAX_SIZE_GB = 16 * 1024  # ext4 with 4 KiB blocks and qcow2 both go far beyond; a sanity bound
+_LABEL_KEY_MAX = 128
+
+
+@dataclass(frozen=True, slots=True)
+class VolumeInfo:
+    """What ``inspect`` says of a volume: its record, the boxes that mount it (and which
+    of them holds it), and the bytes its layers take on the host."""
+
+    record: VolumeRecord
+    boxes: list[dict[str, str]]  # {"name", "id", "mode", "state"}
+    holder: str | None  # the name of the box that writes it back, if any
+    host_bytes: int
+
+    def to_json(self) -> dict[str, Any]:
+        r = self.record
+        return {"id": r.id, "name": r.name, "size": r.size, "size_gb": r.size / GiB, "labels": r.labels,
+                "created_at": r.created_at, "holder": self.holder, "boxes": self.boxes,
+                "host_bytes": self.host_bytes}  # fmt: skip
+
+
+def check_name(name: object) -> str:
+    if not isinstance(name, str) or not is_volume_name(name):
+        raise InvalidArgument(
+            f"a volume name is 1 to 63 letters, digits, '_', '.' or '-', starting with a letter or digit, "
+            f"not {name!r}"
+        )
+    return name
+
+
+def check_labels(labels: Mapping[str, str] | None) -> dict[str, str]:
+    if labels is None:
+        return {}
+    if not isinstance(labels, Mapping):
+        raise InvalidArgument(f"labels must be a mapping of strings, not {labels!r}")
+    out = {}
+    for k, v in labels.items():
+        if not isinstance(k, str) or not k or len(k) > _LABEL_KEY_MAX or not isinstance(v, str):
+            raise InvalidArgument(f"invalid label {k!r}={v!r}")
+        out[k] = v
+    return out
+
+
+def check_size(size_gb: object) -> int:
+    if isinstance(size_gb, bool) or not isinstance(size_gb, int | float) or not 0 < size_gb <= MAX_SIZE_GB:
+        raise InvalidArgument(f"size_gb must be a number above 0 and at most {MAX_SIZE_GB}, not {size_gb!r}")
+    size = int(size_gb * GiB) // (1 << 20) * (1 << 20)  # whole MiB
+    if size < 16 << 20:
+        raise InvalidArgument(f"a volume needs at least 16 MiB (size_gb={size_gb})")
+    return size
+
+
+def make_empty_fs(path: Path, size: int, label: str) -> None:
+    """An empty ext4 filesystem of ``size`` bytes in a sparse file. Lazy inode tables:
+    the guest mounts with ``noinit_itable``, so they are never zeroed into a layer."""
+    mkfs = shutil.which("mkfs.ext4") or "/sbin/mkfs.ext4"
+    if not os.path.exists(mkfs):
+        raise HostSetupError("mkfs.ext4 not found: install e2fsprogs")
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        with open(tmp, "wb") as f:
+            f.truncate(size)
+        cmd = [mkfs, "-q", "-F", "-t", "ext4", "-m", "0", "-L", label[:16],
+               "-E", "lazy_itable_init=1,lazy_journal_init=1,root_owner=0:0,nodiscard", str(tmp)]  # fmt: skip
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode != 0 and "No space left" in proc.stderr:
+            raise no_space(path.parent, "the volume's filesystem could not be made")
+        if proc.returncode != 0:
+            raise HostSetupError(f"mkfs.ext4 failed: {proc.stderr.strip()[-2000:]}")
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        os.rename(tmp, path)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            tmp.unlink()
+
+
+def create(home: Path, store: BoxStore, name: str, size_gb: float = DEFAULT_SIZE_GB,
+           labels: Mapping[str, str] | None = None) -> VolumeRecord:  # fmt: skip
+    """A new, empty volume. Its files are made first and its row written last, so a
+    crash leaves no row naming a missing file (and ``layers.gc`` takes unnamed files)."""
+    check_name(name)
+    size = check_size(size_gb)
+    tags = check_labels(labels)
+    with contextlib.suppress(VolumeNotFound):
+        store.get_volume(name)
+        raise InvalidArgument(f"a volume named {name!r} already exists")
+    base = layers.new_path(home, layers.RAW_SUFFIX)
+    try:
+        make_empty_fs(base, size, name)
+        head = layers.new_layer(home, base, size, backing_format="raw")
+    except BaseException:
+        base.unlink(missing_ok=True)
+        raise
+    rec = VolumeRecord(id=f"vol-{secrets.token_hex(6)}", name=name, size=size, layer=str(head),
+                       created_at=time.time(), labels=tags)  # fmt: skip
+    try:
+        return store.insert_volume(rec)
+    except BaseException:
+        head.unlink(missing_ok=True)
+        base.unlink(missing_ok=True)
+        raise
+
+
+def inspect(store: BoxStore, key: str) -> VolumeInfo:
+    rec = store.get_volume(key)
+    boxes, holder, tops = [], None, [Path(rec.layer)]
+    for b in store.mounting(rec.id):
+        for d, m in zip(b.drives, mounts_of(b), strict=False):
+            if d.get("volume") == rec.id:
+                boxes.append({"name": b.name, "id": b.id, "mode": m.mode, "state": b.state})
+                tops.append(Path(d["top"]))
+                if d.get("holds") and rec.holder == b.id:
+                    holder = b.name
+    return VolumeInfo(rec, boxes, holder, host_bytes(tops))
+
+
+def host_bytes(tops: list[Path]) -> int:
+    """The bytes the chains under ``tops`` take on the host, each file once (sparse
+    files: what was written): a volume's own, and the layers boxes write over it."""
+    files: set[Path] = set()
+    for top in tops:
+        with contextlib.suppress(OSError, SavedStateError):
+            files.update(layers.chain(top))
+    total = 0
+    for p in files:
+        with contextlib.suppress(OSError):
+            total += p.stat().st_blocks * 512
+    return total
+
+
+def remove(home: Path, store: BoxStore, key: str) -> None:
+    """Remove a volume, refused while a box mounts it. Snapshots that hold its layers
+    keep them (a box started from one has its copy); the rest of its files go now."""
+    rec = store.get_volume(key)
+    store.delete_volume(rec.id)
+    layers.gc(home, store, also=layers.chain(Path(rec.layer)))
+
+
+def mounts_of(box: BoxRecord) -> list[Mount]:
+    return [Mount(v, g, mode) for v, g, mode in box.options.get("mounts", [])]
+
+
+def tops_for(home: Path, store: BoxStore, mounts: list[Mount]) -> list[dict[str, Any]]:
+    """The drives of a new box that mounts ``mounts`` by name: a new top over each
+    volume's head; those in ``copy`` mode it holds (``BoxStore._hold_volumes``)."""
+    drives: list[dict[str, Any]] = []
+    try:
+        for i, m in enumerate(mounts):
+            assert m.mode in MOUNT_MODES
+            vol = store.get_volume(m.volume)
+            top = layers.new_layer(home, Path(vol.layer))
+            drives.append({"volume": vol.id, "serial": serial(i), "top": str(top), "holds": m.mode == "copy"})
+    except BaseException:
+        for d in drives:
+            Path(d["top"]).unlink(missing_ok=True)
+        raise
+    return drives
+
+
+def tops_from(home: Path, snap: SnapshotRecord, blank_dir: Path) -> list[dict[str, Any]]:
+    """The drives of a box started from a snapshot: a private top over each of the
+    snapshot's frozen layers (a copy of a blank layer kept beside the snapshot)."""
+    saved = snap.options.get("drive_volumes") or []
+    drives: list[dict[str, Any]] = []
+    try:
+        for i, layer in enumerate(snap.options.get("drives") or []):
+            top = layers.child_layer(home, Path(layer), blank_dir / f"blank-drive{i}.qcow2")
+            volume = saved[i] if i < len(saved) else ""
+            drives.append({"volume": volume, "serial": serial(i), "top": str(top), "holds": False})
+    except BaseException:
+        for d in drives:
+            Path(d["top"]).unlink(missing_ok=True)
+        raise
+    return drives
+
+
+def serial(index: int) -> str:
+    """The serial (and QEMU drive id) of a box's ``index``-th volume."""
+    return f"sandlot-vol{index}"
