@@ -623,3 +623,28 @@ def test_a_store_locked_past_the_busy_timeout_is_store_busy_and_loses_nothing(
         assert (await created(home, root, name="second")).state == "created"
 
     run(main)
+
+
+def test_an_idle_suspend_is_called_off_when_a_request_came_after_the_watchdog_looked(
+    home: Path, root: Path
+) -> None:
+    """The idle watchdog asks the agent once more after the box is marked suspending (when
+    other processes wait for the suspend): a request that came in between keeps it running,
+    with no event; an idle one is suspended."""
+
+    async def main() -> None:
+        box = new_box(home, root, keep=True)
+        await box.start()
+        core = core_for(Runtime.for_home(home))
+        entry = await core.controller.find(box.id)
+        await box.exec("true")  # a request just now: not idle for an hour
+        before = [e.kind async for e in box.events(follow=False)]
+        await core.live.suspend(entry, if_idle_for=3600)
+        assert await box.refresh() == "running" and (await box.exec("echo", "on")).stdout == "on\n"
+        assert [e.kind async for e in box.events(follow=False)] == before  # nothing happened
+        await core.live.suspend(entry, if_idle_for=0.0)
+        assert await box.refresh() == "suspended"
+        assert (await box.exec("echo", "back")).stdout == "back\n"  # resumes on the next request
+        await box.remove(force=True)
+
+    run(main)

@@ -144,6 +144,45 @@ def test_host_paths_and_open_network_need_an_admin_key(served: Served, team_keys
         assert {x["id"] for x in c.get("/v1/boxes").json()["boxes"]} == before
 
 
+def test_named_volumes_over_rest_and_the_client_stay_in_their_namespace(
+    served: Served, team_keys: dict[str, str], busybox_root: Path
+) -> None:
+    name = f"shared-notes-{os.getpid()}"
+    with served.client(team_keys["a"]) as a, served.client(team_keys["b"]) as b:
+        r = a.post("/v1/volumes", json={"name": name, "size_gb": 0.1, "labels": {"k": "v"}})
+        assert r.status_code == 201, r.text
+        made = r.json()
+        assert r.headers["location"] == f"/v1/volumes/{made['id']}"
+        assert made["labels"]["k"] == "v" and made["labels"]["sandlot.namespace"].startswith("a-")
+        assert name in [v["name"] for v in a.get("/v1/volumes").json()["volumes"]]
+        # namespace b neither sees it nor mounts it: 404, as for a volume that is not there
+        assert name not in [v["name"] for v in b.get("/v1/volumes").json()["volumes"]]
+        error(b.get(f"/v1/volumes/{name}"), 404, "volume_not_found")
+        error(b.delete(f"/v1/volumes/{name}"), 404, "volume_not_found")
+        error(b.post("/v1/boxes", json={"rootfs": str(busybox_root), "volumes": [f"{name}:/d"]}), 404,
+              "volume_not_found")  # fmt: skip
+        error(a.post("/v1/volumes", json={"name": "a/b"}), 400, "invalid_argument")
+        error(a.post("/v1/volumes", json={"name": name}), 400, "invalid_argument")  # taken
+    with served.client(team_keys["plain"]) as plain:  # a host directory is the server's: admins only
+        error(plain.post("/v1/boxes", json={"image": "x", "volumes": ["/etc:/host-etc"]}), 403, "forbidden")
+    client = sandlot.connect(served.url, team_keys["a"])
+    try:
+        assert client.volume.get(name).size_gb == pytest.approx(0.1, abs=0.01)
+        with client.Box(rootfs=str(busybox_root), memory_mib=256, volumes={name: "/notes"}) as box:
+            box.sh("echo over-http > /notes/a && sync", check=True)
+            assert client.volume.get(name).holder == box.name
+            with pytest.raises(sandlot.VolumeInUse) as in_use:  # the server's 409, as the same class
+                client.volume.remove(name)
+            assert in_use.value.boxes == [box.name]
+        with client.Box(rootfs=str(busybox_root), memory_mib=256, volumes=[f"{name}:/notes:ro"]) as box:
+            assert box.sh("cat /notes/a").stdout == "over-http\n"
+        client.volume.remove(name)
+        with pytest.raises(sandlot.VolumeNotFound):
+            client.volume.get(name)
+    finally:
+        client.close()
+
+
 def test_quota_of_boxes_answers_429_naming_the_limit(served: Served, busybox_root: Path) -> None:
     tag = f"{time.monotonic_ns() % 10**9}"
     key = create_key(served.home, f"quota-{tag}", "--namespace", f"q-{tag}", "--admin", "--max-boxes", "1",

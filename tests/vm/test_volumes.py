@@ -54,13 +54,14 @@ def test_a_volume_outlives_its_box_fills_up_inside_it_and_is_read_only_where_mou
         writer.sh("rm /data/filler && sync", check=True)
         with pytest.raises(sandlot.VolumeInUse, match=writer.name):
             sandlot.volume.remove(volume)
+        writer.sh("echo in-the-page-cache > /data/notes/b", check=True)  # no sync: removal flushes it
     finally:
         writer.remove(force=True)
     # its box is gone, and what it wrote is the volume's
     assert sandlot.volume.get(volume).holder is None
     with sandlot.Box(rootfs=busybox_root, memory_mib=256, volumes=[f"{volume}:/data:ro"]) as reader:
-        assert reader.sh("cat /data/notes/a").stdout == "kept\n"
-        refused = reader.sh("(echo x > /data/notes/b) 2>&1; echo rc=$?").stdout
+        assert reader.sh("cat /data/notes/a /data/notes/b").stdout == "kept\nin-the-page-cache\n"
+        refused = reader.sh("(echo x > /data/notes/c) 2>&1; echo rc=$?").stdout
         assert "Read-only file system" in refused and "rc=1" in refused, refused
         assert reader.sh("ls /data").stdout.split() == ["lost+found", "notes"]
 

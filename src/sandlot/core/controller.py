@@ -97,6 +97,10 @@ class Step:
     failure_reason: str | None = None  # a failure records "<this>: <the error's first line>"
     gone: bool = False  # the box was deleted: nothing to write
     detail: dict[str, Any] = field(default_factory=dict)  # the end's event's detail (``core.events``)
+    called_off: bool = False  # nothing to do after all: back where it began, and no event
+
+
+FLUSH_LIMIT = 10.0  # seconds a box that writes volumes back has to flush them before a forced removal
 
 
 def first_line(exc: BaseException) -> str:
@@ -297,15 +301,15 @@ class BoxController:
             raise
         if step.gone:
             return
-        end = step.target or end_state(op, source)
+        end = source if step.called_off else step.target or end_state(op, source)
         rec = await self.db.update(
             entry.id,
             expect=(writing,),
             state=end,
             op=None,
             durable=durable,
-            event=end_events(op, step),
-            **step.changes,
+            event=None if step.called_off else end_events(op, step),
+            **({} if step.called_off else step.changes),
         )
         if rec is not None:
             entry.update(rec)
@@ -643,7 +647,10 @@ class BoxController:
                 async with self.transition(entry, Op.REMOVE) as step:
                     engine = self.rt.engine(rec.engine)
                     if engine.alive(rec.vm, rec.id):
-                        await self.launcher.vm_of(entry, rec).kill(grace=1.0)
+                        vm = self.launcher.vm_of(entry, rec)
+                        if any(d.get("holds") for d in rec.drives) and state in LIVE:
+                            await self._flush_volumes(entry, vm, paused=state == BoxState.PAUSED)
+                        await vm.kill(grace=1.0)
                     entry.session.drop()
                     current = await self.db.find(entry.id) or rec
                     removed = events.draft("removed", was=state.value)
@@ -652,6 +659,17 @@ class BoxController:
         except FileNotFoundError:  # the box's directory went while we waited for its lock
             await self.db.delete(entry.id, event=events.draft("removed"))
         self.forget(entry)
+
+    async def _flush_volumes(self, entry: BoxEntry, vm: VM, *, paused: bool) -> None:
+        """Before a running box that writes volumes back is killed: the guest writes what
+        its page cache holds (``sync``), so the volumes get what was written, as after a
+        stop. Best effort, within ``FLUSH_LIMIT``: a guest that cannot answer loses what
+        it had not written, as a crash would."""
+        with contextlib.suppress(Exception):
+            if paused:
+                await vm.resume()
+            conn = await entry.session.connection(vm, self.launcher.hello(entry))
+            await conn.control(ControlOp.SYNC, timeout=FLUSH_LIMIT)
 
     async def set_network(
         self, entry: BoxEntry, network: str | bool | None = None, *, allow: Sequence[str] | str | None = None
@@ -752,10 +770,17 @@ class BoxController:
     async def control(self, entry: BoxEntry, op: ControlOp, payload: bytes = b"") -> Fields:
         return await (await self.connection(entry)).control(op, payload)
 
-    async def activity(self, entry: BoxEntry) -> tuple[int, float]:
+    async def activity(self, entry: BoxEntry, *, as_is: bool = False) -> tuple[int, float]:
         """(operations in progress from any process, seconds since the last request):
-        what the idle timeout looks at. Asking does not count as activity."""
-        f = await self.control(entry, ControlOp.STATUS)
+        what the idle timeout looks at. Asking does not count as activity. ``as_is``: ask
+        the VM the row names whatever the box's state (an operation of its own under way)."""
+        if as_is:
+            conn = await entry.session.connection(
+                self.launcher.vm_of(entry, entry.record), self.launcher.hello(entry)
+            )
+            f = await conn.control(ControlOp.STATUS)
+        else:
+            f = await self.control(entry, ControlOp.STATUS)
         return f.u32(Tag.COUNT, 0) or 0, (f.u64(Tag.IDLE_MS, 0) or 0) / 1000
 
     async def agent_lost(self, session: Session) -> BaseException | None:

@@ -134,8 +134,10 @@ class LiveState:
         entry.last_pause = pause
         return snap
 
-    async def suspend(self, entry: BoxEntry) -> None:
-        """Write the running state to disk and end the VM: no CPU, no RAM."""
+    async def suspend(self, entry: BoxEntry, *, if_idle_for: float | None = None) -> None:
+        """Write the running state to disk and end the VM: no CPU, no RAM. ``if_idle_for``
+        (the idle watchdog's): only if, once the box is marked suspending, nothing is in
+        flight and no request came for that many seconds; else it is called off."""
         async with entry.lock():
             rec = await self.controller.refresh(entry)
             if entry.spec.volumes:
@@ -153,6 +155,14 @@ class LiveState:
                 self.controller.still(entry),
                 self.controller.transition(entry, Op.SUSPEND, op_data=op_data) as step,
             ):
+                if if_idle_for is not None:
+                    # asked again now that other processes see the box suspending and wait
+                    # for it: a request that came after the watchdog looked keeps it running
+                    busy, idle = await self.controller.activity(entry, as_is=True)
+                    if busy or idle < if_idle_for:
+                        step.called_off = True
+                        session.resumed.set()
+                        return
                 vm = self.launcher.vm_of(entry, rec)
                 crash_point("suspend.before-save")
                 try:

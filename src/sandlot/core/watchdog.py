@@ -52,7 +52,7 @@ async def watch(home: Path, box_id: str) -> None:
             if busy == 0 and idle >= timeout:
                 entry.session.drop()  # our own connection is not a user
                 with contextlib.suppress(SandlotError), acting_as(IDLE, f"idle for {idle:.0f}s"):
-                    await core.live.suspend(entry)
+                    await core.live.suspend(entry, if_idle_for=timeout)
                 return
     finally:
         await core.close()
