@@ -248,12 +248,11 @@ class LiveState:
             rec = await self.controller.refresh(entry)
             check(Op.ROLLBACK, rec.state, box=entry.name)
             top = await asyncio.to_thread(layers.new_layer, rt.home, Path(snap.layer))
-            drives = [
-                {**d, "top": str(await asyncio.to_thread(layers.new_layer, rt.home, Path(layer)))}
-                for d, layer in zip(rec.drives, snap.options.get("drives") or [], strict=True)
-            ]
-            made = [top, *(Path(d["top"]) for d in drives)]
+            made, drives = [top], []
             try:
+                for d, layer in zip(rec.drives, snap.options.get("drives") or [], strict=True):
+                    made.append(await asyncio.to_thread(layers.new_layer, rt.home, Path(layer)))
+                    drives.append({**d, "top": str(made[-1])})
                 op_data = {"kind": "rollback", "disk": str(top), "drives": [d["top"] for d in drives]}
                 async with self.controller.transition(entry, Op.ROLLBACK, op_data=op_data) as step:
                     step.failure_reason = "rollback failed, the disk is as it was before"
