@@ -20,7 +20,7 @@ from ..api.box import AsyncBox
 from ..engine import auto as engine_choice
 from ..errors import InvalidArgument, SandlotError
 from ..net.secrets import Secret
-from .common import QuietOpt, app, busy, fail, for_each_box, human, run_coro
+from .common import QuietOpt, app, busy, fail, for_each_box, human, label_pairs, run_coro
 from .quick import env_pairs, exec_attached, exec_in, filters, run_ls
 
 # Options stop at the first positional argument, as in Docker: what follows the
@@ -52,16 +52,6 @@ def _secrets(items: list[str] | None) -> list[Secret] | None:
     return out or None
 
 
-def _labels(items: list[str] | None) -> dict[str, str]:
-    out = {}
-    for item in items or []:
-        key, sep, value = item.partition("=")
-        if not sep:
-            raise fail(f"--label needs KEY=VALUE, got {item!r}", 2)
-        out[key] = value
-    return out
-
-
 def _box_options(
     image_or_rootfs: tuple[str | None, Path | None], name: str | None, env: list[str] | None,
     volume: list[str] | None, label: list[str] | None, cpus: int, memory: int, disk: int, workdir: str | None,
@@ -74,7 +64,7 @@ def _box_options(
     return {
         "network": network, "allow": allow or None, "ports": publish or None, "secrets": _secrets(secret),
         "image": image, "rootfs": rootfs, "name": name, "env": env_pairs(env), "volumes": volume or None,
-        "labels": _labels(label), "cpus": cpus, "memory_mib": memory, "disk_size_gb": disk,
+        "labels": label_pairs(label), "cpus": cpus, "memory_mib": memory, "disk_size_gb": disk,
         "workdir": workdir, "user": user, "auto_remove": rm, "pull": pull, "insecure": insecure,
         "accel": accel, "engine": engine, "nested_virt": nested_virt, "keep": True,
     }  # fmt: skip

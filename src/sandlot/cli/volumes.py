@@ -15,7 +15,7 @@ from typing import Annotated
 
 import typer
 
-from .common import Sandlot, app, fail, run_coro
+from .common import Sandlot, app, label_pairs, run_coro
 
 volume_app = Sandlot(help="Named volumes: create, ls, inspect, rm.", no_args_is_help=True)
 app.add_typer(volume_app, name="volume")
@@ -30,12 +30,7 @@ def volume_create(
     """Create an empty volume; mount it with `sandlot run -v NAME:/path IMAGE`."""
     from ..api.volumes import AsyncVolumes
 
-    labels = {}
-    for pair in label or []:
-        key, eq, value = pair.partition("=")
-        if not eq:
-            raise fail(f"a label is KEY=VALUE, not {pair!r}", 2)
-        labels[key] = value
+    labels = label_pairs(label)
 
     async def main() -> None:
         made = await AsyncVolumes().create(name, size_gb=size_gb, labels=labels)
