@@ -47,6 +47,7 @@ from sandlot.engine.base import (
     SavedState,
     VMRef,
     VMStatus,
+    Volume,
 )
 from sandlot.errors import BootError, IncompatibleSnapshot, SavedStateError
 from sandlot.protocol import wire
@@ -555,7 +556,9 @@ class FakeEngine(Engine):
         if vm is not None and resume:
             vm.status_now = VMStatus.RUNNING
 
-    async def share_memory(self, state: SavedState, disk: Path, drives: tuple[Drive, ...] = ()) -> None:
+    async def share_memory(
+        self, state: SavedState, disk: Path, drives: tuple[Drive, ...] = (), shares: tuple[Volume, ...] = ()
+    ) -> None:
         (state.directory / "shared").write_text("1")
 
     def memory_shared(self, directory: Path) -> bool:

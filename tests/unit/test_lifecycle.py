@@ -216,7 +216,7 @@ def test_a_template_whose_sharing_fails_is_not_left_behind(
     home: Path, root: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     async def main() -> None:
-        async def disk_full(self: FakeEngine, state: Any, disk: Path, drives: Any = ()) -> None:
+        async def disk_full(self: FakeEngine, state: Any, disk: Path, *devices: Any) -> None:
             raise OSError(28, "No space left on device")
 
         box = new_box(home, root, keep=True, name="tsrc")

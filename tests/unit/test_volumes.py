@@ -35,15 +35,16 @@ def box(home: Path, root: Path, **kw: Any) -> sandlot.AsyncBox:
 
 
 def test_a_mount_names_a_volume_unless_it_is_a_path(tmp_path: Path) -> None:
-    assert parse_mount("data:/data") == Mount("data", "/data", "copy")
+    assert parse_mount("data:/data") == Mount("data", "/data", "")  # the volume's own mode
     assert parse_mount("data:/data:ro") == Mount("data", "/data", "ro")
-    assert parse_mount(("data", "/data", "rw")) == Mount("data", "/data", "copy")
+    assert parse_mount(("data", "/data", "rw")) == Mount("data", "/data", "")
+    assert parse_mount("data:/data:copy") == Mount("data", "/data", "copy")
+    assert parse_mount("data:/data:shared") == Mount("data", "/data", "shared")
     assert parse_mount(f"{tmp_path}:/host") == Volume(str(tmp_path), "/host", False)
+    assert parse_mount(f"{tmp_path}:/host:shared") == Volume(str(tmp_path), "/host", False)
     with pytest.raises(sandlot.InvalidArgument, match="not an existing directory"):
         parse_mount("./missing:/x")  # a relative path is a host directory, which must exist
-    with pytest.raises(sandlot.InvalidArgument, match="'shared' is not available"):
-        parse_mount("data:/data:shared")
-    with pytest.raises(sandlot.InvalidArgument, match="mode must be 'copy' or 'ro'"):
+    with pytest.raises(sandlot.InvalidArgument, match="mode must be 'copy', 'ro' or 'shared'"):
         parse_mount("data:/data:rx")
     for bad in ("data", "data:", ":/x", "data:/", "data:/proc", "data:relative"):
         with pytest.raises(sandlot.InvalidArgument):
@@ -160,9 +161,59 @@ def test_a_box_from_a_snapshot_mounts_private_copies(home: Path, root: Path) -> 
     run(main)
 
 
+def test_a_shared_volume_is_one_directory_its_boxes_and_their_forks_share(home: Path, root: Path) -> None:
+    vols = sandlot.AsyncVolumes(home)
+    store = Runtime.for_home(home).store
+
+    async def main() -> None:
+        made = await vols.create("scratch", shared=True, labels={"team": "evals"})
+        where = Path(store.get_volume("scratch").layer)
+        assert (made.kind, made.size_gb, made.boxes) == ("shared", 0, []) and where.is_dir()
+        assert where.parent == volumes.shared_dir(home) and not layers.layers_dir(home).exists()
+        with pytest.raises(sandlot.InvalidArgument, match="no size of its own"):
+            await vols.create("sized", shared=True, size_gb=1)
+        with pytest.raises(sandlot.InvalidArgument, match="shared must be True or False"):
+            await vols.create("odd", shared="yes")  # type: ignore[arg-type]
+        await vols.create("disk", size_gb=0.1)
+        # the mode a volume allows: refused before any box or file is made
+        with pytest.raises(sandlot.InvalidArgument, match="'scratch' is shared: mount it 'shared'"):
+            await box(home, root, volumes=["scratch:/s:copy"]).start()
+        with pytest.raises(sandlot.InvalidArgument, match=r"create\(name, shared=True\)"):
+            await box(home, root, volumes=["disk:/d:shared"]).start()
+        assert await sandlot.AsyncBox.list(home=home) == []
+        # its boxes are given its directory; no drive, no layer, nobody holds it
+        one = box(home, root, volumes={"scratch": "/s", "disk": "/d"})
+        two = box(home, root, volumes=["scratch:/s:ro"])
+        await one.start()
+        await two.start()
+        rec = store.get(one.id)
+        assert rec.options["volumes"] == [[str(where), "/s", False, "scratch"]]
+        assert [d["serial"] for d in rec.drives] == ["sandlot-vol0"]  # the disk volume's only
+        assert store.get(two.id).options["volumes"] == [[str(where), "/s", True, "scratch"]]
+        got = await vols.get("scratch")
+        assert got.holder is None and sorted((b["name"], b["mode"]) for b in got.boxes) == sorted(
+            [(one.name, "shared"), (two.name, "ro")]
+        )
+        (where / "note").write_text("x" * 5000)
+        assert (await vols.get("scratch")).host_bytes >= 5000
+        # a fork keeps the mount: the same directory, never a copy
+        [child] = await one.fork(1)
+        assert store.get(child.id).options["volumes"] == [[str(where), "/s", False, "scratch"]]
+        assert len(store.get(child.id).drives) == 1  # the disk volume's private copy
+        with pytest.raises(sandlot.VolumeInUse) as mounted:
+            await vols.remove("scratch")
+        assert sorted(mounted.value.boxes) == sorted([one.name, two.name, child.name])
+        for b in await sandlot.AsyncBox.list(home=home):
+            await b.remove(force=True)
+        await vols.remove("scratch")
+        assert not where.exists() and [v.name for v in store.volumes()] == ["disk"]
+
+    run(main)
+
+
 def test_the_wire_carries_named_volumes_only() -> None:
-    assert volumes_json({"data": "/data"}, "http") == ["data:/data:copy"]
-    assert volumes_json(["data:/data:ro", ("c", "/c")], "http") == ["data:/data:ro", "c:/c:copy"]
+    assert volumes_json({"data": "/data"}, "http") == ["data:/data"]
+    assert volumes_json(["data:/data:ro", ("c", "/c", "copy")], "http") == ["data:/data:ro", "c:/c:copy"]
     with pytest.raises(sandlot.Unsupported, match="host directory as a volume") as refused:
         volumes_json(["/srv/data:/data"], "http")
     assert refused.value.transport == "http"

@@ -163,20 +163,30 @@ def test_named_volumes_over_rest_and_the_client_stay_in_their_namespace(
               "volume_not_found")  # fmt: skip
         error(a.post("/v1/volumes", json={"name": "a/b"}), 400, "invalid_argument")
         error(a.post("/v1/volumes", json={"name": name}), 400, "invalid_argument")  # taken
+        error(a.post("/v1/volumes", json={"name": f"{name}-x", "shared": True, "size_gb": 1}), 400,
+              "invalid_argument")  # a shared volume has no size  # fmt: skip
     with served.client(team_keys["plain"]) as plain:  # a host directory is the server's: admins only
         error(plain.post("/v1/boxes", json={"image": "x", "volumes": ["/etc:/host-etc"]}), 403, "forbidden")
     client = sandlot.connect(served.url, team_keys["a"])
     try:
         assert client.volume.get(name).size_gb == pytest.approx(0.1, abs=0.01)
-        with client.Box(rootfs=str(busybox_root), memory_mib=256, volumes={name: "/notes"}) as box:
-            box.sh("echo over-http > /notes/a && sync", check=True)
+        live = client.volume.create(f"{name}-live", shared=True)
+        assert live.kind == "shared" and live.labels["sandlot.namespace"].startswith("a-")
+        with client.Box(
+            rootfs=str(busybox_root), memory_mib=256, volumes={name: "/notes", live.name: "/live"}
+        ) as box:
+            box.sh("echo over-http > /notes/a && sync && echo live > /live/b", check=True)
+            assert [b["mode"] for b in client.volume.get(live.name).boxes] == ["shared"]
             assert client.volume.get(name).holder == box.name
             with pytest.raises(sandlot.VolumeInUse) as in_use:  # the server's 409, as the same class
                 client.volume.remove(name)
             assert in_use.value.boxes == [box.name]
-        with client.Box(rootfs=str(busybox_root), memory_mib=256, volumes=[f"{name}:/notes:ro"]) as box:
-            assert box.sh("cat /notes/a").stdout == "over-http\n"
+        with client.Box(
+            rootfs=str(busybox_root), memory_mib=256, volumes=[f"{name}:/notes:ro", f"{live.name}:/live:ro"]
+        ) as box:
+            assert box.sh("cat /notes/a /live/b").stdout == "over-http\nlive\n"
         client.volume.remove(name)
+        client.volume.remove(live.name)
         with pytest.raises(sandlot.VolumeNotFound):
             client.volume.get(name)
     finally:

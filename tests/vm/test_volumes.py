@@ -142,3 +142,69 @@ def test_kill9_of_qemu_mid_write_loses_nothing_acknowledged(busybox_root: Path, 
     with sandlot.Box(rootfs=busybox_root, memory_mib=256, volumes=[f"{volume}:/data:ro"]) as reader:
         kept = [int(n) for n in reader.sh("cat /data/log").stdout.split()]
         assert kept[:acknowledged] == list(range(1, acknowledged + 1)), kept
+
+
+def test_shared_volumes_and_host_directories_are_live_in_every_box_through_snapshots_and_forks(
+    busybox_root: Path, tmp_path: Path
+) -> None:
+    name = f"shared-{os.urandom(3).hex()}"
+    sandlot.volume.create(name, shared=True)
+    where = Path(sandlot.Runtime.for_home().store.get_volume(name).layer)
+    host = tmp_path / "host"
+    host.mkdir()
+    (host / "given").write_text("by the host\n")
+    made: list[sandlot.Box] = []
+
+    def mounted(box: sandlot.Box) -> list[str]:
+        return sorted(line.split()[1] for line in box.sh("grep ' 9p ' /proc/mounts").stdout.splitlines())
+
+    try:
+        one = sandlot.Box(rootfs=busybox_root, memory_mib=256, volumes={name: "/s", str(host): "/h"})
+        two = sandlot.Box(rootfs=busybox_root, memory_mib=256, volumes=[f"{name}:/s"])
+        made += [one, two]
+        one.start()
+        two.start()
+        # one live directory: each box sees what the other and the host write, at once
+        one.sh("echo from-one > /s/one", check=True)
+        assert two.sh("cat /s/one").stdout == "from-one\n"
+        two.sh("echo from-two > /s/two", check=True)
+        assert one.sh("cat /s/two /h/given").stdout == "from-two\nby the host\n"
+        assert (where / "two").read_text() == "from-two\n"
+        # a save unmounts the shares for its length: a file open under one refuses it,
+        # naming the process, and the box goes on with its shares up
+        pid = one.sh("sleep 600 > /s/held 2>&1 & echo $!").stdout.strip()
+        with pytest.raises(sandlot.InvalidState, match=rf"/s cannot be unmounted.*pid {pid} \(sleep\)"):
+            one.snapshot()
+        assert mounted(one) == ["/h", "/s"] and one.sh("echo still > /s/still && cat /s/still").ok
+        one.sh(f"kill {pid}; rm /s/held", check=True)
+        snap = one.snapshot(name="shared")
+        assert mounted(one) == ["/h", "/s"]  # up again before its commands ran on
+        one.sh("echo after-the-snapshot > /s/after", check=True)
+        # a fork keeps the mounts: its children share the same directories, live
+        children = one.fork(2)
+        made += children
+        for i, child in enumerate(children):
+            assert mounted(child) == ["/h", "/s"]
+            assert child.sh("cat /s/one /s/after").stdout == "from-one\nafter-the-snapshot\n"
+            child.sh(f"echo {i} > /s/child{i} && echo {i} > /h/child{i}", check=True)
+        assert two.sh("cat /s/child0 /s/child1").stdout == "0\n1\n"
+        assert sorted(p.name for p in host.iterdir()) == ["child0", "child1", "given"]
+        # a rollback takes the box back, and never what it shares
+        one.rollback(snap)
+        assert mounted(one) == ["/h", "/s"]
+        assert one.sh("cat /s/after /s/child1").stdout == "after-the-snapshot\n1\n"
+        # suspend and resume; pause, snapshot the paused box and unpause
+        one.suspend()
+        assert one.sh("cat /s/child0").stdout == "0\n" and mounted(one) == ["/h", "/s"]
+        one.pause()
+        one.snapshot(name="paused")
+        one.unpause()
+        assert mounted(one) == ["/h", "/s"] and one.sh("echo back > /s/back").ok
+        assert (where / "back").read_text() == "back\n"
+        info = sandlot.volume.get(name)
+        assert info.kind == "shared" and sorted(b["name"] for b in info.boxes) == sorted(b.name for b in made)
+    finally:
+        for box in made:
+            box.remove(force=True)
+    sandlot.volume.remove(name)
+    assert not where.exists()

@@ -342,7 +342,7 @@ class Backend(ABC):
     # each answers a volume as ``VolumeInfo.to_json`` writes it
 
     async def volume_create(
-        self, name: str, size_gb: float, labels: Mapping[str, str] | None
+        self, name: str, size_gb: float | None, labels: Mapping[str, str] | None, shared: bool = False
     ) -> dict[str, Any]:
         raise self.unsupported("named volumes")
 

@@ -303,7 +303,7 @@ def _option_json(name: str, value: Any, transport: str) -> Any:
 
 
 def volumes_json(value: Any, transport: str) -> list[str]:
-    """``volumes=`` as a server takes it: named volumes only, each ``NAME:GUEST:MODE``
+    """``volumes=`` as a server takes it: named volumes only, each ``NAME:GUEST[:MODE]``
     (checked as a local box's); a host directory is the caller's, which a server has not."""
     specs = [(str(k), str(v)) for k, v in value.items()] if isinstance(value, Mapping) else value
     if isinstance(specs, str) or not isinstance(specs, list | tuple):
@@ -316,7 +316,7 @@ def volumes_json(value: Any, transport: str) -> list[str]:
         if isinstance(spec, Mount) or is_volume_name(source):
             m = parse_mount(spec)
             assert isinstance(m, Mount)
-            out.append(f"{m.volume}:{m.guest}:{m.mode}")
+            out.append(f"{m.volume}:{m.guest}" + (f":{m.mode}" if m.mode else ""))  # no mode: the volume's
         else:
             raise Unsupported(f"a host directory as a volume ({spec!r}) is not offered over the {transport} "
                               "transport: create a named volume (client.volume.create) and mount it by name",
@@ -438,8 +438,9 @@ class VolumeCreate(Strict):
     """A named volume to create: ``POST /v1/volumes``."""
 
     name: str
-    size_gb: float = 10
+    size_gb: float | None = None  # 10 for a disk volume; a shared one has no size
     labels: dict[str, str] | None = None
+    shared: bool = False
 
 
 class SnapshotIn(Strict):

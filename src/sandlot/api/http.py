@@ -604,10 +604,10 @@ class HttpBackend(RemoteBackend):
     # -- named volumes ----------------------------------------------------------------------
 
     async def volume_create(
-        self, name: str, size_gb: float, labels: Mapping[str, str] | None
+        self, name: str, size_gb: float | None, labels: Mapping[str, str] | None, shared: bool = False
     ) -> dict[str, Any]:
-        body = {"name": name, "size_gb": size_gb, "labels": dict(labels or {})}
-        made: dict[str, Any] = await self.json("POST", "/volumes", json=body)
+        body = {"name": name, "size_gb": size_gb, "labels": dict(labels or {}), "shared": shared}
+        made: dict[str, Any] = await self.json("POST", "/volumes", json_body=body)
         return made
 
     async def volume_list(self) -> list[dict[str, Any]]:

@@ -685,10 +685,10 @@ class LocalBackend(Backend):
     # -- named volumes ----------------------------------------------------------------------
 
     async def volume_create(
-        self, name: str, size_gb: float, labels: Mapping[str, str] | None
+        self, name: str, size_gb: float | None, labels: Mapping[str, str] | None, shared: bool = False
     ) -> dict[str, Any]:
         rt = self.runtime
-        rec = await asyncio.to_thread(volumes.create, rt.home, rt.store, name, size_gb, labels)
+        rec = await asyncio.to_thread(volumes.create, rt.home, rt.store, name, size_gb, labels, shared=shared)
         return await self.volume_get(rec.id)
 
     async def volume_list(self) -> list[dict[str, Any]]:

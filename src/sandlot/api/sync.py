@@ -10,7 +10,6 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, TypeAlias
 
 from ..core.spec import DEFAULT_DISK_GB, DEFAULT_MEMORY_MIB
-from ..core.volumes import DEFAULT_SIZE_GB
 from . import loop
 from .box import AsyncBox, AsyncSnapshot
 from .client import AsyncClient, connect_async
@@ -1045,14 +1044,22 @@ class Volumes(VolumesBase):
         self._a = AsyncVolumes(home, backend=backend)
 
     def create(
-        self, name: str, *, size_gb: float = DEFAULT_SIZE_GB, labels: Mapping[str, str] | None = None
+        self,
+        name: str,
+        *,
+        size_gb: float | None = None,
+        labels: Mapping[str, str] | None = None,
+        shared: bool = False,
     ) -> Volume:
-        """A new, empty volume of ``size_gb`` (its filesystem's size: a full volume is
-        ENOSPC in the box; the host holds only what was written).
+        """A new, empty volume of ``size_gb`` (default 10; its filesystem's size: a full
+        volume is ENOSPC in the box; the host holds only what was written). ``shared``:
+        a directory instead, which the boxes that mount it share live, with no size of
+        its own.
 
         >>> sandlot.volume.create("cache", size_gb=2, labels={"team": "evals"})  # doctest: +SKIP
+        >>> sandlot.volume.create("scratch", shared=True)                      # doctest: +SKIP
         """
-        return loop.run(self._a.create(name, size_gb=size_gb, labels=labels))
+        return loop.run(self._a.create(name, size_gb=size_gb, labels=labels, shared=shared))
 
     def list(self) -> builtins.list[Volume]:
         """Every volume, oldest first."""

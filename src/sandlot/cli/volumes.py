@@ -24,8 +24,13 @@ app.add_typer(volume_app, name="volume")
 @volume_app.command("create")
 def volume_create(
     name: Annotated[str, typer.Argument(help="Its name: letters, digits, '_', '.', '-'.")],
-    size_gb: Annotated[float, typer.Option("--size-gb", help="Its filesystem's size, in GiB.")] = 10,
+    size_gb: Annotated[
+        float | None, typer.Option("--size-gb", help="Its filesystem's size, in GiB (default 10).")
+    ] = None,
     label: Annotated[list[str] | None, typer.Option("--label", "-l", help="KEY=VALUE (repeatable).")] = None,
+    shared: Annotated[
+        bool, typer.Option("--shared", help="A directory that the boxes mounting it share live (no size).")
+    ] = False,
 ) -> None:
     """Create an empty volume; mount it with `sandlot run -v NAME:/path IMAGE`."""
     from ..api.volumes import AsyncVolumes
@@ -33,7 +38,7 @@ def volume_create(
     labels = label_pairs(label)
 
     async def main() -> None:
-        made = await AsyncVolumes().create(name, size_gb=size_gb, labels=labels)
+        made = await AsyncVolumes().create(name, size_gb=size_gb, labels=labels, shared=shared)
         print(made.name)
 
     run_coro(main())
@@ -58,7 +63,8 @@ def volume_ls(as_json: Annotated[bool, typer.Option("--json", help="One JSON doc
         now = time.time()
         for v in found:
             boxes = ", ".join(f"{b['name']} ({b['mode']})" for b in v.boxes) or "-"
-            table.add_row(v.name, f"{v.size_gb:g} GiB", f"{v.host_bytes / (1 << 20):.1f} MiB", boxes,
+            size = "shared" if v.kind == "shared" else f"{v.size_gb:g} GiB"
+            table.add_row(v.name, size, f"{v.host_bytes / (1 << 20):.1f} MiB", boxes,
                           v.holder or "-", f"{int(now - v.created_at)}s ago")  # fmt: skip
         Console(highlight=False, markup=False, width=None if sys.stdout.isatty() else 1000).print(table)
 

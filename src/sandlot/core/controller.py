@@ -32,6 +32,7 @@ from ..errors import (
     BoxNotFound,
     ConnectionLost,
     GuestError,
+    GuestOSError,
     InvalidArgument,
     InvalidState,
     SandlotError,
@@ -337,6 +338,8 @@ class BoxController:
         rt = self.rt
         snap = await self._saved_state(req)
         spec = req.spec_for(snap)
+        if snap is None and spec.mounts:  # a shared volume's directory becomes one of its shares
+            await asyncio.to_thread(volumes.resolve, rt.store, spec)
         if spec.engine == AUTO:  # the row records the engine the box got, never "auto"
             spec.engine = await asyncio.to_thread(self._auto_engine_for, spec)
         self.launcher.refuse(spec)  # before the row: a request the engine refuses leaves no box
@@ -593,8 +596,8 @@ class BoxController:
             if not check(Op.PAUSE, rec.state, box=entry.name):
                 return
             # a paused box may be saved (snapshot, suspend): one with VMs of its own
-            # stands still with no vCPU inside them
-            async with self.still(entry), self.transition(entry, Op.PAUSE):
+            # stands still with no vCPU inside them, one with shares has them down
+            async with self.still(entry, for_save=False), self.transition(entry, Op.PAUSE):
                 await self.launcher.vm_of(entry, rec).pause()
 
     async def unpause(self, entry: BoxEntry) -> None:
@@ -608,20 +611,38 @@ class BoxController:
         with contextlib.suppress(Exception):
             conn = await self.connection(entry)
             await conn.set_clock()
-            if entry.spec.nested_virt:
+            if entry.spec.frozen_for_saves:
                 await conn.thaw()
 
     @contextlib.asynccontextmanager
-    async def still(self, entry: BoxEntry) -> AsyncIterator[None]:
+    async def still(self, entry: BoxEntry, *, for_save: bool = True) -> AsyncIterator[None]:
         """Around a step that stops a running box's VM (a save, a pause): a box with VMs of
         its own has its commands frozen for it, since QEMU cannot load a state saved while
-        a vCPU runs a nested guest, and a frozen task has left ``KVM_RUN``. They are thawed
-        after it if the box runs on (a VM restored from the state saved then is thawed by
-        ``Launcher.restore``, or by the freeze's lease). Any other box needs nothing."""
+        a vCPU runs a nested guest, and a frozen task has left ``KVM_RUN``. So has a box
+        with shares, which the agent then unmounts: QEMU saves no VM with a 9p share
+        mounted. They are thawed after it if the box runs on, and the agent mounts the
+        shares first (a VM restored from the state saved then is thawed by
+        ``Launcher.restore``, or by the freeze's lease). Any other box needs nothing.
+        A share that cannot come down (files open under it) refuses a save, naming the
+        processes; a pause (not ``for_save``) then goes on with it up."""
         conn = None
-        if entry.spec.nested_virt and entry.state == BoxState.RUNNING:
+        if entry.spec.frozen_for_saves and entry.state == BoxState.RUNNING:
             conn = await self.connection(entry)
             await conn.freeze(FREEZE_LEASE)
+            if entry.spec.volumes:
+                try:
+                    await conn.control(ControlOp.DETACH)
+                except GuestOSError as exc:  # the agent put every share back up
+                    if for_save or not entry.spec.nested_virt:
+                        await conn.thaw()
+                        conn = None
+                    if for_save:
+                        raise InvalidState(
+                            f"box {entry.name} cannot be saved now: {exc.message}. A host directory is "
+                            "unmounted for the length of a save; close what is open under it and try again",
+                            box=entry.name,
+                            state=entry.state,
+                        ) from None
         try:
             yield
         finally:

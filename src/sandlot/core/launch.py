@@ -163,8 +163,7 @@ class Launcher:
         launch = LaunchSpec(
             where=where, disk=Path(rec.disk), memory_mib=spec.memory_mib, cpus=spec.cpus,
             boot=shape(boot, spec.memory_mib, spec.cpus, where.agent_ports, net), network=net,
-            volumes=tuple(Volume(v.host, f"vol{i}", v.readonly) for i, v in enumerate(spec.volumes)),
-            drives=drives_of(rec.drives),
+            volumes=shares_of(spec), drives=drives_of(rec.drives),
         )  # fmt: skip
         timeout = spec.boot_timeout_for(boot.accel)
 
@@ -219,7 +218,7 @@ class Launcher:
             where=where, disk=top, memory_mib=facts["memory_mib"], cpus=facts["cpus"], network=net,
             boot=shape(boot, facts["memory_mib"], facts["cpus"], facts["agent_ports"], net),
             saved=SavedState(snapshots.snapshot_dir(self.rt.home, snap.id), facts),
-            drives=drives_of(rec.drives if drives is None else drives),
+            volumes=shares_of(entry.spec), drives=drives_of(rec.drives if drives is None else drives),
         )  # fmt: skip
         timeout = entry.spec.boot_timeout_for(boot.accel)
 
@@ -230,7 +229,7 @@ class Launcher:
                 conn = await self.attach(entry, vm, timeout, boot)
                 if trust:
                     await self.install_trust(entry, conn)
-                if entry.spec.nested_virt:  # saved with its commands frozen (BoxController.still)
+                if entry.spec.frozen_for_saves:  # saved so (BoxController.still): its shares go up too
                     await conn.thaw()
 
         return await self._bring_up(entry, engine, launch, boot, "restore.after-launch", when_up)
@@ -364,6 +363,12 @@ def boot_request(spec: BoxSpec, *, network: bool) -> BootRequest:
         disk_gb=spec.disk_size_gb, disk_required=spec.disk_size_gb != DEFAULT_DISK_GB,
         nested_virt=spec.nested_virt, drives=len(spec.mounts),
     )  # fmt: skip
+
+
+def shares_of(spec: BoxSpec) -> tuple[Volume, ...]:
+    """The engine's shares of a box's host directories, tagged by their order (the
+    agent mounts each by its tag; a VM restored from a save has the same devices)."""
+    return tuple(Volume(v.host, f"vol{i}", v.readonly) for i, v in enumerate(spec.volumes))
 
 
 def drives_of(drives: list[dict[str, Any]]) -> tuple[Drive, ...]:

@@ -27,9 +27,10 @@ from ..errors import InvalidArgument, InvalidState, SandlotError, SnapshotInUse,
 from . import archive, events, layers, snapshots, tracing, volumes
 from .controller import BoxController
 from .entry import BoxEntry
-from .launch import Launcher, drives_of
+from .launch import Launcher, drives_of, shares_of
 from .requests import BoxRequest
 from .runtime import Runtime
+from .spec import BoxSpec
 from .state import BoxState, Op, check
 from .store import AsyncStore, BoxRecord, SnapshotRecord
 from .validate import count
@@ -78,12 +79,6 @@ class LiveState:
         auto: bool = False,
     ) -> SnapshotRecord:
         """Save the running state as a snapshot of ``kind`` (the box's lock held); the box goes on."""
-        if entry.spec.volumes:
-            raise InvalidState(
-                f"box {entry.name} shares host directories: they are not part of a saved state "
-                "(named volumes are: sandlot.volume)",
-                box=entry.name, state=entry.state,
-            )  # fmt: skip
         check(Op.SNAPSHOT, entry.state, box=entry.name)
         self.require_live_state(entry)
         home = self.rt.home
@@ -140,9 +135,6 @@ class LiveState:
         flight and no request came for that many seconds; else it is called off."""
         async with entry.lock():
             rec = await self.controller.refresh(entry)
-            if entry.spec.volumes:
-                raise InvalidState(f"box {entry.name} shares host directories: it cannot be suspended, "
-                                   "only stopped", box=entry.name, state=rec.state)  # fmt: skip
             if not check(Op.SUSPEND, rec.state, box=entry.name):
                 return
             self.require_live_state(entry)
@@ -218,7 +210,7 @@ class LiveState:
         self.controller.watch_idle(entry)
         if keep_conn and session.conn is not None:
             await session.conn.wait_ready()
-            if entry.spec.nested_virt:  # saved with its commands frozen (BoxController.still)
+            if entry.spec.frozen_for_saves:  # saved so (BoxController.still): its shares go up too
                 await session.conn.thaw()
 
     def require_live_state(self, entry: BoxEntry) -> None:
@@ -380,7 +372,8 @@ class LiveState:
             {"top": layer, "serial": volumes.serial(i)}
             for i, layer in enumerate(snap.options.get("drives") or [])
         ]
-        await engine.share_memory(state, Path(snap.layer), drives_of(drives))
+        saved = BoxSpec.from_options(snap.options.get("box", {}))
+        await engine.share_memory(state, Path(snap.layer), drives_of(drives), shares_of(saved))
         await self.db.update_snapshot(snap.id, size=snapshots.dir_size(state.directory))
 
     # -- templates -------------------------------------------------------------------------

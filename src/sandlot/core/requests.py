@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..errors import InvalidArgument
 from ..net.secrets import Secret
-from .spec import DEFAULT_DISK_GB, DEFAULT_MEMORY_MIB, BoxSpec, Mount
+from .spec import DEFAULT_DISK_GB, DEFAULT_MEMORY_MIB, BoxSpec, Mount, Volume
 from .store import SnapshotRecord
 
 if TYPE_CHECKING:
@@ -135,8 +135,10 @@ class BoxRequest:
         if snap is not None:
             check_fits(snap, spec)
             spec.image_config = snap.options.get("box", {}).get("image_config")
-            # its named volumes are mounted in the saved memory: a box from it has its copies
+            # its named volumes are mounted in the saved memory: a box from it has its copies;
+            # and its shares, the same host directories (which must still be there)
             spec.mounts = [Mount(*m) for m in snap.options.get("box", {}).get("mounts", [])]
+            spec.volumes = [Volume.saved(v) for v in snap.options.get("box", {}).get("volumes", [])]
         return spec
 
 
@@ -149,10 +151,18 @@ def check_fits(snap: SnapshotRecord, spec: BoxSpec) -> None:
             f"snapshot {label} is of a box with {facts['memory_mib']} MiB and {facts['cpus']} CPU(s); "
             f"a box started from it cannot have {spec.memory_mib} MiB and {spec.cpus}"
         )
-    if spec.volumes:
-        raise InvalidArgument("a box started from a snapshot cannot have volumes (their state is not saved)")
+    saved_shares = [list(v)[:3] for v in snap.options.get("box", {}).get("volumes", [])]
+    if spec.volumes and [[v.host, v.guest, v.readonly] for v in spec.volumes] != saved_shares:
+        raise InvalidArgument(
+            f"snapshot {label} shares its own host directories ({saved_shares or 'none'}): a box started "
+            "from it shares those, and no others"
+        )
     saved_mounts = [m[:3] for m in snap.options.get("box", {}).get("mounts", [])]
-    if spec.mounts and [[m.volume, m.guest, m.mode] for m in spec.mounts] != saved_mounts:
+    asked = [[m.volume, m.guest, m.mode] for m in spec.mounts]  # a mode of "": the saved one
+    if spec.mounts and (
+        len(asked) != len(saved_mounts)
+        or any(a[:2] != s[:2] or a[2] not in ("", s[2]) for a, s in zip(asked, saved_mounts, strict=False))
+    ):
         raise InvalidArgument(
             f"snapshot {label} has its own named volumes ({saved_mounts or 'none'}): a box started from it "
             "mounts copies of those as they were, and no others"

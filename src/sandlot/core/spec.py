@@ -32,11 +32,16 @@ VolumeSpec = str | tuple[str, str] | tuple[str, str, str] | tuple[str, str, bool
 
 @dataclass(frozen=True, slots=True)
 class Volume:
-    """A host directory shared into the box (virtio-9p)."""
+    """A directory of the host shared into the box (virtio-9p), live: what a box writes
+    there, the host and every other box sharing it see at once; a snapshot has it
+    unmounted for its save, and a restore, a rollback or a fork mounts it again as it is
+    then. ``volume``: the shared volume (``sandlot.volume.create(shared=True)``) whose
+    directory it is, or "" for a host directory the box was given by path."""
 
     host: str
     guest: str
     readonly: bool = False
+    volume: str = ""
 
     @classmethod
     def parse(cls, spec: Any) -> Volume:
@@ -45,13 +50,13 @@ class Volume:
             v = spec
         elif isinstance(spec, str):
             parts = spec.split(":")
-            if len(parts) not in (2, 3) or (len(parts) == 3 and parts[2] not in ("ro", "rw")):
+            if len(parts) not in (2, 3) or (len(parts) == 3 and parts[2] not in ("ro", "rw", "shared")):
                 raise InvalidArgument(f"volume {spec!r} is not HOST:GUEST[:ro]")
             v = cls(parts[0], parts[1], len(parts) == 3 and parts[2] == "ro")
         elif isinstance(spec, tuple) and len(spec) in (2, 3):
             ro = spec[2] if len(spec) == 3 else False
             if isinstance(ro, str):
-                if ro not in ("ro", "rw"):
+                if ro not in ("ro", "rw", "shared"):
                     raise InvalidArgument(f"volume mode must be 'ro' or 'rw', not {ro!r}")
                 ro = ro == "ro"
             v = cls(str(spec[0]), str(spec[1]), bool(ro))
@@ -65,8 +70,18 @@ class Volume:
             raise InvalidArgument(f"a volume cannot be mounted on {guest}")
         return cls(str(host.resolve()), guest, v.readonly)
 
+    @classmethod
+    def saved(cls, item: list[Any]) -> Volume:
+        """A share as a saved box's options keep it (``[host, guest, readonly, volume?]``),
+        for a box started from that state: its directory must still be there."""
+        v = cls(str(item[0]), str(item[1]), bool(item[2]), *(str(x) for x in item[3:4]))
+        if not Path(v.host).is_dir():
+            what = f"shared volume {v.volume!r}" if v.volume else f"host directory {v.host}"
+            raise InvalidArgument(f"the saved state shares {what} at {v.guest}, which is gone")
+        return v
 
-MOUNT_MODES = ("copy", "ro")
+
+MOUNT_MODES = ("copy", "ro", "shared")
 _VOLUME_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
 
 
@@ -82,16 +97,18 @@ class Mount:
     box writes its own copy-on-write layer over the volume, saved with its snapshots,
     given to its forks as copies and restored by a rollback; the box that mounted the
     volume by name writes it back when it is removed. ``ro``: read-only, any number of
-    boxes at once."""
+    boxes at once. A shared volume (made with ``shared=True``) is mounted ``shared``
+    (or ``ro``): the box is given its directory, a ``Volume`` (``volumes.resolve``)."""
 
     volume: str
     guest: str
-    mode: str = "copy"
+    mode: str = ""  # "copy", "ro" or "shared"; "" (the volume's own) until the box is made
 
 
 def parse_mount(spec: Any) -> Volume | Mount:
     """``"SOURCE:GUEST[:MODE]"`` or ``(source, guest[, mode])``: a named volume (modes
-    ``copy``, the default, and ``ro``) or a host directory (``rw``, the default, and ``ro``)."""
+    ``copy``, ``ro`` and ``shared``; by default the volume's own, ``copy`` or ``shared``)
+    or a host directory (``rw``, the default, and ``ro``)."""
     if isinstance(spec, Volume | Mount):
         return spec
     if isinstance(spec, str):
@@ -106,15 +123,10 @@ def parse_mount(spec: Any) -> Volume | Mount:
     if not is_volume_name(source):
         return Volume.parse(spec)
     if isinstance(mode, bool):
-        mode = "ro" if mode else "copy"
-    mode = "copy" if mode in (None, "rw") else mode
-    if mode == "shared":
-        raise InvalidArgument(
-            f"volume {source!r}: mode 'shared' is not available for named volumes yet; "
-            "'copy' (the default) and 'ro' are (a host directory is shared: give its path)"
-        )
-    if mode not in MOUNT_MODES:
-        raise InvalidArgument(f"volume {source!r}: mode must be 'copy' or 'ro', not {mode!r}")
+        mode = "ro" if mode else ""
+    mode = "" if mode in (None, "", "rw") else mode
+    if mode and mode not in MOUNT_MODES:
+        raise InvalidArgument(f"volume {source!r}: mode must be 'copy', 'ro' or 'shared', not {mode!r}")
     guest = guest_path(str(parts[1]))
     if guest == "/" or guest.rstrip("/") in ("/proc", "/sys", "/dev"):
         raise InvalidArgument(f"a volume cannot be mounted on {guest}")
@@ -367,6 +379,14 @@ class BoxSpec:
         )
 
     @property
+    def frozen_for_saves(self) -> bool:
+        """Whether its commands are frozen for a save of it (``BoxController.still``), and
+        so come back frozen in a VM restored from one: a box with VMs of its own (no vCPU
+        may be inside one), or with shares (unmounted for the save: no command may see
+        their mount points bare)."""
+        return self.nested_virt or bool(self.volumes)
+
+    @property
     def policy(self) -> Policy:
         """The egress policy in force: in allowlist mode, a secret's hosts are reachable too."""
         allow = list(self.allow)
@@ -387,7 +407,7 @@ class BoxSpec:
 
     def to_options(self) -> dict[str, Any]:
         d = asdict(self)
-        d["volumes"] = [[v.host, v.guest, v.readonly] for v in self.volumes]
+        d["volumes"] = [[v.host, v.guest, v.readonly, *[v.volume][: bool(v.volume)]] for v in self.volumes]
         d["mounts"] = [[m.volume, m.guest, m.mode] for m in self.mounts]
         d["ports"] = [[p.address, p.host, p.guest] for p in self.ports]
         return d
@@ -395,7 +415,7 @@ class BoxSpec:
     @classmethod
     def from_options(cls, options: dict[str, Any]) -> BoxSpec:
         d = dict(options)
-        d["volumes"] = [Volume(h, g, bool(ro)) for h, g, ro in d.get("volumes", [])]
+        d["volumes"] = [Volume(str(v[0]), str(v[1]), bool(v[2]), *v[3:4]) for v in d.get("volumes", [])]
         d["mounts"] = [Mount(v, g, mode) for v, g, mode in d.get("mounts", [])]
         d["ports"] = [Port(g, h, a) for a, h, g in d.get("ports", [])]
         known = set(cls.__dataclass_fields__)

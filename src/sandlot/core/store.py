@@ -50,7 +50,7 @@ from ..net.policy import BOX_NAME
 from . import events as box_events
 from .events import Draft, Event
 
-SCHEMA_VERSION = 9
+SCHEMA_VERSION = 10
 # Room the store keeps for itself (BoxStore.hold_room): a file of its own, given up when
 # a write finds the filesystem full so that the write is tried again and the rows saying
 # how an operation ended are written; made again once the filesystem has room.
@@ -282,6 +282,8 @@ MIGRATIONS: list[str | Callable[[sqlite3.Connection], None]] = [
     );
     ALTER TABLE boxes ADD COLUMN drives TEXT NOT NULL DEFAULT '[]';
     """,
+    # 9 -> 10: shared volumes, a directory (``layer``) that boxes share live; no size
+    "ALTER TABLE volumes ADD COLUMN kind TEXT NOT NULL DEFAULT 'disk'",
 ]
 
 SNAPSHOT_KINDS = ("snapshot", "template", "suspend")
@@ -359,15 +361,17 @@ class SnapshotRecord:
 
 @dataclass(frozen=True, slots=True)
 class VolumeRecord:
-    """A named volume: an ext4 filesystem in a chain of disk layers (``core.volumes``)."""
+    """A named volume (``core.volumes``): an ext4 filesystem in a chain of disk layers,
+    or (``kind`` "shared") a directory that boxes share live."""
 
     id: str
     name: str
-    size: int  # bytes
-    layer: str  # its frozen head: what a box that mounts it next starts from
+    size: int  # bytes (0: a shared volume, which has the size of the host's filesystem)
+    layer: str  # its frozen head: what a box that mounts it next starts from; or its directory
     created_at: float
     labels: dict[str, str] = field(default_factory=dict)
     holder: str | None = None  # the box that writes it back when removed (``copy`` mode)
+    kind: str = "disk"  # or "shared"
 
     def to_json(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
@@ -377,6 +381,13 @@ def _volume_row(r: sqlite3.Row) -> VolumeRecord:
     d = dict(r)
     d["labels"] = json.loads(d["labels"])
     return VolumeRecord(**d)
+
+
+def _mounts(box: BoxRecord, volume_id: str, volume: sqlite3.Row) -> bool:
+    """Whether ``box`` mounts the volume: a top over its layers, or its directory shared."""
+    if volume["kind"] == "shared":
+        return any(str(v[0]) == volume["layer"] for v in box.options.get("volumes", []))
+    return any(d.get("volume") == volume_id for d in box.drives)
 
 
 def holder_columns(ephemeral: bool) -> dict[str, Any]:
@@ -748,26 +759,30 @@ class BoxStore:
 
     def mounting(self, volume_id: str) -> builtins.list[BoxRecord]:
         """The boxes that mount a volume, in any mode and state."""
-        return [b for b in self.list() if any(d.get("volume") == volume_id for d in b.drives)]
+        with self._reading():
+            row = self._db.execute("SELECT layer, kind FROM volumes WHERE id = ?", (volume_id,)).fetchone()
+        return [b for b in self.list() if row is not None and _mounts(b, volume_id, row)]
 
     def delete_volume(self, volume_id: str) -> None:
         """Delete a volume's row, refused while any box mounts it (checked in the same
         transaction). Its layers go with the next ``layers.gc`` that no snapshot stops."""
         with self._tx() as db:
-            boxes = [_row(r) for r in db.execute("SELECT * FROM boxes WHERE drives != '[]'").fetchall()]
-            users = [b.name for b in boxes if any(d.get("volume") == volume_id for d in b.drives)]
+            row = db.execute("SELECT name, layer, kind FROM volumes WHERE id = ?", (volume_id,)).fetchone()
+            if row is None:
+                return
+            boxes = [_row(r) for r in db.execute("SELECT * FROM boxes").fetchall()]
+            users = [b.name for b in boxes if _mounts(b, volume_id, row)]
             if users:
-                row = db.execute("SELECT name FROM volumes WHERE id = ?", (volume_id,)).fetchone()
-                name = row["name"] if row else volume_id
+                name = row["name"]
                 raise VolumeInUse(
                     f"volume {name!r} is mounted by {', '.join(users)}: remove those boxes first", boxes=users
                 )
             db.execute("DELETE FROM volumes WHERE id = ?", (volume_id,))
 
     def volume_layers(self) -> builtins.list[Path]:
-        """The head of every volume (each keeps its chain)."""
+        """The head of every volume made of layers (each keeps its chain)."""
         with self._reading():
-            rows = self._db.execute("SELECT layer FROM volumes").fetchall()
+            rows = self._db.execute("SELECT layer FROM volumes WHERE kind = 'disk'").fetchall()
         return [Path(r[0]) for r in rows]
 
     def children(self, snap_id: str) -> builtins.list[BoxRecord]:

@@ -22,6 +22,12 @@ root disk it does to volumes, in the same QEMU transaction:
 
 The size is the filesystem's: a full volume is ENOSPC in the box, and the host's disk
 holds only what was written (every layer is sparse).
+
+A *shared* volume (``create(shared=True)``) is a directory instead (``volumes/<id>``),
+which every box that mounts it shares live over virtio-9p, as a host directory given by
+path is: what one box writes, the others and the host see at once. It is never part of a
+snapshot: a save unmounts it for its length (``BoxController.still``), and a restore, a
+rollback or a fork mounts it again as it is then. Its size is the host filesystem's.
 """
 
 from __future__ import annotations
@@ -33,13 +39,13 @@ import shutil
 import subprocess
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from ..errors import HostSetupError, InvalidArgument, SavedStateError, VolumeNotFound, no_space
 from . import layers
-from .spec import MOUNT_MODES, Mount, is_volume_name
+from .spec import BoxSpec, Mount, Volume, is_volume_name
 from .store import BoxRecord, BoxStore, SnapshotRecord, VolumeRecord
 
 GiB = 1 << 30
@@ -60,8 +66,8 @@ class VolumeInfo:
 
     def to_json(self) -> dict[str, Any]:
         r = self.record
-        return {"id": r.id, "name": r.name, "size": r.size, "size_gb": r.size / GiB, "labels": r.labels,
-                "created_at": r.created_at, "holder": self.holder, "boxes": self.boxes,
+        return {"id": r.id, "name": r.name, "kind": r.kind, "size": r.size, "size_gb": r.size / GiB,
+                "labels": r.labels, "created_at": r.created_at, "holder": self.holder, "boxes": self.boxes,
                 "host_bytes": self.host_bytes}  # fmt: skip
 
 
@@ -121,16 +127,25 @@ def make_empty_fs(path: Path, size: int, label: str) -> None:
             tmp.unlink()
 
 
-def create(home: Path, store: BoxStore, name: str, size_gb: float = DEFAULT_SIZE_GB,
-           labels: Mapping[str, str] | None = None) -> VolumeRecord:  # fmt: skip
+def create(home: Path, store: BoxStore, name: str, size_gb: float | None = None,
+           labels: Mapping[str, str] | None = None, *, shared: bool = False) -> VolumeRecord:  # fmt: skip
     """A new, empty volume. Its files are made first and its row written last, so a
-    crash leaves no row naming a missing file (and ``layers.gc`` takes unnamed files)."""
+    crash leaves no row naming a missing file (``layers.gc`` takes unnamed layers, and
+    the next shared volume made, unnamed directories)."""
     check_name(name)
-    size = check_size(size_gb)
+    if not isinstance(shared, bool):
+        raise InvalidArgument(f"shared must be True or False, not {shared!r}")
+    if shared and size_gb is not None:
+        raise InvalidArgument(
+            "a shared volume is a directory of the host, with no size of its own: give no size_gb"
+        )
+    size = 0 if shared else check_size(DEFAULT_SIZE_GB if size_gb is None else size_gb)
     tags = check_labels(labels)
     with contextlib.suppress(VolumeNotFound):
         store.get_volume(name)
         raise InvalidArgument(f"a volume named {name!r} already exists")
+    if shared:
+        return _create_shared(home, store, name, tags)
     base = layers.new_path(home, layers.RAW_SUFFIX)
     try:
         make_empty_fs(base, size, name)
@@ -148,8 +163,39 @@ def create(home: Path, store: BoxStore, name: str, size_gb: float = DEFAULT_SIZE
         raise
 
 
+def _create_shared(home: Path, store: BoxStore, name: str, labels: dict[str, str]) -> VolumeRecord:
+    top = shared_dir(home)
+    top.mkdir(parents=True, exist_ok=True)
+    named = {Path(v.layer).name for v in store.volumes() if v.kind == "shared"}
+    for left in top.iterdir():  # a crash between a removal's row and its files
+        if left.name not in named and left.name.startswith("vol-"):
+            shutil.rmtree(left, ignore_errors=True)
+    rec = VolumeRecord(id=f"vol-{secrets.token_hex(6)}", name=name, size=0, layer="", created_at=time.time(),
+                       labels=labels, kind="shared")  # fmt: skip
+    where = top / rec.id
+    where.mkdir(mode=0o755)
+    try:
+        return store.insert_volume(replace(rec, layer=str(where)))
+    except BaseException:
+        shutil.rmtree(where, ignore_errors=True)
+        raise
+
+
+def shared_dir(home: Path) -> Path:
+    """Where shared volumes keep their files, a directory each."""
+    return home / "volumes"
+
+
 def inspect(store: BoxStore, key: str) -> VolumeInfo:
     rec = store.get_volume(key)
+    if rec.kind == "shared":
+        users = [
+            {"name": b.name, "id": b.id, "mode": "ro" if v[2] else "shared", "state": b.state}
+            for b in store.mounting(rec.id)
+            for v in b.options.get("volumes", [])
+            if v[0] == rec.layer
+        ]
+        return VolumeInfo(rec, users, None, tree_bytes(Path(rec.layer)))
     boxes, holder, tops = [], None, [Path(rec.layer)]
     for b in store.mounting(rec.id):
         for d, m in zip(b.drives, mounts_of(b), strict=False):
@@ -175,12 +221,49 @@ def host_bytes(tops: list[Path]) -> int:
     return total
 
 
+def tree_bytes(top: Path) -> int:
+    """The bytes the files under ``top`` take on the host (a shared volume's)."""
+    total = 0
+    for dirpath, dirnames, filenames in os.walk(top):
+        for n in (*dirnames, *filenames):
+            with contextlib.suppress(OSError):
+                total += os.lstat(os.path.join(dirpath, n)).st_blocks * 512
+    return total
+
+
 def remove(home: Path, store: BoxStore, key: str) -> None:
     """Remove a volume, refused while a box mounts it. Snapshots that hold its layers
-    keep them (a box started from one has its copy); the rest of its files go now."""
+    keep them (a box started from one has its copy); the rest of its files go now. A
+    shared volume's directory goes with it: a snapshot that shared it names it, and a
+    box started from one is refused."""
     rec = store.get_volume(key)
     store.delete_volume(rec.id)
+    if rec.kind == "shared":
+        shutil.rmtree(rec.layer, ignore_errors=True)
+        return
     layers.gc(home, store, also=layers.chain(Path(rec.layer)))
+
+
+def resolve(store: BoxStore, spec: BoxSpec) -> None:
+    """The named volumes of a new box, as it mounts them: a disk volume's mode (``copy``
+    unless given), and a shared volume's directory, which becomes one of its shares."""
+    disks: list[Mount] = []
+    for m in spec.mounts:
+        vol = store.get_volume(m.volume)
+        if vol.kind == "shared":
+            if m.mode not in ("", "shared", "ro"):
+                raise InvalidArgument(
+                    f"volume {m.volume!r} is shared: mount it 'shared' (the default), or 'ro'"
+                )
+            spec.volumes.append(Volume(vol.layer, m.guest, m.mode == "ro", vol.name))
+        elif m.mode == "shared":
+            raise InvalidArgument(
+                f"volume {m.volume!r} is a filesystem of its own, mounted 'copy' (its default) or 'ro': "
+                "a volume that boxes share live is made with sandlot.volume.create(name, shared=True)"
+            )
+        else:
+            disks.append(replace(m, mode=m.mode or "copy"))
+    spec.mounts = disks
 
 
 def mounts_of(box: BoxRecord) -> list[Mount]:
@@ -193,7 +276,7 @@ def tops_for(home: Path, store: BoxStore, mounts: list[Mount]) -> list[dict[str,
     drives: list[dict[str, Any]] = []
     try:
         for i, m in enumerate(mounts):
-            assert m.mode in MOUNT_MODES
+            assert m.mode in ("copy", "ro"), m  # resolved
             vol = store.get_volume(m.volume)
             top = layers.new_layer(home, Path(vol.layer))
             drives.append({"volume": vol.id, "serial": serial(i), "top": str(top), "holds": m.mode == "copy"})

@@ -361,9 +361,12 @@ class Engine(ABC):
         """A save was cut short (its process died): cancel it, and (``resume``) let the guest run."""
 
     @abstractmethod
-    async def share_memory(self, state: SavedState, disk: Path, drives: tuple[Drive, ...] = ()) -> None:
+    async def share_memory(
+        self, state: SavedState, disk: Path, drives: tuple[Drive, ...] = (), shares: tuple[Volume, ...] = ()
+    ) -> None:
         """Give a saved state the form that many VMs map copy-on-write (forks,
-        templates, exports). Idempotent; concurrent callers wait for one another."""
+        templates, exports): ``drives`` and ``shares`` are the devices it was saved with.
+        Idempotent; concurrent callers wait for one another."""
 
     @abstractmethod
     def memory_shared(self, directory: Path) -> bool: ...

@@ -182,7 +182,8 @@ class ControlOp(IntEnum):
     MOUNT = 6
     STATUS = 7
     FREEZE = 8  # every command stopped for a save (TIMEOUT_MS: how long at most, in guest time)
-    THAW = 9
+    THAW = 9  # the shares a DETACH took down are mounted again first
+    DETACH = 10  # every 9p share unmounted for a save (only while frozen); an error names who holds one
 
 
 class MountFlag(IntFlag):

@@ -797,7 +797,7 @@ async def volume_for(request: Request, key: str) -> dict[str, Any]:
 async def create_volume(body: VolumeCreate, request: Request, response: Response) -> dict[str, Any]:
     """Create an empty named volume (labelled with the key's namespace, as its boxes are)."""
     labels = _stamped(_caller(request), body.labels)
-    made = await _backend(request).volume_create(body.name, body.size_gb, labels)
+    made = await _backend(request).volume_create(body.name, body.size_gb, labels, body.shared)
     response.headers["Location"] = f"/v1/volumes/{made['id']}"
     return made
 

@@ -22,7 +22,18 @@ from ... import pids
 from ...config import atomic_write
 from ...errors import HostSetupError, IncompatibleSnapshot, InvalidArgument, SavedStateError
 from ...guest.agent import build_agent
-from ..base import Boot, BootRequest, Drive, Engine, LaunchSpec, Placement, SavedState, VMRef, VMStatus
+from ..base import (
+    Boot,
+    BootRequest,
+    Drive,
+    Engine,
+    LaunchSpec,
+    Placement,
+    SavedState,
+    VMRef,
+    VMStatus,
+    Volume,
+)
 from . import limits, network, probe, runsc
 from .vm import (
     RUNSC_LOG,
@@ -185,7 +196,9 @@ class GvisorEngine(Engine):
 
     # -- saved states ----------------------------------------------------------------------
 
-    async def share_memory(self, state: SavedState, disk: Path, drives: tuple[Drive, ...] = ()) -> None:
+    async def share_memory(
+        self, state: SavedState, disk: Path, drives: tuple[Drive, ...] = (), shares: tuple[Volume, ...] = ()
+    ) -> None:
         """A checkpoint image is already what many restores read: nothing to do."""
 
     def memory_shared(self, directory: Path) -> bool:

@@ -37,6 +37,7 @@ from ..base import (
     SavedState,
     VMRef,
     VMStatus,
+    Volume,
 )
 from . import accel as accel_mod
 from .command import (
@@ -206,7 +207,9 @@ class QemuEngine(Engine):
     def state_files(self, directory: Path) -> dict[str, Path]:
         return {member: directory / name for member, name in STATE_FILES.items()}
 
-    async def share_memory(self, state: SavedState, disk: Path, drives: tuple[Drive, ...] = ()) -> None:
+    async def share_memory(
+        self, state: SavedState, disk: Path, drives: tuple[Drive, ...] = (), shares: tuple[Volume, ...] = ()
+    ) -> None:
         """Load the stream into a helper QEMU whose RAM is a shared file, then save
         the devices without RAM: the file is the memory image children map."""
         d = state.directory
@@ -230,6 +233,9 @@ class QemuEngine(Engine):
                 cpus=facts["cpus"], detached=False, ram_file=mem_tmp, ram_shared=True, incoming=True,
                 network=NetSpec() if facts.get("network") else None,  # the same devices; it never runs
                 devices=device_set(facts), drives=tuple(replace(d, readonly=True) for d in drives),
+                # the same 9p devices, none mounted in a saved guest: of an empty directory,
+                # as this VM never runs (and the host directories may be gone since)
+                volumes=tuple(replace(v, host=str(work), readonly=True) for v in shares),
             )  # fmt: skip
             vm = QemuVM(cfg)
             try:

@@ -22,7 +22,7 @@ from typing import IO, TYPE_CHECKING, Any
 
 from ... import pids
 from ...config import tail
-from ...errors import BootError, NoSpace, SavedStateError, no_space
+from ...errors import BootError, InvalidState, NoSpace, SavedStateError, no_space
 from .. import hostcgroup
 from ..base import VM, Connector, VMRef, VMStatus
 from .command import (
@@ -479,8 +479,20 @@ class QemuVM(VM):
         with q.listener("MIGRATION") as events:
 
             async def start() -> None:
+                from qemu.qmp import ExecuteError
+
                 await set_migration(q, ignore_shared)
-                await q.execute(command, {"uri": uri})
+                try:
+                    await q.execute(command, {"uri": uri})
+                except ExecuteError as exc:
+                    if "VirtFS" not in str(exc):
+                        raise
+                    # a share still mounted: a box paused with files open under one (the
+                    # agent takes shares down for a save of a running box)
+                    raise InvalidState(
+                        f"the VM cannot be saved while a host directory is mounted in its guest ({exc}): "
+                        "unpause the box, close what is open under its shares and save it again"
+                    ) from None
 
             await once_finalized(start, min(timeout, FINALIZE_LIMIT))
             await self._migration_done(q, events, timeout)

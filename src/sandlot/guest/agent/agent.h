@@ -384,7 +384,8 @@ void limits_check(uint64_t now_ms);               /* the memory watch, a freeze'
 /* every command frozen (a save of a box with VMs of its own), until limits_thaw or
  * lease_ms of guest time; -1 and err where they did not all stop within wait_ms */
 int limits_freeze(uint32_t lease_ms, uint32_t wait_ms, char *err, size_t errlen);
-void limits_thaw(void);
+void limits_thaw(void); /* the shares taken down for the save go up first */
+int limits_frozen(void);
 void exec_mark_oom(pid_t sid); /* the command of session sid lost a process to it */
 
 /* init.c */
@@ -395,6 +396,10 @@ int wait_for(const char *path, int ms); /* a device node to appear */
 int boot_ports(void);          /* sandlot.ports=N from the kernel command line (0: not given) */
 void set_hostname(const char *name);
 int mount_volume(const char *tag, const char *where, uint32_t flags);
+/* every 9p share unmounted for a save (the commands frozen); -1, errno and err (naming
+ * the processes that keep one busy) with all of them up again */
+int shares_detach(char *err, size_t errlen);
+void shares_attach(void); /* up again: before the commands thaw */
 void add_entropy(const uint8_t *p, size_t n);
 void set_wall_clock(uint64_t ns);
 void set_machine_id(const char *id);

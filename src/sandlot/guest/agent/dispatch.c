@@ -196,6 +196,14 @@ static void handle_control(struct session *s, uint32_t ch, const uint8_t *p, siz
     case SL_CTL_THAW:
         limits_thaw();
         break;
+    case SL_CTL_DETACH: {
+        char why[600];
+        if (shares_detach(why, sizeof(why)) < 0) {
+            send_error(s, ch, errno, SL_CONTROL, "%s", why);
+            return;
+        }
+        break;
+    }
     case SL_CTL_STATUS: {
         /* how busy the box is, for the host's idle timeout: channels in use by any
          * host (this request's own aside) and the time since a request last came */

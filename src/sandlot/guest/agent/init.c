@@ -507,7 +507,6 @@ void init_after_root(void)
 
 const char *boot_id(void) { return g_boot_id; }
 
-/* A host directory shared over virtio-9p, mounted where the box wants it. */
 /* /dev/<name> of the virtio disk whose serial is ``serial``: drives are named by the
  * order the kernel found them, so a volume is known by the serial the host gave it. */
 static int find_drive(const char *serial, char *dev, size_t len)
@@ -544,6 +543,149 @@ static int find_drive(const char *serial, char *dev, size_t len)
     return -1;
 }
 
+/* ---- virtio-9p shares, taken down for a save ------------------------------------ */
+
+/* QEMU refuses to save a VM while a 9p export is mounted in its guest (its 9p server's
+ * open fids cannot be saved), so a box with shares has them unmounted for a save, with
+ * every command frozen, and mounted again before its commands thaw: no command ever
+ * sees a mount point bare. A state saved so comes back with its shares down and its
+ * commands frozen, and its thaw mounts them. */
+#define MAX_SHARES 8
+static struct {
+    char tag[64];
+    char where[1024];
+    uint32_t flags;
+    int down;
+} g_shares[MAX_SHARES];
+static int g_nshares;
+
+static int mount_9p(int i)
+{
+    unsigned long mflags = MS_NOSUID | MS_NODEV | ((g_shares[i].flags & SL_MOUNT_READONLY) ? MS_RDONLY : 0);
+    return mount(g_shares[i].tag, g_shares[i].where, "9p", mflags,
+                 "trans=virtio,version=9p2000.L,msize=524288,cache=mmap");
+}
+
+/* Mounted once: asking again for a share that is up (a host that lost track) is done. */
+static int mount_share(const char *tag, const char *where, uint32_t flags)
+{
+    int i = 0;
+    while (i < g_nshares && strcmp(g_shares[i].where, where) != 0) {
+        i++;
+    }
+    if (i < g_nshares && !g_shares[i].down && strcmp(g_shares[i].tag, tag) == 0) {
+        return 0;
+    }
+    if (i == MAX_SHARES || strlen(tag) >= sizeof(g_shares[i].tag) || strlen(where) >= sizeof(g_shares[i].where)) {
+        errno = i == MAX_SHARES ? ENOSPC : ENAMETOOLONG;
+        return -1;
+    }
+    snprintf(g_shares[i].tag, sizeof(g_shares[i].tag), "%s", tag);
+    snprintf(g_shares[i].where, sizeof(g_shares[i].where), "%s", where);
+    g_shares[i].flags = flags;
+    if (mount_9p(i) < 0) {
+        return -1;
+    }
+    g_shares[i].down = 0;
+    g_nshares = i == g_nshares ? i + 1 : g_nshares;
+    return 0;
+}
+
+static int is_under(const char *path, const char *where)
+{
+    size_t n = strlen(where);
+    return strncmp(path, where, n) == 0 && (path[n] == 0 || path[n] == '/' || path[n] == ' ');
+}
+
+/* The processes that keep ``where`` busy (a working directory, a root, an executable or
+ * an open file under it), for the error that says why a save cannot take it down. */
+static void share_holders(const char *where, char *out, size_t len)
+{
+    out[0] = 0;
+    DIR *d = opendir("/proc");
+    struct dirent *e;
+    int found = 0;
+    while (d && (e = readdir(d)) != NULL && found < 4) {
+        int pid = atoi(e->d_name);
+        if (pid <= 0 || pid == getpid()) {
+            continue;
+        }
+        char path[300], target[1100];
+        int held = 0;
+        static const char *const links[] = {"cwd", "root", "exe"};
+        for (size_t k = 0; k < 3 && !held; k++) {
+            snprintf(path, sizeof(path), "/proc/%d/%s", pid, links[k]);
+            ssize_t n = readlink(path, target, sizeof(target) - 1);
+            held = n > 0 && (target[n] = 0, is_under(target, where));
+        }
+        snprintf(path, sizeof(path), "/proc/%d/fd", pid);
+        DIR *fds = held ? NULL : opendir(path);
+        struct dirent *f;
+        while (fds && !held && (f = readdir(fds)) != NULL) {
+            snprintf(path, sizeof(path), "/proc/%d/fd/%s", pid, f->d_name);
+            ssize_t n = readlink(path, target, sizeof(target) - 1);
+            held = n > 0 && (target[n] = 0, is_under(target, where));
+        }
+        if (fds) {
+            closedir(fds);
+        }
+        if (held) {
+            char comm[64] = "";
+            snprintf(path, sizeof(path), "/proc/%d/comm", pid);
+            int fd = open(path, O_RDONLY | O_CLOEXEC);
+            ssize_t got = fd < 0 ? 0 : read(fd, comm, sizeof(comm) - 1);
+            comm[got > 0 ? got : 0] = 0;
+            comm[strcspn(comm, "\n")] = 0;
+            if (fd >= 0) {
+                close(fd);
+            }
+            size_t used = strlen(out);
+            snprintf(out + used, len - used, "%spid %d (%s)", found ? ", " : "", pid, comm);
+            found++;
+        }
+    }
+    if (d) {
+        closedir(d);
+    }
+}
+
+int shares_detach(char *err, size_t errlen)
+{
+    if (!limits_frozen()) {
+        snprintf(err, errlen, "shares are taken down for a save only while the commands are frozen");
+        errno = EINVAL;
+        return -1;
+    }
+    for (int i = 0; i < g_nshares; i++) {
+        if (g_shares[i].down) {
+            continue;
+        }
+        if (umount2(g_shares[i].where, 0) < 0) {
+            int e = errno;
+            char who[400];
+            share_holders(g_shares[i].where, who, sizeof(who));
+            snprintf(err, errlen, "%s cannot be unmounted for the save: %s%s%s", g_shares[i].where,
+                     e == EBUSY ? "files are open under it" : strerror(e), who[0] ? ", by " : "", who);
+            shares_attach();
+            errno = e;
+            return -1;
+        }
+        g_shares[i].down = 1;
+    }
+    return 0;
+}
+
+void shares_attach(void)
+{
+    for (int i = 0; i < g_nshares; i++) {
+        if (g_shares[i].down && mount_9p(i) < 0) {
+            logmsg("mount the share %s on %s again: %s", g_shares[i].tag, g_shares[i].where, strerror(errno));
+        } else {
+            g_shares[i].down = 0;
+        }
+    }
+}
+
 int mount_volume(const char *tag, const char *where, uint32_t flags)
 {
     char tmp[4096];
@@ -566,7 +708,7 @@ int mount_volume(const char *tag, const char *where, uint32_t flags)
          * replays a journal left by a box that ended without unmounting */
         return mount(dev, where, "ext4", mflags, "noinit_itable,no_prefetch_block_bitmaps");
     }
-    return mount(tag, where, "9p", mflags, "trans=virtio,version=9p2000.L,msize=524288,cache=mmap");
+    return mount_share(tag, where, flags); /* a host directory shared over virtio-9p */
 }
 
 void set_hostname(const char *name)

@@ -464,8 +464,11 @@ int limits_freeze(uint32_t lease_ms, uint32_t wait_ms, char *err, size_t errlen)
     }
 }
 
+int limits_frozen(void) { return g_thaw_at != 0; }
+
 void limits_thaw(void)
 {
+    shares_attach();
     if (g_thaw_at && write_str(CG_BOX_V2 "/cgroup.freeze", "0") < 0) {
         logmsg("thaw: %s", strerror(errno));
     }

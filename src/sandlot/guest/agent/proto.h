@@ -167,7 +167,8 @@ enum sl_control_op {
     SL_CTL_MOUNT = 6,        /* PATH: mount point, PATH2: virtio-9p tag or drive serial, FLAGS: SL_MOUNT_* */
     SL_CTL_STATUS = 7,       /* reply: COUNT (channels in use by any host), IDLE_MS */
     SL_CTL_FREEZE = 8,       /* every command stopped; TIMEOUT_MS: the lease (guest time) */
-    SL_CTL_THAW = 9,
+    SL_CTL_THAW = 9,         /* the shares a DETACH took down are mounted again first */
+    SL_CTL_DETACH = 10,      /* every 9p share unmounted for a save; only while frozen */
 };
 
 #define SL_MOUNT_READONLY 0x1u
