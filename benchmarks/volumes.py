@@ -1,8 +1,9 @@
 """Named volume benchmarks (docs/volumes.md).
 
 One Debian box mounts a named volume in ``copy`` mode (``/vol``), another volume
-read-only (``/ro``, written by an earlier box) and a host directory (``/host``,
-virtio-9p); its own disk (``/root``) is the baseline, in the same box and run.
+read-only (``/ro``, written by an earlier box), a shared volume (``/shared``) and a
+host directory (``/host``), both shares over virtio-9p; its own disk (``/root``) is
+the baseline, in the same box and run.
 Measured, each over ``--runs``:
 
 * ``sequential_write_MBps`` and ``sequential_read_MBps`` per place: ``--mb`` MiB of
@@ -13,7 +14,10 @@ Measured, each over ``--runs``:
 * ``ratios``: each place's figure over the box's own disk;
 * ``fork_ms``: ``box.fork()`` of a box with ``copy`` volumes (the one the read-only
   mount reads, and one holding ``--fork-mb`` MiB) against a box without a volume that
-  wrote as much to its own disk (the target: no dearer, as the copy is copy-on-write).
+  wrote as much to its own disk (the target: no dearer, as the copy is copy-on-write);
+* ``snapshot_ms``: ``box.snapshot()`` of that box, whose save unmounts its two shares
+  and mounts them again (its commands frozen meanwhile), against the box without a
+  volume.
 
     .venv/bin/python benchmarks/volumes.py [--runs 5] [--mb 256] [--fork-mb 1024] [--quick]
 """
@@ -35,6 +39,7 @@ PLACES = {
     "own_disk": "/root/bench",
     "volume_copy": "/vol/bench",
     "volume_ro": "/ro/bench",
+    "volume_shared": "/shared/bench",
     "host_dir": "/host/bench",
 }
 
@@ -93,6 +98,16 @@ def fork_ms(box: sandlot.Box, runs: int) -> list[float]:
     return times
 
 
+def snapshot_ms(box: sandlot.Box, runs: int) -> list[float]:
+    times = []
+    for _ in range(runs):
+        t0 = time.perf_counter()
+        snap = box.snapshot()
+        times.append((time.perf_counter() - t0) * 1000)
+        snap.remove()
+    return times
+
+
 def main() -> None:
     ap = parser(__doc__)
     ap.add_argument("--runs", type=int, default=5)
@@ -107,6 +122,7 @@ def main() -> None:
         size_gb = max(1, -(-(mib * 2 + fork_mib + 256) // 1024))
         for name in ("work", "reference", "big"):  # sized for what the runs write
             volumes.create(name, size_gb=size_gb)
+        volumes.create("scratch", shared=True)
         root = debian_root()
         # forking: a box whose copy volume holds fork_mib MiB, against one without a volume
         # that wrote as much to its own disk (the same guest memory: caches dropped in both)
@@ -124,7 +140,8 @@ def main() -> None:
         with sandlot.Box(rootfs=root, memory_mib=512, home=home) as plain:
             plain.sh(fill.format("/root"), timeout=3600, check=True)
             without = fork_ms(plain, runs)
-        mounts = ["work:/vol", "reference:/ro:ro", f"{shared}:/host"]
+            saved_plain = snapshot_ms(plain, runs)
+        mounts = ["work:/vol", "reference:/ro:ro", "scratch:/shared", f"{shared}:/host"]
         figures: dict[str, dict[str, Any]] = {}
         with sandlot.Box(rootfs=root, memory_mib=512, home=home, volumes=mounts) as box:
             box.files.write("/root/probe.py", PROBE)
@@ -139,6 +156,7 @@ def main() -> None:
                 row["sequential_read_MBps"] = summary(reads, 1, 1)
                 row["stat_us"] = summary([probe(box, path, 0, "stat")["us"] for _ in range(runs)], 1, 1)
                 figures[place] = row
+            saved_shares = snapshot_ms(box, runs)
         base = figures["own_disk"]
         ratios = {
             place: {k: round(float(row[k]["median"]) / float(base[k]["median"]), 2) for k in row}
@@ -149,12 +167,16 @@ def main() -> None:
         fork["ratio"] = round(
             float(fork["with_volume_ms"]["median"]) / float(fork["without_ms"]["median"]), 2
         )
+        saves = {"with_shares_ms": summary(saved_shares, 1, 0), "without_ms": summary(saved_plain, 1, 0)}
+        saves["ratio"] = round(
+            float(saves["with_shares_ms"]["median"]) / float(saves["without_ms"]["median"]), 2
+        )
     finally:
         drop_home(home)
         shutil.rmtree(shared, ignore_errors=True)
     emit({
         "benchmark": "volumes", "quick": args.quick, "host": host_facts(accel), "mib": mib,
-        "places": figures, "ratios": ratios, "fork_ms": fork,
+        "places": figures, "ratios": ratios, "fork_ms": fork, "snapshot_ms": saves,
     })  # fmt: skip
 
 

@@ -397,6 +397,17 @@ def test_import_rejects_damaged_altered_and_incompatible_archives(counting_box: 
 
     with pytest.raises(sandlot.CorruptSnapshot, match="backing file"):
         sandlot.import_snapshot(_rewrite(archive, tmp_path / "evil.sandlot", swap_disk))
+
+    # an archive names no host directory to share: a box from it is given one, or none
+    def share_host_dir(name: str, data: bytes) -> list[tuple[str, bytes]]:
+        if name == "manifest.json":
+            m = json.loads(data)
+            m["snapshot"]["box"]["volumes"] = [["/etc", "/host-etc", False]]
+            data = json.dumps(m).encode()
+        return [(name, data)]
+
+    with pytest.raises(sandlot.SandlotError, match="its shares are malformed"):
+        sandlot.import_snapshot(_rewrite(archive, tmp_path / "share.sandlot", share_host_dir))
     assert {s.id for s in sandlot.list_snapshots()} == before  # nothing half-imported is visible
 
 

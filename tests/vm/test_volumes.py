@@ -179,6 +179,7 @@ def test_shared_volumes_and_host_directories_are_live_in_every_box_through_snaps
         one.sh(f"kill {pid}; rm /s/held", check=True)
         snap = one.snapshot(name="shared")
         assert mounted(one) == ["/h", "/s"]  # up again before its commands ran on
+        archive = snap.export(tmp_path / "shared.sandlot")
         one.sh("echo after-the-snapshot > /s/after", check=True)
         # a fork keeps the mounts: its children share the same directories, live
         children = one.fork(2)
@@ -208,3 +209,26 @@ def test_shared_volumes_and_host_directories_are_live_in_every_box_through_snaps
             box.remove(force=True)
     sandlot.volume.remove(name)
     assert not where.exists()
+    # an archive names its shares as requirements: a shared volume of that name in the home
+    # that imports it, and a directory given for the host directory it shared
+    with pytest.raises(sandlot.InvalidArgument, match=rf"shared volume of that name must be here.*{name}"):
+        sandlot.import_snapshot(archive, start=False)
+    sandlot.volume.create(name, shared=True)
+    imported = sandlot.import_snapshot(archive, start=False)
+    assert isinstance(imported, sandlot.Snapshot)
+    try:
+        with pytest.raises(sandlot.InvalidArgument, match="give the directory to share there"):
+            imported.start(1)
+        elsewhere = tmp_path / "elsewhere"
+        elsewhere.mkdir()
+        (elsewhere / "here").write_text("on this host\n")
+        [moved] = imported.start(1, volumes={str(elsewhere): "/h"})
+        try:
+            assert mounted(moved) == ["/h", "/s"] and moved.sh("cat /h/here").stdout == "on this host\n"
+            moved.sh("echo moved > /s/moved", check=True)
+            assert (Path(sandlot.Runtime.for_home().store.get_volume(name).layer) / "moved").exists()
+        finally:
+            moved.remove(force=True)
+    finally:
+        imported.remove()
+        sandlot.volume.remove(name)

@@ -54,9 +54,9 @@ import zstandard
 from ..config import fsync_dir
 from ..crashpoints import crash_point
 from ..engine.base import Boot, Engine
-from ..errors import CorruptSnapshot, HostSetupError, InvalidArgument, no_space
+from ..errors import CorruptSnapshot, HostSetupError, InvalidArgument, VolumeNotFound, no_space
 from . import exports, layers, snapshots
-from .spec import MAX_MOUNTS, BoxSpec, Mount, parse_mount
+from .spec import MAX_MOUNTS, BoxSpec, Mount, is_volume_name, parse_mount
 from .store import NAME_RE, BoxStore, SnapshotRecord
 from .validate import check_env, check_user, guest_path
 
@@ -134,7 +134,7 @@ def export_snapshot(home: Path, engine: Engine, rec: SnapshotRecord, dest: Path)
                 "kind": rec.kind,
                 "box_name": rec.box_name,
                 "created_at": rec.created_at,
-                "box": rec.options.get("box", {}),
+                "box": _portable_box_options(rec.options.get("box", {})),
                 "image_ref": rec.options.get("image_ref"),
                 "image_digest": rec.options.get("image_digest"),
             },
@@ -269,6 +269,14 @@ def _check_manifest(m: Any) -> dict[str, Any]:
     return checked
 
 
+def _portable_box_options(box: dict[str, Any]) -> dict[str, Any]:
+    """A box's options as an archive carries them: its shares without this host's paths,
+    each a requirement of the home that imports it (a shared volume of that name, or a
+    directory given when a box is started from it)."""
+    shares = [["", v[1], bool(v[2]), *v[3:4]] for v in box.get("volumes") or []]
+    return {**box, "volumes": shares}
+
+
 def _clean_box_options(box: dict[str, Any]) -> dict[str, Any]:
     """What a box started from an imported snapshot takes from it, validated."""
     out: dict[str, Any] = {}
@@ -290,6 +298,18 @@ def _clean_box_options(box: dict[str, Any]) -> dict[str, Any]:
         if any(not isinstance(m, Mount) for m in mounts) or len({m.guest for m in mounts}) != len(mounts):
             raise InvalidArgument("its named volumes are malformed")
         out["mounts"] = [[m.volume, m.guest, m.mode] for m in mounts if isinstance(m, Mount)]
+        shares = box.get("volumes") or []
+        if not isinstance(shares, list) or len(shares) + len(mounts) > MAX_MOUNTS:
+            raise InvalidArgument("its shares are malformed")
+        for v in shares:
+            named = isinstance(v, list) and (len(v) == 3 or (len(v) == 4 and isinstance(v[3], str)))
+            if not named or v[0] != "" or not isinstance(v[1], str) or not isinstance(v[2], bool):
+                raise InvalidArgument("its shares are malformed")
+            if len(v) == 4 and not is_volume_name(v[3]):
+                raise InvalidArgument(f"its shares are malformed: {v[3]!r} is not a volume name")
+        out["volumes"] = [["", guest_path(v[1]), v[2], *v[3:4]] for v in shares]
+        if len({v[1] for v in out["volumes"]} | {m[1] for m in out["mounts"]}) != len(shares) + len(mounts):
+            raise InvalidArgument("its shares are malformed: two share one guest path")
         cfg = box.get("image_config")
         if isinstance(cfg, dict):
             clean: dict[str, Any] = {}
@@ -304,6 +324,24 @@ def _clean_box_options(box: dict[str, Any]) -> dict[str, Any]:
     except InvalidArgument as exc:
         raise CorruptSnapshot(f"not a valid sandlot snapshot archive: {exc}") from None
     return out
+
+
+def _shared_here(store: BoxStore, share: list[Any]) -> list[Any]:
+    """An archive's share of a shared volume, bound to this home's volume of that name
+    (what the volume held is not in the archive); a host directory's stays a requirement."""
+    if len(share) < 4:
+        return share
+    name = share[3]
+    try:
+        vol = store.get_volume(name)
+    except VolumeNotFound:
+        vol = None
+    if vol is None or vol.kind != "shared":
+        raise InvalidArgument(
+            f"the snapshot shares volume {name!r} at {share[1]}: a shared volume of that name must be here "
+            f"first (sandlot.volume.create({name!r}, shared=True)); what it held is not in the archive"
+        )
+    return [vol.layer, *share[1:]]
 
 
 def _copy_member(src: IO[bytes], dest: Path, size: int, digest: str, name: str) -> None:
@@ -426,6 +464,7 @@ def import_snapshot(
         )
         box = {**BoxSpec(image="imported").to_options(), **_clean_box_options(info.get("box") or {})}
         box["image"] = None
+        box["volumes"] = [_shared_here(store, v) for v in box["volumes"]]
         name = info.get("name") if isinstance(info.get("name"), str) else None
         box_name = info.get("box_name") if isinstance(info.get("box_name"), str) else None
         name = name if name and NAME_RE.match(name) else None

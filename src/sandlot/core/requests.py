@@ -138,8 +138,37 @@ class BoxRequest:
             # its named volumes are mounted in the saved memory: a box from it has its copies;
             # and its shares, the same host directories (which must still be there)
             spec.mounts = [Mount(*m) for m in snap.options.get("box", {}).get("mounts", [])]
-            spec.volumes = [Volume.saved(v) for v in snap.options.get("box", {}).get("volumes", [])]
+            spec.volumes = shares_from(snap, spec.volumes)
         return spec
+
+
+def shares_from(snap: SnapshotRecord, given: list[Volume]) -> list[Volume]:
+    """The shares of a box started from ``snap``: those it was saved with (they are
+    mounted in its saved memory), each the same directory; or, for a host directory an
+    archive could not carry, the one given now (``given``) at that guest path."""
+    label = snap.name or snap.id
+    mine = {v.guest: v for v in given}
+    out = []
+    for item in snap.options.get("box", {}).get("volumes", []):
+        host, guest, readonly = str(item[0]), str(item[1]), bool(item[2])
+        asked = mine.pop(guest, None)
+        if not host:
+            if asked is None:
+                raise InvalidArgument(
+                    f"snapshot {label} shared a host directory at {guest}, which its archive does not carry: "
+                    f"give the directory to share there, volumes={{'/a/host/dir': {guest!r}}}"
+                )
+            out.append(Volume(asked.host, guest, readonly or asked.readonly))
+        elif asked is not None and (asked.host, asked.readonly) != (host, readonly):
+            raise InvalidArgument(f"snapshot {label} shares {host} at {guest}: a box from it shares the same")
+        else:
+            out.append(Volume.saved(item))
+    if mine:
+        raise InvalidArgument(
+            f"snapshot {label} shares nothing at {', '.join(mine)}: a box started from it has the shares it "
+            "was saved with, and no others"
+        )
+    return out
 
 
 def check_fits(snap: SnapshotRecord, spec: BoxSpec) -> None:
@@ -150,12 +179,6 @@ def check_fits(snap: SnapshotRecord, spec: BoxSpec) -> None:
         raise InvalidArgument(
             f"snapshot {label} is of a box with {facts['memory_mib']} MiB and {facts['cpus']} CPU(s); "
             f"a box started from it cannot have {spec.memory_mib} MiB and {spec.cpus}"
-        )
-    saved_shares = [list(v)[:3] for v in snap.options.get("box", {}).get("volumes", [])]
-    if spec.volumes and [[v.host, v.guest, v.readonly] for v in spec.volumes] != saved_shares:
-        raise InvalidArgument(
-            f"snapshot {label} shares its own host directories ({saved_shares or 'none'}): a box started "
-            "from it shares those, and no others"
         )
     saved_mounts = [m[:3] for m in snap.options.get("box", {}).get("mounts", [])]
     asked = [[m.volume, m.guest, m.mode] for m in spec.mounts]  # a mode of "": the saved one

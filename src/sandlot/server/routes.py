@@ -769,6 +769,15 @@ async def import_snapshot(request: Request, name: str | None = None, start: bool
                 await check_quota(request, 1, 0, 0)
             snap = await backend.import_snapshot(Path(tmp_name), name=name, start=False, options={})
             assert isinstance(snap, SnapshotRef)
+            # it is bound to this home's shared volumes of the names it gives: the caller's own
+            saved_box = local_snapshot(snap).record.options.get("box", {})
+            try:
+                for share in saved_box.get("volumes", []):
+                    if len(share) > 3:
+                        await volume_for(request, share[3])
+            except VolumeNotFound:
+                await AsyncSnapshot(snap).remove()
+                raise
             if not start:
                 return snap.info
             [box] = await backend.snapshot_start(snap, 1, name, labels=_inherited(caller, snap))
