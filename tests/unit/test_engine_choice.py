@@ -82,24 +82,27 @@ def test_auto_is_resolved_and_recorded(tmp_path: Path, monkeypatch: pytest.Monke
 def test_auto_gives_qemu_to_a_box_its_choice_cannot_run(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Where auto picks gVisor, a box asking for what gVisor refuses (volumes, a kernel
-    of its own) gets QEMU instead of an error; any other box gets gVisor."""
+    """Where auto picks gVisor, a box asking for what gVisor refuses (disk volumes, a
+    kernel of its own) gets QEMU instead of an error; any other box gets gVisor, host
+    directories and shared volumes included (its bind mounts)."""
     home = tmp_path / "home"
     rt = Runtime.for_home(home)
     monkeypatch.setattr(rt, "auto_engine", lambda: EngineChoice("gvisor", "the test's choice"))
     shared = tmp_path / "shared"
     shared.mkdir()
     rootfs = fake_rootfs(tmp_path)
-    with_volume = sandlot.create(rootfs=rootfs, engine="auto", home=home, volumes=[(shared, "/mnt")])
+    sandlot.Volumes(home).create("data", size_gb=0.1)
+    with_volume = sandlot.create(rootfs=rootfs, engine="auto", home=home, volumes=["data:/data"])
+    with_share = sandlot.create(rootfs=rootfs, engine="auto", home=home, volumes=[(shared, "/mnt")])
     plain = sandlot.create(rootfs=rootfs, engine="auto", home=home)
     try:
         assert with_volume.inspect()["engine"] == "qemu"
-        assert plain.inspect()["engine"] == "gvisor"
+        assert with_share.inspect()["engine"] == "gvisor" and plain.inspect()["engine"] == "gvisor"
     finally:
-        with_volume.remove(force=True)
-        plain.remove(force=True)
-    with pytest.raises(sandlot.InvalidArgument, match="volumes"):  # asked for by name: refused, as before
-        sandlot.create(rootfs=rootfs, engine="gvisor", home=home, volumes=[(shared, "/mnt")])
+        for box in (with_volume, with_share, plain):
+            box.remove(force=True)
+    with pytest.raises(sandlot.InvalidArgument, match="named volumes"):  # asked for by name: refused
+        sandlot.create(rootfs=rootfs, engine="gvisor", home=home, volumes=["data:/data"])
 
 
 def test_sandlot_engine_is_the_default(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

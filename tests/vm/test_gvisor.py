@@ -216,11 +216,55 @@ def test_a_saved_state_of_the_other_engine_is_refused(busybox_root: Path) -> Non
         snap.remove()
 
 
-def test_volumes_are_refused_clearly(busybox_root: Path, tmp_path: Path) -> None:
+def test_disk_volumes_are_refused_clearly(busybox_root: Path) -> None:
     before = {b.id for b in sandlot.list()}
-    with pytest.raises(sandlot.InvalidArgument, match=r"gvisor.*volumes"):
-        sandlot.Box(rootfs=busybox_root, engine="gvisor", volumes={str(tmp_path): "/mnt"}).start()
-    assert {b.id for b in sandlot.list()} == before  # refused before a box was made for them
+    name = f"gv-disk-{os.urandom(3).hex()}"
+    sandlot.volume.create(name, size_gb=0.0625)
+    try:
+        with pytest.raises(sandlot.InvalidArgument, match=r"gvisor.*named volumes.*qemu"):
+            sandlot.Box(rootfs=busybox_root, engine="gvisor", volumes={name: "/mnt"}).start()
+        assert {b.id for b in sandlot.list()} == before  # refused before a box was made for them
+    finally:
+        sandlot.volume.remove(name)
+
+
+def test_shares_are_bind_mounts_that_live_state_keeps(busybox_root: Path, tmp_path: Path) -> None:
+    """Host directories and shared volumes on gVisor: bind mounts served by its gofer,
+    which a checkpoint names by path. A file open under one does not stop a save."""
+    host, ro = tmp_path / "host", tmp_path / "ro"
+    host.mkdir()
+    ro.mkdir()
+    (ro / "given").write_text("read only\n")
+    name = f"gv-shared-{os.urandom(3).hex()}"
+    sandlot.volume.create(name, shared=True)
+    where = Path(sandlot.Runtime.for_home().store.get_volume(name).layer)
+    made: list[sandlot.Box] = []
+    try:
+        box = sandlot.Box(rootfs=busybox_root, engine="gvisor", memory_mib=256,
+                          volumes=[f"{host}:/h", (str(ro), "/ro", "ro"), f"{name}:/s"])  # fmt: skip
+        made.append(box)
+        box.start()
+        box.sh("echo from-the-box > /h/a && echo shared > /s/a", check=True)
+        assert (host / "a").read_text() == "from-the-box\n" and (where / "a").read_text() == "shared\n"
+        assert box.sh("cat /ro/given").stdout == "read only\n"
+        refused = box.sh("(echo x > /ro/new) 2>&1; echo rc=$?").stdout
+        assert "rc=1" in refused and not (ro / "new").exists(), refused
+        box.sh("sleep 600 > /h/held 2>&1 &", check=True)  # open under a share: the save goes on
+        snap = box.snapshot()
+        box.sh("echo after > /h/after", check=True)
+        [child] = box.fork(1)
+        made.append(child)
+        assert child.sh("cat /h/a /h/after /s/a").stdout == "from-the-box\nafter\nshared\n"
+        child.sh("echo child > /h/child", check=True)
+        assert box.sh("cat /h/child").stdout == "child\n"  # the same directory, live
+        box.rollback(snap)  # the box goes back, never what it shares
+        assert box.sh("cat /h/after /h/child").stdout == "after\nchild\n"
+        box.suspend()
+        assert box.sh("cat /s/a").stdout == "shared\n"
+    finally:
+        for b in made:
+            b.remove(force=True)
+        sandlot.volume.remove(name)
 
 
 def test_kill9_of_the_owner_then_reattach(busybox_root: Path) -> None:

@@ -611,7 +611,7 @@ class BoxController:
         with contextlib.suppress(Exception):
             conn = await self.connection(entry)
             await conn.set_clock()
-            if entry.spec.frozen_for_saves:
+            if self.launcher.frozen_for_saves(entry):
                 await conn.thaw()
 
     @contextlib.asynccontextmanager
@@ -626,10 +626,10 @@ class BoxController:
         A share that cannot come down (files open under it) refuses a save, naming the
         processes; a pause (not ``for_save``) then goes on with it up."""
         conn = None
-        if entry.spec.frozen_for_saves and entry.state == BoxState.RUNNING:
+        if self.launcher.frozen_for_saves(entry) and entry.state == BoxState.RUNNING:
             conn = await self.connection(entry)
             await conn.freeze(FREEZE_LEASE)
-            if entry.spec.volumes:
+            if entry.spec.volumes and not self.rt.engine(entry.spec.engine).mounts_shares:
                 try:
                     await conn.control(ControlOp.DETACH)
                 except GuestOSError as exc:  # the agent put every share back up

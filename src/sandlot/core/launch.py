@@ -141,6 +141,14 @@ class Launcher:
         entry.vm = engine.attach(rec.vm, self.rt.placement(rec, entry.hostname), shaped)
         return entry.vm
 
+    def frozen_for_saves(self, entry: BoxEntry) -> bool:
+        """Whether a save of the box freezes its commands (``BoxController.still``), and
+        so whether they come back frozen in a VM restored from one: a box with VMs of its
+        own (no vCPU may be inside one), or with shares its agent mounted (unmounted for
+        the save: no command may see their mount points bare)."""
+        spec = entry.spec
+        return spec.nested_virt or (bool(spec.volumes) and not self.rt.engine(spec.engine).mounts_shares)
+
     async def prepare(self, entry: BoxEntry, *, network: bool) -> Boot:
         request = boot_request(entry.spec, network=network)
         return await asyncio.to_thread(self.rt.engine(entry.spec.engine).prepare, request)
@@ -169,9 +177,9 @@ class Launcher:
 
         async def when_up(vm: VM) -> None:
             conn = await self.attach(entry, vm, timeout, boot)
-            for i, v in enumerate(spec.volumes):
-                flags = MountFlag.READONLY if v.readonly else 0
-                await conn.control(ControlOp.MOUNT, mount_request(v.guest, f"vol{i}", flags))
+            for share in () if engine.mounts_shares else launch.volumes:
+                flags = MountFlag.READONLY if share.readonly else 0
+                await conn.control(ControlOp.MOUNT, mount_request(share.guest, share.tag, flags))
             for m, d in zip(spec.mounts, rec.drives, strict=True):
                 flags = MountFlag.BLOCK | (MountFlag.READONLY if m.mode == "ro" else 0)
                 await conn.control(ControlOp.MOUNT, mount_request(m.guest, d["serial"], flags))
@@ -229,7 +237,7 @@ class Launcher:
                 conn = await self.attach(entry, vm, timeout, boot)
                 if trust:
                     await self.install_trust(entry, conn)
-                if entry.spec.frozen_for_saves:  # saved so (BoxController.still): its shares go up too
+                if self.frozen_for_saves(entry):  # saved so (BoxController.still): its shares go up too
                     await conn.thaw()
 
         return await self._bring_up(entry, engine, launch, boot, "restore.after-launch", when_up)
@@ -368,7 +376,7 @@ def boot_request(spec: BoxSpec, *, network: bool) -> BootRequest:
 def shares_of(spec: BoxSpec) -> tuple[Volume, ...]:
     """The engine's shares of a box's host directories, tagged by their order (the
     agent mounts each by its tag; a VM restored from a save has the same devices)."""
-    return tuple(Volume(v.host, f"vol{i}", v.readonly) for i, v in enumerate(spec.volumes))
+    return tuple(Volume(v.host, f"vol{i}", v.readonly, v.guest) for i, v in enumerate(spec.volumes))
 
 
 def drives_of(drives: list[dict[str, Any]]) -> tuple[Drive, ...]:

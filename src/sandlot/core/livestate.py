@@ -210,7 +210,7 @@ class LiveState:
         self.controller.watch_idle(entry)
         if keep_conn and session.conn is not None:
             await session.conn.wait_ready()
-            if entry.spec.frozen_for_saves:  # saved so (BoxController.still): its shares go up too
+            if self.launcher.frozen_for_saves(entry):  # saved so (BoxController.still): its shares go up too
                 await session.conn.thaw()
 
     def require_live_state(self, entry: BoxEntry) -> None:

@@ -379,14 +379,6 @@ class BoxSpec:
         )
 
     @property
-    def frozen_for_saves(self) -> bool:
-        """Whether its commands are frozen for a save of it (``BoxController.still``), and
-        so come back frozen in a VM restored from one: a box with VMs of its own (no vCPU
-        may be inside one), or with shares (unmounted for the save: no command may see
-        their mount points bare)."""
-        return self.nested_virt or bool(self.volumes)
-
-    @property
     def policy(self) -> Policy:
         """The egress policy in force: in allowlist mode, a secret's hosts are reachable too."""
         allow = list(self.allow)

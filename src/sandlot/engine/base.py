@@ -129,11 +129,13 @@ class NetSpec:
 
 @dataclass(frozen=True, slots=True)
 class Volume:
-    """A host directory shared into the guest, mounted by the agent under ``tag``."""
+    """A host directory shared into the guest at ``guest``: mounted there by the agent,
+    which knows it by ``tag`` (or by the sandbox, ``Engine.mounts_shares``)."""
 
     host: str
     tag: str
     readonly: bool = False
+    guest: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -293,6 +295,10 @@ class Engine(ABC):
     # its VMs are host processes that ``vm_of`` knows by their command lines, so a process
     # other than their launcher finds them (a home's watcher, ``sandlot doctor``)
     host_processes: ClassVar[bool] = False
+    # its sandbox mounts the shares (``LaunchSpec.volumes``) where the box wants them, and
+    # keeps them through a save (gVisor's bind mounts); else the guest's agent mounts each
+    # by its tag, and a save needs them unmounted (QEMU's 9p: ``BoxController.still``)
+    mounts_shares: ClassVar[bool] = False
 
     def refuse(self, request: BootRequest) -> None:
         """Raise ``InvalidArgument`` for what this engine cannot run, at all or on this

@@ -65,6 +65,7 @@ class GvisorEngine(Engine):
     live_state: ClassVar[bool] = True
     save_ends_vm: ClassVar[bool] = True  # runsc checkpoint ends the sandbox
     host_processes: ClassVar[bool] = True
+    mounts_shares: ClassVar[bool] = True  # bind mounts in the sandbox's spec, kept by a checkpoint
 
     def __init__(self, home: Path) -> None:
         self.home = home
@@ -72,8 +73,6 @@ class GvisorEngine(Engine):
     # -- boots -------------------------------------------------------------------------
 
     def refuse(self, request: BootRequest) -> None:
-        if request.volumes:
-            raise InvalidArgument("engine='gvisor' does not share host directories (volumes) yet")
         if request.drives:
             raise InvalidArgument("engine='gvisor' does not mount named volumes yet: they need engine='qemu'")
         if request.kernel:
@@ -112,13 +111,16 @@ class GvisorEngine(Engine):
             platform=boot.get("platform") or "ptrace", ports=where.agent_ports,
             memory_mib=kw.get("memory_mib", boot.get("memory_mib", 512)),
             cpus=kw.get("cpus", boot.get("cpus", 1)), disk_gb=boot.get("disk_gb") or 0,
+            shares=kw.get("shares", ()),
         )  # fmt: skip
 
     async def launch(self, spec: LaunchSpec) -> GvisorVM:
         boot = spec.boot
         if spec.saved is not None:  # the agent build the state was saved with, not today's
             boot = {**boot, "agent_dir": str(self._saved_agent(spec.saved.facts))}
-        cfg = self._config(spec.where, boot, spec.disk, memory_mib=spec.memory_mib, cpus=spec.cpus)
+        cfg = self._config(
+            spec.where, boot, spec.disk, memory_mib=spec.memory_mib, cpus=spec.cpus, shares=spec.volumes
+        )
         if spec.network is not None:
             cfg.net = network.forwarder_spec(spec.network)
             cfg.net_file.parent.mkdir(parents=True, exist_ok=True)

@@ -33,7 +33,7 @@ from ...crashpoints import crash_point
 from ...errors import BootError, HostSetupError, SavedStateError, no_space
 from ...net.addresses import GUEST_ADDRESS
 from .. import hostcgroup
-from ..base import VM, Connector, VMRef, VMStatus
+from ..base import VM, Connector, VMRef, VMStatus, Volume
 from . import limits, network, runsc
 
 AGENT_DIR = "/.sandlot"  # where the host's agent directory is bound, read-only
@@ -82,6 +82,7 @@ class SandboxConfig:
     memory_mib: int
     cpus: int
     disk_gb: int = 0  # the project quota of the layer directory (limits.bound_disk); 0: none
+    shares: tuple[Volume, ...] = ()  # host directories bound into the sandbox, each at its guest path
     # the network card's forwarder spec (``network.forwarder_spec``); None: no card, or not known
     # to this process (then ``networked`` asks whether the box's namespace exists)
     net: dict[str, Any] | None = None
@@ -239,6 +240,17 @@ def oci_config(cfg: SandboxConfig) -> dict[str, Any]:
             {"destination": "/sys", "type": "sysfs", "source": "sysfs", "options": ["nosuid", "noexec"]},
             {"destination": AGENT_DIR, "type": "bind", "source": str(cfg.agent_dir), "options": ["ro"]},
             {"destination": CONSOLE_DIR, "type": "bind", "source": str(cfg.console_dir), "options": ["rw"]},
+            # gofer-served: the sandbox reaches no host file outside them, and a checkpoint
+            # names them by path, so a restore (a rollback, a fork) binds the same ones
+            *(
+                {
+                    "destination": v.guest,
+                    "type": "bind",
+                    "source": v.host,
+                    "options": ["rbind", "ro" if v.readonly else "rw"],
+                }
+                for v in cfg.shares
+            ),
         ],
         "linux": {
             "namespaces": [{"type": t} for t in ("pid", "ipc", "uts", "mount")] + [netns],
