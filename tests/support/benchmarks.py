@@ -45,7 +45,7 @@ PROMISED = {
     ],
     "concurrency": ["threads", "processes"],
     "console": ["boxes_page_render_ms", "state_change_to_screen_ms", "keystroke_echo_ms"],
-    "volumes": ["places", "ratios", "fork_ms", "snapshot_ms"],
+    "volumes": ["places", "ratios", "fork_ms", "snapshot_ms", "gvisor"],
     "interpreter": [
         "run_code_warm_ms",
         "first_run_code_new_box_s",

@@ -67,7 +67,8 @@ def test_create_list_and_revoke(store: BoxStore) -> None:
     assert list_keys(store)[0] == rec  # everything but the secret round-trips
     assert list_keys(store)[1].admin and list_keys(store)[1].quotas == Quotas()
     assert rec.to_json() == {"id": rec.id, "name": "ci", "namespace": "team-a", "admin": False,
-                             "quotas": {"boxes": 3, "memory_mib": 4096, "disk_gb": None},
+                             "quotas": {"boxes": 3, "memory_mib": 4096, "disk_gb": None, "volumes": None,
+                                        "volume_gb": None},
                              "created_at": rec.created_at, "last_used_at": None,
                              "revoked_at": None, "lease": None}  # fmt: skip
 
@@ -116,8 +117,14 @@ def test_bad_names_and_namespaces_are_refused(store: BoxStore, name: Any) -> Non
 def test_quotas_are_positive_integers_or_none(value: Any) -> None:
     with pytest.raises(InvalidArgument, match="positive integer"):
         Quotas(boxes=value)
+    with pytest.raises(InvalidArgument, match="quota volume_gb must be a positive integer"):
+        Quotas(volume_gb=value)
     with pytest.raises(InvalidArgument):
         api.create_key("q", max_disk_gb=value, home="/nonexistent/never/made")
+    with pytest.raises(InvalidArgument):
+        api.create_key("q", max_volumes=value, home="/nonexistent/never/made")
+    full = Quotas(1, 2, 3, 4, 5)
+    assert Quotas.from_json(full.to_json()) == full and Quotas.from_json({"boxes": 1}) == Quotas(boxes=1)
 
 
 # -- verification ----------------------------------------------------------------------------

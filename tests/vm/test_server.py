@@ -213,6 +213,36 @@ def test_quota_of_boxes_answers_429_naming_the_limit(served: Served, busybox_roo
         assert c.get("/v1/boxes").json()["boxes"] == []
 
 
+def test_quota_of_volumes_answers_429_naming_the_limit(served: Served) -> None:
+    tag = f"{time.monotonic_ns() % 10**9}"
+    key = create_key(served.home, f"vq-{tag}", "--namespace", f"vq-{tag}", "--max-volumes", "2",
+                     "--max-volume-gb", "1")  # fmt: skip
+    listed = sandlot_cli(served.home, "keys", "ls")
+    assert "volumes=2,volume_disk=1GB" in listed.stdout, listed.stdout
+    with served.client(key) as c:
+        made = []
+        try:
+            first = c.post("/v1/volumes", json={"name": f"vq-a-{tag}", "size_gb": 0.5})
+            assert first.status_code == 201, first.text
+            made.append(first.json()["name"])
+            body = error(c.post("/v1/volumes", json={"name": f"vq-b-{tag}", "size_gb": 0.75}), 429,
+                         "quota_exceeded")  # fmt: skip
+            assert body["limit"] == "volume_gb" and body["value"] == 1 and "0.5 in use" in body["message"]
+            body = error(c.post("/v1/volumes", json={"name": f"vq-s-{tag}", "shared": True}), 429,
+                         "quota_exceeded")  # fmt: skip
+            assert body["limit"] == "volume_gb" and "a shared volume has none" in body["message"]
+            second = c.post("/v1/volumes", json={"name": f"vq-b-{tag}", "size_gb": 0.25})
+            assert second.status_code == 201, second.text
+            made.append(second.json()["name"])
+            body = error(c.post("/v1/volumes", json={"name": f"vq-c-{tag}", "size_gb": 0.1}), 429,
+                         "quota_exceeded")  # fmt: skip
+            assert body["limit"] == "volumes" and body["value"] == 2
+            assert sorted(v["name"] for v in c.get("/v1/volumes").json()["volumes"]) == sorted(made)
+        finally:
+            for name in made:
+                c.delete(f"/v1/volumes/{name}")
+
+
 # -- bad input -------------------------------------------------------------------------
 
 

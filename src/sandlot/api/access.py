@@ -45,11 +45,15 @@ def create_key(
     max_disk_gb: int | None = None,
     lease: float | None = None,
     home: str | os.PathLike[str] | None = None,
+    max_volumes: int | None = None,
+    max_volume_gb: int | None = None,
 ) -> tuple[ApiKey, str]:
     """Make an API key: its record and the key itself, which is shown only this once.
     ``lease``: seconds a box its remote ``with`` block made outlives the client's last
-    renewal (api/leases.py; the server's default otherwise)."""
-    quotas = Quotas(boxes=max_boxes, memory_mib=max_memory_mib, disk_gb=max_disk_gb)
+    renewal (api/leases.py; the server's default otherwise). The ``max_`` quotas bound
+    what its namespace's boxes and named volumes take in all."""
+    quotas = Quotas(boxes=max_boxes, memory_mib=max_memory_mib, disk_gb=max_disk_gb, volumes=max_volumes,
+                    volume_gb=max_volume_gb)  # fmt: skip
     store = Runtime.for_home(home).store
     return access.create_key(store, name, namespace=namespace, admin=admin, quotas=quotas, lease=lease)
 

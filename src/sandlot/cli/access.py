@@ -1,7 +1,8 @@
 """API keys and the audit trail of ``sandlot serve``.
 
 sandlot keys create --name N [--namespace NS] [--admin] [--max-boxes N]
-                    [--max-memory-mib N] [--max-disk-gb N] [--lease S]   the key, once
+                    [--max-memory-mib N] [--max-disk-gb N] [--max-volumes N]
+                    [--max-volume-gb N] [--lease S]              the key, once
 sandlot keys ls [--json]                                       revoked ones too
 sandlot keys revoke NAME                 at once, for good, with the preview URLs it made
 sandlot previews ls [--box B] [--key K] [--namespace NS] [--all] [--json]
@@ -85,7 +86,8 @@ def print_records(records: Sequence[R], as_json: bool, columns: tuple[str, ...],
 def quotas_text(key: ApiKey) -> str:
     q = key.quotas
     parts = [f"boxes={q.boxes}" if q.boxes else "", f"memory={q.memory_mib}MiB" if q.memory_mib else "",
-             f"disk={q.disk_gb}GB" if q.disk_gb else ""]  # fmt: skip
+             f"disk={q.disk_gb}GB" if q.disk_gb else "", f"volumes={q.volumes}" if q.volumes else "",
+             f"volume_disk={q.volume_gb}GB" if q.volume_gb else ""]  # fmt: skip
     return ",".join(p for p in parts if p) or "-"
 
 
@@ -109,14 +111,20 @@ def keys_create(
         float | None,
         typer.Option("--lease", help="Seconds a box of its remote `with` block outlives the client (10+)."),
     ] = None,
+    max_volumes: Annotated[
+        int | None, typer.Option("--max-volumes", min=1, help="Named volumes in all.")
+    ] = None,
+    max_volume_gb: Annotated[
+        int | None, typer.Option("--max-volume-gb", min=1, help="GB of disk volumes in all (no shared ones).")
+    ] = None,
 ) -> None:
     """Make an API key and print it (shown only this once; the store keeps a hash)."""
     from ..api.access import create_key
 
     try:
         key, secret = create_key(name, namespace=namespace, admin=admin, max_boxes=max_boxes,
-                                 max_memory_mib=max_memory_mib, max_disk_gb=max_disk_gb,
-                                 lease=lease)  # fmt: skip
+                                 max_memory_mib=max_memory_mib, max_disk_gb=max_disk_gb, lease=lease,
+                                 max_volumes=max_volumes, max_volume_gb=max_volume_gb)  # fmt: skip
     except SandlotError as exc:
         raise fail(exc, 125) from exc
     print(secret, flush=True)

@@ -75,11 +75,15 @@ def _check_name(what: str, value: object) -> str:
 @dataclass(frozen=True)
 class Quotas:
     """What the boxes of a key's namespace (or of the key, without one) may take in
-    all: a number of boxes, MiB of memory, GB of disk. None is no limit."""
+    all: a number of boxes, MiB of memory, GB of disk; and its named volumes: how many,
+    and GB of disk volumes in all (a key with that quota makes no shared volume, which
+    has no size to count). None is no limit."""
 
     boxes: int | None = None
     memory_mib: int | None = None
     disk_gb: int | None = None
+    volumes: int | None = None
+    volume_gb: int | None = None
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -88,7 +92,7 @@ class Quotas:
                 raise InvalidArgument(f"quota {f.name} must be a positive integer or None, not {value!r}")
 
     def to_json(self) -> dict[str, int | None]:
-        return {"boxes": self.boxes, "memory_mib": self.memory_mib, "disk_gb": self.disk_gb}
+        return {f.name: getattr(self, f.name) for f in fields(self)}
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> Quotas:

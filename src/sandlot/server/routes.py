@@ -59,6 +59,7 @@ from ..api.events import record_refusal
 from ..api.local import LocalBackend, local_snapshot
 from ..core.diffs import side_key
 from ..core.spec import is_volume_name
+from ..core.volumes import DEFAULT_SIZE_GB
 from ..errors import (
     BoxNotFound,
     InvalidArgument,
@@ -179,6 +180,31 @@ async def check_quota(request: Request, n: int, memory_mib: int, disk_gb: int) -
                 limit=limit,
                 value=most,
             )
+            await record_refusal(str(refused), mine, home=_server(request).home)
+            raise refused
+
+
+async def check_volume_quota(request: Request, body: VolumeCreate) -> None:
+    """Refuse (429) a volume that would take the caller's key over its volume quotas."""
+    caller = _caller(request)
+    q = caller.quotas
+    if q is None or (q.volumes is None and q.volume_gb is None):
+        return
+    mine = {NAMESPACE_LABEL: caller.namespace} if caller.namespace else {KEY_LABEL: caller.key_id or ""}
+    have = [
+        v for v in await _backend(request).volume_list() if mine.items() <= (v.get("labels") or {}).items()
+    ]
+    asked_gb = 0.0 if body.shared else float(body.size_gb if body.size_gb is not None else DEFAULT_SIZE_GB)
+    used_gb = sum(float(v.get("size_gb") or 0) for v in have)
+    for limit, now, adding, most in (("volumes", len(have), 1, q.volumes),
+                                     ("volume_gb", used_gb, asked_gb, q.volume_gb)):  # fmt: skip
+        why = ""
+        if most is not None and now + adding > most:
+            why = f"the key's quota of {limit} is {most}: {now:g} in use, {adding:g} more asked"
+        elif limit == "volume_gb" and most is not None and body.shared:
+            why = f"the key's quota of volume_gb ({most}) bounds volumes by size; a shared volume has none"
+        if why:
+            refused = QuotaExceeded(why, limit=limit, value=most)
             await record_refusal(str(refused), mine, home=_server(request).home)
             raise refused
 
@@ -805,8 +831,11 @@ async def volume_for(request: Request, key: str) -> dict[str, Any]:
 @router.post("/volumes", status_code=201, tags=["volumes"])
 async def create_volume(body: VolumeCreate, request: Request, response: Response) -> dict[str, Any]:
     """Create an empty named volume (labelled with the key's namespace, as its boxes are)."""
-    labels = _stamped(_caller(request), body.labels)
-    made = await _backend(request).volume_create(body.name, body.size_gb, labels, body.shared)
+    caller = _caller(request)
+    labels = _stamped(caller, body.labels)
+    async with _create_lock(_server(request), caller):
+        await check_volume_quota(request, body)
+        made = await _backend(request).volume_create(body.name, body.size_gb, labels, body.shared)
     response.headers["Location"] = f"/v1/volumes/{made['id']}"
     return made
 
