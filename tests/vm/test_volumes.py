@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -232,3 +234,34 @@ def test_shared_volumes_and_host_directories_are_live_in_every_box_through_snaps
     finally:
         imported.remove()
         sandlot.volume.remove(name)
+
+
+def test_kill9_mid_save_leaves_no_share_down_past_the_freeze_lease(
+    busybox_root: Path, tmp_path: Path
+) -> None:
+    """A process killed between unmounting a box's shares and saving it leaves the box
+    frozen with them down: its agent mounts them again and thaws the commands when the
+    freeze's lease (10 s of guest time) runs out, whoever comes next."""
+    host = tmp_path / "host"
+    host.mkdir()
+    name = f"shares-crash-{os.urandom(3).hex()}"
+    box = sandlot.create(rootfs=busybox_root, name=name, memory_mib=256, volumes={str(host): "/h"})
+    box.start()
+    try:
+        box.sh("(while true; do date +%s >> /h/ticks; sleep 0.2; done) >/dev/null 2>&1 &", check=True)
+        crash = f"import sandlot\nsandlot.get({name!r}).snapshot('crash')"
+        env = {**os.environ, "SANDLOT_CRASH_AT": "snapshot.before-save"}
+        r = subprocess.run(
+            [sys.executable, "-c", crash], env=env, capture_output=True, text=True, timeout=300
+        )
+        assert r.returncode == -9, r.stderr
+        again = sandlot.get(name)
+        assert again.state == "running" and "crash" not in [s.name for s in again.snapshots()]
+        # the next command waits out the lease (the commands are frozen), then sees the share
+        assert " /h 9p " in again.sh("cat /proc/mounts", timeout=120).stdout
+        ticks = len((host / "ticks").read_text().split())
+        time.sleep(1.5)
+        assert len((host / "ticks").read_text().split()) > ticks  # the loop writes the share again
+        assert again.snapshot("after").name == "after"  # and a save goes through
+    finally:
+        box.remove(force=True)

@@ -4,14 +4,19 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import signal as _signal
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from ..errors import ConnectionLost, ProtocolError
+from ..errors import ConnectionLost, GuestOSError, ProtocolError
 from . import wire
 from .connection import AgentConnection, Channel, InboundStream, OutboundStream
 from .wire import ExecFlag, Fields, SignalFlag, T, Tag
+
+# How long a command waits for a box whose commands are frozen for a save (the agent
+# answers EBUSY then): a save's freeze ends with it, or with its lease (10 s of guest time)
+FROZEN_WAIT_LIMIT = 60.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,14 +81,29 @@ class RemoteProcess:
 
     @classmethod
     async def start(cls, conn: AgentConnection, req: ExecRequest) -> RemoteProcess:
+        """Start the command. While the box's commands are frozen for a save (which
+        another process may be making), the agent starts none: asked again, with a
+        backoff, until the thaw (a save's freeze lasts at most its lease)."""
         payload = req.encode()
-        ch = conn.open_channel()
-        try:
-            ch.send(T.EXEC, payload)
-            frame = await ch.expect(T.EXEC_STARTED, timeout=conn.request_timeout)
-        except BaseException:
-            ch.close()
-            raise
+        loop = asyncio.get_running_loop()
+        give_up = loop.time() + FROZEN_WAIT_LIMIT
+        wait = 0.02
+        while True:
+            ch = conn.open_channel()
+            try:
+                ch.send(T.EXEC, payload)
+                frame = await ch.expect(T.EXEC_STARTED, timeout=conn.request_timeout)
+                break
+            except GuestOSError as exc:
+                ch.close()
+                frozen = exc.errno == errno.EBUSY and "frozen for a save" in exc.message
+                if not frozen or loop.time() + wait > give_up:
+                    raise
+            except BaseException:
+                ch.close()
+                raise
+            await asyncio.sleep(wait)
+            wait = min(wait * 2, 0.5)
         f = Fields(frame.payload)
         return cls(conn, ch, f.u32(Tag.PID, 0) or 0, req.tty, f.u32(Tag.WINDOW, wire.WINDOW) or wire.WINDOW)
 

@@ -333,6 +333,13 @@ void exec_start(struct session *s, uint32_t ch, const uint8_t *p, size_t n)
         req_free(&r);
         return;
     }
+    if (limits_frozen()) {
+        /* its process would be frozen as it joins its cgroup, before execve, and the
+         * agent waits in vfork for that execve: the host asks again after the thaw */
+        send_error(s, ch, EBUSY, SL_EXEC, "the box's commands are frozen for a save: ask again when it is over");
+        req_free(&r);
+        return;
+    }
     if (g_safe_mode) {
         send_error(s, ch, EPERM, SL_EXEC, "exec is disabled in safe mode");
         req_free(&r);
