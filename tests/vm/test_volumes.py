@@ -4,6 +4,7 @@ mid-write that loses nothing acknowledged, and a full volume that stays inside i
 
 from __future__ import annotations
 
+import concurrent.futures
 import os
 import signal
 import subprocess
@@ -182,6 +183,12 @@ def test_shared_volumes_and_host_directories_are_live_in_every_box_through_snaps
         snap = one.snapshot(name="shared")
         assert mounted(one) == ["/h", "/s"]  # up again before its commands ran on
         archive = snap.export(tmp_path / "shared.sandlot")
+        # commands asked for during saves start after each thaw: none is lost, none hangs
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            asked = [pool.submit(one.sh, f"cat /s/one && echo {i}") for i in range(24)]
+            for _ in range(3):
+                one.snapshot().remove()
+            assert [f.result(timeout=120).stdout for f in asked] == [f"from-one\n{i}\n" for i in range(24)]
         one.sh("echo after-the-snapshot > /s/after", check=True)
         # a fork keeps the mounts: its children share the same directories, live
         children = one.fork(2)
