@@ -183,12 +183,19 @@ def test_shared_volumes_and_host_directories_are_live_in_every_box_through_snaps
         snap = one.snapshot(name="shared")
         assert mounted(one) == ["/h", "/s"]  # up again before its commands ran on
         archive = snap.export(tmp_path / "shared.sandlot")
-        # commands asked for during saves start after each thaw: none is lost, none hangs
+        # commands asked for during saves start after each thaw: none is lost, none hangs (a
+        # command with a file open under a share when the save comes is let finish first,
+        # for a second at most: these touch none, as a command caught so may refuse the save)
         with concurrent.futures.ThreadPoolExecutor(2) as pool:
-            asked = [pool.submit(one.sh, f"cat /s/one && echo {i}") for i in range(24)]
+            asked = [pool.submit(one.sh, f"echo {i}") for i in range(24)]
             for _ in range(3):
                 one.snapshot().remove()
-            assert [f.result(timeout=120).stdout for f in asked] == [f"from-one\n{i}\n" for i in range(24)]
+            assert [f.result(timeout=120).stdout for f in asked] == [f"{i}\n" for i in range(24)]
+        # a reader caught mid-file is let finish, and the save goes on
+        reader = one.spawn("sh", "-c", "sleep 0.3 < /s/one", stdin=False)
+        time.sleep(0.1)
+        one.snapshot().remove()
+        assert reader.wait(timeout=60) == 0
         one.sh("echo after-the-snapshot > /s/after", check=True)
         # a fork keeps the mounts: its children share the same directories, live
         children = one.fork(2)

@@ -84,6 +84,7 @@ BOOT_WORK_LIMIT = 3.0  # seconds; the TSC's calibration ends about 1.2 s after b
 # (a new disk layer is made in between): a lease run out before the stop would let a
 # nested guest run into the save, and the state would not load.
 FREEZE_LEASE = 10.0
+DETACH_RETRIES = (0.05, 0.1, 0.2, 0.4)  # seconds the commands run between tries to unmount the shares
 
 
 @dataclass
@@ -626,29 +627,51 @@ class BoxController:
         A share that cannot come down (files open under it) refuses a save, naming the
         processes; a pause (not ``for_save``) then goes on with it up."""
         conn = None
+        # what a pause of a box with shares (and no VMs of its own) does not need: it goes
+        # on with them up if they cannot come down, and a save of it then says so
+        optional = not for_save and not entry.spec.nested_virt
         if self.launcher.frozen_for_saves(entry) and entry.state == BoxState.RUNNING:
             conn = await self.connection(entry)
-            await conn.freeze(FREEZE_LEASE)
-            if entry.spec.volumes and not self.rt.engine(entry.spec.engine).mounts_shares:
-                try:
-                    await conn.control(ControlOp.DETACH)
-                except GuestOSError as exc:  # the agent put every share back up
-                    if for_save or not entry.spec.nested_virt:
-                        await conn.thaw()
-                        conn = None
-                    if for_save:
-                        raise InvalidState(
-                            f"box {entry.name} cannot be saved now: {exc.message}. A host directory is "
-                            "unmounted for the length of a save; close what is open under it and try again",
-                            box=entry.name,
-                            state=entry.state,
-                        ) from None
+            try:
+                await conn.freeze(FREEZE_LEASE)
+            except GuestOSError:
+                if not optional:
+                    raise
+                conn = None
+        if conn is not None and entry.spec.volumes and not self.rt.engine(entry.spec.engine).mounts_shares:
+            try:
+                await self._detach_shares(conn)
+            except GuestOSError as exc:  # a share stays busy: the agent put every one back up
+                await conn.thaw()
+                conn = None
+                if not optional:
+                    raise InvalidState(
+                        f"box {entry.name} cannot be saved now: {exc.message}. A host directory is "
+                        "unmounted for the length of a save; close what is open under it and try again",
+                        box=entry.name,
+                        state=entry.state,
+                    ) from None
         try:
             yield
         finally:
             if conn is not None and entry.state == BoxState.RUNNING:  # not paused, suspended, gone
                 with contextlib.suppress(SandlotError, OSError):
                     await conn.thaw()
+
+    @staticmethod
+    async def _detach_shares(conn: AgentConnection) -> None:
+        """Have the agent unmount the shares of a frozen box. A command caught with a file
+        open under one (a ``cat`` that was reading it) is let run a moment and the box
+        frozen again: a few tries, about a second in all, before the error stands."""
+        for wait in DETACH_RETRIES:
+            try:
+                await conn.control(ControlOp.DETACH)
+                return
+            except GuestOSError:
+                await conn.thaw()
+                await asyncio.sleep(wait)
+                await conn.freeze(FREEZE_LEASE)
+        await conn.control(ControlOp.DETACH)
 
     async def remove(self, entry: BoxEntry, *, force: bool = False) -> None:
         """Delete the box: its disk, logs and record. A running box needs ``force``
