@@ -26,7 +26,7 @@ IDLE = "idle"  # who its events say acted
 
 
 async def watch(home: Path, box_id: str) -> None:
-    from ..errors import SandlotError
+    from ..errors import BoxNotFound, SandlotError
     from .runtime import Runtime
     from .service import core_for
     from .state import BoxState
@@ -47,8 +47,14 @@ async def watch(home: Path, box_id: str) -> None:
                 if (await core.controller.refresh(entry)).state != BoxState.RUNNING:
                     return  # stopped, suspended, removed: a later start or resume watches again
                 busy, idle = await core.controller.activity(entry)
-            except SandlotError:
+            except BoxNotFound:
                 return
+            except SandlotError:
+                # the store busy, or the agent slow to answer (a host under load, a save in
+                # progress): asked again at the next poll, as giving up would leave the box
+                # awake for good
+                entry.session.drop()
+                continue
             if busy == 0 and idle >= timeout:
                 entry.session.drop()  # our own connection is not a user
                 with contextlib.suppress(SandlotError), acting_as(IDLE, f"idle for {idle:.0f}s"):
