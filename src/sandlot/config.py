@@ -119,6 +119,17 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def tree_bytes(root: Path) -> int:
+    """The bytes the files under ``root`` take on disk (sparse files: what was written);
+    a file that goes meanwhile counts nothing."""
+    total = 0
+    for dirpath, _dirs, files in os.walk(root):
+        for name in files:
+            with contextlib.suppress(OSError):
+                total += os.lstat(os.path.join(dirpath, name)).st_blocks * 512
+    return total
+
+
 def fsync_tree(root: Path) -> None:
     for dirpath, _dirs, files in os.walk(root):
         for name in files:

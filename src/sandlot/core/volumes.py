@@ -43,6 +43,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from ..config import tree_bytes
 from ..errors import HostSetupError, InvalidArgument, SavedStateError, VolumeNotFound, no_space
 from . import layers
 from .spec import BoxSpec, Mount, Volume, is_volume_name
@@ -218,16 +219,6 @@ def host_bytes(tops: list[Path]) -> int:
     for p in files:
         with contextlib.suppress(OSError):
             total += p.stat().st_blocks * 512
-    return total
-
-
-def tree_bytes(top: Path) -> int:
-    """The bytes the files under ``top`` take on the host (a shared volume's)."""
-    total = 0
-    for dirpath, dirnames, filenames in os.walk(top):
-        for n in (*dirnames, *filenames):
-            with contextlib.suppress(OSError):
-                total += os.lstat(os.path.join(dirpath, n)).st_blocks * 512
     return total
 
 

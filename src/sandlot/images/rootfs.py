@@ -16,7 +16,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-from ..config import fsync_dir
+from ..config import fsync_dir, tree_bytes
 from ..errors import HostSetupError, ImageError, InvalidArgument, no_space
 
 GiB = 1 << 30
@@ -55,19 +55,10 @@ def _dir_digest(root: Path) -> str:
     return h.hexdigest()
 
 
-def _tree_bytes(root: Path) -> int:
-    total = 0
-    for dirpath, _dirs, files in os.walk(root):
-        for name in files:
-            with_st = os.lstat(os.path.join(dirpath, name))
-            total += with_st.st_blocks * 512
-    return total
-
-
 def base_size(root: Path) -> int:
     """A base disk just big enough for its content plus room to work: boxes grow it
     to their disk size at first boot (online resize, about 0.1 s)."""
-    need = _tree_bytes(root)
+    need = tree_bytes(root)
     size = max(512 << 20, int(need * 1.3) + (256 << 20))
     return (size + (64 << 20) - 1) // (64 << 20) * (64 << 20)
 
@@ -77,7 +68,7 @@ def make_ext4(src_dir: Path, out: Path, size_bytes: int, label: str = "sandlot-r
     mkfs = shutil.which("mkfs.ext4") or "/sbin/mkfs.ext4"
     if not os.path.exists(mkfs):
         raise HostSetupError("mkfs.ext4 not found: install e2fsprogs")
-    need = _tree_bytes(src_dir)
+    need = tree_bytes(src_dir)
     if need > size_bytes * 0.9:
         raise InvalidArgument(
             f"root filesystem needs about {need / GiB:.2f} GiB but the disk is {size_bytes / GiB:.2f} GiB"

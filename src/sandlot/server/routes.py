@@ -165,7 +165,7 @@ async def check_quota(request: Request, n: int, memory_mib: int, disk_gb: int) -
     q = caller.quotas
     if q is None or (q.boxes is None and q.memory_mib is None and q.disk_gb is None):
         return
-    mine = {NAMESPACE_LABEL: caller.namespace} if caller.namespace else {KEY_LABEL: caller.key_id or ""}
+    mine = _counted(caller)
     boxes = await AsyncBox.list(labels=mine, home=_server(request).home)
     used_memory = sum(int(b.info.get("memory_mib") or 0) for b in boxes)
     used_disk = sum(int(b.info.get("disk_size_gb") or 0) for b in boxes)
@@ -175,13 +175,19 @@ async def check_quota(request: Request, n: int, memory_mib: int, disk_gb: int) -
         ("disk_gb", used_disk, n * disk_gb, q.disk_gb),
     ):
         if most is not None and have + adding > most:
-            refused = QuotaExceeded(
-                f"the key's quota of {limit} is {most}: {have} in use, {adding} more asked",
-                limit=limit,
-                value=most,
-            )
-            await record_refusal(str(refused), mine, home=_server(request).home)
-            raise refused
+            await _over_quota(request, mine, limit, most, f"{have} in use, {adding} more asked")
+
+
+def _counted(caller: Caller) -> dict[str, str]:
+    """The labels of what counts against the caller's quotas: its namespace's, or its key's."""
+    return {NAMESPACE_LABEL: caller.namespace} if caller.namespace else {KEY_LABEL: caller.key_id or ""}
+
+
+async def _over_quota(request: Request, mine: dict[str, str], limit: str, most: int, why: str) -> None:
+    """Refuse (429) a request over the caller's quota of ``limit``, in the audit trail too."""
+    refused = QuotaExceeded(f"the key's quota of {limit} is {most}: {why}", limit=limit, value=most)
+    await record_refusal(str(refused), mine, home=_server(request).home)
+    raise refused
 
 
 async def check_volume_quota(request: Request, body: VolumeCreate) -> None:
@@ -190,7 +196,7 @@ async def check_volume_quota(request: Request, body: VolumeCreate) -> None:
     q = caller.quotas
     if q is None or (q.volumes is None and q.volume_gb is None):
         return
-    mine = {NAMESPACE_LABEL: caller.namespace} if caller.namespace else {KEY_LABEL: caller.key_id or ""}
+    mine = _counted(caller)
     have = [
         v for v in await _backend(request).volume_list() if mine.items() <= (v.get("labels") or {}).items()
     ]
@@ -198,15 +204,12 @@ async def check_volume_quota(request: Request, body: VolumeCreate) -> None:
     used_gb = sum(float(v.get("size_gb") or 0) for v in have)
     for limit, now, adding, most in (("volumes", len(have), 1, q.volumes),
                                      ("volume_gb", used_gb, asked_gb, q.volume_gb)):  # fmt: skip
-        why = ""
         if most is not None and now + adding > most:
-            why = f"the key's quota of {limit} is {most}: {now:g} in use, {adding:g} more asked"
-        elif limit == "volume_gb" and most is not None and body.shared:
-            why = f"the key's quota of volume_gb ({most}) bounds volumes by size; a shared volume has none"
-        if why:
-            refused = QuotaExceeded(why, limit=limit, value=most)
-            await record_refusal(str(refused), mine, home=_server(request).home)
-            raise refused
+            await _over_quota(request, mine, limit, most, f"{now:g} in use, {adding:g} more asked")
+        if most is not None and limit == "volume_gb" and body.shared:
+            await _over_quota(
+                request, mine, limit, most, "it bounds volumes by size, and a shared volume has none"
+            )
 
 
 def _check_network(caller: Caller, network: object) -> None:
