@@ -44,7 +44,7 @@ from ..net.secrets import build_vault, read_vault_json, write_vault
 from ..protocol.connection import AgentConnection
 from ..protocol.exec import ExecRequest, RemoteProcess
 from ..protocol.wire import ControlOp, Fields, Tag, tlv
-from . import events, idle, layers, snapshots, tracing, volumes
+from . import events, idle, layers, tracing, volumes
 from .entry import BoxEntry
 from .launch import Launcher, read_file
 from .recovery import Recovery
@@ -461,10 +461,9 @@ class BoxController:
             source = await self.db.find(snap.box_id) if snap.box_id else None
             vault = await asyncio.to_thread(read_vault_json, rt.box_dir(source.id)) if source else None
             await self._write_vault(entry, spec, req, vault)
-        saved = snapshots.snapshot_dir(rt.home, snap.id)
         if snap.options.get("drives"):
-            await self._record_drives(entry, volumes.tops_from, rt.home, snap, saved)
-        disk = await asyncio.to_thread(layers.child_layer, rt.home, Path(snap.layer), saved / "blank.qcow2")
+            await self._record_drives(entry, volumes.tops_from, rt.home, snap)
+        disk = await asyncio.to_thread(layers.new_layer, rt.home, Path(snap.layer))
         made = events.draft("created", image=snap.options.get("image_ref"), snapshot=snap.id,
                             snapshot_name=snap.name, from_box=snap.box_name)  # fmt: skip
         result: BoxRecord | None = await self.db.update(

@@ -10,7 +10,7 @@ root disk it does to volumes, in the same QEMU transaction:
 
 - a snapshot freezes the tops with the disk (the box goes on over new ones), so a
   restore, a rollback or a fork sees each volume as it was then, and a fork's children
-  get copy-on-write tops of their own over the frozen layers: they cost a file copy
+  get copy-on-write tops of their own over the frozen layers: they cost a qcow2 header
   each, whatever the volume holds;
 - the box that mounted a volume by name in ``copy`` mode *holds* it: when that box is
   removed, its top becomes the volume's head (in the transaction that deletes the box),
@@ -278,14 +278,14 @@ def tops_for(home: Path, store: BoxStore, mounts: list[Mount]) -> list[dict[str,
     return drives
 
 
-def tops_from(home: Path, snap: SnapshotRecord, blank_dir: Path) -> list[dict[str, Any]]:
+def tops_from(home: Path, snap: SnapshotRecord) -> list[dict[str, Any]]:
     """The drives of a box started from a snapshot: a private top over each of the
-    snapshot's frozen layers (a copy of a blank layer kept beside the snapshot)."""
+    snapshot's frozen layers."""
     saved = snap.options.get("drive_volumes") or []
     drives: list[dict[str, Any]] = []
     try:
         for i, layer in enumerate(snap.options.get("drives") or []):
-            top = layers.child_layer(home, Path(layer), blank_dir / f"blank-drive{i}.qcow2")
+            top = layers.new_layer(home, Path(layer))
             volume = saved[i] if i < len(saved) else ""
             drives.append({"volume": volume, "serial": serial(i), "top": str(top), "holds": False})
     except BaseException:
