@@ -43,6 +43,7 @@ PACKAGES: tuple[HostPackage, ...] = (
     HostPackage("zstd", ("zstd",), "the distro kernel's zstd modules", True),
     HostPackage("lz4", ("lz4",), "lz4-compressed kernels", True),
     HostPackage("runsc", ("runsc",), "the gVisor engine, as root", False, "SANDLOT_RUNSC"),
+    HostPackage("fuse2fs", ("fuse2fs",), "gVisor: disk volumes, served by a user-space ext4", False),
     HostPackage("iptables", ("iptables",), "gVisor: network='open'; saves checking closed TCP", False),
     HostPackage("mmdebstrap", ("mmdebstrap",), "sandlot rootfs debian", False),
     HostPackage("busybox-static", ("busybox",), "sandlot rootfs busybox", False),

@@ -14,6 +14,7 @@ import sandlot
 from sandlot.core.runtime import Runtime
 from sandlot.engine import auto
 from sandlot.engine.auto import EngineChoice
+from sandlot.engine.gvisor import drives as gvisor_drives
 
 from tests.support.fake_engine import fake_rootfs, register
 
@@ -82,9 +83,10 @@ def test_auto_is_resolved_and_recorded(tmp_path: Path, monkeypatch: pytest.Monke
 def test_auto_gives_qemu_to_a_box_its_choice_cannot_run(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Where auto picks gVisor, a box asking for what gVisor refuses (disk volumes, a
-    kernel of its own) gets QEMU instead of an error; any other box gets gVisor, host
-    directories and shared volumes included (its bind mounts)."""
+    """Where auto picks gVisor, a box asking for what gVisor cannot run here (disk
+    volumes on a host without their user-space ext4, a kernel of its own) gets QEMU
+    instead of an error; any other box gets gVisor, host directories, shared volumes
+    and (where the host has the tools) disk volumes included."""
     home = tmp_path / "home"
     rt = Runtime.for_home(home)
     monkeypatch.setattr(rt, "auto_engine", lambda: EngineChoice("gvisor", "the test's choice"))
@@ -92,16 +94,21 @@ def test_auto_gives_qemu_to_a_box_its_choice_cannot_run(
     shared.mkdir()
     rootfs = fake_rootfs(tmp_path)
     sandlot.Volumes(home).create("data", size_gb=0.1)
+    sandlot.Volumes(home).create("more", size_gb=0.1)
+    monkeypatch.setattr(gvisor_drives, "missing_tools", lambda: [])
+    served = sandlot.create(rootfs=rootfs, engine="auto", home=home, volumes=["more:/more"])
+    monkeypatch.setattr(gvisor_drives, "missing_tools", lambda: ["fuse2fs"])
     with_volume = sandlot.create(rootfs=rootfs, engine="auto", home=home, volumes=["data:/data"])
     with_share = sandlot.create(rootfs=rootfs, engine="auto", home=home, volumes=[(shared, "/mnt")])
     plain = sandlot.create(rootfs=rootfs, engine="auto", home=home)
     try:
+        assert served.inspect()["engine"] == "gvisor"
         assert with_volume.inspect()["engine"] == "qemu"
         assert with_share.inspect()["engine"] == "gvisor" and plain.inspect()["engine"] == "gvisor"
     finally:
-        for box in (with_volume, with_share, plain):
+        for box in (served, with_volume, with_share, plain):
             box.remove(force=True)
-    with pytest.raises(sandlot.InvalidArgument, match="named volumes"):  # asked for by name: refused
+    with pytest.raises(sandlot.InvalidArgument, match=r"named volumes.*fuse2fs"):  # asked for by name
         sandlot.create(rootfs=rootfs, engine="gvisor", home=home, volumes=["data:/data"])
 
 

@@ -216,18 +216,6 @@ def test_a_saved_state_of_the_other_engine_is_refused(busybox_root: Path) -> Non
         snap.remove()
 
 
-def test_disk_volumes_are_refused_clearly(busybox_root: Path) -> None:
-    before = {b.id for b in sandlot.list()}
-    name = f"gv-disk-{os.urandom(3).hex()}"
-    sandlot.volume.create(name, size_gb=0.0625)
-    try:
-        with pytest.raises(sandlot.InvalidArgument, match=r"gvisor.*named volumes.*qemu"):
-            sandlot.Box(rootfs=busybox_root, engine="gvisor", volumes={name: "/mnt"}).start()
-        assert {b.id for b in sandlot.list()} == before  # refused before a box was made for them
-    finally:
-        sandlot.volume.remove(name)
-
-
 def test_shares_are_bind_mounts_that_live_state_keeps(busybox_root: Path, tmp_path: Path) -> None:
     """Host directories and shared volumes on gVisor: bind mounts served by its gofer,
     which a checkpoint names by path. A file open under one does not stop a save."""

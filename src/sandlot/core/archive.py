@@ -227,8 +227,7 @@ def _check_manifest(m: Any) -> dict[str, Any]:
     _need(isinstance(snap, dict) and isinstance(snap.get("box", {}), dict), "no snapshot facts")
     mounts = snap["box"].get("mounts") or []
     _need(isinstance(mounts, list) and len(mounts) <= MAX_MOUNTS, "snapshot.box.mounts is not a short list")
-    if mounts:
-        _need(parts == PARTS, "named volumes in a snapshot of an engine without them")
+    engine_parts = len(parts)
     parts = (*parts, *(volume_member(i) for i in range(len(mounts))))
     _need(
         isinstance(files, dict) and set(files) == set(parts),
@@ -264,6 +263,8 @@ def _check_manifest(m: Any) -> dict[str, Any]:
         _need(files["checkpoint.img"]["size"] <= (compat["memory_mib"] << 20) + MAX_DEVICES,
               "the checkpoint is larger than the memory it was saved with")  # fmt: skip
         _need(files["root.tar"]["size"] <= MAX_DISK, "the root is too large")
+        for name in parts[engine_parts:]:
+            _need(files[name]["size"] <= MAX_DISK, f"{name} is too large")
     checked: dict[str, Any] = m
     checked["parts"] = parts
     return checked
@@ -451,9 +452,8 @@ def import_snapshot(
             _unpack_root(tmp / "root.tar", root)
             (tmp / "root.tar").unlink()
             layers.make_dir_layer(layer, root)
-        else:
-            for disk in (layer, *volume_layers):
-                _check_disk(disk)
+        for disk in (layer, *volume_layers) if engine.disk_format != "dir" else volume_layers:
+            _check_disk(disk)
         compat, info = manifest["compat"], manifest["snapshot"]
         facts = engine.facts_for_import(
             {

@@ -171,7 +171,7 @@ class Launcher:
         launch = LaunchSpec(
             where=where, disk=Path(rec.disk), memory_mib=spec.memory_mib, cpus=spec.cpus,
             boot=shape(boot, spec.memory_mib, spec.cpus, where.agent_ports, net), network=net,
-            volumes=shares_of(spec), drives=drives_of(rec.drives),
+            volumes=shares_of(spec), drives=drives_of(rec.drives, spec),
         )  # fmt: skip
         timeout = spec.boot_timeout_for(boot.accel)
 
@@ -180,7 +180,7 @@ class Launcher:
             for share in () if engine.mounts_shares else launch.volumes:
                 flags = MountFlag.READONLY if share.readonly else 0
                 await conn.control(ControlOp.MOUNT, mount_request(share.guest, share.tag, flags))
-            for m, d in zip(spec.mounts, rec.drives, strict=True):
+            for m, d in zip(() if engine.mounts_drives else spec.mounts, rec.drives, strict=False):
                 flags = MountFlag.BLOCK | (MountFlag.READONLY if m.mode == "ro" else 0)
                 await conn.control(ControlOp.MOUNT, mount_request(m.guest, d["serial"], flags))
             await self.install_trust(entry, conn)
@@ -226,7 +226,8 @@ class Launcher:
             where=where, disk=top, memory_mib=facts["memory_mib"], cpus=facts["cpus"], network=net,
             boot=shape(boot, facts["memory_mib"], facts["cpus"], facts["agent_ports"], net),
             saved=SavedState(snapshots.snapshot_dir(self.rt.home, snap.id), facts),
-            volumes=shares_of(entry.spec), drives=drives_of(rec.drives if drives is None else drives),
+            volumes=shares_of(entry.spec),
+            drives=drives_of(rec.drives if drives is None else drives, entry.spec),
         )  # fmt: skip
         timeout = entry.spec.boot_timeout_for(boot.accel)
 
@@ -379,9 +380,16 @@ def shares_of(spec: BoxSpec) -> tuple[Volume, ...]:
     return tuple(Volume(v.host, f"vol{i}", v.readonly, v.guest) for i, v in enumerate(spec.volumes))
 
 
-def drives_of(drives: list[dict[str, Any]]) -> tuple[Drive, ...]:
-    """The engine's drives of a box's (or a state's) volume tops, in their order."""
-    return tuple(Drive(Path(d["top"]), d["serial"]) for d in drives)
+def drives_of(drives: list[dict[str, Any]], spec: BoxSpec | None = None) -> tuple[Drive, ...]:
+    """The engine's drives of a box's (or a state's) volume tops, in their order, with
+    where the box mounts each (``spec``'s mounts, in the same order)."""
+    mounts = spec.mounts if spec is not None else []
+    out = []
+    for i, d in enumerate(drives):
+        m = mounts[i] if i < len(mounts) else None
+        ro = m is not None and m.mode == "ro"
+        out.append(Drive(Path(d["top"]), d["serial"], guest=m.guest if m else "", guest_readonly=ro))
+    return tuple(out)
 
 
 def mount_request(guest: str, source: str, flags: int) -> bytes:

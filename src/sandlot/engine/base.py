@@ -141,11 +141,16 @@ class Volume:
 @dataclass(frozen=True, slots=True)
 class Drive:
     """A block device beside the root disk (a named volume's top layer), found in the
-    guest by its ``serial`` (which the agent mounts; its ``/dev/vdX`` name is not fixed)."""
+    guest by its ``serial`` (which the agent mounts; its ``/dev/vdX`` name is not fixed),
+    or mounted at ``guest`` by the sandbox (``Engine.mounts_drives``). ``readonly``: the
+    device itself; ``guest_readonly``: the mount (an ``ro`` volume's top stays writable,
+    for the journal a holder left unfinished)."""
 
     path: Path
     serial: str
     readonly: bool = False
+    guest: str = ""
+    guest_readonly: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -299,6 +304,7 @@ class Engine(ABC):
     # keeps them through a save (gVisor's bind mounts); else the guest's agent mounts each
     # by its tag, and a save needs them unmounted (QEMU's 9p: ``BoxController.still``)
     mounts_shares: ClassVar[bool] = False
+    mounts_drives: ClassVar[bool] = False  # the sandbox mounts named volumes, not the agent
 
     def refuse(self, request: BootRequest) -> None:
         """Raise ``InvalidArgument`` for what this engine cannot run, at all or on this

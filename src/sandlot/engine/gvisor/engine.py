@@ -34,7 +34,7 @@ from ..base import (
     VMStatus,
     Volume,
 )
-from . import limits, network, probe, runsc
+from . import drives, limits, network, probe, runsc
 from .vm import (
     RUNSC_LOG,
     SANDBOX_PROCESS,
@@ -66,6 +66,7 @@ class GvisorEngine(Engine):
     save_ends_vm: ClassVar[bool] = True  # runsc checkpoint ends the sandbox
     host_processes: ClassVar[bool] = True
     mounts_shares: ClassVar[bool] = True  # bind mounts in the sandbox's spec, kept by a checkpoint
+    mounts_drives: ClassVar[bool] = True  # served by a user-space ext4 and bound in (``drives``)
 
     def __init__(self, home: Path) -> None:
         self.home = home
@@ -73,8 +74,11 @@ class GvisorEngine(Engine):
     # -- boots -------------------------------------------------------------------------
 
     def refuse(self, request: BootRequest) -> None:
-        if request.drives:
-            raise InvalidArgument("engine='gvisor' does not mount named volumes yet: they need engine='qemu'")
+        if request.drives and (lacking := drives.missing_tools()):
+            raise InvalidArgument(
+                f"engine='gvisor' serves named volumes with tools this host lacks: {', '.join(lacking)} "
+                "(engine='qemu' mounts them in its guest instead)"
+            )
         if request.kernel:
             raise InvalidArgument("engine='gvisor' has no guest kernel to replace (kernel= is for qemu)")
         if request.nested_virt:
@@ -111,7 +115,7 @@ class GvisorEngine(Engine):
             platform=boot.get("platform") or "ptrace", ports=where.agent_ports,
             memory_mib=kw.get("memory_mib", boot.get("memory_mib", 512)),
             cpus=kw.get("cpus", boot.get("cpus", 1)), disk_gb=boot.get("disk_gb") or 0,
-            shares=kw.get("shares", ()),
+            shares=kw.get("shares", ()), drives=kw.get("drives", ()),
         )  # fmt: skip
 
     async def launch(self, spec: LaunchSpec) -> GvisorVM:
@@ -119,7 +123,13 @@ class GvisorEngine(Engine):
         if spec.saved is not None:  # the agent build the state was saved with, not today's
             boot = {**boot, "agent_dir": str(self._saved_agent(spec.saved.facts))}
         cfg = self._config(
-            spec.where, boot, spec.disk, memory_mib=spec.memory_mib, cpus=spec.cpus, shares=spec.volumes
+            spec.where,
+            boot,
+            spec.disk,
+            memory_mib=spec.memory_mib,
+            cpus=spec.cpus,
+            shares=spec.volumes,
+            drives=spec.drives,
         )
         if spec.network is not None:
             cfg.net = network.forwarder_spec(spec.network)
@@ -142,7 +152,7 @@ class GvisorEngine(Engine):
         return path
 
     def attach(self, ref: VMRef, where: Placement, boot: dict[str, Any]) -> GvisorVM:
-        cfg = self._config(where, boot, Path())
+        cfg = self._config(where, boot, Path(), drives=drives.recorded(where.run_dir))
         if boot.get("network"):  # what its launcher asked for, for the restores this process runs
             with contextlib.suppress(OSError, ValueError):
                 cfg.net = json.loads(cfg.net_file.read_text())
@@ -280,4 +290,9 @@ class GvisorEngine(Engine):
             "(open mode needs iptables)"
         )
         report["live_state"] = "snapshot, suspend, fork, templates, export: runsc checkpoint and restore"
+        lacking = drives.missing_tools()
+        report["disk_volumes"] = (
+            f"not on this host: it lacks {', '.join(lacking)}" if lacking
+            else "served on the host by a user-space ext4 (qemu-storage-daemon, fuse2fs)"
+        )  # fmt: skip
         return report

@@ -23,7 +23,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -33,8 +33,9 @@ from ...crashpoints import crash_point
 from ...errors import BootError, HostSetupError, SavedStateError, no_space
 from ...net.addresses import GUEST_ADDRESS
 from .. import hostcgroup
-from ..base import VM, Connector, VMRef, VMStatus, Volume
-from . import limits, network, runsc
+from ..base import VM, Connector, Drive, VMRef, VMStatus, Volume
+from . import drives, limits, network, runsc
+from .mountinfo import is_mounted
 
 AGENT_DIR = "/.sandlot"  # where the host's agent directory is bound, read-only
 AGENT = f"{AGENT_DIR}/sandlot-agent"
@@ -83,6 +84,7 @@ class SandboxConfig:
     cpus: int
     disk_gb: int = 0  # the project quota of the layer directory (limits.bound_disk); 0: none
     shares: tuple[Volume, ...] = ()  # host directories bound into the sandbox, each at its guest path
+    drives: tuple[Drive, ...] = ()  # named volumes' tops, each served at a directory bound in (``drives``)
     # the network card's forwarder spec (``network.forwarder_spec``); None: no card, or not known
     # to this process (then ``networked`` asks whether the box's namespace exists)
     net: dict[str, Any] | None = None
@@ -140,15 +142,6 @@ class SandboxConfig:
         net = self.networked
         flags = runsc.global_flags(self.platform, self.runsc_log, network=net)
         return [*(in_netns if net else []), runsc.runsc_binary(), *flags]
-
-
-def is_mounted(path: Path) -> bool:
-    try:
-        text = Path("/proc/self/mountinfo").read_text()
-    except OSError:
-        return False
-    target = str(path)
-    return any(line.split()[4] == target for line in text.splitlines() if len(line.split()) > 4)
 
 
 def lower_dirs(layer: Path, base: Path) -> list[Path]:
@@ -251,6 +244,15 @@ def oci_config(cfg: SandboxConfig) -> dict[str, Any]:
                 }
                 for v in cfg.shares
             ),
+            *(
+                {
+                    "destination": d.guest,
+                    "type": "bind",
+                    "source": str(drives.drives_dir(cfg.run_dir) / d.serial),
+                    "options": ["rbind", "ro" if d.guest_readonly else "rw"],
+                }
+                for d in cfg.drives
+            ),
         ],
         "linux": {
             "namespaces": [{"type": t} for t in ("pid", "ipc", "uts", "mount")] + [netns],
@@ -298,7 +300,7 @@ def leftovers(cfg: SandboxConfig) -> bool:
     """Whether runsc or the host still holds anything of the container: a file of it in
     runsc's state root, or its root mounted. Looked at instead of running ``runsc
     delete`` (20 ms) for nothing."""
-    return runsc_holds(cfg) or is_mounted(cfg.root)
+    return runsc_holds(cfg) or is_mounted(cfg.root) or drives.any_left(cfg.run_dir)
 
 
 def runsc_holds(cfg: SandboxConfig) -> bool:
@@ -322,6 +324,7 @@ def destroy(cfg: SandboxConfig) -> None:
     with contextlib.suppress(HostSetupError, OSError, subprocess.TimeoutExpired):
         network.remove(cfg.cid)
     unmount(cfg.root)
+    drives.stop_all(cfg.run_dir)  # after the sandbox: what it wrote is written back as they end
 
 
 def end_forwarder(cfg: SandboxConfig) -> None:
@@ -401,6 +404,12 @@ class GvisorVM(VM):
         if cfg.disk_gb:
             await asyncio.to_thread(limits.bound_disk, cfg.layer, cfg.disk_gb)
         await asyncio.to_thread(mount_overlay, cfg)
+        if cfg.drives:
+            try:
+                await asyncio.to_thread(drives.serve, cfg.run_dir, cfg.drives)
+            except BaseException:
+                await asyncio.to_thread(destroy, cfg)
+                raise
         if cfg.net is not None:
             open_mode = bool(cfg.net.get("open_port"))
             rules = cfg.state_dir / "netns-rules"
@@ -607,6 +616,12 @@ class GvisorVM(VM):
                 if new_disk is not None:
                     self.cfg.layer = new_disk
                     self.cfg.base = Path((new_disk / "base").read_text().strip())
+                if self.cfg.drives:  # closed, so the layers the core froze are whole; served anew
+                    await asyncio.to_thread(drives.stop_all, self.cfg.run_dir)
+                    moved = new_drives or {}
+                    self.cfg.drives = tuple(
+                        replace(d, path=moved.get(d.serial, d.path)) for d in self.cfg.drives
+                    )
                 try:
                     await self.start(restore_from=directory)
                 except BaseException:
