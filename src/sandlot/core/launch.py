@@ -26,7 +26,7 @@ from typing import Any
 from ..config import atomic_write, runtime_dir
 from ..crashpoints import crash_point
 from ..engine.base import VM, Boot, BootRequest, Drive, Engine, LaunchSpec, NetSpec, SavedState, Volume
-from ..errors import AgentTimeout, BootTimeout, ConnectionLost
+from ..errors import AgentTimeout, BootTimeout, ConnectionLost, no_space
 from ..net.addresses import box_address
 from ..net.boxlink import LinkInfo, link_socket
 from ..net.egress import ensure_server, relay_for
@@ -45,6 +45,18 @@ from .store import BoxRecord, SnapshotRecord
 
 log = logging.getLogger("sandlot")
 BOOT_ATTEMPTS = 2  # boots of a box whose guest hangs before its init (a rare TCG hang) before it fails
+
+
+DISK_FULL_POLL = 1.0  # seconds between looks at a booting VM's disks (a QMP query each)
+
+
+async def _until_disk_full(vm: VM) -> None:
+    """Return once the VM has stopped on a full host filesystem (``VM.disk_full``): a
+    boot would otherwise wait out its deadline, twice, on a guest that never runs again."""
+    while True:
+        await asyncio.sleep(DISK_FULL_POLL)
+        if await vm.disk_full():
+            return
 
 
 class HungBoot(BootTimeout):
@@ -301,7 +313,8 @@ class Launcher:
         deadline = time.monotonic() + timeout
         attaching = asyncio.ensure_future(entry.session.attach_booting(vm, self.hello(entry), deadline))
         exited = vm.exited()
-        waiting: set[asyncio.Future[Any]] = {attaching, exited}
+        full = asyncio.ensure_future(_until_disk_full(vm))
+        waiting: set[asyncio.Future[Any]] = {attaching, exited, full}
         try:
             done, _ = await asyncio.wait(
                 waiting, timeout=max(0.0, deadline - time.monotonic()), return_when="FIRST_COMPLETED"
@@ -309,6 +322,15 @@ class Launcher:
         except BaseException:
             attaching.cancel()
             raise
+        finally:
+            full.cancel()
+        if full in done and attaching not in done:
+            attaching.cancel()
+            with contextlib.suppress(BaseException):
+                await attaching
+            await vm.kill(grace=0.5)
+            what = f"box {entry.name} could not boot: its disk could not grow"
+            raise no_space(self.rt.home / "layers", what, box=entry.name)
         if attaching in done:
             try:
                 return attaching.result()

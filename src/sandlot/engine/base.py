@@ -256,6 +256,12 @@ class VM(ABC):
         let the guest run again afterwards (a snapshot), or leave it stopped (a
         suspend). Returns the seconds the guest was stopped."""
 
+    async def disk_full(self) -> bool:
+        """Whether the VM stopped because a write to one of its disks found the host's
+        filesystem full (QEMU stops the guest then, rather than fail its write); False
+        where the engine cannot tell."""
+        return False
+
     async def agent_opened(self) -> bool | None:
         """Whether the guest has opened its agent's port (its init ran); None where the
         engine cannot tell. A boot past its deadline with the port never opened hung

@@ -614,6 +614,14 @@ class QemuVM(VM):
             await asyncio.sleep(0.05)  # let its stderr catch up
             raise self.failure("QEMU could not load the saved state") from exc
 
+    async def disk_full(self) -> bool:
+        """A disk's ``io-status`` (virtio-blk stops the VM on ENOSPC, QEMU's default)."""
+        try:
+            disks = await self.qmp("query-block", timeout=5.0)
+        except Exception:  # a QEMU too busy or gone: not known to be full
+            return False
+        return any(d.get("io-status") == "nospace" for d in disks if isinstance(d, dict))
+
     async def agent_opened(self) -> bool | None:
         """The guest side of the first agent port, as QEMU sees it (``frontend-open``)."""
         try:
