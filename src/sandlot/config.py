@@ -148,11 +148,14 @@ def private_listener(path: Path, kind: int, backlog: int) -> socket.socket:
     """A unix socket of ``kind`` listening at ``path``, mode 0600. A file a dead owner
     left there is replaced: the caller holds the lock that makes it the owner. It is
     bound under another name and renamed into place once it listens, so whoever finds
-    the path can connect (never refused between bind and listen)."""
+    the path can connect (never refused between bind and listen). The other name is
+    short: a unix socket's path has 107 bytes at most, and one that fits must not be
+    refused for the length of its temporary name."""
+    import secrets
     import socket
 
     listener = socket.socket(socket.AF_UNIX, kind)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}")
+    tmp = path.with_name(f".{secrets.token_hex(3)}")
     with contextlib.suppress(FileNotFoundError):
         tmp.unlink()
     listener.bind(str(tmp))

@@ -204,3 +204,20 @@ def test_unit_a_qemu_guest_connection_gets_its_fin_without_the_grace(monkeypatch
         relay_mod.end_guest_output(near)
         assert far.recv(1) == b""
     assert waited == [relay_mod.FIN_GRACE]
+
+
+def test_unit_a_socket_path_of_the_longest_length_listens(tmp_path: Path) -> None:
+    """A unix socket's path has 107 bytes at most: one that fits is never refused for the
+    length of the name it is bound under before it is renamed into place."""
+    from sandlot.config import private_listener
+
+    base = str(tmp_path) + "/"
+    path = Path(base + "s" * (107 - len(base)))
+    with private_listener(path, socket.SOCK_SEQPACKET, 1) as listener:
+        assert len(str(path)) == 107 and path.exists()
+        client = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        client.connect(str(path))
+        conn, _ = listener.accept()
+        conn.close()
+        client.close()
+    assert [p.name for p in tmp_path.iterdir()] == [path.name]  # nothing else left there
