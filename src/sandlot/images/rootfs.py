@@ -230,9 +230,10 @@ def write_qcow2_overlay(path: Path, backing: Path, backing_format: str, size: in
     -f qcow2 -u -F FORMAT -b BACKING PATH SIZE`` writes (tests/unit/test_layers.py
     compares them), written here because a qemu-img process costs about 28 ms, and
     every snapshot makes a layer per disk and every fork's child one more. An existing
-    file is replaced, as qemu-img does. Its layout: the header with its extensions and the backing file's
-    name (cluster 0), the refcount table (1), one refcount block (2), the L1 table
-    (from 3 on, all zero: nothing allocated)."""
+    file is replaced, as qemu-img does. Its layout: the header with its extensions and
+    the backing file's name (cluster 0), the refcount table (1), one refcount block
+    (2), the L1 table (from 3 on, all zero: nothing allocated). qemu-img zero-fills
+    those clusters (196 KiB); these are sparse (12 KiB)."""
     if size <= 0 or size % 512:
         raise InvalidArgument(f"a disk layer's size is a positive multiple of 512 bytes, not {size}")
     name, fmt = os.fsencode(backing), backing_format.encode()
@@ -241,12 +242,9 @@ def write_qcow2_overlay(path: Path, backing: Path, backing_format: str, size: in
     l1_size = -(-size // (QCOW2_CLUSTER * (QCOW2_CLUSTER // 8)))
     l1_offset = 3 * QCOW2_CLUSTER
     l1_clusters = -(-l1_size * 8 // QCOW2_CLUSTER)
+    names = b"".join(struct.pack(">BB46s", t, b, n) for t, b, n in _QCOW2_FEATURES)
     extensions = (
-        _extension(_QCOW2_BACKING_FORMAT, fmt)
-        + _extension(
-            _QCOW2_FEATURE_NAMES, b"".join(struct.pack(">BB46s", t, b, n) for t, b, n in _QCOW2_FEATURES)
-        )
-        + _extension(0, b"")
+        _extension(_QCOW2_BACKING_FORMAT, fmt) + _extension(_QCOW2_FEATURE_NAMES, names) + _extension(0, b"")
     )
     header_length = 112
     backing_offset = header_length + len(extensions)
