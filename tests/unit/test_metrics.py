@@ -179,4 +179,6 @@ def test_the_sampler_goes_once_no_vm_of_its_home_runs(
         await asyncio.wait_for(running, 10)
         return time.monotonic() - t0
 
-    assert asyncio.run(main()) < 3
+    # it goes within its idle time and a few looks; a loaded host (three workers of the
+    # unit tier on two cores) stretches those, a sampler that stays would not end at all
+    assert asyncio.run(main()) < 8
