@@ -37,7 +37,7 @@ from ... import pids
 from ...errors import HostSetupError, SavedStateError
 from ...hostsetup import which
 from ..base import Drive
-from .mountinfo import is_mounted
+from .mountinfo import is_mounted, unmount
 
 TOOLS = {"qemu-storage-daemon": "qemu-system-common", "fuse2fs": "fuse2fs", "losetup": "mount",
          "e2fsck": "e2fsprogs"}  # fmt: skip
@@ -186,10 +186,7 @@ def _stop(state_file: Path) -> None:
         state = {}
     mount = Path(state.get("mount") or state_file.with_suffix(""))
     fuse = state.get("fuse2fs")
-    if is_mounted(mount):
-        subprocess.run(["umount", str(mount)], capture_output=True, timeout=STOP_TIMEOUT)
-        if is_mounted(mount):  # still open somewhere (a sandbox not yet gone): detached, it ends with them
-            subprocess.run(["umount", "-l", str(mount)], capture_output=True, timeout=STOP_TIMEOUT)
+    unmount(mount, lazy=False)  # still open somewhere (a sandbox not yet gone): detached
     if fuse:
         _wait_gone(int(fuse[0]), str(fuse[1]), STOP_TIMEOUT)
     loop = state.get("loop")
@@ -201,8 +198,7 @@ def _stop(state_file: Path) -> None:
             os.kill(int(qsd[0]), signal.SIGTERM)  # it flushes the layer and leaves its export
         _wait_gone(int(qsd[0]), str(qsd[1]), STOP_TIMEOUT)
     image = Path(state.get("image") or state_file.with_suffix(".img"))
-    if is_mounted(image):
-        subprocess.run(["umount", "-l", str(image)], capture_output=True, timeout=STOP_TIMEOUT)
+    unmount(image)
     for left in (image, state_file):
         left.unlink(missing_ok=True)
     with contextlib.suppress(OSError):

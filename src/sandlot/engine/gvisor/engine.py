@@ -35,6 +35,7 @@ from ..base import (
     Volume,
 )
 from . import drives, limits, network, probe, runsc
+from .mountinfo import unmount
 from .vm import (
     RUNSC_LOG,
     SANDBOX_PROCESS,
@@ -45,7 +46,6 @@ from .vm import (
     destroy,
     lower_dirs,
     mount_read_only,
-    unmount,
 )
 
 CHECKPOINT = "checkpoint.img"  # what runsc checkpoint writes into its --image-path

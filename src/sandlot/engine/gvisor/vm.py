@@ -35,7 +35,7 @@ from ...net.addresses import GUEST_ADDRESS
 from .. import hostcgroup
 from ..base import VM, Connector, Drive, VMRef, VMStatus, Volume
 from . import drives, limits, network, runsc
-from .mountinfo import is_mounted
+from .mountinfo import is_mounted, unmount
 
 AGENT_DIR = "/.sandlot"  # where the host's agent directory is bound, read-only
 AGENT = f"{AGENT_DIR}/sandlot-agent"
@@ -56,7 +56,6 @@ CAPABILITIES = [
     "CAP_SYSLOG", "CAP_WAKE_ALARM", "CAP_BLOCK_SUSPEND", "CAP_AUDIT_READ",
 ]  # fmt: skip
 
-MNT_DETACH = 2
 MS_RDONLY = 1
 MAX_LOWER = 400  # overlayfs takes 500 lower layers; each snapshot of a box adds one
 START_TIMEOUT = 120.0  # a large saved state from a cold page cache takes a while
@@ -190,12 +189,6 @@ def mount_read_only(lower: list[Path], target: Path) -> None:
     if _libc.mount(b"overlay", str(target).encode(), b"overlay", MS_RDONLY, opts) != 0:
         err = ctypes.get_errno()
         raise HostSetupError(f"cannot mount a read-only overlay at {target}: {os.strerror(err)}")
-
-
-def unmount(path: Path) -> None:
-    while is_mounted(path):
-        if _libc.umount2(str(path).encode(), MNT_DETACH) != 0:
-            return
 
 
 def oci_config(cfg: SandboxConfig) -> dict[str, Any]:
