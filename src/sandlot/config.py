@@ -11,7 +11,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .errors import HostSetupError
+from .errors import BoxBusy, HostSetupError
 
 if TYPE_CHECKING:
     import socket
@@ -204,6 +204,42 @@ def try_flock(path: Path) -> int | None:
     except BlockingIOError:
         os.close(fd)
         return None
+    return fd
+
+
+FLOCK_POLL_MIN, FLOCK_POLL_MAX = 0.005, 0.1  # seconds between tries of a taken lock
+
+
+def flock_wait(path: Path, timeout: float, what: str) -> int:
+    """An exclusive flock on ``path``, waited for up to ``timeout`` seconds (tried
+    without blocking, between short sleeps: a blocking ``flock`` has no deadline);
+    ``BoxBusy`` naming ``what`` after that. For code outside an event loop."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    delay = FLOCK_POLL_MIN
+    while (fd := try_flock(path)) is None:
+        if time.monotonic() > deadline:
+            raise BoxBusy(f"another process has been busy with {what} for {timeout:.0f}s")
+        time.sleep(delay)
+        delay = min(delay * 2, FLOCK_POLL_MAX)
+    return fd
+
+
+async def flock_within(path: Path, timeout: float, what: str) -> int:
+    """``flock_wait`` for a coroutine: the loop runs while it waits. Cancelled while
+    waiting, it holds nothing (a blocking ``flock`` in a worker thread would take
+    the lock after its caller had gone, and hold it for as long as the process runs)."""
+    import asyncio
+    import time
+
+    deadline = time.monotonic() + timeout
+    delay = FLOCK_POLL_MIN
+    while (fd := try_flock(path)) is None:
+        if time.monotonic() > deadline:
+            raise BoxBusy(f"another process has been busy with {what} for {timeout:.0f}s")
+        await asyncio.sleep(delay)
+        delay = min(delay * 2, FLOCK_POLL_MAX)
     return fd
 
 

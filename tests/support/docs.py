@@ -31,7 +31,9 @@ from __future__ import annotations
 import ast
 import asyncio
 import contextlib
+import faulthandler
 import functools
+import gc
 import importlib
 import inspect
 import io
@@ -41,6 +43,7 @@ import re
 import shlex
 import subprocess
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Iterator
@@ -56,6 +59,7 @@ LANGS = ("python", "console", "sh", "bash", "shell")
 EXAMPLE_URL = re.compile(r"https?://[\w.-]+:\d+(?![\w.:])")  # http://10.0.0.5:7070, and .../mcp
 EXAMPLE_KEY = re.compile(r"\bsk-sl-[\w.-]*")  # sk-sl-... or a real-looking one
 TIMEOUT = 600.0
+BLOCK_DEADLINE = float(os.environ.get("SANDLOT_DOCS_BLOCK_DEADLINE", 900))  # under test_docs.py's 1400 s
 
 
 @dataclass
@@ -358,6 +362,52 @@ def _console(block: Block) -> None:
                 raise AssertionError(f"`{cmd}` did not print {missing}; it printed:\n{r.stdout[-1500:]}")
 
 
+@contextlib.contextmanager
+def _deadline(block: Block, stdout: io.StringIO) -> Iterator[None]:
+    """A block still running after BLOCK_DEADLINE seconds is reported as failed, with
+    where every thread and every task of sandlot's event loop waits, and the page
+    ends: a hang names its place instead of running into the test's timeout."""
+
+    def report() -> None:
+        where = io.StringIO()
+        for loop in _event_loops():
+            for task in asyncio.all_tasks(loop):
+                print(f"{task.get_name()}:", *_awaiting(task.get_coro()), sep="\n  ", file=where)
+        sys.stderr.write(f"--- {block.where} still running after {BLOCK_DEADLINE:.0f} s: the threads\n")
+        sys.stderr.flush()
+        faulthandler.dump_traceback(all_threads=True)
+        error = f"still running after {BLOCK_DEADLINE:.0f} s; the event loops' tasks:\n{where.getvalue()}"
+        print(json.dumps({"where": block.where, "result": "failed", "error": error[-12000:],
+                          "stdout": stdout.getvalue()[-2000:]}), file=sys.__stdout__, flush=True)  # fmt: skip
+        os._exit(3)
+
+    timer = threading.Timer(BLOCK_DEADLINE, report)
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
+
+
+def _awaiting(coro: Any) -> list[str]:
+    """Where a coroutine waits, outermost first: each frame down its ``await`` chain."""
+    out = []
+    while coro is not None and len(out) < 40:
+        frame = next((f for a in ("cr_frame", "gi_frame", "ag_frame") if (f := getattr(coro, a, None))), None)
+        if frame is not None:
+            out.append(f"{frame.f_code.co_filename}:{frame.f_lineno} in {frame.f_code.co_name}")
+        coro = next(
+            (c for a in ("cr_await", "gi_yieldfrom", "ag_await") if (c := getattr(coro, a, None))), None
+        )
+    return out
+
+
+def _event_loops() -> list[asyncio.AbstractEventLoop]:
+    """The sync API's loop (in its own thread) and the page's, for a hang's report."""
+    return [o for o in gc.get_objects() if isinstance(o, asyncio.AbstractEventLoop) and not o.is_closed()]
+
+
 def run_page(page: Path) -> Iterator[dict[str, Any]]:
     namespace: dict[str, Any] = {"__name__": "__docs__"}
     loop = asyncio.new_event_loop()
@@ -384,7 +434,7 @@ def _run_blocks(
         stdout = io.StringIO()
         began = time.monotonic()
         try:
-            with contextlib.redirect_stdout(stdout):
+            with contextlib.redirect_stdout(stdout), _deadline(block, stdout):
                 if block.lang == "python":
                     _python(block, namespace, loop)
                 else:

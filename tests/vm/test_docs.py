@@ -52,7 +52,8 @@ def test_page_runs_as_written(
         print(f"--- {o['where']}: {o['result']} {o.get('seconds', '')} {o.get('why', '')}")
         print(o.get("stdout", ""), end="")
     failed = [o for o in outcomes if o["result"] == "failed"]
-    assert not failed, f"{failed[0]['where']} failed:\n{failed[0]['error']}\n{failed[0]['stdout']}"
+    assert not failed, (f"{failed[0]['where']} failed:\n{failed[0]['error']}\n{failed[0]['stdout']}\n"
+                        f"{r.stderr[-6000:]}")  # fmt: skip
     assert r.returncode == 0, r.stderr[-3000:]
     ran = {o["where"] for o in outcomes}
     assert ran == {b.where for b in blocks(page)}, "the page stopped before its end"

@@ -16,29 +16,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
-from ..config import try_flock
-from ..errors import BoxBusy
+from ..config import FLOCK_POLL_MAX, FLOCK_POLL_MIN, flock_within
 
 LOCK_TIMEOUT = 300.0
-POLL_MIN, POLL_MAX = 0.005, 0.1
-
-
-async def flock_within(path: Path, timeout: float, what: str) -> int:
-    """Wait (asynchronously) for an exclusive flock on ``path``; ``BoxBusy`` after ``timeout``."""
-    deadline = time.monotonic() + timeout
-    delay = POLL_MIN
-    while True:
-        fd = try_flock(path)
-        if fd is not None:
-            return fd
-        if time.monotonic() > deadline:
-            raise BoxBusy(f"another process has been busy with {what} for {timeout:.0f}s")
-        await asyncio.sleep(delay)
-        delay = min(delay * 2, POLL_MAX)
+POLL_MIN, POLL_MAX = FLOCK_POLL_MIN, FLOCK_POLL_MAX
 
 
 class BoxLock:

@@ -40,13 +40,12 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from ..config import spawn_unless_locked, try_flock
+from ..config import flock_within, spawn_unless_locked, try_flock
 from ..crashpoints import crash_point
 from ..errors import BoxBusy, BoxNotFound, InvalidArgument, InvalidState, SnapshotNotFound
 from .controller import BoxController
 from .entry import BoxEntry
 from .launch import Launcher
-from .locks import flock_within
 from .requests import BoxRequest
 from .runtime import Runtime
 from .spec import BoxSpec

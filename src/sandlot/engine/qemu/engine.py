@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ... import pids
-from ...config import fsync_dir, runtime_dir
+from ...config import flock_within, fsync_dir, runtime_dir
 from ...errors import HostSetupError, IncompatibleSnapshot, NoSpace, SavedStateError, Unsupported, no_space
 from .. import hostcgroup
 from ..base import (
@@ -54,13 +54,14 @@ from .command import (
     state_dir_of,
 )
 from .monitor import qmp_sync
-from .vm import STATUS, QemuVM, flock
+from .vm import STATUS, QemuVM
 
 if TYPE_CHECKING:
     from ...guest.kernel import Kernel
     from .assets import Assets, BootAssets
 
 STATE_FILES = {"devices": "devices", "memory": "memory"}  # archive member -> file in the state directory
+MATERIALIZE_WAIT = 600.0  # seconds to wait for another process making the same memory file
 
 
 class QemuEngine(Engine):
@@ -215,7 +216,7 @@ class QemuEngine(Engine):
         d = state.directory
         if self.memory_shared(d):
             return
-        fd = await asyncio.to_thread(flock, d / ".materialize.lock")
+        fd = await flock_within(d / ".materialize.lock", MATERIALIZE_WAIT, "this snapshot's memory file")
         try:
             if self.memory_shared(d):
                 return

@@ -14,15 +14,17 @@ import socket
 from pathlib import Path
 from typing import Any
 
+from ...config import flock_wait
 from ...errors import SavedStateError
-from .vm import flock
+
+LOCK_TIMEOUT = 300.0  # seconds to wait for another client of the monitor (a save) to finish
 
 
 def qmp_sync(
     sock_path: Path, lock_path: Path, commands: list[tuple[str, dict[str, Any] | None]], timeout: float = 5.0
 ) -> list[Any]:
     """Run QMP commands in order; their return values."""
-    fd = flock(lock_path)
+    fd = flock_wait(lock_path, LOCK_TIMEOUT, "the VM's monitor")
     try:
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
             s.settimeout(timeout)

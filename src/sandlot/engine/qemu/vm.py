@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
 from ... import pids
-from ...config import tail
+from ...config import flock_within, tail
 from ...errors import BootError, InvalidState, NoSpace, SavedStateError, no_space
 from .. import hostcgroup
 from ..base import VM, Connector, VMRef, VMStatus
@@ -50,12 +50,6 @@ STATUS = {
     "save-vm": VMStatus.SAVING,
     "restore-vm": VMStatus.LOADING,
 }
-
-
-def flock(path: Path) -> int:
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-    fcntl.flock(fd, fcntl.LOCK_EX)
-    return fd
 
 
 PR_SET_PDEATHSIG = 1
@@ -108,6 +102,7 @@ async def set_migration(q: QMPClient, ignore_shared: bool) -> None:
 
 
 QMP_TIMEOUT = 10.0  # seconds for one QMP command (a migration has a deadline of its own)
+QMP_LOCK_TIMEOUT = 300.0  # seconds to wait for another client of the monitor (a save) to finish
 
 
 # A migration that ended (saved, or failed on a full disk) is finalized by QEMU a moment
@@ -351,10 +346,11 @@ class QemuVM(VM):
     # -- QMP ------------------------------------------------------------------------------
 
     async def qmp(
-        self, command: str, arguments: dict[str, Any] | None = None, timeout: float = QMP_TIMEOUT
-    ) -> Any:
+        self, command: str, arguments: dict[str, Any] | None = None, timeout: float = QMP_TIMEOUT,
+        lock_timeout: float = QMP_LOCK_TIMEOUT,
+    ) -> Any:  # fmt: skip
         """Run one QMP command (serialised with every other process through a lock)."""
-        async with self.qmp_session(timeout) as client:
+        async with self.qmp_session(timeout, lock_timeout) as client:
             return await asyncio.wait_for(client.execute(command, arguments), timeout)
 
     async def _qmp_quick(self, command: str) -> bool:
@@ -401,9 +397,11 @@ class QemuVM(VM):
             os.close(fd)
 
     @contextlib.asynccontextmanager
-    async def qmp_session(self, timeout: float = QMP_TIMEOUT) -> AsyncIterator[QMPClient]:
+    async def qmp_session(
+        self, timeout: float = QMP_TIMEOUT, lock_timeout: float = QMP_LOCK_TIMEOUT
+    ) -> AsyncIterator[QMPClient]:
         """A QMP client for several commands in a row, holding the QMP lock."""
-        fd = await asyncio.to_thread(flock, self.cfg.qmp_lock)
+        fd = await flock_within(self.cfg.qmp_lock, lock_timeout, f"the monitor of VM {self.cfg.hostname}")
         try:
             client = await self._qmp_connect(timeout)
             try:
@@ -617,7 +615,7 @@ class QemuVM(VM):
     async def disk_full(self) -> bool:
         """A disk's ``io-status`` (virtio-blk stops the VM on ENOSPC, QEMU's default)."""
         try:
-            disks = await self.qmp("query-block", timeout=5.0)
+            disks = await self.qmp("query-block", timeout=5.0, lock_timeout=5.0)
         except Exception:  # a QEMU too busy or gone: not known to be full
             return False
         return any(d.get("io-status") == "nospace" for d in disks if isinstance(d, dict))
@@ -625,7 +623,7 @@ class QemuVM(VM):
     async def agent_opened(self) -> bool | None:
         """The guest side of the first agent port, as QEMU sees it (``frontend-open``)."""
         try:
-            chardevs = await self.qmp("query-chardev", timeout=5.0)
+            chardevs = await self.qmp("query-chardev", timeout=5.0, lock_timeout=5.0)
         except Exception:  # a QEMU too busy or gone: unknown
             return None
         for dev in chardevs if isinstance(chardevs, list) else []:
