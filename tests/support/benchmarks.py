@@ -20,6 +20,7 @@ PROMISED = {
         "idle_host_cpu_ms_per_s_per_box",
         "neighbour_exec_true_ms_rest_idle",
     ],
+    "boot": ["boot_to_first_exec_s", "phases_s", "marks_s", "kernel_args"],
     "core": ["boot_to_first_exec_s", "exec_true_ms", "stdout_MBps", "upload_MBps", "idle_256MiB_box_pss_MiB"],
     "diffs": ["tree", "snapshot_to_now", "snapshot_start_remove", "box_to_box", "restore_one_file"],
     "durable": ["create_start_first_exec_s", "stop_s", "start_to_first_exec_s"],

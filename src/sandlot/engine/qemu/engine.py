@@ -49,6 +49,7 @@ from .command import (
     cpu_model,
     device_set_of,
     host_tsc_khz,
+    kernel_args_from_env,
     qemu_binary,
     qemu_version,
     state_dir_of,
@@ -158,6 +159,8 @@ class QemuEngine(Engine):
                 cfg.restore_from, cfg.restore_ignore_shared = d / "state", False
             else:
                 raise SavedStateError(f"the saved state in {d} has no files (removed meanwhile?)")
+        if cfg.boots:
+            cfg.extra_kernel_args = kernel_args_from_env()
         vm = QemuVM(cfg)
         await vm.start()
         return vm
