@@ -30,13 +30,6 @@ DEVICE_SETS = ("1", "2", "3", "4")
 DEVICE_SET = DEVICE_SETS[-1]
 SERIAL_ON_PCI_MODULE = "virtio_pci"
 
-# What an idle box's kernel would wake up for, and no box needs (traced in a box: each
-# wakeup is a few hundred microseconds of host CPU under TCG, and a box is idle most of
-# its life): the lockup watchdog's timer; kcompactd's proactive compaction, which checks
-# every 500 ms for huge pages a box's small RAM has no use for; the per-CPU statistics
-# folded every second rather than every ten (reads of /proc/meminfo stay exact enough:
-# the fold also happens past a small threshold); and the neighbour tables' probe of
-# "managed" entries every 5 s, which no box makes. 8.5 wakeups a second became 5.1.
 # Boot-time self-tests the kernel runs whatever cryptomgr.notests says, and nothing
 # else: the SP800-108 KDF's (30 ms under TCG) and BLAKE2s's (10 ms), of the 0.6 s its
 # initcalls take (measured with initcall_debug, benchmarks/boot.py). Both functions
@@ -44,6 +37,13 @@ SERIAL_ON_PCI_MODULE = "virtio_pci"
 # ignores the names.
 SELF_TESTS_OFF = "initcall_blacklist=crypto_kdf108_init,blake2s_mod_init"
 
+# What an idle box's kernel would wake up for, and no box needs (traced in a box: each
+# wakeup is a few hundred microseconds of host CPU under TCG, and a box is idle most of
+# its life): the lockup watchdog's timer; kcompactd's proactive compaction, which checks
+# every 500 ms for huge pages a box's small RAM has no use for; the per-CPU statistics
+# folded every second rather than every ten (reads of /proc/meminfo stay exact enough:
+# the fold also happens past a small threshold); and the neighbour tables' probe of
+# "managed" entries every 5 s, which no box makes. 8.5 wakeups a second became 5.1.
 IDLE_ARGS = (
     "nowatchdog",
     "sysctl.vm.compaction_proactiveness=0",

@@ -16,15 +16,14 @@ from typing import Any
 
 from ...config import flock_wait
 from ...errors import SavedStateError
-
-LOCK_TIMEOUT = 300.0  # seconds to wait for another client of the monitor (a save) to finish
+from .vm import QMP_LOCK_TIMEOUT
 
 
 def qmp_sync(
     sock_path: Path, lock_path: Path, commands: list[tuple[str, dict[str, Any] | None]], timeout: float = 5.0
 ) -> list[Any]:
     """Run QMP commands in order; their return values."""
-    fd = flock_wait(lock_path, LOCK_TIMEOUT, "the VM's monitor")
+    fd = flock_wait(lock_path, QMP_LOCK_TIMEOUT, "the VM's monitor")
     try:
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
             s.settimeout(timeout)
