@@ -3,9 +3,10 @@ goes, on the host's clock.
 
 Each run cold-boots a 256 MiB busybox box with the kernel's messages on its console
 (``SANDLOT_KERNEL_ARGS="loglevel=7 earlyprintk=ttyS0"``) and notes when each line
-reaches the console log, on the host's clock from ``Box.start()``: the guest's own
-timestamps stand still through its early boot, and say nothing of QEMU's start or of
-the host's side of the HELLO. The marks, in order:
+reaches the box's console log (the file ``box.logs()`` reads, watched as it grows), on
+the host's clock from ``Box.start()``: the guest's own timestamps stand still through
+its early boot, and say nothing of QEMU's start or of the host's side of the HELLO.
+The marks, in order:
 
 * ``kernel_first_line``: QEMU started, its firmware ran, the kernel printed its banner;
 * ``kernel_patched``: the kernel patched its code for this CPU (``alternatives``: tens of
@@ -87,7 +88,7 @@ class ConsoleClock:
 
 def one_boot(root: Path, home: Path) -> dict[str, float | None]:
     box = sandlot.Box(rootfs=root, memory_mib=256, home=home)
-    console = home / "boxes" / box.id / "console.log"
+    console = sandlot.Runtime.for_home(home).box_dir(box.id) / "console.log"  # what box.logs() reads
     t0 = time.perf_counter()
     clock = ConsoleClock(console, t0)
     try:
