@@ -216,14 +216,11 @@ def flock_wait(path: Path, timeout: float, what: str) -> int:
     ``BoxBusy`` naming ``what`` after that. For code outside an event loop."""
     import time
 
-    deadline = time.monotonic() + timeout
-    delay = FLOCK_POLL_MIN
-    while (fd := try_flock(path)) is None:
-        if time.monotonic() > deadline:
-            raise BoxBusy(f"another process has been busy with {what} for {timeout:.0f}s")
-        time.sleep(delay)
-        delay = min(delay * 2, FLOCK_POLL_MAX)
-    return fd
+    pauses = _flock_pauses(timeout, what)
+    while True:
+        if (fd := try_flock(path)) is not None:
+            return fd
+        time.sleep(next(pauses))
 
 
 async def flock_within(path: Path, timeout: float, what: str) -> int:
@@ -231,16 +228,25 @@ async def flock_within(path: Path, timeout: float, what: str) -> int:
     waiting, it holds nothing (a blocking ``flock`` in a worker thread would take
     the lock after its caller had gone, and hold it for as long as the process runs)."""
     import asyncio
+
+    pauses = _flock_pauses(timeout, what)  # another process holds it: nothing here to wait on
+    while True:
+        if (fd := try_flock(path)) is not None:
+            return fd
+        await asyncio.sleep(next(pauses))
+
+
+def _flock_pauses(timeout: float, what: str) -> Iterator[float]:
+    """The sleeps between tries of a taken lock, growing; ``BoxBusy`` once ``timeout``
+    seconds have gone by."""
     import time
 
     deadline = time.monotonic() + timeout
-    delay = FLOCK_POLL_MIN
-    while (fd := try_flock(path)) is None:
-        if time.monotonic() > deadline:
-            raise BoxBusy(f"another process has been busy with {what} for {timeout:.0f}s")
-        await asyncio.sleep(delay)
-        delay = min(delay * 2, FLOCK_POLL_MAX)
-    return fd
+    pause = FLOCK_POLL_MIN
+    while time.monotonic() <= deadline:
+        yield pause
+        pause = min(pause * 2, FLOCK_POLL_MAX)
+    raise BoxBusy(f"another process has been busy with {what} for {timeout:.0f}s")
 
 
 def spawn_unless_locked(lock: Path, module: str, *args: str, cwd: str | None = None) -> bool:

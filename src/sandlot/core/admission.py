@@ -28,9 +28,8 @@ import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
-from ..config import try_flock
+from ..config import FLOCK_POLL_MAX, FLOCK_POLL_MIN, try_flock
 from ..errors import BoxBusy
-from .locks import POLL_MAX, POLL_MIN
 
 QUEUE_TIMEOUT = 600.0  # a start waits this long in line at most
 
@@ -75,7 +74,7 @@ class Admission:
 
     async def _host_slot(self, deadline: float) -> int:
         self.directory.mkdir(parents=True, exist_ok=True)
-        delay = POLL_MIN
+        delay = FLOCK_POLL_MIN
         first = os.getpid() % self.slots  # spread the first tries of different processes
         while True:
             for i in range(self.slots):
@@ -85,4 +84,4 @@ class Admission:
             if time.monotonic() > deadline:
                 raise BoxBusy("no VM could start in time: the host is saturated")
             await asyncio.sleep(delay)
-            delay = min(delay * 2, POLL_MAX)
+            delay = min(delay * 2, FLOCK_POLL_MAX)

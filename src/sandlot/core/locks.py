@@ -19,10 +19,9 @@ import os
 from collections.abc import AsyncIterator
 from pathlib import Path
 
-from ..config import FLOCK_POLL_MAX, FLOCK_POLL_MIN, flock_within
+from ..config import flock_within
 
 LOCK_TIMEOUT = 300.0
-POLL_MIN, POLL_MAX = FLOCK_POLL_MIN, FLOCK_POLL_MAX
 
 
 class BoxLock:

@@ -39,12 +39,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..config import atomic_write, try_flock
+from ..config import FLOCK_POLL_MAX, FLOCK_POLL_MIN, atomic_write, try_flock
 from ..engine.base import VM
 from ..errors import BoxBusy, ConnectionLost
 from ..protocol.connection import AgentConnection
 from ..protocol.exec import RemoteProcess
-from .locks import POLL_MAX, POLL_MIN
 
 IDLE_RELEASE = 10.0
 
@@ -278,7 +277,7 @@ class Session:
         if self._port_fd is not None:
             return
         self.ports_dir.mkdir(parents=True, exist_ok=True)
-        delay = POLL_MIN
+        delay = FLOCK_POLL_MIN
         while True:
             left = {p for p in range(self.agent_ports) if (self.ports_dir / f"{p}.session").exists()}
             free = [p for p in range(self.agent_ports) if p not in left]
@@ -301,7 +300,7 @@ class Session:
                     box=self.name,
                 )
             await asyncio.sleep(delay)
-            delay = min(delay * 2, POLL_MAX)
+            delay = min(delay * 2, FLOCK_POLL_MAX)
 
     def _heir_of(self, port: int) -> bool:
         """Whether this process is the heir of the session file on ``port``."""

@@ -11,7 +11,6 @@ import asyncio
 import contextlib
 import ctypes
 import errno
-import fcntl
 import json
 import os
 import signal
@@ -21,7 +20,7 @@ from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
 from ... import pids
-from ...config import flock_within, tail
+from ...config import flock_within, tail, try_flock
 from ...errors import BootError, InvalidState, NoSpace, SavedStateError, no_space
 from .. import hostcgroup
 from ..base import VM, Connector, VMRef, VMStatus
@@ -360,14 +359,12 @@ class QemuVM(VM):
         against 2.5 ms through qemu.qmp, whose worst cases were ten times the bare one's).
         False, with nothing done, where it could not (the caller then uses ``qmp``)."""
         try:
-            fd = os.open(self.cfg.qmp_lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            fd = try_flock(self.cfg.qmp_lock)
         except OSError:
             return False
+        if fd is None:
+            return False
         try:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                return False
             reader, writer = await asyncio.wait_for(
                 asyncio.open_unix_connection(str(self.cfg.qmp_socket)), QMP_TIMEOUT
             )
