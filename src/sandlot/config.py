@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
+import secrets
 import shutil
 import tempfile
 from collections.abc import Iterator, Sequence
@@ -109,6 +110,22 @@ def atomic_write(path: Path, data: bytes, mode: int = 0o644) -> None:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
+
+
+def home_secret(path: Path) -> bytes:
+    """A secret of the home kept in ``path`` (32 random bytes, 0600), made on first use;
+    of two processes making it at once, the first writer wins and both read its bytes."""
+    try:
+        return path.read_bytes()
+    except FileNotFoundError:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with contextlib.suppress(FileExistsError):
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "wb") as f:
+                f.write(secrets.token_bytes(32))
+                f.flush()
+                os.fsync(f.fileno())
+        return path.read_bytes()
 
 
 def fsync_dir(path: Path) -> None:

@@ -49,7 +49,7 @@ def create_key(home: Path, name: str, *args: str) -> str:
     """A new API key (``sandlot keys create``), as the command prints it."""
     out = sandlot_cli(home, "keys", "create", "--name", name, *args)
     assert out.returncode == 0, out.stderr
-    keys = [line.strip() for line in out.stdout.splitlines() if line.strip().startswith("sk-sl-")]
+    keys = [line.strip() for line in out.stdout.splitlines() if line.strip().startswith(("sk-sl-", "e2b_"))]
     assert len(keys) == 1, out.stdout
     return keys[0]
 

@@ -47,15 +47,19 @@ def create_key(
     home: str | os.PathLike[str] | None = None,
     max_volumes: int | None = None,
     max_volume_gb: int | None = None,
+    e2b: bool = False,
 ) -> tuple[ApiKey, str]:
     """Make an API key: its record and the key itself, which is shown only this once.
+    ``e2b``: in E2B's form (``e2b_`` and hex), for E2B's SDKs (docs/e2b.md).
     ``lease``: seconds a box its remote ``with`` block made outlives the client's last
     renewal (api/leases.py; the server's default otherwise). The ``max_`` quotas bound
     what its namespace's boxes and named volumes take in all."""
     quotas = Quotas(boxes=max_boxes, memory_mib=max_memory_mib, disk_gb=max_disk_gb, volumes=max_volumes,
                     volume_gb=max_volume_gb)  # fmt: skip
     store = Runtime.for_home(home).store
-    return access.create_key(store, name, namespace=namespace, admin=admin, quotas=quotas, lease=lease)
+    return access.create_key(
+        store, name, namespace=namespace, admin=admin, quotas=quotas, lease=lease, e2b=e2b
+    )
 
 
 def list_keys(home: str | os.PathLike[str] | None = None) -> list[ApiKey]:
@@ -84,6 +88,11 @@ def make_preview(box_id: str, port: int, ttl: float, *, key_id: str | None = Non
     rt = Runtime.for_home(home)
     return previews.make_preview(rt.store, rt.home, box_id, port, ttl, key_id=key_id, key_name=key_name,
                                  namespace=namespace)  # fmt: skip
+
+
+def sandbox_token(box_id: str, purpose: str, home: str | os.PathLike[str] | None = None) -> str:
+    """A bearer token good for one box and one ``purpose`` only (``core/previews.py``)."""
+    return previews.sandbox_token(_home_dir(home), box_id, purpose)
 
 
 def preview_target(token: str, home: str | os.PathLike[str] | None = None) -> tuple[str, str, int]:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 
 from ..core import leases
-from ..core.leases import DEFAULT, Lease, check_seconds
+from ..core.leases import DEFAULT, SHORTEST, Lease, check_seconds
 from ..core.runtime import Runtime
 
 Home = str | os.PathLike[str] | None
@@ -54,4 +54,15 @@ def drop(box_id: str, *, home: Home = None) -> None:
     leases.drop(Runtime.for_home(home).store, box_id)
 
 
-__all__ = ["DEFAULT", "Lease", "check_seconds", "drop", "give_time", "grant", "lapsed", "of", "renew"]
+__all__ = [
+    "DEFAULT",
+    "SHORTEST",
+    "Lease",
+    "check_seconds",
+    "drop",
+    "give_time",
+    "grant",
+    "lapsed",
+    "of",
+    "renew",
+]

@@ -1,6 +1,6 @@
 """API keys and the audit trail of ``sandlot serve``.
 
-sandlot keys create --name N [--namespace NS] [--admin] [--max-boxes N]
+sandlot keys create --name N [--namespace NS] [--admin] [--e2b] [--max-boxes N]
                     [--max-memory-mib N] [--max-disk-gb N] [--max-volumes N]
                     [--max-volume-gb N] [--lease S]              the key, once
 sandlot keys ls [--json]                                       revoked ones too
@@ -117,6 +117,9 @@ def keys_create(
     max_volume_gb: Annotated[
         int | None, typer.Option("--max-volume-gb", min=1, help="GB of disk volumes in all (no shared ones).")
     ] = None,
+    e2b: Annotated[
+        bool, typer.Option("--e2b", help="In E2B's form (e2b_...), for E2B's SDKs: see docs/e2b.md.")
+    ] = False,
 ) -> None:
     """Make an API key and print it (shown only this once; the store keeps a hash)."""
     from ..api.access import create_key
@@ -124,7 +127,7 @@ def keys_create(
     try:
         key, secret = create_key(name, namespace=namespace, admin=admin, max_boxes=max_boxes,
                                  max_memory_mib=max_memory_mib, max_disk_gb=max_disk_gb, lease=lease,
-                                 max_volumes=max_volumes, max_volume_gb=max_volume_gb)  # fmt: skip
+                                 max_volumes=max_volumes, max_volume_gb=max_volume_gb, e2b=e2b)  # fmt: skip
     except SandlotError as exc:
         raise fail(exc, 125) from exc
     print(secret, flush=True)

@@ -49,6 +49,10 @@ KEY_LABEL = "sandlot.key"
 
 KEY_PREFIX = "sk-sl-"
 KEY_RE = re.compile(r"sk-sl-([0-9a-f]{8})-([A-Za-z0-9_-]{43})")  # token_urlsafe(32) is 43 characters
+# The same key in the form E2B's SDKs are given (``e2b_`` and hex), for its E2B-compatible
+# face: the id's 8 hex digits, then the secret as 64 (``sandlot keys create --e2b``).
+E2B_KEY_PREFIX = "e2b_"
+E2B_KEY_RE = re.compile(r"e2b_([0-9a-f]{8})([0-9a-f]{64})")
 NAME_RE = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 SCRYPT_N, SCRYPT_R, SCRYPT_P, SCRYPT_LEN = 2**14, 8, 1, 32
 SALT_BYTES, SECRET_BYTES = 16, 32
@@ -156,9 +160,12 @@ def create_key(
     admin: bool = False,
     quotas: Quotas = NO_QUOTAS,
     lease: float | None = None,
+    e2b: bool = False,
 ) -> tuple[ApiKey, str]:
     """Make a key: its record, and the key itself (returned this once, stored nowhere).
-    ``lease``: how long the leases of the boxes its remote ``with`` blocks make run."""
+    ``lease``: how long the leases of the boxes its remote ``with`` blocks make run.
+    ``e2b``: the key in E2B's form (``e2b_`` and hex), for E2B's SDKs; it works
+    everywhere a sandlot key does."""
     _check_name("key name", name)
     if lease is not None:
         lease = leases.check_seconds(lease)
@@ -168,7 +175,7 @@ def create_key(
         raise InvalidArgument(f"admin is True or False, not {admin!r}")
     if not isinstance(quotas, Quotas):
         raise InvalidArgument(f"quotas must be a Quotas, not {quotas!r}")
-    secret = secrets.token_urlsafe(SECRET_BYTES)
+    secret = secrets.token_hex(SECRET_BYTES) if e2b else secrets.token_urlsafe(SECRET_BYTES)
     salt = secrets.token_bytes(SALT_BYTES)
     digest = _scrypt(secret, salt)
     for _ in range(16):  # 8 hex digits: a clash is one in four billion per key
@@ -177,7 +184,7 @@ def create_key(
                "hash": digest, "quotas": json.dumps(quotas.to_json()),
                "created_at": key.created_at, "lease": lease}  # fmt: skip
         if store.insert_key(row):
-            return key, f"{KEY_PREFIX}{key.id}-{secret}"
+            return key, f"{E2B_KEY_PREFIX}{key.id}{secret}" if e2b else f"{KEY_PREFIX}{key.id}-{secret}"
     raise RuntimeError("no free key id after 16 tries")  # pragma: no cover
 
 
@@ -289,7 +296,9 @@ class KeyVerifier:
 
     @staticmethod
     def _parse(presented: str) -> tuple[str, str, bytes]:
-        m = KEY_RE.fullmatch(presented) if isinstance(presented, str) and len(presented) <= 256 else None
+        m = None
+        if isinstance(presented, str) and len(presented) <= 256:
+            m = (E2B_KEY_RE if presented.startswith(E2B_KEY_PREFIX) else KEY_RE).fullmatch(presented)
         if m is None:
             raise Unauthorized("malformed API key")
         return m[1], m[2], hashlib.sha256(presented.encode()).digest()

@@ -21,10 +21,8 @@ revoked: they are refused, with a message that says to make a new one.
 from __future__ import annotations
 
 import base64
-import contextlib
 import hashlib
 import hmac
-import os
 import re
 import secrets
 import time
@@ -32,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..config import home_secret
 from ..errors import Forbidden, InvalidArgument, NotFound
 from .store import KEY_REVOKED, BoxStore
 
@@ -79,19 +78,8 @@ def _preview(row: dict[str, Any]) -> Preview:
 
 
 def _secret(home: Path) -> bytes:
-    """The home's preview secret, made on first use (0600, written atomically)."""
-    path = home / "server" / "preview.key"
-    try:
-        return path.read_bytes()
-    except FileNotFoundError:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with contextlib.suppress(FileExistsError):
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)  # the first writer wins
-            with os.fdopen(fd, "wb") as f:
-                f.write(secrets.token_bytes(32))
-                f.flush()
-                os.fsync(f.fileno())
-        return path.read_bytes()
+    """The home's preview secret, made on first use."""
+    return home_secret(home / "server" / "preview.key")
 
 
 def _signature(secret: bytes, signed: str) -> str:
@@ -221,3 +209,13 @@ def ended_with_key(store: BoxStore, key_id: str, revoked_at: float) -> int:
 
 def _when(t: float) -> str:
     return time.strftime("%Y-%m-%d %H:%M:%SZ", time.gmtime(t))
+
+
+def sandbox_token(home: Path, box_id: str, purpose: str) -> str:
+    """A box's bearer token for ``purpose`` (E2B's envd access token, its traffic token):
+    an HMAC of the box id under a secret of the home, so it is never stored, stays the
+    same across server restarts, and is good for that box alone."""
+    mac = hmac.new(
+        home_secret(home / "server" / "sandbox.key"), f"{purpose}:{box_id}".encode(), hashlib.sha256
+    )
+    return base64.urlsafe_b64encode(mac.digest()).decode().rstrip("=")

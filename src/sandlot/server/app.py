@@ -22,6 +22,7 @@ from ..api.events import acting_as
 from ..api.templates import keep_pools_filled_async
 from ..errors import Forbidden, RequestError, SandlotError
 from ..version import __version__
+from . import e2b
 from .state import ServerState, Settings, error_response
 
 if TYPE_CHECKING:
@@ -94,9 +95,11 @@ class Guard:
             await send(message)
 
         receive = _timed(receive, self.state.settings.body_timeout)
-        if path in OPEN_PATHS or path == CONSOLE or path.startswith((PREVIEWS, CONSOLE + "/")):
+        if (path in OPEN_PATHS or path == CONSOLE or path.startswith((PREVIEWS, CONSOLE + "/"))
+                or e2b.is_sandbox_request(path, headers)):  # fmt: skip
             # a preview is authenticated by its signature (server/bridge.py), and streamed;
-            # the console's files hold no secret (the page asks for a key)
+            # the console's files hold no secret (the page asks for a key); a request to an
+            # E2B sandbox carries the sandbox's own token, which server/e2b checks
             await self.app(scope, receive, sending)
             return
         try:
@@ -285,6 +288,7 @@ def create_app(settings: Settings) -> ASGIApp:
     api.include_router(console.pages)
     if mcp is not None:
         api.router.routes.append(Route(MCP_PATH, endpoint=mcp.app, include_in_schema=False))
+    api.mount(e2b.PREFIX, e2b.E2bFace(state))
     guarded = Guard(api, state)
     if settings.port_domain:
         return bridge.HostRoutes(guarded, state, settings.port_domain)

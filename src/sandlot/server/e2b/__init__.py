@@ -1,0 +1,141 @@
+"""E2B's API, served by ``sandlot serve``: the control API, envd and the code
+interpreter's endpoint (docs/e2b.md).
+
+Everything is under ``/e2b`` of the server. A request that names a sandbox in the
+``E2b-Sandbox-Id`` header (as E2B's SDKs send to ``E2B_SANDBOX_URL``) is for the
+sandbox itself: envd's services, ``/files``, or port 49999's code interpreter. It
+carries no API key but the sandbox's access token (``X-Access-Token``), which the
+control API hands out with each sandbox. Any other request is for the control API,
+authenticated by an API key like the rest of the server.
+"""
+
+from __future__ import annotations
+
+import hmac
+from collections.abc import Awaitable, Callable, MutableMapping
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.applications import Starlette
+from starlette.responses import Response
+from starlette.routing import Route
+
+from ...api import access
+from ...api.box import AsyncBox
+from ...errors import BoxNotFound, RequestError, SandlotError, Unauthorized
+from ..state import ServerState
+from . import control, interpreter
+from .envd import ENVD_PORT, Envd
+
+PREFIX = "/e2b"
+SANDBOX_HEADER, PORT_HEADER = "e2b-sandbox-id", "e2b-sandbox-port"
+INTERPRETER_PORT = 49999
+
+Scope = MutableMapping[str, Any]
+ASGI = Callable[[Scope, Callable[[], Awaitable[Any]], Callable[[Any], Awaitable[None]]], Awaitable[None]]
+
+
+def is_sandbox_request(path: str, headers: dict[str, str]) -> bool:
+    """A request for a sandbox itself, which its access token authenticates, not an API key."""
+    return path.startswith(PREFIX + "/") and SANDBOX_HEADER in headers
+
+
+class E2bFace:
+    """The ASGI app mounted at ``/e2b``."""
+
+    def __init__(self, state: ServerState) -> None:
+        self.state = state
+        self.control = FastAPI(title="sandlot: E2B's control API", openapi_url=None, docs_url=None,
+                               redoc_url=None)  # fmt: skip
+        self.control.state.server = state
+        self.control.include_router(control.router)
+        self.control.add_exception_handler(SandlotError, _control_error)  # type: ignore[arg-type]
+        self.control.add_exception_handler(RequestValidationError, _invalid)  # type: ignore[arg-type]
+        self.envd = Envd(state, self.box_of)
+        self.interpreter = interpreter.Interpreter(self.box_of)
+        every = ["GET", "POST", "PUT", "DELETE", "HEAD"]
+        self.sandbox = Starlette(routes=[Route("/{path:path}", self.serve_sandbox, methods=every)])
+
+    async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", ())}
+        if scope["type"] == "http" and SANDBOX_HEADER in headers:
+            await self.sandbox(scope, receive, send)
+        else:
+            await self.control(scope, receive, send)
+
+    async def box_of(self, request: Request) -> AsyncBox:
+        """The box a sandbox request names, once its access token is checked."""
+        box_id = request.headers.get(SANDBOX_HEADER, "")
+        cached = request.scope.get("e2b.box")
+        if cached is not None:
+            return cached  # type: ignore[no-any-return]
+        handles = self.state.handles
+        box = handles.get(box_id)
+        if box is None or box.state == "removed":
+            try:
+                box = await AsyncBox.get(box_id, home=self.state.home)
+            except (BoxNotFound, SandlotError):
+                raise _gone(box_id) from None
+            if box.id != box_id:
+                raise _gone(box_id)  # a prefix or a name is not a sandbox id
+            handles[box_id] = box
+        presented = request.headers.get("x-access-token") or request.headers.get("e2b-traffic-access-token")
+        wanted = [access.sandbox_token(box.id, "envd", self.state.home)]
+        if request.headers.get(PORT_HEADER) == str(INTERPRETER_PORT):
+            wanted.append(access.sandbox_token(box.id, "traffic", self.state.home))
+        if not presented or not any(hmac.compare_digest(presented, w) for w in wanted):
+            raise Unauthorized(f"the access token of sandbox {box_id} is missing or wrong")
+        request.scope["e2b.box"] = box
+        return box
+
+    async def serve_sandbox(self, request: Request) -> Response:
+        path = "/" + request.path_params["path"]
+        port = request.headers.get(PORT_HEADER, str(ENVD_PORT))
+        try:
+            await self.box_of(request)
+            if port == str(INTERPRETER_PORT):
+                return await self.interpreter.serve(path, request)
+            if port != str(ENVD_PORT):
+                raise RequestError(f"port {port}: over E2B's API this server serves envd ({ENVD_PORT}) and "
+                                   f"the code interpreter ({INTERPRETER_PORT}); reach other ports of a "
+                                   "sandbox with sandlot's port bridge")  # fmt: skip
+            if path == "/health":
+                return Response(status_code=204)
+            if path == "/files" and request.method in ("GET", "POST"):
+                return await self.envd.files(request)
+            if request.method == "POST" and path.startswith(("/process.Process/", "/filesystem.Filesystem/")):
+                return await self.envd.rpc(path, request)
+            return JSONResponse(
+                {"code": 404, "message": f"no envd route {request.method} {path}"}, status_code=404
+            )
+        except SandlotError as e:
+            return _sandbox_error(e, path)
+
+
+class _Gone(SandlotError):
+    status = 502
+
+
+def _gone(box_id: str) -> SandlotError:
+    """The proxy's answer for a sandbox that is not there, in the words the SDKs look for."""
+    return _Gone(f"The sandbox {box_id} was not found")
+
+
+def _sandbox_error(err: SandlotError, path: str) -> Response:
+    if path.startswith(("/process.Process/", "/filesystem.Filesystem/")):
+        from .connect import HTTP_STATUS, code_of
+
+        code = "unavailable" if isinstance(err, _Gone) else code_of(err)
+        return JSONResponse({"code": code, "message": str(err)}, status_code=HTTP_STATUS.get(code, 500))
+    return JSONResponse({"code": err.status, "message": str(err)}, status_code=err.status)
+
+
+async def _control_error(request: Request, exc: SandlotError) -> JSONResponse:
+    request.state.error = exc.code
+    return control.error_response(exc)
+
+
+async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+    return control.error_response(RequestError(f"malformed request: {exc.errors()[:3]}"))

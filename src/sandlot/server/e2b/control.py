@@ -1,0 +1,368 @@
+"""E2B's control API (its ``spec/openapi.yml``: ``/sandboxes`` and ``/v2/sandboxes``),
+answered with sandlot's boxes.
+
+A sandbox is a box. Its creation goes through the server's own ``POST /v1/boxes``
+(``routes.create_box``), so a key's namespace, quotas, labels and audit apply as
+they do to sandlot's own clients. E2B's ``timeout`` (killed after N seconds unless
+extended) is the box's lease (``core/leases.py``): ``set_timeout`` and refreshes
+grant it again, and the server's sweep removes the box when it lapses. E2B's pause
+(memory and disk kept, the sandbox no longer running) is sandlot's suspend; a
+connect or resume brings it back with its processes.
+"""
+
+from __future__ import annotations
+
+import base64
+import datetime as dt
+import json
+from typing import Any
+
+from fastapi import APIRouter, Request, Response
+from fastapi.responses import JSONResponse
+
+from ...api import access, leases
+from ...api.box import AsyncBox
+from ...api.contract import BoxCreate
+from ...errors import BoxNotFound, InvalidArgument, InvalidState, SandlotError, SnapshotNotFound, Unsupported
+from .. import leases as server_leases
+from .. import routes
+from ..state import Caller, ServerState
+from .envd import ENVD_VERSION
+
+router = APIRouter()
+TEMPLATE_LABEL, METADATA_LABEL = "e2b.template", "e2b.metadata"
+DEFAULT_TIMEOUT = 300  # seconds: E2B's default
+DEFAULT_TEMPLATES = ("base", "code-interpreter-v1")  # what the SDKs ask for when given no template
+MOST_LISTED = 100
+CLIENT_ID = "sandlot"
+
+
+def error_response(err: SandlotError) -> JSONResponse:
+    """E2B's error shape for any error of sandlot's, with its status."""
+    return JSONResponse({"code": err.status, "message": str(err)}, status_code=err.status)
+
+
+def _server(request: Request) -> ServerState:
+    state: ServerState = request.app.state.server
+    return state
+
+
+def _caller(request: Request) -> Caller:
+    caller: Caller = request.state.caller
+    return caller
+
+
+async def _body(request: Request) -> dict[str, Any]:
+    raw = await request.body()
+    if not raw.strip():
+        return {}
+    try:
+        body = json.loads(raw)
+    except ValueError as e:
+        raise InvalidArgument(f"the body is not JSON: {e}") from None
+    if not isinstance(body, dict):
+        raise InvalidArgument("the body is a JSON object")
+    return body
+
+
+async def sandbox_box(request: Request, sandbox_id: str) -> AsyncBox:
+    """The box of a sandbox id the caller may see (404 in E2B's words otherwise)."""
+    try:
+        return await routes.box_for(request, sandbox_id)
+    except BoxNotFound:
+        raise BoxNotFound(f"sandbox {sandbox_id} was not found", box=sandbox_id) from None
+
+
+def _timeout(value: Any, what: str = "timeout") -> int:
+    if value is None:
+        return DEFAULT_TIMEOUT
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidArgument(f"{what} is a whole number of seconds, not {value!r}")
+    return int(leases.check_seconds(max(value, int(leases.SHORTEST)), what))
+
+
+def _metadata(body: dict[str, Any]) -> dict[str, str]:
+    metadata = body.get("metadata") or {}
+    if not isinstance(metadata, dict) or not all(isinstance(k, str) and isinstance(v, str)
+                                                 for k, v in metadata.items()):  # fmt: skip
+        raise InvalidArgument("metadata is an object of strings")
+    return metadata
+
+
+async def _source(request: Request, template: str) -> dict[str, Any]:
+    """What a sandbox of ``template`` starts from: a sandlot template (or snapshot) of
+    that name the caller may see, else the image it names; E2B's own default templates
+    are the server's default image (``sandlot serve --mcp-image``)."""
+    try:
+        snap = await routes.snapshot_for(request, template)
+    except (SnapshotNotFound, InvalidArgument):
+        snap = None
+    if snap is not None:
+        return {"template": snap.id} if snap.kind == "template" else {"snapshot": snap.id}
+    if template in DEFAULT_TEMPLATES:
+        image = _server(request).settings.mcp_image
+        if image is None:
+            raise InvalidArgument(
+                f"template {template!r}: this server has no default image "
+                "(start it with --mcp-image, or make a sandlot template of that name)"
+            )
+        return {"image": image}
+    return {"image": template}
+
+
+@router.post("/sandboxes", status_code=201)
+@router.post("/v2/sandboxes", status_code=201)
+async def create(request: Request) -> dict[str, Any]:
+    body = await _body(request)
+    template = body.get("templateID")
+    if not isinstance(template, str) or not template:
+        raise InvalidArgument("templateID is needed")
+    timeout = _timeout(body.get("timeout"))
+    envs = body.get("envVars") or {}
+    if not isinstance(envs, dict) or not all(isinstance(v, str) for v in envs.values()):
+        raise InvalidArgument("envVars is an object of strings")
+    labels = {TEMPLATE_LABEL: template[:1024]}
+    metadata = _metadata(body)
+    if metadata:
+        labels[METADATA_LABEL] = json.dumps(metadata, separators=(",", ":"))
+    wanted: dict[str, Any] = {**await _source(request, template), "labels": labels, "lease": float(timeout)}
+    if envs:
+        wanted["env"] = envs
+    internet = body.get("allow_internet_access")
+    network = body.get("network") or {}
+    if not isinstance(network, dict):
+        raise InvalidArgument("network is an object")
+    allow = list(network.get("allowOut") or [])
+    # E2B's sandboxes reach the internet unless told not to; one from a sandlot template
+    # keeps the template's network unless the call says otherwise
+    if internet is False:
+        wanted["network"] = "allowlist" if allow else "none"
+    elif allow:
+        wanted["network"] = "allowlist"
+    elif internet is True or "image" in wanted:
+        wanted["network"] = "public"
+    if allow:
+        wanted["allow"] = allow
+    if network.get("denyOut"):
+        raise Unsupported("network.denyOut is not supported: sandlot's policy is an allow list")
+    if body.get("volumeMounts"):
+        raise Unsupported("volumeMounts are not supported over the E2B API: use sandlot's named volumes")
+    made = await routes.create_box(BoxCreate(**wanted), request, Response())
+    box = await AsyncBox.get(made["id"], home=_server(request).home)
+    return await _sandbox(request, box)
+
+
+async def _sandbox(request: Request, box: AsyncBox) -> dict[str, Any]:
+    home = _server(request).home
+    return {
+        "templateID": box.info["labels"].get(TEMPLATE_LABEL, box.info.get("image") or ""),
+        "sandboxID": box.id,
+        "clientID": CLIENT_ID,
+        "envdVersion": ENVD_VERSION,
+        "envdAccessToken": access.sandbox_token(box.id, "envd", home),
+        "trafficAccessToken": access.sandbox_token(box.id, "traffic", home),
+        "domain": _server(request).settings.port_domain,
+        "alias": box.info["labels"].get(TEMPLATE_LABEL),
+    }
+
+
+async def _listed(request: Request, box: AsyncBox, detail: bool = False) -> dict[str, Any]:
+    info = box.info
+    lease = await _lease(request, box.id)
+    started = info.get("started_at") or info.get("created_at") or 0.0
+    end = lease.until if lease is not None else started + DEFAULT_TIMEOUT
+    try:
+        metadata = json.loads(info["labels"].get(METADATA_LABEL) or "{}")
+    except ValueError:
+        metadata = {}
+    listed = {
+        "templateID": info["labels"].get(TEMPLATE_LABEL, info.get("image") or ""),
+        "alias": info["labels"].get(TEMPLATE_LABEL),
+        "sandboxID": box.id,
+        "clientID": CLIENT_ID,
+        "startedAt": _iso(started),
+        "endAt": _iso(end),
+        "cpuCount": int(info.get("cpus") or 1),
+        "memoryMB": int(info.get("memory_mib") or 256),
+        "diskSizeMB": int(info.get("disk_size_gb") or 8) * 1024,
+        "metadata": metadata,
+        "state": "paused" if box.state == "suspended" else "running",
+        "envdVersion": ENVD_VERSION,
+    }
+    if detail:
+        listed["envdAccessToken"] = access.sandbox_token(box.id, "envd", _server(request).home)
+        listed["domain"] = _server(request).settings.port_domain
+    return listed
+
+
+def _iso(t: float) -> str:
+    return dt.datetime.fromtimestamp(t, dt.UTC).isoformat().replace("+00:00", "Z")
+
+
+async def _lease(request: Request, box_id: str) -> Any:
+    import asyncio
+
+    return await asyncio.to_thread(leases.of, box_id, home=_server(request).home)
+
+
+def _e2b_boxes(boxes: list[AsyncBox], caller: Caller) -> list[AsyncBox]:
+    """The caller's boxes that are sandboxes: made through this API, running or paused."""
+    return [b for b in boxes if TEMPLATE_LABEL in b.info["labels"] and caller.may_see(b.info["labels"])
+            and b.state in ("running", "suspended", "paused")]  # fmt: skip
+
+
+def _filter_metadata(boxes: list[AsyncBox], query: str | None) -> list[AsyncBox]:
+    if not query:
+        return boxes
+    from urllib.parse import parse_qsl
+
+    wanted = dict(parse_qsl(query, keep_blank_values=True))
+    kept = []
+    for b in boxes:
+        try:
+            have = json.loads(b.info["labels"].get(METADATA_LABEL) or "{}")
+        except ValueError:
+            have = {}
+        if all(have.get(k) == v for k, v in wanted.items()):
+            kept.append(b)
+    return kept
+
+
+@router.get("/sandboxes")
+async def list_running(request: Request, metadata: str | None = None) -> list[dict[str, Any]]:
+    boxes = _e2b_boxes(await AsyncBox.list(home=_server(request).home), _caller(request))
+    boxes = [b for b in _filter_metadata(boxes, metadata) if b.state != "suspended"]
+    return [await _listed(request, b) for b in boxes]
+
+
+@router.get("/v2/sandboxes")
+async def list_v2(request: Request, response: Response) -> list[dict[str, Any]]:
+    q = request.query_params
+    states = {s for part in q.getlist("state") for s in part.split(",") if s}
+    unknown = states - {"running", "paused"}
+    if unknown:
+        raise InvalidArgument(f"state {sorted(unknown)}: a sandbox is running or paused")
+    try:
+        limit = int(q.get("limit", MOST_LISTED))
+    except ValueError:
+        raise InvalidArgument(f"limit is a number, not {q.get('limit')!r}") from None
+    if not 1 <= limit <= MOST_LISTED:
+        raise InvalidArgument(f"limit must be 1..{MOST_LISTED}")
+    boxes = _e2b_boxes(await AsyncBox.list(home=_server(request).home), _caller(request))
+    boxes = _filter_metadata(boxes, q.get("metadata"))
+    if states:
+        boxes = [b for b in boxes if ("paused" if b.state == "suspended" else "running") in states]
+    boxes.sort(key=lambda b: (b.info.get("created_at") or 0.0, b.id), reverse=q.get("order") != "asc")
+    token = q.get("nextToken")
+    if token:
+        try:
+            after = json.loads(base64.urlsafe_b64decode(token.encode()))
+            start = next(i for i, b in enumerate(boxes) if b.id == after) + 1
+        except (ValueError, StopIteration):
+            raise InvalidArgument("nextToken is not one this server gave") from None
+        boxes = boxes[start:]
+    page = boxes[:limit]
+    if len(boxes) > limit:
+        response.headers["X-Next-Token"] = base64.urlsafe_b64encode(json.dumps(page[-1].id).encode()).decode()
+    return [await _listed(request, b) for b in page]
+
+
+@router.get("/sandboxes/{sandbox_id}")
+async def get(request: Request, sandbox_id: str) -> dict[str, Any]:
+    return await _listed(request, await sandbox_box(request, sandbox_id), detail=True)
+
+
+@router.delete("/sandboxes/{sandbox_id}", status_code=204)
+async def kill(request: Request, sandbox_id: str) -> Response:
+    box = await sandbox_box(request, sandbox_id)
+    await box.remove(force=True)
+    return Response(status_code=204)
+
+
+@router.post("/sandboxes/{sandbox_id}/timeout", status_code=204)
+async def set_timeout(request: Request, sandbox_id: str) -> Response:
+    body = await _body(request)
+    box = await sandbox_box(request, sandbox_id)
+    await server_leases.grant(_server(request), _caller(request), box.id, _timeout(body.get("timeout")))
+    return Response(status_code=204)
+
+
+@router.post("/sandboxes/{sandbox_id}/refreshes", status_code=204)
+async def refresh(request: Request, sandbox_id: str) -> Response:
+    body = await _body(request)
+    box = await sandbox_box(request, sandbox_id)
+    lease = await _lease(request, box.id)
+    seconds = body.get("duration")
+    seconds = (
+        _timeout(seconds, "duration")
+        if seconds is not None
+        else (lease.seconds if lease else DEFAULT_TIMEOUT)
+    )
+    await server_leases.grant(_server(request), _caller(request), box.id, seconds)
+    return Response(status_code=204)
+
+
+@router.post("/sandboxes/{sandbox_id}/pause", status_code=204)
+async def pause(request: Request, sandbox_id: str) -> Response:
+    box = await sandbox_box(request, sandbox_id)
+    if box.state == "suspended":
+        raise InvalidState(f"sandbox {sandbox_id} is already paused", box=box.id, state=box.state)
+    await box.suspend()
+    return Response(status_code=204)
+
+
+@router.post("/sandboxes/{sandbox_id}/resume", status_code=201)
+async def resume(request: Request, sandbox_id: str) -> dict[str, Any]:
+    body = await _body(request)
+    box = await sandbox_box(request, sandbox_id)
+    if box.state != "suspended":
+        raise InvalidState(f"sandbox {sandbox_id} is already running", box=box.id, state=box.state)
+    return await _running(request, box, body)
+
+
+@router.post("/sandboxes/{sandbox_id}/connect")
+@router.post("/v2/sandboxes/{sandbox_id}/connect")
+async def connect(request: Request, response: Response, sandbox_id: str) -> dict[str, Any]:
+    body = await _body(request)
+    box = await sandbox_box(request, sandbox_id)
+    response.status_code = 201 if box.state == "suspended" else 200
+    return await _running(request, box, body)
+
+
+async def _running(request: Request, box: AsyncBox, body: dict[str, Any]) -> dict[str, Any]:
+    """Resume the box where it is suspended (or paused), and give it its timeout again."""
+    if box.state == "suspended":
+        await box.resume()
+    elif box.state == "paused":
+        await box.unpause()
+    lease = await _lease(request, box.id)
+    asked = body.get("timeout")
+    seconds = _timeout(asked) if asked is not None else (lease.seconds if lease else DEFAULT_TIMEOUT)
+    await server_leases.grant(_server(request), _caller(request), box.id, seconds)
+    return await _sandbox(request, box)
+
+
+@router.get("/sandboxes/{sandbox_id}/metrics")
+async def metrics(request: Request, sandbox_id: str) -> list[dict[str, Any]]:
+    """The box's sampled metrics (every 10 s while it runs: docs/events.md) in E2B's shape,
+    between ``start`` and ``end`` (Unix seconds)."""
+    box = await sandbox_box(request, sandbox_id)
+    q = request.query_params
+    try:
+        start, end = float(q.get("start", 0)), float(q.get("end", 0)) or None
+    except ValueError:
+        raise InvalidArgument("start and end are Unix times in seconds") from None
+    cpus = int(box.info.get("cpus") or 1)
+    disk_total = int(box.info.get("disk_size_gb") or 8) << 30
+    out = []
+    for m in await box.metrics(since=start or -3600):
+        if end is not None and m["at"] > end:
+            continue
+        total = int(m.get("guest_memory_total_bytes") or 0)
+        out.append({
+            "timestamp": _iso(m["at"]), "timestampUnix": int(m["at"]), "cpuCount": cpus,
+            "cpuUsedPct": float(m.get("cpu_percent") or 0.0) / cpus,
+            "memUsed": int(m.get("guest_memory_used_bytes") or 0), "memTotal": total, "memCache": 0,
+            "diskUsed": int(m.get("disk_bytes") or 0), "diskTotal": disk_total,
+        })  # fmt: skip
+    return out

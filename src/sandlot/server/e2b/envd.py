@@ -1,0 +1,566 @@
+"""envd, E2B's in-sandbox API, served on the host for each box over its agent.
+
+E2B runs a daemon (envd) in every sandbox: a Connect-RPC process service and
+filesystem service, and ``/files`` over plain HTTP. sandlot needs no daemon in the
+box: the same calls become the agent's own (spawn, signal, stdin, files, watches),
+made by the server. Processes are held in the server's process table
+(``api/host.py``), so output is buffered whoever listens, and ``Connect`` by pid
+follows a process that another request started.
+
+Where a call runs as a user (E2B's ``user`` option, sent as HTTP Basic), commands
+run as that user and written files and made directories belong to it; the other
+file operations run with the agent's rights. See docs/e2b.md.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import contextlib
+import posixpath
+import signal as _signal
+import stat as _stat
+import time
+from collections.abc import AsyncIterator, Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from ...api.box import AsyncBox
+from ...api.contract import STDERR, STDOUT
+from ...api.files import AsyncWatch
+from ...api.fs import FileInfo
+from ...api.host import HeldProcess, new_process_id
+from ...errors import (
+    GuestFileNotFoundError,
+    InvalidArgument,
+    NotFound,
+    RequestError,
+    SandlotError,
+)
+from ..state import ServerState
+from . import messages as pb
+from .connect import ConnectError, Method, check, serve
+
+ENVD_VERSION = "0.5.7"  # the envd release whose API this serves (octet-stream uploads, CloseStdin)
+ENVD_PORT = 49983
+WATCHER_EVENTS_KEPT = 10_000  # a polled watcher's unread events; older ones are dropped
+FILE_CHUNK = 1 << 20
+NAMES_TTL = 10.0  # seconds a box's user and group names are kept
+
+
+@dataclass
+class E2bProcess:
+    """A process started through envd: what E2B's List and selectors know it by."""
+
+    held: HeldProcess
+    config: dict[str, Any]
+    tag: str | None
+
+
+@dataclass
+class Watcher:
+    """A polled watcher (CreateWatcher): its watch, read into a queue by a task."""
+
+    box_id: str
+    watch: AsyncWatch
+    root: str
+    events: list[dict[str, Any]] = field(default_factory=list)
+    task: asyncio.Task[None] | None = None
+
+
+class Envd:
+    """envd's services for every box of one server."""
+
+    def __init__(self, state: ServerState, box_of: Callable[[Request], Any]) -> None:
+        self.state = state
+        self.box_of = box_of  # the box a request is for, authenticated (async)
+        self.processes: dict[tuple[str, int], E2bProcess] = {}
+        self.watchers: dict[str, Watcher] = {}
+        self.names: dict[str, tuple[float, dict[int, str], dict[int, str]]] = {}
+        self.methods: dict[str, Method] = {}
+        services = (("process.Process", pb.PROCESS_METHODS, self._process_impl()),
+                    ("filesystem.Filesystem", pb.FILESYSTEM_METHODS, self._fs_impl()))  # fmt: skip
+        for service, table, impl in services:
+            for name, (req, resp, kind) in table.items():
+                keepalive = _keepalive(resp, name)
+                self.methods[f"/{service}/{name}"] = Method(req, resp, kind, impl[name], keepalive)
+
+    async def rpc(self, path: str, request: Request) -> Response:
+        method = self.methods.get(path)
+        if method is None:
+            return JSONResponse({"code": "unimplemented", "message": f"no method {path}"}, status_code=404)
+        return await serve(method, request)
+
+    # -- the process service ------------------------------------------------------------------
+
+    def _process_impl(self) -> dict[str, Callable[..., Any]]:
+        return {
+            "List": self.list_processes, "Start": self.start, "Connect": self.connect,
+            "Update": self.update, "StreamInput": self.stream_input, "SendInput": self.send_input,
+            "SendSignal": self.send_signal, "CloseStdin": self.close_stdin,
+        }  # fmt: skip
+
+    async def start(self, req: dict[str, Any], request: Request) -> AsyncIterator[dict[str, Any]]:
+        box: AsyncBox = await self.box_of(request)
+        config = req.get("process") or {}
+        cmd = config.get("cmd", "")
+        check(bool(cmd), "process.cmd is empty")
+        pty = req.get("pty")
+        size = (pty or {}).get("size") or {}
+        self.state.processes.check_room()
+        key = new_process_id()
+        proc = await box.spawn(
+            cmd, *config.get("args", []), env=config.get("envs") or None, cwd=config.get("cwd") or None,
+            user=user_of(request), tty=pty is not None, rows=size.get("rows") or 24,
+            cols=size.get("cols") or 80, stdin=req.get("stdin", True), keep=key,
+        )  # fmt: skip
+        held = self.state.processes.hold(box.id, proc, key)
+        self.processes[(box.id, proc.pid)] = E2bProcess(held, config, req.get("tag"))
+        yield {"event": {"start": {"pid": proc.pid}}}
+        async for event in _events(held, {STDOUT: 0, STDERR: 0}):
+            yield event
+
+    async def connect(self, req: dict[str, Any], request: Request) -> AsyncIterator[dict[str, Any]]:
+        box: AsyncBox = await self.box_of(request)
+        found = self._select(box.id, req.get("process") or {})
+        held = found.held
+        yield {"event": {"start": {"pid": held.proc.pid}}}
+        # from what comes next: output already sent to the starter is not sent again
+        async for event in _events(held, {s: ring.end for s, ring in held.rings.items()}):
+            yield event
+
+    async def list_processes(self, req: dict[str, Any], request: Request) -> dict[str, Any]:
+        box: AsyncBox = await self.box_of(request)
+        self._prune(box.id)
+        listed = []
+        for (box_id, pid), p in self.processes.items():
+            if box_id == box.id and not p.held.done:
+                info: dict[str, Any] = {"config": p.config, "pid": pid}
+                if p.tag is not None:
+                    info["tag"] = p.tag
+                listed.append(info)
+        return {"processes": listed}
+
+    async def update(self, req: dict[str, Any], request: Request) -> dict[str, Any]:
+        box: AsyncBox = await self.box_of(request)
+        p = self._select(box.id, req.get("process") or {})
+        size = (req.get("pty") or {}).get("size")
+        if size is not None:
+            check(p.held.tty, "the process has no PTY to resize")
+            await p.held.proc.resize(int(size.get("rows") or 24), int(size.get("cols") or 80))
+        return {}
+
+    async def send_input(self, req: dict[str, Any], request: Request) -> dict[str, Any]:
+        box: AsyncBox = await self.box_of(request)
+        p = self._select(box.id, req.get("process") or {})
+        await _write_input(p, req.get("input") or {})
+        return {}
+
+    async def stream_input(self, reqs: AsyncIterator[dict[str, Any]], request: Request) -> dict[str, Any]:
+        box: AsyncBox = await self.box_of(request)
+        target: E2bProcess | None = None
+        async for req in reqs:
+            if "start" in req:
+                target = self._select(box.id, req["start"].get("process") or {})
+            elif "data" in req:
+                if target is None:
+                    raise InvalidArgument("StreamInput: data came before the start event naming the process")
+                await _write_input(target, req["data"].get("input") or {})
+        return {}
+
+    async def send_signal(self, req: dict[str, Any], request: Request) -> dict[str, Any]:
+        box: AsyncBox = await self.box_of(request)
+        p = self._select(box.id, req.get("process") or {})
+        number = req.get("signal", 0)
+        sig = {pb.Signal.values["SIGNAL_SIGKILL"]: _signal.SIGKILL,
+               pb.Signal.values["SIGNAL_SIGTERM"]: _signal.SIGTERM}.get(number)  # fmt: skip
+        check(sig is not None, f"signal {number} is not one envd sends (SIGKILL or SIGTERM)")
+        assert sig is not None
+        with contextlib.suppress(SandlotError):  # a signal that raced the exit is no error
+            await p.held.proc.kill(sig, group=True)
+        return {}
+
+    async def close_stdin(self, req: dict[str, Any], request: Request) -> dict[str, Any]:
+        box: AsyncBox = await self.box_of(request)
+        p = self._select(box.id, req.get("process") or {})
+        check(not p.held.tty, "a PTY has no stdin to close: send Ctrl-D (0x04) instead")
+        await p.held.proc.close_stdin()
+        return {}
+
+    def _select(self, box_id: str, selector: Mapping[str, Any]) -> E2bProcess:
+        self._prune(box_id)
+        if "pid" in selector:
+            found = self.processes.get((box_id, int(selector["pid"])))
+            if found is not None and not found.held.done:
+                return found
+            raise ConnectError("not_found", f"process with pid {selector['pid']} not found")
+        if "tag" in selector:
+            for (b, _), p in self.processes.items():
+                if b == box_id and p.tag == selector["tag"] and not p.held.done:
+                    return p
+            raise ConnectError("not_found", f"process with tag {selector['tag']!r} not found")
+        raise InvalidArgument("the process selector names neither a pid nor a tag")
+
+    def _prune(self, box_id: str) -> None:
+        """Forget processes the server's table no longer holds (exited long ago)."""
+        for k, p in list(self.processes.items()):
+            if k[0] == box_id and self.state.processes.get(box_id, p.held.id) is None:
+                del self.processes[k]
+
+    # -- the filesystem service ---------------------------------------------------------------
+
+    def _fs_impl(self) -> dict[str, Callable[..., Any]]:
+        return {
+            "Stat": self.stat, "MakeDir": self.make_dir, "Move": self.move, "ListDir": self.list_dir,
+            "Remove": self.remove, "WatchDir": self.watch_dir, "CreateWatcher": self.create_watcher,
+            "GetWatcherEvents": self.get_watcher_events, "RemoveWatcher": self.remove_watcher,
+        }  # fmt: skip
+
+    async def stat(self, req: dict[str, Any], request: Request) -> dict[str, Any]:
+        box: AsyncBox = await self.box_of(request)
+        path = _path(req, "path", request)
+        info = await box.files.stat(path, follow_symlinks=False)
+        return {"entry": await self.entry(box, info)}
+
+    async def make_dir(self, req: dict[str, Any], request: Request) -> dict[str, Any]:
+        box: AsyncBox = await self.box_of(request)
+        path = _path(req, "path", request)
+        if await box.files.exists(path):
+            raise ConnectError("already_exists", f"directory {path} already exists")
+        await box.files.mkdir(path, parents=True, user=user_of(request))
+        return {"entry": await self.entry(box, await box.files.stat(path))}
+
+    async def move(self, req: dict[str, Any], request: Request) -> dict[str, Any]:
+        box: AsyncBox = await self.box_of(request)
+        src, dst = _path(req, "source", request), _path(req, "destination", request)
+        await box.files.rename(src, dst)
+        return {"entry": await self.entry(box, await box.files.stat(dst, follow_symlinks=False))}
+
+    async def remove(self, req: dict[str, Any], request: Request) -> dict[str, Any]:
+        box: AsyncBox = await self.box_of(request)
+        await box.files.remove(_path(req, "path", request), recursive=True)
+        return {}
+
+    async def list_dir(self, req: dict[str, Any], request: Request) -> dict[str, Any]:
+        box: AsyncBox = await self.box_of(request)
+        path = _path(req, "path", request)
+        depth = int(req.get("depth", 0)) or 1
+        check(depth <= 64, f"depth {depth} is over 64")
+        top = await box.files.stat(path)
+        if not top.is_dir:
+            raise InvalidArgument(f"path {path} is not a directory")
+        entries: list[dict[str, Any]] = []
+        level = [top.path]
+        for _ in range(depth):
+            below: list[str] = []
+            for directory in level:
+                for info in sorted(await box.files.list(directory), key=lambda i: i.name):
+                    entries.append(await self.entry(box, info))
+                    if info.is_dir:
+                        below.append(info.path)
+            level = below
+        return {"entries": entries}
+
+    async def watch_dir(self, req: dict[str, Any], request: Request) -> AsyncIterator[dict[str, Any]]:
+        box: AsyncBox = await self.box_of(request)
+        root, watch = await self._begin_watch(box, req, request)
+        try:
+            yield {"start": {}}
+            while True:
+                event = await watch.next_event()
+                if event is None:
+                    return
+                for e in _fs_events(root, event):
+                    yield {"filesystem": e}
+        finally:
+            await watch.aclose()
+
+    async def create_watcher(self, req: dict[str, Any], request: Request) -> dict[str, Any]:
+        box: AsyncBox = await self.box_of(request)
+        root, watch = await self._begin_watch(box, req, request)
+        watcher = Watcher(box.id, watch, root)
+        watcher_id = new_process_id()
+        watcher.task = asyncio.ensure_future(_collect(watcher))
+        self.watchers[watcher_id] = watcher
+        return {"watcher_id": watcher_id}
+
+    async def get_watcher_events(self, req: dict[str, Any], request: Request) -> dict[str, Any]:
+        watcher = await self._watcher(req, request)
+        events, watcher.events = watcher.events, []
+        return {"events": events}
+
+    async def remove_watcher(self, req: dict[str, Any], request: Request) -> dict[str, Any]:
+        watcher = await self._watcher(req, request)
+        self.watchers.pop(req["watcher_id"], None)
+        if watcher.task is not None:
+            watcher.task.cancel()
+        await watcher.watch.aclose()
+        return {}
+
+    async def _watcher(self, req: dict[str, Any], request: Request) -> Watcher:
+        box: AsyncBox = await self.box_of(request)
+        watcher = self.watchers.get(req.get("watcher_id", ""))
+        if watcher is None or watcher.box_id != box.id:
+            raise ConnectError("not_found", f"watcher {req.get('watcher_id', '')!r} not found")
+        return watcher
+
+    async def _begin_watch(
+        self, box: AsyncBox, req: dict[str, Any], request: Request
+    ) -> tuple[str, AsyncWatch]:
+        path = _path(req, "path", request)
+        info = await box.files.stat(path)
+        if not info.is_dir:
+            raise InvalidArgument(f"path {path} is not a directory")
+        watch = await box.files.watch(info.path, recursive=bool(req.get("recursive", False))).start()
+        return info.path, watch
+
+    async def entry(self, box: AsyncBox, info: FileInfo) -> dict[str, Any]:
+        """envd's EntryInfo of a file, with its owner's and group's names."""
+        users, groups = await self._names(box)
+        kind = {"file": 1, "dir": 2, "symlink": 3}.get(info.type, 0)
+        type_bits = {"file": _stat.S_IFREG, "dir": _stat.S_IFDIR, "symlink": _stat.S_IFLNK}.get(info.type, 0)
+        entry: dict[str, Any] = {
+            "name": info.name, "type": kind, "path": info.path, "size": info.size, "mode": info.mode,
+            "permissions": _stat.filemode(type_bits | info.mode), "owner": users.get(info.uid, str(info.uid)),
+            "group": groups.get(info.gid, str(info.gid)), "modified_time": info.mtime,
+        }  # fmt: skip
+        if info.type == "symlink":
+            entry["is_symlink"] = True
+        if info.link_target is not None:
+            entry["symlink_target"] = info.link_target
+        return entry
+
+    async def _names(self, box: AsyncBox) -> tuple[dict[int, str], dict[int, str]]:
+        """The box's user and group names by id, read from its /etc (kept a few seconds)."""
+        cached = self.names.get(box.id)
+        if cached is not None and time.monotonic() - cached[0] < NAMES_TTL:
+            return cached[1], cached[2]
+        tables: list[dict[int, str]] = []
+        for path in ("/etc/passwd", "/etc/group"):
+            try:
+                text = (await box.files.read(path)).decode("utf-8", "replace")
+            except SandlotError:
+                text = ""
+            tables.append(_id_names(text))
+        self.names[box.id] = (time.monotonic(), tables[0], tables[1])
+        return tables[0], tables[1]
+
+    # -- /files ---------------------------------------------------------------------------------
+
+    async def files(self, request: Request) -> Response:
+        """``GET /files?path=`` downloads a file; ``POST /files`` uploads (multipart, one
+        part per file, or the body itself as ``application/octet-stream``)."""
+        box: AsyncBox = await self.box_of(request)
+        user = request.query_params.get("username") or user_of(request)
+        if request.method == "GET":
+            path = _query_path(request)
+            info = await box.files.stat(path)
+            if info.is_dir:
+                raise InvalidArgument(f"path {path} is a directory")
+            chunks = box.files.iter_read(path)
+            first = await anext(chunks, b"")  # a missing file fails here, before the 200
+
+            async def body() -> AsyncIterator[bytes]:
+                yield first
+                async for chunk in chunks:
+                    yield chunk
+
+            disposition = f'attachment; filename="{posixpath.basename(path)}"'
+            return StreamingResponse(body(), media_type="application/octet-stream",
+                                     headers={"Content-Disposition": disposition,
+                                              "Content-Length": str(info.size)})  # fmt: skip
+        content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
+        written: list[dict[str, Any]] = []
+        if content_type == "application/octet-stream":
+            path = _query_path(request)
+            gzipped = request.headers.get("content-encoding", "").lower() == "gzip"
+            await box.files.write(path, _body(request, gzipped), user=user)
+            written.append(_written(path))
+        elif content_type == "multipart/form-data":
+            form = await request.form(max_files=1000, max_fields=1000)
+            default = request.query_params.get("path")
+            try:
+                for _, part in form.multi_items():
+                    if isinstance(part, str):
+                        continue
+                    target = default if default is not None else (part.filename or "")
+                    path = _resolve(target, request)
+                    await box.files.write(path, _upload_chunks(part), user=user)
+                    written.append(_written(path))
+            finally:
+                await form.close()
+            check(bool(written), "the multipart body holds no file")
+        else:
+            got = content_type or "none"
+            raise InvalidArgument(
+                f"an upload is multipart/form-data or application/octet-stream, not {got!r}"
+            )
+        return JSONResponse(written)
+
+
+def _keepalive(response: Any, name: str) -> Callable[[], Mapping[str, Any]] | None:
+    if name in ("Start", "Connect"):
+        return lambda: {"event": {"keepalive": {}}}
+    if name == "WatchDir":
+        return lambda: {"keepalive": {}}
+    return None
+
+
+async def _events(held: HeldProcess, offsets: dict[int, int]) -> AsyncIterator[dict[str, Any]]:
+    """A held process's output as envd's events, from ``offsets``, then its end."""
+    while True:
+        changed = held.changed()
+        sent = False
+        for stream, ring in held.rings.items():
+            at, data = ring.read_from(offsets[stream])
+            if data:
+                kind = "pty" if held.tty else ("stdout" if stream == STDOUT else "stderr")
+                yield {"event": {"data": {kind: data}}}
+                sent = True
+            offsets[stream] = at + len(data)
+        if sent:
+            continue
+        if held.done and all(offsets[s] >= r.end for s, r in held.rings.items()):
+            yield {"event": {"end": _end(held)}}
+            return
+        await changed.wait()
+
+
+def _end(held: HeldProcess) -> dict[str, Any]:
+    if held.error is not None:
+        return {"exit_code": -1, "exited": False, "status": "error", "error": str(held.error)}
+    result = held.result
+    assert result is not None
+    if result.signal is not None:
+        name = _signal.Signals(result.signal).name.lower().removeprefix("sig") if result.signal in (
+            s.value for s in _signal.Signals) else str(result.signal)  # fmt: skip
+        return {"exit_code": -1, "exited": False, "status": f"signal: {name}"}
+    return {"exit_code": result.exit_code, "exited": True, "status": f"exit status {result.exit_code}"}
+
+
+async def _write_input(p: E2bProcess, data: Mapping[str, Any]) -> None:
+    chunk = data.get("pty") if p.held.tty else data.get("stdin")
+    if chunk is None:
+        chunk = data.get("stdin", data.get("pty", b""))
+    if p.held.done:
+        raise ConnectError("not_found", f"process with pid {p.held.proc.pid} has exited")
+    await p.held.proc.write_stdin(chunk)
+
+
+async def _collect(watcher: Watcher) -> None:
+    """Read a polled watcher's events into its queue until it ends."""
+    try:
+        while True:
+            event = await watcher.watch.next_event()
+            if event is None:
+                return
+            watcher.events.extend(_fs_events(watcher.root, event))
+            del watcher.events[:-WATCHER_EVENTS_KEPT]
+    except SandlotError:
+        return
+
+
+def _fs_events(root: str, event: Any) -> list[dict[str, Any]]:
+    """envd's events of one sandlot event: a move is a rename away and a create at the
+    new path, as inotify reports it to envd; names are relative to the watched path."""
+
+    def name(path: str) -> str:
+        return posixpath.relpath(path, root) if path != root else posixpath.basename(path)
+
+    kinds = {"created": 1, "modified": 2, "deleted": 3}
+    if event.type == "moved":
+        out = []
+        if event.old_path:
+            out.append({"name": name(event.old_path), "type": 4})
+        out.append({"name": name(event.path), "type": 1})
+        return out
+    if event.type in kinds:
+        return [{"name": name(event.path), "type": kinds[event.type]}]
+    return []
+
+
+def user_of(request: Request) -> str | None:
+    """The user an envd call runs as: HTTP Basic's user name, as the SDKs send it
+    (none: the box's default user)."""
+    scheme, _, value = request.headers.get("authorization", "").partition(" ")
+    if scheme.lower() != "basic" or not value:
+        return None
+    try:
+        decoded = base64.b64decode(value.strip(), validate=True).decode()
+    except (binascii.Error, UnicodeDecodeError):
+        raise RequestError("the Authorization header's Basic credentials are not base64") from None
+    return decoded.partition(":")[0] or None
+
+
+def _path(req: Mapping[str, Any], name: str, request: Request) -> str:
+    value = req.get(name, "")
+    check(isinstance(value, str) and bool(value), f"{name} is empty")
+    return _resolve(value, request)
+
+
+def _resolve(path: str, request: Request) -> str:
+    """A path as envd takes it: a relative path is under the user's home."""
+    if not path:
+        raise InvalidArgument("path is empty")
+    if path.startswith("/"):
+        return posixpath.normpath(path)
+    if path.startswith("~"):
+        path = path[1:].lstrip("/")
+    user = request.query_params.get("username") or user_of(request)
+    home = "/root" if user in (None, "root") else f"/home/{user}"
+    return posixpath.normpath(posixpath.join(home, path))
+
+
+def _query_path(request: Request) -> str:
+    path = request.query_params.get("path")
+    if not path:
+        raise InvalidArgument("the path query parameter is needed")
+    return _resolve(path, request)
+
+
+def _written(path: str) -> dict[str, Any]:
+    return {"name": posixpath.basename(path), "type": "file", "path": path}
+
+
+async def _body(request: Request, gzipped: bool) -> AsyncIterator[bytes]:
+    import zlib
+
+    inflater = zlib.decompressobj(wbits=31) if gzipped else None
+    async for chunk in request.stream():
+        if inflater is None:
+            yield chunk
+            continue
+        try:
+            out = inflater.decompress(chunk)
+        except zlib.error as e:
+            raise InvalidArgument(f"the gzip body is malformed: {e}") from None
+        if out:
+            yield out
+    if inflater is not None and not inflater.eof:
+        raise InvalidArgument("the gzip body ends early")
+
+
+async def _upload_chunks(part: Any) -> AsyncIterator[bytes]:
+    while chunk := await part.read(FILE_CHUNK):
+        yield chunk
+
+
+def _id_names(text: str) -> dict[int, str]:
+    names: dict[int, str] = {}
+    for line in text.splitlines():
+        fields = line.split(":")
+        if len(fields) >= 3 and fields[2].isdigit():
+            names.setdefault(int(fields[2]), fields[0])
+    return names
+
+
+def not_found(box_id: str) -> ConnectError:
+    """The proxy's answer for a sandbox that is gone, in the words the SDKs look for."""
+    return ConnectError("not_found", f"The sandbox {box_id} was not found")
+
+
+__all__ = ["ENVD_PORT", "ENVD_VERSION", "Envd", "GuestFileNotFoundError", "NotFound", "not_found"]

@@ -1,0 +1,179 @@
+"""Port 49999 of an E2B sandbox: the code interpreter's ``/execute`` and ``/contexts``,
+answered by sandlot's own interpreter (``box.run_code`` and its code contexts).
+
+``/execute`` streams one JSON object a line, as ``e2b-code-interpreter`` parses
+them: ``stdout``/``stderr`` (``text``, ``timestamp``), ``result`` (the result's
+formats as fields: ``text``, ``html``, ``png``... and ``is_main_result``), ``error``
+(``name``, ``value``, ``traceback``), then ``number_of_executions``. So rich
+results, languages and interpreter state kept through snapshot, fork and rollback
+come with it. A client that leaves mid-cell interrupts the cell.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from ...api.box import AsyncBox
+from ...api.code import CodeContext, Execution, Result
+from ...errors import CodeContextNotFound, CodeTimeout, InvalidArgument, SandlotError
+
+BODY_LIMIT = 8 << 20  # bytes of one /execute or /contexts request
+LANGUAGES = {"python": "python", "py": "python", "javascript": "javascript", "js": "javascript",
+             "typescript": "typescript", "ts": "typescript", "r": "r", "java": "java",
+             "bash": "bash"}  # fmt: skip
+
+
+class Interpreter:
+    def __init__(self, box_of: Callable[[Request], Awaitable[AsyncBox]]) -> None:
+        self.box_of = box_of
+
+    async def serve(self, path: str, request: Request) -> Response:
+        box = await self.box_of(request)
+        method = request.method
+        if path == "/health":
+            return Response(status_code=204)
+        if path == "/execute" and method == "POST":
+            return await self.execute(box, await _json(request))
+        if path == "/contexts" and method == "POST":
+            body = await _json(request)
+            language = _language(body.get("language"))
+            ctx = await box.create_code_context(language=language, cwd=_str(body, "cwd"))
+            return JSONResponse(_context(ctx))
+        if path == "/contexts" and method == "GET":
+            return JSONResponse([_context(c) for c in await box.list_code_contexts()])
+        if path.startswith("/contexts/"):
+            rest = path[len("/contexts/") :]
+            context_id, _, action = rest.partition("/")
+            if method == "DELETE" and not action:
+                await box.remove_code_context(context_id)
+                return Response(status_code=204)
+            if method == "POST" and action == "restart":
+                await box.restart_code_context(context_id)
+                return Response(status_code=204)
+            if method == "POST" and action == "interrupt":
+                await box.interrupt_code_context(context_id)
+                return Response(status_code=204)
+        return JSONResponse({"code": 404, "message": f"no route {method} {path}"}, status_code=404)
+
+    async def execute(self, box: AsyncBox, body: dict[str, Any]) -> Response:
+        code = body.get("code")
+        if not isinstance(code, str):
+            raise InvalidArgument("code is a string")
+        context = _str(body, "context_id")
+        language = _language(body.get("language")) if body.get("language") else "python"
+        if body.get("env_vars"):
+            raise InvalidArgument(
+                "env_vars per execution are not supported: set them on the sandbox or context"
+            )
+        lines: asyncio.Queue[bytes | None] = asyncio.Queue()
+
+        def put(kind: str, **fields: Any) -> None:
+            lines.put_nowait(json.dumps({"type": kind, **fields}).encode() + b"\n")
+
+        def on_result(result: Result) -> None:
+            put("result", **_result(result))
+
+        async def cell() -> None:
+            try:
+                execution: Execution = await box.run_code(
+                    code, language=language, context=context,
+                    on_stdout=lambda text: put("stdout", text=text, timestamp=_now()),
+                    on_stderr=lambda text: put("stderr", text=text, timestamp=_now()), on_result=on_result,
+                )  # fmt: skip
+                _ended(put, execution)
+            except CodeTimeout as e:
+                partial = getattr(e, "execution", None)
+                put("error", name="TimeoutError", value=str(e), traceback="")
+                if isinstance(partial, Execution) and partial.execution_count is not None:
+                    put("number_of_executions", execution_count=partial.execution_count)
+            except CodeContextNotFound as e:
+                put("error", name="ContextNotFound", value=str(e), traceback="")
+            except SandlotError as e:
+                put("error", name=type(e).__name__, value=str(e), traceback="")
+            finally:
+                lines.put_nowait(None)
+
+        task = asyncio.ensure_future(cell())
+
+        async def stream() -> AsyncIterator[bytes]:
+            try:
+                while (line := await lines.get()) is not None:
+                    yield line
+            finally:
+                if not task.done():  # the client left mid-cell: stop the cell
+                    task.cancel()
+                    with contextlib.suppress(SandlotError, asyncio.CancelledError):
+                        await box.interrupt_code_context(context or "python")
+
+        return StreamingResponse(stream(), media_type="application/x-ndjson")
+
+
+def _ended(put: Callable[..., None], execution: Execution) -> None:
+    if execution.error is not None:
+        e = execution.error
+        put("error", name=e.name, value=e.value, traceback=e.traceback)
+    if execution.execution_count is not None:
+        put("number_of_executions", execution_count=execution.execution_count)
+
+
+def _result(result: Result) -> dict[str, Any]:
+    """A result's fields as the SDK's ``Result(**fields)`` takes them."""
+    fields: dict[str, Any] = {"is_main_result": result.is_main_result}
+    for name in ("text", "html", "markdown", "svg", "png", "jpeg", "latex", "json"):
+        value = getattr(result, name)
+        if value is not None:
+            fields[name] = value
+    extra = dict(result.extra)
+    if "application/pdf" in extra:
+        fields["pdf"] = extra.pop("application/pdf")
+    if "application/javascript" in extra:
+        fields["javascript"] = extra.pop("application/javascript")
+    if extra:
+        fields["extra"] = extra
+    return fields
+
+
+def _context(ctx: CodeContext) -> dict[str, Any]:
+    return {"id": ctx.id, "language": ctx.language, "cwd": ctx.cwd}
+
+
+def _language(value: Any) -> str:
+    if value is None:
+        return "python"
+    if not isinstance(value, str) or value.lower() not in LANGUAGES:
+        raise InvalidArgument(f"language {value!r} is not one this interpreter runs")
+    return LANGUAGES[value.lower()]
+
+
+def _str(body: dict[str, Any], name: str) -> str | None:
+    value = body.get(name)
+    if value is not None and not isinstance(value, str):
+        raise InvalidArgument(f"{name} is a string")
+    return value or None
+
+
+def _now() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime()) + "Z"
+
+
+async def _json(request: Request) -> dict[str, Any]:
+    raw = b""
+    async for chunk in request.stream():
+        raw += chunk
+        if len(raw) > BODY_LIMIT:
+            raise InvalidArgument(f"the body is over {BODY_LIMIT} bytes")
+    try:
+        body = json.loads(raw) if raw.strip() else {}
+    except ValueError as e:
+        raise InvalidArgument(f"the body is not JSON: {e}") from None
+    if not isinstance(body, dict):
+        raise InvalidArgument("the body is a JSON object")
+    return body

@@ -1,0 +1,295 @@
+"""E2B's own SDKs (``e2b``, ``e2b-code-interpreter``; sync and async) against a real
+``sandlot serve``: the control API, envd's process and filesystem services over the
+Connect protocol, ``/files``, and the code interpreter's endpoint, on real boxes.
+
+The SDKs are pointed at the server the way docs/e2b.md tells users to:
+``E2B_API_URL`` and ``E2B_SANDBOX_URL`` to the server's ``/e2b``, ``E2B_API_KEY`` a
+key made with ``sandlot keys create --e2b``."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import struct
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from e2b import (
+    AsyncSandbox,
+    CommandExitException,
+    FilesystemEventType,
+    FileType,
+    NotFoundException,
+    PtySize,
+    Sandbox,
+    SandboxQuery,
+)
+
+import sandlot
+
+from tests.support.serve import Served, create_key, serving
+
+pytestmark = pytest.mark.vm
+
+
+@pytest.fixture(scope="module")
+def e2b_env(debian_root: Path) -> Iterator[dict[str, Any]]:
+    """A server, an E2B-form key of a namespace, a sandlot template the SDKs name, and
+    the SDKs' environment pointing at the server."""
+    home = Path(os.environ["SANDLOT_HOME"])
+    tag = f"{os.getpid()}-{time.monotonic_ns() % 10**6}"
+    template = f"e2b-py-{tag}"
+    with serving(home) as served:
+        key = create_key(home, f"e2b-{tag}", "--namespace", f"e2b-{tag}", "--admin", "--e2b")
+        assert key.startswith("e2b_") and len(key) == 4 + 8 + 64
+        # the namespace's own template: a key sees only its namespace's
+        sandlot.template(rootfs=str(debian_root), name=template, memory_mib=512, home=home,
+                         labels={"sandlot.namespace": f"e2b-{tag}"})  # fmt: skip
+        env = {"E2B_API_URL": f"{served.url}/e2b", "E2B_SANDBOX_URL": f"{served.url}/e2b", "E2B_API_KEY": key}
+        before = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)
+        try:
+            yield {"served": served, "key": key, "template": template, "home": home}
+        finally:
+            for k, v in before.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+            with contextlib.suppress(Exception):
+                sandlot.Snapshot.get(template, home=home).remove()
+
+
+@pytest.fixture(scope="module")
+def sbx(e2b_env: dict[str, Any]) -> Iterator[Sandbox]:
+    sandbox = Sandbox.create(e2b_env["template"], timeout=600)
+    try:
+        yield sandbox
+    finally:
+        with contextlib.suppress(Exception):
+            sandbox.kill()
+
+
+def test_commands_run_stream_and_report_exit_codes(sbx: Sandbox) -> None:
+    r = sbx.commands.run("echo out; echo err >&2; echo $HOME")
+    assert r.exit_code == 0
+    assert r.stdout.splitlines()[0] == "out" and r.stderr == "err\n"
+    with pytest.raises(CommandExitException) as failed:
+        sbx.commands.run("echo partial; exit 3")
+    assert failed.value.exit_code == 3 and failed.value.stdout == "partial\n"
+    seen: list[str] = []
+    r = sbx.commands.run(
+        "for i in 1 2 3; do echo $i; done", on_stdout=seen.append, envs={"A": "b"}, cwd="/tmp"
+    )
+    assert "".join(seen) == "1\n2\n3\n"
+    assert sbx.commands.run("echo $A:$(pwd)", envs={"A": "b"}, cwd="/tmp").stdout == "b:/tmp\n"
+
+
+def test_background_commands_stdin_list_connect_and_kill(sbx: Sandbox) -> None:
+    cat = sbx.commands.run("cat", background=True, stdin=True)
+    sbx.commands.send_stdin(cat.pid, "hello\n")
+    sbx.commands.close_stdin(cat.pid)
+    assert cat.wait().stdout == "hello\n"
+
+    sleeper = sbx.commands.run("sleep 600", background=True)
+    listed = {p.pid: p for p in sbx.commands.list()}
+    assert sleeper.pid in listed and listed[sleeper.pid].args[-1] == "sleep 600"
+    ticker = sbx.commands.run("for i in $(seq 1 200); do echo tick; sleep 0.05; done", background=True)
+    followed = sbx.commands.connect(ticker.pid)
+    assert "tick" in followed.wait().stdout
+    assert sbx.commands.kill(sleeper.pid) is True
+    with pytest.raises(CommandExitException):
+        sleeper.wait()
+    assert sleeper.pid not in {p.pid for p in sbx.commands.list()}
+    assert sbx.commands.kill(sleeper.pid) is False  # gone: not found, as E2B says it
+
+
+def test_pty_takes_input_and_resizes(sbx: Sandbox) -> None:
+    got = bytearray()
+    term = sbx.pty.create(PtySize(rows=24, cols=80), timeout=60)
+    output = iter(term)
+
+    def read_until(marker: bytes) -> None:
+        for _, _, chunk in output:
+            got.extend(chunk or b"")
+            if got.count(marker) >= 1:
+                return
+
+    sbx.pty.send_stdin(term.pid, b"stty size; echo pty-$((6*7))\n")
+    read_until(b"pty-42")
+    sbx.pty.resize(term.pid, PtySize(rows=30, cols=100))
+    sbx.pty.send_stdin(term.pid, b"stty size; exit\n")
+    term.wait(on_pty=got.extend)
+    text = got.decode(errors="replace")
+    assert "24 80" in text and "pty-42" in text and "30 100" in text
+
+
+def test_files_text_bytes_streams_list_info_dirs_rename_remove(sbx: Sandbox) -> None:
+    info = sbx.files.write("/tmp/e2b/a.txt", "hello")
+    assert info.path == "/tmp/e2b/a.txt"
+    assert sbx.files.read("/tmp/e2b/a.txt") == "hello"
+    blob = bytes(range(256)) * 4096  # 1 MiB, every byte value
+    sbx.files.write("/tmp/e2b/blob.bin", blob)
+    assert bytes(sbx.files.read("/tmp/e2b/blob.bin", format="bytes")) == blob
+    assert b"".join(sbx.files.read("/tmp/e2b/blob.bin", format="stream")) == blob
+    sbx.files.write_files([{"path": "/tmp/e2b/m/one", "data": "1"}, {"path": "/tmp/e2b/m/two", "data": b"2"}])
+    assert sbx.files.read("/tmp/e2b/m/two") == "2"
+
+    entries = {e.name: e for e in sbx.files.list("/tmp/e2b")}
+    assert set(entries) == {"a.txt", "blob.bin", "m"}
+    assert entries["m"].type == FileType.DIR and entries["blob.bin"].size == len(blob)
+    deep = {e.path for e in sbx.files.list("/tmp/e2b", depth=2)}
+    assert "/tmp/e2b/m/one" in deep
+    assert sbx.files.exists("/tmp/e2b/a.txt") and not sbx.files.exists("/tmp/e2b/nope")
+    stat = sbx.files.get_info("/tmp/e2b/a.txt")
+    assert stat.size == 5 and stat.type == FileType.FILE and stat.owner == "root"
+    assert stat.permissions == "-rw-r--r--"
+
+    assert sbx.files.make_dir("/tmp/e2b/new") is True
+    assert sbx.files.make_dir("/tmp/e2b/new") is False  # already there
+    moved = sbx.files.rename("/tmp/e2b/a.txt", "/tmp/e2b/new/b.txt")
+    assert moved.path == "/tmp/e2b/new/b.txt" and sbx.files.read("/tmp/e2b/new/b.txt") == "hello"
+    sbx.files.remove("/tmp/e2b/new")
+    assert not sbx.files.exists("/tmp/e2b/new")
+    with pytest.raises(NotFoundException):
+        sbx.files.read("/tmp/e2b/nope")
+
+
+def test_watch_dir_polled_by_the_sync_sdk(sbx: Sandbox) -> None:
+    sbx.files.make_dir("/tmp/watched")
+    handle = sbx.files.watch_dir("/tmp/watched", recursive=True)
+    sbx.files.write("/tmp/watched/x.txt", "x")
+    sbx.commands.run("mkdir -p /tmp/watched/sub && echo y > /tmp/watched/sub/y && rm /tmp/watched/x.txt")
+    seen: set[tuple[str, Any]] = set()
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and ("x.txt", FilesystemEventType.REMOVE) not in seen:
+        seen |= {(e.name, e.type) for e in handle.get_new_events()}
+        time.sleep(0.2)
+    handle.stop()
+    assert ("x.txt", FilesystemEventType.REMOVE) in seen
+    assert {n for n, _ in seen} >= {"x.txt", "sub", "sub/y"}
+
+
+def test_lifecycle_info_list_timeout_pause_resume_kill(e2b_env: dict[str, Any]) -> None:
+    sandbox = Sandbox.create(e2b_env["template"], timeout=300, metadata={"run": "lifecycle"})
+    try:
+        sandbox.commands.run("echo kept > /tmp/kept")
+        info = sandbox.get_info()
+        assert info.sandbox_id == sandbox.sandbox_id and info.metadata == {"run": "lifecycle"}
+        listed = [
+            s.sandbox_id for s in Sandbox.list(query=SandboxQuery(metadata={"run": "lifecycle"})).next_items()
+        ]
+        assert listed == [sandbox.sandbox_id]
+        sandbox.set_timeout(1200)
+        assert (sandbox.get_info().end_at.timestamp() - time.time()) > 900
+
+        sandbox.pause()
+        assert Sandbox.get_info(sandbox.sandbox_id).state.value == "paused"
+        again = Sandbox.connect(sandbox.sandbox_id)
+        assert again.files.read("/tmp/kept") == "kept\n"
+        assert again.is_running()
+    finally:
+        assert sandbox.kill() is True
+    assert Sandbox.kill(sandbox.sandbox_id) is False
+    with pytest.raises(Exception, match="not found"):
+        Sandbox.connect(sandbox.sandbox_id)
+
+
+def test_a_sandbox_past_its_timeout_is_gone(e2b_env: dict[str, Any]) -> None:
+    sandbox = Sandbox.create(e2b_env["template"], timeout=10)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and sandbox.is_running():
+        time.sleep(1)
+    assert not sandbox.is_running()
+
+
+def test_async_sdk(e2b_env: dict[str, Any]) -> None:
+    async def main() -> None:
+        sandbox = await AsyncSandbox.create(e2b_env["template"])
+        try:
+            r = await sandbox.commands.run("echo async")
+            assert r.stdout == "async\n"
+            await sandbox.files.write("/tmp/async.txt", "a")
+            assert await sandbox.files.read("/tmp/async.txt") == "a"
+            h = await sandbox.commands.run("sleep 30", background=True)
+            assert await sandbox.commands.kill(h.pid)
+            # the async SDK watches over a stream (WatchDir), not by polling
+            events: list[Any] = []
+            watch = await sandbox.files.watch_dir("/tmp", on_event=events.append)
+            await sandbox.files.write("/tmp/watched-async.txt", "w")
+            for _ in range(100):
+                if any(e.name == "watched-async.txt" for e in events):
+                    break
+                await asyncio.sleep(0.1)
+            await watch.stop()
+            assert any(e.name == "watched-async.txt" for e in events)
+        finally:
+            await sandbox.kill()
+
+    asyncio.run(main())
+
+
+def test_code_interpreter_results_errors_and_contexts(e2b_env: dict[str, Any]) -> None:
+    from e2b_code_interpreter import Sandbox as CodeSandbox
+
+    sandbox = CodeSandbox.create(e2b_env["template"])
+    try:
+        out: list[str] = []
+        ex = sandbox.run_code("x = 41\nprint('hi')\nx + 1", on_stdout=lambda m: out.append(m.line))
+        assert ex.text == "42" and ex.logs.stdout == ["hi\n"] and out == ["hi\n"]
+        assert sandbox.run_code("x").text == "41"
+        err = sandbox.run_code("1/0")
+        assert err.error is not None and err.error.name == "ZeroDivisionError"
+        ctx = sandbox.create_code_context(cwd="/tmp")
+        assert sandbox.run_code("import os; os.getcwd()", context=ctx).text == "'/tmp'"
+        assert sandbox.run_code("'x' in dir()", context=ctx).text == "False"  # its own state
+        assert ctx.id in {c.id for c in sandbox.list_code_contexts()}
+        sandbox.remove_code_context(ctx)
+    finally:
+        sandbox.kill()
+
+
+def test_bad_input_gets_e2b_shaped_errors_never_a_500(e2b_env: dict[str, Any], sbx: Sandbox) -> None:
+    served: Served = e2b_env["served"]
+    with pytest.raises(NotFoundException):
+        Sandbox.connect("no-such-sandbox")
+    with pytest.raises(Exception, match="invalid repository name"):
+        Sandbox.create("Not An Image!", timeout=30)  # neither a template nor an image reference
+    api = httpx.Client(base_url=f"{served.url}/e2b", headers={"X-API-Key": e2b_env["key"]}, timeout=30)
+    r = api.get("/sandboxes/nope")
+    assert r.status_code == 404 and r.json()["code"] == 404
+    r = api.post("/v2/sandboxes", content=b"{not json")
+    assert r.status_code == 400 and "JSON" in r.json()["message"]
+    r = httpx.get(f"{served.url}/e2b/sandboxes")
+    assert r.status_code == 401
+
+    token = sbx._envd_access_token  # what the SDK sends (E2B's own attribute)
+    envd = httpx.Client(base_url=f"{served.url}/e2b", timeout=30,
+                        headers={"E2b-Sandbox-Id": sbx.sandbox_id, "X-Access-Token": str(token)})  # fmt: skip
+    start = "/process.Process/Start"
+    ct = {"Content-Type": "application/connect+proto"}
+    for body in (b"\x00\x00\x00\x00\x09abc", b"\x00\xff\xff\xff\xff", b"\x00\x00\x00\x00\x03\xff\xff\xff"):
+        r = envd.post(start, content=body, headers=ct)
+        assert r.status_code != 500
+        if r.status_code == 200:  # a stream's error is its end message
+            flags, length = struct.unpack(">BI", r.content[:5])
+            assert flags & 2 and b'"code"' in r.content[5 : 5 + length]
+        else:
+            assert r.json()["code"] in ("invalid_argument", "resource_exhausted")
+    r = envd.post(
+        "/filesystem.Filesystem/Stat", content=b"\xff\xff", headers={"Content-Type": "application/proto"}
+    )
+    assert r.status_code == 400 and r.json()["code"] == "invalid_argument"
+    r = envd.post("/filesystem.Filesystem/Stat", json={"path": "/nope"})
+    assert r.status_code == 404 and r.json()["code"] == "not_found"
+    wrong = httpx.post(f"{served.url}/e2b/filesystem.Filesystem/Stat", json={"path": "/"},
+                       headers={"E2b-Sandbox-Id": sbx.sandbox_id, "X-Access-Token": "wrong"})  # fmt: skip
+    assert wrong.status_code == 401
+    gone = httpx.post(f"{served.url}/e2b/filesystem.Filesystem/Stat", json={"path": "/"},
+                      headers={"E2b-Sandbox-Id": "nope", "X-Access-Token": "x"})  # fmt: skip
+    assert gone.status_code == 503 and "was not found" in gone.json()["message"]
