@@ -35,6 +35,7 @@ import sandlot
 from tests.support.serve import Served, create_key, serving
 
 pytestmark = pytest.mark.vm
+PORT_DOMAIN = "e2b.sandlot.test"  # only ever sent as a Host header to 127.0.0.1
 
 
 @pytest.fixture(scope="module")
@@ -44,11 +45,11 @@ def e2b_env(debian_root: Path) -> Iterator[dict[str, Any]]:
     home = Path(os.environ["SANDLOT_HOME"])
     tag = f"{os.getpid()}-{time.monotonic_ns() % 10**6}"
     template = f"e2b-py-{tag}"
-    with serving(home) as served:
+    with serving(home, args=("--port-domain", PORT_DOMAIN)) as served:
         key = create_key(home, f"e2b-{tag}", "--namespace", f"e2b-{tag}", "--admin", "--e2b")
         assert key.startswith("e2b_") and len(key) == 4 + 8 + 64
         # the namespace's own template: a key sees only its namespace's
-        sandlot.template(rootfs=str(debian_root), name=template, memory_mib=512, home=home,
+        sandlot.template(rootfs=str(debian_root), name=template, memory_mib=512, home=home, network="public",
                          labels={"sandlot.namespace": f"e2b-{tag}"})  # fmt: skip
         env = {"E2B_API_URL": f"{served.url}/e2b", "E2B_SANDBOX_URL": f"{served.url}/e2b", "E2B_API_KEY": key}
         before = {k: os.environ.get(k) for k in env}
@@ -99,7 +100,7 @@ def test_background_commands_stdin_list_connect_and_kill(sbx: Sandbox) -> None:
     sleeper = sbx.commands.run("sleep 600", background=True)
     listed = {p.pid: p for p in sbx.commands.list()}
     assert sleeper.pid in listed and listed[sleeper.pid].args[-1] == "sleep 600"
-    ticker = sbx.commands.run("for i in $(seq 1 200); do echo tick; sleep 0.05; done", background=True)
+    ticker = sbx.commands.run("for i in $(seq 1 40); do echo tick; sleep 0.05; done", background=True)
     followed = sbx.commands.connect(ticker.pid)
     assert "tick" in followed.wait().stdout
     assert sbx.commands.kill(sleeper.pid) is True
@@ -200,12 +201,67 @@ def test_lifecycle_info_list_timeout_pause_resume_kill(e2b_env: dict[str, Any]) 
         Sandbox.connect(sandbox.sandbox_id)
 
 
-def test_a_sandbox_past_its_timeout_is_gone(e2b_env: dict[str, Any]) -> None:
-    sandbox = Sandbox.create(e2b_env["template"], timeout=10)
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline and sandbox.is_running():
+def test_past_its_timeout_a_sandbox_is_killed_or_paused_as_asked(e2b_env: dict[str, Any]) -> None:
+    killed = Sandbox.create(e2b_env["template"], timeout=10)
+    paused = Sandbox.create(e2b_env["template"], timeout=10, lifecycle={"on_timeout": "pause"})
+    paused.files.write("/tmp/before-pause", "kept")
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline and (
+        killed.is_running() or Sandbox.get_info(paused.sandbox_id).state.value != "paused"
+    ):
         time.sleep(1)
-    assert not sandbox.is_running()
+    assert not killed.is_running()
+    assert Sandbox.get_info(paused.sandbox_id).lifecycle["on_timeout"] == "pause"
+    resumed = Sandbox.connect(paused.sandbox_id, timeout=60)
+    assert resumed.files.read("/tmp/before-pause") == "kept"
+    resumed.kill()
+
+
+def test_fork_snapshots_and_sandboxes_from_a_snapshot(e2b_env: dict[str, Any]) -> None:
+    parent = Sandbox.create(e2b_env["template"])
+    made: list[Sandbox] = [parent]
+    try:
+        parent.commands.run("echo parent > /tmp/state")
+        kids = parent.fork(count=2, timeout=120)
+        assert all(isinstance(k, Sandbox) for k in kids) and len(kids) == 2
+        made += kids
+        for i, kid in enumerate(kids):
+            assert kid.files.read("/tmp/state") == "parent\n"
+            kid.commands.run(f"echo kid{i} > /tmp/state")
+        assert [k.files.read("/tmp/state") for k in kids] == ["kid0\n", "kid1\n"]
+        assert parent.files.read("/tmp/state") == "parent\n"
+
+        snap = parent.create_snapshot(name=f"e2b-snap-{os.getpid()}")
+        assert snap.names == [f"e2b-snap-{os.getpid()}"]
+        assert snap.snapshot_id in {s.snapshot_id for s in parent.list_snapshots().next_items()}
+        started = Sandbox.create(snap.snapshot_id)
+        made.append(started)
+        assert started.files.read("/tmp/state") == "parent\n"
+        started.kill()
+        made.remove(started)
+        assert Sandbox.delete_snapshot(snap.snapshot_id) is True
+    finally:
+        for sandbox in made:
+            with contextlib.suppress(Exception):
+                sandbox.kill()
+
+
+def test_network_update_metrics_and_the_port_hosts(e2b_env: dict[str, Any], sbx: Sandbox) -> None:
+    home = e2b_env["home"]
+    sbx.update_network({"allow_out": ["pypi.org"]})
+    box = sandlot.Box.get(sbx.sandbox_id, home=home)
+    assert box.info["network"] == "allowlist"
+    sbx.update_network({})  # E2B: what is not given is cleared, so all of the internet again
+    assert sandlot.Box.get(sbx.sandbox_id, home=home).info["network"] == "public"
+    assert isinstance(sbx.get_metrics(), list)
+
+    # envd at {port}-{sandbox}.{domain}, as the SDKs reach it without E2B_SANDBOX_URL
+    served: Served = e2b_env["served"]
+    host = {"Host": f"49983-{sbx.sandbox_id}.{PORT_DOMAIN}", "X-Access-Token": str(sbx._envd_access_token)}
+    r = httpx.get(f"{served.url}/health", headers=host)
+    assert r.status_code == 204
+    r = httpx.post(f"{served.url}/filesystem.Filesystem/Stat", json={"path": "/tmp"}, headers=host)
+    assert r.status_code == 200 and r.json()["entry"]["type"] == "FILE_TYPE_DIRECTORY"
 
 
 def test_async_sdk(e2b_env: dict[str, Any]) -> None:

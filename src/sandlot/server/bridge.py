@@ -62,6 +62,8 @@ from ..errors import (
     RequestError,
     SandlotError,
 )
+from .e2b import E2B_PORTS
+from .e2b import PREFIX as E2B_PREFIX
 from .routes import SERVED, box_for, ws_box
 from .state import KEY_SUBPROTOCOL, ServerState, accept_websocket, app_subprotocols, error_response
 
@@ -129,6 +131,16 @@ class HostRoutes:
             await self.app(scope, receive, send)
             return
         port, box = m.group(1), m.group(2)
+        if scope["type"] == "http" and int(port) in E2B_PORTS:
+            # E2B's SDKs reach envd and the code interpreter at {port}-{sandbox}.{domain}:
+            # served by sandlot itself (server/e2b), which the sandbox's token authenticates
+            path = E2B_PREFIX + scope["path"]
+            extra = [(b"e2b-sandbox-id", box.encode()), (b"e2b-sandbox-port", port.encode())]
+            ours = (b"e2b-sandbox-id", b"e2b-sandbox-port")
+            kept = [(k, v) for k, v in scope["headers"] if k.lower() not in ours]
+            scope = {**scope, "path": path, "raw_path": path.encode(), "headers": kept + extra}
+            await self.app(scope, receive, send)
+            return
         query = QueryParams(scope.get("query_string", b"").decode("latin-1"))
         try:
             if TOKEN_PARAM in query and scope["type"] == "http":

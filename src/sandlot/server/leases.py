@@ -21,6 +21,10 @@ log = logging.getLogger("sandlot.server")
 
 v1 = APIRouter()  # under /v1, authenticated by a key
 SWEEP_EVERY = 1.0  # seconds between looks for lapsed leases
+# A box labelled so is suspended when its lease lapses, not removed (an E2B sandbox made
+# with ``on_timeout="pause"``): it keeps its state, frees its memory, and holds no lease
+# until something resumes it and leases it again.
+ON_END_LABEL = "lease.on_end"
 MOST_RENEWED = 10_000  # boxes one renewal may name
 
 
@@ -75,6 +79,9 @@ async def _remove(state: ServerState, lease: leases.Lease) -> None:
         box = await AsyncBox.get(lease.box_id, home=state.home)
         if await asyncio.to_thread(leases.of, lease.box_id, home=state.home) != lease:
             return  # renewed (or swept by another server) since we looked
+        if box.info["labels"].get(ON_END_LABEL) == "suspend":
+            await _suspend(state, box, caller, detail)
+            return
         await box.remove(force=True)
     except BoxNotFound:
         with contextlib.suppress(SandlotError):
@@ -88,3 +95,10 @@ async def _remove(state: ServerState, lease: leases.Lease) -> None:
             await grant(state, caller, lease.box_id, lease.seconds)
         return
     state.record(caller, "lease lapsed", lease.box_id, 200, None, 0.0, detail)
+
+
+async def _suspend(state: ServerState, box: AsyncBox, caller: Caller, detail: dict[str, Any]) -> None:
+    if box.state in ("running", "paused"):
+        await box.suspend()
+    await asyncio.to_thread(leases.drop, box.id, home=state.home)
+    state.record(caller, "lease lapsed", box.id, 200, None, 0.0, {**detail, "then": "suspended"})

@@ -36,6 +36,7 @@ from ..api import host
 from ..api.backend import SnapshotRef, Write
 from ..api.box import AsyncBox, AsyncSnapshot
 from ..api.contract import (
+    BY_KEY,
     OPERATIONS,
     STDERR,
     STDOUT,
@@ -323,26 +324,32 @@ SERVED: dict[str, Callable[[Request, Any, Any], Awaitable[Any]]] = {"box.process
 # -- the operations of api/contract.py, a route each ----------------------------------------
 
 
+async def run_operation(request: Request, key: str, target: str, **args: Any) -> Any:
+    """Operation ``key`` of ``api/contract.py``'s table on the box or snapshot ``target``
+    names, as its route runs it (what the caller may see, quotas, guards): for the
+    server's other faces."""
+    op = BY_KEY[key]
+    return await _run(request, op, target, host.arguments(op, args))
+
+
+async def _run(request: Request, op: Operation, key: str, params: Any) -> Any:
+    target: Any = await (snapshot_for(request, key) if op.scope == "snapshot" else box_for(request, key))
+    served = SERVED.get(op.key)
+    if served is not None:
+        return await served(request, target, params)
+    async with GUARDS.get(op.key, _as_is)(request, target.ref, params) as params:
+        return await host.run(_backend(request), op, target.ref, params)
+
+
 def _operation_route(op: Operation) -> Callable[..., Awaitable[Any]]:
     """The route of ``op``: its target from the path (as the caller may see it), its
     arguments as its model (from the query or the body), its answer by its codec."""
 
-    async def handler(request: Request, **kwargs: Any) -> Any:
+    async def route(request: Request, **kwargs: Any) -> Any:
         params = (
             kwargs["params"] if "params" in kwargs else host.arguments(op, {n: kwargs[n] for n in op.in_path})
         )
-        if op.scope == "snapshot":
-            target: Any = await snapshot_for(request, kwargs["snap"])
-        else:
-            target = await box_for(request, kwargs["box"])
-        served = SERVED.get(op.key)
-        if served is not None:
-            return await served(request, target, params)
-        async with GUARDS.get(op.key, _as_is)(request, target.ref, params) as params:
-            return await host.run(_backend(request), op, target.ref, params)
-
-    async def route(request: Request, **kwargs: Any) -> Any:
-        value = await handler(request, **kwargs)
+        value = await _run(request, op, kwargs["snap" if op.scope == "snapshot" else "box"], params)
         if op.result.kind == "none":
             return Response(status_code=204)
         if op.result.kind == "text":

@@ -32,6 +32,7 @@ from .envd import ENVD_PORT, Envd
 PREFIX = "/e2b"
 SANDBOX_HEADER, PORT_HEADER = "e2b-sandbox-id", "e2b-sandbox-port"
 INTERPRETER_PORT = 49999
+E2B_PORTS = (ENVD_PORT, INTERPRETER_PORT)  # a sandbox's ports that sandlot serves itself
 
 Scope = MutableMapping[str, Any]
 ASGI = Callable[[Scope, Callable[[], Awaitable[Any]], Callable[[Any], Awaitable[None]]], Awaitable[None]]
@@ -81,6 +82,9 @@ class E2bFace:
             if box.id != box_id:
                 raise _gone(box_id)  # a prefix or a name is not a sandbox id
             handles[box_id] = box
+        if box.state == "suspended" and box.info["labels"].get(control.AUTO_RESUME_LABEL) == "0":
+            # E2B's proxy knows no paused sandbox; with auto-resume, a call resumes it
+            raise _Gone(f"The sandbox {box_id} is paused, and was not found running: connect to resume it")
         presented = request.headers.get("x-access-token") or request.headers.get("e2b-traffic-access-token")
         wanted = [access.sandbox_token(box.id, "envd", self.state.home)]
         if request.headers.get(PORT_HEADER) == str(INTERPRETER_PORT):
@@ -89,6 +93,21 @@ class E2bFace:
             raise Unauthorized(f"the access token of sandbox {box_id} is missing or wrong")
         request.scope["e2b.box"] = box
         return box
+
+    async def _health(self, request: Request) -> Response:
+        """204 while the sandbox runs; E2B's proxy's 502 once it is gone or paused (the
+        SDKs' ``is_running``). Read anew: another process may have ended the box."""
+        box = await self.box_of(request)
+        try:
+            state = await box.refresh()
+        except SandlotError:
+            state = "removed"
+        if state == "removed":
+            self.state.handles.pop(box.id, None)
+            raise _gone(box.id)
+        if state != "running":
+            raise _Gone(f"The sandbox {box.id} is {state}, and was not found running")
+        return Response(status_code=204)
 
     async def serve_sandbox(self, request: Request) -> Response:
         path = "/" + request.path_params["path"]
@@ -102,7 +121,7 @@ class E2bFace:
                                    f"the code interpreter ({INTERPRETER_PORT}); reach other ports of a "
                                    "sandbox with sandlot's port bridge")  # fmt: skip
             if path == "/health":
-                return Response(status_code=204)
+                return await self._health(request)
             if path == "/files" and request.method in ("GET", "POST"):
                 return await self.envd.files(request)
             if request.method == "POST" and path.startswith(("/process.Process/", "/filesystem.Filesystem/")):

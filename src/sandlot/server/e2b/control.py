@@ -15,6 +15,7 @@ from __future__ import annotations
 import base64
 import datetime as dt
 import json
+import time
 from typing import Any
 
 from fastapi import APIRouter, Request, Response
@@ -31,9 +32,11 @@ from .envd import ENVD_VERSION
 
 router = APIRouter()
 TEMPLATE_LABEL, METADATA_LABEL = "e2b.template", "e2b.metadata"
+AUTO_RESUME_LABEL = "e2b.auto_resume"  # "0": a paused sandbox's envd answers as E2B's proxy does
 DEFAULT_TIMEOUT = 300  # seconds: E2B's default
 DEFAULT_TEMPLATES = ("base", "code-interpreter-v1")  # what the SDKs ask for when given no template
 MOST_LISTED = 100
+MOST_FORKED = 100  # E2B's own bound on a fork's count
 CLIENT_ID = "sandlot"
 
 
@@ -145,6 +148,12 @@ async def create(request: Request) -> dict[str, Any]:
         wanted["allow"] = allow
     if network.get("denyOut"):
         raise Unsupported("network.denyOut is not supported: sandlot's policy is an allow list")
+    if body.get("autoPause"):
+        labels[server_leases.ON_END_LABEL] = "suspend"
+    if body.get("autoResume") is not None:
+        resume = body["autoResume"]
+        enabled = resume.get("enabled") if isinstance(resume, dict) else resume
+        labels[AUTO_RESUME_LABEL] = "1" if enabled in (True, None) else "0"
     if body.get("volumeMounts"):
         raise Unsupported("volumeMounts are not supported over the E2B API: use sandlot's named volumes")
     made = await routes.create_box(BoxCreate(**wanted), request, Response())
@@ -175,6 +184,7 @@ async def _listed(request: Request, box: AsyncBox, detail: bool = False) -> dict
         metadata = json.loads(info["labels"].get(METADATA_LABEL) or "{}")
     except ValueError:
         metadata = {}
+    on_end = info["labels"].get(server_leases.ON_END_LABEL)
     listed = {
         "templateID": info["labels"].get(TEMPLATE_LABEL, info.get("image") or ""),
         "alias": info["labels"].get(TEMPLATE_LABEL),
@@ -190,6 +200,11 @@ async def _listed(request: Request, box: AsyncBox, detail: bool = False) -> dict
         "envdVersion": ENVD_VERSION,
     }
     if detail:
+        auto_resume = info["labels"].get(AUTO_RESUME_LABEL, "1") == "1"
+        listed["lifecycle"] = {
+            "onTimeout": "pause" if on_end == "suspend" else "kill",
+            "autoResume": auto_resume,
+        }
         listed["envdAccessToken"] = access.sandbox_token(box.id, "envd", _server(request).home)
         listed["domain"] = _server(request).settings.port_domain
     return listed
@@ -366,3 +381,109 @@ async def metrics(request: Request, sandbox_id: str) -> list[dict[str, Any]]:
             "diskUsed": int(m.get("disk_bytes") or 0), "diskTotal": disk_total,
         })  # fmt: skip
     return out
+
+
+@router.post("/sandboxes/{sandbox_id}/fork")
+async def fork(request: Request, response: Response, sandbox_id: str) -> list[dict[str, Any]]:
+    """``count`` running copies of the sandbox, each from this moment of it (sandlot's
+    fork: memory, processes and disk), each with the timeout asked for."""
+    body = await _body(request)
+    count = body.get("count", 1)
+    if isinstance(count, bool) or not isinstance(count, int) or not 1 <= count <= MOST_FORKED:
+        raise InvalidArgument(f"count is 1..{MOST_FORKED}, not {count!r}")
+    box = await sandbox_box(request, sandbox_id)
+    seconds = _timeout(body.get("timeout"))
+    made = await routes.run_operation(request, "box.fork", box.id, n=count)
+    out = []
+    for info in made["boxes"]:
+        child = await AsyncBox.get(info["id"], home=_server(request).home)
+        await server_leases.grant(_server(request), _caller(request), child.id, seconds)
+        out.append({"sandbox": await _sandbox(request, child)})
+    response.status_code = 201
+    return out
+
+
+@router.post("/sandboxes/{sandbox_id}/snapshots", status_code=201)
+async def snapshot(request: Request, sandbox_id: str) -> dict[str, Any]:
+    """A live snapshot of the sandbox (memory, processes, disk); ``Sandbox.create`` of its
+    id or name starts new sandboxes from it."""
+    body = await _body(request)
+    name = body.get("name")
+    if name is not None and not isinstance(name, str):
+        raise InvalidArgument("name is a string")
+    if body.get("memory") is False:
+        raise Unsupported("a snapshot without memory: sandlot's snapshots are live, memory and all")
+    box = await sandbox_box(request, sandbox_id)
+    snap = await routes.run_operation(request, "box.snapshot", box.id, name=name or None)
+    return _snapshot_info(snap)
+
+
+def _snapshot_info(snap: dict[str, Any]) -> dict[str, Any]:
+    return {"snapshotID": snap["id"], "names": [snap["name"]] if snap.get("name") else []}
+
+
+@router.get("/snapshots")
+async def list_snapshots(request: Request, response: Response) -> list[dict[str, Any]]:
+    q = request.query_params
+    box = q.get("sandboxID")
+    listed = await routes.list_snapshots(request, kind="snapshot", box=box)
+    snaps = [_snapshot_info(s) for s in listed["snapshots"]]
+    name = q.get("name")
+    if name:
+        snaps = [s for s in snaps if name in s["names"]]
+    return snaps
+
+
+@router.delete("/templates/{template_id}", status_code=204)
+async def delete_snapshot(request: Request, template_id: str) -> Response:
+    """E2B deletes a snapshot as a template; so does this, for snapshots and templates."""
+    await routes.run_operation(request, "snapshot.remove", template_id)
+    return Response(status_code=204)
+
+
+@router.put("/sandboxes/{sandbox_id}/network", status_code=204)
+async def update_network(request: Request, sandbox_id: str) -> Response:
+    """Change what the sandbox may reach, now: its allow list (``allowOut``), or all of
+    the internet (``allow_internet_access``)."""
+    body = await _body(request)
+    if body.get("denyOut") or body.get("rules"):
+        raise Unsupported("denyOut and rules are not supported: sandlot's policy is an allow list")
+    box = await sandbox_box(request, sandbox_id)
+    allow = body.get("allowOut")
+    internet = body.get("allow_internet_access")
+    if allow:
+        await routes.run_operation(request, "box.set_network", box.id, network="allowlist", allow=list(allow))
+    elif internet is False or allow == []:
+        await routes.run_operation(request, "box.set_network", box.id, network="none")
+    else:
+        await routes.run_operation(request, "box.set_network", box.id, network="public")
+    return Response(status_code=204)
+
+
+@router.get("/sandboxes/{sandbox_id}/logs")
+async def logs_v1(request: Request, sandbox_id: str) -> dict[str, Any]:
+    entries = await _log_entries(request, sandbox_id)
+    return {"logs": [{"timestamp": e["timestamp"], "line": e["message"]} for e in entries],
+            "logEntries": entries}  # fmt: skip
+
+
+@router.get("/v2/sandboxes/{sandbox_id}/logs")
+async def logs_v2(request: Request, sandbox_id: str) -> dict[str, Any]:
+    return {"logs": await _log_entries(request, sandbox_id)}
+
+
+async def _log_entries(request: Request, sandbox_id: str) -> list[dict[str, Any]]:
+    """The box's console (its kernel's and agent's lines), as E2B's log entries."""
+    q = request.query_params
+    try:
+        limit = int(q.get("limit", 1000))
+    except ValueError:
+        raise InvalidArgument("limit is a number") from None
+    box = await sandbox_box(request, sandbox_id)
+    text = await box.logs(lines=max(1, min(limit, 10_000)))
+    now = _iso(time.time())
+    search = q.get("search")
+    lines = [line for line in text.splitlines() if line.strip() and (not search or search in line)]
+    if q.get("direction") == "backward":
+        lines.reverse()
+    return [{"timestamp": now, "message": line, "level": "info", "fields": {}} for line in lines]
