@@ -54,6 +54,13 @@ PROMISED = {
         "png_1MB_result_ms",
     ],
     "report": ["engines", "workloads", "results", "ratios_to_host", "files"],
+    "e2b_compat": [
+        "sdk_commands_run_ms",
+        "remote_exec_bash_ms",
+        "commands_run_over_remote_exec_p50_ms",
+        "create_from_template_ms",
+        "create_from_pool_ms",
+    ],
     "server": ["exec_true_local_ms", "exec_true_remote_ms", "upload_MBps", "download_MBps", "load"],
     "watch": ["write_to_event_ms", "stdin_echo_baseline_ms", "burst"],
     "nested": ["inner", "kvm_in_box", "tcg_on_host", "ratio_kvm_in_box_over_tcg_on_host"],

@@ -11,7 +11,10 @@ authenticated by an API key like the rest of the server.
 
 from __future__ import annotations
 
+import base64
+import hashlib
 import hmac
+import time
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
@@ -86,10 +89,13 @@ class E2bFace:
             # E2B's proxy knows no paused sandbox; with auto-resume, a call resumes it
             raise _Gone(f"The sandbox {box_id} is paused, and was not found running: connect to resume it")
         presented = request.headers.get("x-access-token") or request.headers.get("e2b-traffic-access-token")
-        wanted = [access.sandbox_token(box.id, "envd", self.state.home)]
+        envd_token = access.sandbox_token(box.id, "envd", self.state.home)
+        wanted = [envd_token]
         if request.headers.get(PORT_HEADER) == str(INTERPRETER_PORT):
             wanted.append(access.sandbox_token(box.id, "traffic", self.state.home))
-        if not presented or not any(hmac.compare_digest(presented, w) for w in wanted):
+        if presented is None and "signature" in request.query_params:
+            check_file_signature(request, envd_token)
+        elif not presented or not any(hmac.compare_digest(presented, w) for w in wanted):
             raise Unauthorized(f"the access token of sandbox {box_id} is missing or wrong")
         request.scope["e2b.box"] = box
         return box
@@ -131,6 +137,25 @@ class E2bFace:
             )
         except SandlotError as e:
             return _sandbox_error(e, path)
+
+
+def check_file_signature(request: Request, envd_token: str) -> None:
+    """A signed ``/files`` URL (the SDKs' ``upload_url``/``download_url``, for a client
+    with no token, a browser): ``v1_`` and the base64 of the SHA-256 of path, operation,
+    user and the sandbox's envd token (and the expiry, if it has one), as E2B signs it."""
+    q = request.query_params
+    if request.url.path.rstrip("/").rsplit("/", 1)[-1] != "files":
+        raise Unauthorized("only /files takes a signature in place of the access token")
+    operation = "read" if request.method in ("GET", "HEAD") else "write"
+    expiry = q.get("signature_expiration")
+    raw = f"{q.get('path', '')}:{operation}:{q.get('username', '')}:{envd_token}"
+    if expiry is not None:
+        if not expiry.isdigit() or int(expiry) < time.time():
+            raise Unauthorized("this signed URL has expired")
+        raw += f":{expiry}"
+    digest = base64.b64encode(hashlib.sha256(raw.encode()).digest()).rstrip(b"=").decode()
+    if not hmac.compare_digest(q.get("signature", ""), f"v1_{digest}"):
+        raise Unauthorized("this URL's signature is wrong")
 
 
 class _Gone(SandlotError):

@@ -194,10 +194,17 @@ class Envd:
     def _select(self, box_id: str, selector: Mapping[str, Any]) -> E2bProcess:
         self._prune(box_id)
         if "pid" in selector:
-            found = self.processes.get((box_id, int(selector["pid"])))
+            pid = int(selector["pid"])
+            found = self.processes.get((box_id, pid))
+            if found is None:  # one the server holds without its E2B facts: taken over after a restart
+                held = next((h for h in self.state.processes.of_box(box_id) if h.proc.pid == pid), None)
+                if held is not None:
+                    argv = list(held.proc.argv)
+                    found = E2bProcess(held, {"cmd": argv[0], "args": argv[1:]}, None)
+                    self.processes[(box_id, pid)] = found
             if found is not None and not found.held.done:
                 return found
-            raise ConnectError("not_found", f"process with pid {selector['pid']} not found")
+            raise ConnectError("not_found", f"process with pid {pid} not found")
         if "tag" in selector:
             for (b, _), p in self.processes.items():
                 if b == box_id and p.tag == selector["tag"] and not p.held.done:
