@@ -11,7 +11,8 @@ What its agent understands: HELLO, PING, CONTROL (STATUS, SHUTDOWN, SET_TIME,
 MOUNT), files (FILE_READ, FILE_WRITE, FS: a small file system held in the VM's
 memory), and EXEC of ``true``, ``false``, ``echo ...``, ``exit N``, ``sleep S``,
 ``cat`` (its stdin back), ``lines N``, ``hostname``, ``remember K V``, ``recall K``
-and ``/bin/sh -c "one of those"`` (nothing runs: the output is made up). Watches
+and ``/bin/sh -c "one of those"`` or ``/bin/bash -l -c ...`` (nothing runs: the
+output is made up). Watches
 answer ENOENT. Saved states are a JSON file holding the VM's ``memory`` dict
 (its files too), so a test can tell which state a VM came from.
 """
@@ -271,7 +272,10 @@ class FakeVM(VM):
     async def _exec(self, argv: tuple[str, ...], ch: int, w: asyncio.StreamWriter) -> None:
         self.busy += 1
         try:
-            self._send(w, T.EXEC_STARTED, ch, wire.tlv(Tag.PID, 4242) + wire.tlv(Tag.WINDOW, wire.WINDOW))
+            pid = 4242 + ch  # one per channel: processes running at once have pids of their own
+            self._send(w, T.EXEC_STARTED, ch, wire.tlv(Tag.PID, pid) + wire.tlv(Tag.WINDOW, wire.WINDOW))
+            if argv[:2] == ("/bin/bash", "-l"):  # what E2B's SDKs send: bash -l -c "..."
+                argv = ("/bin/sh", *argv[2:])
             if len(argv) == 3 and argv[0] in ("sh", "/bin/sh") and argv[1] == "-c":
                 argv = tuple(shlex.split(argv[2])) or ("true",)
             out, err, code = b"", b"", 0

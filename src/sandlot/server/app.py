@@ -85,7 +85,7 @@ class Guard:
         scope.setdefault("state", {})
         if foreign:
             refused = Forbidden(f"a request of a page of {foreign} is refused: not this server's origin")
-            await error_response(refused)(scope, receive, send)
+            await _refusal(path, refused)(scope, receive, send)
             return
         status_seen: list[int] = [500]
 
@@ -105,14 +105,14 @@ class Guard:
         try:
             caller = await self.state.caller(headers)
         except SandlotError as e:
-            await error_response(e)(scope, receive, send)
+            await _refusal(path, e)(scope, receive, send)
             return
         scope["state"]["caller"] = caller
         if not path.endswith(STREAMED_BODIES) and not PORT_ROUTE.match(path):
             declared = headers.get("content-length")
             if declared is not None and declared.isdigit() and int(declared) > JSON_LIMIT:
                 err = BodyTooLarge(f"the body is over the limit of {JSON_LIMIT} bytes for this route")
-                await error_response(err)(scope, receive, send)
+                await _refusal(path, err)(scope, receive, send)
                 return
             receive = _limited(receive, JSON_LIMIT)
         try:
@@ -130,6 +130,11 @@ class Guard:
                 box = (scope.get("path_params") or {}).get("box")
                 self.state.record(caller, action, st.get("box_id", box), status_seen[0], st.get("error"),
                                   time.monotonic() - t0, st.get("audit"))  # fmt: skip
+
+
+def _refusal(path: str, err: SandlotError) -> Response:
+    """The answer to a request the guard refuses, in the shape of the face it was for."""
+    return e2b.error_response(err) if path.startswith(e2b.PREFIX + "/") else error_response(err)
 
 
 def foreign_origin(headers: dict[str, str]) -> str | None:

@@ -41,6 +41,11 @@ Scope = MutableMapping[str, Any]
 ASGI = Callable[[Scope, Callable[[], Awaitable[Any]], Callable[[Any], Awaitable[None]]], Awaitable[None]]
 
 
+def error_response(err: SandlotError) -> JSONResponse:
+    """E2B's error shape (``{"code": STATUS, "message": ...}``), for the server's guard."""
+    return control.error_response(err)
+
+
 def is_sandbox_request(path: str, headers: dict[str, str]) -> bool:
     """A request for a sandbox itself, which its access token authenticates, not an API key."""
     return path.startswith(PREFIX + "/") and SANDBOX_HEADER in headers

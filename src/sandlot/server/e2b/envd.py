@@ -19,6 +19,7 @@ import base64
 import binascii
 import contextlib
 import posixpath
+import re
 import signal as _signal
 import stat as _stat
 import time
@@ -479,7 +480,14 @@ def _fs_events(root: str, event: Any) -> list[dict[str, Any]]:
         return posixpath.relpath(path, root) if path != root else posixpath.basename(path)
 
     kinds = {"created": 1, "modified": 2, "deleted": 3}
+    if _is_write_temp(event.path):
+        return []
     if event.type == "moved":
+        if event.old_path and _is_write_temp(event.old_path):
+            # sandlot's agent writes a file beside it and renames it into place (never a
+            # half-written file): to a watcher that is the file created and written, as
+            # envd's own in-place write shows it
+            return [{"name": name(event.path), "type": 1}, {"name": name(event.path), "type": 2}]
         out = []
         if event.old_path:
             out.append({"name": name(event.old_path), "type": 4})
@@ -488,6 +496,13 @@ def _fs_events(root: str, event: Any) -> list[dict[str, Any]]:
     if event.type in kinds:
         return [{"name": name(event.path), "type": kinds[event.type]}]
     return []
+
+
+WRITE_TEMP = re.compile(r"^\..*\.sandlot-\d+$|\.sandlot-write-\d+$")  # the agent's files.c names them so
+
+
+def _is_write_temp(path: str) -> bool:
+    return WRITE_TEMP.search(posixpath.basename(path)) is not None
 
 
 def user_of(request: Request) -> str | None:

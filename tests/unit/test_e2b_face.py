@@ -1,0 +1,236 @@
+"""E2B's face of the server in the fast tier: E2B's own Python SDK against the server's
+application served in this process over the fake engine (its agent speaks the real
+wire protocol), and the Connect protocol's edges with a plain HTTP client. The same
+SDK against a real ``sandlot serve`` and real VMs is tests/vm/test_e2b.py."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import struct
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+from e2b import CommandExitException, FileType, NotFoundException, Sandbox, SandboxQuery
+
+import sandlot
+from sandlot.server.e2b import messages as pb
+from sandlot.server.e2b import protobuf
+
+from tests.support.fake_engine import fake_rootfs, register
+from tests.support.inproc import InProcess, serving
+
+
+@pytest.fixture(scope="module")
+def face(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    """The in-process server, an E2B-form key, a template of the fake engine, and the
+    SDK's options that point it at the server (given to each call: the tests of other
+    modules share this process, so its environment is left alone)."""
+    register()
+    tmp = tmp_path_factory.mktemp("e2b")
+    home = tmp / "home"
+    root = fake_rootfs(tmp)
+    with serving(home) as srv:
+        key = srv.key("e2b", admin=True, e2b=True)
+        sandlot.template(rootfs=str(root), name="fake-tpl", memory_mib=256, engine="fake", home=home)
+        opts = {"api_key": key, "api_url": f"{srv.url}/e2b", "sandbox_url": f"{srv.url}/e2b"}
+        yield {"srv": srv, "key": key, "home": home, "opts": opts}
+
+
+@pytest.fixture
+def sbx(face: dict[str, Any]) -> Iterator[Sandbox]:
+    sandbox = Sandbox.create("fake-tpl", **face["opts"])
+    yield sandbox
+    sandbox.kill()
+
+
+def test_a_key_in_e2b_form_works_on_both_faces(face: dict[str, Any]) -> None:
+    srv: InProcess = face["srv"]
+    key: str = face["key"]
+    assert key.startswith("e2b_") and len(key) == 76
+    assert httpx.get(f"{srv.url}/v1/boxes", headers={"Authorization": f"Bearer {key}"}).status_code == 200
+    bad = key[:-1] + ("0" if key[-1] != "0" else "1")
+    r = httpx.get(f"{srv.url}/e2b/sandboxes", headers={"X-API-Key": bad})
+    assert r.status_code == 401 and r.json()["code"] == 401
+
+
+def test_create_get_list_and_kill(face: dict[str, Any]) -> None:
+    opts = face["opts"]
+    sandbox = Sandbox.create("fake-tpl", metadata={"who": "unit"}, envs={"A": "1"}, timeout=120, **opts)
+    info = sandbox.get_info()
+    assert info.sandbox_id == sandbox.sandbox_id and info.metadata == {"who": "unit"}
+    assert info.template_id == "fake-tpl" and info.state.value == "running"
+    assert 100 < info.end_at.timestamp() - info.started_at.timestamp() < 200
+    found = Sandbox.list(query=SandboxQuery(metadata={"who": "unit"}), **opts).next_items()
+    assert [s.sandbox_id for s in found] == [sandbox.sandbox_id]
+    assert sandbox.is_running()
+    assert sandbox.kill() is True
+    assert not sandbox.is_running()
+    assert Sandbox.kill(sandbox.sandbox_id, **opts) is False
+    with pytest.raises(NotFoundException):
+        Sandbox.connect(sandbox.sandbox_id, **opts)
+
+
+def test_commands(sbx: Sandbox) -> None:
+    assert sbx.commands.run("echo hello").stdout == "hello\n"
+    with pytest.raises(CommandExitException) as failed:
+        sbx.commands.run("exit 3")
+    assert failed.value.exit_code == 3
+    cat = sbx.commands.run("cat", background=True, stdin=True)
+    sleeper = sbx.commands.run("sleep 1", background=True)
+    assert {p.pid for p in sbx.commands.list()} >= {cat.pid, sleeper.pid}
+    sbx.commands.send_stdin(cat.pid, "in\n")
+    sbx.commands.close_stdin(cat.pid)
+    assert cat.wait().stdout == "in\n"
+    assert sbx.commands.kill(sleeper.pid) is True  # (the fake agent lets it sleep on: real VMs end it)
+
+
+def test_files(sbx: Sandbox) -> None:
+    sbx.files.write("/data/a.txt", "alpha")
+    assert sbx.files.read("/data/a.txt") == "alpha"
+    assert sbx.files.exists("/data/a.txt") and not sbx.files.exists("/data/none")
+    assert [e.name for e in sbx.files.list("/data")] == ["a.txt"]
+    assert sbx.files.get_info("/data").type == FileType.DIR
+    sbx.files.rename("/data/a.txt", "/data/b.txt")
+    assert sbx.files.read("/data/b.txt") == "alpha"
+    sbx.files.remove("/data/b.txt")
+    with pytest.raises(NotFoundException):
+        sbx.files.read("/data/b.txt")
+
+
+def test_fork_and_snapshots(face: dict[str, Any], sbx: Sandbox) -> None:
+    sbx.commands.run("remember color blue")
+    kids = sbx.fork(count=2)
+    try:
+        assert [k.commands.run("recall color").stdout for k in kids] == ["blue\n", "blue\n"]  # type: ignore[union-attr]
+    finally:
+        for k in kids:
+            k.kill()  # type: ignore[union-attr]
+    snap = sbx.create_snapshot(name="unit-snap")
+    started = Sandbox.create(snap.snapshot_id, **face["opts"])
+    assert started.commands.run("recall color").stdout == "blue\n"
+    started.kill()
+    assert Sandbox.delete_snapshot(snap.snapshot_id, **face["opts"]) is True
+
+
+def _envd(face: dict[str, Any], sbx: Sandbox) -> httpx.Client:
+    srv: InProcess = face["srv"]
+    headers = {"E2b-Sandbox-Id": sbx.sandbox_id, "X-Access-Token": str(sbx._envd_access_token)}
+    return httpx.Client(base_url=f"{srv.url}/e2b", headers=headers, timeout=30)
+
+
+def _envelopes(body: bytes) -> list[tuple[int, bytes]]:
+    out = []
+    while body:
+        flags, length = struct.unpack(">BI", body[:5])
+        out.append((flags, body[5 : 5 + length]))
+        body = body[5 + length :]
+    return out
+
+
+def test_connect_streams_in_both_codecs_and_unary_in_json(face: dict[str, Any], sbx: Sandbox) -> None:
+    envd = _envd(face, sbx)
+    start = {"process": {"cmd": "echo", "args": ["hi"]}, "stdin": False}
+    for codec in ("proto", "json"):
+        if codec == "proto":
+            data = protobuf.encode(pb.StartRequest, start)
+        else:
+            data = json.dumps(protobuf.to_json(pb.StartRequest, start)).encode()
+        r = envd.post("/process.Process/Start", content=struct.pack(">BI", 0, len(data)) + data,
+                      headers={"Content-Type": f"application/connect+{codec}"})  # fmt: skip
+        assert r.status_code == 200 and r.headers["content-type"] == f"application/connect+{codec}"
+        frames = _envelopes(r.content)
+        assert frames[-1] == (2, b"{}")  # the end of the stream, with no error
+        events = [
+            protobuf.decode(pb.StartResponse, d)
+            if codec == "proto"
+            else protobuf.from_json(pb.StartResponse, json.loads(d))
+            for _, d in frames[:-1]
+        ]
+        assert "start" in events[0]["event"]
+        assert events[1]["event"]["data"]["stdout"] == b"hi\n"
+        assert events[-1]["event"]["end"]["exited"] is True
+    sbx.files.write("/etc/motd", "hi")
+    r = envd.post("/filesystem.Filesystem/Stat", json={"path": "/etc/motd"})
+    assert r.status_code == 200 and r.json()["entry"]["name"] == "motd"
+    gz = gzip.compress(protobuf.encode(pb.StatRequest, {"path": "/etc"}))
+    r = envd.post("/filesystem.Filesystem/Stat", content=gz,
+                  headers={"Content-Type": "application/proto", "Content-Encoding": "gzip"})  # fmt: skip
+    assert r.status_code == 200 and protobuf.decode(pb.StatResponse, r.content)["entry"]["type"] == 2
+
+
+@pytest.mark.parametrize(
+    ("body", "headers", "status", "code"),
+    [
+        (b"\xff\xff", {"Content-Type": "application/proto"}, 400, "invalid_argument"),
+        (b"{oops", {"Content-Type": "application/json"}, 400, "invalid_argument"),
+        (b"{}", {"Content-Type": "text/plain"}, 415, "invalid_argument"),
+        (b'{"path": "/nope"}', {"Content-Type": "application/json"}, 404, "not_found"),
+        (b'{"path": ""}', {"Content-Type": "application/json"}, 400, "invalid_argument"),
+        (b'{"nope": 1}', {"Content-Type": "application/json"}, 400, "invalid_argument"),
+        (gzip.compress(b"\0" * (20 << 20)), {"Content-Type": "application/proto", "Content-Encoding": "gzip"},
+         429, "resource_exhausted"),
+        (b"x", {"Content-Type": "application/proto", "Content-Encoding": "br"}, 501, "unimplemented"),
+    ],
+    ids=["bad-proto", "bad-json", "content-type", "missing", "empty-path", "unknown-field", "gzip-bomb",
+         "encoding"],
+)  # fmt: skip
+def test_bad_unary_calls_get_connect_errors(
+    face: dict[str, Any], sbx: Sandbox, body: bytes, headers: dict[str, str], status: int, code: str
+) -> None:
+    r = _envd(face, sbx).post("/filesystem.Filesystem/Stat", content=body, headers=headers)
+    assert (r.status_code, r.json()["code"]) == (status, code), r.text
+
+
+@pytest.mark.parametrize(
+    "body",
+    [b"\x00\x00\x00\x00\x09abc", b"\x00\xff\xff\xff\xff", b"\x00\x00\x00\x00\x03\xff\xff\xff", b"",
+     b"\x01\x00\x00\x00\x01x"],
+    ids=["truncated", "huge", "malformed", "empty", "compressed-without-encoding"],
+)  # fmt: skip
+def test_bad_streams_end_with_a_connect_error(face: dict[str, Any], sbx: Sandbox, body: bytes) -> None:
+    r = _envd(face, sbx).post("/process.Process/Start", content=body,
+                              headers={"Content-Type": "application/connect+proto"})  # fmt: skip
+    assert r.status_code == 200
+    flags, data = _envelopes(r.content)[-1]
+    assert flags == 2 and json.loads(data)["error"]["code"] in ("invalid_argument", "resource_exhausted")
+
+
+def test_sandbox_requests_need_the_sandboxs_token(face: dict[str, Any], sbx: Sandbox) -> None:
+    srv: InProcess = face["srv"]
+    url = f"{srv.url}/e2b/filesystem.Filesystem/Stat"
+    r = httpx.post(url, json={"path": "/"}, headers={"E2b-Sandbox-Id": sbx.sandbox_id})
+    assert r.status_code == 401 and r.json()["code"] == "unauthenticated"
+    other = Sandbox.create("fake-tpl", **face["opts"])
+    try:  # one sandbox's token opens no other
+        theirs = {"E2b-Sandbox-Id": other.sandbox_id, "X-Access-Token": str(sbx._envd_access_token)}
+        assert httpx.post(url, json={"path": "/"}, headers=theirs).status_code == 401
+    finally:
+        other.kill()
+    r = httpx.post(url, json={"path": "/"}, headers={"E2b-Sandbox-Id": "nope", "X-Access-Token": "x"})
+    assert r.status_code == 503 and "was not found" in r.json()["message"]
+    r = httpx.get(f"{srv.url}/e2b/health", headers={"E2b-Sandbox-Id": "nope", "X-Access-Token": "x"})
+    assert r.status_code == 502
+
+
+def test_bad_control_calls_get_e2b_errors(face: dict[str, Any]) -> None:
+    srv: InProcess = face["srv"]
+    api = httpx.Client(base_url=f"{srv.url}/e2b", headers={"X-API-Key": face["key"]})
+    for method, path, body, status in (
+        ("POST", "/v2/sandboxes", b"{not json", 400),
+        ("POST", "/v2/sandboxes", b"[]", 400),
+        ("POST", "/v2/sandboxes", json.dumps({"templateID": ""}).encode(), 400),
+        ("POST", "/v2/sandboxes", json.dumps({"templateID": "fake-tpl", "timeout": "x"}).encode(), 400),
+        ("POST", "/v2/sandboxes", json.dumps({"templateID": "fake-tpl", "volumeMounts": [{}]}).encode(), 501),
+        ("GET", "/sandboxes/none", b"", 404),
+        ("POST", "/sandboxes/none/pause", b"", 404),
+        ("GET", "/v2/sandboxes?state=sleeping", b"", 400),
+        ("GET", "/v2/sandboxes?nextToken=zzz", b"", 400),
+        ("POST", "/v2/sandboxes", b"x" * (2 << 20), 413),
+    ):
+        r = api.request(method, path, content=body)
+        assert r.status_code == status, (path, r.text)
+        assert set(r.json()) >= {"code", "message"}
+    assert not [b for b in sandlot.list(home=face["home"]) if "e2b.template" in b.info["labels"]]
