@@ -23,6 +23,7 @@ from typing import Any
 import httpx
 import pytest
 from e2b import (
+    ALL_TRAFFIC,
     AsyncSandbox,
     CommandExitException,
     FilesystemEventType,
@@ -95,6 +96,9 @@ def test_commands_run_stream_and_report_exit_codes(sbx: Sandbox) -> None:
     )
     assert "".join(seen) == "1\n2\n3\n"
     assert sbx.commands.run("echo $A:$(pwd)", envs={"A": "b"}, cwd="/tmp").stdout == "b:/tmp\n"
+    assert sbx.commands.run("id -un", user="root").stdout == "root\n"
+    with pytest.raises(Exception, match="nobody-here"):  # an image without E2B's user says so
+        sbx.commands.run("true", user="nobody-here")
 
 
 def test_background_commands_stdin_list_connect_and_kill(sbx: Sandbox) -> None:
@@ -130,7 +134,7 @@ def test_pty_takes_input_and_resizes(sbx: Sandbox) -> None:
     sbx.pty.send_stdin(term.pid, b"stty size; echo pty-$((6*7))\n")
     read_until(b"pty-42")
     sbx.pty.resize(term.pid, PtySize(rows=30, cols=100))
-    sbx.pty.send_stdin(term.pid, b"stty size; exit\n")
+    sbx.pty.stream_input(term.pid, iter([b"stty size; ", b"exit\n"]))  # StreamInput: a client stream
     term.wait(on_pty=got.extend)
     text = got.decode(errors="replace")
     assert "24 80" in text and "pty-42" in text and "30 100" in text
@@ -254,9 +258,11 @@ def test_fork_snapshots_and_sandboxes_from_a_snapshot(e2b_env: dict[str, Any]) -
 
 def test_network_update_metrics_and_the_port_hosts(e2b_env: dict[str, Any], sbx: Sandbox) -> None:
     home = e2b_env["home"]
-    sbx.update_network({"allow_out": ["pypi.org"]})
+    sbx.update_network({"allow_out": ["pypi.org"], "deny_out": [ALL_TRAFFIC]})
     box = sandlot.Box.get(sbx.sandbox_id, home=home)
     assert box.info["network"] == "allowlist"
+    with pytest.raises(Exception, match="allow list"):  # a deny of particular hosts is not sandlot's policy
+        sbx.update_network({"deny_out": ["10.0.0.1"]})
     sbx.update_network({})  # E2B: what is not given is cleared, so all of the internet again
     assert sandlot.Box.get(sbx.sandbox_id, home=home).info["network"] == "public"
     assert isinstance(sbx.get_metrics(), list)

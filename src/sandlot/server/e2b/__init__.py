@@ -15,7 +15,7 @@ import base64
 import hashlib
 import hmac
 import time
-from collections.abc import Awaitable, Callable, MutableMapping
+from collections.abc import MutableMapping
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -28,7 +28,7 @@ from starlette.routing import Route
 from ...api import access
 from ...api.box import AsyncBox
 from ...errors import BoxNotFound, RequestError, SandlotError, Unauthorized
-from ..state import ServerState
+from ..state import KEY_LABEL, NAMESPACE_LABEL, Caller, ServerState
 from . import control, interpreter
 from .envd import ENVD_PORT, Envd
 
@@ -36,9 +36,12 @@ PREFIX = "/e2b"
 SANDBOX_HEADER, PORT_HEADER = "e2b-sandbox-id", "e2b-sandbox-port"
 INTERPRETER_PORT = 49999
 E2B_PORTS = (ENVD_PORT, INTERPRETER_PORT)  # a sandbox's ports that sandlot serves itself
+AUDITED = frozenset({  # what changes a sandbox, as the server's own routes are audited
+    "/process.Process/Start", "/process.Process/SendSignal", "/filesystem.Filesystem/MakeDir",
+    "/filesystem.Filesystem/Move", "/filesystem.Filesystem/Remove", "/execute",
+})  # fmt: skip
 
 Scope = MutableMapping[str, Any]
-ASGI = Callable[[Scope, Callable[[], Awaitable[Any]], Callable[[Any], Awaitable[None]]], Awaitable[None]]
 
 
 def error_response(err: SandlotError) -> JSONResponse:
@@ -122,6 +125,25 @@ class E2bFace:
 
     async def serve_sandbox(self, request: Request) -> Response:
         path = "/" + request.path_params["path"]
+        t0 = time.monotonic()
+        response = await self._sandbox_call(path, request)
+        if path in AUDITED or (path == "/files" and request.method == "POST"):
+            self._audit(request, path, response.status_code, time.monotonic() - t0)
+        return response
+
+    def _audit(self, request: Request, path: str, status: int, seconds: float) -> None:
+        """A mutating call to a sandbox, in the audit trail under the key that made its box
+        (the call itself carries the sandbox's token, no key)."""
+        box: AsyncBox | None = request.scope.get("e2b.box")
+        if box is None:
+            return
+        labels = box.info["labels"]
+        caller = Caller(labels.get(KEY_LABEL), None, labels.get(NAMESPACE_LABEL), admin=False)
+        detail = {"e2b": True, **request.scope.get("e2b.audit", {})}
+        error = None if status < 400 else str(status)
+        self.state.record(caller, f"{request.method} {PREFIX}{path}", box.id, status, error, seconds, detail)
+
+    async def _sandbox_call(self, path: str, request: Request) -> Response:
         port = request.headers.get(PORT_HEADER, str(ENVD_PORT))
         try:
             await self.box_of(request)

@@ -12,11 +12,14 @@ connect or resume brings it back with its processes.
 
 from __future__ import annotations
 
+import asyncio
 import base64
+import contextlib
 import datetime as dt
 import json
 import time
 from typing import Any
+from urllib.parse import parse_qsl
 
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
@@ -37,6 +40,7 @@ DEFAULT_TIMEOUT = 300  # seconds: E2B's default
 DEFAULT_TEMPLATES = ("base", "code-interpreter-v1")  # what the SDKs ask for when given no template
 MOST_LISTED = 100
 MOST_FORKED = 100  # E2B's own bound on a fork's count
+ALL_TRAFFIC = "0.0.0.0/0"  # E2B's name for every destination
 CLIENT_ID = "sandlot"
 
 
@@ -131,23 +135,16 @@ async def create(request: Request) -> dict[str, Any]:
     wanted: dict[str, Any] = {**await _source(request, template), "labels": labels, "lease": float(timeout)}
     if envs:
         wanted["env"] = envs
-    internet = body.get("allow_internet_access")
     network = body.get("network") or {}
     if not isinstance(network, dict):
         raise InvalidArgument("network is an object")
-    allow = list(network.get("allowOut") or [])
-    # E2B's sandboxes reach the internet unless told not to; one from a sandlot template
-    # keeps the template's network unless the call says otherwise
-    if internet is False:
-        wanted["network"] = "allowlist" if allow else "none"
-    elif allow:
-        wanted["network"] = "allowlist"
-    elif internet is True or "image" in wanted:
-        wanted["network"] = "public"
-    if allow:
-        wanted["allow"] = allow
-    if network.get("denyOut"):
-        raise Unsupported("network.denyOut is not supported: sandlot's policy is an allow list")
+    internet = body.get("allow_internet_access")
+    if internet is not None or network or "image" in wanted:
+        # a sandbox from a sandlot template keeps the template's network unless told otherwise
+        mode, allow = _policy(internet, network.get("allowOut"), network.get("denyOut"), network.get("rules"))
+        wanted["network"] = mode
+        if allow:
+            wanted["allow"] = allow
     if body.get("autoPause"):
         labels[server_leases.ON_END_LABEL] = "suspend"
     if body.get("autoResume") is not None:
@@ -215,8 +212,6 @@ def _iso(t: float) -> str:
 
 
 async def _lease(request: Request, box_id: str) -> Any:
-    import asyncio
-
     return await asyncio.to_thread(leases.of, box_id, home=_server(request).home)
 
 
@@ -229,8 +224,6 @@ def _e2b_boxes(boxes: list[AsyncBox], caller: Caller) -> list[AsyncBox]:
 def _filter_metadata(boxes: list[AsyncBox], query: str | None) -> list[AsyncBox]:
     if not query:
         return boxes
-    from urllib.parse import parse_qsl
-
     wanted = dict(parse_qsl(query, keep_blank_values=True))
     kept = []
     for b in boxes:
@@ -394,11 +387,17 @@ async def fork(request: Request, response: Response, sandbox_id: str) -> list[di
     box = await sandbox_box(request, sandbox_id)
     seconds = _timeout(body.get("timeout"))
     made = await routes.run_operation(request, "box.fork", box.id, n=count)
-    out = []
-    for info in made["boxes"]:
-        child = await AsyncBox.get(info["id"], home=_server(request).home)
-        await server_leases.grant(_server(request), _caller(request), child.id, seconds)
-        out.append({"sandbox": await _sandbox(request, child)})
+    children = [await AsyncBox.get(info["id"], home=_server(request).home) for info in made["boxes"]]
+    try:
+        out = []
+        for child in children:
+            await server_leases.grant(_server(request), _caller(request), child.id, seconds)
+            out.append({"sandbox": await _sandbox(request, child)})
+    except BaseException:  # children nobody was told of would run on, unleased: none is left
+        for child in children:
+            with contextlib.suppress(SandlotError):
+                await child.remove(force=True)
+        raise
     response.status_code = 201
     return out
 
@@ -443,21 +442,37 @@ async def delete_snapshot(request: Request, template_id: str) -> Response:
 
 @router.put("/sandboxes/{sandbox_id}/network", status_code=204)
 async def update_network(request: Request, sandbox_id: str) -> Response:
-    """Change what the sandbox may reach, now: its allow list (``allowOut``), or all of
-    the internet (``allow_internet_access``)."""
+    """Change what the sandbox may reach, now (``_policy``); what is not given is cleared,
+    as in E2B."""
     body = await _body(request)
-    if body.get("denyOut") or body.get("rules"):
-        raise Unsupported("denyOut and rules are not supported: sandlot's policy is an allow list")
+    mode, allow = _policy(body.get("allow_internet_access"), body.get("allowOut"), body.get("denyOut"),
+                          body.get("rules"))  # fmt: skip
     box = await sandbox_box(request, sandbox_id)
-    allow = body.get("allowOut")
-    internet = body.get("allow_internet_access")
-    if allow:
-        await routes.run_operation(request, "box.set_network", box.id, network="allowlist", allow=list(allow))
-    elif internet is False or allow == []:
-        await routes.run_operation(request, "box.set_network", box.id, network="none")
-    else:
-        await routes.run_operation(request, "box.set_network", box.id, network="public")
+    await routes.run_operation(request, "box.set_network", box.id, network=mode, allow=allow or None)
     return Response(status_code=204)
+
+
+def _policy(internet: Any, allow: Any, deny: Any, rules: Any) -> tuple[str, list[str]]:
+    """sandlot's network mode and allow list for E2B's egress settings. In E2B an allowed
+    destination wins over a denied one, and nothing is denied unless asked: so what
+    restricts a sandbox is a deny of all traffic (``0.0.0.0/0``, or no internet access),
+    with ``allowOut`` the exceptions, which is sandlot's allow list."""
+    if rules:
+        raise Unsupported("network rules (header transforms) are not supported")
+    for name, value in (("allowOut", allow), ("denyOut", deny)):
+        if value is not None and (not isinstance(value, list) or not all(isinstance(v, str) for v in value)):
+            raise InvalidArgument(f"{name} is a list of host names and addresses")
+    allow, deny = list(allow or []), list(deny or [])
+    particular = [d for d in deny if d != ALL_TRAFFIC]
+    if particular:
+        named = ", ".join(particular[:3])
+        raise Unsupported(
+            f"denyOut of particular destinations ({named}) is not supported: sandlot's policy is "
+            f"an allow list: deny {ALL_TRAFFIC} and allow what may be reached"
+        )
+    if internet is False or deny:
+        return ("allowlist", allow) if allow else ("none", [])
+    return "public", []
 
 
 @router.get("/sandboxes/{sandbox_id}/logs")

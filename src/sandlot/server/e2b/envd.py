@@ -113,6 +113,7 @@ class Envd:
         pty = req.get("pty")
         size = (pty or {}).get("size") or {}
         self.state.processes.check_room()
+        request.scope["e2b.audit"] = {"argv": [cmd, *config.get("args", [])]}  # never its stdin or output
         key = new_process_id()
         proc = await box.spawn(
             cmd, *config.get("args", []), env=config.get("envs") or None, cwd=config.get("cwd") or None,
