@@ -57,6 +57,35 @@ async def cancel_and_reap(tasks: Iterable[asyncio.Future[Any]]) -> None:
             t.exception()
 
 
+async def with_beats(source: AsyncIterator[T], every: float) -> AsyncIterator[T | None]:
+    """``source``'s items, and None after each ``every`` seconds without one (a stream's
+    keepalive), never cancelling the wait for its next item; ``source`` is closed at the
+    end, whoever ends it."""
+    pending: asyncio.Future[T] | None = None
+    try:
+        while True:
+            pending = pending or asyncio.ensure_future(anext(source))
+            done, _ = await asyncio.wait({pending}, timeout=every)
+            if not done:
+                yield None
+                continue
+            finished, pending = pending, None
+            try:
+                item = finished.result()
+            except StopAsyncIteration:
+                return
+            yield item
+    finally:
+        if pending is not None:
+            pending.cancel()
+            with contextlib.suppress(BaseException):
+                await pending
+        closing = getattr(source, "aclose", None)
+        if closing is not None:
+            with contextlib.suppress(Exception):
+                await closing()
+
+
 def _shutdown() -> None:
     """At exit: end the loop's tasks (agent readers...) quietly, then the loop."""
     loop = _loop

@@ -58,6 +58,7 @@ from ..api.contract import (
 from ..api.events import check_query as check_events_query
 from ..api.events import record_refusal
 from ..api.local import LocalBackend, local_snapshot
+from ..api.loop import with_beats
 from ..core.diffs import side_key
 from ..core.spec import is_volume_name
 from ..core.volumes import DEFAULT_SIZE_GB
@@ -914,31 +915,14 @@ async def events(
     async def stream() -> AsyncIterator[bytes]:
         yield b": events\n\n"
         source = backend.events(box=box, since=since, after=after, follow=follow).__aiter__()
-        pending: asyncio.Future[Any] | None = None
-        try:
-            while True:
-                pending = pending or asyncio.ensure_future(anext(source))
-                done, _ = await asyncio.wait({pending}, timeout=SSE_KEEPALIVE)
-                if not done:
-                    if await request.is_disconnected():
-                        return
-                    yield b": keepalive\n\n"
-                    continue
-                pending = None
-                try:
-                    ev = done.pop().result()
-                except StopAsyncIteration:
+        async for ev in with_beats(source, SSE_KEEPALIVE):
+            if ev is None:
+                if await request.is_disconnected():
                     return
-                if caller.may_see(ev.labels):
-                    data = json.dumps(ev.to_json())
-                    yield f"id: {ev.id}\nevent: {ev.kind}\ndata: {data}\n\n".encode()
-        finally:
-            if pending is not None:
-                pending.cancel()
-                with contextlib.suppress(BaseException):
-                    await pending
-            with contextlib.suppress(Exception):
-                await source.aclose()  # type: ignore[attr-defined]
+                yield b": keepalive\n\n"
+            elif caller.may_see(ev.labels):
+                data = json.dumps(ev.to_json())
+                yield f"id: {ev.id}\nevent: {ev.kind}\ndata: {data}\n\n".encode()
 
     return StreamingResponse(stream(), media_type="text/event-stream", headers={"Cache-Control": "no-store"})
 

@@ -14,8 +14,6 @@ must not fight them over versions. What envd needs of the protocol is this page.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import json
 import struct
 import zlib
@@ -26,6 +24,7 @@ from typing import Any, Literal
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
+from ...api.loop import with_beats
 from ...errors import InvalidArgument, SandlotError
 from . import protobuf
 from .protobuf import Message, ProtobufError
@@ -239,36 +238,17 @@ async def _stream_out(
 ) -> AsyncIterator[bytes]:
     """A server stream's envelopes: each message, keepalives while the handler is
     quiet, then the end (with the error that ended it, if one did)."""
-    interval = _keepalive_interval(request)
-    messages = method.handler(req, request).__aiter__()
-    pending: asyncio.Task[Mapping[str, Any]] | None = None
     try:
-        while True:
-            if pending is None:
-                pending = asyncio.ensure_future(anext(messages))
-            done, _ = await asyncio.wait({pending}, timeout=interval)
-            if not done:
-                if method.keepalive is not None:
-                    yield envelope(codec.encode(method.response, method.keepalive()))
-                continue
-            task, pending = pending, None
-            try:
-                message = task.result()
-            except StopAsyncIteration:
-                break
-            yield envelope(codec.encode(method.response, message))
-    except (Exception, asyncio.CancelledError) as e:
-        if isinstance(e, asyncio.CancelledError):
-            raise
+        async for message in with_beats(
+            method.handler(req, request).__aiter__(), _keepalive_interval(request)
+        ):
+            if message is not None:
+                yield envelope(codec.encode(method.response, message))
+            elif method.keepalive is not None:
+                yield envelope(codec.encode(method.response, method.keepalive()))
+    except Exception as e:
         yield _end(e)
         return
-    finally:
-        if pending is not None:
-            pending.cancel()
-            with contextlib.suppress(BaseException):
-                await pending
-        with contextlib.suppress(Exception):
-            await messages.aclose()
     yield _end(None)
 
 
