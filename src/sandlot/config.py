@@ -113,19 +113,32 @@ def atomic_write(path: Path, data: bytes, mode: int = 0o644) -> None:
 
 
 def home_secret(path: Path) -> bytes:
-    """A secret of the home kept in ``path`` (32 random bytes, 0600), made on first use;
-    of two processes making it at once, the first writer wins and both read its bytes."""
+    """A secret of the home kept in ``path`` (32 random bytes, 0600), made on first use.
+    It is written whole beside its place and linked in, so no reader ever sees it half
+    written, and of two processes making it at once the first link wins and both read its
+    bytes. A file that is not 32 bytes is refused: a short key would make what it signs
+    guessable."""
     try:
-        return path.read_bytes()
+        secret = path.read_bytes()
     except FileNotFoundError:
         path.parent.mkdir(parents=True, exist_ok=True)
-        with contextlib.suppress(FileExistsError):
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+        try:
             with os.fdopen(fd, "wb") as f:
                 f.write(secrets.token_bytes(32))
                 f.flush()
                 os.fsync(f.fileno())
-        return path.read_bytes()
+            os.chmod(tmp, 0o600)
+            with contextlib.suppress(FileExistsError):
+                os.link(tmp, path)
+            fsync_dir(path.parent)
+        finally:
+            os.unlink(tmp)
+        secret = path.read_bytes()
+    if len(secret) != 32:
+        raise HostSetupError(f"{path} holds {len(secret)} bytes, not a 32-byte secret: remove it, and "
+                             "what it signed (preview URLs, E2B sandbox tokens) is signed anew")  # fmt: skip
+    return secret
 
 
 def fsync_dir(path: Path) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import gzip
 import json
 import struct
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -16,6 +17,7 @@ import pytest
 from e2b import CommandExitException, FileType, NotFoundException, Sandbox, SandboxQuery
 
 import sandlot
+from sandlot.api import access
 from sandlot.server.e2b import messages as pb
 from sandlot.server.e2b import protobuf
 
@@ -71,6 +73,30 @@ def test_create_get_list_and_kill(face: dict[str, Any]) -> None:
     assert Sandbox.kill(sandbox.sandbox_id, **opts) is False
     with pytest.raises(NotFoundException):
         Sandbox.connect(sandbox.sandbox_id, **opts)
+
+
+def test_a_paused_sandbox_has_no_timeout_and_a_resume_gives_it_back(face: dict[str, Any]) -> None:
+    from sandlot.api import leases
+
+    home, opts = face["home"], face["opts"]
+    plain = Sandbox.create("fake-tpl", timeout=120, **opts)
+    waking = Sandbox.create("fake-tpl", timeout=90, lifecycle={"on_timeout": "pause", "auto_resume": True},
+                            **opts)  # fmt: skip
+    try:
+        for sandbox in (plain, waking):
+            sandbox.pause()
+            assert leases.of(sandbox.sandbox_id, home=home) is None  # paused: kept until resumed or killed
+        with pytest.raises(Exception, match="paused"):  # no auto-resume: E2B's proxy's answer
+            plain.commands.run("echo hi")
+        assert waking.commands.run("echo awake").stdout == "awake\n"  # auto-resume: the call wakes it
+        lease = leases.of(waking.sandbox_id, home=home)
+        assert lease is not None and lease.seconds == 90  # and it runs out again, as it was made to
+        Sandbox.connect(plain.sandbox_id, **opts)
+        lease = leases.of(plain.sandbox_id, home=home)
+        assert lease is not None and lease.seconds == 120
+    finally:
+        plain.kill()
+        waking.kill()
 
 
 def test_commands(sbx: Sandbox) -> None:
@@ -209,10 +235,39 @@ def test_sandbox_requests_need_the_sandboxs_token(face: dict[str, Any], sbx: San
         assert httpx.post(url, json={"path": "/"}, headers=theirs).status_code == 401
     finally:
         other.kill()
+    # an id without its token learns nothing, not even whether the box is there
     r = httpx.post(url, json={"path": "/"}, headers={"E2b-Sandbox-Id": "nope", "X-Access-Token": "x"})
+    assert r.status_code == 401
+    gone = {"E2b-Sandbox-Id": "nope", "X-Access-Token": access.sandbox_token("nope", "envd", face["home"])}
+    r = httpx.post(url, json={"path": "/"}, headers=gone)
     assert r.status_code == 503 and "was not found" in r.json()["message"]
-    r = httpx.get(f"{srv.url}/e2b/health", headers={"E2b-Sandbox-Id": "nope", "X-Access-Token": "x"})
-    assert r.status_code == 502
+    assert httpx.get(f"{srv.url}/e2b/health", headers=gone).status_code == 502
+    odd = {"E2b-Sandbox-Id": sbx.sandbox_id, "X-Access-Token": "é".encode("latin-1")}
+    r = httpx.post(url, json={"path": "/"}, headers=odd)
+    assert r.status_code == 401  # any byte in the header: refused, never a 500
+
+
+def test_revoking_the_key_that_made_a_sandbox_ends_its_token(face: dict[str, Any]) -> None:
+    srv: InProcess = face["srv"]
+    record, key = access.create_key("short-lived", e2b=True, home=face["home"])
+    opts = {**face["opts"], "api_key": key}
+    sandbox = Sandbox.create("fake-tpl", **opts)
+    try:
+        assert sandbox.commands.run("echo ok").stdout == "ok\n"
+        access.revoke_key(record.name, face["home"])
+        time.sleep(1.1)  # the server reads a key's row again once it is a second old
+        token = access.sandbox_token(sandbox.sandbox_id, "envd", face["home"])
+        headers = {"E2b-Sandbox-Id": sandbox.sandbox_id, "X-Access-Token": token}
+        r = httpx.post(f"{srv.url}/e2b/filesystem.Filesystem/Stat", json={"path": "/"}, headers=headers)
+        assert r.status_code == 401 and "revoked" in r.json()["message"]
+    finally:
+        sandlot.get(sandbox.sandbox_id, home=face["home"]).remove(force=True)
+
+
+def test_unserved_paths_answer_in_e2b_shape(face: dict[str, Any]) -> None:
+    srv: InProcess = face["srv"]
+    r = httpx.get(f"{srv.url}/e2b/templates", headers={"X-API-Key": face["key"]})
+    assert r.status_code == 404 and "not served by sandlot" in r.json()["message"]
 
 
 def test_bad_control_calls_get_e2b_errors(face: dict[str, Any]) -> None:
@@ -229,6 +284,8 @@ def test_bad_control_calls_get_e2b_errors(face: dict[str, Any]) -> None:
         ("GET", "/v2/sandboxes?state=sleeping", b"", 400),
         ("GET", "/v2/sandboxes?nextToken=zzz", b"", 400),
         ("POST", "/v2/sandboxes", b"x" * (2 << 20), 413),
+        ("POST", "/v2/sandboxes", json.dumps({"templateID": "fake-tpl", "mcp": {"a": {}}}).encode(), 501),
+        ("PUT", "/sandboxes/none/network", json.dumps({"denyOut": ["10.0.0.1"]}).encode(), 501),
     ):
         r = api.request(method, path, content=body)
         assert r.status_code == status, (path, r.text)

@@ -35,6 +35,7 @@ from e2b import (
 )
 
 import sandlot
+from sandlot.api import access
 
 from tests.support.serve import Served, create_key, serving
 
@@ -396,6 +397,7 @@ def test_bad_input_gets_e2b_shaped_errors_never_a_500(e2b_env: dict[str, Any], s
     wrong = httpx.post(f"{served.url}/e2b/filesystem.Filesystem/Stat", json={"path": "/"},
                        headers={"E2b-Sandbox-Id": sbx.sandbox_id, "X-Access-Token": "wrong"})  # fmt: skip
     assert wrong.status_code == 401
+    token = access.sandbox_token("nope", "envd", e2b_env["home"])  # a right token, of no box
     gone = httpx.post(f"{served.url}/e2b/filesystem.Filesystem/Stat", json={"path": "/"},
-                      headers={"E2b-Sandbox-Id": "nope", "X-Access-Token": "x"})  # fmt: skip
+                      headers={"E2b-Sandbox-Id": "nope", "X-Access-Token": token})  # fmt: skip
     assert gone.status_code == 503 and "was not found" in gone.json()["message"]

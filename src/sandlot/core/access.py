@@ -276,6 +276,16 @@ class KeyVerifier:
             key = await asyncio.to_thread(self.verify, presented)
         return key
 
+    async def live_async(self, key_id: str) -> bool:
+        """Whether the key ``key_id`` is there and not revoked (its row as fresh as
+        ``verify``'s): for what a key made that outlives its requests, such as the access
+        tokens of the sandboxes of the E2B face. The row is read on a thread."""
+        with self._lock:
+            row = self._rows.get(key_id)
+        if row is None or time.monotonic() - row.read_at >= self._row_ttl:
+            row = await asyncio.to_thread(self._row, key_id)
+        return row is not None and row.key.revoked_at is None
+
     def invalidate(self, key_id: str | None = None) -> None:
         """Forget what is cached of one key (or of all): its row is read again next time."""
         with self._lock:

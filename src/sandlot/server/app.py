@@ -130,8 +130,9 @@ class Guard:
                 st = scope["state"]
                 route = scope.get("route")
                 template = getattr(route, "path", path)
-                if path.startswith("/v1/") and not template.startswith("/v1"):
-                    template = "/v1" + template  # the route as its router declared it, under the prefix
+                for prefix in ("/v1", e2b.PREFIX):  # the route as its router declared it, under its prefix
+                    if path.startswith(prefix + "/") and not template.startswith(prefix):
+                        template = prefix + template
                 action = f"{scope['method']} {template}"
                 box = (scope.get("path_params") or {}).get("box")
                 self.state.record(caller, action, st.get("box_id", box), status_seen[0], st.get("error"),

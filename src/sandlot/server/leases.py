@@ -82,6 +82,7 @@ async def _remove(state: ServerState, lease: leases.Lease) -> None:
         if box.info["labels"].get(ON_END_LABEL) == "suspend":
             await _suspend(state, box, caller, detail)
             return
+        state.handles.pop(box.id, None)
         await box.remove(force=True)
     except BoxNotFound:
         with contextlib.suppress(SandlotError):
@@ -98,6 +99,7 @@ async def _remove(state: ServerState, lease: leases.Lease) -> None:
 
 
 async def _suspend(state: ServerState, box: AsyncBox, caller: Caller, detail: dict[str, Any]) -> None:
+    state.handles.pop(box.id, None)  # the routes' handle would not know of the change
     if box.state in ("running", "paused"):
         await box.suspend()
     await asyncio.to_thread(leases.drop, box.id, home=state.home)

@@ -22,23 +22,30 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 from starlette.routing import Route
 
 from ...api import access
 from ...api.box import AsyncBox
-from ...errors import BoxNotFound, RequestError, SandlotError, Unauthorized
+from ...errors import RequestError, SandlotError, Unauthorized
 from ..state import KEY_LABEL, NAMESPACE_LABEL, Caller, ServerState
 from . import control, interpreter
+from .connect import REQUEST_KEY
 from .envd import ENVD_PORT, Envd
 
 PREFIX = "/e2b"
 SANDBOX_HEADER, PORT_HEADER = "e2b-sandbox-id", "e2b-sandbox-port"
 INTERPRETER_PORT = 49999
 E2B_PORTS = (ENVD_PORT, INTERPRETER_PORT)  # a sandbox's ports that sandlot serves itself
-AUDITED = frozenset({  # what changes a sandbox, as the server's own routes are audited
-    "/process.Process/Start", "/process.Process/SendSignal", "/filesystem.Filesystem/MakeDir",
-    "/filesystem.Filesystem/Move", "/filesystem.Filesystem/Remove", "/execute",
+# Calls that read are not audited, nor a process's stdin and terminal size (a keystroke
+# each, and never what was typed); every other call to a sandbox is, as the server's own
+# routes audit every request that is not a GET
+NOT_AUDITED = frozenset({
+    "/health", "/process.Process/List", "/process.Process/Connect", "/process.Process/SendInput",
+    "/process.Process/StreamInput", "/process.Process/Update", "/filesystem.Filesystem/Stat",
+    "/filesystem.Filesystem/ListDir", "/filesystem.Filesystem/WatchDir",
+    "/filesystem.Filesystem/GetWatcherEvents",
 })  # fmt: skip
 
 Scope = MutableMapping[str, Any]
@@ -65,6 +72,7 @@ class E2bFace:
         self.control.include_router(control.router)
         self.control.add_exception_handler(SandlotError, _control_error)  # type: ignore[arg-type]
         self.control.add_exception_handler(RequestValidationError, _invalid)  # type: ignore[arg-type]
+        self.control.add_exception_handler(StarletteHTTPException, _not_served)  # type: ignore[arg-type]
         self.envd = Envd(state, self.box_of)
         self.interpreter = interpreter.Interpreter(self.box_of)
         every = ["GET", "POST", "PUT", "DELETE", "HEAD"]
@@ -78,35 +86,55 @@ class E2bFace:
             await self.control(scope, receive, send)
 
     async def box_of(self, request: Request) -> AsyncBox:
-        """The box a sandbox request names, once its access token is checked."""
-        box_id = request.headers.get(SANDBOX_HEADER, "")
+        """The box a sandbox request names, once its access token is checked: first, so an
+        id without its token learns nothing of the box (not even whether it exists); then
+        that the key which made the box still lives (revoking a key ends its sandboxes'
+        tokens, as it ends its previews)."""
         cached = request.scope.get("e2b.box")
         if cached is not None:
             return cached  # type: ignore[no-any-return]
+        box_id = request.headers.get(SANDBOX_HEADER, "")
+        self._check_token(request, box_id)
         handles = self.state.handles
         box = handles.get(box_id)
         if box is None or box.state == "removed":
             try:
                 box = await AsyncBox.get(box_id, home=self.state.home)
-            except (BoxNotFound, SandlotError):
+            except SandlotError:
                 raise _gone(box_id) from None
             if box.id != box_id:
                 raise _gone(box_id)  # a prefix or a name is not a sandbox id
             handles[box_id] = box
-        if box.state == "suspended" and box.info["labels"].get(control.AUTO_RESUME_LABEL) == "0":
-            # E2B's proxy knows no paused sandbox; with auto-resume, a call resumes it
-            raise _Gone(f"The sandbox {box_id} is paused, and was not found running: connect to resume it")
-        presented = request.headers.get("x-access-token") or request.headers.get("e2b-traffic-access-token")
-        envd_token = access.sandbox_token(box.id, "envd", self.state.home)
-        wanted = [envd_token]
-        if request.headers.get(PORT_HEADER) == str(INTERPRETER_PORT):
-            wanted.append(access.sandbox_token(box.id, "traffic", self.state.home))
-        if presented is None and "signature" in request.query_params:
-            check_file_signature(request, envd_token)
-        elif not presented or not any(hmac.compare_digest(presented, w) for w in wanted):
-            raise Unauthorized(f"the access token of sandbox {box_id} is missing or wrong")
+        labels = box.info["labels"]
+        key_id = labels.get(KEY_LABEL)
+        verifier = self.state.verifier
+        if verifier is not None and key_id is not None and not await verifier.live_async(key_id):
+            raise Unauthorized(f"the API key that made sandbox {box_id} was revoked")
+        if box.state == "suspended":
+            if labels.get(control.AUTO_RESUME_LABEL) != "1":
+                # as E2B's proxy answers for a paused sandbox; with auto-resume, a call resumes it
+                raise _Gone(
+                    f"The sandbox {box_id} is paused, and was not found running: connect to resume it"
+                )
+            await control.resume_with_timeout(self.state, box)
         request.scope["e2b.box"] = box
         return box
+
+    def _check_token(self, request: Request, box_id: str) -> None:
+        home = self.state.home
+        presented = request.headers.get("x-access-token") or request.headers.get("e2b-traffic-access-token")
+        envd_token = access.sandbox_token(box_id, "envd", home)
+        if presented is None and "signature" in request.query_params:
+            check_file_signature(request, envd_token)
+            request.scope["e2b.signed"] = True
+            return
+        wanted = [envd_token]
+        if request.headers.get(PORT_HEADER) == str(INTERPRETER_PORT):
+            wanted.append(access.sandbox_token(box_id, "traffic", home))
+        # compared as bytes: a header may hold any byte, which compare_digest's str form refuses
+        given = (presented or "").encode("utf-8", "surrogateescape")
+        if not presented or not any(hmac.compare_digest(given, w.encode()) for w in wanted):
+            raise Unauthorized(f"the access token of sandbox {box_id} is missing or wrong")
 
     async def _health(self, request: Request) -> Response:
         """204 while the sandbox runs; E2B's proxy's 502 once it is gone or paused (the
@@ -127,7 +155,7 @@ class E2bFace:
         path = "/" + request.path_params["path"]
         t0 = time.monotonic()
         response = await self._sandbox_call(path, request)
-        if path in AUDITED or (path == "/files" and request.method == "POST"):
+        if request.method not in ("GET", "HEAD") and path not in NOT_AUDITED:
             self._audit(request, path, response.status_code, time.monotonic() - t0)
         return response
 
@@ -139,7 +167,11 @@ class E2bFace:
             return
         labels = box.info["labels"]
         caller = Caller(labels.get(KEY_LABEL), None, labels.get(NAMESPACE_LABEL), admin=False)
-        detail = {"e2b": True, **request.scope.get("e2b.audit", {})}
+        detail: dict[str, Any] = {"e2b": True}
+        called = request.scope.get(REQUEST_KEY) or {}
+        if path == "/process.Process/Start":  # what it ran, never its stdin or output
+            config = called.get("process") or {}
+            detail["argv"] = [config.get("cmd", ""), *config.get("args", [])]
         error = None if status < 400 else str(status)
         self.state.record(caller, f"{request.method} {PREFIX}{path}", box.id, status, error, seconds, detail)
 
@@ -169,19 +201,23 @@ class E2bFace:
 def check_file_signature(request: Request, envd_token: str) -> None:
     """A signed ``/files`` URL (the SDKs' ``upload_url``/``download_url``, for a client
     with no token, a browser): ``v1_`` and the base64 of the SHA-256 of path, operation,
-    user and the sandbox's envd token (and the expiry, if it has one), as E2B signs it."""
+    user and the sandbox's envd token (and the expiry, if it has one), as E2B signs it.
+    The call then runs as the user the URL was signed for, whatever else it says."""
     q = request.query_params
-    if request.url.path.rstrip("/").rsplit("/", 1)[-1] != "files":
-        raise Unauthorized("only /files takes a signature in place of the access token")
+    if "/" + request.path_params.get("path", "") != "/files" or request.headers.get(
+        PORT_HEADER, str(ENVD_PORT)
+    ) != str(ENVD_PORT):
+        raise Unauthorized("only envd's /files takes a signature in place of the access token")
     operation = "read" if request.method in ("GET", "HEAD") else "write"
     expiry = q.get("signature_expiration")
     raw = f"{q.get('path', '')}:{operation}:{q.get('username', '')}:{envd_token}"
     if expiry is not None:
-        if not expiry.isdigit() or int(expiry) < time.time():
+        if not (expiry.isascii() and expiry.isdigit()) or int(expiry) < time.time():
             raise Unauthorized("this signed URL has expired")
         raw += f":{expiry}"
     digest = base64.b64encode(hashlib.sha256(raw.encode()).digest()).rstrip(b"=").decode()
-    if not hmac.compare_digest(q.get("signature", ""), f"v1_{digest}"):
+    given = q.get("signature", "").encode("utf-8", "surrogateescape")
+    if not hmac.compare_digest(given, f"v1_{digest}".encode()):
         raise Unauthorized("this URL's signature is wrong")
 
 
@@ -206,6 +242,14 @@ def _sandbox_error(err: SandlotError, path: str) -> Response:
 async def _control_error(request: Request, exc: SandlotError) -> JSONResponse:
     request.state.error = exc.code
     return control.error_response(exc)
+
+
+async def _not_served(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    """A path or method of E2B's API this server does not answer, said in E2B's shape."""
+    why = "is not served by sandlot (docs/e2b.md)" if exc.status_code in (404, 405) else str(exc.detail)
+    status = 404 if exc.status_code == 405 else exc.status_code
+    return JSONResponse({"code": status, "message": f"{request.method} {request.url.path} {why}"},
+                        status_code=status)  # fmt: skip
 
 
 async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:

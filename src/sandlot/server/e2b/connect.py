@@ -35,6 +35,7 @@ FLAG_COMPRESSED, FLAG_END_STREAM = 0x01, 0x02
 MESSAGE_LIMIT = 16 << 20  # bytes of one message, compressed or not: envd's own default read limit
 KEEPALIVE_HEADER = "keepalive-ping-interval"  # seconds between keepalives the client asks for
 DEFAULT_KEEPALIVE = 50.0
+REQUEST_KEY = "connect.request"  # where a call's decoded request is kept in its scope (for the audit)
 
 # Connect's codes, and the HTTP status a unary error answers with
 HTTP_STATUS = {
@@ -87,7 +88,7 @@ class Codec:
             obj = json.loads(data) if data.strip() else {}
         except (ValueError, UnicodeDecodeError) as e:
             raise ProtobufError(f"{message.full_name}: the body is not JSON ({e})") from None
-        return protobuf.from_json(message, obj)
+        return protobuf.from_json(message, obj, discard_unknown=True)
 
     def encode(self, message: Message, value: Mapping[str, Any]) -> bytes:
         if self.name == "proto":
@@ -137,6 +138,7 @@ async def serve(method: Method, request: Request) -> Response:
         req = codec.decode(method.request, first)
     except (SandlotError, ProtobufError) as e:
         return _end_only(out_type, e)
+    request.scope[REQUEST_KEY] = req
     return StreamingResponse(_stream_out(method, request, codec, req), media_type=out_type)
 
 
@@ -156,6 +158,7 @@ async def _serve_unary(method: Method, request: Request, codec: Codec) -> Respon
         elif request.headers.get("content-encoding", "identity").lower() != "identity":
             raise ConnectError("unimplemented", f"compression {request.headers['content-encoding']!r}")
         req = codec.decode(method.request, body)
+        request.scope[REQUEST_KEY] = req
         answer = await method.handler(req, request)
         return Response(codec.encode(method.response, answer), media_type=f"application/{codec.name}")
     except Exception as e:

@@ -30,12 +30,13 @@ from ...api.contract import BoxCreate
 from ...errors import BoxNotFound, InvalidArgument, InvalidState, SandlotError, SnapshotNotFound, Unsupported
 from .. import leases as server_leases
 from .. import routes
-from ..state import Caller, ServerState
+from ..state import KEY_LABEL, NAMESPACE_LABEL, Caller, ServerState
 from .envd import ENVD_VERSION
 
 router = APIRouter()
 TEMPLATE_LABEL, METADATA_LABEL = "e2b.template", "e2b.metadata"
-AUTO_RESUME_LABEL = "e2b.auto_resume"  # "0": a paused sandbox's envd answers as E2B's proxy does
+AUTO_RESUME_LABEL = "e2b.auto_resume"  # "1": a call to the paused sandbox resumes it
+TIMEOUT_LABEL = "e2b.timeout"  # the timeout it was made with: what a resume gives it when none is asked
 DEFAULT_TIMEOUT = 300  # seconds: E2B's default
 DEFAULT_TEMPLATES = ("base", "code-interpreter-v1")  # what the SDKs ask for when given no template
 MOST_LISTED = 100
@@ -128,7 +129,7 @@ async def create(request: Request) -> dict[str, Any]:
     envs = body.get("envVars") or {}
     if not isinstance(envs, dict) or not all(isinstance(v, str) for v in envs.values()):
         raise InvalidArgument("envVars is an object of strings")
-    labels = {TEMPLATE_LABEL: template[:1024]}
+    labels = {TEMPLATE_LABEL: template[:1024], TIMEOUT_LABEL: str(timeout)}
     metadata = _metadata(body)
     if metadata:
         labels[METADATA_LABEL] = json.dumps(metadata, separators=(",", ":"))
@@ -150,7 +151,10 @@ async def create(request: Request) -> dict[str, Any]:
     if body.get("autoResume") is not None:
         resume = body["autoResume"]
         enabled = resume.get("enabled") if isinstance(resume, dict) else resume
-        labels[AUTO_RESUME_LABEL] = "1" if enabled in (True, None) else "0"
+        labels[AUTO_RESUME_LABEL] = "1" if enabled is True else "0"
+    for field, why in (("mcp", "MCP servers in the sandbox"), ("iam", "workload identity tokens")):
+        if body.get(field):
+            raise Unsupported(f"{field} ({why}) is not supported by sandlot")
     if body.get("volumeMounts"):
         raise Unsupported("volumeMounts are not supported over the E2B API: use sandlot's named volumes")
     made = await routes.create_box(BoxCreate(**wanted), request, Response())
@@ -197,7 +201,7 @@ async def _listed(request: Request, box: AsyncBox, detail: bool = False) -> dict
         "envdVersion": ENVD_VERSION,
     }
     if detail:
-        auto_resume = info["labels"].get(AUTO_RESUME_LABEL, "1") == "1"
+        auto_resume = info["labels"].get(AUTO_RESUME_LABEL) == "1"
         listed["lifecycle"] = {
             "onTimeout": "pause" if on_end == "suspend" else "kill",
             "autoResume": auto_resume,
@@ -260,19 +264,26 @@ async def list_v2(request: Request, response: Response) -> list[dict[str, Any]]:
     boxes = _filter_metadata(boxes, q.get("metadata"))
     if states:
         boxes = [b for b in boxes if ("paused" if b.state == "suspended" else "running") in states]
-    boxes.sort(key=lambda b: (b.info.get("created_at") or 0.0, b.id), reverse=q.get("order") != "asc")
+    boxes.sort(key=_place, reverse=q.get("order") != "asc")
     token = q.get("nextToken")
     if token:
+        # a place in the order, not a box: the page after it is found if that box is gone
         try:
             after = json.loads(base64.urlsafe_b64decode(token.encode()))
-            start = next(i for i, b in enumerate(boxes) if b.id == after) + 1
-        except (ValueError, StopIteration):
+            cursor = (float(after[0]), str(after[1]))
+        except (ValueError, TypeError, IndexError, KeyError):
             raise InvalidArgument("nextToken is not one this server gave") from None
-        boxes = boxes[start:]
+        newest_first = q.get("order") != "asc"
+        boxes = [b for b in boxes if (_place(b) < cursor if newest_first else _place(b) > cursor)]
     page = boxes[:limit]
     if len(boxes) > limit:
-        response.headers["X-Next-Token"] = base64.urlsafe_b64encode(json.dumps(page[-1].id).encode()).decode()
+        place = json.dumps(list(_place(page[-1]))).encode()
+        response.headers["X-Next-Token"] = base64.urlsafe_b64encode(place).decode()
     return [await _listed(request, b) for b in page]
+
+
+def _place(box: AsyncBox) -> tuple[float, str]:
+    return float(box.info.get("created_at") or 0.0), box.id
 
 
 @router.get("/sandboxes/{sandbox_id}")
@@ -316,6 +327,8 @@ async def pause(request: Request, sandbox_id: str) -> Response:
     if box.state == "suspended":
         raise InvalidState(f"sandbox {sandbox_id} is already paused", box=box.id, state=box.state)
     await box.suspend()
+    # a paused sandbox has no timeout (E2B keeps it until it is resumed or killed)
+    await asyncio.to_thread(leases.drop, box.id, home=_server(request).home)
     return Response(status_code=204)
 
 
@@ -339,15 +352,26 @@ async def connect(request: Request, response: Response, sandbox_id: str) -> dict
 
 async def _running(request: Request, box: AsyncBox, body: dict[str, Any]) -> dict[str, Any]:
     """Resume the box where it is suspended (or paused), and give it its timeout again."""
+    asked = body.get("timeout")
+    await resume_with_timeout(_server(request), box, _timeout(asked) if asked is not None else None)
+    return await _sandbox(request, box)
+
+
+async def resume_with_timeout(state: ServerState, box: AsyncBox, seconds: int | None = None) -> None:
+    """Bring a paused sandbox back (by a connect, or by a call to it with auto-resume on)
+    and lease it again: for ``seconds``, else its lease's length, else the timeout it was
+    made with."""
     if box.state == "suspended":
         await box.resume()
     elif box.state == "paused":
         await box.unpause()
-    lease = await _lease(request, box.id)
-    asked = body.get("timeout")
-    seconds = _timeout(asked) if asked is not None else (lease.seconds if lease else DEFAULT_TIMEOUT)
-    await server_leases.grant(_server(request), _caller(request), box.id, seconds)
-    return await _sandbox(request, box)
+    if seconds is None:
+        lease = await asyncio.to_thread(leases.of, box.id, home=state.home)
+        made_with = box.info["labels"].get(TIMEOUT_LABEL, "")
+        seconds = int(lease.seconds) if lease else int(made_with) if made_with.isdigit() else DEFAULT_TIMEOUT
+    labels = box.info["labels"]
+    owner = Caller(labels.get(KEY_LABEL), None, labels.get(NAMESPACE_LABEL), admin=False)
+    await server_leases.grant(state, owner, box.id, seconds)
 
 
 @router.get("/sandboxes/{sandbox_id}/metrics")

@@ -36,19 +36,19 @@ from ...api.files import AsyncWatch
 from ...api.fs import FileInfo
 from ...api.host import HeldProcess, new_process_id
 from ...errors import (
-    GuestFileNotFoundError,
     InvalidArgument,
-    NotFound,
     RequestError,
     SandlotError,
 )
-from ..state import ServerState
+from ..state import KEY_LABEL, NAMESPACE_LABEL, Caller, ServerState
 from . import messages as pb
 from .connect import ConnectError, Method, check, serve
 
 ENVD_VERSION = "0.5.7"  # the envd release whose API this serves (octet-stream uploads, CloseStdin)
 ENVD_PORT = 49983
 WATCHER_EVENTS_KEPT = 10_000  # a polled watcher's unread events; older ones are dropped
+WATCHERS_PER_BOX = 64
+WATCHER_IDLE = 600.0  # seconds a polled watcher is kept without a client asking for its events
 FILE_CHUNK = 1 << 20
 NAMES_TTL = 10.0  # seconds a box's user and group names are kept
 
@@ -71,6 +71,7 @@ class Watcher:
     root: str
     events: list[dict[str, Any]] = field(default_factory=list)
     task: asyncio.Task[None] | None = None
+    polled: float = field(default_factory=time.monotonic)  # when its events were last asked for
 
 
 class Envd:
@@ -81,7 +82,7 @@ class Envd:
         self.box_of = box_of  # the box a request is for, authenticated (async)
         self.processes: dict[tuple[str, int], E2bProcess] = {}
         self.watchers: dict[str, Watcher] = {}
-        self.names: dict[str, tuple[float, dict[int, str], dict[int, str]]] = {}
+        self.names: dict[str, tuple[float, Names, Names]] = {}
         self.methods: dict[str, Method] = {}
         services = (("process.Process", pb.PROCESS_METHODS, self._process_impl()),
                     ("filesystem.Filesystem", pb.FILESYSTEM_METHODS, self._fs_impl()))  # fmt: skip
@@ -113,14 +114,15 @@ class Envd:
         pty = req.get("pty")
         size = (pty or {}).get("size") or {}
         self.state.processes.check_room()
-        request.scope["e2b.audit"] = {"argv": [cmd, *config.get("args", [])]}  # never its stdin or output
         key = new_process_id()
         proc = await box.spawn(
             cmd, *config.get("args", []), env=config.get("envs") or None, cwd=config.get("cwd") or None,
-            user=user_of(request), tty=pty is not None, rows=size.get("rows") or 24,
+            user=call_user(request), tty=pty is not None, rows=size.get("rows") or 24,
             cols=size.get("cols") or 80, stdin=req.get("stdin", True), keep=key,
         )  # fmt: skip
-        held = self.state.processes.hold(box.id, proc, key)
+        labels = box.info["labels"]
+        owner = Caller(labels.get(KEY_LABEL), None, labels.get(NAMESPACE_LABEL), admin=False)
+        held = self.state.processes.hold(box.id, proc, key, self.state.exited_by(owner))
         self.processes[(box.id, proc.pid)] = E2bProcess(held, config, req.get("tag"))
         yield {"event": {"start": {"pid": proc.pid}}}
         async for event in _events(held, {STDOUT: 0, STDERR: 0}):
@@ -137,7 +139,7 @@ class Envd:
 
     async def list_processes(self, req: dict[str, Any], request: Request) -> dict[str, Any]:
         box: AsyncBox = await self.box_of(request)
-        self._prune(box.id)
+        self._prune()
         listed = []
         for (box_id, pid), p in self.processes.items():
             if box_id == box.id and not p.held.done:
@@ -194,12 +196,13 @@ class Envd:
         return {}
 
     def _select(self, box_id: str, selector: Mapping[str, Any]) -> E2bProcess:
-        self._prune(box_id)
+        self._prune()
         if "pid" in selector:
             pid = int(selector["pid"])
             found = self.processes.get((box_id, pid))
             if found is None:  # one the server holds without its E2B facts: taken over after a restart
-                held = next((h for h in self.state.processes.of_box(box_id) if h.proc.pid == pid), None)
+                running = (h for h in self.state.processes.of_box(box_id) if not h.done)
+                held = next((h for h in running if h.proc.pid == pid), None)
                 if held is not None:
                     argv = list(held.proc.argv)
                     found = E2bProcess(held, {"cmd": argv[0], "args": argv[1:]}, None)
@@ -214,10 +217,11 @@ class Envd:
             raise ConnectError("not_found", f"process with tag {selector['tag']!r} not found")
         raise InvalidArgument("the process selector names neither a pid nor a tag")
 
-    def _prune(self, box_id: str) -> None:
-        """Forget processes the server's table no longer holds (exited long ago)."""
+    def _prune(self) -> None:
+        """Forget processes that exited (envd lists and selects running ones only) and those
+        the server's table let go, of every box: nothing is kept for a box that is gone."""
         for k, p in list(self.processes.items()):
-            if k[0] == box_id and self.state.processes.get(box_id, p.held.id) is None:
+            if p.held.done or self.state.processes.get(k[0], p.held.id) is None:
                 del self.processes[k]
 
     # -- the filesystem service ---------------------------------------------------------------
@@ -231,32 +235,33 @@ class Envd:
 
     async def stat(self, req: dict[str, Any], request: Request) -> dict[str, Any]:
         box: AsyncBox = await self.box_of(request)
-        path = _path(req, "path", request)
+        path = await self.path(box, req.get("path"), request)
         info = await box.files.stat(path, follow_symlinks=False)
         return {"entry": await self.entry(box, info)}
 
     async def make_dir(self, req: dict[str, Any], request: Request) -> dict[str, Any]:
         box: AsyncBox = await self.box_of(request)
-        path = _path(req, "path", request)
+        path = await self.path(box, req.get("path"), request)
         if await box.files.exists(path):
             raise ConnectError("already_exists", f"directory {path} already exists")
-        await box.files.mkdir(path, parents=True, user=user_of(request))
+        await box.files.mkdir(path, parents=True, user=call_user(request))
         return {"entry": await self.entry(box, await box.files.stat(path))}
 
     async def move(self, req: dict[str, Any], request: Request) -> dict[str, Any]:
         box: AsyncBox = await self.box_of(request)
-        src, dst = _path(req, "source", request), _path(req, "destination", request)
+        src = await self.path(box, req.get("source"), request, "source")
+        dst = await self.path(box, req.get("destination"), request, "destination")
         await box.files.rename(src, dst)
         return {"entry": await self.entry(box, await box.files.stat(dst, follow_symlinks=False))}
 
     async def remove(self, req: dict[str, Any], request: Request) -> dict[str, Any]:
         box: AsyncBox = await self.box_of(request)
-        await box.files.remove(_path(req, "path", request), recursive=True)
+        await box.files.remove(await self.path(box, req.get("path"), request), recursive=True)
         return {}
 
     async def list_dir(self, req: dict[str, Any], request: Request) -> dict[str, Any]:
         box: AsyncBox = await self.box_of(request)
-        path = _path(req, "path", request)
+        path = await self.path(box, req.get("path"), request)
         depth = int(req.get("depth", 0)) or 1
         check(depth <= 64, f"depth {depth} is over 64")
         top = await box.files.stat(path)
@@ -290,6 +295,9 @@ class Envd:
 
     async def create_watcher(self, req: dict[str, Any], request: Request) -> dict[str, Any]:
         box: AsyncBox = await self.box_of(request)
+        self._prune_watchers()
+        if sum(w.box_id == box.id for w in self.watchers.values()) >= WATCHERS_PER_BOX:
+            raise ConnectError("resource_exhausted", f"{WATCHERS_PER_BOX} watchers of this sandbox are open")
         root, watch = await self._begin_watch(box, req, request)
         watcher = Watcher(box.id, watch, root)
         watcher_id = new_process_id()
@@ -299,6 +307,7 @@ class Envd:
 
     async def get_watcher_events(self, req: dict[str, Any], request: Request) -> dict[str, Any]:
         watcher = await self._watcher(req, request)
+        watcher.polled = time.monotonic()
         events, watcher.events = watcher.events, []
         return {"events": events}
 
@@ -310,6 +319,17 @@ class Envd:
         await watcher.watch.aclose()
         return {}
 
+    def _prune_watchers(self) -> None:
+        """Close the polled watchers nobody asked for in WATCHER_IDLE seconds (their client
+        went away without removing them), and forget those that ended (the box went)."""
+        now = time.monotonic()
+        for watcher_id, w in list(self.watchers.items()):
+            ended = w.task is not None and w.task.done()
+            if now - w.polled > WATCHER_IDLE or (ended and not w.events):
+                del self.watchers[watcher_id]
+                if w.task is not None:
+                    w.task.cancel()
+
     async def _watcher(self, req: dict[str, Any], request: Request) -> Watcher:
         box: AsyncBox = await self.box_of(request)
         watcher = self.watchers.get(req.get("watcher_id", ""))
@@ -320,12 +340,26 @@ class Envd:
     async def _begin_watch(
         self, box: AsyncBox, req: dict[str, Any], request: Request
     ) -> tuple[str, AsyncWatch]:
-        path = _path(req, "path", request)
+        path = await self.path(box, req.get("path"), request)
         info = await box.files.stat(path)
         if not info.is_dir:
             raise InvalidArgument(f"path {path} is not a directory")
         watch = await box.files.watch(info.path, recursive=bool(req.get("recursive", False))).start()
         return info.path, watch
+
+    async def path(self, box: AsyncBox, value: Any, request: Request, what: str = "path") -> str:
+        """A path as envd takes it: a relative one is under the home of the user the call
+        runs as (from the box's /etc/passwd)."""
+        if not isinstance(value, str) or not value:
+            raise InvalidArgument(f"{what} is empty")
+        if value.startswith("/"):
+            return posixpath.normpath(value)
+        if value.startswith("~"):
+            value = value[1:].lstrip("/")
+        user = call_user(request) or box.info.get("user") or "root"
+        users, _ = await self._names(box)
+        home = users.homes.get(user) or ("/root" if user == "root" else f"/home/{user}")
+        return posixpath.normpath(posixpath.join(home, value))
 
     async def entry(self, box: AsyncBox, info: FileInfo) -> dict[str, Any]:
         """envd's EntryInfo of a file, with its owner's and group's names."""
@@ -334,8 +368,9 @@ class Envd:
         type_bits = {"file": _stat.S_IFREG, "dir": _stat.S_IFDIR, "symlink": _stat.S_IFLNK}.get(info.type, 0)
         entry: dict[str, Any] = {
             "name": info.name, "type": kind, "path": info.path, "size": info.size, "mode": info.mode,
-            "permissions": _stat.filemode(type_bits | info.mode), "owner": users.get(info.uid, str(info.uid)),
-            "group": groups.get(info.gid, str(info.gid)), "modified_time": info.mtime,
+            "permissions": _stat.filemode(type_bits | info.mode),
+            "owner": users.by_id.get(info.uid, str(info.uid)),
+            "group": groups.by_id.get(info.gid, str(info.gid)), "modified_time": info.mtime,
         }  # fmt: skip
         if info.type == "symlink":
             entry["is_symlink"] = True
@@ -343,19 +378,23 @@ class Envd:
             entry["symlink_target"] = info.link_target
         return entry
 
-    async def _names(self, box: AsyncBox) -> tuple[dict[int, str], dict[int, str]]:
-        """The box's user and group names by id, read from its /etc (kept a few seconds)."""
+    async def _names(self, box: AsyncBox) -> tuple[Names, Names]:
+        """The box's users and groups, read from its /etc (kept a few seconds)."""
+        now = time.monotonic()
         cached = self.names.get(box.id)
-        if cached is not None and time.monotonic() - cached[0] < NAMES_TTL:
+        if cached is not None and now - cached[0] < NAMES_TTL:
             return cached[1], cached[2]
-        tables: list[dict[int, str]] = []
+        for other, (at, _, _) in list(self.names.items()):  # boxes no longer asked about
+            if now - at >= NAMES_TTL:
+                del self.names[other]
+        tables: list[Names] = []
         for path in ("/etc/passwd", "/etc/group"):
             try:
                 text = (await box.files.read(path)).decode("utf-8", "replace")
             except SandlotError:
                 text = ""
-            tables.append(_id_names(text))
-        self.names[box.id] = (time.monotonic(), tables[0], tables[1])
+            tables.append(Names.parse(text))
+        self.names[box.id] = (now, tables[0], tables[1])
         return tables[0], tables[1]
 
     # -- /files ---------------------------------------------------------------------------------
@@ -364,9 +403,9 @@ class Envd:
         """``GET /files?path=`` downloads a file; ``POST /files`` uploads (multipart, one
         part per file, or the body itself as ``application/octet-stream``)."""
         box: AsyncBox = await self.box_of(request)
-        user = request.query_params.get("username") or user_of(request)
+        user = call_user(request)
         if request.method == "GET":
-            path = _query_path(request)
+            path = await self.path(box, request.query_params.get("path"), request)
             info = await box.files.stat(path)
             if info.is_dir:
                 raise InvalidArgument(f"path {path} is a directory")
@@ -379,13 +418,13 @@ class Envd:
                     yield chunk
 
             disposition = f'attachment; filename="{posixpath.basename(path)}"'
-            return StreamingResponse(body(), media_type="application/octet-stream",
-                                     headers={"Content-Disposition": disposition,
-                                              "Content-Length": str(info.size)})  # fmt: skip
+            # no Content-Length: the file may grow or shrink while it streams
+            headers = {"Content-Disposition": disposition}
+            return StreamingResponse(body(), media_type="application/octet-stream", headers=headers)
         content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
         written: list[dict[str, Any]] = []
         if content_type == "application/octet-stream":
-            path = _query_path(request)
+            path = await self.path(box, request.query_params.get("path"), request)
             gzipped = request.headers.get("content-encoding", "").lower() == "gzip"
             await box.files.write(path, _body(request, gzipped), user=user)
             written.append(_written(path))
@@ -397,7 +436,7 @@ class Envd:
                     if isinstance(part, str):
                         continue
                     target = default if default is not None else (part.filename or "")
-                    path = _resolve(target, request)
+                    path = await self.path(box, target, request)
                     await box.files.write(path, _upload_chunks(part), user=user)
                     written.append(_written(path))
             finally:
@@ -519,30 +558,12 @@ def user_of(request: Request) -> str | None:
     return decoded.partition(":")[0] or None
 
 
-def _path(req: Mapping[str, Any], name: str, request: Request) -> str:
-    value = req.get(name, "")
-    check(isinstance(value, str) and bool(value), f"{name} is empty")
-    return _resolve(value, request)
-
-
-def _resolve(path: str, request: Request) -> str:
-    """A path as envd takes it: a relative path is under the user's home."""
-    if not path:
-        raise InvalidArgument("path is empty")
-    if path.startswith("/"):
-        return posixpath.normpath(path)
-    if path.startswith("~"):
-        path = path[1:].lstrip("/")
-    user = request.query_params.get("username") or user_of(request)
-    home = "/root" if user in (None, "root") else f"/home/{user}"
-    return posixpath.normpath(posixpath.join(home, path))
-
-
-def _query_path(request: Request) -> str:
-    path = request.query_params.get("path")
-    if not path:
-        raise InvalidArgument("the path query parameter is needed")
-    return _resolve(path, request)
+def call_user(request: Request) -> str | None:
+    """Who a call runs as: the user a signed URL was signed for (and no other), else the
+    ``username`` query parameter, else HTTP Basic's user (none: the box's default user)."""
+    if request.scope.get("e2b.signed"):
+        return request.query_params.get("username") or None
+    return request.query_params.get("username") or user_of(request)
 
 
 def _written(path: str) -> dict[str, Any]:
@@ -557,12 +578,15 @@ async def _body(request: Request, gzipped: bool) -> AsyncIterator[bytes]:
         if inflater is None:
             yield chunk
             continue
-        try:
-            out = inflater.decompress(chunk)
-        except zlib.error as e:
-            raise InvalidArgument(f"the gzip body is malformed: {e}") from None
-        if out:
-            yield out
+        data = chunk
+        while data:  # a piece at a time: a small chunk may inflate a thousandfold
+            try:
+                out = inflater.decompress(data, FILE_CHUNK)
+            except zlib.error as e:
+                raise InvalidArgument(f"the gzip body is malformed: {e}") from None
+            data = inflater.unconsumed_tail
+            if out:
+                yield out
     if inflater is not None and not inflater.eof:
         raise InvalidArgument("the gzip body ends early")
 
@@ -572,18 +596,21 @@ async def _upload_chunks(part: Any) -> AsyncIterator[bytes]:
         yield chunk
 
 
-def _id_names(text: str) -> dict[int, str]:
-    names: dict[int, str] = {}
-    for line in text.splitlines():
-        fields = line.split(":")
-        if len(fields) >= 3 and fields[2].isdigit():
-            names.setdefault(int(fields[2]), fields[0])
-    return names
+@dataclass(frozen=True)
+class Names:
+    """A box's /etc/passwd or /etc/group: names by id, and (passwd) homes by name."""
 
+    by_id: dict[int, str]
+    homes: dict[str, str]
 
-def not_found(box_id: str) -> ConnectError:
-    """The proxy's answer for a sandbox that is gone, in the words the SDKs look for."""
-    return ConnectError("not_found", f"The sandbox {box_id} was not found")
-
-
-__all__ = ["ENVD_PORT", "ENVD_VERSION", "Envd", "GuestFileNotFoundError", "NotFound", "not_found"]
+    @classmethod
+    def parse(cls, text: str) -> Names:
+        by_id: dict[int, str] = {}
+        homes: dict[str, str] = {}
+        for line in text.splitlines():
+            fields = line.split(":")
+            if len(fields) >= 3 and fields[2].isdigit():
+                by_id.setdefault(int(fields[2]), fields[0])
+            if len(fields) >= 6 and fields[5].startswith("/"):
+                homes.setdefault(fields[0], fields[5])
+        return cls(by_id, homes)

@@ -22,10 +22,11 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from ...api.box import AsyncBox
-from ...api.code import CodeContext, Execution, Result
+from ...api.code import CodeContext, Execution, Result, context_id
 from ...errors import CodeContextNotFound, CodeTimeout, InvalidArgument, SandlotError
 
 BODY_LIMIT = 8 << 20  # bytes of one /execute or /contexts request
+QUEUED_LIMIT = 16 << 20  # bytes of a cell's output waiting for a slow client; more is dropped, saying so
 LANGUAGES = {"python": "python", "py": "python", "javascript": "javascript", "js": "javascript",
              "typescript": "typescript", "ts": "typescript", "r": "r", "java": "java",
              "bash": "bash"}  # fmt: skip
@@ -74,9 +75,22 @@ class Interpreter:
                 "env_vars per execution are not supported: set them on the sandbox or context"
             )
         lines: asyncio.Queue[bytes | None] = asyncio.Queue()
+        backlog = {"bytes": 0, "dropping": False}  # a client that reads slower than the cell prints
 
         def put(kind: str, **fields: Any) -> None:
-            lines.put_nowait(json.dumps({"type": kind, **fields}).encode() + b"\n")
+            line = json.dumps({"type": kind, **fields}).encode() + b"\n"
+            if kind in ("stdout", "stderr") and backlog["bytes"] + len(line) > QUEUED_LIMIT:
+                if not backlog["dropping"]:  # said once; output flows again once half drained
+                    backlog["dropping"] = True
+                    note = (
+                        f"[sandlot: output dropped: over {QUEUED_LIMIT >> 20} MiB waiting for the client]\n"
+                    )
+                    lines.put_nowait(
+                        json.dumps({"type": "stderr", "text": note, "timestamp": _now()}).encode() + b"\n"
+                    )
+                return
+            backlog["bytes"] += len(line)
+            lines.put_nowait(line)
 
         def on_result(result: Result) -> None:
             put("result", **_result(result))
@@ -106,12 +120,15 @@ class Interpreter:
         async def stream() -> AsyncIterator[bytes]:
             try:
                 while (line := await lines.get()) is not None:
+                    backlog["bytes"] = max(0, backlog["bytes"] - len(line))
+                    if backlog["dropping"] and backlog["bytes"] < QUEUED_LIMIT // 2:
+                        backlog["dropping"] = False
                     yield line
             finally:
                 if not task.done():  # the client left mid-cell: stop the cell
                     task.cancel()
                     with contextlib.suppress(SandlotError, asyncio.CancelledError):
-                        await box.interrupt_code_context(context or "python")
+                        await box.interrupt_code_context(context or context_id(None, language))
 
         return StreamingResponse(stream(), media_type="application/x-ndjson")
 

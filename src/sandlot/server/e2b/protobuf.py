@@ -605,15 +605,17 @@ def _json_one(message: Message, field: Field, value: Any, depth: int) -> Any:
     return value
 
 
-def from_json(message: Message, obj: Any) -> dict[str, Any]:
+def from_json(message: Message, obj: Any, *, discard_unknown: bool = False) -> dict[str, Any]:
     """The fields of a parsed JSON object (``json.loads``'s output). Keys may be lowerCamelCase
     or the proto names; ``null`` is a field left out; integers may be numbers or strings; bytes
     standard or URL-safe base64, padded or not; enums names or numbers. An unknown key is an
-    error, as proto3's JSON parsers make it by default."""
-    return _parse_body(message, obj, 0)
+    error, as proto3's JSON parsers make it by default, unless ``discard_unknown`` (what a
+    server does, as connect-go's does: a newer client's new fields are skipped, as the binary
+    codec skips unknown fields)."""
+    return _parse_body(message, obj, 0, discard_unknown)
 
 
-def _parse_body(message: Message, obj: Any, depth: int) -> dict[str, Any]:
+def _parse_body(message: Message, obj: Any, depth: int, discard_unknown: bool = False) -> dict[str, Any]:
     if depth > MAX_DEPTH:
         raise _fail(message, None, f"nested deeper than {MAX_DEPTH} messages")
     if not isinstance(obj, dict):
@@ -624,6 +626,8 @@ def _parse_body(message: Message, obj: Any, depth: int) -> dict[str, Any]:
     for key, item in obj.items():
         field = index.by_json_key.get(key)
         if field is None:
+            if discard_unknown:
+                continue
             raise _fail(message, None, f"unknown field {key!r}")
         if field.name in seen:
             raise _fail(message, field, "given twice (by its JSON name and by its proto name)")
@@ -642,25 +646,27 @@ def _parse_body(message: Message, obj: Any, depth: int) -> dict[str, Any]:
             entry = index.entries[field.name]
             value_field = entry._index().by_number[2]
             out[field.name] = {
-                _scalar(entry, entry._index().by_number[1], k): _parse_one(entry, value_field, v, depth)
+                _scalar(entry, entry._index().by_number[1], k): _parse_one(
+                    entry, value_field, v, depth, discard_unknown
+                )
                 for k, v in item.items()
             }
         elif field.repeated:
             if not isinstance(item, list):
                 raise _fail(message, field, f"expected a JSON array, got {_type_name(item)}")
-            out[field.name] = [_parse_one(message, field, element, depth) for element in item]
+            out[field.name] = [_parse_one(message, field, e, depth, discard_unknown) for e in item]
         else:
-            out[field.name] = _parse_one(message, field, item, depth)
+            out[field.name] = _parse_one(message, field, item, depth, discard_unknown)
     return out
 
 
-def _parse_one(message: Message, field: Field, value: Any, depth: int) -> Any:
+def _parse_one(message: Message, field: Field, value: Any, depth: int, discard_unknown: bool = False) -> Any:
     if value is None:
         raise _fail(message, field, "null in a list or map")
     if field.message is not None:
         if field.message.full_name == TIMESTAMP:
             return _parse_timestamp(message, field, value)
-        return _parse_body(field.message, value, depth + 1)
+        return _parse_body(field.message, value, depth + 1, discard_unknown)
     kind = field.kind
     if kind == "bytes":
         return _parse_base64(message, field, value)
