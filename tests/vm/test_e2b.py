@@ -266,7 +266,12 @@ def test_network_update_metrics_and_the_port_hosts(e2b_env: dict[str, Any], sbx:
         sbx.update_network({"deny_out": ["10.0.0.1"]})
     sbx.update_network({})  # E2B: what is not given is cleared, so all of the internet again
     assert sandlot.Box.get(sbx.sandbox_id, home=home).info["network"] == "public"
-    assert isinstance(sbx.get_metrics(), list)
+    deadline = time.monotonic() + 40  # the server samples a running box every 10 s
+    while not (samples := sbx.get_metrics()) and time.monotonic() < deadline:
+        time.sleep(2)
+    assert samples, "no metrics sample of a box running for a while"
+    assert samples[-1].cpu_count == 1 and samples[-1].mem_total > 200 << 20  # a 512 MiB guest's own view
+    assert samples[-1].disk_total == 8 << 30
 
     # envd at {port}-{sandbox}.{domain}, as the SDKs reach it without E2B_SANDBOX_URL
     served: Served = e2b_env["served"]
