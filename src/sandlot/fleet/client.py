@@ -61,6 +61,9 @@ def connect(
     if not ray.is_initialized():
         opts: dict[str, Any] = {"namespace": NAMESPACE, **init_options}
         if address is None:  # what a new local Ray is; Ray refuses these when it joins one
+            # "local": a Ray of its own, even where `ray start` runs a cluster on this machine,
+            # which ray.init() with no address joins instead (and then refuses the resources)
+            opts["address"] = "local"
             opts["resources"] = {**host_resources(), **(resources or {})}
             opts.setdefault("include_dashboard", False)
         else:

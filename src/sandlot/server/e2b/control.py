@@ -386,15 +386,22 @@ async def metrics(request: Request, sandbox_id: str) -> list[dict[str, Any]]:
         raise InvalidArgument("start and end are Unix times in seconds") from None
     cpus = int(box.info.get("cpus") or 1)
     disk_total = int(box.info.get("disk_size_gb") or 8) << 30
+    # a sample whose STATUS the agent did not answer in time has no guest figures: the last
+    # ones known stand for them (the box's own memory size before any)
+    memory = {"total": int(box.info.get("memory_mib") or 256) << 20, "used": 0}
     out = []
     for m in await box.metrics(since=start or -3600):
+        if m.get("guest_memory_total_bytes"):
+            memory = {
+                "total": int(m["guest_memory_total_bytes"]),
+                "used": int(m.get("guest_memory_used_bytes") or 0),
+            }
         if end is not None and m["at"] > end:
             continue
-        total = int(m.get("guest_memory_total_bytes") or 0)
         out.append({
             "timestamp": _iso(m["at"]), "timestampUnix": int(m["at"]), "cpuCount": cpus,
             "cpuUsedPct": float(m.get("cpu_percent") or 0.0) / cpus,
-            "memUsed": int(m.get("guest_memory_used_bytes") or 0), "memTotal": total, "memCache": 0,
+            "memUsed": memory["used"], "memTotal": memory["total"], "memCache": 0,
             "diskUsed": int(m.get("disk_bytes") or 0), "diskTotal": disk_total,
         })  # fmt: skip
     return out
