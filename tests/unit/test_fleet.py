@@ -47,7 +47,8 @@ def test_a_damaged_missing_or_extra_chunk_is_refused_and_leaves_nothing(tmp_path
     src.write_bytes(os.urandom(70_000))
     parts = list(transfer.pieces(src, chunk=32_768))
     total = transfer.digest(src)
-    damaged = [parts[0], (parts[1][0], b"x" + parts[1][1][1:]), parts[2]]
+    flipped = bytes([parts[1][1][0] ^ 0xFF]) + parts[1][1][1:]  # a changed byte, whatever the data
+    damaged = [parts[0], (parts[1][0], flipped), parts[2]]
     with pytest.raises(CorruptSnapshot, match=r"chunk 1 .* sha256"):
         transfer.assemble(damaged, tmp_path / "b.sandlot", total)
     with pytest.raises(CorruptSnapshot, match="chunk 1 of the moved state is missing"):
