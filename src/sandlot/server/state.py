@@ -37,6 +37,12 @@ class Caller:
     quotas: Any = None
     lease: float | None = None  # the length of the leases of its remote ``with`` boxes
 
+    @classmethod
+    def owner_of(cls, labels: dict[str, str]) -> Caller:
+        """The key that made a box, as its labels say: who a call that carries no key of its
+        own (an E2B sandbox's, by its token) acts for, in the audit trail and its leases."""
+        return cls(labels.get(KEY_LABEL), None, labels.get(NAMESPACE_LABEL), admin=False)
+
     def may_see(self, labels: dict[str, str]) -> bool:
         return self.namespace is None or labels.get(NAMESPACE_LABEL) == self.namespace
 

@@ -29,7 +29,7 @@ from starlette.routing import Route
 from ...api import access
 from ...api.box import AsyncBox
 from ...errors import RequestError, SandlotError, Unauthorized
-from ..state import KEY_LABEL, NAMESPACE_LABEL, Caller, ServerState
+from ..state import KEY_LABEL, Caller, ServerState
 from . import control, interpreter
 from .connect import REQUEST_KEY
 from .envd import ENVD_PORT, Envd
@@ -166,7 +166,7 @@ class E2bFace:
         if box is None:
             return
         labels = box.info["labels"]
-        caller = Caller(labels.get(KEY_LABEL), None, labels.get(NAMESPACE_LABEL), admin=False)
+        caller = Caller.owner_of(labels)
         detail: dict[str, Any] = {"e2b": True}
         called = request.scope.get(REQUEST_KEY) or {}
         if path == "/process.Process/Start":  # what it ran, never its stdin or output

@@ -30,7 +30,7 @@ from ...api.contract import BoxCreate
 from ...errors import BoxNotFound, InvalidArgument, InvalidState, SandlotError, SnapshotNotFound, Unsupported
 from .. import leases as server_leases
 from .. import routes
-from ..state import KEY_LABEL, NAMESPACE_LABEL, Caller, ServerState
+from ..state import Caller, ServerState
 from .envd import ENVD_VERSION
 
 router = APIRouter()
@@ -370,7 +370,7 @@ async def resume_with_timeout(state: ServerState, box: AsyncBox, seconds: int | 
         made_with = box.info["labels"].get(TIMEOUT_LABEL, "")
         seconds = int(lease.seconds) if lease else int(made_with) if made_with.isdigit() else DEFAULT_TIMEOUT
     labels = box.info["labels"]
-    owner = Caller(labels.get(KEY_LABEL), None, labels.get(NAMESPACE_LABEL), admin=False)
+    owner = Caller.owner_of(labels)
     await server_leases.grant(state, owner, box.id, seconds)
 
 

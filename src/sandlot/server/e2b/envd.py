@@ -40,7 +40,7 @@ from ...errors import (
     RequestError,
     SandlotError,
 )
-from ..state import KEY_LABEL, NAMESPACE_LABEL, Caller, ServerState
+from ..state import Caller, ServerState
 from . import messages as pb
 from .connect import ConnectError, Method, check, serve
 
@@ -88,7 +88,7 @@ class Envd:
                     ("filesystem.Filesystem", pb.FILESYSTEM_METHODS, self._fs_impl()))  # fmt: skip
         for service, table, impl in services:
             for name, (req, resp, kind) in table.items():
-                keepalive = _keepalive(resp, name)
+                keepalive = _keepalive(name)
                 self.methods[f"/{service}/{name}"] = Method(req, resp, kind, impl[name], keepalive)
 
     async def rpc(self, path: str, request: Request) -> Response:
@@ -121,7 +121,7 @@ class Envd:
             cols=size.get("cols") or 80, stdin=req.get("stdin", True), keep=key,
         )  # fmt: skip
         labels = box.info["labels"]
-        owner = Caller(labels.get(KEY_LABEL), None, labels.get(NAMESPACE_LABEL), admin=False)
+        owner = Caller.owner_of(labels)
         held = self.state.processes.hold(box.id, proc, key, self.state.exited_by(owner))
         self.processes[(box.id, proc.pid)] = E2bProcess(held, config, req.get("tag"))
         yield {"event": {"start": {"pid": proc.pid}}}
@@ -450,7 +450,7 @@ class Envd:
         return JSONResponse(written)
 
 
-def _keepalive(response: Any, name: str) -> Callable[[], Mapping[str, Any]] | None:
+def _keepalive(name: str) -> Callable[[], Mapping[str, Any]] | None:
     if name in ("Start", "Connect"):
         return lambda: {"event": {"keepalive": {}}}
     if name == "WatchDir":
