@@ -52,6 +52,7 @@ LOCAL = Output(
         "AsyncStream": ("Stream", "process", "StreamBase"),
         "AsyncClient": ("Client", "client", "ClientBase"),
         "AsyncVolumes": ("Volumes", "volumes", "VolumesBase"),
+        "AsyncDesktop": ("Desktop", "desktop", "DesktopBase"),
     },
     "sync_base",
     [

@@ -8,7 +8,13 @@ import os
 import shutil
 from pathlib import Path
 
-from sandlot.images.builders import busybox_rootfs, debian_rootfs
+from sandlot.images.builders import (
+    busybox_rootfs,
+    debian_rootfs,
+    desktop_files_digest,
+    desktop_rootfs,
+    install_desktop,
+)
 
 CACHE = Path(os.environ.get("SANDLOT_TEST_CACHE", Path.home() / ".cache" / "sandlot-tests"))
 
@@ -54,4 +60,19 @@ def kvm_host_root() -> Path:
         # what `sandlot setup` installs on a host (hostsetup.PACKAGES' required ones)
         packages = ["python3", "qemu-system-x86", "qemu-utils", "e2fsprogs", "zstd", "lz4"]
         debian_rootfs(dest, packages, recommends=False)
+    return dest
+
+
+def desktop_root() -> Path:
+    """Debian with sandlot's desktop (``builders.desktop_rootfs``: Xvnc, openbox, Chromium;
+    mmdebstrap, about two minutes the first time). sandlot's own files in it are put in
+    again when they change, without building the packages again."""
+    dest = CACHE / "rootfs-desktop-v3"
+    if not (dest / "usr" / "bin" / "Xtigervnc").exists():  # (Xvnc is a link through /etc/alternatives)
+        desktop_rootfs(dest)
+    stamp = dest / "usr" / "share" / "sandlot-desktop" / "files.digest"
+    digest = desktop_files_digest()
+    if not stamp.exists() or stamp.read_text() != digest:
+        install_desktop(dest)
+        stamp.write_text(digest)
     return dest

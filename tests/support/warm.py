@@ -1,6 +1,6 @@
 """What the VM tier's two runs share, made once before they start side by side
 (``scripts/test``): the root filesystems and the test image built from the host's
-packages (the KVM host's among them: mmdebstrap, about a minute the first time), and
+packages (the KVM host's and the desktop's among them: mmdebstrap, a few minutes the first time), and
 each home's guest kernel, agent and initramfs. Built lazily, as they otherwise are,
 two runs could race to write the same cache. And the snapshots no box needs, which
 removed boxes leave in the homes (by design, a removal keeps its box's snapshots): a
@@ -24,6 +24,7 @@ def main(homes: list[str]) -> int:
     debian = roots.debian_root()
     roots.busybox_root()
     roots.kvm_host_root()
+    roots.desktop_root()
     python_layout(roots.CACHE, debian)
     for home in homes:
         sandlot.Runtime.for_home(Path(home)).prepare()

@@ -344,11 +344,13 @@ def test_unit_exec_posts_the_command_and_rebuilds_the_result() -> None:
                 await box.exec("true", timeout=-1)
 
     run(main)
+    # the output asked in base64 alone: the text is made from the bytes here
     assert rec.body(1) == {"argv": ["cat"], "env": {"A": "1"}, "cwd": "/tmp", "user": "agent", "timeout": 5,
-                           "stdin_b64": base64.b64encode(b"\x00\xff").decode()}  # fmt: skip
+                           "stdin_b64": base64.b64encode(b"\x00\xff").decode(), "output": "b64"}  # fmt: skip
     assert rec.body(2) == {
         "argv": ["/bin/sh", "-c", "echo hi"],
         "stdin_b64": base64.b64encode(b"text").decode(),
+        "output": "b64",
     }
     assert len(rec.requests) == 4  # the refused ones never left
 

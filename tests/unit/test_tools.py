@@ -37,7 +37,7 @@ from tests.support.inproc import serving
 
 EXPECTED = ["create_box", "list_boxes", "exec", "run_code", "read_file", "write_file", "list_files",
             "snapshot", "list_snapshots", "rollback", "diff", "fork", "suspend", "resume",
-            "remove_box"]  # fmt: skip
+            "computer", "remove_box"]  # fmt: skip
 
 
 def params_of(fmt: str, entry: dict[str, Any]) -> tuple[str, str, dict[str, Any]]:
@@ -82,6 +82,12 @@ def test_schemas_and_validation_agree() -> None:
         "read_file": {"box": "dev", "path": "/etc/hosts", "offset": 10, "encoding": "base64"},
         "write_file": {"box": "dev", "path": "/a", "content": "x", "mode": "0755"},
         "fork": {"box": "dev", "n": 3},
+        "computer": {
+            "box": "desk",
+            "action": "left_click_drag",
+            "start_coordinate": [1, 2],
+            "coordinate": [3, 4],
+        },
     }
     bad = {
         "create_box": [{"image": "x", "memory_mib": 32}, {"image": "x", "name": "-bad"},
@@ -91,6 +97,10 @@ def test_schemas_and_validation_agree() -> None:
         "read_file": [{"box": "dev", "path": "relative"}, {"box": "dev", "path": "/a", "length": 0}],
         "write_file": [{"box": "dev", "path": "/a", "content": "x", "mode": "999"}],
         "fork": [{"box": "dev", "n": 9}],
+        "computer": [{"action": "fly"}, {"action": "left_click", "coordinate": [1]},
+                     {"action": "left_click", "coordinate": [-1, 5]},
+                     {"action": "scroll", "scroll_amount": 0},
+                     {"action": "drag", "path": [{"x": 1, "y": 2}]}, {"action": "wait", "duration": 31}],
     }  # fmt: skip
     for name, args in good.items():
         jsonschema.validate(args, schemas[name])

@@ -62,8 +62,10 @@ class Command:
 
     def exec_fields(self, stdin: bytes | None, timeout: float | None) -> dict[str, Any]:
         """As an exec's JSON (``contract.ExecIn``'s fields); stdin in base64, so that its
-        size is known whatever it holds."""
+        size is known whatever it holds, and the output asked in base64 alone (the text
+        is made from its bytes on this side)."""
         body = {k: v for k, v in self.fields().items() if k in ("argv", "env", "cwd", "user")}
+        body["output"] = "b64"
         if timeout is not None:
             body["timeout"] = timeout
         if stdin is not None:

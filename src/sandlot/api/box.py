@@ -47,6 +47,7 @@ if TYPE_CHECKING:  # imported where used: a command that runs no code nor files 
     from ..core.service import Core
     from ..images.store import Image
     from .code import CodeContext, ContextArg, Execution, OutputCallback, ResultCallback
+    from .desktop import AsyncDesktop
     from .files import AsyncFiles
 
 Home = str | os.PathLike[str] | None
@@ -125,6 +126,7 @@ class AsyncBox:
         self._backend: Backend = ref.backend
         self.keep = keep
         self._files: AsyncFiles | None = None
+        self._desktop: AsyncDesktop | None = None
 
     @classmethod
     def bound(cls, ref: BoxRef, *, keep: bool = True) -> AsyncBox:
@@ -197,6 +199,17 @@ class AsyncBox:
 
             self._files = AsyncFiles(self._backend, self._ref)
         return self._files
+
+    @property
+    def desktop(self) -> AsyncDesktop:
+        """The screen, mouse and keyboard of a desktop box (an image made by ``sandlot
+        rootfs desktop``): ``await box.desktop.screenshot()``, ``click(x, y)``, ``type(text)``,
+        ``stream_url()``. See docs/desktop.md."""
+        if self._desktop is None:
+            from .desktop import AsyncDesktop
+
+            self._desktop = AsyncDesktop(self)
+        return self._desktop
 
     @property
     def state(self) -> str:

@@ -162,3 +162,57 @@ def bridge(ours: socket.socket, duplex: Duplex) -> asyncio.Task[None]:
     _bridges.add(task)
     task.add_done_callback(_bridges.discard)
     return task
+
+
+class Forward:
+    """A listening socket of this host whose every connection is bridged to a port in a
+    box (``serve_forward``). It lives until ``aclose()`` or the end of sandlot's loop."""
+
+    def __init__(self, listener: socket.socket, task: asyncio.Task[None]) -> None:
+        self._listener = listener
+        self._task = task
+        self.address: tuple[str, int] = listener.getsockname()[:2]
+
+    @property
+    def closed(self) -> bool:
+        return self._task.done()
+
+    async def aclose(self) -> None:
+        await cancel_and_reap([self._task])
+        self._listener.close()
+
+
+async def serve_forward(
+    spawn: Callable[..., Awaitable[AsyncProcess]],
+    port: int,
+    *,
+    address: str = "127.0.0.1",
+    timeout: float = 10.0,
+) -> Forward:
+    """Listen on ``address`` (an ephemeral port) and bridge each connection to ``port`` on
+    the box's loopback through its relay, as ``box.connect`` does: for a browser on this
+    host, where a box has no server to sign a preview URL. A connection the box refuses
+    is closed at once."""
+    loop = asyncio.get_running_loop()
+    listener = socket.socket(socket.AF_INET6 if ":" in address else socket.AF_INET, socket.SOCK_STREAM)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    listener.bind((address, 0))
+    listener.listen(64)
+    listener.setblocking(False)
+
+    async def one(conn: socket.socket) -> None:
+        try:
+            duplex = await open_relay(spawn, port, timeout)
+        except Exception:
+            conn.close()
+            return
+        bridge(conn, duplex)
+
+    async def accept() -> None:
+        while True:
+            conn, _ = await loop.sock_accept(listener)
+            task = asyncio.ensure_future(one(conn))
+            _bridges.add(task)
+            task.add_done_callback(_bridges.discard)
+
+    return Forward(listener, asyncio.ensure_future(accept()))

@@ -97,8 +97,10 @@ class ExecChannel:
                 waiting = self._pending.get(call_id)
                 if waiting is not None and not waiting.done():
                     waiting.set_result(message)
-        except ConnectionClosed:
-            pass
+        except ConnectionClosed as e:  # say how: a keepalive that timed out, a server that stopped...
+            failure = ConnectionLost(
+                f"{self._url}: the exec channel closed before the answer came ({e}); the command may have run"
+            )
         finally:
             if self._ws is ws:
                 self._ws = None

@@ -83,7 +83,7 @@ async def run_exec(backend: LocalBackend, ref: BoxRef, call: Any) -> dict[str, A
             raise InvalidArgument("stdin_b64 is not base64") from None
     cmd = Command(tuple(call.argv), call.env, call.cwd, call.user, stdin=stdin is not None)
     result = await backend.exec(ref, cmd, stdin, call.timeout)
-    return exec_json(result)
+    return exec_json(result, text=getattr(call, "output", "both") != "b64")
 
 
 def box_options(wanted: dict[str, Any]) -> dict[str, Any]:

@@ -18,6 +18,7 @@ from .process import AsyncStream
 from .sync_base import (
     BoxBase,
     ClientBase,
+    DesktopBase,
     FilesBase,
     ProcessBase,
     SnapshotBase,
@@ -46,6 +47,7 @@ if TYPE_CHECKING:
     from .backend import Backend, BoxRef, SnapshotRef
     from .box import Home
     from .code import CodeContext, ContextArg, Execution, OutputCallback, ResultCallback
+    from .desktop import Button, Window
     from .diffs import Diff
     from .fs import FileEvent, FileInfo, WatchSource
     from .process import ExecResult, OutputStream, StdinSource
@@ -193,6 +195,13 @@ class Box(BoxBase):
     def files(self) -> Files:
         """The guest's file system: ``box.files.read(path)`` and so on."""
         return Files.wrap(self._a.files)
+
+    @property
+    def desktop(self) -> Desktop:
+        """The screen, mouse and keyboard of a desktop box (an image made by ``sandlot
+        rootfs desktop``): ``box.desktop.screenshot()``, ``click(x, y)``, ``type(text)``,
+        ``stream_url()``. See docs/desktop.md."""
+        return Desktop.wrap(self._a.desktop)
 
     @property
     def info(self) -> dict[str, Any]:
@@ -1080,6 +1089,136 @@ class Volumes(VolumesBase):
         loop.run(self._a.remove(key))
 
 
+class Desktop(DesktopBase):
+    """The desktop of ``box`` (``box.desktop``). Coordinates are screen pixels from the
+    top left; ``size()`` says the screen's. Each method starts the desktop if it is
+    not running yet."""
+
+    def start(self, size: tuple[int, int] | None = None, *, timeout: float = 60) -> None:
+        """Start the desktop (X server, VNC server, window manager) if it is not running,
+        at ``size`` (width, height; default 1024x768, what computer-use models are tuned
+        for). A running desktop keeps its size. Raises Unsupported where the box's
+        image has no desktop."""
+        loop.run(self._a.start(size, timeout=timeout))
+
+    def running(self) -> bool:
+        """Whether the desktop's X server runs."""
+        return loop.run(self._a.running())
+
+    def screenshot(
+        self, *, region: tuple[int, int, int, int] | None = None, scale: float | tuple[int, int] | None = None
+    ) -> bytes:
+        """The screen as PNG bytes. ``region``: (x, y, width, height) of it alone.
+        ``scale``: a factor (0.5 halves each side) or the (width, height) to scale to,
+        e.g. the display size a model was told."""
+        return loop.run(self._a.screenshot(region=region, scale=scale))
+
+    def size(self) -> tuple[int, int]:
+        """The screen's (width, height) in pixels."""
+        return loop.run(self._a.size())
+
+    def cursor(self) -> tuple[int, int]:
+        """Where the mouse pointer is: (x, y)."""
+        return loop.run(self._a.cursor())
+
+    def move(self, x: int, y: int) -> None:
+        """Move the pointer to (x, y)."""
+        loop.run(self._a.move(x, y))
+
+    def click(
+        self, x: int | None = None, y: int | None = None, *, button: Button = "left", count: int = 1
+    ) -> None:
+        """Click ``button`` at (x, y), or where the pointer is; ``count`` clicks in a row
+        (2 is a double click)."""
+        loop.run(self._a.click(x, y, button=button, count=count))
+
+    def double_click(self, x: int | None = None, y: int | None = None) -> None:
+        """Two left clicks in a row at (x, y)."""
+        loop.run(self._a.double_click(x, y))
+
+    def right_click(self, x: int | None = None, y: int | None = None) -> None:
+        """A right click at (x, y)."""
+        loop.run(self._a.right_click(x, y))
+
+    def mouse_down(self, button: Button = "left") -> None:
+        """Press ``button`` where the pointer is, and hold it."""
+        loop.run(self._a.mouse_down(button))
+
+    def mouse_up(self, button: Button = "left") -> None:
+        """Release ``button``."""
+        loop.run(self._a.mouse_up(button))
+
+    def drag(self, *points: tuple[int, int], button: Button = "left") -> None:
+        """Press ``button`` at the first point, move through the others, release at the
+        last: ``drag((10, 10), (200, 150))``."""
+        loop.run(self._a.drag(*points, button=button))
+
+    def scroll(self, x: int | None = None, y: int | None = None, *, dy: int = 0, dx: int = 0) -> None:
+        """Scroll at (x, y), or where the pointer is: ``dy`` notches down (negative: up),
+        ``dx`` right (negative: left)."""
+        loop.run(self._a.scroll(x, y, dy=dy, dx=dx))
+
+    def type(self, text: str, *, delay_ms: int = 12) -> None:
+        """Type ``text`` (any Unicode; a newline is Enter) into the focused window,
+        ``delay_ms`` between keys. A character that no key of the keymap gives is bound
+        to a spare key first, and stays bound (``bind_keys``)."""
+        loop.run(self._a.type(text, delay_ms=delay_ms))
+
+    def key(self, *keys: str) -> None:
+        """Press keys or combinations, one after another: ``key("ctrl+l")``,
+        ``key("ctrl+a", "BackSpace")``. Names are X keysyms (``Return``, ``Page_Down``) or
+        the names models use (``Enter``, ``PageDown``, ``cmd``)."""
+        loop.run(self._a.key(*keys))
+
+    def key_down(self, key: str) -> None:
+        """Press ``key`` (or a combination) and hold it."""
+        loop.run(self._a.key_down(key))
+
+    def key_up(self, key: str) -> None:
+        """Release ``key``."""
+        loop.run(self._a.key_up(key))
+
+    def launch(self, app: str | Sequence[str], *args: str) -> int:
+        """Start a program on the desktop, detached, and return its pid: ``"browser"``
+        (Chromium), ``"terminal"`` (xterm), or a command (a string is split as the
+        shell would, a sequence is the argv), with ``args`` after it."""
+        return loop.run(self._a.launch(app, *args))
+
+    def open(self, target: str) -> int:
+        """Open a URL or a file of the box in the browser; returns the browser's pid."""
+        return loop.run(self._a.open(target))
+
+    def windows(self) -> list[Window]:
+        """The desktop's top-level windows, oldest first."""
+        return loop.run(self._a.windows())
+
+    def active_window(self) -> Window | None:
+        """The window that has the focus, if one has."""
+        return loop.run(self._a.active_window())
+
+    def wait_for_window(self, title: str, *, timeout: float = 60) -> Window:
+        """The first window whose title holds ``title`` (case-insensitive), once one is
+        there; raises TimeoutError after ``timeout`` seconds, naming the windows seen."""
+        return loop.run(self._a.wait_for_window(title, timeout=timeout))
+
+    def activate(self, window: Window | str) -> None:
+        """Raise ``window`` (a Window, or a title it holds) and give it the focus."""
+        loop.run(self._a.activate(window))
+
+    def stream_url(self, *, view_only: bool = True, ttl: float = 3600) -> str:
+        """A URL of a page that shows the desktop live in a browser (noVNC), view-only
+        unless ``view_only=False``. On a box of a server it is a preview URL, signed
+        and expiring after ``ttl`` seconds; elsewhere this process forwards a port of
+        127.0.0.1 to the box while it runs. No VNC port is published either way, and
+        a view-only URL carries the view-only password: its session cannot type."""
+        return loop.run(self._a.stream_url(view_only=view_only, ttl=ttl))
+
+    def close_stream(self) -> None:
+        """Stop forwarding the local stream URL's port (a server's preview ends with its
+        ttl, or ``end_previews``)."""
+        loop.run(self._a.close_stream())
+
+
 def connect(url: str | None = None, api_key: str | None = None, **kwargs: Any) -> Client:
     """A client (``Client``) of the server at ``url`` (default ``$SANDLOT_URL``) with
     ``api_key`` (default ``$SANDLOT_API_KEY``); ``kwargs``: ``timeout``, ``verify``."""
@@ -1088,4 +1227,15 @@ def connect(url: str | None = None, api_key: str | None = None, **kwargs: Any) -
 
 BoxType: TypeAlias = Box  # for annotations where a method has the name
 
-__all__ = ["Box", "Client", "Files", "Process", "Snapshot", "Stream", "Volumes", "Watch", "connect"]
+__all__ = [
+    "Box",
+    "Client",
+    "Desktop",
+    "Files",
+    "Process",
+    "Snapshot",
+    "Stream",
+    "Volumes",
+    "Watch",
+    "connect",
+]

@@ -9,6 +9,7 @@ from typing import Any, Generic, Self, TypeVar
 from . import loop
 from .box import AsyncBox, AsyncSnapshot
 from .client import AsyncClient
+from .desktop import AsyncDesktop
 from .files import AsyncFiles, AsyncWatch
 from .process import AsyncProcess, AsyncStream
 from .volumes import AsyncVolumes
@@ -55,6 +56,11 @@ class SnapshotBase(SyncTwin[AsyncSnapshot]):
 class FilesBase(SyncTwin[AsyncFiles]):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         raise TypeError("Files come from their box: box.files")
+
+
+class DesktopBase(SyncTwin[AsyncDesktop]):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        raise TypeError("A desktop comes from its box: box.desktop")
 
 
 class WatchBase(SyncTwin[AsyncWatch]):

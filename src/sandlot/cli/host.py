@@ -196,22 +196,26 @@ def _host_packages(*, install: bool, optional: bool, kernel: str | None) -> None
 
 @app.command()
 def rootfs(
-    kind: Annotated[str, typer.Argument(help="busybox or debian")],
+    kind: Annotated[str, typer.Argument(help="busybox, debian or desktop")],
     dest: Annotated[Path, typer.Argument(help="Directory to create (replaced if it exists).")],
     packages: Annotated[
         list[str] | None, typer.Option("--package", "-p", help="Extra Debian packages.")
     ] = None,
 ) -> None:
-    """Build a root filesystem directory from Debian packages (no registry needed)."""
-    from ..images.builders import busybox_rootfs, debian_rootfs
+    """Build a root filesystem directory from Debian packages (no registry needed).
+    ``desktop`` is the one box.desktop drives: Xvnc, openbox, Chromium, xterm, xdotool,
+    and a noVNC viewer (about 800 MB; --package adds to it)."""
+    from ..images.builders import DESKTOP_PACKAGES, busybox_rootfs, debian_rootfs, desktop_rootfs
 
     try:
         if kind == "busybox":
             path = busybox_rootfs(dest)
         elif kind == "debian":
             path = debian_rootfs(dest, packages or [])
+        elif kind == "desktop":
+            path = desktop_rootfs(dest, [*DESKTOP_PACKAGES, *(packages or [])])
         else:
-            raise fail(ValueError("kind must be busybox or debian"), 2)
+            raise fail(ValueError("kind must be busybox, debian or desktop"), 2)
     except SandlotError as exc:
         raise fail(exc) from exc
     print(path)

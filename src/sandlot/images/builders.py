@@ -7,12 +7,15 @@ depends on a registry being reachable:
   Debian's ``busybox-static``.
 * ``debian``: a Debian minbase (optionally with more packages, e.g. python3)
   made by ``mmdebstrap``.
+* ``desktop``: Debian with a desktop that ``box.desktop`` drives (``api/desktop.py``):
+  Xvnc, openbox, Chromium, xterm, xdotool, wmctrl, and noVNC's viewer behind websockify.
 
 Both add a user ``agent`` (uid 1000) beside root.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 import subprocess
@@ -71,10 +74,19 @@ def busybox_rootfs(dest: Path, busybox: str | None = None) -> Path:
 
 
 def debian_rootfs(
-    dest: Path, packages: list[str] | None = None, suite: str = "bookworm", *, recommends: bool = True
+    dest: Path,
+    packages: list[str] | None = None,
+    suite: str = "bookworm",
+    *,
+    recommends: bool = True,
+    dpkg_options: list[str] | None = None,
+    hooks: list[str] | None = None,
 ) -> Path:
     """A Debian minbase root filesystem at ``dest`` made by mmdebstrap; ``recommends=False``
-    leaves out the packages' recommended ones (a much smaller tree for heavy stacks)."""
+    leaves out the packages' recommended ones (a much smaller tree for heavy stacks);
+    ``dpkg_options`` go to every dpkg call, in order (``path-exclude=...`` then the
+    ``path-include=...`` that it spares, as in slim images); ``hooks`` are shell commands
+    run on the finished tree (``$1``), before apt's caches are emptied."""
     mmdebstrap = shutil.which("mmdebstrap")
     if not mmdebstrap:
         raise HostSetupError("mmdebstrap not found: install mmdebstrap")
@@ -88,8 +100,11 @@ def debian_rootfs(
         "--customize-hook=rm -rf \"$1\"/var/cache/apt/archives/*.deb \"$1\"/var/lib/apt/lists/*",
         suite, str(tarball),
     ]  # fmt: skip
+    extra = [f"--dpkgopt={option}" for option in dpkg_options or []]
     if not recommends:
-        cmd.insert(2, '--aptopt=APT::Install-Recommends "false"')
+        extra.append('--aptopt=APT::Install-Recommends "false"')
+    extra += [f"--customize-hook={hook}" for hook in hooks or []]
+    cmd[2:2] = extra
     if not packages:
         cmd.remove("--include=")
     proc = subprocess.run(cmd, capture_output=True, text=True)
@@ -106,3 +121,65 @@ def debian_rootfs(
     os.rename(root, final_tmp)
     shutil.rmtree(tmp, ignore_errors=True)
     return _replace_dir(final_tmp, dest)
+
+
+DESKTOP = Path(__file__).parent / "desktop"
+DESKTOP_PACKAGES = [
+    "tigervnc-standalone-server", "tigervnc-tools", "xfonts-base",  # X and VNC in one process
+    "openbox", "chromium", "xterm", "fonts-dejavu-core",
+    "xdotool", "wmctrl", "x11-apps", "x11-utils",  # input, windows, xwd (screenshots), xdpyinfo, xprop
+    "x11-xserver-utils",  # xsetroot: the background
+    "websockify", "python3", "procps",
+]  # fmt: skip
+# what a desktop box never reads: manuals, translations, Chromium's other languages
+SLIM = [
+    "path-exclude=/usr/share/man/*", "path-exclude=/usr/share/info/*",
+    "path-exclude=/usr/share/doc/*", "path-include=/usr/share/doc/*/copyright",
+    "path-exclude=/usr/share/locale/*", "path-exclude=/usr/lib/chromium/locales/*",
+    "path-include=/usr/lib/chromium/locales/en-US.pak",
+]  # fmt: skip
+# Debian's chromium wrapper reads /etc/chromium.d: a browser for a box with no GPU, no
+# keyring and no first-run dialogs, whoever starts it (box.desktop, an agent's shell)
+CHROMIUM_FLAGS = (
+    "--no-first-run --no-default-browser-check --disable-gpu --disable-dev-shm-usage "
+    "--lang=en-US --password-store=basic --disable-background-networking --disable-component-update "
+    "--disable-features=Translate,MediaRouter,OptimizationHints --noerrdialogs --test-type"
+)
+
+
+def desktop_rootfs(dest: Path, packages: list[str] | None = None) -> Path:
+    """A desktop root filesystem at ``dest``: Debian with ``packages`` (default
+    ``DESKTOP_PACKAGES``) and sandlot's desktop files (``install_desktop``). Boot it and
+    drive it with ``box.desktop``."""
+    # fontconfig's caches made now, or every program's first font lookup scans the fonts
+    # (seconds of a window manager's CPU under emulation)
+    hooks = ['chroot "$1" fc-cache -f']
+    debian_rootfs(dest, packages or DESKTOP_PACKAGES, recommends=False, dpkg_options=SLIM, hooks=hooks)
+    install_desktop(dest)
+    return dest
+
+
+def install_desktop(root: Path) -> None:
+    """Put sandlot's desktop files into the root filesystem ``root`` (again, if they are
+    there): ``/usr/local/bin/sandlot-desktop``, the viewer page with its noVNC, and the
+    browser's flags. Cheap, so a cached tree is brought up to this version of sandlot."""
+    root = Path(root)
+    script = root / "usr/local/bin/sandlot-desktop"
+    script.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(DESKTOP / "sandlot-desktop", script)
+    os.chmod(script, 0o755)
+    viewer = root / "usr/share/sandlot-desktop/viewer"
+    if viewer.exists():
+        shutil.rmtree(viewer)
+    shutil.copytree(DESKTOP / "viewer", viewer)
+    flags = root / "etc/chromium.d/sandlot"
+    flags.parent.mkdir(parents=True, exist_ok=True)
+    flags.write_text(f'export CHROMIUM_FLAGS="$CHROMIUM_FLAGS {CHROMIUM_FLAGS}"\n')
+
+
+def desktop_files_digest() -> str:
+    """A digest of the files ``install_desktop`` writes, to tell a cached tree's age."""
+    h = hashlib.sha256(CHROMIUM_FLAGS.encode())
+    for path in sorted(p for p in DESKTOP.rglob("*") if p.is_file()):
+        h.update(str(path.relative_to(DESKTOP)).encode() + b"\0" + path.read_bytes())
+    return h.hexdigest()[:12]

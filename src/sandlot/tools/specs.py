@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from ..errors import InvalidArgument
 
@@ -259,6 +259,68 @@ class RemoveBox(Args):
                      examples=["analysis"])  # fmt: skip
 
 
+# the computer tool's actions: Anthropic's computer-use names, then OpenAI's
+ComputerAction = Literal[
+    "screenshot", "left_click", "right_click", "middle_click", "double_click", "triple_click",
+    "mouse_move", "left_click_drag", "left_mouse_down", "left_mouse_up", "scroll", "type", "key",
+    "hold_key", "wait", "cursor_position",
+    "click", "move", "drag", "keypress",
+]  # fmt: skip
+Coordinate = Annotated[list[Annotated[int, Field(ge=0, le=16383)]], Field(min_length=2, max_length=2)]
+
+
+PathPoint = dict[Literal["x", "y"], Annotated[int, Field(ge=0, le=16383)]]
+
+
+class Computer(Args):
+    box: str | None = box_field()
+    action: ComputerAction = Field(
+        description="What to do. screenshot; left_click, right_click, middle_click, double_click, "
+        "triple_click (at coordinate, or where the pointer is); mouse_move; left_click_drag (from "
+        "start_coordinate to coordinate); left_mouse_down, left_mouse_up; scroll (scroll_direction, "
+        "scroll_amount at coordinate); type (text); key (text: 'ctrl+l', 'Return'); hold_key (text, "
+        "duration); wait (duration); cursor_position. OpenAI's names work too: click (x, y, button), "
+        "move, drag (path), keypress (keys), scroll (x, y, scroll_x, scroll_y in pixels)."
+    )
+    coordinate: Coordinate | None = Field(None, description="[x, y] in pixels of the screen you were shown.")
+    start_coordinate: Coordinate | None = Field(None, description="Where left_click_drag starts: [x, y].")
+    x: int | None = Field(None, description="x in pixels (OpenAI's click, move, scroll).", ge=0, le=16383)
+    y: int | None = Field(None, description="y in pixels (OpenAI's click, move, scroll).", ge=0, le=16383)
+    button: Literal["left", "right", "middle", "wheel", "back", "forward"] | None = Field(
+        None, description="The button of a click (default left)."
+    )
+    path: list[PathPoint] | None = Field(
+        None, description="The points of a drag, first to last: [{x, y}, ...].", min_length=2, max_length=64
+    )
+    text: str | None = Field(
+        None,
+        description="What to type (any Unicode; a newline is Enter), or the key of key/hold_key.",
+        max_length=10000,
+    )
+    keys: list[Annotated[str, Field(min_length=1, max_length=40)]] | None = Field(
+        None, description="Keys pressed together (keypress): ['CTRL', 'L'].", min_length=1, max_length=8
+    )
+    scroll_direction: Literal["up", "down", "left", "right"] | None = Field(
+        None, description="Which way to scroll (default down)."
+    )
+    scroll_amount: int | None = Field(None, description="Notches to scroll (default 3).", ge=1, le=50)
+    scroll_x: int | None = Field(
+        None, description="Pixels to scroll right (negative: left).", ge=-9999, le=9999
+    )
+    scroll_y: int | None = Field(None, description="Pixels to scroll down (negative: up).", ge=-9999, le=9999)
+    duration: float | None = Field(
+        None, description="Seconds, for wait and hold_key (up to 30).", ge=0, le=30
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def openai_type(cls, data: Any) -> Any:
+        """OpenAI's computer_call actions name themselves with ``type``: take it as ``action``."""
+        if isinstance(data, dict) and "type" in data and "action" not in data:
+            data = {("action" if k == "type" else k): v for k, v in data.items()}
+        return data
+
+
 @dataclass(frozen=True)
 class ToolSpec:
     name: str
@@ -455,6 +517,16 @@ TOOLS: tuple[ToolSpec, ...] = (
         "Resume a box",
         "Bring a suspended box back, with its processes, as it was when it was suspended.",
         Resume,
+    ),
+    ToolSpec(
+        "computer",
+        "Use a box's desktop",
+        "See and drive the desktop of a desktop box (its screen, mouse and keyboard), as a person "
+        "would: screenshot shows the screen; the other actions click, type, press keys, scroll and "
+        "drag at pixel coordinates of that screenshot, and answer with a new screenshot. Take a "
+        "screenshot first, and after anything that changes the screen. Example: "
+        '{"box": "desk", "action": "left_click", "coordinate": [512, 300]}.',
+        Computer,
     ),
     ToolSpec(
         "remove_box",

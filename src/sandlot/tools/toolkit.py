@@ -107,6 +107,8 @@ class Toolkit:
         own_only: bool = False,
         output_limit: int = 16384,
         home: str | os.PathLike[str] | None = None,
+        display_size: tuple[int, int] | None = None,
+        settle: float = 0.3,
     ) -> None:
         target = unwrap(target)
         self.default_box: AsyncBox | None = None
@@ -130,13 +132,22 @@ class Toolkit:
         self.labels = dict(labels or {})
         self.own_only = own_only
         self.output_limit = output_limit
+        if display_size is not None and (
+            len(display_size) != 2 or not all(isinstance(v, int) and 64 <= v <= 8192 for v in display_size)
+        ):
+            raise InvalidArgument(f"display_size is (width, height), 64 to 8192 pixels, not {display_size!r}")
+        if not 0 <= settle <= 10:
+            raise InvalidArgument(f"settle is from 0 to 10 seconds, not {settle!r}")
+        self.display_size = display_size
+        self.settle = settle
+        self.screens: dict[str, tuple[int, int]] = {}  # box id -> its screen's size, read once
         self.creating = asyncio.Lock()  # creations in turn, so two cannot both pass max_boxes
         self.handlers: dict[str, Callable[[Any], Awaitable[ToolResult]]] = {
             "create_box": self.create_box, "list_boxes": self.list_boxes, "exec": self.exec,
             "run_code": self.run_code, "read_file": self.read_file, "write_file": self.write_file,
             "list_files": self.list_files, "snapshot": self.snapshot, "list_snapshots": self.list_snapshots,
             "rollback": self.rollback, "diff": self.diff, "fork": self.fork, "suspend": self.suspend,
-            "resume": self.resume, "remove_box": self.remove_box,
+            "resume": self.resume, "computer": self.computer, "remove_box": self.remove_box,
         }  # fmt: skip
         assert set(self.handlers) == set(specs.BY_NAME), "every tool has its handler"
 
@@ -520,6 +531,117 @@ class Toolkit:
             [TextPart(f"Box {box.name!r} is running again.")], {"box": box.name, "state": "running"}
         )
 
+    async def computer(self, a: specs.Computer) -> ToolResult:
+        box = await self.box(a.box)
+        desk = box.desktop
+        screen = self.screens.get(box.id)
+        if screen is None:
+            screen = self.screens[box.id] = await desk.size()
+        display = self.display_size or screen
+
+        def on_screen(x: int, y: int) -> tuple[int, int]:
+            if not (x < display[0] and y < display[1]):
+                raise ToolInputError(f"computer: ({x}, {y}) is off the {display[0]}x{display[1]} screen",
+                                     tool="computer", problems=["coordinate"])  # fmt: skip
+            return (min(round(x * screen[0] / display[0]), screen[0] - 1),
+                    min(round(y * screen[1] / display[1]), screen[1] - 1))  # fmt: skip
+
+        def point(required: bool = False) -> tuple[int | None, int | None]:
+            if a.coordinate is not None:
+                return on_screen(*a.coordinate)
+            if a.x is not None and a.y is not None:
+                return on_screen(a.x, a.y)
+            if required:
+                missing = ["missing required argument 'coordinate'"]
+                raise ToolInputError(f"computer: {a.action} needs coordinate [x, y] (or x and y)",
+                                     tool="computer", problems=missing)  # fmt: skip
+            return None, None
+
+        def needs_text() -> str:
+            if not a.text:
+                raise ToolInputError(f"computer: {a.action} needs text", tool="computer",
+                                     problems=["missing required argument 'text'"])  # fmt: skip
+            return a.text
+
+        act = a.action
+        done: str = act
+        if act == "screenshot":
+            done = "screenshot"
+        elif act == "cursor_position":
+            cx, cy = await desk.cursor()
+            dx, dy = round(cx * display[0] / screen[0]), round(cy * display[1] / screen[1])
+            return ToolResult([TextPart(f"The pointer is at ({dx}, {dy}).")], {"x": dx, "y": dy})
+        elif act in ("left_click", "right_click", "middle_click", "double_click", "triple_click", "click"):
+            button = {"right_click": "right", "middle_click": "middle"}.get(act, a.button or "left")
+            button = {"wheel": "middle"}.get(button, button)
+            count = {"double_click": 2, "triple_click": 3}.get(act, 1)
+            x, y = point()
+            await desk.click(x, y, button=button, count=count)  # type: ignore[arg-type]
+            done = f"{act} at ({x}, {y})" if x is not None else act
+        elif act in ("mouse_move", "move"):
+            x, y = point(required=True)
+            await desk.move(x, y)  # type: ignore[arg-type]
+        elif act in ("left_click_drag", "drag"):
+            if act == "drag":
+                if not a.path:
+                    raise ToolInputError("computer: drag needs path [{x, y}, ...]", tool="computer",
+                                         problems=["missing required argument 'path'"])  # fmt: skip
+                if any(set(p) != {"x", "y"} for p in a.path):
+                    raise ToolInputError("computer: each point of a drag's path is {x, y}", tool="computer",
+                                         problems=["path"])  # fmt: skip
+                points = [on_screen(p["x"], p["y"]) for p in a.path]
+            else:
+                if a.start_coordinate is None:
+                    missing = ["missing required argument 'start_coordinate'"]
+                    raise ToolInputError("computer: left_click_drag needs start_coordinate", tool="computer",
+                                         problems=missing)  # fmt: skip
+                end = point(required=True)
+                points = [on_screen(*a.start_coordinate), (int(end[0] or 0), int(end[1] or 0))]
+            await desk.drag(*points)
+        elif act == "left_mouse_down":
+            await desk.mouse_down()
+        elif act == "left_mouse_up":
+            await desk.mouse_up()
+        elif act == "scroll":
+            x, y = point()
+            if a.scroll_x is not None or a.scroll_y is not None:  # OpenAI's, in pixels
+                dx, dy = scroll_notches(a.scroll_x or 0), scroll_notches(a.scroll_y or 0)
+            else:
+                amount = a.scroll_amount or 3
+                direction = a.scroll_direction or "down"
+                dx = {"left": -amount, "right": amount}.get(direction, 0)
+                dy = {"up": -amount, "down": amount}.get(direction, 0)
+            if dx or dy:
+                await desk.scroll(x, y, dx=dx, dy=dy)
+        elif act == "type":
+            await desk.type(needs_text())
+        elif act == "key":
+            await desk.key(needs_text())
+        elif act == "keypress":
+            if not a.keys:
+                raise ToolInputError("computer: keypress needs keys", tool="computer",
+                                     problems=["missing required argument 'keys'"])  # fmt: skip
+            await desk.key("+".join(a.keys))
+        elif act == "hold_key":
+            key = needs_text()
+            await desk.key_down(key)
+            try:
+                await asyncio.sleep(a.duration or 1.0)
+            finally:
+                await desk.key_up(key)
+        elif act == "wait":
+            await asyncio.sleep(a.duration if a.duration is not None else 1.0)
+        if act not in ("screenshot", "wait") and self.settle:
+            await asyncio.sleep(self.settle)
+        png = await desk.screenshot(scale=display if display != screen else None)
+        text = (
+            f"{done}; the screen now ({display[0]}x{display[1]}):"
+            if act != "screenshot"
+            else (f"The screen ({display[0]}x{display[1]}):")
+        )
+        return ToolResult([TextPart(text), ImagePart(base64.b64encode(png).decode(), "image/png")],
+                          {"action": act, "width": display[0], "height": display[1]})  # fmt: skip
+
     async def remove_box(self, a: specs.RemoveBox) -> ToolResult:
         box = await self.box(a.box)
         name = box.name
@@ -544,6 +666,14 @@ async def own_snapshot(box: AsyncBox, key: str) -> str:
             f"snapshot {key!r} of box {box.name!r} {why}; its snapshots: {have}", box=box.name
         )
     return found[0].id
+
+
+def scroll_notches(pixels: int) -> int:
+    """Wheel notches for a scroll of ``pixels`` (OpenAI's unit): about 100 a notch, as
+    Chromium scrolls, and at least one for any scroll at all."""
+    if not pixels:
+        return 0
+    return (1 if pixels > 0 else -1) * max(1, round(abs(pixels) / 100))
 
 
 def summary(box: AsyncBox) -> dict[str, Any]:

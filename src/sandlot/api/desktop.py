@@ -1,0 +1,597 @@
+"""``box.desktop``: the screen, mouse and keyboard of a desktop box, for computer-use
+agents and for people watching them.
+
+A desktop box boots an image with sandlot's desktop in it (``sandlot rootfs desktop
+DIR``, ``images/builders.py``): Xvnc (X server and VNC server in one process), openbox,
+Chromium, xterm, and the tools this module drives. The desktop starts on first use
+(or ``start()``) as the box's user ``agent`` on display ``:0``; each call is a command
+of the box (``xdotool``, ``xwd``, ``wmctrl``), so there is no daemon to keep, it works
+the same on every transport (local, a server, a fleet), and a snapshot, a fork or a
+rollback carries the desktop as it carries every other process.
+
+>>> with sandlot.Box(rootfs=desktop_dir, memory="2G") as box:        # doctest: +SKIP
+...     box.desktop.open("https://example.org")
+...     box.desktop.wait_for_window("Chromium")
+...     png = box.desktop.screenshot(scale=0.5)
+...     box.desktop.click(512, 300)
+...     box.desktop.type("héllo")
+...     box.desktop.key("ctrl+l")
+...     print(box.desktop.stream_url())
+
+Screenshots are read from the X server (``xwd``), then cropped, scaled and encoded as
+PNG on this side with Pillow (``pip install 'sandlot[desktop]'``): under emulation the
+host does that work many times faster than the guest would.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import re
+import shlex
+import struct
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal, Protocol
+
+from ..errors import CommandFailed, GuestOSError, HostSetupError, InvalidArgument, Unsupported
+
+if TYPE_CHECKING:
+    from .bridge import Forward
+    from .process import AsyncProcess, ExecResult
+
+
+class DesktopBox(Protocol):
+    """What a desktop needs of its box (``AsyncBox`` of any transport)."""
+
+    @property
+    def name(self) -> str: ...
+
+    async def exec(self, *argv: str, env: Any = None, user: str | None = None,
+                   timeout: float | None = None) -> ExecResult: ...  # fmt: skip
+
+    @property
+    def spawn(self) -> Callable[..., Awaitable[AsyncProcess]]: ...
+
+    async def preview_url(self, port: int, ttl: float = 3600) -> str: ...
+
+__all__ = ["AsyncDesktop", "Button", "Window", "normalize_key"]
+
+SCRIPT = "/usr/local/bin/sandlot-desktop"
+USER = "agent"
+DISPLAY = ":0"
+ENV = {"DISPLAY": DISPLAY, "LANG": "C.UTF-8"}  # xdotool reads typed text in the locale's encoding
+VIEWER_PORT = 6080
+DEFAULT_SIZE = (1024, 768)
+MAX_COORD = 16384
+TYPE_CHUNK = 200  # characters per xdotool call: long text is typed in pieces
+NO_DISPLAY = re.compile(rb"Can't open display|cannot open display|Error: Can't open display", re.I)
+
+Button = Literal["left", "middle", "right", "back", "forward"]
+BUTTONS: dict[str, int] = {"left": 1, "middle": 2, "right": 3, "back": 8, "forward": 9}
+APPS: dict[str, tuple[str, ...]] = {
+    "browser": ("chromium",),
+    "chromium": ("chromium",),
+    "terminal": ("xterm",),
+    "xterm": ("xterm",),
+}
+
+# key names as models write them (Anthropic's xdotool names, OpenAI's, the DOM's) ->
+# X keysym names, which xdotool takes
+KEY_ALIASES = {
+    "ctrl": "ctrl", "control": "ctrl", "alt": "alt", "option": "alt", "shift": "shift",
+    "cmd": "super", "command": "super", "meta": "super", "super": "super", "win": "super",
+    "windows": "super",
+    "enter": "Return", "return": "Return", "esc": "Escape", "escape": "Escape",
+    "backspace": "BackSpace", "tab": "Tab", "space": "space", "delete": "Delete", "del": "Delete",
+    "insert": "Insert", "home": "Home", "end": "End", "pageup": "Prior", "page_up": "Prior",
+    "pagedown": "Next", "page_down": "Next", "up": "Up", "down": "Down", "left": "Left",
+    "right": "Right", "arrowup": "Up", "arrowdown": "Down", "arrowleft": "Left",
+    "arrowright": "Right", "capslock": "Caps_Lock", "printscreen": "Print", "menu": "Menu",
+    "minus": "minus", "plus": "plus", "slash": "slash", "backslash": "backslash",
+    "comma": "comma", "period": "period", "semicolon": "semicolon",
+}  # fmt: skip
+KEYSYM = re.compile(r"[A-Za-z][A-Za-z0-9_]*|F[0-9]{1,2}|[0-9]")
+
+
+def normalize_key(combo: str) -> str:
+    """One key or combination (``"ctrl+l"``, ``"Return"``, ``"CTRL+SHIFT+T"``, ``"a"``) as
+    xdotool names it. A single letter pressed with modifiers is the lower-case key (a
+    model's ``ctrl+L`` means ctrl and the L key, not ctrl and shift and L)."""
+    if not isinstance(combo, str) or not combo.strip():
+        raise InvalidArgument("a key must be a non-empty string such as 'ctrl+l' or 'Return'")
+    parts = combo.strip().split("+") if combo.strip() != "+" else ["plus"]
+    if any(not p for p in parts):
+        raise InvalidArgument(f"key {combo!r}: an empty name between '+' signs")
+    names = []
+    for part in parts:
+        alias = KEY_ALIASES.get(part.lower())
+        if alias is not None:
+            names.append(alias)
+        elif len(part) == 1 and part.isprintable():
+            names.append(part)
+        elif re.fullmatch(r"[fF][0-9]{1,2}", part):
+            names.append(part.upper())
+        elif KEYSYM.fullmatch(part):
+            names.append(part)  # an X keysym name: XF86AudioMute, KP_Enter, Page_Up...
+        else:
+            raise InvalidArgument(f"key {combo!r}: {part!r} is not a key name")
+    if len(names) > 1:
+        names = [n.lower() if len(n) == 1 and n.isalpha() else n for n in names]
+    return "+".join(names)
+
+
+UNICODE_KEYSYMS = (0x1000100, 0x110FFFF)  # X keysyms of Unicode characters: 0x1000000 + code point
+NEW_KEYS_PER_CHUNK = 16  # the keymap of Xvnc has 19 keycodes without a keysym
+
+
+def keysym_of(char: str) -> int:
+    """The X keysym of a character: Latin-1's own value, else 0x1000000 + its code point."""
+    point = ord(char)
+    return point if 0x20 <= point <= 0x7E or 0xA0 <= point <= 0xFF else 0x1000000 + point
+
+
+def type_chunks(text: str) -> list[str]:
+    """``text`` in pieces of at most TYPE_CHUNK characters, each with at most
+    NEW_KEYS_PER_CHUNK characters beyond ASCII (each may need a spare key)."""
+    chunks: list[str] = []
+    current: list[str] = []
+    beyond: set[str] = set()
+    for c in text:
+        extra = ord(c) > 0x7E
+        if len(current) >= TYPE_CHUNK or (extra and c not in beyond and len(beyond) >= NEW_KEYS_PER_CHUNK):
+            chunks.append("".join(current))
+            current, beyond = [], set()
+        current.append(c)
+        if extra:
+            beyond.add(c)
+    if current:
+        chunks.append("".join(current))
+    return chunks
+
+
+def parse_keymap(text: str) -> dict[int, list[int]]:
+    """``xmodmap -pk`` output: keycode -> its keysyms (NoSymbol left out)."""
+    keymap: dict[int, list[int]] = {}
+    for line in text.splitlines():
+        fields = line.split()
+        if not fields or not fields[0].isdigit():
+            continue
+        syms = [int(f, 16) for f in fields[1:] if f.startswith("0x")]
+        keymap[int(fields[0])] = [s for s in syms if s]
+    return keymap
+
+
+def _coord(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < MAX_COORD:
+        raise InvalidArgument(f"{name} must be an integer from 0 to {MAX_COORD - 1} (pixels), not {value!r}")
+    return value
+
+
+def _point(value: object) -> tuple[int, int]:
+    if not isinstance(value, (tuple, list)) or len(value) != 2:
+        raise InvalidArgument(f"a point is (x, y), not {value!r}")
+    return _coord("x", value[0]), _coord("y", value[1])
+
+
+def _button(button: object) -> int:
+    if button not in BUTTONS:
+        raise InvalidArgument(f"button must be one of {', '.join(BUTTONS)}, not {button!r}")
+    return BUTTONS[str(button)]
+
+
+def _size(size: object) -> tuple[int, int]:
+    if (
+        not isinstance(size, (tuple, list))
+        or len(size) != 2
+        or not all(isinstance(v, int) and not isinstance(v, bool) and 64 <= v <= 8192 for v in size)
+    ):
+        raise InvalidArgument(f"size is (width, height) in pixels, each from 64 to 8192, not {size!r}")
+    return int(size[0]), int(size[1])
+
+
+@dataclass(frozen=True)
+class Window:
+    """A top-level window of the desktop, as the window manager lists it."""
+
+    id: str  # X window id, 0x...
+    title: str
+    pid: int  # 0 where the program did not say
+    x: int
+    y: int
+    width: int
+    height: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {"id": self.id, "title": self.title, "pid": self.pid, "x": self.x, "y": self.y,
+                "width": self.width, "height": self.height}  # fmt: skip
+
+
+def parse_windows(text: str) -> list[Window]:
+    """``wmctrl -lpG`` output: id, desktop, pid, x, y, width, height, host, title."""
+    out = []
+    for line in text.splitlines():
+        fields = line.split(None, 8)
+        if len(fields) < 8:
+            continue
+        title = fields[8] if len(fields) == 9 else ""
+        try:
+            wid, _, pid, x, y, w, h = fields[0], fields[1], *map(int, fields[2:7])
+        except ValueError:
+            continue
+        out.append(Window(wid, title, max(pid, 0), x, y, w, h))
+    return out
+
+
+XWD_HEADER = struct.Struct(">25I")
+
+
+def xwd_image(data: bytes) -> Any:
+    """A Pillow RGB image of an ``xwd`` dump of a 24/32-bit TrueColor screen (Xvnc's)."""
+    try:
+        from PIL import Image
+    except ImportError as e:  # pragma: no cover - a dependency of sandlot[desktop]
+        raise HostSetupError("screenshots need Pillow: pip install 'sandlot[desktop]'") from e
+    if len(data) < XWD_HEADER.size:
+        raise CommandFailed(f"the screen dump is {len(data)} bytes, shorter than its header", None)
+    h = XWD_HEADER.unpack_from(data)
+    header_size, version, fmt, depth, width, height = h[:6]
+    byte_order, bits_per_pixel, bytes_per_line = h[7], h[11], h[12]
+    red_mask, ncolors = h[14], h[19]
+    if version != 7 or fmt != 2 or bits_per_pixel != 32 or depth not in (24, 32):
+        raise CommandFailed(
+            f"the screen dump is not a 32-bit ZPixmap (version {version}, format {fmt}, "
+            f"{bits_per_pixel} bits a pixel, depth {depth})", None)  # fmt: skip
+    start = header_size + 12 * ncolors
+    if len(data) < start + bytes_per_line * height or bytes_per_line < 4 * width:
+        raise CommandFailed(f"the screen dump of {width}x{height} is cut short ({len(data)} bytes)", None)
+    little = byte_order == 0
+    mode = ("BGRX" if little else "XRGB") if red_mask == 0xFF0000 else ("RGBX" if little else "XBGR")
+    return Image.frombuffer("RGB", (width, height), data[start:], "raw", mode, bytes_per_line, 1)
+
+
+class AsyncDesktop:
+    """The desktop of ``box`` (``box.desktop``). Coordinates are screen pixels from the
+    top left; ``size()`` says the screen's. Each method starts the desktop if it is
+    not running yet."""
+
+    def __init__(self, box: DesktopBox) -> None:
+        self._box = box
+        self._started = False
+        self._size: tuple[int, int] = DEFAULT_SIZE
+        self._forward: Forward | None = None
+
+    # -- the session ---------------------------------------------------------------------------
+
+    async def start(self, size: tuple[int, int] | None = None, *, timeout: float = 60) -> None:
+        """Start the desktop (X server, VNC server, window manager) if it is not running,
+        at ``size`` (width, height; default 1024x768, what computer-use models are tuned
+        for). A running desktop keeps its size. Raises Unsupported where the box's
+        image has no desktop."""
+        if size is not None:
+            self._size = _size(size)
+        width, height = self._size
+        await self._command(SCRIPT, "start", f"{width}x{height}", timeout=timeout, ensure=False)
+        self._started = True
+
+    async def running(self) -> bool:
+        """Whether the desktop's X server runs."""
+        result = await self._exec(SCRIPT, "status", timeout=30)
+        return result.exit_code == 0
+
+    async def _ensure(self) -> None:
+        if not self._started:
+            await self.start()
+
+    # -- the screen ----------------------------------------------------------------------------
+
+    async def screenshot(
+        self,
+        *,
+        region: tuple[int, int, int, int] | None = None,
+        scale: float | tuple[int, int] | None = None,
+    ) -> bytes:
+        """The screen as PNG bytes. ``region``: (x, y, width, height) of it alone.
+        ``scale``: a factor (0.5 halves each side) or the (width, height) to scale to,
+        e.g. the display size a model was told."""
+        if region is not None:
+            if not isinstance(region, (tuple, list)) or len(region) != 4:
+                raise InvalidArgument(f"region is (x, y, width, height), not {region!r}")
+            x, y = _coord("x", region[0]), _coord("y", region[1])
+            w, h = _coord("width", region[2]), _coord("height", region[3])
+            if w == 0 or h == 0:
+                raise InvalidArgument("a region must be at least one pixel wide and high")
+        target: tuple[int, int] | None = None
+        factor: float | None = None
+        if isinstance(scale, (tuple, list)):
+            target = _size(scale)
+        elif scale is not None:
+            if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not 0 < scale <= 4:
+                raise InvalidArgument(f"scale is a factor over 0 up to 4, or (width, height), not {scale!r}")
+            factor = float(scale)
+        result = await self._command("xwd", "-root", "-silent", timeout=30)
+        image = xwd_image(result.stdout_bytes)
+        if region is not None:
+            if x + w > image.width or y + h > image.height:
+                screen = f"{image.width}x{image.height}"
+                raise InvalidArgument(f"region {region!r} is not inside the {screen} screen")
+            image = image.crop((x, y, x + w, y + h))
+        if factor is not None and factor != 1:
+            target = (max(1, round(image.width * factor)), max(1, round(image.height * factor)))
+        if target is not None and target != image.size:
+            from PIL import Image
+
+            image = image.resize(target, Image.Resampling.LANCZOS, reducing_gap=2.0)
+        out = io.BytesIO()
+        image.save(out, "PNG", compress_level=1)
+        return out.getvalue()
+
+    async def size(self) -> tuple[int, int]:
+        """The screen's (width, height) in pixels."""
+        out = (await self._command("xdotool", "getdisplaygeometry")).stdout.split()
+        return int(out[0]), int(out[1])
+
+    async def cursor(self) -> tuple[int, int]:
+        """Where the mouse pointer is: (x, y)."""
+        found = dict(
+            line.split("=", 1)
+            for line in (await self._command("xdotool", "getmouselocation", "--shell")).stdout.splitlines()
+            if "=" in line
+        )
+        return int(found["X"]), int(found["Y"])
+
+    # -- the mouse -----------------------------------------------------------------------------
+
+    async def move(self, x: int, y: int) -> None:
+        """Move the pointer to (x, y)."""
+        await self._xdotool("mousemove", str(_coord("x", x)), str(_coord("y", y)))
+
+    async def click(self, x: int | None = None, y: int | None = None, *, button: Button = "left",
+                    count: int = 1) -> None:  # fmt: skip
+        """Click ``button`` at (x, y), or where the pointer is; ``count`` clicks in a row
+        (2 is a double click)."""
+        if isinstance(count, bool) or not isinstance(count, int) or not 1 <= count <= 3:
+            raise InvalidArgument(f"count is 1, 2 or 3 clicks, not {count!r}")
+        argv = self._move_to(x, y)
+        argv += ["click", "--repeat", str(count), "--delay", "80"] if count > 1 else ["click"]
+        argv.append(str(_button(button)))
+        await self._xdotool(*argv)
+
+    async def double_click(self, x: int | None = None, y: int | None = None) -> None:
+        """Two left clicks in a row at (x, y)."""
+        await self.click(x, y, count=2)
+
+    async def right_click(self, x: int | None = None, y: int | None = None) -> None:
+        """A right click at (x, y)."""
+        await self.click(x, y, button="right")
+
+    async def mouse_down(self, button: Button = "left") -> None:
+        """Press ``button`` where the pointer is, and hold it."""
+        await self._xdotool("mousedown", str(_button(button)))
+
+    async def mouse_up(self, button: Button = "left") -> None:
+        """Release ``button``."""
+        await self._xdotool("mouseup", str(_button(button)))
+
+    async def drag(self, *points: tuple[int, int], button: Button = "left") -> None:
+        """Press ``button`` at the first point, move through the others, release at the
+        last: ``drag((10, 10), (200, 150))``."""
+        if len(points) < 2:
+            raise InvalidArgument("a drag goes from one point to another: give two points or more")
+        path = [_point(p) for p in points]
+        b = str(_button(button))
+        argv = ["mousemove", str(path[0][0]), str(path[0][1]), "mousedown", b]
+        for px, py in path[1:]:
+            argv += ["sleep", "0.03", "mousemove", str(px), str(py)]
+        argv += ["sleep", "0.03", "mouseup", b]
+        await self._xdotool(*argv)
+
+    async def scroll(self, x: int | None = None, y: int | None = None, *, dy: int = 0, dx: int = 0) -> None:
+        """Scroll at (x, y), or where the pointer is: ``dy`` notches down (negative: up),
+        ``dx`` right (negative: left)."""
+        for name, value in (("dy", dy), ("dx", dx)):
+            if isinstance(value, bool) or not isinstance(value, int) or abs(value) > 100:
+                raise InvalidArgument(f"{name} is a number of notches from -100 to 100, not {value!r}")
+        if not dx and not dy:
+            raise InvalidArgument("scroll by something: dy (down) or dx (right)")
+        argv = self._move_to(x, y)
+        if dy:
+            argv += ["click", "--repeat", str(abs(dy)), "--delay", "20", "5" if dy > 0 else "4"]
+        if dx:
+            argv += ["click", "--repeat", str(abs(dx)), "--delay", "20", "7" if dx > 0 else "6"]
+        await self._xdotool(*argv)
+
+    # -- the keyboard --------------------------------------------------------------------------
+
+    async def type(self, text: str, *, delay_ms: int = 12) -> None:
+        """Type ``text`` (any Unicode; a newline is Enter) into the focused window,
+        ``delay_ms`` between keys. A character that no key of the keymap gives is bound
+        to a spare key first, and stays bound (``bind_keys``)."""
+        if not isinstance(text, str):
+            raise InvalidArgument("text must be a string")
+        if any(ord(c) < 32 and c not in "\n\t" for c in text):
+            raise InvalidArgument("text may hold newlines and tabs, but no other control characters")
+        if isinstance(delay_ms, bool) or not isinstance(delay_ms, int) or not 0 <= delay_ms <= 1000:
+            raise InvalidArgument(f"delay_ms is from 0 to 1000, not {delay_ms!r}")
+        for chunk in type_chunks(text):
+            if any(keysym_of(c) > 0x7E for c in chunk if c not in "\n\t"):
+                await self._bind_keys(set(chunk))
+            timeout = 30 + len(chunk) * delay_ms / 250
+            await self._xdotool("type", "--delay", str(delay_ms), "--", chunk, timeout=timeout)
+
+    async def _bind_keys(self, chars: set[str]) -> None:
+        """Give each of ``chars`` that no key gives a spare key of its own (a keycode with
+        no keysym, or one this did bind before to a character not wanted now). xdotool
+        would bind it for one key press and unbind it at once, which a browser reads
+        after the unbinding, and the character is lost."""
+        keymap = parse_keymap((await self._command("xmodmap", "-pk")).stdout)
+        present = {sym for syms in keymap.values() for sym in syms}
+        wanted = {keysym_of(c) for c in chars if ord(c) > 0x7E}  # ASCII: on the keymap
+        missing = sorted(wanted - present)
+        if not missing:
+            return
+        spare = [code for code, syms in sorted(keymap.items(), reverse=True)
+                 if not syms or (all(UNICODE_KEYSYMS[0] <= s <= UNICODE_KEYSYMS[1] for s in syms)
+                                 and not wanted & set(syms))]  # fmt: skip
+        if len(spare) < len(missing):
+            raise CommandFailed(f"desktop: no spare key left to type {len(missing)} more characters", None,
+                                box=self._box.name)  # fmt: skip
+        argv = []
+        for sym, code in zip(missing, spare, strict=False):
+            argv += ["-e", f"keycode {code} = {sym:#x} {sym:#x}"]
+        await self._command("xmodmap", *argv)
+
+    async def key(self, *keys: str) -> None:
+        """Press keys or combinations, one after another: ``key("ctrl+l")``,
+        ``key("ctrl+a", "BackSpace")``. Names are X keysyms (``Return``, ``Page_Down``) or
+        the names models use (``Enter``, ``PageDown``, ``cmd``)."""
+        if not keys:
+            raise InvalidArgument("press which key? e.g. key('Return')")
+        await self._xdotool("key", "--clearmodifiers", "--", *(normalize_key(k) for k in keys))
+
+    async def key_down(self, key: str) -> None:
+        """Press ``key`` (or a combination) and hold it."""
+        await self._xdotool("keydown", "--", normalize_key(key))
+
+    async def key_up(self, key: str) -> None:
+        """Release ``key``."""
+        await self._xdotool("keyup", "--", normalize_key(key))
+
+    # -- programs and windows ------------------------------------------------------------------
+
+    async def launch(self, app: str | Sequence[str], *args: str) -> int:
+        """Start a program on the desktop, detached, and return its pid: ``"browser"``
+        (Chromium), ``"terminal"`` (xterm), or a command (a string is split as the
+        shell would, a sequence is the argv), with ``args`` after it."""
+        if isinstance(app, str):
+            argv = list(APPS.get(app) or shlex.split(app))
+        elif isinstance(app, Sequence) and app and all(isinstance(a, str) for a in app):
+            argv = list(app)
+        else:
+            raise InvalidArgument(f"launch a program name, a command line or an argv, not {app!r}")
+        if not argv or not all(isinstance(a, str) for a in args):
+            raise InvalidArgument("launch what? the command is empty")
+        result = await self._command(SCRIPT, "launch", *argv, *args)
+        return int(result.stdout.split()[-1])
+
+    async def open(self, target: str) -> int:
+        """Open a URL or a file of the box in the browser; returns the browser's pid."""
+        if not isinstance(target, str) or not target or target.startswith("-"):
+            raise InvalidArgument(f"open a URL or a path, not {target!r}")
+        return await self.launch("browser", target)
+
+    async def windows(self) -> list[Window]:
+        """The desktop's top-level windows, oldest first."""
+        result = await self._command("wmctrl", "-lpG", check=False)
+        if result.exit_code != 0 and b"Cannot get client list" in result.stderr_bytes:
+            return []  # openbox sets the list with its first window
+        if result.exit_code != 0:
+            self._failed(("wmctrl", "-lpG"), result)
+        return parse_windows(result.stdout)
+
+    async def active_window(self) -> Window | None:
+        """The window that has the focus, if one has."""
+        result = await self._command("xdotool", "getactivewindow", check=False)
+        if result.exit_code != 0:
+            return None
+        wid = int(result.stdout.strip() or 0)
+        return next((w for w in await self.windows() if int(w.id, 16) == wid), None)
+
+    async def wait_for_window(self, title: str, *, timeout: float = 60) -> Window:
+        """The first window whose title holds ``title`` (case-insensitive), once one is
+        there; raises TimeoutError after ``timeout`` seconds, naming the windows seen."""
+        if not isinstance(title, str):
+            raise InvalidArgument("title must be a string")
+        deadline = time.monotonic() + timeout
+        seen: list[Window] = []
+        while True:
+            seen = await self.windows()
+            match = next((w for w in seen if title.lower() in w.title.lower()), None)
+            if match is not None:
+                return match
+            if time.monotonic() >= deadline:
+                titles = ", ".join(repr(w.title) for w in seen) or "none"
+                raise TimeoutError(f"no window titled {title!r} within {timeout:g} s (windows: {titles})")
+            await asyncio.sleep(0.2)
+
+    async def activate(self, window: Window | str) -> None:
+        """Raise ``window`` (a Window, or a title it holds) and give it the focus."""
+        target = window if isinstance(window, Window) else await self.wait_for_window(window, timeout=0)
+        await self._command("wmctrl", "-ia", target.id)
+
+    # -- watching ------------------------------------------------------------------------------
+
+    async def stream_url(self, *, view_only: bool = True, ttl: float = 3600) -> str:
+        """A URL of a page that shows the desktop live in a browser (noVNC), view-only
+        unless ``view_only=False``. On a box of a server it is a preview URL, signed
+        and expiring after ``ttl`` seconds; elsewhere this process forwards a port of
+        127.0.0.1 to the box while it runs. No VNC port is published either way, and
+        a view-only URL carries the view-only password: its session cannot type."""
+        await self._ensure()
+        await self._command(SCRIPT, "stream", timeout=60)
+        full, view = (await self._command(SCRIPT, "passwords")).stdout.split()[:2]
+        fragment = f"#password={view if view_only else full}" + ("&view_only=1" if view_only else "")
+        try:
+            base = await self._box.preview_url(VIEWER_PORT, ttl)
+        except Unsupported:
+            base = await self._local_base()
+        return base.rstrip("/") + "/index.html" + fragment
+
+    async def _local_base(self) -> str:
+        from .bridge import serve_forward
+
+        if self._forward is None or self._forward.closed:
+            self._forward = await serve_forward(self._box.spawn, VIEWER_PORT)
+        host, port = self._forward.address
+        return f"http://{host}:{port}"
+
+    async def close_stream(self) -> None:
+        """Stop forwarding the local stream URL's port (a server's preview ends with its
+        ttl, or ``end_previews``)."""
+        if self._forward is not None:
+            await self._forward.aclose()
+            self._forward = None
+
+    # -- running the tools ---------------------------------------------------------------------
+
+    def _move_to(self, x: int | None, y: int | None) -> list[str]:
+        if x is None and y is None:
+            return []
+        if x is None or y is None:
+            raise InvalidArgument("give both x and y, or neither (where the pointer is)")
+        return ["mousemove", str(_coord("x", x)), str(_coord("y", y))]
+
+    async def _xdotool(self, *argv: str, timeout: float = 30) -> None:
+        await self._command("xdotool", *argv, timeout=timeout)
+
+    async def _exec(self, *argv: str, timeout: float) -> ExecResult:
+        try:
+            return await self._box.exec(*argv, user=USER, env=ENV, timeout=timeout)
+        except GuestOSError as e:
+            if argv[0] == SCRIPT or e.errno == 2:
+                raise Unsupported(
+                    f"box {self._box.name} has no desktop ({argv[0]} is not in its image): boot one "
+                    "made by `sandlot rootfs desktop DIR`", box=self._box.name) from e  # fmt: skip
+            raise
+
+    async def _command(
+        self, *argv: str, timeout: float = 30, check: bool = True, ensure: bool = True
+    ) -> ExecResult:
+        if ensure:
+            await self._ensure()
+        result = await self._exec(*argv, timeout=timeout)
+        if result.exit_code != 0 and ensure and NO_DISPLAY.search(result.stderr_bytes):
+            # the display is gone (a rollback to before it started, a restarted box):
+            # start it again, once
+            self._started = False
+            await self._ensure()
+            result = await self._exec(*argv, timeout=timeout)
+        if check and result.exit_code != 0:
+            self._failed(argv, result)
+        return result
+
+    def _failed(self, argv: Sequence[str], result: ExecResult) -> None:
+        what = result.stderr.strip().splitlines()[-3:] or [f"exit code {result.exit_code}"]
+        raise CommandFailed(f"desktop: {' '.join(argv[:2])} failed: " + " / ".join(what), result,
+                            box=self._box.name)  # fmt: skip
