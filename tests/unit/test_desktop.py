@@ -159,6 +159,20 @@ def test_text_is_typed_in_pieces_each_with_few_new_keys() -> None:
     assert keymap == {8: [], 38: [0x61, 0x41]}
 
 
+def test_a_box_without_a_desktop_is_told_so() -> None:
+    from sandlot.errors import Unsupported, guest_os_error
+
+    class Plain(Recorder):
+        async def exec(self, *argv: str, **kw: Any) -> Any:
+            self.calls.append(argv)
+            raise guest_os_error(2, f"{argv[0]}: not found")
+
+    box = Plain()
+    with pytest.raises(Unsupported, match="has no desktop"):
+        asyncio.run(AsyncDesktop(box).screenshot())  # type: ignore[arg-type]
+    assert box.calls == [("/usr/local/bin/sandlot-desktop", "start", "1024x768")]
+
+
 def test_screenshots_are_cropped_and_scaled_pngs() -> None:
     desk, _ = desktop((200, 100))
     png = asyncio.run(desk.screenshot())

@@ -26,6 +26,7 @@ host does that work many times faster than the guest would.
 from __future__ import annotations
 
 import asyncio
+import errno
 import io
 import re
 import shlex
@@ -55,6 +56,7 @@ class DesktopBox(Protocol):
     def spawn(self) -> Callable[..., Awaitable[AsyncProcess]]: ...
 
     async def preview_url(self, port: int, ttl: float = 3600) -> str: ...
+
 
 __all__ = ["AsyncDesktop", "Button", "Window", "normalize_key"]
 
@@ -569,7 +571,7 @@ class AsyncDesktop:
         try:
             return await self._box.exec(*argv, user=USER, env=ENV, timeout=timeout)
         except GuestOSError as e:
-            if argv[0] == SCRIPT or e.errno == 2:
+            if e.errno == errno.ENOENT:  # the program is not in the box's image
                 raise Unsupported(
                     f"box {self._box.name} has no desktop ({argv[0]} is not in its image): boot one "
                     "made by `sandlot rootfs desktop DIR`", box=self._box.name) from e  # fmt: skip
