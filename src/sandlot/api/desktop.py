@@ -58,7 +58,7 @@ class DesktopBox(Protocol):
     async def preview_url(self, port: int, ttl: float = 3600) -> str: ...
 
 
-__all__ = ["AsyncDesktop", "Button", "Window", "normalize_key"]
+__all__ = ["AsyncDesktop", "Button", "Window", "check_size", "normalize_key"]
 
 SCRIPT = "/usr/local/bin/sandlot-desktop"
 USER = "agent"
@@ -183,7 +183,8 @@ def _button(button: object) -> int:
     return BUTTONS[str(button)]
 
 
-def _size(size: object) -> tuple[int, int]:
+def check_size(size: object) -> tuple[int, int]:
+    """A screen size (width, height) in pixels, each from 64 to 8192; InvalidArgument otherwise."""
     if (
         not isinstance(size, (tuple, list))
         or len(size) != 2
@@ -272,7 +273,7 @@ class AsyncDesktop:
         for). A running desktop keeps its size. Raises Unsupported where the box's
         image has no desktop."""
         if size is not None:
-            self._size = _size(size)
+            self._size = check_size(size)
         width, height = self._size
         await self._command(SCRIPT, "start", f"{width}x{height}", timeout=timeout, ensure=False)
         self._started = True
@@ -307,7 +308,7 @@ class AsyncDesktop:
         target: tuple[int, int] | None = None
         factor: float | None = None
         if isinstance(scale, (tuple, list)):
-            target = _size(scale)
+            target = check_size(scale)
         elif scale is not None:
             if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not 0 < scale <= 4:
                 raise InvalidArgument(f"scale is a factor over 0 up to 4, or (width, height), not {scale!r}")

@@ -20,6 +20,7 @@ from typing import Any, Literal
 
 from ..api.backend import Backend
 from ..api.box import AsyncBox, boxes_of
+from ..api.desktop import check_size
 from ..api.events import record_refusal
 from ..api.files import FileInfo
 from ..api.local import LocalBackend
@@ -132,10 +133,8 @@ class Toolkit:
         self.labels = dict(labels or {})
         self.own_only = own_only
         self.output_limit = output_limit
-        if display_size is not None and (
-            len(display_size) != 2 or not all(isinstance(v, int) and 64 <= v <= 8192 for v in display_size)
-        ):
-            raise InvalidArgument(f"display_size is (width, height), 64 to 8192 pixels, not {display_size!r}")
+        if display_size is not None:
+            display_size = check_size(display_size)
         if not 0 <= settle <= 10:
             raise InvalidArgument(f"settle is from 0 to 10 seconds, not {settle!r}")
         self.display_size = display_size
@@ -552,21 +551,22 @@ class Toolkit:
             if a.x is not None and a.y is not None:
                 return on_screen(a.x, a.y)
             if required:
-                missing = ["missing required argument 'coordinate'"]
-                raise ToolInputError(f"computer: {a.action} needs coordinate [x, y] (or x and y)",
-                                     tool="computer", problems=missing)  # fmt: skip
+                raise missing("coordinate", "coordinate [x, y] (or x and y)")
             return None, None
+
+        def missing(name: str, what: str) -> ToolInputError:
+            return ToolInputError(f"computer: {a.action} needs {what}", tool="computer",
+                                  problems=[f"missing required argument {name!r}"])  # fmt: skip
 
         def needs_text() -> str:
             if not a.text:
-                raise ToolInputError(f"computer: {a.action} needs text", tool="computer",
-                                     problems=["missing required argument 'text'"])  # fmt: skip
+                raise missing("text", "text")
             return a.text
 
         act = a.action
         done: str = act
         if act == "screenshot":
-            done = "screenshot"
+            pass  # the screenshot below is the answer
         elif act == "cursor_position":
             cx, cy = await desk.cursor()
             dx, dy = round(cx * display[0] / screen[0]), round(cy * display[1] / screen[1])
@@ -584,17 +584,14 @@ class Toolkit:
         elif act in ("left_click_drag", "drag"):
             if act == "drag":
                 if not a.path:
-                    raise ToolInputError("computer: drag needs path [{x, y}, ...]", tool="computer",
-                                         problems=["missing required argument 'path'"])  # fmt: skip
+                    raise missing("path", "path [{x, y}, ...]")
                 if any(set(p) != {"x", "y"} for p in a.path):
                     raise ToolInputError("computer: each point of a drag's path is {x, y}", tool="computer",
                                          problems=["path"])  # fmt: skip
                 points = [on_screen(p["x"], p["y"]) for p in a.path]
             else:
                 if a.start_coordinate is None:
-                    missing = ["missing required argument 'start_coordinate'"]
-                    raise ToolInputError("computer: left_click_drag needs start_coordinate", tool="computer",
-                                         problems=missing)  # fmt: skip
+                    raise missing("start_coordinate", "start_coordinate")
                 end = point(required=True)
                 points = [on_screen(*a.start_coordinate), (int(end[0] or 0), int(end[1] or 0))]
             await desk.drag(*points)
@@ -619,8 +616,7 @@ class Toolkit:
             await desk.key(needs_text())
         elif act == "keypress":
             if not a.keys:
-                raise ToolInputError("computer: keypress needs keys", tool="computer",
-                                     problems=["missing required argument 'keys'"])  # fmt: skip
+                raise missing("keys", "keys")
             await desk.key("+".join(a.keys))
         elif act == "hold_key":
             key = needs_text()
