@@ -531,7 +531,6 @@ class AsyncDesktop:
         and expiring after ``ttl`` seconds; elsewhere this process forwards a port of
         127.0.0.1 to the box while it runs. No VNC port is published either way, and
         a view-only URL carries the view-only password: its session cannot type."""
-        await self._ensure()
         await self._command(SCRIPT, "stream", timeout=60)
         full, view = (await self._command(SCRIPT, "passwords")).stdout.split()[:2]
         fragment = f"#password={view if view_only else full}" + ("&view_only=1" if view_only else "")
