@@ -60,9 +60,10 @@ def image(png: bytes) -> Image.Image:
     return im.convert("RGB")
 
 
-def box_of(png: bytes, rgb: tuple[int, int, int]) -> tuple[int, int, int, int] | None:
-    """The bounding box (left, top, right, bottom; inclusive) of the pixels of colour ``rgb``."""
-    im = image(png)
+def box_of(shot: bytes | Image.Image, rgb: tuple[int, int, int]) -> tuple[int, int, int, int] | None:
+    """The bounding box (left, top, right, bottom; inclusive) of the pixels of colour ``rgb``
+    in a screenshot (PNG bytes or an image)."""
+    im = image(shot) if isinstance(shot, bytes) else shot
     r, g, b = im.split()
     mask = ImageChops.multiply(
         ImageChops.multiply(
@@ -178,22 +179,71 @@ def test_click_the_button_and_type_into_the_field(page_box: Any) -> None:
 def test_the_stream_shows_the_desktop_through_the_servers_preview_url(page_box: Any) -> None:
     url = page_box.desktop.stream_url(view_only=True, ttl=600)
     assert "/p/" in url and "view_only=1" in url and "5900" not in url
+    seen = viewer_shot(url)
+    assert seen.width > 500
+    colours = seen.getcolors(maxcolors=1 << 20)
+    assert colours is not None and len(colours) > 10  # not blank: the desktop, the browser, the page
+    assert box_of(seen, RED) is not None or box_of(seen, BLUE) is not None
+
+
+def viewer_shot(url: str) -> Image.Image:
+    """The desktop as the noVNC page at ``url`` shows it, opened in the host's headless Chromium."""
     with playwright_api.sync_playwright() as p:
         browser = launch(p)
         try:
-            page = browser.new_page(viewport={"width": 1024, "height": 768})
+            page = browser.new_page(viewport={"width": 1100, "height": 860})
             page.goto(url)
             page.wait_for_function("document.getElementById('status').dataset.state === 'connected'",
                                    timeout=60_000)  # fmt: skip
             page.wait_for_timeout(1500)  # the first frame
-            shot = page.locator("#screen canvas").screenshot()
+            return image(page.locator("#screen canvas").screenshot())
         finally:
             browser.close()
-    seen = image(shot)
-    assert seen.width > 500
-    colours = seen.getcolors(maxcolors=1 << 20)
-    assert colours is not None and len(colours) > 10  # not blank: the desktop, the browser, the page
-    assert box_of(shot, RED) is not None or box_of(shot, BLUE) is not None
+
+
+@needs_gvisor
+def test_a_desktop_with_its_browser_open_forks_onto_the_same_screen_and_rolls_back(
+    client: Any, desktop_root: Path
+) -> None:
+    """Snapshot a desktop whose Chromium shows a page, fork it into three: each copy
+    starts on the parent's screen, pixel for pixel, and goes on alone, its own viewer
+    showing its own screen; the parent rolls back to the page as it was. (The page is a
+    file: a box holding a listening TCP socket, or one in TIME_WAIT, waits at a save.)"""
+    box = client.create(rootfs=str(desktop_root), memory_mib=2048, cpus=2, name=unique("deskfork"))
+    kids: list[Any] = []
+    try:
+        box.start()
+        box.files.write("/srv/page/fork.html", PAGE.replace("sandlot test page", "fork page"))
+        desk = box.desktop
+        desk.start()
+        desk.open("file:///srv/page/fork.html")
+        desk.wait_for_window("fork page", timeout=120)
+        wait_for("the page painted", lambda: box_of(desk.screenshot(), RED), timeout=60)
+        screen = desk.screenshot()
+        block = box_of(screen, RED)
+        assert block is not None
+        button = (block[0] + 100, block[3] + 30)
+        snap = box.snapshot("page-open")
+        kids = box.fork(3)
+        assert [differing(screen, kid.desktop.screenshot()) for kid in kids] == [0, 0, 0]
+        kids[0].desktop.click(*button)
+        first = kids[0].desktop
+        wait_for("the first copy's block turned blue", lambda: box_of(first.screenshot(), BLUE))
+        assert differing(screen, kids[1].desktop.screenshot()) == 0  # its siblings and parent did not move
+        assert differing(screen, desk.screenshot()) == 0
+        # each copy a VNC session of its own: the first one's viewer shows its blue block
+        seen = viewer_shot(kids[0].desktop.stream_url(view_only=True, ttl=600))
+        assert box_of(seen, BLUE) is not None and box_of(seen, RED) is None
+        desk.click(*button)
+        wait_for("the parent's block turned blue", lambda: box_of(desk.screenshot(), BLUE))
+        box.rollback(snap)
+        assert differing(screen, desk.screenshot()) == 0
+        desk.move(5, 5)
+        assert desk.cursor() == (5, 5)
+    finally:
+        for kid in kids:
+            kid.remove(force=True)
+        box.remove(force=True)
 
 
 def test_a_microvm_desktop_forks_with_its_screen_and_streams(desktop_root: Path) -> None:

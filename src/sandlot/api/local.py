@@ -407,7 +407,7 @@ class LocalBackend(Backend):
 
     async def box_snapshot(self, ref: BoxRef, name: str | None = None) -> LocalSnapshotRef:
         if name is not None:
-            validate_name(name)
+            validate_name(name, "snapshot")
         core, entry = await local(ref).live()
         return LocalSnapshotRef(self, await core.live.snapshot(entry, name))
 

@@ -49,7 +49,7 @@ async def template_async(
     >>> sandlot.template("python:3.12-slim", code=["import json, csv"], name="py")  # doctest: +SKIP
     """
     if name is not None:
-        validate_name(name)
+        validate_name(name, "template")
     if isinstance(setup, str) or isinstance(code, str):
         raise InvalidArgument("setup and code are lists (of commands, of cells), not one string")
     if not isinstance(pool, int) or isinstance(pool, bool) or pool < 0:

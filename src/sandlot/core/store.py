@@ -1304,10 +1304,11 @@ class AsyncStore:
         return found
 
 
-def validate_name(name: str) -> str:
+def validate_name(name: str, what: str = "box") -> str:
+    """``name`` as a name of a ``what`` (a box, a snapshot, a template), or InvalidArgument."""
     if not isinstance(name, str) or not NAME_RE.match(name):
         rule = "1-63 letters, digits, '_', '.' or '-', starting with a letter or digit"
-        raise InvalidArgument(f"invalid box name {name!r}: {rule}")
+        raise InvalidArgument(f"invalid {what} name {name!r}: {rule}")
     return name
 
 

@@ -145,6 +145,16 @@ CHROMIUM_FLAGS = (
     "--lang=en-US --password-store=basic --disable-background-networking --disable-component-update "
     "--disable-features=Translate,MediaRouter,OptimizationHints --noerrdialogs --test-type"
 )
+# Chromium maps a metrics file from its profile's BrowserMetrics folder, then deletes it,
+# still mapped (with no flag or policy that stops it); a deleted file that a process
+# holds open on the root filesystem fails gVisor's checkpoint (no snapshot, no fork). A
+# plain file in the folder's place: the browser keeps its metrics in memory instead.
+CHROMIUM_NO_METRICS_FILE = """
+metrics="${XDG_CONFIG_HOME:-$HOME/.config}/chromium/BrowserMetrics"
+if [ ! -f "$metrics" ]; then
+    { rm -rf "$metrics" && mkdir -p "${metrics%/*}" && : >"$metrics"; } 2>/dev/null || true
+fi
+"""
 
 
 def desktop_rootfs(dest: Path, packages: list[str] | None = None) -> Path:
@@ -162,7 +172,7 @@ def desktop_rootfs(dest: Path, packages: list[str] | None = None) -> Path:
 def install_desktop(root: Path) -> None:
     """Put sandlot's desktop files into the root filesystem ``root`` (again, if they are
     there): ``/usr/local/bin/sandlot-desktop``, the viewer page with its noVNC, and the
-    browser's flags. Cheap, so a cached tree is brought up to this version of sandlot."""
+    browser's flags and policies. Cheap, so a cached tree is brought up to this version of sandlot."""
     root = Path(root)
     script = root / "usr/local/bin/sandlot-desktop"
     script.parent.mkdir(parents=True, exist_ok=True)
@@ -174,12 +184,18 @@ def install_desktop(root: Path) -> None:
     shutil.copytree(DESKTOP / "viewer", viewer)
     flags = root / "etc/chromium.d/sandlot"
     flags.parent.mkdir(parents=True, exist_ok=True)
-    flags.write_text(f'export CHROMIUM_FLAGS="$CHROMIUM_FLAGS {CHROMIUM_FLAGS}"\n')
+    flags.write_text(f'export CHROMIUM_FLAGS="$CHROMIUM_FLAGS {CHROMIUM_FLAGS}"\n{CHROMIUM_NO_METRICS_FILE}')
+    # Chromium's policies, for what no flag turns off: no sign-in chip that unfolds in the
+    # toolbar a while after the start (a screen that changes by itself), no sync, no
+    # password or address prompts over the page
+    policy = root / "etc/chromium/policies/managed/sandlot.json"
+    policy.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(DESKTOP / "chromium-policy.json", policy)
 
 
 def desktop_files_digest() -> str:
     """A digest of the files ``install_desktop`` writes, to tell a cached tree's age."""
-    h = hashlib.sha256(CHROMIUM_FLAGS.encode())
+    h = hashlib.sha256((CHROMIUM_FLAGS + CHROMIUM_NO_METRICS_FILE).encode())
     for path in sorted(p for p in DESKTOP.rglob("*") if p.is_file()):
         h.update(str(path.relative_to(DESKTOP)).encode() + b"\0" + path.read_bytes())
     return h.hexdigest()[:12]
