@@ -8,6 +8,7 @@ the same code paths with a few iterations, which CI runs so that none rots.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -19,12 +20,14 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # for tests.support
 
-from tests.support.roots import CACHE, busybox_root, debian_root
+from tests.support.roots import CACHE, busybox_root, debian_root, desktop_root
 
 __all__ = [
     "CACHE",
+    "box_pss_mib",
     "busybox_root",
     "debian_root",
+    "desktop_root",
     "drop_home",
     "emit",
     "host_facts",
@@ -33,6 +36,7 @@ __all__ = [
     "pss_kib",
     "scratch_home",
     "summary",
+    "tree_pss_mib",
 ]  # fmt: skip
 
 
@@ -120,6 +124,42 @@ def pss_breakdown_mib(pid: int, memory_mib: int) -> dict[str, float]:
             elif fields and fields[0] == "Pss:":
                 parts[kind] += int(fields[1])
     return {k: round(v / 1024, 1) for k, v in parts.items()}
+
+
+def tree_pss_mib(pid: int) -> float:
+    """PSS of ``pid`` and all its descendants (gVisor: the sandbox, its gofer and the
+    ptrace stubs are processes of their own), in MiB."""
+    children: dict[int, list[int]] = {}
+    for p in Path("/proc").iterdir():
+        if p.name.isdigit():
+            with contextlib.suppress(OSError, ValueError, IndexError):
+                stat = (p / "stat").read_text()
+                children.setdefault(int(stat[stat.rindex(")") + 2 :].split()[1]), []).append(int(p.name))
+    total, todo = 0, [pid]
+    while todo:
+        p = todo.pop()
+        with contextlib.suppress(OSError):
+            total += pss_kib(p)["pss"]
+        todo += children.get(p, [])
+    return round(total / 1024, 1)
+
+
+def vm_root_pid(info: dict[str, Any]) -> int:
+    """The process whose tree is the box: QEMU's process; for gVisor the ``runsc`` that
+    started the sandbox (its gofer is the sandbox's sibling)."""
+    pid = int(info["vm_pid"])
+    if info.get("engine") == "gvisor":
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            stat = Path(f"/proc/{pid}/stat").read_text()
+            parent = int(stat[stat.rindex(")") + 2 :].split()[1])
+            if Path(f"/proc/{parent}/comm").read_text().strip().startswith("runsc"):
+                return parent
+    return pid
+
+
+def box_pss_mib(info: dict[str, Any]) -> float:
+    """PSS of a box's whole process tree (``box.inspect()``'s ``info``), in MiB."""
+    return tree_pss_mib(vm_root_pid(info))
 
 
 def host_facts(accel: str | None) -> dict[str, Any]:

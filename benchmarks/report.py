@@ -28,7 +28,6 @@ host floor) and PNG charts (matplotlib) into ``--out`` (default
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import functools
 import json
@@ -46,7 +45,18 @@ from typing import Any
 import sandlot
 from sandlot import AsyncBox
 
-from _common import CACHE, debian_root, drop_home, emit, host_facts, parser, pss_kib, scratch_home, summary
+from _common import (
+    CACHE,
+    box_pss_mib,
+    debian_root,
+    drop_home,
+    emit,
+    host_facts,
+    parser,
+    scratch_home,
+    summary,
+    tree_pss_mib,
+)
 from network import CLIENT, host_client, serve
 
 HOST = "host"  # the floor's column
@@ -171,37 +181,6 @@ async def timed(box: AsyncBox, argv: list[str]) -> float:
     t0 = time.perf_counter()
     await check(box, argv)
     return time.perf_counter() - t0
-
-
-def tree_pss_mib(pid: int) -> float:
-    """PSS of ``pid`` and all its descendants (gVisor: the sandbox, its gofer and the
-    ptrace stubs are processes of their own), in MiB."""
-    children: dict[int, list[int]] = {}
-    for p in Path("/proc").iterdir():
-        if p.name.isdigit():
-            with contextlib.suppress(OSError, ValueError, IndexError):
-                stat = (p / "stat").read_text()
-                children.setdefault(int(stat[stat.rindex(")") + 2 :].split()[1]), []).append(int(p.name))
-    total, todo = 0, [pid]
-    while todo:
-        p = todo.pop()
-        with contextlib.suppress(OSError):
-            total += pss_kib(p)["pss"]
-        todo += children.get(p, [])
-    return round(total / 1024, 1)
-
-
-def vm_root_pid(info: dict[str, Any]) -> int:
-    """The process whose tree is the box: QEMU's process; for gVisor the ``runsc`` that
-    started the sandbox (its gofer is the sandbox's sibling)."""
-    pid = int(info["vm_pid"])
-    if info.get("engine") == "gvisor":
-        with contextlib.suppress(OSError, ValueError, IndexError):
-            stat = Path(f"/proc/{pid}/stat").read_text()
-            parent = int(stat[stat.rindex(")") + 2 :].split()[1])
-            if Path(f"/proc/{parent}/comm").read_text().strip().startswith("runsc"):
-                return parent
-    return pid
 
 
 async def measure(col: Column, keys: list[str], work: Callable[[], Awaitable[None]]) -> None:
@@ -357,7 +336,7 @@ class EngineRun:
         async with AsyncBox(**{**self.opts, "memory_mib": IDLE_MEMORY_MIB}) as box:
             await check(box, ["true"])
             await asyncio.sleep(self.sz.settle)
-            self.col.put("idle_pss", value=tree_pss_mib(vm_root_pid(await box.inspect())))
+            self.col.put("idle_pss", value=box_pss_mib(await box.inspect()))
 
 
 PROXY = "http://10.0.2.100:3128"  # the egress proxy's address in every box

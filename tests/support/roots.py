@@ -67,7 +67,7 @@ def desktop_root() -> Path:
     """Debian with sandlot's desktop (``builders.desktop_rootfs``: Xvnc, openbox, Chromium;
     mmdebstrap, about two minutes the first time). sandlot's own files in it are put in
     again when they change, without building the packages again."""
-    dest = CACHE / "rootfs-desktop-v3"
+    dest = CACHE / "rootfs-desktop-v4"
     if not (dest / "usr" / "bin" / "Xtigervnc").exists():  # (Xvnc is a link through /etc/alternatives)
         desktop_rootfs(dest)
     stamp = dest / "usr" / "share" / "sandlot-desktop" / "files.digest"

@@ -1,8 +1,8 @@
-"""What the VM tier's two runs share, made once before they start side by side
+"""What the VM tier's three runs share, made once before they start side by side
 (``scripts/test``): the root filesystems and the test image built from the host's
 packages (the KVM host's and the desktop's among them: mmdebstrap, a few minutes the first time), and
 each home's guest kernel, agent and initramfs. Built lazily, as they otherwise are,
-two runs could race to write the same cache. And the snapshots no box needs, which
+runs could race to write the same cache. And the snapshots no box needs, which
 removed boxes leave in the homes (by design, a removal keeps its box's snapshots): a
 runner's home is new, but a developer's grew by about 20 GB a day of runs.
 

@@ -39,13 +39,15 @@ def test_bad_key_names_are_refused(bad: Any) -> None:
         normalize_key(bad)
 
 
+WINDOWS = (
+    "0x00600003  0 212    0 0    1024 740  sandlot Page · Chromium\n"
+    "0x00800006  0 -1     10 20  484 316  sandlot xterm  with  spaces\n"
+    "garbage\n"
+)
+
+
 def test_the_window_list_is_read() -> None:
-    text = (
-        "0x00600003  0 212    0 0    1024 740  sandlot Page · Chromium\n"
-        "0x00800006  0 -1     10 20  484 316  sandlot xterm  with  spaces\n"
-        "garbage\n"
-    )
-    first, second = parse_windows(text)
+    first, second = parse_windows(WINDOWS)
     assert (first.id, first.pid, first.width, first.title) == ("0x00600003", 212, 1024, "Page · Chromium")
     assert (second.pid, second.x, second.y, second.title) == (0, 10, 20, "xterm  with  spaces")
 
@@ -100,6 +102,8 @@ class Recorder:
         elif argv[0] == "xwd":
             w, h = self.screen
             out = xwd(w, h, bytes([40, 80, 120, 0]) * (w * h))
+        elif argv[0] == "wmctrl":
+            out = WINDOWS.encode()
         return ExecResult(argv=argv, exit_code=0, stdout_bytes=out)
 
 
@@ -144,6 +148,22 @@ def test_actions_are_one_command_each_and_bad_ones_run_nothing() -> None:
         ("xdotool", "type", "--delay", "12", "--", "héllo\nworld"),
         ("xdotool", "key", "--clearmodifiers", "--", "ctrl+l", "Return"),
     ]  # fmt: skip
+
+
+def test_a_window_is_waited_for_by_title_by_process_or_both() -> None:
+    desk, _ = desktop()
+
+    async def go() -> None:
+        assert (await desk.wait_for_window("chromium")).id == "0x00600003"
+        assert (await desk.wait_for_window(pid=212)).title == "Page · Chromium"
+        assert (await desk.wait_for_window("page", pid=212)).pid == 212
+        with pytest.raises(TimeoutError, match="titled 'xterm' and of process 212"):
+            await desk.wait_for_window("xterm", pid=212, timeout=0)
+        for bad in ({}, {"pid": 0}, {"pid": True}, {"title": 5}):
+            with pytest.raises(InvalidArgument):
+                await desk.wait_for_window(**bad)
+
+    asyncio.run(go())
 
 
 def test_text_is_typed_in_pieces_each_with_few_new_keys() -> None:

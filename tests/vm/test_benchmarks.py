@@ -14,6 +14,10 @@ from tests.support.benchmarks import BENCH, PROMISED, run_quick
 pytestmark = pytest.mark.vm
 
 IN_THE_KVM_TIER = {"nested"}
+DESKTOP_FIGURES = {
+    "start_s", "screenshot_ms", "action_ms", "first_screenshot_from_template_s", "idle_pss_MiB",
+    "targets_met",
+}  # fmt: skip
 
 
 def test_every_script_is_covered() -> None:
@@ -28,6 +32,11 @@ def test_benchmark_quick_mode(name: str, tmp_path: Path) -> None:
     doc = run_quick(name, *extra)
     if name == "density":
         assert "saved_MiB" in doc["ksm"] or doc["ksm"]["skipped"], doc["ksm"]
+    if name == "desktop":  # the QEMU engine always; gVisor's where it runs (both, here: root and runsc)
+        assert doc["engines"]["qemu"]["available"]
+        for engine, figures in doc["engines"].items():
+            if figures["available"]:
+                assert set(figures) >= DESKTOP_FIGURES, (engine, figures)
     if name == "concurrency":
         assert doc["threads"]["failures"] == 0 and doc["processes"]["failures"] == 0
     if name == "report":  # every engine it ran fills every row: a figure, or why not

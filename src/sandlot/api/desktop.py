@@ -501,21 +501,31 @@ class AsyncDesktop:
         wid = int(result.stdout.strip() or 0)
         return next((w for w in await self.windows() if int(w.id, 16) == wid), None)
 
-    async def wait_for_window(self, title: str, *, timeout: float = 60) -> Window:
-        """The first window whose title holds ``title`` (case-insensitive), once one is
-        there; raises TimeoutError after ``timeout`` seconds, naming the windows seen."""
-        if not isinstance(title, str):
+    async def wait_for_window(
+        self, title: str | None = None, *, pid: int | None = None, timeout: float = 60
+    ) -> Window:
+        """The first window whose title holds ``title`` (case-insensitive) and, with
+        ``pid``, that process's (``launch`` returns it), once one is there; raises
+        TimeoutError after ``timeout`` seconds, naming the windows seen."""
+        if title is None and pid is None:
+            raise InvalidArgument("wait for a window by its title, its process (pid=) or both")
+        if title is not None and not isinstance(title, str):
             raise InvalidArgument("title must be a string")
+        if pid is not None and (isinstance(pid, bool) or not isinstance(pid, int) or pid <= 0):
+            raise InvalidArgument(f"pid is a process id (a positive int), not {pid!r}")
+        wanted = " and ".join(([f"titled {title!r}"] if title is not None else [])
+                              + ([f"of process {pid}"] if pid is not None else []))  # fmt: skip
         deadline = time.monotonic() + timeout
         seen: list[Window] = []
         while True:
             seen = await self.windows()
-            match = next((w for w in seen if title.lower() in w.title.lower()), None)
+            match = next((w for w in seen if (title is None or title.lower() in w.title.lower())
+                          and (pid is None or w.pid == pid)), None)  # fmt: skip
             if match is not None:
                 return match
             if time.monotonic() >= deadline:
                 titles = ", ".join(repr(w.title) for w in seen) or "none"
-                raise TimeoutError(f"no window titled {title!r} within {timeout:g} s (windows: {titles})")
+                raise TimeoutError(f"no window {wanted} within {timeout:g} s (windows: {titles})")
             await asyncio.sleep(0.2)
 
     async def activate(self, window: Window | str) -> None:

@@ -1196,10 +1196,13 @@ class Desktop(DesktopBase):
         """The window that has the focus, if one has."""
         return loop.run(self._a.active_window())
 
-    def wait_for_window(self, title: str, *, timeout: float = 60) -> Window:
-        """The first window whose title holds ``title`` (case-insensitive), once one is
-        there; raises TimeoutError after ``timeout`` seconds, naming the windows seen."""
-        return loop.run(self._a.wait_for_window(title, timeout=timeout))
+    def wait_for_window(
+        self, title: str | None = None, *, pid: int | None = None, timeout: float = 60
+    ) -> Window:
+        """The first window whose title holds ``title`` (case-insensitive) and, with
+        ``pid``, that process's (``launch`` returns it), once one is there; raises
+        TimeoutError after ``timeout`` seconds, naming the windows seen."""
+        return loop.run(self._a.wait_for_window(title, pid=pid, timeout=timeout))
 
     def activate(self, window: Window | str) -> None:
         """Raise ``window`` (a Window, or a title it holds) and give it the focus."""

@@ -20,6 +20,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+import time
 from pathlib import Path
 
 from ..errors import HostSetupError
@@ -107,7 +108,10 @@ def debian_rootfs(
     cmd[2:2] = extra
     if not packages:
         cmd.remove("--include=")
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+    # mmdebstrap clamps the tree's times to SOURCE_DATE_EPOCH; set here, the hooks see it
+    # too, and caches that record a folder's time (fontconfig's) match the tree's
+    epoch = os.environ.get("SOURCE_DATE_EPOCH") or str(int(time.time()))
+    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "SOURCE_DATE_EPOCH": epoch})
     if proc.returncode != 0:
         shutil.rmtree(tmp, ignore_errors=True)
         raise HostSetupError(f"mmdebstrap failed:\n{proc.stderr[-3000:]}")
@@ -162,8 +166,12 @@ def desktop_rootfs(dest: Path, packages: list[str] | None = None) -> Path:
     ``DESKTOP_PACKAGES``) and sandlot's desktop files (``install_desktop``). Boot it and
     drive it with ``box.desktop``."""
     # fontconfig's caches made now, or every program's first font lookup scans the fonts
-    # (seconds of a window manager's CPU under emulation)
-    hooks = ['chroot "$1" fc-cache -f']
+    # (6 s of each desktop's first start under emulation). A cache holds its folder's
+    # time, and the finished tree's times are clamped to SOURCE_DATE_EPOCH: the font
+    # folders are set to it first, or no cache would match its folder and fontconfig
+    # would scan the fonts again at every boot.
+    fonts = '"$1"/usr/share/fonts "$1"/usr/local/share/fonts'
+    hooks = [f'find {fonts} -type d -exec touch -d "@$SOURCE_DATE_EPOCH" {{}} + && chroot "$1" fc-cache -f']
     debian_rootfs(dest, packages or DESKTOP_PACKAGES, recommends=False, dpkg_options=SLIM, hooks=hooks)
     install_desktop(dest)
     return dest
