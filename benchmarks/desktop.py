@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """Desktop boxes (docs/desktop.md), on each engine this host has, in one run:
 
+* ``image_MiB``: the desktop image's tree (``sandlot rootfs desktop``);
 * ``start_s``: a new desktop box to its first screenshot (boot, then the X server,
   the VNC server and the window manager started);
 * ``screenshot_ms``: a full 1024x768 screenshot (PNG), and one scaled to half;
@@ -83,7 +84,7 @@ async def on_engine(engine: str, root: Path, quick: bool) -> dict[str, Any]:
     tmpl = await template_async(rootfs=root, memory_mib=memory, engine=engine, setup=setup)
     try:
         firsts = []
-        for _ in range(2 if quick else 8):
+        for _ in range(1 if quick else 8):
             t0 = time.perf_counter()
             async with AsyncBox(template=tmpl) as box:
                 await box.desktop.screenshot()
@@ -115,9 +116,21 @@ def engines_here(asked: list[str]) -> dict[str, str | None]:
     return found
 
 
+def tree_mib(root: Path) -> float:
+    """The bytes of a tree's files (hard links once), in MiB."""
+    seen, total = set(), 0
+    for path in root.rglob("*"):
+        st = path.lstat()
+        if path.is_file() and not path.is_symlink() and (st.st_dev, st.st_ino) not in seen:
+            seen.add((st.st_dev, st.st_ino))
+            total += st.st_size
+    return round(total / (1 << 20), 1)
+
+
 async def main(quick: bool, engines: list[str]) -> dict[str, Any]:
     root = desktop_root()
     out: dict[str, Any] = {"benchmark": "desktop", "quick": quick, "targets": TARGETS, "engines": {}}
+    out["image_MiB"] = tree_mib(root)  # `sandlot rootfs desktop`'s tree
     accel = None
     for engine, why_not in engines_here(engines).items():
         if why_not is not None:

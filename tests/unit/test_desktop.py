@@ -138,8 +138,9 @@ def test_actions_are_one_command_each_and_bad_ones_run_nothing() -> None:
     start, *actions = rec.calls
     assert start == ("/usr/local/bin/sandlot-desktop", "start", "1024x768")
     assert actions == [
-        ("xdotool", "mousemove", "10", "20", "click", "1"),
-        ("xdotool", "mousemove", "5", "6", "click", "--repeat", "2", "--delay", "80", "1"),
+        ("xdotool", "mousemove", "10", "20", "click", "--delay", "0", "1"),
+        ("xdotool", "mousemove", "5", "6", "click", "--delay", "0", "1", "sleep", "0.08", "click", "--delay",
+         "0", "1"),
         ("xdotool", "mousemove", "100", "100", "click", "--repeat", "2", "--delay", "20", "4"),
         ("xdotool", "mousemove", "1", "1", "mousedown", "1", "sleep", "0.03", "mousemove", "50", "60",
          "sleep", "0.03", "mousemove", "70", "80", "sleep", "0.03", "mouseup", "1"),
@@ -236,7 +237,7 @@ def run_tool(
 def test_the_computer_tool_takes_both_vendors_shapes_in_the_models_display() -> None:
     # Anthropic's: coordinates of a 1024x640 display on a 2048x1280 screen
     result, calls = run_tool((2048, 1280), (1024, 640), {"action": "left_click", "coordinate": [100, 50]})
-    assert calls == [("xdotool", "mousemove", "200", "100", "click", "1")]
+    assert calls == [("xdotool", "mousemove", "200", "100", "click", "--delay", "0", "1")]
     assert result.data == {"action": "left_click", "width": 1024, "height": 640}
     shot = Image.open(io.BytesIO(__import__("base64").b64decode(result.images[0].data)))
     assert shot.size == (1024, 640)  # scaled to what the model was told
@@ -249,7 +250,7 @@ def test_the_computer_tool_takes_both_vendors_shapes_in_the_models_display() -> 
     _, calls = run_tool((1024, 768), None, {"type": "drag", "path": [{"x": 1, "y": 2}, {"x": 3, "y": 4}]})
     assert calls[0][:6] == ("xdotool", "mousemove", "1", "2", "mousedown", "1")
     _, calls = run_tool((1024, 768), None, {"type": "click", "x": 5, "y": 6, "button": "right"})
-    assert calls == [("xdotool", "mousemove", "5", "6", "click", "3")]
+    assert calls == [("xdotool", "mousemove", "5", "6", "click", "--delay", "0", "3")]
     for bad in ({"action": "left_click", "coordinate": [1024, 10]}, {"action": "mouse_move"},
                 {"action": "type"}, {"action": "left_click_drag", "coordinate": [1, 1]}):  # fmt: skip
         with pytest.raises(ToolInputError):

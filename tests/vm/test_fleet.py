@@ -221,6 +221,36 @@ def test_a_second_driver_finds_the_boxes(f: fleet.Fleet, nodes: Nodes, busybox_r
         box.remove(force=True)
 
 
+def test_a_desktop_box_is_driven_and_streamed_through_the_fleet(f: fleet.Fleet, nodes: Nodes) -> None:
+    """``box.desktop`` on a node's box, as on a local or a served one: its screen, its
+    pointer, and its viewer through a port of this process (the fleet has no preview
+    URLs) forwarded over the node's port bridge. (The rest of box.desktop is commands
+    of the box, as every transport runs them: tests/vm/test_desktop.py.)"""
+    import io
+
+    import httpx
+    from PIL import Image
+
+    from tests.support.roots import desktop_root
+
+    box = f.create(rootfs=desktop_root(), memory_mib=1024, node=nodes.head, name="fleet-desk")
+    try:
+        desk = box.desktop
+        shot = Image.open(io.BytesIO(desk.screenshot(scale=0.25)))  # the desktop started on first use
+        assert (shot.format, shot.size) == ("PNG", (256, 192))
+        desk.move(123, 45)
+        assert desk.cursor() == (123, 45)
+        url = desk.stream_url(view_only=True)
+        assert url.startswith("http://127.0.0.1:") and "view_only=1" in url
+        page = httpx.get(url.split("#")[0], timeout=60)
+        assert page.status_code == 200 and "<title>sandlot desktop</title>" in page.text
+        rfb = httpx.get(url.split("index.html")[0] + "novnc/core/rfb.js", timeout=60)  # noVNC, from the box
+        assert rfb.status_code == 200 and "export default class RFB" in rfb.text
+        desk.close_stream()
+    finally:
+        box.remove(force=True)
+
+
 def test_bad_input_gives_a_clear_error_and_moves_nothing(f: fleet.Fleet, nodes: Nodes, busybox_root: Path,
                                                          tmp_path: Path) -> None:  # fmt: skip
     box = f.create(rootfs=busybox_root, memory_mib=256, node=nodes.a, name="stays")
