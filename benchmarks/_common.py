@@ -30,6 +30,7 @@ __all__ = [
     "desktop_root",
     "drop_home",
     "emit",
+    "gvisor_unusable",
     "host_facts",
     "parser",
     "pss_breakdown_mib",
@@ -160,6 +161,12 @@ def vm_root_pid(info: dict[str, Any]) -> int:
 def box_pss_mib(info: dict[str, Any]) -> float:
     """PSS of a box's whole process tree (``box.inspect()``'s ``info``), in MiB."""
     return tree_pss_mib(vm_root_pid(info))
+
+
+def gvisor_unusable(doctor: dict[str, Any]) -> str | None:
+    """Why gVisor does not run here, from ``Runtime.doctor()``'s report; None where it does."""
+    gvisor = doctor.get("gvisor") or {}
+    return None if gvisor.get("usable") else f"gVisor unusable: {gvisor.get('why', 'no runsc')}"
 
 
 def host_facts(accel: str | None) -> dict[str, Any]:

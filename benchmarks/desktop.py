@@ -26,7 +26,7 @@ from typing import Any
 import sandlot
 from sandlot import AsyncBox, template_async
 
-from _common import box_pss_mib, desktop_root, emit, host_facts, parser, summary
+from _common import box_pss_mib, desktop_root, emit, gvisor_unusable, host_facts, parser, summary
 
 PAGE = "<!doctype html><title>bench page</title><div style='height:200px;background:red'></div>"
 MEMORY_MIB = {"qemu": 1024, "gvisor": 2048}
@@ -105,15 +105,7 @@ async def on_engine(engine: str, root: Path, quick: bool) -> dict[str, Any]:
 def engines_here(asked: list[str]) -> dict[str, str | None]:
     """Each engine asked for: None where it runs here, else why not."""
     doctor = sandlot.Runtime.for_home().doctor()
-    found: dict[str, str | None] = {}
-    for engine in asked:
-        if engine == "gvisor":
-            gvisor = doctor.get("gvisor") or {}
-            usable = gvisor.get("usable")
-            found[engine] = None if usable else f"gVisor unusable: {gvisor.get('why', 'no runsc')}"
-        else:
-            found[engine] = None
-    return found
+    return {engine: gvisor_unusable(doctor) if engine == "gvisor" else None for engine in asked}
 
 
 def tree_mib(root: Path) -> float:

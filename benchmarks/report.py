@@ -51,6 +51,7 @@ from _common import (
     debian_root,
     drop_home,
     emit,
+    gvisor_unusable,
     host_facts,
     parser,
     scratch_home,
@@ -514,7 +515,6 @@ def availability(wanted: list[str]) -> tuple[dict[str, dict[str, Any]], str | No
     """Each engine: usable here, or why not (from ``doctor``); and QEMU's accelerator."""
     report = sandlot.Runtime.for_home().doctor()
     accel = report.get("accel") or {}
-    gvisor = report.get("gvisor") or {}
     out: dict[str, dict[str, Any]] = {}
     for name in ENGINES:
         if name not in wanted:
@@ -523,8 +523,8 @@ def availability(wanted: list[str]) -> tuple[dict[str, dict[str, Any]], str | No
             out[name] = {"available": False, "reason": f"no usable KVM: {accel.get('reason', 'unknown')}"}
         elif name == "qemu-tcg" and "version" not in (report.get("qemu") or {}):
             out[name] = {"available": False, "reason": f"no QEMU: {report.get('qemu')}"}
-        elif name == "gvisor" and not gvisor.get("usable"):
-            out[name] = {"available": False, "reason": f"gVisor unusable: {gvisor.get('why', 'no runsc')}"}
+        elif name == "gvisor" and (why := gvisor_unusable(report)):
+            out[name] = {"available": False, "reason": why}
         elif name == HOST and shutil.which("bwrap") is None:
             out[name] = {"available": False, "reason": "bwrap is not installed (apt package bubblewrap)"}
         else:

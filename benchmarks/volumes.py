@@ -38,7 +38,7 @@ from typing import Any
 
 import sandlot
 
-from _common import debian_root, drop_home, emit, host_facts, parser, scratch_home, summary
+from _common import debian_root, drop_home, emit, gvisor_unusable, host_facts, parser, scratch_home, summary
 
 PLACES = {
     "own_disk": "/root/bench",
@@ -147,9 +147,9 @@ def ratios_of(figures: dict[str, dict[str, Any]]) -> dict[str, dict[str, float]]
 
 def on_gvisor(root: Path, home: Path, shared: Path, mib: int, runs: int, fill: str) -> dict[str, Any]:
     """Every place on gVisor, against its own disk (a directory layer), where it runs."""
-    gvisor = sandlot.Runtime.for_home(home).doctor().get("gvisor") or {}
-    if not gvisor.get("usable"):
-        return {"available": False, "reason": f"gVisor unusable: {gvisor.get('why', 'no runsc')}"}
+    why = gvisor_unusable(sandlot.Runtime.for_home(home).doctor())
+    if why:
+        return {"available": False, "reason": why}
     mounts = ["work:/vol", "reference:/ro:ro", "scratch:/shared", f"{shared}:/host"]
     with sandlot.Box(rootfs=root, memory_mib=512, home=home, volumes=mounts, engine="gvisor") as box:
         figures = measure(box, PLACES, mib, runs)

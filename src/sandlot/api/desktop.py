@@ -94,7 +94,7 @@ KEY_ALIASES = {
     "minus": "minus", "plus": "plus", "slash": "slash", "backslash": "backslash",
     "comma": "comma", "period": "period", "semicolon": "semicolon",
 }  # fmt: skip
-KEYSYM = re.compile(r"[A-Za-z][A-Za-z0-9_]*|F[0-9]{1,2}|[0-9]")
+KEYSYM = re.compile(r"[A-Za-z][A-Za-z0-9_]*")  # F-keys and single characters come before it
 
 
 def normalize_key(combo: str) -> str:
