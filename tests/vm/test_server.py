@@ -72,6 +72,11 @@ def box_a(served: Served, team_keys: dict[str, str], busybox_root: Path) -> Iter
             c.delete(f"/v1/boxes/{box['id']}", params={"force": True})
 
 
+def audit(c: httpx.Client, box_id: str) -> list[dict[str, Any]]:
+    entries: list[dict[str, Any]] = c.get("/v1/audit", params={"box": box_id}).json()["entries"]
+    return entries
+
+
 def error(r: httpx.Response, status: int, code: str) -> dict[str, Any]:
     assert r.status_code == status, (r.status_code, r.text)
     body: dict[str, Any] = r.json()["error"]
@@ -1048,9 +1053,11 @@ def test_a_remote_with_block_s_box_lives_as_long_as_its_client_across_a_server_r
                 while c.get(f"/v1/boxes/{box_id}").status_code != 404:
                     assert time.monotonic() < deadline, "the dead client's box is still there"
                     time.sleep(0.5)
-                entries = c.get("/v1/audit", params={"box": box_id}).json()["entries"]
-            lapsed = [e for e in entries if e["action"] == "lease lapsed"]
-            assert len(lapsed) == 1 and lapsed[0]["detail"]["seconds"] == 10, entries
+                # the sweeper writes its entry once the removal returns, just after the 404
+                while not (lapsed := [e for e in audit(c, box_id) if e["action"] == "lease lapsed"]):
+                    assert time.monotonic() < deadline, audit(c, box_id)
+                    time.sleep(0.5)
+            assert len(lapsed) == 1 and lapsed[0]["detail"]["seconds"] == 10, lapsed
         finally:
             with contextlib.suppress(ProcessLookupError):
                 client.kill()
