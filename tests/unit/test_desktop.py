@@ -1,23 +1,27 @@
-"""``box.desktop``'s host side without a VM: key names as models write them become
-xdotool's, the window manager's list is read, a screen dump (XWD) becomes an image
-in the right colours, bad input is refused before anything runs, and the computer
-tool maps Anthropic's and OpenAI's action shapes and a model's display size. The
-desktop itself is driven for real in tests/vm/test_desktop.py."""
+"""``box.desktop``'s host side without a VM, against a VNC server in memory
+(tests/support/fake_vnc.py): key names as models write them become keysyms, actions
+become VNC pointer and key events, the framebuffer becomes a PNG in the right colours,
+the window manager's list is read, bad input is refused before anything runs, a lost
+VNC session is opened again, and the computer tool maps Anthropic's and OpenAI's action
+shapes and a model's display size. The desktop itself is driven for real in
+tests/vm/test_desktop.py."""
 
 from __future__ import annotations
 
 import asyncio
 import io
-import struct
 from typing import Any
 
 import pytest
 from PIL import Image
 
-from sandlot.api.desktop import AsyncDesktop, normalize_key, parse_windows, xwd_image
-from sandlot.errors import CommandFailed, InvalidArgument
+from sandlot.api.desktop import VNC_SECRETS, AsyncDesktop, keysyms_of, normalize_key, parse_windows
+from sandlot.api.rfb import RfbClient, RfbError
+from sandlot.errors import InvalidArgument
 from sandlot.tools import ToolInputError, Toolkit
 from sandlot.tools.toolkit import scroll_notches
+
+from tests.support.fake_vnc import FakeRelay, FakeVncServer
 
 
 @pytest.mark.parametrize(
@@ -52,59 +56,54 @@ def test_the_window_list_is_read() -> None:
     assert (second.pid, second.x, second.y, second.title) == (0, 10, 20, "xterm  with  spaces")
 
 
-def xwd(width: int, height: int, pixels: bytes, *, pad: int = 0, name: bytes = b"root\0") -> bytes:
-    """An XWD dump as ``xwd -root`` writes it from a 24-bit TrueColor screen."""
-    bytes_per_line = width * 4 + pad
-    header_size = 100 + len(name)
-    fields = [header_size, 7, 2, 24, width, height, 0, 0, 32, 0, 32, 32, bytes_per_line, 4,
-              0xFF0000, 0xFF00, 0xFF, 8, 256, 0, width, height, 0, 0, 0]  # fmt: skip
-    rows = b"".join(pixels[y * width * 4 : (y + 1) * width * 4] + b"\0" * pad for y in range(height))
-    return struct.pack(">25I", *fields) + name + rows
-
-
-def test_a_screen_dump_becomes_an_image_in_its_colours() -> None:
-    # BGRX in memory (little-endian 0x00RRGGBB): red, green / blue, white
-    pixels = bytes([0, 0, 255, 0, 0, 255, 0, 0, 255, 0, 0, 0, 255, 255, 255, 0])
-    image = xwd_image(xwd(2, 2, pixels, pad=8))
-    assert image.size == (2, 2)
-    assert [image.getpixel(p) for p in ((0, 0), (1, 0), (0, 1), (1, 1))] == [
-        (255, 0, 0), (0, 255, 0), (0, 0, 255), (255, 255, 255)]  # fmt: skip
-
-
-@pytest.mark.parametrize("cut", [10, 120])
-def test_a_short_or_foreign_dump_is_refused(cut: int) -> None:
-    data = xwd(4, 4, b"\1" * 64)
-    with pytest.raises(CommandFailed):
-        xwd_image(data[:cut])
-    with pytest.raises(CommandFailed):
-        xwd_image(data[:4] + struct.pack(">I", 6) + data[8:])  # XWD version 6
+PASSWORD = "s3cret"
+LEFT, RIGHT, WHEEL_UP, WHEEL_DOWN = 1, 4, 8, 16
 
 
 class Recorder:
-    """What AsyncDesktop runs in the box, answered as the desktop's tools answer."""
+    """A box with a desktop: its commands answered as the desktop's tools answer, its
+    relay connected to a VNC server in memory."""
 
     def __init__(self, screen: tuple[int, int] = (1024, 768)) -> None:
         self.screen = screen
         self.calls: list[tuple[str, ...]] = []
         self.name = "desk"
+        self.vnc = FakeVncServer(screen, PASSWORD)
+        self.relays: list[FakeRelay] = []
+        self.running = True  # the desktop: False until its start
 
     async def exec(self, *argv: str, **kw: Any) -> Any:
         from sandlot.api.process import ExecResult
 
         self.calls.append(argv)
         out = b""
-        if argv[:2] == ("xdotool", "getdisplaygeometry"):
-            out = f"{self.screen[0]} {self.screen[1]}\n".encode()
+        if argv[:2] == ("/usr/local/bin/sandlot-desktop", "start"):
+            self.running = True
+        elif argv == ("sh", "-c", VNC_SECRETS) and not self.running:
+            return ExecResult(
+                argv=argv, exit_code=1, stderr_bytes=b"cat: passwords: No such file or directory"
+            )
+        elif argv == ("sh", "-c", VNC_SECRETS):
+            sock = "/home/agent/.cache/sandlot-desktop/vnc.sock"
+            out = f"{PASSWORD}\nview0nly\n{sock}\nX=7\nY=9\nSCREEN=0\nWINDOW=1\n".encode()
         elif argv[:2] == ("xmodmap", "-pk"):  # a, and keycodes 250..255 with no keysym
             out = b"    38    \t0x0061 (a)\t0x0041 (A)\t\n" + b"".join(
                 f"    {code}    \t\n".encode() for code in range(250, 256)
             )
-        elif argv[0] == "xwd":
-            w, h = self.screen
-            out = xwd(w, h, bytes([40, 80, 120, 0]) * (w * h))
         elif argv[0] == "wmctrl":
             out = WINDOWS.encode()
         return ExecResult(argv=argv, exit_code=0, stdout_bytes=out)
+
+    async def spawn(self, *argv: str, **kw: Any) -> FakeRelay:
+        assert argv == ("/proc/1/exe", "--relay", "/home/agent/.cache/sandlot-desktop/vnc.sock"), argv
+        self.calls.append(("relay",))
+        self.relays.append(FakeRelay(self.vnc))
+        return self.relays[-1]
+
+    def events(self) -> list[tuple[Any, ...]]:
+        """The pointer and key events so far, forgotten once read."""
+        out, self.vnc.events = self.vnc.events, []
+        return out
 
 
 def desktop(screen: tuple[int, int] = (1024, 768)) -> tuple[AsyncDesktop, Recorder]:
@@ -112,16 +111,42 @@ def desktop(screen: tuple[int, int] = (1024, 768)) -> tuple[AsyncDesktop, Record
     return AsyncDesktop(rec), rec  # type: ignore[arg-type]
 
 
-def test_actions_are_one_command_each_and_bad_ones_run_nothing() -> None:
+def pointer(x: int, y: int, mask: int = 0) -> tuple[Any, ...]:
+    return ("pointer", x, y, mask)
+
+
+def keys(*syms: int) -> list[tuple[Any, ...]]:
+    """Each keysym pressed and released, one after another."""
+    return [e for s in syms for e in (("key", s, True), ("key", s, False))]
+
+
+def test_actions_are_vnc_events_and_bad_ones_send_nothing() -> None:
     desk, rec = desktop()
 
     async def go() -> None:
-        await desk.click(10, 20)
+        await desk.click(10, 20)  # the session puts the pointer where it is first
+        assert rec.events() == [pointer(7, 9), pointer(10, 20), pointer(10, 20, LEFT), pointer(10, 20)]
         await desk.double_click(5, 6)
+        assert rec.events() == [pointer(5, 6), *[pointer(5, 6, LEFT), pointer(5, 6)] * 2]
+        await desk.right_click()  # where this session last put the pointer
+        assert rec.events() == [pointer(5, 6), pointer(5, 6, RIGHT), pointer(5, 6)]
         await desk.scroll(100, 100, dy=-2)
+        assert rec.events() == [pointer(100, 100), *[pointer(100, 100, WHEEL_UP), pointer(100, 100)] * 2]
         await desk.drag((1, 1), (50, 60), (70, 80))
-        await desk.type("héllo\nworld")
+        path = [pointer(1, 1, LEFT), pointer(50, 60, LEFT), pointer(70, 80, LEFT)]
+        assert rec.events() == [pointer(1, 1), *path, pointer(70, 80)]
+        await desk.mouse_down()
+        await desk.move(3, 4)
+        await desk.mouse_up()
+        assert rec.events() == [pointer(70, 80, LEFT), pointer(3, 4, LEFT), pointer(3, 4)]
+        await desk.type("héllo\nA")
+        assert rec.events() == keys(0x68, 0xE9, 0x6C, 0x6C, 0x6F, 0xFF0D, 0x41)
         await desk.key("ctrl+L", "Enter")
+        assert rec.events() == [("key", 0xFFE3, True), *keys(0x6C), ("key", 0xFFE3, False), *keys(0xFF0D)]
+        await desk.key_down("shift")
+        await desk.key_up("shift")
+        assert rec.events() == keys(0xFFE1)
+        assert await desk.size() == (1024, 768)
         bad_calls = (
             lambda: desk.click(-1, 3), lambda: desk.click(3), lambda: desk.scroll(1, 1),
             lambda: desk.type("a\x07"), lambda: desk.drag((1, 1)), lambda: desk.key(),
@@ -132,23 +157,90 @@ def test_actions_are_one_command_each_and_bad_ones_run_nothing() -> None:
             before = len(rec.calls)
             with pytest.raises(InvalidArgument):
                 await bad()  # type: ignore[no-untyped-call]
-            assert len(rec.calls) == before
+            assert len(rec.calls) == before and rec.events() == []
 
     asyncio.run(go())
-    start, *actions = rec.calls
-    assert start == ("/usr/local/bin/sandlot-desktop", "start", "1024x768")
-    assert actions == [
-        ("xdotool", "mousemove", "10", "20", "click", "--delay", "0", "1"),
-        ("xdotool", "mousemove", "5", "6", "click", "--delay", "0", "1", "sleep", "0.08", "click", "--delay",
-         "0", "1"),
-        ("xdotool", "mousemove", "100", "100", "click", "--repeat", "2", "--delay", "20", "4"),
-        ("xdotool", "mousemove", "1", "1", "mousedown", "1", "sleep", "0.03", "mousemove", "50", "60",
-         "sleep", "0.03", "mousemove", "70", "80", "sleep", "0.03", "mouseup", "1"),
+    assert rec.calls == [
+        ("sh", "-c", VNC_SECRETS),  # the desktop runs: reached without starting it
+        ("relay",),  # one VNC session for every call
+        ("/usr/local/bin/sandlot-desktop", "start", "1024x768"),  # the commands start it (or see it run)
         ("xmodmap", "-pk"),  # é is on no key: it gets one of its own before it is typed
         ("xmodmap", "-e", "keycode 255 = 0xe9 0xe9"),
-        ("xdotool", "type", "--delay", "12", "--", "héllo\nworld"),
-        ("xdotool", "key", "--clearmodifiers", "--", "ctrl+l", "Return"),
-    ]  # fmt: skip
+    ]
+    assert all(incremental == 0 for incremental, *_ in rec.vnc.requests)
+
+
+def test_what_vnc_cannot_say_goes_to_xdotool() -> None:
+    desk, rec = desktop()
+
+    async def go() -> None:
+        await desk.click(5, 6, button="forward")  # past a VNC pointer event's eight buttons
+        await desk.key("XF86AudioMute")  # a keysym name this side does not know
+        await desk.right_click()  # where the X server has the pointer (a session starts there)
+
+    asyncio.run(go())
+    assert [c for c in rec.calls if c[0] == "xdotool"] == [
+        ("xdotool", "mousemove", "5", "6", "click", "--delay", "0", "9"),
+        ("xdotool", "key", "--clearmodifiers", "--", "XF86AudioMute"),
+    ]
+    assert rec.events() == [pointer(7, 9), pointer(7, 9), pointer(7, 9, RIGHT), pointer(7, 9)]
+    assert keysyms_of("ctrl+shift+t") == [0xFFE3, 0xFFE1, 0x74] and keysyms_of("F12") == [0xFFC9]
+    assert keysyms_of("XF86AudioMute") is None
+
+
+def test_a_desktop_is_started_where_it_does_not_run_and_a_lost_session_opened_again() -> None:
+    desk, rec = desktop()
+    rec.running = False
+
+    async def go() -> None:
+        await desk.move(1, 2)
+        start = ("/usr/local/bin/sandlot-desktop", "start", "1024x768")
+        assert rec.calls == [("sh", "-c", VNC_SECRETS), start, ("sh", "-c", VNC_SECRETS), ("relay",)]
+        await rec.relays[0].kill()  # the box was rolled back: its relay is gone
+        await desk.move(3, 4)
+        assert len(rec.relays) == 2 and rec.events() == [
+            pointer(7, 9),
+            pointer(1, 2),
+            pointer(7, 9),
+            pointer(3, 4),
+        ]
+
+    asyncio.run(go())
+
+
+def test_the_vnc_handshake_refuses_a_wrong_password_and_a_stranger() -> None:
+    async def go() -> None:
+        relay = FakeRelay(FakeVncServer((64, 64), PASSWORD))
+        from sandlot.api.bridge import RelayDuplex
+
+        with pytest.raises(RfbError, match="refused the password: Authentication failed"):
+            await RfbClient.connect(RelayDuplex(relay), "wrong")  # type: ignore[arg-type]
+        stranger = FakeRelay(FakeVncServer((64, 64), PASSWORD))
+        stranger.server.out = asyncio.Queue()
+        stranger.server.out.put_nowait(b"SSH-2.0-Open")
+        with pytest.raises(RfbError, match="not a VNC server"):
+            await RfbClient.connect(RelayDuplex(stranger), PASSWORD)  # type: ignore[arg-type]
+
+    asyncio.run(go())
+
+
+def test_updates_copy_and_paint_the_framebuffer_and_stay_on_the_screen() -> None:
+    client = RfbClient(None, None, 4, 2, "t")  # type: ignore[arg-type]
+    client._put(1, 0, 2, 1, bytes([1, 2, 3, 0, 4, 5, 6, 0]))
+    client._copy(1, 0, 2, 1, 2, 1)
+    assert bytes(client.framebuffer[4:12]) == bytes([1, 2, 3, 0, 4, 5, 6, 0])
+    assert bytes(client.framebuffer[16 + 8 : 16 + 16]) == bytes([1, 2, 3, 0, 4, 5, 6, 0])
+    desk, rec = desktop((8, 8))
+
+    async def go() -> None:
+        await desk.move(0, 0)
+        rec.vnc.copies.append((0, 0, 6, 6, 4, 4))  # a copy that leaves the screen
+        with pytest.raises(RfbError, match="outside the 8x8 screen"):
+            await desk.screenshot()
+        await desk.screenshot()  # a new session
+        assert len(rec.relays) == 2
+
+    asyncio.run(go())
 
 
 def test_a_window_is_waited_for_by_title_by_process_or_both() -> None:
@@ -191,19 +283,27 @@ def test_a_box_without_a_desktop_is_told_so() -> None:
     box = Plain()
     with pytest.raises(Unsupported, match="has no desktop"):
         asyncio.run(AsyncDesktop(box).screenshot())  # type: ignore[arg-type]
-    assert box.calls == [("/usr/local/bin/sandlot-desktop", "start", "1024x768")]
+    assert box.calls == [("sh", "-c", VNC_SECRETS)]
 
 
 def test_screenshots_are_cropped_and_scaled_pngs() -> None:
-    desk, _ = desktop((200, 100))
-    png = asyncio.run(desk.screenshot())
-    image = Image.open(io.BytesIO(png))
-    assert (image.format, image.size, image.getpixel((5, 5))) == ("PNG", (200, 100), (120, 80, 40))
-    assert Image.open(io.BytesIO(asyncio.run(desk.screenshot(region=(10, 10, 50, 20))))).size == (50, 20)
-    assert Image.open(io.BytesIO(asyncio.run(desk.screenshot(scale=0.5)))).size == (100, 50)
-    assert Image.open(io.BytesIO(asyncio.run(desk.screenshot(scale=(64, 64))))).size == (64, 64)
-    with pytest.raises(InvalidArgument):
-        asyncio.run(desk.screenshot(region=(150, 0, 100, 10)))  # off the screen
+    desk, rec = desktop((200, 100))
+
+    async def go() -> None:
+        image = Image.open(io.BytesIO(await desk.screenshot()))
+        assert (image.format, image.size, image.getpixel((5, 5))) == ("PNG", (200, 100), (40, 80, 120))
+        assert Image.open(io.BytesIO(await desk.screenshot(region=(10, 10, 50, 20)))).size == (50, 20)
+        assert Image.open(io.BytesIO(await desk.screenshot(scale=0.5))).size == (100, 50)
+        assert Image.open(io.BytesIO(await desk.screenshot(scale=(64, 64)))).size == (64, 64)
+        with pytest.raises(InvalidArgument):
+            await desk.screenshot(region=(150, 0, 100, 10))  # off the screen
+        rec.vnc.pixels[0:4] = bytes([255, 0, 0, 0])  # the screen changes: the next one shows it
+        rec.vnc.new_pointer = True  # and the pointer's shape comes instead of the first answer
+        assert Image.open(io.BytesIO(await desk.screenshot())).getpixel((0, 0)) == (255, 0, 0)
+
+    asyncio.run(go())
+    assert rec.vnc.requests[-2:] == [(0, 0, 0, 200, 100)] * 2  # the whole screen, asked for again
+    assert rec.vnc.encodings == [1, 0, -239]  # the pointer's shape apart: not drawn into screenshots
 
 
 class FakeBox(Recorder):
@@ -231,26 +331,28 @@ def run_tool(
         return await kit.computer(specs.BY_NAME["computer"].validate(args))  # type: ignore[arg-type]
 
     result = asyncio.run(go())
-    return result, [c for c in box.calls if c[0] == "xdotool" and c[1] != "getdisplaygeometry"]
+    start, *events = box.events()
+    assert start == pointer(7, 9)  # the session puts the pointer where it is first
+    return result, events
 
 
 def test_the_computer_tool_takes_both_vendors_shapes_in_the_models_display() -> None:
     # Anthropic's: coordinates of a 1024x640 display on a 2048x1280 screen
-    result, calls = run_tool((2048, 1280), (1024, 640), {"action": "left_click", "coordinate": [100, 50]})
-    assert calls == [("xdotool", "mousemove", "200", "100", "click", "--delay", "0", "1")]
+    result, events = run_tool((2048, 1280), (1024, 640), {"action": "left_click", "coordinate": [100, 50]})
+    assert events == [pointer(200, 100), pointer(200, 100, LEFT), pointer(200, 100)]
     assert result.data == {"action": "left_click", "width": 1024, "height": 640}
     shot = Image.open(io.BytesIO(__import__("base64").b64decode(result.images[0].data)))
     assert shot.size == (1024, 640)  # scaled to what the model was told
     # OpenAI's: the action named by "type", pixels of scroll, keys pressed together
     scroll = {"type": "scroll", "x": 10, "y": 20, "scroll_x": 0, "scroll_y": 250}
-    _, calls = run_tool((1024, 768), None, scroll)
-    assert calls == [("xdotool", "mousemove", "10", "20", "click", "--repeat", "2", "--delay", "20", "5")]
-    _, calls = run_tool((1024, 768), None, {"type": "keypress", "keys": ["CTRL", "L"]})
-    assert calls == [("xdotool", "key", "--clearmodifiers", "--", "ctrl+l")]
-    _, calls = run_tool((1024, 768), None, {"type": "drag", "path": [{"x": 1, "y": 2}, {"x": 3, "y": 4}]})
-    assert calls[0][:6] == ("xdotool", "mousemove", "1", "2", "mousedown", "1")
-    _, calls = run_tool((1024, 768), None, {"type": "click", "x": 5, "y": 6, "button": "right"})
-    assert calls == [("xdotool", "mousemove", "5", "6", "click", "--delay", "0", "3")]
+    _, events = run_tool((1024, 768), None, scroll)
+    assert events == [pointer(10, 20), *[pointer(10, 20, WHEEL_DOWN), pointer(10, 20)] * 2]
+    _, events = run_tool((1024, 768), None, {"type": "keypress", "keys": ["CTRL", "L"]})
+    assert events == [("key", 0xFFE3, True), *keys(0x6C), ("key", 0xFFE3, False)]
+    _, events = run_tool((1024, 768), None, {"type": "drag", "path": [{"x": 1, "y": 2}, {"x": 3, "y": 4}]})
+    assert events[:2] == [pointer(1, 2), pointer(1, 2, LEFT)]
+    _, events = run_tool((1024, 768), None, {"type": "click", "x": 5, "y": 6, "button": "right"})
+    assert events == [pointer(5, 6), pointer(5, 6, RIGHT), pointer(5, 6)]
     for bad in ({"action": "left_click", "coordinate": [1024, 10]}, {"action": "mouse_move"},
                 {"action": "type"}, {"action": "left_click_drag", "coordinate": [1, 1]}):  # fmt: skip
         with pytest.raises(ToolInputError):

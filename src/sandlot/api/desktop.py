@@ -4,10 +4,17 @@ agents and for people watching them.
 A desktop box boots an image with sandlot's desktop in it (``sandlot rootfs desktop
 DIR``, ``images/builders.py``): Xvnc (X server and VNC server in one process), openbox,
 Chromium, xterm, and the tools this module drives. The desktop starts on first use
-(or ``start()``) as the box's user ``agent`` on display ``:0``; each call is a command
-of the box (``xdotool``, ``xwd``, ``wmctrl``), so there is no daemon to keep, it works
-the same on every transport (local, a server, a fleet), and a snapshot, a fork or a
-rollback carries the desktop as it carries every other process.
+(or ``start()``) as the box's user ``agent`` on display ``:0``.
+
+The screen, the pointer and the keys go over VNC: this side speaks RFB (``rfb.py``)
+to Xvnc's Unix socket in the box, through the box's relay (``bridge.open_relay``), the
+way ``box.connect`` reaches a port. So a click is one message and one round trip, and
+a screenshot one framebuffer update, on every transport (local, a server, a fleet),
+with no daemon of sandlot's in the box and no port published. Windows, programs and
+what VNC has no message for (a keysym name this side does not know, the pointer's
+position, the window list) are commands of the box (``xdotool``, ``wmctrl``). A
+snapshot, a fork or a rollback carries the desktop as it carries every other process;
+a connection the box no longer has (a rollback, a restart) is opened again, once.
 
 >>> with sandlot.Box(rootfs=desktop_dir, memory="2G") as box:        # doctest: +SKIP
 ...     box.desktop.open("https://example.org")
@@ -18,9 +25,9 @@ rollback carries the desktop as it carries every other process.
 ...     box.desktop.key("ctrl+l")
 ...     print(box.desktop.stream_url())
 
-Screenshots are read from the X server (``xwd``), then cropped, scaled and encoded as
-PNG on this side with Pillow (``pip install 'sandlot[desktop]'``): under emulation the
-host does that work many times faster than the guest would.
+Screenshots are cropped, scaled and encoded as PNG on this side with Pillow (``pip
+install 'sandlot[desktop]'``): under emulation the host does that work many times
+faster than the guest would.
 """
 
 from __future__ import annotations
@@ -30,13 +37,22 @@ import errno
 import io
 import re
 import shlex
-import struct
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeVar
 
-from ..errors import CommandFailed, GuestOSError, HostSetupError, InvalidArgument, Unsupported
+from ..errors import (
+    CommandFailed,
+    ConnectionLost,
+    GuestOSError,
+    HostSetupError,
+    InvalidArgument,
+    InvalidState,
+    Unsupported,
+)
+from .bridge import open_relay
+from .rfb import BUTTON_BITS, ConnectionClosed, RfbClient, RfbError
 
 if TYPE_CHECKING:
     from .bridge import Forward
@@ -67,7 +83,15 @@ ENV = {"DISPLAY": DISPLAY, "LANG": "C.UTF-8"}  # xdotool reads typed text in the
 VIEWER_PORT = 6080
 DEFAULT_SIZE = (1024, 768)
 MAX_COORD = 16384
-TYPE_CHUNK = 200  # characters per xdotool call: long text is typed in pieces
+TYPE_CHUNK = 200  # characters per piece: each piece's new keys are bound before it is typed
+# the passwords of Xvnc's VNC authentication (full, view-only), where its socket is, and
+# where the pointer is (a session puts it there first, and so owns it: Xvnc draws the
+# pointer into the screen of a session that did not put it where it is)
+VNC_SECRETS = ('state="$HOME/.cache/sandlot-desktop"; cat "$state/passwords" && echo "$state/vnc.sock" '
+               "&& xdotool getmouselocation --shell")  # fmt: skip
+VNC_TIMEOUT = 30.0  # seconds for one call's VNC messages and their answer
+MULTI_CLICK_GAP = 0.05  # seconds between the clicks of a double click, as a hand makes them
+DRAG_STEP_GAP = 0.03  # seconds between the points of a drag, so programs see it move
 NO_DISPLAY = re.compile(rb"Can't open display|cannot open display|Error: Can't open display", re.I)
 
 Button = Literal["left", "middle", "right", "back", "forward"]
@@ -95,6 +119,27 @@ KEY_ALIASES = {
     "comma": "comma", "period": "period", "semicolon": "semicolon",
 }  # fmt: skip
 KEYSYM = re.compile(r"[A-Za-z][A-Za-z0-9_]*")  # F-keys and single characters come before it
+
+# the keysyms of the names normalize_key gives, and of the X names models use most; a
+# name not here (XF86AudioMute...) is pressed by xdotool, which knows every name
+NAMED_KEYSYMS: dict[str, int] = {
+    "ctrl": 0xFFE3, "alt": 0xFFE9, "shift": 0xFFE1, "super": 0xFFEB,
+    "Control_L": 0xFFE3, "Control_R": 0xFFE4, "Shift_L": 0xFFE1, "Shift_R": 0xFFE2,
+    "Alt_L": 0xFFE9, "Alt_R": 0xFFEA, "Super_L": 0xFFEB, "Super_R": 0xFFEC, "Meta_L": 0xFFE7,
+    "Return": 0xFF0D, "Escape": 0xFF1B, "BackSpace": 0xFF08, "Tab": 0xFF09, "space": 0x20,
+    "Delete": 0xFFFF, "Insert": 0xFF63, "Home": 0xFF50, "End": 0xFF57, "Prior": 0xFF55,
+    "Next": 0xFF56, "Page_Up": 0xFF55, "Page_Down": 0xFF56, "Up": 0xFF52, "Down": 0xFF54,
+    "Left": 0xFF51, "Right": 0xFF53, "Caps_Lock": 0xFFE5, "Num_Lock": 0xFF7F, "Print": 0xFF61,
+    "Menu": 0xFF67, "Pause": 0xFF13, "Scroll_Lock": 0xFF14, "ISO_Left_Tab": 0xFE20,
+    "KP_Enter": 0xFF8D, "KP_Add": 0xFFAB, "KP_Subtract": 0xFFAD, "KP_Multiply": 0xFFAA,
+    "KP_Divide": 0xFFAF, "KP_Decimal": 0xFFAE,
+    "minus": 0x2D, "plus": 0x2B, "slash": 0x2F, "backslash": 0x5C, "comma": 0x2C, "period": 0x2E,
+    "semicolon": 0x3B, "apostrophe": 0x27, "grave": 0x60, "equal": 0x3D, "bracketleft": 0x5B,
+    "bracketright": 0x5D,
+    **{f"F{n}": 0xFFBE + n - 1 for n in range(1, 36)},
+    **{f"KP_{n}": 0xFFB0 + n for n in range(10)},
+}  # fmt: skip
+TYPED_KEYSYMS = {"\n": 0xFF0D, "\t": 0xFF09}  # what type() presses for a newline and a tab
 
 
 def normalize_key(combo: str) -> str:
@@ -132,6 +177,18 @@ def keysym_of(char: str) -> int:
     """The X keysym of a character: Latin-1's own value, else 0x1000000 + its code point."""
     point = ord(char)
     return point if 0x20 <= point <= 0x7E or 0xA0 <= point <= 0xFF else 0x1000000 + point
+
+
+def keysyms_of(combo: str) -> list[int] | None:
+    """The keysyms of a combination as normalize_key gives it, pressed in this order
+    (and released the other way); None where a name's keysym is not known here."""
+    out = []
+    for name in combo.split("+"):
+        sym = keysym_of(name) if len(name) == 1 else NAMED_KEYSYMS.get(name)
+        if sym is None:
+            return None
+        out.append(sym)
+    return out
 
 
 def type_chunks(text: str) -> list[str]:
@@ -227,31 +284,16 @@ def parse_windows(text: str) -> list[Window]:
     return out
 
 
-XWD_HEADER = struct.Struct(">25I")
-
-
-def xwd_image(data: bytes) -> Any:
-    """A Pillow RGB image of an ``xwd`` dump of a 24/32-bit TrueColor screen (Xvnc's)."""
+def pillow() -> Any:
+    """Pillow's Image module, which screenshots need."""
     try:
         from PIL import Image
     except ImportError as e:  # pragma: no cover - a dependency of sandlot[desktop]
         raise HostSetupError("screenshots need Pillow: pip install 'sandlot[desktop]'") from e
-    if len(data) < XWD_HEADER.size:
-        raise CommandFailed(f"the screen dump is {len(data)} bytes, shorter than its header", None)
-    h = XWD_HEADER.unpack_from(data)
-    header_size, version, fmt, depth, width, height = h[:6]
-    byte_order, bits_per_pixel, bytes_per_line = h[7], h[11], h[12]
-    red_mask, ncolors = h[14], h[19]
-    if version != 7 or fmt != 2 or bits_per_pixel != 32 or depth not in (24, 32):
-        raise CommandFailed(
-            f"the screen dump is not a 32-bit ZPixmap (version {version}, format {fmt}, "
-            f"{bits_per_pixel} bits a pixel, depth {depth})", None)  # fmt: skip
-    start = header_size + 12 * ncolors
-    if len(data) < start + bytes_per_line * height or bytes_per_line < 4 * width:
-        raise CommandFailed(f"the screen dump of {width}x{height} is cut short ({len(data)} bytes)", None)
-    little = byte_order == 0
-    mode = ("BGRX" if little else "XRGB") if red_mask == 0xFF0000 else ("RGBX" if little else "XBGR")
-    return Image.frombuffer("RGB", (width, height), data[start:], "raw", mode, bytes_per_line, 1)
+    return Image
+
+
+T = TypeVar("T")
 
 
 class AsyncDesktop:
@@ -264,6 +306,8 @@ class AsyncDesktop:
         self._started = False
         self._size: tuple[int, int] = DEFAULT_SIZE
         self._forward: Forward | None = None
+        self._vnc: RfbClient | None = None
+        self._vnc_lock = asyncio.Lock()
 
     # -- the session ---------------------------------------------------------------------------
 
@@ -313,8 +357,13 @@ class AsyncDesktop:
             if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not 0 < scale <= 4:
                 raise InvalidArgument(f"scale is a factor over 0 up to 4, or (width, height), not {scale!r}")
             factor = float(scale)
-        result = await self._command("xwd", "-root", "-silent", timeout=30)
-        image = xwd_image(result.stdout_bytes)
+        image_module = pillow()
+
+        async def frame(vnc: RfbClient) -> tuple[bytes, tuple[int, int]]:
+            return bytes(await vnc.refresh()), (vnc.width, vnc.height)
+
+        pixels, size = await self._over_vnc("a screenshot", frame, sync=False)  # an answer itself
+        image = image_module.frombytes("RGB", size, pixels, "raw", "RGBX")
         if region is not None:
             if x + w > image.width or y + h > image.height:
                 screen = f"{image.width}x{image.height}"
@@ -323,17 +372,18 @@ class AsyncDesktop:
         if factor is not None and factor != 1:
             target = (max(1, round(image.width * factor)), max(1, round(image.height * factor)))
         if target is not None and target != image.size:
-            from PIL import Image
-
-            image = image.resize(target, Image.Resampling.LANCZOS, reducing_gap=2.0)
+            image = image.resize(target, image_module.Resampling.LANCZOS, reducing_gap=2.0)
         out = io.BytesIO()
         image.save(out, "PNG", compress_level=1)
         return out.getvalue()
 
     async def size(self) -> tuple[int, int]:
         """The screen's (width, height) in pixels."""
-        out = (await self._command("xdotool", "getdisplaygeometry")).stdout.split()
-        return int(out[0]), int(out[1])
+
+        async def size(vnc: RfbClient) -> tuple[int, int]:
+            return vnc.width, vnc.height
+
+        return await self._over_vnc("the screen's size", size, sync=False)
 
     async def cursor(self) -> tuple[int, int]:
         """Where the mouse pointer is: (x, y)."""
@@ -348,7 +398,12 @@ class AsyncDesktop:
 
     async def move(self, x: int, y: int) -> None:
         """Move the pointer to (x, y)."""
-        await self._xdotool("mousemove", str(_coord("x", x)), str(_coord("y", y)))
+        point = _coord("x", x), _coord("y", y)
+
+        async def move(vnc: RfbClient) -> None:
+            await vnc.send(vnc.pointer_event(*point, vnc.buttons))
+
+        await self._over_vnc("a move", move)
 
     async def click(self, x: int | None = None, y: int | None = None, *, button: Button = "left",
                     count: int = 1) -> None:  # fmt: skip
@@ -356,13 +411,26 @@ class AsyncDesktop:
         (2 is a double click)."""
         if isinstance(count, bool) or not isinstance(count, int) or not 1 <= count <= 3:
             raise InvalidArgument(f"count is 1, 2 or 3 clicks, not {count!r}")
-        # one xdotool click each, 80 ms apart: xdotool's own --repeat sleeps its --delay
-        # (100 ms unless told) after the last click too, a tenth of a second on each click
-        click = ["click", "--delay", "0", str(_button(button))]
-        argv = self._move_to(x, y) + click
-        for _ in range(count - 1):
-            argv += ["sleep", "0.08", *click]
-        await self._xdotool(*argv)
+        number, point = _button(button), self._maybe_point(x, y)
+        if number not in BUTTON_BITS:  # past what a VNC pointer event holds (forward): xdotool's
+            click = ["click", "--delay", "0", str(number)]
+            argv = self._move_to(x, y) + click
+            for _ in range(count - 1):
+                argv += ["sleep", "0.08", *click]
+            await self._xdotool(*argv)
+            return
+        mask = 1 << BUTTON_BITS[number]
+
+        async def clicks(vnc: RfbClient) -> None:
+            at = self._pointer_of(vnc, point)
+            await vnc.send(vnc.pointer_event(*at, vnc.buttons))
+            for i in range(count):
+                if i:
+                    await vnc.sync()
+                    await asyncio.sleep(MULTI_CLICK_GAP)
+                await vnc.send(*vnc.click_events(*at, mask))
+
+        await self._over_vnc("a click", clicks)
 
     async def double_click(self, x: int | None = None, y: int | None = None) -> None:
         """Two left clicks in a row at (x, y)."""
@@ -374,11 +442,24 @@ class AsyncDesktop:
 
     async def mouse_down(self, button: Button = "left") -> None:
         """Press ``button`` where the pointer is, and hold it."""
-        await self._xdotool("mousedown", str(_button(button)))
+        await self._press_button(button, True)
 
     async def mouse_up(self, button: Button = "left") -> None:
         """Release ``button``."""
-        await self._xdotool("mouseup", str(_button(button)))
+        await self._press_button(button, False)
+
+    async def _press_button(self, button: Button, down: bool) -> None:
+        number = _button(button)
+        if number not in BUTTON_BITS:
+            await self._xdotool("mousedown" if down else "mouseup", str(number))
+            return
+        mask = 1 << BUTTON_BITS[number]
+
+        async def press(vnc: RfbClient) -> None:
+            at = self._pointer_of(vnc, None)
+            await vnc.send(vnc.pointer_event(*at, vnc.buttons | mask if down else vnc.buttons & ~mask))
+
+        await self._over_vnc("a button", press)
 
     async def drag(self, *points: tuple[int, int], button: Button = "left") -> None:
         """Press ``button`` at the first point, move through the others, release at the
@@ -386,12 +467,28 @@ class AsyncDesktop:
         if len(points) < 2:
             raise InvalidArgument("a drag goes from one point to another: give two points or more")
         path = [_point(p) for p in points]
-        b = str(_button(button))
-        argv = ["mousemove", str(path[0][0]), str(path[0][1]), "mousedown", b]
-        for px, py in path[1:]:
-            argv += ["sleep", "0.03", "mousemove", str(px), str(py)]
-        argv += ["sleep", "0.03", "mouseup", b]
-        await self._xdotool(*argv)
+        number = _button(button)
+        if number not in BUTTON_BITS:
+            b = str(number)
+            argv = ["mousemove", str(path[0][0]), str(path[0][1]), "mousedown", b]
+            for px, py in path[1:]:
+                argv += ["sleep", "0.03", "mousemove", str(px), str(py)]
+            await self._xdotool(*argv, "sleep", "0.03", "mouseup", b)
+            return
+        mask = 1 << BUTTON_BITS[number]
+
+        async def drag(vnc: RfbClient) -> None:
+            start = vnc.pointer_event(*path[0], vnc.buttons)
+            await vnc.send(start, vnc.pointer_event(*path[0], vnc.buttons | mask))
+            for point in path[1:]:
+                await vnc.sync()
+                await asyncio.sleep(DRAG_STEP_GAP)
+                await vnc.send(vnc.pointer_event(*point, vnc.buttons))
+            await vnc.sync()
+            await asyncio.sleep(DRAG_STEP_GAP)
+            await vnc.send(vnc.pointer_event(*path[-1], vnc.buttons & ~mask))
+
+        await self._over_vnc("a drag", drag, timeout=VNC_TIMEOUT + len(path) * DRAG_STEP_GAP)
 
     async def scroll(self, x: int | None = None, y: int | None = None, *, dy: int = 0, dx: int = 0) -> None:
         """Scroll at (x, y), or where the pointer is: ``dy`` notches down (negative: up),
@@ -401,12 +498,20 @@ class AsyncDesktop:
                 raise InvalidArgument(f"{name} is a number of notches from -100 to 100, not {value!r}")
         if not dx and not dy:
             raise InvalidArgument("scroll by something: dy (down) or dx (right)")
-        argv = self._move_to(x, y)
-        if dy:
-            argv += ["click", "--repeat", str(abs(dy)), "--delay", "20", "5" if dy > 0 else "4"]
-        if dx:
-            argv += ["click", "--repeat", str(abs(dx)), "--delay", "20", "7" if dx > 0 else "6"]
-        await self._xdotool(*argv)
+        point = self._maybe_point(x, y)
+        # a notch is a click of the wheel's button: 4 up, 5 down, 6 left, 7 right
+        wheel = [(5 if dy > 0 else 4, abs(dy)), (7 if dx > 0 else 6, abs(dx))]
+
+        async def scroll(vnc: RfbClient) -> None:
+            at = self._pointer_of(vnc, point)
+            events = [vnc.pointer_event(*at, vnc.buttons)]
+            for number, notches in wheel:
+                mask = 1 << BUTTON_BITS[number]
+                for _ in range(notches):
+                    events += vnc.click_events(*at, mask)
+            await vnc.send(*events)
+
+        await self._over_vnc("a scroll", scroll)
 
     # -- the keyboard --------------------------------------------------------------------------
 
@@ -421,10 +526,17 @@ class AsyncDesktop:
         if isinstance(delay_ms, bool) or not isinstance(delay_ms, int) or not 0 <= delay_ms <= 1000:
             raise InvalidArgument(f"delay_ms is from 0 to 1000, not {delay_ms!r}")
         for chunk in type_chunks(text):
-            if any(keysym_of(c) > 0x7E for c in chunk if c not in "\n\t"):
+            if any(keysym_of(c) > 0x7E for c in chunk if c not in TYPED_KEYSYMS):
                 await self._bind_keys(set(chunk))
-            timeout = 30 + len(chunk) * delay_ms / 250
-            await self._xdotool("type", "--delay", str(delay_ms), "--", chunk, timeout=timeout)
+            syms = [TYPED_KEYSYMS.get(c) or keysym_of(c) for c in chunk]
+
+            async def keys(vnc: RfbClient, syms: list[int] = syms) -> None:
+                for i, sym in enumerate(syms):
+                    if i and delay_ms:
+                        await asyncio.sleep(delay_ms / 1000)
+                    await vnc.send(vnc.key_event(sym, True), vnc.key_event(sym, False))
+
+            await self._over_vnc("typing", keys, timeout=VNC_TIMEOUT + len(chunk) * delay_ms / 1000)
 
     async def _bind_keys(self, chars: set[str]) -> None:
         """Give each of ``chars`` that no key gives a spare key of its own (a keycode with
@@ -454,15 +566,41 @@ class AsyncDesktop:
         the names models use (``Enter``, ``PageDown``, ``cmd``)."""
         if not keys:
             raise InvalidArgument("press which key? e.g. key('Return')")
-        await self._xdotool("key", "--clearmodifiers", "--", *(normalize_key(k) for k in keys))
+        combos = [normalize_key(k) for k in keys]
+        syms = [keysyms_of(c) for c in combos]
+        if any(s is None for s in syms):  # a keysym name known to xdotool alone
+            await self._xdotool("key", "--clearmodifiers", "--", *combos)
+            return
+
+        async def press(vnc: RfbClient) -> None:
+            events = []
+            for combo in syms:
+                assert combo is not None
+                events += [vnc.key_event(s, True) for s in combo]
+                events += [vnc.key_event(s, False) for s in reversed(combo)]
+            await vnc.send(*events)
+
+        await self._over_vnc("a key", press)
 
     async def key_down(self, key: str) -> None:
         """Press ``key`` (or a combination) and hold it."""
-        await self._xdotool("keydown", "--", normalize_key(key))
+        await self._hold_key(key, True)
 
     async def key_up(self, key: str) -> None:
         """Release ``key``."""
-        await self._xdotool("keyup", "--", normalize_key(key))
+        await self._hold_key(key, False)
+
+    async def _hold_key(self, key: str, down: bool) -> None:
+        combo = normalize_key(key)
+        syms = keysyms_of(combo)
+        if syms is None:
+            await self._xdotool("keydown" if down else "keyup", "--", combo)
+            return
+
+        async def hold(vnc: RfbClient) -> None:
+            await vnc.send(*(vnc.key_event(s, down) for s in (syms if down else reversed(syms))))
+
+        await self._over_vnc("a key", hold)
 
     # -- programs and windows ------------------------------------------------------------------
 
@@ -567,6 +705,96 @@ class AsyncDesktop:
         if self._forward is not None:
             await self._forward.aclose()
             self._forward = None
+
+    # -- the VNC session -----------------------------------------------------------------------
+
+    async def _over_vnc(self, what: str, call: Callable[[RfbClient], Awaitable[T]],
+                        timeout: float = VNC_TIMEOUT, *, sync: bool = True) -> T:  # fmt: skip
+        """``call`` on this desktop's VNC session, then (with ``sync``) a round trip, so
+        its events have reached the X server when this returns. A session the box has lost (a rollback,
+        a restart, a box resumed) is opened again and the call made again, once."""
+        async with self._vnc_lock:
+            for attempt in (1, 2):
+                vnc = await self._vnc_session()
+                try:
+                    async with asyncio.timeout(timeout):
+                        result = await call(vnc)
+                        if sync:
+                            await vnc.sync()
+                        return result
+                except TimeoutError:
+                    await self._drop_vnc()
+                    raise TimeoutError(
+                        f"desktop of box {self._box.name}: its VNC server did not answer {what} "
+                        f"within {timeout:g} s") from None  # fmt: skip
+                except (ConnectionClosed, ConnectionLost, InvalidState, OSError):
+                    await self._drop_vnc()  # the box lost the session: another one, once
+                    if attempt == 2:
+                        raise
+                except RfbError:
+                    await self._drop_vnc()  # out of step with the server: the next call starts afresh
+                    raise
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    async def _vnc_session(self) -> RfbClient:
+        if self._vnc is not None and not self._vnc.closed:
+            return self._vnc
+        # a desktop that runs (a box of a desktop template, say) is reached at once; only
+        # where it does not is it started (its start waits for the window manager too)
+        for attempt in (1, 2):
+            secrets = await self._exec("sh", "-c", VNC_SECRETS, timeout=30)
+            fields = secrets.stdout.split()
+            at = dict(f.split("=", 1) for f in fields[3:] if "=" in f)
+            duplex = None
+            if secrets.exit_code == 0 and "X" in at and "Y" in at:
+                try:
+                    duplex = await open_relay(self._box.spawn, fields[2], timeout=15)
+                except GuestOSError as e:
+                    if e.errno not in (errno.ENOENT, errno.ECONNREFUSED):
+                        raise
+            if duplex is not None:
+                try:
+                    async with asyncio.timeout(VNC_TIMEOUT):
+                        vnc = await RfbClient.connect(duplex, fields[0])
+                        await vnc.send(vnc.pointer_event(int(at["X"]), int(at["Y"]), 0))
+                except BaseException:
+                    await duplex.abort()
+                    raise
+                self._vnc = vnc
+                return vnc
+            if attempt == 2:
+                raise CommandFailed(f"desktop: its VNC server cannot be reached ({secrets.stderr.strip()})",
+                                    secrets, box=self._box.name)  # fmt: skip
+            # not started yet, or gone (a rollback to before it started, a restarted box)
+            self._started = False
+            await self._ensure()
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    async def _drop_vnc(self) -> None:
+        vnc, self._vnc = self._vnc, None
+        if vnc is not None:
+            await vnc.aclose()
+
+    async def disconnect(self) -> None:
+        """End this side's VNC session with the desktop (the next call opens another)."""
+        async with self._vnc_lock:
+            await self._drop_vnc()
+
+    def _maybe_point(self, x: int | None, y: int | None) -> tuple[int, int] | None:
+        if x is None and y is None:
+            return None
+        if x is None or y is None:
+            raise InvalidArgument("give both x and y, or neither (where the pointer is)")
+        return _coord("x", x), _coord("y", y)
+
+    @staticmethod
+    def _pointer_of(vnc: RfbClient, point: tuple[int, int] | None) -> tuple[int, int]:
+        """``point``, or where the pointer is: where this session last put it (it puts it
+        where the X server had it first)."""
+        if point is not None:
+            return point
+        assert vnc.pointer is not None
+        return vnc.pointer
 
     # -- running the tools ---------------------------------------------------------------------
 

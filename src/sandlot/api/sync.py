@@ -1221,6 +1221,10 @@ class Desktop(DesktopBase):
         ttl, or ``end_previews``)."""
         loop.run(self._a.close_stream())
 
+    def disconnect(self) -> None:
+        """End this side's VNC session with the desktop (the next call opens another)."""
+        loop.run(self._a.disconnect())
+
 
 def connect(url: str | None = None, api_key: str | None = None, **kwargs: Any) -> Client:
     """A client (``Client``) of the server at ``url`` (default ``$SANDLOT_URL``) with
