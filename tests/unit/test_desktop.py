@@ -307,30 +307,36 @@ def test_screenshots_are_cropped_and_scaled_pngs() -> None:
 
 
 class FakeBox(Recorder):
+    """A box's handle; like AsyncBox's, each handle's desktop is its own."""
+
     id = "b-1"
     ref = None
 
-    def __init__(self, screen: tuple[int, int]) -> None:
-        super().__init__(screen)
-        self.desktop = AsyncDesktop(self)  # type: ignore[arg-type]
+    @property
+    def desktop(self) -> AsyncDesktop:
+        return AsyncDesktop(self)  # type: ignore[arg-type]
+
+
+def toolkit(box: FakeBox, display: tuple[int, int] | None) -> Toolkit:
+    """The computer handler alone, on the fake box (found anew at each call, as by key)."""
+    kit = Toolkit.__new__(Toolkit)
+    kit.display_size, kit.settle, kit.screens, kit.desktops = display, 0.0, {}, {}
+
+    async def the_box(key: str | None) -> Any:
+        return box
+
+    kit.box = the_box  # type: ignore[method-assign]
+    return kit
 
 
 def run_tool(
     screen: tuple[int, int], display: tuple[int, int] | None, args: dict[str, Any]
 ) -> tuple[Any, list[tuple[str, ...]]]:
     box = FakeBox(screen)
-    kit = Toolkit.__new__(Toolkit)  # the computer handler alone, on the fake box
-    kit.display_size, kit.settle, kit.screens, kit.default_box = display, 0.0, {}, box  # type: ignore[assignment]
+    kit = toolkit(box, display)
     from sandlot.tools import specs
 
-    async def go() -> Any:
-        async def the_box(key: str | None) -> Any:
-            return box
-
-        kit.box = the_box  # type: ignore[method-assign]
-        return await kit.computer(specs.BY_NAME["computer"].validate(args))  # type: ignore[arg-type]
-
-    result = asyncio.run(go())
+    result = asyncio.run(kit.computer(specs.BY_NAME["computer"].validate(args)))  # type: ignore[arg-type]
     start, *events = box.events()
     assert start == pointer(7, 9)  # the session puts the pointer where it is first
     return result, events
@@ -358,3 +364,20 @@ def test_the_computer_tool_takes_both_vendors_shapes_in_the_models_display() -> 
         with pytest.raises(ToolInputError):
             run_tool((1024, 768), None, bad)
     assert [scroll_notches(p) for p in (0, 1, -40, 250, -1000)] == [0, 1, -1, 2, -10]
+
+
+def test_the_computer_tool_keeps_one_vnc_session_a_box() -> None:
+    from sandlot.tools import specs
+
+    box = FakeBox((1024, 768))
+    kit = toolkit(box, None)
+
+    async def go() -> None:
+        for x in (10, 20, 30):
+            move = specs.BY_NAME["computer"].validate({"action": "mouse_move", "coordinate": [x, 5]})
+            await kit.computer(move)  # type: ignore[arg-type]
+        await kit.close_desktops()  # a toolkit dropped (an MCP server's, say) ends its sessions
+
+    asyncio.run(go())
+    assert len(box.relays) == 1  # not one relay (and one client of Xvnc) left in the box per call
+    assert box.relays[0].returncode is not None and kit.desktops == {}

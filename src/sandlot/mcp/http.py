@@ -9,6 +9,7 @@ REST request it becomes. The key was checked before the MCP request got here
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
@@ -50,6 +51,7 @@ class Endpoint:
         self.image = image
         self.limits = limits
         self.kits: OrderedDict[str | None, Toolkit] = OrderedDict()
+        self.closing: set[asyncio.Future[None]] = set()  # dropped toolkits closing their desktops
         # stateless: each POST stands alone, so no session outlives the key that opened it
         self.manager = StreamableHTTPSessionManager(app=build(self.toolkit_for), stateless=True,
                                                     json_response=True)  # fmt: skip
@@ -58,7 +60,11 @@ class Endpoint:
     @contextlib.asynccontextmanager
     async def lifespan(self) -> AsyncIterator[None]:
         async with self.manager.run():
-            yield
+            try:
+                yield
+            finally:
+                for kit in self.kits.values():
+                    await kit.close_desktops()
 
     async def toolkit_for(self, ctx: ServerRequestContext[Any, Any]) -> Toolkit:
         request = ctx.request
@@ -71,7 +77,10 @@ class Endpoint:
             client = AsyncClient(INTERNAL_URL, api_key=key or "", transport=transport, timeout=600)
             kit = self.kits[key] = Toolkit(client, image=self.image, limits=self.limits)
             while len(self.kits) > KITS_KEPT:
-                self.kits.popitem(last=False)
+                _, dropped = self.kits.popitem(last=False)
+                closing = asyncio.ensure_future(dropped.close_desktops())
+                self.closing.add(closing)
+                closing.add_done_callback(self.closing.discard)
         else:
             self.kits.move_to_end(key)
         return kit

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
+import contextlib
 import os
 import secrets
 import time
@@ -20,7 +21,7 @@ from typing import Any, Literal
 
 from ..api.backend import Backend
 from ..api.box import AsyncBox, boxes_of
-from ..api.desktop import check_size
+from ..api.desktop import AsyncDesktop, check_size
 from ..api.events import record_refusal
 from ..api.files import FileInfo
 from ..api.local import LocalBackend
@@ -140,6 +141,9 @@ class Toolkit:
         self.display_size = display_size
         self.settle = settle
         self.screens: dict[str, tuple[int, int]] = {}  # box id -> its screen's size, read once
+        # box id -> its desktop: one VNC session a box, kept across calls (each call finds
+        # its box anew, and a new handle's desktop would open a session of its own)
+        self.desktops: dict[str, AsyncDesktop] = {}
         self.creating = asyncio.Lock()  # creations in turn, so two cannot both pass max_boxes
         self.handlers: dict[str, Callable[[Any], Awaitable[ToolResult]]] = {
             "create_box": self.create_box, "list_boxes": self.list_boxes, "exec": self.exec,
@@ -532,7 +536,7 @@ class Toolkit:
 
     async def computer(self, a: specs.Computer) -> ToolResult:
         box = await self.box(a.box)
-        desk = box.desktop
+        desk = self.desktops.get(box.id) or self.desktops.setdefault(box.id, box.desktop)
         screen = self.screens.get(box.id)
         if screen is None:
             screen = self.screens[box.id] = await desk.size()
@@ -638,9 +642,20 @@ class Toolkit:
         return ToolResult([TextPart(text), ImagePart(base64.b64encode(png).decode(), "image/png")],
                           {"action": act, "width": display[0], "height": display[1]})  # fmt: skip
 
+    async def close_desktops(self) -> None:
+        """End the VNC sessions this toolkit holds with its boxes' desktops (a dropped
+        toolkit's would stay open in the boxes)."""
+        desktops, self.desktops = list(self.desktops.values()), {}
+        for desktop in desktops:
+            with contextlib.suppress(SandlotError, OSError):
+                await desktop.disconnect()
+
     async def remove_box(self, a: specs.RemoveBox) -> ToolResult:
         box = await self.box(a.box)
         name = box.name
+        desktop = self.desktops.pop(box.id, None)
+        if desktop is not None:
+            await desktop.disconnect()
         await box.remove(force=True)
         if self.default_box is not None and box.id == self.default_box.id:
             self.default_box = None
