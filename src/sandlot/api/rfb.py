@@ -261,6 +261,7 @@ class RfbClient:
 
     def _copy(self, sx: int, sy: int, x: int, y: int, w: int, h: int) -> None:
         stride, row = self.width * 4, w * 4
+        # every source row read before any is written: the two areas may overlap
         rows = [
             self.framebuffer[(sy + i) * stride + sx * 4 : (sy + i) * stride + sx * 4 + row] for i in range(h)
         ]
