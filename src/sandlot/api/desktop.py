@@ -711,12 +711,13 @@ class AsyncDesktop:
     async def _over_vnc(self, what: str, call: Callable[[RfbClient], Awaitable[T]],
                         timeout: float = VNC_TIMEOUT, *, sync: bool = True) -> T:  # fmt: skip
         """``call`` on this desktop's VNC session, then (with ``sync``) a round trip, so
-        its events have reached the X server when this returns. A session the box has lost (a rollback,
-        a restart, a box resumed) is opened again and the call made again, once."""
+        its events have reached the X server when this returns. A session the box has
+        lost (a rollback, a restart, a box resumed) is opened again and the call made
+        again, once."""
         async with self._vnc_lock:
             for attempt in (1, 2):
-                vnc = await self._vnc_session()
                 try:
+                    vnc = await self._vnc_session()
                     async with asyncio.timeout(timeout):
                         result = await call(vnc)
                         if sync:
