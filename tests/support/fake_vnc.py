@@ -27,6 +27,7 @@ class FakeVncServer:
         self.pixels = bytearray(bytes([*colour, 0]) * (self.width * self.height))
         self.events: list[tuple[Any, ...]] = []  # ("pointer", x, y, mask) / ("key", keysym, down)
         self.requests: list[tuple[int, int, int, int, int]] = []
+        self.key_pressed = asyncio.Event()  # set at the first key event
         self.encodings: list[int] = []
         self.new_pointer = False  # the next request is answered with the pointer's shape alone
         # (sx, sy, x, y, w, h): CopyRect rectangles to send in the next update
@@ -116,6 +117,7 @@ class FakeVncConnection:
         elif kind == 4:
             down, sym = struct.unpack(">xBxxI", msg)
             self.server.events.append(("key", sym, bool(down)))
+            self.server.key_pressed.set()
         elif kind == 5:
             mask, x, y = struct.unpack(">xBHH", msg)
             self.server.events.append(("pointer", x, y, mask))

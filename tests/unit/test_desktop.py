@@ -208,6 +208,34 @@ def test_a_desktop_is_started_where_it_does_not_run_and_a_lost_session_opened_ag
     asyncio.run(go())
 
 
+def test_a_session_lost_in_the_middle_of_typing_is_not_typed_again() -> None:
+    from sandlot.errors import ConnectionLost
+
+    desk, rec = desktop()
+
+    async def go() -> None:
+        await desk.click(1, 1)
+        await rec.relays[0].kill()  # lost between two calls: the click is made on a new session
+        await desk.click(2, 2)
+        assert len(rec.relays) == 2
+        assert rec.events()[-3:] == [pointer(2, 2), pointer(2, 2, LEFT), pointer(2, 2)]
+
+        async def lose_it() -> None:  # once the first key has arrived
+            await rec.vnc.key_pressed.wait()
+            await rec.relays[1].kill()
+
+        loser = asyncio.ensure_future(lose_it())
+        with pytest.raises(ConnectionLost, match="during typing, part of which had been sent"):
+            await desk.type("abcdefgh", delay_ms=50)
+        await loser
+        typed = [e[1] for e in rec.events() if e[0] == "key" and e[2]]
+        assert 0 < len(typed) < 8 and typed == sorted(set(typed))  # a part, each key once
+        await desk.key("Return")  # and the next call opens another session
+        assert len(rec.relays) == 3
+
+    asyncio.run(go())
+
+
 def test_the_vnc_handshake_refuses_a_wrong_password_and_a_stranger() -> None:
     async def go() -> None:
         relay = FakeRelay(FakeVncServer((64, 64), PASSWORD))

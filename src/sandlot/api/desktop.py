@@ -362,7 +362,7 @@ class AsyncDesktop:
         async def frame(vnc: RfbClient) -> tuple[bytes, tuple[int, int]]:
             return bytes(await vnc.refresh()), (vnc.width, vnc.height)
 
-        pixels, size = await self._over_vnc("a screenshot", frame, sync=False)  # an answer itself
+        pixels, size = await self._over_vnc("a screenshot", frame, sync=False, repeatable=True)
         image = image_module.frombytes("RGB", size, pixels, "raw", "RGBX")
         if region is not None:
             if x + w > image.width or y + h > image.height:
@@ -383,7 +383,7 @@ class AsyncDesktop:
         async def size(vnc: RfbClient) -> tuple[int, int]:
             return vnc.width, vnc.height
 
-        return await self._over_vnc("the screen's size", size, sync=False)
+        return await self._over_vnc("the screen's size", size, sync=False, repeatable=True)
 
     async def cursor(self) -> tuple[int, int]:
         """Where the mouse pointer is: (x, y)."""
@@ -403,7 +403,7 @@ class AsyncDesktop:
         async def move(vnc: RfbClient) -> None:
             await vnc.send(vnc.pointer_event(*point, vnc.buttons))
 
-        await self._over_vnc("a move", move)
+        await self._over_vnc("a move", move, repeatable=True)
 
     async def click(self, x: int | None = None, y: int | None = None, *, button: Button = "left",
                     count: int = 1) -> None:  # fmt: skip
@@ -459,7 +459,7 @@ class AsyncDesktop:
             at = self._pointer_of(vnc, None)
             await vnc.send(vnc.pointer_event(*at, vnc.buttons | mask if down else vnc.buttons & ~mask))
 
-        await self._over_vnc("a button", press)
+        await self._over_vnc("a button", press, repeatable=True)  # a state: held or not
 
     async def drag(self, *points: tuple[int, int], button: Button = "left") -> None:
         """Press ``button`` at the first point, move through the others, release at the
@@ -600,7 +600,7 @@ class AsyncDesktop:
         async def hold(vnc: RfbClient) -> None:
             await vnc.send(*(vnc.key_event(s, down) for s in (syms if down else reversed(syms))))
 
-        await self._over_vnc("a key", hold)
+        await self._over_vnc("a key", hold, repeatable=True)  # a state: held or not
 
     # -- programs and windows ------------------------------------------------------------------
 
@@ -709,15 +709,22 @@ class AsyncDesktop:
     # -- the VNC session -----------------------------------------------------------------------
 
     async def _over_vnc(self, what: str, call: Callable[[RfbClient], Awaitable[T]],
-                        timeout: float = VNC_TIMEOUT, *, sync: bool = True) -> T:  # fmt: skip
+                        timeout: float = VNC_TIMEOUT, *, sync: bool = True,
+                        repeatable: bool = False) -> T:  # fmt: skip
         """``call`` on this desktop's VNC session, then (with ``sync``) a round trip, so
         its events have reached the X server when this returns. A session the box has
         lost (a rollback, a restart, a box resumed) is opened again and the call made
-        again, once."""
+        again, once: unless the call is not ``repeatable`` (a click, typed text) and had
+        sent part of itself, which could then happen twice."""
         async with self._vnc_lock:
             for attempt in (1, 2):
+                vnc: RfbClient | None = None
+                sent: int | None = None  # what the session had sent before the call's first event
                 try:
                     vnc = await self._vnc_session()
+                    if not repeatable:  # a session lost since the last call is found before, not during
+                        await vnc.sync()
+                    sent = vnc.sent
                     async with asyncio.timeout(timeout):
                         result = await call(vnc)
                         if sync:
@@ -728,8 +735,12 @@ class AsyncDesktop:
                     raise TimeoutError(
                         f"desktop of box {self._box.name}: its VNC server did not answer {what} "
                         f"within {timeout:g} s") from None  # fmt: skip
-                except (ConnectionClosed, ConnectionLost, InvalidState, OSError):
+                except (ConnectionClosed, ConnectionLost, InvalidState, OSError) as e:
                     await self._drop_vnc()  # the box lost the session: another one, once
+                    if not repeatable and vnc is not None and sent is not None and vnc.sent > sent:
+                        name = self._box.name
+                        why = f"its VNC session ended during {what}, part of which had been sent"
+                        raise ConnectionLost(f"desktop of box {name}: {why}; not made again", box=name) from e
                     if attempt == 2:
                         raise
                 except RfbError:

@@ -120,6 +120,7 @@ class RfbClient:
         self.buttons = 0  # the buttons this session holds down
         self.pointer: tuple[int, int] | None = None  # where this session last put the pointer
         self.closed = False
+        self.sent = 0  # messages sent: whether a call got as far as the server
 
     @classmethod
     async def connect(cls, duplex: Duplex, password: str | None) -> RfbClient:
@@ -182,6 +183,7 @@ class RfbClient:
 
     async def send(self, *messages: bytes) -> None:
         await self._duplex.write(b"".join(messages))
+        self.sent += len(messages)
 
     # -- updates -----------------------------------------------------------------------------
 
