@@ -348,7 +348,7 @@ class FakeBox(Recorder):
 def toolkit(box: FakeBox, display: tuple[int, int] | None) -> Toolkit:
     """The computer handler alone, on the fake box (found anew at each call, as by key)."""
     kit = Toolkit.__new__(Toolkit)
-    kit.display_size, kit.settle, kit.screens, kit.desktops = display, 0.0, {}, {}
+    kit.display_size, kit.settle, kit.desktops = display, 0.0, {}
 
     async def the_box(key: str | None) -> Any:
         return box

@@ -359,11 +359,10 @@ class AsyncDesktop:
             factor = float(scale)
         image_module = pillow()
 
-        async def frame(vnc: RfbClient) -> tuple[bytes, tuple[int, int]]:
-            return bytes(await vnc.refresh()), (vnc.width, vnc.height)
+        async def frame(vnc: RfbClient) -> Any:  # copied out of the session's framebuffer under its lock
+            return image_module.frombytes("RGB", (vnc.width, vnc.height), await vnc.refresh(), "raw", "RGBX")
 
-        pixels, size = await self._over_vnc("a screenshot", frame, sync=False, repeatable=True)
-        image = image_module.frombytes("RGB", size, pixels, "raw", "RGBX")
+        image = await self._over_vnc("a screenshot", frame, sync=False, repeatable=True)
         if region is not None:
             if x + w > image.width or y + h > image.height:
                 screen = f"{image.width}x{image.height}"
@@ -414,7 +413,7 @@ class AsyncDesktop:
         number, point = _button(button), self._maybe_point(x, y)
         if number not in BUTTON_BITS:  # past what a VNC pointer event holds (forward): xdotool's
             click = ["click", "--delay", "0", str(number)]
-            argv = self._move_to(x, y) + click
+            argv = ["mousemove", str(point[0]), str(point[1]), *click] if point else click
             for _ in range(count - 1):
                 argv += ["sleep", "0.08", *click]
             await self._xdotool(*argv)
@@ -809,13 +808,6 @@ class AsyncDesktop:
         return vnc.pointer
 
     # -- running the tools ---------------------------------------------------------------------
-
-    def _move_to(self, x: int | None, y: int | None) -> list[str]:
-        if x is None and y is None:
-            return []
-        if x is None or y is None:
-            raise InvalidArgument("give both x and y, or neither (where the pointer is)")
-        return ["mousemove", str(_coord("x", x)), str(_coord("y", y))]
 
     async def _xdotool(self, *argv: str, timeout: float = 30) -> None:
         await self._command("xdotool", *argv, timeout=timeout)

@@ -140,7 +140,6 @@ class Toolkit:
             raise InvalidArgument(f"settle is from 0 to 10 seconds, not {settle!r}")
         self.display_size = display_size
         self.settle = settle
-        self.screens: dict[str, tuple[int, int]] = {}  # box id -> its screen's size, read once
         # box id -> its desktop: one VNC session a box, kept across calls (each call finds
         # its box anew, and a new handle's desktop would open a session of its own)
         self.desktops: dict[str, AsyncDesktop] = {}
@@ -536,10 +535,10 @@ class Toolkit:
 
     async def computer(self, a: specs.Computer) -> ToolResult:
         box = await self.box(a.box)
-        desk = self.desktops.get(box.id) or self.desktops.setdefault(box.id, box.desktop)
-        screen = self.screens.get(box.id)
-        if screen is None:
-            screen = self.screens[box.id] = await desk.size()
+        desk = self.desktops.get(box.id)
+        if desk is None:
+            desk = self.desktops[box.id] = box.desktop
+        screen = await desk.size()  # its VNC session's, which says so at its start
         display = self.display_size or screen
 
         def on_screen(x: int, y: int) -> tuple[int, int]:
