@@ -2,7 +2,8 @@
 
 Prints one JSON document: cold boot to first exec, exec round trip, stdout,
 stdin and file throughput, and host memory of idle boxes. Baselines measured in
-the same run: the raw agent round trip (ping) and the guest's own pipe speed.
+the same run: the raw agent round trip (ping), the guest's own fork and exec of
+``/bin/true`` (an exec's floor), and the guest's own pipe speed.
 
     .venv/bin/python benchmarks/core.py [--boots 10] [--execs 200] [--quick]
 """
@@ -51,11 +52,26 @@ def bench_exec(box: sandlot.Box, n: int) -> dict:
         lat.append(time.perf_counter() - t0)
     pings = [box.ping() for _ in range(n)]
     ex, pg = summary(lat, 1e3), summary(pings, 1e3, 3)
+    guest = guest_fork_exec_ms(box, max(n, 50))
     return {
         "exec_true_ms": ex,
         "agent_ping_ms": pg,
         "exec_over_ping_ratio": round(ex["median"] / pg["median"], 1),
+        # the floor an exec cannot go under: the guest kernel's own process creation
+        "guest_fork_exec_true_ms": guest,
+        "exec_over_guest_fork_exec_ratio": round(ex["median"] / guest, 2),
     }
+
+
+def guest_fork_exec_ms(box: sandlot.Box, n: int) -> float:
+    """The mean cost of the guest's own fork and exec of ``/bin/true`` from a shell,
+    ``n`` in a row, on the guest's clock: what an exec costs without sandlot."""
+    r = box.sh(
+        f"a=$(cut -d' ' -f1 /proc/uptime); i=0; while [ $i -lt {n} ]; do /bin/true; i=$((i+1)); done; "
+        "b=$(cut -d' ' -f1 /proc/uptime); echo $a $b"
+    )  # /proc/uptime counts hundredths: n runs make it precise enough
+    start, end = map(float, r.stdout.split())
+    return round((end - start) * 1000 / n, 2)
 
 
 def bench_streams(box: sandlot.Box, quick: bool) -> dict:
