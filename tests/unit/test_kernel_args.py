@@ -1,7 +1,9 @@
-"""The guest kernel's command line: sandlot's own words, then SANDLOT_KERNEL_ARGS's."""
+"""The guest kernel's command line (sandlot's own words, then SANDLOT_KERNEL_ARGS's), and
+QEMU's accelerator options."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -45,3 +47,13 @@ def test_what_the_kernel_could_not_take_is_refused(bad: str, monkeypatch: pytest
 def test_only_self_tests_are_left_out_of_the_initcalls() -> None:
     blacklist = next(w for w in KERNEL_ARGS.split() if w.startswith("initcall_blacklist="))
     assert set(blacklist.split("=", 1)[1].split(",")) == {"crypto_kdf108_init", "blake2s_mod_init"}
+
+
+def test_tcg_code_cache_is_a_shared_mapping_kvm_has_none(tmp_path: Path) -> None:
+    """Under TCG the translated code lives in a memfd mapped twice (split-wx), whose page
+    tables fork() does not copy: QEMU forks for each guest connection to the egress proxy."""
+    cmd = build_command(config(tmp_path, []), "qemu-system-x86_64")
+    accel = cmd[cmd.index("-accel") + 1]
+    assert accel.startswith("tcg,") and "split-wx=on" in accel.split(",") and "tb-size=128" in accel
+    kvm = build_command(replace(config(tmp_path, []), accel="kvm"), "qemu-system-x86_64")
+    assert kvm[kvm.index("-accel") + 1] == "kvm"
