@@ -21,7 +21,15 @@ PROMISED = {
         "neighbour_exec_true_ms_rest_idle",
     ],
     "boot": ["boot_to_first_exec_s", "phases_s", "marks_s", "kernel_args"],
-    "core": ["boot_to_first_exec_s", "exec_true_ms", "stdout_MBps", "upload_MBps", "idle_256MiB_box_pss_MiB"],
+    "core": [
+        "boot_to_first_exec_s",
+        "exec_true_ms",
+        "stdout_MBps",
+        "upload_MBps",
+        "idle_256MiB_box_pss_MiB",
+        "guest_fork_exec_true_ms",
+        "dynamic_programs",
+    ],
     "diffs": ["tree", "snapshot_to_now", "snapshot_start_remove", "box_to_box", "restore_one_file"],
     "durable": ["create_start_first_exec_s", "stop_s", "start_to_first_exec_s"],
     "events": ["state_write", "follow", "query"],  # follow holds metrics_sample

@@ -51,13 +51,17 @@ def spawn(tmp: Path, *, kind: str = "host", safe: bool = False, env: dict[str, s
 
 
 @contextlib.asynccontextmanager
-async def connected(tmp: Path, **kw: object) -> AsyncIterator[tuple[AgentConnection, HostAgent]]:
+async def connected(
+    tmp: Path, *, aslr: bool | None = None, **kw: object
+) -> AsyncIterator[tuple[AgentConnection, HostAgent]]:
+    """An agent on the host, handshaken. ``aslr``: the HELLO's (the agent, not pid 1 here,
+    reports the host's setting and changes nothing); ``kw``: ``spawn``'s."""
     agent = spawn(tmp, **kw)  # type: ignore[arg-type]
 
     async def connector() -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
         return await asyncio.open_unix_connection(sock=agent.sock, limit=1 << 22)
 
-    conn = AgentConnection(connector, request_timeout=10)
+    conn = AgentConnection(connector, request_timeout=10, aslr=aslr)
     try:
         await conn.connect(5)
         yield conn, agent

@@ -22,6 +22,7 @@ from sandlot.errors import (
     GuestOSError,
     GuestPermissionError,
     ProtocolError,
+    Unsupported,
 )
 from sandlot.protocol import files as pfiles
 from sandlot.protocol import wire
@@ -650,3 +651,58 @@ def test_symlink_and_mknod_make_what_a_restore_brings_back(tmp_path: Path) -> No
             assert own.path == "" and own.link_target == "../relative/target"
 
     run(go())
+
+
+def test_the_hello_asks_for_address_space_randomization_and_hears_what_is_in_force(tmp_path: Path) -> None:
+    """The real agent, on the host (where it is not pid 1, so it changes nothing): it
+    answers the setting in force. A box that asked for it off and does not have it off
+    is refused, naming the value, rather than running as if it had."""
+    now = int(Path("/proc/sys/kernel/randomize_va_space").read_text())
+
+    async def go(aslr: bool | None) -> int | None:
+        async with connected(tmp_path, aslr=aslr) as (conn, _):
+            assert conn.info is not None
+            return conn.info.aslr
+
+    assert run(go(None)) is None  # not asked: not told
+    assert run(go(True)) == now
+    if now != 0:
+        with pytest.raises(Unsupported, match=f"left kernel.randomize_va_space at {now}"):
+            run(go(False))
+
+
+def test_an_agent_that_does_not_know_the_setting_cannot_turn_it_off() -> None:
+    """A box restored from a state an earlier sandlot saved has that release's agent,
+    which ignores the HELLO's setting: asked off, the connection is refused saying so;
+    asked on (as every such box was), it goes ahead."""
+    from sandlot.protocol.connection import AgentConnection
+
+    async def go(aslr: bool) -> None:
+        host_sock, agent_sock = socket.socketpair()
+
+        async def agent() -> None:
+            reader, writer = await asyncio.open_unix_connection(sock=agent_sock)
+            decoder = FrameDecoder()
+            ack = wire.tlv(Tag.VERSION, wire.PROTOCOL_VERSION) + wire.tlv(Tag.AGENT_VERSION, "0.9")
+            while data := await reader.read(65536):
+                for frame in decoder.feed(data):
+                    if frame.type == T.HELLO:
+                        writer.write(wire.encode_frame(T.HELLO_ACK, 0, ack))
+                await writer.drain()
+
+        async def connector() -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+            return await asyncio.open_unix_connection(sock=host_sock)
+
+        task = asyncio.create_task(agent())
+        conn = AgentConnection(connector, request_timeout=10, aslr=aslr)
+        try:
+            await conn.connect(10)
+        finally:
+            await conn.close()
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+
+    run(go(True))
+    with pytest.raises(Unsupported, match=r"its agent 0\.9 does not know the setting"):
+        run(go(False))

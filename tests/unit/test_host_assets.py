@@ -302,3 +302,26 @@ def test_nested_virt_is_a_box_option_on_qemu_only(tmp_path: Path) -> None:
         BoxSpec.build(None, rootfs=root, nested_virt="yes")  # type: ignore[arg-type]
     with pytest.raises(sandlot.InvalidArgument, match="nested_virt"):
         GvisorEngine(tmp_path).refuse(BootRequest(nested_virt=True))
+
+
+def test_aslr_is_on_unless_asked_off_and_off_on_qemu_only(tmp_path: Path) -> None:
+    from sandlot.core.launch import boot_request
+    from sandlot.core.spec import BoxSpec
+    from sandlot.engine.gvisor.engine import GvisorEngine
+
+    root = tmp_path / "root"
+    root.mkdir()
+    assert BoxSpec.build(None, rootfs=root).aslr is True
+    off = BoxSpec.build(None, rootfs=root, aslr=False)
+    assert off.aslr is False and BoxSpec.from_options(off.to_options()).aslr is False
+    assert BoxSpec.from_options({}).aslr is True  # a record from before the setting: on, as it was
+    with pytest.raises(sandlot.InvalidArgument, match="aslr must be True or False, not 0"):
+        BoxSpec.build(None, rootfs=root, aslr=0)  # type: ignore[arg-type]
+    GvisorEngine(tmp_path).refuse(boot_request(BoxSpec.build(None, rootfs=root), network=False))
+    with pytest.raises(sandlot.InvalidArgument, match="always randomizes"):
+        GvisorEngine(tmp_path).refuse(boot_request(off, network=False))
+    # one wire contract: the option reaches a server's and a fleet's boxes as it is
+    from sandlot.api.contract import BoxCreate, box_create
+
+    assert box_create(None, {"rootfs": None, "aslr": False}, "http")["aslr"] is False
+    assert BoxCreate(aslr=False).aslr is False  # type: ignore[call-arg]

@@ -109,6 +109,7 @@ class AsyncBox:
         ports: Sequence[PortSpec] | None = None,
         pids_limit: int | None = None,
         nested_virt: bool = False,
+        aslr: bool | None = None,
         secrets: Sequence[Secret] | None = None,
         template: Any = None,
         home: Home = None,

@@ -58,6 +58,7 @@ def _box_options(
     user: str | None, rm: bool, pull: str, insecure: bool, accel: str, engine: str | None,
     net: tuple[str | None, list[str] | None, list[str] | None, list[str] | None] = (None, None, None, None),
     nested_virt: bool = False,
+    aslr: bool | None = None,
 ) -> dict[str, Any]:  # fmt: skip
     image, rootfs = image_or_rootfs
     network, allow, publish, secret = net
@@ -66,7 +67,7 @@ def _box_options(
         "image": image, "rootfs": rootfs, "name": name, "env": env_pairs(env), "volumes": volume or None,
         "labels": label_pairs(label), "cpus": cpus, "memory_mib": memory, "disk_size_gb": disk,
         "workdir": workdir, "user": user, "auto_remove": rm, "pull": pull, "insecure": insecure,
-        "accel": accel, "engine": engine, "nested_virt": nested_virt, "keep": True,
+        "accel": accel, "engine": engine, "nested_virt": nested_virt, "aslr": aslr, "keep": True,
     }  # fmt: skip
 
 
@@ -135,6 +136,14 @@ AccelOpt = Annotated[str, typer.Option(help="QEMU's accelerator: auto, kvm or tc
 NestedOpt = Annotated[
     bool, typer.Option("--nested-virt", help="The box runs VMs of its own: /dev/kvm in it (qemu engine).")
 ]
+AslrOpt = Annotated[
+    bool | None,
+    typer.Option(
+        "--aslr/--no-aslr",
+        help="Address-space randomization of the box's processes (default on; off makes each program "
+        "start faster under TCG; qemu engine).",
+    ),
+]
 PublishOpt = Annotated[
     list[str] | None,
     typer.Option("--publish", "-p", help="[ADDRESS:]HOST:GUEST, or GUEST: a guest TCP port on the host."),
@@ -170,6 +179,7 @@ def run(
     engine: EngineOpt = None,
     accel: AccelOpt = "auto",
     nested_virt: NestedOpt = False,
+    aslr: AslrOpt = None,
     network: NetOpt = None,
     allow: AllowOpt = None,
     publish: PublishOpt = None,
@@ -216,6 +226,7 @@ def run(
         engine,
         (network, allow, publish, secret),
         nested_virt,
+        aslr,
     )
 
     async def main() -> int:
@@ -269,6 +280,7 @@ def create(
     engine: EngineOpt = None,
     accel: AccelOpt = "auto",
     nested_virt: NestedOpt = False,
+    aslr: AslrOpt = None,
     network: NetOpt = None,
     allow: AllowOpt = None,
     publish: PublishOpt = None,
@@ -294,6 +306,7 @@ def create(
         engine,
         (network, allow, publish, secret),
         nested_virt,
+        aslr,
     )
 
     async def main() -> None:

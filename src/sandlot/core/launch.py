@@ -87,8 +87,9 @@ class Launcher:
     # -- what a VM is launched with --------------------------------------------------------
 
     def hello(self, entry: BoxEntry) -> Hello:
-        return Hello(hostname=entry.hostname, machine_id=entry.record.machine_id,
-                     pids_max=entry.spec.pids_limit, request_timeout=entry.spec.request_timeout)  # fmt: skip
+        spec = entry.spec
+        return Hello(hostname=entry.hostname, machine_id=entry.record.machine_id, pids_max=spec.pids_limit,
+                     request_timeout=spec.request_timeout, aslr=spec.aslr)  # fmt: skip
 
     def net_spec(self, entry: BoxEntry, *, nic: bool | None = None) -> NetSpec | None:
         """The network card of the box's VM (None: it has none), its policy written where
@@ -393,7 +394,7 @@ def boot_request(spec: BoxSpec, *, network: bool) -> BootRequest:
     return BootRequest(
         accel=spec.accel, kernel=spec.kernel, volumes=bool(spec.volumes), network=network,
         disk_gb=spec.disk_size_gb, disk_required=spec.disk_size_gb != DEFAULT_DISK_GB,
-        nested_virt=spec.nested_virt, drives=len(spec.mounts),
+        nested_virt=spec.nested_virt, drives=len(spec.mounts), aslr=spec.aslr,
     )  # fmt: skip
 
 

@@ -116,6 +116,8 @@ class BoxRequest:
                 o["pids_limit"] = saved_box.get("pids_limit")
             # its KVM modules are loaded in the saved memory: a box from it has them
             o["nested_virt"] = bool(o["nested_virt"] or saved_box.get("nested_virt"))
+            if o["aslr"] is None:  # as it was saved, unless given anew (every HELLO sets it)
+                o["aslr"] = saved_box.get("aslr", True)
             if o["engine"] in (None, "auto"):  # a saved state runs on the engine that saved it
                 o["engine"] = facts.get("engine", "qemu")
             # what its commands ran with, unless given anew: a fork is the same box

@@ -56,6 +56,7 @@ class Hello:
     machine_id: str | None
     pids_max: int | None
     request_timeout: float
+    aslr: bool | None = None  # kernel.randomize_va_space on (2) or off (0); None: left as it is
 
 
 LostHandler = Callable[["Session"], Awaitable[BaseException | None]]
@@ -263,6 +264,7 @@ class Session:
             hostname=hello.hostname,
             machine_id=hello.machine_id,
             pids_max=hello.pids_max,
+            aslr=hello.aslr,
             on_lost=lost,
             token=self._inherited.token if self._inherited is not None else None,
         )

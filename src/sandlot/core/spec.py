@@ -224,6 +224,7 @@ class BoxSpec:
     idle_timeout: float | None = None  # suspend after this many seconds without requests
     pids_limit: int | None = None  # processes all commands together may have
     nested_virt: bool = False  # the box runs VMs of its own: /dev/kvm, on the guest's KVM
+    aslr: bool = True  # the guest kernel randomizes its processes' address spaces
     network: str = "none"  # see sandlot.net.policy
     allow: list[str] = field(default_factory=list)
     ports: list[Port] = field(default_factory=list)
@@ -263,6 +264,7 @@ class BoxSpec:
         ports: Sequence[PortSpec] | None = None,
         pids_limit: int | None = None,
         nested_virt: bool = False,
+        aslr: bool | None = None,
         secrets: Sequence[Secret] | None = None,
         saved_secrets: Sequence[dict[str, Any]] = (),
         saved: bool = False,
@@ -302,6 +304,8 @@ class BoxSpec:
             raise InvalidArgument(f"pids_limit must be at least 8 (a shell needs a few), not {pids_limit}")
         if not isinstance(nested_virt, bool):
             raise InvalidArgument(f"nested_virt must be True or False, not {nested_virt!r}")
+        if aslr is not None and not isinstance(aslr, bool):
+            raise InvalidArgument(f"aslr must be True or False, not {aslr!r}")
         if memory_mib < 64:
             raise InvalidArgument(f"memory_mib must be at least 64, not {memory_mib}")
         if cpus > (os.cpu_count() or 1) * 4:
@@ -375,6 +379,7 @@ class BoxSpec:
             ports=published,
             pids_limit=pids_limit,
             nested_virt=nested_virt,
+            aslr=aslr is not False,
             secrets=secret_specs,
         )
 

@@ -74,6 +74,7 @@ class BootRequest:
     disk_gb: int = 0  # the box's disk size (0: unknown)
     disk_required: bool = False  # the user asked for that size (it is not the default)
     nested_virt: bool = False  # the guest runs VMs of its own: /dev/kvm in the box
+    aslr: bool = True  # the guest kernel randomizes its processes' address spaces
 
 
 @dataclass(frozen=True, slots=True)

@@ -28,7 +28,7 @@ from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
-from ..errors import AgentTimeout, ConnectionLost, GuestOSError, ProtocolError, guest_os_error
+from ..errors import AgentTimeout, ConnectionLost, GuestOSError, ProtocolError, Unsupported, guest_os_error
 from . import wire
 from .wire import Fields, Frame, T, Tag
 
@@ -55,6 +55,7 @@ class AgentInfo:
     boot_id: str
     window: int
     max_payload: int
+    aslr: int | None = None  # kernel.randomize_va_space in force, where the HELLO asked for one
 
 
 def error_from_frame(frame: Frame) -> GuestOSError:
@@ -405,6 +406,7 @@ class AgentConnection:
         hostname: str | None = None,
         machine_id: str | None = None,
         pids_max: int | None = None,
+        aslr: bool | None = None,
         on_lost: Callable[[], Awaitable[BaseException | None]] | None = None,
         token: bytes | None = None,
     ) -> None:
@@ -413,6 +415,7 @@ class AgentConnection:
         self._hostname = hostname
         self._machine_id = machine_id
         self._pids_max = pids_max
+        self._aslr = aslr
         self._on_lost = on_lost
         self.token = token or secrets.token_bytes(16)  # names this host's session to the agent
         self.orphans: set[int] = set()  # live channels of an earlier host of this session
@@ -462,6 +465,8 @@ class AgentConnection:
             payload += wire.tlv(Tag.MACHINE_ID, self._machine_id)
         if self._pids_max is not None:  # the box's limits, also after a restore or fork
             payload += wire.tlv(Tag.PIDS_MAX, self._pids_max)
+        if self._aslr is not None:  # kernel.randomize_va_space: 2 (on) or 0 (off)
+            payload += wire.tlv(Tag.ASLR, 2 if self._aslr else 0)
         self._handshaking = True
         try:
             frame, waited = await self._hello(payload, timeout)
@@ -479,7 +484,16 @@ class AgentConnection:
             boot_id=f.str(Tag.BOOT_ID, "") or "",
             window=f.u32(Tag.WINDOW, wire.WINDOW) or wire.WINDOW,
             max_payload=f.u32(Tag.MAX_PAYLOAD, wire.MAX_PAYLOAD) or wire.MAX_PAYLOAD,
+            aslr=(aslr := f.u32(Tag.ASLR)),
         )
+        if self._aslr is False and aslr != 0:
+            # an agent older than the setting (in a state an earlier sandlot saved), or a
+            # kernel without it: the box must not run as if it had what it asked for
+            why = "does not know the setting" if aslr is None else f"left kernel.randomize_va_space at {aslr}"
+            raise Unsupported(
+                "this box cannot turn address-space randomization off (aslr=False): its agent "
+                f"{self.info.agent_version or '(unknown version)'} {why}"
+            )
         live = {int.from_bytes(v, "little") for v in f.all(Tag.CHANNEL)}
         if f.u32(Tag.RESUMED, 0):
             self.orphans = live - self._channels.keys()  # an earlier host's, not ours

@@ -119,6 +119,7 @@ class Tag(IntEnum):
     TREE_ENTRY = 53
     TARGET = 54
     RDEV = 55
+    ASLR = 56
 
 
 class ExecFlag:

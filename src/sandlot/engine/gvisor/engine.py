@@ -83,6 +83,10 @@ class GvisorEngine(Engine):
             raise InvalidArgument("engine='gvisor' has no guest kernel to replace (kernel= is for qemu)")
         if request.nested_virt:
             raise InvalidArgument("engine='gvisor' has no /dev/kvm for a box's own VMs (nested_virt: qemu)")
+        if not request.aslr:
+            raise InvalidArgument(
+                "engine='gvisor' always randomizes its processes' address spaces (aslr=False: engine='qemu')"
+            )
         limits.disk_bound(request, self.home / "layers")  # a size this host cannot hold a box to
 
     def prepare(self, request: BootRequest) -> Boot:

@@ -403,6 +403,7 @@ void shares_attach(void); /* up again: before the commands thaw */
 void add_entropy(const uint8_t *p, size_t n);
 void set_wall_clock(uint64_t ns);
 void set_machine_id(const char *id);
+int set_aslr(int want); /* the value in force after, -1 where the kernel has none */
 void shutdown_guest(struct session *s, uint32_t ch, uint32_t timeout_ms);
 const char *boot_id(void);
 

@@ -46,6 +46,8 @@ static void handle_hello(struct session *s, const uint8_t *p, size_t n)
     if (tlv_u32(p, n, SL_T_PIDS_MAX, &pids_max) == 1) {
         limits_set_pids(pids_max);
     }
+    uint32_t aslr_wanted;
+    int aslr = tlv_u32(p, n, SL_T_ASLR, &aslr_wanted) == 1 ? set_aslr((int)aslr_wanted) : -1;
 
     int resumed = s->has_token && memcmp(s->token, token, sizeof(s->token)) == 0;
     if (!resumed) {
@@ -63,6 +65,9 @@ static void handle_hello(struct session *s, const uint8_t *p, size_t n)
     msg_u32(&m, SL_T_RESUMED, (uint32_t)resumed);
     msg_u32(&m, SL_T_MAX_PAYLOAD, SL_MAX_PAYLOAD);
     msg_u32(&m, SL_T_WINDOW, SL_WINDOW);
+    if (aslr >= 0) {
+        msg_u32(&m, SL_T_ASLR, (uint32_t)aslr);
+    }
     if (resumed) {
         for (struct channel *c = g_channels; c; c = c->next) {
             if (c->s == s && !c->detached) {

@@ -757,6 +757,32 @@ void add_entropy(const uint8_t *p, size_t n)
  * in place costs a third of a create + rename (measured: ~6,700 translated blocks,
  * 50 ms per fork child). A file that is missing or of another size is replaced
  * atomically instead. */
+/* The guest kernel's address-space randomization (kernel.randomize_va_space): 2 (on) or
+ * 0 (off), as the box asks at every HELLO, so a box restored or forked from a state saved
+ * with the other has its own. Under TCG it is what a dynamically linked program's start
+ * costs most: QEMU 7.2 translates guest code per virtual address, so each process whose
+ * libraries land elsewhere translates them again. Read first: a write only on change. */
+int set_aslr(int want)
+{
+    int fd = open("/proc/sys/kernel/randomize_va_space", O_RDWR | O_CLOEXEC);
+    if (fd < 0) {
+        return -1; /* gVisor has none: it always randomizes */
+    }
+    char cur[8] = {0};
+    ssize_t n = pread(fd, cur, sizeof(cur) - 1, 0);
+    int now = n > 0 ? atoi(cur) : -1;
+    if (g_is_pid1 && (want == 0 || want == 2) && now != want) {
+        char v[2] = {(char)('0' + want), '\n'};
+        if (pwrite(fd, v, sizeof(v), 0) == (ssize_t)sizeof(v)) {
+            now = want;
+        } else {
+            logmsg("randomize_va_space %d: %s", want, strerror(errno));
+        }
+    }
+    close(fd);
+    return now;
+}
+
 void set_machine_id(const char *id)
 {
     if (!g_is_pid1 || strlen(id) != 32) {

@@ -106,6 +106,7 @@ enum sl_tag {
     SL_T_TREE_ENTRY = 53,    /* FS TREE: one path of the manifest (files.py parse_tree_entry) */
     SL_T_TARGET = 54,        /* FS SYMLINK: the link's target, as given (relative or absolute) */
     SL_T_RDEV = 55,          /* FS MKNOD: the device number (u64, the kernel's encoding) */
+    SL_T_ASLR = 56,          /* HELLO: kernel.randomize_va_space wanted (2 or 0); its ACK: in force */
 };
 
 /* SL_T_FLAGS bits of SL_EXEC */
