@@ -15,6 +15,7 @@ import hashlib
 import os
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import sandlot
@@ -44,13 +45,16 @@ def bench_boot(root: Path, n: int) -> tuple[dict, str | None]:
     }, accel
 
 
+def took(call: Callable[..., object], *args: str) -> float:
+    """Seconds ``call(*args)`` took."""
+    t0 = time.perf_counter()
+    call(*args)
+    return time.perf_counter() - t0
+
+
 def bench_exec(box: sandlot.Box, n: int) -> dict:
     box.exec("true")
-    lat = []
-    for _ in range(n):
-        t0 = time.perf_counter()
-        box.exec("true")
-        lat.append(time.perf_counter() - t0)
+    lat = [took(box.exec, "true") for _ in range(n)]
     pings = [box.ping() for _ in range(n)]
     ex, pg = summary(lat, 1e3), summary(pings, 1e3, 3)
     guest = guest_fork_exec_ms(box, max(n, 50))
@@ -86,16 +90,8 @@ def bench_dynamic_programs(quick: bool) -> dict:
     for aslr in (True, False):
         with sandlot.Box(rootfs=debian_root(), memory_mib=512, aslr=aslr) as box:
             box.exec("/usr/bin/true")
-            lat = []
-            for _ in range(execs):
-                t0 = time.perf_counter()
-                box.exec("/usr/bin/true")
-                lat.append(time.perf_counter() - t0)
-            py = []
-            for _ in range(starts):
-                t0 = time.perf_counter()
-                box.exec("python3", "-c", "pass")
-                py.append(time.perf_counter() - t0)
+            lat = [took(box.exec, "/usr/bin/true") for _ in range(execs)]
+            py = [took(box.exec, "python3", "-c", "pass") for _ in range(starts)]
             out["aslr_on" if aslr else "aslr_off"] = {
                 "exec_usr_bin_true_ms": summary(lat, 1e3),
                 "python3_start_ms": summary(py, 1e3, 1),

@@ -12,7 +12,9 @@ import socket
 import stat
 import struct
 import time
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -26,6 +28,7 @@ from sandlot.errors import (
 )
 from sandlot.protocol import files as pfiles
 from sandlot.protocol import wire
+from sandlot.protocol.connection import AgentConnection
 from sandlot.protocol.exec import ExecRequest, RemoteProcess
 from sandlot.protocol.wire import FrameDecoder, FsOp, T, Tag
 
@@ -35,6 +38,33 @@ from tests.support.hostagent import connected, spawn
 
 def run(coro):
     return asyncio.run(coro)
+
+
+Serve = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
+
+
+@contextlib.asynccontextmanager
+async def scripted_agent(serve: Serve, **hello: Any) -> AsyncIterator[AgentConnection]:
+    """A connection, handshaken, to an agent played by ``serve`` on a socket pair;
+    ``hello``: the connection's (``AgentConnection``'s keywords)."""
+    host_sock, agent_sock = socket.socketpair()
+
+    async def agent() -> None:
+        await serve(*await asyncio.open_unix_connection(sock=agent_sock))
+
+    async def connector() -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        return await asyncio.open_unix_connection(sock=host_sock)
+
+    task = asyncio.create_task(agent())
+    conn = AgentConnection(connector, request_timeout=10, **hello)
+    try:
+        await conn.connect(10)
+        yield conn
+    finally:
+        await conn.close()
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await task
 
 
 async def _exec(conn, argv, **kw):
@@ -493,15 +523,13 @@ def test_a_late_hello_answer_sets_the_guest_clock_again() -> None:
     """A VM still restoring its memory on a loaded host answers HELLO seconds late, and
     would keep the time the first HELLO carried: each HELLO carries the time it is sent,
     and a late answer is followed by a SET_TIME with the time then."""
-    from sandlot.protocol.connection import CLOCK_SLACK, HELLO_RETRY, AgentConnection
+    from sandlot.protocol.connection import CLOCK_SLACK, HELLO_RETRY
 
     async def go(late: float) -> tuple[list[int], list[tuple[int, int]]]:
-        host_sock, agent_sock = socket.socketpair()
         hellos: list[int] = []
         clock_sets: list[tuple[int, int]] = []  # (time set, host time when it arrived)
 
-        async def agent() -> None:
-            reader, writer = await asyncio.open_unix_connection(sock=agent_sock)
+        async def agent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
             decoder = FrameDecoder()
             first = None
             while data := await reader.read(65536):
@@ -518,18 +546,8 @@ def test_a_late_hello_answer_sets_the_guest_clock_again() -> None:
                         writer.write(wire.encode_frame(T.CONTROL_OK, frame.channel))
                 await writer.drain()
 
-        async def connector() -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
-            return await asyncio.open_unix_connection(sock=host_sock)
-
-        task = asyncio.create_task(agent())
-        conn = AgentConnection(connector, request_timeout=10)
-        try:
-            await conn.connect(10)
-        finally:
-            await conn.close()
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
+        async with scripted_agent(agent):
+            pass
         return hellos, clock_sets
 
     hellos, clock_sets = run(go(late=0))
@@ -544,13 +562,9 @@ def test_a_connection_starts_at_the_hello_answer_after_bytes_a_saved_vm_left() -
     """The tail of a frame the agent was writing when its VM was saved arrives first on
     the restored VM's new connection: the handshake skips it instead of failing with
     "bad frame magic" (a mixed storm of forks and snapshots met this once)."""
-    from sandlot.protocol.connection import AgentConnection
 
     async def go() -> int:
-        host_sock, agent_sock = socket.socketpair()
-
-        async def agent() -> None:
-            reader, writer = await asyncio.open_unix_connection(sock=agent_sock)
+        async def agent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
             writer.write(wire.encode_frame(T.DATA, 5, b"stdout " * 300)[100:])
             decoder = FrameDecoder()
             ack = wire.encode_frame(T.HELLO_ACK, 0, wire.tlv(Tag.VERSION, wire.PROTOCOL_VERSION))
@@ -562,20 +576,10 @@ def test_a_connection_starts_at_the_hello_answer_after_bytes_a_saved_vm_left() -
                         writer.write(wire.encode_frame(T.PONG, frame.channel))
                 await writer.drain()
 
-        async def connector() -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
-            return await asyncio.open_unix_connection(sock=host_sock)
-
-        task = asyncio.create_task(agent())
-        conn = AgentConnection(connector, request_timeout=10)
-        try:
-            info = await conn.connect(10)
+        async with scripted_agent(agent) as conn:
             await conn.ping(5)
-            return info.protocol_version
-        finally:
-            await conn.close()
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
+            assert conn.info is not None
+            return conn.info.protocol_version
 
     assert run(go()) == wire.PROTOCOL_VERSION
 
@@ -675,13 +679,9 @@ def test_an_agent_that_does_not_know_the_setting_cannot_turn_it_off() -> None:
     """A box restored from a state an earlier sandlot saved has that release's agent,
     which ignores the HELLO's setting: asked off, the connection is refused saying so;
     asked on (as every such box was), it goes ahead."""
-    from sandlot.protocol.connection import AgentConnection
 
     async def go(aslr: bool) -> None:
-        host_sock, agent_sock = socket.socketpair()
-
-        async def agent() -> None:
-            reader, writer = await asyncio.open_unix_connection(sock=agent_sock)
+        async def agent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
             decoder = FrameDecoder()
             ack = wire.tlv(Tag.VERSION, wire.PROTOCOL_VERSION) + wire.tlv(Tag.AGENT_VERSION, "0.9")
             while data := await reader.read(65536):
@@ -690,18 +690,8 @@ def test_an_agent_that_does_not_know_the_setting_cannot_turn_it_off() -> None:
                         writer.write(wire.encode_frame(T.HELLO_ACK, 0, ack))
                 await writer.drain()
 
-        async def connector() -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
-            return await asyncio.open_unix_connection(sock=host_sock)
-
-        task = asyncio.create_task(agent())
-        conn = AgentConnection(connector, request_timeout=10, aslr=aslr)
-        try:
-            await conn.connect(10)
-        finally:
-            await conn.close()
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
+        async with scripted_agent(agent, aslr=aslr):
+            pass
 
     run(go(True))
     with pytest.raises(Unsupported, match=r"its agent 0\.9 does not know the setting"):
