@@ -751,19 +751,20 @@ void add_entropy(const uint8_t *p, size_t n)
     }
 }
 
-/* /etc/machine-id of the root, set to the id the host gives (each fork child is
- * its own machine). This runs on every HELLO, and after a restore under TCG every
- * kernel path the guest takes costs translation: rewriting the existing 33 bytes
- * in place costs a third of a create + rename (measured: ~6,700 translated blocks,
- * 50 ms per fork child). A file that is missing or of another size is replaced
- * atomically instead. */
 /* The guest kernel's address-space randomization (kernel.randomize_va_space): 2 (on) or
  * 0 (off), as the box asks at every HELLO, so a box restored or forked from a state saved
  * with the other has its own. Under TCG it is what a dynamically linked program's start
  * costs most: QEMU 7.2 translates guest code per virtual address, so each process whose
- * libraries land elsewhere translates them again. Read first: a write only on change. */
+ * libraries land elsewhere translates them again. What it last set is kept, in the
+ * saved memory too: a restored or forked guest whose setting stays makes no system call
+ * (each is kernel code to translate again on a fork child's HELLO). */
+static int g_aslr = -1;
+
 int set_aslr(int want)
 {
+    if (want == g_aslr) {
+        return g_aslr;
+    }
     int fd = open("/proc/sys/kernel/randomize_va_space", O_RDWR | O_CLOEXEC);
     if (fd < 0) {
         return -1; /* gVisor has none: it always randomizes */
@@ -780,9 +781,18 @@ int set_aslr(int want)
         }
     }
     close(fd);
+    if (now == want) {
+        g_aslr = now;
+    }
     return now;
 }
 
+/* /etc/machine-id of the root, set to the id the host gives (each fork child is
+ * its own machine). This runs on every HELLO, and after a restore under TCG every
+ * kernel path the guest takes costs translation: rewriting the existing 33 bytes
+ * in place costs a third of a create + rename (measured: ~6,700 translated blocks,
+ * 50 ms per fork child). A file that is missing or of another size is replaced
+ * atomically instead. */
 void set_machine_id(const char *id)
 {
     if (!g_is_pid1 || strlen(id) != 32) {
