@@ -20,9 +20,20 @@ def start_time(pid: int | None) -> str | None:
     except OSError:
         return None
     fields = stat[stat.rindex(")") + 2 :].split()
-    if fields[0] == "Z":  # a zombie is gone for our purposes
+    if fields[0] == "Z" and not _threads_exiting(pid):  # a zombie is gone for our purposes
         return None
     return fields[19]
+
+
+def _threads_exiting(pid: int) -> bool:
+    """Whether a zombie's other threads still run their exit. A killed multithreaded
+    process (QEMU) shows its leader as a zombie while the others tear its memory down
+    and hold its files, so its locks too (a disk image's: the next QEMU on it failed
+    with "Failed to get write lock" after a kill -9)."""
+    try:
+        return any(t != str(pid) for t in os.listdir(f"/proc/{pid}/task"))
+    except OSError:
+        return False
 
 
 def alive(pid: int | None, recorded_start: str | None) -> bool:

@@ -169,3 +169,30 @@ def test_an_ephemeral_box_stays_with_its_holder_whoever_ran_its_last_operation(r
                                   holder_alive=False))  # fmt: skip
     after = rec_recovery.apply(rec)
     assert after is not None and after.state == "snapshotting"
+
+
+def test_a_killed_process_is_gone_only_once_its_last_thread_is() -> None:
+    """A multithreaded process whose leader has exited shows the leader as a zombie
+    while its other threads still run (and, killed, tear its memory down holding its
+    files, a disk image's lock among them): it is not gone until they are."""
+    import subprocess
+    import sys
+
+    leader_leaves = (
+        "import ctypes, threading, time\n"
+        "threading.Thread(target=lambda: time.sleep(60)).start()\n"
+        "ctypes.CDLL(None).syscall(60, 0)\n"  # SYS_exit: this thread alone, as a leader may
+    )
+    proc = subprocess.Popen([sys.executable, "-c", leader_leaves])
+    try:
+        started = pids.start_time(proc.pid)
+        deadline = time.monotonic() + 10
+        while Path(f"/proc/{proc.pid}/stat").read_text().split(") ")[1][0] != "Z":
+            assert time.monotonic() < deadline, "the leader never exited"
+            time.sleep(0.01)
+        assert pids.alive(proc.pid, started)  # its other thread runs on
+        proc.kill()
+        assert pids.wait_gone(proc.pid, started or "", 10)  # a zombie with no thread left
+    finally:
+        proc.kill()
+        proc.wait()
