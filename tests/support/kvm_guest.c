@@ -3,7 +3,7 @@
  *
  *   kvm_guest            the guest writes "KVM\n" and halts; this prints it, exits 0
  *   kvm_guest loop FILE  the guest writes forever; every 1000 writes the count so far
- *                        goes to FILE (rewritten), until this process is killed
+ *                        replaces FILE (atomically), until this process is killed
  *
  * Exit status 2 and a line on stderr name the step that failed. Static, no libc
  * beyond the syscalls: it runs in any image. */
@@ -98,10 +98,16 @@ int main(int argc, char **argv)
                 putchar(*((char *)run + run->io.data_offset));
                 fflush(stdout);
             } else if (++writes % 1000 == 0) {
-                FILE *f = fopen(argv[2], "w");
+                /* written aside, then renamed over FILE: a reader never sees it empty
+                 * (a truncate-and-write read between the two gave a count of 0) */
+                char tmp[4096];
+                snprintf(tmp, sizeof(tmp), "%s.tmp", argv[2]);
+                FILE *f = fopen(tmp, "w");
                 if (f) {
                     fprintf(f, "%llu\n", writes);
-                    fclose(f);
+                    if (fclose(f) == 0) {
+                        rename(tmp, argv[2]);
+                    }
                 }
             }
             break;

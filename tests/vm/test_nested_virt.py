@@ -94,7 +94,7 @@ def test_live_state_while_the_boxs_own_vm_runs(nested_box: sandlot.Box) -> None:
         advancing(nested_box)
         assert nested_box.exec("cat", "/tmp/kvm.err").stdout == ""
     finally:
-        nested_box.exec("sh", "-c", "kill $(pidof kvm_guest); rm -f " + COUNT)
+        nested_box.exec("sh", "-c", f"kill $(pidof kvm_guest); rm -f {COUNT} {COUNT}.tmp")
         snap.remove()
 
 
