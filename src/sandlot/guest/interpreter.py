@@ -37,7 +37,6 @@ import base64
 import codecs
 import contextlib
 import errno
-import fcntl
 import json
 import linecache
 import os
@@ -45,9 +44,7 @@ import queue
 import re
 import signal
 import socket
-import struct
 import sys
-import termios
 import threading
 import time
 from collections.abc import Callable
@@ -179,11 +176,11 @@ class Output:
             cell.stream(name, text)
 
     def settle(self) -> None:
-        """Wait until what the cell's processes wrote to fd 1 and 2 has been read."""
+        """Wait until what the cell's processes wrote to fd 1 and 2 has reached the cell
+        (0.5 s at most: a process left running may write on)."""
         deadline = time.monotonic() + 0.5
         for reader in self.fd_readers:
-            while reader.unread() and time.monotonic() < deadline:
-                time.sleep(0.001)
+            reader.settle(deadline)
 
 
 OUT = Output()
@@ -244,26 +241,42 @@ class ByteStream:
 
 class FdCapture:
     """fd 1 or 2 as a pipe whose reader passes what child processes and C code write
-    to the running cell, so ``os.system`` output is part of the cell's output."""
+    to the running cell, so ``os.system`` output is part of the cell's output.
+
+    A cell's end waits for that output with a mark written into the same pipe: a pipe
+    keeps order, so what a finished process wrote is passed on before the reader meets
+    the mark. (An empty pipe was not enough: the reader may have read the bytes and not
+    yet passed them on, waiting for the GIL, and the cell's end dropped them.)"""
+
+    # one write, so atomic in a pipe; no start of it is also its end (only its first byte
+    # is NUL), so output that ends like its start cannot make a mark with the real one
+    MARK = b"\0sandlot-settle-" + os.urandom(8).hex().encode() + b"\1"
 
     def __init__(self, fd: int, name: str) -> None:
         self.name = name
+        self.fd = fd
         r, w = os.pipe()
         os.dup2(w, fd)
         os.close(w)
         self.r = r
         self.decoder = codecs.getincrementaldecoder("utf-8")("replace")
+        self.marks = threading.Condition()
+        self.marks_sent = self.marks_met = 0
         thread(self.pump)
 
-    def unread(self) -> int:
-        buf = bytearray(4)
+    def settle(self, deadline: float) -> None:
+        with self.marks:
+            self.marks_sent += 1
+            mine = self.marks_sent
         try:
-            fcntl.ioctl(self.r, termios.FIONREAD, buf)
+            os.write(self.fd, self.MARK)
         except OSError:
-            return 0
-        return int(struct.unpack("i", bytes(buf))[0])
+            return
+        with self.marks:
+            self.marks.wait_for(lambda: self.marks_met >= mine, max(0.0, deadline - time.monotonic()))
 
     def pump(self) -> None:
+        held = b""  # the start of a mark, perhaps, at the end of the last read
         while True:
             try:
                 data = os.read(self.r, 65536)
@@ -271,7 +284,18 @@ class FdCapture:
                 continue
             if not data:
                 return
-            OUT.stream(self.name, self.decoder.decode(data))
+            *parts, held = (held + data).split(self.MARK)
+            keep = next((n for n in range(min(len(held), len(self.MARK) - 1), 0, -1)
+                         if self.MARK.startswith(held[-n:])), 0)  # fmt: skip
+            parts.append(held[: len(held) - keep])
+            held = held[len(held) - keep :]
+            text = self.decoder.decode(b"".join(parts))
+            if text:
+                OUT.stream(self.name, text)
+            if len(parts) > 1:
+                with self.marks:
+                    self.marks_met += len(parts) - 1
+                    self.marks.notify_all()
 
 
 # ---- rich display ------------------------------------------------------------
