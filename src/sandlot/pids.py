@@ -10,6 +10,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import NamedTuple
 
+PF_EXITING = 0x4  # include/linux/sched.h: the task is in do_exit
+
 
 def start_time(pid: int | None) -> str | None:
     """Start time in clock ticks since boot, or None if there is no such process."""
@@ -38,6 +40,27 @@ def _threads_exiting(pid: int) -> bool:
 
 def alive(pid: int | None, recorded_start: str | None) -> bool:
     return pid is not None and recorded_start is not None and start_time(pid) == recorded_start
+
+
+def alive_as(pid: int | None, recorded_start: str | None, marker: str) -> bool:
+    """Whether that process lives and is the one whose command line names ``marker``
+    (a box's VM, by the box's id). A killed process loses its command line the moment
+    its leader lets go of its memory, tens of milliseconds before its last thread ends
+    and lets go of its files (a disk image's lock): on its way out, it is still ours."""
+    if not alive(pid, recorded_start):
+        return False
+    argv = cmdline(pid or 0)
+    return any(marker in arg for arg in argv) or (not any(argv) and _exiting(pid or 0))
+
+
+def _exiting(pid: int) -> bool:
+    """Whether the process has begun to exit (PF_EXITING in its flags): a kernel thread,
+    the other kind without a command line, has not."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return bool(int(stat[stat.rindex(")") + 2 :].split()[6]) & PF_EXITING)
 
 
 def cmdline(pid: int) -> list[str]:

@@ -172,9 +172,10 @@ def test_an_ephemeral_box_stays_with_its_holder_whoever_ran_its_last_operation(r
 
 
 def test_a_killed_process_is_gone_only_once_its_last_thread_is() -> None:
-    """A multithreaded process whose leader has exited shows the leader as a zombie
-    while its other threads still run (and, killed, tear its memory down holding its
-    files, a disk image's lock among them): it is not gone until they are."""
+    """A multithreaded process whose leader has exited shows the leader as a zombie,
+    with no command line, while its other threads still run (and, killed, tear its
+    memory down holding its files, a disk image's lock among them): it is not gone,
+    nor another process, until they are."""
     import subprocess
     import sys
 
@@ -183,14 +184,21 @@ def test_a_killed_process_is_gone_only_once_its_last_thread_is() -> None:
         "threading.Thread(target=lambda: time.sleep(60)).start()\n"
         "ctypes.CDLL(None).syscall(60, 0)\n"  # SYS_exit: this thread alone, as a leader may
     )
-    proc = subprocess.Popen([sys.executable, "-c", leader_leaves])
+    proc = subprocess.Popen([sys.executable, "-c", leader_leaves, "leader_leaves"])
     try:
         started = pids.start_time(proc.pid)
+        assert pids.alive_as(proc.pid, started, "leader_leaves")
+        assert not pids.alive_as(proc.pid, started, "another-box")
         deadline = time.monotonic() + 10
         while Path(f"/proc/{proc.pid}/stat").read_text().split(") ")[1][0] != "Z":
             assert time.monotonic() < deadline, "the leader never exited"
             time.sleep(0.01)
         assert pids.alive(proc.pid, started)  # its other thread runs on
+        # and it is still the process its command line named, though that is gone with
+        # the leader's hold on its memory
+        assert pids.cmdline(proc.pid) == [""]
+        assert pids.alive_as(proc.pid, started, "leader_leaves")
+        assert not pids.alive_as(proc.pid, "1", "leader_leaves")  # another start: another process
         proc.kill()
         assert pids.wait_gone(proc.pid, started or "", 10)  # a zombie with no thread left
     finally:

@@ -165,9 +165,7 @@ class GvisorEngine(Engine):
     # -- recovery (no event loop) --------------------------------------------------------
 
     def alive(self, ref: VMRef | None, box_id: str) -> bool:
-        if ref is None or not pids.alive(ref.pid, ref.start):
-            return False
-        return any(box_id in arg for arg in pids.cmdline(ref.pid))
+        return ref is not None and pids.alive_as(ref.pid, ref.start, box_id)
 
     def _bare(self, where: Placement) -> SandboxConfig:
         return SandboxConfig(where.box_id, where.hostname, where.run_dir, where.state_dir, Path(), Path(),

@@ -175,9 +175,7 @@ class QemuEngine(Engine):
     # -- recovery (no event loop) --------------------------------------------------------
 
     def alive(self, ref: VMRef | None, box_id: str) -> bool:
-        if ref is None or not pids.alive(ref.pid, ref.start):
-            return False
-        return any(box_id in arg for arg in pids.cmdline(ref.pid))
+        return ref is not None and pids.alive_as(ref.pid, ref.start, box_id)
 
     def probe(self, ref: VMRef | None, where: Placement) -> VMStatus:
         if not self.alive(ref, where.box_id):
