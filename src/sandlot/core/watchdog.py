@@ -5,7 +5,8 @@ to sleep even after every process that used it has exited. It asks the agent
 how many operations are in flight (from any process) and how long ago the last
 request came; the asking itself does not count. Once the box has been idle for
 ``idle_timeout`` it is suspended, and the watchdog exits; whoever resumes the
-box (explicitly, or by running a command in it) starts a new one.
+box (explicitly, or by running a command in it) starts a new one. A suspend that
+is called off (a request came) or fails is tried again once the box is idle again.
 
     python -m sandlot.core.watchdog HOME BOX_ID
 """
@@ -13,7 +14,6 @@ box (explicitly, or by running a command in it) starts a new one.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import fcntl
 import os
 import sys
@@ -23,6 +23,7 @@ from .events import acting_as
 from .idle import POLL_MAX, watchdog_lock
 
 IDLE = "idle"  # who its events say acted
+RETRY_MAX = 60.0  # seconds between tries of a suspend that keeps failing
 
 
 async def watch(home: Path, box_id: str) -> None:
@@ -39,10 +40,10 @@ async def watch(home: Path, box_id: str) -> None:
     timeout = entry.spec.idle_timeout
     if not timeout:
         return
-    poll = min(POLL_MAX, max(0.2, timeout / 4))
+    poll = wait = min(POLL_MAX, max(0.2, timeout / 4))
     try:
         while True:
-            await asyncio.sleep(poll)
+            await asyncio.sleep(wait)
             try:
                 if (await core.controller.refresh(entry)).state != BoxState.RUNNING:
                     return  # stopped, suspended, removed: a later start or resume watches again
@@ -57,9 +58,16 @@ async def watch(home: Path, box_id: str) -> None:
                 continue
             if busy == 0 and idle >= timeout:
                 entry.session.drop()  # our own connection is not a user
-                with contextlib.suppress(SandlotError), acting_as(IDLE, f"idle for {idle:.0f}s"):
-                    await core.live.suspend(entry, if_idle_for=timeout)
-                return
+                # Suspended, the next poll sees it and ends this watch. Called off (a request
+                # came meanwhile) or failed, whatever the error (its event says why):
+                # watched on, as giving up would leave the box awake for good; after a
+                # failure, less and less often.
+                try:
+                    with acting_as(IDLE, f"idle for {idle:.0f}s"):
+                        await core.live.suspend(entry, if_idle_for=timeout)
+                    wait = poll
+                except Exception:
+                    wait = min(wait * 2, RETRY_MAX)
     finally:
         await core.close()
 

@@ -40,6 +40,7 @@ DEFAULT_REQUEST_TIMEOUT = 30.0
 HELLO_RETRY = 1.0
 # A HELLO answered later than this set the guest's clock that far behind: set it again
 CLOCK_SLACK = 0.25
+CLOCK_TRIES = 5
 # How long a lost connection keeps asking its owner and connecting again while the
 # agent's socket is missing or refuses: a VM that another process stops or replaces
 # (a rollback) closes its sockets before its process exits, so the owner may still
@@ -519,8 +520,14 @@ class AgentConnection:
         return self.info
 
     async def set_clock(self, timeout: float | None = None) -> None:
-        """Set the guest's wall clock to the host's, now."""
-        await self.control(wire.ControlOp.SET_TIME, wire.tlv_u64(Tag.TIME_NS, time.time_ns()), timeout)
+        """Set the guest's wall clock to the host's, now. An answer later than
+        ``CLOCK_SLACK`` says the guest may have set a time that old (a guest starved by
+        a loaded host): it is set again, ``CLOCK_TRIES`` times at most."""
+        for _ in range(CLOCK_TRIES):
+            sent = time.monotonic()
+            await self.control(wire.ControlOp.SET_TIME, wire.tlv_u64(Tag.TIME_NS, time.time_ns()), timeout)
+            if time.monotonic() - sent <= CLOCK_SLACK:
+                return
 
     async def freeze(self, lease: float) -> None:
         """Stop every command's processes (a save of a box with VMs of its own: no vCPU of
