@@ -648,3 +648,33 @@ def test_an_idle_suspend_is_called_off_when_a_request_came_after_the_watchdog_lo
         await box.remove(force=True)
 
     run(main)
+
+
+def test_the_idle_watchdog_tries_again_after_a_suspend_that_failed(
+    home: Path, root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A suspend that fails (a save refused on a loaded host) does not end the watch: the
+    box would stay awake for good. The watchdog tries again once the box is idle again."""
+    from sandlot.core import idle, watchdog
+    from sandlot.core.livestate import LiveState
+
+    monkeypatch.setattr(idle, "spawn", lambda home, box_id: None)  # the watch runs here, below
+    real = LiveState.suspend
+    tries: list[float | None] = []
+
+    async def failing_once(self: LiveState, entry: Any, *, if_idle_for: float | None = None) -> None:
+        tries.append(if_idle_for)
+        if len(tries) == 1:
+            raise sandlot.SandlotError("the save failed")
+        await real(self, entry, if_idle_for=if_idle_for)
+
+    monkeypatch.setattr(LiveState, "suspend", failing_once)
+
+    async def main() -> None:
+        box = new_box(home, root, keep=True, idle_timeout=0.5)
+        await box.start()
+        await asyncio.wait_for(watchdog.watch(home, box.id), 30)
+        assert tries == [0.5, 0.5] and await box.refresh() == "suspended"
+        await box.remove(force=True)
+
+    run(main)
