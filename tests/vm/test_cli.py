@@ -32,10 +32,12 @@ def test_doctor_reports_accelerator_and_reason() -> None:
     assert "virtio_blk" in report["kernel"]["modules"]
     assert report["kernel"]["lockdown"] is True  # the distro's modules are signed
     assert report["host_cgroup"].get("where") or report["host_cgroup"]["reason"]
+    text = sandlot("doctor").stdout.decode()
     if report["accel"]["name"] == "tcg":  # QEMU's emulated SVM
         assert report["nested_virt"] == {"available": True, "why": report["nested_virt"]["why"]}
         assert "emulated CPU offers SVM" in report["nested_virt"]["why"]
-    text = sandlot("doctor").stdout.decode()
+        # what a box gains under emulation without address-space randomization
+        assert "aslr=False" in report["accel"]["advice"] and "--no-aslr" in text
     assert "nested virt" in text
     assert "accelerator" in text and report["accel"]["name"] in text
     assert "host cgroup" in text

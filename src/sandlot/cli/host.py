@@ -50,6 +50,8 @@ def doctor(
     if isinstance(accel, dict) and accel:
         color = "green" if accel.get("name") == "kvm" else "yellow"
         out.print(f"accelerator  [{color}]{accel['name']}[/]  {accel['reason']}")
+        if accel.get("advice"):
+            out.print(f"             {accel['advice']}")
     if isinstance(kernel, dict) and kernel:
         out.print(f"kernel       {ok}  {kernel['version']} from {kernel['source']}")
         out.print(f"             modules: {', '.join(kernel['modules'])}")
