@@ -238,16 +238,19 @@ def test_cli_snapshot_commands(counting_box: sandlot.Box) -> None:
 
 def test_template_starts_with_its_server_running(debian_root: Path) -> None:
     name = f"web-{os.urandom(3).hex()}"
+    get = "import urllib.request; print(urllib.request.urlopen('http://127.0.0.1:8000/').read().decode())"
+    # saved once the server answers (a fixed sleep was too short for a loaded host)
     tmpl = sandlot.template(
         rootfs=debian_root, memory_mib=256, name=name, engine=TEST_ENGINE,
         setup=["mkdir -p /srv && echo hello-from-template > /srv/index.html",
-               "cd /srv && nohup python3 -m http.server 8000 >/dev/null 2>&1 & sleep 1.5"],
+               "cd /srv && nohup python3 -m http.server 8000 >/dev/null 2>&1 &",
+               f'for i in $(seq 300); do python3 -c "{get}" >/dev/null 2>&1 && exit; sleep .2; done; exit 1'],
     )  # fmt: skip
     try:
         assert tmpl.kind == "template"
-        get = "import urllib.request; print(urllib.request.urlopen('http://127.0.0.1:8000/').read().decode())"
         with sandlot.Box(template=name) as box:
-            assert box.exec("python3", "-c", get).stdout == "hello-from-template\n\n"
+            r = box.exec("python3", "-c", get)
+            assert r.stdout == "hello-from-template\n\n", r.stderr
             assert box.inspect()["origin"] == tmpl.id
         with pytest.raises(sandlot.InvalidArgument):
             sandlot.Box(template=tmpl, memory_mib=1024)  # a template fixes the shape
