@@ -17,11 +17,9 @@ def start_time(pid: int | None) -> str | None:
     """Start time in clock ticks since boot, or None if there is no such process."""
     if not pid or pid <= 0:
         return None
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
+    fields = stat_fields(pid)
+    if fields is None:
         return None
-    fields = stat[stat.rindex(")") + 2 :].split()
     if fields[0] == "Z" and not _threads_exiting(pid):  # a zombie is gone for our purposes
         return None
     return fields[19]
@@ -47,20 +45,27 @@ def alive_as(pid: int | None, recorded_start: str | None, marker: str) -> bool:
     (a box's VM, by the box's id). A killed process loses its command line the moment
     its leader lets go of its memory, tens of milliseconds before its last thread ends
     and lets go of its files (a disk image's lock): on its way out, it is still ours."""
-    if not alive(pid, recorded_start):
+    if pid is None or not alive(pid, recorded_start):
         return False
-    argv = cmdline(pid or 0)
-    return any(marker in arg for arg in argv) or (not any(argv) and _exiting(pid or 0))
+    argv = cmdline(pid)
+    return any(marker in arg for arg in argv) or (not any(argv) and _exiting(pid))
 
 
 def _exiting(pid: int) -> bool:
     """Whether the process has begun to exit (PF_EXITING in its flags): a kernel thread,
     the other kind without a command line, has not."""
+    fields = stat_fields(pid)
+    return fields is not None and bool(int(fields[6]) & PF_EXITING)
+
+
+def stat_fields(pid: int) -> list[str] | None:
+    """/proc/PID/stat's fields after the command name (which may hold spaces and
+    parentheses): the state first; None if there is no such process."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
-        return False
-    return bool(int(stat[stat.rindex(")") + 2 :].split()[6]) & PF_EXITING)
+        return None
+    return stat[stat.rindex(")") + 2 :].split()
 
 
 def cmdline(pid: int) -> list[str]:

@@ -415,10 +415,10 @@ class Engine(ABC):
         if ref is None or not pids.alive(ref.pid, ref.start):
             return out
         with contextlib.suppress(OSError, ValueError, IndexError):
-            stat = Path(f"/proc/{ref.pid}/stat").read_text()
-            fields = stat[stat.rindex(")") + 2 :].split()
-            ticks = os.sysconf("SC_CLK_TCK")
-            out["cpu_seconds"] = round((int(fields[11]) + int(fields[12])) / ticks, 2)
+            fields = pids.stat_fields(ref.pid)
+            if fields is not None:
+                ticks = os.sysconf("SC_CLK_TCK")
+                out["cpu_seconds"] = round((int(fields[11]) + int(fields[12])) / ticks, 2)
             for line in Path(f"/proc/{ref.pid}/status").read_text().splitlines():
                 if line.startswith("VmRSS:"):
                     out["rss_bytes"] = int(line.split()[1]) * 1024
