@@ -2,9 +2,12 @@
 
 * host -> host: the client on the host, the server on the host's 127.0.0.1 (baseline);
 * box -> host through the egress proxy (``network="allowlist"`` listing the server),
-  once through the home's egress server (the relay hands it each connection) and once
-  the way it was before, a Python helper started per connection
-  (``SANDLOT_EGRESS_RELAY=0``); each with its latency over the direct path's;
+  three ways: over the VM's egress port to the home's egress server (no process
+  started per connection); through QEMU's user network, which forks for each
+  connection a relay that hands it to that server (``SANDLOT_EGRESS_MUX=0``, as before
+  the port); and with a Python helper started per connection
+  (``SANDLOT_EGRESS_RELAY=0``, as before the server); each with its latency over the
+  direct path's;
 * box -> host through QEMU's user networking directly (``network="open"``, 10.0.2.2):
   the same guest client without the proxy, to separate the proxy's cost from emulation's;
 * host -> box through a published port (``ports=[...]``), the server in the box;
@@ -200,21 +203,31 @@ def main() -> None:
         return f
 
     allow = [f"127.0.0.1:{port}"]
-    with sandlot.Box(rootfs=root, memory_mib=512, network="allowlist", allow=allow, template=False) as box:
-        raw = box_client(box, f"http://127.0.0.1:{port}", args.runs, "http://10.0.2.100:3128")
-        out["box_to_host_via_egress_proxy"] = ratio(figures(raw))
-    # before the persistent egress path: QEMU starts a Python helper per connection
-    os.environ["SANDLOT_EGRESS_RELAY"] = "0"
-    try:
-        with sandlot.Box(rootfs=root, memory_mib=512, network="allowlist", allow=allow, template=False) as b:
-            raw = box_client(b, f"http://127.0.0.1:{port}", args.runs, "http://10.0.2.100:3128")
-            out["box_to_host_via_proxy_helper_per_connection"] = ratio(figures(raw))
-    finally:
-        del os.environ["SANDLOT_EGRESS_RELAY"]
+    proxied = {
+        "box_to_host_via_egress_proxy": {},
+        # before the egress port: QEMU forks for each connection, the relay hands it over
+        "box_to_host_via_proxy_relay_per_connection": {"SANDLOT_EGRESS_MUX": "0"},
+        # before the egress server: QEMU starts a Python helper per connection
+        "box_to_host_via_proxy_helper_per_connection": {
+            "SANDLOT_EGRESS_RELAY": "0",
+            "SANDLOT_EGRESS_MUX": "0",
+        },
+    }
+    for key, env in proxied.items():
+        os.environ.update(env)
+        try:
+            with sandlot.Box(
+                rootfs=root, memory_mib=512, network="allowlist", allow=allow, template=False
+            ) as b:
+                raw = box_client(b, f"http://127.0.0.1:{port}", args.runs, "http://10.0.2.100:3128")
+                out[key] = ratio(figures(raw))
+        finally:
+            for name in env:
+                del os.environ[name]
     with sandlot.Box(rootfs=root, memory_mib=512, network="open", template=False) as box:
         raw = box_client(box, f"http://10.0.2.2:{port}", args.runs, None)
         out["box_to_host_direct_open_mode"] = direct = ratio(figures(raw))
-    for key in ("box_to_host_via_egress_proxy", "box_to_host_via_proxy_helper_per_connection"):
+    for key in proxied:
         over = out[key]["latency_ms"]["median"] - direct["latency_ms"]["median"]
         out[key]["latency_ms_over_direct_p50"] = round(over, 2)
         over = out[key]["to_connection_end_ms"]["median"] - direct["to_connection_end_ms"]["median"]

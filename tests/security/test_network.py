@@ -393,15 +393,26 @@ def test_policy_changes_apply_to_a_running_box(debian_root: Path, service: HostS
 def test_guest_connections_go_through_the_homes_egress_server_and_survive_its_death(
     debian_root: Path, service: HostService
 ) -> None:
-    """The engine (QEMU, or a gVisor box's forwarder) runs the relay per connection and
-    the home's egress server serves it; with
-    the server killed (-9) connections still work, each in a helper of its own, and
-    the next box's start brings a server back."""
+    """A QEMU VM's connections to the proxy go over its egress port to the home's
+    egress server (the guest listens at the proxy address itself); a gVisor box's
+    forwarder runs the relay per connection, which hands each to that server. With the
+    server killed (-9) connections still work: a VM's go through QEMU's user network
+    (``FALLBACK_ADDRESS``), each in a helper of its own, and the next box's start
+    brings a server back, to which the VM's port connects again."""
     sock = egress_socket(runtime_dir(), default_home())
 
     def servers() -> list[int]:
         out = subprocess.run(["pgrep", "-f", f"sandlot.net.egress {sock}"], capture_output=True, text=True)
         return [int(p) for p in out.stdout.split()]
+
+    def port_state(box: sandlot.Box, want: str) -> None:
+        """Wait until the guest's side of the egress port says ``want`` (QEMU only)."""
+        if TEST_ENGINE != "qemu":
+            return
+        deadline = time.monotonic() + 30
+        while (state := box.exec("cat", "/run/sandlot/egress").stdout.strip()) != want:
+            assert time.monotonic() < deadline, f"the egress port is {state!r}, not {want!r}"
+            time.sleep(0.2)
 
     allow = [f"127.0.0.1:{service.port}"]
     target = ("proxy", f"127.0.0.1:{service.port}")
@@ -410,6 +421,11 @@ def test_guest_connections_go_through_the_homes_egress_server_and_survive_its_de
     ) as box:
         cmdline = network_process(box)
         assert b"sandlot-fdrelay" in cmdline and str(sock).encode() in cmdline
+        port_state(box, "ready")
+        if TEST_ENGINE == "qemu":
+            assert str(sock.with_suffix(".mux")).encode() in cmdline
+            listening = box.exec("cat", "/proc/net/tcp").stdout
+            assert " 6402000A:0C38 00000000:0000 0A " in listening  # 10.0.2.100:3128, in the guest
         assert probe(box, target)[target] == "host-only-data"
         [server] = servers()
         os.kill(server, signal.SIGKILL)
@@ -417,6 +433,7 @@ def test_guest_connections_go_through_the_homes_egress_server_and_survive_its_de
         while servers():
             assert time.monotonic() < deadline
             time.sleep(0.05)
+        port_state(box, "away")
         assert probe(box, target)[target] == "host-only-data"  # a helper of its own served it
         assert servers() == []  # nothing started one: a VM's start does
         with sandlot.Box(
@@ -424,6 +441,7 @@ def test_guest_connections_go_through_the_homes_egress_server_and_survive_its_de
         ) as other:
             assert probe(other, target)[target] == "host-only-data"
         assert len(servers()) == 1
+        port_state(box, "ready")  # QEMU connected again to the new server
         assert probe(box, target)[target] == "host-only-data"
 
 

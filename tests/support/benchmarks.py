@@ -49,6 +49,7 @@ PROMISED = {
     "network": [
         "host_to_host",
         "box_to_host_via_egress_proxy",
+        "box_to_host_via_proxy_relay_per_connection",
         "box_to_host_via_proxy_helper_per_connection",
         "host_to_box_published_port",
     ],

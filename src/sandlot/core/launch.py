@@ -29,7 +29,7 @@ from ..engine.base import VM, Boot, BootRequest, Drive, Engine, LaunchSpec, NetS
 from ..errors import AgentTimeout, BootTimeout, ConnectionLost, no_space
 from ..net.addresses import box_address
 from ..net.boxlink import LinkInfo, link_socket
-from ..net.egress import ensure_server, relay_for
+from ..net.egress import ensure_server, mux_for, relay_for
 from ..net.policy import write_policy
 from ..net.secrets import GUEST_BUNDLE, GUEST_CA, SYSTEM_BUNDLES, read_vault_json
 from ..protocol import files as proto_files
@@ -136,6 +136,7 @@ class Launcher:
                 for r in policy.allow
                 if r.box is not None and r.port is not None  # box entries exist in proxied modes only
             ),
+            egress_mux=str(mux) if (mux := mux_for(relay)) is not None else None,
         )
 
     def vm_of(self, entry: BoxEntry, rec: BoxRecord) -> VM:

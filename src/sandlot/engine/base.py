@@ -100,7 +100,9 @@ class NetSpec:
     their port of ``sandlot.net.addresses.PROXY_ADDRESS``, with the connection
     as their standard input and output; the proxy also on ``transparent_ports``
     (with ``--transparent PORT``). ``guest_forwards``: more of the same, each a
-    guest address and port and the command its connections go to."""
+    guest address and port and the command its connections go to. ``egress_mux``: where
+    an engine that can may carry the proxy address's connections instead (the helpers'
+    commands say what serves each port there)."""
 
     restrict: bool = True
     proxy_command: str | None = None
@@ -108,6 +110,9 @@ class NetSpec:
     forwards: tuple[tuple[str, int, int], ...] = ()  # host address, host port, guest port
     transparent_ports: tuple[int, ...] = ()
     guest_forwards: tuple[tuple[str, int, str], ...] = ()  # guest address, guest port, command
+    # where the home's egress server takes a VM's egress port (``sandlot.net.mux``): the
+    # proxy address's connections without a process started for each; None: none
+    egress_mux: str | None = None
 
     def helpers(self) -> list[tuple[str, int, str]]:
         """(guest address, port, command) of each helper the guest's connections reach:

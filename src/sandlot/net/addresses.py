@@ -17,6 +17,9 @@ GUEST_ADDRESS = "10.0.2.15"
 GATEWAY_ADDRESS = "10.0.2.2"
 RESOLVER_ADDRESS = "10.0.2.3"
 PROXY_ADDRESS = "10.0.2.100"
+# The helpers answer here too, where a VM's egress port makes the proxy address the
+# guest's own (``sandlot.net.mux``): its way out when the port's host end is away.
+FALLBACK_ADDRESS = "10.0.2.99"
 PROXY_PORT = 3128
 DNS_PORT = 53
 # Boxes a box may reach (``box:NAME:PORT``) answer at addresses of their own, so a

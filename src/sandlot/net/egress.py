@@ -49,9 +49,11 @@ from .. import pids
 from ..config import build_c, private_listener, spawn_unless_locked, try_flock
 from ..errors import HostSetupError
 from ..native import RELAY, prebuilt
+from .mux import Session, peer_helpers
 
 MODULE = "sandlot.net.egress"
 SWITCH = "SANDLOT_EGRESS_RELAY"
+MUX_SWITCH = "SANDLOT_EGRESS_MUX"
 HELPERS = ("sandlot.net.proxy", "sandlot.net.dns")
 MAX_MESSAGE = 16384  # the relay's limit too
 MAX_ACTIVE = 2048  # connections served at once; past it the relay runs the helper itself
@@ -73,6 +75,16 @@ class Relay:
     def command(self, helper: list[str]) -> list[str]:
         """The per-connection command: the relay, falling back to ``helper``."""
         return [str(self.binary), str(self.socket), "--", *helper]
+
+    @property
+    def mux(self) -> Path:
+        """Where the server takes VMs' egress ports (``sandlot.net.mux``)."""
+        return mux_socket(self.socket)
+
+
+def mux_socket(sock: Path) -> Path:
+    """The stream socket beside a server's relay socket, for VMs' egress ports."""
+    return sock.with_suffix(".mux")
 
 
 def egress_socket(runtime: Path, home: Path) -> Path:
@@ -106,6 +118,15 @@ def relay_for(home: Path, runtime: Path) -> Relay | None:
     return _relays[key]
 
 
+def mux_for(relay: Relay | None) -> Path | None:
+    """Where VMs' egress ports connect to the home's server: none without a relay (no
+    server runs), nor where ``SANDLOT_EGRESS_MUX=0`` says each connection goes through
+    QEMU's user network and the relay (as it did before the port: for comparisons)."""
+    if relay is None or os.environ.get(MUX_SWITCH) == "0":
+        return None
+    return relay.mux
+
+
 def ensure_server(relay: Relay) -> bool:
     """Start the home's server, detached, unless one runs; True if one was started."""
     return spawn_unless_locked(relay.lock, MODULE, str(relay.socket), str(relay.lock), cwd="/")
@@ -125,6 +146,8 @@ class Server:
     def serve(self) -> None:
         listener = private_listener(self.path, socket.SOCK_SEQPACKET, 512)  # we hold the lock
         listener.settimeout(CHECK_EVERY)
+        ports = private_listener(mux_socket(self.path), socket.SOCK_STREAM, 128)
+        threading.Thread(target=self.serve_ports, args=(ports,), daemon=True).start()
         with listener:
             while True:
                 try:
@@ -135,8 +158,10 @@ class Server:
                     continue
                 self.take(conn)
             # new relays find no socket from here on; those already queued are still served
-            with contextlib.suppress(FileNotFoundError):
-                self.path.unlink()
+            # (VMs' ports connect again to the next server)
+            for path in (self.path, mux_socket(self.path)):
+                with contextlib.suppress(FileNotFoundError):
+                    path.unlink()
             listener.setblocking(False)
             while True:
                 try:
@@ -169,13 +194,8 @@ class Server:
                 except OSError:  # not a socket: no connection QEMU made
                     os.close(guest_fd)
             truncated = flags & (socket.MSG_TRUNC | socket.MSG_CTRUNC)
-            with self._count:
-                full = self.active >= MAX_ACTIVE
-                if handler is not None and guest is not None and not truncated and not full:
-                    self.active += 1
-                    self.last = time.monotonic()
-                else:
-                    handler = None
+            if handler is not None and guest is not None and (truncated or not self._admit()):
+                handler = None
             if handler is None or guest is None:
                 if guest is not None:
                     guest.close()
@@ -193,6 +213,47 @@ class Server:
                 self._finished()
                 return
         threading.Thread(target=self._run, args=(handler, guest, argv), daemon=True).start()
+
+    def _admit(self) -> bool:
+        """Count one more connection served here, unless ``MAX_ACTIVE`` are."""
+        with self._count:
+            if self.active >= MAX_ACTIVE:
+                return False
+            self.active += 1
+            self.last = time.monotonic()
+            return True
+
+    def serve_ports(self, listener: socket.socket) -> None:
+        """VMs' egress ports, a thread each (``sandlot.net.mux``)."""
+        while True:
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._port, args=(conn,), daemon=True).start()
+
+    def _port(self, conn: socket.socket) -> None:
+        try:
+            helpers = peer_helpers(conn, mux_socket(self.path))
+        except OSError:
+            helpers = None
+        if helpers is None:
+            conn.close()
+            return
+        table: dict[int, tuple[Handler, list[str]]] = {}
+        for port, argv in helpers.items():
+            handler, args = self._helper(("\0".join(argv) + "\0").encode())
+            if handler is not None:
+                table[port] = (handler, args)
+
+        def serve(guest: socket.socket, port: int) -> bool:
+            if not self._admit():
+                return False
+            handler, argv = table[port]
+            threading.Thread(target=self._run, args=(handler, guest, argv), daemon=True).start()
+            return True
+
+        Session(conn, sorted(table), serve).run()
 
     def _helper(self, msg: bytes) -> tuple[Handler | None, list[str]]:
         """The helper a relay asks for: ``PYTHON -m MODULE ARGS...``, served here only

@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ...errors import HostSetupError
+from ...net.addresses import FALLBACK_ADDRESS, PROXY_ADDRESS
+from ...net.mux import PORT_NAME as MUX_PORT_NAME
 from ..base import Drive, NetSpec, Volume
 
 QEMU_BINARY = "qemu-system-x86_64"
@@ -24,9 +26,11 @@ MACHINE = "microvm"
 # the device's 128 entries (4.5 MiB). "4" is "3" without the i8254 PIT (microvm pit=off):
 # the guest never uses it (its clock is the TSC, its timer the local APIC's),
 # yet QEMU's PIT, left counting from reset, woke the VM's main loop every 27 ms, for
-# nothing: 60% of an idle box's host CPU (measured: 7.0 of 11.3 ms a second). A kernel
+# nothing: 60% of an idle box's host CPU (measured: 7.0 of 11.3 ms a second). "5" adds,
+# to a VM with a network card, the egress port (``sandlot.net.mux``): the guest's
+# connections to the proxy and the DNS answerer without QEMU forking for each. A kernel
 # without virtio_pci boots set "2".
-DEVICE_SETS = ("1", "2", "3", "4")
+DEVICE_SETS = ("1", "2", "3", "4", "5")
 DEVICE_SET = DEVICE_SETS[-1]
 SERIAL_ON_PCI_MODULE = "virtio_pci"
 
@@ -175,6 +179,11 @@ class VMConfig:
         return self.devices not in ("1", "2")
 
     @property
+    def egress_port(self) -> bool:
+        """The virtio-serial port ``sandlot.net.mux`` carries the guest's egress over."""
+        return self.network is not None and self.devices not in ("1", "2", "3", "4")
+
+    @property
     def pit(self) -> bool:
         return self.devices in ("1", "2", "3")
 
@@ -217,15 +226,34 @@ def _q(value: object) -> str:
     return str(value).replace(",", ",,")
 
 
-def netdev(net: NetSpec) -> str:
+def netdev(net: NetSpec, egress_port: bool = False) -> str:
     """libslirp user networking: ``restrict=on`` blocks everything but hostfwd and
-    guestfwd; the helpers answer at the proxy address through guestfwd."""
+    guestfwd; the helpers answer at the proxy address through guestfwd. With the egress
+    port, the guest takes the proxy address for its own and goes through the port; the
+    helpers answer at ``FALLBACK_ADDRESS`` too, for its connections when the port's host
+    end is away."""
     opts = f"user,id=net0,ipv6=off,restrict={'on' if net.restrict else 'off'}"
     for address, host_port, guest_port in net.forwards:
         opts += f",hostfwd=tcp:{address}:{host_port}-:{guest_port}"
-    for address, port, cmd in net.helpers():
+    helpers = net.helpers()
+    if egress_port:
+        helpers += [(FALLBACK_ADDRESS, port, cmd) for addr, port, cmd in helpers if addr == PROXY_ADDRESS]
+    for address, port, cmd in helpers:
         opts += f",guestfwd=tcp:{address}:{port}-cmd:{_q(cmd)}"
     return opts
+
+
+EGRESS_PORT_CHARDEV = "egress"
+
+
+def egress_port(cfg: VMConfig) -> list[str]:
+    """The egress port: a client of the home's egress server (``NetSpec.egress_mux``),
+    connecting again each second while none listens; without one, a port whose host end
+    never opens, so the guest goes through QEMU's user network."""
+    assert cfg.network is not None
+    mux, chardev = cfg.network.egress_mux, EGRESS_PORT_CHARDEV
+    backend = f"socket,id={chardev},path={_q(mux)},reconnect=1" if mux else f"null,id={chardev}"
+    return ["-chardev", backend, "-device", f"virtserialport,chardev={chardev},name={MUX_PORT_NAME}"]
 
 
 def serial_device(cfg: VMConfig) -> str:
@@ -280,6 +308,8 @@ def build_command(cfg: VMConfig, binary: str) -> list[str]:
         append += " sandlot.net=1"
         if cfg.network.dns_relay:
             append += " sandlot.dns=relay"
+        if cfg.egress_port:
+            append += " sandlot.egress=1"
     if cfg.lockdown:
         append += " " + LOCKDOWN_ARG
     if cfg.extra_kernel_args:
@@ -311,7 +341,8 @@ def build_command(cfg: VMConfig, binary: str) -> list[str]:
         "-nodefaults", "-no-user-config", "-nographic", "-no-reboot",
         "-chardev", f"{CONSOLE_CHARDEV}{_q(cfg.console_log)}",
         "-serial", "chardev:console",
-        "-device", f"{serial_device(cfg)},max_ports={cfg.ports + 1}",  # port 0 is reserved for consoles
+        # port 0 is reserved for consoles
+        "-device", f"{serial_device(cfg)},max_ports={cfg.ports + 1 + cfg.egress_port}",
     ]  # fmt: skip
     if cfg.boots:
         # a VM that loads a saved state gets its kernel from that state; loading the
@@ -322,6 +353,8 @@ def build_command(cfg: VMConfig, binary: str) -> list[str]:
             "-chardev", f"socket,id=agent{port},path={_q(cfg.agent_socket(port))},server=on,wait=off",
             "-device", f"virtserialport,chardev=agent{port},name=sandlot.{port}",
         ]  # fmt: skip
+    if cfg.egress_port:
+        cmd += egress_port(cfg)
     cmd += [
         "-drive", f"id=root,file={_q(cfg.disk)},format=qcow2,if=none,discard=unmap,detect-zeroes=unmap"
                   + (",readonly=on" if cfg.disk_readonly else ""),
@@ -332,7 +365,7 @@ def build_command(cfg: VMConfig, binary: str) -> list[str]:
         # never inflated: only free page reporting (in 128 KiB blocks: the agent sets the order)
         cmd += ["-device", "virtio-balloon-device,free-page-reporting=on"]
     if cfg.network is not None:
-        cmd += ["-netdev", netdev(cfg.network), "-device", "virtio-net-device,netdev=net0"]
+        cmd += ["-netdev", netdev(cfg.network, cfg.egress_port), "-device", "virtio-net-device,netdev=net0"]
     for drive in cfg.drives:
         # after every other block device: the root stays the guest's first (/dev/vda)
         cmd += [

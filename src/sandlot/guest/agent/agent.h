@@ -368,6 +368,11 @@ void stats_add(struct msg *m);              /* the guest's figures, for STATUS *
 /* dns.c */
 void dns_relay_start(void);      /* PID 1, at network bring-up in the proxied modes */
 int dns_relay_reaped(pid_t pid); /* 1: it was the relay's (restarted) */
+void close_inherited(int keep);  /* in a child: every descriptor above 2 but keep */
+
+/* egress.c */
+void egress_start(void);                  /* PID 1, at network bring-up where the port exists */
+int egress_reaped(pid_t pid, int status); /* 1: it was the egress child's */
 
 /* limits.c */
 void limits_init(void);

@@ -310,10 +310,14 @@ static void relay_loop(int udp)
     }
 }
 
-/* Everything the agent had open but the relay's socket and the console. */
-static void close_inherited(int keep)
+/* Everything the agent had open but keep and the console (0-2): the DNS relay's
+ * socket, the egress child's connection. */
+void close_inherited(int keep)
 {
-    if ((keep == 3 || syscall(SYS_close_range, 3, keep - 1, 0) == 0) &&
+    if (keep < 3 && syscall(SYS_close_range, 3, ~0u, 0) == 0) {
+        return;
+    }
+    if (keep >= 3 && (keep == 3 || syscall(SYS_close_range, 3, keep - 1, 0) == 0) &&
         syscall(SYS_close_range, keep + 1, ~0u, 0) == 0) {
         return;
     }

@@ -42,6 +42,7 @@
 static char g_boot_id[64] = "unknown";
 static char g_cmd_hostname[65];
 static int g_cmd_net; /* sandlot.net=1: the box has a network card (QEMU user networking) */
+static int g_cmd_egress; /* sandlot.egress=1: and the egress port (egress.c) */
 static int g_cmd_dns_relay; /* sandlot.dns=relay: names are answered by the host (dns.c), not QEMU */
 static int g_net_given;     /* --net: the sandbox configured the card itself (gVisor takes its netns's) */
 static int g_cmd_ports;     /* sandlot.ports=N: the agent ports the host made (0: it did not say) */
@@ -88,6 +89,8 @@ static void parse_cmdline(void)
             g_cmd_net = 1;
         } else if (!strcmp(tok, "sandlot.dns=relay")) {
             g_cmd_dns_relay = 1;
+        } else if (!strcmp(tok, "sandlot.egress=1")) {
+            g_cmd_egress = 1;
         } else if (!strncmp(tok, "sandlot.ports=", 14)) {
             g_cmd_ports = atoi(tok + 14);
         } else if (!strncmp(tok, "sandlot.rootfstype=", 19)) {
@@ -362,6 +365,9 @@ static void bring_up_network(void)
 {
     if (!g_net_given) {
         configure_card();
+    }
+    if (g_cmd_egress) {
+        egress_start();
     }
     if (g_cmd_dns_relay) {
         dns_relay_start();

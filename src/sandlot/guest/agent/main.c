@@ -124,7 +124,7 @@ static void handle_signals(void)
         if (pid <= 0) {
             break;
         }
-        if (!dns_relay_reaped(pid)) {
+        if (!dns_relay_reaped(pid) && !egress_reaped(pid, status)) {
             exec_reaped(pid, status);
         }
     }
