@@ -421,7 +421,7 @@ def test_guest_connections_go_through_the_homes_egress_server_and_survive_its_de
     ) as box:
         cmdline = network_process(box)
         assert b"sandlot-fdrelay" in cmdline and str(sock).encode() in cmdline
-        port_state(box, "ready")
+        port_state(box, "ready 1")
         if TEST_ENGINE == "qemu":
             assert str(sock.with_suffix(".mux")).encode() in cmdline
             listening = box.exec("cat", "/proc/net/tcp").stdout
@@ -441,7 +441,7 @@ def test_guest_connections_go_through_the_homes_egress_server_and_survive_its_de
         ) as other:
             assert probe(other, target)[target] == "host-only-data"
         assert len(servers()) == 1
-        port_state(box, "ready")  # QEMU connected again to the new server
+        port_state(box, "ready 2")  # QEMU connected again to the new server
         assert probe(box, target)[target] == "host-only-data"
 
 

@@ -54,6 +54,7 @@ from .mux import Session, peer_helpers
 MODULE = "sandlot.net.egress"
 SWITCH = "SANDLOT_EGRESS_RELAY"
 MUX_SWITCH = "SANDLOT_EGRESS_MUX"
+SERVER_VERSION = 2  # 2: VMs' egress ports (``sandlot.net.mux``) beside the relays
 HELPERS = ("sandlot.net.proxy", "sandlot.net.dns")
 MAX_MESSAGE = 16384  # the relay's limit too
 MAX_ACTIVE = 2048  # connections served at once; past it the relay runs the helper itself
@@ -89,9 +90,11 @@ def mux_socket(sock: Path) -> Path:
 
 def egress_socket(runtime: Path, home: Path) -> Path:
     """Where a home's egress server listens: a short path (unix sockets allow 107
-    bytes) in the private runtime directory."""
+    bytes) in the private runtime directory. Its name carries ``SERVER_VERSION``: a
+    server of an earlier sandlot, kept alive by the VMs it serves, never stands in the
+    way of this one's (each VM's command line names the socket of its own)."""
     digest = hashlib.sha256(str(home).encode()).hexdigest()[:16]
-    return runtime / f"egress-{digest}.sock"
+    return runtime / f"egress{SERVER_VERSION}-{digest}.sock"
 
 
 _relays: dict[tuple[Path, Path], Relay | None] = {}

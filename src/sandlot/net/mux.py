@@ -60,6 +60,9 @@ STREAM_WINDOW = 256 * 1024  # bytes in flight per stream and direction
 MAX_STREAMS = 1024  # live streams per session; past it OPEN is refused
 HELLO_TIMEOUT = 10.0  # for the guest's HELLO, after which QEMU connects again
 OUT_HIGH = 1 << 20  # bytes queued for the guest past which no stream is read
+# ... and past which the session ends: a guest that sends frames and reads none
+# (each OPEN, DATA and WINDOW may add an answer of this side's)
+OUT_LIMIT = 16 << 20
 
 
 class MuxError(ValueError):
@@ -213,7 +216,7 @@ class Session:
             return True
         except OSError:
             return False
-        if not data:
+        if not data or len(self.out) > OUT_LIMIT:
             return False
         self.inbuf += data
         if not self.greeted:

@@ -376,7 +376,10 @@ static void on_hello(const uint8_t *p, size_t n)
     }
     frame(0, M_HELLO, 0, MAGIC, MAGIC_LEN);
     g_ready = 1;
-    say_state("ready\n");
+    static unsigned sessions;
+    char said[32];
+    snprintf(said, sizeof(said), "ready %u\n", ++sessions); /* the count: a restore's new session shows */
+    say_state(said);
 }
 
 /* ---- frames from the host ------------------------------------------------- */

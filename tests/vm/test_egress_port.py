@@ -1,0 +1,127 @@
+"""A QEMU VM's egress port (``net/mux.py``, ``guest/agent/egress.c``), in real boxes:
+many connections at once with their own bytes, a download larger than every window,
+and the port after each kind of restore (a fork's children, a rollback, a resume in
+a new QEMU). The proxy's policy itself is tested in tests/security/test_network.py,
+through the same port. Servers listen on the host's 127.0.0.1 only."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+import sandlot
+
+from tests.conftest import TEST_ENGINE
+from tests.support.servers import LocalServer, QuietHandler
+
+pytestmark = [
+    pytest.mark.vm,
+    pytest.mark.skipif(TEST_ENGINE != "qemu", reason="the egress port is a QEMU VM's"),
+]
+
+BIG = bytes(range(256)) * (24 * 4096)  # 24 MiB: many times a stream's window
+NO_PROXY = {"NO_PROXY": "", "no_proxy": ""}  # the box's exempts 127.0.0.1: asked of the proxy here
+
+
+class Service(LocalServer):
+    """Answers ``/echo/X`` with X, ``/big`` with BIG."""
+
+    def __init__(self) -> None:
+        class Handler(QuietHandler):
+            def do_GET(self) -> None:
+                body = BIG if self.path == "/big" else self.path.removeprefix("/echo/").encode()
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+        super().__init__(Handler, None)
+
+
+@pytest.fixture(scope="module")
+def service() -> Iterator[Service]:
+    s = Service()
+    yield s
+    s.close()
+
+
+# Each request a connection of its own, all at once: each answer must be its own.
+MANY = r"""
+import concurrent.futures, hashlib, json, sys, urllib.request
+port, n = int(sys.argv[1]), int(sys.argv[2])
+opener = urllib.request.build_opener(urllib.request.ProxyHandler({"http": "http://10.0.2.100:3128"}))
+def get(path):
+    return opener.open(f"http://127.0.0.1:{port}{path}", timeout=120).read()
+with concurrent.futures.ThreadPoolExecutor(n + 1) as pool:
+    big = pool.submit(get, "/big")
+    small = list(pool.map(lambda i: get(f"/echo/{i}-{'x' * (i * 37)}"), range(n)))
+    data = big.result()
+print(json.dumps({"ok": [s == f"{i}-{'x' * (i * 37)}".encode() for i, s in enumerate(small)],
+                  "big": hashlib.sha256(data).hexdigest(), "size": len(data)}))
+"""
+
+
+def state(box: sandlot.Box, want: str = "ready 1") -> str:
+    """The guest's side of the port, once it says ``want`` (or what it says at 30 s):
+    ``ready N`` once the N-th session since boot greeted it."""
+    deadline = time.monotonic() + 30
+    while (said := box.exec("cat", "/run/sandlot/egress").stdout.strip()) != want:
+        if time.monotonic() > deadline:
+            return said
+        time.sleep(0.2)
+    return said
+
+
+def fetch(box: sandlot.Box, port: int, what: str) -> str:
+    code = (
+        "import sys, urllib.request\n"
+        "o = urllib.request.build_opener(urllib.request.ProxyHandler({'http': 'http://10.0.2.100:3128'}))\n"
+        "print(o.open(sys.argv[1], timeout=60).read().decode())"
+    )
+    r = box.exec("python3", "-c", code, f"http://127.0.0.1:{port}/echo/{what}", timeout=120, env=NO_PROXY)
+    assert r.returncode == 0, r.stderr
+    return r.stdout.strip()
+
+
+def test_many_connections_at_once_each_get_their_own_bytes(debian_root: Path, service: Service) -> None:
+    allow = [f"127.0.0.1:{service.port}"]
+    with sandlot.Box(rootfs=debian_root, memory_mib=512, network="allowlist", allow=allow) as box:
+        assert state(box) == "ready 1"
+        r = box.exec("python3", "-c", MANY, str(service.port), "48", timeout=600, env=NO_PROXY)
+        assert r.returncode == 0, r.stderr
+        out = json.loads(r.stdout)
+        assert all(out["ok"]) and len(out["ok"]) == 48
+        assert out["size"] == len(BIG) and out["big"] == hashlib.sha256(BIG).hexdigest()
+        assert state(box) == "ready 1"  # nothing broke the session: still the port, not the slow way
+
+
+def test_the_port_after_a_fork_a_rollback_and_a_resume(debian_root: Path, service: Service) -> None:
+    """Each restore is a new QEMU whose port connects anew: the server greets it, the
+    guest (saved mid-session) starts over, and connections go over the port again."""
+    allow = [f"127.0.0.1:{service.port}"]
+    with sandlot.Box(rootfs=debian_root, memory_mib=512, network="allowlist", allow=allow) as box:
+        assert state(box) == "ready 1"
+        assert fetch(box, service.port, "before") == "before"
+        snap = box.snapshot("egress")  # a live snapshot: the same QEMU goes on, its session too
+        kids = box.fork(2)
+        try:
+            for n, kid in enumerate(kids):
+                assert state(kid, "ready 2") == "ready 2"
+                assert fetch(kid, service.port, f"child{n}") == f"child{n}"
+                assert state(kid, "ready 2") == "ready 2"
+        finally:
+            for kid in kids:
+                kid.remove(force=True)
+        assert state(box) == "ready 1"
+        box.rollback(snap)
+        assert state(box, "ready 2") == "ready 2"
+        assert fetch(box, service.port, "rolled-back") == "rolled-back"
+        box.suspend()
+        box.resume()
+        assert state(box, "ready 3") == "ready 3"
+        assert fetch(box, service.port, "resumed") == "resumed"
