@@ -88,6 +88,41 @@ def fetch(box: sandlot.Box, port: int, what: str) -> str:
     return r.stdout.strip()
 
 
+# Where a connection to the proxy address lands in the guest, and whether the box's
+# own servers may still take any port on every address.
+WHERE = r"""
+import json, socket
+s = socket.create_connection(("10.0.2.100", 3128), timeout=30)
+peer = s.getpeername()[0]
+s.close()
+bound = {}
+for port in (80, 443, 3128, 53):
+    srv = socket.socket()
+    srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        srv.bind(("0.0.0.0", port)); srv.listen(); bound[port] = "ok"
+    except OSError as e:
+        bound[port] = str(e)
+    srv.close()
+print(json.dumps({"peer": peer, "bound": bound}))
+"""
+
+
+def test_the_port_takes_no_address_or_port_from_the_box(debian_root: Path, service: Service) -> None:
+    """A connection to 10.0.2.100 is sent by the guest's connect hook to the egress
+    child on the loopback; 10.0.2.100 stays QEMU's, and a server in the box can bind
+    every port on every address, those of the proxy and the DNS answerer included."""
+    allow = [f"127.0.0.1:{service.port}"]
+    with sandlot.Box(rootfs=debian_root, memory_mib=256, network="allowlist", allow=allow) as box:
+        assert state(box) == "ready 1"
+        r = box.exec("python3", "-c", WHERE)
+        assert r.returncode == 0, r.stderr
+        out = json.loads(r.stdout)
+        assert out["peer"] == "127.0.0.1"  # the hook's work: not QEMU's 10.0.2.100
+        assert out["bound"] == {"80": "ok", "443": "ok", "3128": "ok", "53": "ok"}
+        assert fetch(box, service.port, "still") == "still"
+
+
 def test_many_connections_at_once_each_get_their_own_bytes(debian_root: Path, service: Service) -> None:
     allow = [f"127.0.0.1:{service.port}"]
     with sandlot.Box(rootfs=debian_root, memory_mib=512, network="allowlist", allow=allow) as box:

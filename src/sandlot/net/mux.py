@@ -7,8 +7,9 @@ QEMU's ``guestfwd ... cmd:`` forks QEMU twice for every guest connection (libsli
 connection under TCG, more than the proxy's own work. A VM of device set "5" has a
 port named ``sandlot-egress`` instead, whose host end is a client of this server's
 stream socket (QEMU reconnects it every second while none listens). In the guest,
-the agent's egress child (``egress.c``) listens at the proxy address on the ports this
-side names, and carries each connection it takes as a stream of frames; here each
+the agent's egress child (``egress.c``) listens on the loopback for each port this side
+names, a connect hook sends the guest's TCP connections to the proxy address there,
+and it carries each connection it takes as a stream of frames; here each
 stream is given to the very helper the VM's ``guestfwd`` would have run, as one end
 of a socket pair.
 

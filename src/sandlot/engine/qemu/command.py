@@ -229,9 +229,9 @@ def _q(value: object) -> str:
 def netdev(net: NetSpec, egress_port: bool = False) -> str:
     """libslirp user networking: ``restrict=on`` blocks everything but hostfwd and
     guestfwd; the helpers answer at the proxy address through guestfwd. With the egress
-    port, the guest takes the proxy address for its own and goes through the port; the
-    helpers answer at ``FALLBACK_ADDRESS`` too, for its connections when the port's host
-    end is away."""
+    port, the guest's connections to the proxy address go through the port; the helpers
+    answer at ``FALLBACK_ADDRESS`` too, for those connections when the port's host end
+    is away."""
     opts = f"user,id=net0,ipv6=off,restrict={'on' if net.restrict else 'off'}"
     for address, host_port, guest_port in net.forwards:
         opts += f",hostfwd=tcp:{address}:{host_port}-:{guest_port}"

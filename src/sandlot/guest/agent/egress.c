@@ -5,15 +5,17 @@
  * twice for each one. src/sandlot/net/mux.py is the host's side and says the
  * protocol.
  *
- * Once the host's HELLO names the ports it serves, 10.0.2.100 is an address of the
- * guest's own loopback and this process listens on each port there. A connection
- * it takes is OPENed as a stream; where the host is away (its server gone, QEMU
- * reconnecting) or refuses, the connection goes the slow way instead: a child joins
- * it to the same port at 10.0.2.99, where QEMU's user network runs the very same
- * helpers. A connection is slower then, never lost.
+ * Once the host's HELLO names the ports it serves, this process listens for each
+ * on the loopback, and a connect hook (redirect, below) sends programs' TCP
+ * connections to 10.0.2.100 there. A connection it takes is OPENed as a stream,
+ * its bytes sent at once (and kept until the host says it took the stream); where
+ * the host is away (its server gone, QEMU reconnecting) or refuses, the connection
+ * goes the slow way instead: a child joins it to the same port at 10.0.2.99, where
+ * QEMU's user network runs the very same helpers, after the bytes kept. A
+ * connection is slower then, never lost.
  *
  * A child of the agent, like the DNS relay: a bug here costs the box its egress
- * for a moment, never its PID 1. The agent takes the address back if it dies. */
+ * for a moment, never its PID 1. Its hook goes with it. */
 #define _GNU_SOURCE
 #include <arpa/inet.h>
 #include <dirent.h>
@@ -33,12 +35,12 @@
 #include <sys/signalfd.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
+#include <sys/syscall.h>
 #include <unistd.h>
 
 #include "agent.h"
 
 #define PORT_NAME "sandlot-egress"
-#define ALIAS "lo:sandlot"
 #define PROXY_ADDR 0x0a000264u    /* 10.0.2.100: where programs connect */
 #define FALLBACK_ADDR 0x0a000263u /* 10.0.2.99: the same helpers through QEMU's user network */
 #define MAGIC "SLMUX1"
@@ -314,30 +316,135 @@ static void accept_on(int li)
 
 /* ---- the host's HELLO --------------------------------------------------- */
 
-static int set_alias(void)
+/* Programs connect to 10.0.2.100:P; a BPF program on the root cgroup's connect
+ * hook sends each such TCP connect to 127.0.0.1:Q instead, where this process
+ * listens (Q, a port the kernel chose). So 10.0.2.100 stays QEMU's (the slow
+ * way's replies come from there), and no listener of ours stands on a port a
+ * program in the box may want for its own server (a wildcard bind of :80 would
+ * collide with a listener at 10.0.2.100:80). The hook is attached through a BPF
+ * link this process holds: it goes when this process does. */
+
+#define BPF_PROG_LOAD_CMD 5
+#define BPF_LINK_CREATE_CMD 28
+#define PROG_TYPE_CGROUP_SOCK_ADDR 18
+#define ATTACH_CGROUP_INET4_CONNECT 10
+#define CTX_USER_IP4 4   /* struct bpf_sock_addr: network order */
+#define CTX_USER_PORT 24 /* network order, in the low 16 bits */
+#define CTX_TYPE 32
+
+struct insn {
+    uint8_t code;
+    uint8_t regs; /* dst in the low nibble, src in the high */
+    int16_t off;
+    int32_t imm;
+};
+
+#define I(c, d, s, o, i) ((struct insn){.code = (c), .regs = (uint8_t)((d) | (s) << 4), .off = (o), .imm = (i)})
+#define MOV64_REG(d, s) I(0xbf, d, s, 0, 0)
+#define MOV64_IMM(d, i) I(0xb7, d, 0, 0, i)
+#define LDX_W(d, s, o) I(0x61, d, s, o, 0)
+#define STX_W(d, s, o) I(0x63, d, s, o, 0)
+#define JNE_IMM(d, i, o) I(0x55, d, 0, o, i)
+#define JA(o) I(0x05, 0, 0, o, 0)
+#define EXIT() I(0x95, 0, 0, 0, 0)
+
+static uint16_t g_local_port[MAX_PORTS]; /* network order: where 10.0.2.100:g_listen_port[i] goes */
+static int g_link = -1;
+static int g_linked; /* the ports the attached program knows */
+
+/* A u32 read of a network-order value, as the program sees it (x86 is little-endian). */
+static int32_t wire32(uint32_t host_order) { return (int32_t)htonl(host_order); }
+
+static long sys_bpf(int cmd, void *attr, unsigned size) { return syscall(SYS_bpf, cmd, attr, size); }
+
+static int redirect(void)
 {
-    static int done;
-    if (done) {
+    if (g_link >= 0 && g_linked == g_nlisten) {
         return 0;
     }
-    int fd = socket(AF_INET, SOCK_DGRAM | SOCK_CLOEXEC, 0);
-    struct ifreq ifr;
-    memset(&ifr, 0, sizeof(ifr));
-    snprintf(ifr.ifr_name, sizeof(ifr.ifr_name), ALIAS);
-    struct sockaddr_in *sin = (struct sockaddr_in *)&ifr.ifr_addr;
-    sin->sin_family = AF_INET;
-    sin->sin_addr.s_addr = htonl(PROXY_ADDR);
-    int ok = fd >= 0 && ioctl(fd, SIOCSIFADDR, &ifr) == 0;
-    sin->sin_addr.s_addr = htonl(0xffffffffu);
-    ok = ok && ioctl(fd, SIOCSIFNETMASK, &ifr) == 0;
-    if (!ok) {
-        logmsg("egress: 10.0.2.100 on the loopback: %s", strerror(errno));
+    struct insn prog[8 + 6 * MAX_PORTS];
+    int n = 0;
+    prog[n++] = MOV64_REG(6, 1);
+    prog[n++] = LDX_W(2, 6, CTX_TYPE);
+    int to_out[2 + MAX_PORTS], outs = 0;
+    to_out[outs++] = n;
+    prog[n++] = JNE_IMM(2, SOCK_STREAM, 0);
+    prog[n++] = LDX_W(2, 6, CTX_USER_IP4);
+    to_out[outs++] = n;
+    prog[n++] = JNE_IMM(2, wire32(PROXY_ADDR), 0);
+    prog[n++] = LDX_W(2, 6, CTX_USER_PORT);
+    for (int i = 0; i < g_nlisten; i++) {
+        prog[n++] = JNE_IMM(2, (int32_t)htons(g_listen_port[i]), 5);
+        prog[n++] = MOV64_IMM(3, wire32(INADDR_LOOPBACK));
+        prog[n++] = STX_W(6, 3, CTX_USER_IP4);
+        prog[n++] = MOV64_IMM(3, (int32_t)g_local_port[i]);
+        prog[n++] = STX_W(6, 3, CTX_USER_PORT);
+        to_out[outs++] = n;
+        prog[n++] = JA(0);
     }
-    if (fd >= 0) {
-        close(fd);
+    int out = n;
+    prog[n++] = MOV64_IMM(0, 1); /* the connect goes on, wherever it goes now */
+    prog[n++] = EXIT();
+    for (int k = 0; k < outs; k++) {
+        prog[to_out[k]].off = (int16_t)(out - to_out[k] - 1);
     }
-    done = ok;
-    return ok ? 0 : -1;
+
+    static char log[8192];
+    uint8_t attr[128];
+    memset(attr, 0, sizeof(attr));
+    uint32_t u32;
+    uint64_t u64;
+    u32 = PROG_TYPE_CGROUP_SOCK_ADDR;
+    memcpy(attr + 0, &u32, 4);
+    u32 = (uint32_t)n;
+    memcpy(attr + 4, &u32, 4);
+    u64 = (uintptr_t)prog;
+    memcpy(attr + 8, &u64, 8);
+    u64 = (uintptr_t) "GPL";
+    memcpy(attr + 16, &u64, 8);
+    u32 = ATTACH_CGROUP_INET4_CONNECT;
+    memcpy(attr + 68, &u32, 4); /* expected_attach_type */
+    int pfd = (int)sys_bpf(BPF_PROG_LOAD_CMD, attr, sizeof(attr));
+    if (pfd < 0) {
+        u32 = 1; /* log_level: why the verifier said no */
+        memcpy(attr + 24, &u32, 4);
+        u32 = sizeof(log);
+        memcpy(attr + 28, &u32, 4);
+        u64 = (uintptr_t)log;
+        memcpy(attr + 32, &u64, 8);
+        int again = (int)sys_bpf(BPF_PROG_LOAD_CMD, attr, sizeof(attr));
+        logmsg("egress: the connect hook was refused: %s %.400s", strerror(errno), log);
+        if (again >= 0) {
+            close(again);
+        }
+        return -1;
+    }
+    int cg = open("/sys/fs/cgroup", O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    memset(attr, 0, sizeof(attr));
+    u32 = (uint32_t)pfd;
+    memcpy(attr + 0, &u32, 4);
+    u32 = (uint32_t)cg;
+    memcpy(attr + 4, &u32, 4);
+    u32 = ATTACH_CGROUP_INET4_CONNECT;
+    memcpy(attr + 8, &u32, 4);
+    int link = cg < 0 ? -1 : (int)sys_bpf(BPF_LINK_CREATE_CMD, attr, sizeof(attr));
+    if (link < 0) {
+        logmsg("egress: attaching the connect hook: %s", strerror(errno));
+    }
+    close(pfd);
+    if (cg >= 0) {
+        close(cg);
+    }
+    if (link < 0) {
+        return -1;
+    }
+    fcntl(link, F_SETFD, FD_CLOEXEC);
+    if (g_link >= 0) {
+        close(g_link); /* the program before, which knew fewer ports */
+    }
+    g_link = link;
+    g_linked = g_nlisten;
+    return 0;
 }
 
 static void listen_on(uint16_t port)
@@ -351,28 +458,32 @@ static void listen_on(uint16_t port)
         return;
     }
     int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
-    int one = 1;
-    struct sockaddr_in me = {.sin_family = AF_INET, .sin_port = htons(port), .sin_addr.s_addr = htonl(PROXY_ADDR)};
-    if (fd < 0 || setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one)) < 0 ||
-        bind(fd, (struct sockaddr *)&me, sizeof(me)) < 0 || listen(fd, 128) < 0) {
-        logmsg("egress: listen on 10.0.2.100:%u: %s", port, strerror(errno));
+    struct sockaddr_in me = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
+    socklen_t len = sizeof(me);
+    if (fd < 0 || bind(fd, (struct sockaddr *)&me, sizeof(me)) < 0 || listen(fd, 128) < 0 ||
+        getsockname(fd, (struct sockaddr *)&me, &len) < 0) {
+        logmsg("egress: a listener for port %u: %s", port, strerror(errno));
         if (fd >= 0) {
             close(fd);
         }
         return;
     }
     g_listen[g_nlisten] = fd;
+    g_local_port[g_nlisten] = me.sin_port;
     g_listen_port[g_nlisten++] = port;
 }
 
 static void on_hello(const uint8_t *p, size_t n)
 {
     reset_all();
-    if (set_alias() < 0) {
-        return; /* not ready: programs reach 10.0.2.100 through QEMU */
-    }
     for (size_t i = MAGIC_LEN; i + 2 <= n; i += 2) {
         listen_on((uint16_t)(p[i] << 8 | p[i + 1]));
+    }
+    if (redirect() < 0) {
+        /* no hook (a kernel without cgroup BPF): programs go through QEMU, and this
+         * process is of no use; the host gives up on the session */
+        say_state("unsupported\n");
+        _exit(0);
     }
     frame(0, M_HELLO, 0, MAGIC, MAGIC_LEN);
     g_ready = 1;
@@ -667,21 +778,6 @@ static void egress_loop(int sigfd)
 
 /* ---- the agent's side ------------------------------------------------------ */
 
-static void drop_alias(void)
-{
-    int fd = socket(AF_INET, SOCK_DGRAM | SOCK_CLOEXEC, 0);
-    struct ifreq ifr;
-    memset(&ifr, 0, sizeof(ifr));
-    snprintf(ifr.ifr_name, sizeof(ifr.ifr_name), ALIAS);
-    if (fd >= 0 && ioctl(fd, SIOCGIFFLAGS, &ifr) == 0) {
-        ifr.ifr_flags &= ~IFF_UP; /* an alias taken down is gone */
-        ioctl(fd, SIOCSIFFLAGS, &ifr);
-    }
-    if (fd >= 0) {
-        close(fd);
-    }
-}
-
 void egress_start(void)
 {
     pid_t pid = fork();
@@ -725,7 +821,7 @@ int egress_reaped(pid_t pid, int status)
         return 0;
     }
     g_pid = 0;
-    drop_alias(); /* 10.0.2.100 is QEMU's again: nothing listens here now */
+    /* its connect hook went with it: programs reach 10.0.2.100 through QEMU again */
     if (WIFEXITED(status) && WEXITSTATUS(status) == 0) {
         return 1; /* no port: nothing to restart */
     }
