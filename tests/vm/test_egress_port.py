@@ -108,6 +108,19 @@ print(json.dumps({"peer": peer, "bound": bound}))
 """
 
 
+OTHER_NETNS = r"""
+import fcntl, socket, struct
+s = socket.socket()
+flags = struct.unpack("16sh", fcntl.ioctl(s, 0x8913, struct.pack("16sh", b"lo", 0)))[1]  # SIOCGIFFLAGS
+fcntl.ioctl(s, 0x8914, struct.pack("16sh", b"lo", flags | 1))  # SIOCSIFFLAGS: up
+try:
+    socket.create_connection(("10.0.2.100", 3128), timeout=10)
+    print("connected")
+except OSError as e:
+    print(e.strerror)
+"""
+
+
 def test_the_port_takes_no_address_or_port_from_the_box(debian_root: Path, service: Service) -> None:
     """A connection to 10.0.2.100 is sent by the guest's connect hook to the egress
     child on the loopback; 10.0.2.100 stays QEMU's, and a server in the box can bind
@@ -121,6 +134,11 @@ def test_the_port_takes_no_address_or_port_from_the_box(debian_root: Path, servi
         assert out["peer"] == "127.0.0.1"  # the hook's work: not QEMU's 10.0.2.100
         assert out["bound"] == {"80": "ok", "443": "ok", "3128": "ok", "53": "ok"}
         assert fetch(box, service.port, "still") == "still"
+        # a network namespace of a container in the box: its connects are its own
+        # (its loopback up, the proxy address has no route there: not sent to a listener)
+        r = box.exec("unshare", "-n", "python3", "-c", OTHER_NETNS)
+        assert r.returncode == 0, r.stderr
+        assert r.stdout.strip() == "Network is unreachable"
 
 
 def test_many_connections_at_once_each_get_their_own_bytes(debian_root: Path, service: Service) -> None:

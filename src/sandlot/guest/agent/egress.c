@@ -331,6 +331,8 @@ static void accept_on(int li)
 #define CTX_USER_IP4 4   /* struct bpf_sock_addr: network order */
 #define CTX_USER_PORT 24 /* network order, in the low 16 bits */
 #define CTX_TYPE 32
+#define HELPER_GET_NETNS_COOKIE 122
+#define SO_NETNS_COOKIE_OPT 71 /* Linux 5.14 */
 
 struct insn {
     uint8_t code;
@@ -362,11 +364,23 @@ static int redirect(void)
     if (g_link >= 0 && g_linked == g_nlisten) {
         return 0;
     }
-    struct insn prog[8 + 6 * MAX_PORTS];
+    struct insn prog[12 + 6 * MAX_PORTS];
     int n = 0;
+    int to_out[3 + MAX_PORTS], outs = 0;
     prog[n++] = MOV64_REG(6, 1);
+    uint64_t cookie;
+    socklen_t clen = sizeof(cookie);
+    if (getsockopt(g_listen[0], SOL_SOCKET, SO_NETNS_COOKIE_OPT, &cookie, &clen) == 0) {
+        /* this network namespace's connects only: a container's in the box has its own
+         * loopback, where nothing of ours listens (its 10.0.2.100 is reached through
+         * its own routes, as before) */
+        prog[n++] = I(0x85, 0, 0, 0, HELPER_GET_NETNS_COOKIE); /* r0 = the connecting socket's */
+        prog[n++] = I(0x18, 2, 0, 0, (int32_t)(uint32_t)cookie); /* r2 = cookie (two slots) */
+        prog[n++] = I(0x00, 0, 0, 0, (int32_t)(uint32_t)(cookie >> 32));
+        to_out[outs++] = n;
+        prog[n++] = I(0x5d, 0, 2, 0, 0); /* if r0 != r2 goto out */
+    }
     prog[n++] = LDX_W(2, 6, CTX_TYPE);
-    int to_out[2 + MAX_PORTS], outs = 0;
     to_out[outs++] = n;
     prog[n++] = JNE_IMM(2, SOCK_STREAM, 0);
     prog[n++] = LDX_W(2, 6, CTX_USER_IP4);
@@ -479,7 +493,7 @@ static void on_hello(const uint8_t *p, size_t n)
     for (size_t i = MAGIC_LEN; i + 2 <= n; i += 2) {
         listen_on((uint16_t)(p[i] << 8 | p[i + 1]));
     }
-    if (redirect() < 0) {
+    if (!g_nlisten || redirect() < 0) {
         /* no hook (a kernel without cgroup BPF): programs go through QEMU, and this
          * process is of no use; the host gives up on the session */
         say_state("unsupported\n");
