@@ -32,22 +32,25 @@ class Guest:
         self.sock = sock
         self.sock.settimeout(10)
         self.buf = b""
+        self.at = 0
 
     def send(self, sid: int, kind: int, payload: bytes = b"", flags: int = 0) -> None:
         self.sock.sendall(mux.frame(sid, kind, payload, flags))
 
     def recv(self) -> tuple[int, int, int, bytes]:
         while True:
-            if len(self.buf) >= mux.HEADER.size:
-                sid, kind, flags, n = mux.HEADER.unpack_from(self.buf)
-                if len(self.buf) >= mux.HEADER.size + n:
-                    payload = self.buf[mux.HEADER.size : mux.HEADER.size + n]
-                    self.buf = self.buf[mux.HEADER.size + n :]
+            at, left = self.at, len(self.buf) - self.at
+            if left >= mux.HEADER.size:
+                sid, kind, flags, n = mux.HEADER.unpack_from(self.buf, at)
+                if left >= mux.HEADER.size + n:
+                    payload = bytes(self.buf[at + mux.HEADER.size : at + mux.HEADER.size + n])
+                    self.at = at + mux.HEADER.size + n
                     return sid, kind, flags, payload
             data = self.sock.recv(65536)
             if not data:
                 raise EOFError
-            self.buf += data
+            self.buf = self.buf[self.at :] + data
+            self.at = 0
 
     def recv_kind(self, kind: int) -> tuple[int, int, int, bytes]:
         """The next frame of ``kind``, skipping WINDOW frames."""
@@ -57,9 +60,20 @@ class Guest:
                 assert f[1] == kind, f
                 return f
 
+    def hello(self) -> bytes:
+        """The host's HELLO's payload, after its preamble of zeros (frames of nothing)."""
+        skipped = 0
+        while True:
+            sid, kind, _, payload = self.recv()
+            if kind == mux.HELLO:
+                assert sid == 0 and payload.startswith(mux.MAGIC)
+                assert skipped == len(mux.PREAMBLE)
+                return payload
+            assert (sid, kind, payload) == (0, 0, b"")
+            skipped += mux.HEADER.size
+
     def greet(self) -> list[int]:
-        sid, kind, _, payload = self.recv()
-        assert (sid, kind) == (0, mux.HELLO) and payload.startswith(mux.MAGIC)
+        payload = self.hello()
         ports = [struct.unpack(">H", payload[i : i + 2])[0] for i in range(len(mux.MAGIC), len(payload), 2)]
         self.send(0, mux.HELLO, mux.MAGIC)
         return ports
@@ -125,7 +139,7 @@ def test_unit_a_stream_carries_bytes_both_ways_and_ends_with_both_eofs(session) 
 
 def test_unit_the_guest_hello_is_found_after_bytes_from_before(session) -> None:  # type: ignore[no-untyped-def]
     g, _ = session()
-    g.recv()  # the host's HELLO
+    g.hello()
     g.sock.sendall(b"\x00\x07stale half frame" + mux.MAGIC[:3])  # what a VM wrote to a host that went away
     g.send(0, mux.HELLO, mux.MAGIC)
     g.send(1, mux.OPEN, struct.pack(">H", 3128))
@@ -226,7 +240,7 @@ def test_unit_a_frame_that_breaks_the_protocol_ends_the_session(session, frames)
 def test_unit_a_guest_that_never_says_hello_is_let_go(session, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
     monkeypatch.setattr(mux, "HELLO_TIMEOUT", 0.3)
     g, _ = session()
-    g.recv()
+    g.hello()
     g.sock.sendall(b"garbage without a hello")
     assert g.closed()
 

@@ -77,12 +77,14 @@ def state(box: sandlot.Box, want: str = "ready 1") -> str:
     return said
 
 
+OPENER = (
+    "import sys, urllib.request\n"
+    "o = urllib.request.build_opener(urllib.request.ProxyHandler({'http': 'http://10.0.2.100:3128'}))"
+)
+
+
 def fetch(box: sandlot.Box, port: int, what: str) -> str:
-    code = (
-        "import sys, urllib.request\n"
-        "o = urllib.request.build_opener(urllib.request.ProxyHandler({'http': 'http://10.0.2.100:3128'}))\n"
-        "print(o.open(sys.argv[1], timeout=60).read().decode())"
-    )
+    code = f"{OPENER}\nprint(o.open(sys.argv[1], timeout=60).read().decode())"
     r = box.exec("python3", "-c", code, f"http://127.0.0.1:{port}/echo/{what}", timeout=120, env=NO_PROXY)
     assert r.returncode == 0, r.stderr
     return r.stdout.strip()
@@ -160,6 +162,11 @@ def test_the_port_after_a_fork_a_rollback_and_a_resume(debian_root: Path, servic
     with sandlot.Box(rootfs=debian_root, memory_mib=512, network="allowlist", allow=allow) as box:
         assert state(box) == "ready 1"
         assert fetch(box, service.port, "before") == "before"
+        # downloads running while the state is saved: the guest is likely mid-frame in it
+        loop = f"while True: o.open('http://127.0.0.1:{service.port}/big', timeout=60).read()"
+        code = f"{OPENER}\n{loop}"
+        box.exec("sh", "-c", f'nohup python3 -c "{code}" >/dev/null 2>&1 &', env=NO_PROXY)
+        time.sleep(1)  # not a bound: the snapshot is taken whenever the download is
         snap = box.snapshot("egress")  # a live snapshot: the same QEMU goes on, its session too
         kids = box.fork(2)
         try:

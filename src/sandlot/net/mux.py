@@ -20,7 +20,7 @@ here that its ``guestfwd`` would not have reached.
 
 Frames, both ways: ``stream u32, type u8, flags u8, length u16`` (big-endian), then
 ``length`` bytes. Stream 0 is the session's. ``HELLO`` opens a session: this side's
-first, with the ports served (u16 each) after ``MAGIC``; the guest's answer is
+first (after ``PREAMBLE``), with the ports served (u16 each) after ``MAGIC``; the guest's answer is
 ``MAGIC`` alone. Until its HELLO, bytes are skipped up to ``MAGIC`` (what a VM wrote
 to a host that went away, or to one before a restore). Then the guest ``OPEN``s
 streams (the port, u16; ids rising) and sends at once; this side answers ``OPENED``
@@ -72,6 +72,13 @@ class MuxError(ValueError):
 
 def frame(stream: int, kind: int, payload: bytes = b"", flags: int = 0) -> bytes:
     return HEADER.pack(stream, kind, flags, len(payload)) + payload
+
+
+# Before each HELLO: enough zeros to end any frame the guest was reading when it was
+# saved (a VM restored mid-frame reads this session's bytes after that frame's
+# first part). Zeros then read as a frame that makes no sense, after which the guest
+# looks for the HELLO as it does at first. 64 KiB per session: about a millisecond.
+PREAMBLE = bytes(HEADER.size + MAX_PAYLOAD + 1)  # whole zero headers: 8193 of them
 
 
 def hello(ports: list[int]) -> bytes:
@@ -167,7 +174,7 @@ class Session:
         self.streams: dict[int, _Stream] = {}
         self.highest = 0  # the highest stream id the guest opened
         self.inbuf = bytearray()
-        self.out = bytearray(hello(ports))
+        self.out = bytearray(PREAMBLE + hello(ports))
         self.greeted = False
         self.sel = selectors.DefaultSelector()
 

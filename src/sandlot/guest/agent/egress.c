@@ -54,7 +54,6 @@
 #define IN_MAX (HDR + 65535u + HDR)
 #define CHECK_MIN_MS 1000
 #define CHECK_MAX_MS 8000
-#define STALE_MS 1000 /* a partial frame from a host that went away (or from before a restore) */
 #define STATE_FILE "/run/sandlot/egress"
 
 enum { M_HELLO = 1, M_OPEN, M_OPENED, M_DATA, M_EOF, M_CLOSE, M_WINDOW };
@@ -80,7 +79,6 @@ static int g_port = -1;
 static int g_up, g_ready;
 static uint32_t g_next_id;
 static struct buf g_in, g_out;
-static uint64_t g_in_since;
 static pid_t g_pid;
 static uint64_t g_started_ms;
 
@@ -593,8 +591,12 @@ static void parse(void)
             break;
         }
         if (on_frame(id, h[4], h[5], h + HDR, n) < 0) {
+            /* in a VM restored mid-frame: the new session's zeros ended that frame (mux.py's
+             * PREAMBLE), and its HELLO follows them */
             if (g_ready) {
-                logmsg("egress: a frame of type %u on stream %u makes no sense; waiting for a HELLO", h[4], id);
+                if (h[4]) {
+                    logmsg("egress: a frame of type %u on stream %u makes no sense; waiting for a HELLO", h[4], id);
+                }
                 reset_all();
                 say_state("waiting\n");
             }
@@ -675,7 +677,6 @@ static void port_read(void)
         }
         g_in.len += (size_t)r;
         parse();
-        g_in_since = now_ms(); /* what is left is a frame in part: stale if no more comes */
     }
 }
 
@@ -730,8 +731,6 @@ static void egress_loop(int sigfd)
         int timeout = -1;
         if (!g_up) {
             timeout = check_at > now ? (int)(check_at - now) : 0;
-        } else if (buf_used(&g_in)) {
-            timeout = STALE_MS;
         }
         int r = poll(pfds, (nfds_t)n, timeout);
         if (r < 0 && errno != EINTR) {
@@ -742,13 +741,6 @@ static void egress_loop(int sigfd)
             check_port();
             check_every = g_up ? CHECK_MIN_MS : (check_every < CHECK_MAX_MS ? check_every * 2 : CHECK_MAX_MS);
             check_at = now + check_every;
-        }
-        if (g_up && buf_used(&g_in) && now - g_in_since >= STALE_MS) {
-            buf_reset(&g_in); /* a frame that never finished: its host went away mid-frame */
-            if (g_ready) {
-                reset_all();
-                say_state("waiting\n");
-            }
         }
         for (int k = 0; r > 0 && k < n; k++) {
             if (!pfds[k].revents) {
