@@ -369,6 +369,8 @@ void stats_add(struct msg *m);              /* the guest's figures, for STATUS *
 void dns_relay_start(void);      /* PID 1, at network bring-up in the proxied modes */
 int dns_relay_reaped(pid_t pid); /* 1: it was the relay's (restarted) */
 void close_inherited(int keep);  /* in a child: every descriptor above 2 but keep */
+void become_helper(const char *name, int keep); /* a helper child's name, OOM score, descriptors */
+void restart_helper(const char *what, uint64_t started_ms, void (*start)(void)); /* one that ended */
 
 /* egress.c */
 void egress_start(void);                  /* PID 1, at network bring-up where the port exists */
@@ -398,6 +400,7 @@ void init_early(void);          /* mounts, modules, root switch (PID 1 only) */
 void init_after_root(void);
 void network_given(int dns_relay); /* --net[=relay]: a sandbox's card, configured already */
 int wait_for(const char *path, int ms); /* a device node to appear */
+int read_sys(const char *path, char *buf, size_t n); /* a sysfs file's first line; its length, or -1 */
 int boot_ports(void);          /* sandlot.ports=N from the kernel command line (0: not given) */
 void set_hostname(const char *name);
 int mount_volume(const char *tag, const char *where, uint32_t flags);

@@ -310,6 +310,21 @@ static void relay_loop(int udp)
     }
 }
 
+/* In a helper child of the agent (the DNS relay, the egress child): its name, an OOM
+ * score that spares it (a few pages: the OOM killer should pick the command that
+ * needed memory), and nothing of the agent's open but keep and the console. */
+void become_helper(const char *name, int keep)
+{
+    close_inherited(keep);
+    prctl(PR_SET_NAME, name);
+    int fd = open("/proc/self/oom_score_adj", O_WRONLY | O_CLOEXEC);
+    if (fd >= 0) {
+        ssize_t w = write(fd, "-1000", 5);
+        (void)w;
+        close(fd);
+    }
+}
+
 /* Everything the agent had open but keep and the console (0-2): the DNS relay's
  * socket, the egress child's connection. */
 void close_inherited(int keep)
@@ -351,15 +366,7 @@ void dns_relay_start(void)
         sigset_t none;
         sigemptyset(&none);
         sigprocmask(SIG_SETMASK, &none, NULL); /* the agent blocks them for its signalfd */
-        close_inherited(udp);
-        prctl(PR_SET_NAME, "sandlot-dns");
-        /* a few pages: the OOM killer should pick the command that needed memory */
-        int fd = open("/proc/self/oom_score_adj", O_WRONLY | O_CLOEXEC);
-        if (fd >= 0) {
-            ssize_t w = write(fd, "-1000", 5);
-            (void)w;
-            close(fd);
-        }
+        become_helper("sandlot-dns", udp);
         relay_loop(udp);
         _exit(1);
     }
@@ -377,11 +384,17 @@ int dns_relay_reaped(pid_t pid)
         return 0;
     }
     g_relay_pid = 0;
-    /* killed from inside the box: start another, unless it keeps dying at once */
-    if (now_ms() - g_relay_started_ms < 1000) {
-        logmsg("dns relay: exited within a second of starting; not restarted");
-    } else {
-        dns_relay_start();
-    }
+    restart_helper("dns relay", g_relay_started_ms, dns_relay_start);
     return 1;
+}
+
+/* A helper child that ended (killed from inside the box): another, unless it keeps
+ * dying at once. */
+void restart_helper(const char *what, uint64_t started_ms, void (*start)(void))
+{
+    if (now_ms() - started_ms < 1000) {
+        logmsg("%s: exited within a second of starting; not restarted", what);
+    } else {
+        start();
+    }
 }

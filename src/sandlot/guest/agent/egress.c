@@ -223,6 +223,13 @@ static void reset_all(void)
     g_ready = 0;
 }
 
+/* The stream ends at once: a CLOSE for the host, a reset for the program. */
+static void abort_stream(struct stream *s)
+{
+    frame(s->id, M_CLOSE, 0, NULL, 0);
+    release(s, 1);
+}
+
 static void maybe_done(struct stream *s)
 {
     if (s->shut && s->client_eof) {
@@ -238,8 +245,7 @@ static void deliver(struct stream *s)
             if (errno == EAGAIN || errno == EINTR) {
                 break;
             }
-            frame(s->id, M_CLOSE, 0, NULL, 0);
-            release(s, 1);
+            abort_stream(s);
             return;
         }
         buf_consume(&s->pend, (size_t)w);
@@ -266,8 +272,7 @@ static void from_program(struct stream *s)
         if (errno == EAGAIN || errno == EINTR) {
             return;
         }
-        frame(s->id, M_CLOSE, 0, NULL, 0);
-        release(s, 1);
+        abort_stream(s);
         return;
     }
     if (r == 0) {
@@ -278,8 +283,7 @@ static void from_program(struct stream *s)
     }
     s->credit -= (uint32_t)r;
     if (!s->opened && buf_append(&s->early, data, (size_t)r) < 0) {
-        frame(s->id, M_CLOSE, 0, NULL, 0);
-        release(s, 1);
+        abort_stream(s);
         return;
     }
     frame(s->id, M_DATA, 0, data, (uint16_t)r);
@@ -531,8 +535,7 @@ static int on_frame(uint32_t id, uint8_t type, uint8_t flags, const uint8_t *p, 
         break;
     case M_DATA:
         if (s->host_eof || buf_used(&s->pend) + n > WINDOW || buf_append(&s->pend, p, n) < 0) {
-            frame(s->id, M_CLOSE, 0, NULL, 0);
-            release(s, 1);
+            abort_stream(s);
             break;
         }
         deliver(s);
@@ -618,14 +621,7 @@ static int open_port(void)
         while (d && (de = readdir(d))) {
             char path[300], name[64] = {0};
             snprintf(path, sizeof(path), "/sys/class/virtio-ports/%s/name", de->d_name);
-            int fd = open(path, O_RDONLY | O_CLOEXEC);
-            if (fd < 0) {
-                continue;
-            }
-            ssize_t r = read(fd, name, sizeof(name) - 1);
-            close(fd);
-            name[strcspn(name, "\n")] = 0;
-            if (r > 0 && !strcmp(name, PORT_NAME)) {
+            if (read_sys(path, name, sizeof(name)) > 0 && !strcmp(name, PORT_NAME)) {
                 snprintf(path, sizeof(path), "/dev/%s", de->d_name);
                 closedir(d);
                 if (wait_for(path, 2000) < 0) {
@@ -794,14 +790,7 @@ void egress_start(void)
         sigprocmask(SIG_SETMASK, &set, NULL); /* SIGIO comes through the signalfd only */
         signal(SIGCHLD, SIG_IGN);             /* the slow way's children reap themselves */
         signal(SIGPIPE, SIG_IGN);
-        close_inherited(2);
-        prctl(PR_SET_NAME, "sandlot-egress");
-        int fd = open("/proc/self/oom_score_adj", O_WRONLY | O_CLOEXEC);
-        if (fd >= 0) {
-            ssize_t w = write(fd, "-1000", 5);
-            (void)w;
-            close(fd);
-        }
+        become_helper("sandlot-egress", -1);
         for (int i = 0; i < MAX_STREAMS; i++) {
             g_streams[i].fd = -1;
         }
@@ -828,13 +817,8 @@ int egress_reaped(pid_t pid, int status)
     }
     g_pid = 0;
     /* its connect hook went with it: programs reach 10.0.2.100 through QEMU again */
-    if (WIFEXITED(status) && WEXITSTATUS(status) == 0) {
-        return 1; /* no port: nothing to restart */
-    }
-    if (now_ms() - g_started_ms < 1000) {
-        logmsg("egress: exited within a second of starting; not restarted");
-    } else {
-        egress_start();
+    if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) { /* 0: no port, or no hook */
+        restart_helper("egress", g_started_ms, egress_start);
     }
     return 1;
 }

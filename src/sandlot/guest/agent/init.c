@@ -147,6 +147,20 @@ static void tune_page_reporting(void)
     close(fd);
 }
 
+int read_sys(const char *path, char *buf, size_t n)
+{
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0) {
+        buf[0] = 0;
+        return -1;
+    }
+    ssize_t r = read(fd, buf, n - 1);
+    close(fd);
+    buf[r > 0 ? r : 0] = 0;
+    buf[strcspn(buf, "\n")] = 0;
+    return r > 0 ? (int)strlen(buf) : -1;
+}
+
 int wait_for(const char *path, int ms)
 {
     struct stat st;
@@ -526,15 +540,7 @@ static int find_drive(const char *serial, char *dev, size_t len)
             }
             char path[300], got[64] = "";
             snprintf(path, sizeof(path), "/sys/block/%s/serial", e->d_name);
-            int fd = open(path, O_RDONLY | O_CLOEXEC);
-            if (fd < 0) {
-                continue;
-            }
-            ssize_t n = read(fd, got, sizeof(got) - 1);
-            close(fd);
-            got[n > 0 ? n : 0] = 0;
-            got[strcspn(got, "\n")] = 0;
-            if (strcmp(got, serial) == 0) {
+            if (read_sys(path, got, sizeof(got)) >= 0 && strcmp(got, serial) == 0) {
                 snprintf(dev, len, "/dev/%s", e->d_name);
                 closedir(d);
                 return 0;

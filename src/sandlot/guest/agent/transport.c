@@ -451,16 +451,9 @@ int open_ports(struct session *sessions, int max, int want)
                 continue;
             }
             snprintf(path, sizeof(path), "/sys/class/virtio-ports/%s/name", de->d_name);
-            int fd = open(path, O_RDONLY | O_CLOEXEC);
-            if (fd < 0) {
-                continue;
-            }
-            ssize_t r = read(fd, name, sizeof(name) - 1);
-            close(fd);
-            if (r <= 0) {
+            if (read_sys(path, name, sizeof(name)) < 0) {
                 continue; /* registered, not named yet: the next scan sees it */
             }
-            name[strcspn(name, "\n")] = 0;
             if (strncmp(name, "sandlot.", 8)) {
                 continue;
             }
