@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from sandlot.engine.base import NetSpec
-from sandlot.engine.qemu.command import VMConfig, build_command
+from sandlot.engine.qemu.command import VMConfig, build_command, device_set_of
 from sandlot.net import egress, mux
 from sandlot.net.addresses import FALLBACK_ADDRESS, PROXY_ADDRESS
 from sandlot.net.policy import Policy, write_policy
@@ -278,7 +278,9 @@ def test_unit_a_vm_without_a_server_has_a_port_whose_host_never_opens(tmp_path: 
     for devices, port in (("4", False), ("5", True)):
         cfg = VMConfig(kernel=tmp_path / "k", initrd=tmp_path / "i", disk=tmp_path / "d", run_dir=tmp_path,
                        state_dir=tmp_path, network=net, devices=devices)  # fmt: skip
-        joined = " ".join(build_command(cfg, "qemu"))
+        argv = build_command(cfg, "qemu")
+        assert device_set_of(argv) == devices  # what an attaching process reads back
+        joined = " ".join(argv)
         assert ("null,id=egress" in joined) is port and ("sandlot.egress=1" in joined) is port
         assert (f"{FALLBACK_ADDRESS}:3128" in joined) is port
         assert f"guestfwd=tcp:{PROXY_ADDRESS}:3128" in joined  # a state saved before the port has it

@@ -28,7 +28,8 @@ MACHINE = "microvm"
 # yet QEMU's PIT, left counting from reset, woke the VM's main loop every 27 ms, for
 # nothing: 60% of an idle box's host CPU (measured: 7.0 of 11.3 ms a second). "5" adds,
 # to a VM with a network card, the egress port (``sandlot.net.mux``): the guest's
-# connections to the proxy and the DNS answerer without QEMU forking for each. A kernel
+# connections to the proxy and the DNS answerer without QEMU forking for each (a VM
+# without one has set "4"'s devices, and its command line reads as "4"). A kernel
 # without virtio_pci boots set "2".
 DEVICE_SETS = ("1", "2", "3", "4", "5")
 DEVICE_SET = DEVICE_SETS[-1]
@@ -262,9 +263,12 @@ def serial_device(cfg: VMConfig) -> str:
 
 def device_set_of(argv: list[str]) -> str | None:
     """The device set of a running QEMU, from its command line (None: not a VM's)."""
-    devices = [a.split(",", 1)[0] for prev, a in itertools.pairwise(argv) if prev == "-device"]
+    options = [a for prev, a in itertools.pairwise(argv) if prev == "-device"]
+    devices = [a.split(",", 1)[0] for a in options]
     if not devices:
         return None
+    if any(f"name={MUX_PORT_NAME}" in a.split(",") for a in options):
+        return "5"
     if "virtio-serial-pci" in devices:
         machine = next((a for prev, a in itertools.pairwise(argv) if prev == "-M"), "")
         return "4" if "pit=off" in machine.split(",") else "3"
