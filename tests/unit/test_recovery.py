@@ -180,15 +180,19 @@ def test_a_killed_process_is_gone_only_once_its_last_thread_is() -> None:
     import sys
 
     leader_leaves = (
-        "import ctypes, threading, time\n"
+        "import ctypes, sys, threading, time\n"
         "threading.Thread(target=lambda: time.sleep(60)).start()\n"
+        "sys.stdin.readline()\n"  # the test looks at it whole first
         "ctypes.CDLL(None).syscall(60, 0)\n"  # SYS_exit: this thread alone, as a leader may
     )
-    proc = subprocess.Popen([sys.executable, "-c", leader_leaves, "leader_leaves"])
+    proc = subprocess.Popen([sys.executable, "-c", leader_leaves, "leader_leaves"], stdin=subprocess.PIPE)
     try:
         started = pids.start_time(proc.pid)
         assert pids.alive_as(proc.pid, started, "leader_leaves")
         assert not pids.alive_as(proc.pid, started, "another-box")
+        assert proc.stdin is not None
+        proc.stdin.write(b"now\n")
+        proc.stdin.flush()
         deadline = time.monotonic() + 10
         while Path(f"/proc/{proc.pid}/stat").read_text().split(") ")[1][0] != "Z":
             assert time.monotonic() < deadline, "the leader never exited"
