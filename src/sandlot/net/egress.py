@@ -12,6 +12,12 @@ a thread of its own. Everything else stays per connection: the policy, the log, 
 secrets and the box link are read from the files the command line names, so a
 policy change still applies at the next connection.
 
+A QEMU VM of device set "5" needs no relay while the server runs: its egress port
+connects to the server's stream socket beside this one (``mux_socket``), and each
+guest connection comes as a stream of that session (``sandlot.net.mux``), served by
+the same helpers in the same threads. The relay is its way out while no server is
+there.
+
 One server per home (``egress_socket``), which takes a lock first so at most one
 runs. The launcher starts it whenever a VM with a network card starts
 (``ensure_server``). It lives while any process whose command line names its
