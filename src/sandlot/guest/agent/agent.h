@@ -372,6 +372,10 @@ void close_inherited(int keep);  /* in a child: every descriptor above 2 but kee
 void become_helper(const char *name, int keep); /* a helper child's name, OOM score, descriptors */
 void restart_helper(const char *what, uint64_t started_ms, void (*start)(void)); /* one that ended */
 
+/* 10.0.2.100: sandlot's address on QEMU's user network (the DNS relay's host, the egress
+ * child's hook), net/addresses.py's PROXY_ADDRESS */
+#define SL_PROXY_ADDR 0x0a000264u
+
 /* egress.c */
 void egress_start(void);                  /* PID 1, at network bring-up where the port exists */
 int egress_reaped(pid_t pid, int status); /* 1: it was the egress child's */

@@ -30,7 +30,6 @@
 #endif
 
 #define RELAY_ADDR 0x7f000035u  /* 127.0.0.53, as systemd-resolved's stub: 127.0.0.1:53 stays free */
-#define HOST_ADDR 0x0a000264u   /* 10.0.2.100, sandlot's address on QEMU's user network */
 #define SLOTS 16                /* queries in flight; more wait in the socket's buffer */
 /* Under glibc's 5 s per try, so a lost query is answered SERVFAIL before the
  * client gives up on it; the host's own lookup normally takes milliseconds. */
@@ -190,7 +189,7 @@ static void slot_open(struct slot *s, int udp, const uint8_t *q, size_t n, const
     s->sent = s->got = 0;
     s->deadline_ms = now_ms() + QUERY_TIMEOUT_MS;
     s->fd = socket(AF_INET, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
-    struct sockaddr_in host = {.sin_family = AF_INET, .sin_port = htons(53), .sin_addr.s_addr = htonl(HOST_ADDR)};
+    struct sockaddr_in host = {.sin_family = AF_INET, .sin_port = htons(53), .sin_addr.s_addr = htonl(SL_PROXY_ADDR)};
     if (s->fd < 0 || (connect(s->fd, (struct sockaddr *)&host, sizeof(host)) < 0 && errno != EINPROGRESS)) {
         slot_close(s, udp, 2); /* SERVFAIL */
     }

@@ -41,7 +41,6 @@
 #include "agent.h"
 
 #define PORT_NAME "sandlot-egress"
-#define PROXY_ADDR 0x0a000264u    /* 10.0.2.100: where programs connect */
 #define FALLBACK_ADDR 0x0a000263u /* 10.0.2.99: the same helpers through QEMU's user network */
 #define MAGIC "SLMUX1"
 #define MAGIC_LEN 6u
@@ -387,7 +386,7 @@ static int redirect(void)
     prog[n++] = JNE_IMM(2, SOCK_STREAM, 0);
     prog[n++] = LDX_W(2, 6, CTX_USER_IP4);
     to_out[outs++] = n;
-    prog[n++] = JNE_IMM(2, wire32(PROXY_ADDR), 0);
+    prog[n++] = JNE_IMM(2, wire32(SL_PROXY_ADDR), 0);
     prog[n++] = LDX_W(2, 6, CTX_USER_PORT);
     for (int i = 0; i < g_nlisten; i++) {
         prog[n++] = JNE_IMM(2, (int32_t)htons(g_listen_port[i]), 5);
