@@ -10,7 +10,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import NamedTuple
 
-PF_EXITING = 0x4  # include/linux/sched.h: the task is in do_exit
+PF_KTHREAD = 0x00200000  # include/linux/sched.h: a kernel thread
 
 
 def start_time(pid: int | None) -> str | None:
@@ -42,20 +42,24 @@ def alive(pid: int | None, recorded_start: str | None) -> bool:
 
 def alive_as(pid: int | None, recorded_start: str | None, marker: str) -> bool:
     """Whether that process lives and is the one whose command line names ``marker``
-    (a box's VM, by the box's id). A killed process loses its command line the moment
-    its leader lets go of its memory, tens of milliseconds before its last thread ends
-    and lets go of its files (a disk image's lock): on its way out, it is still ours."""
+    (a box's VM, by the box's id). A process of ours reads no command line at both ends
+    of its life, and is still ours then:
+    - killed, it loses it the moment its leader lets go of its memory, tens of
+      milliseconds before its last thread ends and lets go of its files (a disk
+      image's lock);
+    - starting, its execve closes the pipe that tells its parent the exec went well
+      before it lays out its arguments (seen here under load, right after ``Popen``).
+    A kernel thread, the other kind without one, is never ours."""
     if pid is None or not alive(pid, recorded_start):
         return False
     argv = cmdline(pid)
-    return any(marker in arg for arg in argv) or (not any(argv) and _exiting(pid))
+    return any(marker in arg for arg in argv) or (not any(argv) and not kernel_thread(pid))
 
 
-def _exiting(pid: int) -> bool:
-    """Whether the process has begun to exit (PF_EXITING in its flags): a kernel thread,
-    the other kind without a command line, has not."""
+def kernel_thread(pid: int) -> bool:
+    """Whether ``pid`` is a kernel thread (or gone)."""
     fields = stat_fields(pid)
-    return fields is not None and bool(int(fields[6]) & PF_EXITING)
+    return fields is None or bool(int(fields[6]) & PF_KTHREAD)
 
 
 def stat_fields(pid: int) -> list[str] | None:

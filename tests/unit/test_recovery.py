@@ -208,3 +208,7 @@ def test_a_killed_process_is_gone_only_once_its_last_thread_is() -> None:
     finally:
         proc.kill()
         proc.wait()
+    # a kernel thread, the other kind without a command line, is nobody's box
+    every_pid = [int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit()]
+    for kthread in [pid for pid in every_pid if pids.kernel_thread(pid)][:3]:
+        assert not pids.alive_as(kthread, pids.start_time(kthread), "box-id")
