@@ -673,8 +673,61 @@ def test_the_idle_watchdog_tries_again_after_a_suspend_that_failed(
     async def main() -> None:
         box = new_box(home, root, keep=True, idle_timeout=0.5)
         await box.start()
-        await asyncio.wait_for(watchdog.watch(home, box.id), 30)
+        lock = try_flock(idle.watchdog_lock(home, box.id))
+        assert lock is not None
+        await asyncio.wait_for(watchdog.watch(home, box.id, lock), 30)
         assert tries == [0.5, 0.5] and await box.refresh() == "suspended"
         await box.remove(force=True)
 
     run(main)
+
+
+def test_a_resume_while_the_idle_watchdog_ends_is_watched_too(
+    home: Path, root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A resume that comes after the watchdog saw the box suspended, but before it let go
+    of its lock, starts no watchdog of its own (the lock is taken). The ending watchdog
+    looks again once it let go, and watches the running box on, until it sleeps again."""
+    from sandlot.core import idle, watchdog
+    from sandlot.core.controller import BoxController
+
+    started: list[bool] = []  # each start of a watchdog: whether it would have found the lock free
+    monkeypatch.setattr(idle, "spawn", lambda home, box_id: started.append(_lock_free(home, box_id)))
+    real = BoxController.refresh
+    box: sandlot.AsyncBox
+    resumed: list[bool] = []
+
+    async def resumed_right_after_the_look(self: BoxController, entry: Any) -> Any:
+        record = await real(self, entry)
+        if record.state == "suspended" and not resumed:
+            resumed.append(True)
+            await box.resume()  # as a command would, between the watchdog's look and its exit
+        return record
+
+    monkeypatch.setattr(BoxController, "refresh", resumed_right_after_the_look)
+
+    async def main() -> None:
+        nonlocal box
+        box = new_box(home, root, keep=True, idle_timeout=0.5)
+        await box.start()
+        started.clear()
+        lock = try_flock(idle.watchdog_lock(home, box.id))
+        assert lock is not None
+        await asyncio.wait_for(watchdog.watch(home, box.id, lock), 30)
+        assert started == [False]  # the resume's own watchdog would have exited at once
+        kinds = [e.kind async for e in box.events(follow=False)]
+        assert kinds.count("suspended") == 2 and kinds.count("resumed") == 1, kinds
+        assert await box.refresh() == "suspended"
+        assert _lock_free(home, box.id)  # and the watch let go of it
+        await box.remove(force=True)
+
+    run(main)
+
+
+def _lock_free(home: Path, box_id: str) -> bool:
+    from sandlot.core import idle
+
+    fd = try_flock(idle.watchdog_lock(home, box_id))
+    if fd is not None:
+        os.close(fd)
+    return fd is not None
