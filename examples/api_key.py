@@ -10,6 +10,7 @@ key in on HTTPS requests to the API's host only, and masks it in answers.
 
 import http.server
 import json
+import shutil
 import ssl
 import sys
 import tempfile
@@ -72,3 +73,4 @@ with sandlot.Box(rootfs=python_rootfs(), memory_mib=256, network="allowlist", al
     )
     print("the box got back:", box.exec("python3", "-c", call).stdout.strip())
 server.shutdown()
+shutil.rmtree(work)

@@ -12,6 +12,7 @@ and carries on in the parent with the one that worked.
 """
 
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -89,6 +90,7 @@ def main() -> None:
     finally:
         server.terminate()
         server.wait(15)
+        shutil.rmtree(home, ignore_errors=True)  # its base disks and snapshots: scratch
 
 
 if __name__ == "__main__":

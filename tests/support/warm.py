@@ -2,9 +2,13 @@
 (``scripts/test``): the root filesystems and the test image built from the host's
 packages (the KVM host's and the desktop's among them: mmdebstrap, a few minutes the first time), and
 each home's guest kernel, agent and initramfs. Built lazily, as they otherwise are,
-runs could race to write the same cache. And the snapshots no box needs, which
-removed boxes leave in the homes (by design, a removal keeps its box's snapshots): a
-runner's home is new, but a developer's grew by about 20 GB a day of runs.
+runs could race to write the same cache. And what earlier runs left in the homes
+that no box needs: the snapshots of removed boxes (by design, a removal keeps its
+box's snapshots), then the base disks of removed images and of the root directories
+that tests made and no box started from in the last hours (by design, a base is the
+cache of the next box from the same root). A runner's home can be new, but one kept
+from run to run grew by about 20 GB a day of runs, and a run on a host with little
+disk left then failed with ENOSPC.
 
     .venv/bin/python -m tests.support.warm HOME [HOME...]
 """
@@ -19,6 +23,10 @@ import sandlot
 from tests.support import roots
 from tests.support.images import python_layout
 
+# The shared roots' bases are used by every run, so they stay; a root of one test's own
+# is new in each run, so its base is left behind by the run before.
+BASES_KEPT_FOR = 6 * 3600
+
 
 def main(homes: list[str]) -> int:
     debian = roots.debian_root()
@@ -29,8 +37,10 @@ def main(homes: list[str]) -> int:
     for home in homes:
         sandlot.Runtime.for_home(Path(home)).prepare()
         pruned = sandlot.prune_snapshots(home=home)
-        if pruned:
-            print(f"{home}: {len(pruned)} snapshots of removed boxes pruned")
+        report = sandlot.prune_images(home=home, unused_for=BASES_KEPT_FOR)
+        if pruned or report.bases_removed:
+            print(f"{home}: {len(pruned)} snapshots of removed boxes and {report.bases_removed} unused"
+                  f" base disks pruned, {report.bytes_freed >> 20} MiB")  # fmt: skip
     return 0
 
 

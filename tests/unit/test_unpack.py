@@ -12,6 +12,7 @@ import subprocess
 import sys
 import tarfile
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -182,3 +183,31 @@ def test_unprivileged_unpack_keeps_owners(request: pytest.FixtureRequest) -> Non
     assert "User:     0   Group:     0" in _debugfs_stat(image, "/usr/local/bin/suid-tool")
     assert "Mode:  04755" in _debugfs_stat(image, "/usr/local/bin/suid-tool")
     assert "Device major/minor number: 01:03" in _debugfs_stat(image, "/opt/devnull")
+
+
+def test_prune_keeps_the_bases_of_roots_a_box_used_lately(tmp_path: Path) -> None:
+    """A base made from a root directory is the cache of its next box: `prune_images`
+    with ``unused_for`` keeps the ones a box started from in that time, and takes the rest."""
+    from sandlot.images.rootfs import base_for, rootfs_dir_for
+
+    home = tmp_path / "home"
+    bases = home / "bases"
+    roots = {}
+    for name in ("recent", "stale", "stale-dir"):
+        roots[name] = tmp_path / name
+        (roots[name] / "etc").mkdir(parents=True)
+        (roots[name] / "etc" / "hostname").write_text(name)
+    recent = base_for(bases, roots["recent"])
+    stale = base_for(bases, roots["stale"])
+    stale_dir = rootfs_dir_for(bases, roots["stale-dir"])
+    two_days_ago = time.time() - 2 * 86400
+    for made in (recent, stale, stale_dir):
+        os.utime(made, (two_days_ago, two_days_ago))
+    assert base_for(bases, roots["recent"]) == recent  # a box starts from it: its last use is now
+
+    report = sandlot.prune_images(home=home, unused_for=86400)
+    assert report.bases_removed == 2 and recent.name in report.kept_bases and report.bytes_freed > 0
+    assert recent.exists() and not stale.exists() and not stale_dir.exists()
+    assert sandlot.prune_images(home=home).bases_removed == 1 and not recent.exists()
+    with pytest.raises(sandlot.InvalidArgument, match="unused_for"):
+        sandlot.prune_images(home=home, unused_for=-1)

@@ -123,7 +123,16 @@ def import_image(
     )
 
 
-def prune_images(home: Home = None) -> PruneReport:
-    """Remove blobs and base disks that no image and no box uses."""
+def prune_images(home: Home = None, *, unused_for: float = 0.0) -> PruneReport:
+    """Remove blobs and base disks that no image and no box uses.
+
+    ``unused_for`` (seconds) keeps the base disks made from a root filesystem directory
+    or tarball that a box started from in that time, so that the next box from the same
+    root need not make its base again::
+
+        sandlot.prune_images(unused_for=7 * 86400)  # keep what a box used this week
+    """
+    if not unused_for >= 0:  # NaN too
+        raise InvalidArgument(f"unused_for must be 0 or more seconds, not {unused_for}")
     rt = Runtime.for_home(home)
-    return rt.images.prune(rt.boxes_dir)
+    return rt.images.prune(rt.boxes_dir, unused_for)

@@ -96,11 +96,21 @@ def images_list(
 
 
 @images_app.command("prune")
-def images_prune() -> None:
+def images_prune(
+    unused_for: Annotated[
+        float,
+        typer.Option(
+            help="Keep base disks of root filesystems that a box used this many seconds ago or less."
+        ),
+    ] = 0.0,
+) -> None:
     """Remove blobs and base disks that no image and no box uses."""
     from ..api.images import prune_images
 
-    report = prune_images()
+    try:
+        report = prune_images(unused_for=unused_for)
+    except SandlotError as exc:
+        raise fail(exc) from exc
     freed = human(report.bytes_freed)
     print(f"removed {report.blobs_removed} blobs and {report.bases_removed} base disks, {freed}")
 

@@ -306,7 +306,7 @@ class ImageManager:
     def remove(self, name: str) -> list[str]:
         return self.store.remove(name)
 
-    def prune(self, boxes_dir: Path) -> PruneReport:
+    def prune(self, boxes_dir: Path, unused_for: float = 0.0) -> PruneReport:
         in_use: set[Path] = set()
         layer_dirs = (boxes_dir.parent / "layers").glob("*.dir")
         for layer in layer_dirs:  # an overlay's lower layer is named in its "base" file
@@ -320,7 +320,7 @@ class ImageManager:
                     in_use.add(Path(backing))
                     with contextlib.suppress(OSError):
                         in_use.add(Path(backing).resolve())
-        return self.store.prune(in_use)
+        return self.store.prune(in_use, unused_for)
 
     # -- base disks ---------------------------------------------------------------------------------
 

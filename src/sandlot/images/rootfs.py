@@ -8,6 +8,7 @@ the filesystem size, so editing the directory gives a new base.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import os
@@ -98,6 +99,14 @@ def _publish(tmp: Path, final: Path) -> Path:
     return final
 
 
+def _reused(base: Path) -> Path:
+    """``base``, its time of modification set to now: a cached base's last use, which
+    ``prune_images(unused_for=...)`` goes by (its content never changes after it is made)."""
+    with contextlib.suppress(OSError):
+        os.utime(base)
+    return base
+
+
 def base_from_dir(cache: Path, src: Path) -> Path:
     """Cached ext4 base holding the directory ``src`` (owners as on disk)."""
     src = Path(src)
@@ -106,7 +115,7 @@ def base_from_dir(cache: Path, src: Path) -> Path:
     key = hashlib.sha256(f"dir:{_dir_digest(src)}".encode()).hexdigest()[:24]
     final = cache / f"{key}.ext4"
     if final.exists():
-        return final
+        return _reused(final)
     cache.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{key}.", suffix=".ext4", dir=cache)
     os.close(fd)
@@ -136,7 +145,7 @@ def base_from_tarball(cache: Path, tarball: Path) -> Path:
     key = hashlib.sha256(f"tar:{h.hexdigest()}".encode()).hexdigest()[:24]
     final = cache / f"{key}.ext4"
     if final.exists():
-        return final
+        return _reused(final)
     cache.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix=f".{key}.", dir=cache) as tmpdir:
         root = Path(tmpdir) / "root"
@@ -177,7 +186,7 @@ def rootfs_dir_for(cache: Path, rootfs: str | os.PathLike[str]) -> Path:
         key = hashlib.sha256(f"tar:{h.hexdigest()}".encode()).hexdigest()[:24]
     final = cache / f"{key}.rootfs"
     if final.is_dir():
-        return final
+        return _reused(final)
     cache.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{key}.", dir=cache))
     try:

@@ -29,7 +29,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..config import atomic_write, fsync_dir
+from ..config import atomic_write, fsync_dir, tree_bytes
 from ..errors import ImageError, InvalidArgument
 from .oci import ImageConfig, new_hasher
 from .reference import Reference, valid_digest
@@ -337,10 +337,11 @@ class ImageStore:
         """The image unpacked as a directory (the shared lower layer of gvisor boxes)."""
         return self.bases / f"img-{_hex(image.digest)}.rootfs"
 
-    def prune(self, bases_in_use: set[Path]) -> PruneReport:
+    def prune(self, bases_in_use: set[Path], unused_for: float = 0.0) -> PruneReport:
         """Remove blobs no image references, partial downloads, and base disks that
-        belong to no image and back no box."""
+        belong to no image, back no box and were last used over ``unused_for`` seconds ago."""
         report = PruneReport()
+        used_since = time.time() - unused_for
         with self._locked():
             images = self.list_images()
             keep = set()
@@ -374,7 +375,14 @@ class ImageStore:
                         continue
                     if base in image_bases:
                         continue
+                    try:
+                        if base.stat().st_mtime > used_since:  # its last use (rootfs._reused)
+                            report.kept_bases.append(base.name)
+                            continue
+                    except FileNotFoundError:
+                        continue
                     if base.is_dir():  # an unpacked root
+                        report.bytes_freed += tree_bytes(base)
                         shutil.rmtree(base, ignore_errors=True)
                     else:
                         report.bytes_freed += base.stat().st_blocks * 512
