@@ -731,3 +731,29 @@ def _lock_free(home: Path, box_id: str) -> bool:
     if fd is not None:
         os.close(fd)
     return fd is not None
+
+
+def test_a_loop_that_ended_gives_its_agent_ports_back(home: Path, root: Path) -> None:
+    """A program that runs a loop per task (``asyncio.run`` each time, or a test per loop)
+    and uses a box from each: the box's agent ports, one per process and loop, go back as
+    each loop ends. Before, each ended loop kept one until the process exited, and the
+    loop after the box's last port waited in line for one until its deadline."""
+    from sandlot.core.runtime import AGENT_PORTS
+
+    box = sandlot.Box(rootfs=root, engine="fake", home=home, template=False, memory_mib=256, keep=True)
+    box.start()
+    try:
+        for n in range(AGENT_PORTS + 2):
+
+            async def use(n: int = n) -> str:
+                again = await sandlot.AsyncBox.get(box.name, home=home)
+                return (await asyncio.wait_for(again.exec("echo", str(n)), 20)).stdout
+
+            assert asyncio.run(use()) == f"{n}\n"
+        locks = [try_flock(home / "boxes" / box.id / "ports" / f"{p}.lock") for p in range(AGENT_PORTS)]
+        for fd in locks:
+            if fd is not None:
+                os.close(fd)
+        assert locks.count(None) == 1  # the sync API's own session: its loop runs on
+    finally:
+        box.remove(force=True)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import weakref
+from collections.abc import AsyncGenerator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -102,19 +103,45 @@ class LiveStateOnUse:
 _cores: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[Path, Core]] = weakref.WeakKeyDictionary()
 
 
+# per loop: an async generator whose closing ends the loop's cores (``_close_at_loop_end``)
+_loop_ends: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, AsyncGenerator[None, None]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
 def core_for(runtime: Runtime) -> Core:
     """The core of ``runtime``'s home for the running event loop."""
     loop = asyncio.get_running_loop()
     per_loop = _cores.get(loop)
     if per_loop is None:
         per_loop = _cores[loop] = {}
+        _close_at_loop_end(loop)
     core = per_loop.get(runtime.home)
     if core is None or core.rt is not runtime:
         core = per_loop[runtime.home] = Core(runtime)
     return core
 
 
-async def close_all() -> None:
-    """End the sessions of every core of the running loop (at the end of a program)."""
-    for core in list((_cores.get(asyncio.get_running_loop()) or {}).values()):
-        await core.close()
+def _close_at_loop_end(loop: asyncio.AbstractEventLoop) -> None:
+    """End the loop's agent sessions when the loop ends, where that is known: a program's
+    ``asyncio.run`` (or ``asyncio.Runner``) ends by closing its loop's async generators,
+    and one of them is ours. Else a session would outlive its loop, holding one of its
+    box's agent ports until the process exits: a process that runs a loop per task (a
+    test per loop) would take all of a box's ports, and its sockets would be collected
+    unclosed, from whatever thread the collector ran in."""
+
+    async def at_loop_end() -> AsyncGenerator[None, None]:
+        try:
+            yield
+        finally:
+            ending = asyncio.get_running_loop()  # not held before: this would keep it alive
+            _loop_ends.pop(ending, None)
+            for core in (_cores.pop(ending, None) or {}).values():
+                with contextlib.suppress(Exception):
+                    await core.close()
+
+    ender = _loop_ends[loop] = at_loop_end()  # held until the loop ends: the loop holds it weakly
+    # Run to its ``yield`` here, in the loop's thread: its first step is when the loop's
+    # hooks record it, for the loop's shutdown_asyncgens() to close.
+    with contextlib.suppress(StopIteration):
+        ender.asend(None).send(None)
