@@ -91,9 +91,17 @@ def wait_gone(pid: int, recorded_start: str, timeout: float) -> bool:
     return True
 
 
+_me: tuple[int, str] = (0, "")
+
+
 def me() -> tuple[int, str]:
+    """This process's pid and start time: read once per process (a fork's child reads
+    its own), as every change of a box's state records it."""
+    global _me
     pid = os.getpid()
-    return pid, start_time(pid) or ""
+    if _me[0] != pid:
+        _me = (pid, start_time(pid) or "")
+    return _me
 
 
 def age(start: str) -> float | None:
