@@ -58,6 +58,7 @@ async def watch(home: Path, box_id: str, lock_fd: int) -> None:
                     # stopped, suspended, removed: a later start or resume watches again,
                     # unless it came before the lock was let go
                     os.close(lock_fd)
+                    lock_fd = -1  # let go: not closed again below, whatever comes
                     lock_fd = await _running_again(core, entry, lock)
                     if lock_fd < 0:
                         return
