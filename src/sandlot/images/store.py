@@ -23,6 +23,7 @@ import fcntl
 import json
 import os
 import shutil
+import stat
 import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
@@ -376,16 +377,17 @@ class ImageStore:
                     if base in image_bases:
                         continue
                     try:
-                        if base.stat().st_mtime > used_since:  # its last use (rootfs._reused)
-                            report.kept_bases.append(base.name)
-                            continue
+                        info = base.stat()
                     except FileNotFoundError:
                         continue
-                    if base.is_dir():  # an unpacked root
+                    if info.st_mtime > used_since:  # its last use (rootfs._reused)
+                        report.kept_bases.append(base.name)
+                        continue
+                    if stat.S_ISDIR(info.st_mode):  # an unpacked root
                         report.bytes_freed += tree_bytes(base)
                         shutil.rmtree(base, ignore_errors=True)
                     else:
-                        report.bytes_freed += base.stat().st_blocks * 512
+                        report.bytes_freed += info.st_blocks * 512
                         base.unlink()
                     report.bases_removed += 1
         return report
