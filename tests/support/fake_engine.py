@@ -4,11 +4,11 @@ real unix sockets. Lifecycle, recovery, locking and error paths run through the
 real core (controller, transitions, store, sessions) in milliseconds.
 
 ``register()`` makes ``engine="fake"`` available; ``FakeEngine.of(home)`` is the
-instance a home uses, to inspect or rig (``fail_boot``, ``fail_restore``,
-``never_answer``, ``vms``).
+instance a home uses, to inspect or rig (``fail_boot``, ``fail_restore``, ``restore_seconds``,
+``save_seconds``, ``never_answer``, ``vms``).
 
 What its agent understands: HELLO, PING, CONTROL (STATUS, SHUTDOWN, SET_TIME,
-MOUNT), files (FILE_READ, FILE_WRITE, FS: a small file system held in the VM's
+MOUNT, FREEZE and THAW: ``frozen``), files (FILE_READ, FILE_WRITE, FS: a small file system held in the VM's
 memory), and EXEC of ``true``, ``false``, ``echo ...``, ``exit N``, ``sleep S``,
 ``cat`` (its stdin back), ``lines N``, ``hostname``, ``remember K V``, ``recall K``
 and ``/bin/sh -c "one of those"`` or ``/bin/bash -l -c ...`` (nothing runs: the
@@ -74,6 +74,7 @@ class FakeVM(VM):
         self._clients: set[asyncio.StreamWriter] = set()
         self.last_request = 0.0
         self.busy = 0
+        self.frozen = False  # its commands are frozen for a save (CONTROL FREEZE, until THAW)
         self._tasks: set[asyncio.Future[None]] = set()
         self._stdin: dict[int, asyncio.Queue[bytes | None]] = {}  # channel -> what the host sends on it
         self.dead = False
@@ -138,6 +139,7 @@ class FakeVM(VM):
         return self.status_now if self.running else VMStatus.GONE
 
     async def run_restored(self, timeout: float) -> None:
+        await asyncio.sleep(self.engine.restore_seconds)
         if self.engine.fail_restore:
             self.die(1)
             raise BootError("fake: the saved state cannot be loaded")
@@ -155,6 +157,7 @@ class FakeVM(VM):
         new_drives: Mapping[str, Path] | None = None,
     ) -> float:
         self._maybe_fail("save")
+        await asyncio.sleep(self.engine.save_seconds)
         (directory / "state").write_text(json.dumps({"memory": self.memory}))
         self.status_now = VMStatus.RUNNING if keep_running else VMStatus.PAUSED
         return 0.001
@@ -256,6 +259,8 @@ class FakeVM(VM):
                 )
                 return
             self.last_request = loop.time()
+            if op in (ControlOp.FREEZE, ControlOp.THAW):
+                self.frozen = op == ControlOp.FREEZE
             self._send(w, T.CONTROL_OK, ch)
             if op == ControlOp.SHUTDOWN:
                 await w.drain()
@@ -499,6 +504,8 @@ class FakeEngine(Engine):
         self.fail: set[str] = set()  # VM operations that raise: "pause", "resume", "save"
         self.fail_boot = False
         self.fail_restore = False
+        self.restore_seconds = 0.0  # how long each restore takes (a loaded host's)
+        self.save_seconds = 0.0  # ... and each save
         self.never_answer = False
         self.hangs = 0  # the next this many boots hang before their init
         self.launches = 0

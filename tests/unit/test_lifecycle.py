@@ -398,6 +398,57 @@ def test_when_other_processes_hold_every_agent_port_a_session_waits_its_turn(
     run(main)
 
 
+def test_a_connection_held_through_a_slow_restore_is_not_closed_under_it_for_idleness(
+    home: Path, root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A diff and a file restore use the box's connection before and after they bring a
+    snapshot up as a box of its own; a restore longer than the idle release (a loaded
+    host's) must not leave them holding a connection that the release closed."""
+    monkeypatch.setattr(sessions, "IDLE_RELEASE", 0.2)
+
+    async def main() -> None:
+        box = new_box(home, root, keep=True)
+        await box.start()
+        try:
+            await box.files.write("/root/marker", "before")
+            snap = await box.snapshot("mark")
+            await box.files.write("/root/marker", "changed")
+            FakeEngine.of(home).restore_seconds = 1.0
+            d = await box.diff(snap, paths="/root")
+            assert [(c.path, c.status) for c in d] == [("/root/marker", "modified")]
+            assert (await box.files.restore("/root/marker", from_=snap))["entries"] == 1
+            assert await box.files.read_text("/root/marker") == "before"
+        finally:
+            await box.remove(force=True)
+
+    run(main)
+
+
+def test_a_save_longer_than_the_idle_release_still_thaws_the_commands_it_froze(
+    home: Path, root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A box with a share has its commands frozen for a save; the thaw after it goes to
+    the session as it is then, not to a connection the idle release closed meanwhile."""
+    monkeypatch.setattr(sessions, "IDLE_RELEASE", 0.2)
+    shared = tmp_path / "shared"
+    shared.mkdir()
+
+    async def main() -> None:
+        box = new_box(home, root, keep=True, volumes=[(shared, "/mnt")])
+        await box.start()
+        try:
+            engine = FakeEngine.of(home)
+            engine.save_seconds = 1.0
+            await box.snapshot("slow")
+            (vm,) = [v for v in engine.vms.values() if v.running]
+            assert not vm.frozen
+            assert (await box.exec("echo", "on")).stdout == "on\n"
+        finally:
+            await box.remove(force=True)
+
+    run(main)
+
+
 def test_network_policy_changes_and_what_needs_a_stop(home: Path, root: Path) -> None:
     async def main() -> None:
         box = new_box(home, root, keep=True, network="allowlist", allow=["pypi.org"])

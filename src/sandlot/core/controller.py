@@ -655,7 +655,8 @@ class BoxController:
         finally:
             if conn is not None and entry.state == BoxState.RUNNING:  # not paused, suspended, gone
                 with contextlib.suppress(SandlotError, OSError):
-                    await conn.thaw()
+                    # asked for again: a save that outlasted the idle release let the session go
+                    await (await self.connection(entry)).thaw()
 
     @staticmethod
     async def _detach_shares(conn: AgentConnection) -> None:

@@ -44,7 +44,7 @@ import os
 import posixpath
 import stat
 import time
-from collections.abc import AsyncIterator, Awaitable, Iterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -106,13 +106,18 @@ def check_paths(paths: Sequence[str] | str | None) -> list[str]:
 
 @dataclass
 class Side:
-    """One state being compared: what it is called, and its agent. ``box_id`` is the box
-    whose history it is a state of, made at ``born``; ``stable_ino``: its engine keeps
-    inode numbers across a restore (QEMU: the guest's own ext4; gVisor numbers them
-    afresh as a restored sandbox looks files up)."""
+    """One state being compared: what it is called, and how to reach its agent.
+    ``box_id`` is the box whose history it is a state of, made at ``born``;
+    ``stable_ino``: its engine keeps inode numbers across a restore (QEMU: the guest's
+    own ext4; gVisor numbers them afresh as a restored sandbox looks files up).
+
+    ``connection`` is asked again for each request, never kept: a session that sat
+    idle while the other side came up or was walked (a restore on a loaded host takes
+    longer than the idle release) has given its port back, and the next request
+    connects again."""
 
     label: str
-    conn: AgentConnection
+    connection: Callable[[], Awaitable[AgentConnection]]
     box_id: str | None = None
     born: float | None = None
     stable_ino: bool = True
@@ -122,9 +127,9 @@ class Side:
         found: dict[str, TreeEntry] = {}
         for root in roots:
             try:
-                entries = await pfiles.tree(self.conn, root)
+                entries = await pfiles.tree(await self.connection(), root)
             except GuestNotADirectoryError:  # a file, link or device: its own entry
-                entries = await pfiles.tree(self.conn, root, self_only=True)
+                entries = await pfiles.tree(await self.connection(), root, self_only=True)
             except GuestFileNotFoundError:
                 continue  # not on this side: everything under it is added or deleted
             for e in entries:
@@ -132,7 +137,7 @@ class Side:
         return found
 
     async def chunks(self, path: str) -> AsyncIterator[bytes]:
-        _, _, chunks = await pfiles.read_stream(self.conn, path)
+        _, _, chunks = await pfiles.read_stream(await self.connection(), path)
         try:
             async for chunk in chunks:
                 yield chunk
@@ -437,12 +442,15 @@ async def open_side(
     core: Core, entry: BoxEntry, kind_: str, key: str, held: contextlib.AsyncExitStack
 ) -> Side:
     ctl = core.controller
+
+    def connection(box: BoxEntry) -> Callable[[], Awaitable[AgentConnection]]:
+        return lambda: ctl.connection(box)
+
     if kind_ in ("now", "box"):
         box = entry if kind_ == "now" else await ctl.find(key)
+        await ctl.connection(box)  # it must run: fail before starting the other side
         rec = box.record
-        return Side(
-            f"{box.name} now", await ctl.connection(box), box.id, rec.created_at, box.spec.engine != "gvisor"
-        )
+        return Side(f"{box.name} now", connection(box), box.id, rec.created_at, box.spec.engine != "gvisor")
     options: dict[str, Any] = {
         "name": f"{entry.name[:50]}-diff-{os.urandom(3).hex()}",  # a name is at most 63 characters
         "labels": {"sandlot.diff-of": entry.id},
@@ -452,13 +460,13 @@ async def open_side(
         (temp,) = await core.live.start_boxes(snap, 1, held_by_me=True, **options)
         held.push_async_callback(ctl.remove, temp, force=True)
         owner = await core.db.find(snap.box_id) if snap.box_id else None
-        side = Side(f"snapshot {snap.name or snap.id}", await ctl.connection(temp), snap.box_id,
+        side = Side(f"snapshot {snap.name or snap.id}", connection(temp), snap.box_id,
                     owner.created_at if owner else None)  # fmt: skip
     else:
         temp = await ctl.create(await image_request(core, entry, options), ephemeral=True)
         held.push_async_callback(ctl.remove, temp, force=True)
         await ctl.start(temp)
-        side = Side(f"image {entry.spec.image or entry.spec.rootfs}", await ctl.connection(temp))
+        side = Side(f"image {entry.spec.image or entry.spec.rootfs}", connection(temp))
     side.stable_ino = temp.spec.engine != "gvisor"
     return side
 
@@ -496,21 +504,24 @@ async def restore(core: Core, entry: BoxEntry, path: str, snapshot: str) -> dict
         kind_, key = side_key(snapshot, "")
         if kind_ != "snapshot":
             raise InvalidArgument(f"restore takes a snapshot to restore from, not {snapshot!r}")
-        here = await ctl.connection(entry)  # the box must run: fail before starting anything
+        await ctl.connection(entry)  # the box must run: fail before starting anything
         src = await open_side(core, entry, "snapshot", key, held)
+        source = await src.connection()
         with newer_agent_needed():
-            own = await pfiles.tree(src.conn, path, self_only=True)
+            own = await pfiles.tree(source, path, self_only=True)
         if len(own) != 1:
             raise ProtocolError(f"the agent answered {len(own)} entries for the one path {path}")
         top = own[0]
-        entries = await pfiles.tree(src.conn, path) if stat.S_ISDIR(top.mode) else [top]
+        entries = await pfiles.tree(source, path) if stat.S_ISDIR(top.mode) else [top]
+        # asked for again now: the snapshot's restore may have outlasted the idle release
+        here = await ctl.connection(entry)
         parent, name = posixpath.split(path)
         stage = posixpath.join(parent, f".{name[:200]}.sandlot-restore-{os.urandom(4).hex()}")  # NAME_MAX
         copied = Copied()
         try:
             for e in entries:
                 await copy_entry(
-                    src.conn, here, path, e, posixpath.join(stage, e.path) if e.path else stage, copied
+                    source, here, path, e, posixpath.join(stage, e.path) if e.path else stage, copied
                 )
             await swap_into_place(here, stage, path)
         except BaseException:
