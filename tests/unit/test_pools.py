@@ -143,3 +143,24 @@ def test_fits_compares_what_a_restore_fixed() -> None:
     assert fits(base, BoxSpec.build("busybox", memory_mib=256, name="x", env={"A": "1"}, user="nobody"))
     assert not fits(base, BoxSpec.build("busybox", memory_mib=512))
     assert not fits(base, BoxSpec.build("busybox", memory_mib=256, network="allowlist"))
+
+
+def test_a_specs_options_are_a_plain_copy_that_shares_nothing() -> None:
+    """What a row stores of a spec (written twice by every claim): every field, volumes,
+    mounts and ports as lists, and nothing mutable shared with the spec."""
+    spec = BoxSpec.build(
+        "busybox", env={"A": "1"}, labels={"k": "v"}, volumes=["/tmp:/g:ro"], ports=["127.0.0.1:8080:80"],
+        network="allowlist", allow=["pypi.org"], memory_mib=512,
+    )  # fmt: skip
+    spec.image_config = {"env": ["A=1"], "cmd": ["sh"], "workdir": None, "user": "", "entrypoint": []}
+    spec.secrets = [{"name": "K", "placeholder": "p", "hosts": ["a.example"]}]
+    options = spec.to_options()
+    assert set(options) == set(BoxSpec.__dataclass_fields__)
+    assert options["volumes"] == [["/tmp", "/g", True]] and options["ports"] == [["127.0.0.1", 8080, 80]]
+    assert BoxSpec.from_options(options) == spec
+    options["env"]["B"] = "2"
+    options["secrets"][0]["hosts"].append("b.example")
+    options["image_config"]["env"].append("B=2")
+    options["allow"].append("example.org")
+    assert spec.env == {"A": "1"} and spec.secrets[0]["hosts"] == ["a.example"]
+    assert spec.image_config["env"] == ["A=1"] and spec.allow == ["pypi.org"]

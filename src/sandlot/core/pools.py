@@ -226,7 +226,8 @@ class Pools:
     ) -> BoxEntry | None:
         """Claim one pool VM; None if another claimer took it first, or it failed (then it is removed)."""
         t0 = time.monotonic()
-        options = {**spec.to_options(), "pool": snap.id}  # marked until the claim is done
+        claimed = spec.to_options()
+        options = {**claimed, "pool": snap.id}  # marked until the claim is done
         identity: dict[str, Any] = {
             "name": req.name, "labels": dict(spec.labels), "options": options,
             "machine_id": random_ids.token_hex(16), "ephemeral": ephemeral,
@@ -262,7 +263,7 @@ class Pools:
                     with contextlib.suppress(BaseException):
                         await hello
                     raise
-                step.changes = {"options": spec.to_options(), "started_at": time.time()}
+                step.changes = {"options": claimed, "started_at": time.time()}
         except Exception as exc:
             if not won:  # another claimer (or a drain) had it, or the name is taken: nothing changed
                 ctl.forget(entry)

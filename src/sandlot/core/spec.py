@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -196,6 +196,16 @@ def _secret_specs(given: Sequence[Secret] | None, saved: Sequence[dict[str, Any]
         placeholder = specs.get(s.name, {}).get("placeholder") or new_placeholder(s.name)
         specs[s.name] = {"name": s.name, "placeholder": placeholder, "hosts": list(s.hosts)}
     return list(specs.values())
+
+
+def _plain(value: Any) -> Any:
+    """A copy of JSON-like data (dicts, lists, tuples and scalars) that shares nothing
+    mutable with ``value``."""
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return type(value)(_plain(v) for v in value)
+    return value
 
 
 @dataclass
@@ -403,7 +413,9 @@ class BoxSpec:
         return sorted(ports - {PROXY_PORT, DNS_PORT})
 
     def to_options(self) -> dict[str, Any]:
-        d = asdict(self)
+        # by hand rather than dataclasses.asdict, whose generic recursion deep-copies every
+        # value (0.27 ms a call, measured; a pool claim made four): the same plain copy
+        d = {name: _plain(getattr(self, name)) for name in self.__dataclass_fields__}
         d["volumes"] = [[v.host, v.guest, v.readonly, *[v.volume][: bool(v.volume)]] for v in self.volumes]
         d["mounts"] = [[m.volume, m.guest, m.mode] for m in self.mounts]
         d["ports"] = [[p.address, p.host, p.guest] for p in self.ports]
