@@ -107,6 +107,7 @@ class LocalBoxRef(BoxRef):
         self.box_name = request.name if request is not None else entry.name if entry is not None else ""
         self.given_image: Image | None = request.image if request is not None else None
         self.claimed = False  # made from a warm pool's VM, running already (made_entry with claim)
+        self.making = False  # a made_entry of this request has begun (on some loop)
 
     @property
     def runtime(self) -> Runtime:
@@ -196,9 +197,14 @@ class LocalBoxRef(BoxRef):
         if request is None:  # a box found by id, seen before on another loop
             entry = await core.controller.find(self.id)
         else:
-            try:
-                entry = await core.controller.find(self.id)
-            except BoxNotFound:
+            # a new request's id names no row (no store round trip for it), unless another
+            # loop began making this box
+            entry = None
+            if self.making:
+                with contextlib.suppress(BoxNotFound):
+                    entry = await core.controller.find(self.id)
+            self.making = True
+            if entry is None:
                 claimed = await core.pools.claim(request, ephemeral=ephemeral) if claim else None
                 if claimed is not None:
                     entry = claimed

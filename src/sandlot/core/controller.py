@@ -69,7 +69,10 @@ def require_room(home: Path, what: str, *, box: str | None = None) -> None:
     saying how it ended find room (the store keeps a reserve of its own for those,
     ``store.ROOM_FILE``, which a payload must not eat up first)."""
     need = float(os.environ.get("SANDLOT_MIN_FREE_MIB", "64")) * (1 << 20)
-    st = os.statvfs(home)
+    where = home
+    while not where.exists() and where != where.parent:  # a new home: where it will be made
+        where = where.parent
+    st = os.statvfs(where)
     if st.f_bavail * st.f_frsize < need:
         floor = f"sandlot keeps {need / (1 << 20):g} MiB free for it (SANDLOT_MIN_FREE_MIB)"
         raise no_space(home, f"{what}: {floor}", box=box)

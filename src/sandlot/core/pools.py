@@ -172,32 +172,33 @@ class Pools:
 
     # -- claiming --------------------------------------------------------------------------
 
-    async def template_of(self, req: BoxRequest) -> SnapshotRecord | None:
-        """The template ``req`` starts from, if it has a pool."""
+    async def template_of(self, req: BoxRequest) -> tuple[SnapshotRecord, list[BoxRecord]] | None:
+        """The template ``req`` starts from and its pool's ready VMs (oldest first), if it
+        has a pool: read together, one store round trip of the claim's."""
         t = req.template
-        if isinstance(t, SnapshotRecord):
-            snap = await self.db.find_snapshot(t.id)
-        elif isinstance(t, str):
-            try:
-                snap = await self.db.get_snapshot(t)
-            except (SnapshotNotFound, InvalidArgument):
-                return None  # the plain path reports it
-        else:
+        if not isinstance(t, SnapshotRecord | str):
             return None
+        try:
+            snap, ready = await self.db.template_pool(
+                t.id if isinstance(t, SnapshotRecord) else t, by_id=isinstance(t, SnapshotRecord)
+            )
+        except (SnapshotNotFound, InvalidArgument):
+            return None  # the plain path reports it
         if snap is None or snap.kind != "template" or pool_size(snap) == 0:
             return None
-        return snap
+        return snap, ready
 
     async def claim(self, req: BoxRequest, *, ephemeral: bool = False) -> BoxEntry | None:
         """A running box made of a ready VM of the pool of ``req``'s template, with
         ``req``'s identity; None if the template has no pool, the pool is empty, or the
         box asks for what a pool VM cannot become (then a plain restore makes it)."""
-        snap = await self.template_of(req)
-        if snap is None:
+        found = await self.template_of(req)
+        if found is None:
             return None
+        snap, ready = found
         spec = req.spec_for(snap)  # checks the request against the template, as a restore would
         try:
-            return await self._claim_one(snap, req, spec, ephemeral)
+            return await self._claim_one(snap, ready, req, spec, ephemeral)
         finally:
             # the pool lost a VM, or had none: a detached process makes up for it, started
             # from a worker thread so the claimer's first command does not wait for the fork
@@ -205,9 +206,9 @@ class Pools:
             asyncio.get_running_loop().run_in_executor(None, refill_quietly, self.rt.home, snap.id)
 
     async def _claim_one(
-        self, snap: SnapshotRecord, req: BoxRequest, spec: BoxSpec, ephemeral: bool
+        self, snap: SnapshotRecord, ready: list[BoxRecord], req: BoxRequest, spec: BoxSpec, ephemeral: bool
     ) -> BoxEntry | None:
-        for rec in await self.db.pooled(snap.id):
+        for rec in ready:
             if rec.id in self._claiming:
                 continue
             if not fits(BoxSpec.from_options(rec.options), spec):

@@ -670,6 +670,14 @@ class BoxStore:
             raise
         return _row(row)
 
+    def template_pool(
+        self, key: str, *, by_id: bool
+    ) -> tuple[SnapshotRecord | None, builtins.list[BoxRecord]]:
+        """A snapshot (by id, else as ``get_snapshot`` finds it) and, if it is a template,
+        the ready VMs of its pool: what a claim reads first, in one call."""
+        snap = self.find_snapshot(key) if by_id else self.get_snapshot(key)
+        return snap, self.pooled(snap.id) if snap is not None and snap.kind == "template" else []
+
     def pooled(self, template_id: str) -> builtins.list[BoxRecord]:
         """The ready VMs of a template's warm pool, oldest first (``core.pools``)."""
         with self._reading():
@@ -1264,8 +1272,12 @@ class AsyncStore:
     async def delete(self, box_id: str, *, event: Draft | None = None) -> None:
         await self.call("delete", box_id, event=event)
 
-    async def pooled(self, template_id: str) -> builtins.list[BoxRecord]:
-        found: builtins.list[BoxRecord] = await self.call("pooled", template_id)
+    async def template_pool(
+        self, key: str, *, by_id: bool
+    ) -> tuple[SnapshotRecord | None, builtins.list[BoxRecord]]:
+        found: tuple[SnapshotRecord | None, builtins.list[BoxRecord]] = await self.call(
+            "template_pool", key, by_id=by_id
+        )
         return found
 
     async def children(self, snap_id: str) -> builtins.list[BoxRecord]:
