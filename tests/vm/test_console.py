@@ -28,6 +28,7 @@ pytestmark = pytest.mark.vm
 
 playwright_api = pytest.importorskip("playwright.sync_api")  # in the dev extras: there under scripts/test
 DEADLINE_MS = 120_000  # a boot under TCG on a busy 2-core host
+GUEST_MS = 60_000  # a running guest's answer on that host, three test runs beside it
 REPO = Path(__file__).resolve().parents[2]
 HOSTILE_LABEL = '<img src=x onerror="window.pwned=4">'
 
@@ -147,20 +148,36 @@ def test_create_a_box_then_remove_it(page: Any, key: str, api: httpx.Client, bus
     assert api.get(f"/v1/boxes/{name}").status_code == 404
 
 
-def test_echo_in_the_terminal_and_reattach_after_a_reload(page: Any, key: str, box: dict[str, Any]) -> None:
+def terminal_shows(page: Any, text: str, api: httpx.Client, box: dict[str, Any]) -> None:
+    """Wait for ``text`` on the terminal's screen; a failure says what the screen, the
+    panel and the server's held processes showed (keys that never reached the guest,
+    or a guest that did not answer)."""
+    try:
+        page.locator("#terminal .xterm-rows", has_text=text).wait_for(timeout=GUEST_MS)
+    except playwright_api.TimeoutError:
+        held = api.get(f"/v1/boxes/{box['id']}/processes").text
+        screen = page.inner_text("#terminal .xterm-rows")
+        status = page.inner_text("#terminal-status")
+        why = f"{text!r} never showed; status {status!r}; held {held}; screen:\n{screen}"
+        raise AssertionError(why) from None
+
+
+def test_echo_in_the_terminal_and_reattach_after_a_reload(
+    page: Any, key: str, box: dict[str, Any], api: httpx.Client
+) -> None:
     sign_in(page, key)
     page.click(f'tr[data-name="{box["name"]}"] a.box-name')
     page.locator("#terminal-status", has_text="shell ").wait_for(timeout=DEADLINE_MS)
     page.click("#terminal")
-    page.keyboard.type("echo console-$((6*7))\n")
-    page.locator("#terminal .xterm-rows", has_text="console-42").wait_for()
+    page.keyboard.type("echo console-$((6*7))\n")  # typed ahead of the prompt, as a user may
+    terminal_shows(page, "console-42", api, box)
     shell = page.inner_text("#terminal-status")
     page.reload()
     page.locator("#terminal-status", has_text=shell).wait_for()  # the same shell, not a new one
-    page.locator("#terminal .xterm-rows", has_text="console-42").wait_for()  # its output, held by the server
+    terminal_shows(page, "console-42", api, box)  # its output, held by the server
     page.click("#terminal")
     page.keyboard.type("echo again-$((2*3))\n")
-    page.locator("#terminal .xterm-rows", has_text="again-6").wait_for()
+    terminal_shows(page, "again-6", api, box)
 
 
 def test_upload_by_button_and_by_drop_then_download(
@@ -336,7 +353,7 @@ http {{
 
 
 def test_the_console_behind_the_docs_reverse_proxy(
-    browser: Any, behind_nginx: str, key: str, box: dict[str, Any], served: Served
+    browser: Any, behind_nginx: str, key: str, box: dict[str, Any], served: Served, api: httpx.Client
 ) -> None:
     context = browser.new_context(base_url=behind_nginx, viewport={"width": 1280, "height": 800})
     page = context.new_page()
@@ -355,7 +372,7 @@ def test_the_console_behind_the_docs_reverse_proxy(
         page.locator("#terminal-status", has_text="shell ").wait_for(timeout=DEADLINE_MS)
         page.click("#terminal")
         page.keyboard.type("echo proxied-$((40+2))\n")  # a WebSocket upgraded through nginx
-        page.locator("#terminal .xterm-rows", has_text="proxied-42").wait_for()
+        terminal_shows(page, "proxied-42", api, box)
     finally:
         context.close()
     assert not errors, errors
