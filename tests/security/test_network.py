@@ -30,6 +30,7 @@ from sandlot.engine import hostcgroup
 from sandlot.net.egress import egress_socket
 
 from tests.conftest import TEST_ENGINE
+from tests.support.egress import egress_log, logged
 from tests.support.servers import LocalServer, QuietHandler
 
 pytestmark = pytest.mark.vm
@@ -201,11 +202,6 @@ def probe(box: sandlot.Box, *attempts: tuple[str, str]) -> dict[tuple[str, str],
     return {(k, t): v for k, t, v in map(json.loads, r.stdout.splitlines())}
 
 
-def egress_log(box: sandlot.Box) -> list[dict[str, object]]:
-    path = Path(box.inspect()["paths"]["dir"]) / "egress.log"
-    return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
-
-
 def interfaces(box: sandlot.Box) -> list[str]:
     """The box's network interfaces, as its programs see them (on either engine)."""
     r = box.exec("python3", "-c", "import socket; print(*sorted(n for _, n in socket.if_nameindex()))")
@@ -238,7 +234,7 @@ def test_public_mode_never_reaches_the_hosts_loopback(debian_root: Path, service
         for key, value in out.items():
             if key[0] == "proxy":
                 assert value == "refused:403", (key, value)
-        reasons = [e["reason"] for e in egress_log(box)]
+        reasons = [e["reason"] for e in logged(box, lambda log: len(log) >= 5)]
         assert len(reasons) == 5 and all("not" in str(r) for r in reasons), reasons
         # any name may be asked in public mode, but not one that points at the host's loopback
         answers = ask_dns(box, ("A", "localhost"))
@@ -282,10 +278,11 @@ def test_allowlist_lets_through_only_what_is_listed(
         # gives allowed names: routed by its TLS server name, on a port the allowlist names
         ok = box.exec("python3", "-c", TLS_WITH_NAME, "straight", str(tls_service.port), "localhost")
         assert ok.stdout.strip() == "host-only-data", ok.stdout + ok.stderr
-        hits = len(tls_service.hits)
+        hits, seen = len(tls_service.hits), len(egress_log(box))
         bad = box.exec("python3", "-c", TLS_WITH_NAME, "straight", str(tls_service.port), "evil.example")
         assert bad.stdout.startswith("refused"), bad.stdout + bad.stderr
-        assert len(tls_service.hits) == hits and egress_log(box)[-1]["transparent"] is True
+        after = logged(box, lambda log: len(log) > seen)[seen:]
+        assert len(tls_service.hits) == hits and [e.get("transparent") for e in after] == [True], after
         # the same tunnel with a server name not on the list is cut before any byte reaches the API
         hits = len(tls_service.hits)
         bad = box.exec("python3", "-c", TLS_WITH_NAME, "connect", tunnel, "evil.example")
@@ -295,8 +292,9 @@ def test_allowlist_lets_through_only_what_is_listed(
         box.set_network(allow=["localhost"])
         again = box.exec("python3", "-c", TLS_WITH_NAME, "connect", tunnel, "localhost")
         assert again.stdout.strip() == "refused:403"
-        decisions = egress_log(box)
-        assert "not a public address" in str(decisions[-1]["reason"])
+        private = "not a public address"
+        decisions = logged(box, lambda log: bool(log) and private in str(log[-1].get("reason")))
+        assert private in str(decisions[-1]["reason"]), decisions[-1]
 
 
 def test_dns_answers_allowed_names_only_and_never_with_a_private_address(debian_root: Path) -> None:
@@ -624,7 +622,8 @@ def test_a_box_reaches_only_the_ports_of_other_boxes_its_policy_names(debian_roo
         answers = ask_dns(client, ("A", host), ("A", f"nobody-{tag}.box.internal"))
         assert answers[("A", host)][0].startswith("NOERROR:10.0.2.101/"), answers
         assert answers[("A", f"nobody-{tag}.box.internal")][0] == "NXDOMAIN", answers
-        reasons = [str(e.get("reason")) for e in egress_log(client) if e.get("decision") == "denied"]
+        denied = logged(client, lambda log: sum(e.get("decision") == "denied" for e in log) >= 2)
+        reasons = [str(e.get("reason")) for e in denied if e.get("decision") == "denied"]
         assert any("port 9000 of box" in r for r in reasons), reasons
         assert any(f"no box named {other}" in r for r in reasons), reasons
         # a port the policy names but nothing listens on: the proxy says so (502), the box is unharmed
@@ -642,8 +641,9 @@ def test_a_box_reaches_only_the_ports_of_other_boxes_its_policy_names(debian_roo
         out = box_probe(stranger, ("proxy", f"{host}:8000"), ("direct", f"{host}:8000"))
         assert out[("proxy", f"{host}:8000")] == "refused:403", out
         assert out[("direct", f"{host}:8000")] in ("closed", "refused:ConnectionResetError"), out
-        reasons = [str(e.get("reason")) for e in egress_log(stranger)]
-        assert any(f"no box named {web} in the namespace" in r for r in reasons), reasons
+        refused = f"no box named {web} in the namespace"
+        reasons = [str(e.get("reason")) for e in logged(stranger, lambda log: refused in str(log))]
+        assert any(refused in r for r in reasons), reasons
     finally:
         for box in (client, stranger, server):
             with contextlib.suppress(sandlot.SandlotError):
