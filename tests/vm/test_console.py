@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -178,6 +179,27 @@ def test_echo_in_the_terminal_and_reattach_after_a_reload(
     page.click("#terminal")
     page.keyboard.type("echo again-$((2*3))\n")
     terminal_shows(page, "again-6", api, box)
+
+
+def test_keys_typed_while_the_shell_starts_reach_it(
+    page: Any, key: str, box: dict[str, Any], api: httpx.Client, served: Served
+) -> None:
+    sign_in(page, key)
+
+    def pause_the_server_after(route: Any) -> None:
+        answer = route.fetch()  # the box page's own read, from the real server
+        served.process.send_signal(signal.SIGSTOP)  # then its terminal's socket waits in the connect
+        route.fulfill(response=answer)
+
+    page.route(f"**/v1/boxes/{box['name']}", pause_the_server_after)
+    try:
+        page.click(f'tr[data-name="{box["name"]}"] a.box-name')
+        page.click("#terminal")
+        assert page.inner_text("#terminal-status") == "starting a shell…"
+        page.keyboard.type("echo early-$((3*3))\n")
+    finally:
+        served.process.send_signal(signal.SIGCONT)
+    terminal_shows(page, "early-9", api, box)
 
 
 def test_upload_by_button_and_by_drop_then_download(

@@ -21,8 +21,14 @@ export function terminalPanel(panel, box) {
   term.open(screen);
   fit.fit();
   let ws = null;
+  let link = "down"; // "connecting", then "open" once the socket carries stdin; "down" after an end
   let closing = false; // the panel is being left: a closed socket is no news
   const encoder = new TextEncoder();
+  // keys typed while a shell starts or reattaches wait here, as a terminal's type-ahead
+  // does, up to a bound; keys typed after an end (an exit, an error, a drop) go nowhere,
+  // as on a hung-up terminal, so none reaches the next shell
+  let typedAhead = [], typedBytes = 0;
+  const TYPE_AHEAD_BYTES = 64 * 1024;
 
   function offer(label, action) {
     clear(button, label);
@@ -42,6 +48,9 @@ export function terminalPanel(panel, box) {
       ws = websocket(`/boxes/${enc(box.id)}/spawn`);
       clear(status, "starting a shell…");
     }
+    link = "connecting";
+    typedAhead = [];
+    typedBytes = 0;
     const socket = ws;
     socket.onopen = () => {
       if (stored) {
@@ -51,6 +60,11 @@ export function terminalPanel(panel, box) {
         socket.send(JSON.stringify({ type: "spawn", argv: SHELL, tty: true, stdin: true, rows: term.rows,
           cols: term.cols, env: { TERM: "xterm-256color" } }));
       }
+      // after the spawn request, stdin waits in the socket for the shell the server starts
+      link = "open";
+      for (const frame of typedAhead) socket.send(frame);
+      typedAhead = [];
+      typedBytes = 0;
     };
     socket.onmessage = (m) => {
       if (typeof m.data !== "string") {
@@ -64,12 +78,14 @@ export function terminalPanel(panel, box) {
         sessionStorage.setItem(saved, JSON.stringify({ id: msg.id }));
         clear(status, `shell ${msg.id}`);
       } else if (msg.type === "exit") {
+        link = "down";
         sessionStorage.removeItem(saved);
         term.write(`\r\n[the shell exited${msg.exit_code != null ? ` with ${msg.exit_code}` : ""}]\r\n`);
         clear(status, "exited");
         offer("New shell", connect);
       } else if (msg.type === "error") {
         socket.onclose = null;
+        link = "down";
         if (stored && !heard) { // the shell is gone (the box restarted, a server forgot it)
           sessionStorage.removeItem(saved);
           connect();
@@ -83,6 +99,7 @@ export function terminalPanel(panel, box) {
       }
     };
     socket.onclose = () => {
+      if (socket === ws) link = "down";
       if (closing || socket !== ws) return;
       clear(status, "disconnected");
       offer(sessionStorage.getItem(saved) ? "Reattach" : "New shell", connect);
@@ -90,10 +107,13 @@ export function terminalPanel(panel, box) {
   }
 
   function send(body) {
-    if (!ws || ws.readyState !== WebSocket.OPEN) return;
     const frame = new Uint8Array(body.length + 1);
     frame.set(body, 1); // [0] is stdin
-    ws.send(frame);
+    if (link === "open" && ws.readyState === WebSocket.OPEN) ws.send(frame);
+    else if (link === "connecting" && typedBytes + frame.length <= TYPE_AHEAD_BYTES) {
+      typedAhead.push(frame);
+      typedBytes += frame.length;
+    }
   }
   term.onData((data) => send(encoder.encode(data)));
   term.onBinary((data) => send(Uint8Array.from(data, (c) => c.charCodeAt(0) & 0xff))); // mouse reports
