@@ -12,7 +12,14 @@ Entry = dict[str, object]
 
 
 def egress_log(box: Any) -> list[Entry]:
-    path = Path(box.inspect()["paths"]["dir"]) / "egress.log"
+    return _read(_path(box))
+
+
+def _path(box: Any) -> Path:
+    return Path(box.inspect()["paths"]["dir"]) / "egress.log"
+
+
+def _read(path: Path) -> list[Entry]:
     return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
 
 
@@ -21,9 +28,10 @@ def logged(box: Any, until: Callable[[list[Entry]], bool], timeout: float = 30.0
     the caller's assertion to show). The proxy writes a connection's line when it is done
     with the connection, which can be a moment after the client in the box has seen its
     end; a DNS answer's line is written before the answer."""
+    path = _path(box)  # asked of the box once, not at each look
     deadline = time.monotonic() + timeout
     while True:
-        log = egress_log(box)
+        log = _read(path)
         if until(log) or time.monotonic() > deadline:
             return log
         time.sleep(0.05)
