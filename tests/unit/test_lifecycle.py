@@ -808,3 +808,50 @@ def test_a_loop_that_ended_gives_its_agent_ports_back(home: Path, root: Path) ->
         assert locks.count(None) == 1  # the sync API's own session: its loop runs on
     finally:
         box.remove(force=True)
+
+
+def test_a_command_reads_the_row_again_only_after_a_commit_it_did_not_make(
+    home: Path, root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A box's row written by its own operation (a start) is current until something else
+    commits: the commands after it ask the store nothing. A commit by another process (its
+    own connection) or by another loop of this process (the sync API's, sharing this
+    process's connection) makes the next command read the row, and see what they did."""
+    from sandlot.core.controller import BoxController
+    from sandlot.core.runtime import store_path
+    from sandlot.core.store import BoxStore
+
+    reads: list[str] = []
+    real = BoxController.refresh
+
+    async def counted(self: BoxController, entry: Any) -> Any:
+        reads.append(entry.name)
+        return await real(self, entry)
+
+    monkeypatch.setattr(BoxController, "refresh", counted)
+
+    async def main() -> None:
+        box = new_box(home, root, keep=True, name="seen")
+        await box.start()
+        try:
+            reads.clear()
+            assert (await box.exec("true")).ok and (await box.exec("true")).ok
+            assert reads == []
+            other = BoxStore(store_path(home))  # another process, marking it paused
+            other.update(box.id, state="paused")
+            with pytest.raises(sandlot.InvalidState, match="paused"):
+                await box.exec("true")
+            assert reads == ["seen"]
+            other.update(box.id, state="running")
+            other.close()
+            assert (await box.exec("true")).ok and reads == ["seen", "seen"]
+            sync = sandlot.Box.get("seen", home=home)  # this process, the sync API's loop
+            await asyncio.to_thread(sync.pause)
+            with pytest.raises(sandlot.InvalidState, match="paused"):
+                await box.exec("true")
+            await asyncio.to_thread(sync.unpause)
+            assert (await box.exec("true")).ok
+        finally:
+            await box.remove(force=True)
+
+    run(main)

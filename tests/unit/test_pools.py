@@ -95,6 +95,64 @@ def test_concurrent_claims_never_share_a_vm(home: Path, root: Path) -> None:
     run(main)
 
 
+def test_a_claim_reads_a_few_ready_vms_at_a_time_and_the_next_ones_when_others_took_them(
+    home: Path, root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A claim decodes ``CLAIM_CANDIDATES`` rows at most per read, whatever the pool's size;
+    when claimers of other processes took every one of them between its read and its
+    compare-and-swap, it reads the next ones instead of restoring afresh."""
+    from sandlot.core.pools import CLAIM_CANDIDATES, Pools
+    from sandlot.core.runtime import store_path
+    from sandlot.core.store import AsyncStore, BoxStore
+
+    monkeypatch.setenv("SANDLOT_POOL_MEMORY_MIB", "4096")
+    lost = CLAIM_CANDIDATES + 1
+    other = BoxStore(store_path(home))  # another process's claimers, winning the first races
+    taken: list[str] = []
+    real_take = Pools._take
+
+    async def raced(self: Pools, rec: Any, *args: Any) -> Any:
+        if len(taken) < lost:
+            assert other.update(rec.id, expect=("pooled",), state="claiming") is not None
+            taken.append(rec.id)
+        return await real_take(self, rec, *args)
+
+    monkeypatch.setattr(Pools, "_take", raced)
+    reads: list[int] = []
+    real_pool, real_pooled = AsyncStore.template_pool, AsyncStore.pooled
+
+    async def template_pool(self: AsyncStore, *args: Any, **kw: Any) -> Any:
+        snap, ready = await real_pool(self, *args, **kw)
+        reads.append(len(ready))
+        return snap, ready
+
+    async def pooled(self: AsyncStore, *args: Any, **kw: Any) -> Any:
+        ready = await real_pooled(self, *args, **kw)
+        reads.append(len(ready))
+        return ready
+
+    monkeypatch.setattr(AsyncStore, "template_pool", template_pool)
+    monkeypatch.setattr(AsyncStore, "pooled", pooled)
+
+    async def main() -> None:
+        await template(home, root)
+        await sandlot.set_pool_async("t", lost + 2, wait=True, home=home)
+        ready = [r.id for r in await pool_rows(home)]
+        launches = FakeEngine.of(home).launches
+        async with sandlot.AsyncBox(template="t", home=home) as box:
+            assert box.id == ready[lost]  # the oldest one nobody else took: no plain restore
+            assert FakeEngine.of(home).launches == launches
+            assert (await box.exec("echo", "hi")).stdout == "hi\n"
+        assert taken == ready[:lost]
+        assert reads == [CLAIM_CANDIDATES, lost + 2 - CLAIM_CANDIDATES]  # the whole pool: 7 rows
+        for box_id in taken:
+            other.update(box_id, state="pooled")
+        other.close()
+        await sandlot.set_pool_async("t", 0, wait=True, home=home)
+
+    run(main)
+
+
 def test_drain_cap_and_template_removal(home: Path, root: Path) -> None:
     async def main() -> None:
         t = await template(home, root, pool=0)

@@ -98,3 +98,25 @@ def test_a_damaged_store_is_refused_with_a_typed_error(tmp_path: Path) -> None:
     (tmp_path / "sandlot.db").write_bytes(b"not a database" * 100)
     with pytest.raises(StoreError, match="cannot be used"):
         BoxStore(tmp_path / "sandlot.db")
+
+
+def test_a_stamp_moves_with_any_commit_and_a_write_knows_the_one_it_made(tmp_path: Path) -> None:
+    """``stamp()`` changes with every commit, this connection's and any other's; a
+    transaction's own stamp (``written()``) says what its rows reflect, so that a row
+    written is known current until the next commit anywhere."""
+    v2_store(tmp_path / "sandlot.db")
+    store = BoxStore(tmp_path / "sandlot.db")
+    before = store.stamp()
+    assert before is not None and store.stamp() == before  # looking commits nothing
+    assert store.update("b1", labels={"a": "1"}) is not None
+    mine = store.written()
+    assert mine is not None and mine != before and store.stamp() == mine
+    assert store.find("b1") is not None and store.stamp() == mine  # neither does a read
+    other = BoxStore(tmp_path / "sandlot.db")  # another process's connection
+    other.update("b1", labels={"b": "2"})
+    assert store.stamp() != mine
+    seen = store.stamp()
+    store.update("b1", labels={})
+    assert store.stamp() != seen and store.stamp() == store.written()
+    other.close()
+    store.close()

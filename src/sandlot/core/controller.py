@@ -222,7 +222,7 @@ class BoxController:
 
     async def refresh(self, entry: BoxEntry) -> BoxRecord:
         """The box's row as it is now, recovered (``BoxNotFound`` once removed)."""
-        entry.seen = self.db.version()
+        entry.seen = self.db.stamp()
         rec = await self.db.find(entry.id)
         rec = await self.recover(rec) if rec is not None else None
         if rec is None:
@@ -273,8 +273,8 @@ class BoxController:
             require_room(self.rt.home, f"{op.value} of box {entry.name} was not begun", box=entry.name)
         if t.via is not None:
             owner, start = pids.me()
-            rec = await self.db.update(
-                entry.id,
+            rec = await self._write(
+                entry,
                 expect=(source,),
                 state=t.via,
                 owner_pid=owner,
@@ -287,7 +287,6 @@ class BoxController:
             if rec is None:
                 now = await self.refresh(entry)
                 raise InvalidState.refused(op.value, now.state, [s.value for s in t.sources], box=entry.name)
-            entry.update(rec)
             writing = t.via
         try:
             yield step
@@ -298,17 +297,13 @@ class BoxController:
                 if step.failure_reason:
                     changes["reason"] = f"{step.failure_reason}: {first_line(exc)}"
                 event = failure_event(op, fail, exc, changes.get("reason"))
-                rec = await self.db.update(
-                    entry.id, expect=(writing,), state=fail, op=None, event=event, **changes
-                )
-                if rec is not None:
-                    entry.update(rec)
+                await self._write(entry, expect=(writing,), state=fail, op=None, event=event, **changes)
             raise
         if step.gone:
             return
         end = source if step.called_off else step.target or end_state(op, source)
-        rec = await self.db.update(
-            entry.id,
+        await self._write(
+            entry,
             expect=(writing,),
             state=end,
             op=None,
@@ -316,8 +311,16 @@ class BoxController:
             event=None if step.called_off else end_events(op, step),
             **({} if step.called_off else step.changes),
         )
+
+    async def _write(self, entry: BoxEntry, **changes: Any) -> BoxRecord | None:
+        """Update the box's row (``BoxStore.update``) and its entry: the row the update
+        returns is current until the next commit, so the next command need not read it
+        again (``connection``). None, and the entry as it was, if ``expect`` failed."""
+        rec, stamp = await self.db.update_as_seen(entry.id, **changes)
         if rec is not None:
             entry.update(rec)
+            entry.seen = stamp
+        return rec
 
     # -- creation ---------------------------------------------------------------------------
 
@@ -761,10 +764,10 @@ class BoxController:
         if entry.removed:
             raise BoxNotFound(f"box {entry.name} was removed", box=entry.name, state="removed")
         session = entry.session
-        version = self.db.version()
-        if version is not None and version == entry.seen and session.healthy and entry.state in SERVING:
-            # nothing was written since the row was read (and a VM that died would have
-            # ended the connection): the running box is as we know it
+        stamp = self.db.stamp()
+        if stamp is not None and stamp == entry.seen and session.healthy and entry.state in SERVING:
+            # nothing was committed since the row was read or written (and a VM that died
+            # would have ended the connection): the running box is as we know it
             assert session.conn is not None
             await session.conn.wait_ready()
             return session.conn

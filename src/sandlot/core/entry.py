@@ -16,7 +16,7 @@ from .runtime import AGENT_PORTS
 from .sessions import LostHandler, Session
 from .spec import BoxSpec
 from .state import BoxState
-from .store import BoxRecord
+from .store import BoxRecord, Stamp
 
 
 class BoxEntry:
@@ -32,7 +32,7 @@ class BoxEntry:
         self.lock = BoxLock(box_dir / "lock", rec.name)
         self.vm: VM | None = None
         self.session = Session(rec.id, rec.name, box_dir / "ports", AGENT_PORTS, on_agent_lost, takes_over)
-        self.seen: int | None = None  # the store's version when the record was last read
+        self.seen: Stamp | None = None  # the store's stamp when the record was last read or written
         self.boot_seconds: float | None = None  # how long the last start took
         self.last_pause: float | None = None  # seconds the last snapshot or suspend paused the VM
         self.removed = False

@@ -66,6 +66,9 @@ CLAIMABLE = frozenset({
 })  # fmt: skip
 FILL_TIMEOUT = 300.0  # one filler at a time per template; a claimer never waits for it
 MAX_POOL = 64
+# ready VMs a claim reads at a time: claimers of other processes may take some first, and a
+# claim that lost all of them reads the next ones
+CLAIM_CANDIDATES = 4
 
 
 def pool_size(snap: SnapshotRecord) -> int:
@@ -180,7 +183,10 @@ class Pools:
             return None
         try:
             snap, ready = await self.db.template_pool(
-                t.id if isinstance(t, SnapshotRecord) else t, by_id=isinstance(t, SnapshotRecord)
+                t.id if isinstance(t, SnapshotRecord) else t,
+                by_id=isinstance(t, SnapshotRecord),
+                skip=sorted(self._claiming),
+                limit=CLAIM_CANDIDATES,
             )
         except (SnapshotNotFound, InvalidArgument):
             return None  # the plain path reports it
@@ -208,18 +214,24 @@ class Pools:
     async def _claim_one(
         self, snap: SnapshotRecord, ready: list[BoxRecord], req: BoxRequest, spec: BoxSpec, ephemeral: bool
     ) -> BoxEntry | None:
-        for rec in ready:
-            if rec.id in self._claiming:
-                continue
-            if not fits(BoxSpec.from_options(rec.options), spec):
-                return None  # every VM of a pool has the template's spec
-            self._claiming.add(rec.id)
-            try:
-                entry = await self._take(rec, snap, req, spec, ephemeral)
-            finally:
-                self._claiming.discard(rec.id)
-            if entry is not None:
-                return entry
+        tried: set[str] = set()
+        while ready:
+            for rec in ready:
+                tried.add(rec.id)
+                if rec.id in self._claiming:
+                    continue
+                if not fits(BoxSpec.from_options(rec.options), spec):
+                    return None  # every VM of a pool has the template's spec
+                self._claiming.add(rec.id)
+                try:
+                    entry = await self._take(rec, snap, req, spec, ephemeral)
+                finally:
+                    self._claiming.discard(rec.id)
+                if entry is not None:
+                    return entry
+            if len(ready) < CLAIM_CANDIDATES:
+                return None  # that was the whole pool
+            ready = await self.db.pooled(snap.id, skip=sorted(tried | self._claiming), limit=CLAIM_CANDIDATES)
         return None
 
     async def _take(

@@ -26,7 +26,7 @@ import re
 import sqlite3
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field, fields, replace
@@ -60,6 +60,12 @@ ROOM_FILE = ".sandlot-room"
 ROOM_BYTES = 8 << 20
 ROOM_EVERY = 256  # commits between two looks at whether the room can be made again
 PRUNE_EVERY = 1000  # events written between two prunes of the oldest past events.KEEP
+
+# What one connection to the store has seen committed: (SQLite's ``data_version`` on that
+# connection, which moves with every other connection's commit and never with its own;
+# how many transactions it has committed itself). Equal stamps mean no connection, this
+# one included, committed anything between the two reads.
+Stamp = tuple[int, int]
 
 
 _V2_GENERAL_FACTS = ("memory_mib", "cpus", "ports", "network", "accel")
@@ -455,6 +461,7 @@ class BoxStore:
         path.parent.mkdir(parents=True, exist_ok=True)
         self._lock = threading.Lock()
         self._commits = 0
+        self._written = threading.local()  # per thread: the stamp of its last transaction
         self._events_written = 0
         # how long a write waits for another process's transaction (SQLite's busy timeout)
         self.busy_timeout = float(os.environ.get("SANDLOT_STORE_BUSY_TIMEOUT", "30"))
@@ -542,6 +549,9 @@ class BoxStore:
             try:
                 self._db.execute("BEGIN IMMEDIATE")
                 try:
+                    # read while this transaction holds the write lock: no other commit can
+                    # come between this and ours, so the stamp names what its rows reflect
+                    others = self._db.execute("PRAGMA data_version").fetchone()[0]
                     yield self._db
                     self._db.execute("COMMIT")
                 except BaseException:
@@ -550,6 +560,7 @@ class BoxStore:
                             self._db.execute("ROLLBACK")
                     raise
                 self._commits += 1
+                self._written.stamp = (others, self._commits)
                 if self._commits % ROOM_EVERY == 0:
                     self.hold_room()
             finally:
@@ -576,6 +587,30 @@ class BoxStore:
     def close(self) -> None:
         with self._lock:
             self._db.close()
+
+    def stamp(self) -> Stamp | None:
+        """The store's ``Stamp`` now, read without waiting: None while this connection is
+        in use on another thread, or another process holds the database in a way that
+        a reader would have to wait for."""
+        if not self._lock.acquire(blocking=False):
+            return None
+        try:
+            self._db.execute("PRAGMA busy_timeout = 0")
+            try:
+                others: int = self._db.execute("PRAGMA data_version").fetchone()[0]
+            finally:
+                self._db.execute(f"PRAGMA busy_timeout = {int(self.busy_timeout * 1000)}")
+        except sqlite3.Error:
+            return None
+        finally:
+            self._lock.release()
+        return others, self._commits
+
+    def written(self) -> Stamp | None:
+        """The stamp of the last transaction this thread committed: the rows it wrote or
+        read in it are current for as long as ``stamp()`` equals this."""
+        found: Stamp | None = getattr(self._written, "stamp", None)
+        return found
 
     def watcher(self) -> sqlite3.Connection:
         """A read-only connection of its own, for ``PRAGMA data_version``: in WAL mode a
@@ -671,21 +706,36 @@ class BoxStore:
         return _row(row)
 
     def template_pool(
-        self, key: str, *, by_id: bool
+        self, key: str, *, by_id: bool, skip: Collection[str] = (), limit: int | None = None
     ) -> tuple[SnapshotRecord | None, builtins.list[BoxRecord]]:
         """A snapshot (by id, else as ``get_snapshot`` finds it) and, if it is a template,
-        the ready VMs of its pool: what a claim reads first, in one call."""
+        the ready VMs of its pool (``pooled``): what a claim reads first, in one call."""
         snap = self.find_snapshot(key) if by_id else self.get_snapshot(key)
-        return snap, self.pooled(snap.id) if snap is not None and snap.kind == "template" else []
+        if snap is None or snap.kind != "template":
+            return snap, []
+        return snap, self.pooled(snap.id, skip=skip, limit=limit)
 
-    def pooled(self, template_id: str) -> builtins.list[BoxRecord]:
-        """The ready VMs of a template's warm pool, oldest first (``core.pools``)."""
+    def pooled(
+        self, template_id: str, *, skip: Collection[str] = (), limit: int | None = None
+    ) -> builtins.list[BoxRecord]:
+        """The ready VMs of a template's warm pool, oldest first (``core.pools``): those
+        not in ``skip``, ``limit`` of them at most (a claim decodes only the rows it may
+        take, whatever the pool's size)."""
+        sql = (
+            "SELECT * FROM boxes WHERE state = 'pooled' AND origin = ?"
+            " AND json_extract(options, '$.pool') = ?"
+        )
+        params: list[Any] = [template_id, template_id]
+        if skip:
+            sql += f" AND id NOT IN ({', '.join('?' * len(skip))})"
+            params += list(skip)
+        sql += " ORDER BY created_at"
+        if limit is not None:
+            sql += " LIMIT ?"
+            params.append(limit)
         with self._reading():
-            rows = self._db.execute(
-                "SELECT * FROM boxes WHERE state = 'pooled' AND origin = ? ORDER BY created_at",
-                (template_id,),
-            ).fetchall()
-        return [r for r in map(_row, rows) if r.options.get("pool") == template_id]
+            rows = self._db.execute(sql, params).fetchall()
+        return [_row(r) for r in rows]
 
     def delete(self, box_id: str, *, event: Draft | None = None) -> None:
         """Delete a box's row, writing a "removed" event (by ``event.by``, with its
@@ -1216,6 +1266,7 @@ class AsyncStore:
         self._open = opener
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sandlot-store")
         self._watch: sqlite3.Connection | None = None
+        self._opened: BoxStore | None = None
         self.directory = directory  # where the database and its WAL are (None: not said)
 
     async def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
@@ -1233,6 +1284,7 @@ class AsyncStore:
         store = self._open()
         if self._watch is None:
             self._watch = store.watcher()
+        self._opened = store
         return store.in_room(method, *args, **kwargs) if room else getattr(store, method)(*args, **kwargs)
 
     def version(self) -> int | None:
@@ -1248,6 +1300,11 @@ class AsyncStore:
         except sqlite3.Error:
             return None
         return version
+
+    def stamp(self) -> Stamp | None:
+        """``BoxStore.stamp``, without waiting (None before the store's first call)."""
+        store = self._opened
+        return store.stamp() if store is not None else None
 
     async def get(self, key: str) -> BoxRecord:
         found: BoxRecord = await self.call("get", key)
@@ -1269,15 +1326,31 @@ class AsyncStore:
         done: BoxRecord | None = await self.call("update", box_id, **kw)
         return done
 
+    async def update_as_seen(self, box_id: str, **kw: Any) -> tuple[BoxRecord | None, Stamp | None]:
+        """``update``, and the stamp its transaction saw (``BoxStore.written``): the row
+        is current while ``stamp()`` still equals it."""
+
+        def run() -> tuple[BoxRecord | None, Stamp | None]:
+            done: BoxRecord | None = self._run("update", (box_id,), kw)
+            return done, self._opened.written() if self._opened is not None else None
+
+        return await asyncio.get_running_loop().run_in_executor(self._pool, run)
+
     async def delete(self, box_id: str, *, event: Draft | None = None) -> None:
         await self.call("delete", box_id, event=event)
 
     async def template_pool(
-        self, key: str, *, by_id: bool
+        self, key: str, *, by_id: bool, skip: Collection[str] = (), limit: int | None = None
     ) -> tuple[SnapshotRecord | None, builtins.list[BoxRecord]]:
         found: tuple[SnapshotRecord | None, builtins.list[BoxRecord]] = await self.call(
-            "template_pool", key, by_id=by_id
+            "template_pool", key, by_id=by_id, skip=skip, limit=limit
         )
+        return found
+
+    async def pooled(
+        self, template_id: str, *, skip: Collection[str] = (), limit: int | None = None
+    ) -> builtins.list[BoxRecord]:
+        found: builtins.list[BoxRecord] = await self.call("pooled", template_id, skip=skip, limit=limit)
         return found
 
     async def children(self, snap_id: str) -> builtins.list[BoxRecord]:
