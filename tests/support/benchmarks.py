@@ -46,6 +46,13 @@ PROMISED = {
         "pool_fill_s_per_vm",
         "pool_vm_pss_mib",
     ],
+    "hostshare": [
+        "pool_claim_ms",
+        "pool_claim_to_first_exec_ms",
+        "exec_true_ms",
+        "agent_ping_ms",
+        "over_ping_ratio",
+    ],
     "network": [
         "host_to_host",
         "box_to_host_via_egress_proxy",
