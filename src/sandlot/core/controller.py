@@ -222,12 +222,14 @@ class BoxController:
 
     async def refresh(self, entry: BoxEntry) -> BoxRecord:
         """The box's row as it is now, recovered (``BoxNotFound`` once removed)."""
-        entry.seen = self.db.stamp()
+        entry.seen = stamp = self.db.stamp()
         rec = await self.db.find(entry.id)
         rec = await self.recover(rec) if rec is not None else None
         if rec is None:
             self.forget(entry)
             raise BoxNotFound(f"box {entry.name} was removed", box=entry.name, state="removed")
+        if entry.seen != stamp:  # a write of this loop's came in between: which row is newer is
+            entry.seen = None  # not known here, so the next command reads it again
         return entry.update(rec)
 
     # -- the one guarded transition ---------------------------------------------------------
