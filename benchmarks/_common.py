@@ -37,6 +37,7 @@ __all__ = [
     "pss_kib",
     "scratch_home",
     "summary",
+    "timed_claims",
     "tree_pss_mib",
 ]  # fmt: skip
 
@@ -173,6 +174,33 @@ def host_facts(accel: str | None) -> dict[str, Any]:
     lines = Path("/proc/cpuinfo").read_text().splitlines()
     cpu = next((ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("model name")), "?")
     return {"accel": accel, "cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version()}
+
+
+async def timed_claims(template: Any, home: Path, count: int, times: dict[str, list[float]]) -> list[Any]:
+    """``count`` boxes started from ``template`` (an ``AsyncSnapshot`` whose warm pool holds
+    them ready), each timed into ``times``: the claim alone (``"claim"``), the claim to
+    its first exec (``"to_first_exec"``), and a second exec (``"again"``: what an exec
+    costs on this host at that moment, the floor of the figure before). The boxes, kept,
+    for the caller to look at and remove."""
+    import time
+
+    from sandlot import AsyncBox
+
+    boxes = []
+    for _ in range(count):
+        t = time.perf_counter()
+        box = AsyncBox(template=template, keep=True, home=home)
+        await box.start()
+        t1 = time.perf_counter()
+        await box.exec("true")
+        times.setdefault("to_first_exec", []).append(time.perf_counter() - t)
+        times.setdefault("claim", []).append(t1 - t)
+        t = time.perf_counter()
+        await box.exec("true")
+        times.setdefault("again", []).append(time.perf_counter() - t)
+        boxes.append(box)
+    assert all([(await b.inspect())["options"]["pool"] is None for b in boxes])  # all claimed
+    return boxes
 
 
 def emit(doc: dict[str, Any]) -> None:

@@ -20,14 +20,12 @@ from __future__ import annotations
 import asyncio
 import os
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
 import sandlot
-from sandlot import AsyncBox
 
-from _common import drop_home, emit, parser, summary
+from _common import drop_home, emit, parser, summary, timed_claims
 from tests.support.fake_engine import register
 
 
@@ -35,36 +33,21 @@ async def run(home: Path, runs: int, pool: int) -> dict[str, Any]:
     root = home / "rootfs"
     (root / "bin").mkdir(parents=True)
     tmpl = await sandlot.template_async(rootfs=root, engine="fake", memory_mib=256, name="share", home=home)
-    claims: list[float] = []
-    claim_only: list[float] = []
-    again: list[float] = []
+    times: dict[str, list[float]] = {}
     pings: list[float] = []
-    while len(claims) < runs:
+    while len(times.get("claim", [])) < runs:
         await sandlot.set_pool_async(tmpl, pool, wait=True, home=home)
-        claimed = []
-        for _ in range(min(pool, runs - len(claims))):
-            t = time.perf_counter()
-            box = AsyncBox(template=tmpl, keep=True, home=home)
-            await box.start()
-            t1 = time.perf_counter()
-            await box.exec("true")
-            claims.append(time.perf_counter() - t)
-            claim_only.append(t1 - t)
-            t = time.perf_counter()
-            await box.exec("true")
-            again.append(time.perf_counter() - t)
-            pings.append(await box.ping())
-            claimed.append(box)
-        assert all([(await b.inspect())["options"]["pool"] is None for b in claimed])  # all claimed
+        claimed = await timed_claims(tmpl, home, min(pool, runs - len(times.get("claim", []))), times)
         for box in claimed:
+            pings.append(await box.ping())
             await box.remove(force=True)
     await sandlot.set_pool_async(tmpl, 0, wait=True, home=home)
     await tmpl.remove()
     ping = summary(pings, 1000, digits=3)
     out: dict[str, Any] = {
-        "pool_claim_ms": summary(claim_only, 1000, digits=2),
-        "pool_claim_to_first_exec_ms": summary(claims, 1000, digits=2),
-        "exec_true_ms": summary(again, 1000, digits=2),
+        "pool_claim_ms": summary(times["claim"], 1000, digits=2),
+        "pool_claim_to_first_exec_ms": summary(times["to_first_exec"], 1000, digits=2),
+        "exec_true_ms": summary(times["again"], 1000, digits=2),
         "agent_ping_ms": ping,
     }
     out["over_ping_ratio"] = {

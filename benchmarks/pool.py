@@ -22,7 +22,7 @@ from typing import Any
 import sandlot
 from sandlot import AsyncBox
 
-from _common import busybox_root, drop_home, emit, host_facts, parser, scratch_home, summary
+from _common import busybox_root, drop_home, emit, host_facts, parser, scratch_home, summary, timed_claims
 
 LOOP = "nohup sh -c 'while true; do sleep 0.1; done' >/dev/null 2>&1 &"
 
@@ -42,33 +42,22 @@ async def run(root: Path, home: Path, runs: int, pool: int) -> dict[str, Any]:
         await b.remove(force=True)
     out["template_start_to_first_exec_s"] = summary(starts, digits=3)
 
-    claims, claim_only, again, fills, pss = [], [], [], [], []
-    while len(claims) < runs:
+    times: dict[str, list[float]] = {}
+    fills: list[float] = []
+    pss: list[float] = []
+    while len(times.get("claim", [])) < runs:
         before = sum(p.ready for p in await sandlot.pools_async(home=home))
         t = time.perf_counter()
         info = await sandlot.set_pool_async(tmpl, pool, wait=True, home=home)
         if info.ready > before:
             fills.append((time.perf_counter() - t) / (info.ready - before))
         pss.append(info.pss_bytes / max(1, info.ready))
-        claimed = []
-        for _ in range(min(pool, runs - len(claims))):
-            t = time.perf_counter()
-            b = AsyncBox(template=tmpl, keep=True, home=home)
-            await b.start()
-            t1 = time.perf_counter()
-            await b.exec("true")
-            claims.append(time.perf_counter() - t)
-            claim_only.append(t1 - t)
-            t = time.perf_counter()
-            await b.exec("true")  # what an exec costs on this host now: the floor of the figure above
-            again.append(time.perf_counter() - t)
-            claimed.append(b)
-        assert all([(await b.inspect())["options"]["pool"] is None for b in claimed])
+        claimed = await timed_claims(tmpl, home, min(pool, runs - len(times.get("claim", []))), times)
         for b in claimed:
             await b.remove(force=True)
-    out["pool_claim_to_first_exec_ms"] = summary(claims, 1000, digits=1)
-    out["pool_claim_only_ms"] = summary(claim_only, 1000, digits=1)
-    out["second_exec_true_ms"] = summary(again, 1000, digits=1)
+    out["pool_claim_to_first_exec_ms"] = summary(times["to_first_exec"], 1000, digits=1)
+    out["pool_claim_only_ms"] = summary(times["claim"], 1000, digits=1)
+    out["second_exec_true_ms"] = summary(times["again"], 1000, digits=1)
     out["pool_fill_s_per_vm"] = summary(fills, digits=3)
     out["pool_vm_pss_mib"] = summary(pss, 1 / (1 << 20), digits=1)
     out["pool_size"] = pool
