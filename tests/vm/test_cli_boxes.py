@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests.support.names import unique
+from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.vm
 CLI_BOX = unique("cli-box")
@@ -141,9 +142,12 @@ def test_exec_it_in_a_real_terminal(busybox_root: Path, tmp_path: Path) -> None:
         tmux("send-keys", "-t", session, "stty size", "Enter")
         screen_has("30 100")
         tmux("resize-window", "-t", session, "-x", "120", "-y", "40")
-        time.sleep(0.5)
-        tmux("send-keys", "-t", session, "stty size", "Enter")
-        screen_has("40 120")
+
+        def new_size_seen() -> bool:  # asked again until the resize has reached the guest
+            tmux("send-keys", "-t", session, "stty size", "Enter")
+            return "40 120" in tmux("capture-pane", "-p", "-t", session)
+
+        wait_for("the terminal's new size in the guest", new_size_seen, 30, every=1)
         tmux("send-keys", "-t", session, "exit", "Enter")
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:

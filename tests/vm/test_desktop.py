@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import io
 import shutil
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -32,6 +31,7 @@ from tests.support import roots
 from tests.support.browser import launch
 from tests.support.names import unique
 from tests.support.serve import Served, create_key, serving
+from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.vm
 
@@ -82,17 +82,6 @@ def differing(a: bytes, b: bytes) -> float:
     assert ia.size == ib.size
     diff = ImageChops.difference(ia, ib).convert("L").point(lambda v: 255 if v else 0)
     return sum(diff.histogram()[255:]) / (ia.width * ia.height)
-
-
-def wait_for(what: str, probe: Any, timeout: float = 60) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        found = probe()
-        if found:
-            return found
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what}: not within {timeout} s")
-        time.sleep(0.3)
 
 
 @pytest.fixture(scope="module")

@@ -13,6 +13,8 @@ import pytest
 import sandlot
 from sandlot import Box
 
+from tests.support.waiting import wait_for
+
 pytestmark = pytest.mark.vm
 
 
@@ -182,9 +184,8 @@ def test_kill_spawned_process(bb_box: Box) -> None:
 
 def test_zombies_are_reaped(bb_box: Box) -> None:
     bb_box.exec("sh", "-c", "for i in 1 2 3 4 5; do (true &) ; done")
-    time.sleep(0.5)
-    zombies = bb_box.exec("sh", "-c", "grep -l '^State:.*Z' /proc/[0-9]*/status 2>/dev/null | wc -l")
-    assert zombies.stdout.strip() == "0"
+    zombies = "grep -l '^State:.*Z' /proc/[0-9]*/status 2>/dev/null | wc -l"
+    wait_for("the orphans reaped", lambda: bb_box.exec("sh", "-c", zombies).stdout.strip() == "0", 30)
 
 
 def test_python_in_debian_box(py_box: Box) -> None:

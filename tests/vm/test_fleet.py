@@ -28,6 +28,7 @@ ray = pytest.importorskip("ray", reason="the fleet needs Ray: pip install 'sandl
 from sandlot import fleet  # noqa: E402 (after Ray is known to be there)
 
 from tests.support.fleet import FleetCluster  # noqa: E402
+from tests.support.waiting import goes_past  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 # a shell whose counter lives only in its memory; it writes it to a file the tests read
@@ -168,8 +169,7 @@ def test_migration_keeps_the_box_and_its_running_processes(f: fleet.Fleet, nodes
         assert node_of(moved) == nodes.a and moved.state == "running"
         after = count(moved)
         assert before <= after < before + 100  # the same counter went on, it did not start again
-        time.sleep(0.5)
-        assert count(moved) > after
+        goes_past("the moved box's counter", lambda: count(moved), after)
         assert (
             moved.files.read_text("/tmp/pid") == pid and moved.exec("kill", "-0", pid.strip()).exit_code == 0
         )
@@ -284,9 +284,7 @@ def test_bad_input_gives_a_clear_error_and_moves_nothing(f: fleet.Fleet, nodes: 
         assert boxes_in(odd_home) == [] and sandlot.list_snapshots(home=odd_home) == []
         still = f.get("stays")
         assert node_of(still) == nodes.a and still.state == "running"
-        c = count(still)
-        time.sleep(0.5)
-        assert count(still) > c  # its processes went on
+        goes_past("the box's counter", lambda: count(still), count(still))  # its processes went on
         assert [s.box_name for s in sandlot.list_snapshots(home=nodes.fc.homes[nodes.a])] == []
         assert not any(n["node_id"] == odd and n["reserved_memory_mib"] for n in f.nodes())
         nodes.fc.kill(odd)  # the later tests place replicas: never on a node that cannot load them
@@ -335,9 +333,8 @@ def goes_on(f: fleet.Fleet, box: sandlot.Box, node: str, pid: str) -> None:
     """The box runs on ``node`` with the processes it had, and they go on."""
     here = f.get(box.id)
     assert (here.state, node_of(here)) == ("running", node)
-    c = count(here)
-    time.sleep(0.5)
-    assert count(here) > c and here.files.read_text("/tmp/pid") == pid
+    goes_past("the box's counter", lambda: count(here), count(here))
+    assert here.files.read_text("/tmp/pid") == pid
 
 
 def moves_left(home: Path) -> list[str]:

@@ -20,6 +20,7 @@ import pytest
 import sandlot
 
 from tests.security.test_network import WAIT_FOR_8000
+from tests.support.waiting import goes_past
 
 pytestmark = pytest.mark.vm  # runsc comes with scripts/setup; boxes run as root here
 
@@ -116,15 +117,13 @@ def test_snapshot_rollback_and_fork_through_runsc_checkpoint(busybox_root: Path)
         assert echo.wait(10) == 0
         at_snap = count(box)
         box.files.write("/root/f", "after")
-        time.sleep(0.6)
-        later = count(box)
-        assert later > at_snap
+        # well past the snapshot's count, so that the rollback's is told apart from it
+        later = goes_past("the counter", lambda: count(box), at_snap + 10)
         box.rollback(snap)
         assert box.files.read_text("/root/f") == "before"
         back = count(box)
         assert back < later
-        time.sleep(0.4)
-        assert count(box) > back  # its processes run on
+        goes_past("the counter after the rollback", lambda: count(box), back)  # its processes run on
 
         kids = box.fork(2)
         try:

@@ -20,6 +20,8 @@ import pytest
 import sandlot
 from sandlot.core import layers
 
+from tests.support.waiting import goes_past
+
 pytestmark = pytest.mark.vm
 ENGINES = pytest.mark.parametrize("engine", ["qemu", "gvisor"])
 
@@ -295,9 +297,11 @@ def test_kill9_mid_save_leaves_no_share_down_past_the_freeze_lease(
         assert again.state == "running" and "crash" not in [s.name for s in again.snapshots()]
         # the next command waits out the lease (the commands are frozen), then sees the share
         assert " /h 9p " in again.sh("cat /proc/mounts", timeout=120).stdout
-        ticks = len((host / "ticks").read_text().split())
-        time.sleep(1.5)
-        assert len((host / "ticks").read_text().split()) > ticks  # the loop writes the share again
+
+        def ticks() -> int:
+            return len((host / "ticks").read_text().split())
+
+        goes_past("the loop's ticks in the share", ticks, ticks())  # the loop writes the share again
         assert again.snapshot("after").name == "after"  # and a save goes through
     finally:
         box.remove(force=True)
