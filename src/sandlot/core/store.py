@@ -1288,10 +1288,11 @@ class AsyncStore:
         return store.in_room(method, *args, **kwargs) if room else getattr(store, method)(*args, **kwargs)
 
     def version(self) -> int | None:
-        """A number that changes whenever any process commits to the store, read
-        without waiting (None if it cannot be read now). Equal numbers mean nothing
-        was written between the two reads, so a row read then is still current:
-        commands skip a store round trip while nothing changes."""
+        """A number that changes whenever any process commits to the store, this one
+        included, read without waiting (None if it cannot be read now). Equal numbers
+        mean nothing was written between the two reads: ``events.follow`` reads the
+        events again only once it moves. (A box's commands go by ``stamp``, under which
+        a row this process wrote itself stays current.)"""
         watch = self._watch
         if watch is None:
             return None
