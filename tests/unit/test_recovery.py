@@ -19,6 +19,7 @@ from sandlot.core.store import BoxRecord
 from sandlot.engine.base import Placement, VMStatus
 
 from tests.support.fake_engine import FakeEngine, FakeVM, pid_of_dead_process, register
+from tests.support.waiting import wait_for
 
 register()
 
@@ -189,6 +190,9 @@ def test_a_killed_process_is_gone_only_once_its_last_thread_is() -> None:
     try:
         started = pids.start_time(proc.pid)
         assert pids.alive_as(proc.pid, started, "leader_leaves")
+        # right after Popen its execve may not have laid its arguments out yet (no
+        # command line: ours, whatever the marker); once it has, they decide
+        wait_for("its command line", lambda: "leader_leaves" in pids.cmdline(proc.pid), 10, every=0.01)
         assert not pids.alive_as(proc.pid, started, "another-box")
         assert proc.stdin is not None
         proc.stdin.write(b"now\n")
