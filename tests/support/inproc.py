@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
 import threading
 import time
 import warnings
@@ -23,7 +24,6 @@ from sandlot.server.app import create_app
 from sandlot.server.state import Settings
 
 from tests.support.fake_engine import register
-from tests.support.serve import free_port
 
 
 @dataclass
@@ -47,13 +47,16 @@ def serving(home: Path, *, auth: bool = True, mcp: bool = True, **settings: Any)
     warnings.filterwarnings("ignore", message=".*`websockets` implementation is deprecated.*")
     register()
     key = access.create_key(f"admin-{time.monotonic_ns()}", admin=True, home=home)[1] if auth else None
-    port = free_port()
+    # bound here and handed to uvicorn: a port only looked up, then bound by the server,
+    # could be taken by another worker's server in between (and its /health answer ours)
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
     app = create_app(Settings(home=home, auth=auth, mcp=mcp, heir=f"test 127.0.0.1:{port}", **settings))
-    config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", loop="asyncio",
-                            ws="websockets", lifespan="on")  # fmt: skip
+    config = uvicorn.Config(app, log_level="warning", loop="asyncio", ws="websockets", lifespan="on")
     server = uvicorn.Server(config)
     thread = threading.Thread(
-        target=lambda: asyncio.run(server.serve()), name="sandlot-test-server", daemon=True
+        target=lambda: asyncio.run(server.serve(sockets=[listener])), name="sandlot-test-server", daemon=True
     )
     thread.start()
     url = f"http://127.0.0.1:{port}"
@@ -70,3 +73,4 @@ def serving(home: Path, *, auth: bool = True, mcp: bool = True, **settings: Any)
     finally:
         server.should_exit = True
         thread.join(15)
+        listener.close()

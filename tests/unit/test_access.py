@@ -173,7 +173,9 @@ def test_a_revocation_from_another_store_counts_within_a_second(tmp_path: Path) 
             assert str(exc) == "API key revoked"
             break
         time.sleep(0.01)
-    assert time.monotonic() - revoked_at <= 1.1
+    # a row a second old is read again (row_ttl): a second, and a busy host's slack, where a
+    # key kept for its touch_every would answer for a minute
+    assert time.monotonic() - revoked_at < 3
     with pytest.raises(Unauthorized, match="API key revoked"):
         v.verify(key)  # for good
     assert v.cached(key) is None

@@ -105,7 +105,7 @@ def test_commands(sbx: Sandbox) -> None:
         sbx.commands.run("exit 3")
     assert failed.value.exit_code == 3
     cat = sbx.commands.run("cat", background=True, stdin=True)
-    sleeper = sbx.commands.run("sleep 1", background=True)
+    sleeper = sbx.commands.run("sleep 60", background=True)
     assert {p.pid for p in sbx.commands.list()} >= {cat.pid, sleeper.pid}
     sbx.commands.send_stdin(cat.pid, "in\n")
     sbx.commands.close_stdin(cat.pid)

@@ -17,9 +17,12 @@ from pathlib import Path
 
 import pytest
 
+from sandlot import pids
 from sandlot.net import egress
 from sandlot.net import relay as relay_mod
 from sandlot.net.policy import Policy, write_policy
+
+from tests.support.waiting import wait_for
 
 REQUEST = b"CONNECT example.com:443 HTTP/1.1\r\nHost: example.com\r\n\r\n"
 
@@ -158,6 +161,8 @@ def test_unit_the_server_ends_when_idle_and_no_process_names_its_socket(
     monkeypatch.setattr(egress, "CHECK_EVERY", 0.1)
     path = tmp_path / "e.sock"
     holder = subprocess.Popen(["sh", "-c", "sleep 30", str(path)])  # stands for a QEMU naming the socket
+    # once its execve has laid its command line out (else the server finds none naming it)
+    wait_for("the holder's command line", lambda: str(path) in pids.cmdline(holder.pid), 10, every=0.01)
     server = egress.Server(path)
     t = threading.Thread(target=server.serve, daemon=True)
     t.start()
@@ -167,7 +172,7 @@ def test_unit_the_server_ends_when_idle_and_no_process_names_its_socket(
     finally:
         holder.kill()
         holder.wait()
-    t.join(5)
+    t.join(30)
     assert not t.is_alive() and not path.exists()
 
 

@@ -49,7 +49,7 @@ def test_a_wait_ends_at_its_deadline_naming_the_lock(tmp_path: Path) -> None:
         asyncio.run(flock_within(lock, 0.3, "the monitor of VM b1"))
     with pytest.raises(BoxBusy, match="the VM's monitor"):
         flock_wait(lock, 0.3, "the VM's monitor")
-    assert time.monotonic() - began < 2
+    assert time.monotonic() - began < 10  # at their deadlines, not when the holder lets go
     assert holder is not None
     os.close(holder)
     fd = flock_wait(lock, 1, "the lock")  # free: at once

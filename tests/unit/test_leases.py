@@ -110,7 +110,7 @@ def test_a_killed_client_loses_its_box_and_a_blocked_one_keeps_it(
         # the REST face: a lease asked for, renewed; another namespace cannot renew it
         theirs = srv.key("theirs", namespace="ns-b")
         h = {"Authorization": f"Bearer {srv.api_key}"}
-        r = httpx.post(f"{srv.url}/v1/boxes", json={"rootfs": root, "lease": 30}, headers=h)
+        r = httpx.post(f"{srv.url}/v1/boxes", json={"rootfs": root, "lease": 30}, headers=h, timeout=60)
         assert r.status_code == 201 and r.json()["lease"]["seconds"] == 30, r.text
         bid = r.json()["id"]
         r = httpx.post(f"{srv.url}/v1/leases/renew", json={"boxes": [bid, "nope"]}, headers=h)
@@ -118,9 +118,9 @@ def test_a_killed_client_loses_its_box_and_a_blocked_one_keeps_it(
         r = httpx.post(f"{srv.url}/v1/leases/renew", json={"boxes": [bid]},
                        headers={"Authorization": f"Bearer {theirs}"})  # fmt: skip
         assert r.json()["leases"] == {}
-        r = httpx.post(f"{srv.url}/v1/boxes", json={"rootfs": root, "lease": 5}, headers=h)
+        r = httpx.post(f"{srv.url}/v1/boxes", json={"rootfs": root, "lease": 5}, headers=h, timeout=60)
         assert r.status_code == 400 and "lease" in r.json()["error"]["message"]
-        r = httpx.post(f"{srv.url}/v1/boxes", json={"rootfs": root}, headers=h)
+        r = httpx.post(f"{srv.url}/v1/boxes", json={"rootfs": root}, headers=h, timeout=60)
         assert "lease" not in r.json()  # a box nobody leases is kept until removed
         with pytest.raises(InvalidArgument, match="unknown box option"):
             client.Box(rootfs=root, ephemeral=True)  # the with block's to say, not the caller's

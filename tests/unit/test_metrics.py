@@ -172,8 +172,11 @@ def test_the_sampler_goes_once_no_vm_of_its_home_runs(
                                keep=True)  # fmt: skip
         await box.start()
         running = asyncio.ensure_future(sampler.run(home))
-        await asyncio.sleep(1.0)
-        assert not running.done() and len(await box.metrics()) >= 2  # sampling while the box runs
+        deadline = time.monotonic() + 30
+        while len(await box.metrics()) < 2:  # sampling while the box runs
+            assert not running.done() and time.monotonic() < deadline, "the sampler took no two samples"
+            await asyncio.sleep(0.1)
+        assert not running.done()
         await box.remove(force=True)
         t0 = time.monotonic()
         await asyncio.wait_for(running, 10)

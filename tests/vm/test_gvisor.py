@@ -27,9 +27,7 @@ pytestmark = pytest.mark.vm  # runsc comes with scripts/setup; boxes run as root
 
 def test_exec_files_and_persistence(busybox_root: Path) -> None:
     with sandlot.Box(rootfs=busybox_root, engine="gvisor", memory_mib=256) as box:
-        t0 = time.monotonic()
-        assert box.exec("echo", "hi").stdout == "hi\n"
-        assert time.monotonic() - t0 < 2.0
+        assert box.exec("echo", "hi").stdout == "hi\n"  # (how fast: benchmarks/report.py)
         assert "gVisor" in box.exec("dmesg").stdout  # the user-space kernel, not a VM's
         r = box.exec("sh", "-c", "cat; echo err >&2; exit 3", stdin=b"in\n")
         assert (r.stdout, r.stderr, r.exit_code) == ("in\n", "err\n", 3)

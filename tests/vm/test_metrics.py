@@ -6,7 +6,6 @@ Prometheus' own parser and shows a key only its namespace's boxes."""
 from __future__ import annotations
 
 import os
-import time
 from pathlib import Path
 
 import httpx
@@ -19,6 +18,7 @@ from sandlot.core.metrics import metrics_lock
 
 from tests.conftest import TEST_ENGINE
 from tests.support.serve import create_key, serving, shared_home
+from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.vm
 NS = "sandlot.namespace"  # the label of a key's namespace
@@ -30,14 +30,6 @@ def sampler_running(home: Path) -> bool:
         return True
     os.close(fd)
     return False
-
-
-def wait_for(what: str, check, timeout: float = 60):  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout
-    while not (found := check()):
-        assert time.monotonic() < deadline, f"{what}: not within {timeout}s"
-        time.sleep(0.2)
-    return found
 
 
 def test_a_running_box_is_sampled_from_host_and_guest(

@@ -22,8 +22,10 @@ from sandlot.core.pools import PoolInfo
 from sandlot.core.store import BoxRecord
 
 from tests.conftest import TEST_ENGINE
+from tests.support.clock import set_while_read
 from tests.support.names import unique
 from tests.support.serve import serving
+from tests.support.waiting import wait_for
 
 pytestmark = [
     pytest.mark.vm,
@@ -111,16 +113,26 @@ def test_two_processes_claiming_at_once_never_get_the_same_vm(tmpl: sandlot.Snap
     pooled = {r.id for r in pool_rows(tmpl)}
     go = tmp_path / "go"
     code = f"""
-        import os, time, sandlot
+        import os, sys, time, sandlot
+        open(os.path.join({str(tmp_path)!r}, "ready-" + sys.argv[1]), "w").close()
         while not os.path.exists({str(go)!r}):
             time.sleep(0.005)
         b = sandlot.Box(template={tmpl.id!r}, keep=True)
         b.start()
         print(b.id, b.inspect()["vm_pid"], b.exec("cat", "/etc/machine-id").stdout.strip())
     """
-    argv = [sys.executable, "-c", textwrap.dedent(code)]
-    procs = [subprocess.Popen(argv, stdout=subprocess.PIPE, text=True) for _ in range(3)]
-    time.sleep(1.0)  # all three are waiting
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", textwrap.dedent(code), str(i)], stdout=subprocess.PIPE, text=True
+        )
+        for i in range(3)
+    ]
+    wait_for(
+        "all three waiting at the start line",
+        lambda: len(list(tmp_path.glob("ready-*"))) == 3,
+        120,
+        every=0.05,
+    )
     go.touch()
     outs = [p.communicate(timeout=180)[0].split() for p in procs]
     assert all(p.returncode == 0 for p in procs), outs
@@ -200,11 +212,14 @@ def test_claims_are_reidentified_and_the_pool_refills_drains_and_goes_with_its_t
         b = sandlot.Box(template=t, name=POOL_B, env={"CLAIMED": "b"}, keep=True)
         b.start()
         assert {a.id, b.id} == {r.id for r in ready}  # both were pool VMs
+        asked = time.time()
         fa, fb = (x.sh(FACTS).stdout.split() for x in (a, b))
+        answered = time.time()
         assert (fa[0], fb[0]) == (POOL_A, POOL_B)  # hostnames
         assert fa[1] != fb[1] and len(fa[1]) == 32  # machine-ids
         assert fa[2] != fb[2]  # the RNG was reseeded in each
-        assert abs(int(fa[3]) - time.time()) < 3 and abs(int(fb[3]) - time.time()) < 3  # wall clock
+        # the wall clock was set (left where it was paused, it would be 2 s behind)
+        assert all(set_while_read(f[3], asked, answered) for f in (fa, fb)), (asked, fa[3], fb[3], answered)
         assert a.sh("echo $CLAIMED").stdout == "a\n" and b.sh("echo $CLAIMED").stdout == "b\n"
         assert a.inspect()["machine_id"] == fa[1]
         # the refiller (a detached process the claims started) brings the pool back to 2
