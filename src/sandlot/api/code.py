@@ -512,7 +512,7 @@ class Interpreter:
                 async with asyncio.timeout(timeout):
                     finished = await _collect(events, execution, callbacks)
             except TimeoutError:
-                await self._stop_cell(cid, link, events, execution, callbacks, timeout)
+                await self._stop_cell(cid, rid, link, events, execution, callbacks, timeout)
             if not finished:
                 await self._lost(cid, execution)
         finally:
@@ -522,15 +522,18 @@ class Interpreter:
     async def _stop_cell(
         self,
         cid: str,
+        rid: str,
         link: KernelLink,
         events: asyncio.Queue[dict[str, Any] | None],
         execution: Execution,
         callbacks: Callbacks,
         timeout: float | None,
     ) -> NoReturn:
-        """A cell past its timeout: interrupt it; if it will not stop, end its interpreter."""
+        """A cell past its timeout: interrupt it; if it will not stop, end its interpreter.
+        The interrupt names the cell: one that has not started yet (queued behind another
+        cell of the context) ends at once as interrupted, and the one running goes on."""
         with contextlib.suppress(ConnectionLost):
-            await link.send({"op": "interrupt"})
+            await link.send({"op": "interrupt", "id": rid})
         stopped = False
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(INTERRUPT_GRACE):

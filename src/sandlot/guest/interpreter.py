@@ -753,6 +753,9 @@ class Server:
         self.cells: queue.Queue[Any] = queue.Queue()
         self.busy = False
         self.busy_lock = threading.Lock()
+        self.running: str | None = None  # the id of the cell that runs now
+        self.waiting: dict[str, Client] = {}  # the cells queued behind it, by id
+        self.skipped: set[str] = set()  # queued cells interrupted before their turn
 
     def serve(self, listener: socket.socket) -> None:
         thread(self.accept, listener)
@@ -766,10 +769,17 @@ class Server:
                 break
             client, rid, code = item
             cell = Cell(client, rid)
-            try:
-                with self.busy_lock:
-                    self.busy = True
+            with self.busy_lock:
+                skip = rid in self.skipped
+                if skip:
+                    self.skipped.discard(rid)
+                else:
+                    self.waiting.pop(rid, None)
+                    self.busy, self.running = True, rid
                     OUT.cell = cell
+            if skip:  # it was interrupted while it waited, and has been answered
+                continue
+            try:
                 count = self.kernel.execute(code, cell)
             except KeyboardInterrupt:
                 count = self.kernel.count  # an interrupt between the cell's end and here
@@ -779,7 +789,7 @@ class Server:
                 self.shutdown(1)
             finally:
                 with self.busy_lock:
-                    self.busy = False
+                    self.busy, self.running = False, None
                     OUT.cell = None
             cell.done(count)
         self.shutdown(0)
@@ -825,11 +835,13 @@ class Server:
 
     def handle(self, client: Client, op: str, msg: dict[str, Any]) -> None:
         if op == "run":
-            self.cells.put((client, str(msg.get("id", "")), str(msg.get("code", ""))))
-        elif op == "interrupt":
+            rid = str(msg.get("id", ""))
             with self.busy_lock:
-                if self.busy:
-                    self.kernel.interrupt()
+                self.waiting[rid] = client
+            self.cells.put((client, rid, str(msg.get("code", ""))))
+        elif op == "interrupt":
+            named = msg.get("id")
+            self.interrupt(named if isinstance(named, str) else None)
         elif op == "info":
             info = dict(self.info, count=self.kernel.count, busy=self.busy, queued=self.cells.qsize())
             client.send(dict(info, ev="info"))
@@ -841,6 +853,23 @@ class Server:
             os.kill(os.getpid(), signal.SIGKILL)
         else:
             client.send({"ev": "invalid", "message": f"unknown op {op!r}"})
+
+    def interrupt(self, rid: str | None) -> None:
+        """Interrupt the cell that runs, or the one ``rid`` names: a cell still queued
+        behind another (a host's timeout fires whether or not its cell has started) ends
+        at once as interrupted and never runs, and the one running goes on. A cell that
+        has ended already is left alone."""
+        with self.busy_lock:
+            if self.busy and rid in (None, self.running):
+                self.kernel.interrupt()
+                return
+            client = self.waiting.pop(rid, None) if rid is not None else None
+            if rid is None or client is None:
+                return
+            self.skipped.add(rid)
+        cell = Cell(client, rid)
+        cell.error("KeyboardInterrupt", "", "interrupted before it started\n")
+        cell.done(self.kernel.count)
 
     def remove_files(self) -> None:
         for name in os.listdir(self.directory):

@@ -1,0 +1,81 @@
+"""The box's interpreter (``sandlot.guest.interpreter``) run on the host, over its real
+socket and JSON lines: how it answers an interrupt. The same paths in a box, through
+the agent and every transport, are in tests/vm/test_interpreter.py."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from sandlot.guest import interpreter
+
+
+class Context:
+    """A started context's socket, read a JSON line at a time."""
+
+    def __init__(self, path: Path) -> None:
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.connect(str(path))
+        self.sock.settimeout(30)
+        self.lines = self.sock.makefile("rb")
+
+    def send(self, **msg: Any) -> None:
+        self.sock.sendall(json.dumps(msg).encode() + b"\n")
+
+    def until_done(self, rid: str) -> list[dict[str, Any]]:
+        """The cell's events, through its ``done`` (other cells' are not expected here)."""
+        got = []
+        while True:
+            ev = json.loads(self.lines.readline())
+            assert ev.get("id") == rid, (rid, ev)
+            got.append(ev)
+            if ev["ev"] == "done":
+                return got
+
+
+@pytest.fixture
+def context(tmp_path: Path) -> Iterator[Context]:
+    started = subprocess.run(
+        [sys.executable, interpreter.__file__, "start", "--root", str(tmp_path), "--id", "ctx"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert started.returncode == 0, started.stderr
+    pid = json.loads(started.stdout)["pid"]
+    ctx = Context(tmp_path / "ctx" / "sock")
+    try:
+        yield ctx
+    finally:
+        ctx.sock.close()
+        os.kill(pid, signal.SIGKILL)
+
+
+def test_a_cell_interrupted_while_it_waits_never_runs_and_the_running_one_goes_on(context: Context) -> None:
+    """A host's timeout names its cell: one still queued behind another ends at once as
+    interrupted, without running, and the cell that runs is not the one interrupted."""
+    context.send(op="run", id="a", code="import time\ntime.sleep(2)\nx = 1\nprint('a ran')")
+    context.send(op="run", id="b", code="y = 2")
+    context.send(op="interrupt", id="b")
+    b_events = context.until_done("b")  # answered before a has finished
+    assert [e["ev"] for e in b_events] == ["error", "done"] and b_events[0]["name"] == "KeyboardInterrupt"
+    a_events = context.until_done("a")
+    assert {"ev": "stream", "id": "a", "name": "stdout", "text": "a ran\n"} in a_events
+    assert not [e for e in a_events if e["ev"] == "error"]
+    context.send(op="run", id="c", code="print(x)\ny")
+    c_events = context.until_done("c")
+    assert [e["name"] for e in c_events if e["ev"] == "error"] == ["NameError"]  # b never ran
+    context.send(op="interrupt", id="a")  # a cell that has ended: nothing to do
+    context.send(op="run", id="d", code="import time\ntime.sleep(60)")
+    context.send(op="interrupt", id="d")  # the running cell, named
+    d_events = context.until_done("d")
+    assert [e["name"] for e in d_events if e["ev"] == "error"] == ["KeyboardInterrupt"]
+    context.send(op="run", id="e", code="x + 1")
+    assert {"ev": "result", "id": "e", "data": {"text/plain": "2"}, "main": True} in context.until_done("e")
