@@ -8,10 +8,7 @@ of ``scripts/test``); where a limit cannot be had on a host, the clear error is 
 
 from __future__ import annotations
 
-import contextlib
 import os
-import statistics
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,11 +20,10 @@ from sandlot.engine import hostcgroup
 from sandlot.engine.gvisor import limits as gvisor_limits
 
 from tests.conftest import TEST_ENGINE
+from tests.support.neighbour import neighbour_latency
 
 pytestmark = pytest.mark.vm
 
-NEIGHBOUR_WORST_S = 5.0  # under TCG on 2 cores; the attacked VM holds at most one of them
-NEIGHBOUR_ANSWER_S = 15.0  # no single exec of the neighbour waits longer, however loaded the host
 # where the agent keeps the commands' pids limit: cgroup2 in a VM, gVisor's cgroupfs (v1) pids
 PIDS_DIR = "/sys/fs/cgroup/sandlot" if TEST_ENGINE == "qemu" else "/sys/fs/cgroup/pids/sandlot"
 
@@ -38,39 +34,6 @@ MEMORY_HOG = "x = []\nwhile True:\n    x.append(bytearray(16 << 20))"
 def neighbour(busybox_root: Path) -> Iterator[sandlot.Box]:
     with sandlot.Box(rootfs=busybox_root, memory_mib=128, engine=TEST_ENGINE) as box:
         yield box
-
-
-@contextlib.contextmanager
-def neighbour_latency(box: sandlot.Box, what: str) -> Iterator[list[float]]:
-    samples: list[float] = []
-    stop = threading.Event()
-
-    def sample() -> None:
-        while not stop.is_set():
-            t = time.perf_counter()
-            box.exec("true", timeout=30)
-            samples.append(time.perf_counter() - t)
-            stop.wait(0.2)
-
-    thread = threading.Thread(target=sample, daemon=True)
-    thread.start()
-    try:
-        yield samples
-    finally:
-        stop.set()
-        thread.join(60)
-    assert samples, "the neighbour never answered"
-    median, worst = statistics.median(samples), max(samples)
-    print(f"\nneighbour exec during {what}: n={len(samples)} median={median * 1000:.1f} ms "
-          f"worst={worst * 1000:.1f} ms")  # fmt: skip
-    # A neighbour that the attack starves is slow all through it. One stall in ten samples
-    # is the host's: the suite shares 2 cores with two other VM runs, and CI once saw a
-    # single 5.8 s exec among 13 with a 64 ms median during a gVisor fork bomb.
-    stalls = sum(s >= NEIGHBOUR_WORST_S for s in samples)
-    assert stalls <= len(samples) // 10, (
-        f"the neighbour stalled {stalls} times in {len(samples)} during {what}, up to {worst:.1f}s"
-    )
-    assert worst < NEIGHBOUR_ANSWER_S, f"the neighbour stalled for {worst:.1f}s during {what}"
 
 
 def test_out_of_memory_is_reported_on_the_command_and_the_box_stays_usable(

@@ -11,3 +11,11 @@ def set_while_read(guest_epoch: str | int, asked: float, answered: float) -> boo
     ``%s``, and half a second either way for the clocks' own difference. A clock left
     where a pause or a snapshot stopped it is behind by that whole while."""
     return asked - 1.5 <= int(guest_epoch) <= answered + 0.5
+
+
+def ticks_in(seconds: float, every: float = 0.1) -> int:
+    """The most a guest counter that ticks every ``every`` seconds (a shell loop's
+    ``sleep``) can add in ``seconds`` of host time its guest could run: one more for a
+    tick under way at each end. A counter that ran while its box was suspended goes
+    past it."""
+    return int(seconds / every) + 2

@@ -132,8 +132,8 @@ def test_exec_exit_codes_output_bytes_and_stdin(box: Any) -> None:
 def test_exec_timeout_and_check_raise_as_locally(box: Any) -> None:
     t0 = time.monotonic()
     with pytest.raises(sandlot.ExecTimeout) as timed_out:
-        box.exec("sh", "-c", "echo started; sleep 1000", timeout=1.5)
-    assert isinstance(timed_out.value, TimeoutError) and time.monotonic() - t0 < 15
+        box.exec("sh", "-c", "echo started; sleep 1000", timeout=5)
+    assert isinstance(timed_out.value, TimeoutError) and time.monotonic() - t0 < 20
     assert timed_out.value.stdout == b"started\n"
     assert box.exec("echo", "still here").stdout == "still here\n"
     with pytest.raises(sandlot.CommandFailed) as failed:
@@ -367,7 +367,7 @@ def test_code_cells_keep_state_stream_and_time_out(side: Side, debian_root: Path
         ex = box.run_code("1 / 0")
         assert ex.error is not None and ex.error.name == "ZeroDivisionError" and ex.execution_count == 2
         with pytest.raises(sandlot.CodeTimeout) as info:
-            box.run_code("print('so far', flush=True)\nimport time\ntime.sleep(60)", timeout=1.5)
+            box.run_code("print('so far', flush=True)\nimport time\ntime.sleep(60)", timeout=5)
         assert isinstance(info.value.execution, sandlot.Execution)
         assert info.value.execution.stdout == "so far\n" and not info.value.state_lost
         assert box.run_code("v").text == "20"

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import io
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -169,15 +169,17 @@ def test_click_the_button_and_type_into_the_field(page_box: Any) -> None:
 def test_the_stream_shows_the_desktop_through_the_servers_preview_url(page_box: Any) -> None:
     url = page_box.desktop.stream_url(view_only=True, ttl=600)
     assert "/p/" in url and "view_only=1" in url and "5900" not in url
-    seen = viewer_shot(url)
+    seen = viewer_shot(url, lambda shot: box_of(shot, RED) is not None or box_of(shot, BLUE) is not None)
     assert seen.width > 500
     colours = seen.getcolors(maxcolors=1 << 20)
     assert colours is not None and len(colours) > 10  # not blank: the desktop, the browser, the page
     assert box_of(seen, RED) is not None or box_of(seen, BLUE) is not None
 
 
-def viewer_shot(url: str) -> Image.Image:
-    """The desktop as the noVNC page at ``url`` shows it, opened in the host's headless Chromium."""
+def viewer_shot(url: str, shows: Callable[[Image.Image], object]) -> Image.Image:
+    """The desktop as the noVNC page at ``url`` shows it, opened in the host's headless
+    Chromium: its canvas, once it ``shows`` what is expected (its first frames take
+    a while to come and paint)."""
     with playwright_api.sync_playwright() as p:
         browser = launch(p)
         try:
@@ -185,8 +187,12 @@ def viewer_shot(url: str) -> Image.Image:
             page.goto(url)
             page.wait_for_function("document.getElementById('status').dataset.state === 'connected'",
                                    timeout=60_000)  # fmt: skip
-            page.wait_for_timeout(1500)  # the first frame
-            return image(page.locator("#screen canvas").screenshot())
+
+            def shot() -> Image.Image | None:
+                seen = image(page.locator("#screen canvas").screenshot())
+                return seen if shows(seen) else None
+
+            return wait_for("the viewer showed the desktop", shot, timeout=60, every=0.5)
         finally:
             browser.close()
 
@@ -222,7 +228,7 @@ def test_a_desktop_with_its_browser_open_forks_onto_the_same_screen_and_rolls_ba
         assert differing(screen, kids[1].desktop.screenshot()) == 0  # its siblings and parent did not move
         assert differing(screen, desk.screenshot()) == 0
         # each copy a VNC session of its own: the first one's viewer shows its blue block
-        seen = viewer_shot(kids[0].desktop.stream_url(view_only=True, ttl=600))
+        seen = viewer_shot(kids[0].desktop.stream_url(view_only=True, ttl=600), lambda s: box_of(s, BLUE))
         assert box_of(seen, BLUE) is not None and box_of(seen, RED) is None
         desk.click(*button)
         wait_for("the parent's block turned blue", lambda: box_of(desk.screenshot(), BLUE))

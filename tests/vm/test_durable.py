@@ -19,6 +19,7 @@ import sandlot
 
 from tests.support.clock import set_while_read
 from tests.support.names import unique
+from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.vm
 DURABLE_1 = unique("durable-1")
@@ -155,7 +156,8 @@ def test_kill9_of_qemu_is_a_crash_with_a_reason(busybox_root: Path) -> None:
     try:
         box.start()
         os.kill(box.inspect()["vm_pid"], signal.SIGKILL)
-        time.sleep(0.5)
+        # its last thread can take a moment to end (it is alive as ours until then)
+        wait_for("the box seen crashed", lambda: sandlot.get(QEMU_CRASH).state == "crashed", 30)
         rec = sandlot.get(QEMU_CRASH).inspect()
         assert rec["state"] == "crashed" and "unexpectedly" in rec["reason"]
         crash = list(box.events(follow=False))[-1]  # with the reason and what the guest last said
@@ -190,7 +192,11 @@ def test_kill9_of_the_owner_mid_start(busybox_root: Path) -> None:
 def test_pause_unpause(busybox_root: Path) -> None:
     with sandlot.Box(rootfs=busybox_root, memory_mib=256) as box:
         box.exec("sh", "-c", "(while true; do date +%s >> /tmp/ticks; sleep 0.2; done) >/dev/null 2>&1 &")
-        time.sleep(1)
+
+        def ticks() -> list[int]:
+            return [int(t) for t in box.sh("cat /tmp/ticks 2>/dev/null").stdout.split()]
+
+        wait_for("a tick before the pause", lambda: len(ticks()) >= 2)
         box.pause()
         assert box.state == "paused"
         with pytest.raises(sandlot.InvalidState, match="paused"):
@@ -200,10 +206,10 @@ def test_pause_unpause(busybox_root: Path) -> None:
         asked = time.time()
         now = box.exec("date", "+%s").stdout
         assert set_while_read(now, asked, time.time()), (asked, now)  # the clock was set again
-        time.sleep(0.6)
-        ticks = [int(t) for t in box.files.read_text("/tmp/ticks").split()]
-        gaps = [b - a for a, b in itertools.pairwise(ticks)]
-        assert max(gaps) >= 2  # nothing ran while paused
+        # nothing ran while paused: the first tick after it is 2 s past the last before it
+        wait_for(
+            "a tick after the pause", lambda: max(b - a for a, b in itertools.pairwise(ticks())) >= 2, 30
+        )
         assert box.exec("echo", "back").stdout == "back\n"
 
 

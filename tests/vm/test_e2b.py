@@ -111,7 +111,7 @@ def test_background_commands_stdin_list_connect_and_kill(sbx: Sandbox) -> None:
     sleeper = sbx.commands.run("sleep 600", background=True)
     listed = {p.pid: p for p in sbx.commands.list()}
     assert sleeper.pid in listed and listed[sleeper.pid].args[-1] == "sleep 600"
-    ticker = sbx.commands.run("for i in $(seq 1 40); do echo tick; sleep 0.05; done", background=True)
+    ticker = sbx.commands.run("for i in $(seq 1 100); do echo tick; sleep 0.05; done", background=True)
     followed = sbx.commands.connect(ticker.pid)
     assert "tick" in followed.wait().stdout
     assert sbx.commands.kill(sleeper.pid) is True

@@ -149,8 +149,8 @@ def test_32_concurrent_execs_with_heavy_output(bb_box: Box) -> None:
 def test_timeout_kills_and_box_stays_usable(bb_box: Box) -> None:
     t0 = time.monotonic()
     with pytest.raises(sandlot.ExecTimeout) as info:
-        bb_box.exec("sh", "-c", "echo started; sleep 1000 & sleep 1000", timeout=1.5)
-    assert time.monotonic() - t0 < 15
+        bb_box.exec("sh", "-c", "echo started; sleep 1000 & sleep 1000", timeout=5)
+    assert time.monotonic() - t0 < 20
     assert info.value.stdout == b"started\n"
     # the whole process group died, including the background sleep
     assert bb_box.exec("sh", "-c", "pgrep -f 'sleep 1000' || true").stdout == ""
@@ -158,7 +158,7 @@ def test_timeout_kills_and_box_stays_usable(bb_box: Box) -> None:
 
 
 def test_background_process_survives_its_exec(bb_box: Box) -> None:
-    r = bb_box.exec("sh", "-c", "(sleep 1; echo late > /tmp/bg.txt) > /dev/null 2>&1 & echo $!")
+    r = bb_box.exec("sh", "-c", "(sleep 5; echo late > /tmp/bg.txt) > /dev/null 2>&1 & echo $!")
     assert r.exit_code == 0
     pid = r.stdout.strip()
     assert bb_box.exec("kill", "-0", pid).ok  # still running after the exec returned

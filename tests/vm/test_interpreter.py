@@ -66,7 +66,7 @@ def test_streaming_callbacks_see_output_as_it_comes(py_box: sandlot.Box) -> None
     seen: list[tuple[float, str, str]] = []
     t0 = time.monotonic()
     ex = py_box.run_code(
-        "import time, sys\nprint('first', flush=True)\ntime.sleep(1.5)\nprint('oops', file=sys.stderr)\n"
+        "import time, sys\nprint('first', flush=True)\ntime.sleep(5)\nprint('oops', file=sys.stderr)\n"
         "display(7)\n'last'",
         on_stdout=lambda s: seen.append((time.monotonic() - t0, "out", s)),
         on_stderr=lambda s: seen.append((time.monotonic() - t0, "err", s)),
@@ -80,7 +80,7 @@ def test_streaming_callbacks_see_output_as_it_comes(py_box: sandlot.Box) -> None
             merged.append((kind, text))
     assert merged == [("out", "first\n"), ("err", "oops\n"), ("result", "7"), ("result", "'last'")]
     first_at, total = seen[0][0], time.monotonic() - t0
-    assert first_at < total - 1.0, "the first line came only with the end of the cell"
+    assert first_at < total - 1.0, "the first line came only with the end of the cell"  # (5 s apart)
     assert ex.stdout == "first\n" and ex.text == "'last'"
 
 
@@ -89,22 +89,27 @@ def test_interrupt_keeps_state_and_timeout_interrupts(py_box: sandlot.Box) -> No
 
     ctx = py_box.create_code_context()
     py_box.run_code("kept = 'yes'", context=ctx)
-    threading.Timer(1.5, py_box.interrupt_code_context, args=(ctx,)).start()
-    t0 = time.monotonic()
-    ex = py_box.run_code("import time\nwhile True: time.sleep(0.1)", context=ctx)
+    looping = threading.Event()  # the interrupt is for the cell that runs: once it does
+
+    def interrupt_it() -> None:
+        if looping.wait(120):
+            py_box.interrupt_code_context(ctx)
+
+    threading.Thread(target=interrupt_it, daemon=True).start()
+    ex = py_box.run_code("import time\nprint('looping', flush=True)\nwhile True: time.sleep(0.1)",
+                         context=ctx, timeout=120, on_stdout=lambda _: looping.set())  # fmt: skip
     assert ex.error is not None and ex.error.name == "KeyboardInterrupt"
-    assert time.monotonic() - t0 < 10
     assert py_box.run_code("kept", context=ctx).text == "'yes'"
 
     with pytest.raises(sandlot.CodeTimeout) as info:
-        py_box.run_code("print('started', flush=True)\nimport time\ntime.sleep(60)", context=ctx, timeout=1.5)
+        py_box.run_code("print('started', flush=True)\nimport time\ntime.sleep(60)", context=ctx, timeout=5)
     assert not info.value.state_lost and info.value.execution.stdout == "started\n"
     assert py_box.run_code("kept", context=ctx).text == "'yes'"
 
     # a cell that ignores SIGINT: its interpreter is ended, the context starts afresh
     with pytest.raises(sandlot.CodeTimeout) as info:
         py_box.run_code("import signal\nsignal.signal(signal.SIGINT, signal.SIG_IGN)\nwhile True: pass",
-                        context=ctx, timeout=1.5)  # fmt: skip
+                        context=ctx, timeout=5)  # fmt: skip
     assert info.value.state_lost
     ex = py_box.run_code("kept", context=ctx)
     assert ex.error is not None and ex.error.name == "NameError"
@@ -200,7 +205,7 @@ def test_the_images_jupyter_kernel_speaks_through_the_same_execution(jupyter_box
     ex = jupyter_box.run_code("from IPython.display import HTML\nHTML('<i>j</i>')", context=ctx, timeout=120)
     assert ex.results[0].html == "<i>j</i>"
     with pytest.raises(sandlot.CodeTimeout) as info:
-        jupyter_box.run_code("import time\ntime.sleep(60)", context=ctx, timeout=2)
+        jupyter_box.run_code("import time\ntime.sleep(60)", context=ctx, timeout=5)
     assert not info.value.state_lost
     assert jupyter_box.run_code("x", context=ctx, timeout=60).text == "41"
     jupyter_box.remove_code_context(ctx)

@@ -185,7 +185,7 @@ def test_stdio_run_code_keeps_state_and_reports_errors(debian_root: Path) -> Non
             r = await ok(client, "run_code", {"box": box, "code": picture})
             (image,) = [c for c in r.content if c.type == "image"]
             assert image.mime_type == "image/png" and base64.b64decode(image.data) == b"\x89PNG\r\n\x1a\nxyz"
-            sleeper = {"box": box, "code": "import time\ntime.sleep(30)", "timeout": 1}
+            sleeper = {"box": box, "code": "import time\ntime.sleep(30)", "timeout": 5}
             r = await ok(client, "run_code", sleeper)
             assert data(r)["timed_out"] and "TIMED OUT" in text(r)
             assert "7" in text(await ok(client, "run_code", {"box": box, "code": "x + 1"}))  # kept

@@ -48,7 +48,11 @@ def test_a_version_2_store_opens_and_its_boxes_start_and_resume(busybox_root: Pa
         b = sandlot.Box(rootfs=root, name="was-suspended", memory_mib=256, keep=True).start()
         loop = "i=0; while true; do i=$((i+1)); echo $i >/tmp/m; mv /tmp/m /tmp/n; sleep 0.1; done"
         b.sh("sh -c '" + loop + "' >/dev/null 2>&1 &")
-        import time; time.sleep(1)
+        import time
+        deadline = time.monotonic() + 60
+        while b.sh("cat /tmp/n").returncode != 0:  # it counts before it is suspended
+            assert time.monotonic() < deadline, "the counter never started"
+            time.sleep(0.1)
         b.suspend()
     """,
     )
@@ -77,8 +81,10 @@ def check_upgrade(home: Path) -> None:
         b = sandlot.get("was-suspended")
         assert b.state == "suspended", b.state
         before = int(b.exec("cat", "/tmp/n").stdout)  # the next command resumes it
-        import time; time.sleep(0.5)
-        after = int(b.exec("cat", "/tmp/n").stdout)
+        import time
+        deadline = time.monotonic() + 30
+        while (after := int(b.exec("cat", "/tmp/n").stdout)) <= before and time.monotonic() < deadline:
+            time.sleep(0.1)  # its counter runs on
         print(before > 0, after > before, b.state)
         for box in sandlot.list():
             box.remove(force=True)
