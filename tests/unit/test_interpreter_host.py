@@ -25,7 +25,7 @@ class Context:
     def __init__(self, path: Path) -> None:
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.sock.connect(str(path))
-        self.sock.settimeout(30)
+        self.sock.settimeout(60)
         self.lines = self.sock.makefile("rb")
 
     def send(self, **msg: Any) -> None:
@@ -73,7 +73,8 @@ def test_a_cell_interrupted_while_it_waits_never_runs_and_the_running_one_goes_o
     c_events = context.until_done("c")
     assert [e["name"] for e in c_events if e["ev"] == "error"] == ["NameError"]  # b never ran
     context.send(op="interrupt", id="a")  # a cell that has ended: nothing to do
-    context.send(op="run", id="d", code="import time\ntime.sleep(60)")
+    context.send(op="run", id="d", code="import time\nprint('started', flush=True)\ntime.sleep(60)")
+    assert json.loads(context.lines.readline())["text"] == "started\n"
     context.send(op="interrupt", id="d")  # the running cell, named
     d_events = context.until_done("d")
     assert [e["name"] for e in d_events if e["ev"] == "error"] == ["KeyboardInterrupt"]

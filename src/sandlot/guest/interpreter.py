@@ -769,20 +769,17 @@ class Server:
                 break
             client, rid, code = item
             cell = Cell(client, rid)
-            with self.busy_lock:
-                skip = rid in self.skipped
-                if skip:
-                    self.skipped.discard(rid)
-                else:
+            try:
+                with self.busy_lock:
+                    if rid in self.skipped:  # interrupted while it waited, and answered then
+                        self.skipped.discard(rid)
+                        continue
                     self.waiting.pop(rid, None)
                     self.busy, self.running = True, rid
                     OUT.cell = cell
-            if skip:  # it was interrupted while it waited, and has been answered
-                continue
-            try:
                 count = self.kernel.execute(code, cell)
             except KeyboardInterrupt:
-                count = self.kernel.count  # an interrupt between the cell's end and here
+                count = self.kernel.count  # an interrupt outside the cell's own code
             except KernelDied as e:
                 cell.error("KernelDied", str(e), "")
                 cell.done(self.kernel.count)
