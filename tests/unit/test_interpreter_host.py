@@ -80,3 +80,16 @@ def test_a_cell_interrupted_while_it_waits_never_runs_and_the_running_one_goes_o
     assert [e["name"] for e in d_events if e["ev"] == "error"] == ["KeyboardInterrupt"]
     context.send(op="run", id="e", code="x + 1")
     assert {"ev": "result", "id": "e", "data": {"text/plain": "2"}, "main": True} in context.until_done("e")
+
+
+def test_an_interrupt_as_its_cell_starts_is_taken_however_the_cell_blocks(context: Context) -> None:
+    """A SIGINT that lands between the interpreter's last look for signals and a blocking
+    call is taken only when that call returns: the interrupt is sent again until the
+    cell takes it. Each cell here would sleep a minute; the race is a narrow one, so it
+    is run many times (before the fix, about one in a few hundred waited the minute)."""
+    context.sock.settimeout(10)  # an answer within seconds, not after the minute
+    for i in range(200):
+        context.send(op="run", id=f"s{i}", code="import time\ntime.sleep(60)")
+        context.send(op="interrupt", id=f"s{i}")  # before it starts, as it starts, or while it sleeps
+        events = context.until_done(f"s{i}")
+        assert [e["name"] for e in events if e["ev"] == "error"] == ["KeyboardInterrupt"], events

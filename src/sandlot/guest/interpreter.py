@@ -59,6 +59,9 @@ from typing import Any
 OUTPUT_LIMIT = 8 << 20
 FLUSH_BYTES = 64 << 10
 FLUSH_SECONDS = 0.02
+# an interrupt not taken is sent again, this often (the host waits 3 s before it ends the
+# interpreter of a cell that will not stop)
+INTERRUPT_AGAIN, INTERRUPT_AGAIN_EVERY = 10, 0.25
 
 MIME_METHODS = [
     ("_repr_html_", "text/html"),
@@ -444,6 +447,8 @@ def show_figures(cell: Cell, skip: Any = None) -> None:
 class BuiltinKernel:
     def __init__(self) -> None:
         self.count = 0
+        self.interrupts_taken = 0
+        signal.signal(signal.SIGINT, self.take_interrupt)
         self.namespace: dict[str, Any] = {"__name__": "__main__", "__builtins__": __builtins__}
         self.loop: Any = None
         import builtins
@@ -518,6 +523,12 @@ class BuiltinKernel:
 
     def interrupt(self) -> None:
         os.kill(os.getpid(), signal.SIGINT)
+
+    def take_interrupt(self, signum: int, frame: Any) -> None:
+        """Python's own SIGINT handler, counted: ``Server.interrupt`` sees whether the
+        cell took its interrupt."""
+        self.interrupts_taken += 1
+        raise KeyboardInterrupt
 
     def close(self) -> None:
         pass
@@ -858,7 +869,10 @@ class Server:
         has ended already is left alone."""
         with self.busy_lock:
             if self.busy and rid in (None, self.running):
+                taken = getattr(self.kernel, "interrupts_taken", None)
                 self.kernel.interrupt()
+                if taken is not None:
+                    thread(self.interrupt_again, self.running, taken)
                 return
             client = self.waiting.pop(rid, None) if rid is not None else None
             if rid is None or client is None:
@@ -867,6 +881,18 @@ class Server:
         cell = Cell(client, rid)
         cell.error("KeyboardInterrupt", "", "interrupted before it started\n")
         cell.done(self.kernel.count)
+
+    def interrupt_again(self, rid: str, taken: int) -> None:
+        """Send the running cell's interrupt again until it is taken: a SIGINT that lands
+        between the interpreter's last look for signals and a blocking call (a sleep, a
+        read) is taken only when that call returns, a minute later perhaps. A cell that
+        ignores SIGINT never takes it; the host ends its interpreter after its grace."""
+        for _ in range(INTERRUPT_AGAIN):
+            time.sleep(INTERRUPT_AGAIN_EVERY)
+            with self.busy_lock:
+                if not (self.busy and self.running == rid) or self.kernel.interrupts_taken > taken:
+                    return
+                self.kernel.interrupt()
 
     def remove_files(self) -> None:
         for name in os.listdir(self.directory):
