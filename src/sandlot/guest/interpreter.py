@@ -869,10 +869,9 @@ class Server:
         has ended already is left alone."""
         with self.busy_lock:
             if self.busy and rid in (None, self.running):
-                taken = getattr(self.kernel, "interrupts_taken", None)
+                if isinstance(self.kernel, BuiltinKernel):  # (a Jupyter kernel takes its own)
+                    thread(self.interrupt_again, self.running, self.kernel.interrupts_taken)
                 self.kernel.interrupt()
-                if taken is not None:
-                    thread(self.interrupt_again, self.running, taken)
                 return
             client = self.waiting.pop(rid, None) if rid is not None else None
             if rid is None or client is None:
