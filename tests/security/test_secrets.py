@@ -18,6 +18,7 @@ import sandlot
 
 from tests.conftest import TEST_ENGINE
 from tests.support.checkpoint import plain_state
+from tests.support.chunks import state_bytes
 from tests.support.egress import logged
 from tests.unit.test_secrets import VALUE, EchoAPI
 
@@ -126,8 +127,12 @@ def test_the_box_sees_a_placeholder_and_the_api_gets_the_value(
             assert VALUE.encode() not in state
             assert placeholder.encode() in state
         else:
-            # the memory snapshot does hold what the guest had: the placeholder (the search works)
+            # the memory snapshot does hold what the guest had: the placeholder (the search works),
+            # in the memory file forks map and in its chunks, searched uncompressed
             assert files_holding(placeholder.encode(), snap_dir)
+            state = state_bytes(snap.id)
+            assert VALUE.encode() not in state
+            assert placeholder.encode() in state
         box_id = box.id
     # a new box from the snapshot, its box gone: the values must be given again
     with pytest.raises(sandlot.InvalidArgument, match="API_KEY"):

@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
+import hashlib
 import itertools
 import json
 import os
@@ -46,6 +47,8 @@ from sandlot.engine.base import (
     LaunchSpec,
     Placement,
     SavedState,
+    StateSink,
+    StateSource,
     VMRef,
     VMStatus,
     Volume,
@@ -144,7 +147,11 @@ class FakeVM(VM):
             self.die(1)
             raise BootError("fake: the saved state cannot be loaded")
         assert self.spec is not None and self.spec.saved is not None
-        state = json.loads((self.spec.saved.directory / "state").read_text())
+        source = self.spec.saved.source
+        if source is not None:
+            state = await asyncio.to_thread(read_from_source, source)
+        else:
+            state = json.loads((self.spec.saved.directory / "state").read_text())
         self.memory = dict(state["memory"])
         self.status_now = VMStatus.RUNNING
 
@@ -155,10 +162,15 @@ class FakeVM(VM):
         new_disk: Path | None,
         keep_running: bool,
         new_drives: Mapping[str, Path] | None = None,
+        sink: StateSink | None = None,
     ) -> float:
         self._maybe_fail("save")
         await asyncio.sleep(self.engine.save_seconds)
-        (directory / "state").write_text(json.dumps({"memory": self.memory}))
+        state = json.dumps({"memory": self.memory}).encode()
+        if sink is None:
+            (directory / "state").write_bytes(state)
+        else:
+            await asyncio.to_thread(write_to_sink, sink, state, self.memory)
         self.status_now = VMStatus.RUNNING if keep_running else VMStatus.PAUSED
         return 0.001
 
@@ -495,8 +507,55 @@ def _tree_entry(rel: str, node: dict[str, Any]) -> bytes:
     ) + raw + target  # fmt: skip
 
 
+# A fake VM's memory image, as its saves give it to a ``StateSink``: one page per remembered
+# key (where the key hashes to), filled from its value, the rest zeros. Two states that
+# remember the same share every chunk but the ones whose pages differ.
+FAKE_RAM = "fake.ram"
+FAKE_RAM_BYTES = 1 << 20
+FAKE_STATE = "fake.state"
+PAGE = 4096
+
+
+def fake_ram(memory: Mapping[str, Any]) -> bytearray:
+    ram = bytearray(FAKE_RAM_BYTES)
+    for key, value in memory.items():
+        where = int.from_bytes(hashlib.sha256(key.encode()).digest()[:4], "big")
+        at = (where % (FAKE_RAM_BYTES // PAGE)) * PAGE
+        fill = hashlib.sha256(json.dumps(value).encode()).digest()
+        ram[at : at + PAGE] = (fill * (PAGE // len(fill)))[:PAGE]
+    return ram
+
+
+def write_to_sink(sink: StateSink, state: bytes, memory: Mapping[str, Any]) -> None:
+    """A save as an engine that writes chunks makes it: its pages out of order, zero pages
+    said as zeros, and a stream for the rest."""
+    image = sink.image(FAKE_RAM, FAKE_RAM_BYTES)
+    ram = fake_ram(memory)
+    order = list(range(0, FAKE_RAM_BYTES, PAGE))
+    order = order[1::2] + order[::2]
+    for at in order:
+        page = ram[at : at + PAGE]
+        if page == bytes(PAGE):
+            image.zeros(at, PAGE)
+        else:
+            image.pages(at, bytes(page))
+    sink.stream(FAKE_STATE, state)
+
+
+def read_from_source(source: StateSource) -> dict[str, Any]:
+    """The state back, its memory image checked against the memory it says it held."""
+    state: dict[str, Any] = json.loads(source.stream(FAKE_STATE))
+    ram = bytearray(source.images()[FAKE_RAM])
+    for at, data in source.extents(FAKE_RAM):
+        ram[at : at + len(data)] = data
+    if ram != fake_ram(state["memory"]):
+        raise SavedStateError("fake: the memory image is not the memory the state says")
+    return state
+
+
 class FakeEngine(Engine):
     name = "fake"
+    chunked_state = True
 
     def __init__(self, home: Path) -> None:
         self.home = home
@@ -570,6 +629,9 @@ class FakeEngine(Engine):
     async def share_memory(
         self, state: SavedState, disk: Path, drives: tuple[Drive, ...] = (), shares: tuple[Volume, ...] = ()
     ) -> None:
+        if state.source is not None:  # the form forks and exports read is files, from the chunks
+            saved = await asyncio.to_thread(read_from_source, state.source)
+            (state.directory / "state").write_text(json.dumps(saved))
         (state.directory / "shared").write_text("1")
 
     def memory_shared(self, directory: Path) -> bool:

@@ -1,5 +1,6 @@
 """A store written by the previous schema (version 2) opens, and its stopped and
-suspended boxes still start and resume, processes included."""
+suspended boxes still start and resume, processes included. Its saved states are
+whole files, as every sandlot before the chunk store saved them (schema 11)."""
 
 from __future__ import annotations
 
@@ -21,8 +22,8 @@ from tests.support.legacy import downgrade_to_v2
 pytestmark = pytest.mark.vm
 
 
-def py(home: Path, code: str) -> str:
-    env = {**os.environ, "SANDLOT_HOME": str(home)}
+def py(home: Path, code: str, **env_more: str) -> str:
+    env = {**os.environ, "SANDLOT_HOME": str(home), **env_more}
     r = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, env=env,
                        timeout=300)  # fmt: skip
     assert r.returncode == 0, r.stderr
@@ -55,6 +56,7 @@ def test_a_version_2_store_opens_and_its_boxes_start_and_resume(busybox_root: Pa
             time.sleep(0.1)
         b.suspend()
     """,
+        SANDLOT_STATE_CHUNKS="0",  # a home of then: its states are files
     )
     try:
         check_upgrade(home)

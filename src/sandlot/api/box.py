@@ -724,7 +724,7 @@ class AsyncSnapshot:
 
     @property
     def info(self) -> dict[str, Any]:
-        """id, name, kind, box_id, box_name, created_at, size and node (a fleet's)."""
+        """id, name, kind, box_id, box_name, created_at, size, logical_size and node (a fleet's)."""
         return dict(self._ref.info)
 
     @property
@@ -753,8 +753,16 @@ class AsyncSnapshot:
         return float(self._ref.info.get("created_at") or 0.0)
 
     @property
+    def logical_size(self) -> int:
+        """The bytes of state it holds (its memory that is not zeros, its devices' state,
+        its disk layer's data) before sharing with other states and compression."""
+        return int(self._ref.info.get("logical_size") or 0)
+
+    @property
     def size(self) -> int:
-        """Bytes of saved state on disk (the frozen disk layer aside)."""
+        """The bytes its save added to its home: the chunks of its memory and devices that
+        no earlier state held (compressed), its disk layer, and (a template, a fork's
+        state, an export's) the memory file that forks map (docs/storage.md)."""
         return int(self._ref.info.get("size") or 0)
 
     def __repr__(self) -> str:

@@ -588,7 +588,8 @@ class SnapshotOut(BaseModel):
     box_id: str | None = None
     box_name: str | None = None
     created_at: float = 0.0
-    size: int = 0
+    size: int = 0  # bytes its save added to its home (docs/storage.md)
+    logical_size: int = 0  # bytes of state it holds, before sharing and compression
     node: str | None = None
 
 

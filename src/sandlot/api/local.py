@@ -83,6 +83,7 @@ def snapshot_info(rec: SnapshotRecord) -> dict[str, Any]:
         "box_name": rec.box_name,
         "created_at": rec.created_at,
         "size": rec.size,
+        "logical_size": int(rec.options.get("logical_bytes", rec.size)),
         "node": None,
     }
 

@@ -611,7 +611,7 @@ class Snapshot(SnapshotBase):
 
     @property
     def info(self) -> dict[str, Any]:
-        """id, name, kind, box_id, box_name, created_at, size and node (a fleet's)."""
+        """id, name, kind, box_id, box_name, created_at, size, logical_size and node (a fleet's)."""
         return self._a.info
 
     @property
@@ -640,8 +640,16 @@ class Snapshot(SnapshotBase):
         return self._a.created_at
 
     @property
+    def logical_size(self) -> int:
+        """The bytes of state it holds (its memory that is not zeros, its devices' state,
+        its disk layer's data) before sharing with other states and compression."""
+        return self._a.logical_size
+
+    @property
     def size(self) -> int:
-        """Bytes of saved state on disk (the frozen disk layer aside)."""
+        """The bytes its save added to its home: the chunks of its memory and devices that
+        no earlier state held (compressed), its disk layer, and (a template, a fork's
+        state, an export's) the memory file that forks map (docs/storage.md)."""
         return self._a.size
 
     def inspect(self) -> dict[str, Any]:

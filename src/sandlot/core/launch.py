@@ -35,7 +35,7 @@ from ..net.secrets import GUEST_BUNDLE, GUEST_CA, SYSTEM_BUNDLES, read_vault_jso
 from ..protocol import files as proto_files
 from ..protocol.connection import AgentConnection
 from ..protocol.wire import ControlOp, FsFlag, FsOp, MountFlag, Tag, tlv
-from . import homewatch, metrics, snapshots
+from . import chunks, homewatch, metrics, snapshots
 from .admission import Admission, default_slots
 from .entry import BoxEntry
 from .runtime import Runtime
@@ -237,10 +237,17 @@ class Launcher:
         net = await asyncio.to_thread(self.net_spec, entry, nic=bool(facts.get("network")))
         top = disk or Path(rec.disk or "")
         where = self.rt.placement(rec, entry.hostname, facts["agent_ports"])
+        directory = snapshots.snapshot_dir(self.rt.home, snap.id)
+        # a state forks map (its shared form, if it was given one) is loaded from its files
+        source = (
+            None
+            if engine.memory_shared(directory)
+            else await asyncio.to_thread(chunks.open_state, self.rt.home, self.rt.store, snap.id)
+        )
         launch = LaunchSpec(
             where=where, disk=top, memory_mib=facts["memory_mib"], cpus=facts["cpus"], network=net,
             boot=shape(boot, facts["memory_mib"], facts["cpus"], facts["agent_ports"], net),
-            saved=SavedState(snapshots.snapshot_dir(self.rt.home, snap.id), facts),
+            saved=SavedState(directory, facts, source),
             volumes=shares_of(entry.spec),
             drives=drives_of(rec.drives if drives is None else drives, entry.spec),
         )  # fmt: skip
@@ -256,7 +263,10 @@ class Launcher:
                 if self.frozen_for_saves(entry):  # saved so (BoxController.still): its shares go up too
                     await conn.thaw()
 
-        return await self._bring_up(entry, engine, launch, boot, "restore.after-launch", when_up)
+        with contextlib.ExitStack() as held:
+            if source is not None:  # its chunks stay until the VM has read them all
+                await asyncio.to_thread(held.enter_context, source.store.using())
+            return await self._bring_up(entry, engine, launch, boot, "restore.after-launch", when_up)
 
     async def _bring_up(
         self,

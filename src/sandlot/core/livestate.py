@@ -24,7 +24,7 @@ from .. import pids
 from ..crashpoints import crash_point
 from ..engine.base import Boot, BootRequest, Engine, SavedState
 from ..errors import InvalidArgument, InvalidState, SandlotError, SnapshotInUse, SnapshotNotFound
-from . import archive, events, layers, snapshots, tracing, volumes
+from . import archive, chunks, events, layers, snapshots, tracing, volumes
 from .controller import BoxController
 from .entry import BoxEntry
 from .launch import Launcher, drives_of, shares_of
@@ -103,29 +103,34 @@ class LiveState:
                 raise
             crash_point("snapshot.before-save")
             vm = self.launcher.vm_of(entry, rec)
-            with snapshots.writing(home, snap_id) as tmp:
-                new_drives = {d["serial"]: Path(d["top"]) for d in drives}
-                pause = await vm.save(tmp, new_disk=top, keep_running=True, new_drives=new_drives)
-            if vm.ref != rec.vm:  # an engine whose save ends the VM process runs it anew (gvisor)
-                moved = await self.db.update(entry.id, vm_pid=vm.ref.pid, vm_start=vm.ref.start)
-                if moved is not None:
-                    entry.update(moved)
-            crash_point("snapshot.after-save")
-            options: dict[str, Any] = {"box": rec.options, "image_ref": rec.image_ref,
-                                       "image_digest": rec.image_digest, "rootfs": rec.rootfs,
-                                       "vm": vm.saved_facts(), **saved_drives(rec)}  # fmt: skip
-            if auto:  # a fork's own: it goes with its last child, or with its owner if no child came
-                options.update(auto=True, owner=list(pids.me()))
-            snap = SnapshotRecord(
-                id=snap_id, kind=kind, layer=str(frozen), name=name, box_id=rec.id, box_name=rec.name,
-                template_key=template_key, created_at=time.time(),
-                size=snapshots.dir_size(snapshots.snapshot_dir(home, snap_id)), options=options,
-            )  # fmt: skip
-            try:
-                await self.db.insert_snapshot(snap)
-            except BaseException:
-                snapshots.remove_files(home, snap_id)
-                raise
+            async with self._saving(rec, snap_id) as saving:
+                with snapshots.writing(home, snap_id) as tmp:
+                    new_drives = {d["serial"]: Path(d["top"]) for d in drives}
+                    pause = await vm.save(
+                        tmp, new_disk=top, keep_running=True, new_drives=new_drives, sink=saving.sink
+                    )
+                    manifest, stored = await saving.finish()
+                if vm.ref != rec.vm:  # an engine whose save ends the VM process runs it anew (gvisor)
+                    moved = await self.db.update(entry.id, vm_pid=vm.ref.pid, vm_start=vm.ref.start)
+                    if moved is not None:
+                        entry.update(moved)
+                crash_point("snapshot.after-save")
+                sizes = snapshots.sizes(home, snap_id, saving.manifest, frozen)
+                options: dict[str, Any] = {"box": rec.options, "image_ref": rec.image_ref,
+                                           "image_digest": rec.image_digest, "rootfs": rec.rootfs,
+                                           "vm": vm.saved_facts(), **saved_drives(rec), **sizes}  # fmt: skip
+                if auto:  # a fork's own: it goes with its last child, or with its owner if no child came
+                    options.update(auto=True, owner=list(pids.me()))
+                snap = SnapshotRecord(
+                    id=snap_id, kind=kind, layer=str(frozen), name=name, box_id=rec.id, box_name=rec.name,
+                    template_key=template_key, created_at=time.time(),
+                    size=options["stored_bytes"], options=options,
+                )  # fmt: skip
+                try:
+                    await self.db.insert_snapshot(snap, manifest=manifest, stored=stored)
+                except BaseException:
+                    snapshots.remove_files(home, snap_id)
+                    raise
         entry.last_pause = pause
         return snap
 
@@ -158,17 +163,19 @@ class LiveState:
                 vm = self.launcher.vm_of(entry, rec)
                 crash_point("suspend.before-save")
                 try:
-                    with snapshots.writing(home, snap_id) as tmp:
-                        pause = await vm.save(tmp, new_disk=None, keep_running=False)
-                    snap = SnapshotRecord(
-                        id=snap_id, kind="suspend", layer=str(rec.disk), box_id=rec.id, box_name=rec.name,
-                        created_at=time.time(),
-                        size=snapshots.dir_size(snapshots.snapshot_dir(home, snap_id)),
-                        options={"box": rec.options, "image_ref": rec.image_ref,
-                                 "image_digest": rec.image_digest, "rootfs": rec.rootfs,
-                                 "vm": vm.saved_facts(), **saved_drives(rec)},
-                    )  # fmt: skip
-                    await self.db.insert_snapshot(snap)
+                    async with self._saving(rec, snap_id) as saving:
+                        with snapshots.writing(home, snap_id) as tmp:
+                            pause = await vm.save(tmp, new_disk=None, keep_running=False, sink=saving.sink)
+                            manifest, stored = await saving.finish()
+                        sizes = snapshots.sizes(home, snap_id, saving.manifest, None)
+                        snap = SnapshotRecord(
+                            id=snap_id, kind="suspend", layer=str(rec.disk), box_id=rec.id, box_name=rec.name,
+                            created_at=time.time(), size=sizes["stored_bytes"],
+                            options={"box": rec.options, "image_ref": rec.image_ref,
+                                     "image_digest": rec.image_digest, "rootfs": rec.rootfs,
+                                     "vm": vm.saved_facts(), **saved_drives(rec), **sizes},
+                        )  # fmt: skip
+                        await self.db.insert_snapshot(snap, manifest=manifest, stored=stored)
                     await self.db.update(entry.id, suspended=snap_id)  # from here on, recovery finishes it
                 except BaseException:
                     if step.source == BoxState.RUNNING:
@@ -213,6 +220,12 @@ class LiveState:
             if self.launcher.frozen_for_saves(entry):  # saved so (BoxController.still): its shares go up too
                 await session.conn.thaw()
 
+    def _saving(self, rec: BoxRecord, snap_id: str) -> chunks.Saving:
+        """A save of ``rec``'s VM as chunks, where its engine writes them."""
+        engine = self.rt.engine(rec.engine)
+        enabled = engine.chunked_state and chunks.enabled()
+        return chunks.Saving(self.rt.home, engine.name, snap_id, enabled=enabled)
+
     def require_live_state(self, entry: BoxEntry) -> None:
         """Refuse, saying why, on an engine that cannot save a running state."""
         engine = self.rt.engine(entry.record.engine)
@@ -224,8 +237,7 @@ class LiveState:
             )  # fmt: skip
 
     async def drop_saved_state(self, snap_id: str) -> None:
-        await self.db.delete_snapshot(snap_id)
-        await asyncio.to_thread(snapshots.remove_files, self.rt.home, snap_id)
+        await asyncio.to_thread(snapshots.drop, self.rt.home, self.rt.store, snap_id)
 
     async def rollback(self, entry: BoxEntry, snap: SnapshotRecord) -> None:
         """Take the box back to one of its snapshots: memory, processes and disk. Same
@@ -364,17 +376,23 @@ class LiveState:
     async def share(self, snap: SnapshotRecord) -> None:
         """Give a saved state the copy-on-write form forks, templates and exports use."""
         rt = self.rt
-        state = SavedState(snapshots.snapshot_dir(rt.home, snap.id), snap.facts)
+        directory = snapshots.snapshot_dir(rt.home, snap.id)
         engine = rt.engine(snap.facts.get("engine", "qemu"))
-        if engine.memory_shared(state.directory):
+        if engine.memory_shared(directory):
             return
         drives = [
             {"top": layer, "serial": volumes.serial(i)}
             for i, layer in enumerate(snap.options.get("drives") or [])
         ]
         saved = BoxSpec.from_options(snap.options.get("box", {}))
-        await engine.share_memory(state, Path(snap.layer), drives_of(drives), shares_of(saved))
-        await self.db.update_snapshot(snap.id, size=snapshots.dir_size(state.directory))
+        async with chunks.reading(rt.home, rt.store, snap.id) as source:
+            state = SavedState(directory, snap.facts, source)
+            await engine.share_memory(state, Path(snap.layer), drives_of(drives), shares_of(saved))
+        # the form forks map is the snapshot's too: its files count in what it takes
+        shared = snapshots.dir_size(directory)
+        options = {**snap.options, "shared_bytes": shared}
+        await self.db.update_snapshot(snap.id, size=int(snap.options.get("stored_bytes", 0)) + shared,
+                                      options=options)  # fmt: skip
 
     # -- templates -------------------------------------------------------------------------
 
@@ -485,8 +503,7 @@ class LiveState:
             raise SnapshotInUse(
                 f"snapshot {snap.name or snap.id} has {len(kids)} box(es) started from it: {names}"
             )
-        await self.db.delete_snapshot(snap.id)
-        await asyncio.to_thread(snapshots.remove_files, self.rt.home, snap.id)
+        await asyncio.to_thread(snapshots.drop, self.rt.home, self.rt.store, snap.id)
         # its layers and what only they reached go now (what a box or a volume reaches stays)
         await asyncio.to_thread(self._gc, layers.chains(layers.snapshot_layers(snap)))
 
@@ -508,10 +525,10 @@ class LiveState:
                     or store.children(s.id)
                 )
                 if not keep:
-                    store.delete_snapshot(s.id)
-                    snapshots.remove_files(rt.home, s.id)
+                    snapshots.drop(rt.home, store, s.id, collect=False)
                     gone.append(s)
             layers.gc(rt.home, store)
+            chunks.ChunkStore(rt.home).collect(store)
             return gone
 
         return await asyncio.to_thread(prune)

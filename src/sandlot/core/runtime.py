@@ -176,13 +176,11 @@ class Runtime:
         # written in the room the store keeps, should the filesystem have none)
         store.in_room("delete", rec.id, event=event)
         if rec.suspended:
-            store.delete_snapshot(rec.suspended)
-            snapshots.remove_files(self.home, rec.suspended)
+            snapshots.drop(self.home, store, rec.suspended)
         if rec.origin:  # a fork's own snapshot goes with the last of its children
             origin = store.find_snapshot(rec.origin)
             if origin is not None and origin.options.get("auto") and not store.children(origin.id):
-                store.delete_snapshot(origin.id)
-                snapshots.remove_files(self.home, origin.id)
+                snapshots.drop(self.home, store, origin.id)
         # its whole chain: the layers under its top that only it used go too (one a failed
         # snapshot froze under it, say), while those another box or a snapshot reaches stay
         # (a volume's head it handed on is kept: the volume names it)

@@ -19,7 +19,8 @@ from pathlib import Path
 
 from .. import pids
 from ..config import fsync_dir
-from . import layers
+from . import chunks, layers
+from .manifest import Manifest
 from .store import BoxStore
 
 ORPHAN_AGE = layers.ORPHAN_AGE
@@ -54,6 +55,31 @@ def remove_files(home: Path, snap_id: str) -> None:
     shutil.rmtree(snapshot_dir(home, snap_id), ignore_errors=True)
 
 
+def drop(home: Path, store: BoxStore, snap_id: str, *, collect: bool = True) -> None:
+    """Delete a saved state: its row (and its chunks' counts), then its files; then
+    (``collect``) the chunks no state lists any more."""
+    store.delete_snapshot(snap_id)
+    remove_files(home, snap_id)
+    if collect:
+        chunks.ChunkStore(home).collect(store)
+
+
+def sizes(home: Path, snap_id: str, manifest: Manifest | None, frozen: Path | None) -> dict[str, int]:
+    """What a state just saved added to the home (``stored_bytes``: the chunks it did not
+    find there, its manifest, the files of its directory and the disk layer it froze)
+    and what it holds (``logical_bytes``: its memory that is not zeros, its devices' state
+    and the data of that layer)."""
+    files = dir_size(snapshot_dir(home, snap_id))
+    disk = 0
+    if frozen is not None:
+        with contextlib.suppress(OSError):
+            disk = frozen.stat().st_blocks * 512
+    if manifest is None:
+        return {"stored_bytes": files + disk, "logical_bytes": files + disk, "disk_bytes": disk}
+    state = manifest.added + len(manifest.encode()) + files
+    return {"stored_bytes": state + disk, "logical_bytes": manifest.logical + disk, "disk_bytes": disk}
+
+
 def dir_size(path: Path) -> int:
     total = 0
     with contextlib.suppress(OSError):
@@ -68,9 +94,9 @@ def drop_automatic_templates(home: Path, store: BoxStore, image_digests: set[str
     for snap in store.snapshots(kind="template"):
         automatic = snap.name is None and snap.options.get("image_digest") in image_digests
         if automatic and not store.children(snap.id):
-            store.delete_snapshot(snap.id)
-            remove_files(home, snap.id)
+            drop(home, store, snap.id, collect=False)
     layers.gc(home, store)
+    chunks.ChunkStore(home).collect(store)
 
 
 def reclaim_abandoned(home: Path, store: BoxStore) -> None:
@@ -82,8 +108,7 @@ def reclaim_abandoned(home: Path, store: BoxStore) -> None:
             continue
         if pids.alive(owner[0], owner[1]) or store.children(s.id):
             continue
-        store.delete_snapshot(s.id)
-        remove_files(home, s.id)
+        drop(home, store, s.id)
 
 
 def sweep(home: Path, store: BoxStore) -> None:
@@ -97,8 +122,7 @@ def sweep(home: Path, store: BoxStore) -> None:
     pending = {b.op.get("snapshot") for b in boxes if b.op}
     for s in list(snaps.values()):
         if s.kind == "suspend" and s.id not in suspended and now - s.created_at > ORPHAN_AGE:
-            store.delete_snapshot(s.id)
-            remove_files(home, s.id)
+            drop(home, store, s.id, collect=False)
             del snaps[s.id]
     root = home / "snapshots"
     if root.is_dir():
@@ -113,3 +137,4 @@ def sweep(home: Path, store: BoxStore) -> None:
                     continue
                 shutil.rmtree(d, ignore_errors=True)
     layers.gc(home, store, min_age=ORPHAN_AGE)
+    chunks.ChunkStore(home).collect(store, orphans=True)

@@ -49,8 +49,9 @@ from ..errors import (
 from ..net.policy import BOX_NAME
 from . import events as box_events
 from .events import Draft, Event
+from .manifest import digests_of as manifest_digests
 
-SCHEMA_VERSION = 10
+SCHEMA_VERSION = 11
 # Room the store keeps for itself (BoxStore.hold_room): a file of its own, given up when
 # a write finds the filesystem full so that the write is tried again and the rows saying
 # how an operation ended are written; made again once the filesystem has room.
@@ -290,6 +291,20 @@ MIGRATIONS: list[str | Callable[[sqlite3.Connection], None]] = [
     """,
     # 9 -> 10: shared volumes, a directory (``layer``) that boxes share live; no size
     "ALTER TABLE volumes ADD COLUMN kind TEXT NOT NULL DEFAULT 'disk'",
+    # 10 -> 11: saved states as content-addressed chunks (``core.chunks``): the manifest of
+    # each state saved so (its snapshot's id), and how many states list each chunk
+    """
+    CREATE TABLE states (
+        id TEXT PRIMARY KEY,
+        manifest BLOB NOT NULL
+    );
+    CREATE TABLE chunks (
+        digest BLOB PRIMARY KEY,
+        refs INTEGER NOT NULL,
+        stored INTEGER NOT NULL
+    ) WITHOUT ROWID;
+    CREATE INDEX chunks_dead ON chunks(refs) WHERE refs <= 0;
+    """,
 ]
 
 SNAPSHOT_KINDS = ("snapshot", "template", "suspend")
@@ -974,7 +989,12 @@ class BoxStore:
 
     # -- snapshots ------------------------------------------------------------------------
 
-    def insert_snapshot(self, rec: SnapshotRecord) -> SnapshotRecord:
+    def insert_snapshot(
+        self, rec: SnapshotRecord, *, manifest: bytes | None = None, stored: dict[bytes, int] | None = None
+    ) -> SnapshotRecord:
+        """Add a snapshot's row; with ``manifest`` (a state saved as chunks), its manifest
+        too, and one more state counted for each chunk it lists (``stored``: the size
+        of each in the chunk store), all in one transaction."""
         d = rec.to_json()
         d["options"] = json.dumps(d["options"])
         cols = ", ".join(d)
@@ -989,6 +1009,14 @@ class BoxStore:
                     owner = f"box {rec.box_name}" if rec.box_id else "this home"
                     raise InvalidArgument(f"{owner} already has a {rec.kind} named {rec.name!r}")
             db.execute(f"INSERT INTO snapshots ({cols}) VALUES ({marks})", d)
+            if manifest is not None:
+                db.execute("INSERT INTO states (id, manifest) VALUES (?, ?)", (rec.id, manifest))
+                sizes = stored or {}
+                db.executemany(
+                    "INSERT INTO chunks (digest, refs, stored) VALUES (?, 1, ?) "
+                    "ON CONFLICT(digest) DO UPDATE SET refs = refs + 1",
+                    [(dg, sizes.get(dg, 0)) for dg in set(manifest_digests(manifest))],
+                )
         return rec
 
     def snapshots(
@@ -1044,8 +1072,53 @@ class BoxStore:
             db.execute(f"UPDATE snapshots SET {sets} WHERE id = :_id", {**changes, "_id": snap_id})
 
     def delete_snapshot(self, snap_id: str) -> None:
+        """Delete a snapshot's row and, for a state saved as chunks, its manifest, with one
+        state fewer counted for each chunk it listed (``chunks.ChunkStore.collect`` then
+        deletes those no state lists)."""
         with self._tx() as db:
             db.execute("DELETE FROM snapshots WHERE id = ?", (snap_id,))
+            row = db.execute("DELETE FROM states WHERE id = ? RETURNING manifest", (snap_id,)).fetchone()
+            if row is not None:
+                db.executemany(
+                    "UPDATE chunks SET refs = refs - 1 WHERE digest = ?",
+                    [(dg,) for dg in set(manifest_digests(row[0]))],
+                )
+
+    def state_manifest(self, snap_id: str) -> bytes | None:
+        with self._reading():
+            row = self._db.execute("SELECT manifest FROM states WHERE id = ?", (snap_id,)).fetchone()
+        return bytes(row[0]) if row else None
+
+    def forget_chunks(self) -> builtins.list[bytes]:
+        """Delete the rows of the chunks no state lists; their digests (the caller, who
+        holds the chunk store exclusively, deletes their files)."""
+        with self._reading():  # most calls find none: no write transaction (and its fsync) then
+            if self._db.execute("SELECT 1 FROM chunks WHERE refs <= 0 LIMIT 1").fetchone() is None:
+                return []
+        with self._tx() as db:
+            rows = db.execute("DELETE FROM chunks WHERE refs <= 0 RETURNING digest").fetchall()
+        return [bytes(r[0]) for r in rows]
+
+    def chunk_digests(self) -> builtins.set[bytes]:
+        with self._reading():
+            return {bytes(r[0]) for r in self._db.execute("SELECT digest FROM chunks")}
+
+    def chunk_totals(self) -> dict[str, int]:
+        """The chunk store's figures: chunks kept and the bytes they take, the bytes the
+        states they make up would take without sharing (each state's listed chunks
+        counted once per state), and those of chunks no state lists any more."""
+        with self._reading():
+            live = self._db.execute(
+                "SELECT COUNT(*), COALESCE(SUM(stored), 0), COALESCE(SUM(stored * refs), 0) "
+                "FROM chunks WHERE refs > 0"
+            ).fetchone()
+            dead = self._db.execute(
+                "SELECT COUNT(*), COALESCE(SUM(stored), 0) FROM chunks WHERE refs <= 0"
+            ).fetchone()
+            states = self._db.execute("SELECT COUNT(*) FROM states").fetchone()[0]
+        return {"states": int(states), "chunks": int(live[0]), "stored_bytes": int(live[1]),
+                "unshared_bytes": int(live[2]), "garbage_chunks": int(dead[0]),
+                "garbage_bytes": int(dead[1])}  # fmt: skip
 
     # -- API keys and the audit trail (rows as dicts; ``core.access`` gives them types) ---
 
@@ -1358,8 +1431,10 @@ class AsyncStore:
         found: builtins.list[BoxRecord] = await self.call("children", snap_id)
         return found
 
-    async def insert_snapshot(self, rec: SnapshotRecord) -> SnapshotRecord:
-        done: SnapshotRecord = await self.call("insert_snapshot", rec)
+    async def insert_snapshot(
+        self, rec: SnapshotRecord, *, manifest: bytes | None = None, stored: dict[bytes, int] | None = None
+    ) -> SnapshotRecord:
+        done: SnapshotRecord = await self.call("insert_snapshot", rec, manifest=manifest, stored=stored)
         return done
 
     async def snapshots(self, **kw: Any) -> builtins.list[SnapshotRecord]:
@@ -1379,6 +1454,10 @@ class AsyncStore:
 
     async def delete_snapshot(self, snap_id: str) -> None:
         await self.call("delete_snapshot", snap_id)
+
+    async def state_manifest(self, snap_id: str) -> bytes | None:
+        data: bytes | None = await self.call("state_manifest", snap_id)
+        return data
 
     async def add_event(
         self, event: Draft, box_id: str | None = None, labels: dict[str, str] | None = None

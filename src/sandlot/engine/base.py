@@ -24,7 +24,7 @@ import enum
 import os
 import signal
 from abc import ABC, abstractmethod
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
@@ -171,12 +171,59 @@ class Placement:
     agent_ports: int
 
 
+class ImageSink(ABC):
+    """One memory image of a state being saved (a RAM block), written page by page, in
+    any order, each page once; a page never written is a page never sent (an error)."""
+
+    @abstractmethod
+    def pages(self, offset: int, data: bytes | memoryview) -> None:
+        """``data`` (whole pages) at ``offset``."""
+
+    @abstractmethod
+    def zeros(self, offset: int, length: int) -> None:
+        """``length`` bytes of zero pages at ``offset``."""
+
+
+class StateSink(ABC):
+    """Where an engine that can (``Engine.chunked_state``) writes a state it saves, for
+    the core to keep as content-addressed chunks: memory images by page, and the rest as
+    named byte streams. Blocking: an engine calls it from a thread of its own."""
+
+    @abstractmethod
+    def image(self, name: str, size: int) -> ImageSink:
+        """A memory image of ``size`` bytes (a multiple of the page size)."""
+
+    @abstractmethod
+    def stream(self, name: str, data: bytes) -> None:
+        """The whole of one named byte stream."""
+
+
+class StateSource(ABC):
+    """A state saved through a ``StateSink``, read back. Every piece is checked against
+    its hash as it is read: a damaged one raises ``CorruptSnapshot`` naming it."""
+
+    @abstractmethod
+    def images(self) -> dict[str, int]:
+        """Each memory image's name and size, in the order they were declared."""
+
+    @abstractmethod
+    def extents(self, name: str) -> Iterator[tuple[int, bytes]]:
+        """The non-zero parts of an image as (offset, bytes), in ascending order: what
+        is not yielded is zeros."""
+
+    @abstractmethod
+    def stream(self, name: str) -> bytes: ...
+
+
 @dataclass(frozen=True, slots=True)
 class SavedState:
-    """A saved running state to start from: its directory and the facts it was saved with."""
+    """A saved running state to start from: its directory, the facts it was saved with,
+    and (a state saved through a ``StateSink``) where its chunks are read from; the
+    directory then holds only what the engine derived from them (the form forks map)."""
 
     directory: Path
     facts: dict[str, Any]
+    source: StateSource | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -254,8 +301,11 @@ class VM(ABC):
         new_disk: Path | None,
         keep_running: bool,
         new_drives: Mapping[str, Path] | None = None,
+        sink: StateSink | None = None,
     ) -> float:
-        """Save memory and devices into ``directory`` (which exists and is empty).
+        """Save memory and devices into ``sink`` where one is given and the engine
+        writes chunks (``Engine.chunked_state``), else into ``directory`` (which exists
+        and is empty).
         ``new_disk``: the VM goes on writing to this new top layer (it starts empty
         over the current one), switched while the VM is stopped; ``new_drives``: the
         same for its drives, by serial (every disk is switched at once, or none is). ``keep_running``:
@@ -317,6 +367,9 @@ class Engine(ABC):
     # by its tag, and a save needs them unmounted (QEMU's 9p: ``BoxController.still``)
     mounts_shares: ClassVar[bool] = False
     mounts_drives: ClassVar[bool] = False  # the sandbox mounts named volumes, not the agent
+    # its saves go to a ``StateSink`` (memory by page, kept as content-addressed chunks);
+    # else they are files in the state's directory
+    chunked_state: ClassVar[bool] = False
 
     def refuse(self, request: BootRequest) -> None:
         """Raise ``InvalidArgument`` for what this engine cannot run, at all or on this
@@ -447,10 +500,13 @@ __all__ = [
     "BootRequest",
     "Connector",
     "Engine",
+    "ImageSink",
     "LaunchSpec",
     "NetSpec",
     "Placement",
     "SavedState",
+    "StateSink",
+    "StateSource",
     "VMRef",
     "VMStatus",
     "Volume",

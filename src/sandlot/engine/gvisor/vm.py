@@ -33,7 +33,7 @@ from ...crashpoints import crash_point
 from ...errors import BootError, HostSetupError, SavedStateError, no_space
 from ...net.addresses import GUEST_ADDRESS
 from .. import hostcgroup
-from ..base import VM, Connector, Drive, VMRef, VMStatus, Volume
+from ..base import VM, Connector, Drive, StateSink, VMRef, VMStatus, Volume
 from . import drives, limits, network, runsc
 from .mountinfo import is_mounted, unmount
 
@@ -558,6 +558,7 @@ class GvisorVM(VM):
         new_disk: Path | None,
         keep_running: bool,
         new_drives: Mapping[str, Path] | None = None,
+        sink: StateSink | None = None,
     ) -> float:
         """Checkpoint the sandbox into ``directory`` (which ends it) and, to keep it running,
         restore it at once over ``new_disk``. No host file may be open in the sandbox

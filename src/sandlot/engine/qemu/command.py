@@ -13,7 +13,7 @@ from pathlib import Path
 from ...errors import HostSetupError
 from ...net.addresses import FALLBACK_ADDRESS, PROXY_ADDRESS
 from ...net.mux import PORT_NAME as MUX_PORT_NAME
-from ..base import Drive, NetSpec, Volume
+from ..base import Drive, NetSpec, StateSource, Volume
 
 QEMU_BINARY = "qemu-system-x86_64"
 MACHINE = "microvm"
@@ -165,6 +165,8 @@ class VMConfig:
     # Or load this saved state, read from a descriptor QEMU inherits, when
     # ``QemuVM.run_restored`` says so: every restore's path.
     restore_from: Path | None = None
+    # or this saved state's chunks, written to QEMU as a migration stream through a pipe
+    restore_source: StateSource | None = None
     restore_ignore_shared: bool = False  # the state holds no RAM: it is in ``ram_file``
     # The device set (``DEVICE_SETS``). Devices are part of a saved state: a VM loading
     # one has the devices of the VM that saved it.
@@ -199,7 +201,7 @@ class VMConfig:
     @property
     def boots(self) -> bool:
         """Whether this VM boots a kernel (else it loads a saved state)."""
-        return not (self.incoming or self.restore_from)
+        return not (self.incoming or self.restore_from or self.restore_source)
 
     @property
     def kernel_copy(self) -> Path:
@@ -383,7 +385,7 @@ def build_command(cfg: VMConfig, binary: str) -> list[str]:
             ",readonly=on" if vol.readonly else ""
         )
         cmd += ["-fsdev", opts, "-device", f"virtio-9p-device,fsdev={vol.tag},mount_tag={vol.tag}"]
-    if cfg.incoming or cfg.restore_from is not None:
+    if cfg.incoming or cfg.restore_from is not None or cfg.restore_source is not None:
         # -S: the guest runs only once the host says ``cont``
         cmd += ["-S", "-incoming", "defer"]
     return cmd

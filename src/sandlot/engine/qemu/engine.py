@@ -18,6 +18,7 @@ import contextlib
 import os
 import shutil
 import tempfile
+import time
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -68,6 +69,7 @@ MATERIALIZE_WAIT = 600.0  # seconds to wait for another process making the same 
 class QemuEngine(Engine):
     name = "qemu"
     host_processes = True
+    chunked_state = True  # its saves are migration streams, taken apart into chunks (``stream``)
 
     def __init__(self, home: Path) -> None:
         self.home = home
@@ -155,7 +157,9 @@ class QemuEngine(Engine):
             if self.memory_shared(d):
                 cfg.ram_file, cfg.ram_shared = d / "memory", False
                 cfg.restore_from, cfg.restore_ignore_shared = d / "devices", True
-            elif (d / "state").is_file():
+            elif spec.saved.source is not None:
+                cfg.restore_source = spec.saved.source
+            elif (d / "state").is_file():  # saved by a sandlot before chunks
                 cfg.restore_from, cfg.restore_ignore_shared = d / "state", False
             else:
                 raise SavedStateError(f"the saved state in {d} has no files (removed meanwhile?)")
@@ -196,7 +200,22 @@ class QemuEngine(Engine):
     def abort_save(self, ref: VMRef, where: Placement, *, resume: bool) -> None:
         sock, lock = where.run_dir / "qmp.sock", where.state_dir / "qmp.lock"
         with contextlib.suppress(Exception):
-            qmp_sync(sock, lock, [("migrate_cancel", None)])
+            # A background snapshot is let finish, never cancelled: QEMU 7.2 leaves the
+            # guest's memory write-protected after one that did not complete, and the guest
+            # hangs at its next write. It writes a file, so it ends by itself.
+            deadline = time.monotonic() + BACKGROUND_SAVE_WAIT
+            while True:
+                info, caps = qmp_sync(
+                    sock, lock, [("query-migrate", None), ("query-migrate-capabilities", None)]
+                )
+                background = any(
+                    c.get("capability") == "background-snapshot" and c.get("state") for c in caps
+                )
+                if not background or info.get("status") not in MIGRATING or time.monotonic() > deadline:
+                    break
+                time.sleep(0.05)
+            if not background:
+                qmp_sync(sock, lock, [("migrate_cancel", None)])
         if resume:
             with contextlib.suppress(Exception):
                 qmp_sync(sock, lock, [("cont", None)])
@@ -245,7 +264,10 @@ class QemuEngine(Engine):
                     raise no_space(d, f"the saved state {d.name} cannot be prepared for forks and exports "
                                       f"(its {facts['memory_mib']} MiB memory file)")  # fmt: skip
                 await vm.start()
-                await vm.load_state(d / "state")
+                if state.source is not None:
+                    await vm.load_source(state.source)
+                else:
+                    await vm.load_state(d / "state")
                 await vm.save_state(d / ".devices.tmp", ignore_shared=True)
             except NoSpace:
                 with contextlib.suppress(FileNotFoundError):
@@ -359,6 +381,10 @@ TCG_ADVICE = (
     "with aslr=False (sandlot run --no-aslr), which gives up the randomization of "
     "their processes' addresses"
 )
+
+
+BACKGROUND_SAVE_WAIT = 120.0  # seconds recovery lets a background snapshot run to its end
+MIGRATING = ("setup", "active", "pre-switchover", "device", "wait-unplug", "postcopy-active")
 
 
 def kvm_lacking(support: accel_mod.NestedSupport, kernel: Kernel) -> list[str]:

@@ -11,19 +11,23 @@ import asyncio
 import contextlib
 import ctypes
 import errno
+import fcntl
 import json
 import os
 import signal
 import subprocess
+import threading
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
 from ... import pids
 from ...config import flock_within, tail, try_flock
-from ...errors import BootError, InvalidState, NoSpace, SavedStateError, no_space
+from ...errors import BootError, CorruptSnapshot, InvalidState, NoSpace, SavedStateError, no_space
 from .. import hostcgroup
-from ..base import VM, Connector, VMRef, VMStatus
+from ..base import VM, Connector, StateSink, StateSource, VMRef, VMStatus
+from . import stream
 from .command import (
     MACHINE,
     TCG_CODE_CACHE_MIB,
@@ -88,12 +92,13 @@ def parse_host_forwards(usernet: str) -> list[tuple[str, int, int]]:
     return out
 
 
-async def set_migration(q: QMPClient, ignore_shared: bool) -> None:
+async def set_migration(q: QMPClient, ignore_shared: bool, background: bool = False) -> None:
     # events: QEMU says when a migration ends, so nobody polls for it (a poll's backoff
     # overshot the end of a 100 ms load by tens of milliseconds)
     caps = [
         {"capability": "x-ignore-shared", "state": ignore_shared},
         {"capability": "events", "state": True},
+        {"capability": "background-snapshot", "state": background},
     ]
     await q.execute("migrate-set-capabilities", {"capabilities": caps})
     # the default bandwidth cap (128 MiB/s) is for networks, not a local file
@@ -128,6 +133,100 @@ async def once_finalized(action: Callable[[], Awaitable[Any]], within: float) ->
         wait = min(wait * 2, 1.0)
 
 
+SPILL_SLACK = 64 << 20  # room beyond the VM's RAM that a spilled stream may need (devices), and some left
+PIPE_SIZE = 1 << 20  # a saved state's pipe: fewer wake-ups of QEMU and of the thread at its other end
+F_SETPIPE_SZ = 1031
+
+# Whether this host's QEMU and kernel write a running VM's memory out while it goes on
+# (migration's background-snapshot: userfaultfd write protection copies each page the
+# guest is about to write first). None: not tried yet in this process; False where QEMU
+# refused it (a kernel without uffd-wp, or no permission for userfaultfd), and a
+# snapshot then stops the guest for the whole save, as before.
+background_snapshots: bool | None = None
+
+
+def _free_bytes(path: Path) -> int:
+    st = os.statvfs(path)
+    return st.f_bavail * st.f_frsize
+
+
+def _pipe() -> tuple[int, int]:
+    r, w = os.pipe2(os.O_CLOEXEC)
+    with contextlib.suppress(OSError):
+        fcntl.fcntl(w, F_SETPIPE_SZ, PIPE_SIZE)
+    return r, w
+
+
+class _Feeder:
+    """A saved state's chunks written as a migration stream into a pipe QEMU loads
+    from, by a thread of its own. QEMU inherits ``read_fd``."""
+
+    def __init__(self, source: StateSource) -> None:
+        self.read_fd, self._w = _pipe()
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, args=(source,), daemon=True, name="sandlot-restore")
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def _run(self, source: StateSource) -> None:
+        try:
+            stream.join(source, stream.write_all(self._w))
+        except BrokenPipeError:
+            pass  # QEMU stopped reading: its own error says why
+        except BaseException as exc:
+            self.error = exc
+        finally:
+            os.close(self._w)
+
+    async def done(self, timeout: float) -> None:
+        """Wait for the whole stream to be written; its error, if it had one."""
+        await asyncio.to_thread(self._thread.join, timeout)
+        if self._thread.is_alive():
+            raise SavedStateError(f"the saved state was not written to QEMU within {timeout:.0f}s")
+        if self.error is not None:
+            raise self.error
+
+
+def _split(fd: int, sink: StateSink) -> None:
+    """Read QEMU's migration stream from ``fd`` into ``sink``; the pipe is closed at the
+    end, or at an error (QEMU's write then fails, and its save with it)."""
+    try:
+        stream.split(lambda n: os.read(fd, n), sink)
+    finally:
+        os.close(fd)
+
+
+class _Follower:
+    """Reads a file QEMU is still writing, as ``tail -f`` does, until the migration
+    that writes it has ended (``ended``: set by the event loop's side; ``failed`` with it
+    when the migration did not complete)."""
+
+    POLL = 0.002
+
+    def __init__(self, path: Path) -> None:
+        self.fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        self.ended = threading.Event()
+        self.failed = False
+
+    def read(self, n: int) -> bytes:
+        while True:
+            data = os.read(self.fd, n)
+            if data:
+                return data
+            if self.ended.is_set():
+                data = os.read(self.fd, n)  # what came between the last read and the end
+                if data:
+                    return data
+                if self.failed:
+                    raise SavedStateError("the save ended before QEMU had written the whole state")
+                return b""
+            self.ended.wait(self.POLL)
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+
 class QemuVM(VM):
     """One QEMU process: started here, or found again by pid from another process.
 
@@ -143,6 +242,7 @@ class QemuVM(VM):
         self._exited: asyncio.Future[int | None] | None = None
         self._pidfd: int | None = None
         self._state_fd: int | None = None  # its number in QEMU, which inherits it
+        self._feeder: _Feeder | None = None  # writes a state of chunks to QEMU (``restore_source``)
         self.host_cgroup: hostcgroup.Placement | None = None  # where the host bounds it
 
     @property
@@ -166,6 +266,10 @@ class QemuVM(VM):
         with contextlib.ExitStack() as files:
             if cfg.restore_from is not None:
                 self._state_fd = files.enter_context(open(cfg.restore_from, "rb")).fileno()
+            elif cfg.restore_source is not None:
+                self._feeder = _Feeder(cfg.restore_source)
+                self._state_fd = self._feeder.read_fd
+                files.callback(os.close, self._feeder.read_fd)
             err = files.enter_context(open(cfg.stderr_log, "wb"))
             self._popen = subprocess.Popen(
                 self.command,
@@ -177,6 +281,8 @@ class QemuVM(VM):
                 pass_fds=() if self._state_fd is None else (self._state_fd,),
                 preexec_fn=_preexec(cfg),
             )
+        if self._feeder is not None:
+            self._feeder.start()  # it waits on the pipe until the load begins
         pid = self._popen.pid
         self.ref = VMRef(pid, pids.start_time(pid) or "")
         # Right after the spawn, while QEMU still sets itself up: guest RAM and the code
@@ -466,8 +572,9 @@ class QemuVM(VM):
     # -- saved state ----------------------------------------------------------------------
 
     async def _migrate(
-        self, q: QMPClient, command: str, uri: str, ignore_shared: bool, timeout: float
-    ) -> None:
+        self, q: QMPClient, command: str, uri: str, ignore_shared: bool, timeout: float,
+        background: bool = False,
+    ) -> None:  # fmt: skip
         """Run one migration (``migrate`` out, ``migrate-incoming`` in) on session ``q``
         until it completes."""
 
@@ -476,7 +583,7 @@ class QemuVM(VM):
             async def start() -> None:
                 from qemu.qmp import ExecuteError
 
-                await set_migration(q, ignore_shared)
+                await set_migration(q, ignore_shared, background)
                 try:
                     await q.execute(command, {"uri": uri})
                 except ExecuteError as exc:
@@ -532,6 +639,57 @@ class QemuVM(VM):
         with open(path, "rb") as f:
             await self._migrate_file(f, "migrate-incoming", ignore_shared, timeout, None)
 
+    async def load_source(self, source: StateSource, *, timeout: float = 120.0) -> None:
+        """Load a state of chunks into a VM started with ``incoming``; it stays stopped."""
+        feeder = _Feeder(source)
+        try:
+            async with self.qmp_session() as q:
+                q.send_fd_scm(feeder.read_fd)
+                await q.execute("getfd", {"fdname": "sandlot-state"})
+                os.close(feeder.read_fd)  # QEMU holds its own now
+                feeder.read_fd = -1
+                feeder.start()
+                try:
+                    await self._migrate(q, "migrate-incoming", "fd:sandlot-state", False, timeout)
+                except SavedStateError:
+                    await feeder.done(5.0)  # the stream's own error says more than QEMU's
+                    raise
+            await feeder.done(timeout)
+        finally:
+            if feeder.read_fd >= 0:
+                os.close(feeder.read_fd)
+
+    async def _save_to(self, q: QMPClient, sink: StateSink, timeout: float, spill: Path | None) -> None:
+        """Run one save of the whole VM into ``sink`` on session ``q``: QEMU writes its
+        stream into a pipe, which a thread takes apart as it comes (``stream.split``); or
+        (``spill``: a background snapshot) into that file, followed as it grows."""
+        if spill is not None:
+            await self._save_spilled(q, sink, timeout, spill)
+            return
+        r, w = _pipe()
+        split = asyncio.ensure_future(asyncio.to_thread(_split, r, sink))
+        try:
+            try:
+                q.send_fd_scm(w)
+                await q.execute("getfd", {"fdname": "sandlot-state"})
+            finally:
+                os.close(w)  # QEMU's copy is the writer now: its end is the stream's end
+            try:
+                await self._migrate(q, "migrate", "fd:sandlot-state", False, timeout)
+            except BaseException:
+                # a stream that could not be taken apart (or kept: a full disk) ended the
+                # save: its error says why, where QEMU says only that its pipe broke
+                if split.done() and split.exception() is not None:
+                    await split
+                raise
+            await asyncio.wait_for(asyncio.shield(split), timeout)
+        finally:
+            if not split.done():
+                with contextlib.suppress(BaseException):
+                    await q.execute("migrate_cancel")
+                with contextlib.suppress(BaseException):
+                    await asyncio.wait_for(asyncio.shield(split), 10.0)
+
     async def save(
         self,
         directory: Path,
@@ -539,7 +697,13 @@ class QemuVM(VM):
         new_disk: Path | None,
         keep_running: bool,
         new_drives: Mapping[str, Path] | None = None,
+        sink: StateSink | None = None,
     ) -> float:
+        """A snapshot of a running VM into ``sink`` stops the guest only while its
+        devices are saved and its disks switched: its memory is written while it runs
+        (background-snapshot), each page as it was at the stop. Otherwise (a suspend,
+        a paused VM, a host that cannot) the guest stays stopped for the whole save."""
+        global background_snapshots
         # One QMP session for the whole save: every connection made while the VM is
         # stopped lengthens the pause, and no other process's command may come between.
         loop = asyncio.get_running_loop()
@@ -550,25 +714,87 @@ class QemuVM(VM):
 
             status = await run("query-status")
             was_running = isinstance(status, dict) and status.get("status") == "running"
-            t0 = loop.time()
-            if was_running:
-                await run("stop")
+            # a background snapshot writes the whole stream to a file first: only where it fits
+            room = _free_bytes(directory) > (self.cfg.memory_mib << 20) + SPILL_SLACK
+            background = bool(sink) and keep_running and was_running and room
+            background = background and background_snapshots is not False
+            if background and background_snapshots is None:
+                background_snapshots = await self._background_supported(q)
+                background = background_snapshots
+            with q.listener("RESUME") as resumes:
+                t0, stopped = loop.time(), time.time()
+                if was_running:
+                    await run("stop")
+                try:
+                    if new_disk is not None:
+                        # one transaction: every disk switches to its new top, or none does
+                        switches = [("root", new_disk), *(new_drives or {}).items()]
+                        actions = [
+                            {"type": "blockdev-snapshot-sync",
+                             "data": {"device": device, "snapshot-file": str(top), "format": "qcow2",
+                                      "mode": "existing"}}
+                            for device, top in switches
+                        ]  # fmt: skip
+                        await run("transaction", {"actions": actions})
+                    if sink is not None:
+                        await self._save_to(q, sink, 120.0, directory / ".stream" if background else None)
+                    else:
+                        await self.save_state(directory / "state", session=q)
+                finally:
+                    if keep_running and was_running:
+                        reply = await run("query-status")
+                        if not (isinstance(reply, dict) and reply.get("status") == "running"):
+                            await once_finalized(lambda: run("cont"), FINALIZE_LIMIT)
+                pause = loop.time() - t0
+                if background:
+                    # QEMU let the guest run on once its devices were saved: the pause
+                    # ended then, as its RESUME event's time says, not when the memory was written
+                    with contextlib.suppress(LookupError, TypeError):
+                        stamp: Any = resumes.history[0]["timestamp"]
+                        pause = max(0.0, min(pause, stamp["seconds"] + stamp["microseconds"] / 1e6 - stopped))
+            return pause
+
+    async def _background_supported(self, q: QMPClient) -> bool:
+        """Whether QEMU takes the background-snapshot capability on this host."""
+        from qemu.qmp import ExecuteError
+
+        def caps(on: bool) -> dict[str, Any]:
+            return {"capabilities": [{"capability": "background-snapshot", "state": on}]}
+
+        try:
+            await q.execute("migrate-set-capabilities", caps(True))
+        except ExecuteError:
+            return False
+        await q.execute("migrate-set-capabilities", caps(False))
+        return True
+
+    async def _save_spilled(self, q: QMPClient, sink: StateSink, timeout: float, spill: Path) -> None:
+        """A background snapshot's save, through a file. QEMU 7.2 leaves the guest's memory
+        write-protected when a background snapshot fails (its cleanup stops the tracking only
+        after a save that completed), and a vCPU that then writes waits forever: a pipe
+        whose reader died (a kill -9 of this process mid-save) would wedge the box. A file
+        never fails QEMU's writes (the caller sees to the room), so the save completes
+        whatever becomes of this process; what it leaves is a file in a temporary directory."""
+        with open(spill, "wb") as f:
+            q.send_fd_scm(f.fileno())
+            await q.execute("getfd", {"fdname": "sandlot-state"})
+        follower = _Follower(spill)
+        split = asyncio.ensure_future(asyncio.to_thread(stream.split, follower.read, sink))
+        try:
             try:
-                if new_disk is not None:
-                    # one transaction: every disk switches to its new top, or none does
-                    switches = [("root", new_disk), *(new_drives or {}).items()]
-                    actions = [
-                        {"type": "blockdev-snapshot-sync",
-                         "data": {"device": device, "snapshot-file": str(top), "format": "qcow2",
-                                  "mode": "existing"}}
-                        for device, top in switches
-                    ]  # fmt: skip
-                    await run("transaction", {"actions": actions})
-                await self.save_state(directory / "state", session=q)
+                await self._migrate(q, "migrate", "fd:sandlot-state", False, timeout, background=True)
+            except BaseException:
+                follower.failed = True
+                raise
             finally:
-                if keep_running and was_running:
-                    await once_finalized(lambda: run("cont"), FINALIZE_LIMIT)
-            return loop.time() - t0
+                follower.ended.set()
+            await asyncio.wait_for(asyncio.shield(split), timeout)
+        finally:
+            with contextlib.suppress(BaseException):
+                await asyncio.wait_for(asyncio.shield(split), 10.0)
+            follower.close()
+            with contextlib.suppress(FileNotFoundError):
+                spill.unlink()
 
     async def run_restored(self, timeout: float) -> None:
         """Load the state this VM was started with (``restore_from``), then let it run.
@@ -586,7 +812,15 @@ class QemuVM(VM):
         try:
             async with self.qmp_session() as q:
                 uri = f"fd:{self._state_fd}"  # inherited at spawn: no getfd
-                await self._migrate(q, "migrate-incoming", uri, self.cfg.restore_ignore_shared, timeout)
+                try:
+                    await self._migrate(q, "migrate-incoming", uri, self.cfg.restore_ignore_shared, timeout)
+                except SavedStateError:
+                    if self._feeder is not None:  # a chunk that could not be read says more than QEMU
+                        await self._feeder.done(5.0)
+                    raise
+                if self._feeder is not None:
+                    await self._feeder.done(timeout)
+                    self._feeder = None
                 delay = 0.001
                 while True:
                     reply = await q.execute("query-status")
@@ -603,6 +837,8 @@ class QemuVM(VM):
                     await asyncio.sleep(delay)
                     delay = min(delay * 2, 0.05)
         except Exception as exc:
+            if isinstance(exc, CorruptSnapshot):
+                raise
             # a load that fails ends QEMU, which says why on its stderr: wait for that
             if await self.wait_exit(1.0) is False:
                 raise

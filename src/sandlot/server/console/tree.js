@@ -99,7 +99,8 @@ export async function treePanel(panel, box, refresh) {
     clear(detail,
       h("h3", {}, `${s.kind} ${s.name || s.id.slice(0, 12)}`),
       h("dl", {}, h("dt", {}, "id"), h("dd", { class: "mono" }, s.id), h("dt", {}, "taken"), h("dd", {}, when(s.created_at)),
-        h("dt", {}, "of box"), h("dd", {}, s.box_name || "—"), h("dt", {}, "size"), h("dd", {}, bytes(s.size))),
+        h("dt", {}, "of box"), h("dd", {}, s.box_name || "—"), h("dt", {}, "stored"), h("dd", {}, bytes(s.size)),
+        h("dt", {}, "logical"), h("dd", {}, bytes(s.logical_size || s.size))),
       h("div", { class: "buttons" },
         owner && h("button", { type: "button", id: "node-rollback", onclick: run(async () => {
           if (!(await ask(`Roll ${s.box_name} back to ${s.name || s.id.slice(0, 12)}?`, { danger: true, ok: "Roll back",

@@ -1,0 +1,236 @@
+"""Saved state as content-addressed chunks (docs/storage.md), against whole files per
+state (``SANDLOT_STATE_CHUNKS=0``: sandlot's saves before chunks), side by side in one
+run, each in a home of its own:
+
+* checkpoints: a box with live data in RAM takes ``--checkpoints`` snapshots with
+  ``--write-mib`` of files written (and synced) between each: the bytes each adds to
+  its home, against the state that changed (the bytes its disk layer took, plus the
+  guest memory whose pages differ from the last state's: page cache included), and the
+  guest's pause;
+* fan-out: ``--boxes`` boxes from one template, each writing a little and suspended:
+  the home's bytes against the template's plus what the boxes changed;
+* local speed: rollback, suspend and resume (each to the first exec after it), and a
+  fork of ``--fork`` children to the first exec of all.
+
+    .venv/bin/python benchmarks/storage.py [--quick] [--memory 512] [--live-mib 200]
+        [--checkpoints 10] [--write-mib 4] [--boxes 100] [--fork 20] [--runs 5]
+
+The changed memory is counted page by page from the chunk store's own states (the
+chunks whose hashes differ, compared page by page), which is why this script reads
+``sandlot.core``: no public call says which pages of a guest changed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import sandlot
+from sandlot import AsyncBox
+from sandlot.config import tree_bytes
+from sandlot.core.chunks import ChunkStore
+from sandlot.core.manifest import Manifest
+from sandlot.core.store import BoxStore
+
+from _common import debian_root, drop_home, emit, host_facts, parser, scratch_home, summary
+
+PAGE = 4096
+MiB = 1 << 20
+accel: list[str | None] = [None]  # the accelerator the boxes ran under
+
+
+def manifest(home: Path, state_id: str) -> Manifest | None:
+    data = BoxStore(home / "sandlot.db").state_manifest(state_id)
+    return Manifest.decode(data) if data is not None else None
+
+
+def changed_memory(home: Path, before: str, after: str) -> int:
+    """Bytes of guest memory whose pages differ between two states saved as chunks."""
+    a, b = manifest(home, before), manifest(home, after)
+    assert a is not None and b is not None, "both states are chunks"
+    store = ChunkStore(home)
+    changed = 0
+    for img in b.images:
+        old = a.image(img.name)
+        for i, d in enumerate(img.digests):
+            o = old.digests[i] if i < len(old.digests) else None
+            if d == o:
+                continue
+            size = img.chunk_size(i)
+            x = store.get(o, before) if o is not None else bytes(size)
+            y = store.get(d, after) if d is not None else bytes(size)
+            changed += sum(PAGE for p in range(0, size, PAGE) if x[p : p + PAGE] != y[p : p + PAGE])
+    return changed
+
+
+def use_chunks(on: bool) -> None:
+    os.environ["SANDLOT_STATE_CHUNKS"] = "1" if on else "0"
+
+
+async def checkpoints(
+    root: Path, memory: int, live_mib: int, count: int, write_mib: int, chunks: bool
+) -> dict[str, Any]:
+    use_chunks(chunks)
+    home = scratch_home("bench-storage-")
+    try:
+        box = AsyncBox(rootfs=root, memory_mib=memory, keep=True, template=False, home=home)
+        await box.start()
+        accel[0] = box.accel
+        # live data: a tmpfs file (RAM the guest holds), then the page cache dropped so
+        # that what a checkpoint finds changed is what this loop changes
+        await box.sh(
+            f"head -c {live_mib}M /dev/urandom > /dev/shm/live && sync && echo 3 > /proc/sys/vm/drop_caches"
+        )
+        first = await box.snapshot("c0")
+        added, ratios, pauses, walls, changed_all = [], [], [], [], []
+        prev = first
+        for i in range(1, count + 1):
+            await box.sh(f"head -c {write_mib}M /dev/urandom > /root/w{i} && sync")
+            before = tree_bytes(home)
+            t = time.perf_counter()
+            snap = await box.snapshot(f"c{i}")
+            walls.append(time.perf_counter() - t)
+            grew = tree_bytes(home) - before
+            assert box.last_pause is not None
+            pauses.append(box.last_pause)
+            added.append(grew)
+            if chunks:
+                rec = BoxStore(home / "sandlot.db").find_snapshot(snap.id)
+                assert rec is not None
+                changed = changed_memory(home, prev.id, snap.id) + int(rec.options["disk_bytes"])
+                changed_all.append(changed)
+                ratios.append(grew / changed)
+            prev = snap
+        out: dict[str, Any] = {
+            "added_MiB_per_checkpoint": summary(added, 1 / MiB, 1),
+            "pause_ms": summary(pauses, 1000, 1),
+            "snapshot_wall_s": summary(walls, digits=3),
+        }
+        if chunks:
+            out["changed_MiB_per_checkpoint"] = summary(changed_all, 1 / MiB, 1)
+            out["added_over_changed"] = summary(ratios, digits=2)
+        await box.remove(force=True)
+        return out
+    finally:
+        drop_home(home)
+
+
+async def fan_out(root: Path, boxes: int, chunks: bool) -> dict[str, Any]:
+    use_chunks(chunks)
+    home = scratch_home("bench-storage-fan-")
+    try:
+        before = tree_bytes(home)
+        tmpl = await sandlot.template_async(rootfs=root, memory_mib=256, name="fan", home=home)
+        template_bytes = tree_bytes(home) - before
+        changed = 0
+        store = BoxStore(home / "sandlot.db")
+        for i in range(boxes):
+            b = AsyncBox(template=tmpl, keep=True, home=home)
+            await b.start()
+            await b.sh(f"head -c 256K /dev/urandom > /root/mine-{i} && sync")
+            await b.suspend()
+            if chunks:
+                rec = store.get(b.name)
+                assert rec.suspended is not None
+                layer = Path(rec.disk or "")
+                changed += changed_memory(home, tmpl.id, rec.suspended) + layer.stat().st_blocks * 512
+        total = tree_bytes(home) - before
+        out: dict[str, Any] = {"boxes": boxes, "template_MiB": round(template_bytes / MiB, 1),
+                               "home_MiB": round(total / MiB, 1),
+                               "per_box_MiB": round((total - template_bytes) / boxes / MiB, 2)}  # fmt: skip
+        if chunks:
+            out["changed_MiB"] = round(changed / MiB, 1)
+            out["over_template_plus_changed"] = round(total / (template_bytes + changed), 2)
+            out["beyond_template_over_changed"] = round((total - template_bytes) / changed, 2)
+        return out
+    finally:
+        drop_home(home)
+
+
+async def local_speed(root: Path, runs: int, fork: int, chunks: bool) -> dict[str, Any]:
+    use_chunks(chunks)
+    home = scratch_home("bench-storage-speed-")
+    try:
+        box = AsyncBox(rootfs=root, memory_mib=256, keep=True, template=False, home=home)
+        await box.start()
+        await box.exec("true")
+        snap = await box.snapshot("base")
+        rollbacks, suspends, resumes = [], [], []
+        for _ in range(runs):
+            t = time.perf_counter()
+            await box.rollback(snap)
+            await box.exec("true")
+            rollbacks.append(time.perf_counter() - t)
+            t = time.perf_counter()
+            await box.suspend()
+            suspends.append(time.perf_counter() - t)
+            t = time.perf_counter()
+            await box.resume()
+            await box.exec("true")
+            resumes.append(time.perf_counter() - t)
+        t = time.perf_counter()
+        kids = await box.fork(fork)
+        await asyncio.gather(*(k.exec("true") for k in kids))
+        fork_s = time.perf_counter() - t
+        for k in kids:
+            await k.remove(force=True)
+        await box.remove(force=True)
+        return {"rollback_to_first_exec_s": summary(rollbacks, digits=3),
+                "suspend_s": summary(suspends, digits=3),
+                "resume_to_first_exec_s": summary(resumes, digits=3),
+                f"fork_{fork}_to_first_exec_all_s": round(fork_s, 3)}  # fmt: skip
+    finally:
+        drop_home(home)
+
+
+async def run(args: Any) -> dict[str, Any]:
+    root = debian_root()
+    out: dict[str, Any] = {}
+    shape = {"memory_mib": args.memory, "live_mib": args.live_mib, "checkpoints": args.checkpoints,
+             "write_mib": args.write_mib}  # fmt: skip
+    out["checkpoints"] = {"shape": shape}
+    for mode, on in (("chunks", True), ("files", False)):
+        out["checkpoints"][mode] = await checkpoints(root, args.memory, args.live_mib, args.checkpoints,
+                                                     args.write_mib, on)  # fmt: skip
+    c, f = out["checkpoints"]["chunks"], out["checkpoints"]["files"]
+    out["checkpoints"]["files_over_chunks_added"] = round(
+        f["added_MiB_per_checkpoint"]["median"] / max(c["added_MiB_per_checkpoint"]["median"], 0.01), 1
+    )
+    out["fan_out"] = {
+        mode: await fan_out(root, args.boxes, on) for mode, on in (("chunks", True), ("files", False))
+    }
+    speed = {
+        mode: await local_speed(root, args.runs, args.fork, on)
+        for mode, on in (("chunks", True), ("files", False))
+    }
+    speed["chunks_over_files"] = {
+        k: round(speed["chunks"][k]["median"] / speed["files"][k]["median"], 2)
+        for k in ("rollback_to_first_exec_s", "suspend_s", "resume_to_first_exec_s")
+    }
+    fork_key = f"fork_{args.fork}_to_first_exec_all_s"
+    speed["chunks_over_files"][fork_key] = round(speed["chunks"][fork_key] / speed["files"][fork_key], 2)
+    out["local_speed"] = speed
+    out["host"] = host_facts(accel[0])
+    return out
+
+
+def main() -> None:
+    ap = parser(__doc__)
+    ap.add_argument("--memory", type=int, default=512)
+    ap.add_argument("--live-mib", type=int, default=200)
+    ap.add_argument("--checkpoints", type=int, default=10)
+    ap.add_argument("--write-mib", type=int, default=4)
+    ap.add_argument("--boxes", type=int, default=100)
+    ap.add_argument("--fork", type=int, default=20)
+    ap.add_argument("--runs", type=int, default=5)
+    args = ap.parse_args()
+    if args.quick:
+        args.memory, args.live_mib, args.checkpoints, args.boxes, args.fork, args.runs = 256, 32, 2, 2, 2, 1
+    emit({"benchmark": "storage", "quick": args.quick, **asyncio.run(run(args))})
+
+
+if __name__ == "__main__":
+    main()

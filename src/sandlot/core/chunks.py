@@ -1,0 +1,504 @@
+"""The home's chunk store: saved state as content-addressed chunks, each kept once.
+
+A chunk is a piece of a saved state (``core.manifest``: 64 KiB of a VM's memory, or of
+one of its byte streams), named by the BLAKE3 hash of its bytes and kept compressed
+(zstd) in ``chunks/<2 hex>/<62 hex>``. A save writes only the chunks the store lacks,
+so a checkpoint costs what changed since any state of the home, not a copy of the VM's
+memory; and every state of every box, template and fork shares what they hold alike.
+
+Who may delete what, across processes:
+- The store's ``chunks`` table counts, for each chunk, the saved states whose manifests
+  list it; a state's row and its counts are written in one transaction, and deleted in
+  one. A chunk whose count falls to zero is garbage.
+- Everyone who writes or reads chunks holds ``chunks/.lock`` shared (``using``) for as
+  long as a chunk it found there must stay: a save from its first dedup to its row's
+  commit, a restore until its stream is read. The collector (``collect``) holds it
+  exclusively, so it never deletes a chunk a save just counted on finding, or one a
+  restore is reading; it does not wait for them (it runs again later).
+- A save makes its chunks durable (``syncfs``) before its row is committed: a committed
+  state never names a chunk a crash could lose. A chunk written by a save that never
+  committed has no row: ``collect(orphans=True)`` deletes it once it is older than
+  ``ORPHAN_AGE``.
+
+Every chunk is checked against its hash when it is read: a damaged or missing one is a
+``CorruptSnapshot`` naming the state and the chunk, never a garbled guest.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import errno
+import fcntl
+import os
+import secrets
+import threading
+import time
+from collections.abc import AsyncIterator, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from ..crashpoints import crash_point
+from ..engine.base import ImageSink, StateSink, StateSource
+from ..errors import CorruptSnapshot, SavedStateError, no_space
+from .manifest import CHUNK, Image, Manifest, Stream
+from .store import BoxStore
+
+if TYPE_CHECKING:
+    import zstandard
+
+ORPHAN_AGE = 60.0  # seconds before a chunk no state counts may be a crash's leftover
+LEVEL = 3  # zstd's default: ~570 MB/s here, within a few percent of level 1's ratio on memory
+LOCK_WAIT = 120.0  # seconds a user of the store waits for a collection to end
+READ_AHEAD = 16  # chunks read and checked ahead of the one a restore's stream needs
+ZERO = bytes(CHUNK)
+
+
+def enabled() -> bool:
+    """Whether states are saved as chunks (``SANDLOT_STATE_CHUNKS=0``: whole files per
+    state, each snapshot stopping the guest for all of its save, as sandlot did before
+    chunks; for comparisons)."""
+    return os.environ.get("SANDLOT_STATE_CHUNKS", "1") != "0"
+
+
+def digest(data: bytes | bytearray | memoryview) -> bytes:
+    import blake3  # here: a command that never saves or loads a state (``sandlot ls``) never needs it
+
+    return blake3.blake3(data).digest()
+
+
+class ChunkStore:
+    """The chunk files of one home. Cheap to create; thread-safe."""
+
+    def __init__(self, home: Path) -> None:
+        self.root = home / "chunks"
+        self._zc = threading.local()
+
+    def path(self, d: bytes) -> Path:
+        h = d.hex()
+        return self.root / h[:2] / h[2:]
+
+    def size(self, d: bytes) -> int | None:
+        """The stored (compressed) size of a chunk the store has; None if it has not."""
+        try:
+            return os.stat(self.path(d)).st_size
+        except FileNotFoundError:
+            return None
+
+    def _compressor(self) -> zstandard.ZstdCompressor:
+        import zstandard
+
+        zc = getattr(self._zc, "c", None)
+        if zc is None:
+            zc = self._zc.c = zstandard.ZstdCompressor(level=LEVEL, write_content_size=True)
+        return zc
+
+    def put(self, d: bytes, data: bytes | bytearray | memoryview) -> int:
+        """Keep ``data`` (whose digest is ``d``) unless it is kept already; the bytes it
+        took on disk (0 if it was there). Its file is whole or absent, never half."""
+        final = self.path(d)
+        if final.exists():
+            return 0
+        packed = self._compressor().compress(data)
+        final.parent.mkdir(parents=True, exist_ok=True)
+        tmp = final.with_name(f".{final.name}.{secrets.token_hex(4)}")
+        try:
+            with open(tmp, "wb") as f:
+                f.write(packed)
+            crash_point("chunks.mid-write")
+            os.rename(tmp, final)  # a racing writer of the same chunk wrote the same bytes
+        except OSError as exc:
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise no_space(self.root, "a saved state's chunks could not be written") from None
+            raise
+        return len(packed)
+
+    def get(self, d: bytes, whose: str, size: int | None = None) -> bytes:
+        """A chunk's bytes, checked against its hash (and ``size`` where known). A damaged
+        chunk is put aside (``damaged/``): the next save that holds its bytes (a box that
+        still has them in memory) then writes it again instead of counting on it."""
+        import zstandard
+
+        path = self.path(d)
+        try:
+            packed = path.read_bytes()
+        except FileNotFoundError:
+            raise CorruptSnapshot(f"saved state {whose}: its chunk {d.hex()} is missing") from None
+        try:
+            data = zstandard.ZstdDecompressor().decompress(packed)
+            why = "its bytes do not match its hash" if digest(data) != d else None
+            if why is None and size is not None and len(data) != size:
+                why = f"{len(data)} bytes where its state has {size}"
+        except zstandard.ZstdError as exc:
+            why = str(exc)
+        if why is not None:
+            with contextlib.suppress(OSError):
+                (self.root / "damaged").mkdir(exist_ok=True)
+                os.rename(path, self.root / "damaged" / d.hex())
+            raise CorruptSnapshot(f"saved state {whose}: its chunk {d.hex()} is damaged ({why})")
+        return data
+
+    @contextmanager
+    def using(self, wait: float = LOCK_WAIT) -> Iterator[None]:
+        """Hold the store against a collection (shared with every other user)."""
+        fd = self._lock_fd()
+        try:
+            _flock(fd, fcntl.LOCK_SH, wait, "the chunk store (a collection holds it)")
+            yield
+        finally:
+            os.close(fd)
+
+    def _lock_fd(self) -> int:
+        self.root.mkdir(parents=True, exist_ok=True)
+        return os.open(self.root / ".lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+
+    def sync(self) -> None:
+        """Make every chunk written so far durable: one ``syncfs`` of the home's filesystem
+        (a fsync per chunk would cost a journal commit each)."""
+        fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            if _libc is None or _libc.syncfs(fd) != 0:
+                os.sync()
+        finally:
+            os.close(fd)
+
+    def collect(self, store: BoxStore, *, orphans: bool = False, wait: float = 0.0) -> tuple[int, int]:
+        """Delete the chunks no saved state counts any more, and (``orphans``) those no
+        state ever counted that a crashed save left, if nobody uses the store now (or
+        within ``wait`` seconds); else leave them for the next collection. Returns the
+        chunks and bytes deleted."""
+        if not self.root.is_dir():
+            return 0, 0
+        fd = self._lock_fd()
+        try:
+            try:
+                _flock(fd, fcntl.LOCK_EX, wait, "the chunk store")
+            except SavedStateError:
+                return 0, 0  # in use: the next collection takes what this one leaves
+            count = freed = 0
+            dead = store.forget_chunks()
+            if dead:
+                crash_point("chunks.mid-collect")
+            for d in dead:
+                count, freed = count + 1, freed + self._unlink(self.path(d))
+            if orphans:
+                known = store.chunk_digests()
+                now = time.time()
+                for sub in self.root.iterdir():
+                    if len(sub.name) != 2 or not sub.is_dir():  # (``damaged/``: kept for a look)
+                        continue
+                    for f in sub.iterdir():
+                        with contextlib.suppress(OSError, ValueError):
+                            if now - f.stat().st_mtime < ORPHAN_AGE:
+                                continue
+                            if f.name.startswith("."):  # a write a crash cut short
+                                freed += self._unlink(f)
+                            elif bytes.fromhex(sub.name + f.name) not in known:
+                                count, freed = count + 1, freed + self._unlink(f)
+            return count, freed
+        finally:
+            os.close(fd)
+
+    @staticmethod
+    def _unlink(path: Path) -> int:
+        try:
+            size = path.stat().st_size
+            path.unlink()
+            return size
+        except FileNotFoundError:
+            return 0
+
+
+def _flock(fd: int, how: int, wait: float, what: str) -> None:
+    deadline = time.monotonic() + wait
+    delay = 0.005
+    while True:
+        try:
+            fcntl.flock(fd, how | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                raise SavedStateError(f"{what} was not free within {wait:.0f}s") from None
+            time.sleep(delay)
+            delay = min(delay * 2, 0.1)
+
+
+def _load_libc() -> ctypes.CDLL | None:
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.syncfs.argtypes = [ctypes.c_int]
+        return libc
+    except (OSError, AttributeError):
+        return None
+
+
+_libc = _load_libc()
+
+
+# -- writing a state -----------------------------------------------------------------------
+
+
+class StateWriter(StateSink):
+    """A state being saved, cut into chunks as the engine writes it. Chunks are hashed
+    as they complete and the ones the store lacks are compressed and written by a few
+    threads (zstd and BLAKE3 let go of the GIL) while the engine goes on; ``finish``
+    waits for them, makes them durable and returns the manifest."""
+
+    WORKERS = 2
+    PENDING = 64  # chunks waiting to be written before the engine's thread waits for one
+
+    def __init__(self, store: ChunkStore, engine: str, whose: str) -> None:
+        self.store = store
+        self.manifest = Manifest(engine=engine)
+        self.whose = whose
+        self.stored: dict[bytes, int] = {}  # every chunk the state lists: its size in the store
+        self._images: list[_ImageWriter] = []
+        self._pool = ThreadPoolExecutor(self.WORKERS, thread_name_prefix="sandlot-chunks")
+        self._pending: dict[bytes, Future[int]] = {}
+        self._slots = threading.BoundedSemaphore(self.PENDING)
+        self._lock = threading.Lock()
+        self._error: BaseException | None = None
+
+    def image(self, name: str, size: int) -> ImageSink:
+        if size <= 0 or size % 4096:
+            raise SavedStateError(f"memory image {name!r}: a size of {size} bytes")
+        w = _ImageWriter(self, Image(name, size, [None] * -(-size // CHUNK)))
+        self._images.append(w)
+        self.manifest.images.append(w.image)
+        return w
+
+    def stream(self, name: str, data: bytes) -> None:
+        digests = []
+        for at in range(0, len(data), CHUNK):
+            digests.append(self.keep(data[at : at + CHUNK]))
+        self.manifest.streams.append(Stream(name, len(data), digests))
+        self.manifest.logical += len(data)
+
+    def keep(self, data: bytes | bytearray | memoryview) -> bytes:
+        """Hash a chunk, and have it written unless the store (or this save) has it."""
+        if self._error is not None:
+            raise self._error
+        d = digest(data)
+        with self._lock:
+            if d in self.stored or d in self._pending:
+                return d
+        size = self.store.size(d)
+        if size is not None:
+            with self._lock:
+                self.stored[d] = size
+            return d
+        copy = data if isinstance(data, bytes) else bytes(data)  # the caller may reuse its buffer
+        self._slots.acquire()
+        with self._lock:
+            self._pending[d] = self._pool.submit(self._write, d, copy)
+        return d
+
+    def _write(self, d: bytes, data: bytes) -> int:
+        try:
+            added = self.store.put(d, data)
+            with self._lock:
+                self.stored[d] = added or (self.store.size(d) or 0)
+                self.manifest.added += added
+                del self._pending[d]
+            return added
+        except BaseException as exc:
+            self._error = exc
+            raise
+        finally:
+            self._slots.release()
+
+    def finish(self) -> Manifest:
+        """Every chunk written and durable; the manifest of the whole state."""
+        try:
+            for w in self._images:
+                w.close()
+            with self._lock:
+                pending = list(self._pending.values())
+            for f in pending:
+                f.result()
+            if self._error is not None:
+                raise self._error
+            self.store.sync()
+        finally:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+        return self.manifest
+
+    def abort(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+
+class _ImageWriter(ImageSink):
+    """One image's chunks, each put together from its pages as they come, in any order."""
+
+    PAGE = 4096
+
+    def __init__(self, writer: StateWriter, image: Image) -> None:
+        self.writer = writer
+        self.image = image
+        self.done = [False] * len(image.digests)
+        self.open: dict[int, tuple[bytearray, set[int]]] = {}
+
+    def _chunk(self, index: int) -> tuple[bytearray, set[int]]:
+        entry = self.open.get(index)
+        if entry is None:
+            size = self.image.chunk_size(index)
+            buf = bytearray(size)
+            if self.done[index]:  # a page sent again: the chunk is opened from what was kept
+                d = self.image.digests[index]
+                if d is not None:
+                    buf[:] = self.writer.store.get(d, self.writer.whose, size)
+                self.done[index] = False
+            entry = self.open[index] = (buf, set())
+        return entry
+
+    def _put(self, offset: int, data: bytes | memoryview | None, length: int) -> None:
+        if offset % self.PAGE or length % self.PAGE or offset + length > self.image.size:
+            raise SavedStateError(f"memory image {self.image.name!r}: pages at {offset:#x} out of bounds")
+        end = offset + length
+        while offset < end:
+            index, within = divmod(offset, CHUNK)
+            n = min(end - offset, CHUNK - within)
+            whole = within == 0 and n == self.image.chunk_size(index)
+            if whole and index not in self.open and not self.done[index]:
+                # a whole chunk at once (most of them: QEMU sends pages in runs): no assembly
+                at = length - (end - offset)
+                self._seal(index, data[at : at + n] if data is not None else None)
+                offset += n
+                continue
+            buf, seen = self._chunk(index)
+            if data is not None:
+                at = length - (end - offset)
+                buf[within : within + n] = data[at : at + n]
+            elif any(i in seen for i in range(within // self.PAGE, (within + n) // self.PAGE)):
+                buf[within : within + n] = bytes(n)  # a page sent again, as zeros this time
+            seen.update(range(within // self.PAGE, (within + n) // self.PAGE))
+            if len(seen) * self.PAGE == len(buf):
+                self._seal(index, buf)
+            offset += n
+
+    def pages(self, offset: int, data: bytes | memoryview) -> None:
+        self._put(offset, data, len(data))
+
+    def zeros(self, offset: int, length: int) -> None:
+        self._put(offset, None, length)
+
+    def _seal(self, index: int, buf: bytes | bytearray | memoryview | None) -> None:
+        self.open.pop(index, None)
+        self.done[index] = True
+        if buf is None or buf == ZERO[: len(buf)]:
+            self.image.digests[index] = None
+            return
+        self.image.digests[index] = self.writer.keep(buf)
+        self.writer.manifest.logical += len(buf)
+
+    def close(self) -> None:
+        missing = [i for i, d in enumerate(self.done) if not d]
+        if missing:
+            raise SavedStateError(
+                f"memory image {self.image.name!r} of the saved state is incomplete: "
+                f"{len(missing)} of its chunks were never sent whole (the first at {missing[0] * CHUNK:#x})"
+            )
+
+
+# -- reading a state -----------------------------------------------------------------------
+
+
+class StateReader(StateSource):
+    """A saved state's chunks, read and checked a few ahead of the one asked for."""
+
+    def __init__(self, store: ChunkStore, manifest: Manifest, whose: str) -> None:
+        self.store = store
+        self.manifest = manifest
+        self.whose = whose
+
+    def images(self) -> dict[str, int]:
+        return {i.name: i.size for i in self.manifest.images}
+
+    def extents(self, name: str) -> Iterator[tuple[int, bytes]]:
+        img = self.manifest.image(name)
+        wanted = [(i, d) for i, d in enumerate(img.digests) if d is not None]
+        with ThreadPoolExecutor(2, thread_name_prefix="sandlot-read") as pool:
+            ahead: list[tuple[int, Future[bytes]]] = []
+            for i, d in wanted:
+                ahead.append((i, pool.submit(self.store.get, d, self.whose, img.chunk_size(i))))
+                if len(ahead) > READ_AHEAD:
+                    j, f = ahead.pop(0)
+                    yield j * CHUNK, f.result()
+            for j, f in ahead:
+                yield j * CHUNK, f.result()
+
+    def stream(self, name: str) -> bytes:
+        s = self.manifest.stream(name)
+        data = b"".join(self.store.get(d, self.whose) for d in s.digests)
+        if len(data) != s.size:
+            raise CorruptSnapshot(
+                f"saved state {self.whose}: its stream {name!r} is not the size it was saved at"
+            )
+        return data
+
+
+class Saving:
+    """One state being saved as chunks, from the engine's first byte to its snapshot's
+    row: the chunk store is held (``using``) all along, so nothing the save found there
+    and counted on is collected before the row counts it. An engine that writes files
+    (``enabled`` False) gets no sink, and this does nothing."""
+
+    def __init__(self, home: Path, engine: str, whose: str, *, enabled: bool) -> None:
+        self.store = ChunkStore(home)
+        self.writer = StateWriter(self.store, engine, whose) if enabled else None
+        self._held: contextlib.ExitStack | None = None
+        self.manifest: Manifest | None = None
+
+    @property
+    def sink(self) -> StateSink | None:
+        return self.writer
+
+    async def __aenter__(self) -> Saving:
+        if self.writer is not None:
+            stack = contextlib.ExitStack()
+            await asyncio.to_thread(stack.enter_context, self.store.using())
+            self._held = stack
+        return self
+
+    async def finish(self) -> tuple[bytes | None, dict[bytes, int] | None]:
+        """The saved state's manifest (encoded) and the size of each chunk it lists, once
+        every chunk is durable; (None, None) for a state of files."""
+        if self.writer is None:
+            return None, None
+        self.manifest = await asyncio.to_thread(self.writer.finish)
+        return self.manifest.encode(), dict(self.writer.stored)
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self.writer is not None:
+            await asyncio.to_thread(self.writer.abort)
+        if self._held is not None:
+            self._held.close()
+
+
+@contextlib.asynccontextmanager
+async def reading(home: Path, store: BoxStore, snap_id: str) -> AsyncIterator[StateReader | None]:
+    """A saved state's chunks (None: it is files in its directory), held against a
+    collection until the block ends: a load reads them all before it does."""
+    source = await asyncio.to_thread(open_state, home, store, snap_id)
+    if source is None:
+        yield None
+        return
+    with contextlib.ExitStack() as held:
+        await asyncio.to_thread(held.enter_context, source.store.using())
+        yield source
+
+
+def open_state(home: Path, store: BoxStore, snap_id: str) -> StateReader | None:
+    """The chunks of a saved state, if it was saved as chunks (else its directory holds it)."""
+    data = store.state_manifest(snap_id)
+    if data is None:
+        return None
+    return StateReader(ChunkStore(home), Manifest.decode(data, snap_id), snap_id)
+
+
+__all__ = ["CHUNK", "ChunkStore", "Saving", "StateReader", "StateWriter", "digest", "open_state", "reading"]
