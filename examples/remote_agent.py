@@ -46,7 +46,10 @@ def serve(home: str) -> tuple[subprocess.Popen[bytes], str, str]:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = {**os.environ, "SANDLOT_HOME": home}
-    server = subprocess.Popen([sys.executable, "-m", "sandlot.cli", "serve", "--port", str(port)], env=env)
+    # boxes' content (port routes, previews) on a port of its own: any free one, since this
+    # agent opens none
+    argv = ["serve", "--port", str(port), "--content-port", "0"]
+    server = subprocess.Popen([sys.executable, "-m", "sandlot.cli", *argv], env=env)
     url = f"http://127.0.0.1:{port}"
     for _ in range(300):
         try:

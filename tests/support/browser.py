@@ -10,6 +10,7 @@ from typing import Any
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")  # None: Playwright's own
 
 
-def launch(playwright: Any) -> Any:
-    """Headless Chromium from a ``sync_playwright()`` context (no sandbox: tests run as root)."""
-    return playwright.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
+def launch(playwright: Any, *args: str) -> Any:
+    """Headless Chromium from a ``sync_playwright()`` context (no sandbox: tests run as root),
+    with Chromium's command-line ``args`` besides."""
+    return playwright.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox", *args])

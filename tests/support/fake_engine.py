@@ -12,7 +12,8 @@ MOUNT, FREEZE and THAW: ``frozen``), files (FILE_READ, FILE_WRITE, FS: a small f
 memory), and EXEC of ``true``, ``false``, ``echo ...``, ``exit N``, ``sleep S``,
 ``cat`` (its stdin back), ``lines N``, ``hostname``, ``remember K V``, ``recall K``
 and ``/bin/sh -c "one of those"`` or ``/bin/bash -l -c ...`` (nothing runs: the
-output is made up). Watches
+output is made up), and the agent's relay (``box.connect(port)``) to the address of
+this host that ``FakeEngine.ports`` gives that port, for every fake box. Watches
 answer ENOENT. Saved states are a JSON file holding the VM's ``memory`` dict
 (its files too), so a test can tell which state a VM came from.
 """
@@ -314,6 +315,9 @@ class FakeVM(VM):
                 out = (str(self.memory.get(argv[1], "")) + "\n").encode()
             elif argv[0] == "lines":  # lines N: N numbered lines on stdout
                 out = b"".join(b"line %d\n" % i for i in range(int(argv[1])))
+            elif argv[:2] == ("/proc/1/exe", "--relay"):
+                await self._relay(int(argv[2]), ch, w)
+                return
             elif argv[0] == "cat":
                 queue = self._stdin.get(ch)
                 while queue is not None and (chunk := await queue.get()) is not None:
@@ -334,6 +338,49 @@ class FakeVM(VM):
             self._stdin.pop(ch, None)
             self.busy -= 1
             self.last_request = asyncio.get_running_loop().time()
+
+    async def _relay(self, port: int, ch: int, w: asyncio.StreamWriter) -> None:
+        """The agent's relay (guest/agent/relay.c): "connected" on stderr, then stdin to the
+        port and the port's bytes to stdout; exit 111 with the errno where it is refused."""
+
+        def finish(code: int, out: int, err: int) -> None:
+            self._send(w, T.EOF, ch, wire.data_payload(wire.STREAM_STDOUT, out))
+            self._send(w, T.EOF, ch, wire.data_payload(wire.STREAM_STDERR, err))
+            self._send(w, T.EXIT, ch, wire.tlv(Tag.EXIT_CODE, code))
+
+        target = self.engine.ports.get(port)
+        try:
+            if target is None:
+                raise ConnectionRefusedError(errno.ECONNREFUSED, "Connection refused")
+            reader, writer = await asyncio.open_connection(*target)
+        except OSError as e:
+            said = f"errno {e.errno or errno.ECONNREFUSED}: {e.strerror or e}\n".encode()
+            self._send(w, T.DATA, ch, wire.data_payload(wire.STREAM_STDERR, 0, said))
+            finish(111, 0, len(said))
+            return
+        said = b"connected\n"
+        self._send(w, T.DATA, ch, wire.data_payload(wire.STREAM_STDERR, 0, said))
+        sent = 0
+
+        async def inward() -> None:
+            queue = self._stdin.get(ch)
+            while queue is not None and (chunk := await queue.get()) is not None:
+                writer.write(chunk)
+                await writer.drain()
+            if writer.can_write_eof():
+                writer.write_eof()
+
+        feeding = asyncio.ensure_future(inward())
+        try:
+            while data := await reader.read(65536):
+                self._send(w, T.DATA, ch, wire.data_payload(wire.STREAM_STDOUT, sent, data))
+                sent += len(data)
+            with contextlib.suppress(TimeoutError, OSError):
+                await asyncio.wait_for(asyncio.shield(feeding), 1.0)
+        finally:
+            feeding.cancel()
+            writer.close()
+        finish(0, sent, len(said))
 
     # -- files: a dict of path -> node in the VM's memory ------------------------------------
 
@@ -568,6 +615,7 @@ class FakeEngine(Engine):
         self.never_answer = False
         self.hangs = 0  # the next this many boots hang before their init
         self.launches = 0
+        self.ports: dict[int, tuple[str, int]] = {}  # a box's port -> the host address its relay reaches
 
     @classmethod
     def of(cls, home: Path | str) -> FakeEngine:

@@ -31,6 +31,7 @@ class InProcess:
     home: Path
     url: str
     api_key: str | None
+    content_url: str = ""  # the listener of boxes' content (server/origins.py)
 
     def key(self, name: str, **options: object) -> str:
         """A new API key of this server's home (``sandlot keys create``)."""
@@ -49,15 +50,21 @@ def serving(home: Path, *, auth: bool = True, mcp: bool = True, **settings: Any)
     key = access.create_key(f"admin-{time.monotonic_ns()}", admin=True, home=home)[1] if auth else None
     # bound here and handed to uvicorn: a port only looked up, then bound by the server,
     # could be taken by another worker's server in between (and its /health answer ours)
-    listener = socket.socket()
+    listener, content = socket.socket(), socket.socket()
     listener.bind(("127.0.0.1", 0))
-    port = listener.getsockname()[1]
-    app = create_app(Settings(home=home, auth=auth, mcp=mcp, heir=f"test 127.0.0.1:{port}", **settings))
+    content.bind(("127.0.0.1", 0))
+    port, content_port = listener.getsockname()[1], content.getsockname()[1]
+    try:
+        app = create_app(Settings(home=home, auth=auth, mcp=mcp, heir=f"test 127.0.0.1:{port}",
+                                  content_port=content_port, **settings))  # fmt: skip
+    except BaseException:
+        listener.close()
+        content.close()
+        raise
     config = uvicorn.Config(app, log_level="warning", loop="asyncio", ws="websockets", lifespan="on")
     server = uvicorn.Server(config)
-    thread = threading.Thread(
-        target=lambda: asyncio.run(server.serve(sockets=[listener])), name="sandlot-test-server", daemon=True
-    )
+    thread = threading.Thread(target=lambda: asyncio.run(server.serve(sockets=[listener, content])),
+                              name="sandlot-test-server", daemon=True)  # fmt: skip
     thread.start()
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 30
@@ -69,8 +76,9 @@ def serving(home: Path, *, auth: bool = True, mcp: bool = True, **settings: Any)
             raise RuntimeError("the in-process server did not come up")
         time.sleep(0.02)
     try:
-        yield InProcess(home, url, key)
+        yield InProcess(home, url, key, f"http://127.0.0.1:{content_port}")
     finally:
         server.should_exit = True
         thread.join(15)
         listener.close()
+        content.close()

@@ -62,11 +62,19 @@ class Served:
     api_key: str | None
     args: tuple[str, ...] = ()
     log: Path = field(default_factory=lambda: Path("/dev/null"))
+    content_port: int = 0  # boxes' content: port routes, previews, port hosts (server/origins.py)
 
     @property
     def url(self) -> str:
+        return self._at(self.port)
+
+    @property
+    def content_url(self) -> str:
+        return self._at(self.content_port)
+
+    def _at(self, port: int) -> str:
         scheme = "https" if "--tls-cert" in self.args else "http"
-        return f"{scheme}://localhost:{self.port}" if scheme == "https" else f"http://127.0.0.1:{self.port}"
+        return f"{scheme}://localhost:{port}" if scheme == "https" else f"http://127.0.0.1:{port}"
 
     def headers(self, key: str | None = None) -> dict[str, str]:
         key = key or self.api_key
@@ -74,6 +82,10 @@ class Served:
 
     def client(self, key: str | None = None, **kw: object) -> httpx.Client:
         return httpx.Client(base_url=self.url, headers=self.headers(key), timeout=120, **kw)  # type: ignore[arg-type]
+
+    def content_client(self, key: str | None = None, **kw: object) -> httpx.Client:
+        """A client of the content listener: port routes (with a key) and previews."""
+        return httpx.Client(base_url=self.content_url, headers=self.headers(key), timeout=120, **kw)  # type: ignore[arg-type]
 
     def kill9(self) -> None:
         self.process.send_signal(signal.SIGKILL)
@@ -83,7 +95,7 @@ class Served:
         """A new server process on the same port and home (after ``kill9`` or a stop)."""
         if self.process.poll() is None:
             self.stop()
-        self.process = _start(self.home, self.port, self.args, self.log)
+        self.process = _start(self.home, self.port, self.content_port, self.args, self.log)
 
     def stop(self) -> None:
         if self.process.poll() is None:
@@ -95,11 +107,13 @@ class Served:
                 self.process.wait(5)
 
 
-def _start(home: Path, port: int, args: tuple[str, ...], log: Path) -> subprocess.Popen[bytes]:
+def _start(home: Path, port: int, content_port: int, args: tuple[str, ...],
+           log: Path) -> subprocess.Popen[bytes]:  # fmt: skip
     env = {**os.environ, "SANDLOT_HOME": str(home)}
+    argv = ["serve", "--port", str(port), "--content-port", str(content_port), *args]
     with open(log, "ab") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "sandlot.cli", "serve", "--port", str(port), *args],
-                                env=env, stdout=out, stderr=subprocess.STDOUT)  # fmt: skip
+        proc = subprocess.Popen([sys.executable, "-m", "sandlot.cli", *argv], env=env, stdout=out,
+                                stderr=subprocess.STDOUT)  # fmt: skip
     deadline = time.monotonic() + 60
     scheme = "https" if "--tls-cert" in args else "http"
     while True:
@@ -125,9 +139,11 @@ def serving(home: Path, *, no_auth: bool = False, args: tuple[str, ...] = (),
         key = create_key(home, f"admin-{os.getpid()}-{time.monotonic_ns() % 10**9}", "--admin")
     args = (*args, "--no-auth") if no_auth else args
     own_log = log is None  # kept only when the test failed, for the reason in it
-    port = free_port()
+    port, content_port = free_port(), free_port()
+    while content_port == port:
+        content_port = free_port()
     log = log or home / f"serve-{os.getpid()}-{port}.log"
-    served = Served(home, port, _start(home, port, args, log), key, args, log)
+    served = Served(home, port, _start(home, port, content_port, args, log), key, args, log, content_port)
     try:
         yield served
     finally:

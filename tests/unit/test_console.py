@@ -60,7 +60,7 @@ def test_nothing_but_the_console_s_own_files_is_served(path: str) -> None:
 
 
 def test_a_page_of_another_origin_is_refused(tmp_path: Path) -> None:
-    with serving(tmp_path / "home", auth=False) as srv:
+    with serving(tmp_path / "home", auth=False, allow_hosts=("x.test",)) as srv:
         host = srv.url.removeprefix("http://")
         assert httpx.get(f"{srv.url}/v1/boxes", headers={"Origin": srv.url}).status_code == 200
         for origin in ("http://evil.example", "http://127.0.0.1:1", "null"):

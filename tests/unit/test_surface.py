@@ -64,7 +64,7 @@ def test_every_operation_has_its_route_in_the_server() -> None:
     from sandlot.server.state import Settings
 
     app = create_app(Settings(auth=False, mcp=False))
-    paths = app.app.openapi()[
+    paths = app.fastapi.openapi()[
         "paths"
     ]  # the guard wraps the FastAPI application; its schema lists every route
     for op in contract.OPERATIONS:

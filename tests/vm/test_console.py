@@ -15,8 +15,10 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import httpx
 import pytest
@@ -326,16 +328,27 @@ def test_the_other_pages_render(page: Any, key: str, box: dict[str, Any]) -> Non
     page.locator("#audit tr", has_text="POST /v1/boxes").first.wait_for()
 
 
+@dataclass
+class Proxied:
+    api: str  # the API's and the console's host, as nginx serves it
+    content: str  # boxes' content's
+
+
 @pytest.fixture
-def behind_nginx(served: Served, tmp_path: Path) -> Iterator[str]:
-    """nginx on a free port of 127.0.0.1 in front of the server, configured with the
-    ``location`` block docs/server.md gives, as it is written there."""
+def behind_nginx(served: Served, tmp_path: Path) -> Iterator[Proxied]:
+    """nginx on free ports of 127.0.0.1 in front of the server, configured with the
+    ``server`` blocks docs/server.md gives, as they are written there (each on a port of
+    its own here, in place of its name)."""
     nginx = shutil.which("nginx") or "/usr/sbin/nginx"
     doc = (REPO / "docs" / "server.md").read_text()
     found = re.search(r"```nginx\n(.*?)```", doc, re.S)
     assert found, "docs/server.md has no nginx block"
-    location = found.group(1).replace("http://127.0.0.1:7070", f"http://127.0.0.1:{served.port}")
-    port = free_port()
+    ports = [free_port(), free_port()]
+    listens = iter(ports)
+    blocks = re.sub(r"listen 443 ssl;", lambda _: f"listen 127.0.0.1:{next(listens)};", found.group(1))
+    blocks = blocks.replace("http://127.0.0.1:7070", f"http://127.0.0.1:{served.port}")
+    blocks = blocks.replace("http://127.0.0.1:7071", f"http://127.0.0.1:{served.content_port}")
+    assert next(listens, None) is None, "the docs give a server block for the API and one for boxes' content"
     temp = " ".join(
         f"{k}_temp_path {tmp_path}/{k};" for k in ("client_body", "proxy", "fastcgi", "uwsgi", "scgi")
     )
@@ -348,36 +361,35 @@ http {{
     access_log off;
     {temp}
     map $http_upgrade $connection_upgrade {{ default upgrade; "" close; }}
-    server {{
-        listen 127.0.0.1:{port};
-        {location}
-    }}
+    {blocks}
 }}
 """)
     argv = [nginx, "-p", str(tmp_path), "-c", str(tmp_path / "nginx.conf"), "-g", "daemon off;"]
     proc = subprocess.Popen(argv, stderr=subprocess.PIPE)
-    url = f"http://127.0.0.1:{port}"
+    proxied = Proxied(*(f"http://127.0.0.1:{port}" for port in ports))
     try:
         deadline = time.monotonic() + 20
         while True:
             try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                if all(
+                    httpx.get(f"{url}/health", timeout=2).status_code == 200 for url in vars(proxied).values()
+                ):
                     break
             except httpx.TransportError:
                 pass
             alive = proc.poll() is None and time.monotonic() < deadline
             assert alive, proc.stderr.read() if proc.stderr else "nginx did not answer"
             time.sleep(0.1)
-        yield url
+        yield proxied
     finally:
         proc.terminate()
         proc.wait(10)
 
 
 def test_the_console_behind_the_docs_reverse_proxy(
-    browser: Any, behind_nginx: str, key: str, box: dict[str, Any], served: Served, api: httpx.Client
+    browser: Any, behind_nginx: Proxied, key: str, box: dict[str, Any], served: Served, api: httpx.Client
 ) -> None:
-    context = browser.new_context(base_url=behind_nginx, viewport={"width": 1280, "height": 800})
+    context = browser.new_context(base_url=behind_nginx.api, viewport={"width": 1280, "height": 800})
     page = context.new_page()
     page.set_default_timeout(30_000)
     errors: list[str] = []
@@ -398,6 +410,15 @@ def test_the_console_behind_the_docs_reverse_proxy(
     finally:
         context.close()
     assert not errors, errors
+    # a preview made through the API's host, opened through the content host's; each host
+    # serves its own listener's paths alone, and a preview link of the API's moves there
+    with httpx.Client(base_url=behind_nginx.api, headers={"Authorization": f"Bearer {key}"}) as proxied:
+        made = proxied.post(f"/v1/boxes/{box['id']}/previews", json={"port": 8099}).json()
+    path = urlsplit(made["url"]).path
+    r = httpx.get(behind_nginx.content + path)  # the box's app: nothing listens on 8099
+    assert r.status_code == 502 and r.json()["error"]["code"] == "port_unreachable", r.text
+    assert httpx.get(behind_nginx.content + "/v1/info").status_code == 421
+    assert httpx.get(behind_nginx.api + path).status_code == 307
 
 
 SEEN_CGI = """#!/bin/sh
@@ -410,34 +431,37 @@ echo 'self.addEventListener("fetch", () => {});'
 """
 
 
-def test_an_app_may_not_widen_a_service_worker_over_the_console(
-    api: httpx.Client, box: dict[str, Any]
+def test_an_app_may_not_widen_a_service_worker_over_the_other_apps(
+    api: httpx.Client, box: dict[str, Any], served: Served, key: str
 ) -> None:
-    """Through a port route or a preview an app answers on the console's origin: a
-    worker it registers must keep to the app's own path, never cover /console/. And
-    what reaches the app carries no key, in whatever header it came."""
+    """Through a port route or a preview an app answers on the content port's origin,
+    which every box's apps share: a worker it registers must keep to the app's own
+    path. And what reaches the app carries no key, in whatever header it came."""
     bid = box["id"]
-    for name, script in (("sw", SW_CGI), ("seen", SEEN_CGI)):
-        api.put(f"/v1/boxes/{bid}/files/content", params={"path": f"/srv8091/cgi-bin/{name}", "mode": 0o755},
-                content=script.encode()).raise_for_status()  # fmt: skip
-    api.post(f"/v1/boxes/{bid}/exec", json={"argv": ["httpd", "-p", "127.0.0.1:8091", "-h", "/srv8091"]})
-    deadline = time.monotonic() + 60
-    while (r := api.get(f"/v1/boxes/{bid}/ports/8091/cgi-bin/sw")).status_code == 502:
-        assert time.monotonic() < deadline, r.text
-        time.sleep(0.3)
-    assert r.status_code == 200 and r.headers["x-app"] == "kept", (r.status_code, r.headers)
-    assert "service-worker-allowed" not in r.headers
-    offered = "sandlot, sandlot.key.c2stc2wtc2VjcmV0"  # a key offered as the console offers it
-    seen = api.get(f"/v1/boxes/{bid}/ports/8091/cgi-bin/seen",
-                   headers={"Sec-WebSocket-Protocol": offered, "X-Other": "passed"})  # fmt: skip
-    assert seen.text.strip() == "proto=[] auth=[] other=[passed]", seen.text
+    with served.content_client(key) as content:
+        for name, script in (("sw", SW_CGI), ("seen", SEEN_CGI)):
+            where = {"path": f"/srv8091/cgi-bin/{name}", "mode": 0o755}
+            api.put(
+                f"/v1/boxes/{bid}/files/content", params=where, content=script.encode()
+            ).raise_for_status()
+        api.post(f"/v1/boxes/{bid}/exec", json={"argv": ["httpd", "-p", "127.0.0.1:8091", "-h", "/srv8091"]})
+        deadline = time.monotonic() + 60
+        while (r := content.get(f"/v1/boxes/{bid}/ports/8091/cgi-bin/sw")).status_code == 502:
+            assert time.monotonic() < deadline, r.text
+            time.sleep(0.3)
+        assert r.status_code == 200 and r.headers["x-app"] == "kept", (r.status_code, r.headers)
+        assert "service-worker-allowed" not in r.headers
+        offered = "sandlot, sandlot.key.c2stc2wtc2VjcmV0"  # a key offered as the console offers it
+        seen = content.get(f"/v1/boxes/{bid}/ports/8091/cgi-bin/seen",
+                           headers={"Sec-WebSocket-Protocol": offered, "X-Other": "passed"})  # fmt: skip
+        assert seen.text.strip() == "proto=[] auth=[] other=[passed]", seen.text
 
 
 def test_a_console_opened_by_another_page_does_not_start(page: Any) -> None:
     page.goto("/console/")
     page.wait_for_selector("#sign-in")
     with page.context.expect_page() as opened:
-        page.evaluate("() => { window.open('/console/'); }")  # as an app on this origin could
+        page.evaluate("() => { window.open('/console/'); }")  # a page of its origin: a console's own
     other = opened.value
     other.get_by_text("opened by another page").wait_for()
     assert other.locator("#sign-in").count() == 0

@@ -273,24 +273,28 @@ def test_network_update_metrics_and_the_port_hosts(e2b_env: dict[str, Any], sbx:
     assert samples[-1].cpu_count == 1 and samples[-1].mem_total > 200 << 20  # a 512 MiB guest's own view
     assert samples[-1].disk_total == 8 << 30
 
-    # envd at {port}-{sandbox}.{domain}, as the SDKs reach it without E2B_SANDBOX_URL
+    # envd at {port}-{sandbox}.{domain}, as the SDKs reach it without E2B_SANDBOX_URL: a host
+    # of the content listener, whose port the domain the control API hands out carries
     served: Served = e2b_env["served"]
+    assert sbx.get_host(8080) == f"8080-{sbx.sandbox_id}.{PORT_DOMAIN}:{served.content_port}"
     host = {"Host": f"49983-{sbx.sandbox_id}.{PORT_DOMAIN}", "X-Access-Token": str(sbx._envd_access_token)}
-    r = httpx.get(f"{served.url}/health", headers=host)
+    r = httpx.get(f"{served.content_url}/health", headers=host)
     assert r.status_code == 204
-    r = httpx.post(f"{served.url}/filesystem.Filesystem/Stat", json={"path": "/tmp"}, headers=host)
+    r = httpx.get(f"{served.url}/health", headers=host)  # the API's listener answers no port host
+    assert r.status_code == 421, r.text
+    r = httpx.post(f"{served.content_url}/filesystem.Filesystem/Stat", json={"path": "/tmp"}, headers=host)
     assert r.status_code == 200 and r.json()["entry"]["type"] == "FILE_TYPE_DIRECTORY"
 
     # signed file URLs, for a client with no token (a browser): on the sandbox's own host
     sbx.files.write("/tmp/signed.txt", "signed")
     query = sbx.download_url("/tmp/signed.txt", use_signature_expiration=60).split("?", 1)[1]
     by_host = {"Host": f"49983-{sbx.sandbox_id}.{PORT_DOMAIN}"}
-    r = httpx.get(f"{served.url}/files?{query}", headers=by_host)
+    r = httpx.get(f"{served.content_url}/files?{query}", headers=by_host)
     assert r.status_code == 200 and r.text == "signed"
-    r = httpx.get(f"{served.url}/files?{query.replace('signed.txt', 'other.txt')}", headers=by_host)
+    r = httpx.get(f"{served.content_url}/files?{query.replace('signed.txt', 'other.txt')}", headers=by_host)
     assert r.status_code == 401
     upload = sbx.upload_url("/tmp/up.txt", use_signature_expiration=60).split("?", 1)[1]
-    r = httpx.post(f"{served.url}/files?{upload}", headers=by_host, files={"file": ("up.txt", b"up")})
+    r = httpx.post(f"{served.content_url}/files?{upload}", headers=by_host, files={"file": ("up.txt", b"up")})
     assert r.status_code == 200 and sbx.files.read("/tmp/up.txt") == "up"
 
 

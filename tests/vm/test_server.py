@@ -296,7 +296,7 @@ def test_a_stalled_body_gets_408_and_holds_up_no_one_else(served: Served, box_a:
     bid, key = box_a["id"], team_keys["a"]
     target = f"/v1/boxes/{bid}/files/content?path=/tmp/stalled"
     with socket.create_connection(("127.0.0.1", served.port), timeout=60) as slow:
-        slow.sendall(f"PUT {target} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {key}\r\n"
+        slow.sendall(f"PUT {target} HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {key}\r\n"
                      "Content-Length: 1000\r\n\r\n0123456789".encode())  # fmt: skip
         t0 = time.monotonic()
         with served.client(key) as c:  # meanwhile, everyone else is served
@@ -715,31 +715,35 @@ def test_http_to_a_box_port_with_a_key_or_a_preview_url(
     served: Served, box_a: dict[str, Any], team_keys: dict[str, str]
 ) -> None:
     bid, key = box_a["id"], team_keys["a"]
-    with served.client(key) as c:
+    with served.client(key) as c, served.content_client(key) as content:
         c.put(f"/v1/boxes/{bid}/files/content", params={"path": "/www/index.html"}, content=b"hello\n")
         c.put(f"/v1/boxes/{bid}/files/content", params={"path": "/www/cgi-bin/echo", "mode": 0o755},
               content=CGI.encode())  # fmt: skip
         c.post(f"/v1/boxes/{bid}/exec", json={"argv": ["sh", "-c", "httpd -p 127.0.0.1:8080 -h /www"]})
         base = f"/v1/boxes/{bid}/ports/8080"
-        r = _wait_answering(c, f"{base}/index.html")
+        r = _wait_answering(content, f"{base}/index.html")
         assert (r.status_code, r.text) == (200, "hello\n")
         body = os.urandom(2 << 20)  # streamed through, both ways
-        r = c.post(f"{base}/cgi-bin/echo", params={"q": "1"}, content=body, headers={"X-Api-Key": key})
+        r = content.post(f"{base}/cgi-bin/echo", params={"q": "1"}, content=body, headers={"X-Api-Key": key})
         assert r.status_code == 200
         first, _, rest = r.content.partition(b"\n")
         assert first == b"POST q=1 auth=[] key=[]" and rest == body  # the sandlot key stays out of the box
-        assert c.get(f"{base}/missing").status_code == 404  # the app's own answer
-        error(c.get(f"/v1/boxes/{bid}/ports/8081/"), 502, "port_unreachable")
-        error(c.get(f"/v1/boxes/{bid}/ports/0/"), 400, "bad_request")
+        assert content.get(f"{base}/missing").status_code == 404  # the app's own answer
+        error(content.get(f"/v1/boxes/{bid}/ports/8081/"), 502, "port_unreachable")
+        error(content.get(f"/v1/boxes/{bid}/ports/0/"), 400, "bad_request")
+        # never on the API's origin, where the app's page would run as the console does
+        moved = error(c.get(f"{base}/index.html"), 421, "misdirected_request")["message"]
+        assert f"{served.content_url}{base}/index.html" in moved
         r = c.post(f"/v1/boxes/{bid}/previews", json={"port": 8080, "ttl": 60})
         assert r.status_code == 201, r.text
         url = r.json()["url"]
-        assert url.startswith(served.url + "/p/") and r.json()["expires_at"] > time.time()
+        assert url.startswith(served.content_url + "/p/") and r.json()["expires_at"] > time.time()
         error(c.post(f"/v1/boxes/{bid}/previews", json={"port": 8080, "ttl": 60, "x": 1}), 400, "bad_request")
         short = c.post(f"/v1/boxes/{bid}/previews", json={"port": 8080, "ttl": 1}).json()["url"]
-    error(httpx.get(f"{served.url}{base}/index.html"), 401, "unauthorized")
-    with served.client(team_keys["b"]) as other:
+    error(httpx.get(f"{served.content_url}{base}/index.html"), 401, "unauthorized")
+    with served.content_client(team_keys["b"]) as other:
         error(other.get(f"{base}/index.html"), 404, "box_not_found")  # another namespace's box: no such box
+    with served.client(team_keys["b"]) as other:
         error(other.post(f"/v1/boxes/{bid}/previews", json={"port": 8080}), 404, "box_not_found")
     r = httpx.get(url + "index.html")  # no key: the signature is the authorization
     assert (r.status_code, r.text) == (200, "hello\n")
@@ -750,7 +754,7 @@ def test_http_to_a_box_port_with_a_key_or_a_preview_url(
               f"{pid}.{box_id}.{port}.{expires}.{sig[:-2]}AA", "garbage", f"{pid}.{box_id}.{port}.{expires}",
               f"{box_id}.{port}.{expires}.{sig}"]  # fmt: skip
     for bad in forged:
-        body = error(httpx.get(f"{served.url}/p/{bad}/index.html"), 403, "forbidden")
+        body = error(httpx.get(f"{served.content_url}/p/{bad}/index.html"), 403, "forbidden")
         assert "preview URL" in body["message"]
     time.sleep(2.1)
     assert "expired" in error(httpx.get(short + "index.html"), 403, "forbidden")["message"]
@@ -778,7 +782,8 @@ def test_revoking_a_key_ends_its_previews_at_once_on_every_server_of_the_home(
         c.put(f"/v1/boxes/{bid}/files/content", params={"path": "/www8095/cgi-bin/slow", "mode": 0o755},
               content=SLOW_CGI.encode())  # fmt: skip
         c.post(f"/v1/boxes/{bid}/exec", json={"argv": ["sh", "-c", "httpd -p 127.0.0.1:8095 -h /www8095"]})
-        _wait_answering(c, f"/v1/boxes/{bid}/ports/8095/index.html")
+        with served.content_client(team_keys["a"]) as content:
+            _wait_answering(content, f"/v1/boxes/{bid}/ports/8095/index.html")
         kept = c.post(f"/v1/boxes/{bid}/previews", json={"port": 8095, "ttl": 600}).json()
     with served.client(leaky) as c:
         r = c.post(f"/v1/boxes/{bid}/previews", json={"port": 8095, "ttl": 3600})
@@ -786,13 +791,13 @@ def test_revoking_a_key_ends_its_previews_at_once_on_every_server_of_the_home(
         leaked = r.json()
     assert leaked["id"].startswith("pv-") and leaked["id"] in leaked["url"]
     with serving(served.home) as second:
-        paths = [leaked["url"].removeprefix(served.url), kept["url"].removeprefix(served.url)]
-        for base in (served.url, second.url):
+        paths = [leaked["url"].removeprefix(served.content_url), kept["url"].removeprefix(served.content_url)]
+        for base in (served.content_url, second.content_url):
             for path in paths:
                 r = httpx.get(base + path + "index.html", timeout=30)
                 assert (r.status_code, r.text) == (200, "up\n"), (base, path)
         ticks: list[float] = []
-        with httpx.stream("GET", second.url + paths[0] + "cgi-bin/slow", timeout=30) as stream:
+        with httpx.stream("GET", second.content_url + paths[0] + "cgi-bin/slow", timeout=30) as stream:
             lines = stream.iter_lines()
             assert next(lines) == "tick"
             revoked = sandlot_cli(served.home, "keys", "revoke", name)
@@ -801,7 +806,7 @@ def test_revoking_a_key_ends_its_previews_at_once_on_every_server_of_the_home(
             t0 = time.monotonic()
             ticks += [time.monotonic() - t0 for _ in lines]
         assert len(ticks) < 30, f"the stream went on for {ticks[-1]:.1f}s after the revocation"
-        for base in (served.url, second.url):
+        for base in (served.content_url, second.content_url):
             body = error(httpx.get(base + paths[0] + "index.html"), 403, "forbidden")
             assert "its API key was revoked" in body["message"]
             assert httpx.get(base + paths[1] + "index.html").status_code == 200  # another key's
@@ -815,7 +820,7 @@ def test_revoking_a_key_ends_its_previews_at_once_on_every_server_of_the_home(
                 error(other.delete(f"/v1/previews/{kept['id']}"), 404, "not_found")
             assert c.delete(f"/v1/previews/{kept['id']}").status_code == 204
             error(c.delete("/v1/previews/nonsense"), 400, "invalid_argument")
-        body = error(httpx.get(second.url + paths[1] + "index.html"), 403, "forbidden")
+        body = error(httpx.get(second.content_url + paths[1] + "index.html"), 403, "forbidden")
         assert "revoked" in body["message"]
 
 
@@ -831,7 +836,7 @@ def test_a_port_at_the_root_of_a_host_of_its_own(
 ) -> None:
     bid, key = box_a["id"], team_keys["a"]
     host = f"8090-{bid}.{PORT_DOMAIN}"
-    at_host = f"http://127.0.0.1:{served.port}"
+    at_host = served.content_url  # the port hosts are names of the content listener alone
 
     def get(path: str, **headers: str) -> httpx.Response:
         return httpx.get(at_host + path, headers={"Host": host, **headers}, follow_redirects=False)
@@ -841,7 +846,8 @@ def test_a_port_at_the_root_of_a_host_of_its_own(
         c.put(f"/v1/boxes/{bid}/files/content", params={"path": "/root8090/cgi-bin/where", "mode": 0o755},
               content=WHERE_CGI.encode())  # fmt: skip
         c.post(f"/v1/boxes/{bid}/exec", json={"argv": ["sh", "-c", "httpd -p 127.0.0.1:8090 -h /root8090"]})
-        _wait_answering(c, f"/v1/boxes/{bid}/ports/8090/")
+        with served.content_client(key) as content:
+            _wait_answering(content, f"/v1/boxes/{bid}/ports/8090/")
         preview = c.post(f"/v1/boxes/{bid}/previews", json={"port": 8090, "ttl": 60}).json()
         other_port = c.post(f"/v1/boxes/{bid}/previews", json={"port": 8080, "ttl": 60}).json()
     auth = {"Authorization": f"Bearer {key}"}
@@ -852,7 +858,7 @@ def test_a_port_at_the_root_of_a_host_of_its_own(
     error(get("/"), 401, "unauthorized")
     error(get("/", Authorization=f"Bearer {team_keys['b']}"), 404, "box_not_found")
     # a preview: the token once in the query, then a cookie of this host
-    assert preview["host_url"] == f"http://8090-{bid}.{PORT_DOMAIN}:{served.port}/?sandlot_token=" + \
+    assert preview["host_url"] == f"http://8090-{bid}.{PORT_DOMAIN}:{served.content_port}/?sandlot_token=" + \
         preview["url"].rstrip("/").rsplit("/", 1)[1]  # fmt: skip
     token = preview["host_url"].split("sandlot_token=")[1]
     r = get(f"/cgi-bin/where?sandlot_token={token}&y=2")
@@ -869,8 +875,10 @@ def test_a_port_at_the_root_of_a_host_of_its_own(
         at_host + "/", headers={"Host": f"8090-0000.{PORT_DOMAIN}", "Cookie": f"sandlot_preview={token}"}
     )
     error(r, 403, "forbidden")
-    # a host outside the domain is the API as always
-    assert httpx.get(at_host + "/health", headers={"Host": "elsewhere.test"}).json()["status"] == "ok"
+    # a name the server was not given reaches nothing, and a port host is not the API's
+    for base in (served.url, served.content_url):
+        error(httpx.get(base + "/health", headers={"Host": "elsewhere.test"}), 421, "misdirected_request")
+    error(httpx.get(served.url + "/v1/info", headers={"Host": host, **auth}), 421, "misdirected_request")
 
 
 def test_websockets_to_a_box_port_with_a_key_or_a_preview_url(
@@ -887,7 +895,7 @@ def test_websockets_to_a_box_port_with_a_key_or_a_preview_url(
             r = c.post(f"/v1/boxes/{bid}/exec", json={"argv": ["sh", "-c", start]}, timeout=120)
             assert r.json()["exit_code"] == 0, r.text
             preview = c.post(f"/v1/boxes/{bid}/previews", json={"port": 8765}).json()["url"]
-            url = served.url.replace("http", "ws") + f"/v1/boxes/{bid}/ports/8765/echo?x=1"
+            url = served.content_url.replace("http", "ws") + f"/v1/boxes/{bid}/ports/8765/echo?x=1"
             with connect(url, additional_headers=served.headers(key), subprotocols=["chat"],  # type: ignore[list-item]
                          open_timeout=30) as ws:  # fmt: skip
                 assert ws.subprotocol == "chat"  # what the app in the box chose
@@ -906,7 +914,7 @@ def test_websockets_to_a_box_port_with_a_key_or_a_preview_url(
                     ws.recv(timeout=10)
                 assert closed.value.rcvd is not None and closed.value.rcvd.code == 1008
             outlived = c.post(f"/v1/boxes/{bid}/previews", json={"port": 8765}).json()["url"]
-            with connect(served.url.replace("http", "ws") + f"/v1/boxes/{bid}/ports/8765/echo",
+            with connect(served.content_url.replace("http", "ws") + f"/v1/boxes/{bid}/ports/8765/echo",
                          open_timeout=30) as ws:  # fmt: skip
                 assert json.loads(ws.recv(timeout=30))["error"]["code"] == "unauthorized"
         finally:

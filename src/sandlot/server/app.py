@@ -5,15 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import re
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
 from typing import TYPE_CHECKING, Any
-from urllib.parse import urlsplit
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, RedirectResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Route
 
@@ -22,7 +20,7 @@ from ..api.events import acting_as
 from ..api.templates import keep_pools_filled_async
 from ..errors import Forbidden, RequestError, SandlotError
 from ..version import __version__
-from . import e2b
+from . import e2b, origins
 from .state import ServerState, Settings, error_response
 
 if TYPE_CHECKING:
@@ -36,10 +34,10 @@ ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 JSON_LIMIT = 1 << 20  # bytes of a JSON body; uploads stream and have no such limit
 STREAMED_BODIES = ("/files/content", "/files/archive", "/snapshots/import")
-PORT_ROUTE = re.compile(r"^/v1/boxes/[^/]+/ports/\d+/")  # requests to an app in a box: streamed
 PREVIEWS = "/p/"
 CONSOLE = "/console"
-OPEN_PATHS = ("/", "/health", "/docs", "/openapi.json", "/redoc")  # no key: nothing of a box's
+HEALTH = "/health"
+OPEN_PATHS = ("/", HEALTH, "/docs", "/openapi.json", "/redoc")  # no key: nothing of a box's
 MCP_PATH = "/mcp"
 
 
@@ -54,8 +52,9 @@ class BodyTimeout(RequestError):
 class Guard:
     """Around every HTTP request: the body limit, the body's idle timeout, the caller,
     and the audit record of each mutating request (after the answer, off its path).
-    Around every request and WebSocket: no web page of another origin gets through
-    (``foreign_origin``).
+    Around every request and WebSocket: each listener serves only its own paths
+    (``server/origins.py``: the API and the console on one, boxes' content on the other),
+    and no web page of another origin gets through (``origins.browser_refusal``).
 
     Time limits: a client that stops sending a request body for ``body_timeout``
     seconds (``Settings``; ``sandlot serve --body-timeout``) gets 408, on every
@@ -64,30 +63,37 @@ class Guard:
     ``request_timeout`` for each agent call, an exec's ``timeout``.
     Idle keep-alive connections are closed after 30 s (uvicorn)."""
 
-    def __init__(self, app: ASGIApp, state: ServerState, sandboxes: ASGIApp | None = None) -> None:
+    def __init__(self, app: ASGIApp, state: ServerState, sandboxes: ASGIApp | None = None, *,
+                 content: bool = False) -> None:  # fmt: skip
         self.app = app
         self.state = state
         self.sandboxes = sandboxes  # E2B's sandbox requests (server/e2b)
+        self.content = content  # the listener of boxes' content, else the API's
+        self.allowed = frozenset(state.settings.allow_origins)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] not in ("http", "websocket"):
             await self.app(scope, receive, send)
             return
         headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
-        foreign = foreign_origin(headers)
+        path: str = scope["path"]
+        misdirected = self._misdirected(scope, path, headers)
+        if isinstance(misdirected, Response):
+            await misdirected(scope, receive, send)
+            return
+        if misdirected is not None:
+            await origins.deny(scope, receive, send, misdirected, lambda e: _refusal(path, e))
+            return
+        foreign = origins.browser_refusal(headers, scope.get("method", "GET"), self.allowed,
+                                          api=not self.content)  # fmt: skip
+        if foreign is not None:
+            await origins.deny(scope, receive, send, Forbidden(foreign), lambda e: _refusal(path, e))
+            return
         if scope["type"] == "websocket":  # each WebSocket route checks its key itself
-            if foreign:
-                await send({"type": "websocket.close", "code": 1008})  # a 403 to the handshake
-            else:
-                await self.app(scope, receive, send)
+            await self.app(scope, receive, send)
             return
         t0 = time.monotonic()
-        path: str = scope["path"]
         scope.setdefault("state", {})
-        if foreign:
-            refused = Forbidden(f"a request of a page of {foreign} is refused: not this server's origin")
-            await _refusal(path, refused)(scope, receive, send)
-            return
         status_seen: list[int] = [500]
 
         async def sending(message: Message) -> None:
@@ -114,7 +120,7 @@ class Guard:
             await _refusal(path, e)(scope, receive, send)
             return
         scope["state"]["caller"] = caller
-        if not path.endswith(STREAMED_BODIES) and not PORT_ROUTE.match(path):
+        if not path.endswith(STREAMED_BODIES) and not origins.PORT_PATH.match(path):
             declared = headers.get("content-length")
             if declared is not None and declared.isdigit() and int(declared) > JSON_LIMIT:
                 err = BodyTooLarge(f"the body is over the limit of {JSON_LIMIT} bytes for this route")
@@ -138,32 +144,28 @@ class Guard:
                 self.state.record(caller, action, st.get("box_id", box), status_seen[0], st.get("error"),
                                   time.monotonic() - t0, st.get("audit"))  # fmt: skip
 
+    def _misdirected(self, scope: Scope, path: str, hdrs: dict[str, str]) -> RequestError | Response | None:
+        """Why this listener does not serve ``path`` (None where it does): box content only
+        on the content listener, everything else only on the API's. A preview link made
+        before the two were apart answers a browser with a redirect to where it is now."""
+        if self.content:
+            if origins.content_path(path) or scope.get(origins.HOST_ROUTE) or path == HEALTH:
+                return None
+            why = f"{path} is not served here: this is the listener of boxes' content"
+            return origins.Misdirected(why + "; the API and the console have a port of their own")
+        if not origins.content_path(path):
+            return None
+        query = scope.get("query_string", b"").decode("latin-1")
+        base = origins.content_base(self.state.settings, scope.get("scheme", "http"), hdrs.get("host"))
+        moved = base + path + (f"?{query}" if query else "")
+        if scope["type"] == "http" and scope["method"] in ("GET", "HEAD") and path.startswith(PREVIEWS):
+            return RedirectResponse(moved, status_code=307)
+        return origins.Misdirected(f"boxes' content is never served on the API's origin: {moved}")
+
 
 def _refusal(path: str, err: SandlotError) -> Response:
     """The answer to a request the guard refuses, in the shape of the face it was for."""
     return e2b.error_response(err) if path.startswith(e2b.PREFIX + "/") else error_response(err)
-
-
-def foreign_origin(headers: dict[str, str]) -> str | None:
-    """The ``Origin`` of a request made by a web page of another site, else None. A
-    browser names the page's origin on every cross-site request and WebSocket; other
-    clients send none. Refusing them keeps any site a user visits from driving a
-    server with the user's network position (a ``--no-auth`` server on loopback),
-    whatever the route. Ports are compared where the Host header has one (a proxy's
-    ``Host $host`` has none)."""
-    origin = headers.get("origin")
-    if origin is None:
-        return None
-    parts = urlsplit(origin)
-    host = headers.get("host", "").lower()
-    if not parts.hostname or parts.scheme not in ("http", "https"):
-        return origin  # "null" (a sandboxed frame, a file), or nothing a server could be
-    if ":" in host.rsplit("]", 1)[-1]:  # the Host has a port: compare it too
-        default = 443 if parts.scheme == "https" else 80
-        seen = f"{parts.hostname}:{parts.port or default}"
-        name, _, port = host.rpartition(":")
-        return None if seen == f"{name.strip('[]')}:{port}" else origin
-    return None if parts.hostname == host.strip("[]") else origin
 
 
 def _timed(receive: Receive, timeout: float) -> Receive:
@@ -218,11 +220,13 @@ def _mcp_endpoint(settings: Settings, inner: Callable[[], Guard | None]) -> Endp
     return Endpoint(app, image=settings.mcp_image, limits=settings.mcp_limits)
 
 
-def create_app(settings: Settings) -> ASGIApp:
-    """The server's ASGI application for one sandlot home."""
+def create_app(settings: Settings) -> origins.Listeners:
+    """The server's ASGI application for one sandlot home: the API's listener and the
+    content listener's (``server/origins.py``), by the port each request came in on."""
     from . import bridge, console, leases, webhooks
     from .routes import router
 
+    settings = origins.checked(settings)
     state = ServerState(settings)
     take_over_sessions(settings.home, heir=settings.heir)  # what the last server here held is ours
     guarded: Guard | None = None
@@ -303,6 +307,23 @@ def create_app(settings: Settings) -> ASGIApp:
     face = e2b.E2bFace(state)
     api.mount(e2b.PREFIX, face)
     guarded = Guard(api, state, face)
+    content: ASGIApp = Guard(api, state, face, content=True)
     if settings.port_domain:
-        return bridge.HostRoutes(guarded, state, settings.port_domain)
-    return guarded
+        content = bridge.HostRoutes(content, state, settings.port_domain)
+    layout = origins.Layout.of(settings)
+    front = origins.Front(_cors(guarded, settings.allow_origins), layout.api, "the API", error_response,
+                          origins.API_HEADERS)  # fmt: skip
+    return origins.Listeners(front, origins.Front(content, layout.content, "boxes' content", error_response),
+                             settings.content_port, api)  # fmt: skip
+
+
+def _cors(app: ASGIApp, allowed: tuple[str, ...]) -> ASGIApp:
+    """CORS for the origins ``--allow-origin`` names; none without (closed: a page of
+    another origin reads no answer of the API)."""
+    if not allowed:
+        return app
+    from starlette.middleware.cors import CORSMiddleware
+
+    headers = ["authorization", "x-api-key", "content-type", "last-event-id"]
+    return CORSMiddleware(app, allow_origins=list(allowed), allow_methods=["*"], allow_headers=headers,
+                          max_age=600)  # fmt: skip

@@ -3,25 +3,29 @@ TCP connection over a WebSocket, and signed preview URLs.
 
 Every connection goes into the box through ``AsyncBox.connect`` (the agent's
 relay, ``api/bridge.py``): the port needs no publishing and the box no network.
+What an app in a box serves is served on the content listener alone, never on the
+API's origin (``server/origins.py``):
 
 - ``/v1/boxes/{box}/ports/{port}/{path}``: HTTP (any method, streamed both ways)
   and WebSocket, authenticated by an API key like every ``/v1`` route.
 - ``/p/{token}/{path}``: the same, authenticated by the signed, expiring token a
-  key holder made (``POST /v1/boxes/{box}/previews``), for browsers and apps that
-  carry no key. Every request checks the token's signature and its row in the
-  store (``core/previews.py``), so a preview whose key is revoked, or that is
+  key holder made (``POST /v1/boxes/{box}/previews``, on the API), for browsers and
+  apps that carry no key. Every request checks the token's signature and its row in
+  the store (``core/previews.py``), so a preview whose key is revoked, or that is
   revoked itself, or whose box is removed, ends at once on every server of the
   home; a WebSocket or a response still streaming through it is cut within
   ``PREVIEW_RECHECK`` seconds.
 - ``WS /v1/boxes/{box}/tcp/{port}``: a raw connection (binary frames both ways),
-  what the remote client's ``box.connect(port)`` uses.
+  what the remote client's ``box.connect(port)`` uses; on the API (it carries no page).
 - ``{port}-{box}.{domain}`` (``sandlot serve --port-domain DOMAIN``; ``HostRoutes``):
   the same at the root path, for apps that need one, with a key, or with a
   preview token given once as ``?sandlot_token=`` and then kept in a cookie of
   that host only.
 
 HTTP goes with ``Connection: close`` to the guest (one connection per request)
-and hop-by-hop headers, and a sandlot key, are not passed on.
+and hop-by-hop headers, and a sandlot key, are not passed on. What the app answers
+comes back without what would reach past the app: a cookie for other hosts or
+paths, a service worker's wider scope, an order to clear the origin's data.
 """
 
 from __future__ import annotations
@@ -30,7 +34,6 @@ import asyncio
 import contextlib
 import json
 import math
-import re
 import socket
 from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
 from typing import Any
@@ -62,8 +65,10 @@ from ..errors import (
     RequestError,
     SandlotError,
 )
+from . import origins
 from .e2b import E2B_PORTS
 from .e2b import PREFIX as E2B_PREFIX
+from .origins import HOST_ROUTE
 from .routes import SERVED, box_for, ws_box
 from .state import KEY_SUBPROTOCOL, ServerState, accept_websocket, app_subprotocols, error_response
 
@@ -72,9 +77,11 @@ v1 = APIRouter()  # under /v1, authenticated by a key
 
 HOP_BY_HOP = {b"connection", b"keep-alive", b"proxy-authenticate", b"proxy-authorization", b"te",
               b"trailer", b"transfer-encoding", b"upgrade", b"host", b"x-api-key"}  # fmt: skip
-# Through a path route or a preview an app answers on the server's origin (the console's
-# too): it may not widen a service worker's scope past its own path.
-NOT_FROM_APPS = {b"service-worker-allowed"}
+# Through a path route or a preview an app answers on the content listener's origin, which
+# the apps of every box share: it may not widen a service worker's scope past its own path,
+# nor clear the origin's storage or cookies (Clear-Site-Data).
+NOT_FROM_APPS = {b"service-worker-allowed", b"clear-site-data"}
+SERVER_COOKIES = "sandlot"  # the prefix of the names of the server's own cookies (TOKEN_COOKIE)
 RESPONSE_HEAD_TIMEOUT = 300.0  # seconds the app in the box may take to start answering
 READ_CHUNK = 256 << 10
 PREVIEW_RECHECK = 1.0  # seconds between checks that a preview still lives, while it streams
@@ -101,7 +108,6 @@ async def _until_ended(server: ServerState, token: str) -> None:
 
 # -- host-based routes ----------------------------------------------------------------------
 
-HOST_ROUTE = "sandlot.host_route"  # in the scope of a request that came by a port host
 TOKEN_PARAM = "sandlot_token"
 TOKEN_COOKIE = "sandlot_preview"
 
@@ -117,9 +123,7 @@ class HostRoutes:
     def __init__(self, app: Any, state: ServerState, domain: str) -> None:
         self.app = app
         self.state = state
-        self.pattern = re.compile(
-            rf"^(\d{{1,5}})-([a-z0-9][a-z0-9_.-]*)\.{re.escape(domain.lower())}(?::\d+)?$"
-        )
+        self.pattern = origins.port_host_pattern(domain)
 
     async def __call__(self, scope: MutableMapping[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] not in ("http", "websocket"):
@@ -138,7 +142,8 @@ class HostRoutes:
             extra = [(b"e2b-sandbox-id", box.encode()), (b"e2b-sandbox-port", port.encode())]
             ours = (b"e2b-sandbox-id", b"e2b-sandbox-port")
             kept = [(k, v) for k, v in scope["headers"] if k.lower() not in ours]
-            scope = {**scope, "path": path, "raw_path": path.encode(), "headers": kept + extra}
+            scope = {**scope, "path": path, "raw_path": path.encode(), "headers": kept + extra,
+                     HOST_ROUTE: True}  # fmt: skip
             await self.app(scope, receive, send)
             return
         query = QueryParams(scope.get("query_string", b"").decode("latin-1"))
@@ -264,9 +269,40 @@ async def proxy_http(request: Request, box: AsyncBox, port: int, path: str, pref
             writer.close()
 
     response = StreamingResponse(body(), status_code=head.status_code)
-    response.raw_headers = [(bytes(k), bytes(v)) for k, v in head.headers
-                            if k.lower() not in HOP_BY_HOP and k.lower() not in NOT_FROM_APPS]  # fmt: skip
+    response.raw_headers = []
+    for k, v in head.headers:
+        name = bytes(k).lower()
+        if name in HOP_BY_HOP or name in NOT_FROM_APPS:
+            continue
+        value = app_cookie(bytes(v), prefix) if name == b"set-cookie" else bytes(v)
+        if value is not None:
+            response.raw_headers.append((bytes(k), value))
     return response
+
+
+def app_cookie(value: bytes, prefix: str) -> bytes | None:
+    """A cookie an app in a box set, kept to that app: for this host alone (no ``Domain``:
+    on a port host it would reach the other boxes' hosts, and the API's where they share
+    a parent), and on a path route under the route's own path (cookies are not kept apart
+    by port: the API's host would get them); None for one of the server's own names.
+    ``prefix``: where the app is mounted ("" on a host of its own)."""
+    text = value.decode("latin-1")
+    first, _, rest = text.partition(";")
+    if first.strip().lower().startswith(SERVER_COOKIES):
+        return None
+    kept, path = [first.strip()], "/"
+    for attr in rest.split(";"):
+        name = attr.split("=", 1)[0].strip().lower()
+        if name == "domain" or not attr.strip():
+            continue
+        if name == "path":
+            path = attr.split("=", 1)[1].strip() if "=" in attr else "/"
+            continue
+        kept.append(attr.strip())
+    if prefix and not (path == prefix or path.startswith(prefix + "/")):
+        path = prefix + (path if path.startswith("/") else "/")
+    kept.append(f"Path={path}")
+    return "; ".join(kept).encode("latin-1")
 
 
 async def _close_when(ended: Awaitable[None], writer: asyncio.StreamWriter) -> None:
@@ -488,14 +524,19 @@ async def make_preview(request: Request, box: AsyncBox, params: Any) -> dict[str
         access.make_preview, box.id, params.port, math.ceil(params.ttl), key_id=caller.key_id,
         key_name=caller.key_name, namespace=caller.namespace, home=server.home)  # fmt: skip
     request.state.audit = {"preview": preview.id, "port": preview.port, "expires_at": preview.expires_at}
-    base = str(request.base_url).rstrip("/")
+    base = content_base(request)
     out: dict[str, Any] = {"url": f"{base}/p/{token}/", "port": params.port, "expires_at": preview.expires_at,
                            "id": preview.id}  # fmt: skip
     domain = server.settings.port_domain
     if domain:  # the same preview at the root path of the box's own host
-        netloc = f"{params.port}-{box.id}.{domain}" + (f":{request.url.port}" if request.url.port else "")
-        out["host_url"] = f"{request.url.scheme}://{netloc}/?{TOKEN_PARAM}={token}"
+        at_host = origins.port_host_origin(base, domain, params.port, box.id)
+        out["host_url"] = f"{at_host}/?{TOKEN_PARAM}={token}"
     return out
+
+
+def content_base(request: Request) -> str:
+    """The content listener's origin, as the client of ``request`` reaches the server."""
+    return origins.content_base(_server(request).settings, request.url.scheme, request.headers.get("host"))
 
 
 SERVED["box.preview_url"] = make_preview

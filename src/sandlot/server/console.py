@@ -36,6 +36,9 @@ HEADERS = {
     "X-Content-Type-Options": "nosniff",
     "Referrer-Policy": "no-referrer",
     "X-Frame-Options": "DENY",
+    # a page of another origin that opens the console keeps no handle on its window
+    # (``window.opener`` is cut both ways): the key typed there is this window's alone
+    "Cross-Origin-Opener-Policy": "same-origin",
     "Cache-Control": "no-cache",  # revalidated: a new sandlot's files are seen at once
 }
 TYPES = {".js": "text/javascript", ".mjs": "text/javascript", ".css": "text/css", ".html": "text/html",

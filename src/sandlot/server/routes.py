@@ -71,7 +71,7 @@ from ..errors import (
     SnapshotNotFound,
     VolumeNotFound,
 )
-from . import leases
+from . import leases, origins
 from .state import KEY_LABEL, NAMESPACE_LABEL, Caller, ServerState, accept_websocket
 from .streams import serve, spawn
 
@@ -881,11 +881,14 @@ async def info(request: Request) -> dict[str, Any]:
     from ..version import __version__
 
     caller = _caller(request)
+    settings = _server(request).settings
     return {
         "version": __version__,
         "namespace": caller.namespace,
         "admin": caller.admin,
         "key": caller.key_name,
+        # where port routes and previews are: never this origin (server/origins.py)
+        "content_url": origins.content_base(settings, request.url.scheme, request.headers.get("host")),
     }
 
 

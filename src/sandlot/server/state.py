@@ -57,6 +57,13 @@ class Settings:
     auth: bool = True
     body_timeout: float = 60.0  # seconds a request body may stall before the answer is 408
     port_domain: str | None = None  # {port}-{box}.{port_domain} reaches that port (server/bridge.py)
+    # where it listens (server/origins.py): the address, and the port of boxes' content (None:
+    # no such listener; their routes are then served nowhere)
+    listen_host: str = "127.0.0.1"
+    content_port: int | None = None
+    content_url: str | None = None  # the content listener's origin as browsers reach it (behind a proxy)
+    allow_hosts: tuple[str, ...] = ()  # host names both listeners answer to, beyond loopback's
+    allow_origins: tuple[str, ...] = ()  # origins whose pages may call the API (CORS answers them)
     tmp: Path = field(default_factory=lambda: Path(os.environ.get("TMPDIR", "/tmp")))
     mcp: bool = True  # the MCP endpoint at /mcp (when the mcp package is installed)
     mcp_image: str | None = None  # what its create_box boots when a call names no image

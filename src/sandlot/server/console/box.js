@@ -100,8 +100,8 @@ async function networkPanel(panel, box, redraw) {
   const links = h("ul", { id: "previews" });
   async function preview(port) {
     try {
-      // a host of its own where the server has --port-domain: then the app is not on the
-      // console's origin (docs/console.md)
+      // on the server's content port, never the console's origin; a host of its own where
+      // the server has --port-domain, so not the other boxes' apps' either (docs/console.md)
       const made = await post(`/boxes/${enc(box.id)}/previews`, { port: Number(port) });
       const url = made.host_url || made.url;
       links.append(h("li", {}, h("a", { href: url, target: "_blank", rel: "noopener noreferrer" }, `port ${port}: ${url}`)));

@@ -29,7 +29,7 @@ from ...api.box import AsyncBox
 from ...api.contract import BoxCreate
 from ...errors import BoxNotFound, InvalidArgument, InvalidState, SandlotError, SnapshotNotFound, Unsupported
 from .. import leases as server_leases
-from .. import routes
+from .. import origins, routes
 from ..state import Caller, ServerState
 from .envd import ENVD_VERSION
 
@@ -171,7 +171,7 @@ async def _sandbox(request: Request, box: AsyncBox) -> dict[str, Any]:
         "envdVersion": ENVD_VERSION,
         "envdAccessToken": access.sandbox_token(box.id, "envd", home),
         "trafficAccessToken": access.sandbox_token(box.id, "traffic", home),
-        "domain": _server(request).settings.port_domain,
+        "domain": _domain(request),
         "alias": box.info["labels"].get(TEMPLATE_LABEL),
     }
 
@@ -207,8 +207,18 @@ async def _listed(request: Request, box: AsyncBox, detail: bool = False) -> dict
             "autoResume": auto_resume,
         }
         listed["envdAccessToken"] = access.sandbox_token(box.id, "envd", _server(request).home)
-        listed["domain"] = _server(request).settings.port_domain
+        listed["domain"] = _domain(request)
     return listed
+
+
+def _domain(request: Request) -> str | None:
+    """Where the SDKs reach a port of a sandbox (``{port}-{id}.{domain}``): the port hosts
+    of the content listener, with its port; None without ``--port-domain``."""
+    settings = _server(request).settings
+    if not settings.port_domain:
+        return None
+    base = origins.content_base(settings, request.url.scheme, request.headers.get("host"))
+    return origins.e2b_domain(base, settings.port_domain)
 
 
 def _iso(t: float) -> str:
