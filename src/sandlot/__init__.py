@@ -66,6 +66,7 @@ from .errors import (
 from .version import __version__
 
 if TYPE_CHECKING:
+    from .api import storage as storage
     from .api.box import AsyncBox, AsyncSnapshot
     from .api.client import AsyncClient, connect_async
     from .api.code import CodeContext, Execution, ExecutionError, Result
@@ -146,6 +147,8 @@ def __getattr__(name: str) -> Any:
 
     if name == "fleet":  # Ray is imported only by those who ask for a fleet
         value: Any = importlib.import_module(".fleet", __name__)
+    elif name == "storage":  # the home's saved state: sandlot.storage.info(), .gc()
+        value = importlib.import_module(".api.storage", __name__)
     elif name in ("volume", "volume_async"):  # each resolves $SANDLOT_HOME when it is called
         value = __getattr__("Volumes" if name == "volume" else "AsyncVolumes")()
     elif name in _LAZY:

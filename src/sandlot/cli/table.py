@@ -24,7 +24,7 @@ GROUPS: dict[str, dict[str, str]] = {
         "snapshot": "livestate", "snapshots": "livestate", "rollback": "livestate", "diff": "livestate",
         "fork": "livestate",
         "suspend": "livestate", "resume": "livestate", "template": "livestate", "pool": "pools",
-        "volume": "volumes",
+        "volume": "volumes", "storage": "storage",
     },
     "Images": {
         "pull": "images", "images": "images", "rmi": "images", "load": "images", "import": "images",
@@ -36,6 +36,6 @@ GROUPS: dict[str, dict[str, str]] = {
 }  # fmt: skip
 COMMANDS = {command: module for commands in GROUPS.values() for command, module in commands.items()}
 MODULES = ("access", "boxes", "completion", "events", "fleet", "host", "images", "livestate", "mcp", "pools",
-           "server", "volumes")  # fmt: skip
+           "server", "storage", "volumes")  # fmt: skip
 # what a shell's completion script sets when it asks sandlot what may follow (cli/completion.py)
 COMPLETE_VAR = "_SANDLOT_COMPLETE"

@@ -167,19 +167,23 @@ class ChunkStore:
         finally:
             os.close(fd)
 
-    def collect(self, store: BoxStore, *, orphans: bool = False, wait: float = 0.0) -> tuple[int, int]:
+    def collect(
+        self, store: BoxStore, *, orphans: bool = False, wait: float = 0.0, busy_ok: bool = True
+    ) -> tuple[int, int]:
         """Delete the chunks no saved state counts any more, and (``orphans``) those no
         state ever counted that a crashed save left, if nobody uses the store now (or
-        within ``wait`` seconds); else leave them for the next collection. Returns the
-        chunks and bytes deleted."""
+        within ``wait`` seconds); else leave them for the next collection (``busy_ok``)
+        or raise ``SavedStateError``. Returns the chunks and bytes deleted."""
         if not self.root.is_dir():
             return 0, 0
         fd = self._lock_fd()
         try:
             try:
-                _flock(fd, fcntl.LOCK_EX, wait, "the chunk store")
+                _flock(fd, fcntl.LOCK_EX, wait, "the chunk store (saves or loads use it)")
             except SavedStateError:
-                return 0, 0  # in use: the next collection takes what this one leaves
+                if busy_ok:
+                    return 0, 0  # in use: the next collection takes what this one leaves
+                raise
             count = freed = 0
             dead = store.forget_chunks()
             if dead:

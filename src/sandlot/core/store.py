@@ -1089,6 +1089,11 @@ class BoxStore:
             row = self._db.execute("SELECT manifest FROM states WHERE id = ?", (snap_id,)).fetchone()
         return bytes(row[0]) if row else None
 
+    def state_manifests(self) -> dict[str, bytes]:
+        """Every state saved as chunks: its manifest, by its snapshot's id."""
+        with self._reading():
+            return {r[0]: bytes(r[1]) for r in self._db.execute("SELECT id, manifest FROM states")}
+
     def forget_chunks(self) -> builtins.list[bytes]:
         """Delete the rows of the chunks no state lists; their digests (the caller, who
         holds the chunk store exclusively, deletes their files)."""

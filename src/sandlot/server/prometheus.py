@@ -70,8 +70,33 @@ class _Boxes(Collector):
         yield sampled
 
 
-def exposition(rows: list[tuple[dict[str, Any], dict[str, Any] | None]]) -> bytes:
-    """The text format of these boxes and samples."""
+# (name, help, the field of ``BoxStore.chunk_totals``): the home's chunk store (docs/storage.md)
+STORAGE_FIGURES = (
+    ("sandlot_storage_states", "Saved states kept as chunks", "states"),
+    ("sandlot_storage_chunks", "Chunks the home keeps (each once)", "chunks"),
+    ("sandlot_storage_stored_bytes", "Bytes the chunks take on disk, compressed, each once", "stored_bytes"),
+    ("sandlot_storage_unshared_bytes", "Bytes the states would take if each kept its own chunks",
+     "unshared_bytes"),
+    ("sandlot_storage_garbage_bytes", "Bytes of chunks no saved state lists, until a collection",
+     "garbage_bytes"),
+)  # fmt: skip
+
+
+class _Storage(Collector):
+    def __init__(self, totals: dict[str, int]) -> None:
+        self.totals = totals
+
+    def collect(self) -> Iterator[Metric]:
+        for name, doc, field in STORAGE_FIGURES:
+            yield GaugeMetricFamily(name, doc, value=float(self.totals[field]))
+
+
+def exposition(
+    rows: list[tuple[dict[str, Any], dict[str, Any] | None]], storage: dict[str, int] | None = None
+) -> bytes:
+    """The text format of these boxes and samples, and (an admin's) of the home's chunk store."""
     registry = CollectorRegistry(auto_describe=False)
     registry.register(_Boxes(rows))
+    if storage is not None:
+        registry.register(_Storage(storage))
     return generate_latest(registry)
