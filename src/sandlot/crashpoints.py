@@ -32,6 +32,8 @@ POINTS = frozenset({
     "export.mid-write",  # part of an archive is written
     "chunks.mid-write",  # a saved state's chunk is written under its temporary name, not renamed
     "chunks.mid-collect",  # the rows of chunks no state lists are deleted, their files not yet
+    "remote.mid-push",  # some chunks are in the storage tier (and counted so), the rest not
+    "remote.mid-pull",  # a box's disk files are pulled from the tier, its rows not written
     "diff.sides-open",  # a diff's sides run (a snapshot's or the image's as a box of its own)
     "pool.fill-after-start",  # a pool VM runs (its HELLO done), not yet paused and ready
     "pool.claim-after-row",  # a claim's compare-and-swap is written; the pool VM is still paused

@@ -189,6 +189,28 @@ class InvalidState(SandlotError):
         return {"allowed": list(self.allowed)}
 
 
+class BoxElsewhere(InvalidState):
+    """The box belongs to another home: it went through the storage tier and that home
+    took it (``sandlot.storage.pull``), or holds it there. ``holder`` names that home."""
+
+    code, status = "box_elsewhere", 409
+
+    def __init__(
+        self,
+        message: str = "",
+        *,
+        box: str | None = None,
+        state: str | None = None,
+        allowed: Iterable[str] = (),
+        holder: str = "",
+    ) -> None:
+        super().__init__(message, box=box, state=state, allowed=allowed)
+        self.holder = holder
+
+    def _fields(self) -> dict[str, Any]:
+        return {**super()._fields(), "holder": self.holder}
+
+
 class BoxBusy(InvalidState):
     """Another process held the box's lock past the deadline (a long operation, or a stuck process)."""
 
@@ -269,6 +291,13 @@ class CorruptSnapshot(SavedStateError):
     """A snapshot or snapshot archive is damaged or malformed (it is never partly used)."""
 
     code, status = "corrupt_snapshot", 422
+
+
+class TierError(SandlotError):
+    """The object-storage tier under the home's saved state failed (after its client's
+    retries) or refused (docs/storage.md): the object and the store's answer included."""
+
+    code, status = "storage_tier_failed", 502
 
 
 class NoSpace(SandlotError, OSError):
@@ -550,6 +579,9 @@ def from_dict(data: dict[str, Any]) -> SandlotError:
         err = cls(message.split(marker, 1)[0] if tail else message, tail, box=box)
     elif issubclass(cls, VolumeInUse):
         err = cls(message, boxes=[str(b) for b in data.get("boxes") or ()])
+    elif issubclass(cls, BoxElsewhere):
+        holder = str(data.get("holder", ""))
+        err = cls(message, box=box, state=state, allowed=data.get("allowed") or (), holder=holder)
     elif issubclass(cls, InvalidState):
         err = cls(message, box=box, state=state, allowed=data.get("allowed") or ())
     elif issubclass(cls, QuotaExceeded):

@@ -1,12 +1,14 @@
 """The home's saved state, as content-addressed chunks (docs/storage.md): what it holds,
-what it costs, and collecting what no state needs.
+what it costs, collecting what no state needs, and an S3-compatible tier under it that
+cold state moves to and boxes move between homes through.
 
 >>> import sandlot
 >>> report = sandlot.storage.info()            # doctest: +SKIP
 >>> report.stored_bytes, report.dedup_ratio    # doctest: +SKIP
 (234881024, 5.4)
->>> sandlot.storage.gc()                       # doctest: +SKIP
-GcReport(chunks=0, bytes_freed=0)
+>>> sandlot.storage.configure("s3://my-bucket/sandlot")             # doctest: +SKIP
+>>> sandlot.storage.push("dev")                # a suspended box, whole  # doctest: +SKIP
+>>> sandlot.storage.pull("dev")                # on another home        # doctest: +SKIP
 """
 
 from __future__ import annotations
@@ -15,8 +17,10 @@ import os
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from ..core import tier as tiers
 from ..core.chunks import LOCK_WAIT, ChunkStore
 from ..core.manifest import Manifest
+from ..core.remote import PushReport, Remote
 from ..core.runtime import Runtime
 from ..errors import InvalidArgument
 
@@ -39,6 +43,11 @@ class StorageReport:
     logical_bytes: int
     garbage_chunks: int
     garbage_bytes: int
+    tier: str | None = None  # the storage tier's URL, where one is configured
+    remote_chunks: int = 0  # chunks the tier holds (``local_bytes``: what is here)
+    remote_bytes: int = 0
+    local_bytes: int = 0
+    pushed_states: int = 0
 
     @property
     def dedup_ratio(self) -> float:
@@ -62,13 +71,18 @@ class GcReport:
 
 def info(*, home: Home = None) -> StorageReport:
     """The figures of the home's chunk store (``sandlot storage``)."""
-    store = Runtime.for_home(home).store
+    rt = Runtime.for_home(home)
+    store = rt.store
     totals = store.chunk_totals()
     logical = sum(Manifest.decode(data).logical for data in store.state_manifests().values())
+    config = tiers.configured(rt.home)
     return StorageReport(
         states=totals["states"], chunks=totals["chunks"], stored_bytes=totals["stored_bytes"],
         unshared_bytes=totals["unshared_bytes"], logical_bytes=logical,
         garbage_chunks=totals["garbage_chunks"], garbage_bytes=totals["garbage_bytes"],
+        tier=config.url if config else None, remote_chunks=totals["remote_chunks"],
+        remote_bytes=totals["remote_bytes"], local_bytes=ChunkStore(rt.home).local_bytes(),
+        pushed_states=totals["pushed_states"],
     )  # fmt: skip
 
 
@@ -90,4 +104,71 @@ def gc(*, home: Home = None, wait: float = LOCK_WAIT) -> GcReport:
     return GcReport(count, freed)
 
 
-__all__ = ["GcReport", "StorageReport", "gc", "info", "totals"]
+def configure(
+    url: str | None,
+    *,
+    endpoint_url: str | None = None,
+    region: str | None = None,
+    profile: str | None = None,
+    evict_after: float | None = None,
+    home: Home = None,
+) -> None:
+    """Give the home a storage tier (``None``: none), for every process of the home:
+    ``url`` is ``s3://BUCKET[/PREFIX]``; credentials come from the standard AWS
+    configuration (its environment, ``~/.aws``, ``profile``), ``endpoint_url`` names an
+    S3-compatible store other than AWS. ``evict_after`` (seconds): the state of a box
+    suspended that long, or of a snapshot that old, keeps only its manifest here once
+    the tier has its chunks (``evict``, and the pushes after saves, apply it).
+    ``$SANDLOT_STORAGE`` overrides what this writes."""
+    rt = Runtime.for_home(home)
+    config = None if url is None else tiers.TierConfig(url, endpoint_url, region, profile, evict_after)
+    tiers.configure(rt.home, config)
+
+
+def push(box: str | None = None, *, release: bool = False, home: Home = None) -> PushReport:
+    """Send the tier what it lacks: every saved state of the home (``box`` None), or a
+    suspended box whole, state and disk, for another home to ``pull`` and resume it.
+    ``release``: the box then leaves this home."""
+    rt = Runtime.for_home(home)
+    remote = Remote.of(rt)
+    if box is None:
+        if release:
+            raise InvalidArgument("release moves one box: name it")
+        return remote.push()
+    return remote.push_box(box, release=release)
+
+
+def pull(box: str, *, force: bool = False, home: Home = None) -> Any:
+    """Take a box from the tier into this home, suspended, with its id, name, processes and
+    files: ``resume()`` (or any command) brings it back. Refused (``BoxElsewhere``)
+    while another home holds it, unless ``force`` (that home is known to be gone)."""
+    from .sync import Box
+
+    rt = Runtime.for_home(home)
+    rec = Remote.of(rt).pull_box(box, force=force)
+    return Box.get(rec.id, home=rt.home)
+
+
+def evict(older_than: float | None = None, *, home: Home = None) -> GcReport:
+    """Keep only the manifest here of cold states (boxes suspended ``older_than`` seconds
+    ago or more, snapshots that old; default: the tier's ``evict_after``), once the
+    tier has their chunks; a later load brings the chunks back."""
+    rt = Runtime.for_home(home)
+    remote = Remote.of(rt)
+    after = older_than if older_than is not None else remote.tier.config.evict_after
+    if after is None or not after >= 0:
+        raise InvalidArgument("evict needs older_than (seconds), or a tier configured with evict_after")
+    count, freed = remote.evict(after)
+    return GcReport(count, freed)
+
+
+def boxes(*, home: Home = None) -> list[dict[str, Any]]:
+    """The boxes in the home's tier: ``id``, ``name``, ``pushed_at``, ``pushed_by`` and
+    ``holder`` (the home that holds it; None: any home may pull it)."""
+    return Remote.of(Runtime.for_home(home)).boxes()
+
+
+__all__ = [
+    "GcReport", "PushReport", "StorageReport", "boxes", "configure", "evict", "gc", "info", "pull", "push",
+    "totals",
+]  # fmt: skip

@@ -44,6 +44,7 @@ from typing import TYPE_CHECKING
 from ..crashpoints import crash_point
 from ..engine.base import ImageSink, StateSink, StateSource
 from ..errors import CorruptSnapshot, SavedStateError, no_space
+from . import tier
 from .manifest import CHUNK, Image, Manifest, Stream
 from .store import BoxStore
 
@@ -74,8 +75,20 @@ class ChunkStore:
     """The chunk files of one home. Cheap to create; thread-safe."""
 
     def __init__(self, home: Path) -> None:
+        self.home = home
         self.root = home / "chunks"
         self._zc = threading.local()
+        self._tier: tier.Tier | bool | None = False  # False: not looked up yet
+        self._tier_lock = threading.Lock()
+
+    def tier(self) -> tier.Tier | None:
+        """The home's storage tier, where one is configured (looked up once)."""
+        with self._tier_lock:
+            if self._tier is False:
+                config = tier.configured(self.home)
+                self._tier = tier.Tier(config) if config is not None else None
+            assert self._tier is not True
+            return self._tier
 
     def path(self, d: bytes) -> Path:
         h = d.hex()
@@ -102,7 +115,9 @@ class ChunkStore:
         final = self.path(d)
         if final.exists():
             return 0
-        packed = self._compressor().compress(data)
+        return self._write(final, self._compressor().compress(data))
+
+    def _write(self, final: Path, packed: bytes) -> int:
         final.parent.mkdir(parents=True, exist_ok=True)
         tmp = final.with_name(f".{final.name}.{secrets.token_hex(4)}")
         try:
@@ -118,17 +133,23 @@ class ChunkStore:
             raise
         return len(packed)
 
-    def get(self, d: bytes, whose: str, size: int | None = None) -> bytes:
+    def get(self, d: bytes, whose: str, size: int | None = None, *, keep: bool = True) -> bytes:
         """A chunk's bytes, checked against its hash (and ``size`` where known). A damaged
         chunk is put aside (``damaged/``): the next save that holds its bytes (a box that
-        still has them in memory) then writes it again instead of counting on it."""
+        still has them in memory) then writes it again instead of counting on it. One this
+        home lacks comes from its storage tier, and stays here (``keep``: a chunk of a
+        state of the home; not a chunk of a disk file being pulled)."""
         import zstandard
 
         path = self.path(d)
+        fetched = False
         try:
             packed = path.read_bytes()
         except FileNotFoundError:
-            raise CorruptSnapshot(f"saved state {whose}: its chunk {d.hex()} is missing") from None
+            found = self._fetch(d)
+            if found is None:
+                raise CorruptSnapshot(f"saved state {whose}: its chunk {d.hex()} is missing") from None
+            packed, fetched = found, True
         try:
             data = zstandard.ZstdDecompressor().decompress(packed)
             why = "its bytes do not match its hash" if digest(data) != d else None
@@ -137,11 +158,26 @@ class ChunkStore:
         except zstandard.ZstdError as exc:
             why = str(exc)
         if why is not None:
+            if fetched:
+                raise CorruptSnapshot(
+                    f"saved state {whose}: its chunk {d.hex()} in the storage tier is damaged ({why})"
+                )
             with contextlib.suppress(OSError):
                 (self.root / "damaged").mkdir(exist_ok=True)
                 os.rename(path, self.root / "damaged" / d.hex())
             raise CorruptSnapshot(f"saved state {whose}: its chunk {d.hex()} is damaged ({why})")
+        if fetched and keep:  # kept here again: the next load of it reads the disk, not the network
+            with contextlib.suppress(OSError):  # (a full disk: read from the tier again next time)
+                self._write(path, packed)
         return data
+
+    def _fetch(self, d: bytes) -> bytes | None:
+        """A chunk this home does not hold, from its storage tier (None: there neither)."""
+        remote = self.tier()
+        if remote is None:
+            return None
+        found = remote.get(remote.key("chunks", d.hex()))
+        return None if found is None else found[0]
 
     @contextmanager
     def using(self, wait: float = LOCK_WAIT) -> Iterator[None]:
@@ -156,6 +192,12 @@ class ChunkStore:
     def _lock_fd(self) -> int:
         self.root.mkdir(parents=True, exist_ok=True)
         return os.open(self.root / ".lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+
+    def local_bytes(self) -> int:
+        """What the chunk files of this home take on its disk."""
+        from ..config import tree_bytes
+
+        return tree_bytes(self.root) if self.root.is_dir() else 0
 
     def sync(self) -> None:
         """Make every chunk written so far durable: one ``syncfs`` of the home's filesystem
@@ -189,7 +231,7 @@ class ChunkStore:
             if dead:
                 crash_point("chunks.mid-collect")
             for d in dead:
-                count, freed = count + 1, freed + self._unlink(self.path(d))
+                count, freed = count + 1, freed + remove_file(self.path(d))
             if orphans:
                 known = store.chunk_digests()
                 now = time.time()
@@ -201,21 +243,32 @@ class ChunkStore:
                             if now - f.stat().st_mtime < ORPHAN_AGE:
                                 continue
                             if f.name.startswith("."):  # a write a crash cut short
-                                freed += self._unlink(f)
+                                freed += remove_file(f)
                             elif bytes.fromhex(sub.name + f.name) not in known:
-                                count, freed = count + 1, freed + self._unlink(f)
+                                count, freed = count + 1, freed + remove_file(f)
             return count, freed
         finally:
             os.close(fd)
 
-    @staticmethod
-    def _unlink(path: Path) -> int:
+    @contextmanager
+    def collecting(self, wait: float = LOCK_WAIT) -> Iterator[None]:
+        """Hold the store alone: no save counts on, and no load reads, a chunk file meanwhile."""
+        fd = self._lock_fd()
         try:
-            size = path.stat().st_size
-            path.unlink()
-            return size
-        except FileNotFoundError:
-            return 0
+            _flock(fd, fcntl.LOCK_EX, wait, "the chunk store (saves or loads use it)")
+            yield
+        finally:
+            os.close(fd)
+
+
+def remove_file(path: Path) -> int:
+    """Delete a file; the bytes it took (0 if it was not there)."""
+    try:
+        size = path.stat().st_size
+        path.unlink()
+        return size
+    except FileNotFoundError:
+        return 0
 
 
 def _flock(fd: int, how: int, wait: float, what: str) -> None:

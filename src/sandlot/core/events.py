@@ -61,6 +61,8 @@ KINDS: dict[str, str] = {
     "failed": "an operation failed and the box went back (detail.op, reason)",
     "recovered": "recovery finished or undid the operation of a process that died (detail.action)",
     "removed": "a box was removed",
+    "pulled": "a suspended box came to this home from the storage tier (detail.snapshot)",
+    "pushed": "a suspended box went to the storage tier (detail.released: it left this home)",
     "command_oom": "the OOM killer ended a process of a command (detail.argv)",
     "command_timeout": "a command ran past its timeout and was killed (detail.argv, detail.timeout)",
     "quota_refused": "a request was refused by a key's quota (reason)",

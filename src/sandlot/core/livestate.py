@@ -24,7 +24,7 @@ from .. import pids
 from ..crashpoints import crash_point
 from ..engine.base import Boot, BootRequest, Engine, SavedState
 from ..errors import InvalidArgument, InvalidState, SandlotError, SnapshotInUse, SnapshotNotFound
-from . import archive, chunks, events, layers, snapshots, tracing, volumes
+from . import archive, chunks, events, layers, snapshots, tier, tracing, volumes
 from .controller import BoxController
 from .entry import BoxEntry
 from .launch import Launcher, drives_of, shares_of
@@ -207,6 +207,10 @@ class LiveState:
                     f"box {entry.name}: its suspended state is missing; start() boots it afresh",
                     box=entry.name, state="crashed",
                 )  # fmt: skip
+            if snap.id in await self.db.call("pushed_states"):
+                # it went to the storage tier: another home may have taken it (by force,
+                # its holder thought gone); this home runs it only while it holds it
+                await asyncio.to_thread(self._hold_lease, rec)
             keep_conn = session.healthy  # its operations reconnect to the resumed VM
             async with self.controller.transition(entry, Op.RESUME) as step:
                 step.on_failure = {"vm_pid": None}
@@ -225,6 +229,11 @@ class LiveState:
         engine = self.rt.engine(rec.engine)
         enabled = engine.chunked_state and chunks.enabled()
         return chunks.Saving(self.rt.home, engine.name, snap_id, enabled=enabled)
+
+    def _hold_lease(self, rec: BoxRecord) -> None:
+        remote = chunks.ChunkStore(self.rt.home).tier()
+        if remote is not None:
+            remote.take(rec.id, tier.home_id(self.rt.home))
 
     def require_live_state(self, entry: BoxEntry) -> None:
         """Refuse, saying why, on an engine that cannot save a running state."""

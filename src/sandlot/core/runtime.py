@@ -232,4 +232,22 @@ class Runtime:
         usage = shutil.disk_usage(self.home)
         report["disk_free_gib"] = round(usage.free / (1 << 30), 1)
         report["runtime_dir"] = str(runtime_dir())
+        report["storage"] = self.storage_doctor()
         return report
+
+    def storage_doctor(self) -> dict[str, Any]:
+        """Where saved state goes: the chunk store, and the storage tier (and whether it
+        answers) where one is configured."""
+        from . import chunks, tier
+
+        out: dict[str, Any] = {
+            "chunks": str(self.home / "chunks"),
+            "format": "chunks" if chunks.enabled() else "files",
+        }
+        try:
+            config = tier.configured(self.home)
+        except InvalidArgument as exc:
+            out["tier"] = {"url": None, "reachable": False, "why": str(exc)}
+            return out
+        out["tier"] = tier.Tier(config).check() if config is not None else None
+        return out

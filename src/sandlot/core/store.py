@@ -51,7 +51,7 @@ from . import events as box_events
 from .events import Draft, Event
 from .manifest import digests_of as manifest_digests
 
-SCHEMA_VERSION = 11
+SCHEMA_VERSION = 12
 # Room the store keeps for itself (BoxStore.hold_room): a file of its own, given up when
 # a write finds the filesystem full so that the write is tried again and the rows saying
 # how an operation ended are written; made again once the filesystem has room.
@@ -304,6 +304,12 @@ MIGRATIONS: list[str | Callable[[sqlite3.Connection], None]] = [
         stored INTEGER NOT NULL
     ) WITHOUT ROWID;
     CREATE INDEX chunks_dead ON chunks(refs) WHERE refs <= 0;
+    """,
+    # 11 -> 12: the object-storage tier (``core.tier``): which chunks and states it holds
+    """
+    ALTER TABLE chunks ADD COLUMN remote INTEGER NOT NULL DEFAULT 0;
+    ALTER TABLE states ADD COLUMN pushed INTEGER NOT NULL DEFAULT 0;
+    CREATE INDEX chunks_unpushed ON chunks(remote) WHERE remote = 0;
     """,
 ]
 
@@ -990,11 +996,17 @@ class BoxStore:
     # -- snapshots ------------------------------------------------------------------------
 
     def insert_snapshot(
-        self, rec: SnapshotRecord, *, manifest: bytes | None = None, stored: dict[bytes, int] | None = None
+        self,
+        rec: SnapshotRecord,
+        *,
+        manifest: bytes | None = None,
+        stored: dict[bytes, int] | None = None,
+        remote: bool = False,
     ) -> SnapshotRecord:
         """Add a snapshot's row; with ``manifest`` (a state saved as chunks), its manifest
         too, and one more state counted for each chunk it lists (``stored``: the size
-        of each in the chunk store), all in one transaction."""
+        of each in the chunk store), all in one transaction. ``remote``: a state pulled
+        from the storage tier, which holds its chunks (and the state)."""
         d = rec.to_json()
         d["options"] = json.dumps(d["options"])
         cols = ", ".join(d)
@@ -1010,12 +1022,15 @@ class BoxStore:
                     raise InvalidArgument(f"{owner} already has a {rec.kind} named {rec.name!r}")
             db.execute(f"INSERT INTO snapshots ({cols}) VALUES ({marks})", d)
             if manifest is not None:
-                db.execute("INSERT INTO states (id, manifest) VALUES (?, ?)", (rec.id, manifest))
+                db.execute(
+                    "INSERT INTO states (id, manifest, pushed) VALUES (?, ?, ?)", (rec.id, manifest, remote)
+                )
                 sizes = stored or {}
                 db.executemany(
-                    "INSERT INTO chunks (digest, refs, stored) VALUES (?, 1, ?) "
-                    "ON CONFLICT(digest) DO UPDATE SET refs = refs + 1",
-                    [(dg, sizes.get(dg, 0)) for dg in set(manifest_digests(manifest))],
+                    "INSERT INTO chunks (digest, refs, stored, remote) VALUES (?, 1, ?, ?) "
+                    "ON CONFLICT(digest) DO UPDATE SET refs = refs + 1,"
+                    " remote = MAX(remote, excluded.remote)",
+                    [(dg, sizes.get(dg, 0), int(remote)) for dg in set(manifest_digests(manifest))],
                 )
         return rec
 
@@ -1084,6 +1099,28 @@ class BoxStore:
                     [(dg,) for dg in set(manifest_digests(row[0]))],
                 )
 
+    def adopt(self, box: BoxRecord, snap: SnapshotRecord, manifest: bytes) -> None:
+        """A suspended box another home pushed to the storage tier, made this home's in one
+        transaction: its row, its state's row and manifest (the tier holds its chunks)."""
+        d = _encode(box.to_json())
+        with self._tx() as db:
+            try:
+                db.execute(f"INSERT INTO boxes ({', '.join(d)}) VALUES ({', '.join(f':{k}' for k in d)})", d)
+            except sqlite3.IntegrityError as exc:
+                raise InvalidArgument(
+                    f"this home has a box named {box.name!r} or with id {box.id} already"
+                ) from exc
+            s = snap.to_json()
+            s["options"] = json.dumps(s["options"])
+            db.execute(f"INSERT INTO snapshots ({', '.join(s)}) VALUES ({', '.join(f':{k}' for k in s)})", s)
+            db.execute("INSERT INTO states (id, manifest, pushed) VALUES (?, ?, 1)", (snap.id, manifest))
+            db.executemany(
+                "INSERT INTO chunks (digest, refs, stored, remote) VALUES (?, 1, 0, 1) "
+                "ON CONFLICT(digest) DO UPDATE SET refs = refs + 1, remote = 1",
+                [(dg,) for dg in set(manifest_digests(manifest))],
+            )
+            self._write_events(db, box, [box_events.draft("pulled", snapshot=snap.id)])
+
     def state_manifest(self, snap_id: str) -> bytes | None:
         with self._reading():
             row = self._db.execute("SELECT manifest FROM states WHERE id = ?", (snap_id,)).fetchone()
@@ -1093,6 +1130,38 @@ class BoxStore:
         """Every state saved as chunks: its manifest, by its snapshot's id."""
         with self._reading():
             return {r[0]: bytes(r[1]) for r in self._db.execute("SELECT id, manifest FROM states")}
+
+    def unpushed_chunks(self, limit: int = 10_000) -> builtins.list[bytes]:
+        """Chunks some state lists that the storage tier does not hold yet."""
+        with self._reading():
+            rows = self._db.execute(
+                "SELECT digest FROM chunks WHERE remote = 0 AND refs > 0 LIMIT ?", (limit,)
+            ).fetchall()
+        return [bytes(r[0]) for r in rows]
+
+    def unpushed_states(self) -> builtins.list[str]:
+        with self._reading():
+            return [r[0] for r in self._db.execute("SELECT id FROM states WHERE pushed = 0")]
+
+    def mark_pushed(self, *, chunks: Sequence[bytes] = (), state: str | None = None) -> None:
+        """The tier holds these chunks (and this state's manifest) now."""
+        with self._tx() as db:
+            db.executemany("UPDATE chunks SET remote = 1 WHERE digest = ?", [(d,) for d in chunks])
+            if state is not None:
+                db.execute("UPDATE states SET pushed = 1 WHERE id = ?", (state,))
+
+    def remote_chunks(self, digests: Collection[bytes]) -> builtins.set[bytes]:
+        """Which of ``digests`` the tier holds."""
+        out: builtins.set[bytes] = set()
+        with self._reading():
+            for d in digests:
+                if self._db.execute("SELECT 1 FROM chunks WHERE digest = ? AND remote = 1", (d,)).fetchone():
+                    out.add(d)
+        return out
+
+    def pushed_states(self) -> builtins.set[str]:
+        with self._reading():
+            return {r[0] for r in self._db.execute("SELECT id FROM states WHERE pushed = 1")}
 
     def forget_chunks(self) -> builtins.list[bytes]:
         """Delete the rows of the chunks no state lists; their digests (the caller, who
@@ -1121,9 +1190,14 @@ class BoxStore:
                 "SELECT COUNT(*), COALESCE(SUM(stored), 0) FROM chunks WHERE refs <= 0"
             ).fetchone()
             states = self._db.execute("SELECT COUNT(*) FROM states").fetchone()[0]
+            remote = self._db.execute(
+                "SELECT COUNT(*), COALESCE(SUM(stored), 0) FROM chunks WHERE refs > 0 AND remote = 1"
+            ).fetchone()
+            pushed = self._db.execute("SELECT COUNT(*) FROM states WHERE pushed = 1").fetchone()[0]
         return {"states": int(states), "chunks": int(live[0]), "stored_bytes": int(live[1]),
                 "unshared_bytes": int(live[2]), "garbage_chunks": int(dead[0]),
-                "garbage_bytes": int(dead[1])}  # fmt: skip
+                "garbage_bytes": int(dead[1]), "remote_chunks": int(remote[0]),
+                "remote_bytes": int(remote[1]), "pushed_states": int(pushed)}  # fmt: skip
 
     # -- API keys and the audit trail (rows as dicts; ``core.access`` gives them types) ---
 

@@ -1,0 +1,420 @@
+"""Saved state in the home's storage tier (``core.tier``, docs/storage.md): pushing the
+chunks and manifests of saved states, keeping only the manifest of cold ones here, and
+moving a suspended box to another home that shares the tier.
+
+A box moves as what another home needs to resume it, nothing of this home's paths:
+its row, its suspended state (a manifest of chunks), and its disk, every file of its
+qcow2 chain (its layers and the image's base) as a manifest of chunks too, so that a
+base many boxes share is in the tier once. The home that pulls it takes the box's
+lease first (a conditional write): of two homes pulling one box, one gets it, and a box
+held by a home that did not let it go is refused, naming that home.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import itertools
+import json
+import os
+import re
+import shutil
+import subprocess
+import time
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from ..crashpoints import crash_point
+from ..engine.base import BootRequest
+from ..errors import BoxNotFound, CorruptSnapshot, InvalidArgument, InvalidState, TierError, no_space
+from . import snapshots
+from .chunks import ChunkStore, digest, remove_file
+from .manifest import CHUNK, Image, Manifest
+from .runtime import Runtime
+from .state import BoxState
+from .store import BoxRecord, SnapshotRecord
+from .tier import Tier, home_id
+
+WORKERS = 16  # requests in flight to the tier at once: each is mostly waiting on the network
+BOX_FORMAT = "sandlot-box/1"
+FILE_RE = re.compile(r"(layers|bases)/[A-Za-z0-9][A-Za-z0-9._-]{0,200}")
+
+
+@dataclass(frozen=True, slots=True)
+class PushReport:
+    chunks: int = 0  # chunks the tier did not hold, sent now
+    bytes: int = 0
+    states: int = 0  # manifests sent
+    files: int = 0  # disk files sent (a box's)
+    seconds: float = 0.0
+
+
+class Remote:
+    """One home's use of its storage tier."""
+
+    def __init__(self, rt: Runtime, tier: Tier) -> None:
+        self.rt = rt
+        self.tier = tier
+        self.chunks = ChunkStore(rt.home)
+        self.me = home_id(rt.home)
+
+    @classmethod
+    def of(cls, rt: Runtime) -> Remote:
+        remote = ChunkStore(rt.home).tier()
+        if remote is None:
+            raise InvalidState(
+                "this home has no storage tier: sandlot.storage.configure('s3://bucket/prefix') "
+                "or SANDLOT_STORAGE"
+            )
+        return cls(rt, remote)
+
+    # -- chunks and states -------------------------------------------------------------------
+
+    def push(self, states: Iterable[str] | None = None) -> PushReport:
+        """Send the tier every chunk and manifest it lacks: of ``states`` (snapshot ids),
+        or of every state of the home. A chunk is marked as the tier's only once the
+        tier said it has it; a push cut short sends the rest next time."""
+        t0 = time.monotonic()
+        store = self.rt.store
+        wanted = list(states) if states is not None else store.unpushed_states()
+        sent = nbytes = 0
+        with self.chunks.using():
+            todo: list[bytes] = []
+            manifests: dict[str, bytes] = {}
+            for snap_id in wanted:
+                data = store.state_manifest(snap_id)
+                if data is None:
+                    raise InvalidArgument(
+                        f"saved state {snap_id} is not kept as chunks: it cannot go to the tier"
+                    )
+                manifests[snap_id] = data
+                digests = Manifest.decode(data, snap_id).digests()
+                todo += sorted(digests - store.remote_chunks(digests))
+            if states is None:
+                todo += store.unpushed_chunks()
+            todo = list(dict.fromkeys(todo))
+            for batch in _batches(todo, 512):
+                sizes = self._parallel(self._push_chunk, batch)
+                store.mark_pushed(chunks=batch)
+                crash_point("remote.mid-push")
+                sent, nbytes = sent + sum(1 for s in sizes if s), nbytes + sum(sizes)
+            for snap_id, data in manifests.items():
+                self.tier.put(self.tier.key("states", snap_id), data)
+                store.mark_pushed(state=snap_id)
+        return PushReport(sent, nbytes, len(manifests), 0, round(time.monotonic() - t0, 3))
+
+    def _push_chunk(self, d: bytes) -> int:
+        path = self.chunks.path(d)
+        try:
+            packed = path.read_bytes()
+        except FileNotFoundError:
+            if self.tier.exists(self.tier.key("chunks", d.hex())):
+                return 0  # sent before and evicted here since
+            raise CorruptSnapshot(
+                f"chunk {d.hex()} is neither in this home nor in its storage tier"
+            ) from None
+        self.tier.put(self.tier.key("chunks", d.hex()), packed)
+        return len(packed)
+
+    def _parallel(self, fn: Callable[[Any], Any], items: list[Any]) -> list[Any]:
+        if not items:
+            return []
+        with ThreadPoolExecutor(min(WORKERS, len(items)), thread_name_prefix="sandlot-tier") as pool:
+            return list(pool.map(fn, items))
+
+    def evict(self, older_than: float) -> tuple[int, int]:
+        """Keep only the manifest here of cold states: of boxes suspended ``older_than``
+        seconds ago or more, and of snapshots that old (templates stay: boxes start from
+        them). Their chunks are pushed first; a chunk a warm state lists stays. Returns
+        the chunks and bytes this home no longer holds."""
+        rt, store = self.rt, self.rt.store
+        now = time.time()
+        boxes = store.list()
+        suspended = {b.suspended: b for b in boxes if b.suspended}
+        manifests = store.state_manifests()
+        cold, warm = [], set()
+        for s in store.snapshots():
+            if s.id not in manifests:
+                continue
+            box = suspended.get(s.id)
+            since = (box.stopped_at or s.created_at) if box is not None else s.created_at
+            if (
+                s.kind != "template"
+                and now - since >= older_than
+                and (s.kind == "snapshot" or box is not None)
+            ):
+                cold.append(s.id)
+            else:
+                warm |= Manifest.decode(manifests[s.id], s.id).digests()
+        if not cold:
+            return 0, 0
+        self.push(cold)
+        goes = set().union(*(Manifest.decode(manifests[c], c).digests() for c in cold)) - warm
+        goes &= store.remote_chunks(goes)
+        count = freed = 0
+        with self.chunks.collecting():  # nobody reads or counts on a chunk file as it goes
+            for d in goes:
+                freed_now = remove_file(self.chunks.path(d))
+                count, freed = count + (freed_now > 0), freed + freed_now
+        for c in cold:  # and the form forks map, made again from the chunks when asked for
+            directory = snapshots.snapshot_dir(rt.home, c)
+            for name in ("memory", "devices"):
+                with contextlib.suppress(FileNotFoundError):
+                    freed += (directory / name).stat().st_size
+                    (directory / name).unlink()
+        return count, freed
+
+    # -- a box moving between homes ----------------------------------------------------------
+
+    def push_box(self, key: str, *, release: bool = False) -> PushReport:
+        """Send a suspended box to the tier, whole: its state, its disk's files, its row.
+        This home keeps it (and its lease) unless ``release``: then the box leaves this
+        home for whichever home pulls it next."""
+        t0 = time.monotonic()
+        rt = self.rt
+        rec = rt.store.get(key)
+        if rec.state != BoxState.SUSPENDED or not rec.suspended:
+            why = f"box {rec.name} is {rec.state}: a box moves through the tier suspended; suspend() it first"
+            raise InvalidState(why, box=rec.name, state=rec.state, allowed=["suspended"])
+        if rec.drives or rec.options.get("volumes"):
+            raise InvalidArgument(f"box {rec.name} mounts volumes or host directories: it cannot move "
+                                  "through the tier (its volumes stay on this host)")  # fmt: skip
+        engine = rt.engine(rec.engine)
+        if engine.disk_format != "qcow2" or not engine.chunked_state:
+            raise InvalidArgument(f"box {rec.name} runs on engine {rec.engine!r}, whose saved state does not "
+                                  "move through the tier yet: engine='qemu'")  # fmt: skip
+        snap = rt.store.find_snapshot(rec.suspended)
+        if snap is None:
+            raise CorruptSnapshot(f"box {rec.name}: its suspended state {rec.suspended} is missing")
+        self.tier.take(rec.id, self.me)
+        report = self.push([snap.id])
+        files = [self._push_file(rt.home, path) for path in _chain(rt.home, Path(rec.disk or ""))]
+        doc = {
+            "format": BOX_FORMAT, "home": self.me, "pushed_at": time.time(),
+            "box": {k: v for k, v in rec.to_json().items() if k in PORTABLE_BOX},
+            "snapshot": {k: v for k, v in snap.to_json().items() if k != "layer"},
+            "disk": files,
+        }  # fmt: skip
+        self.tier.put(self.tier.key("boxes", f"{rec.id}.json"), json.dumps(doc).encode())
+        if release:
+            self.tier.release(rec.id, self.me)
+            rt.discard_box(rec)
+        return replace(report, files=len(files), seconds=round(time.monotonic() - t0, 3))
+
+    def _push_file(self, home: Path, path: Path) -> dict[str, Any]:
+        """One file of a disk's chain, as a manifest of its chunks in the tier."""
+        rel = path.relative_to(home).as_posix()
+        m = Manifest(engine="file")
+        image = Image("file", path.stat().st_size, [])
+        with open(path, "rb") as f:
+            while data := f.read(CHUNK):
+                image.digests.append(None if data.count(0) == len(data) else digest(data))
+                if image.digests[-1] is not None:
+                    m.logical += len(data)
+        m.images.append(image)
+        encoded = m.encode()
+        name = digest(encoded).hex()
+        if not self.tier.exists(self.tier.key("files", name)):
+            wanted = [(i, d) for i, d in enumerate(image.digests) if d is not None]
+            known = self.rt.store.remote_chunks({d for _, d in wanted})
+
+            def send(item: tuple[int, bytes]) -> int:
+                i, d = item
+                if d in known or self.tier.exists(self.tier.key("chunks", d.hex())):
+                    return 0
+                with open(path, "rb") as f:
+                    f.seek(i * CHUNK)
+                    raw = f.read(CHUNK)
+                import zstandard
+
+                packed = zstandard.ZstdCompressor(level=3, write_content_size=True).compress(raw)
+                self.tier.put(self.tier.key("chunks", d.hex()), packed)
+                return len(packed)
+
+            self._parallel(send, wanted)
+            self.tier.put(self.tier.key("files", name), encoded)
+        return {"path": rel, "file": name}
+
+    def pull_box(self, key: str, *, force: bool = False) -> BoxRecord:
+        """Take a box that went through the tier into this home, suspended, with its id,
+        name, processes and files (``resume`` it then). Refused (``BoxElsewhere``) while
+        another home holds it, unless ``force``: that home is known to be gone."""
+        rt = self.rt
+        doc = self._find_box(key)
+        box, snap_doc = doc["box"], doc["snapshot"]
+        mine = rt.store.find(box["id"])
+        if mine is not None:
+            if self.tier.holder(box["id"]) == self.me:
+                return mine  # it never left
+            raise InvalidArgument(f"this home has a box {mine.name} with id {box['id']} already")
+        if rt.store.find(box["name"]) is not None:
+            raise InvalidArgument(f"this home has a box named {box['name']!r}: remove or rename it first")
+        engine = rt.engine(box.get("engine", "qemu"))
+        facts = (snap_doc.get("options") or {}).get("vm") or {}
+        boot = engine.prepare(BootRequest())
+        engine.check_compatible(facts, boot)
+        self.tier.take(box["id"], self.me, force=force)
+        made: list[Path] = []
+        try:
+            found = self.tier.get(self.tier.key("states", snap_doc["id"]))
+            if found is None:
+                raise CorruptSnapshot(
+                    f"box {box['name']}: its state {snap_doc['id']} is not in the storage tier"
+                )
+            manifest = found[0]
+            Manifest.decode(manifest, snap_doc["id"])  # checked before anything is written
+            paths = [self._pull_file(rt.home, f, made) for f in doc["disk"]]
+            _rebase(paths)
+            crash_point("remote.mid-pull")
+            options = {**snap_doc["options"], "vm": engine.facts_for_import(facts, boot)}
+            snap = SnapshotRecord(**{**snap_doc, "layer": str(paths[0]), "options": options})
+            rec = BoxRecord(**{**box, "disk": str(paths[0]), "state": str(BoxState.SUSPENDED),
+                               "suspended": snap.id, "updated_at": time.time()})  # fmt: skip
+            rt.store.adopt(rec, snap, manifest)
+        except BaseException:
+            for p in made:
+                p.unlink(missing_ok=True)
+            with contextlib.suppress(TierError):
+                self.tier.release(box["id"], self.me)
+            raise
+        return rec
+
+    def _find_box(self, key: str) -> dict[str, Any]:
+        if re.fullmatch(r"[0-9a-f]{12}", key):
+            found = self.tier.get(self.tier.key("boxes", f"{key}.json"))
+            if found is not None:
+                return _box_doc(found[0], key)
+        for name in self.tier.names("boxes"):
+            found = self.tier.get(self.tier.key("boxes", name))
+            if found is not None:
+                doc = _box_doc(found[0], name)
+                if doc["box"]["name"] == key:
+                    return doc
+        raise BoxNotFound(f"no box {key!r} in the storage tier {self.tier.config.url}")
+
+    def boxes(self) -> list[dict[str, Any]]:
+        """The boxes in the tier: name, id, who holds each, and when it was pushed."""
+        out = []
+        for name in self.tier.names("boxes"):
+            found = self.tier.get(self.tier.key("boxes", name))
+            if found is None:
+                continue
+            doc = _box_doc(found[0], name)
+            box_id = doc["box"]["id"]
+            out.append({"id": box_id, "name": doc["box"]["name"], "pushed_at": doc["pushed_at"],
+                        "pushed_by": doc["home"], "holder": self.tier.holder(box_id)})  # fmt: skip
+        return out
+
+    def _pull_file(self, home: Path, entry: dict[str, Any], made: list[Path]) -> Path:
+        """A file of a disk's chain from its manifest, whole or not at all; one this home
+        has already (a base another box brought) is used as it is."""
+        rel = str(entry.get("path", ""))
+        if not FILE_RE.fullmatch(rel):
+            raise CorruptSnapshot(
+                f"a box in the storage tier names a disk file {rel!r} outside layers/ and bases/"
+            )
+        dest = home / rel
+        found = self.tier.get(self.tier.key("files", str(entry["file"])))
+        if found is None:
+            raise CorruptSnapshot(f"the disk file {rel} is not in the storage tier")
+        if digest(found[0]).hex() != entry["file"]:
+            raise CorruptSnapshot(f"the manifest of disk file {rel} in the storage tier is damaged")
+        m = Manifest.decode(found[0], rel)
+        image = m.image("file")
+        if dest.exists() and dest.stat().st_size == image.size:
+            return dest
+        tmp = dest.with_name(f".{dest.name}.pull-{os.urandom(4).hex()}")
+        made.append(tmp)
+        try:
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            with open(tmp, "wb") as f:
+                f.truncate(image.size)
+                wanted = [(i, d) for i, d in enumerate(image.digests) if d is not None]
+
+                def fetch(item: tuple[int, bytes]) -> None:
+                    i, d = item
+                    data = self.chunks.get(d, rel, image.chunk_size(i), keep=False)
+                    os.pwrite(f.fileno(), data, i * CHUNK)
+
+                self._parallel(fetch, wanted)
+                f.flush()
+                os.fsync(f.fileno())
+        except OSError as exc:
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise no_space(
+                    dest.parent, f"the disk file {rel} could not be pulled from the storage tier"
+                ) from None
+            raise
+        os.rename(tmp, dest)
+        made[made.index(tmp)] = dest
+        return dest
+
+
+# the fields of a box's row that mean the same on any host (its VM's, its ports', its
+# disk's paths are this host's: the home that pulls it writes its own)
+PORTABLE_BOX = {
+    "id", "name", "options", "created_at", "image_ref", "image_digest", "rootfs", "labels", "engine",
+    "machine_id", "stopped_at", "started_at",
+}  # fmt: skip
+
+
+def _box_doc(data: bytes, where: str) -> dict[str, Any]:
+    try:
+        doc = json.loads(data)
+        if doc.get("format") != BOX_FORMAT:
+            raise ValueError(f"format {doc.get('format')!r}")
+        box, snap, disk = doc["box"], doc["snapshot"], doc["disk"]
+        if not (isinstance(box, dict) and isinstance(snap, dict) and isinstance(disk, list) and disk):
+            raise ValueError("its box, state or disk is missing")
+        if set(box) - PORTABLE_BOX or not re.fullmatch(r"[0-9a-f]{12}", str(box.get("id"))):
+            raise ValueError("its box's fields are not those of a box")
+        if snap.get("kind") != "suspend" or snap.get("box_id") != box["id"]:
+            raise ValueError("its state is not the box's suspended state")
+        return dict(doc)
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise CorruptSnapshot(f"the box {where} in the storage tier is malformed: {exc}") from None
+
+
+def _chain(home: Path, top: Path) -> list[Path]:
+    """A box's disk, top first, each file inside the home (else it cannot move)."""
+    from .layers import chain
+
+    files = chain(top)
+    for f in files:
+        rel = f.resolve().relative_to(home.resolve()) if f.resolve().is_relative_to(home.resolve()) else None
+        if rel is None or not FILE_RE.fullmatch(rel.as_posix()):
+            raise InvalidArgument(
+                f"the disk file {f} is not in this home's layers/ or bases/: it cannot move"
+            )
+    return files
+
+
+def _rebase(paths: list[Path]) -> None:
+    """Point each qcow2 layer at the file below it in this home (their headers name the
+    paths of the home that pushed them)."""
+    from ..images.rootfs import qcow2_backing_file
+
+    qemu_img = shutil.which("qemu-img")
+    if qemu_img is None:
+        raise InvalidState("qemu-img not found: install qemu-utils")
+    for upper, lower in itertools.pairwise(paths):
+        if qcow2_backing_file(upper) == str(lower):
+            continue
+        fmt = "qcow2" if lower.suffix == ".qcow2" else "raw"
+        proc = subprocess.run([qemu_img, "rebase", "-u", "-F", fmt, "-b", str(lower), str(upper)],
+                              capture_output=True, text=True, timeout=60)  # fmt: skip
+        if proc.returncode != 0:
+            raise CorruptSnapshot(
+                f"the disk file {upper.name} could not be pointed at {lower.name}: {proc.stderr}"
+            )
+
+
+def _batches(items: list[bytes], n: int) -> Iterable[list[bytes]]:
+    for i in range(0, len(items), n):
+        yield items[i : i + n]
+
+
+__all__ = ["PushReport", "Remote"]

@@ -1,0 +1,344 @@
+"""The storage tier under the chunk store (``core/tier.py``, ``core/remote.py``) against a
+real S3-compatible server on 127.0.0.1 (moto's, started here; tests/support/s3.py), on
+the fake engine, whose saves give the core memory by page as QEMU's do: pushes that
+send only what the tier lacks, eviction and loads from the tier, a suspended box moving
+to another home with its memory, leases that let one home have it, and every fault the
+issue names (a server that fails, stalls or is gone, a chunk altered in the bucket, a
+full disk, a kill -9 mid-push and mid-pull). tests/vm/test_tier.py moves a real VM."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+import sandlot
+from sandlot.core.chunks import ChunkStore
+from sandlot.core.store import BoxStore
+from sandlot.core.tier import home_id
+from sandlot.errors import BoxElsewhere, CorruptSnapshot, InvalidArgument, InvalidState, NoSpace, TierError
+
+from tests.support.fake_engine import register
+from tests.support.s3 import CREDENTIALS, FaultyProxy, S3Server, faulty_proxy, s3_server
+
+register()
+
+
+@pytest.fixture(scope="module")
+def s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
+    with s3_server(tmp_path_factory.mktemp("s3")) as server:
+        yield server
+
+
+@pytest.fixture
+def proxy(s3: S3Server) -> Iterator[FaultyProxy]:
+    with faulty_proxy(s3.endpoint_url) as p:
+        yield p
+
+
+@pytest.fixture(autouse=True)
+def credentials(monkeypatch: pytest.MonkeyPatch) -> None:
+    for k, v in CREDENTIALS.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.delenv("SANDLOT_STORAGE", raising=False)
+    monkeypatch.setenv("SANDLOT_STORAGE_ATTEMPTS", "3")  # what fails for good fails sooner than with 5
+
+
+def homes(tmp_path: Path, proxy: FaultyProxy, n: int = 2) -> list[Path]:
+    """Homes sharing one prefix of the bucket (one per test), through the proxy."""
+    prefix = tmp_path.name
+    out = []
+    for i in range(n):
+        home = tmp_path / f"home{i}"
+        sandlot.storage.configure(f"s3://sandlot-tier/{prefix}", endpoint_url=proxy.url, home=home)
+        out.append(home)
+    return out
+
+
+def fake_box(home: Path, root: Path, name: str) -> sandlot.Box:
+    box = sandlot.Box(
+        rootfs=root, engine="fake", home=home, template=False, memory_mib=256, keep=True, name=name
+    )
+    box.start()
+    return box
+
+
+def objects(s3: S3Server, prefix: str) -> list[str]:
+    pages = s3.client().get_paginator("list_objects_v2").paginate(Bucket=s3.bucket, Prefix=prefix)
+    return [o["Key"] for page in pages for o in page.get("Contents", [])]
+
+
+def test_a_tier_is_configured_checked_and_shown(tmp_path: Path, proxy: FaultyProxy) -> None:
+    home = tmp_path / "home"
+    for bad in ("s3://", "http://bucket", "s3://UPPER/x", "s3://b"):
+        with pytest.raises(InvalidArgument, match="s3://BUCKET"):
+            sandlot.storage.configure(bad, home=home)
+    with pytest.raises(InvalidArgument, match="endpoint_url"):
+        sandlot.storage.configure("s3://sandlot-tier/x", endpoint_url="ftp://x", home=home)
+    with pytest.raises(InvalidState, match="no storage tier"):
+        sandlot.storage.push(home=home)
+    sandlot.storage.configure("s3://sandlot-tier/x", endpoint_url=proxy.url, home=home)
+    assert sandlot.storage.info(home=home).tier == "s3://sandlot-tier/x"
+    doctor = sandlot.Runtime.for_home(home).storage_doctor()  # (what `sandlot doctor` shows under storage)
+    assert doctor["tier"]["reachable"] is True and doctor["tier"]["url"] == "s3://sandlot-tier/x"
+    proxy.stopped = True
+    assert sandlot.Runtime.for_home(home).storage_doctor()["tier"]["reachable"] is False
+    sandlot.storage.configure(None, home=home)
+    assert sandlot.storage.info(home=home).tier is None
+
+
+def test_a_push_sends_what_the_tier_lacks_once_and_an_evicted_state_loads_from_it(
+    tmp_path: Path, proxy: FaultyProxy, s3: S3Server, root: Path
+) -> None:
+    (home,) = homes(tmp_path, proxy, 1)
+    box = fake_box(home, root, "ev")
+    try:
+        box.exec("remember", "k1", "one")
+        s1 = box.snapshot("one")
+        box.exec("remember", "k2", "two")
+        box.snapshot("two")
+        first = sandlot.storage.push(home=home)
+        assert first.states == 2 and first.chunks > 0
+        assert len(objects(s3, f"{tmp_path.name}/states/")) == 2
+        assert sandlot.storage.push(home=home).chunks == 0  # all of it there already
+        before = sandlot.storage.info(home=home)
+        assert before.remote_chunks == before.chunks and before.pushed_states == 2
+        evicted = sandlot.storage.evict(older_than=0, home=home)
+        assert evicted.chunks > 0
+        assert sandlot.storage.info(home=home).local_bytes < before.local_bytes
+        box.rollback(s1)  # its chunks come back from the tier
+        assert box.exec("recall", "k1").stdout == "one\n" and box.exec("recall", "k2").stdout == "\n"
+        with pytest.raises(InvalidArgument, match="older_than"):
+            sandlot.storage.evict(home=home)
+    finally:
+        box.remove(force=True)
+
+
+def test_a_suspended_box_moves_to_another_home_and_one_home_holds_it(
+    tmp_path: Path, proxy: FaultyProxy, root: Path
+) -> None:
+    a, b, c = homes(tmp_path, proxy, 3)
+    box = fake_box(a, root, "mover")
+    box.exec("remember", "k", "kept")
+    box.suspend()
+    sandlot.storage.push("mover", home=a)  # a copy in the tier: home a keeps it
+    with pytest.raises(BoxElsewhere, match=f"held by home {home_id(a)}") as held:
+        sandlot.storage.pull("mover", home=b)
+    assert held.value.holder == home_id(a)
+    assert sandlot.list(home=b) == []
+    report = sandlot.storage.push("mover", release=True, home=a)  # it leaves home a
+    assert report.files >= 2 and sandlot.list(home=a) == []  # its layer and the base below it
+    moved = sandlot.storage.pull("mover", home=b)
+    assert (moved.id, moved.name, moved.state) == (box.id, "mover", "suspended")
+    assert moved.exec("recall", "k").stdout == "kept\n"  # resumed, its memory as it was
+    assert sandlot.storage.boxes(home=c)[0]["holder"] == home_id(b)
+    with pytest.raises(BoxElsewhere, match=f"held by home {home_id(b)}"):
+        sandlot.storage.pull("mover", home=c)
+    moved.suspend()
+    sandlot.storage.push("mover", release=True, home=b)
+    back = sandlot.storage.pull(box.id, home=a)  # by id too
+    assert back.exec("recall", "k").stdout == "kept\n"
+    back.remove(force=True)
+
+
+def test_two_homes_pulling_one_box_at_once_one_gets_it(
+    tmp_path: Path, proxy: FaultyProxy, root: Path
+) -> None:
+    a, b, c = homes(tmp_path, proxy, 3)
+    box = fake_box(a, root, "raced")
+    box.suspend()
+    sandlot.storage.push("raced", release=True, home=a)
+    outcomes: dict[Path, object] = {}
+
+    def pull(home: Path) -> None:
+        try:
+            outcomes[home] = sandlot.storage.pull("raced", home=home)
+        except BoxElsewhere as exc:
+            outcomes[home] = exc
+
+    threads = [threading.Thread(target=pull, args=(h,)) for h in (b, c)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    won = [h for h, o in outcomes.items() if not isinstance(o, BaseException)]
+    lost = [o for o in outcomes.values() if isinstance(o, BoxElsewhere)]
+    assert len(won) == 1 and len(lost) == 1, outcomes
+    assert lost[0].holder == home_id(won[0])
+    loser = c if won[0] == b else b
+    assert sandlot.list(home=loser) == []  # nothing half-pulled stays
+    sandlot.get("raced", home=won[0]).remove(force=True)
+
+
+def test_a_home_that_is_gone_lets_another_take_its_box_by_force(
+    tmp_path: Path, proxy: FaultyProxy, root: Path
+) -> None:
+    a, b = homes(tmp_path, proxy, 2)
+    box = fake_box(a, root, "orphan")
+    box.exec("remember", "k", "v")
+    box.suspend()
+    sandlot.storage.push("orphan", home=a)  # kept by a, which is then lost
+    with pytest.raises(BoxElsewhere):
+        sandlot.storage.pull("orphan", home=b)
+    taken = sandlot.storage.pull("orphan", force=True, home=b)
+    assert taken.exec("recall", "k").stdout == "v\n"
+    taken.remove(force=True)
+    box.remove(force=True)
+
+
+def test_a_failing_or_stalling_server_is_retried_and_what_still_fails_is_clear(
+    tmp_path: Path, proxy: FaultyProxy, s3: S3Server, root: Path
+) -> None:
+    (home,) = homes(tmp_path, proxy, 1)
+    box = fake_box(home, root, "flaky")
+    try:
+        box.exec("remember", "k", "v")
+        box.snapshot("s")
+        proxy.fail("PUT", "/chunks/", status=500, times=2)  # a 500 mid-push: retried
+        proxy.fail("PUT", "/states/", status=0, times=1)  # a dropped connection: retried
+        proxy.fail("PUT", "/chunks/", status=503, times=1, delay=1.0)  # a slow, busy server
+        assert sandlot.storage.push(home=home).states == 1
+        box.exec("remember", "k2", "v2")
+        box.snapshot("t")
+        proxy.fail("PUT", "/chunks/", status=500, times=10_000)  # down for good: a clear error
+        with pytest.raises(TierError, match=r"refused to write .*chunks/"):
+            sandlot.storage.push(home=home)
+        assert sandlot.storage.info(home=home).pushed_states == 1  # nothing counted as sent that was not
+        proxy.clear()
+        proxy.stopped = True  # gone
+        with pytest.raises(TierError, match=r"could not|refused"):
+            sandlot.storage.push(home=home)
+        proxy.stopped = False
+        assert sandlot.storage.push(home=home).states == 1  # and it goes on where it stopped
+    finally:
+        box.remove(force=True)
+
+
+def test_a_chunk_altered_in_the_bucket_is_refused_and_the_box_stays_suspended(
+    tmp_path: Path, proxy: FaultyProxy, s3: S3Server, root: Path
+) -> None:
+    a, b = homes(tmp_path, proxy, 2)
+    box = fake_box(a, root, "altered")
+    box.exec("remember", "k", "v")
+    box.suspend()
+    sandlot.storage.push("altered", release=True, home=a)
+    moved = sandlot.storage.pull("altered", home=b)
+    client = s3.client()
+    for key in objects(s3, f"{tmp_path.name}/chunks/"):
+        body = client.get_object(Bucket=s3.bucket, Key=key)["Body"].read()
+        client.put_object(Bucket=s3.bucket, Key=key, Body=body[:-3] + b"xyz")  # every chunk: the state's too
+    with pytest.raises(CorruptSnapshot, match="in the storage tier is damaged"):
+        moved.resume()
+    assert sandlot.get("altered", home=b).state == "suspended"
+    sandlot.get("altered", home=b).remove(force=True)
+
+
+def test_a_failed_pull_leaves_no_box_and_lets_the_box_go_again(
+    tmp_path: Path, proxy: FaultyProxy, root: Path
+) -> None:
+    a, b, c = homes(tmp_path, proxy, 3)
+    box = fake_box(a, root, "pulled")
+    box.suspend()
+    sandlot.storage.push("pulled", release=True, home=a)
+    proxy.fail("GET", "/chunks/", status=500, times=10_000)
+    with pytest.raises(TierError):
+        sandlot.storage.pull("pulled", home=b)
+    assert sandlot.list(home=b) == [] and not list((b / "layers").glob("*"))
+    proxy.clear()
+    assert sandlot.storage.pull("pulled", home=c).state == "suspended"  # let go by b's failure
+    sandlot.get("pulled", home=c).remove(force=True)
+
+
+PULLING = """
+import os, sys
+from tests.support.fake_engine import register
+import sandlot
+register()
+os.environ["SANDLOT_CRASH_AT"] = sys.argv[3]
+getattr(sandlot.storage, sys.argv[1])(*sys.argv[4:], home=sys.argv[2])
+print("survived", flush=True)
+"""
+
+
+def test_a_kill_mid_push_or_mid_pull_loses_nothing(tmp_path: Path, proxy: FaultyProxy, root: Path) -> None:
+    a, b = homes(tmp_path, proxy, 2)
+    box = fake_box(a, root, "killed")
+    box.exec("remember", "k", "v")
+    box.suspend()
+    env = {**os.environ, **CREDENTIALS}
+
+    def run(*args: str) -> None:
+        p = subprocess.run([sys.executable, "-c", PULLING, *args], env=env, capture_output=True, text=True,
+                           timeout=120, cwd=Path(__file__).parents[2])  # fmt: skip
+        assert p.returncode == -9 and "survived" not in p.stdout, p.stderr[-2000:]
+
+    run("push", str(a), "remote.mid-push")  # some chunks sent, the box's row not
+    assert sandlot.get("killed", home=a).state == "suspended"
+    sandlot.storage.push("killed", release=True, home=a)  # sends the rest
+    run("pull", str(b), "remote.mid-pull", "killed")  # the files pulled, the rows not written
+    assert sandlot.list(home=b) == []
+    moved = sandlot.storage.pull("killed", home=b)  # the same home takes it again: its lease is its own
+    assert moved.exec("recall", "k").stdout == "v\n"
+    moved.remove(force=True)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounting a small filesystem for the home needs root")
+def test_a_full_disk_fails_a_pull_clearly_and_leaves_nothing(
+    tmp_path: Path, proxy: FaultyProxy, root: Path
+) -> None:
+    a, _ = homes(tmp_path, proxy, 2)
+    box = fake_box(a, root, "big")
+    box.suspend()
+    sandlot.storage.push("big", release=True, home=a)
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mnt)], check=True)
+    try:
+        small = mnt / "home"
+        sandlot.storage.configure(f"s3://sandlot-tier/{tmp_path.name}", endpoint_url=proxy.url, home=small)
+        assert sandlot.list(home=small) == []  # (its store made)
+        free = os.statvfs(mnt).f_bavail * os.statvfs(mnt).f_frsize
+        (mnt / "filler").write_bytes(bytes(max(0, free - (128 << 10))))  # a disk all but full
+        with pytest.raises(NoSpace):
+            sandlot.storage.pull("big", home=small)
+        assert sandlot.list(home=small) == []
+        assert not list(small.glob("layers/*")) and not list(small.glob("bases/*"))
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
+    assert sandlot.storage.pull("big", home=tmp_path / "home1").state == "suspended"  # it was let go
+    sandlot.get("big", home=tmp_path / "home1").remove(force=True)
+
+
+def test_the_pushed_states_and_chunks_are_counted_in_the_store(
+    tmp_path: Path, proxy: FaultyProxy, root: Path
+) -> None:
+    (home,) = homes(tmp_path, proxy, 1)
+    box = fake_box(home, root, "counted")
+    try:
+        box.snapshot("s")
+        sandlot.storage.push(home=home)
+        totals = BoxStore(home / "sandlot.db").chunk_totals()
+        assert totals["remote_chunks"] == totals["chunks"] and totals["pushed_states"] == 1
+        assert ChunkStore(home).tier() is not None
+    finally:
+        box.remove(force=True)
+
+
+def test_a_home_whose_box_was_taken_by_force_does_not_run_it_too(
+    tmp_path: Path, proxy: FaultyProxy, root: Path
+) -> None:
+    a, b = homes(tmp_path, proxy, 2)
+    box = fake_box(a, root, "twice")
+    box.suspend()
+    sandlot.storage.push("twice", home=a)  # kept by a, thought gone
+    taken = sandlot.storage.pull("twice", force=True, home=b)
+    with pytest.raises(BoxElsewhere, match=f"held by home {home_id(b)}"):
+        box.resume()  # a comes back: the box runs on b now
+    assert sandlot.get("twice", home=a).state == "suspended"
+    taken.remove(force=True)
+    box.remove(force=True)

@@ -1,0 +1,96 @@
+"""The storage tier with real VMs: a box suspended on one home, pushed to a real
+S3-compatible server on 127.0.0.1 (moto's, tests/support/s3.py), pulled by a second
+home on this machine and resumed there with the same id and name, its processes
+running on from where they were and its files as they were; and a snapshot whose
+chunks were evicted here, rolled back to from the bucket. The fake engine's tests of
+the same paths (every fault among them) are tests/unit/test_tier.py."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+import sandlot
+from sandlot.core.tier import home_id
+
+from tests.support.s3 import CREDENTIALS, S3Server, s3_server
+
+pytestmark = pytest.mark.vm
+
+COUNTER = "sh -c 'i=0; while true; do i=$((i+1)); echo $i > /root/n; sleep 0.2; done' >/dev/null 2>&1 &"
+
+
+@pytest.fixture
+def tier_homes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[S3Server, list[Path]]]:
+    """Two homes sharing the tests' kernel, agent and initramfs, and one bucket prefix."""
+    for k, v in CREDENTIALS.items():
+        monkeypatch.setenv(k, v)
+    shared = sandlot.Runtime.for_home().home
+    sandlot.Runtime.for_home().prepare()
+    with s3_server(tmp_path) as s3:
+        homes = []
+        for name in ("a", "b"):
+            home = tmp_path / name
+            home.mkdir()
+            for d in ("kernels", "agent", "initramfs"):
+                (home / d).symlink_to(shared / d)
+            sandlot.storage.configure(s3.url("vm"), endpoint_url=s3.endpoint_url, home=home)
+            homes.append(home)
+        try:
+            yield s3, homes
+        finally:
+            for home in homes:
+                for box in sandlot.list(all=True, home=home):
+                    box.remove(force=True)
+
+
+def count(box: sandlot.Box) -> int:
+    return int(box.exec("cat", "/root/n").stdout)
+
+
+def test_a_suspended_box_resumes_on_another_home_with_its_processes_and_files(
+    tier_homes: tuple[S3Server, list[Path]], busybox_root: Path
+) -> None:
+    _, (a, b) = tier_homes
+    box = sandlot.Box(rootfs=busybox_root, memory_mib=256, keep=True, name="traveller", home=a).start()
+    box.files.write("/root/notes", "written on home a")
+    box.sh(COUNTER)
+    deadline = time.monotonic() + 60
+    while box.exec("test", "-s", "/root/n").returncode != 0:
+        assert time.monotonic() < deadline, "the counter never started"
+        time.sleep(0.2)
+    before = count(box)
+    box.suspend()
+    report = sandlot.storage.push("traveller", release=True, home=a)
+    assert report.files >= 2 and sandlot.list(home=a) == []
+    moved = sandlot.storage.pull("traveller", home=b)
+    assert (moved.id, moved.name, moved.state) == (box.id, "traveller", "suspended")
+    assert moved.files.read_text("/root/notes") == "written on home a"  # resumes it
+    deadline = time.monotonic() + 30
+    while (now := count(moved)) <= before:  # the same counter goes on, from where it was
+        assert time.monotonic() < deadline, f"the counter stayed at {now} (suspended at {before})"
+        time.sleep(0.2)
+    assert now < before + 1000  # not started over: a process that ran on home a
+    assert sandlot.storage.boxes(home=a)[0]["holder"] == home_id(b)
+    with pytest.raises(sandlot.BoxElsewhere):
+        sandlot.storage.pull("traveller", home=a)
+
+
+def test_a_snapshot_whose_chunks_left_this_host_rolls_back_from_the_bucket(
+    tier_homes: tuple[S3Server, list[Path]], busybox_root: Path
+) -> None:
+    _, (a, _) = tier_homes
+    box = sandlot.Box(rootfs=busybox_root, memory_mib=256, keep=True, name="evicted", home=a).start()
+    box.files.write("/root/f", "before")
+    box.sh("mkdir -p /run/m && mount -t tmpfs tmpfs /run/m && echo in-memory > /run/m/m")
+    snap = box.snapshot("cold")
+    box.files.write("/root/f", "after")
+    before = sandlot.storage.info(home=a).local_bytes
+    assert sandlot.storage.evict(older_than=0, home=a).chunks > 0
+    assert sandlot.storage.info(home=a).local_bytes < before
+    box.rollback(snap)
+    assert box.files.read_text("/root/f") == "before"
+    assert box.exec("cat", "/run/m/m").stdout == "in-memory\n"
