@@ -47,6 +47,7 @@ def credentials(monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.setenv(k, v)
     monkeypatch.delenv("SANDLOT_STORAGE", raising=False)
     monkeypatch.setenv("SANDLOT_STORAGE_ATTEMPTS", "3")  # what fails for good fails sooner than with 5
+    monkeypatch.setenv("SANDLOT_STORAGE_PUSH", "0")  # pushes when each test says (but the pusher's own test)
 
 
 def homes(tmp_path: Path, proxy: FaultyProxy, n: int = 2) -> list[Path]:
@@ -340,5 +341,38 @@ def test_a_home_whose_box_was_taken_by_force_does_not_run_it_too(
     with pytest.raises(BoxElsewhere, match=f"held by home {home_id(b)}"):
         box.resume()  # a comes back: the box runs on b now
     assert sandlot.get("twice", home=a).state == "suspended"
+    taken.remove(force=True)
+    box.remove(force=True)
+
+
+def test_the_pusher_sends_each_save_and_each_suspended_box_in_the_background(
+    tmp_path: Path, proxy: FaultyProxy, root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import time
+
+    monkeypatch.setenv("SANDLOT_STORAGE_PUSH", "1")
+    a, b = homes(tmp_path, proxy, 2)
+    box = fake_box(a, root, "background")
+    box.exec("remember", "k", "v")
+    box.snapshot("s")
+    box.suspend()  # nothing asked of the tier: the home's pusher sends both, the box whole
+
+    def pushed() -> bool:
+        info = sandlot.storage.info(home=a)
+        return info.pushed_states == 2 and any(
+            x["name"] == "background" for x in sandlot.storage.boxes(home=b)
+        )
+
+    deadline = time.monotonic() + 60
+    while not pushed():
+        assert time.monotonic() < deadline, (
+            (a / "chunks" / "pusher.log").read_text()
+            if (a / "chunks" / "pusher.log").exists()
+            else "no pusher log"
+        )
+        time.sleep(0.2)
+    assert sandlot.storage.boxes(home=b)[0]["holder"] == home_id(a)  # a holds it, as it runs there
+    taken = sandlot.storage.pull("background", force=True, home=b)  # a's host is lost: b takes it
+    assert taken.exec("recall", "k").stdout == "v\n"
     taken.remove(force=True)
     box.remove(force=True)

@@ -28,6 +28,7 @@ def tier_homes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[tupl
     """Two homes sharing the tests' kernel, agent and initramfs, and one bucket prefix."""
     for k, v in CREDENTIALS.items():
         monkeypatch.setenv(k, v)
+    monkeypatch.setenv("SANDLOT_STORAGE_PUSH", "0")  # (the background pusher: tests/unit/test_tier.py)
     shared = sandlot.Runtime.for_home().home
     sandlot.Runtime.for_home().prepare()
     with s3_server(tmp_path) as s3:

@@ -24,7 +24,7 @@ from .. import pids
 from ..crashpoints import crash_point
 from ..engine.base import Boot, BootRequest, Engine, SavedState
 from ..errors import InvalidArgument, InvalidState, SandlotError, SnapshotInUse, SnapshotNotFound
-from . import archive, chunks, events, layers, snapshots, tier, tracing, volumes
+from . import archive, chunks, events, layers, pusher, snapshots, tier, tracing, volumes
 from .controller import BoxController
 from .entry import BoxEntry
 from .launch import Launcher, drives_of, shares_of
@@ -131,6 +131,7 @@ class LiveState:
                 except BaseException:
                     snapshots.remove_files(home, snap_id)
                     raise
+        self._pushed_later()
         entry.last_pause = pause
         return snap
 
@@ -183,6 +184,7 @@ class LiveState:
                             await vm.resume()
                     raise
                 crash_point("suspend.after-save")
+                self._pushed_later()
                 step.changes = {"vm_pid": None, "stopped_at": time.time()}
                 if session.conn is not None and session.conn.open_channels == 0:
                     session.drop()  # nothing to carry over; operations in flight reconnect on resume
@@ -229,6 +231,12 @@ class LiveState:
         engine = self.rt.engine(rec.engine)
         enabled = engine.chunked_state and chunks.enabled()
         return chunks.Saving(self.rt.home, engine.name, snap_id, enabled=enabled)
+
+    def _pushed_later(self) -> None:
+        """Where the home has a storage tier, its pusher sends what this save made (a
+        detached process: the save waits on no network)."""
+        if tier.configured_quickly(self.rt.home):
+            asyncio.get_running_loop().run_in_executor(None, pusher.spawn, self.rt.home)
 
     def _hold_lease(self, rec: BoxRecord) -> None:
         remote = chunks.ChunkStore(self.rt.home).tier()

@@ -27,11 +27,12 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from ..config import atomic_write, flock_wait
 from ..crashpoints import crash_point
 from ..engine.base import BootRequest
 from ..errors import BoxNotFound, CorruptSnapshot, InvalidArgument, InvalidState, TierError, no_space
 from . import snapshots
-from .chunks import ChunkStore, digest, remove_file
+from .chunks import LOCK_WAIT, ChunkStore, digest, remove_file
 from .manifest import CHUNK, Image, Manifest
 from .runtime import Runtime
 from .state import BoxState
@@ -175,20 +176,31 @@ class Remote:
         home for whichever home pulls it next."""
         t0 = time.monotonic()
         rt = self.rt
-        rec = rt.store.get(key)
+        box_id = rt.store.get(key).id
+        # one push of a box at a time in this home (the pusher's and a caller's): a push that
+        # lets the box go is never followed by another that takes it again
+        self.chunks.root.mkdir(parents=True, exist_ok=True)
+        fd = flock_wait(self.chunks.root / f".box-{box_id}.lock", LOCK_WAIT, f"the push of box {key}")
+        try:
+            return self._push_box(rt.store.get(box_id), release, t0)
+        finally:
+            os.close(fd)
+
+    def _push_box(self, rec: BoxRecord, release: bool, t0: float) -> PushReport:
+        rt = self.rt
         if rec.state != BoxState.SUSPENDED or not rec.suspended:
             why = f"box {rec.name} is {rec.state}: a box moves through the tier suspended; suspend() it first"
             raise InvalidState(why, box=rec.name, state=rec.state, allowed=["suspended"])
         if rec.drives or rec.options.get("volumes"):
             raise InvalidArgument(f"box {rec.name} mounts volumes or host directories: it cannot move "
                                   "through the tier (its volumes stay on this host)")  # fmt: skip
-        engine = rt.engine(rec.engine)
-        if engine.disk_format != "qcow2" or not engine.chunked_state:
-            raise InvalidArgument(f"box {rec.name} runs on engine {rec.engine!r}, whose saved state does not "
-                                  "move through the tier yet: engine='qemu'")  # fmt: skip
         snap = rt.store.find_snapshot(rec.suspended)
         if snap is None:
             raise CorruptSnapshot(f"box {rec.name}: its suspended state {rec.suspended} is missing")
+        # (asked of the state, not of an engine: a detached pusher knows only the built-in ones)
+        if rt.store.state_manifest(snap.id) is None or Path(rec.disk or "").suffix != ".qcow2":
+            raise InvalidArgument(f"box {rec.name} runs on engine {rec.engine!r}, whose saved state does not "
+                                  "move through the tier yet: engine='qemu'")  # fmt: skip
         self.tier.take(rec.id, self.me)
         report = self.push([snap.id])
         files = [self._push_file(rt.home, path) for path in _chain(rt.home, Path(rec.disk or ""))]
@@ -204,9 +216,28 @@ class Remote:
             rt.discard_box(rec)
         return replace(report, files=len(files), seconds=round(time.monotonic() - t0, 3))
 
+    def box_pushed(self, rec: BoxRecord) -> bool:
+        """Whether the tier holds this suspended box as it is now (its state, pushed by
+        this home), so that another home could take it were this one gone."""
+        found = self.tier.get(self.tier.key("boxes", f"{rec.id}.json"))
+        if found is None:
+            return False
+        with contextlib.suppress(CorruptSnapshot):
+            doc = _box_doc(found[0], rec.id)
+            return bool(doc["snapshot"]["id"] == rec.suspended and doc["home"] == self.me)
+        return False
+
     def _push_file(self, home: Path, path: Path) -> dict[str, Any]:
-        """One file of a disk's chain, as a manifest of its chunks in the tier."""
+        """One file of a disk's chain, as a manifest of its chunks in the tier. A file sent
+        before and unchanged since (a base, a frozen layer: none is ever written again)
+        is not read again: ``chunks/files.json`` remembers what each was sent as."""
         rel = path.relative_to(home).as_posix()
+        st = path.stat()
+        sent = _sent_files(self.chunks.root)
+        if sent.get(rel) == [st.st_size, st.st_mtime_ns, self.tier.config.url] and rel in sent.get(
+            "names", {}
+        ):
+            return {"path": rel, "file": sent["names"][rel]}
         m = Manifest(engine="file")
         image = Image("file", path.stat().st_size, [])
         with open(path, "rb") as f:
@@ -236,6 +267,10 @@ class Remote:
 
             self._parallel(send, wanted)
             self.tier.put(self.tier.key("files", name), encoded)
+        sent = _sent_files(self.chunks.root)
+        sent[rel] = [st.st_size, st.st_mtime_ns, self.tier.config.url]
+        sent.setdefault("names", {})[rel] = name
+        atomic_write(self.chunks.root / "files.json", json.dumps(sent).encode())
         return {"path": rel, "file": name}
 
     def pull_box(self, key: str, *, force: bool = False) -> BoxRecord:
@@ -359,6 +394,15 @@ PORTABLE_BOX = {
     "id", "name", "options", "created_at", "image_ref", "image_digest", "rootfs", "labels", "engine",
     "machine_id", "stopped_at", "started_at",
 }  # fmt: skip
+
+
+def _sent_files(root: Path) -> dict[str, Any]:
+    """What each disk file was last sent to the tier as (a cache: lost, files are read again)."""
+    try:
+        found = json.loads((root / "files.json").read_text())
+        return found if isinstance(found, dict) else {}
+    except (OSError, ValueError):
+        return {}
 
 
 def _box_doc(data: bytes, where: str) -> dict[str, Any]:

@@ -111,6 +111,11 @@ def configured(home: Path) -> TierConfig | None:
     return TierConfig(**data)
 
 
+def configured_quickly(home: Path) -> bool:
+    """Whether the home may have a tier (no parsing): what a save asks after each save."""
+    return bool(os.environ.get("SANDLOT_STORAGE")) or (home / CONFIG_FILE).exists()
+
+
 def configure(home: Path, config: TierConfig | None) -> None:
     """Write (or, None, remove) the home's tier for every process of the home."""
     path = home / CONFIG_FILE
@@ -249,7 +254,9 @@ class Tier:
                     self.put(key, mine, if_none_match=True)
                     return
                 lease = _lease(found[0], key)
-                if lease.get("holder") not in (me, None) and not force:
+                if lease.get("holder") == me:
+                    return
+                if lease.get("holder") is not None and not force:
                     since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(lease.get("since", 0)))
                     raise BoxElsewhere(
                         f"box {box_id} is held by home {lease['holder']} (host {lease.get('host', '?')}, "

@@ -1,0 +1,100 @@
+"""A home's pusher: a detached process, started after each save of a home that has a
+storage tier, so that the save never waits on the network and the process that saved
+may exit at once (docs/storage.md).
+
+    python -m sandlot.core.pusher HOME
+
+One runs per home at a time (it holds ``chunks/.pusher.lock``). It sends the tier every
+saved state the tier lacks and every suspended box of the home, whole (so that a host
+that dies leaves its suspended boxes to be pulled by another home, nothing prepared in
+advance but this), then keeps only the manifest here of cold states (the tier's
+``evict_after``), and looks again until nothing is left to send. Killed at any point, it
+leaves what it sent counted and the rest for the next pusher.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+
+from ..config import spawn_unless_locked, try_flock
+from ..errors import SandlotError
+from . import tier
+from .remote import Remote
+from .runtime import Runtime
+from .state import BoxState
+
+log = logging.getLogger("sandlot")
+ROUNDS = 5  # looks for more after a round that sent something (a save meanwhile)
+
+
+def lock_path(home: Path) -> Path:
+    return home / "chunks" / ".pusher.lock"
+
+
+def spawn(home: Path) -> bool:
+    """Start the home's pusher unless it has no tier (or one runs already)."""
+    if os.environ.get("SANDLOT_STORAGE_PUSH", "1") == "0":
+        return False
+    try:
+        if tier.configured(home) is None:
+            return False
+    except SandlotError:
+        return False
+    lock_path(home).parent.mkdir(parents=True, exist_ok=True)
+    return spawn_unless_locked(lock_path(home), "sandlot.core.pusher", str(home))
+
+
+def push_all(home: Path) -> int:
+    """One round: states, suspended boxes, eviction. The chunks it sent."""
+    rt = Runtime.for_home(home)
+    remote = Remote.of(rt)
+    sent = remote.push().chunks
+    for rec in rt.store.list():
+        if rec.state != BoxState.SUSPENDED or not rec.suspended or rec.drives:
+            continue
+        if remote.box_pushed(rec):
+            continue
+        try:
+            sent += remote.push_box(rec.id).chunks
+        except SandlotError as exc:  # a box that cannot move (a volume): the others still go
+            log.info("box %s stays on this host: %s", rec.name, exc)
+    after = remote.tier.config.evict_after
+    if after is not None:
+        remote.evict(after)
+    return sent
+
+
+def run(home: Path) -> int:
+    fd = try_flock(lock_path(home))
+    if fd is None:
+        return 0
+    try:
+        for _ in range(ROUNDS):
+            if push_all(home) == 0:
+                return 0
+            time.sleep(0.5)
+        return 0
+    finally:
+        os.close(fd)
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 1:
+        print("usage: python -m sandlot.core.pusher HOME", file=sys.stderr)
+        return 2
+    home = Path(argv[0])
+    logging.basicConfig(level=logging.INFO, filename=str(home / "chunks" / "pusher.log"),
+                        format="%(asctime)s %(levelname)s %(message)s")  # fmt: skip
+    try:
+        return run(home)
+    except SandlotError as exc:  # the next save starts another: it goes on from here
+        log.warning("pushing to the storage tier: %s", exc)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
