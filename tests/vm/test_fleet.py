@@ -401,6 +401,54 @@ def test_a_node_dying_mid_migration_leaves_the_box_where_it_was(f: fleet.Fleet, 
             dead(f, nodes, source)
 
 
+def test_with_a_storage_tier_a_box_moves_through_it_and_a_dead_nodes_suspended_box_comes_back(
+    f: fleet.Fleet, nodes: Nodes, busybox_root: Path, tmp_path: Path
+) -> None:
+    """Two nodes whose homes share an S3-compatible tier (moto's server on 127.0.0.1): a
+    move goes through the tier, not the object store; a node killed with its box
+    suspended leaves it in the tier (its pusher sent it), and recover() pulls it onto
+    the other node, no replica made before."""
+    from tests.support.s3 import CREDENTIALS, s3_server
+
+    with s3_server(tmp_path) as s3:
+        env = {"SANDLOT_STORAGE": s3.url("fleet"), "SANDLOT_STORAGE_ENDPOINT": s3.endpoint_url, **CREDENTIALS}
+        x = nodes.fc.add(cpus=2, memory_mib=512, env=env)
+        y = nodes.fc.add(cpus=2, memory_mib=512, env=env)
+        try:
+            box = f.create(rootfs=busybox_root, memory_mib=256, node=x, name="tiered")
+            box.files.write("/root/kept", "written on x")
+            box.sh(COUNTER)
+            before = wait_count(box)
+            moved = f.migrate(box, y)
+            assert f.last_migration["through"] == s3.url("fleet") and node_of(moved) == y
+            assert count(moved) >= before and moved.files.read_text("/root/kept") == "written on x"
+            assert box.id not in boxes_in(nodes.fc.homes[x])
+            moved.suspend()  # y's pusher sends it to the tier, whole
+            deadline = time.monotonic() + 120
+            pushed = f"fleet/boxes/{box.id}.json"
+            while pushed not in [
+                o["Key"] for o in s3.client().list_objects_v2(Bucket=s3.bucket).get("Contents", [])
+            ]:
+                assert time.monotonic() < deadline, "the pusher of node y never sent the suspended box"
+                time.sleep(0.5)
+            nodes.fc.kill(y)
+            deadline = time.monotonic() + 60
+            while f.get("tiered").state != "lost":
+                assert time.monotonic() < deadline, "the box was never found lost"
+                time.sleep(1)
+            back = f.recover("tiered")  # no replica: from the tier, on x
+            assert (back.id, back.state, node_of(back)) == (box.id, "running", x)
+            assert back.files.read_text("/root/kept") == "written on x"
+            assert count(back) >= before  # the counter of the process that ran on x, then y, goes on
+            assert f.record(back)["recovered"]["through"] == "storage tier"
+            back.remove(force=True)
+        finally:
+            for node in (x, y):
+                with contextlib.suppress(Exception):
+                    if node in {n["node_id"] for n in f.nodes() if n["alive"]}:
+                        nodes.fc.kill(node)
+
+
 def test_a_dead_nodes_boxes_are_lost_and_a_replicated_one_recovers(f: fleet.Fleet, nodes: Nodes,
                                                                    busybox_root: Path) -> None:  # fmt: skip
     safe = f.create(rootfs=busybox_root, memory_mib=256, node=nodes.a, name="safe", replicas=1)

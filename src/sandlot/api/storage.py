@@ -149,6 +149,17 @@ def pull(box: str, *, force: bool = False, home: Home = None) -> Any:
     return Box.get(rec.id, home=rt.home)
 
 
+def pull_id(box: str, *, force: bool = False, home: Home = None) -> str:
+    """``pull``, for a caller with handles of its own (a fleet's node): the box's id."""
+    return Remote.of(Runtime.for_home(home)).pull_box(box, force=force).id
+
+
+def tier_url(*, home: Home = None) -> str | None:
+    """The home's storage tier, or None (``info`` without its figures)."""
+    config = tiers.configured(Runtime.for_home(home).home)
+    return config.url if config is not None else None
+
+
 def evict(older_than: float | None = None, *, home: Home = None) -> GcReport:
     """Keep only the manifest here of cold states (boxes suspended ``older_than`` seconds
     ago or more, snapshots that old; default: the tier's ``evict_after``), once the
@@ -169,6 +180,6 @@ def boxes(*, home: Home = None) -> list[dict[str, Any]]:
 
 
 __all__ = [
-    "GcReport", "PushReport", "StorageReport", "boxes", "configure", "evict", "gc", "info", "pull", "push",
-    "totals",
+    "GcReport", "PushReport", "StorageReport", "boxes", "configure", "evict", "gc", "info", "pull", "pull_id",
+    "push", "tier_url", "totals",
 ]  # fmt: skip

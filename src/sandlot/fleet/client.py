@@ -30,7 +30,7 @@ from ..api.sync import Client
 from ..core.events import Event
 from ..errors import ConnectionLost, InvalidArgument, InvalidState, NodeNotFound, SandlotError
 from . import placement
-from .backend import Forked, RayBackend, RayBoxRef, answer, box_bundle, got, ray_box
+from .backend import Forked, RayBackend, RayBoxRef, answer, box_bundle, got, opened, ray_box
 from .directory import LOST, Directory, Record
 from .directory import NAME as DIRECTORY
 from .node import NodeService, node_actor_name
@@ -357,11 +357,14 @@ class Fleet:
         source = rec["node"]
         if target == source:
             raise InvalidArgument(f"box {rec['name']} is already on node {target[:12]}")
+        tier = self.shared_tier(source, target)
         self.check_separate(source, target)
         t0 = time.monotonic()
         res = placement.reserve(
             [box_bundle(rec)], node=target, timeout=placement_timeout or self.placement_timeout
         )
+        if tier is not None:
+            return self._migrate_through_tier(box, ref, rec, source, target, res, t0, tier)
         src, dst = self.node(source), self.node(target)
         step = source
         try:
@@ -421,6 +424,53 @@ class Fleet:
         }
         return box if isinstance(box, SyncBox) else SyncBox.wrap(AsyncBox.bound(ref))
 
+    def shared_tier(self, source: str, target: str) -> str | None:
+        """The storage tier both nodes' homes have, if they share one (docs/storage.md)."""
+        facts = self._gather({n: self.node(n).facts.remote() for n in (source, target)}, timeout=30)
+        tiers = {(facts.get(n) or {}).get("storage_tier") for n in (source, target)}
+        return tiers.pop() if len(tiers) == 1 and None not in tiers else None
+
+    def _migrate_through_tier(
+        self, box: SyncBox | str, ref: RayBoxRef, rec: Record, source: str, target: str, res: Any, t0: float,
+        tier: str,
+    ) -> SyncBox:  # fmt: skip
+        """A move through the storage tier both nodes share: the source suspends the box and
+        sends the tier only what it lacks, the target reads from it only the chunks it
+        does not hold itself. A target that fails sends it back to the source."""
+        src, dst = self.node(source), self.node(target)
+        try:
+            sent = answer(src.push_box.remote(rec["id"]))
+            t1 = time.monotonic()
+            try:
+                landed = answer(dst.pull_box.remote(rec["id"], False, sent["was"]))
+            except BaseException:
+                with contextlib.suppress(Exception):  # back where it was; the box is in the tier either way
+                    answer(src.pull_box.remote(rec["id"], True, sent["was"]))
+                raise
+        except BaseException:
+            placement.release(res.name)
+            raise
+        old = rec.get("reservation")
+        ref.rec = answer(
+            self.directory().put.remote(
+                {**rec, "node": target, "reservation": res.name, "state": sent["was"], "lost": None}
+            )
+        )
+        if old and not any(r.get("reservation") == old for r in answer(self.directory().all.remote())):
+            placement.release(old)
+        self.last_migration = {
+            "through": tier,
+            "save_s": sent["suspend_s"],
+            "push_s": sent["push_s"],
+            "pull_s": landed["pull_s"],
+            "restore_s": landed["start_s"],
+            "total_s": time.monotonic() - t0,
+            "transfer_s": time.monotonic() - t1,
+            "bytes": sent["bytes"],
+            "chunks": sent["chunks"],
+        }
+        return box if isinstance(box, SyncBox) else SyncBox.wrap(AsyncBox.bound(ref))
+
     def check_separate(self, source: str, target: str) -> None:
         """Two nodes on one host must not share a run directory: a moved box keeps its id,
         and a VM's sockets are in the run directory under the box's id."""
@@ -445,9 +495,13 @@ class Fleet:
             )
         replica = rec.get("replica")
         if not replica:
+            found, why = self._recover_from_tier(rec, placement_timeout)
+            if found is not None:
+                return found
             raise InvalidState(
                 f"box {rec['name']} was lost with node {rec['node'][:12]} and has no replica on a live node "
-                "(replicas=1 keeps its last suspended or snapshot state on a second node)",
+                "(replicas=1 keeps its last suspended or snapshot state on a second node; a storage tier, "
+                f"every suspended box: {why})",
                 box=rec["name"],
                 state=LOST,
             )
@@ -477,6 +531,42 @@ class Fleet:
             )
         )
         return SyncBox.wrap(AsyncBox.bound(RayBoxRef(self.backend, rec)))
+
+    def _recover_from_tier(self, rec: Record, placement_timeout: float | None) -> tuple[SyncBox | None, str]:
+        """A lost box its dead node's pusher sent to the storage tier (docs/storage.md),
+        pulled by a live node that shares the tier, which takes it from the dead home (by
+        force: the directory knows that node is gone), and started there. None where no
+        live node's tier holds it (and why)."""
+        live = [n["NodeID"] for n in placement.sandlot_nodes() if n["NodeID"] != rec["node"]]
+        asked = self._gather({n: self.node(n).tier_holds.remote(rec["id"]) for n in live}, timeout=60)
+        holds: dict[str, Any] = {}
+        for n, reply in asked.items():
+            try:
+                holds[n] = opened(reply)
+            except SandlotError as exc:
+                holds[n] = str(exc)
+        said = "; ".join(f"node {n[:12]}: {holds.get(n, 'no answer')}" for n in live)
+        for node in [n for n in live if holds.get(n) is True]:
+            try:
+                res = placement.reserve(
+                    [box_bundle(rec)], node=node, timeout=placement_timeout or self.placement_timeout
+                )
+            except SandlotError:
+                continue  # no room there: the next node that shares the tier
+            try:
+                started = answer(self.node(node).pull_box.remote(rec["id"], True, "running"))
+            except BaseException:
+                placement.release(res.name)
+                raise
+            info = {k: v for k, v in started.items() if k not in ("pull_s", "start_s")}
+            found = answer(
+                self.directory().put.remote(
+                    {**rec, **info, "node": node, "reservation": res.name, "lost": None, "replica": None,
+                     "recovered": {"from": rec["lost"], "at": time.time(), "through": "storage tier"}}
+                )
+            )  # fmt: skip
+            return SyncBox.wrap(AsyncBox.bound(RayBoxRef(self.backend, found))), said
+        return None, f"no live node's storage tier holds it ({said})"
 
 
 class Spread(builtins.list[SyncBox]):

@@ -263,6 +263,7 @@ class NodeService:
             "started_at": self.started_at,
             "boxes": len(boxes),
             "running": sum(1 for b in boxes if b.state == "running"),
+            "storage_tier": await asyncio.to_thread(_tier_url, self.home),
         }
 
     @guarded
@@ -521,6 +522,64 @@ class NodeService:
             out["start_s"] = time.monotonic() - t2
         return out
 
+    # -- moving a box through the storage tier (docs/storage.md) -------------------------------
+
+    @guarded
+    async def push_box(self, box_id: str) -> dict[str, Any]:
+        """Send a box to the home's storage tier for a move, and let it go from this node:
+        a running or paused one is suspended first (its processes move with it)."""
+        from ..api import storage
+
+        box = AsyncBox.bound(await self.ref(box_id))
+        await box.refresh()
+        was = box.state
+        if was not in ("running", "paused", "suspended"):
+            raise InvalidArgument(
+                f"box {box.name} is {was}: only a running, paused or suspended box moves with its processes",
+            )
+        t0 = time.monotonic()
+        if was != "suspended":
+            await box.suspend()
+        t1 = time.monotonic()
+        report = await asyncio.to_thread(storage.push, box_id, release=True, home=self.home)
+        self.refs.pop(box_id, None)
+        return {"was": was, "suspend_s": t1 - t0, "push_s": time.monotonic() - t1, "chunks": report.chunks,
+                "bytes": report.bytes}  # fmt: skip
+
+    @guarded
+    async def pull_box(self, box_id: str, force: bool, state: str) -> dict[str, Any]:
+        """Take a box from the home's storage tier onto this node, and bring it to ``state``
+        ("running", "paused" or "suspended"). ``force``: its holder is known to be dead."""
+        from ..api import storage
+
+        t0 = time.monotonic()
+        await asyncio.to_thread(storage.pull_id, box_id, force=force, home=self.home)
+        t1 = time.monotonic()
+        ref = await self.ref(box_id)
+        box = AsyncBox.bound(ref)
+        try:
+            if state in ("running", "paused"):
+                await box.resume()
+            if state == "paused":
+                await box.pause()
+        except BaseException:
+            with contextlib.suppress(SandlotError):  # it goes back to the tier for another node
+                await asyncio.to_thread(storage.push, box_id, release=True, home=self.home)
+                self.refs.pop(box_id, None)
+            raise
+        return {**self.info(ref), "pull_s": t1 - t0, "start_s": time.monotonic() - t1}
+
+    @guarded
+    async def tier_holds(self, box_id: str) -> bool:
+        """Whether the home's storage tier holds this box (a suspended box of a dead node
+        that its pusher sent)."""
+        from ..api import storage
+
+        def look() -> bool:
+            return any(b["id"] == box_id for b in storage.boxes(home=self.home))
+
+        return await asyncio.to_thread(look) if _tier_url(self.home) else False
+
     @guarded
     async def hold(self, box_id: str) -> dict[str, Any]:
         """Freeze a box for a move: a suspended one is resumed first; then it is paused
@@ -620,6 +679,14 @@ def actor_lives(name: str) -> bool:
     except ValueError:
         return False
     return True
+
+
+def _tier_url(home: Path) -> str | None:
+    from ..api import storage
+
+    with contextlib.suppress(SandlotError):
+        return storage.tier_url(home=home)
+    return None
 
 
 def node_actor_name(node_id: str) -> str:
