@@ -21,7 +21,7 @@ import sandlot
 from sandlot.core import chunks, snapshots
 from sandlot.core.manifest import CHUNK, Manifest
 from sandlot.core.store import BoxStore, SnapshotRecord
-from sandlot.errors import CorruptSnapshot, SavedStateError
+from sandlot.errors import CorruptSnapshot, InvalidArgument, SavedStateError
 
 from tests.support.fake_engine import register
 
@@ -208,6 +208,44 @@ def test_chunks_no_state_ever_listed_go_once_they_are_old(tmp_path: Path) -> Non
     assert a.manifest.added > 0
 
 
+def test_a_failed_save_gives_back_its_room_unless_another_save_may_count_on_it(tmp_path: Path) -> None:
+    import asyncio
+
+    db = BoxStore(tmp_path / "sandlot.db")
+    store = chunks.ChunkStore(tmp_path)
+    kept = save(store, ram(7), "kept")
+    db.insert_snapshot(row("kept"), manifest=kept.manifest.encode(), stored=kept.stored)
+
+    async def failed_save(data: bytes) -> None:
+        async with chunks.Saving(tmp_path, db, "test", "late", enabled=True) as saving:
+            assert saving.writer is not None
+            img = saving.writer.image("ram", len(data))
+            img.pages(0, data)
+            await asyncio.to_thread(saving.writer.finish)
+            raise OSError(28, "No space left on device")  # say, its row could not be written
+
+    with pytest.raises(OSError):
+        asyncio.run(failed_save(bytes(ram(7, changed=3))))
+    # only the chunks it wrote went: those the kept state lists stay, and it reads whole
+    assert {bytes.fromhex(f.parent.name + f.name) for f in store.root.glob("??/*")} == set(kept.stored)
+    manifest = Manifest.decode(db.state_manifest("kept") or b"")
+    assert read(chunks.StateReader(store, manifest, "kept")) == ram(7)
+    # while another save holds the store, its chunks stay (that save may have found them): gc's
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, pathlib\nfrom sandlot.core.chunks import ChunkStore\n"
+         f"with ChunkStore(pathlib.Path({str(tmp_path)!r})).using():\n"
+         "    print('held', flush=True); sys.stdin.read()"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+        with pytest.raises(OSError):
+            asyncio.run(failed_save(bytes(ram(8))))
+        assert len(list(store.root.glob("??/*"))) > len(kept.stored)
+    finally:
+        holder.communicate("", timeout=10)
+
+
 def fake_box(home: Path, root: Path, **kw: object) -> sandlot.Box:
     box = sandlot.Box(rootfs=root, engine="fake", home=home, template=False, memory_mib=256, keep=True, **kw)
     box.start()
@@ -375,5 +413,89 @@ def test_the_metrics_show_an_admin_the_chunk_store_and_a_namespaced_key_nothing_
         assert f"sandlot_storage_stored_bytes {float(totals['stored_bytes'])}" in admin.text
         assert f"sandlot_storage_states {float(totals['states'])}" in admin.text
         assert theirs.status_code == 200 and "sandlot_storage" not in theirs.text
+    finally:
+        box.remove(force=True)
+
+
+def test_an_archive_carries_a_state_as_chunks_and_an_incremental_one_only_what_changed(
+    tmp_path: Path, home: Path, root: Path
+) -> None:
+    import tarfile
+
+    import zstandard
+
+    box = fake_box(home, root)
+    other = tmp_path / "other-home"
+    try:
+        box.exec("remember", "k1", "one")
+        s1 = box.snapshot("one")
+        box.exec("remember", "k2", "two")
+        s2 = box.snapshot("two")
+        full, inc = tmp_path / "s1.sandlot", tmp_path / "s2.sandlot"
+        s1.export(full)
+        s2.export(inc, since="one")
+
+        def members(path: Path) -> list[str]:
+            with open(path, "rb") as f, tarfile.open(fileobj=zstandard.ZstdDecompressor().stream_reader(f),
+                                                     mode="r|") as tar:  # fmt: skip
+                return [m.name for m in tar]
+
+        full_chunks = [m for m in members(full) if m.startswith("chunks/")]
+        inc_members = members(inc)
+        inc_chunks = [m for m in inc_members if m.startswith("chunks/")]
+        assert members(full)[:2] == ["manifest.json", "state"] and "disk.qcow2" in members(full)
+        store = BoxStore(home / "sandlot.db")
+        d1 = Manifest.decode(store.state_manifest(s1.id) or b"").digests()
+        d2 = Manifest.decode(store.state_manifest(s2.id) or b"").digests()
+        assert {bytes.fromhex(m.removeprefix("chunks/")) for m in full_chunks} == d1
+        assert {bytes.fromhex(m.removeprefix("chunks/")) for m in inc_chunks} == d2 - d1  # only what changed
+        assert 0 < len(inc_chunks) < len(d2)
+        assert "layer0.qcow2" in inc_members and "disk.qcow2" not in inc_members
+        with pytest.raises(InvalidArgument, match="import the base's archive first"):
+            sandlot.import_snapshot(inc, home=other, start=False)
+        assert sandlot.list_snapshots(home=other) == []
+        sandlot.import_snapshot(full, home=other, start=False)
+        moved = sandlot.import_snapshot(inc, home=other, name="moved")
+        assert moved.exec("recall", "k1").stdout == "one\n" and moved.exec("recall", "k2").stdout == "two\n"
+        moved.remove(force=True)
+        with pytest.raises(InvalidArgument, match="no base of"):
+            s1.export(tmp_path / "x.sandlot", since="two")  # a base is taken before, not after
+    finally:
+        box.remove(force=True)
+
+
+def test_an_archive_whose_chunk_was_altered_is_refused_and_nothing_is_added(
+    tmp_path: Path, home: Path, root: Path
+) -> None:
+    import io
+    import tarfile
+
+    import zstandard
+
+    box = fake_box(home, root)
+    other = tmp_path / "other-home"
+    try:
+        box.exec("remember", "k", "v")
+        archive = box.snapshot("s").export(tmp_path / "s.sandlot")
+        altered = tmp_path / "altered.sandlot"
+        reading = zstandard.ZstdDecompressor()
+        with (
+            open(archive, "rb") as f,
+            tarfile.open(fileobj=reading.stream_reader(f), mode="r|") as src,
+            open(altered, "wb") as out,
+            zstandard.ZstdCompressor().stream_writer(out) as zw,
+            tarfile.open(fileobj=zw, mode="w|") as dst,
+        ):
+            done = False
+            for m in src:
+                data = src.extractfile(m).read()  # type: ignore[union-attr]
+                if m.name.startswith("chunks/") and not done:
+                    data = zstandard.ZstdCompressor(write_content_size=True).compress(b"not the chunk")
+                    m.size, done = len(data), True
+                dst.addfile(m, io.BytesIO(data))
+        with pytest.raises(CorruptSnapshot, match="does not match its hash"):
+            sandlot.import_snapshot(altered, home=other, start=False)
+        assert sandlot.list_snapshots(home=other) == []
+        assert not list((other / "layers").glob("*")) if (other / "layers").exists() else True
     finally:
         box.remove(force=True)

@@ -328,11 +328,15 @@ def _rewrite(archive: Path, dest: Path, edit) -> Path:  # type: ignore[no-untype
 
 
 @pytest.mark.skipif(TEST_ENGINE != "qemu", reason="version 1 archives predate engines: only QEMU wrote them")
-def test_an_archive_of_format_version_1_still_imports(counting_box: sandlot.Box, other_home: Path,
-                                                      tmp_path: Path) -> None:  # fmt: skip
+def test_an_archive_of_format_version_1_still_imports(
+    counting_box: sandlot.Box, other_home: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Archives written before engines were named (their compatibility facts QEMU's,
-    at the top level) are read as they were written."""
-    archive = counting_box.snapshot().export(tmp_path / "v2.sandlot")
+    at the top level) are read as they were written; so is a state saved before chunks,
+    which exports as it did then (version 3: its memory and devices whole)."""
+    monkeypatch.setenv("SANDLOT_STATE_CHUNKS", "0")  # saved as every sandlot before chunks saved it
+    archive = counting_box.snapshot().export(tmp_path / "v3.sandlot")
+    monkeypatch.delenv("SANDLOT_STATE_CHUNKS")
 
     def as_version_1(name: str, data: bytes) -> list[tuple[str, bytes]]:
         if name == "manifest.json":
@@ -365,9 +369,12 @@ def test_import_rejects_damaged_altered_and_incompatible_archives(counting_box: 
     archive = snap.export(tmp_path / "ok.sandlot")
     before = {s.id for s in sandlot.list_snapshots()}
 
+    flipped: list[str] = []
+
     def flip_memory(name: str, data: bytes) -> list[tuple[str, bytes]]:
-        if name == "memory":
-            data = bytes([data[0] ^ 1]) + data[1:]
+        if name.startswith("chunks/") and not flipped:  # a chunk of its memory (version 4)
+            flipped.append(name)
+            data = data[:-4] + bytes([data[-4] ^ 1]) + data[-3:]
         return [(name, data)]
 
     def incompatible(name: str, data: bytes) -> list[tuple[str, bytes]]:
@@ -378,7 +385,7 @@ def test_import_rejects_damaged_altered_and_incompatible_archives(counting_box: 
         return [(name, data)]
 
     def extra_member(name: str, data: bytes) -> list[tuple[str, bytes]]:
-        return [(name, data)] + ([("../../etc/evil", b"x")] if name == "devices" else [])
+        return [(name, data)] + ([("../../etc/evil", b"x")] if name == "state" else [])
 
     def backing_file(name: str, data: bytes) -> list[tuple[str, bytes]]:
         return [(name, data)]

@@ -321,8 +321,9 @@ class Backend(ABC):
     async def snapshot_list(self, *, box: str | None, kind: str | None) -> list[SnapshotRef]: ...
 
     @abstractmethod
-    async def export(self, snap: SnapshotRef, path: Path) -> Path:
-        """The snapshot written to ``path`` (complete, or not there at all)."""
+    async def export(self, snap: SnapshotRef, path: Path, since: SnapshotRef | None = None) -> Path:
+        """The snapshot written to ``path`` (complete, or not there at all); ``since``: only
+        what changed after that snapshot of the same box (docs/storage.md)."""
 
     @abstractmethod
     async def import_snapshot(

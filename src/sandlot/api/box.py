@@ -785,10 +785,15 @@ class AsyncSnapshot:
         idle_timeout, request_timeout, network and allow for each (as for ``AsyncBox``)."""
         return [AsyncBox.bound(r) for r in await self._op("start", n=n, name=name, **options)]
 
-    async def export(self, path: str | os.PathLike[str]) -> Path:
+    async def export(self, path: str | os.PathLike[str], *, since: AsyncSnapshot | str | Any = None) -> Path:
         """Write this snapshot to one file (zstd tar) that ``sandlot.import_snapshot``
-        starts elsewhere. Written under a temporary name and renamed when complete."""
-        return await self._ref.backend.export(self._ref, Path(path))
+        starts elsewhere. Written under a temporary name and renamed when complete.
+        ``since``: an earlier snapshot of the same box (the object, its id or its name):
+        the archive then carries only the chunks and disk layers that one has not, and
+        the home that imports it must have imported that one first (docs/storage.md)."""
+        backend = self._ref.backend
+        base = None if since is None else await backend.find_snapshot(snapshot_key(since))
+        return await backend.export(self._ref, Path(path), base)
 
     async def remove(self) -> None:
         """Delete the snapshot; refused (SnapshotInUse) while boxes started from it exist.

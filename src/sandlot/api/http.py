@@ -579,10 +579,12 @@ class HttpBackend(RemoteBackend):
         data = await self.json("GET", "/snapshots", params={"kind": kind, "box": box})
         return [self.snapshot_of(rec) for rec in data.get("snapshots", [])]
 
-    async def export(self, snap: SnapshotRef, path: Path) -> Path:
+    async def export(self, snap: SnapshotRef, path: Path, since: SnapshotRef | None = None) -> Path:
         from .tarstream import to_host_file
 
-        async with self.stream("GET", f"/snapshots/{seg(snap.id)}/export", timeout=self.long()) as r:
+        params = {"since": since.id} if since is not None else None
+        async with self.stream("GET", f"/snapshots/{seg(snap.id)}/export", params=params,
+                               timeout=self.long()) as r:  # fmt: skip
             await to_host_file(path, self.chunks(r), 0o600)  # a box's memory: its secrets too
         return path
 

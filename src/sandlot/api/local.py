@@ -678,8 +678,9 @@ class LocalBackend(Backend):
                 await core.pools.drop(found)
         await core.live.remove_snapshot(rec)
 
-    async def export(self, snap: SnapshotRef, path: Path) -> Path:
-        return await self.core().live.export(local_snapshot(snap).record, path)
+    async def export(self, snap: SnapshotRef, path: Path, since: SnapshotRef | None = None) -> Path:
+        base = local_snapshot(since).record if since is not None else None
+        return await self.core().live.export(local_snapshot(snap).record, path, base)
 
     async def import_snapshot(
         self, path: Path, *, name: str | None, start: bool, options: Mapping[str, Any]

@@ -664,10 +664,13 @@ class Snapshot(SnapshotBase):
         idle_timeout, request_timeout, network and allow for each (as for ``Box``)."""
         return [Box.wrap(x) for x in loop.run(self._a.start(n, name=name, **options))]
 
-    def export(self, path: str | os.PathLike[str]) -> Path:
+    def export(self, path: str | os.PathLike[str], *, since: Snapshot | str | Any = None) -> Path:
         """Write this snapshot to one file (zstd tar) that ``sandlot.import_snapshot``
-        starts elsewhere. Written under a temporary name and renamed when complete."""
-        return loop.run(self._a.export(path))
+        starts elsewhere. Written under a temporary name and renamed when complete.
+        ``since``: an earlier snapshot of the same box (the object, its id or its name):
+        the archive then carries only the chunks and disk layers that one has not, and
+        the home that imports it must have imported that one first (docs/storage.md)."""
+        return loop.run(self._a.export(path, since=since))
 
     def remove(self) -> None:
         """Delete the snapshot; refused (SnapshotInUse) while boxes started from it exist.

@@ -41,6 +41,9 @@ def snapshot(
     ],
     name: Annotated[str | None, typer.Option("--name", help="import: the new box's name.")] = None,
     templates: Annotated[bool, typer.Option("--templates", help="prune: named templates too.")] = False,
+    since: Annotated[
+        str | None, typer.Option("--since", help="export: only what changed after this snapshot of the box.")
+    ] = None,
     quiet: QuietOpt = False,
 ) -> None:
     """Save a running box's memory, processes and disk (it goes on running).
@@ -48,7 +51,7 @@ def snapshot(
     sandlot snapshot BOX [NAME]              save a running box (it goes on running)
     sandlot snapshot rm SNAP...              refused while boxes started from one exist
     sandlot snapshot prune [--templates]     those of removed boxes no box was started from
-    sandlot snapshot export SNAP FILE        one file for another machine
+    sandlot snapshot export SNAP FILE [--since BASE]  one file for another machine
     sandlot snapshot import FILE [--name N]  start the box it holds here
     """
     if args[0] == "prune":
@@ -80,7 +83,7 @@ def snapshot(
         async def export() -> None:
             t = time.monotonic()
             with busy(f"exporting {args[1]} to {args[2]}", quiet=quiet):
-                path = await (await AsyncSnapshot.get(args[1])).export(args[2])
+                path = await (await AsyncSnapshot.get(args[1])).export(args[2], since=since)
             print(f"{path} ({human(path.stat().st_size)}, {time.monotonic() - t:.1f}s)")
 
         run_coro(export())

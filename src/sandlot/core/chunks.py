@@ -151,7 +151,7 @@ class ChunkStore:
                 raise CorruptSnapshot(f"saved state {whose}: its chunk {d.hex()} is missing") from None
             packed, fetched = found, True
         try:
-            data = zstandard.ZstdDecompressor().decompress(packed)
+            data = unpack(packed)
             why = "its bytes do not match its hash" if digest(data) != d else None
             if why is None and size is not None and len(data) != size:
                 why = f"{len(data)} bytes where its state has {size}"
@@ -170,6 +170,25 @@ class ChunkStore:
             with contextlib.suppress(OSError):  # (a full disk: read from the tier again next time)
                 self._write(path, packed)
         return data
+
+    def packed(self, d: bytes, whose: str) -> bytes:
+        """A chunk as the store keeps it (zstd), checked: for an archive that carries it."""
+        self.get(d, whose)  # checked (and brought from the tier where it is only there)
+        return self.path(d).read_bytes() if self.path(d).exists() else (self._fetch(d) or b"")
+
+    def put_packed(self, d: bytes, packed: bytes, whose: str) -> int:
+        """Keep a chunk given as the store keeps it (an archive's), once it is checked
+        against its name; the bytes it took (0 if it was there)."""
+        import zstandard
+
+        try:
+            data = unpack(packed)
+        except zstandard.ZstdError as exc:
+            raise CorruptSnapshot(f"{whose}: its chunk {d.hex()} is damaged ({exc})") from None
+        if digest(data) != d:
+            raise CorruptSnapshot(f"{whose}: its chunk {d.hex()} does not match its hash (damaged, altered)")
+        final = self.path(d)
+        return 0 if final.exists() else self._write(final, packed)
 
     def _fetch(self, d: bytes) -> bytes | None:
         """A chunk this home does not hold, from its storage tier (None: there neither)."""
@@ -250,6 +269,22 @@ class ChunkStore:
         finally:
             os.close(fd)
 
+    def drop_unlisted(self, store: BoxStore, written: set[bytes]) -> int:
+        """Give back at once the room of a failed save (on a full disk, the room its
+        failure must be recorded in): delete the chunks it wrote that no saved state
+        lists, if no other save or load holds the store now (one may have found such a
+        chunk and count on it); else a collection of orphans takes them later. The bytes freed."""
+        fd = self._lock_fd()
+        try:
+            try:
+                _flock(fd, fcntl.LOCK_EX, 0.0, "the chunk store")
+            except SavedStateError:
+                return 0
+            listed = store.listed_chunks(written)
+            return sum(remove_file(self.path(d)) for d in written - listed)
+        finally:
+            os.close(fd)
+
     @contextmanager
     def collecting(self, wait: float = LOCK_WAIT) -> Iterator[None]:
         """Hold the store alone: no save counts on, and no load reads, a chunk file meanwhile."""
@@ -259,6 +294,17 @@ class ChunkStore:
             yield
         finally:
             os.close(fd)
+
+
+def unpack(packed: bytes) -> bytes:
+    """A chunk's bytes from its zstd frame, which must say its size and say at most a
+    chunk's (a frame from a damaged disk, a bucket or an archive, not a bomb)."""
+    import zstandard
+
+    size = zstandard.get_frame_parameters(packed).content_size
+    if not 0 <= size <= CHUNK:
+        raise zstandard.ZstdError(f"a frame of {size} bytes, where a chunk is at most {CHUNK}")
+    return zstandard.ZstdDecompressor().decompress(packed, max_output_size=CHUNK)
 
 
 def remove_file(path: Path) -> int:
@@ -314,6 +360,7 @@ class StateWriter(StateSink):
         self.manifest = Manifest(engine=engine)
         self.whose = whose
         self.stored: dict[bytes, int] = {}  # every chunk the state lists: its size in the store
+        self.added: set[bytes] = set()  # the chunks this save wrote (the store lacked them)
         self._images: list[_ImageWriter] = []
         self._pool = ThreadPoolExecutor(self.WORKERS, thread_name_prefix="sandlot-chunks")
         self._pending: dict[bytes, Future[int]] = {}
@@ -361,6 +408,8 @@ class StateWriter(StateSink):
             with self._lock:
                 self.stored[d] = added or (self.store.size(d) or 0)
                 self.manifest.added += added
+                if added:
+                    self.added.add(d)
                 del self._pending[d]
             return added
         except BaseException as exc:
@@ -505,8 +554,9 @@ class Saving:
     and counted on is collected before the row counts it. An engine that writes files
     (``enabled`` False) gets no sink, and this does nothing."""
 
-    def __init__(self, home: Path, engine: str, whose: str, *, enabled: bool) -> None:
+    def __init__(self, home: Path, db: BoxStore, engine: str, whose: str, *, enabled: bool) -> None:
         self.store = ChunkStore(home)
+        self.db = db
         self.writer = StateWriter(self.store, engine, whose) if enabled else None
         self._held: contextlib.ExitStack | None = None
         self.manifest: Manifest | None = None
@@ -530,11 +580,13 @@ class Saving:
         self.manifest = await asyncio.to_thread(self.writer.finish)
         return self.manifest.encode(), dict(self.writer.stored)
 
-    async def __aexit__(self, *exc: object) -> None:
+    async def __aexit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
         if self.writer is not None:
             await asyncio.to_thread(self.writer.abort)
         if self._held is not None:
             self._held.close()
+        if self.writer is not None and exc_type is not None and self.writer.added:
+            await asyncio.to_thread(self.store.drop_unlisted, self.db, self.writer.added)
 
 
 @contextlib.asynccontextmanager

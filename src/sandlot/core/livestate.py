@@ -230,7 +230,7 @@ class LiveState:
         """A save of ``rec``'s VM as chunks, where its engine writes them."""
         engine = self.rt.engine(rec.engine)
         enabled = engine.chunked_state and chunks.enabled()
-        return chunks.Saving(self.rt.home, engine.name, snap_id, enabled=enabled)
+        return chunks.Saving(self.rt.home, self.rt.store, engine.name, snap_id, enabled=enabled)
 
     def _pushed_later(self) -> None:
         """Where the home has a storage tier, its pusher sends what this save made (a
@@ -550,11 +550,21 @@ class LiveState:
 
         return await asyncio.to_thread(prune)
 
-    async def export(self, snap: SnapshotRecord, path: Path) -> Path:
-        """Write a snapshot to one file another host imports; readers never see a partial file."""
+    async def export(self, snap: SnapshotRecord, path: Path, since: SnapshotRecord | None = None) -> Path:
+        """Write a snapshot to one file another host imports; readers never see a partial
+        file. ``since``: only what changed after that snapshot (the archive of a state
+        saved as chunks carries the chunks and disk layers the base has not)."""
         found = await self.db.find_snapshot(snap.id)
         if found is None:
             raise SnapshotNotFound(f"snapshot {snap.id} was removed")
+        if await self.db.state_manifest(found.id) is not None:
+            return await asyncio.to_thread(
+                archive.export_chunked, self.rt.home, self.rt.store, found, path, since
+            )
+        if since is not None:
+            raise InvalidArgument(
+                f"snapshot {found.name or found.id} was saved before chunks (or by gVisor): it exports whole"
+            )
         await self.share(found)
         found = await self.db.find_snapshot(snap.id) or found
         engine = self.rt.engine(found.facts.get("engine", "qemu"))

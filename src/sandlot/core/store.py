@@ -1173,6 +1173,18 @@ class BoxStore:
             rows = db.execute("DELETE FROM chunks WHERE refs <= 0 RETURNING digest").fetchall()
         return [bytes(r[0]) for r in rows]
 
+    def listed_chunks(self, digests: builtins.set[bytes]) -> builtins.set[bytes]:
+        """Which of ``digests`` a saved state lists."""
+        found: builtins.set[bytes] = builtins.set()
+        batch = sorted(digests)
+        with self._reading():
+            for at in range(0, len(batch), 500):
+                part = batch[at : at + 500]
+                marks = ",".join("?" * len(part))
+                rows = self._db.execute(f"SELECT digest FROM chunks WHERE digest IN ({marks})", part)
+                found.update(bytes(r[0]) for r in rows)
+        return found
+
     def chunk_digests(self) -> builtins.set[bytes]:
         with self._reading():
             return {bytes(r[0]) for r in self._db.execute("SELECT digest FROM chunks")}

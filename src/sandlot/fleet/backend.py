@@ -817,8 +817,13 @@ class RayBackend(RemoteBackend):
             ]
         return out
 
-    async def export(self, snap: SnapshotRef, path: Path) -> Path:
-        moved = await got(self.fleet.node(ray_snapshot(snap).node).export.remote(snap.id))
+    async def export(self, snap: SnapshotRef, path: Path, since: SnapshotRef | None = None) -> Path:
+        node = ray_snapshot(snap).node
+        if since is not None and ray_snapshot(since).node != node:
+            raise InvalidArgument(f"snapshot {since.id} is on another node than {snap.id}: no base of it")
+        moved = await got(
+            self.fleet.node(node).export.remote(snap.id, since.id if since is not None else None)
+        )
         return await transfer.receive(moved, path)
 
     async def import_snapshot(

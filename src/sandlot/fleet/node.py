@@ -470,14 +470,16 @@ class NodeService:
     # -- moving saved state ----------------------------------------------------------------
 
     @guarded
-    async def export(self, snapshot: str) -> dict[str, Any]:
+    async def export(self, snapshot: str, since: str | None = None) -> dict[str, Any]:
         """A snapshot of this node as chunks in the object store: their descriptions and
-        references (owned by this actor, which lives as long as the node)."""
+        references (owned by this actor, which lives as long as the node); ``since``: only
+        what changed after that snapshot."""
         snap = await self.backend.find_snapshot(snapshot)
+        base = await self.backend.find_snapshot(since) if since is not None else None
         work = Path(tempfile.mkdtemp(prefix="fleet-export-", dir=self.home))
         try:
             t0 = time.monotonic()
-            path = await self.backend.export(snap, work / "state.sandlot")
+            path = await self.backend.export(snap, work / "state.sandlot", base)
             crash_point("fleet.export-after-save")
             saved = time.monotonic() - t0
             moved = await transfer.offer(path, ray.put)

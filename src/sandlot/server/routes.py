@@ -768,12 +768,14 @@ async def get_snapshot(snap: str, request: Request) -> dict[str, Any]:
 
 
 @router.get("/snapshots/{snap}/export", tags=["live state"])
-async def export_snapshot(snap: str, request: Request) -> Response:
-    """The snapshot as an archive (written to the server's temporary space, then streamed)."""
+async def export_snapshot(snap: str, request: Request, since: str | None = None) -> Response:
+    """The snapshot as an archive (written to the server's temporary space, then streamed);
+    ``since``: only what changed after that snapshot (one the key may see too)."""
     s = await snapshot_for(request, snap)
+    base = await snapshot_for(request, since) if since is not None else None
     tmp = Path(tempfile.mkdtemp(prefix="sandlot-export-", dir=_server(request).settings.tmp))
     try:
-        archive = await s.export(tmp / "snapshot.sandlot")
+        archive = await s.export(tmp / "snapshot.sandlot", since=base)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -704,6 +704,8 @@ class QemuVM(VM):
         (background-snapshot), each page as it was at the stop. Otherwise (a suspend,
         a paused VM, a host that cannot) the guest stays stopped for the whole save."""
         global background_snapshots
+        from qemu.qmp import ExecuteError
+
         # One QMP session for the whole save: every connection made while the VM is
         # stopped lengthens the pause, and no other process's command may come between.
         loop = asyncio.get_running_loop()
@@ -714,6 +716,10 @@ class QemuVM(VM):
 
             status = await run("query-status")
             was_running = isinstance(status, dict) and status.get("status") == "running"
+            # a guest whose disk write met a full home filesystem is stopped by QEMU
+            # (werror=enospc) with that write held: it runs on, and QEMU retries it,
+            # once continued; a save must not leave it stopped for good
+            held_write = isinstance(status, dict) and status.get("status") == "io-error"
             # a background snapshot writes the whole stream to a file first: only where it fits
             room = _free_bytes(directory) > (self.cfg.memory_mib << 20) + SPILL_SLACK
             background = bool(sink) and keep_running and was_running and room
@@ -736,12 +742,23 @@ class QemuVM(VM):
                             for device, top in switches
                         ]  # fmt: skip
                         await run("transaction", {"actions": actions})
-                    if sink is not None:
-                        await self._save_to(q, sink, 120.0, directory / ".stream" if background else None)
+                    if sink is not None and background:
+                        try:
+                            await self._save_to(q, sink, 120.0, directory / ".stream")
+                        except ExecuteError as exc:
+                            # refused before it began (the VM stays stopped): a guest whose RAM
+                            # is a private map of a file (restored from a template's or a
+                            # fork's memory) cannot be write-protected; saved stopped instead
+                            if "Background-snapshot" not in str(exc):
+                                raise
+                            background = False
+                            await self._save_to(q, sink, 120.0, None)
+                    elif sink is not None:
+                        await self._save_to(q, sink, 120.0, None)
                     else:
                         await self.save_state(directory / "state", session=q)
                 finally:
-                    if keep_running and was_running:
+                    if keep_running and (was_running or held_write):
                         reply = await run("query-status")
                         if not (isinstance(reply, dict) and reply.get("status") == "running"):
                             await once_finalized(lambda: run("cont"), FINALIZE_LIMIT)
