@@ -635,6 +635,15 @@ static int remove_tree(int dirfd, const char *name, int depth)
     return unlinkat(dirfd, name, AT_REMOVEDIR);
 }
 
+int remove_tree_at(int dirfd, const char *name)
+{
+    struct stat st;
+    if (fstatat(dirfd, name, &st, AT_SYMLINK_NOFOLLOW) < 0) {
+        return errno == ENOENT ? 0 : -1;
+    }
+    return S_ISDIR(st.st_mode) ? remove_tree(dirfd, name, 0) : unlinkat(dirfd, name, 0);
+}
+
 static int is_mutation(uint32_t op) { return op != SL_FS_STAT && op != SL_FS_LIST && op != SL_FS_TREE; }
 
 void fs_request(struct session *s, uint32_t ch, const uint8_t *p, size_t n)
