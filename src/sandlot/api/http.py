@@ -512,7 +512,8 @@ class HttpBackend(RemoteBackend):
     async def put_archive(
         self, ref: BoxRef, path: str, tar: AsyncIterable[bytes], *, user: str | None
     ) -> dict[str, Any]:
-        params = validated(ArchiveIn, {"path": path, "user": user}).model_dump(exclude_none=True)
+        body = validated(ArchiveIn, {"path": path, "user": user})
+        params = body.model_dump(exclude_none=True, exclude={"follow_symlinks"})
         r = await self.request(
             "PUT", http(ref).path("/files/archive"), params=params, content=tar, timeout=self.long()
         )

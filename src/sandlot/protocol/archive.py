@@ -148,10 +148,19 @@ async def write_tree(
     ended = asyncio.ensure_future(proc.wait())
     finished = False
     try:
-        async for chunk in chunks:
-            if ended.done():
-                break  # it stopped early: its records say why
-            await proc.write_stdin(chunk)
+        try:
+            async for chunk in chunks:
+                if ended.done():
+                    break  # it stopped early: its records say why
+                await proc.write_stdin(chunk)
+        except Exception:
+            # the stream failed on its way (its source refused an entry): the child sees
+            # it end early, clears what it unpacked, and ends; the destination is as it
+            # was once this raises
+            with contextlib.suppress(Exception):
+                await proc.close_stdin()
+                await asyncio.wait_for(asyncio.shield(ended), conn.request_timeout)
+            raise
         if not ended.done():
             await proc.close_stdin()
         status = await ended

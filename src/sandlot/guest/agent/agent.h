@@ -349,6 +349,10 @@ void fs_request(struct session *s, uint32_t ch, const uint8_t *p, size_t n);
  * session takes more output; restarted by the host after a reconnection. */
 char *read_link_at(int dirfd, const char *name);
 int remove_tree_at(int dirfd, const char *name); /* a tree, no link followed; 0 if it was not there */
+/* A directory by name, never through a link (ELOOP for one; ENOTDIR): O_NOFOLLOW with
+ * O_DIRECTORY is not enough everywhere (gVisor opens the directory a link points to),
+ * so the name is opened O_PATH without following, checked, and that inode reopened. */
+int open_dir_nofollow(int dirfd, const char *name);
 int batch_wait(struct channel *c, struct chan_wait *w, uint64_t now, int *timeout_ms);
 int batch_disconnected(struct channel *c);
 /* tree.c: start streaming the manifest of the tree at path (-1 and errno: not begun);

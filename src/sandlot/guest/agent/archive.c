@@ -1145,7 +1145,7 @@ static int beneath(struct unpacker *u, const char *rel, int create, const char *
             if (slash) {
                 *slash = 0;
             }
-            int next = openat(cur, p, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+            int next = open_dir_nofollow(cur, p);
             if (next < 0 && errno == ENOENT && create) {
                 if (mkdirat(cur, p, 0700) < 0 && errno != EEXIST) {
                     int e = errno;
@@ -1158,7 +1158,7 @@ static int beneath(struct unpacker *u, const char *rel, int create, const char *
                 if (dir_add(u, copy, 0755, time(NULL), 0) < 0) {
                     goto walk_failed;
                 }
-                next = openat(cur, p, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+                next = open_dir_nofollow(cur, p);
             }
             if (next < 0) {
                 int e = errno;
@@ -1530,8 +1530,8 @@ static int merge_check(int sfd, int dfd, const char *rel)
                 r = fail(path, errno, "cannot look at it in the destination: %s", strerror(errno));
             }
         } else if (S_ISDIR(s.st_mode) && S_ISDIR(d.st_mode)) {
-            int s2 = openat(sfd, names[i], O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
-            int d2 = openat(dfd, names[i], O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+            int s2 = open_dir_nofollow(sfd, names[i]);
+            int d2 = open_dir_nofollow(dfd, names[i]);
             r = s2 < 0 || d2 < 0 ? fail(path, errno, "cannot open the directory: %s", strerror(errno))
                                  : merge_check(s2, d2, path);
             if (s2 >= 0) {
@@ -1587,8 +1587,8 @@ static int merge_move(struct unpacker *u, int sfd, int dfd, const char *rel)
         if (fstatat(sfd, names[i], &s, AT_SYMLINK_NOFOLLOW) < 0) {
             r = fail(path, errno, "cannot look at it in the staging directory: %s", strerror(errno));
         } else if (there && S_ISDIR(s.st_mode) && S_ISDIR(d.st_mode)) {
-            int s2 = openat(sfd, names[i], O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
-            int d2 = openat(dfd, names[i], O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+            int s2 = open_dir_nofollow(sfd, names[i]);
+            int d2 = open_dir_nofollow(dfd, names[i]);
             r = s2 < 0 || d2 < 0 ? fail(path, errno, "cannot open the directory: %s", strerror(errno))
                                  : merge_move(u, s2, d2, path);
             if (r == 0 && is_explicit_dir(u, path)) {
@@ -1728,7 +1728,7 @@ static int archive_write(const char *dest, int own, uid_t uid, gid_t gid)
     }
     remove_tree_at(u.stage_parent, u.stage_name); /* a killed transfer's, of a pid used again */
     if (mkdirat(u.stage_parent, u.stage_name, 0700) < 0 ||
-        (u.stage = openat(u.stage_parent, u.stage_name, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC)) < 0) {
+        (u.stage = open_dir_nofollow(u.stage_parent, u.stage_name)) < 0) {
         fail("", errno, "cannot make a staging directory in %s: %s", dest, strerror(errno));
         report_failure();
         return 1;
