@@ -300,8 +300,8 @@ def test_trees_move_as_docker_cp_moves_them(box: Any, tmp_path: Path) -> None:
     out = box.exec(
         "sh",
         "-c",
-        "cd /tmp/cp/proj && for l in venv/bin/python venv/m key; do readlink $l; done && [ -p fifo ] && echo fifo"
-        " && [ $(stat -c %i main.py) = $(stat -c %i hard.py) ] && echo linked && find . -type f | "
+        "cd /tmp/cp/proj && for l in venv/bin/python venv/m key; do readlink $l; done && [ -p fifo ] && "
+        "echo fifo && [ $(stat -c %i main.py) = $(stat -c %i hard.py) ] && echo linked && find . -type f | "
         "xargs cat",
     ).stdout
     assert out.split("\n")[:6] == [

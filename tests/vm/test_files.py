@@ -223,8 +223,8 @@ def test_upload_keeps_links_as_links_and_reads_nothing_outside_the_tree(bb_box: 
         out = bb_box.exec(
             "sh",
             "-c",
-            "cd /up && for l in venv/bin/python venv/m key escape etc; do readlink $l; done && [ -p fifo ] && "
-            "echo fifo && [ $(stat -c %i main.py) = $(stat -c %i hard.py) ] && echo linked && "
+            "cd /up && for l in venv/bin/python venv/m key escape etc; do readlink $l; done && "
+            "[ -p fifo ] && echo fifo && [ $(stat -c %i main.py) = $(stat -c %i hard.py) ] && echo linked && "
             "find / -xdev -type f -newer /up/main.py 2>/dev/null | xargs cat 2>/dev/null; "
             "find /up -type f | xargs cat",
         ).stdout
@@ -410,7 +410,8 @@ def test_a_tree_changing_as_it_is_read_is_whole_or_refused_by_name(bb_box: Box, 
         churn = bb_box.spawn(
             "sh",
             "-c",
-            "while :; do mv /chg/d /chg/d.dir; ln -s /outside /chg/d; rm /chg/d; mv /chg/d.dir /chg/d; usleep 2000; done",
+            "while :; do mv /chg/d /chg/d.dir; ln -s /outside /chg/d; rm /chg/d; mv /chg/d.dir /chg/d; "
+            "usleep 2000; done",
         )
         outcomes = []
         try:
