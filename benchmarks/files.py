@@ -74,27 +74,27 @@ def figures(times: list[float], size: int, files: int) -> dict[str, Any]:
 
 def measure(engine: str, home: Path, src: Path, size: int, files: int, runs: int) -> dict[str, Any]:
     out: dict[str, list[float]] = {"upload": [], "download": [], "tar_up": [], "tar_down": []}
-    with tempfile.TemporaryDirectory(prefix="bench-files-") as d:
-        with sandlot.Box(rootfs=busybox_root(), engine=engine, memory_mib=512, home=home) as box:
-            for k in range(runs):
-                t = time.perf_counter()
-                box.files.upload(src, f"/bench/up{k}")
-                out["upload"].append(time.perf_counter() - t)
-                t = time.perf_counter()
-                box.files.download(f"/bench/up{k}", Path(d) / f"down{k}")
-                out["download"].append(time.perf_counter() - t)
-                t = time.perf_counter()
-                tar_up(box, src, f"/bench/tar{k}")
-                out["tar_up"].append(time.perf_counter() - t)
-                t = time.perf_counter()
-                tar_down(box, f"/bench/tar{k}", Path(d) / f"tar{k}")
-                out["tar_down"].append(time.perf_counter() - t)
-                kept = box.exec("sh", "-c", f"find /bench/up{k} -type l | wc -l").stdout.strip()
-                assert int(kept) > 0 or files < DIRS, "links came in as files"
-                box.exec("rm", "-rf", f"/bench/up{k}", f"/bench/tar{k}")
-                for p in (Path(d) / f"down{k}", Path(d) / f"tar{k}"):
-                    shutil.rmtree(p)
-            accel = box.accel
+    box_of = sandlot.Box(rootfs=busybox_root(), engine=engine, memory_mib=512, home=home)
+    with tempfile.TemporaryDirectory(prefix="bench-files-") as d, box_of as box:
+        for k in range(runs):
+            t = time.perf_counter()
+            box.files.upload(src, f"/bench/up{k}")
+            out["upload"].append(time.perf_counter() - t)
+            t = time.perf_counter()
+            box.files.download(f"/bench/up{k}", Path(d) / f"down{k}")
+            out["download"].append(time.perf_counter() - t)
+            t = time.perf_counter()
+            tar_up(box, src, f"/bench/tar{k}")
+            out["tar_up"].append(time.perf_counter() - t)
+            t = time.perf_counter()
+            tar_down(box, f"/bench/tar{k}", Path(d) / f"tar{k}")
+            out["tar_down"].append(time.perf_counter() - t)
+            kept = box.exec("sh", "-c", f"find /bench/up{k} -type l | wc -l").stdout.strip()
+            assert int(kept) > 0 or files < DIRS, "links came in as files"
+            box.exec("rm", "-rf", f"/bench/up{k}", f"/bench/tar{k}")
+            for p in (Path(d) / f"down{k}", Path(d) / f"tar{k}"):
+                shutil.rmtree(p)
+        accel = box.accel
     up, down = figures(out["upload"], size, files), figures(out["download"], size, files)
     tup, tdown = figures(out["tar_up"], size, files), figures(out["tar_down"], size, files)
     return {
@@ -116,7 +116,9 @@ def main() -> None:
     ap.add_argument("--files", type=int, default=10_000)
     ap.add_argument("--links", type=int, default=500)
     args = ap.parse_args()
-    runs, mib, files, links = (1, 20, 1000, 50) if args.quick else (args.runs, args.mb, args.files, args.links)
+    runs, mib, files, links = (
+        (1, 20, 1000, 50) if args.quick else (args.runs, args.mb, args.files, args.links)
+    )
     home = scratch_home("bench-files-")
     engines: dict[str, Any] = {}
     try:

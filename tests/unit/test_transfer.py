@@ -25,7 +25,7 @@ import pytest
 
 from sandlot.api import tarstream
 from sandlot.api.tarstream import Follow, host_tree, unpack
-from sandlot.errors import GuestFileNotFoundError, TransferError
+from sandlot.errors import GuestFileNotFoundError, TransferError, Unsupported, from_dict, guest_os_error
 from sandlot.protocol import archive as parchive
 from sandlot.protocol.connection import AgentConnection
 
@@ -613,3 +613,22 @@ def test_an_abandoned_upload_leaves_nothing_behind(tmp_path: Path) -> None:
 
     run(go())
     assert sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith("agent-")) == []
+
+
+def test_an_agent_older_than_archives_is_unsupported_and_says_what_to_do(monkeypatch) -> None:
+    async def old_agent(*args: Any, **kw: Any) -> Any:
+        raise guest_os_error(errno.ENOSYS, "unknown frame type 0x15")
+
+    monkeypatch.setattr(parchive.RemoteProcess, "start", old_agent)
+    with pytest.raises(Unsupported, match="restart the box"):
+        run(collect(parchive.read_tree(None, "/src")))  # type: ignore[arg-type]
+    with pytest.raises(Unsupported, match="restart the box"):
+        run(parchive.write_tree(None, "/dst", one(b"")))  # type: ignore[arg-type]
+
+
+def test_a_transfer_error_is_the_same_on_every_side_of_a_server() -> None:
+    e = TransferError.at("a/b", "refused", side="box", errno=errno.ELOOP, written=["x", "y"])
+    again = from_dict({**e.to_dict(), "type": "TransferError"})
+    assert isinstance(again, TransferError) and str(again) == str(e)
+    assert (again.entry, again.side, again.errno, again.written) == ("a/b", "box", errno.ELOOP, ["x", "y"])
+    assert e.status == 422 and e.to_dict()["errno"] == "ELOOP"

@@ -721,10 +721,11 @@ class Files(FilesBase):
         directory into a directory, anything else replaced; a directory against a
         non-directory, or a link, refuses the copy before anything is written).
 
-        Symbolic links are copied as links, whatever they point at, never followed,
-        unless ``follow_symlinks``: then a link to what is inside the tree is copied as
-        what it points to, and one that leads out of it (or nowhere) refuses the copy,
-        unless it leads into one of ``follow_outside`` (host paths). Files linked
+        Symbolic links are copied as links, whatever they point at, never followed (a
+        ``local`` that is a link too), unless ``follow_symlinks``: then ``local`` is
+        followed, a link to what is inside the tree is copied as what it points to, and
+        one that leads out of it (or nowhere) refuses the copy, unless it leads into one
+        of ``follow_outside`` (host paths). Files linked
         together stay linked; fifos and device nodes are made where the box allows it
         (else left out, with a ``TransferWarning``), never opened; sockets are left out.
         Entries keep their permission bits and times, and are owned by root or ``user``.
@@ -748,9 +749,10 @@ class Files(FilesBase):
         directory's tree to ``local`` as ``docker cp`` does: made whole if nothing is
         there (or not at all), merged into it if it is a directory (see ``upload``).
 
-        Symbolic links are copied as links, whatever they point at (``follow_symlinks``:
-        a link to what is inside the tree is copied as what it points to; one that leads
-        out of it refuses the copy). Nothing is ever written through a link: a member
+        Symbolic links are copied as links, whatever they point at, ``remote`` itself
+        too (``follow_symlinks``: ``remote`` is followed, and a link to what is inside
+        the tree is copied as what it points to; one that leads out of it refuses the
+        copy). Nothing is ever written through a link: a member
         under one, a hard link to what the tree does not hold, a name with ``..``, is
         refused by name (``TransferError``), and the destination is left as it was.
         Owners are not kept (the files are yours), set-id bits are dropped, and device
