@@ -240,7 +240,7 @@ class FakeVM(VM):
         if frame.type == T.ARCHIVE:
             self.last_request = loop.time()
             f = Fields(frame.payload)
-            op, path = f.u32(Tag.OP, 0), posixpath.normpath(f.str(Tag.PATH, "") or "/")
+            op, path = f.u32(Tag.OP, 0) or 0, posixpath.normpath(f.str(Tag.PATH, "") or "/")
             if op == wire.ArchiveOp.WRITE:
                 self._stdin[frame.channel] = asyncio.Queue()
             self._tasks.add(task := asyncio.ensure_future(self._archive(frame.channel, w, op, path)))
@@ -349,7 +349,7 @@ class FakeVM(VM):
                     out, count, size = self._tar_of(path)
                     records = _record(wire.ArchiveRecord.DONE, count=count, size=size)
                 except OSError as e:
-                    records, code = _record(wire.ArchiveRecord.FAILED, "", e.errno or errno.EIO, str(e)), 1
+                    records, code = _record(wire.ArchiveRecord.FAILED, None, e.errno or errno.EIO, str(e)), 1
             else:
                 queue = self._stdin[ch]
                 data = b""
@@ -457,7 +457,7 @@ class FakeVM(VM):
         if dest not in fs:
             _mkdirs(fs, parent)
         elif fs[dest]["type"] != "dir":
-            raise _Refused("", errno.ENOTDIR, f"{dest} is not a directory")
+            raise _Refused(None, errno.ENOTDIR, f"{dest} is not a directory")
         for rel, node in staged.items():
             there = fs.get(posixpath.join(dest, rel))
             if there is not None and (there["type"] == "dir") != (node["type"] == "dir"):
@@ -594,7 +594,7 @@ class FakeVM(VM):
 
 
 class _Refused(Exception):
-    def __init__(self, entry: str, number: int, message: str) -> None:
+    def __init__(self, entry: str | None, number: int, message: str) -> None:
         super().__init__(message)
         self.entry, self.number, self.message = entry, number, message
 

@@ -82,15 +82,15 @@ def report_of(records: list[Fields], exit_code: int) -> ArchiveReport:
 
 
 def failure_of(r: Fields, written: list[str] | None = None) -> SandlotError:
-    """A FAILED record as the error it stands for: the destination or source itself as the
-    guest's OS error (a path that is not there is a FileNotFoundError), an entry of the
-    tree as a TransferError naming it."""
-    entry = entry_text(r.raw(Tag.PATH))
+    """A FAILED record as the error it stands for: the tree's own path (a record without
+    ``PATH``) as the guest's OS error (a path that is not there is a FileNotFoundError),
+    anything else as a TransferError naming the entry (``""``: the stream as a whole)."""
+    raw = r.raw(Tag.PATH)
     number = r.u32(Tag.ERRNO, errno.EIO) or errno.EIO
     message = r.str(Tag.MESSAGE, "") or ""
-    if not entry and not written:
+    if raw is None and not written:
         return guest_os_error(number, message)
-    return TransferError.at(entry, message, side="box", errno=number, written=written or None)
+    return TransferError.at(entry_text(raw), message, side="box", errno=number, written=written or None)
 
 
 @contextlib.contextmanager

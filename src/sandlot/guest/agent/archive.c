@@ -58,16 +58,19 @@
 static int g_report_fd = 2;
 static struct {
     int set;
+    int of_root; /* the tree's own path, not an entry of it (fail's entry NULL) */
     int err;
     char entry[4096];
     char message[1024];
 } g_fail;
 
-/* The first failure is the one reported; -1 for the caller to return. */
+/* The first failure is the one reported; -1 for the caller to return. ``entry`` NULL:
+ * the tree's own path failed (the host raises the guest's OS error for it). */
 static int fail(const char *entry, int err, const char *fmt, ...)
 {
     if (!g_fail.set) {
         g_fail.set = 1;
+        g_fail.of_root = entry == NULL;
         g_fail.err = err ? err : EIO;
         snprintf(g_fail.entry, sizeof(g_fail.entry), "%s", entry ? entry : "");
         va_list ap;
@@ -128,7 +131,7 @@ static void report_failure(void)
     if (!g_fail.set) {
         fail("", EIO, "failed");
     }
-    record(SL_AR_FAILED, g_fail.entry, g_fail.err, g_fail.message, 0, 0);
+    record(SL_AR_FAILED, g_fail.of_root ? NULL : g_fail.entry, g_fail.err, g_fail.message, 0, 0);
 }
 
 /* ---- tar headers -------------------------------------------------------------------- */
@@ -692,12 +695,12 @@ static int archive_read(const char *root, uint32_t flags)
     int fd = open(root, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
     struct stat st;
     if (fd < 0 || fstat(fd, &st) < 0) {
-        fail("", errno, "%s: %s", root, strerror(errno));
+        fail(NULL, errno, "%s: %s", root, strerror(errno));
         report_failure();
         return 1;
     }
     if (w->follow && !realpath(root, w->root)) {
-        fail("", errno, "%s: %s", root, strerror(errno));
+        fail(NULL, errno, "%s: %s", root, strerror(errno));
         report_failure();
         return 1;
     }
@@ -1696,7 +1699,7 @@ static int archive_write(const char *dest, int own, uid_t uid, gid_t gid)
     struct stat st;
     if (stat(dest, &st) == 0) { /* the destination as the caller names it: followed */
         if (!S_ISDIR(st.st_mode)) {
-            fail("", ENOTDIR, "%s is not a directory", dest);
+            fail(NULL, ENOTDIR, "%s is not a directory", dest);
             report_failure();
             return 1;
         }
@@ -1709,7 +1712,7 @@ static int archive_write(const char *dest, int own, uid_t uid, gid_t gid)
         snprintf(parent, sizeof(parent), "%.*s", slash == dest ? 1 : (int)(slash - dest), dest);
         u.dest_name = slash + 1;
         if (mkdir_p(parent, own, uid, gid) < 0) {
-            fail("", errno, "cannot make %s: %s", parent, strerror(errno));
+            fail(NULL, errno, "cannot make %s: %s", parent, strerror(errno));
             report_failure();
             return 1;
         }
@@ -1717,19 +1720,19 @@ static int archive_write(const char *dest, int own, uid_t uid, gid_t gid)
         u.stage_parent = u.dest_parent;
         snprintf(u.stage_name, sizeof(u.stage_name), ".%.200s.sandlot-incoming-%d", u.dest_name, (int)getpid());
     } else {
-        fail("", errno, "%s: %s", dest, strerror(errno));
+        fail(NULL, errno, "%s: %s", dest, strerror(errno));
         report_failure();
         return 1;
     }
     if (u.stage_parent < 0) {
-        fail("", errno, "%s: %s", dest, strerror(errno));
+        fail(NULL, errno, "%s: %s", dest, strerror(errno));
         report_failure();
         return 1;
     }
     remove_tree_at(u.stage_parent, u.stage_name); /* a killed transfer's, of a pid used again */
     if (mkdirat(u.stage_parent, u.stage_name, 0700) < 0 ||
         (u.stage = open_dir_nofollow(u.stage_parent, u.stage_name)) < 0) {
-        fail("", errno, "cannot make a staging directory in %s: %s", dest, strerror(errno));
+        fail(NULL, errno, "cannot make a staging directory in %s: %s", dest, strerror(errno));
         report_failure();
         return 1;
     }
