@@ -521,7 +521,13 @@ def test_unit_directory_transfers_are_tar_streams(tmp_path: Path) -> None:
             assert await box.files.download("/work", tmp_path / "out2", follow_symlinks=True) == 12
 
     run(main)
-    kept = {"a.txt": b"alpha", "link": b"-> a.txt", "sub": b"<dir>", "sub/b.bin": b"\x00" * 70_000}
+    kept = {
+        ".": b"<dir>",
+        "a.txt": b"alpha",
+        "link": b"-> a.txt",
+        "sub": b"<dir>",
+        "sub/b.bin": b"\x00" * 70_000,
+    }
     assert received == [kept, {**kept, "link": b"alpha"}]
     assert (tmp_path / "out" / "deep" / "y.txt").read_bytes() == b"yy"
     assert os.readlink(tmp_path / "out" / "deep" / "z") == "/etc/passwd"  # a link, never followed

@@ -318,6 +318,9 @@ def test_trees_move_as_docker_cp_moves_them(box: Any, tmp_path: Path) -> None:
     f.download("/tmp/cp/proj", back)
     assert os.readlink(back / "key") == str(secret) and os.readlink(back / "venv" / "m") == "../main.py"
     assert (back / "main.py").stat().st_ino == (back / "hard.py").stat().st_ino
+    with pytest.raises(sandlot.TransferError) as caught:  # followed when asked, only inside the tree
+        f.upload(tree, "/tmp/cp/followed", follow_symlinks=True)
+    assert (caught.value.entry, caught.value.side) == ("key", "host") and not f.exists("/tmp/cp/followed")
     with pytest.raises(sandlot.TransferError) as caught:  # a directory over the file in the box
         bad = tmp_path / "bad"
         (bad / "main.py").mkdir(parents=True)

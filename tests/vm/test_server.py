@@ -481,7 +481,11 @@ def test_files_stream_both_ways_and_directories_go_as_tar(
             got = {m.name: (tar.extractfile(m).read() if m.isfile() else None) for m in tar}  # type: ignore[union-attr]
         assert got == {"big.bin": payload, "e": None, "e/small.txt": b"small"}
         r = c.put(f"/v1/boxes/{bid}/files/archive", params={"path": "/tmp/srv/copy"}, content=tar_bytes)
-        assert r.status_code == 200 and r.json() == {"entries": 3, "bytes": len(payload) + 5, "skipped": []}, r.text
+        assert r.status_code == 200 and r.json() == {
+            "entries": 3,
+            "bytes": len(payload) + 5,
+            "skipped": [],
+        }, r.text
         with c.stream("GET", f"/v1/boxes/{bid}/files/content", params={"path": "/tmp/srv/copy/big.bin"}) as s:
             assert b"".join(s.iter_bytes()) == payload
         assert (

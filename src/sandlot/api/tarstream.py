@@ -142,6 +142,7 @@ class _TreeWriter:
         try:
             st = os.fstat(fd)
             self.stack.append((st.st_dev, st.st_ino))
+            self.header("./", tarfile.DIRTYPE, st)  # the tree's own mode and time, as tar -C DIR . has them
             self.children(fd, "")
         finally:
             os.close(fd)
@@ -665,7 +666,7 @@ class _Unpacker:
                     side="host",
                     errno=errno.EINVAL,
                 )
-            self.dirs[b""] = _Dir(m.mode, m.mtime, named=True)
+            self.dirs[b""] = _Dir(m.mode & ~_DROP_BITS, m.mtime, named=True)
             return
         pfd, base = self.parent_of(rel, entry)
         try:

@@ -707,7 +707,12 @@ static int archive_read(const char *root, uint32_t flags)
     w->stack[0].dev = st.st_dev;
     w->stack[0].ino = st.st_ino;
     w->depth = 1;
-    int r = put_children(w, fd, st.st_dev);
+    int r = put_header(&w->out, "./", '5', NULL, &st, 0); /* the tree's own mode and time, as tar -C DIR . */
+    if (r == 0) {
+        r = put_children(w, fd, st.st_dev);
+    } else {
+        close(fd);
+    }
     if (r == 0) {
         r = out_zeros(&w->out, 2 * BLOCK);
     } else if (g_fail.set) {
