@@ -531,6 +531,24 @@ def _renameat2_noreplace() -> Callable[[int, bytes, int, bytes], int] | None:
 
 _RENAMEAT2 = _renameat2_noreplace()
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+def _open_dir(name: bytes | str, dir_fd: int) -> int:
+    """The directory ``name`` in ``dir_fd``, never through a link (ELOOP for one). A
+    kernel's O_NOFOLLOW with O_DIRECTORY is not relied on (gVisor's opens the directory
+    a link points to): the name is opened O_PATH without following, checked, reopened."""
+    p = os.open(name, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+    try:
+        st = os.fstat(p)
+        if stat.S_ISLNK(st.st_mode):
+            raise OSError(errno.ELOOP, os.strerror(errno.ELOOP), name)
+        if not stat.S_ISDIR(st.st_mode):
+            raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), name)
+        return os.open(".", _DIR_FLAGS, dir_fd=p)
+    finally:
+        os.close(p)
+
+
 _DROP_BITS = stat.S_ISUID | stat.S_ISGID
 
 
@@ -566,11 +584,7 @@ class _Unpacker:
             self.stage_name = b"." + name[:200] + b"." + tag
         self.name = name
         os.mkdir(self.stage_name, 0o700, dir_fd=self.parent_fd)
-        self.stage: int | None = os.open(
-            self.stage_name,
-            os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC,
-            dir_fd=self.parent_fd,
-        )
+        self.stage: int | None = _open_dir(self.stage_name, self.parent_fd)
 
     def close(self) -> None:
         if self.cache is not None:
@@ -598,7 +612,7 @@ class _Unpacker:
                 so_far.append(part)
                 path = b"/".join(so_far)
                 try:
-                    nxt = os.open(part, _DIR_FLAGS, dir_fd=fd)
+                    nxt = _open_dir(part, fd)
                 except FileNotFoundError:
                     if not create:
                         raise
@@ -618,7 +632,7 @@ class _Unpacker:
     @staticmethod
     def open_dir(fd: int, part: bytes, so_far: bytes, entry: str) -> int:
         try:
-            return os.open(part, _DIR_FLAGS, dir_fd=fd)
+            return _open_dir(part, fd)
         except OSError as e:
             with contextlib.suppress(OSError):
                 if stat.S_ISLNK(os.stat(part, dir_fd=fd, follow_symlinks=False).st_mode):
@@ -799,7 +813,7 @@ class _Unpacker:
             if failed is None:
                 os.close(self.stage)
                 self.stage = None
-                self.dest_fd = os.open(self.name, _DIR_FLAGS, dir_fd=self.parent_fd)
+                self.dest_fd = _open_dir(self.name, self.parent_fd)
                 self.dirs.setdefault(b"", _Dir(0o755, 0, named=False))
                 self.finish_dirs()
                 return
@@ -855,11 +869,9 @@ class _Unpacker:
             except FileNotFoundError:
                 continue
             if stat.S_ISDIR(s.st_mode) and stat.S_ISDIR(d.st_mode):
-                s2 = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=sfd)
+                s2 = _open_dir(name, sfd)
                 try:
-                    d2 = os.open(
-                        name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dfd
-                    )
+                    d2 = _open_dir(name, dfd)
                     try:
                         self.check(s2, d2, path)
                     finally:
@@ -894,14 +906,10 @@ class _Unpacker:
                 except FileNotFoundError:
                     d = None
                 if d is not None and stat.S_ISDIR(s.st_mode) and stat.S_ISDIR(d.st_mode):
-                    s2 = os.open(
-                        name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=sfd
-                    )
+                    s2 = _open_dir(name, sfd)
                     try:
                         os.fchmod(s2, 0o700)  # it is emptied into the other: it must be writable
-                        d2 = os.open(
-                            name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dfd
-                        )
+                        d2 = _open_dir(name, dfd)
                         try:
                             self.merged.add(path)
                             self.move(s2, d2, path)
@@ -938,7 +946,7 @@ def _remove_tree(dir_fd: int, name: bytes) -> None:
     if not stat.S_ISDIR(st.st_mode):
         os.unlink(name, dir_fd=dir_fd)
         return
-    fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+    fd = _open_dir(name, dir_fd)
     try:
         with contextlib.suppress(OSError):
             os.fchmod(fd, 0o700)
