@@ -1282,6 +1282,7 @@ static int copy_data(struct unpacker *u, int fd, const struct member *m)
     return 0;
 }
 
+/* 0: made; 1: left out (said in a SKIPPED record); -1: failed. */
 static int make_member(struct unpacker *u, const struct member *m, const char *rel)
 {
     if (!*rel) { /* the destination itself ("./"): its mode, where it is made */
@@ -1396,7 +1397,7 @@ static int make_member(struct unpacker *u, const struct member *m, const char *r
                 snprintf(why, sizeof(why), "a %s, which cannot be made here: %s",
                          m->type == '6' ? "fifo" : "device node", strerror(e));
                 record(SL_AR_SKIPPED, m->name, e, why, 0, 0);
-                return 0;
+                return 1; /* left out: not counted */
             }
             return fail(m->name, e, "cannot make it: %s", strerror(e));
         }
@@ -1760,6 +1761,7 @@ static int archive_write(const char *dest, int own, uid_t uid, gid_t gid)
             if (r == 0 && *rel) {
                 u.entries++;
             }
+            r = r > 0 ? 0 : r;
         }
         free(m.name);
         free(m.link);
