@@ -350,18 +350,14 @@ def _many(root: Path) -> str:
 def test_ten_thousand_files_and_names_longer_than_path_max_both_ways(bb_box: Box, tmp_path: Path) -> None:
     src = tmp_path / "src"
     deep = _many(src)
+    size = sum(len(b"%d.%d" % (i, j)) for i in range(100) for j in range(100)) + 4
     try:
-        assert (
-            bb_box.files.upload(src, "/many")
-            == sum(len(b"%d.%d" % (i, j)) for i in range(100) for j in range(100)) + 4
-        )
+        assert bb_box.files.upload(src, "/many") == size
         assert bb_box.exec("sh", "-c", "find /many/wide -type f | wc -l").stdout.strip() == "10000"
         # the deep leaf (busybox's find and sh stop at PATH_MAX): read back by the download below
         assert bb_box.exec("sh", "-c", "cat /many/wide/042/f7").stdout == "42.7"
         back = tmp_path / "back"
-        assert bb_box.files.download("/many", back) == bb_box.files.upload(
-            src, "/many"
-        )  # merged: the same bytes
+        assert bb_box.files.download("/many", back) == size
         assert sum(len(files) for _, _, files in os.walk(back / "wide")) == 10_000
         fd = os.open(back, os.O_RDONLY | os.O_DIRECTORY)
         for part in deep.split("/")[:-1]:

@@ -479,7 +479,7 @@ def test_files_stream_both_ways_and_directories_go_as_tar(
         tar_bytes = c.get(f"/v1/boxes/{bid}/files/archive", params={"path": "/tmp/srv/d"}).content
         with tarfile.open(fileobj=io.BytesIO(tar_bytes)) as tar:
             got = {m.name: (tar.extractfile(m).read() if m.isfile() else None) for m in tar}  # type: ignore[union-attr]
-        assert got == {"big.bin": payload, "e": None, "e/small.txt": b"small"}
+        assert got == {".": None, "big.bin": payload, "e": None, "e/small.txt": b"small"}  # as tar -C DIR .
         r = c.put(f"/v1/boxes/{bid}/files/archive", params={"path": "/tmp/srv/copy"}, content=tar_bytes)
         assert r.status_code == 200 and r.json() == {
             "entries": 3,
