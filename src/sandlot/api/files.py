@@ -258,12 +258,13 @@ class AsyncFiles:
         ``local`` that is a link too), unless ``follow_symlinks``: then ``local`` is
         followed, a link to what is inside the tree is copied as what it points to, and
         one that leads out of it (or nowhere) refuses the copy, unless it leads into one
-        of ``follow_outside`` (host paths). Files linked
-        together stay linked; fifos and device nodes are made where the box allows it
-        (else left out, with a ``TransferWarning``), never opened; sockets are left out.
-        Entries keep their permission bits and times, and are owned by root or ``user``.
-        A failure raises ``TransferError`` naming the entry. A single file keeps its
-        permission bits unless ``mode`` is given. Returns the bytes of the files copied."""
+        of ``follow_outside`` (host paths). Files linked together stay linked; fifos and
+        device nodes are made where the box allows it (else left out, with a
+        ``TransferWarning``), never opened; sockets are left out. Entries keep their
+        permission bits and times, and are owned by root or ``user``. A failure raises
+        ``TransferError`` naming the entry. A single file keeps its permission bits
+        unless ``mode`` is given. Returns the bytes of the files copied (docs/api.md,
+        "Trees in and out")."""
         from .tarstream import Follow, host_file, host_tree
 
         src = Path(local)
@@ -295,12 +296,12 @@ class AsyncFiles:
         Symbolic links are copied as links, whatever they point at, ``remote`` itself
         too (``follow_symlinks``: ``remote`` is followed, and a link to what is inside
         the tree is copied as what it points to; one that leads out of it refuses the
-        copy). Nothing is ever written through a link: a member
-        under one, a hard link to what the tree does not hold, a name with ``..``, is
-        refused by name (``TransferError``), and the destination is left as it was.
-        Owners are not kept (the files are yours), set-id bits are dropped, and device
-        nodes are made only by root (else left out, with a ``TransferWarning``). Returns
-        the bytes of the files copied."""
+        copy). Nothing is ever written through a link: a member under one, a hard link
+        to what the tree does not hold, a name with ``..``, is refused by name
+        (``TransferError``), and the destination is left as it was. Owners are not kept
+        (the files are yours), set-id bits are dropped, and device nodes are made only
+        by root (else left out, with a ``TransferWarning``). Returns the bytes of the
+        files copied (docs/api.md, "Trees in and out")."""
         from .tarstream import to_host_file, unpack
 
         p = guest_path(remote)

@@ -725,12 +725,13 @@ class Files(FilesBase):
         ``local`` that is a link too), unless ``follow_symlinks``: then ``local`` is
         followed, a link to what is inside the tree is copied as what it points to, and
         one that leads out of it (or nowhere) refuses the copy, unless it leads into one
-        of ``follow_outside`` (host paths). Files linked
-        together stay linked; fifos and device nodes are made where the box allows it
-        (else left out, with a ``TransferWarning``), never opened; sockets are left out.
-        Entries keep their permission bits and times, and are owned by root or ``user``.
-        A failure raises ``TransferError`` naming the entry. A single file keeps its
-        permission bits unless ``mode`` is given. Returns the bytes of the files copied."""
+        of ``follow_outside`` (host paths). Files linked together stay linked; fifos and
+        device nodes are made where the box allows it (else left out, with a
+        ``TransferWarning``), never opened; sockets are left out. Entries keep their
+        permission bits and times, and are owned by root or ``user``. A failure raises
+        ``TransferError`` naming the entry. A single file keeps its permission bits
+        unless ``mode`` is given. Returns the bytes of the files copied (docs/api.md,
+        "Trees in and out")."""
         return loop.run(
             self._a.upload(
                 local,
@@ -752,12 +753,12 @@ class Files(FilesBase):
         Symbolic links are copied as links, whatever they point at, ``remote`` itself
         too (``follow_symlinks``: ``remote`` is followed, and a link to what is inside
         the tree is copied as what it points to; one that leads out of it refuses the
-        copy). Nothing is ever written through a link: a member
-        under one, a hard link to what the tree does not hold, a name with ``..``, is
-        refused by name (``TransferError``), and the destination is left as it was.
-        Owners are not kept (the files are yours), set-id bits are dropped, and device
-        nodes are made only by root (else left out, with a ``TransferWarning``). Returns
-        the bytes of the files copied."""
+        copy). Nothing is ever written through a link: a member under one, a hard link
+        to what the tree does not hold, a name with ``..``, is refused by name
+        (``TransferError``), and the destination is left as it was. Owners are not kept
+        (the files are yours), set-id bits are dropped, and device nodes are made only
+        by root (else left out, with a ``TransferWarning``). Returns the bytes of the
+        files copied (docs/api.md, "Trees in and out")."""
         return loop.run(self._a.download(remote, local, follow_symlinks=follow_symlinks))
 
     def stat(self, path: str | os.PathLike[str], *, follow_symlinks: bool = True) -> FileInfo:
