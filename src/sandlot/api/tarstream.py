@@ -42,34 +42,18 @@ import tarfile
 import tempfile
 import threading
 from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, TypeVar
 
 from ..errors import InvalidArgument, TransferError
+from ..protocol.archive import ArchiveReport as Report
 
 CHUNK = 1 << 20
 BLOCK = tarfile.BLOCKSIZE
 PAX_MAX = 1 << 20  # the largest extended header taken
 NAME_MAX_BYTES = 32768  # the longest member name taken
 T = TypeVar("T")
-
-
-@dataclass
-class Report:
-    """What a copy moved: entries, the bytes of its files, and what it left out (the
-    entry and why)."""
-
-    entries: int = 0
-    bytes: int = 0
-    skipped: list[tuple[str, str]] = field(default_factory=list)
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "entries": self.entries,
-            "bytes": self.bytes,
-            "skipped": [{"entry": e, "reason": r} for e, r in self.skipped],
-        }
 
 
 def text(name: bytes | str) -> str:
