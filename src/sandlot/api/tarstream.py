@@ -53,6 +53,7 @@ CHUNK = 1 << 20
 BLOCK = tarfile.BLOCKSIZE
 PAX_MAX = 1 << 20  # the largest extended header taken
 NAME_MAX_BYTES = 32768  # the longest member name taken
+_HIGH_BYTES = bytes(range(128, 256))
 T = TypeVar("T")
 
 
@@ -446,7 +447,11 @@ class _TarReader:
         except ValueError:
             return False
         plain = block[:148] + b" " * 8 + block[156:]
-        return want in (sum(plain), sum(b - 256 if b > 127 else b for b in plain))
+        unsigned = sum(plain)
+        if want == unsigned:
+            return True
+        high = len(plain) - len(plain.translate(None, _HIGH_BYTES))  # old tars summed signed bytes
+        return want == unsigned - 256 * high
 
     def pax(self, data: bytes) -> dict[bytes, bytes]:
         out: dict[bytes, bytes] = {}
