@@ -632,3 +632,24 @@ def test_a_transfer_error_is_the_same_on_every_side_of_a_server() -> None:
     assert isinstance(again, TransferError) and str(again) == str(e)
     assert (again.entry, again.side, again.errno, again.written) == ("a/b", "box", errno.ELOOP, ["x", "y"])
     assert e.status == 422 and e.to_dict()["errno"] == "ELOOP"
+
+
+def test_the_agents_side_under_asan_and_ubsan(tmp_path: Path) -> None:
+    """The agent's ARCHIVE built with ASan and UBSan (fatal): every hostile archive, and a
+    tree of every kind read back, an empty directory among them."""
+    src = tree_with_links(tmp_path)
+    (src / "empty").mkdir()
+    cases = hostile(tmp_path)
+
+    async def go() -> None:
+        async with connected(tmp_path, kind="sanitize") as (conn, agent):
+            for name, (data, entry) in cases.items():
+                with pytest.raises(TransferError) as caught:
+                    await parchive.write_tree(conn, str(tmp_path / "dests" / name), one(data))
+                assert caught.value.entry == entry, (name, caught.value, agent.stderr())
+            async with host_tree(src) as (chunks, _report):
+                await parchive.write_tree(conn, str(tmp_path / "up"), chunks)
+            await unpack(parchive.read_tree(conn, str(tmp_path / "up")), tmp_path / "back")
+
+    run(go())
+    assert snapshot(tmp_path / "back") == snapshot(src)

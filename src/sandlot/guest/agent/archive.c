@@ -449,7 +449,7 @@ static int put_children(struct walker *w, int fd, dev_t dev)
         }
         n++;
     }
-    if (r == 0) {
+    if (r == 0 && n) {
         qsort(names, n, sizeof(*names), name_cmp);
         for (size_t i = 0; i < n && r == 0; i++) {
             r = put_entry(w, dirfd(d), names[i], dev);
@@ -1423,7 +1423,9 @@ static int dir_cmp(const void *a, const void *b)
 /* Each directory's last word, in path order; then modes and times, deepest first. */
 static int finish_dirs(struct unpacker *u)
 {
-    qsort(u->dirs, u->ndirs, sizeof(*u->dirs), dir_cmp);
+    if (u->ndirs) {
+        qsort(u->dirs, u->ndirs, sizeof(*u->dirs), dir_cmp);
+    }
     size_t n = 0;
     for (size_t i = 0; i < u->ndirs; i++) {
         if (n && !strcmp(u->dirs[n - 1].path, u->dirs[i].path)) {
@@ -1498,7 +1500,9 @@ static char **dir_names(int fd, size_t *count)
     if (!names) {
         names = calloc(1, sizeof(*names));
     }
-    qsort(names, n, sizeof(*names), name_cmp);
+    if (n) {
+        qsort(names, n, sizeof(*names), name_cmp);
+    }
     *count = n;
     return names;
 }
