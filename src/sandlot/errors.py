@@ -35,6 +35,7 @@ Catch ``SandlotError`` for all of them, or a branch for what you care about::
     ├── QuotaExceeded                          over a key's quota; has .limit, .value
     ├── NoCapacity                             no fleet node has room for the box (in time)
     ├── RequestError                           a server refused a request as malformed
+    ├── TransferError                          a tree copied in or out failed at an entry; has .entry
     ├── PortUnreachable                        nothing answers on the box's port (a preview URL)
     └── GuestError                             the guest refused an operation
         └── GuestOSError (also OSError)        with .errno, and per-errno subclasses:
@@ -467,6 +468,62 @@ class RequestError(SandlotError):
     code, status = "bad_request", 400
 
 
+class TransferError(SandlotError):
+    """A tree copied into or out of a box (``files.upload``/``download``, ``sandlot cp``,
+    the archive routes) was refused or failed at one entry, which ``entry`` names (its
+    path in the tree; ``""`` when the failure is not one entry's): a link that would be
+    followed out of the tree, a member under a link, a hard link to what the tree does not
+    hold, a name with ``..``, a file that changed as it was read, a disk that is full.
+    ``side``: where it failed, ``"host"`` or ``"box"``; ``errno`` the system's error
+    number where there is one.
+
+    The destination is as it was, unless ``written`` is not None: a merge into a
+    destination that was there failed while it moved entries into place, and
+    ``written`` lists those moved by then (paths in the tree)."""
+
+    code, status = "transfer_error", 422
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        entry: str = "",
+        side: str = "",
+        errno: int | None = None,
+        written: list[str] | None = None,
+        box: str | None = None,
+    ) -> None:
+        super().__init__(message, box=box)
+        self.entry = entry
+        self.side = side
+        self.errno = errno
+        self.written = written
+
+    @classmethod
+    def at(
+        cls, entry: str, what: str, *, side: str, errno: int | None = None, written: list[str] | None = None
+    ) -> TransferError:
+        """The error of ``entry``, its message saying which and where."""
+        where = "in the box" if side == "box" else "on this host" if side == "host" else ""
+        head = f"{entry!r}" if entry else "the transfer"
+        text = f"{head}{' (' + where + ')' if where else ''}: {what}"
+        if written:
+            shown = ", ".join(repr(w) for w in written[:10])
+            more = f" and {len(written) - 10} more" if len(written) > 10 else ""
+            text += f"; the destination was merged into and holds these already: {shown}{more}"
+        return cls(text, entry=entry, side=side, errno=errno, written=written)
+
+    def _fields(self) -> dict[str, Any]:
+        return {"entry": self.entry, "side": self.side,
+                "errno": _errno.errorcode.get(self.errno, self.errno) if self.errno else None,
+                "written": self.written}  # fmt: skip
+
+
+class TransferWarning(UserWarning):
+    """An entry of a tree that a copy left out, and why (``warnings.warn``): a socket, a
+    device node where none can be made (a host user who is not root, a gVisor box)."""
+
+
 class GuestError(SandlotError):
     """The guest agent refused or failed an operation."""
 
@@ -592,6 +649,12 @@ def from_dict(data: dict[str, Any]) -> SandlotError:
         err = cls(message, transport=str(data.get("transport") or ""), box=box)
     elif issubclass(cls, CommandFailed):
         err = cls(message, None, box=box)
+    elif issubclass(cls, TransferError):
+        number = getattr(_errno, str(data.get("errno")), None)
+        written = data.get("written")
+        err = cls(message, entry=str(data.get("entry") or ""), side=str(data.get("side") or ""),
+                  errno=number if isinstance(number, int) else None, box=box,
+                  written=[str(w) for w in written] if isinstance(written, list) else None)  # fmt: skip
     elif issubclass(cls, CodeTimeout):  # the host side rebuilds .execution (api/code.py)
         err = cls(message, data.get("execution"), state_lost=bool(data.get("state_lost")), box=box)
     else:

@@ -31,6 +31,7 @@ PROMISED = {
         "dynamic_programs",
     ],
     "diffs": ["tree", "snapshot_to_now", "snapshot_start_remove", "box_to_box", "restore_one_file"],
+    "files": ["tree", "upload", "download", "tar_via_exec", "ratios", "engines"],
     "durable": ["create_start_first_exec_s", "stop_s", "start_to_first_exec_s"],
     "events": ["state_write", "follow", "query"],  # follow holds metrics_sample
     "fleet": ["create_first_exec_s", "exec_true_ms", "migration_256MiB", "fork"],

@@ -9,7 +9,8 @@ instance a home uses, to inspect or rig (``fail_boot``, ``fail_restore``, ``rest
 
 What its agent understands: HELLO, PING, CONTROL (STATUS, SHUTDOWN, SET_TIME,
 MOUNT, FREEZE and THAW: ``frozen``), files (FILE_READ, FILE_WRITE, FS: a small file system held in the VM's
-memory), and EXEC of ``true``, ``false``, ``echo ...``, ``exit N``, ``sleep S``,
+memory; ARCHIVE, its trees as tar streams, with the real agent's main refusals), and EXEC of ``true``,
+``false``, ``echo ...``, ``exit N``, ``sleep S``,
 ``cat`` (its stdin back), ``lines N``, ``hostname``, ``remember K V``, ``recall K``
 and ``/bin/sh -c "one of those"`` or ``/bin/bash -l -c ...`` (nothing runs: the
 output is made up), and the agent's relay (``box.connect(port)``) to the address of
@@ -24,6 +25,7 @@ import asyncio
 import contextlib
 import errno
 import hashlib
+import io
 import itertools
 import json
 import os
@@ -31,6 +33,7 @@ import posixpath
 import shlex
 import stat
 import struct
+import tarfile
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -247,6 +250,15 @@ class FakeVM(VM):
             err = wire.tlv(Tag.ERRNO, errno.ENOENT) + wire.tlv(Tag.MESSAGE, "the fake agent watches nothing")
             self._send(w, T.ERROR, frame.channel, err)
             return
+        if frame.type == T.ARCHIVE:
+            self.last_request = loop.time()
+            f = Fields(frame.payload)
+            op, path = f.u32(Tag.OP, 0) or 0, posixpath.normpath(f.str(Tag.PATH, "") or "/")
+            if op == wire.ArchiveOp.WRITE:
+                self._stdin[frame.channel] = asyncio.Queue()
+            self._tasks.add(task := asyncio.ensure_future(self._archive(frame.channel, w, op, path)))
+            task.add_done_callback(self._tasks.discard)
+            return
         if frame.type not in (T.HELLO, T.PING, T.CONTROL, T.EXEC):
             return  # acknowledgements, closes: nothing to keep track of here
         f = Fields(frame.payload) if frame.type != T.PING else Fields(b"")
@@ -382,6 +394,142 @@ class FakeVM(VM):
             writer.close()
         finish(0, sent, len(said))
 
+    async def _archive(self, ch: int, w: asyncio.StreamWriter, op: int, path: str) -> None:
+        """ARCHIVE as the agent answers it: an exec whose stdout is the tar (READ) or whose
+        stdin is (WRITE), its records on the other stream."""
+        self.busy += 1
+        try:
+            self._send(
+                w, T.EXEC_STARTED, ch, wire.tlv(Tag.PID, 5252 + ch) + wire.tlv(Tag.WINDOW, wire.WINDOW)
+            )
+            out, records, code = b"", b"", 0
+            if op == wire.ArchiveOp.READ:
+                try:
+                    out, count, size = self._tar_of(path)
+                    records = _record(wire.ArchiveRecord.DONE, count=count, size=size)
+                except OSError as e:
+                    records, code = _record(wire.ArchiveRecord.FAILED, None, e.errno or errno.EIO, str(e)), 1
+            else:
+                queue = self._stdin[ch]
+                data = b""
+                while (chunk := await queue.get()) is not None:
+                    data += chunk
+                try:
+                    count, size = self._untar(path, data)
+                    records = _record(wire.ArchiveRecord.DONE, count=count, size=size)
+                except _Refused as e:
+                    records, code = _record(wire.ArchiveRecord.FAILED, e.entry, e.number, e.message), 1
+            streams = {
+                wire.STREAM_STDOUT: out if op == wire.ArchiveOp.READ else records,
+                wire.STREAM_STDERR: records if op == wire.ArchiveOp.READ else b"",
+            }
+            for stream, payload in streams.items():
+                for i in range(0, len(payload), wire.DATA_CHUNK):
+                    self._send(w, T.DATA, ch, wire.data_payload(stream, i, payload[i : i + wire.DATA_CHUNK]))
+                self._send(w, T.EOF, ch, wire.data_payload(stream, len(payload)))
+            self._send(w, T.EXIT, ch, wire.tlv(Tag.EXIT_CODE, code))
+        finally:
+            self._stdin.pop(ch, None)
+            self.busy -= 1
+
+    def _tar_of(self, root: str) -> tuple[bytes, int, int]:
+        fs = self._fs()
+        if _node(fs, root)["type"] != "dir":
+            raise OSError(errno.ENOTDIR, f"{root}: Not a directory")
+        buf = io.BytesIO()
+        count = size = 0
+        prefix = root.rstrip("/") + "/"
+        with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tar:
+            for p in sorted(p for p in fs if p.startswith(prefix)):
+                node = fs[p]
+                info = tarfile.TarInfo(p[len(prefix) :])
+                info.mode, info.mtime = node["mode"] & 0o7777, node["mtime"] // 1_000_000_000
+                data = b""
+                if node["type"] == "dir":
+                    info.type = tarfile.DIRTYPE
+                elif node["type"] == "symlink":
+                    info.type, info.linkname = tarfile.SYMTYPE, node["target"]
+                elif node["type"] == "fifo":
+                    info.type = tarfile.FIFOTYPE
+                else:
+                    data = node["data"].encode("latin-1")
+                    info.size = len(data)
+                    size += len(data)
+                tar.addfile(info, io.BytesIO(data))
+                count += 1
+        return buf.getvalue(), count, size
+
+    def _untar(self, dest: str, data: bytes) -> tuple[int, int]:
+        """The archive merged into ``dest`` once it is all read and checked (the agent's
+        refusals: names that lead out, members under a link, hard links to what is not
+        there before them, a directory against a non-directory)."""
+        try:
+            with tarfile.open(fileobj=io.BytesIO(data), mode="r:") as whole:
+                members = whole.getmembers()
+        except tarfile.TarError as e:
+            raise _Refused("", errno.EIO, f"not a whole tar archive: {e}") from None
+        staged: dict[str, dict[str, Any]] = {}
+        size = 0
+        with tarfile.open(fileobj=io.BytesIO(data), mode="r:") as tar:
+            for m in members:
+                parts = [x for x in m.name.split("/") if x not in ("", ".")]
+                if m.name.startswith("/") or ".." in parts:
+                    raise _Refused(m.name, errno.EXDEV, "a name that leads out of the destination: refused")
+                rel = "/".join(parts)
+                for i in range(1, len(parts)):
+                    above = staged.get("/".join(parts[:i]))
+                    if above is not None and above["type"] != "dir":
+                        raise _Refused(
+                            m.name, errno.ELOOP, f"{'/'.join(parts[:i])} is a symbolic link: not followed"
+                        )
+                    staged.setdefault(
+                        "/".join(parts[:i]), {"type": "dir", "mode": 0o755, "mtime": time.time_ns()}
+                    )
+                if not rel:
+                    continue
+                node: dict[str, Any] = {"mode": m.mode & 0o7777, "mtime": int(m.mtime) * 1_000_000_000}
+                if m.isdir():
+                    node["type"] = "dir"
+                elif m.issym():
+                    node |= {"type": "symlink", "target": m.linkname}
+                elif m.islnk():
+                    if m.linkname not in staged:
+                        raise _Refused(
+                            m.name,
+                            errno.ENOENT,
+                            f"a hard link to {m.linkname}, which the archive "
+                            "does not hold before it: refused",
+                        )
+                    node = dict(staged[m.linkname])
+                elif m.isfifo():
+                    node["type"] = "fifo"
+                elif m.isfile():
+                    src = tar.extractfile(m)
+                    content = src.read() if src is not None else b""
+                    node |= {"type": "file", "data": content.decode("latin-1")}
+                    size += len(content)
+                else:
+                    raise _Refused(m.name, errno.EINVAL, "an entry that is not copied: refused")
+                staged[rel] = node
+        fs = self._fs()
+        parent = posixpath.dirname(dest)
+        if dest not in fs:
+            _mkdirs(fs, parent)
+        elif fs[dest]["type"] != "dir":
+            raise _Refused(None, errno.ENOTDIR, f"{dest} is not a directory")
+        for rel, node in staged.items():
+            there = fs.get(posixpath.join(dest, rel))
+            if there is not None and (there["type"] == "dir") != (node["type"] == "dir"):
+                raise _Refused(
+                    rel,
+                    errno.EEXIST,
+                    "cannot overwrite a directory with a non-directory, or the other way round",
+                )
+        fs.setdefault(dest, {"type": "dir", "mode": 0o755, "mtime": time.time_ns()})
+        for rel, node in sorted(staged.items()):
+            fs[posixpath.join(dest, rel)] = node
+        return len(members), size
+
     # -- files: a dict of path -> node in the VM's memory ------------------------------------
 
     def _fs(self) -> dict[str, dict[str, Any]]:
@@ -502,6 +650,28 @@ class FakeVM(VM):
         fs[path] = {"type": "file", "data": data.decode("latin-1"), "mtime": time.time_ns(),
                     "mode": mode if mode is not None else keep}  # fmt: skip
         self._send(w, T.FILE_DONE, ch, wire.tlv_u64(Tag.SIZE, len(data)))
+
+
+class _Refused(Exception):
+    def __init__(self, entry: str | None, number: int, message: str) -> None:
+        super().__init__(message)
+        self.entry, self.number, self.message = entry, number, message
+
+
+def _record(
+    kind: int, entry: str | None = None, number: int = 0, message: str = "", *, count: int = 0, size: int = 0
+) -> bytes:
+    """One record of an archive's report, as the agent's child writes it."""
+    body = wire.tlv(Tag.OP, kind)
+    if entry is not None:
+        body += wire.tlv(Tag.PATH, entry)
+    if number:
+        body += wire.tlv(Tag.ERRNO, number)
+    if message:
+        body += wire.tlv(Tag.MESSAGE, message)
+    if kind == wire.ArchiveRecord.DONE:
+        body += wire.tlv(Tag.COUNT, count) + wire.tlv_u64(Tag.SIZE, size)
+    return struct.pack("<I", len(body)) + body
 
 
 def _node(fs: dict[str, dict[str, Any]], path: str) -> dict[str, Any]:

@@ -124,6 +124,19 @@ def test_files(sbx: Sandbox) -> None:
     sbx.files.remove("/data/b.txt")
     with pytest.raises(NotFoundException):
         sbx.files.read("/data/b.txt")
+    # write_files: one upload of several files, all of them or none
+    got = sbx.files.write_files(
+        [{"path": "/data/x.txt", "data": "x"}, {"path": "/data/y.txt", "data": "why"}]
+    )
+    assert [w.path for w in got] == ["/data/x.txt", "/data/y.txt"] and sbx.files.read("/data/y.txt") == "why"
+    sbx.files.make_dir("/data/dir")
+    with pytest.raises(Exception, match="directory"):
+        sbx.files.write_files([{"path": "/data/z.txt", "data": "z"}, {"path": "/data/dir", "data": "no"}])
+    assert sorted(e.name for e in sbx.files.list("/data")) == [
+        "dir",
+        "x.txt",
+        "y.txt",
+    ]  # no z.txt, no temporary
 
 
 def test_fork_and_snapshots(face: dict[str, Any], sbx: Sandbox) -> None:

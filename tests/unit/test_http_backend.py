@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import os
 import socket
 import struct
 import tarfile
@@ -467,21 +468,26 @@ def test_unit_watch_reads_the_servers_ndjson_stream() -> None:
 
 
 def test_unit_directory_transfers_are_tar_streams(tmp_path: Path) -> None:
+    """Links go as links (followed only when asked, and then only inside the tree); the
+    server's report of what it left out comes back as warnings."""
     src = tmp_path / "src"
     (src / "sub").mkdir(parents=True)
     (src / "a.txt").write_text("alpha")
     (src / "sub" / "b.bin").write_bytes(b"\x00" * 70_000)
     (src / "link").symlink_to("a.txt")
-    received: dict[str, bytes] = {}
+    received: list[dict[str, bytes]] = []
 
     def put_archive(request: httpx.Request) -> httpx.Response:
         import io
 
+        got: dict[str, bytes] = {}
         with tarfile.open(fileobj=io.BytesIO(request.content), mode="r:") as tar:
             for m in tar.getmembers():
-                f = tar.extractfile(m)
-                received[m.name] = f.read() if f else b"<dir>"
-        return httpx.Response(204)
+                f = tar.extractfile(m) if m.isfile() else None
+                got[m.name] = f.read() if f else (b"-> " + m.linkname.encode() if m.issym() else b"<dir>")
+        received.append(got)
+        skipped = [{"entry": "sub/dev", "reason": "a device node, which cannot be made here"}]
+        return httpx.Response(200, json={"entries": len(got), "bytes": 70_005, "skipped": skipped})
 
     def get_archive(request: httpx.Request) -> httpx.Response:
         import io
@@ -492,6 +498,9 @@ def test_unit_directory_transfers_are_tar_streams(tmp_path: Path) -> None:
                 info = tarfile.TarInfo(name)
                 info.size = len(data)
                 tar.addfile(info, io.BytesIO(data))
+            info = tarfile.TarInfo("deep/z")
+            info.type, info.linkname = tarfile.SYMTYPE, "/etc/passwd"
+            tar.addfile(info)
         return httpx.Response(200, content=buf.getvalue())
 
     rec = Recorder({
@@ -504,13 +513,27 @@ def test_unit_directory_transfers_are_tar_streams(tmp_path: Path) -> None:
     async def main() -> None:
         async with rec.client() as client:
             box = await client.get("dev")
-            assert await box.files.upload(src, "/work") == 5 + 70_000 + 5
+            with pytest.warns(sandlot.TransferWarning, match="sub/dev"):
+                assert await box.files.upload(src, "/work") == 5 + 70_000
+            with pytest.warns(sandlot.TransferWarning):
+                assert await box.files.upload(src, "/work", follow_symlinks=True) == 5 + 70_000 + 5
             assert await box.files.download("/work", tmp_path / "out") == 12
+            assert await box.files.download("/work", tmp_path / "out2", follow_symlinks=True) == 12
 
     run(main)
-    assert received == {"a.txt": b"alpha", "link": b"alpha", "sub": b"<dir>", "sub/b.bin": b"\x00" * 70_000}
+    kept = {
+        ".": b"<dir>",
+        "a.txt": b"alpha",
+        "link": b"-> a.txt",
+        "sub": b"<dir>",
+        "sub/b.bin": b"\x00" * 70_000,
+    }
+    assert received == [kept, {**kept, "link": b"alpha"}]
     assert (tmp_path / "out" / "deep" / "y.txt").read_bytes() == b"yy"
-    assert [r.url.params["path"] for r in rec.requests if "archive" in r.url.path] == ["/work", "/work"]
+    assert os.readlink(tmp_path / "out" / "deep" / "z") == "/etc/passwd"  # a link, never followed
+    params = [dict(r.url.params) for r in rec.requests if "archive" in r.url.path]
+    assert params == [{"path": "/work"}, {"path": "/work"}, {"path": "/work", "follow_symlinks": "false"},
+                      {"path": "/work", "follow_symlinks": "true"}]  # fmt: skip
 
 
 def test_unit_options_a_server_cannot_take_are_refused() -> None:

@@ -49,6 +49,11 @@ def test_python_mirror_matches_c_header() -> None:
         assert c[f"SL_WE_{event.name}"] == event.value
     for flag in wire.MountFlag:
         assert c[f"SL_MOUNT_{flag.name}"] == flag.value
+    for op in wire.ArchiveOp:
+        assert c[f"SL_ARCHIVE_{op.name}"] == op.value
+    assert c["SL_ARCHIVE_FOLLOW"] == wire.ArchiveFlag.FOLLOW
+    for kind in wire.ArchiveRecord:
+        assert c[f"SL_AR_{kind.name}"] == kind.value
 
 
 def test_frame_roundtrip_in_pieces() -> None:

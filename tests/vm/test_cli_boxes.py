@@ -4,6 +4,7 @@ terminal session driven through tmux."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -57,6 +58,24 @@ def test_box_lifecycle_commands(busybox_root: Path, tmp_path: Path) -> None:
         assert ok("exec", name, "cat", "/root/local.txt") == "uploaded"
         ok("cp", f"{name}:/etc/passwd", str(tmp_path / "passwd"))
         assert "agent:x:1000" in (tmp_path / "passwd").read_text()
+        # trees as docker cp copies them: links are links both ways, -L follows inside the tree only
+        tree = tmp_path / "tree"
+        (tree / "sub").mkdir(parents=True)
+        (tree / "sub" / "f").write_text("f")
+        (tree / "ln").symlink_to("/etc/passwd")
+        (tree / "in").symlink_to("sub/f")
+        ok("cp", str(tree), f"{name}:/root/")
+        assert ok("exec", name, "readlink", "/root/tree/ln") == "/etc/passwd\n"
+        ok("cp", f"{name}:/root/tree", str(tmp_path / "back"))
+        assert (
+            os.readlink(tmp_path / "back" / "ln") == "/etc/passwd"
+            and os.readlink(tmp_path / "back" / "in") == "sub/f"
+        )
+        r = cli("cp", "-L", str(tree), f"{name}:/root/followed")
+        assert r.returncode == 125 and "'ln'" in r.stderr and "leads out" in r.stderr
+        (tree / "ln").unlink()
+        ok("cp", "-L", f"{tree}/.", f"{name}:/root/followed")
+        assert ok("exec", name, "cat", "/root/followed/in") == "f"
         # facts
         info = json.loads(ok("inspect", name))
         assert info["name"] == name and info["labels"] == {"team": "cli"} and info["state"] == "running"

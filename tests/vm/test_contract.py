@@ -282,6 +282,59 @@ def test_files_round_trip(box: Any, tmp_path: Path) -> None:
 # -- ports ------------------------------------------------------------------------------------
 
 
+def test_trees_move_as_docker_cp_moves_them(box: Any, tmp_path: Path) -> None:
+    """Links are links both ways, whatever they point at; a copy that cannot be whole is
+    refused by name, with the same error on every transport, and leaves nothing."""
+    f = box.files
+    secret = tmp_path / "secret.txt"
+    secret.write_text("host secret: never in a box")
+    tree = tmp_path / "proj"
+    (tree / "venv" / "bin").mkdir(parents=True)
+    (tree / "main.py").write_text("print('main')\n")
+    (tree / "venv" / "bin" / "python").symlink_to("/usr/bin/python3")
+    (tree / "venv" / "m").symlink_to("../main.py")
+    (tree / "key").symlink_to(secret)
+    os.link(tree / "main.py", tree / "hard.py")
+    os.mkfifo(tree / "fifo")
+    assert f.upload(tree, "/tmp/cp/proj") == len("print('main')\n")
+    out = box.exec(
+        "sh",
+        "-c",
+        "cd /tmp/cp/proj && for l in venv/bin/python venv/m key; do readlink $l; done && [ -p fifo ] && "
+        "echo fifo && [ $(stat -c %i main.py) = $(stat -c %i hard.py) ] && echo linked && find . -type f | "
+        "xargs cat",
+    ).stdout
+    assert out.split("\n")[:6] == [
+        "/usr/bin/python3",
+        "../main.py",
+        str(secret),
+        "fifo",
+        "linked",
+        "print('main')",
+    ]
+    assert "host secret" not in out
+
+    back = tmp_path / "back"
+    f.download("/tmp/cp/proj", back)
+    assert os.readlink(back / "key") == str(secret) and os.readlink(back / "venv" / "m") == "../main.py"
+    assert (back / "main.py").stat().st_ino == (back / "hard.py").stat().st_ino
+    with pytest.raises(sandlot.TransferError) as caught:  # followed when asked, only inside the tree
+        f.upload(tree, "/tmp/cp/followed", follow_symlinks=True)
+    assert (caught.value.entry, caught.value.side) == ("key", "host") and not f.exists("/tmp/cp/followed")
+    with pytest.raises(sandlot.TransferError) as caught:  # a directory over the file in the box
+        bad = tmp_path / "bad"
+        (bad / "main.py").mkdir(parents=True)
+        (bad / "main.py" / "x").write_text("x")
+        f.upload(bad, "/tmp/cp/proj")
+    assert (caught.value.entry, caught.value.side, caught.value.written) == ("main.py", "box", None)
+    assert f.read_text("/tmp/cp/proj/main.py") == "print('main')\n"
+    box.exec("ln", "-s", "/etc/passwd", "/tmp/cp/proj/out")
+    with pytest.raises(sandlot.TransferError) as caught:  # followed only inside the tree
+        f.download("/tmp/cp/proj", tmp_path / "followed", follow_symlinks=True)
+    assert (caught.value.entry, caught.value.side) == ("key", "box") and not (tmp_path / "followed").exists()
+    f.remove("/tmp/cp", recursive=True)
+
+
 def _recv_all(s: socket.socket) -> bytes:
     parts = []
     while chunk := s.recv(65536):

@@ -3,13 +3,20 @@
 from __future__ import annotations
 
 import hashlib
+import io
 import os
+import stat
+import tarfile
+import warnings
+from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 import sandlot
 from sandlot import Box
+from sandlot.api import loop, tarstream
 
 pytestmark = pytest.mark.vm
 
@@ -147,3 +154,304 @@ def test_new_files_get_0644_and_root(bb_box: Box) -> None:
     info = bb_box.files.stat("/tmp/new.txt")
     assert (info.mode, info.uid, info.gid) == (0o644, 0, 0)
     bb_box.files.remove("/tmp/new.txt")
+
+
+# -- trees, as docker cp moves them: hostile ones both ways ------------------------------------------
+
+SECRET = "host-secret-never-in-a-box"
+
+
+async def _chunks(data: bytes) -> AsyncIterator[bytes]:
+    for i in range(0, len(data), 1 << 16):
+        yield data[i : i + (1 << 16)]
+
+
+def _put_tar(box: Box, path: str, data: bytes) -> dict[str, Any]:
+    """A raw tar stream into the box, as the archive route and the fleet hand one over."""
+    a = box.files._a
+    return loop.run(a._backend.put_archive(a._ref, path, _chunks(data), user=None))
+
+
+def _tar(*members: tuple[str, str, Any]) -> bytes:
+    """Members (kind, name, data or link target): kind "f", "d", "l" (symbolic), "h" (hard)."""
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as t:
+        for kind, name, arg in members:
+            info = tarfile.TarInfo(name)
+            if kind == "f":
+                info.size = len(arg)
+                t.addfile(info, io.BytesIO(arg))
+                continue
+            info.type = {"d": tarfile.DIRTYPE, "l": tarfile.SYMTYPE, "h": tarfile.LNKTYPE}[kind]
+            info.linkname = arg or ""
+            t.addfile(info)
+    return buf.getvalue()
+
+
+def _box_state(box: Box, *roots: str) -> str:
+    """Every path under ``roots`` in the box, with its type, target or content's sum."""
+    script = (
+        "for r in " + " ".join(roots) + "; do [ -e $r ] || [ -L $r ] || continue; find $r | sort | "
+        'while read p; do if [ -L "$p" ]; then echo "$p -> $(readlink "$p")"; elif [ -f "$p" ]; '
+        'then echo "$p $(md5sum < "$p")"; else echo "$p"; fi; done; done'
+    )
+    return box.exec("sh", "-c", script).stdout
+
+
+def _host_tree(tmp: Path) -> Path:
+    secret = tmp / "secret.txt"
+    secret.write_text(SECRET)
+    src = tmp / "proj"
+    (src / "venv" / "bin").mkdir(parents=True)
+    (src / "main.py").write_text("print('main')\n")
+    (src / "venv" / "bin" / "python").symlink_to("/usr/bin/python3")
+    (src / "venv" / "m").symlink_to("../main.py")
+    (src / "key").symlink_to(secret)
+    (src / "escape").symlink_to("../secret.txt")
+    (src / "etc").symlink_to("/etc")
+    os.link(src / "main.py", src / "hard.py")
+    os.mkfifo(src / "fifo")
+    return src
+
+
+def test_upload_keeps_links_as_links_and_reads_nothing_outside_the_tree(bb_box: Box, tmp_path: Path) -> None:
+    """The issue's venv: a link to the host's python must not bring the host's python in,
+    nor a link to a key the key (upload once followed links)."""
+    src = _host_tree(tmp_path)
+    f = bb_box.files
+    try:
+        f.upload(src, "/up")
+        out = bb_box.exec(
+            "sh",
+            "-c",
+            "cd /up && for l in venv/bin/python venv/m key escape etc; do readlink $l; done && "
+            "[ -p fifo ] && echo fifo && [ $(stat -c %i main.py) = $(stat -c %i hard.py) ] && echo linked && "
+            "find / -xdev -type f -newer /up/main.py 2>/dev/null | xargs cat 2>/dev/null; "
+            "find /up -type f | xargs cat",
+        ).stdout
+        lines = out.split("\n")
+        assert lines[:7] == [
+            "/usr/bin/python3",
+            "../main.py",
+            str(tmp_path / "secret.txt"),
+            "../secret.txt",
+            "/etc",
+            "fifo",
+            "linked",
+        ]
+        assert SECRET not in out
+        with pytest.raises(sandlot.TransferError) as caught:  # follows only inside the tree when asked
+            f.upload(src, "/up2", follow_symlinks=True)
+        assert caught.value.entry in ("escape", "etc") and caught.value.side == "host"
+        assert not f.exists("/up2")
+        (src / "escape").unlink()
+        (src / "etc").unlink()
+        (src / "venv" / "bin" / "python").unlink()
+        f.upload(src, "/up2", follow_symlinks=True, follow_outside=[tmp_path / "secret.txt"])
+        assert f.read_text("/up2/key") == SECRET and f.read_text("/up2/venv/m") == "print('main')\n"
+    finally:
+        f.remove("/up", recursive=True, missing_ok=True)
+        f.remove("/up2", recursive=True, missing_ok=True)
+
+
+def test_download_keeps_links_as_links_and_writes_nothing_outside(bb_box: Box, tmp_path: Path) -> None:
+    """The issue's other half: a box's virtualenv (an absolute link) and a link out of the
+    tree download as links; a fifo with a writer waiting on it is never opened."""
+    bb_box.exec(
+        "sh",
+        "-c",
+        "mkdir -p /tree/venv/bin /outside && echo box-secret > /outside/secret && cd /tree && "
+        "echo hi > main.py && ln -s /usr/bin/python3 venv/bin/python && ln -s ../main.py venv/m && "
+        "ln -s /etc/passwd pw && ln -s ../outside/secret esc && ln main.py hard.py && mkfifo fifo && "
+        "ln -s " + str(tmp_path / "host-file") + " to-host",
+    )
+    (tmp_path / "host-file").write_text("the host's, untouched")
+    bb_box.exec("sh", "-c", "(echo x > /tree/fifo; touch /tmp/fifo-opened) >/dev/null 2>&1 &")
+    out = tmp_path / "down"
+    try:
+        bb_box.files.download("/tree", out)
+        assert os.readlink(out / "venv" / "bin" / "python") == "/usr/bin/python3"
+        assert os.readlink(out / "venv" / "m") == "../main.py" and os.readlink(out / "pw") == "/etc/passwd"
+        assert os.readlink(out / "esc") == "../outside/secret"
+        assert os.readlink(out / "to-host") == str(tmp_path / "host-file")
+        assert (out / "main.py").stat().st_ino == (out / "hard.py").stat().st_ino
+        assert stat.S_ISFIFO((out / "fifo").lstat().st_mode)
+        assert not bb_box.files.exists("/tmp/fifo-opened"), "the fifo was opened"
+        assert (tmp_path / "host-file").read_text() == "the host's, untouched"
+        assert all(
+            b"box-secret" not in p.read_bytes() for p in out.rglob("*") if p.is_file() and not p.is_symlink()
+        )
+        # into a destination that is there: merged as docker cp merges, never through a link
+        (tmp_path / "merge").mkdir()
+        (tmp_path / "merge" / "venv").symlink_to(tmp_path / "elsewhere")
+        with pytest.raises(sandlot.TransferError) as caught:
+            bb_box.files.download("/tree", tmp_path / "merge")
+        assert caught.value.entry == "venv" and not (tmp_path / "elsewhere").exists()
+        assert sorted(os.listdir(tmp_path / "merge")) == ["venv"]
+    finally:
+        bb_box.exec("sh", "-c", "cat /tree/fifo >/dev/null; rm -rf /tree /outside /tmp/fifo-opened")
+
+
+def test_hostile_archives_are_refused_by_name_in_the_box(bb_box: Box) -> None:
+    """What a raw tar (the archive route, a fleet node) may hold that would write through
+    a link, or out of the destination: refused by name, nothing written anywhere."""
+    cases = {
+        "link-then-file": (_tar(("l", "a", "/outside"), ("f", "a/passwd", b"pwned")), "a/passwd"),
+        "relative-link-then-file": (
+            _tar(("l", "a", "../../outside"), ("f", "a/passwd", b"pwned")),
+            "a/passwd",
+        ),
+        "link-to-itself": (_tar(("l", "a", "."), ("f", "a/a/x", b"pwned")), "a/a/x"),
+        "hardlink-absolute": (_tar(("h", "h", "/outside/passwd")), "h"),
+        "hardlink-escaping": (_tar(("h", "h", "../../outside/passwd")), "h"),
+        "hardlink-through-a-link": (_tar(("l", "a", "/outside"), ("h", "h", "a/passwd")), "h"),
+        "dotdot": (_tar(("f", "../../outside/evil", b"pwned")), "../../outside/evil"),
+        "absolute": (_tar(("f", "/outside/evil", b"pwned")), "/outside/evil"),
+        "too-long": (_tar(("f", "ok", b"x"), ("f", "n" * 300, b"x")), "n" * 300),
+    }
+    bb_box.exec(
+        "sh",
+        "-c",
+        "mkdir -p /outside /hostile/there/a && echo root:x:0:0 > /outside/passwd && "
+        "echo kept > /hostile/there/kept",
+    )
+    before = _box_state(bb_box, "/outside", "/hostile")
+    try:
+        for name, (data, entry) in cases.items():
+            for dest in (f"/hostile/new-{name}", "/hostile/there"):
+                with pytest.raises(sandlot.TransferError) as caught:
+                    _put_tar(bb_box, dest, data)
+                    print(name, dest, "was not refused")
+                assert (caught.value.entry, caught.value.side) == (entry, "box"), name
+                assert _box_state(bb_box, "/outside", "/hostile") == before, name
+    finally:
+        bb_box.exec("rm", "-rf", "/outside", "/hostile")
+
+
+def _many(root: Path) -> str:
+    for i in range(100):
+        (root / "wide" / f"{i:03}").mkdir(parents=True)
+        for j in range(100):
+            (root / "wide" / f"{i:03}" / f"f{j}").write_bytes(b"%d.%d" % (i, j))
+    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)  # a path longer than PATH_MAX, by descriptor
+    part = "d" * 250
+    for _ in range(20):
+        os.mkdir(part, dir_fd=fd)
+        nxt = os.open(part, os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd)
+        os.close(fd)
+        fd = nxt
+    leaf = os.open("leaf.txt", os.O_WRONLY | os.O_CREAT, 0o644, dir_fd=fd)
+    os.write(leaf, b"deep")
+    os.close(leaf)
+    os.close(fd)
+    return "/".join([part] * 20 + ["leaf.txt"])
+
+
+def test_ten_thousand_files_and_names_longer_than_path_max_both_ways(bb_box: Box, tmp_path: Path) -> None:
+    src = tmp_path / "src"
+    deep = _many(src)
+    size = sum(len(b"%d.%d" % (i, j)) for i in range(100) for j in range(100)) + 4
+    try:
+        assert bb_box.files.upload(src, "/many") == size
+        assert bb_box.exec("sh", "-c", "find /many/wide -type f | wc -l").stdout.strip() == "10000"
+        # the deep leaf (busybox's find and sh stop at PATH_MAX): read back by the download below
+        assert bb_box.exec("sh", "-c", "cat /many/wide/042/f7").stdout == "42.7"
+        back = tmp_path / "back"
+        assert bb_box.files.download("/many", back) == size
+        assert sum(len(files) for _, _, files in os.walk(back / "wide")) == 10_000
+        fd = os.open(back, os.O_RDONLY | os.O_DIRECTORY)
+        for part in deep.split("/")[:-1]:
+            nxt = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=fd)
+            os.close(fd)
+            fd = nxt
+        leaf = os.open("leaf.txt", os.O_RDONLY, dir_fd=fd)
+        assert os.read(leaf, 10) == b"deep"
+        os.close(leaf)
+        os.close(fd)
+    finally:
+        bb_box.files.remove("/many", recursive=True, missing_ok=True)
+
+
+def test_a_tree_changing_as_it_is_read_is_whole_or_refused_by_name(bb_box: Box, tmp_path: Path) -> None:
+    """In the box a directory is swapped for a link to outside and back while downloads
+    run, and a file shrinks as it is read: each copy is whole or refused by name, the
+    secret outside is never read, and a refused copy leaves nothing."""
+    a = bb_box._a
+    bb_box.exec(
+        "sh",
+        "-c",
+        "mkdir -p /chg/d /outside && echo box-secret > /outside/secret && echo in > /chg/d/f && "
+        "dd if=/dev/zero of=/chg/zz-big.bin bs=1 count=0 seek=1073741824 2>/dev/null",
+    )
+
+    async def cut(chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+        first = True
+        async for chunk in chunks:
+            yield chunk
+            if first:
+                await a.exec("sh", "-c", ": > /chg/zz-big.bin")
+                first = False
+
+    async def shrinking() -> None:
+        await tarstream.unpack(cut(a.files._backend.get_archive(a.files._ref, "/chg")), tmp_path / "shrunk")
+
+    try:
+        with pytest.raises(sandlot.TransferError) as caught:
+            loop.run(shrinking())
+        assert (caught.value.entry, caught.value.side) == ("zz-big.bin", "box") and "changed" in str(
+            caught.value
+        )
+        assert not (tmp_path / "shrunk").exists()
+        assert [p for p in tmp_path.iterdir() if "sandlot-incoming" in p.name] == []
+        bb_box.exec("rm", "/chg/zz-big.bin")
+        churn = bb_box.spawn(
+            "sh",
+            "-c",
+            "while :; do mv /chg/d /chg/d.dir; ln -s /outside /chg/d; rm /chg/d; mv /chg/d.dir /chg/d; "
+            "usleep 2000; done",
+        )
+        outcomes = []
+        try:
+            for k in range(6):
+                dest = tmp_path / "dl" / str(k)
+                try:
+                    bb_box.files.download("/chg", dest)
+                    outcomes.append("whole")
+                except (sandlot.TransferError, FileNotFoundError) as e:
+                    outcomes.append(f"refused {getattr(e, 'entry', '')}")
+                    assert not dest.exists()
+        finally:
+            churn.kill()
+        for dest in (tmp_path / "dl").iterdir():
+            for p in dest.rglob("*"):
+                assert p.is_symlink() or not p.is_file() or b"box-secret" not in p.read_bytes()
+                if p.name == "d":
+                    assert p.is_dir() or os.readlink(p) == "/outside"
+        assert "whole" in outcomes
+    finally:
+        bb_box.exec("rm", "-rf", "/chg", "/chg/d.dir", "/outside")
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="a device node on this host is made by root")
+def test_fifos_and_device_nodes_are_made_where_the_box_allows_them(bb_box: Box, tmp_path: Path) -> None:
+    """A microVM makes both; gVisor makes the fifo and leaves the device out, said in a
+    TransferWarning. Neither is opened on the way."""
+    src = tmp_path / "devs"
+    src.mkdir()
+    os.mknod(src / "null", 0o666 | stat.S_IFCHR, os.makedev(1, 3))
+    os.mkfifo(src / "fifo")
+    (src / "after.txt").write_text("after")
+    try:
+        with warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("always")
+            bb_box.files.upload(src, "/devs")
+        out = bb_box.exec(
+            "sh", "-c", "[ -p /devs/fifo ] && echo fifo; [ -c /devs/null ] && echo null; cat /devs/after.txt"
+        ).stdout
+        skipped = [str(w.message) for w in said if issubclass(w.category, sandlot.TransferWarning)]
+        if "null" in out.split():
+            assert out == "fifo\nnull\nafter" and not skipped
+        else:  # gVisor: no device nodes in a sandbox
+            assert out == "fifo\nafter" and len(skipped) == 1 and "'null'" in skipped[0], (out, skipped)
+    finally:
+        bb_box.files.remove("/devs", recursive=True, missing_ok=True)

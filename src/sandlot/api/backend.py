@@ -299,14 +299,17 @@ class Backend(ABC):
         """A guest file written (atomically unless ``how.append``); the bytes written."""
 
     @abstractmethod
-    def get_archive(self, ref: BoxRef, path: str) -> AsyncIterator[bytes]:
-        """A guest directory as a tar stream."""
+    def get_archive(self, ref: BoxRef, path: str, *, follow_symlinks: bool = False) -> AsyncIterator[bytes]:
+        """A guest directory as a tar stream, links kept as links (``follow_symlinks``:
+        those to what is inside the tree carried as what they point to); one that fails
+        ends with a note naming the entry, and raises (``tarstream``, "Archives")."""
 
     @abstractmethod
     async def put_archive(
         self, ref: BoxRef, path: str, tar: AsyncIterable[bytes], *, user: str | None
-    ) -> None:
-        """A tar stream unpacked into a guest directory (checked whole first)."""
+    ) -> dict[str, Any]:
+        """A tar stream unpacked into a guest directory, whole or not at all (made, or
+        merged into); its report: ``{"entries", "bytes", "skipped": [{"entry", "reason"}]}``."""
 
     @abstractmethod
     async def watch(self, ref: BoxRef, path: str, recursive: bool) -> WatchSource:

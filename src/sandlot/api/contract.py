@@ -544,7 +544,8 @@ class WatchIn(PathIn):
 
 
 class ArchiveIn(PathIn):
-    user: str | None = None
+    user: str | None = None  # put: who owns what is unpacked (root if not given)
+    follow_symlinks: bool = False  # get: links to what is inside the tree go as what they point to
 
 
 class ListBoxesIn(Strict):

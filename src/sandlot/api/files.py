@@ -14,13 +14,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import posixpath
 import stat as _stat
-from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable
+import time
+import warnings
+from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Iterable
 from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING, Any
 
 from ..core.validate import guest_path
-from ..errors import InvalidArgument
+from ..errors import InvalidArgument, TransferWarning
 from .backend import Write
 from .diffs import side_arg
 from .fs import FILE_EVENT_TYPES, FileEvent, FileEventType, FileInfo, WatchSource, check_mode
@@ -158,6 +161,30 @@ class AsyncWatch:
         return f"<AsyncWatch {self._path} recursive={self._recursive} {state}>"
 
 
+def _skipped_of(answer: Any) -> list[tuple[str, str]]:
+    found = answer.get("skipped") if isinstance(answer, dict) else None
+    return [(str(s.get("entry", "")), str(s.get("reason", ""))) for s in found or [] if isinstance(s, dict)]
+
+
+def _host_link(dst: Path, target: str) -> None:
+    """The link ``dst`` -> ``target`` made on this host whole (beside it, then renamed over
+    what is there unless that is a directory)."""
+    if dst.is_dir() and not dst.is_symlink():
+        raise InvalidArgument(f"{dst} is a directory: a link cannot replace it")
+    tmp = dst.parent / f".{dst.name}.sandlot-link-{os.urandom(4).hex()}"
+    os.symlink(target, tmp)
+    try:
+        os.replace(tmp, dst)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def _warn_skipped(skipped: list[tuple[str, str]]) -> None:
+    for entry, reason in skipped:
+        warnings.warn(f"{entry!r} was not copied: {reason}", TransferWarning, stacklevel=3)
+
+
 class AsyncFiles:
     """The guest's file system of a box (``box.files``)."""
 
@@ -217,38 +244,100 @@ class AsyncFiles:
         *,
         mode: int | None = None,
         user: str | None = None,
+        follow_symlinks: bool = False,
+        follow_outside: Iterable[str | os.PathLike[str]] = (),
     ) -> int:
-        """Copy a host file (streamed) or directory (its tree, as one tar stream) into the
-        guest. A file keeps its permission bits unless ``mode`` is given; in a tree,
-        symbolic links are copied as what they point to, sockets and devices left out.
-        Returns the bytes of the files copied."""
-        from .tarstream import host_file, host_tree
+        """Copy a host file (streamed) or directory into the guest, as ``docker cp`` does.
+
+        A directory goes as one tar stream and lands whole or not at all: made at
+        ``remote`` if nothing is there, merged into ``remote`` if it is a directory (a
+        directory into a directory, anything else replaced; a directory against a
+        non-directory, or a link, refuses the copy before anything is written).
+
+        Symbolic links are copied as links, whatever they point at, never followed (a
+        ``local`` that is a link too), unless ``follow_symlinks``: then ``local`` is
+        followed, a link to what is inside the tree is copied as what it points to, and
+        one that leads out of it (or nowhere) refuses the copy, unless it leads into one
+        of ``follow_outside`` (host paths). Files linked together stay linked; fifos and
+        device nodes are made where the box allows it (else left out, with a
+        ``TransferWarning``), never opened; sockets are left out. Entries keep their
+        permission bits and times, and are owned by root or ``user``. A failure raises
+        ``TransferError`` naming the entry. A single file keeps its permission bits
+        unless ``mode`` is given. Returns the bytes of the files copied (docs/api.md,
+        "Trees in and out")."""
+        from .tarstream import Follow, host_file, host_tree
 
         src = Path(local)
         dst = guest_path(remote)
+        if src.is_symlink() and not follow_symlinks:  # the link itself, as docker cp copies one
+            return await self._put_link(dst, os.readlink(src), user)
         if src.is_dir():
-            async with host_tree(src) as (chunks, total):
-                await self._backend.put_archive(self._ref, dst, chunks, user=user)
-            return total[0]
+            outside = tuple(os.path.realpath(p) for p in follow_outside)
+            if outside and not follow_symlinks:
+                raise InvalidArgument(
+                    "follow_outside names where followed links may lead: give follow_symlinks=True"
+                )
+            async with host_tree(src, Follow(follow_symlinks, outside)) as (chunks, sent):
+                answer = await self._backend.put_archive(self._ref, dst, chunks, user=user)
+            _warn_skipped([*sent.skipped, *_skipped_of(answer)])
+            return sent.bytes
         if not src.is_file():
             raise InvalidArgument(f"{src} is not a file or directory")
         file_mode = check_mode(mode) if mode is not None else _stat.S_IMODE(src.stat().st_mode)
         return await self._backend.write(self._ref, dst, host_file(src), Write(file_mode, user))
 
-    async def download(self, remote: str | os.PathLike[str], local: str | os.PathLike[str]) -> int:
+    async def download(
+        self, remote: str | os.PathLike[str], local: str | os.PathLike[str], *, follow_symlinks: bool = False
+    ) -> int:
         """Copy a guest file to the host (streamed, written atomically), or a guest
-        directory's tree into ``local`` (made if needed; members that would land outside
-        it are refused). Returns the bytes of the files copied."""
+        directory's tree to ``local`` as ``docker cp`` does: made whole if nothing is
+        there (or not at all), merged into it if it is a directory (see ``upload``).
+
+        Symbolic links are copied as links, whatever they point at, ``remote`` itself
+        too (``follow_symlinks``: ``remote`` is followed, and a link to what is inside
+        the tree is copied as what it points to; one that leads out of it refuses the
+        copy). Nothing is ever written through a link: a member under one, a hard link
+        to what the tree does not hold, a name with ``..``, is refused by name
+        (``TransferError``), and the destination is left as it was. Owners are not kept
+        (the files are yours), set-id bits are dropped, and device nodes are made only
+        by root (else left out, with a ``TransferWarning``). Returns the bytes of the
+        files copied (docs/api.md, "Trees in and out")."""
         from .tarstream import to_host_file, unpack
 
         p = guest_path(remote)
-        info = await self.stat(p)
+        info = await self.stat(p, follow_symlinks=follow_symlinks)
         dst = Path(local)
+        if info.is_symlink:  # the link itself, as docker cp copies one
+            if dst.is_dir() and not dst.is_symlink():
+                dst = dst / PurePosixPath(p).name
+            await asyncio.to_thread(_host_link, dst, info.link_target or "")
+            return 0
         if info.is_dir:
-            return await unpack(self._backend.get_archive(self._ref, p), dst)
+            got = await unpack(self._backend.get_archive(self._ref, p, follow_symlinks=follow_symlinks), dst)
+            _warn_skipped(got.skipped)
+            return got.bytes
         if dst.is_dir():
             dst = dst / PurePosixPath(p).name
         return await to_host_file(dst, self._backend.read(self._ref, p, 0, None), info.mode or 0o644)
+
+    async def _put_link(self, path: str, target: str, user: str | None) -> int:
+        """The link ``path`` -> ``target`` made in the guest as an archive of one member
+        (so it replaces what is there as an archive's member would, never through a link)."""
+        import tarfile
+
+        parent, name = posixpath.split(path)
+        if not name:
+            raise InvalidArgument(f"{path} names no link")
+        info = tarfile.TarInfo(name)
+        info.type, info.linkname, info.mtime = tarfile.SYMTYPE, target, int(time.time())
+        block = info.tobuf(tarfile.PAX_FORMAT, "utf-8", "surrogateescape") + bytes(2 * tarfile.BLOCKSIZE)
+
+        async def one() -> AsyncIterator[bytes]:
+            yield block
+
+        answer = await self._backend.put_archive(self._ref, parent, one(), user=user)
+        _warn_skipped(_skipped_of(answer))
+        return 0
 
     async def stat(self, path: str | os.PathLike[str], *, follow_symlinks: bool = True) -> FileInfo:
         info: FileInfo = await self._call("stat", path=guest_path(path), follow_symlinks=follow_symlinks)

@@ -498,8 +498,11 @@ class HttpBackend(RemoteBackend):
         )
         return len(counted) if isinstance(counted, bytes) else counted.total
 
-    async def get_archive(self, ref: BoxRef, path: str) -> AsyncIterator[bytes]:
-        params = validated(ArchiveIn, {"path": path}).model_dump(exclude_none=True)
+    async def get_archive(
+        self, ref: BoxRef, path: str, *, follow_symlinks: bool = False
+    ) -> AsyncIterator[bytes]:
+        body = {"path": path, "follow_symlinks": follow_symlinks}
+        params = validated(ArchiveIn, body).model_dump(exclude_none=True)
         async with self.stream(
             "GET", http(ref).path("/files/archive"), params=params, timeout=self.long()
         ) as r:
@@ -508,11 +511,13 @@ class HttpBackend(RemoteBackend):
 
     async def put_archive(
         self, ref: BoxRef, path: str, tar: AsyncIterable[bytes], *, user: str | None
-    ) -> None:
-        params = validated(ArchiveIn, {"path": path, "user": user}).model_dump(exclude_none=True)
-        await self.request(
+    ) -> dict[str, Any]:
+        body = validated(ArchiveIn, {"path": path, "user": user})
+        params = body.model_dump(exclude_none=True, exclude={"follow_symlinks"})
+        r = await self.request(
             "PUT", http(ref).path("/files/archive"), params=params, content=tar, timeout=self.long()
         )
+        return dict(r.json()) if r.status_code == 200 and r.content else {}
 
     async def watch(self, ref: BoxRef, path: str, recursive: bool) -> WatchSource:
         params = validated(WatchIn, {"path": path, "recursive": recursive}).model_dump()

@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import tempfile
 from collections.abc import AsyncIterable, AsyncIterator, Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -34,6 +33,7 @@ from ..core.state import BoxState
 from ..core.store import BoxRecord, SnapshotRecord, validate_name
 from ..core.validate import check_env, check_user, guest_path, positive
 from ..errors import BoxNotFound, InvalidArgument, SnapshotNotFound
+from ..protocol import archive as proto_archive
 from ..protocol import files as proto
 from ..protocol.exec import ExecRequest, RemoteProcess
 from ..protocol.watch import WatchStream
@@ -570,27 +570,20 @@ class LocalBackend(Backend):
             user=check_user(how.user), append=how.append, parents=how.parents, exclusive=how.exclusive,
         )  # fmt: skip
 
-    async def get_archive(self, ref: BoxRef, path: str) -> AsyncIterator[bytes]:
-        from .files import AsyncFiles
-        from .tarstream import tar_out
-
-        files = AsyncFiles(self, ref)
-        if not (await files.stat(path)).is_dir:
-            raise InvalidArgument(f"{path} is not a directory")
-        async for chunk in tar_out(files, guest_path(path)):
+    async def get_archive(
+        self, ref: BoxRef, path: str, *, follow_symlinks: bool = False
+    ) -> AsyncIterator[bytes]:
+        p = guest_path(path)
+        async for chunk in proto_archive.read_tree(await self._conn(ref), p, follow=follow_symlinks):
             yield chunk
 
     async def put_archive(
         self, ref: BoxRef, path: str, tar: AsyncIterable[bytes], *, user: str | None
-    ) -> None:
-        from .files import AsyncFiles
-        from .tarstream import tar_in
-
-        with tempfile.SpooledTemporaryFile(max_size=8 << 20, dir=str(self.runtime.home)) as spool:
-            async for chunk in tar:
-                await asyncio.to_thread(spool.write, chunk)
-            spool.seek(0)
-            await tar_in(AsyncFiles(self, ref), guest_path(path), spool, user=check_user(user))
+    ) -> dict[str, Any]:
+        report = await proto_archive.write_tree(
+            await self._conn(ref), guest_path(path), tar, user=check_user(user)
+        )
+        return report.to_json()
 
     async def watch(self, ref: BoxRef, path: str, recursive: bool) -> WatchSource:
         conn = await self._conn(ref)

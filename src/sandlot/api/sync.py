@@ -32,7 +32,7 @@ if TYPE_CHECKING:
     import builtins
     import os
     import socket
-    from collections.abc import AsyncIterable, Awaitable, Callable, Mapping, Sequence
+    from collections.abc import AsyncIterable, Awaitable, Callable, Iterable, Mapping, Sequence
     from pathlib import Path
     from typing import Any
 
@@ -722,18 +722,55 @@ class Files(FilesBase):
         *,
         mode: int | None = None,
         user: str | None = None,
+        follow_symlinks: bool = False,
+        follow_outside: Iterable[str | os.PathLike[str]] = (),
     ) -> int:
-        """Copy a host file (streamed) or directory (its tree, as one tar stream) into the
-        guest. A file keeps its permission bits unless ``mode`` is given; in a tree,
-        symbolic links are copied as what they point to, sockets and devices left out.
-        Returns the bytes of the files copied."""
-        return loop.run(self._a.upload(local, remote, mode=mode, user=user))
+        """Copy a host file (streamed) or directory into the guest, as ``docker cp`` does.
 
-    def download(self, remote: str | os.PathLike[str], local: str | os.PathLike[str]) -> int:
+        A directory goes as one tar stream and lands whole or not at all: made at
+        ``remote`` if nothing is there, merged into ``remote`` if it is a directory (a
+        directory into a directory, anything else replaced; a directory against a
+        non-directory, or a link, refuses the copy before anything is written).
+
+        Symbolic links are copied as links, whatever they point at, never followed (a
+        ``local`` that is a link too), unless ``follow_symlinks``: then ``local`` is
+        followed, a link to what is inside the tree is copied as what it points to, and
+        one that leads out of it (or nowhere) refuses the copy, unless it leads into one
+        of ``follow_outside`` (host paths). Files linked together stay linked; fifos and
+        device nodes are made where the box allows it (else left out, with a
+        ``TransferWarning``), never opened; sockets are left out. Entries keep their
+        permission bits and times, and are owned by root or ``user``. A failure raises
+        ``TransferError`` naming the entry. A single file keeps its permission bits
+        unless ``mode`` is given. Returns the bytes of the files copied (docs/api.md,
+        "Trees in and out")."""
+        return loop.run(
+            self._a.upload(
+                local,
+                remote,
+                mode=mode,
+                user=user,
+                follow_symlinks=follow_symlinks,
+                follow_outside=follow_outside,
+            )
+        )
+
+    def download(
+        self, remote: str | os.PathLike[str], local: str | os.PathLike[str], *, follow_symlinks: bool = False
+    ) -> int:
         """Copy a guest file to the host (streamed, written atomically), or a guest
-        directory's tree into ``local`` (made if needed; members that would land outside
-        it are refused). Returns the bytes of the files copied."""
-        return loop.run(self._a.download(remote, local))
+        directory's tree to ``local`` as ``docker cp`` does: made whole if nothing is
+        there (or not at all), merged into it if it is a directory (see ``upload``).
+
+        Symbolic links are copied as links, whatever they point at, ``remote`` itself
+        too (``follow_symlinks``: ``remote`` is followed, and a link to what is inside
+        the tree is copied as what it points to; one that leads out of it refuses the
+        copy). Nothing is ever written through a link: a member under one, a hard link
+        to what the tree does not hold, a name with ``..``, is refused by name
+        (``TransferError``), and the destination is left as it was. Owners are not kept
+        (the files are yours), set-id bits are dropped, and device nodes are made only
+        by root (else left out, with a ``TransferWarning``). Returns the bytes of the
+        files copied (docs/api.md, "Trees in and out")."""
+        return loop.run(self._a.download(remote, local, follow_symlinks=follow_symlinks))
 
     def stat(self, path: str | os.PathLike[str], *, follow_symlinks: bool = True) -> FileInfo:
         return loop.run(self._a.stat(path, follow_symlinks=follow_symlinks))

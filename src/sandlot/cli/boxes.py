@@ -7,20 +7,23 @@ import asyncio
 import contextlib
 import json
 import os
+import posixpath
 import sys
 import time
+import warnings
 from pathlib import Path
 from typing import Annotated, Any
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from ..api.box import AsyncBox
 from ..engine import auto as engine_choice
-from ..errors import InvalidArgument, SandlotError
+from ..errors import InvalidArgument, SandlotError, TransferWarning
 from ..net.secrets import Secret
-from .common import QuietOpt, app, busy, fail, for_each_box, human, label_pairs, run_coro
+from .common import QuietOpt, app, busy, err, fail, for_each_box, human, label_pairs, run_coro
 from .quick import env_pairs, exec_attached, exec_in, filters, run_ls
 
 # Options stop at the first positional argument, as in Docker: what follows the
@@ -410,44 +413,63 @@ def _split_box_path(arg: str) -> tuple[str | None, str]:
 def cp(
     src: Annotated[str, typer.Argument(help="BOX:/path or a local path.")],
     dst: Annotated[str, typer.Argument(help="BOX:/path or a local path.")],
+    follow_link: Annotated[
+        bool,
+        typer.Option(
+            "--follow-link",
+            "-L",
+            help="Follow SRC if it is a link, and links inside the tree that "
+            "stay inside it (one that leads out refuses the copy).",
+        ),
+    ] = False,
+    follow_outside: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--follow-outside",
+            help="With -L, a host path links of an uploaded tree may lead into (repeat it).",
+        ),
+    ] = None,
 ) -> None:
-    """Copy files between a box and the host: sandlot cp BOX:/etc/hosts . ; sandlot cp ./dir BOX:/srv"""
+    """Copy files between a box and the host, as docker cp does: sandlot cp BOX:/etc/hosts . ;
+    sandlot cp ./dir BOX:/srv (into /srv/dir when /srv is a directory; ./dir/. for its contents).
+    Links are copied as links; a tree lands whole or not at all."""
     sbox, spath = _split_box_path(src)
     dbox, dpath = _split_box_path(dst)
     if (sbox is None) == (dbox is None):
         raise fail("exactly one side must be BOX:/path", 2)
+    if follow_outside and not follow_link:
+        raise fail("--follow-outside goes with -L", 2)
+    contents = spath.endswith("/.")  # SRC/.: what the directory holds, not the directory
 
     async def main() -> None:
         if sbox is not None:
             box = await AsyncBox.get(sbox)
             target = Path(dpath)
-            info = await box.files.stat(spath)
-            if info.is_dir:
-                await _download_tree(box, spath, target / Path(spath).name if target.is_dir() else target)
-            else:
-                await box.files.download(spath, target)
+            if target.is_dir() and not contents:
+                target = target / posixpath.basename(spath.rstrip("/"))
+            await box.files.download(spath, target, follow_symlinks=follow_link)
         else:
             assert dbox is not None
             box = await AsyncBox.get(dbox)
             local = Path(spath)
             remote = dpath
-            if await box.files.exists(dpath) and (await box.files.stat(dpath)).is_dir:
-                remote = f"{dpath.rstrip('/')}/{local.name}"
-            await box.files.upload(local, remote)
+            there = await box.files.exists(dpath) and (await box.files.stat(dpath)).is_dir
+            if there and not contents:
+                remote = f"{dpath.rstrip('/')}/{local.resolve().name if spath in ('.', './') else local.name}"
+            await box.files.upload(
+                local, remote, follow_symlinks=follow_link, follow_outside=follow_outside or ()
+            )
 
-    run_coro(main())
-
-
-async def _download_tree(box: AsyncBox, remote: str, local: Path) -> None:
-    local.mkdir(parents=True, exist_ok=True)
-    for entry in await box.files.list(remote):
-        if entry.is_dir:
-            await _download_tree(box, entry.path, local / entry.name)
-        elif entry.is_symlink and entry.link_target:
-            if not (local / entry.name).exists():
-                os.symlink(entry.link_target, local / entry.name)
-        elif entry.is_file:
-            await box.files.download(entry.path, local / entry.name)
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always", TransferWarning)
+        try:
+            run_coro(main())
+        finally:
+            for w in said:
+                if issubclass(w.category, TransferWarning):
+                    err.print(
+                        f"[yellow]warning:[/] {escape(str(w.message))}", highlight=False, soft_wrap=True
+                    )
 
 
 @app.command()

@@ -734,14 +734,15 @@ class RayBackend(RemoteBackend):
         source = one(data) if isinstance(data, bytes) else data
         return int(await self._upload(ray_box(ref), "file", {"path": path, **how.fields()}, source))
 
-    def get_archive(self, ref: BoxRef, path: str) -> AsyncIterator[bytes]:
-        return self._chunks(ray_box(ref), "archive", {"path": path})
+    def get_archive(self, ref: BoxRef, path: str, *, follow_symlinks: bool = False) -> AsyncIterator[bytes]:
+        return self._chunks(ray_box(ref), "archive", {"path": path, "follow_symlinks": follow_symlinks})
 
     async def put_archive(
         self, ref: BoxRef, path: str, tar: AsyncIterable[bytes], *, user: str | None
-    ) -> None:
+    ) -> dict[str, Any]:
         body = {"path": path} | ({"user": user} if user else {})
-        await self._upload(ray_box(ref), "archive", body, tar)
+        answer = await self._upload(ray_box(ref), "archive", body, tar)
+        return dict(answer) if isinstance(answer, dict) else {}
 
     async def watch(self, ref: BoxRef, path: str, recursive: bool) -> WatchSource:
         stream = NodeStream.of_box(self, ray_box(ref), "watch", {"path": path, "recursive": recursive})

@@ -344,7 +344,8 @@ class NodeService:
                 p = validated(ReadIn, body)
                 items = self.backend.read(ref, p.path, p.offset, p.length)
             elif kind == "archive":
-                items = self.backend.get_archive(ref, validated(ArchiveIn, body).path)
+                a = validated(ArchiveIn, body)
+                items = self.backend.get_archive(ref, a.path, follow_symlinks=a.follow_symlinks)
             elif kind == "watch":
                 items = host.watch_messages(
                     await host.begun_watch(self.backend, ref, validated(WatchIn, body))

@@ -80,18 +80,21 @@ class RemoteProcess:
         self._exit_task: asyncio.Task[ExitStatus] | None = None
 
     @classmethod
-    async def start(cls, conn: AgentConnection, req: ExecRequest) -> RemoteProcess:
+    async def start(
+        cls, conn: AgentConnection, req: ExecRequest, *, kind: T = T.EXEC, payload: bytes | None = None
+    ) -> RemoteProcess:
         """Start the command. While the box's commands are frozen for a save (which
         another process may be making), the agent starts none: asked again, with a
-        backoff, until the thaw (a save's freeze lasts at most its lease)."""
-        payload = req.encode()
+        backoff, until the thaw (a save's freeze lasts at most its lease). ``kind`` and
+        ``payload``: another request the agent answers as an exec (an ARCHIVE's)."""
+        payload = req.encode() if payload is None else payload
         loop = asyncio.get_running_loop()
         give_up = loop.time() + FROZEN_WAIT_LIMIT
         wait = 0.02
         while True:
             ch = conn.open_channel()
             try:
-                ch.send(T.EXEC, payload)
+                ch.send(kind, payload)
                 frame = await ch.expect(T.EXEC_STARTED, timeout=conn.request_timeout)
                 break
             except GuestOSError as exc:

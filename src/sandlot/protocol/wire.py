@@ -45,6 +45,7 @@ class T(IntEnum):
     EXIT = 0x12
     SIGNAL = 0x13
     RESIZE = 0x14
+    ARCHIVE = 0x15  # a tree as a tar stream, or one unpacked; answered as an EXEC is
     DATA = 0x20
     EOF = 0x21
     ACK = 0x22
@@ -141,6 +142,26 @@ class FsFlag:
     NOFOLLOW = 0x4
     MISSING_OK = 0x8
     SELF = 0x10  # TREE: the path's own entry only
+
+
+class ArchiveOp(IntEnum):
+    """Which way an ARCHIVE goes (docs/protocol.md, "Archives")."""
+
+    READ = 1  # the tree at PATH as a tar stream on stdout; records on stderr
+    WRITE = 2  # a tar stream on stdin unpacked into PATH; records on stdout
+
+
+class ArchiveFlag:
+    FOLLOW = 0x1  # READ: a link to a file or directory inside the tree goes as what it points to
+
+
+class ArchiveRecord(IntEnum):
+    """The kind of a record an archive's child reports."""
+
+    SKIPPED = 1  # an entry left out, and why
+    FAILED = 2  # the last record of a failure: the entry, errno, message
+    DONE = 3  # the last record of a success: COUNT entries, SIZE bytes of files
+    WRITTEN = 4  # a merge that failed part way had moved this entry into place
 
 
 class WatchFlag:

@@ -69,6 +69,7 @@ from ..errors import (
     RequestError,
     SandlotError,
     SnapshotNotFound,
+    TransferError,
     VolumeNotFound,
 )
 from . import leases, origins
@@ -683,14 +684,23 @@ async def write_file(box: str, request: Request, params: Annotated[WriteIn, Quer
     return file_json(await b.files.stat(params.path))
 
 
-async def _streamed(chunks: AsyncIterator[bytes], media_type: str) -> StreamingResponse:
-    """``chunks`` as the answer; an error before the first (no such file) answers as itself."""
+async def _streamed(
+    chunks: AsyncIterator[bytes], media_type: str, *, noted: bool = False
+) -> StreamingResponse:
+    """``chunks`` as the answer; an error before the first (no such file) answers as itself.
+    ``noted``: a tar stream whose entry failures the stream itself notes (a global header
+    naming the entry, and no end-of-archive blocks), so the answer ends there rather than
+    breaking off."""
     first = await anext(chunks, b"")
 
     async def body() -> AsyncIterator[bytes]:
         yield first
-        async for chunk in chunks:
-            yield chunk
+        try:
+            async for chunk in chunks:
+                yield chunk
+        except TransferError:
+            if not noted:
+                raise
 
     return StreamingResponse(body(), media_type=media_type)
 
@@ -736,18 +746,23 @@ async def watch_files(box: str, request: Request, params: Annotated[WatchIn, Que
 
 @router.get("/boxes/{box}/files/archive", tags=["files"])
 async def get_archive(box: str, request: Request, params: Annotated[ArchiveIn, Query()]) -> Response:
-    """The directory ``path`` as a tar stream."""
+    """The directory ``path`` as a tar stream, links kept as links (``follow_symlinks``:
+    those to what is inside the tree carried as what they point to). A failure part way
+    ends the stream with a global header naming the entry (``SANDLOT.error.path``) and
+    no end-of-archive blocks, so no reader takes it for whole."""
     b = await box_for(request, box)
-    return await _streamed(_backend(request).get_archive(b.ref, params.path), "application/x-tar")
+    chunks = _backend(request).get_archive(b.ref, params.path, follow_symlinks=params.follow_symlinks)
+    return await _streamed(chunks, "application/x-tar", noted=True)
 
 
-@router.put("/boxes/{box}/files/archive", status_code=204, tags=["files"])
-async def put_archive(box: str, request: Request, params: Annotated[ArchiveIn, Query()]) -> Response:
-    """Unpack the tar stream of the body into the directory ``path`` (checked whole
-    first), owned by ``user`` if given."""
+@router.put("/boxes/{box}/files/archive", tags=["files"])
+async def put_archive(box: str, request: Request, params: Annotated[ArchiveIn, Query()]) -> dict[str, Any]:
+    """Unpack the tar stream of the body into the directory ``path``, owned by ``user``
+    if given, whole or not at all: made if it is not there, merged into if it is. The
+    answer: ``{"entries", "bytes", "skipped": [{"entry", "reason"}]}``; a refusal names
+    the entry (``transfer_error``, 422)."""
     b = await box_for(request, box)
-    await _backend(request).put_archive(b.ref, params.path, request.stream(), user=params.user)
-    return Response(status_code=204)
+    return await _backend(request).put_archive(b.ref, params.path, request.stream(), user=params.user)
 
 
 # -- saved state ----------------------------------------------------------------------

@@ -199,6 +199,7 @@ struct exec_channel {         /* exec.c */
     struct istream in;
     uint32_t cgroup;          /* the command's cgroup (limits.c); 0: none */
     int oom_killed;           /* the OOM killer struck inside it */
+    int end_signal;           /* a child of the agent's own (exec_follow): what ends it when let go */
 };
 
 struct file_read_channel {    /* files.c */
@@ -329,6 +330,15 @@ void logmsg(const char *fmt, ...);
 /* exec.c */
 void exec_start(struct session *s, uint32_t ch, const uint8_t *p, size_t n);
 void exec_reaped(pid_t pid, int status);
+/* Follow a child the agent forked itself (archive.c) as an exec: its stdin (-1: none),
+ * stdout and stderr (the agent's ends of pipes), its cgroup, and the signal that ends it
+ * when its host lets go (0: its stdin closes, nothing more). EXEC_STARTED goes to the
+ * host; -1 and errno: no channel (the caller ends the child). */
+int exec_follow(struct session *s, uint32_t ch, pid_t pid, int in_fd, int out_fd, int err_fd, uint32_t cgroup,
+                int end_signal);
+
+/* archive.c */
+void archive_start(struct session *s, uint32_t ch, const uint8_t *p, size_t n);
 
 /* files.c */
 void file_read_start(struct session *s, uint32_t ch, const uint8_t *p, size_t n);
@@ -338,6 +348,11 @@ void fs_request(struct session *s, uint32_t ch, const uint8_t *p, size_t n);
  * of an answer sent in batches (a listing, a tree): the next batch as soon as the
  * session takes more output; restarted by the host after a reconnection. */
 char *read_link_at(int dirfd, const char *name);
+int remove_tree_at(int dirfd, const char *name); /* a tree, no link followed; 0 if it was not there */
+/* A directory by name, never through a link (ELOOP for one; ENOTDIR): O_NOFOLLOW with
+ * O_DIRECTORY is not enough everywhere (gVisor opens the directory a link points to),
+ * so the name is opened O_PATH without following, checked, and that inode reopened. */
+int open_dir_nofollow(int dirfd, const char *name);
 int batch_wait(struct channel *c, struct chan_wait *w, uint64_t now, int *timeout_ms);
 int batch_disconnected(struct channel *c);
 /* tree.c: start streaming the manifest of the tree at path (-1 and errno: not begun);

@@ -265,6 +265,7 @@ void dispatch(struct session *s, uint8_t type, uint8_t flags, uint32_t ch, const
 
     switch (type) {
     case SL_EXEC:
+    case SL_ARCHIVE:
     case SL_FILE_READ:
     case SL_FILE_WRITE:
     case SL_FS:
@@ -279,6 +280,8 @@ void dispatch(struct session *s, uint8_t type, uint8_t flags, uint32_t ch, const
         }
         if (type == SL_EXEC) {
             exec_start(s, ch, p, n);
+        } else if (type == SL_ARCHIVE) {
+            archive_start(s, ch, p, n);
         } else if (type == SL_FILE_READ) {
             file_read_start(s, ch, p, n);
         } else if (type == SL_FILE_WRITE) {

@@ -531,6 +531,36 @@ out:
     req_free(&r);
 }
 
+int exec_follow(struct session *s, uint32_t ch, pid_t pid, int in_fd, int out_fd, int err_fd, uint32_t cgroup,
+                int end_signal)
+{
+    struct channel *c = chan_new(s, ch, &exec_ops);
+    if (!c) {
+        return -1;
+    }
+    struct exec_channel *x = &c->u.exec;
+    x->pid = pid;
+    x->cgroup = cgroup;
+    x->end_signal = end_signal;
+    x->out[0].fd = -1;
+    set_nonblock_cloexec(out_fd);
+    set_nonblock_cloexec(err_fd);
+    fcntl(out_fd, F_SETPIPE_SZ, 1 << 20);
+    ostream_init(&x->out[1], out_fd, 0);
+    ostream_init(&x->out[2], err_fd, 0);
+    x->in.fd = in_fd;
+    if (in_fd >= 0) {
+        set_nonblock_cloexec(in_fd);
+        fcntl(in_fd, F_SETPIPE_SZ, 1 << 20);
+    }
+    struct msg m;
+    msg_init(&m);
+    msg_u32(&m, SL_T_PID, (uint32_t)pid);
+    msg_u32(&m, SL_T_WINDOW, SL_WINDOW);
+    send_msg(s, SL_EXEC_STARTED, 0, ch, &m);
+    return 0;
+}
+
 static void exec_signal(struct channel *c, const uint8_t *p, size_t n)
 {
     struct exec_channel *x = &c->u.exec;
@@ -822,6 +852,9 @@ static int exec_detach(struct channel *c)
     if (x->in.fd >= 0) {
         close(x->in.fd);
         x->in.fd = -1;
+    }
+    if (x->end_signal && !x->exited && x->pid > 0) {
+        kill(x->pid, x->end_signal); /* its work is for the host that let go of it */
     }
     return 1;
 }

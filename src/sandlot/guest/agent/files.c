@@ -594,13 +594,34 @@ static const struct channel_ops list_ops = {
 
 /* ---- one-shot requests ------------------------------------------------------ */
 
+int open_dir_nofollow(int dirfd, const char *name)
+{
+    int p = openat(dirfd, name, O_PATH | O_NOFOLLOW | O_CLOEXEC);
+    if (p < 0) {
+        return -1;
+    }
+    struct stat st;
+    int fd = -1;
+    if (fstat(p, &st) < 0) {
+        /* errno says why */
+    } else if (!S_ISDIR(st.st_mode)) {
+        errno = S_ISLNK(st.st_mode) ? ELOOP : ENOTDIR;
+    } else {
+        fd = openat(p, ".", O_RDONLY | O_DIRECTORY | O_CLOEXEC); /* the very directory looked at */
+    }
+    int e = errno;
+    close(p);
+    errno = e;
+    return fd;
+}
+
 static int remove_tree(int dirfd, const char *name, int depth)
 {
     if (depth > MAX_TREE_DEPTH) {
         errno = ELOOP;
         return -1;
     }
-    int fd = openat(dirfd, name, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+    int fd = open_dir_nofollow(dirfd, name);
     if (fd < 0) {
         return -1;
     }
@@ -633,6 +654,15 @@ static int remove_tree(int dirfd, const char *name, int depth)
     }
     closedir(d);
     return unlinkat(dirfd, name, AT_REMOVEDIR);
+}
+
+int remove_tree_at(int dirfd, const char *name)
+{
+    struct stat st;
+    if (fstatat(dirfd, name, &st, AT_SYMLINK_NOFOLLOW) < 0) {
+        return errno == ENOENT ? 0 : -1;
+    }
+    return S_ISDIR(st.st_mode) ? remove_tree(dirfd, name, 0) : unlinkat(dirfd, name, 0);
 }
 
 static int is_mutation(uint32_t op) { return op != SL_FS_STAT && op != SL_FS_LIST && op != SL_FS_TREE; }

@@ -29,6 +29,7 @@ enum sl_frame_type {
     SL_EXIT = 0x12,
     SL_SIGNAL = 0x13,
     SL_RESIZE = 0x14,
+    SL_ARCHIVE = 0x15, /* a tree as a tar stream, or one unpacked: answered as an EXEC (archive.c) */
 
     SL_DATA = 0x20,
     SL_EOF = 0x21,
@@ -126,6 +127,21 @@ enum sl_tag {
 #define SL_FS_NOFOLLOW 0x4u
 #define SL_FS_MISSING_OK 0x8u
 #define SL_FS_SELF 0x10u /* TREE: the path's own entry only (any type) */
+
+/* SL_ARCHIVE: SL_T_OP says which way; SL_T_FLAGS bits; the records its child reports
+ * (u32 length, then TLV: SL_T_OP the kind, SL_T_PATH the entry, SL_T_ERRNO, SL_T_MESSAGE,
+ * and for DONE SL_T_COUNT entries and SL_T_SIZE bytes of files) */
+enum sl_archive_op {
+    SL_ARCHIVE_READ = 1,  /* PATH's tree as a tar stream on stdout; records on stderr */
+    SL_ARCHIVE_WRITE = 2, /* a tar stream on stdin unpacked into PATH; records on stdout */
+};
+#define SL_ARCHIVE_FOLLOW 0x1u /* READ: a link to what is inside the tree goes as what it points to */
+enum sl_archive_record {
+    SL_AR_SKIPPED = 1, /* an entry left out (a device where none can be made), and why */
+    SL_AR_FAILED = 2,  /* the last record of a failure: the entry, errno, message */
+    SL_AR_DONE = 3,    /* the last record of a success */
+    SL_AR_WRITTEN = 4, /* a merge that failed part way moved this entry into place */
+};
 
 /* SL_T_FLAGS bits of SL_WATCH */
 #define SL_WATCH_RECURSIVE 0x1u

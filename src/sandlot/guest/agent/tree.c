@@ -88,7 +88,7 @@ static int walk_push(struct tree_walk *w, const char *name)
         return -1;
     }
     int parent = w->depth ? dirfd(w->dirs[w->depth - 1]) : AT_FDCWD;
-    int fd = openat(parent, name, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+    int fd = open_dir_nofollow(parent, name);
     if (fd < 0) {
         return -1;
     }
@@ -165,7 +165,7 @@ static void tree_progress(struct channel *c)
         if (S_ISDIR(st.st_mode)) {
             if (walk_push(w, de->d_name) < 0) {
                 int e = errno;
-                if (e == ENOENT || e == ENOTDIR) { /* replaced while walking */
+                if (e == ENOENT || e == ENOTDIR || e == ELOOP) { /* replaced while walking */
                     w->path[base] = 0;
                     continue;
                 }

@@ -20,6 +20,7 @@ import binascii
 import contextlib
 import posixpath
 import re
+import secrets
 import signal as _signal
 import stat as _stat
 import time
@@ -432,16 +433,20 @@ class Envd:
             form = await request.form(max_files=1000, max_fields=1000)
             default = request.query_params.get("path")
             try:
+                parts = []
                 for _, part in form.multi_items():
                     if isinstance(part, str):
                         continue
                     target = default if default is not None else (part.filename or "")
-                    path = await self.path(box, target, request)
-                    await box.files.write(path, _upload_chunks(part), user=user)
-                    written.append(_written(path))
+                    parts.append((await self.path(box, target, request), part))
+                check(bool(parts), "the multipart body holds no file")
+                if len(parts) == 1:
+                    await box.files.write(parts[0][0], _upload_chunks(parts[0][1]), user=user)
+                    written.append(_written(parts[0][0]))
+                else:
+                    written.extend(_written(p) for p in await _write_all_or_none(box, parts, user))
             finally:
                 await form.close()
-            check(bool(written), "the multipart body holds no file")
         else:
             got = content_type or "none"
             raise InvalidArgument(
@@ -589,6 +594,38 @@ async def _body(request: Request, gzipped: bool) -> AsyncIterator[bytes]:
                 yield out
     if inflater is not None and not inflater.eof:
         raise InvalidArgument("the gzip body ends early")
+
+
+async def _write_all_or_none(box: AsyncBox, parts: list[tuple[str, Any]], user: str | None) -> list[str]:
+    """Several files of one upload (``write_files``), all or none: each is written whole
+    beside its path first (keeping the mode and owner of a file it replaces), then each
+    renamed into place, so a failure while they arrive (a full disk, a path that is a
+    directory) leaves none of them. A rename that fails after others were done raises,
+    and those done stay (renames in place hardly fail: the disk held every file)."""
+    token = secrets.token_hex(4)
+    staged: list[tuple[str, str]] = []
+    try:
+        for i, (path, part) in enumerate(parts):
+            where, name = posixpath.split(path)
+            temp = posixpath.join(where, f".{name[:180]}.sandlot-upload-{token}-{i}")
+            mode, owner = None, user
+            with contextlib.suppress(FileNotFoundError):
+                info = await box.files.stat(path)
+                if info.is_dir:
+                    raise InvalidArgument(f"path {path} is a directory")
+                mode, owner = info.mode, user or f"{info.uid}:{info.gid}"
+            await box.files.write(temp, _upload_chunks(part), mode=mode, user=owner, exclusive=True)
+            staged.append((temp, path))
+        done: list[str] = []
+        for temp, path in staged:
+            await box.files.rename(temp, path)
+            done.append(path)
+        staged.clear()
+        return done
+    finally:
+        for temp, _path in staged:
+            with contextlib.suppress(Exception):
+                await box.files.remove(temp, missing_ok=True)
 
 
 async def _upload_chunks(part: Any) -> AsyncIterator[bytes]:
