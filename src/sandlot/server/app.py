@@ -284,14 +284,19 @@ def create_app(settings: Settings) -> ASGIApp:
 
     @api.get("/metrics", tags=["server"], response_class=Response)
     async def metrics(request: Request) -> Response:
-        """Prometheus' text format: the boxes the key may see, from their newest samples."""
-        from ..api.metrics import latest
+        """Prometheus' text format: the boxes the key may see, from their newest samples, and
+        what their bounded records folded, dropped or refused (the home's: admin keys)."""
+        from ..api.metrics import bounded, latest
         from .prometheus import CONTENT_TYPE, exposition
 
         caller = request.state.caller
         rows = [({"id": b.id, "name": b.name, "state": b.state}, sample)
                 for b, sample in await latest(settings.home) if caller.may_see(b.info["labels"])]  # fmt: skip
-        return Response(exposition(rows), media_type=CONTENT_TYPE)
+        counts = await bounded(settings.home)
+        seen = {box["id"] for box, _ in rows} | ({""} if caller.admin else set())
+        return Response(
+            exposition(rows, {b: c for b, c in counts.items() if b in seen}), media_type=CONTENT_TYPE
+        )
 
     api.include_router(router, prefix="/v1")
     api.include_router(bridge.v1, prefix="/v1")
