@@ -385,3 +385,65 @@ def test_the_keeper_cuts_a_console_tells_the_box_and_counts_for_the_metrics(
     assert "refused 1 DNS questions" in (by["egress_log"].reason or "")
     assert counts["console"]["counts"]["dropped_bytes"] >= 2 << 20
     assert counts["egress_log"]["counts"]["refused_dns"] == 1
+
+
+# -- a cell's output, on the host
+
+
+class FakeDuplex:
+    """The relay to a context's interpreter, sending what a hostile one would."""
+
+    def __init__(self, chunks: list[bytes]) -> None:
+        self.chunks = chunks
+        self.taken = 0
+
+    async def read(self) -> bytes:
+        await asyncio.sleep(0)
+        if self.taken == len(self.chunks):
+            await asyncio.sleep(3600)
+        self.taken += 1
+        return self.chunks[self.taken - 1]
+
+    async def write(self, data: bytes) -> None:
+        pass
+
+
+def stream(text: str, rid: str = "c") -> bytes:
+    return json.dumps({"ev": "stream", "id": rid, "name": "stdout", "text": text}).encode() + b"\n"
+
+
+def test_the_host_keeps_a_bounded_part_of_a_cell_whatever_the_interpreter_sends(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from sandlot.api import code
+
+    monkeypatch.setenv("SANDLOT_CODE_OUTPUT_MIB", "0.0625")  # 64 KiB
+    line = "y" * 1000
+    chunks = [stream(line) for _ in range(200)]  # 200 kB, past the guest's own limit lifted
+    chunks.append(b"z" * (200 << 10))  # one message longer than the bound, in pieces
+    chunks.append(b"z" * (200 << 10) + b"\n")
+    chunks.append(
+        json.dumps({"ev": "result", "id": "c", "data": {"text/plain": "42"}, "main": True}).encode() + b"\n"
+    )
+    chunks.append(json.dumps({"ev": "done", "id": "c", "count": 1}).encode() + b"\n")
+    before = records.TALLY.snapshot().get(("interpreter", "dropped_bytes", "box1"), 0)
+
+    async def main() -> tuple[Any, int]:
+        duplex = FakeDuplex(chunks)
+        link = code.KernelLink(duplex, "box1")  # type: ignore[arg-type]
+        events = link.cell("c")
+        await asyncio.sleep(0.05)
+        held = duplex.taken  # nobody takes the cell's messages: the link stops reading
+        seen: list[str] = []
+        callbacks = code.Callbacks(seen.append, None, None, code.Budget("box1"))
+        execution = code.Execution()
+        assert await code._collect(events, execution, callbacks)
+        return execution, held
+
+    execution, held = asyncio.run(main())
+    assert held <= code.CELL_QUEUE + 2
+    assert len(execution.stdout) <= 64 << 10 and execution.stdout.startswith(line)
+    assert execution.text == "42"  # a result that fits in what is left is kept
+    assert "dropped" in execution.stderr and "SANDLOT_CODE_OUTPUT_MIB" in execution.stderr
+    dropped = records.TALLY.snapshot()[("interpreter", "dropped_bytes", "box1")] - before
+    assert dropped >= 200 * 1000 - (64 << 10) + (400 << 10)
