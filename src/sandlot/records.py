@@ -84,7 +84,7 @@ class Bounds:
     events_per_box: int  # events kept per box (the home keeps ``events_keep``)
     events_keep: int
     watch: Rate  # events a watch sends the host, per watcher
-    code_output_bytes: int  # a cell's output the host keeps (stdout, stderr and results)
+    code_output_bytes: int  # a cell's output the host keeps (stdout and stderr), and of its results
     desktop_pixels: int  # a desktop's screen, in pixels (4 bytes each on the host)
 
     def helper_spec(self) -> str:

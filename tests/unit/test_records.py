@@ -132,7 +132,7 @@ def test_the_egress_log_rotates_and_the_two_files_stay_under_the_bound(tmp_path:
     led = ledger.Ledger(log, limits(log_bytes=64 << 10))
     entry = {"method": "CONNECT", "decision": "denied", "host": "example.com", "reason": "x" * 100}
     for _ in range(3000):  # each line written: the window's budget is not reached in one call each
-        led._write(ledger._State(), [entry])
+        led._write(ledger._State(log_bytes=64 << 10), [entry])
     on_disk = log.stat().st_size + ledger.rotated(log).stat().st_size
     assert on_disk <= 64 << 10
 
@@ -308,13 +308,19 @@ def test_a_log_cut_in_place_keeps_its_newest_bytes_and_its_writer_appends_on(
 # -- the store: events per box
 
 
-def test_a_box_s_happenings_past_its_event_rate_fold_into_one_told_event(home: Path, root: Path) -> None:
+def running_box(home: Path, root: Path) -> str:
+    """The id of a box started on the fake engine."""
+
     async def main() -> str:
         box = sandlot.AsyncBox(rootfs=root, engine="fake", home=home, template=False, keep=True)
         await box.start()
         return box.id
 
-    box_id = asyncio.run(main())
+    return asyncio.run(main())
+
+
+def test_a_box_s_happenings_past_its_event_rate_fold_into_one_told_event(home: Path, root: Path) -> None:
+    box_id = running_box(home, root)
     store = Runtime.for_home(home).store
     store.bounds = dataclasses.replace(store.bounds, events=records.Rate(0.001, 3))
     written = [store.add_event(draft("command_oom", "oom"), box_id) for _ in range(10)]
@@ -332,12 +338,7 @@ def test_a_box_keeps_its_newest_events_and_says_it_dropped_the_others(
 ) -> None:
     monkeypatch.setattr(core_store, "BOX_PRUNE_EVERY", 1)
 
-    async def main() -> str:
-        box = sandlot.AsyncBox(rootfs=root, engine="fake", home=home, template=False, keep=True)
-        await box.start()
-        return box.id
-
-    box_id = asyncio.run(main())
+    box_id = running_box(home, root)
     store = Runtime.for_home(home).store
     store.bounds = dataclasses.replace(store.bounds, events=records.Rate(0, 1), events_per_box=100)
     for i in range(150):
@@ -447,3 +448,28 @@ def test_the_host_keeps_a_bounded_part_of_a_cell_whatever_the_interpreter_sends(
     assert "dropped" in execution.stderr and "SANDLOT_CODE_OUTPUT_MIB" in execution.stderr
     dropped = records.TALLY.snapshot()[("interpreter", "dropped_bytes", "box1")] - before
     assert dropped >= 200 * 1000 - (64 << 10) + (400 << 10)
+
+
+def test_the_home_s_guest_logs_together_are_held_to_their_bound(
+    home: Path, root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("SANDLOT_GUEST_LOGS_MIB", "2")
+    box_id = running_box(home, root)
+    rt = Runtime.for_home(home)
+    for name in (box_id, "gone1", "gone2"):  # a running box's, and what others left
+        d = rt.box_dir(name)
+        d.mkdir(parents=True, exist_ok=True)
+        (d / "egress.log").write_bytes(b"x" * (1 << 20))
+        (d / "egress.log.1").write_bytes(b"y" * (1 << 20))
+    (rt.box_dir(box_id) / "console.log").write_bytes(b"z" * (1 << 20))
+
+    async def main() -> dict[str, dict[str, int]]:
+        keeper = Keeper(core_for(rt))
+        keeper._home([box_id])
+        return keeper.take_counted(box_id)
+
+    counted = asyncio.run(main())
+    logs = [p for p in rt.boxes_dir.glob("*/*") if p.name.startswith(("egress.log", "console.log"))]
+    assert sum(records.on_host(p) for p in logs) <= 2 << 20
+    assert not any(p.name == "egress.log.1" for p in logs)  # the rotated ones went first
+    assert counted["home_logs"]["dropped_bytes"] >= 1 << 20

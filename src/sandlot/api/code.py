@@ -57,10 +57,10 @@ if TYPE_CHECKING:
     from .fs import FileInfo
 
 ROOT = "/run/sandlot/code"  # a tmpfs the agent mounts: contexts end with the boot they started in
-# The host keeps a bounded part of what a cell sends (``SANDLOT_CODE_OUTPUT_MIB``, its output
-# and results together: the first bytes, as the interpreter in the box keeps its own first 8
-# MiB), whatever the box's interpreter does: its code runs in that very process and may
-# lift the box's own limit. A message longer than the bound is skipped; a cell's messages
+# The host keeps a bounded part of what a cell sends (``SANDLOT_CODE_OUTPUT_MIB`` of its
+# output, the first bytes, as the interpreter in the box keeps its own first 8 MiB, and as
+# much of its results), whatever the box's interpreter does: its code runs in that very
+# process and may lift the box's own limit. A message longer than the bound is skipped; a cell's messages
 # wait in a short queue, so a cell faster than its reader is slowed, never buffered.
 CELL_QUEUE = 8  # messages of a cell read from its context and not yet taken
 START_TIMEOUT = 300.0  # a Jupyter kernel importing IPython under emulation takes tens of seconds
@@ -606,27 +606,37 @@ class Interpreter:
 @dataclass
 class Budget:
     """What the host keeps of one cell (``SANDLOT_CODE_OUTPUT_MIB``): its first bytes of
-    output, and its results while they fit in what is left; the rest is dropped, counted,
+    output, and as many bytes of its results while they fit; the rest is dropped, counted,
     and said at the end of its stderr (a cell's error is always kept)."""
 
     box: str = ""
     room: int = field(default_factory=lambda: records.bounds().code_output_bytes)
+    results_room: int = field(default_factory=lambda: records.bounds().code_output_bytes)
     dropped: int = 0
     cut: bool = False  # the output was cut: none of what follows is kept (no holes in it)
 
-    def take(self, size: int, *, output: bool = True) -> bool:
-        if size <= self.room and not (output and self.cut):
+    def take(self, size: int) -> bool:
+        """Room for ``size`` bytes of output."""
+        if size <= self.room and not self.cut:
             self.room -= size
             return True
-        self.cut = self.cut or output
+        self.cut = True
+        self.dropped += size
+        return False
+
+    def take_result(self, size: int) -> bool:
+        """Room for a result of ``size`` bytes."""
+        if size <= self.results_room:
+            self.results_room -= size
+            return True
         self.dropped += size
         return False
 
     def note(self) -> str:
         records.TALLY.add("interpreter", "dropped_bytes", self.box, self.dropped)
         mib = records.bounds().code_output_bytes / records.MIB
-        return (f"\n[sandlot: output truncated: the host kept this cell's first {mib:g} MiB of output and "
-                f"results (SANDLOT_CODE_OUTPUT_MIB) and dropped {self.dropped:,} bytes]\n")  # fmt: skip
+        return (f"\n[sandlot: output truncated: the host kept this cell's first {mib:g} MiB of output, and "
+                f"of results (SANDLOT_CODE_OUTPUT_MIB), and dropped {self.dropped:,} bytes]\n")  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -680,7 +690,7 @@ async def _fold(
                 out.append(text)
                 await callbacks.call(callbacks.on_stdout, text)
         elif kind == "result":
-            if not budget.take(len(json.dumps(event.get("data") or {})), output=False):
+            if not budget.take_result(len(json.dumps(event.get("data") or {}))):
                 continue
             result = Result.from_bundle(event.get("data") or {}, bool(event.get("main")))
             execution.results.append(result)

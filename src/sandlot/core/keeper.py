@@ -9,15 +9,16 @@ per home, alive while a VM of the home runs), over every box with a VM:
   gVisor box's console directory is bound into the sandbox, on a tmpfs of the bound's
   size, where nothing but the log belongs: any other file there is removed;
 * its egress ledger (``net.ledger``) writes the folded lines of a window that ended
-  (a box that went quiet still has them said), and its counts are read;
+  (a box that went quiet still has them said), and its counts are read: where it was
+  written to since the last round, or folded lines wait;
 * what each record folded, dropped or refused since the box's events last told of it
   becomes one ``records_dropped`` event, and the counts go to the store's ``records``
   table, which ``GET /metrics`` reads;
 * the events the store folded for a box that went quiet are told
   (``BoxStore.flush_event_folds``);
-* the home's guest logs together (every box's console and egress logs) are held to
-  ``SANDLOT_GUEST_LOGS_MIB``: past it, rotated egress logs go first, largest first,
-  then the largest logs are cut to their newest half.
+* every ``HOME_EVERY`` seconds, the home's guest logs together (every box's console
+  and egress logs) are held to ``SANDLOT_GUEST_LOGS_MIB``: past it, rotated egress logs
+  go first, largest first, then the largest logs are cut to their newest half.
 
 The consoles are watched between rounds too (inotify, ``IN_MODIFY``): a console that
 grows is looked at within ``CONSOLE_LOOK`` seconds, and cut to its newest quarter once
@@ -33,6 +34,7 @@ import contextlib
 import logging
 import os
 import shutil
+import threading
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -40,15 +42,17 @@ from typing import Any
 
 from .. import records
 from ..config import drain
-from ..net.ledger import Ledger, Limits, rotated
+from ..net.ledger import Ledger, Limits, Totals, rotated
 from .events import Draft
 
 log = logging.getLogger("sandlot")
 
 EVERY = 1.0  # seconds between rounds
+HOME_EVERY = 5.0  # seconds between two looks at the home's guest logs together
 CONSOLE_LOOK = 0.05  # seconds between two looks at the consoles that inotify says grew
 IN_MODIFY = 0x2
 EGRESS_LOG = "egress.log"
+UNTOLD = ("lines", "rotations")  # an egress ledger's counts that are no loss
 TELL_EVERY = records.FOLD_WINDOW  # seconds between two events of one record of one box
 
 
@@ -90,13 +94,28 @@ class Keeper:
         self.core = core
         self.rt = core.rt
         self.bounds = records.bounds()
-        self.limits = Limits(self.bounds.dns, self.bounds.connections, self.bounds.connections_open,
-                             self.bounds.egress_log_bytes)  # fmt: skip
-        self.counted: dict[str, dict[str, dict[str, int]]] = {}  # box: record: counts (consoles, home)
+        self.limits = Limits.default()  # what flushing a ledger needs of its box's limits
+        # box: record: what this process counted itself (consoles, the home's bound) since
+        # it last stored it; counted from the loop and from the threads of a round
+        self.counted: dict[str, dict[str, dict[str, int]]] = {}
+        self._counting = threading.Lock()
         self.told_at: dict[tuple[str, str], float] = {}
-        self.consoles: dict[str, Path] = {}  # box: its console log, watched
+        self.consoles: dict[str, tuple[Path, int]] = {}  # box: its console log and inode, watched
         self._notify: int | None = None
-        self._watched: dict[int, str] = {}  # inotify's watch: box
+        self._libc: Any = None
+        self.ledgers: dict[str, tuple[int, bool]] = {}  # box: its ledger's mtime, folds waiting
+        self.home_at = 0.0
+
+    def count(self, box: str, record: str, what: str, n: int) -> None:
+        if n > 0:
+            with self._counting:
+                counts = self.counted.setdefault(box, {}).setdefault(record, {})
+                counts[what] = counts.get(what, 0) + n
+
+    def take_counted(self, box: str) -> dict[str, dict[str, int]]:
+        """What this process counted of ``box`` since it was last taken."""
+        with self._counting:
+            return {k: v for k, v in self.counted.pop(box, {}).items() if v}
 
     def watch_consoles(self) -> None:
         """Look at the consoles as soon as they grow (on the running loop), besides the
@@ -114,7 +133,7 @@ class Keeper:
         def look() -> None:
             nonlocal looking
             looking = False
-            for box, path in list(self.consoles.items()):
+            for box, (path, _) in list(self.consoles.items()):
                 self._cut_console(box, path)
 
         def woke() -> None:
@@ -134,29 +153,30 @@ class Keeper:
             self._notify = None
 
     def _watch(self, box: str, path: Path) -> None:
-        if self.consoles.get(box) == path:
+        """Watch a box's console (again where it is a new file: a gVisor box's after its
+        console's tmpfs was mounted anew)."""
+        try:
+            inode = path.stat().st_ino
+        except OSError:
             return
-        self.consoles[box] = path
+        if self.consoles.get(box) == (path, inode):
+            return
+        self.consoles[box] = (path, inode)
         if self._notify is not None:
-            wd = int(self._libc.inotify_add_watch(self._notify, os.fsencode(path), IN_MODIFY))
-            if wd >= 0:
-                self._watched[wd] = box
+            self._libc.inotify_add_watch(self._notify, os.fsencode(path), IN_MODIFY)
 
     def _forget(self, live: set[str]) -> None:
         for box in set(self.consoles) - live:
             del self.consoles[box]  # inotify drops the watch of a file that is removed
-        for box in set(self.counted) - live:
-            if not any(self.counted[box].values()):
-                del self.counted[box]
+        for box in set(self.ledgers) - live:
+            del self.ledgers[box]
 
     def _cut_console(self, box: str, console: Path) -> None:
         """Cut a console past half its bound to its newest quarter: the other half is room
         for what the guest writes before the next look."""
         if records.on_host(console) > self.bounds.console_bytes // 2:
-            counts = self.counted.setdefault(box, {}).setdefault("console", {})
-            counts["dropped_bytes"] = counts.get("dropped_bytes", 0) + records.keep_newest(
-                console, self.bounds.console_bytes // 4
-            )
+            cut = records.keep_newest(console, self.bounds.console_bytes // 4)
+            self.count(box, "console", "dropped_bytes", cut)
 
     async def round(self) -> int:
         """One round; how many boxes have a VM."""
@@ -166,22 +186,24 @@ class Keeper:
         known = await self.core.db.call("records")
         for rec in boxes:
             try:
-                await asyncio.to_thread(self._files, rec)
-                await self._tell(rec, known.get(rec.id, {}))
+                console = self.rt.engine(rec.engine).console_log(self.rt.placement(rec, rec.name))
+                self._watch(rec.id, console)
+                self._cut_console(rec.id, console)
+                egress = await asyncio.to_thread(self._files, rec, console)
+                await self._tell(rec, known.get(rec.id, {}), egress)
             except Exception as exc:  # one box's trouble is its own
                 log.warning("records of box %s: %s", rec.name, exc)
         self._forget({r.id for r in boxes})
-        await asyncio.to_thread(self._home, [r.id for r in boxes])
+        if time.monotonic() - self.home_at >= HOME_EVERY:
+            self.home_at = time.monotonic()
+            await asyncio.to_thread(self._home, [r.id for r in boxes])
         await self.core.db.call_unless_full("flush_event_folds")
         return len(boxes)
 
-    def _files(self, rec: Any) -> None:
-        """Cut the box's console, flush its egress ledger (blocking)."""
-        where = self.rt.placement(rec, rec.name)
-        console = self.rt.engine(rec.engine).console_log(where)
-        self._watch(rec.id, console)
-        self._cut_console(rec.id, console)
-        counts = self.counted.setdefault(rec.id, {}).setdefault("console", {})
+    def _files(self, rec: Any, console: Path) -> Totals | None:
+        """Empty a gVisor box's console directory of all but its log, flush the box's
+        egress ledger; its totals, None where nothing was written to it since the last
+        round and no folded line waits (blocking)."""
         if console.parent.name == "console":  # the gVisor sandbox's own directory: only its log
             with contextlib.suppress(OSError):
                 for other in console.parent.iterdir():
@@ -191,29 +213,31 @@ class Keeper:
                         else:
                             with contextlib.suppress(OSError):
                                 other.unlink()
-                        counts["removed_files"] = counts.get("removed_files", 0) + 1
-        egress = where.state_dir / EGRESS_LOG
-        if egress.with_suffix(".ledger").exists():
-            Ledger(egress, self.limits).flush()
+                        self.count(rec.id, "console", "removed_files", 1)
+        egress = self.rt.box_dir(rec.id) / EGRESS_LOG
+        state = egress.with_suffix(".ledger")
+        try:
+            changed = state.stat().st_mtime_ns
+        except OSError:
+            return None  # no egress yet
+        seen = self.ledgers.get(rec.id)
+        if seen is not None and seen[0] == changed and not seen[1]:
+            return None
+        totals, waiting = Ledger(egress, self.limits).flush()
+        self.ledgers[rec.id] = (state.stat().st_mtime_ns, waiting)  # as the flush left it
+        return totals
 
-    async def _tell(self, rec: Any, known: dict[str, dict[str, Any]]) -> None:
+    async def _tell(self, rec: Any, known: dict[str, dict[str, Any]], egress: Totals | None) -> None:
         """Store each record's counts; where they moved since the box was last told, and
         not within ``TELL_EVERY``, tell it."""
-        current: dict[str, dict[str, int]] = {
-            k: dict(v) for k, v in self.counted.get(rec.id, {}).items() if v
-        }
-        egress = self.rt.box_dir(rec.id) / EGRESS_LOG
-        if egress.with_suffix(".ledger").exists():
-            totals = await asyncio.to_thread(Ledger(egress, self.limits).totals)
-            current["egress_log"] = {
-                k: v for k, v in asdict(totals).items() if k not in ("lines", "rotations")
-            }
+        current = self.take_counted(rec.id)
+        if egress is not None:
+            current["egress_log"] = {k: v for k, v in asdict(egress).items() if k not in UNTOLD}
         now = time.monotonic()
         for record, counts in current.items():
             before = known.get(record, {})
             if record in ("console", "home_logs"):  # counted here: add to what the store has
                 counts = {k: before.get("counts", {}).get(k, 0) + v for k, v in counts.items()}
-                self.counted[rec.id][record] = {}
             told = before.get("told", {})
             new = {k: v - told.get(k, 0) for k, v in counts.items() if v > told.get(k, 0)}
             due = new and now - self.told_at.get((rec.id, record), -1e9) >= TELL_EVERY
@@ -252,8 +276,7 @@ class Keeper:
                 freed = records.keep_newest(path, size // 2)
             total -= freed
             if box in live:
-                counts = self.counted.setdefault(box, {}).setdefault("home_logs", {})
-                counts["dropped_bytes"] = counts.get("dropped_bytes", 0) + freed
+                self.count(box, "home_logs", "dropped_bytes", freed)
 
     def _box_dirs(self) -> list[Path]:
         try:

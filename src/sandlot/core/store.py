@@ -928,9 +928,9 @@ class BoxStore:
         """Write an event that changes no row (a command killed by the OOM killer, a
         refused request): about ``box_id``'s box as it is now, if given and there, else
         with ``labels`` (a refused request's namespace). A box's such events draw on its
-        budget (``SANDLOT_EVENT_RATE``): past it, the event is folded into a count that
-        the box's next event, or ``flush_event_folds``, tells as one ``records_dropped``
-        event. False: folded."""
+        budget (``SANDLOT_EVENT_RATE``): past it, the event is folded into a count that,
+        a ``FOLD_WINDOW`` after the first it holds, the box's next event or
+        ``flush_event_folds`` tells as one ``records_dropped`` event. False: folded."""
         with self._tx(durable=False) as db:
             row = db.execute("SELECT * FROM boxes WHERE id = ?", (box_id,)).fetchone() if box_id else None
             if row is None:
@@ -943,8 +943,9 @@ class BoxStore:
             return True
 
     def _spend_event(self, db: sqlite3.Connection, rec: BoxRecord, kind: str) -> bool:
-        """Take one of the box's event budget, telling what it folded first once it can;
-        else fold an event of ``kind`` (False)."""
+        """Take one of the box's event budget, telling first what it folded, once it began
+        folding a ``FOLD_WINDOW`` ago (so that a box folding all the time is told once a
+        window, not once a token); else fold an event of ``kind`` (False)."""
         rate, now = self.bounds.events, time.time()
         if not rate.limited or rec.options.get("pool"):
             return True
@@ -953,7 +954,7 @@ class BoxStore:
         folded: dict[str, int] = json.loads(row["folded"]) if row else {}
         since = row["since"] if row else None
         took = bucket.take(rate, now)
-        if took and folded:
+        if took and folded and now - (since or now) >= records.FOLD_WINDOW:
             self._tell_folded(db, rec, folded, since, now)
             folded, since = {}, None
         elif not took:
@@ -980,8 +981,8 @@ class BoxStore:
         self._write_events(db, rec, [told])
 
     def flush_event_folds(self, older_than: float = records.FOLD_WINDOW) -> int:
-        """Tell the events each box folded, where it folded none for ``older_than``
-        seconds (the keeper's round: a box that went quiet still hears of them); how
+        """Tell the events each box folded, where it began folding them ``older_than``
+        seconds ago (the keeper's round: a box that went quiet still hears of them); how
         many boxes were told."""
         now = time.time()
         told = 0

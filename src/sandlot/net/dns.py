@@ -47,7 +47,7 @@ from typing import NamedTuple
 
 from .addresses import PROXY_ADDRESS
 from .boxlink import LinkInfo
-from .ledger import Ledger, Limits
+from .ledger import HelperOptions, Ledger, Limits
 from .policy import (
     Denied,
     IPAddress,
@@ -278,20 +278,10 @@ class Args(NamedTuple):
 
     @classmethod
     def parse(cls, argv: list[str]) -> Args | None:
-        if len(argv) < 3:
+        opts = HelperOptions.parse(argv[3:]) if len(argv) >= 3 else None
+        if opts is None or opts.rest:
             return None
-        link, limits, rest = None, None, argv[3:]
-        while rest:
-            if rest[0] == "--link" and len(rest) > 1:
-                link, rest = Path(rest[1]), rest[2:]
-            elif rest[0] == "--limits" and len(rest) > 1:
-                try:
-                    limits, rest = Limits.parse(rest[1]), rest[2:]
-                except ValueError:
-                    return None
-            else:
-                return None
-        return cls(Path(argv[1]), Path(argv[2]), link, limits)
+        return cls(Path(argv[1]), Path(argv[2]), opts.link, opts.limits)
 
 
 def main(argv: list[str]) -> int:
@@ -310,7 +300,7 @@ def handle_connection(conn: socket.socket, argv: list[str]) -> None:
         if args is None:
             return
         ledger = Ledger(args.log, args.limits or Limits.default())
-        with ledger.slot() as served:
+        with ledger.slot("dns") as served:
             if not served:
                 return  # the relay in the box answers its client SERVFAIL
             info = LinkInfo.read(args.link) if args.link is not None else None

@@ -10,8 +10,9 @@ buckets and write one log:
   box's rate allows it (a token bucket on the wall clock). Past it the helper refuses
   at once (DNS ``REFUSED``, the proxy's ``429``): a refusal, never a queue;
 * ``slot()``: one of the box's ``open`` places for a connection being served, an OFD
-  lock on one byte of ``egress.slots``, which the kernel gives back when the
-  connection's descriptor closes, however its process ends;
+  lock on one byte of ``egress.slots`` (``egress.dns.slots`` for DNS connections), which
+  the kernel gives back when the connection's descriptor closes, however its process
+  ends;
 * ``record(entry)``: a decision's line, written as it is while the box has written
   fewer than ``FOLD_LINES`` lines in the current ``FOLD_WINDOW``; past that, counted
   under what it was about (``records.fold_key``: ``*.example.com`` for any name below
@@ -85,6 +86,38 @@ class Limits:
             raise ValueError(f"not a helper's limits: {spec!r}") from None
 
 
+@dataclass(frozen=True, slots=True)
+class HelperOptions:
+    """What every egress helper's command line may say after ``POLICY LOG``: ``--link
+    FILE`` (``boxlink.LinkInfo``) and ``--limits SPEC`` (``Limits``); the words left for
+    the helper's own options, in order."""
+
+    link: Path | None
+    limits: Limits | None
+    rest: list[str]
+
+    @classmethod
+    def parse(cls, words: list[str]) -> HelperOptions | None:
+        """None where ``--link`` or ``--limits`` lacks its value or ``--limits`` is not one."""
+        link, limits, rest, i = None, None, [], 0
+        while i < len(words):
+            if words[i] in ("--link", "--limits"):
+                if i + 1 == len(words):
+                    return None
+                if words[i] == "--link":
+                    link = Path(words[i + 1])
+                else:
+                    try:
+                        limits = Limits.parse(words[i + 1])
+                    except ValueError:
+                        return None
+                i += 2
+            else:
+                rest.append(words[i])
+                i += 1
+        return cls(link, limits, rest)
+
+
 @dataclass(slots=True)
 class Totals:
     """What a box's egress record did since the box's log began (cumulative)."""
@@ -116,6 +149,7 @@ class _State:
     folds: dict[str, list[Any]] = field(default_factory=dict)  # key: [count, first, last, reason]
     lines: list[int] = field(default_factory=lambda: [0, 0])  # in the log, in its rotated file
     totals: Totals = field(default_factory=Totals)
+    log_bytes: int = 0  # the box's bound, as its helpers were told it (0: not yet known)
 
     @classmethod
     def load(cls, raw: bytes) -> _State:
@@ -128,6 +162,7 @@ class _State:
             lines = data.get("lines", [0, 0])
             s.lines = [int(lines[0]), int(lines[1])]
             s.totals = Totals.of(data.get("totals"))
+            s.log_bytes = int(data.get("log_bytes", 0))
         except (ValueError, TypeError, KeyError, IndexError, AttributeError):
             return cls()
         return s
@@ -140,6 +175,7 @@ class _State:
             "folds": self.folds,
             "lines": self.lines,
             "totals": asdict(self.totals),
+            "log_bytes": self.log_bytes,
         }, separators=(",", ":")).encode()  # fmt: skip
 
 
@@ -154,11 +190,15 @@ class Ledger:
         self.slots_path = log.with_suffix(SLOTS_SUFFIX)
 
     @contextlib.contextmanager
-    def _held(self, write: bool = True) -> Iterator[_State]:
+    def _held(self, write: bool = True, helper: bool = True) -> Iterator[_State]:
+        """The state, locked; ``helper``: held by one of the box's helpers, which know the
+        box's bound (the keeper's flush, which does not, keeps the one they wrote)."""
         fd = os.open(self.state_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)  # held for microseconds by whoever has it
             state = _State.load(os.pread(fd, STATE_MAX, 0))
+            if helper or not state.log_bytes:
+                state.log_bytes = self.limits.log_bytes
             yield state
             if write:
                 data = state.dump()
@@ -188,10 +228,13 @@ class Ledger:
             s.totals.refused_open += 1
 
     @contextlib.contextmanager
-    def slot(self) -> Iterator[bool]:
+    def slot(self, kind: str = "conn") -> Iterator[bool]:
         """One of the box's places for a connection being served, for the block; False
-        (counted) where all ``open`` are taken."""
-        fd = os.open(self.slots_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        (counted) where all ``open`` are taken. DNS connections (``"dns"``: one a question,
+        from the box's relay) have places of their own, so that a box holding its proxy
+        connections open can still look names up."""
+        path = self.slots_path if kind == "conn" else self.slots_path.with_suffix(f".{kind}{SLOTS_SUFFIX}")
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         try:
             got = _take_slot(fd, self.limits.open)
             if not got:
@@ -218,13 +261,15 @@ class Ledger:
             fold[2] = now
             s.totals.folded += 1
 
-    def flush(self) -> None:
-        """Write the folded lines of a window that has ended (the keeper's round)."""
-        with self._held() as s:
+    def flush(self) -> tuple[Totals, bool]:
+        """Write the folded lines of a window that has ended (the keeper's round); the
+        totals, and whether folded decisions wait for their window's end."""
+        with self._held(helper=False) as s:
             self._roll(s, self.clock())
+            return s.totals, bool(s.folds)
 
     def totals(self) -> Totals:
-        with self._held(write=False) as s:
+        with self._held(write=False, helper=False) as s:
             return s.totals
 
     def _roll(self, s: _State, now: float) -> None:
@@ -250,9 +295,8 @@ class Ledger:
             size = os.stat(self.log).st_size
         except OSError:
             size = 0
-        if (
-            size and size + len(data) > self.limits.log_bytes // 2
-        ):  # rotated first: each file stays under half
+        # rotated before the write that would take it past half: each file stays under half
+        if size and size + len(data) > s.log_bytes // 2:
             with contextlib.suppress(OSError):
                 os.replace(self.log, rotated(self.log))
                 s.totals.dropped += s.lines[1]

@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from .boxlink import LinkInfo, open_box_port
-from .ledger import Ledger, Limits
+from .ledger import HelperOptions, Ledger, Limits
 from .policy import (
     Denied,
     IPAddress,
@@ -162,24 +162,18 @@ class Args(NamedTuple):
 
     @classmethod
     def parse(cls, argv: list[str]) -> Args | None:
-        if len(argv) < 3:
+        opts = HelperOptions.parse(argv[3:]) if len(argv) >= 3 else None
+        if opts is None:
             return None
-        link, transparent, box, limits, rest = None, None, None, None, argv[3:]
+        transparent, box, rest = None, None, opts.rest
         while rest:
-            if rest[0] == "--link" and len(rest) > 1:
-                link, rest = Path(rest[1]), rest[2:]
-            elif rest[0] == "--limits" and len(rest) > 1:
-                try:
-                    limits, rest = Limits.parse(rest[1]), rest[2:]
-                except ValueError:
-                    return None
-            elif rest[0] == "--transparent" and len(rest) > 1 and rest[1].isdigit():
+            if rest[0] == "--transparent" and len(rest) > 1 and rest[1].isdigit():
                 transparent, rest = int(rest[1]), rest[2:]
             elif rest[0] == "--box" and len(rest) > 2 and rest[2].isdigit():
                 box, rest = (rest[1], int(rest[2])), rest[3:]
             else:
                 return None
-        return cls(Path(argv[1]), argv[2], link, transparent, box, limits)
+        return cls(Path(argv[1]), argv[2], opts.link, transparent, box, opts.limits)
 
     def ledger(self) -> Ledger:
         return Ledger(Path(self.log), self.limits or Limits.default())
