@@ -1,4 +1,4 @@
-"""Bounds on what a box's guest can make the host write or do (docs/limits.md, "What a
+"""Bounds on what a box's guest can make the host write or do (docs/api.md, "What a
 guest can make the host write").
 
 A box is untrusted, and every record its guest can make the host keep is a way to

@@ -48,6 +48,7 @@ from ..errors import (
     GuestOSError,
     InterpreterError,
     InvalidArgument,
+    InvalidState,
     ProtocolError,
 )
 from .bridge import RelayDuplex, open_relay
@@ -301,8 +302,8 @@ class KernelLink:
                 if len(buf) > self.max_line:
                     skipping += len(buf)
                     buf.clear()
-        except (ValueError, ConnectionLost, GuestOSError):
-            pass  # a broken link ends like a closed one: every waiter hears below
+        except (ValueError, ConnectionLost, GuestOSError, InvalidState):
+            pass  # a broken link (or a box stopped under it) ends like a closed one: every waiter hears below
         finally:
             self.closed = True
             for q in self._cells.values():
