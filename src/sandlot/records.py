@@ -10,7 +10,7 @@ for the whole home, read from the environment of the process that starts the box
 
 * logs rotate and keep the newest bytes (``egress_log_bytes``, ``console_bytes``;
   ``home_logs_bytes`` over every box of the home);
-* decisions past a box's line budget (``FOLD_LINES`` a ``FOLD_WINDOW``) are folded into
+* decisions past a box's line budget (``egress_lines`` a ``FOLD_WINDOW``) are folded into
   one line with a count, by what they were about (``fold_key``, ``fold_summary``);
 * tables drop their oldest rows (``events_per_box``, ``events_keep``);
 * where a guest makes the host work, a rate with a burst (``Rate``, ``Bucket``):
@@ -33,7 +33,6 @@ from dataclasses import dataclass
 from .errors import HostSetupError
 
 FOLD_WINDOW = 10.0  # seconds: decisions are folded, and folds are told, per window
-FOLD_LINES = 100  # lines a box's egress log takes verbatim per window; past it, folded
 FOLD_KEYS = 32  # distinct folded lines per window; past it, "other names"
 MIB = 1 << 20
 
@@ -75,6 +74,7 @@ class Bounds:
     """Every bound of a home's guest-driven records (``bounds()`` reads them)."""
 
     egress_log_bytes: int  # a box's egress log and its rotated file together
+    egress_lines: int  # lines a box's egress log takes verbatim a FOLD_WINDOW; past it, folded
     console_bytes: int  # a box's console log (the newest kept)
     home_logs_bytes: int  # every box's egress and console logs of the home together
     dns: Rate  # DNS questions a box asks the host
@@ -91,13 +91,14 @@ class Bounds:
         """What an egress helper is told of its box's bounds (``--limits``)."""
         return (
             f"dns={self.dns.spec()};conn={self.connections.spec()};open={self.connections_open};"
-            f"log={self.egress_log_bytes}"
+            f"log={self.egress_log_bytes};lines={self.egress_lines}"
         )
 
 
 # (variable, default, what it is): read by ``bounds``, documented in docs/configuration.md
 SETTINGS: dict[str, tuple[str, str]] = {
     "SANDLOT_EGRESS_LOG_MIB": ("8", "a box's egress log, MiB"),
+    "SANDLOT_EGRESS_LINES": ("100", "lines of a box's egress log in 10 s before decisions are folded"),
     "SANDLOT_CONSOLE_LOG_MIB": ("2", "a box's console log, MiB"),
     "SANDLOT_GUEST_LOGS_MIB": ("1024", "every box's egress and console logs of a home, MiB"),
     "SANDLOT_DNS_RATE": ("100,400", "DNS questions per box"),
@@ -140,6 +141,7 @@ def bounds(env: Mapping[str, str] | None = None) -> Bounds:
 
     return Bounds(
         egress_log_bytes=size("SANDLOT_EGRESS_LOG_MIB", MIB, 0.0625),
+        egress_lines=size("SANDLOT_EGRESS_LINES", 1, 0),
         console_bytes=size("SANDLOT_CONSOLE_LOG_MIB", MIB, 0.0625),
         home_logs_bytes=size("SANDLOT_GUEST_LOGS_MIB", MIB, 1),
         dns=rate("SANDLOT_DNS_RATE"),
@@ -159,7 +161,7 @@ def parse_helper_spec(spec: str) -> dict[str, str]:
     out = {}
     for part in spec.split(";"):
         key, sep, value = part.partition("=")
-        if not sep or key not in ("dns", "conn", "open", "log"):
+        if not sep or key not in ("dns", "conn", "open", "log", "lines"):
             raise ValueError(f"not a helper's limits: {spec!r}")
         out[key] = value
     return out

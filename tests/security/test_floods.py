@@ -81,11 +81,13 @@ def neighbour(home: Path, busybox_root: Path) -> Iterator[sandlot.Box]:
         yield box
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def quiet(neighbour: sandlot.Box, flood: sandlot.Box) -> float:
-    """The neighbour's quiet p99, with the flooding box up and idle."""
+    """The neighbour's quiet p99 just before the test's flood, with the flooding box up and
+    idle: the host's load from other work moves over minutes, so each flood is held to the
+    neighbour's latency of its own moment."""
     neighbour.exec("true")
-    return quiet_p99(neighbour, 30)
+    return quiet_p99(neighbour, 20)
 
 
 @pytest.fixture(scope="module")
@@ -209,7 +211,7 @@ def test_a_dns_flood_is_refused_past_its_rate_and_its_log_stays_bounded(
     assert max(w.sizes) <= log_bound
     w.assert_flat()
     said = told(flood, "egress_log", since, "refused_dns")
-    assert said["refused_dns"] > 0 and "SANDLOT_DNS_RATE" in said["reasons"][0]
+    assert said["refused_dns"] > 0 and any("SANDLOT_DNS_RATE" in r for r in said["reasons"])
     folded = folded_lines(flood)
     assert any("lookups of *.example.com in the last 10 s" in f["summary"] for f in folded), folded[:3]
     assert counted(home, flood, "egress_log", "refused_dns", got["5"]) >= got["5"]
@@ -250,8 +252,8 @@ def test_a_console_flood_keeps_the_newest_of_the_console_within_its_bound(
     ):
         got = run_in(flood, CONSOLE_FLOOD)
     print(f"\nconsole flood: {got}, console {max(w.sizes):,} bytes at most of {bound:,}")
-    # the guest wrote far past the bound, or (gVisor: a tmpfs of the bound's size) was refused
-    assert got["bytes"] > 2 * bound or got["errors"] > 0
+    # the guest wrote past the bound, or (gVisor: a tmpfs of the bound's size) was refused
+    assert got["bytes"] > bound or got["errors"] > 0
     assert max(w.sizes) <= bound  # ... and the host never held more
     w.assert_flat()
     said = told(flood, "console", since, "dropped_bytes")

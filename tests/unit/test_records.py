@@ -90,10 +90,9 @@ def test_names_fold_under_their_last_two_labels() -> None:
 def test_decisions_past_the_line_budget_fold_into_one_counted_line_per_name(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(ledger, "FOLD_LINES", 3)
     clock = [1000.0]
     log = tmp_path / "egress.log"
-    led = ledger.Ledger(log, limits(), clock=lambda: clock[0])
+    led = ledger.Ledger(log, limits(lines=3), clock=lambda: clock[0])
     for i in range(50):
         led.record({"method": "DNS", "decision": "denied", "host": f"q{i}.flood.example.com", "reason": "no"})
     led.record({"method": "CONNECT", "decision": "denied", "host": "other.org"})
@@ -114,10 +113,9 @@ def test_decisions_past_the_line_budget_fold_into_one_counted_line_per_name(
 def test_a_flood_of_distinct_names_folds_into_a_bounded_number_of_lines(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(ledger, "FOLD_LINES", 0)
     log = tmp_path / "egress.log"
     clock = [1000.0]
-    led = ledger.Ledger(log, limits(), clock=lambda: clock[0])
+    led = ledger.Ledger(log, limits(lines=0), clock=lambda: clock[0])
     for i in range(500):
         led.record({"method": "DNS", "decision": "denied", "host": f"x.name{i}.org"})
     clock[0] += 60
@@ -140,9 +138,8 @@ def test_the_egress_log_rotates_and_the_two_files_stay_under_the_bound(tmp_path:
 def test_rotations_drop_the_oldest_lines_and_count_them(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(ledger, "FOLD_LINES", 10**9)
     log = tmp_path / "egress.log"
-    led = ledger.Ledger(log, limits(log_bytes=16 << 10))
+    led = ledger.Ledger(log, limits(log_bytes=16 << 10, lines=10**9))
     for i in range(1000):
         led.record({"method": "DNS", "decision": "denied", "host": f"n{i}.example.com"})
     t = led.totals()
@@ -473,3 +470,18 @@ def test_the_home_s_guest_logs_together_are_held_to_their_bound(
     assert sum(records.on_host(p) for p in logs) <= 2 << 20
     assert not any(p.name == "egress.log.1" for p in logs)  # the rotated ones went first
     assert counted["home_logs"]["dropped_bytes"] >= 1 << 20
+
+
+def test_a_cell_whose_link_breaks_while_its_queue_is_full_hears_the_end() -> None:
+    from sandlot.api import code
+
+    chunks = [stream("x" * 10) for _ in range(code.CELL_QUEUE + 4)] + [b"not json\n"]
+
+    async def main() -> bool:
+        link = code.KernelLink(FakeDuplex(chunks), "box1")  # type: ignore[arg-type]
+        events = link.cell("c")
+        await asyncio.sleep(0.05)  # the queue fills; the link waits for room
+        execution = code.Execution()
+        return await asyncio.wait_for(code._collect(events, execution, code.Callbacks(None, None, None)), 10)
+
+    assert asyncio.run(main()) is False  # the link closed: not a hang

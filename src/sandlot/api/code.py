@@ -307,8 +307,12 @@ class KernelLink:
         finally:
             self.closed = True
             for q in self._cells.values():
-                with contextlib.suppress(asyncio.QueueFull):
-                    q.put_nowait(None)
+                while True:  # every cell hears the end, a full queue too (its last message goes)
+                    try:
+                        q.put_nowait(None)
+                        break
+                    except asyncio.QueueFull:
+                        q.get_nowait()
             for f in self._infos:
                 if not f.done():
                     f.set_exception(ConnectionLost("the code context's connection closed"))

@@ -14,7 +14,7 @@ buckets and write one log:
   the kernel gives back when the connection's descriptor closes, however its process
   ends;
 * ``record(entry)``: a decision's line, written as it is while the box has written
-  fewer than ``FOLD_LINES`` lines in the current ``FOLD_WINDOW``; past that, counted
+  fewer than ``lines`` lines in the current ``FOLD_WINDOW``; past that, counted
   under what it was about (``records.fold_key``: ``*.example.com`` for any name below
   it) and written as one line with the count once the window ends ("refused 3,817
   lookups of *.example.com in the last 10 s"): by the box's next decision, or by
@@ -45,8 +45,8 @@ from typing import Any
 
 from ..records import (
     FOLD_KEYS,
-    FOLD_LINES,
     FOLD_WINDOW,
+    SETTINGS,
     Bucket,
     Rate,
     bounds,
@@ -56,6 +56,7 @@ from ..records import (
 )
 
 STATE_SUFFIX = ".ledger"
+DEFAULT_LINES = int(SETTINGS["SANDLOT_EGRESS_LINES"][0])
 SLOTS_SUFFIX = ".slots"
 STATE_MAX = 1 << 16  # bytes of state read; FOLD_KEYS bounds what is written well under it
 ROTATED = ".1"
@@ -69,19 +70,21 @@ class Limits:
     connections: Rate
     open: int
     log_bytes: int
+    lines: int = DEFAULT_LINES  # verbatim a window (a VM's helpers started before it: the default)
 
     @classmethod
     def default(cls) -> Limits:
         """From this process's environment (``records.bounds``)."""
         b = bounds()
-        return cls(b.dns, b.connections, b.connections_open, b.egress_log_bytes)
+        return cls(b.dns, b.connections, b.connections_open, b.egress_log_bytes, b.egress_lines)
 
     @classmethod
     def parse(cls, spec: str) -> Limits:
         """``records.Bounds.helper_spec``'s form; ValueError otherwise."""
         f = parse_helper_spec(spec)
         try:
-            return cls(Rate.parse(f["dns"]), Rate.parse(f["conn"]), int(f["open"]), int(f["log"]))
+            lines = int(f.get("lines", DEFAULT_LINES))
+            return cls(Rate.parse(f["dns"]), Rate.parse(f["conn"]), int(f["open"]), int(f["log"]), lines)
         except (KeyError, ValueError):
             raise ValueError(f"not a helper's limits: {spec!r}") from None
 
@@ -248,7 +251,7 @@ class Ledger:
         now = self.clock()
         with self._held() as s:
             self._roll(s, now)
-            if s.written < FOLD_LINES:
+            if s.written < self.limits.lines:
                 s.written += 1
                 self._write(s, [entry])
                 return

@@ -197,10 +197,8 @@ def mount_console(cfg: SandboxConfig) -> None:
     size = records.bounds().console_bytes
     kept = _newest(cfg.console_log, size // 2)
     opts = f"size={size},nr_inodes={CONSOLE_INODES},mode=0755".encode()
-    if (
-        _libc.mount(b"tmpfs", str(cfg.console_dir).encode(), b"tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC, opts)
-        != 0
-    ):
+    flags = MS_NOSUID | MS_NODEV | MS_NOEXEC
+    if _libc.mount(b"tmpfs", str(cfg.console_dir).encode(), b"tmpfs", flags, opts) != 0:
         err = ctypes.get_errno()
         raise HostSetupError(f"cannot mount the box's console at {cfg.console_dir}: {os.strerror(err)}")
     cfg.console_log.write_bytes(kept)
