@@ -58,6 +58,7 @@ from tests.support.floods import (
     commands_past_their_timeout,
     helper_pid,
     rss_mib,
+    settled,
 )
 from tests.support.neighbour import exec_samples, exec_times
 
@@ -293,6 +294,7 @@ def run(seconds: float, engine: str, quick: bool) -> dict[str, Any]:
             deadline = time.monotonic() + 60  # the link starts behind the first connection
             while helper_pid("sandlot.api.boxlink", home) is None and time.monotonic() < deadline:
                 time.sleep(0.2)
+            settled(helper_pid("sandlot.api.boxlink", home))  # its memory from there, not its start's
             link = {"box_link": helper_pid("sandlot.api.boxlink", home), **egress}
             connections = lambda: b.guest(LINK_FLOOD)  # noqa: E731
             results["boxlink"] = b.flood("boxlink", b.egress_bytes, connections, asked_total, link)

@@ -44,6 +44,7 @@ from tests.support.floods import (
     commands_past_their_timeout,
     helper_pid,
     rss_mib,
+    settled,
 )
 from tests.support.neighbour import neighbour_latency, quiet_p99
 from tests.support.serve import serving, shared_home
@@ -252,9 +253,10 @@ def test_a_console_flood_keeps_the_newest_of_the_console_within_its_bound(
     ):
         got = run_in(flood, CONSOLE_FLOOD)
     print(f"\nconsole flood: {got}, console {max(w.sizes):,} bytes at most of {bound:,}")
-    # the guest wrote past the bound, or (gVisor: a tmpfs of the bound's size) was refused
-    assert got["bytes"] > bound or got["errors"] > 0
-    assert max(w.sizes) <= bound  # ... and the host never held more
+    # the guest wrote past where the keeper cuts, or (gVisor: a tmpfs of the bound's size)
+    # was refused; the host never held more than the bound
+    assert got["bytes"] > bound // 2 or got["errors"] > 0
+    assert max(w.sizes) <= bound
     w.assert_flat()
     said = told(flood, "console", since, "dropped_bytes")
     assert said["dropped_bytes"] > 0 and "SANDLOT_CONSOLE_LOG_MIB" in said["reasons"][0]
@@ -363,6 +365,7 @@ def test_box_link_connections_are_held_to_the_box_s_open_connections(
         while (link := helper_pid("sandlot.api.boxlink", home)) is None:
             assert time.monotonic() < deadline, "no box link runs"
             time.sleep(0.2)
+        settled(link)  # its memory is measured from there: not its start's
         processes = {"box link": link, "egress server": helper_pid("sandlot.net.egress", home)}
         with (
             Watched(egress_bytes(flood), processes) as w,

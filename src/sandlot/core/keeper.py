@@ -23,8 +23,11 @@ per home, alive while a VM of the home runs), over every box with a VM:
 The consoles are watched between rounds too (inotify, ``IN_MODIFY``): a console that
 grows is looked at within ``CONSOLE_LOOK`` seconds, and cut to its newest quarter once
 past half its bound, so a guest writing its serial port as fast as it can (measured
-under TCG: 0.6 MiB/s from one loop) never takes it past the bound. What a tmpfs bounds
-on gVisor it bounds at once.
+under TCG: 0.3-0.6 MiB/s from one loop) does not take it past the bound (2 MiB: the
+keeper has over a second to run). A host too busy to run the keeper for that long lets
+a QEMU console pass its bound until it does (measured: 0.4 MiB for a bound of 0.25, with
+the unit tests' three workers beside two VMs on 2 cores). What a tmpfs bounds on gVisor
+it bounds at once.
 """
 
 from __future__ import annotations
