@@ -81,6 +81,7 @@ PROMISED = {
     ],
     "server": ["exec_true_local_ms", "exec_true_remote_ms", "upload_MBps", "download_MBps", "load"],
     "watch": ["write_to_event_ms", "stdin_echo_baseline_ms", "burst"],
+    "floods": ["engine", "seconds_each", "bounds", "floods", "host"],
     "desktop": ["image_MiB", "engines", "targets", "host"],  # engines: see tests/vm/test_benchmarks.py
     "nested": ["inner", "kvm_in_box", "tcg_on_host", "ratio_kvm_in_box_over_tcg_on_host"],
 }

@@ -19,6 +19,7 @@ from sandlot.config import default_home
 from sandlot.guest.agent import build_agent
 from sandlot.protocol.connection import AgentConnection
 from sandlot.protocol.watch import WatchStream
+from sandlot.records import Rate
 
 
 @dataclass
@@ -77,10 +78,14 @@ class Watcher:
     def __init__(self, conn: AgentConnection) -> None:
         self.conn = conn
 
-    def watch(self, path: str | os.PathLike[str], *, recursive: bool = True) -> AsyncWatch:
+    def watch(
+        self, path: str | os.PathLike[str], *, recursive: bool = True, rate: Rate | None = None
+    ) -> AsyncWatch:
         p = os.fspath(path)
 
         async def opener() -> WatchSource:
-            return AgentWatch(self.conn, await WatchStream.start(self.conn, p, recursive=recursive))
+            return AgentWatch(
+                self.conn, await WatchStream.start(self.conn, p, recursive=recursive, rate=rate)
+            )
 
         return AsyncWatch(p, recursive, opener)

@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 from PIL import Image
 
+from sandlot import records
 from sandlot.api.desktop import VNC_SECRETS, AsyncDesktop, keysyms_of, normalize_key, parse_windows
 from sandlot.api.rfb import RfbClient, RfbError
 from sandlot.errors import InvalidArgument
@@ -248,6 +249,26 @@ def test_the_vnc_handshake_refuses_a_wrong_password_and_a_stranger() -> None:
         stranger.server.out.put_nowait(b"SSH-2.0-Open")
         with pytest.raises(RfbError, match="not a VNC server"):
             await RfbClient.connect(RelayDuplex(stranger), PASSWORD)  # type: ignore[arg-type]
+
+    asyncio.run(go())
+
+
+def test_a_screen_larger_than_the_host_holds_is_refused_before_any_pixel(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The box's VNC server says how large its screen is, and the host holds it, 4 bytes a
+    pixel: past ``SANDLOT_DESKTOP_MAX_PIXELS`` the session is refused, and counted."""
+    monkeypatch.setenv("SANDLOT_DESKTOP_MAX_PIXELS", "10000")
+
+    async def go() -> None:
+        from sandlot.api.bridge import RelayDuplex
+
+        before = records.TALLY.snapshot().get(("desktop", "refused", ""), 0)
+        with pytest.raises(RfbError, match=r"screen is 128x128, more than the 10,000 pixels.*MAX_PIXELS"):
+            await RfbClient.connect(RelayDuplex(FakeRelay(FakeVncServer((128, 128), PASSWORD))), PASSWORD)  # type: ignore[arg-type]
+        assert records.TALLY.snapshot()[("desktop", "refused", "")] == before + 1
+        client = await RfbClient.connect(RelayDuplex(FakeRelay(FakeVncServer((64, 64), PASSWORD))), PASSWORD)  # type: ignore[arg-type]
+        assert (client.width, client.height) == (64, 64)
 
     asyncio.run(go())
 

@@ -226,3 +226,23 @@ def test_unit_a_socket_path_of_the_longest_length_listens(tmp_path: Path) -> Non
         conn.close()
         client.close()
     assert [p.name for p in tmp_path.iterdir()] == [path.name]  # nothing else left there
+
+
+def test_unit_a_gvisor_forwarder_hands_a_connection_to_the_server_with_no_process(
+    relay: egress.Relay, tmp_path: Path
+) -> None:
+    """The forwarder of a gVisor box does the relay's work itself: no process is started
+    for a connection the server takes; where none takes it, it says so (and the relay's
+    command runs, which runs the helper)."""
+    from sandlot.net import forwarder
+
+    guest, theirs = socket.socketpair()
+    assert not forwarder.hand_over(str(relay.socket), _helper(tmp_path), theirs)  # no server yet
+    egress.ensure_server(relay)
+    _wait_server(relay)
+    assert forwarder.hand_over(str(relay.socket), _helper(tmp_path), theirs)
+    theirs.close()  # the server holds its own copy
+    guest.sendall(REQUEST)
+    assert guest.recv(4096).startswith(b"HTTP/1.1 403 Forbidden")
+    guest.close()
+    assert not forwarder.hand_over(str(relay.socket), ["/bin/sh", "-c", "true"], socket.socket())  # not ours

@@ -5,6 +5,7 @@ server's SSE and webhooks are in ``tests/vm/test_events.py``."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import subprocess
 import sys
 import textwrap
@@ -205,9 +206,9 @@ def test_who_acted_and_why_follow_the_context(home: Path, root: Path) -> None:
 def test_events_are_bounded_and_ids_are_never_used_again(
     home: Path, root: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(core_events, "KEEP", 5)
     monkeypatch.setattr(core_store, "PRUNE_EVERY", 1)
     store = Runtime.for_home(home).store
+    store.bounds = dataclasses.replace(store.bounds, events_keep=5)
     for i in range(12):
         store.add_event(core_events.draft("quota_refused", f"refusal {i}"), labels={"n": str(i)})
     kept = history(home)

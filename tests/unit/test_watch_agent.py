@@ -16,6 +16,7 @@ import pytest
 
 from sandlot.api.files import AsyncWatch, FileEvent
 from sandlot.errors import GuestFileNotFoundError
+from sandlot.records import Rate
 
 from tests.support.hostagent import HostAgent, Watcher, connected
 
@@ -205,6 +206,28 @@ def test_unit_a_host_that_does_not_read_gets_one_overflow(tmp_path: Path) -> Non
             assert e is not None and e == FileEvent("overflow", str(tree), True)
             assert 2000 < len(got) < 20000 and {e.type for e in got} == {"created"}
             (tree / "after").touch()  # and then it goes on
+            assert await events(w, 1) == [("created", f"{tree}/after", False, None)]
+
+    run(tmp_path, test)
+
+
+def test_unit_a_watch_sends_no_more_than_its_rate_and_says_overflow_for_the_rest(tmp_path: Path) -> None:
+    async def test(files: Watcher, tree: Path, agent: HostAgent) -> None:
+        async with files.watch(tree, rate=Rate(50, 20)) as w:
+            t0 = time.monotonic()
+            for i in range(500):  # a box churning files, as fast as it can
+                os.close(os.open(tree / f"f{i}", os.O_CREAT | os.O_WRONLY))
+            got: list[FileEvent] = []
+            with contextlib.suppress(TimeoutError):
+                while (e := await w.next_event(1.0)) is not None:
+                    got.append(e)
+            took = time.monotonic() - t0
+            # what was dropped is said as inotify's own overflow says it, each time records went
+            overflows = [e for e in got if e.type == "overflow"]
+            assert overflows and set(overflows) == {FileEvent("overflow", str(tree), True)}
+            assert 20 <= len(got) <= 20 + 50 * took + 5 and len(got) < 500, (len(got), took)
+            await asyncio.sleep(0.5)  # the rate refills: events flow again
+            (tree / "after").touch()
             assert await events(w, 1) == [("created", f"{tree}/after", False, None)]
 
     run(tmp_path, test)

@@ -37,6 +37,11 @@ def test_benchmark_quick_mode(name: str, tmp_path: Path) -> None:
         for engine, figures in doc["engines"].items():
             if figures["available"]:
                 assert set(figures) >= DESKTOP_FIGURES, (engine, figures)
+    if name == "floods":  # each log held to its bound all through its flood
+        for record in ("dns", "connect", "console", "boxlink"):
+            f = doc["floods"][record]
+            assert f["host_max"] is not None and f["host_max"] <= f["bound"], (record, f)
+        assert doc["floods"]["interpreter"]["host_kept"]["stdout"] <= doc["floods"]["interpreter"]["bound"]
     if name == "concurrency":
         assert doc["threads"]["failures"] == 0 and doc["processes"]["failures"] == 0
     if name == "report":  # every engine it ran fills every row: a figure, or why not

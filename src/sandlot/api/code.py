@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 from importlib import resources
 from typing import TYPE_CHECKING, Any, NoReturn, Protocol
 
+from .. import records
 from ..core.validate import check_env, check_user, guest_path
 from ..errors import (
     CodeContextNotFound,
@@ -47,6 +48,7 @@ from ..errors import (
     GuestOSError,
     InterpreterError,
     InvalidArgument,
+    InvalidState,
     ProtocolError,
 )
 from .bridge import RelayDuplex, open_relay
@@ -56,6 +58,12 @@ if TYPE_CHECKING:
     from .fs import FileInfo
 
 ROOT = "/run/sandlot/code"  # a tmpfs the agent mounts: contexts end with the boot they started in
+# The host keeps a bounded part of what a cell sends (``SANDLOT_CODE_OUTPUT_MIB`` of its
+# output, the first bytes, as the interpreter in the box keeps its own first 8 MiB, and as
+# much of its results), whatever the box's interpreter does: its code runs in that very
+# process and may lift the box's own limit. A message longer than the bound is skipped; a cell's messages
+# wait in a short queue, so a cell faster than its reader is slowed, never buffered.
+CELL_QUEUE = 8  # messages of a cell read from its context and not yet taken
 START_TIMEOUT = 300.0  # a Jupyter kernel importing IPython under emulation takes tens of seconds
 CONNECT_TIMEOUT = 30.0
 INTERRUPT_GRACE = 3.0  # how long a timed-out cell has to stop after its interrupt
@@ -267,32 +275,56 @@ class KernelLink:
     """One connection to a context's interpreter: requests out, events back, routed
     to their cell by request id."""
 
-    def __init__(self, duplex: RelayDuplex) -> None:
+    def __init__(self, duplex: RelayDuplex, box: str = "") -> None:
         self._duplex = duplex
         self._cells: dict[str, asyncio.Queue[dict[str, Any] | None]] = {}
         self._infos: list[asyncio.Future[dict[str, Any]]] = []
         self.closed = False
+        self.box = box
+        self.max_line = records.bounds().code_output_bytes + (64 << 10)  # a whole cell's output, framed
         self._reader = asyncio.ensure_future(self._read())
 
     async def _read(self) -> None:
-        buf = b""
+        buf = bytearray()
+        skipping = 0  # bytes of an overlong message being skipped
         try:
             while chunk := await self._duplex.read():
                 buf += chunk
-                *lines, buf = buf.split(b"\n")
-                for line in lines:
-                    self._route(json.loads(line))
-        except (ValueError, ConnectionLost, GuestOSError):
-            pass  # a broken link ends like a closed one: every waiter hears below
+                start = 0
+                while (end := buf.find(b"\n", start)) >= 0:
+                    if skipping:
+                        self._skipped(skipping + end - start)
+                        skipping = 0
+                    else:
+                        await self._route(json.loads(buf[start:end]))
+                    start = end + 1
+                del buf[:start]
+                if len(buf) > self.max_line:
+                    skipping += len(buf)
+                    buf.clear()
+        except (ValueError, ConnectionLost, GuestOSError, InvalidState):
+            pass  # a broken link (or a box stopped under it) ends like a closed one: every waiter hears below
         finally:
             self.closed = True
             for q in self._cells.values():
-                q.put_nowait(None)
+                while True:  # every cell hears the end, a full queue too (its last message goes)
+                    try:
+                        q.put_nowait(None)
+                        break
+                    except asyncio.QueueFull:
+                        q.get_nowait()
             for f in self._infos:
                 if not f.done():
                     f.set_exception(ConnectionLost("the code context's connection closed"))
 
-    def _route(self, event: dict[str, Any]) -> None:
+    def _skipped(self, size: int) -> None:
+        """A message past the bound: dropped, counted, and said to the cells running."""
+        records.TALLY.add("interpreter", "dropped_bytes", self.box, size)
+        for q in self._cells.values():
+            with contextlib.suppress(asyncio.QueueFull):
+                q.put_nowait({"ev": "dropped", "bytes": size})
+
+    async def _route(self, event: dict[str, Any]) -> None:
         if event.get("ev") == "info":
             while self._infos:
                 f = self._infos.pop(0)
@@ -302,7 +334,7 @@ class KernelLink:
             return
         q = self._cells.get(str(event.get("id")))
         if q is not None:
-            q.put_nowait(event)
+            await q.put(event)
 
     async def send(self, message: dict[str, Any]) -> None:
         if self.closed:
@@ -310,7 +342,7 @@ class KernelLink:
         await self._duplex.write((json.dumps(message) + "\n").encode())
 
     def cell(self, rid: str) -> asyncio.Queue[dict[str, Any] | None]:
-        q: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue()
+        q: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue(CELL_QUEUE)
         self._cells[rid] = q
         return q
 
@@ -479,7 +511,7 @@ class Interpreter:
                     raise CodeContextNotFound(f"code context {cid!r} is not running", box=self.box.id) from e
                 await self._start(cid, str(info["language"]), info.get("options") or {})
             duplex = await open_relay(self.box.spawn, sock, CONNECT_TIMEOUT)
-        link = KernelLink(duplex)
+        link = KernelLink(duplex, self.box.id)
         self._links[key] = link
         return link
 
@@ -505,7 +537,7 @@ class Interpreter:
         rid = uuid.uuid4().hex
         events = link.cell(rid)
         execution = Execution()
-        callbacks = Callbacks(on_stdout, on_stderr, on_result)
+        callbacks = Callbacks(on_stdout, on_stderr, on_result, Budget(self.box.id))
         try:
             await link.send({"op": "run", "id": rid, "code": code})
             try:
@@ -576,11 +608,48 @@ class Interpreter:
         )
 
 
+@dataclass
+class Budget:
+    """What the host keeps of one cell (``SANDLOT_CODE_OUTPUT_MIB``): its first bytes of
+    output, and as many bytes of its results while they fit; the rest is dropped, counted,
+    and said at the end of its stderr (a cell's error is always kept)."""
+
+    box: str = ""
+    room: int = field(default_factory=lambda: records.bounds().code_output_bytes)
+    results_room: int = field(default_factory=lambda: records.bounds().code_output_bytes)
+    dropped: int = 0
+    cut: bool = False  # the output was cut: none of what follows is kept (no holes in it)
+
+    def take(self, size: int) -> bool:
+        """Room for ``size`` bytes of output."""
+        if size <= self.room and not self.cut:
+            self.room -= size
+            return True
+        self.cut = True
+        self.dropped += size
+        return False
+
+    def take_result(self, size: int) -> bool:
+        """Room for a result of ``size`` bytes."""
+        if size <= self.results_room:
+            self.results_room -= size
+            return True
+        self.dropped += size
+        return False
+
+    def note(self) -> str:
+        records.TALLY.add("interpreter", "dropped_bytes", self.box, self.dropped)
+        mib = records.bounds().code_output_bytes / records.MIB
+        return (f"\n[sandlot: output truncated: the host kept this cell's first {mib:g} MiB of output, and "
+                f"of results (SANDLOT_CODE_OUTPUT_MIB), and dropped {self.dropped:,} bytes]\n")  # fmt: skip
+
+
 @dataclass(frozen=True)
 class Callbacks:
     on_stdout: OutputCallback | None
     on_stderr: OutputCallback | None
     on_result: ResultCallback | None
+    budget: Budget = field(default_factory=Budget)
 
     async def call(self, fn: Callable[[Any], Any] | None, value: Any) -> None:
         if fn is not None:
@@ -594,6 +663,22 @@ async def _collect(
 ) -> bool:
     """Fold a cell's events into ``execution`` until it is done (True) or its link
     closed first (False)."""
+    budget = callbacks.budget
+    out, err = [execution.stdout], [execution.stderr]  # joined once: a cell sends many parts
+    try:
+        return await _fold(events, execution, callbacks, budget, out, err)
+    finally:
+        execution.stdout, execution.stderr = "".join(out), "".join(err)
+
+
+async def _fold(
+    events: asyncio.Queue[dict[str, Any] | None],
+    execution: Execution,
+    callbacks: Callbacks,
+    budget: Budget,
+    out: list[str],
+    err: list[str],
+) -> bool:
     while True:
         event = await events.get()
         if event is None:
@@ -601,22 +686,33 @@ async def _collect(
         kind = event.get("ev")
         if kind == "stream":
             text = str(event.get("text", ""))
+            if not budget.take(len(text)):
+                continue
             if event.get("name") == "stderr":
-                execution.stderr += text
+                err.append(text)
                 await callbacks.call(callbacks.on_stderr, text)
             else:
-                execution.stdout += text
+                out.append(text)
                 await callbacks.call(callbacks.on_stdout, text)
         elif kind == "result":
+            if not budget.take_result(len(json.dumps(event.get("data") or {}))):
+                continue
             result = Result.from_bundle(event.get("data") or {}, bool(event.get("main")))
             execution.results.append(result)
             await callbacks.call(callbacks.on_result, result)
+        elif kind == "dropped":
+            budget.cut, budget.dropped = True, budget.dropped + int(event.get("bytes") or 0)
         elif kind == "error":
             execution.error = ExecutionError(
                 str(event.get("name", "Error")), str(event.get("value", "")), str(event.get("traceback", ""))
             )
         elif kind == "done":
             execution.execution_count = int(event.get("count") or 0) or None
+            if budget.dropped:
+                note = budget.note()
+                err.append(note)
+                await callbacks.call(callbacks.on_stderr, note)
+                budget.dropped = 0
             return True
 
 

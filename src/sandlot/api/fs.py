@@ -11,6 +11,7 @@ from datetime import UTC, datetime
 from pathlib import PurePosixPath
 from typing import TYPE_CHECKING, Literal, Protocol
 
+from .. import records
 from ..errors import ConnectionLost, InvalidArgument, InvalidState
 from ..protocol.wire import RawEntry, WatchEvent
 
@@ -128,9 +129,10 @@ class WatchSource(Protocol):
 class AgentWatch:
     """A watch channel of the box's agent, as a ``WatchSource``."""
 
-    def __init__(self, conn: AgentConnection, stream: WatchStream) -> None:
+    def __init__(self, conn: AgentConnection, stream: WatchStream, box: str = "") -> None:
         self._conn = conn
         self._stream = stream
+        self._box = box
 
     async def next(self) -> FileEvent | None:
         try:
@@ -145,6 +147,8 @@ class AgentWatch:
             raise
         if record is None:
             return None
+        if record.kind == WatchEvent.OVERFLOW:  # counted for the metrics of this process
+            records.TALLY.add("watch", "overflow", self._box)
         st = self._stream
         return FileEvent(
             _EVENT_TYPES[record.kind],

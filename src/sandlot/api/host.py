@@ -54,6 +54,7 @@ BUFFER_BYTES = 4 << 20  # per stream: what a client that comes back late can sti
 FRAME_BYTES = 256 << 10
 KEEP_EXITED_S = 600.0  # an exited process stays reattachable this long
 MAX_HELD = 4096
+CELL_MESSAGES = 8  # a cell's messages waiting for a client elsewhere
 WATCH_HEARTBEAT = 15.0  # seconds of quiet after which a watch stream says it is still there
 
 
@@ -366,21 +367,23 @@ async def code_messages(backend: LocalBackend, ref: BoxRef, params: Any) -> Asyn
     so far). A client that leaves mid-cell interrupts it."""
     from .code import Callbacks, context_id, result_json
 
-    events: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue()
+    # a client slower than the cell slows the cell (the callbacks wait for room): nothing of
+    # it piles up here
+    events: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue(CELL_MESSAGES)
     callbacks = Callbacks(
-        lambda text: events.put_nowait({"type": "stdout", "text": text}),
-        lambda text: events.put_nowait({"type": "stderr", "text": text}),
-        lambda r: events.put_nowait({"type": "result", "result": result_json(r)}),
+        lambda text: events.put({"type": "stdout", "text": text}),
+        lambda text: events.put({"type": "stderr", "text": text}),
+        lambda r: events.put({"type": "result", "result": result_json(r)}),
     )
 
     async def cell() -> None:
         try:
             execution = await backend.run_code(ref, Cell(**params.model_dump()), callbacks)
-            events.put_nowait({"type": "execution", "execution": execution.to_dict()})
+            await events.put({"type": "execution", "execution": execution.to_dict()})
         except SandlotError as e:
-            events.put_nowait(error_message(e))
+            await events.put(error_message(e))
         finally:
-            events.put_nowait(None)
+            await events.put(None)
 
     task = asyncio.ensure_future(cell())
     try:

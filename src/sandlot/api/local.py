@@ -587,7 +587,7 @@ class LocalBackend(Backend):
 
     async def watch(self, ref: BoxRef, path: str, recursive: bool) -> WatchSource:
         conn = await self._conn(ref)
-        return AgentWatch(conn, await WatchStream.start(conn, guest_path(path), recursive=recursive))
+        return AgentWatch(conn, await WatchStream.start(conn, guest_path(path), recursive=recursive), ref.id)
 
     # -- commands ---------------------------------------------------------------------------
 

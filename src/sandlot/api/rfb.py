@@ -29,6 +29,7 @@ from __future__ import annotations
 import struct
 from typing import Protocol
 
+from .. import records
 from ..errors import ProtocolError
 
 VERSION = b"RFB 003.008\n"
@@ -42,6 +43,7 @@ PIXEL_FORMAT = struct.pack(">BBBBHHHBBB3x", 32, 24, 0, 1, 255, 255, 255, 0, 8, 1
 MAX_NAME = 4096
 MAX_CUT_TEXT = 16 << 20
 MAX_SIDE = 16384
+MAX_POINTER = 512  # a pointer's side (X's largest cursors are 256)
 
 # the button mask of a pointer event: left, middle, right, wheel up/down/left/right, back
 BUTTON_BITS = {1: 0, 2: 1, 3: 2, 4: 3, 5: 4, 6: 5, 7: 6, 8: 7}
@@ -153,6 +155,13 @@ class RfbClient:
             raise RfbError(
                 f"the VNC server's init is out of range ({width}x{height}, name of {name_len} bytes)"
             )
+        # the screen is held here, 4 bytes a pixel: the box's server says how large it is
+        if width * height > (most := records.bounds().desktop_pixels):
+            records.TALLY.add("desktop", "refused")
+            raise RfbError(
+                f"the VNC server's screen is {width}x{height}, more than the {most:,} pixels a desktop may "
+                "have on this host (SANDLOT_DESKTOP_MAX_PIXELS)"
+            )
         name = (await reader.exactly(name_len)).decode(errors="replace")
         client = cls(duplex, reader, width, height, name)
         encodings = (ENCODING_COPY_RECT, ENCODING_RAW, ENCODING_CURSOR)
@@ -232,7 +241,7 @@ class RfbClient:
         for _ in range(count):
             x, y, w, h, encoding = await reader.unpack(RECT)
             if encoding == ENCODING_CURSOR:  # not drawn here: skipped
-                if w > MAX_SIDE or h > MAX_SIDE:
+                if w > MAX_POINTER or h > MAX_POINTER:
                     raise RfbError(f"the VNC server sent a pointer of {w}x{h}")
                 await reader.exactly(w * h * 4 + (w + 7) // 8 * h)
                 continue

@@ -18,7 +18,11 @@ that kept the last id it saw continues after it (``after=``), as an SSE client's
 recovery, or else the process (its pid and command line). Code that acts for
 someone says so with ``acting_as``.
 
-The events kept are bounded (``KEEP`` rows, the oldest go first).
+The events kept are bounded (``sandlot.records``): the home keeps its newest
+``SANDLOT_EVENTS_KEEP`` and each box its newest ``SANDLOT_EVENTS_PER_BOX``, the oldest
+going first; a box's happenings that change no row draw on its budget
+(``SANDLOT_EVENT_RATE``), past which they are folded into one ``records_dropped`` event
+with their count. What was dropped is said in the box's events too.
 """
 
 from __future__ import annotations
@@ -38,7 +42,6 @@ from ..config import IN_CREATE, IN_MODIFY, IN_MOVED_TO, drain, inotify
 from ..errors import InvalidArgument
 from .state import Op
 
-KEEP = 100_000  # events kept per home; the oldest are pruned past this
 FOLLOW_POLL = 0.05  # seconds between two looks at the store's data_version, without inotify
 IDLE_LOOK = 1.0  # with inotify: seconds between two looks while nothing is written
 COMMIT_LOOK, COMMIT_WAIT = 0.002, 0.5  # after a write: look this often, this long, for its commit
@@ -66,6 +69,8 @@ KINDS: dict[str, str] = {
     "command_oom": "the OOM killer ended a process of a command (detail.argv)",
     "command_timeout": "a command ran past its timeout and was killed (detail.argv, detail.timeout)",
     "quota_refused": "a request was refused by a key's quota (reason)",
+    "records_dropped": "a record of the box reached its bound: what was folded, dropped or refused "
+    "(detail.record, detail.folded, detail.dropped, detail.refused; reason says it in words)",
 }
 
 # the event an operation's successful end writes (None: none; removal writes its own)

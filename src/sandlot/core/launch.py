@@ -23,6 +23,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
+from .. import records
 from ..config import atomic_write, runtime_dir
 from ..crashpoints import crash_point
 from ..engine.base import VM, Boot, BootRequest, Drive, Engine, LaunchSpec, NetSpec, SavedState, Volume
@@ -119,9 +120,12 @@ class Launcher:
         if relay is not None:
             ensure_server(relay)
 
+        # the box's bounds are the starting process's settings (a bad one fails the start)
+        limits = records.bounds().helper_spec()
+
         def helper(module: str, *more: str) -> str:  # started by the engine for each guest connection
             argv = [sys.executable, "-m", module, str(policy_file), str(entry.dir / "egress.log"),
-                    "--link", str(link_file), *more]  # fmt: skip
+                    "--link", str(link_file), "--limits", limits, *more]  # fmt: skip
             return shlex.join(relay.command(argv) if relay is not None else argv)
 
         return NetSpec(

@@ -80,9 +80,8 @@ def metrics_lock(home: Path) -> Path:
 
 
 def ensure(home: Path) -> None:
-    """Start the home's sampler unless one runs or sampling is off. Never raises."""
-    if every() <= 0:
-        return
+    """Start the home's sampler unless one runs (sampling off, it is still the home's
+    keeper: ``core.keeper``). Never raises."""
     try:
         spawn_unless_locked(metrics_lock(home), MODULE, str(home), cwd="/")
     except OSError as exc:

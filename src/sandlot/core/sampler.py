@@ -1,6 +1,7 @@
 """The home's metrics sampler: ``python -m sandlot.core.sampler HOME`` (``core.metrics``
 says what it samples and when; ``metrics.ensure`` starts it). A module of its own: it
-runs the core, which the launcher that starts it is part of."""
+runs the core, which the launcher that starts it is part of. It is the home's keeper
+too (``core.keeper``: a round every second, with sampling on or off)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,6 @@ from ..config import try_flock
 from ..protocol.wire import ControlOp
 from .metrics import (
     ASK_TIMEOUT,
-    DEFAULT_EVERY,
     IDLE_ROUNDS,
     every,
     guest_every,
@@ -83,23 +83,35 @@ async def sample_home(core: Any, asked: dict[str, float] | None = None) -> int:
 
 
 async def run(home: Path) -> None:
+    from .keeper import EVERY, Keeper
     from .orphans import home_gone
     from .runtime import Runtime
     from .service import core_for
 
     core = core_for(Runtime.for_home(home))
-    idle = 0
+    keeper = Keeper(core)
+    keeper.watch_consoles()
+    idle = 0  # rounds without a VM in the home (or that failed)
     asked: dict[str, float] = {}
+    next_sample = 0.0
     try:
-        while idle < max(IDLE_ROUNDS, IDLE_S / (every() or DEFAULT_EVERY)) and not home_gone(home):
+        while idle < max(IDLE_ROUNDS, IDLE_S / EVERY) and not home_gone(home):
             started = time.monotonic()
             try:
-                idle = 0 if await sample_home(core, asked) else idle + 1
+                idle = 0 if await keeper.round() else idle + 1
             except Exception as exc:  # a busy store, a full disk: the next round tries again
-                log.warning("metrics of home %s: %s", home, exc)
+                log.warning("records of home %s: %s", home, exc)
                 idle += 1  # but not for ever
-            await asyncio.sleep(max(0.5, (every() or DEFAULT_EVERY) - (time.monotonic() - started)))
+            if every() > 0 and started >= next_sample:
+                next_sample = started + every()
+                try:
+                    await sample_home(core, asked)
+                except Exception as exc:
+                    log.warning("metrics of home %s: %s", home, exc)
+            period = min(EVERY, every()) if every() > 0 else EVERY
+            await asyncio.sleep(max(0.05, period - (time.monotonic() - started)))
     finally:
+        keeper.close()
         await core.close()
 
 

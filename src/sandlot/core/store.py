@@ -33,7 +33,7 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
-from .. import pids
+from .. import pids, records
 from ..engine.base import VMRef
 from ..errors import (
     BoxNotFound,
@@ -47,11 +47,11 @@ from ..errors import (
     no_space,
 )
 from ..net.policy import BOX_NAME
-from . import events as box_events
 from .events import Draft, Event
+from .events import draft as draft_event
 from .manifest import digests_of as manifest_digests
 
-SCHEMA_VERSION = 12
+SCHEMA_VERSION = 13
 # Room the store keeps for itself (BoxStore.hold_room): a file of its own, given up when
 # a write finds the filesystem full so that the write is tried again and the rows saying
 # how an operation ended are written; made again once the filesystem has room.
@@ -60,7 +60,8 @@ SCHEMA_VERSION = 12
 ROOM_FILE = ".sandlot-room"
 ROOM_BYTES = 8 << 20
 ROOM_EVERY = 256  # commits between two looks at whether the room can be made again
-PRUNE_EVERY = 1000  # events written between two prunes of the oldest past events.KEEP
+PRUNE_EVERY = 1000  # events written between two prunes of the oldest past the home's bound
+BOX_PRUNE_EVERY = 64  # events of one box written between two prunes of its oldest past its bound
 
 # What one connection to the store has seen committed: (SQLite's ``data_version`` on that
 # connection, which moves with every other connection's commit and never with its own;
@@ -311,6 +312,26 @@ MIGRATIONS: list[str | Callable[[sqlite3.Connection], None]] = [
     ALTER TABLE states ADD COLUMN pushed INTEGER NOT NULL DEFAULT 0;
     CREATE INDEX chunks_unpushed ON chunks(remote) WHERE remote = 0;
     """,
+    # 12 -> 13: what each box's bounded records folded, dropped and refused (``core.keeper``;
+    # box "" for the home's), with what the box's events told of it last; and each box's
+    # budget of events (``sandlot.records``: a token bucket), with those it folded since
+    """
+    CREATE TABLE records (
+        box_id TEXT NOT NULL,
+        record TEXT NOT NULL,
+        counts TEXT NOT NULL DEFAULT '{}',
+        told TEXT NOT NULL DEFAULT '{}',
+        updated_at REAL NOT NULL,
+        PRIMARY KEY (box_id, record)
+    );
+    CREATE TABLE event_budget (
+        box_id TEXT PRIMARY KEY,
+        tokens REAL NOT NULL,
+        at REAL NOT NULL,
+        folded TEXT NOT NULL DEFAULT '{}',
+        since REAL
+    );
+    """,
 ]
 
 SNAPSHOT_KINDS = ("snapshot", "template", "suspend")
@@ -484,6 +505,8 @@ class BoxStore:
         self._commits = 0
         self._written = threading.local()  # per thread: the stamp of its last transaction
         self._events_written = 0
+        self._box_events: dict[str, int] = {}  # per box: events written since its last prune
+        self.bounds = records.bounds()
         # how long a write waits for another process's transaction (SQLite's busy timeout)
         self.busy_timeout = float(os.environ.get("SANDLOT_STORE_BUSY_TIMEOUT", "30"))
         try:
@@ -772,6 +795,9 @@ class BoxStore:
             db.execute("DELETE FROM boxes WHERE id = ?", (box_id,))
             db.execute("DELETE FROM leases WHERE box_id = ?", (box_id,))
             db.execute("DELETE FROM metrics WHERE box_id = ?", (box_id,))
+            db.execute("DELETE FROM records WHERE box_id = ?", (box_id,))
+            db.execute("DELETE FROM event_budget WHERE box_id = ?", (box_id,))
+            self._box_events.pop(box_id, None)
             db.execute(
                 "UPDATE previews SET ended_at = ?, ended_why = 'its box was removed' "
                 "WHERE box_id = ? AND ended_at IS NULL",
@@ -880,30 +906,172 @@ class BoxStore:
             self._insert_event(db, d, rec.id, rec.name, rec.state or None, rec.labels)
 
     def _insert_event(self, db: sqlite3.Connection, d: Draft, box_id: str | None, box_name: str | None,
-                      state: str | None, labels: dict[str, str]) -> None:  # fmt: skip
+                      state: str | None, labels: dict[str, str], *, prune: bool = True) -> None:  # fmt: skip
         db.execute(
             "INSERT INTO events (at, kind, box_id, box_name, state, reason, by, detail, labels) "
             "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
             (time.time(), d.kind, box_id, box_name, state, d.reason, d.by, json.dumps(d.detail),
              json.dumps(labels)),
         )  # fmt: skip
+        if not prune:
+            return
         self._events_written += 1
         if self._events_written >= PRUNE_EVERY:
             self._events_written = 0
-            db.execute("DELETE FROM events WHERE id <= (SELECT MAX(id) FROM events) - ?", (box_events.KEEP,))
+            gone = db.execute(
+                "DELETE FROM events WHERE id <= (SELECT MAX(id) FROM events) - ?", (self.bounds.events_keep,)
+            ).rowcount
+            self._count_records(db, "", "events", {"dropped": gone})
+        if box_id is not None:
+            written = self._box_events[box_id] = self._box_events.get(box_id, 0) + 1
+            if written >= BOX_PRUNE_EVERY:
+                self._box_events[box_id] = 0
+                self._prune_box_events(db, box_id, box_name, state, labels)
+
+    def _prune_box_events(self, db: sqlite3.Connection, box_id: str, box_name: str | None,
+                          state: str | None, labels: dict[str, str]) -> None:  # fmt: skip
+        """Drop a box's oldest events past its bound, and say so in an event of the box."""
+        keep = self.bounds.events_per_box
+        gone = db.execute(
+            "DELETE FROM events WHERE box_id = ? AND id <= (SELECT id FROM events WHERE box_id = ? "
+            "ORDER BY id DESC LIMIT 1 OFFSET ?)",
+            (box_id, box_id, keep),
+        ).rowcount
+        if gone > 0:
+            self._count_records(db, box_id, "events", {"dropped": gone})
+            why = f"dropped the {gone:,} oldest events of this box: it keeps its newest {keep:,}"
+            told = Draft("records_dropped", why + " (SANDLOT_EVENTS_PER_BOX)",
+                         {"record": "events", "dropped": gone}, "sandlot")  # fmt: skip
+            self._insert_event(db, told, box_id, box_name, state, labels, prune=False)
 
     def add_event(
         self, event: Draft, box_id: str | None = None, labels: dict[str, str] | None = None
-    ) -> None:
+    ) -> bool:
         """Write an event that changes no row (a command killed by the OOM killer, a
         refused request): about ``box_id``'s box as it is now, if given and there, else
-        with ``labels`` (a refused request's namespace)."""
+        with ``labels`` (a refused request's namespace). A box's such events draw on its
+        budget (``SANDLOT_EVENT_RATE``): past it, the event is folded into a count that,
+        a ``FOLD_WINDOW`` after the first it holds, the box's next event or
+        ``flush_event_folds`` tells as one ``records_dropped`` event. False: folded."""
         with self._tx(durable=False) as db:
             row = db.execute("SELECT * FROM boxes WHERE id = ?", (box_id,)).fetchone() if box_id else None
-            if row is not None:
-                self._write_events(db, _row(row), [event])
-            else:
+            if row is None:
                 self._insert_event(db, event, box_id, None, None, labels or {})
+                return True
+            rec = _row(row)
+            if not self._spend_event(db, rec, event.kind):
+                return False
+            self._write_events(db, rec, [event])
+            return True
+
+    def _spend_event(self, db: sqlite3.Connection, rec: BoxRecord, kind: str) -> bool:
+        """Take one of the box's event budget, telling first what it folded, once it began
+        folding a ``FOLD_WINDOW`` ago (so that a box folding all the time is told once a
+        window, not once a token); else fold an event of ``kind`` (False)."""
+        rate, now = self.bounds.events, time.time()
+        if not rate.limited or rec.options.get("pool"):
+            return True
+        row = db.execute("SELECT * FROM event_budget WHERE box_id = ?", (rec.id,)).fetchone()
+        bucket = records.Bucket(row["tokens"], row["at"]) if row else records.Bucket.full(rate, now)
+        folded: dict[str, int] = json.loads(row["folded"]) if row else {}
+        since = row["since"] if row else None
+        took = bucket.take(rate, now)
+        if took and folded and now - (since or now) >= records.FOLD_WINDOW:
+            self._tell_folded(db, rec, folded, since, now)
+            folded, since = {}, None
+        elif not took:
+            folded[kind] = folded.get(kind, 0) + 1
+            since = since or now
+            self._count_records(db, rec.id, "events", {"folded": 1})
+        db.execute(
+            "INSERT OR REPLACE INTO event_budget (box_id, tokens, at, folded, since) VALUES (?, ?, ?, ?, ?)",
+            (rec.id, bucket.tokens, bucket.at, json.dumps(folded), since),
+        )
+        return took
+
+    def _tell_folded(self, db: sqlite3.Connection, rec: BoxRecord, folded: dict[str, int],
+                     since: float | None, now: float) -> None:  # fmt: skip
+        total = sum(folded.values())
+        kinds = ", ".join(f"{n:,} {k}" for k, n in sorted(folded.items()))
+        seconds = max(1.0, now - (since or now))
+        rate = self.bounds.events
+        told = Draft("records_dropped",
+                     f"folded {total:,} events of this box in the last {seconds:.0f} s ({kinds}): more than "
+                     f"{rate.per_s:g} a second (SANDLOT_EVENT_RATE)",
+                     {"record": "events", "folded": total, "kinds": folded, "since": since},
+                     "sandlot")  # fmt: skip
+        self._write_events(db, rec, [told])
+
+    def flush_event_folds(self, older_than: float = records.FOLD_WINDOW) -> int:
+        """Tell the events each box folded, where it began folding them ``older_than``
+        seconds ago (the keeper's round: a box that went quiet still hears of them); how
+        many boxes were told."""
+        now = time.time()
+        told = 0
+        with self._tx(durable=False) as db:
+            rows = db.execute("SELECT * FROM event_budget WHERE folded != '{}' AND since < ?",
+                              (now - older_than,)).fetchall()  # fmt: skip
+            for b in rows:
+                box = db.execute("SELECT * FROM boxes WHERE id = ?", (b["box_id"],)).fetchone()
+                if box is not None:
+                    self._tell_folded(db, _row(box), json.loads(b["folded"]), b["since"], now)
+                    told += 1
+                db.execute(
+                    "UPDATE event_budget SET folded = '{}', since = NULL WHERE box_id = ?", (b["box_id"],)
+                )
+        return told
+
+    # -- bounded records (``core.keeper``) ---------------------------------------------------
+
+    def _count_records(self, db: sqlite3.Connection, box_id: str, record: str, add: dict[str, int]) -> None:
+        add = {k: n for k, n in add.items() if n > 0}
+        if not add:
+            return
+        row = db.execute(
+            "SELECT counts FROM records WHERE box_id = ? AND record = ?", (box_id, record)
+        ).fetchone()
+        counts: dict[str, int] = json.loads(row[0]) if row else {}
+        for k, n in add.items():
+            counts[k] = counts.get(k, 0) + n
+        db.execute(
+            "INSERT INTO records (box_id, record, counts, updated_at) VALUES (?, ?, ?, ?) "
+            "ON CONFLICT (box_id, record) DO UPDATE SET counts = excluded.counts, "
+            "updated_at = excluded.updated_at",
+            (box_id, record, json.dumps(counts), time.time()),
+        )
+
+    def note_records(
+        self, box_id: str, record: str, counts: dict[str, int], event: Draft | None = None
+    ) -> None:
+        """A record's counts as its keeper reads them now (cumulative); with ``event``,
+        the box's event that tells of them, written in the same transaction, after which
+        they are what the box was told."""
+        with self._tx(durable=False) as db:
+            box = db.execute("SELECT * FROM boxes WHERE id = ?", (box_id,)).fetchone()
+            if box is None:
+                return
+            told = json.dumps(counts) if event is not None else None
+            db.execute(
+                "INSERT INTO records (box_id, record, counts, told, updated_at) VALUES (?, ?, ?, ?, ?) "
+                "ON CONFLICT (box_id, record) DO UPDATE SET counts = excluded.counts, "
+                "told = COALESCE(?, told), updated_at = excluded.updated_at",
+                (box_id, record, json.dumps(counts), told or "{}", time.time(), told),
+            )
+            if event is not None:
+                self._write_events(db, _row(box), [event])
+
+    def records(self, box_id: str | None = None) -> dict[str, dict[str, dict[str, Any]]]:
+        """Each box's records (box id, "" for the home's: record: ``{"counts", "told"}``)."""
+        sql, args = "SELECT * FROM records", builtins.list[str]()
+        if box_id is not None:
+            sql, args = sql + " WHERE box_id = ?", [box_id]
+        with self._reading():
+            rows = self._db.execute(sql, args).fetchall()
+        out: dict[str, dict[str, dict[str, Any]]] = {}
+        for r in rows:
+            out.setdefault(r["box_id"], {})[r["record"]] = {"counts": json.loads(r["counts"]),
+                                                            "told": json.loads(r["told"])}  # fmt: skip
+        return out
 
     def events(
         self,
@@ -1119,7 +1287,7 @@ class BoxStore:
                 "ON CONFLICT(digest) DO UPDATE SET refs = refs + 1, remote = 1",
                 [(dg,) for dg in set(manifest_digests(manifest))],
             )
-            self._write_events(db, box, [box_events.draft("pulled", snapshot=snap.id)])
+            self._write_events(db, box, [draft_event("pulled", snapshot=snap.id)])
 
     def state_manifest(self, snap_id: str) -> bytes | None:
         with self._reading():
@@ -1552,8 +1720,9 @@ class AsyncStore:
 
     async def add_event(
         self, event: Draft, box_id: str | None = None, labels: dict[str, str] | None = None
-    ) -> None:
-        await self.call_unless_full("add_event", event, box_id, labels)
+    ) -> bool:
+        written: bool = await self.call_unless_full("add_event", event, box_id, labels)
+        return written
 
     async def events(self, **kw: Any) -> builtins.list[Event]:
         found: builtins.list[Event] = await self.call("events", **kw)

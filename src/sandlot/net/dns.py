@@ -20,7 +20,9 @@ to directly and an answer cannot be rebound somewhere else. Its TTL is short,
 since the policy can change. ``AAAA`` and other types are answered empty for
 names the box may reach (the guest network is IPv4 only) and NXDOMAIN for the
 rest; a malformed query gets FORMERR. Each decision is a JSON line in LOG, the
-egress log, with ``"method": "DNS"``.
+egress log, with ``"method": "DNS"``, through the box's ledger (``ledger``: the log
+bounded and folded); a question past the box's DNS rate (``--limits``) is answered
+REFUSED at once, and a connection past the box's open connections is closed.
 
 A box a ``box:NAME:PORT`` rule names (``NAME.box.internal``, or plain ``NAME``) is
 answered with the address its VM gave that box when it started (``--link FILE``,
@@ -36,7 +38,6 @@ A queries are answered with the host's own answer, IPv4 addresses only.
 from __future__ import annotations
 
 import contextlib
-import json
 import socket
 import sys
 import time
@@ -46,6 +47,7 @@ from typing import NamedTuple
 
 from .addresses import PROXY_ADDRESS
 from .boxlink import LinkInfo
+from .ledger import HelperOptions, Ledger, Limits
 from .policy import (
     Denied,
     IPAddress,
@@ -66,8 +68,8 @@ IDLE_TIMEOUT = 10.0  # between queries on one connection
 MAX_MESSAGE = 4096  # a query is one question; EDNS may add a few dozen bytes
 
 A, AAAA, CLASS_IN = 1, 28, 1
-NOERROR, FORMERR, SERVFAIL, NXDOMAIN, NOTIMP = 0, 1, 2, 3, 4
-RCODES = {0: "NOERROR", 1: "FORMERR", 2: "SERVFAIL", 3: "NXDOMAIN", 4: "NOTIMP"}
+NOERROR, FORMERR, SERVFAIL, NXDOMAIN, NOTIMP, REFUSED = 0, 1, 2, 3, 4, 5
+RCODES = {0: "NOERROR", 1: "FORMERR", 2: "SERVFAIL", 3: "NXDOMAIN", 4: "NOTIMP", 5: "REFUSED"}
 TYPES = {1: "A", 2: "NS", 5: "CNAME", 6: "SOA", 12: "PTR", 15: "MX", 16: "TXT", 28: "AAAA", 33: "SRV",
          64: "SVCB", 65: "HTTPS", 255: "ANY"}  # fmt: skip
 _NAME_BYTES = frozenset(b"abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_")
@@ -190,6 +192,18 @@ def decide(
     return NOERROR, [ANSWER_ADDRESS], entry
 
 
+def refused(msg: bytes, why: str) -> tuple[bytes | None, Entry]:
+    """The reply to a question past the box's rate (REFUSED, at once) and its log entry."""
+    entry: Entry = {"time": round(time.time(), 3), "method": "DNS", "decision": "refused",
+                    "rcode": RCODES[REFUSED], "reason": f"limit: {why}"}  # fmt: skip
+    try:
+        q = parse_query(msg)
+    except Malformed:
+        return error_response(msg, REFUSED), entry
+    entry.update(host=q.name, type=TYPES.get(q.qtype, str(q.qtype)))
+    return build_response(q, REFUSED), entry
+
+
 def handle(
     msg: bytes, policy: Policy, lookup: Lookup = lookup_host, boxes: Mapping[str, str] | None = None
 ) -> tuple[bytes | None, Entry]:
@@ -231,45 +245,66 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes | None:
 def serve(
     conn: socket.socket,
     policy_path: Path,
-    log_path: Path,
+    ledger: Ledger,
     lookup: Lookup = lookup_host,
     boxes: Mapping[str, str] | None = None,
 ) -> None:
     """Answer length-prefixed queries on ``conn`` until it ends or stays idle."""
     conn.settimeout(IDLE_TIMEOUT)
+    rate = ledger.limits.dns
     while True:
         head = _recv_exact(conn, 2)
         size = int.from_bytes(head, "big") if head else 0
         msg = _recv_exact(conn, size) if 0 < size <= MAX_MESSAGE else None
         if msg is None:
             return  # ended, or a size no query has: the framing cannot be trusted further
-        reply, entry = handle(msg, read_policy(policy_path), lookup, boxes)
-        with contextlib.suppress(OSError), open(log_path, "a") as f:
-            f.write(json.dumps(entry) + "\n")
+        if ledger.admit("dns"):
+            reply, entry = handle(msg, read_policy(policy_path), lookup, boxes)
+        else:
+            reply, entry = refused(msg, f"more than {rate.per_s:g} questions a second (burst {rate.burst:g})")
+        ledger.record(entry)
         if reply is not None:
             conn.sendall(len(reply).to_bytes(2, "big") + reply)
 
 
+class Args(NamedTuple):
+    """``POLICY LOG [--link FILE] [--limits SPEC]`` (``--limits``: the box's bounds,
+    ``ledger.Limits``, else this process's)."""
+
+    policy: Path
+    log: Path
+    link: Path | None = None
+    limits: Limits | None = None
+
+    @classmethod
+    def parse(cls, argv: list[str]) -> Args | None:
+        opts = HelperOptions.parse(argv[3:]) if len(argv) >= 3 else None
+        if opts is None or opts.rest:
+            return None
+        return cls(Path(argv[1]), Path(argv[2]), opts.link, opts.limits)
+
+
 def main(argv: list[str]) -> int:
-    """``POLICY LOG [--link FILE]``: one connection, handed over by QEMU as descriptors 0-2."""
-    if not _valid(argv):
+    """``Args``: one connection, handed over by QEMU as descriptors 0-2."""
+    if Args.parse(argv) is None:
         return 2
     handle_connection(adopt_guest_connection(), argv)
     return 0
-
-
-def _valid(argv: list[str]) -> bool:
-    return len(argv) in (3, 5) and (len(argv) == 3 or argv[3] == "--link")
 
 
 def handle_connection(conn: socket.socket, argv: list[str]) -> None:
     """Serve one guest connection as ``main`` with ``argv`` would (the egress server
     runs this in a thread of its own); the connection is closed at the end."""
     with guest_connection(conn), contextlib.suppress(OSError):  # a broken connection just ends it
-        if not _valid(argv):
+        args = Args.parse(argv)
+        if args is None:
             return
-        info = LinkInfo.read(Path(argv[4])) if len(argv) == 5 else None
-        serve(conn, Path(argv[1]), Path(argv[2]), boxes=info.addresses if info else None)
+        ledger = Ledger(args.log, args.limits or Limits.default())
+        with ledger.slot("dns") as served:
+            if not served:
+                return  # the relay in the box answers its client SERVFAIL
+            info = LinkInfo.read(args.link) if args.link is not None else None
+            serve(conn, args.policy, ledger, boxes=info.addresses if info else None)
 
 
 if __name__ == "__main__":

@@ -18,13 +18,15 @@ Every decision is made on the host: the name is checked, resolved here, each
 address checked, and the checked address is the one connected to. For CONNECT
 in allowlist mode, the TLS ClientHello's server name must be allowed too. A
 tunnel to a host the box's secrets are for is decrypted to swap them in (see
-``intercept``). Decisions are appended to LOG, one JSON line each.
+``intercept``). Decisions are appended to LOG, one JSON line each, through the box's
+ledger (``ledger``: the log bounded and folded, and the box's connections limited in
+rate and in number, ``--limits``): past a limit the guest is refused at once, with a
+``429`` where it asked in HTTP.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import socket
 import sys
@@ -33,6 +35,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from .boxlink import LinkInfo, open_box_port
+from .ledger import HelperOptions, Ledger, Limits
 from .policy import (
     Denied,
     IPAddress,
@@ -145,31 +148,35 @@ def read_client_hello(sock: socket.socket) -> bytes:
 
 
 class Args(NamedTuple):
-    """``POLICY LOG [--link FILE] [--transparent PORT | --box NAME PORT]``: a proxy
-    request per connection; a connection to the proxy address on PORT itself; or
-    one to the address of box NAME on PORT (``--link``: ``boxlink.LinkInfo``)."""
+    """``POLICY LOG [--link FILE] [--limits SPEC] [--transparent PORT | --box NAME PORT]``:
+    a proxy request per connection; a connection to the proxy address on PORT itself;
+    or one to the address of box NAME on PORT (``--link``: ``boxlink.LinkInfo``;
+    ``--limits``: the box's bounds, ``ledger.Limits``, else this process's)."""
 
     policy: Path
     log: str
     link: Path | None = None
     transparent: int | None = None
     box: tuple[str, int] | None = None
+    limits: Limits | None = None
 
     @classmethod
     def parse(cls, argv: list[str]) -> Args | None:
-        if len(argv) < 3:
+        opts = HelperOptions.parse(argv[3:]) if len(argv) >= 3 else None
+        if opts is None:
             return None
-        link, transparent, box, rest = None, None, None, argv[3:]
+        transparent, box, rest = None, None, opts.rest
         while rest:
-            if rest[0] == "--link" and len(rest) > 1:
-                link, rest = Path(rest[1]), rest[2:]
-            elif rest[0] == "--transparent" and len(rest) > 1 and rest[1].isdigit():
+            if rest[0] == "--transparent" and len(rest) > 1 and rest[1].isdigit():
                 transparent, rest = int(rest[1]), rest[2:]
             elif rest[0] == "--box" and len(rest) > 2 and rest[2].isdigit():
                 box, rest = (rest[1], int(rest[2])), rest[3:]
             else:
                 return None
-        return cls(Path(argv[1]), argv[2], link, transparent, box)
+        return cls(Path(argv[1]), argv[2], opts.link, transparent, box, opts.limits)
+
+    def ledger(self) -> Ledger:
+        return Ledger(Path(self.log), self.limits or Limits.default())
 
 
 def connect_box(policy: Policy, args: Args, box: str, port: int, entry: dict[str, object]) -> socket.socket:
@@ -431,22 +438,63 @@ def handle_connection(guest: socket.socket, argv: list[str]) -> None:
         guest.close()
         return
     log: list[dict[str, object]] = []
+    ledger = args.ledger()
     try:
         with guest_connection(guest):
-            if args.box is not None:
-                serve_box(guest, args, *args.box, log)
-            elif args.transparent is not None:
-                serve_transparent(guest, args, args.transparent, log)
-            else:
-                serve(guest, args, log)
+            if not ledger.admit("conn"):
+                rate = ledger.limits.connections
+                refuse(
+                    guest,
+                    args,
+                    log,
+                    f"more than {rate.per_s:g} new connections a second (burst {rate.burst:g})",
+                )
+                return
+            with ledger.slot() as served:
+                if not served:
+                    refuse(guest, args, log, f"{ledger.limits.open} connections of this box are open")
+                elif args.box is not None:
+                    serve_box(guest, args, *args.box, log)
+                elif args.transparent is not None:
+                    serve_transparent(guest, args, args.transparent, log)
+                else:
+                    serve(guest, args, log)
     except Exception as exc:  # a broken connection ends it; the log says why
         if log:
             log[-1].setdefault("decision", "failed")
             log[-1].setdefault("reason", f"{type(exc).__name__}: {exc}")
     finally:
         if log:
-            with contextlib.suppress(OSError), open(args.log, "a") as f:
-                f.write(json.dumps(log[-1]) + "\n")
+            with contextlib.suppress(OSError):
+                ledger.record(log[-1])
+
+
+REFUSAL_HEAD_WAIT = 0.25  # seconds a refused proxy request's head may take to arrive
+
+
+def refuse(guest: socket.socket, args: Args, log: list[dict[str, object]], why: str) -> None:
+    """A connection past the box's limits: refused at once. A proxy request hears ``429``,
+    once its head is read (briefly waited for: a response to a request not yet read would
+    be lost to the reset its unread bytes cause), and the log says what it asked."""
+    entry: dict[str, object] = {
+        "time": round(time.time(), 3),
+        "decision": "refused",
+        "reason": f"limit: {why}",
+    }
+    log.append(entry)
+    if args.box is not None:
+        entry.update(box=args.box[0], port=args.box[1], transparent=True)
+    elif args.transparent is not None:
+        entry.update(port=args.transparent, transparent=True)
+    else:
+        guest.settimeout(REFUSAL_HEAD_WAIT)
+        with contextlib.suppress(OSError, Denied):
+            head, _ = read_head(guest)
+            method, host, port, _ = parse_request(head)
+            entry.update(method=method, host=host, port=port)
+        send_error(guest, "429 Too Many Requests", f"egress refused: {why}",
+                   "X-Sandlot-Egress: refused\r\nRetry-After: 1\r\n")  # fmt: skip
+    drain(guest)
 
 
 if __name__ == "__main__":

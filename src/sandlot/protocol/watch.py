@@ -3,7 +3,10 @@
 The agent sends event records on stream 1 of the channel under the stream's
 window, so a host that stops reading stops only this channel; the agent then
 keeps at most its own queue's worth and reports what it had to drop as one
-overflow record (docs/protocol.md, "Watch").
+overflow record (docs/protocol.md, "Watch"). It sends at most the host's rate
+(``SANDLOT_WATCH_RATE``: records a second, and at once), past which what a box's
+churn of files makes is dropped and said as one overflow record too: the host
+works no faster than that for a watch, whatever the guest does.
 """
 
 from __future__ import annotations
@@ -12,7 +15,9 @@ import contextlib
 import posixpath
 from collections import deque
 
+from .. import records
 from ..errors import SandlotError
+from ..records import Rate
 from . import wire
 from .connection import AgentConnection, Channel, InboundStream
 from .wire import Fields, RawWatchRecord, T, Tag, WatchFlag
@@ -32,9 +37,17 @@ class WatchStream:
         self.ended = False
 
     @classmethod
-    async def start(cls, conn: AgentConnection, path: str, *, recursive: bool) -> WatchStream:
-        """Watch ``path`` (absolute); a missing path raises the guest's FileNotFoundError."""
+    async def start(
+        cls, conn: AgentConnection, path: str, *, recursive: bool, rate: Rate | None = None
+    ) -> WatchStream:
+        """Watch ``path`` (absolute); a missing path raises the guest's FileNotFoundError.
+        ``rate``: the records a second the agent may send (default ``SANDLOT_WATCH_RATE``;
+        an agent older than it sends them all)."""
+        rate = rate or records.bounds().watch
         payload = wire.tlv(Tag.PATH, path) + wire.tlv(Tag.FLAGS, WatchFlag.RECURSIVE if recursive else 0)
+        if rate.limited:
+            per_s = max(1, min(int(rate.per_s), 1 << 30))
+            payload += wire.tlv(Tag.RATE, per_s) + wire.tlv(Tag.BURST, max(1, min(int(rate.burst), 1 << 30)))
         ch = conn.open_channel()
         try:
             ch.send(T.WATCH, payload)

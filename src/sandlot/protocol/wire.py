@@ -121,6 +121,8 @@ class Tag(IntEnum):
     TARGET = 54
     RDEV = 55
     ASLR = 56
+    RATE = 57
+    BURST = 58
 
 
 class ExecFlag:

@@ -288,17 +288,21 @@ def create_app(settings: Settings) -> origins.Listeners:
 
     @api.get("/metrics", tags=["server"], response_class=Response)
     async def metrics(request: Request) -> Response:
-        """Prometheus' text format: the boxes the key may see, from their newest samples,
-        and for an admin key the home's chunk store (its figures are every box's)."""
-        from ..api.metrics import latest
+        """Prometheus' text format: the boxes the key may see, from their newest samples, and
+        what their bounded records folded, dropped or refused; for an admin key also the
+        home's own records and its chunk store (their figures are every box's)."""
+        from ..api.metrics import bounded, latest
         from ..api.storage import totals
         from .prometheus import CONTENT_TYPE, exposition
 
         caller = request.state.caller
         rows = [({"id": b.id, "name": b.name, "state": b.state}, sample)
                 for b, sample in await latest(settings.home) if caller.may_see(b.info["labels"])]  # fmt: skip
+        counts = await bounded(settings.home)
+        seen = {box["id"] for box, _ in rows} | ({""} if caller.admin else set())
         storage = await asyncio.to_thread(totals, home=settings.home) if caller.admin else None
-        return Response(exposition(rows, storage), media_type=CONTENT_TYPE)
+        mine = {b: c for b, c in counts.items() if b in seen}
+        return Response(exposition(rows, mine, storage), media_type=CONTENT_TYPE)
 
     api.include_router(router, prefix="/v1")
     api.include_router(bridge.v1, prefix="/v1")

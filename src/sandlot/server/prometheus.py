@@ -37,8 +37,11 @@ CONTENT_TYPE = CONTENT_TYPE_LATEST
 
 
 class _Boxes(Collector):
-    def __init__(self, rows: list[tuple[dict[str, Any], dict[str, Any] | None]]) -> None:
+    def __init__(
+        self, rows: list[tuple[dict[str, Any], dict[str, Any] | None]], bounded: dict[str, Any]
+    ) -> None:
         self.rows = rows  # (the box's id, name and state; its newest sample)
+        self.bounded = bounded  # box id ("": the home): record: what: count (``api.metrics.bounded``)
 
     def collect(self) -> Iterator[Metric]:
         info = GaugeMetricFamily("sandlot_info", "The server's sandlot", labels=["version"])
@@ -68,6 +71,22 @@ class _Boxes(Collector):
             sampled.add_metric([box["id"], box["name"]], sample["at"])
         yield started
         yield sampled
+        names = {box["id"]: box["name"] for box, _ in self.rows}
+        boxes = CounterMetricFamily("sandlot_box_records_bounded",
+                                    "What a box's bounded records folded, dropped or refused (what: "
+                                    "folded, dropped, dropped_bytes, refused_dns, refused_connections...)",
+                                    labels=[*labels, "record", "what"])  # fmt: skip
+        home = CounterMetricFamily("sandlot_records_bounded", "What the home's bounded records dropped",
+                                   labels=["record", "what"])  # fmt: skip
+        for box_id, recs in sorted(self.bounded.items()):
+            for record, counts in sorted(recs.items()):
+                for what, n in sorted(counts.items()):
+                    if box_id == "":
+                        home.add_metric([record, what], float(n))
+                    elif box_id in names:
+                        boxes.add_metric([box_id, names[box_id], record, what], float(n))
+        yield boxes
+        yield home
 
 
 # (name, help, the field of ``BoxStore.chunk_totals``): the home's chunk store (docs/storage.md)
@@ -92,11 +111,14 @@ class _Storage(Collector):
 
 
 def exposition(
-    rows: list[tuple[dict[str, Any], dict[str, Any] | None]], storage: dict[str, int] | None = None
+    rows: list[tuple[dict[str, Any], dict[str, Any] | None]],
+    bounded: dict[str, Any] | None = None,
+    storage: dict[str, int] | None = None,
 ) -> bytes:
-    """The text format of these boxes and samples, and (an admin's) of the home's chunk store."""
+    """The text format of these boxes and samples, of what their records bounded, and
+    (an admin's) of the home's chunk store."""
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(_Boxes(rows))
+    registry.register(_Boxes(rows, bounded or {}))
     if storage is not None:
         registry.register(_Storage(storage))
     return generate_latest(registry)

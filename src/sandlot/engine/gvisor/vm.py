@@ -27,7 +27,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from ... import pids
+from ... import pids, records
 from ...config import tail
 from ...crashpoints import crash_point
 from ...errors import BootError, HostSetupError, SavedStateError, no_space
@@ -181,6 +181,49 @@ def mount_overlay(cfg: SandboxConfig) -> None:
         raise HostSetupError(f"cannot mount the box's overlay root at {cfg.root}: {os.strerror(err)}")
 
 
+MS_NOSUID, MS_NODEV, MS_NOEXEC = 0x2, 0x4, 0x8
+CONSOLE_INODES = 16  # files the console's tmpfs holds: the log, and a few a guest may make there
+
+
+def mount_console(cfg: SandboxConfig) -> None:
+    """The console directory the sandbox writes its log into: a tmpfs of the console's
+    bound (``SANDLOT_CONSOLE_LOG_MIB``), since anything in the box may write there (the
+    directory is bound into it read-write: the init's log must be a file of the
+    sandbox's own, not a host descriptor). The newest of a log kept on disk comes along.
+    Root only, as every gVisor box; mounted once, kept through saves, ``unmount_console``
+    writes the log back to disk as the box ends."""
+    if is_mounted(cfg.console_dir):
+        return
+    size = records.bounds().console_bytes
+    kept = _newest(cfg.console_log, size // 2)
+    opts = f"size={size},nr_inodes={CONSOLE_INODES},mode=0755".encode()
+    flags = MS_NOSUID | MS_NODEV | MS_NOEXEC
+    if _libc.mount(b"tmpfs", str(cfg.console_dir).encode(), b"tmpfs", flags, opts) != 0:
+        err = ctypes.get_errno()
+        raise HostSetupError(f"cannot mount the box's console at {cfg.console_dir}: {os.strerror(err)}")
+    cfg.console_log.write_bytes(kept)
+
+
+def unmount_console(cfg: SandboxConfig) -> None:
+    """Unmount the console's tmpfs, its log written back to the directory below."""
+    if not is_mounted(cfg.console_dir):
+        return
+    kept = _newest(cfg.console_log, records.bounds().console_bytes)
+    unmount(cfg.console_dir, lazy=False)
+    with contextlib.suppress(OSError):
+        cfg.console_log.write_bytes(kept)
+
+
+def _newest(path: Path, nbytes: int) -> bytes:
+    """The last ``nbytes`` of a file (the head of a log cut in place reads as zeros)."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, f.seek(0, os.SEEK_END) - nbytes))
+            return f.read().lstrip(b"\0")
+    except OSError:
+        return b""
+
+
 def mount_read_only(lower: list[Path], target: Path) -> None:
     """A read-only overlay of ``lower`` (top first; two at least) at ``target``."""
     opts = ("lowerdir=" + ":".join(str(p) for p in lower)).encode()
@@ -317,6 +360,7 @@ def destroy(cfg: SandboxConfig) -> None:
     with contextlib.suppress(HostSetupError, OSError, subprocess.TimeoutExpired):
         network.remove(cfg.cid)
     unmount(cfg.root)
+    unmount_console(cfg)
     drives.stop_all(cfg.run_dir)  # after the sandbox: what it wrote is written back as they end
 
 
@@ -397,6 +441,7 @@ class GvisorVM(VM):
         if cfg.disk_gb:
             await asyncio.to_thread(limits.bound_disk, cfg.layer, cfg.disk_gb)
         await asyncio.to_thread(mount_overlay, cfg)
+        await asyncio.to_thread(mount_console, cfg)
         if cfg.drives:
             try:
                 await asyncio.to_thread(drives.serve, cfg.run_dir, cfg.drives)

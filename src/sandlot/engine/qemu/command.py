@@ -221,7 +221,11 @@ class VMConfig:
 
 
 NAME_PREFIX = "sandlot-"  # of ``-name``: every VM sandlot starts
-CONSOLE_CHARDEV = "file,id=console,path="  # the console log's chardev, its path last
+# The console log's chardev, its path last. Appended to (``append=on``: O_APPEND), so that
+# the home's keeper can cut the log's head in place while QEMU writes on (``core.keeper``);
+# a VM started before that has the other form.
+CONSOLE_CHARDEV = "file,id=console,append=on,path="
+CONSOLE_CHARDEVS = (CONSOLE_CHARDEV, "file,id=console,path=")
 
 
 def _q(value: object) -> str:
@@ -284,8 +288,9 @@ def state_dir_of(argv: list[str]) -> Path | None:
     for prev, arg in itertools.pairwise(argv):
         if prev == "-name":
             named = arg.startswith(NAME_PREFIX)
-        elif prev == "-chardev" and arg.startswith(CONSOLE_CHARDEV):
-            console = Path(arg.removeprefix(CONSOLE_CHARDEV).replace(",,", ","))
+        elif prev == "-chardev" and arg.startswith(CONSOLE_CHARDEVS):
+            prefix = next(p for p in CONSOLE_CHARDEVS if arg.startswith(p))
+            console = Path(arg.removeprefix(prefix).replace(",,", ","))
     return console.parent if named and console is not None else None
 
 

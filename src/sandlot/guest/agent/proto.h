@@ -108,6 +108,8 @@ enum sl_tag {
     SL_T_TARGET = 54,        /* FS SYMLINK: the link's target, as given (relative or absolute) */
     SL_T_RDEV = 55,          /* FS MKNOD: the device number (u64, the kernel's encoding) */
     SL_T_ASLR = 56,          /* HELLO: kernel.randomize_va_space wanted (2 or 0); its ACK: in force */
+    SL_T_RATE = 57,          /* WATCH: records a second the watch sends at most (0: no limit) */
+    SL_T_BURST = 58,         /* WATCH: ... and at once */
 };
 
 /* SL_T_FLAGS bits of SL_EXEC */

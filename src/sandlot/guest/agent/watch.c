@@ -12,9 +12,11 @@
  *   before its watch took hold is reported from a scan (once: the events
  *   inotify queued meanwhile for the same names are dropped);
  * - nothing is lost silently: a kernel queue overflow, this channel's own
- *   queue filling up while the host does not read, and a directory that could
- *   not be watched (WATCH_MAX, fs.inotify limits) are OVERFLOW records naming
- *   the directory under which events may be missing.
+ *   queue filling up while the host does not read, records past the rate the
+ *   host asked for (RATE a second, BURST at once: a box that churns files makes
+ *   the host work no faster than that), and a directory that could not be
+ *   watched (WATCH_MAX, fs.inotify limits) are OVERFLOW records naming the
+ *   directory under which events may be missing.
  * A file is watched through its directory, so the path is followed when the
  * file is replaced (atomic writes rename a new file over it). */
 #define _GNU_SOURCE
@@ -71,6 +73,9 @@ struct watch_state {
     struct wnode *nodes[NODE_BUCKETS];
     struct ostream out;        /* stream 1: records [acked, end) kept for resending */
     int overflow;              /* records were dropped: an OVERFLOW of the base is due */
+    uint32_t rate, burst;      /* records a second and at once (rate 0: no limit) */
+    double tokens;             /* what the rate allows now, as of tokens_ms */
+    uint64_t tokens_ms;
     int moving;                /* an IN_MOVED_FROM waits for its IN_MOVED_TO */
     uint32_t move_cookie;
     char *move_path;
@@ -129,12 +134,41 @@ static int record_put(struct watch_state *w, uint8_t kind, int is_dir, const cha
     return 0;
 }
 
+/* What the watch's rate allows now (a token bucket), refilled to this moment. */
+static double rate_refill(struct watch_state *w)
+{
+    uint64_t now = now_ms();
+    w->tokens += (double)(now - w->tokens_ms) * w->rate / 1000.0;
+    if (w->tokens > w->burst) {
+        w->tokens = w->burst;
+    }
+    w->tokens_ms = now;
+    return w->tokens;
+}
+
+/* One record's worth of the watch's rate, if there is one now. */
+static int rate_take(struct watch_state *w)
+{
+    if (w->rate == 0) {
+        return 1;
+    }
+    if (rate_refill(w) < 1.0) {
+        return 0;
+    }
+    w->tokens -= 1.0;
+    return 1;
+}
+
+/* After records went past the rate, the watch goes on only once a quarter of its burst
+ * is back: one OVERFLOW then stands for a pause, not for every other record of a flood. */
+static double rate_resume(struct watch_state *w) { return w->burst >= 4 ? w->burst / 4.0 : 1.0; }
+
 static void emit(struct watch_state *w, uint8_t kind, int is_dir, const char *path, const char *old)
 {
     if (w->file_name && strcmp(path, w->file_name) && (!old || strcmp(old, w->file_name))) {
         return; /* a file watch hears only of its own name */
     }
-    if (w->overflow || record_put(w, kind, is_dir, path, old) < 0) {
+    if (w->overflow || !rate_take(w) || record_put(w, kind, is_dir, path, old) < 0) {
         w->overflow = 1;
     }
 }
@@ -142,15 +176,23 @@ static void emit(struct watch_state *w, uint8_t kind, int is_dir, const char *pa
 /* A directory that could not be watched: what happens below it goes unseen. */
 static void emit_unwatched(struct watch_state *w, const char *path)
 {
-    if (w->overflow || record_put(w, SL_WE_OVERFLOW, 1, path, NULL) < 0) {
+    if (w->overflow || !rate_take(w) || record_put(w, SL_WE_OVERFLOW, 1, path, NULL) < 0) {
         w->overflow = 1;
     }
 }
 
-/* Once the host has taken enough, the dropped records become one OVERFLOW. */
+/* Once the host has taken enough, and the rate allows one more record, the dropped
+ * records become one OVERFLOW. */
 static void overflow_flush(struct watch_state *w)
 {
-    if (w->overflow && !w->out.eof && record_put(w, SL_WE_OVERFLOW, 1, "", NULL) == 0) {
+    if (!w->overflow || w->out.eof) {
+        return;
+    }
+    size_t held = (size_t)(w->out.end - w->out.acked);
+    if (held + SL_WATCH_RECORD > WATCH_QUEUE || (w->rate && rate_refill(w) < rate_resume(w))) {
+        return;
+    }
+    if (rate_take(w) && record_put(w, SL_WE_OVERFLOW, 1, "", NULL) == 0) {
         w->overflow = 0;
     }
 }
@@ -686,9 +728,10 @@ static int inotify_open(void)
 void watch_start(struct session *s, uint32_t ch, const uint8_t *p, size_t n)
 {
     char *path = NULL;
-    uint32_t flags = 0;
+    uint32_t flags = 0, rate = 0, burst = 0;
     if (!tlv_valid(p, n) || tlv_str(p, n, SL_T_PATH, &path) != 1 || path[0] != '/' ||
-        strlen(path) >= PATH_MAX || tlv_u32(p, n, SL_T_FLAGS, &flags) < 0) {
+        strlen(path) >= PATH_MAX || tlv_u32(p, n, SL_T_FLAGS, &flags) < 0 || tlv_u32(p, n, SL_T_RATE, &rate) < 0 ||
+        tlv_u32(p, n, SL_T_BURST, &burst) < 0) {
         free(path);
         send_error(s, ch, EINVAL, SL_WATCH, "WATCH needs an absolute PATH shorter than %d bytes", PATH_MAX);
         return;
@@ -712,6 +755,10 @@ void watch_start(struct session *s, uint32_t ch, const uint8_t *p, size_t n)
     }
     ostream_init(&w->out, -1, 0);
     w->recursive = (flags & SL_WATCH_RECURSIVE) != 0;
+    w->rate = rate;
+    w->burst = burst ? burst : (rate ? rate : 1);
+    w->tokens = w->burst;
+    w->tokens_ms = now_ms();
     w->root_wd = -1;
     w->fd = inotify_open();
     int err = w->fd < 0 ? errno : 0;
@@ -786,6 +833,12 @@ static int watch_wait(struct channel *c, struct chan_wait *wt, uint64_t now, int
     uint64_t due = UINT64_MAX;
     if (w->moving) {
         due = w->move_ms + MOVE_PAIR_MS;
+    }
+    if (w->overflow && w->rate && w->tokens < rate_resume(w)) { /* the OVERFLOW goes once the rate allows */
+        uint64_t later = w->tokens_ms + 1 + (uint64_t)((rate_resume(w) - w->tokens) * 1000.0 / w->rate);
+        if (later < due) {
+            due = later;
+        }
     }
     for (int i = 0; i < w->ndirty; i++) {
         if (w->dirty[i].since_ms + MODIFY_SETTLE_MS < due) {

@@ -31,6 +31,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
+from ... import records
 from ...api.box import AsyncBox
 from ...api.contract import STDERR, STDOUT
 from ...api.files import AsyncWatch
@@ -512,7 +513,10 @@ async def _collect(watcher: Watcher) -> None:
             if event is None:
                 return
             watcher.events.extend(_fs_events(watcher.root, event))
-            del watcher.events[:-WATCHER_EVENTS_KEPT]
+            over = len(watcher.events) - WATCHER_EVENTS_KEPT
+            if over > 0:  # a client that does not poll: its oldest go
+                records.TALLY.add("watch", "dropped", watcher.box_id, over)
+                del watcher.events[:-WATCHER_EVENTS_KEPT]
     except SandlotError:
         return
 

@@ -21,6 +21,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
+from ... import records
 from ...api.box import AsyncBox
 from ...api.code import CodeContext, Execution, Result, context_id
 from ...errors import CodeContextNotFound, CodeTimeout, InvalidArgument, SandlotError
@@ -80,6 +81,7 @@ class Interpreter:
         def put(kind: str, **fields: Any) -> None:
             line = json.dumps({"type": kind, **fields}).encode() + b"\n"
             if kind in ("stdout", "stderr") and backlog["bytes"] + len(line) > QUEUED_LIMIT:
+                records.TALLY.add("interpreter", "dropped_bytes", box.id, len(line))
                 if not backlog["dropping"]:  # said once; output flows again once half drained
                     backlog["dropping"] = True
                     note = (
