@@ -21,6 +21,7 @@ from sandlot.engine.gvisor import limits as gvisor_limits
 
 from tests.conftest import TEST_ENGINE
 from tests.support.neighbour import neighbour_latency
+from tests.support.waiting import deadline_in
 
 pytestmark = pytest.mark.vm
 
@@ -57,7 +58,7 @@ def test_a_fork_bomb_is_held_by_the_pids_limit(busybox_root: Path, neighbour: sa
         with neighbour_latency(neighbour, "a fork bomb"), pytest.raises(sandlot.ExecTimeout):
             box.exec("sh", "-c", "bomb() { bomb | bomb & }; bomb; sleep 100", timeout=8)
         # the agent is outside the limit: it answers, and the bomb's group is gone
-        deadline = time.monotonic() + 30
+        deadline = deadline_in(30)
         while True:
             count = box.sh(f"cat {PIDS_DIR}/pids.current").stdout.strip()
             if int(count) <= 2:  # this very command and its shell

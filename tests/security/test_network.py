@@ -32,6 +32,7 @@ from sandlot.net.egress import egress_socket
 from tests.conftest import TEST_ENGINE
 from tests.support.egress import egress_log, logged
 from tests.support.servers import LocalServer, QuietHandler
+from tests.support.waiting import deadline_in
 
 pytestmark = pytest.mark.vm
 
@@ -412,7 +413,7 @@ def test_guest_connections_go_through_the_homes_egress_server_and_survive_its_de
         """Wait until the guest's side of the egress port says ``want`` (QEMU only)."""
         if TEST_ENGINE != "qemu":
             return
-        deadline = time.monotonic() + 30
+        deadline = deadline_in(30)
         while (state := box.exec("cat", "/run/sandlot/egress").stdout.strip()) != want:
             assert time.monotonic() < deadline, f"the egress port is {state!r}, not {want!r}"
             time.sleep(0.2)
@@ -430,7 +431,7 @@ def test_guest_connections_go_through_the_homes_egress_server_and_survive_its_de
         assert probe(box, target)[target] == "host-only-data"
         [server] = servers()
         os.kill(server, signal.SIGKILL)
-        deadline = time.monotonic() + 10
+        deadline = deadline_in(10)
         while servers():
             assert time.monotonic() < deadline
             time.sleep(0.05)

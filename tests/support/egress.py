@@ -8,6 +8,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from tests.support.waiting import deadline_in
+
 Entry = dict[str, object]
 
 
@@ -29,7 +31,7 @@ def logged(box: Any, until: Callable[[list[Entry]], bool], timeout: float = 30.0
     with the connection, which can be a moment after the client in the box has seen its
     end; a DNS answer's line is written before the answer."""
     path = _path(box)  # asked of the box once, not at each look
-    deadline = time.monotonic() + timeout
+    deadline = deadline_in(timeout)
     while True:
         log = _read(path)
         if until(log) or time.monotonic() > deadline:

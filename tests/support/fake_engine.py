@@ -328,7 +328,7 @@ class FakeVM(VM):
             elif argv[0] == "lines":  # lines N: N numbered lines on stdout
                 out = b"".join(b"line %d\n" % i for i in range(int(argv[1])))
             elif argv[:2] == ("/proc/1/exe", "--relay"):
-                await self._relay(int(argv[2]), ch, w)
+                await self._relay(argv[2], ch, w)
                 return
             elif argv[0] == "cat":
                 queue = self._stdin.get(ch)
@@ -351,17 +351,21 @@ class FakeVM(VM):
             self.busy -= 1
             self.last_request = asyncio.get_running_loop().time()
 
-    async def _relay(self, port: int, ch: int, w: asyncio.StreamWriter) -> None:
+    async def _relay(self, target_arg: str, ch: int, w: asyncio.StreamWriter) -> None:
         """The agent's relay (guest/agent/relay.c): "connected" on stderr, then stdin to the
-        port and the port's bytes to stdout; exit 111 with the errno where it is refused."""
+        port and the port's bytes to stdout; exit 111 with the errno where it is refused. A
+        Unix socket's path (a code context's kernel) is refused as in a guest where nothing
+        listens there: it never answered at all, and its caller waited out its deadline."""
 
         def finish(code: int, out: int, err: int) -> None:
             self._send(w, T.EOF, ch, wire.data_payload(wire.STREAM_STDOUT, out))
             self._send(w, T.EOF, ch, wire.data_payload(wire.STREAM_STDERR, err))
             self._send(w, T.EXIT, ch, wire.tlv(Tag.EXIT_CODE, code))
 
-        target = self.engine.ports.get(port)
+        target = None if target_arg.startswith("/") else self.engine.ports.get(int(target_arg))
         try:
+            if target_arg.startswith("/"):
+                raise FileNotFoundError(errno.ENOENT, f"nothing answers on {target_arg} in the box")
             if target is None:
                 raise ConnectionRefusedError(errno.ECONNREFUSED, "Connection refused")
             reader, writer = await asyncio.open_connection(*target)

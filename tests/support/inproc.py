@@ -24,6 +24,7 @@ from sandlot.server.app import create_app
 from sandlot.server.state import Settings
 
 from tests.support.fake_engine import register
+from tests.support.waiting import deadline_in
 
 
 @dataclass
@@ -67,7 +68,7 @@ def serving(home: Path, *, auth: bool = True, mcp: bool = True, **settings: Any)
                               name="sandlot-test-server", daemon=True)  # fmt: skip
     thread.start()
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 30
+    deadline = deadline_in(30)
     while True:
         with contextlib.suppress(httpx.TransportError):
             if httpx.get(f"{url}/health", timeout=2).status_code == 200:

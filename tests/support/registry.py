@@ -16,6 +16,8 @@ from pathlib import Path
 
 import httpx
 
+from tests.support.waiting import deadline_in
+
 REGISTRY_BIN = "/usr/bin/docker-registry"
 
 
@@ -137,7 +139,7 @@ def run_registry(tmp: Path, *, tls: bool = False, auth: tuple[str, str] | None =
     proc = subprocess.Popen([REGISTRY_BIN, "serve", str(cfg)], stdout=log, stderr=log)
     scheme = "https" if tls else "http"
     try:
-        deadline = time.monotonic() + 20
+        deadline = deadline_in(20)
         while True:
             try:
                 verify: ssl.SSLContext | bool = ssl.create_default_context(cafile=str(ca)) if ca else False

@@ -17,6 +17,8 @@ from typing import Any
 
 import httpx
 
+from tests.support.waiting import deadline_in
+
 
 def shared_home(parent: Path) -> Path:
     """A fresh, empty home under ``parent`` that shares the default home's kernel, agent
@@ -114,7 +116,7 @@ def _start(home: Path, port: int, content_port: int, args: tuple[str, ...],
     with open(log, "ab") as out:
         proc = subprocess.Popen([sys.executable, "-m", "sandlot.cli", *argv], env=env, stdout=out,
                                 stderr=subprocess.STDOUT)  # fmt: skip
-    deadline = time.monotonic() + 60
+    deadline = deadline_in(60)
     scheme = "https" if "--tls-cert" in args else "http"
     while True:
         with contextlib.suppress(httpx.TransportError):
@@ -168,7 +170,7 @@ def load(url: str, key: str | None, boxes: list[str], clients: int, seconds: flo
     in turn (each file its own bytes, read back and compared) for ``seconds``."""
     done, errors = [0], []
     lock = threading.Lock()
-    stop = time.monotonic() + seconds
+    stop = deadline_in(seconds)
     headers = {"Authorization": f"Bearer {key}"} if key else {}
 
     def worker(i: int) -> None:

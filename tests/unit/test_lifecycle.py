@@ -478,6 +478,11 @@ def test_the_with_block_removes_its_box_and_keep_leaves_it(home: Path, root: Pat
         again = await sandlot.AsyncBox.get("kept", home=home)
         assert again.state == "running" and (await again.inspect())["ephemeral"] is False
         await kept.remove(force=True)
+        auto = await created(home, root, name="auto", auto_remove=True)  # goes at its stop
+        await auto.start()
+        await auto.stop()
+        with pytest.raises(sandlot.BoxNotFound):
+            await sandlot.AsyncBox.get("auto", home=home)
 
     run(main)
 
@@ -855,3 +860,91 @@ def test_a_command_reads_the_row_again_only_after_a_commit_it_did_not_make(
             await box.remove(force=True)
 
     run(main)
+
+
+# -- refusals that boot nothing (they ran on real VMs once; the engine never sees them) --------
+
+
+def test_bad_options_are_refused_and_change_nothing(home: Path, root: Path, tmp_path: Path) -> None:
+    box = sandlot.create(rootfs=root, name="original", memory_mib=256, engine="fake", home=home)
+    try:
+        before = box.inspect()
+        with pytest.raises(sandlot.BoxNotFound):
+            sandlot.get("no-such-box", home=home)
+        with pytest.raises(sandlot.InvalidArgument, match="already exists"):
+            sandlot.create(rootfs=root, name="original", engine="fake", home=home)
+        for kwargs in (
+            {"name": "bad name"},
+            {"name": "-leading"},
+            {"name": "x" * 64},
+            {"memory_mib": -512},
+            {"cpus": 0},
+            {"volumes": [f"{tmp_path / 'missing'}:/mnt"]},
+            {"volumes": ["nocolon"]},
+            {"volumes": [f"{tmp_path}:relative"]},
+            {"labels": {"bad key": "v"}},
+        ):
+            with pytest.raises(sandlot.InvalidArgument):
+                sandlot.create(rootfs=root, engine="fake", home=home, **kwargs)
+        for kwargs in (  # refused by the constructor, before a start
+            {"memory_mib": -1},
+            {"memory_mib": 0},
+            {"memory_mib": "512"},
+            {"cpus": 0},
+            {"disk_size_gb": 0},
+            {"hostname": "bad host"},
+            {"boot_timeout": 0},
+        ):
+            with pytest.raises(sandlot.InvalidArgument):
+                sandlot.Box(rootfs=root, engine="fake", home=home, **kwargs)
+        with pytest.raises(sandlot.InvalidArgument, match="does not exist"):
+            sandlot.Box(rootfs=tmp_path / "nope", engine="fake", home=home)
+        with pytest.raises(ValueError):  # InvalidArgument is a ValueError too
+            sandlot.Box(rootfs="", engine="fake", home=home)
+        with pytest.raises(sandlot.InvalidState, match="created"):
+            box.exec("true")
+        after = box.inspect()
+        assert {k: after[k] for k in ("state", "name", "options")} == {
+            k: before[k] for k in ("state", "name", "options")
+        }
+        assert [b.name for b in sandlot.list(home=home)] == ["original"]
+    finally:
+        box.remove()
+
+
+def test_a_bad_kernel_or_accelerator_fails_before_qemu_runs(home: Path, root: Path, tmp_path: Path) -> None:
+    """The QEMU engine's own refusals, each before it launches anything."""
+    t0 = time.monotonic()
+    missing = tmp_path / "missing-vmlinux"
+    with (
+        pytest.raises(sandlot.HostSetupError, match="does not exist"),
+        sandlot.Box(rootfs=root, kernel=missing, engine="qemu", home=home),
+    ):
+        pass
+    junk = tmp_path / "junk-kernel"
+    junk.write_bytes(os.urandom(4096))
+    with (
+        pytest.raises(sandlot.HostSetupError, match="neither an ELF"),
+        sandlot.Box(rootfs=root, kernel=junk, engine="qemu", home=home),
+    ):
+        pass
+    with (
+        pytest.raises(sandlot.InvalidArgument, match="accel"),
+        sandlot.Box(rootfs=root, accel="warp", engine="qemu", home=home),
+    ):
+        pass
+    assert time.monotonic() - t0 < 30  # a disk made for the root, and no boot
+    assert sandlot.list(home=home) == []
+
+
+def test_boxes_of_a_home_given_by_name(home: Path, root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SANDLOT_HOME", str(home))
+    rt = sandlot.Runtime()  # the default home ($SANDLOT_HOME)
+    assert rt.home == home
+    box = sandlot.create(rootfs=root, name="rt-api", memory_mib=256, engine="fake", home=rt.home)
+    try:
+        assert sandlot.get("rt-api", home=rt.home).id == box.id and box.state == "created"
+        assert "rt-api" in [b.name for b in sandlot.list(state="created", home=rt.home)]
+    finally:
+        box.remove()
+    assert "rt-api" not in [b.name for b in sandlot.list(home=rt.home)]

@@ -152,12 +152,24 @@ def _debugfs_stat(image: Path, path: str) -> str:
 
 
 def test_unprivileged_unpack_keeps_owners(request: pytest.FixtureRequest) -> None:
-    """As an ordinary user (here: nobody), owners, modes and devices still come out exact."""
+    """As an ordinary user (here: nobody), owners, modes and devices still come out exact.
+    nobody runs a copy of sandlot's package in a directory of its own, with the base
+    interpreter: the checkout and its .venv may be where nobody cannot enter (a clone in
+    /root, mode 0700 on Debian, or under a mktemp -d folder)."""
     if os.geteuid() != 0:
         pytest.skip("needs root to switch to an unprivileged user")
+    nobody = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
+    python = os.path.realpath(sys.executable)  # the venv's python is a link inside the checkout
+    probe = subprocess.run([*nobody, python, "-c", "pass"], capture_output=True, text=True)
+    if probe.returncode != 0:
+        pytest.skip(f"nobody cannot run {python} (it lies where nobody cannot enter): {probe.stderr.strip()}")
     work = Path(tempfile.mkdtemp(prefix="sandlot-unpriv-"))  # pytest's tmp is private to root
     request.addfinalizer(lambda: shutil.rmtree(work, ignore_errors=True))
     (work / "layer.tar").write_bytes(layer_tar(MULTI_LAYER_2))
+    # what the script imports is sandlot's own code and the standard library (sandlot's
+    # package loads its parts lazily)
+    shutil.copytree(Path(sandlot.__file__).parent, work / "lib" / "sandlot",
+                    ignore=shutil.ignore_patterns("__pycache__"))  # fmt: skip
     os.chown(work, 65534, 65534)
     os.chown(work / "layer.tar", 65534, 65534)
     script = (
@@ -171,11 +183,8 @@ def test_unprivileged_unpack_keeps_owners(request: pytest.FixtureRequest) -> Non
         "make_ext4(root, w / 'disk.ext4', 64 << 20)\n"
         "run_debugfs(w / 'disk.ext4', a.fixups(w))\n"
     )
-    env = {**os.environ, "HOME": str(work), "PYTHONPATH": os.pathsep.join(sys.path)}
-    nobody = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
-    proc = subprocess.run(
-        [*nobody, sys.executable, "-c", script, str(work)], capture_output=True, text=True, env=env
-    )
+    env = {**os.environ, "HOME": str(work), "PYTHONPATH": str(work / "lib")}
+    proc = subprocess.run([*nobody, python, "-c", script, str(work)], capture_output=True, text=True, env=env)
     assert proc.returncode == 0, proc.stderr
     image = work / "disk.ext4"
     owned = _debugfs_stat(image, "/srv/owned.txt")

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from tests.support.names import unique
-from tests.support.waiting import wait_for
+from tests.support.waiting import deadline_in, wait_for
 
 pytestmark = pytest.mark.vm
 CLI_BOX = unique("cli-box")
@@ -143,7 +143,7 @@ def test_exec_it_in_a_real_terminal(busybox_root: Path, tmp_path: Path) -> None:
         return subprocess.run(["tmux", "-S", sock, *args], capture_output=True, text=True, check=True).stdout
 
     def screen_has(text: str, timeout: float = 30) -> str:
-        deadline = time.monotonic() + timeout
+        deadline = deadline_in(timeout)
         while time.monotonic() < deadline:
             shown = tmux("capture-pane", "-p", "-t", session)
             if text in shown:
@@ -168,7 +168,7 @@ def test_exec_it_in_a_real_terminal(busybox_root: Path, tmp_path: Path) -> None:
 
         wait_for("the terminal's new size in the guest", new_size_seen, 30, every=1)
         tmux("send-keys", "-t", session, "exit", "Enter")
-        deadline = time.monotonic() + 30
+        deadline = deadline_in(30)
         while time.monotonic() < deadline:
             if subprocess.run(
                 ["tmux", "-S", sock, "has-session", "-t", session], capture_output=True

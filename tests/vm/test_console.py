@@ -26,6 +26,7 @@ import pytest
 from tests.support.browser import launch
 from tests.support.names import unique
 from tests.support.serve import Served, create_key, free_port, serving
+from tests.support.waiting import deadline_in
 
 pytestmark = pytest.mark.vm
 
@@ -368,7 +369,7 @@ http {{
     proc = subprocess.Popen(argv, stderr=subprocess.PIPE)
     proxied = Proxied(*(f"http://127.0.0.1:{port}" for port in ports))
     try:
-        deadline = time.monotonic() + 20
+        deadline = deadline_in(20)
         while True:
             try:
                 if all(
@@ -445,7 +446,7 @@ def test_an_app_may_not_widen_a_service_worker_over_the_other_apps(
                 f"/v1/boxes/{bid}/files/content", params=where, content=script.encode()
             ).raise_for_status()
         api.post(f"/v1/boxes/{bid}/exec", json={"argv": ["httpd", "-p", "127.0.0.1:8091", "-h", "/srv8091"]})
-        deadline = time.monotonic() + 60
+        deadline = deadline_in(60)
         while (r := content.get(f"/v1/boxes/{bid}/ports/8091/cgi-bin/sw")).status_code == 502:
             assert time.monotonic() < deadline, r.text
             time.sleep(0.3)

@@ -18,6 +18,7 @@ import pytest
 import sandlot
 
 from tests.conftest import TEST_ENGINE
+from tests.support.waiting import deadline_in
 
 pytestmark = pytest.mark.vm
 
@@ -224,7 +225,7 @@ def test_kill9_mid_diff_leaves_no_box_of_its_own(edited: tuple[sandlot.Box, sand
         env={**os.environ, "SANDLOT_CRASH_AT": "diff.sides-open"},
     )  # fmt: skip
     assert r.returncode == -9, r.stderr
-    deadline = time.monotonic() + 60
+    deadline = deadline_in(60)
     while {b.name for b in sandlot.list()} != names_before:  # its holder died: recovery removes it
         assert time.monotonic() < deadline, {b.name for b in sandlot.list()} - names_before
         time.sleep(0.5)

@@ -38,6 +38,7 @@ import sandlot
 from sandlot.api import access
 
 from tests.support.serve import Served, create_key, serving
+from tests.support.waiting import deadline_in
 
 pytestmark = pytest.mark.vm
 PORT_DOMAIN = "e2b.sandlot.test"  # only ever sent as a Host header to 127.0.0.1
@@ -178,7 +179,7 @@ def test_watch_dir_polled_by_the_sync_sdk(sbx: Sandbox) -> None:
     sbx.files.write("/tmp/watched/x.txt", "x")
     sbx.commands.run("mkdir -p /tmp/watched/sub && echo y > /tmp/watched/sub/y && rm /tmp/watched/x.txt")
     seen: set[tuple[str, Any]] = set()
-    deadline = time.monotonic() + 20
+    deadline = deadline_in(20)
     while time.monotonic() < deadline and ("x.txt", FilesystemEventType.REMOVE) not in seen:
         seen |= {(e.name, e.type) for e in handle.get_new_events()}
         time.sleep(0.2)
@@ -216,7 +217,7 @@ def test_past_its_timeout_a_sandbox_is_killed_or_paused_as_asked(e2b_env: dict[s
     killed = Sandbox.create(e2b_env["template"], timeout=10)
     paused = Sandbox.create(e2b_env["template"], timeout=10, lifecycle={"on_timeout": "pause"})
     paused.files.write("/tmp/before-pause", "kept")
-    deadline = time.monotonic() + 90
+    deadline = deadline_in(90)
     while time.monotonic() < deadline and (
         killed.is_running() or Sandbox.get_info(paused.sandbox_id).state.value != "paused"
     ):
@@ -266,7 +267,7 @@ def test_network_update_metrics_and_the_port_hosts(e2b_env: dict[str, Any], sbx:
         sbx.update_network({"deny_out": ["10.0.0.1"]})
     sbx.update_network({})  # E2B: what is not given is cleared, so all of the internet again
     assert sandlot.Box.get(sbx.sandbox_id, home=home).info["network"] == "public"
-    deadline = time.monotonic() + 40  # the server samples a running box every 10 s
+    deadline = deadline_in(40)  # the server samples a running box every 10 s
     while not (samples := sbx.get_metrics()) and time.monotonic() < deadline:
         time.sleep(2)
     assert samples, "no metrics sample of a box running for a while"

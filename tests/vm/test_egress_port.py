@@ -18,6 +18,7 @@ import sandlot
 
 from tests.conftest import TEST_ENGINE
 from tests.support.servers import LocalServer, QuietHandler
+from tests.support.waiting import deadline_in
 
 pytestmark = [
     pytest.mark.vm,
@@ -69,7 +70,7 @@ print(json.dumps({"ok": [s == f"{i}-{'x' * (i * 37)}".encode() for i, s in enume
 def state(box: sandlot.Box, want: str = "ready 1") -> str:
     """The guest's side of the port, once it says ``want`` (or what it says at 30 s):
     ``ready N`` once the N-th session since boot greeted it."""
-    deadline = time.monotonic() + 30
+    deadline = deadline_in(30)
     while (said := box.exec("cat", "/run/sandlot/egress").stdout.strip()) != want:
         if time.monotonic() > deadline:
             return said

@@ -19,6 +19,7 @@ from sandlot.engine.base import Placement, VMRef, VMStatus
 from sandlot.engine.qemu.command import DEVICE_SET, TCG_CPU, VMConfig, build_command, device_set_of
 
 from tests.support.names import unique
+from tests.support.waiting import deadline_in
 
 pytestmark = pytest.mark.vm
 
@@ -121,7 +122,7 @@ def test_a_with_block_whose_process_died_is_cleaned_up(busybox_root: Path) -> No
         ids = [b.id for b in sandlot.list()]  # any sandlot call reconciles
         assert box_id not in ids and not box_dir.exists()
         assert mine.id in ids and mine.exec("true").ok  # a live owner's box is untouched
-    deadline = time.monotonic() + 10
+    deadline = deadline_in(10)
     while time.monotonic() < deadline and Path(f"/proc/{qemu_pid}").exists():
         time.sleep(0.1)
     assert (
@@ -157,7 +158,7 @@ def test_memory_the_guest_frees_goes_back_to_the_host(busybox_root: Path) -> Non
         used = _guest_ram_rss_mib(pid, 256)
         assert used > before + 60, (before, used)
         assert box.sh("rm /run/fill/x && umount /run/fill").exit_code == 0
-        deadline = time.monotonic() + 20
+        deadline = deadline_in(20)
         while (now := _guest_ram_rss_mib(pid, 256)) > before + 20 and time.monotonic() < deadline:
             time.sleep(0.5)
         assert now <= before + 20, (before, used, now)

@@ -19,6 +19,7 @@ from sandlot.server.webhooks import verify
 
 from tests.conftest import TEST_ENGINE
 from tests.support.serve import create_key, serving, shared_home
+from tests.support.waiting import deadline_in
 
 pytestmark = pytest.mark.vm
 
@@ -79,7 +80,7 @@ class Receiver:
             return [int(h["x-sandlot-event-id"]) for h, _ in self.got]
 
     def wait_for(self, event_id: int, timeout: float = 60) -> None:
-        deadline = time.monotonic() + timeout
+        deadline = deadline_in(timeout)
         while event_id not in self.ids():
             assert time.monotonic() < deadline, f"event {event_id} never arrived; got {self.ids()}"
             time.sleep(0.1)

@@ -29,7 +29,7 @@ from sandlot import fleet  # noqa: E402 (after Ray is known to be there)
 
 from tests.support.clock import ticks_in  # noqa: E402
 from tests.support.fleet import FleetCluster  # noqa: E402
-from tests.support.waiting import goes_past  # noqa: E402
+from tests.support.waiting import deadline_in, goes_past  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 # a shell whose counter lives only in its memory; it writes it to a file the tests read
@@ -48,7 +48,7 @@ def count(box: sandlot.Box) -> int:
 
 
 def wait_count(box: sandlot.Box, at_least: int = 3) -> int:
-    deadline = time.monotonic() + 20
+    deadline = deadline_in(20)
     while True:
         try:
             c = count(box)
@@ -291,7 +291,7 @@ def test_bad_input_gives_a_clear_error_and_moves_nothing(f: fleet.Fleet, nodes: 
         assert [s.box_name for s in sandlot.list_snapshots(home=nodes.fc.homes[nodes.a])] == []
         assert not any(n["node_id"] == odd and n["reserved_memory_mib"] for n in f.nodes())
         nodes.fc.kill(odd)  # the later tests place replicas: never on a node that cannot load them
-        deadline = time.monotonic() + 60
+        deadline = deadline_in(60)
         while any(n["node_id"] == odd and n["alive"] for n in f.nodes()):
             assert time.monotonic() < deadline, "Ray still counts the removed node alive"
             time.sleep(0.5)
@@ -323,7 +323,7 @@ def test_a_with_box_goes_with_its_killed_driver(f: fleet.Fleet, nodes: Nodes, bu
         finally:
             driver.kill()
             driver.wait()
-        deadline = time.monotonic() + 90
+        deadline = deadline_in(90)
         while orphan in boxes_in(home) or orphan in {b.id for b in f.list()}:
             assert time.monotonic() < deadline, "the box of the killed driver stayed"
             time.sleep(1)
@@ -348,7 +348,7 @@ def moves_left(home: Path) -> list[str]:
 
 def dead(f: fleet.Fleet, nodes: Nodes, node: str) -> None:
     nodes.fc.kill(node)
-    deadline = time.monotonic() + 60
+    deadline = deadline_in(60)
     while any(n["node_id"] == node and n["alive"] for n in f.nodes()):
         assert time.monotonic() < deadline, "Ray still counts the removed node alive"
         time.sleep(0.5)
@@ -461,7 +461,7 @@ def test_a_dead_nodes_boxes_are_lost_and_a_replicated_one_recovers(f: fleet.Flee
     safe.files.write("/root/later", "after the snapshot")
     nodes.fc.kill(nodes.a)
     killed = time.time()
-    deadline = time.monotonic() + 60
+    deadline = deadline_in(60)
     while True:
         states = {b.name: b for b in f.list()}
         if states["safe"].state == "lost" and states["plain"].state == "lost":

@@ -21,7 +21,7 @@ import sandlot
 
 from tests.security.test_network import WAIT_FOR_8000
 from tests.support.clock import set_while_read, ticks_in
-from tests.support.waiting import goes_past, wait_for
+from tests.support.waiting import deadline_in, goes_past, scaled, wait_for
 
 pytestmark = pytest.mark.vm  # runsc comes with scripts/setup; boxes run as root here
 
@@ -88,7 +88,7 @@ def count(box: sandlot.Box) -> int:
 
 
 def wait_count(box: sandlot.Box) -> int:
-    deadline = time.monotonic() + 10
+    deadline = deadline_in(10)
     while True:
         with contextlib.suppress(sandlot.GuestError, ValueError):
             if (n := count(box)) > 2:
@@ -422,7 +422,7 @@ def test_a_save_waits_for_the_box_s_time_wait_to_end(
         monkeypatch.undo()
         t0 = time.monotonic()
         snap = box.snapshot("after-time-wait")
-        assert time.monotonic() - t0 < vm.TIME_WAIT_LIMIT + 30
+        assert time.monotonic() - t0 < vm.TIME_WAIT_LIMIT + scaled(30)
         assert network.held_time_waits(cid) == []
         box.files.write("/tmp/later", "x")
         box.rollback(snap)

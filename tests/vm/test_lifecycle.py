@@ -1,5 +1,7 @@
-"""Box lifecycle in real VMs: persistence across stop/start, boot failures that
-end inside their deadline with the console tail, input validation, async API."""
+"""Box lifecycle in real VMs: boot failures that end inside their deadline with the
+console tail, boxes isolated from each other, a tarball root, the async API and a
+connection broken mid-stream. Stops, starts and crashes across processes are
+test_durable.py's; refusals that boot nothing, tests/unit/test_lifecycle.py's."""
 
 from __future__ import annotations
 
@@ -18,22 +20,9 @@ import sandlot
 from sandlot.core.service import core_for
 from sandlot.guest.initramfs import Entry, write_newc
 
+from tests.support.waiting import scaled
+
 pytestmark = pytest.mark.vm
-
-
-def test_write_stop_start_read_back(busybox_root: Path) -> None:
-    with sandlot.Box(rootfs=busybox_root, memory_mib=256) as box:
-        box.files.write("/root/persist.txt", "survives")
-        box.exec("sh", "-c", "echo from-shell > /etc/marker")  # written, not synced by hand
-        box.stop()
-        assert not box.running
-        with pytest.raises(sandlot.InvalidState):
-            box.exec("true")
-        box.start()
-        assert box.files.read("/root/persist.txt") == b"survives"
-        assert box.exec("cat", "/etc/marker").stdout == "from-shell\n"
-        # the root filesystem was unmounted cleanly: no journal recovery on this boot
-        assert "recovery" not in box.exec("dmesg").stdout.lower()
 
 
 def test_boxes_are_isolated(busybox_root: Path) -> None:
@@ -48,50 +37,6 @@ def test_boxes_are_isolated(busybox_root: Path) -> None:
             a.exec("cat", "/proc/sys/kernel/random/boot_id").stdout
             != b.exec("cat", "/proc/sys/kernel/random/boot_id").stdout
         )
-
-
-def test_kill_then_start_recovers(busybox_root: Path) -> None:
-    box = sandlot.Box(rootfs=busybox_root, memory_mib=256)
-    try:
-        box.start()
-        box.files.write("/root/before-kill", "x")
-        box.exec("sync")
-        box.kill()  # pull the plug
-        assert box.state == "stopped"
-        box.start()
-        assert box.files.read("/root/before-kill") == b"x"
-    finally:
-        box.remove(force=True)
-
-
-def test_vm_crash_is_reported_with_console(busybox_root: Path) -> None:
-    with sandlot.Box(rootfs=busybox_root, memory_mib=256) as box:
-        proc = box.spawn("sleep", "1000")
-        pid = box.inspect()["vm_pid"]  # the QEMU process
-        os.kill(pid, 9)
-        with pytest.raises((sandlot.BoxCrashed, sandlot.ConnectionLost)):
-            proc.wait(timeout=20)
-        with pytest.raises(sandlot.InvalidState, match="crashed"):
-            box.exec("true")
-        assert box.state == "crashed" and "unexpectedly" in box.inspect()["reason"]
-
-
-def test_bad_kernel_path_fails_fast(busybox_root: Path, tmp_path: Path) -> None:
-    t0 = time.monotonic()
-    missing = tmp_path / "missing-vmlinux"
-    with (
-        pytest.raises(sandlot.HostSetupError, match="does not exist"),
-        sandlot.Box(rootfs=busybox_root, kernel=missing),
-    ):
-        pass
-    junk = tmp_path / "junk-kernel"
-    junk.write_bytes(os.urandom(4096))
-    with (
-        pytest.raises(sandlot.HostSetupError, match="neither an ELF"),
-        sandlot.Box(rootfs=busybox_root, kernel=junk),
-    ):
-        pass
-    assert time.monotonic() - t0 < 10
 
 
 def test_corrupt_initramfs_fails_with_console_tail(
@@ -136,7 +81,7 @@ def test_agent_that_never_answers_hits_the_deadline(
     ):
         pass
     elapsed = time.monotonic() - t0
-    assert 29 < elapsed < 60
+    assert 29 < elapsed < 30 + scaled(30)
     assert "in 2 boots its guest never opened the agent's port" in str(info.value)
     assert "guest console" in str(info.value) and info.value.console_tail.strip()
     # each boot's console says where it stood: the first boot's last line is logged as it is
@@ -147,26 +92,6 @@ def test_agent_that_never_answers_hits_the_deadline(
     assert len(again) == 1
     for last in (again[0], info.value.console_tail.strip().splitlines()[-1]):
         assert "init-is-stuck" in last or re.search(r"\[\s*\d+\.\d+\] \S", last), last
-
-
-def test_invalid_arguments_change_nothing(busybox_root: Path, tmp_path: Path) -> None:
-    for kwargs in (
-        {"memory_mib": -1},
-        {"memory_mib": 0},
-        {"memory_mib": "512"},
-        {"cpus": 0},
-        {"disk_size_gb": 0},
-        {"hostname": "bad host"},
-        {"boot_timeout": 0},
-    ):
-        with pytest.raises(sandlot.InvalidArgument):
-            sandlot.Box(rootfs=busybox_root, **kwargs)
-    with pytest.raises(sandlot.InvalidArgument, match="does not exist"):
-        sandlot.Box(rootfs=tmp_path / "nope")
-    with pytest.raises(sandlot.InvalidArgument), sandlot.Box(rootfs=busybox_root, accel="warp"):
-        pass
-    with pytest.raises(ValueError):  # InvalidArgument is a ValueError too
-        sandlot.Box(rootfs="")
 
 
 def test_tarball_rootfs_and_hostile_tarball(busybox_root: Path, tmp_path: Path) -> None:
@@ -225,15 +150,6 @@ def test_reconnect_resumes_streams_without_loss(busybox_root: Path) -> None:
             assert (await box.exec("echo", "ok")).stdout == "ok\n"
 
     asyncio.run(main())
-
-
-def test_the_accelerator_is_known_right_after_start(busybox_root: Path) -> None:
-    box = sandlot.Box(rootfs=busybox_root, memory_mib=256, keep=True).start()
-    try:
-        assert box.accel == sandlot.get(box.id).accel == box.inspect()["accel"]
-        assert box.accel in ("kvm", "tcg")
-    finally:
-        box.remove(force=True)
 
 
 def test_localhost_resolves_in_an_image_without_etc_hosts(

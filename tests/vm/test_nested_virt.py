@@ -15,6 +15,7 @@ import pytest
 import sandlot
 
 from tests.support.kvmhost import build_kvm_guest
+from tests.support.waiting import deadline_in
 from tests.vm.test_cli import sandlot as sandlot_cli
 
 pytestmark = pytest.mark.vm
@@ -42,7 +43,7 @@ def count(box: sandlot.Box) -> int:
 def advancing(box: sandlot.Box, timeout: float = 30.0) -> tuple[int, int]:
     """(a count, a later one): the box's own VM is running."""
     first = count(box)
-    deadline = time.monotonic() + timeout
+    deadline = deadline_in(timeout)
     while (now := count(box)) <= first:
         assert time.monotonic() < deadline, f"the box's VM wrote nothing more in {timeout:.0f} s (at {first})"
         time.sleep(0.2)

@@ -30,6 +30,7 @@ import pytest
 from tests.support.browser import launch
 from tests.support.names import unique
 from tests.support.serve import Served, serving
+from tests.support.waiting import deadline_in
 
 pytestmark = pytest.mark.vm
 
@@ -149,7 +150,7 @@ def boxes(admin: httpx.Client, servers: dict[str, Served], busybox_root: Path) -
         serve = ["httpd", "-p", f"127.0.0.1:{SITE_PORT}", "-h", "/www"]
         assert admin.post(f"/v1/boxes/{attacker['id']}/exec", json={"argv": serve}).json()["exit_code"] == 0
         preview = admin.post(f"/v1/boxes/{attacker['id']}/previews", json={"port": SITE_PORT}).json()["url"]
-        deadline = time.monotonic() + 60
+        deadline = deadline_in(60)
         while (r := httpx.get(preview)).status_code != 200:  # httpd binds a moment after its start
             assert time.monotonic() < deadline, r.text
             time.sleep(0.3)
@@ -208,7 +209,7 @@ class Seen:
     def answered(self, methods: str, path: str, status: int) -> None:
         """Wait for the server's answer ``status`` to one of ``methods`` ("OPTIONS POST")
         of a URL holding ``path``."""
-        deadline = time.monotonic() + 20
+        deadline = deadline_in(20)
         while not any(m in methods.split() and path in u and s == status for m, u, s in self.answers):
             why = f"no {status} to {methods} {path}: {self.answers}, {self.console}"
             assert time.monotonic() < deadline, why
@@ -216,7 +217,7 @@ class Seen:
 
     def said(self, *parts: str) -> None:
         """Wait for a line of the console holding each of ``parts``."""
-        deadline = time.monotonic() + 20
+        deadline = deadline_in(20)
         while not any(all(p in line for p in parts) for line in self.console):
             assert time.monotonic() < deadline, f"the console never said {parts}: {self.console}"
             time.sleep(0.1)

@@ -23,6 +23,7 @@ from sandlot.core.homewatch import MODULE
 from sandlot.core.runtime import Runtime
 
 from tests.conftest import TEST_ENGINE
+from tests.support.waiting import deadline_in
 
 pytestmark = [
     pytest.mark.vm,
@@ -32,7 +33,7 @@ DEADLINE = 10.0  # seconds from a home's removal to the end of its VMs
 
 
 def within(seconds: float, done: Callable[[], bool]) -> bool:
-    deadline = time.monotonic() + seconds
+    deadline = deadline_in(seconds)
     while not done():
         if time.monotonic() > deadline:
             return False

@@ -25,7 +25,7 @@ from tests.conftest import TEST_ENGINE
 from tests.support.clock import set_while_read
 from tests.support.names import unique
 from tests.support.serve import serving
-from tests.support.waiting import wait_for
+from tests.support.waiting import deadline_in, wait_for
 
 pytestmark = [
     pytest.mark.vm,
@@ -185,7 +185,7 @@ def test_sandlot_serve_claims_from_the_pool_and_tops_it_up(tmpl: sandlot.Snapsho
         assert box["id"] == pooled.id  # the ready VM, claimed
         run = c.post(f"/v1/boxes/{box['id']}/exec", json={"argv": ["hostname"]})
         assert run.status_code == 200 and run.json()["stdout"] == f"served-{os.getpid()}\n"
-        deadline = time.monotonic() + 120
+        deadline = deadline_in(120)
         while the_pool(tmpl).ready < 1:
             assert time.monotonic() < deadline, f"sandlot serve did not top the pool up: {the_pool(tmpl)}"
             time.sleep(1)
@@ -223,7 +223,7 @@ def test_claims_are_reidentified_and_the_pool_refills_drains_and_goes_with_its_t
         assert a.sh("echo $CLAIMED").stdout == "a\n" and b.sh("echo $CLAIMED").stdout == "b\n"
         assert a.inspect()["machine_id"] == fa[1]
         # the refiller (a detached process the claims started) brings the pool back to 2
-        deadline = time.monotonic() + 240
+        deadline = deadline_in(240)
         while the_pool(t).ready < 2:
             assert time.monotonic() < deadline, f"the pool did not refill: {the_pool(t)}"
             time.sleep(1)

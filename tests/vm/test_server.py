@@ -32,7 +32,7 @@ from websockets.sync.client import ClientConnection, connect
 import sandlot
 
 from tests.support.serve import Served, create_key, load, open_fds, rss_mib, sandlot_cli, serving
-from tests.support.waiting import goes_past, wait_for
+from tests.support.waiting import deadline_in, goes_past, wait_for
 
 pytestmark = pytest.mark.vm
 
@@ -709,7 +709,7 @@ WAIT_FOR_8765 = (
 
 
 def _wait_answering(c: httpx.Client, url: str) -> httpx.Response:
-    deadline = time.monotonic() + 60
+    deadline = deadline_in(60)
     while True:
         r = c.get(url)
         if r.status_code != 502 or time.monotonic() > deadline:
@@ -979,7 +979,7 @@ def test_a_watch_is_in_the_audit_trail_from_start_to_end(
         error(
             c.get(f"/v1/boxes/{bid}/files/watch", params={"path": "/tmp/missing-dir"}), 404, "guest_os_error"
         )
-    deadline = time.monotonic() + 10
+    deadline = deadline_in(10)
     with served.client() as admin:
         while True:
             entries = admin.get("/v1/audit", params={"box": bid}).json()["entries"]
@@ -1064,7 +1064,7 @@ def test_a_remote_with_block_s_box_lives_as_long_as_its_client_across_a_server_r
             with s.client() as c:
                 assert c.get(f"/v1/boxes/{box_id}").json()["state"] == "running"
             client.send_signal(signal.SIGKILL)
-            deadline = time.monotonic() + 30
+            deadline = deadline_in(30)
             with s.client() as c:
                 while c.get(f"/v1/boxes/{box_id}").status_code != 404:
                     assert time.monotonic() < deadline, "the dead client's box is still there"

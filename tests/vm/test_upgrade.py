@@ -50,7 +50,7 @@ def test_a_version_2_store_opens_and_its_boxes_start_and_resume(busybox_root: Pa
         loop = "i=0; while true; do i=$((i+1)); echo $i >/tmp/m; mv /tmp/m /tmp/n; sleep 0.1; done"
         b.sh("sh -c '" + loop + "' >/dev/null 2>&1 &")
         import time
-        deadline = time.monotonic() + 60
+        deadline = deadline_in(60)
         while b.sh("cat /tmp/n").returncode != 0:  # it counts before it is suspended
             assert time.monotonic() < deadline, "the counter never started"
             time.sleep(0.1)
@@ -84,7 +84,7 @@ def check_upgrade(home: Path) -> None:
         assert b.state == "suspended", b.state
         before = int(b.exec("cat", "/tmp/n").stdout)  # the next command resumes it
         import time
-        deadline = time.monotonic() + 30
+        deadline = deadline_in(30)
         while (after := int(b.exec("cat", "/tmp/n").stdout)) <= before and time.monotonic() < deadline:
             time.sleep(0.1)  # its counter runs on
         print(before > 0, after > before, b.state)

@@ -20,7 +20,7 @@ import pytest
 import sandlot
 from sandlot.core import layers
 
-from tests.support.waiting import goes_past
+from tests.support.waiting import deadline_in, goes_past
 
 pytestmark = pytest.mark.vm
 ENGINES = pytest.mark.parametrize("engine", ["qemu", "gvisor"])
@@ -156,7 +156,7 @@ def test_kill9_of_the_vm_mid_write_loses_nothing_acknowledged(
             if acknowledged >= 30:
                 break
         os.kill(box.inspect()["vm_pid"], signal.SIGKILL)
-        deadline = time.monotonic() + 10
+        deadline = deadline_in(10)
         while sandlot.get(box.name).state != "crashed" and time.monotonic() < deadline:
             time.sleep(0.1)
         box.start()  # cold: its volume's top is as the VM left it

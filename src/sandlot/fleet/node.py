@@ -668,7 +668,11 @@ class NodeService:
 
 
 async def _directory_records() -> tuple[Any, builtins.list[Record]] | None:
-    """The directory actor and its records, if it runs (a node never starts it)."""
+    """The directory actor and its records, if it runs (a node never starts it). Outside
+    Ray (the node's body run alone, as the fast tier does) there is none: asking Ray for an
+    actor there would start a local cluster (7-20 s and processes that outlive the call)."""
+    if not ray.is_initialized():
+        return None
     try:
         book = ray.get_actor(directory.NAME, namespace=NAMESPACE)
         return book, await book.all.remote()

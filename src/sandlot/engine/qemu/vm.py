@@ -722,7 +722,9 @@ class QemuVM(VM):
             held_write = isinstance(status, dict) and status.get("status") == "io-error"
             # a background snapshot writes the whole stream to a file first: only where it fits
             room = _free_bytes(directory) > (self.cfg.memory_mib << 20) + SPILL_SLACK
-            background = bool(sink) and keep_running and was_running and room
+            # QEMU tracks writes to anonymous RAM only: a VM whose RAM is a file (started from
+            # a template's or a fork's prepared state) is refused, and stops for its whole save
+            background = bool(sink) and keep_running and was_running and room and self.cfg.ram_file is None
             background = background and background_snapshots is not False
             if background and background_snapshots is None:
                 background_snapshots = await self._background_supported(q)
