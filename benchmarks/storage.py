@@ -10,10 +10,16 @@ run, each in a home of its own:
 * fan-out: ``--boxes`` boxes from one template, each writing a little and suspended:
   the home's bytes against the template's plus what the boxes changed;
 * local speed: rollback, suspend and resume (each to the first exec after it), and a
-  fork of ``--fork`` children to the first exec of all.
+  fork of ``--fork`` children to the first exec of all;
+* the storage tier, against moto's S3 server on 127.0.0.1 (tests/support/s3.py): a
+  box holding ``--live-mib`` in RAM, suspended, moves between two homes ``--runs``
+  times (push with release, pull on the other home, resume to the first exec there):
+  the push and pull throughput, the time from the pull to the first exec on the new
+  home, and the bytes that home read from the tier before that exec answered (the
+  chunks the resume loaded: the rest of the state is never fetched).
 
     .venv/bin/python benchmarks/storage.py [--quick] [--memory 512] [--live-mib 200]
-        [--checkpoints 10] [--write-mib 4] [--boxes 100] [--fork 20] [--runs 5]
+        [--checkpoints 10] [--write-mib 4] [--boxes 100] [--fork 20] [--runs 5] [--no-tier]
 
 The changed memory is counted page by page from the chunk store's own states (the
 chunks whose hashes differ, compared page by page), which is why this script reads
@@ -186,6 +192,59 @@ async def local_speed(root: Path, runs: int, fork: int, chunks: bool) -> dict[st
         drop_home(home)
 
 
+def tier_moves(root: Path, memory: int, live_mib: int, runs: int) -> dict[str, Any]:
+    """A suspended box moved between two homes through the tier, ``runs`` times."""
+    import tempfile
+
+    from tests.support.s3 import CREDENTIALS, s3_server
+
+    use_chunks(True)
+    os.environ.update(CREDENTIALS)
+    os.environ["SANDLOT_STORAGE_PUSH"] = "0"  # the pushes measured are this script's own
+    homes = [scratch_home("bench-storage-tier-a-"), scratch_home("bench-storage-tier-b-")]
+    with tempfile.TemporaryDirectory() as work, s3_server(Path(work)) as s3:
+        try:
+            for home in homes:
+                sandlot.storage.configure(s3.url("bench"), endpoint_url=s3.endpoint_url, home=home)
+            box = sandlot.Box(rootfs=root, memory_mib=memory, keep=True, template=False, home=homes[0])
+            box.start()
+            box.sh(f"head -c {live_mib}M /dev/urandom > /dev/shm/live")
+            box.suspend()
+            pushes, pulls, firsts, pulled = [], [], [], []
+            for i in range(runs):
+                src, dst = homes[i % 2], homes[(i + 1) % 2]
+                t = time.perf_counter()
+                report = sandlot.storage.push(box.name, release=True, home=src)
+                pushes.append((report.bytes, time.perf_counter() - t))
+                before = sandlot.storage.totals(home=dst)["tier_received_bytes"]
+                t = time.perf_counter()
+                box = sandlot.storage.pull(box.name, home=dst)
+                pulled_at = time.perf_counter()
+                box.exec("true")  # resumes it: its state's chunks come from the tier as it loads
+                done = time.perf_counter()
+                pulls.append(pulled_at - t)
+                firsts.append(done - t)
+                pulled.append(sandlot.storage.totals(home=dst)["tier_received_bytes"] - before)
+                if box.sh("wc -c < /dev/shm/live").stdout.strip() != str(live_mib << 20):
+                    raise RuntimeError("the box's memory did not come through the tier whole")
+                box.suspend()
+            box.remove(force=True)
+        finally:
+            for home in homes:
+                drop_home(home)
+    first_bytes, first_s = pushes[0]
+    return {
+        "live_MiB": live_mib,
+        "first_push": {"MiB": round(first_bytes / MiB, 1), "s": round(first_s, 3),
+                       "MiB_per_s": round(first_bytes / MiB / first_s, 1)},
+        "later_push_MiB": summary([b for b, _ in pushes[1:]] or [0.0], 1 / MiB, 2),
+        "pull_s": summary(pulls, digits=3),
+        "pull_to_first_exec_s": summary(firsts, digits=3),
+        "read_from_tier_before_first_exec_MiB": summary(pulled, 1 / MiB, 1),
+        "read_MiB_per_s": round(sum(pulled) / MiB / sum(firsts), 1),
+    }  # fmt: skip
+
+
 async def run(args: Any) -> dict[str, Any]:
     root = debian_root()
     out: dict[str, Any] = {}
@@ -213,6 +272,8 @@ async def run(args: Any) -> dict[str, Any]:
     fork_key = f"fork_{args.fork}_to_first_exec_all_s"
     speed["chunks_over_files"][fork_key] = round(speed["chunks"][fork_key] / speed["files"][fork_key], 2)
     out["local_speed"] = speed
+    if args.tier:
+        out["tier"] = await asyncio.to_thread(tier_moves, root, args.memory, args.live_mib, max(args.runs, 2))
     out["host"] = host_facts(accel[0])
     return out
 
@@ -226,6 +287,7 @@ def main() -> None:
     ap.add_argument("--boxes", type=int, default=100)
     ap.add_argument("--fork", type=int, default=20)
     ap.add_argument("--runs", type=int, default=5)
+    ap.add_argument("--no-tier", dest="tier", action="store_false", help="without the storage tier")
     args = ap.parse_args()
     if args.quick:
         args.memory, args.live_mib, args.checkpoints, args.boxes, args.fork, args.runs = 256, 32, 2, 2, 2, 1

@@ -412,6 +412,9 @@ def test_the_metrics_show_an_admin_the_chunk_store_and_a_namespaced_key_nothing_
         totals = BoxStore(home / "sandlot.db").chunk_totals()
         assert f"sandlot_storage_stored_bytes {float(totals['stored_bytes'])}" in admin.text
         assert f"sandlot_storage_states {float(totals['states'])}" in admin.text
+        # no tier: nothing held there, nothing sent, and the counters are there all the same
+        assert "sandlot_storage_tier_bytes 0.0" in admin.text
+        assert "sandlot_storage_tier_sent_bytes_total 0.0" in admin.text
         assert theirs.status_code == 200 and "sandlot_storage" not in theirs.text
     finally:
         box.remove(force=True)

@@ -105,6 +105,8 @@ def test_a_push_sends_what_the_tier_lacks_once_and_an_evicted_state_loads_from_i
         box.snapshot("two")
         first = sandlot.storage.push(home=home)
         assert first.states == 2 and first.chunks > 0
+        sent = sandlot.storage.totals(home=home)["tier_sent_bytes"]
+        assert sent >= first.bytes > 0  # the chunks, and the manifests beside them
         assert len(objects(s3, f"{tmp_path.name}/states/")) == 2
         assert sandlot.storage.push(home=home).chunks == 0  # all of it there already
         before = sandlot.storage.info(home=home)
@@ -112,8 +114,10 @@ def test_a_push_sends_what_the_tier_lacks_once_and_an_evicted_state_loads_from_i
         evicted = sandlot.storage.evict(older_than=0, home=home)
         assert evicted.chunks > 0
         assert sandlot.storage.info(home=home).local_bytes < before.local_bytes
+        assert sandlot.storage.totals(home=home)["tier_received_bytes"] == 0
         box.rollback(s1)  # its chunks come back from the tier
         assert box.exec("recall", "k1").stdout == "one\n" and box.exec("recall", "k2").stdout == "\n"
+        assert sandlot.storage.totals(home=home)["tier_received_bytes"] > 0  # the load's, counted
         with pytest.raises(InvalidArgument, match="older_than"):
             sandlot.storage.evict(home=home)
     finally:
@@ -127,7 +131,7 @@ def test_a_suspended_box_moves_to_another_home_and_one_home_holds_it(
     box = fake_box(a, root, "mover")
     box.exec("remember", "k", "kept")
     box.suspend()
-    sandlot.storage.push("mover", home=a)  # a copy in the tier: home a keeps it
+    first = sandlot.storage.push("mover", home=a)  # a copy in the tier: home a keeps it
     with pytest.raises(BoxElsewhere, match=f"held by home {home_id(a)}") as held:
         sandlot.storage.pull("mover", home=b)
     assert held.value.holder == home_id(a)
@@ -141,7 +145,10 @@ def test_a_suspended_box_moves_to_another_home_and_one_home_holds_it(
     with pytest.raises(BoxElsewhere, match=f"held by home {home_id(b)}"):
         sandlot.storage.pull("mover", home=c)
     moved.suspend()
-    sandlot.storage.push("mover", release=True, home=b)
+    again = sandlot.storage.push("mover", release=True, home=b)
+    # the tier has what the box came with: only what changed goes (home b asks the tier
+    # for the chunks it no longer knows are there, as the state it pulled went on resume)
+    assert first.bytes > 0 and again.bytes < first.bytes, (again, first)
     back = sandlot.storage.pull(box.id, home=a)  # by id too
     assert back.exec("recall", "k").stdout == "kept\n"
     back.remove(force=True)

@@ -88,9 +88,10 @@ def info(*, home: Home = None) -> StorageReport:
 
 def totals(*, home: Home = None) -> dict[str, int]:
     """The chunk store's figures that cost no manifest read (``info`` without
-    ``logical_bytes``): for a metrics scrape."""
-    totals: dict[str, int] = Runtime.for_home(home).store.chunk_totals()
-    return totals
+    ``logical_bytes``), and the bytes sent to and read from the tier so far
+    (``tier_sent_bytes``, ``tier_received_bytes``): for a metrics scrape."""
+    store = Runtime.for_home(home).store
+    return {"tier_sent_bytes": 0, "tier_received_bytes": 0, **store.counters(), **store.chunk_totals()}
 
 
 def gc(*, home: Home = None, wait: float = LOCK_WAIT) -> GcReport:
@@ -129,13 +130,10 @@ def push(box: str | None = None, *, release: bool = False, home: Home = None) ->
     """Send the tier what it lacks: every saved state of the home (``box`` None), or a
     suspended box whole, state and disk, for another home to ``pull`` and resume it.
     ``release``: the box then leaves this home."""
-    rt = Runtime.for_home(home)
-    remote = Remote.of(rt)
-    if box is None:
-        if release:
-            raise InvalidArgument("release moves one box: name it")
-        return remote.push()
-    return remote.push_box(box, release=release)
+    if box is None and release:
+        raise InvalidArgument("release moves one box: name it")
+    with Remote.of(Runtime.for_home(home)) as remote:
+        return remote.push() if box is None else remote.push_box(box, release=release)
 
 
 def pull(box: str, *, force: bool = False, home: Home = None) -> Any:
@@ -145,13 +143,13 @@ def pull(box: str, *, force: bool = False, home: Home = None) -> Any:
     from .sync import Box
 
     rt = Runtime.for_home(home)
-    rec = Remote.of(rt).pull_box(box, force=force)
-    return Box.get(rec.id, home=rt.home)
+    return Box.get(pull_id(box, force=force, home=rt.home), home=rt.home)
 
 
 def pull_id(box: str, *, force: bool = False, home: Home = None) -> str:
     """``pull``, for a caller with handles of its own (a fleet's node): the box's id."""
-    return Remote.of(Runtime.for_home(home)).pull_box(box, force=force).id
+    with Remote.of(Runtime.for_home(home)) as remote:
+        return remote.pull_box(box, force=force).id
 
 
 def tier_url(*, home: Home = None) -> str | None:
@@ -164,12 +162,11 @@ def evict(older_than: float | None = None, *, home: Home = None) -> GcReport:
     """Keep only the manifest here of cold states (boxes suspended ``older_than`` seconds
     ago or more, snapshots that old; default: the tier's ``evict_after``), once the
     tier has their chunks; a later load brings the chunks back."""
-    rt = Runtime.for_home(home)
-    remote = Remote.of(rt)
-    after = older_than if older_than is not None else remote.tier.config.evict_after
-    if after is None or not after >= 0:
-        raise InvalidArgument("evict needs older_than (seconds), or a tier configured with evict_after")
-    count, freed = remote.evict(after)
+    with Remote.of(Runtime.for_home(home)) as remote:
+        after = older_than if older_than is not None else remote.tier.config.evict_after
+        if after is None or not after >= 0:
+            raise InvalidArgument("evict needs older_than (seconds), or a tier configured with evict_after")
+        count, freed = remote.evict(after)
     return GcReport(count, freed)
 
 

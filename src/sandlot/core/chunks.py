@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING
 
 from ..crashpoints import crash_point
 from ..engine.base import ImageSink, StateSink, StateSource
-from ..errors import CorruptSnapshot, SavedStateError, no_space
+from ..errors import CorruptSnapshot, SandlotError, SavedStateError, no_space
 from . import tier
 from .manifest import CHUNK, Image, Manifest, Stream
 from .store import BoxStore
@@ -55,6 +55,8 @@ ORPHAN_AGE = 60.0  # seconds before a chunk no state counts may be a crash's lef
 LEVEL = 3  # zstd's default: ~570 MB/s here, within a few percent of level 1's ratio on memory
 LOCK_WAIT = 120.0  # seconds a user of the store waits for a collection to end
 READ_AHEAD = 16  # chunks read and checked ahead of the one a restore's stream needs
+TIER_READERS = 16  # chunks asked of the storage tier at once, as a state loads from it
+TIER_READ_AHEAD = 64
 ZERO = bytes(CHUNK)
 
 
@@ -197,6 +199,14 @@ class ChunkStore:
             return None
         found = remote.get(remote.key("chunks", d.hex()))
         return None if found is None else found[0]
+
+    def tally(self, store: BoxStore) -> None:
+        """Add the bytes this store's loads read from the tier to the home's totals."""
+        with self._tier_lock:
+            remote = self._tier
+        if isinstance(remote, tier.Tier):
+            with contextlib.suppress(SandlotError):
+                store.add_counters(remote.traffic())
 
     @contextmanager
     def using(self, wait: float = LOCK_WAIT) -> Iterator[None]:
@@ -528,11 +538,15 @@ class StateReader(StateSource):
     def extents(self, name: str) -> Iterator[tuple[int, bytes]]:
         img = self.manifest.image(name)
         wanted = [(i, d) for i, d in enumerate(img.digests) if d is not None]
-        with ThreadPoolExecutor(2, thread_name_prefix="sandlot-read") as pool:
+        # chunks that come from the storage tier (an evicted state, a box pulled from
+        # another home) wait on the network, not the disk: many are asked for at once
+        remote = self.store.tier() is not None and any(not self.store.path(d).exists() for _, d in wanted)
+        workers, read_ahead = (TIER_READERS, TIER_READ_AHEAD) if remote else (2, READ_AHEAD)
+        with ThreadPoolExecutor(workers, thread_name_prefix="sandlot-read") as pool:
             ahead: list[tuple[int, Future[bytes]]] = []
             for i, d in wanted:
                 ahead.append((i, pool.submit(self.store.get, d, self.whose, img.chunk_size(i))))
-                if len(ahead) > READ_AHEAD:
+                if len(ahead) > read_ahead:
                     j, f = ahead.pop(0)
                     yield j * CHUNK, f.result()
             for j, f in ahead:
@@ -597,9 +611,12 @@ async def reading(home: Path, store: BoxStore, snap_id: str) -> AsyncIterator[St
     if source is None:
         yield None
         return
-    with contextlib.ExitStack() as held:
-        await asyncio.to_thread(held.enter_context, source.store.using())
-        yield source
+    try:
+        with contextlib.ExitStack() as held:
+            await asyncio.to_thread(held.enter_context, source.store.using())
+            yield source
+    finally:
+        await asyncio.to_thread(source.store.tally, store)
 
 
 def open_state(home: Path, store: BoxStore, snap_id: str) -> StateReader | None:

@@ -242,19 +242,6 @@ class Launcher:
         top = disk or Path(rec.disk or "")
         where = self.rt.placement(rec, entry.hostname, facts["agent_ports"])
         directory = snapshots.snapshot_dir(self.rt.home, snap.id)
-        # a state forks map (its shared form, if it was given one) is loaded from its files
-        source = (
-            None
-            if engine.memory_shared(directory)
-            else await asyncio.to_thread(chunks.open_state, self.rt.home, self.rt.store, snap.id)
-        )
-        launch = LaunchSpec(
-            where=where, disk=top, memory_mib=facts["memory_mib"], cpus=facts["cpus"], network=net,
-            boot=shape(boot, facts["memory_mib"], facts["cpus"], facts["agent_ports"], net),
-            saved=SavedState(directory, facts, source),
-            volumes=shares_of(entry.spec),
-            drives=drives_of(rec.drives if drives is None else drives, entry.spec),
-        )  # fmt: skip
         timeout = entry.spec.boot_timeout_for(boot.accel)
 
         async def when_up(vm: VM) -> None:
@@ -267,9 +254,19 @@ class Launcher:
                 if self.frozen_for_saves(entry):  # saved so (BoxController.still): its shares go up too
                     await conn.thaw()
 
-        with contextlib.ExitStack() as held:
-            if source is not None:  # its chunks stay until the VM has read them all
-                await asyncio.to_thread(held.enter_context, source.store.using())
+        async with contextlib.AsyncExitStack() as held:
+            # a state forks map (its shared form, if it was given one) is loaded from its
+            # files; a state of chunks, from chunks that stay until the VM has read them all
+            source = None
+            if not engine.memory_shared(directory):
+                source = await held.enter_async_context(chunks.reading(self.rt.home, self.rt.store, snap.id))
+            launch = LaunchSpec(
+                where=where, disk=top, memory_mib=facts["memory_mib"], cpus=facts["cpus"], network=net,
+                boot=shape(boot, facts["memory_mib"], facts["cpus"], facts["agent_ports"], net),
+                saved=SavedState(directory, facts, source),
+                volumes=shares_of(entry.spec),
+                drives=drives_of(rec.drives if drives is None else drives, entry.spec),
+            )  # fmt: skip
             return await self._bring_up(entry, engine, launch, boot, "restore.after-launch", when_up)
 
     async def _bring_up(

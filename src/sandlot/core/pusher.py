@@ -51,20 +51,20 @@ def spawn(home: Path) -> bool:
 def push_all(home: Path) -> int:
     """One round: states, suspended boxes, eviction. The chunks it sent."""
     rt = Runtime.for_home(home)
-    remote = Remote.of(rt)
-    sent = remote.push().chunks
-    for rec in rt.store.list():
-        if rec.state != BoxState.SUSPENDED or not rec.suspended or rec.drives:
-            continue
-        if remote.box_pushed(rec):
-            continue
-        try:
-            sent += remote.push_box(rec.id).chunks
-        except SandlotError as exc:  # a box that cannot move (a volume): the others still go
-            log.info("box %s stays on this host: %s", rec.name, exc)
-    after = remote.tier.config.evict_after
-    if after is not None:
-        remote.evict(after)
+    with Remote.of(rt) as remote:
+        sent = remote.push().chunks
+        for rec in rt.store.list():
+            if rec.state != BoxState.SUSPENDED or not rec.suspended or rec.drives:
+                continue
+            if remote.box_pushed(rec):
+                continue
+            try:
+                sent += remote.push_box(rec.id).chunks
+            except SandlotError as exc:  # a box that cannot move (a volume): the others still go
+                log.info("box %s stays on this host: %s", rec.name, exc)
+        after = remote.tier.config.evict_after
+        if after is not None:
+            remote.evict(after)
     return sent
 
 

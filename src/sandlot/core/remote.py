@@ -30,7 +30,15 @@ from typing import Any
 from ..config import atomic_write, flock_wait
 from ..crashpoints import crash_point
 from ..engine.base import BootRequest
-from ..errors import BoxNotFound, CorruptSnapshot, InvalidArgument, InvalidState, TierError, no_space
+from ..errors import (
+    BoxNotFound,
+    CorruptSnapshot,
+    InvalidArgument,
+    InvalidState,
+    SandlotError,
+    TierError,
+    no_space,
+)
 from . import snapshots
 from .chunks import LOCK_WAIT, ChunkStore, digest, remove_file
 from .manifest import CHUNK, Image, Manifest
@@ -72,12 +80,26 @@ class Remote:
             )
         return cls(rt, remote)
 
+    def __enter__(self) -> Remote:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.tally()
+
+    def tally(self) -> None:
+        """Add what went to and came from the tier to the home's totals (the metrics')."""
+        with contextlib.suppress(SandlotError):  # a figure, never a reason to fail what moved
+            self.rt.store.add_counters(self.tier.traffic())
+
     # -- chunks and states -------------------------------------------------------------------
 
-    def push(self, states: Iterable[str] | None = None) -> PushReport:
+    def push(self, states: Iterable[str] | None = None, *, ask: bool = False) -> PushReport:
         """Send the tier every chunk and manifest it lacks: of ``states`` (snapshot ids),
         or of every state of the home. A chunk is marked as the tier's only once the
-        tier said it has it; a push cut short sends the rest next time."""
+        tier said it has it; a push cut short sends the rest next time. ``ask``: a chunk
+        this home does not know the tier holds is looked up there before it is sent (a
+        box that came from the tier: this home forgot its chunks were the tier's when no
+        state of its own listed them any more, as the state it was pulled with went)."""
         t0 = time.monotonic()
         store = self.rt.store
         wanted = list(states) if states is not None else store.unpushed_states()
@@ -98,7 +120,7 @@ class Remote:
                 todo += store.unpushed_chunks()
             todo = list(dict.fromkeys(todo))
             for batch in _batches(todo, 512):
-                sizes = self._parallel(self._push_chunk, batch)
+                sizes = self._parallel(self._ask_then_push if ask else self._push_chunk, batch)
                 store.mark_pushed(chunks=batch)
                 crash_point("remote.mid-push")
                 sent, nbytes = sent + sum(1 for s in sizes if s), nbytes + sum(sizes)
@@ -106,6 +128,9 @@ class Remote:
                 self.tier.put(self.tier.key("states", snap_id), data)
                 store.mark_pushed(state=snap_id)
         return PushReport(sent, nbytes, len(manifests), 0, round(time.monotonic() - t0, 3))
+
+    def _ask_then_push(self, d: bytes) -> int:
+        return 0 if self.tier.exists(self.tier.key("chunks", d.hex())) else self._push_chunk(d)
 
     def _push_chunk(self, d: bytes) -> int:
         path = self.chunks.path(d)
@@ -202,7 +227,7 @@ class Remote:
             raise InvalidArgument(f"box {rec.name} runs on engine {rec.engine!r}, whose saved state does not "
                                   "move through the tier yet: engine='qemu'")  # fmt: skip
         self.tier.take(rec.id, self.me)
-        report = self.push([snap.id])
+        report = self.push([snap.id], ask=True)
         files = [self._push_file(rt.home, path) for path in _chain(rt.home, Path(rec.disk or ""))]
         doc = {
             "format": BOX_FORMAT, "home": self.me, "pushed_at": time.time(),

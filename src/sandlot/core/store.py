@@ -51,7 +51,7 @@ from .events import Draft, Event
 from .events import draft as draft_event
 from .manifest import digests_of as manifest_digests
 
-SCHEMA_VERSION = 13
+SCHEMA_VERSION = 14
 # Room the store keeps for itself (BoxStore.hold_room): a file of its own, given up when
 # a write finds the filesystem full so that the write is tried again and the rows saying
 # how an operation ended are written; made again once the filesystem has room.
@@ -332,6 +332,8 @@ MIGRATIONS: list[str | Callable[[sqlite3.Connection], None]] = [
         since REAL
     );
     """,
+    # 13 -> 14: the home's running totals (the bytes its storage tier was sent and sent back)
+    "CREATE TABLE counters (name TEXT PRIMARY KEY, value INTEGER NOT NULL)",
 ]
 
 SNAPSHOT_KINDS = ("snapshot", "template", "suspend")
@@ -1356,6 +1358,22 @@ class BoxStore:
     def chunk_digests(self) -> builtins.set[bytes]:
         with self._reading():
             return {bytes(r[0]) for r in self._db.execute("SELECT digest FROM chunks")}
+
+    def add_counters(self, add: dict[str, int]) -> None:
+        """Add to the home's running totals (a counter never goes down)."""
+        add = {k: n for k, n in add.items() if n > 0}
+        if not add:
+            return
+        with self._tx(durable=False) as db:
+            db.executemany(
+                "INSERT INTO counters (name, value) VALUES (?, ?) "
+                "ON CONFLICT (name) DO UPDATE SET value = value + excluded.value",
+                builtins.list(add.items()),
+            )
+
+    def counters(self) -> dict[str, int]:
+        with self._reading():
+            return {r[0]: int(r[1]) for r in self._db.execute("SELECT name, value FROM counters")}
 
     def chunk_totals(self) -> dict[str, int]:
         """The chunk store's figures: chunks kept and the bytes they take, the bytes the

@@ -28,6 +28,7 @@ import json
 import os
 import re
 import socket
+import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -144,6 +145,18 @@ class Tier:
         self.tries = tries if tries is not None else attempts()
         self.timeout = timeout
         self._client: BaseClient | None = None
+        self._traffic = {"tier_sent_bytes": 0, "tier_received_bytes": 0}
+        self._traffic_lock = threading.Lock()
+
+    def _counted(self, what: str, n: int) -> None:
+        with self._traffic_lock:
+            self._traffic[what] += n
+
+    def traffic(self) -> dict[str, int]:
+        """The bytes of objects sent to and read from the tier since the last call."""
+        with self._traffic_lock:
+            taken, self._traffic = self._traffic, dict.fromkeys(self._traffic, 0)
+        return taken
 
     @property
     def client(self) -> BaseClient:
@@ -187,6 +200,7 @@ class Tier:
         if if_match is not None:
             kw["IfMatch"] = if_match
         reply = self._call("write", key, self.client.put_object, **kw)
+        self._counted("tier_sent_bytes", len(data))
         return str(reply.get("ETag", ""))
 
     def get(self, key: str) -> tuple[bytes, str] | None:
@@ -196,7 +210,9 @@ class Tier:
         except FileNotFoundError:
             return None
         try:
-            return reply["Body"].read(), str(reply.get("ETag", ""))
+            data: bytes = reply["Body"].read()
+            self._counted("tier_received_bytes", len(data))
+            return data, str(reply.get("ETag", ""))
         except OSError as exc:
             raise TierError(f"the storage tier {self.config.url} broke off reading {key}: {exc}") from None
 

@@ -98,6 +98,15 @@ STORAGE_FIGURES = (
      "unshared_bytes"),
     ("sandlot_storage_garbage_bytes", "Bytes of chunks no saved state lists, until a collection",
      "garbage_bytes"),
+    ("sandlot_storage_tier_bytes", "Bytes of the saved states' chunks that the storage tier holds",
+     "remote_bytes"),
+)  # fmt: skip
+# (name, help, the home's counter): what went to and came from the storage tier
+STORAGE_COUNTERS = (
+    ("sandlot_storage_tier_sent_bytes", "Bytes sent to the storage tier (chunks, disk files, boxes)",
+     "tier_sent_bytes"),
+    ("sandlot_storage_tier_received_bytes", "Bytes read from the storage tier (pulls, evicted states loaded)",
+     "tier_received_bytes"),
 )  # fmt: skip
 
 
@@ -108,6 +117,8 @@ class _Storage(Collector):
     def collect(self) -> Iterator[Metric]:
         for name, doc, field in STORAGE_FIGURES:
             yield GaugeMetricFamily(name, doc, value=float(self.totals[field]))
+        for name, doc, field in STORAGE_COUNTERS:
+            yield CounterMetricFamily(name, doc, value=float(self.totals.get(field, 0)))
 
 
 def exposition(
