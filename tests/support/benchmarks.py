@@ -41,7 +41,7 @@ PROMISED = {
         "box_create_from_pulled_image_ms",
     ],
     "livestate": ["snapshot", "rollback_to_first_exec_s", "resume_to_first_exec_s", "fork"],
-    "storage": ["checkpoints", "fan_out", "local_speed"],
+    "storage": ["checkpoints", "fan_out", "local_speed", "tier"],
     "pool": [
         "template_start_to_first_exec_s",
         "pool_claim_to_first_exec_ms",
