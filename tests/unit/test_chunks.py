@@ -7,12 +7,14 @@ with real VMs."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -147,6 +149,22 @@ def row(snap_id: str) -> SnapshotRecord:
                           created_at=time.time(), options={})  # fmt: skip
 
 
+@contextlib.contextmanager
+def held_by_another_process(home: Path) -> Iterator[None]:
+    """The home's chunk store used (``ChunkStore.using``) by another process all through the block."""
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, pathlib\nfrom sandlot.core.chunks import ChunkStore\n"
+         f"with ChunkStore(pathlib.Path({str(home)!r})).using():\n"
+         "    print('held', flush=True); sys.stdin.read()"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+        yield
+    finally:
+        holder.communicate("", timeout=10)
+
+
 def test_a_chunk_goes_with_the_last_state_that_lists_it(tmp_path: Path) -> None:
     db = BoxStore(tmp_path / "sandlot.db")
     store = chunks.ChunkStore(tmp_path)
@@ -175,18 +193,9 @@ def test_a_collection_leaves_the_store_to_those_using_it(tmp_path: Path) -> None
     a = save(store, ram(5), "a")
     db.insert_snapshot(row("a"), manifest=a.manifest.encode(), stored=a.stored)
     db.delete_snapshot("a")
-    holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys, pathlib\nfrom sandlot.core.chunks import ChunkStore\n"
-         f"with ChunkStore(pathlib.Path({str(tmp_path)!r})).using():\n"
-         "    print('held', flush=True); sys.stdin.read()"],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-    )  # fmt: skip
-    try:
-        assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+    with held_by_another_process(tmp_path):
         assert store.collect(db) == (0, 0)  # a restore (say) reads them: nothing goes
         assert len(list(store.root.glob("??/*"))) == len(a.stored)
-    finally:
-        holder.communicate("", timeout=10)
     assert store.collect(db)[0] == len(a.stored)
 
 
@@ -231,19 +240,10 @@ def test_a_failed_save_gives_back_its_room_unless_another_save_may_count_on_it(t
     manifest = Manifest.decode(db.state_manifest("kept") or b"")
     assert read(chunks.StateReader(store, manifest, "kept")) == ram(7)
     # while another save holds the store, its chunks stay (that save may have found them): gc's
-    holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys, pathlib\nfrom sandlot.core.chunks import ChunkStore\n"
-         f"with ChunkStore(pathlib.Path({str(tmp_path)!r})).using():\n"
-         "    print('held', flush=True); sys.stdin.read()"],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-    )  # fmt: skip
-    try:
-        assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+    with held_by_another_process(tmp_path):
         with pytest.raises(OSError):
             asyncio.run(failed_save(bytes(ram(8))))
         assert len(list(store.root.glob("??/*"))) > len(kept.stored)
-    finally:
-        holder.communicate("", timeout=10)
 
 
 def fake_box(home: Path, root: Path, **kw: object) -> sandlot.Box:

@@ -351,16 +351,7 @@ def _check_manifest(m: Any) -> dict[str, Any]:
             isinstance(digest, str) and re.fullmatch(r"[0-9a-f]{64}", digest) is not None,
             f"{name}: bad sha256",
         )
-    for key in ("engine", "accel"):
-        _need(isinstance(compat.get(key), str), f"compat.{key} missing")
-    _need(isinstance(compat.get("engine_facts"), dict), "compat.engine_facts missing")
-    _need(
-        all(isinstance(v, str) for v in compat["engine_facts"].values()), "compat.engine_facts are not text"
-    )
-    for key, hi in (("memory_mib", 1 << 20), ("cpus", 1024), ("agent_ports", 64)):
-        v = compat.get(key)
-        _need(isinstance(v, int) and not isinstance(v, bool) and 0 < v <= hi, f"compat.{key} out of range")
-    _need(isinstance(compat.get("network", False), bool), "compat.network is not true or false")
+    _check_compat(compat)
     if parts[: len(PARTS)] == PARTS:
         _need(
             files["memory"]["size"] == compat["memory_mib"] << 20,

@@ -208,12 +208,15 @@ class ChunkStore:
             with contextlib.suppress(SandlotError):
                 store.add_counters(remote.traffic())
 
-    @contextmanager
-    def using(self, wait: float = LOCK_WAIT) -> Iterator[None]:
+    def using(self, wait: float = LOCK_WAIT) -> contextlib.AbstractContextManager[None]:
         """Hold the store against a collection (shared with every other user)."""
+        return self._held(fcntl.LOCK_SH, wait, "the chunk store (a collection holds it)")
+
+    @contextmanager
+    def _held(self, how: int, wait: float, what: str) -> Iterator[None]:
         fd = self._lock_fd()
         try:
-            _flock(fd, fcntl.LOCK_SH, wait, "the chunk store (a collection holds it)")
+            _flock(fd, how, wait, what)
             yield
         finally:
             os.close(fd)
@@ -295,15 +298,9 @@ class ChunkStore:
         finally:
             os.close(fd)
 
-    @contextmanager
-    def collecting(self, wait: float = LOCK_WAIT) -> Iterator[None]:
+    def collecting(self, wait: float = LOCK_WAIT) -> contextlib.AbstractContextManager[None]:
         """Hold the store alone: no save counts on, and no load reads, a chunk file meanwhile."""
-        fd = self._lock_fd()
-        try:
-            _flock(fd, fcntl.LOCK_EX, wait, "the chunk store (saves or loads use it)")
-            yield
-        finally:
-            os.close(fd)
+        return self._held(fcntl.LOCK_EX, wait, "the chunk store (saves or loads use it)")
 
 
 def unpack(packed: bytes) -> bytes:
