@@ -30,7 +30,7 @@ import pytest
 from tests.support.browser import launch
 from tests.support.names import unique
 from tests.support.serve import Served, serving
-from tests.support.waiting import deadline_in
+from tests.support.waiting import deadline_in, scaled
 
 pytestmark = pytest.mark.vm
 
@@ -249,7 +249,7 @@ def test_a_box_s_page_reaches_no_other_box_through_the_api(
     audited = _audited(admin, boxes.victim)
     context = browser.new_context()
     page = context.new_page()
-    page.set_default_timeout(30_000)
+    page.set_default_timeout(scaled(30) * 1000)
     seen = Seen(page)
     url = _page_url(which, served_by, server, boxes)
     if which == "keyed" and served_by == "port route":
@@ -361,7 +361,7 @@ def test_a_preview_opened_from_the_signed_in_console_gets_nothing_of_its_key(
     context = browser.new_context(base_url=keyed.url)
     try:
         page = context.new_page()
-        page.set_default_timeout(30_000)
+        page.set_default_timeout(scaled(30) * 1000)
         page.goto("/")
         page.fill("#sign-in input[name=key]", keyed.api_key)
         page.press("#sign-in input[name=key]", "Enter")
