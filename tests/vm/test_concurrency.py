@@ -152,6 +152,8 @@ def test_a_mixed_storm_of_starts_forks_snapshots_and_removes(image: str) -> None
 
 
 SLOW_CALLBACK = re.compile(r"^Executing <.*> took \d+\.\d+ seconds$")
+# a boot that hung under load and was tried again says so as it happens: not an exit's leak
+BOOT_AGAIN = re.compile(r"box \S+: its guest never opened the agent's port .*; booting it again$")
 
 CLEAN_EXIT = """
 import asyncio, sandlot
@@ -180,7 +182,8 @@ def test_a_process_that_used_boxes_exits_without_a_warning(busybox_root: Path) -
     try:
         assert r.returncode == 0, r.stderr
         # asyncio's debug mode also reports callbacks slower than 0.1 s: a busy host, not a leak
-        noise = [ln for ln in r.stderr.splitlines() if ln.strip() and not SLOW_CALLBACK.match(ln)]
+        noise = [ln for ln in r.stderr.splitlines()
+                 if ln.strip() and not SLOW_CALLBACK.match(ln) and not BOOT_AGAIN.search(ln)]  # fmt: skip
         assert not noise, "stderr at exit:\n" + r.stderr
     finally:
         name = r.stdout.strip().splitlines()[-1] if r.stdout.strip() else None
