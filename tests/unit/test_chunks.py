@@ -269,8 +269,17 @@ def test_the_core_saves_live_state_as_chunks_each_costing_what_changed(home: Pat
         assert box.exec("recall", "k2").stdout == "\n" and box.exec("recall", "k1").stdout == "one\n"
         kids = box.fork(2)
         assert [k.exec("recall", "k1").stdout for k in kids] == ["one\n", "one\n"]
+        running = box.size
+        assert running is not None and running >= 0  # its own disk layer (the fake's is empty)
         box.suspend()
+        held = BoxStore(home / "sandlot.db").find_snapshot(
+            BoxStore(home / "sandlot.db").get(box.id).suspended or ""
+        )
+        assert held is not None and held.size > 0
+        assert box.size == running + held.size  # and, suspended, its state
+        assert box.info["logical_size"] == running + held.options["logical_bytes"]
         assert box.exec("recall", "k1").stdout == "one\n"  # resumed from its chunks
+        assert box.size == running
         for k in kids:
             k.remove(force=True)
         box.snapshots()  # (a listing reclaims a fork's state whose children are gone)

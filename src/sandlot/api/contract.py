@@ -577,6 +577,10 @@ class BoxOut(BaseModel):
     accel: str | None = None
     origin: str | None = None
     reason: str | None = None
+    # bytes the box takes in its home beyond its snapshots and its image: its own disk
+    # layers and, suspended, its saved state (docs/storage.md); and what they hold
+    size: int | None = None
+    logical_size: int | None = None
     node: str | None = None  # the fleet node the box lives on (``sandlot.fleet``)
 
 

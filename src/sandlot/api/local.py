@@ -30,7 +30,7 @@ from ..core.runtime import Runtime
 from ..core.service import Core, core_for
 from ..core.sessions import Kept
 from ..core.state import BoxState
-from ..core.store import BoxRecord, SnapshotRecord, validate_name
+from ..core.store import BoxRecord, BoxStore, SnapshotRecord, validate_name
 from ..core.validate import check_env, check_user, guest_path, positive
 from ..errors import BoxNotFound, InvalidArgument, SnapshotNotFound
 from ..protocol import archive as proto_archive
@@ -49,9 +49,28 @@ if TYPE_CHECKING:
 CONSOLE_TAIL = 256 * 1024  # bytes of the console read for its last lines
 
 
-def box_info(rec: BoxRecord, state: str | None = None) -> dict[str, Any]:
-    """A box's record as every transport describes a box (``contract.BoxOut``)."""
+def box_sizes(rec: BoxRecord, store: BoxStore) -> tuple[int, int]:
+    """(size, logical_size) of a box (``contract.BoxOut``): the bytes its own disk layers
+    take (those its snapshots froze are theirs) and, suspended, its saved state's."""
+    disk = 0
+    for top in (rec.disk, *(d.get("top") for d in rec.drives)):
+        if top:
+            with contextlib.suppress(OSError):  # (a box being removed)
+                disk += os.stat(top).st_blocks * 512
+    stored = logical = 0
+    if rec.suspended:
+        snap = store.find_snapshot(rec.suspended)
+        if snap is not None:
+            stored = snap.size
+            logical = int(snap.options.get("logical_bytes", snap.size))
+    return disk + stored, disk + logical
+
+
+def box_info(rec: BoxRecord, state: str | None = None, store: BoxStore | None = None) -> dict[str, Any]:
+    """A box's record as every transport describes a box (``contract.BoxOut``); its
+    sizes where the home's ``store`` is given."""
     opts = rec.options
+    size, logical = box_sizes(rec, store) if store is not None else (None, None)
     return {
         "id": rec.id,
         "name": rec.name,
@@ -69,6 +88,8 @@ def box_info(rec: BoxRecord, state: str | None = None) -> dict[str, Any]:
         "accel": rec.boot.get("accel") or None,
         "origin": rec.origin,
         "reason": rec.reason,
+        "size": size,
+        "logical_size": logical,
         "node": None,
     }
 
@@ -133,7 +154,7 @@ class LocalBoxRef(BoxRef):
     def info(self) -> dict[str, Any]:
         self.need_made()
         assert self.entry is not None
-        return box_info(self.entry.record, self.state)
+        return box_info(self.entry.record, self.state, self.runtime.store)
 
     @property
     def record(self) -> BoxRecord:

@@ -209,9 +209,16 @@ class Box(BoxBase):
     def info(self) -> dict[str, Any]:
         """The box's description as last read, without reading it again: id, name,
         state, image, labels, created_at, started_at, memory_mib, cpus, disk_size_gb,
-        network, hostname, engine, accel, origin, reason and node (a fleet box's).
-        ``inspect()`` says everything, now."""
+        network, hostname, engine, accel, origin, reason, size, logical_size and node
+        (a fleet box's). ``inspect()`` says everything, now."""
         return self._a.info
+
+    @property
+    def size(self) -> int | None:
+        """The bytes the box takes in its home beyond its snapshots and its image: its own
+        disk layers and, suspended, its saved state (as last read; None where the
+        transport does not say)."""
+        return self._a.size
 
     def refresh(self) -> str:
         """Read the box's state anew (another process or client may have changed it)."""
