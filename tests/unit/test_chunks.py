@@ -278,6 +278,7 @@ def test_the_core_saves_live_state_as_chunks_each_costing_what_changed(home: Pat
         assert held is not None and held.size > 0
         assert box.size == running + held.size  # and, suspended, its state
         assert box.info["logical_size"] == running + held.options["logical_bytes"]
+        assert box.inspect()["size"] == box.size  # and sandlot inspect
         assert box.exec("recall", "k1").stdout == "one\n"  # resumed from its chunks
         assert box.size == running
         for k in kids:

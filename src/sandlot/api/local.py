@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from ..config import tail
-from ..core import diffs, events, metrics, tracing, volumes
+from ..core import diffs, events, metrics, snapshots, tracing, volumes
 from ..core.controller import BoxController
 from ..core.entry import BoxEntry, hostname_for
 from ..core.requests import SPEC_OPTIONS, BoxRequest
@@ -49,28 +49,11 @@ if TYPE_CHECKING:
 CONSOLE_TAIL = 256 * 1024  # bytes of the console read for its last lines
 
 
-def box_sizes(rec: BoxRecord, store: BoxStore) -> tuple[int, int]:
-    """(size, logical_size) of a box (``contract.BoxOut``): the bytes its own disk layers
-    take (those its snapshots froze are theirs) and, suspended, its saved state's."""
-    disk = 0
-    for top in (rec.disk, *(d.get("top") for d in rec.drives)):
-        if top:
-            with contextlib.suppress(OSError):  # (a box being removed)
-                disk += os.stat(top).st_blocks * 512
-    stored = logical = 0
-    if rec.suspended:
-        snap = store.find_snapshot(rec.suspended)
-        if snap is not None:
-            stored = snap.size
-            logical = int(snap.options.get("logical_bytes", snap.size))
-    return disk + stored, disk + logical
-
-
 def box_info(rec: BoxRecord, state: str | None = None, store: BoxStore | None = None) -> dict[str, Any]:
     """A box's record as every transport describes a box (``contract.BoxOut``); its
     sizes where the home's ``store`` is given."""
     opts = rec.options
-    size, logical = box_sizes(rec, store) if store is not None else (None, None)
+    size, logical = snapshots.box_sizes(rec, store) if store is not None else (None, None)
     return {
         "id": rec.id,
         "name": rec.name,

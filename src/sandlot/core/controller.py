@@ -44,7 +44,7 @@ from ..net.secrets import build_vault, read_vault_json, write_vault
 from ..protocol.connection import AgentConnection
 from ..protocol.exec import ExecRequest, RemoteProcess
 from ..protocol.wire import ControlOp, Fields, Tag, tlv
-from . import events, idle, layers, tracing, volumes
+from . import events, idle, layers, snapshots, tracing, volumes
 from .entry import BoxEntry
 from .launch import Launcher, read_file
 from .recovery import Recovery
@@ -911,6 +911,7 @@ class BoxController:
         engine = self.rt.engine(rec.engine)
         d["host_cgroup"] = await asyncio.to_thread(engine.host_limits, rec.vm) if live else None
         d["accel"] = rec.boot.get("accel")
+        d["size"], d["logical_size"] = await asyncio.to_thread(snapshots.box_sizes, rec, self.rt.store)
         return d
 
     async def stats(self, entry: BoxEntry) -> dict[str, Any]:

@@ -21,7 +21,7 @@ from .. import pids
 from ..config import fsync_dir
 from . import chunks, layers
 from .manifest import Manifest
-from .store import BoxStore
+from .store import BoxRecord, BoxStore
 
 ORPHAN_AGE = layers.ORPHAN_AGE
 
@@ -62,6 +62,23 @@ def drop(home: Path, store: BoxStore, snap_id: str, *, collect: bool = True) -> 
     remove_files(home, snap_id)
     if collect:
         chunks.ChunkStore(home).collect(store)
+
+
+def box_sizes(rec: BoxRecord, store: BoxStore) -> tuple[int, int]:
+    """(size, logical_size) of a box (``contract.BoxOut``): the bytes its own disk layers
+    take (those its snapshots froze are theirs) and, suspended, its saved state's."""
+    disk = 0
+    for top in (rec.disk, *(d.get("top") for d in rec.drives)):
+        if top:
+            with contextlib.suppress(OSError):  # (a box being removed)
+                disk += Path(top).stat().st_blocks * 512
+    stored = logical = 0
+    if rec.suspended:
+        snap = store.find_snapshot(rec.suspended)
+        if snap is not None:
+            stored = snap.size
+            logical = int(snap.options.get("logical_bytes", snap.size))
+    return disk + stored, disk + logical
 
 
 def sizes(home: Path, snap_id: str, manifest: Manifest | None, frozen: Path | None) -> dict[str, int]:
