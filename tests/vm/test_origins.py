@@ -178,6 +178,7 @@ class Seen:
     POST, through Playwright's context), and the lines of Chromium's console."""
 
     def __init__(self, page: Any) -> None:
+        self.page = page
         self.console: list[str] = []
         self._sent: dict[str, tuple[str, str]] = {}  # request id -> method, URL
         self._status: dict[str, int] = {}  # request id -> the answer's status (either may come first)
@@ -213,14 +214,14 @@ class Seen:
         while not any(m in methods.split() and path in u and s == status for m, u, s in self.answers):
             why = f"no {status} to {methods} {path}: {self.answers}, {self.console}"
             assert time.monotonic() < deadline, why
-            time.sleep(0.1)
+            self.page.wait_for_timeout(100)  # (Playwright's: its events come in meanwhile)
 
     def said(self, *parts: str) -> None:
         """Wait for a line of the console holding each of ``parts``."""
         deadline = deadline_in(20)
         while not any(all(p in line for p in parts) for line in self.console):
             assert time.monotonic() < deadline, f"the console never said {parts}: {self.console}"
-            time.sleep(0.1)
+            self.page.wait_for_timeout(100)  # (Playwright's: its events come in meanwhile)
 
 
 def _page_url(which: str, served_by: str, server: Served, boxes: Boxes) -> str:

@@ -18,6 +18,7 @@ import sandlot
 from sandlot.core.store import SCHEMA_VERSION
 
 from tests.support.legacy import downgrade_to_v2
+from tests.support.waiting import scaled
 
 pytestmark = pytest.mark.vm
 
@@ -50,7 +51,7 @@ def test_a_version_2_store_opens_and_its_boxes_start_and_resume(busybox_root: Pa
         loop = "i=0; while true; do i=$((i+1)); echo $i >/tmp/m; mv /tmp/m /tmp/n; sleep 0.1; done"
         b.sh("sh -c '" + loop + "' >/dev/null 2>&1 &")
         import time
-        deadline = deadline_in(60)
+        deadline = time.monotonic() + {scaled(60)!r}  # (a script of its own: the value, not the call)
         while b.sh("cat /tmp/n").returncode != 0:  # it counts before it is suspended
             assert time.monotonic() < deadline, "the counter never started"
             time.sleep(0.1)
@@ -75,7 +76,7 @@ def check_upgrade(home: Path) -> None:
     db.close()
     out = py(
         home,
-        """
+        f"""
         import sandlot
         a = sandlot.get("was-stopped")
         a.start()
@@ -84,7 +85,7 @@ def check_upgrade(home: Path) -> None:
         assert b.state == "suspended", b.state
         before = int(b.exec("cat", "/tmp/n").stdout)  # the next command resumes it
         import time
-        deadline = deadline_in(30)
+        deadline = time.monotonic() + {scaled(30)!r}
         while (after := int(b.exec("cat", "/tmp/n").stdout)) <= before and time.monotonic() < deadline:
             time.sleep(0.1)  # its counter runs on
         print(before > 0, after > before, b.state)
