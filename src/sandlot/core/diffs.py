@@ -38,13 +38,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import difflib
-import errno
 import hashlib
 import os
 import posixpath
 import stat
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -52,13 +51,11 @@ from ..crashpoints import crash_point
 from ..errors import (
     GuestFileNotFoundError,
     GuestNotADirectoryError,
-    GuestOSError,
     InvalidArgument,
     ProtocolError,
-    Unsupported,
 )
 from ..protocol import files as pfiles
-from ..protocol.connection import AgentConnection
+from ..protocol.connection import AgentConnection, newer_agent_needed
 from ..protocol.wire import FsFlag, FsOp, TreeEntry
 from .requests import BoxRequest
 
@@ -384,20 +381,6 @@ def summary(changes: list[dict[str, Any]]) -> dict[str, int]:
 # -- the sides of a box -----------------------------------------------------------------
 
 
-@contextlib.contextmanager
-def newer_agent_needed() -> Iterator[None]:
-    """An agent older than FS TREE answers ENOSYS: say what to do about it."""
-    try:
-        yield
-    except GuestOSError as e:
-        if e.errno != errno.ENOSYS:
-            raise
-        raise Unsupported(
-            f"this box's agent cannot list a file tree ({e}): it runs an older sandlot's agent; "
-            "restart the box (or start one from a new snapshot) to compare or restore its files"
-        ) from None
-
-
 def side_key(value: str | None, default: str) -> tuple[str, str]:
     """A side as the wire names it: ``now``, ``image``, ``box:KEY``, ``snapshot:KEY``, or
     a snapshot's id or name -> (kind, key)."""
@@ -434,7 +417,7 @@ async def diff(
                 raise failed
         sides = [s for s in opened if isinstance(s, Side)]
         crash_point("diff.sides-open")
-        with newer_agent_needed():
+        with newer_agent_needed("list a file tree", "compare or restore its files"):
             return await compare(sides[0], sides[1], paths, text_limit=text_limit)
 
 
@@ -507,7 +490,7 @@ async def restore(core: Core, entry: BoxEntry, path: str, snapshot: str) -> dict
         await ctl.connection(entry)  # the box must run: fail before starting anything
         src = await open_side(core, entry, "snapshot", key, held)
         source = await src.connection()
-        with newer_agent_needed():
+        with newer_agent_needed("list a file tree", "compare or restore its files"):
             own = await pfiles.tree(source, path, self_only=True)
         if len(own) != 1:
             raise ProtocolError(f"the agent answered {len(own)} entries for the one path {path}")

@@ -9,12 +9,12 @@ import asyncio
 import contextlib
 import errno
 import struct
-from collections.abc import AsyncIterable, AsyncIterator, Iterator
+from collections.abc import AsyncIterable, AsyncIterator
 from dataclasses import dataclass, field
 
-from ..errors import GuestOSError, ProtocolError, SandlotError, TransferError, Unsupported, guest_os_error
+from ..errors import ProtocolError, SandlotError, TransferError, guest_os_error
 from . import wire
-from .connection import AgentConnection
+from .connection import AgentConnection, newer_agent_needed
 from .exec import ExecRequest, RemoteProcess
 from .wire import ArchiveFlag, ArchiveOp, ArchiveRecord, Fields, T, Tag
 
@@ -93,20 +93,6 @@ def failure_of(r: Fields, written: list[str] | None = None) -> SandlotError:
     return TransferError.at(entry_text(raw), message, side="box", errno=number, written=written or None)
 
 
-@contextlib.contextmanager
-def newer_agent_needed() -> Iterator[None]:
-    """An agent older than ARCHIVE answers ENOSYS: say what to do about it."""
-    try:
-        yield
-    except GuestOSError as e:
-        if e.errno != errno.ENOSYS:
-            raise
-        raise Unsupported(
-            f"this box's agent cannot copy a tree ({e}): it runs an older sandlot's agent; restart the box "
-            "(or start one from a new snapshot) to upload or download directories"
-        ) from None
-
-
 def _request(op: ArchiveOp, path: str, flags: int = 0, user: str | None = None) -> bytes:
     payload = wire.tlv(Tag.OP, int(op)) + wire.tlv(Tag.PATH, path) + wire.tlv(Tag.FLAGS, flags)
     if user:
@@ -120,7 +106,7 @@ async def read_tree(conn: AgentConnection, path: str, *, follow: bool = False) -
     after the chunks sent so far, which end with a note naming the entry (a reader of the
     stream alone refuses it too); a missing ``path`` raises before any chunk."""
     payload = _request(ArchiveOp.READ, path, ArchiveFlag.FOLLOW if follow else 0)
-    with newer_agent_needed():
+    with newer_agent_needed("copy a tree", "upload or download directories"):
         proc = await RemoteProcess.start(conn, _AS_EXEC, kind=T.ARCHIVE, payload=payload)
     finished = False
     try:
@@ -141,7 +127,7 @@ async def write_tree(
     """The tar stream ``chunks`` unpacked into the guest directory ``path`` (made if
     needed, merged into if there), owned by ``user`` if given: whole, or the destination
     as it was (see ``TransferError.written``)."""
-    with newer_agent_needed():
+    with newer_agent_needed("copy a tree", "upload or download directories"):
         proc = await RemoteProcess.start(
             conn, _AS_EXEC, kind=T.ARCHIVE, payload=_request(ArchiveOp.WRITE, path, user=user)
         )

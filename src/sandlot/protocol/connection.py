@@ -20,12 +20,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import logging
 import os
 import secrets
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 
 from ..errors import AgentTimeout, ConnectionLost, GuestOSError, ProtocolError, Unsupported, guest_os_error
@@ -33,6 +34,22 @@ from . import wire
 from .wire import Fields, Frame, T, Tag
 
 log = logging.getLogger("sandlot.protocol")
+
+
+@contextlib.contextmanager
+def newer_agent_needed(cannot: str, to: str) -> Iterator[None]:
+    """An agent older than the operation answers ENOSYS: say what it ``cannot`` do, and
+    what to do about it (restart the box) ``to`` do it."""
+    try:
+        yield
+    except GuestOSError as e:
+        if e.errno != errno.ENOSYS:
+            raise
+        raise Unsupported(
+            f"this box's agent cannot {cannot} ({e}): it runs an older sandlot's agent; "
+            f"restart the box (or start one from a new snapshot) to {to}"
+        ) from None
+
 
 Connector = Callable[[], Awaitable[tuple[asyncio.StreamReader, asyncio.StreamWriter]]]
 
