@@ -527,12 +527,8 @@ class NodeService:
 
     # -- moving a box through the storage tier (docs/storage.md) -------------------------------
 
-    @guarded
-    async def push_box(self, box_id: str) -> dict[str, Any]:
-        """Send a box to the home's storage tier for a move, and let it go from this node:
-        a running or paused one is suspended first (its processes move with it)."""
-        from ..api import storage
-
+    async def _movable(self, box_id: str) -> tuple[AsyncBox, str]:
+        """The box, and its state, if it may move with its processes (running, paused or suspended)."""
         box = AsyncBox.bound(await self.ref(box_id))
         await box.refresh()
         was = box.state
@@ -540,6 +536,15 @@ class NodeService:
             raise InvalidArgument(
                 f"box {box.name} is {was}: only a running, paused or suspended box moves with its processes",
             )
+        return box, was
+
+    @guarded
+    async def push_box(self, box_id: str) -> dict[str, Any]:
+        """Send a box to the home's storage tier for a move, and let it go from this node:
+        a running or paused one is suspended first (its processes move with it)."""
+        from ..api import storage
+
+        box, was = await self._movable(box_id)
         t0 = time.monotonic()
         if was != "suspended":
             await box.suspend()
@@ -591,13 +596,7 @@ class NodeService:
         the next actor of this node ends it if this one dies (``settle``)."""
         if box_id in self.moving or self._hold_file(box_id).exists():
             raise InvalidState(f"box {box_id} is being moved already", box=box_id, state="moving")
-        box = AsyncBox.bound(await self.ref(box_id))
-        await box.refresh()
-        was = box.state
-        if was not in ("running", "paused", "suspended"):
-            raise InvalidArgument(
-                f"box {box.name} is {was}: only a running, paused or suspended box moves with its processes",
-            )
+        box, was = await self._movable(box_id)
         t0 = time.monotonic()
         self._write_hold(box_id, {"was": was, "snapshot": None})
         try:
