@@ -162,6 +162,26 @@ def test_place_writes_limits_before_the_pid(tmp_path: Path) -> None:
     assert (leaf / "cgroup.procs").read_text() == "1234"
 
 
+def test_a_lifted_memory_bound_comes_back_in_an_order_v1_accepts(tmp_path: Path) -> None:
+    """A checkpoint's room above the bound: on v1 the memory+swap bound goes up first and
+    down last (it must never be below the memory one); an unbounded file is left alone,
+    and a cgroup gone meanwhile is no error."""
+    v1, v2, gone = tmp_path / "v1", tmp_path / "v2", tmp_path / "gone"
+    v1.mkdir()
+    v2.mkdir()
+    (v1 / "memory.limit_in_bytes").write_text(str(640 << 20))
+    (v1 / "memory.memsw.limit_in_bytes").write_text(str(640 << 20))
+    (v2 / "memory.max").write_text("max")
+    with hostcgroup.Placement(1, (v1, gone)).memory_lifted(1 << 30):
+        assert (v1 / "memory.limit_in_bytes").read_text() == str((640 << 20) + (1 << 30))
+        assert (v1 / "memory.memsw.limit_in_bytes").read_text() == str((640 << 20) + (1 << 30))
+    assert (v1 / "memory.limit_in_bytes").read_text() == str(640 << 20)
+    assert (v1 / "memory.memsw.limit_in_bytes").read_text() == str(640 << 20)
+    with hostcgroup.Placement(2, (v2,)).memory_lifted(1 << 30):
+        assert (v2 / "memory.max").read_text() == "max"
+    assert (v2 / "memory.max").read_text() == "max"
+
+
 def test_a_refused_placement_is_logged_once_and_not_raised(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

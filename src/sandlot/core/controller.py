@@ -575,6 +575,10 @@ class BoxController:
 
     async def _shutdown_via_agent(self, entry: BoxEntry, vm: VM, grace_ms: int) -> None:
         conn = await entry.session.connection(vm, replace(self.launcher.hello(entry), request_timeout=5.0))
+        # the agent's EOF that follows is this stop, not a crash: the box's open channels
+        # (a watch, a stream) end as closed on purpose, whichever comes first, the EOF or
+        # the drop of the session below
+        conn.closing()
         await conn.control(ControlOp.SHUTDOWN, tlv(Tag.TIMEOUT_MS, grace_ms), timeout=grace_ms / 1000 + 10)
         await vm.wait_exit(5.0)
 

@@ -26,7 +26,7 @@ import logging
 import os
 import re
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -55,6 +55,8 @@ CPU_PERIOD_US = 100_000
 # QEMU runs about ten threads; each guest connection to the egress proxy adds a
 # process. Far above both, low enough that a fork bomb stops there.
 PIDS_MAX = 512
+# cgroup v1 reads back a bound of "none" as the largest page-aligned value
+UNBOUNDED_V1 = 1 << 62
 # Written only where swap is accounted. Swap is held at zero: the memory limit
 # already holds all a VM needs, so swap would only let a runaway spill past it
 # into the host's swap.
@@ -155,6 +157,35 @@ class Placement:
             for path in (leaf, leaf.parent):
                 with contextlib.suppress(OSError):
                     path.rmdir()
+
+    @contextlib.contextmanager
+    def memory_lifted(self, extra_bytes: int) -> Iterator[None]:
+        """Raise the memory bound by ``extra_bytes`` for a while, then put it back (where
+        the cgroup still exists). For work the host does on the box's behalf while the box
+        itself stands still, such as a checkpoint. Best-effort: a bound that cannot be
+        read or written stays as it was."""
+        # v1: the memory+swap bound must never be below the memory one, so it is raised
+        # first and lowered last
+        v1 = ("memory.memsw.limit_in_bytes", "memory.limit_in_bytes")
+        names = ("memory.max",) if self.version == 2 else v1
+        lifted: list[tuple[Path, str]] = []
+        for leaf in self.paths:
+            for name in names:
+                path = leaf / name
+                try:
+                    before = path.read_text().strip()
+                    if before == "max" or int(before) >= UNBOUNDED_V1:
+                        continue
+                    path.write_text(str(int(before) + extra_bytes))
+                except (OSError, ValueError):
+                    continue
+                lifted.append((path, before))
+        try:
+            yield
+        finally:
+            for path, before in reversed(lifted):
+                with contextlib.suppress(OSError):
+                    path.write_text(before)
 
 
 def parse_proc_cgroup(text: str) -> dict[str, str]:

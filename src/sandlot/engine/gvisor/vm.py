@@ -619,12 +619,17 @@ class GvisorVM(VM):
             t0 = loop.time()
             runner = parent_of(self.ref.pid)
             self._unwatch()
-            proc = await asyncio.to_thread(
-                runsc.run, [*self.cfg.flags(), "checkpoint", f"--image-path={directory}", self.cfg.cid], 300.0
-            )
+            placement = self.host_cgroup()
+            # the checkpoint's own work may need more than the box's bound (limits.py)
+            slack = limits.CHECKPOINT_SLACK_MIB << 20
+            room = placement.memory_lifted(slack) if placement else contextlib.nullcontext()
+            argv = [*self.cfg.flags(), "checkpoint", f"--image-path={directory}", self.cfg.cid]
+            with room:
+                proc = await asyncio.to_thread(runsc.run, argv, 300.0)
             if proc.returncode != 0:
                 self._ending = False
-                if pids.alive(self.ref.pid, self.ref.start):
+                survived = pids.alive(self.ref.pid, self.ref.start)
+                if survived:
                     self._watch_exit()
                     with contextlib.suppress(SavedStateError):
                         await self.resume()
@@ -633,6 +638,11 @@ class GvisorVM(VM):
                 why = runsc.reason(proc.stderr) or tail(self.cfg.runsc_log, 5)
                 if "no space left" in why.lower():
                     raise no_space(directory, "runsc checkpoint could not save the state")
+                if not survived:
+                    why += (
+                        "; the sandbox ended during its checkpoint (the box is stopped, its disk kept): "
+                        "see the host's kernel log for an out-of-memory kill"
+                    )
                 raise SavedStateError(f"runsc checkpoint failed: {why}")
             # The image is whole once runsc returns; a booted sandbox then takes seconds to
             # wind down by itself (a restored one does not): nothing of it is needed any more.
