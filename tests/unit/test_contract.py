@@ -1,14 +1,23 @@
 """The contract of a box in the fast tier: the same test bodies against a box of a home
-on the fake engine reached locally, and through ``sandlot serve``'s application served
+on the fake engine reached locally, through ``sandlot serve``'s application served
 in this process (the real routes, keys and WebSockets, driven by the real HTTP
-backend); and every operation served by a fleet node's actor body. No VM: the core is
-real, the guest's agent is the fake engine's. The same contract on real VMs, and over
-a real server process and a real Ray cluster, is ``tests/vm/test_contract.py``'s."""
+backend), and through the fleet's driver (the real Ray backend) to a node's actor
+body in this process (``InProcessRay``: Ray's transport is the one thing left out);
+and every operation served by a fleet node's actor body. No VM: the core is real,
+the guest's agent is the fake engine's. The same contract on real VMs locally, and
+one real box driven end to end through a real server process and through a real Ray
+cluster, is ``tests/vm/test_contract.py``'s."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import errno
+import inspect
 import os
+import pickle
+import socket
+import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,9 +26,9 @@ from typing import Any
 import pytest
 
 import sandlot
-from sandlot.api import contract
+from sandlot.api import contract, loop
 
-from tests.support.fake_engine import fake_rootfs, register
+from tests.support.fake_engine import FakeEngine, fake_rootfs, register
 from tests.support.inproc import serving
 
 
@@ -29,9 +38,139 @@ class Side:
     new: Callable[..., sandlot.Box]
     get: Callable[[str], sandlot.Box]
     client: Any = None
+    home: Path | None = None
 
 
-@pytest.fixture(params=["local", "http"])
+class InProcessRay:
+    """Ray's actor calls as the fleet's driver makes them (``handle.method.remote(...)``, an
+    awaitable; ``.options(num_returns="streaming")``, an async iterator of awaitables),
+    answered by an actor body in this process on the running loop. Arguments and answers
+    are copied through pickle, as Ray's object store copies them, so a driver that shares
+    state with a node or sends what Ray cannot carry fails here too. What is left out is
+    Ray's own transport (its serialization of exceptions, cancellation, actor restarts):
+    the VM tier drives a box through a real cluster for that."""
+
+    def __init__(self, body: Any, streaming: bool = False) -> None:
+        self.body, self.streaming = body, streaming
+
+    def __getattr__(self, name: str) -> InProcessRay:
+        return InProcessRay(getattr(self.body, name))
+
+    def options(self, **opts: Any) -> InProcessRay:
+        return InProcessRay(self.body, opts.get("num_returns") == "streaming")
+
+    def remote(self, *args: Any) -> Any:
+        args = pickle.loads(pickle.dumps(args))
+        if self.streaming:
+            return Streamed(self.body(*args))
+        if inspect.iscoroutinefunction(self.body):
+
+            async def answered() -> Any:
+                return pickle.loads(pickle.dumps(await self.body(*args)))
+
+            return asyncio.ensure_future(answered())
+        done: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        done.set_result(pickle.loads(pickle.dumps(self.body(*args))))
+        return done
+
+
+class Streamed:
+    """A streaming generator's items as the driver reads them; ``ray.cancel`` ends it."""
+
+    def __init__(self, items: Any) -> None:
+        self.queue: asyncio.Queue[tuple[bool, Any]] = asyncio.Queue()
+
+        async def pump() -> None:
+            try:
+                async for item in items:
+                    self.queue.put_nowait((True, pickle.loads(pickle.dumps(item))))
+            finally:
+                self.queue.put_nowait((False, None))
+
+        self.task = asyncio.ensure_future(pump())
+
+    def __aiter__(self) -> Streamed:
+        return self
+
+    async def __anext__(self) -> Any:
+        more, item = await self.queue.get()
+        if not more:
+            self.queue.put_nowait((False, None))  # every later read ends too
+            raise StopAsyncIteration
+        ref: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        ref.set_result(item)
+        return ref
+
+
+class OneNodeFleet:
+    """What the Ray backend asks of its fleet (``backend.Fleet``): one node ``n1`` whose
+    actor body is a ``NodeService`` of ``home``, and a directory of its own."""
+
+    placement_timeout = 5.0
+
+    def __init__(self, home: Path) -> None:
+        from sandlot.fleet.directory import Directory
+        from sandlot.fleet.node import NodeService
+
+        self._node = InProcessRay(NodeService("n1", str(home)))
+        self._directory = InProcessRay(Directory(str(home / "fleet" / "directory.json")))
+
+    def directory(self) -> Any:
+        return self._directory
+
+    def node(self, node_id: str) -> Any:
+        assert node_id == "n1", node_id
+        return self._node
+
+    def forget_node(self, node_id: str) -> None:
+        pass
+
+    def driver_mark(self) -> str:
+        return "sandlot-driver-test"
+
+    def resolve_node(self, key: str) -> str:
+        return "n1"
+
+    def reserve_spread(self, one: dict[str, float], timeout: float) -> Any:
+        raise AssertionError("one node: nothing spreads")
+
+    def close(self) -> None:
+        """End the node body's sweep for boxes of dead drivers, which an actor's process
+        would end with it: here it would run on the shared loop after the test."""
+        sweeping = self._node.body._sweeping
+        if sweeping is not None:
+            sweeping.cancel()
+
+
+@contextlib.contextmanager
+def in_process_fleet(home: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[sandlot.Client]:
+    """A client of the fleet's boxes (``sandlot.fleet``'s driver) over ``OneNodeFleet``;
+    placement always finds room on ``n1`` (Ray's scheduler is the VM tier's)."""
+    import ray
+
+    from sandlot.fleet import placement
+    from sandlot.fleet.backend import RayBackend
+
+    def reserve(bundles: list[dict[str, float]], **_: Any) -> placement.Reservation:
+        return placement.Reservation(f"res-{os.urandom(4).hex()}", ("n1",) * len(bundles))
+
+    def cancel(ref: Any, **_: Any) -> None:
+        assert isinstance(ref, Streamed), ref  # the driver cancels only what a node streams
+        ref.task.cancel()
+
+    monkeypatch.setattr(placement, "reserve", reserve)
+    monkeypatch.setattr(placement, "release", lambda name: None)
+    monkeypatch.setattr(placement, "sandlot_nodes", lambda alive_only=True: [{"NodeID": "n1"}])
+    monkeypatch.setattr(ray, "cancel", cancel)
+    # the node's body is made on the loop its calls will run on, as an actor's is
+    fleet = loop.call(OneNodeFleet, home)
+    try:
+        yield sandlot.Client.over(RayBackend(fleet))
+    finally:
+        loop.call(fleet.close)
+
+
+@pytest.fixture(params=["local", "http", "ray"])
 def side(request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Side]:
     register()
     monkeypatch.setenv("SANDLOT_ENGINE", "fake")
@@ -39,12 +178,23 @@ def side(request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.Mon
     root = str(fake_rootfs(tmp_path))
     if request.param == "local":
         yield Side("local", lambda **kw: sandlot.Box(rootfs=root, memory_mib=256, home=home, **kw),
-                   lambda key: sandlot.get(key, home=home))  # fmt: skip
+                   lambda key: sandlot.get(key, home=home), home=home)  # fmt: skip
         for b in sandlot.list(home=home):
             b.remove(force=True)
         return
+    if request.param == "ray":
+        pytest.importorskip("ray")
+        with in_process_fleet(home, monkeypatch) as client:
+            yield Side(
+                "ray", lambda **kw: client.Box(rootfs=root, memory_mib=256, **kw), client.get, client, home
+            )
+            for b in client.list():
+                b.remove(force=True)
+        return
     with serving(home) as srv, sandlot.connect(srv.url, api_key=srv.api_key) as client:
-        yield Side("http", lambda **kw: client.Box(rootfs=root, memory_mib=256, **kw), client.get, client)
+        yield Side(
+            "http", lambda **kw: client.Box(rootfs=root, memory_mib=256, **kw), client.get, client, home
+        )
         for b in client.list():
             b.remove(force=True)
 
@@ -197,6 +347,44 @@ def test_snapshots_rollback_fork_and_starts(side: Side) -> None:
         assert box.snapshots() == []
 
 
+def test_events_ports_and_watches(side: Side) -> None:
+    assert side.home is not None
+    echo = socket.create_server(("127.0.0.1", 0))
+
+    def serve_one() -> None:  # the host's end of what the box's port 9000 reaches: an echo
+        conn, _ = echo.accept()
+        with conn:
+            while data := conn.recv(65536):
+                conn.sendall(data)
+
+    threading.Thread(target=serve_one, daemon=True).start()
+    FakeEngine.of(side.home).ports[9000] = echo.getsockname()
+    with side.new() as box, echo:
+        story = list(box.events(follow=False))
+        assert story and story[0].kind == "created" and {e.box_name for e in story} == {box.name}
+        following = iter(box.events(after=story[-1].id))
+        try:
+            box.pause()
+            box.unpause()
+            assert [next(following).kind, next(following).kind] == ["paused", "unpaused"]
+        finally:
+            following.close()  # type: ignore[attr-defined]
+
+        blob = os.urandom(1 << 20)
+        with box.connect(9000) as s:
+            s.sendall(blob)
+            s.shutdown(socket.SHUT_WR)  # a half close: the box's side then ends
+            got = b""
+            while chunk := s.recv(65536):
+                got += chunk
+        assert got == blob
+        with pytest.raises(sandlot.GuestOSError) as refused:
+            box.connect(1)
+        assert isinstance(refused.value, ConnectionRefusedError) and refused.value.errno == errno.ECONNREFUSED
+        with pytest.raises(FileNotFoundError):  # the fake agent has no watches: each is refused so
+            box.files.watch("/tmp").start()
+
+
 def test_what_a_transport_cannot_do_is_a_typed_error_naming_it(side: Side) -> None:
     with side.new() as box:
         if side.kind == "local":
@@ -205,11 +393,15 @@ def test_what_a_transport_cannot_do_is_a_typed_error_naming_it(side: Side) -> No
             with pytest.raises(sandlot.Unsupported, match="local transport"):
                 box.processes()
         else:
-            assert "/p/" in box.preview_url(8080)
-            with pytest.raises(sandlot.Unsupported, match="http transport") as refused:
+            if side.kind == "http":
+                assert "/p/" in box.preview_url(8080)
+            else:  # a preview URL is signed by a server, which a fleet has not
+                with pytest.raises(sandlot.Unsupported, match="ray transport"):
+                    box.preview_url(8080)
+            with pytest.raises(sandlot.Unsupported, match=f"{side.kind} transport") as refused:
                 box.taken_over()
-            assert refused.value.transport == "http"
-            with pytest.raises(sandlot.Unsupported, match="http transport"):
+            assert refused.value.transport == side.kind
+            with pytest.raises(sandlot.Unsupported, match=f"{side.kind} transport"):
                 side.new(volumes={"/tmp": "/mnt"})
             p = box.spawn("cat")
             held = {h["id"]: h for h in box.processes()}

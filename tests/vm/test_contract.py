@@ -1,14 +1,17 @@
-"""The contract of a box, on every transport: the same test bodies against a box of
-this host's home, a box of a real ``sandlot serve`` process (``sandlot.connect``) and
-a box of a real Ray cluster's node (``sandlot.fleet``). Exec, streamed processes with
-stdin and a terminal, files and trees, watches, ports, code, snapshot and rollback,
-fork, suspend and resume, the network policy, and the exceptions, which must be the
-same classes with the same fields on every side. Each is a ``sandlot.Box``.
+"""The contract of a box on real VMs. Every test body runs against a box of this
+host's home (the local transport): exec, streamed processes with stdin and a
+terminal, files and trees, watches, ports, code, snapshot and rollback, fork,
+suspend and resume, the network policy, and the exceptions. The same operations on
+the fake engine, locally, through the server's application and through the fleet's
+driver to a node's body, run in the fast tier (``tests/unit/test_contract.py``);
+what the remote transports add on real VMs is what they carry over a real wire:
+one box driven end to end through a real ``sandlot serve`` process
+(``sandlot.connect``) and one through a real Ray cluster's node (``sandlot.fleet``),
+each a ``sandlot.Box`` (``test_a_real_box_end_to_end_through``), and what only a
+server restart shows.
 
-Each side shares one booted busybox box between the tests of this module (each
-test leaves it usable); the lifecycle test boots one more per side. The same
-operations on the fake engine, locally and through the server's application, run
-in the fast tier (``tests/unit/test_contract.py``).
+The local tests share one booted busybox box (each test leaves it usable); the
+lifecycle test and the code test boot one more each.
 """
 
 from __future__ import annotations
@@ -48,7 +51,7 @@ class Side:
     get: Callable[[str], sandlot.Box]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def served() -> Iterator[Served]:
     """A real ``sandlot serve`` on the tests' home, with an admin key (host paths allowed)."""
     home = Path(os.environ["SANDLOT_HOME"])
@@ -64,7 +67,7 @@ def served() -> Iterator[Served]:
                                env=env, capture_output=True, timeout=60)  # fmt: skip
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def fleet_of_one() -> Iterator[Any]:
     """A real Ray cluster on this machine with one sandlot node (its own home)."""
     ray = pytest.importorskip("ray", reason="the fleet needs Ray: pip install 'sandlot[fleet]'")
@@ -81,28 +84,16 @@ def fleet_of_one() -> Iterator[Any]:
         fc.shutdown()
 
 
-@pytest.fixture(scope="module", params=["local", "remote", "fleet"])
-def side(request: pytest.FixtureRequest, busybox_root: Path) -> Iterator[Side]:
+@pytest.fixture(scope="module")
+def side(busybox_root: Path) -> Side:
     plain = {"rootfs": str(busybox_root), "memory_mib": 256}
-    if request.param == "local":
-        yield Side("local", lambda **kw: sandlot.Box(**{**plain, **kw}), sandlot.get)
-        return
-    if request.param == "fleet":
-        f = request.getfixturevalue("fleet_of_one")
-        yield Side("fleet", lambda **kw: f.Box(**{**plain, **kw}), f.get)
-        return
-    served: Served = request.getfixturevalue("served")
-    with sandlot.connect(served.url, api_key=served.api_key) as client:
-        yield Side("remote", lambda **kw: client.Box(**{**plain, **kw}), client.get)
-
-
-TRANSPORTS = {"local": "local", "remote": "http", "fleet": "ray"}
+    return Side("local", lambda **kw: sandlot.Box(**{**plain, **kw}), sandlot.get)
 
 
 @pytest.fixture(scope="module")
 def box(side: Side) -> Iterator[Any]:
     with side.new(network="allowlist") as b:
-        assert isinstance(b, sandlot.Box) and b.transport == TRANSPORTS[side.kind]
+        assert isinstance(b, sandlot.Box) and b.transport == "local"
         yield b
 
 
@@ -188,24 +179,13 @@ def test_spawn_with_a_terminal(box: Any) -> None:
     assert p.wait(timeout=30) == 5
 
 
-def test_a_held_process_is_followed_again_by_id(box: Any, side: Side) -> None:
-    """A server or a node holds the processes its clients start: another client (or the
-    same, after ``detach``) follows one again by id. Locally there is no such host, and
-    the error says so, naming the transport."""
-    if side.kind == "local":
-        with pytest.raises(sandlot.Unsupported, match="local transport") as refused:
-            box.processes()
-        assert refused.value.transport == "local"
-        return
-    p = box.spawn("sh", "-c", "for i in 1 2 3; do echo out$i; sleep 0.2; done; echo done >&2")
-    p.detach()  # this client stops following; the server keeps the process and its output
-    held = next(h for h in box.processes() if h["pid"] == p.pid)
-    again = box.attach(held["id"])
-    r = again.result(timeout=30)
-    assert r.stdout == "out1\nout2\nout3\n" and r.stderr == "done\n" and r.exit_code == 0
-    tail = box.attach(held["id"], stdout=5)  # from an offset: what this client already had is not sent
-    assert tail.result(timeout=30).stdout == "out2\nout3\n"
-    assert box.ping() > 0
+def test_a_local_process_is_not_held_by_id(box: Any) -> None:
+    """A server or a node holds the processes its clients start, and follows one again by
+    id (``test_a_real_box_end_to_end_through``); locally there is no such host, and the
+    error says so, naming the transport."""
+    with pytest.raises(sandlot.Unsupported, match="local transport") as refused:
+        box.processes()
+    assert refused.value.transport == "local"
 
 
 # -- files ------------------------------------------------------------------------------------
@@ -556,34 +536,13 @@ def test_set_network(box: Any) -> None:
         box.set_network("none")
 
 
-def test_a_dropped_process_link_is_followed_again_without_loss(box: Any, side: Side) -> None:
-    """The link to a held process (a server's WebSocket, a node's Ray stream) breaks, as a
-    network would: the process is followed again from the offsets received. (A local
-    process has no link: its agent connection's own reconnection is in the unit tier.)"""
-    if side.kind == "local":
-        pytest.skip("a local process is followed over the agent connection, not a link")
-    p = box.spawn("sh", "-c", "for i in $(seq 1 40); do echo line$i; sleep 0.05; done; echo end >&2")
-    lines = iter(p.stdout.lines())
-    assert next(lines) == b"line1\n"
-    handle = p.aio._remote  # the followed process AsyncProcess drives
-    if side.kind == "remote":
-        loop.call(lambda: handle._link.ws.transport.abort())
-    else:
-        import ray
-
-        ray.cancel(handle._link.gen)
-    rest = b"".join(lines)
-    assert rest == b"".join(b"line%d\n" % i for i in range(2, 41))  # every byte, once
-    assert p.wait(timeout=30) == 0 and p.stderr.read() == b"end\n"
-    assert handle.reattached == 1
-
-
-def test_a_process_outlives_a_server_restart(box: Any, side: Side) -> None:
-    if side.kind != "remote":
-        pytest.skip("a server restart: what the HTTP transport survives")
+def test_a_process_outlives_a_server_restart(box: Any) -> None:
+    """What the HTTP transport survives: its server killed and started again while a
+    client follows processes of a box through it (the local tests' box: it is of the
+    home the server serves)."""
     home = Path(os.environ["SANDLOT_HOME"])
     with serving(home, no_auth=True) as other, sandlot.connect(other.url) as client:
-        b = client.get(box.id)  # the same box, through a second server of the same home
+        b = client.get(box.id)  # the same box, through a server of its home
         # What the dead server took and had not sent yet is a gap, as documented; so the
         # output that must survive is written only once that server is gone.
         go = f"/tmp/server-gone-{os.getpid()}"
@@ -605,3 +564,232 @@ def test_a_process_outlives_a_server_restart(box: Any, side: Side) -> None:
         assert late.stderr.read() == b"late\n" and late.wait(timeout=30) == 3
         listed = {q["id"]: q for q in b.processes()}
         assert listed[p.aio._remote.id]["exit_code"] == 0  # the new server holds what the old one ran
+
+
+# -- through the remote transports ----------------------------------------------------------
+
+
+@pytest.fixture(params=["http", "ray"])
+def remote(request: pytest.FixtureRequest) -> Iterator[Side]:
+    """Boxes through a real ``sandlot serve`` on the tests' home, or through a real Ray
+    cluster's node."""
+    if request.param == "ray":
+        f = request.getfixturevalue("fleet_of_one")
+        yield Side("ray", f.Box, f.get)
+        return
+    served: Served = request.getfixturevalue("served")
+    with sandlot.connect(served.url, api_key=served.api_key) as client:
+        yield Side("http", client.Box, client.get)
+
+
+def test_a_real_box_end_to_end_through(remote: Side, busybox_root: Path, debian_root: Path,
+                                       tmp_path: Path) -> None:  # fmt: skip
+    """Each path a transport carries, once, on real boxes through it: a command's exit,
+    signal, bytes, stdin, timeout and errors; streamed processes, signalled, held and
+    followed again by id and after a dropped link; a terminal; files, owners, trees and
+    refused copies; watches; a port; a restore, a rollback and a fork; events; the
+    network policy; code; removal. A transport that breaks any of them on real VMs fails
+    here. Each operation with its corner cases is a local test above, and the fast
+    tier's on every transport (``tests/unit/test_contract.py``)."""
+    with remote.new(rootfs=str(busybox_root), memory_mib=256, network="allowlist") as box:
+        assert isinstance(box, sandlot.Box) and box.transport == remote.kind and box.state == "running"
+        assert remote.get(box.id).name == box.name and box.ping() > 0
+
+        r = box.exec("sh", "-c", r"printf '\377\000out'; printf 'err\n' >&2; exit 3")
+        assert (r.exit_code, r.stdout_bytes, r.stderr_bytes) == (3, b"\xff\x00out", b"err\n")
+        assert box.exec("sh", "-c", "kill -TERM $$").signal == signal.SIGTERM
+        blob = os.urandom(2_000_000)  # past one JSON body
+        assert box.exec("cat", stdin=blob).stdout_bytes == blob
+        said = box.exec("sh", "-c", 'echo "$FOO"; pwd; id -u', env={"FOO": "bar"}, cwd="/etc", user="agent")
+        assert said.stdout == "bar\n/etc\n1000\n"
+        with pytest.raises(sandlot.ExecTimeout) as timed_out:
+            box.exec("sh", "-c", "echo started; sleep 1000", timeout=3)
+        assert timed_out.value.stdout == b"started\n"
+        with pytest.raises(sandlot.CommandFailed) as failed:
+            box.exec("false", check=True)
+        assert failed.value.result.exit_code == 1
+        with pytest.raises(FileNotFoundError, match="no-such-binary"):
+            box.exec("no-such-binary")
+
+        p = box.spawn("sh", "-c", "while read l; do echo got:$l; done; echo bye >&2; exit 7")
+        lines = iter(p.stdout.lines())
+        for word in ("one", "two"):
+            p.write_stdin(f"{word}\n")
+            assert next(lines) == f"got:{word}\n".encode()  # each answer comes before the next question
+        p.close_stdin()
+        assert p.wait(timeout=30) == 7 and p.stderr.read() == b"bye\n"
+        sleeper = box.spawn("sleep", "1000")
+        sleeper.kill(signal.SIGTERM)
+        assert sleeper.result(timeout=30).signal == signal.SIGTERM
+        p = box.spawn("sh", "-c", "for i in 1 2 3; do echo out$i; sleep 0.2; done; echo done >&2")
+        p.detach()  # this client stops following; the server or node keeps the process and its output
+        held = next(h for h in box.processes() if h["pid"] == p.pid)
+        r = box.attach(held["id"]).result(timeout=30)
+        assert (r.stdout, r.stderr, r.exit_code) == ("out1\nout2\nout3\n", "done\n", 0)
+        assert box.attach(held["id"], stdout=5).result(timeout=30).stdout == "out2\nout3\n"
+        # the link to a held process (a server's WebSocket, a node's Ray stream) breaks, as a
+        # network would: the process is followed again from the offsets received
+        p = box.spawn("sh", "-c", "for i in $(seq 1 40); do echo line$i; sleep 0.05; done; echo end >&2")
+        lines = iter(p.stdout.lines())
+        assert next(lines) == b"line1\n"
+        handle = p.aio._remote
+        if remote.kind == "http":
+            loop.call(lambda: handle._link.ws.transport.abort())
+        else:
+            import ray
+
+            ray.cancel(handle._link.gen)
+        assert b"".join(lines) == b"".join(b"line%d\n" % i for i in range(2, 41))  # every byte, once
+        assert p.wait(timeout=30) == 0 and p.stderr.read() == b"end\n" and handle.reattached == 1
+
+        r = box.exec("sh", "-c", "stty size; test -t 0 && echo interactive", tty=True)
+        assert r.stdout.replace("\r\n", "\n") == "24 80\ninteractive\n"
+        p = box.spawn("sh", tty=True, rows=30, cols=100)
+        chunks = iter(p.stdout)
+
+        def until(text: str) -> None:
+            seen = ""
+            while text not in seen:
+                seen += next(chunks).decode()
+
+        p.write_stdin("stty size\n")
+        until("30 100")
+        p.resize(50, 132)
+        p.write_stdin("stty size; exit 5\n")
+        until("50 132")
+        assert p.wait(timeout=30) == 5
+
+        f = box.files
+        assert f.write("/tmp/t/a.txt", "hello\n") == 6 and f.read_text("/tmp/t/a.txt") == "hello\n"
+        f.write("/tmp/t/bin", bytes(range(256)), mode=0o600)
+        info = f.stat("/tmp/t/bin")
+        assert info.is_file and (info.size, info.mode) == (256, 0o600)
+        assert b"".join(f.iter_read("/tmp/t/bin", offset=10, length=5)) == bytes(range(10, 15))
+        f.mkdir("/tmp/t/sub")
+        listed = [(e.name, e.type) for e in f.list("/tmp/t")]
+        assert listed == [("a.txt", "file"), ("bin", "file"), ("sub", "dir")]
+        f.write("/tmp/t/owned", "mine", user="agent")
+        assert f.stat("/tmp/t/owned").uid == 1000
+        f.chown("/tmp/t/owned", "0:0")
+        assert f.stat("/tmp/t/owned").uid == 0
+        with pytest.raises(FileNotFoundError, match="unknown user"):
+            f.chown("/tmp/t/owned", "nobody-here")
+        local = tmp_path / "up.bin"
+        local.write_bytes(os.urandom(3 << 20))  # in more than one chunk on every transport
+        assert f.upload(local, "/tmp/t/up.bin") == 3 << 20
+        md5 = box.exec("md5sum", "/tmp/t/up.bin").stdout.split()[0]
+        assert md5 == hashlib.md5(local.read_bytes()).hexdigest()
+        assert f.download("/tmp/t/up.bin", tmp_path / "down.bin") == 3 << 20
+        assert (tmp_path / "down.bin").read_bytes() == local.read_bytes()
+        tree = tmp_path / "tree"
+        (tree / "x").mkdir(parents=True)
+        (tree / "x" / "y.txt").write_text("why")
+        (tree / "link").symlink_to("x/y.txt")
+        assert f.upload(tree, "/tmp/t/tree", user="agent") == 3
+        out = box.exec("sh", "-c", "readlink /tmp/t/tree/link; stat -c %u /tmp/t/tree/x/y.txt").stdout
+        assert out == "x/y.txt\n1000\n"
+        f.download("/tmp/t/tree", tmp_path / "back")
+        assert (tmp_path / "back" / "x" / "y.txt").read_text() == "why"
+        assert os.readlink(tmp_path / "back" / "link") == "x/y.txt"
+        bad = tmp_path / "bad"
+        (bad / "a.txt").mkdir(parents=True)
+        (bad / "a.txt" / "x").write_text("x")
+        with pytest.raises(sandlot.TransferError) as caught:  # a directory over a file of the box
+            f.upload(bad, "/tmp/t")
+        assert (caught.value.entry, caught.value.side) == ("a.txt", "box")
+        assert f.read_text("/tmp/t/a.txt") == "hello\n"
+        box.exec("ln", "-s", "/etc/passwd", "/tmp/t/tree/out")
+        with pytest.raises(sandlot.TransferError) as caught:  # followed only inside the tree
+            f.download("/tmp/t/tree", tmp_path / "followed", follow_symlinks=True)
+        assert (caught.value.entry, caught.value.side) == ("out", "box")
+        assert not (tmp_path / "followed").exists()
+        with f.watch("/tmp/t/sub") as w:
+            box.exec("sh", "-c", "echo x > /tmp/t/sub/new").check()
+            assert w.next_event(10) == sandlot.FileEvent("created", "/tmp/t/sub/new")
+        assert w.closed
+        f.mkdir("/tmp/t/gone")
+        with f.watch("/tmp/t/gone") as w:
+            box.exec("rmdir", "/tmp/t/gone").check()
+            assert list(w) == [sandlot.FileEvent("deleted", "/tmp/t/gone", True)]  # then the iteration ends
+        # no watch is left behind in the box: a remote one ends when its stream does
+        deadline = deadline_in(10)
+        while box.exec("sh", "-c", "ls -l /proc/1/fd | grep -c inotify").stdout.strip() != "0":
+            assert time.monotonic() < deadline, "a watch was not freed"
+            time.sleep(0.2)
+        f.remove("/tmp/t", recursive=True)
+        assert not f.exists("/tmp/t")
+
+        echo = box.spawn("nc", "-ll", "-p", "9000", "-e", "cat")
+        try:
+            blob = os.urandom(3 << 20)  # past every window and buffer on the way
+            with _listening(box, 9000) as s:
+                s.sendall(blob)
+                s.shutdown(socket.SHUT_WR)
+                assert _recv_all(s) == blob
+            with pytest.raises(sandlot.GuestOSError) as refused:
+                box.connect(1)
+            assert refused.value.errno == errno.ECONNREFUSED
+        finally:
+            echo.kill()
+
+        box.sh("mkdir -p /root/d && echo before > /root/d/marker")
+        snap = box.snapshot()
+        assert snap.kind == "snapshot" and snap.box_name == box.name
+        assert snap.id in [s.id for s in box.snapshots()]
+        box.sh("echo after > /root/d/marker")
+        changed = [(c.path, c.status) for c in box.diff(snap, paths=["/root/d"])]
+        assert changed == [("/root/d/marker", "modified")]
+        assert f.restore("/root/d/marker", from_=snap)["entries"] == 1
+        assert f.read_text("/root/d/marker") == "before\n"
+        box.sh("echo after > /root/d/marker")
+        box.rollback(snap)
+        assert f.read_text("/root/d/marker") == "before\n"
+        (kid,) = box.fork()
+        try:
+            assert kid.transport == remote.kind and kid.files.read_text("/root/d/marker") == "before\n"
+            kid.files.write("/root/d/kid", "mine")
+            assert [(c.path, c.status) for c in kid.diff(box, paths="/root/d")] == [("/root/d/kid", "added")]
+        finally:
+            kid.remove(force=True)
+        for s in box.snapshots():  # this one and the fork's
+            s.remove()
+
+        story = list(box.events(follow=False))
+        assert story and story[0].kind == "created" and {e.box_name for e in story} == {box.name}
+        following = iter(box.events(after=story[-1].id))
+        try:
+            box.pause()
+            box.unpause()
+            assert [next(following).kind, next(following).kind] == ["paused", "unpaused"]
+        finally:
+            following.close()  # type: ignore[attr-defined]
+        box.set_network(allow=["example.com"])
+        assert box.inspect()["network"]["allow"] == ["example.com"]
+        with pytest.raises(sandlot.InvalidState, match="network card"):
+            box.set_network("none")
+
+        box.remove(force=True)
+        assert box.state == "removed"
+        with pytest.raises(sandlot.BoxNotFound):
+            remote.get(box.id)
+
+    with remote.new(rootfs=str(debian_root), memory_mib=512) as py:
+        seen: list[str] = []
+        ex = py.run_code("print('a', flush=True)\ndisplay(1)\nv = 20\nv * 2 + 2", on_stdout=seen.append,
+                         on_result=lambda r: seen.append(f"result {r.text}"))  # fmt: skip
+        # output comes in batches as it is written: "a" and "\n" may be two of them
+        assert (ex.text, ex.stdout) == ("42", "a\n")
+        assert "".join(seen[:-2]) == "a\n" and seen[-2:] == ["result 1", "result 42"]
+        ex = py.run_code("1 / 0")
+        assert ex.error is not None and ex.error.name == "ZeroDivisionError" and ex.execution_count == 2
+        with pytest.raises(sandlot.CodeTimeout) as info:
+            py.run_code("print('so far', flush=True)\nimport time\ntime.sleep(60)", timeout=3)
+        assert info.value.execution.stdout == "so far\n" and not info.value.state_lost
+        assert py.run_code("v").text == "20"
+        ctx = py.create_code_context(cwd="/tmp")
+        assert ctx.id in {c.id for c in py.list_code_contexts()}
+        assert py.run_code("import os; os.getcwd()", context=ctx).text == "'/tmp'"
+        assert py.restart_code_context(ctx).id == ctx.id
+        py.remove_code_context(ctx)
+        with pytest.raises(sandlot.CodeContextNotFound):
+            py.run_code("1", context=ctx)
