@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import os
+import subprocess
+import sys
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -22,6 +24,7 @@ from sandlot.core.service import core_for
 from sandlot.core.state import Op
 
 from tests.support.fake_engine import FakeEngine, register
+from tests.support.waiting import scaled
 
 register()
 
@@ -474,9 +477,10 @@ def test_the_with_block_removes_its_box_and_keep_leaves_it(home: Path, root: Pat
             assert box.state == "running"
         assert box.state == "removed" and await sandlot.AsyncBox.list(home=home) == []
         async with new_box(home, root, keep=True, name="kept") as kept:
-            pass
+            await kept.files.write("/root/x", "y")
         again = await sandlot.AsyncBox.get("kept", home=home)
         assert again.state == "running" and (await again.inspect())["ephemeral"] is False
+        assert await again.files.read("/root/x") == b"y"  # the same box, not one made again
         await kept.remove(force=True)
         auto = await created(home, root, name="auto", auto_remove=True)  # goes at its stop
         await auto.start()
@@ -933,7 +937,8 @@ def test_a_bad_kernel_or_accelerator_fails_before_qemu_runs(home: Path, root: Pa
         sandlot.Box(rootfs=root, accel="warp", engine="qemu", home=home),
     ):
         pass
-    assert time.monotonic() - t0 < 30  # a disk made for the root, and no boot
+    # a disk made for the root and no boot: the bound it had on real VMs, for this host's load
+    assert time.monotonic() - t0 < scaled(10)
     assert sandlot.list(home=home) == []
 
 
@@ -948,3 +953,54 @@ def test_boxes_of_a_home_given_by_name(home: Path, root: Path, monkeypatch: pyte
     finally:
         box.remove()
     assert "rt-api" not in [b.name for b in sandlot.list(home=rt.home)]
+
+
+def test_a_hostile_tarball_root_is_refused_and_leaves_nothing(home: Path, tmp_path: Path) -> None:
+    """The tarball goes through the image layer applier's rules on its way to a base disk
+    (the rules themselves, attack by attack: test_unpack.py): refused before any engine
+    sees it, with no box, no base and no file outside its staging directory."""
+    import io
+    import tarfile
+
+    evil = tmp_path / "evil.tar"
+    with tarfile.open(evil, "w") as tf:
+        info = tarfile.TarInfo("../../escape.txt")
+        info.size = 1
+        tf.addfile(info, io.BytesIO(b"x"))
+    with pytest.raises(sandlot.ImageError, match=r"contains '\.\.'"):
+        sandlot.Box(rootfs=evil, engine="fake", home=home).start()
+    assert not (tmp_path.parent / "escape.txt").exists()
+    assert sandlot.list(home=home) == [] and FakeEngine.of(home).launches == 0
+    # unpacked in <bases>/.<key>.<random>/root, where ../../escape.txt is <bases>/escape.txt
+    assert [p.name for p in Runtime.for_home(home).bases_dir.iterdir()] == []
+
+
+# -- a crash that boots nothing (it ran on real VMs once; no VM exists at that point) ----------
+
+CREATING = """
+import sys
+from tests.support.fake_engine import register
+import sandlot
+register()
+sandlot.create(rootfs=sys.argv[1], name="half-made", memory_mib=256, engine="fake", home=sys.argv[2])
+print("survived", flush=True)
+"""
+
+
+def test_a_process_killed_mid_create_leaves_nothing(home: Path, root: Path) -> None:
+    """Killed between the row that names the disk and the disk: the next call in any
+    process removes the box, says so, and leaves no directory of it; the name is free."""
+    p = subprocess.run(
+        [sys.executable, "-c", CREATING, str(root), str(home)],
+        env={**os.environ, "SANDLOT_CRASH_AT": "create.before-disk"},
+        capture_output=True, text=True, timeout=120, cwd=Path(__file__).parents[2],
+    )  # fmt: skip
+    assert p.returncode == -9 and "survived" not in p.stdout, p.stderr[-2000:]
+    assert sandlot.list(home=home) == []  # reconciled away
+    gone = list(sandlot.events(box="half-made", follow=False, home=home))
+    assert [(e.kind, e.by) for e in gone][-1] == ("removed", "recovery"), gone
+    assert gone[-1].detail["was"] == "creating", gone[-1]
+    with pytest.raises(sandlot.BoxNotFound):
+        sandlot.get("half-made", home=home)
+    assert list(Runtime.for_home(home).boxes_dir.iterdir()) == []  # no directory without its box
+    sandlot.create(rootfs=root, name="half-made", memory_mib=256, engine="fake", home=home).remove()

@@ -1,7 +1,8 @@
 """Box lifecycle in real VMs: boot failures that end inside their deadline with the
 console tail, boxes isolated from each other, a tarball root, the async API and a
 connection broken mid-stream. Stops, starts and crashes across processes are
-test_durable.py's; refusals that boot nothing, tests/unit/test_lifecycle.py's."""
+test_durable.py's; refusals that boot nothing (a hostile tarball among them),
+tests/unit/test_lifecycle.py's."""
 
 from __future__ import annotations
 
@@ -11,7 +12,9 @@ import os
 import re
 import stat
 import subprocess
+import tarfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -23,20 +26,6 @@ from sandlot.guest.initramfs import Entry, write_newc
 from tests.support.waiting import scaled
 
 pytestmark = pytest.mark.vm
-
-
-def test_boxes_are_isolated(busybox_root: Path) -> None:
-    with (
-        sandlot.Box(rootfs=busybox_root, memory_mib=256) as a,
-        sandlot.Box(rootfs=busybox_root, memory_mib=256) as b,
-    ):
-        a.files.write("/root/only-in-a", "a")
-        assert not b.files.exists("/root/only-in-a")
-        assert a.exec("hostname").stdout != b.exec("hostname").stdout
-        assert (
-            a.exec("cat", "/proc/sys/kernel/random/boot_id").stdout
-            != b.exec("cat", "/proc/sys/kernel/random/boot_id").stdout
-        )
 
 
 def test_corrupt_initramfs_fails_with_console_tail(
@@ -94,64 +83,6 @@ def test_agent_that_never_answers_hits_the_deadline(
         assert "init-is-stuck" in last or re.search(r"\[\s*\d+\.\d+\] \S", last), last
 
 
-def test_tarball_rootfs_and_hostile_tarball(busybox_root: Path, tmp_path: Path) -> None:
-    import tarfile
-
-    good = tmp_path / "root.tar.gz"
-    with tarfile.open(good, "w:gz") as tf:
-        tf.add(busybox_root, arcname=".")
-    with sandlot.Box(rootfs=good, memory_mib=256) as box:
-        assert box.exec("busybox", "true").ok
-        assert box.files.stat("/bin/busybox").mode == 0o755
-    evil = tmp_path / "evil.tar"
-    with tarfile.open(evil, "w") as tf:
-        info = tarfile.TarInfo("../../escape.txt")
-        info.size = 1
-        tf.addfile(info, __import__("io").BytesIO(b"x"))
-    with pytest.raises(sandlot.ImageError, match=r"contains '\.\.'"):
-        sandlot.Box(rootfs=evil).start()
-    assert not (tmp_path.parent / "escape.txt").exists()
-
-
-def test_async_api(busybox_root: Path) -> None:
-    async def main() -> None:
-        async with sandlot.AsyncBox(rootfs=busybox_root, memory_mib=256) as box:
-            results = await asyncio.gather(*(box.exec("echo", str(i)) for i in range(8)))
-            assert [r.stdout for r in results] == [f"{i}\n" for i in range(8)]
-            await box.files.write("/tmp/a", b"async")
-            assert await box.files.read("/tmp/a") == b"async"
-            proc = await box.spawn("sh", "-c", "for i in 1 2 3; do echo $i; done")
-            lines = [line async for line in proc.stdout.lines()]
-            assert lines == [b"1\n", b"2\n", b"3\n"]
-            assert await proc.wait() == 0
-
-    asyncio.run(main())
-
-
-def test_reconnect_resumes_streams_without_loss(busybox_root: Path) -> None:
-    """Drop the host socket mid-stream: the connection reconnects and every byte
-    arrives exactly once (the agent retains what was not acknowledged)."""
-
-    async def main() -> None:
-        async with sandlot.AsyncBox(rootfs=busybox_root, memory_mib=256) as box:
-            proc = await box.spawn("sh", "-c", "i=0; while [ $i -lt 3000 ]; do echo line$i; i=$((i+1)); done")
-            conn = core_for(sandlot.Runtime.for_home()).entries[box.id].session.conn
-            assert conn is not None
-            got = b""
-            drops = 0
-            async for chunk in proc.stdout:
-                got += chunk
-                if drops < 3 and len(got) > (drops + 1) * 5000:
-                    drops += 1
-                    conn.break_transport()  # the socket breaks under us
-            assert await proc.wait() == 0
-            assert got == b"".join(f"line{i}\n".encode() for i in range(3000))
-            assert drops == 3
-            assert (await box.exec("echo", "ok")).stdout == "ok\n"
-
-    asyncio.run(main())
-
-
 def test_localhost_resolves_in_an_image_without_etc_hosts(
     debian_root: Path, busybox_root: Path, tmp_path: Path
 ) -> None:
@@ -164,3 +95,90 @@ def test_localhost_resolves_in_an_image_without_etc_hosts(
     (own / "etc" / "hosts").write_text("127.0.0.1 localhost mine.example\n")
     with sandlot.Box(rootfs=own, memory_mib=256) as box:  # an image's own file is left as it is
         assert box.files.read_text("/etc/hosts") == "127.0.0.1 localhost mine.example\n"
+
+
+# -- one box for the tests that are not about a boot (after the boot failures: an idle
+# TCG guest still takes CPU time, and those tests' deadlines are timed) ----------------------
+
+
+@pytest.fixture(scope="module")
+def tarball(busybox_root: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The busybox root as a gzipped tarball: new bytes each run (gzip's header has the
+    time), so its base disk is unpacked again each run, never found in the cache."""
+    good = tmp_path_factory.mktemp("tarball") / "root.tar.gz"
+    with tarfile.open(good, "w:gz") as tf:
+        tf.add(busybox_root, arcname=".")
+    return good
+
+
+@pytest.fixture(scope="module")
+def shared(tarball: Path) -> Iterator[sandlot.Box]:
+    """One running box for the tests that need a box but no boot of their own (each
+    leaves it as it found it): booted once, not once a test, from the tarball root,
+    which test_a_tarball_root_boots checks."""
+    with sandlot.Box(rootfs=tarball, memory_mib=256) as box:
+        yield box
+
+
+def test_a_tarball_root_boots(shared: sandlot.Box) -> None:
+    assert shared.exec("busybox", "true").ok
+    assert shared.files.stat("/bin/busybox").mode == 0o755
+
+
+def test_boxes_are_isolated(shared: sandlot.Box, tarball: Path) -> None:
+    # b's root is a's (one cached base disk under both): only each box's own layer separates them
+    a = shared
+    with sandlot.Box(rootfs=tarball, memory_mib=256) as b:
+        a.files.write("/root/only-in-a", "a")
+        try:
+            assert not b.files.exists("/root/only-in-a")
+            assert a.exec("hostname").stdout != b.exec("hostname").stdout
+            assert (
+                a.exec("cat", "/proc/sys/kernel/random/boot_id").stdout
+                != b.exec("cat", "/proc/sys/kernel/random/boot_id").stdout
+            )
+        finally:
+            a.sh("rm /root/only-in-a", check=True)
+
+
+def test_async_api(shared: sandlot.Box) -> None:
+    # (an AsyncBox's own boot and removal in ``async with``: test_watch.py, test_concurrency.py)
+    async def main() -> None:
+        box = await sandlot.AsyncBox.get(shared.id)
+        results = await asyncio.gather(*(box.exec("echo", str(i)) for i in range(8)))
+        assert [r.stdout for r in results] == [f"{i}\n" for i in range(8)]
+        await box.files.write("/tmp/a", b"async")
+        assert await box.files.read("/tmp/a") == b"async"
+        proc = await box.spawn("sh", "-c", "for i in 1 2 3; do echo $i; done")
+        lines = [line async for line in proc.stdout.lines()]
+        assert lines == [b"1\n", b"2\n", b"3\n"]
+        assert await proc.wait() == 0
+        await box.files.remove("/tmp/a")
+
+    asyncio.run(main())
+
+
+def test_reconnect_resumes_streams_without_loss(shared: sandlot.Box) -> None:
+    """Drop the host socket mid-stream: the connection reconnects and every byte
+    arrives exactly once (the agent retains what was not acknowledged). The socket
+    broken is this loop's own session's; the fixture's, in another loop, is untouched."""
+
+    async def main() -> None:
+        box = await sandlot.AsyncBox.get(shared.id)
+        proc = await box.spawn("sh", "-c", "i=0; while [ $i -lt 3000 ]; do echo line$i; i=$((i+1)); done")
+        conn = core_for(sandlot.Runtime.for_home()).entries[box.id].session.conn
+        assert conn is not None
+        got = b""
+        drops = 0
+        async for chunk in proc.stdout:
+            got += chunk
+            if drops < 3 and len(got) > (drops + 1) * 5000:
+                drops += 1
+                conn.break_transport()  # the socket breaks under us
+        assert await proc.wait() == 0
+        assert got == b"".join(f"line{i}\n".encode() for i in range(3000))
+        assert drops == 3
+        assert (await box.exec("echo", "ok")).stdout == "ok\n"
+
+    asyncio.run(main())
+    assert shared.exec("echo", "ok").stdout == "ok\n"
