@@ -4,6 +4,7 @@ at several points of each. Real VMs, real QEMU migration, the real agent."""
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import os
@@ -14,6 +15,7 @@ import textwrap
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import zstandard
@@ -92,17 +94,38 @@ def py(
     )  # fmt: skip
 
 
-@pytest.fixture
-def counting_box(debian_root: Path) -> Iterator[sandlot.Box]:
-    box = sandlot.Box(rootfs=debian_root, memory_mib=256, keep=True, engine=TEST_ENGINE)
-    box.start()
-    box.sh(COUNTERS)
-    wait_counters(box)
+@pytest.fixture(scope="module")
+def clean_state(debian_root: Path) -> Iterator[sandlot.Snapshot]:
+    """A Debian box booted once, its counters running, and saved: each test's box is
+    started from this state. Under TCG a cold boot and a first python3 cost several
+    times a restore; a box of its own per test (not one box rolled back) keeps a
+    test's snapshots, crashes and stopped or suspended states out of the next one."""
+    base = sandlot.Box(rootfs=debian_root, memory_mib=256, keep=True, engine=TEST_ENGINE)
+    try:
+        base.start()
+        base.sh(COUNTERS)
+        wait_counters(base)
+        base.sh("sync")  # what the boot wrote lands in the layer all tests share, not in each box's own
+        clean = base.snapshot("clean")
+        base.stop()  # its VM would only take the two cores from the tests
+        yield clean
+        clean.remove()  # refused (SnapshotInUse) if a box started from it outlived its test
+    finally:
+        base.remove(force=True)
+
+
+@contextlib.contextmanager
+def box_from(clean: sandlot.Snapshot, **options: Any) -> Iterator[sandlot.Box]:
+    """A running box restored from ``clean``; afterwards it is removed with the boxes and
+    snapshots it made, and the home holds exactly what it held before."""
+    boxes = {b.id for b in sandlot.list()}
+    snaps = {s.id for s in sandlot.list_snapshots()}
+    [box] = clean.start(**options)
     try:
         yield box
     finally:
         for b in sandlot.list():
-            if b.name.startswith(box.name):
+            if b.name.startswith(box.name):  # the box and its forks (named after it)
                 b.remove(force=True)
         for s in sandlot.list_snapshots():
             if s.box_name == box.name:
@@ -110,6 +133,14 @@ def counting_box(debian_root: Path) -> Iterator[sandlot.Box]:
                     if k.inspect()["origin"] == s.id:
                         k.remove(force=True)
                 s.remove()
+    assert {b.id for b in sandlot.list()} == boxes, "a box outlived its test"
+    assert {s.id for s in sandlot.list_snapshots()} == snaps, "a snapshot outlived its test"
+
+
+@pytest.fixture
+def counting_box(clean_state: sandlot.Snapshot) -> Iterator[sandlot.Box]:
+    with box_from(clean_state) as box:
+        yield box
 
 
 def test_snapshot_then_rollback_restores_memory_processes_and_disk(counting_box: sandlot.Box) -> None:
@@ -527,12 +558,8 @@ def test_kill9_mid_export_leaves_no_file(counting_box: sandlot.Box, tmp_path: Pa
     assert [p.name for p in tmp_path.iterdir()] == ["out.sandlot"]
 
 
-def test_idle_timeout_suspends_and_the_next_command_resumes(debian_root: Path) -> None:
-    box = sandlot.Box(rootfs=debian_root, memory_mib=256, keep=True, idle_timeout=4)
-    box.start()
-    try:
-        box.sh(COUNTERS)
-        wait_counters(box)
+def test_idle_timeout_suspends_and_the_next_command_resumes(clean_state: sandlot.Snapshot) -> None:
+    with box_from(clean_state, idle_timeout=4) as box:
         # a command in flight keeps it awake, however long
         assert box.exec("sleep", "6").returncode == 0
         assert box.state == "running"
@@ -548,8 +575,6 @@ def test_idle_timeout_suspends_and_the_next_command_resumes(debian_root: Path) -
         while box.state != "suspended":  # and it sleeps again once idle
             assert time.monotonic() < deadline, f"the box was not suspended a second time: {told(box)}"
             time.sleep(0.2)
-    finally:
-        box.remove(force=True)
 
 
 @pytest.mark.skipif(TEST_ENGINE != "qemu", reason="QEMU's fork preparation (copy-on-write memory)")
@@ -621,4 +646,7 @@ def test_restarts_of_a_box_with_a_long_snapshot_history_never_time_out(busybox_r
             assert box.exec("cat", "/root/gen").stdout == "9\n", f"restart {i}"
         assert "only" not in box.logs()  # the agent found every port it was told of
     finally:
+        snaps = box.snapshots()
         box.remove(force=True)
+        for s in snaps:  # a removed box's snapshots stay in the home until removed themselves
+            s.remove()
