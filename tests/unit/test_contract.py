@@ -28,6 +28,7 @@ import pytest
 import sandlot
 from sandlot.api import contract, loop
 
+from tests.support.contract import events_past_and_followed
 from tests.support.fake_engine import FakeEngine, fake_rootfs, register
 from tests.support.inproc import serving
 
@@ -360,15 +361,7 @@ def test_events_ports_and_watches(side: Side) -> None:
     threading.Thread(target=serve_one, daemon=True).start()
     FakeEngine.of(side.home).ports[9000] = echo.getsockname()
     with side.new() as box, echo:
-        story = list(box.events(follow=False))
-        assert story and story[0].kind == "created" and {e.box_name for e in story} == {box.name}
-        following = iter(box.events(after=story[-1].id))
-        try:
-            box.pause()
-            box.unpause()
-            assert [next(following).kind, next(following).kind] == ["paused", "unpaused"]
-        finally:
-            following.close()  # type: ignore[attr-defined]
+        events_past_and_followed(box)
 
         blob = os.urandom(1 << 20)
         with box.connect(9000) as s:

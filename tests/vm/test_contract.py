@@ -35,6 +35,7 @@ import pytest
 import sandlot
 from sandlot.api import loop
 
+from tests.support.contract import a_terminal_follows_its_size, events_past_and_followed, no_watch_left
 from tests.support.serve import Served, serving
 from tests.support.waiting import deadline_in, scaled
 
@@ -162,21 +163,7 @@ def test_spawn_with_a_terminal(box: Any) -> None:
     r = box.exec("sh", "-c", "tty; stty size; test -t 0 && echo interactive", tty=True)
     out = r.stdout.replace("\r\n", "\n")
     assert "/dev/pts/" in out and "24 80" in out and "interactive" in out
-    p = box.spawn("sh", tty=True, rows=30, cols=100)
-    chunks = iter(p.stdout)
-
-    def until(text: str) -> str:
-        seen = ""
-        while text not in seen:
-            seen += next(chunks).decode()
-        return seen
-
-    p.write_stdin("stty size\n")
-    assert "30 100" in until("30 100")
-    p.resize(50, 132)
-    p.write_stdin("stty size; exit 5\n")
-    assert "50 132" in until("50 132")
-    assert p.wait(timeout=30) == 5
+    a_terminal_follows_its_size(box)
 
 
 def test_a_local_process_is_not_held_by_id(box: Any) -> None:
@@ -353,11 +340,7 @@ def test_watch_reports_changes_and_stops_with_its_path(box: Any) -> None:
     with f.watch("/tmp/wr/d") as w:
         box.exec("rmdir", "/tmp/wr/d").check()
         assert list(w) == [sandlot.FileEvent("deleted", "/tmp/wr/d", True)]  # then the iteration ends
-    # no watch is left behind in the box (a remote one ends when its stream does)
-    deadline = deadline_in(10)
-    while box.exec("sh", "-c", "ls -l /proc/1/fd | grep -c inotify").stdout.strip() != "0":
-        assert time.monotonic() < deadline, "a watch was not freed"
-        time.sleep(0.2)
+    no_watch_left(box)
     f.remove("/tmp/wr", recursive=True)
 
 
@@ -469,15 +452,7 @@ def test_diff_and_restore(box: Any) -> None:
 
 
 def test_a_box_events_past_and_followed(box: Any) -> None:
-    story = list(box.events(follow=False))
-    assert story and story[0].kind == "created" and {e.box_name for e in story} == {box.name}
-    following = iter(box.events(after=story[-1].id))
-    try:
-        box.pause()
-        box.unpause()
-        assert [next(following).kind, next(following).kind] == ["paused", "unpaused"]
-    finally:
-        following.close()  # type: ignore[attr-defined]
+    story = events_past_and_followed(box)
     recent = [e.kind for e in box.events(since=story[-1].at, follow=False)]
     assert recent[-2:] == ["paused", "unpaused"]
 
@@ -644,20 +619,7 @@ def test_a_real_box_end_to_end_through(remote: Side, busybox_root: Path, debian_
 
         r = box.exec("sh", "-c", "stty size; test -t 0 && echo interactive", tty=True)
         assert r.stdout.replace("\r\n", "\n") == "24 80\ninteractive\n"
-        p = box.spawn("sh", tty=True, rows=30, cols=100)
-        chunks = iter(p.stdout)
-
-        def until(text: str) -> None:
-            seen = ""
-            while text not in seen:
-                seen += next(chunks).decode()
-
-        p.write_stdin("stty size\n")
-        until("30 100")
-        p.resize(50, 132)
-        p.write_stdin("stty size; exit 5\n")
-        until("50 132")
-        assert p.wait(timeout=30) == 5
+        a_terminal_follows_its_size(box)
 
         f = box.files
         assert f.write("/tmp/t/a.txt", "hello\n") == 6 and f.read_text("/tmp/t/a.txt") == "hello\n"
@@ -711,11 +673,7 @@ def test_a_real_box_end_to_end_through(remote: Side, busybox_root: Path, debian_
         with f.watch("/tmp/t/gone") as w:
             box.exec("rmdir", "/tmp/t/gone").check()
             assert list(w) == [sandlot.FileEvent("deleted", "/tmp/t/gone", True)]  # then the iteration ends
-        # no watch is left behind in the box: a remote one ends when its stream does
-        deadline = deadline_in(10)
-        while box.exec("sh", "-c", "ls -l /proc/1/fd | grep -c inotify").stdout.strip() != "0":
-            assert time.monotonic() < deadline, "a watch was not freed"
-            time.sleep(0.2)
+        no_watch_left(box)
         f.remove("/tmp/t", recursive=True)
         assert not f.exists("/tmp/t")
 
@@ -754,15 +712,7 @@ def test_a_real_box_end_to_end_through(remote: Side, busybox_root: Path, debian_
         for s in box.snapshots():  # this one and the fork's
             s.remove()
 
-        story = list(box.events(follow=False))
-        assert story and story[0].kind == "created" and {e.box_name for e in story} == {box.name}
-        following = iter(box.events(after=story[-1].id))
-        try:
-            box.pause()
-            box.unpause()
-            assert [next(following).kind, next(following).kind] == ["paused", "unpaused"]
-        finally:
-            following.close()  # type: ignore[attr-defined]
+        events_past_and_followed(box)
         box.set_network(allow=["example.com"])
         assert box.inspect()["network"]["allow"] == ["example.com"]
         with pytest.raises(sandlot.InvalidState, match="network card"):
