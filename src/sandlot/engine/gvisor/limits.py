@@ -39,10 +39,10 @@ CPU_PERIOD_US = 100_000
 HOST_MEMORY_SLACK_MIB = 384
 # Room a checkpoint gets above that, for the Sentry's own work while the box stands
 # still (its tasks are stopped, so nothing of the box's grows then). Measured with runsc
-# 20221219 on ptrace: an idle box's checkpoint peaks at 15 MiB, but one after 1000 short
-# processes (a shell loop of `cat`) at 640 MiB of Sentry heap, and after 2000 at 675 MiB,
-# past the 640 MiB bound of a 256 MiB box: the host's OOM killer ended the sandbox, and the
-# box's processes with it.
+# 20221219 on ptrace, the sandbox's resident memory: an idle box's checkpoint peaks at
+# 15 MiB, but one after 1000 short processes (a shell loop of `cat`) at 638 MiB, and after
+# 2000 at 675 MiB, past the 640 MiB bound of a 256 MiB box: the host's OOM killer ended
+# the sandbox, and the box's processes with it.
 CHECKPOINT_SLACK_MIB = 1024
 # No host pids bound: under the ptrace platform every address space in the box is a host
 # stub process, made ahead and pooled, and the Sentry panics when it cannot make one

@@ -640,8 +640,8 @@ class GvisorVM(VM):
                     raise no_space(directory, "runsc checkpoint could not save the state")
                 if not survived:
                     why += (
-                        "; the sandbox ended during its checkpoint (the box is stopped, its disk kept): "
-                        "see the host's kernel log for an out-of-memory kill"
+                        "; the sandbox ended during its checkpoint, and the box's processes with it "
+                        "(its disk is kept): see the host's kernel log for an out-of-memory kill"
                     )
                 raise SavedStateError(f"runsc checkpoint failed: {why}")
             # The image is whole once runsc returns; a booted sandbox then takes seconds to
