@@ -256,7 +256,7 @@ def test_a_console_flood_keeps_the_newest_of_the_console_within_its_bound(
         Watched(console, {"keeper": helper_pid("sandlot.core.sampler", home)}) as w,
         neighbour_latency(neighbour, "a console flood", quiet),
     ):
-        got = run_in(flood, CONSOLE_FLOOD)
+        got = run_in(flood, CONSOLE_FLOOD, str(2 * bound))
     print(f"\nconsole flood: {got}, console {max(w.sizes):,} bytes at most of {bound:,}")
     # the guest wrote past where the keeper cuts, or (gVisor: a tmpfs of the bound's size)
     # was refused; the host never held more than the bound
