@@ -9,7 +9,9 @@ from __future__ import annotations
 import contextlib
 import os
 import subprocess
+import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -157,3 +159,39 @@ def test_a_full_home_fails_a_gvisor_save_clearly(
     filler.unlink()
     box.snapshot("late")
     assert box.exec("cat", "/root/mark").stdout == "before\n"
+
+
+def test_a_guest_write_that_meets_a_full_home_is_held_then_goes_through(
+    small_home: tuple[Path, Path], busybox_root: Path
+) -> None:
+    """The guest writes more than the home has room for: QEMU stops it with the write
+    held. The box says so (an event), a new command is refused at once with ``NoSpace``
+    rather than left to time out, and with room again the box runs on by itself: the
+    command under way ends, and what it wrote is whole."""
+    mnt, home = small_home
+    box = sandlot.Box(rootfs=busybox_root, memory_mib=128, home=home, keep=True, template=False).start()
+    box.exec("sh", "-c", "echo before > /root/mark && sync").check()
+    since = max((e.id for e in box.events(follow=False)), default=0)
+    filler = fill(mnt)
+    writes = "head -c 24m /dev/urandom > /root/big && sync && md5sum /root/big"
+    with ThreadPoolExecutor(1) as pool:
+        writer = pool.submit(box.exec, "sh", "-c", writes, timeout=600)
+        deadline = time.monotonic() + 90
+        while not (held := [e for e in box.events(after=since, follow=False) if e.kind == "disk_full"]):
+            assert not writer.done(), writer.result()  # 24 MiB cannot fit in 4
+            assert time.monotonic() < deadline, "the box was not seen held"
+            time.sleep(0.5)
+        assert held[0].detail["free_bytes"] < 8 << 20 and held[0].by == "sandlot"
+        t0 = time.monotonic()
+        with pytest.raises(sandlot.NoSpace, match=r"disk write held .* runs on by itself") as e:
+            box.exec("true", timeout=30)
+        assert time.monotonic() - t0 < 10 and e.value.errno == 28 and e.value.status == 507
+        assert box.state == "running" and not writer.done()
+        filler.unlink()  # room again: nobody asks the box anything, it runs on
+        r = writer.result(timeout=120)
+    assert r.exit_code == 0, r.stderr
+    kinds = [e.kind for e in box.events(after=since, follow=False)]
+    assert kinds.count("disk_full") == 1 and "disk_room" in kinds, kinds
+    assert box.exec("md5sum", "/root/big").stdout == r.stdout  # whole, as written
+    assert box.exec("cat", "/root/mark").stdout == "before\n"
+    box.remove(force=True)

@@ -44,7 +44,7 @@ from ..net.secrets import build_vault, read_vault_json, write_vault
 from ..protocol.connection import AgentConnection
 from ..protocol.exec import ExecRequest, RemoteProcess
 from ..protocol.wire import ControlOp, Fields, Tag, tlv
-from . import events, idle, layers, snapshots, tracing, volumes
+from . import events, idle, layers, room, snapshots, tracing, volumes
 from .entry import BoxEntry
 from .launch import Launcher, read_file
 from .recovery import Recovery
@@ -68,7 +68,7 @@ def require_room(home: Path, what: str, *, box: str | None = None) -> None:
     writes saved state or a disk does not begin on a nearly full home, so that the rows
     saying how it ended find room (the store keeps a reserve of its own for those,
     ``store.ROOM_FILE``, which a payload must not eat up first)."""
-    need = float(os.environ.get("SANDLOT_MIN_FREE_MIB", "64")) * (1 << 20)
+    need = room.min_free_bytes()
     where = home
     while not where.exists() and where != where.parent:  # a new home: where it will be made
         where = where.parent
@@ -769,6 +769,8 @@ class BoxController:
         box is resumed first (transparently: an idle box was put to sleep)."""
         if entry.removed:
             raise BoxNotFound(f"box {entry.name} was removed", box=entry.name, state="removed")
+        if room.marked(entry.dir):
+            await self._held_for_room(entry)
         session = entry.session
         stamp = self.db.stamp()
         if stamp is not None and stamp == entry.seen and session.healthy and entry.state in SERVING:
@@ -789,6 +791,20 @@ class BoxController:
             raise conn.failed
         vm = self.launcher.vm_of(entry, rec)
         return await session.connection(vm, self.launcher.hello(entry))
+
+    async def _held_for_room(self, entry: BoxEntry) -> None:
+        """A box marked as held for room (``core.room``): let it run if the home has room
+        again, else refuse the call now rather than wait on a guest that does not run."""
+        rec = await self.refresh(entry)
+        mark = room.read_mark(entry.dir, rec.vm.pid if rec.vm else None)
+        if mark is None or rec.state != BoxState.RUNNING:
+            with contextlib.suppress(FileNotFoundError):
+                room.mark_of(entry.dir).unlink()  # a VM's since gone: it holds nothing
+            return
+        free = await asyncio.to_thread(room.free_bytes, self.rt.home)
+        if free < room.room_needed():
+            raise room.refusal(self.rt.home, entry.name, mark)
+        await room.let_run(self.rt, self.db, rec, free)
 
     async def first_exec(self, entry: BoxEntry) -> None:
         """Run ``true`` as a box's first command runs (its default user, directory and

@@ -69,6 +69,10 @@ KINDS: dict[str, str] = {
     "command_oom": "the OOM killer ended a process of a command (detail.argv)",
     "command_timeout": "a command ran past its timeout and was killed (detail.argv, detail.timeout)",
     "quota_refused": "a request was refused by a key's quota (reason)",
+    "disk_full": "a disk write of the box met a full host filesystem: the guest is stopped with "
+    "the write held (detail.free_bytes, detail.needed_bytes), and its commands refused with NoSpace",
+    "disk_room": "the host filesystem has room again: the held write went through, and the guest "
+    "runs on (detail.held_s)",
     "records_dropped": "a record of the box reached its bound: what was folded, dropped or refused "
     "(detail.record, detail.folded, detail.dropped, detail.refused; reason says it in words)",
 }

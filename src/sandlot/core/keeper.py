@@ -47,6 +47,7 @@ from .. import records
 from ..config import drain
 from ..net.ledger import Ledger, Limits, Totals, rotated
 from .events import Draft
+from .room import RoomWatch
 
 log = logging.getLogger("sandlot")
 
@@ -108,6 +109,7 @@ class Keeper:
         self._libc: Any = None
         self.ledgers: dict[str, tuple[int, bool]] = {}  # box: its ledger's mtime, folds waiting
         self.home_at = 0.0
+        self.room = RoomWatch(core.rt, core.db)
 
     def count(self, box: str, record: str, what: str, n: int) -> None:
         if n > 0:
@@ -196,6 +198,10 @@ class Keeper:
                 await self._tell(rec, known.get(rec.id, {}), egress)
             except Exception as exc:  # one box's trouble is its own
                 log.warning("records of box %s: %s", rec.name, exc)
+        try:
+            await self.room.round(boxes)
+        except Exception as exc:  # the next round looks again
+            log.warning("held boxes of home %s: %s", self.rt.home, exc)
         self._forget({r.id for r in boxes})
         if time.monotonic() - self.home_at >= HOME_EVERY:
             self.home_at = time.monotonic()

@@ -1737,9 +1737,17 @@ class AsyncStore:
         return data
 
     async def add_event(
-        self, event: Draft, box_id: str | None = None, labels: dict[str, str] | None = None
+        self,
+        event: Draft,
+        box_id: str | None = None,
+        labels: dict[str, str] | None = None,
+        *,
+        told: bool = False,
     ) -> bool:
-        written: bool = await self.call_unless_full("add_event", event, box_id, labels)
+        """``told``: an event that says why a box stopped, written in the store's room
+        if the filesystem is full (most events a full disk may go without)."""
+        call = self.call if told else self.call_unless_full
+        written: bool = await call("add_event", event, box_id, labels)
         return written
 
     async def events(self, **kw: Any) -> builtins.list[Event]:

@@ -399,6 +399,17 @@ class Engine(ABC):
     def probe(self, ref: VMRef | None, where: Placement) -> VMStatus:
         """The VM's status, asked without an event loop (recovery runs anywhere)."""
 
+    def held_for_room(self, ref: VMRef | None, where: Placement) -> bool:
+        """Whether the VM stopped its guest because a disk write met a full host
+        filesystem, and holds that write until it is let run (``let_run``). Blocking,
+        loop-free. An engine whose guests see ENOSPC themselves never holds one."""
+        return False
+
+    def let_run(self, ref: VMRef, where: Placement) -> None:
+        """Let a guest ``held_for_room`` run on: its held writes are tried again (and
+        hold it once more if the filesystem is still full). Blocking, loop-free."""
+        return None  # nothing an engine that holds no write need do
+
     def kill_now(self, ref: VMRef | None, box_id: str) -> None:
         """SIGKILL the VM if ``ref`` still names it, and wait until it is gone
         (``KILL_WAIT`` at most): whoever goes on to remove its files or report it ended

@@ -193,6 +193,26 @@ class QemuEngine(Engine):
         status = reply[0].get("status") if isinstance(reply[0], dict) else None
         return STATUS.get(str(status), VMStatus.UNKNOWN)
 
+    def held_for_room(self, ref: VMRef | None, where: Placement) -> bool:
+        # a virtio drive's default error policy is werror=enospc: QEMU stops the guest
+        # ("io-error") rather than fail a write the host has no room for, and names why
+        # per drive
+        if not self.alive(ref, where.box_id):
+            return False
+        try:
+            asked: list[tuple[str, dict[str, Any] | None]] = [("query-status", None), ("query-block", None)]
+            status, drives = qmp_sync(where.run_dir / "qmp.sock", where.state_dir / "qmp.lock", asked)
+        except Exception:
+            return False
+        return (
+            isinstance(status, dict)
+            and status.get("status") == "io-error"
+            and any(isinstance(d, dict) and d.get("io-status") == "nospace" for d in drives or [])
+        )
+
+    def let_run(self, ref: VMRef, where: Placement) -> None:
+        qmp_sync(where.run_dir / "qmp.sock", where.state_dir / "qmp.lock", [("cont", None)])
+
     def vm_of(self, process: pids.Process) -> tuple[VMRef, Path] | None:
         state_dir = state_dir_of(process.argv)  # QEMU is the VM
         return (VMRef(process.pid, process.start), state_dir) if state_dir is not None else None
