@@ -8,16 +8,20 @@ full disk, a kill -9 mid-push and mid-pull). tests/vm/test_tier.py moves a real 
 
 from __future__ import annotations
 
+import json
 import os
+import socket
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 import sandlot
+from sandlot.core import tiergc
 from sandlot.core.chunks import ChunkStore
 from sandlot.core.store import BoxStore
 from sandlot.core.tier import home_id
@@ -383,3 +387,174 @@ def test_the_pusher_sends_each_save_and_each_suspended_box_in_the_background(
     assert taken.exec("recall", "k").stdout == "v\n"
     taken.remove(force=True)
     box.remove(force=True)
+
+
+# -- collecting the tier (core/tiergc.py) ---------------------------------------------------
+
+
+def states_in(s3: S3Server, tmp_path: Path) -> set[str]:
+    return {k.rsplit("/", 1)[1] for k in objects(s3, f"{tmp_path.name}/states/")}
+
+
+def test_a_collection_deletes_what_no_home_holds_and_keeps_what_any_needs(
+    tmp_path: Path, proxy: FaultyProxy, s3: S3Server, root: Path
+) -> None:
+    a, b = homes(tmp_path, proxy, 2)
+    box = fake_box(a, root, "kept")
+    other = fake_box(b, root, "theirs")
+    try:
+        box.exec("remember", "k", "one")
+        s1 = box.snapshot("one")
+        box.exec("remember", "big", "x" * 300_000)  # chunks of s2's own
+        s2 = box.snapshot("two")
+        s3_ = other.snapshot("theirs")
+        sandlot.storage.push(home=a)
+        sandlot.storage.push(home=b)
+        assert states_in(s3, tmp_path) == {s1.id, s2.id, s3_.id}
+        nothing = sandlot.storage.gc(tier=True, home=b).tier
+        assert nothing is not None and (nothing.states, nothing.chunks) == (0, 0) and nothing.generation == 1
+        chunks_before = len(objects(s3, f"{tmp_path.name}/chunks/"))
+        s2.remove()
+        # home a has not said it let s2 go: a collection by another home keeps it
+        assert sandlot.storage.gc(tier=True, home=b).tier.states == 0  # type: ignore[union-attr]
+        gone = sandlot.storage.gc(tier=True, home=a).tier  # home a says what it holds first
+        assert gone is not None and gone.states == 1 and gone.chunks > 0 and gone.bytes_freed > 0
+        assert states_in(s3, tmp_path) == {s1.id, s3_.id}
+        assert len(objects(s3, f"{tmp_path.name}/chunks/")) == chunks_before - gone.chunks
+        # what is left is whole: cold state evicted here loads from the tier
+        sandlot.storage.evict(older_than=0, home=a)
+        sandlot.storage.evict(older_than=0, home=b)
+        box.rollback(s1)
+        assert box.exec("recall", "k").stdout == "one\n" and box.exec("recall", "big").stdout == "\n"
+        other.rollback(s3_)
+        assert sandlot.storage.gc(tier=True, home=a).tier.chunks == 0  # type: ignore[union-attr]
+    finally:
+        box.remove(force=True)
+        other.remove(force=True)
+
+
+def test_a_home_forgets_the_chunks_a_collection_deleted_and_sends_them_again(
+    tmp_path: Path, proxy: FaultyProxy, s3: S3Server, root: Path
+) -> None:
+    """s1 goes to the tier; s2, which shares its chunks, stays here unpushed. Once s1 is
+    removed and the tier collected, the shared chunks are gone from the bucket though
+    this home had counted them as there: its next push sends them again."""
+    (a,) = homes(tmp_path, proxy, 1)
+    box = fake_box(a, root, "forgets")
+    try:
+        box.exec("remember", "k", "v")
+        s1 = box.snapshot("one")
+        sandlot.storage.push(home=a)
+        s2 = box.snapshot("two")  # the same memory: its chunks are counted as the tier's
+        s1.remove()
+        collected = sandlot.storage.gc(tier=True, home=a).tier
+        assert collected is not None and collected.states == 1 and collected.chunks > 0
+        again = sandlot.storage.push(home=a)
+        assert again.states == 1 and again.chunks == collected.chunks, (again, collected)
+        sandlot.storage.evict(older_than=0, home=a)  # every chunk of s2 from the tier, checked
+        box.exec("remember", "k", "changed")
+        box.rollback(s2)
+        assert box.exec("recall", "k").stdout == "v\n"
+    finally:
+        box.remove(force=True)
+
+
+def test_a_box_in_the_tier_keeps_its_state_until_the_home_that_holds_it_removed_it(
+    tmp_path: Path, proxy: FaultyProxy, s3: S3Server, root: Path
+) -> None:
+    a, b = homes(tmp_path, proxy, 2)
+    box = fake_box(a, root, "travels")
+    box.exec("remember", "k", "v")
+    box.suspend()
+    sandlot.storage.push("travels", release=True, home=a)  # let go: no home has it, any may pull it
+    assert sandlot.storage.gc(tier=True, home=a).tier.states == 0  # type: ignore[union-attr]
+    moved = sandlot.storage.pull("travels", home=b)
+    assert sandlot.storage.gc(tier=True, home=a).tier.boxes == 0  # type: ignore[union-attr]
+    assert moved.exec("recall", "k").stdout == "v\n"
+    moved.remove(force=True)  # removed where it is held: nobody will pull it again
+    gone = sandlot.storage.gc(tier=True, home=b).tier
+    assert gone is not None and (gone.boxes, gone.states) == (1, 1) and gone.files >= 2 and gone.chunks > 0
+    assert sandlot.storage.boxes(home=a) == []
+    assert objects(s3, f"{tmp_path.name}/leases/") == [] and objects(s3, f"{tmp_path.name}/files/") == []
+
+
+def put_lock(s3: S3Server, tmp_path: Path, name: str, **lock: object) -> None:
+    s3.client().put_object(
+        Bucket=s3.bucket, Key=f"{tmp_path.name}/locks/{name}", Body=json.dumps(lock).encode()
+    )
+
+
+def test_a_collection_and_a_push_never_run_at_once(
+    tmp_path: Path, proxy: FaultyProxy, s3: S3Server, root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (a,) = homes(tmp_path, proxy, 1)
+    box = fake_box(a, root, "locked")
+    try:
+        box.snapshot("one")
+        now = time.time()
+        elsewhere = {"home": "h2", "host": "another-host", "pid": 1, "start": "1"}
+        put_lock(s3, tmp_path, "push-elsewhere.json", **elsewhere, at=now)
+        with pytest.raises(
+            TierError, match=r"a push of the storage tier by home h2 .*another-host.* under way"
+        ):
+            sandlot.storage.gc(tier=True, home=a, wait=1)
+        assert objects(s3, f"{tmp_path.name}/locks/gc.json") == []  # it let go of its own
+        # a lock not written again for STALE seconds, or whose process is gone from this host: dead
+        put_lock(s3, tmp_path, "push-elsewhere.json", **elsewhere, at=now - tiergc.STALE - 1)
+        put_lock(s3, tmp_path, "push-here.json", home="h3", host=socket.gethostname(), pid=2**22 + 1,
+                 start="1", at=now)  # fmt: skip
+        assert sandlot.storage.gc(tier=True, home=a, wait=1).tier is not None
+        put_lock(s3, tmp_path, "gc.json", **elsewhere, at=now)
+        monkeypatch.setattr(tiergc, "WAIT", 1.0)
+        with pytest.raises(TierError, match="a collection of the storage tier by home h2"):
+            sandlot.storage.push(home=a)
+        assert sandlot.storage.info(home=a).pushed_states == 0
+        assert [k for k in objects(s3, f"{tmp_path.name}/locks/") if "push-" in k and "elsewhere" not in k
+                and "here" not in k] == []  # fmt: skip
+    finally:
+        box.remove(force=True)
+
+
+def test_a_kill_mid_collection_loses_nothing_and_the_next_one_ends_its_work(
+    tmp_path: Path, proxy: FaultyProxy, s3: S3Server, root: Path
+) -> None:
+    (a,) = homes(tmp_path, proxy, 1)
+    box = fake_box(a, root, "collected")
+    env = {**os.environ, **CREDENTIALS}
+    try:
+        box.exec("remember", "k", "v")
+        kept = box.snapshot("kept")
+        box.exec("remember", "big", "y" * 300_000)
+        dropped = box.snapshot("dropped")
+        sandlot.storage.push(home=a)
+        dropped.remove()
+        for point in ("tiergc.recorded", "tiergc.deleted"):
+            argv = [sys.executable, "-c", COLLECTING, str(a), point]
+            p = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=120, cwd=REPO)
+            assert p.returncode == -9 and "survived" not in p.stdout, p.stderr[-2000:]
+            # its lock is left, its process gone: the next collection takes it over
+            assert objects(s3, f"{tmp_path.name}/locks/gc.json")
+            assert states_in(s3, tmp_path) == (
+                {kept.id, dropped.id} if point == "tiergc.recorded" else {kept.id}
+            )
+        last = sandlot.storage.gc(tier=True, home=a, wait=5).tier
+        assert last is not None and last.generation == 3 and last.chunks == 0  # the killed one deleted it all
+        assert states_in(s3, tmp_path) == {kept.id}
+        assert sandlot.storage.push(home=a).chunks == 0
+        sandlot.storage.evict(older_than=0, home=a)
+        box.rollback(kept)
+        assert box.exec("recall", "k").stdout == "v\n" and box.exec("recall", "big").stdout == "\n"
+    finally:
+        box.remove(force=True)
+
+
+REPO = Path(__file__).parents[2]
+COLLECTING = """
+import os, sys
+from tests.support.fake_engine import register
+import sandlot
+register()
+os.environ["SANDLOT_CRASH_AT"] = sys.argv[2]
+sandlot.storage.gc(tier=True, home=sys.argv[1], wait=5)
+print("survived", flush=True)
+"""

@@ -22,6 +22,7 @@ from ..core.chunks import LOCK_WAIT, ChunkStore
 from ..core.manifest import Manifest
 from ..core.remote import PushReport, Remote
 from ..core.runtime import Runtime
+from ..core.tiergc import TierGcReport
 from ..errors import InvalidArgument
 
 Home = str | os.PathLike[str] | None
@@ -65,8 +66,11 @@ class StorageReport:
 
 @dataclass(frozen=True, slots=True)
 class GcReport:
+    """What a collection (or an eviction) freed here, and (``tier``) in the storage tier."""
+
     chunks: int
     bytes_freed: int
+    tier: TierGcReport | None = None
 
 
 def info(*, home: Home = None) -> StorageReport:
@@ -94,15 +98,23 @@ def totals(*, home: Home = None) -> dict[str, int]:
     return {"tier_sent_bytes": 0, "tier_received_bytes": 0, **store.counters(), **store.chunk_totals()}
 
 
-def gc(*, home: Home = None, wait: float = LOCK_WAIT) -> GcReport:
+def gc(*, tier: bool = False, home: Home = None, wait: float = LOCK_WAIT) -> GcReport:
     """Delete the chunks no saved state lists, and those a save cut short left (a minute
     old or more). Waits up to ``wait`` seconds for saves and loads in progress, which
-    hold the chunks they use; a collection that could not begin frees nothing."""
+    hold the chunks they use; a collection that could not begin frees nothing.
+
+    ``tier``: collect the storage tier too, which every home sharing it says what it
+    holds in: the state manifests no home holds and no box in the tier needs, and the
+    chunks none of the rest lists, go (``GcReport.tier``). It waits (``wait`` seconds at
+    most) for pushes and pulls under way, and they wait for it."""
     if not wait >= 0:  # NaN too
         raise InvalidArgument(f"wait must be 0 or more seconds, not {wait}")
     rt = Runtime.for_home(home)
     count, freed = ChunkStore(rt.home).collect(rt.store, orphans=True, wait=wait, busy_ok=False)
-    return GcReport(count, freed)
+    if not tier:
+        return GcReport(count, freed)
+    with Remote.of(rt) as remote:
+        return GcReport(count, freed, remote.collect(wait))
 
 
 def configure(
@@ -177,6 +189,6 @@ def boxes(*, home: Home = None) -> list[dict[str, Any]]:
 
 
 __all__ = [
-    "GcReport", "PushReport", "StorageReport", "boxes", "configure", "evict", "gc", "info", "pull", "pull_id",
-    "push", "tier_url", "totals",
+    "GcReport", "PushReport", "StorageReport", "TierGcReport", "boxes", "configure", "evict", "gc", "info",
+    "pull", "pull_id", "push", "tier_url", "totals",
 ]  # fmt: skip

@@ -2,7 +2,7 @@
 state needs (docs/storage.md).
 
 sandlot storage [--json]       stored against logical bytes, sharing and compression
-sandlot storage gc [--wait S]  delete the chunks no saved state lists
+sandlot storage gc [--tier]    delete the chunks no saved state lists (--tier: in the tier too)
 sandlot storage configure URL  an S3-compatible tier under it (none: no tier)
 sandlot storage push [BOX]     send the tier what it lacks; a suspended box whole
 sandlot storage pull BOX       take a box from the tier into this home
@@ -57,18 +57,26 @@ def storage_show(
               f" {r.pushed_states} of {r.states} states")  # fmt: skip
 
 
+TIER_GC_HELP = "Collect the storage tier too: what no home sharing it holds and no box in it needs."
+
+
 @storage_app.command("gc")
 def storage_gc(
     wait: Annotated[float, typer.Option(help="Seconds to wait for saves and loads in progress.")] = 120.0,
+    tier: Annotated[bool, typer.Option("--tier", help=TIER_GC_HELP)] = False,
 ) -> None:
     """Delete the chunks no saved state lists, and what cut-short saves left."""
     from ..api import storage
 
     try:
-        report = storage.gc(wait=wait)
+        report = storage.gc(tier=tier, wait=wait)
     except SandlotError as exc:
         raise fail(exc) from exc
     print(f"removed {report.chunks} chunks, {human(report.bytes_freed)}")
+    if report.tier is not None:
+        t = report.tier
+        print(f"tier: removed {t.chunks} chunks ({human(t.bytes_freed)}), {t.states} states, "
+              f"{t.files} disk files, {t.boxes} boxes (collection {t.generation})")  # fmt: skip
 
 
 @storage_app.command("configure")

@@ -21,7 +21,7 @@ import re
 import shutil
 import subprocess
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -39,7 +39,7 @@ from ..errors import (
     TierError,
     no_space,
 )
-from . import snapshots
+from . import boxdoc, snapshots, tiergc
 from .chunks import LOCK_WAIT, ChunkStore, digest, remove_file
 from .manifest import CHUNK, Image, Manifest
 from .runtime import Runtime
@@ -48,7 +48,6 @@ from .store import BoxRecord, SnapshotRecord
 from .tier import Tier, home_id
 
 WORKERS = 16  # requests in flight to the tier at once: each is mostly waiting on the network
-BOX_FORMAT = "sandlot-box/1"
 FILE_RE = re.compile(r"(layers|bases)/[A-Za-z0-9][A-Za-z0-9._-]{0,200}")
 
 
@@ -69,6 +68,8 @@ class Remote:
         self.tier = tier
         self.chunks = ChunkStore(rt.home)
         self.me = home_id(rt.home)
+        self.lock: tiergc.Lock | None = None  # this home's push lock, while it changes the tier
+        self.forgot_all = False  # a collection deleted more than this home can tell: ask the tier
 
     @classmethod
     def of(cls, rt: Runtime) -> Remote:
@@ -91,6 +92,51 @@ class Remote:
         with contextlib.suppress(SandlotError):  # a figure, never a reason to fail what moved
             self.rt.store.add_counters(self.tier.traffic())
 
+    # -- what the tier holds, as this home tells it ---------------------------------------------
+
+    @contextlib.contextmanager
+    def changing(self) -> Iterator[None]:
+        """Hold a push lock of the tier (no collection runs meanwhile: ``core.tiergc``), having
+        forgotten what collections since this home's last look deleted; then say what this
+        home holds in the tier. Reentrant."""
+        if self.lock is not None:
+            yield
+            return
+        with tiergc.pushing(self.tier, self.me) as lock:
+            self.lock = lock
+            try:
+                tiergc.catch_up(self.tier, self.chunks.root, self.forget)
+                yield
+                self.declare()
+            finally:
+                self.lock = None
+
+    def touch(self) -> None:
+        if self.lock is not None:
+            self.lock.touch()
+
+    def declare(self) -> None:
+        """This home's declaration: the states it holds that are in the tier, its boxes."""
+        store = self.rt.store
+        tiergc.declare(self.tier, self.me, store.pushed_states(), (r.id for r in store.list()))
+
+    def forget(self, what: tiergc.Forget) -> None:
+        """Forget that the tier holds what a collection deleted from it."""
+        self.rt.store.forget_remote(chunks=what.chunks, states=what.states, everything=what.everything)
+        self.forgot_all = self.forgot_all or what.everything
+        sent = _sent_files(self.chunks.root)
+        names = sent.get("names", {})
+        gone = [rel for rel, name in names.items() if what.everything or name in (what.files or ())]
+        if gone:
+            for rel in gone:
+                names.pop(rel, None)
+                sent.pop(rel, None)
+            atomic_write(self.chunks.root / "files.json", json.dumps(sent).encode())
+
+    def collect(self, wait: float = tiergc.WAIT) -> tiergc.TierGcReport:
+        """Delete from the tier what no home and no box needs (``core.tiergc``)."""
+        return tiergc.collect(self.tier, self.me, self.declare, wait=wait)
+
     # -- chunks and states -------------------------------------------------------------------
 
     def push(self, states: Iterable[str] | None = None, *, ask: bool = False) -> PushReport:
@@ -100,6 +146,10 @@ class Remote:
         this home does not know the tier holds is looked up there before it is sent (a
         box that came from the tier: this home forgot its chunks were the tier's when no
         state of its own listed them any more, as the state it was pulled with went)."""
+        with self.changing():
+            return self._push(states, ask=ask or self.forgot_all)
+
+    def _push(self, states: Iterable[str] | None, *, ask: bool) -> PushReport:
         t0 = time.monotonic()
         store = self.rt.store
         wanted = list(states) if states is not None else store.unpushed_states()
@@ -123,6 +173,7 @@ class Remote:
                 sizes = self._parallel(self._ask_then_push if ask else self._push_chunk, batch)
                 store.mark_pushed(chunks=batch)
                 crash_point("remote.mid-push")
+                self.touch()
                 sent, nbytes = sent + sum(1 for s in sizes if s), nbytes + sum(sizes)
             for snap_id, data in manifests.items():
                 self.tier.put(self.tier.key("states", snap_id), data)
@@ -156,6 +207,10 @@ class Remote:
         seconds ago or more, and of snapshots that old (templates stay: boxes start from
         them). Their chunks are pushed first; a chunk a warm state lists stays. Returns
         the chunks and bytes this home no longer holds."""
+        with self.changing():
+            return self._evict(older_than)
+
+    def _evict(self, older_than: float) -> tuple[int, int]:
         rt, store = self.rt, self.rt.store
         now = time.time()
         boxes = store.list()
@@ -207,7 +262,8 @@ class Remote:
         self.chunks.root.mkdir(parents=True, exist_ok=True)
         fd = flock_wait(self.chunks.root / f".box-{box_id}.lock", LOCK_WAIT, f"the push of box {key}")
         try:
-            return self._push_box(rt.store.get(box_id), release, t0)
+            with self.changing():
+                return self._push_box(rt.store.get(box_id), release, t0)
         finally:
             os.close(fd)
 
@@ -230,8 +286,8 @@ class Remote:
         report = self.push([snap.id], ask=True)
         files = [self._push_file(rt.home, path) for path in _chain(rt.home, Path(rec.disk or ""))]
         doc = {
-            "format": BOX_FORMAT, "home": self.me, "pushed_at": time.time(),
-            "box": {k: v for k, v in rec.to_json().items() if k in PORTABLE_BOX},
+            "format": boxdoc.FORMAT, "home": self.me, "pushed_at": time.time(),
+            "box": {k: v for k, v in rec.to_json().items() if k in boxdoc.PORTABLE},
             "snapshot": {k: v for k, v in snap.to_json().items() if k != "layer"},
             "disk": files,
         }  # fmt: skip
@@ -248,7 +304,7 @@ class Remote:
         if found is None:
             return False
         with contextlib.suppress(CorruptSnapshot):
-            doc = _box_doc(found[0], rec.id)
+            doc = boxdoc.read(found[0], rec.id)
             return bool(doc["snapshot"]["id"] == rec.suspended and doc["home"] == self.me)
         return False
 
@@ -301,7 +357,13 @@ class Remote:
     def pull_box(self, key: str, *, force: bool = False) -> BoxRecord:
         """Take a box that went through the tier into this home, suspended, with its id,
         name, processes and files (``resume`` it then). Refused (``BoxElsewhere``) while
-        another home holds it, unless ``force``: that home is known to be gone."""
+        another home holds it, unless ``force``: that home is known to be gone. (Under a
+        push lock: a collection that found the box taken, and not yet declared by the home
+        that took it, would take it for one removed there.)"""
+        with self.changing():
+            return self._pull_box(key, force)
+
+    def _pull_box(self, key: str, force: bool) -> BoxRecord:
         rt = self.rt
         doc = self._find_box(key)
         box, snap_doc = doc["box"], doc["snapshot"]
@@ -346,11 +408,11 @@ class Remote:
         if re.fullmatch(r"[0-9a-f]{12}", key):
             found = self.tier.get(self.tier.key("boxes", f"{key}.json"))
             if found is not None:
-                return _box_doc(found[0], key)
+                return boxdoc.read(found[0], key)
         for name in self.tier.names("boxes"):
             found = self.tier.get(self.tier.key("boxes", name))
             if found is not None:
-                doc = _box_doc(found[0], name)
+                doc = boxdoc.read(found[0], name)
                 if doc["box"]["name"] == key:
                     return doc
         raise BoxNotFound(f"no box {key!r} in the storage tier {self.tier.config.url}")
@@ -362,7 +424,7 @@ class Remote:
             found = self.tier.get(self.tier.key("boxes", name))
             if found is None:
                 continue
-            doc = _box_doc(found[0], name)
+            doc = boxdoc.read(found[0], name)
             box_id = doc["box"]["id"]
             out.append({"id": box_id, "name": doc["box"]["name"], "pushed_at": doc["pushed_at"],
                         "pushed_by": doc["home"], "holder": self.tier.holder(box_id)})  # fmt: skip
@@ -413,14 +475,6 @@ class Remote:
         return dest
 
 
-# the fields of a box's row that mean the same on any host (its VM's, its ports', its
-# disk's paths are this host's: the home that pulls it writes its own)
-PORTABLE_BOX = {
-    "id", "name", "options", "created_at", "image_ref", "image_digest", "rootfs", "labels", "engine",
-    "machine_id", "stopped_at", "started_at",
-}  # fmt: skip
-
-
 def _sent_files(root: Path) -> dict[str, Any]:
     """What each disk file was last sent to the tier as (a cache: lost, files are read again)."""
     try:
@@ -428,23 +482,6 @@ def _sent_files(root: Path) -> dict[str, Any]:
         return found if isinstance(found, dict) else {}
     except (OSError, ValueError):
         return {}
-
-
-def _box_doc(data: bytes, where: str) -> dict[str, Any]:
-    try:
-        doc = json.loads(data)
-        if doc.get("format") != BOX_FORMAT:
-            raise ValueError(f"format {doc.get('format')!r}")
-        box, snap, disk = doc["box"], doc["snapshot"], doc["disk"]
-        if not (isinstance(box, dict) and isinstance(snap, dict) and isinstance(disk, list) and disk):
-            raise ValueError("its box, state or disk is missing")
-        if set(box) - PORTABLE_BOX or not re.fullmatch(r"[0-9a-f]{12}", str(box.get("id"))):
-            raise ValueError("its box's fields are not those of a box")
-        if snap.get("kind") != "suspend" or snap.get("box_id") != box["id"]:
-            raise ValueError("its state is not the box's suspended state")
-        return dict(doc)
-    except (ValueError, KeyError, TypeError, AttributeError) as exc:
-        raise CorruptSnapshot(f"the box {where} in the storage tier is malformed: {exc}") from None
 
 
 def _chain(home: Path, top: Path) -> list[Path]:

@@ -1329,6 +1329,23 @@ class BoxStore:
                     out.add(d)
         return out
 
+    def forget_remote(
+        self,
+        *,
+        chunks: Collection[bytes] | None = None,
+        states: Collection[str] | None = None,
+        everything: bool = False,
+    ) -> None:
+        """The tier no longer holds these chunks and states' manifests (a collection of
+        the tier deleted them), or any (``everything``): what a push sends again."""
+        with self._tx() as db:
+            if everything:
+                db.execute("UPDATE chunks SET remote = 0 WHERE remote = 1")
+                db.execute("UPDATE states SET pushed = 0 WHERE pushed = 1")
+                return
+            db.executemany("UPDATE chunks SET remote = 0 WHERE digest = ?", [(d,) for d in chunks or ()])
+            db.executemany("UPDATE states SET pushed = 0 WHERE id = ?", [(i,) for i in states or ()])
+
     def pushed_states(self) -> builtins.set[str]:
         with self._reading():
             return {r[0] for r in self._db.execute("SELECT id FROM states WHERE pushed = 1")}

@@ -186,14 +186,14 @@ class Tier:
             if code in ("NoSuchKey", "404", "NotFound"):
                 raise FileNotFoundError(key) from None
             if code in ("PreconditionFailed", "412", "ConditionalRequestConflict"):
-                raise _Conflict(key) from None
+                raise Conflict(key) from None
             raise TierError(f"the storage tier {self.config.url} refused to {what} {key}: {exc}") from None
         except BotoCoreError as exc:
             raise TierError(f"the storage tier {self.config.url} could not {what} {key}: {exc}") from None
 
     def put(self, key: str, data: bytes, *, if_none_match: bool = False, if_match: str | None = None) -> str:
         """Write an object; its ETag. ``if_none_match``/``if_match``: only if it does not
-        exist / still has that ETag (``_Conflict`` otherwise)."""
+        exist / still has that ETag (``Conflict`` otherwise)."""
         kw: dict[str, Any] = {"Body": data}
         if if_none_match:
             kw["IfNoneMatch"] = "*"
@@ -229,18 +229,42 @@ class Tier:
 
     def names(self, under: str) -> list[str]:
         """The names of the objects under ``under/`` (without it)."""
+        return list(self.listing(under))
+
+    def listing(self, under: str) -> dict[str, int]:
+        """The objects under ``under/``: each name (without it) and its size."""
         from botocore.exceptions import BotoCoreError, ClientError
 
         prefix = self.key(under) + "/"
-        out: list[str] = []
+        out: dict[str, int] = {}
         try:
             for page in self.client.get_paginator("list_objects_v2").paginate(
                 Bucket=self.config.bucket, Prefix=prefix
             ):
-                out += [o["Key"][len(prefix) :] for o in page.get("Contents", [])]
+                out.update((o["Key"][len(prefix) :], int(o.get("Size", 0))) for o in page.get("Contents", []))
         except (BotoCoreError, ClientError) as exc:
             raise TierError(f"the storage tier {self.config.url} could not list {prefix}: {exc}") from None
         return out
+
+    def delete_many(self, keys: list[str]) -> None:
+        """Delete objects, a thousand a request (S3's most); one that is not there is no error."""
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        for i in range(0, len(keys), 1000):
+            batch = keys[i : i + 1000]
+            try:
+                reply = self.client.delete_objects(
+                    Bucket=self.config.bucket, Delete={"Objects": [{"Key": k} for k in batch], "Quiet": True}
+                )
+            except (BotoCoreError, ClientError) as exc:
+                raise TierError(
+                    f"the storage tier {self.config.url} could not delete {batch[0]}...: {exc}"
+                ) from None
+            failed = [e for e in reply.get("Errors", []) if e.get("Code") != "NoSuchKey"]
+            if failed:
+                e = failed[0]
+                raise TierError(f"the storage tier {self.config.url} refused to delete {e.get('Key')}: "
+                                f"{e.get('Code')} {e.get('Message', '')}")  # fmt: skip
 
     def check(self) -> dict[str, Any]:
         """What ``sandlot doctor`` says of the tier; never raises."""
@@ -282,7 +306,7 @@ class Tier:
                     )  # fmt: skip
                 self.put(key, mine, if_match=found[1])
                 return
-            except _Conflict:
+            except Conflict:
                 continue  # another home wrote it between our read and our write: look again
         raise TierError(f"the lease of box {box_id} kept changing under this home: try again")
 
@@ -293,7 +317,7 @@ class Tier:
         if found is None or _lease(found[0], key).get("holder") != me:
             return
         released = json.dumps({"holder": None, "released_by": me, "since": time.time()}).encode()
-        with contextlib.suppress(_Conflict):
+        with contextlib.suppress(Conflict):
             self.put(key, released, if_match=found[1])
 
     def holder(self, box_id: str) -> str | None:
@@ -301,7 +325,7 @@ class Tier:
         return None if found is None else _lease(found[0], box_id).get("holder")
 
 
-class _Conflict(Exception):
+class Conflict(Exception):
     """A conditional write found the object other than it expected."""
 
 
@@ -315,4 +339,4 @@ def _lease(data: bytes, key: str) -> dict[str, Any]:
         raise TierError(f"the lease {key} in the storage tier is malformed: {exc}") from None
 
 
-__all__ = ["Tier", "TierConfig", "configure", "configured", "home_id"]
+__all__ = ["Conflict", "Tier", "TierConfig", "configure", "configured", "home_id"]

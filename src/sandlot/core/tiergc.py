@@ -1,0 +1,348 @@
+"""Collecting the storage tier: deleting from the bucket what no home and no box needs.
+
+Many homes share a bucket, and none knows what the others hold, so each says it:
+
+- **declarations** (``homes/<home id>.json``): the saved states a home holds that are in
+  the tier, and the boxes it has. A home writes its own after every push, before a
+  pull takes a box (so that what it is about to hold is never collected), and when it
+  collects.
+- **box documents** (``boxes/<id>.json``) keep their suspended state and their disk's
+  files while the box may still be pulled: while its lease is let go, while the home
+  that holds it declares it, or while that home has declared nothing (a home older
+  than collections). A box its holder no longer has (removed there) goes, lease too.
+
+A collection deletes every state manifest no declaration and no box document names,
+every disk-file manifest no box document names, and every chunk none of the rest lists.
+
+**It never runs beside a push.** A push holds a lock object (``locks/push-*``), a
+collection holds ``locks/gc.json``; each writes its own, then looks for the other's, and
+the one that finds the other backs off (S3 lists and reads what was written, at once), so
+a chunk a push found in the tier, or counted on finding, is never collected under it.
+A lock is rewritten while its work goes on; one older than ``STALE`` seconds, or whose
+process is gone from this host, is taken as dead.
+
+**Homes forget what was collected.** A home remembers which chunks the tier holds (so
+that it sends each once); a collection may delete one it remembers (listed only by a
+state the home has since removed). So each collection first writes what it will delete
+(``gc/<n>.json``) and counts itself (``gc/generation.json``); before a push, a home reads
+the records of the collections since its last look and forgets what they deleted. A home
+too far behind (the oldest records are dropped, ``RECORDS_KEPT``) forgets every chunk it
+knew of, and asks the tier again for each.
+
+A collection killed at any point leaves nothing half-done that matters: what it
+recorded, the next one deletes (it is still unlisted); what it did not record, it did
+not delete.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .. import pids
+from ..config import atomic_write
+from ..crashpoints import crash_point
+from ..errors import CorruptSnapshot, TierError
+from . import boxdoc
+from .manifest import Manifest
+from .tier import Conflict, Tier
+
+STALE = 600.0  # seconds after which a lock not rewritten is its dead holder's
+REFRESH = STALE / 4  # a lock is rewritten this often while its work goes on
+WAIT = 120.0  # seconds a push waits for a collection (and a collection for pushes) by default
+RECORDS_KEPT = 50  # the records of the newest collections: a home further behind forgets all
+WORKERS = 16
+SEEN_FILE = "tier-generation"  # in the chunk store: the last collection this home caught up with
+
+
+@dataclass(frozen=True, slots=True)
+class TierGcReport:
+    """What a collection of the tier deleted."""
+
+    states: int = 0  # state manifests
+    files: int = 0  # disk-file manifests
+    boxes: int = 0  # box documents (and their leases) of boxes no home has
+    chunks: int = 0
+    bytes_freed: int = 0  # of the chunks
+    generation: int = 0  # the collection's number
+
+
+class Lock:
+    """A lock object of the tier, rewritten while its holder works (``touch``)."""
+
+    def __init__(self, tier: Tier, name: str, me: str) -> None:
+        self.tier, self.key, self.me = tier, tier.key("locks", name), me
+        self.at = 0.0
+
+    def body(self) -> bytes:
+        pid, start = pids.me()
+        return json.dumps({"home": self.me, "host": socket.gethostname(), "pid": pid, "start": start,
+                           "at": time.time()}).encode()  # fmt: skip
+
+    def write(self, *, exclusive: bool = False, if_match: str | None = None) -> None:
+        self.tier.put(self.key, self.body(), if_none_match=exclusive, if_match=if_match)
+        self.at = time.monotonic()
+
+    def touch(self) -> None:
+        if time.monotonic() - self.at >= REFRESH:
+            self.write()
+
+    def drop(self) -> None:
+        with contextlib.suppress(TierError):
+            self.tier.delete(self.key)
+
+
+def dead(lock: dict[str, Any]) -> bool:
+    """Whether a lock's holder is gone: not rewritten for ``STALE`` seconds, or its process
+    is no more on this host."""
+    if time.time() - float(lock.get("at", 0)) > STALE:
+        return True
+    if lock.get("host") == socket.gethostname():
+        return not pids.alive(lock.get("pid"), lock.get("start"))
+    return False
+
+
+def read_lock(tier: Tier, name: str) -> tuple[dict[str, Any], str] | None:
+    found = tier.get(tier.key("locks", name))
+    if found is None:
+        return None
+    try:
+        lock = json.loads(found[0])
+        if not isinstance(lock, dict):
+            raise ValueError("not an object")
+    except ValueError:
+        return {"at": 0.0}, found[1]  # unreadable: nobody's
+    return lock, found[1]
+
+
+def live_pushes(tier: Tier) -> list[dict[str, Any]]:
+    out = []
+    for name in tier.names("locks"):
+        if name.startswith("push-"):
+            found = read_lock(tier, name)
+            if found is not None and not dead(found[0]):
+                out.append(found[0])
+    return out
+
+
+def collecting_now(tier: Tier) -> dict[str, Any] | None:
+    found = read_lock(tier, "gc.json")
+    return found[0] if found is not None and not dead(found[0]) else None
+
+
+def busy(what: str, holder: dict[str, Any]) -> TierError:
+    return TierError(
+        f"{what} of the storage tier by home {holder.get('home', '?')} (host {holder.get('host', '?')}) is "
+        f"under way: try again once it ends (a lock not rewritten for {STALE:.0f}s is taken as dead)"
+    )
+
+
+@contextlib.contextmanager
+def pushing(tier: Tier, me: str, wait: float | None = None) -> Iterator[Lock]:
+    """Hold a push lock (no collection runs meanwhile): its holder ``touch``es it as it
+    goes. Waits ``wait`` seconds at most (``WAIT``) for a collection under way."""
+    lock = Lock(tier, f"push-{me}-{os.getpid()}-{threading.get_ident()}-{os.urandom(4).hex()}.json", me)
+    deadline = time.monotonic() + (WAIT if wait is None else wait)
+    while True:
+        lock.write()
+        holder = collecting_now(tier)
+        if holder is None:
+            break
+        lock.drop()
+        if time.monotonic() >= deadline:
+            raise busy("a collection", holder)
+        time.sleep(1.0)
+    try:
+        yield lock
+    finally:
+        lock.drop()
+
+
+@contextlib.contextmanager
+def collection_lock(tier: Tier, me: str, wait: float) -> Iterator[Lock]:
+    lock = Lock(tier, "gc.json", me)
+    deadline = time.monotonic() + wait
+    while True:
+        try:
+            lock.write(exclusive=True)
+        except Conflict:
+            found = read_lock(tier, "gc.json")
+            if found is not None and not dead(found[0]):
+                if time.monotonic() >= deadline:
+                    raise busy("a collection", found[0]) from None
+                time.sleep(1.0)
+                continue
+            with contextlib.suppress(Conflict):  # a dead holder's: taken over, unless another was first
+                lock.write(if_match=found[1]) if found is not None else lock.write(exclusive=True)
+                break
+            continue
+        break
+    try:
+        while pushes := live_pushes(tier):
+            if time.monotonic() >= deadline:
+                raise busy("a push", pushes[0])
+            lock.touch()
+            time.sleep(1.0)
+        yield lock
+    finally:
+        lock.drop()
+
+
+# -- what each home holds ------------------------------------------------------------------
+
+
+def declare(tier: Tier, me: str, states: Iterable[str], boxes: Iterable[str]) -> None:
+    """Write this home's declaration: the states it holds that are in the tier, its boxes."""
+    doc = {"home": me, "at": time.time(), "states": sorted(set(states)), "boxes": sorted(set(boxes))}
+    tier.put(tier.key("homes", f"{me}.json"), json.dumps(doc).encode())
+
+
+def declarations(tier: Tier) -> dict[str, dict[str, Any]]:
+    out: dict[str, dict[str, Any]] = {}
+    for name in tier.names("homes"):
+        found = tier.get(tier.key("homes", name))
+        if found is None:
+            continue
+        try:
+            doc = json.loads(found[0])
+            out[str(doc["home"])] = {"states": set(doc["states"]), "boxes": set(doc["boxes"])}
+        except (ValueError, KeyError, TypeError) as exc:
+            raise CorruptSnapshot(f"the declaration {name} in the storage tier is malformed: {exc}") from None
+    return out
+
+
+# -- what collections deleted, and a home catching up ---------------------------------------------
+
+
+def generation(tier: Tier) -> tuple[int, str | None]:
+    found = tier.get(tier.key("gc", "generation.json"))
+    if found is None:
+        return 0, None
+    try:
+        return int(json.loads(found[0])["generation"]), found[1]
+    except (ValueError, KeyError, TypeError) as exc:
+        raise CorruptSnapshot(f"the storage tier's gc/generation.json is malformed: {exc}") from None
+
+
+@dataclass
+class Forget:
+    """What a home must forget it knew the tier held."""
+
+    everything: bool = False
+    chunks: set[bytes] | None = None
+    states: set[str] | None = None
+    files: set[str] | None = None
+
+
+def catch_up(tier: Tier, root: Path, forget: Callable[[Forget], None]) -> None:
+    """Forget what the collections since this home last looked deleted (``root``: the
+    home's chunk store, which keeps the number of the last)."""
+    seen_file = root / SEEN_FILE
+    try:
+        seen = int(seen_file.read_text())
+    except (OSError, ValueError):
+        seen = 0
+    now, _ = generation(tier)
+    if now == seen:
+        return
+    todo = Forget(chunks=set(), states=set(), files=set())
+    for n in range(seen + 1, now + 1):
+        found = tier.get(tier.key("gc", f"{n}.json")) if now - seen <= RECORDS_KEPT else None
+        if found is None:
+            todo = Forget(everything=True)
+            break
+        record = json.loads(found[0])
+        assert todo.chunks is not None and todo.states is not None and todo.files is not None
+        todo.chunks |= {bytes.fromhex(h) for h in record["chunks"]}
+        todo.states |= set(record["states"])
+        todo.files |= set(record["files"])
+    forget(todo)
+    root.mkdir(parents=True, exist_ok=True)
+    atomic_write(seen_file, str(now).encode())
+
+
+# -- a collection -------------------------------------------------------------------------------
+
+
+def _parallel(fn: Callable[[Any], Any], items: list[Any]) -> list[Any]:
+    if not items:
+        return []
+    with ThreadPoolExecutor(min(WORKERS, len(items)), thread_name_prefix="sandlot-tiergc") as pool:
+        return list(pool.map(fn, items))
+
+
+def collect(tier: Tier, me: str, declare_mine: Callable[[], None], *, wait: float = WAIT) -> TierGcReport:
+    """One collection of the tier, under its lock (``declare_mine``: this home's own
+    declaration, written first, so that it is current)."""
+    with collection_lock(tier, me, wait) as lock:
+        declare_mine()
+        homes = declarations(tier)
+        live_states: set[str] = set()
+        for held in homes.values():
+            live_states |= held["states"]
+        live_files: set[str] = set()
+        dead_boxes: list[str] = []
+        for name in tier.names("boxes"):
+            found = tier.get(tier.key("boxes", name))
+            if found is None:
+                continue
+            doc = boxdoc.read(found[0], name)
+            box_id = doc["box"]["id"]
+            holder = tier.holder(box_id)
+            if holder is not None and holder in homes and box_id not in homes[holder]["boxes"]:
+                dead_boxes.append(box_id)  # removed where it was: nobody will pull it
+                continue
+            live_states.add(doc["snapshot"]["id"])
+            live_files |= {str(f["file"]) for f in doc["disk"]}
+        lock.touch()
+        in_tier = tier.listing("chunks")
+        states = set(tier.names("states"))
+        files = set(tier.names("files"))
+        live_chunks: set[str] = set()
+
+        def listed(key: str) -> set[str]:
+            found = tier.get(key)
+            if found is None:
+                return set()
+            return {d.hex() for d in Manifest.decode(found[0], key).digests()}
+
+        keys = [tier.key("states", s) for s in sorted(live_states & states)]
+        keys += [tier.key("files", f) for f in sorted(live_files & files)]
+        for digests in _parallel(listed, keys):
+            live_chunks |= digests
+        lock.touch()
+        gone_states, gone_files = sorted(states - live_states), sorted(files - live_files)
+        gone_chunks = sorted(set(in_tier) - live_chunks)
+        n, etag = generation(tier)
+        record = {"by": me, "at": time.time(), "chunks": gone_chunks, "states": gone_states,
+                  "files": gone_files, "boxes": dead_boxes}  # fmt: skip
+        tier.put(tier.key("gc", f"{n + 1}.json"), json.dumps(record).encode())
+        body = json.dumps({"generation": n + 1}).encode()
+        tier.put(tier.key("gc", "generation.json"), body, if_none_match=etag is None, if_match=etag)
+        crash_point("tiergc.recorded")
+        # manifests before the chunks they list: a reader finds a state whole or not at all
+        tier.delete_many([tier.key("boxes", f"{b}.json") for b in dead_boxes])
+        tier.delete_many([tier.key("leases", f"{b}.json") for b in dead_boxes])
+        tier.delete_many([tier.key("states", s) for s in gone_states])
+        tier.delete_many([tier.key("files", f) for f in gone_files])
+        lock.touch()
+        tier.delete_many([tier.key("chunks", c) for c in gone_chunks])
+        crash_point("tiergc.deleted")
+        if n + 1 > RECORDS_KEPT:  # the record that falls out of those kept
+            tier.delete(tier.key("gc", f"{n + 1 - RECORDS_KEPT}.json"))
+        return TierGcReport(
+            states=len(gone_states), files=len(gone_files), boxes=len(dead_boxes), chunks=len(gone_chunks),
+            bytes_freed=sum(in_tier[c] for c in gone_chunks), generation=n + 1,
+        )  # fmt: skip
+
+
+__all__ = ["TierGcReport", "catch_up", "collect", "declare", "pushing"]
