@@ -16,7 +16,9 @@ run, each in a home of its own:
   times (push with release, pull on the other home, resume to the first exec there):
   the push and pull throughput, the time from the pull to the first exec on the new
   home, and the bytes that home read from the tier before that exec answered (the
-  chunks the resume loaded: the rest of the state is never fetched).
+  chunks the resume loaded: the rest of the state is never fetched). Then the box is
+  removed where it is held, and a collection of the bucket (``storage.gc(tier=True)``)
+  takes what the bucket kept of it: its time, and the bucket's bytes before and after.
 
     .venv/bin/python benchmarks/storage.py [--quick] [--memory 512] [--live-mib 200]
         [--checkpoints 10] [--write-mib 4] [--boxes 100] [--fork 20] [--runs 5] [--no-tier]
@@ -232,10 +234,17 @@ def tier_moves(root: Path, memory: int, live_mib: int, runs: int) -> dict[str, A
                 if box.sh("wc -c < /dev/shm/live").stdout.strip() != str(live_mib << 20):
                     raise RuntimeError("the box's memory did not come through the tier whole")
                 box.suspend()
-            box.remove(force=True)
+            holder = homes[runs % 2]
+            box.remove(force=True)  # where it is held: nobody needs what the bucket keeps of it
+            bucket_before = bucket_bytes(s3)
+            t = time.perf_counter()
+            collected = sandlot.storage.gc(tier=True, home=holder).tier
+            collect_s = time.perf_counter() - t
+            bucket_after = bucket_bytes(s3)
         finally:
             for home in homes:
                 drop_home(home)
+    assert collected is not None
     first_bytes, first_s = pushes[0]
     return {
         "live_MiB": live_mib,
@@ -246,7 +255,17 @@ def tier_moves(root: Path, memory: int, live_mib: int, runs: int) -> dict[str, A
         "pull_to_first_exec_s": summary(firsts, digits=3),
         "read_from_tier_before_first_exec_MiB": summary(pulled, 1 / MiB, 1),
         "read_MiB_per_s": round(sum(pulled) / MiB / sum(firsts), 1),
+        # the box removed where it was held: a collection of the bucket takes what it kept
+        "collect": {"s": round(collect_s, 3), "chunks": collected.chunks, "states": collected.states,
+                    "files": collected.files, "freed_MiB": round(collected.bytes_freed / MiB, 1),
+                    "bucket_MiB_before": round(bucket_before / MiB, 1),
+                    "bucket_MiB_after": round(bucket_after / MiB, 1)},
     }  # fmt: skip
+
+
+def bucket_bytes(s3: Any) -> int:
+    pages = s3.client().get_paginator("list_objects_v2").paginate(Bucket=s3.bucket)
+    return sum(o["Size"] for page in pages for o in page.get("Contents", []))
 
 
 async def run(args: Any) -> dict[str, Any]:

@@ -126,7 +126,7 @@ class Remote:
         self.forgot_all = self.forgot_all or what.everything
         sent = _sent_files(self.chunks.root)
         names = sent.get("names", {})
-        gone = [rel for rel, name in names.items() if what.everything or name in (what.files or ())]
+        gone = [rel for rel, name in names.items() if what.everything or name in what.files]
         if gone:
             for rel in gone:
                 names.pop(rel, None)
@@ -335,6 +335,7 @@ class Remote:
 
             def send(item: tuple[int, bytes]) -> int:
                 i, d = item
+                self.touch()  # a large disk's file takes a while: the lock must not look dead
                 if d in known or self.tier.exists(self.tier.key("chunks", d.hex())):
                     return 0
                 with open(path, "rb") as f:
@@ -458,6 +459,7 @@ class Remote:
 
                 def fetch(item: tuple[int, bytes]) -> None:
                     i, d = item
+                    self.touch()
                     data = self.chunks.get(d, rel, image.chunk_size(i), keep=False)
                     os.pwrite(f.fileno(), data, i * CHUNK)
 

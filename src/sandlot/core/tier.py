@@ -135,6 +135,10 @@ def home_id(home: Path) -> str:
     return path.read_text().strip()
 
 
+_clients: dict[tuple[Any, ...], BaseClient] = {}
+_clients_lock = threading.Lock()
+
+
 class Tier:
     """One home's client of its tier. Thread-safe (boto3's clients are)."""
 
@@ -160,18 +164,38 @@ class Tier:
 
     @property
     def client(self) -> BaseClient:
+        """The S3 client, one per process for each tier, its settings and the AWS
+        environment: making one reads botocore's service model (about half a second),
+        and every call of ``sandlot.storage`` makes a ``Tier``. (A client refreshes the
+        credentials it can, an instance role's; those read from files are read once.)"""
         if self._client is None:
-            try:
-                import boto3
-                from botocore.config import Config
-            except ImportError:
-                raise HostSetupError("a storage tier needs boto3: pip install 'sandlot[storage]'") from None
-            session = boto3.session.Session(profile_name=self.config.profile, region_name=self.config.region)
-            retries = {"mode": "standard", "max_attempts": self.tries}
-            config = Config(connect_timeout=min(CONNECT_TIMEOUT, self.timeout), read_timeout=self.timeout,
-                            max_pool_connections=32, retries=retries)  # fmt: skip
-            self._client = session.client("s3", endpoint_url=self.config.endpoint_url, config=config)
+            aws = tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith("AWS_")))
+            key = (
+                self.config.endpoint_url,
+                self.config.region,
+                self.config.profile,
+                self.tries,
+                self.timeout,
+                aws,
+            )
+            with _clients_lock:
+                client = _clients.get(key)
+                if client is None:
+                    client = _clients[key] = self._new_client()
+            self._client = client
         return self._client
+
+    def _new_client(self) -> BaseClient:
+        try:
+            import boto3
+            from botocore.config import Config
+        except ImportError:
+            raise HostSetupError("a storage tier needs boto3: pip install 'sandlot[storage]'") from None
+        session = boto3.session.Session(profile_name=self.config.profile, region_name=self.config.region)
+        retries = {"mode": "standard", "max_attempts": self.tries}
+        config = Config(connect_timeout=min(CONNECT_TIMEOUT, self.timeout), read_timeout=self.timeout,
+                        max_pool_connections=32, retries=retries)  # fmt: skip
+        return session.client("s3", endpoint_url=self.config.endpoint_url, config=config)
 
     def key(self, *parts: str) -> str:
         return "/".join(p for p in (self.config.prefix, *parts) if p)

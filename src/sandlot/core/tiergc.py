@@ -23,11 +23,12 @@ process is gone from this host, is taken as dead.
 
 **Homes forget what was collected.** A home remembers which chunks the tier holds (so
 that it sends each once); a collection may delete one it remembers (listed only by a
-state the home has since removed). So each collection first writes what it will delete
-(``gc/<n>.json``) and counts itself (``gc/generation.json``); before a push, a home reads
-the records of the collections since its last look and forgets what they deleted. A home
-too far behind (the oldest records are dropped, ``RECORDS_KEPT``) forgets every chunk it
-knew of, and asks the tier again for each.
+state the home has since removed). So each collection first counts itself
+(``gc/generation.json``) and writes what it will delete (``gc/<n>.json``); before a push,
+a home reads the records of the collections since its last look and forgets what they
+deleted. A home too far behind (the oldest records are dropped, ``RECORDS_KEPT``), or
+that finds a record missing, forgets every chunk it knew of, and asks the tier again
+for each.
 
 A collection killed at any point leaves nothing half-done that matters: what it
 recorded, the next one deletes (it is still unlisted); what it did not record, it did
@@ -44,7 +45,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -235,17 +236,19 @@ def generation(tier: Tier) -> tuple[int, str | None]:
 
 @dataclass
 class Forget:
-    """What a home must forget it knew the tier held."""
+    """What a home must forget it knew the tier held (``everything``: all of it)."""
 
     everything: bool = False
-    chunks: set[bytes] | None = None
-    states: set[str] | None = None
-    files: set[str] | None = None
+    chunks: set[bytes] = field(default_factory=set)
+    states: set[str] = field(default_factory=set)
+    files: set[str] = field(default_factory=set)
 
 
 def catch_up(tier: Tier, root: Path, forget: Callable[[Forget], None]) -> None:
     """Forget what the collections since this home last looked deleted (``root``: the
-    home's chunk store, which keeps the number of the last)."""
+    home's chunk store, which keeps the number of the last). Where a record is missing
+    or unreadable (dropped as too old), or the count went back (another bucket, or one
+    emptied), everything."""
     seen_file = root / SEEN_FILE
     try:
         seen = int(seen_file.read_text())
@@ -254,17 +257,20 @@ def catch_up(tier: Tier, root: Path, forget: Callable[[Forget], None]) -> None:
     now, _ = generation(tier)
     if now == seen:
         return
-    todo = Forget(chunks=set(), states=set(), files=set())
+    todo = Forget(everything=now < seen or now - seen > RECORDS_KEPT)
     for n in range(seen + 1, now + 1):
-        found = tier.get(tier.key("gc", f"{n}.json")) if now - seen <= RECORDS_KEPT else None
-        if found is None:
-            todo = Forget(everything=True)
+        if todo.everything:
             break
-        record = json.loads(found[0])
-        assert todo.chunks is not None and todo.states is not None and todo.files is not None
-        todo.chunks |= {bytes.fromhex(h) for h in record["chunks"]}
-        todo.states |= set(record["states"])
-        todo.files |= set(record["files"])
+        found = tier.get(tier.key("gc", f"{n}.json"))
+        try:
+            if found is None:
+                raise ValueError("dropped")
+            record = json.loads(found[0])
+            todo.chunks |= {bytes.fromhex(h) for h in record["chunks"]}
+            todo.states |= {str(i) for i in record["states"]}
+            todo.files |= {str(f) for f in record["files"]}
+        except (ValueError, KeyError, TypeError):
+            todo = Forget(everything=True)
     forget(todo)
     root.mkdir(parents=True, exist_ok=True)
     atomic_write(seen_file, str(now).encode())
@@ -322,12 +328,18 @@ def collect(tier: Tier, me: str, declare_mine: Callable[[], None], *, wait: floa
         lock.touch()
         gone_states, gone_files = sorted(states - live_states), sorted(files - live_files)
         gone_chunks = sorted(set(in_tier) - live_chunks)
+        # its number first (one conditional write: of two collections that each took the
+        # lock for a dead one's, one goes on), then its record: a home that finds the
+        # number and not the record (a kill between) forgets everything, which is safe
         n, etag = generation(tier)
+        body = json.dumps({"generation": n + 1}).encode()
+        try:
+            tier.put(tier.key("gc", "generation.json"), body, if_none_match=etag is None, if_match=etag)
+        except Conflict:
+            raise TierError("another collection of the storage tier began at once: try again") from None
         record = {"by": me, "at": time.time(), "chunks": gone_chunks, "states": gone_states,
                   "files": gone_files, "boxes": dead_boxes}  # fmt: skip
         tier.put(tier.key("gc", f"{n + 1}.json"), json.dumps(record).encode())
-        body = json.dumps({"generation": n + 1}).encode()
-        tier.put(tier.key("gc", "generation.json"), body, if_none_match=etag is None, if_match=etag)
         crash_point("tiergc.recorded")
         # manifests before the chunks they list: a reader finds a state whole or not at all
         tier.delete_many([tier.key("boxes", f"{b}.json") for b in dead_boxes])
