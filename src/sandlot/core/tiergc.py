@@ -126,12 +126,17 @@ def read_lock(tier: Tier, name: str) -> tuple[dict[str, Any], str] | None:
 
 
 def live_pushes(tier: Tier) -> list[dict[str, Any]]:
-    out = []
+    """The push locks of live holders; those of dead ones are deleted (a killed push
+    leaves its lock behind)."""
+    out, gone = [], []
     for name in tier.names("locks"):
         if name.startswith("push-"):
             found = read_lock(tier, name)
             if found is not None and not dead(found[0]):
                 out.append(found[0])
+            elif found is not None:
+                gone.append(tier.key("locks", name))
+    tier.delete_many(gone)
     return out
 
 
