@@ -20,7 +20,11 @@ from tests.support.s3 import CREDENTIALS, S3Server, s3_server
 
 pytestmark = pytest.mark.vm
 
-COUNTER = "sh -c 'i=0; while true; do i=$((i+1)); echo $i > /root/n; sleep 0.2; done' >/dev/null 2>&1 &"
+# written aside and renamed: a read never falls between the file's truncation and its write
+COUNTER = (
+    "sh -c 'i=0; while true; do i=$((i+1)); echo $i > /root/n.tmp; mv /root/n.tmp /root/n; sleep 0.2; done'"
+    " >/dev/null 2>&1 &"
+)
 
 
 @pytest.fixture
