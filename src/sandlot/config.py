@@ -94,6 +94,12 @@ def tail(path: Path, lines: int = 40, max_bytes: int = 64 * 1024) -> str:
     return "\n".join(data.decode("utf-8", "replace").replace("\r\n", "\n").splitlines()[-lines:])
 
 
+def free_bytes(path: Path) -> int:
+    """What an unprivileged writer may still write on the filesystem of ``path``."""
+    st = os.statvfs(path)
+    return st.f_bavail * st.f_frsize
+
+
 def atomic_write(path: Path, data: bytes, mode: int = 0o644) -> None:
     """Write a file so that readers see the old content or the new, never a mix."""
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from .. import pids
+from ..config import free_bytes
 from ..crashpoints import crash_point
 from ..engine.auto import AUTO
 from ..engine.auto import DEFAULT as DEFAULT_ENGINE
@@ -72,8 +73,7 @@ def require_room(home: Path, what: str, *, box: str | None = None) -> None:
     where = home
     while not where.exists() and where != where.parent:  # a new home: where it will be made
         where = where.parent
-    st = os.statvfs(where)
-    if st.f_bavail * st.f_frsize < need:
+    if free_bytes(where) < need:
         floor = f"sandlot keeps {need / (1 << 20):g} MiB free for it (SANDLOT_MIN_FREE_MIB)"
         raise no_space(home, f"{what}: {floor}", box=box)
 
@@ -801,7 +801,7 @@ class BoxController:
             with contextlib.suppress(FileNotFoundError):
                 room.mark_of(entry.dir).unlink()  # a VM's since gone: it holds nothing
             return
-        free = await asyncio.to_thread(room.free_bytes, self.rt.home)
+        free = await asyncio.to_thread(free_bytes, self.rt.home)
         if free < room.room_needed():
             raise room.refusal(self.rt.home, entry.name, mark)
         await room.let_run(self.rt, self.db, rec, free)

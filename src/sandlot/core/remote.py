@@ -21,8 +21,7 @@ import re
 import shutil
 import subprocess
 import time
-from collections.abc import Callable, Iterable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -47,7 +46,6 @@ from .state import BoxState
 from .store import BoxRecord, SnapshotRecord
 from .tier import Tier, home_id
 
-WORKERS = 16  # requests in flight to the tier at once: each is mostly waiting on the network
 FILE_RE = re.compile(r"(layers|bases)/[A-Za-z0-9][A-Za-z0-9._-]{0,200}")
 
 
@@ -170,7 +168,7 @@ class Remote:
                 todo += store.unpushed_chunks()
             todo = list(dict.fromkeys(todo))
             for batch in _batches(todo, 512):
-                sizes = self._parallel(self._ask_then_push if ask else self._push_chunk, batch)
+                sizes = self.tier.each(self._ask_then_push if ask else self._push_chunk, batch)
                 store.mark_pushed(chunks=batch)
                 crash_point("remote.mid-push")
                 self.touch()
@@ -195,12 +193,6 @@ class Remote:
             ) from None
         self.tier.put(self.tier.key("chunks", d.hex()), packed)
         return len(packed)
-
-    def _parallel(self, fn: Callable[[Any], Any], items: list[Any]) -> list[Any]:
-        if not items:
-            return []
-        with ThreadPoolExecutor(min(WORKERS, len(items)), thread_name_prefix="sandlot-tier") as pool:
-            return list(pool.map(fn, items))
 
     def evict(self, older_than: float) -> tuple[int, int]:
         """Keep only the manifest here of cold states: of boxes suspended ``older_than``
@@ -347,7 +339,7 @@ class Remote:
                 self.tier.put(self.tier.key("chunks", d.hex()), packed)
                 return len(packed)
 
-            self._parallel(send, wanted)
+            self.tier.each(send, wanted)
             self.tier.put(self.tier.key("files", name), encoded)
         sent = _sent_files(self.chunks.root)
         sent[rel] = [st.st_size, st.st_mtime_ns, self.tier.config.url]
@@ -463,7 +455,7 @@ class Remote:
                     data = self.chunks.get(d, rel, image.chunk_size(i), keep=False)
                     os.pwrite(f.fileno(), data, i * CHUNK)
 
-                self._parallel(fetch, wanted)
+                self.tier.each(fetch, wanted)
                 f.flush()
                 os.fsync(f.fileno())
         except OSError as exc:

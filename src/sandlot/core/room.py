@@ -8,10 +8,10 @@ let run with room again. sandlot's part:
 
 - the home's keeper (``core.keeper``, every second) asks the running boxes of a home
   that is low on room whether one is held; a held box gets a mark in its directory
-  (``MARK``, made where no block is free) and a ``disk_full`` event, and once the home has room again
-  (``room_needed``) it is let run, with a ``disk_room`` event;
+  (``MARK``, made where no block is free) and a ``disk_full`` event, and once the home
+  has room again (``room_needed``) it is let run, with a ``disk_room`` event;
 - a command for a held box is refused at once with ``NoSpace`` (the controller looks
-  for the mark: one ``stat`` a call), rather than left to wait for a guest that does
+  for the mark: one ``lstat`` a call), rather than left to wait for a guest that does
   not run; a command under way when the guest stopped waits for it. A caller that
   finds room back before the keeper does lets the box run itself.
 
@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ..config import free_bytes
 from ..errors import NoSpace, no_space
 from .events import Draft
 
@@ -35,7 +36,7 @@ if TYPE_CHECKING:
     from .runtime import Runtime
     from .store import AsyncStore, BoxRecord
 
-MARK = "held-for-room.json"
+MARK = "held-for-room"  # a symbolic link: its target is what it says
 MiB = 1 << 20
 WATCH_BELOW = 512 * MiB  # free bytes under which the keeper asks the home's VMs whether one is held
 # a held box is let run with no less free, whatever SANDLOT_MIN_FREE_MIB says: more than
@@ -53,11 +54,6 @@ def room_needed() -> int:
     """Free bytes a home must have before a held box is let run: with less, its held
     write would only stop it again."""
     return max(min_free_bytes(), LEAST_ROOM)
-
-
-def free_bytes(path: Path) -> int:
-    st = os.statvfs(path)
-    return st.f_bavail * st.f_frsize
 
 
 def mark_of(box_dir: Path) -> Path:
@@ -91,7 +87,7 @@ def read_mark(box_dir: Path, vm_pid: int | None) -> dict[str, Any] | None:
 
 
 def refusal(home: Path, name: str, mark: dict[str, Any]) -> NoSpace:
-    held_s = max(0.0, time.time() - float(mark.get("since", time.time())))
+    held_s = max(0.0, time.time() - mark["since"])
     return no_space(
         home,
         f"box {name} is stopped with a disk write held for {held_s:.0f}s: it runs on by itself "
@@ -102,10 +98,10 @@ def refusal(home: Path, name: str, mark: dict[str, Any]) -> NoSpace:
 
 async def hold(rt: Runtime, db: AsyncStore, rec: BoxRecord, free: int) -> None:
     """Mark a box the keeper found held, and tell it once."""
-    box_dir = rt.box_dir(rec.id)
-    if read_mark(box_dir, rec.vm.pid if rec.vm else None) is not None:
-        return
     assert rec.vm is not None
+    box_dir = rt.box_dir(rec.id)
+    if read_mark(box_dir, rec.vm.pid) is not None:
+        return
     await asyncio.to_thread(write_mark, box_dir, rec.vm.pid, time.time(), free)
     why = (
         f"the filesystem of {rt.home} is full ({free / MiB:.0f} MiB free): the guest is "
@@ -127,7 +123,7 @@ async def let_run(rt: Runtime, db: AsyncStore, rec: BoxRecord, free: int) -> Non
     engine = rt.engine(rec.engine)
     await asyncio.to_thread(engine.let_run, rec.vm, rt.placement(rec, rec.name))
     if took and mark is not None:
-        held_s = round(time.time() - float(mark.get("since", time.time())), 1)
+        held_s = round(time.time() - mark["since"], 1)
         why = f"the filesystem has room again ({free / MiB:.0f} MiB free): the held write went through"
         await db.add_event(Draft("disk_room", why, {"free_bytes": free, "held_s": held_s}, "sandlot"), rec.id)
 

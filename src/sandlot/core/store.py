@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from .. import pids, records
+from ..config import free_bytes
 from ..engine.base import VMRef
 from ..errors import (
     BoxNotFound,
@@ -535,8 +536,7 @@ class BoxStore:
         if room.exists():
             return
         with contextlib.suppress(OSError):
-            st = os.statvfs(self.path.parent)
-            if st.f_bavail * st.f_frsize < 8 * ROOM_BYTES:
+            if free_bytes(self.path.parent) < 8 * ROOM_BYTES:
                 return
             tmp = room.with_name(f"{ROOM_FILE}.{os.getpid()}")
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)

@@ -30,9 +30,11 @@ import re
 import socket
 import threading
 import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from ..config import atomic_write
 from ..errors import BoxElsewhere, HostSetupError, InvalidArgument, TierError
@@ -40,10 +42,14 @@ from ..errors import BoxElsewhere, HostSetupError, InvalidArgument, TierError
 if TYPE_CHECKING:
     from botocore.client import BaseClient
 
+T = TypeVar("T")
+R = TypeVar("R")
+
 CONFIG_FILE = "storage.json"  # in the home: what ``sandlot.storage.configure`` set
 URL_RE = re.compile(r"s3://(?P<bucket>[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9])(?:/(?P<prefix>[^\s]*))?")
 CONNECT_TIMEOUT = 10.0
 READ_TIMEOUT = 60.0
+WORKERS = 16  # requests in flight to the tier at once: each is mostly waiting on the network
 ATTEMPTS = 5  # botocore's standard retry mode: throttling, 5xx and broken connections, with backoff
 
 
@@ -196,6 +202,13 @@ class Tier:
         config = Config(connect_timeout=min(CONNECT_TIMEOUT, self.timeout), read_timeout=self.timeout,
                         max_pool_connections=32, retries=retries)  # fmt: skip
         return session.client("s3", endpoint_url=self.config.endpoint_url, config=config)
+
+    def each(self, fn: Callable[[T], R], items: list[T]) -> list[R]:
+        """``fn`` of each item, ``WORKERS`` at once (each mostly waits on the network)."""
+        if not items:
+            return []
+        with ThreadPoolExecutor(min(WORKERS, len(items)), thread_name_prefix="sandlot-tier") as pool:
+            return list(pool.map(fn, items))
 
     def key(self, *parts: str) -> str:
         return "/".join(p for p in (self.config.prefix, *parts) if p)

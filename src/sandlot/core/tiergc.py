@@ -44,7 +44,6 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -61,7 +60,6 @@ STALE = 600.0  # seconds after which a lock not rewritten is its dead holder's
 REFRESH = STALE / 4  # a lock is rewritten this often while its work goes on
 WAIT = 120.0  # seconds a push waits for a collection (and a collection for pushes) by default
 RECORDS_KEPT = 50  # the records of the newest collections: a home further behind forgets all
-WORKERS = 16
 SEEN_FILE = "tier-generation"  # in the chunk store: the last collection this home caught up with
 
 
@@ -284,13 +282,6 @@ def catch_up(tier: Tier, root: Path, forget: Callable[[Forget], None]) -> None:
 # -- a collection -------------------------------------------------------------------------------
 
 
-def _parallel(fn: Callable[[Any], Any], items: list[Any]) -> list[Any]:
-    if not items:
-        return []
-    with ThreadPoolExecutor(min(WORKERS, len(items)), thread_name_prefix="sandlot-tiergc") as pool:
-        return list(pool.map(fn, items))
-
-
 def collect(tier: Tier, me: str, declare_mine: Callable[[], None], *, wait: float = WAIT) -> TierGcReport:
     """One collection of the tier, under its lock (``declare_mine``: this home's own
     declaration, written first, so that it is current)."""
@@ -328,7 +319,7 @@ def collect(tier: Tier, me: str, declare_mine: Callable[[], None], *, wait: floa
 
         keys = [tier.key("states", s) for s in sorted(live_states & states)]
         keys += [tier.key("files", f) for f in sorted(live_files & files)]
-        for digests in _parallel(listed, keys):
+        for digests in tier.each(listed, keys):
             live_chunks |= digests
         lock.touch()
         gone_states, gone_files = sorted(states - live_states), sorted(files - live_files)

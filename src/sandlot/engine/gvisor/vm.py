@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from ... import pids, records
-from ...config import tail
+from ...config import free_bytes, tail
 from ...crashpoints import crash_point
 from ...errors import BootError, HostSetupError, SavedStateError, no_space
 from ...net.addresses import GUEST_ADDRESS
@@ -691,8 +691,7 @@ class GvisorVM(VM):
                 with contextlib.suppress(OSError):
                     if os.readlink(f"/proc/{self.ref.pid}/fd/{fd}").startswith("/memfd:runsc-memory"):
                         need += os.stat(f"/proc/{self.ref.pid}/fd/{fd}").st_blocks * 512
-        st = os.statvfs(directory.parent)
-        if st.f_bavail * st.f_frsize < need:
+        if free_bytes(directory.parent) < need:
             raise no_space(directory, f"a checkpoint of this sandbox needs up to {need >> 20} MiB")
 
     def _gate(self) -> asyncio.Event:

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ... import pids
-from ...config import flock_within, fsync_dir, runtime_dir
+from ...config import flock_within, free_bytes, fsync_dir, runtime_dir
 from ...errors import HostSetupError, IncompatibleSnapshot, NoSpace, SavedStateError, Unsupported, no_space
 from .. import hostcgroup
 from ..base import (
@@ -280,7 +280,7 @@ class QemuEngine(Engine):
             )  # fmt: skip
             vm = QemuVM(cfg)
             try:
-                if _free_bytes(d) < (facts["memory_mib"] << 20):  # the memory file it is about to write
+                if free_bytes(d) < (facts["memory_mib"] << 20):  # the memory file it is about to write
                     raise no_space(d, f"the saved state {d.name} cannot be prepared for forks and exports "
                                       f"(its {facts['memory_mib']} MiB memory file)")  # fmt: skip
                 await vm.start()
@@ -420,11 +420,6 @@ def device_set(facts: dict[str, Any]) -> str:
 
 def _major_minor(version: str) -> tuple[str, ...]:
     return tuple(version.split(" ")[0].split(".")[:2])
-
-
-def _free_bytes(path: Path) -> int:
-    st = os.statvfs(path)
-    return st.f_bavail * st.f_frsize
 
 
 def _fsync_file(path: Path) -> None:

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
 from ... import pids
-from ...config import flock_within, tail, try_flock
+from ...config import flock_within, free_bytes, tail, try_flock
 from ...errors import BootError, CorruptSnapshot, InvalidState, NoSpace, SavedStateError, no_space
 from .. import hostcgroup
 from ..base import VM, Connector, StateSink, StateSource, VMRef, VMStatus
@@ -143,11 +143,6 @@ F_SETPIPE_SZ = 1031
 # refused it (a kernel without uffd-wp, or no permission for userfaultfd), and a
 # snapshot then stops the guest for the whole save, as before.
 background_snapshots: bool | None = None
-
-
-def _free_bytes(path: Path) -> int:
-    st = os.statvfs(path)
-    return st.f_bavail * st.f_frsize
 
 
 def _pipe() -> tuple[int, int]:
@@ -721,7 +716,7 @@ class QemuVM(VM):
             # once continued; a save must not leave it stopped for good
             held_write = isinstance(status, dict) and status.get("status") == "io-error"
             # a background snapshot writes the whole stream to a file first: only where it fits
-            room = _free_bytes(directory) > (self.cfg.memory_mib << 20) + SPILL_SLACK
+            room = free_bytes(directory) > (self.cfg.memory_mib << 20) + SPILL_SLACK
             # QEMU tracks writes to anonymous RAM only: a VM whose RAM is a file (started from
             # a template's or a fork's prepared state) is refused, and stops for its whole save
             background = bool(sink) and keep_running and was_running and room and self.cfg.ram_file is None
