@@ -10,8 +10,11 @@ import socket
 import time
 from pathlib import Path
 
+import pytest
+
 from sandlot import pids
 from sandlot.core import tiergc
+from sandlot.errors import CorruptSnapshot
 
 
 class Bucket:
@@ -22,6 +25,9 @@ class Bucket:
 
     def key(self, *parts: str) -> str:
         return "/".join(parts)
+
+    def names(self, under: str) -> list[str]:
+        return [k[len(under) + 1 :] for k in self.objects if k.startswith(under + "/")]
 
     def get(self, key: str) -> tuple[bytes, str] | None:
         data = self.objects.get(key)
@@ -56,6 +62,7 @@ def test_a_home_that_cannot_tell_what_was_deleted_forgets_everything(tmp_path: P
     for objects in (
         {"gc/generation.json": {"generation": 1}},  # counted, its record not written (a kill between)
         {"gc/generation.json": {"generation": 1}, "gc/1.json": {"chunks": "not a list of hashes"}},
+        {"gc/generation.json": {"generation": 1}, "gc/1.json": {"chunks": [], "states": "s1", "files": []}},
         {"gc/generation.json": {"generation": tiergc.RECORDS_KEPT + 1}},  # further behind than kept
     ):
         (told,) = caught_up(Bucket(objects), tmp_path / str(len(os.listdir(tmp_path))))
@@ -64,6 +71,14 @@ def test_a_home_that_cannot_tell_what_was_deleted_forgets_everything(tmp_path: P
     (tmp_path / "back" / tiergc.SEEN_FILE).write_text("7")
     (told,) = caught_up(Bucket({}), tmp_path / "back")  # the count went back: another bucket
     assert told.everything
+
+
+def test_a_declaration_that_is_not_lists_of_names_stops_a_collection() -> None:
+    good = {"home": "h1", "states": ["s1"], "boxes": ["b1"]}
+    assert tiergc.declarations(Bucket({"homes/h1.json": good})) == {"h1": {"states": {"s1"}, "boxes": {"b1"}}}
+    for bad in ({**good, "states": "s1"}, {**good, "boxes": [1]}, {"home": "h1"}):
+        with pytest.raises(CorruptSnapshot, match=r"declaration h1\.json .* malformed"):
+            tiergc.declarations(Bucket({"homes/h1.json": bad}))  # type: ignore[arg-type]
 
 
 def test_a_lock_is_dead_once_old_or_once_its_process_is_gone_from_this_host() -> None:

@@ -204,6 +204,14 @@ def collection_lock(tier: Tier, me: str, wait: float) -> Iterator[Lock]:
 # -- what each home holds ------------------------------------------------------------------
 
 
+def names_in(value: Any) -> set[str]:
+    """A list of names, as a declaration or a record holds them (ValueError else: a string
+    taken for one would be read as its letters)."""
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise ValueError("not a list of names")
+    return set(value)
+
+
 def declare(tier: Tier, me: str, states: Iterable[str], boxes: Iterable[str]) -> None:
     """Write this home's declaration: the states it holds that are in the tier, its boxes."""
     doc = {"home": me, "at": time.time(), "states": sorted(set(states)), "boxes": sorted(set(boxes))}
@@ -218,7 +226,7 @@ def declarations(tier: Tier) -> dict[str, dict[str, Any]]:
             continue
         try:
             doc = json.loads(found[0])
-            out[str(doc["home"])] = {"states": set(doc["states"]), "boxes": set(doc["boxes"])}
+            out[str(doc["home"])] = {"states": names_in(doc["states"]), "boxes": names_in(doc["boxes"])}
         except (ValueError, KeyError, TypeError) as exc:
             raise CorruptSnapshot(f"the declaration {name} in the storage tier is malformed: {exc}") from None
     return out
@@ -269,9 +277,9 @@ def catch_up(tier: Tier, root: Path, forget: Callable[[Forget], None]) -> None:
             if found is None:
                 raise ValueError("dropped")
             record = json.loads(found[0])
-            todo.chunks |= {bytes.fromhex(h) for h in record["chunks"]}
-            todo.states |= {str(i) for i in record["states"]}
-            todo.files |= {str(f) for f in record["files"]}
+            todo.chunks |= {bytes.fromhex(h) for h in names_in(record["chunks"])}
+            todo.states |= names_in(record["states"])
+            todo.files |= names_in(record["files"])
         except (ValueError, KeyError, TypeError):
             todo = Forget(everything=True)
     forget(todo)
