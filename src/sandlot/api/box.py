@@ -107,6 +107,7 @@ class AsyncBox:
         network: str | bool | None = None,
         allow: Sequence[str] | str | None = None,
         ports: Sequence[PortSpec] | None = None,
+        wake_on_traffic: bool = False,
         pids_limit: int | None = None,
         nested_virt: bool = False,
         aslr: bool | None = None,

@@ -18,6 +18,7 @@ import contextlib
 import errno
 import re
 import socket
+import struct
 from collections.abc import Awaitable, Callable
 from typing import Protocol
 
@@ -28,6 +29,7 @@ from .process import AsyncProcess
 RELAY = ("/proc/1/exe", "--relay")  # the agent, in relay mode; /proc/1/exe works from any root
 RELAY_CONNECT_FAILED = 111
 CHUNK = 256 << 10
+ABORT_WAIT = 10.0  # seconds for a killed relay's exit
 
 _bridges: set[asyncio.Task[None]] = set()  # running copies, so they are not collected mid-way
 
@@ -73,8 +75,15 @@ class RelayDuplex:
         await self._proc.close_stdin()
 
     async def abort(self) -> None:
+        # Its exit read, the agent lets its channel go: a channel left open would count
+        # as a command in flight (keeping an idle box awake) for as long as the session.
         if self._proc.returncode is None:
             await self._proc.kill()
+        try:
+            await asyncio.wait_for(self._proc.wait(), ABORT_WAIT)
+        except (Exception, asyncio.CancelledError):
+            self._proc.detach()
+            raise
 
 
 async def relay_connected(proc: AsyncProcess, port: int | str, timeout: float) -> None:
@@ -193,18 +202,35 @@ async def serve_forward(
     the box's loopback through its relay, as ``box.connect`` does: for a browser on this
     host, where a box has no server to sign a preview URL. A connection the box refuses
     is closed at once."""
-    loop = asyncio.get_running_loop()
     listener = socket.socket(socket.AF_INET6 if ":" in address else socket.AF_INET, socket.SOCK_STREAM)
     listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     listener.bind((address, 0))
     listener.listen(64)
+    return Forward(listener, serve_on(listener, lambda: open_relay(spawn, port, timeout)))
+
+
+def serve_on(
+    listener: socket.socket,
+    connect: Callable[[], Awaitable[Duplex]],
+    refused: Callable[[BaseException], Awaitable[None]] | None = None,
+) -> asyncio.Task[None]:
+    """Take each connection of a listening socket and bridge it to the duplex ``connect``
+    opens for it, each on its own (a slow ``connect`` holds up no other connection). One
+    whose duplex cannot be opened is reset (its peer reads ECONNRESET, as from a port
+    that refuses it), ``refused`` told why first. The task that accepts runs until cancelled."""
+    loop = asyncio.get_running_loop()
     listener.setblocking(False)
 
     async def one(conn: socket.socket) -> None:
         try:
-            duplex = await open_relay(spawn, port, timeout)
-        except Exception:
+            duplex = await connect()
+        except Exception as exc:
+            with contextlib.suppress(OSError):
+                conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
             conn.close()
+            if refused is not None:
+                with contextlib.suppress(Exception):
+                    await refused(exc)
             return
         bridge(conn, duplex)
 
@@ -215,4 +241,4 @@ async def serve_forward(
             _bridges.add(task)
             task.add_done_callback(_bridges.discard)
 
-    return Forward(listener, asyncio.ensure_future(accept()))
+    return asyncio.ensure_future(accept())

@@ -38,6 +38,7 @@ from ..protocol import files as proto
 from ..protocol.exec import ExecRequest, RemoteProcess
 from ..protocol.watch import WatchStream
 from ..protocol.wire import FsFlag, FsOp
+from . import port_hold
 from .backend import Backend, BoxRef, Cell, Command, SnapshotRef, Write, narrowed
 from .fs import AgentWatch, FileInfo, WatchSource, check_mode, entry_info
 from .process import AsyncProcess, ExecResult, feed_and_wait
@@ -90,6 +91,9 @@ def snapshot_info(rec: SnapshotRecord) -> dict[str, Any]:
         "logical_size": int(rec.options.get("logical_bytes", rec.size)),
         "node": None,
     }
+
+
+KEEPER_ASK_EVERY = 10.0  # seconds between two asks of the port keeper, by one process, for one box
 
 
 class LocalBoxRef(BoxRef):
@@ -251,6 +255,7 @@ class LocalBackend(Backend):
 
     def __init__(self, runtime: Runtime) -> None:
         self.runtime = runtime
+        self._kept: dict[str, float] = {}  # when this process last had the port keeper hold a box's ports
 
     @classmethod
     def for_home(cls, home: str | os.PathLike[str] | None = None) -> LocalBackend:
@@ -302,7 +307,14 @@ class LocalBackend(Backend):
 
     async def find(self, key: str) -> LocalBoxRef:
         core = self.core()
-        return self.ref_of(core, await core.controller.find(key))
+        entry = await core.controller.find(key)
+        if entry.spec.wake_on_traffic and entry.record.state != BoxState.CREATED:
+            # a keeper killed holds them no more: this call starts the next one
+            now = asyncio.get_running_loop().time()
+            if now - self._kept.get(entry.id, -KEEPER_ASK_EVERY) >= KEEPER_ASK_EVERY:
+                await port_hold.ensure(core.controller, entry)
+                self._kept[entry.id] = now
+        return self.ref_of(core, entry)
 
     async def boxes(self, *, state: str | None, labels: Mapping[str, str] | None) -> list[BoxRef]:
         core = self.core()
@@ -383,6 +395,7 @@ class LocalBackend(Backend):
 
     async def box_resume(self, ref: BoxRef) -> None:
         core, entry = await local(ref).live()
+        await port_hold.ensure(core.controller, entry)
         await core.live.resume(entry)
 
     async def box_remove(self, ref: BoxRef, force: bool = False) -> None:
@@ -394,6 +407,7 @@ class LocalBackend(Backend):
         except BoxNotFound:
             return
         await ctl.remove(entry, force=force)
+        await port_hold.release(ctl, entry)
 
     async def box_set_network(
         self, ref: BoxRef, network: str | bool | None = None, allow: Sequence[str] | str | None = None
@@ -713,6 +727,8 @@ class LocalBackend(Backend):
 
 async def boot(box: LocalBoxRef, ctl: BoxController, entry: BoxEntry) -> None:
     """Start the box, unless a ready VM of its template's warm pool became it (running already)."""
+    # its ports first, where it wakes on traffic: a host port in use fails the start before it boots
+    await port_hold.ensure(ctl, entry)
     if box.claimed:
         box.claimed = False
         return

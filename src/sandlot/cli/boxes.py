@@ -62,10 +62,13 @@ def _box_options(
     net: tuple[str | None, list[str] | None, list[str] | None, list[str] | None] = (None, None, None, None),
     nested_virt: bool = False,
     aslr: bool | None = None,
+    sleep: tuple[float | None, bool] = (None, False),
 ) -> dict[str, Any]:  # fmt: skip
     image, rootfs = image_or_rootfs
     network, allow, publish, secret = net
+    idle_timeout, wake_on_traffic = sleep
     return {
+        "idle_timeout": idle_timeout, "wake_on_traffic": wake_on_traffic,
         "network": network, "allow": allow or None, "ports": publish or None, "secrets": _secrets(secret),
         "image": image, "rootfs": rootfs, "name": name, "env": env_pairs(env), "volumes": volume or None,
         "labels": label_pairs(label), "cpus": cpus, "memory_mib": memory, "disk_size_gb": disk,
@@ -151,6 +154,20 @@ PublishOpt = Annotated[
     list[str] | None,
     typer.Option("--publish", "-p", help="[ADDRESS:]HOST:GUEST, or GUEST: a guest TCP port on the host."),
 ]
+IdleOpt = Annotated[
+    float | None,
+    typer.Option(
+        "--idle-timeout",
+        help="Suspend the box after this many seconds without requests or open connections.",
+        min=0.001,
+    ),
+]
+WakeOpt = Annotated[
+    bool,
+    typer.Option(
+        "--wake-on-traffic", help="Keep its published ports open while it sleeps: a connection wakes it."
+    ),
+]
 
 
 @app.command(context_settings=COMMAND)
@@ -187,6 +204,8 @@ def run(
     allow: AllowOpt = None,
     publish: PublishOpt = None,
     secret: SecretOpt = None,
+    idle_timeout: IdleOpt = None,
+    wake_on_traffic: WakeOpt = False,
     quiet: QuietOpt = False,
 ) -> None:
     """Create and start a box from IMAGE (or --rootfs), run a command in it.
@@ -198,6 +217,8 @@ def run(
     sandlot run --rootfs DIR -- CMD    a root filesystem directory or tarball instead of an image
     sandlot run --network public ...   HTTP(S) out through sandlot's proxy (no host, no private ranges)
     sandlot run -d -p 8080:80 ...      the box's port 80 on the host's 127.0.0.1:8080
+    sandlot run -d -p 8080:80 --idle-timeout 60 --wake-on-traffic ...
+                                       asleep after a quiet minute; the next connection wakes it
     sandlot run --network allowlist --secret API_KEY@api.example.com ...
                                        $API_KEY used by the box, never seen by it
 
@@ -230,6 +251,7 @@ def run(
         (network, allow, publish, secret),
         nested_virt,
         aslr,
+        (idle_timeout, wake_on_traffic),
     )
 
     async def main() -> int:
@@ -288,6 +310,8 @@ def create(
     allow: AllowOpt = None,
     publish: PublishOpt = None,
     secret: SecretOpt = None,
+    idle_timeout: IdleOpt = None,
+    wake_on_traffic: WakeOpt = False,
     quiet: QuietOpt = False,
 ) -> None:
     """Create a box (image pulled, disk made) without starting it; print its name."""
@@ -310,6 +334,7 @@ def create(
         (network, allow, publish, secret),
         nested_virt,
         aslr,
+        (idle_timeout, wake_on_traffic),
     )
 
     async def main() -> None:

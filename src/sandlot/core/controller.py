@@ -222,14 +222,19 @@ class BoxController:
 
     async def refresh(self, entry: BoxEntry) -> BoxRecord:
         """The box's row as it is now, recovered (``BoxNotFound`` once removed)."""
-        entry.seen = stamp = self.db.stamp()
+        stamp = self.db.stamp()
+        # Not known while it is read: a command of this loop that came meanwhile would take
+        # the entry's old state as current (``connection``'s quick path), a box another
+        # process suspended as running, and send its request to a VM that is gone.
+        entry.seen = None
         rec = await self.db.find(entry.id)
         rec = await self.recover(rec) if rec is not None else None
         if rec is None:
             self.forget(entry)
             raise BoxNotFound(f"box {entry.name} was removed", box=entry.name, state="removed")
-        if entry.seen != stamp:  # a write of this loop's came in between: which row is newer is
-            entry.seen = None  # not known here, so the next command reads it again
+        # a write (or read) of this loop's came in between: which row is newer is not known
+        # here, so the next command reads it again
+        entry.seen = stamp if entry.seen is None else None
         return entry.update(rec)
 
     # -- the one guarded transition ---------------------------------------------------------
@@ -750,7 +755,7 @@ class BoxController:
                     "changes its network card; stop() it first",
                     box=entry.name, state=rec.state, allowed=["created", "stopped", "crashed"],
                 )  # fmt: skip
-            if spec.ports and not new.has_nic:
+            if spec.ports and not new.has_nic and not spec.wake_on_traffic:
                 raise InvalidArgument(f"box {entry.name} publishes ports: it needs a network card")
             if spec.secrets and not new.proxied:
                 raise InvalidArgument(
@@ -786,6 +791,12 @@ class BoxController:
         if rec.state not in SERVING:
             raise InvalidState.refused("run commands", rec.state, ["running"], box=entry.name)
         conn = session.conn
+        if conn is not None and conn.failed is None:
+            # a connection reconnecting to the VM that took over (agent_lost: a box another
+            # process resumed or rolled back) is let finish, rather than dropped mid-way for
+            # a new one, which would end it and its channels as on a crash
+            with contextlib.suppress(Exception):
+                await conn.wait_ready()
         if conn is not None and conn.failed is not None:
             session.drop()
             raise conn.failed
@@ -922,7 +933,8 @@ class BoxController:
         d["paths"] = {"dir": str(entry.dir), "disk": rec.disk, "console": str(entry.dir / "console.log")}
         d["hostname"] = entry.hostname
         live = rec.state in (BoxState.RUNNING, BoxState.PAUSED)  # host ports are bound while the VM runs
-        bound = {guest: (address, host) for address, host, guest in rec.ports if live}
+        held = live or entry.spec.wake_on_traffic  # or, where it wakes on traffic, by its port keeper
+        bound = {guest: (address, host) for address, host, guest in rec.ports if held}
         ports = []
         for p in entry.spec.ports:
             address, host = bound.get(p.guest, (p.address, p.host))

@@ -73,6 +73,8 @@ KINDS: dict[str, str] = {
     "the write held (detail.free_bytes, detail.needed_bytes), and its commands refused with NoSpace",
     "disk_room": "the host filesystem has room again: the held write went through, and the guest "
     "runs on (detail.held_s)",
+    "wake_failed": "a connection to a published port of a box that wakes on traffic could not wake it, "
+    "or the home's port keeper could not hold its ports (detail.port, detail.error; reason says why)",
     "records_dropped": "a record of the box reached its bound: what was folded, dropped or refused "
     "(detail.record, detail.folded, detail.dropped, detail.refused; reason says it in words)",
 }

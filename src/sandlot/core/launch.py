@@ -133,7 +133,8 @@ class Launcher:
             proxy_command=helper("sandlot.net.proxy") if policy.proxied else None,
             # open mode too: a guest restored from a snapshot of a proxied box asks it for names
             dns_command=helper("sandlot.net.dns"),
-            forwards=tuple((p.address, p.host, p.guest) for p in spec.ports),
+            # a box that wakes on traffic has its ports held by its port keeper instead
+            forwards=() if spec.wake_on_traffic else tuple((p.address, p.host, p.guest) for p in spec.ports),
             transparent_ports=tuple(spec.transparent_ports()),
             guest_forwards=tuple(
                 (addresses[r.box], r.port, helper("sandlot.net.proxy", "--box", r.box, str(r.port)))
@@ -311,8 +312,9 @@ class Launcher:
             entry.update(rec)
 
     async def _record_ports(self, entry: BoxEntry, vm: VM) -> None:
-        """Keep in the record the host ports the engine bound for the box's published ports."""
-        if not entry.spec.ports:
+        """Keep in the record the host ports the engine bound for the box's published ports
+        (its port keeper's, which it records itself, where it wakes on traffic)."""
+        if not entry.spec.ports or entry.spec.wake_on_traffic:
             return
         try:
             bound = await vm.published_ports()

@@ -214,12 +214,21 @@ class LiveState:
                 # its holder thought gone); this home runs it only while it holds it
                 await asyncio.to_thread(self._hold_lease, rec)
             keep_conn = session.healthy  # its operations reconnect to the resumed VM
+            installs = session.conn.installs if keep_conn and session.conn is not None else 0
             async with self.controller.transition(entry, Op.RESUME) as step:
                 step.on_failure = {"vm_pid": None}
                 await self.launcher.restore(entry, rec, snap, attach=not keep_conn)
                 step.changes = {"suspended": None, "started_at": time.time()}
             await self.drop_saved_state(snap.id)
-        session.resumed.set()
+            session.resumed.set()
+            if keep_conn and session.conn is not None:
+                # before the lock lets this process's next callers use it (a box another
+                # process suspended: its socket closed, maybe not yet read)
+                try:
+                    await session.conn.follow(installs, entry.spec.request_timeout)
+                except Exception:
+                    session.drop()  # the next call connects anew; what ran on it is lost, as on a crash
+                    keep_conn = False
         self.controller.watch_idle(entry)
         if keep_conn and session.conn is not None:
             await session.conn.wait_ready()

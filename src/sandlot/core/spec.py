@@ -238,6 +238,9 @@ class BoxSpec:
     network: str = "none"  # see sandlot.net.policy
     allow: list[str] = field(default_factory=list)
     ports: list[Port] = field(default_factory=list)
+    # its published ports are held by a process of the host's own (``api.port_keeper``) that
+    # wakes the box when a connection comes while it sleeps, and bridges it through the agent
+    wake_on_traffic: bool = False
     # {"name", "placeholder", "hosts"} of each secret; the values are in the box's secrets file
     secrets: list[dict[str, Any]] = field(default_factory=list)
     image_config: dict[str, Any] | None = None  # the image's Env/WorkingDir/User/Entrypoint/Cmd, kept
@@ -272,6 +275,7 @@ class BoxSpec:
         network: str | bool | None = None,
         allow: Sequence[str] | str | None = None,
         ports: Sequence[PortSpec] | None = None,
+        wake_on_traffic: bool = False,
         pids_limit: int | None = None,
         nested_virt: bool = False,
         aslr: bool | None = None,
@@ -314,6 +318,8 @@ class BoxSpec:
             raise InvalidArgument(f"pids_limit must be at least 8 (a shell needs a few), not {pids_limit}")
         if not isinstance(nested_virt, bool):
             raise InvalidArgument(f"nested_virt must be True or False, not {nested_virt!r}")
+        if not isinstance(wake_on_traffic, bool):
+            raise InvalidArgument(f"wake_on_traffic must be True or False, not {wake_on_traffic!r}")
         if aslr is not None and not isinstance(aslr, bool):
             raise InvalidArgument(f"aslr must be True or False, not {aslr!r}")
         if memory_mib < 64:
@@ -344,10 +350,11 @@ class BoxSpec:
         taken = [(p.address, p.host) for p in published if p.host]
         if len(set(taken)) != len(taken):
             raise InvalidArgument("two published ports use the same host address and port")
-        if published and not policy.has_nic:
+        if published and not policy.has_nic and not wake_on_traffic:
             raise InvalidArgument(
                 "published ports need a network card: network='none' has none "
-                "(network='allowlist' with no allow entries publishes ports and lets nothing out)"
+                "(network='allowlist' with no allow entries publishes ports and lets nothing out; "
+                "wake_on_traffic=True brings them in through the agent, with no card)"
             )
         secret_specs = _secret_specs(secrets, saved_secrets)
         if secret_specs and not policy.proxied:
@@ -387,6 +394,7 @@ class BoxSpec:
             network=policy.mode,
             allow=[str(r) for r in policy.allow],
             ports=published,
+            wake_on_traffic=wake_on_traffic,
             pids_limit=pids_limit,
             nested_virt=nested_virt,
             aslr=aslr is not False,

@@ -449,6 +449,7 @@ class AgentConnection:
         self._handshaking = False
         self.info: AgentInfo | None = None
         self.last_used = time.monotonic()  # when a channel last opened or closed
+        self.installs = 0  # sockets installed so far: the first connect, then each reconnection
 
     # -- lifecycle ---------------------------------------------------------------------
 
@@ -465,6 +466,7 @@ class AgentConnection:
 
     def _install(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self._reader, self._writer = reader, writer
+        self.installs += 1
         self._control = Channel(self, 0)
         self._reader_task = asyncio.create_task(self._read_loop(reader), name="sandlot-agent-reader")
 
@@ -753,6 +755,22 @@ class AgentConnection:
         fut = self._reconnecting
         if fut is not None:
             await asyncio.shield(fut)
+        if self._failure is not None:
+            raise self._failure
+
+    async def follow(self, since: int, timeout: float) -> None:
+        """Return once this connection, whose socket is known to have closed (its VM
+        replaced by another: a box resumed from a state another process saved), has
+        seen it close and connected again (past ``since`` installs). Until then, a
+        channel opened on it goes to the dead socket, and the agent of the new VM never
+        hears of it. Its failure if it could not; TimeoutError past ``timeout``."""
+        async with asyncio.timeout(timeout):
+            while self.installs <= since and self._failure is None:
+                fut = self._reconnecting
+                if fut is not None:
+                    await asyncio.shield(fut)
+                else:
+                    await asyncio.sleep(0.01)  # the reader has yet to read the end of the socket
         if self._failure is not None:
             raise self._failure
 

@@ -1,0 +1,155 @@
+"""Sleep when idle, wake on traffic (``wake_on_traffic=True``; docs/api.md, "Sleep when
+idle, wake on traffic"): boxes from one busybox template whose HTTP server (busybox
+``httpd``) and a counter (a shell loop that writes ``/www/count`` five times a second)
+run from the template on, each with its port published and held by the home's port
+keeper while it sleeps.
+
+* wake: one box, suspended, then one HTTP request to its published port: the time to
+  the reply's first byte; beside it, in the same run, a plain ``resume()`` and a first
+  exec of the same box, suspended the same way;
+* storm: ``--boxes`` boxes, all suspended, then one request to each at once: every
+  reply checked, p50 and p99 of their times, and what the sleeping boxes held on the
+  host before (the keeper's RSS; the VMs': none run) and on disk (the home);
+* cycles: ``--cycles`` suspend-and-wake cycles of one box through its port, a file
+  written in each: after every wake the counter has gone on from where it was and every
+  file is there.
+
+    .venv/bin/python benchmarks/wake.py [--quick] [--boxes 50] [--cycles 100] [--runs 10]
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import sandlot
+from sandlot.config import tree_bytes
+
+from _common import busybox_root, drop_home, emit, host_facts, parser, scratch_home, summary
+
+SERVE = (
+    "mkdir -p /www && echo hello > /www/index.html && httpd -p 8000 -h /www && "
+    "(i=0; while :; do i=$((i+1)); echo $i > /www/.count && mv /www/.count /www/count; sleep 0.2; done) "
+    ">/dev/null 2>&1 &"
+)
+TIMEOUT = 300.0
+
+
+def first_byte(port: int, path: str = "/index.html") -> tuple[float, bytes]:
+    """Seconds from sending a request to the first byte of its reply, and the body."""
+    t0 = time.monotonic()
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=TIMEOUT) as reply:
+        first = reply.read(1)
+        took = time.monotonic() - t0
+        return took, first + reply.read()
+
+
+def rss_kib(name: str) -> int:
+    """RSS of the processes whose command line holds ``name``, together."""
+    total = 0
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if name.encode() in Path(f"/proc/{pid}/cmdline").read_bytes():
+                for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+                    if line.startswith("VmRSS:"):
+                        total += int(line.split()[1])
+        except OSError:
+            continue
+    return total
+
+
+def run(args: Any) -> dict[str, Any]:
+    home = scratch_home("wake")
+    out: dict[str, Any] = {}
+    try:
+        tmpl = sandlot.template(rootfs=busybox_root(), memory_mib=256, setup=[SERVE], name="web", home=home)
+
+        def box() -> sandlot.Box:
+            return sandlot.Box(template=tmpl, ports=[8000], wake_on_traffic=True, home=home).start()
+
+        # wake through the port, against a plain resume, on one box
+        one = box()
+        port = one.port(8000)[1]
+        first_byte(port)
+        woken, resumed = [], []
+        for _ in range(args.runs):
+            one.suspend()
+            took, body = first_byte(port)
+            assert body == b"hello\n", body
+            woken.append(took)
+            one.suspend()
+            t0 = time.monotonic()
+            one.resume()
+            one.exec("true")
+            resumed.append(time.monotonic() - t0)
+        out["wake"] = {
+            "request_to_first_byte_s": summary(woken, digits=3),
+            "resume_to_first_exec_s": summary(resumed, digits=3),
+            "over_resume": round(summary(woken)["median"] / max(summary(resumed)["median"], 1e-9), 2),
+        }
+        accel = one.accel
+
+        # cycles: the counter goes on, the files stay
+        last = 0
+        for i in range(args.cycles):
+            one.exec("sh", "-c", f"echo {i} > /www/f{i}")
+            one.suspend()
+            _, count = first_byte(port, "/count")
+            n = int(count)
+            assert n >= last, f"cycle {i}: the counter went back from {last} to {n}"
+            last = n
+            files = one.exec("sh", "-c", "ls /www | grep -c '^f'").stdout.strip()
+            assert int(files) == i + 1, f"cycle {i}: {files} files of {i + 1}"
+        out["cycles"] = {"cycles": args.cycles, "intact": True, "counter_at_end": last}
+        one.remove(force=True)
+
+        # storm: every box asleep, then one request to each at once
+        boxes = [box() for _ in range(args.boxes)]
+        ports = [b.port(8000)[1] for b in boxes]
+        for p in ports:
+            first_byte(p)
+        for b in boxes:
+            b.suspend()
+        asleep = {
+            "keeper_rss_MiB": round(rss_kib("sandlot.api.port_keeper") / 1024, 1),
+            "qemu_rss_MiB": round(rss_kib("qemu-system") / 1024, 1),
+            "home_MiB": round(tree_bytes(home) / (1 << 20), 1),
+        }
+        t0 = time.monotonic()
+        with ThreadPoolExecutor(len(ports)) as pool:
+            replies = list(pool.map(first_byte, ports))
+        wall = time.monotonic() - t0
+        assert all(body == b"hello\n" for _, body in replies)
+        times = [t for t, _ in replies]
+        out["storm"] = {
+            "boxes": args.boxes,
+            "answered": len(replies),
+            "asleep": asleep,
+            "request_to_first_byte_s": summary(times, digits=3),
+            "all_answered_s": round(wall, 3),
+        }
+        for b in boxes:
+            b.remove(force=True)
+        out["host"] = host_facts(accel)
+    finally:
+        drop_home(home)
+    return out
+
+
+def main() -> None:
+    ap = parser(__doc__)
+    ap.add_argument("--boxes", type=int, default=50)
+    ap.add_argument("--cycles", type=int, default=100)
+    ap.add_argument("--runs", type=int, default=10)
+    args = ap.parse_args()
+    if args.quick:
+        args.boxes, args.cycles, args.runs = 3, 3, 2
+    emit({"benchmark": "wake", "quick": args.quick, **run(args)})
+
+
+if __name__ == "__main__":
+    main()

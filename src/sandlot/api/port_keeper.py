@@ -1,0 +1,258 @@
+"""The published ports of boxes that wake on traffic (``wake_on_traffic=True``).
+
+QEMU's user networking (and a gVisor box's forwarder) binds a box's published ports only
+while its VM runs: a box put to sleep (suspended, by hand or by its ``idle_timeout``)
+refuses every connection until something resumes it. The published ports of a box that
+wakes on traffic are held instead by the home's port keeper, from the box's first start
+until it is removed, asleep or awake: one process per home, whatever the number of
+boxes, so a thousand sleeping boxes cost one process and no VM.
+
+    python -m sandlot.api.port_keeper HOME
+
+Each connection the keeper takes is bridged to the guest port through the agent's relay,
+the path of ``box.connect`` (``api/bridge.py``). Asking the agent of a suspended box
+resumes it first (the controller's transparent resume, whose event says ``by: traffic``),
+so the caller's connection waits while the box wakes and is then passed through: nothing
+is refused, and the box needs no network card. Connections that come together while it
+wakes share the one resume (the box's lock). While a connection is open its relay is a
+command in flight in the box, so the idle watchdog does not put a box with a live
+connection to sleep.
+
+A connection that cannot be passed in is reset, as by a port that refuses it. Where the
+box could not be woken (it was stopped, its saved state is gone, a resume failed), a
+``wake_failed`` event says why (folded, as every happening, past the box's event rate);
+where the box woke but nothing listens on the guest port, nothing is said, as a port
+that refuses says nothing. A box that is stopped keeps its ports held and refuses
+connections until it is started: stopping switches it off, which traffic does not undo.
+
+Whoever starts, resumes or finds such a box asks the keeper to hold its ports
+(``api/port_hold.py``: a JSON line over the keeper's Unix socket, in the private runtime
+directory), starting the keeper first where none runs. The keeper binds them and
+answers with the ports, or with why it cannot (a host port in use): the call that
+started the box fails with that reason, and the box's record says at once which port an
+ephemeral one (``host`` 0) got. A keeper that starts takes the home's lock first (one per
+home) and then holds the ports of every such box of the home the store lists, on the
+ports their records name (an ephemeral one another program took meanwhile gets a new
+number, which the record then says): a keeper killed leaves the ports closed only until
+the next call of the home that starts, resumes or finds one of its boxes. It lets a
+removed box's ports go within ``LOOK_EVERY`` seconds (at once where this host removed it),
+and ends ``IDLE_EXIT`` seconds after it last held any.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import socket
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from ..config import private_listener, try_flock
+from ..errors import BoxNotFound, GuestOSError, InvalidState, SandlotError
+from .backend import Command
+from .bridge import Duplex, open_relay, serve_on
+from .port_hold import socket_path
+
+if TYPE_CHECKING:
+    from ..core.controller import BoxController
+    from .local import LocalBackend, LocalBoxRef
+    from .process import AsyncProcess
+
+log = logging.getLogger("sandlot")
+
+LOOK_EVERY = 2.0  # seconds between two looks at which boxes of the home still exist
+IDLE_EXIT = 30.0  # seconds holding no box before the keeper ends
+RELAY_TIMEOUT = 10.0  # seconds for the guest port to answer, once the box is awake
+WAKER = "traffic"  # who the events of a wake say acted
+BACKLOG = 512  # connections that wait, unaccepted, while many come at once
+
+
+def bind_port(box: str, address: str, port: int, *, ephemeral: bool) -> socket.socket:
+    """A listening socket on ``address:port``; where ``port`` was an ephemeral one the box
+    had before and another program took it meanwhile, a new ephemeral one."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        try:
+            sock.bind((address, port))
+        except OSError:
+            if not (ephemeral and port):
+                raise
+            sock.bind((address, 0))
+        sock.listen(BACKLOG)
+    except OSError as exc:
+        sock.close()
+        raise InvalidState(
+            f"box {box}: cannot publish host port {address}:{port}: {exc.strerror or exc}", box=box
+        ) from None
+    return sock
+
+
+async def wake_failed(ctl: BoxController, box_id: str, exc: BaseException, **detail: Any) -> None:
+    """Tell in the box's events why a connection could not wake it (or its ports be held)."""
+    from ..core import events
+
+    why = str(exc) or type(exc).__name__
+    await ctl.db.add_event(events.draft("wake_failed", why, error=type(exc).__name__, **detail), box_id)
+
+
+@dataclass
+class Held:
+    """The ports the keeper holds for one box."""
+
+    bound: list[list[Any]]  # [address, host port, guest port] each
+    listeners: list[socket.socket]
+    tasks: list[asyncio.Task[None]] = field(default_factory=list)
+
+    def close(self) -> None:
+        for t in self.tasks:
+            t.cancel()
+        for s in self.listeners:
+            s.close()
+
+
+class Keeper:
+    """The home's keeper: the ports of every box of the home that wakes on traffic."""
+
+    def __init__(self, home: Path) -> None:
+        from .local import LocalBackend
+
+        self.home = home
+        self.backend: LocalBackend = LocalBackend.for_home(home)
+        self.held: dict[str, Held] = {}
+        self._lock = asyncio.Lock()
+
+    async def hold(self, box_id: str) -> list[list[Any]]:
+        """Bind the box's ports (once) and serve them; the ports, as the record keeps them."""
+        async with self._lock:
+            if box_id in self.held:
+                return self.held[box_id].bound
+            core = self.backend.core()
+            entry = await core.controller.find(box_id)  # not backend.find, which asks this keeper
+            ctl, ref = core.controller, self.backend.ref_of(core, entry)
+            spec = entry.spec
+            if not (spec.wake_on_traffic and spec.ports):
+                return []
+            had = {guest: host for _, host, guest in entry.record.ports}
+            held = Held([], [])
+            try:
+                for p in spec.ports:
+                    host = p.host or had.get(p.guest, 0)
+                    sock = bind_port(entry.name, p.address, host, ephemeral=not p.host)
+                    held.listeners.append(sock)
+                    held.bound.append([p.address, sock.getsockname()[1], p.guest])
+            except BaseException:
+                held.close()
+                raise
+            pairs = zip(held.listeners, spec.ports, strict=True)
+            held.tasks = [self._serve(ref, sock, p.guest) for sock, p in pairs]
+            self.held[entry.id] = held
+            if sorted(held.bound) != sorted(list(b) for b in entry.record.ports):
+                rec = await ctl.db.update(entry.id, ports=held.bound)
+                if rec is not None:
+                    entry.update(rec)
+            return held.bound
+
+    def _serve(self, ref: LocalBoxRef, listener: socket.socket, guest: int) -> asyncio.Task[None]:
+        from ..core import events
+        from .local import local
+
+        async def spawn(*argv: str, user: str | None = None, stdin: bool = True) -> AsyncProcess:
+            return await self.backend.spawn(ref, Command(argv, user=user, stdin=stdin))
+
+        async def connect() -> Duplex:
+            with events.acting_as(WAKER, f"a connection to its port {guest}"):
+                return await open_relay(spawn, guest, RELAY_TIMEOUT)
+
+        async def refused(exc: BaseException) -> None:
+            if isinstance(exc, GuestOSError):  # it woke; nothing listens on its port
+                return
+            ctl, entry = await local(ref).existing()
+            await wake_failed(ctl, entry.id, exc, port=guest)
+
+        return serve_on(listener, connect, refused)
+
+    def release(self, box_id: str) -> None:
+        held = self.held.pop(box_id, None)
+        if held is not None:
+            held.close()
+
+    async def adopt(self) -> None:
+        """Hold the ports of every box of the home that wakes on traffic."""
+        core = self.backend.core()
+        for entry in await core.controller.list():
+            if not (entry.spec.wake_on_traffic and entry.spec.ports):
+                continue
+            try:
+                await self.hold(entry.id)
+            except BoxNotFound:
+                continue
+            except SandlotError as exc:  # a port taken meanwhile: said, and tried at the next ensure
+                await wake_failed(core.controller, entry.id, exc)
+
+    async def look(self) -> None:
+        """Let go of the ports of boxes that were removed."""
+        core = self.backend.core()
+        present = {e.id for e in await core.controller.list()}
+        for box_id in [b for b in self.held if b not in present]:
+            self.release(box_id)
+
+    async def answer(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            request = json.loads(await reader.readline())
+            if "hold" in request:
+                reply: dict[str, Any] = {"ports": await self.hold(str(request["hold"]))}
+            else:
+                self.release(str(request.get("release")))
+                reply = {}
+        except SandlotError as exc:
+            reply = {"error": str(exc), "code": exc.code}
+        except (ValueError, AttributeError) as exc:
+            reply = {"error": f"a malformed request: {exc}", "code": "invalid_argument"}
+        with contextlib.suppress(ConnectionError):
+            writer.write(json.dumps(reply).encode() + b"\n")
+            await writer.drain()
+            writer.close()
+
+    async def run(self) -> None:
+        path = socket_path(self.home)
+        listener = private_listener(path, socket.SOCK_STREAM, 128)  # we hold the lock
+        server = await asyncio.start_unix_server(self.answer, sock=listener)
+        try:
+            await self.adopt()
+            idle_since = time.monotonic()
+            while True:
+                await asyncio.sleep(LOOK_EVERY)
+                with contextlib.suppress(SandlotError):  # the store busy: looked at again next time
+                    await self.look()
+                if self.held:
+                    idle_since = time.monotonic()
+                elif time.monotonic() - idle_since > IDLE_EXIT:
+                    break
+        finally:
+            # callers find no socket from here on (and start the next keeper); one that
+            # connected meanwhile has its connection reset, and asks again
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
+            server.close()
+            for held in self.held.values():
+                held.close()
+            await self.backend.core().close()
+
+
+def main() -> None:
+    home = Path(sys.argv[1])
+    lock = try_flock(socket_path(home).with_suffix(".lock"))
+    if lock is None:
+        return  # another keeper runs
+    logging.basicConfig(level=logging.WARNING)
+    asyncio.run(Keeper(home).run())
+
+
+if __name__ == "__main__":
+    main()

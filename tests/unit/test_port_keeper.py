@@ -1,0 +1,60 @@
+"""The port keeper's parts that need no box (``api/port_keeper.py``): the option's
+checks, binding host ports, and the keeper's answers to requests it cannot take. A
+real keeper with real boxes: tests/vm/test_wake.py."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+from pathlib import Path
+
+import pytest
+
+from sandlot.api import port_hold, port_keeper
+from sandlot.core.spec import BoxSpec
+from sandlot.errors import InvalidArgument, InvalidState
+
+
+def test_wake_on_traffic_is_a_flag_and_brings_ports_in_without_a_network_card(tmp_path: Path) -> None:
+    with pytest.raises(InvalidArgument, match="wake_on_traffic must be True or False"):
+        BoxSpec.build(None, rootfs=tmp_path, wake_on_traffic="yes")  # type: ignore[arg-type]
+    with pytest.raises(InvalidArgument, match=r"published ports need a network card.*wake_on_traffic=True"):
+        BoxSpec.build(None, rootfs=tmp_path, ports=[80])
+    spec = BoxSpec.build(None, rootfs=tmp_path, ports=[80], wake_on_traffic=True)
+    assert spec.wake_on_traffic and not spec.policy.has_nic
+    assert BoxSpec.from_options(spec.to_options()).wake_on_traffic  # kept in the box's record
+
+
+def test_a_host_port_in_use_is_named_and_an_ephemeral_one_moves() -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        with pytest.raises(InvalidState, match=f"box web: cannot publish host port 127.0.0.1:{port}: "):
+            port_keeper.bind_port("web", "127.0.0.1", port, ephemeral=False)
+        # a port the box got for host 0 that another program took since: a new one, said in the record
+        moved = port_keeper.bind_port("web", "127.0.0.1", port, ephemeral=True)
+        with moved:
+            assert moved.getsockname()[1] not in (0, port)
+
+
+def test_the_keeper_answers_a_malformed_request_with_a_typed_error(tmp_path: Path) -> None:
+    async def main() -> dict[str, object]:
+        keeper = port_keeper.Keeper(tmp_path / "home")
+        server = await asyncio.start_unix_server(keeper.answer, path=str(tmp_path / "k.sock"))
+        async with server:
+            reader, writer = await asyncio.open_unix_connection(str(tmp_path / "k.sock"))
+            writer.write(b"[1, 2]\n")
+            await writer.drain()
+            answer: dict[str, object] = json.loads(await reader.readline())
+            writer.close()
+            return answer
+
+    answer = asyncio.run(main())
+    assert answer["code"] == "invalid_argument" and "malformed request" in str(answer["error"])
+
+
+def test_asking_where_no_keeper_runs_without_starting_one_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(ConnectionRefusedError, match="no port keeper runs"):
+        port_hold.ask(tmp_path / "nowhere", {"release": "x"}, start=False)
