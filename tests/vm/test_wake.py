@@ -1,6 +1,7 @@
 """Sleep when idle, wake on traffic (``wake_on_traffic=True``, ``api/port_keeper.py``):
 a real box, a real HTTP server in it, real connections to its published port from this
-host while it sleeps, the home's real port keeper process (killed with SIGKILL once)."""
+host while it sleeps, the home's real port keeper process (killed with SIGKILL once).
+The first test runs on gVisor too (scripts/test's gVisor pass)."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ import pytest
 import sandlot
 from sandlot.api.port_hold import socket_path
 
+from tests.conftest import TEST_ENGINE
 from tests.support.waiting import scaled, wait_for
 
 pytestmark = pytest.mark.vm
@@ -57,7 +59,7 @@ def keeper_pid(home: Path) -> int | None:
 def test_a_sleeping_box_wakes_on_a_connection_to_its_published_port(busybox_root: Path) -> None:
     # network="none": the port comes in through the agent, so the box needs no network card
     with sandlot.Box(rootfs=busybox_root, memory_mib=256, ports=[8000], wake_on_traffic=True,
-                     idle_timeout=3) as box:  # fmt: skip
+                     idle_timeout=3, engine=TEST_ENGINE) as box:  # fmt: skip
         home = sandlot.Runtime.for_home().home
         box.exec("sh", "-c", f"mkdir -p /www && printf '{PAGE}' > /www/index.html && httpd -p 8000 -h /www",
                  check=True)  # fmt: skip

@@ -44,7 +44,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import logging
 import socket
 import sys
 import time
@@ -62,8 +61,6 @@ if TYPE_CHECKING:
     from ..core.controller import BoxController
     from .local import LocalBackend, LocalBoxRef
     from .process import AsyncProcess
-
-log = logging.getLogger("sandlot")
 
 LOOK_EVERY = 2.0  # seconds between two looks at which boxes of the home still exist
 IDLE_EXIT = 30.0  # seconds holding no box before the keeper ends
@@ -250,7 +247,6 @@ def main() -> None:
     lock = try_flock(socket_path(home).with_suffix(".lock"))
     if lock is None:
         return  # another keeper runs
-    logging.basicConfig(level=logging.WARNING)
     asyncio.run(Keeper(home).run())
 
 
