@@ -81,9 +81,11 @@ class RelayDuplex:
             await self._proc.kill()
         try:
             await asyncio.wait_for(self._proc.wait(), ABORT_WAIT)
-        except (Exception, asyncio.CancelledError):
+        except asyncio.CancelledError:
             self._proc.detach()
             raise
+        except Exception:  # the relay, or the link to it, is gone already: nothing left to end
+            self._proc.detach()
 
 
 async def relay_connected(proc: AsyncProcess, port: int | str, timeout: float) -> None:
