@@ -39,13 +39,14 @@ def test_a_host_port_in_use_is_named_and_an_ephemeral_one_moves() -> None:
             assert moved.getsockname()[1] not in (0, port)
 
 
-def test_the_keeper_answers_a_malformed_request_with_a_typed_error(tmp_path: Path) -> None:
+@pytest.mark.parametrize("line", [b"[1, 2]\n", b"5\n", b'{"drop": "x"}\n', b"not json\n"])
+def test_the_keeper_answers_a_malformed_request_with_a_typed_error(tmp_path: Path, line: bytes) -> None:
     async def main() -> dict[str, object]:
         keeper = port_keeper.Keeper(tmp_path / "home")
         server = await asyncio.start_unix_server(keeper.answer, path=str(tmp_path / "k.sock"))
         async with server:
             reader, writer = await asyncio.open_unix_connection(str(tmp_path / "k.sock"))
-            writer.write(b"[1, 2]\n")
+            writer.write(line)
             await writer.drain()
             answer: dict[str, object] = json.loads(await reader.readline())
             writer.close()

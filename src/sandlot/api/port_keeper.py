@@ -52,14 +52,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..config import private_listener, try_flock
+from ..core import events
 from ..errors import BoxNotFound, GuestOSError, InvalidState, SandlotError
 from .backend import Command
 from .bridge import Duplex, open_relay, serve_on
+from .local import LocalBackend, LocalBoxRef, local
 from .port_hold import socket_path
 
 if TYPE_CHECKING:
     from ..core.controller import BoxController
-    from .local import LocalBackend, LocalBoxRef
     from .process import AsyncProcess
 
 LOOK_EVERY = 2.0  # seconds between two looks at which boxes of the home still exist
@@ -92,8 +93,6 @@ def bind_port(box: str, address: str, port: int, *, ephemeral: bool) -> socket.s
 
 async def wake_failed(ctl: BoxController, box_id: str, exc: BaseException, **detail: Any) -> None:
     """Tell in the box's events why a connection could not wake it (or its ports be held)."""
-    from ..core import events
-
     why = str(exc) or type(exc).__name__
     await ctl.db.add_event(events.draft("wake_failed", why, error=type(exc).__name__, **detail), box_id)
 
@@ -117,10 +116,8 @@ class Keeper:
     """The home's keeper: the ports of every box of the home that wakes on traffic."""
 
     def __init__(self, home: Path) -> None:
-        from .local import LocalBackend
-
         self.home = home
-        self.backend: LocalBackend = LocalBackend.for_home(home)
+        self.backend = LocalBackend.for_home(home)
         self.held: dict[str, Held] = {}
         self._lock = asyncio.Lock()
 
@@ -156,9 +153,6 @@ class Keeper:
             return held.bound
 
     def _serve(self, ref: LocalBoxRef, listener: socket.socket, guest: int) -> asyncio.Task[None]:
-        from ..core import events
-        from .local import local
-
         async def spawn(*argv: str, user: str | None = None, stdin: bool = True) -> AsyncProcess:
             return await self.backend.spawn(ref, Command(argv, user=user, stdin=stdin))
 
@@ -193,9 +187,12 @@ class Keeper:
                 await wake_failed(core.controller, entry.id, exc)
 
     async def look(self) -> None:
-        """Let go of the ports of boxes that were removed."""
-        core = self.backend.core()
-        present = {e.id for e in await core.controller.list()}
+        """Let go of the ports of boxes that were removed: their rows are gone (the store's
+        rows alone, read as they are: recovering every box of the home each round, as
+        ``controller.list`` does, is the work of whoever uses them)."""
+        if not self.held:
+            return
+        present = {rec.id for rec in await self.backend.core().controller.db.list()}
         for box_id in [b for b in self.held if b not in present]:
             self.release(box_id)
 
@@ -204,12 +201,14 @@ class Keeper:
             request = json.loads(await reader.readline())
             if "hold" in request:
                 reply: dict[str, Any] = {"ports": await self.hold(str(request["hold"]))}
-            else:
-                self.release(str(request.get("release")))
+            elif "release" in request:
+                self.release(str(request["release"]))
                 reply = {}
+            else:
+                raise ValueError(f"neither hold nor release: {request!r:.200}")
         except SandlotError as exc:
             reply = {"error": str(exc), "code": exc.code}
-        except (ValueError, AttributeError) as exc:
+        except (ValueError, TypeError) as exc:
             reply = {"error": f"a malformed request: {exc}", "code": "invalid_argument"}
         with contextlib.suppress(ConnectionError):
             writer.write(json.dumps(reply).encode() + b"\n")
