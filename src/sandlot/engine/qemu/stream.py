@@ -319,15 +319,11 @@ class _Pages:
         self.at = 0
         self.first = True
 
-    def _flags(self, flags: int) -> bytes:
-        if self.first:
-            self.first = False
-            return _U64.pack(self.at | flags) + self.label
-        return _U64.pack(self.at | flags | F_CONTINUE)
-
     def _first(self, flags: int, body: bytes | memoryview) -> None:
-        """The block's first record, which alone carries its name."""
-        self.out += self._flags(flags)
+        """The block's first record, which alone carries its name (the rest say
+        ``F_CONTINUE``: the same block as the record before)."""
+        self.first = False
+        self.out += _U64.pack(self.at | flags) + self.label
         self.out += body
         self.at += PAGE
 
