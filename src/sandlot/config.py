@@ -230,10 +230,16 @@ def drain(fd: int) -> None:
             pass
 
 
+HELPER_LOCK = "SANDLOT_HELPER_LOCK"  # "FD:PATH": the lock a helper's starter took for it
+
+
 def try_flock(path: Path) -> int | None:
-    """An exclusive flock on ``path`` if free now: its fd, else None."""
+    """An exclusive flock on ``path`` if free now: its fd, else None. In a helper that
+    ``spawn_unless_locked`` started, the lock its starter took and handed down."""
     import fcntl
 
+    if (fd := _handed_down(path)) is not None:
+        return fd
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -285,27 +291,51 @@ def _flock_pauses(timeout: float, what: str) -> Iterator[float]:
     raise BoxBusy(f"another process has been busy with {what} for {timeout:.0f}s")
 
 
+def _handed_down(path: Path) -> int | None:
+    """The lock on ``path`` this process's starter took for it, once (see
+    ``spawn_unless_locked``); None where there is none."""
+    number, _, named = os.environ.get(HELPER_LOCK, "").partition(":")
+    try:
+        if not (number.isdigit() and os.path.samestat(os.stat(named), os.stat(path))):
+            return None
+        fd = int(number)
+        same = os.path.samestat(os.fstat(fd), os.stat(path))
+    except OSError:
+        return None
+    del os.environ[HELPER_LOCK]  # neither taken twice nor passed on to its children
+    if not same:  # not the fd it was: nothing to take
+        return None
+    os.set_inheritable(fd, False)
+    return fd
+
+
 def spawn_unless_locked(lock: Path, module: str, *args: str, cwd: str | None = None) -> bool:
     """Start ``python -m module args`` as a detached process (its own session, no
     standard streams) unless the process that holds ``lock`` runs already: each such
-    helper takes its lock first, so at most one runs. True if one was started. (A
-    check, then a start: two callers may both start one; the second finds the lock
-    taken and exits.)"""
+    helper takes its lock first (``try_flock``), so at most one runs. True if one was
+    started.
+
+    The lock taken here passes to the helper, held from this moment on: a helper that
+    took it itself would take it only once it had imported sandlot (seconds, on a
+    loaded host), and every caller meanwhile would start another."""
     import subprocess
     import sys
 
     fd = try_flock(lock)
     if fd is None:
         return False
-    os.close(fd)
-    # Through a shell that puts it in the background and exits at once, waited for here:
-    # the helper is then no child of this process, which leaves neither a zombie when it
-    # ends nor a Popen still running when it is collected (a ResourceWarning at exit).
-    subprocess.run(
-        ["/bin/sh", "-c", '"$0" -m "$@" &', sys.executable, module, *args],
-        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        start_new_session=True, close_fds=True, cwd=cwd, check=False,
-    )  # fmt: skip
+    try:
+        # Through a shell that puts it in the background and exits at once, waited for
+        # here: the helper is then no child of this process, which leaves neither a zombie
+        # when it ends nor a Popen still running when it is collected (a ResourceWarning).
+        subprocess.run(
+            ["/bin/sh", "-c", '"$0" -m "$@" &', sys.executable, module, *args],
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            start_new_session=True, close_fds=True, pass_fds=(fd,), cwd=cwd, check=False,
+            env={**os.environ, HELPER_LOCK: f"{fd}:{lock}"},
+        )  # fmt: skip
+    finally:
+        os.close(fd)  # the helper's copy holds the lock now (or none, where it did not start)
     return True
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from sandlot.config import flock_wait, flock_within, try_flock
+from sandlot.config import flock_wait, flock_within, spawn_unless_locked, try_flock
 from sandlot.engine.qemu.command import VMConfig
 from sandlot.engine.qemu.vm import QemuVM
 from sandlot.errors import BoxBusy
@@ -79,3 +79,44 @@ def test_a_vm_whose_monitor_call_was_cancelled_answers_the_next(tmp_path: Path) 
         os.close(fd)
 
     asyncio.run(main())
+
+
+HELPER = """
+import os, sys, time
+time.sleep(1.5)  # a slow import on a loaded host
+from sandlot.config import HELPER_LOCK, try_flock
+fd = try_flock(sys.argv[1])
+with open(sys.argv[2], "w") as out:
+    out.write(f"{fd is not None} {HELPER_LOCK in os.environ} {try_flock(sys.argv[1]) is None}")
+time.sleep(60)
+"""
+
+
+def test_a_started_helper_holds_its_lock_from_its_start_not_from_its_first_line(tmp_path: Path) -> None:
+    (tmp_path / "slow_helper.py").write_text(HELPER)
+    lock, said = tmp_path / "helper.lock", tmp_path / "said"
+    assert spawn_unless_locked(lock, "slow_helper", str(lock), str(said), cwd=str(tmp_path))
+    # while it imports, every other caller finds the lock taken and starts none
+    for _ in range(20):
+        assert not spawn_unless_locked(lock, "slow_helper", str(lock), str(said), cwd=str(tmp_path))
+    deadline = time.monotonic() + 60
+    while not said.exists() or not said.read_text():
+        assert time.monotonic() < deadline, "the helper did not start"
+        time.sleep(0.05)
+    # it took the lock handed down, once, and passes nothing on to its children
+    assert said.read_text() == "True False True"
+    (pid,) = [p for p in os.listdir("/proc") if p.isdigit() and _runs("slow_helper", p)]
+    assert try_flock(lock) is None
+    os.kill(int(pid), 9)
+    deadline = time.monotonic() + 10
+    while (fd := try_flock(lock)) is None:  # its end lets the lock go
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    os.close(fd)
+
+
+def _runs(module: str, pid: str) -> bool:
+    try:
+        return module.encode() in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False

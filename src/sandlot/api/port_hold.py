@@ -24,8 +24,8 @@ if TYPE_CHECKING:
     from ..core.entry import BoxEntry
 
 KEEPER = "sandlot.api.port_keeper"
-START_WAIT = 15.0  # seconds a caller waits for a keeper it started to listen
-ASK_TIMEOUT = 30.0  # seconds a caller waits for the keeper's answer
+START_WAIT = 60.0  # seconds a caller waits for a keeper it started to listen (a loaded host)
+ASK_TIMEOUT = 60.0  # seconds a caller waits for the keeper's answer
 
 
 def socket_path(home: Path) -> Path:
