@@ -45,7 +45,10 @@ Catch ``SandlotError`` for all of them, or a branch for what you care about::
 
 Every error carries a stable ``code`` (a string that never changes between
 releases), the ``box`` it concerns and that box's ``state`` where known, and the
-HTTP ``status`` a server answers it with; ``to_dict()`` gives them as JSON.
+HTTP ``status`` a server answers it with; ``to_dict()`` gives them as JSON. An
+error that is the failure of a sleeping box's wake on a call is marked
+(``while_waking``): ``waking`` true, status 503, and ``retry_after`` where its
+cause passes by itself.
 The guest ``OSError`` subclasses also derive from the matching built-in, so
 ``except FileNotFoundError`` works for guest files as it does for local ones.
 
@@ -69,7 +72,11 @@ class SandlotError(Exception):
     """Base of every sandlot exception."""
 
     code: ClassVar[str] = "sandlot_error"
-    status: ClassVar[int] = 500
+    status: int = 500  # a server's answer: the kind's, or 503 for a failed wake (``while_waking``)
+    # seconds after which the same call may well succeed, where the cause passes by itself
+    # (a busy store, a saturated host); a server says it in ``Retry-After``
+    retry_after: ClassVar[int | None] = None
+    waking = False
 
     def __init__(self, message: str = "", *, box: str | None = None, state: str | None = None) -> None:
         super().__init__(message)
@@ -77,9 +84,26 @@ class SandlotError(Exception):
         self.box = box
         self.state = state
 
+    def while_waking(self) -> SandlotError:
+        """Mark this error as the failure of a sleeping box's wake on a call (its resume,
+        which the call waited for): it keeps its kind and code, so callers catch what
+        they would have, and a server answers it 503 Service Unavailable, the box being
+        there but not able to serve now."""
+        self.waking = True
+        self.status = 503
+        return self
+
+    def http_headers(self) -> dict[str, str]:
+        """What a server's answer carries beside the body: ``Retry-After`` on a 503 whose
+        cause may pass."""
+        return {"Retry-After": str(self.retry_after)} if self.status == 503 and self.retry_after else {}
+
     def to_dict(self) -> dict[str, Any]:
-        """The error as JSON: ``code``, ``message``, ``box``, ``state`` and any fields of its kind."""
+        """The error as JSON: ``code``, ``message``, ``box``, ``state`` and any fields of its
+        kind; ``waking`` and ``retry_after`` where a wake failed (``while_waking``)."""
         out: dict[str, Any] = {"code": self.code, "message": str(self), "box": self.box, "state": self.state}
+        if self.waking:
+            out.update(waking=True, retry_after=self.retry_after)
         out.update(self._fields())
         return out
 
@@ -216,6 +240,7 @@ class BoxBusy(InvalidState):
     """Another process held the box's lock past the deadline (a long operation, or a stuck process)."""
 
     code, status = "box_busy", 423
+    retry_after = 5
 
 
 class _WithConsole(SandlotError):
@@ -273,6 +298,7 @@ class BootTimeout(BootError, TimeoutError):
     """The VM did not answer within the boot deadline."""
 
     code, status = "boot_timeout", 504
+    retry_after = 10
 
 
 class SavedStateError(SandlotError):
@@ -351,6 +377,7 @@ class StoreBusy(StoreError):
     may be tried again."""
 
     code, status = "store_busy", 503
+    retry_after = 5
 
 
 class ProtocolError(SandlotError):
@@ -369,6 +396,7 @@ class AgentTimeout(SandlotError, TimeoutError):
     """The agent did not answer a request within its deadline."""
 
     code, status = "agent_timeout", 504
+    retry_after = 10
 
 
 class ExecTimeout(SandlotError, TimeoutError):
@@ -454,6 +482,7 @@ class NoCapacity(SandlotError):
     not place its reservation in time); nothing was made or moved."""
 
     code, status = "no_capacity", 503
+    retry_after = 10
 
 
 class PortUnreachable(SandlotError):
@@ -662,4 +691,6 @@ def from_dict(data: dict[str, Any]) -> SandlotError:
             err = cls(message, box=box, state=state)
         except TypeError:  # a class whose constructor takes other fields
             err = SandlotError(message, box=box, state=state)
+    if data.get("waking") is True:
+        err.while_waking()
     return err

@@ -45,7 +45,7 @@ from ..net.secrets import build_vault, read_vault_json, write_vault
 from ..protocol.connection import AgentConnection
 from ..protocol.exec import ExecRequest, RemoteProcess
 from ..protocol.wire import ControlOp, Fields, Tag, tlv
-from . import events, idle, layers, room, snapshots, tracing, volumes
+from . import admission, events, idle, layers, room, snapshots, tracing, volumes
 from .entry import BoxEntry
 from .launch import Launcher, read_file
 from .recovery import Recovery
@@ -786,7 +786,12 @@ class BoxController:
             return session.conn
         rec = await self.refresh(entry)  # another process may have paused, stopped or suspended it
         if rec.state in (BoxState.SUSPENDED, BoxState.SUSPENDING, BoxState.RESUMING):
-            await self.saved.resume(entry)
+            try:
+                with admission.waiting_at_most(admission.wake_wait()):
+                    await self.saved.resume(entry)
+            except SandlotError as exc:  # the caller asked for the box, not for its wake
+                exc.while_waking()
+                raise
             rec = entry.record
         if rec.state not in SERVING:
             raise InvalidState.refused("run commands", rec.state, ["running"], box=entry.name)

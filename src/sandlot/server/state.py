@@ -179,4 +179,4 @@ def error_body(err: SandlotError) -> dict[str, Any]:
 
 
 def error_response(err: SandlotError, status: int | None = None) -> JSONResponse:
-    return JSONResponse(error_body(err), status_code=status or err.status)
+    return JSONResponse(error_body(err), status_code=status or err.status, headers=err.http_headers())

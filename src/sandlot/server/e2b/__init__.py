@@ -235,8 +235,12 @@ def _sandbox_error(err: SandlotError, path: str) -> Response:
         from .connect import HTTP_STATUS, code_of
 
         code = "unavailable" if isinstance(err, _Gone) else code_of(err)
-        return JSONResponse({"code": code, "message": str(err)}, status_code=HTTP_STATUS.get(code, 500))
-    return JSONResponse({"code": err.status, "message": str(err)}, status_code=err.status)
+        return JSONResponse(
+            {"code": code, "message": str(err)},
+            status_code=HTTP_STATUS.get(code, 500),
+            headers=err.http_headers(),
+        )
+    return control.error_response(err)
 
 
 async def _control_error(request: Request, exc: SandlotError) -> JSONResponse:

@@ -47,7 +47,9 @@ CLIENT_ID = "sandlot"
 
 def error_response(err: SandlotError) -> JSONResponse:
     """E2B's error shape for any error of sandlot's, with its status."""
-    return JSONResponse({"code": err.status, "message": str(err)}, status_code=err.status)
+    return JSONResponse(
+        {"code": err.status, "message": str(err)}, status_code=err.status, headers=err.http_headers()
+    )
 
 
 def _server(request: Request) -> ServerState:
