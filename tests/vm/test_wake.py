@@ -23,6 +23,7 @@ import sandlot
 from sandlot.api.port_hold import socket_path
 
 from tests.conftest import TEST_ENGINE
+from tests.support.serve import shared_home
 from tests.support.waiting import scaled, wait_for
 
 pytestmark = pytest.mark.vm
@@ -138,3 +139,20 @@ def test_calls_that_come_together_share_the_resume_of_a_box_another_process_susp
             assert await box.refresh() == "running"
 
     asyncio.run(main())
+
+
+def test_a_box_that_sleeps_is_put_to_sleep_when_the_host_runs_short_of_memory(
+    busybox_root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The home's real keeper (in its sampler process, started with this environment: a
+    home of the test's own) under a low mark no host reaches, so every host is short."""
+    home = shared_home(tmp_path)
+    monkeypatch.setenv("SANDLOT_MEMORY_LOW_MIB", str(1 << 30))
+    with sandlot.Box(rootfs=busybox_root, memory_mib=256, idle_timeout=3600, home=home,
+                     engine=TEST_ENGINE) as box:  # fmt: skip
+        box.exec("sh", "-c", "echo 41 > /tmp/n && sleep 3").check()  # in use meanwhile: kept
+        wait_for("the idle box put to sleep", lambda: box.refresh() == "suspended", timeout=120)
+        slept = [e for e in box.events(follow=False) if e.kind == "suspended"]
+        assert slept and all(e.by == "memory" for e in slept)  # maybe once before the command too
+        assert "MiB available, under 1073741824 MiB" in (slept[-1].reason or "")
+        assert box.exec("cat", "/tmp/n").stdout == "41\n"  # the next call wakes it, as it was

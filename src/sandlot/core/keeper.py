@@ -16,6 +16,8 @@ per home, alive while a VM of the home runs), over every box with a VM:
   table, which ``GET /metrics`` reads;
 * the events the store folded for a box that went quiet are told
   (``BoxStore.flush_event_folds``);
+* the host's memory (``core.pressure``): under its low mark, the home's least recently
+  used idle box among those that sleep anyway is put to sleep;
 * every ``HOME_EVERY`` seconds, the home's guest logs together (every box's console
   and egress logs) are held to ``SANDLOT_GUEST_LOGS_MIB``: past it, rotated egress logs
   go first, largest first, then the largest logs are cut to their newest half.
@@ -47,6 +49,7 @@ from .. import records
 from ..config import drain
 from ..net.ledger import Ledger, Limits, Totals, rotated
 from .events import Draft
+from .pressure import MemoryWatch
 from .room import RoomWatch
 
 log = logging.getLogger("sandlot")
@@ -110,6 +113,7 @@ class Keeper:
         self.ledgers: dict[str, tuple[int, bool]] = {}  # box: its ledger's mtime, folds waiting
         self.home_at = 0.0
         self.room = RoomWatch(core.rt, core.db)
+        self.memory = MemoryWatch(core)
 
     def count(self, box: str, record: str, what: str, n: int) -> None:
         if n > 0:
@@ -202,6 +206,10 @@ class Keeper:
             await self.room.round(boxes)
         except Exception as exc:  # the next round looks again
             log.warning("held boxes of home %s: %s", self.rt.home, exc)
+        try:
+            await self.memory.round(boxes)
+        except Exception as exc:  # the next round looks again
+            log.warning("boxes of home %s under memory pressure: %s", self.rt.home, exc)
         self._forget({r.id for r in boxes})
         if time.monotonic() - self.home_at >= HOME_EVERY:
             self.home_at = time.monotonic()
