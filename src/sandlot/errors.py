@@ -467,6 +467,7 @@ class QuotaExceeded(SandlotError):
     """Doing this would take an API key over one of its quotas."""
 
     code, status = "quota_exceeded", 429
+    retry_after = 5  # said where it failed a wake (503): the quota of awake boxes frees as boxes sleep
 
     def __init__(self, message: str, *, limit: str = "", value: int = 0, box: str | None = None) -> None:
         super().__init__(message, box=box)

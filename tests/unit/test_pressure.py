@@ -111,10 +111,12 @@ def test_unit_a_box_used_as_it_is_chosen_is_not_put_to_sleep(home: Path, tmp_pat
         await asyncio.sleep(0.5)
         keeper = Keeper(core_for(Runtime.for_home(home)))
         keeper.memory.read = lambda: {"MemAvailable": 1 << 20, "MemTotal": 8 * GiB}
-        chosen = await keeper.memory.least_recently_used([await keeper.core.db.find(b.id)])
+        chosen = await pressure.least_recently_used(keeper.core.controller, [await keeper.core.db.find(b.id)])
         assert chosen is not None
         await b.exec("true")  # a request between the look and the suspend: called off
-        await keeper.memory.put_to_sleep(chosen[0], chosen[1], "the test's")
+        assert not await pressure.put_to_sleep(
+            keeper.core.controller, keeper.core.live, chosen[0], chosen[1], "test", "the test's"
+        )
         assert await b.refresh() == "running"
         keeper.close()
         await b.remove(force=True)

@@ -48,14 +48,17 @@ def create_key(
     max_volumes: int | None = None,
     max_volume_gb: int | None = None,
     e2b: bool = False,
+    max_awake: int | None = None,
 ) -> tuple[ApiKey, str]:
     """Make an API key: its record and the key itself, which is shown only this once.
     ``e2b``: in E2B's form (``e2b_`` and hex), for E2B's SDKs (docs/e2b.md).
     ``lease``: seconds a box its remote ``with`` block made outlives the client's last
     renewal (api/leases.py; the server's default otherwise). The ``max_`` quotas bound
-    what its namespace's boxes and named volumes take in all."""
+    what its namespace's boxes and named volumes take in all; ``max_awake``, how many of
+    its boxes are awake at once (a wake past it puts the least recently used idle one
+    that sleeps anyway to sleep: docs/server.md, "Quotas")."""
     quotas = Quotas(boxes=max_boxes, memory_mib=max_memory_mib, disk_gb=max_disk_gb, volumes=max_volumes,
-                    volume_gb=max_volume_gb)  # fmt: skip
+                    volume_gb=max_volume_gb, awake=max_awake)  # fmt: skip
     store = Runtime.for_home(home).store
     return access.create_key(
         store, name, namespace=namespace, admin=admin, quotas=quotas, lease=lease, e2b=e2b

@@ -2,7 +2,7 @@
 
 sandlot keys create --name N [--namespace NS] [--admin] [--e2b] [--max-boxes N]
                     [--max-memory-mib N] [--max-disk-gb N] [--max-volumes N]
-                    [--max-volume-gb N] [--lease S]              the key, once
+                    [--max-volume-gb N] [--max-awake N] [--lease S]   the key, once
 sandlot keys ls [--json]                                       revoked ones too
 sandlot keys revoke NAME                 at once, for good, with the preview URLs it made
 sandlot previews ls [--box B] [--key K] [--namespace NS] [--all] [--json]
@@ -87,7 +87,8 @@ def quotas_text(key: ApiKey) -> str:
     q = key.quotas
     parts = [f"boxes={q.boxes}" if q.boxes else "", f"memory={q.memory_mib}MiB" if q.memory_mib else "",
              f"disk={q.disk_gb}GB" if q.disk_gb else "", f"volumes={q.volumes}" if q.volumes else "",
-             f"volume_disk={q.volume_gb}GB" if q.volume_gb else ""]  # fmt: skip
+             f"volume_disk={q.volume_gb}GB" if q.volume_gb else "",
+             f"awake={q.awake}" if q.awake else ""]  # fmt: skip
     return ",".join(p for p in parts if p) or "-"
 
 
@@ -120,6 +121,10 @@ def keys_create(
     e2b: Annotated[
         bool, typer.Option("--e2b", help="In E2B's form (e2b_...), for E2B's SDKs: see docs/e2b.md.")
     ] = False,
+    max_awake: Annotated[
+        int | None,
+        typer.Option("--max-awake", min=1, help="Boxes awake at once (the idle ones that sleep go first)."),
+    ] = None,
 ) -> None:
     """Make an API key and print it (shown only this once; the store keeps a hash)."""
     from ..api.access import create_key
@@ -127,7 +132,8 @@ def keys_create(
     try:
         key, secret = create_key(name, namespace=namespace, admin=admin, max_boxes=max_boxes,
                                  max_memory_mib=max_memory_mib, max_disk_gb=max_disk_gb, lease=lease,
-                                 max_volumes=max_volumes, max_volume_gb=max_volume_gb, e2b=e2b)  # fmt: skip
+                                 max_volumes=max_volumes, max_volume_gb=max_volume_gb, e2b=e2b,
+                                 max_awake=max_awake)  # fmt: skip
     except SandlotError as exc:
         raise fail(exc, 125) from exc
     print(secret, flush=True)

@@ -81,13 +81,15 @@ class Quotas:
     """What the boxes of a key's namespace (or of the key, without one) may take in
     all: a number of boxes, MiB of memory, GB of disk; and its named volumes: how many,
     and GB of disk volumes in all (a key with that quota makes no shared volume, which
-    has no size to count). None is no limit."""
+    has no size to count). ``awake``: how many of its boxes may be awake (a VM up) at
+    once (``core/awake.py``). None is no limit."""
 
     boxes: int | None = None
     memory_mib: int | None = None
     disk_gb: int | None = None
     volumes: int | None = None
     volume_gb: int | None = None
+    awake: int | None = None
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -191,6 +193,17 @@ def create_key(
 def list_keys(store: BoxStore) -> list[ApiKey]:
     """Every key, oldest first; revoked ones too (``revoked_at`` set)."""
     return [_key(r) for r in store.key_rows()]
+
+
+def quotas_of(store: BoxStore, key_id: str) -> Quotas | None:
+    """The quotas of the key with this id, None where there is none (or it was revoked:
+    its boxes are bound by nothing it says any more)."""
+    row = store.find_key(key_id)
+    if row is None or row["id"] != key_id:  # a name that is another key's id: by id then
+        row = next((r for r in store.key_rows() if r["id"] == key_id), None)
+    if row is None or row["revoked_at"] is not None:
+        return None
+    return _key(row).quotas
 
 
 def revoke_key(store: BoxStore, name_or_id: str) -> ApiKey:

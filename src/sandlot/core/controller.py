@@ -45,7 +45,7 @@ from ..net.secrets import build_vault, read_vault_json, write_vault
 from ..protocol.connection import AgentConnection
 from ..protocol.exec import ExecRequest, RemoteProcess
 from ..protocol.wire import ControlOp, Fields, Tag, tlv
-from . import admission, events, idle, layers, room, snapshots, tracing, volumes
+from . import admission, awake, events, idle, layers, room, snapshots, tracing, volumes
 from .entry import BoxEntry
 from .launch import Launcher, read_file
 from .recovery import Recovery
@@ -151,6 +151,8 @@ class SavedStates(Protocol):
     async def auto_template(self, entry: BoxEntry, image_digest: str) -> SnapshotRecord | None: ...
 
     async def save_auto_template(self, entry: BoxEntry) -> None: ...
+
+    async def suspend(self, entry: BoxEntry, *, if_idle_for: float | None = None) -> None: ...
 
 
 class BoxController:
@@ -529,7 +531,10 @@ class BoxController:
                 if rec.state == BoxState.CREATED and rec.origin
                 else None
             )
-            async with self.transition(entry, Op.START) as step:
+            async with (
+                awake.room_for(self, self.saved, entry),  # its namespace's quota of awake boxes
+                self.transition(entry, Op.START) as step,
+            ):
                 step.on_failure = {"vm_pid": None}
                 step.changes = {"started_at": time.time()}
                 if origin is not None:

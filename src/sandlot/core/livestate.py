@@ -24,7 +24,7 @@ from .. import pids
 from ..crashpoints import crash_point
 from ..engine.base import Boot, BootRequest, Engine, SavedState
 from ..errors import InvalidArgument, InvalidState, SandlotError, SnapshotInUse, SnapshotNotFound
-from . import archive, chunks, events, layers, pusher, snapshots, tier, tracing, volumes
+from . import archive, awake, chunks, events, layers, pusher, snapshots, tier, tracing, volumes
 from .controller import BoxController
 from .entry import BoxEntry
 from .launch import Launcher, drives_of, shares_of
@@ -196,7 +196,7 @@ class LiveState:
         """Bring a suspended box back with its processes; this process's open commands
         and streams carry on where they were."""
         session = entry.session
-        async with entry.lock():
+        async with awake.room_for(self.controller, self, entry), entry.lock():  # its namespace's quota
             rec = await self.controller.refresh(entry)
             if not check(Op.RESUME, rec.state, box=entry.name):
                 return

@@ -30,14 +30,15 @@ import contextlib
 import logging
 import os
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from ..errors import SandlotError
 from .events import acting_as
 
 if TYPE_CHECKING:
-    from .service import Core
-    from .store import BoxRecord
+    from .entry import BoxEntry
+    from .runtime import Runtime
+    from .store import AsyncStore, BoxRecord
 
 log = logging.getLogger("sandlot")
 
@@ -46,6 +47,27 @@ LOOK_EVERY = 2.0  # seconds between two looks at the host's memory
 MIN_IDLE = 2.0  # seconds without a request before a box may be put to sleep so
 ASK_TIMEOUT = 5.0  # seconds an agent has to say how idle it is
 MiB = 1 << 20
+
+
+class Boxes(Protocol):
+    """What this asks of the controller (``core.controller``, which uses this module)."""
+
+    rt: Runtime
+
+    @property
+    def db(self) -> AsyncStore: ...
+
+    async def find(self, key: str) -> BoxEntry: ...
+
+    async def refresh(self, entry: BoxEntry) -> BoxRecord: ...
+
+    async def activity(self, entry: BoxEntry, *, as_is: bool = False) -> tuple[int, float]: ...
+
+
+class Suspends(Protocol):
+    """What this asks of live state: ``LiveState.suspend``."""
+
+    async def suspend(self, entry: BoxEntry, *, if_idle_for: float | None = None) -> None: ...
 
 
 def meminfo() -> dict[str, int]:
@@ -74,13 +96,59 @@ def may_sleep(rec: BoxRecord) -> bool:
     return bool(rec.options.get("idle_timeout") or rec.options.get("wake_on_traffic"))
 
 
+async def least_recently_used(ctl: Boxes, candidates: list[BoxRecord]) -> tuple[BoxRecord, float] | None:
+    """Of the candidates, the one idle the longest with nothing in flight (asked of each
+    agent at once), and its idle seconds; None where none is idle for ``MIN_IDLE``."""
+
+    async def idle_of(rec: BoxRecord) -> float | None:
+        try:
+            entry = await ctl.find(rec.id)
+            busy, idle = await asyncio.wait_for(ctl.activity(entry), ASK_TIMEOUT)
+        except (SandlotError, TimeoutError):
+            return None  # gone, or too slow to answer: not the one to choose now
+        return idle if busy == 0 and idle >= MIN_IDLE else None
+
+    idles = await asyncio.gather(*(idle_of(r) for r in candidates))
+    found = [(idle, rec) for rec, idle in zip(candidates, idles, strict=True) if idle is not None]
+    if not found:
+        return None
+    idle, rec = max(found, key=lambda pair: pair[0])
+    return rec, idle
+
+
+async def put_to_sleep(ctl: Boxes, saved: Suspends, rec: BoxRecord, idle: float, who: str, why: str) -> bool:
+    """Suspend a box chosen as idle for ``idle`` seconds, unless a request came since
+    (``if_idle_for``); whether it sleeps now. Its events say ``who`` and ``why``."""
+    from .state import BoxState
+
+    try:
+        entry = await ctl.find(rec.id)
+        entry.session.drop()  # this process's connection is not a user
+        with acting_as(who, why):
+            await saved.suspend(entry, if_idle_for=min(idle, MIN_IDLE))
+        return (await ctl.refresh(entry)).state == BoxState.SUSPENDED
+    except Exception as exc:  # called off or failed: its event says so
+        log.warning("box %s, put to sleep (%s): %s", rec.name, who, exc)
+        return False
+
+
+class Parts(Protocol):
+    """What the keeper's watch asks of the core (``core.service.Core``)."""
+
+    @property
+    def controller(self) -> Boxes: ...
+
+    @property
+    def live(self) -> Suspends: ...
+
+
 class MemoryWatch:
     """The keeper's look at the host's memory, and the one box it puts to sleep at a time."""
 
-    def __init__(self, core: Core) -> None:
+    def __init__(self, core: Parts) -> None:
         self.core = core
         self.looked = -LOOK_EVERY
-        self.sleeping: asyncio.Task[None] | None = None
+        self.sleeping: asyncio.Task[bool] | None = None
         self.read = meminfo  # where the figures come from (a test gives its own)
 
     async def round(self, boxes: list[BoxRecord]) -> None:
@@ -98,38 +166,11 @@ class MemoryWatch:
         available, low = figures.get("MemAvailable"), low_mark(figures.get("MemTotal", 0))
         if available is None or available >= low:
             return
-        chosen = await self.least_recently_used(candidates)
+        chosen = await least_recently_used(self.core.controller, candidates)
         if chosen is None:
             return
         rec, idle = chosen
         why = (f"the host's memory is low: {available // MiB} MiB available, under {low // MiB} MiB; "
                f"idle for {idle:.0f}s, the longest of the home's boxes that sleep")  # fmt: skip
-        self.sleeping = asyncio.create_task(self.put_to_sleep(rec, idle, why))
-
-    async def least_recently_used(self, candidates: list[BoxRecord]) -> tuple[BoxRecord, float] | None:
-        """The candidate idle the longest, with nothing in flight, and its idle seconds."""
-        ctl = self.core.controller
-
-        async def idle_of(rec: BoxRecord) -> float | None:
-            try:
-                entry = await ctl.find(rec.id)
-                busy, idle = await asyncio.wait_for(ctl.activity(entry), ASK_TIMEOUT)
-            except (SandlotError, TimeoutError):
-                return None  # gone, or too slow to answer: not the one to choose now
-            return idle if busy == 0 and idle >= MIN_IDLE else None
-
-        idles = await asyncio.gather(*(idle_of(r) for r in candidates))
-        found = [(idle, rec) for rec, idle in zip(candidates, idles, strict=True) if idle is not None]
-        if not found:
-            return None
-        idle, rec = max(found, key=lambda pair: pair[0])
-        return rec, idle
-
-    async def put_to_sleep(self, rec: BoxRecord, idle: float, why: str) -> None:
-        try:
-            entry = await self.core.controller.find(rec.id)
-            entry.session.drop()  # this process's connection is not a user
-            with acting_as(MEMORY, why):
-                await self.core.live.suspend(entry, if_idle_for=min(idle, MIN_IDLE))
-        except Exception as exc:  # called off or failed: its event says so; looked at again
-            log.warning("box %s, put to sleep for memory: %s", rec.name, exc)
+        sleeping = put_to_sleep(self.core.controller, self.core.live, rec, idle, MEMORY, why)
+        self.sleeping = asyncio.create_task(sleeping)

@@ -99,6 +99,9 @@ class LiveStateOnUse:
     async def save_auto_template(self, entry: BoxEntry) -> None:
         await self.core.live.save_auto_template(entry)
 
+    async def suspend(self, entry: BoxEntry, *, if_idle_for: float | None = None) -> None:
+        await self.core.live.suspend(entry, if_idle_for=if_idle_for)
+
 
 _cores: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[Path, Core]] = weakref.WeakKeyDictionary()
 

@@ -431,7 +431,14 @@ async def create_box(body: BoxCreate, request: Request, response: Response) -> d
             if "template" in options:
                 options["template"] = (await snapshot_for(request, options["template"])).id
             box = AsyncBox(wanted.get("image"), keep=True, home=server.home, **options)
-            await (box.start() if start else box.ref.backend.create(box.ref, start=False))
+            try:
+                await (box.start() if start else box.ref.backend.create(box.ref, start=False))
+            except BaseException:
+                # made but not started (a quota of awake boxes, a boot that failed): the
+                # caller never learns its id, so it would be left behind for good
+                with contextlib.suppress(Exception):
+                    await box.remove(force=True)
+                raise
         # granted once the box exists: a client that dies while its box boots loses it all the same
         held = await leases.grant(server, caller, box.id, lease) if lease is not None else None
     request.state.box_id = box.id
