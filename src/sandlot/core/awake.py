@@ -16,7 +16,9 @@ Where none can go, the box stays as it was and its start fails with ``QuotaExcee
 quota frees a place as soon as one of the boxes sleeps or stops.
 
 The boxes of one namespace come up in turn (a file lock of the home per namespace, from
-the count until the VM is up), so two wakes at once cannot both take the last place.
+the count until the VM is up), so two wakes at once cannot both take the last place. A
+bring-up takes it inside the box's own lock, around the transition that brings the VM
+up (once the box is known to come up: a call for a running box counts nothing).
 Boxes taken from a pool come up without it (they are up already, in no namespace,
 until claimed); they count for the next.
 """

@@ -196,7 +196,7 @@ class LiveState:
         """Bring a suspended box back with its processes; this process's open commands
         and streams carry on where they were."""
         session = entry.session
-        async with awake.room_for(self.controller, self, entry), entry.lock():  # its namespace's quota
+        async with entry.lock():
             rec = await self.controller.refresh(entry)
             if not check(Op.RESUME, rec.state, box=entry.name):
                 return
@@ -215,7 +215,10 @@ class LiveState:
                 await asyncio.to_thread(self._hold_lease, rec)
             keep_conn = session.healthy  # its operations reconnect to the resumed VM
             installs = session.conn.installs if keep_conn and session.conn is not None else 0
-            async with self.controller.transition(entry, Op.RESUME) as step:
+            async with (
+                awake.room_for(self.controller, self, entry),  # its namespace's quota of awake boxes
+                self.controller.transition(entry, Op.RESUME) as step,
+            ):
                 step.on_failure = {"vm_pid": None}
                 await self.launcher.restore(entry, rec, snap, attach=not keep_conn)
                 step.changes = {"suspended": None, "started_at": time.time()}
