@@ -12,7 +12,11 @@ keeper while it sleeps.
   host before (the keeper's RSS; the VMs': none run) and on disk (the home);
 * cycles: ``--cycles`` suspend-and-wake cycles of one box through its port, a file
   written in each: after every wake the counter has gone on from where it was and every
-  file is there.
+  file is there;
+* quota: two boxes of a key with ``max_awake=1`` (docs/server.md, "Quotas"), one awake
+  and idle, a request to the other: its wake first puts the idle one to sleep
+  (``core/awake.py``), in the port keeper's process; the time to the first byte, beside
+  the plain wake's.
 
     .venv/bin/python benchmarks/wake.py [--quick] [--boxes 50] [--cycles 100] [--runs 10]
 """
@@ -27,7 +31,10 @@ from pathlib import Path
 from typing import Any
 
 import sandlot
+from sandlot.api.access import create_key
 from sandlot.config import tree_bytes
+from sandlot.core.access import KEY_LABEL
+from sandlot.core.pressure import MIN_IDLE
 
 from _common import busybox_root, drop_home, emit, host_facts, parser, scratch_home, summary
 
@@ -106,6 +113,30 @@ def run(args: Any) -> dict[str, Any]:
             assert int(files) == i + 1, f"cycle {i}: {files} files of {i + 1}"
         out["cycles"] = {"cycles": args.cycles, "intact": True, "counter_at_end": last}
         one.remove(force=True)
+
+        # quota: each wake past a quota of one awake box puts the other, idle, to sleep first
+        key, _ = create_key("one-awake", max_awake=1, home=home)
+        pair: list[sandlot.Box] = []
+        for _ in range(2):  # the second's start puts the first, idle, to sleep
+            time.sleep(MIN_IDLE + 0.2 if pair else 0)
+            pair.append(sandlot.Box(template=tmpl, ports=[8000], wake_on_traffic=True, home=home,
+                                    labels={KEY_LABEL: key.id}).start())  # fmt: skip
+        pair_ports = [b.port(8000)[1] for b in pair]
+        past_quota = []
+        for i in range(args.runs):
+            time.sleep(MIN_IDLE + 0.2)  # the awake one idle, so it may go
+            took, body = first_byte(pair_ports[i % 2])
+            assert body == b"hello\n", body
+            past_quota.append(took)
+            states = sorted(b.refresh() for b in pair)
+            assert states == ["running", "suspended"], states
+        out["quota"] = {
+            "max_awake": 1,
+            "request_to_first_byte_s": summary(past_quota, digits=3),
+            "over_plain_wake": round(summary(past_quota)["median"] / max(summary(woken)["median"], 1e-9), 2),
+        }
+        for b in pair:
+            b.remove(force=True)
 
         # storm: every box asleep, then one request to each at once
         boxes = [box() for _ in range(args.boxes)]

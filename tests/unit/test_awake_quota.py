@@ -53,7 +53,8 @@ def test_unit_a_box_past_the_quota_puts_the_least_recently_used_idle_one_to_slee
         newest.start()
         assert [x.refresh() for x in (a, b, newest)] == ["suspended", "running", "running"]
         (slept,) = [e for e in a.events(follow=False) if e.kind == "suspended"]
-        assert slept.by == "quota" and "at its quota of 2 awake boxes" in (slept.reason or "")
+        assert slept.by == "quota"
+        assert "namespace team is at its quota of 2 awake boxes" in (slept.reason or "")
         # a call wakes a: the idle one of the others goes
         time.sleep(0.4)
         assert a.exec("echo", "awake").stdout == "awake\n"

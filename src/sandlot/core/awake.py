@@ -69,7 +69,7 @@ async def room_for(ctl: Boxes, saved: Suspends, entry: BoxEntry) -> AsyncIterato
     digest = hashlib.sha256(f"{label}={value}".encode()).hexdigest()[:16]
     lock = ctl.rt.home / "awake" / f"{digest}.lock"
     lock.parent.mkdir(exist_ok=True)
-    fd = await flock_within(lock, wake_wait(), f"the turn of {label} {value}'s boxes to come up")
+    fd = await flock_within(lock, wake_wait(), f"the turn of the boxes of {_named(label, value)} to come up")
     try:
         await _make_room(ctl, saved, entry, label, value, quotas.awake)
         yield
@@ -95,14 +95,18 @@ async def _make_room(
         if chosen is None:
             break
         rec, idle = chosen
-        why = (f"{label} {value} is at its quota of {quota} awake boxes and box {entry.name} comes up; "
-               f"idle for {idle:.0f}s, the longest of its boxes that sleep")  # fmt: skip
+        why = (f"{_named(label, value)} is at its quota of {quota} awake boxes and box {entry.name} "
+               f"comes up; idle for {idle:.0f}s, the longest of its boxes that sleep")  # fmt: skip
         await put_to_sleep(ctl, saved, rec, idle, QUOTA, why)
     raise QuotaExceeded(
-        f"the quota of awake boxes of {label} {value} is {quota}: {len(awake)} are awake, and none "
+        f"the quota of awake boxes of {_named(label, value)} is {quota}: {len(awake)} are awake, and none "
         "is idle and able to sleep (an idle_timeout or wake_on_traffic): stop or suspend one",
         limit="awake", value=quota, box=entry.name,
     )  # fmt: skip
+
+
+def _named(label: str, value: str) -> str:
+    return f"namespace {value}" if label == NAMESPACE_LABEL else f"key {value}"
 
 
 def _counted(rec: BoxRecord, label: str, value: str) -> bool:
