@@ -86,7 +86,8 @@ def main() -> None:
 
         def visit(user: str) -> str:
             r = web.get("/cgi-bin/visit", headers={"Host": f"8000-app-{user}.localhost:{content}"})
-            r.raise_for_status()
+            if r.status_code != 200:  # the server's error says why
+                raise SystemExit(f"{user}: {r.status_code} {r.text}")
             return r.text.strip()
 
         for user in USERS:

@@ -68,7 +68,7 @@ def test_create_list_and_revoke(store: BoxStore) -> None:
     assert list_keys(store)[1].admin and list_keys(store)[1].quotas == Quotas()
     assert rec.to_json() == {"id": rec.id, "name": "ci", "namespace": "team-a", "admin": False,
                              "quotas": {"boxes": 3, "memory_mib": 4096, "disk_gb": None, "volumes": None,
-                                        "volume_gb": None},
+                                        "volume_gb": None, "awake": None},
                              "created_at": rec.created_at, "last_used_at": None,
                              "revoked_at": None, "lease": None}  # fmt: skip
 

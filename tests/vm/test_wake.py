@@ -156,3 +156,19 @@ def test_a_box_that_sleeps_is_put_to_sleep_when_the_host_runs_short_of_memory(
         assert slept and all(e.by == "memory" for e in slept)  # maybe once before the command too
         assert "MiB available, under 1073741824 MiB" in (slept[-1].reason or "")
         assert box.exec("cat", "/tmp/n").stdout == "41\n"  # the next call wakes it, as it was
+
+
+def test_a_woken_box_is_idle_from_its_wake_not_from_its_last_request_before_the_sleep(
+    busybox_root: Path,
+) -> None:
+    """The guest's clock goes on from its sleep, so its agent counts the idle time from
+    the last request before it: a new idle watchdog would put it back to sleep before
+    the call that woke it arrived (a loaded host: CI's personal-apps example got a 502)."""
+    with sandlot.Box(rootfs=busybox_root, memory_mib=256, idle_timeout=3600, engine=TEST_ENGINE) as box:
+        box.exec("true")
+        time.sleep(4)
+        assert box.activity()[1] >= 3.5
+        box.suspend()
+        box.resume()
+        busy, idle = box.activity()
+        assert busy == 0 and idle < 3, idle

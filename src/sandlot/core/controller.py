@@ -864,9 +864,10 @@ class BoxController:
         return await (await self.connection(entry)).control(op, payload)
 
     async def activity(self, entry: BoxEntry, *, as_is: bool = False) -> tuple[int, float]:
-        """(operations in progress from any process, seconds since the last request):
-        what the idle timeout looks at. Asking does not count as activity. ``as_is``: ask
-        the VM the row names whatever the box's state (an operation of its own under way)."""
+        """(operations in progress from any process, seconds since the last request or
+        since the box last started or woke, whichever is later): what the idle timeout
+        looks at. Asking does not count as activity. ``as_is``: ask the VM the row names
+        whatever the box's state (an operation of its own under way)."""
         if as_is:
             conn = await entry.session.connection(
                 self.launcher.vm_of(entry, entry.record), self.launcher.hello(entry)
@@ -874,7 +875,14 @@ class BoxController:
             f = await conn.control(ControlOp.STATUS)
         else:
             f = await self.control(entry, ControlOp.STATUS)
-        return f.u32(Tag.COUNT, 0) or 0, (f.u64(Tag.IDLE_MS, 0) or 0) / 1000
+        idle = (f.u64(Tag.IDLE_MS, 0) or 0) / 1000
+        # A woken guest's clock went on from its sleep: its last request is as old as the
+        # sleep's cause, and the call that woke it may not have reached it yet (a loaded
+        # host): a wake is a use.
+        started = entry.record.started_at
+        if started:
+            idle = min(idle, max(0.0, time.time() - started))
+        return f.u32(Tag.COUNT, 0) or 0, idle
 
     async def agent_lost(self, session: Session) -> BaseException | None:
         """A box's agent socket closed: reconnect if its VM lives (or once a suspended

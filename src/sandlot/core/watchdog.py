@@ -3,7 +3,8 @@
 One detached process per such box (a file lock keeps it to one), so a box goes
 to sleep even after every process that used it has exited. It asks the agent
 how many operations are in flight (from any process) and how long ago the last
-request came; the asking itself does not count. Once the box has been idle for
+request, start or wake came (``BoxController.activity``); the asking itself does not
+count. Once the box has been idle for
 ``idle_timeout`` it is suspended, and the watchdog exits; whoever resumes the
 box (explicitly, or by running a command in it) starts a new one. A suspend that
 is called off (a request came) or fails is tried again once the box is idle again.
