@@ -13,12 +13,18 @@ keeper while it sleeps.
 * cycles: ``--cycles`` suspend-and-wake cycles of one box through its port, a file
   written in each: after every wake the counter has gone on from where it was and every
   file is there;
+* sleepers: ``--sleepers`` boxes (1000 for issue 59's figure) made from the template and
+  put to sleep one after another, each with its port held: what they hold while they all
+  sleep (the host's memory against before them, the processes of sandlot and QEMU, the
+  home on disk against the template) and the CPU the host spends on them over
+  ``--idle-seconds``, then one of them woken by a request;
 * quota: two boxes of a key with ``max_awake=1`` (docs/server.md, "Quotas"), one awake
   and idle, a request to the other: its wake first puts the idle one to sleep
   (``core/awake.py``), in the port keeper's process; the time to the first byte, beside
   the plain wake's.
 
     .venv/bin/python benchmarks/wake.py [--quick] [--boxes 50] [--cycles 100] [--runs 10]
+                                        [--sleepers 1000] [--idle-seconds 30]
 """
 
 from __future__ import annotations
@@ -165,10 +171,72 @@ def run(args: Any) -> dict[str, Any]:
         }
         for b in boxes:
             b.remove(force=True)
+
+        if args.sleepers:
+            out["sleepers"] = sleepers(args, home, tmpl)
         out["host"] = host_facts(accel)
     finally:
         drop_home(home)
     return out
+
+
+def cpu_seconds(name: str) -> dict[str, float]:
+    """CPU seconds spent so far by each process whose command line holds ``name``."""
+    out = {}
+    tick = os.sysconf("SC_CLK_TCK")
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if name.encode() in Path(f"/proc/{pid}/cmdline").read_bytes():
+                fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+                out[pid] = (int(fields[11]) + int(fields[12])) / tick
+        except (OSError, IndexError, ValueError):
+            continue
+    return out
+
+
+def available_mib() -> float:
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def sleepers(args: Any, home: Path, tmpl: sandlot.Snapshot) -> dict[str, Any]:
+    """``--sleepers`` boxes asleep at once: what they hold, and what the host spends on them."""
+    before_mib, home_before = available_mib(), tree_bytes(home)
+    made: list[float] = []
+    boxes = []
+    for _ in range(args.sleepers):
+        t0 = time.monotonic()
+        b = sandlot.Box(template=tmpl, ports=[8000], wake_on_traffic=True, home=home).start()
+        b.suspend()
+        made.append(time.monotonic() - t0)
+        boxes.append(b)
+    time.sleep(5)  # what a suspend left to settle (the sampler's last rounds) settles
+    mine = str(home)  # this home's processes alone: its helpers name it, its VMs' files are in it
+    cpu0, t0 = cpu_seconds(mine), time.monotonic()
+    time.sleep(args.idle_seconds)
+    cpu1 = cpu_seconds(mine)
+    # each process's own spending: one that ended meanwhile (the sampler, with no VM left)
+    # is counted up to the last look, one that began from its start
+    spent = sum(cpu1[p] - cpu0.get(p, 0.0) for p in cpu1)
+    idle_cpu = spent / (time.monotonic() - t0)
+    held = {
+        "boxes": len(boxes),
+        "made_and_put_to_sleep_s": summary(made, digits=3),
+        "host_memory_taken_MiB": round(before_mib - available_mib(), 1),
+        "keeper_rss_MiB": round(rss_kib("sandlot.api.port_keeper") / 1024, 1),
+        "home_processes_rss_MiB": round(rss_kib(mine) / 1024, 1),
+        "home_added_MiB": round((tree_bytes(home) - home_before) / (1 << 20), 1),
+        "home_added_per_box_MiB": round((tree_bytes(home) - home_before) / (1 << 20) / len(boxes), 2),
+        "idle_cpu_percent_of_one_core": round(idle_cpu * 100, 2),
+    }
+    took, body = first_byte(boxes[len(boxes) // 2].port(8000)[1])
+    assert body == b"hello\n", body
+    held["one_woken_request_to_first_byte_s"] = round(took, 3)
+    for b in boxes:
+        b.remove(force=True)
+    return held
 
 
 def main() -> None:
@@ -176,9 +244,11 @@ def main() -> None:
     ap.add_argument("--boxes", type=int, default=50)
     ap.add_argument("--cycles", type=int, default=100)
     ap.add_argument("--runs", type=int, default=10)
+    ap.add_argument("--sleepers", type=int, default=0, help="boxes asleep at once (0: none)")
+    ap.add_argument("--idle-seconds", type=float, default=30.0)
     args = ap.parse_args()
     if args.quick:
-        args.boxes, args.cycles, args.runs = 3, 3, 2
+        args.boxes, args.cycles, args.runs, args.sleepers, args.idle_seconds = 3, 3, 2, 3, 3.0
     emit({"benchmark": "wake", "quick": args.quick, **run(args)})
 
 

@@ -44,6 +44,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import resource
 import socket
 import sys
 import time
@@ -246,6 +247,11 @@ def main() -> None:
     lock = try_flock(socket_path(home).with_suffix(".lock"))
     if lock is None:
         return  # another keeper runs
+    # a listening socket a port of every such box of the home, and two a connection
+    # through one: a thousand sleeping boxes pass the usual soft limit of 1024
+    with contextlib.suppress(ValueError, OSError):
+        _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, 65536), hard))
     asyncio.run(Keeper(home).run())
 
 
