@@ -94,6 +94,18 @@ def tail(path: Path, lines: int = 40, max_bytes: int = 64 * 1024) -> str:
     return "\n".join(data.decode("utf-8", "replace").replace("\r\n", "\n").splitlines()[-lines:])
 
 
+def meminfo() -> dict[str, int]:
+    """``/proc/meminfo``'s figures (``MemTotal``, ``MemAvailable``, ...), in bytes."""
+    out = {}
+    with open("/proc/meminfo") as f:
+        for line in f:
+            name, _, rest = line.partition(":")
+            fields = rest.split()
+            if fields and fields[0].isdigit():
+                out[name] = int(fields[0]) * (1024 if fields[1:] == ["kB"] else 1)
+    return out
+
+
 def free_bytes(path: Path) -> int:
     """What an unprivileged writer may still write on the filesystem of ``path``."""
     st = os.statvfs(path)

@@ -80,7 +80,7 @@ async def room_for(ctl: Boxes, saved: Suspends, entry: BoxEntry) -> AsyncIterato
 async def _make_room(
     ctl: Boxes, saved: Suspends, entry: BoxEntry, label: str, value: str, quota: int
 ) -> None:
-    from .state import LIVE, BoxState
+    from .state import LIVE
 
     for _ in range(TRIES + 1):
         awake = [
@@ -90,7 +90,7 @@ async def _make_room(
         ]
         if len(awake) < quota:
             return
-        sleepers = [r for r in awake if r.state == BoxState.RUNNING and r.vm is not None and may_sleep(r)]
+        sleepers = [r for r in awake if may_sleep(r)]
         chosen = await least_recently_used(ctl, sleepers) if sleepers else None
         if chosen is None:
             break

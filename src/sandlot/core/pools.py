@@ -40,7 +40,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from ..config import flock_within, spawn_unless_locked, try_flock
+from ..config import flock_within, meminfo, spawn_unless_locked, try_flock
 from ..crashpoints import crash_point
 from ..errors import BoxBusy, BoxNotFound, InvalidArgument, InvalidState, SnapshotNotFound
 from .controller import BoxController
@@ -85,12 +85,10 @@ def memory_cap_mib() -> int:
         except ValueError:
             raise InvalidArgument(f"SANDLOT_POOL_MEMORY_MIB must be a number of MiB, not {env!r}") from None
     try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemTotal:"):
-                return int(line.split()[1]) // 1024 // 4
-    except (OSError, ValueError, IndexError):
-        pass
-    return 1024
+        total = meminfo().get("MemTotal")
+    except (OSError, ValueError):
+        total = None
+    return total // (1 << 20) // 4 if total else 1024
 
 
 def fits(pool_vm: BoxSpec, wanted: BoxSpec) -> bool:

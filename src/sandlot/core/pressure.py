@@ -32,6 +32,7 @@ import os
 import time
 from typing import TYPE_CHECKING, Protocol
 
+from ..config import meminfo
 from ..errors import SandlotError
 from .events import acting_as
 
@@ -70,18 +71,6 @@ class Suspends(Protocol):
     async def suspend(self, entry: BoxEntry, *, if_idle_for: float | None = None) -> None: ...
 
 
-def meminfo() -> dict[str, int]:
-    """``/proc/meminfo``'s figures, in bytes."""
-    out = {}
-    with open("/proc/meminfo") as f:
-        for line in f:
-            name, _, rest = line.partition(":")
-            fields = rest.split()
-            if fields and fields[0].isdigit():
-                out[name] = int(fields[0]) * (1024 if fields[1:] == ["kB"] else 1)
-    return out
-
-
 def low_mark(total: int) -> int:
     """The available memory under which boxes are put to sleep, in bytes (0: never)."""
     env = os.environ.get("SANDLOT_MEMORY_LOW_MIB", "")
@@ -92,8 +81,11 @@ def low_mark(total: int) -> int:
 
 
 def may_sleep(rec: BoxRecord) -> bool:
-    """Whether the box's owner said it may sleep: it wakes on its own when used."""
-    return bool(rec.options.get("idle_timeout") or rec.options.get("wake_on_traffic"))
+    """Whether the box runs and its owner said it may sleep (it wakes on its own when used)."""
+    from .state import BoxState
+
+    sleeps = rec.options.get("idle_timeout") or rec.options.get("wake_on_traffic")
+    return bool(sleeps) and rec.state == BoxState.RUNNING and rec.vm is not None
 
 
 async def least_recently_used(ctl: Boxes, candidates: list[BoxRecord]) -> tuple[BoxRecord, float] | None:
@@ -152,14 +144,13 @@ class MemoryWatch:
         self.read = meminfo  # where the figures come from (a test gives its own)
 
     async def round(self, boxes: list[BoxRecord]) -> None:
-        from .state import BoxState
 
         if self.sleeping is not None and not self.sleeping.done():
             return  # the last one first: what it frees is seen before another goes
         if time.monotonic() - self.looked < LOOK_EVERY:
             return
         self.looked = time.monotonic()
-        candidates = [r for r in boxes if r.state == BoxState.RUNNING and r.vm is not None and may_sleep(r)]
+        candidates = [r for r in boxes if may_sleep(r)]
         if not candidates:
             return
         figures = await asyncio.to_thread(self.read)

@@ -20,7 +20,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..config import fsync_dir
+from ..config import fsync_dir, meminfo
 from ..errors import ImageError, InvalidArgument, NoSpace, space_for
 from . import auth as auth_mod
 from .local import import_dir, load_archive, load_oci_layout, read_manifest
@@ -38,12 +38,9 @@ MAX_CONCURRENT_DOWNLOADS = 4
 
 def _mem_available() -> int:
     try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
+        return meminfo().get("MemAvailable", 0)
     except (OSError, ValueError):
-        pass
-    return 0
+        return 0
 
 
 def staging_dir(estimate: int) -> Path | None:
