@@ -18,13 +18,17 @@ keeper while it sleeps.
   sleep (the host's memory against before them, the processes of sandlot and QEMU, the
   home on disk against the template) and the CPU the host spends on them over
   ``--idle-seconds``, then one of them woken by a request;
+* deep: a box asleep past the storage tier's ``evict_after`` (moto's S3 server on
+  127.0.0.1), with ``--resident-mib`` of memory of its own: a request wakes it lazily
+  (``core/lazymem.py``), beside a resume that reads its whole memory first, and its
+  memory checked whole at the end;
 * quota: two boxes of a key with ``max_awake=1`` (docs/server.md, "Quotas"), one awake
   and idle, a request to the other: its wake first puts the idle one to sleep
   (``core/awake.py``), in the port keeper's process; the time to the first byte, beside
   the plain wake's.
 
     .venv/bin/python benchmarks/wake.py [--quick] [--boxes 50] [--cycles 100] [--runs 10]
-                                        [--sleepers 1000] [--idle-seconds 30]
+                                        [--sleepers 1000] [--idle-seconds 30] [--resident-mib 96]
 """
 
 from __future__ import annotations
@@ -174,6 +178,7 @@ def run(args: Any) -> dict[str, Any]:
 
         if args.sleepers:
             out["sleepers"] = sleepers(args, home, tmpl)
+        out["deep"] = deep(args)
         out["host"] = host_facts(accel)
     finally:
         drop_home(home)
@@ -239,6 +244,86 @@ def sleepers(args: Any, home: Path, tmpl: sandlot.Snapshot) -> dict[str, Any]:
     return held
 
 
+def deep(args: Any) -> dict[str, Any]:
+    """A box asleep past the tier's ``evict_after`` (its memory only in the bucket: moto's
+    S3 server on 127.0.0.1), woken by a request: lazily (``core/lazymem.py``), beside a
+    resume that reads its whole memory from the tier first, in the same run."""
+    import tempfile
+
+    from sandlot.config import try_flock
+    from sandlot.core import pusher
+    from sandlot.core.chunks import ChunkStore
+    from sandlot.core.manifest import Manifest
+    from sandlot.core.runtime import Runtime
+
+    from tests.support.s3 import CREDENTIALS, s3_server
+
+    os.environ.update(CREDENTIALS)
+    home = scratch_home("wake-deep")
+    try:
+        with tempfile.TemporaryDirectory() as work, s3_server(Path(work)) as s3:
+            sandlot.storage.configure(s3.url("deep"), endpoint_url=s3.endpoint_url, evict_after=1.0,
+                                      home=home)  # fmt: skip
+            tmpl = sandlot.template(rootfs=busybox_root(), memory_mib=256, setup=[SERVE], name="web",
+                                    home=home)  # fmt: skip
+            box = sandlot.Box(template=tmpl, ports=[8000], wake_on_traffic=True, home=home).start()
+            # memory of its own, in no other state of the home: a tmpfs of random bytes
+            mib = args.resident_mib
+            box.sh(f"mkdir -p /run/m && mount -t tmpfs tmpfs /run/m && "
+                   f"dd if=/dev/urandom of=/run/m/blob bs=1M count={mib} 2>/dev/null")  # fmt: skip
+            digest = box.exec("sha256sum", "/run/m/blob").stdout.split()[0]
+            port = box.port(8000)[1]
+            rt, store = Runtime.for_home(home), ChunkStore(home)
+
+            def deep_sleep() -> int:
+                """Suspend, and wait for the pusher to evict its memory: the chunks it read
+                from the tier to wake."""
+                box.suspend()
+                state = rt.store.get(box.id).suspended
+                ram = Manifest.decode(rt.store.state_manifest(state) or b"", state).image("microvm.ram")
+                deadline = time.monotonic() + TIMEOUT
+                while all(store.path(d).exists() for d in ram.digests if d):
+                    assert time.monotonic() < deadline, "the box's memory never left this host"
+                    time.sleep(0.1)
+                while (fd := try_flock(pusher.lock_path(home))) is None:  # its eviction ended
+                    assert time.monotonic() < deadline, "the pusher never ended"
+                    time.sleep(0.1)
+                os.close(fd)
+                return sum(1 for d in ram.digests if d and not store.path(d).exists())
+
+            lazy, whole, remote, helper_rss = [], [], [], []
+            for _ in range(args.runs):
+                remote.append(deep_sleep())
+                took, body = first_byte(port)
+                assert body == b"hello\n", body
+                lazy.append(took)
+                helper_rss.append(rss_kib("sandlot.core.lazymem") / 1024)
+                deep_sleep()
+                os.environ["SANDLOT_LAZY_RESTORE"] = "never"
+                try:
+                    t0 = time.monotonic()
+                    box.resume()
+                    box.exec("true")
+                    whole.append(time.monotonic() - t0)
+                finally:
+                    del os.environ["SANDLOT_LAZY_RESTORE"]
+            deep_sleep()
+            first_byte(port)
+            assert box.exec("sha256sum", "/run/m/blob").stdout.split()[0] == digest, "the memory changed"
+            box.remove(force=True)
+        return {
+            "resident_MiB": args.resident_mib,
+            "chunks_in_tier_only": summary(remote),
+            "request_to_first_byte_s": summary(lazy, digits=3),
+            "resume_read_whole_first_s": summary(whole, digits=3),
+            "lazy_over_whole": round(summary(lazy)["median"] / max(summary(whole)["median"], 1e-9), 2),
+            "helper_rss_MiB": round(summary(helper_rss)["median"], 1),
+            "memory_intact": True,
+        }
+    finally:
+        drop_home(home)
+
+
 def main() -> None:
     ap = parser(__doc__)
     ap.add_argument("--boxes", type=int, default=50)
@@ -246,9 +331,11 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=10)
     ap.add_argument("--sleepers", type=int, default=0, help="boxes asleep at once (0: none)")
     ap.add_argument("--idle-seconds", type=float, default=30.0)
+    ap.add_argument("--resident-mib", type=int, default=96, help="memory of its own of the deep sleeper")
     args = ap.parse_args()
     if args.quick:
         args.boxes, args.cycles, args.runs, args.sleepers, args.idle_seconds = 3, 3, 2, 3, 3.0
+        args.resident_mib = 8
     emit({"benchmark": "wake", "quick": args.quick, **run(args)})
 
 

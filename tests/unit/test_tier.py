@@ -565,3 +565,41 @@ os.environ["SANDLOT_CRASH_AT"] = sys.argv[2]
 sandlot.storage.gc(tier=True, home=sys.argv[1], wait=5)
 print("survived", flush=True)
 """
+
+
+def test_a_box_asleep_for_evict_after_leaves_this_host_with_no_call_after_its_suspend(
+    tmp_path: Path, proxy: FaultyProxy, root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The deep sleep: the pusher the suspend started sends the box, waits out the tier's
+    ``evict_after`` and keeps only the manifest here; then it ends. The wake reads the
+    tier (the fake engine loads it whole; a VM's lazily: tests/vm/test_tier.py)."""
+    from sandlot.config import try_flock
+    from sandlot.core import pusher
+    from sandlot.core.manifest import Manifest
+    from sandlot.core.runtime import Runtime
+
+    monkeypatch.setenv("SANDLOT_STORAGE_PUSH", "1")
+    home = tmp_path / "home"
+    sandlot.storage.configure(f"s3://sandlot-tier/{tmp_path.name}", endpoint_url=proxy.url, evict_after=2.0,
+                              home=home)  # fmt: skip
+    box = fake_box(home, root, "sleeper")
+    box.exec("remember", "k", "v")
+    box.suspend()
+    asleep = time.monotonic()
+    rt = Runtime.for_home(home)
+    state = rt.store.get(box.id).suspended
+    store = ChunkStore(home)
+    digests = Manifest.decode(rt.store.state_manifest(state) or b"", state).digests()
+    deadline = time.monotonic() + 60
+    while all(store.path(d).exists() for d in digests):
+        assert time.monotonic() < deadline, (home / "chunks" / "pusher.log").read_text()
+        time.sleep(0.1)
+    assert time.monotonic() - asleep >= 1.5  # not before its evict_after (less the suspend's own time)
+    assert sandlot.storage.boxes(home=home)[0]["name"] == "sleeper"  # sent whole before
+    while (fd := try_flock(pusher.lock_path(home))) is None:  # nothing left to cool: it ends
+        assert time.monotonic() < deadline, "the pusher kept waiting with nothing left to cool"
+        time.sleep(0.1)
+    os.close(fd)
+    assert box.exec("recall", "k").stdout == "v\n"  # woken from the tier
+    assert sandlot.storage.totals(home=home)["tier_received_bytes"] > 0
+    box.remove(force=True)

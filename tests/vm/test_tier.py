@@ -99,3 +99,75 @@ def test_a_snapshot_whose_chunks_left_this_host_rolls_back_from_the_bucket(
     box.rollback(snap)
     assert box.files.read_text("/root/f") == "before"
     assert box.exec("cat", "/run/m/m").stdout == "in-memory\n"
+
+
+def test_a_box_asleep_past_evict_after_leaves_this_host_and_a_request_wakes_it_lazily(
+    tier_homes: tuple[S3Server, list[Path]], busybox_root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The deep sleep, then a wake from the tier on traffic: the guest runs while its
+    memory is read through the helper's FUSE mount (``core/lazymem.py``), which ends
+    when the box sleeps again."""
+    import contextlib
+    import urllib.request
+
+    from sandlot.config import runtime_dir
+    from sandlot.core.chunks import ChunkStore
+    from sandlot.core.manifest import Manifest
+    from sandlot.core.runtime import Runtime
+
+    from tests.support.waiting import scaled
+
+    s3, (a, _) = tier_homes
+    monkeypatch.setenv("SANDLOT_STORAGE_PUSH", "1")  # the pusher, which keeps the deep sleep's time
+    sandlot.storage.configure(s3.url("vm"), endpoint_url=s3.endpoint_url, evict_after=1.0, home=a)
+    box = sandlot.Box(rootfs=busybox_root, memory_mib=256, keep=True, name="deep", ports=[8000],
+                      wake_on_traffic=True, home=a).start()  # fmt: skip
+    box.sh("mkdir -p /www && httpd -p 8000 -h /www")
+    box.sh(COUNTER.replace("/root/n", "/www/n"))
+    port = box.port(8000)[1]
+
+    def get() -> int:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/n", timeout=scaled(120)) as r:
+            return int(r.read())
+
+    def helpers() -> list[Path]:
+        """The helpers serving this box's memory, each with its mount up."""
+        mounts = Path("/proc/mounts").read_text()
+        out = []
+        for d in runtime_dir().glob("lazy-*"):
+            with contextlib.suppress(OSError):
+                if str(rt.box_dir(box.id)) in (d / "request").read_text() and f" {d / 'mnt'} " in mounts:
+                    out.append(d)
+        return out
+
+    deadline = time.monotonic() + 60
+    while box.exec("test", "-s", "/www/n").returncode != 0:
+        assert time.monotonic() < deadline, "the counter never started"
+        time.sleep(0.2)
+    rt, store = Runtime.for_home(a), ChunkStore(a)
+    assert helpers() == []  # started from a boot: nothing to read lazily
+    for cycle in range(2):
+        box.files.write(f"/root/f{cycle}", f"cycle {cycle}")
+        before = get()
+        box.suspend()
+        state = rt.store.get(box.id).suspended
+        ram = Manifest.decode(rt.store.state_manifest(state) or b"", state).image("microvm.ram")
+        deadline = time.monotonic() + scaled(60)
+        while all(store.path(d).exists() for d in ram.digests if d):  # the pusher evicts it
+            assert time.monotonic() < deadline, "the sleeping box's memory never left this host"
+            time.sleep(0.2)
+        deadline = time.monotonic() + 30
+        while helpers():  # the last wake's helper ended with its VM
+            assert time.monotonic() < deadline, helpers()
+            time.sleep(0.1)
+        after = get()  # wakes it from the tier
+        assert before < after < before + 1000, (before, after)  # the same counter, gone on
+        assert len(helpers()) == 1  # its memory is read through the helper
+        for i in range(cycle + 1):
+            assert box.files.read_text(f"/root/f{i}") == f"cycle {i}"
+    box.suspend()
+    deadline = time.monotonic() + 30
+    while helpers():  # asleep again: the helper ended with its VM
+        assert time.monotonic() < deadline, helpers()
+        time.sleep(0.1)
+    assert (rt.box_dir(box.id) / "memory-touched").stat().st_size > 0  # the next wake's first fetches

@@ -532,6 +532,13 @@ class StateReader(StateSource):
     def images(self) -> dict[str, int]:
         return {i.name: i.size for i in self.manifest.images}
 
+    def leaving_out(self, image: str) -> StateReader:
+        """The same state without one memory image: one the VM maps from elsewhere
+        (``core.lazymem``), so its pages are not in the stream at all."""
+        m = self.manifest
+        kept = [i for i in m.images if i.name != image]
+        return StateReader(self.store, Manifest(m.engine, kept, m.streams, m.logical, m.added), self.whose)
+
     def extents(self, name: str) -> Iterator[tuple[int, bytes]]:
         img = self.manifest.image(name)
         wanted = [(i, d) for i, d in enumerate(img.digests) if d is not None]

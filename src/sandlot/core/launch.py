@@ -36,7 +36,7 @@ from ..net.secrets import GUEST_BUNDLE, GUEST_CA, SYSTEM_BUNDLES, read_vault_jso
 from ..protocol import files as proto_files
 from ..protocol.connection import AgentConnection
 from ..protocol.wire import ControlOp, FsFlag, FsOp, MountFlag, Tag, tlv
-from . import chunks, homewatch, metrics, snapshots
+from . import chunks, homewatch, lazymem, metrics, snapshots
 from .admission import Admission, default_slots
 from .entry import BoxEntry
 from .runtime import Runtime
@@ -258,17 +258,28 @@ class Launcher:
         async with contextlib.AsyncExitStack() as held:
             # a state forks map (its shared form, if it was given one) is loaded from its
             # files; a state of chunks, from chunks that stay until the VM has read them all
-            source = None
+            source, served, memory = None, None, None
             if not engine.memory_shared(directory):
                 source = await held.enter_async_context(chunks.reading(self.rt.home, self.rt.store, snap.id))
+            if source is not None and (image := engine.lazy_image) is not None:
+                # memory not on this host (a deep sleep): the guest runs as it is read
+                touched = lazymem.touched_of(where.state_dir)
+                served = await asyncio.to_thread(lazymem.lazily, self.rt.home, source, image, touched)
+                if served is not None:
+                    source, memory = source.leaving_out(image), served.memory
             launch = LaunchSpec(
                 where=where, disk=top, memory_mib=facts["memory_mib"], cpus=facts["cpus"], network=net,
                 boot=shape(boot, facts["memory_mib"], facts["cpus"], facts["agent_ports"], net),
-                saved=SavedState(directory, facts, source),
+                saved=SavedState(directory, facts, source, memory),
                 volumes=shares_of(entry.spec),
                 drives=drives_of(rec.drives if drives is None else drives, entry.spec),
             )  # fmt: skip
-            return await self._bring_up(entry, engine, launch, boot, "restore.after-launch", when_up)
+            try:
+                return await self._bring_up(entry, engine, launch, boot, "restore.after-launch", when_up)
+            except BaseException:
+                if served is not None:  # a VM that never mapped it leaves it unused
+                    await asyncio.to_thread(served.stop)
+                raise
 
     async def _bring_up(
         self,

@@ -8,8 +8,11 @@ One runs per home at a time (it holds ``chunks/.pusher.lock``). It sends the tie
 saved state the tier lacks and every suspended box of the home, whole (so that a host
 that dies leaves its suspended boxes to be pulled by another home, nothing prepared in
 advance but this), then keeps only the manifest here of cold states (the tier's
-``evict_after``), and looks again until nothing is left to send. Killed at any point, it
-leaves what it sent counted and the rest for the next pusher.
+``evict_after``), and looks again until nothing is left to send. Where the tier evicts,
+it then waits for the next state to turn cold (a box asleep that long: its deep sleep)
+and evicts it, until no state of the home is left to cool; a save meanwhile pokes it
+(``chunks/.pusher.poke``) to send that state at once. Killed at any point, it leaves
+what it sent counted and the rest for the next pusher.
 """
 
 from __future__ import annotations
@@ -29,10 +32,15 @@ from .state import BoxState
 
 log = logging.getLogger("sandlot")
 ROUNDS = 5  # looks for more after a round that sent something (a save meanwhile)
+POKE_POLL = 1.0  # seconds between looks at the poke file while waiting for a state to turn cold
 
 
 def lock_path(home: Path) -> Path:
     return home / "chunks" / ".pusher.lock"
+
+
+def poke_path(home: Path) -> Path:
+    return home / "chunks" / ".pusher.poke"  # touched by each save: a waiting pusher looks again
 
 
 def spawn(home: Path) -> bool:
@@ -45,6 +53,7 @@ def spawn(home: Path) -> bool:
     except SandlotError:
         return False
     lock_path(home).parent.mkdir(parents=True, exist_ok=True)
+    poke_path(home).touch()
     return spawn_unless_locked(lock_path(home), "sandlot.core.pusher", str(home))
 
 
@@ -68,18 +77,43 @@ def push_all(home: Path) -> int:
     return sent
 
 
+def next_cold(home: Path) -> float | None:
+    """When the home's next state turns cold, where its tier evicts them (else None)."""
+    rt = Runtime.for_home(home)
+    config = tier.configured(home)
+    if config is None or config.evict_after is None:
+        return None
+    with Remote.of(rt) as remote:
+        return remote.next_cold(config.evict_after)
+
+
 def run(home: Path) -> int:
     fd = try_flock(lock_path(home))
     if fd is None:
         return 0
     try:
-        for _ in range(ROUNDS):
-            if push_all(home) == 0:
+        while True:
+            for _ in range(ROUNDS):
+                if push_all(home) == 0:
+                    break
+                time.sleep(0.5)
+            # a deep sleep: a box asleep for the tier's evict_after keeps only its manifest
+            # here. Waited for in this process, which a save meanwhile pokes (``spawn``)
+            due = next_cold(home)
+            if due is None:
                 return 0
-            time.sleep(0.5)
-        return 0
+            poked = _poked(home)
+            while time.time() < due and _poked(home) == poked:
+                time.sleep(min(POKE_POLL, max(0.0, due - time.time())))
     finally:
         os.close(fd)
+
+
+def _poked(home: Path) -> float:
+    try:
+        return poke_path(home).stat().st_mtime
+    except FileNotFoundError:
+        return 0.0
 
 
 def main(argv: list[str]) -> int:

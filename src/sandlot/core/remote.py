@@ -202,26 +202,38 @@ class Remote:
         with self.changing():
             return self._evict(older_than)
 
-    def _evict(self, older_than: float) -> tuple[int, int]:
-        rt, store = self.rt, self.rt.store
-        now = time.time()
-        boxes = store.list()
-        suspended = {b.suspended: b for b in boxes if b.suspended}
-        manifests = store.state_manifests()
-        cold, warm = [], set()
+    def _cooling(self) -> Iterator[tuple[str, float | None]]:
+        """Each state of chunks, and since when it has been unused (None: it never cools:
+        a template, which boxes start from, or the state of a box running)."""
+        store = self.rt.store
+        suspended = {b.suspended: b for b in store.list() if b.suspended}
+        manifests = store.state_ids()
         for s in store.snapshots():
             if s.id not in manifests:
                 continue
             box = suspended.get(s.id)
-            since = (box.stopped_at or s.created_at) if box is not None else s.created_at
-            if (
-                s.kind != "template"
-                and now - since >= older_than
-                and (s.kind == "snapshot" or box is not None)
-            ):
-                cold.append(s.id)
+            if s.kind == "template" or (s.kind != "snapshot" and box is None):
+                yield s.id, None
             else:
-                warm |= Manifest.decode(manifests[s.id], s.id).digests()
+                yield s.id, (box.stopped_at or s.created_at) if box is not None else s.created_at
+
+    def next_cold(self, older_than: float) -> float | None:
+        """When the next state turns cold (a time; None: none will, as things are now)."""
+        now = time.time()
+        due = [since + older_than for _, since in self._cooling() if since is not None]
+        later = [t for t in due if t > now]
+        return min(later) if later else None
+
+    def _evict(self, older_than: float) -> tuple[int, int]:
+        rt, store = self.rt, self.rt.store
+        now = time.time()
+        manifests = store.state_manifests()
+        cold, warm = [], set()
+        for snap_id, since in self._cooling():
+            if since is not None and now - since >= older_than:
+                cold.append(snap_id)
+            else:
+                warm |= Manifest.decode(manifests[snap_id], snap_id).digests()
         if not cold:
             return 0, 0
         self.push(cold)

@@ -1296,6 +1296,11 @@ class BoxStore:
             row = self._db.execute("SELECT manifest FROM states WHERE id = ?", (snap_id,)).fetchone()
         return bytes(row[0]) if row else None
 
+    def state_ids(self) -> set[str]:
+        """The snapshots whose states are chunks (their manifests are rows here)."""
+        with self._reading():
+            return {r[0] for r in self._db.execute("SELECT id FROM states")}
+
     def state_manifests(self) -> dict[str, bytes]:
         """Every state saved as chunks: its manifest, by its snapshot's id."""
         with self._reading():

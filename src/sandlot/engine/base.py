@@ -224,6 +224,9 @@ class SavedState:
     directory: Path
     facts: dict[str, Any]
     source: StateSource | None = None
+    # the engine's ``lazy_image`` served as this file (``core.lazymem``): the VM maps it
+    # copy-on-write, and ``source`` leaves that image out
+    memory: Path | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -370,6 +373,9 @@ class Engine(ABC):
     # its saves go to a ``StateSink`` (memory by page, kept as content-addressed chunks);
     # else they are files in the state's directory
     chunked_state: ClassVar[bool] = False
+    # the memory image of its chunked states that it can map from a file instead of
+    # loading it (``SavedState.memory``): its guest RAM, read as it is touched
+    lazy_image: ClassVar[str | None] = None
 
     def refuse(self, request: BootRequest) -> None:
         """Raise ``InvalidArgument`` for what this engine cannot run, at all or on this

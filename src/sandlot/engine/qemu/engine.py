@@ -70,6 +70,7 @@ class QemuEngine(Engine):
     name = "qemu"
     host_processes = True
     chunked_state = True  # its saves are migration streams, taken apart into chunks (``stream``)
+    lazy_image = "microvm.ram"  # the RAM block ``command`` names its memory backend after
 
     def __init__(self, home: Path) -> None:
         self.home = home
@@ -159,6 +160,8 @@ class QemuEngine(Engine):
                 cfg.restore_from, cfg.restore_ignore_shared = d / "devices", True
             elif spec.saved.source is not None:
                 cfg.restore_source = spec.saved.source
+                if spec.saved.memory is not None:  # mapped, read as it is touched (core.lazymem)
+                    cfg.ram_file, cfg.ram_shared = spec.saved.memory, False
             elif (d / "state").is_file():  # saved by a sandlot before chunks
                 cfg.restore_from, cfg.restore_ignore_shared = d / "state", False
             else:

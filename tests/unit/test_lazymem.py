@@ -1,0 +1,175 @@
+"""Lazy restore's memory (``core/lazymem.py``): an image read from its chunks as it is
+asked for, the rest brought in the background with what the last wake read first, and
+the real helper process serving it on a real FUSE mount that a process maps
+copy-on-write, as QEMU does: the bytes it reads are the image's, its writes stay its
+own, and once the mapping is gone the helper has unmounted and ended. The wake of a
+real VM from the storage tier through it is in tests/vm/test_tier.py."""
+
+from __future__ import annotations
+
+import errno
+import mmap
+import os
+import random
+import time
+from pathlib import Path
+
+import pytest
+
+from sandlot.core import chunks, lazymem
+from sandlot.core.manifest import CHUNK, Manifest
+from sandlot.errors import InvalidArgument
+
+PAGE = 4096
+SIZE = 24 * CHUNK
+
+
+def image_bytes(seed: int = 1) -> bytes:
+    """Every third chunk zeros, the rest random."""
+    rng = random.Random(seed)
+    return b"".join(bytes(CHUNK) if c % 3 == 0 else rng.randbytes(CHUNK) for c in range(SIZE // CHUNK))
+
+
+def saved(store: chunks.ChunkStore, data: bytes) -> Manifest:
+    w = chunks.StateWriter(store, "test", "s")
+    img = w.image("ram", len(data))
+    for at in range(0, len(data), PAGE):
+        page = data[at : at + PAGE]
+        img.zeros(at, PAGE) if page == bytes(PAGE) else img.pages(at, page)
+    w.stream("devices", b"devices")
+    return w.finish()
+
+
+class CountingStore(chunks.ChunkStore):
+    """The home's chunk store, noting the order chunks are read in."""
+
+    def __init__(self, home: Path) -> None:
+        super().__init__(home)
+        self.order: list[bytes] = []
+
+    def get(self, d: bytes, whose: str, size: int | None = None, *, keep: bool = True) -> bytes:
+        self.order.append(d)
+        return super().get(d, whose, size, keep=keep)
+
+
+def test_memory_reads_chunks_as_asked_and_fills_what_the_last_wake_read_first(tmp_path: Path) -> None:
+    data = image_bytes()
+    store = CountingStore(tmp_path)
+    image = saved(store, data).image("ram")
+    memory = lazymem.Memory(store, image, "s", tmp_path / "cache")
+    memory.asking_until = time.monotonic() + 60
+    # a read across two chunks fetches both; zeros are never fetched
+    assert memory.read(2 * PAGE, CHUNK - PAGE) == data[CHUNK - PAGE : CHUNK + PAGE]
+    assert memory.read(PAGE, 0) == bytes(PAGE) and len(store.order) == 1  # chunk 0 is zeros
+    assert memory.read(10 * CHUNK, SIZE - PAGE) == data[-PAGE:]  # clipped at the end
+    assert memory.read(PAGE, SIZE) == b""
+    assert memory.asked == [1, SIZE // CHUNK - 1]  # chunks of data read, in order (not zeros)
+    # the fill: the chunks the last wake read first, in its order, then the rest by address
+    store.order.clear()
+    memory.fill([17, 5, 17, 3], workers=1)
+    by_digest = {d: i for i, d in enumerate(image.digests) if d is not None}
+    fetched = [by_digest[d] for d in store.order]
+    assert fetched[:2] == [17, 5]  # (3 is zeros: never fetched)
+    assert fetched[2:] == sorted(fetched[2:]) and 1 not in fetched  # 1 was there already
+    assert memory.complete() and memory.read(SIZE, 0) == data
+    assert memory.waited == 2  # the two reads above that had to wait for a fetch
+
+
+def test_a_chunk_that_cannot_be_read_is_an_io_error_naming_it(tmp_path: Path) -> None:
+    store = chunks.ChunkStore(tmp_path)
+    image = saved(store, image_bytes()).image("ram")
+    missing = image.digests[4]
+    assert missing is not None
+    store.path(missing).unlink()
+    memory = lazymem.Memory(store, image, "s", tmp_path / "cache")
+    assert memory.read(PAGE, 5 * CHUNK) == image_bytes()[5 * CHUNK : 5 * CHUNK + PAGE]
+    with pytest.raises(OSError) as caught:
+        memory.read(PAGE, 4 * CHUNK)
+    assert caught.value.errno == errno.EIO
+    assert memory.failed is not None and "chunk 4" in memory.failed and missing.hex() in memory.failed
+    memory.fill([], workers=2)  # the fill goes on past it
+    assert not memory.complete() and sum(memory.present) == len(image.digests) - 1
+
+
+def test_the_touched_file_and_the_mode_are_checked(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "memory-touched"
+    assert lazymem.read_touched(path, 10) == []  # none yet
+    path.write_bytes(b"\x01\x00\x00")  # torn: ignored, never trusted
+    assert lazymem.read_touched(path, 10) == []
+    path.write_bytes(b"".join(i.to_bytes(4, "little") for i in (3, 99, 1)))
+    assert lazymem.read_touched(path, 10) == [3, 1]  # an index past the image is dropped
+    for good in ("auto", "always", "never"):
+        monkeypatch.setenv("SANDLOT_LAZY_RESTORE", good)
+        assert lazymem.mode() == good
+    monkeypatch.setenv("SANDLOT_LAZY_RESTORE", "sometimes")
+    with pytest.raises(InvalidArgument, match="SANDLOT_LAZY_RESTORE"):
+        lazymem.mode()
+
+
+def test_auto_is_lazy_only_for_memory_not_here(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    store = chunks.ChunkStore(tmp_path)
+    image = saved(store, image_bytes()).image("ram")
+    monkeypatch.delenv("SANDLOT_LAZY_RESTORE", raising=False)
+    assert lazymem.wanted(store, image) is False  # all here: the stream is as fast
+    d = image.digests[1]
+    assert d is not None
+    store.path(d).unlink()  # evicted to the tier
+    assert lazymem.wanted(store, image) is (lazymem.unavailable() is None)
+    monkeypatch.setenv("SANDLOT_LAZY_RESTORE", "never")
+    assert lazymem.wanted(store, image) is False
+
+
+def test_the_helper_serves_a_mapping_copy_on_write_and_ends_with_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The real helper on a real FUSE mount (this host has /dev/fuse and fuse3, as
+    ``./scripts/setup`` makes sure): mapped private, as QEMU maps guest RAM."""
+    assert lazymem.unavailable() is None, lazymem.unavailable()
+    monkeypatch.setenv("SANDLOT_RUNTIME_DIR", str(tmp_path / "run"))
+    (tmp_path / "run").mkdir(mode=0o700)
+    home, box_dir = tmp_path / "home", tmp_path / "box"
+    box_dir.mkdir()
+    data = image_bytes(7)
+    store = chunks.ChunkStore(home)
+    manifest = saved(store, data)
+    served = lazymem.serve(home, manifest.encode(), "s", "ram", lazymem.touched_of(box_dir))
+    assert served is not None and served.alive()
+    assert served.memory.stat().st_size == SIZE
+    fd = os.open(served.memory, os.O_RDWR)  # QEMU opens its RAM file read-write
+    try:
+        view = mmap.mmap(fd, SIZE, flags=mmap.MAP_PRIVATE)
+    finally:
+        os.close(fd)  # the mapping keeps the file open, as QEMU's does
+    assert view[5 * CHUNK : 6 * CHUNK] == data[5 * CHUNK : 6 * CHUNK]
+    view[0:4] = b"mine"  # copy-on-write: the guest's own
+    assert view[:4] == b"mine" and served.memory.read_bytes()[:4] == data[:4]
+    assert bytes(view) == b"mine" + data[4:]
+    with pytest.raises(OSError), open(served.memory, "r+b") as f:
+        f.write(b"x")  # nothing writes the image itself
+        f.flush()
+    view.close()  # the last reference: the helper unmounts and ends
+    deadline = time.monotonic() + 30
+    while served.alive() or served.directory.exists():
+        assert time.monotonic() < deadline, "the helper outlived the mapping"
+        time.sleep(0.05)
+    mounts = Path("/proc/self/mounts").read_text()
+    assert str(served.directory) not in mounts
+    assert lazymem.read_touched(lazymem.touched_of(box_dir), SIZE // CHUNK)  # what this one read first
+    assert "chunks in" in (box_dir / "lazymem.log").read_text()
+
+
+def test_a_helper_whose_vm_never_came_is_stopped_and_leaves_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("SANDLOT_RUNTIME_DIR", str(tmp_path / "run"))
+    (tmp_path / "run").mkdir(mode=0o700)
+    home = tmp_path / "home"
+    manifest = saved(chunks.ChunkStore(home), image_bytes())
+    served = lazymem.serve(home, manifest.encode(), "s", "ram", tmp_path / "touched")
+    assert served is not None
+    served.stop()  # a launch that failed before its VM mapped the memory
+    deadline = time.monotonic() + 30
+    while served.alive() or served.directory.exists():
+        assert time.monotonic() < deadline, "the helper outlived its stop"
+        time.sleep(0.05)
+    assert str(served.directory) not in Path("/proc/self/mounts").read_text()
