@@ -111,10 +111,14 @@ def test_auto_is_lazy_only_for_memory_not_here(tmp_path: Path, monkeypatch: pyte
     image = saved(store, image_bytes()).image("ram")
     monkeypatch.delenv("SANDLOT_LAZY_RESTORE", raising=False)
     assert lazymem.wanted(store, image) is False  # all here: the stream is as fast
-    d = image.digests[1]
-    assert d is not None
-    store.path(d).unlink()  # evicted to the tier
-    assert lazymem.wanted(store, image) is (lazymem.unavailable() is None)
+    monkeypatch.setattr(lazymem, "LAZY_FROM", 2)
+    for d in image.digests[1:3]:
+        assert d is not None
+        store.path(d).unlink()  # evicted to the tier
+        assert lazymem.wanted(store, image) is (d == image.digests[2])  # from LAZY_FROM chunks on
+    assert lazymem.unavailable() is None
+    monkeypatch.setenv("SANDLOT_LAZY_RESTORE", "always")
+    assert lazymem.wanted(store, image) is True
     monkeypatch.setenv("SANDLOT_LAZY_RESTORE", "never")
     assert lazymem.wanted(store, image) is False
 

@@ -124,6 +124,9 @@ def test_a_box_asleep_past_evict_after_leaves_this_host_and_a_request_wakes_it_l
                       wake_on_traffic=True, home=a).start()  # fmt: skip
     box.sh("mkdir -p /www && httpd -p 8000 -h /www")
     box.sh(COUNTER.replace("/root/n", "/www/n"))
+    # memory of its own (lazymem.LAZY_FROM chunks and more), in no other state: read lazily
+    box.sh("mkdir -p /run/m && mount -t tmpfs tmpfs /run/m && dd if=/dev/urandom of=/run/m/b bs=1M count=48")
+    blob = box.exec("sha256sum", "/run/m/b").stdout
     port = box.port(8000)[1]
 
     def get() -> int:
@@ -161,10 +164,14 @@ def test_a_box_asleep_past_evict_after_leaves_this_host_and_a_request_wakes_it_l
             assert time.monotonic() < deadline, helpers()
             time.sleep(0.1)
         after = get()  # wakes it from the tier
-        assert before < after < before + 1000, (before, after)  # the same counter, gone on
+        assert before <= after < before + 1000, (before, after)  # the same counter, not started over
+        while get() <= before:  # and it goes on
+            assert time.monotonic() < deadline + scaled(30), "the counter stopped"
+            time.sleep(0.1)
         assert len(helpers()) == 1  # its memory is read through the helper
         for i in range(cycle + 1):
             assert box.files.read_text(f"/root/f{i}") == f"cycle {i}"
+    assert box.exec("sha256sum", "/run/m/b").stdout == blob  # every page, through the helper
     box.suspend()
     deadline = time.monotonic() + 30
     while helpers():  # asleep again: the helper ended with its VM
