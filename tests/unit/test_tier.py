@@ -101,6 +101,7 @@ def test_a_tier_is_configured_checked_and_shown(tmp_path: Path, proxy: FaultyPro
     assert sandlot.storage.info(home=home).tier == "s3://sandlot-tier/x"
     doctor = sandlot.Runtime.for_home(home).storage_doctor()  # (what `sandlot doctor` shows under storage)
     assert doctor["tier"]["reachable"] is True and doctor["tier"]["url"] == "s3://sandlot-tier/x"
+    assert doctor["lazy_restore"] == {"available": True, "why_not": None}  # (fuse3, /dev/fuse, mfusepy)
     proxy.stopped = True
     assert sandlot.Runtime.for_home(home).storage_doctor()["tier"]["reachable"] is False
     sandlot.storage.configure(None, home=home)

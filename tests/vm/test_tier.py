@@ -178,3 +178,39 @@ def test_a_box_asleep_past_evict_after_leaves_this_host_and_a_request_wakes_it_l
         assert time.monotonic() < deadline, helpers()
         time.sleep(0.1)
     assert (rt.box_dir(box.id) / "memory-touched").stat().st_size > 0  # the next wake's first fetches
+
+
+def test_a_killed_memory_helper_ends_its_box_as_a_crash_never_a_hang(
+    tier_homes: tuple[S3Server, list[Path]], busybox_root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The helper is part of the VM: killed, the guest's next read of memory it served
+    fails, QEMU ends, and the box says it crashed (docs/storage.md)."""
+    import os
+    import signal
+    import subprocess
+
+    from sandlot.config import runtime_dir
+    from sandlot.core.runtime import Runtime
+
+    _, (a, _) = tier_homes
+    box = sandlot.Box(rootfs=busybox_root, memory_mib=256, keep=True, name="fragile", home=a).start()
+    box.suspend()
+    monkeypatch.setenv("SANDLOT_LAZY_RESTORE", "always")  # lazy from this host's own chunks
+    box.resume()
+    assert box.exec("echo", "up").stdout == "up\n"
+    mine = [d for d in runtime_dir().glob("lazy-*")
+            if str(Runtime.for_home(a).box_dir(box.id)) in (d / "request").read_text()]  # fmt: skip
+    assert len(mine) == 1
+    pid = int(subprocess.run(["pgrep", "-f", f"sandlot.core.lazymem {a} {mine[0]}"], capture_output=True,
+                             text=True, check=True).stdout.split()[0])  # fmt: skip
+    os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 30
+    while f" {mine[0] / 'mnt'} " in Path("/proc/mounts").read_text():  # auto_unmount: no mount left
+        assert time.monotonic() < deadline, "a killed helper left its mount"
+        time.sleep(0.1)
+    subprocess.run(["sh", "-c", "sync; echo 1 > /proc/sys/vm/drop_caches"], check=False)  # pages read again
+    with pytest.raises(sandlot.SandlotError):
+        for _ in range(50):  # each read of memory the page cache let go fails
+            box.exec("sh", "-c", "cat /proc/meminfo > /dev/null; ls -R / > /dev/null", timeout=60)
+            time.sleep(0.2)
+    assert box.refresh() == "crashed"

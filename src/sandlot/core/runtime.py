@@ -238,11 +238,14 @@ class Runtime:
     def storage_doctor(self) -> dict[str, Any]:
         """Where saved state goes: the chunk store, and the storage tier (and whether it
         answers) where one is configured."""
-        from . import chunks, tier
+        from . import chunks, lazymem, tier
 
+        why_not = lazymem.unavailable()
         out: dict[str, Any] = {
             "chunks": str(self.home / "chunks"),
             "format": "chunks" if chunks.enabled() else "files",
+            # a state whose memory is in the tier resumes as its memory is read (or whole)
+            "lazy_restore": {"available": why_not is None, "why_not": why_not},
         }
         try:
             config = tier.configured(self.home)
