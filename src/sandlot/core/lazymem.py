@@ -10,9 +10,10 @@ touches is read through the mount, and the helper fetches, checks and unpacks th
 64 KiB chunk that holds it at that moment. Meanwhile the helper fetches every other
 chunk: first those the last lazy wake of the box touched (``touched``: the order a
 wake asks for its memory in is much the same each time), then the rest in address
-order. What it has is kept in a sparse file beside the mount (``cache``), so that
-chunks collected after the wake (the state it woke from is dropped) are never needed
-again.
+order. What it has is kept in a sparse file in the box's directory (on the home's disk,
+not the runtime directory, often a small tmpfs; unlinked as soon as it is open, so a
+killed helper leaves none), so that chunks collected after the wake (the state it woke
+from is dropped) are never needed again.
 
     python -m sandlot.core.lazymem HOME DIR      (DIR: manifest, image, touched; made by ``serve``)
 
@@ -157,6 +158,7 @@ def serve(home: Path, manifest: bytes, whose: str, image: str, touched: Path) ->
     mount; None where it could not start (the caller then loads the state whole)."""
     import secrets
 
+    _sweep()
     directory = runtime_dir() / f"lazy-{secrets.token_hex(6)}"
     directory.mkdir(mode=0o700)
     (directory / "mnt").mkdir()
@@ -182,6 +184,18 @@ def serve(home: Path, manifest: bytes, whose: str, image: str, touched: Path) ->
     return None
 
 
+def _sweep() -> None:
+    """Remove what killed helpers left in the runtime directory (their mounts went with
+    them: ``auto_unmount``); a directory younger than ``READY_WAIT`` may be one a
+    launcher is making."""
+    mounts = Path("/proc/self/mounts").read_text()
+    for d in runtime_dir().glob("lazy-*"):
+        with contextlib.suppress(OSError):
+            young = time.time() - d.stat().st_mtime < 4 * READY_WAIT
+            if not young and f" {d / 'mnt'} " not in mounts and not Served(d).alive():
+                shutil.rmtree(d, ignore_errors=True)
+
+
 # -- the helper --------------------------------------------------------------------------------
 
 
@@ -190,7 +204,8 @@ class Memory:
 
     def __init__(self, store: ChunkStore, image: Image, whose: str, cache: Path) -> None:
         self.store, self.image, self.whose = store, image, whose
-        self.fd = os.open(cache, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        self.fd = os.open(cache, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        os.unlink(cache)  # this process's alone: gone with it, however it ends
         os.ftruncate(self.fd, image.size)  # sparse: a chunk of zeros is never written
         self.present = bytearray(d is None for d in image.digests)
         self._busy: dict[int, threading.Event] = {}
@@ -363,8 +378,9 @@ def run(home: Path, directory: Path) -> int:
         manifest = Manifest.decode((directory / "manifest").read_bytes(), whose)
         image = manifest.image(image_name)
         store = ChunkStore(home)
-        memory = Memory(store, image, whose, directory / "cache")
         touched = Path(touched_name)
+        near = touched.parent if touched.parent.is_dir() else directory
+        memory = Memory(store, image, whose, near / f".{directory.name}.cache")
         ended = threading.Event()
 
         def last_release() -> None:
