@@ -42,7 +42,7 @@ PROMISED = {
     ],
     "livestate": ["snapshot", "rollback_to_first_exec_s", "resume_to_first_exec_s", "fork"],
     "storage": ["checkpoints", "fan_out", "local_speed", "tier"],
-    "wake": ["wake", "cycles", "storm", "host"],
+    "wake": ["wake", "cycles", "storm", "deep", "host"],
     "pool": [
         "template_start_to_first_exec_s",
         "pool_claim_to_first_exec_ms",
