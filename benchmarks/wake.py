@@ -42,8 +42,9 @@ from typing import Any
 
 import sandlot
 from sandlot.api.access import create_key
-from sandlot.config import tree_bytes
+from sandlot.config import tree_bytes, try_flock
 from sandlot.core.access import KEY_LABEL
+from sandlot.core.metrics import metrics_lock
 from sandlot.core.pressure import MIN_IDLE
 
 from _common import busybox_root, drop_home, emit, host_facts, parser, scratch_home, summary
@@ -185,15 +186,18 @@ def run(args: Any) -> dict[str, Any]:
     return out
 
 
-def cpu_seconds(name: str) -> dict[str, float]:
-    """CPU seconds spent so far by each process whose command line holds ``name``."""
+def cpu_seconds(name: str) -> dict[tuple[str, str], float]:
+    """CPU seconds spent so far by each process whose command line holds ``name``, by its
+    pid and what it runs (the module of ``python -m``, else the program)."""
     out = {}
     tick = os.sysconf("SC_CLK_TCK")
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
-            if name.encode() in Path(f"/proc/{pid}/cmdline").read_bytes():
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            if any(name.encode() in a for a in argv):
+                what = argv[argv.index(b"-m") + 1] if b"-m" in argv else Path(argv[0].decode()).name.encode()
                 fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-                out[pid] = (int(fields[11]) + int(fields[12])) / tick
+                out[(pid, what.decode())] = (int(fields[11]) + int(fields[12])) / tick
         except (OSError, IndexError, ValueError):
             continue
     return out
@@ -217,15 +221,25 @@ def sleepers(args: Any, home: Path, tmpl: sandlot.Snapshot) -> dict[str, Any]:
         b.suspend()
         made.append(time.monotonic() - t0)
         boxes.append(b)
-    time.sleep(5)  # what a suspend left to settle (the sampler's last rounds) settles
+    # what the last suspends left settles: the metrics sampler ends once no VM has run in
+    # the home for its IDLE_S (30 s); the figure is what stays, as long as they sleep
+    settled = time.monotonic()
+    while (fd := try_flock(metrics_lock(home))) is None:
+        assert time.monotonic() - settled < 120, "the home's sampler never ended"
+        time.sleep(1)
+    os.close(fd)
+    settled = time.monotonic() - settled
     mine = str(home)  # this home's processes alone: its helpers name it, its VMs' files are in it
     cpu0, t0 = cpu_seconds(mine), time.monotonic()
     time.sleep(args.idle_seconds)
     cpu1 = cpu_seconds(mine)
-    # each process's own spending: one that ended meanwhile (the sampler, with no VM left)
-    # is counted up to the last look, one that began from its start
-    spent = sum(cpu1[p] - cpu0.get(p, 0.0) for p in cpu1)
-    idle_cpu = spent / (time.monotonic() - t0)
+    took_s = time.monotonic() - t0
+    # each process's own spending: one that ended meanwhile is counted up to the last
+    # look, one that began from its start
+    by_what: dict[str, float] = {}
+    for p, now in cpu1.items():
+        by_what[p[1]] = by_what.get(p[1], 0.0) + now - cpu0.get(p, 0.0)
+    idle_cpu = sum(by_what.values()) / took_s
     held = {
         "boxes": len(boxes),
         "made_and_put_to_sleep_s": summary(made, digits=3),
@@ -235,6 +249,8 @@ def sleepers(args: Any, home: Path, tmpl: sandlot.Snapshot) -> dict[str, Any]:
         "home_added_MiB": round((tree_bytes(home) - home_before) / (1 << 20), 1),
         "home_added_per_box_MiB": round((tree_bytes(home) - home_before) / (1 << 20) / len(boxes), 2),
         "idle_cpu_percent_of_one_core": round(idle_cpu * 100, 2),
+        "idle_cpu_percent_by_process": {w: round(c / took_s * 100, 2) for w, c in sorted(by_what.items())},
+        "settled_after_s": round(settled, 1),
     }
     took, body = first_byte(boxes[len(boxes) // 2].port(8000)[1])
     assert body == b"hello\n", body
@@ -279,7 +295,7 @@ def deep(args: Any) -> dict[str, Any]:
                 """Suspend, and wait for the pusher to evict its memory: the chunks it read
                 from the tier to wake."""
                 box.suspend()
-                state = rt.store.get(box.id).suspended
+                state = rt.store.get(box.id).suspended or ""
                 ram = Manifest.decode(rt.store.state_manifest(state) or b"", state).image("microvm.ram")
                 deadline = time.monotonic() + TIMEOUT
                 while all(store.path(d).exists() for d in ram.digests if d):
@@ -313,7 +329,7 @@ def deep(args: Any) -> dict[str, Any]:
             box.remove(force=True)
         return {
             "resident_MiB": args.resident_mib,
-            "chunks_in_tier_only": summary(remote),
+            "chunks_in_tier_only": summary([float(n) for n in remote]),
             "request_to_first_byte_s": summary(lazy, digits=3),
             "resume_read_whole_first_s": summary(whole, digits=3),
             "lazy_over_whole": round(summary(lazy)["median"] / max(summary(whole)["median"], 1e-9), 2),
