@@ -827,8 +827,7 @@ def test_a_command_reads_the_row_again_only_after_a_commit_it_did_not_make(
     own connection) or by another loop of this process (the sync API's, sharing this
     process's connection) makes the next command read the row, and see what they did."""
     from sandlot.core.controller import BoxController
-    from sandlot.core.runtime import store_path
-    from sandlot.core.store import BoxStore
+    from sandlot.core.store import BoxStore, store_path
 
     reads: list[str] = []
     real = BoxController.refresh

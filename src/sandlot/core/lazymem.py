@@ -398,10 +398,10 @@ def run(home: Path, directory: Path) -> int:
             log.info("%s: %d chunks in %.2fs, %d of them read by the VM first, %d waited for (%s)",
                      whose, memory.fetched, time.monotonic() - t0, len(memory.asked), memory.waited,
                      "complete" if memory.complete() else f"incomplete: {memory.failed}")  # fmt: skip
-            with contextlib.suppress(Exception):
-                from .runtime import Runtime
+            with contextlib.suppress(Exception):  # a figure, never a reason to fail
+                from .store import BoxStore, store_path
 
-                store.tally(Runtime.for_home(home).store)
+                store.tally(BoxStore(store_path(home)))
 
         def keep_touched() -> None:
             # what this wake asked for before the fill brought it: the next wake's first fetches

@@ -31,20 +31,13 @@ from ..engine.base import Boot, BootRequest, Engine, Placement
 from ..errors import HostSetupError, InvalidArgument
 from . import exports, layers, snapshots
 from .events import Draft
-from .store import AsyncStore, BoxRecord, BoxStore
+from .store import AsyncStore, BoxRecord, BoxStore, store_path
 
 if TYPE_CHECKING:
     from ..images.manager import ImageManager
 
 AGENT_PORTS = 8  # agent connections a box takes at once (one per process; see core.sessions)
-STORE_FILE = "sandlot.db"
 BOXES = "boxes"
-
-
-def store_path(home: Path) -> Path:
-    """A home's store (``core.store``): every home that ran a VM has one, so a home
-    without it is one that was removed (or moved away)."""
-    return home / STORE_FILE
 
 
 class Runtime:

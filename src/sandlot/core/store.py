@@ -498,6 +498,15 @@ def recorded_vms(path: Path) -> dict[str, VMRef | None] | None:
             for box, pid, start in rows}  # fmt: skip
 
 
+STORE_FILE = "sandlot.db"
+
+
+def store_path(home: Path) -> Path:
+    """A home's store: every home that ran a VM has one, so a home without it is one
+    that was removed (or moved away)."""
+    return home / STORE_FILE
+
+
 class BoxStore:
     """Blocking access to ``sandlot.db``; async code goes through ``AsyncStore``."""
 
