@@ -204,10 +204,6 @@ def test_a_killed_memory_helper_ends_its_box_as_a_crash_never_a_hang(
     pid = int(subprocess.run(["pgrep", "-f", f"sandlot.core.lazymem {a} {mine[0]}"], capture_output=True,
                              text=True, check=True).stdout.split()[0])  # fmt: skip
     os.kill(pid, signal.SIGKILL)
-    deadline = time.monotonic() + 30
-    while f" {mine[0] / 'mnt'} " in Path("/proc/mounts").read_text():  # auto_unmount: no mount left
-        assert time.monotonic() < deadline, "a killed helper left its mount"
-        time.sleep(0.1)
     subprocess.run(["sh", "-c", "sync; echo 1 > /proc/sys/vm/drop_caches"], check=False)  # pages read again
     with pytest.raises(sandlot.SandlotError):
         for _ in range(50):  # each read of memory the page cache let go fails

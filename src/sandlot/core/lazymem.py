@@ -21,7 +21,8 @@ The helper lives as long as the VM's mapping: QEMU keeps the file open while it 
 and when its last reference goes (the VM ended, was suspended or stopped) the helper
 unmounts and exits. It is part of the VM: killed, the VM's next touch of memory not
 yet read fails, as if QEMU had been killed. It is started with ``auto_unmount`` where
-``fusermount3`` is installed, so even a killed helper leaves no mount behind.
+``fusermount3`` is installed, so a killed helper's mount goes with it where nothing maps
+it; one a VM still mapped is detached by the next ``serve``'s sweep.
 
 Written on ``mfusepy`` (libfuse through ctypes): one file, read only, in a process of
 its own; userfaultfd would need the faults of QEMU's own process (postcopy, whose
@@ -185,14 +186,15 @@ def serve(home: Path, manifest: bytes, whose: str, image: str, touched: Path) ->
 
 
 def _sweep() -> None:
-    """Remove what killed helpers left in the runtime directory (their mounts went with
-    them: ``auto_unmount``); a directory younger than ``READY_WAIT`` may be one a
-    launcher is making."""
+    """Remove what killed helpers left in the runtime directory, their mounts too (lazily);
+    a directory younger than ``READY_WAIT`` may be one a launcher is making."""
     mounts = Path("/proc/self/mounts").read_text()
     for d in runtime_dir().glob("lazy-*"):
         with contextlib.suppress(OSError):
             young = time.time() - d.stat().st_mtime < 4 * READY_WAIT
-            if not young and f" {d / 'mnt'} " not in mounts and not Served(d).alive():
+            if not young and not Served(d).alive():
+                if f" {d / 'mnt'} " in mounts:  # one auto_unmount could not take (its VM mapped it)
+                    _unmount(d / "mnt")
                 shutil.rmtree(d, ignore_errors=True)
 
 
