@@ -177,3 +177,15 @@ def test_a_helper_whose_vm_never_came_is_stopped_and_leaves_nothing(
         assert time.monotonic() < deadline, "the helper outlived its stop"
         time.sleep(0.05)
     assert str(served.directory) not in Path("/proc/self/mounts").read_text()
+
+
+def test_a_box_keeps_a_bounded_log_of_its_lazy_wakes(tmp_path: Path) -> None:
+    box_dir, helper = tmp_path / "box", tmp_path / "lazy-x"
+    box_dir.mkdir()
+    helper.mkdir()
+    (helper / "request").write_text(f"s\nram\n{lazymem.touched_of(box_dir)}\n")
+    (box_dir / "lazymem.log").write_bytes(b"old\n" * lazymem.LOG_KEPT)
+    (helper / "helper.log").write_bytes(b"this wake\n")
+    lazymem._keep_log(helper)
+    kept = (box_dir / "lazymem.log").read_bytes()
+    assert len(kept) == lazymem.LOG_KEPT and kept.endswith(b"old\nthis wake\n")

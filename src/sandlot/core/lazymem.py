@@ -62,6 +62,7 @@ LOCAL_READERS = 4  # chunks read at once from this host's disk while filling
 # a time, and 2.1 s lazily (the helper's start and the guest's one-by-one waits cost
 # more than they save); 1,770 took 10.9 s fetched first, 4.3 s lazily
 LAZY_FROM = 512
+LOG_KEPT = 256 << 10  # bytes of its lazy wakes' logs a box keeps
 CALM_WAIT = 1.0  # seconds at most a fill fetch holds back for the VM's own reads
 _INDEX = struct.Struct("<I")
 STARTED = time.monotonic()
@@ -406,7 +407,7 @@ def run(home: Path, directory: Path) -> int:
                 store.tally(BoxStore(store_path(home)))
 
         def keep_touched() -> None:
-            # what this wake asked for before the fill brought it: the next wake's first fetches
+            # every chunk of data the VM read in its first TOUCH_WINDOW: the next wake's first fetches
             while not ended.wait(1.0) and time.monotonic() < memory.asking_until:
                 pass
             if memory.asked and touched.parent.is_dir():
@@ -443,12 +444,14 @@ def run(home: Path, directory: Path) -> int:
 
 
 def _keep_log(directory: Path) -> None:
-    """The helper's log, kept beside the box's other logs (its state directory)."""
+    """The helper's log, added to the box's (in its state directory), which keeps its last
+    ``LOG_KEPT`` bytes: a box woken lazily again and again never grows it past that."""
     with contextlib.suppress(OSError, ValueError):
         touched = Path((directory / "request").read_text().splitlines()[2])
         if touched.parent.is_dir():
-            with open(touched.parent / "lazymem.log", "ab") as out:
-                out.write((directory / "helper.log").read_bytes()[-64 << 10 :])
+            kept = touched.parent / "lazymem.log"
+            before = kept.read_bytes() if kept.exists() else b""
+            atomic_write(kept, (before + (directory / "helper.log").read_bytes())[-LOG_KEPT:], 0o600)
 
 
 def main(argv: list[str]) -> int:
