@@ -8,6 +8,7 @@ import asyncio
 import json
 import socket
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -59,3 +60,38 @@ def test_the_keeper_answers_a_malformed_request_with_a_typed_error(tmp_path: Pat
 def test_asking_where_no_keeper_runs_without_starting_one_is_refused(tmp_path: Path) -> None:
     with pytest.raises(ConnectionRefusedError, match="no port keeper runs"):
         port_hold.ask(tmp_path / "nowhere", {"release": "x"}, start=False)
+
+
+def test_the_keeper_reads_the_rows_only_when_the_store_changed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A home whose boxes all sleep costs the keeper a stat of the store's two files a round,
+    not a read of every row; a write, a removed store and ``READ_ANYWAY`` each bring a read."""
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / "sandlot.db").write_bytes(b"rows")
+    keeper = port_keeper.Keeper(home)
+    rows, reads = ["a", "b"], []
+
+    async def listed() -> list[SimpleNamespace]:
+        reads.append(list(rows))
+        return [SimpleNamespace(id=r) for r in rows]
+
+    db = SimpleNamespace(list=listed)
+    keeper.backend = SimpleNamespace(core=lambda: SimpleNamespace(controller=SimpleNamespace(db=db)))  # type: ignore[assignment]
+    keeper.held = {b: port_keeper.Held([], []) for b in ("a", "b")}
+    asyncio.run(keeper.look())
+    asyncio.run(keeper.look())
+    assert len(reads) == 1 and set(keeper.held) == {"a", "b"}
+    monkeypatch.setattr(port_keeper, "READ_ANYWAY", 0.0)  # from the next read on
+    rows.remove("b")  # another process removed b: its row goes in a write to the log
+    (home / "sandlot.db-wal").write_bytes(b"a write")
+    asyncio.run(keeper.look())
+    assert len(reads) == 2 and set(keeper.held) == {"a"}
+    asyncio.run(keeper.look())
+    asyncio.run(keeper.look())  # the rows read again, the files alike
+    assert len(reads) == 4
+    for f in home.iterdir():  # the home's store gone: every row with it, and nothing to read
+        f.unlink()
+    asyncio.run(keeper.look())
+    assert len(reads) == 4 and keeper.held == {}

@@ -35,8 +35,10 @@ home) and then holds the ports of every such box of the home the store lists, on
 ports their records name (an ephemeral one another program took meanwhile gets a new
 number, which the record then says): a keeper killed leaves the ports closed only until
 the next call of the home that starts, resumes or finds one of its boxes. It lets a
-removed box's ports go within ``LOOK_EVERY`` seconds (at once where this host removed it),
-and ends ``IDLE_EXIT`` seconds after it last held any.
+removed box's ports go within ``LOOK_EVERY`` seconds (at once where this host removed it;
+it reads the store's rows only when the store's files changed, or ``READ_ANYWAY`` seconds
+after its last read, so sleeping boxes cost it no reads), and ends ``IDLE_EXIT`` seconds
+after it last held any.
 """
 
 from __future__ import annotations
@@ -54,6 +56,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..config import private_listener, try_flock
 from ..core import events
+from ..core.store import STORE_FILE, store_path
 from ..errors import BoxNotFound, GuestOSError, InvalidState, SandlotError
 from .backend import Command
 from .bridge import Duplex, open_relay, serve_on
@@ -65,10 +68,27 @@ if TYPE_CHECKING:
     from .process import AsyncProcess
 
 LOOK_EVERY = 2.0  # seconds between two looks at which boxes of the home still exist
+# the rows are read this often even where the store's files look unchanged: two writes in
+# one tick of the file system's clock that leave the log's size alike look like none
+READ_ANYWAY = 60.0
 IDLE_EXIT = 30.0  # seconds holding no box before the keeper ends
 RELAY_TIMEOUT = 10.0  # seconds for the guest port to answer, once the box is awake
 WAKER = "traffic"  # who the events of a wake say acted
 BACKLOG = 512  # connections that wait, unaccepted, while many come at once
+
+
+def store_stamp(home: Path) -> tuple[Any, ...]:
+    """What a write to the home's store changes: the inode, size and time of its file and
+    of its write-ahead log (None for one that is not there)."""
+    stamps: list[Any] = []
+    for path in (store_path(home), store_path(home).with_name(STORE_FILE + "-wal")):
+        try:
+            st = path.stat()
+        except FileNotFoundError:
+            stamps.append(None)
+        else:
+            stamps.append((st.st_ino, st.st_size, st.st_mtime_ns))
+    return tuple(stamps)
 
 
 def bind_port(box: str, address: str, port: int, *, ephemeral: bool) -> socket.socket:
@@ -121,6 +141,8 @@ class Keeper:
         self.backend = LocalBackend.for_home(home)
         self.held: dict[str, Held] = {}
         self._lock = asyncio.Lock()
+        self._store_seen: tuple[Any, ...] | None = None  # the store's files as last looked at
+        self._read_by = 0.0  # when the rows are read even if the files look the same
 
     async def hold(self, box_id: str) -> list[list[Any]]:
         """Bind the box's ports (once) and serve them; the ports, as the record keeps them."""
@@ -190,10 +212,19 @@ class Keeper:
     async def look(self) -> None:
         """Let go of the ports of boxes that were removed: their rows are gone (the store's
         rows alone, read as they are: recovering every box of the home each round, as
-        ``controller.list`` does, is the work of whoever uses them)."""
+        ``controller.list`` does, is the work of whoever uses them). The rows are read only
+        when the store's files changed since the last look: a home whose boxes all sleep
+        costs a stat of two files a round, not a read of a thousand rows."""
         if not self.held:
             return
-        present = {rec.id for rec in await self.backend.core().controller.db.list()}
+        seen = store_stamp(self.home)
+        if seen == self._store_seen and time.monotonic() < self._read_by:
+            return
+        if seen[0] is None:  # the home's store is gone, and every row with it
+            present: set[str] = set()
+        else:
+            present = {rec.id for rec in await self.backend.core().controller.db.list()}
+        self._store_seen, self._read_by = seen, time.monotonic() + READ_ANYWAY
         for box_id in [b for b in self.held if b not in present]:
             self.release(box_id)
 
