@@ -452,7 +452,8 @@ class CommandFailed(SandlotError):
 
 
 class Unauthorized(SandlotError):
-    """A request to ``sandlot serve`` without a valid API key."""
+    """A request to ``sandlot serve`` without a valid API key, or a fleet's Ray cluster
+    that refused this driver's token (none, or the wrong one)."""
 
     code, status = "unauthorized", 401
 
@@ -461,6 +462,13 @@ class Forbidden(SandlotError):
     """The API key is valid but may not do this (an admin-only operation)."""
 
     code, status = "forbidden", 403
+
+
+class InsecureCluster(Forbidden):
+    """A fleet node refuses to serve boxes on a Ray cluster that does not authenticate its
+    callers (its operator did not allow it with ``--insecure-cluster``)."""
+
+    code = "insecure_cluster"
 
 
 class QuotaExceeded(SandlotError):

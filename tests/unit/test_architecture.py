@@ -21,6 +21,7 @@ LAYERS: dict[str, int] = {
     "sandlot.errors": 0,
     "sandlot.config": 1, "sandlot.pids": 1, "sandlot.version": 1, "sandlot.crashpoints": 1,
     "sandlot.native": 1, "sandlot.hostsetup": 1, "sandlot.ksm": 1, "sandlot.records": 1,
+    "sandlot.clusterauth": 1,
     "sandlot.protocol": 2, "sandlot.images": 2, "sandlot.net": 2, "sandlot.guest": 2,
     "sandlot.engine": 3,
     "sandlot.core": 4,

@@ -354,11 +354,16 @@ def validated(model: type[Strict], data: Mapping[str, Any]) -> Any:
     try:
         return model.model_validate(data)
     except ValidationError as e:
-        parts = []
-        for err in e.errors()[:5]:
-            where = ".".join(str(p) for p in err.get("loc", ()))
-            parts.append(f"{where}: {err.get('msg')}" if where else str(err.get("msg")))
-        raise InvalidArgument("; ".join(parts) or "malformed arguments") from None
+        raise refusal(e) from None
+
+
+def refusal(e: ValidationError) -> InvalidArgument:
+    """A validation's failure as InvalidArgument naming the fields (its first five)."""
+    parts = []
+    for err in e.errors()[:5]:
+        where = ".".join(str(p) for p in err.get("loc", ()))
+        parts.append(f"{where}: {err.get('msg')}" if where else str(err.get("msg")))
+    return InvalidArgument("; ".join(parts) or "malformed arguments")
 
 
 class ExecIn(Strict):

@@ -22,6 +22,7 @@ from typing import Any
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from .. import clusterauth
 from ..api import loop
 from ..api.box import AsyncBox
 from ..api.client import AsyncClient
@@ -29,11 +30,11 @@ from ..api.sync import Box as SyncBox
 from ..api.sync import Client
 from ..core.events import Event
 from ..errors import ConnectionLost, InvalidArgument, InvalidState, NodeNotFound, SandlotError
-from . import placement
+from . import placement, trust
 from .backend import Forked, RayBackend, RayBoxRef, answer, box_bundle, got, opened, ray_box
 from .directory import LOST, Directory, Record
 from .directory import NAME as DIRECTORY
-from .node import NodeService, node_actor_name
+from .node import NodeActor, node_actor_name
 
 NODE_SETTLE = 120.0  # seconds a node may take to end a move (undo or finish a hold), its successor included
 
@@ -52,12 +53,25 @@ def connect(
     *,
     resources: Mapping[str, float] | None = None,
     placement_timeout: float = 30.0,
+    insecure_cluster: bool = False,
     **init_options: Any,
 ) -> Fleet:
     """Join a Ray cluster (``"auto"``: the one this machine belongs to; ``"ray://host:10001"``:
     through Ray Client), or with ``None`` start a local one whose node offers this host's
     cores and half its memory to boxes (``resources`` to say otherwise). A Ray already
-    initialized in this process is used as it is. ``init_options`` go to ``ray.init``."""
+    initialized in this process is used as it is. ``init_options`` go to ``ray.init``.
+
+    The driver sends the cluster's token, found as Ray finds it (``RAY_AUTH_TOKEN``, the
+    file ``RAY_AUTH_TOKEN_PATH`` names, ``~/.ray/auth_token``); a local cluster is started
+    with token authentication, its token made (mode 0600) if there is none. A cluster that
+    refuses the driver raises Unauthorized. ``insecure_cluster=True`` (a local cluster
+    only) lets its node serve boxes even where ``RAY_AUTH_MODE=disabled`` turned
+    authentication off (docs/fleet.md, "Security")."""
+    if insecure_cluster and address is not None:
+        raise InvalidArgument(
+            "insecure_cluster= is for a local cluster (address=None): a cluster's nodes are allowed "
+            "an open cluster by their operator (`sandlot fleet start --insecure-cluster`)"
+        )
     if not ray.is_initialized():
         opts: dict[str, Any] = {"namespace": NAMESPACE, **init_options}
         if address is None:  # what a new local Ray is; Ray refuses these when it joins one
@@ -66,10 +80,20 @@ def connect(
             opts["address"] = "local"
             opts["resources"] = {**host_resources(), **(resources or {})}
             opts.setdefault("include_dashboard", False)
+            if insecure_cluster:  # the local node's actor inherits this process's environment
+                os.environ[clusterauth.INSECURE_ENV] = "1"
         else:
             opts["address"] = address
         opts.setdefault("log_to_driver", False)
-        ray.init(**opts)
+        token = trust.use_token(address)
+        try:
+            ray.init(**opts)
+        except (ray.exceptions.AuthenticationError, ConnectionError, RuntimeError) as exc:
+            if not trust.is_refusal(exc):
+                raise
+            with contextlib.suppress(Exception):
+                ray.shutdown()
+            raise trust.refused(address, token, exc) from None
     return Fleet(placement_timeout=placement_timeout)
 
 
@@ -137,7 +161,7 @@ class Fleet:
         """The sandlot actor of a node, started there if it is not running yet."""
         handle = self._nodes.get(node_id)
         if handle is None:
-            actor = ray.remote(NodeService).options(
+            actor = ray.remote(NodeActor).options(
                 name=node_actor_name(node_id),
                 namespace=NAMESPACE,
                 lifetime="detached",

@@ -12,6 +12,13 @@ error comes back as ``{"error": ...}`` (the contract's error shape) and is raise
 again as the same class by the driver, since Ray would wrap it in its own
 exception. Saved state leaves a node as chunks it ``ray.put``s and enters another
 as the chunks that node fetches and verifies (``transfer``).
+
+Ray lets whoever holds an actor's handle call any method of its class, so Ray is given
+``NodeActor``: the calls of ``NODE_CALLS`` and nothing else of the body. Each call's
+arguments are checked against its signature (strictly: no coercion) and an operation's
+against its model of the contract, as the server checks a request; what does not fit is
+InvalidArgument naming it. Before its first call the actor checks that its cluster
+authenticates its callers (``trust``) and refuses every call if it does not.
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ import asyncio
 import builtins
 import contextlib
 import functools
+import inspect
 import json
 import os
 import secrets
@@ -31,11 +39,13 @@ from pathlib import Path
 from typing import Any, Concatenate, ParamSpec, TypeVar
 
 import ray
+from pydantic import ConfigDict, ValidationError, validate_call
 
 from ..api import host
 from ..api.backend import BoxRef, SnapshotRef, Write
 from ..api.box import AsyncBox, AsyncSnapshot
 from ..api.contract import (
+    BY_KEY,
     STDERR,
     STDOUT,
     ArchiveIn,
@@ -48,7 +58,7 @@ from ..api.contract import (
     box_create,
     error_json,
     error_message,
-    operation,
+    refusal,
     validated,
 )
 from ..api.local import LocalBackend
@@ -58,7 +68,7 @@ from ..core.events import query as check_events_query
 from ..crashpoints import crash_point
 from ..errors import BoxNotFound, InvalidArgument, InvalidState, RequestError, SandlotError, Unsupported
 from ..version import __version__
-from . import directory, placement, transfer
+from . import directory, placement, transfer, trust
 from .directory import Record
 from .placement import NAMESPACE
 
@@ -75,21 +85,48 @@ Reply = dict[str, Any]
 Writer = Callable[[AsyncIterator[bytes]], Awaitable[Any]]  # a write that takes its chunks as they come
 
 
+STRICT = ConfigDict(strict=True, arbitrary_types_allowed=True)
+KEY_MAX = 256  # characters of a box's or a snapshot's key (an id, a name or a prefix)
+
+
 def guarded(
     fn: Callable[Concatenate[NodeService, P], Awaitable[T]],
 ) -> Callable[Concatenate[NodeService, P], Awaitable[Reply]]:
     """A node call's result as ``{"ok": value}``, or its sandlot error as ``{"error": ...}``;
-    the first call of an actor waits for it to settle what its predecessor left."""
+    its arguments checked against its signature first (InvalidArgument), and the first call
+    of an actor waits for it to check its cluster and settle what its predecessor left."""
+    checked = validate_call(config=STRICT)(fn)
 
     @functools.wraps(fn)
     async def call(self: NodeService, /, *args: P.args, **kwargs: P.kwargs) -> Reply:
         try:
             await self.settled()
-            return {"ok": await fn(self, *args, **kwargs)}
+            try:
+                run = checked(self, *args, **kwargs)
+            except ValidationError as exc:
+                raise refusal(exc) from None
+            return {"ok": await run}
         except SandlotError as exc:
             return {"error": error_json(exc)}
 
     return call
+
+
+def key_of(value: Any, what: str = "box") -> str:
+    """A box's or a snapshot's key as a caller gave it: a short non-empty string."""
+    if not isinstance(value, str) or not value or len(value) > KEY_MAX:
+        raise InvalidArgument(
+            f"a {what} is named by a string of 1 to {KEY_MAX} characters, not {value!r:.80}"
+        )
+    return value
+
+
+def offered(scope: Any, name: Any) -> Any:
+    """The contract's operation ``scope.name`` (``api/contract.py``'s table); nothing else runs."""
+    op = BY_KEY.get(f"{scope}.{name}") if isinstance(scope, str) and isinstance(name, str) else None
+    if op is None:
+        raise InvalidArgument(f"{scope!r:.40}.{name!r:.60} is not an operation of the contract")
+    return op
 
 
 class Upload:
@@ -150,6 +187,7 @@ class NodeService:
         self.holds = self.home / "fleet" / "holds"  # the boxes held for a move, one file each
         self._settling: asyncio.Future[None] | None = None
         self._sweeping: asyncio.Future[None] | None = None
+        self._trusting: asyncio.Future[Any] | None = None
 
     async def ref(self, key: str) -> BoxRef:
         found = self.refs.get(key)
@@ -163,9 +201,23 @@ class NodeService:
 
     # -- the node --------------------------------------------------------------------------
 
+    async def trusted(self) -> None:
+        """Refuse to serve a cluster that does not authenticate its callers (InsecureCluster,
+        unless the node's operator allowed it: ``trust.check_cluster``), checked once per
+        actor. Outside Ray (the node's body run alone, as the fast tier does) there is no
+        cluster to check."""
+        if not ray.is_initialized():
+            return
+        if self._trusting is None:
+            self._trusting = asyncio.ensure_future(
+                asyncio.to_thread(trust.check_cluster, self.home, self.node_id)
+            )
+        await asyncio.shield(self._trusting)
+
     async def settled(self) -> None:
-        """Settle, once per actor and before its first call, what an earlier actor of this
-        node left half done (``settle``)."""
+        """Check the cluster (``trusted``), then settle, once per actor and before its first
+        call, what an earlier actor of this node left half done (``settle``)."""
+        await self.trusted()
         if self._settling is None:
             self._settling = asyncio.ensure_future(self.settle())
             self._sweeping = asyncio.ensure_future(self._sweep_unheld())
@@ -285,7 +337,8 @@ class NodeService:
     @guarded
     async def call(self, scope: str, name: str, key: str, params: dict[str, Any]) -> Any:
         """Operation ``scope.name`` on box or snapshot ``key``: the answer in the contract's JSON."""
-        op = operation(scope, name)  # type: ignore[arg-type]
+        op = offered(scope, name)
+        key_of(key, scope)
         args = host.arguments(op, params)
         if op.key == "box.processes":
             return await self.processes.listed(await self.ref(key))
@@ -320,7 +373,11 @@ class NodeService:
     async def follow(self, key: str, process_id: str, offsets: tuple[int, int]) -> AsyncIterator[bytes | str]:
         """A held process's frames from ``offsets`` (a Ray streaming generator)."""
         try:
-            held = await self.processes.found(await self.ref(key), process_id)  # perhaps an earlier actor's
+            await self.settled()
+            if not (isinstance(offsets, tuple | builtins.list) and len(offsets) == 2
+                    and all(type(o) is int and o >= 0 for o in offsets)):  # fmt: skip
+                raise InvalidArgument(f"offsets are two counts of bytes, not {offsets!r:.80}")
+            held = await self.processes.found(await self.ref(key_of(key)), key_of(process_id, "process"))
         except SandlotError as exc:
             yield json.dumps(error_message(exc))  # a process's frames are text or bytes
             return
@@ -338,7 +395,10 @@ class NodeService:
         messages ("watch", ``host.watch_messages``) or a cell's events ("code",
         ``host.code_messages``); a sandlot error is its last message."""
         try:
-            ref = await self.ref(key)
+            await self.settled()
+            if not isinstance(body, dict):
+                raise InvalidArgument(f"a stream's arguments are an object, not {type(body).__name__}")
+            ref = await self.ref(key_of(key))
             items: AsyncIterator[Any]
             if kind == "read":
                 p = validated(ReadIn, body)
@@ -363,6 +423,9 @@ class NodeService:
         """This node's events (``Backend.events``: ``box``, ``since``, ``after``, ``follow``),
         each as its JSON, as a Ray streaming generator; a sandlot error is the last message."""
         try:
+            await self.settled()
+            if not isinstance(body, dict):
+                raise InvalidArgument(f"an events query is an object, not {type(body).__name__}")
             box, since, after = check_events_query(body.get("box"), body.get("since"), body.get("after"))
             found = self.backend.events(box=box, since=since, after=after, follow=bool(body.get("follow")))
             async for ev in found:
@@ -664,6 +727,46 @@ class NodeService:
             await self._remove(await self.ref(box_id), True)  # and the state moved here for it
         if held is not None:
             await self._drop_move_snapshot(held)
+
+
+# What a driver may call on a node actor: the contract's operations (``call``, and the
+# commands, processes, files and streams the table does not carry) and the fleet's own
+# moves of saved state. The body's other methods are its own.
+NODE_CALLS = (
+    "facts", "list", "create", "call", "exec", "spawn", "follow", "send", "stream", "events",
+    "upload_begin", "upload_chunk", "upload_end", "upload_abort", "find_snapshot", "snapshot_list",
+    "remove", "start_from", "drop_snapshot", "export", "import_state", "push_box", "pull_box",
+    "tier_holds", "hold", "release", "finish",
+)  # fmt: skip
+
+
+def _relayed(name: str) -> Callable[..., Any]:
+    """``NodeService.<name>`` as a method of ``NodeActor``, of the same kind (a coroutine or
+    an async generator: Ray streams the one and awaits the other) and signature."""
+    fn = getattr(NodeService, name)
+    if inspect.isasyncgenfunction(fn):
+
+        async def streamed(self: NodeActor, /, *args: Any, **kwargs: Any) -> AsyncIterator[Any]:
+            async for item in getattr(self.body, name)(*args, **kwargs):
+                yield item
+
+        return functools.wraps(fn)(streamed)
+
+    async def called(self: NodeActor, /, *args: Any, **kwargs: Any) -> Any:
+        return await getattr(self.body, name)(*args, **kwargs)
+
+    return functools.wraps(fn)(called)
+
+
+class NodeActor:
+    """The node actor as Ray sees it: ``NODE_CALLS``, each relayed to a ``NodeService``."""
+
+    def __init__(self, node_id: str, home: str | None = None) -> None:
+        self.body = NodeService(node_id, home)
+
+
+for _name in NODE_CALLS:
+    setattr(NodeActor, _name, _relayed(_name))
 
 
 async def _directory_records() -> tuple[Any, builtins.list[Record]] | None:
