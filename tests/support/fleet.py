@@ -2,11 +2,17 @@
 ``ray.cluster_utils.Cluster``, each node a raylet of its own with its own
 ``SANDLOT_HOME`` (sharing the default home's kernel, agent and initramfs, so nothing
 is fetched again) and its own sandlot resources. Sized for a small host: one Ray
-CPU and a 100 MiB object store per node, no dashboard."""
+CPU and a 100 MiB object store per node, no dashboard.
+
+The cluster authenticates with a token of its own, as docs/fleet.md's setup does
+(``auth=False``: an open cluster, for the test of a node refusing one): its file is
+named by ``RAY_AUTH_TOKEN_PATH`` in this process's environment while the cluster
+runs, which its nodes and the drivers this process starts inherit."""
 
 from __future__ import annotations
 
 import contextlib
+import os
 import shutil
 import tempfile
 from pathlib import Path
@@ -32,9 +38,21 @@ def node_home(prefix: str = "fleet-node-") -> Path:
 class FleetCluster:
     """Ray nodes on this machine, each a sandlot node of its own home."""
 
-    def __init__(self) -> None:
+    def __init__(self, auth: bool = True) -> None:
         from ray.cluster_utils import Cluster
 
+        from sandlot import clusterauth
+
+        self.secrets = Path(tempfile.mkdtemp(prefix="fleet-auth-"))
+        self.token_path = self.secrets / "auth_token"
+        self.token = clusterauth.make_token(self.token_path).value if auth else None
+        self.saved_env = {k: os.environ.get(k) for k in AUTH_ENV}
+        for k in AUTH_ENV:
+            os.environ.pop(k, None)
+        os.environ["RAY_AUTH_MODE"] = "token" if auth else "disabled"
+        if auth:
+            os.environ["RAY_AUTH_TOKEN_PATH"] = str(self.token_path)
+        refresh_ray_config()
         self.cluster = Cluster(initialize_head=False)
         self.nodes: dict[str, Any] = {}
         self.homes: dict[str, Path] = {}
@@ -96,3 +114,21 @@ class FleetCluster:
             shutil.rmtree(home, ignore_errors=True)
         for run in self.runs.values():
             shutil.rmtree(run, ignore_errors=True)
+        for k, v in self.saved_env.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        with contextlib.suppress(Exception):
+            refresh_ray_config()
+        shutil.rmtree(self.secrets, ignore_errors=True)
+
+
+AUTH_ENV = ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH")
+
+
+def refresh_ray_config() -> None:
+    """This process's Ray reads its authentication settings again (it caches them)."""
+    from sandlot.fleet.trust import refresh_ray_config as refresh
+
+    refresh()

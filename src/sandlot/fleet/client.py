@@ -87,6 +87,8 @@ def connect(
         opts.setdefault("log_to_driver", False)
         token = trust.use_token(address)
         try:
+            if address is not None:
+                trust.check_driver(address)
             ray.init(**opts)
         except (ray.exceptions.AuthenticationError, ConnectionError, RuntimeError) as exc:
             if not trust.is_refusal(exc):

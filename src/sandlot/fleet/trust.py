@@ -70,6 +70,26 @@ def use_token(address: str | None) -> clusterauth.Token | None:
     return token
 
 
+def check_driver(address: str) -> None:
+    """Ask the cluster's GCS once with this driver's token, so that a refusal is said at
+    once: ``ray.init`` retries for about 25 s and then says only that it could not
+    connect. Raises Ray's AuthenticationError if refused; anything else (a cluster not
+    there, an address Ray Client serves) is left to ``ray.init`` to say."""
+    if address.startswith("ray://"):
+        return
+    from ray._private.services import canonicalize_bootstrap_address
+    from ray._raylet import GcsClient  # type: ignore[attr-defined]
+
+    try:
+        gcs = canonicalize_bootstrap_address(address)
+        if gcs is not None:
+            GcsClient(address=gcs).internal_kv_get(b"sandlot-driver", None, timeout=10)
+    except ray.exceptions.AuthenticationError:
+        raise
+    except Exception:  # not a refusal: ray.init says what it is
+        pass
+
+
 def is_refusal(exc: BaseException) -> bool:
     """Whether a failure to join is the cluster refusing this driver's token."""
     return isinstance(exc, ray.exceptions.AuthenticationError) or "InvalidAuthToken" in str(exc)
