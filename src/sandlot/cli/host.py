@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 from rich.console import Console
@@ -96,6 +97,7 @@ def doctor(
         out.print(f"ksm          {ok}  on: identical pages of boxes are kept once ({saved} MiB saved now)")
     elif merging:
         out.print(f"ksm          [yellow]{merging['state']}[/]  {merging.get('why', '')}")
+    _fleet_lines(out, report.get("fleet") or {})
     out.print(f"disk free    {report.get('disk_free_gib')} GiB under {report['home']}")
     out.print(f"sockets      {report.get('runtime_dir')}")
     if not orphaned:
@@ -113,6 +115,37 @@ def doctor(
     if "error" in report:
         out.print(f"[red]problem[/]      {report['error']}")
         raise typer.Exit(1)
+
+
+def _fleet_lines(out: Console, fleet: dict[str, Any]) -> None:
+    """Whether this home's fleet node serves boxes, and why; the token this user would send."""
+    node, token, tls = fleet.get("node"), fleet.get("token"), fleet.get("tls") or {}
+    when = time.strftime("%Y-%m-%d %H:%M", time.localtime(node["at"])) if node else ""
+    if node is None:
+        out.print("fleet        not a node  no fleet node actor has run in this home")
+    elif not node.get("serving"):
+        found = "answers callers without a token" if node["cluster_auth"] == "open" else node["cluster_auth"]
+        out.print(f"fleet        [red]refusing[/]  node {node['node_id'][:12]} serves no boxes: its Ray "
+                  f"cluster {found} (at {when}); start Ray with `sandlot fleet start`, or allow that: "
+                  "--insecure-cluster")  # fmt: skip
+    elif node.get("cluster_auth") == "token":
+        allowed = " (an open one allowed too: --insecure-cluster)" if node.get("insecure_allowed") else ""
+        out.print(f"fleet        [green]token[/]  node {node['node_id'][:12]} serves a cluster that "
+                  f"authenticates its callers (at {when}){allowed}")  # fmt: skip
+    else:
+        out.print(f"fleet        [yellow]insecure[/]  node {node['node_id'][:12]} serves a cluster without "
+                  f"authentication, as its operator allowed (--insecure-cluster; at {when})")  # fmt: skip
+    if token is None:
+        out.print("             token: none for this user (`sandlot fleet token` makes one)")
+    elif "error" in token:
+        out.print(f"             token: [red]{token['error']}[/]")
+    else:
+        out.print(f"             token: {token['source']}")
+        if token.get("loose"):
+            out.print(f"             [red]{token['loose']}[/]")
+    if tls.get("on"):
+        missing = ", ".join(tls.get("missing") or [])
+        out.print(f"             tls: on{f' [red]missing: {missing}[/]' if missing else ''}")
 
 
 @app.command()

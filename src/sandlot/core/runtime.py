@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .. import hostsetup, ksm
+from .. import clusterauth, hostsetup, ksm
 from ..config import default_home, runtime_dir
 from ..engine import engine_for, names
 from ..engine.auto import EngineChoice
@@ -226,6 +226,8 @@ class Runtime:
         report["disk_free_gib"] = round(usage.free / (1 << 30), 1)
         report["runtime_dir"] = str(runtime_dir())
         report["storage"] = self.storage_doctor()
+        # a fleet node's: whether its cluster authenticates, and this user's token (no Ray imported)
+        report["fleet"] = clusterauth.report(self.home)
         return report
 
     def storage_doctor(self) -> dict[str, Any]:
