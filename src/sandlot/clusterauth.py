@@ -64,9 +64,10 @@ def token_file(environ: Mapping[str, str] | None = None) -> Path:
     return Path(named) if named else default_token_path()
 
 
-def find_token(environ: Mapping[str, str] | None = None) -> Token | None:
+def find_token(environ: Mapping[str, str] | None = None, *, strict: bool = True) -> Token | None:
     """The token this process would send, found as Ray finds it; None if there is none.
-    ``RAY_AUTH_TOKEN_PATH`` naming a file that is missing or empty is an error, as for Ray."""
+    ``RAY_AUTH_TOKEN_PATH`` naming a file that is missing or empty is an error, as for Ray
+    (``strict=False``: None, for a caller about to make the token there)."""
     env = os.environ if environ is None else environ
     given = (env.get(TOKEN_ENV) or "").strip()
     if given:
@@ -80,7 +81,7 @@ def find_token(environ: Mapping[str, str] | None = None) -> Token | None:
     except OSError as exc:
         raise InvalidArgument(f"cannot read the cluster token at {path}: {exc}") from None
     if not value:
-        if named:
+        if named and strict:
             raise InvalidArgument(f"{TOKEN_PATH_ENV} names {path}, which is missing or empty")
         return None
     return Token(value, str(path))

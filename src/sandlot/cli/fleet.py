@@ -61,7 +61,7 @@ def token() -> None:
     $RAY_AUTH_TOKEN_PATH names, ~/.ray/auth_token), made there (mode 0600) if there is
     none: on stdout, for a copy to each node and driver; where it is, on stderr."""
     try:
-        found = clusterauth.find_token()
+        found = clusterauth.find_token(strict=False)
         made = found is None
         found = found or clusterauth.make_token()
         loose = clusterauth.loose_mode(found.path) if found.path is not None else None
@@ -89,7 +89,7 @@ def ray_start(
         raise InvalidArgument("give --head to start a cluster, or --address HEAD:PORT to join one (not both)")
     if cpus <= 0 or memory_mib <= 0:
         raise InvalidArgument("--cpus and --memory-mib are what boxes may reserve here: both above 0")
-    found = clusterauth.find_token(env)
+    found = clusterauth.find_token(env, strict=False)
     if clusterauth.auth_mode(env) == "disabled" and not insecure_cluster:
         raise InvalidArgument(
             f"{clusterauth.AUTH_MODE_ENV}=disabled starts a cluster anyone who reaches it may use as root; "

@@ -95,17 +95,22 @@ def guarded(
     """A node call's result as ``{"ok": value}``, or its sandlot error as ``{"error": ...}``;
     its arguments checked against its signature first (InvalidArgument), and the first call
     of an actor waits for it to check its cluster and settle what its predecessor left."""
-    checked = validate_call(config=STRICT)(fn)
+    checked: Callable[..., Awaitable[T]] = validate_call(config=STRICT)(fn)
+    signature = inspect.signature(fn)
 
     @functools.wraps(fn)
     async def call(self: NodeService, /, *args: P.args, **kwargs: P.kwargs) -> Reply:
         try:
             await self.settled()
+            try:  # by name, so that a refusal names the argument
+                named = signature.bind(self, *args, **kwargs).arguments
+            except TypeError as exc:
+                raise InvalidArgument(f"{fn.__name__}(): {exc}") from None
             try:
-                run = checked(self, *args, **kwargs)
+                value = await checked(**named)
             except ValidationError as exc:
                 raise refusal(exc) from None
-            return {"ok": await run}
+            return {"ok": value}
         except SandlotError as exc:
             return {"error": error_json(exc)}
 
