@@ -224,6 +224,116 @@ def test_a_second_driver_finds_the_boxes(f: fleet.Fleet, nodes: Nodes, busybox_r
         box.remove(force=True)
 
 
+# a driver of the cluster at argv[1] with whatever token its environment gives it: what it
+# could do, or the error that stopped it (a sandlot error's class, else Ray's)
+STRANGER = """
+import json, sys
+from sandlot import fleet
+out = {}
+try:
+    f = fleet.connect(sys.argv[1])
+    out["listed"] = [b.id for b in f.list()]
+    out["exec"] = f.get(sys.argv[2]).exec("echo", "in").stdout
+    out["created"] = f.create(rootfs=sys.argv[3], memory_mib=256).id
+except Exception as exc:
+    out["error"] = [type(exc).__name__, str(exc)]
+import ray
+ray.shutdown()
+try:  # Ray itself, without sandlot: the same door
+    ray.init(address=sys.argv[1], namespace="sandlot", log_to_driver=False)
+    out["ray"] = "joined"
+except Exception as exc:
+    out["ray"] = type(exc).__name__
+print(json.dumps(out))
+"""
+
+
+def test_a_driver_without_the_clusters_token_can_do_nothing(f: fleet.Fleet, nodes: Nodes, busybox_root: Path,
+                                                            tmp_path: Path) -> None:  # fmt: skip
+    """The test cluster authenticates with its token (tests/support/fleet.py), as a fleet
+    set up as docs/fleet.md says does: a driver with no token, or another one, cannot
+    list, create or exec, is told so at once, and Ray itself lets it in no more than sandlot."""
+    box = f.create(rootfs=busybox_root, memory_mib=256, node=nodes.a, name="guarded")
+    try:
+        before = {n: boxes_in(h) for n, h in nodes.fc.homes.items()}
+        nobody = tmp_path / "home"  # no ~/.ray/auth_token either
+        nobody.mkdir()
+        clean = {k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH")}
+        clean.update(HOME=str(nobody), PYTHONPATH=f"{ROOT / 'src'}{os.pathsep}{ROOT}")
+        for label, env in (("no token", clean), ("a wrong token", {**clean, "RAY_AUTH_TOKEN": "0" * 64})):
+            t0 = time.monotonic()
+            r = subprocess.run([sys.executable, "-c", STRANGER, nodes.fc.address, box.id, str(busybox_root)],
+                               capture_output=True, text=True, timeout=240, env=env)  # fmt: skip
+            assert r.returncode == 0, r.stderr[-3000:]
+            seen = json.loads(r.stdout.strip().splitlines()[-1])
+            assert set(seen) == {"error", "ray"}, (label, seen)  # nothing listed, run or made
+            kind, message = seen["error"]
+            assert kind == "Unauthorized", (label, seen)
+            why = "has no token" if label == "no token" else "from $RAY_AUTH_TOKEN is not the cluster's"
+            assert why in message and "sandlot fleet token" in message, message
+            assert seen["ray"] != "joined", (label, seen)
+            assert time.monotonic() - t0 < 120, f"{label}: refused only after {time.monotonic() - t0:.0f} s"
+            # the command line says so, and how to fix it
+            ls = [sys.executable, "-m", "sandlot.cli", "fleet", "ls", "--address", nodes.fc.address]
+            cli = subprocess.run(ls, capture_output=True, text=True, timeout=180, env=env)
+            assert cli.returncode == 125 and "refused this driver" in cli.stderr, cli.stderr[-2000:]
+        assert {n: boxes_in(h) for n, h in nodes.fc.homes.items()} == before
+        assert box.exec("echo", "still").stdout == "still\n"
+    finally:
+        box.remove(force=True)
+
+
+OPEN_CLUSTER = """
+import json, sys, subprocess, os
+from tests.support.fleet import FleetCluster
+from sandlot import clusterauth, fleet
+fc = FleetCluster(auth=False)
+out = {}
+try:
+    plain = fc.add(cpus=1, memory_mib=512)
+    allowed = fc.add(cpus=1, memory_mib=512, env={clusterauth.INSECURE_ENV: "1"})
+    f = fleet.connect(fc.address)
+    for what, call in (("join", lambda: f.join(plain)),
+                       ("create", lambda: f.create(rootfs=sys.argv[1], memory_mib=256, node=plain))):
+        try:
+            call()
+            out[what] = "served"
+        except Exception as exc:
+            out[what] = [type(exc).__name__, str(exc)]
+    out["allowed"] = f.join(allowed)["node_id"] == allowed
+    out["reserved"] = [n["reserved_memory_mib"] for n in f.nodes() if n["node_id"] == plain]
+    env = {**os.environ, "SANDLOT_HOME": str(fc.homes[plain])}
+    doctor = subprocess.run([sys.executable, "-m", "sandlot.cli", "doctor", "--json"], env=env,
+                            capture_output=True, text=True, timeout=300)
+    out["doctor"] = json.loads(doctor.stdout)["fleet"]["node"]
+    out["doctor_allowed"] = clusterauth.read_trust(fc.homes[allowed])
+finally:
+    fc.shutdown()
+print(json.dumps(out))
+"""
+
+
+def test_a_node_refuses_a_cluster_without_authentication(busybox_root: Path) -> None:
+    """A cluster started without a token (``RAY_AUTH_MODE=disabled``) gets no box from a
+    node, unless the node's operator allowed it (``--insecure-cluster``); ``sandlot
+    doctor`` says which. Its own cluster, in a process of its own: this one is joined to
+    the module's."""
+    env = {**os.environ, "PYTHONPATH": f"{ROOT / 'src'}{os.pathsep}{ROOT}"}
+    script = [sys.executable, "-c", OPEN_CLUSTER, str(busybox_root)]
+    r = subprocess.run(script, capture_output=True, text=True, timeout=420, env=env, cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-3000:]
+    seen = json.loads(r.stdout.strip().splitlines()[-1])
+    for what in ("join", "create"):
+        kind, message = seen[what]
+        assert kind == "InsecureCluster" and "answers callers without a token" in message, seen
+        assert "--insecure-cluster" in message
+    assert seen["reserved"] == [0]  # the refused box's room was given back
+    assert seen["doctor"]["cluster_auth"] == "open" and seen["doctor"]["serving"] is False
+    assert (
+        seen["allowed"] and seen["doctor_allowed"]["serving"] and seen["doctor_allowed"]["insecure_allowed"]
+    )
+
+
 def test_a_desktop_box_is_driven_and_streamed_through_the_fleet(f: fleet.Fleet, nodes: Nodes) -> None:
     """``box.desktop`` on a node's box, as on a local or a served one: its screen, its
     pointer, and its viewer through a port of this process (the fleet has no preview
