@@ -38,7 +38,7 @@ def node_home(prefix: str = "fleet-node-") -> Path:
 class FleetCluster:
     """Ray nodes on this machine, each a sandlot node of its own home."""
 
-    def __init__(self, auth: bool = True) -> None:
+    def __init__(self, auth: bool = True, tls: bool = False) -> None:
         from ray.cluster_utils import Cluster
 
         from sandlot import clusterauth
@@ -52,6 +52,8 @@ class FleetCluster:
         os.environ["RAY_AUTH_MODE"] = "token" if auth else "disabled"
         if auth:
             os.environ["RAY_AUTH_TOKEN_PATH"] = str(self.token_path)
+        if tls:  # Ray's mutual TLS, from a private CA as docs/fleet.md makes one
+            os.environ.update(tls_files(self.secrets))
         refresh_ray_config()
         self.cluster = Cluster(initialize_head=False)
         self.nodes: dict[str, Any] = {}
@@ -124,7 +126,59 @@ class FleetCluster:
         shutil.rmtree(self.secrets, ignore_errors=True)
 
 
-AUTH_ENV = ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH")
+AUTH_ENV = ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH", "RAY_USE_TLS", "RAY_TLS_SERVER_CERT",
+            "RAY_TLS_SERVER_KEY", "RAY_TLS_CA_CERT")  # fmt: skip
+
+
+def tls_files(where: Path) -> dict[str, str]:
+    """A private CA and one certificate for every Ray process of this machine (its
+    address, and loopback), for server and client alike as Ray's mutual TLS uses it:
+    Ray's TLS settings naming them."""
+    import datetime
+    import ipaddress
+
+    import ray
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+    def pem_key(key: ec.EllipticCurvePrivateKey) -> bytes:
+        return key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                 serialization.NoEncryption())  # fmt: skip
+
+    now = datetime.datetime.now(datetime.UTC)
+    ca_key = ec.generate_private_key(ec.SECP256R1())
+    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "sandlot fleet test CA")])
+    ca = (
+        x509.CertificateBuilder().subject_name(ca_name).issuer_name(ca_name).public_key(ca_key.public_key())
+        .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(days=1))
+        .not_valid_after(now + datetime.timedelta(days=2))
+        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+        .sign(ca_key, hashes.SHA256())
+    )  # fmt: skip
+    key = ec.generate_private_key(ec.SECP256R1())
+    here = ray.util.get_node_ip_address()
+    names: list[x509.GeneralName] = [x509.DNSName("localhost")]
+    names += [x509.IPAddress(ipaddress.ip_address(a)) for a in sorted({here, "127.0.0.1"})]
+    both = [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]  # Ray's TLS is mutual
+    cert = (
+        x509.CertificateBuilder().subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, here)]))
+        .issuer_name(ca_name).public_key(key.public_key()).serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(days=1)).not_valid_after(now + datetime.timedelta(days=2))
+        .add_extension(x509.SubjectAlternativeName(names), critical=False)
+        .add_extension(x509.ExtendedKeyUsage(both), critical=False)
+        .sign(ca_key, hashes.SHA256())
+    )  # fmt: skip
+    files = {"RAY_TLS_CA_CERT": ("ca.crt", ca.public_bytes(serialization.Encoding.PEM)),
+             "RAY_TLS_SERVER_CERT": ("node.crt", cert.public_bytes(serialization.Encoding.PEM)),
+             "RAY_TLS_SERVER_KEY": ("node.key", pem_key(key))}  # fmt: skip
+    out = {"RAY_USE_TLS": "1"}
+    for var, (name, data) in files.items():
+        (where / name).write_bytes(data)
+        (where / name).chmod(0o600)
+        out[var] = str(where / name)
+    return out
 
 
 def refresh_ray_config() -> None:

@@ -334,6 +334,46 @@ def test_a_node_refuses_a_cluster_without_authentication(busybox_root: Path) -> 
     )
 
 
+TLS_CLUSTER = """
+import json, os, subprocess, sys
+from tests.support.fleet import FleetCluster
+from sandlot import clusterauth, fleet
+fc = FleetCluster(tls=True)
+out = {}
+try:
+    node = fc.add(cpus=1, memory_mib=512)
+    out["joined"] = fleet.connect(fc.address).join(node)["node_id"] == node
+    out["node"] = clusterauth.read_trust(fc.homes[node])
+    # a driver with the token and without TLS: told the cluster did not answer it, and why perhaps
+    env = {k: v for k, v in os.environ.items() if k != "RAY_USE_TLS"}
+    code = "import sys; from sandlot import fleet; fleet.connect(sys.argv[1])"
+    r = subprocess.run([sys.executable, "-c", code, fc.address], env=env, capture_output=True, text=True,
+                       timeout=120)
+    out["plain"] = r.stderr.strip().splitlines()[-1] if r.returncode else "joined"
+finally:
+    fc.shutdown()
+print(json.dumps(out))
+"""
+
+
+def test_a_cluster_with_tls_serves_and_a_driver_without_it_is_told() -> None:
+    """Ray's mutual TLS between every process of the cluster and its drivers, from a
+    private CA (tests/support/fleet.py makes one as docs/fleet.md does), with the token
+    too: the node serves, and a driver without TLS is told at once why it got no answer.
+    Its own cluster, in a process of its own."""
+    env = {**os.environ, "PYTHONPATH": f"{ROOT / 'src'}{os.pathsep}{ROOT}"}
+    t0 = time.monotonic()
+    r = subprocess.run([sys.executable, "-c", TLS_CLUSTER], capture_output=True, text=True, timeout=300,
+                       env=env, cwd=ROOT)  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    seen = json.loads(r.stdout.strip().splitlines()[-1])
+    assert seen["joined"] and seen["node"]["tls"] and seen["node"]["cluster_auth"] == "token", seen
+    assert seen["plain"].startswith("sandlot.errors.ConnectionLost") and "TLS is off here" in seen["plain"], (
+        seen
+    )
+    print(f"TLS cluster test {time.monotonic() - t0:.1f} s")
+
+
 def test_a_desktop_box_is_driven_and_streamed_through_the_fleet(f: fleet.Fleet, nodes: Nodes) -> None:
     """``box.desktop`` on a node's box, as on a local or a served one: its screen, its
     pointer, and its viewer through a port of this process (the fleet has no preview

@@ -28,8 +28,9 @@ from typing import Any
 import ray
 
 from .. import clusterauth
-from ..errors import InsecureCluster, Unauthorized
+from ..errors import ConnectionLost, InsecureCluster, Unauthorized
 
+DRIVER_TIMEOUT = 20.0  # seconds a driver's first call may wait for the GCS
 PROBE_TIMEOUT = 60.0  # seconds for the tokenless process to import Ray and ask the GCS once
 # the tokenless caller: "open" if the GCS answered it, "token" if the GCS refused it for its token
 PROBE = """
@@ -71,10 +72,12 @@ def use_token(address: str | None) -> clusterauth.Token | None:
 
 
 def check_driver(address: str) -> None:
-    """Ask the cluster's GCS once with this driver's token, so that a refusal is said at
-    once: ``ray.init`` retries for about 25 s and then says only that it could not
-    connect. Raises Ray's AuthenticationError if refused; anything else (a cluster not
-    there, an address Ray Client serves) is left to ``ray.init`` to say."""
+    """Ask the cluster's GCS once with this driver's token and TLS settings, so that a
+    refusal is said at once: ``ray.init`` retries for about 25 s and then says only that
+    it could not connect (and a TLS cluster asked without TLS, never). Raises Ray's
+    AuthenticationError if refused, ConnectionLost if the GCS does not answer in time;
+    anything else (an address Ray Client serves, one Ray cannot parse) is ``ray.init``'s
+    to say."""
     if address.startswith("ray://"):
         return
     from ray._private.services import canonicalize_bootstrap_address
@@ -83,9 +86,17 @@ def check_driver(address: str) -> None:
     try:
         gcs = canonicalize_bootstrap_address(address)
         if gcs is not None:
-            GcsClient(address=gcs).internal_kv_get(b"sandlot-driver", None, timeout=10)
+            GcsClient(address=gcs).internal_kv_get(b"sandlot-driver", None, timeout=DRIVER_TIMEOUT)
     except ray.exceptions.AuthenticationError:
         raise
+    except (ray.exceptions.GetTimeoutError, ray.exceptions.RpcError, TimeoutError) as exc:
+        tls = "on" if clusterauth.tls_settings()["on"] else "off"
+        raise ConnectionLost(
+            f"the Ray cluster at {address} did not answer this driver in {DRIVER_TIMEOUT:g} s: is it up and "
+            f"reachable, and does it use TLS as this driver does (TLS is {tls} here: "
+            f"{clusterauth.TLS_ENV} and its certificates as on the nodes)? ({type(exc).__name__}: "
+            f"{str(exc)[:200]})"
+        ) from None
     except Exception:  # not a refusal: ray.init says what it is
         pass
 
