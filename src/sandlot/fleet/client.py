@@ -212,8 +212,10 @@ class Fleet:
         node_id = node_id or ray.get_runtime_context().get_node_id()
         if node_id not in {n["NodeID"] for n in placement.sandlot_nodes()}:
             raise NodeNotFound(
-                f"node {node_id[:12]} offers no sandlot resources: start Ray there with "
-                f'--resources \'{{"{placement.CPUS}": N, "{placement.MEMORY}": MIB}}\''
+                f"node {node_id[:12]} offers no sandlot resources: start Ray there with `sandlot fleet start "
+                "--address HEAD:6379 --cpus N --memory-mib MIB` (token-authenticated: docs/fleet.md), or `ray"
+                f' start` with --resources \'{{"{placement.CPUS}": N, "{placement.MEMORY}": MIB}}\' and '
+                "RAY_AUTH_MODE=token"
             )
         facts: dict[str, Any] = answer(self.node(node_id).facts.remote())
         return facts
