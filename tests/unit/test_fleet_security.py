@@ -8,6 +8,7 @@ its token, and a node refusing an open cluster, are ``tests/vm/test_fleet.py``'s
 
 from __future__ import annotations
 
+import importlib.util
 import inspect
 import json
 import os
@@ -87,7 +88,8 @@ def test_a_node_starts_authenticated_with_little_exposed(tmp_path: Path) -> None
     assert token.exists() and stat.S_IMODE(token.stat().st_mode) == 0o600  # the head made it
     assert run_env["RAY_AUTH_MODE"] == "token" and clusterauth.INSECURE_ENV not in run_env
     assert argv[argv.index("--dashboard-host") + 1] == "127.0.0.1"
-    assert argv[argv.index("--ray-client-server-port") + 1] == "0"  # no Ray Client
+    if importlib.util.find_spec("grpc") is not None:  # else Ray runs no Ray Client server anyway
+        assert argv[argv.index("--ray-client-server-port") + 1] == "0"  # no Ray Client
     assert '"sandlot_memory_mib": 4096' in argv[argv.index("--resources") + 1]
     argv, run_env = ray_start(head=False, address="head:6379", cpus=4, memory_mib=4096, environ=env)
     assert run_env["RAY_AUTH_MODE"] == "token" and argv[argv.index("--address") + 1] == "head:6379"

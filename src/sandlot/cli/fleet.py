@@ -14,6 +14,7 @@ and ``start`` import none of it (``start`` runs Ray's own ``ray start``).
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import shutil
@@ -113,8 +114,11 @@ def ray_start(
     ray = ray if Path(ray).exists() else (shutil.which("ray") or "ray")
     argv = [ray, "start", "--resources", resources]
     if head:
-        argv += ["--head", "--port", str(port), "--dashboard-host", dashboard_host,
-                 "--ray-client-server-port", str(ray_client_port)]  # fmt: skip
+        argv += ["--head", "--port", str(port), "--dashboard-host", dashboard_host]
+        # Ray starts its client server on 10001 wherever ray[client] (grpc) is installed, and
+        # refuses the option (even 0, "none") where it is not: there it runs no client server
+        if ray_client_port or importlib.util.find_spec("grpc") is not None:
+            argv += ["--ray-client-server-port", str(ray_client_port)]
     else:
         argv += ["--address", str(address)]
     if node_ip:
