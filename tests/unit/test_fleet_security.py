@@ -211,5 +211,10 @@ def test_an_env_without_a_mode_gets_token_mode_when_a_token_is_there(
     made = trust.use_token(None)  # a local cluster: its token made
     assert made is not None and made.path == tmp_path / ".ray" / "auth_token"
     assert os.environ["RAY_AUTH_MODE"] == "token" and refreshed == [True]
+    monkeypatch.delenv("RAY_AUTH_MODE")
+    monkeypatch.setenv("RAY_AUTH_TOKEN_PATH", str(tmp_path / "named"))
+    with pytest.raises(InvalidArgument, match="missing or empty"):  # a cluster elsewhere: never another token
+        trust.use_token("10.0.0.1:6379")
+    assert trust.use_token(None).path == tmp_path / "named"  # type: ignore[union-attr]
     monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
     assert trust.use_token("10.0.0.1:6379") is None and os.environ["RAY_AUTH_MODE"] == "disabled"

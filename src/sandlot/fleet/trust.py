@@ -60,7 +60,7 @@ def use_token(address: str | None) -> clusterauth.Token | None:
     cluster (``address`` None) one is made if none exists (mode 0600). An explicit
     ``RAY_AUTH_MODE`` is the operator's and is left alone. The token used, if any."""
     mode = clusterauth.auth_mode()
-    token = clusterauth.find_token()
+    token = clusterauth.find_token(strict=address is not None)  # a local cluster's is made where it is named
     if mode is not None and mode != "token":
         return None
     if token is None and address is None:
