@@ -88,6 +88,10 @@ def test_a_node_starts_authenticated_with_little_exposed(tmp_path: Path) -> None
     assert token.exists() and stat.S_IMODE(token.stat().st_mode) == 0o600  # the head made it
     assert run_env["RAY_AUTH_MODE"] == "token" and clusterauth.INSECURE_ENV not in run_env
     assert argv[argv.index("--dashboard-host") + 1] == "127.0.0.1"
+    assert "--disable-usage-stats" in argv  # nothing sent to Ray's vendor unless asked
+    asked, _ = ray_start(head=True, address=None, cpus=4, memory_mib=4096,
+                         environ={**env, "RAY_USAGE_STATS_ENABLED": "1"})  # fmt: skip
+    assert "--disable-usage-stats" not in asked
     if importlib.util.find_spec("grpc") is not None:  # else Ray runs no Ray Client server anyway
         assert argv[argv.index("--ray-client-server-port") + 1] == "0"  # no Ray Client
     assert '"sandlot_memory_mib": 4096' in argv[argv.index("--resources") + 1]

@@ -114,7 +114,11 @@ def ray_start(
     ray = ray if Path(ray).exists() else (shutil.which("ray") or "ray")
     argv = [ray, "start", "--resources", resources]
     if head:
+        # Ray's usage statistics go to its vendor unless turned off: a node of boxes sends
+        # nothing anywhere its operator did not ask for (RAY_USAGE_STATS_ENABLED=1 to send them)
         argv += ["--head", "--port", str(port), "--dashboard-host", dashboard_host]
+        if env.get("RAY_USAGE_STATS_ENABLED") != "1":
+            argv += ["--disable-usage-stats"]
         # Ray starts its client server on 10001 wherever ray[client] (grpc) is installed, and
         # refuses the option (even 0, "none") where it is not: there it runs no client server
         if ray_client_port or importlib.util.find_spec("grpc") is not None:
