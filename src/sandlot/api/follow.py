@@ -36,9 +36,10 @@ from .contract import (
 )
 from .fs import FileEvent
 
-# Seconds between tries to reach the host again (about 30 s in all): a restarted
-# server needs a few seconds to import and listen, more on a loaded host.
-REATTACH_DELAYS = (0.1, 0.25, 0.5, 1.0, 2.0, *[3.0] * 8)
+# Seconds between tries to reach the host again (about a minute in all): a restarted
+# server needs a few seconds to import and listen, and a restart by hand or by a service
+# manager on a loaded host takes tens of seconds (half a minute was seen to run out).
+REATTACH_DELAYS = (0.1, 0.25, 0.5, 1.0, 2.0, *[3.0] * 19)
 
 
 class LinkClosed(Exception):
