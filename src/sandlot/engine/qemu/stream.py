@@ -65,6 +65,9 @@ _U64 = struct.Struct(">Q")
 READ_SIZE = 1 << 20
 
 
+ENDED_EARLY = "QEMU's migration stream ended early"  # what a save cut short by QEMU's end says
+
+
 class _Reader:
     """Exact reads from a byte source, with what was read kept while ``recording``."""
 
@@ -81,7 +84,7 @@ class _Reader:
         while have < n:
             data = self._read(max(READ_SIZE, n - have))
             if not data:
-                raise SavedStateError(f"QEMU's migration stream ended early, at byte {self.offset + have}")
+                raise SavedStateError(f"{ENDED_EARLY}, at byte {self.offset + have}")
             pieces.append(data)
             have += len(data)
         self._buf, self._pos = b"".join(pieces), 0

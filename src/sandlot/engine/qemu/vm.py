@@ -183,6 +183,10 @@ class _Feeder:
             raise self.error
 
 
+# seconds a failed save waits for the thread that took its stream apart to say why
+SPLIT_FAILED_WAIT = 2.0
+
+
 def _split(fd: int, sink: StateSink) -> None:
     """Read QEMU's migration stream from ``fd`` into ``sink``; the pipe is closed at the
     end, or at an error (QEMU's write then fails, and its save with it)."""
@@ -673,8 +677,14 @@ class QemuVM(VM):
                 await self._migrate(q, "migrate", "fd:sandlot-state", False, timeout)
             except BaseException:
                 # a stream that could not be taken apart (or kept: a full disk) ended the
-                # save: its error says why, where QEMU says only that its pipe broke
-                if split.done() and split.exception() is not None:
+                # save: its error says why, where QEMU says only that its pipe broke. The
+                # thread closed the pipe as it failed, before QEMU's write did, but its end
+                # may reach this loop after QEMU's event: a moment is waited for it. A split
+                # that saw only the stream end early says less than QEMU, whose end it was.
+                with contextlib.suppress(BaseException):
+                    await asyncio.wait_for(asyncio.shield(split), SPLIT_FAILED_WAIT)
+                failed = split.exception() if split.done() and not split.cancelled() else None
+                if failed is not None and stream.ENDED_EARLY not in str(failed):
                     await split
                 raise
             await asyncio.wait_for(asyncio.shield(split), timeout)
