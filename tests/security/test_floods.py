@@ -48,6 +48,7 @@ from tests.support.floods import (
 )
 from tests.support.neighbour import neighbour_latency, quiet_p99
 from tests.support.serve import serving, shared_home
+from tests.support.waiting import deadline_in
 
 pytestmark = pytest.mark.vm
 
@@ -145,8 +146,9 @@ def told(
 ) -> dict[str, Any]:
     """The detail of the box's ``records_dropped`` events about ``record`` after event id
     ``since``, summed, once one has said ``key`` (the home's keeper tells within a round,
-    then at most once every ``keeper.TELL_EVERY`` seconds: all of it is in the counts)."""
-    deadline = time.monotonic() + timeout
+    then at most once every ``keeper.TELL_EVERY`` seconds: all of it is in the counts).
+    ``timeout`` is the reference host's: a loaded host's keeper tells later."""
+    deadline = deadline_in(timeout)
     while True:
         found = [e for e in box.events(after=since, follow=False) if e.kind == "records_dropped"
                  and e.detail.get("record") == record]  # fmt: skip
