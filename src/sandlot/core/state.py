@@ -112,7 +112,10 @@ TRANSITIONS: dict[Op, Transition] = {
     # stopping while the VM is killed: a box seen running with its VM gone is a crash, and
     # another process that looks meanwhile (the box's watchdog) must not take the kill for one
     Op.KILL: Transition(
-        (S.RUNNING, S.PAUSED), S.STOPPING, S.STOPPED, S.STOPPED,
+        (S.RUNNING, S.PAUSED),
+        S.STOPPING,
+        S.STOPPED,
+        S.STOPPED,
         done=(S.CREATED, S.STOPPED, S.CRASHED, S.SUSPENDED),
     ),
     Op.PAUSE: Transition((S.RUNNING,), None, S.PAUSED, SOURCE, done=(S.PAUSED,)),
