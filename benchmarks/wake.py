@@ -57,13 +57,23 @@ SERVE = (
 TIMEOUT = 300.0
 
 
+HOMES: list[Path] = []  # the homes of this run, whose events a failed request shows
+
+
 def first_byte(port: int, path: str = "/index.html") -> tuple[float, bytes]:
     """Seconds from sending a request to the first byte of its reply, and the body."""
     t0 = time.monotonic()
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=TIMEOUT) as reply:
-        first = reply.read(1)
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=TIMEOUT) as reply:
+            first = reply.read(1)
+            took = time.monotonic() - t0
+            return took, first + reply.read()
+    except OSError as exc:  # what the boxes' events said of it, beside the client's error
         took = time.monotonic() - t0
-        return took, first + reply.read()
+        since = -took - 5
+        said = [f"{ev.box_name}: {ev.kind} {ev.reason}" for home in HOMES
+                for ev in sandlot.events(since=since, follow=False, home=home)]  # fmt: skip
+        raise RuntimeError(f"port {port}{path}: {exc!r} after {took:.1f}s; events: {said}") from exc
 
 
 def rss_kib(name: str) -> int:
@@ -82,6 +92,7 @@ def rss_kib(name: str) -> int:
 
 def run(args: Any) -> dict[str, Any]:
     home = scratch_home("wake")
+    HOMES.append(home)
     out: dict[str, Any] = {}
     try:
         tmpl = sandlot.template(rootfs=busybox_root(), memory_mib=256, setup=[SERVE], name="web", home=home)
@@ -276,6 +287,7 @@ def deep(args: Any) -> dict[str, Any]:
 
     os.environ.update(CREDENTIALS)
     home = scratch_home("wake-deep")
+    HOMES.append(home)
     try:
         with tempfile.TemporaryDirectory() as work, s3_server(Path(work)) as s3:
             sandlot.storage.configure(s3.url("deep"), endpoint_url=s3.endpoint_url, evict_after=1.0,

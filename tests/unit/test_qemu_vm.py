@@ -39,3 +39,55 @@ def test_a_command_refused_until_the_last_migration_is_finalized_is_sent_again()
         asyncio.run(go(["Block node has not been activated"], 5.0))
     with pytest.raises(ExecuteError, match="not finalized"):
         asyncio.run(go(["Migration is not finalized yet"] * 1000, 0.2))
+
+
+class _Session:
+    """A QMP session whose migration moves ``steps`` more bytes at each look, then none."""
+
+    def __init__(self, steps: int) -> None:
+        self.steps, self.moved, self.cancelled = steps, 0, False
+
+    async def execute(self, command: str, arguments: object = None) -> object:
+        if command == "migrate_cancel":
+            self.cancelled = True
+            return {}
+        assert command == "query-migrate"
+        if self.steps:
+            self.steps -= 1
+            self.moved += 1 << 20
+        return {"status": "active", "ram": {"transferred": self.moved, "dirty-sync-count": 1}}
+
+
+class _Events:
+    """QEMU's MIGRATION events: none until ``completed_after`` seconds."""
+
+    def __init__(self, completed_after: float) -> None:
+        self.at = asyncio.get_running_loop().time() + completed_after
+
+    async def get(self) -> object:
+        await asyncio.sleep(max(0.0, self.at - asyncio.get_running_loop().time()))
+        return {"data": {"status": "completed"}}
+
+
+def test_a_migration_fails_on_a_stall_not_on_its_length(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A save's deadline counts the seconds in which QEMU moved nothing: one that goes
+    on moving bytes past it completes (a large or emulated guest on a loaded host);
+    one that stops moving fails, cancelled, after it; QEMU's exit ends either at once."""
+    from sandlot.engine.qemu import vm
+    from sandlot.errors import SavedStateError
+
+    monkeypatch.setattr(vm, "PROGRESS_EVERY", 0.05)
+
+    async def go(steps: int, completed_after: float, timeout: float, exits: bool = False) -> _Session:
+        q, exited = _Session(steps), asyncio.get_running_loop().create_future()
+        if exits:
+            exited.set_result(9)
+        await vm.migration_done(q, _Events(completed_after), exited, timeout)  # type: ignore[arg-type]
+        return q
+
+    moving = asyncio.run(go(steps=100, completed_after=1.0, timeout=0.3))  # 1 s of moving, 0.3 s deadline
+    assert not moving.cancelled and moving.moved > 0
+    with pytest.raises(SavedStateError, match="moved nothing for"):
+        asyncio.run(go(steps=3, completed_after=5.0, timeout=0.3))
+    with pytest.raises(SavedStateError, match="QEMU exited"):
+        asyncio.run(go(steps=100, completed_after=5.0, timeout=10.0, exits=True))

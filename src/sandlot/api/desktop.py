@@ -81,6 +81,8 @@ USER = "agent"
 DISPLAY = ":0"
 ENV = {"DISPLAY": DISPLAY, "LANG": "C.UTF-8"}  # xdotool reads typed text in the locale's encoding
 VIEWER_PORT = 6080
+# seconds for the desktop, or its viewer, to start: under emulation on a loaded host, a minute or more
+START_TIMEOUT = 120.0
 DEFAULT_SIZE = (1024, 768)
 MAX_COORD = 16384
 TYPE_CHUNK = 200  # characters per piece: each piece's new keys are bound before it is typed
@@ -311,7 +313,7 @@ class AsyncDesktop:
 
     # -- the session ---------------------------------------------------------------------------
 
-    async def start(self, size: tuple[int, int] | None = None, *, timeout: float = 60) -> None:
+    async def start(self, size: tuple[int, int] | None = None, *, timeout: float = START_TIMEOUT) -> None:
         """Start the desktop (X server, VNC server, window manager) if it is not running,
         at ``size`` (width, height; default 1024x768, what computer-use models are tuned
         for). A running desktop keeps its size. Raises Unsupported where the box's
@@ -681,7 +683,7 @@ class AsyncDesktop:
         and expiring after ``ttl`` seconds; elsewhere this process forwards a port of
         127.0.0.1 to the box while it runs. No VNC port is published either way, and
         a view-only URL carries the view-only password: its session cannot type."""
-        await self._command(SCRIPT, "stream", timeout=60)
+        await self._command(SCRIPT, "stream", timeout=START_TIMEOUT)
         full, view = (await self._command(SCRIPT, "passwords")).stdout.split()[:2]
         fragment = f"#password={view if view_only else full}" + ("&view_only=1" if view_only else "")
         try:
@@ -813,8 +815,11 @@ class AsyncDesktop:
         await self._command("xdotool", *argv, timeout=timeout)
 
     async def _exec(self, *argv: str, timeout: float) -> ExecResult:
+        # the desktop's script gives up on what does not start a little before the call's
+        # timeout, so that its reason (with its log's end) is what the caller reads
+        env = {**ENV, "SANDLOT_DESKTOP_WAIT": str(max(1, int(timeout - min(15.0, timeout / 4))))}
         try:
-            return await self._box.exec(*argv, user=USER, env=ENV, timeout=timeout)
+            return await self._box.exec(*argv, user=USER, env=env, timeout=timeout)
         except GuestOSError as e:
             if e.errno == errno.ENOENT:  # the program is not in the box's image
                 raise Unsupported(

@@ -22,7 +22,8 @@ A connection that cannot be passed in is reset, as by a port that refuses it. Wh
 box could not be woken (it was stopped, its saved state is gone, a resume failed), a
 ``wake_failed`` event says why (folded, as every happening, past the box's event rate);
 where the box woke but nothing listens on the guest port, nothing is said, as a port
-that refuses says nothing. A box that is stopped keeps its ports held and refuses
+that refuses says nothing (a guest port that did not answer within ``RELAY_TIMEOUT``
+is said). A box that is stopped keeps its ports held and refuses
 connections until it is started: stopping switches it off, which traffic does not undo.
 
 Whoever starts, resumes or finds such a box asks the keeper to hold its ports
@@ -57,7 +58,7 @@ from typing import TYPE_CHECKING, Any
 from ..config import private_listener, try_flock
 from ..core import events
 from ..core.store import STORE_FILE, store_path
-from ..errors import BoxNotFound, GuestOSError, InvalidState, SandlotError
+from ..errors import BoxNotFound, GuestConnectionRefusedError, InvalidState, SandlotError
 from .backend import Command
 from .bridge import Duplex, open_relay, serve_on
 from .local import LocalBackend, LocalBoxRef, local
@@ -72,7 +73,10 @@ LOOK_EVERY = 2.0  # seconds between two looks at which boxes of the home still e
 # one tick of the file system's clock that leave the log's size alike look like none
 READ_ANYWAY = 60.0
 IDLE_EXIT = 30.0  # seconds holding no box before the keeper ends
-RELAY_TIMEOUT = 10.0  # seconds for the guest port to answer, once the box is awake
+# seconds for the guest port to answer, once the box is awake: a port nobody listens on
+# answers at once (refused); one that is slower to start its relay than this (a box just
+# woken on a loaded, emulated host, its memory still coming in lazily) has not failed
+RELAY_TIMEOUT = 60.0
 WAKER = "traffic"  # who the events of a wake say acted
 BACKLOG = 512  # connections that wait, unaccepted, while many come at once
 
@@ -184,7 +188,7 @@ class Keeper:
                 return await open_relay(spawn, guest, RELAY_TIMEOUT)
 
         async def refused(exc: BaseException) -> None:
-            if isinstance(exc, GuestOSError):  # it woke; nothing listens on its port
+            if isinstance(exc, GuestConnectionRefusedError):  # it woke; nothing listens on its port
                 return
             ctl, entry = await local(ref).existing()
             await wake_failed(ctl, entry.id, exc, port=guest)

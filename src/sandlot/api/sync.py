@@ -13,6 +13,7 @@ from ..core.spec import DEFAULT_DISK_GB, DEFAULT_MEMORY_MIB
 from . import loop
 from .box import AsyncBox, AsyncSnapshot
 from .client import AsyncClient, connect_async
+from .desktop import START_TIMEOUT
 from .files import AsyncWatch
 from .process import AsyncStream
 from .sync_base import (
@@ -1153,7 +1154,7 @@ class Desktop(DesktopBase):
     top left; ``size()`` says the screen's. Each method starts the desktop if it is
     not running yet."""
 
-    def start(self, size: tuple[int, int] | None = None, *, timeout: float = 60) -> None:
+    def start(self, size: tuple[int, int] | None = None, *, timeout: float = START_TIMEOUT) -> None:
         """Start the desktop (X server, VNC server, window manager) if it is not running,
         at ``size`` (width, height; default 1024x768, what computer-use models are tuned
         for). A running desktop keeps its size. Raises Unsupported where the box's

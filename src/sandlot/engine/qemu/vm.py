@@ -185,6 +185,61 @@ class _Feeder:
 
 # seconds a failed save waits for the thread that took its stream apart to say why
 SPLIT_FAILED_WAIT = 2.0
+PROGRESS_EVERY = 5.0  # seconds between two looks at how far a long migration has come
+
+
+async def _migration_progress(q: QMPClient) -> Any:
+    """What QEMU says its migration has moved so far (None where it says nothing: an
+    incoming one, whose stream this process feeds and bounds itself)."""
+    with contextlib.suppress(Exception):
+        info = await asyncio.wait_for(q.execute("query-migrate"), QMP_TIMEOUT)
+        ram = info.get("ram") if isinstance(info, dict) else None
+        if isinstance(ram, dict):
+            return (ram.get("transferred"), ram.get("dirty-sync-count"))
+    return None
+
+
+async def migration_done(
+    q: QMPClient, events: EventListener, exited: asyncio.Future[Any], timeout: float
+) -> None:
+    """Until the migration in progress (a save or a load) on session ``q`` completes, as
+    its MIGRATION ``events`` say; racing QEMU's exit (``exited``) and ``timeout``:
+    seconds in which the migration moved no byte. (A save that goes on writing is slow,
+    not stuck: a large guest, an emulated one, a loaded host. One whose bytes stop for
+    that long fails, so a save never hangs. A load, of which QEMU tells no progress,
+    has ``timeout`` seconds in all.)"""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    moved: Any = None
+    while True:
+        event = asyncio.ensure_future(events.get())
+        waiting: set[asyncio.Future[Any]] = {event, exited}
+        wait = max(0.0, min(deadline - loop.time(), PROGRESS_EVERY))
+        done, _ = await asyncio.wait(waiting, timeout=wait, return_when=asyncio.FIRST_COMPLETED)
+        if event not in done:
+            event.cancel()
+            if exited in done:
+                raise SavedStateError("QEMU exited while saving or loading the state")
+            if loop.time() < deadline:
+                now_moved = await _migration_progress(q)
+                if now_moved is not None and now_moved != moved:
+                    moved, deadline = now_moved, loop.time() + timeout
+                continue
+            with contextlib.suppress(Exception):
+                await q.execute("migrate_cancel")
+            raise SavedStateError(f"saving or loading the state moved nothing for {timeout:.0f}s")
+        message: Any = event.result()
+        status = (message.get("data") or {}).get("status")
+        if status == "completed":
+            return
+        if status in ("failed", "cancelled"):
+            info: Any = {}
+            with contextlib.suppress(Exception):
+                info = await q.execute("query-migrate")
+            why = info.get("error-desc", status) if isinstance(info, dict) else status
+            if "No space left" in str(why):  # save_state names the file's filesystem
+                raise NoSpace(f"QEMU could not save the state ({why})")
+            raise SavedStateError(f"QEMU could not save or load the state: {why}")
 
 
 def _split(fd: int, sink: StateSink) -> None:
@@ -210,6 +265,8 @@ class _Follower:
 
     def read(self, n: int) -> bytes:
         while True:
+            if self.failed:  # the rest of the file is no state: reading it only delays the error
+                raise SavedStateError("the save ended before QEMU had written the whole state")
             data = os.read(self.fd, n)
             if data:
                 return data
@@ -538,35 +595,7 @@ class QemuVM(VM):
             await asyncio.sleep(0.005)
 
     async def _migration_done(self, q: QMPClient, events: EventListener, timeout: float) -> None:
-        """Until the migration in progress (a save or a load) completes, as its
-        MIGRATION events say; racing QEMU's exit and ``timeout``."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout
-        exited = self.exited()
-        while True:
-            event = asyncio.ensure_future(events.get())
-            waiting: set[asyncio.Future[Any]] = {event, exited}
-            done, _ = await asyncio.wait(waiting, timeout=max(0.0, deadline - loop.time()),
-                                         return_when=asyncio.FIRST_COMPLETED)  # fmt: skip
-            if event not in done:
-                event.cancel()
-                if exited in done:
-                    raise SavedStateError("QEMU exited while saving or loading the state")
-                with contextlib.suppress(Exception):
-                    await q.execute("migrate_cancel")
-                raise SavedStateError(f"saving or loading the state took more than {timeout:.0f}s")
-            message: Any = event.result()
-            status = (message.get("data") or {}).get("status")
-            if status == "completed":
-                return
-            if status in ("failed", "cancelled"):
-                info: Any = {}
-                with contextlib.suppress(Exception):
-                    info = await q.execute("query-migrate")
-                why = info.get("error-desc", status) if isinstance(info, dict) else status
-                if "No space left" in str(why):  # save_state names the file's filesystem
-                    raise NoSpace(f"QEMU could not save the state ({why})")
-                raise SavedStateError(f"QEMU could not save or load the state: {why}")
+        await migration_done(q, events, self.exited(), timeout)
 
     # -- saved state ----------------------------------------------------------------------
 
@@ -816,7 +845,16 @@ class QemuVM(VM):
         finally:
             with contextlib.suppress(BaseException):
                 await asyncio.wait_for(asyncio.shield(split), 10.0)
-            follower.close()
+
+            # the file is closed once its reader has ended (a descriptor closed under a
+            # thread that reads it could be another file's by its next read), and the
+            # reader's error, if the save failed for another reason first, is taken
+            def reader_ended(done: asyncio.Future[None]) -> None:
+                follower.close()
+                if not done.cancelled():
+                    done.exception()
+
+            split.add_done_callback(reader_ended)
             with contextlib.suppress(FileNotFoundError):
                 spill.unlink()
 
