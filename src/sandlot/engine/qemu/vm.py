@@ -704,7 +704,7 @@ class QemuVM(VM):
                 os.close(w)  # QEMU's copy is the writer now: its end is the stream's end
             try:
                 await self._migrate(q, "migrate", "fd:sandlot-state", False, timeout)
-            except BaseException:
+            except Exception:  # (a cancelled save is not waited on: it ends below)
                 # a stream that could not be taken apart (or kept: a full disk) ended the
                 # save: its error says why, where QEMU says only that its pipe broke. The
                 # thread closed the pipe as it failed, before QEMU's write did, but its end
