@@ -14,7 +14,7 @@ from typing import Any
 
 import httpx
 import pytest
-from e2b import CommandExitException, FileType, NotFoundException, Sandbox, SandboxQuery
+from e2b import ALL_TRAFFIC, CommandExitException, FileType, NotFoundException, Sandbox, SandboxQuery
 
 import sandlot
 from sandlot.api import access
@@ -137,6 +137,99 @@ def test_files(sbx: Sandbox) -> None:
         "x.txt",
         "y.txt",
     ]  # no z.txt, no temporary
+
+
+def test_calls_that_name_no_user_run_as_e2bs_user_where_the_image_has_it(face: dict[str, Any]) -> None:
+    """E2B's templates run every call as ``user`` (home /home/user), and its SDKs name no
+    user: the face does the same where the box's image has that user (``--e2b-user``),
+    and otherwise runs as the image's own user. A user the call names wins."""
+    home, opts = face["home"], face["opts"]
+    plain = Sandbox.create("fake-tpl", **opts)  # an image without E2B's user: root's home
+    try:
+        assert plain.files.write("plain.txt", "p").path == "/root/plain.txt"
+    finally:
+        plain.kill()
+    box = sandlot.Box(rootfs=str(fake_rootfs(home.parent)), engine="fake", home=home).start()
+    try:
+        box.files.write(
+            "/etc/passwd", b"root:x:0:0:root:/root:/bin/bash\nuser:x:1001:1001::/home/user:/bin/bash\n"
+        )
+        box.snapshot("with-e2b-user")
+    finally:
+        box.remove(force=True)
+    sandbox = Sandbox.create("with-e2b-user", **opts)
+    try:
+        assert sandbox.files.write("notes.txt", "n").path == "/home/user/notes.txt"
+        assert sandbox.files.read("/home/user/notes.txt") == "n"
+        assert sandbox.files.get_info("notes.txt").path == "/home/user/notes.txt"
+        assert sandbox.files.write("mine.txt", "r", user="root").path == "/root/mine.txt"
+    finally:
+        sandbox.kill()
+
+
+def test_e2bs_default_internet_access_fits_the_templates_network_card(face: dict[str, Any]) -> None:
+    """E2B's SDKs ask for the internet unless told not to. A template made without a network
+    card gives sandboxes without one (as its maker chose) rather than refusing E2B's
+    default; one made with a card and asked for no internet gets an allow list of nothing;
+    destinations named for a template without a card are refused, saying why."""
+    home, opts = face["home"], face["opts"]
+    sandlot.template(rootfs=str(fake_rootfs(home.parent)), name="fake-net", memory_mib=256, engine="fake",
+                     network="public", home=home)  # fmt: skip
+    made = [
+        Sandbox.create("fake-tpl", **opts),
+        Sandbox.create("fake-tpl", allow_internet_access=False, **opts),
+        Sandbox.create("fake-net", allow_internet_access=False, **opts),
+        Sandbox.create("fake-net", **opts),
+    ]
+    try:
+        networks = [sandlot.Box.get(s.sandbox_id, home=home).info["network"] for s in made]
+        assert networks == ["none", "none", "allowlist", "public"]
+        made[3].update_network({"deny_out": [ALL_TRAFFIC]})  # no way out, its card kept
+        assert sandlot.Box.get(made[3].sandbox_id, home=home).info["network"] == "allowlist"
+        with pytest.raises(Exception, match="no network card"):
+            Sandbox.create("fake-tpl", network={"allow_out": ["pypi.org"], "deny_out": [ALL_TRAFFIC]}, **opts)
+    finally:
+        for s in made:
+            s.kill()
+
+
+def test_listings_removals_filters_and_timeouts_as_envd_and_e2b_give_them(face: dict[str, Any]) -> None:
+    """A listing deeper than one level in envd's order (by name, each folder's entries
+    right after it); removing what is not there is no error (envd's os.RemoveAll); the
+    list's startedAfter and template filters; a connect to a running sandbox that never
+    shortens its timeout, and a set_timeout that may (down to a second)."""
+    from datetime import timedelta
+
+    from sandlot.api import leases
+
+    home, opts = face["home"], face["opts"]
+    sbx = Sandbox.create("fake-tpl", metadata={"case": "filters"}, timeout=300, **opts)
+    try:
+        for d in ("/t/b", "/t/a/y", "/t/a/x", "/t/b/z"):
+            sbx.files.make_dir(d)
+        sbx.files.write("/t/0.txt", "0")
+        assert [e.path for e in sbx.files.list("/t", depth=2)] == [
+            "/t/0.txt", "/t/a", "/t/a/x", "/t/a/y", "/t/b", "/t/b/z"]  # fmt: skip
+        assert [e.path for e in sbx.files.list("/t")] == ["/t/0.txt", "/t/a", "/t/b"]
+        sbx.files.remove("/t/not-there")
+        info = sbx.get_info()
+        query = {"metadata": {"case": "filters"}}
+
+        def listed(**more: Any) -> list[str]:
+            return [
+                s.sandbox_id for s in Sandbox.list(query=SandboxQuery(**query, **more), **opts).next_items()
+            ]
+
+        assert listed(started_after=info.started_at) == [sbx.sandbox_id]
+        assert listed(started_after=info.started_at + timedelta(seconds=1)) == []
+        assert listed(template="fake-tpl") == [sbx.sandbox_id] and listed(template="other") == []
+        Sandbox.connect(sbx.sandbox_id, timeout=10, **opts)
+        assert sbx.get_info().end_at == info.end_at  # not shortened
+        sbx.set_timeout(2)
+        lease = leases.of(sbx.sandbox_id, home=home)
+        assert lease is not None and lease.seconds == 2
+    finally:
+        sbx.kill()
 
 
 def test_fork_and_snapshots(face: dict[str, Any], sbx: Sandbox) -> None:
@@ -304,3 +397,37 @@ def test_bad_control_calls_get_e2b_errors(face: dict[str, Any]) -> None:
         assert r.status_code == status, (path, r.text)
         assert set(r.json()) >= {"code", "message"}
     assert not [b for b in sandlot.list(home=face["home"]) if "e2b.template" in b.info["labels"]]
+
+
+def test_the_harness_of_e2bs_own_tests_counts_what_they_did(tmp_path: Any) -> None:
+    """scripts/e2b_sdk_tests.py (run by hand: CI cannot reach E2B's repository) reads the
+    SDK tests' JUnit report into passed, failed with their reasons, skipped and the rate;
+    and refuses a folder that is not E2B's SDK before it sets anything up."""
+    import importlib.util
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[2] / "scripts" / "e2b_sdk_tests.py"
+    spec = importlib.util.spec_from_file_location("e2b_sdk_tests", script)
+    assert spec is not None and spec.loader is not None
+    harness = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(harness)
+    report = tmp_path / "report.xml"
+    report.write_text(
+        '<testsuites><testsuite name="pytest">'
+        '<testcase classname="tests.sync.a" name="test_ok"/>'
+        '<testcase classname="tests.sync.a" name="test_bad">'
+        '<failure message="AssertionError: 1 == 2&#10;more"/></testcase>'
+        '<testcase classname="tests.sync.b" name="test_err"><error message="boom"/></testcase>'
+        '<testcase classname="tests.sync.b" name="test_skip"><skipped message="no"/></testcase>'
+        "</testsuite></testsuites>"
+    )
+    assert harness.summary(report) == {
+        "passed": 1, "failed": 2, "skipped": 1, "rate": 0.333,
+        "failures": {"tests.sync.a::test_bad": "AssertionError: 1 == 2", "tests.sync.b::test_err": "boom"},
+    }  # fmt: skip
+    r = subprocess.run(
+        [sys.executable, str(script), str(tmp_path)], capture_output=True, text=True, timeout=60
+    )
+    assert r.returncode != 0 and "is not E2B's packages/python-sdk folder" in r.stderr

@@ -32,6 +32,7 @@ from e2b import (
     PtySize,
     Sandbox,
     SandboxQuery,
+    TimeoutException,
 )
 
 import sandlot
@@ -206,8 +207,13 @@ def test_lifecycle_info_list_timeout_pause_resume_kill(e2b_env: dict[str, Any]) 
         again = Sandbox.connect(sandbox.sandbox_id)
         assert again.files.read("/tmp/kept") == "kept\n"
         assert again.is_running()
+        sleeper = again.commands.run("sleep 600", background=True)
     finally:
         assert sandbox.kill() is True
+    # a command whose sandbox is killed under it: its stream drops, as envd's does, and the
+    # SDK, having found the sandbox gone, says so
+    with pytest.raises(TimeoutException, match="killed or reached its end of life"):
+        sleeper.wait()
     assert Sandbox.kill(sandbox.sandbox_id) is False
     with pytest.raises(Exception, match="not found"):
         Sandbox.connect(sandbox.sandbox_id)

@@ -23,10 +23,11 @@ Home = str | os.PathLike[str] | None
 
 
 def grant(box_id: str, seconds: float, *, key_id: str | None = None, key_name: str | None = None,
-          namespace: str | None = None, home: Home = None) -> Lease:  # fmt: skip
-    """Give a box a lease of ``seconds`` from now, made by a key (its id, name, namespace)."""
+          namespace: str | None = None, home: Home = None, shortest: float = SHORTEST) -> Lease:  # fmt: skip
+    """Give a box a lease of ``seconds`` from now, made by a key (its id, name, namespace);
+    ``shortest``: the least it may be."""
     return leases.grant(Runtime.for_home(home).store, box_id, seconds, key_id=key_id, key_name=key_name,
-                        namespace=namespace)  # fmt: skip
+                        namespace=namespace, shortest=shortest)  # fmt: skip
 
 
 def renew(box_ids: list[str], *, namespace: str | None = None, home: Home = None) -> list[Lease]:

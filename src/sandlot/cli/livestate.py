@@ -26,7 +26,7 @@ from rich.table import Table
 
 from ..api.box import AsyncBox, AsyncSnapshot
 from ..api.templates import import_snapshot_async, prune_snapshots_async, template_async
-from .boxes import BoxesArg
+from .boxes import AllowOpt, BoxesArg, NetOpt
 from .common import QuietOpt, age, app, busy, fail, for_each_box, human, run_coro
 
 
@@ -245,14 +245,20 @@ def template(
     pool: Annotated[
         int, typer.Option("--pool", min=0, help="VMs of it to keep ready (filled in the background).")
     ] = 0,
+    network: NetOpt = None,
+    allow: AllowOpt = None,
     quiet: QuietOpt = False,
 ) -> None:
-    """Boot an image, run setup commands, and save it as a template (Box(template=NAME))."""
+    """Boot an image, run setup commands, and save it as a template (Box(template=NAME)).
+    Boxes from it have its network card or none (--network); each may change its mode."""
+    net: dict[str, Any] = {"network": network} if network else {}
+    if allow:
+        net["allow"] = allow
 
     async def main() -> None:
         with busy(f"building the template {name} from {image}", quiet=quiet):
             snap = await template_async(
-                image, setup=setup or [], code=code or [], name=name, memory_mib=memory, pool=pool
+                image, setup=setup or [], code=code or [], name=name, memory_mib=memory, pool=pool, **net
             )
         print(f"{snap.id}\t{snap.name}")
 

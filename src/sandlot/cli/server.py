@@ -128,6 +128,13 @@ def serve(
     mcp_max_cpus: MaxCpus = None,
     mcp_allow_image: AllowImage = None,
     mcp_max_timeout: MaxTimeout = None,
+    e2b_user: Annotated[
+        str,
+        typer.Option(
+            help="Who E2B's calls that name no user run as, where the box's image has that user "
+            "(else the image's own user): E2B's templates run as 'user'. '' for the image's user always."
+        ),
+    ] = "user",
     webhook: Annotated[
         list[str] | None,
         typer.Option(help="POST each event of the home to this URL, signed (repeatable; docs/events.md)."),
@@ -147,6 +154,7 @@ def serve(
     warnings.filterwarnings("ignore", message=".*`websockets` implementation is deprecated.*")
 
     from ..api import access
+    from ..core.validate import check_user
     from ..errors import InvalidArgument
     from ..server.app import create_app
     from ..server.origins import check_content_url, check_host_name, check_origin, loopback
@@ -163,6 +171,9 @@ def serve(
         hosts = tuple(check_host_name(h) for h in allow_host or [])
         origins = tuple(check_origin(o) for o in allow_origin or [])
         content_url = check_content_url(content_url) if content_url is not None else None
+        if e2b_user and (":" in e2b_user or e2b_user.isdigit()):
+            raise InvalidArgument(f"--e2b-user is a user's name, not {e2b_user!r}")
+        check_user(e2b_user or None)
     except InvalidArgument as exc:
         raise fail(exc, 2) from None
     if content_port is None:
@@ -195,7 +206,7 @@ def serve(
                         mcp_image=mcp_image, mcp_limits=mcp_limits, heir=f"serve {host}:{port}",
                         lease=lease, webhooks=hooks, webhook_secret=secret, listen_host=host,
                         content_port=content_port, content_url=content_url, allow_hosts=hosts,
-                        allow_origins=origins)  # fmt: skip
+                        allow_origins=origins, e2b_user=e2b_user or None)  # fmt: skip
     config = uvicorn.Config(
         create_app(settings),
         ssl_certfile=str(tls_cert) if tls_cert else None,

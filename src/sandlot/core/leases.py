@@ -42,19 +42,22 @@ class Lease:
         return {"box": self.box_id, "seconds": self.seconds, "expires_at": self.until}
 
 
-def check_seconds(seconds: object, what: str = "lease") -> float:
+def check_seconds(seconds: object, what: str = "lease", *, shortest: float = SHORTEST) -> float:
     if isinstance(seconds, bool) or not isinstance(seconds, int | float) or not math.isfinite(seconds):
         raise InvalidArgument(f"{what} is a number of seconds, not {seconds!r}")
-    if not SHORTEST <= seconds <= LONGEST:
-        raise InvalidArgument(f"{what} must be {SHORTEST:.0f} s to {LONGEST:.0f} s, not {seconds}")
+    if not shortest <= seconds <= LONGEST:
+        raise InvalidArgument(f"{what} must be {shortest:.0f} s to {LONGEST:.0f} s, not {seconds}")
     return float(seconds)
 
 
 def grant(store: BoxStore, box_id: str, seconds: float, *, key_id: str | None = None,
-          key_name: str | None = None, namespace: str | None = None) -> Lease:  # fmt: skip
-    """Give box ``box_id`` a lease of ``seconds``, from now."""
+          key_name: str | None = None, namespace: str | None = None,
+          shortest: float = SHORTEST) -> Lease:  # fmt: skip
+    """Give box ``box_id`` a lease of ``seconds``, from now (``shortest``: the least it may
+    be; a lease a client renews is 10 s or more, a timer such as E2B's timeout shorter)."""
     now = time.time()
-    lease = Lease(box_id, check_seconds(seconds), now + seconds, key_id, key_name, namespace, now)
+    seconds = check_seconds(seconds, shortest=shortest)
+    lease = Lease(box_id, seconds, now + seconds, key_id, key_name, namespace, now)
     store.put_lease({k: getattr(lease, k) for k in Lease.__dataclass_fields__})
     return lease
 

@@ -38,10 +38,12 @@ def lease_for(state: ServerState, caller: Caller, wanted: dict[str, Any]) -> flo
     return leases.check_seconds(asked if asked is not None else caller.lease or state.settings.lease)
 
 
-async def grant(state: ServerState, caller: Caller, box_id: str, seconds: float) -> leases.Lease:
+async def grant(
+    state: ServerState, caller: Caller, box_id: str, seconds: float, *, shortest: float = leases.SHORTEST
+) -> leases.Lease:
     return await asyncio.to_thread(leases.grant, box_id, seconds, key_id=caller.key_id,
                                    key_name=caller.key_name, namespace=caller.namespace,
-                                   home=state.home)  # fmt: skip
+                                   home=state.home, shortest=shortest)  # fmt: skip
 
 
 @v1.post("/leases/renew", tags=["boxes"])

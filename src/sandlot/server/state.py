@@ -74,6 +74,9 @@ class Settings:
     lease: float = 60.0  # seconds a remote ``with`` block's box outlives its client's last renewal
     webhooks: tuple[str, ...] = ()  # URLs each event of the home is POSTed to (server/webhooks.py)
     webhook_secret: bytes = b""  # what signs their bodies
+    # who E2B's calls that name no user run as, where the box's image has that user (else
+    # the image's own user): E2B's templates run everything as ``user``
+    e2b_user: str | None = "user"
 
 
 class ServerState:

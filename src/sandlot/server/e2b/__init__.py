@@ -213,7 +213,7 @@ def check_file_signature(request: Request, envd_token: str) -> None:
     raw = f"{q.get('path', '')}:{operation}:{q.get('username', '')}:{envd_token}"
     if expiry is not None:
         if not (expiry.isascii() and expiry.isdigit()) or int(expiry) < time.time():
-            raise Unauthorized("this signed URL has expired")
+            raise Unauthorized("signature is already expired")  # envd's words, which the SDKs show
         raw += f":{expiry}"
     digest = base64.b64encode(hashlib.sha256(raw.encode()).digest()).rstrip(b"=").decode()
     given = q.get("signature", "").encode("utf-8", "surrogateescape")

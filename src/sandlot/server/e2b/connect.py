@@ -236,6 +236,11 @@ def _end_only(media_type: str, err: BaseException) -> Response:
     return Response(_end(err), media_type=media_type)
 
 
+class Dropped(Exception):
+    """Ends a server stream by dropping its connection, as envd's end with its sandbox:
+    the SDKs then ask whether the sandbox still runs, and say it was killed."""
+
+
 async def _stream_out(
     method: Method, request: Request, codec: Codec, req: dict[str, Any]
 ) -> AsyncIterator[bytes]:
@@ -249,6 +254,8 @@ async def _stream_out(
                 yield envelope(codec.encode(method.response, message))
             elif method.keepalive is not None:
                 yield envelope(codec.encode(method.response, method.keepalive()))
+    except Dropped:
+        raise
     except Exception as e:
         yield _end(e)
         return

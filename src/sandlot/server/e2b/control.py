@@ -36,6 +36,9 @@ from .envd import ENVD_VERSION
 router = APIRouter()
 TEMPLATE_LABEL, METADATA_LABEL = "e2b.template", "e2b.metadata"
 AUTO_RESUME_LABEL = "e2b.auto_resume"  # "1": a call to the paused sandbox resumes it
+# seconds: E2B's set_timeout(5) ends its sandbox then (the server's sweep of leases looks
+# every second); a box's own lease, which a client may renew, is 10 s or more
+SHORTEST_TIMEOUT = 1.0
 TIMEOUT_LABEL = "e2b.timeout"  # the timeout it was made with: what a resume gives it when none is asked
 DEFAULT_TIMEOUT = 300  # seconds: E2B's default
 DEFAULT_TEMPLATES = ("base", "code-interpreter-v1")  # what the SDKs ask for when given no template
@@ -88,7 +91,7 @@ def _timeout(value: Any, what: str = "timeout") -> int:
         return DEFAULT_TIMEOUT
     if isinstance(value, bool) or not isinstance(value, int):
         raise InvalidArgument(f"{what} is a whole number of seconds, not {value!r}")
-    return int(leases.check_seconds(max(value, int(leases.SHORTEST)), what))
+    return int(leases.check_seconds(max(value, int(SHORTEST_TIMEOUT)), what, shortest=SHORTEST_TIMEOUT))
 
 
 def _metadata(body: dict[str, Any]) -> dict[str, str]:
@@ -99,16 +102,19 @@ def _metadata(body: dict[str, Any]) -> dict[str, str]:
     return metadata
 
 
-async def _source(request: Request, template: str) -> dict[str, Any]:
+async def _source(request: Request, template: str) -> tuple[dict[str, Any], bool | None]:
     """What a sandbox of ``template`` starts from: a sandlot template (or snapshot) of
     that name the caller may see, else the image it names; E2B's own default templates
-    are the server's default image (``sandlot serve --mcp-image``)."""
+    are the server's default image (``sandlot serve --mcp-image``). With it, whether the
+    saved state has a network card (None: an image, booted with any)."""
     try:
         snap = await routes.snapshot_for(request, template)
     except (SnapshotNotFound, InvalidArgument):
         snap = None
     if snap is not None:
-        return {"template": snap.id} if snap.kind == "template" else {"snapshot": snap.id}
+        source = {"template": snap.id} if snap.kind == "template" else {"snapshot": snap.id}
+        saved = (await snap.inspect()).get("options", {}).get("vm", {})
+        return source, bool(saved.get("network"))
     if template in DEFAULT_TEMPLATES:
         image = _server(request).settings.mcp_image
         if image is None:
@@ -116,8 +122,25 @@ async def _source(request: Request, template: str) -> dict[str, Any]:
                 f"template {template!r}: this server has no default image "
                 "(start it with --mcp-image, or make a sandlot template of that name)"
             )
-        return {"image": image}
-    return {"image": template}
+        return {"image": image}, None
+    return {"image": template}, None
+
+
+def _fitting(mode: str, saved_nic: bool | None, *, named: bool) -> str | None:
+    """The network mode for E2B's egress settings (``_policy``) that a sandbox from a saved
+    state can have, whose network card it keeps (None: the state's own). A state with a
+    card and no way out is an allow list of nothing, as E2B's ``allow_internet_access=False``
+    is. A state without a card gets none: E2B's SDKs ask for the internet unless told not to
+    (``allow_internet_access`` is sent either way), so a template made without a network
+    gives sandboxes without one, as its maker chose (docs/e2b.md). Destinations named in
+    ``network`` it cannot reach are refused, saying why (``requests.check_fits``)."""
+    if saved_nic is None:
+        return mode
+    if saved_nic and mode == "none":
+        return "allowlist"
+    if not saved_nic and mode == "public" and not named:
+        return None
+    return mode
 
 
 @router.post("/sandboxes", status_code=201)
@@ -135,7 +158,9 @@ async def create(request: Request) -> dict[str, Any]:
     metadata = _metadata(body)
     if metadata:
         labels[METADATA_LABEL] = json.dumps(metadata, separators=(",", ":"))
-    wanted: dict[str, Any] = {**await _source(request, template), "labels": labels, "lease": float(timeout)}
+    source, saved_nic = await _source(request, template)
+    # (a lease made with the box is one a client could renew: 10 s or more)
+    wanted: dict[str, Any] = {**source, "labels": labels, "lease": float(max(timeout, leases.SHORTEST))}
     if envs:
         wanted["env"] = envs
     network = body.get("network") or {}
@@ -145,7 +170,9 @@ async def create(request: Request) -> dict[str, Any]:
     if internet is not None or network or "image" in wanted:
         # a sandbox from a sandlot template keeps the template's network unless told otherwise
         mode, allow = _policy(internet, network.get("allowOut"), network.get("denyOut"), network.get("rules"))
-        wanted["network"] = mode
+        fitting = _fitting(mode, saved_nic, named=bool(network))
+        if fitting is not None:
+            wanted["network"] = fitting
         if allow:
             wanted["allow"] = allow
     if body.get("autoPause"):
@@ -181,7 +208,7 @@ async def _sandbox(request: Request, box: AsyncBox) -> dict[str, Any]:
 async def _listed(request: Request, box: AsyncBox, detail: bool = False) -> dict[str, Any]:
     info = box.info
     lease = await _lease(request, box.id)
-    started = info.get("started_at") or info.get("created_at") or 0.0
+    started = _started(box)
     end = lease.until if lease is not None else started + DEFAULT_TIMEOUT
     try:
         metadata = json.loads(info["labels"].get(METADATA_LABEL) or "{}")
@@ -274,6 +301,12 @@ async def list_v2(request: Request, response: Response) -> list[dict[str, Any]]:
         raise InvalidArgument(f"limit must be 1..{MOST_LISTED}")
     boxes = _e2b_boxes(await AsyncBox.list(home=_server(request).home), _caller(request))
     boxes = _filter_metadata(boxes, q.get("metadata"))
+    if q.get("startedAfter"):
+        after = _instant(q["startedAfter"], "startedAfter")
+        boxes = [b for b in boxes if _started(b) >= after - 1e-6]  # (ISO's microseconds)
+    if q.get("template"):
+        template = q["template"]
+        boxes = [b for b in boxes if template in (b.info["labels"].get(TEMPLATE_LABEL), b.info.get("image"))]
     if states:
         boxes = [b for b in boxes if ("paused" if b.state == "suspended" else "running") in states]
     boxes.sort(key=_place, reverse=q.get("order") != "asc")
@@ -292,6 +325,20 @@ async def list_v2(request: Request, response: Response) -> list[dict[str, Any]]:
         place = json.dumps(list(_place(page[-1]))).encode()
         response.headers["X-Next-Token"] = base64.urlsafe_b64encode(place).decode()
     return [await _listed(request, b) for b in page]
+
+
+def _started(box: AsyncBox) -> float:
+    """When the sandbox started, as its listing's ``startedAt`` says."""
+    return float(box.info.get("started_at") or box.info.get("created_at") or 0.0)
+
+
+def _instant(value: str, what: str) -> float:
+    """An ISO 8601 time (a ``Z`` or an offset; UTC without one) as Unix time."""
+    try:
+        when = dt.datetime.fromisoformat(value.replace("Z", "+00:00"))
+    except ValueError:
+        raise InvalidArgument(f"{what} is an ISO 8601 time, not {value[:64]!r}") from None
+    return (when if when.tzinfo else when.replace(tzinfo=dt.UTC)).timestamp()
 
 
 def _place(box: AsyncBox) -> tuple[float, str]:
@@ -314,7 +361,9 @@ async def kill(request: Request, sandbox_id: str) -> Response:
 async def set_timeout(request: Request, sandbox_id: str) -> Response:
     body = await _body(request)
     box = await sandbox_box(request, sandbox_id)
-    await server_leases.grant(_server(request), _caller(request), box.id, _timeout(body.get("timeout")))
+    await server_leases.grant(
+        _server(request), _caller(request), box.id, _timeout(body.get("timeout")), shortest=SHORTEST_TIMEOUT
+    )
     return Response(status_code=204)
 
 
@@ -329,7 +378,7 @@ async def refresh(request: Request, sandbox_id: str) -> Response:
         if seconds is not None
         else (lease.seconds if lease else DEFAULT_TIMEOUT)
     )
-    await server_leases.grant(_server(request), _caller(request), box.id, seconds)
+    await server_leases.grant(_server(request), _caller(request), box.id, seconds, shortest=SHORTEST_TIMEOUT)
     return Response(status_code=204)
 
 
@@ -373,17 +422,20 @@ async def resume_with_timeout(state: ServerState, box: AsyncBox, seconds: int | 
     """Bring a paused sandbox back (by a connect, or by a call to it with auto-resume on)
     and lease it again: for ``seconds``, else its lease's length, else the timeout it was
     made with."""
+    running = box.state == "running"
     if box.state == "suspended":
         await box.resume()
     elif box.state == "paused":
         await box.unpause()
+    lease = await asyncio.to_thread(leases.of, box.id, home=state.home)
+    if running and lease is not None and seconds is not None and lease.until - time.time() >= seconds:
+        return  # a connect to a running sandbox lengthens its timeout, never shortens it (as E2B's)
     if seconds is None:
-        lease = await asyncio.to_thread(leases.of, box.id, home=state.home)
         made_with = box.info["labels"].get(TIMEOUT_LABEL, "")
         seconds = int(lease.seconds) if lease else int(made_with) if made_with.isdigit() else DEFAULT_TIMEOUT
     labels = box.info["labels"]
     owner = Caller.owner_of(labels)
-    await server_leases.grant(state, owner, box.id, seconds)
+    await server_leases.grant(state, owner, box.id, seconds, shortest=SHORTEST_TIMEOUT)
 
 
 @router.get("/sandboxes/{sandbox_id}/metrics")
@@ -434,7 +486,8 @@ async def fork(request: Request, response: Response, sandbox_id: str) -> list[di
     try:
         out = []
         for child in children:
-            await server_leases.grant(_server(request), _caller(request), child.id, seconds)
+            await server_leases.grant(_server(request), _caller(request), child.id, seconds,
+                                      shortest=SHORTEST_TIMEOUT)  # fmt: skip
             out.append({"sandbox": await _sandbox(request, child)})
     except BaseException:  # children nobody was told of would run on, unleased: none is left
         for child in children:
@@ -491,6 +544,8 @@ async def update_network(request: Request, sandbox_id: str) -> Response:
     mode, allow = _policy(body.get("allow_internet_access"), body.get("allowOut"), body.get("denyOut"),
                           body.get("rules"))  # fmt: skip
     box = await sandbox_box(request, sandbox_id)
+    if mode == "none" and box.info.get("network") not in (None, "none"):
+        mode = "allowlist"  # its card stays (a running box's cannot go): an allow list of nothing
     await routes.run_operation(request, "box.set_network", box.id, network=mode, allow=allow or None)
     return Response(status_code=204)
 

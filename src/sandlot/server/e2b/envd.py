@@ -44,7 +44,7 @@ from ...errors import (
 )
 from ..state import Caller, ServerState
 from . import messages as pb
-from .connect import ConnectError, Method, check, serve
+from .connect import ConnectError, Dropped, Method, check, serve
 
 ENVD_VERSION = "0.5.7"  # the envd release whose API this serves (octet-stream uploads, CloseStdin)
 ENVD_PORT = 49983
@@ -117,17 +117,23 @@ class Envd:
         size = (pty or {}).get("size") or {}
         self.state.processes.check_room()
         key = new_process_id()
+        user = await self.user(box, request)
+        cwd = config.get("cwd")
+        if cwd:  # a relative one is under the home, as a relative path is
+            cwd = await self.path(box, cwd, request, "cwd")
+        elif user:  # envd starts a process in its user's home
+            cwd = await self.home(box, user)
         proc = await box.spawn(
-            cmd, *config.get("args", []), env=config.get("envs") or None, cwd=config.get("cwd") or None,
-            user=call_user(request), tty=pty is not None, rows=size.get("rows") or 24,
-            cols=size.get("cols") or 80, stdin=req.get("stdin", True), keep=key,
+            cmd, *config.get("args", []), env=config.get("envs") or None, cwd=cwd, user=user,
+            tty=pty is not None, rows=size.get("rows") or 24, cols=size.get("cols") or 80,
+            stdin=req.get("stdin", True), keep=key,
         )  # fmt: skip
         labels = box.info["labels"]
         owner = Caller.owner_of(labels)
         held = self.state.processes.hold(box.id, proc, key, self.state.exited_by(owner))
         self.processes[(box.id, proc.pid)] = E2bProcess(held, config, req.get("tag"))
         yield {"event": {"start": {"pid": proc.pid}}}
-        async for event in _events(held, {STDOUT: 0, STDERR: 0}):
+        async for event in _events(held, {STDOUT: 0, STDERR: 0}, box):
             yield event
 
     async def connect(self, req: dict[str, Any], request: Request) -> AsyncIterator[dict[str, Any]]:
@@ -136,7 +142,7 @@ class Envd:
         held = found.held
         yield {"event": {"start": {"pid": held.proc.pid}}}
         # from what comes next: output already sent to the starter is not sent again
-        async for event in _events(held, {s: ring.end for s, ring in held.rings.items()}):
+        async for event in _events(held, {s: ring.end for s, ring in held.rings.items()}, box):
             yield event
 
     async def list_processes(self, req: dict[str, Any], request: Request) -> dict[str, Any]:
@@ -246,7 +252,7 @@ class Envd:
         path = await self.path(box, req.get("path"), request)
         if await box.files.exists(path):
             raise ConnectError("already_exists", f"directory {path} already exists")
-        await box.files.mkdir(path, parents=True, user=call_user(request))
+        await box.files.mkdir(path, parents=True, user=await self.user(box, request))
         return {"entry": await self.entry(box, await box.files.stat(path))}
 
     async def move(self, req: dict[str, Any], request: Request) -> dict[str, Any]:
@@ -258,27 +264,29 @@ class Envd:
 
     async def remove(self, req: dict[str, Any], request: Request) -> dict[str, Any]:
         box: AsyncBox = await self.box_of(request)
-        await box.files.remove(await self.path(box, req.get("path"), request), recursive=True)
+        # envd removes as Go's os.RemoveAll does: a path that is not there is no error
+        path = await self.path(box, req.get("path"), request)
+        await box.files.remove(path, recursive=True, missing_ok=True)
         return {}
 
     async def list_dir(self, req: dict[str, Any], request: Request) -> dict[str, Any]:
         box: AsyncBox = await self.box_of(request)
         path = await self.path(box, req.get("path"), request)
-        depth = int(req.get("depth", 0)) or 1
-        check(depth <= 64, f"depth {depth} is over 64")
+        depth = int(req.get("depth", 0)) or 1  # (0: unset)
+        check(1 <= depth <= 64, f"depth should be at least 1 and at most 64, not {depth}")
         top = await box.files.stat(path)
         if not top.is_dir:
             raise InvalidArgument(f"path {path} is not a directory")
         entries: list[dict[str, Any]] = []
-        level = [top.path]
-        for _ in range(depth):
-            below: list[str] = []
-            for directory in level:
-                for info in sorted(await box.files.list(directory), key=lambda i: i.name):
-                    entries.append(await self.entry(box, info))
-                    if info.is_dir:
-                        below.append(info.path)
-            level = below
+
+        async def walk(directory: str, level: int) -> None:
+            # envd's order (Go's filepath.WalkDir): by name, each folder's entries right after it
+            for info in sorted(await box.files.list(directory), key=lambda i: i.name.encode()):
+                entries.append(await self.entry(box, info))
+                if info.is_dir and level < depth:
+                    await walk(info.path, level + 1)
+
+        await walk(top.path, 1)
         return {"entries": entries}
 
     async def watch_dir(self, req: dict[str, Any], request: Request) -> AsyncIterator[dict[str, Any]]:
@@ -358,15 +366,39 @@ class Envd:
             return posixpath.normpath(value)
         if value.startswith("~"):
             value = value[1:].lstrip("/")
-        user = call_user(request) or box.info.get("user") or "root"
-        users, _ = await self._names(box)
-        home = users.homes.get(user) or ("/root" if user == "root" else f"/home/{user}")
+        home = await self.home(box, await self.user(box, request) or box.info.get("user") or "root")
         return posixpath.normpath(posixpath.join(home, value))
 
+    async def user(self, box: AsyncBox, request: Request) -> str | None:
+        """Who a call runs as: the user it names (``call_user``), else the server's default
+        user for E2B's calls (``--e2b-user``: E2B's ``user``) where the box's image has
+        that user, else the box's own user (None)."""
+        named = call_user(request)
+        if named:
+            return named
+        default = self.state.settings.e2b_user
+        if default:
+            users, _ = await self._names(box)
+            if default in users.homes or default in users.by_id.values():
+                return default
+        return None
+
+    async def home(self, box: AsyncBox, user: str) -> str:
+        """``user``'s home in the box (its /etc/passwd)."""
+        users, _ = await self._names(box)
+        return users.homes.get(user) or ("/root" if user == "root" else f"/home/{user}")
+
     async def entry(self, box: AsyncBox, info: FileInfo) -> dict[str, Any]:
-        """envd's EntryInfo of a file, with its owner's and group's names."""
+        """envd's EntryInfo of a file, with its owner's and group's names. A symlink is
+        the type of what it points to (a dangling one, a symlink), its target an
+        absolute path, as envd says them."""
         users, groups = await self._names(box)
+        target = info.link_target
         kind = {"file": 1, "dir": 2, "symlink": 3}.get(info.type, 0)
+        if info.type == "symlink" and target is not None:
+            target = posixpath.normpath(posixpath.join(posixpath.dirname(info.path), target))
+            with contextlib.suppress(SandlotError):
+                kind = {"file": 1, "dir": 2}.get((await box.files.stat(info.path)).type, kind)
         type_bits = {"file": _stat.S_IFREG, "dir": _stat.S_IFDIR, "symlink": _stat.S_IFLNK}.get(info.type, 0)
         entry: dict[str, Any] = {
             "name": info.name, "type": kind, "path": info.path, "size": info.size, "mode": info.mode,
@@ -376,8 +408,8 @@ class Envd:
         }  # fmt: skip
         if info.type == "symlink":
             entry["is_symlink"] = True
-        if info.link_target is not None:
-            entry["symlink_target"] = info.link_target
+        if target is not None:
+            entry["symlink_target"] = target
         return entry
 
     async def _names(self, box: AsyncBox) -> tuple[Names, Names]:
@@ -405,7 +437,7 @@ class Envd:
         """``GET /files?path=`` downloads a file; ``POST /files`` uploads (multipart, one
         part per file, or the body itself as ``application/octet-stream``)."""
         box: AsyncBox = await self.box_of(request)
-        user = call_user(request)
+        user = await self.user(box, request)
         if request.method == "GET":
             path = await self.path(box, request.query_params.get("path"), request)
             info = await box.files.stat(path)
@@ -464,8 +496,9 @@ def _keepalive(name: str) -> Callable[[], Mapping[str, Any]] | None:
     return None
 
 
-async def _events(held: HeldProcess, offsets: dict[int, int]) -> AsyncIterator[dict[str, Any]]:
-    """A held process's output as envd's events, from ``offsets``, then its end."""
+async def _events(held: HeldProcess, offsets: dict[int, int], box: AsyncBox) -> AsyncIterator[dict[str, Any]]:
+    """A held process's output as envd's events, from ``offsets``, then its end; or, where
+    it was lost with its box (removed, stopped), the connection dropped (``Dropped``)."""
     while True:
         changed = held.changed()
         sent = False
@@ -479,9 +512,19 @@ async def _events(held: HeldProcess, offsets: dict[int, int]) -> AsyncIterator[d
         if sent:
             continue
         if held.done and all(offsets[s] >= r.end for s, r in held.rings.items()):
+            if held.error is not None and await _gone(box):
+                raise Dropped(f"sandbox {box.id} ended while its process ran")
             yield {"event": {"end": _end(held)}}
             return
         await changed.wait()
+
+
+async def _gone(box: AsyncBox) -> bool:
+    """Whether the box no longer runs (removed, stopped or crashed), read anew."""
+    try:
+        return await box.refresh() not in ("running", "paused", "suspended")
+    except SandlotError:
+        return True
 
 
 def _end(held: HeldProcess) -> dict[str, Any]:

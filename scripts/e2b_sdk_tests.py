@@ -1,0 +1,112 @@
+"""E2B's own Python SDK tests against a real ``sandlot serve``, run as a user would
+(docs/e2b.md, "E2B's own tests"). CI cannot reach E2B's repository, so this is run by
+hand on a checkout of it:
+
+    git clone https://github.com/e2b-dev/E2B && python -m venv e2b-venv
+    e2b-venv/bin/pip install ./E2B/packages/python-sdk pytest pytest-asyncio pytest-xdist \\
+        pytest-timeout pytest-dotenv
+    .venv/bin/python scripts/e2b_sdk_tests.py E2B/packages/python-sdk --python e2b-venv/bin/python \\
+        [--json out.json] [PYTEST ARGS...]
+
+What it sets up, in a scratch home: a key in E2B's form (``sandlot keys create --e2b``),
+E2B's default template ``base`` as a sandlot template (Debian with bash, python3, git
+and curl, the user ``user`` E2B's templates run as, and a network card), and the server
+(``--mcp-image`` unset: only ``base`` is served). The SDK is pointed at it as docs/e2b.md
+says: ``E2B_API_URL`` and ``E2B_SANDBOX_URL``, one URL for every sandbox. It then runs
+the SDK's tests of what the face serves (``DEFAULT_TESTS``, unless PYTEST ARGS name
+others) and prints, as JSON, the passed and failed tests and the rate.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+# the SDK's tests of what the face serves (docs/e2b.md): sandboxes, commands, PTYs,
+# files and the git helpers (which run git through commands); not templates' builds,
+# volumes or secrets, which sandlot does elsewhere
+DEFAULT_TESTS = ("tests/sync/sandbox_sync", "tests/sync/api_sync", "tests/async/sandbox_async",
+                 "tests/async/api_async", "tests/shared/git")  # fmt: skip
+PACKAGES = ["python3", "python-is-python3", "git", "curl", "ca-certificates", "sudo"]
+
+
+def base_root() -> Path:
+    """E2B's ``base`` template as a root filesystem: Debian with ``PACKAGES`` and the user
+    ``user`` (home /home/user, bash, sudo without a password, as in E2B's), cached
+    beside the tests' roots."""
+    from sandlot.images.builders import debian_rootfs
+
+    from tests.support.roots import CACHE
+
+    dest = CACHE / "rootfs-e2b-base-v2"
+    if not (dest / "home" / "user").is_dir():
+        hooks = ['chroot "$1" useradd -m -u 1001 -s /bin/bash user',  # (1000: debian_rootfs's agent)
+                 'echo "user ALL=(ALL:ALL) NOPASSWD: ALL" > "$1/etc/sudoers.d/user"']  # fmt: skip
+        debian_rootfs(dest, PACKAGES, hooks=hooks)
+    return dest
+
+
+def summary(report: Path) -> dict[str, object]:
+    """Passed, failed (with the first line of each reason) and skipped tests of a JUnit report."""
+    passed, failed, skipped = [], {}, []
+    for case in ET.parse(report).getroot().iter("testcase"):
+        name = f"{case.get('classname')}::{case.get('name')}"
+        bad = case.find("failure")
+        if bad is None:
+            bad = case.find("error")
+        if bad is not None:
+            failed[name] = (bad.get("message") or "").splitlines()[0][:300] if bad.get("message") else ""
+        elif case.find("skipped") is not None:
+            skipped.append(name)
+        else:
+            passed.append(name)
+    ran = len(passed) + len(failed)
+    return {"passed": len(passed), "failed": len(failed), "skipped": len(skipped),
+            "rate": round(len(passed) / ran, 3) if ran else None, "failures": failed}  # fmt: skip
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("sdk", type=Path, help="E2B's packages/python-sdk folder")
+    ap.add_argument("--python", default=sys.executable, help="a Python with that SDK and pytest installed")
+    ap.add_argument("--json", type=Path, help="also write the summary here")
+    ap.add_argument("--workers", type=int, default=2, help="pytest-xdist workers (each runs its sandboxes)")
+    args, pytest_args = ap.parse_known_args()
+    if not (args.sdk / "tests" / "conftest.py").is_file():
+        raise SystemExit(f"{args.sdk} is not E2B's packages/python-sdk folder (no tests/conftest.py)")
+
+    import sandlot
+
+    from tests.support.serve import create_key, serving, shared_home
+
+    with tempfile.TemporaryDirectory(prefix="sandlot-e2b-sdk-") as tmp:
+        home = shared_home(Path(tmp))
+        root = base_root()
+        with serving(home) as served:
+            key = create_key(home, "e2b-sdk", "--admin", "--e2b")
+            sandlot.template(rootfs=str(root), name="base", memory_mib=512, network="public", home=home)
+            env = {**os.environ, "E2B_API_URL": f"{served.url}/e2b", "E2B_SANDBOX_URL": f"{served.url}/e2b",
+                   "E2B_API_KEY": key, "E2B_DOMAIN": "sandlot.invalid"}  # fmt: skip
+            report = Path(tmp) / "report.xml"
+            cmd = [args.python, "-m", "pytest", "-p", "no:cacheprovider", "-q", f"--junitxml={report}",
+                   "--timeout=300", *(["-n", str(args.workers)] if args.workers > 1 else []),
+                   *(pytest_args or DEFAULT_TESTS)]  # fmt: skip
+            subprocess.run(cmd, cwd=args.sdk, env=env, check=False)
+            result = summary(report)
+    text = json.dumps(result, indent=2)
+    if args.json:
+        args.json.write_text(text + "\n")
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
