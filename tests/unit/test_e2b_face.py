@@ -230,6 +230,12 @@ def test_listings_removals_filters_and_timeouts_as_envd_and_e2b_give_them(face: 
         assert lease is not None and lease.seconds == 2
     finally:
         sbx.kill()
+    brief = Sandbox.create("fake-tpl", timeout=3, **opts)  # a timer as short as that from the start
+    try:
+        lease = leases.of(brief.sandbox_id, home=home)
+        assert lease is not None and lease.seconds == 3
+    finally:
+        brief.kill()
 
 
 def test_fork_and_snapshots(face: dict[str, Any], sbx: Sandbox) -> None:

@@ -130,8 +130,12 @@ def test_a_box_asleep_past_evict_after_leaves_this_host_and_a_request_wakes_it_l
     port = box.port(8000)[1]
 
     def get() -> int:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/n", timeout=scaled(120)) as r:
-            return int(r.read())
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/n", timeout=scaled(120)) as r:
+                return int(r.read())
+        except OSError as exc:  # why the wake failed, as the box's events say
+            said = [f"{ev.kind}: {ev.reason}" for ev in sandlot.events(box=box.id, follow=False, home=a)]
+            raise AssertionError(f"{exc!r}; the box's events: {said[-6:]}") from exc
 
     def helpers() -> list[Path]:
         """The helpers serving this box's memory, each with its mount up."""

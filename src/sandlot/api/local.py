@@ -48,6 +48,7 @@ if TYPE_CHECKING:
     from .code import Callbacks, CodeContext, Execution, Interpreter
 
 CONSOLE_TAIL = 256 * 1024  # bytes of the console read for its last lines
+TREE_REMOVE_TIMEOUT = 600.0  # seconds for the agent to remove a tree (a recursive remove)
 
 
 def box_info(rec: BoxRecord, state: str | None = None, store: BoxStore | None = None) -> dict[str, Any]:
@@ -555,7 +556,11 @@ class LocalBackend(Backend):
         self, ref: BoxRef, path: str, recursive: bool = False, missing_ok: bool = False
     ) -> None:
         flags = (FsFlag.RECURSIVE if recursive else 0) | (FsFlag.MISSING_OK if missing_ok else 0)
-        await proto.fs_request(await self._conn(ref), FsOp.REMOVE, guest_path(path), flags=flags)
+        # a tree's removal is one request, answered when it is done: ten thousand files
+        # on a loaded, emulated host take longer than a request's usual deadline
+        timeout = TREE_REMOVE_TIMEOUT if recursive else None
+        conn = await self._conn(ref)
+        await proto.fs_request(conn, FsOp.REMOVE, guest_path(path), flags=flags, timeout=timeout)
 
     async def files_rename(self, ref: BoxRef, src: str, dst: str) -> None:
         await proto.fs_request(await self._conn(ref), FsOp.RENAME, guest_path(src), path2=guest_path(dst))

@@ -64,6 +64,10 @@ CLOCK_TRIES = 5
 # see the old VM alive for a moment, and the new VM's socket appears only once it runs.
 RECONNECT_PATIENCE = 30.0
 RECONNECT_PAUSE = 0.1
+# How long the agent of a VM its owner says lives has to answer HELLO once connected
+# again: a guest just restored lazily (its memory read from the storage tier as it runs)
+# on a loaded, emulated host can take tens of seconds; HELLO is sent again each second
+RECONNECT_HELLO = 60.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -592,7 +596,7 @@ class AgentConnection:
             except AgentTimeout:
                 continue
 
-    async def reconnect(self, timeout: float = 10.0) -> AgentInfo:
+    async def reconnect(self, timeout: float = RECONNECT_HELLO) -> AgentInfo:
         """Replace the socket (e.g. after a restore) and resume every channel."""
         await self._drop_transport()
         reader, writer = await self._connector()

@@ -102,9 +102,11 @@ async def fs_request(
     user: str | None = None,
     target: str | None = None,
     rdev: int | None = None,
+    timeout: float | None = None,
 ) -> list[RawEntry]:
     """One file-system request; returns the entries of STAT or LIST. ``target``: a
-    SYMLINK's; ``rdev``: a MKNOD's device number (``mode`` then holds the type)."""
+    SYMLINK's; ``rdev``: a MKNOD's device number (``mode`` then holds the type);
+    ``timeout``: seconds for the agent's answer (default: the connection's)."""
     payload = wire.tlv(Tag.OP, int(op)) + wire.tlv(Tag.PATH, path) + wire.tlv(Tag.FLAGS, flags)
     if path2 is not None:
         payload += wire.tlv(Tag.PATH2, path2)
@@ -116,7 +118,7 @@ async def fs_request(
         payload += wire.tlv(Tag.MODE, mode)
     if user is not None:
         payload += wire.tlv(Tag.USER, user)
-    return await _fs_results(conn, payload, Tag.ENTRY, wire.parse_entry)
+    return await _fs_results(conn, payload, Tag.ENTRY, wire.parse_entry, timeout)
 
 
 async def tree(conn: AgentConnection, path: str, *, self_only: bool = False) -> list[TreeEntry]:
@@ -129,7 +131,7 @@ async def tree(conn: AgentConnection, path: str, *, self_only: bool = False) -> 
 
 
 async def _fs_results(
-    conn: AgentConnection, payload: bytes, tag: Tag, parse: Callable[[bytes], E]
+    conn: AgentConnection, payload: bytes, tag: Tag, parse: Callable[[bytes], E], timeout: float | None = None
 ) -> list[E]:
     """Send one FS request; its ``tag`` entries, parsed, from every FS_RESULT frame up to
     the one without MORE (a listing's and a tree's come in batches)."""
@@ -138,7 +140,7 @@ async def _fs_results(
     try:
         ch.send(T.FS, payload)
         while True:
-            frame = await ch.expect(T.FS_RESULT, timeout=conn.request_timeout)
+            frame = await ch.expect(T.FS_RESULT, timeout=timeout or conn.request_timeout)
             entries.extend(parse(e) for e in Fields(frame.payload).all(tag))
             if not frame.flags & wire.FLAG_MORE:
                 return entries

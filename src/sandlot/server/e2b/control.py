@@ -187,6 +187,9 @@ async def create(request: Request) -> dict[str, Any]:
     if body.get("volumeMounts"):
         raise Unsupported("volumeMounts are not supported over the E2B API: use sandlot's named volumes")
     made = await routes.create_box(BoxCreate(**wanted), request, Response())
+    if timeout < leases.SHORTEST:  # a timer shorter than a lease made with a box may be
+        await server_leases.grant(_server(request), _caller(request), made["id"], timeout,
+                                  shortest=SHORTEST_TIMEOUT)  # fmt: skip
     box = await AsyncBox.get(made["id"], home=_server(request).home)
     return await _sandbox(request, box)
 
