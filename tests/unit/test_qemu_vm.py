@@ -82,7 +82,7 @@ def test_a_migration_fails_on_a_stall_not_on_its_length(monkeypatch: pytest.Monk
         q, exited = _Session(steps), asyncio.get_running_loop().create_future()
         if exits:
             exited.set_result(9)
-        await vm.migration_done(q, _Events(completed_after), exited, timeout)  # type: ignore[arg-type]
+        await vm.migration_done(q, _Events(completed_after), exited, timeout, saving=True)  # type: ignore[arg-type]
         return q
 
     moving = asyncio.run(go(steps=100, completed_after=1.0, timeout=0.3))  # 1 s of moving, 0.3 s deadline

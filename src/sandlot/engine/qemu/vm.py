@@ -200,34 +200,37 @@ async def _migration_progress(q: QMPClient) -> Any:
 
 
 async def migration_done(
-    q: QMPClient, events: EventListener, exited: asyncio.Future[Any], timeout: float
+    q: QMPClient, events: EventListener, exited: asyncio.Future[Any], timeout: float, *, saving: bool = False
 ) -> None:
     """Until the migration in progress (a save or a load) on session ``q`` completes, as
-    its MIGRATION ``events`` say; racing QEMU's exit (``exited``) and ``timeout``:
-    seconds in which the migration moved no byte. (A save that goes on writing is slow,
-    not stuck: a large guest, an emulated one, a loaded host. One whose bytes stop for
-    that long fails, so a save never hangs. A load, of which QEMU tells no progress,
-    has ``timeout`` seconds in all.)"""
+    its MIGRATION ``events`` say; racing QEMU's exit (``exited``) and ``timeout``. For a
+    save (``saving``), ``timeout`` is the seconds in which it moved no byte: a save that
+    goes on writing is slow, not stuck (a large guest, an emulated one, a loaded host);
+    one whose bytes stop for that long fails, so a save never hangs. A load has
+    ``timeout`` seconds in all: QEMU tells no progress of an incoming migration, and
+    its monitor is not asked anything while one runs."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
     moved: Any = None
     while True:
         event = asyncio.ensure_future(events.get())
         waiting: set[asyncio.Future[Any]] = {event, exited}
-        wait = max(0.0, min(deadline - loop.time(), PROGRESS_EVERY))
+        wait = max(0.0, deadline - loop.time())
+        wait = min(wait, PROGRESS_EVERY) if saving else wait
         done, _ = await asyncio.wait(waiting, timeout=wait, return_when=asyncio.FIRST_COMPLETED)
         if event not in done:
             event.cancel()
             if exited in done:
                 raise SavedStateError("QEMU exited while saving or loading the state")
-            if loop.time() < deadline:
+            if saving and loop.time() < deadline:
                 now_moved = await _migration_progress(q)
                 if now_moved is not None and now_moved != moved:
                     moved, deadline = now_moved, loop.time() + timeout
                 continue
             with contextlib.suppress(Exception):
                 await q.execute("migrate_cancel")
-            raise SavedStateError(f"saving or loading the state moved nothing for {timeout:.0f}s")
+            what = f"moved nothing for {timeout:.0f}s" if saving else f"took more than {timeout:.0f}s"
+            raise SavedStateError(f"saving or loading the state {what}")
         message: Any = event.result()
         status = (message.get("data") or {}).get("status")
         if status == "completed":
@@ -594,8 +597,10 @@ class QemuVM(VM):
                     raise
             await asyncio.sleep(0.005)
 
-    async def _migration_done(self, q: QMPClient, events: EventListener, timeout: float) -> None:
-        await migration_done(q, events, self.exited(), timeout)
+    async def _migration_done(
+        self, q: QMPClient, events: EventListener, timeout: float, saving: bool
+    ) -> None:
+        await migration_done(q, events, self.exited(), timeout, saving=saving)
 
     # -- saved state ----------------------------------------------------------------------
 
@@ -625,7 +630,7 @@ class QemuVM(VM):
                     ) from None
 
             await once_finalized(start, min(timeout, FINALIZE_LIMIT))
-            await self._migration_done(q, events, timeout)
+            await self._migration_done(q, events, timeout, saving=command == "migrate")
 
     async def _migrate_file(
         self, f: IO[bytes], command: str, ignore_shared: bool, timeout: float, session: QMPClient | None
