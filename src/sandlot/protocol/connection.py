@@ -65,8 +65,8 @@ CLOCK_TRIES = 5
 RECONNECT_PATIENCE = 30.0
 RECONNECT_PAUSE = 0.1
 # How long the agent of a VM its owner says lives has to answer HELLO once connected
-# again: a guest just restored lazily (its memory read from the storage tier as it runs)
-# on a loaded, emulated host can take tens of seconds; HELLO is sent again each second
+# again (HELLO is sent again each second): a guest just restored, its memory perhaps
+# read lazily from the storage tier, on a loaded, emulated host is slow, not gone
 RECONNECT_HELLO = 60.0
 
 
