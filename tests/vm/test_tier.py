@@ -135,7 +135,8 @@ def test_a_box_asleep_past_evict_after_leaves_this_host_and_a_request_wakes_it_l
                 return int(r.read())
         except OSError as exc:  # why the wake failed, as the box's events say
             said = [f"{ev.kind}: {ev.reason}" for ev in sandlot.events(box=box.id, follow=False, home=a)]
-            raise AssertionError(f"{exc!r}; the box's events: {said[-6:]}") from exc
+            console = box.logs(lines=15)
+            raise AssertionError(f"{exc!r}; the box's events: {said[-6:]}; its console:\n{console}") from exc
 
     def helpers() -> list[Path]:
         """The helpers serving this box's memory, each with its mount up."""
