@@ -127,10 +127,11 @@ async def _source(request: Request, template: str) -> tuple[dict[str, Any], bool
 
 
 def _fitting(mode: str, saved_nic: bool | None, *, named: bool) -> str | None:
-    """The network mode for E2B's egress settings (``_policy``) that a sandbox from a saved
-    state can have, whose network card it keeps (None: the state's own). A state with a
-    card and no way out is an allow list of nothing, as E2B's ``allow_internet_access=False``
-    is. A state without a card gets none: E2B's SDKs ask for the internet unless told not to
+    """The network mode for E2B's egress settings (``_policy``) that a sandbox whose network
+    card is fixed can have: one from a saved state, which keeps the state's card (None:
+    the state's own mode), or a running one. With a card, no way out is an allow list of
+    nothing, as E2B's ``allow_internet_access=False`` is. A state without a card gets
+    none: E2B's SDKs ask for the internet unless told not to
     (``allow_internet_access`` is sent either way), so a template made without a network
     gives sandboxes without one, as its maker chose (docs/e2b.md). Destinations named in
     ``network`` it cannot reach are refused, saying why (``requests.check_fits``)."""
@@ -547,8 +548,8 @@ async def update_network(request: Request, sandbox_id: str) -> Response:
     mode, allow = _policy(body.get("allow_internet_access"), body.get("allowOut"), body.get("denyOut"),
                           body.get("rules"))  # fmt: skip
     box = await sandbox_box(request, sandbox_id)
-    if mode == "none" and box.info.get("network") not in (None, "none"):
-        mode = "allowlist"  # its card stays (a running box's cannot go): an allow list of nothing
+    # its card stays (a running box's cannot come or go): no way out is an allow list of nothing
+    mode = _fitting(mode, box.info.get("network") not in (None, "none"), named=True) or mode
     await routes.run_operation(request, "box.set_network", box.id, network=mode, allow=allow or None)
     return Response(status_code=204)
 
