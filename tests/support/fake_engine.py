@@ -12,7 +12,8 @@ MOUNT, FREEZE and THAW: ``frozen``), files (FILE_READ, FILE_WRITE, FS: a small f
 memory; ARCHIVE, its trees as tar streams, with the real agent's main refusals), and EXEC of ``true``,
 ``false``, ``echo ...``, ``exit N``, ``sleep S``,
 ``cat`` (its stdin back), ``lines N``, ``hostname``, ``remember K V``, ``recall K``
-and ``/bin/sh -c "one of those"`` or ``/bin/bash -l -c ...`` (nothing runs: the
+``chmod`` and ``chgrp`` (they change nothing),
+and ``/bin/sh -c "one of those"`` (or ``-lc``) or ``/bin/bash -l -c ...`` (nothing runs: the
 output is made up), and the agent's relay (``box.connect(port)``) to the address of
 this host that ``FakeEngine.ports`` gives that port, for every fake box. Watches
 answer ENOENT. Saved states are a JSON file holding the VM's ``memory`` dict
@@ -306,7 +307,7 @@ class FakeVM(VM):
             self._send(w, T.EXEC_STARTED, ch, wire.tlv(Tag.PID, pid) + wire.tlv(Tag.WINDOW, wire.WINDOW))
             if argv[:2] == ("/bin/bash", "-l"):  # what E2B's SDKs send: bash -l -c "..."
                 argv = ("/bin/sh", *argv[2:])
-            if len(argv) == 3 and argv[0] in ("sh", "/bin/sh") and argv[1] == "-c":
+            if len(argv) == 3 and argv[0] in ("sh", "/bin/sh") and argv[1] in ("-c", "-lc"):
                 argv = tuple(shlex.split(argv[2])) or ("true",)
             out, err, code = b"", b"", 0
             if argv[0] == "echo":
@@ -319,6 +320,8 @@ class FakeVM(VM):
                 await asyncio.sleep(float(argv[1]))
             elif argv[0] == "hostname":
                 out = (str(self.memory.get("hostname", "fake")) + "\n").encode()
+            elif argv[0] in ("chmod", "chgrp"):  # what the OpenAI Agents SDK runs on each file it makes
+                pass
             elif argv[0] == "true":  # counted in the VM's memory: a saved state tells how many ran
                 self.memory["true_runs"] = int(self.memory.get("true_runs", 0)) + 1
             elif argv[0] == "remember":  # remember KEY VALUE: state that lives in the VM's memory

@@ -28,6 +28,7 @@ LAYERS: dict[str, int] = {
     "sandlot.api": 5,
     "sandlot.fleet": 6,  # the fleet on Ray, on the API (next to the tools; neither imports the other)
     "sandlot.tools": 6,  # the tools for language models, on the API
+    "sandlot.integrations": 6,  # sandboxes of other frameworks (the OpenAI Agents SDK), on the API
     "sandlot.mcp": 7,  # the tools as an MCP server
     "sandlot.server": 8,  # it mounts the MCP server at /mcp
     "sandlot.cli": 9,  # the command: it runs the other faces (``sandlot serve``, ``sandlot mcp``)
