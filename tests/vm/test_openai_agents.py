@@ -1,0 +1,93 @@
+"""sandlot as a sandbox of the OpenAI Agents SDK in a real box: a ``SandboxAgent`` driven
+through ``Runner.run`` by a scripted model starts a web server in the background with
+the shell tool, writes a page with apply_patch, and its session ends suspended; another
+process resumes the session from its JSON state and finds the server still running,
+reached in the box and through the exposed port from this host. One boot."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import pytest
+from agents import RunConfig, Runner
+from agents.run_config import SandboxRunConfig
+from agents.sandbox import Manifest, SandboxAgent
+from agents.sandbox.capabilities import Filesystem, Shell
+from agents.sandbox.entries import File
+
+import sandlot
+from sandlot.integrations.openai_agents import SandlotSandboxClient, SandlotSandboxClientOptions
+
+from tests.support.names import unique
+from tests.support.scripted_model import ScriptedModel, call, patch, say
+
+pytestmark = pytest.mark.vm
+REPO = Path(__file__).resolve().parents[2]
+
+RESUMED = """
+import asyncio, json, sys, urllib.request
+from sandlot.integrations.openai_agents import SandlotSandboxClient
+
+async def main():
+    client = SandlotSandboxClient()
+    session = await client.resume(client.deserialize_session_state(json.loads(sys.argv[1])))
+    async with session:
+        inside = await session.exec(
+            "python3 -c 'import urllib.request as u; print(u.urlopen(\\"http://127.0.0.1:8000/page.html\\").read().decode())'")
+        end = await session.resolve_exposed_port(8000)
+        with urllib.request.urlopen(end.url_for("http") + "/page.html", timeout=60) as reply:
+            outside = reply.read().decode()
+        print(json.dumps({"inside": inside.stdout.decode(), "code": inside.exit_code, "outside": outside}))
+    await (await client.box_of(session)).remove(force=True)
+
+asyncio.run(main())
+"""
+
+
+def test_a_paused_session_resumes_in_another_process_with_its_server_running(debian_root: Path) -> None:
+    image = f"{unique('oa-agents')}:1"
+    sandlot.import_image(debian_root, image, labels={"sandlot.test": "openai-agents"})
+    options = SandlotSandboxClientOptions(
+        image=image, exposed_ports=(8000,), on_exit="suspend", memory_mib=512
+    )
+    serve = call("exec_command", cmd="nohup python3 -m http.server 8000 >/dev/null 2>&1 &")
+    page = patch("*** Begin Patch\n*** Add File: page.html\n+served from the box\n*** End Patch\n")
+    model = ScriptedModel([[serve, page], [say("serving")]])
+    agent: SandboxAgent[Any] = SandboxAgent(
+        name="dev", instructions="serve the workspace", model=model, capabilities=[Shell(), Filesystem()],
+        default_manifest=Manifest(entries={"README.md": File(content=b"# site\n")}),
+    )  # fmt: skip
+
+    async def run() -> dict[str, Any]:
+        client = SandlotSandboxClient()
+        config = RunConfig(sandbox=SandboxRunConfig(client=client, options=options), tracing_disabled=True)
+        result = await Runner.run(agent, "serve it", run_config=config)
+        assert result.final_output == "serving"
+        state: dict[str, Any] = result.to_state().to_json()["sandbox"]["session_state"]
+        return state
+
+    os.environ.setdefault("OPENAI_AGENTS_DISABLE_TRACING", "1")
+    state = asyncio.run(run())
+    box = sandlot.get(state["box_id"])
+    try:
+        assert box.state == "suspended"  # no VM now: its memory and processes are on disk
+        done = subprocess.run(
+            [sys.executable, "-c", textwrap.dedent(RESUMED), json.dumps(state)],
+            capture_output=True, text=True, timeout=300,
+            env={**os.environ, "PYTHONPATH": str(REPO / "src")},
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr
+        seen = json.loads(done.stdout.strip().splitlines()[-1])
+        assert seen == {"inside": "served from the box\n", "code": 0, "outside": "served from the box"}
+    finally:
+        for b in sandlot.list(labels=None):
+            if b.id == state["box_id"]:
+                b.remove(force=True)
+        sandlot.remove_image(image)
