@@ -87,7 +87,7 @@ class ConsoleClock:
 
 
 def one_boot(root: Path, home: Path) -> dict[str, float | None]:
-    box = sandlot.Box(rootfs=root, memory_mib=256, home=home)
+    box = sandlot.Box(rootfs=root, memory_mib=256, home=home, template=False)  # a cold boot, each time
     console = sandlot.Runtime.for_home(home).box_dir(box.id) / "console.log"  # what box.logs() reads
     t0 = time.perf_counter()
     clock = ConsoleClock(console, t0)
@@ -104,7 +104,7 @@ def one_boot(root: Path, home: Path) -> dict[str, float | None]:
 
 
 def plain_boot(root: Path, home: Path) -> tuple[float, str | None]:
-    box = sandlot.Box(rootfs=root, memory_mib=256, home=home)
+    box = sandlot.Box(rootfs=root, memory_mib=256, home=home, template=False)  # a cold boot, each time
     t0 = time.perf_counter()
     box.start()
     box.exec("true")

@@ -1,6 +1,7 @@
 """Core benchmarks (issue: boot a microVM box and run commands in it).
 
-Prints one JSON document: cold boot to first exec, exec round trip, stdout,
+Prints one JSON document: cold boot to first exec (and, in the same run, a start from
+the root filesystem's automatic template), exec round trip, stdout,
 stdin and file throughput, host memory of idle boxes, and dynamically linked
 programs' starts with address-space randomization on and off. Baselines measured in
 the same run: the raw agent round trip (ping), the guest's own fork and exec of
@@ -29,7 +30,7 @@ def bench_boot(root: Path, n: int) -> tuple[dict, str | None]:
     times, boots = [], []
     accel = None
     for _ in range(n):
-        box = sandlot.Box(rootfs=root, memory_mib=256)
+        box = sandlot.Box(rootfs=root, memory_mib=256, template=False)
         t0 = time.perf_counter()
         box.start()
         t1 = time.perf_counter()
@@ -43,6 +44,25 @@ def bench_boot(root: Path, n: int) -> tuple[dict, str | None]:
         "boot_to_first_exec_s": summary(times, digits=3),
         "boot_to_agent_s": summary(boots, digits=3),
     }, accel
+
+
+def bench_rootfs_template(root: Path, n: int, boot_median: float) -> dict:
+    """A box of the same root filesystem without ``template=False``: the first one's boot
+    is saved as the root filesystem's automatic template, and the boxes after it restore
+    that state instead of booting (what every ``Box(rootfs=...)`` and ``Box(image)`` does)."""
+    sandlot.Box(rootfs=root, memory_mib=256).start().remove(force=True)  # saves the template
+    times = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        box = sandlot.Box(rootfs=root, memory_mib=256).start()
+        box.exec("true")
+        times.append(time.perf_counter() - t0)
+        box.remove(force=True)
+    s = summary(times, digits=3)
+    return {
+        "start_from_automatic_template_to_first_exec_s": s,
+        "boot_over_automatic_template": round(boot_median / max(float(s["median"]), 1e-3), 1),
+    }
 
 
 def took(call: Callable[..., object], *args: str) -> float:
@@ -88,7 +108,7 @@ def bench_dynamic_programs(quick: bool) -> dict:
     execs, starts = (5, 2) if quick else (40, 8)
     out: dict = {}
     for aslr in (True, False):
-        with sandlot.Box(rootfs=debian_root(), memory_mib=512, aslr=aslr) as box:
+        with sandlot.Box(rootfs=debian_root(), memory_mib=512, aslr=aslr, template=False) as box:
             box.exec("/usr/bin/true")
             lat = [took(box.exec, "/usr/bin/true") for _ in range(execs)]
             py = [took(box.exec, "python3", "-c", "pass") for _ in range(starts)]
@@ -151,7 +171,7 @@ def bench_files(box: sandlot.Box, quick: bool) -> dict:
 
 def bench_memory(root: Path, quick: bool) -> dict:
     settle = 1 if quick else 5
-    one = sandlot.Box(rootfs=root, memory_mib=256).start()
+    one = sandlot.Box(rootfs=root, memory_mib=256, template=False).start()
     boxes = [one]
     try:
         one.exec("true")
@@ -168,7 +188,9 @@ def bench_memory(root: Path, quick: bool) -> dict:
                "rm /run/fill/x && umount /run/fill")  # fmt: skip
         time.sleep(settle)
         after_free = pss_kib(one.inspect()["vm_pid"])
-        boxes += [sandlot.Box(rootfs=root, memory_mib=256).start() for _ in range(1 if quick else 3)]
+        boxes += [
+            sandlot.Box(rootfs=root, memory_mib=256, template=False).start() for _ in range(1 if quick else 3)
+        ]
         for b in boxes:
             b.exec("true")
         time.sleep(settle)
@@ -196,11 +218,12 @@ def main() -> None:
         args.boots, args.execs = 2, 20
     root = busybox_root()
     sandlot.Runtime.for_home().prepare()  # fetch/build once, outside the timings
-    warm = sandlot.Box(rootfs=root, memory_mib=256).start()  # caches the base disk
+    warm = sandlot.Box(rootfs=root, memory_mib=256, template=False).start()  # caches the base disk
     warm.remove(force=True)
     boot, accel = bench_boot(root, args.boots)
+    boot.update(bench_rootfs_template(root, args.boots, float(boot["boot_to_first_exec_s"]["median"])))
     doc: dict = {"benchmark": "core", "quick": args.quick, "host": host_facts(accel), **boot}
-    with sandlot.Box(rootfs=root, memory_mib=256) as box:
+    with sandlot.Box(rootfs=root, memory_mib=256, template=False) as box:
         doc.update(bench_exec(box, args.execs))
         doc.update(bench_streams(box, args.quick))
         doc.update(bench_files(box, args.quick))

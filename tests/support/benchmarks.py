@@ -23,6 +23,8 @@ PROMISED = {
     "boot": ["boot_to_first_exec_s", "phases_s", "marks_s", "kernel_args"],
     "core": [
         "boot_to_first_exec_s",
+        "start_from_automatic_template_to_first_exec_s",
+        "boot_over_automatic_template",
         "exec_true_ms",
         "stdout_MBps",
         "upload_MBps",

@@ -42,6 +42,7 @@ def downgrade_to_v2(db: Path) -> None:
         opts = json.loads(b["options"])
         opts.pop("engine", None)
         opts.pop("auto_template", None)
+        opts.pop("rootfs_digest", None)
         boot = json.loads(b["boot"])
         opts.update({"_machine_id": b["machine_id"], "_kernel": boot.get("kernel"),
                      "_initrd": boot.get("initrd"), "_accel": boot.get("accel"),

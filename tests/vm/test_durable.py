@@ -217,8 +217,8 @@ def test_concurrent_starts_of_one_box_boot_it_once(busybox_root: Path) -> None:
 @pytest.fixture(scope="module")
 def shared(busybox_root: Path) -> Iterator[sandlot.Box]:
     """One running box for the tests that need nothing more (each leaves it as it was):
-    booted once, not once a test."""
-    with sandlot.Box(rootfs=busybox_root, name=SHARED_1, memory_mib=256) as box:
+    booted once, not once a test (and booted, not restored: its console holds its boot)."""
+    with sandlot.Box(rootfs=busybox_root, name=SHARED_1, memory_mib=256, template=False) as box:
         yield box
 
 

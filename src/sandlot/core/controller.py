@@ -377,9 +377,17 @@ class BoxController:
             # an engine that saves no running state makes no automatic template
             live = rt.engine(spec.engine).live_state and auto_templates()
             plain = not spec.volumes and not spec.mounts  # an automatic template has no volumes
-            if snap is None and req.template is None and spec.image and plain and live:
-                image = await self._resolve_image(req, spec.image)
-                snap = await self.saved.auto_template(entry, image.digest)
+            if snap is None and req.template is None and plain and live:
+                if spec.image:
+                    image = await self._resolve_image(req, spec.image)
+                    source = image.digest
+                else:  # a directory or tarball: its boots are as costly as an image's
+                    from ..images.rootfs import rootfs_key  # imported where a box is made, as below
+
+                    assert spec.rootfs is not None
+                    source = await asyncio.to_thread(rootfs_key, spec.rootfs)
+                    spec.rootfs_digest = source
+                snap = await self.saved.auto_template(entry, source)
                 if snap is None:
                     spec.auto_template = not spec.secrets  # its first boot becomes the template
                 else:

@@ -470,21 +470,35 @@ class LiveState:
         return None
 
     async def save_auto_template(self, entry: BoxEntry) -> None:
-        """Right after an image's first boot (the box's lock held): later boxes of the
-        image restore this state instead of booting. A box that booted is never failed
-        for its template."""
-        rec = entry.record
+        """Right after the first boot of an image or root filesystem (the box's lock
+        held): later boxes like it restore this state instead of booting. A box that
+        booted is never failed for its template."""
+        rec, spec = entry.record, entry.spec
+        source = rec.image_digest or (f"rootfs:{spec.rootfs_digest}" if spec.rootfs_digest else None)
         try:
-            if rec.image_digest and await self.auto_template(entry, rec.image_digest) is None:
-                key = await self.template_key(entry, rec.image_digest)
+            if source and await self.auto_template(entry, source) is None:
+                key = await self.template_key(entry, source)
                 await self.warm_up(entry)
                 await self.capture(entry, "template", template_key=key)
+                if spec.rootfs_digest:
+                    await self._drop_older_rootfs_templates(rec.rootfs, spec.rootfs_digest)
         except Exception as exc:
-            log.warning("could not make a template of %s: %s", entry.spec.image, exc)
+            log.warning("could not make a template of %s: %s", spec.image or spec.rootfs, exc)
         entry.spec.auto_template = False
         done = await self.db.update(entry.id, options=entry.spec.to_options())
         if done is not None:
             entry.update(done)
+
+    async def _drop_older_rootfs_templates(self, rootfs: str | None, digest: str) -> None:
+        """A directory that changed made a new automatic template: those of its older
+        trees that no box was started from go (an image's go with the image instead),
+        so a root filesystem edited between runs does not keep a saved boot per edit."""
+        for snap in await self.db.snapshots(kind="template"):
+            box = snap.options.get("box", {})
+            if (snap.name is None and snap.options.get("rootfs") == rootfs
+                    and box.get("rootfs_digest") not in (None, digest)):  # fmt: skip
+                with contextlib.suppress(SnapshotInUse, SnapshotNotFound):
+                    await self.remove_snapshot(snap)
 
     async def make_template(self, entry: BoxEntry, name: str | None) -> SnapshotRecord:
         """Save a set-up box as a template, in the form many boxes start from."""
@@ -515,11 +529,12 @@ class LiveState:
     async def list_snapshots(
         self, *, box: str | None = None, kind: str | None = None
     ) -> list[SnapshotRecord]:
-        """Snapshots and templates, oldest first (``box``: of that box)."""
+        """Snapshots and templates, oldest first (``box``: of that box; an automatic
+        template saved of its first boot is sandlot's, not one of the box's own steps)."""
         await asyncio.to_thread(snapshots.reclaim_abandoned, self.rt.home, self.rt.store)
         box_id = (await self.db.get(box)).id if box else None
         recs = await self.db.snapshots(box_id=box_id, kind=kind)
-        return [r for r in recs if r.kind != "suspend"]
+        return [r for r in recs if r.kind != "suspend" and not (box_id and r.template_key)]
 
     async def children(self, snap: SnapshotRecord) -> list[str]:
         return [b.name for b in await self.db.children(snap.id)]

@@ -62,7 +62,7 @@ DISCONNECT_SETTLE = 0.05
 # when the VM was restored, so a box that asks for another falls back to a plain restore.
 CLAIMABLE = frozenset({
     "name", "env", "workdir", "user", "labels", "hostname", "request_timeout", "auto_remove",
-    "idle_timeout", "boot_timeout", "pool", "auto_template", "wake_on_traffic",
+    "idle_timeout", "boot_timeout", "pool", "auto_template", "rootfs_digest", "wake_on_traffic",
 })  # fmt: skip
 FILL_TIMEOUT = 300.0  # one filler at a time per template; a claimer never waits for it
 MAX_POOL = 64

@@ -246,6 +246,11 @@ class BoxSpec:
     image_config: dict[str, Any] | None = None  # the image's Env/WorkingDir/User/Entrypoint/Cmd, kept
     # its first boot is saved as the image's automatic template (for any process that starts it)
     auto_template: bool = False
+    # the content key of its rootfs= (images.rootfs.rootfs_key) when it was made: what the
+    # automatic template of a box from a directory or tarball is found by, as an image's is
+    # by its digest; taken at creation, not at the first boot's save, so a directory
+    # changed between the two never names the older tree's boot
+    rootfs_digest: str | None = None
     # a warm pool's VM: the template it waits in the pool of, until a box claims it (core.pools)
     pool: str | None = None
 

@@ -99,6 +99,23 @@ def _publish(tmp: Path, final: Path) -> Path:
     return final
 
 
+def rootfs_key(rootfs: str | os.PathLike[str]) -> str:
+    """The content key of a root filesystem directory (its tree's names, types, modes,
+    owners, sizes, times and link targets) or tarball (its bytes): what its cached base
+    disk and its automatic template (``LiveState.template_key``) are found by, so that
+    a directory that changed gets neither of the old one's."""
+    path = Path(rootfs).expanduser()
+    if path.is_dir():
+        return hashlib.sha256(f"dir:{_dir_digest(path)}".encode()).hexdigest()[:24]
+    if not path.is_file():
+        raise InvalidArgument(f"rootfs {path} is neither a directory nor a file")
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return hashlib.sha256(f"tar:{h.hexdigest()}".encode()).hexdigest()[:24]
+
+
 def _reused(base: Path) -> Path:
     """``base``, its time of modification set to now: a cached base's last use, which
     ``prune_images(unused_for=...)`` goes by (its content never changes after it is made)."""
@@ -112,7 +129,7 @@ def base_from_dir(cache: Path, src: Path) -> Path:
     src = Path(src)
     if not src.is_dir():
         raise InvalidArgument(f"rootfs {src} is not a directory")
-    key = hashlib.sha256(f"dir:{_dir_digest(src)}".encode()).hexdigest()[:24]
+    key = rootfs_key(src)
     final = cache / f"{key}.ext4"
     if final.exists():
         return _reused(final)
@@ -138,11 +155,7 @@ def base_from_tarball(cache: Path, tarball: Path) -> Path:
     tarball = Path(tarball)
     if not tarball.is_file():
         raise InvalidArgument(f"rootfs {tarball} is not a file")
-    h = hashlib.sha256()
-    with open(tarball, "rb") as f:
-        while chunk := f.read(1 << 20):
-            h.update(chunk)
-    key = hashlib.sha256(f"tar:{h.hexdigest()}".encode()).hexdigest()[:24]
+    key = rootfs_key(tarball)
     final = cache / f"{key}.ext4"
     if final.exists():
         return _reused(final)
@@ -176,14 +189,7 @@ def rootfs_dir_for(cache: Path, rootfs: str | os.PathLike[str]) -> Path:
     path = Path(rootfs).expanduser()
     if not path.exists():
         raise InvalidArgument(f"rootfs {path} does not exist")
-    if path.is_dir():
-        key = hashlib.sha256(f"dir:{_dir_digest(path)}".encode()).hexdigest()[:24]
-    else:
-        h = hashlib.sha256()
-        with open(path, "rb") as f:
-            while chunk := f.read(1 << 20):
-                h.update(chunk)
-        key = hashlib.sha256(f"tar:{h.hexdigest()}".encode()).hexdigest()[:24]
+    key = rootfs_key(path)
     final = cache / f"{key}.rootfs"
     if final.is_dir():
         return _reused(final)
