@@ -380,13 +380,13 @@ class BoxController:
             if snap is None and req.template is None and plain and live:
                 if spec.image:
                     image = await self._resolve_image(req, spec.image)
-                    source = image.digest
                 else:  # a directory or tarball: its boots are as costly as an image's
                     from ..images.rootfs import rootfs_key  # imported where a box is made, as below
 
                     assert spec.rootfs is not None
-                    source = await asyncio.to_thread(rootfs_key, spec.rootfs)
-                    spec.rootfs_digest = source
+                    spec.rootfs_digest = await asyncio.to_thread(rootfs_key, spec.rootfs)
+                source = template_source(image.digest if image else None, spec.rootfs_digest)
+                assert source is not None
                 snap = await self.saved.auto_template(entry, source)
                 if snap is None:
                     spec.auto_template = not spec.secrets  # its first boot becomes the template
@@ -987,6 +987,12 @@ class BoxController:
             return {"name": rec.name, "state": rec.state, **usage, "disk_bytes": disk}
 
         return await asyncio.to_thread(measure)
+
+
+def template_source(image_digest: str | None, rootfs_digest: str | None) -> str | None:
+    """What a box's automatic template is of: its image (by digest), or its root
+    filesystem (by content key); None for a box that has neither."""
+    return image_digest or (f"rootfs:{rootfs_digest}" if rootfs_digest else None)
 
 
 def auto_templates() -> bool:

@@ -25,7 +25,7 @@ from ..crashpoints import crash_point
 from ..engine.base import Boot, BootRequest, Engine, SavedState
 from ..errors import InvalidArgument, InvalidState, SandlotError, SnapshotInUse, SnapshotNotFound
 from . import archive, awake, chunks, events, layers, pusher, snapshots, tier, tracing, volumes
-from .controller import BoxController
+from .controller import BoxController, template_source
 from .entry import BoxEntry
 from .launch import Launcher, drives_of, shares_of
 from .requests import BoxRequest
@@ -474,7 +474,7 @@ class LiveState:
         held): later boxes like it restore this state instead of booting. A box that
         booted is never failed for its template."""
         rec, spec = entry.record, entry.spec
-        source = rec.image_digest or (f"rootfs:{spec.rootfs_digest}" if spec.rootfs_digest else None)
+        source = template_source(rec.image_digest, spec.rootfs_digest)
         try:
             if source and await self.auto_template(entry, source) is None:
                 key = await self.template_key(entry, source)
