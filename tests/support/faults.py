@@ -5,6 +5,7 @@ own for them."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 from pathlib import Path
 
@@ -18,7 +19,9 @@ def library() -> Path:
     out = default_home() / "agent" / "faults" / f"faults-{int(SOURCE.stat().st_mtime_ns)}.so"
     if not out.exists():
         out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = out.with_suffix(".tmp")
+        # a name of this process's own: the unit tests' workers may build it at once, and
+        # each publishes a whole library under the one name (a rename replaces atomically)
+        tmp = out.with_suffix(f".{os.getpid()}.tmp")
         subprocess.run(["gcc", "-shared", "-fPIC", "-O1", "-o", str(tmp), str(SOURCE), "-ldl"], check=True)
         tmp.rename(out)
     return out
