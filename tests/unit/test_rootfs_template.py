@@ -6,6 +6,7 @@ the older tree's. On the fake engine; tests/vm proves the same on real VMs (ever
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
@@ -74,3 +75,30 @@ def test_an_older_trees_template_a_box_was_started_from_stays(home: Path, tmp_pa
 def test_a_missing_root_filesystem_is_refused_naming_it(home: Path, tmp_path: Path) -> None:
     with pytest.raises(sandlot.InvalidArgument, match="nowhere"):
         sandlot.Box(rootfs=tmp_path / "nowhere", engine="fake", home=home).start()
+
+
+def test_a_box_from_the_template_has_its_own_settings_not_the_first_boxs(home: Path, tmp_path: Path) -> None:
+    """The template stands in for a boot: the environment, user, working directory and
+    limits the first box was given are that box's, never a later one's."""
+    root = fake_rootfs(tmp_path)
+    mine = {"env": {"TOKEN": "first box's"}, "user": "nobody", "workdir": "/tmp", "pids_limit": 50}
+    sandlot.Box(rootfs=root, engine="fake", memory_mib=256, home=home, **mine).start()  # type: ignore[arg-type]
+    [tmpl] = automatic(home)
+    later = sandlot.Box(rootfs=root, engine="fake", memory_mib=256, home=home).start()
+    assert origin(later) == tmpl.id
+    options = later.inspect()["options"]
+    assert not any(options[k] for k in mine), options
+
+
+def test_pruning_takes_the_templates_of_trees_that_changed_or_went(home: Path, tmp_path: Path) -> None:
+    kept_root, gone_root = fake_rootfs(tmp_path / "kept"), fake_rootfs(tmp_path / "gone")
+    for root in (kept_root, gone_root):
+        sandlot.Box(rootfs=root, engine="fake", memory_mib=256, home=home).start().remove(force=True)
+    by_tree = {s.info["box_name"]: s for s in automatic(home)}
+    assert len(by_tree) == 2
+    assert sandlot.prune_snapshots(home=home) == []  # both trees are as they were booted
+    shutil.rmtree(gone_root)
+    (kept_root / "etc" / "motd").write_text("changed\n")
+    pruned = {s.id for s in sandlot.prune_snapshots(home=home)}
+    assert pruned == {s.id for s in by_tree.values()}
+    assert automatic(home) == []

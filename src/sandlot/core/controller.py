@@ -456,7 +456,8 @@ class BoxController:
         else:
             assert spec.rootfs is not None
             make_base = rootfs_dir_for if as_dir else base_for
-            base = await asyncio.to_thread(make_base, rt.bases_dir, spec.rootfs)
+            # the tree as keyed at creation, so its template and base are of one tree
+            base = await asyncio.to_thread(make_base, rt.bases_dir, spec.rootfs, spec.rootfs_digest)
         await asyncio.to_thread(self._box_dir, entry)
         await self._write_vault(entry, spec, req, None)
         if spec.mounts:  # made before they are named: the row's claim on a volume names whole files

@@ -49,6 +49,14 @@ def saved_drives(rec: BoxRecord) -> dict[str, Any]:
     return {"drives": [d["top"] for d in rec.drives], "drive_volumes": [d["volume"] for d in rec.drives]}
 
 
+def stale_rootfs_template(snap: SnapshotRecord, rootfs: str, current: str | None) -> bool:
+    """Whether ``snap`` is an automatic template of the tree ``rootfs`` as it no longer is
+    (``current``: the tree's content key now; None: the tree is gone)."""
+    saved_of = snap.options.get("box", {}).get("rootfs_digest")
+    return (snap.template_key is not None and snap.name is None and saved_of is not None
+            and snap.options.get("rootfs") == rootfs and saved_of != current)  # fmt: skip
+
+
 class LiveState:
     """Snapshots and everything made of them, on the controller and the launcher."""
 
@@ -480,7 +488,7 @@ class LiveState:
                 key = await self.template_key(entry, source)
                 await self.warm_up(entry)
                 await self.capture(entry, "template", template_key=key)
-                if spec.rootfs_digest:
+                if spec.rootfs_digest and rec.rootfs:
                     await self._drop_older_rootfs_templates(rec.rootfs, spec.rootfs_digest)
         except Exception as exc:
             log.warning("could not make a template of %s: %s", spec.image or spec.rootfs, exc)
@@ -489,16 +497,23 @@ class LiveState:
         if done is not None:
             entry.update(done)
 
-    async def _drop_older_rootfs_templates(self, rootfs: str | None, digest: str) -> None:
+    async def _drop_older_rootfs_templates(self, rootfs: str, digest: str) -> None:
         """A directory that changed made a new automatic template: those of its older
         trees that no box was started from go (an image's go with the image instead),
-        so a root filesystem edited between runs does not keep a saved boot per edit."""
-        for snap in await self.db.snapshots(kind="template"):
-            box = snap.options.get("box", {})
-            if (snap.name is None and snap.options.get("rootfs") == rootfs
-                    and box.get("rootfs_digest") not in (None, digest)):  # fmt: skip
-                with contextlib.suppress(SnapshotInUse, SnapshotNotFound):
-                    await self.remove_snapshot(snap)
+        so a root filesystem edited between runs does not keep a saved boot per edit.
+        Only when ``digest`` is the tree as it is now: a box made before the tree
+        changed and started after saved an older tree's boot, not the newest."""
+        from ..images.rootfs import rootfs_key  # only where a tree's box saved its first boot
+
+        try:
+            current = await asyncio.to_thread(rootfs_key, rootfs)
+        except (OSError, InvalidArgument):
+            return
+        if current == digest:
+            for snap in await self.db.snapshots(kind="template"):
+                if stale_rootfs_template(snap, rootfs, current):
+                    with contextlib.suppress(SnapshotInUse, SnapshotNotFound):
+                        await self.remove_snapshot(snap)
 
     async def make_template(self, entry: BoxEntry, name: str | None) -> SnapshotRecord:
         """Save a set-up box as a template, in the form many boxes start from."""
@@ -553,9 +568,28 @@ class LiveState:
 
     async def prune_snapshots(self, *, templates: bool = False) -> list[SnapshotRecord]:
         """Remove the snapshots no box needs: those of boxes that are gone (imported ones
-        too) from which no box was started; with ``templates``, named templates no box
-        was started from as well. Removing a box keeps its snapshots; this is how they go."""
+        too) and the automatic templates of root filesystem trees that changed or went,
+        from which no box was started; with ``templates``, every template no box was
+        started from as well. Removing a box keeps its snapshots; this is how they go."""
         rt = self.rt
+
+        from ..images.rootfs import rootfs_key  # only where a tree's template may be stale
+
+        trees: dict[str, str | None] = {}
+
+        def tree_now(path: str) -> str | None:
+            if path not in trees:
+                try:
+                    trees[path] = rootfs_key(path)
+                except (OSError, InvalidArgument):  # gone (or unreadable): no box boots it again
+                    trees[path] = None
+            return trees[path]
+
+        def stale(s: SnapshotRecord) -> bool:
+            path = s.options.get("rootfs")
+            if s.template_key is None or not isinstance(path, str):
+                return False
+            return stale_rootfs_template(s, path, tree_now(path))
 
         def prune() -> list[SnapshotRecord]:
             store = rt.store
@@ -564,7 +598,7 @@ class LiveState:
             for s in store.snapshots():
                 keep = (
                     s.kind == "suspend"
-                    or (s.kind == "template" and not templates)
+                    or (s.kind == "template" and not templates and not stale(s))
                     or (s.kind == "snapshot" and s.box_id in boxes)
                     or store.children(s.id)
                 )

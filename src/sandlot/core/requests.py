@@ -112,21 +112,26 @@ class BoxRequest:
                 o["cpus"] = facts["cpus"]
             if o["disk_size_gb"] == DEFAULT_DISK_GB:
                 o["disk_size_gb"] = saved_box.get("disk_size_gb", DEFAULT_DISK_GB)
-            if o["pids_limit"] is None:
-                o["pids_limit"] = saved_box.get("pids_limit")
             # its KVM modules are loaded in the saved memory: a box from it has them
             o["nested_virt"] = bool(o["nested_virt"] or saved_box.get("nested_virt"))
-            if o["aslr"] is None:  # as it was saved, unless given anew (every HELLO sets it)
-                o["aslr"] = saved_box.get("aslr", True)
             if o["engine"] in (None, "auto"):  # a saved state runs on the engine that saved it
                 o["engine"] = facts.get("engine", "qemu")
-            # what its commands ran with, unless given anew: a fork is the same box
-            for key in ("env", "workdir", "user"):
-                if o[key] is None:
-                    o[key] = saved_box.get(key)
-            if o["network"] is None and o["allow"] is None:  # its network policy too (its ports stay its own)
-                o["network"] = saved_box.get("network", "none")
-                o["allow"] = saved_box.get("allow") or None
+            # An automatic template is sandlot's saved boot of an image or tree, standing in
+            # for a new box's boot: the box it was saved of chose its own limits, randomization,
+            # environment, user and network, and none of them is a later box's (its key holds
+            # what the boot fixed). Any other saved state is the same box going on.
+            if snap.template_key is None:
+                if o["pids_limit"] is None:
+                    o["pids_limit"] = saved_box.get("pids_limit")
+                if o["aslr"] is None:  # as it was saved, unless given anew (every HELLO sets it)
+                    o["aslr"] = saved_box.get("aslr", True)
+                # what its commands ran with, unless given anew: a fork is the same box
+                for key in ("env", "workdir", "user"):
+                    if o[key] is None:
+                        o[key] = saved_box.get(key)
+                if o["network"] is None and o["allow"] is None:  # its policy too (its ports stay its own)
+                    o["network"] = saved_box.get("network", "none")
+                    o["allow"] = saved_box.get("allow") or None
         spec = BoxSpec.build(
             image_ref,
             saved_secrets=(snap.options.get("box", {}).get("secrets", []) if snap else ()),

@@ -1,9 +1,9 @@
 """Root filesystems from a directory or a tarball, as cached ext4 base disks.
 
 A base disk is a sparse ext4 image made by ``mkfs.ext4 -d``; it is read-only
-and shared by every box made from the same content and size. The cache key
-covers the content (a stat walk for directories, the sha256 for tarballs) and
-the filesystem size, so editing the directory gives a new base.
+and shared by every box made from the same content. The cache key covers the
+content (a stat walk for directories, the sha256 for tarballs), so editing the
+directory gives a new base.
 """
 
 from __future__ import annotations
@@ -124,12 +124,12 @@ def _reused(base: Path) -> Path:
     return base
 
 
-def base_from_dir(cache: Path, src: Path) -> Path:
+def base_from_dir(cache: Path, src: Path, key: str | None = None) -> Path:
     """Cached ext4 base holding the directory ``src`` (owners as on disk)."""
     src = Path(src)
     if not src.is_dir():
         raise InvalidArgument(f"rootfs {src} is not a directory")
-    key = rootfs_key(src)
+    key = key or rootfs_key(src)
     final = cache / f"{key}.ext4"
     if final.exists():
         return _reused(final)
@@ -144,7 +144,7 @@ def base_from_dir(cache: Path, src: Path) -> Path:
             os.unlink(tmp)
 
 
-def base_from_tarball(cache: Path, tarball: Path) -> Path:
+def base_from_tarball(cache: Path, tarball: Path, key: str | None = None) -> Path:
     """Cached ext4 base holding the contents of a (optionally compressed) tarball.
 
     Unpacked with the image layer applier (whiteouts off): the same safety rules
@@ -155,7 +155,7 @@ def base_from_tarball(cache: Path, tarball: Path) -> Path:
     tarball = Path(tarball)
     if not tarball.is_file():
         raise InvalidArgument(f"rootfs {tarball} is not a file")
-    key = rootfs_key(tarball)
+    key = key or rootfs_key(tarball)
     final = cache / f"{key}.ext4"
     if final.exists():
         return _reused(final)
@@ -170,17 +170,18 @@ def base_from_tarball(cache: Path, tarball: Path) -> Path:
         return _publish(image, final)
 
 
-def base_for(cache: Path, rootfs: str | os.PathLike[str]) -> Path:
-    """The cached base disk of a root filesystem directory or tarball."""
+def base_for(cache: Path, rootfs: str | os.PathLike[str], key: str | None = None) -> Path:
+    """The cached base disk of a root filesystem directory or tarball (``key``: its
+    ``rootfs_key``, if the caller took it already: the tree as the caller saw it)."""
     path = Path(rootfs).expanduser()
     if not path.exists():
         raise InvalidArgument(f"rootfs {path} does not exist")
     if path.is_dir():
-        return base_from_dir(cache, path)
-    return base_from_tarball(cache, path)
+        return base_from_dir(cache, path, key)
+    return base_from_tarball(cache, path, key)
 
 
-def rootfs_dir_for(cache: Path, rootfs: str | os.PathLike[str]) -> Path:
+def rootfs_dir_for(cache: Path, rootfs: str | os.PathLike[str], key: str | None = None) -> Path:
     """The cached, read-only copy of a root filesystem directory or tarball, as a
     directory (the lower layer of boxes whose disk is an overlay: engine gvisor).
     A copy, not the user's directory itself: an overlay's lower layer must not change."""
@@ -189,7 +190,7 @@ def rootfs_dir_for(cache: Path, rootfs: str | os.PathLike[str]) -> Path:
     path = Path(rootfs).expanduser()
     if not path.exists():
         raise InvalidArgument(f"rootfs {path} does not exist")
-    key = rootfs_key(path)
+    key = key or rootfs_key(path)
     final = cache / f"{key}.rootfs"
     if final.is_dir():
         return _reused(final)
