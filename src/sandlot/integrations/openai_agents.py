@@ -33,7 +33,7 @@ import tempfile
 import time
 import uuid
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -502,12 +502,8 @@ class SandlotSandboxSession(BaseSandboxSession):
     async def read(self, path: Path, *, user: str | User | None = None) -> io.IOBase:
         target = self.normalize_path(path)
         await self.check_as('[ -r "$1" ]', target, user)
-        try:
+        with reading(path):
             data = await self.box.files.read(target.as_posix())
-        except FileNotFoundError as e:
-            raise WorkspaceReadNotFoundError(path=path, cause=e) from e
-        except SandlotError as e:
-            raise WorkspaceArchiveReadError(path=path, cause=e) from e
         return io.BytesIO(data)
 
     async def write(self, path: Path, data: io.IOBase, *, user: str | User | None = None) -> None:
@@ -556,12 +552,8 @@ class SandlotSandboxSession(BaseSandboxSession):
     async def ls(self, path: Path | str, *, user: str | User | None = None) -> list[FileEntry]:
         target = self.normalize_path(path)
         await self.check_as('[ -r "$1" ] && [ -x "$1" ]', target, user)
-        try:
+        with reading(target):
             found = await self.box.files.list(target.as_posix())
-        except FileNotFoundError as e:
-            raise WorkspaceReadNotFoundError(path=target, cause=e) from e
-        except SandlotError as e:
-            raise WorkspaceArchiveReadError(path=target, cause=e) from e
         kinds = {"file": EntryKind.FILE, "dir": EntryKind.DIRECTORY, "symlink": EntryKind.SYMLINK}
         return [
             FileEntry(
@@ -662,6 +654,17 @@ class SandlotSandboxSession(BaseSandboxSession):
                 await self.box.files.upload(tmp, root.as_posix())
             except SandlotError as e:
                 raise WorkspaceArchiveWriteError(path=root, cause=e) from e
+
+
+@contextlib.contextmanager
+def reading(path: Path) -> Iterator[None]:
+    """A box's errors in reading ``path``, as the SDK's."""
+    try:
+        yield
+    except FileNotFoundError as e:
+        raise WorkspaceReadNotFoundError(path=path, cause=e) from e
+    except SandlotError as e:
+        raise WorkspaceArchiveReadError(path=path, cause=e) from e
 
 
 _WRITABLE = (
