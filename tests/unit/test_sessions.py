@@ -8,9 +8,14 @@ import json
 import os
 import time
 from pathlib import Path
+from typing import Any
+
+import pytest
 
 from sandlot.config import try_flock
-from sandlot.core.sessions import Inheritance, Kept, Session
+from sandlot.core.sessions import Hello, Inheritance, Kept, Session
+from sandlot.errors import ConnectionLost
+from sandlot.protocol.connection import AgentConnection
 
 TOKEN = bytes(range(16))
 
@@ -106,3 +111,105 @@ def test_unit_a_damaged_session_file_hands_nothing_on(tmp_path: Path) -> None:
         for fd in held:
             assert fd is not None
             os.close(fd)
+
+
+class _VM:
+    """A VM whose agent socket is counted, never reached."""
+
+    running = True
+
+    def __init__(self) -> None:
+        self.connects: list[int] = []
+
+    def agent_connector(self, port: int) -> Any:
+        async def connect() -> Any:
+            self.connects.append(port)
+            raise ConnectionRefusedError("no agent here")
+
+        return connect
+
+
+def test_unit_a_connection_dropped_while_its_vm_was_away_never_follows_the_next_vm(tmp_path: Path) -> None:
+    """Its port went back when it was dropped (an idle release while it waited for the box
+    to be resumed), and another process may hold it: QEMU serves one host per port, so a
+    connection that followed the resumed VM there would keep the other's unanswered."""
+
+    async def main() -> None:
+        resumed = asyncio.Event()
+
+        async def wait_for_resume(_session: Session) -> None:
+            await resumed.wait()  # the box runs again: reconnect, says the handler
+
+        s = Session("b1", "box", tmp_path, 4, wait_for_resume)  # type: ignore[arg-type]
+        await s.lease(time.monotonic() + 1)
+        vm = _VM()
+        conn = s._new_connection(vm, Hello("box", None, None, 5.0))  # type: ignore[arg-type]
+        s.conn, s.vm = conn, vm  # type: ignore[assignment]
+        lost = asyncio.ensure_future(conn._lost())  # its socket closed: the VM was suspended
+        await asyncio.sleep(0.01)
+        s.drop()  # idle meanwhile: the connection ends and port 0 goes back
+        other = try_flock(tmp_path / "0.lock")
+        assert other is not None  # another process leases it
+        resumed.set()
+        await asyncio.wait_for(lost, 5)
+        os.close(other)
+        assert vm.connects == []
+        assert isinstance(conn.failed, ConnectionLost)
+
+    asyncio.run(main())
+
+
+def test_unit_a_connection_closed_while_it_reconnects_leaves_no_socket_open(tmp_path: Path) -> None:
+    """The socket its connector made once it was closed is closed at once, not handshaken."""
+    import socket
+
+    async def main() -> None:
+        ours, theirs = socket.socketpair()
+        connected = asyncio.Event()
+        go_on = asyncio.Event()
+
+        async def connector() -> Any:
+            connected.set()
+            await go_on.wait()
+            return await asyncio.open_connection(sock=ours)
+
+        conn = AgentConnection(connector)
+        reconnecting = asyncio.ensure_future(conn.reconnect(timeout=5))
+        await connected.wait()
+        await conn.close()
+        go_on.set()
+        with pytest.raises(ConnectionLost):
+            await asyncio.wait_for(reconnecting, 5)
+        theirs.setblocking(False)
+        loop = asyncio.get_running_loop()
+        assert await asyncio.wait_for(loop.sock_recv(theirs, 64), 5) == b""  # closed: no HELLO sent
+        theirs.close()
+
+    asyncio.run(main())
+
+
+def test_unit_a_reconnection_whose_connection_is_closed_ends_then_not_at_its_hello_timeout() -> None:
+    """Whoever waits for the reconnection (a resume that follows it) hears at once that
+    it will not come, and connects anew, rather than after the HELLO's 60 s."""
+    import socket
+
+    async def main() -> None:
+        ours, theirs = socket.socketpair()
+
+        async def connector() -> Any:
+            return await asyncio.open_connection(sock=ours)
+
+        async def the_vm_lives() -> None:
+            return None
+
+        conn = AgentConnection(connector, on_lost=the_vm_lives)
+        lost = asyncio.ensure_future(conn._lost())  # its socket closed: it follows the VM
+        theirs.setblocking(False)
+        loop = asyncio.get_running_loop()
+        assert await asyncio.wait_for(loop.sock_recv(theirs, 4096), 5)  # a HELLO, never answered
+        await conn.close()
+        await asyncio.wait_for(lost, 5)
+        assert isinstance(conn.failed, ConnectionLost)
+        theirs.close()
+
+    asyncio.run(main())

@@ -910,7 +910,13 @@ class BoxController:
             await asyncio.sleep(0.05)
         vm = session.vm
         if vm is not None and vm.running:
-            return None
+            # a VM whose socket closed while its process lives may be one another process
+            # has just suspended (it exits a moment later, and a resume may be starting the
+            # next one on the same sockets): followed only while the box's row says it runs it
+            rec = await self.db.find(session.box_id)
+            suspended = rec is None or rec.state in (BoxState.SUSPENDING, BoxState.SUSPENDED)
+            if not suspended and rec is not None and (rec.vm is None or rec.vm.pid == vm.ref.pid):
+                return None
         entry = self.entries.get(session.box_id)
         while (rec := await self.db.find(session.box_id)) is not None and rec.state in (
             BoxState.SUSPENDING, BoxState.SUSPENDED, BoxState.RESUMING, BoxState.RESTORING

@@ -253,6 +253,12 @@ class Session:
                     f"box {self.name}: this connection was replaced (a rollback or a restart)"
                 )
             reason = await self._on_lost(self)
+            if self.conn is not conn and reason is None:
+                # dropped while the handler waited (for a resume, say: an idle release came
+                # first): the port went back and another process may hold it now. A VM's
+                # port takes one host at a time, so this connection, followed to the new VM,
+                # would keep the other's in QEMU's queue, unanswered until its HELLO timed out
+                return ConnectionLost(f"box {self.name}: this connection was dropped while the VM was away")
             if reason is not None and self.conn is conn:  # the VM is gone: its port goes back
                 self.conn, self.vm = None, None
                 self.release_port()

@@ -600,6 +600,11 @@ class AgentConnection:
         """Replace the socket (e.g. after a restore) and resume every channel."""
         await self._drop_transport()
         reader, writer = await self._connector()
+        if self._closed:
+            # closed while it connected: a socket left open here would hold the port (QEMU
+            # serves one host per port) from whoever leases it next
+            writer.close()
+            raise ConnectionLost("the agent connection was closed")
         self._install(reader, writer)
         return await self._handshake(timeout)
 
@@ -629,6 +634,9 @@ class AgentConnection:
     async def close(self) -> None:
         self._closed = True
         await self._drop_transport()
+        # a handshake in flight (a reconnection) ends now, not at its HELLO timeout: whoever
+        # waits for the reconnection (``follow``, ``wait_ready``) learns of it and connects anew
+        self._control.fail(ConnectionLost("connection closed"))
         for ch in list(self._channels.values()):
             ch.fail(ConnectionLost("connection closed"))
         self._channels.clear()
@@ -790,6 +798,8 @@ class AgentConnection:
                 reason = await self._on_lost()
             except Exception as exc:
                 reason = exc
+            if reason is None and self._closed:  # closed while the owner was asked: never again
+                reason = ConnectionLost("the agent connection was closed")
             if reason is not None:
                 break
             try:
