@@ -170,6 +170,34 @@ def test_kill9_of_the_owner_mid_start(busybox_root: Path) -> None:
         b.remove(force=True)
 
 
+@pytest.mark.parametrize("point", ["snapshot.before-save", "snapshot.after-save", "restore.after-launch"])
+def test_kill9_of_the_owner_while_a_trees_template_is_saved_or_restored(
+    point: str, busybox_root: Path, tmp_path: Path
+) -> None:
+    """The first box of a root filesystem saves its boot as the tree's template before its
+    start returns; the boxes after it restore that. The owner killed at either step leaves
+    no half-saved template in sight, and the next box of the tree starts (from a whole
+    template, or by booting)."""
+    from tests.support.serve import shared_home
+
+    home = shared_home(tmp_path)  # this tree's first boot in it
+    env = {"SANDLOT_HOME": str(home)}
+    make = f"import sandlot\nsandlot.Box(rootfs={str(busybox_root)!r}, memory_mib=256, keep=True).start()\n"
+    if point == "restore.after-launch":  # a template saved whole first, then a box from it
+        assert py(make, env=env).returncode == 0
+    r = py(make, env={**env, "SANDLOT_CRASH_AT": point})
+    assert r.returncode == -9, r.stderr
+    templates = sandlot.list_snapshots(kind="template", home=home)
+    # a save cut short leaves no template (its row is written last); a restore's stays
+    assert len(templates) == (point == "restore.after-launch"), templates
+    for t in templates:  # whole: a box restores it
+        assert t.name is None and t.info["size"] > 0
+    r = py(f"{make}print(sandlot.list(home={str(home)!r})[-1].exec('echo', 'ok').stdout, end='')", env=env)
+    assert (r.returncode, r.stdout) == (0, "ok\n"), r.stderr
+    for b in sandlot.list(home=home):
+        b.remove(force=True)
+
+
 def test_volumes_read_write_and_read_only(busybox_root: Path, tmp_path: Path) -> None:
     rw, ro = tmp_path / "rw", tmp_path / "ro"
     rw.mkdir()
