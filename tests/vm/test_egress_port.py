@@ -69,7 +69,9 @@ print(json.dumps({"ok": [s == f"{i}-{'x' * (i * 37)}".encode() for i, s in enume
 
 def state(box: sandlot.Box, want: str = "ready 1") -> str:
     """The guest's side of the port, once it says ``want`` (or what it says at 30 s):
-    ``ready N`` once the N-th session since boot greeted it."""
+    ``ready N`` once the N-th session since boot greeted it (so the tests' boxes boot,
+    ``template=False``: a box restored from its tree's template counts on from the
+    template's)."""
     deadline = deadline_in(30)
     while (said := box.exec("cat", "/run/sandlot/egress").stdout.strip()) != want:
         if time.monotonic() > deadline:
@@ -129,7 +131,9 @@ def test_the_port_takes_no_address_or_port_from_the_box(debian_root: Path, servi
     child on the loopback; 10.0.2.100 stays QEMU's, and a server in the box can bind
     every port on every address, those of the proxy and the DNS answerer included."""
     allow = [f"127.0.0.1:{service.port}"]
-    with sandlot.Box(rootfs=debian_root, memory_mib=256, network="allowlist", allow=allow) as box:
+    with sandlot.Box(
+        rootfs=debian_root, memory_mib=256, network="allowlist", allow=allow, template=False
+    ) as box:
         assert state(box) == "ready 1"
         r = box.exec("python3", "-c", WHERE)
         assert r.returncode == 0, r.stderr
@@ -146,7 +150,9 @@ def test_the_port_takes_no_address_or_port_from_the_box(debian_root: Path, servi
 
 def test_many_connections_at_once_each_get_their_own_bytes(debian_root: Path, service: Service) -> None:
     allow = [f"127.0.0.1:{service.port}"]
-    with sandlot.Box(rootfs=debian_root, memory_mib=512, network="allowlist", allow=allow) as box:
+    with sandlot.Box(
+        rootfs=debian_root, memory_mib=512, network="allowlist", allow=allow, template=False
+    ) as box:
         assert state(box) == "ready 1"
         r = box.exec("python3", "-c", MANY, str(service.port), "48", timeout=600, env=NO_PROXY)
         assert r.returncode == 0, r.stderr
@@ -167,7 +173,9 @@ def test_the_port_after_a_fork_a_rollback_and_a_resume(debian_root: Path, servic
     """Each restore is a new QEMU whose port connects anew: the server greets it, the
     guest (saved mid-session) starts over, and connections go over the port again."""
     allow = [f"127.0.0.1:{service.port}"]
-    with sandlot.Box(rootfs=debian_root, memory_mib=256, network="allowlist", allow=allow) as box:
+    with sandlot.Box(
+        rootfs=debian_root, memory_mib=256, network="allowlist", allow=allow, template=False
+    ) as box:
         assert state(box) == "ready 1"
         assert fetch(box, service.port, "before") == "before"
         # downloads running while the state is saved: the guest is likely mid-frame in it

@@ -75,7 +75,7 @@ def test_each_device_set_has_its_devices(
 
 def test_qmp_reports_running_and_quit_ends_qemu(busybox_root: Path) -> None:
     async def main() -> None:
-        box = sandlot.AsyncBox(rootfs=busybox_root, memory_mib=256)
+        box = sandlot.AsyncBox(rootfs=busybox_root, memory_mib=256, template=False)  # a boot's QEMU
         await box.start()
         try:
             info = await box.inspect()
@@ -210,7 +210,8 @@ def test_states_saved_with_earlier_device_sets_still_load(
         return device_set_of(Path(f"/proc/{box.inspect()['vm_pid']}/cmdline").read_text().split("\0"))
 
     monkeypatch.setattr(QemuEngine, "_config", with_old_devices)
-    with sandlot.Box(rootfs=busybox_root, memory_mib=256) as box:
+    # booted with the old set (the tree's template, if any, was saved with the newest)
+    with sandlot.Box(rootfs=busybox_root, memory_mib=256, template=False) as box:
         assert devices_of(box) == old
         assert box.sh("echo before > /root/mark").exit_code == 0
         snap = box.snapshot()
