@@ -425,8 +425,13 @@ def test_guest_connections_go_through_the_homes_egress_server_and_survive_its_de
 
     allow = [f"127.0.0.1:{service.port}"]
     target = ("proxy", f"127.0.0.1:{service.port}")
-    with sandlot.Box(
-        rootfs=debian_root, engine=TEST_ENGINE, memory_mib=256, network="allowlist", allow=allow
+    with sandlot.Box(  # booted: the port's sessions are counted since a boot, not since a template's
+        rootfs=debian_root,
+        engine=TEST_ENGINE,
+        memory_mib=256,
+        network="allowlist",
+        allow=allow,
+        template=False,
     ) as box:
         cmdline = network_process(box)
         assert b"sandlot-fdrelay" in cmdline and str(sock).encode() in cmdline

@@ -143,7 +143,8 @@ def test_a_full_home_fails_a_gvisor_save_clearly(
     sandbox whose checkpoint fails: sandlot must refuse before)."""
     monkeypatch.setenv("SANDLOT_MIN_FREE_MIB", "0")  # past the core's own floor, to the engine's check
     mnt, home = small_home
-    box = sandlot.Box(rootfs=busybox_root, engine="gvisor", memory_mib=256, home=home, keep=True).start()
+    box = sandlot.Box(rootfs=busybox_root, engine="gvisor", memory_mib=256, home=home, keep=True,
+                      template=False).start()  # fmt: skip
     box.exec("sh", "-c", "echo before > /root/mark").check()
     before = visible(home)
     filler = fill(mnt)  # a busybox sandbox's checkpoint is 45 KiB: it would fit
