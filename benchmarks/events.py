@@ -79,7 +79,8 @@ def follow_latency(home: Any, runs: int) -> dict[str, Any]:
                 echo.append(time.perf_counter() - t0)
         proc.stdin.write("go\n")
         proc.stdin.flush()
-        with sandlot.Box(rootfs=busybox_root(), memory_mib=256, home=home) as box:
+        # booted (no template save among the events the follower reads in order)
+        with sandlot.Box(rootfs=busybox_root(), memory_mib=256, home=home, template=False) as box:
             for kind in ("created", "started"):
                 assert proc.stdout.readline().strip() == kind
             for i in range(runs + 3):
