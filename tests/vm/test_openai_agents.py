@@ -44,7 +44,8 @@ async def main():
         end = await session.resolve_exposed_port(8000)
         with urllib.request.urlopen(end.url_for("http") + "/page.html", timeout=60) as reply:
             outside = reply.read().decode()
-        print(json.dumps({"inside": inside.stdout.decode(), "code": inside.exit_code, "outside": outside}))
+        print(json.dumps({"inside": inside.stdout.decode(), "code": inside.exit_code, "outside": outside,
+                          "err": inside.stderr.decode()[-600:]}))
     await (await client.box_of(session)).remove(force=True)
 
 asyncio.run(main())
@@ -85,7 +86,8 @@ def test_a_paused_session_resumes_in_another_process_with_its_server_running(deb
         )  # fmt: skip
         assert done.returncode == 0, done.stderr
         seen = json.loads(done.stdout.strip().splitlines()[-1])
-        assert seen == {"inside": "served from the box\n", "code": 0, "outside": "served from the box"}
+        err = seen.pop("err")  # the inside request's stderr, should it fail
+        assert seen == {"inside": "served from the box\n", "code": 0, "outside": "served from the box"}, err
     finally:
         for b in sandlot.list(labels=None):
             if b.id == state["box_id"]:
