@@ -292,8 +292,13 @@ class RayBackend(RemoteBackend):
         one that does not answer (yet alive to Ray) is ConnectionLost."""
         try:
             return await got(call)
-        except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as exc:
-            if isinstance(exc, ray.exceptions.RayActorError):
+        except (
+            ray.exceptions.RayActorError,
+            ray.exceptions.ActorUnavailableError,
+            # the node's actor asked for anew, pinned to a node Ray has since found dead
+            ray.exceptions.ActorUnschedulableError,
+        ) as exc:
+            if not isinstance(exc, ray.exceptions.ActorUnavailableError):
                 self.fleet.forget_node(ref.node)  # the next call gets the node's next actor
             await self.reconcile()
             await self.reread(ref)
