@@ -914,8 +914,8 @@ class BoxController:
             # has just suspended (it exits a moment later, and a resume may be starting the
             # next one on the same sockets): followed only while the box's row says it runs it
             rec = await self.db.find(session.box_id)
-            suspended = rec is None or rec.state in (BoxState.SUSPENDING, BoxState.SUSPENDED)
-            if not suspended and rec is not None and (rec.vm is None or rec.vm.pid == vm.ref.pid):
+            if (rec is not None and rec.state not in (BoxState.SUSPENDING, BoxState.SUSPENDED)
+                    and (rec.vm is None or rec.vm.pid == vm.ref.pid)):  # fmt: skip
                 return None
         entry = self.entries.get(session.box_id)
         while (rec := await self.db.find(session.box_id)) is not None and rec.state in (
