@@ -1,7 +1,9 @@
 """The command line's own cost (issue 17, part 5): wall time of ``sandlot --version``,
 ``sandlot ls`` and ``sandlot exec BOX true`` (a running box), measured with
 ``hyperfine`` (apt package ``hyperfine``), next to Python's own start and
-``import sandlot``. Target here: ``ls`` and ``exec BOX true`` at most 120 ms.
+``import sandlot``. Targets: ``ls`` (of a home with one running box) at most 60 ms more
+than Python's own start (issue 64: it reads the store without the box API where no box
+needs recovery, ``api/listing.py``), and ``exec BOX true`` at most 120 ms.
 
 The commands run this checkout's code (``python -m sandlot.cli`` with its ``src``
 first on the path), compiled to bytecode first, as an installed package is.
@@ -29,7 +31,8 @@ import sandlot
 from _common import busybox_root, drop_home, emit, host_facts, parser, scratch_home, summary
 
 REPO = Path(__file__).resolve().parent.parent
-TARGET_MS = 120.0
+TARGET_MS = 120.0  # exec BOX true
+LS_OVER_PYTHON_MS = 60.0
 
 
 def hyperfine(commands: dict[str, list[str]], env: dict[str, str], runs: int, warmup: int) -> dict[str, Any]:
@@ -87,9 +90,13 @@ def main() -> None:
         box.exec("true")
         accel = box.accel
         doc: dict[str, Any] = {"benchmark": "cli", "quick": args.quick, "host": host_facts(accel),
-                               "target_ms": TARGET_MS, "load_before": os.getloadavg()[0]}  # fmt: skip
+                               "target_ms": {"exec_true": TARGET_MS, "ls_over_python": LS_OVER_PYTHON_MS},
+                               "load_before": os.getloadavg()[0]}  # fmt: skip
         doc.update(measure(REPO / "src", home, box.name, runs, warmup))
-        doc["targets_met"] = {k: doc[f"{k}_ms"]["median"] <= TARGET_MS for k in ("ls", "exec_true")}
+        over = doc["ls_ms"]["median"] - doc["python_startup_ms"]["median"]
+        doc["ls_over_python_ms"] = round(over, 1)
+        doc["targets_met"] = {"ls_over_python": over <= LS_OVER_PYTHON_MS,
+                              "exec_true": doc["exec_true_ms"]["median"] <= TARGET_MS}  # fmt: skip
         if args.before:
             with tempfile.TemporaryDirectory() as d:
                 old = checkout(args.before, Path(d))

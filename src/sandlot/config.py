@@ -28,6 +28,11 @@ def default_home() -> Path:
     return (base / "sandlot").absolute()
 
 
+def home_path(home: str | os.PathLike[str] | None = None) -> Path:
+    """The home a call names (``home=``), else the default one, as an absolute path."""
+    return Path(home).expanduser().absolute() if home else default_home()
+
+
 def runtime_dir() -> Path:
     """A short, private directory for unix sockets (their paths are limited to 107 bytes).
 

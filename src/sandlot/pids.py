@@ -7,6 +7,7 @@ import contextlib
 import os
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
@@ -124,6 +125,21 @@ def children(pid: int) -> list[int]:
     except OSError:
         pass
     return out
+
+
+@dataclass(frozen=True, slots=True)
+class VMRef:
+    """Names one VM process across processes: a pid plus its start time, so a
+    recycled pid is never taken for the VM."""
+
+    pid: int
+    start: str
+
+
+def vm_alive(ref: VMRef | None, box_id: str) -> bool:
+    """Whether ``ref`` still names the VM of ``box_id``: the process lives and its command
+    line names the box (each engine's ``alive``; the store's quick listing asks it too)."""
+    return ref is not None and alive_as(ref.pid, ref.start, box_id)
 
 
 class Process(NamedTuple):

@@ -12,7 +12,7 @@ from typing import Any
 
 BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
 PROMISED = {
-    "cli": ["python_startup_ms", "version_ms", "ls_ms", "exec_true_ms", "targets_met"],
+    "cli": ["python_startup_ms", "version_ms", "ls_ms", "ls_over_python_ms", "exec_true_ms", "targets_met"],
     "density": [
         "boxes",
         "stopped_by",

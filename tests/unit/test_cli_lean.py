@@ -4,17 +4,32 @@ imported, never how long it takes."""
 
 from __future__ import annotations
 
+import asyncio
 import importlib
 import json
 import os
+import sqlite3
 import subprocess
 import sys
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+import sandlot
+from sandlot import pids
 from sandlot.cli import COMMANDS, MODULES, quick
 from sandlot.cli.common import app
+from sandlot.core.boxrecord import PID_ENGINES, SCHEMA_VERSION, BoxRecord, settled_boxes, store_path
+from sandlot.core.store import MIGRATIONS, BoxStore
+from sandlot.engine.base import Engine
+from sandlot.engine.gvisor.engine import GvisorEngine
+from sandlot.engine.qemu.engine import QemuEngine
+
+from tests.support.fake_engine import pid_of_dead_process
+from tests.support.waiting import wait_for
 
 # What no box command needs: the other faces, their libraries, and the parts of
 # the core that only some operations use.
@@ -53,12 +68,102 @@ def heavy(names: set[str], also: tuple[str, ...] = BOOT_ONLY) -> list[str]:
     return sorted(n for n in names if any(n == h or n.startswith(h + ".") for h in (*HEAVY, *also)))
 
 
+# what a listing of boxes that need no recovery does not import: the event loop's
+# machinery, the box API, the store's class (api/listing.py)
+LISTING_SKIPS = ("asyncio", "sandlot.api.box", "sandlot.api.local", "sandlot.core.store", "sandlot.protocol")
+
+
 def test_ls_imports_no_other_face_and_no_heavy_library(tmp_path: Path) -> None:
     names, r = imported_by(tmp_path, "ls")
     assert r.returncode == 0, r.stderr[-2000:]
-    assert "sandlot.cli.quick" in names and "sandlot.core.store" in names  # the probe sees imports
-    assert heavy(names) == []
+    assert "sandlot.cli.quick" in names and "sandlot.api.listing" in names  # the probe sees imports
+    assert heavy(names, also=(*BOOT_ONLY, *LISTING_SKIPS)) == []
     assert "typer" not in names and "rich" not in names  # the plain form skips them (cli/quick.py)
+
+
+@pytest.fixture
+def live_vm() -> Iterator[Callable[[str], tuple[int, str]]]:
+    """A process standing in for a box's VM: alive, its command line naming the box (what
+    ``Engine.alive`` asks of a VM process)."""
+    procs: list[subprocess.Popen[bytes]] = []
+
+    def start(box_id: str) -> tuple[int, str]:
+        p = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)", box_id])
+        procs.append(p)
+        start = wait_for("the stand-in VM to start", lambda: pids.start_time(p.pid), timeout=10)
+        return p.pid, start
+
+    yield start
+    for p in procs:
+        p.kill()
+        p.wait()
+
+
+def put_box(home: Path, name: str, state: str, *, vm: tuple[int, str] | None = None, **extra: Any) -> None:
+    now = time.time()
+    pid, start = vm or (None, None)
+    rec = BoxRecord(id=f"id-{name}", name=name, state=state, options=extra.pop("options", {}), created_at=now,
+                    updated_at=now, vm_pid=pid, vm_start=start, **extra)  # fmt: skip
+    BoxStore(store_path(home)).insert(rec)
+
+
+def listed_by_cli(tmp_path: Path, *argv: str) -> tuple[list[dict[str, Any]], set[str]]:
+    names, r = imported_by(tmp_path, "ls", "--json", *argv)
+    assert r.returncode == 0, r.stderr[-2000:]
+    return json.loads(r.stdout), names
+
+
+def test_ls_shows_settled_boxes_as_the_box_api_lists_them_without_it(
+    tmp_path: Path, live_vm: Callable[[str], tuple[int, str]]
+) -> None:
+    home = tmp_path / "home"
+    put_box(home, "kept", "stopped", labels={"team": "a"})
+    put_box(home, "live", "running", vm=live_vm("id-live"), labels={"team": "b"})
+    put_box(home, "pooled", "pooled", vm=live_vm("id-pooled"), options={"pool": "tmpl"})  # no box (yet)
+    put_box(home, "asleep", "suspended", suspended="state-1")
+    # each form of the command, the same listing asked of the box API, and what both show
+    forms = [
+        ((), {"all": False}, ["live"]),
+        (("-a",), {"all": True}, ["kept", "live", "asleep"]),
+        (("-f", "state=stopped"), {"all": True, "state": "stopped"}, ["kept"]),
+        (("-a", "-f", "label=team=b"), {"all": True, "labels": {"team": "b"}}, ["live"]),
+    ]
+    for argv, asked, shown in forms:
+        records, names = listed_by_cli(tmp_path, *argv)
+        assert [r["name"] for r in records] == shown, argv
+        assert heavy(names, also=LISTING_SKIPS) == [], argv
+        through_api = asyncio.run(sandlot.AsyncBox.list(home=home, **asked))  # type: ignore[arg-type]
+        assert [b.name for b in through_api] == shown, argv
+    assert records[0]["state"] == "running" and records[0]["labels"] == {"team": "b"}
+
+
+def test_ls_of_a_box_whose_vm_died_recovers_it_through_the_box_api(
+    tmp_path: Path, live_vm: Callable[[str], tuple[int, str]]
+) -> None:
+    home = tmp_path / "home"
+    put_box(home, "live", "running", vm=live_vm("id-live"))
+    put_box(home, "dead", "running", vm=pid_of_dead_process())
+    records, names = listed_by_cli(tmp_path, "-a")
+    assert {r["name"]: r["state"] for r in records} == {"live": "running", "dead": "crashed"}
+    assert "sandlot.api.box" in names  # the listing went through recovery
+    records, names = listed_by_cli(tmp_path, "-a")  # recovered: settled again
+    assert "sandlot.api.box" not in names and len(records) == 2
+
+
+def test_a_store_of_another_schema_is_listed_by_the_store(tmp_path: Path) -> None:
+    home = tmp_path / "home"
+    put_box(home, "kept", "stopped")
+    db = sqlite3.connect(store_path(home))
+    db.execute(f"PRAGMA user_version={SCHEMA_VERSION - 1}")  # as an older sandlot left it
+    db.close()
+    assert settled_boxes(home) is None
+
+
+def test_the_quick_listing_asks_what_the_store_and_the_engines_do() -> None:
+    assert len(MIGRATIONS) == SCHEMA_VERSION
+    for engine in (QemuEngine, GvisorEngine):  # PID_ENGINES: their VMs' liveness is a process's
+        assert engine.alive is Engine.alive
+    assert {e.name for e in (QemuEngine, GvisorEngine)} == PID_ENGINES
 
 
 def test_exec_imports_no_other_face_and_no_heavy_library(tmp_path: Path) -> None:

@@ -826,8 +826,9 @@ def test_a_command_reads_the_row_again_only_after_a_commit_it_did_not_make(
     commits: the commands after it ask the store nothing. A commit by another process (its
     own connection) or by another loop of this process (the sync API's, sharing this
     process's connection) makes the next command read the row, and see what they did."""
+    from sandlot.core.boxrecord import store_path
     from sandlot.core.controller import BoxController
-    from sandlot.core.store import BoxStore, store_path
+    from sandlot.core.store import BoxStore
 
     reads: list[str] = []
     real = BoxController.refresh

@@ -101,8 +101,9 @@ def test_a_claim_reads_a_few_ready_vms_at_a_time_and_the_next_ones_when_others_t
     """A claim decodes ``CLAIM_CANDIDATES`` rows at most per read, whatever the pool's size;
     when claimers of other processes took every one of them between its read and its
     compare-and-swap, it reads the next ones instead of restoring afresh."""
+    from sandlot.core.boxrecord import store_path
     from sandlot.core.pools import CLAIM_CANDIDATES, Pools
-    from sandlot.core.store import AsyncStore, BoxStore, store_path
+    from sandlot.core.store import AsyncStore, BoxStore
 
     monkeypatch.setenv("SANDLOT_POOL_MEMORY_MIB", "4096")
     lost = CLAIM_CANDIDATES + 1

@@ -57,7 +57,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..config import private_listener, try_flock
 from ..core import events
-from ..core.store import STORE_FILE, store_path
+from ..core.boxrecord import STORE_FILE, store_path
 from ..errors import BoxNotFound, GuestConnectionRefusedError, InvalidState, SandlotError
 from .backend import Command
 from .bridge import Duplex, open_relay, serve_on

@@ -11,19 +11,23 @@ of each form to what typer makes of it.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import math
 import os
 import sys
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from ..api.box import AsyncBox
-from ..api.local import local
+from ..api.listing import settled_listing
 from ..errors import SandlotError
-from .terminal import attach, raw_terminal, terminal_size
 from .text import age
+
+if TYPE_CHECKING:
+    from ..api.box import AsyncBox
+
+# The box API, the event loop and the terminal are imported by the functions that use
+# them: a listing whose boxes need no recovery reads the store without any of them
+# (``api.listing``), and its start is most of what ``sandlot ls`` costs.
 
 # -- what both paths run ----------------------------------------------------------------------
 
@@ -44,6 +48,8 @@ async def exec_attached(
     workdir: str | None = None, user: str | None = None, timeout: float | None = None,
 ) -> int:  # fmt: skip
     """As Docker does: stdin is forwarded only with -i; -t gives a terminal (raw mode here)."""
+    from .terminal import attach, raw_terminal, terminal_size
+
     rows, cols = terminal_size()
     proc = await box.spawn(
         *argv, env=env, cwd=workdir, user=user, tty=tty_mode, rows=rows, cols=cols, stdin=True
@@ -56,6 +62,8 @@ async def exec_attached(
 
 async def exec_in(key: str, argv: list[str], **options: Any) -> int:
     """``sandlot exec``: the command's exit status."""
+    from ..api.box import AsyncBox
+
     return await exec_attached(await AsyncBox.get(key), argv, **options)
 
 
@@ -75,9 +83,23 @@ def filters(items: list[str] | None) -> tuple[dict[str, str], str | None]:
     return labels, state
 
 
-async def listing(all_: bool, labels: dict[str, str], state: str | None) -> list[dict[str, Any]]:
-    boxes = await AsyncBox.list(all=all_ or state is not None, state=state, labels=labels or None)
-    return [local(b.ref).record.to_json() for b in boxes]  # the store's records, as just listed
+def listing(all_: bool, labels: dict[str, str], state: str | None) -> list[dict[str, Any]]:
+    """The records ``sandlot ls`` shows: read as they are where none needs recovery,
+    else through the box API, which recovers them first."""
+    include_stopped = all_ or state is not None
+    records = settled_listing(include_stopped=include_stopped, state=state, labels=labels or None)
+    if records is not None:
+        return records
+    import asyncio
+
+    from ..api.box import AsyncBox
+    from ..api.local import local
+
+    async def recovered() -> list[dict[str, Any]]:
+        boxes = await AsyncBox.list(all=include_stopped, state=state, labels=labels or None)
+        return [local(b.ref).record.to_json() for b in boxes]  # the store's records, as just listed
+
+    return asyncio.run(recovered())
 
 
 def show_listing(records: list[dict[str, Any]], *, quiet: bool, as_json: bool) -> None:
@@ -128,6 +150,8 @@ def say_error(message: str) -> None:
 def finish(coro: Awaitable[int]) -> int:
     """Run a command's coroutine; sandlot's own failures exit 125, a missing command 127
     (as ``common.run_coro``)."""
+    import asyncio
+
     try:
         return asyncio.run(coro)  # type: ignore[arg-type]
     except FileNotFoundError as exc:
@@ -215,7 +239,7 @@ def parse_exec(args: list[str]) -> dict[str, Any] | None:
 def run_ls(all_: bool, filter_: list[str] | None, quiet: bool, as_json: bool) -> int:
     labels, state = filters(filter_)
     try:
-        records = asyncio.run(listing(all_, labels, state))
+        records = listing(all_, labels, state)
     except SandlotError as exc:
         say_error(str(exc))
         return 1

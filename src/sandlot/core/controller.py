@@ -46,6 +46,7 @@ from ..protocol.connection import AgentConnection
 from ..protocol.exec import ExecRequest, RemoteProcess
 from ..protocol.wire import ControlOp, Fields, Tag, tlv
 from . import admission, awake, events, idle, layers, room, snapshots, tracing, volumes
+from .boxrecord import listed
 from .entry import BoxEntry
 from .launch import Launcher, read_file
 from .recovery import Recovery
@@ -211,15 +212,8 @@ class BoxController:
         out = []
         for rec in await self.db.list():
             found = await self.recover(rec)
-            if found is None or found.options.get("pool"):  # a warm pool's VM is no box (yet)
-                continue
-            if not all and found.state not in (BoxState.RUNNING, BoxState.PAUSED):
-                continue
-            if state is not None and found.state != state:
-                continue
-            if labels and any(found.labels.get(k) != v for k, v in labels.items()):
-                continue
-            out.append(self.entry(found))
+            if found is not None and listed(found, include_stopped=all, state=state, labels=labels):
+                out.append(self.entry(found))
         return out
 
     async def refresh(self, entry: BoxEntry) -> BoxRecord:

@@ -402,7 +402,8 @@ def run(home: Path, directory: Path) -> int:
                      whose, memory.fetched, time.monotonic() - t0, len(memory.asked), memory.waited,
                      "complete" if memory.complete() else f"incomplete: {memory.failed}")  # fmt: skip
             with contextlib.suppress(Exception):  # a figure, never a reason to fail
-                from .store import BoxStore, store_path
+                from .boxrecord import store_path
+                from .store import BoxStore
 
                 store.tally(BoxStore(store_path(home)))
 

@@ -44,8 +44,8 @@ from .. import pids
 from ..engine import names
 from ..engine.base import Placement, VMRef
 from ..errors import HostSetupError
+from .boxrecord import recorded_vms, store_path
 from .runtime import AGENT_PORTS, Runtime
-from .store import recorded_vms, store_path
 
 # A VM whose box's row names another process may be one a launch has just started:
 # the launcher records it the moment it exists (``Launcher._record_vm``), well within this.

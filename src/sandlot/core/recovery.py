@@ -28,10 +28,10 @@ from typing import Any
 from .. import pids
 from ..engine.base import VMStatus
 from . import events, snapshots
+from .boxrecord import BoxRecord, needs_recovery, pool_vm, unheld
 from .events import Draft
 from .runtime import Runtime
 from .state import STABLE, BoxState
-from .store import BoxRecord
 
 S, V = BoxState, VMStatus
 ALIVE = frozenset({V.RUNNING, V.PAUSED, V.LOADING, V.SAVING, V.UNKNOWN})
@@ -68,11 +68,6 @@ class Rule:
     save_ends_vm: bool | None = None
 
 
-def _unheld(rec: BoxRecord) -> bool:
-    """An ephemeral box (a ``with`` block's) whose holding process is gone."""
-    return rec.ephemeral and not pids.alive(rec.holder_pid, rec.holder_start)
-
-
 def _suspend_saved(rec: BoxRecord) -> bool:
     return rec.suspended is not None
 
@@ -81,12 +76,8 @@ def _has_new_disk(rec: BoxRecord) -> bool:
     return bool(rec.op and rec.op.get("disk"))
 
 
-def _pool_vm(rec: BoxRecord) -> bool:
-    return bool(rec.options.get("pool"))
-
-
 def _pool_vm_unready(rec: BoxRecord) -> bool:
-    return _pool_vm(rec) and rec.state != BoxState.POOLED
+    return pool_vm(rec) and rec.state != BoxState.POOLED
 
 
 def _states(*states: BoxState) -> frozenset[BoxState]:
@@ -94,14 +85,14 @@ def _states(*states: BoxState) -> frozenset[BoxState]:
 
 
 TABLE: tuple[Rule, ...] = (
-    Rule(_states(S.POOLED), None, GONE, Action.DISCARD, when=_pool_vm,
+    Rule(_states(S.POOLED), None, GONE, Action.DISCARD, when=pool_vm,
          doc="a warm pool's VM that exited: it goes, and the pool refills"),
     Rule(None, False, ANY_VM, Action.DISCARD, when=_pool_vm_unready,
          doc="a pool VM whose filler or claimer died before it was done: nobody shares or owns it"),
-    Rule(None, False, ANY_VM, Action.DISCARD, when=_unheld,
+    Rule(None, False, ANY_VM, Action.DISCARD, when=unheld,
          doc="a `with` block whose process died: the box goes with it (no other process is "
              "running an operation on it)"),
-    Rule(STABLE, True, ANY_VM, Action.DISCARD, when=_unheld,
+    Rule(STABLE, True, ANY_VM, Action.DISCARD, when=unheld,
          doc="the same, where another process, still alive, ran the box's last operation"),
     Rule(_states(S.CREATING, S.REMOVING), True, ANY_VM, Action.KEEP, doc="being made or removed"),
     Rule(_states(S.CREATING, S.REMOVING), False, ANY_VM, Action.DISCARD,
@@ -181,20 +172,7 @@ class Recovery:
 
     def needed(self, rec: BoxRecord) -> bool:
         """Cheap (no QMP): whether ``apply`` could change anything."""
-        state = BoxState(rec.state)
-        if _pool_vm(rec):  # ready while its VM lives; else only while its filler or claimer does
-            if state == S.POOLED:
-                return not self.rt.engine(rec.engine).alive(rec.vm, rec.id)
-            return not pids.alive(rec.owner_pid, rec.owner_start)
-        owner_alive = pids.alive(rec.owner_pid, rec.owner_start)
-        if _unheld(rec) and not (state.transient and owner_alive):
-            return True
-        if state in (S.CREATED, S.STOPPED, S.CRASHED):
-            return False
-        if state.transient:
-            return not owner_alive
-        alive = self.rt.engine(rec.engine).alive(rec.vm, rec.id)
-        return (state == S.SUSPENDED and alive) or (state in (S.RUNNING, S.PAUSED) and not alive)
+        return needs_recovery(rec, lambda r: self.rt.engine(r.engine).alive(r.vm, r.id))
 
     def apply(self, rec: BoxRecord) -> BoxRecord | None:
         """Carry out what the table says for ``rec``; the row after it, or None if the box is gone."""

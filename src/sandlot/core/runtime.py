@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .. import clusterauth, hostsetup, ksm
-from ..config import default_home, runtime_dir
+from ..config import home_path, runtime_dir
 from ..engine import engine_for, names
 from ..engine.auto import EngineChoice
 from ..engine.auto import choose as choose_engine
@@ -30,8 +30,9 @@ from ..engine.auto import requested as requested_engine
 from ..engine.base import Boot, BootRequest, Engine, Placement
 from ..errors import HostSetupError, InvalidArgument
 from . import exports, layers, snapshots
+from .boxrecord import store_path
 from .events import Draft
-from .store import AsyncStore, BoxRecord, BoxStore, store_path
+from .store import AsyncStore, BoxRecord, BoxStore
 
 if TYPE_CHECKING:
     from ..images.manager import ImageManager
@@ -47,7 +48,7 @@ class Runtime:
     _instances_lock = threading.Lock()
 
     def __init__(self, home: str | os.PathLike[str] | None = None) -> None:
-        self.home = Path(home).expanduser().absolute() if home else default_home()
+        self.home = home_path(home)
         self._lock = threading.Lock()
         self._store: BoxStore | None = None
         self._db: AsyncStore | None = None
@@ -73,7 +74,7 @@ class Runtime:
     @classmethod
     def for_home(cls, home: str | os.PathLike[str] | None = None) -> Runtime:
         """The shared runtime of a home (one per process)."""
-        key = Path(home).expanduser().absolute() if home else default_home()
+        key = home_path(home)
         with cls._instances_lock:
             rt = cls._instances.get(key)
             if rt is None:

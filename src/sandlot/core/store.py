@@ -35,7 +35,6 @@ from typing import Any
 
 from .. import pids, records
 from ..config import free_bytes
-from ..engine.base import VMRef
 from ..errors import (
     BoxNotFound,
     InvalidArgument,
@@ -48,6 +47,7 @@ from ..errors import (
     no_space,
 )
 from ..net.policy import BOX_NAME
+from .boxrecord import JSON_COLUMNS, BoxRecord, box_of_row
 from .events import Draft, Event
 from .events import draft as draft_event
 from .manifest import digests_of as manifest_digests
@@ -343,50 +343,6 @@ NAME_RE = BOX_NAME  # one rule for box names: the egress policy's box entries na
 
 
 @dataclass(frozen=True, slots=True)
-class BoxRecord:
-    id: str
-    name: str
-    state: str
-    options: dict[str, Any]  # the box's spec (``BoxSpec.to_options``)
-    created_at: float
-    updated_at: float
-    image_ref: str | None = None
-    image_digest: str | None = None
-    rootfs: str | None = None
-    labels: dict[str, str] = field(default_factory=dict)
-    engine: str = "qemu"
-    vm_pid: int | None = None
-    vm_start: str | None = None
-    owner_pid: int | None = None  # the process running the operation in progress
-    owner_start: str | None = None
-    ephemeral: bool = False  # removed when its holder dies (a ``with`` block)
-    holder_pid: int | None = None  # the process whose ``with`` block holds an ephemeral box
-    holder_start: str | None = None
-    reason: str | None = None  # why it crashed, or why an operation was undone
-    started_at: float | None = None
-    stopped_at: float | None = None
-    disk: str | None = None  # the top layer of its disk (layers/<id>.qcow2)
-    origin: str | None = None  # the snapshot it was started from (fork, template)
-    machine_id: str | None = None
-    boot: dict[str, Any] = field(default_factory=dict)  # the engine's Boot.record of its VM
-    ports: list[list[Any]] = field(default_factory=list)  # published ports as bound: address, host, guest
-    suspended: str | None = None  # the snapshot holding its suspended state
-    op: dict[str, Any] | None = None  # what an operation in progress needs recovery to know
-    # one per named volume it mounts, in its spec's order: {"volume": id, "serial", "top":
-    # the layer it writes, "holds": it writes the volume back when it is removed}
-    drives: list[dict[str, Any]] = field(default_factory=list)
-
-    @property
-    def vm(self) -> VMRef | None:
-        if self.vm_pid is None or self.vm_start is None:
-            return None
-        return VMRef(self.vm_pid, self.vm_start)
-
-    def to_json(self) -> dict[str, Any]:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
-
-
-@dataclass(frozen=True, slots=True)
 class SnapshotRecord:
     """A saved running state: a frozen disk layer plus the files in snapshots/<id>/."""
 
@@ -448,25 +404,14 @@ def holder_columns(ephemeral: bool) -> dict[str, Any]:
     return {"holder_pid": pid, "holder_start": start}
 
 
-_JSON_COLUMNS = ("options", "labels", "boot", "ports", "op", "drives")
-
-
 def _encode(changes: dict[str, Any]) -> dict[str, Any]:
     out = dict(changes)
-    for c in _JSON_COLUMNS:
+    for c in JSON_COLUMNS:
         if c in out and not (c == "op" and out[c] is None):
             out[c] = json.dumps(out[c])
     if "ephemeral" in out:
         out["ephemeral"] = int(out["ephemeral"])
     return out
-
-
-def _row(r: sqlite3.Row) -> BoxRecord:
-    d = dict(r)
-    for c in _JSON_COLUMNS:
-        d[c] = json.loads(d[c]) if d[c] is not None else None
-    d["ephemeral"] = bool(d["ephemeral"])
-    return BoxRecord(**d)
 
 
 def _event_row(r: sqlite3.Row) -> Event:
@@ -480,31 +425,6 @@ def _snap_row(r: sqlite3.Row) -> SnapshotRecord:
     d = dict(r)
     d["options"] = json.loads(d["options"])
     return SnapshotRecord(**d)
-
-
-def recorded_vms(path: Path) -> dict[str, VMRef | None] | None:
-    """The VM each box of the store at ``path`` records (box id: its ``VMRef``), read
-    without opening the store as ``BoxStore`` does (which creates, migrates and sweeps):
-    another sandlot's home is only looked at. None where it cannot be read."""
-    try:
-        db = sqlite3.connect(f"{path.absolute().as_uri()}?mode=ro", uri=True, timeout=5.0)
-        try:
-            rows = db.execute("SELECT id, vm_pid, vm_start FROM boxes").fetchall()
-        finally:
-            db.close()
-    except sqlite3.Error:
-        return None
-    return {str(box): VMRef(int(pid), str(start)) if pid is not None and start else None
-            for box, pid, start in rows}  # fmt: skip
-
-
-STORE_FILE = "sandlot.db"
-
-
-def store_path(home: Path) -> Path:
-    """A home's store: every home that ran a VM has one, so a home without it is one
-    that was removed (or moved away)."""
-    return home / STORE_FILE
 
 
 class BoxStore:
@@ -706,7 +626,7 @@ class BoxStore:
                 row = rows[0] if rows else None
         if row is None:
             raise BoxNotFound(f"no box {key!r}", box=key)
-        return _row(row)
+        return box_of_row(row)
 
     def find(self, key: str) -> BoxRecord | None:
         try:
@@ -717,7 +637,7 @@ class BoxStore:
     def list(self) -> builtins.list[BoxRecord]:
         with self._reading():
             rows = self._db.execute("SELECT * FROM boxes ORDER BY created_at").fetchall()
-        return [_row(r) for r in rows]
+        return [box_of_row(r) for r in rows]
 
     def update(
         self,
@@ -751,14 +671,14 @@ class BoxStore:
                     return None
                 row = db.execute("SELECT * FROM boxes WHERE id = ?", (box_id,)).fetchone()
                 if "drives" in changes:
-                    self._hold_volumes(db, _row(row))
+                    self._hold_volumes(db, box_of_row(row))
                 if event is not None:
-                    self._write_events(db, _row(row), [event] if isinstance(event, Draft) else event)
+                    self._write_events(db, box_of_row(row), [event] if isinstance(event, Draft) else event)
         except sqlite3.IntegrityError as exc:
             if "name" in str(exc):  # a claimed pool VM takes the box's name
                 raise InvalidArgument(f"a box named {changes.get('name')!r} already exists") from None
             raise
-        return _row(row)
+        return box_of_row(row)
 
     def template_pool(
         self, key: str, *, by_id: bool, skip: Collection[str] = (), limit: int | None = None
@@ -790,7 +710,7 @@ class BoxStore:
             params.append(limit)
         with self._reading():
             rows = self._db.execute(sql, params).fetchall()
-        return [_row(r) for r in rows]
+        return [box_of_row(r) for r in rows]
 
     def delete(self, box_id: str, *, event: Draft | None = None) -> None:
         """Delete a box's row, writing a "removed" event (by ``event.by``, with its
@@ -798,7 +718,7 @@ class BoxStore:
         with self._tx() as db:
             row = db.execute("SELECT * FROM boxes WHERE id = ?", (box_id,)).fetchone()
             if row is not None:
-                rec = _row(row)
+                rec = box_of_row(row)
                 said = event or Draft("removed")
                 removed = replace(said, kind="removed", detail={"was": rec.state, **said.detail})
                 self._write_events(db, replace(rec, state=""), [removed])
@@ -886,7 +806,7 @@ class BoxStore:
             row = db.execute("SELECT name, layer, kind FROM volumes WHERE id = ?", (volume_id,)).fetchone()
             if row is None:
                 return
-            boxes = [_row(r) for r in db.execute("SELECT * FROM boxes").fetchall()]
+            boxes = [box_of_row(r) for r in db.execute("SELECT * FROM boxes").fetchall()]
             users = [b.name for b in boxes if _mounts(b, volume_id, row)]
             if users:
                 name = row["name"]
@@ -904,7 +824,7 @@ class BoxStore:
     def children(self, snap_id: str) -> builtins.list[BoxRecord]:
         with self._reading():
             rows = self._db.execute("SELECT * FROM boxes WHERE origin = ?", (snap_id,)).fetchall()
-        return [_row(r) for r in rows]
+        return [box_of_row(r) for r in rows]
 
     # -- events (``core.events``) ------------------------------------------------------------
 
@@ -969,7 +889,7 @@ class BoxStore:
             if row is None:
                 self._insert_event(db, event, box_id, None, None, labels or {})
                 return True
-            rec = _row(row)
+            rec = box_of_row(row)
             if not self._spend_event(db, rec, event.kind):
                 return False
             self._write_events(db, rec, [event])
@@ -1025,7 +945,7 @@ class BoxStore:
             for b in rows:
                 box = db.execute("SELECT * FROM boxes WHERE id = ?", (b["box_id"],)).fetchone()
                 if box is not None:
-                    self._tell_folded(db, _row(box), json.loads(b["folded"]), b["since"], now)
+                    self._tell_folded(db, box_of_row(box), json.loads(b["folded"]), b["since"], now)
                     told += 1
                 db.execute(
                     "UPDATE event_budget SET folded = '{}', since = NULL WHERE box_id = ?", (b["box_id"],)
@@ -1069,7 +989,7 @@ class BoxStore:
                 (box_id, record, json.dumps(counts), told or "{}", time.time(), told),
             )
             if event is not None:
-                self._write_events(db, _row(box), [event])
+                self._write_events(db, box_of_row(box), [event])
 
     def records(self, box_id: str | None = None) -> dict[str, dict[str, dict[str, Any]]]:
         """Each box's records (box id, "" for the home's: record: ``{"counts", "told"}``)."""

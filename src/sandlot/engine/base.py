@@ -32,6 +32,7 @@ from typing import Any, ClassVar
 from .. import pids
 from ..errors import BootError, SavedStateError
 from ..net.addresses import DNS_PORT, PROXY_ADDRESS, PROXY_PORT
+from ..pids import VMRef
 from . import hostcgroup
 
 Connector = Callable[[], Awaitable[tuple[asyncio.StreamReader, asyncio.StreamWriter]]]
@@ -51,15 +52,6 @@ class VMStatus(enum.StrEnum):
 # a SIGKILLed VM tears its memory down before it is gone: well under a second, but a
 # loaded host has been seen to take longer than a caller's next look
 KILL_WAIT = 5.0
-
-
-@dataclass(frozen=True, slots=True)
-class VMRef:
-    """Names one VM process across processes: a pid plus its start time, so a
-    recycled pid is never taken for the VM."""
-
-    pid: int
-    start: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -397,9 +389,11 @@ class Engine(ABC):
         """The VM behind ``ref`` (started by another process, or earlier); ``boot``: its
         launch record (``LaunchSpec.boot``), from which it knows its own shape."""
 
-    @abstractmethod
     def alive(self, ref: VMRef | None, box_id: str) -> bool:
-        """Whether ``ref`` still names the VM of ``box_id``. Blocking, loop-free."""
+        """Whether ``ref`` still names the VM of ``box_id``. Blocking, loop-free. For a VM
+        that is a host process: it lives, and its command line names the box (the store's
+        quick listing, ``core.boxrecord``, asks the same of the engines it reads)."""
+        return pids.vm_alive(ref, box_id)
 
     @abstractmethod
     def probe(self, ref: VMRef | None, where: Placement) -> VMStatus:

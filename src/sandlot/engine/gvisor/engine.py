@@ -164,9 +164,6 @@ class GvisorEngine(Engine):
 
     # -- recovery (no event loop) --------------------------------------------------------
 
-    def alive(self, ref: VMRef | None, box_id: str) -> bool:
-        return ref is not None and pids.alive_as(ref.pid, ref.start, box_id)
-
     def _bare(self, where: Placement) -> SandboxConfig:
         return SandboxConfig(where.box_id, where.hostname, where.run_dir, where.state_dir, Path(), Path(),
                              Path(), "ptrace", where.agent_ports, 0, 0)  # fmt: skip

@@ -181,9 +181,6 @@ class QemuEngine(Engine):
 
     # -- recovery (no event loop) --------------------------------------------------------
 
-    def alive(self, ref: VMRef | None, box_id: str) -> bool:
-        return ref is not None and pids.alive_as(ref.pid, ref.start, box_id)
-
     def probe(self, ref: VMRef | None, where: Placement) -> VMStatus:
         if not self.alive(ref, where.box_id):
             return VMStatus.GONE
