@@ -21,7 +21,7 @@ import sandlot
 
 from tests.support.clock import set_while_read
 from tests.support.names import unique
-from tests.support.waiting import deadline_in, scaled, wait_for
+from tests.support.waiting import scaled, wait_for
 
 pytestmark = pytest.mark.vm
 DURABLE_1 = unique("durable-1")
@@ -30,6 +30,7 @@ STOP_CRASH = unique("stop-crash")
 QEMU_CRASH = unique("qemu-crash")
 START_CRASH = unique("start-crash")
 RACE_1 = unique("race-1")
+OWNER_CRASH = unique("owner-crash")
 
 
 def py(
@@ -112,9 +113,8 @@ def test_kill9_mid_stop_reconciles_to_stopped(busybox_root: Path) -> None:
         assert b.state == "stopped"
         last = list(b.events(follow=False))[-1]  # said by the recovery that did it
         assert (last.kind, last.by, last.detail["was"]) == ("stopped", "recovery", "stopping"), last
-        deadline = deadline_in(10)
-        while Path(f"/proc/{qemu_pid}").exists() and time.monotonic() < deadline:
-            time.sleep(0.1)
+        wait_for("only the running boxes' VMs", lambda: vms_left() == running_vms(), 5)
+        assert qemu_pid not in vms_left()
         b.start()
         assert b.files.read("/root/keep") == b"kept"
     finally:
@@ -163,11 +163,65 @@ def test_kill9_of_the_owner_mid_start(busybox_root: Path) -> None:
     b = sandlot.get(START_CRASH)
     try:
         assert b.state in ("running", "crashed")  # the VM went on alone, or died: never "starting"
+        wait_for("only the running boxes' VMs", lambda: vms_left() == running_vms(), 5)
         b.stop()
         b.start()
         assert b.exec("echo", "ok").stdout == "ok\n"
     finally:
         b.remove(force=True)
+
+
+def vms_left(home: Path | None = None) -> dict[int, str]:
+    """The VM processes on this host launched for a box of ``home`` (default: the tests'),
+    by pid: what the box's id is."""
+    from sandlot.core.orphans import box_vms
+    from sandlot.core.runtime import Runtime
+
+    rt = Runtime.for_home(home)
+    return {b.ref.pid: b.box_id for b in box_vms(rt) if b.home == rt.home}
+
+
+def running_vms(home: Path | None = None) -> dict[int, str]:
+    """The VMs the rows of ``home`` say run: a running or paused box's, a warm pool's."""
+    from sandlot.core.runtime import Runtime
+
+    rows = Runtime.for_home(home).store.list()
+    return {r.vm_pid: r.id for r in rows if r.state in ("running", "paused", "pooled") and r.vm_pid}
+
+
+@pytest.mark.parametrize(
+    ("point", "operation"),
+    [
+        ("restore.after-launch", "b.rollback(b.snapshot('s'))"),
+        ("fork.child-start", "b.fork(2)"),
+        ("suspend.after-save", "b.suspend()"),
+        ("snapshot.after-save", "b.snapshot('t')"),
+    ],
+)
+def test_kill9_of_the_owner_mid_operation_leaves_no_vm_past_the_next_listing(
+    point: str, operation: str, busybox_root: Path
+) -> None:
+    """The owner of an operation that launches or saves a VM killed midway: the next
+    ``sandlot ls`` (any call that reads the boxes) reconciles them, and then exactly the
+    VMs of the boxes it shows running are left, none of the operation's half."""
+    box = sandlot.Box(rootfs=busybox_root, name=OWNER_CRASH, memory_mib=256, keep=True).start()
+    try:
+        r = py(
+            f"import sandlot\nb = sandlot.get({OWNER_CRASH!r})\n{operation}\n",
+            env={"SANDLOT_CRASH_AT": point},
+        )
+        assert r.returncode == -9, r.stderr
+        listing = subprocess.run([sys.executable, "-m", "sandlot.cli", "ls", "-a"], capture_output=True,
+                                 text=True, timeout=120)  # fmt: skip
+        assert listing.returncode == 0 and OWNER_CRASH in listing.stdout, listing.stderr
+        # what recovery killed is gone within moments (SIGKILL sent before the listing returned)
+        wait_for("only the running boxes' VMs", lambda: vms_left() == running_vms(), 5)
+        assert sandlot.get(OWNER_CRASH).state in ("running", "stopped", "suspended")
+    finally:
+        for b in sandlot.list(all=True):
+            if b.name.startswith(OWNER_CRASH):
+                b.remove(force=True)
+        box.remove(force=True)
 
 
 @pytest.mark.parametrize("point", ["snapshot.before-save", "snapshot.after-save", "restore.after-launch"])
@@ -188,6 +242,8 @@ def test_kill9_of_the_owner_while_a_trees_template_is_saved_or_restored(
     r = py(make, env={**env, "SANDLOT_CRASH_AT": point})
     assert r.returncode == -9, r.stderr
     templates = sandlot.list_snapshots(kind="template", home=home)
+    sandlot.list(home=home)  # reconciles: the killed start's VM, if any, is a box's or gone
+    wait_for("only the running boxes' VMs", lambda: vms_left(home) == running_vms(home), 5)
     # a save cut short leaves no template (its row is written last); a restore's stays
     assert len(templates) == (point == "restore.after-launch"), templates
     for t in templates:  # whole: a box restores it
