@@ -710,3 +710,34 @@ def test_an_agent_that_does_not_know_the_setting_cannot_turn_it_off() -> None:
     run(go(True))
     with pytest.raises(Unsupported, match=r"its agent 0\.9 does not know the setting"):
         run(go(False))
+
+
+@pytest.mark.parametrize("name", ["notes.txt", "n" * 220])  # the usual temporary name, and a long name's
+def test_a_whole_writes_temporary_file_is_one_the_e2b_face_hides(tmp_path: Path, name: str) -> None:
+    """The agent writes a whole file to a temporary one beside it (files.c), which the E2B
+    face hides from a directory's watchers (server/e2b/envd.py's WRITE_TEMP): this holds
+    both to one naming, by looking at the directory mid-write."""
+    from sandlot.server.e2b.envd import WRITE_TEMP
+
+    folder = tmp_path / "dir"
+    folder.mkdir()
+    names_mid_write: list[str] = []
+
+    async def chunks() -> AsyncIterator[bytes]:
+        yield b"first part"
+        for _ in range(500):  # 10 s at most for the agent to open its temporary file
+            if names := os.listdir(folder):
+                break
+            await asyncio.sleep(0.02)
+        names_mid_write.extend(names)
+        yield b", second part"
+
+    async def go() -> None:
+        async with connected(tmp_path) as (conn, _):
+            await pfiles.write_stream(conn, str(folder / name), chunks())
+
+    run(go())
+    assert len(names_mid_write) == 1 and names_mid_write[0] != name, names_mid_write
+    assert WRITE_TEMP.search(names_mid_write[0]), names_mid_write[0]  # hidden by the E2B face
+    assert not WRITE_TEMP.search(name)  # the file itself is not
+    assert os.listdir(folder) == [name] and (folder / name).read_bytes() == b"first part, second part"
