@@ -9,7 +9,9 @@ their sync twins (``aclose`` becomes ``close``). Members a ``*Base`` class in
 the output's base module (``api/sync_base.py``)
 defines are written by hand there and skipped here. Module-level functions
 named in an output's ``functions`` get a sync twin too (``connect_async`` ->
-``connect``).
+``connect``), and so do those of other modules named in its ``lazy`` (``pull_async``
+-> ``pull``, ``template_async`` -> ``template``...), which import their function when
+called: the sync API imports the image store and the pools only when used.
 
     python scripts/gen_sync.py           # write the files
     python scripts/gen_sync.py --check   # fail if one is not what would be written (CI)
@@ -39,6 +41,9 @@ class Output:
     bases: str
     doc: list[str]
     functions: dict[str, str] = field(default_factory=dict)  # module-level function -> its sync twin
+    # module-level functions of other modules of the API -> (sync twin, module): each twin
+    # imports its function when called, so that the sync API's import stays what it was
+    lazy: dict[str, tuple[str, str]] = field(default_factory=dict)
 
 
 LOCAL = Output(
@@ -58,9 +63,18 @@ LOCAL = Output(
     [
         '"""The sync API: ``Box``, ``Snapshot``, ``Files``, ``Watch``, ``Process``, ``Stream`` and',
         "``Client``, each a thin twin of its async class (same methods, same signatures) that runs",
-        'the same coroutines on sandlot\'s loop thread (``api/loop.py``)."""',
+        "the same coroutines on sandlot's loop thread (``api/loop.py``); and the module-level",
+        'functions of the API (``pull``, ``template``, ``set_pool``...), twins of their async ones."""',
     ],
     {"connect_async": "connect"},
+    {
+        "pull_async": ("pull", "images"),
+        "template_async": ("template", "templates"),
+        "import_snapshot_async": ("import_snapshot", "templates"),
+        "prune_snapshots_async": ("prune_snapshots", "templates"),
+        "set_pool_async": ("set_pool", "templates"),
+        "pools_async": ("pools", "templates"),
+    },
 )
 OUTPUTS = (LOCAL,)
 OUT = LOCAL.path
@@ -70,6 +84,7 @@ TWINS = {a: t for o in OUTPUTS for a, t in o.twins.items()}
 DUNDERS = {"__aenter__": "__enter__", "__aexit__": "__exit__", "__aiter__": "__iter__", "aclose": "close"}
 NAMES = {a: s for a, (s, _, _) in TWINS.items()} | {"AsyncIterator": "Iterator"}
 NAMES |= {f: s for o in OUTPUTS for f, s in o.functions.items()}
+NAMES |= {f: s for o in OUTPUTS for f, (s, _) in o.lazy.items()}
 
 
 def sync_text(annotation: str) -> str:
@@ -165,14 +180,20 @@ def doc(node: ast.AST, indent: str) -> list[str]:
     return [f'{indent}"""{body}"""']
 
 
-def generate_function(node: ast.FunctionDef | ast.AsyncFunctionDef, sync_name: str) -> list[str]:
-    """The sync twin of a module-level function of the async API."""
+def generate_function(
+    node: ast.FunctionDef | ast.AsyncFunctionDef, sync_name: str, lazy_from: str | None = None
+) -> list[str]:
+    """The sync twin of a module-level function of the async API (``lazy_from``: the module
+    it imports the function from when called)."""
     ret = ast.unparse(node.returns) if node.returns else None
     call = f"{node.name}({call_args(node.args, False)})"
     if isinstance(node, ast.AsyncFunctionDef):
         call = f"loop.run({call})"
     lines = [f"def {sync_name}({signature(node.args)}) -> {sync_text(ret or 'None')}:"]
     lines += doc(node, "    ")
+    if lazy_from is not None:
+        lines.append(f"    from .{lazy_from} import {node.name}")
+        lines.append("")
     lines.append(f"    {'return ' if ret not in (None, 'None') else ''}{wrapped(call, ret)}")
     return lines
 
@@ -300,6 +321,7 @@ def module_header(output: Output, body: list[str], trees: dict[str, ast.Module])
     known = bindings(trees)
     used = set(re.findall(r"\b[A-Za-z_][A-Za-z0-9_]*\b", "\n".join(body)))
     mine = {s for s, _, _ in output.twins.values()} | set(output.functions.values())
+    mine |= {s for s, _ in output.lazy.values()} | set(output.lazy)  # each lazy twin imports its own
     names = {n for n in used if n in known and n not in mine}
     running = run_time_names(body)
     # what only annotations name is imported for type checkers alone: ``import sandlot``
@@ -345,7 +367,15 @@ def generate(output: Output = LOCAL) -> str:
             if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef) and n.name == name
         )
         body += ["", "", *generate_function(node, sync_name)]
-    out = module_header(output, body, trees) + body
+    extra = {m: ast.parse((API / f"{m}.py").read_text()) for _s, m in output.lazy.values() if m not in trees}
+    for name, (sync_name, module) in output.lazy.items():
+        node = next(
+            n
+            for n in extra.get(module, trees.get(module, ast.Module([], []))).body
+            if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef) and n.name == name
+        )
+        body += ["", "", *generate_function(node, sync_name, lazy_from=module)]
+    out = module_header(output, body, {**trees, **extra}) + body
     aliases = sorted(
         {
             n
@@ -363,6 +393,7 @@ def generate(output: Output = LOCAL) -> str:
         ]
     out.append("")
     names = [s for s, _, _ in output.twins.values()] + list(output.functions.values())
+    names += [s for s, _ in output.lazy.values()]
     out.append(f"__all__ = {sorted(names)!r}")
     source = "\n".join(out) + "\n"
     ruff = [sys.executable, "-m", "ruff"]

@@ -352,7 +352,7 @@ def test_pull_draws_its_progress_unless_quiet(monkeypatch: pytest.MonkeyPatch) -
         pulled.append(progress)
         return SimpleNamespace(name=ref, digest="sha256:0")
 
-    monkeypatch.setattr("sandlot.api.images.pull", pull)
+    monkeypatch.setattr("sandlot.api.sync.pull", pull)
     monkeypatch.setattr(images, "on_terminal", lambda quiet=False: not quiet)  # as on a terminal
     assert sandlot("pull", "alpine").exit_code == 0
     assert sandlot("pull", "-q", "alpine").exit_code == 0

@@ -19,7 +19,6 @@ from ..core import snapshots
 from ..core.runtime import Runtime
 from ..errors import InvalidArgument
 from ..images.store import Image, PruneReport
-from . import loop
 
 if TYPE_CHECKING:
     from ..images.registry import ProgressFn
@@ -51,23 +50,6 @@ async def pull_async(
         insecure=insecure,
         ca_cert=Path(ca_cert) if ca_cert else None,
         progress=progress,
-    )
-
-
-def pull(
-    ref: str,
-    *,
-    insecure: bool = False,
-    ca_cert: str | os.PathLike[str] | None = None,
-    credentials: tuple[str, str] | None = None,
-    progress: ProgressFn | None = None,
-    home: Home = None,
-) -> Image:
-    """Sync twin of :func:`pull_async`."""
-    return loop.run(
-        pull_async(
-            ref, insecure=insecure, ca_cert=ca_cert, credentials=credentials, progress=progress, home=home
-        )
     )
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from ..core.pools import PoolInfo
 from ..core.runtime import Runtime
@@ -21,11 +21,9 @@ from ..core.service import core_for
 from ..core.store import SnapshotRecord, validate_name
 from ..errors import InterpreterError, InvalidArgument
 from ..images.store import Image
-from . import loop
 from .backend import SnapshotRef
 from .box import AsyncBox, AsyncSnapshot
 from .local import LocalBackend, LocalSnapshotRef
-from .sync import Box, Snapshot
 
 
 async def template_async(
@@ -79,21 +77,6 @@ async def template_async(
     return AsyncSnapshot(LocalSnapshotRef(backend, snap))
 
 
-def template(
-    image: str | Image | None = None,
-    *,
-    setup: Sequence[str | Sequence[str]] = (),
-    code: Sequence[str] = (),
-    name: str | None = None,
-    pool: int = 0,
-    home: str | os.PathLike[str] | None = None,
-    **box_options: Any,
-) -> Snapshot:
-    """Sync ``template_async``."""
-    made = template_async(image, setup=setup, code=code, name=name, pool=pool, home=home, **box_options)
-    return Snapshot.wrap(loop.run(made))
-
-
 async def import_snapshot_async(
     path: str | os.PathLike[str], *, name: str | None = None, home: str | os.PathLike[str] | None = None,
     start: bool = True, **box_options: Any,
@@ -120,15 +103,6 @@ async def restore_moved_box_async(
     return AsyncBox.of(core, entries[0])
 
 
-def import_snapshot(
-    path: str | os.PathLike[str], *, name: str | None = None, home: str | os.PathLike[str] | None = None,
-    start: bool = True, **box_options: Any,
-) -> Box | Snapshot:  # fmt: skip
-    """Sync ``import_snapshot_async``: the running box (or the snapshot, ``start=False``)."""
-    out = loop.run(import_snapshot_async(path, name=name, home=home, start=start, **box_options))
-    return Box.wrap(out) if isinstance(out, AsyncBox) else Snapshot.wrap(out)
-
-
 async def prune_snapshots_async(
     *, templates: bool = False, home: str | os.PathLike[str] | None = None
 ) -> list[AsyncSnapshot]:
@@ -140,13 +114,16 @@ async def prune_snapshots_async(
     return [AsyncSnapshot(LocalSnapshotRef(backend, r)) for r in pruned]
 
 
-def prune_snapshots(*, templates: bool = False, home: str | os.PathLike[str] | None = None) -> list[Snapshot]:
-    """Sync ``prune_snapshots_async``."""
-    return [Snapshot.wrap(s) for s in loop.run(prune_snapshots_async(templates=templates, home=home))]
+class OfSnapshot(Protocol):
+    """A snapshot of either API (``AsyncSnapshot``, the sync ``Snapshot``), as ``set_pool``
+    takes one: what it reads of it."""
+
+    @property
+    def ref(self) -> SnapshotRef: ...
 
 
 async def set_pool_async(
-    template: AsyncSnapshot | Snapshot | str, size: int, *, wait: bool = False,
+    template: OfSnapshot | str, size: int, *, wait: bool = False,
     home: str | os.PathLike[str] | None = None,
 ) -> PoolInfo:  # fmt: skip
     """Keep ``size`` VMs of ``template`` restored, their first exec done, paused until
@@ -162,23 +139,10 @@ async def set_pool_async(
     return await core.pools.set_size(rec, size, wait=wait)
 
 
-def set_pool(
-    template: AsyncSnapshot | Snapshot | str, size: int, *, wait: bool = False,
-    home: str | os.PathLike[str] | None = None,
-) -> PoolInfo:  # fmt: skip
-    """Sync ``set_pool_async``."""
-    return loop.run(set_pool_async(template, size, wait=wait, home=home))
-
-
 async def pools_async(*, home: str | os.PathLike[str] | None = None) -> list[PoolInfo]:
     """Every template's warm pool: its size, the VMs ready and being made, their memory
     (guest RAM, and host PSS now) and the cap on all pools' memory."""
     return await core_for(Runtime.for_home(home)).pools.list()
-
-
-def pools(*, home: str | os.PathLike[str] | None = None) -> list[PoolInfo]:
-    """Sync ``pools_async``."""
-    return loop.run(pools_async(home=home))
 
 
 async def keep_pools_filled_async(

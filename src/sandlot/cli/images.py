@@ -45,7 +45,7 @@ def pull_cmd(
     quiet: QuietOpt = False,
 ) -> None:
     """Pull an image (its x86_64 variant) and prepare its disk."""
-    from ..api.images import pull
+    from ..api.sync import pull
 
     progress, on_event = progress_display()
     try:
