@@ -73,7 +73,9 @@ def neighbour_latency(box: sandlot.Box, what: str, quiet: float | None = None) -
     sample in ten, one always allowed: CI once saw a single 5.8 s exec among 13 with a
     64 ms median during a gVisor fork bomb, the host's and not the attack's. With
     ``quiet`` (the neighbour's quiet p99, ``quiet_p99``), the median stays within twice
-    it too."""
+    it too, or within twice the quiet p99 measured again once the block ended: on a host
+    whose other work grew meanwhile (the suite's other runs), the box is slower quiet too
+    (CI: a DNS flood's median of 136 ms against a quiet 47 ms measured minutes before)."""
     with exec_samples(box) as samples:
         yield samples
     assert samples, "the neighbour never answered"
@@ -89,8 +91,13 @@ def neighbour_latency(box: sandlot.Box, what: str, quiet: float | None = None) -
     assert worst < NEIGHBOUR_ANSWER_S, f"the neighbour stalled for {worst:.1f}s during {what}"
     if quiet is not None:
         limit = QUIET_FACTOR * quiet
+        if median > limit:  # the host's own load may have grown meanwhile: ask the quiet box again
+            after = quiet_p99(box)
+            print(f"neighbour quiet again after {what}: p99={after * 1000:.1f} ms")
+            limit = QUIET_FACTOR * max(quiet, after)
         slow = sorted(round(s * 1000) for s in samples if s > limit)
         assert median <= limit, (
             f"the neighbour's median during {what} was {median * 1000:.0f} ms, over twice its quiet p99 "
-            f"({quiet * 1000:.0f} ms); the samples over it: {slow} ms"
+            f"({quiet * 1000:.0f} ms before it, {limit / QUIET_FACTOR * 1000:.0f} ms at most after it); "
+            f"the samples over that: {slow} ms"
         )
