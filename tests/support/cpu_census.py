@@ -10,6 +10,10 @@ call and teardown together (a module's fixture is billed to its first test), and
 run's total. At the end it prints the tests that cost the most, and writes the run's
 figures to ``$SANDLOT_TEST_CPU_OUT`` (JSON) where that is set.
 
+gVisor's sandboxes are not counted: runsc moves each into a cgroup of its own, in every
+hierarchy (its OCI spec's), so a gVisor box's own CPU is missing from its test's figure
+(its host-side processes, the agent's connections and sandlot's, are there).
+
 Where no group can be made (not root, or no cgroup v1 ``cpuacct`` hierarchy: under
 cgroup v2 sandlot moves each VM into a cgroup of its own, outside the run's), it says
 why once and counts nothing: never a failure.
