@@ -13,24 +13,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from .errors import BoxBusy, HostSetupError
+from .home import default_home as default_home  # where it was first: callers import it here too
+from .home import home_path as home_path
 
 if TYPE_CHECKING:
     import socket
-
-
-def default_home() -> Path:
-    """``$SANDLOT_HOME``, else ``$XDG_DATA_HOME/sandlot``, else ``~/.local/share/sandlot``."""
-    env = os.environ.get("SANDLOT_HOME")
-    if env:
-        return Path(env).expanduser().absolute()
-    xdg = os.environ.get("XDG_DATA_HOME")
-    base = Path(xdg) if xdg else Path.home() / ".local" / "share"
-    return (base / "sandlot").absolute()
-
-
-def home_path(home: str | os.PathLike[str] | None = None) -> Path:
-    """The home a call names (``home=``), else the default one, as an absolute path."""
-    return Path(home).expanduser().absolute() if home else default_home()
 
 
 def runtime_dir() -> Path:

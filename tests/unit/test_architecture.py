@@ -18,7 +18,7 @@ PKG = SRC / "sandlot"
 # Lower numbers are lower layers. A module may import its own package (a folder
 # of one layer) and anything in a lower layer; never a peer package of its layer.
 LAYERS: dict[str, int] = {
-    "sandlot.errors": 0,
+    "sandlot.errors": 0, "sandlot.home": 0,
     "sandlot.config": 1, "sandlot.pids": 1, "sandlot.version": 1, "sandlot.crashpoints": 1,
     "sandlot.native": 1, "sandlot.hostsetup": 1, "sandlot.ksm": 1, "sandlot.records": 1,
     "sandlot.clusterauth": 1,

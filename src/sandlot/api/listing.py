@@ -17,8 +17,8 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from ..config import home_path
 from ..core.boxrecord import listed, settled_boxes
+from ..home import home_path
 
 
 def settled_listing(
