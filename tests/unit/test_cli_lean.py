@@ -150,6 +150,25 @@ def test_ls_of_a_box_whose_vm_died_recovers_it_through_the_box_api(
     assert "sandlot.api.box" not in names and len(records) == 2
 
 
+def test_ls_after_an_export_cut_short_opens_the_store_which_deletes_what_it_left(tmp_path: Path) -> None:
+    home = tmp_path / "home"
+    put_box(home, "kept", "stopped")
+    parts, archive = tmp_path / ".out.sandlot.parts-1", tmp_path / ".out.sandlot.tmp-1"
+    parts.mkdir()
+    archive.write_bytes(b"half")
+    dead_pid, dead_start = pid_of_dead_process()
+    (home / "exports").mkdir()
+    (home / "exports" / "x.json").write_text(
+        json.dumps({"pid": dead_pid, "start": dead_start, "paths": [str(parts), str(archive)]})
+    )
+    records, names = listed_by_cli(tmp_path, "-a")
+    assert [r["name"] for r in records] == ["kept"]
+    assert "sandlot.api.box" in names  # through the store, whose opening sweeps
+    assert not parts.exists() and not archive.exists()
+    records, names = listed_by_cli(tmp_path, "-a")  # nothing left: the quick path again
+    assert "sandlot.api.box" not in names
+
+
 def test_a_store_of_another_schema_is_listed_by_the_store(tmp_path: Path) -> None:
     home = tmp_path / "home"
     put_box(home, "kept", "stopped")

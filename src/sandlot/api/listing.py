@@ -17,6 +17,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
+from ..core import exports
 from ..core.boxrecord import listed, settled_boxes
 from ..home import home_path
 
@@ -31,8 +32,12 @@ def settled_listing(
     """The records (``BoxRecord.to_json``) of the boxes a listing shows, oldest first, as
     ``AsyncBox.list`` gives them (never a warm pool's VM; running or paused ones only
     unless ``include_stopped``; of ``state`` and carrying ``labels``, if given). None
-    where a box needs recovery first, or the store must be migrated."""
-    records = settled_boxes(home_path(home))
+    where a box needs recovery first, the store must be migrated, or an export left its
+    files for the store's opening to delete."""
+    where = home_path(home)
+    if exports.left_behind(where):  # the store's opening deletes what an export cut short left
+        return None
+    records = settled_boxes(where)
     if records is None:
         return None
     return [

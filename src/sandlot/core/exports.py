@@ -2,25 +2,36 @@
 (``exports/<token>.json``: the hidden parts directory and temporary archive, and the
 process writing them), so that an export killed part-way leaves nothing: the next
 process to open the home's store (``Runtime.store``), or the next export, deletes
-what a dead exporter left. Apart from ``archive.py`` so that opening a store imports
-no compression library."""
+what a dead exporter left; ``sandlot ls``, which reads the store without opening it
+where it can, asks ``left_behind`` and opens it where an export did. Apart from
+``archive.py`` so that opening a store imports no compression library; what only a
+note or a sweep needs is imported by them, so that the listing's question costs none
+of it."""
 
 from __future__ import annotations
 
 import json
-import secrets
-import shutil
 from pathlib import Path
 
 from .. import pids
-from ..config import atomic_write
 
 EXPORTS = "exports"
+
+
+def left_behind(home: Path) -> bool:
+    """Whether an export noted its files in ``home`` and has not ended: one in progress,
+    or one killed part-way, whose files the next opening of the store deletes."""
+    folder = home / EXPORTS
+    return folder.is_dir() and any(folder.glob("*.json"))
 
 
 def note(home: Path, work: Path, tmp: Path) -> Path:
     """Note, in the home, the files an export is about to write beside its destination,
     and whose they are: a kill -9 mid-export leaves them for ``sweep``."""
+    import secrets
+
+    from ..config import atomic_write
+
     folder = home / EXPORTS
     folder.mkdir(parents=True, exist_ok=True)
     pid, start = pids.me()
@@ -32,6 +43,8 @@ def note(home: Path, work: Path, tmp: Path) -> Path:
 def sweep(home: Path) -> int:
     """Delete what exports killed part-way left beside their destinations (the hidden
     parts directory and temporary archive), once their process is gone; how many."""
+    import shutil
+
     swept = 0
     folder = home / EXPORTS
     for record in sorted(folder.glob("*.json")) if folder.is_dir() else []:
