@@ -399,6 +399,13 @@ class AgentTimeout(SandlotError, TimeoutError):
     retry_after = 10
 
 
+class EngineTimeout(AgentTimeout):
+    """A VM's engine did not answer within its deadline: QEMU's monitor (QMP), busy or
+    stopped; the message names the command and the deadline."""
+
+    code = "engine_timeout"
+
+
 class ExecTimeout(SandlotError, TimeoutError):
     """A command ran past its timeout and was killed. Output so far is attached."""
 

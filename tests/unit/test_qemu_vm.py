@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import asyncio
+import json
+from pathlib import Path
 
 import pytest
 from qemu.qmp import ExecuteError
 from qemu.qmp.message import Message
 from qemu.qmp.models import ErrorResponse
 
-from sandlot.engine.qemu.vm import once_finalized
+import sandlot
+from sandlot.engine.qemu.command import VMConfig
+from sandlot.engine.qemu.vm import QemuVM, once_finalized
 
 
 def _refusal(desc: str) -> ExecuteError:
@@ -91,3 +95,32 @@ def test_a_migration_fails_on_a_stall_not_on_its_length(monkeypatch: pytest.Monk
         asyncio.run(go(steps=3, completed_after=5.0, timeout=0.3))
     with pytest.raises(SavedStateError, match="QEMU exited"):
         asyncio.run(go(steps=100, completed_after=5.0, timeout=10.0, exits=True))
+
+
+def test_a_monitor_that_stops_answering_is_an_engine_timeout_naming_the_command(tmp_path: Path) -> None:
+    """QEMU's monitor greets and takes the capabilities, then answers nothing (a QEMU too
+    busy, or stopped): the engine's QMP call ends at its deadline with a typed error that
+    says which command went unanswered, never asyncio's bare TimeoutError."""
+    run = tmp_path / "run"
+    run.mkdir()
+    vm = QemuVM(VMConfig(kernel=tmp_path / "k", initrd=tmp_path / "i", disk=tmp_path / "d", run_dir=run,
+                         state_dir=tmp_path))  # fmt: skip
+
+    async def monitor(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        greeting = {"QMP": {"version": {"qemu": {"micro": 0, "minor": 2, "major": 7}, "package": ""},
+                            "capabilities": []}}  # fmt: skip
+        writer.write(json.dumps(greeting).encode() + b"\r\n")
+        negotiation = json.loads(await reader.read(4096))  # qemu.qmp ends no message with a newline
+        answer = {"return": {}} | ({"id": negotiation["id"]} if "id" in negotiation else {})
+        writer.write(json.dumps(answer).encode() + b"\r\n")
+        await writer.drain()
+        await reader.read()  # every command after it goes unanswered
+
+    async def main() -> None:
+        server = await asyncio.start_unix_server(monitor, path=str(vm.cfg.qmp_socket))
+        async with server:
+            with pytest.raises(sandlot.EngineTimeout, match=r"query-status within 0\.5 s") as caught:
+                await vm.qmp("query-status", timeout=0.5)
+            assert isinstance(caught.value, TimeoutError) and caught.value.code == "engine_timeout"
+
+    asyncio.run(main())

@@ -24,7 +24,15 @@ from typing import IO, TYPE_CHECKING, Any
 
 from ... import pids
 from ...config import flock_within, free_bytes, tail, try_flock
-from ...errors import BootError, CorruptSnapshot, InvalidState, NoSpace, SavedStateError, no_space
+from ...errors import (
+    BootError,
+    CorruptSnapshot,
+    EngineTimeout,
+    InvalidState,
+    NoSpace,
+    SavedStateError,
+    no_space,
+)
 from .. import hostcgroup
 from ..base import VM, Connector, StateSink, StateSource, VMRef, VMStatus
 from . import stream
@@ -186,6 +194,14 @@ class _Feeder:
 # seconds a failed save waits for the thread that took its stream apart to say why
 SPLIT_FAILED_WAIT = 2.0
 PROGRESS_EVERY = 5.0  # seconds between two looks at how far a long migration has come
+
+
+async def answered(reply: Awaitable[Any], command: str, timeout: float) -> Any:
+    """QEMU's answer to a QMP ``command``, or ``EngineTimeout`` naming it past ``timeout``."""
+    try:
+        return await asyncio.wait_for(reply, timeout)
+    except TimeoutError as exc:
+        raise EngineTimeout(f"QEMU's monitor did not answer {command} within {timeout:g} s") from exc
 
 
 async def _migration_progress(q: QMPClient) -> Any:
@@ -515,7 +531,7 @@ class QemuVM(VM):
     ) -> Any:  # fmt: skip
         """Run one QMP command (serialised with every other process through a lock)."""
         async with self.qmp_session(timeout, lock_timeout) as client:
-            return await asyncio.wait_for(client.execute(command, arguments), timeout)
+            return await answered(client.execute(command, arguments), command, timeout)
 
     async def _qmp_quick(self, command: str) -> bool:
         """Run an argument-less command over a bare QMP connection (the handshake and the
@@ -751,7 +767,7 @@ class QemuVM(VM):
         async with self.qmp_session() as q:
 
             async def run(command: str, arguments: dict[str, Any] | None = None) -> Any:
-                return await asyncio.wait_for(q.execute(command, arguments), QMP_TIMEOUT)
+                return await answered(q.execute(command, arguments), command, QMP_TIMEOUT)
 
             status = await run("query-status")
             was_running = isinstance(status, dict) and status.get("status") == "running"
