@@ -25,6 +25,7 @@ import contextlib
 import json
 import os
 import time
+from collections import Counter
 from collections.abc import Generator
 from pathlib import Path
 from typing import Any
@@ -132,11 +133,11 @@ def report(folder: Path, shown: int = 10) -> str:
     lines = [f"    {d['lane']}: {d['cpu_s']:.0f} CPU s in {d['wall_s']:.0f} s" for d in docs]
     lines.append(f"    together: {sum(d['cpu_s'] for d in docs):.0f} CPU s")
     tests = [(t["cpu_s"], t["wall_s"], d["lane"], k) for d in docs for k, t in d["tests"].items()]
-    files: dict[str, float] = {}
+    files: Counter[str] = Counter()
     for cpu, _wall, _lane, nodeid in tests:
-        files[nodeid.split("::")[0]] = files.get(nodeid.split("::")[0], 0.0) + cpu
+        files[nodeid.split("::")[0]] += cpu
     lines.append(f"  the {shown} dearest files:")
-    for name, cpu in sorted(files.items(), key=lambda kv: -kv[1])[:shown]:
+    for name, cpu in files.most_common(shown):
         lines.append(f"    {cpu:7.1f} CPU s  {name}")
     lines.append(f"  the {shown} dearest tests:")
     lines += [

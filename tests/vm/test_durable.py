@@ -113,7 +113,7 @@ def test_kill9_mid_stop_reconciles_to_stopped(busybox_root: Path) -> None:
         assert b.state == "stopped"
         last = list(b.events(follow=False))[-1]  # said by the recovery that did it
         assert (last.kind, last.by, last.detail["was"]) == ("stopped", "recovery", "stopping"), last
-        wait_for("only the running boxes' VMs", lambda: vms_left() == running_vms(), 5)
+        wait_only_running_vms()
         assert qemu_pid not in vms_left()
         b.start()
         assert b.files.read("/root/keep") == b"kept"
@@ -163,7 +163,7 @@ def test_kill9_of_the_owner_mid_start(busybox_root: Path) -> None:
     b = sandlot.get(START_CRASH)
     try:
         assert b.state in ("running", "crashed")  # the VM went on alone, or died: never "starting"
-        wait_for("only the running boxes' VMs", lambda: vms_left() == running_vms(), 5)
+        wait_only_running_vms()
         b.stop()
         b.start()
         assert b.exec("echo", "ok").stdout == "ok\n"
@@ -187,6 +187,12 @@ def running_vms(home: Path | None = None) -> dict[int, str]:
 
     rows = Runtime.for_home(home).store.list()
     return {r.vm_pid: r.id for r in rows if r.state in ("running", "paused", "pooled") and r.vm_pid}
+
+
+def wait_only_running_vms(home: Path | None = None) -> None:
+    """Within 5 s (what recovery killed is gone moments after its SIGKILL), the VMs left
+    for ``home`` are exactly those its rows say run."""
+    wait_for("only the running boxes' VMs", lambda: vms_left(home) == running_vms(home), 5)
 
 
 @pytest.mark.parametrize(
@@ -214,8 +220,7 @@ def test_kill9_of_the_owner_mid_operation_leaves_no_vm_past_the_next_listing(
         listing = subprocess.run([sys.executable, "-m", "sandlot.cli", "ls", "-a"], capture_output=True,
                                  text=True, timeout=120)  # fmt: skip
         assert listing.returncode == 0 and OWNER_CRASH in listing.stdout, listing.stderr
-        # what recovery killed is gone within moments (SIGKILL sent before the listing returned)
-        wait_for("only the running boxes' VMs", lambda: vms_left() == running_vms(), 5)
+        wait_only_running_vms()  # SIGKILL sent before the listing returned
         assert sandlot.get(OWNER_CRASH).state in ("running", "stopped", "suspended")
     finally:
         for b in sandlot.list(all=True):
@@ -243,7 +248,7 @@ def test_kill9_of_the_owner_while_a_trees_template_is_saved_or_restored(
     assert r.returncode == -9, r.stderr
     templates = sandlot.list_snapshots(kind="template", home=home)
     sandlot.list(home=home)  # reconciles: the killed start's VM, if any, is a box's or gone
-    wait_for("only the running boxes' VMs", lambda: vms_left(home) == running_vms(home), 5)
+    wait_only_running_vms(home)
     # a save cut short leaves no template (its row is written last); a restore's stays
     assert len(templates) == (point == "restore.after-launch"), templates
     for t in templates:  # whole: a box restores it
