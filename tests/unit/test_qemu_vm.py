@@ -13,7 +13,7 @@ from qemu.qmp.models import ErrorResponse
 
 import sandlot
 from sandlot.engine.qemu.command import VMConfig
-from sandlot.engine.qemu.vm import QemuVM, once_finalized
+from sandlot.engine.qemu.vm import QemuVM, once_finalized, qmp_deadline
 
 
 def _refusal(desc: str) -> ExecuteError:
@@ -124,3 +124,16 @@ def test_a_monitor_that_stops_answering_is_an_engine_timeout_naming_the_command(
             assert isinstance(caught.value, TimeoutError) and caught.value.code == "engine_timeout"
 
     asyncio.run(main())
+
+
+def test_the_monitors_deadline_is_longer_under_tcg_and_may_be_set(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under TCG the monitor competes with the emulation for QEMU's lock: a loaded host
+    answers slowly, not never. ``$SANDLOT_QMP_TIMEOUT`` sets it, and is checked."""
+    monkeypatch.delenv("SANDLOT_QMP_TIMEOUT", raising=False)
+    assert qmp_deadline("kvm") == 10.0 and qmp_deadline("tcg") == 30.0
+    monkeypatch.setenv("SANDLOT_QMP_TIMEOUT", "45")
+    assert qmp_deadline("kvm") == qmp_deadline("tcg") == 45.0
+    for wrong in ("soon", "0", "-3", "1e9"):
+        monkeypatch.setenv("SANDLOT_QMP_TIMEOUT", wrong)
+        with pytest.raises(sandlot.InvalidArgument, match="SANDLOT_QMP_TIMEOUT"):
+            qmp_deadline("tcg")

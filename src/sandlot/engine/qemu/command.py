@@ -173,6 +173,13 @@ class VMConfig:
     devices: str = DEVICE_SET
 
     @property
+    def maps_saved_memory(self) -> bool:
+        """Its RAM is a saved state's memory file, mapped copy-on-write, which other VMs
+        map too: QEMU must never write that file (``seccomp``), and its disks take no
+        discards (a punch of theirs would be one the filter makes a no-op)."""
+        return self.ram_file is not None and not self.ram_shared
+
+    @property
     def balloon(self) -> bool:
         """A virtio balloon, never inflated, through which the guest reports the pages it frees."""
         return self.devices != "1"
@@ -366,8 +373,13 @@ def build_command(cfg: VMConfig, binary: str) -> list[str]:
         ]  # fmt: skip
     if cfg.egress_port:
         cmd += egress_port(cfg)
+    # discards free a box's disk space back to the host; where QEMU may punch no hole
+    # (``maps_saved_memory``), zeros are still written as zero clusters, not punched
+    discard = "discard=unmap,detect-zeroes=unmap"
+    if cfg.maps_saved_memory:
+        discard = "discard=ignore,detect-zeroes=on"
     cmd += [
-        "-drive", f"id=root,file={_q(cfg.disk)},format=qcow2,if=none,discard=unmap,detect-zeroes=unmap"
+        "-drive", f"id=root,file={_q(cfg.disk)},format=qcow2,if=none,{discard}"
                   + (",readonly=on" if cfg.disk_readonly else ""),
         "-device", "virtio-blk-device,drive=root",
         "-qmp", f"unix:{_q(cfg.qmp_socket)},server=on,wait=off",
@@ -380,8 +392,8 @@ def build_command(cfg: VMConfig, binary: str) -> list[str]:
     for drive in cfg.drives:
         # after every other block device: the root stays the guest's first (/dev/vda)
         cmd += [
-            "-drive", f"id={drive.serial},file={_q(drive.path)},format=qcow2,if=none,discard=unmap,"
-                      f"detect-zeroes=unmap" + (",readonly=on" if drive.readonly else ""),
+            "-drive", f"id={drive.serial},file={_q(drive.path)},format=qcow2,if=none,{discard}"
+                      + (",readonly=on" if drive.readonly else ""),
             "-device", f"virtio-blk-device,drive={drive.serial},serial={drive.serial}",
         ]  # fmt: skip
     for vol in cfg.volumes:

@@ -28,6 +28,7 @@ from ...errors import (
     BootError,
     CorruptSnapshot,
     EngineTimeout,
+    InvalidArgument,
     InvalidState,
     NoSpace,
     SavedStateError,
@@ -35,7 +36,7 @@ from ...errors import (
 )
 from .. import hostcgroup
 from ..base import VM, Connector, StateSink, StateSource, VMRef, VMStatus
-from . import stream
+from . import seccomp, stream
 from .command import (
     MACHINE,
     TCG_CODE_CACHE_MIB,
@@ -73,9 +74,11 @@ def _preexec(cfg: VMConfig) -> Callable[[], None] | None:
     the process that made it dies. Under TCG, no transparent huge pages: QEMU asks for
     them for its code cache and guest RAM, where a restored VM touches a few MiB in
     each 2 MiB page (measured: 34 -> 31 MiB of PSS per fork child); KVM keeps them for
-    the guest's own page walks."""
+    the guest's own page walks. A VM that maps a saved state's memory file gets the
+    filter that keeps it from punching holes in it (``seccomp``)."""
     die_with_parent, small_pages = not cfg.detached, cfg.accel != "kvm"
-    if not (die_with_parent or small_pages):
+    keep_file = seccomp.installer() if cfg.maps_saved_memory else None
+    if not (die_with_parent or small_pages or keep_file):
         return None
     prctl = ctypes.CDLL(None, use_errno=True).prctl  # looked up here, not in the child
 
@@ -84,6 +87,8 @@ def _preexec(cfg: VMConfig) -> Callable[[], None] | None:
             prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
         if small_pages:
             prctl(PR_SET_THP_DISABLE, 1, 0, 0, 0)
+        if keep_file is not None:
+            keep_file()
 
     return setup
 
@@ -113,7 +118,28 @@ async def set_migration(q: QMPClient, ignore_shared: bool, background: bool = Fa
     await q.execute("migrate-set-parameters", {"max-bandwidth": 1 << 40})
 
 
-QMP_TIMEOUT = 10.0  # seconds for one QMP command (a migration has a deadline of its own)
+QMP_TIMEOUT = 10.0  # seconds for one QMP command under KVM (a migration has a deadline of its own)
+# Under TCG QEMU's main loop, which answers the monitor, competes for the big lock with
+# the vCPU threads' emulation, and on a host loaded several times over its cores an
+# answer has taken over 10 s (the KVM tier's nested fork, stop 80): a slow host is not a
+# dead QEMU. Three times as long there, or $SANDLOT_QMP_TIMEOUT.
+TCG_QMP_FACTOR = 3.0
+
+
+def qmp_deadline(accel: str) -> float:
+    """Seconds one QMP command of a VM under ``accel`` may take before ``EngineTimeout``."""
+    given = os.environ.get("SANDLOT_QMP_TIMEOUT")
+    if given:
+        try:
+            seconds = float(given)
+        except ValueError:
+            raise InvalidArgument(f"SANDLOT_QMP_TIMEOUT must be a number of seconds, not {given!r}") from None
+        if not 0 < seconds <= 3600:
+            raise InvalidArgument(f"SANDLOT_QMP_TIMEOUT must be over 0 and at most 3600 s, not {given!r}")
+        return seconds
+    return QMP_TIMEOUT if accel == "kvm" else QMP_TIMEOUT * TCG_QMP_FACTOR
+
+
 QMP_LOCK_TIMEOUT = 300.0  # seconds to wait for another client of the monitor (a save) to finish
 
 
@@ -319,6 +345,7 @@ class QemuVM(VM):
         self._state_fd: int | None = None  # its number in QEMU, which inherits it
         self._feeder: _Feeder | None = None  # writes a state of chunks to QEMU (``restore_source``)
         self.host_cgroup: hostcgroup.Placement | None = None  # where the host bounds it
+        self.qmp_timeout = qmp_deadline(cfg.accel)
 
     @property
     def command(self) -> list[str]:
@@ -377,7 +404,7 @@ class QemuVM(VM):
         kernel: truncating the copy then takes its pages out of QEMU's memory. A QEMU
         that does not answer in time keeps its copy until ``cleanup``."""
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + QMP_TIMEOUT
+        deadline = loop.time() + self.qmp_timeout
         while self.running and loop.time() < deadline:
             if await self._qmp_quick("query-status"):
                 with contextlib.suppress(FileNotFoundError):
@@ -526,10 +553,12 @@ class QemuVM(VM):
     # -- QMP ------------------------------------------------------------------------------
 
     async def qmp(
-        self, command: str, arguments: dict[str, Any] | None = None, timeout: float = QMP_TIMEOUT,
+        self, command: str, arguments: dict[str, Any] | None = None, timeout: float | None = None,
         lock_timeout: float = QMP_LOCK_TIMEOUT,
     ) -> Any:  # fmt: skip
-        """Run one QMP command (serialised with every other process through a lock)."""
+        """Run one QMP command (serialised with every other process through a lock);
+        ``timeout``: seconds for its answer, the VM's ``qmp_timeout`` by default."""
+        timeout = timeout or self.qmp_timeout
         async with self.qmp_session(timeout, lock_timeout) as client:
             return await answered(client.execute(command, arguments), command, timeout)
 
@@ -547,7 +576,7 @@ class QemuVM(VM):
             return False
         try:
             reader, writer = await asyncio.wait_for(
-                asyncio.open_unix_connection(str(self.cfg.qmp_socket)), QMP_TIMEOUT
+                asyncio.open_unix_connection(str(self.cfg.qmp_socket)), self.qmp_timeout
             )
             try:
                 writer.write(
@@ -566,7 +595,7 @@ class QemuVM(VM):
                         done += "return" in msg
                     return True
 
-                return await asyncio.wait_for(replies(), QMP_TIMEOUT)
+                return await asyncio.wait_for(replies(), self.qmp_timeout)
             finally:
                 writer.close()
         except (OSError, ValueError, TimeoutError):
@@ -576,12 +605,12 @@ class QemuVM(VM):
 
     @contextlib.asynccontextmanager
     async def qmp_session(
-        self, timeout: float = QMP_TIMEOUT, lock_timeout: float = QMP_LOCK_TIMEOUT
+        self, timeout: float | None = None, lock_timeout: float = QMP_LOCK_TIMEOUT
     ) -> AsyncIterator[QMPClient]:
         """A QMP client for several commands in a row, holding the QMP lock."""
         fd = await flock_within(self.cfg.qmp_lock, lock_timeout, f"the monitor of VM {self.cfg.hostname}")
         try:
-            client = await self._qmp_connect(timeout)
+            client = await self._qmp_connect(timeout or self.qmp_timeout)
             try:
                 yield client
             finally:
@@ -767,7 +796,7 @@ class QemuVM(VM):
         async with self.qmp_session() as q:
 
             async def run(command: str, arguments: dict[str, Any] | None = None) -> Any:
-                return await answered(q.execute(command, arguments), command, QMP_TIMEOUT)
+                return await answered(q.execute(command, arguments), command, self.qmp_timeout)
 
             status = await run("query-status")
             was_running = isinstance(status, dict) and status.get("status") == "running"
