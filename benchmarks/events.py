@@ -46,15 +46,21 @@ for e in source:
 
 
 def state_writes(home: Any, runs: int) -> dict[str, Any]:
+    """A row made as the controller makes one (born creating, moved along declared
+    transitions: the store refuses any other), then paused and unpaused."""
     store = Runtime.for_home(home).store
     now = time.time()
-    store.insert(BoxRecord("b" * 12, "bench-row", "stopped", {}, now, now))
+    store.insert(BoxRecord("b" * 12, "bench-row", "creating", {}, now, now))
+    for before, after in (("creating", "created"), ("created", "starting"), ("starting", "running")):
+        store.update("b" * 12, expect=(before,), state=after)
     timings: dict[str, list[float]] = {"with_event": [], "without_event": []}
+    state = "running"
     for i in range(runs * 4):
-        state = "running" if i % 2 else "stopped"
+        before, state = state, ("paused" if state == "running" else "running")
         with_event = i % 4 < 2
         t0 = time.perf_counter()
-        store.update("b" * 12, state=state, event=core_events.draft("started") if with_event else None)
+        event = core_events.draft("paused" if state == "paused" else "unpaused") if with_event else None
+        store.update("b" * 12, expect=(before,), state=state, event=event)
         timings["with_event" if with_event else "without_event"].append(time.perf_counter() - t0)
     store.delete("b" * 12)
     w, wo = summary(timings["with_event"], 1e3, 3), summary(timings["without_event"], 1e3, 3)
@@ -127,7 +133,7 @@ def sample_cost(home: Any, box: sandlot.Box, runs: int) -> dict[str, Any]:
 def query(home: Any, kept: int) -> dict[str, Any]:
     store = Runtime.for_home(home).store
     now = time.time()
-    store.insert(BoxRecord("q" * 12, "queried", "stopped", {}, now, now))
+    store.insert(BoxRecord("q" * 12, "queried", "creating", {}, now, now))  # its state is not read
     t0 = time.perf_counter()
     for i in range(kept):
         store.add_event(core_events.draft("quota_refused", f"{i}"), "q" * 12 if i % 10 == 0 else None)

@@ -23,12 +23,13 @@ from sandlot import pids
 from sandlot.cli import COMMANDS, MODULES, quick
 from sandlot.cli.common import app
 from sandlot.core.boxrecord import PID_ENGINES, SCHEMA_VERSION, BoxRecord, settled_boxes, store_path
-from sandlot.core.store import MIGRATIONS, BoxStore
+from sandlot.core.store import MIGRATIONS
 from sandlot.engine.base import Engine
 from sandlot.engine.gvisor.engine import GvisorEngine
 from sandlot.engine.qemu.engine import QemuEngine
 
 from tests.support.fake_engine import pid_of_dead_process
+from tests.support.rows import plant
 from tests.support.waiting import wait_for
 
 # What no box command needs: the other faces, their libraries, and the parts of
@@ -104,7 +105,7 @@ def put_box(home: Path, name: str, state: str, *, vm: tuple[int, str] | None = N
     pid, start = vm or (None, None)
     rec = BoxRecord(id=f"id-{name}", name=name, state=state, options=extra.pop("options", {}), created_at=now,
                     updated_at=now, vm_pid=pid, vm_start=start, **extra)  # fmt: skip
-    BoxStore(store_path(home)).insert(rec)
+    plant(store_path(home), rec)  # in any state: as a listing may find it
 
 
 def listed_by_cli(tmp_path: Path, *argv: str) -> tuple[list[dict[str, Any]], set[str]]:

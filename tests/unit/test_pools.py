@@ -146,7 +146,7 @@ def test_a_claim_reads_a_few_ready_vms_at_a_time_and_the_next_ones_when_others_t
         assert taken == ready[:lost]
         assert reads == [CLAIM_CANDIDATES, lost + 2 - CLAIM_CANDIDATES]  # the whole pool: 7 rows
         for box_id in taken:
-            other.update(box_id, state="pooled")
+            other.update(box_id, expect=("claiming",), state="pooled")
         other.close()
         await sandlot.set_pool_async("t", 0, wait=True, home=home)
 

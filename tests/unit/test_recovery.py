@@ -19,6 +19,7 @@ from sandlot.core.store import BoxRecord
 from sandlot.engine.base import Placement, VMStatus
 
 from tests.support.fake_engine import FakeEngine, FakeVM, pid_of_dead_process, register
+from tests.support.rows import plant
 from tests.support.waiting import wait_for
 
 register()
@@ -109,7 +110,7 @@ def make(rt: Runtime, case: Case) -> tuple[BoxRecord, FakeVM | None]:
         engine="fake", owner_pid=owner[0], owner_start=owner[1], vm_pid=vm.ref.pid if vm else None,
         vm_start=vm.ref.start if vm else None, **extra,
     )  # fmt: skip
-    rt.store.insert(rec)
+    plant(rt.store.path, rec)  # as a process killed mid-operation left it
     return rec, vm
 
 

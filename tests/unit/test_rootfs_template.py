@@ -13,7 +13,7 @@ import pytest
 
 import sandlot
 
-from tests.support.fake_engine import fake_rootfs, register
+from tests.support.fake_engine import FakeEngine, fake_rootfs, register
 
 register()
 
@@ -39,8 +39,12 @@ def test_a_trees_first_boot_is_the_template_of_the_boxes_after_it(home: Path, tm
     assert tmpl.box_name == first.name
     assert first.snapshots() == []  # sandlot's saved boot, not one of the box's own steps
     first.exec("remember", "k", "first's")
+    saved_boot = home / "snapshots" / tmpl.id
+    assert not FakeEngine(home).memory_shared(saved_boot)  # one box of a tree pays for no shared form
     second = box()
     assert origin(second) == tmpl.id  # restored, not booted
+    # the second box gave the template the form boxes map copy-on-write, as an explicit one has
+    assert FakeEngine(home).memory_shared(saved_boot)
     assert second.exec("recall", "k").stdout.strip() == ""  # the boot's state, not the first box's since
     assert origin(box(template=False)) is None  # asked to boot, it boots
     assert origin(box(memory_mib=512)) is None  # another shape: a template of its own

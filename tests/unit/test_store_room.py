@@ -56,21 +56,21 @@ def test_a_write_on_a_full_filesystem_takes_the_reserve_then_fails_clearly(small
     db = AsyncStore(lambda: store)
 
     async def writes() -> None:
-        await db.call("put_lease", lease("a", 1 << 20))  # needs new pages: the reserve is given
+        await db.call(BoxStore.put_lease, lease("a", 1 << 20))  # needs new pages: the reserve is given
         assert not room.exists()
-        assert [r["box_id"] for r in await db.call("lease_rows")] == ["a"]
+        assert [r["box_id"] for r in await db.call(BoxStore.lease_rows)] == ["a"]
         with pytest.raises(sandlot.NoSpace, match=f"the filesystem of {small_fs} is full"):
             for i in range(20):  # no reserve left: the next growth fails, and says why
-                await db.call("put_lease", lease(f"b{i}", 1 << 20))
-        assert "a" in [r["box_id"] for r in await db.call("lease_rows")]  # what was written stays
+                await db.call(BoxStore.put_lease, lease(f"b{i}", 1 << 20))
+        assert "a" in [r["box_id"] for r in await db.call(BoxStore.lease_rows)]  # what was written stays
 
     asyncio.run(writes())
     assert whole(small_fs / "sandlot.db")
     (small_fs / "filler").unlink()
 
     async def again() -> None:  # with room again, writes work: no transaction was left open
-        await db.call("drop_lease", "a")
-        assert "a" not in [r["box_id"] for r in await db.call("lease_rows")]
+        await db.call(BoxStore.drop_lease, "a")
+        assert "a" not in [r["box_id"] for r in await db.call(BoxStore.lease_rows)]
 
     asyncio.run(again())
     store.hold_room()  # and the reserve is made again

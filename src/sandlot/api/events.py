@@ -22,6 +22,7 @@ from ..core import events as core_events
 from ..core.events import Event, acting_as
 from ..core.events import query as check_query
 from ..core.runtime import Runtime
+from ..core.store import BoxStore
 from . import loop
 from .local import LocalBackend
 
@@ -70,14 +71,14 @@ async def claim_delivery(target: str, *, home: str | os.PathLike[str] | None) ->
     URL) unless a live one is: the id of the last event it got (a new target starts
     with the events written from now on), or None."""
     store = Runtime.for_home(home).db
-    start = await store.call("last_event_id")
-    cursor: int | None = await store.call("claim_delivery", target, start)
+    start = await store.call(BoxStore.last_event_id)
+    cursor: int | None = await store.call(BoxStore.claim_delivery, target, start)
     return cursor
 
 
 async def mark_delivered(target: str, cursor: int, *, home: str | os.PathLike[str] | None) -> None:
     """``target`` got every event up to id ``cursor``."""
-    await Runtime.for_home(home).db.call("delivered", target, cursor)
+    await Runtime.for_home(home).db.call(BoxStore.delivered, target, cursor)
 
 
 __all__ = [

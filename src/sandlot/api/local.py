@@ -356,7 +356,7 @@ class LocalBackend(Backend):
         since = events.since_time(since)
         positive("limit", limit, integer=True)
         _, entry = await local(ref).existing()
-        found = await self.core().db.call("samples", entry.id, since=since, limit=limit or 10_000)
+        found = await self.core().db.call(BoxStore.samples, entry.id, since=since, limit=limit or 10_000)
         return metrics.rates(found)
 
     async def box_logs(self, ref: BoxRef, lines: int | None = None) -> str:

@@ -11,6 +11,7 @@ from typing import Any
 
 from .. import records
 from ..core.runtime import Runtime
+from ..core.store import BoxStore
 from .box import AsyncBox
 
 # (box id, "" for the home's): record: what: how many, since the box began
@@ -19,7 +20,7 @@ Bounded = dict[str, dict[str, dict[str, int]]]
 
 async def latest(home: str | os.PathLike[str] | None = None) -> list[tuple[AsyncBox, dict[str, Any] | None]]:
     """Every box of the home, oldest first, with its newest sample (None: never sampled)."""
-    samples = await Runtime.for_home(home).db.call("latest_samples")
+    samples = await Runtime.for_home(home).db.call(BoxStore.latest_samples)
     return [(b, samples.get(b.id)) for b in await AsyncBox.list(home=home)]
 
 
@@ -27,7 +28,7 @@ async def bounded(home: str | os.PathLike[str] | None = None) -> Bounded:
     """What each box's bounded records folded, dropped or refused (the store's counts,
     which the home's keeper and the store write), with what this process bounded itself
     (a cell's output, a watch's events, a desktop's screen: ``records.TALLY``)."""
-    stored = await Runtime.for_home(home).db.call("records")
+    stored = await Runtime.for_home(home).db.call(BoxStore.records)
     out: Bounded = {
         box: {record: dict(r["counts"]) for record, r in recs.items()} for box, recs in stored.items()
     }

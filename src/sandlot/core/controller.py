@@ -97,7 +97,6 @@ class Step:
 
     op: Op
     source: BoxState
-    target: BoxState | None = None  # where it ends, if not where the table says
     changes: dict[str, Any] = field(default_factory=dict)  # written with the end state
     on_failure: dict[str, Any] = field(default_factory=dict)  # written with the failure state
     failure_reason: str | None = None  # a failure records "<this>: <the error's first line>"
@@ -121,9 +120,10 @@ def end_events(op: Op, step: Step) -> list[events.Draft]:
     detail = dict(step.detail)
     if op == Op.KILL:
         detail["killed"] = True
-    elif op == Op.DISCARD:
+    elif op in (Op.DISCARD, Op.LOSE):
         detail["saved_state_discarded"] = True
-    done = [events.draft(kind, **detail)]
+    reason = step.changes.get("reason") if op == Op.LOSE else None  # why its state is gone
+    done = [events.draft(kind, reason, **detail)]
     if op == Op.CLAIM:  # the box is new to its users: made from a warm pool's VM, and running
         done.insert(0, events.draft("created", **detail))
     return done
@@ -304,7 +304,7 @@ class BoxController:
             raise
         if step.gone:
             return
-        end = source if step.called_off else step.target or end_state(op, source)
+        end = source if step.called_off else end_state(op, source)
         await self._write(
             entry,
             expect=(writing,),
@@ -939,9 +939,10 @@ class BoxController:
             # only if the row still describes this VM: a restart may have started another
             why = "the VM process exited unexpectedly"
             crashed = events.draft("crashed", why, console=tail_text[-events.CONSOLE_TAIL :])
+            crash = TRANSITIONS[Op.CRASH]
             await self.db.update(
-                session.box_id, expect=(BoxState.RUNNING, BoxState.PAUSED), expect_pid=vm.ref.pid,
-                state=BoxState.CRASHED, reason=why, vm_pid=None, event=crashed,
+                session.box_id, expect=crash.sources, expect_pid=vm.ref.pid,
+                state=crash.target, reason=why, vm_pid=None, event=crashed,
             )  # fmt: skip
         return BoxCrashed(f"box {session.name} stopped unexpectedly", tail_text, box=session.name)
 

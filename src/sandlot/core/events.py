@@ -96,6 +96,8 @@ OP_KINDS: dict[Op, str | None] = {
     Op.NETWORK: "network_changed",
     Op.POOL: None,  # a warm pool's VM is no box of anyone's until it is claimed
     Op.CLAIM: "started",
+    Op.CRASH: "crashed",
+    Op.LOSE: "crashed",
 }
 
 

@@ -51,6 +51,7 @@ from ..net.ledger import Ledger, Limits, Totals, rotated
 from .events import Draft
 from .pressure import MemoryWatch
 from .room import RoomWatch
+from .store import BoxStore
 
 log = logging.getLogger("sandlot")
 
@@ -192,7 +193,7 @@ class Keeper:
         from .state import LIVE
 
         boxes = [r for r in await self.core.db.list() if r.state in LIVE and not r.options.get("pool")]
-        known = await self.core.db.call("records")
+        known = await self.core.db.call(BoxStore.records)
         for rec in boxes:
             try:
                 console = self.rt.engine(rec.engine).console_log(self.rt.placement(rec, rec.name))
@@ -214,7 +215,7 @@ class Keeper:
         if time.monotonic() - self.home_at >= HOME_EVERY:
             self.home_at = time.monotonic()
             await asyncio.to_thread(self._home, [r.id for r in boxes])
-        await self.core.db.call_unless_full("flush_event_folds")
+        await self.core.db.call_unless_full(BoxStore.flush_event_folds)
         return len(boxes)
 
     def _files(self, rec: Any, console: Path) -> Totals | None:
@@ -265,7 +266,7 @@ class Keeper:
                 self.told_at[(rec.id, record)] = now
                 event = Draft("records_dropped", tell(record, new, self.bounds),
                               {"record": record, **new}, "sandlot")  # fmt: skip
-            await self.core.db.call_unless_full("note_records", rec.id, record, counts, event)
+            await self.core.db.call_unless_full(BoxStore.note_records, rec.id, record, counts, event)
 
     def _home(self, live: list[str]) -> None:
         """Hold the home's guest logs to their bound (blocking)."""

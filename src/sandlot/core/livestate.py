@@ -32,7 +32,7 @@ from .requests import BoxRequest
 from .runtime import Runtime
 from .spec import BoxSpec
 from .state import BoxState, Op, check
-from .store import AsyncStore, BoxRecord, SnapshotRecord
+from .store import AsyncStore, BoxRecord, BoxStore, SnapshotRecord
 from .validate import count
 
 BOX_ID_RE = re.compile(r"[0-9a-f]{12}")
@@ -210,14 +210,13 @@ class LiveState:
                 return
             snap = await self.db.find_snapshot(rec.suspended or "")
             if snap is None:
-                async with self.controller.transition(entry, Op.DISCARD) as step:
-                    step.target = BoxState.CRASHED
+                async with self.controller.transition(entry, Op.LOSE) as step:
                     step.changes = {"reason": "its suspended state is missing", "suspended": None}
                 raise InvalidState(
                     f"box {entry.name}: its suspended state is missing; start() boots it afresh",
                     box=entry.name, state="crashed",
                 )  # fmt: skip
-            if snap.id in await self.db.call("pushed_states"):
+            if snap.id in await self.db.call(BoxStore.pushed_states):
                 # it went to the storage tier: another home may have taken it (by force,
                 # its holder thought gone); this home runs it only while it holds it
                 await asyncio.to_thread(self._hold_lease, rec)
@@ -469,7 +468,24 @@ class LiveState:
         return hashlib.sha256(json.dumps(key).encode()).hexdigest()[:32]
 
     async def auto_template(self, entry: BoxEntry, image_digest: str) -> SnapshotRecord | None:
-        """The image's automatic template for a box like this one, if one was saved."""
+        """The image's automatic template for a box like this one, if one was saved, in
+        the form boxes map copy-on-write, as an explicit template's. That form is made
+        when a second box of the image starts (one box per image never pays for its
+        memory file): a box restored from the stream holds every page of the saved
+        memory as its own, one that maps the file holds only what it wrote (measured
+        under TCG, busybox, 256 MiB: 74 MiB of PSS against 36, and 0.48 s to start
+        against 0.14). A template that cannot be given it (a full disk) is restored
+        from its chunks, as before."""
+        snap = await self._saved_boot(entry, image_digest)
+        if snap is None:
+            return None
+        try:
+            await self.share(snap)  # it changes only the row's sizes, which a box's start never reads
+        except (SandlotError, OSError) as exc:
+            log.warning("the automatic template %s is restored from its chunks: %s", snap.id, exc)
+        return snap
+
+    async def _saved_boot(self, entry: BoxEntry, image_digest: str) -> SnapshotRecord | None:
         key = await self.template_key(entry, image_digest)
         for snap in await self.db.snapshots(kind="template"):
             if snap.template_key == key and snap.name is None:
@@ -484,7 +500,7 @@ class LiveState:
         rec, spec = entry.record, entry.spec
         source = template_source(rec.image_digest, spec.rootfs_digest)
         try:
-            if source and await self.auto_template(entry, source) is None:
+            if source and await self._saved_boot(entry, source) is None:
                 key = await self.template_key(entry, source)
                 await self.warm_up(entry)
                 await self.capture(entry, "template", template_key=key)

@@ -32,6 +32,7 @@ from .boxrecord import BoxRecord, needs_recovery, pool_vm, unheld
 from .events import Draft
 from .runtime import Runtime
 from .state import STABLE, BoxState
+from .store import BoxStore
 
 S, V = BoxState, VMStatus
 ALIVE = frozenset({V.RUNNING, V.PAUSED, V.LOADING, V.SAVING, V.UNKNOWN})
@@ -52,6 +53,20 @@ class Action(enum.StrEnum):
     RESUMED = "resumed"  # a resume's guest runs: running, its saved state dropped
     UNRESUME = "unresume"  # a resume never ran: end the VM, suspended as before
     END_VM = "end-vm"  # a VM that should not exist (a suspended box's): end it, keep the row
+
+
+# The state each action writes (core/state.py declares every pair a rule makes of them:
+# tests/unit/test_state_writes.py); UNSAVE's is the state the cut-short save began in.
+WRITES: dict[Action, BoxState] = {
+    Action.RUN: S.RUNNING,
+    Action.CRASH: S.CRASHED,
+    Action.STOP: S.STOPPED,
+    Action.SUSPEND: S.SUSPENDED,
+    Action.ROLLED: S.RUNNING,
+    Action.UNROLL: S.STOPPED,
+    Action.RESUMED: S.RUNNING,
+    Action.UNRESUME: S.SUSPENDED,
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -189,7 +204,7 @@ class Recovery:
 
         def update(**changes: Any) -> BoxRecord | None:
             event = self._event(rec, a, rule.reason, changes.get("state"))
-            done = store.in_room("update", rec.id, expect=expect, event=event, **changes)
+            done = store.in_room(BoxStore.update, rec.id, expect=expect, event=event, **changes)
             return done or store.find(rec.id)
 
         if a is Action.KEEP:
@@ -199,7 +214,7 @@ class Recovery:
             self.rt.discard_box(rec, Draft("removed", rule.reason, {"action": a.value}, RECOVERY))
             return None
         if a is Action.RUN:
-            return update(state=S.RUNNING)
+            return update(state=WRITES[a])
         if a is Action.END_VM:
             engine.kill_now(rec.vm, rec.id)
             return rec
@@ -213,12 +228,12 @@ class Recovery:
             assert rec.op is not None
             tops = rec.op.get("drives") or [d["top"] for d in rec.drives]
             drives = [{**d, "top": top} for d, top in zip(rec.drives, tops, strict=True)]
-            return update(state=S.RUNNING, disk=rec.op["disk"], drives=drives, op=None)
+            return update(state=WRITES[a], disk=rec.op["disk"], drives=drives, op=None)
         if a is Action.RESUMED:
-            return update(state=S.RUNNING, suspended=None, op=None)
+            return update(state=WRITES[a], suspended=None, op=None)
         engine.kill_now(rec.vm, rec.id)
         if a is Action.CRASH:
-            return update(state=S.CRASHED, vm_pid=None, reason=rule.reason, op=None)
+            return update(state=WRITES[a], vm_pid=None, reason=rule.reason, op=None)
         if a is Action.STOP:
             # a sandbox restored after its owner died runs under a pid no row names: the
             # engine ends whatever the box left (a no-op for QEMU, whose VM is its process)
@@ -226,13 +241,11 @@ class Recovery:
             changes: dict[str, Any] = {"reason": rule.reason} if rule.reason else {}
             if rule.save_ends_vm:
                 self._drop_pending_snapshot(rec)
-            return update(state=S.STOPPED, vm_pid=None, stopped_at=time.time(), op=None, **changes)
-        if a is Action.SUSPEND:
-            return update(state=S.SUSPENDED, vm_pid=None, op=None)
-        if a is Action.UNRESUME:
-            return update(state=S.SUSPENDED, vm_pid=None, op=None)
+            return update(state=WRITES[a], vm_pid=None, stopped_at=time.time(), op=None, **changes)
+        if a in (Action.SUSPEND, Action.UNRESUME):
+            return update(state=WRITES[a], vm_pid=None, op=None)
         if a is Action.UNROLL:
-            return update(state=S.STOPPED, vm_pid=None, op=None, reason=rule.reason)
+            return update(state=WRITES[a], vm_pid=None, op=None, reason=rule.reason)
         raise AssertionError(f"unhandled recovery action {a}")
 
     def _event(self, rec: BoxRecord, action: Action, reason: str | None, state: BoxState | None) -> Draft:

@@ -168,7 +168,7 @@ class Runtime:
             shutil.rmtree(self.run_dir(rec.id), ignore_errors=True)
         # on a full disk too: what frees room must work there (the row and its event are
         # written in the room the store keeps, should the filesystem have none)
-        store.in_room("delete", rec.id, event=event)
+        store.in_room(BoxStore.delete, rec.id, event=event)
         if rec.suspended:
             snapshots.drop(self.home, store, rec.suspended)
         if rec.origin:  # a fork's own snapshot goes with the last of its children

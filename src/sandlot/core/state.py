@@ -9,8 +9,13 @@ when it fails (``failure``; ``SOURCE`` means back where it started).
 
 ``check`` is the one guard: it raises ``InvalidState`` (with ``.state`` and
 ``.allowed``) for any other state. ``BoxController.transition`` applies it and
-writes ``via``, ``target`` and ``failure`` through the store; nothing else
-writes a box's state.
+writes ``via``, ``target`` and ``failure`` through the store.
+
+What no caller asks for is declared here too: a VM that dies (``Op.CRASH``), a
+suspended box whose saved state is gone (``Op.LOSE``), and the ends recovery gives
+an operation whose process died (``AFTER_DEATH``). The store refuses any write of a
+state that does not say which states it expects, and any pair of states
+``allowed`` does not list; a row is made only in a state of ``BORN``.
 
 >>> from sandlot.core.state import BoxState, Op, TRANSITIONS
 >>> TRANSITIONS[Op.START].failure
@@ -82,6 +87,8 @@ class Op(enum.StrEnum):
     NETWORK = "network"  # a policy change: no state change, but no operation may run meanwhile
     POOL = "pool"  # a pool VM made ready (its HELLO and first exec done) is paused until claimed
     CLAIM = "claim"  # a box takes a pool VM (core.pools: its start is a compare-and-swap)
+    CRASH = "crash"  # its VM died: seen by a call to it (no lock: the row's pid says which VM)
+    LOSE = "lose"  # a resume finds the suspended state gone: crashed, start() boots it afresh
 
 
 SOURCE = None  # as a failure state: back to the state the operation started from
@@ -132,8 +139,48 @@ TRANSITIONS: dict[Op, Transition] = {
     Op.POOL: Transition((S.RUNNING,), None, S.POOLED, SOURCE, done=(S.POOLED,)),
     # a failed claim falls to crashed, and the claimer removes the box and restores afresh
     Op.CLAIM: Transition((S.POOLED,), S.CLAIMING, S.RUNNING, S.CRASHED),
+    Op.CRASH: Transition((S.RUNNING, S.PAUSED), None, S.CRASHED, SOURCE, done=(S.CRASHED,)),
+    Op.LOSE: Transition((S.SUSPENDED,), None, S.CRASHED, SOURCE),
 }
+
+# The ends recovery (core/recovery.py) gives a save whose process died, beyond those
+# the save's operation declares: the VM died while saving (crashed), or its engine's
+# save ended the VM (gVisor's checkpoint) before the box ran on from it (stopped, with
+# its files as saved).
+AFTER_DEATH: frozenset[tuple[BoxState, BoxState]] = frozenset(
+    (save, end) for save in (S.SNAPSHOTTING, S.SUSPENDING) for end in (S.CRASHED, S.STOPPED)
+)
+
+# The states a row is made in: a box being created, or one pulled whole from the
+# storage tier, suspended (core/remote.py).
+BORN = frozenset({S.CREATING, S.SUSPENDED})
 del S
+
+
+def _declared() -> frozenset[tuple[BoxState, BoxState]]:
+    """Every pair of states (from, to) a write may make: each operation's start (its
+    sources to ``via``), its end and failure (from ``via``, or from its sources where it
+    has none), a start called off (``via`` back to each source), a creation's end (a
+    failed one leaves no row), and ``AFTER_DEATH``."""
+    pairs = set(AFTER_DEATH)
+    for t in TRANSITIONS.values():
+        if not t.sources and t.via is not None and t.target is not None:  # a creation: born in via
+            pairs.add((t.via, t.target))
+        for source in t.sources:
+            ends = {t.target or source, t.failure or source}
+            if t.via is None:
+                pairs |= {(source, end) for end in ends}
+            else:
+                pairs |= {(source, t.via), (t.via, source)} | {(t.via, end) for end in ends}
+    return frozenset((a, b) for a, b in pairs if a != b)
+
+
+DECLARED = _declared()
+
+
+def allowed(before: BoxState | str, after: BoxState | str) -> bool:
+    """Whether a box's row may go from ``before`` to ``after`` (the same state: always)."""
+    return before == after or (BoxState(before), BoxState(after)) in DECLARED
 
 
 def check(op: Op, state: BoxState | str, *, box: str | None = None) -> bool:
@@ -159,6 +206,9 @@ def failure_state(op: Op, source: BoxState) -> BoxState:
 
 
 __all__ = [
+    "AFTER_DEATH",
+    "BORN",
+    "DECLARED",
     "LIVE",
     "SERVING",
     "SOURCE",
@@ -168,6 +218,7 @@ __all__ = [
     "BoxState",
     "Op",
     "Transition",
+    "allowed",
     "check",
     "end_state",
     "failure_state",

@@ -31,13 +31,14 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Concatenate, ParamSpec, TypeVar
 
 from .. import pids, records
 from ..config import free_bytes
 from ..errors import (
     BoxNotFound,
     InvalidArgument,
+    InvalidState,
     NoSpace,
     SnapshotNotFound,
     StoreBusy,
@@ -51,6 +52,7 @@ from .boxrecord import JSON_COLUMNS, BoxRecord, box_of_row
 from .events import Draft, Event
 from .events import draft as draft_event
 from .manifest import digests_of as manifest_digests
+from .state import BORN, BoxState, allowed
 
 SCHEMA_VERSION = 14
 # Room the store keeps for itself (BoxStore.hold_room): a file of its own, given up when
@@ -397,6 +399,10 @@ def _mounts(box: BoxRecord, volume_id: str, volume: sqlite3.Row) -> bool:
     return any(d.get("volume") == volume_id for d in box.drives)
 
 
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
 def holder_columns(ephemeral: bool) -> dict[str, Any]:
     """The holder columns of a box this process makes or claims: this process if the box
     is ephemeral (a ``with`` block's), else none."""
@@ -404,7 +410,29 @@ def holder_columns(ephemeral: bool) -> dict[str, Any]:
     return {"holder_pid": pid, "holder_start": start}
 
 
-def _encode(changes: dict[str, Any]) -> dict[str, Any]:
+def declared(box_id: str, expect: Sequence[str] | None, state: BoxState | str) -> None:
+    """A write of a box's state says which states it expects, and each pair is one the
+    table of transitions declares (``core.state.allowed``): else ``InvalidState``."""
+    if not expect:
+        raise InvalidState(f"box {box_id}: a write of its state ({state}) must say which states it expects",
+                           box=box_id, state=str(state))  # fmt: skip
+    for before in expect:
+        if not allowed(before, state):
+            ends = sorted(str(after) for after in BoxState if after != before and allowed(before, after))
+            why = f"box {box_id}: no declared transition from {before} to {state} (core/state.py)"
+            raise InvalidState(why, box=box_id, state=str(before), allowed=ends)
+
+
+def born(rec: BoxRecord) -> None:
+    """A box's row is made only in a state the table says a box is born in."""
+    if rec.state not in BORN:
+        raise InvalidState(f"box {rec.id} cannot be made {rec.state}: only {' or '.join(sorted(BORN))}",
+                           box=rec.id, state=str(rec.state), allowed=sorted(BORN))  # fmt: skip
+
+
+def encoded(changes: dict[str, Any]) -> dict[str, Any]:
+    """A row's columns (or changes to them) as SQLite takes them: JSON columns as text
+    (a NULL ``op`` stays NULL), ``ephemeral`` as an integer."""
     out = dict(changes)
     for c in JSON_COLUMNS:
         if c in out and not (c == "op" and out[c] is None):
@@ -484,15 +512,16 @@ class BoxStore:
             return False
         return True
 
-    def in_room(self, method: str, *args: Any, **kwargs: Any) -> Any:
-        """``self.<method>(*args, **kwargs)``; should it find the filesystem full, again
-        once the room is given back (each method is one transaction, rolled back)."""
+    def in_room(self, method: Callable[Concatenate[BoxStore, P], R], *args: P.args, **kwargs: P.kwargs) -> R:
+        """``method(self, *args, **kwargs)`` (``method``: one of this class's, as
+        ``BoxStore.update``); should it find the filesystem full, again once the room is
+        given back (each method is one transaction, rolled back)."""
         try:
-            return getattr(self, method)(*args, **kwargs)
+            return method(self, *args, **kwargs)
         except NoSpace:
             if not self.give_room():
                 raise
-            return getattr(self, method)(*args, **kwargs)
+            return method(self, *args, **kwargs)
 
     def _migrate(self) -> None:
         with self._tx() as db:
@@ -598,7 +627,8 @@ class BoxStore:
     # -- boxes ---------------------------------------------------------------------------
 
     def insert(self, rec: BoxRecord, *, event: Draft | None = None) -> BoxRecord:
-        d = _encode(rec.to_json())
+        born(rec)
+        d = encoded(rec.to_json())
         cols = ", ".join(d)
         marks = ", ".join(f":{k}" for k in d)
         try:
@@ -641,6 +671,7 @@ class BoxStore:
 
     def update(
         self,
+        /,
         box_id: str,
         *,
         expect: tuple[str, ...] | None = None,
@@ -653,8 +684,10 @@ class BoxStore:
         ``expect_pid`` only if that is its VM's pid (else None: someone else moved it).
         ``durable=False``: not fsynced (see ``_tx``). ``event``: what the change tells
         of, written in the same transaction (``core.events``)."""
+        if "state" in changes:
+            declared(box_id, expect, changes["state"])
         changes["updated_at"] = time.time()
-        enc = _encode(changes)
+        enc = encoded(changes)
         sets = ", ".join(f"{k} = :{k}" for k in enc)
         where = "id = :_id"
         params = {**enc, "_id": box_id}
@@ -1178,7 +1211,7 @@ class BoxStore:
             raise InvalidArgument(f"snapshot {key!r} is ambiguous (boxes {owners}): use its id")
         return _snap_row(rows[0])
 
-    def update_snapshot(self, snap_id: str, **changes: Any) -> None:
+    def update_snapshot(self, /, snap_id: str, **changes: Any) -> None:
         if "options" in changes:
             changes["options"] = json.dumps(changes["options"])
         sets = ", ".join(f"{k} = :{k}" for k in changes)
@@ -1201,7 +1234,8 @@ class BoxStore:
     def adopt(self, box: BoxRecord, snap: SnapshotRecord, manifest: bytes) -> None:
         """A suspended box another home pushed to the storage tier, made this home's in one
         transaction: its row, its state's row and manifest (the tier holds its chunks)."""
-        d = _encode(box.to_json())
+        born(box)
+        d = encoded(box.to_json())
         with self._tx() as db:
             try:
                 db.execute(f"INSERT INTO boxes ({', '.join(d)}) VALUES ({', '.join(f':{k}' for k in d)})", d)
@@ -1570,23 +1604,31 @@ class AsyncStore:
         self._opened: BoxStore | None = None
         self.directory = directory  # where the database and its WAL are (None: not said)
 
-    async def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
-        """``BoxStore.<method>(*args, **kwargs)`` on the store's thread."""
+    async def call(
+        self, method: Callable[Concatenate[BoxStore, P], R], *args: P.args, **kwargs: P.kwargs
+    ) -> R:
+        """``method(store, *args, **kwargs)`` on the store's thread: ``method`` is one of
+        ``BoxStore``'s (``db.call(BoxStore.samples, box_id)``), its arguments and result
+        typed as that method's."""
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._pool, lambda: self._run(method, args, kwargs))
 
-    async def call_unless_full(self, method: str, *args: Any, **kwargs: Any) -> Any:
+    async def call_unless_full(
+        self, method: Callable[Concatenate[BoxStore, P], R], *args: P.args, **kwargs: P.kwargs
+    ) -> R:
         """``call``, but never in the room the store keeps for the rows that end operations:
         for what a full disk may go without (a metrics sample, an OOM kill's event)."""
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._pool, lambda: self._run(method, args, kwargs, room=False))
 
-    def _run(self, method: str, args: tuple[Any, ...], kwargs: dict[str, Any], room: bool = True) -> Any:
+    def _run(
+        self, method: Callable[..., R], args: tuple[Any, ...], kwargs: dict[str, Any], room: bool = True
+    ) -> R:
         store = self._open()
         if self._watch is None:
             self._watch = store.watcher()
         self._opened = store
-        return store.in_room(method, *args, **kwargs) if room else getattr(store, method)(*args, **kwargs)
+        return store.in_room(method, *args, **kwargs) if room else method(store, *args, **kwargs)
 
     def version(self) -> int | None:
         """A number that changes whenever any process commits to the store, this one
@@ -1609,83 +1651,68 @@ class AsyncStore:
         return store.stamp() if store is not None else None
 
     async def get(self, key: str) -> BoxRecord:
-        found: BoxRecord = await self.call("get", key)
-        return found
+        return await self.call(BoxStore.get, key)
 
     async def find(self, key: str) -> BoxRecord | None:
-        found: BoxRecord | None = await self.call("find", key)
-        return found
+        return await self.call(BoxStore.find, key)
 
     async def list(self) -> builtins.list[BoxRecord]:
-        found: builtins.list[BoxRecord] = await self.call("list")
-        return found
+        return await self.call(BoxStore.list)
 
     async def insert(self, rec: BoxRecord) -> BoxRecord:
-        done: BoxRecord = await self.call("insert", rec)
-        return done
+        return await self.call(BoxStore.insert, rec)
 
     async def update(self, box_id: str, **kw: Any) -> BoxRecord | None:
-        done: BoxRecord | None = await self.call("update", box_id, **kw)
-        return done
+        return await self.call(BoxStore.update, box_id, **kw)
 
     async def update_as_seen(self, box_id: str, **kw: Any) -> tuple[BoxRecord | None, Stamp | None]:
         """``update``, and the stamp its transaction saw (``BoxStore.written``): the row
         is current while ``stamp()`` still equals it."""
 
         def run() -> tuple[BoxRecord | None, Stamp | None]:
-            done: BoxRecord | None = self._run("update", (box_id,), kw)
+            done: BoxRecord | None = self._run(BoxStore.update, (box_id,), kw)
             return done, self._opened.written() if self._opened is not None else None
 
         return await asyncio.get_running_loop().run_in_executor(self._pool, run)
 
     async def delete(self, box_id: str, *, event: Draft | None = None) -> None:
-        await self.call("delete", box_id, event=event)
+        await self.call(BoxStore.delete, box_id, event=event)
 
     async def template_pool(
         self, key: str, *, by_id: bool, skip: Collection[str] = (), limit: int | None = None
     ) -> tuple[SnapshotRecord | None, builtins.list[BoxRecord]]:
-        found: tuple[SnapshotRecord | None, builtins.list[BoxRecord]] = await self.call(
-            "template_pool", key, by_id=by_id, skip=skip, limit=limit
-        )
-        return found
+        return await self.call(BoxStore.template_pool, key, by_id=by_id, skip=skip, limit=limit)
 
     async def pooled(
         self, template_id: str, *, skip: Collection[str] = (), limit: int | None = None
     ) -> builtins.list[BoxRecord]:
-        found: builtins.list[BoxRecord] = await self.call("pooled", template_id, skip=skip, limit=limit)
-        return found
+        return await self.call(BoxStore.pooled, template_id, skip=skip, limit=limit)
 
     async def children(self, snap_id: str) -> builtins.list[BoxRecord]:
-        found: builtins.list[BoxRecord] = await self.call("children", snap_id)
-        return found
+        return await self.call(BoxStore.children, snap_id)
 
     async def insert_snapshot(
         self, rec: SnapshotRecord, *, manifest: bytes | None = None, stored: dict[bytes, int] | None = None
     ) -> SnapshotRecord:
-        done: SnapshotRecord = await self.call("insert_snapshot", rec, manifest=manifest, stored=stored)
-        return done
+        return await self.call(BoxStore.insert_snapshot, rec, manifest=manifest, stored=stored)
 
     async def snapshots(self, **kw: Any) -> builtins.list[SnapshotRecord]:
-        found: builtins.list[SnapshotRecord] = await self.call("snapshots", **kw)
-        return found
+        return await self.call(BoxStore.snapshots, **kw)
 
     async def find_snapshot(self, snap_id: str) -> SnapshotRecord | None:
-        found: SnapshotRecord | None = await self.call("find_snapshot", snap_id)
-        return found
+        return await self.call(BoxStore.find_snapshot, snap_id)
 
     async def get_snapshot(self, key: str, *, box_id: str | None = None) -> SnapshotRecord:
-        found: SnapshotRecord = await self.call("get_snapshot", key, box_id=box_id)
-        return found
+        return await self.call(BoxStore.get_snapshot, key, box_id=box_id)
 
     async def update_snapshot(self, snap_id: str, **changes: Any) -> None:
-        await self.call("update_snapshot", snap_id, **changes)
+        await self.call(BoxStore.update_snapshot, snap_id, **changes)
 
     async def delete_snapshot(self, snap_id: str) -> None:
-        await self.call("delete_snapshot", snap_id)
+        await self.call(BoxStore.delete_snapshot, snap_id)
 
     async def state_manifest(self, snap_id: str) -> bytes | None:
-        data: bytes | None = await self.call("state_manifest", snap_id)
-        return data
+        return await self.call(BoxStore.state_manifest, snap_id)
 
     async def add_event(
         self,
@@ -1698,12 +1725,10 @@ class AsyncStore:
         """``told``: an event that says why a box stopped, written in the store's room
         if the filesystem is full (most events a full disk may go without)."""
         call = self.call if told else self.call_unless_full
-        written: bool = await call("add_event", event, box_id, labels)
-        return written
+        return await call(BoxStore.add_event, event, box_id, labels)
 
     async def events(self, **kw: Any) -> builtins.list[Event]:
-        found: builtins.list[Event] = await self.call("events", **kw)
-        return found
+        return await self.call(BoxStore.events, **kw)
 
 
 def validate_name(name: str, what: str = "box") -> str:
