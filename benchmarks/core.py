@@ -102,9 +102,10 @@ def guest_fork_exec_ms(box: sandlot.Box, n: int) -> float:
 def bench_dynamic_programs(quick: bool) -> dict:
     """Dynamically linked programs (a Debian box): exec ``/usr/bin/true`` and a Python
     start, with the box's address-space randomization on (the default) and off
-    (``aslr=False``), in one run. Under TCG a program whose libraries land at new
-    addresses has them translated again (QEMU 7.2 keys translated code by virtual
-    address); under KVM the two are alike."""
+    (``aslr=False``), beside busybox's static ``/bin/true`` in a busybox box, in one
+    run. Under TCG a program whose libraries land at new addresses has them translated
+    again (QEMU 7.2 keys translated code by virtual address); under KVM the two are
+    alike."""
     execs, starts = (5, 2) if quick else (40, 8)
     out: dict = {}
     for aslr in (True, False):
@@ -119,6 +120,15 @@ def bench_dynamic_programs(quick: bool) -> dict:
     on, off = out["aslr_on"], out["aslr_off"]
     for key in ("exec_usr_bin_true_ms", "python3_start_ms"):
         out[f"{key.removesuffix('_ms')}_on_over_off_ratio"] = round(on[key]["median"] / off[key]["median"], 2)
+    # beside them, a static program: busybox's, in a busybox box (randomization on)
+    with sandlot.Box(rootfs=busybox_root(), memory_mib=256, template=False) as box:
+        box.exec("/bin/true")
+        static = summary([took(box.exec, "/bin/true") for _ in range(execs)], 1e3)
+    out["busybox_exec_bin_true_ms"] = static
+    out["exec_usr_bin_true_over_busybox_ratio"] = {
+        name: round(out[name]["exec_usr_bin_true_ms"]["median"] / static["median"], 2)
+        for name in ("aslr_on", "aslr_off")
+    }
     return {"dynamic_programs": out}
 
 

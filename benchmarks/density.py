@@ -10,7 +10,11 @@ boxes, the host's available memory down to ``--reserve-mib``, or a neighbour's e
   from ``schedstat``, in nanoseconds) over a window with all of them idle, in ms per
   second per box;
 * a neighbour's exec ``true`` p50/p99 with the rest idle, and with a tenth of them
-  busy (a shell loop each).
+  busy (a shell loop each);
+* beside them, boxes of the same tree as an image, ``sandlot.Box(image)``, the path a
+  newcomer takes (its first box boots and is saved as the image's automatic template,
+  the others start from that): their start and PSS, and the PSS as a ratio to the
+  explicit template's boxes'.
 
 * with ``--ksm`` (as root, where the host has KSM): what kernel samepage merging saves
   across the boxes. KSM is turned on for the run (``ksmd`` scanning faster than its
@@ -27,6 +31,7 @@ its boxes go with their holder.
 from __future__ import annotations
 
 import contextlib
+import statistics
 import time
 from pathlib import Path
 
@@ -135,6 +140,34 @@ def measure_ksm(pids: list[int], patience: float, fast: bool) -> dict[str, objec
                 (where / name).write_text(before[name])
 
 
+def from_image(home: Path, n: int, settle: float) -> tuple[dict[str, object], list[float]]:
+    """``n`` boxes of the template's tree imported as an image, started the way a
+    newcomer starts them (``sandlot.Box(ref)``), after one that boots the image and
+    saves its automatic template: their start and PSS, idle."""
+    ref = "localhost/density-busybox:1"
+    sandlot.import_image(busybox_root(), ref, home=home)
+    t0 = time.perf_counter()
+    with sandlot.Box(ref, memory_mib=256, home=home):
+        first = time.perf_counter() - t0
+    with contextlib.ExitStack() as held:
+        boxes, starts = [], []
+        for _ in range(n):
+            t0 = time.perf_counter()
+            boxes.append(held.enter_context(sandlot.Box(ref, memory_mib=256, home=home)))
+            starts.append(time.perf_counter() - t0)
+        # measured as the template's boxes are: idle since their start, none having run
+        # a command (a first exec's translated code is a few MiB of each QEMU's own)
+        time.sleep(settle)
+        pss = [pss_kib(int(b.inspect()["vm_pid"]))["pss"] / 1024 for b in boxes]
+    doc = {
+        "boxes": n,
+        "first_box_s": round(first, 3),  # boots and saves the automatic template
+        "start_s": summary(starts, digits=3),  # the first of them gives it its shared form
+        "pss_per_box_MiB": summary(pss, digits=1),
+    }
+    return doc, pss
+
+
 def main() -> None:
     ap = parser(__doc__)
     ap.add_argument("--max", type=int, default=200, help="boxes at most")
@@ -169,6 +202,9 @@ def main() -> None:
             assert neighbour is not None
             time.sleep(1.0 if q else 5.0)  # the last starts settle
             pids = [int(b.inspect()["vm_pid"]) for b in boxes]
+            # PSS idle since the start, before the neighbour's and the busy boxes' commands
+            sample = pids[:: max(1, len(pids) // 30)][:30]
+            template_pss = [pss_kib(p)["pss"] / 1024 for p in sample]
             idle = idle_cpu_ms_per_s(pids, window)
             quiet = exec_times_ms(neighbour, 20 if q else 200)
             busy_boxes = [b for b in boxes[1:] if b is not neighbour][: max(1, len(boxes) // 10)]
@@ -177,7 +213,6 @@ def main() -> None:
             noisy = exec_times_ms(neighbour, 20 if q else 200)
             for b, pid in zip(busy_boxes, loops, strict=True):
                 b.exec("kill", pid)
-            sample = pids[:: max(1, len(pids) // 30)][:30]
             doc = {
                 "benchmark": "density",
                 "quick": q,
@@ -186,7 +221,7 @@ def main() -> None:
                 "stopped_by": stopped_by,
                 "host_mem_available_MiB_at_end": mem_available_mib(),
                 "start_from_template_s": summary(starts, digits=3),
-                "pss_per_box_MiB": summary([pss_kib(p)["pss"] / 1024 for p in sample], digits=1),
+                "pss_per_box_MiB": summary(template_pss, digits=1),
                 "idle_host_cpu_ms_per_s_per_box": summary(idle, digits=2),
                 "idle_host_cpu_all_boxes_cores": round(sum(idle) / 1e3, 3),
                 "neighbour_exec_true_ms_rest_idle": summary(quiet),
@@ -195,6 +230,10 @@ def main() -> None:
             if args.ksm:
                 # the quick mode's few boxes are scanned in seconds at ksmd's own pace
                 doc["ksm"] = measure_ksm(pids, 30.0 if q else 300.0, fast=not q)
+        image, image_pss = from_image(home, min(len(boxes), 4 if q else 20), 1.0 if q else 5.0)
+        ratio = statistics.median(image_pss) / statistics.median(template_pss)
+        image["pss_over_template_boxes"] = round(ratio, 3)
+        doc["from_image"] = image
         emit(doc)
     finally:
         drop_home(home)

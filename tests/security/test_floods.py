@@ -142,12 +142,13 @@ class Watched:
 
 
 def told(
-    box: sandlot.Box, record: str, since: int, key: str | tuple[str, ...], timeout: float = 15.0
+    box: sandlot.Box, record: str, since: int, key: str | tuple[str, ...], timeout: float = 30.0
 ) -> dict[str, Any]:
     """The detail of the box's ``records_dropped`` events about ``record`` after event id
     ``since``, summed, once one has said ``key`` (the home's keeper tells within a round,
     then at most once every ``keeper.TELL_EVERY`` seconds: all of it is in the counts).
-    ``timeout`` is the reference host's: a loaded host's keeper tells later."""
+    ``timeout`` is the reference host's: a loaded host's keeper tells later, and a count
+    that came just after a tell waits out a whole window (10 s) and a round first."""
     deadline = deadline_in(timeout)
     while True:
         found = [e for e in box.events(after=since, follow=False) if e.kind == "records_dropped"
