@@ -6,15 +6,22 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import shutil
+import signal
 import socket
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
 from sandlot.api import port_hold, port_keeper
+from sandlot.core.boxrecord import BoxRecord, store_path
 from sandlot.core.spec import BoxSpec
 from sandlot.errors import InvalidArgument, InvalidState
+
+from tests.support.rows import plant
 
 
 def test_wake_on_traffic_is_a_flag_and_brings_ports_in_without_a_network_card(tmp_path: Path) -> None:
@@ -95,3 +102,50 @@ def test_the_keeper_reads_the_rows_only_when_the_store_changed(
         f.unlink()
     asyncio.run(keeper.look())
     assert len(reads) == 4 and keeper.held == {}
+
+
+def keeper_pids(home: Path) -> list[int]:
+    """The keeper processes of ``home``, by their command line."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit():
+            try:
+                argv = (proc / "cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if b"sandlot.api.port_keeper" in argv and str(home).encode() in argv:
+                found.append(int(proc.name))
+    return found
+
+
+def test_a_keeper_whose_home_was_made_again_at_its_path_ends_and_the_next_serves_the_new_store(
+    tmp_path: Path,
+) -> None:
+    """Keepers are found by their home's path. A home removed and made again there while
+    its keeper still ran (its idle minute) had that keeper answer every box of the new
+    home with ``no box``, from the old store it still had open: no box that wakes on
+    traffic could start there until it ended. It ends at once instead, answering nothing,
+    and the caller's request goes to a keeper of the new store."""
+    home = tmp_path / "home"
+
+    def made_again(box_id: str) -> None:
+        shutil.rmtree(home, ignore_errors=True)
+        home.mkdir()
+        now = time.time()
+        plant(store_path(home), BoxRecord(id=box_id, name=f"n-{box_id}", state="created", options={},
+                                          created_at=now, updated_at=now))  # fmt: skip
+
+    made_again("aaaaaaaaaaaa")
+    try:
+        assert port_hold.ask(home, {"hold": "aaaaaaaaaaaa"}, start=True) == {"ports": []}  # no port to hold
+        [first] = keeper_pids(home)
+        made_again("bbbbbbbbbbbb")  # the old keeper still runs, on the old store's file
+        assert port_hold.ask(home, {"hold": "bbbbbbbbbbbb"}, start=True) == {"ports": []}
+        deadline = time.monotonic() + 30
+        while first in keeper_pids(home):
+            assert time.monotonic() < deadline, "the old keeper did not end"
+            time.sleep(0.05)
+        assert len(keeper_pids(home)) == 1  # the new store's
+    finally:
+        for pid in keeper_pids(home):
+            os.kill(pid, signal.SIGKILL)

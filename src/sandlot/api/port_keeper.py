@@ -39,7 +39,10 @@ the next call of the home that starts, resumes or finds one of its boxes. It let
 removed box's ports go within ``LOOK_EVERY`` seconds (at once where this host removed it;
 it reads the store's rows only when the store's files changed, or ``READ_ANYWAY`` seconds
 after its last read, so sleeping boxes cost it no reads), and ends ``IDLE_EXIT`` seconds
-after it last held any.
+after it last held any. A keeper whose home was removed and made again at the same path
+(its store another file) ends at once, answering nothing: it would serve the old store,
+where no new box is, and the keepers are found by the home's path; the caller asks the
+next keeper, of the new store.
 """
 
 from __future__ import annotations
@@ -95,6 +98,16 @@ def store_stamp(home: Path) -> tuple[Any, ...]:
     return tuple(stamps)
 
 
+def store_file(home: Path) -> tuple[int, int] | None:
+    """The home's store file as the file system knows it (device, inode): None where there
+    is none."""
+    try:
+        st = store_path(home).stat()
+    except FileNotFoundError:
+        return None
+    return st.st_dev, st.st_ino
+
+
 def bind_port(box: str, address: str, port: int, *, ephemeral: bool) -> socket.socket:
     """A listening socket on ``address:port``; where ``port`` was an ephemeral one the box
     had before and another program took it meanwhile, a new ephemeral one."""
@@ -147,6 +160,18 @@ class Keeper:
         self._lock = asyncio.Lock()
         self._store_seen: tuple[Any, ...] | None = None  # the store's files as last looked at
         self._read_by = 0.0  # when the rows are read even if the files look the same
+        self.store_file = store_file(home)  # the store this keeper serves: the one its caller wrote to
+        self.ended = asyncio.Event()  # set where the store was replaced: the keeper ends
+
+    def replaced(self) -> bool:
+        """Whether the home's store is no longer the file this keeper serves (the home was
+        removed, and maybe made again at its path). Once so, the keeper ends."""
+        now = store_file(self.home)
+        if self.store_file is None:  # started before the store was made: its first is the one
+            self.store_file = now
+        elif now != self.store_file:
+            self.ended.set()
+        return self.ended.is_set()
 
     async def hold(self, box_id: str) -> list[list[Any]]:
         """Bind the box's ports (once) and serve them; the ports, as the record keeps them."""
@@ -233,6 +258,9 @@ class Keeper:
             self.release(box_id)
 
     async def answer(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if self.replaced():  # no answer: the caller asks again, of the next keeper
+            writer.close()
+            return
         try:
             request = json.loads(await reader.readline())
             if "hold" in request:
@@ -258,8 +286,11 @@ class Keeper:
         try:
             await self.adopt()
             idle_since = time.monotonic()
-            while True:
-                await asyncio.sleep(LOOK_EVERY)
+            while not self.replaced():
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self.ended.wait(), LOOK_EVERY)
+                if self.replaced():
+                    break
                 with contextlib.suppress(SandlotError):  # the store busy: looked at again next time
                     await self.look()
                 if self.held:
