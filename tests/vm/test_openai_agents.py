@@ -58,7 +58,12 @@ def test_a_paused_session_resumes_in_another_process_with_its_server_running(deb
     options = SandlotSandboxClientOptions(
         image=image, exposed_ports=(8000,), on_exit="suspend", memory_mib=512
     )
-    serve = call("exec_command", cmd="nohup python3 -m http.server 8000 >/dev/null 2>&1 &")
+    # the server listening before the turn ends, as an agent checks it: a session that ends
+    # (suspended) while python3 still starts would resume with a port that opens a moment later
+    listening = "import socket, time\nwhile socket.socket().connect_ex(('127.0.0.1', 8000)): time.sleep(0.1)"
+    serve = call(
+        "exec_command", cmd=f'nohup python3 -m http.server 8000 >/dev/null 2>&1 & python3 -c "{listening}"'
+    )
     page = patch("*** Begin Patch\n*** Add File: page.html\n+served from the box\n*** End Patch\n")
     model = ScriptedModel([[serve, page], [say("serving")]])
     agent: SandboxAgent[Any] = SandboxAgent(

@@ -134,7 +134,15 @@ def test_a_box_asleep_past_evict_after_leaves_this_host_and_a_request_wakes_it_l
             with urllib.request.urlopen(f"http://127.0.0.1:{port}/n", timeout=scaled(120)) as r:
                 return int(r.read())
         except OSError as exc:  # why the wake failed, as the box's events say
-            said = [f"{ev.kind}: {ev.reason}" for ev in sandlot.events(box=box.id, follow=False, home=a)]
+            # the keeper resets the connection before it writes why (a wake_failed event, where
+            # it was not the guest port that refused): a moment for it to be written
+            deadline = time.monotonic() + 5
+            while True:
+                seen = sandlot.events(box=box.id, follow=False, home=a)
+                if any(ev.kind == "wake_failed" for ev in seen) or time.monotonic() > deadline:
+                    break
+                time.sleep(0.2)
+            said = [f"{ev.kind}: {ev.reason}" for ev in seen]
             console = box.logs(lines=15)
             raise AssertionError(f"{exc!r}; the box's events: {said[-6:]}; its console:\n{console}") from exc
 
