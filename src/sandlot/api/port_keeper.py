@@ -286,8 +286,8 @@ class Keeper:
         try:
             await self.adopt()
             idle_since = time.monotonic()
-            while not self.replaced():
-                with contextlib.suppress(TimeoutError):
+            while True:
+                with contextlib.suppress(TimeoutError):  # a request that found the store replaced wakes it
                     await asyncio.wait_for(self.ended.wait(), LOOK_EVERY)
                 if self.replaced():
                     break
