@@ -22,16 +22,20 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # for tests.sup
 
 from tests.support.roots import CACHE, busybox_root, debian_root, desktop_root
 
+PAGE = 4096  # bytes of a guest page
+
 __all__ = [
     "CACHE",
     "box_pss_mib",
     "busybox_root",
+    "changed_memory",
     "debian_root",
     "desktop_root",
     "drop_home",
     "emit",
     "gvisor_unusable",
     "host_facts",
+    "manifest",
     "parser",
     "pss_breakdown_mib",
     "pss_kib",
@@ -168,6 +172,36 @@ def gvisor_unusable(doctor: dict[str, Any]) -> str | None:
     """Why gVisor does not run here, from ``Runtime.doctor()``'s report; None where it does."""
     gvisor = doctor.get("gvisor") or {}
     return None if gvisor.get("usable") else f"gVisor unusable: {gvisor.get('why', 'no runsc')}"
+
+
+def manifest(home: Path, state_id: str) -> Any:
+    """The chunk manifest of a saved state of ``home`` (None for a state kept whole)."""
+    from sandlot.core.manifest import Manifest
+    from sandlot.core.store import BoxStore
+
+    data = BoxStore(home / "sandlot.db").state_manifest(state_id)
+    return Manifest.decode(data) if data is not None else None
+
+
+def changed_memory(home: Path, before: str, after: str) -> int:
+    """Bytes of guest memory whose pages differ between two states saved as chunks."""
+    from sandlot.core.chunks import ChunkStore
+
+    a, b = manifest(home, before), manifest(home, after)
+    assert a is not None and b is not None, "both states are chunks"
+    store = ChunkStore(home)
+    changed = 0
+    for img in b.images:
+        old = a.image(img.name)
+        for i, d in enumerate(img.digests):
+            o = old.digests[i] if i < len(old.digests) else None
+            if d == o:
+                continue
+            size = img.chunk_size(i)
+            x = store.get(o, before) if o is not None else bytes(size)
+            y = store.get(d, after) if d is not None else bytes(size)
+            changed += sum(PAGE for p in range(0, size, PAGE) if x[p : p + PAGE] != y[p : p + PAGE])
+    return changed
 
 
 def host_facts(accel: str | None) -> dict[str, Any]:

@@ -39,39 +39,21 @@ from typing import Any
 import sandlot
 from sandlot import AsyncBox
 from sandlot.config import tree_bytes
-from sandlot.core.chunks import ChunkStore
-from sandlot.core.manifest import Manifest
 from sandlot.core.store import BoxStore
 
-from _common import debian_root, drop_home, emit, host_facts, parser, scratch_home, summary
+from _common import (
+    changed_memory,
+    debian_root,
+    drop_home,
+    emit,
+    host_facts,
+    parser,
+    scratch_home,
+    summary,
+)
 
-PAGE = 4096
 MiB = 1 << 20
 accel: list[str | None] = [None]  # the accelerator the boxes ran under
-
-
-def manifest(home: Path, state_id: str) -> Manifest | None:
-    data = BoxStore(home / "sandlot.db").state_manifest(state_id)
-    return Manifest.decode(data) if data is not None else None
-
-
-def changed_memory(home: Path, before: str, after: str) -> int:
-    """Bytes of guest memory whose pages differ between two states saved as chunks."""
-    a, b = manifest(home, before), manifest(home, after)
-    assert a is not None and b is not None, "both states are chunks"
-    store = ChunkStore(home)
-    changed = 0
-    for img in b.images:
-        old = a.image(img.name)
-        for i, d in enumerate(img.digests):
-            o = old.digests[i] if i < len(old.digests) else None
-            if d == o:
-                continue
-            size = img.chunk_size(i)
-            x = store.get(o, before) if o is not None else bytes(size)
-            y = store.get(d, after) if d is not None else bytes(size)
-            changed += sum(PAGE for p in range(0, size, PAGE) if x[p : p + PAGE] != y[p : p + PAGE])
-    return changed
 
 
 def use_chunks(on: bool) -> None:

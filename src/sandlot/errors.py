@@ -10,6 +10,7 @@ Catch ``SandlotError`` for all of them, or a branch for what you care about::
     ├── NotFound (also LookupError)
     │   ├── BoxNotFound                        no box by that id or name
     │   ├── SnapshotNotFound                   no snapshot or template by that id or name
+    │   ├── StepNotFound                       no such step in a box's timeline
     │   ├── CodeContextNotFound                no code context by that id in the box
     │   ├── VolumeNotFound                     no named volume by that name or id
     │   └── NodeNotFound                       no fleet node by that id (``sandlot.fleet``)
@@ -160,6 +161,12 @@ class SnapshotNotFound(NotFound):
     """No snapshot or template by that id or name."""
 
     code = "snapshot_not_found"
+
+
+class StepNotFound(NotFound):
+    """No step by that number or name in the box's timeline (``box.timeline()``)."""
+
+    code = "step_not_found"
 
 
 class CodeContextNotFound(NotFound):

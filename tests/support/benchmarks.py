@@ -32,6 +32,7 @@ PROMISED = {
         "guest_fork_exec_true_ms",
         "dynamic_programs",
     ],
+    "recorder": ["loop", "storage", "rewind", "bisect"],
     "diffs": ["tree", "snapshot_to_now", "snapshot_start_remove", "box_to_box", "restore_one_file"],
     "files": ["tree", "upload", "download", "tar_via_exec", "ratios", "engines"],
     "durable": ["create_start_first_exec_s", "stop_s", "start_to_first_exec_s"],

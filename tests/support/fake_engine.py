@@ -11,7 +11,7 @@ What its agent understands: HELLO, PING, CONTROL (STATUS, SHUTDOWN, SET_TIME,
 MOUNT, FREEZE and THAW: ``frozen``), files (FILE_READ, FILE_WRITE, FS: a small file system held in the VM's
 memory; ARCHIVE, its trees as tar streams, with the real agent's main refusals), and EXEC of ``true``,
 ``false``, ``echo ...``, ``exit N``, ``sleep S``,
-``cat`` (its stdin back), ``lines N``, ``hostname``, ``remember K V``, ``recall K``
+``cat`` (its stdin back), ``lines N``, ``hostname``, ``remember K V``, ``recall K``, ``below K N``
 ``chmod`` and ``chgrp`` (they change nothing),
 and ``/bin/sh -c "one of those"`` (or ``-lc``) or ``/bin/bash -l -c ...`` (nothing runs: the
 output is made up), and the agent's relay (``box.connect(port)``) to the address of
@@ -328,6 +328,10 @@ class FakeVM(VM):
                 self.memory[argv[1]] = argv[2]
             elif argv[0] == "recall":
                 out = (str(self.memory.get(argv[1], "")) + "\n").encode()
+            elif argv[0] == "below":  # below KEY N: exit 0 while the remembered number is under N
+                value = int(self.memory.get(argv[1], 0))
+                if value >= int(argv[2]):
+                    err, code = f"{argv[1]} is {value}, not below {argv[2]}\n".encode(), 1
             elif argv[0] == "lines":  # lines N: N numbered lines on stdout
                 out = b"".join(b"line %d\n" % i for i in range(int(argv[1])))
             elif argv[:2] == ("/proc/1/exe", "--relay"):

@@ -29,7 +29,7 @@ from sandlot.errors import Unsupported
 
 FACADES: dict[str, type] = {"box": AsyncBox, "files": AsyncFiles, "snapshot": AsyncSnapshot}
 PRIMITIVES = {n for n, v in vars(Backend).items() if getattr(v, "__isabstractmethod__", False)} | {
-    "attach", "taken_over", "release", "info", "aclose", "events"}  # fmt: skip
+    "attach", "taken_over", "release", "info", "aclose", "events", "as_step"}  # fmt: skip
 
 
 def public_methods(cls: type) -> dict[str, Any]:
@@ -80,6 +80,7 @@ def test_every_operation_has_its_route_in_the_server() -> None:
     assert made == {
         "box.snapshot",
         "box.fork",
+        "box.fork_at",
         "box.preview_url",
         "box.create_code_context",
         "snapshot.start",
@@ -165,7 +166,7 @@ def args_for(op: contract.Operation) -> dict[str, Any]:
     """Arguments an operation's model accepts: its defaults, and a plausible value for each
     required field."""
     plausible = {"path": "/tmp/x", "src": "/tmp/x", "dst": "/tmp/y", "snapshot": "s1", "mode": 0o644,
-                 "user": "root", "context": "ctx-1", "port": 8080, "code": "1"}  # fmt: skip
+                 "user": "root", "context": "ctx-1", "port": 8080, "code": "1", "step": "1"}  # fmt: skip
     out = {}
     for name, field in op.params.model_fields.items():
         if field.is_required():
@@ -197,7 +198,7 @@ def test_the_http_backend_carries_every_operation_to_its_route(op: contract.Oper
     asyncio.run(main())
     [request] = seen
     template = "/v1" + op.path
-    expected = template.format(box="b0x", snap="s1", context="ctx-1")
+    expected = template.format(box="b0x", snap="s1", context="ctx-1", step="1")
     assert (request.method, request.url.path) == (op.method, expected)
 
 

@@ -36,8 +36,8 @@ from tests.support.fake_engine import fake_rootfs, register
 from tests.support.inproc import serving
 
 EXPECTED = ["create_box", "list_boxes", "exec", "run_code", "read_file", "write_file", "list_files",
-            "snapshot", "list_snapshots", "rollback", "diff", "fork", "suspend", "resume",
-            "computer", "remove_box"]  # fmt: skip
+            "snapshot", "list_snapshots", "rollback", "diff", "fork", "timeline", "rewind", "suspend",
+            "resume", "computer", "remove_box"]  # fmt: skip
 
 
 def params_of(fmt: str, entry: dict[str, Any]) -> tuple[str, str, dict[str, Any]]:

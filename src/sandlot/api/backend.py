@@ -229,6 +229,13 @@ class Backend(ABC):
     # stdin up to this size travels with an exec's request; more is streamed to a process
     inline_stdin: ClassVar[int] = 1 << 62
 
+    def as_step(
+        self, ref: BoxRef, kind: str, what: dict[str, Any]
+    ) -> contextlib.AbstractAsyncContextManager[None]:
+        """The box's calls inside the block as one recorded step (``AsyncBox.as_step``).
+        A transport whose every request is a step of its own groups nothing."""
+        return contextlib.nullcontext()
+
     def unsupported(self, what: str, box: str | None = None, hint: str = "") -> Unsupported:
         return Unsupported(f"{what} is not offered over the {self.transport} transport" + (f": {hint}" if hint
                            else ""), transport=self.transport, box=box)  # fmt: skip

@@ -22,9 +22,12 @@ and runs the same coroutines on sandlot's loop thread.
 
 from __future__ import annotations
 
+import asyncio
 import builtins
+import contextlib
 import os
 import socket
+import time
 from collections.abc import AsyncIterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -35,12 +38,13 @@ from ..core.requests import SPEC_OPTIONS
 from ..core.runtime import Runtime
 from ..core.spec import DEFAULT_DISK_GB, DEFAULT_MEMORY_MIB, PortSpec, VolumeSpec
 from ..core.validate import positive
-from ..errors import InvalidArgument
+from ..errors import InvalidArgument, StepNotFound
 from ..net.secrets import Secret
 from .backend import Backend, BoxRef, Cell, Command, SnapshotRef, snapshot_key
 from .diffs import Diff, side_arg
 from .local import LocalBackend
 from .process import AsyncProcess, ExecResult, StdinSource, feed_and_wait
+from .timeline import Bisection, Step, probes
 
 if TYPE_CHECKING:  # imported where used: a command that runs no code nor files starts without them
     from ..core.entry import BoxEntry
@@ -113,6 +117,7 @@ class AsyncBox:
         aslr: bool | None = None,
         secrets: Sequence[Secret] | None = None,
         template: Any = None,
+        record: bool | Mapping[str, Any] = False,
         home: Home = None,
     ) -> None:
         given = locals()  # the box's own options are those BoxSpec.build takes, by the same names
@@ -122,6 +127,8 @@ class AsyncBox:
         )
         backend = LocalBackend.for_home(home)
         self._bind(backend.describe(image, options, keep=keep), keep)
+        if record:  # the flight recorder, from the box's first start (``record``'s arguments)
+            self._record_on_start: dict[str, Any] | None = {} if record is True else dict(record)
 
     def _bind(self, ref: BoxRef, keep: bool) -> None:
         self._ref = ref
@@ -129,6 +136,7 @@ class AsyncBox:
         self.keep = keep
         self._files: AsyncFiles | None = None
         self._desktop: AsyncDesktop | None = None
+        self._record_on_start = None
 
     @classmethod
     def bound(cls, ref: BoxRef, *, keep: bool = True) -> AsyncBox:
@@ -349,6 +357,7 @@ class AsyncBox:
 
     async def __aenter__(self) -> AsyncBox:
         await self._backend.create(self._ref, start=True, ephemeral=not self.keep)
+        await self._start_recording()
         return self
 
     async def __aexit__(self, *exc: object) -> None:
@@ -364,7 +373,13 @@ class AsyncBox:
             await self._backend.create(self._ref, start=True)
         else:
             await self._op("start")
+        await self._start_recording()
         return self
+
+    async def _start_recording(self) -> None:
+        if self._record_on_start is not None:
+            policy, self._record_on_start = self._record_on_start, None
+            await self.record(**policy)
 
     async def stop(self, timeout: float = 10.0) -> None:
         """Stop gracefully: every process gets SIGTERM, then SIGKILL after half of
@@ -680,6 +695,140 @@ class AsyncBox:
             "diff", a=side_arg(a), b=side_arg(b), paths=list(paths) if paths else None, text_limit=text_limit
         )
         return Diff.from_json(found)
+
+    # -- the flight recorder -------------------------------------------------------------------
+
+    async def record(
+        self,
+        on: bool = True,
+        *,
+        every: float = 0.0,
+        keep_last: int | None = None,
+        keep_for: float | None = None,
+    ) -> dict[str, Any] | None:
+        """Record every step taken in the box from now on, each with a checkpoint of the
+        state it left (docs/recorder.md): an exec, a spawned process once it ends, a code
+        cell, a file operation, a tool call. The state now becomes the first step.
+        ``every``: at most one checkpoint per that many seconds (the steps between are in
+        the timeline without one); ``keep_last``, ``keep_for``: the checkpoints kept (a
+        named step's are kept always). ``on=False`` stops recording; the timeline stays.
+        Answers the policy in force (None once stopped).
+
+        >>> box.record(keep_last=50)                           # doctest: +SKIP
+        {'every': 0.0, 'keep_last': 50, 'keep_for': None}
+        """
+        found = await self._op("record", on=on, every=every, keep_last=keep_last, keep_for=keep_for)
+        policy: dict[str, Any] | None = found.get("recording")
+        return policy
+
+    async def timeline(self, *, after: int = 0, limit: int | None = None) -> builtins.list[Step]:
+        """The recorded steps after step ``after``, oldest first (at most ``limit``)."""
+        found = await self._op("timeline", after=after, limit=limit)
+        return [Step.from_json(s) for s in found["steps"]]
+
+    async def step(self, step: int | str, *, diff: bool = False, text_limit: int | None = None) -> Step:
+        """One recorded step, by its number or name; with ``diff``, what it changed in the
+        box's files (its checkpoint against the one before it), in ``Step.diff``."""
+        found = await self._op("step", step=str(step), diff=diff, text_limit=text_limit)
+        return Step.from_json(found)
+
+    async def name_step(self, step: int | str, name: str | None) -> Step:
+        """Name a step (its checkpoint is then kept whatever the retention), or take its
+        name back with None."""
+        return Step.from_json(await self._op("name_step", step=str(step), name=name))
+
+    async def rewind(self, step: int | str) -> None:
+        """Take the box back, in place, to the state just after a recorded step: memory,
+        processes and disk (a rollback to its checkpoint). Same id and name; commands
+        running now end. While it records, the rewind is a step of its own."""
+        await self._op("rewind", step=str(step))
+
+    async def fork_at(
+        self, step: int | str, n: int = 1, *, name: str | None = None
+    ) -> builtins.list[AsyncBox]:
+        """``n`` running boxes in the state just after a recorded step; this box goes on."""
+        return [AsyncBox.bound(r) for r in await self._op("fork_at", step=str(step), n=n, name=name)]
+
+    async def bisect(
+        self,
+        test: str | Sequence[str],
+        *,
+        parallel: int = 4,
+        timeout: float | None = 600.0,
+        diff: bool = True,
+        good: int | str | None = None,
+    ) -> Bisection:
+        """The first recorded step after which ``test`` fails: a search over the steps
+        whose state is kept, running ``test`` (a shell line, or an argv) in a box forked
+        at each step tried, ``parallel`` at once (each round splits what is left in
+        ``parallel`` + 1), each fork removed after its test. The box itself is not
+        touched. The answer names the step, the test's output there, and (``diff``) what
+        the step changed in the files since the last step where the test passed.
+        ``good``: a step (number or name) after which the test is known to pass; the
+        search starts there (by default at the first step).
+
+        >>> found = box.bisect("python3 -m pytest -q tests")     # doctest: +SKIP
+        >>> print(found.first_bad)                                # doctest: +SKIP
+          42  exec     sed -i s/x/y/ app.py  exit 0  0.180s  checkpoint
+        """
+        argv = ["/bin/sh", "-c", test] if isinstance(test, str) else [os.fspath(a) for a in test]
+        if not argv or not all(isinstance(a, str) and a for a in argv):
+            raise InvalidArgument(f"a test is a shell line or a non-empty argv, not {test!r}")
+        if isinstance(parallel, bool) or not isinstance(parallel, int) or not 1 <= parallel <= 32:
+            raise InvalidArgument(f"parallel must be a whole number in 1..32, not {parallel!r}")
+        positive("timeout", timeout)
+        steps = [s for s in await self.timeline() if s.kept]
+        if good is not None:
+            start = (await self.step(good)).seq
+            steps = [s for s in steps if s.seq >= start]
+        if not steps:
+            raise StepNotFound(f"box {self.name} has no recorded step with a checkpoint kept: record() first")
+        began = time.monotonic()
+        results: dict[int, ExecResult] = {}
+
+        async def run(i: int) -> None:
+            (child,) = await self.fork_at(steps[i].seq, 1, name=f"{self.name[:40]}-bisect")
+            try:
+                results[i] = await child.exec(*argv, timeout=timeout)
+            finally:
+                await child.remove(force=True)
+
+        def passes(i: int) -> bool:
+            return results[i].exit_code == 0
+
+        last = len(steps) - 1
+        await asyncio.gather(*(run(i) for i in sorted({0, last})))
+        rounds, lo, hi = 1, 0, last
+        if passes(last) or not passes(0):
+            lo, hi = (last, -1) if passes(last) else (-1, 0)
+        while hi >= 0 and lo >= 0 and hi - lo > 1:
+            tried = probes(lo, hi, parallel)
+            await asyncio.gather(*(run(i) for i in tried))
+            rounds += 1
+            failing = [i for i in tried if not passes(i)]
+            hi = failing[0] if failing else hi
+            lo = max([lo, *(i for i in tried if i < hi and passes(i))])
+        tested = {steps[i].seq: r.exit_code for i, r in sorted(results.items())}
+        if hi < 0:  # it passes after the last step
+            return Bisection(None, steps[last], None, "", "", None, tested, rounds, time.monotonic() - began)
+        bad, passed = steps[hi], steps[lo] if lo >= 0 else None
+        changed = None
+        if diff and passed is not None:
+            changed = await self.diff(f"snapshot:{passed.checkpoint}", f"snapshot:{bad.checkpoint}")
+        r = results[hi]
+        return Bisection(bad, passed, r.exit_code, r.stdout, r.stderr, changed, tested, rounds,
+                         time.monotonic() - began)  # fmt: skip
+
+    def as_step(self, kind: str, **what: Any) -> contextlib.AbstractAsyncContextManager[None]:
+        """Everything done in the box inside the block is one step of its timeline, shown
+        as ``kind`` with ``what`` (a tool call and its arguments): its commands and file
+        writes are not steps of their own. On a box that does not record, or over a
+        transport where each request is its own step, it groups nothing.
+
+        >>> async with box.as_step("tool", tool="run_tests", arguments={"path": "tests"}):  # doctest: +SKIP
+        ...     await box.exec("pytest", "-q", "tests")
+        """
+        return self._backend.as_step(self._ref, kind, what)
 
     async def suspend(self) -> None:
         """Write the running state to disk and end the VM: no CPU, no RAM. ``resume()``

@@ -472,6 +472,42 @@ class ForkIn(Strict):
     name: str | None = None
 
 
+class RecordIn(Strict):
+    """The flight recorder's policy (``core.recorder.Policy``), or ``on=False`` to stop."""
+
+    on: bool = True
+    every: float = Field(default=0.0, ge=0)
+    keep_last: int | None = Field(default=None, ge=1)
+    keep_for: float | None = Field(default=None, gt=0)
+
+
+class TimelineIn(Strict):
+    after: int = Field(default=0, ge=0)
+    limit: int | None = Field(default=None, ge=1)
+
+
+StepKey = Annotated[str, Field(min_length=1, max_length=63)]
+
+
+class StepIn(Strict):
+    step: StepKey  # its number, or the name it was given
+    diff: bool = False  # what it changed in the files, in full (two checkpoints compared)
+    text_limit: int | None = Field(default=None, ge=0, le=64 * 1024 * 1024)
+
+
+class NameStepIn(Strict):
+    step: StepKey
+    name: str | None = None  # None: the step's name is taken back
+
+
+class RewindIn(Strict):
+    step: StepKey
+
+
+class ForkAtIn(ForkIn):
+    step: StepKey
+
+
 class PreviewIn(Strict):
     port: int = Field(ge=1, le=65535)
     ttl: float = Field(default=3600, gt=0)
@@ -833,6 +869,12 @@ OPERATIONS: tuple[Operation, ...] = (
         ("rollback", "POST /rollback", RollbackIn, BOX, "Back to a snapshot."),
         ("fork", "POST /fork 201", ForkIn, BOXES, "Running copies of the box."),
         ("diff", "POST /diff", DiffIn, JSON, "What changed in its files between two states."),
+        ("record", "PUT /recording", RecordIn, JSON, "Record every step with its state, or stop."),
+        ("timeline", "GET /timeline", TimelineIn, JSON, "The steps recorded, oldest first."),
+        ("step", "GET /timeline/{step}", StepIn, JSON, "One recorded step; its diff on request."),
+        ("name_step", "PUT /timeline/{step}/name", NameStepIn, JSON, "Name a step: kept for good."),
+        ("rewind", "POST /rewind", RewindIn, BOX, "Back, in place, to just after a step."),
+        ("fork_at", "POST /fork_at 201", ForkAtIn, BOXES, "Running boxes from just after a step."),
         ("processes", "GET /processes", Empty, PROCESSES, "The processes the host holds for the box."),
         ("preview_url", "POST /previews 201", PreviewIn, URL, "A signed URL to a port."),
         ("create_code_context", "POST /code/contexts 201", CodeContextIn, CONTEXT, "Start an interpreter."),

@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-from collections.abc import AsyncIterable, AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -44,11 +44,30 @@ from .fs import AgentWatch, FileInfo, WatchSource, check_mode, entry_info
 from .process import AsyncProcess, ExecResult, feed_and_wait
 
 if TYPE_CHECKING:
+    from ..core.recorder import StepDraft
     from ..images.store import Image
     from .code import Callbacks, CodeContext, Execution, Interpreter
 
 CONSOLE_TAIL = 256 * 1024  # bytes of the console read for its last lines
 TREE_REMOVE_TIMEOUT = 600.0  # seconds for the agent to remove a tree (a recursive remove)
+CODE_SHOWN = 16 * 1024  # characters of a code cell a recorded step keeps
+
+
+def command_step(cmd: Command, stdin: bytes | None) -> dict[str, Any]:
+    """What a recorded step shows of a command: its argv, directory and user, and the
+    names of the variables it set, never their values (secrets)."""
+    what: dict[str, Any] = {"argv": list(cmd.argv)}
+    if cmd.cwd is not None:
+        what["cwd"] = cmd.cwd
+    if cmd.user is not None:
+        what["user"] = cmd.user
+    if cmd.env:
+        what["env"] = sorted(cmd.env)
+    if stdin is not None:
+        what["stdin_bytes"] = len(stdin)
+    if cmd.tty:
+        what["tty"] = True
+    return what
 
 
 def box_info(rec: BoxRecord, state: str | None = None, store: BoxStore | None = None) -> dict[str, Any]:
@@ -461,6 +480,64 @@ class LocalBackend(Backend):
         limit = diffs.TEXT_LIMIT if text_limit is None else text_limit
         return await diffs.diff(core, entry, a, b, paths=paths, text_limit=limit)
 
+    # -- the flight recorder (``core.recorder``) ------------------------------------------
+
+    async def box_record(
+        self,
+        ref: BoxRef,
+        on: bool = True,
+        every: float = 0.0,
+        keep_last: int | None = None,
+        keep_for: float | None = None,
+    ) -> dict[str, Any]:
+        from ..core.recorder import Policy
+
+        core, entry = await local(ref).live()
+        policy = Policy(every, keep_last, keep_for) if on else None
+        await core.recorder.set_policy(entry, policy)
+        return {"recording": policy.to_json() if policy else None}
+
+    async def box_timeline(self, ref: BoxRef, after: int = 0, limit: int | None = None) -> dict[str, Any]:
+        from ..core import timeline
+
+        core, entry = await local(ref).live()
+        await core.recorder.settled(entry.id)
+        steps = await core.db.call(timeline.steps, entry.id, after=after, limit=limit)
+        return {"recording": entry.record.recording, "steps": [s.to_json() for s in steps]}
+
+    async def box_step(
+        self, ref: BoxRef, step: str, diff: bool = False, text_limit: int | None = None
+    ) -> dict[str, Any]:
+        core, entry = await local(ref).live()
+        found = await core.recorder.find(entry, step)
+        if not diff:
+            return found.to_json()
+        limit = diffs.TEXT_LIMIT if text_limit is None else text_limit
+        since, a, b = await core.recorder.compared(entry, found)
+        changes = await diffs.diff(core, entry, a, b, text_limit=limit)
+        changes["since_step"] = since.seq
+        await core.recorder.keep_files(entry, found, since, changes)
+        return {**(await core.recorder.find(entry, found.seq)).to_json(), "diff": changes}
+
+    async def box_name_step(self, ref: BoxRef, step: str, name: str | None = None) -> dict[str, Any]:
+        from ..core import timeline
+
+        if name is not None:
+            validate_name(name, "step")
+            if name.isdigit():
+                raise InvalidArgument(f"a step's name is not a number: {name!r} would read as step {name}")
+        core, entry = await local(ref).live()
+        found = await core.recorder.find(entry, step)
+        return (await core.db.call(timeline.set_name, entry.id, found.seq, name)).to_json()
+
+    async def box_rewind(self, ref: BoxRef, step: str) -> None:
+        core, entry = await local(ref).live()
+        await core.recorder.rewind(entry, step)
+
+    async def box_fork_at(self, ref: BoxRef, step: str, n: int = 1, name: str | None = None) -> list[BoxRef]:
+        core, entry = await local(ref).live()
+        return [self.ref_of(core, k) for k in await core.recorder.fork_at(entry, step, n, name=name)]
+
     async def box_processes(self, ref: BoxRef) -> list[dict[str, Any]]:
         raise self.unsupported(
             "processes()",
@@ -491,15 +568,20 @@ class LocalBackend(Backend):
         return Interpreter(CodeBox(ref.id, AsyncFiles(self, ref), spawn, exec_))
 
     async def run_code(self, ref: BoxRef, cell: Cell, callbacks: Callbacks) -> Execution:
-        return await self._interpreter(ref).run(
-            cell.code,
-            language=cell.language,
-            context=cell.context,
-            timeout=cell.timeout,
-            on_stdout=callbacks.on_stdout,
-            on_stderr=callbacks.on_stderr,
-            on_result=callbacks.on_result,
-        )
+        what = {"code": cell.code[:CODE_SHOWN], "language": cell.language, "context": cell.context}
+        async with self._step(ref, "code", lambda: what) as step:
+            done = await self._interpreter(ref).run(
+                cell.code,
+                language=cell.language,
+                context=cell.context,
+                timeout=cell.timeout,
+                on_stdout=callbacks.on_stdout,
+                on_stderr=callbacks.on_stderr,
+                on_result=callbacks.on_result,
+            )
+            if step is not None and done.error is not None:
+                step.result["error"] = f"{done.error.name}: {done.error.value}"[:500]
+            return done
 
     async def box_create_code_context(
         self,
@@ -548,9 +630,10 @@ class LocalBackend(Backend):
     ) -> None:
         flags = FsFlag.PARENTS if parents else 0
         owner, where = check_user(user), guest_path(path)
-        await proto.fs_request(
-            await self._conn(ref), FsOp.MKDIR, where, mode=check_mode(mode), flags=flags, user=owner
-        )
+        async with self._step(ref, "files", lambda: {"op": "mkdir", "path": where}):
+            await proto.fs_request(
+                await self._conn(ref), FsOp.MKDIR, where, mode=check_mode(mode), flags=flags, user=owner
+            )
 
     async def files_remove(
         self, ref: BoxRef, path: str, recursive: bool = False, missing_ok: bool = False
@@ -559,27 +642,37 @@ class LocalBackend(Backend):
         # a tree's removal is one request, answered when it is done: ten thousand files
         # on a loaded, emulated host take longer than a request's usual deadline
         timeout = TREE_REMOVE_TIMEOUT if recursive else None
-        conn = await self._conn(ref)
-        await proto.fs_request(conn, FsOp.REMOVE, guest_path(path), flags=flags, timeout=timeout)
+        where = guest_path(path)
+        async with self._step(ref, "files", lambda: {"op": "remove", "path": where, "recursive": recursive}):
+            conn = await self._conn(ref)
+            await proto.fs_request(conn, FsOp.REMOVE, where, flags=flags, timeout=timeout)
 
     async def files_rename(self, ref: BoxRef, src: str, dst: str) -> None:
-        await proto.fs_request(await self._conn(ref), FsOp.RENAME, guest_path(src), path2=guest_path(dst))
+        a, b = guest_path(src), guest_path(dst)
+        async with self._step(ref, "files", lambda: {"op": "rename", "path": a, "to": b}):
+            await proto.fs_request(await self._conn(ref), FsOp.RENAME, a, path2=b)
 
     async def files_restore(self, ref: BoxRef, path: str, snapshot: str) -> dict[str, Any]:
         core, entry = await local(ref).live()
-        return await diffs.restore(core, entry, guest_path(path), snapshot)
+        where = guest_path(path)
+        async with self._step(ref, "files", lambda: {"op": "restore", "path": where, "snapshot": snapshot}):
+            return await diffs.restore(core, entry, where, snapshot)
 
     async def files_chmod(self, ref: BoxRef, path: str, mode: int) -> None:
         if mode is None:
             raise InvalidArgument("chmod needs a mode")
-        await proto.fs_request(await self._conn(ref), FsOp.CHMOD, guest_path(path), mode=check_mode(mode))
+        where = guest_path(path)
+        async with self._step(ref, "files", lambda: {"op": "chmod", "path": where, "mode": mode}):
+            await proto.fs_request(await self._conn(ref), FsOp.CHMOD, where, mode=check_mode(mode))
 
     async def files_chown(self, ref: BoxRef, path: str, user: str, follow_symlinks: bool = True) -> None:
         if not user:
             raise InvalidArgument("chown needs a user")
         check_user(user)
         flags = 0 if follow_symlinks else FsFlag.NOFOLLOW
-        await proto.fs_request(await self._conn(ref), FsOp.CHOWN, guest_path(path), user=user, flags=flags)
+        where = guest_path(path)
+        async with self._step(ref, "files", lambda: {"op": "chown", "path": where, "user": user}):
+            await proto.fs_request(await self._conn(ref), FsOp.CHOWN, where, user=user, flags=flags)
 
     async def read(self, ref: BoxRef, path: str, offset: int, length: int | None) -> AsyncIterator[bytes]:
         p = guest_path(path)
@@ -588,10 +681,15 @@ class LocalBackend(Backend):
             yield chunk
 
     async def write(self, ref: BoxRef, path: str, data: bytes | AsyncIterable[bytes], how: Write) -> int:
-        return await proto.write_stream(
-            await self._conn(ref), guest_path(path), data, mode=check_mode(how.mode),
-            user=check_user(how.user), append=how.append, parents=how.parents, exclusive=how.exclusive,
-        )  # fmt: skip
+        p = guest_path(path)
+        async with self._step(ref, "files", lambda: {"op": "write", "path": p, "append": how.append}) as step:
+            wrote = await proto.write_stream(
+                await self._conn(ref), p, data, mode=check_mode(how.mode),
+                user=check_user(how.user), append=how.append, parents=how.parents, exclusive=how.exclusive,
+            )  # fmt: skip
+            if step is not None:
+                step.result["bytes"] = wrote
+            return wrote
 
     async def get_archive(
         self, ref: BoxRef, path: str, *, follow_symlinks: bool = False
@@ -603,10 +701,13 @@ class LocalBackend(Backend):
     async def put_archive(
         self, ref: BoxRef, path: str, tar: AsyncIterable[bytes], *, user: str | None
     ) -> dict[str, Any]:
-        report = await proto_archive.write_tree(
-            await self._conn(ref), guest_path(path), tar, user=check_user(user)
-        )
-        return report.to_json()
+        p = guest_path(path)
+        async with self._step(ref, "files", lambda: {"op": "put_archive", "path": p}) as step:
+            conn = await self._conn(ref)
+            report = (await proto_archive.write_tree(conn, p, tar, user=check_user(user))).to_json()
+            if step is not None:
+                step.result.update(report)
+            return report
 
     async def watch(self, ref: BoxRef, path: str, recursive: bool) -> WatchSource:
         conn = await self._conn(ref)
@@ -617,10 +718,49 @@ class LocalBackend(Backend):
     async def exec(self, ref: BoxRef, cmd: Command, stdin: bytes | None, timeout: float | None) -> ExecResult:
         positive("timeout", timeout)
         with tracing.span("exec", box=ref.id, command=cmd.argv[0]):
-            proc = await self.spawn(ref, replace(cmd, tty=False, stdin=stdin is not None))
-            if stdin is None:
-                return await proc.result(timeout)
-            return await feed_and_wait(proc, stdin, timeout)
+            async with self._step(ref, "exec", lambda: command_step(cmd, stdin)) as step:
+                proc = await self.spawn(ref, replace(cmd, tty=False, stdin=stdin is not None))
+                if stdin is None:
+                    result = await proc.result(timeout)
+                else:
+                    result = await feed_and_wait(proc, stdin, timeout)
+                if step is not None:
+                    step.result.update(
+                        exit_code=result.exit_code, signal=result.signal,
+                        stdout_bytes=len(result.stdout_bytes), stderr_bytes=len(result.stderr_bytes),
+                    )  # fmt: skip
+                return result
+
+    @contextlib.asynccontextmanager
+    async def _grouped(self, ref: BoxRef, kind: str, what: dict[str, Any]) -> AsyncIterator[None]:
+        ctl, entry = await local(ref).existing()
+        await ctl.connection(entry)
+        if entry.record.recording is None:
+            yield
+            return
+        async with self.core().recorder.group(entry, kind, what):
+            yield
+
+    def as_step(
+        self, ref: BoxRef, kind: str, what: dict[str, Any]
+    ) -> contextlib.AbstractAsyncContextManager[None]:
+        if not isinstance(kind, str) or not kind or len(kind) > 63:
+            raise InvalidArgument(f"a step's kind is a short name, not {kind!r}")
+        return self._grouped(ref, kind, dict(what))
+
+    @contextlib.asynccontextmanager
+    async def _step(
+        self, ref: BoxRef, kind: str, what: Callable[[], dict[str, Any]]
+    ) -> AsyncIterator[StepDraft | None]:
+        """One step of the box's timeline where it records (``core.recorder``), else
+        nothing: a box that does not record loads none of the recorder."""
+        ctl, entry = await local(ref).existing()
+        await ctl.connection(entry)  # the row as it is now: another process may have begun recording
+        if entry.record.recording is None:
+            yield None
+            return
+        async with self.core().recorder.step(entry, kind, what()) as draft:
+            yield draft
 
     async def spawn(self, ref: BoxRef, cmd: Command, keep: str | None = None) -> AsyncProcess:
         ctl, entry = await local(ref).existing()
@@ -634,6 +774,8 @@ class LocalBackend(Backend):
         remote = await RemoteProcess.start(await ctl.connection(entry), req)
         if keep is not None:
             entry.session.keep(remote.channel_id, Kept(keep, cmd.argv, remote.pid, cmd.tty))
+        if entry.record.recording is not None:
+            self.core().recorder.follow(entry, remote, command_step(cmd, None))
 
         async def news(kind: str, reason: str, detail: dict[str, Any]) -> None:
             await ctl.db.add_event(events.draft(kind, reason, **detail), entry.id)

@@ -56,6 +56,7 @@ if TYPE_CHECKING:
     from .fs import FileEvent, FileInfo, WatchSource
     from .process import ExecResult, OutputStream, StdinSource
     from .templates import OfSnapshot
+    from .timeline import Bisection, Step
     from .volumes import Volume
 
 
@@ -107,6 +108,7 @@ class Box(BoxBase):
         aslr: bool | None = None,
         secrets: Sequence[Secret] | None = None,
         template: Any = None,
+        record: bool | Mapping[str, Any] = False,
         home: Home = None,
     ) -> None:
         self._a = AsyncBox(
@@ -143,6 +145,7 @@ class Box(BoxBase):
             aslr=aslr,
             secrets=secrets,
             template=template,
+            record=record,
             home=home,
         )
 
@@ -587,6 +590,75 @@ class Box(BoxBase):
         2 changes (1 added, 1 deleted), +1 -5 lines, from snapshot ... to box now
         """
         return loop.run(self._a.diff(a, b, paths=paths, text_limit=text_limit))
+
+    def record(
+        self,
+        on: bool = True,
+        *,
+        every: float = 0.0,
+        keep_last: int | None = None,
+        keep_for: float | None = None,
+    ) -> dict[str, Any] | None:
+        """Record every step taken in the box from now on, each with a checkpoint of the
+        state it left (docs/recorder.md): an exec, a spawned process once it ends, a code
+        cell, a file operation, a tool call. The state now becomes the first step.
+        ``every``: at most one checkpoint per that many seconds (the steps between are in
+        the timeline without one); ``keep_last``, ``keep_for``: the checkpoints kept (a
+        named step's are kept always). ``on=False`` stops recording; the timeline stays.
+        Answers the policy in force (None once stopped).
+
+        >>> box.record(keep_last=50)                           # doctest: +SKIP
+        {'every': 0.0, 'keep_last': 50, 'keep_for': None}
+        """
+        return loop.run(self._a.record(on, every=every, keep_last=keep_last, keep_for=keep_for))
+
+    def timeline(self, *, after: int = 0, limit: int | None = None) -> builtins.list[Step]:
+        """The recorded steps after step ``after``, oldest first (at most ``limit``)."""
+        return loop.run(self._a.timeline(after=after, limit=limit))
+
+    def step(self, step: int | str, *, diff: bool = False, text_limit: int | None = None) -> Step:
+        """One recorded step, by its number or name; with ``diff``, what it changed in the
+        box's files (its checkpoint against the one before it), in ``Step.diff``."""
+        return loop.run(self._a.step(step, diff=diff, text_limit=text_limit))
+
+    def name_step(self, step: int | str, name: str | None) -> Step:
+        """Name a step (its checkpoint is then kept whatever the retention), or take its
+        name back with None."""
+        return loop.run(self._a.name_step(step, name))
+
+    def rewind(self, step: int | str) -> None:
+        """Take the box back, in place, to the state just after a recorded step: memory,
+        processes and disk (a rollback to its checkpoint). Same id and name; commands
+        running now end. While it records, the rewind is a step of its own."""
+        loop.run(self._a.rewind(step))
+
+    def fork_at(self, step: int | str, n: int = 1, *, name: str | None = None) -> builtins.list[Box]:
+        """``n`` running boxes in the state just after a recorded step; this box goes on."""
+        return [Box.wrap(x) for x in loop.run(self._a.fork_at(step, n, name=name))]
+
+    def bisect(
+        self,
+        test: str | Sequence[str],
+        *,
+        parallel: int = 4,
+        timeout: float | None = 600.0,
+        diff: bool = True,
+        good: int | str | None = None,
+    ) -> Bisection:
+        """The first recorded step after which ``test`` fails: a search over the steps
+        whose state is kept, running ``test`` (a shell line, or an argv) in a box forked
+        at each step tried, ``parallel`` at once (each round splits what is left in
+        ``parallel`` + 1), each fork removed after its test. The box itself is not
+        touched. The answer names the step, the test's output there, and (``diff``) what
+        the step changed in the files since the last step where the test passed.
+        ``good``: a step (number or name) after which the test is known to pass; the
+        search starts there (by default at the first step).
+
+        >>> found = box.bisect("python3 -m pytest -q tests")     # doctest: +SKIP
+        >>> print(found.first_bad)                                # doctest: +SKIP
+          42  exec     sed -i s/x/y/ app.py  exit 0  0.180s  checkpoint
+        """
+        return loop.run(self._a.bisect(test, parallel=parallel, timeout=timeout, diff=diff, good=good))
 
     def suspend(self) -> None:
         """Write the running state to disk and end the VM: no CPU, no RAM. ``resume()``

@@ -4,6 +4,8 @@ The few members that differ from a plain delegation are written here."""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any, Generic, Self, TypeVar
 
 from . import loop
@@ -47,6 +49,20 @@ class BoxBase(SyncTwin[AsyncBox]):
     @property
     def running(self) -> bool:
         return self.state == "running"
+
+    @contextlib.contextmanager
+    def as_step(self, kind: str, **what: Any) -> Iterator[None]:
+        """Everything done in the box inside the block is one step of its timeline, shown
+        as ``kind`` with ``what`` (``AsyncBox.as_step``)."""
+        group = self._a.as_step(kind, **what)
+        loop.run(group.__aenter__())
+        try:
+            yield
+        except BaseException as exc:
+            if not loop.run(group.__aexit__(type(exc), exc, exc.__traceback__)):
+                raise
+        else:
+            loop.run(group.__aexit__(None, None, None))
 
 
 class SnapshotBase(SyncTwin[AsyncSnapshot]):

@@ -22,7 +22,8 @@ GROUPS: dict[str, dict[str, str]] = {
     },
     "Live state": {
         "snapshot": "livestate", "snapshots": "livestate", "rollback": "livestate", "diff": "livestate",
-        "fork": "livestate",
+        "fork": "livestate", "record": "timeline", "timeline": "timeline", "rewind": "timeline",
+        "fork-at": "timeline", "bisect": "timeline",
         "suspend": "livestate", "resume": "livestate", "template": "livestate", "pool": "pools",
         "volume": "volumes", "storage": "storage",
     },
@@ -36,6 +37,6 @@ GROUPS: dict[str, dict[str, str]] = {
 }  # fmt: skip
 COMMANDS = {command: module for commands in GROUPS.values() for command, module in commands.items()}
 MODULES = ("access", "boxes", "completion", "events", "fleet", "host", "images", "livestate", "mcp", "pools",
-           "server", "storage", "volumes")  # fmt: skip
+           "server", "storage", "timeline", "volumes")  # fmt: skip
 # what a shell's completion script sets when it asks sandlot what may follow (cli/completion.py)
 COMPLETE_VAR = "_SANDLOT_COMPLETE"

@@ -26,11 +26,11 @@ from .state import BoxState
 
 # The store's schema version (``PRAGMA user_version``: ``core.store.MIGRATIONS``'s
 # length): rows of any other are read by the store, which migrates them first.
-SCHEMA_VERSION = 14
+SCHEMA_VERSION = 15
 # The engines whose ``alive`` is ``pids.vm_alive`` (``Engine.alive``, not overridden):
 # a quick listing asks it of their rows itself; a row of another engine goes to the store.
 PID_ENGINES = frozenset({"qemu", "gvisor"})
-JSON_COLUMNS = ("options", "labels", "boot", "ports", "op", "drives")
+JSON_COLUMNS = ("options", "labels", "boot", "ports", "op", "drives", "recording")
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,6 +66,8 @@ class BoxRecord:
     # one per named volume it mounts, in its spec's order: {"volume": id, "serial", "top":
     # the layer it writes, "holds": it writes the volume back when it is removed}
     drives: list[dict[str, Any]] = field(default_factory=list)
+    # the flight recorder's policy while it records the box (``core.recorder.Policy``)
+    recording: dict[str, Any] | None = None
 
     @property
     def vm(self) -> VMRef | None:

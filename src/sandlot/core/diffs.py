@@ -439,7 +439,7 @@ async def open_side(
         "labels": {"sandlot.diff-of": entry.id},
     }
     if kind_ == "snapshot":
-        snap = await core.live.find_snapshot(key)
+        snap = await core.live.find_snapshot(key, kinds=("snapshot", "template", "step"))
         (temp,) = await core.live.start_boxes(snap, 1, held_by_me=True, **options)
         held.push_async_callback(ctl.remove, temp, force=True)
         owner = await core.db.find(snap.box_id) if snap.box_id else None

@@ -565,7 +565,9 @@ class LiveState:
         await asyncio.to_thread(snapshots.reclaim_abandoned, self.rt.home, self.rt.store)
         box_id = (await self.db.get(box)).id if box else None
         recs = await self.db.snapshots(box_id=box_id, kind=kind)
-        return [r for r in recs if r.kind != "suspend" and not (box_id and r.template_key)]
+        # a recorded step's checkpoint is the timeline's (``box.timeline()``), listed when asked for
+        mine = [r for r in recs if r.kind != "suspend" and (r.kind != "step" or kind == "step")]
+        return [r for r in mine if not (box_id and r.template_key)]
 
     async def children(self, snap: SnapshotRecord) -> list[str]:
         return [b.name for b in await self.db.children(snap.id)]
@@ -615,7 +617,7 @@ class LiveState:
                 keep = (
                     s.kind == "suspend"
                     or (s.kind == "template" and not templates and not stale(s))
-                    or (s.kind == "snapshot" and s.box_id in boxes)
+                    or (s.kind in ("snapshot", "step") and s.box_id in boxes)
                     or store.children(s.id)
                 )
                 if not keep:

@@ -171,9 +171,19 @@ class Runtime:
         store.in_room(BoxStore.delete, rec.id, event=event)
         if rec.suspended:
             snapshots.drop(self.home, store, rec.suspended)
-        if rec.origin:  # a fork's own snapshot goes with the last of its children
-            origin = store.find_snapshot(rec.origin)
-            if origin is not None and origin.options.get("auto") and not store.children(origin.id):
+        # its recorded steps' checkpoints go with it, but for those boxes were started from
+        for step in store.snapshots(box_id=rec.id, kind="step"):
+            if not store.children(step.id):
+                snapshots.drop(self.home, store, step.id)
+        if rec.origin:  # a fork's own snapshot goes with the last of its children, as does
+            origin = store.find_snapshot(rec.origin)  # a step's whose box is gone
+            ownerless = (
+                origin is not None
+                and origin.kind == "step"
+                and (origin.box_id is None or store.find(origin.box_id) is None)
+            )
+            goes = origin is not None and (origin.options.get("auto") or ownerless)
+            if origin is not None and goes and not store.children(origin.id):
                 snapshots.drop(self.home, store, origin.id)
         # its whole chain: the layers under its top that only it used go too (one a failed
         # snapshot froze under it, say), while those another box or a snapshot reaches stay

@@ -27,6 +27,7 @@ from .store import AsyncStore, SnapshotRecord
 if TYPE_CHECKING:
     from .livestate import LiveState
     from .pools import Pools
+    from .recorder import Recorder
 
 
 class Core:
@@ -46,6 +47,7 @@ class Core:
         self.controller = BoxController(runtime, Recovery(runtime), self.launcher)
         self._live: LiveState | None = None
         self._pools: Pools | None = None
+        self._recorder: Recorder | None = None
         self.controller.saved = LiveStateOnUse(self)
 
     @property
@@ -55,6 +57,15 @@ class Core:
 
             self._live = LiveState(self.rt, self.controller, self.launcher)
         return self._live
+
+    @property
+    def recorder(self) -> Recorder:
+        """The flight recorder (built on first use, as live state is)."""
+        if self._recorder is None:
+            from .recorder import Recorder
+
+            self._recorder = Recorder(self.controller, self.live)
+        return self._recorder
 
     @property
     def pools(self) -> Pools:

@@ -54,7 +54,7 @@ from .events import draft as draft_event
 from .manifest import digests_of as manifest_digests
 from .state import BORN, BoxState, allowed
 
-SCHEMA_VERSION = 14
+SCHEMA_VERSION = 15
 # Room the store keeps for itself (BoxStore.hold_room): a file of its own, given up when
 # a write finds the filesystem full so that the write is tried again and the rows saying
 # how an operation ended are written; made again once the filesystem has room.
@@ -337,9 +337,28 @@ MIGRATIONS: list[str | Callable[[sqlite3.Connection], None]] = [
     """,
     # 13 -> 14: the home's running totals (the bytes its storage tier was sent and sent back)
     "CREATE TABLE counters (name TEXT PRIMARY KEY, value INTEGER NOT NULL)",
+    # 14 -> 15: the flight recorder (``core.recorder``, ``core.timeline``): a box's recording
+    # policy, and the steps it recorded, each with the checkpoint of the state it left
+    """
+    ALTER TABLE boxes ADD COLUMN recording TEXT;
+    CREATE TABLE steps (
+        box_id TEXT NOT NULL,
+        seq INTEGER NOT NULL,
+        kind TEXT NOT NULL,
+        what TEXT NOT NULL,
+        result TEXT NOT NULL,
+        started_at REAL NOT NULL,
+        ended_at REAL NOT NULL,
+        snapshot_id TEXT,
+        name TEXT,
+        files TEXT,
+        PRIMARY KEY (box_id, seq)
+    );
+    CREATE INDEX steps_snapshot ON steps(snapshot_id) WHERE snapshot_id IS NOT NULL;
+    """,
 ]
 
-SNAPSHOT_KINDS = ("snapshot", "template", "suspend")
+SNAPSHOT_KINDS = ("snapshot", "template", "suspend", "step")
 KEY_REVOKED = "its API key was revoked"  # why the previews a revocation ended did end
 NAME_RE = BOX_NAME  # one rule for box names: the egress policy's box entries name boxes by it
 
@@ -571,6 +590,17 @@ class BoxStore:
                 if not durable:
                     self._db.execute("PRAGMA synchronous=FULL")
 
+    def transaction(self) -> contextlib.AbstractContextManager[sqlite3.Connection]:
+        """One durable transaction, for the modules that own a table of their own
+        (``core.timeline``): as this class's methods write theirs."""
+        return self._tx()
+
+    @contextmanager
+    def reading(self) -> Iterator[sqlite3.Connection]:
+        """This connection, held for reads (``_reading``), for the same modules."""
+        with self._reading():
+            yield self._db
+
     @contextmanager
     def _reading(self) -> Iterator[None]:
         """This connection, to itself: a lock another process held past the busy timeout
@@ -761,6 +791,7 @@ class BoxStore:
             db.execute("DELETE FROM metrics WHERE box_id = ?", (box_id,))
             db.execute("DELETE FROM records WHERE box_id = ?", (box_id,))
             db.execute("DELETE FROM event_budget WHERE box_id = ?", (box_id,))
+            db.execute("DELETE FROM steps WHERE box_id = ?", (box_id,))
             self._box_events.pop(box_id, None)
             db.execute(
                 "UPDATE previews SET ended_at = ?, ended_why = 'its box was removed' "
@@ -1224,6 +1255,7 @@ class BoxStore:
         deletes those no state lists)."""
         with self._tx() as db:
             db.execute("DELETE FROM snapshots WHERE id = ?", (snap_id,))
+            db.execute("UPDATE steps SET snapshot_id = NULL WHERE snapshot_id = ?", (snap_id,))
             row = db.execute("DELETE FROM states WHERE id = ? RETURNING manifest", (snap_id,)).fetchone()
             if row is not None:
                 db.executemany(

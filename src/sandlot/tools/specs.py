@@ -246,6 +246,18 @@ class Fork(Args):
     )
 
 
+class Timeline(Args):
+    box: str | None = box_field()
+    after: int = Field(0, description="Only the steps after this one (0: from the first).", ge=0)
+    limit: int = Field(50, description="At most this many steps (the oldest first).", ge=1, le=500)
+
+
+class Rewind(Args):
+    box: str | None = box_field()
+    step: str = Field(description="The step's number in the timeline, or its name.", min_length=1,
+                      max_length=63, examples=["12"])  # fmt: skip
+
+
 class Suspend(Args):
     box: str | None = box_field()
 
@@ -504,6 +516,25 @@ TOOLS: tuple[ToolSpec, ...] = (
         "things in parallel; each copy then goes its own way. Returns the new boxes' names. Example: "
         '{"box": "analysis", "n": 2}.',
         Fork,
+    ),
+    ToolSpec(
+        "timeline",
+        "The steps taken in a box",
+        "List the steps recorded in a box that records its timeline: each command, code cell, file "
+        "write or tool call, with how it ended, how long it took and whether its state is kept (a "
+        "checkpoint). Use it to find the step before something went wrong, then rewind to it. Example: "
+        '{"box": "analysis", "after": 10}.',
+        Timeline,
+        read_only=True,
+    ),
+    ToolSpec(
+        "rewind",
+        "Rewind a box to a step",
+        "Take a box that records its timeline back to the state just after one of its steps: memory, "
+        "processes and disk. The steps after it stay in the timeline; their changes are gone from the "
+        'box. Example: {"box": "analysis", "step": "12"}.',
+        Rewind,
+        destructive=True,
     ),
     ToolSpec(
         "suspend",

@@ -149,6 +149,7 @@ class Toolkit:
             "run_code": self.run_code, "read_file": self.read_file, "write_file": self.write_file,
             "list_files": self.list_files, "snapshot": self.snapshot, "list_snapshots": self.list_snapshots,
             "rollback": self.rollback, "diff": self.diff, "fork": self.fork, "suspend": self.suspend,
+            "timeline": self.timeline, "rewind": self.rewind,
             "resume": self.resume, "computer": self.computer, "remove_box": self.remove_box,
         }  # fmt: skip
         assert set(self.handlers) == set(specs.BY_NAME), "every tool has its handler"
@@ -179,7 +180,12 @@ class Toolkit:
         try:
             tool = specs.spec(name)
             args = self.check_limits(tool.name, tool.validate(arguments))
-            return await self.handlers[tool.name](args)
+            if tool.name not in STEPS:
+                return await self.handlers[tool.name](args)
+            # on a box that records, the call and what it did is one step of its timeline
+            box = await self.box(getattr(args, "box", None))
+            async with box.as_step("tool", tool=tool.name, arguments=step_arguments(args)):
+                return await self.handlers[tool.name](args)
         except SandlotError as e:
             if raise_errors:
                 raise
@@ -520,6 +526,25 @@ class Toolkit:
                "it was, each going its own way from here."  # fmt: skip
         return ToolResult([TextPart(text)], {"box": box.name, "boxes": [summary(k) for k in kids]})
 
+    async def timeline(self, a: specs.Timeline) -> ToolResult:
+        box = await self.box(a.box)
+        steps = await box.timeline(after=a.after, limit=a.limit)
+        if not steps:
+            said = "records no steps: it is not recording" if a.after == 0 else f"has no step after {a.after}"
+            return ToolResult([TextPart(f"Box {box.name!r} {said}.")], {"box": box.name, "steps": []})
+        listed = [
+            {"step": s.seq, "kind": s.kind, "what": s.describe(), "outcome": s.outcome(),
+             "seconds": round(s.duration, 3), "kept": s.kept, "name": s.name}
+            for s in steps
+        ]  # fmt: skip
+        return ToolResult([TextPart("\n".join(str(s) for s in steps))], {"box": box.name, "steps": listed})
+
+    async def rewind(self, a: specs.Rewind) -> ToolResult:
+        box = await self.box(a.box)
+        await box.rewind(a.step)
+        text = f"Box {box.name!r} is back at the state just after step {a.step}: memory, processes and disk."
+        return ToolResult([TextPart(text)], {"box": box.name, "step": a.step})
+
     async def suspend(self, a: specs.Suspend) -> ToolResult:
         box = await self.box(a.box)
         await box.suspend()
@@ -676,6 +701,22 @@ async def own_snapshot(box: AsyncBox, key: str) -> str:
             f"snapshot {key!r} of box {box.name!r} {why}; its snapshots: {have}", box=box.name
         )
     return found[0].id
+
+
+# the tools whose call is one step of a recording box's timeline: those that change the box
+STEPS = frozenset({"exec", "run_code", "write_file", "computer"})
+STEP_TEXT = 500  # characters of each text argument a step shows (a file's content is cut)
+
+
+def step_arguments(args: Args) -> dict[str, Any]:
+    """A tool call's arguments as its step shows them: long texts cut."""
+    out = {}
+    for k, v in args.model_dump(exclude_none=True).items():
+        if k == "box":
+            continue
+        long = isinstance(v, str) and len(v) > STEP_TEXT
+        out[k] = v[:STEP_TEXT] + f"... ({len(v)} chars)" if long else v
+    return out
 
 
 def scroll_notches(pixels: int) -> int:
