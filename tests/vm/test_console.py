@@ -303,6 +303,40 @@ def test_snapshot_then_roll_back_from_the_tree(
     assert api.get(f"/v1/boxes/{box['id']}").json()["state"] == "running"
 
 
+def test_the_timeline_records_shows_a_step_s_diff_and_rewinds(
+    page: Any, key: str, box: dict[str, Any], api: httpx.Client
+) -> None:
+    def sh(cmd: str) -> dict[str, Any]:
+        r = api.post(f"/v1/boxes/{box['id']}/exec", json={"argv": ["sh", "-c", cmd]})
+        assert r.status_code == 200, r.text
+        return dict(r.json())
+
+    sign_in(page, key)
+    page.goto(f"/console/#/box/{box['name']}/timeline")
+    page.click("#recording-toggle")
+    page.get_by_text(f"{box['name']} records every step").wait_for(timeout=DEADLINE_MS)
+    try:
+        sh("echo one > /root/step.txt")
+        sh("echo two > /root/step.txt")
+        steps = api.get(f"/v1/boxes/{box['id']}/timeline").json()["steps"]
+        first = next(
+            s["seq"] for s in steps if s["what"].get("argv", [""])[-1] == "echo one > /root/step.txt"
+        )
+        page.click("nav.tabs a[data-tab=files]")  # the tab draws the timeline as it is when it opens
+        page.click("nav.tabs a[data-tab=timeline]")
+        line = page.locator(f'#timeline tr[data-seq="{first}"]')
+        line.wait_for()
+        assert "echo one > /root/step.txt" in line.inner_text()
+        line.locator("button[data-action=diff]").click()
+        page.locator("#step-detail li", has_text="/root/step.txt").wait_for(timeout=DEADLINE_MS)
+        line.locator("button[data-action=rewind]").click()
+        confirm(page)
+        page.get_by_text(f"Rewound {box['name']} to step {first}").wait_for(timeout=DEADLINE_MS)
+        assert sh("cat /root/step.txt")["stdout"] == "one\n"
+    finally:
+        api.put(f"/v1/boxes/{box['id']}/recording", json={"on": False})
+
+
 def by_another_process(served: Served, action: str, box: dict[str, Any]) -> None:
     """``sandlot ACTION BOX`` run by the CLI in a process of its own, on the server's home."""
     env = {**os.environ, "SANDLOT_HOME": str(served.home)}

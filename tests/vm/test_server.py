@@ -1155,3 +1155,46 @@ def test_a_diff_and_a_restore_name_only_what_the_key_may_see(
         assert [e["status"] for e in of_a if e["action"].endswith("/diff")] == [200]
         assert [e["status"] for e in of_b if e["action"].endswith("/diff")] == [404, 404]
         a.delete(f"/v1/snapshots/{snap['id']}")
+
+
+def test_the_flight_recorder_over_rest_and_the_client(
+    served: Served, box_a: dict[str, Any], team_keys: dict[str, str]
+) -> None:
+    """A box's timeline over the wire: steps made through the server are recorded with
+    their checkpoints; the remote client reads, rewinds and forks at a step; another
+    namespace sees none of it."""
+    bid = box_a["id"]
+    with served.client(team_keys["a"]) as c:
+        r = c.put(f"/v1/boxes/{bid}/recording", json={"keep_last": 20})
+        assert r.status_code == 200 and r.json()["recording"]["keep_last"] == 20, r.text
+        try:
+            ran = c.post(f"/v1/boxes/{bid}/exec", json={"argv": ["sh", "-c", "echo one > /root/rec"]})
+            assert ran.status_code == 200, ran.text
+            c.put(f"/v1/boxes/{bid}/files/content", params={"path": "/root/rec"}, content=b"two")
+            steps = c.get(f"/v1/boxes/{bid}/timeline").json()["steps"]
+            assert [s["kind"] for s in steps][-2:] == ["exec", "files"], steps
+            first = steps[-2]["seq"]
+            assert (
+                steps[-2]["what"]["argv"] == ["sh", "-c", "echo one > /root/rec"] and steps[-2]["checkpoint"]
+            )
+            named = c.put(f"/v1/boxes/{bid}/timeline/{first}/name", json={"name": "wrote-one"})
+            assert named.status_code == 200 and named.json()["name"] == "wrote-one", named.text
+            error(c.get(f"/v1/boxes/{bid}/timeline/999"), 404, "step_not_found")
+            with served.client(team_keys["b"]) as other:
+                error(other.get(f"/v1/boxes/{bid}/timeline"), 404, "box_not_found")
+            client = sandlot.connect(served.url, team_keys["a"])
+            try:
+                box = client.get(bid)
+                assert [s.kind for s in box.timeline(after=first - 1)][:2] == ["exec", "files"]
+                box.rewind("wrote-one")
+                assert box.exec("cat", "/root/rec").stdout == "one\n"
+                (kid,) = box.fork_at(first + 1)
+                try:
+                    assert kid.exec("cat", "/root/rec").stdout == "two"
+                    assert kid.info["labels"]["sandlot.namespace"] == box_a["labels"]["sandlot.namespace"]
+                finally:
+                    kid.remove(force=True)
+            finally:
+                client.close()
+        finally:
+            assert c.put(f"/v1/boxes/{bid}/recording", json={"on": False}).json() == {"recording": None}

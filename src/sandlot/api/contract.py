@@ -31,6 +31,7 @@ import typing
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from functools import cached_property
 from typing import Annotated, Any, Literal
 from urllib.parse import quote
 
@@ -820,6 +821,17 @@ class Operation:
     def in_path(self) -> tuple[str, ...]:
         """The arguments the route's path carries (``{context}``), beside the box or snapshot."""
         return tuple(n for n in re.findall(r"{(\w+)}", self.path) if n not in ("box", "snap"))
+
+    @cached_property
+    def carried(self) -> type[Strict]:
+        """The model of the arguments the query or the body carries: the operation's own,
+        but for those its path does (a step's number, a code context's id)."""
+        if not self.in_path:
+            return self.params
+        fields: dict[str, Any] = {
+            n: (f.annotation, f) for n, f in self.params.model_fields.items() if n not in self.in_path
+        }
+        return create_model(f"{self.params.__name__}Carried", __base__=Strict, **fields)
 
     def url(self, target: str, params: Mapping[str, Any]) -> str:
         """The route's path for ``target`` (a box's or a snapshot's id) and ``params``."""

@@ -348,9 +348,14 @@ def _operation_route(op: Operation) -> Callable[..., Awaitable[Any]]:
     arguments as its model (from the query or the body), its answer by its codec."""
 
     async def route(request: Request, **kwargs: Any) -> Any:
-        params = (
-            kwargs["params"] if "params" in kwargs else host.arguments(op, {n: kwargs[n] for n in op.in_path})
-        )
+        in_path = {n: kwargs[n] for n in op.in_path}
+        carried = kwargs.get("params")
+        if carried is None:
+            params = host.arguments(op, in_path)
+        elif in_path:  # the path's arguments beside the query's or the body's, as the one model
+            params = host.arguments(op, {**carried.model_dump(exclude_none=True), **in_path})
+        else:
+            params = carried
         value = await _run(request, op, kwargs["snap" if op.scope == "snapshot" else "box"], params)
         if op.result.kind == "none":
             return Response(status_code=204)
@@ -367,7 +372,7 @@ def _operation_route(op: Operation) -> Callable[..., Awaitable[Any]]:
     if set(op.params.model_fields) - set(op.in_path):  # arguments beyond the path's: the query or the body
         params.append(
             inspect.Parameter(
-                "params", inspect.Parameter.KEYWORD_ONLY, annotation=Annotated[op.params, source]
+                "params", inspect.Parameter.KEYWORD_ONLY, annotation=Annotated[op.carried, source]
             )
         )
     route.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]

@@ -1,15 +1,16 @@
 // One box's page: its state kept live by its events, its actions, and a tab each for
-// the terminal, logs, files, network, stats, code contexts and lineage.
+// the terminal, logs, files, network, stats, code contexts, lineage and recorded steps.
 import { enc, followEvents, get, lines, post, put, request } from "./api.js";
 import { actionButtons } from "./actions.js";
 import { age, bytes, clear, h, toast } from "./dom.js";
 import { filesPanel } from "./files.js";
 import { terminalPanel } from "./terminal.js";
+import { timelinePanel } from "./timeline.js";
 import { treePanel } from "./tree.js";
 
-const TABS = ["terminal", "logs", "files", "network", "stats", "code", "tree"];
+const TABS = ["terminal", "logs", "files", "network", "stats", "code", "tree", "timeline"];
 const TITLES = { terminal: "Terminal", logs: "Logs", files: "Files", network: "Network & ports",
-  stats: "Stats", code: "Code contexts", tree: "Snapshot tree" };
+  stats: "Stats", code: "Code contexts", tree: "Snapshot tree", timeline: "Timeline" };
 
 export async function boxPage(main, key, tab) {
   let box = await get(`/boxes/${enc(key)}`);
@@ -53,7 +54,7 @@ export async function boxPage(main, key, tab) {
     else leavePanel = stop;
   };
   const panels = {
-    terminal: terminalPanel, files: filesPanel, tree: treePanel,
+    terminal: terminalPanel, files: filesPanel, tree: treePanel, timeline: timelinePanel,
     logs: logsPanel, network: networkPanel, stats: statsPanel, code: codePanel,
   };
   if (tab === "terminal" && box.state !== "running") {
