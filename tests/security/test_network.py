@@ -384,12 +384,27 @@ else:
 """
 
 
+def decided_in_last_exec(box: sandlot.Box) -> dict[str, int]:
+    """The egress decisions the box's recorder shows for its last exec (the log's lines
+    are written as each connection ends: waited for a moment)."""
+    deadline = time.monotonic() + 10
+    while True:
+        last = [s for s in box.timeline() if s.kind == "exec"][-1]
+        if last.egress or time.monotonic() > deadline:
+            return last.egress or {}
+        time.sleep(0.2)
+
+
 def test_policy_changes_apply_to_a_running_box(debian_root: Path, service: HostService) -> None:
-    with sandlot.Box(rootfs=debian_root, engine=TEST_ENGINE, memory_mib=256, network="allowlist") as box:
+    with sandlot.Box(
+        rootfs=debian_root, engine=TEST_ENGINE, memory_mib=256, network="allowlist", record=True
+    ) as box:
         target = ("proxy", f"127.0.0.1:{service.port}")
         assert probe(box, target)[target] == "refused:403"  # an empty allowlist lets nothing out
+        assert decided_in_last_exec(box).get("denied") == 1  # the flight recorder's step shows it
         box.set_network(allow=[f"127.0.0.1:{service.port}"])
         assert probe(box, target)[target] == "host-only-data"
+        assert decided_in_last_exec(box).get("allowed") == 1
         assert sandlot.get(box.name).inspect()["network"]["allow"] == [f"127.0.0.1:{service.port}"]
         box.set_network("public", allow=[])
         assert probe(box, target)[target] == "refused:403"

@@ -427,7 +427,7 @@ def test_a_fleet_node_serves_every_operation(tmp_path: Path, monkeypatch: pytest
         snap = (await node.call("box", "snapshot", key, {"name": "s1"}))["ok"]
         assert snap["node"] == "n1"
         args = {"path": "/tmp/x", "src": "/tmp/x", "dst": "/tmp/y", "snapshot": "s1", "mode": 0o644,
-                "user": "root", "context": "ctx-1", "port": 8080, "step": "1"}  # fmt: skip
+                "user": "root", "context": "ctx-1", "port": 8080, "step": "1", "child": "c1"}  # fmt: skip
         for op in contract.OPERATIONS:
             if op.key in ("box.remove", "snapshot.remove"):
                 continue  # last

@@ -6,6 +6,7 @@ VM tier runs the same on real boxes (``tests/vm/test_recorder.py``)."""
 from __future__ import annotations
 
 import asyncio
+import json
 import sqlite3
 from pathlib import Path
 
@@ -204,3 +205,49 @@ def test_bisect_finds_the_first_step_after_which_the_test_fails(root: Path, para
         assert early.first_bad is not None and early.first_bad.seq == 1 and early.last_good is None
         with pytest.raises(sandlot.InvalidArgument):
             box.bisect([], parallel=parallel)
+
+
+def test_a_step_shows_the_egress_decisions_made_during_it(root: Path) -> None:
+    with sandlot.Box(rootfs=root, record=True) as box:
+        box.exec("sleep", "0.3")
+        step = box.timeline()[1]
+        during = (step.started_at + step.ended_at) / 2
+        lines = [
+            {"time": step.started_at - 60, "method": "CONNECT", "decision": "allowed", "host": "before.test"},
+            {"time": during, "method": "DNS", "decision": "refused", "host": "evil.example"},
+            {"time": during, "method": "CONNECT", "decision": "allowed", "host": "pypi.org"},
+            {"time": during, "folded": 40, "decision": "refused", "summary": "refused 40 lookups"},
+        ]
+        log = Path(box.inspect()["paths"]["dir"]) / "egress.log"
+        log.write_text("".join(json.dumps(e) + "\n" for e in lines) + "not a line of the log\n")
+        assert box.timeline()[1].egress == {"refused": 41, "allowed": 1}
+        one = box.step(2)
+        assert [e.get("host") for e in one.egress_log or []] == ["evil.example", "pypi.org", None]
+        assert "egress allowed 1, refused 41" in str(one)
+        assert box.timeline()[0].egress is None
+
+
+def test_a_fork_takes_its_parent_s_place_and_the_old_parent_is_kept(root: Path) -> None:
+    with sandlot.Box(rootfs=root, record=True, name="parent") as box:
+        box.exec("remember", "k", "before")
+        a, b = box.fork_at(2, 2)
+        a.exec("remember", "k", "fix-a")
+        b.exec("remember", "k", "fix-b")
+        box.exec("remember", "k", "parent-went-on")
+        with pytest.raises(sandlot.InvalidArgument, match="was not started from a state of box parent"):
+            a.promote(b)
+        old = box.promote(b)
+        assert (box.name, box.state) == ("parent", "running")
+        assert recall(box, "k") == "fix-b"  # the child's memory, under the parent's id and name
+        assert b.state == "removed"
+        assert {x.name for x in sandlot.Box.list()} == {box.name, a.name}
+        (back,) = old.start()  # what the parent was is kept
+        try:
+            assert recall(back, "k") == "parent-went-on"
+        finally:
+            back.remove(force=True)
+        last = box.timeline()[-2]  # the promotion, then the recall after it
+        assert last.kind == "promote" and last.what["child"] == b.name and last.kept
+        box.rewind(last.seq)
+        assert recall(box, "k") == "fix-b"
+        a.remove(force=True)

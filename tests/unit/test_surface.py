@@ -166,7 +166,8 @@ def args_for(op: contract.Operation) -> dict[str, Any]:
     """Arguments an operation's model accepts: its defaults, and a plausible value for each
     required field."""
     plausible = {"path": "/tmp/x", "src": "/tmp/x", "dst": "/tmp/y", "snapshot": "s1", "mode": 0o644,
-                 "user": "root", "context": "ctx-1", "port": 8080, "code": "1", "step": "1"}  # fmt: skip
+                 "user": "root", "context": "ctx-1", "port": 8080, "code": "1", "step": "1",
+                 "child": "c1"}  # fmt: skip
     out = {}
     for name, field in op.params.model_fields.items():
         if field.is_required():

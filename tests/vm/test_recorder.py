@@ -96,3 +96,26 @@ def test_the_cli_shows_the_timeline_rewinds_and_bisects(recorded: sandlot.Box) -
     assert box.sh("cat /work/n").stdout == "2\n"
     shown = cli("timeline", box.name, "--after", str(breaking))
     assert shown.returncode == 0 and "rewind" in shown.stdout and f"to step {breaking - 1}" in shown.stdout
+
+
+def test_a_fork_at_a_step_takes_the_box_s_place_with_its_processes(recorded: sandlot.Box) -> None:
+    box = recorded
+    box.sh("echo base > /work/p.txt")
+    base = box.timeline()[-1].seq
+    a, b = box.fork_at(base, 2)
+    try:
+        # b's fix, and a process of b's that lives in memory only
+        b.sh("echo fix-b > /work/p.txt; "
+             "sh -c 'echo $$ > /work/b.pid; exec sleep 3600' </dev/null >/dev/null 2>&1 &"
+             " while [ ! -s /work/b.pid ]; do sleep 0.05; done", timeout=60)  # fmt: skip
+        a.sh("echo fix-a > /work/p.txt")
+        promoted = cli("promote", box.name, b.name)  # from another process, as a shell would
+        assert promoted.returncode == 0, promoted.stderr
+        assert box.sh("cat /work/p.txt; kill -0 $(cat /work/b.pid) && echo alive").stdout == "fix-b\nalive\n"
+        assert b.state == "removed" and a.state == "running"
+        old = sandlot.get_snapshot(promoted.stdout.strip())
+        assert old.box_id == box.id  # what the box was before, kept as its snapshot
+        with pytest.raises(sandlot.InvalidArgument, match="was not started from a state"):
+            a.promote(box)
+    finally:
+        a.remove(force=True)

@@ -749,6 +749,22 @@ class AsyncBox:
         """``n`` running boxes in the state just after a recorded step; this box goes on."""
         return [AsyncBox.bound(r) for r in await self._op("fork_at", step=str(step), n=n, name=name)]
 
+    async def promote(self, child: AsyncBox | str | Any) -> AsyncSnapshot:
+        """A box started from a state of this one (a fork, a fork at a step) takes its
+        place: the child's memory, processes and disk move in under this box's id, name,
+        published ports, preview URLs, volumes and lease, and the child is removed. What
+        this box was is kept: the snapshot returned. For the fix that worked in one of two
+        forks, made the box everybody already reaches.
+
+        >>> a, b = box.fork_at(12, 2)                              # doctest: +SKIP
+        >>> a.sh("apply fix A"); b.sh("apply fix B")               # doctest: +SKIP
+        >>> old = box.promote(b)                                   # doctest: +SKIP
+        """
+        key = child if isinstance(child, str) else getattr(child, "id", None)  # a box of either API
+        if not isinstance(key, str) or not key:
+            raise InvalidArgument(f"promote takes a box or its id or name, not {child!r}")
+        return AsyncSnapshot(await self._op("promote", child=key))
+
     async def bisect(
         self,
         test: str | Sequence[str],

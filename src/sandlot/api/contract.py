@@ -509,6 +509,10 @@ class ForkAtIn(ForkIn):
     step: StepKey
 
 
+class PromoteIn(Strict):
+    child: str = Field(min_length=1, max_length=128)  # a box started from a state of this one
+
+
 class PreviewIn(Strict):
     port: int = Field(ge=1, le=65535)
     ttl: float = Field(default=3600, gt=0)
@@ -887,6 +891,7 @@ OPERATIONS: tuple[Operation, ...] = (
         ("name_step", "PUT /timeline/{step}/name", NameStepIn, JSON, "Name a step: kept for good."),
         ("rewind", "POST /rewind", RewindIn, BOX, "Back, in place, to just after a step."),
         ("fork_at", "POST /fork_at 201", ForkAtIn, BOXES, "Running boxes from just after a step."),
+        ("promote", "POST /promote", PromoteIn, SNAPSHOT, "A fork takes the box's place; the old kept."),
         ("processes", "GET /processes", Empty, PROCESSES, "The processes the host holds for the box."),
         ("preview_url", "POST /previews 201", PreviewIn, URL, "A signed URL to a port."),
         ("create_code_context", "POST /code/contexts 201", CodeContextIn, CONTEXT, "Start an interpreter."),

@@ -499,25 +499,36 @@ class LocalBackend(Backend):
 
     async def box_timeline(self, ref: BoxRef, after: int = 0, limit: int | None = None) -> dict[str, Any]:
         from ..core import timeline
+        from ..core.recorder import egress_counts, egress_during
 
         core, entry = await local(ref).live()
         await core.recorder.settled(entry.id)
         steps = await core.db.call(timeline.steps, entry.id, after=after, limit=limit)
-        return {"recording": entry.record.recording, "steps": [s.to_json() for s in steps]}
+        windows = [(s.seq, s.started_at, s.ended_at) for s in steps]
+        egress = await asyncio.to_thread(egress_during, entry.dir, windows) if steps else {}
+        listed = [
+            s.to_json() | ({"egress": egress_counts(egress[s.seq])} if s.seq in egress else {}) for s in steps
+        ]
+        return {"recording": entry.record.recording, "steps": listed}
 
     async def box_step(
         self, ref: BoxRef, step: str, diff: bool = False, text_limit: int | None = None
     ) -> dict[str, Any]:
+        from ..core.recorder import EGRESS_LISTED, egress_counts, egress_during
+
         core, entry = await local(ref).live()
         found = await core.recorder.find(entry, step)
+        window = [(found.seq, found.started_at, found.ended_at)]
+        decided = (await asyncio.to_thread(egress_during, entry.dir, window)).get(found.seq)
+        egress = {"egress": egress_counts(decided), "egress_log": decided[:EGRESS_LISTED]} if decided else {}
         if not diff:
-            return found.to_json()
+            return found.to_json() | egress
         limit = diffs.TEXT_LIMIT if text_limit is None else text_limit
         since, a, b = await core.recorder.compared(entry, found)
         changes = await diffs.diff(core, entry, a, b, text_limit=limit)
         changes["since_step"] = since.seq
         await core.recorder.keep_files(entry, found, since, changes)
-        return {**(await core.recorder.find(entry, found.seq)).to_json(), "diff": changes}
+        return {**(await core.recorder.find(entry, found.seq)).to_json(), **egress, "diff": changes}
 
     async def box_name_step(self, ref: BoxRef, step: str, name: str | None = None) -> dict[str, Any]:
         from ..core import timeline
@@ -537,6 +548,11 @@ class LocalBackend(Backend):
     async def box_fork_at(self, ref: BoxRef, step: str, n: int = 1, name: str | None = None) -> list[BoxRef]:
         core, entry = await local(ref).live()
         return [self.ref_of(core, k) for k in await core.recorder.fork_at(entry, step, n, name=name)]
+
+    async def box_promote(self, ref: BoxRef, child: str) -> LocalSnapshotRef:
+        core, entry = await local(ref).live()
+        kid = await core.controller.find(child)
+        return LocalSnapshotRef(self, await core.recorder.promote(entry, kid))
 
     async def box_processes(self, ref: BoxRef) -> list[dict[str, Any]]:
         raise self.unsupported(

@@ -636,6 +636,19 @@ class Box(BoxBase):
         """``n`` running boxes in the state just after a recorded step; this box goes on."""
         return [Box.wrap(x) for x in loop.run(self._a.fork_at(step, n, name=name))]
 
+    def promote(self, child: Box | str | Any) -> Snapshot:
+        """A box started from a state of this one (a fork, a fork at a step) takes its
+        place: the child's memory, processes and disk move in under this box's id, name,
+        published ports, preview URLs, volumes and lease, and the child is removed. What
+        this box was is kept: the snapshot returned. For the fix that worked in one of two
+        forks, made the box everybody already reaches.
+
+        >>> a, b = box.fork_at(12, 2)                              # doctest: +SKIP
+        >>> a.sh("apply fix A"); b.sh("apply fix B")               # doctest: +SKIP
+        >>> old = box.promote(b)                                   # doctest: +SKIP
+        """
+        return Snapshot.wrap(loop.run(self._a.promote(child)))
+
     def bisect(
         self,
         test: str | Sequence[str],

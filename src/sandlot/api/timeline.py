@@ -29,7 +29,9 @@ class Step:
     environment by its names only), how it ended (``result``: ``exit_code``, ``error``,
     ``no_checkpoint`` where its state was not kept), when, its checkpoint's id while
     kept (``rewind``, ``fork_at``), its name, and ``files``: the summary of what it
-    changed once computed (``box.step(n, diff=True)`` computes it and gives ``diff``)."""
+    changed once computed (``box.step(n, diff=True)`` computes it and gives ``diff``).
+    ``egress``: the box's egress decisions during the step, counted by decision
+    (``{"allowed": 3, "refused": 1}``); ``box.step(n)`` lists them in ``egress_log``."""
 
     seq: int
     kind: str
@@ -42,6 +44,8 @@ class Step:
     name: str | None = None
     files: dict[str, Any] | None = None
     diff: Diff | None = None
+    egress: dict[str, int] | None = None
+    egress_log: list[dict[str, Any]] | None = None
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> Step:
@@ -51,6 +55,7 @@ class Step:
             result=dict(d.get("result") or {}), started_at=float(d["started_at"]),
             ended_at=float(d["ended_at"]), duration=float(d.get("duration") or 0.0),
             checkpoint=d.get("checkpoint"), name=d.get("name"), files=d.get("files"), diff=diff,
+            egress=d.get("egress"), egress_log=d.get("egress_log"),
         )  # fmt: skip
 
     @property
@@ -87,6 +92,8 @@ class Step:
     def __str__(self) -> str:
         kept = "checkpoint" if self.kept else f"no checkpoint ({self.result.get('no_checkpoint', 'let go')})"
         name = f" [{self.name}]" if self.name else ""
+        if self.egress:
+            name += "  egress " + ", ".join(f"{k} {v}" for k, v in sorted(self.egress.items()))
         line = f"{self.seq:4d}  {self.kind:<8} {self.describe()[:80]}  {self.outcome()}"
         return f"{line}  {self.duration:.3f}s  {kept}{name}"
 

@@ -23,7 +23,7 @@ GROUPS: dict[str, dict[str, str]] = {
     "Live state": {
         "snapshot": "livestate", "snapshots": "livestate", "rollback": "livestate", "diff": "livestate",
         "fork": "livestate", "record": "timeline", "timeline": "timeline", "rewind": "timeline",
-        "fork-at": "timeline", "bisect": "timeline",
+        "fork-at": "timeline", "promote": "timeline", "bisect": "timeline",
         "suspend": "livestate", "resume": "livestate", "template": "livestate", "pool": "pools",
         "volume": "volumes", "storage": "storage",
     },

@@ -1,10 +1,11 @@
-"""The flight recorder's commands: record, timeline, rewind, fork-at, bisect.
+"""The flight recorder's commands: record, timeline, rewind, fork-at, promote, bisect.
 
 sandlot record BOX [--every S] [--keep-last N] [--keep-for S] | --off
 sandlot timeline BOX [--after N] [--limit N] [--json]
 sandlot timeline BOX STEP [--diff] [--json]   one step (and what it changed)
 sandlot rewind BOX STEP
 sandlot fork-at BOX STEP [-n N] [--name P]
+sandlot promote BOX CHILD                 a fork takes the box's place
 sandlot bisect BOX --test CMD [--parallel N] [--good STEP]
 """
 
@@ -116,6 +117,22 @@ def fork_at(
     async def main() -> None:
         for k in await (await AsyncBox.get(box)).fork_at(step, n, name=name):
             print(k.name)
+
+    run_coro(main())
+
+
+@app.command()
+def promote(
+    box: Annotated[str, typer.Argument(help="The box.")],
+    child: Annotated[str, typer.Argument(help="A box started from a state of it (a fork).")],
+) -> None:
+    """A fork takes a box's place: its memory, processes and disk under the box's id,
+    name, ports, previews, volumes and lease; the fork goes. Prints the snapshot that
+    keeps what the box was."""
+
+    async def main() -> None:
+        kept = await (await AsyncBox.get(box)).promote(child)
+        print(kept.id)
 
     run_coro(main())
 

@@ -22,12 +22,15 @@ that boxes were started from. Retention drops checkpoints, never the timeline's 
 from __future__ import annotations
 
 import asyncio
+import bisect
 import contextlib
 import contextvars
+import json
 import logging
 import time
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..errors import InvalidArgument, SandlotError, SnapshotInUse, StepNotFound
@@ -45,6 +48,40 @@ if TYPE_CHECKING:
 log = logging.getLogger("sandlot.recorder")
 
 FILES_LISTED = 100  # changed paths a step's kept summary names (its full diff has them all)
+EGRESS_LISTED = 200  # egress decisions one step lists (its counts count them all)
+EGRESS_SLACK = 0.05  # seconds after a step's end that its connections' decisions may be logged
+
+
+def egress_during(box_dir: Path, windows: list[tuple[int, float, float]]) -> dict[int, list[dict[str, Any]]]:
+    """The egress decisions (``net``'s log of the box: each DNS answer, connection and
+    refusal, with its time) made during each step's window ``(seq, started, ended)``."""
+    windows = sorted(windows, key=lambda w: w[1])
+    starts = [w[1] for w in windows]
+    found: dict[int, list[dict[str, Any]]] = {}
+    for name in ("egress.log.1", "egress.log"):  # the rotated half first: oldest lines first
+        try:
+            text = (box_dir / name).read_text(errors="replace")
+        except OSError:
+            continue
+        for line in text.splitlines():
+            try:
+                entry = json.loads(line)
+                at = float(entry["time"])
+            except (ValueError, KeyError, TypeError):
+                continue
+            i = bisect.bisect_right(starts, at) - 1
+            if i >= 0 and at <= windows[i][2] + EGRESS_SLACK:
+                found.setdefault(windows[i][0], []).append(entry)
+    return found
+
+
+def egress_counts(entries: list[dict[str, Any]]) -> dict[str, int]:
+    """A step's decisions counted by what was decided (a folded line counts what it folded)."""
+    counts: dict[str, int] = {}
+    for e in entries:
+        decision = str(e.get("decision") or "logged")
+        counts[decision] = counts.get(decision, 0) + int(e.get("folded") or 1)
+    return counts
 
 
 @dataclass(frozen=True, slots=True)
@@ -338,6 +375,42 @@ class Recorder:
         _found, snap = await self.checkpoint_of(entry, step)
         labels = dict(entry.spec.labels)
         return await self.live.start_boxes(snap, n, name=name, as_prefix=True, labels=labels)
+
+    async def promote(self, entry: BoxEntry, child: BoxEntry) -> SnapshotRecord:
+        """``child``, a box started from a state of this box (a fork, a fork at a step),
+        becomes this box: its memory, processes and disk move in under this box's id, name,
+        published ports, preview URLs, volumes and lease (a rollback of this box to a
+        snapshot of the child taken now), and the child goes. What this box was is kept as
+        a snapshot of it, returned. While the box records, the promotion is a step whose
+        checkpoint is the state it took on."""
+        if child.id == entry.id:
+            raise InvalidArgument(f"box {entry.name} cannot take its own place")
+        origin = await self.controller.db.find_snapshot(child.record.origin) if child.record.origin else None
+        if origin is None or origin.box_id != entry.id:
+            raise InvalidArgument(
+                f"box {child.name} was not started from a state of box {entry.name}: only its forks "
+                "(fork, fork_at, a snapshot's start) take its place"
+            )
+        await self.settled(entry.id)
+        started = time.time()
+        kept = await self.live.snapshot(entry)
+        async with child.lock():
+            await self.controller.refresh(child)
+            moved = await self.live.capture(child, "step")
+        # the child's state becomes this box's own (a checkpoint of its timeline, which goes
+        # with it), before this box rolls back to it and the child goes
+        db = self.controller.db
+        await db.update_snapshot(moved.id, box_id=entry.id, box_name=entry.name)
+        moved = await db.find_snapshot(moved.id) or moved
+        await self.live.rollback(entry, moved)
+        await self.controller.remove(child, force=True)
+        if policy_of(entry.record.recording) is not None:
+            row = StepRecord(
+                box_id=entry.id, seq=0, kind="promote", what={"child": child.name, "kept": kept.id},
+                result={}, started_at=started, ended_at=time.time(), snapshot_id=moved.id,
+            )  # fmt: skip
+            await self.controller.db.call(timeline.add_step, row)
+        return kept
 
     async def compared(self, entry: BoxEntry, step: StepRecord) -> tuple[StepRecord, str, str]:
         """What a step changed is its checkpoint against the kept one before it: that step,
