@@ -64,8 +64,8 @@ def loop(box: sandlot.Box, steps: int, think: float) -> tuple[float, list[float]
     return time.perf_counter() - began, latencies
 
 
-def prepared(home: Any, record: bool) -> sandlot.Box:
-    box = sandlot.Box(rootfs=debian_root(), memory_mib=512, home=home, keep=True).start()
+def prepared(home: Any, record: bool, template: bool | None = None) -> sandlot.Box:
+    box = sandlot.Box(rootfs=debian_root(), memory_mib=512, home=home, keep=True, template=template).start()
     box.sh("mkdir -p /work")
     box.files.write("/work/app.py", APP.format(n=0))
     box.files.write("/work/test_app.py", TEST)
@@ -93,6 +93,21 @@ def compare_loops(home: Any, steps: int, think: float) -> dict[str, Any]:
             }
         steps_kept = recorded.timeline()
         assert all(s.kept for s in steps_kept), [str(s) for s in steps_kept if not s.kept]
+        # a box booted cold (no template: its RAM is anonymous), whose checkpoints stop the
+        # guest only while its devices are saved, and whose next step begins then
+        cold = prepared(home, True, template=False)
+        try:
+            wall_cold, lat_cold = loop(cold, steps, 0.0)
+            cold.timeline()
+            base = out["back_to_back"]["wall_s"]["plain"]
+            out["back_to_back_cold_booted"] = {
+                "steps": steps, "wall_s": {"plain": base, "recorded": round(wall_cold, 2)},
+                "recorded_over_plain": round(wall_cold / base, 3),
+                "overhead_pct": round(100 * (wall_cold - base) / base, 1),
+                "step_ms": {"recorded": summary(lat_cold, 1000, 1)},
+            }  # fmt: skip
+        finally:
+            cold.remove(force=True)
         return {"loops": out, "box": recorded, "timeline": steps_kept}
     finally:
         plain.remove(force=True)

@@ -168,6 +168,7 @@ class FakeVM(VM):
         keep_running: bool,
         new_drives: Mapping[str, Path] | None = None,
         sink: StateSink | None = None,
+        fixed: asyncio.Event | None = None,
     ) -> float:
         self._maybe_fail("save")
         await asyncio.sleep(self.engine.save_seconds)

@@ -437,3 +437,20 @@ def test_the_harness_of_e2bs_own_tests_counts_what_they_did(tmp_path: Any) -> No
         [sys.executable, str(script), str(tmp_path)], capture_output=True, text=True, timeout=60
     )
     assert r.returncode != 0 and "is not E2B's packages/python-sdk folder" in r.stderr
+
+
+def test_a_recording_sandbox_s_commands_and_file_writes_are_steps(face: dict[str, Any], sbx: Sandbox) -> None:
+    """The flight recorder sees what E2B's SDK does, as it sees any other transport's calls."""
+    box = sandlot.Box.get(sbx.sandbox_id, home=face["home"])
+    box.record()
+    assert sbx.commands.run("echo hello").stdout == "hello\n"
+    sbx.files.write("/data/rec.txt", "recorded")
+    # each step is in the timeline once the server's task has taken its checkpoint
+    deadline = time.monotonic() + 10
+    while len(box.timeline()) < 3 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    kinds = [(s.kind, s.what.get("argv") or s.what.get("path")) for s in box.timeline()]
+    assert kinds[0][0] == "record" and ("files", "/data/rec.txt") in kinds[1:], kinds
+    ran = [s for s in box.timeline() if s.kind in ("exec", "process")]
+    assert ran and "echo hello" in " ".join(ran[0].what["argv"]) and ran[0].result["exit_code"] == 0
+    assert all(s.kept for s in box.timeline())

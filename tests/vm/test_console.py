@@ -14,7 +14,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -276,14 +276,21 @@ def test_hostile_names_labels_and_contents_render_as_text(
     assert page.locator("#main img, #main script").count() == 0
 
 
-def test_snapshot_then_roll_back_from_the_tree(
-    page: Any, key: str, box: dict[str, Any], api: httpx.Client
-) -> None:
+def shell_of(api: httpx.Client, box: dict[str, Any]) -> Callable[[str], dict[str, Any]]:
+    """A shell line run in the box through the API: its answer."""
+
     def sh(cmd: str) -> dict[str, Any]:
         r = api.post(f"/v1/boxes/{box['id']}/exec", json={"argv": ["sh", "-c", cmd]})
         assert r.status_code == 200, r.text
         return dict(r.json())
 
+    return sh
+
+
+def test_snapshot_then_roll_back_from_the_tree(
+    page: Any, key: str, box: dict[str, Any], api: httpx.Client
+) -> None:
+    sh = shell_of(api, box)
     snap = unique("before")
     sh("echo kept > /root/kept.txt")
     sign_in(page, key)
@@ -306,11 +313,7 @@ def test_snapshot_then_roll_back_from_the_tree(
 def test_the_timeline_records_shows_a_step_s_diff_and_rewinds(
     page: Any, key: str, box: dict[str, Any], api: httpx.Client
 ) -> None:
-    def sh(cmd: str) -> dict[str, Any]:
-        r = api.post(f"/v1/boxes/{box['id']}/exec", json={"argv": ["sh", "-c", cmd]})
-        assert r.status_code == 200, r.text
-        return dict(r.json())
-
+    sh = shell_of(api, box)
     sign_in(page, key)
     page.goto(f"/console/#/box/{box['name']}/timeline")
     page.click("#recording-toggle")

@@ -85,8 +85,11 @@ class LiveState:
         name: str | None = None,
         template_key: str | None = None,
         auto: bool = False,
+        fixed: asyncio.Event | None = None,
     ) -> SnapshotRecord:
-        """Save the running state as a snapshot of ``kind`` (the box's lock held); the box goes on."""
+        """Save the running state as a snapshot of ``kind`` (the box's lock held); the box goes on.
+        ``fixed``: set once the state saved can no longer change (``VM.save``), at the latest
+        when the save returns."""
         check(Op.SNAPSHOT, entry.state, box=entry.name)
         self.require_live_state(entry)
         home = self.rt.home
@@ -114,9 +117,14 @@ class LiveState:
             async with self._saving(rec, snap_id) as saving:
                 with snapshots.writing(home, snap_id) as tmp:
                     new_drives = {d["serial"]: Path(d["top"]) for d in drives}
-                    pause = await vm.save(
-                        tmp, new_disk=top, keep_running=True, new_drives=new_drives, sink=saving.sink
-                    )
+                    try:
+                        pause = await vm.save(
+                            tmp, new_disk=top, keep_running=True, new_drives=new_drives, sink=saving.sink,
+                            fixed=fixed,
+                        )  # fmt: skip
+                    finally:
+                        if fixed is not None:
+                            fixed.set()
                     manifest, stored = await saving.finish()
                 if vm.ref != rec.vm:  # an engine whose save ends the VM process runs it anew (gvisor)
                     moved = await self.db.update(entry.id, vm_pid=vm.ref.pid, vm_start=vm.ref.start)

@@ -149,6 +149,7 @@ class Recorder:
         self._last: dict[str, float] = {}  # when each box's last checkpoint was taken
         self._watching: set[asyncio.Task[None]] = set()  # spawned processes, to their end
         self._groups: dict[str, StepDraft] = {}  # each box's step opened by ``group``
+        self._fixed: dict[str, asyncio.Event] = {}  # set once each box's last checkpoint's state is fixed
 
     # -- the policy ----------------------------------------------------------------------
 
@@ -175,7 +176,7 @@ class Recorder:
         if outer is not None or policy_of(entry.record.recording) is None:  # inside another: that one's
             yield outer or StepDraft(kind, what)
             return
-        await self.settled(entry.id)
+        await self.fixed(entry.id)
         draft = StepDraft(kind, what)
         token = OPEN.set(draft)
         try:
@@ -194,7 +195,7 @@ class Recorder:
         if self.open_step(entry) is not None or policy_of(entry.record.recording) is None:
             yield
             return
-        await self.settled(entry.id)
+        await self.fixed(entry.id)
         draft = self._groups[entry.id] = StepDraft(kind, what)
         try:
             yield
@@ -217,12 +218,16 @@ class Recorder:
         if policy is None:
             return
         before, ended = self._pending.get(entry.id), time.time()
+        fixed = self._fixed[entry.id] = asyncio.Event()
 
         async def keep() -> StepRecord | None:
-            if before is not None:
-                with contextlib.suppress(Exception):
-                    await asyncio.shield(before)
-            return await self._keep(entry, draft, policy, ended=ended)
+            try:
+                if before is not None:
+                    with contextlib.suppress(Exception):
+                        await asyncio.shield(before)
+                return await self._keep(entry, draft, policy, ended=ended, fixed=fixed)
+            finally:
+                fixed.set()
 
         self._pending[entry.id] = asyncio.create_task(keep())
 
@@ -245,6 +250,14 @@ class Recorder:
         self._watching.add(task)
         task.add_done_callback(self._watching.discard)
 
+    async def fixed(self, box_id: str) -> None:
+        """Once the state the box's last step left is fixed in its checkpoint: the guest runs
+        again while the checkpoint's memory is still written (``VM.save``), and the next
+        step may begin then without reaching into the last one's state."""
+        event = self._fixed.get(box_id)
+        if event is not None:
+            await event.wait()
+
     async def settled(self, box_id: str) -> StepRecord | None:
         """Once the box's last step is in its timeline (its checkpoint taken): that step."""
         task = self._pending.get(box_id)
@@ -266,6 +279,7 @@ class Recorder:
         *,
         ended: float | None = None,
         forced: bool = False,
+        fixed: asyncio.Event | None = None,
     ) -> StepRecord | None:
         db = self.controller.db
         snap_id, why = None, None
@@ -274,7 +288,7 @@ class Recorder:
             why = f"within {policy.every:g}s of the last checkpoint"
         else:
             try:
-                snap_id = await self._checkpoint(entry)
+                snap_id = await self._checkpoint(entry, fixed)
             except SandlotError as exc:  # the step happened; only its state is not kept
                 why = f"{type(exc).__name__}: {exc}"[:300]
             if snap_id is None and why is None:
@@ -297,8 +311,9 @@ class Recorder:
         await self._retain(entry, policy)
         return kept
 
-    async def _checkpoint(self, entry: BoxEntry) -> str | None:
-        """A live snapshot of kind ``step`` of the box now, if it runs."""
+    async def _checkpoint(self, entry: BoxEntry, fixed: asyncio.Event | None = None) -> str | None:
+        """A live snapshot of kind ``step`` of the box now, if it runs (``fixed``: set once
+        the state saved can no longer change)."""
         controller, live = self.controller, self.live
         if entry.removed:
             return None
@@ -306,7 +321,7 @@ class Recorder:
             rec = await controller.refresh(entry)
             if rec.state != BoxState.RUNNING:
                 return None
-            snap = await live.capture(entry, "step")
+            snap = await live.capture(entry, "step", fixed=fixed)
         self._last[entry.id] = time.time()
         return snap.id
 

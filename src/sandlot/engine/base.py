@@ -297,6 +297,7 @@ class VM(ABC):
         keep_running: bool,
         new_drives: Mapping[str, Path] | None = None,
         sink: StateSink | None = None,
+        fixed: asyncio.Event | None = None,
     ) -> float:
         """Save memory and devices into ``sink`` where one is given and the engine
         writes chunks (``Engine.chunked_state``), else into ``directory`` (which exists
@@ -305,7 +306,10 @@ class VM(ABC):
         over the current one), switched while the VM is stopped; ``new_drives``: the
         same for its drives, by serial (every disk is switched at once, or none is). ``keep_running``:
         let the guest run again afterwards (a snapshot), or leave it stopped (a
-        suspend). Returns the seconds the guest was stopped."""
+        suspend). ``fixed``: set as soon as the state being saved can no longer change
+        (the guest runs again while its memory is still written: the flight recorder's
+        next step may begin then); an engine that cannot tell leaves it to the caller,
+        who sets it once the save returns. Returns the seconds the guest was stopped."""
 
     async def disk_full(self) -> bool:
         """Whether the VM stopped because a write to one of its disks found the host's

@@ -604,6 +604,7 @@ class GvisorVM(VM):
         keep_running: bool,
         new_drives: Mapping[str, Path] | None = None,
         sink: StateSink | None = None,
+        fixed: asyncio.Event | None = None,
     ) -> float:
         """Checkpoint the sandbox into ``directory`` (which ends it) and, to keep it running,
         restore it at once over ``new_disk``. No host file may be open in the sandbox

@@ -782,6 +782,7 @@ class QemuVM(VM):
         keep_running: bool,
         new_drives: Mapping[str, Path] | None = None,
         sink: StateSink | None = None,
+        fixed: asyncio.Event | None = None,
     ) -> float:
         """A snapshot of a running VM into ``sink`` stops the guest only while its
         devices are saved and its disks switched: its memory is written while it runs
@@ -814,6 +815,10 @@ class QemuVM(VM):
                 background_snapshots = await self._background_supported(q)
                 background = background_snapshots
             with q.listener("RESUME") as resumes:
+                # the guest runs again once its devices are saved (a background snapshot's
+                # memory is written after, each page as it was at the stop): what is saved
+                # is fixed from then on
+                told = asyncio.create_task(told_of_resume(resumes, fixed)) if fixed is not None else None
                 t0, stopped = loop.time(), time.time()
                 if was_running:
                     await run("stop")
@@ -848,6 +853,8 @@ class QemuVM(VM):
                         reply = await run("query-status")
                         if not (isinstance(reply, dict) and reply.get("status") == "running"):
                             await once_finalized(lambda: run("cont"), FINALIZE_LIMIT)
+                if told is not None:
+                    told.cancel()
                 pause = loop.time() - t0
                 if background:
                     # QEMU let the guest run on once its devices were saved: the pause
@@ -981,3 +988,9 @@ class QemuVM(VM):
             return []
         text = await self.qmp("human-monitor-command", {"command-line": "info usernet"})
         return parse_host_forwards(text if isinstance(text, str) else "")
+
+
+async def told_of_resume(resumes: Any, fixed: asyncio.Event) -> None:
+    """``fixed`` set at the first RESUME event a save's listener hears."""
+    await resumes.get()
+    fixed.set()
