@@ -91,6 +91,17 @@ def test_the_cli_shows_the_timeline_rewinds_and_bisects(recorded: sandlot.Box) -
     assert [c["path"] for c in answer["diff"]["changes"]] == ["/work/n"]
     assert [b.name for b in sandlot.Box.list() if b.name.startswith(box.name[:40] + "-bisect")] == []
 
+    # programs that end right after their last step keep it: the CLI's, and a script's
+    # through the sync API (the loop's exit waits for the checkpoint)
+    ran = cli("exec", box.name, "sh", "-c", "echo from-cli > /work/last")
+    assert ran.returncode == 0, ran.stderr
+    script = f"import sandlot; sandlot.Box.get({box.id!r}).sh('echo from-script >> /work/last')"
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    *_, by_cli, by_script = box.timeline()
+    assert by_cli.what["argv"][-1] == "echo from-cli > /work/last" and by_cli.kept
+    assert by_script.what["argv"][-1] == "echo from-script >> /work/last" and by_script.kept
+
     r = cli("rewind", box.name, str(breaking - 1))
     assert r.returncode == 0, r.stderr
     assert box.sh("cat /work/n").stdout == "2\n"

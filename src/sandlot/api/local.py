@@ -28,6 +28,7 @@ from ..core.entry import BoxEntry, hostname_for
 from ..core.requests import SPEC_OPTIONS, BoxRequest
 from ..core.runtime import Runtime
 from ..core.service import Core, core_for
+from ..core.service import settle_recorders as service_settle_recorders
 from ..core.sessions import Kept
 from ..core.state import BoxState
 from ..core.store import BoxRecord, BoxStore, SnapshotRecord, validate_name
@@ -51,6 +52,12 @@ if TYPE_CHECKING:
 CONSOLE_TAIL = 256 * 1024  # bytes of the console read for its last lines
 TREE_REMOVE_TIMEOUT = 600.0  # seconds for the agent to remove a tree (a recursive remove)
 CODE_SHOWN = 16 * 1024  # characters of a code cell a recorded step keeps
+
+
+async def settle_recorders() -> None:
+    """The checkpoints of the steps this loop recorded, all taken: the CLI's commands and
+    the sync API's exit wait for them, so that the last step of a program is kept."""
+    await service_settle_recorders()
 
 
 def command_step(cmd: Command, stdin: bytes | None) -> dict[str, Any]:

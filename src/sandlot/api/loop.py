@@ -19,6 +19,7 @@ from typing import Any, TypeVar
 
 T = TypeVar("T")
 RECORDS_AHEAD = 256  # items a prefetching iterator of records runs ahead of its caller
+SETTLE_AT_EXIT = 60.0  # seconds the exit waits for the flight recorder's last checkpoints
 
 _lock = threading.Lock()
 _loop: asyncio.AbstractEventLoop | None = None
@@ -100,7 +101,22 @@ def _shutdown() -> None:
     loop.call_soon_threadsafe(loop.stop)
 
 
+def _settle_recorders() -> None:
+    """At exit, before anything stops: the flight recorder's last checkpoints, so that a
+    program that recorded a box ends with its last step kept. This runs among threading's
+    exit hooks, the same hook ``concurrent.futures`` uses: after it, executors take no new
+    work, and the store runs its calls on one; ``atexit``'s hooks come after that."""
+    loop, local = _loop, sys.modules.get("sandlot.api.local")  # none: no local box was reached
+    if loop is None or not loop.is_running() or local is None:
+        return
+    with contextlib.suppress(Exception):
+        asyncio.run_coroutine_threadsafe(local.settle_recorders(), loop).result(timeout=SETTLE_AT_EXIT)
+
+
 atexit.register(_shutdown)
+# CPython's hook for what must run before its thread pools stop (no public one runs then);
+# where it is missing, atexit's comes too late for the store and the last step is lost
+getattr(threading, "_register_atexit", atexit.register)(_settle_recorders)
 
 
 def run(coro: Coroutine[Any, Any, T] | Awaitable[T]) -> T:

@@ -181,9 +181,12 @@ def busy(message: str, *, quiet: bool = False) -> Iterator[None]:
 
 
 def run_coro(coro: Awaitable[int | None]) -> int | None:
-    """Run a command's coroutine in the main thread (signals and terminal belong to it)."""
+    """Run a command's coroutine in the main thread (signals and terminal belong to it),
+    then let the flight recorder take the checkpoints of the steps it made."""
+    from .quick import then_settled
+
     try:
-        return asyncio.run(coro)  # type: ignore[arg-type]
+        return asyncio.run(then_settled(coro))
     except FileNotFoundError as exc:
         raise fail(exc, 127) from exc
     except SandlotError as exc:

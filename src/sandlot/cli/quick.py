@@ -16,11 +16,13 @@ import math
 import os
 import sys
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from ..api.listing import settled_listing
 from ..errors import SandlotError
 from .text import age
+
+T = TypeVar("T")
 
 if TYPE_CHECKING:
     from ..api.box import AsyncBox
@@ -147,13 +149,25 @@ def say_error(message: str) -> None:
         print(f"error: {message}", file=sys.stderr)
 
 
+async def then_settled(coro: Awaitable[T]) -> T:
+    """A command's coroutine, then the flight recorder's checkpoints of the steps it made
+    (``asyncio.run`` would cancel their tasks): a command's last step is kept."""
+    try:
+        return await coro
+    finally:
+        # loaded only by a command that reached a local box: ``sandlot ls`` stays lean
+        local = sys.modules.get("sandlot.api.local")
+        if local is not None:
+            await local.settle_recorders()
+
+
 def finish(coro: Awaitable[int]) -> int:
     """Run a command's coroutine; sandlot's own failures exit 125, a missing command 127
     (as ``common.run_coro``)."""
     import asyncio
 
     try:
-        return asyncio.run(coro)  # type: ignore[arg-type]
+        return asyncio.run(then_settled(coro))
     except FileNotFoundError as exc:
         say_error(str(exc))
         return 127

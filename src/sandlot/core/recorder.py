@@ -50,6 +50,7 @@ log = logging.getLogger("sandlot.recorder")
 FILES_LISTED = 100  # changed paths a step's kept summary names (its full diff has them all)
 EGRESS_LISTED = 200  # egress decisions one step lists (its counts count them all)
 EGRESS_SLACK = 0.05  # seconds after a step's end that its connections' decisions may be logged
+WATCH_GRACE = 1.0  # seconds a program's end waits for its followed processes' ends to be told
 
 
 def egress_during(box_dir: Path, windows: list[tuple[int, float, float]]) -> dict[int, list[dict[str, Any]]]:
@@ -268,6 +269,11 @@ class Recorder:
         return None
 
     async def settle_all(self) -> None:
+        """Every step this recorder made, in its timeline: a program about to end waits for
+        this. A followed process that just ended gets a moment to be told so; one still
+        running is not waited for (its step is not in the timeline)."""
+        if self._watching:
+            await asyncio.wait(self._watching, timeout=WATCH_GRACE)
         for box_id in list(self._pending):
             await self.settled(box_id)
 

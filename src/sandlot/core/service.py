@@ -136,6 +136,14 @@ def core_for(runtime: Runtime) -> Core:
     return core
 
 
+async def settle_recorders() -> None:
+    """Every checkpoint the flight recorders of this loop's cores have under way, taken:
+    what a program does before its loop ends (``asyncio.run`` cancels the tasks left)."""
+    for core in list((_cores.get(asyncio.get_running_loop()) or {}).values()):
+        if core._recorder is not None:
+            await core._recorder.settle_all()
+
+
 def _close_at_loop_end(loop: asyncio.AbstractEventLoop) -> None:
     """End the loop's agent sessions when the loop ends, where that is known: a program's
     ``asyncio.run`` (or ``asyncio.Runner``) ends by closing its loop's async generators,
