@@ -7,11 +7,14 @@ tool call) is appended to its timeline (``core.timeline``) with a checkpoint: a 
 snapshot of kind ``step``, which with the chunk store costs what changed since.
 
 The checkpoint is taken after the step's answer is returned, in a task of its own, so
-the step itself is never slower: the next step through this process waits for it to
-end (``settled``), so that each checkpoint holds the state its step left and nothing
-of the next. A caller that thinks between steps (a model) hides the checkpoint in that
-time. Steps that run inside another (a tool call's commands) are that step's, not
-steps of their own (``OPEN``).
+the step itself is never slower: the next step through this process waits until the
+checkpoint's state is fixed (``fixed``: the guest runs again while a background
+snapshot's memory is still written), so that each checkpoint holds the state its step
+left and nothing of the next; reading the timeline waits for the rows (``settled``). A
+caller that thinks between steps (a model) hides the checkpoint in that time. Steps
+that run inside another (an exec's own process, a tool call's commands) are that
+step's, not steps of their own (``OPEN``, ``group``). A program's end waits for the
+checkpoints under way (``settle_all``: the CLI, the sync API's exit).
 
 The policy: ``every`` (at most one checkpoint per that many seconds; a step between
 is in the timeline without one), and a retention (``keep_last`` checkpoints, or those
