@@ -756,9 +756,8 @@ class LocalBackend(Backend):
 
     @contextlib.asynccontextmanager
     async def _grouped(self, ref: BoxRef, kind: str, what: dict[str, Any]) -> AsyncIterator[None]:
-        ctl, entry = await local(ref).existing()
-        await ctl.connection(entry)
-        if entry.record.recording is None:
+        entry = await self._recording(ref)
+        if entry is None:
             yield
             return
         async with self.core().recorder.group(entry, kind, what):
@@ -777,13 +776,19 @@ class LocalBackend(Backend):
     ) -> AsyncIterator[StepDraft | None]:
         """One step of the box's timeline where it records (``core.recorder``), else
         nothing: a box that does not record loads none of the recorder."""
-        ctl, entry = await local(ref).existing()
-        await ctl.connection(entry)  # the row as it is now: another process may have begun recording
-        if entry.record.recording is None:
+        entry = await self._recording(ref)
+        if entry is None:
             yield None
             return
         async with self.core().recorder.step(entry, kind, what()) as draft:
             yield draft
+
+    async def _recording(self, ref: BoxRef) -> BoxEntry | None:
+        """The box's entry if it records, its row read as it is now (another process may
+        have begun recording: the connection reads it again once the store moved)."""
+        ctl, entry = await local(ref).existing()
+        await ctl.connection(entry)
+        return entry if entry.record.recording is not None else None
 
     async def spawn(self, ref: BoxRef, cmd: Command, keep: str | None = None) -> AsyncProcess:
         ctl, entry = await local(ref).existing()

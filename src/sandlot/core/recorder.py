@@ -138,11 +138,6 @@ class StepDraft:
 OPEN: contextvars.ContextVar[StepDraft | None] = contextvars.ContextVar("sandlot_open_step", default=None)
 
 
-def env_names(env: Mapping[str, str] | None) -> list[str] | None:
-    """An environment as a step shows it: its names, never its values (secrets)."""
-    return sorted(env) if env else None
-
-
 class Recorder:
     """The flight recorder of one core (one event loop)."""
 
@@ -232,6 +227,12 @@ class Recorder:
                 return await self._keep(entry, draft, policy, ended=ended, fixed=fixed)
             finally:
                 fixed.set()
+                # the box's last step is in its timeline: nothing of it to wait for (a
+                # server that records many boxes keeps nothing per box once they settle)
+                if self._fixed.get(entry.id) is fixed:
+                    del self._fixed[entry.id]
+                if self._pending.get(entry.id) is asyncio.current_task():
+                    del self._pending[entry.id]
 
         self._pending[entry.id] = asyncio.create_task(keep())
 
@@ -384,11 +385,18 @@ class Recorder:
         found, snap = await self.checkpoint_of(entry, step)
         started = time.time()
         await self.live.rollback(entry, snap)
+        return await self._appended(entry, "rewind", {"to": found.seq}, started, snap.id)
+
+    async def _appended(
+        self, entry: BoxEntry, kind: str, what: dict[str, Any], started: float, snapshot_id: str
+    ) -> StepRecord | None:
+        """A step of the recorder's own (a rewind, a promotion) whose checkpoint is a state
+        the box already has, in the timeline if the box records."""
         if policy_of(entry.record.recording) is None:
             return None
         row = StepRecord(
-            box_id=entry.id, seq=0, kind="rewind", what={"to": found.seq}, result={},
-            started_at=started, ended_at=time.time(), snapshot_id=snap.id,
+            box_id=entry.id, seq=0, kind=kind, what=what, result={}, started_at=started,
+            ended_at=time.time(), snapshot_id=snapshot_id,
         )  # fmt: skip
         return await self.controller.db.call(timeline.add_step, row)
 
@@ -428,22 +436,18 @@ class Recorder:
         moved = await db.find_snapshot(moved.id) or moved
         await self.live.rollback(entry, moved)
         await self.controller.remove(child, force=True)
-        if policy_of(entry.record.recording) is not None:
-            row = StepRecord(
-                box_id=entry.id, seq=0, kind="promote", what={"child": child.name, "kept": kept.id},
-                result={}, started_at=started, ended_at=time.time(), snapshot_id=moved.id,
-            )  # fmt: skip
-            await self.controller.db.call(timeline.add_step, row)
+        await self._appended(entry, "promote", {"child": child.name, "kept": kept.id}, started, moved.id)
         return kept
 
     async def compared(self, entry: BoxEntry, step: StepRecord) -> tuple[StepRecord, str, str]:
         """What a step changed is its checkpoint against the kept one before it: that step,
         and the two sides of the diff (``core.diffs``)."""
-        db = self.controller.db
-        if step.snapshot_id is None or await db.find_snapshot(step.snapshot_id) is None:
+        # a row names a checkpoint that exists: a snapshot's removal clears the rows that
+        # name it in its own transaction (``BoxStore.delete_snapshot``)
+        if step.snapshot_id is None:
             raise StepNotFound(f"step {step.seq} has no checkpoint kept: what it changed is not known")
-        for earlier in reversed(await db.call(timeline.steps, entry.id, before=step.seq)):
-            if earlier.snapshot_id and await db.find_snapshot(earlier.snapshot_id) is not None:
+        for earlier in reversed(await self.controller.db.call(timeline.steps, entry.id, before=step.seq)):
+            if earlier.snapshot_id:
                 return earlier, f"snapshot:{earlier.snapshot_id}", f"snapshot:{step.snapshot_id}"
         raise StepNotFound(f"no checkpoint before step {step.seq} is kept: what it changed is not known")
 
