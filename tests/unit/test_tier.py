@@ -461,6 +461,41 @@ def test_a_home_forgets_the_chunks_a_collection_deleted_and_sends_them_again(
         box.remove(force=True)
 
 
+def test_a_state_whose_chunks_the_tier_held_before_sends_only_what_changed(
+    tmp_path: Path, proxy: FaultyProxy, s3: S3Server, root: Path
+) -> None:
+    """A box that sleeps, wakes and sleeps again: its first state is pushed, then removed
+    and its chunks' rows and files collected here. The next state, of the same memory,
+    sends no chunk: this home still knows the tier holds them. Once a collection of the
+    tier deleted them, the home learns it, and the next push sends them again."""
+    (a,) = homes(tmp_path, proxy, 1)
+    box = fake_box(a, root, "sleeper")
+    try:
+        box.exec("remember", "k", "v")
+        s1 = box.snapshot("one")
+        first = sandlot.storage.push(home=a)
+        assert first.chunks > 0
+        s1.remove()
+        sandlot.storage.gc(home=a)  # the rows and files of s1's chunks go here
+        assert sandlot.storage.info(home=a).chunks == 0
+        s2 = box.snapshot("two")
+        again = sandlot.storage.push(home=a)
+        assert (again.states, again.chunks) == (1, 0), again
+        s2.remove()
+        sandlot.storage.gc(home=a)
+        collected = sandlot.storage.gc(tier=True, home=a).tier  # nothing lists them: they go
+        assert collected is not None and collected.chunks == first.chunks, (collected, first)
+        s3_ = box.snapshot("three")
+        third = sandlot.storage.push(home=a)
+        assert third.chunks == first.chunks, (third, first)
+        sandlot.storage.evict(older_than=0, home=a)  # every chunk of s3 from the tier, checked
+        box.exec("remember", "k", "changed")
+        box.rollback(s3_)
+        assert box.exec("recall", "k").stdout == "v\n"
+    finally:
+        box.remove(force=True)
+
+
 def test_a_box_in_the_tier_keeps_its_state_until_the_home_that_holds_it_removed_it(
     tmp_path: Path, proxy: FaultyProxy, s3: S3Server, root: Path
 ) -> None:

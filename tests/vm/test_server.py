@@ -1084,13 +1084,13 @@ def test_a_remote_with_block_s_box_lives_as_long_as_its_client_across_a_server_r
 # -- load ---------------------------------------------------------------------------------
 
 
-def test_fifty_clients_on_ten_boxes_for_half_a_minute_lose_nothing_and_leak_nothing(
+def test_fifty_clients_on_ten_boxes_for_fifteen_seconds_lose_nothing_and_leak_nothing(
     tmp_path: Path, busybox_root: Path
 ) -> None:
-    """50 concurrent clients doing exec and file round trips on 10 boxes for 30 s
-    (the issue asked for 60; ``benchmarks/server.py`` runs the full minute), with no
-    error, and no descriptor or memory growth in the server between a warmed-up
-    state and the end."""
+    """50 concurrent clients doing exec and file round trips on 10 boxes for 15 s (some
+    thousands of requests; ``benchmarks/server.py`` runs the full minute the issue asked
+    for), with no error, and no descriptor or memory growth in the server between a
+    warmed-up state and the end."""
     with serving(tmp_path / "home") as s, s.client() as c:
         made = []
         try:
@@ -1103,7 +1103,7 @@ def test_fifty_clients_on_ten_boxes_for_half_a_minute_lose_nothing_and_leak_noth
             assert warm["errors"] == 0, warm
             time.sleep(2)  # the warm-up's connections closed
             fds0, rss0 = open_fds(pid), rss_mib(pid)
-            result = load(s.url, s.api_key, made, clients=50, seconds=30)
+            result = load(s.url, s.api_key, made, clients=50, seconds=15)
             assert result["errors"] == 0, result
             assert result["requests_per_s"] > 0, result
             # the load's connections close (a busy server takes a while to see each go)

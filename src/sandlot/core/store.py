@@ -54,7 +54,7 @@ from .events import draft as draft_event
 from .manifest import digests_of as manifest_digests
 from .state import BORN, BoxState, allowed
 
-SCHEMA_VERSION = 15
+SCHEMA_VERSION = 16
 # Room the store keeps for itself (BoxStore.hold_room): a file of its own, given up when
 # a write finds the filesystem full so that the write is tried again and the rows saying
 # how an operation ended are written; made again once the filesystem has room.
@@ -356,6 +356,9 @@ MIGRATIONS: list[str | Callable[[sqlite3.Connection], None]] = [
     );
     CREATE INDEX steps_snapshot ON steps(snapshot_id) WHERE snapshot_id IS NOT NULL;
     """,
+    # 15 -> 16: chunks the storage tier holds that no state of this home lists any more
+    # (their rows and files gone): a later state listing one again does not send it again
+    "CREATE TABLE tier_chunks (digest BLOB PRIMARY KEY) WITHOUT ROWID",
 ]
 
 SNAPSHOT_KINDS = ("snapshot", "template", "suspend", "step")
@@ -440,6 +443,20 @@ def declared(box_id: str, expect: Sequence[str] | None, state: BoxState | str) -
             ends = sorted(str(after) for after in BoxState if after != before and allowed(before, after))
             why = f"box {box_id}: no declared transition from {before} to {state} (core/state.py)"
             raise InvalidState(why, box=box_id, state=str(before), allowed=ends)
+
+
+def _known_to_tier(db: sqlite3.Connection, listed: set[bytes]) -> None:
+    """Chunks a new state lists that the tier was known to hold (``tier_chunks``): their
+    rows say so again, and the tier's list lets them go."""
+    if not db.execute("SELECT 1 FROM tier_chunks LIMIT 1").fetchone():
+        return
+    rows = [(d,) for d in listed]
+    db.executemany(
+        "UPDATE chunks SET remote = 1 WHERE digest = ? AND remote = 0 "
+        "AND EXISTS (SELECT 1 FROM tier_chunks WHERE digest = chunks.digest)",
+        rows,
+    )
+    db.executemany("DELETE FROM tier_chunks WHERE digest = ?", rows)
 
 
 def born(rec: BoxRecord) -> None:
@@ -1189,12 +1206,14 @@ class BoxStore:
                     "INSERT INTO states (id, manifest, pushed) VALUES (?, ?, ?)", (rec.id, manifest, remote)
                 )
                 sizes = stored or {}
+                listed = set(manifest_digests(manifest))
                 db.executemany(
                     "INSERT INTO chunks (digest, refs, stored, remote) VALUES (?, 1, ?, ?) "
                     "ON CONFLICT(digest) DO UPDATE SET refs = refs + 1,"
                     " remote = MAX(remote, excluded.remote)",
-                    [(dg, sizes.get(dg, 0), int(remote)) for dg in set(manifest_digests(manifest))],
+                    [(dg, sizes.get(dg, 0), int(remote)) for dg in listed],
                 )
+                _known_to_tier(db, listed)
         return rec
 
     def snapshots(
@@ -1279,11 +1298,13 @@ class BoxStore:
             s["options"] = json.dumps(s["options"])
             db.execute(f"INSERT INTO snapshots ({', '.join(s)}) VALUES ({', '.join(f':{k}' for k in s)})", s)
             db.execute("INSERT INTO states (id, manifest, pushed) VALUES (?, ?, 1)", (snap.id, manifest))
+            listed = set(manifest_digests(manifest))
             db.executemany(
                 "INSERT INTO chunks (digest, refs, stored, remote) VALUES (?, 1, 0, 1) "
                 "ON CONFLICT(digest) DO UPDATE SET refs = refs + 1, remote = 1",
-                [(dg,) for dg in set(manifest_digests(manifest))],
+                [(dg,) for dg in listed],
             )
+            _known_to_tier(db, listed)
             self._write_events(db, box, [draft_event("pulled", snapshot=snap.id)])
 
     def state_manifest(self, snap_id: str) -> bytes | None:
@@ -1321,11 +1342,16 @@ class BoxStore:
                 db.execute("UPDATE states SET pushed = 1 WHERE id = ?", (state,))
 
     def remote_chunks(self, digests: Collection[bytes]) -> builtins.set[bytes]:
-        """Which of ``digests`` the tier holds."""
+        """Which of ``digests`` the tier holds (as far as this home knows: a collection of
+        the tier it has not caught up with yet may have deleted some)."""
         out: builtins.set[bytes] = set()
         with self._reading():
             for d in digests:
-                if self._db.execute("SELECT 1 FROM chunks WHERE digest = ? AND remote = 1", (d,)).fetchone():
+                if self._db.execute(
+                    "SELECT 1 FROM chunks WHERE digest = ? AND remote = 1 "
+                    "UNION ALL SELECT 1 FROM tier_chunks WHERE digest = ?",
+                    (d, d),
+                ).fetchone():
                     out.add(d)
         return out
 
@@ -1342,8 +1368,10 @@ class BoxStore:
             if everything:
                 db.execute("UPDATE chunks SET remote = 0 WHERE remote = 1")
                 db.execute("UPDATE states SET pushed = 0 WHERE pushed = 1")
+                db.execute("DELETE FROM tier_chunks")
                 return
             db.executemany("UPDATE chunks SET remote = 0 WHERE digest = ?", [(d,) for d in chunks or ()])
+            db.executemany("DELETE FROM tier_chunks WHERE digest = ?", [(d,) for d in chunks or ()])
             db.executemany("UPDATE states SET pushed = 0 WHERE id = ?", [(i,) for i in states or ()])
 
     def pushed_states(self) -> builtins.set[str]:
@@ -1352,12 +1380,17 @@ class BoxStore:
 
     def forget_chunks(self) -> builtins.list[bytes]:
         """Delete the rows of the chunks no state lists; their digests (the caller, who
-        holds the chunk store exclusively, deletes their files)."""
+        holds the chunk store exclusively, deletes their files). Of those the storage tier
+        holds, that it does is kept (``tier_chunks``): a box's next state, which shares
+        most of its chunks with the last (a box that sleeps, wakes and sleeps again), sends
+        only what it changed."""
         with self._reading():  # most calls find none: no write transaction (and its fsync) then
             if self._db.execute("SELECT 1 FROM chunks WHERE refs <= 0 LIMIT 1").fetchone() is None:
                 return []
         with self._tx() as db:
-            rows = db.execute("DELETE FROM chunks WHERE refs <= 0 RETURNING digest").fetchall()
+            rows = db.execute("DELETE FROM chunks WHERE refs <= 0 RETURNING digest, remote").fetchall()
+            kept = [(r[0],) for r in rows if r[1]]
+            db.executemany("INSERT OR IGNORE INTO tier_chunks (digest) VALUES (?)", kept)
         return [bytes(r[0]) for r in rows]
 
     def listed_chunks(self, digests: builtins.set[bytes]) -> builtins.set[bytes]:
