@@ -13,8 +13,10 @@ sandlot's accelerator probe finds a usable ``/dev/kvm``, and its boxes run on KV
 
 from __future__ import annotations
 
+import compileall
 import importlib.metadata as metadata
 import json
+import py_compile
 import re
 import shutil
 import subprocess
@@ -77,7 +79,10 @@ def _requirements() -> list[metadata.Distribution]:
 
 def site_tarball(dest: Path) -> Path:
     """sandlot from this checkout with its C programs prebuilt, and its dependencies'
-    files from this venv, as one tar to unpack at SITE (Debian's Python is 3.11 too)."""
+    files from this venv, as one tar to unpack at SITE (Debian's Python is 3.11 too),
+    compiled: every Python the inner sandlot starts (its CLI, its helpers, each script)
+    would compile what it imports again under emulation, where that is slow (the box
+    writes none: ``ENV``)."""
     work = Path(tempfile.mkdtemp(prefix="kvmhost-", dir=dest.parent))
     try:
         package = work / "sandlot"
@@ -86,12 +91,16 @@ def site_tarball(dest: Path) -> Path:
         cc = native.static_compiler()
         assert cc is not None, "the tests build the agent: a compiler is there"
         native.write_prebuilt(package / native.PREBUILT, package, cc)
+        # (checked by hash, not by time: the files' times in the box need not match)
+        compileall.compile_dir(
+            package, quiet=1, invalidation_mode=py_compile.PycInvalidationMode.UNCHECKED_HASH
+        )
         with tarfile.open(dest, "w") as tar:
             tar.add(package, "sandlot")
-            for dist in _requirements():
+            for dist in _requirements():  # with the .pyc files pip wrote beside them
                 for f in dist.files or []:
                     path = Path(str(f.locate()))
-                    if path.is_file() and "__pycache__" not in f.parts and not str(f).startswith(".."):
+                    if path.is_file() and not str(f).startswith(".."):
                         tar.add(path, str(f))
     finally:
         shutil.rmtree(work, ignore_errors=True)
