@@ -321,6 +321,7 @@ def test_the_timeline_records_shows_a_step_s_diff_and_rewinds(
     try:
         sh("echo one > /root/step.txt")
         sh("echo two > /root/step.txt")
+        sh("sleep 600 </dev/null >/dev/null 2>&1 &")  # a step that leaves a process running
         steps = api.get(f"/v1/boxes/{box['id']}/timeline").json()["steps"]
         first = next(
             s["seq"] for s in steps if s["what"].get("argv", [""])[-1] == "echo one > /root/step.txt"
@@ -330,6 +331,8 @@ def test_the_timeline_records_shows_a_step_s_diff_and_rewinds(
         line = page.locator(f'#timeline tr[data-seq="{first}"]')
         line.wait_for()
         assert "echo one > /root/step.txt" in line.inner_text()
+        started = page.locator(f'#timeline tr[data-seq="{steps[-1]["seq"]}"] .procs')
+        assert started.inner_text() == "+1 \u22120" and "sleep 600" in (started.get_attribute("title") or "")
         line.locator("button[data-action=diff]").click()
         page.locator("#step-detail li", has_text="/root/step.txt").wait_for(timeout=DEADLINE_MS)
         line.locator("button[data-action=rewind]").click()

@@ -53,10 +53,21 @@ def test_steps_are_recorded_and_a_rewind_brings_memory_processes_and_disk_back(r
     assert steps[0].what["argv"][-1] == "mkdir -p /work && echo one > /work/a.txt"
     assert steps[3].result["exit_code"] == 3
     after_b = steps[2].seq
+    # the processes each step started and ended, listed in the guest after it: the sleeper
+    # the second step left running, and the last step's kill of it
+    sleeper = [p for p in steps[1].processes["started"] if p["argv"] == ["sleep", "3600"]]
+    assert len(sleeper) == 1, steps[1].processes
+    assert sleeper[0]["pid"] == int(box.files.read("/work/sleeper.pid"))
+    assert [p["argv"] for p in steps[2].processes["started"] + steps[2].processes["ended"]] == []
+    assert sleeper[0] in steps[2].processes["running"]
+    assert steps[4].processes["ended"] == sleeper and steps[4].processes["started"] == []
 
     box.rewind(after_b)
     assert box.sh("cat /work/a.txt /work/b.txt").stdout == "one\ntwo\n"
     assert box.sh("kill -0 $(cat /work/sleeper.pid)").exit_code == 0  # the process is back
+    # measured from the state rewound to (the rewind's own row), not from the one left
+    after_rewind = box.timeline()[-1].processes
+    assert after_rewind["started"] == [] and after_rewind["ended"] == [], after_rewind
     assert [s.what for s in box.timeline() if s.kind == "rewind"] == [{"to": after_b}]
 
     # what step after_b changed: b.txt, from the checkpoint before it

@@ -785,8 +785,12 @@ class LocalBackend(Backend):
 
     async def _recording(self, ref: BoxRef) -> BoxEntry | None:
         """The box's entry if it records, its row read as it is now (another process may
-        have begun recording: the connection reads it again once the store moved)."""
+        have begun recording: the connection reads it again once the store moved). Not
+        before this process's checkpoint of the box's last step is fixed: a save may run
+        the box in another VM (gVisor's), which its row names only once the save is done."""
         ctl, entry = await local(ref).existing()
+        if entry.record.recording is not None:
+            await self.core().recorder.fixed(entry.id)
         await ctl.connection(entry)
         return entry if entry.record.recording is not None else None
 

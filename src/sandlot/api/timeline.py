@@ -31,7 +31,8 @@ class Step:
     kept (``rewind``, ``fork_at``), its name, and ``files``: the summary of what it
     changed once computed (``box.step(n, diff=True)`` computes it and gives ``diff``).
     ``egress``: the box's egress decisions during the step, counted by decision
-    (``{"allowed": 3, "refused": 1}``); ``box.step(n)`` lists them in ``egress_log``."""
+    (``{"allowed": 3, "refused": 1}``); ``box.step(n)`` lists them in ``egress_log``.
+    ``processes``: the guest's processes after the step (see the property)."""
 
     seq: int
     kind: str
@@ -57,6 +58,16 @@ class Step:
             checkpoint=d.get("checkpoint"), name=d.get("name"), files=d.get("files"), diff=diff,
             egress=d.get("egress"), egress_log=d.get("egress_log"),
         )  # fmt: skip
+
+    @property
+    def processes(self) -> dict[str, Any] | None:
+        """The guest's processes as the step left them (None where none could be listed:
+        a guest without ``/bin/sh``): ``running``, each ``{"pid", "since", "name", "argv"}``
+        (``since``: its start, in clock ticks from the guest's boot), and where the step
+        before was listed too, ``started`` and ``ended``: those the step started that
+        still ran at its end, and those that ran before it and ended during it."""
+        found = self.result.get("processes")
+        return dict(found) if isinstance(found, dict) else None
 
     @property
     def kept(self) -> bool:
@@ -94,6 +105,9 @@ class Step:
         name = f" [{self.name}]" if self.name else ""
         if self.egress:
             name += "  egress " + ", ".join(f"{k} {v}" for k, v in sorted(self.egress.items()))
+        procs = self.processes or {}
+        if procs.get("started") or procs.get("ended"):
+            name += f"  processes +{len(procs['started'])} -{len(procs['ended'])}"
         line = f"{self.seq:4d}  {self.kind:<8} {self.describe()[:80]}  {self.outcome()}"
         return f"{line}  {self.duration:.3f}s  {kept}{name}"
 

@@ -89,7 +89,9 @@ class LiveState:
     ) -> SnapshotRecord:
         """Save the running state as a snapshot of ``kind`` (the box's lock held); the box goes on.
         ``fixed``: set once the state saved can no longer change (``VM.save``), at the latest
-        when the save returns."""
+        when the save has returned and the box's row names the VM it left running (an
+        engine whose save runs the box in another VM: a call that looked the box up before
+        would reach the one the save ended)."""
         check(Op.SNAPSHOT, entry.state, box=entry.name)
         self.require_live_state(entry)
         home = self.rt.home
@@ -117,19 +119,19 @@ class LiveState:
             async with self._saving(rec, snap_id) as saving:
                 with snapshots.writing(home, snap_id) as tmp:
                     new_drives = {d["serial"]: Path(d["top"]) for d in drives}
-                    try:
-                        pause = await vm.save(
-                            tmp, new_disk=top, keep_running=True, new_drives=new_drives, sink=saving.sink,
-                            fixed=fixed,
-                        )  # fmt: skip
-                    finally:
-                        if fixed is not None:
-                            fixed.set()
+                    pause = await vm.save(
+                        tmp, new_disk=top, keep_running=True, new_drives=new_drives, sink=saving.sink,
+                        fixed=fixed,
+                    )  # fmt: skip
+                    if vm.ref == rec.vm and fixed is not None:
+                        fixed.set()  # (the VM that ran the box runs it still)
                     manifest, stored = await saving.finish()
                 if vm.ref != rec.vm:  # an engine whose save ends the VM process runs it anew (gvisor)
                     moved = await self.db.update(entry.id, vm_pid=vm.ref.pid, vm_start=vm.ref.start)
                     if moved is not None:
                         entry.update(moved)
+                    if fixed is not None:
+                        fixed.set()
                 crash_point("snapshot.after-save")
                 sizes = snapshots.sizes(home, snap_id, saving.manifest, frozen)
                 options: dict[str, Any] = {"box": rec.options, "image_ref": rec.image_ref,

@@ -9,8 +9,10 @@ snapshot of kind ``step``, which with the chunk store costs what changed since.
 The checkpoint is taken after the step's answer is returned, in a task of its own, so
 the step itself is never slower: the next step through this process waits until the
 checkpoint's state is fixed (``fixed``: the guest runs again while a background
-snapshot's memory is still written), so that each checkpoint holds the state its step
-left and nothing of the next; reading the timeline waits for the rows (``settled``). A
+snapshot's memory is still written) and the guest's processes are listed
+(``core.guestprocs``: those the step started and ended), so that each checkpoint holds
+the state its step left and nothing of the next; reading the timeline waits for the
+rows (``settled``). A
 caller that thinks between steps (a model) hides the checkpoint in that time. Steps
 that run inside another (an exec's own process, a tool call's commands) are that
 step's, not steps of their own (``OPEN``, ``group``). A program's end waits for the
@@ -37,7 +39,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..errors import InvalidArgument, SandlotError, SnapshotInUse, StepNotFound
-from . import timeline
+from . import guestprocs, timeline
 from .state import BoxState
 from .timeline import StepRecord
 
@@ -256,9 +258,11 @@ class Recorder:
         task.add_done_callback(self._watching.discard)
 
     async def fixed(self, box_id: str) -> None:
-        """Once the state the box's last step left is fixed in its checkpoint: the guest runs
-        again while the checkpoint's memory is still written (``VM.save``), and the next
-        step may begin then without reaching into the last one's state."""
+        """Once the state the box's last step left is fixed in its checkpoint, and its
+        processes listed: the guest runs again while the checkpoint's memory is still
+        written (``VM.save``), and the next step may begin then without reaching into the
+        last one's state (nor reach the box before its row names the VM the save left
+        running: gVisor's save runs the box in another)."""
         event = self._fixed.get(box_id)
         if event is not None:
             await event.wait()
@@ -293,17 +297,17 @@ class Recorder:
     ) -> StepRecord | None:
         db = self.controller.db
         snap_id, why = None, None
-        since = time.time() - self._last.get(entry.id, 0.0)
-        if not forced and policy.every and since < policy.every:
-            why = f"within {policy.every:g}s of the last checkpoint"
-        else:
-            try:
-                snap_id = await self._checkpoint(entry, fixed)
-            except SandlotError as exc:  # the step happened; only its state is not kept
-                why = f"{type(exc).__name__}: {exc}"[:300]
-            if snap_id is None and why is None:
-                why = f"the box is {entry.state}"
         result = dict(draft.result)
+        since = time.time() - self._last.get(entry.id, 0.0)
+        take = forced or not policy.every or since >= policy.every
+        if not take:
+            why = f"within {policy.every:g}s of the last checkpoint"
+        try:
+            snap_id = await self._checkpoint(entry, result, fixed=fixed, take=take)
+        except SandlotError as exc:  # the step happened; only its state is not kept
+            why = f"{type(exc).__name__}: {exc}"[:300]
+        if snap_id is None and why is None:
+            why = f"the box is {entry.state}"
         if why is not None:
             result["no_checkpoint"] = why
         row = StepRecord(
@@ -321,19 +325,62 @@ class Recorder:
         await self._retain(entry, policy)
         return kept
 
-    async def _checkpoint(self, entry: BoxEntry, fixed: asyncio.Event | None = None) -> str | None:
-        """A live snapshot of kind ``step`` of the box now, if it runs (``fixed``: set once
-        the state saved can no longer change)."""
+    async def _checkpoint(
+        self,
+        entry: BoxEntry,
+        result: dict[str, Any],
+        *,
+        fixed: asyncio.Event | None = None,
+        take: bool = True,
+    ) -> str | None:
+        """If the box runs: (``take``) a live snapshot of kind ``step`` of the box now, its
+        id, and the processes the step left, into its ``result``. They are listed once
+        the state saved is fixed (so it holds no listing), while the rest of the save
+        goes on; ``fixed`` is set once both are, and the next step waits for it."""
         controller, live = self.controller, self.live
         if entry.removed:
             return None
         async with entry.lock():
             rec = await controller.refresh(entry)
             if rec.state != BoxState.RUNNING:
+                return None  # (and its agent is not asked: that would wake a box asleep)
+            if not take:
+                await self._list(entry, result)
                 return None
-            snap = await live.capture(entry, "step", fixed=fixed)
+            saved = asyncio.Event()
+
+            async def list_once_fixed() -> None:
+                await saved.wait()
+                try:
+                    await self._list(entry, result)
+                finally:
+                    if fixed is not None:
+                        fixed.set()
+
+            listing = asyncio.create_task(list_once_fixed())
+            try:
+                snap = await live.capture(entry, "step", fixed=saved)
+            except BaseException:
+                listing.cancel()
+                raise
+            await listing
         self._last[entry.id] = time.time()
         return snap.id
+
+    async def _list(self, entry: BoxEntry, result: dict[str, Any]) -> None:
+        if (processes := await self._processes(entry)) is not None:
+            result["processes"] = processes
+
+    async def _processes(self, entry: BoxEntry) -> dict[str, Any] | None:
+        """The guest's processes after a step (``core.guestprocs``), against those after the
+        step before (its row's)."""
+        try:
+            kept = await self.controller.db.call(timeline.last_result, entry.id, "processes")
+            before = guestprocs.from_kept(kept)
+            now = await guestprocs.listing(await self.controller.connection(entry), before or {})
+        except SandlotError:
+            return None
+        return None if now is None else guestprocs.changes(before, now)
 
     async def _retain(self, entry: BoxEntry, policy: Policy) -> None:
         if policy.keep_last is None and policy.keep_for is None:
@@ -385,17 +432,31 @@ class Recorder:
         found, snap = await self.checkpoint_of(entry, step)
         started = time.time()
         await self.live.rollback(entry, snap)
-        return await self._appended(entry, "rewind", {"to": found.seq}, started, snap.id)
+        kept = found.result.get("processes") or {}
+        running = {k: kept[k] for k in ("running", "count") if k in kept}  # what the next step starts from
+        result = {"processes": running} if running else {}
+        return await self._appended(entry, "rewind", {"to": found.seq}, started, snap.id, result)
 
     async def _appended(
-        self, entry: BoxEntry, kind: str, what: dict[str, Any], started: float, snapshot_id: str
+        self,
+        entry: BoxEntry,
+        kind: str,
+        what: dict[str, Any],
+        started: float,
+        snapshot_id: str,
+        result: dict[str, Any] | None = None,
     ) -> StepRecord | None:
         """A step of the recorder's own (a rewind, a promotion) whose checkpoint is a state
         the box already has, in the timeline if the box records."""
         if policy_of(entry.record.recording) is None:
             return None
+        if result is None:  # the processes the state has, listed now: the next step's baseline
+            listed = None
+            with contextlib.suppress(SandlotError):
+                listed = await guestprocs.listing(await self.controller.connection(entry), {})
+            result = {"processes": guestprocs.changes(None, listed)} if listed is not None else {}
         row = StepRecord(
-            box_id=entry.id, seq=0, kind=kind, what=what, result={}, started_at=started,
+            box_id=entry.id, seq=0, kind=kind, what=what, result=result, started_at=started,
             ended_at=time.time(), snapshot_id=snapshot_id,
         )  # fmt: skip
         return await self.controller.db.call(timeline.add_step, row)

@@ -96,6 +96,15 @@ def step(store: BoxStore, box_id: str, seq: int) -> StepRecord:
     return _row(rows[0])
 
 
+def last_result(store: BoxStore, box_id: str, key: str) -> Any:
+    """What the box's last step's result holds under ``key`` (None: no step, or not that)."""
+    with store.reading() as db:
+        row = db.execute(
+            "SELECT result FROM steps WHERE box_id = ? ORDER BY seq DESC LIMIT 1", (box_id,)
+        ).fetchone()
+    return json.loads(row[0]).get(key) if row else None
+
+
 def set_files(store: BoxStore, box_id: str, seq: int, files: dict[str, Any]) -> None:
     """Keep the summary of a step's diff, computed once."""
     with store.transaction() as db:

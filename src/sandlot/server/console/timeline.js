@@ -24,6 +24,27 @@ function outcome(step) {
   return "ok";
 }
 
+// The processes a step started and ended (its result's "processes": the guest's, listed
+// after the step, against those after the step before)
+function processNames(list) {
+  return (list || []).map((p) => (p.argv && p.argv.length ? p.argv.join(" ") : p.name));
+}
+
+function processes(step) {
+  const p = (step.result || {}).processes;
+  if (!p || !p.started) return "";
+  const said = [["started", p.started], ["ended", p.ended]].filter(([, l]) => l.length)
+    .map(([what, l]) => `${what}: ${processNames(l).join(", ")}`).join("\n");
+  return h("span", { class: "procs", title: said }, `+${p.started.length} \u2212${p.ended.length}`);
+}
+
+function processList(step) {
+  const p = (step.result || {}).processes;
+  if (!p || !p.started) return [];
+  return [["Started", p.started], ["Ended", p.ended]].filter(([, l]) => l.length).map(([what, l]) =>
+    h("p", { class: "procs" }, `${what}: `, ...processNames(l).map((n) => h("code", {}, n, " "))));
+}
+
 export async function timelinePanel(panel, box, redraw) {
   const { recording, steps } = await get(`/boxes/${enc(box.id)}/timeline`);
   const shown = steps.slice(-SHOWN);
@@ -44,6 +65,7 @@ export async function timelinePanel(panel, box, redraw) {
       clear(detail,
         h("h3", {}, `Step ${one.seq}: ${describe(one)}`),
         h("p", { class: "muted" }, `since step ${one.diff.since_step}: ${changes.length} change(s)`),
+        ...processList(one),
         h("ul", { class: "changes" }, changes.map((c) => h("li", {}, h("code", {}, c.status), " ", c.path))),
         h("pre", { class: "mono diff" }, changes.map((c) => c.diff || "").join("")));
     } catch (e) { clear(detail, h("p", { class: "error" }, e.message)); }
@@ -75,6 +97,7 @@ export async function timelinePanel(panel, box, redraw) {
     h("td", { class: "mono" }, describe(s).slice(0, 160)),
     h("td", {}, outcome(s)),
     h("td", {}, `${(s.duration || 0).toFixed(3)} s`),
+    h("td", {}, processes(s)),
     h("td", { title: when(s.ended_at) }, s.name || ""),
     h("td", {}, s.checkpoint
       ? [h("button", { type: "button", class: "small", dataset: { action: "diff" }, onclick: () => showDiff(s) }, "diff"),
@@ -87,7 +110,7 @@ export async function timelinePanel(panel, box, redraw) {
       h("span", { class: "grow" })),
     steps.length
       ? h("table", { class: "timeline", id: "timeline" },
-        h("thead", {}, h("tr", {}, ["#", "kind", "what", "outcome", "took", "name", ""].map((t) => h("th", {}, t)))),
+        h("thead", {}, h("tr", {}, ["#", "kind", "what", "outcome", "took", "processes", "name", ""].map((t) => h("th", {}, t)))),
         h("tbody", {}, rows))
       : h("p", { class: "muted", id: "timeline-empty" }, "No step recorded."),
     detail);
