@@ -453,12 +453,18 @@ def test_a_home_forgets_the_chunks_a_collection_deleted_and_sends_them_again(
         assert collected is not None and collected.states == 1 and collected.chunks > 0
         again = sandlot.storage.push(home=a)
         assert again.states == 1 and again.chunks == collected.chunks, (again, collected)
-        sandlot.storage.evict(older_than=0, home=a)  # every chunk of s2 from the tier, checked
-        box.exec("remember", "k", "changed")
-        box.rollback(s2)
-        assert box.exec("recall", "k").stdout == "v\n"
+        rolls_back_from_the_tier(box, s2, a)
     finally:
         box.remove(force=True)
+
+
+def rolls_back_from_the_tier(box: sandlot.Box, snap: sandlot.Snapshot, home: Path) -> None:
+    """Every chunk of the home evicted, the box rolled back to ``snap`` (which remembers
+    ``k`` = ``v``): its state comes from the tier, each chunk checked."""
+    sandlot.storage.evict(older_than=0, home=home)
+    box.exec("remember", "k", "changed")
+    box.rollback(snap)
+    assert box.exec("recall", "k").stdout == "v\n"
 
 
 def test_a_state_whose_chunks_the_tier_held_before_sends_only_what_changed(
@@ -488,10 +494,7 @@ def test_a_state_whose_chunks_the_tier_held_before_sends_only_what_changed(
         s3_ = box.snapshot("three")
         third = sandlot.storage.push(home=a)
         assert third.chunks == first.chunks, (third, first)
-        sandlot.storage.evict(older_than=0, home=a)  # every chunk of s3 from the tier, checked
-        box.exec("remember", "k", "changed")
-        box.rollback(s3_)
-        assert box.exec("recall", "k").stdout == "v\n"
+        rolls_back_from_the_tier(box, s3_, a)
     finally:
         box.remove(force=True)
 

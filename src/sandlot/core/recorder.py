@@ -12,11 +12,10 @@ checkpoint's state is fixed (``fixed``: the guest runs again while a background
 snapshot's memory is still written) and the guest's processes are listed
 (``core.guestprocs``: those the step started and ended), so that each checkpoint holds
 the state its step left and nothing of the next; reading the timeline waits for the
-rows (``settled``). A
-caller that thinks between steps (a model) hides the checkpoint in that time. Steps
-that run inside another (an exec's own process, a tool call's commands) are that
-step's, not steps of their own (``OPEN``, ``group``). A program's end waits for the
-checkpoints under way (``settle_all``: the CLI, the sync API's exit).
+rows (``settled``). A caller that thinks between steps (a model) hides the checkpoint
+in that time. Steps that run inside another (an exec's own process, a tool call's
+commands) are that step's, not steps of their own (``OPEN``, ``group``). A program's
+end waits for the checkpoints under way (``settle_all``: the CLI, the sync API's exit).
 
 The policy: ``every`` (at most one checkpoint per that many seconds; a step between
 is in the timeline without one), and a retention (``keep_last`` checkpoints, or those
