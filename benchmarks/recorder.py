@@ -7,7 +7,8 @@
   back (a script's worst case: each step waits for the last one's checkpoint) and with
   ``--think`` seconds between steps (an agent waiting on its model, which hides the
   checkpoint), over ``--think-steps`` steps: the loop's wall time each way, the ratio,
-  and each step's latency (median, p99);
+  and each step's latency (median, p99); and the share of the recorded steps that list
+  the guest's processes they left (``steps_with_processes``: 1.0);
 * ``storage``: what each step's checkpoint added to the home (its stored chunks and
   disk layer) against the state the step changed (the guest memory pages that differ
   from the checkpoint before, and the disk written), per step;
@@ -93,6 +94,9 @@ def compare_loops(home: Any, steps: int, think: float) -> dict[str, Any]:
             }
         steps_kept = recorded.timeline()
         assert all(s.kept for s in steps_kept), [str(s) for s in steps_kept if not s.kept]
+        # each step with the guest's processes it left (listed in the checkpoint's time)
+        listed = sum(s.processes is not None for s in steps_kept)
+        out["steps_with_processes"] = round(listed / len(steps_kept), 3)
         # a box booted cold (no template: its RAM is anonymous), whose checkpoints stop the
         # guest only while its devices are saved, and whose next step begins then
         cold = prepared(home, True, template=False)

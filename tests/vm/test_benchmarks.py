@@ -42,6 +42,8 @@ def test_benchmark_quick_mode(name: str, tmp_path: Path) -> None:
             f = doc["floods"][record]
             assert f["host_max"] is not None and f["host_max"] <= f["bound"], (record, f)
         assert doc["floods"]["interpreter"]["host_kept"]["stdout"] <= doc["floods"]["interpreter"]["bound"]
+    if name == "recorder":  # every step lists the guest's processes it left
+        assert doc["loop"]["steps_with_processes"] == 1.0, doc["loop"]
     if name == "concurrency":
         assert doc["threads"]["failures"] == 0 and doc["processes"]["failures"] == 0
     if name == "report":  # every engine it ran fills every row: a figure, or why not

@@ -1,14 +1,18 @@
 """The processes running in a guest, as the flight recorder lists them after each step
 (``core.recorder``): which a step started and which it ended.
 
-One command per listing, run by the agent after the step's answer went back: a shell
-that reads each process's ``/proc/PID/stat`` with builtins alone, so that listing
-twenty processes starts no twenty more, and reads the command line (``cmdline``, one
-``tr`` each) only of processes the last listing did not have (``KNOWN``). A process is
-known by its pid and its start time (``since``: clock ticks from boot), so that a pid used
-again is a new process. Kernel threads (children of ``kthreadd``) are left out, and so
-are sandlot's own agent's processes (its relays: what runs them is sandlot, not the
-box's work) and the listing's own shell.
+A listing is one shell in the guest that walks ``/proc`` with builtins, so that it
+starts no process per process listed: it prints each process's ``stat`` line (parsed
+here), and the command line (one ``tr`` each) only of processes the last listing did not
+have (``KNOWN``). Kernel threads (children of ``kthreadd``) are told apart there and
+left out; the next listing skips their pids without reading them (``SKIP``): a guest
+runs tens of them, which under emulation cost a listing more than its own start (a
+kernel thread's pid taken by a process once the guest's pids wrap around is taken
+for the thread's, until the thread is seen gone). A
+process is known by its pid and its start time (``since``: clock ticks from the
+guest's boot), so that a pid used again is a new process. sandlot's own agent's
+processes (its relays: what runs them is sandlot, not the box's work) and the
+listing's own shell are left out too.
 
 A guest without ``/bin/sh`` (a distroless image) gives no listing: its steps have none,
 and nothing fails.
@@ -17,7 +21,9 @@ and nothing fails.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Mapping
+import functools
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ..errors import SandlotError
@@ -29,63 +35,97 @@ LISTED = 100  # processes a step names as started, ended or running (each list; 
 TIMEOUT = 5.0  # seconds a listing may take before the step goes without one
 
 AGENT = "sandlot-agent"  # the agent's processes' name (``native``'s build of guest/agent)
-FIELD, ARG = "\x01", "\x02"  # between a line's fields, and between a command line's arguments
+FIELD, ARG = "\x01", "\x02"  # after a stat line, and between a command line's arguments
 LIST_SCRIPT = r"""
 cd /proc 2>/dev/null || exit 0
 for p in [0-9]*; do
+  case " $SKIP " in *" $p "*) printf '%s\n' "$p"; continue ;; esac
   [ "$p" = "$$" ] && continue
   IFS= read -r s < "$p/stat" 2>/dev/null || continue
-  name=${s#*\(}; name=${name%\)*}
+  case " $KNOWN " in *" $p "*) printf '%s\001\n' "$s"; continue ;; esac
   set -f; set -- ${s##*\) }; set +f
-  { [ "$p" = 2 ] || [ "$2" = 2 ]; } && continue
-  key="$p:${20}"
-  argv=
-  case " $KNOWN " in *" $key "*) ;; *) argv=$(tr '\000\n' '\002 ' < "$p/cmdline" 2>/dev/null) ;; esac
-  printf '%s\001%s\001%s\n' "$key" "$name" "$argv"
+  if [ "$p" = 2 ] || [ "$2" = 2 ]; then printf '%s\001\n' "$s"; continue; fi
+  printf '%s\001' "$s"; tr '\000\n' '\002 ' < "$p/cmdline" 2>/dev/null; echo
 done
 """
 
 Listing = dict[str, dict[str, Any]]  # "pid:since" -> {"pid", "since", "name", "argv"}
 
 
+@dataclass
+class Found:
+    """A listing, and the guest's kernel threads' pids (the next listing skips them)."""
+
+    processes: Listing = field(default_factory=dict)
+    kernel: set[int] = field(default_factory=set)
+
+
 def key(process: Mapping[str, Any]) -> str:
     return f"{process['pid']}:{process['since']}"
 
 
-def parse(out: str, before: Mapping[str, Mapping[str, Any]]) -> Listing:
-    """The script's lines as a listing; a known process's command line is the one the
-    listing before had (``before``)."""
-    found: Listing = {}
+def parse(out: str, before: Mapping[str, Mapping[str, Any]], mine: int | None = None) -> Found:
+    """The script's lines: each a ``/proc/PID/stat`` line, and after it the command line
+    where the script read one (else the one ``before`` had); but kernel threads (their
+    pids kept apart), the agent's processes and ``mine`` (the listing's own)."""
+    found = Found()
     for line in out.splitlines():
-        parts = line.split(FIELD)
-        if len(parts) != 3 or ":" not in parts[0]:
+        if line.isdigit():  # a kernel thread skipped: it runs still
+            found.kernel.add(int(line))
             continue
-        at, name, argv = parts
-        pid, since = at.split(":", 1)
-        if not pid.isdigit() or not since.isdigit() or name == AGENT:
+        stat, _, argv = line.partition(FIELD)
+        opened, closed = stat.find(" ("), stat.rfind(")")  # (a name may hold parentheses)
+        if opened <= 0 or closed < opened:
             continue
+        pid, name, fields = stat[:opened], stat[opened + 2 : closed], stat[closed + 2 :].split()
+        if not pid.isdigit() or len(fields) < 20 or not fields[1].isdigit() or not fields[19].isdigit():
+            continue
+        if pid == "2" or fields[1] == "2":
+            found.kernel.add(int(pid))
+            continue
+        if int(pid) == mine or name == AGENT:
+            continue
+        at = f"{pid}:{fields[19]}"
         known = before.get(at)
         args = [a for a in argv.split(ARG) if a] if argv else (list(known["argv"]) if known else [])
-        found[at] = {"pid": int(pid), "since": int(since), "name": name, "argv": args}
+        found.processes[at] = {"pid": int(pid), "since": int(fields[19]), "name": name, "argv": args}
     return found
 
 
-async def listing(conn: AgentConnection, before: Mapping[str, Mapping[str, Any]]) -> Listing | None:
-    """The guest's processes now (None: none could be listed, within ``TIMEOUT``)."""
+Runner = Callable[[str, "dict[str, str]"], Awaitable[tuple[int, str]]]
+
+
+async def run(conn: AgentConnection, script: str, env: dict[str, str]) -> tuple[int, str]:
+    """``sh -c script`` in the guest: the pid that ran it, and what it printed
+    (SandlotError, OSError where it could not run, or failed)."""
     from ..protocol.exec import ExecRequest, RemoteProcess
 
-    req = ExecRequest(argv=["/bin/sh", "-c", LIST_SCRIPT], env={"KNOWN": " ".join(before)})
+    proc = await RemoteProcess.start(conn, ExecRequest(argv=["/bin/sh", "-c", script], env=env))
+    proc.stderr.drain()
+    out = await proc.stdout.read_all()
+    status = await proc.wait()
+    if status.exit_code != 0:
+        raise OSError(f"the listing exited {status.exit_code}")
+    return proc.pid, out.decode(errors="replace")
+
+
+async def gathered(run: Runner, before: Mapping[str, Mapping[str, Any]], kernel: set[int]) -> Found:
+    """A listing made by ``run``: known processes (``before``) keep their command lines,
+    and ``kernel`` (the last listing's kernel threads) is skipped."""
+    known = " ".join(str(p["pid"]) for p in before.values())
+    mine, out = await run(LIST_SCRIPT, {"KNOWN": known, "SKIP": " ".join(map(str, sorted(kernel)))})
+    return parse(out, before, mine)
+
+
+async def listing(
+    conn: AgentConnection, before: Mapping[str, Mapping[str, Any]], kernel: set[int]
+) -> Found | None:
+    """The guest's processes now (None: none could be listed, within ``TIMEOUT``)."""
     try:
         async with asyncio.timeout(TIMEOUT):
-            proc = await RemoteProcess.start(conn, req)
-            proc.stderr.drain()
-            out = await proc.stdout.read_all()
-            status = await proc.wait()
+            return await gathered(functools.partial(run, conn), before, kernel)
     except (SandlotError, OSError, TimeoutError):
         return None
-    if status.exit_code != 0:
-        return None
-    return parse(out.decode(errors="replace"), before)
 
 
 def shown(listing: Mapping[str, Mapping[str, Any]]) -> list[dict[str, Any]]:
@@ -93,25 +133,31 @@ def shown(listing: Mapping[str, Mapping[str, Any]]) -> list[dict[str, Any]]:
     return sorted((dict(p) for p in listing.values()), key=lambda p: p["pid"])[:LISTED]
 
 
-def changes(before: Mapping[str, Mapping[str, Any]] | None, now: Listing) -> dict[str, Any]:
+def changes(before: Mapping[str, Mapping[str, Any]] | None, now: Found) -> dict[str, Any]:
     """What a step's result keeps: the processes running after it, and, where the
-    listing after the step before is known, those it started and those it ended."""
-    out: dict[str, Any] = {"running": shown(now), "count": len(now)}
+    listing after the step before is known, those it started and those it ended; and
+    the kernel threads' pids, which the next listing skips."""
+    procs = now.processes
+    out: dict[str, Any] = {"running": shown(procs), "count": len(procs), "kernel": sorted(now.kernel)}
     if before is not None:
-        started = {k: v for k, v in now.items() if k not in before}
-        ended = {k: v for k, v in before.items() if k not in now}
+        started = {k: v for k, v in procs.items() if k not in before}
+        ended = {k: v for k, v in before.items() if k not in procs}
         out |= {"started": shown(started), "ended": shown(ended)}
         if len(started) > LISTED or len(ended) > LISTED:
             out["more"] = {"started": max(0, len(started) - LISTED), "ended": max(0, len(ended) - LISTED)}
     return out
 
 
-def from_kept(kept: Mapping[str, Any] | None) -> Listing | None:
-    """The listing a step's result kept (``changes``): the baseline of the next step.
-    None where it kept none, or not all (a listing of more than ``LISTED``)."""
-    if not kept or "running" not in kept or kept.get("count", 0) > len(kept["running"]):
-        return None
+def from_kept(kept: Mapping[str, Any] | None) -> tuple[Listing | None, set[int]]:
+    """What a step's result kept (``changes``) as the next listing's baseline: its
+    processes (None where it kept none, or not all: a listing of more than ``LISTED``),
+    and the kernel threads to skip."""
+    if not kept:
+        return None, set()
     try:
-        return {key(p): dict(p) for p in kept["running"]}
-    except (KeyError, TypeError):
-        return None
+        kernel = {int(p) for p in kept.get("kernel") or []}
+        if "running" not in kept or kept.get("count", 0) > len(kept["running"]):
+            return None, kernel
+        return {key(p): dict(p) for p in kept["running"]}, kernel
+    except (KeyError, TypeError, ValueError):
+        return None, set()

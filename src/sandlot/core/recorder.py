@@ -332,10 +332,11 @@ class Recorder:
         fixed: asyncio.Event | None = None,
         take: bool = True,
     ) -> str | None:
-        """If the box runs: (``take``) a live snapshot of kind ``step`` of the box now, its
-        id, and the processes the step left, into its ``result``. They are listed once
-        the state saved is fixed (so it holds no listing), while the rest of the save
-        goes on; ``fixed`` is set once both are, and the next step waits for it."""
+        """If the box runs: the processes the step left, into its ``result``, then
+        (``take``) a live snapshot of kind ``step`` of the box now, its id (``fixed``: set
+        once the state saved can no longer change). The listing comes first, while the
+        guest runs warm (the first command after a save finds the emulator's translations
+        of the guest's code gone), and has ended before the save begins."""
         controller, live = self.controller, self.live
         if entry.removed:
             return None
@@ -343,26 +344,10 @@ class Recorder:
             rec = await controller.refresh(entry)
             if rec.state != BoxState.RUNNING:
                 return None  # (and its agent is not asked: that would wake a box asleep)
+            await self._list(entry, result)
             if not take:
-                await self._list(entry, result)
                 return None
-            saved = asyncio.Event()
-
-            async def list_once_fixed() -> None:
-                await saved.wait()
-                try:
-                    await self._list(entry, result)
-                finally:
-                    if fixed is not None:
-                        fixed.set()
-
-            listing = asyncio.create_task(list_once_fixed())
-            try:
-                snap = await live.capture(entry, "step", fixed=saved)
-            except BaseException:
-                listing.cancel()
-                raise
-            await listing
+            snap = await live.capture(entry, "step", fixed=fixed)
         self._last[entry.id] = time.time()
         return snap.id
 
@@ -375,8 +360,8 @@ class Recorder:
         step before (its row's)."""
         try:
             kept = await self.controller.db.call(timeline.last_result, entry.id, "processes")
-            before = guestprocs.from_kept(kept)
-            now = await guestprocs.listing(await self.controller.connection(entry), before or {})
+            before, kernel = guestprocs.from_kept(kept)
+            now = await guestprocs.listing(await self.controller.connection(entry), before or {}, kernel)
         except SandlotError:
             return None
         return None if now is None else guestprocs.changes(before, now)
@@ -432,8 +417,8 @@ class Recorder:
         started = time.time()
         await self.live.rollback(entry, snap)
         kept = found.result.get("processes") or {}
-        running = {k: kept[k] for k in ("running", "count") if k in kept}  # what the next step starts from
-        result = {"processes": running} if running else {}
+        baseline = {k: kept[k] for k in ("running", "count", "kernel") if k in kept}  # for the next step
+        result = {"processes": baseline} if baseline else {}
         return await self._appended(entry, "rewind", {"to": found.seq}, started, snap.id, result)
 
     async def _appended(
@@ -452,7 +437,7 @@ class Recorder:
         if result is None:  # the processes the state has, listed now: the next step's baseline
             listed = None
             with contextlib.suppress(SandlotError):
-                listed = await guestprocs.listing(await self.controller.connection(entry), {})
+                listed = await guestprocs.listing(await self.controller.connection(entry), {}, set())
             result = {"processes": guestprocs.changes(None, listed)} if listed is not None else {}
         row = StepRecord(
             box_id=entry.id, seq=0, kind=kind, what=what, result=result, started_at=started,
