@@ -441,11 +441,7 @@ def test_bad_input_gives_a_clear_error_and_moves_nothing(f: fleet.Fleet, nodes: 
         left = sandlot.list_snapshots(home=nodes.fc.homes[nodes.a])
         assert [s.box_name for s in left if s.name or s.kind != "template"] == []  # automatic templates stay
         assert not any(n["node_id"] == odd and n["reserved_memory_mib"] for n in f.nodes())
-        nodes.fc.kill(odd)  # the later tests place replicas: never on a node that cannot load them
-        deadline = deadline_in(60)
-        while any(n["node_id"] == odd and n["alive"] for n in f.nodes()):
-            assert time.monotonic() < deadline, "Ray still counts the removed node alive"
-            time.sleep(0.5)
+        dead(f, nodes, odd)  # the later tests place replicas: never on a node that cannot load them
     finally:
         box.remove(force=True)
 
@@ -498,6 +494,8 @@ def moves_left(home: Path) -> list[str]:
 
 
 def dead(f: fleet.Fleet, nodes: Nodes, node: str) -> None:
+    """Kill a node, and return once Ray counts it dead: until then a box or a replica
+    may still be placed on it."""
     nodes.fc.kill(node)
     deadline = deadline_in(60)
     while any(n["node_id"] == node and n["alive"] for n in f.nodes()):
@@ -594,10 +592,10 @@ def test_with_a_storage_tier_a_box_moves_through_it_and_a_dead_nodes_suspended_b
             assert f.record(back)["recovered"]["through"] == "storage tier"
             back.remove(force=True)
         finally:
-            for node in (x, y):
+            for node in (x, y):  # gone before the next test places a box or a replica
                 with contextlib.suppress(Exception):
                     if node in {n["node_id"] for n in f.nodes() if n["alive"]}:
-                        nodes.fc.kill(node)
+                        dead(f, nodes, node)
 
 
 def test_a_dead_nodes_boxes_are_lost_and_a_replicated_one_recovers(f: fleet.Fleet, nodes: Nodes,

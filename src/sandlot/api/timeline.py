@@ -65,7 +65,10 @@ class Step:
         a guest without ``/bin/sh``): ``running``, each ``{"pid", "since", "name", "argv"}``
         (``since``: its start, in clock ticks from the guest's boot), and where the step
         before was listed too, ``started`` and ``ended``: those the step started that
-        still ran at its end, and those that ran before it and ended during it."""
+        still ran at its end, and those that ran before it and ended during it (each list
+        at most 100: ``count`` says how many run, ``more`` how many more started or
+        ended). ``kernel``: the guest's kernel threads' pids, which are no processes of
+        its work (the next listing skips them)."""
         found = self.result.get("processes")
         return dict(found) if isinstance(found, dict) else None
 
