@@ -21,26 +21,28 @@ from sandlot.core import guestprocs
 SHELLS = [s for s in (["dash"], ["busybox", "sh"]) if shutil.which(s[0])]
 
 
-def runner(shell: list[str], outputs: list[str]) -> guestprocs.Runner:
-    """What the agent does with a listing's command, done here by ``shell`` (what it
-    printed kept in ``outputs``)."""
+def runner(shell: list[str], outputs: list[tuple[int, str]]) -> guestprocs.Runner:
+    """What the agent does with a listing's command, done here by ``shell`` (its pid and
+    what it printed kept in ``outputs``)."""
 
-    async def run(script: str, env: dict[str, str]) -> tuple[int, str]:
+    async def run(script: str, env: dict[str, str]) -> str:
         p = subprocess.Popen([*shell, "-c", script], stdout=subprocess.PIPE, text=True,
                              env={"PATH": os.environ["PATH"], **env})  # fmt: skip
         out, _ = p.communicate(timeout=30)
         assert p.returncode == 0 and out, p.returncode
-        outputs.append(out)
-        return p.pid, out
+        outputs.append((p.pid, out))
+        return out
 
     return run
 
 
 def listing(shell: list[str], before: guestprocs.Found) -> tuple[guestprocs.Found, str]:
     """A listing on this host, after ``before``: what it found, and what its shell printed."""
-    outputs: list[str] = []
+    outputs: list[tuple[int, str]] = []
     found = asyncio.run(guestprocs.gathered(runner(shell, outputs), before.processes, before.kernel))
-    return found, outputs[0]
+    ((shell_pid, printed),) = outputs
+    assert shell_pid not in {p["pid"] for p in found.processes.values()}  # the listing's own shell
+    return found, printed
 
 
 ODD = "open('/proc/self/comm', 'w').write('od) d('); import time; time.sleep(60)"
@@ -94,15 +96,21 @@ def test_unit_a_listing_names_each_process_and_reads_only_what_is_new(
     assert [second.processes[k] for k in same] == [first.processes[k] for k in same]
 
 
-def test_unit_lines_that_are_no_process_s_are_left_out() -> None:
+def test_unit_lines_that_are_no_process_s_are_left_out_and_known_ones_keep_their_command_lines() -> None:
     tail = "S 1 1 1 0 -1 0 0 0 0 0 0 0 0 0 20 0 1 0 77 100 1"
     lines = [
         f"9 (a (b) c) {tail}{guestprocs.FIELD}sh{guestprocs.ARG}-c{guestprocs.ARG}",
         "garbage", f"x (y) {tail}", "8 (short) S 1 1", f"10 (kworker) S 2{tail[3:]}{guestprocs.FIELD}", "11",
-        f"12 (sh) {tail}{guestprocs.FIELD}", f"13 (sandlot-agent) {tail}{guestprocs.FIELD}",
+        f"13 (sandlot-agent) {tail}{guestprocs.FIELD}", f"14 (kept) {tail}{guestprocs.FIELD}",
     ]  # fmt: skip
-    found = guestprocs.parse("\n".join(lines), {}, mine=12)
-    assert found.processes == {"9:77": {"pid": 9, "since": 77, "name": "a (b) c", "argv": ["sh", "-c"]}}
+    # 14 ran before with the same start: its command line is the one kept; 9's pid ran
+    # another process before (an older start): it is a new one, with the line read now
+    before = {"14:77": proc(14, 77, "kept", "--on"), "9:50": proc(9, 50, "old")}
+    found = guestprocs.parse("\n".join(lines), before)
+    assert found.processes == {
+        "9:77": {"pid": 9, "since": 77, "name": "a (b) c", "argv": ["sh", "-c"]},
+        "14:77": {"pid": 14, "since": 77, "name": "kept", "argv": ["kept", "--on"]},
+    }
     assert found.kernel == {10, 11}
 
 

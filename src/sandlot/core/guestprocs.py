@@ -42,9 +42,9 @@ for p in [0-9]*; do
   case " $SKIP " in *" $p "*) printf '%s\n' "$p"; continue ;; esac
   [ "$p" = "$$" ] && continue
   IFS= read -r s < "$p/stat" 2>/dev/null || continue
-  case " $KNOWN " in *" $p "*) printf '%s\001\n' "$s"; continue ;; esac
   set -f; set -- ${s##*\) }; set +f
   if [ "$p" = 2 ] || [ "$2" = 2 ]; then printf '%s\001\n' "$s"; continue; fi
+  case " $KNOWN " in *" $p:${20} "*) printf '%s\001\n' "$s"; continue ;; esac
   printf '%s\001' "$s"; tr '\000\n' '\002 ' < "$p/cmdline" 2>/dev/null; echo
 done
 """
@@ -64,10 +64,10 @@ def key(process: Mapping[str, Any]) -> str:
     return f"{process['pid']}:{process['since']}"
 
 
-def parse(out: str, before: Mapping[str, Mapping[str, Any]], mine: int | None = None) -> Found:
+def parse(out: str, before: Mapping[str, Mapping[str, Any]]) -> Found:
     """The script's lines: each a ``/proc/PID/stat`` line, and after it the command line
     where the script read one (else the one ``before`` had); but kernel threads (their
-    pids kept apart), the agent's processes and ``mine`` (the listing's own)."""
+    pids kept apart) and the agent's processes."""
     found = Found()
     for line in out.splitlines():
         if line.isdigit():  # a kernel thread skipped: it runs still
@@ -83,7 +83,7 @@ def parse(out: str, before: Mapping[str, Mapping[str, Any]], mine: int | None = 
         if pid == "2" or fields[1] == "2":
             found.kernel.add(int(pid))
             continue
-        if int(pid) == mine or name == AGENT:
+        if name == AGENT:
             continue
         at = f"{pid}:{fields[19]}"
         known = before.get(at)
@@ -92,12 +92,12 @@ def parse(out: str, before: Mapping[str, Mapping[str, Any]], mine: int | None = 
     return found
 
 
-Runner = Callable[[str, "dict[str, str]"], Awaitable[tuple[int, str]]]
+Runner = Callable[[str, dict[str, str]], Awaitable[str]]
 
 
-async def run(conn: AgentConnection, script: str, env: dict[str, str]) -> tuple[int, str]:
-    """``sh -c script`` in the guest: the pid that ran it, and what it printed
-    (SandlotError, OSError where it could not run, or failed)."""
+async def run(conn: AgentConnection, script: str, env: dict[str, str]) -> str:
+    """What ``sh -c script`` in the guest printed (SandlotError, OSError where it could
+    not run, or failed)."""
     from ..protocol.exec import ExecRequest, RemoteProcess
 
     proc = await RemoteProcess.start(conn, ExecRequest(argv=["/bin/sh", "-c", script], env=env))
@@ -106,15 +106,15 @@ async def run(conn: AgentConnection, script: str, env: dict[str, str]) -> tuple[
     status = await proc.wait()
     if status.exit_code != 0:
         raise OSError(f"the listing exited {status.exit_code}")
-    return proc.pid, out.decode(errors="replace")
+    return out.decode(errors="replace")
 
 
-async def gathered(run: Runner, before: Mapping[str, Mapping[str, Any]], kernel: set[int]) -> Found:
-    """A listing made by ``run``: known processes (``before``) keep their command lines,
-    and ``kernel`` (the last listing's kernel threads) is skipped."""
-    known = " ".join(str(p["pid"]) for p in before.values())
-    mine, out = await run(LIST_SCRIPT, {"KNOWN": known, "SKIP": " ".join(map(str, sorted(kernel)))})
-    return parse(out, before, mine)
+async def gathered(runner: Runner, before: Mapping[str, Mapping[str, Any]], kernel: set[int]) -> Found:
+    """A listing made by ``runner`` (what runs the script: the agent): known processes
+    (``before``) keep their command lines, and ``kernel`` (the last listing's kernel
+    threads) is skipped."""
+    env = {"KNOWN": " ".join(before), "SKIP": " ".join(map(str, sorted(kernel)))}
+    return parse(await runner(LIST_SCRIPT, env), before)
 
 
 async def listing(
