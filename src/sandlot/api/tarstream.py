@@ -837,11 +837,9 @@ class _Unpacker:
                 return None
             if err not in (errno.ENOSYS, errno.EINVAL):
                 return err
-        try:
+        with contextlib.suppress(FileNotFoundError):
             os.stat(self.name, dir_fd=self.parent_fd, follow_symlinks=False)
             return errno.EEXIST
-        except FileNotFoundError:
-            pass
         try:
             os.rename(self.stage_name, self.name, src_dir_fd=self.parent_fd, dst_dir_fd=self.parent_fd)
         except OSError as e:
@@ -994,7 +992,7 @@ async def unpack(chunks: AsyncIterable[bytes], dest: Path) -> Report:
         except TransferError as e:
             if e.side == "box" and not isinstance(feeding, asyncio.CancelledError):
                 raise e from None  # the box's own word on why its stream ended
-        except Exception:
+        except Exception:  # the reader's other ends give way to how the feeding ended
             pass
         raise
     finally:
