@@ -143,3 +143,24 @@ def test_unit_a_listing_past_its_bound_is_counted_and_is_no_baseline() -> None:
     assert guestprocs.from_kept(kept) == (None, {2, 3})
     assert guestprocs.from_kept(None) == (None, set())
     assert guestprocs.from_kept({"running": [{"pid": 1}], "count": 1}) == (None, set())  # damaged
+
+
+def test_unit_what_a_guest_makes_a_listing_hold_is_bounded() -> None:
+    """A process's command line past ``ARGV_KEPT`` characters is cut; a listing past
+    ``OUTPUT_MAX`` bytes is none (the step goes without), never held whole."""
+    tail = "S 1 1 1 0 -1 0 0 0 0 0 0 0 0 0 20 0 1 0 77 100 1"
+    long = guestprocs.ARG.join(["x" * 3000, "y" * 3000, "z"])
+    [p] = guestprocs.parse(f"9 (big) {tail}{guestprocs.FIELD}{long}", {}).processes.values()
+    assert p["argv"] == ["x" * 3000, "y" * (guestprocs.ARGV_KEPT - 3000) + "..."]
+
+    class Stream:
+        def __init__(self, n: int) -> None:
+            self.left = n
+
+        async def read(self) -> bytes:
+            self.left -= 1
+            return b"a" * 1000 if self.left >= 0 else b""
+
+    assert asyncio.run(guestprocs.at_most(Stream(3), 3000)) == b"a" * 3000
+    with pytest.raises(OSError, match="more than 3000 bytes"):
+        asyncio.run(guestprocs.at_most(Stream(4), 3000))

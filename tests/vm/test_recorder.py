@@ -89,6 +89,9 @@ def test_the_cli_shows_the_timeline_rewinds_and_bisects(recorded: sandlot.Box) -
     box.sh("echo 2 > /work/n")
     box.sh("echo 3 > /work/n")  # breaks the test below
     box.sh("echo 4 > /work/n")
+    # this process's last steps in the timeline (another process sees a step once its
+    # checkpoint is taken: a moment after the next step may begin)
+    box.timeline()
     listed = cli("timeline", box.name, "--json")
     assert listed.returncode == 0, listed.stderr
     steps = json.loads(listed.stdout)

@@ -24,7 +24,7 @@ import asyncio
 import functools
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from ..errors import SandlotError
 
@@ -33,6 +33,8 @@ if TYPE_CHECKING:
 
 LISTED = 100  # processes a step names as started, ended or running (each list; the rest are counted)
 TIMEOUT = 5.0  # seconds a listing may take before the step goes without one
+OUTPUT_MAX = 1 << 20  # bytes a listing may print (past them: no listing), whatever the guest runs
+ARGV_KEPT = 4096  # characters of a process's command line kept (the guest chooses them: up to MiBs)
 
 AGENT = "sandlot-agent"  # the agent's processes' name (``native``'s build of guest/agent)
 FIELD, ARG = "\x01", "\x02"  # after a stat line, and between a command line's arguments
@@ -87,12 +89,42 @@ def parse(out: str, before: Mapping[str, Mapping[str, Any]]) -> Found:
             continue
         at = f"{pid}:{fields[19]}"
         known = before.get(at)
-        args = [a for a in argv.split(ARG) if a] if argv else (list(known["argv"]) if known else [])
+        args = kept_argv(argv) if argv else (list(known["argv"]) if known else [])
         found.processes[at] = {"pid": int(pid), "since": int(fields[19]), "name": name, "argv": args}
     return found
 
 
+def kept_argv(printed: str) -> list[str]:
+    """A command line as the script printed it, as a step keeps it: its first
+    ``ARGV_KEPT`` characters, the argument cut there ending in "..." (a row of the home's
+    store holds it, for every step)."""
+    kept, room = [], ARGV_KEPT
+    for a in (a for a in printed.split(ARG) if a):
+        if len(a) > room:
+            kept.append(a[:room] + "...")
+            break
+        kept.append(a)
+        room -= len(a)
+    return kept
+
+
 Runner = Callable[[str, dict[str, str]], Awaitable[str]]
+
+
+class Readable(Protocol):
+    async def read(self) -> bytes: ...
+
+
+async def at_most(stream: Readable, limit: int) -> bytes:
+    """All a stream gives, or OSError once it gives more than ``limit`` bytes (a guest of
+    many processes with long command lines: what the host holds of it is bounded)."""
+    parts, size = [], 0
+    while chunk := await stream.read():
+        size += len(chunk)
+        if size > limit:
+            raise OSError(f"the listing printed more than {limit} bytes")
+        parts.append(chunk)
+    return b"".join(parts)
 
 
 async def run(conn: AgentConnection, script: str, env: dict[str, str]) -> str:
@@ -102,7 +134,12 @@ async def run(conn: AgentConnection, script: str, env: dict[str, str]) -> str:
 
     proc = await RemoteProcess.start(conn, ExecRequest(argv=["/bin/sh", "-c", script], env=env))
     proc.stderr.drain()
-    out = await proc.stdout.read_all()
+    try:
+        out = await at_most(proc.stdout, OUTPUT_MAX)
+    except OSError:
+        await proc.signal()
+        await proc.wait()
+        raise
     status = await proc.wait()
     if status.exit_code != 0:
         raise OSError(f"the listing exited {status.exit_code}")
