@@ -88,6 +88,12 @@ PROMISED = {
     "floods": ["engine", "seconds_each", "bounds", "floods", "host"],
     "desktop": ["image_MiB", "engines", "targets", "host"],  # engines: see tests/vm/test_benchmarks.py
     "nested": ["inner", "kvm_in_box", "tcg_on_host", "ratio_kvm_in_box_over_tcg_on_host"],
+    "containers": [
+        "daemon_start_in_box_s",
+        "box_start_from_template_to_docker_answering_s",
+        "docker_run_true_ms",
+        "fork_3_containers_to_all_answering_s",
+    ],
 }
 
 

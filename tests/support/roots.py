@@ -9,7 +9,10 @@ import shutil
 from pathlib import Path
 
 from sandlot.images.builders import (
+    DOCKER_PACKAGES,
+    PODMAN_PACKAGES,
     busybox_rootfs,
+    containers_rootfs,
     debian_rootfs,
     desktop_files_digest,
     desktop_rootfs,
@@ -60,6 +63,15 @@ def kvm_host_root() -> Path:
         # what `sandlot setup` installs on a host (hostsetup.PACKAGES' required ones)
         packages = ["python3", "qemu-system-x86", "qemu-utils", "e2fsprogs", "zstd", "lz4"]
         debian_rootfs(dest, packages, recommends=False)
+    return dest
+
+
+def containers_root() -> Path:
+    """Debian with both container engines: Docker with Compose, and Podman
+    (``builders.containers_rootfs``; mmdebstrap, about a minute the first time)."""
+    dest = CACHE / "rootfs-debian-containers-v2"
+    if not (dest / "usr" / "bin" / "podman").exists() or not (dest / "usr" / "sbin" / "dockerd").exists():
+        containers_rootfs(dest, [*DOCKER_PACKAGES, *PODMAN_PACKAGES])
     return dest
 
 

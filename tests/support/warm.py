@@ -1,6 +1,7 @@
 """What the VM tier's three runs share, made once before they start side by side
 (``scripts/test``): the root filesystems and the test image built from the host's
-packages (the KVM host's and the desktop's among them: mmdebstrap, a few minutes the first time), and
+packages (the KVM host's, the desktop's and the containers' among them: mmdebstrap, a few minutes the
+first time), and
 each home's guest kernel, agent and initramfs. Built lazily, as they otherwise are,
 runs could race to write the same cache. And what earlier runs left in the homes
 that no box needs: the snapshots of removed boxes (by design, a removal keeps its
@@ -33,6 +34,7 @@ def main(homes: list[str]) -> int:
     roots.busybox_root()
     roots.kvm_host_root()
     roots.desktop_root()
+    roots.containers_root()
     python_layout(roots.CACHE, debian)
     for home in homes:
         sandlot.Runtime.for_home(Path(home)).prepare()

@@ -304,6 +304,35 @@ def test_nested_virt_is_a_box_option_on_qemu_only(tmp_path: Path) -> None:
         GvisorEngine(tmp_path).refuse(BootRequest(nested_virt=True))
 
 
+def test_containers_load_their_modules_on_qemu_and_are_refused_on_gvisor(tmp_path: Path) -> None:
+    from sandlot.core.launch import boot_request
+    from sandlot.core.requests import SPEC_OPTIONS
+    from sandlot.core.spec import BoxSpec
+    from sandlot.engine.gvisor.engine import GvisorEngine
+    from sandlot.guest.kernel import CONTAINER_MODULES
+
+    root = tmp_path / "root"
+    root.mkdir()
+    spec = BoxSpec.build(None, rootfs=root, containers=True)
+    assert "containers" in SPEC_OPTIONS and BoxSpec.from_options(spec.to_options()).containers is True
+    assert BoxSpec.build(None, rootfs=root).containers is False
+    with pytest.raises(sandlot.InvalidArgument, match="containers must be True or False, not 'yes'"):
+        BoxSpec.build(None, rootfs=root, containers="yes")  # type: ignore[arg-type]
+    with pytest.raises(sandlot.InvalidArgument, match="runs no container engine"):
+        GvisorEngine(tmp_path).refuse(boot_request(spec, network=False))
+    # the distro kernel has each as a module: loaded at boot, dependencies first, in an
+    # initramfs of their own (a saved state of either kind is another template's)
+    engine = Runtime.for_home().engine("qemu")
+    plain = engine.resolve(BootRequest())  # type: ignore[attr-defined]
+    boxed = engine.resolve(boot_request(spec, network=False))  # type: ignore[attr-defined]
+    assert set(CONTAINER_MODULES) <= set(boxed.kernel.modules)
+    order = boxed.kernel.load_order((*kernel.BASE_MODULES, *CONTAINER_MODULES))
+    assert order.index("x_tables") < order.index("xt_MASQUERADE") and order.index("nf_tables") < order.index(
+        "nft_compat"
+    )  # fmt: skip
+    assert plain.initrd != boxed.initrd and plain.initrd.stat().st_size < boxed.initrd.stat().st_size
+
+
 def test_aslr_is_on_unless_asked_off_and_off_on_qemu_only(tmp_path: Path) -> None:
     from sandlot.core.launch import boot_request
     from sandlot.core.spec import BoxSpec

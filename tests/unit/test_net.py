@@ -196,6 +196,33 @@ def test_proxy_denies_the_hosts_loopback_in_public_mode(tmp_path: Path, upstream
     assert upstream.received == []
 
 
+def test_the_hosts_loopback_by_name_only_on_the_ports_listed_for_127_0_0_1(
+    tmp_path: Path, upstream: Upstream
+) -> None:
+    from sandlot.net.dns import handle
+    from sandlot.net.policy import HOST_NAME, Denied, resolve
+
+    lookup = FakeLookup()
+    listed = Policy.build("allowlist", [f"127.0.0.1:{upstream.port}"])
+    request = (f"GET http://{HOST_NAME}:{upstream.port}/v2/ HTTP/1.1\r\nHost: {HOST_NAME}:{upstream.port}\r\n"
+               "\r\n").encode()  # fmt: skip
+    out, entry = through_proxy(tmp_path, listed, request)
+    assert out == b"pong" and entry["decision"] == "allowed" and entry["address"] == "127.0.0.1"
+    assert upstream.received[-1].startswith(b"GET /v2/ HTTP/1.1\r\n")
+    reply, _ = handle(dns_query(HOST_NAME, 1), listed, lookup, {})
+    assert reply is not None and dns_reply(reply)[1:] == (NOERROR, [("10.0.2.100", 10)])
+    # another port, the name alone, public mode, open mode's own resolver: never
+    name_only = Policy.build("allowlist", [f"{HOST_NAME}:80"])
+    refused = [(listed, upstream.port + 1), (name_only, 80), (Policy.build("public"), 80),
+               (Policy.build("public", [HOST_NAME]), 443)]  # fmt: skip
+    for policy, port in refused:
+        with pytest.raises(Denied, match=r"the host's 127\.0\.0\.1"):
+            resolve(policy, HOST_NAME.upper() + ".", port, lookup=lookup)
+    out, entry = through_proxy(tmp_path, Policy.build("public"), connect(f"{HOST_NAME}:{upstream.port}"))
+    assert out.startswith(b"HTTP/1.1 403") and entry["decision"] == "denied"
+    assert lookup.asked == []  # never looked up on the host
+
+
 def test_proxy_denies_names_not_listed_and_names_resolving_inside(tmp_path: Path, upstream: Upstream) -> None:
     policy = Policy.build("allowlist", ["localhost", "pypi.org"])
     out, entry = through_proxy(tmp_path, policy, connect(f"localhost:{upstream.port}"))

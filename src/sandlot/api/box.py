@@ -114,6 +114,7 @@ class AsyncBox:
         wake_on_traffic: bool = False,
         pids_limit: int | None = None,
         nested_virt: bool = False,
+        containers: bool = False,
         aslr: bool | None = None,
         secrets: Sequence[Secret] | None = None,
         template: Any = None,

@@ -60,11 +60,12 @@ def _box_options(
     volume: list[str] | None, label: list[str] | None, cpus: int, memory: int, disk: int, workdir: str | None,
     user: str | None, rm: bool, pull: str, insecure: bool, accel: str, engine: str | None,
     net: tuple[str | None, list[str] | None, list[str] | None, list[str] | None] = (None, None, None, None),
-    nested_virt: bool = False,
+    guest: tuple[bool, bool] = (False, False),
     aslr: bool | None = None,
     sleep: tuple[float | None, bool] = (None, False),
 ) -> dict[str, Any]:  # fmt: skip
     image, rootfs = image_or_rootfs
+    nested_virt, containers = guest
     network, allow, publish, secret = net
     idle_timeout, wake_on_traffic = sleep
     return {
@@ -73,7 +74,8 @@ def _box_options(
         "image": image, "rootfs": rootfs, "name": name, "env": env_pairs(env), "volumes": volume or None,
         "labels": label_pairs(label), "cpus": cpus, "memory_mib": memory, "disk_size_gb": disk,
         "workdir": workdir, "user": user, "auto_remove": rm, "pull": pull, "insecure": insecure,
-        "accel": accel, "engine": engine, "nested_virt": nested_virt, "aslr": aslr, "keep": True,
+        "accel": accel, "engine": engine, "nested_virt": nested_virt, "containers": containers,
+        "aslr": aslr, "keep": True,
     }  # fmt: skip
 
 
@@ -142,6 +144,14 @@ AccelOpt = Annotated[str, typer.Option(help="QEMU's accelerator: auto, kvm or tc
 NestedOpt = Annotated[
     bool, typer.Option("--nested-virt", help="The box runs VMs of its own: /dev/kvm in it (qemu engine).")
 ]
+ContainersOpt = Annotated[
+    bool,
+    typer.Option(
+        "--containers",
+        help="The box runs a container engine (Docker, Podman): its kernel's modules loaded, and the "
+        "image's dockerd started (qemu engine).",
+    ),
+]
 AslrOpt = Annotated[
     bool | None,
     typer.Option(
@@ -199,6 +209,7 @@ def run(
     engine: EngineOpt = None,
     accel: AccelOpt = "auto",
     nested_virt: NestedOpt = False,
+    containers: ContainersOpt = False,
     aslr: AslrOpt = None,
     network: NetOpt = None,
     allow: AllowOpt = None,
@@ -249,7 +260,7 @@ def run(
         accel,
         engine,
         (network, allow, publish, secret),
-        nested_virt,
+        (nested_virt, containers),
         aslr,
         (idle_timeout, wake_on_traffic),
     )
@@ -305,6 +316,7 @@ def create(
     engine: EngineOpt = None,
     accel: AccelOpt = "auto",
     nested_virt: NestedOpt = False,
+    containers: ContainersOpt = False,
     aslr: AslrOpt = None,
     network: NetOpt = None,
     allow: AllowOpt = None,
@@ -332,7 +344,7 @@ def create(
         accel,
         engine,
         (network, allow, publish, secret),
-        nested_virt,
+        (nested_virt, containers),
         aslr,
         (idle_timeout, wake_on_traffic),
     )

@@ -231,7 +231,7 @@ def _host_packages(*, install: bool, optional: bool, kernel: str | None) -> None
 
 @app.command()
 def rootfs(
-    kind: Annotated[str, typer.Argument(help="busybox, debian or desktop")],
+    kind: Annotated[str, typer.Argument(help="busybox, debian, desktop, docker or podman")],
     dest: Annotated[Path, typer.Argument(help="Directory to create (replaced if it exists).")],
     packages: Annotated[
         list[str] | None, typer.Option("--package", "-p", help="Extra Debian packages.")
@@ -239,18 +239,22 @@ def rootfs(
 ) -> None:
     """Build a root filesystem directory from Debian packages (no registry needed).
     ``desktop`` is the one box.desktop drives: Xvnc, openbox, Chromium, xterm, xdotool,
-    and a noVNC viewer (about 800 MB; --package adds to it)."""
-    from ..images.builders import DESKTOP_PACKAGES, busybox_rootfs, debian_rootfs, desktop_rootfs
+    and a noVNC viewer (about 800 MB; --package adds to it). ``docker`` is Debian's Docker
+    with Compose, ``podman`` Podman: boot either with ``--containers`` (about 500 MB)."""
+    from ..images import builders
 
     try:
         if kind == "busybox":
-            path = busybox_rootfs(dest)
+            path = builders.busybox_rootfs(dest)
         elif kind == "debian":
-            path = debian_rootfs(dest, packages or [])
+            path = builders.debian_rootfs(dest, packages or [])
         elif kind == "desktop":
-            path = desktop_rootfs(dest, [*DESKTOP_PACKAGES, *(packages or [])])
+            path = builders.desktop_rootfs(dest, [*builders.DESKTOP_PACKAGES, *(packages or [])])
+        elif kind in ("docker", "podman"):
+            engine = builders.DOCKER_PACKAGES if kind == "docker" else builders.PODMAN_PACKAGES
+            path = builders.containers_rootfs(dest, [*engine, *(packages or [])])
         else:
-            raise fail(ValueError("kind must be busybox, debian or desktop"), 2)
+            raise fail(ValueError("kind must be busybox, debian, desktop, docker or podman"), 2)
     except SandlotError as exc:
         raise fail(exc) from exc
     print(path)

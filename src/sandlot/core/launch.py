@@ -36,7 +36,7 @@ from ..net.secrets import GUEST_BUNDLE, GUEST_CA, SYSTEM_BUNDLES, read_vault_jso
 from ..protocol import files as proto_files
 from ..protocol.connection import AgentConnection
 from ..protocol.wire import ControlOp, FsFlag, FsOp, MountFlag, Tag, tlv
-from . import chunks, homewatch, lazymem, metrics, snapshots
+from . import chunks, containers, homewatch, lazymem, metrics, snapshots
 from .admission import Admission, default_slots
 from .entry import BoxEntry
 from .runtime import Runtime
@@ -204,6 +204,8 @@ class Launcher:
                 flags = MountFlag.BLOCK | (MountFlag.READONLY if m.mode == "ro" else 0)
                 await conn.control(ControlOp.MOUNT, mount_request(m.guest, d["serial"], flags))
             await self.install_trust(entry, conn)
+            if spec.containers:
+                await containers.bring_up(conn, spec.default_env(), box=entry.name)
 
         for attempt in range(1, BOOT_ATTEMPTS + 1):
             try:
@@ -419,7 +421,7 @@ def boot_request(spec: BoxSpec, *, network: bool) -> BootRequest:
     return BootRequest(
         accel=spec.accel, kernel=spec.kernel, volumes=bool(spec.volumes), network=network,
         disk_gb=spec.disk_size_gb, disk_required=spec.disk_size_gb != DEFAULT_DISK_GB,
-        nested_virt=spec.nested_virt, drives=len(spec.mounts), aslr=spec.aslr,
+        nested_virt=spec.nested_virt, containers=spec.containers, drives=len(spec.mounts), aslr=spec.aslr,
     )  # fmt: skip
 
 

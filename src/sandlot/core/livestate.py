@@ -464,7 +464,8 @@ class LiveState:
     async def template_key(self, entry: BoxEntry, image_digest: str) -> str:
         """What an automatic template must share with a box to stand in for its boot."""
         spec = entry.spec
-        request = BootRequest(accel=spec.accel, kernel=spec.kernel, nested_virt=spec.nested_virt)
+        request = BootRequest(accel=spec.accel, kernel=spec.kernel, nested_virt=spec.nested_virt,
+                              containers=spec.containers)  # fmt: skip
         boot = await asyncio.to_thread(self.rt.engine(spec.engine).prepare, request)
         key: list[Any] = [image_digest, spec.memory_mib, spec.cpus, spec.disk_size_gb, *boot.identity]
         if spec.engine != "qemu":
@@ -473,6 +474,8 @@ class LiveState:
             key.append("nic")
         if spec.nested_virt:  # its kernel loaded KVM at boot
             key.append("nested-virt")
+        if spec.containers:  # and a container engine's modules, and started its daemon
+            key.append("containers")
         if spec.policy.proxied:  # so is the guest's resolver, chosen at boot (the relay)
             key.append("dns-relay")
         return hashlib.sha256(json.dumps(key).encode()).hexdigest()[:32]

@@ -114,6 +114,7 @@ class BoxRequest:
                 o["disk_size_gb"] = saved_box.get("disk_size_gb", DEFAULT_DISK_GB)
             # its KVM modules are loaded in the saved memory: a box from it has them
             o["nested_virt"] = bool(o["nested_virt"] or saved_box.get("nested_virt"))
+            o["containers"] = bool(o["containers"] or saved_box.get("containers"))  # and these modules
             if o["engine"] in (None, "auto"):  # a saved state runs on the engine that saved it
                 o["engine"] = facts.get("engine", "qemu")
             # An automatic template is sandlot's saved boot of an image or tree, standing in
@@ -201,6 +202,11 @@ def check_fits(snap: SnapshotRecord, spec: BoxSpec) -> None:
         raise InvalidArgument(
             f"snapshot {label} is of a box without nested virtualization (its kernel booted without "
             "KVM); a box started from it cannot have nested_virt=True"
+        )
+    if spec.containers and not snap.options.get("box", {}).get("containers"):
+        raise InvalidArgument(
+            f"snapshot {label} is of a box without containers=True (its kernel booted without the "
+            "modules a container engine needs); a box started from it cannot have containers=True"
         )
     saved_nic = bool(facts.get("network"))
     if spec.policy.has_nic != saved_nic:

@@ -234,6 +234,7 @@ class BoxSpec:
     idle_timeout: float | None = None  # suspend after this many seconds without requests
     pids_limit: int | None = None  # processes all commands together may have
     nested_virt: bool = False  # the box runs VMs of its own: /dev/kvm, on the guest's KVM
+    containers: bool = False  # the box runs a container engine (Docker, Podman): see core.containers
     aslr: bool = True  # the guest kernel randomizes its processes' address spaces
     network: str = "none"  # see sandlot.net.policy
     allow: list[str] = field(default_factory=list)
@@ -283,6 +284,7 @@ class BoxSpec:
         wake_on_traffic: bool = False,
         pids_limit: int | None = None,
         nested_virt: bool = False,
+        containers: bool = False,
         aslr: bool | None = None,
         secrets: Sequence[Secret] | None = None,
         saved_secrets: Sequence[dict[str, Any]] = (),
@@ -323,6 +325,8 @@ class BoxSpec:
             raise InvalidArgument(f"pids_limit must be at least 8 (a shell needs a few), not {pids_limit}")
         if not isinstance(nested_virt, bool):
             raise InvalidArgument(f"nested_virt must be True or False, not {nested_virt!r}")
+        if not isinstance(containers, bool):
+            raise InvalidArgument(f"containers must be True or False, not {containers!r}")
         if not isinstance(wake_on_traffic, bool):
             raise InvalidArgument(f"wake_on_traffic must be True or False, not {wake_on_traffic!r}")
         if aslr is not None and not isinstance(aslr, bool):
@@ -402,6 +406,7 @@ class BoxSpec:
             wake_on_traffic=wake_on_traffic,
             pids_limit=pids_limit,
             nested_virt=nested_virt,
+            containers=containers,
             aslr=aslr is not False,
             secrets=secret_specs,
         )

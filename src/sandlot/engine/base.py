@@ -66,6 +66,7 @@ class BootRequest:
     disk_gb: int = 0  # the box's disk size (0: unknown)
     disk_required: bool = False  # the user asked for that size (it is not the default)
     nested_virt: bool = False  # the guest runs VMs of its own: /dev/kvm in the box
+    containers: bool = False  # the guest runs a container engine: its kernel's modules loaded
     aslr: bool = True  # the guest kernel randomizes its processes' address spaces
 
 

@@ -57,6 +57,19 @@ BASE_MODULES: tuple[str, ...] = (
 OPTIONAL_MODULES: tuple[str, ...] = ("virtio_net", "virtio_rng", "overlay", "fuse", "virtiofs")
 OPTIONAL_MODULES += ("vmw_vsock_virtio_transport", "9p", "9pnet_virtio")
 OPTIONAL_MODULES += ("kvm", "kvm_amd", "kvm_intel")  # nested virtualization: a box's own VMs
+# What a container engine in a box (containers=True) asks of its kernel: overlayfs for
+# image layers; a bridge, veth pairs and br_netfilter for its networks; nf_tables and the
+# iptables matches and targets Docker's rules use (Debian's iptables is iptables-nft),
+# NAT for published ports and outgoing traffic; tun for rootless networking (slirp4netns,
+# pasta). Their dependencies (x_tables, nf_conntrack, stp, llc...) come with them.
+CONTAINER_MODULES: tuple[str, ...] = (
+    "overlay", "bridge", "br_netfilter", "veth", "tun",
+    "nf_tables", "nft_compat", "nft_chain_nat", "nft_nat", "nft_masq", "nft_ct", "nf_conntrack_netlink",
+    "ip_tables", "iptable_filter", "iptable_nat", "ip6_tables", "ip6table_filter", "ip6table_nat",
+    "xt_conntrack", "xt_MASQUERADE", "xt_addrtype", "xt_nat", "xt_tcpudp", "xt_comment", "xt_mark",
+    "ipt_REJECT", "ip6t_REJECT",
+)  # fmt: skip
+OPTIONAL_MODULES += CONTAINER_MODULES
 
 _XEN_ELFNOTE_PHYS32_ENTRY = 18
 MODULE_SIGNATURE_MARK = b"~Module signature appended~\n"  # the kernel's own tail of a signed .ko

@@ -9,6 +9,8 @@ depends on a registry being reachable:
   made by ``mmdebstrap``.
 * ``desktop``: Debian with a desktop that ``box.desktop`` drives (``api/desktop.py``):
   Xvnc, openbox, Chromium, xterm, xdotool, wmctrl, and noVNC's viewer behind websockify.
+* ``docker`` and ``podman``: Debian with a container engine, for a box with
+  ``containers=True`` (``core/containers.py``; docs/containers.md).
 
 Both add a user ``agent`` (uid 1000) beside root.
 """
@@ -127,6 +129,33 @@ def debian_rootfs(
     return _replace_dir(final_tmp, dest)
 
 
+# what no box reads: manuals, translations (the copyright files stay)
+NO_DOCS = [
+    "path-exclude=/usr/share/man/*", "path-exclude=/usr/share/info/*",
+    "path-exclude=/usr/share/doc/*", "path-include=/usr/share/doc/*/copyright",
+    "path-exclude=/usr/share/locale/*",
+]  # fmt: skip
+# Debian's Docker (the daemon, its CLI, containerd, runc) with Compose (v1, docker-compose)
+# and the iptables its networks need; Podman with its network stack (netavark) and crun
+DOCKER_PACKAGES = ["docker.io", "docker-compose", "iptables", "ca-certificates", "procps", "iproute2"]
+PODMAN_PACKAGES = ["podman", "crun", "netavark", "aardvark-dns", "catatonit", "iptables",
+                   "ca-certificates", "procps", "iproute2"]  # fmt: skip
+
+
+# Podman 4.3 looks for CNI's plugins first (which it does not depend on) and warns at
+# every command that they are missing: told to use netavark, which it has
+PODMAN_NETWORK = 'printf \'[network]\\nnetwork_backend = "netavark"\\n\' >"$1"/etc/containers/containers.conf'
+
+
+def containers_rootfs(dest: Path, packages: list[str]) -> Path:
+    """A root filesystem at ``dest`` with a container engine (``DOCKER_PACKAGES``,
+    ``PODMAN_PACKAGES``, or both): boot it with ``containers=True``."""
+    hooks = [PODMAN_NETWORK] if "podman" in packages else []
+    return debian_rootfs(
+        dest, list(dict.fromkeys(packages)), recommends=False, dpkg_options=NO_DOCS, hooks=hooks
+    )
+
+
 DESKTOP = Path(__file__).parent / "desktop"
 DESKTOP_PACKAGES = [
     "tigervnc-standalone-server", "tigervnc-tools", "xfonts-base",  # X and VNC in one process
@@ -135,12 +164,9 @@ DESKTOP_PACKAGES = [
     "x11-xserver-utils",  # xsetroot: the background
     "websockify", "python3", "procps",
 ]  # fmt: skip
-# what a desktop box never reads: manuals, translations, Chromium's other languages
+# and what a desktop box never reads: Chromium's other languages
 SLIM = [
-    "path-exclude=/usr/share/man/*", "path-exclude=/usr/share/info/*",
-    "path-exclude=/usr/share/doc/*", "path-include=/usr/share/doc/*/copyright",
-    "path-exclude=/usr/share/locale/*", "path-exclude=/usr/lib/chromium/locales/*",
-    "path-include=/usr/lib/chromium/locales/en-US.pak",
+    *NO_DOCS, "path-exclude=/usr/lib/chromium/locales/*", "path-include=/usr/lib/chromium/locales/en-US.pak",
 ]  # fmt: skip
 # Debian's chromium wrapper reads /etc/chromium.d: a browser for a box with no GPU, no
 # keyring and no first-run dialogs, whoever starts it (box.desktop, an agent's shell)

@@ -22,6 +22,10 @@ and nothing else of it. The box asks for it as ``NAME.box.internal`` (or plain
 DNS answers the name with an address of its own for that box (``addresses.box_address``).
 The connection goes through the other box's agent (``sandlot.net.boxlink``), so
 the service needs no network card and may listen on its loopback only.
+``host.sandlot.internal`` is the host's own loopback (127.0.0.1), by name: what a
+box's program asks for, where it needs a name (Docker in a box pulling from a
+registry on the host); reachable only on the ports ``allow`` lists for 127.0.0.1
+itself (``"127.0.0.1:5000"``), since the name alone opens nothing of the host's.
 
 ``resolve`` is the one decision for a name: the egress proxy asks it for the
 address to connect to, and the box's DNS (``sandlot.net.dns``) whether to
@@ -50,6 +54,8 @@ IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
 
 _LABEL = re.compile(r"^(?!-)[a-z0-9-]{1,63}(?<!-)$")
 BOX_DOMAIN = "box.internal"  # NAME.box.internal is box NAME (.internal: ICANN's private-use domain)
+HOST_NAME = "host.sandlot.internal"  # the host's loopback, on the ports allow lists for 127.0.0.1
+HOST_LOOPBACK = ipaddress.IPv4Address("127.0.0.1")
 BOX_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")  # a box's name (the store's rule too)
 
 
@@ -316,6 +322,12 @@ def resolve(
     on = f" port {port}" if port is not None else ""
     if is_box_host(host):
         raise Denied(f"{host}{on}: no box:NAME:PORT entry of this box's policy names that box")
+    if normalize_host(host) == HOST_NAME:  # never looked up: it is the host's loopback
+        if policy.mode in PROXIED and any(
+            policy.allows_address(HOST_LOOPBACK, p, name_allowed=False) for p in policy.ports(port)
+        ):
+            return HOST_LOOPBACK
+        raise Denied(f"{host} (the host's 127.0.0.1){on}: allow lists no 127.0.0.1{on}")
     literal = parse_ip(host)
     if literal is not None:
         if any(policy.allows_address(literal, p, name_allowed=False) for p in policy.ports(port)):

@@ -83,6 +83,11 @@ class GvisorEngine(Engine):
             raise InvalidArgument("engine='gvisor' has no guest kernel to replace (kernel= is for qemu)")
         if request.nested_virt:
             raise InvalidArgument("engine='gvisor' has no /dev/kvm for a box's own VMs (nested_virt: qemu)")
+        if request.containers:
+            raise InvalidArgument(
+                "engine='gvisor' runs no container engine in a box: its kernel has no overlayfs, "
+                "bridges or netfilter for Docker or Podman (containers=True: engine='qemu')"
+            )
         if not request.aslr:
             raise InvalidArgument(
                 "engine='gvisor' always randomizes its processes' address spaces (aslr=False: engine='qemu')"

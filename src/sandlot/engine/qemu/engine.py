@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 from ... import pids
 from ...config import flock_within, free_bytes, fsync_dir, runtime_dir
 from ...errors import HostSetupError, IncompatibleSnapshot, NoSpace, SavedStateError, Unsupported, no_space
+from ...guest.kernel import CONTAINER_MODULES
 from .. import hostcgroup
 from ..base import (
     Boot,
@@ -102,6 +103,12 @@ class QemuEngine(Engine):
             extra += ("virtio_net",)
         assets = self.assets.resolve(kernel=request.kernel, accel=request.accel, flavor=flavor,
                                      extra_modules=extra)  # fmt: skip
+        if request.containers:
+            # what this kernel has as modules; the rest is built in, or missing, which the
+            # engine in the box then says (sandlot checks its start: ``core.containers``)
+            extra += tuple(m for m in CONTAINER_MODULES if m in assets.kernel.modules)
+            assets = self.assets.resolve(kernel=request.kernel, accel=request.accel, flavor=flavor,
+                                         extra_modules=extra)  # fmt: skip
         if not request.nested_virt:
             return assets
         # the guest's KVM: the vendor module of the CPU it gets (and kvm, irqbypass beneath it)
