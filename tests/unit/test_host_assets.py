@@ -331,6 +331,11 @@ def test_containers_load_their_modules_on_qemu_and_are_refused_on_gvisor(tmp_pat
         "nft_compat"
     )  # fmt: skip
     assert plain.initrd != boxed.initrd and plain.initrd.stat().st_size < boxed.initrd.stat().st_size
+    # one wire contract: the option reaches a server's and a fleet's boxes as it is
+    from sandlot.api.contract import BoxCreate, box_create
+
+    assert box_create(None, {"rootfs": None, "containers": True}, "ray")["containers"] is True
+    assert BoxCreate(containers=True).containers is True  # type: ignore[call-arg]
 
 
 def test_aslr_is_on_unless_asked_off_and_off_on_qemu_only(tmp_path: Path) -> None:
