@@ -85,8 +85,8 @@ class GvisorEngine(Engine):
             raise InvalidArgument("engine='gvisor' has no /dev/kvm for a box's own VMs (nested_virt: qemu)")
         if request.containers:
             raise InvalidArgument(
-                "engine='gvisor' runs no container engine in a box: its kernel has no overlayfs, "
-                "bridges or netfilter for Docker or Podman (containers=True: engine='qemu')"
+                "engine='gvisor' runs no container engine in a box: gVisor's kernel gives Docker no "
+                "cgroups and Podman no layer unpacking (docs/containers.md; containers=True: engine='qemu')"
             )
         if not request.aslr:
             raise InvalidArgument(
