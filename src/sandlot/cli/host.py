@@ -63,6 +63,12 @@ def doctor(
     if nested:
         state = f"{ok}  boxes may have it (nested_virt=True): " if nested["available"] else "[yellow]no[/]  "
         out.print(f"nested virt  {state}{nested['why']}")
+    containers = report.get("containers") or {}
+    if containers:
+        state = f"{ok}  " if containers["modules"] == containers["of"] else "[yellow]some[/]  "
+        out.print(
+            f"containers   {state}boxes may run Docker or Podman (containers=True): {containers['why']}"
+        )
     if isinstance(agent, dict) and agent:
         out.print(f"agent        {ok}  {agent['path']} (built with {agent['compiler']})")
     cgroup = report.get("host_cgroup", {})

@@ -391,6 +391,10 @@ class QemuEngine(Engine):
             lacking = kvm_lacking(support, assets.kernel)
             why = f"kernel {assets.kernel.version} lacks {', '.join(lacking)}" if lacking else support.why
             report["nested_virt"] = {"available": support.available and not lacking, "why": why}
+            has, wanted = [m for m in CONTAINER_MODULES if m in assets.kernel.modules], len(CONTAINER_MODULES)
+            rest = "" if len(has) == wanted else " (the rest are built in, or missing: a box's start checks)"
+            why = f"kernel {assets.kernel.version} has {len(has)} of the {wanted} modules Docker needs{rest}"
+            report["containers"] = {"modules": len(has), "of": wanted, "why": why}
             report["agent"] = {"path": str(assets.agent.path), "compiler": assets.agent.compiler}
             report["initramfs"] = str(assets.initrd)
         except Exception as exc:
