@@ -39,7 +39,7 @@ def test_doctor_reports_accelerator_and_reason() -> None:
         # what a box gains under emulation without address-space randomization
         assert "aslr=False" in report["accel"]["advice"] and "--no-aslr" in text
     assert "nested virt" in text
-    assert report["containers"]["modules"] == report["containers"]["of"] > 20  # the distro kernel has them all
+    assert report["containers"]["modules"] == report["containers"]["of"] > 20  # the distro kernel: all
     assert "boxes may run Docker or Podman (containers=True)" in text
     assert "accelerator" in text and report["accel"]["name"] in text
     assert "host cgroup" in text
