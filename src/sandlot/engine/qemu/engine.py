@@ -26,7 +26,6 @@ from typing import TYPE_CHECKING, Any
 from ... import pids
 from ...config import flock_within, free_bytes, fsync_dir, runtime_dir
 from ...errors import HostSetupError, IncompatibleSnapshot, NoSpace, SavedStateError, Unsupported, no_space
-from ...guest.kernel import CONTAINER_MODULES
 from .. import hostcgroup
 from ..base import (
     Boot,
@@ -104,6 +103,8 @@ class QemuEngine(Engine):
         assets = self.assets.resolve(kernel=request.kernel, accel=request.accel, flavor=flavor,
                                      extra_modules=extra)  # fmt: skip
         if request.containers:
+            from ...guest.kernel import CONTAINER_MODULES  # boot assets: a running box's command needs none
+
             # what this kernel has as modules; the rest is built in, or missing, which the
             # engine in the box then says (sandlot checks its start: ``core.containers``)
             extra += tuple(m for m in CONTAINER_MODULES if m in assets.kernel.modules)
@@ -391,6 +392,8 @@ class QemuEngine(Engine):
             lacking = kvm_lacking(support, assets.kernel)
             why = f"kernel {assets.kernel.version} lacks {', '.join(lacking)}" if lacking else support.why
             report["nested_virt"] = {"available": support.available and not lacking, "why": why}
+            from ...guest.kernel import CONTAINER_MODULES
+
             has, wanted = [m for m in CONTAINER_MODULES if m in assets.kernel.modules], len(CONTAINER_MODULES)
             rest = "" if len(has) == wanted else " (the rest are built in, or missing: a box's start checks)"
             why = f"kernel {assets.kernel.version} has {len(has)} of the {wanted} modules Docker needs{rest}"
