@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import os
-import platform
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -221,7 +220,7 @@ def test_containers_count_against_the_boxs_pids_and_stay_in_its_kernel(box: sand
     look = "uname -r; tr '\\0' ' ' </proc/1/cmdline; echo; mkdir /m && mount /dev/vda /m && cat /m/marker"
     out = sh(box, f'docker run --rm --privileged --pid=host {image} sh -c "{look}"')
     kernel, init, seen = out.splitlines()[:3]
-    assert kernel != platform.release() and kernel.endswith("amd64")  # the box's kernel, not the host's
+    assert kernel == sh(box, "uname -r").strip()  # the box's kernel (the VM's, whatever the host runs)
     assert "sandlot-agent" in init or init.startswith("/init")  # the VM's init: sandlot's agent
     assert seen == marker  # the disk it can reach is the box's
 
