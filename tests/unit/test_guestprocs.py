@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from sandlot.core import guestprocs
+from sandlot.core import guestprocs, guestshell
 
 SHELLS = [s for s in (["dash"], ["busybox", "sh"]) if shutil.which(s[0])]
 
@@ -161,6 +161,6 @@ def test_unit_what_a_guest_makes_a_listing_hold_is_bounded() -> None:
             self.left -= 1
             return b"a" * 1000 if self.left >= 0 else b""
 
-    assert asyncio.run(guestprocs.at_most(Stream(3), 3000)) == b"a" * 3000
+    assert asyncio.run(guestshell.at_most(Stream(3), 3000)) == b"a" * 3000
     with pytest.raises(OSError, match="more than 3000 bytes"):
-        asyncio.run(guestprocs.at_most(Stream(4), 3000))
+        asyncio.run(guestshell.at_most(Stream(4), 3000))

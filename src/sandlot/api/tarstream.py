@@ -989,11 +989,10 @@ async def unpack(chunks: AsyncIterable[bytes], dest: Path) -> Report:
         w = -1
         try:
             await reader
-        except TransferError as e:
-            if e.side == "box" and not isinstance(feeding, asyncio.CancelledError):
-                raise e from None  # the box's own word on why its stream ended
-        except Exception:  # the reader's other ends give way to how the feeding ended
-            pass
+        except Exception as ended:  # the reader's other ends give way to how the feeding ended,
+            box_said = isinstance(ended, TransferError) and ended.side == "box"
+            if box_said and not isinstance(feeding, asyncio.CancelledError):
+                raise ended from None  # but the box's own word on why its stream ended
         raise
     finally:
         if w >= 0:

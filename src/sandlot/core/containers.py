@@ -25,12 +25,10 @@ sandlot's egress proxy (``HTTPS_PROXY``), under the box's policy.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from typing import TYPE_CHECKING
 
-from ..errors import BootError, SandlotError
-from ..protocol.exec import ExecRequest, RemoteProcess
-from .guestprocs import at_most
+from ..errors import BootError
+from . import guestshell
 
 if TYPE_CHECKING:
     from ..protocol.connection import AgentConnection
@@ -86,24 +84,12 @@ exit 1
 async def bring_up(conn: AgentConnection, env: dict[str, str] | None, *, box: str) -> None:
     """Ready the box for containers (see the module's text): ``BootError`` naming what
     is missing or the daemon's last words, where the engine cannot run."""
-    request = ExecRequest(
-        argv=["/bin/sh", "-c", UP_SCRIPT],
-        env={**(env or {}), "CGROUP_PARENT": CGROUP_PARENT, "LIMIT": str(int(DAEMON_TIMEOUT))},
-        user="root",
-        cwd="/",
-    )
-    proc = await RemoteProcess.start(conn, request)
-    proc.stderr.drain()
-
-    async def ran() -> tuple[bytes, int | None]:
-        out = await at_most(proc.stdout, OUTPUT_MAX)
-        return out, (await proc.wait()).exit_code
-
-    try:  # the script bounds its own wait; this bounds a guest that stops answering
-        out, exit_code = await asyncio.wait_for(ran(), DAEMON_TIMEOUT + GRACE)
+    env = {**(env or {}), "CGROUP_PARENT": CGROUP_PARENT, "LIMIT": str(int(DAEMON_TIMEOUT))}
+    ran = guestshell.shell(conn, UP_SCRIPT, env, limit=OUTPUT_MAX, user="root", cwd="/")
+    try:  # the script bounds its own wait; this bounds a guest that stops answering (the
+        # boot that fails then ends the VM, the script with it)
+        out, exit_code = await asyncio.wait_for(ran, DAEMON_TIMEOUT + GRACE)
     except (OSError, TimeoutError) as exc:
-        with contextlib.suppress(SandlotError, OSError):
-            await proc.signal()
         raise BootError(f"box {box} has containers=True, but readying it failed: {exc}", box=box) from None
     lines = out.decode(errors="replace").splitlines()
     missing = [line.removeprefix("missing:").split() for line in lines if line.startswith("missing:")]

@@ -24,9 +24,10 @@ import asyncio
 import functools
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 from ..errors import SandlotError
+from . import guestshell
 
 if TYPE_CHECKING:
     from ..protocol.connection import AgentConnection
@@ -111,38 +112,13 @@ def kept_argv(printed: str) -> list[str]:
 Runner = Callable[[str, dict[str, str]], Awaitable[str]]
 
 
-class Readable(Protocol):
-    async def read(self) -> bytes: ...
-
-
-async def at_most(stream: Readable, limit: int) -> bytes:
-    """All a stream gives, or OSError once it gives more than ``limit`` bytes (a guest of
-    many processes with long command lines: what the host holds of it is bounded)."""
-    parts, size = [], 0
-    while chunk := await stream.read():
-        size += len(chunk)
-        if size > limit:
-            raise OSError(f"the listing printed more than {limit} bytes")
-        parts.append(chunk)
-    return b"".join(parts)
-
-
 async def run(conn: AgentConnection, script: str, env: dict[str, str]) -> str:
     """What ``sh -c script`` in the guest printed (SandlotError, OSError where it could
-    not run, or failed)."""
-    from ..protocol.exec import ExecRequest, RemoteProcess
-
-    proc = await RemoteProcess.start(conn, ExecRequest(argv=["/bin/sh", "-c", script], env=env))
-    proc.stderr.drain()
-    try:
-        out = await at_most(proc.stdout, OUTPUT_MAX)
-    except OSError:
-        await proc.signal()
-        await proc.wait()
-        raise
-    status = await proc.wait()
-    if status.exit_code != 0:
-        raise OSError(f"the listing exited {status.exit_code}")
+    not run, or failed, or printed more than ``OUTPUT_MAX``: a guest of many processes
+    with long command lines)."""
+    out, exit_code = await guestshell.shell(conn, script, env, limit=OUTPUT_MAX)
+    if exit_code != 0:
+        raise OSError(f"the listing exited {exit_code}")
     return out.decode(errors="replace")
 
 
