@@ -180,7 +180,7 @@ def test_live_state_with_containers_running(three: sandlot.Box) -> None:
         sh(box, "docker rm -f web && docker exec cli true")
         box.rollback(snap)
         alive(box)
-        forks = box.fork(4)
+        forks = box.fork(2)  # two: each holds a dockerd and three containers under emulation
         try:
             for i, fork in enumerate(forks):  # each fork's containers are its own
                 sh(fork, f"docker exec web sh -c 'echo fork {i} >/mark'")

@@ -116,6 +116,20 @@ class _Reader:
         self._pos = pos
         return out
 
+    def zero_run(self, addr: int, end: int) -> int:
+        """How many zero-page records follow, already read, while each is of the next page
+        of the same block: a box's memory is mostly zero pages, a record of 9 bytes each,
+        and a run taken at once is one call to the image where a call per page made the
+        parse of a 512 MiB box's state three times slower."""
+        buf, pos, start = self._buf, self._pos, addr
+        pack, flags, last = _U64.pack, F_ZERO | F_CONTINUE, len(self._buf) - 9
+        while addr < end and pos <= last and buf[pos + 8] == 0 and buf[pos : pos + 8] == pack(addr | flags):
+            pos += 9
+            addr += PAGE
+        self.offset += pos - self._pos
+        self._pos = pos
+        return (addr - start) // PAGE
+
     def peek(self) -> int:
         if len(self._buf) - self._pos < 1:
             self._fill(1)
@@ -265,7 +279,9 @@ class _Ram:
                 if fill:
                     image.pages(addr, bytes([fill]) * PAGE)
                 else:
-                    image.zeros(addr, PAGE)
+                    zeros = 1 + r.zero_run(addr + PAGE, self.sizes[self.block])
+                    image.zeros(addr, zeros * PAGE)
+                    pages += zeros - 1
             elif flags & F_PAGE:
                 run = [r.take(PAGE), *r.page_run(addr + PAGE, self.sizes[self.block])]
                 image.pages(addr, run[0] if len(run) == 1 else b"".join(run))
