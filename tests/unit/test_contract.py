@@ -119,9 +119,12 @@ class OneNodeFleet:
     def directory(self) -> Any:
         return self._directory
 
-    def node(self, node_id: str) -> Any:
+    def node(self, node_id: str, *, every_namespace: bool = False) -> Any:
         assert node_id == "n1", node_id
         return self._node
+
+    def sees(self, labels: Any) -> bool:
+        return True  # a driver of every namespace
 
     def forget_node(self, node_id: str) -> None:
         pass

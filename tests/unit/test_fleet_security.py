@@ -128,7 +128,14 @@ def test_ray_sees_only_the_node_calls() -> None:
     for name in NODE_CALLS:  # each of its kind: Ray streams an async generator, awaits a coroutine
         relay, body = getattr(NodeActor, name), getattr(NodeService, name)
         assert inspect.isasyncgenfunction(relay) == inspect.isasyncgenfunction(body), name
-        assert inspect.signature(relay) == inspect.signature(body), name
+        # the body's signature, and the namespace its driver acts for (by keyword only)
+        params = list(inspect.signature(relay).parameters.values())
+        assert params[:-1] == list(inspect.signature(body).parameters.values()), name
+        assert (params[-1].name, params[-1].kind, params[-1].default) == (
+            "namespace",
+            params[-1].KEYWORD_ONLY,
+            None,
+        )
 
 
 @pytest.fixture
@@ -222,3 +229,139 @@ def test_an_env_without_a_mode_gets_token_mode_when_a_token_is_there(
     assert trust.use_token(None).path == tmp_path / "named"  # type: ignore[union-attr]
     monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
     assert trust.use_token("10.0.0.1:6379") is None and os.environ["RAY_AUTH_MODE"] == "disabled"
+
+
+# -- namespaces ------------------------------------------------------------------------------
+
+
+def test_a_node_answers_a_namespaced_driver_for_its_namespace_only(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every call through the relay (as Ray makes it) carries the driver's namespace; the node
+    judges by its own boxes' and snapshots' labels, as ``sandlot serve`` judges a key's."""
+    register()
+    monkeypatch.setenv("SANDLOT_ENGINE", "fake")
+    home = tmp_path / "home"
+    actor = loop.call(NodeActor, "n1", str(home))
+    root = str(fake_rootfs(tmp_path))
+
+    def made(namespace: str | None, **body: Any) -> dict[str, Any]:
+        reply = loop.run(
+            actor.create(None, {"rootfs": root, "memory_mib": 256, **body}, True, namespace=namespace)
+        )
+        return dict(opened(reply))
+
+    try:
+        a = made("team-a", name="a1", labels={"app": "x"})
+        b = made("team-b", name="b1")
+        assert a["labels"] == {"app": "x", "sandlot.namespace": "team-a"}
+        assert b["labels"] == {"sandlot.namespace": "team-b"}
+
+        def listed(namespace: str | None) -> set[str]:
+            return {x["name"] for x in opened(loop.run(actor.list(namespace=namespace)))}
+
+        assert listed("team-a") == {"a1"} and listed("team-b") == {"b1"} and listed(None) == {"a1", "b1"}
+        assert listed("team-c") == set()
+        # another namespace's box is not there, by id or by name, for every kind of call
+        for key in (b["id"], "b1"):
+            with pytest.raises(sandlot.BoxNotFound):
+                opened(loop.run(actor.call("box", "refresh", key, {}, namespace="team-a")))
+        with pytest.raises(sandlot.BoxNotFound):
+            opened(loop.run(actor.exec(b["id"], {"argv": ["true"]}, namespace="team-a")))
+        with pytest.raises(sandlot.BoxNotFound):
+            opened(loop.run(actor.send(b["id"], "p1", b"x", namespace="team-a")))
+        with pytest.raises(sandlot.BoxNotFound):
+            opened(loop.run(actor.upload_begin(b["id"], "file", {"path": "/f"}, namespace="team-a")))
+        message = loop.run(last(actor.stream("read", b["id"], {"path": "/etc/hostname"}, namespace="team-a")))
+        assert message["type"] == "error" and message["error"]["code"] == "box_not_found", message
+        assert opened(loop.run(actor.remove(b["id"], True, namespace="team-a"))) is None  # as if gone...
+        assert listed(None) == {"a1", "b1"}  # ...and it is not
+        # its own box answers
+        assert (
+            opened(loop.run(actor.exec(a["id"], {"argv": ["echo", "hi"]}, namespace="team-a")))["exit_code"]
+            == 0
+        )
+        # a caller's labels are never sandlot's own; its namespace is stamped whatever it claims
+        assert "sandlot." in refused(
+            loop.run(actor.create(None, {"rootfs": root, "labels": {"sandlot.namespace": "team-b"}}, True,
+                                  namespace="team-a"))
+        )  # fmt: skip
+        assert "namespace" in refused(loop.run(actor.list(namespace="../x")))
+        # snapshots are their box's namespace's; boxes started from one are the caller's
+        snap = opened(loop.run(actor.call("box", "snapshot", a["id"], {"name": "sa"}, namespace="team-a")))
+        assert snap["name"] == "sa"
+        with pytest.raises(sandlot.SnapshotNotFound):
+            opened(loop.run(actor.find_snapshot("sa", namespace="team-b")))
+        with pytest.raises(sandlot.SnapshotNotFound):
+            opened(loop.run(actor.start_from("sa", 1, "stolen", None, {}, namespace="team-b")))
+        with pytest.raises(sandlot.SnapshotNotFound):
+            opened(loop.run(actor.export("sa", namespace="team-b")))
+        assert [
+            s["name"] for s in opened(loop.run(actor.snapshot_list(None, None, namespace="team-b")))
+        ] == []
+        assert "sa" in [
+            s["name"] for s in opened(loop.run(actor.snapshot_list(None, None, namespace="team-a")))
+        ]
+        claimed = {"app": "x", "sandlot.namespace": "team-b"}  # what a driver passes on: restamped
+        kids = opened(loop.run(actor.start_from("sa", 1, "a2", None, claimed, namespace="team-a")))
+        assert kids[0]["labels"] == {"app": "x", "sandlot.namespace": "team-a"}
+        started = opened(
+            loop.run(
+                actor.call(
+                    "snapshot", "start", "sa", {"name": "a3", "labels": {"k": "v"}}, namespace="team-a"
+                )
+            )
+        )
+        assert started["boxes"][0]["labels"] == {"app": "x", "k": "v", "sandlot.namespace": "team-a"}
+        assert "sandlot." in refused(
+            loop.run(actor.call("snapshot", "start", "sa", {"labels": {"sandlot.namespace": "team-b"}},
+                                namespace="team-a"))
+        )  # fmt: skip
+        # events: the namespace's boxes' only
+        query = {"follow": False}
+        seen_b = {e["box_name"] for e in loop.run(collected(actor.events(query, namespace="team-b")))}
+        seen_all = {e["box_name"] for e in loop.run(collected(actor.events(query)))}
+        assert seen_b == {"b1"} and {"a1", "a2", "a3", "b1"} <= seen_all
+    finally:
+        for box in sandlot.list(home=home):
+            box.remove(force=True)
+        if actor.body._sweeping is not None:
+            loop.call(actor.body._sweeping.cancel)
+
+
+async def collected(items: Any) -> list[Any]:
+    return [item async for item in items]
+
+
+def test_a_namespaced_driver_sends_its_namespace_with_every_call() -> None:
+    from sandlot.fleet.client import Fleet, NamespacedNode
+
+    sent: list[tuple[str, tuple[Any, ...], dict[str, Any]]] = []
+
+    class Method:
+        def __init__(self, name: str, options: dict[str, Any] | None = None) -> None:
+            self.name, self.opts = name, options or {}
+
+        def remote(self, *args: Any, **kwargs: Any) -> str:
+            sent.append((self.name, args, {**kwargs, **self.opts}))
+            return "ref"
+
+        def options(self, **options: Any) -> Method:
+            return Method(self.name, options)
+
+    class Handle:
+        def __getattr__(self, name: str) -> Method:
+            return Method(name)
+
+    node = NamespacedNode(Handle(), "team-a")
+    node.exec.remote("box1", {"argv": ["true"]})
+    node.stream.options(num_returns="streaming").remote("read", "box1", {})
+    assert sent == [
+        ("exec", ("box1", {"argv": ["true"]}), {"namespace": "team-a"}),
+        ("stream", ("read", "box1", {}), {"namespace": "team-a", "num_returns": "streaming"}),
+    ]
+    f = Fleet(namespace="team-a")
+    assert f.sees({"sandlot.namespace": "team-a"}) and not f.sees({"sandlot.namespace": "team-b"})
+    assert not f.sees({}) and Fleet().sees({})
+    with pytest.raises(InvalidArgument, match="namespace"):
+        Fleet(namespace="a/b")

@@ -124,32 +124,58 @@ def test_placement_by_resources(f: fleet.Fleet, nodes: Nodes, busybox_root: Path
     print(f"placement test {time.monotonic() - t0:.1f} s")
 
 
-def test_a_fork_spreads_over_nodes_and_its_children_diverge(f: fleet.Fleet, nodes: Nodes,
-                                                            busybox_root: Path) -> None:  # fmt: skip
+def test_a_fork_spreads_over_nodes_and_its_children_diverge_in_their_namespace(
+    f: fleet.Fleet, nodes: Nodes, busybox_root: Path
+) -> None:
+    """Through a driver acting for a namespace (a platform's tenant): every node it reaches
+    (the fork's state moved to each and imported there) labels what it starts with the
+    namespace, and a driver of another namespace finds none of it, even asking a node itself."""
+    from sandlot.fleet.backend import answer
+
+    mine = fleet.connect(nodes.fc.address, namespace="team-fork", placement_timeout=30)
+    other = fleet.connect(nodes.fc.address, namespace="team-other")
     t0 = time.time()
-    src = f.create(rootfs=busybox_root, memory_mib=256, node=nodes.head, labels={"team": "fork"})
+    src = mine.create(rootfs=busybox_root, memory_mib=256, node=nodes.head, labels={"team": "fork"})
     src.files.write("/root/seed", "from the parent")
-    kids = f.fork(src, 3, spread=True)
+    kids = mine.fork(src, 3, spread=True)
     try:
         # each node's events, merged by time: the children were made on three nodes
-        merged = list(f.events(since=t0, follow=False))
+        merged = list(mine.events(since=t0, follow=False))
         assert {k.id for k in kids} <= {e.box_id for e in merged if e.kind == "created"}
         assert [e.at for e in merged] == sorted(e.at for e in merged)
         with pytest.raises(sandlot.InvalidArgument, match="after= needs box="):
-            next(iter(f.events(after=1)))
+            next(iter(mine.events(after=1)))
         # two children on two nodes are compared on neither: a clear refusal
         with pytest.raises(sandlot.Unsupported, match="one node"):
             kids[0].diff(kids[1])
         assert kids.per_node == {nodes.head: 1, nodes.a: 1, nodes.b: 1}
         assert sorted(node_of(k) for k in kids) == sorted([nodes.head, nodes.a, nodes.b])
         for i, k in enumerate(kids):
-            assert k.info["labels"] == {"team": "fork"} and k.state == "running"
+            assert (
+                k.info["labels"] == {"team": "fork", "sandlot.namespace": "team-fork"}
+                and k.state == "running"
+            )
             assert k.files.read_text("/root/seed") == "from the parent"
             k.files.write("/root/mine", f"child {i}")
             assert k.id in boxes_in(nodes.fc.homes[node_of(k)])
         assert [k.files.read_text("/root/mine") for k in kids] == ["child 0", "child 1", "child 2"]
         assert not src.files.exists("/root/mine")
         assert len({k.sh("hostname").stdout for k in kids}) == 3  # each its own identity
+        # the namespace's boxes, and only to its drivers (and to a driver of every namespace)
+        ours = {src.id, *(k.id for k in kids)}
+        assert ours <= {b.id for b in mine.list()} and ours <= {b.id for b in f.list()}
+        assert all(b.info["labels"].get("sandlot.namespace") == "team-fork" for b in mine.list())
+        assert not ours & {b.id for b in other.list()} and not ours & {r["id"] for r in other.reconcile()}
+        assert not [e for e in other.events(since=t0, follow=False) if e.box_id in ours]
+        with pytest.raises(sandlot.BoxNotFound):
+            other.get(src.id)
+        for k in kids:  # the node's own answer, past the driver's directory
+            with pytest.raises(sandlot.BoxNotFound):
+                answer(other.node(node_of(k)).exec.remote(k.id, {"argv": ["true"]}), timeout=60)
+        assert (
+            answer(mine.node(nodes.head).exec.remote(src.id, {"argv": ["true"]}), timeout=60)["exit_code"]
+            == 0
+        )
     finally:
         for k in kids:
             k.remove(force=True)

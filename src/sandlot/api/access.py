@@ -27,7 +27,18 @@ import os
 from pathlib import Path
 
 from ..core import access, previews
-from ..core.access import KEY_LABEL, NAMESPACE_LABEL, ApiKey, AuditEntry, AuditLog, KeyVerifier, Quotas
+from ..core.access import (
+    KEY_LABEL,
+    NAMESPACE_LABEL,
+    ApiKey,
+    AuditEntry,
+    AuditLog,
+    KeyVerifier,
+    Quotas,
+    check_namespace,
+    stamped,
+    visible,
+)
 from ..core.previews import MAX_TTL as MAX_PREVIEW_TTL
 from ..core.previews import Preview
 from ..core.runtime import Runtime
@@ -201,6 +212,7 @@ __all__ = [
     "Quotas",
     "audit_log",
     "audit_writer",
+    "check_namespace",
     "check_preview",
     "create_key",
     "end_previews",
@@ -212,4 +224,6 @@ __all__ = [
     "preview_target",
     "previews_ended_with",
     "revoke_key",
+    "stamped",
+    "visible",
 ]

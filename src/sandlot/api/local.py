@@ -922,6 +922,13 @@ def local_snapshot(snap: SnapshotRef) -> LocalSnapshotRef:
     return narrowed(snap, LocalSnapshotRef, "a snapshot of this host")
 
 
+def snapshot_labels(snap: SnapshotRef) -> dict[str, str]:
+    """The labels of the box a snapshot of this host was taken of (its namespace's among
+    them): whose the snapshot is, to ``sandlot serve`` and a fleet's node."""
+    labels: dict[str, str] = (local_snapshot(snap).record.options.get("box") or {}).get("labels") or {}
+    return labels
+
+
 def template_arg(template: Any) -> str | SnapshotRecord | bool | None:
     """``template=``: a snapshot object of this host, its id or name, False or None."""
     if template is None or template is False or isinstance(template, str | SnapshotRecord):

@@ -183,7 +183,7 @@ def evict(older_than: float | None = None, *, home: Home = None) -> GcReport:
 
 
 def boxes(*, home: Home = None) -> list[dict[str, Any]]:
-    """The boxes in the home's tier: ``id``, ``name``, ``pushed_at``, ``pushed_by`` and
+    """The boxes in the home's tier: ``id``, ``name``, ``labels``, ``pushed_at``, ``pushed_by`` and
     ``holder`` (the home that holds it; None: any home may pull it)."""
     return Remote.of(Runtime.for_home(home)).boxes()
 

@@ -41,15 +41,18 @@ Address = Annotated[
     str, typer.Option("--address", help="The Ray cluster: auto (this machine's), ray://host:10001, ...")
 ]
 AsJson = Annotated[bool, typer.Option("--json", help="JSON instead of a table.")]
+InNamespace = Annotated[
+    str | None, typer.Option("--namespace", help="Act for this namespace only (its boxes, labelled so).")
+]
 
 
-def connected(address: str) -> Fleet:
+def connected(address: str, namespace: str | None = None) -> Fleet:
     try:
         from .. import fleet
     except ImportError as exc:
         raise fail(f"the fleet needs Ray: pip install 'sandlot[fleet]' ({exc})", 125) from exc
     try:
-        return fleet.connect(address)
+        return fleet.connect(address, namespace=namespace)
     except (ConnectionError, RuntimeError) as exc:
         raise fail(f"cannot join the Ray cluster at {address}: {exc}", 125) from exc
     except SandlotError as exc:  # Unauthorized: no token, or not the cluster's
@@ -208,9 +211,10 @@ def nodes(address: Address = "auto", as_json: AsJson = False) -> None:
 
 
 @fleet_app.command("ls")
-def ls(address: Address = "auto", as_json: AsJson = False) -> None:
-    """Every box of the fleet and its node; a lost one with the node and when it was lost."""
-    f = connected(address)
+def ls(address: Address = "auto", as_json: AsJson = False, namespace: InNamespace = None) -> None:
+    """Every box of the fleet (or of a namespace) and its node; a lost one with the node and
+    when it was lost."""
+    f = connected(address, namespace)
     records = f.reconcile()
     if as_json:
         print(json.dumps(records, indent=1))
@@ -231,9 +235,10 @@ def migrate(
     box: Annotated[str, typer.Argument(help="The box: id, name or id prefix.")],
     node: Annotated[str, typer.Argument(help="The node to move it to: its id or an id prefix.")],
     address: Address = "auto",
+    namespace: InNamespace = None,
 ) -> None:
     """Move a box to another node; it goes on there with its processes, id, name and labels."""
-    f = connected(address)
+    f = connected(address, namespace)
     try:
         moved = f.migrate(box, node)
     except SandlotError as exc:

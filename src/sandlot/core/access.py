@@ -31,6 +31,7 @@ import secrets
 import threading
 import time
 from collections import deque
+from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, fields
 from types import TracebackType
@@ -71,6 +72,32 @@ def _check_name(what: str, value: object) -> str:
     if not isinstance(value, str) or not NAME_RE.fullmatch(value):
         raise InvalidArgument(f"invalid {what} {value!r}: 1-64 letters, digits, '_', '.' or '-'")
     return value
+
+
+def check_namespace(value: object) -> str:
+    """A namespace as a key (or a fleet's driver) names it: 1-64 letters, digits, '_', '.', '-'."""
+    return _check_name("namespace", value)
+
+
+def visible(namespace: str | None, labels: Mapping[str, str] | None) -> bool:
+    """Whether what has these labels (a box, its snapshots, its events) is the namespace's:
+    to a caller of no namespace, everything is. One rule for ``sandlot serve``'s keys and a
+    fleet's namespaced drivers."""
+    return namespace is None or (labels or {}).get(NAMESPACE_LABEL) == namespace
+
+
+def stamped(
+    namespace: str | None, labels: Mapping[str, str] | None, *, admin: bool = False
+) -> dict[str, str]:
+    """The labels of a box a caller of ``namespace`` makes: its own, and the namespace's. The
+    ``sandlot.`` labels are sandlot's: only an admin (a caller of no namespace on a fleet)
+    sets them itself."""
+    out = dict(labels or {})
+    if not admin and any(k.startswith("sandlot.") for k in out):
+        raise InvalidArgument("labels starting with 'sandlot.' are sandlot's own")
+    if namespace is not None:
+        out[NAMESPACE_LABEL] = namespace
+    return out
 
 
 # -- keys ---------------------------------------------------------------------------------
@@ -172,7 +199,7 @@ def create_key(
     if lease is not None:
         lease = leases.check_seconds(lease)
     if namespace is not None:
-        _check_name("namespace", namespace)
+        check_namespace(namespace)
     if not isinstance(admin, bool):
         raise InvalidArgument(f"admin is True or False, not {admin!r}")
     if not isinstance(quotas, Quotas):

@@ -423,7 +423,7 @@ class Remote:
         raise BoxNotFound(f"no box {key!r} in the storage tier {self.tier.config.url}")
 
     def boxes(self) -> list[dict[str, Any]]:
-        """The boxes in the tier: name, id, who holds each, and when it was pushed."""
+        """The boxes in the tier: name, id, labels, who holds each, and when it was pushed."""
         out = []
         for name in self.tier.names("boxes"):
             found = self.tier.get(self.tier.key("boxes", name))
@@ -431,8 +431,9 @@ class Remote:
                 continue
             doc = boxdoc.read(found[0], name)
             box_id = doc["box"]["id"]
-            out.append({"id": box_id, "name": doc["box"]["name"], "pushed_at": doc["pushed_at"],
-                        "pushed_by": doc["home"], "holder": self.tier.holder(box_id)})  # fmt: skip
+            out.append({"id": box_id, "name": doc["box"]["name"], "labels": doc["box"].get("labels") or {},
+                        "pushed_at": doc["pushed_at"], "pushed_by": doc["home"],
+                        "holder": self.tier.holder(box_id)})  # fmt: skip
         return out
 
     def _pull_file(self, home: Path, entry: dict[str, Any], made: list[Path]) -> Path:

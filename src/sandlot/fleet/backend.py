@@ -76,7 +76,9 @@ class Fleet(Protocol):
 
     def directory(self) -> Any: ...
 
-    def node(self, node_id: str) -> Any: ...
+    def node(self, node_id: str, *, every_namespace: bool = False) -> Any: ...
+
+    def sees(self, labels: Mapping[str, str] | None) -> bool: ...
 
     def forget_node(self, node_id: str) -> None: ...
 
@@ -324,7 +326,10 @@ class RayBackend(RemoteBackend):
         seen: dict[str, Any] = {}
         for nid in alive:
             with contextlib.suppress(ray.exceptions.RayError, TimeoutError, SandlotError):
-                seen[nid] = await asyncio.wait_for(got(self.fleet.node(nid).list.remote()), 30)
+                # every box of the node, whoever asks: what a node does not list, the directory drops
+                seen[nid] = await asyncio.wait_for(
+                    got(self.fleet.node(nid, every_namespace=True).list.remote()), 30
+                )
         records, released = await got(self.fleet.directory().reconcile.remote(alive, seen))
         for name in released:
             await asyncio.to_thread(placement.release, name)
@@ -393,15 +398,20 @@ class RayBackend(RemoteBackend):
 
     async def find(self, key: str) -> RayBoxRef:
         try:
-            return RayBoxRef(self, await got(self.fleet.directory().get.remote(key)))
+            rec = await got(self.fleet.directory().get.remote(key))
         except BoxNotFound:
             await self.reconcile()  # perhaps a box the directory has not seen yet
-            return RayBoxRef(self, await got(self.fleet.directory().get.remote(key)))
+            rec = await got(self.fleet.directory().get.remote(key))
+        if not self.fleet.sees(rec.get("labels")):
+            raise BoxNotFound(f"no box {key!r}", box=key)
+        return RayBoxRef(self, rec)
 
     async def boxes(self, *, state: str | None, labels: Mapping[str, str] | None) -> list[BoxRef]:
         out: list[BoxRef] = []
         for rec in await self.reconcile():
             if labels and any(rec["labels"].get(k) != v for k, v in labels.items()):
+                continue
+            if not self.fleet.sees(rec.get("labels")):
                 continue
             if state is not None and rec["state"] != state:
                 continue

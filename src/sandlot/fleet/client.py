@@ -7,6 +7,11 @@ a strategy or a node), forks spread over nodes, moving a box, recovering a lost
 one from its replica, and the nodes themselves. Placement goes through Ray's
 scheduler (``placement``); the directory actor says which node has which box
 (``directory``).
+
+A driver may act for a namespace (``connect(namespace=...)``): what a platform's front
+end does for the tenant of an API key, as ``sandlot serve`` does for its keys. Every
+call it sends a node carries the namespace (``NamespacedNode``) and the node answers
+for that namespace's boxes only (``fleet/node.py``).
 """
 
 from __future__ import annotations
@@ -23,13 +28,13 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from .. import clusterauth
-from ..api import loop
+from ..api import access, loop
 from ..api.box import AsyncBox
 from ..api.client import AsyncClient
 from ..api.sync import Box as SyncBox
 from ..api.sync import Client
 from ..core.events import Event
-from ..errors import ConnectionLost, InvalidArgument, InvalidState, NodeNotFound, SandlotError
+from ..errors import BoxNotFound, ConnectionLost, InvalidArgument, InvalidState, NodeNotFound, SandlotError
 from . import placement, trust
 from .backend import Forked, RayBackend, RayBoxRef, answer, box_bundle, got, opened, ray_box
 from .directory import LOST, Directory, Record
@@ -54,6 +59,7 @@ def connect(
     resources: Mapping[str, float] | None = None,
     placement_timeout: float = 30.0,
     insecure_cluster: bool = False,
+    namespace: str | None = None,
     **init_options: Any,
 ) -> Fleet:
     """Join a Ray cluster (``"auto"``: the one this machine belongs to; ``"ray://host:10001"``:
@@ -66,7 +72,23 @@ def connect(
     with token authentication, its token made (mode 0600) if there is none. A cluster that
     refuses the driver raises Unauthorized. ``insecure_cluster=True`` (a local cluster
     only) lets its node serve boxes even where ``RAY_AUTH_MODE=disabled`` turned
-    authentication off (docs/fleet.md, "Security")."""
+    authentication off (docs/fleet.md, "Security").
+
+    ``namespace``: act for that namespace only, as a ``sandlot serve`` key of that namespace
+    does. The boxes made are labelled with it (``sandlot.namespace``), and every node
+    answers as if the boxes and snapshots of other namespaces were not there: ``list``,
+    ``get``, ``events`` and every call on a box. It separates the tenants of a front end
+    that holds the cluster's token; it is no wall against a holder of the token, who can
+    run code on every node (docs/fleet.md, "Namespaces").
+
+    >>> from sandlot import fleet
+    >>> f = fleet.connect("auto", namespace="team-a")   # doctest: +SKIP
+    >>> box = f.create("python:3.12-slim")               # doctest: +SKIP
+    >>> box.info["labels"]["sandlot.namespace"]          # doctest: +SKIP
+    'team-a'
+    """
+    if namespace is not None:
+        access.check_namespace(namespace)
     if insecure_cluster and address is not None:
         raise InvalidArgument(
             "insecure_cluster= is for a local cluster (address=None): a cluster's nodes are allowed "
@@ -96,7 +118,7 @@ def connect(
             with contextlib.suppress(Exception):
                 ray.shutdown()
             raise trust.refused(address, token, exc) from None
-    return Fleet(placement_timeout=placement_timeout)
+    return Fleet(placement_timeout=placement_timeout, namespace=namespace)
 
 
 class DriverMark:
@@ -133,8 +155,9 @@ class Fleet:
     (``create``, ``get``, ``list``, ``SyncBox``, ``snapshots``... as ``sandlot.Client``
     has, giving ``sandlot.Box`` objects), and what only a fleet does."""
 
-    def __init__(self, *, placement_timeout: float = 30.0) -> None:
+    def __init__(self, *, placement_timeout: float = 30.0, namespace: str | None = None) -> None:
         self.placement_timeout = placement_timeout
+        self.namespace = None if namespace is None else access.check_namespace(namespace)
         self._nodes: dict[str, Any] = {}
         self._directory: Any = None
         self.backend = RayBackend(self)
@@ -159,8 +182,20 @@ class Fleet:
             self._directory = actor.remote()
         return self._directory
 
-    def node(self, node_id: str) -> Any:
-        """The sandlot actor of a node, started there if it is not running yet."""
+    def sees(self, labels: Mapping[str, str] | None) -> bool:
+        """Whether a box with these labels is this driver's namespace's (all are, without one)."""
+        return access.visible(self.namespace, labels)
+
+    def node(self, node_id: str, *, every_namespace: bool = False) -> Any:
+        """The sandlot actor of a node, started there if it is not running yet; its calls
+        carry the driver's namespace unless ``every_namespace`` (the directory's own look
+        at every box of the node)."""
+        handle = self._handle(node_id)
+        if self.namespace is None or every_namespace:
+            return handle
+        return NamespacedNode(handle, self.namespace)
+
+    def _handle(self, node_id: str) -> Any:
         handle = self._nodes.get(node_id)
         if handle is None:
             actor = ray.remote(NodeActor).options(
@@ -225,7 +260,7 @@ class Fleet:
     def nodes(self) -> builtins.list[dict[str, Any]]:
         """Every sandlot node Ray knows of, dead ones too: its id, whether it is alive,
         the resources it offers, what its boxes reserve, and (live ones) its home and boxes."""
-        records = answer(self.directory().all.remote())
+        records = [r for r in answer(self.directory().all.remote()) if self.sees(r.get("labels"))]
         out = []
         for n in placement.sandlot_nodes(alive_only=False):
             nid = n["NodeID"]
@@ -260,8 +295,8 @@ class Fleet:
 
     def reconcile(self) -> builtins.list[Record]:
         """Make the directory agree with the live nodes, give back the reservations of boxes
-        dropped or lost, and return the records."""
-        return loop.run(self.backend.reconcile())
+        dropped or lost, and return the records (the driver's namespace's)."""
+        return [r for r in loop.run(self.backend.reconcile()) if self.sees(r.get("labels"))]
 
     def Box(self, image: str | None = None, **options: Any) -> SyncBox:
         """A box to make with ``start()`` or ``with``: ``options`` as for ``create``
@@ -322,7 +357,10 @@ class Fleet:
         replica (``{"node", "snapshot", "at"}``) and, for a lost box, ``lost`` (the node it
         was on and when it was found lost)."""
         key = box if isinstance(box, str) else box.id
-        return dict(answer(self.directory().get.remote(key)))
+        rec = dict(answer(self.directory().get.remote(key)))
+        if not self.sees(rec.get("labels")):
+            raise BoxNotFound(f"no box {key!r}", box=key)
+        return rec
 
     def reserve_spread(self, one: dict[str, float], timeout: float) -> placement.Reservation:
         """One box's reservation on the node with the fewest boxes of the fleet (then the
@@ -595,6 +633,28 @@ class Fleet:
             )  # fmt: skip
             return SyncBox.wrap(AsyncBox.bound(RayBoxRef(self.backend, found))), said
         return None, f"no live node's storage tier holds it ({said})"
+
+
+class NamespacedNode:
+    """A node actor's handle whose every call carries a namespace (``namespace=``, which
+    each of the node's calls takes: ``node._relayed``)."""
+
+    def __init__(self, handle: Any, namespace: str) -> None:
+        self.handle, self.namespace = handle, namespace
+
+    def __getattr__(self, method: str) -> NamespacedCall:
+        return NamespacedCall(getattr(self.handle, method), self.namespace)
+
+
+class NamespacedCall:
+    def __init__(self, method: Any, namespace: str) -> None:
+        self.method, self.namespace = method, namespace
+
+    def remote(self, *args: Any, **kwargs: Any) -> Any:
+        return self.method.remote(*args, namespace=self.namespace, **kwargs)
+
+    def options(self, **options: Any) -> NamespacedCall:
+        return NamespacedCall(self.method.options(**options), self.namespace)
 
 
 class Spread(builtins.list[SyncBox]):

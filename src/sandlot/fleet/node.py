@@ -19,6 +19,12 @@ arguments are checked against its signature (strictly: no coercion) and an opera
 against its model of the contract, as the server checks a request; what does not fit is
 InvalidArgument naming it. Before its first call the actor checks that its cluster
 authenticates its callers (``trust``) and refuses every call if it does not.
+
+A driver may act for a namespace (``fleet.connect(namespace=...)``, as a key of ``sandlot
+serve`` does): each of its calls carries it (``namespace=``), and the node answers by the
+labels of its own boxes and snapshots, as the server does: a box of another namespace is
+not found, a listing and the events hold the namespace's only, a box made or started for
+it is labelled with it (``core.access``'s rules, the server's).
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import builtins
 import contextlib
+import contextvars
 import functools
 import inspect
 import json
@@ -41,7 +48,7 @@ from typing import Any, Concatenate, ParamSpec, TypeVar
 import ray
 from pydantic import ConfigDict, ValidationError, validate_call
 
-from ..api import host
+from ..api import access, host
 from ..api.backend import BoxRef, SnapshotRef, Write
 from ..api.box import AsyncBox, AsyncSnapshot
 from ..api.contract import (
@@ -61,12 +68,20 @@ from ..api.contract import (
     refusal,
     validated,
 )
-from ..api.local import LocalBackend
+from ..api.local import LocalBackend, snapshot_labels
 from ..api.templates import restore_moved_box_async
 from ..config import atomic_write, runtime_dir
 from ..core.events import query as check_events_query
 from ..crashpoints import crash_point
-from ..errors import BoxNotFound, InvalidArgument, InvalidState, RequestError, SandlotError, Unsupported
+from ..errors import (
+    BoxNotFound,
+    InvalidArgument,
+    InvalidState,
+    RequestError,
+    SandlotError,
+    SnapshotNotFound,
+    Unsupported,
+)
 from ..version import __version__
 from . import directory, placement, transfer, trust
 from .directory import Record
@@ -86,6 +101,9 @@ Writer = Callable[[AsyncIterator[bytes]], Awaitable[Any]]  # a write that takes 
 
 
 STRICT = ConfigDict(strict=True, arbitrary_types_allowed=True)
+# the namespace the driver of the call in progress acts for (None: every namespace); set by
+# the relay of each call (``NodeActor``), read where the node finds what the call names
+ASKER: contextvars.ContextVar[str | None] = contextvars.ContextVar("sandlot_fleet_namespace", default=None)
 KEY_MAX = 256  # characters of a box's or a snapshot's key (an id, a name or a prefix)
 
 
@@ -195,11 +213,30 @@ class NodeService:
         self._trusting: asyncio.Future[Any] | None = None
 
     async def ref(self, key: str) -> BoxRef:
+        """The box ``key`` names, if it is the caller's namespace's (else BoxNotFound, as if
+        there were none)."""
         found = self.refs.get(key)
         if found is None or found.state == "removed":
             found = await self.backend.find(key)
             self.refs[found.id] = found
+        if not access.visible(ASKER.get(), found.info.get("labels")):
+            raise BoxNotFound(f"no box {key!r}", box=key)
         return found
+
+    async def snapshot(self, key: str) -> SnapshotRef:
+        """The snapshot ``key`` names, if its box was the caller's namespace's."""
+        found = await self.backend.find_snapshot(key)
+        if not access.visible(ASKER.get(), snapshot_labels(found)):
+            raise SnapshotNotFound(f"no snapshot {key!r}")
+        return found
+
+    async def refuse_unseen(self, box_id: str) -> None:
+        """BoxNotFound where this node has box ``box_id`` and it is not the caller's
+        namespace's (one it does not have is no refusal: a move's end cleans up after it)."""
+        if ASKER.get() is not None:
+            with contextlib.suppress(BoxNotFound):
+                await self.backend.find(box_id)
+                await self.ref(box_id)
 
     def info(self, ref: BoxRef) -> dict[str, Any]:
         return {**ref.info, "node": self.node_id}
@@ -223,9 +260,10 @@ class NodeService:
         """Check the cluster (``trusted``), then settle, once per actor and before its first
         call, what an earlier actor of this node left half done (``settle``)."""
         await self.trusted()
-        if self._settling is None:
-            self._settling = asyncio.ensure_future(self.settle())
-            self._sweeping = asyncio.ensure_future(self._sweep_unheld())
+        if self._settling is None:  # the node's own work, for no caller's namespace
+            loop, own = asyncio.get_running_loop(), contextvars.Context()
+            self._settling = loop.create_task(self.settle(), context=own)
+            self._sweeping = loop.create_task(self._sweep_unheld(), context=own)
         with contextlib.suppress(Exception):  # what it could not settle must not stop the node
             await asyncio.shield(self._settling)
 
@@ -325,7 +363,10 @@ class NodeService:
 
     @guarded
     async def list(self) -> builtins.list[dict[str, Any]]:
-        return [self.info(r) for r in await self.backend.boxes(state=None, labels=None)]
+        """This node's boxes (the caller's namespace's)."""
+        asker = ASKER.get()
+        boxes = await self.backend.boxes(state=None, labels=None)
+        return [self.info(r) for r in boxes if access.visible(asker, r.info.get("labels"))]
 
     # -- the contract ------------------------------------------------------------------------
 
@@ -333,6 +374,8 @@ class NodeService:
     async def create(self, image: str | None, body: dict[str, Any], start: bool) -> dict[str, Any]:
         """A box made here from ``contract.BoxCreate``'s fields (validated again here)."""
         wanted = box_create(image, body, "ray")
+        asker = ASKER.get()  # the labels a caller gives: never sandlot's own, unless it acts for all
+        wanted["labels"] = access.stamped(asker, wanted.get("labels"), admin=asker is None)
         image, options = wanted.get("image"), host.box_options(wanted)
         ref = self.backend.describe(image, options, keep=True)
         await self.backend.create(ref, start=start)
@@ -353,7 +396,11 @@ class NodeService:
                 "by a sandlot serve",
                 transport="ray",
             )
-        target: Any = await self.ref(key) if scope != "snapshot" else await self.backend.find_snapshot(key)
+        target: Any = await self.ref(key) if scope != "snapshot" else await self.snapshot(key)
+        asker = ASKER.get()
+        if op.key == "snapshot.start" and asker is not None:  # the caller's, as the server's are
+            kept = {k: v for k, v in snapshot_labels(target).items() if not k.startswith("sandlot.")}
+            args = args.model_copy(update={"labels": {**kept, **access.stamped(asker, args.labels)}})  # type: ignore[attr-defined]
         if op.key == "box.remove":
             await self._remove(target, bool(args.force))  # type: ignore[attr-defined]
             return None
@@ -392,6 +439,7 @@ class NodeService:
     @guarded
     async def send(self, key: str, process_id: str, frame: bytes | str) -> str | None:
         """A client's frame to a held process (stdin bytes, or a control message)."""
+        await self.ref(key_of(key))
         return await self.processes.find(key, process_id).take_input(frame)
 
     async def stream(self, kind: str, key: str, body: dict[str, Any]) -> AsyncIterator[Any]:
@@ -432,9 +480,11 @@ class NodeService:
             if not isinstance(body, dict):
                 raise InvalidArgument(f"an events query is an object, not {type(body).__name__}")
             box, since, after = check_events_query(body.get("box"), body.get("since"), body.get("after"))
+            asker = ASKER.get()
             found = self.backend.events(box=box, since=since, after=after, follow=bool(body.get("follow")))
             async for ev in found:
-                yield ev.to_json()
+                if access.visible(asker, ev.labels):
+                    yield ev.to_json()
         except SandlotError as exc:
             yield error_message(exc)
 
@@ -483,12 +533,15 @@ class NodeService:
 
     @guarded
     async def find_snapshot(self, key: str) -> dict[str, Any]:
-        return {**(await self.backend.find_snapshot(key)).info, "node": self.node_id}
+        return {**(await self.snapshot(key)).info, "node": self.node_id}
 
     @guarded
     async def snapshot_list(self, box: str | None, kind: str | None) -> builtins.list[dict[str, Any]]:
+        asker = ASKER.get()
         return [
-            {**s.info, "node": self.node_id} for s in await self.backend.snapshot_list(box=box, kind=kind)
+            {**s.info, "node": self.node_id}
+            for s in await self.backend.snapshot_list(box=box, kind=kind)
+            if access.visible(asker, snapshot_labels(s))
         ]
 
     @guarded
@@ -526,15 +579,15 @@ class NodeService:
         of their names even for one (a fork's child)."""
         if as_prefix and name is not None:
             name = prefixed(name)
-        snap = AsyncSnapshot(await self.backend.find_snapshot(snapshot))
-        kids = await start_boxes(snap, n, name, box_id, labels, self.home)
+        snap = AsyncSnapshot(await self.snapshot(snapshot))
+        kids = await start_boxes(snap, n, name, box_id, stamped(labels), self.home)
         self.refs.update({k.id: k.ref for k in kids})
         return [self.info(k.ref) for k in kids]
 
     @guarded
     async def drop_snapshot(self, snapshot: str) -> None:
         with contextlib.suppress(SandlotError):
-            await self.backend.snapshot_remove(await self.backend.find_snapshot(snapshot))
+            await self.backend.snapshot_remove(await self.snapshot(snapshot))
 
     # -- moving saved state ----------------------------------------------------------------
 
@@ -543,8 +596,8 @@ class NodeService:
         """A snapshot of this node as chunks in the object store: their descriptions and
         references (owned by this actor, which lives as long as the node); ``since``: only
         what changed after that snapshot."""
-        snap = await self.backend.find_snapshot(snapshot)
-        base = await self.backend.find_snapshot(since) if since is not None else None
+        snap = await self.snapshot(snapshot)
+        base = await self.snapshot(since) if since is not None else None
         work = Path(tempfile.mkdtemp(prefix="fleet-export-", dir=self.home))
         try:
             t0 = time.monotonic()
@@ -561,6 +614,7 @@ class NodeService:
         """Fetch and verify the chunks of a moved snapshot, import it into this home
         (the archive's own integrity and compatibility checks apply), and with
         ``start`` ({"n", "name", "box_id", "labels"}) start boxes from it."""
+        labels = stamped((start or {}).get("labels") or {})  # refused before anything is fetched
         work = Path(tempfile.mkdtemp(prefix="fleet-import-", dir=self.home))
         try:
             t0 = time.monotonic()
@@ -581,7 +635,7 @@ class NodeService:
                 if start.get("as_prefix") and name is not None:
                     name = prefixed(name)
                 kids = await start_boxes(
-                    snap, start.get("n", 1), name, start.get("box_id"), start.get("labels") or {}, self.home
+                    snap, start.get("n", 1), name, start.get("box_id"), labels, self.home
                 )
             except BaseException:
                 with contextlib.suppress(SandlotError):
@@ -628,6 +682,8 @@ class NodeService:
         ("running", "paused" or "suspended"). ``force``: its holder is known to be dead."""
         from ..api import storage
 
+        if ASKER.get() is not None and not await self._in_tier(box_id):
+            raise BoxNotFound(f"no box {box_id!r} in the storage tier", box=box_id)
         t0 = time.monotonic()
         await asyncio.to_thread(storage.pull_id, box_id, force=force, home=self.home)
         t1 = time.monotonic()
@@ -648,11 +704,17 @@ class NodeService:
     @guarded
     async def tier_holds(self, box_id: str) -> bool:
         """Whether the home's storage tier holds this box (a suspended box of a dead node
-        that its pusher sent)."""
+        that its pusher sent; the caller's namespace's)."""
+        return await self._in_tier(box_id)
+
+    async def _in_tier(self, box_id: str) -> bool:
         from ..api import storage
 
+        asker = ASKER.get()
+
         def look() -> bool:
-            return any(b["id"] == box_id for b in storage.boxes(home=self.home))
+            return any(b["id"] == box_id and access.visible(asker, b.get("labels"))
+                       for b in storage.boxes(home=self.home))  # fmt: skip
 
         return await asyncio.to_thread(look) if _tier_url(self.home) else False
 
@@ -712,6 +774,7 @@ class NodeService:
     @guarded
     async def release(self, box_id: str) -> None:
         """A move failed: the box goes on here as it was."""
+        await self.refuse_unseen(box_id)
         await self._release(box_id)
 
     async def _release(self, box_id: str) -> None:
@@ -724,6 +787,7 @@ class NodeService:
     @guarded
     async def finish(self, box_id: str) -> None:
         """A move succeeded: the box and its move snapshot go from this node."""
+        await self.refuse_unseen(box_id)
         await self._finish(box_id)
 
     async def _finish(self, box_id: str) -> None:
@@ -747,20 +811,47 @@ NODE_CALLS = (
 
 def _relayed(name: str) -> Callable[..., Any]:
     """``NodeService.<name>`` as a method of ``NodeActor``, of the same kind (a coroutine or
-    an async generator: Ray streams the one and awaits the other) and signature."""
+    an async generator: Ray streams the one and awaits the other) and signature, with one
+    keyword more: ``namespace``, the one its driver acts for (``ASKER`` while it runs)."""
     fn = getattr(NodeService, name)
     if inspect.isasyncgenfunction(fn):
 
-        async def streamed(self: NodeActor, /, *args: Any, **kwargs: Any) -> AsyncIterator[Any]:
+        async def streamed(
+            self: NodeActor, /, *args: Any, namespace: Any = None, **kwargs: Any
+        ) -> AsyncIterator[Any]:
+            try:
+                acting_for(namespace)
+            except SandlotError as exc:
+                yield error_message(exc)
+                return
             async for item in getattr(self.body, name)(*args, **kwargs):
                 yield item
 
-        return functools.wraps(fn)(streamed)
+        relay: Callable[..., Any] = streamed
+    else:
 
-    async def called(self: NodeActor, /, *args: Any, **kwargs: Any) -> Any:
-        return await getattr(self.body, name)(*args, **kwargs)
+        async def called(self: NodeActor, /, *args: Any, namespace: Any = None, **kwargs: Any) -> Any:
+            try:
+                acting_for(namespace)
+            except SandlotError as exc:
+                return {"error": error_json(exc)}
+            return await getattr(self.body, name)(*args, **kwargs)
 
-    return functools.wraps(fn)(called)
+        relay = called
+    functools.update_wrapper(relay, fn)
+    del relay.__wrapped__  # type: ignore[attr-defined]  # Ray unwraps a method to read its signature
+    body = inspect.signature(fn)
+    scoped = inspect.Parameter(
+        "namespace", inspect.Parameter.KEYWORD_ONLY, default=None, annotation="str | None"
+    )
+    relay.__signature__ = body.replace(parameters=[*body.parameters.values(), scoped])  # type: ignore[attr-defined]
+    return relay
+
+
+def acting_for(namespace: Any) -> None:
+    """The call in progress is for ``namespace`` (checked). (A function of the module: Ray
+    pickles the relays by value, and with them what they name, which a ContextVar is not.)"""
+    ASKER.set(None if namespace is None else access.check_namespace(namespace))
 
 
 class NodeActor:
@@ -823,6 +914,13 @@ async def start_boxes(
             raise InvalidArgument("a moved box keeps its name; give it")
         return [await restore_moved_box_async(snap, box_id=box_id, name=name, labels=dict(labels), home=home)]
     return await snap.start(n, name=name, labels=dict(labels))
+
+
+def stamped(labels: Mapping[str, str]) -> dict[str, str]:
+    """The labels of boxes started for the caller from a state (a fork's, a move's): those
+    of the box the state was taken of, which the driver passes on, stamped with the
+    caller's namespace (whatever namespace they claim)."""
+    return access.stamped(ASKER.get(), labels, admin=True)
 
 
 def prefixed(name: str) -> str:

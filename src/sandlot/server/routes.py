@@ -32,7 +32,7 @@ from fastapi import APIRouter, Body, Query, Request, Response, WebSocket
 from fastapi.responses import StreamingResponse
 from starlette.websockets import WebSocketDisconnect
 
-from ..api import host
+from ..api import access, host
 from ..api.backend import SnapshotRef, Write
 from ..api.box import AsyncBox, AsyncSnapshot
 from ..api.contract import (
@@ -57,7 +57,7 @@ from ..api.contract import (
 )
 from ..api.events import check_query as check_events_query
 from ..api.events import record_refusal
-from ..api.local import LocalBackend, local_snapshot
+from ..api.local import LocalBackend, local_snapshot, snapshot_labels
 from ..api.loop import with_beats
 from ..core.diffs import side_key
 from ..core.spec import is_volume_name
@@ -126,9 +126,7 @@ async def box_for(request: Request, key: str) -> AsyncBox:
 
 
 def _snapshot_labels(snap: AsyncSnapshot | SnapshotRef) -> dict[str, str]:
-    ref = snap.ref if isinstance(snap, AsyncSnapshot) else snap
-    labels: dict[str, str] = (local_snapshot(ref).record.options.get("box") or {}).get("labels") or {}
-    return labels
+    return snapshot_labels(snap.ref if isinstance(snap, AsyncSnapshot) else snap)
 
 
 async def snapshot_for(request: Request, key: str) -> AsyncSnapshot:
@@ -222,11 +220,7 @@ def _check_network(caller: Caller, network: object) -> None:
 
 
 def _stamped(caller: Caller, labels: dict[str, str] | None) -> dict[str, str]:
-    labels = dict(labels or {})
-    if not caller.admin and any(k.startswith("sandlot.") for k in labels):
-        raise InvalidArgument("labels starting with 'sandlot.' are the server's")
-    if caller.namespace:
-        labels[NAMESPACE_LABEL] = caller.namespace
+    labels = access.stamped(caller.namespace or None, labels, admin=caller.admin)
     if caller.key_id:
         labels[KEY_LABEL] = caller.key_id
     return labels
@@ -993,8 +987,6 @@ async def audit(
     limit: Annotated[int, Query(ge=1, le=100_000)] = 1000,
 ) -> dict[str, Any]:
     """The audit trail (admin keys)."""
-    from ..api import access
-
     _caller(request).require_admin("reading the audit trail")
     server = _server(request)
     await asyncio.to_thread(server.audit.flush)

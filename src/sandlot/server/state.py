@@ -44,7 +44,7 @@ class Caller:
         return cls(labels.get(KEY_LABEL), None, labels.get(NAMESPACE_LABEL), admin=False)
 
     def may_see(self, labels: dict[str, str]) -> bool:
-        return self.namespace is None or labels.get(NAMESPACE_LABEL) == self.namespace
+        return access.visible(self.namespace, labels)
 
     def require_admin(self, what: str) -> None:
         if not self.admin:
