@@ -26,6 +26,7 @@ pytestmark = pytest.mark.vm
 ray = pytest.importorskip("ray", reason="the fleet needs Ray: pip install 'sandlot[fleet]'")
 
 from sandlot import fleet  # noqa: E402 (after Ray is known to be there)
+from sandlot.fleet.backend import answer  # noqa: E402
 
 from tests.support.clock import ticks_in  # noqa: E402
 from tests.support.fleet import FleetCluster  # noqa: E402
@@ -130,8 +131,6 @@ def test_a_fork_spreads_over_nodes_and_its_children_diverge_in_their_namespace(
     """Through a driver acting for a namespace (a platform's tenant): every node it reaches
     (the fork's state moved to each and imported there) labels what it starts with the
     namespace, and a driver of another namespace finds none of it, even asking a node itself."""
-    from sandlot.fleet.backend import answer
-
     mine = fleet.connect(nodes.fc.address, namespace="team-fork", placement_timeout=30)
     other = fleet.connect(nodes.fc.address, namespace="team-other")
     t0 = time.time()
@@ -182,18 +181,23 @@ def test_a_fork_spreads_over_nodes_and_its_children_diverge_in_their_namespace(
         src.remove(force=True)
 
 
-def test_migration_keeps_the_box_and_its_running_processes(f: fleet.Fleet, nodes: Nodes,
-                                                           busybox_root: Path) -> None:  # fmt: skip
-    box = f.create(rootfs=busybox_root, memory_mib=256, node=nodes.head, name="mover", labels={"app": "m"})
+def test_migration_keeps_the_box_and_its_running_processes(nodes: Nodes, busybox_root: Path) -> None:
+    """Through a driver acting for a namespace: each node of the move answers it for that
+    namespace's box (a driver of another namespace finds no box to move)."""
+    mine = fleet.connect(nodes.fc.address, namespace="movers", placement_timeout=30)
+    box = mine.create(rootfs=busybox_root, memory_mib=256, node=nodes.head, name="mover", labels={"app": "m"})
+    labels = {"app": "m", "sandlot.namespace": "movers"}
     try:
+        with pytest.raises(sandlot.BoxNotFound):
+            fleet.connect(nodes.fc.address, namespace="others").migrate(box.id, node=nodes.a)
         box.sh(COUNTER)
         wait_count(box)
         box.files.write("/root/state", "kept")
         pid = box.files.read_text("/tmp/pid")
         t0 = time.monotonic()
         before = count(box)
-        moved = f.migrate(box, node=nodes.a)
-        assert (moved.id, moved.name, moved.info["labels"]) == (box.id, "mover", {"app": "m"})
+        moved = mine.migrate(box, node=nodes.a)
+        assert (moved.id, moved.name, moved.info["labels"]) == (box.id, "mover", labels)
         assert node_of(moved) == nodes.a and moved.state == "running"
         after = count(moved)
         # the same counter went on: it did not start again
@@ -205,16 +209,16 @@ def test_migration_keeps_the_box_and_its_running_processes(f: fleet.Fleet, nodes
         assert moved.files.read_text("/root/state") == "kept"
         assert boxes_in(nodes.fc.homes[nodes.head]).count(box.id) == 0
         assert box.id in boxes_in(nodes.fc.homes[nodes.a])
-        t = f.last_migration
+        t = mine.last_migration
         assert t is not None and t["bytes"] > 0 and t["chunks"] >= 1
         # a suspended box arrives suspended
         moved.suspend()
-        back = f.migrate(moved.id, node=nodes.head)
-        assert back.state == "suspended" and node_of(back) == nodes.head
+        back = mine.migrate(moved.id, node=nodes.head)
+        assert back.state == "suspended" and node_of(back) == nodes.head and back.info["labels"] == labels
         back.resume()
         assert count(back) >= after
     finally:
-        f.get(box.id).remove(force=True)
+        mine.get(box.id).remove(force=True)
 
 
 def test_a_second_driver_finds_the_boxes(f: fleet.Fleet, nodes: Nodes, busybox_root: Path) -> None:
@@ -582,20 +586,24 @@ def test_with_a_storage_tier_a_box_moves_through_it_and_a_dead_nodes_suspended_b
     """Two nodes whose homes share an S3-compatible tier (moto's server on 127.0.0.1): a
     move goes through the tier, not the object store; a node killed with its box
     suspended leaves it in the tier (its pusher sent it), and recover() pulls it onto
-    the other node, no replica made before."""
+    the other node, no replica made before. All through a driver acting for a namespace:
+    a driver of another one finds no box to recover, in the directory or in the tier."""
     from tests.support.s3 import CREDENTIALS, s3_server
+
+    mine = fleet.connect(nodes.fc.address, namespace="tiered-ns", placement_timeout=30)
+    other = fleet.connect(nodes.fc.address, namespace="others")
 
     with s3_server(tmp_path) as s3:
         env = {"SANDLOT_STORAGE": s3.url("fleet"), "SANDLOT_STORAGE_ENDPOINT": s3.endpoint_url, **CREDENTIALS}
         x = nodes.fc.add(cpus=2, memory_mib=512, env=env)
         y = nodes.fc.add(cpus=2, memory_mib=512, env=env)
         try:
-            box = f.create(rootfs=busybox_root, memory_mib=256, node=x, name="tiered")
+            box = mine.create(rootfs=busybox_root, memory_mib=256, node=x, name="tiered")
             box.files.write("/root/kept", "written on x")
             box.sh(COUNTER)
             before = wait_count(box)
-            moved = f.migrate(box, y)
-            assert f.last_migration["through"] == s3.url("fleet") and node_of(moved) == y
+            moved = mine.migrate(box, y)
+            assert mine.last_migration["through"] == s3.url("fleet") and node_of(moved) == y
             assert count(moved) >= before and moved.files.read_text("/root/kept") == "written on x"
             assert box.id not in boxes_in(nodes.fc.homes[x])
             moved.suspend()  # y's pusher sends it to the tier, whole
@@ -608,14 +616,19 @@ def test_with_a_storage_tier_a_box_moves_through_it_and_a_dead_nodes_suspended_b
                 time.sleep(0.5)
             nodes.fc.kill(y)
             deadline = time.monotonic() + 60
-            while f.get("tiered").state != "lost":
+            while mine.get("tiered").state != "lost":
                 assert time.monotonic() < deadline, "the box was never found lost"
                 time.sleep(1)
-            back = f.recover("tiered")  # no replica: from the tier, on x
+            with pytest.raises(sandlot.BoxNotFound):
+                other.recover("tiered")
+            with pytest.raises(sandlot.BoxNotFound):  # x's own answer: the box in the tier is not theirs
+                answer(other.node(x).pull_box.remote(box.id, True, "running"), timeout=120)
+            assert answer(other.node(x).tier_holds.remote(box.id), timeout=120) is False
+            back = mine.recover("tiered")  # no replica: from the tier, on x
             assert (back.id, back.state, node_of(back)) == (box.id, "running", x)
             assert back.files.read_text("/root/kept") == "written on x"
             assert count(back) >= before  # the counter of the process that ran on x, then y, goes on
-            assert f.record(back)["recovered"]["through"] == "storage tier"
+            assert mine.record(back)["recovered"]["through"] == "storage tier"
             back.remove(force=True)
         finally:
             for node in (x, y):  # gone before the next test places a box or a replica

@@ -553,8 +553,7 @@ class Fleet:
         suspended or snapshot state (what it did after that is gone): same id, name and
         labels, running."""
         self.reconcile()
-        key = box if isinstance(box, str) else box.id
-        rec = answer(self.directory().get.remote(key))
+        rec = self.record(box)  # the driver's namespace's
         if rec["state"] != LOST:
             raise InvalidState(
                 f"box {rec['name']} is not lost (it is {rec['state']})", box=rec["name"], state=rec["state"]
