@@ -275,7 +275,13 @@ def test_a_node_answers_a_namespaced_driver_for_its_namespace_only(
         message = loop.run(last(actor.stream("read", b["id"], {"path": "/etc/hostname"}, namespace="team-a")))
         assert message["type"] == "error" and message["error"]["code"] == "box_not_found", message
         assert opened(loop.run(actor.remove(b["id"], True, namespace="team-a"))) is None  # as if gone...
+        for move_end in (actor.finish, actor.release, actor.hold, actor.push_box):  # the fleet's moves
+            with pytest.raises(sandlot.BoxNotFound):
+                opened(loop.run(move_end(b["id"], namespace="team-a")))
         assert listed(None) == {"a1", "b1"}  # ...and it is not
+        assert (
+            opened(loop.run(actor.finish("0123456789ab", namespace="team-a"))) is None
+        )  # none here: no refusal
         # its own box answers
         assert (
             opened(loop.run(actor.exec(a["id"], {"argv": ["echo", "hi"]}, namespace="team-a")))["exit_code"]

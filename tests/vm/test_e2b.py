@@ -219,6 +219,62 @@ def test_lifecycle_info_list_timeout_pause_resume_kill(e2b_env: dict[str, Any]) 
         Sandbox.connect(sandbox.sandbox_id)
 
 
+def test_the_openai_agents_sdks_own_e2b_client_runs_pauses_and_resumes(e2b_env: dict[str, Any]) -> None:
+    """The OpenAI Agents SDK's E2B client, unchanged, against the E2B face: a ``SandboxAgent``
+    run by a scripted model starts a process and writes files with the shell and apply_patch
+    tools, the session ends paused (``pause_on_exit``), and the client resumes it (E2B's
+    connect) with its files and its process: the pause kept the box's memory."""
+    agents = pytest.importorskip(
+        "agents", reason="the OpenAI Agents SDK: pip install 'sandlot[openai-agents]'"
+    )
+    from agents.extensions.sandbox.e2b import E2BSandboxClient, E2BSandboxClientOptions
+    from agents.run_config import SandboxRunConfig
+    from agents.sandbox import Manifest, SandboxAgent
+    from agents.sandbox.capabilities import Filesystem, Shell
+    from agents.sandbox.entries import File
+
+    from tests.support.scripted_model import ScriptedModel, call, patch, say
+
+    options = E2BSandboxClientOptions(sandbox_type="e2b", template=e2b_env["template"], timeout=600,
+                                      pause_on_exit=True)  # fmt: skip
+    model = ScriptedModel([
+        [call("exec_command", cmd="nohup sleep 900 >/dev/null 2>&1 & echo $! > sleeper.pid; cat README.md"),
+         patch("*** Begin Patch\n*** Add File: notes.txt\n+written by apply_patch\n*** End Patch\n")],
+        [say("done")],
+    ])  # fmt: skip
+    agent = SandboxAgent(
+        name="dev", instructions="work", model=model, capabilities=[Shell(), Filesystem()],
+        default_manifest=Manifest(entries={"README.md": File(content=b"# from the manifest\n")}),
+    )  # fmt: skip
+
+    async def run() -> dict[str, Any]:
+        config = agents.RunConfig(sandbox=SandboxRunConfig(client=E2BSandboxClient(), options=options),
+                                  tracing_disabled=True)  # fmt: skip
+        result = await agents.Runner.run(agent, "work", run_config=config)
+        assert result.final_output == "done"
+        assert "# from the manifest" in json.dumps(model.outputs()), (
+            model.outputs()
+        )  # the shell tool's answer
+        state: dict[str, Any] = result.to_state().to_json()["sandbox"]["session_state"]
+        return state
+
+    async def resume(state: dict[str, Any]) -> str:
+        client = E2BSandboxClient()
+        session = await client.resume(client.deserialize_session_state(state))
+        async with session:
+            found = await session.exec("cat notes.txt; echo; kill -0 $(cat sleeper.pid) && echo it lives")
+        return found.stdout.decode()
+
+    os.environ.setdefault("OPENAI_AGENTS_DISABLE_TRACING", "1")
+    state = asyncio.run(run())
+    try:
+        assert Sandbox.get_info(state["sandbox_id"]).state.value == "paused"
+        assert asyncio.run(resume(state)) == "written by apply_patch\nit lives\n"
+    finally:
+        with contextlib.suppress(Exception):
+            Sandbox.kill(state["sandbox_id"])
+
+
 def test_past_its_timeout_a_sandbox_is_killed_or_paused_as_asked(e2b_env: dict[str, Any]) -> None:
     killed = Sandbox.create(e2b_env["template"], timeout=10)
     paused = Sandbox.create(e2b_env["template"], timeout=10, lifecycle={"on_timeout": "pause"})

@@ -16,6 +16,7 @@ import textwrap
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -402,6 +403,74 @@ def test_a_cluster_with_tls_serves_and_a_driver_without_it_is_told() -> None:
         seen
     )
     print(f"TLS cluster test {time.monotonic() - t0:.1f} s")
+
+
+def test_an_agents_sdk_session_runs_pauses_and_resumes_on_a_fleet(nodes: Nodes, busybox_root: Path) -> None:
+    """The OpenAI Agents SDK's session on a fleet box (``SandlotSandboxClient(fleet)``), through a
+    driver acting for a namespace: a scripted ``Runner`` run starts a server and writes a
+    page, the session ends suspended on its node, and resumes with the server still running,
+    reached through the node's published port."""
+    agents = pytest.importorskip(
+        "agents", reason="the OpenAI Agents SDK: pip install 'sandlot[openai-agents]'"
+    )
+    import asyncio
+
+    import httpx
+    from agents.run_config import SandboxRunConfig
+    from agents.sandbox import Manifest, SandboxAgent
+    from agents.sandbox.capabilities import Filesystem, Shell
+    from agents.sandbox.entries import File
+
+    from sandlot.integrations.openai_agents import SandlotSandboxClient, SandlotSandboxClientOptions
+
+    from tests.support.scripted_model import ScriptedModel, call, patch, say
+
+    image = "fleet-agents:1"
+    for home in nodes.fc.homes.values():  # wherever Ray places the box
+        sandlot.import_image(busybox_root, image, home=home)
+    mine = fleet.connect(nodes.fc.address, namespace="agents", placement_timeout=30)
+    options = SandlotSandboxClientOptions(
+        image=image, exposed_ports=(8000,), on_exit="suspend", memory_mib=256
+    )
+    model = ScriptedModel([
+        [call("exec_command", cmd="httpd -p 8000 -h . && echo started"),  # busybox's: bound, then a daemon
+         patch("*** Begin Patch\n*** Add File: page.html\n+served from the box\n*** End Patch\n")],
+        [say("serving")],
+    ])  # fmt: skip
+    agent = SandboxAgent(
+        name="dev", instructions="serve the workspace", model=model, capabilities=[Shell(), Filesystem()],
+        default_manifest=Manifest(entries={"README.md": File(content=b"# site\n")}),
+    )  # fmt: skip
+
+    async def run() -> dict[str, Any]:
+        client = SandlotSandboxClient(mine)
+        config = agents.RunConfig(
+            sandbox=SandboxRunConfig(client=client, options=options), tracing_disabled=True
+        )
+        result = await agents.Runner.run(agent, "serve it", run_config=config)
+        assert result.final_output == "serving"
+        state: dict[str, Any] = result.to_state().to_json()["sandbox"]["session_state"]
+        return state
+
+    async def resume(state: dict[str, Any]) -> tuple[str, str]:
+        client = SandlotSandboxClient(mine)
+        session = await client.resume(client.deserialize_session_state(state))
+        async with session:
+            inside = await session.exec("cat page.html")
+            end = await session.resolve_exposed_port(8000)
+            outside = await asyncio.to_thread(httpx.get, end.url_for("http") + "page.html", timeout=60)
+        return inside.stdout.decode(), outside.text
+
+    state = asyncio.run(run())
+    try:
+        box = mine.get(state["box_id"])
+        assert box.state == "suspended" and box.info["labels"]["sandlot.namespace"] == "agents"
+        assert asyncio.run(resume(state)) == ("served from the box", "served from the box")
+    finally:
+        with contextlib.suppress(sandlot.BoxNotFound):
+            mine.get(state["box_id"]).remove(force=True)
+        for home in nodes.fc.homes.values():
+            sandlot.remove_image(image, home=home)
 
 
 def test_a_desktop_box_is_driven_and_streamed_through_the_fleet(f: fleet.Fleet, nodes: Nodes) -> None:

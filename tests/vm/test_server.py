@@ -797,6 +797,9 @@ def test_revoking_a_key_ends_its_previews_at_once_on_every_server_of_the_home(
         leaked = r.json()
     assert leaked["id"].startswith("pv-") and leaked["id"] in leaked["url"]
     with serving(served.home) as second:
+        with second.client(team_keys["a"]) as c:  # no --port-domain: a port has no host of its own
+            r = c.post(f"/v1/boxes/{bid}/previews", json={"port": 8095, "at_host": True})
+            assert "--port-domain" in error(r, 501, "unsupported")["message"]
         paths = [leaked["url"].removeprefix(served.content_url), kept["url"].removeprefix(served.content_url)]
         for base in (served.content_url, second.content_url):
             for path in paths:
@@ -856,6 +859,11 @@ def test_a_port_at_the_root_of_a_host_of_its_own(
             _wait_answering(content, f"/v1/boxes/{bid}/ports/8090/")
         preview = c.post(f"/v1/boxes/{bid}/previews", json={"port": 8090, "ttl": 60}).json()
         other_port = c.post(f"/v1/boxes/{bid}/previews", json={"port": 8080, "ttl": 60}).json()
+        own_host = f"http://{host}:{served.content_port}/?sandlot_token="
+        at = c.post(f"/v1/boxes/{bid}/previews", json={"port": 8090, "ttl": 60, "at_host": True}).json()
+        assert at["url"] == at["host_url"] and at["url"].startswith(own_host), at
+    with sandlot.connect(served.url, key) as client:  # what an endpoint of a port (a host, no path) needs
+        assert client.get(bid).preview_url(8090, ttl=60, at_host=True).startswith(own_host)
     auth = {"Authorization": f"Bearer {key}"}
     r = get("/", **auth)
     assert (r.status_code, r.text) == (200, "root\n")

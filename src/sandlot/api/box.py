@@ -483,15 +483,20 @@ class AsyncBox:
         positive("timeout", timeout)
         return socket_bridge(await open_relay(self.spawn, port, timeout))
 
-    async def preview_url(self, port: int, ttl: float = 3600) -> str:
+    async def preview_url(self, port: int, ttl: float = 3600, *, at_host: bool = False) -> str:
         """A URL to ``port`` in the box that works without an API key (for a browser,
         a webhook, a teammate) until ``ttl`` seconds from now; signed by the server the
-        box is on (Unsupported elsewhere)."""
+        box is on (Unsupported elsewhere). It is a path of the server's content port
+        (``/p/TOKEN/``); ``at_host=True``: the root of the port's own host
+        (``PORT-BOX.DOMAIN``, with the token once in the query), what an app that links
+        from ``/`` needs, where the server has a ``--port-domain`` (Unsupported if not)."""
         from .bridge import check_port
 
         check_port(port)
         positive("ttl", ttl)
-        url: str = await self._op("preview_url", port=port, ttl=ttl)
+        if not isinstance(at_host, bool):
+            raise InvalidArgument(f"at_host is True or False, not {at_host!r}")
+        url: str = await self._op("preview_url", port=port, ttl=ttl, at_host=at_host or None)
         return url
 
     async def exec(

@@ -516,6 +516,9 @@ class PromoteIn(Strict):
 class PreviewIn(Strict):
     port: int = Field(ge=1, le=65535)
     ttl: float = Field(default=3600, gt=0)
+    # the port's own host (``--port-domain``) at its root, not a path; None (not sent) is
+    # false: a server older than the field refuses it, even as false
+    at_host: bool | None = None
 
 
 class SnapshotStartIn(ForkIn):

@@ -568,7 +568,9 @@ class LocalBackend(Backend):
             "a local process is followed by its AsyncProcess, and by taken_over() once its process died",
         )
 
-    async def box_preview_url(self, ref: BoxRef, port: int, ttl: float = 3600) -> str:
+    async def box_preview_url(
+        self, ref: BoxRef, port: int, ttl: float = 3600, at_host: bool | None = None
+    ) -> str:
         raise self.unsupported(
             "preview_url()",
             ref.name,

@@ -417,11 +417,14 @@ class Box(BoxBase):
         """
         return loop.run(self._a.connect(port, timeout=timeout))
 
-    def preview_url(self, port: int, ttl: float = 3600) -> str:
+    def preview_url(self, port: int, ttl: float = 3600, *, at_host: bool = False) -> str:
         """A URL to ``port`` in the box that works without an API key (for a browser,
         a webhook, a teammate) until ``ttl`` seconds from now; signed by the server the
-        box is on (Unsupported elsewhere)."""
-        return loop.run(self._a.preview_url(port, ttl))
+        box is on (Unsupported elsewhere). It is a path of the server's content port
+        (``/p/TOKEN/``); ``at_host=True``: the root of the port's own host
+        (``PORT-BOX.DOMAIN``, with the token once in the query), what an app that links
+        from ``/`` needs, where the server has a ``--port-domain`` (Unsupported if not)."""
+        return loop.run(self._a.preview_url(port, ttl, at_host=at_host))
 
     def exec(
         self,

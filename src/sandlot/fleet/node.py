@@ -233,10 +233,15 @@ class NodeService:
     async def refuse_unseen(self, box_id: str) -> None:
         """BoxNotFound where this node has box ``box_id`` and it is not the caller's
         namespace's (one it does not have is no refusal: a move's end cleans up after it)."""
-        if ASKER.get() is not None:
-            with contextlib.suppress(BoxNotFound):
-                await self.backend.find(box_id)
-                await self.ref(box_id)
+        asker = ASKER.get()
+        if asker is None:
+            return
+        try:
+            found = await self.backend.find(box_id)
+        except BoxNotFound:
+            return
+        if not access.visible(asker, found.info.get("labels")):
+            raise BoxNotFound(f"no box {box_id!r}", box=box_id)
 
     def info(self, ref: BoxRef) -> dict[str, Any]:
         return {**ref.info, "node": self.node_id}

@@ -569,8 +569,10 @@ class SandlotSandboxSession(BaseSandboxSession):
 
     async def _resolve_exposed_port(self, port: int) -> ExposedPortEndpoint:
         try:
-            if self.box.transport == "http":  # a server's box: the server's signed URL to it
-                url = urlsplit(await self.box.preview_url(port))
+            if self.box.transport == "http":
+                # a server's box: the server's signed URL to the port's own host (an endpoint
+                # is a host and a query, no path: a server without --port-domain has none)
+                url = urlsplit(await self.box.preview_url(port, at_host=True))
                 tls = url.scheme == "https"
                 return ExposedPortEndpoint(host=url.hostname or "", port=url.port or (443 if tls else 80),
                                            tls=tls, query=url.query)  # fmt: skip

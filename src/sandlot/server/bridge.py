@@ -64,6 +64,7 @@ from ..errors import (
     PortUnreachable,
     RequestError,
     SandlotError,
+    Unsupported,
 )
 from . import origins
 from .e2b import E2B_PORTS
@@ -519,6 +520,12 @@ async def make_preview(request: Request, box: AsyncBox, params: Any) -> dict[str
     if params.ttl > MAX_PREVIEW_TTL:
         raise InvalidArgument(f"ttl must be at most {MAX_PREVIEW_TTL} seconds, not {params.ttl}")
     server = _server(request)
+    if params.at_host and not server.settings.port_domain:
+        raise Unsupported(
+            "preview_url(at_host=True): this server has no --port-domain, so a port has no host "
+            "of its own; its preview is a path of the content port (at_host=False)",
+            transport="http",
+        )
     caller = request.state.caller
     preview, token = await asyncio.to_thread(
         access.make_preview, box.id, params.port, math.ceil(params.ttl), key_id=caller.key_id,
@@ -531,6 +538,8 @@ async def make_preview(request: Request, box: AsyncBox, params: Any) -> dict[str
     if domain:  # the same preview at the root path of the box's own host
         at_host = origins.port_host_origin(base, domain, params.port, box.id)
         out["host_url"] = f"{at_host}/?{TOKEN_PARAM}={token}"
+        if params.at_host:
+            out["url"] = out["host_url"]
     return out
 
 
