@@ -71,3 +71,34 @@ class ScriptedModel(Model):
                     out = item["output"]
                     found[item["call_id"]] = out if isinstance(out, str) else json.dumps(out)
         return found
+
+
+def add_file(name: str, line: str) -> ResponseCustomToolCall:
+    """An apply_patch call that adds a file of one line (no newline at its end)."""
+    return patch(f"*** Begin Patch\n*** Add File: {name}\n+{line}\n*** End Patch\n")
+
+
+def workspace_agent(model: ScriptedModel, readme: bytes) -> Any:
+    """A ``SandboxAgent`` of ``model`` with the shell and filesystem capabilities, its
+    manifest a README.md of ``readme``."""
+    from agents.sandbox import Manifest, SandboxAgent
+    from agents.sandbox.capabilities import Filesystem, Shell
+    from agents.sandbox.entries import File
+
+    return SandboxAgent(
+        name="dev", instructions="work in the workspace", model=model, capabilities=[Shell(), Filesystem()],
+        default_manifest=Manifest(entries={"README.md": File(content=readme)}),
+    )  # fmt: skip
+
+
+async def run_to_state(agent: Any, client: Any, options: Any, final: str) -> dict[str, Any]:
+    """``Runner.run`` of ``agent`` on a sandbox ``client`` (tracing off), checked to end with
+    ``final``; the session's state as the SDK serializes it (what a later resume takes)."""
+    from agents import RunConfig, Runner
+    from agents.run_config import SandboxRunConfig
+
+    config = RunConfig(sandbox=SandboxRunConfig(client=client, options=options), tracing_disabled=True)
+    result = await Runner.run(agent, "do it", run_config=config)
+    assert result.final_output == final
+    state: dict[str, Any] = result.to_state().to_json()["sandbox"]["session_state"]
+    return state

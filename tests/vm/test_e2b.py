@@ -224,38 +224,23 @@ def test_the_openai_agents_sdks_own_e2b_client_runs_pauses_and_resumes(e2b_env: 
     run by a scripted model starts a process and writes files with the shell and apply_patch
     tools, the session ends paused (``pause_on_exit``), and the client resumes it (E2B's
     connect) with its files and its process: the pause kept the box's memory."""
-    agents = pytest.importorskip(
-        "agents", reason="the OpenAI Agents SDK: pip install 'sandlot[openai-agents]'"
-    )
+    pytest.importorskip("agents", reason="the OpenAI Agents SDK: pip install 'sandlot[openai-agents]'")
     from agents.extensions.sandbox.e2b import E2BSandboxClient, E2BSandboxClientOptions
-    from agents.run_config import SandboxRunConfig
-    from agents.sandbox import Manifest, SandboxAgent
-    from agents.sandbox.capabilities import Filesystem, Shell
-    from agents.sandbox.entries import File
 
-    from tests.support.scripted_model import ScriptedModel, call, patch, say
+    from tests.support.scripted_model import ScriptedModel, add_file, call, run_to_state, say, workspace_agent
 
     options = E2BSandboxClientOptions(sandbox_type="e2b", template=e2b_env["template"], timeout=600,
                                       pause_on_exit=True)  # fmt: skip
     model = ScriptedModel([
         [call("exec_command", cmd="nohup sleep 900 >/dev/null 2>&1 & echo $! > sleeper.pid; cat README.md"),
-         patch("*** Begin Patch\n*** Add File: notes.txt\n+written by apply_patch\n*** End Patch\n")],
+         add_file("notes.txt", "written by apply_patch")],
         [say("done")],
     ])  # fmt: skip
-    agent = SandboxAgent(
-        name="dev", instructions="work", model=model, capabilities=[Shell(), Filesystem()],
-        default_manifest=Manifest(entries={"README.md": File(content=b"# from the manifest\n")}),
-    )  # fmt: skip
+    agent = workspace_agent(model, b"# from the manifest\n")
 
     async def run() -> dict[str, Any]:
-        config = agents.RunConfig(sandbox=SandboxRunConfig(client=E2BSandboxClient(), options=options),
-                                  tracing_disabled=True)  # fmt: skip
-        result = await agents.Runner.run(agent, "work", run_config=config)
-        assert result.final_output == "done"
-        assert "# from the manifest" in json.dumps(model.outputs()), (
-            model.outputs()
-        )  # the shell tool's answer
-        state: dict[str, Any] = result.to_state().to_json()["sandbox"]["session_state"]
+        state = await run_to_state(agent, E2BSandboxClient(), options, "done")
+        assert "# from the manifest" in json.dumps(model.outputs()), model.outputs()  # the shell's answer
         return state
 
     async def resume(state: dict[str, Any]) -> str:

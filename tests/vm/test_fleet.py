@@ -410,20 +410,14 @@ def test_an_agents_sdk_session_runs_pauses_and_resumes_on_a_fleet(nodes: Nodes, 
     driver acting for a namespace: a scripted ``Runner`` run starts a server and writes a
     page, the session ends suspended on its node, and resumes with the server still running,
     reached through the node's published port."""
-    agents = pytest.importorskip(
-        "agents", reason="the OpenAI Agents SDK: pip install 'sandlot[openai-agents]'"
-    )
+    pytest.importorskip("agents", reason="the OpenAI Agents SDK: pip install 'sandlot[openai-agents]'")
     import asyncio
 
     import httpx
-    from agents.run_config import SandboxRunConfig
-    from agents.sandbox import Manifest, SandboxAgent
-    from agents.sandbox.capabilities import Filesystem, Shell
-    from agents.sandbox.entries import File
 
     from sandlot.integrations.openai_agents import SandlotSandboxClient, SandlotSandboxClientOptions
 
-    from tests.support.scripted_model import ScriptedModel, call, patch, say
+    from tests.support.scripted_model import ScriptedModel, add_file, call, run_to_state, say, workspace_agent
 
     image = "fleet-agents:1"
     for home in nodes.fc.homes.values():  # wherever Ray places the box
@@ -434,23 +428,13 @@ def test_an_agents_sdk_session_runs_pauses_and_resumes_on_a_fleet(nodes: Nodes, 
     )
     model = ScriptedModel([
         [call("exec_command", cmd="httpd -p 8000 -h . && echo started"),  # busybox's: bound, then a daemon
-         patch("*** Begin Patch\n*** Add File: page.html\n+served from the box\n*** End Patch\n")],
+         add_file("page.html", "served from the box")],
         [say("serving")],
     ])  # fmt: skip
-    agent = SandboxAgent(
-        name="dev", instructions="serve the workspace", model=model, capabilities=[Shell(), Filesystem()],
-        default_manifest=Manifest(entries={"README.md": File(content=b"# site\n")}),
-    )  # fmt: skip
+    agent = workspace_agent(model, b"# site\n")
 
     async def run() -> dict[str, Any]:
-        client = SandlotSandboxClient(mine)
-        config = agents.RunConfig(
-            sandbox=SandboxRunConfig(client=client, options=options), tracing_disabled=True
-        )
-        result = await agents.Runner.run(agent, "serve it", run_config=config)
-        assert result.final_output == "serving"
-        state: dict[str, Any] = result.to_state().to_json()["sandbox"]["session_state"]
-        return state
+        return await run_to_state(agent, SandlotSandboxClient(mine), options, "serving")
 
     async def resume(state: dict[str, Any]) -> tuple[str, str]:
         client = SandlotSandboxClient(mine)

@@ -19,17 +19,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from agents import RunConfig, Runner
-from agents.run_config import SandboxRunConfig
-from agents.sandbox import Manifest, SandboxAgent
-from agents.sandbox.capabilities import Filesystem, Shell
-from agents.sandbox.entries import File
 
 import sandlot
 from sandlot.integrations.openai_agents import SandlotSandboxClient, SandlotSandboxClientOptions
 
 from tests.support.names import unique
-from tests.support.scripted_model import ScriptedModel, call, patch, say
+from tests.support.scripted_model import ScriptedModel, add_file, call, run_to_state, say, workspace_agent
 from tests.support.serve import serving
 
 pytestmark = pytest.mark.vm
@@ -104,20 +99,11 @@ def paused_and_resumed(image: str, target: str | None, key: str | None) -> None:
     serve = call(
         "exec_command", cmd=f'nohup python3 -m http.server 8000 >/dev/null 2>&1 & python3 -c "{listening}"'
     )
-    page = patch("*** Begin Patch\n*** Add File: page.html\n+served from the box\n*** End Patch\n")
-    model = ScriptedModel([[serve, page], [say("serving")]])
-    agent: SandboxAgent[Any] = SandboxAgent(
-        name="dev", instructions="serve the workspace", model=model, capabilities=[Shell(), Filesystem()],
-        default_manifest=Manifest(entries={"README.md": File(content=b"# site\n")}),
-    )  # fmt: skip
+    model = ScriptedModel([[serve, add_file("page.html", "served from the box")], [say("serving")]])
+    agent = workspace_agent(model, b"# site\n")
 
     async def run() -> dict[str, Any]:
-        client = SandlotSandboxClient(target, api_key=key)
-        config = RunConfig(sandbox=SandboxRunConfig(client=client, options=options), tracing_disabled=True)
-        result = await Runner.run(agent, "serve it", run_config=config)
-        assert result.final_output == "serving"
-        state: dict[str, Any] = result.to_state().to_json()["sandbox"]["session_state"]
-        return state
+        return await run_to_state(agent, SandlotSandboxClient(target, api_key=key), options, "serving")
 
     os.environ.setdefault("OPENAI_AGENTS_DISABLE_TRACING", "1")
     state = asyncio.run(run())
