@@ -157,6 +157,8 @@ def test_a_suspended_box_moves_to_another_home_and_one_home_holds_it(
     assert (moved.id, moved.name, moved.state) == (box.id, "mover", "suspended")
     assert moved.exec("recall", "k").stdout == "kept\n"  # resumed, its memory as it was
     assert sandlot.storage.boxes(home=c)[0]["holder"] == home_id(b)
+    assert sandlot.storage.box(box.id, home=c) == sandlot.storage.boxes(home=c)[0]  # one box, by one read
+    assert sandlot.storage.box("0" * 12, home=c) is None and sandlot.storage.box("../x", home=c) is None
     with pytest.raises(BoxElsewhere, match=f"held by home {home_id(b)}"):
         sandlot.storage.pull("mover", home=c)
     moved.suspend()

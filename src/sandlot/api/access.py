@@ -36,6 +36,7 @@ from ..core.access import (
     KeyVerifier,
     Quotas,
     check_namespace,
+    own_labels,
     stamped,
     visible,
 )
@@ -221,6 +222,7 @@ __all__ = [
     "list_keys",
     "list_previews",
     "make_preview",
+    "own_labels",
     "preview_target",
     "previews_ended_with",
     "revoke_key",

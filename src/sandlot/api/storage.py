@@ -188,7 +188,12 @@ def boxes(*, home: Home = None) -> list[dict[str, Any]]:
     return Remote.of(Runtime.for_home(home)).boxes()
 
 
+def box(box_id: str, *, home: Home = None) -> dict[str, Any] | None:
+    """One box of the home's tier by its id, as ``boxes`` lists it; None where it has none."""
+    return Remote.of(Runtime.for_home(home)).box(box_id)
+
+
 __all__ = [
-    "GcReport", "PushReport", "StorageReport", "TierGcReport", "boxes", "configure", "evict", "gc", "info",
-    "pull", "pull_id", "push", "tier_url", "totals",
+    "GcReport", "PushReport", "StorageReport", "TierGcReport", "box", "boxes", "configure", "evict", "gc",
+    "info", "pull", "pull_id", "push", "tier_url", "totals",
 ]  # fmt: skip

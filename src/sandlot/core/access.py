@@ -86,6 +86,12 @@ def visible(namespace: str | None, labels: Mapping[str, str] | None) -> bool:
     return namespace is None or (labels or {}).get(NAMESPACE_LABEL) == namespace
 
 
+def own_labels(labels: Mapping[str, str] | None) -> dict[str, str]:
+    """A box's labels that are its own, not sandlot's (``sandlot.``): what the boxes started
+    from its snapshot inherit, before they are stamped for whoever starts them."""
+    return {k: v for k, v in (labels or {}).items() if not k.startswith("sandlot.")}
+
+
 def stamped(
     namespace: str | None, labels: Mapping[str, str] | None, *, admin: bool = False
 ) -> dict[str, str]:

@@ -427,14 +427,23 @@ class Remote:
         out = []
         for name in self.tier.names("boxes"):
             found = self.tier.get(self.tier.key("boxes", name))
-            if found is None:
-                continue
-            doc = boxdoc.read(found[0], name)
-            box_id = doc["box"]["id"]
-            out.append({"id": box_id, "name": doc["box"]["name"], "labels": doc["box"].get("labels") or {},
-                        "pushed_at": doc["pushed_at"], "pushed_by": doc["home"],
-                        "holder": self.tier.holder(box_id)})  # fmt: skip
+            if found is not None:
+                out.append(self._listed(boxdoc.read(found[0], name)))
         return out
+
+    def box(self, box_id: str) -> dict[str, Any] | None:
+        """One box of the tier by its id, as ``boxes`` lists it (None: the tier has none):
+        one read, not a listing of every box."""
+        if not re.fullmatch(r"[0-9a-f]{12}", box_id):
+            return None
+        found = self.tier.get(self.tier.key("boxes", f"{box_id}.json"))
+        return None if found is None else self._listed(boxdoc.read(found[0], box_id))
+
+    def _listed(self, doc: dict[str, Any]) -> dict[str, Any]:
+        box_id = doc["box"]["id"]
+        return {"id": box_id, "name": doc["box"]["name"], "labels": doc["box"].get("labels") or {},
+                "pushed_at": doc["pushed_at"], "pushed_by": doc["home"],
+                "holder": self.tier.holder(box_id)}  # fmt: skip
 
     def _pull_file(self, home: Path, entry: dict[str, Any], made: list[Path]) -> Path:
         """A file of a disk's chain from its manifest, whole or not at all; one this home

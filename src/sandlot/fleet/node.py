@@ -404,7 +404,7 @@ class NodeService:
         target: Any = await self.ref(key) if scope != "snapshot" else await self.snapshot(key)
         asker = ASKER.get()
         if op.key == "snapshot.start" and asker is not None:  # the caller's, as the server's are
-            kept = {k: v for k, v in snapshot_labels(target).items() if not k.startswith("sandlot.")}
+            kept = access.own_labels(snapshot_labels(target))
             args = args.model_copy(update={"labels": {**kept, **access.stamped(asker, args.labels)}})  # type: ignore[attr-defined]
         if op.key == "box.remove":
             await self._remove(target, bool(args.force))  # type: ignore[attr-defined]
@@ -718,8 +718,8 @@ class NodeService:
         asker = ASKER.get()
 
         def look() -> bool:
-            return any(b["id"] == box_id and access.visible(asker, b.get("labels"))
-                       for b in storage.boxes(home=self.home))  # fmt: skip
+            found = storage.box(box_id, home=self.home)
+            return found is not None and access.visible(asker, found["labels"])
 
         return await asyncio.to_thread(look) if _tier_url(self.home) else False
 

@@ -229,8 +229,7 @@ def _stamped(caller: Caller, labels: dict[str, str] | None) -> dict[str, str]:
 def _inherited(caller: Caller, snap: AsyncSnapshot | SnapshotRef) -> dict[str, str]:
     """The labels of boxes started from ``snap``: its box's own, stamped for the caller
     (the server's labels are the caller's, never the snapshot's)."""
-    own = {k: v for k, v in _snapshot_labels(snap).items() if not k.startswith("sandlot.")}
-    return _stamped(caller, own)
+    return _stamped(caller, access.own_labels(_snapshot_labels(snap)))
 
 
 def _create_lock(server: ServerState, caller: Caller) -> asyncio.Lock:
