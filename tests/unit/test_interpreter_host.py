@@ -93,3 +93,23 @@ def test_an_interrupt_as_its_cell_starts_is_taken_however_the_cell_blocks(contex
         context.send(op="interrupt", id=f"s{i}")  # before it starts, as it starts, or while it sleeps
         events = context.until_done(f"s{i}")
         assert [e["name"] for e in events if e["ev"] == "error"] == ["KeyboardInterrupt"], events
+
+
+def test_ipythons_escapes_are_rewritten_line_for_line_and_python_is_left_alone() -> None:
+    rewrite = interpreter.ipython_syntax
+    assert rewrite("x = 1\ny = x % 2") is None  # no escape: nothing to rewrite
+    assert rewrite("!pip install numpy") == "_sandlot_ipython.system('pip install numpy', capture=False)"
+    assert rewrite("if ok:\n    out = !ls /\n%matplotlib inline") == (
+        "if ok:\n    out = _sandlot_ipython.system('ls /', capture=True)\n"
+        "_sandlot_ipython.magic('matplotlib', 'inline')"
+    )
+    assert rewrite("%%writefile -a a.txt\nline 1\nline 2") == (
+        "_sandlot_ipython.cell_magic('writefile', '-a a.txt', 'line 1\\nline 2')"
+    )
+    escapes = interpreter.IPythonEscapes({"n": 3, "name": "x y"})
+    expanded = escapes.expand("echo {n * 2} $n $HOME $$ '{print}' {nope(}")
+    assert expanded == "echo 6 3 $HOME $ '{print}' {nope(}"
+    assert escapes.system("echo a; echo b >&2; exit 2", capture=True) == ["a", "b"]
+    assert escapes.namespace["_exit_code"] == 2
+    with pytest.raises(interpreter.UsageError, match="%timeit"):
+        escapes.magic("timeit", "1")

@@ -62,6 +62,32 @@ def test_values_output_and_errors_with_tracebacks(py_box: sandlot.Box) -> None:
     py_box.remove_code_context(ctx)
 
 
+def test_ipythons_shell_escapes_and_magics(py_box: sandlot.Box) -> None:
+    """What cells of E2B's (IPython) kernel may hold that is not Python: agents'
+    frameworks send ``!pip install``, and notebooks ``%matplotlib inline``."""
+    ctx = py_box.create_code_context()
+    ex = py_box.run_code("n = 3\n!echo got {n * 2} $n; echo err >&2; exit 4\n_exit_code", context=ctx)
+    assert ex.error is None and ex.stdout == "got 6 3\nerr\n" and ex.text == "4"
+    ex = py_box.run_code(
+        "files = !echo a; echo b\nif files:\n    !echo {len(files)} '{print}'\nfiles.n", context=ctx
+    )
+    assert ex.error is None and ex.text == "'a\\nb'" and ex.stdout == "2 {print}\n", ex
+    ex = py_box.run_code("%%writefile /tmp/cell.txt\nfrom a cell\n", context=ctx)
+    assert ex.stdout == "Writing /tmp/cell.txt\n"
+    ex = py_box.run_code("%%bash\ncat /tmp/cell.txt\necho $((1 + 2))", context=ctx)
+    assert ex.stdout == "from a cell\n3\n" and ex.error is None
+    magics = "%matplotlib inline\n%cd /tmp\n%env GREETING=hi\nimport os\nos.getcwd(), os.environ['GREETING']"
+    ex = py_box.run_code(magics, context=ctx)
+    assert ex.error is None and ex.text == "('/tmp', 'hi')" and ex.stdout == "/tmp\nenv: GREETING=hi\n"
+    ex = py_box.run_code("%pip --version", context=ctx)
+    assert ex.error is None and ("pip" in ex.stdout or "No module named pip" in ex.stdout), ex
+    ex = py_box.run_code("%timeit 1", context=ctx)
+    assert ex.error is not None and ex.error.name == "UsageError" and "%timeit" in ex.error.value
+    ex = py_box.run_code("x = 1 +\n!echo no", context=ctx)  # neither Python nor IPython: the cell's error
+    assert ex.error is not None and ex.error.name == "SyntaxError" and "line 1" in ex.error.traceback
+    py_box.remove_code_context(ctx)
+
+
 def test_streaming_callbacks_see_output_as_it_comes(py_box: sandlot.Box) -> None:
     seen: list[tuple[float, str, str]] = []
     t0 = time.monotonic()

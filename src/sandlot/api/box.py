@@ -602,11 +602,15 @@ class AsyncBox:
         kernel: str | None = None,
         env: Mapping[str, str] | None = None,
         user: str | None = None,
+        id: str | None = None,
     ) -> CodeContext:
         """Start a new interpreter in the box, independent of the others: pass it as
         ``run_code(..., context=ctx)``. ``kernel`` is None (sandlot's own for Python,
         the image's Jupyter kernel for other languages), "builtin", "jupyter" (the
-        image's Jupyter kernel for ``language``) or "jupyter:NAME".
+        image's Jupyter kernel for ``language``) or "jupyter:NAME". ``user`` runs it as
+        that user of the box; ``id`` names it (letters, digits, ``_.-``; a name in use
+        is refused), else it gets one: ``create_code_context(id="default-python", ...)``
+        sets up the context a ``run_code`` without one runs in, before its first use.
 
         >>> ctx = await box.create_code_context(cwd="/srv")
         >>> (await box.run_code("import os; os.getcwd()", context=ctx)).text
@@ -619,6 +623,7 @@ class AsyncBox:
             kernel=kernel,
             env=None if env is None else dict(env),
             user=user,
+            id=id,
         )
         return made
 

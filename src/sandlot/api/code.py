@@ -386,15 +386,24 @@ class Interpreter:
         kernel: str | None = None,
         env: Mapping[str, str] | None = None,
         user: str | None = None,
+        id: str | None = None,
     ) -> CodeContext:
         language = check_language(language)
+        if id is not None:
+            id = context_id(id, language)
+            try:
+                await self._info(id)
+            except CodeContextNotFound:
+                pass
+            else:
+                raise InvalidArgument(f"a code context {id!r} exists in this box")
         options = {
             "kernel": check_kernel(kernel, language),
             "cwd": guest_path(cwd) if cwd is not None else None,
             "env": check_env(env),
             "user": check_user(user),
         }
-        return await self._start(f"ctx-{uuid.uuid4().hex[:12]}", language, options)
+        return await self._start(id or f"ctx-{uuid.uuid4().hex[:12]}", language, options)
 
     async def list(self) -> list[CodeContext]:
         try:

@@ -416,6 +416,7 @@ class CodeContextIn(Strict):
     kernel: str | None = None
     env: dict[str, str] | None = None
     user: str | None = None
+    id: str | None = None
 
 
 class ContextIn(Strict):

@@ -616,9 +616,10 @@ class LocalBackend(Backend):
         kernel: str | None = None,
         env: Mapping[str, str] | None = None,
         user: str | None = None,
+        id: str | None = None,
     ) -> CodeContext:
         return await self._interpreter(ref).create(
-            language=language, cwd=cwd, kernel=kernel, env=env, user=user
+            language=language, cwd=cwd, kernel=kernel, env=env, user=user, id=id
         )
 
     async def box_list_code_contexts(self, ref: BoxRef) -> list[CodeContext]:

@@ -517,18 +517,22 @@ class Box(BoxBase):
         kernel: str | None = None,
         env: Mapping[str, str] | None = None,
         user: str | None = None,
+        id: str | None = None,
     ) -> CodeContext:
         """Start a new interpreter in the box, independent of the others: pass it as
         ``run_code(..., context=ctx)``. ``kernel`` is None (sandlot's own for Python,
         the image's Jupyter kernel for other languages), "builtin", "jupyter" (the
-        image's Jupyter kernel for ``language``) or "jupyter:NAME".
+        image's Jupyter kernel for ``language``) or "jupyter:NAME". ``user`` runs it as
+        that user of the box; ``id`` names it (letters, digits, ``_.-``; a name in use
+        is refused), else it gets one: ``create_code_context(id="default-python", ...)``
+        sets up the context a ``run_code`` without one runs in, before its first use.
 
         >>> ctx = box.create_code_context(cwd="/srv")
         >>> (box.run_code("import os; os.getcwd()", context=ctx)).text
         "'/srv'"
         """
         return loop.run(
-            self._a.create_code_context(language=language, cwd=cwd, kernel=kernel, env=env, user=user)
+            self._a.create_code_context(language=language, cwd=cwd, kernel=kernel, env=env, user=user, id=id)
         )
 
     def list_code_contexts(self) -> builtins.list[CodeContext]:

@@ -135,6 +135,14 @@ def serve(
             "(else the image's own user): E2B's templates run as 'user'. '' for the image's user always."
         ),
     ] = "user",
+    e2b_template: Annotated[
+        str | None,
+        typer.Option(
+            help="What E2B's own default templates (base, code-interpreter-v1: what the SDKs ask for "
+            "when given none) start from: a sandlot template or snapshot of that name, else an image. "
+            "Default: --mcp-image."
+        ),
+    ] = None,
     webhook: Annotated[
         list[str] | None,
         typer.Option(help="POST each event of the home to this URL, signed (repeatable; docs/events.md)."),
@@ -206,7 +214,8 @@ def serve(
                         mcp_image=mcp_image, mcp_limits=mcp_limits, heir=f"serve {host}:{port}",
                         lease=lease, webhooks=hooks, webhook_secret=secret, listen_host=host,
                         content_port=content_port, content_url=content_url, allow_hosts=hosts,
-                        allow_origins=origins, e2b_user=e2b_user or None)  # fmt: skip
+                        allow_origins=origins, e2b_user=e2b_user or None,
+                        e2b_template=e2b_template or mcp_image)  # fmt: skip
     config = uvicorn.Config(
         create_app(settings),
         ssl_certfile=str(tls_cert) if tls_cert else None,

@@ -441,6 +441,168 @@ def show_figures(cell: Cell, skip: Any = None) -> None:
         cell.stream("stderr", f"[sandlot: could not render a figure: {e}]\n")
 
 
+# ---- IPython's syntax: shell escapes and magics --------------------------------
+
+# What a cell of E2B's (IPython) kernel may write that is not Python, and agents'
+# frameworks send (smolagents installs packages with ``!pip install``; notebooks start
+# with ``%matplotlib inline``): ``!cmd`` and ``x = !cmd``, the line magics below and the
+# cell magics ``%%bash``, ``%%sh`` and ``%%writefile``. Only a cell that does not parse
+# as Python is rewritten, line for line, so tracebacks keep their line numbers.
+ESCAPE = re.compile(r"^(?P<indent>[ \t]*)(?:(?P<target>[A-Za-z_][\w.]*(?:\s*,\s*[A-Za-z_][\w.]*)*)\s*=\s*)?"
+                    r"(?P<kind>!|%(?!%))(?P<rest>.*)$")  # fmt: skip
+QUIET_MAGICS = ("matplotlib", "config", "load_ext", "reload_ext", "autoreload", "precision")
+
+
+class ShellLines(list):  # type: ignore[type-arg]
+    """What ``x = !cmd`` gives: its output's lines, as IPython's ``SList`` (``.s``, ``.n``)."""
+
+    @property
+    def s(self) -> str:
+        return " ".join(self)
+
+    @property
+    def n(self) -> str:
+        return "\n".join(self)
+
+    @property
+    def l(self) -> list[str]:  # noqa: E743 (IPython's name)
+        return list(self)
+
+
+def ipython_syntax(code: str) -> str | None:
+    """``code`` with IPython's escapes as calls of ``_sandlot_ipython``; None where it
+    has none."""
+    lines = code.split("\n")
+    first = lines[0].strip()
+    if first.startswith("%%"):
+        name, _, line = first[2:].partition(" ")
+        body = "\n".join(lines[1:])
+        return f"_sandlot_ipython.cell_magic({name!r}, {line.strip()!r}, {body!r})"
+    changed = False
+    for i, text in enumerate(lines):
+        m = ESCAPE.match(text)
+        if m is None:
+            continue
+        rest = m.group("rest").strip()
+        if m.group("kind") == "!":
+            call = f"_sandlot_ipython.system({rest!r}, capture={m.group('target') is not None})"
+        else:
+            name, _, line = rest.partition(" ")
+            call = f"_sandlot_ipython.magic({name!r}, {line.strip()!r})"
+        target = f"{m.group('target')} = " if m.group("target") else ""
+        lines[i] = f"{m.group('indent')}{target}{call}"
+        changed = True
+    return "\n".join(lines) if changed else None
+
+
+class IPythonEscapes:
+    """What the rewritten cell calls, in the kernel's namespace as ``_sandlot_ipython``."""
+
+    def __init__(self, namespace: dict[str, Any]) -> None:
+        self.namespace = namespace
+
+    def expand(self, command: str) -> str:
+        """IPython's expansion of a shell line: ``{expression}`` and ``$name`` from the
+        cell's variables (``$$`` for a ``$``); what does not evaluate stays as written."""
+
+        def braces(m: re.Match[str]) -> str:
+            expression = m.group(1).strip()
+            if expression.isidentifier() and expression not in self.namespace:
+                return m.group(0)  # awk's '{print}' stays as written
+            try:
+                return str(eval(expression, self.namespace))
+            except Exception:
+                return m.group(0)
+
+        def dollar(m: re.Match[str]) -> str:
+            if m.group(0) == "$$":
+                return "$"
+            name = m.group(1)
+            return str(self.namespace[name]) if name in self.namespace else m.group(0)
+
+        return re.sub(r"\$\$|\$([A-Za-z_]\w*)", dollar, re.sub(r"\{([^{}]+)\}", braces, command))
+
+    def system(self, command: str, capture: bool = False) -> Any:
+        """``!command``: run in the shell with its output (stderr with it) the cell's,
+        its exit status in ``_exit_code``; ``x = !command``: its lines instead."""
+        import subprocess
+
+        shell = "/bin/bash" if os.path.exists("/bin/bash") else "/bin/sh"
+        argv = [shell, "-c", self.expand(command)]
+        sys.stdout.flush()
+        if capture:
+            proc = subprocess.run(
+                argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
+            )
+            self.namespace["_exit_code"] = proc.returncode
+            return ShellLines(proc.stdout.decode("utf-8", "replace").splitlines())
+        code = subprocess.call(argv, stdout=1, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        self.namespace["_exit_code"] = code
+        return None
+
+    def magic(self, name: str, line: str) -> Any:
+        if name in ("pip", "pip3"):
+            return self.system(f"{sys.executable} -m pip {line}")
+        if name == "cd":
+            os.chdir(os.path.expanduser(self.expand(line) or "~"))
+            print(os.getcwd())
+            return None
+        if name == "pwd":
+            return os.getcwd()
+        if name == "env":
+            return self.env(self.expand(line))
+        if name in QUIET_MAGICS:  # figures are the cell's results already; the rest are settings
+            return None
+        raise UsageError(
+            f"Line magic function `%{name}` not found (sandlot's kernel serves "
+            "%pip, %cd, %pwd, %env and !commands; %matplotlib and %config do nothing)."
+        )
+
+    def env(self, line: str) -> Any:
+        if not line:
+            return dict(os.environ)
+        name, sep, value = line.partition("=") if "=" in line else line.partition(" ")
+        if not sep:
+            return os.environ.get(name.strip())
+        os.environ[name.strip()] = value.strip()
+        print(f"env: {name.strip()}={value.strip()}")
+        return None
+
+    def cell_magic(self, name: str, line: str, body: str) -> Any:
+        if name in ("bash", "sh"):
+            self.script("/bin/" + name, body)
+            return None
+        if name == "writefile":
+            args = line.split()
+            append = "-a" in args or "--append" in args
+            paths = [a for a in args if not a.startswith("-")]
+            if len(paths) != 1:
+                raise UsageError("%%writefile takes one path (and -a to append)")
+            path = os.path.expanduser(self.expand(paths[0]))
+            existed = os.path.exists(path)
+            with open(path, "a" if append else "w") as f:
+                f.write(body if body.endswith("\n") or not body else body + "\n")
+            print(f"{'Appending to' if append else 'Overwriting' if existed else 'Writing'} {paths[0]}")
+            return None
+        raise UsageError(
+            f"Cell magic `%%{name}` not found (sandlot's kernel serves %%bash, %%sh and %%writefile)."
+        )
+
+    def script(self, shell: str, body: str) -> None:
+        """A cell of shell script: its output the cell's; a failing script is not an error
+        of the cell (as in IPython)."""
+        import subprocess
+
+        sys.stdout.flush()
+        proc = subprocess.Popen([shell], stdin=subprocess.PIPE, stdout=1, stderr=2)
+        proc.communicate(body.encode())
+        self.namespace["_exit_code"] = proc.returncode
+
+
+class UsageError(Exception):
+    """IPython's error for a magic it does not have."""
+
+
 # ---- the builtin kernel ------------------------------------------------------
 
 
@@ -471,6 +633,24 @@ class BuiltinKernel:
             units.append(("eval", compile(expr, filename, "eval", flags)))
         return units
 
+    def python_of(self, code: str, filename: str) -> str:
+        """The cell as Python: as it is, or with IPython's escapes rewritten where it has
+        them (a cell that is neither raises the SyntaxError of the cell as written)."""
+        try:
+            ast.parse(code, filename, "exec")
+            return code
+        except SyntaxError:
+            rewritten = ipython_syntax(code)
+            if rewritten is None:
+                raise
+            self.namespace.setdefault("_sandlot_ipython", IPythonEscapes(self.namespace))
+            try:
+                ast.parse(rewritten, filename, "exec")
+            except SyntaxError:
+                ast.parse(code, filename, "exec")  # the error as the cell was written
+                raise
+            return rewritten
+
     def run_unit(self, code: Any) -> Any:
         value = eval(code, self.namespace)
         if code.co_flags & 0x80:  # CO_COROUTINE: the cell awaited at top level
@@ -487,7 +667,7 @@ class BuiltinKernel:
         linecache.cache[filename] = (len(code), None, code.splitlines(True), filename)
         value: Any = None
         try:
-            for kind, unit in self.compile_cell(code, filename):
+            for kind, unit in self.compile_cell(self.python_of(code, filename), filename):
                 result = self.run_unit(unit)
                 if kind == "eval":
                     value = result

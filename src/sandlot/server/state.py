@@ -77,6 +77,9 @@ class Settings:
     # who E2B's calls that name no user run as, where the box's image has that user (else
     # the image's own user): E2B's templates run everything as ``user``
     e2b_user: str | None = "user"
+    # what E2B's default templates (``base``, ``code-interpreter-v1``) start from: a sandlot
+    # template or snapshot of that name the caller may see, else an image
+    e2b_template: str | None = None
 
 
 class ServerState:

@@ -74,7 +74,7 @@ class E2bFace:
         self.control.add_exception_handler(RequestValidationError, _invalid)  # type: ignore[arg-type]
         self.control.add_exception_handler(StarletteHTTPException, _not_served)  # type: ignore[arg-type]
         self.envd = Envd(state, self.box_of)
-        self.interpreter = interpreter.Interpreter(self.box_of)
+        self.interpreter = interpreter.Interpreter(self.box_of, self.envd.runs_as)
         every = ["GET", "POST", "PUT", "DELETE", "HEAD"]
         self.sandbox = Starlette(routes=[Route("/{path:path}", self.serve_sandbox, methods=every)])
 

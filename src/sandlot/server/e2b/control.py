@@ -105,25 +105,33 @@ def _metadata(body: dict[str, Any]) -> dict[str, str]:
 async def _source(request: Request, template: str) -> tuple[dict[str, Any], bool | None]:
     """What a sandbox of ``template`` starts from: a sandlot template (or snapshot) of
     that name the caller may see, else the image it names; E2B's own default templates
-    are the server's default image (``sandlot serve --mcp-image``). With it, whether the
-    saved state has a network card (None: an image, booted with any)."""
-    try:
-        snap = await routes.snapshot_for(request, template)
-    except (SnapshotNotFound, InvalidArgument):
-        snap = None
-    if snap is not None:
-        source = {"template": snap.id} if snap.kind == "template" else {"snapshot": snap.id}
-        saved = (await snap.inspect()).get("options", {}).get("vm", {})
-        return source, bool(saved.get("network"))
+    are what ``sandlot serve --e2b-template`` names (a template or an image; by default
+    ``--mcp-image``). With it, whether the saved state has a network card (None: an
+    image, booted with any)."""
+    saved = await _saved(request, template)
+    if saved is not None:
+        return saved
     if template in DEFAULT_TEMPLATES:
-        image = _server(request).settings.mcp_image
-        if image is None:
+        default = _server(request).settings.e2b_template
+        if default is None:
             raise InvalidArgument(
-                f"template {template!r}: this server has no default image "
-                "(start it with --mcp-image, or make a sandlot template of that name)"
+                f"template {template!r}: this server has no default template "
+                "(start it with --e2b-template, or make a sandlot template of that name)"
             )
-        return {"image": image}, None
+        return await _saved(request, default) or ({"image": default}, None)
     return {"image": template}, None
+
+
+async def _saved(request: Request, name: str) -> tuple[dict[str, Any], bool] | None:
+    """A sandlot template or snapshot of ``name`` the caller may see, as a box's source,
+    and whether its saved state has a network card; None where there is none."""
+    try:
+        snap = await routes.snapshot_for(request, name)
+    except (SnapshotNotFound, InvalidArgument):
+        return None
+    source = {"template": snap.id} if snap.kind == "template" else {"snapshot": snap.id}
+    saved = (await snap.inspect()).get("options", {}).get("vm", {})
+    return source, bool(saved.get("network"))
 
 
 def _fitting(mode: str, saved_nic: bool | None, *, named: bool) -> str | None:

@@ -383,6 +383,11 @@ class Envd:
                 return default
         return None
 
+    async def runs_as(self, box: AsyncBox, request: Request) -> tuple[str | None, str]:
+        """Who a call runs as (``user``; None: the box's own user), and that user's home."""
+        user = await self.user(box, request)
+        return user, await self.home(box, user or box.info.get("user") or "root")
+
     async def home(self, box: AsyncBox, user: str) -> str:
         """``user``'s home in the box (its /etc/passwd)."""
         users, _ = await self._names(box)

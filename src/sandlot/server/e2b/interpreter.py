@@ -7,6 +7,10 @@ formats as fields: ``text``, ``html``, ``png``... and ``is_main_result``), ``err
 (``name``, ``value``, ``traceback``), then ``number_of_executions``. So rich
 results, languages and interpreter state kept through snapshot, fork and rollback
 come with it. A client that leaves mid-cell interrupts the cell.
+
+Cells run as E2B's run them: as the user its other calls run as (``user`` where the
+image has it: ``sandlot serve --e2b-user``), in that user's home, the default
+context included, unless a template's cells started it already.
 """
 
 from __future__ import annotations
@@ -33,9 +37,16 @@ LANGUAGES = {"python": "python", "py": "python", "javascript": "javascript", "js
              "bash": "bash"}  # fmt: skip
 
 
+RunsAs = Callable[[AsyncBox, Request], Awaitable[tuple[str | None, str]]]
+READY_KEPT = 4096  # boxes whose default contexts are known to be set up, at most
+
+
 class Interpreter:
-    def __init__(self, box_of: Callable[[Request], Awaitable[AsyncBox]]) -> None:
+    def __init__(self, box_of: Callable[[Request], Awaitable[AsyncBox]], runs_as: RunsAs) -> None:
         self.box_of = box_of
+        self.runs_as = runs_as  # the user a call runs as (None: the box's own), and its home
+        self.ready: dict[tuple[str, str], None] = {}  # (box, context): oldest first
+        self.setting_up: dict[str, asyncio.Lock] = {}
 
     async def serve(self, path: str, request: Request) -> Response:
         box = await self.box_of(request)
@@ -43,11 +54,16 @@ class Interpreter:
         if path == "/health":
             return Response(status_code=204)
         if path == "/execute" and method == "POST":
-            return await self.execute(box, await _json(request))
+            body = await _json(request)
+            if not _str(body, "context_id"):
+                language = _language(body.get("language")) if body.get("language") else "python"
+                await self.default_context(box, request, language)
+            return await self.execute(box, body)
         if path == "/contexts" and method == "POST":
             body = await _json(request)
             language = _language(body.get("language"))
-            ctx = await box.create_code_context(language=language, cwd=_str(body, "cwd"))
+            user, home = await self.runs_as(box, request)
+            ctx = await box.create_code_context(language=language, cwd=_str(body, "cwd") or home, user=user)
             return JSONResponse(_context(ctx))
         if path == "/contexts" and method == "GET":
             return JSONResponse([_context(c) for c in await box.list_code_contexts()])
@@ -64,6 +80,23 @@ class Interpreter:
                 await box.interrupt_code_context(context_id)
                 return Response(status_code=204)
         return JSONResponse({"code": 404, "message": f"no route {method} {path}"}, status_code=404)
+
+    async def default_context(self, box: AsyncBox, request: Request, language: str) -> None:
+        """Set the box's default context for ``language`` up as E2B's runs, as the call's
+        user in its home, before its first cell (once a box: one found running, from a
+        template's cells or an earlier call, is left as it is)."""
+        cid = context_id(None, language)
+        if (box.id, cid) in self.ready:
+            return
+        async with self.setting_up.setdefault(box.id, asyncio.Lock()):
+            if (box.id, cid) not in self.ready:
+                if all(c.id != cid for c in await box.list_code_contexts()):
+                    user, home = await self.runs_as(box, request)
+                    await box.create_code_context(language=language, cwd=home, user=user, id=cid)
+                self.ready[box.id, cid] = None
+                while len(self.ready) > READY_KEPT:
+                    self.ready.pop(next(iter(self.ready)))
+        self.setting_up.pop(box.id, None)
 
     async def execute(self, box: AsyncBox, body: dict[str, Any]) -> Response:
         code = body.get("code")

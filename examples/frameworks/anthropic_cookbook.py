@@ -1,0 +1,64 @@
+"""Anthropic's cookbook pattern for a code interpreter on E2B (Claude's tool use, with an
+``execute_python`` tool run in ``e2b-code-interpreter``'s sandbox), on a sandlot box
+through sandlot serve's E2B face. The model analyses a CSV it is given, and the charts
+its code draws come back as PNG files.
+
+    pip install anthropic e2b-code-interpreter
+    sandlot serve --e2b-template TEMPLATE      # a template with python3, pandas, matplotlib
+    export E2B_API_URL=http://127.0.0.1:7070/e2b E2B_SANDBOX_URL=http://127.0.0.1:7070/e2b
+    export E2B_API_KEY=$(sandlot keys create --name cookbook --e2b)
+    export ANTHROPIC_API_KEY=...
+    python examples/frameworks/anthropic_cookbook.py [CHART_DIR]"""
+
+import base64
+import os
+import sys
+from pathlib import Path
+
+from anthropic import Anthropic
+from e2b_code_interpreter import Sandbox
+
+SALES = "month,revenue\nJan,120\nFeb,95\nMar,210\nApr,160\n"
+TOOLS = [{
+    "name": "execute_python",
+    "description": "Execute python code in a Jupyter notebook cell and return the result, stdout and errors.",
+    "input_schema": {"type": "object", "properties": {"code": {"type": "string"}}, "required": ["code"]},
+}]  # fmt: skip
+charts = Path(sys.argv[1] if len(sys.argv) > 1 else ".")
+
+
+def execute_python(sandbox: Sandbox, code: str) -> tuple[str, bool]:
+    execution = sandbox.run_code(code)
+    for result in execution.results:
+        if result.png:  # a figure the cell drew
+            path = charts / f"chart-{len(list(charts.glob('chart-*.png')))}.png"
+            path.write_bytes(base64.b64decode(result.png))
+            print("saved", path)
+    if execution.error:
+        return f"{execution.error.name}: {execution.error.value}\n{execution.error.traceback}", True
+    return f"result: {execution.text}\nstdout: {''.join(execution.logs.stdout)}", False
+
+
+client = Anthropic()
+with Sandbox.create() as sandbox:
+    sandbox.files.write("/home/user/sales.csv", SALES)
+    task = "/home/user/sales.csv holds monthly revenue. Plot it as a bar chart and tell me the best month."
+    messages: list = [{"role": "user", "content": task}]
+    while True:
+        response = client.messages.create(
+            model=os.environ.get("MODEL", "claude-sonnet-4-5"),
+            max_tokens=4096,
+            tools=TOOLS,
+            messages=messages,
+        )
+        messages.append({"role": "assistant", "content": response.content})
+        if response.stop_reason != "tool_use":
+            break
+        results = []
+        for block in response.content:
+            if block.type == "tool_use":
+                output, failed = execute_python(sandbox, block.input["code"])
+                results.append({"type": "tool_result", "tool_use_id": block.id, "content": output,
+                                "is_error": failed})  # fmt: skip
+        messages.append({"role": "user", "content": results})
+print("model:", "".join(block.text for block in response.content if block.type == "text"))
