@@ -83,6 +83,7 @@ PROMISED = {
         "create_from_template_ms",
         "create_from_pool_ms",
     ],
+    "frameworks": ["calls", "native", "e2b_face", "docker", "ratios"],
     "server": ["exec_true_local_ms", "exec_true_remote_ms", "upload_MBps", "download_MBps", "load"],
     "watch": ["write_to_event_ms", "stdin_echo_baseline_ms", "burst"],
     "floods": ["engine", "seconds_each", "bounds", "floods", "host"],

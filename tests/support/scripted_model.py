@@ -91,14 +91,16 @@ def workspace_agent(model: ScriptedModel, readme: bytes) -> Any:
     )  # fmt: skip
 
 
-async def run_to_state(agent: Any, client: Any, options: Any, final: str) -> dict[str, Any]:
+async def run_to_state(
+    agent: Any, client: Any, options: Any, final: str, max_turns: int = 10
+) -> dict[str, Any]:
     """``Runner.run`` of ``agent`` on a sandbox ``client`` (tracing off), checked to end with
     ``final``; the session's state as the SDK serializes it (what a later resume takes)."""
     from agents import RunConfig, Runner
     from agents.run_config import SandboxRunConfig
 
     config = RunConfig(sandbox=SandboxRunConfig(client=client, options=options), tracing_disabled=True)
-    result = await Runner.run(agent, "do it", run_config=config)
+    result = await Runner.run(agent, "do it", run_config=config, max_turns=max_turns)
     assert result.final_output == final
     state: dict[str, Any] = result.to_state().to_json()["sandbox"]["session_state"]
     return state
