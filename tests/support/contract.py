@@ -6,6 +6,8 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from sandlot.api import contract
+
 from tests.support.waiting import deadline_in
 
 
@@ -49,3 +51,17 @@ def a_terminal_follows_its_size(box: Any) -> None:
     p.write_stdin("stty size; exit 5\n")
     until("50 132")
     assert p.wait(timeout=30) == 5
+
+
+# what each required field of an operation's arguments takes, for the tests that send every
+# operation of the contract through a transport
+PLAUSIBLE: dict[str, Any] = {
+    "path": "/tmp/x", "src": "/tmp/x", "dst": "/tmp/y", "snapshot": "s1", "mode": 0o644, "user": "root",
+    "context": "ctx-1", "port": 8080, "code": "1", "step": "1", "child": "c1", "prefix": "user.",
+    "values": {"user.a": "b"},
+}  # fmt: skip
+
+
+def args_for(op: contract.Operation) -> dict[str, Any]:
+    """Arguments an operation accepts: its defaults, and a plausible value for each required field."""
+    return {name: PLAUSIBLE[name] for name, field in op.params.model_fields.items() if field.is_required()}

@@ -591,14 +591,25 @@ class FakeVM(VM):
             return
         op = f.u32(Tag.OP, 0)
         entries: list[bytes] = []
+        xprefix = f.str(Tag.PREFIX) if flags & FsFlag.XATTRS else None
         if op == FsOp.STAT:
             node = _node(fs, path)
-            entries.append(_entry(posixpath.basename(path) or "/", node))
+            entries.append(_entry(posixpath.basename(path) or "/", node, xprefix))
         elif op == FsOp.LIST:
             if _node(fs, path)["type"] != "dir":
                 raise OSError(errno.ENOTDIR, f"{path}: Not a directory")
             for name in sorted(_children(fs, path)):
-                entries.append(_entry(name, fs[posixpath.join(path, name)]))
+                entries.append(_entry(name, fs[posixpath.join(path, name)], xprefix))
+        elif op == FsOp.SETXATTRS:  # a file's attributes of the prefix become those sent
+            node, start = _node(fs, path), f.str(Tag.PREFIX, "") or ""
+            sent = {}
+            for raw in f.all(Tag.XATTR):
+                (n,) = struct.unpack_from("<H", raw)
+                sent[raw[2 : 2 + n].decode()] = raw[2 + n :]
+            if not start or any(not k.startswith(start) or k == start for k in sent):
+                raise OSError(errno.EINVAL, "an attribute's name is the prefix and more")
+            kept = {k: v for k, v in node.get("xattrs", {}).items() if not k.startswith(start)}
+            node["xattrs"] = {**kept, **sent}
         elif op == FsOp.MKDIR:
             if path in fs:
                 if not flags & FsFlag.PARENTS:
@@ -712,11 +723,16 @@ def _mkdirs(fs: dict[str, dict[str, Any]], path: str) -> None:
 _ENTRY = struct.Struct("<IIIIQqHH")
 
 
-def _entry(name: str, node: dict[str, Any]) -> bytes:
+def _entry(name: str, node: dict[str, Any], xprefix: str | None = None) -> bytes:
     kind = stat.S_IFDIR if node["type"] == "dir" else stat.S_IFREG
     size = len(node.get("data", ""))
     raw = name.encode()
-    return _ENTRY.pack(kind | node["mode"], 0, 0, 1, size, node["mtime"], len(raw), 0) + raw
+    out = _ENTRY.pack(kind | node["mode"], 0, 0, 1, size, node["mtime"], len(raw), 0) + raw
+    if xprefix is not None:  # the attributes asked for, after the entry, as the agent puts them
+        found = [(k.encode(), v) for k, v in node.get("xattrs", {}).items() if k.startswith(xprefix)]
+        out += struct.pack("<H", len(found))
+        out += b"".join(struct.pack("<HI", len(k), len(v)) + k + v for k, v in found)
+    return out
 
 
 _TREE_ENTRY = struct.Struct("<IIIIQqqQQHH")

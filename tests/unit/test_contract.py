@@ -28,7 +28,7 @@ import pytest
 import sandlot
 from sandlot.api import contract, loop
 
-from tests.support.contract import events_past_and_followed
+from tests.support.contract import args_for, events_past_and_followed
 from tests.support.fake_engine import FakeEngine, fake_rootfs, register
 from tests.support.inproc import serving
 
@@ -429,12 +429,10 @@ def test_a_fleet_node_serves_every_operation(tmp_path: Path, monkeypatch: pytest
         key = made["id"]
         snap = (await node.call("box", "snapshot", key, {"name": "s1"}))["ok"]
         assert snap["node"] == "n1"
-        args = {"path": "/tmp/x", "src": "/tmp/x", "dst": "/tmp/y", "snapshot": "s1", "mode": 0o644,
-                "user": "root", "context": "ctx-1", "port": 8080, "step": "1", "child": "c1"}  # fmt: skip
         for op in contract.OPERATIONS:
             if op.key in ("box.remove", "snapshot.remove"):
                 continue  # last
-            params = {n: args[n] for n, f in op.params.model_fields.items() if f.is_required()}
+            params = args_for(op)
             target = snap["id"] if op.scope == "snapshot" else key
             reply = await node.call(op.scope, op.name, target, params)
             if "error" in reply:

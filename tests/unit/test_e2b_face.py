@@ -139,6 +139,74 @@ def test_files(sbx: Sandbox) -> None:
     ]  # no z.txt, no temporary
 
 
+def test_file_metadata_is_kept_as_extended_attributes_and_shown_where_envd_shows_it(
+    face: dict[str, Any], sbx: Sandbox
+) -> None:
+    from e2b.sandbox.filesystem.filesystem import WriteEntry
+
+    tags = {"owner": "agent-7", "stage": "draft v2"}
+    assert sbx.files.write("/tmp/m/a.txt", "a", metadata=tags).metadata == tags
+    assert sbx.files.get_info("/tmp/m/a.txt").metadata == tags
+    assert sbx.files.write("/tmp/m/b.txt", "b", metadata={"Kind": "raw"}, use_octet_stream=True).metadata == {
+        "kind": "raw"  # keys lowercased, as envd keeps them
+    }
+    many = sbx.files.write_files([WriteEntry(path="/tmp/m/c.txt", data="c"), WriteEntry(path="/tmp/m/d.txt",
+                                                                                       data="d")],
+                                 metadata={"batch": "1"})  # fmt: skip
+    assert [w.metadata for w in many] == [{"batch": "1"}] * 2
+    listed = {e.name: e.metadata for e in sbx.files.list("/tmp/m")}
+    assert listed == {
+        "a.txt": tags,
+        "b.txt": {"kind": "raw"},
+        "c.txt": {"batch": "1"},
+        "d.txt": {"batch": "1"},
+    }
+    assert sbx.files.rename("/tmp/m/a.txt", "/tmp/m/e.txt").metadata == tags  # it goes with the file
+    assert sbx.files.write("/tmp/m/e.txt", "again").metadata is None  # a new file: none of the old
+    assert sbx.files.get_info("/tmp/m/e.txt").metadata is None
+    # sandlot's own API sees the same attributes, and sets them
+    box = sandlot.Box.get(sbx.sandbox_id, home=face["home"])
+    assert box.files.stat("/tmp/m/b.txt", xattrs="user.e2b.").xattrs == {"user.e2b.kind": "raw"}
+    box.files.set_xattrs("/tmp/m/b.txt", {"user.e2b.kind": "clean", "user.e2b.by": "me"}, prefix="user.e2b.")
+    assert sbx.files.get_info("/tmp/m/b.txt").metadata == {"kind": "clean", "by": "me"}
+    assert box.files.stat("/tmp/m/b.txt").xattrs is None  # none asked for
+    with pytest.raises(sandlot.InvalidArgument, match=r"user\.e2b\."):
+        box.files.set_xattrs("/tmp/m/b.txt", {"user.other": "x"}, prefix="user.e2b.")
+    # what the SDK checks before it sends, the face checks too
+    token = {"E2b-Sandbox-Id": sbx.sandbox_id, "X-Access-Token": str(sbx._envd_access_token)}
+    for bad in ({"X-Metadata-ok": "caf\u00e9".encode()}, {"X-Metadata-": b"no key"}):
+        r = httpx.post(f"{face['srv'].url}/e2b/files", params={"path": "/tmp/m/bad.txt"}, content=b"x",
+                       headers={**token, "Content-Type": "application/octet-stream", **bad})  # fmt: skip
+        assert r.status_code == 400, r.text
+    assert not sbx.files.exists("/tmp/m/bad.txt")
+
+
+def test_signed_file_urls_work_with_one_sandbox_url_for_every_sandbox(
+    face: dict[str, Any], sbx: Sandbox
+) -> None:
+    """With ``E2B_SANDBOX_URL`` a signed URL names no sandbox: its signature, made with one
+    sandbox's token, says which (another sandbox running beside it changes nothing)."""
+    other = Sandbox.create("fake-tpl", **face["opts"])
+    try:
+        sbx.files.write("/tmp/signed.txt", "for a browser")
+        url = sbx.download_url("/tmp/signed.txt")
+        assert "E2b-Sandbox-Id" not in url and sbx.sandbox_id not in url
+        r = httpx.get(url)
+        assert r.status_code == 200 and r.text == "for a browser"
+        up = sbx.upload_url("/tmp/up.txt", use_signature_expiration=60)
+        assert httpx.post(up, files={"file": ("up.txt", b"uploaded")}).status_code == 200
+        assert sbx.files.read("/tmp/up.txt") == "uploaded" and not other.files.exists("/tmp/up.txt")
+        expired = sbx.download_url("/tmp/signed.txt", use_signature_expiration=-10)
+        r = httpx.get(expired)
+        assert r.status_code == 401 and r.json() == {"code": 401, "message": "signature is already expired"}
+        r = httpx.get(url.replace("signature=v1_", "signature=v1_x"))
+        assert r.status_code == 401 and "signature is wrong" in r.json()["message"]
+        r = httpx.get(url.replace("path=%2Ftmp%2Fsigned.txt", "path=%2Fetc%2Fpasswd"))  # signed for another
+        assert r.status_code == 401
+    finally:
+        other.kill()
+
+
 def test_calls_that_name_no_user_run_as_e2bs_user_where_the_image_has_it(face: dict[str, Any]) -> None:
     """E2B's templates run every call as ``user`` (home /home/user), and its SDKs name no
     user: the face does the same where the box's image has that user (``--e2b-user``),

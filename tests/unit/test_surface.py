@@ -27,6 +27,8 @@ from sandlot.api.http import HttpBackend, HttpBoxRef, HttpSnapshotRef
 from sandlot.api.local import LocalBackend
 from sandlot.errors import Unsupported
 
+from tests.support.contract import args_for
+
 FACADES: dict[str, type] = {"box": AsyncBox, "files": AsyncFiles, "snapshot": AsyncSnapshot}
 PRIMITIVES = {n for n, v in vars(Backend).items() if getattr(v, "__isabstractmethod__", False)} | {
     "attach", "taken_over", "release", "info", "aclose", "events", "as_step"}  # fmt: skip
@@ -160,19 +162,6 @@ ANSWERS: dict[str, Any] = {
     "processes": {"processes": []}, "url": {"url": "http://x/p/"}, "context": CONTEXT,
     "contexts": {"contexts": []}, "network": {"network": "none", "allow": []},
 }  # fmt: skip
-
-
-def args_for(op: contract.Operation) -> dict[str, Any]:
-    """Arguments an operation's model accepts: its defaults, and a plausible value for each
-    required field."""
-    plausible = {"path": "/tmp/x", "src": "/tmp/x", "dst": "/tmp/y", "snapshot": "s1", "mode": 0o644,
-                 "user": "root", "context": "ctx-1", "port": 8080, "code": "1", "step": "1",
-                 "child": "c1"}  # fmt: skip
-    out = {}
-    for name, field in op.params.model_fields.items():
-        if field.is_required():
-            out[name] = plausible[name]
-    return out
 
 
 @pytest.mark.parametrize("op", contract.OPERATIONS, ids=lambda o: o.key)

@@ -174,19 +174,38 @@ def test_files_text_bytes_streams_list_info_dirs_rename_remove(sbx: Sandbox) -> 
         sbx.files.read("/tmp/e2b/nope")
 
 
+def test_file_metadata_from_an_upload_or_a_command_in_the_box_is_the_files(sbx: Sandbox) -> None:
+    """envd 0.6.2's metadata: ``user.e2b.*`` extended attributes of the file on the box's
+    own disk (ext4), so what a program in the box sets is metadata too."""
+    both = {"author": "agent", "stage": "review"}
+    written = sbx.files.write("/srv/meta/a.txt", "a", metadata={"Author": "agent"})
+    assert written.metadata == {"author": "agent"}  # keys lowercased, as envd keeps them
+    sbx.commands.run("python3 -c \"import os; os.setxattr('/srv/meta/a.txt', 'user.e2b.stage', b'review')\"")
+    assert sbx.files.get_info("/srv/meta/a.txt").metadata == both
+    assert [e.metadata for e in sbx.files.list("/srv/meta")] == [both]
+    assert sbx.files.rename("/srv/meta/a.txt", "/srv/meta/b.txt").metadata == both
+    assert sbx.files.write("/srv/meta/b.txt", "over").metadata is None
+    assert sbx.files.get_info("/srv/meta/b.txt").metadata is None
+    sbx.files.remove("/srv/meta")
+
+
 def test_watch_dir_polled_by_the_sync_sdk(sbx: Sandbox) -> None:
     sbx.files.make_dir("/tmp/watched")
-    handle = sbx.files.watch_dir("/tmp/watched", recursive=True)
+    handle = sbx.files.watch_dir("/tmp/watched", recursive=True, include_entry=True)  # envd 0.6.3's
     sbx.files.write("/tmp/watched/x.txt", "x")
     sbx.commands.run("mkdir -p /tmp/watched/sub && echo y > /tmp/watched/sub/y && rm /tmp/watched/x.txt")
     seen: set[tuple[str, Any]] = set()
+    entries: dict[str, Any] = {}
     deadline = deadline_in(20)
     while time.monotonic() < deadline and ("x.txt", FilesystemEventType.REMOVE) not in seen:
-        seen |= {(e.name, e.type) for e in handle.get_new_events()}
+        events = handle.get_new_events()
+        seen |= {(e.name, e.type) for e in events}
+        entries |= {e.name: e.entry for e in events if e.entry is not None}
         time.sleep(0.2)
     handle.stop()
     assert ("x.txt", FilesystemEventType.REMOVE) in seen
     assert {n for n, _ in seen} >= {"x.txt", "sub", "sub/y"}
+    assert entries["sub/y"].path == "/tmp/watched/sub/y" and entries["sub"].type == FileType.DIR
 
 
 def test_lifecycle_info_list_timeout_pause_resume_kill(e2b_env: dict[str, Any]) -> None:

@@ -18,6 +18,8 @@ import sandlot
 from sandlot import Box
 from sandlot.api import loop, tarstream
 
+from tests.conftest import TEST_ENGINE
+
 pytestmark = pytest.mark.vm
 
 
@@ -79,6 +81,39 @@ def test_list_stat_mkdir_rename_chmod_chown(bb_box: Box) -> None:
     f.remove("/work", recursive=True)
     assert not f.exists("/work")
     f.remove("/work", missing_ok=True)
+
+
+def test_extended_attributes_of_a_prefix_are_read_with_stat_and_list_and_replaced_whole(bb_box: Box) -> None:
+    f = bb_box.files
+    if TEST_ENGINE == "gvisor":  # its root (a gofer's mount) keeps none; its tmpfs ones do
+        f.write("/xattr-root.txt", "a")
+        with pytest.raises(sandlot.InvalidArgument, match="keeps no extended attributes"):
+            f.set_xattrs("/xattr-root.txt", {"user.app.a": "1"}, prefix="user.app.")
+        f.remove("/xattr-root.txt")
+    top = "/tmp/xattr-test" if TEST_ENGINE == "gvisor" else "/xattr-test"
+    f.write(f"{top}/a.txt", "a")
+    f.write(f"{top}/b.txt", "b")
+    f.set_xattrs(f"{top}/a.txt", {"user.app.owner": "me", "user.app.note": "caf\u00e9"}, prefix="user.app.")
+    f.set_xattrs(f"{top}/a.txt", {"user.other.keep": "yes"}, prefix="user.other.")
+    assert f.stat(f"{top}/a.txt", xattrs="user.app.").xattrs == {
+        "user.app.owner": "me",
+        "user.app.note": "caf\u00e9",
+    }
+    assert f.stat(f"{top}/a.txt", xattrs="user.").xattrs == {
+        "user.app.owner": "me", "user.app.note": "caf\u00e9", "user.other.keep": "yes"}  # fmt: skip
+    f.set_xattrs(f"{top}/a.txt", {"user.app.owner": "you"}, prefix="user.app.")  # the note goes
+    listed = {e.name: e.xattrs for e in f.list(top, xattrs="user.app.")}
+    assert listed == {"a.txt": {"user.app.owner": "you"}, "b.txt": {}}
+    assert f.stat(f"{top}/a.txt", xattrs="user.other.").xattrs == {"user.other.keep": "yes"}
+    f.rename(f"{top}/a.txt", f"{top}/c.txt")  # they go with the file
+    assert f.stat(f"{top}/c.txt", xattrs="user.app.").xattrs == {"user.app.owner": "you"}
+    f.write(f"{top}/c.txt", "new")  # written whole: a new file, none of the old's
+    assert f.stat(f"{top}/c.txt", xattrs="user.").xattrs == {}
+    with pytest.raises(sandlot.InvalidArgument):
+        f.set_xattrs(f"{top}/c.txt", {"user.x": "1"}, prefix="user.app.")
+    with pytest.raises(FileNotFoundError):
+        f.set_xattrs(f"{top}/nope", {}, prefix="user.app.")
+    f.remove(top, recursive=True)
 
 
 def test_large_directory_listing(bb_box: Box) -> None:

@@ -542,6 +542,16 @@ class PathIn(Strict):
 
 class StatIn(PathIn):
     follow_symlinks: bool = True
+    xattrs: str | None = None  # the extended attributes wanted too, by the start of their names
+
+
+class ListIn(PathIn):
+    xattrs: str | None = None
+
+
+class SetXattrsIn(PathIn):
+    prefix: str = Field(min_length=1)
+    values: dict[str, str]
 
 
 class FileRemoveIn(PathIn):
@@ -680,7 +690,7 @@ def exec_result(data: Any, argv: tuple[str, ...] = ()) -> ExecResult:
 def file_json(info: FileInfo) -> dict[str, Any]:
     return {"path": info.path, "name": info.name, "type": info.type, "size": info.size, "mode": info.mode,
             "uid": info.uid, "gid": info.gid, "mtime": info.mtime.isoformat(),
-            "link_target": info.link_target}  # fmt: skip
+            "link_target": info.link_target, "xattrs": info.xattrs}  # fmt: skip
 
 
 def file_info(data: Any) -> FileInfo:
@@ -691,9 +701,18 @@ def file_info(data: Any) -> FileInfo:
             mtime = mtime.replace(tzinfo=UTC)
         return FileInfo(path=str(data["path"]), name=str(data["name"]), type=str(data["type"]),
                         size=int(data["size"]), mode=int(data["mode"]), uid=int(data["uid"]),
-                        gid=int(data["gid"]), mtime=mtime, link_target=data.get("link_target"))  # fmt: skip
+                        gid=int(data["gid"]), mtime=mtime, link_target=data.get("link_target"),
+                        xattrs=_xattrs(data.get("xattrs")))  # fmt: skip
     except (KeyError, TypeError, ValueError) as e:
         raise ProtocolError(f"a file's description is malformed ({e}): {data!r:.200}") from None
+
+
+def _xattrs(value: Any) -> dict[str, str] | None:
+    if value is None:
+        return None
+    if not isinstance(value, dict) or not all(isinstance(v, str) for v in value.values()):
+        raise TypeError("xattrs is an object of strings")
+    return value
 
 
 def file_event_json(event: FileEvent) -> dict[str, Any]:
@@ -906,7 +925,8 @@ OPERATIONS: tuple[Operation, ...] = (
     )),
     *_ops("files", "/boxes/{box}/files", (
         ("stat", "GET /stat", StatIn, FILE, "A path's description."),
-        ("list", "GET ", PathIn, FILES, "A directory's entries."),
+        ("list", "GET ", ListIn, FILES, "A directory's entries."),
+        ("set_xattrs", "POST /xattrs", SetXattrsIn, NONE, "Set a path's extended attributes."),
         ("mkdir", "POST /mkdir", MkdirIn, NONE, "Make a directory."),
         ("remove", "DELETE ", FileRemoveIn, NONE, "Remove a path."),
         ("rename", "POST /rename", RenameIn, NONE, "Rename a path."),

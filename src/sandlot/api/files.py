@@ -18,7 +18,7 @@ import posixpath
 import stat as _stat
 import time
 import warnings
-from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Iterable
+from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Iterable, Mapping
 from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING, Any
 
@@ -26,7 +26,7 @@ from ..core.validate import guest_path
 from ..errors import InvalidArgument, TransferWarning
 from .backend import Write
 from .diffs import side_arg
-from .fs import FILE_EVENT_TYPES, FileEvent, FileEventType, FileInfo, WatchSource, check_mode
+from .fs import FILE_EVENT_TYPES, FileEvent, FileEventType, FileInfo, WatchSource, check_mode, check_prefix
 
 if TYPE_CHECKING:
     from .backend import Backend, BoxRef
@@ -339,8 +339,17 @@ class AsyncFiles:
         _warn_skipped(_skipped_of(answer))
         return 0
 
-    async def stat(self, path: str | os.PathLike[str], *, follow_symlinks: bool = True) -> FileInfo:
-        info: FileInfo = await self._call("stat", path=guest_path(path), follow_symlinks=follow_symlinks)
+    async def stat(
+        self, path: str | os.PathLike[str], *, follow_symlinks: bool = True, xattrs: str | None = None
+    ) -> FileInfo:
+        """What a path is. ``xattrs="user."``: its extended attributes whose names start
+        so, too (``FileInfo.xattrs``; values as text).
+
+        >>> (await box.files.stat("/etc/hostname")).size                  # doctest: +SKIP
+        """
+        info: FileInfo = await self._call(
+            "stat", path=guest_path(path), follow_symlinks=follow_symlinks, xattrs=check_prefix(xattrs)
+        )
         return info
 
     async def exists(self, path: str | os.PathLike[str]) -> bool:
@@ -350,10 +359,30 @@ class AsyncFiles:
             return False
         return True
 
-    async def list(self, path: str | os.PathLike[str]) -> list[FileInfo]:
-        """Entries of a directory (without . and ..), sorted by name."""
-        found: list[FileInfo] = await self._call("list", path=guest_path(path))
+    async def list(self, path: str | os.PathLike[str], *, xattrs: str | None = None) -> list[FileInfo]:
+        """Entries of a directory (without . and ..), sorted by name; ``xattrs`` as ``stat``'s."""
+        found: list[FileInfo] = await self._call("list", path=guest_path(path), xattrs=check_prefix(xattrs))
         return found
+
+    async def set_xattrs(
+        self, path: str | os.PathLike[str], values: Mapping[str, str], *, prefix: str
+    ) -> None:
+        """Make the path's extended attributes whose names start with ``prefix`` exactly
+        ``values`` (text, stored as UTF-8): the others of that prefix go. Each name starts
+        with the prefix; the file system must keep such attributes (``user.`` ones:
+        ext4, tmpfs, overlayfs). What E2B's file metadata is (``user.e2b.``)::
+
+            await box.files.set_xattrs("/data/a.csv", {"user.e2b.source": "upload"}, prefix="user.e2b.")
+        """
+        prefix = check_prefix(prefix) or ""
+        if not prefix:
+            raise InvalidArgument("set_xattrs needs the prefix of the names it replaces")
+        if not isinstance(values, Mapping) or not all(isinstance(v, str) for v in values.values()):
+            raise InvalidArgument("set_xattrs takes a mapping of names to text values")
+        for name in values:
+            if not isinstance(name, str) or not name.startswith(prefix) or name == prefix or "\0" in name:
+                raise InvalidArgument(f"an extended attribute's name is {prefix!r} and more, not {name!r}")
+        await self._call("set_xattrs", path=guest_path(path), prefix=prefix, values=dict(values))
 
     async def mkdir(
         self,

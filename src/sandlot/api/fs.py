@@ -33,6 +33,9 @@ class FileInfo:
     gid: int
     mtime: datetime
     link_target: str | None = None
+    # the extended attributes asked for (``stat(..., xattrs=PREFIX)``), by name, their values
+    # as text (UTF-8; undecodable bytes replaced); None where none were asked for
+    xattrs: dict[str, str] | None = None
 
     @property
     def is_dir(self) -> bool:
@@ -69,6 +72,7 @@ def entry_info(parent: str | None, e: RawEntry, path: str | None = None) -> File
         gid=e.gid,
         mtime=datetime.fromtimestamp(e.mtime_ns / 1e9, tz=UTC),
         link_target=e.link_target,
+        xattrs=None if e.xattrs is None else {k: v.decode("utf-8", "replace") for k, v in e.xattrs.items()},
     )
 
 
@@ -159,6 +163,15 @@ class AgentWatch:
 
     async def aclose(self) -> None:
         self._stream.close()
+
+
+def check_prefix(prefix: object) -> str | None:
+    """The start of extended attributes' names, as ``stat``, ``list`` and ``set_xattrs`` take it."""
+    if prefix is None:
+        return None
+    if not isinstance(prefix, str) or not prefix or "\0" in prefix or len(prefix.encode()) > 255:
+        raise InvalidArgument(f"an xattrs prefix is a start of names such as 'user.', not {prefix!r}")
+    return prefix
 
 
 def check_mode(mode: int | None) -> int | None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import os
 from collections.abc import AsyncIterable, AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import replace
@@ -33,7 +34,7 @@ from ..core.sessions import Kept
 from ..core.state import BoxState
 from ..core.store import BoxRecord, BoxStore, SnapshotRecord, validate_name
 from ..core.validate import check_env, check_user, guest_path, positive
-from ..errors import BoxNotFound, InvalidArgument, SnapshotNotFound
+from ..errors import BoxNotFound, GuestOSError, InvalidArgument, SnapshotNotFound
 from ..protocol import archive as proto_archive
 from ..protocol import files as proto
 from ..protocol.exec import ExecRequest, RemoteProcess
@@ -41,7 +42,7 @@ from ..protocol.watch import WatchStream
 from ..protocol.wire import FsFlag, FsOp
 from . import port_hold
 from .backend import Backend, BoxRef, Cell, Command, SnapshotRef, Write, narrowed
-from .fs import AgentWatch, FileInfo, WatchSource, check_mode, entry_info
+from .fs import AgentWatch, FileInfo, WatchSource, check_mode, check_prefix, entry_info
 from .process import AsyncProcess, ExecResult, feed_and_wait
 
 if TYPE_CHECKING:
@@ -640,16 +641,36 @@ class LocalBackend(Backend):
         ctl, entry = await local(ref).existing()
         return await ctl.connection(entry)
 
-    async def files_stat(self, ref: BoxRef, path: str, follow_symlinks: bool = True) -> FileInfo:
-        p = guest_path(path)
-        flags = 0 if follow_symlinks else FsFlag.NOFOLLOW
-        entries = await proto.fs_request(await self._conn(ref), FsOp.STAT, p, flags=flags)
+    async def files_stat(
+        self, ref: BoxRef, path: str, follow_symlinks: bool = True, xattrs: str | None = None
+    ) -> FileInfo:
+        p, prefix = guest_path(path), check_prefix(xattrs)
+        flags = (0 if follow_symlinks else FsFlag.NOFOLLOW) | (FsFlag.XATTRS if prefix else 0)
+        entries = await proto.fs_request(await self._conn(ref), FsOp.STAT, p, flags=flags, prefix=prefix)
         return entry_info(None, entries[0], path=p)
 
-    async def files_list(self, ref: BoxRef, path: str) -> list[FileInfo]:
-        p = guest_path(path)
-        entries = await proto.fs_request(await self._conn(ref), FsOp.LIST, p)
+    async def files_list(self, ref: BoxRef, path: str, xattrs: str | None = None) -> list[FileInfo]:
+        p, prefix = guest_path(path), check_prefix(xattrs)
+        flags = FsFlag.XATTRS if prefix else 0
+        entries = await proto.fs_request(await self._conn(ref), FsOp.LIST, p, flags=flags, prefix=prefix)
         return sorted((entry_info(p, e) for e in entries), key=lambda i: i.name)
+
+    async def files_set_xattrs(self, ref: BoxRef, path: str, prefix: str, values: dict[str, str]) -> None:
+        where, start = guest_path(path), check_prefix(prefix)
+        if not start or any(not n.startswith(start) or n == start for n in values):
+            raise InvalidArgument(f"extended attributes' names start with {start!r} and go on")
+        raw = {name: value.encode() for name, value in values.items()}
+        async with self._step(ref, "files", lambda: {"op": "set_xattrs", "path": where}):
+            try:
+                await proto.fs_request(await self._conn(ref), FsOp.SETXATTRS, where, prefix=start, xattrs=raw)
+            except GuestOSError as e:
+                if e.errno != errno.ENOTSUP:
+                    raise
+                raise InvalidArgument(
+                    f"{where}: its file system keeps no extended attributes (on gVisor, the root's "
+                    "does not: tmpfs ones such as /tmp do)",
+                    box=ref.id,
+                ) from None
 
     async def files_mkdir(
         self, ref: BoxRef, path: str, parents: bool = True, mode: int = 0o755, user: str | None = None

@@ -880,15 +880,32 @@ class Files(FilesBase):
         files copied (docs/api.md, "Trees in and out")."""
         return loop.run(self._a.download(remote, local, follow_symlinks=follow_symlinks))
 
-    def stat(self, path: str | os.PathLike[str], *, follow_symlinks: bool = True) -> FileInfo:
-        return loop.run(self._a.stat(path, follow_symlinks=follow_symlinks))
+    def stat(
+        self, path: str | os.PathLike[str], *, follow_symlinks: bool = True, xattrs: str | None = None
+    ) -> FileInfo:
+        """What a path is. ``xattrs="user."``: its extended attributes whose names start
+        so, too (``FileInfo.xattrs``; values as text).
+
+        >>> (box.files.stat("/etc/hostname")).size                  # doctest: +SKIP
+        """
+        return loop.run(self._a.stat(path, follow_symlinks=follow_symlinks, xattrs=xattrs))
 
     def exists(self, path: str | os.PathLike[str]) -> bool:
         return loop.run(self._a.exists(path))
 
-    def list(self, path: str | os.PathLike[str]) -> list[FileInfo]:
-        """Entries of a directory (without . and ..), sorted by name."""
-        return loop.run(self._a.list(path))
+    def list(self, path: str | os.PathLike[str], *, xattrs: str | None = None) -> list[FileInfo]:
+        """Entries of a directory (without . and ..), sorted by name; ``xattrs`` as ``stat``'s."""
+        return loop.run(self._a.list(path, xattrs=xattrs))
+
+    def set_xattrs(self, path: str | os.PathLike[str], values: Mapping[str, str], *, prefix: str) -> None:
+        """Make the path's extended attributes whose names start with ``prefix`` exactly
+        ``values`` (text, stored as UTF-8): the others of that prefix go. Each name starts
+        with the prefix; the file system must keep such attributes (``user.`` ones:
+        ext4, tmpfs, overlayfs). What E2B's file metadata is (``user.e2b.``)::
+
+            box.files.set_xattrs("/data/a.csv", {"user.e2b.source": "upload"}, prefix="user.e2b.")
+        """
+        loop.run(self._a.set_xattrs(path, values, prefix=prefix))
 
     def mkdir(
         self, path: str | os.PathLike[str], *, parents: bool = True, mode: int = 493, user: str | None = None

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterable, AsyncIterator, Callable
+import struct
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Mapping
 from typing import TypeVar
 
 from . import wire
@@ -102,12 +103,21 @@ async def fs_request(
     user: str | None = None,
     target: str | None = None,
     rdev: int | None = None,
+    prefix: str | None = None,
+    xattrs: Mapping[str, bytes] | None = None,
     timeout: float | None = None,
 ) -> list[RawEntry]:
     """One file-system request; returns the entries of STAT or LIST. ``target``: a
     SYMLINK's; ``rdev``: a MKNOD's device number (``mode`` then holds the type);
-    ``timeout``: seconds for the agent's answer (default: the connection's)."""
+    ``prefix``: the extended attributes meant (those STAT and LIST add with
+    ``FsFlag.XATTRS``, those SETXATTRS replaces with ``xattrs``); ``timeout``: seconds for
+    the agent's answer (default: the connection's)."""
     payload = wire.tlv(Tag.OP, int(op)) + wire.tlv(Tag.PATH, path) + wire.tlv(Tag.FLAGS, flags)
+    if prefix is not None:
+        payload += wire.tlv(Tag.PREFIX, prefix)
+    for name, value in (xattrs or {}).items():
+        raw = name.encode("utf-8", "surrogateescape")
+        payload += wire.tlv(Tag.XATTR, struct.pack("<H", len(raw)) + raw + value)
     if path2 is not None:
         payload += wire.tlv(Tag.PATH2, path2)
     if target is not None:

@@ -123,6 +123,8 @@ class Tag(IntEnum):
     ASLR = 56
     RATE = 57
     BURST = 58
+    PREFIX = 59  # FS: the extended attributes meant, by the start of their names
+    XATTR = 60  # FS SETXATTRS (repeated): u16 name length, the name, the value
 
 
 class ExecFlag:
@@ -144,6 +146,7 @@ class FsFlag:
     NOFOLLOW = 0x4
     MISSING_OK = 0x8
     SELF = 0x10  # TREE: the path's own entry only
+    XATTRS = 0x20  # STAT, LIST: each entry's extended attributes named PREFIX...
 
 
 class ArchiveOp(IntEnum):
@@ -195,6 +198,7 @@ class FsOp(IntEnum):
     TREE = 8
     SYMLINK = 9
     MKNOD = 10
+    SETXATTRS = 11
 
 
 class ControlOp(IntEnum):
@@ -377,14 +381,42 @@ class RawEntry:
     size: int
     mtime_ns: int
     link_target: str | None
+    xattrs: dict[str, bytes] | None = None  # those asked for (FsFlag.XATTRS), by name
+
+
+_XATTR_HEAD = struct.Struct("<HI")
 
 
 def parse_entry(raw: bytes) -> RawEntry:
     if len(raw) < _ENTRY.size:
         raise ProtocolError("truncated directory entry")
     mode, uid, gid, nlink, size, mtime_ns, name_len, target_len = _ENTRY.unpack_from(raw)
-    name, target = _name_and_target(raw, _ENTRY.size, name_len, target_len, "directory entry")
-    return RawEntry(name, mode, uid, gid, nlink, size, mtime_ns, target)
+    end = _ENTRY.size + name_len + target_len
+    xattrs = _xattrs(raw, end) if len(raw) > end else None
+    name, target = _name_and_target(raw[:end], _ENTRY.size, name_len, target_len, "directory entry")
+    return RawEntry(name, mode, uid, gid, nlink, size, mtime_ns, target, xattrs)
+
+
+def _xattrs(raw: bytes, at: int) -> dict[str, bytes]:
+    """The extended attributes after an entry: u16 count, then each one's u16 name length,
+    u32 value length, name and value."""
+    try:
+        (count,) = struct.unpack_from("<H", raw, at)
+        at += 2
+        found: dict[str, bytes] = {}
+        for _ in range(count):
+            name_len, value_len = _XATTR_HEAD.unpack_from(raw, at)
+            at += _XATTR_HEAD.size
+            if at + name_len + value_len > len(raw):
+                raise ProtocolError("an entry's extended attributes run past its end")
+            name = raw[at : at + name_len].decode("utf-8", "surrogateescape")
+            found[name] = bytes(raw[at + name_len : at + name_len + value_len])
+            at += name_len + value_len
+    except struct.error:
+        raise ProtocolError("an entry's extended attributes are truncated") from None
+    if at != len(raw):
+        raise ProtocolError("an entry's extended attributes do not add up")
+    return found
 
 
 def _name_and_target(

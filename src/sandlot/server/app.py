@@ -102,7 +102,8 @@ class Guard:
             await send(message)
 
         receive = _timed(receive, self.state.settings.body_timeout)
-        if self.sandboxes is not None and e2b.is_sandbox_request(path, headers):
+        query = scope.get("query_string", b"")
+        if self.sandboxes is not None and e2b.is_sandbox_request(path, headers, query):
             # a request to an E2B sandbox carries the sandbox's own token, which server/e2b
             # checks; it goes straight there, past the routes of the rest (a millisecond of
             # every command's round trip)

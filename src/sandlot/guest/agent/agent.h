@@ -224,6 +224,7 @@ struct file_write_channel {   /* files.c */
 
 struct dir_channel {          /* files.c: a directory listing */
     DIR *dir;
+    char *xprefix; /* each entry's extended attributes of these names too (NULL: none) */
 };
 
 struct tree_walk;

@@ -9,6 +9,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <sys/xattr.h>
 #include <unistd.h>
 
 #include "agent.h"
@@ -45,7 +46,56 @@ static int get_path(struct session *s, uint32_t ch, uint8_t type, const uint8_t 
     return 0;
 }
 
-static void put_entry(struct msg *m, const char *name, const struct stat *st, const char *target)
+#define XATTR_LIST_MAX_BYTES 65536u
+#define XATTR_VALUE_MAX_BYTES 65536u
+
+/* The extended attributes of ``path`` (the link itself unless ``follow``) whose names start
+ * with ``prefix``, as SL_FS_XATTRS puts them after an entry: u16 count, then for each
+ * u16 name length, u32 value length, name, value. Appended to ``b``; what cannot be read
+ * (no support on the file system, a value too large) is left out, and so is all of it
+ * where memory runs out (a count of none). */
+static void put_xattrs(struct buf *b, const char *path, int follow, const char *prefix)
+{
+    uint8_t count[2] = {0, 0};
+    if (buf_append(b, count, 2) < 0) {
+        return;
+    }
+    char *names = malloc(XATTR_LIST_MAX_BYTES);
+    uint8_t *value = malloc(XATTR_VALUE_MAX_BYTES);
+    ssize_t n = -1;
+    if (names && value) {
+        n = follow ? listxattr(path, names, XATTR_LIST_MAX_BYTES) : llistxattr(path, names, XATTR_LIST_MAX_BYTES);
+    }
+    uint16_t found = 0;
+    size_t pl = strlen(prefix);
+    for (ssize_t i = 0; n > 0 && i < n && found < 65535; i += (ssize_t)strlen(names + i) + 1) {
+        const char *name = names + i;
+        size_t nl = strlen(name);
+        if (nl > 65535 || strncmp(name, prefix, pl) != 0) {
+            continue;
+        }
+        ssize_t vl = follow ? getxattr(path, name, value, XATTR_VALUE_MAX_BYTES)
+                            : lgetxattr(path, name, value, XATTR_VALUE_MAX_BYTES);
+        if (vl < 0) {
+            continue;
+        }
+        uint8_t head[6];
+        wr16(head, (uint16_t)nl);
+        wr32(head + 2, (uint32_t)vl);
+        if (buf_append(b, head, 6) < 0 || buf_append(b, name, nl) < 0 || buf_append(b, value, (size_t)vl) < 0) {
+            b->len = 2;
+            found = 0;
+            break;
+        }
+        found++;
+    }
+    free(names);
+    free(value);
+    wr16(b->data, found);
+}
+
+static void put_entry(struct msg *m, const char *name, const struct stat *st, const char *target,
+                      const char *xpath, int follow, const char *xprefix)
 {
     size_t nl = strlen(name), tl = target ? strlen(target) : 0;
     if (nl > 65535) {
@@ -54,8 +104,13 @@ static void put_entry(struct msg *m, const char *name, const struct stat *st, co
     if (tl > 65535) {
         tl = 65535;
     }
-    uint8_t *e = malloc(ENTRY_FIXED + nl + tl);
+    struct buf x = {0};
+    if (xprefix) {
+        put_xattrs(&x, xpath, follow, xprefix);
+    }
+    uint8_t *e = malloc(ENTRY_FIXED + nl + tl + x.len);
     if (!e) {
+        buf_free(&x);
         m->overflow = MSG_NO_MEMORY;
         return;
     }
@@ -71,8 +126,63 @@ static void put_entry(struct msg *m, const char *name, const struct stat *st, co
     if (tl) {
         memcpy(e + ENTRY_FIXED + nl, target, tl);
     }
-    msg_put(m, SL_T_ENTRY, e, (uint32_t)(ENTRY_FIXED + nl + tl));
+    if (x.len) {
+        memcpy(e + ENTRY_FIXED + nl + tl, x.data, x.len);
+    }
+    msg_put(m, SL_T_ENTRY, e, (uint32_t)(ENTRY_FIXED + nl + tl + x.len));
     free(e);
+    buf_free(&x);
+}
+
+/* SETXATTRS: ``path``'s attributes named ``prefix``... become those given (SL_T_XATTR,
+ * repeated): the others of that prefix are removed. 0, or -1 with errno. */
+static int set_xattrs(const char *path, const char *prefix, const uint8_t *p, size_t n)
+{
+    size_t pl = strlen(prefix);
+    struct tlv_iter it;
+    struct tlv t;
+    char name[65536 + 1];
+    tlv_begin(&it, p, n);
+    while (tlv_next(&it, &t) == 1) { /* every one well formed before any is set */
+        if (t.tag != SL_T_XATTR) {
+            continue;
+        }
+        if (t.len < 2 || rd16(t.val) + 2u > t.len || rd16(t.val) == 0 || rd16(t.val) <= pl ||
+            memchr(t.val + 2, 0, rd16(t.val)) || strncmp((const char *)t.val + 2, prefix, pl) != 0) {
+            errno = EINVAL;
+            return -1;
+        }
+    }
+    char *names = malloc(XATTR_LIST_MAX_BYTES);
+    if (!names) {
+        return -1;
+    }
+    ssize_t have = listxattr(path, names, XATTR_LIST_MAX_BYTES);
+    for (ssize_t i = 0; have > 0 && i < have; i += (ssize_t)strlen(names + i) + 1) {
+        if (strncmp(names + i, prefix, pl) == 0 && removexattr(path, names + i) < 0 && errno != ENODATA) {
+            int e = errno;
+            free(names);
+            errno = e;
+            return -1;
+        }
+    }
+    free(names);
+    if (have < 0 && errno != ENOTSUP && errno != ENODATA) {
+        return -1;
+    }
+    tlv_begin(&it, p, n);
+    while (tlv_next(&it, &t) == 1) {
+        if (t.tag != SL_T_XATTR) {
+            continue;
+        }
+        uint16_t nl = rd16(t.val);
+        memcpy(name, t.val + 2, nl);
+        name[nl] = 0;
+        if (setxattr(path, name, t.val + 2 + nl, t.len - 2u - nl, 0) < 0) {
+            return -1;
+        }
+    }
+    return 0;
 }
 
 char *read_link_at(int dirfd, const char *name)
@@ -527,6 +637,8 @@ static void list_release(struct channel *c)
         closedir(c->u.dir.dir);
         c->u.dir.dir = NULL;
     }
+    free(c->u.dir.xprefix);
+    c->u.dir.xprefix = NULL;
 }
 
 static void list_progress(struct channel *c)
@@ -563,7 +675,11 @@ static void list_progress(struct channel *c)
             continue; /* removed while listing */
         }
         char *target = S_ISLNK(st.st_mode) ? read_link_at(dfd, de->d_name) : NULL;
-        put_entry(&m, de->d_name, &st, target);
+        char xpath[64 + NAME_MAX];
+        if (c->u.dir.xprefix) { /* the entry by the listing's open directory, as it was opened */
+            snprintf(xpath, sizeof(xpath), "/proc/self/fd/%d/%s", dfd, de->d_name);
+        }
+        put_entry(&m, de->d_name, &st, target, xpath, 0, c->u.dir.xprefix);
         free(target);
     }
     send_msg(s, SL_FS_RESULT, done ? 0 : SL_FLAG_MORE, c->id, &m);
@@ -670,17 +786,21 @@ static int is_mutation(uint32_t op) { return op != SL_FS_STAT && op != SL_FS_LIS
 void fs_request(struct session *s, uint32_t ch, const uint8_t *p, size_t n)
 {
     uint32_t op = 0, flags = 0, mode = 0;
-    char *path = NULL, *path2 = NULL;
+    char *path = NULL, *path2 = NULL, *xprefix = NULL;
     if (!tlv_valid(p, n) || tlv_u32(p, n, SL_T_OP, &op) != 1 || tlv_u32(p, n, SL_T_FLAGS, &flags) < 0) {
         send_error(s, ch, EINVAL, SL_FS, "malformed FS request");
         return;
     }
-    if (op < SL_FS_STAT || op > SL_FS_MKNOD) {
+    if (op < SL_FS_STAT || op > SL_FS_SETXATTRS) {
         send_error(s, ch, ENOSYS, SL_FS, "unknown file-system operation %u", op);
         return;
     }
     if (get_path(s, ch, SL_FS, p, n, SL_T_PATH, &path) < 0) {
         return;
+    }
+    if (((flags & SL_FS_XATTRS) || op == SL_FS_SETXATTRS) && tlv_str(p, n, SL_T_PREFIX, &xprefix) != 1) {
+        send_error(s, ch, EINVAL, SL_FS, "extended attributes need a prefix of their names (no NUL)");
+        goto out;
     }
     if (g_safe_mode && is_mutation(op)) {
         send_error(s, ch, EPERM, SL_FS, "changes are disabled in safe mode");
@@ -699,7 +819,8 @@ void fs_request(struct session *s, uint32_t ch, const uint8_t *p, size_t n)
             if (S_ISLNK(st.st_mode)) {
                 target = read_link_at(AT_FDCWD, path);
             }
-            put_entry(&m, *base ? base : "/", &st, target);
+            put_entry(&m, *base ? base : "/", &st, target, path, !(flags & SL_FS_NOFOLLOW),
+                      (flags & SL_FS_XATTRS) ? xprefix : NULL);
             free(target);
         }
         break;
@@ -718,6 +839,10 @@ void fs_request(struct session *s, uint32_t ch, const uint8_t *p, size_t n)
             break;
         }
         c->u.dir.dir = d;
+        if (flags & SL_FS_XATTRS) {
+            c->u.dir.xprefix = xprefix;
+            xprefix = NULL;
+        }
         list_progress(c);
         msg_free(&m);
         goto out;
@@ -746,6 +871,9 @@ void fs_request(struct session *s, uint32_t ch, const uint8_t *p, size_t n)
         }
         break;
     }
+    case SL_FS_SETXATTRS:
+        r = set_xattrs(path, xprefix, p, n);
+        break;
     case SL_FS_TREE:
         r = tree_start(s, ch, path, flags & SL_FS_SELF);
         if (r == 0) {
@@ -834,4 +962,5 @@ void fs_request(struct session *s, uint32_t ch, const uint8_t *p, size_t n)
 out:
     free(path);
     free(path2);
+    free(xprefix);
 }

@@ -110,6 +110,8 @@ enum sl_tag {
     SL_T_ASLR = 56,          /* HELLO: kernel.randomize_va_space wanted (2 or 0); its ACK: in force */
     SL_T_RATE = 57,          /* WATCH: records a second the watch sends at most (0: no limit) */
     SL_T_BURST = 58,         /* WATCH: ... and at once */
+    SL_T_PREFIX = 59,        /* FS: the extended attributes meant: the names that start with it */
+    SL_T_XATTR = 60,         /* FS SETXATTRS (repeated): u16 name length, the name, the value */
 };
 
 /* SL_T_FLAGS bits of SL_EXEC */
@@ -129,6 +131,9 @@ enum sl_tag {
 #define SL_FS_NOFOLLOW 0x4u
 #define SL_FS_MISSING_OK 0x8u
 #define SL_FS_SELF 0x10u /* TREE: the path's own entry only (any type) */
+/* STAT, LIST: each entry's extended attributes named SL_T_PREFIX..., after its name and
+ * target: u16 count, then for each u16 name length, u32 value length, name, value */
+#define SL_FS_XATTRS 0x20u
 
 /* SL_ARCHIVE: SL_T_OP says which way; SL_T_FLAGS bits; the records its child reports
  * (u32 length, then TLV: SL_T_OP the kind, SL_T_PATH the entry, SL_T_ERRNO, SL_T_MESSAGE,
@@ -175,6 +180,7 @@ enum sl_fs_op {
     SL_FS_TREE = 8, /* a manifest of the tree under the path, on its device (tree.c) */
     SL_FS_SYMLINK = 9, /* make PATH a symbolic link to TARGET */
     SL_FS_MKNOD = 10,  /* make PATH a fifo or device: MODE holds the type, RDEV the number */
+    SL_FS_SETXATTRS = 11, /* PATH's attributes named PREFIX... become the SL_T_XATTR given */
 };
 
 enum sl_control_op {

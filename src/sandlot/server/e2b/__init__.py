@@ -15,8 +15,9 @@ import base64
 import hashlib
 import hmac
 import time
-from collections.abc import MutableMapping
+from collections.abc import Mapping, MutableMapping
 from typing import Any
+from urllib.parse import parse_qs
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -56,8 +57,13 @@ def error_response(err: SandlotError) -> JSONResponse:
     return control.error_response(err)
 
 
-def is_sandbox_request(path: str, headers: dict[str, str]) -> bool:
-    """A request for a sandbox itself, which its access token authenticates, not an API key."""
+def is_sandbox_request(path: str, headers: dict[str, str], query: bytes = b"") -> bool:
+    """A request for a sandbox itself, which its access token authenticates, not an API key:
+    one naming its sandbox, or a signed ``/files`` URL (whose signature names it). The SDKs
+    make that URL at the root of ``E2B_SANDBOX_URL``'s host (``/files``: a URL joined with
+    an absolute path), so it is taken there too."""
+    if path in ("/files", PREFIX + "/files") and b"signature=" in query:
+        return True
     return path.startswith(PREFIX + "/") and SANDBOX_HEADER in headers
 
 
@@ -80,10 +86,35 @@ class E2bFace:
 
     async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", ())}
+        if scope["type"] == "http" and SANDBOX_HEADER not in headers and _route_path(scope) == "/files":
+            # a signed URL made where one E2B_SANDBOX_URL serves every sandbox names none:
+            # its signature, made with one sandbox's token, says which
+            try:
+                box_id = await self._signer(scope)
+            except SandlotError as e:
+                await error_response(e)(scope, receive, send)
+                return
+            named = (SANDBOX_HEADER.encode(), box_id.encode())
+            scope = {**scope, "headers": [*scope.get("headers", ()), named]}
+            headers[SANDBOX_HEADER] = box_id
         if scope["type"] == "http" and SANDBOX_HEADER in headers:
             await self.sandbox(scope, receive, send)
         else:
             await self.control(scope, receive, send)
+
+    async def _signer(self, scope: Scope) -> str:
+        """The sandbox whose envd token signed a bare signed ``/files`` URL: each E2B sandbox
+        of the home is tried (a hash each); none, and the URL's signature is wrong."""
+        query = {k: v[-1] for k, v in parse_qs(scope.get("query_string", b"").decode("latin-1")).items()}
+        if "signature" not in query:
+            raise Unauthorized("a /files URL without a sandbox's id needs a signature")
+        home, method = self.state.home, scope.get("method", "GET")
+        for box in await AsyncBox.list(home=home):
+            if control.TEMPLATE_LABEL in box.info["labels"]:
+                token = access.sandbox_token(box.id, "envd", home)
+                if hmac.compare_digest(_given(query), file_signature(query, method, token)):
+                    return box.id
+        raise Unauthorized("this URL's signature is wrong")
 
     async def box_of(self, request: Request) -> AsyncBox:
         """The box a sandbox request names, once its access token is checked: first, so an
@@ -208,17 +239,34 @@ def check_file_signature(request: Request, envd_token: str) -> None:
         PORT_HEADER, str(ENVD_PORT)
     ) != str(ENVD_PORT):
         raise Unauthorized("only envd's /files takes a signature in place of the access token")
-    operation = "read" if request.method in ("GET", "HEAD") else "write"
-    expiry = q.get("signature_expiration")
-    raw = f"{q.get('path', '')}:{operation}:{q.get('username', '')}:{envd_token}"
+    if not hmac.compare_digest(_given(q), file_signature(q, request.method, envd_token)):
+        raise Unauthorized("this URL's signature is wrong")
+
+
+def file_signature(query: Mapping[str, str], method: str, envd_token: str) -> bytes:
+    """The signature a ``/files`` URL of this query and method has when ``envd_token``
+    signed it: ``v1_`` and the base64 of the SHA-256 of path, operation, user and the
+    token (and the expiry, if it has one: past it, no signature is right)."""
+    operation = "read" if method in ("GET", "HEAD") else "write"
+    expiry = query.get("signature_expiration")
+    raw = f"{query.get('path', '')}:{operation}:{query.get('username', '')}:{envd_token}"
     if expiry is not None:
         if not (expiry.isascii() and expiry.isdigit()) or int(expiry) < time.time():
             raise Unauthorized("signature is already expired")  # envd's words, which the SDKs show
         raw += f":{expiry}"
     digest = base64.b64encode(hashlib.sha256(raw.encode()).digest()).rstrip(b"=").decode()
-    given = q.get("signature", "").encode("utf-8", "surrogateescape")
-    if not hmac.compare_digest(given, f"v1_{digest}".encode()):
-        raise Unauthorized("this URL's signature is wrong")
+    return f"v1_{digest}".encode()
+
+
+def _route_path(scope: Scope) -> str:
+    """The request's path under this face's mount (``/files``)."""
+    path, root = str(scope.get("path", "")), str(scope.get("root_path", ""))
+    return path[len(root) :] if root and path.startswith(root) else path
+
+
+def _given(query: Mapping[str, str]) -> bytes:
+    # compared as bytes: a query may hold any byte, which compare_digest's str form refuses
+    return query.get("signature", "").encode("utf-8", "surrogateescape")
 
 
 class _Gone(SandlotError):

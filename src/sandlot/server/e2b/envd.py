@@ -46,7 +46,16 @@ from ..state import Caller, ServerState
 from . import messages as pb
 from .connect import ConnectError, Dropped, Method, check, serve
 
-ENVD_VERSION = "0.5.7"  # the envd release whose API this serves (octet-stream uploads, CloseStdin)
+# the envd release whose API this serves: octet-stream uploads, CloseStdin, metadata (0.6.2),
+# watch events with their entry (0.6.3), watches of network mounts allowed (0.6.4: the
+# agent's inotify watch takes any file system; its events there are the kernel's)
+ENVD_VERSION = "0.6.4"
+# file metadata: envd keeps it as extended attributes of these names (``user.e2b.author``),
+# sent on upload as ``X-Metadata-<key>`` headers (keys lowercased) and shown in entries
+METADATA_XATTRS = "user.e2b."
+METADATA_HEADER = "x-metadata-"
+METADATA_KEY = re.compile(r"\A[A-Za-z0-9!#$%&'*+\-.^_`|~]+\Z")  # an HTTP header's name (RFC 7230)
+METADATA_VALUE = re.compile(r"\A[\x20-\x7e]*\Z")  # printable US-ASCII
 ENVD_PORT = 49983
 WATCHER_EVENTS_KEPT = 10_000  # a polled watcher's unread events; older ones are dropped
 WATCHERS_PER_BOX = 64
@@ -68,9 +77,10 @@ class E2bProcess:
 class Watcher:
     """A polled watcher (CreateWatcher): its watch, read into a queue by a task."""
 
-    box_id: str
+    box: AsyncBox
     watch: AsyncWatch
     root: str
+    include_entry: bool
     events: list[dict[str, Any]] = field(default_factory=list)
     task: asyncio.Task[None] | None = None
     polled: float = field(default_factory=time.monotonic)  # when its events were last asked for
@@ -244,7 +254,7 @@ class Envd:
     async def stat(self, req: dict[str, Any], request: Request) -> dict[str, Any]:
         box: AsyncBox = await self.box_of(request)
         path = await self.path(box, req.get("path"), request)
-        info = await box.files.stat(path, follow_symlinks=False)
+        info = await box.files.stat(path, follow_symlinks=False, xattrs=METADATA_XATTRS)
         return {"entry": await self.entry(box, info)}
 
     async def make_dir(self, req: dict[str, Any], request: Request) -> dict[str, Any]:
@@ -260,7 +270,8 @@ class Envd:
         src = await self.path(box, req.get("source"), request, "source")
         dst = await self.path(box, req.get("destination"), request, "destination")
         await box.files.rename(src, dst)
-        return {"entry": await self.entry(box, await box.files.stat(dst, follow_symlinks=False))}
+        info = await box.files.stat(dst, follow_symlinks=False, xattrs=METADATA_XATTRS)
+        return {"entry": await self.entry(box, info)}
 
     async def remove(self, req: dict[str, Any], request: Request) -> dict[str, Any]:
         box: AsyncBox = await self.box_of(request)
@@ -281,7 +292,8 @@ class Envd:
 
         async def walk(directory: str, level: int) -> None:
             # envd's order (Go's filepath.WalkDir): by name, each folder's entries right after it
-            for info in sorted(await box.files.list(directory), key=lambda i: i.name.encode()):
+            listed = await box.files.list(directory, xattrs=METADATA_XATTRS)
+            for info in sorted(listed, key=lambda i: i.name.encode()):
                 entries.append(await self.entry(box, info))
                 if info.is_dir and level < depth:
                     await walk(info.path, level + 1)
@@ -292,13 +304,14 @@ class Envd:
     async def watch_dir(self, req: dict[str, Any], request: Request) -> AsyncIterator[dict[str, Any]]:
         box: AsyncBox = await self.box_of(request)
         root, watch = await self._begin_watch(box, req, request)
+        include = bool(req.get("include_entry"))
         try:
             yield {"start": {}}
             while True:
                 event = await watch.next_event()
                 if event is None:
                     return
-                for e in _fs_events(root, event):
+                for e in await self._entries(box, root, _fs_events(root, event), include):
                     yield {"filesystem": e}
         finally:
             await watch.aclose()
@@ -306,12 +319,12 @@ class Envd:
     async def create_watcher(self, req: dict[str, Any], request: Request) -> dict[str, Any]:
         box: AsyncBox = await self.box_of(request)
         self._prune_watchers()
-        if sum(w.box_id == box.id for w in self.watchers.values()) >= WATCHERS_PER_BOX:
+        if sum(w.box.id == box.id for w in self.watchers.values()) >= WATCHERS_PER_BOX:
             raise ConnectError("resource_exhausted", f"{WATCHERS_PER_BOX} watchers of this sandbox are open")
         root, watch = await self._begin_watch(box, req, request)
-        watcher = Watcher(box.id, watch, root)
+        watcher = Watcher(box, watch, root, bool(req.get("include_entry")))
         watcher_id = new_process_id()
-        watcher.task = asyncio.ensure_future(_collect(watcher))
+        watcher.task = asyncio.ensure_future(self._collect(watcher))
         self.watchers[watcher_id] = watcher
         return {"watcher_id": watcher_id}
 
@@ -343,9 +356,41 @@ class Envd:
     async def _watcher(self, req: dict[str, Any], request: Request) -> Watcher:
         box: AsyncBox = await self.box_of(request)
         watcher = self.watchers.get(req.get("watcher_id", ""))
-        if watcher is None or watcher.box_id != box.id:
+        if watcher is None or watcher.box.id != box.id:
             raise ConnectError("not_found", f"watcher {req.get('watcher_id', '')!r} not found")
         return watcher
+
+    async def _collect(self, watcher: Watcher) -> None:
+        """Read a polled watcher's events into its queue until it ends."""
+        try:
+            while True:
+                event = await watcher.watch.next_event()
+                if event is None:
+                    return
+                found = await self._entries(watcher.box, watcher.root, _fs_events(watcher.root, event),
+                                            watcher.include_entry)  # fmt: skip
+                watcher.events.extend(found)
+                over = len(watcher.events) - WATCHER_EVENTS_KEPT
+                if over > 0:  # a client that does not poll: its oldest go
+                    records.TALLY.add("watch", "dropped", watcher.box.id, over)
+                    del watcher.events[:-WATCHER_EVENTS_KEPT]
+        except SandlotError:
+            return
+
+    async def _entries(
+        self, box: AsyncBox, root: str, events: list[dict[str, Any]], include: bool
+    ) -> list[dict[str, Any]]:
+        """envd 0.6.3's ``include_entry``: each event of a path that is there (created,
+        written, its mode changed) with its EntryInfo as it is now; a path gone since has
+        none, as in envd."""
+        if include:
+            for e in events:
+                if e["type"] in (1, 2, 5):
+                    path = posixpath.join(root, e["name"])
+                    with contextlib.suppress(SandlotError, OSError):
+                        info = await box.files.stat(path, follow_symlinks=False, xattrs=METADATA_XATTRS)
+                        e["entry"] = await self.entry(box, info)
+        return events
 
     async def _begin_watch(
         self, box: AsyncBox, req: dict[str, Any], request: Request
@@ -415,6 +460,9 @@ class Envd:
             entry["is_symlink"] = True
         if target is not None:
             entry["symlink_target"] = target
+        metadata = _metadata_of(info)
+        if metadata:
+            entry["metadata"] = metadata
         return entry
 
     async def _names(self, box: AsyncBox) -> tuple[Names, Names]:
@@ -461,6 +509,7 @@ class Envd:
             headers = {"Content-Disposition": disposition}
             return StreamingResponse(body(), media_type="application/octet-stream", headers=headers)
         content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
+        metadata = _metadata_sent(request)
         written: list[dict[str, Any]] = []
         if content_type == "application/octet-stream":
             path = await self.path(box, request.query_params.get("path"), request)
@@ -490,6 +539,11 @@ class Envd:
             raise InvalidArgument(
                 f"an upload is multipart/form-data or application/octet-stream, not {got!r}"
             )
+        if metadata:  # a new file has none: a file written over loses what it had (envd's way)
+            xattrs = {METADATA_XATTRS + key: value for key, value in metadata.items()}
+            for one in written:
+                await box.files.set_xattrs(one["path"], xattrs, prefix=METADATA_XATTRS)
+                one["metadata"] = metadata
         return JSONResponse(written)
 
 
@@ -553,22 +607,6 @@ async def _write_input(p: E2bProcess, data: Mapping[str, Any]) -> None:
     await p.held.proc.write_stdin(chunk)
 
 
-async def _collect(watcher: Watcher) -> None:
-    """Read a polled watcher's events into its queue until it ends."""
-    try:
-        while True:
-            event = await watcher.watch.next_event()
-            if event is None:
-                return
-            watcher.events.extend(_fs_events(watcher.root, event))
-            over = len(watcher.events) - WATCHER_EVENTS_KEPT
-            if over > 0:  # a client that does not poll: its oldest go
-                records.TALLY.add("watch", "dropped", watcher.box_id, over)
-                del watcher.events[:-WATCHER_EVENTS_KEPT]
-    except SandlotError:
-        return
-
-
 def _fs_events(root: str, event: Any) -> list[dict[str, Any]]:
     """envd's events of one sandlot event: a move is a rename away and a create at the
     new path, as inotify reports it to envd; names are relative to the watched path."""
@@ -621,6 +659,28 @@ def call_user(request: Request) -> str | None:
     if request.scope.get("e2b.signed"):
         return request.query_params.get("username") or None
     return request.query_params.get("username") or user_of(request)
+
+
+def _metadata_sent(request: Request) -> dict[str, str]:
+    """An upload's metadata: its ``X-Metadata-<key>`` headers, keys lowercased, as envd
+    takes them; a key or value a header cannot carry is refused, naming it."""
+    found: dict[str, str] = {}
+    for name, value in request.headers.items():
+        if not name.lower().startswith(METADATA_HEADER):
+            continue
+        key = name[len(METADATA_HEADER) :].lower()
+        if not METADATA_KEY.match(key):
+            raise InvalidArgument(f"metadata key {key!r} is not an HTTP header's name")
+        if not METADATA_VALUE.match(value):
+            raise InvalidArgument(f"metadata value of {key!r} is not printable US-ASCII")
+        found[key] = value
+    return found
+
+
+def _metadata_of(info: FileInfo) -> dict[str, str]:
+    """A file's metadata: its ``user.e2b.*`` extended attributes, the prefix left out."""
+    found = (info.xattrs or {}).items()
+    return {k[len(METADATA_XATTRS) :]: v for k, v in found if k.startswith(METADATA_XATTRS)}
 
 
 def _written(path: str) -> dict[str, Any]:
