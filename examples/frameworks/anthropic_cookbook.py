@@ -10,11 +10,11 @@ its code draws come back as PNG files.
     export ANTHROPIC_API_KEY=...
     python examples/frameworks/anthropic_cookbook.py [CHART_DIR]"""
 
-import base64
 import os
 import sys
 from pathlib import Path
 
+from _charts import save_charts
 from anthropic import Anthropic
 from e2b_code_interpreter import Sandbox
 
@@ -29,11 +29,7 @@ charts = Path(sys.argv[1] if len(sys.argv) > 1 else ".")
 
 def execute_python(sandbox: Sandbox, code: str) -> tuple[str, bool]:
     execution = sandbox.run_code(code)
-    for result in execution.results:
-        if result.png:  # a figure the cell drew
-            path = charts / f"chart-{len(list(charts.glob('chart-*.png')))}.png"
-            path.write_bytes(base64.b64decode(result.png))
-            print("saved", path)
+    save_charts(execution, charts)
     if execution.error:
         return f"{execution.error.name}: {execution.error.value}\n{execution.error.traceback}", True
     return f"result: {execution.text}\nstdout: {''.join(execution.logs.stdout)}", False

@@ -10,12 +10,12 @@ charts its code draws come back as PNG files.
     export OPENAI_API_KEY=...                  # OPENAI_BASE_URL: any OpenAI-compatible server
     python examples/frameworks/openai_cookbook.py [CHART_DIR]"""
 
-import base64
 import json
 import os
 import sys
 from pathlib import Path
 
+from _charts import save_charts
 from e2b_code_interpreter import Sandbox
 from openai import OpenAI
 
@@ -30,11 +30,7 @@ charts = Path(sys.argv[1] if len(sys.argv) > 1 else ".")
 
 def execute_python(sandbox: Sandbox, code: str) -> str:
     execution = sandbox.run_code(code)
-    for result in execution.results:
-        if result.png:  # a figure the cell drew
-            path = charts / f"chart-{len(list(charts.glob('chart-*.png')))}.png"
-            path.write_bytes(base64.b64decode(result.png))
-            print("saved", path)
+    save_charts(execution, charts)
     if execution.error:
         return f"{execution.error.name}: {execution.error.value}\n{execution.error.traceback}"
     return json.dumps({"result": execution.text, "stdout": "".join(execution.logs.stdout)})

@@ -15,8 +15,9 @@ import json
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
+
+from tests.support.servers import LocalServer, QuietHandler
 
 Turn = dict[str, Any]
 
@@ -30,15 +31,15 @@ def tool(name: str, **arguments: Any) -> Turn:
 
 
 class ScriptedLLM:
-    def __init__(self, server: ThreadingHTTPServer) -> None:
-        self.server = server
+    def __init__(self, port: int) -> None:
+        self.port = port
         self.script: list[Turn] = []
         self.requests: list[dict[str, Any]] = []
         self.lock = threading.Lock()
 
     @property
     def base_url(self) -> str:
-        return f"http://127.0.0.1:{self.server.server_address[1]}"
+        return f"http://127.0.0.1:{self.port}"
 
     def env(self) -> dict[str, str]:
         """What points OpenAI's and Anthropic's SDKs (and what is built on them) here."""
@@ -84,11 +85,8 @@ def _anthropic(n: int, turn: Turn, model: str) -> dict[str, Any]:
             "usage": {"input_tokens": 10, "output_tokens": 10}}  # fmt: skip
 
 
-class _Handler(BaseHTTPRequestHandler):
+class _Handler(QuietHandler):
     llm: ScriptedLLM
-
-    def log_message(self, format: str, *args: Any) -> None:
-        pass
 
     def do_POST(self) -> None:
         body = json.loads(self.rfile.read(int(self.headers.get("Content-Length") or 0)) or b"{}")
@@ -136,12 +134,9 @@ class _Handler(BaseHTTPRequestHandler):
 @contextmanager
 def scripted_llm() -> Iterator[ScriptedLLM]:
     handler = type("Handler", (_Handler,), {})
-    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    llm = handler.llm = ScriptedLLM(server)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
+    served = LocalServer(handler, None)
+    llm = handler.llm = ScriptedLLM(served.port)
     try:
         yield llm
     finally:
-        server.shutdown()
-        server.server_close()
+        served.close()

@@ -512,3 +512,29 @@ def test_an_archive_whose_chunk_was_altered_is_refused_and_nothing_is_added(
         assert not list((other / "layers").glob("*")) if (other / "layers").exists() else True
     finally:
         box.remove(force=True)
+
+
+def test_an_archive_imported_through_a_server_is_the_importers_whatever_box_it_came_from(
+    tmp_path: Path, home: Path, root: Path
+) -> None:
+    import httpx
+
+    from tests.support.inproc import serving
+
+    box = fake_box(home, root, labels={"sandlot.namespace": "team-b", "app": "web"})
+    try:
+        archive = box.snapshot("theirs").export(tmp_path / "theirs.sandlot")
+    finally:
+        box.remove(force=True)
+    with serving(tmp_path / "server-home") as srv:
+        key = {"Authorization": f"Bearer {srv.key('tenant', namespace='team-a')}"}
+        r = httpx.post(f"{srv.url}/v1/snapshots/import", params={"start": "false"},
+                       content=archive.read_bytes(), headers=key, timeout=60)  # fmt: skip
+        assert r.status_code == 201, r.text
+        listed = httpx.get(f"{srv.url}/v1/snapshots", headers=key, timeout=30).json()
+        assert [s["name"] for s in listed["snapshots"]] == ["theirs"]  # the importer sees what it imported
+        started = httpx.post(f"{srv.url}/v1/snapshots/theirs/start", json={}, headers=key, timeout=60)
+        assert started.status_code == 201, started.text
+        [made] = started.json()["boxes"]
+        assert made["labels"]["sandlot.namespace"] == "team-a"
+        httpx.delete(f"{srv.url}/v1/boxes/{made['id']}", params={"force": "true"}, headers=key, timeout=60)

@@ -193,6 +193,8 @@ def test_watch_dir_polled_by_the_sync_sdk(sbx: Sandbox) -> None:
     sbx.files.make_dir("/tmp/watched")
     handle = sbx.files.watch_dir("/tmp/watched", recursive=True, include_entry=True)  # envd 0.6.3's
     sbx.files.write("/tmp/watched/x.txt", "x")
+    # what the sandbox did before a poll is in its answer, as in envd (a barrier in the watch)
+    assert ("x.txt", FilesystemEventType.WRITE) in {(e.name, e.type) for e in handle.get_new_events()}
     sbx.commands.run("mkdir -p /tmp/watched/sub && echo y > /tmp/watched/sub/y && rm /tmp/watched/x.txt")
     seen: set[tuple[str, Any]] = set()
     entries: dict[str, Any] = {}

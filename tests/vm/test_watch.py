@@ -137,6 +137,30 @@ def test_a_watched_file_follows_its_path(bb_box: Box, tree: str) -> None:
         assert take(w, 1) == [("deleted", f"{tree}/f.txt", False, None)]
 
 
+def test_settle_returns_once_every_change_made_before_it_has_been_read(bb_box: Box, tree: str) -> None:
+    """A barrier through the watch's channel: what the box changed before ``settle()`` has
+    reached whoever reads the watch when it returns (inotify's events leave the guest after
+    the change's own answer)."""
+    import threading
+
+    seen: list[FileEvent] = []
+    with bb_box.files.watch(tree) as w:
+
+        def read() -> None:
+            while (event := w.next_event()) is not None:
+                seen.append(event)
+
+        reader = threading.Thread(target=read, daemon=True)
+        reader.start()
+        for n in range(5):
+            bb_box.files.write(f"{tree}/f{n}", b"x")
+            bb_box.exec("sh", "-c", f"mkdir {tree}/d{n} && echo y > {tree}/d{n}/../g{n}")
+            assert w.settle(30)
+            paths = {e.path for e in seen}
+            assert {f"{tree}/f{n}", f"{tree}/d{n}", f"{tree}/g{n}"} <= paths, (n, seen)
+    reader.join(30)
+
+
 def test_the_watch_ends_when_its_directory_goes_or_the_box_stops(busybox_root: Path) -> None:
     async def main() -> None:
         async with sandlot.AsyncBox(rootfs=busybox_root, memory_mib=256) as box:

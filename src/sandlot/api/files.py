@@ -121,6 +121,20 @@ class AsyncWatch:
             self._ended = True
         return event
 
+    async def settle(self, timeout: float = 5.0) -> bool:
+        """Wait until the events of every change made in the box before this call have
+        reached this watch, so that a reader who then takes what is queued misses none of
+        them: True. False where ``timeout`` seconds passed first, or where the watch cannot
+        tell (one over a server or a fleet: their events come as they come). Another task
+        must be reading the events meanwhile (``async for``, ``next_event``).
+
+        >>> await box.files.write("/work/a", b"x"); await watch.settle()   # doctest: +SKIP
+        True
+        """
+        await self.start()
+        source = self._source
+        return source is not None and not self._ended and await source.settle(timeout)
+
     async def aclose(self) -> None:
         """Stop watching; the box frees what it held for the watch."""
         self._closed = True

@@ -367,3 +367,7 @@ class FollowedWatch:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await reader
         await self._close()
+
+    async def settle(self, timeout: float) -> bool:
+        """A server's or a node's stream sends events as they come: it cannot say."""
+        return False

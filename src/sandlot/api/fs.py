@@ -129,6 +129,11 @@ class WatchSource(Protocol):
         """Stop watching (at once; idempotent)."""
         ...
 
+    async def settle(self, timeout: float) -> bool:
+        """Wait until the events of every change the box made before this call have been
+        read from this source (by whoever iterates it); False where it cannot say."""
+        ...
+
 
 class AgentWatch:
     """A watch channel of the box's agent, as a ``WatchSource``."""
@@ -163,6 +168,10 @@ class AgentWatch:
 
     async def aclose(self) -> None:
         self._stream.close()
+
+    async def settle(self, timeout: float) -> bool:
+        """A barrier through the agent's watch channel (``WatchStream.barrier``)."""
+        return await self._stream.barrier(timeout)
 
 
 def check_prefix(prefix: object) -> str | None:

@@ -897,9 +897,17 @@ class LocalBackend(Backend):
         return await self.core().live.export(local_snapshot(snap).record, path, base)
 
     async def import_snapshot(
-        self, path: Path, *, name: str | None, start: bool, options: Mapping[str, Any]
+        self,
+        path: Path,
+        *,
+        name: str | None,
+        start: bool,
+        options: Mapping[str, Any],
+        namespace: str | None = None,
     ) -> BoxRef | SnapshotRef:
-        snap = LocalSnapshotRef(self, await self.core().live.import_snapshot(path))
+        """``namespace``: whose the snapshot is in this home (a server's caller's, a fleet
+        driver's), whatever the archive's box was."""
+        snap = LocalSnapshotRef(self, await self.core().live.import_snapshot(path, namespace))
         if not start:
             return snap
         return (await self.snapshot_start(snap, 1, name, **options))[0]

@@ -1002,6 +1002,18 @@ class Watch(WatchBase):
         None once the watch has ended."""
         return loop.run(self._a.next_event(timeout))
 
+    def settle(self, timeout: float = 5.0) -> bool:
+        """Wait until the events of every change made in the box before this call have
+        reached this watch, so that a reader who then takes what is queued misses none of
+        them: True. False where ``timeout`` seconds passed first, or where the watch cannot
+        tell (one over a server or a fleet: their events come as they come). Another task
+        must be reading the events meanwhile (``async for``, ``next_event``).
+
+        >>> box.files.write("/work/a", b"x"); watch.settle()   # doctest: +SKIP
+        True
+        """
+        return loop.run(self._a.settle(timeout))
+
     def close(self) -> None:
         """Stop watching; the box frees what it held for the watch."""
         loop.run(self._a.aclose())

@@ -75,6 +75,7 @@ from ..crashpoints import crash_point
 from ..engine.base import Boot, Engine
 from ..errors import CorruptSnapshot, HostSetupError, InvalidArgument, VolumeNotFound, no_space
 from . import exports, layers, snapshots
+from .access import NAMESPACE_LABEL
 from .chunks import ChunkStore
 from .manifest import Manifest
 from .spec import MAX_MOUNTS, BoxSpec, Mount, is_volume_name, parse_mount
@@ -535,11 +536,16 @@ def _check_disk(path: Path) -> None:
 
 
 def import_snapshot(
-    home: Path, store: BoxStore, engines: Callable[[str], tuple[Engine, Boot]], path: Path
+    home: Path,
+    store: BoxStore,
+    engines: Callable[[str], tuple[Engine, Boot]],
+    path: Path,
+    namespace: str | None = None,
 ) -> SnapshotRecord:
     """Verify and add an exported snapshot to this home; the new row is returned.
     ``engines``: the engine the archive names, and how this host boots its VMs (the
-    archive must match it)."""
+    archive must match it). ``namespace``: whose the snapshot is here (its box's
+    namespace label, whatever the archive's was): the importer's."""
     path = path.expanduser()
     if not path.is_file():
         raise InvalidArgument(f"{path} is not a file")
@@ -578,7 +584,7 @@ def import_snapshot(
                         engine.check_compatible(manifest["compat"], boot)
                         if manifest["version"] == CHUNKED:
                             shutil.rmtree(tmp, ignore_errors=True)
-                            return _import_chunked(home, store, tar, manifest, engine, boot, path)
+                            return _import_chunked(home, store, tar, manifest, engine, boot, path, namespace)
                         state_names = {member: p.name for member, p in engine.state_files(final).items()}
                         parts = manifest["parts"]
                         if engine.disk_format == "dir":
@@ -616,7 +622,7 @@ def import_snapshot(
             layers.make_dir_layer(layer, root)
         for disk in (layer, *volume_layers) if engine.disk_format != "dir" else volume_layers:
             _check_disk(disk)
-        rec = _imported_record(store, manifest, engine, boot, snap_id, layer, volume_layers)
+        rec = _imported_record(store, manifest, engine, boot, snap_id, layer, volume_layers, namespace)
         fsync_dir(tmp)
         os.rename(tmp, final)
         fsync_dir(final.parent)
@@ -646,6 +652,7 @@ def _import_chunked(
     engine: Engine,
     boot: Boot,
     path: Path,
+    namespace: str | None,
 ) -> SnapshotRecord:
     """The rest of a version 4 archive: its state's manifest, its chunks (each checked
     against its hash as it is kept), its disk (flattened, or layers over the base this
@@ -714,7 +721,7 @@ def _import_chunked(
             for v in volumes:
                 _check_disk(v)
             stored = {d: cstore.size(d) or 0 for d in state.digests()}
-            rec = _imported_record(store, manifest, engine, boot, snap_id, disk[-1], volumes)
+            rec = _imported_record(store, manifest, engine, boot, snap_id, disk[-1], volumes, namespace)
             disk_bytes = sum(p.stat().st_blocks * 512 for p in disk)
             sizes = {"stored_bytes": sum(p.stat().st_blocks * 512 for p in made) + len(state_data),
                      "logical_bytes": state.logical, "disk_bytes": disk_bytes}  # fmt: skip
@@ -735,9 +742,10 @@ def _imported_record(
     snap_id: str,
     layer: Path,
     volume_layers: list[Path],
+    namespace: str | None,
 ) -> SnapshotRecord:
     """The row of an imported snapshot: this host's facts, the archive's box options as
-    far as they are valid, its names where they are names."""
+    far as they are valid, its names where they are names, its namespace the importer's."""
     compat, info = manifest["compat"], manifest["snapshot"]
     facts = engine.facts_for_import(
         {
@@ -749,6 +757,8 @@ def _imported_record(
     box = {**BoxSpec(image="imported").to_options(), **_clean_box_options(info.get("box") or {})}
     box["image"] = None
     box["volumes"] = [_shared_here(store, v) for v in box["volumes"]]
+    if namespace is not None:
+        box["labels"] = {**(box.get("labels") or {}), NAMESPACE_LABEL: namespace}
     name = info.get("name") if isinstance(info.get("name"), str) else None
     box_name = info.get("box_name") if isinstance(info.get("box_name"), str) else None
     name = name if name and NAME_RE.match(name) else None

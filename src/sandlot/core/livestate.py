@@ -662,8 +662,9 @@ class LiveState:
         engine = self.rt.engine(found.facts.get("engine", "qemu"))
         return await asyncio.to_thread(archive.export_snapshot, self.rt.home, engine, found, path)
 
-    async def import_snapshot(self, path: Path) -> SnapshotRecord:
-        """Verify an exported snapshot (integrity, compatibility with this host) and add it."""
+    async def import_snapshot(self, path: Path, namespace: str | None = None) -> SnapshotRecord:
+        """Verify an exported snapshot (integrity, compatibility with this host) and add it;
+        ``namespace``: whose it is here (the importer's)."""
         rt = self.rt
 
         def engine_for(name: str) -> tuple[Engine, Boot]:
@@ -671,6 +672,6 @@ class LiveState:
             return engine, engine.prepare(BootRequest())
 
         def verify_and_add() -> SnapshotRecord:
-            return archive.import_snapshot(rt.home, rt.store, engine_for, path)
+            return archive.import_snapshot(rt.home, rt.store, engine_for, path, namespace)
 
         return await asyncio.to_thread(verify_and_add)

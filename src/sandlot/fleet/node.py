@@ -626,7 +626,8 @@ class NodeService:
             archive = await transfer.receive(moved, work / "state.sandlot")
             fetched_s = time.monotonic() - t0
             t1 = time.monotonic()
-            made = await self.backend.import_snapshot(archive, name=None, start=False, options={})
+            made = await self.backend.import_snapshot(archive, name=None, start=False, options={},
+                                                      namespace=ASKER.get())  # fmt: skip
             assert isinstance(made, SnapshotRef)
             snap = AsyncSnapshot(made)
             imported_s = time.monotonic() - t1

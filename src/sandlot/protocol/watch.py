@@ -11,8 +11,10 @@ works no faster than that for a watch, whatever the guest does.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import posixpath
+import secrets
 from collections import deque
 
 from .. import records
@@ -20,7 +22,7 @@ from ..errors import SandlotError
 from ..records import Rate
 from . import wire
 from .connection import AgentConnection, Channel, InboundStream
-from .wire import Fields, RawWatchRecord, T, Tag, WatchFlag
+from .wire import Fields, RawWatchRecord, T, Tag, WatchEvent, WatchFlag
 
 
 class WatchStream:
@@ -35,6 +37,8 @@ class WatchStream:
         self._partial = bytearray()
         self._ready: deque[RawWatchRecord] = deque()
         self.ended = False
+        self._barriers: dict[str, asyncio.Future[None]] = {}
+        self._sent = 0  # bytes of barriers sent on stream 0
 
     @classmethod
     async def start(
@@ -64,17 +68,50 @@ class WatchStream:
         """The next record, or None once the watch ended (its path went away).
         Records are acknowledged as they are taken, so the agent's queue holds what
         the caller has not read."""
-        while not self._ready:
-            if self.ended:
-                return None
-            chunk = await self._stream.read()
-            if not chunk:
-                self.ended = True
-                self.close()
-                continue
-            self._partial += chunk
-            self._ready.extend(wire.parse_watch_records(self._partial))
-        return self._ready.popleft()
+        while True:
+            while not self._ready:
+                if self.ended:
+                    self._end_barriers()
+                    return None
+                chunk = await self._stream.read()
+                if not chunk:
+                    self.ended = True
+                    self.close()
+                    continue
+                self._partial += chunk
+                self._ready.extend(wire.parse_watch_records(self._partial))
+            record = self._ready.popleft()
+            if record.kind != WatchEvent.BARRIER:
+                return record
+            waiter = self._barriers.pop(record.path, None)
+            if waiter is not None and not waiter.done():
+                waiter.set_result(None)
+
+    async def barrier(self, timeout: float) -> bool:
+        """Wait until the records of every change the guest made before this call have
+        been taken by ``next()`` (whoever iterates the stream: it must go on reading), or
+        the watch ended; False where ``timeout`` seconds passed first, or it had ended."""
+        if self.ended or self.closed:
+            return False
+        token = secrets.token_hex(8)
+        waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._barriers[token] = waiter
+        self._channel.send(T.DATA, wire.data_payload(wire.STREAM_STDIN, self._sent, token.encode()))
+        self._sent += len(token)
+        try:
+            async with asyncio.timeout(timeout):
+                await waiter
+        except TimeoutError:
+            return False
+        finally:
+            self._barriers.pop(token, None)
+        return True
+
+    def _end_barriers(self) -> None:
+        for waiter in self._barriers.values():
+            if not waiter.done():
+                waiter.set_result(None)
+        self._barriers.clear()
 
     def close(self) -> None:
         """Stop watching: the agent frees the inotify instance."""

@@ -181,6 +181,7 @@ class WatchEvent(IntEnum):
     DELETED = 3
     MOVED = 4
     OVERFLOW = 5
+    BARRIER = 6  # the host's barrier, its token as the path (WatchStream.barrier)
 
 
 class SignalFlag:

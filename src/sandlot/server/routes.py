@@ -826,7 +826,8 @@ async def import_snapshot(request: Request, name: str | None = None, start: bool
         async with _create_lock(server, caller):
             if start:
                 await check_quota(request, 1, 0, 0)
-            snap = await backend.import_snapshot(Path(tmp_name), name=name, start=False, options={})
+            snap = await backend.import_snapshot(Path(tmp_name), name=name, start=False, options={},
+                                                 namespace=caller.namespace or None)  # fmt: skip
             assert isinstance(snap, SnapshotRef)
             # it is bound to this home's shared volumes of the names it gives: the caller's own
             saved_box = local_snapshot(snap).record.options.get("box", {})

@@ -164,6 +164,7 @@ enum sl_watch_event {
     SL_WE_DELETED = 3,
     SL_WE_MOVED = 4,
     SL_WE_OVERFLOW = 5,      /* events under the path may be lost: look again */
+    SL_WE_BARRIER = 6,       /* the host's barrier (its DATA's bytes as the path): all before it is sent */
 };
 
 /* SL_T_FLAGS bits of SL_SIGNAL */

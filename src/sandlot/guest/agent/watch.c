@@ -871,6 +871,33 @@ static struct ostream *watch_output(struct channel *c, uint32_t stream)
  * the watch went on, within its queue. */
 static int watch_disconnected(struct channel *c) { return 1; }
 
+/* DATA on stream 0: a barrier (a token of 1 to 64 printable bytes). What the kernel
+ * queued before it, inotify's queue read now, and a move whose other half is not there
+ * with it (it left the tree), goes out before a BARRIER record whose path is the token:
+ * a host that made a change and then reads up to its barrier has that change's events. */
+static int watch_input(struct channel *c, uint8_t type, uint64_t off, const uint8_t *d, size_t n)
+{
+    struct watch_state *w = c->u.watch.st;
+    char token[65];
+    if (type != SL_DATA || n == 0 || n > 64) {
+        return -1;
+    }
+    for (size_t i = 0; i < n; i++) {
+        if (d[i] < 0x21 || d[i] > 0x7e) {
+            return -1;
+        }
+        token[i] = (char)d[i];
+    }
+    token[n] = 0;
+    if (w->fd >= 0) {
+        watch_read(w);
+    }
+    move_flush(w);
+    record_put(w, SL_WE_BARRIER, 0, token, NULL); /* past the rate: the host waits on it */
+    send_ack(c->s, c->id, SL_STREAM_STDIN, off + n);
+    return 0;
+}
+
 static const struct channel_ops watch_ops = {
     .name = "watch",
     .release = watch_release,
@@ -878,5 +905,6 @@ static const struct channel_ops watch_ops = {
     .wait = watch_wait,
     .ready = watch_ready,
     .output = watch_output,
+    .input = watch_input,
     .disconnected = watch_disconnected,
 };

@@ -50,6 +50,7 @@ from .connect import ConnectError, Dropped, Method, check, serve
 # watch events with their entry (0.6.3), watches of network mounts allowed (0.6.4: the
 # agent's inotify watch takes any file system; its events there are the kernel's)
 ENVD_VERSION = "0.6.4"
+WATCHER_SETTLE_S = 5.0  # at most, for a polled watcher's barrier (a box under load answers late)
 # file metadata: envd keeps it as extended attributes of these names (``user.e2b.author``),
 # sent on upload as ``X-Metadata-<key>`` headers (keys lowercased) and shown in entries
 METADATA_XATTRS = "user.e2b."
@@ -331,6 +332,10 @@ class Envd:
     async def get_watcher_events(self, req: dict[str, Any], request: Request) -> dict[str, Any]:
         watcher = await self._watcher(req, request)
         watcher.polled = time.monotonic()
+        # what the sandbox changed before this call is in the answer, as envd's own queue
+        # has it: inotify's events are queued by the guest's kernel as the change is made,
+        # and reach this host after its answer (a barrier through the watch's channel)
+        await watcher.watch.settle(WATCHER_SETTLE_S)
         events, watcher.events = watcher.events, []
         return {"events": events}
 
@@ -619,10 +624,10 @@ def _fs_events(root: str, event: Any) -> list[dict[str, Any]]:
         return []
     if event.type == "moved":
         if event.old_path and _is_write_temp(event.old_path):
-            # sandlot's agent writes a file beside it and renames it into place (never a
-            # half-written file): to a watcher that is the file created and written, as
-            # envd's own in-place write shows it
-            return [{"name": name(event.path), "type": 1}, {"name": name(event.path), "type": 2}]
+            # sandlot's agent writes a file beside it, its owner set, and renames it into
+            # place (never a half-written file): to a watcher that is the file created,
+            # written and its owner set (CHMOD), as envd's own write shows it
+            return [{"name": name(event.path), "type": t} for t in (1, 2, 5)]
         out = []
         if event.old_path:
             out.append({"name": name(event.old_path), "type": 4})
