@@ -464,13 +464,44 @@ def test_bad_control_calls_get_e2b_errors(face: dict[str, Any]) -> None:
         ("GET", "/v2/sandboxes?state=sleeping", b"", 400),
         ("GET", "/v2/sandboxes?nextToken=zzz", b"", 400),
         ("POST", "/v2/sandboxes", b"x" * (2 << 20), 413),
-        ("POST", "/v2/sandboxes", json.dumps({"templateID": "fake-tpl", "mcp": {"a": {}}}).encode(), 501),
+        ("POST", "/v2/sandboxes", json.dumps({"templateID": "fake-tpl", "iam": {"a": {}}}).encode(), 501),
         ("PUT", "/sandboxes/none/network", json.dumps({"denyOut": ["10.0.0.1"]}).encode(), 501),
     ):
         r = api.request(method, path, content=body)
         assert r.status_code == status, (path, r.text)
         assert set(r.json()) >= {"code", "message"}
     assert not [b for b in sandlot.list(home=face["home"]) if "e2b.template" in b.info["labels"]]
+
+
+def test_a_streams_connect_timeout_ends_it_as_deadline_exceeded(face: dict[str, Any], sbx: Sandbox) -> None:
+    """A command's ``timeout`` is the stream's Connect-Timeout-Ms, which the face holds it to
+    (the async SDK leaves it to the server, as envd does it); the command goes on."""
+    import asyncio
+
+    from e2b import AsyncSandbox, TimeoutException
+
+    async def run() -> float:
+        sandbox = await AsyncSandbox.connect(sbx.sandbox_id, **face["opts"])
+        t0 = time.monotonic()
+        with pytest.raises(TimeoutException):
+            await sandbox.commands.run("sleep 5", timeout=1)
+        return time.monotonic() - t0
+
+    assert asyncio.run(run()) < 4
+    assert sbx.commands.run("echo still", timeout=30).stdout == "still\n"
+
+
+def test_an_mcp_gateway_is_the_sdks_to_start_and_a_failed_start_leaves_no_sandbox(
+    face: dict[str, Any],
+) -> None:
+    """E2B's SDKs start the MCP gateway themselves, a command in the new sandbox: an image
+    without ``mcp-gateway`` fails it, and the SDK then kills the sandbox it made."""
+    from e2b import SandboxException
+
+    with pytest.raises(SandboxException, match="Failed to start MCP gateway"):
+        Sandbox.create("fake-tpl", mcp={"github": {}}, metadata={"mcp": "gateway"}, **face["opts"])  # type: ignore[arg-type]
+    found = Sandbox.list(query=SandboxQuery(metadata={"mcp": "gateway"}), **face["opts"]).next_items()
+    assert found == []
 
 
 def test_the_harness_of_e2bs_own_tests_counts_what_they_did(tmp_path: Any) -> None:

@@ -14,6 +14,8 @@ must not fight them over versions. What envd needs of the protocol is this page.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import struct
 import zlib
@@ -245,11 +247,22 @@ async def _stream_out(
     method: Method, request: Request, codec: Codec, req: dict[str, Any]
 ) -> AsyncIterator[bytes]:
     """A server stream's envelopes: each message, keepalives while the handler is
-    quiet, then the end (with the error that ended it, if one did)."""
+    quiet, then the end (with the error that ended it, if one did). Past the call's
+    deadline (``Connect-Timeout-Ms``) it ends with ``deadline_exceeded``, as a Connect
+    server ends it (a process it was following goes on: the call is what timed out)."""
+    deadline = _deadline(request)
+    messages = with_beats(method.handler(req, request).__aiter__(), _keepalive_interval(request))
     try:
-        async for message in with_beats(
-            method.handler(req, request).__aiter__(), _keepalive_interval(request)
-        ):
+        while True:
+            try:
+                async with asyncio.timeout_at(deadline):
+                    message = await anext(messages)
+            except StopAsyncIteration:
+                break
+            except TimeoutError:
+                if deadline is None or asyncio.get_running_loop().time() < deadline:
+                    raise
+                raise ConnectError("deadline_exceeded", "the call's Connect-Timeout-Ms passed") from None
             if message is not None:
                 yield envelope(codec.encode(method.response, message))
             elif method.keepalive is not None:
@@ -259,7 +272,19 @@ async def _stream_out(
     except Exception as e:
         yield _end(e)
         return
+    finally:
+        with contextlib.suppress(Exception):
+            await messages.aclose()  # type: ignore[attr-defined]
     yield _end(None)
+
+
+def _deadline(request: Request) -> float | None:
+    """When the call must end, on this loop's clock: its ``Connect-Timeout-Ms`` (at most
+    ten digits, as the protocol has it), or None."""
+    raw = request.headers.get("connect-timeout-ms", "")
+    if not (raw.isascii() and raw.isdigit() and 0 < len(raw) <= 10):
+        return None
+    return asyncio.get_running_loop().time() + int(raw) / 1000
 
 
 def _keepalive_interval(request: Request) -> float:

@@ -190,9 +190,10 @@ async def create(request: Request) -> dict[str, Any]:
         resume = body["autoResume"]
         enabled = resume.get("enabled") if isinstance(resume, dict) else resume
         labels[AUTO_RESUME_LABEL] = "1" if enabled is True else "0"
-    for field, why in (("mcp", "MCP servers in the sandbox"), ("iam", "workload identity tokens")):
-        if body.get(field):
-            raise Unsupported(f"{field} ({why}) is not supported by sandlot")
+    # ``mcp`` is taken: the SDKs start E2B's gateway themselves, a command in the sandbox
+    # (``mcp-gateway``, which E2B's MCP templates hold), once it is made
+    if body.get("iam"):
+        raise Unsupported("iam (workload identity tokens) is not supported by sandlot")
     if body.get("volumeMounts"):
         raise Unsupported("volumeMounts are not supported over the E2B API: use sandlot's named volumes")
     made = await routes.create_box(BoxCreate(**wanted), request, Response())
