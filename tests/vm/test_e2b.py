@@ -228,7 +228,15 @@ def test_lifecycle_info_list_timeout_pause_resume_kill(e2b_env: dict[str, Any]) 
         again = Sandbox.connect(sandbox.sandbox_id)
         assert again.files.read("/tmp/kept") == "kept\n"
         assert again.is_running()
-        sleeper = again.commands.run("sleep 600", background=True)
+        # a filesystem-only pause: the box stopped, its disk kept; a connect boots it again
+        boot = again.files.read("/proc/sys/kernel/random/boot_id")
+        again.files.write("/root/on-disk", "kept on disk")
+        assert again.pause(keep_memory=False)
+        assert Sandbox.get_info(sandbox.sandbox_id).state.value == "paused"
+        rebooted = Sandbox.connect(sandbox.sandbox_id)
+        assert rebooted.files.read("/root/on-disk") == "kept on disk"
+        assert rebooted.files.read("/proc/sys/kernel/random/boot_id") != boot
+        sleeper = rebooted.commands.run("sleep 600", background=True)
     finally:
         assert sandbox.kill() is True
     # a command whose sandbox is killed under it: its stream drops, as envd's does, and the

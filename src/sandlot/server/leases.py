@@ -81,7 +81,7 @@ async def _remove(state: ServerState, lease: leases.Lease) -> None:
         box = await AsyncBox.get(lease.box_id, home=state.home)
         if await asyncio.to_thread(leases.of, lease.box_id, home=state.home) != lease:
             return  # renewed (or swept by another server) since we looked
-        if box.info["labels"].get(ON_END_LABEL) == "suspend":
+        if box.info["labels"].get(ON_END_LABEL) in ("suspend", "stop"):
             await _suspend(state, box, caller, detail)
             return
         state.handles.pop(box.id, None)
@@ -101,8 +101,13 @@ async def _remove(state: ServerState, lease: leases.Lease) -> None:
 
 
 async def _suspend(state: ServerState, box: AsyncBox, caller: Caller, detail: dict[str, Any]) -> None:
+    """The end of a lease that keeps its box: suspended (memory and all), or, where its
+    label says ``stop``, stopped (its disk kept: it boots again, as E2B's filesystem-only
+    pause)."""
     state.handles.pop(box.id, None)  # the routes' handle would not know of the change
+    stop = box.info["labels"].get(ON_END_LABEL) == "stop"
     if box.state in ("running", "paused"):
-        await box.suspend()
+        await (box.stop() if stop else box.suspend())
     await asyncio.to_thread(leases.drop, box.id, home=state.home)
-    state.record(caller, "lease lapsed", box.id, 200, None, 0.0, {**detail, "then": "suspended"})
+    then = "stopped" if stop else "suspended"
+    state.record(caller, "lease lapsed", box.id, 200, None, 0.0, {**detail, "then": then})

@@ -141,8 +141,9 @@ class E2bFace:
         verifier = self.state.verifier
         if verifier is not None and key_id is not None and not await verifier.live_async(key_id):
             raise Unauthorized(f"the API key that made sandbox {box_id} was revoked")
-        if box.state == "suspended":
-            if labels.get(control.AUTO_RESUME_LABEL) != "1":
+        if control.is_paused(box):
+            # a filesystem-only pause (stopped) is resumed by a connect only, as E2B's
+            if box.state == "stopped" or labels.get(control.AUTO_RESUME_LABEL) != "1":
                 # as E2B's proxy answers for a paused sandbox; with auto-resume, a call resumes it
                 raise _Gone(
                     f"The sandbox {box_id} is paused, and was not found running: connect to resume it"

@@ -185,7 +185,8 @@ async def create(request: Request) -> dict[str, Any]:
         if allow:
             wanted["allow"] = allow
     if body.get("autoPause"):
-        labels[server_leases.ON_END_LABEL] = "suspend"
+        # E2B's filesystem-only pause (``keep_memory=False``): the box stopped, its disk kept
+        labels[server_leases.ON_END_LABEL] = "stop" if body.get("autoPauseMemory") is False else "suspend"
     if body.get("autoResume") is not None:
         resume = body["autoResume"]
         enabled = resume.get("enabled") if isinstance(resume, dict) else resume
@@ -239,13 +240,13 @@ async def _listed(request: Request, box: AsyncBox, detail: bool = False) -> dict
         "memoryMB": int(info.get("memory_mib") or 256),
         "diskSizeMB": int(info.get("disk_size_gb") or 8) * 1024,
         "metadata": metadata,
-        "state": "paused" if box.state == "suspended" else "running",
+        "state": "paused" if is_paused(box) else "running",
         "envdVersion": ENVD_VERSION,
     }
     if detail:
         auto_resume = info["labels"].get(AUTO_RESUME_LABEL) == "1"
         listed["lifecycle"] = {
-            "onTimeout": "pause" if on_end == "suspend" else "kill",
+            "onTimeout": "pause" if on_end in ("suspend", "stop") else "kill",
             "autoResume": auto_resume,
         }
         listed["envdAccessToken"] = access.sandbox_token(box.id, "envd", _server(request).home)
@@ -271,10 +272,15 @@ async def _lease(request: Request, box_id: str) -> Any:
     return await asyncio.to_thread(leases.of, box_id, home=_server(request).home)
 
 
+def is_paused(box: AsyncBox) -> bool:
+    """Paused to E2B: suspended (memory kept), or stopped by a filesystem-only pause."""
+    return box.state in ("suspended", "stopped")
+
+
 def _e2b_boxes(boxes: list[AsyncBox], caller: Caller) -> list[AsyncBox]:
     """The caller's boxes that are sandboxes: made through this API, running or paused."""
     return [b for b in boxes if TEMPLATE_LABEL in b.info["labels"] and caller.may_see(b.info["labels"])
-            and b.state in ("running", "suspended", "paused")]  # fmt: skip
+            and (b.state in ("running", "paused") or is_paused(b))]  # fmt: skip
 
 
 def _filter_metadata(boxes: list[AsyncBox], query: str | None) -> list[AsyncBox]:
@@ -295,7 +301,7 @@ def _filter_metadata(boxes: list[AsyncBox], query: str | None) -> list[AsyncBox]
 @router.get("/sandboxes")
 async def list_running(request: Request, metadata: str | None = None) -> list[dict[str, Any]]:
     boxes = _e2b_boxes(await AsyncBox.list(home=_server(request).home), _caller(request))
-    boxes = [b for b in _filter_metadata(boxes, metadata) if b.state != "suspended"]
+    boxes = [b for b in _filter_metadata(boxes, metadata) if not is_paused(b)]
     return [await _listed(request, b) for b in boxes]
 
 
@@ -321,7 +327,7 @@ async def list_v2(request: Request, response: Response) -> list[dict[str, Any]]:
         template = q["template"]
         boxes = [b for b in boxes if template in (b.info["labels"].get(TEMPLATE_LABEL), b.info.get("image"))]
     if states:
-        boxes = [b for b in boxes if ("paused" if b.state == "suspended" else "running") in states]
+        boxes = [b for b in boxes if ("paused" if is_paused(b) else "running") in states]
     boxes.sort(key=_place, reverse=q.get("order") != "asc")
     token = q.get("nextToken")
     if token:
@@ -397,10 +403,14 @@ async def refresh(request: Request, sandbox_id: str) -> Response:
 
 @router.post("/sandboxes/{sandbox_id}/pause", status_code=204)
 async def pause(request: Request, sandbox_id: str) -> Response:
+    body = await _body(request)
     box = await sandbox_box(request, sandbox_id)
-    if box.state == "suspended":
+    if is_paused(box):
         raise InvalidState(f"sandbox {sandbox_id} is already paused", box=box.id, state=box.state)
-    await box.suspend()
+    if body.get("memory") is False:  # filesystem only: the box stopped, its disk kept; a connect boots it
+        await box.stop()
+    else:
+        await box.suspend()
     # a paused sandbox has no timeout (E2B keeps it until it is resumed or killed)
     await asyncio.to_thread(leases.drop, box.id, home=_server(request).home)
     return Response(status_code=204)
@@ -410,7 +420,7 @@ async def pause(request: Request, sandbox_id: str) -> Response:
 async def resume(request: Request, sandbox_id: str) -> dict[str, Any]:
     body = await _body(request)
     box = await sandbox_box(request, sandbox_id)
-    if box.state != "suspended":
+    if not is_paused(box):
         raise InvalidState(f"sandbox {sandbox_id} is already running", box=box.id, state=box.state)
     return await _running(request, box, body)
 
@@ -420,7 +430,7 @@ async def resume(request: Request, sandbox_id: str) -> dict[str, Any]:
 async def connect(request: Request, response: Response, sandbox_id: str) -> dict[str, Any]:
     body = await _body(request)
     box = await sandbox_box(request, sandbox_id)
-    response.status_code = 201 if box.state == "suspended" else 200
+    response.status_code = 201 if is_paused(box) else 200
     return await _running(request, box, body)
 
 
@@ -438,6 +448,8 @@ async def resume_with_timeout(state: ServerState, box: AsyncBox, seconds: int | 
     running = box.state == "running"
     if box.state == "suspended":
         await box.resume()
+    elif box.state == "stopped":  # a filesystem-only pause: it boots from its disk
+        await box.start()
     elif box.state == "paused":
         await box.unpause()
     lease = await asyncio.to_thread(leases.of, box.id, home=state.home)
