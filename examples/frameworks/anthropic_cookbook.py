@@ -14,11 +14,10 @@ import os
 import sys
 from pathlib import Path
 
-from _charts import save_charts
+from _cookbook import DATA, SALES, TASK, save_charts
 from anthropic import Anthropic
 from e2b_code_interpreter import Sandbox
 
-SALES = "month,revenue\nJan,120\nFeb,95\nMar,210\nApr,160\n"
 TOOLS = [{
     "name": "execute_python",
     "description": "Execute python code in a Jupyter notebook cell and return the result, stdout and errors.",
@@ -37,9 +36,8 @@ def execute_python(sandbox: Sandbox, code: str) -> tuple[str, bool]:
 
 client = Anthropic()
 with Sandbox.create() as sandbox:
-    sandbox.files.write("/home/user/sales.csv", SALES)
-    task = "/home/user/sales.csv holds monthly revenue. Plot it as a bar chart and tell me the best month."
-    messages: list = [{"role": "user", "content": task}]
+    sandbox.files.write(DATA, SALES)
+    messages: list = [{"role": "user", "content": TASK}]
     while True:
         response = client.messages.create(
             model=os.environ.get("MODEL", "claude-sonnet-4-5"),

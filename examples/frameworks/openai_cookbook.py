@@ -15,11 +15,10 @@ import os
 import sys
 from pathlib import Path
 
-from _charts import save_charts
+from _cookbook import DATA, SALES, TASK, save_charts
 from e2b_code_interpreter import Sandbox
 from openai import OpenAI
 
-SALES = "month,revenue\nJan,120\nFeb,95\nMar,210\nApr,160\n"
 TOOLS = [{"type": "function", "function": {
     "name": "execute_python",
     "description": "Execute python code in a Jupyter notebook cell and return the result, stdout and errors.",
@@ -38,9 +37,8 @@ def execute_python(sandbox: Sandbox, code: str) -> str:
 
 client = OpenAI()
 with Sandbox.create() as sandbox:
-    sandbox.files.write("/home/user/sales.csv", SALES)
-    task = "/home/user/sales.csv holds monthly revenue. Plot it as a bar chart and tell me the best month."
-    messages: list = [{"role": "user", "content": task}]
+    sandbox.files.write(DATA, SALES)
+    messages: list = [{"role": "user", "content": TASK}]
     while True:
         response = client.chat.completions.create(
             model=os.environ.get("MODEL", "gpt-4.1-mini"), messages=messages, tools=TOOLS
