@@ -83,6 +83,9 @@ def test_ipythons_shell_escapes_and_magics(py_box: sandlot.Box) -> None:
     assert ex.error is None and ("pip" in ex.stdout or "No module named pip" in ex.stdout), ex
     ex = py_box.run_code("%timeit 1", context=ctx)
     assert ex.error is not None and ex.error.name == "UsageError" and "%timeit" in ex.error.value
+    indented = "\n        y = 2\n        !echo indented\n        y * 21\n"  # a cell indented as a whole
+    ex = py_box.run_code(indented, context=ctx)
+    assert ex.error is None and ex.text == "42" and ex.stdout == "indented\n", ex
     ex = py_box.run_code("x = 1 +\n!echo no", context=ctx)  # neither Python nor IPython: the cell's error
     assert ex.error is not None and ex.error.name == "SyntaxError" and "line 1" in ex.error.traceback
     py_box.remove_code_context(ctx)

@@ -634,13 +634,22 @@ class BuiltinKernel:
         return units
 
     def python_of(self, code: str, filename: str) -> str:
-        """The cell as Python: as it is, or with IPython's escapes rewritten where it has
-        them (a cell that is neither raises the SyntaxError of the cell as written)."""
+        """The cell as Python: as it is, dedented (a cell indented as a whole, as code
+        pasted from inside a block or a string is: IPython takes it so), or with IPython's
+        escapes rewritten where it has them (a cell that is none of these raises the
+        SyntaxError of the cell as written)."""
         try:
             ast.parse(code, filename, "exec")
             return code
         except SyntaxError:
-            rewritten = ipython_syntax(code)
+            import textwrap
+
+            dedented = textwrap.dedent(code)
+            if dedented != code:
+                with contextlib.suppress(SyntaxError):
+                    ast.parse(dedented, filename, "exec")
+                    return dedented
+            rewritten = ipython_syntax(dedented)
             if rewritten is None:
                 raise
             self.namespace.setdefault("_sandlot_ipython", IPythonEscapes(self.namespace))
