@@ -172,6 +172,9 @@ def test_file_metadata_is_kept_as_extended_attributes_and_shown_where_envd_shows
     assert box.files.stat("/tmp/m/b.txt").xattrs is None  # none asked for
     with pytest.raises(sandlot.InvalidArgument, match=r"user\.e2b\."):
         box.files.set_xattrs("/tmp/m/b.txt", {"user.other": "x"}, prefix="user.e2b.")
+    for name, value in (("user.e2b." + "n" * 250, "v"), ("user.e2b.big", "v" * 65537)):  # past Linux's limits
+        with pytest.raises(sandlot.InvalidArgument, match="at most"):
+            box.files.set_xattrs("/tmp/m/b.txt", {name: value}, prefix="user.e2b.")
     # what the SDK checks before it sends, the face checks too
     token = {"E2b-Sandbox-Id": sbx.sandbox_id, "X-Access-Token": str(sbx._envd_access_token)}
     for bad in ({"X-Metadata-ok": "caf\u00e9".encode()}, {"X-Metadata-": b"no key"}):

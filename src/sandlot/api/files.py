@@ -26,7 +26,16 @@ from ..core.validate import guest_path
 from ..errors import InvalidArgument, TransferWarning
 from .backend import Write
 from .diffs import side_arg
-from .fs import FILE_EVENT_TYPES, FileEvent, FileEventType, FileInfo, WatchSource, check_mode, check_prefix
+from .fs import (
+    FILE_EVENT_TYPES,
+    FileEvent,
+    FileEventType,
+    FileInfo,
+    WatchSource,
+    check_mode,
+    check_prefix,
+    check_xattrs,
+)
 
 if TYPE_CHECKING:
     from .backend import Backend, BoxRef
@@ -388,15 +397,8 @@ class AsyncFiles:
 
             await box.files.set_xattrs("/data/a.csv", {"user.e2b.source": "upload"}, prefix="user.e2b.")
         """
-        prefix = check_prefix(prefix) or ""
-        if not prefix:
-            raise InvalidArgument("set_xattrs needs the prefix of the names it replaces")
-        if not isinstance(values, Mapping) or not all(isinstance(v, str) for v in values.values()):
-            raise InvalidArgument("set_xattrs takes a mapping of names to text values")
-        for name in values:
-            if not isinstance(name, str) or not name.startswith(prefix) or name == prefix or "\0" in name:
-                raise InvalidArgument(f"an extended attribute's name is {prefix!r} and more, not {name!r}")
-        await self._call("set_xattrs", path=guest_path(path), prefix=prefix, values=dict(values))
+        start, checked = check_xattrs(values, prefix)
+        await self._call("set_xattrs", path=guest_path(path), prefix=start, values=checked)
 
     async def mkdir(
         self,

@@ -6,6 +6,7 @@ from a server or a fleet node elsewhere)."""
 from __future__ import annotations
 
 import stat as _stat
+from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import PurePosixPath
@@ -181,6 +182,29 @@ def check_prefix(prefix: object) -> str | None:
     if not isinstance(prefix, str) or not prefix or "\0" in prefix or len(prefix.encode()) > 255:
         raise InvalidArgument(f"an xattrs prefix is a start of names such as 'user.', not {prefix!r}")
     return prefix
+
+
+XATTR_NAME_MAX = 255  # bytes of an extended attribute's name (Linux's limit)
+XATTR_SIZE_MAX = 65536  # bytes of its value
+
+
+def check_xattrs(values: object, prefix: object) -> tuple[str, dict[str, str]]:
+    """What ``set_xattrs`` takes: a prefix, and text values by names that are the prefix and
+    more (no NUL), within Linux's limits; the prefix and the values as a dict."""
+    start = check_prefix(prefix)
+    if not start:
+        raise InvalidArgument("set_xattrs needs the prefix of the names it replaces")
+    if not isinstance(values, Mapping) or not all(isinstance(v, str) for v in values.values()):
+        raise InvalidArgument("set_xattrs takes a mapping of names to text values")
+    for name, value in values.items():
+        if not isinstance(name, str) or not name.startswith(start) or name == start or "\0" in name:
+            raise InvalidArgument(f"an extended attribute's name is {start!r} and more, not {name!r}")
+        if len(name.encode()) > XATTR_NAME_MAX or len(value.encode()) > XATTR_SIZE_MAX:
+            raise InvalidArgument(
+                f"extended attribute {name[:64]!r}: a name is at most {XATTR_NAME_MAX} bytes, "
+                f"a value at most {XATTR_SIZE_MAX}"
+            )
+    return start, dict(values)
 
 
 def check_mode(mode: int | None) -> int | None:

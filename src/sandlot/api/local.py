@@ -42,7 +42,7 @@ from ..protocol.watch import WatchStream
 from ..protocol.wire import FsFlag, FsOp
 from . import port_hold
 from .backend import Backend, BoxRef, Cell, Command, SnapshotRef, Write, narrowed
-from .fs import AgentWatch, FileInfo, WatchSource, check_mode, check_prefix, entry_info
+from .fs import AgentWatch, FileInfo, WatchSource, check_mode, check_prefix, check_xattrs, entry_info
 from .process import AsyncProcess, ExecResult, feed_and_wait
 
 if TYPE_CHECKING:
@@ -656,10 +656,8 @@ class LocalBackend(Backend):
         return sorted((entry_info(p, e) for e in entries), key=lambda i: i.name)
 
     async def files_set_xattrs(self, ref: BoxRef, path: str, prefix: str, values: dict[str, str]) -> None:
-        where, start = guest_path(path), check_prefix(prefix)
-        if not start or any(not n.startswith(start) or n == start for n in values):
-            raise InvalidArgument(f"extended attributes' names start with {start!r} and go on")
-        raw = {name: value.encode() for name, value in values.items()}
+        where, (start, checked) = guest_path(path), check_xattrs(values, prefix)
+        raw = {name: value.encode() for name, value in checked.items()}
         async with self._step(ref, "files", lambda: {"op": "set_xattrs", "path": where}):
             try:
                 await proto.fs_request(await self._conn(ref), FsOp.SETXATTRS, where, prefix=start, xattrs=raw)

@@ -88,15 +88,17 @@ class Interpreter:
         cid = context_id(None, language)
         if (box.id, cid) in self.ready:
             return
-        async with self.setting_up.setdefault(box.id, asyncio.Lock()):
-            if (box.id, cid) not in self.ready:
-                if all(c.id != cid for c in await box.list_code_contexts()):
-                    user, home = await self.runs_as(box, request)
-                    await box.create_code_context(language=language, cwd=home, user=user, id=cid)
-                self.ready[box.id, cid] = None
-                while len(self.ready) > READY_KEPT:
-                    self.ready.pop(next(iter(self.ready)))
-        self.setting_up.pop(box.id, None)
+        try:
+            async with self.setting_up.setdefault(box.id, asyncio.Lock()):
+                if (box.id, cid) not in self.ready:
+                    if all(c.id != cid for c in await box.list_code_contexts()):
+                        user, home = await self.runs_as(box, request)
+                        await box.create_code_context(language=language, cwd=home, user=user, id=cid)
+                    self.ready[box.id, cid] = None
+                    while len(self.ready) > READY_KEPT:
+                        self.ready.pop(next(iter(self.ready)))
+        finally:  # a set-up that failed leaves no lock behind (its box's next cell tries again)
+            self.setting_up.pop(box.id, None)
 
     async def execute(self, box: AsyncBox, body: dict[str, Any]) -> Response:
         code = body.get("code")
