@@ -5,7 +5,7 @@ real core (controller, transitions, store, sessions) in milliseconds.
 
 ``register()`` makes ``engine="fake"`` available; ``FakeEngine.of(home)`` is the
 instance a home uses, to inspect or rig (``fail_boot``, ``fail_restore``, ``restore_seconds``,
-``save_seconds``, ``never_answer``, ``vms``).
+``save_seconds``, ``hello_seconds``, ``never_answer``, ``vms``).
 
 What its agent understands: HELLO, PING, CONTROL (STATUS, SHUTDOWN, SET_TIME,
 MOUNT, FREEZE and THAW: ``frozen``), files (FILE_READ, FILE_WRITE, FS: a small file system held in the VM's
@@ -266,6 +266,7 @@ class FakeVM(VM):
         f = Fields(frame.payload) if frame.type != T.PING else Fields(b"")
         ch = frame.channel
         if frame.type == T.HELLO:
+            await asyncio.sleep(self.engine.hello_seconds)
             hostname = f.str(Tag.HOSTNAME, "")
             if hostname:
                 self.memory["hostname"] = hostname
@@ -810,6 +811,7 @@ class FakeEngine(Engine):
         self.fail_restore = False
         self.restore_seconds = 0.0  # how long each restore takes (a loaded host's)
         self.save_seconds = 0.0  # ... and each save
+        self.hello_seconds = 0.0  # ... and each agent's answer to a HELLO (a VM still waking)
         self.never_answer = False
         self.hangs = 0  # the next this many boots hang before their init
         self.launches = 0

@@ -427,6 +427,36 @@ def test_a_connection_held_through_a_slow_restore_is_not_closed_under_it_for_idl
     run(main)
 
 
+def test_a_connection_reconnecting_past_the_idle_release_is_not_closed_under_its_handshake(
+    home: Path, root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A connection whose socket closed (its box suspended by another process and woken
+    by this one's next caller, on a loaded host) reconnects with no channel open: the
+    idle release must not take it for idle and close it mid-handshake, which failed the
+    caller waiting for it (a request that woke a box on traffic was reset so)."""
+    monkeypatch.setattr(sessions, "IDLE_RELEASE", 0.2)
+
+    async def main() -> None:
+        box = new_box(home, root, keep=True)
+        await box.start()
+        try:
+            assert (await box.exec("echo", "one")).stdout == "one\n"
+            core = core_for(Runtime.for_home(home))
+            conn = (await core.controller.find(box.id)).session.conn
+            assert conn is not None
+            FakeEngine.of(home).hello_seconds = 1.0  # the agent answers slowly: 5 idle releases
+            conn.break_transport()
+            await asyncio.sleep(0.1)
+            assert conn.reconnecting
+            assert (await box.exec("echo", "two")).stdout == "two\n"
+            assert conn.failed is None
+        finally:
+            FakeEngine.of(home).hello_seconds = 0.0
+            await box.remove(force=True)
+
+    run(main)
+
+
 def test_a_save_longer_than_the_idle_release_still_thaws_the_commands_it_froze(
     home: Path, root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

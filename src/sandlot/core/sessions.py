@@ -341,6 +341,11 @@ class Session:
         conn = self.conn
         if conn is None:
             return
+        if conn.reconnecting:
+            # a box that woke (resumed by this process's next caller, who waits for it) or
+            # was rolled back: closed under its handshake, the reconnection would fail, and
+            # its callers with it, as on a crash. Its idleness counts from its new socket.
+            conn.last_used = time.monotonic()
         idle = time.monotonic() - conn.last_used
         if conn.open_channels == 0 and idle >= IDLE_RELEASE and conn.failed is None:
             self.drop()  # the port goes back; the next operation connects again

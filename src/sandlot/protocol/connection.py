@@ -645,6 +645,12 @@ class AgentConnection:
     def failed(self) -> BaseException | None:
         return self._failure
 
+    @property
+    def reconnecting(self) -> bool:
+        """Its socket closed and it is connecting again (to a VM that was resumed,
+        rolled back or restored): in use, though no channel is open on it."""
+        return self._reconnecting is not None
+
     def is_open(self, channel_id: int) -> bool:
         """The channel is in use on this connection."""
         return channel_id in self._channels
