@@ -21,6 +21,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # for tests.support
 
 from tests.support.roots import CACHE, busybox_root, debian_root, desktop_root
+from tests.support.serve import empty_but_templates, kept_home
 
 PAGE = 4096  # bytes of a guest page
 
@@ -46,11 +47,31 @@ __all__ = [
 ]  # fmt: skip
 
 
-def scratch_home(prefix: str, where: Path | None = None) -> Path:
+# Where the quick modes, as the tests run them, keep one home from run to run (set by
+# tests/support/benchmarks.py): see ``scratch_home``'s ``kept``
+KEPT_HOMES = "SANDLOT_BENCH_KEPT_HOMES"
+
+
+def kept_folder() -> Path | None:
+    folder = os.environ.get(KEPT_HOMES)
+    return Path(folder) / "kept" if folder else None
+
+
+def scratch_home(prefix: str, where: Path | None = None, *, kept: bool = False) -> Path:
     """A new, empty sandlot home sharing the default home's kernel, agent and initramfs
-    (so nothing is fetched or built again); under ``where`` (default: beside the default home)."""
+    (so nothing is fetched or built again); under ``where`` (default: beside the default home).
+
+    ``kept`` (for a benchmark that makes one home and times no first start of an image):
+    where ``$SANDLOT_BENCH_KEPT_HOMES`` names a folder (the tests' quick modes), the home
+    there that every such benchmark uses, run after run, emptied of all but its images
+    and automatic templates (tests/support/serve.py: ``kept_home``). Its boxes then start
+    from the template an earlier run saved, rather than booting and saving one in each
+    script: the quick modes' largest cost, and a path their figures are not about."""
     import sandlot
 
+    folder = kept_folder()
+    if kept and folder is not None and where is None:
+        return kept_home(folder)
     shared = sandlot.Runtime.for_home().home
     sandlot.Runtime.for_home().prepare()
     home = Path(tempfile.mkdtemp(prefix=prefix, dir=where or shared.parent))
@@ -60,11 +81,14 @@ def scratch_home(prefix: str, where: Path | None = None) -> Path:
 
 
 def drop_home(home: Path) -> None:
-    """Remove a scratch home and every box in it."""
+    """Remove a scratch home and every box in it (a kept one: all but its templates)."""
     import shutil
 
     import sandlot
 
+    if home == kept_folder():
+        empty_but_templates(home)
+        return
     for p in sandlot.pools(home=home):  # warm pools' VMs are no boxes: they go with their pool
         sandlot.set_pool(p.template_id, 0, wait=True, home=home)
     for b in sandlot.list(home=home):

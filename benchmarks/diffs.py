@@ -55,7 +55,7 @@ def main() -> None:
     ap.add_argument("--mb", type=int, default=1024)
     args = ap.parse_args()
     runs, mib = (2, 20) if args.quick else (args.runs, args.mb)
-    home = scratch_home("bench-diffs-")
+    home = scratch_home("bench-diffs-", kept=True)
     try:
         bigger = {"disk_size_gb": mib // 1024 + 2} if mib > 6 * 1024 else {}  # past the default 8 GB
         with sandlot.Box(rootfs=busybox_root(), memory_mib=256, home=home, **bigger) as box:

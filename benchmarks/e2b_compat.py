@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import time
+import uuid
 
 import sandlot
 
@@ -101,10 +102,10 @@ def creations(template: str, n: int, home: object = None, pooled: bool = False) 
 def main() -> None:
     args = parser(__doc__).parse_args()
     q = args.quick
-    home = scratch_home("bench-e2b-")
+    home = scratch_home("bench-e2b-", kept=True)
     try:
         with serving(home) as served:
-            key = create_key(home, "bench", "--admin", "--e2b")
+            key = create_key(home, f"bench-{uuid.uuid4().hex[:6]}", "--admin", "--e2b")  # a name per run
             os.environ.update({"E2B_API_URL": f"{served.url}/e2b", "E2B_SANDBOX_URL": f"{served.url}/e2b",
                                "E2B_API_KEY": key})  # fmt: skip
             from e2b import Sandbox

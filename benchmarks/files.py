@@ -119,7 +119,7 @@ def main() -> None:
     runs, mib, files, links = (
         (1, 20, 1000, 50) if args.quick else (args.runs, args.mb, args.files, args.links)
     )
-    home = scratch_home("bench-files-")
+    home = scratch_home("bench-files-", kept=True)
     engines: dict[str, Any] = {}
     try:
         with tempfile.TemporaryDirectory(prefix="bench-files-src-") as d:

@@ -207,7 +207,7 @@ def asked_total(g: dict[str, Any]) -> float:
 
 
 def run(seconds: float, engine: str, quick: bool) -> dict[str, Any]:
-    home = scratch_home("bench-floods-")
+    home = scratch_home("bench-floods-", kept=True)
     results: dict[str, Any] = {}
     try:
         root = debian_root()

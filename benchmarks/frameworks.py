@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import os
 import time
+import uuid
 from typing import Any
 
 import sandlot
@@ -134,11 +135,11 @@ def main() -> None:
     calls = args.calls or (4 if args.quick else 20)
     runs = args.runs or (1 if args.quick else 5)
     os.environ.setdefault("OPENAI_AGENTS_DISABLE_TRACING", "1")
-    home = scratch_home("bench-agents-")
+    home = scratch_home("bench-agents-", kept=True)
     try:
         sandlot.template(rootfs=str(debian_root()), name="agents", memory_mib=512, home=home)
         with serving(home) as served:
-            key = create_key(home, "bench", "--admin", "--e2b")
+            key = create_key(home, f"bench-{uuid.uuid4().hex[:6]}", "--admin", "--e2b")  # a name per run
             os.environ.update({"E2B_API_URL": f"{served.url}/e2b", "E2B_SANDBOX_URL": f"{served.url}/e2b",
                                "E2B_API_KEY": key})  # fmt: skip
             doc: dict[str, Any] = {"benchmark": "frameworks", "quick": args.quick}

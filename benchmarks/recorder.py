@@ -181,7 +181,7 @@ def main() -> None:
     args = ap.parse_args()
     steps, think, bisect_steps, runs = (8, 0.2, 8, 1) if args.quick else (
         args.steps, args.think, args.bisect_steps, args.runs)  # fmt: skip
-    home = scratch_home("bench-recorder-")
+    home = scratch_home("bench-recorder-", kept=True)
     try:
         compared = compare_loops(home, steps, think)
         box, timeline = compared["box"], compared["timeline"]

@@ -120,7 +120,7 @@ def file_transfer(box: sandlot.Box, client: httpx.Client, size: int, reps: int) 
 def main() -> None:
     args = parser(__doc__).parse_args()
     q = args.quick
-    home = scratch_home("bench-server-")
+    home = scratch_home("bench-server-", kept=True)
     root = busybox_root()
     try:
         with serving(home) as served, httpx.Client(base_url=served.url, headers=served.headers(),

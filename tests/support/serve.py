@@ -23,15 +23,53 @@ from tests.support.waiting import deadline_in
 def shared_home(parent: Path) -> Path:
     """A fresh, empty home under ``parent`` that shares the default home's kernel, agent
     and initramfs caches (nothing is fetched or built again)."""
+    home = parent / "home"
+    home.mkdir()
+    return _sharing_caches(home)
+
+
+def _sharing_caches(home: Path) -> Path:
     import sandlot
 
-    home = parent / "home"
     shared = sandlot.Runtime.for_home().home
     sandlot.Runtime.for_home(shared).prepare()
-    home.mkdir()
     for d in ("kernels", "agent", "initramfs"):
-        (home / d).symlink_to(shared / d)
+        if not (home / d).is_symlink():
+            (home / d).symlink_to(shared / d)
     return home
+
+
+def kept_home(path: Path) -> Path:
+    """The home at ``path``, kept from one run to the next and emptied of all but its
+    images and automatic templates (``empty_but_templates``), sharing the default home's
+    caches as ``shared_home`` does: its boxes start as a user's second start of an image
+    does, from the template an earlier run saved, where a fresh home would boot and save
+    one for each image it starts. For what runs in one home at a time, and is not about
+    a home's first start of an image."""
+    path.mkdir(parents=True, exist_ok=True)
+    empty_but_templates(_sharing_caches(path))  # what a run killed half way left
+    return path
+
+
+def empty_but_templates(home: Path) -> None:
+    """Every box, pool, snapshot, volume and tier setting of ``home`` removed, but for
+    its images and their automatic templates (those unnamed). API keys stay (a name is
+    never used twice: whoever makes one in a kept home names it afresh)."""
+    import sandlot
+
+    for pool in sandlot.pools(home=home):  # warm pools' VMs are no boxes: they go with their pool
+        sandlot.set_pool(pool.template_id, 0, wait=True, home=home)
+    for box in sandlot.list(all=True, home=home):
+        box.remove(force=True)
+    for snap in sandlot.Snapshot.list(home=home):
+        if not (snap.kind == "template" and snap.name is None):
+            with contextlib.suppress(sandlot.SandlotError):  # one a kept template was made from
+                snap.remove()
+    volumes = sandlot.Volumes(home)
+    for volume in volumes.list():
+        with contextlib.suppress(sandlot.SandlotError):
+            volumes.remove(volume.name)
+    (home / "storage.json").unlink(missing_ok=True)
 
 
 def free_port() -> int:

@@ -1,7 +1,9 @@
 """Every page of the README and docs/ runs as written (tests/support/docs.py says how
 a page marks what it needs): its Python and console blocks in order, on real boxes, in
-a fresh home. ``python:3.12-slim`` and the like come from a local registry standing in
-for Docker Hub; a block marked ``server`` talks to a real ``sandlot serve``."""
+a home kept from run to run, emptied of all but its images and their automatic templates
+(a reader's second start of an image). ``python:3.12-slim`` and the like come from a
+local registry standing in for Docker Hub; a block marked ``server`` talks to a real
+``sandlot serve``."""
 
 from __future__ import annotations
 
@@ -14,10 +16,11 @@ from pathlib import Path
 
 import pytest
 
-import sandlot
-
 from tests.support.docs import PAGES, REPO, blocks
-from tests.support.serve import serving, shared_home
+from tests.support.roots import CACHE
+from tests.support.serve import empty_but_templates, kept_home, serving
+
+KEPT_DOCS_HOME = Path(os.environ.get("SANDLOT_HOME") or CACHE / "home").with_name("docs-home")
 
 pytestmark = pytest.mark.vm
 
@@ -29,7 +32,10 @@ RUNNABLE = [p for p in PAGES if any("skip" not in b.marks for b in blocks(p))]
 def test_page_runs_as_written(
     page: Path, tmp_path: Path, hub_mirror: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    home = shared_home(tmp_path)
+    # one home for every page, run after run, emptied of all but its images and their
+    # automatic templates: a page's boxes start as a reader's second start of an image
+    # does, not from a boot and a save each time (tests/support/serve.py)
+    home = kept_home(KEPT_DOCS_HOME)
     monkeypatch.setenv("SANDLOT_REGISTRY_MIRRORS", f"docker.io={hub_mirror}")  # a server started here too
     work = tmp_path / "work"
     work.mkdir()
@@ -44,10 +50,7 @@ def test_page_runs_as_written(
                                capture_output=True, text=True, timeout=1400)  # fmt: skip
             outcomes = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
         finally:  # what the page left behind, should it have stopped half way
-            for pool in sandlot.pools(home=home):
-                sandlot.set_pool(pool.template_id, 0, wait=True, home=home)
-            for box in sandlot.list(all=True, home=home):
-                box.remove(force=True)
+            empty_but_templates(home)
     for o in outcomes:  # shown with -rP, or -s: what each block printed, and how long it took
         print(f"--- {o['where']}: {o['result']} {o.get('seconds', '')} {o.get('why', '')}")
         print(o.get("stdout", ""), end="")

@@ -180,7 +180,7 @@ def test_a_template_is_saved_once_the_kernels_boot_time_work_is_done(busybox_roo
     """The TSC calibration registers the kernel's final clocksource about a second after
     boot and switches to it: a template saved before it would make every box started
     from it do that work (core: ``BoxController.boot_work_done``)."""
-    tmpl = sandlot.template(rootfs=busybox_root, memory_mib=256, name=unique("settled"))
+    tmpl = sandlot.template(rootfs=busybox_root, memory_mib=256, name=unique("settled"), template=False)
     try:
         with sandlot.Box(template=tmpl) as box:
             assert "tsc-early" not in box.files.read_text(CLOCKSOURCES).split()

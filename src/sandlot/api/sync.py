@@ -1450,13 +1450,15 @@ def template(
     home: str | os.PathLike[str] | None = None,
     **box_options: Any,
 ) -> Snapshot:
-    """Boot ``image``, run each ``setup`` command (a shell line, or an argv list; any
-    failure raises CommandFailed), run each ``code`` cell in the box's default Python
-    interpreter (an error raises InterpreterError), and save the running box as a
-    template. Boxes started with ``Box(template=name)`` begin in that state,
-    processes included: with ``code``, their first ``run_code`` finds the interpreter
-    started and what its cells imported and defined. ``pool``: keep that many VMs of
-    it ready (``set_pool``), filled in the background.
+    """Start ``image`` (from its automatic template, where the home has one: a restore
+    rather than a boot, as for any box of it; ``template=False`` boots it), run each
+    ``setup`` command (a shell line, or an argv list; any failure raises CommandFailed),
+    run each ``code`` cell in the box's default Python interpreter (an error raises
+    InterpreterError), and save the running box as a template. Boxes started with
+    ``Box(template=name)`` begin in that state, processes included: with ``code``, their
+    first ``run_code`` finds the interpreter started and what its cells imported and
+    defined. ``pool``: keep that many VMs of it ready (``set_pool``), filled in the
+    background.
 
     >>> sandlot.template("python:3.12-slim", code=["import json, csv"], name="py")  # doctest: +SKIP
     """

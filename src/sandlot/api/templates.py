@@ -36,13 +36,15 @@ async def template_async(
     home: str | os.PathLike[str] | None = None,
     **box_options: Any,
 ) -> AsyncSnapshot:
-    """Boot ``image``, run each ``setup`` command (a shell line, or an argv list; any
-    failure raises CommandFailed), run each ``code`` cell in the box's default Python
-    interpreter (an error raises InterpreterError), and save the running box as a
-    template. Boxes started with ``Box(template=name)`` begin in that state,
-    processes included: with ``code``, their first ``run_code`` finds the interpreter
-    started and what its cells imported and defined. ``pool``: keep that many VMs of
-    it ready (``set_pool``), filled in the background.
+    """Start ``image`` (from its automatic template, where the home has one: a restore
+    rather than a boot, as for any box of it; ``template=False`` boots it), run each
+    ``setup`` command (a shell line, or an argv list; any failure raises CommandFailed),
+    run each ``code`` cell in the box's default Python interpreter (an error raises
+    InterpreterError), and save the running box as a template. Boxes started with
+    ``Box(template=name)`` begin in that state, processes included: with ``code``, their
+    first ``run_code`` finds the interpreter started and what its cells imported and
+    defined. ``pool``: keep that many VMs of it ready (``set_pool``), filled in the
+    background.
 
     >>> sandlot.template("python:3.12-slim", code=["import json, csv"], name="py")  # doctest: +SKIP
     """
@@ -57,7 +59,7 @@ async def template_async(
     backend = LocalBackend.for_home(rt.home)
     if name is not None and any(s.name == name for s in await core.live.list_snapshots(kind="template")):
         raise InvalidArgument(f"a template named {name!r} already exists")
-    box = AsyncBox(image, template=False, home=rt.home, **box_options)
+    box = AsyncBox(image, home=rt.home, **box_options)
     async with box:
         for cmd in setup:
             if isinstance(cmd, str):
