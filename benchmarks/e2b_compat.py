@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 import time
-import uuid
 
 import sandlot
 
@@ -105,7 +104,7 @@ def main() -> None:
     home = scratch_home("bench-e2b-", kept=True)
     try:
         with serving(home) as served:
-            key = create_key(home, f"bench-{uuid.uuid4().hex[:6]}", "--admin", "--e2b")  # a name per run
+            key = create_key(home, "bench", "--admin", "--e2b")
             os.environ.update({"E2B_API_URL": f"{served.url}/e2b", "E2B_SANDBOX_URL": f"{served.url}/e2b",
                                "E2B_API_KEY": key})  # fmt: skip
             from e2b import Sandbox

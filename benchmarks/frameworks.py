@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import os
 import time
-import uuid
 from typing import Any
 
 import sandlot
@@ -139,7 +138,7 @@ def main() -> None:
     try:
         sandlot.template(rootfs=str(debian_root()), name="agents", memory_mib=512, home=home)
         with serving(home) as served:
-            key = create_key(home, f"bench-{uuid.uuid4().hex[:6]}", "--admin", "--e2b")  # a name per run
+            key = create_key(home, "bench", "--admin", "--e2b")
             os.environ.update({"E2B_API_URL": f"{served.url}/e2b", "E2B_SANDBOX_URL": f"{served.url}/e2b",
                                "E2B_API_KEY": key})  # fmt: skip
             doc: dict[str, Any] = {"benchmark": "frameworks", "quick": args.quick}

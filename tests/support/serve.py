@@ -52,9 +52,10 @@ def kept_home(path: Path) -> Path:
 
 
 def empty_but_templates(home: Path) -> None:
-    """Every box, pool, snapshot, volume and tier setting of ``home`` removed, but for
-    its images and their automatic templates (those unnamed). API keys stay (a name is
-    never used twice: whoever makes one in a kept home names it afresh)."""
+    """Every box, pool, snapshot, volume, API key and tier setting of ``home`` removed,
+    but for its images and their automatic templates (those unnamed)."""
+    import sqlite3
+
     import sandlot
 
     for pool in sandlot.pools(home=home):  # warm pools' VMs are no boxes: they go with their pool
@@ -70,6 +71,15 @@ def empty_but_templates(home: Path) -> None:
         with contextlib.suppress(sandlot.SandlotError):
             volumes.remove(volume.name)
     (home / "storage.json").unlink(missing_ok=True)
+    # a key's name is never used again, even revoked (the audit trail names it), and no
+    # call of the API removes one: the rows go here, as they would with a fresh home
+    db = sqlite3.connect(home / "sandlot.db", timeout=60)
+    try:
+        with db:
+            db.execute("DELETE FROM previews")
+            db.execute("DELETE FROM keys")
+    finally:
+        db.close()
 
 
 def free_port() -> int:
