@@ -21,7 +21,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # for tests.support
 
 from tests.support.roots import CACHE, busybox_root, debian_root, desktop_root
-from tests.support.serve import empty_but_templates, kept_home
+from tests.support.serve import empty_but_templates, kept_home, sharing_caches
 
 PAGE = 4096  # bytes of a guest page
 
@@ -73,11 +73,7 @@ def scratch_home(prefix: str, where: Path | None = None, *, kept: bool = False) 
     if kept and folder is not None and where is None:
         return kept_home(folder)
     shared = sandlot.Runtime.for_home().home
-    sandlot.Runtime.for_home().prepare()
-    home = Path(tempfile.mkdtemp(prefix=prefix, dir=where or shared.parent))
-    for d in ("kernels", "agent", "initramfs"):
-        (home / d).symlink_to(shared / d)
-    return home
+    return sharing_caches(Path(tempfile.mkdtemp(prefix=prefix, dir=where or shared.parent)))
 
 
 def drop_home(home: Path) -> None:

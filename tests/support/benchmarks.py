@@ -10,8 +10,6 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from tests.support.roots import CACHE
-
 BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
 PROMISED = {
     "cli": ["python_startup_ms", "version_ms", "ls_ms", "ls_over_python_ms", "exec_true_ms", "targets_met"],
@@ -105,7 +103,9 @@ def run_quick(name: str, *extra: str, env: dict[str, str] | None = None) -> dict
     exited 0 and holds every figure the script promises."""
     # the home the quick modes keep from run to run (benchmarks/_common.py: scratch_home's
     # ``kept``), beside the run's own: its automatic templates spare each script a boot
-    home = Path(os.environ.get("SANDLOT_HOME") or CACHE / "home")
+    import sandlot
+
+    home = sandlot.Runtime.for_home().home
     kept = {"SANDLOT_BENCH_KEPT_HOMES": str(home.with_name(home.name + "-bench"))}
     r = subprocess.run([sys.executable, str(BENCH / f"{name}.py"), "--quick", *extra], capture_output=True,
                        text=True, timeout=900, env={**os.environ, **kept, **(env or {})})  # fmt: skip

@@ -25,10 +25,12 @@ def shared_home(parent: Path) -> Path:
     and initramfs caches (nothing is fetched or built again)."""
     home = parent / "home"
     home.mkdir()
-    return _sharing_caches(home)
+    return sharing_caches(home)
 
 
-def _sharing_caches(home: Path) -> Path:
+def sharing_caches(home: Path) -> Path:
+    """``home`` with the default home's kernel, agent and initramfs linked in (prepared
+    first): nothing is fetched or built again for it."""
     import sandlot
 
     shared = sandlot.Runtime.for_home().home
@@ -47,7 +49,7 @@ def kept_home(path: Path) -> Path:
     one for each image it starts. For what runs in one home at a time, and is not about
     a home's first start of an image."""
     path.mkdir(parents=True, exist_ok=True)
-    empty_but_templates(_sharing_caches(path))  # what a run killed half way left
+    empty_but_templates(sharing_caches(path))  # what a run killed half way left
     return path
 
 

@@ -16,11 +16,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.docs import PAGES, REPO, blocks
-from tests.support.roots import CACHE
-from tests.support.serve import empty_but_templates, kept_home, serving
+import sandlot
 
-KEPT_DOCS_HOME = Path(os.environ.get("SANDLOT_HOME") or CACHE / "home").with_name("docs-home")
+from tests.support.docs import PAGES, REPO, blocks
+from tests.support.serve import empty_but_templates, kept_home, serving
 
 pytestmark = pytest.mark.vm
 
@@ -35,7 +34,7 @@ def test_page_runs_as_written(
     # one home for every page, run after run, emptied of all but its images and their
     # automatic templates: a page's boxes start as a reader's second start of an image
     # does, not from a boot and a save each time (tests/support/serve.py)
-    home = kept_home(KEPT_DOCS_HOME)
+    home = kept_home(sandlot.Runtime.for_home().home.with_name("docs-home"))
     monkeypatch.setenv("SANDLOT_REGISTRY_MIRRORS", f"docker.io={hub_mirror}")  # a server started here too
     work = tmp_path / "work"
     work.mkdir()
