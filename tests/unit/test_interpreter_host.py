@@ -95,6 +95,52 @@ def test_an_interrupt_as_its_cell_starts_is_taken_however_the_cell_blocks(contex
         assert [e["name"] for e in events if e["ev"] == "error"] == ["KeyboardInterrupt"], events
 
 
+def test_a_cells_env_is_set_for_it_alone_and_put_back_after(context: Context) -> None:
+    """``{"op": "run", "env": ...}``: the cell and what it starts see the variables; then
+    each is as it was (unset again, or its earlier value) unless the cell set it itself,
+    an interrupted cell's too. The interpreter says it takes ``env`` (``features``)."""
+    context.send(op="info")
+    assert "env" in json.loads(context.lines.readline())["features"]
+    context.send(op="run", id="a", code="import os\nos.environ['KEPT'] = 'before'")
+    context.until_done("a")
+    cell = (
+        "import json, os, subprocess\nos.environ['SET'] = 'by the cell'\n"
+        "child = subprocess.run(['sh', '-c', 'echo $STAGE'], capture_output=True, text=True).stdout\n"
+        "print(json.dumps([os.environ['STAGE'], os.environ['KEPT'], child]))"
+    )
+    context.send(op="run", id="b", code=cell, env={"STAGE": "eval", "KEPT": "the cell's", "SET": "given"})
+    out = "".join(e["text"] for e in context.until_done("b") if e["ev"] == "stream")
+    assert json.loads(out) == ["eval", "the cell's", "eval\n"]
+    after = "[os.environ.get(k) for k in ('STAGE', 'KEPT', 'SET')]"
+    context.send(op="run", id="c", code=after)
+    results = [e["data"] for e in context.until_done("c") if e["ev"] == "result"]
+    assert results == [{"text/plain": "[None, 'before', 'by the cell']"}]
+    context.send(op="run", id="d", code="import time\nprint('started', flush=True)\ntime.sleep(60)",
+                 env={"STAGE": "interrupted"})  # fmt: skip
+    assert json.loads(context.lines.readline())["text"] == "started\n"
+    context.send(op="interrupt", id="d")
+    context.until_done("d")
+    context.send(op="run", id="e", code="'STAGE' in os.environ")
+    assert [e["data"] for e in context.until_done("e") if e["ev"] == "result"] == [{"text/plain": "False"}]
+
+
+@pytest.mark.parametrize(
+    ("facts", "refused"),
+    [({"language": "python"}, "earlier sandlot"), ({"language": "r", "features": ["env"]}, "runs r")],
+)
+def test_a_cells_env_is_refused_where_its_context_would_run_the_cell_without_it(
+    facts: dict[str, Any], refused: str
+) -> None:
+    """An interpreter of an earlier sandlot ignores a field it does not know, and env is
+    set in Python contexts only: the host asks the context first and refuses, with the way out."""
+    from sandlot.api.code import takes_env
+    from sandlot.errors import Unsupported
+
+    with pytest.raises(Unsupported, match=refused):
+        takes_env("ctx", facts, "box-1")
+    takes_env("ctx", {"language": "python", "features": ["env"]}, "box-1")
+
+
 def test_ipythons_escapes_are_rewritten_line_for_line_and_python_is_left_alone() -> None:
     rewrite = interpreter.ipython_syntax
     assert rewrite("x = 1\ny = x % 2") is None  # no escape: nothing to rewrite

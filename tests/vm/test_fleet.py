@@ -180,6 +180,12 @@ def test_a_fork_spreads_over_nodes_and_its_children_diverge_in_their_namespace(
         for k in kids:
             k.remove(force=True)
         src.remove(force=True)
+    # the fork's state, taken on the source's node and imported on the others, went with the children
+    for home in nodes.fc.homes.values():
+        left = [
+            s for s in sandlot.list_snapshots(home=home) if s.box_name == src.name and s.kind != "template"
+        ]
+        assert not left, [(s.name, s.kind) for s in left]
 
 
 def test_migration_keeps_the_box_and_its_running_processes(nodes: Nodes, busybox_root: Path) -> None:
@@ -452,8 +458,16 @@ def test_an_agents_sdk_session_runs_pauses_and_resumes_on_a_fleet(nodes: Nodes, 
         assert asyncio.run(resume(state)) == ("served from the box", "served from the box")
     finally:
         with contextlib.suppress(sandlot.BoxNotFound):
-            mine.get(state["box_id"]).remove(force=True)
+            box = mine.get(state["box_id"])
+            # the saved states the session persisted are the user's: removing the box keeps them
+            saved = box.snapshots()
+            assert saved  # (the resumed session's, which replaced the first run's)
+            for snap in saved:
+                snap.remove()
+            box.remove(force=True)
         for home in nodes.fc.homes.values():
+            mine_left = sandlot.list_snapshots(home=home)  # (the image's automatic template stays)
+            assert not [s for s in mine_left if s.box_id == state["box_id"] and s.kind != "template"]
             sandlot.remove_image(image, home=home)
 
 
@@ -490,6 +504,7 @@ def test_a_desktop_box_is_driven_and_streamed_through_the_fleet(f: fleet.Fleet, 
 def test_bad_input_gives_a_clear_error_and_moves_nothing(f: fleet.Fleet, nodes: Nodes, busybox_root: Path,
                                                          tmp_path: Path) -> None:  # fmt: skip
     box = f.create(rootfs=busybox_root, memory_mib=256, node=nodes.a, name="stays")
+    saved_before = {s.id for s in sandlot.list_snapshots(home=nodes.fc.homes[nodes.a])}
     try:
         box.sh(COUNTER)
         wait_count(box)
@@ -521,8 +536,11 @@ def test_bad_input_gives_a_clear_error_and_moves_nothing(f: fleet.Fleet, nodes: 
         still = f.get("stays")
         assert node_of(still) == nodes.a and still.state == "running"
         goes_past("the box's counter", lambda: count(still), count(still))  # its processes went on
+        # no state of the moves that failed stays (automatic templates do, and an earlier
+        # test's saved states are its own)
         left = sandlot.list_snapshots(home=nodes.fc.homes[nodes.a])
-        assert [s.box_name for s in left if s.name or s.kind != "template"] == []  # automatic templates stay
+        made = [s for s in left if s.id not in saved_before and (s.name or s.kind != "template")]
+        assert [(s.name, s.box_name) for s in made] == []
         assert not any(n["node_id"] == odd and n["reserved_memory_mib"] for n in f.nodes())
         dead(f, nodes, odd)  # the later tests place replicas: never on a node that cannot load them
     finally:

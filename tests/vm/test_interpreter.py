@@ -245,6 +245,36 @@ def _py(code: str) -> subprocess.CompletedProcess[str]:
                           timeout=300, env=dict(os.environ))  # fmt: skip
 
 
+# a cell that reads the variables it was given, starts a command that reads one, and
+# sets one itself; what it saw, as JSON on its stdout
+ENV_CELL = """import json, os, subprocess
+seen = [os.environ.get(k) for k in ("STAGE", "KEPT", "SET")]
+os.environ["SET"] = "by the cell"
+child = subprocess.run(["sh", "-c", 'echo "$STAGE"'], capture_output=True, text=True).stdout
+print(json.dumps([seen, child]))"""
+ENV_AFTER = """import json, os; print(json.dumps([os.environ.get(k) for k in ("STAGE", "KEPT", "SET")]))"""
+
+
+def test_a_cells_own_environment_goes_with_it(py_box: sandlot.Box, jupyter_box: sandlot.Box) -> None:
+    """``run_code(env=...)`` (E2B's ``envs``): the cell, and what it starts, see the
+    variables; after it each is as it was (unset again, or the context's), but for one the
+    cell set itself: in sandlot's kernel and in an image's Jupyter Python kernel alike."""
+    for box, kernel in ((py_box, None), (jupyter_box, "jupyter")):
+        ctx = box.create_code_context(kernel=kernel, env={"KEPT": "the context's"})
+        given = {"STAGE": "eval", "KEPT": "the cell's", "SET": "given"}
+        ex = box.run_code(ENV_CELL, context=ctx, env=given)
+        assert ex.error is None, (kernel, ex.error)
+        assert json.loads(ex.stdout) == [["eval", "the cell's", "given"], "eval\n"], kernel
+        after = box.run_code(ENV_AFTER, context=ctx)
+        assert json.loads(after.stdout) == [None, "the context's", "by the cell"], kernel
+        assert box.run_code("1 + 1", context=ctx).execution_count == 3  # the settings are no cells
+        box.remove_code_context(ctx)
+    with pytest.raises(sandlot.InvalidArgument, match="environment variable name"):
+        py_box.run_code("1", env={"A=B": "x"})
+    with pytest.raises(sandlot.InvalidArgument, match="env must be a mapping"):
+        py_box.run_code("1", env=["STAGE=eval"])  # type: ignore[arg-type]
+
+
 def test_state_survives_rollback_fork_suspend_and_export(debian_root: Path, other_home: Path,
                                                          tmp_path: Path) -> None:  # fmt: skip
     # keep=True: another process resumes it, and must not take it for an abandoned box
@@ -314,6 +344,13 @@ def test_the_servers_code_route_streams_a_cell_as_json_lines(debian_root: Path) 
         assert runs == ["stdout", "result", "execution"]
         assert "".join(e["text"] for e in lines if e["type"] == "stdout") == "1\n"
         assert lines[-1]["execution"]["results"][0] == {"text/plain": "2", "is_main_result": True}
+        # a cell's own environment, through the route and the client
+        cell = {"code": "import os; os.environ['STAGE']", "env": {"STAGE": "eval"}}
+        with http.stream("POST", f"/v1/boxes/{box.id}/code", json=cell) as r:
+            last = [json.loads(line) for line in r.iter_lines() if line][-1]
+        assert last["execution"]["results"][0]["text/plain"] == "'eval'"
+        assert box.run_code("os.environ['STAGE']", env={"STAGE": "client"}).text == "'client'"
+        assert box.run_code("'STAGE' in os.environ").text == "False"
         bad = http.post(f"/v1/boxes/{box.id}/code", json={"code": 1})
         assert bad.status_code == 400 and "code" in bad.text  # names the field
         denied = http.post(f"/v1/boxes/{box.id}/code", json={"code": "1"}, headers={"Authorization": ""})

@@ -91,16 +91,22 @@ class Write:
 @dataclass(frozen=True, slots=True)
 class Cell:
     """A cell of code to run, as every backend takes it: its code, its language, the code
-    context it runs in (None: the language's default one), and how long it may take."""
+    context it runs in (None: the language's default one), how long it may take, and the
+    environment variables set for it alone."""
 
     code: str
     language: str = "python"
     context: str | None = None
     timeout: float | None = None
+    env: Mapping[str, str] | None = None
 
     def fields(self) -> dict[str, Any]:
-        """As JSON (``contract.RunCodeIn``'s fields)."""
-        return asdict(self)
+        """As JSON (``contract.RunCodeIn``'s fields; ``env`` only where given, so that a
+        server of an earlier version, which refuses the field, still takes every other cell)."""
+        out = asdict(self)
+        if self.env is None:
+            del out["env"]
+        return out
 
 
 class BoxRef(ABC):

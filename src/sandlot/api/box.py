@@ -37,7 +37,7 @@ from ..core.events import query as check_events_query
 from ..core.requests import SPEC_OPTIONS
 from ..core.runtime import Runtime
 from ..core.spec import DEFAULT_DISK_GB, DEFAULT_MEMORY_MIB, PortSpec, VolumeSpec
-from ..core.validate import positive
+from ..core.validate import check_env, positive
 from ..errors import InvalidArgument, StepNotFound
 from ..net.secrets import Secret
 from .backend import Backend, BoxRef, Cell, Command, SnapshotRef, snapshot_key
@@ -567,6 +567,7 @@ class AsyncBox:
         language: str = "python",
         context: CodeContext | str | None = None,
         timeout: float | None = None,
+        env: Mapping[str, str] | None = None,
         on_stdout: OutputCallback | None = None,
         on_stderr: OutputCallback | None = None,
         on_result: ResultCallback | None = None,
@@ -577,12 +578,17 @@ class AsyncBox:
         for the next cell of the same context; without ``context`` the cell runs in the
         language's default one, started on first use. The callbacks get output and
         results as they come. Past ``timeout`` the cell is interrupted and CodeTimeout
-        raised (with the execution so far). Needs python3 in the image; a language
-        other than Python needs the image's Jupyter kernel for it.
+        raised (with the execution so far). ``env``: environment variables for this cell
+        alone (and what it starts); afterwards each is as it was, unless the cell set it
+        itself (a Python context; another language's takes ``env`` when it is created).
+        Needs python3 in the image; a language other than Python needs the image's
+        Jupyter kernel for it.
 
         >>> ex = await box.run_code("x = 41\\nx + 1")
         >>> ex.text
         '42'
+        >>> (await box.run_code("import os; os.environ['STAGE'] == 'eval'", env={"STAGE": "eval"})).text
+        'True'
         """
         from .code import Callbacks, check_language, context_id
 
@@ -591,7 +597,8 @@ class AsyncBox:
         positive("timeout", timeout)
         cid = None if context is None else context_id(context, language)
         self._ref.need_made()
-        cell = Cell(code, check_language(language), cid, timeout)
+        given = check_env(env) if env is not None else None
+        cell = Cell(code, check_language(language), cid, timeout, given)
         return await self._backend.run_code(self._ref, cell, Callbacks(on_stdout, on_stderr, on_result))
 
     async def create_code_context(

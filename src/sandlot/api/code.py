@@ -50,6 +50,7 @@ from ..errors import (
     InvalidArgument,
     InvalidState,
     ProtocolError,
+    Unsupported,
 )
 from .bridge import RelayDuplex, open_relay
 from .process import AsyncProcess, ExecResult
@@ -265,6 +266,26 @@ def check_kernel(kernel: object, language: str) -> str:
     raise InvalidArgument(f"kernel must be None, 'builtin', 'jupyter' or 'jupyter:NAME', not {kernel!r}")
 
 
+def takes_env(cid: str, facts: Mapping[str, Any], box: str) -> None:
+    """Refuse a cell's ``env`` where its context (``facts``: its interpreter's info) would
+    run the cell without it: an interpreter of an earlier sandlot, which ignores what it
+    does not know (a context kept running in a box from before), or a kernel of another
+    language than Python."""
+    if "env" not in (facts.get("features") or []):
+        raise Unsupported(
+            f"code context {cid!r} runs an interpreter of an earlier sandlot, which cannot set "
+            "environment variables for one cell: restart the context (restart_code_context) "
+            "or set them when it is created",
+            box=box,
+        )
+    if facts.get("language") != "python":
+        raise Unsupported(
+            f"environment variables for one cell are set in Python contexts; code context {cid!r} "
+            f"runs {facts.get('language')}: give them to create_code_context(env=...)",
+            box=box,
+        )
+
+
 @functools.cache
 def _script() -> tuple[bytes, str]:
     data = resources.files("sandlot.guest").joinpath("interpreter.py").read_bytes()
@@ -279,6 +300,7 @@ class KernelLink:
         self._duplex = duplex
         self._cells: dict[str, asyncio.Queue[dict[str, Any] | None]] = {}
         self._infos: list[asyncio.Future[dict[str, Any]]] = []
+        self.facts: dict[str, Any] | None = None  # the interpreter's info, once asked for (known_facts)
         self.closed = False
         self.box = box
         self.max_line = records.bounds().code_output_bytes + (64 << 10)  # a whole cell's output, framed
@@ -355,6 +377,12 @@ class KernelLink:
         await self.send({"op": "info"})
         async with asyncio.timeout(timeout):
             return await f
+
+    async def known_facts(self) -> dict[str, Any]:
+        """The interpreter's info (its language, kernel, features), asked once a link."""
+        if self.facts is None:
+            self.facts = await self.info()
+        return self.facts
 
     async def closed_within(self, timeout: float) -> bool:
         with contextlib.suppress(TimeoutError):
@@ -533,6 +561,7 @@ class Interpreter:
         language: str = "python",
         context: ContextArg = None,
         timeout: float | None = None,
+        env: Mapping[str, str] | None = None,
         on_stdout: OutputCallback | None = None,
         on_stderr: OutputCallback | None = None,
         on_result: ResultCallback | None = None,
@@ -542,13 +571,16 @@ class Interpreter:
         if timeout is not None and (isinstance(timeout, bool) or not timeout > 0):
             raise InvalidArgument(f"timeout must be a positive number of seconds, not {timeout!r}")
         cid = context_id(context, language)
+        given = check_env(env)
         link = await self._link(cid, start=True, language=check_language(language))
+        if given:
+            takes_env(cid, await link.known_facts(), self.box.id)
         rid = uuid.uuid4().hex
         events = link.cell(rid)
         execution = Execution()
         callbacks = Callbacks(on_stdout, on_stderr, on_result, Budget(self.box.id))
         try:
-            await link.send({"op": "run", "id": rid, "code": code})
+            await link.send({"op": "run", "id": rid, "code": code, **({"env": given} if given else {})})
             try:
                 async with asyncio.timeout(timeout):
                     finished = await _collect(events, execution, callbacks)

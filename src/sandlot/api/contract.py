@@ -408,6 +408,7 @@ class RunCodeIn(Strict):
     language: str = "python"
     context: str | None = None
     timeout: float | None = Field(default=None, gt=0)
+    env: dict[str, str] | None = None
 
 
 class CodeContextIn(Strict):

@@ -594,13 +594,20 @@ class LocalBackend(Backend):
         return Interpreter(CodeBox(ref.id, AsyncFiles(self, ref), spawn, exec_))
 
     async def run_code(self, ref: BoxRef, cell: Cell, callbacks: Callbacks) -> Execution:
-        what = {"code": cell.code[:CODE_SHOWN], "language": cell.language, "context": cell.context}
+        what: dict[str, Any] = {
+            "code": cell.code[:CODE_SHOWN],
+            "language": cell.language,
+            "context": cell.context,
+        }
+        if cell.env:  # the names: their values may be secrets
+            what["env"] = sorted(cell.env)
         async with self._step(ref, "code", lambda: what) as step:
             done = await self._interpreter(ref).run(
                 cell.code,
                 language=cell.language,
                 context=cell.context,
                 timeout=cell.timeout,
+                env=cell.env,
                 on_stdout=callbacks.on_stdout,
                 on_stderr=callbacks.on_stderr,
                 on_result=callbacks.on_result,

@@ -480,6 +480,7 @@ class Box(BoxBase):
         language: str = "python",
         context: CodeContext | str | None = None,
         timeout: float | None = None,
+        env: Mapping[str, str] | None = None,
         on_stdout: OutputCallback | None = None,
         on_stderr: OutputCallback | None = None,
         on_result: ResultCallback | None = None,
@@ -490,12 +491,17 @@ class Box(BoxBase):
         for the next cell of the same context; without ``context`` the cell runs in the
         language's default one, started on first use. The callbacks get output and
         results as they come. Past ``timeout`` the cell is interrupted and CodeTimeout
-        raised (with the execution so far). Needs python3 in the image; a language
-        other than Python needs the image's Jupyter kernel for it.
+        raised (with the execution so far). ``env``: environment variables for this cell
+        alone (and what it starts); afterwards each is as it was, unless the cell set it
+        itself (a Python context; another language's takes ``env`` when it is created).
+        Needs python3 in the image; a language other than Python needs the image's
+        Jupyter kernel for it.
 
         >>> ex = box.run_code("x = 41\nx + 1")
         >>> ex.text
         '42'
+        >>> (box.run_code("import os; os.environ['STAGE'] == 'eval'", env={"STAGE": "eval"})).text
+        'True'
         """
         return loop.run(
             self._a.run_code(
@@ -503,6 +509,7 @@ class Box(BoxBase):
                 language=language,
                 context=context,
                 timeout=timeout,
+                env=env,
                 on_stdout=on_stdout,
                 on_stderr=on_stderr,
                 on_result=on_result,

@@ -42,6 +42,8 @@ def positive(name: str, value: Any, *, integer: bool = False) -> None:
 
 
 def check_env(env: Mapping[str, str] | None) -> dict[str, str]:
+    if env is not None and not isinstance(env, Mapping):
+        raise InvalidArgument(f"env must be a mapping of names to values, not {type(env).__name__}")
     out: dict[str, str] = {}
     for k, v in (env or {}).items():
         if not isinstance(k, str) or not _ENV_NAME.match(k):

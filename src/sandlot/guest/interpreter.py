@@ -9,7 +9,9 @@ them as it carries every other process. It listens on a Unix socket of its
 context's directory (``/run/sandlot/code/ID/sock``, mode 0700), which the host
 reaches through the agent's relay. Messages are JSON lines::
 
-    host -> kernel  {"op": "run", "id": R, "code": "..."}      run a cell
+    host -> kernel  {"op": "run", "id": R, "code": "...", "env": {...}}
+                                                             run a cell ("env": set for it
+                                                             alone; "features" has "env")
                     {"op": "interrupt"}                      SIGINT to the running cell
                     {"op": "info"}                           -> {"ev": "info", ...}
                     {"op": "shutdown"}                       end this context
@@ -606,6 +608,29 @@ class UsageError(Exception):
 # ---- the builtin kernel ------------------------------------------------------
 
 
+# A cell's own environment variables (``{"op": "run", "env": ...}``), as E2B's code
+# interpreter sets them: set before the cell, and after it each name is put back as it
+# was (removed if it was unset) unless the cell changed it itself. Python run by the
+# kernel's interpreter, so sandlot's kernel and an image's Jupyter Python kernel share it;
+# the names begin with __sandlot and go at the end.
+ENV_SET = """__sandlot_env = ({given}, {{k: __import__('os').environ.get(k) for k in {given}}})
+__import__('os').environ.update(__sandlot_env[0])"""
+ENV_RESTORE = """for __sandlot_k, __sandlot_v in __sandlot_env[1].items():
+    if __import__('os').environ.get(__sandlot_k) == __sandlot_env[0][__sandlot_k]:
+        if __sandlot_v is None:
+            __import__('os').environ.pop(__sandlot_k, None)
+        else:
+            __import__('os').environ[__sandlot_k] = __sandlot_v
+del __sandlot_env, __sandlot_k, __sandlot_v"""
+
+
+def cell_env(value: Any) -> dict[str, str]:
+    """A run's ``env``: names and values that are strings (the host checked them)."""
+    if not isinstance(value, dict):
+        return {}
+    return {k: v for k, v in value.items() if isinstance(k, str) and isinstance(v, str) and "\0" not in v}
+
+
 class BuiltinKernel:
     def __init__(self) -> None:
         self.count = 0
@@ -659,6 +684,20 @@ class BuiltinKernel:
                 ast.parse(code, filename, "exec")  # the error as the cell was written
                 raise
             return rewritten
+
+    @contextlib.contextmanager
+    def environment(self, env: dict[str, str]) -> Any:
+        """``env`` set for the cell that runs inside (ENV_SET), in this process."""
+        if not env:
+            yield
+            return
+        given = json.dumps(env)
+        scratch: dict[str, Any] = {}
+        exec(ENV_SET.format(given=given), scratch)
+        try:
+            yield
+        finally:
+            exec(ENV_RESTORE, scratch)
 
     def run_unit(self, code: Any) -> Any:
         value = eval(code, self.namespace)
@@ -880,6 +919,47 @@ class JupyterKernel:
                 elif msg and sock is self.iopub:
                     published = True
 
+    @contextlib.contextmanager
+    def environment(self, env: dict[str, str]) -> Any:
+        """``env`` set for the cell that runs inside, by the kernel itself (a Python one:
+        the host sends ``env`` to no other)."""
+        if not env:
+            yield
+            return
+        self.quietly(ENV_SET.format(given=json.dumps(env)))
+        try:
+            yield
+        finally:
+            if self.died() is None:
+                with contextlib.suppress(KernelDied, RuntimeError):
+                    self.quietly(ENV_RESTORE)
+
+    def quietly(self, code: str, timeout: float = 60.0) -> None:
+        """Run ``code`` in the kernel outside the cells: silent, not counted, not in its history."""
+        zmq = self.zmq
+        msg_id = self.send(
+            self.shell,
+            "execute_request",
+            {"code": code, "silent": True, "store_history": False, "user_expressions": {},
+             "allow_stdin": False, "stop_on_error": False},
+        )  # fmt: skip
+        poller = zmq.Poller()
+        poller.register(self.shell, zmq.POLLIN)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            events = poller.poll(200)
+            if not events and self.died() is not None:
+                raise KernelDied(f"the Jupyter kernel exited with status {self.died()}")
+            for sock, _ in events:
+                msg = self.recv(sock)
+                if msg and msg["type"] == "execute_reply" and msg["parent"].get("msg_id") == msg_id:
+                    if msg["content"].get("status") != "ok":
+                        raise RuntimeError(
+                            f"the kernel could not set the cell's environment: {msg['content']}"
+                        )
+                    return
+        raise RuntimeError(f"the kernel did not set the cell's environment within {timeout:.0f}s")
+
     def execute(self, code: str, cell: Cell) -> int:
         zmq = self.zmq
         # stop_on_error False: the host sends one cell at a time, and an error in one must
@@ -967,7 +1047,7 @@ class Server:
                 continue  # an interrupt that came after its cell had finished
             if item is None:
                 break
-            client, rid, code = item
+            client, rid, code, env = item
             cell = Cell(client, rid)
             try:
                 with self.busy_lock:
@@ -977,7 +1057,8 @@ class Server:
                     self.waiting.pop(rid, None)
                     self.busy, self.running = True, rid
                     OUT.cell = cell
-                count = self.kernel.execute(code, cell)
+                with self.kernel.environment(env):
+                    count = self.kernel.execute(code, cell)
             except KeyboardInterrupt:
                 count = self.kernel.count  # an interrupt outside the cell's own code
             except KernelDied as e:
@@ -1035,7 +1116,7 @@ class Server:
             rid = str(msg.get("id", ""))
             with self.busy_lock:
                 self.waiting[rid] = client
-            self.cells.put((client, rid, str(msg.get("code", ""))))
+            self.cells.put((client, rid, str(msg.get("code", "")), cell_env(msg.get("env"))))
         elif op == "interrupt":
             named = msg.get("id")
             self.interrupt(named if isinstance(named, str) else None)
@@ -1176,6 +1257,7 @@ def serve_context(args: Args, directory: str, ready_w: int) -> None:
         "pid": os.getpid(),
         "created": time.time(),
         "options": json.loads(args.options),
+        "features": ["env"],  # what this interpreter's host may ask of it beyond the first protocol
     }
     with open(os.path.join(directory, "info.json.tmp"), "w") as f:
         json.dump(info, f)

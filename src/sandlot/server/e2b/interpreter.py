@@ -28,6 +28,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from ... import records
 from ...api.box import AsyncBox
 from ...api.code import CodeContext, Execution, Result, context_id
+from ...core.validate import check_env
 from ...errors import CodeContextNotFound, CodeTimeout, InvalidArgument, SandlotError
 
 BODY_LIMIT = 8 << 20  # bytes of one /execute or /contexts request
@@ -106,10 +107,10 @@ class Interpreter:
             raise InvalidArgument("code is a string")
         context = _str(body, "context_id")
         language = _language(body.get("language")) if body.get("language") else "python"
-        if body.get("env_vars"):
-            raise InvalidArgument(
-                "env_vars per execution are not supported: set them on the sandbox or context"
-            )
+        env = body.get("env_vars")
+        if env is not None and not isinstance(env, dict):
+            raise InvalidArgument("env_vars is an object of names to values")
+        env = check_env(env) or None  # for this cell alone, as E2B's interpreter sets them
         lines: asyncio.Queue[bytes | None] = asyncio.Queue()
         backlog = {"bytes": 0, "dropping": False}  # a client that reads slower than the cell prints
 
@@ -135,7 +136,7 @@ class Interpreter:
         async def cell() -> None:
             try:
                 execution: Execution = await box.run_code(
-                    code, language=language, context=context,
+                    code, language=language, context=context, env=env,
                     on_stdout=lambda text: put("stdout", text=text, timestamp=_now()),
                     on_stderr=lambda text: put("stderr", text=text, timestamp=_now()), on_result=on_result,
                 )  # fmt: skip
