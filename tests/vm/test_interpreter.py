@@ -210,18 +210,92 @@ def test_rich_display_with_matplotlib_pandas_and_ipython(jupyter_box: sandlot.Bo
     (fig,) = ex.results
     png = fig.image()
     assert png is not None and png.startswith(b"\x89PNG\r\n\x1a\n") and not fig.is_main_result
+    assert fig.chart is not None and fig.chart["type"] == "line" and fig.chart["title"] == "t"
+    assert fig.chart["elements"] == [{"label": "Line 0", "points": [[0, 1], [1, 3], [2, 2]]}]
 
     ex = jupyter_box.run_code(
-        "import pandas as pd\npd.DataFrame({'a': [1, 2], 'b': ['x', 'y']})", timeout=300
+        "import pandas as pd\n"
+        "pd.DataFrame({'a': [1, 2], 'b': ['x', 'y'], 't': pd.to_datetime(['2024-05-01', None])})",
+        timeout=300,
     )
     (df,) = ex.results
     assert df.is_main_result and df.html is not None and "<table" in df.html and "a" in (df.text or "")
+    assert df.data == {"a": [1, 2], "b": ["x", "y"], "t": ["2024-05-01T00:00:00", None]}
 
     ex = jupyter_box.run_code(
         "from IPython.display import display, HTML, Markdown\ndisplay(HTML('<b>hi</b>'), Markdown('# t'))",
         timeout=300,
     )
     assert [(r.html, r.markdown) for r in ex.results] == [("<b>hi</b>", None), (None, "# t")]
+
+
+CHARTS = """
+import datetime
+import matplotlib.pyplot as plt
+plt.bar(["A", "B", "C"], [100, 200, 300], label="Sold")
+plt.xlabel("Author"); plt.ylabel("Books [n]"); plt.title("Sales")
+plt.show()
+fig, ax = plt.subplots()
+ax.boxplot([[85, 90, 78, 92, 88], [95, 89, 76, 91, 84, 87]], labels=["A", "B"], patch_artist=True)
+plt.show()
+plt.pie([90, 10], labels=["yes", "no"], startangle=90)
+plt.show()
+day = datetime.date(2024, 5, 1)
+plt.plot([day, day + datetime.timedelta(days=1)], [1.5, 2.5], label="level")
+plt.yscale("log"); plt.xlabel("Day (UTC)")
+plt.show()
+fig, (left, right) = plt.subplots(1, 2)
+fig.suptitle("Both")
+left.scatter([1, 2], [3, 4], label="dots")
+right.plot([1, 2], ["low", "high"])
+plt.show()
+plt.figure()
+plt.gca().add_artist(plt.Circle((0, 0), 1))
+plt.title("circle")
+plt.show()
+print("shown")  # each show() a result of its own, in order with the output
+"""
+
+
+def test_a_figures_data_comes_with_its_picture_as_a_chart(jupyter_box: sandlot.Box) -> None:
+    """What E2B's code interpreter gives as ``result.chart``: each figure's data read back
+    from what it drew, by kind, with its title, axes' labels, units, ticks and scales."""
+    ex = jupyter_box.run_code(CHARTS, timeout=300)
+    assert ex.error is None and ex.stdout == "shown\n", (ex.error, ex.stdout)
+    charts = [r.chart for r in ex.results]
+    assert all(r.png for r in ex.results) and all(charts)
+    bar, box, pie, line, both, unknown = charts  # type: ignore[misc]
+    assert (bar["type"], bar["title"], bar["x_label"], bar["y_unit"]) == ("bar", "Sales", "Author", "n")
+    assert bar["elements"] == [
+        {"label": k, "group": "Sold", "value": v} for k, v in (("A", 100), ("B", 200), ("C", 300))
+    ]
+    assert box["type"] == "box_and_whisker"
+    fields = ("label", "min", "first_quartile", "median", "third_quartile", "max", "outliers")
+    assert [tuple(e[f] for f in fields) for e in box["elements"]] == [
+        ("A", 78, 85, 88, 90, 92, []),
+        ("B", 84, 84.75, 88, 90.5, 95, [76]),
+    ]
+    assert [(e["label"], e["angle"], e["radius"]) for e in pie["elements"]] == [
+        ("yes", 324, 1),
+        ("no", 36, 1),
+    ]
+    assert (line["type"], line["x_scale"], line["y_scale"], line["x_unit"]) == (
+        "line",
+        "datetime",
+        "log",
+        "UTC",
+    )
+    assert line["elements"] == [{"label": "level", "points": [["2024-05-01", 1.5], ["2024-05-02", 2.5]]}]
+    assert all(isinstance(t, str) for t in line["x_ticks"]) and all(
+        isinstance(t, float) for t in line["y_ticks"]
+    )
+    assert (both["type"], both["title"]) == ("superchart", "Both")
+    scatter, categorical = both["elements"]
+    assert scatter["type"] == "scatter" and scatter["elements"] == [
+        {"label": "dots", "points": [[1, 3], [2, 4]]}
+    ]
+    assert categorical["y_scale"] == "categorical" and categorical["y_tick_labels"] == ["low", "high"]
+    assert unknown == {"type": "unknown", "title": "circle", "elements": []}
 
 
 def test_the_images_jupyter_kernel_speaks_through_the_same_execution(jupyter_box: sandlot.Box) -> None:

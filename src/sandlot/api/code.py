@@ -80,14 +80,22 @@ MIME_FIELDS = {
     "image/jpeg": "jpeg",
     "application/json": "json",
     "text/latex": "latex",
+    # sandlot's interpreter's own, for E2B's result.chart and result.data
+    "application/vnd.sandlot.chart+json": "chart",
+    "application/vnd.sandlot.data+json": "data",
 }
+JSON_MIMES = ("application/json", "application/vnd.sandlot.chart+json", "application/vnd.sandlot.data+json")
 
 
 @dataclass(frozen=True)
 class Result:
     """One value a cell showed: the last expression's (``is_main_result``) or one it
     passed to ``display()``, or a figure. Each format it offers has its field (PNG
-    and JPEG as base64 text); ``extra`` holds MIME types without a field."""
+    and JPEG as base64 text); ``extra`` holds MIME types without a field. A matplotlib
+    figure shown by sandlot's kernel comes with its ``chart``: its data read back from
+    what it drew, as E2B's code interpreter gives it (``{"type": "line" | "scatter" |
+    "bar" | "pie" | "box_and_whisker" | "superchart" | "unknown", "title", "elements",
+    ...}``); a pandas DataFrame with its columns as ``data`` (``{column: [values]}``)."""
 
     text: str | None = None
     html: str | None = None
@@ -97,12 +105,14 @@ class Result:
     jpeg: str | None = None
     json: Any = None
     latex: str | None = None
+    chart: dict[str, Any] | None = None
+    data: dict[str, Any] | None = None
     is_main_result: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
     def from_bundle(cls, data: Mapping[str, Any], main: bool) -> Result:
-        known = {MIME_FIELDS[m]: _text(v) if m != "application/json" else v for m, v in data.items()
+        known: dict[str, Any] = {MIME_FIELDS[m]: v if m in JSON_MIMES else _text(v) for m, v in data.items()
                  if m in MIME_FIELDS}  # fmt: skip
         extra = {m: v for m, v in data.items() if m not in MIME_FIELDS}
         return cls(**known, is_main_result=main, extra=extra)

@@ -320,6 +320,19 @@ def figure_png(fig: Any) -> str:
     return base64.b64encode(buf.getvalue()).decode()
 
 
+def figure_bundle(fig: Any) -> dict[str, Any]:
+    """A figure as PNG and, where its data can be read back, as a chart (after the PNG:
+    drawing it is what sets its tick labels)."""
+    data = {"image/png": figure_png(fig), "text/plain": repr(fig)}
+    try:
+        chart = bounded(chart_of(fig))
+    except Exception:  # a figure of a kind no rule here reads: the picture alone
+        chart = None
+    if chart is not None:
+        data[CHART_MIME] = chart
+    return data
+
+
 def is_figure(obj: Any) -> bool:
     mpl = sys.modules.get("matplotlib.figure")
     return mpl is not None and isinstance(obj, mpl.Figure)
@@ -346,9 +359,18 @@ def ipython_format(obj: Any) -> dict[str, Any] | None:
 
 def mime_bundle(obj: Any) -> dict[str, Any]:
     """What a value looks like in each format it offers: the ``_repr_*_`` protocol
-    of IPython and Jupyter, a matplotlib figure as PNG, and ``repr`` as text."""
+    of IPython and Jupyter, a matplotlib figure as PNG with its chart's data, a pandas
+    DataFrame's columns, and ``repr`` as text."""
     if is_figure(obj):
-        return {"image/png": figure_png(obj), "text/plain": repr(obj)}
+        return figure_bundle(obj)
+    data = formats(obj)
+    table = table_data(obj)
+    if table is not None:
+        data[DATA_MIME] = table
+    return data
+
+
+def formats(obj: Any) -> dict[str, Any]:
     data = ipython_format(obj)
     if data:
         return data
@@ -397,14 +419,45 @@ def display(*objs: Any, **kwargs: Any) -> None:
             cell.result(mime_bundle(obj), False)
 
 
-class IPythonDisplayHook:
-    """Once IPython's display functions are imported, route ``IPython.display.display``
-    here: without a running IPython shell it would only print the repr."""
+class ImportPatches:
+    """Modules patched as they are imported: ``IPython.display.display`` routed here
+    (without a running IPython shell it would only print the repr), and pyplot's
+    ``show`` showing the open figures as the cell's results and closing them, as
+    Jupyter's inline backend does (under Agg it would do nothing, and the next plot of
+    the cell would draw on the same figure)."""
 
-    NAMES = ("IPython.core.display_functions", "IPython.core.display", "IPython.display")
+    def __init__(self) -> None:
+        self.patches: dict[str, Callable[[Any], None]] = {
+            "IPython.core.display_functions": self.display,
+            "IPython.core.display": self.display,
+            "IPython.display": self.display,
+            "matplotlib.pyplot": self.pyplot,
+        }
+
+    @staticmethod
+    def display(module: Any) -> None:
+        if hasattr(module, "display"):
+            module.display = display
+
+    @staticmethod
+    def pyplot(module: Any) -> None:
+        shown = getattr(module, "show", None)
+        if shown is None:
+            return
+
+        def show(*args: Any, **kwargs: Any) -> Any:
+            cell = OUT.cell
+            if cell is None or str(module.get_backend()).lower() != "agg":
+                return shown(*args, **kwargs)
+            OUT.settle()  # what the cell printed before comes before its figures
+            show_figures(cell)
+            return None
+
+        module.show = show
 
     def find_spec(self, name: str, path: Any, target: Any = None) -> Any:
-        if name not in self.NAMES:
+        patch = self.patches.get(name)
+        if patch is None:
             return None
         import importlib.util
 
@@ -420,8 +473,7 @@ class IPythonDisplayHook:
 
         def patched(module: Any) -> None:
             exec_module(module)
-            if hasattr(module, "display"):
-                module.display = display
+            patch(module)
 
         loader.exec_module = patched  # type: ignore[method-assign]
         return spec
@@ -437,10 +489,293 @@ def show_figures(cell: Cell, skip: Any = None) -> None:
         for num in plt.get_fignums():
             fig = plt.figure(num)
             if fig is not skip:
-                cell.result({"image/png": figure_png(fig), "text/plain": repr(fig)}, False)
+                cell.result(figure_bundle(fig), False)
         plt.close("all")
     except Exception as e:
         cell.stream("stderr", f"[sandlot: could not render a figure: {e}]\n")
+
+
+# ---- charts and tables: what a figure or a DataFrame holds, as data ------------
+#
+# A figure's data, read back from its artists, in the form E2B's code interpreter gives
+# (its SDKs' ``result.chart``): a line, scatter, bar, pie or box-and-whisker chart, a
+# "superchart" of a figure's several axes, or "unknown" (its title alone). A DataFrame's
+# columns (``result.data``). Either is left out past CHART_BYTES, the picture stays.
+
+CHART_MIME = "application/vnd.sandlot.chart+json"
+DATA_MIME = "application/vnd.sandlot.data+json"
+CHART_BYTES = 2 << 20
+UNIT = re.compile(r"\s\((.*?)\)|\[(.*?)\]")  # "Time (s)", "Power [W]"
+
+
+def bounded(value: Any) -> Any:
+    """``value`` if its JSON is at most CHART_BYTES (and it is JSON), else None."""
+    if value is None:
+        return None
+    try:
+        size = len(json.dumps(value, allow_nan=False))
+    except (TypeError, ValueError):
+        return None
+    return value if size <= CHART_BYTES else None
+
+
+def plain(value: Any) -> Any:
+    """A number, date or label of a chart or table as JSON has it: numpy's scalars as
+    Python's, dates as ISO text, NaN and infinities as null."""
+    import datetime
+
+    if type(value).__name__ == "datetime64":  # (its item() is an int of nanoseconds)
+        return None if str(value) == "NaT" else str(value.astype("datetime64[s]"))
+    try:
+        if value != value:  # NaN, pandas' NaT
+            return None
+    except Exception:  # (an object whose != is no bool)
+        pass
+    if isinstance(value, (datetime.date, datetime.datetime)):  # pandas' Timestamp too
+        return value.isoformat()
+    if hasattr(value, "item") and not isinstance(value, (list, dict, str)):  # numpy's scalars
+        with contextlib.suppress(TypeError, ValueError):
+            value = value.item()
+    if isinstance(value, float):
+        return value if value == value and value not in (float("inf"), float("-inf")) else None
+    if isinstance(value, (int, str, bool)) or value is None:
+        return value
+    return str(value)
+
+
+def pairs(xs: Any, ys: Any) -> list[tuple[Any, Any]]:
+    """``zip`` of two sequences (its ``strict=`` is Python 3.10's; this file runs on 3.8)."""
+    return [(xs[i], ys[i]) for i in range(min(len(xs), len(ys)))]
+
+
+def tidy(value: Any, digits: int = 10) -> float:
+    """A value read from a drawing's geometry, to ``digits`` significant digits (so that
+    the same value read from two artists compares equal)."""
+    return float(f"{float(value):.{digits}g}")
+
+
+def table_data(obj: Any) -> dict[str, list[Any]] | None:
+    pandas = sys.modules.get("pandas")
+    if pandas is None or not isinstance(obj, pandas.DataFrame):
+        return None
+    try:
+        columns = obj.to_dict(orient="list")
+        table: dict[str, list[Any]] | None = bounded(
+            {str(k): [plain(v) for v in vs] for k, vs in columns.items()}
+        )
+    except Exception:
+        return None
+    return table
+
+
+def chart_of(fig: Any) -> dict[str, Any] | None:
+    """The figure's chart, or None for a figure with no data drawn."""
+    axes = fig.get_axes()
+    if not axes or not any(ax.has_data() for ax in axes):
+        return None
+    if len(axes) == 1:
+        return axes_chart(axes[0])
+    suptitle = getattr(fig, "_suptitle", None)  # (Figure.get_suptitle is matplotlib 3.8's)
+    title = suptitle.get_text() if suptitle is not None else ""
+    return {"type": "superchart", "title": title or None, "elements": [axes_chart(ax) for ax in axes]}
+
+
+def drawn(ax: Any) -> list[Any]:
+    """What the cell drew on the axes, texts aside."""
+    from matplotlib.text import Text
+
+    children = getattr(ax, "_children", None)  # (matplotlib 3.5 on: in the order drawn)
+    if children is None:
+        children = [*ax.lines, *ax.collections, *ax.patches, *ax.images, *ax.artists]
+    return [a for a in children if not isinstance(a, Text)]
+
+
+def is_rule(line: Any) -> bool:
+    """A horizontal or vertical line of two points (``axhline``, ``axvline``): no data."""
+    x, y = line.get_xdata(), line.get_ydata()
+    return len(x) == 2 and len(y) == 2 and (x[0] == x[1] or y[0] == y[1])
+
+
+def chart_kind(ax: Any) -> str:
+    from matplotlib.collections import PathCollection
+    from matplotlib.lines import Line2D
+    from matplotlib.patches import PathPatch, Rectangle, Wedge
+
+    artists = drawn(ax)
+    if all(isinstance(a, Line2D) for a in artists):
+        return "line"
+    if all(isinstance(a, (PathPatch, Line2D)) for a in artists):
+        return "box_and_whisker"
+    artists = [a for a in artists if not (isinstance(a, Line2D) and is_rule(a))]
+    for kind, types in (("scatter", PathCollection), ("pie", Wedge), ("bar", Rectangle)):
+        if all(isinstance(a, types) for a in artists):
+            return kind
+    return "unknown"
+
+
+def axes_chart(ax: Any) -> dict[str, Any]:
+    kind = chart_kind(ax)
+    chart: dict[str, Any] = {"type": kind, "title": ax.get_title() or None, "elements": []}
+    if kind in ("pie", "unknown"):
+        if kind == "pie":
+            chart["elements"] = [
+                {"label": w.get_label(), "angle": abs(tidy(w.theta2 - w.theta1, 6)), "radius": plain(w.r)}
+                for w in ax.patches
+            ]
+        return chart
+    for axis in ("x", "y"):
+        label = getattr(ax, f"get_{axis}label")() or None
+        unit = UNIT.search(label) if label else None
+        chart[f"{axis}_label"] = label
+        chart[f"{axis}_unit"] = (unit.group(1) or unit.group(2)) if unit else None
+    if kind in ("line", "scatter"):
+        for axis in ("x", "y"):
+            chart.update(scale_of(ax, axis))
+        if kind == "line":
+            lines = [line for line in ax.get_lines() if not is_rule(line)]
+            chart["elements"] = [
+                {"label": line_label(line.get_label(), "_child", "Line"),
+                 "points": [[plain(x), plain(y)] for x, y in pairs(line.get_xdata(), line.get_ydata())]}
+                for line in lines
+            ]  # fmt: skip
+        else:
+            chart["elements"] = [
+                {"label": c.get_label(), "points": [[plain(x), plain(y)] for x, y in c.get_offsets()]}
+                for c in ax.collections
+            ]
+    elif kind == "bar":
+        bars(ax, chart)
+    else:
+        boxes(ax, chart)
+    return chart
+
+
+def line_label(label: str, auto: str, name: str) -> str:
+    """matplotlib's own name of an unlabelled artist (``_child0``), as E2B's: ``Line 0``."""
+    return f"{name} {label[len(auto) :]}" if label.startswith(auto) else label
+
+
+def converter_of(axis: Any) -> Any:
+    get = getattr(axis, "get_converter", None)  # (matplotlib 3.10 on)
+    return get() if callable(get) else getattr(axis, "converter", None)
+
+
+def scale_of(ax: Any, name: str) -> dict[str, Any]:
+    """An axis's ticks, their labels and its scale: "datetime", "categorical", or
+    matplotlib's scale ("linear", "log", "symlog", "logit"...)."""
+    axis = getattr(ax, f"{name}axis")
+    kind = type(converter_of(axis)).__name__
+    ticks = list(axis.get_ticklocs())
+    labels = [t.get_text() for t in axis.get_ticklabels()]
+    if kind.endswith("DateConverter"):
+        from matplotlib.dates import num2date
+
+        stamps = [num2date(t).isoformat() for t in ticks]  # type: ignore[no-untyped-call]
+        return {f"{name}_ticks": stamps, f"{name}_tick_labels": labels, f"{name}_scale": "datetime"}
+    scale = "categorical" if kind == "StrCategoryConverter" else getattr(ax, f"get_{name}scale")()
+    values = [plain(float(t)) for t in ticks]
+    return {f"{name}_ticks": values, f"{name}_tick_labels": labels, f"{name}_scale": scale}
+
+
+def tick_label(axis: Any, at: float) -> str:
+    """The label of the tick at ``at`` (a bar's category), else the value itself."""
+    for loc, text in pairs(axis.get_ticklocs(), axis.get_ticklabels()):
+        if abs(loc - at) < 1e-9 and text.get_text():
+            return str(text.get_text())
+    return f"{at:g}"
+
+
+def bars(ax: Any, chart: dict[str, Any]) -> None:
+    """Each bar: its group (the container's label), its category and its value. Of
+    horizontal bars (``barh``) the axes' labels are swapped, so that x is the categories'."""
+    flipped = False
+    for container in ax.containers:
+        group = line_label(container.get_label() or "", "_container", "Group")
+        rects = [r for r in container if hasattr(r, "get_height")]
+        if not rects:
+            continue
+        orientation = getattr(container, "orientation", None)
+        if orientation is None:  # (matplotlib before 3.4): bars of one height lie
+            orientation = (
+                "horizontal" if len({r.get_height() for r in rects}) == 1 and len(rects) > 1 else "vertical"
+            )
+        for r in rects:
+            if orientation == "horizontal":
+                flipped = True
+                label, value = tick_label(ax.yaxis, r.get_y() + r.get_height() / 2), r.get_width()
+            else:
+                label, value = tick_label(ax.xaxis, r.get_x() + r.get_width() / 2), r.get_height()
+            chart["elements"].append({"label": label, "group": group, "value": plain(value)})
+    if flipped:
+        swap_axes(chart)
+
+
+def swap_axes(chart: dict[str, Any]) -> None:
+    chart["x_label"], chart["y_label"] = chart["y_label"], chart["x_label"]
+    chart["x_unit"], chart["y_unit"] = chart["y_unit"], chart["x_unit"]
+
+
+def upright_boxes(ax: Any, spans: list[list[float]]) -> bool:
+    """Whether the boxes stand (values on y): a median line runs across a box, level,
+    from one side to the other; else, boxes of one width stand and of several, lie."""
+    for line in ax.lines:
+        x, y = [tidy(v) for v in line.get_xdata()], [tidy(v) for v in line.get_ydata()]
+        if len(x) != 2 or len(y) != 2:
+            continue
+        for low, high, bottom, top in spans:
+            if y[0] == y[1] and sorted(x) == [low, high] and bottom < y[0] < top:
+                return True
+            if x[0] == x[1] and sorted(y) == [bottom, top] and low < x[0] < high:
+                return False
+    return len({round(s[1] - s[0], 9) for s in spans}) == 1
+
+
+def boxes(ax: Any, chart: dict[str, Any]) -> None:
+    """Each box of a ``boxplot(patch_artist=True)``, from its drawing: the box's edges are
+    the quartiles, the line across it the median, the lines from its edges the whiskers
+    (min and max) and the markers beyond them the outliers."""
+    spans = []  # per box: (position's low, high, first quartile, third quartile)
+    for patch in ax.patches:
+        v = patch.get_path().vertices
+        xs, ys = [tidy(x) for x in v[:, 0]], [tidy(y) for y in v[:, 1]]
+        spans.append([min(xs), max(xs), min(ys), max(ys)])
+    if not spans:
+        return
+    upright = upright_boxes(ax, spans)
+    if not upright:  # lying (values on x): read as if they stood
+        spans = [[s[2], s[3], s[0], s[1]] for s in spans]
+        swap_axes(chart)
+    names = [t.get_text() for t in (ax.xaxis if upright else ax.yaxis).get_ticklabels()]
+    found: list[dict[str, Any]] = [{"outliers": []} for _ in spans]
+    for line in ax.lines:
+        pos, val = [tidy(x) for x in line.get_xdata()], [tidy(y) for y in line.get_ydata()]
+        if not upright:
+            pos, val = val, pos
+        if not pos:
+            continue
+        i = next((i for i, s in enumerate(spans) if s[0] - 1e-9 <= pos[0] <= s[1] + 1e-9), None)
+        if line.get_linestyle() in ("None", "", " ", "none"):  # markers alone: the fliers
+            for p, y in pairs(pos, val):
+                j = next((j for j, s in enumerate(spans) if s[0] - 1e-9 <= p <= s[1] + 1e-9), None)
+                if j is not None:
+                    found[j]["outliers"].append(y)
+            continue
+        if i is None or len(val) != 2:
+            continue
+        low, high, q1, q3 = spans[i]
+        if val[0] == val[1]:
+            if q1 <= val[0] <= q3 and pos[0] <= low + 1e-9 and pos[1] >= high - 1e-9:
+                found[i]["median"] = val[0]
+        elif max(val) == q1:
+            found[i]["min"] = min(val)
+        elif min(val) == q3:
+            found[i]["max"] = max(val)
+    for i, (s, f) in enumerate(pairs(spans, found)):
+        chart["elements"].append({
+            "label": names[i] if i < len(names) else str(i),
+            "min": f.get("min", s[2]), "first_quartile": s[2], "median": f.get("median"),
+            "third_quartile": s[3], "max": f.get("max", s[3]), "outliers": sorted(f["outliers"]),
+        })  # fmt: skip
 
 
 # ---- IPython's syntax: shell escapes and magics --------------------------------
@@ -641,7 +976,7 @@ class BuiltinKernel:
         import builtins
 
         builtins.display = display  # type: ignore[attr-defined]
-        sys.meta_path.insert(0, IPythonDisplayHook())
+        sys.meta_path.insert(0, ImportPatches())
 
     def compile_cell(self, code: str, filename: str) -> list[Any]:
         flags = getattr(ast, "PyCF_ALLOW_TOP_LEVEL_AWAIT", 0)

@@ -131,7 +131,7 @@ class Interpreter:
             lines.put_nowait(line)
 
         def on_result(result: Result) -> None:
-            put("result", **_result(result))
+            put("result", **result_fields(result))
 
         async def cell() -> None:
             try:
@@ -179,10 +179,10 @@ def _ended(put: Callable[..., None], execution: Execution) -> None:
         put("number_of_executions", execution_count=execution.execution_count)
 
 
-def _result(result: Result) -> dict[str, Any]:
+def result_fields(result: Result) -> dict[str, Any]:
     """A result's fields as the SDK's ``Result(**fields)`` takes them."""
     fields: dict[str, Any] = {"is_main_result": result.is_main_result}
-    for name in ("text", "html", "markdown", "svg", "png", "jpeg", "latex", "json"):
+    for name in ("text", "html", "markdown", "svg", "png", "jpeg", "latex", "json", "chart", "data"):
         value = getattr(result, name)
         if value is not None:
             fields[name] = value
