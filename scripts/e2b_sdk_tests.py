@@ -8,13 +8,19 @@ hand on a checkout of it:
     .venv/bin/python scripts/e2b_sdk_tests.py E2B/packages/python-sdk --python e2b-venv/bin/python \\
         [--json out.json] [PYTEST ARGS...]
 
+and ``e2b-code-interpreter``'s tests on a checkout of its repository (its ``python``
+folder, the SDK and pytest-asyncio installed in that Python): ``--code-interpreter``.
+
 What it sets up, in a scratch home: a key in E2B's form (``sandlot keys create --e2b``),
 E2B's default template ``base`` as a sandlot template (Debian with bash, python3, git
 and curl, the user ``user`` E2B's templates run as, and a network card), and the server
 (``--mcp-image`` unset: only ``base`` is served). The SDK is pointed at it as docs/e2b.md
 says: ``E2B_API_URL`` and ``E2B_SANDBOX_URL``, one URL for every sandbox. It then runs
 the SDK's tests of what the face serves (``DEFAULT_TESTS``, unless PYTEST ARGS name
-others) and prints, as JSON, the passed and failed tests and the rate.
+others) and prints, as JSON, the passed and failed tests and the rate. With
+``--code-interpreter``, the template is E2B's ``code-interpreter-v1``: the tests' Debian
+root with python3's Jupyter stack, matplotlib and pandas (``roots.jupyter_root``), and
+the tests are ``INTERPRETER_TESTS``.
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ sys.path.insert(0, str(REPO))
 # volumes or secrets, which sandlot does elsewhere
 DEFAULT_TESTS = ("tests/sync/sandbox_sync", "tests/sync/api_sync", "tests/async/sandbox_async",
                  "tests/async/api_async", "tests/shared/git")  # fmt: skip
+INTERPRETER_TESTS = ("tests/sync", "tests/charts", "tests/images")
 PACKAGES = ["python3", "python-is-python3", "git", "curl", "ca-certificates", "sudo"]
 
 
@@ -76,7 +83,8 @@ def summary(report: Path) -> dict[str, object]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("sdk", type=Path, help="E2B's packages/python-sdk folder")
+    ap.add_argument("sdk", type=Path, help="E2B's packages/python-sdk folder (or code-interpreter's python)")
+    ap.add_argument("--code-interpreter", action="store_true", help="e2b-code-interpreter's tests")
     ap.add_argument("--python", default=sys.executable, help="a Python with that SDK and pytest installed")
     ap.add_argument("--json", type=Path, help="also write the summary here")
     ap.add_argument("--workers", type=int, default=2, help="pytest-xdist workers (each runs its sandboxes)")
@@ -90,16 +98,21 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory(prefix="sandlot-e2b-sdk-") as tmp:
         home = shared_home(Path(tmp))
-        root = base_root()
+        if args.code_interpreter:
+            from tests.support.roots import jupyter_root
+
+            root, template, memory, tests = jupyter_root(), "code-interpreter-v1", 1024, INTERPRETER_TESTS
+        else:
+            root, template, memory, tests = base_root(), "base", 512, DEFAULT_TESTS
         with serving(home) as served:
             key = create_key(home, "e2b-sdk", "--admin", "--e2b")
-            sandlot.template(rootfs=str(root), name="base", memory_mib=512, network="public", home=home)
+            sandlot.template(rootfs=str(root), name=template, memory_mib=memory, network="public", home=home)
             env = {**os.environ, "E2B_API_URL": f"{served.url}/e2b", "E2B_SANDBOX_URL": f"{served.url}/e2b",
                    "E2B_API_KEY": key, "E2B_DOMAIN": "sandlot.invalid"}  # fmt: skip
             report = Path(tmp) / "report.xml"
             cmd = [args.python, "-m", "pytest", "-p", "no:cacheprovider", "-q", f"--junitxml={report}",
                    "--timeout=300", *(["-n", str(args.workers)] if args.workers > 1 else []),
-                   *(pytest_args or DEFAULT_TESTS)]  # fmt: skip
+                   *(pytest_args or tests)]  # fmt: skip
             subprocess.run(cmd, cwd=args.sdk, env=env, check=False)
             result = summary(report)
     text = json.dumps(result, indent=2)

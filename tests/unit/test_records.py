@@ -20,6 +20,7 @@ import pytest
 
 import sandlot
 from sandlot import records
+from sandlot.core import keeper as core_keeper
 from sandlot.core import store as core_store
 from sandlot.core.events import draft
 from sandlot.core.keeper import Keeper
@@ -383,6 +384,65 @@ def test_the_keeper_cuts_a_console_tells_the_box_and_counts_for_the_metrics(
     assert "refused 1 DNS questions" in (by["egress_log"].reason or "")
     assert counts["console"]["counts"]["dropped_bytes"] >= 2 << 20
     assert counts["egress_log"]["counts"]["refused_dns"] == 1
+
+
+def test_a_refusal_counted_in_the_same_tick_as_the_keepers_flush_is_told(home: Path, root: Path) -> None:
+    """The keeper flushes a box's ledger again only where it changed: a helper's write in
+    the same tick of the file system's clock as the keeper's last flush leaves the file's
+    time as it was, and is a change all the same (CI: a connection flood's refusals,
+    counted just after a round, were never told)."""
+
+    async def main() -> list[Any]:
+        box = sandlot.AsyncBox(rootfs=root, engine="fake", home=home, template=False, keep=True)
+        await box.start()
+        rt = Runtime.for_home(home)
+        log = rt.box_dir(box.id) / "egress.log"
+        led = ledger.Ledger(log, limits(connections=records.Rate(0.001, 1)))
+        assert led.admit("conn")
+        keeper = Keeper(core_for(rt))
+        await keeper.round()  # flushed: nothing refused yet, nothing told
+        state = log.with_suffix(".ledger")
+        flushed = state.stat().st_mtime_ns
+        assert not led.admit("conn")  # refused, and written...
+        os.utime(state, ns=(flushed, flushed))  # ... within the flush's tick
+        await keeper.round()
+        return [e async for e in box.events(follow=False) if e.kind == "records_dropped"]
+
+    told = asyncio.run(main())
+    assert [e.detail for e in told] == [{"record": "egress_log", "refused_connections": 1}]
+
+
+def test_counts_that_moved_within_the_tell_window_are_told_once_it_passes_though_nothing_moves_again(
+    home: Path, root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A box's record is told at most once every TELL_EVERY seconds; what moved within
+    that window is told once it has passed, though the ledger stays as it was (CI: a
+    connection flood right after a DNS flood was told never, its ledger quiet after it)."""
+    monkeypatch.setattr(core_keeper, "TELL_EVERY", 0.3)
+
+    async def main() -> list[Any]:
+        box = sandlot.AsyncBox(rootfs=root, engine="fake", home=home, template=False, keep=True)
+        await box.start()
+        rt = Runtime.for_home(home)
+        rates = limits(dns=records.Rate(0.001, 1), connections=records.Rate(0.001, 1))
+        led = ledger.Ledger(rt.box_dir(box.id) / "egress.log", rates)
+        led.admit("dns")
+        led.admit("dns")  # refused
+        keeper = Keeper(core_for(rt))
+        await keeper.round()  # told
+        led.admit("conn")
+        led.admit("conn")  # refused within the window: counted, not told yet
+        await keeper.round()
+        await asyncio.sleep(0.4)
+        await keeper.round()  # the window passed; the ledger did not move since
+        await keeper.round()  # told once
+        return [e async for e in box.events(follow=False) if e.kind == "records_dropped"]
+
+    told = [e.detail for e in asyncio.run(main())]
+    assert told == [
+        {"record": "egress_log", "refused_dns": 1},
+        {"record": "egress_log", "refused_connections": 1},
+    ]
 
 
 # -- a cell's output, on the host

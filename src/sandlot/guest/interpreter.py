@@ -1269,15 +1269,21 @@ class JupyterKernel:
                 with contextlib.suppress(KernelDied, RuntimeError):
                     self.quietly(ENV_RESTORE)
 
+    def execute_request(self, code: str, *, silent: bool) -> str:
+        """Send ``code`` to run: a cell (counted, in the history) or, ``silent``, not.
+        stop_on_error False: the host sends one cell at a time, and an error in one must
+        not make the kernel drop the next, which may already be on its way."""
+        return self.send(
+            self.shell,
+            "execute_request",
+            {"code": code, "silent": silent, "store_history": not silent, "user_expressions": {},
+             "allow_stdin": False, "stop_on_error": False},
+        )  # fmt: skip
+
     def quietly(self, code: str, timeout: float = 60.0) -> None:
         """Run ``code`` in the kernel outside the cells: silent, not counted, not in its history."""
         zmq = self.zmq
-        msg_id = self.send(
-            self.shell,
-            "execute_request",
-            {"code": code, "silent": True, "store_history": False, "user_expressions": {},
-             "allow_stdin": False, "stop_on_error": False},
-        )  # fmt: skip
+        msg_id = self.execute_request(code, silent=True)
         poller = zmq.Poller()
         poller.register(self.shell, zmq.POLLIN)
         deadline = time.monotonic() + timeout
@@ -1297,14 +1303,7 @@ class JupyterKernel:
 
     def execute(self, code: str, cell: Cell) -> int:
         zmq = self.zmq
-        # stop_on_error False: the host sends one cell at a time, and an error in one must
-        # not make the kernel drop the next, which may already be on its way
-        msg_id = self.send(
-            self.shell,
-            "execute_request",
-            {"code": code, "silent": False, "store_history": True, "user_expressions": {},
-             "allow_stdin": False, "stop_on_error": False},
-        )  # fmt: skip
+        msg_id = self.execute_request(code, silent=False)
         idle = replied = False
         poller = zmq.Poller()
         poller.register(self.shell, zmq.POLLIN)

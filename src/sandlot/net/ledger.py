@@ -191,6 +191,7 @@ class Ledger:
         self.clock = clock  # the wall clock: a bucket's state outlives processes
         self.state_path = log.with_suffix(STATE_SUFFIX)
         self.slots_path = log.with_suffix(SLOTS_SUFFIX)
+        self.written = b""  # the state as this object last wrote it
 
     @contextlib.contextmanager
     def _held(self, write: bool = True, helper: bool = True) -> Iterator[_State]:
@@ -207,6 +208,7 @@ class Ledger:
                 data = state.dump()
                 os.pwrite(fd, data, 0)
                 os.ftruncate(fd, len(data))
+                self.written = data
         finally:
             os.close(fd)  # and with it the lock
 
@@ -264,12 +266,14 @@ class Ledger:
             fold[2] = now
             s.totals.folded += 1
 
-    def flush(self) -> tuple[Totals, bool]:
+    def flush(self) -> tuple[Totals, bool, bytes]:
         """Write the folded lines of a window that has ended (the keeper's round); the
-        totals, and whether folded decisions wait for their window's end."""
+        totals, whether folded decisions wait for their window's end, and the state as
+        the flush left it (what the keeper compares the next round's with)."""
         with self._held(helper=False) as s:
             self._roll(s, self.clock())
-            return s.totals, bool(s.folds)
+            totals, waiting = s.totals, bool(s.folds)
+        return totals, waiting, self.written
 
     def totals(self) -> Totals:
         with self._held(write=False, helper=False) as s:
