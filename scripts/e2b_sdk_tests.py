@@ -18,8 +18,8 @@ and curl, the user ``user`` E2B's templates run as, and a network card), and the
 says: ``E2B_API_URL`` and ``E2B_SANDBOX_URL``, one URL for every sandbox. It then runs
 the SDK's tests of what the face serves (``DEFAULT_TESTS``, unless PYTEST ARGS name
 others) and prints, as JSON, the passed and failed tests and the rate. With
-``--code-interpreter``, the template is E2B's ``code-interpreter-v1``: the tests' Debian
-root with python3's Jupyter stack, matplotlib and pandas (``roots.jupyter_root``), and
+``--code-interpreter``, the template is E2B's ``code-interpreter-v1`` (``interpreter_root``:
+Debian with python3's Jupyter kernel, matplotlib and pandas, and the user ``user``), and
 the tests are ``INTERPRETER_TESTS``.
 """
 
@@ -43,6 +43,9 @@ sys.path.insert(0, str(REPO))
 DEFAULT_TESTS = ("tests/sync/sandbox_sync", "tests/sync/api_sync", "tests/async/sandbox_async",
                  "tests/async/api_async", "tests/shared/git")  # fmt: skip
 INTERPRETER_TESTS = ("tests/sync", "tests/charts", "tests/images")
+# E2B's templates' user: home /home/user, bash, sudo without a password
+USER_HOOKS = ['chroot "$1" useradd -m -u 1001 -s /bin/bash user',  # (1000: debian_rootfs's agent)
+              'echo "user ALL=(ALL:ALL) NOPASSWD: ALL" > "$1/etc/sudoers.d/user"']  # fmt: skip
 PACKAGES = ["python3", "python-is-python3", "git", "curl", "ca-certificates", "sudo"]
 
 
@@ -56,9 +59,23 @@ def base_root() -> Path:
 
     dest = CACHE / "rootfs-e2b-base-v2"
     if not (dest / "home" / "user").is_dir():
-        hooks = ['chroot "$1" useradd -m -u 1001 -s /bin/bash user',  # (1000: debian_rootfs's agent)
-                 'echo "user ALL=(ALL:ALL) NOPASSWD: ALL" > "$1/etc/sudoers.d/user"']  # fmt: skip
-        debian_rootfs(dest, PACKAGES, hooks=hooks)
+        debian_rootfs(dest, PACKAGES, hooks=USER_HOOKS)
+    return dest
+
+
+def interpreter_root() -> Path:
+    """E2B's ``code-interpreter-v1`` template as a root filesystem: the packages of the
+    tests' Jupyter root (python3-ipykernel, matplotlib, pandas) and ``base``'s user
+    ``user``, cached beside the tests' roots."""
+    from sandlot.images.builders import debian_rootfs
+
+    from tests.support.roots import CACHE
+
+    dest = CACHE / "rootfs-e2b-code-interpreter-v1"
+    if not (dest / "home" / "user").is_dir():
+        packages = ["python3", "python3-ipykernel", "python3-matplotlib", "python3-pandas", "python3-munkres",
+                    "sudo"]  # fmt: skip
+        debian_rootfs(dest, packages, recommends=False, hooks=USER_HOOKS)
     return dest
 
 
@@ -99,9 +116,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="sandlot-e2b-sdk-") as tmp:
         home = shared_home(Path(tmp))
         if args.code_interpreter:
-            from tests.support.roots import jupyter_root
-
-            root, template, memory, tests = jupyter_root(), "code-interpreter-v1", 1024, INTERPRETER_TESTS
+            root, template, memory, tests = interpreter_root(), "code-interpreter-v1", 1024, INTERPRETER_TESTS
         else:
             root, template, memory, tests = base_root(), "base", 512, DEFAULT_TESTS
         with serving(home) as served:

@@ -2,7 +2,8 @@
 (``sandlot.guest.interpreter``) reading charts back from real matplotlib figures on
 this host's matplotlib (the boxes' images have others: tests/vm/test_interpreter.py
 reads them in a box), and E2B's SDK taking them, through the E2B face's result
-fields, as its own typed ``result.chart`` and ``result.data``."""
+fields, as its own typed ``result.chart`` and ``result.data`` (and a string's text
+bare, as E2B's interpreter gives it)."""
 
 from __future__ import annotations
 
@@ -142,3 +143,10 @@ def test_values_as_json_has_them() -> None:
         numpy.datetime64("2024-01-02T03:04:05", "ns"), datetime.date(2024, 1, 2),
     )  # fmt: skip
     assert [interpreter.plain(v) for v in values] == [1.5, 2, None, None, "2024-01-02T03:04:05", "2024-01-02"]
+
+
+def test_e2bs_text_of_a_string_is_bare_as_its_interpreter_gives_it() -> None:
+    assert as_e2b({"text/plain": "'bar'"}).text == "bar"
+    assert as_e2b({"text/plain": '"it\'s"'}).text == "it's"
+    assert as_e2b({"text/plain": "('a', 'b')"}).text == "('a', 'b')"  # no string: as it is
+    assert as_e2b({"text/plain": "'"}).text == "'"

@@ -437,12 +437,12 @@ def test_code_interpreter_results_errors_and_contexts(e2b_env: dict[str, Any]) -
         assert ex.text == "42" and ex.logs.stdout == ["hi\n"] and out == ["hi\n"]
         assert sandbox.run_code("x").text == "41"
         # variables for one cell (the SDK's envs, the face's env_vars)
-        assert sandbox.run_code("import os; os.environ['STAGE']", envs={"STAGE": "eval"}).text == "'eval'"
+        assert sandbox.run_code("import os; os.environ['STAGE']", envs={"STAGE": "eval"}).text == "eval"
         assert sandbox.run_code("'STAGE' in os.environ").text == "False"
         err = sandbox.run_code("1/0")
         assert err.error is not None and err.error.name == "ZeroDivisionError"
         ctx = sandbox.create_code_context(cwd="/tmp")
-        assert sandbox.run_code("import os; os.getcwd()", context=ctx).text == "'/tmp'"
+        assert sandbox.run_code("import os; os.getcwd()", context=ctx).text == "/tmp"  # (E2B's: unquoted)
         assert sandbox.run_code("'x' in dir()", context=ctx).text == "False"  # its own state
         assert ctx.id in {c.id for c in sandbox.list_code_contexts()}
         sandbox.remove_code_context(ctx)

@@ -8,9 +8,10 @@ formats as fields: ``text``, ``html``, ``png``... and ``is_main_result``), ``err
 results, languages and interpreter state kept through snapshot, fork and rollback
 come with it. A client that leaves mid-cell interrupts the cell.
 
-Cells run as E2B's run them: as the user its other calls run as (``user`` where the
-image has it: ``sandlot serve --e2b-user``), in that user's home, the default
-context included, unless a template's cells started it already.
+Cells run where E2B's run: in the home of the user its other calls run as (``user``
+where the image has it: ``sandlot serve --e2b-user``), as the box's own user (root in
+most images, as E2B's Jupyter server runs as root), the default context included,
+unless a template's cells started it already.
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ READY_KEPT = 4096  # boxes whose default contexts are known to be set up, at mos
 class Interpreter:
     def __init__(self, box_of: Callable[[Request], Awaitable[AsyncBox]], runs_as: RunsAs) -> None:
         self.box_of = box_of
-        self.runs_as = runs_as  # the user a call runs as (None: the box's own), and its home
+        self.runs_as = runs_as  # who a call runs as, and that user's home: where cells start
         self.ready: dict[tuple[str, str], None] = {}  # (box, context): oldest first
         self.setting_up: dict[str, asyncio.Lock] = {}
 
@@ -63,8 +64,8 @@ class Interpreter:
         if path == "/contexts" and method == "POST":
             body = await _json(request)
             language = _language(body.get("language"))
-            user, home = await self.runs_as(box, request)
-            ctx = await box.create_code_context(language=language, cwd=_str(body, "cwd") or home, user=user)
+            _, home = await self.runs_as(box, request)
+            ctx = await box.create_code_context(language=language, cwd=_str(body, "cwd") or home)
             return JSONResponse(_context(ctx))
         if path == "/contexts" and method == "GET":
             return JSONResponse([_context(c) for c in await box.list_code_contexts()])
@@ -83,8 +84,8 @@ class Interpreter:
         return JSONResponse({"code": 404, "message": f"no route {method} {path}"}, status_code=404)
 
     async def default_context(self, box: AsyncBox, request: Request, language: str) -> None:
-        """Set the box's default context for ``language`` up as E2B's runs, as the call's
-        user in its home, before its first cell (once a box: one found running, from a
+        """Set the box's default context for ``language`` up as E2B's runs, in the call's
+        user's home, before its first cell (once a box: one found running, from a
         template's cells or an earlier call, is left as it is)."""
         cid = context_id(None, language)
         if (box.id, cid) in self.ready:
@@ -93,8 +94,8 @@ class Interpreter:
             async with self.setting_up.setdefault(box.id, asyncio.Lock()):
                 if (box.id, cid) not in self.ready:
                     if all(c.id != cid for c in await box.list_code_contexts()):
-                        user, home = await self.runs_as(box, request)
-                        await box.create_code_context(language=language, cwd=home, user=user, id=cid)
+                        _, home = await self.runs_as(box, request)
+                        await box.create_code_context(language=language, cwd=home, id=cid)
                     self.ready[box.id, cid] = None
                     while len(self.ready) > READY_KEPT:
                         self.ready.pop(next(iter(self.ready)))
@@ -180,12 +181,17 @@ def _ended(put: Callable[..., None], execution: Execution) -> None:
 
 
 def result_fields(result: Result) -> dict[str, Any]:
-    """A result's fields as the SDK's ``Result(**fields)`` takes them."""
+    """A result's fields as the SDK's ``Result(**fields)`` takes them. A text in quotes
+    loses them, as E2B's interpreter gives it (a string's value ``'bar'`` is ``bar``:
+    code written for E2B compares ``execution.text`` with the bare string)."""
     fields: dict[str, Any] = {"is_main_result": result.is_main_result}
     for name in ("text", "html", "markdown", "svg", "png", "jpeg", "latex", "json", "chart", "data"):
         value = getattr(result, name)
         if value is not None:
             fields[name] = value
+    text = fields.get("text")
+    if isinstance(text, str) and len(text) >= 2 and text[0] == text[-1] and text[0] in "'\"":
+        fields["text"] = text[1:-1]
     extra = dict(result.extra)
     if "application/pdf" in extra:
         fields["pdf"] = extra.pop("application/pdf")
