@@ -124,6 +124,43 @@ def test_a_cells_env_is_set_for_it_alone_and_put_back_after(context: Context) ->
     assert [e["data"] for e in context.until_done("e") if e["ev"] == "result"] == [{"text/plain": "False"}]
 
 
+def test_a_cell_whose_environment_cannot_be_set_gets_that_error_and_the_context_goes_on(
+    tmp_path: Path,
+) -> None:
+    """A kernel that cannot set a cell's ``env`` (a Jupyter kernel answering its silent
+    execution with an error, or not within its deadline): the cell is not run, it ends
+    with that error, and the context serves the next cell (it ended the context before)."""
+    import contextlib
+    import threading
+
+    class Kernel:  # what Server asks of a kernel; the environment's setting fails
+        count = 0
+
+        @contextlib.contextmanager
+        def environment(self, env: dict[str, str]) -> Iterator[None]:
+            if env:
+                raise interpreter.CellNotRun("the kernel could not set the cell's environment: error")
+            yield
+
+        def execute(self, code: str, cell: interpreter.Cell) -> int:
+            self.count += 1
+            return self.count
+
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(str(tmp_path / "sock"))
+    listener.listen(4)
+    server = interpreter.Server(Kernel(), str(tmp_path), {})
+    threading.Thread(target=server.serve, args=(listener,), daemon=True).start()
+    context = Context(tmp_path / "sock")
+    context.send(op="run", id="a", code="1", env={"STAGE": "eval"})
+    events = context.until_done("a")
+    assert [(e["ev"], e.get("name")) for e in events] == [("error", "CellNotRun"), ("done", None)]
+    assert events[-1]["count"] == 0  # not run
+    context.send(op="run", id="b", code="1")
+    assert context.until_done("b")[-1] == {"ev": "done", "id": "b", "count": 1}
+    context.sock.close()
+
+
 @pytest.mark.parametrize(
     ("facts", "refused"),
     [({"language": "python"}, "earlier sandlot"), ({"language": "r", "features": ["env"]}, "runs r")],

@@ -41,9 +41,10 @@ def positive(name: str, value: Any, *, integer: bool = False) -> None:
         raise InvalidArgument(f"{name} must be positive, not {value!r}")
 
 
-def check_env(env: Mapping[str, str] | None) -> dict[str, str]:
+def check_env(env: Mapping[str, str] | None, what: str = "env") -> dict[str, str]:
+    """Environment variables, checked (``what``: the field's name, for the error)."""
     if env is not None and not isinstance(env, Mapping):
-        raise InvalidArgument(f"env must be a mapping of names to values, not {type(env).__name__}")
+        raise InvalidArgument(f"{what} must be a mapping of names to values, not {type(env).__name__}")
     out: dict[str, str] = {}
     for k, v in (env or {}).items():
         if not isinstance(k, str) or not _ENV_NAME.match(k):

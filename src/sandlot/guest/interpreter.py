@@ -536,8 +536,8 @@ def plain(value: Any) -> Any:
     if hasattr(value, "item") and not isinstance(value, (list, dict, str)):  # numpy's scalars
         with contextlib.suppress(TypeError, ValueError):
             value = value.item()
-    if isinstance(value, float):
-        return value if value == value and value not in (float("inf"), float("-inf")) else None
+    if isinstance(value, float):  # (NaN went above)
+        return value if value not in (float("inf"), float("-inf")) else None
     if isinstance(value, (int, str, bool)) or value is None:
         return value
     return str(value)
@@ -730,6 +730,11 @@ def upright_boxes(ax: Any, spans: list[list[float]]) -> bool:
     return len({round(s[1] - s[0], 9) for s in spans}) == 1
 
 
+def box_at(spans: list[list[float]], position: float) -> int | None:
+    """The index of the box whose span of positions holds ``position``."""
+    return next((i for i, s in enumerate(spans) if s[0] - 1e-9 <= position <= s[1] + 1e-9), None)
+
+
 def boxes(ax: Any, chart: dict[str, Any]) -> None:
     """Each box of a ``boxplot(patch_artist=True)``, from its drawing: the box's edges are
     the quartiles, the line across it the median, the lines from its edges the whiskers
@@ -753,13 +758,13 @@ def boxes(ax: Any, chart: dict[str, Any]) -> None:
             pos, val = val, pos
         if not pos:
             continue
-        i = next((i for i, s in enumerate(spans) if s[0] - 1e-9 <= pos[0] <= s[1] + 1e-9), None)
         if line.get_linestyle() in ("None", "", " ", "none"):  # markers alone: the fliers
             for p, y in pairs(pos, val):
-                j = next((j for j, s in enumerate(spans) if s[0] - 1e-9 <= p <= s[1] + 1e-9), None)
+                j = box_at(spans, p)
                 if j is not None:
                     found[j]["outliers"].append(y)
             continue
+        i = box_at(spans, pos[0])
         if i is None or len(val) != 2:
             continue
         low, high, q1, q3 = spans[i]
@@ -1261,7 +1266,10 @@ class JupyterKernel:
         if not env:
             yield
             return
-        self.quietly(ENV_SET.format(given=json.dumps(env)))
+        try:
+            self.quietly(ENV_SET.format(given=json.dumps(env)))
+        except RuntimeError as e:
+            raise CellNotRun(str(e)) from None
         try:
             yield
         finally:
@@ -1356,6 +1364,11 @@ class KernelDied(Exception):
     pass
 
 
+class CellNotRun(Exception):
+    """The cell could not be run as asked (its environment could not be set): its error,
+    and the context goes on."""
+
+
 # ---- serving -----------------------------------------------------------------
 
 
@@ -1395,6 +1408,9 @@ class Server:
                     count = self.kernel.execute(code, cell)
             except KeyboardInterrupt:
                 count = self.kernel.count  # an interrupt outside the cell's own code
+            except CellNotRun as e:
+                cell.error("CellNotRun", str(e), "")
+                count = self.kernel.count
             except KernelDied as e:
                 cell.error("KernelDied", str(e), "")
                 cell.done(self.kernel.count)

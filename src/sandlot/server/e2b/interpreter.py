@@ -108,10 +108,7 @@ class Interpreter:
             raise InvalidArgument("code is a string")
         context = _str(body, "context_id")
         language = _language(body.get("language")) if body.get("language") else "python"
-        env = body.get("env_vars")
-        if env is not None and not isinstance(env, dict):
-            raise InvalidArgument("env_vars is an object of names to values")
-        env = check_env(env) or None  # for this cell alone, as E2B's interpreter sets them
+        env = check_env(body.get("env_vars"), "env_vars") or None  # for this cell alone, as E2B's sets them
         lines: asyncio.Queue[bytes | None] = asyncio.Queue()
         backlog = {"bytes": 0, "dropping": False}  # a client that reads slower than the cell prints
 
