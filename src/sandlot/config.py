@@ -313,11 +313,13 @@ def _handed_down(path: Path) -> int | None:
     return fd
 
 
-def spawn_unless_locked(lock: Path, module: str, *args: str, cwd: str | None = None) -> bool:
+def spawn_unless_locked(
+    lock: Path, module: str, *args: str, cwd: str | None = None, env: dict[str, str] | None = None
+) -> bool:
     """Start ``python -m module args`` as a detached process (its own session, no
     standard streams) unless the process that holds ``lock`` runs already: each such
     helper takes its lock first (``try_flock``), so at most one runs. True if one was
-    started.
+    started. ``env``: its environment besides this process's.
 
     The lock taken here passes to the helper, held from this moment on: a helper that
     took it itself would take it only once it had imported sandlot (seconds, on a
@@ -336,7 +338,7 @@ def spawn_unless_locked(lock: Path, module: str, *args: str, cwd: str | None = N
             ["/bin/sh", "-c", '"$0" -m "$@" &', sys.executable, module, *args],
             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
             start_new_session=True, close_fds=True, pass_fds=(fd,), cwd=cwd, check=False,
-            env={**os.environ, HELPER_LOCK: f"{fd}:{lock}"},
+            env={**os.environ, **(env or {}), HELPER_LOCK: f"{fd}:{lock}"},
         )  # fmt: skip
     finally:
         os.close(fd)  # the helper's copy holds the lock now (or none, where it did not start)

@@ -222,14 +222,14 @@ def test_a_failing_or_stalling_server_is_retried_and_what_still_fails_is_clear(
     try:
         box.exec("remember", "k", "v")
         box.snapshot("s")
-        proxy.fail("PUT", "/chunks/", status=500, times=2)  # a 500 mid-push: retried
+        proxy.fail("PUT", "/packs/", status=500, times=2)  # a 500 mid-push: retried
         proxy.fail("PUT", "/states/", status=0, times=1)  # a dropped connection: retried
-        proxy.fail("PUT", "/chunks/", status=503, times=1, delay=1.0)  # a slow, busy server
+        proxy.fail("PUT", "/packs/", status=503, times=1, delay=1.0)  # a slow, busy server
         assert sandlot.storage.push(home=home).states == 1
         box.exec("remember", "k2", "v2")
         box.snapshot("t")
-        proxy.fail("PUT", "/chunks/", status=500, times=10_000)  # down for good: a clear error
-        with pytest.raises(TierError, match=r"refused to write .*chunks/"):
+        proxy.fail("PUT", "/packs/", status=500, times=10_000)  # down for good: a clear error
+        with pytest.raises(TierError, match=r"refused to write .*packs/"):
             sandlot.storage.push(home=home)
         assert sandlot.storage.info(home=home).pushed_states == 1  # nothing counted as sent that was not
         proxy.clear()
@@ -249,9 +249,9 @@ def test_a_chunk_altered_in_the_bucket_is_refused_and_the_box_stays_suspended(
     released(a, root, "altered")
     moved = sandlot.storage.pull("altered", home=b)
     client = s3.client()
-    for key in objects(s3, f"{tmp_path.name}/chunks/"):
+    for key in objects(s3, f"{tmp_path.name}/packs/"):
         body = client.get_object(Bucket=s3.bucket, Key=key)["Body"].read()
-        client.put_object(Bucket=s3.bucket, Key=key, Body=body[:-3] + b"xyz")  # every chunk: the state's too
+        client.put_object(Bucket=s3.bucket, Key=key, Body=body[:-3] + b"xyz")  # each pack's last chunk
     with pytest.raises(CorruptSnapshot, match="in the storage tier is damaged"):
         moved.resume()
     assert sandlot.get("altered", home=b).state == "suspended"
@@ -263,7 +263,7 @@ def test_a_failed_pull_leaves_no_box_and_lets_the_box_go_again(
 ) -> None:
     a, b, c = homes(tmp_path, proxy, 3)
     released(a, root, "pulled")
-    proxy.fail("GET", "/chunks/", status=500, times=10_000)
+    proxy.fail("GET", "/packs/", status=500, times=10_000)
     with pytest.raises(TierError):
         sandlot.storage.pull("pulled", home=b)
     assert sandlot.list(home=b) == [] and not list((b / "layers").glob("*"))
@@ -417,14 +417,16 @@ def test_a_collection_deletes_what_no_home_holds_and_keeps_what_any_needs(
         assert states_in(s3, tmp_path) == {s1.id, s2.id, s3_.id}
         nothing = sandlot.storage.gc(tier=True, home=b).tier
         assert nothing is not None and (nothing.states, nothing.chunks) == (0, 0) and nothing.generation == 1
-        chunks_before = len(objects(s3, f"{tmp_path.name}/chunks/"))
+        packs_before = len(objects(s3, f"{tmp_path.name}/packs/"))
         s2.remove()
         # home a has not said it let s2 go: a collection by another home keeps it
         assert sandlot.storage.gc(tier=True, home=b).tier.states == 0  # type: ignore[union-attr]
         gone = sandlot.storage.gc(tier=True, home=a).tier  # home a says what it holds first
         assert gone is not None and gone.states == 1 and gone.chunks > 0 and gone.bytes_freed > 0
+        assert gone.packs >= 1 and gone.dead_bytes == 0  # s2's own chunks: in packs of s2's own
         assert states_in(s3, tmp_path) == {s1.id, s3_.id}
-        assert len(objects(s3, f"{tmp_path.name}/chunks/")) == chunks_before - gone.chunks
+        assert len(objects(s3, f"{tmp_path.name}/packs/")) == packs_before - gone.packs
+        assert len(objects(s3, f"{tmp_path.name}/places/states/")) == 2  # s2's places went with it
         # what is left is whole: cold state evicted here loads from the tier
         sandlot.storage.evict(older_than=0, home=a)
         sandlot.storage.evict(older_than=0, home=b)
@@ -644,3 +646,88 @@ def test_a_box_asleep_for_evict_after_leaves_this_host_with_no_call_after_its_su
     assert box.exec("recall", "k").stdout == "v\n"  # woken from the tier
     assert sandlot.storage.totals(home=home)["tier_received_bytes"] > 0
     box.remove(force=True)
+
+
+def test_chunks_go_to_the_tier_in_packs_and_a_state_comes_back_in_a_few_reads(
+    tmp_path: Path, proxy: FaultyProxy, s3: S3Server, root: Path
+) -> None:
+    """A state's new chunks go as one pack (not an object each) with its places, and a
+    rollback to it once its chunks left this host reads runs of them in ranged reads; a
+    second state sends only its own chunks, in a pack of its own."""
+    (a,) = homes(tmp_path, proxy, 1)
+    box = fake_box(a, root, "packed")
+    big = os.urandom(350_000).hex()  # about 11 chunks of its own, none alike
+    try:
+        box.exec("remember", "big", big)
+        one = box.snapshot("one")
+        proxy.seen.clear()
+        sent = sandlot.storage.push(home=a)
+        puts = [p for m, p in proxy.seen if m == "PUT"]
+        assert sent.chunks >= 10 and sent.states == 1
+        assert len([p for p in puts if "/packs/" in p]) == 1 and not [p for p in puts if "/chunks/" in p]
+        assert [p for p in puts if "/places/states/" in p] and [p for p in puts if "/states/" in p]
+        box.exec("remember", "k", "v")
+        box.snapshot("two")
+        again = sandlot.storage.push(home=a)
+        assert 0 < again.chunks < sent.chunks  # what changed, in a pack of its own
+        assert len(objects(s3, f"{tmp_path.name}/packs/")) == 2
+        sandlot.storage.evict(older_than=0, home=a)
+        box.exec("remember", "big", "changed")
+        proxy.seen.clear()
+        box.rollback(one)
+        gets = [p for m, p in proxy.seen if m == "GET" and "/packs/" in p]
+        assert 1 <= len(gets) <= 4, gets  # runs of chunks, not a read each
+        assert box.exec("recall", "big").stdout.strip() == big
+    finally:
+        box.remove(force=True)
+
+
+def test_a_pack_some_of_whose_chunks_are_still_listed_stays_and_its_dead_bytes_are_counted(
+    tmp_path: Path, proxy: FaultyProxy, s3: S3Server, root: Path
+) -> None:
+    (a,) = homes(tmp_path, proxy, 1)
+    box = fake_box(a, root, "partly")
+    try:
+        box.exec("remember", "big", os.urandom(300_000).hex())
+        first = box.snapshot("first")
+        sandlot.storage.push(home=a)
+        box.exec("remember", "big", "gone")  # the next state lists few of the first's chunks
+        second = box.snapshot("second")
+        sandlot.storage.push(home=a)
+        first.remove()
+        gone = sandlot.storage.gc(tier=True, home=a).tier
+        assert gone is not None and gone.states == 1 and gone.packs == 0 and gone.dead_bytes > 0
+        assert len(objects(s3, f"{tmp_path.name}/packs/")) == 2  # the first's pack holds chunks of the second
+        rolls_back_from_the_tier_to(box, second, "big", "gone", a)
+    finally:
+        box.remove(force=True)
+
+
+def test_a_home_that_forgot_what_the_tier_holds_finds_its_evicted_state_by_its_places(
+    tmp_path: Path, proxy: FaultyProxy, s3: S3Server, root: Path
+) -> None:
+    """A home whose memory of the tier was wiped (a collection it could not follow) pushes
+    its evicted state again: its chunks, only in the tier now, are found by the places
+    sent with it, and nothing is sent twice."""
+    (a,) = homes(tmp_path, proxy, 1)
+    box = fake_box(a, root, "forgot")
+    try:
+        box.exec("remember", "k", "v")
+        snap = box.snapshot("s")
+        sandlot.storage.push(home=a)
+        sandlot.storage.evict(older_than=0, home=a)
+        BoxStore(a / "sandlot.db").forget_remote(everything=True)
+        again = sandlot.storage.push(home=a)
+        assert again.states == 1 and again.chunks == 0, again
+        rolls_back_from_the_tier_to(box, snap, "k", "v", a)
+    finally:
+        box.remove(force=True)
+
+
+def rolls_back_from_the_tier_to(
+    box: sandlot.Box, snap: sandlot.Snapshot, key: str, value: str, home: Path
+) -> None:
+    sandlot.storage.evict(older_than=0, home=home)
+    box.exec("remember", key, "changed")
+    box.rollback(snap)
+    assert box.exec("recall", key).stdout.strip() == value

@@ -125,7 +125,7 @@ def test_a_box_asleep_past_evict_after_leaves_this_host_and_a_request_wakes_it_l
     box.sh("mkdir -p /www && httpd -p 8000 -h /www")
     box.sh(COUNTER.replace("/root/n", "/www/n"))
     # memory of its own (lazymem.LAZY_FROM chunks and more), in no other state: read lazily
-    box.sh("mkdir -p /run/m && mount -t tmpfs tmpfs /run/m && dd if=/dev/urandom of=/run/m/b bs=1M count=48")
+    box.sh("mkdir -p /run/m && mount -t tmpfs tmpfs /run/m && dd if=/dev/urandom of=/run/m/b bs=1M count=72")
     blob = box.exec("sha256sum", "/run/m/b").stdout
     port = box.port(8000)[1]
 

@@ -26,7 +26,7 @@ from .state import BoxState
 
 # The store's schema version (``PRAGMA user_version``: ``core.store.MIGRATIONS``'s
 # length): rows of any other are read by the store, which migrates them first.
-SCHEMA_VERSION = 16
+SCHEMA_VERSION = 17
 # The engines whose ``alive`` is ``pids.vm_alive`` (``Engine.alive``, not overridden):
 # a quick listing asks it of their rows itself; a row of another engine goes to the store.
 PID_ENGINES = frozenset({"qemu", "gvisor"})

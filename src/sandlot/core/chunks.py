@@ -35,7 +35,7 @@ import os
 import secrets
 import threading
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING
 from ..crashpoints import crash_point
 from ..engine.base import ImageSink, StateSink, StateSource
 from ..errors import CorruptSnapshot, SandlotError, SavedStateError, no_space
-from . import tier
+from . import packs, tier
 from .manifest import CHUNK, Image, Manifest, Stream
 from .store import BoxStore
 
@@ -56,7 +56,8 @@ LEVEL = 3  # zstd's default: ~570 MB/s here, within a few percent of level 1's r
 LOCK_WAIT = 120.0  # seconds a user of the store waits for a collection to end
 READ_AHEAD = 16  # chunks read and checked ahead of the one a restore's stream needs
 TIER_READERS = 16  # chunks asked of the storage tier at once, as a state loads from it
-TIER_READ_AHEAD = 64
+TIER_RUN = 64  # chunks of a state asked of the tier together as it loads (neighbours share a read)
+TIER_RUNS = 4  # runs asked for at once
 ZERO = bytes(CHUNK)
 
 
@@ -82,6 +83,7 @@ class ChunkStore:
         self._zc = threading.local()
         self._tier: tier.Tier | bool | None = False  # False: not looked up yet
         self._tier_lock = threading.Lock()
+        self._db: BoxStore | None = None
 
     def tier(self) -> tier.Tier | None:
         """The home's storage tier, where one is configured (looked up once)."""
@@ -141,17 +143,35 @@ class ChunkStore:
         still has them in memory) then writes it again instead of counting on it. One this
         home lacks comes from its storage tier, and stays here (``keep``: a chunk of a
         state of the home; not a chunk of a disk file being pulled)."""
+        return self.get_many([(d, size)], whose, keep=keep)[0]
+
+    def get_many(
+        self, wanted: Sequence[tuple[bytes, int | None]], whose: str, *, keep: bool = True
+    ) -> list[bytes]:
+        """``get`` of each chunk (its hash and size), in order: those this home lacks are
+        asked of the tier together, neighbours in a pack in one read (``core.packs``)."""
+        held: dict[bytes, bytes] = {}
+        for d, _ in wanted:
+            with contextlib.suppress(FileNotFoundError):
+                held[d] = self.path(d).read_bytes()
+        fetched = self._fetch([d for d, _ in wanted if d not in held])
+        out = []
+        for d, size in wanted:
+            packed = held.get(d)
+            if packed is None:
+                packed = fetched.get(d)
+                if packed is None:
+                    raise CorruptSnapshot(f"saved state {whose}: its chunk {d.hex()} is missing")
+            out.append(self._checked(d, packed, whose, size, fetched=d not in held))
+            if d not in held and keep:  # kept here again: the next load of it reads the disk
+                held[d] = packed
+                with contextlib.suppress(OSError):  # (a full disk: read from the tier again next time)
+                    self._write(self.path(d), packed)
+        return out
+
+    def _checked(self, d: bytes, packed: bytes, whose: str, size: int | None, *, fetched: bool) -> bytes:
         import zstandard
 
-        path = self.path(d)
-        fetched = False
-        try:
-            packed = path.read_bytes()
-        except FileNotFoundError:
-            found = self._fetch(d)
-            if found is None:
-                raise CorruptSnapshot(f"saved state {whose}: its chunk {d.hex()} is missing") from None
-            packed, fetched = found, True
         try:
             data = unpack(packed)
             why = "its bytes do not match its hash" if digest(data) != d else None
@@ -159,24 +179,21 @@ class ChunkStore:
                 why = f"{len(data)} bytes where its state has {size}"
         except zstandard.ZstdError as exc:
             why = str(exc)
-        if why is not None:
-            if fetched:
-                raise CorruptSnapshot(
-                    f"saved state {whose}: its chunk {d.hex()} in the storage tier is damaged ({why})"
-                )
-            with contextlib.suppress(OSError):
-                (self.root / "damaged").mkdir(exist_ok=True)
-                os.rename(path, self.root / "damaged" / d.hex())
-            raise CorruptSnapshot(f"saved state {whose}: its chunk {d.hex()} is damaged ({why})")
-        if fetched and keep:  # kept here again: the next load of it reads the disk, not the network
-            with contextlib.suppress(OSError):  # (a full disk: read from the tier again next time)
-                self._write(path, packed)
-        return data
+        if why is None:
+            return data
+        if fetched:
+            raise CorruptSnapshot(
+                f"saved state {whose}: its chunk {d.hex()} in the storage tier is damaged ({why})"
+            )
+        with contextlib.suppress(OSError):
+            (self.root / "damaged").mkdir(exist_ok=True)
+            os.rename(self.path(d), self.root / "damaged" / d.hex())
+        raise CorruptSnapshot(f"saved state {whose}: its chunk {d.hex()} is damaged ({why})")
 
     def packed(self, d: bytes, whose: str) -> bytes:
         """A chunk as the store keeps it (zstd), checked: for an archive that carries it."""
         self.get(d, whose)  # checked (and brought from the tier where it is only there)
-        return self.path(d).read_bytes() if self.path(d).exists() else (self._fetch(d) or b"")
+        return self.path(d).read_bytes() if self.path(d).exists() else self._fetch([d]).get(d, b"")
 
     def put_packed(self, d: bytes, packed: bytes, whose: str) -> int:
         """Keep a chunk given as the store keeps it (an archive's), once it is checked
@@ -192,13 +209,32 @@ class ChunkStore:
         final = self.path(d)
         return 0 if final.exists() else self._write(final, packed)
 
-    def _fetch(self, d: bytes) -> bytes | None:
-        """A chunk this home does not hold, from its storage tier (None: there neither)."""
-        remote = self.tier()
+    def _fetch(self, wanted: list[bytes]) -> dict[bytes, bytes]:
+        """Chunks this home does not hold, from its storage tier, as kept (unchecked): those
+        in packs by their places, the rest each as an object of its own (what older homes
+        sent); one the tier lacks is not in the answer."""
+        remote = self.tier() if wanted else None
         if remote is None:
-            return None
-        found = remote.get(remote.key("chunks", d.hex()))
-        return None if found is None else found[0]
+            return {}
+        places = self.db().tier_places(wanted)
+        found = packs.read(remote, places) if places else {}
+
+        def alone(d: bytes) -> None:
+            one = remote.get(remote.key("chunks", d.hex()))
+            if one is not None:
+                found[d] = one[0]
+
+        remote.each(alone, [d for d in dict.fromkeys(wanted) if d not in places])
+        return found
+
+    def db(self) -> BoxStore:
+        """The home's store, where the tier's places are (opened once, when first asked)."""
+        with self._tier_lock:
+            if self._db is None:
+                from .boxrecord import store_path
+
+                self._db = BoxStore(store_path(self.home))
+            return self._db
 
     def tally(self, store: BoxStore) -> None:
         """Add the bytes this store's loads read from the tier to the home's totals."""
@@ -543,22 +579,41 @@ class StateReader(StateSource):
         img = self.manifest.image(name)
         wanted = [(i, d) for i, d in enumerate(img.digests) if d is not None]
         # chunks that come from the storage tier (an evicted state, a box pulled from
-        # another home) wait on the network, not the disk: many are asked for at once
+        # another home) wait on the network, not the disk: runs of them are asked for
+        # together (neighbours in a pack in one read), a few runs at once
         remote = self.store.tier() is not None and any(not self.store.path(d).exists() for _, d in wanted)
-        workers, read_ahead = (TIER_READERS, TIER_READ_AHEAD) if remote else (2, READ_AHEAD)
-        with ThreadPoolExecutor(workers, thread_name_prefix="sandlot-read") as pool:
-            ahead: list[tuple[int, Future[bytes]]] = []
-            for i, d in wanted:
-                ahead.append((i, pool.submit(self.store.get, d, self.whose, img.chunk_size(i))))
-                if len(ahead) > read_ahead:
-                    j, f = ahead.pop(0)
+        if not remote:
+            with ThreadPoolExecutor(2, thread_name_prefix="sandlot-read") as pool:
+                ahead: list[tuple[int, Future[bytes]]] = []
+                for i, d in wanted:
+                    ahead.append((i, pool.submit(self.store.get, d, self.whose, img.chunk_size(i))))
+                    if len(ahead) > READ_AHEAD:
+                        j, f = ahead.pop(0)
+                        yield j * CHUNK, f.result()
+                for j, f in ahead:
                     yield j * CHUNK, f.result()
-            for j, f in ahead:
-                yield j * CHUNK, f.result()
+            return
+        runs = [wanted[k : k + TIER_RUN] for k in range(0, len(wanted), TIER_RUN)]
+        with ThreadPoolExecutor(TIER_RUNS, thread_name_prefix="sandlot-read") as pool:
+            pending: list[tuple[list[tuple[int, bytes]], Future[list[bytes]]]] = []
+
+            def submit(run: list[tuple[int, bytes]]) -> None:
+                items = [(d, img.chunk_size(i)) for i, d in run]
+                pending.append((run, pool.submit(self.store.get_many, items, self.whose)))
+
+            for run in runs[:TIER_RUNS]:
+                submit(run)
+            following = iter(runs[TIER_RUNS:])
+            while pending:
+                run, answer = pending.pop(0)
+                for (i, _), data in zip(run, answer.result(), strict=True):
+                    yield i * CHUNK, data
+                if (more := next(following, None)) is not None:
+                    submit(more)
 
     def stream(self, name: str) -> bytes:
         s = self.manifest.stream(name)
-        data = b"".join(self.store.get(d, self.whose) for d in s.digests)
+        data = b"".join(self.store.get_many([(d, None) for d in s.digests], self.whose))
         if len(data) != s.size:
             raise CorruptSnapshot(
                 f"saved state {self.whose}: its stream {name!r} is not the size it was saved at"

@@ -39,8 +39,9 @@ from ..errors import (
     no_space,
 )
 from . import boxdoc, snapshots, tiergc
-from .chunks import LOCK_WAIT, ChunkStore, digest, remove_file
+from .chunks import LOCK_WAIT, TIER_RUN, ChunkStore, digest, remove_file
 from .manifest import CHUNK, Image, Manifest
+from .packs import PackWriter, Place, decode_places, encode_places
 from .runtime import Runtime
 from .state import BoxState
 from .store import BoxRecord, SnapshotRecord
@@ -67,7 +68,6 @@ class Remote:
         self.chunks = ChunkStore(rt.home)
         self.me = home_id(rt.home)
         self.lock: tiergc.Lock | None = None  # this home's push lock, while it changes the tier
-        self.forgot_all = False  # a collection deleted more than this home can tell: ask the tier
 
     @classmethod
     def of(cls, rt: Runtime) -> Remote:
@@ -121,7 +121,6 @@ class Remote:
     def forget(self, what: tiergc.Forget) -> None:
         """Forget that the tier holds what a collection deleted from it."""
         self.rt.store.forget_remote(chunks=what.chunks, states=what.states, everything=what.everything)
-        self.forgot_all = self.forgot_all or what.everything
         sent = _sent_files(self.chunks.root)
         names = sent.get("names", {})
         gone = [rel for rel, name in names.items() if what.everything or name in what.files]
@@ -137,23 +136,22 @@ class Remote:
 
     # -- chunks and states -------------------------------------------------------------------
 
-    def push(self, states: Iterable[str] | None = None, *, ask: bool = False) -> PushReport:
+    def push(self, states: Iterable[str] | None = None) -> PushReport:
         """Send the tier every chunk and manifest it lacks: of ``states`` (snapshot ids),
-        or of every state of the home. A chunk is marked as the tier's only once the
-        tier said it has it; a push cut short sends the rest next time. ``ask``: a chunk
-        this home does not know the tier holds is looked up there before it is sent (a
-        box that came from the tier: this home forgot its chunks were the tier's when no
-        state of its own listed them any more, as the state it was pulled with went)."""
+        or of every state of the home. New chunks go in packs (``core.packs``), each
+        state's in the order its manifest lists them; a chunk is marked as the tier's only
+        once the pack that holds it is there, so a push cut short sends the rest next
+        time. Each state's places go before its manifest: a state the tier lists, a home
+        can read."""
         with self.changing():
-            return self._push(states, ask=ask or self.forgot_all)
+            return self._push(states)
 
-    def _push(self, states: Iterable[str] | None, *, ask: bool) -> PushReport:
+    def _push(self, states: Iterable[str] | None) -> PushReport:
         t0 = time.monotonic()
         store = self.rt.store
         wanted = list(states) if states is not None else store.unpushed_states()
-        sent = nbytes = 0
         with self.chunks.using():
-            todo: list[bytes] = []
+            todo: list[list[bytes]] = []  # each state's new chunks: a state's own packs hold them
             manifests: dict[str, bytes] = {}
             for snap_id in wanted:
                 data = store.state_manifest(snap_id)
@@ -162,37 +160,47 @@ class Remote:
                         f"saved state {snap_id} is not kept as chunks: it cannot go to the tier"
                     )
                 manifests[snap_id] = data
-                digests = Manifest.decode(data, snap_id).digests()
-                todo += sorted(digests - store.remote_chunks(digests))
+                listed = _in_order(Manifest.decode(data, snap_id))
+                known = store.remote_chunks(listed)
+                if any(d not in known and not self.chunks.path(d).exists() for d in listed):
+                    # only in the tier, and this home forgot where (a collection it could
+                    # not follow): the state's places, sent with it before, say so again
+                    self._learn_places("states", snap_id)
+                    known = store.remote_chunks(listed)
+                todo.append([d for d in listed if d not in known])
             if states is None:
-                todo += store.unpushed_chunks()
-            todo = list(dict.fromkeys(todo))
-            for batch in _batches(todo, 512):
-                sizes = self.tier.each(self._ask_then_push if ask else self._push_chunk, batch)
-                store.mark_pushed(chunks=batch)
-                crash_point("remote.mid-push")
-                self.touch()
-                sent, nbytes = sent + sum(1 for s in sizes if s), nbytes + sum(sizes)
+                todo.append(store.unpushed_chunks())
+            # each state's chunks in packs of their own, so that a state removed leaves
+            # whole packs to delete, not bits of packs other states still need
+            with PackWriter(self.tier, self._sent) as writer:
+                for chunks in todo:
+                    for d in chunks:
+                        if d not in writer.seen and (packed := self._kept(d)) is not None:
+                            writer.add(d, packed)
+                    writer.flush()
             for snap_id, data in manifests.items():
+                listed = _in_order(Manifest.decode(data, snap_id))
+                places = encode_places(store.tier_places(listed))
+                self.tier.put(self.tier.key("places", "states", snap_id), places)
                 self.tier.put(self.tier.key("states", snap_id), data)
                 store.mark_pushed(state=snap_id)
-        return PushReport(sent, nbytes, len(manifests), 0, round(time.monotonic() - t0, 3))
+        return PushReport(writer.chunks, writer.bytes, len(manifests), 0, round(time.monotonic() - t0, 3))
 
-    def _ask_then_push(self, d: bytes) -> int:
-        return 0 if self.tier.exists(self.tier.key("chunks", d.hex())) else self._push_chunk(d)
+    def _sent(self, places: dict[bytes, Place]) -> None:
+        """A pack is in the tier: its chunks are the tier's now."""
+        self.rt.store.add_places(places)
+        crash_point("remote.mid-push")
+        self.touch()
 
-    def _push_chunk(self, d: bytes) -> int:
-        path = self.chunks.path(d)
+    def _kept(self, d: bytes) -> bytes | None:
+        """A chunk as this home keeps it, to send (None: the tier has it as an object of its
+        own, as older homes sent chunks, and this home let it go since)."""
         try:
-            packed = path.read_bytes()
+            return self.chunks.path(d).read_bytes()
         except FileNotFoundError:
             if self.tier.exists(self.tier.key("chunks", d.hex())):
-                return 0  # sent before and evicted here since
-            raise CorruptSnapshot(
-                f"chunk {d.hex()} is neither in this home nor in its storage tier"
-            ) from None
-        self.tier.put(self.tier.key("chunks", d.hex()), packed)
-        return len(packed)
+                return None
+            raise CorruptSnapshot(f"chunk {d.hex()} is in neither this home nor its storage tier") from None
 
     def evict(self, older_than: float) -> tuple[int, int]:
         """Keep only the manifest here of cold states: of boxes suspended ``older_than``
@@ -287,7 +295,7 @@ class Remote:
             raise InvalidArgument(f"box {rec.name} runs on engine {rec.engine!r}, whose saved state does not "
                                   "move through the tier yet: engine='qemu'")  # fmt: skip
         self.tier.take(rec.id, self.me)
-        report = self.push([snap.id], ask=True)
+        report = self.push([snap.id])
         files = [self._push_file(rt.home, path) for path in _chain(rt.home, Path(rec.disk or ""))]
         doc = {
             "format": boxdoc.FORMAT, "home": self.me, "pushed_at": time.time(),
@@ -336,22 +344,16 @@ class Remote:
         if not self.tier.exists(self.tier.key("files", name)):
             wanted = [(i, d) for i, d in enumerate(image.digests) if d is not None]
             known = self.rt.store.remote_chunks({d for _, d in wanted})
+            import zstandard
 
-            def send(item: tuple[int, bytes]) -> int:
-                i, d = item
-                self.touch()  # a large disk's file takes a while: the lock must not look dead
-                if d in known or self.tier.exists(self.tier.key("chunks", d.hex())):
-                    return 0
-                with open(path, "rb") as f:
-                    f.seek(i * CHUNK)
-                    raw = f.read(CHUNK)
-                import zstandard
-
-                packed = zstandard.ZstdCompressor(level=3, write_content_size=True).compress(raw)
-                self.tier.put(self.tier.key("chunks", d.hex()), packed)
-                return len(packed)
-
-            self.tier.each(send, wanted)
+            compress = zstandard.ZstdCompressor(level=3, write_content_size=True).compress
+            with PackWriter(self.tier, self._sent) as writer, open(path, "rb") as f:
+                for i, d in wanted:
+                    if d not in known and d not in writer.seen:
+                        self.touch()  # a large disk's file takes a while: the lock must not look dead
+                        writer.add(d, compress(os.pread(f.fileno(), CHUNK, i * CHUNK)))
+            places = self.rt.store.tier_places(d for _, d in wanted)
+            self.tier.put(self.tier.key("places", "files", name), encode_places(places))
             self.tier.put(self.tier.key("files", name), encoded)
         sent = _sent_files(self.chunks.root)
         sent[rel] = [st.st_size, st.st_mtime_ns, self.tier.config.url]
@@ -393,6 +395,7 @@ class Remote:
                 )
             manifest = found[0]
             Manifest.decode(manifest, snap_doc["id"])  # checked before anything is written
+            self._learn_places("states", snap_doc["id"])
             paths = [self._pull_file(rt.home, f, made) for f in doc["disk"]]
             _rebase(paths)
             crash_point("remote.mid-pull")
@@ -408,6 +411,13 @@ class Remote:
                 self.tier.release(box["id"], self.me)
             raise
         return rec
+
+    def _learn_places(self, kind: str, name: str) -> None:
+        """Where the tier keeps the chunks of a state or file it holds (none said: each
+        chunk is an object of its own, as older homes sent them)."""
+        found = self.tier.get(self.tier.key("places", kind, name))
+        if found is not None:
+            self.rt.store.add_places(decode_places(found[0], f"{kind[:-1]} {name}"))
 
     def _find_box(self, key: str) -> dict[str, Any]:
         if re.fullmatch(r"[0-9a-f]{12}", key):
@@ -463,6 +473,7 @@ class Remote:
         image = m.image("file")
         if dest.exists() and dest.stat().st_size == image.size:
             return dest
+        self._learn_places("files", str(entry["file"]))
         tmp = dest.with_name(f".{dest.name}.pull-{os.urandom(4).hex()}")
         made.append(tmp)
         try:
@@ -471,13 +482,14 @@ class Remote:
                 f.truncate(image.size)
                 wanted = [(i, d) for i, d in enumerate(image.digests) if d is not None]
 
-                def fetch(item: tuple[int, bytes]) -> None:
-                    i, d = item
+                def fetch(run: list[tuple[int, bytes]]) -> None:
                     self.touch()
-                    data = self.chunks.get(d, rel, image.chunk_size(i), keep=False)
-                    os.pwrite(f.fileno(), data, i * CHUNK)
+                    got = self.chunks.get_many([(d, image.chunk_size(i)) for i, d in run], rel, keep=False)
+                    for (i, _), data in zip(run, got, strict=True):
+                        os.pwrite(f.fileno(), data, i * CHUNK)
 
-                self.tier.each(fetch, wanted)
+                runs = [wanted[k : k + TIER_RUN] for k in range(0, len(wanted), TIER_RUN)]
+                self.tier.each(fetch, runs)
                 f.flush()
                 os.fsync(f.fileno())
         except OSError as exc:
@@ -534,9 +546,10 @@ def _rebase(paths: list[Path]) -> None:
             )
 
 
-def _batches(items: list[bytes], n: int) -> Iterable[list[bytes]]:
-    for i in range(0, len(items), n):
-        yield items[i : i + n]
+def _in_order(m: Manifest) -> list[bytes]:
+    """The chunks a manifest lists, each once, in its order (a memory image's by address)."""
+    images = (d for image in m.images for d in image.digests if d is not None)
+    return list(dict.fromkeys(itertools.chain(images, (d for s in m.streams for d in s.digests))))
 
 
 __all__ = ["PushReport", "Remote"]

@@ -26,12 +26,12 @@ import re
 import sqlite3
 import threading
 import time
-from collections.abc import Callable, Collection, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
-from typing import Any, Concatenate, ParamSpec, TypeVar
+from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, TypeVar
 
 from .. import pids, records
 from ..config import free_bytes
@@ -48,13 +48,15 @@ from ..errors import (
     no_space,
 )
 from ..net.policy import BOX_NAME
-from .boxrecord import JSON_COLUMNS, BoxRecord, box_of_row
+from .boxrecord import JSON_COLUMNS, SCHEMA_VERSION, BoxRecord, box_of_row
 from .events import Draft, Event
 from .events import draft as draft_event
 from .manifest import digests_of as manifest_digests
 from .state import BORN, BoxState, allowed
 
-SCHEMA_VERSION = 16
+if TYPE_CHECKING:
+    from .packs import Place
+
 # Room the store keeps for itself (BoxStore.hold_room): a file of its own, given up when
 # a write finds the filesystem full so that the write is tried again and the rows saying
 # how an operation ended are written; made again once the filesystem has room.
@@ -359,6 +361,16 @@ MIGRATIONS: list[str | Callable[[sqlite3.Connection], None]] = [
     # 15 -> 16: chunks the storage tier holds that no state of this home lists any more
     # (their rows and files gone): a later state listing one again does not send it again
     "CREATE TABLE tier_chunks (digest BLOB PRIMARY KEY) WITHOUT ROWID",
+    # 16 -> 17: where the storage tier keeps each chunk this home sent or pulled in a pack
+    # (``core.packs``): its pack's hash, offset and length
+    """
+    CREATE TABLE tier_places (
+        digest BLOB PRIMARY KEY,
+        pack BLOB NOT NULL,
+        offset INTEGER NOT NULL,
+        length INTEGER NOT NULL
+    ) WITHOUT ROWID;
+    """,
 ]
 
 SNAPSHOT_KINDS = ("snapshot", "template", "suspend", "step")
@@ -1349,8 +1361,9 @@ class BoxStore:
             for d in digests:
                 if self._db.execute(
                     "SELECT 1 FROM chunks WHERE digest = ? AND remote = 1 "
-                    "UNION ALL SELECT 1 FROM tier_chunks WHERE digest = ?",
-                    (d, d),
+                    "UNION ALL SELECT 1 FROM tier_chunks WHERE digest = ? "
+                    "UNION ALL SELECT 1 FROM tier_places WHERE digest = ?",
+                    (d, d, d),
                 ).fetchone():
                     out.add(d)
         return out
@@ -1369,10 +1382,37 @@ class BoxStore:
                 db.execute("UPDATE chunks SET remote = 0 WHERE remote = 1")
                 db.execute("UPDATE states SET pushed = 0 WHERE pushed = 1")
                 db.execute("DELETE FROM tier_chunks")
+                db.execute("DELETE FROM tier_places")
                 return
             db.executemany("UPDATE chunks SET remote = 0 WHERE digest = ?", [(d,) for d in chunks or ()])
             db.executemany("DELETE FROM tier_chunks WHERE digest = ?", [(d,) for d in chunks or ()])
+            db.executemany("DELETE FROM tier_places WHERE digest = ?", [(d,) for d in chunks or ()])
             db.executemany("UPDATE states SET pushed = 0 WHERE id = ?", [(i,) for i in states or ()])
+
+    def add_places(self, places: Mapping[bytes, Place]) -> None:
+        """Where the tier keeps these chunks (``core.packs``), as a pack sent or a state's
+        places read told: their rows say the tier holds them too."""
+        rows = [(d, p.pack, p.offset, p.length) for d, p in places.items()]
+        with self._tx() as db:
+            db.executemany("INSERT OR REPLACE INTO tier_places (digest, pack, offset, length) "
+                           "VALUES (?, ?, ?, ?)", rows)  # fmt: skip
+            db.executemany("UPDATE chunks SET remote = 1 WHERE digest = ?", [(r[0],) for r in rows])
+
+    def tier_places(self, digests: Iterable[bytes]) -> dict[bytes, Place]:
+        """Where the tier keeps those of ``digests`` this home knows of in a pack."""
+        from .packs import Place
+
+        out: dict[bytes, Place] = {}
+        batch = list(dict.fromkeys(digests))
+        with self._reading():
+            for i in range(0, len(batch), 500):
+                part = batch[i : i + 500]
+                marks = ",".join("?" * len(part))
+                for r in self._db.execute(
+                    f"SELECT digest, pack, offset, length FROM tier_places WHERE digest IN ({marks})", part
+                ):
+                    out[bytes(r[0])] = Place(bytes(r[1]), int(r[2]), int(r[3]))
+        return out
 
     def pushed_states(self) -> builtins.set[str]:
         with self._reading():

@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from ..config import atomic_write
-from ..errors import BoxElsewhere, HostSetupError, InvalidArgument, TierError
+from ..errors import BoxElsewhere, CorruptSnapshot, HostSetupError, InvalidArgument, TierError
 
 if TYPE_CHECKING:
     from botocore.client import BaseClient
@@ -252,6 +252,24 @@ class Tier:
             return data, str(reply.get("ETag", ""))
         except OSError as exc:
             raise TierError(f"the storage tier {self.config.url} broke off reading {key}: {exc}") from None
+
+    def get_range(self, key: str, start: int, end: int, *, short: bool = False) -> bytes:
+        """Bytes ``start`` to ``end`` (not included) of an object; ``short``: an object that
+        ends sooner gives what it has, else that is a ``CorruptSnapshot``. One that is
+        not there is a ``CorruptSnapshot`` too: what a read names, something lists."""
+        try:
+            reply = self._call("read", key, self.client.get_object, Range=f"bytes={start}-{end - 1}")
+        except FileNotFoundError:
+            raise CorruptSnapshot(f"{key} is missing from the storage tier {self.config.url}") from None
+        try:
+            data: bytes = reply["Body"].read()
+        except OSError as exc:
+            raise TierError(f"the storage tier {self.config.url} broke off reading {key}: {exc}") from None
+        self._counted("tier_received_bytes", len(data))
+        if len(data) != end - start and not (short and len(data) < end - start):
+            raise CorruptSnapshot(f"{key} in the storage tier {self.config.url} gave {len(data)} bytes "
+                                  f"where {end - start} were asked for (cut short or damaged)")  # fmt: skip
+        return data
 
     def exists(self, key: str) -> bool:
         try:

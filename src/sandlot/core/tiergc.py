@@ -71,8 +71,10 @@ class TierGcReport:
     files: int = 0  # disk-file manifests
     boxes: int = 0  # box documents (and their leases) of boxes no home has
     chunks: int = 0
-    bytes_freed: int = 0  # of the chunks
+    bytes_freed: int = 0  # of the chunks (and packs)
     generation: int = 0  # the collection's number
+    packs: int = 0  # packs none of whose chunks is listed any more
+    dead_bytes: int = 0  # kept in packs some of whose chunks are still listed (about: by count)
 
 
 class Lock:
@@ -314,7 +316,8 @@ def collect(tier: Tier, me: str, declare_mine: Callable[[], None], *, wait: floa
             live_states.add(doc["snapshot"]["id"])
             live_files |= {str(f["file"]) for f in doc["disk"]}
         lock.touch()
-        in_tier = tier.listing("chunks")
+        in_tier = tier.listing("chunks")  # chunks as objects of their own (older homes sent them so)
+        packed = tier.listing("packs")
         states = set(tier.names("states"))
         files = set(tier.names("files"))
         live_chunks: set[str] = set()
@@ -332,6 +335,19 @@ def collect(tier: Tier, me: str, declare_mine: Callable[[], None], *, wait: floa
         lock.touch()
         gone_states, gone_files = sorted(states - live_states), sorted(files - live_files)
         gone_chunks = sorted(set(in_tier) - live_chunks)
+        # a pack goes once none of its chunks is listed; one whose header cannot be read stays
+        held = dict(tier.each(lambda name: (name, _members(tier, name)), sorted(packed)))
+        gone_packs = sorted(n for n, inside in held.items() if inside is not None
+                            and not inside & live_chunks)  # fmt: skip
+        gone_chunks += sorted({d for name in gone_packs for d in held[name] or ()} - set(gone_chunks))
+        dead_bytes = sum(packed[name] * len(inside - live_chunks) // max(len(inside), 1)
+                         for name, inside in held.items() if inside and name not in gone_packs)  # fmt: skip
+        # places of states and files that go, and of any a killed push left without its manifest
+        kept_states, kept_files = states - set(gone_states), files - set(gone_files)
+        gone_places = [tier.key("places", "states", s) for s in tier.names("places/states")
+                       if s not in kept_states]  # fmt: skip
+        gone_places += [tier.key("places", "files", f) for f in tier.names("places/files")
+                        if f not in kept_files]  # fmt: skip
         # its number first (one conditional write: of two collections that each took the
         # lock for a dead one's, one goes on), then its record: a home that finds the
         # number and not the record (a kill between) forgets everything, which is safe
@@ -342,7 +358,7 @@ def collect(tier: Tier, me: str, declare_mine: Callable[[], None], *, wait: floa
         except Conflict:
             raise TierError("another collection of the storage tier began at once: try again") from None
         record = {"by": me, "at": time.time(), "chunks": gone_chunks, "states": gone_states,
-                  "files": gone_files, "boxes": dead_boxes}  # fmt: skip
+                  "files": gone_files, "boxes": dead_boxes, "packs": gone_packs}  # fmt: skip
         tier.put(tier.key("gc", f"{n + 1}.json"), json.dumps(record).encode())
         crash_point("tiergc.recorded")
         # manifests before the chunks they list: a reader finds a state whole or not at all
@@ -350,15 +366,28 @@ def collect(tier: Tier, me: str, declare_mine: Callable[[], None], *, wait: floa
         tier.delete_many([tier.key("leases", f"{b}.json") for b in dead_boxes])
         tier.delete_many([tier.key("states", s) for s in gone_states])
         tier.delete_many([tier.key("files", f) for f in gone_files])
+        tier.delete_many(gone_places)
         lock.touch()
-        tier.delete_many([tier.key("chunks", c) for c in gone_chunks])
+        tier.delete_many([tier.key("chunks", c) for c in gone_chunks if c in in_tier])
+        tier.delete_many([tier.key("packs", name) for name in gone_packs])
         crash_point("tiergc.deleted")
         if n + 1 > RECORDS_KEPT:  # the record that falls out of those kept
             tier.delete(tier.key("gc", f"{n + 1 - RECORDS_KEPT}.json"))
         return TierGcReport(
             states=len(gone_states), files=len(gone_files), boxes=len(dead_boxes), chunks=len(gone_chunks),
-            bytes_freed=sum(in_tier[c] for c in gone_chunks), generation=n + 1,
+            bytes_freed=sum(in_tier.get(c, 0) for c in gone_chunks) + sum(packed[p] for p in gone_packs),
+            generation=n + 1, packs=len(gone_packs), dead_bytes=dead_bytes,
         )  # fmt: skip
+
+
+def _members(tier: Tier, name: str) -> set[str] | None:
+    """The chunks (hex) a pack holds; None where its header cannot be read (it stays)."""
+    from .packs import members
+
+    try:
+        return {d.hex() for d in members(tier, name)}
+    except CorruptSnapshot:
+        return None
 
 
 __all__ = ["TierGcReport", "catch_up", "collect", "declare", "pushing"]

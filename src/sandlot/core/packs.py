@@ -1,0 +1,215 @@
+"""Packs: chunks sent to the storage tier many to an object (docs/storage.md, "Packs").
+
+One object per chunk made every push and every pull a request per 64 KiB: a Debian base
+took about 10,000 requests, and a box woken lazily from the tier waited on one request
+for each chunk it touched, one after another. A push now writes its new chunks into
+packs of about ``PACK_BYTES``, in the order its states and files list them (a memory
+image's chunks in address order), and a read asks for a run of neighbouring chunks in
+one ranged GET: what a guest touches on waking lies in runs (its kernel's and its
+processes' pages), and a whole state streams in a few large reads.
+
+    packs/<hex>                 a pack, named by the BLAKE3 hash of its bytes
+    places/states/<id>          where each chunk of a state's manifest is (its "places")
+    places/files/<hex>          the same for a disk file's manifest
+
+A pack is its header (``MAGIC``, the count, each chunk's hash and length), then the
+chunks as the home keeps them (zstd), one after another. A home learns where a chunk is
+when it sends the pack, or when it reads the places of a state or file it pulls
+(``BoxStore.tier_places``); a chunk of no known place is read as ``chunks/<hex>``, the
+one-object form older homes wrote. Every chunk is still checked against its hash when
+read, so a damaged pack or places object is a ``CorruptSnapshot`` naming the chunk.
+
+A collection (``core.tiergc``) deletes a pack once none of its chunks is listed by a state
+or a file the tier keeps; a pack some of whose chunks are still listed stays whole, and
+its dead bytes are counted (``TierGcReport.dead_bytes``).
+"""
+
+from __future__ import annotations
+
+import struct
+import threading
+from collections.abc import Callable, Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+from ..errors import CorruptSnapshot
+from .tier import Tier
+
+MAGIC = b"SLPACK1\n"
+PLACES_MAGIC = b"SLPLACE1"
+PACK_BYTES = 8 << 20  # a pack's chunks, compressed: a few requests a state, little held at once
+SPAN_BYTES = 4 << 20  # the most one ranged read asks for
+SPAN_GAP = 256 << 10  # bytes of chunks not wanted that a read takes to join two runs in one
+SENDING = 4  # packs sent at once
+_HEAD = struct.Struct("<8sI")
+_ENTRY = struct.Struct("<32sI")
+_PLACE = struct.Struct("<32sIII")
+_COUNTS = struct.Struct("<II")
+
+
+@dataclass(frozen=True, slots=True)
+class Place:
+    """Where a chunk is in the tier: its pack's hash, and its bytes' offset and length."""
+
+    pack: bytes
+    offset: int
+    length: int
+
+
+def pack_key(tier: Tier, pack: bytes) -> str:
+    return tier.key("packs", pack.hex())
+
+
+def build(items: list[tuple[bytes, bytes]]) -> tuple[bytes, bytes, dict[bytes, Place]]:
+    """A pack of ``items`` (each a chunk's hash and its bytes as kept): its hash, its
+    bytes, and where each chunk is in it."""
+    import blake3  # (the hash ``core.chunks`` names chunks by)
+
+    header = _HEAD.pack(MAGIC, len(items)) + b"".join(_ENTRY.pack(d, len(p)) for d, p in items)
+    body = header + b"".join(p for _, p in items)
+    pack = blake3.blake3(body).digest()
+    places, at = {}, len(header)
+    for d, p in items:
+        places[d] = Place(pack, at, len(p))
+        at += len(p)
+    return pack, body, places
+
+
+def members(tier: Tier, pack: str) -> set[bytes]:
+    """The chunks a pack in the tier holds, read from its header (two ranged reads at most)."""
+    key = tier.key("packs", pack)
+    first = tier.get_range(key, 0, 64 << 10, short=True)
+    if len(first) < _HEAD.size or first[:8] != MAGIC:
+        raise CorruptSnapshot(f"the pack {key} in the storage tier is damaged: no pack header")
+    (_, count) = _HEAD.unpack_from(first)
+    end = _HEAD.size + count * _ENTRY.size
+    head = first if end <= len(first) else first + tier.get_range(key, len(first), end)
+    if len(head) < end:
+        raise CorruptSnapshot(f"the pack {key} in the storage tier is damaged: its header is cut short")
+    return {d for d, _ in _ENTRY.iter_unpack(head[_HEAD.size : end])}
+
+
+def encode_places(places: dict[bytes, Place]) -> bytes:
+    """A state's or file's places, as ``places/...`` holds them."""
+    import zstandard
+
+    packs = sorted({p.pack for p in places.values()})
+    index = {p: i for i, p in enumerate(packs)}
+    body = _COUNTS.pack(len(packs), len(places)) + b"".join(packs)
+    body += b"".join(_PLACE.pack(d, index[p.pack], p.offset, p.length) for d, p in places.items())
+    return PLACES_MAGIC + zstandard.ZstdCompressor(level=3, write_content_size=True).compress(body)
+
+
+def decode_places(data: bytes, whose: str) -> dict[bytes, Place]:
+    """The places ``encode_places`` wrote; ``CorruptSnapshot`` naming ``whose`` if not."""
+    import zstandard
+
+    try:
+        if data[:8] != PLACES_MAGIC:
+            raise ValueError("not a places object")
+        body = zstandard.ZstdDecompressor().decompress(data[8:], max_output_size=1 << 30)
+        npacks, count = _COUNTS.unpack_from(body)
+        at = _COUNTS.size + 32 * npacks
+        if len(body) != at + count * _PLACE.size:
+            raise ValueError(f"{len(body)} bytes, not what {npacks} packs and {count} places take")
+        packs = [body[_COUNTS.size + 32 * i : _COUNTS.size + 32 * (i + 1)] for i in range(npacks)]
+        out = {}
+        for d, i, offset, length in _PLACE.iter_unpack(body[at:]):
+            if i >= npacks or not length:
+                raise ValueError(f"chunk {d.hex()} is placed in no pack")
+            out[d] = Place(packs[i], offset, length)
+        return out
+    except (ValueError, struct.error, zstandard.ZstdError) as exc:
+        raise CorruptSnapshot(f"the places of {whose} in the storage tier are damaged: {exc}") from None
+
+
+def spans(wanted: Iterable[tuple[bytes, Place]]) -> list[tuple[bytes, int, int, list[tuple[bytes, Place]]]]:
+    """The ranged reads that bring ``wanted``: each a pack, a start, an end and the chunks
+    it holds; chunks near each other in one pack share a read."""
+    out: list[tuple[bytes, int, int, list[tuple[bytes, Place]]]] = []
+    for d, p in sorted(wanted, key=lambda item: (item[1].pack, item[1].offset)):
+        last = out[-1] if out else None
+        end = p.offset + p.length
+        if (last is not None and last[0] == p.pack and p.offset - last[2] <= SPAN_GAP
+                and end - last[1] <= SPAN_BYTES):  # fmt: skip
+            last[3].append((d, p))
+            out[-1] = (last[0], last[1], max(last[2], end), last[3])
+        else:
+            out.append((p.pack, p.offset, end, [(d, p)]))
+    return out
+
+
+def read(tier: Tier, wanted: dict[bytes, Place]) -> dict[bytes, bytes]:
+    """The bytes (as kept) of each wanted chunk, its neighbours in a pack read at once."""
+    found: dict[bytes, bytes] = {}
+
+    def one(span: tuple[bytes, int, int, list[tuple[bytes, Place]]]) -> None:
+        pack, start, end, held = span
+        data = tier.get_range(pack_key(tier, pack), start, end)
+        for d, p in held:
+            found[d] = data[p.offset - start : p.offset - start + p.length]
+
+    tier.each(one, spans(wanted.items()))
+    return found
+
+
+class PackWriter:
+    """Chunks sent to the tier in packs as they are added: ``sent`` is told the places of
+    each pack once the tier holds it (from a sending thread)."""
+
+    def __init__(self, tier: Tier, sent: Callable[[dict[bytes, Place]], None]) -> None:
+        self.tier = tier
+        self.sent = sent
+        self.items: list[tuple[bytes, bytes]] = []
+        self.size = 0
+        self.seen: set[bytes] = set()
+        self.chunks = self.bytes = 0
+        self._counting = threading.Lock()
+        self._pool = ThreadPoolExecutor(SENDING, thread_name_prefix="sandlot-pack")
+        self._pending: list[Future[None]] = []
+
+    def add(self, d: bytes, packed: bytes) -> None:
+        if d in self.seen:
+            return
+        self.seen.add(d)
+        self.items.append((d, packed))
+        self.size += len(packed)
+        if self.size >= PACK_BYTES:
+            self.flush()
+
+    def flush(self) -> None:
+        if not self.items:
+            return
+        items, self.items, self.size = self.items, [], 0
+        while len(self._pending) >= SENDING:  # bounded: at most SENDING packs held in memory
+            self._pending.pop(0).result()
+        self._pending.append(self._pool.submit(self._send, items))
+
+    def _send(self, items: list[tuple[bytes, bytes]]) -> None:
+        pack, body, places = build(items)
+        self.tier.put(pack_key(self.tier, pack), body)
+        self.sent(places)
+        with self._counting:
+            self.chunks += len(items)
+            self.bytes += len(body)
+
+    def close(self) -> None:
+        """Send what is left and wait for every pack; the first failure is raised."""
+        try:
+            self.flush()
+            for f in self._pending:
+                f.result()
+        finally:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+
+    def __enter__(self) -> PackWriter:
+        return self
+
+    def __exit__(self, exc_type: object, *exc: object) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+
+
+__all__ = ["PACK_BYTES", "PackWriter", "Place", "build", "decode_places", "encode_places", "members", "read"]
