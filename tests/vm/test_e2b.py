@@ -15,6 +15,7 @@ import os
 import shutil
 import struct
 import subprocess
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -39,7 +40,7 @@ import sandlot
 from sandlot.api import access
 
 from tests.support.serve import Served, create_key, serving
-from tests.support.waiting import deadline_in
+from tests.support.waiting import deadline_in, scaled
 
 pytestmark = pytest.mark.vm
 PORT_DOMAIN = "e2b.sandlot.test"  # only ever sent as a Host header to 127.0.0.1
@@ -446,6 +447,16 @@ def test_code_interpreter_results_errors_and_contexts(e2b_env: dict[str, Any]) -
         assert sandbox.run_code("'x' in dir()", context=ctx).text == "False"  # its own state
         assert ctx.id in {c.id for c in sandbox.list_code_contexts()}
         sandbox.remove_code_context(ctx)
+        # a sandbox killed mid-cell: the cell's stream breaks off, as E2B's does when its
+        # sandbox goes, and the SDK finds it gone and says so (e2b-code-interpreter's
+        # own test_killed; its kill after two seconds, here once the cell runs)
+        started = threading.Event()
+        timer = threading.Thread(target=lambda: started.wait(scaled(60)) and sandbox.kill())
+        timer.start()
+        with pytest.raises(TimeoutException, match="sandbox was killed while the request was in progress"):
+            sandbox.run_code("print('going', flush=True); import time; time.sleep(300)", timeout=300,
+                             on_stdout=lambda m: started.set())  # fmt: skip
+        timer.join()
     finally:
         sandbox.kill()
 

@@ -6,7 +6,11 @@ them: ``stdout``/``stderr`` (``text``, ``timestamp``), ``result`` (the result's
 formats as fields: ``text``, ``html``, ``png``... and ``is_main_result``), ``error``
 (``name``, ``value``, ``traceback``), then ``number_of_executions``. So rich
 results, languages and interpreter state kept through snapshot, fork and rollback
-come with it. A client that leaves mid-cell interrupts the cell.
+come with it. A client that leaves mid-cell interrupts the cell. The answer's head goes
+at once, before the default context is set up (its first cell starts its kernel): a
+sandbox killed meanwhile, or mid-cell, breaks the stream off, as E2B's does when its
+sandbox goes, and the SDK then finds the sandbox gone (``is_running``) and says it was
+killed.
 
 Cells run where E2B's run: in the home of the user its other calls run as (``user``
 where the image has it: ``sandlot serve --e2b-user``), as the box's own user (root in
@@ -19,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
@@ -56,11 +61,7 @@ class Interpreter:
         if path == "/health":
             return Response(status_code=204)
         if path == "/execute" and method == "POST":
-            body = await _json(request)
-            if not _str(body, "context_id"):
-                language = _language(body.get("language")) if body.get("language") else "python"
-                await self.default_context(box, request, language)
-            return await self.execute(box, body)
+            return await self.execute(box, await _json(request), request)
         if path == "/contexts" and method == "POST":
             body = await _json(request)
             language = _language(body.get("language"))
@@ -102,7 +103,7 @@ class Interpreter:
         finally:  # a set-up that failed leaves no lock behind (its box's next cell tries again)
             self.setting_up.pop(box.id, None)
 
-    async def execute(self, box: AsyncBox, body: dict[str, Any]) -> Response:
+    async def execute(self, box: AsyncBox, body: dict[str, Any], request: Request) -> Response:
         code = body.get("code")
         if not isinstance(code, str):
             raise InvalidArgument("code is a string")
@@ -110,7 +111,8 @@ class Interpreter:
         language = _language(body.get("language")) if body.get("language") else "python"
         env = check_env(body.get("env_vars"), "env_vars") or None  # for this cell alone, as E2B's sets them
         lines: asyncio.Queue[bytes | None] = asyncio.Queue()
-        backlog = {"bytes": 0, "dropping": False}  # a client that reads slower than the cell prints
+        # a client that reads slower than the cell prints; a sandbox gone mid-cell
+        backlog = {"bytes": 0, "dropping": False, "gone": False}
 
         def put(kind: str, **fields: Any) -> None:
             line = json.dumps({"type": kind, **fields}).encode() + b"\n"
@@ -133,12 +135,18 @@ class Interpreter:
 
         async def cell() -> None:
             try:
+                if not context:
+                    await self.default_context(box, request, language)
                 execution: Execution = await box.run_code(
                     code, language=language, context=context, env=env,
                     on_stdout=lambda text: put("stdout", text=text, timestamp=_now()),
                     on_stderr=lambda text: put("stderr", text=text, timestamp=_now()), on_result=on_result,
                 )  # fmt: skip
-                _ended(put, execution)
+                died = execution.error is not None and execution.error.name == "KernelDied"
+                if died and await _gone(box):  # its interpreter ended with its sandbox
+                    backlog["gone"] = True
+                else:
+                    _ended(put, execution)
             except CodeTimeout as e:
                 partial = getattr(e, "execution", None)
                 put("error", name="TimeoutError", value=str(e), traceback="")
@@ -147,7 +155,10 @@ class Interpreter:
             except CodeContextNotFound as e:
                 put("error", name="ContextNotFound", value=str(e), traceback="")
             except SandlotError as e:
-                put("error", name=type(e).__name__, value=str(e), traceback="")
+                if await _gone(box):
+                    backlog["gone"] = True
+                else:
+                    put("error", name=type(e).__name__, value=str(e), traceback="")
             finally:
                 lines.put_nowait(None)
 
@@ -160,6 +171,8 @@ class Interpreter:
                     if backlog["dropping"] and backlog["bytes"] < QUEUED_LIMIT // 2:
                         backlog["dropping"] = False
                     yield line
+                if backlog["gone"]:
+                    raise SandboxGone(f"sandbox {box.id} ended mid-cell")
             finally:
                 if not task.done():  # the client left mid-cell: stop the cell
                     task.cancel()
@@ -167,6 +180,27 @@ class Interpreter:
                         await box.interrupt_code_context(context or context_id(None, language))
 
         return StreamingResponse(stream(), media_type="application/x-ndjson")
+
+
+class SandboxGone(Exception):
+    """Raised in a cell's stream to break its answer off (uvicorn then closes the
+    connection mid-body); not a fault of the server, so not logged as one."""
+
+
+class _NotLoggedGone(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.exc_info and isinstance(record.exc_info[1], SandboxGone))
+
+
+logging.getLogger("uvicorn.error").addFilter(_NotLoggedGone())
+
+
+async def _gone(box: AsyncBox) -> bool:
+    """Whether a cell's sandbox is no longer running (removed, killed, stopped)."""
+    try:
+        return await box.refresh() != "running"
+    except SandlotError:
+        return True
 
 
 def _ended(put: Callable[..., None], execution: Execution) -> None:
