@@ -731,3 +731,34 @@ def rolls_back_from_the_tier_to(
     box.exec("remember", key, "changed")
     box.rollback(snap)
     assert box.exec("recall", key).stdout.strip() == value
+
+
+def test_a_pack_whose_header_is_damaged_is_kept_by_a_collection_and_its_chunks_refused_by_name(
+    tmp_path: Path, proxy: FaultyProxy, s3: S3Server, root: Path
+) -> None:
+    """A collection deletes only what it can tell is garbage: a pack whose header it cannot
+    read stays. A load that reads a damaged chunk of it names the chunk."""
+    (a,) = homes(tmp_path, proxy, 1)
+    box = fake_box(a, root, "damaged")
+    try:
+        box.exec("remember", "k", "v")
+        snap = box.snapshot("s")
+        sandlot.storage.push(home=a)
+        client = s3.client()
+        (key,) = objects(s3, f"{tmp_path.name}/packs/")
+        body = client.get_object(Bucket=s3.bucket, Key=key)["Body"].read()
+        client.put_object(Bucket=s3.bucket, Key=key, Body=b"NOTAPACK" + body[8:])
+        sandlot.storage.evict(older_than=0, home=a)
+        snap.remove()
+        gone = sandlot.storage.gc(tier=True, home=a).tier
+        assert gone is not None and gone.states == 1 and gone.packs == 0
+        assert objects(s3, f"{tmp_path.name}/packs/") == [key]
+        # the same bytes at the chunk's place, altered: refused by name
+        client.put_object(Bucket=s3.bucket, Key=key, Body=body[:-3] + b"xyz")
+        s2 = box.snapshot("t")
+        sandlot.storage.push(home=a)
+        sandlot.storage.evict(older_than=0, home=a)
+        with pytest.raises(CorruptSnapshot, match=r"its chunk [0-9a-f]{64} in the storage tier is damaged"):
+            box.rollback(s2)
+    finally:
+        box.remove(force=True)
