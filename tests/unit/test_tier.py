@@ -462,13 +462,15 @@ def test_a_home_forgets_the_chunks_a_collection_deleted_and_sends_them_again(
         box.remove(force=True)
 
 
-def rolls_back_from_the_tier(box: sandlot.Box, snap: sandlot.Snapshot, home: Path) -> None:
+def rolls_back_from_the_tier(
+    box: sandlot.Box, snap: sandlot.Snapshot, home: Path, key: str = "k", value: str = "v"
+) -> None:
     """Every chunk of the home evicted, the box rolled back to ``snap`` (which remembers
-    ``k`` = ``v``): its state comes from the tier, each chunk checked."""
+    ``key`` = ``value``): its state comes from the tier, each chunk checked."""
     sandlot.storage.evict(older_than=0, home=home)
-    box.exec("remember", "k", "changed")
+    box.exec("remember", key, "changed")
     box.rollback(snap)
-    assert box.exec("recall", "k").stdout == "v\n"
+    assert box.exec("recall", key).stdout.strip() == value
 
 
 def test_a_state_whose_chunks_the_tier_held_before_sends_only_what_changed(
@@ -698,7 +700,7 @@ def test_a_pack_some_of_whose_chunks_are_still_listed_stays_and_its_dead_bytes_a
         gone = sandlot.storage.gc(tier=True, home=a).tier
         assert gone is not None and gone.states == 1 and gone.packs == 0 and gone.dead_bytes > 0
         assert len(objects(s3, f"{tmp_path.name}/packs/")) == 2  # the first's pack holds chunks of the second
-        rolls_back_from_the_tier_to(box, second, "big", "gone", a)
+        rolls_back_from_the_tier(box, second, a, "big", "gone")
     finally:
         box.remove(force=True)
 
@@ -719,18 +721,9 @@ def test_a_home_that_forgot_what_the_tier_holds_finds_its_evicted_state_by_its_p
         BoxStore(a / "sandlot.db").forget_remote(everything=True)
         again = sandlot.storage.push(home=a)
         assert again.states == 1 and again.chunks == 0, again
-        rolls_back_from_the_tier_to(box, snap, "k", "v", a)
+        rolls_back_from_the_tier(box, snap, a)
     finally:
         box.remove(force=True)
-
-
-def rolls_back_from_the_tier_to(
-    box: sandlot.Box, snap: sandlot.Snapshot, key: str, value: str, home: Path
-) -> None:
-    sandlot.storage.evict(older_than=0, home=home)
-    box.exec("remember", key, "changed")
-    box.rollback(snap)
-    assert box.exec("recall", key).stdout.strip() == value
 
 
 def test_a_pack_whose_header_is_damaged_is_kept_by_a_collection_and_its_chunks_refused_by_name(
