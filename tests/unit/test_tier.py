@@ -753,5 +753,8 @@ def test_a_pack_whose_header_is_damaged_is_kept_by_a_collection_and_its_chunks_r
         sandlot.storage.evict(older_than=0, home=a)
         with pytest.raises(CorruptSnapshot, match=r"its chunk [0-9a-f]{64} in the storage tier is damaged"):
             box.rollback(s2)
+        client.put_object(Bucket=s3.bucket, Key=key, Body=body[:40])  # cut short: its chunks past its end
+        with pytest.raises(CorruptSnapshot, match=r"packs/[0-9a-f]{64} in the storage tier .*cut short"):
+            box.rollback(s2)
     finally:
         box.remove(force=True)

@@ -55,9 +55,8 @@ ORPHAN_AGE = 60.0  # seconds before a chunk no state counts may be a crash's lef
 LEVEL = 3  # zstd's default: ~570 MB/s here, within a few percent of level 1's ratio on memory
 LOCK_WAIT = 120.0  # seconds a user of the store waits for a collection to end
 READ_AHEAD = 16  # chunks read and checked ahead of the one a restore's stream needs
-TIER_READERS = 16  # chunks asked of the storage tier at once, as a state loads from it
 TIER_RUN = 64  # chunks of a state asked of the tier together as it loads (neighbours share a read)
-TIER_RUNS = 4  # runs asked for at once
+TIER_RUNS = 4  # runs asked for at once (a state's load, a lazy restore's fill)
 ZERO = bytes(CHUNK)
 
 
@@ -77,13 +76,13 @@ def digest(data: bytes | bytearray | memoryview) -> bytes:
 class ChunkStore:
     """The chunk files of one home. Cheap to create; thread-safe."""
 
-    def __init__(self, home: Path) -> None:
+    def __init__(self, home: Path, db: BoxStore | None = None) -> None:
         self.home = home
         self.root = home / "chunks"
         self._zc = threading.local()
         self._tier: tier.Tier | bool | None = False  # False: not looked up yet
         self._tier_lock = threading.Lock()
-        self._db: BoxStore | None = None
+        self._db = db  # the home's store (the tier's places), where the caller has it open
 
     def tier(self) -> tier.Tier | None:
         """The home's storage tier, where one is configured (looked up once)."""
@@ -683,7 +682,7 @@ def open_state(home: Path, store: BoxStore, snap_id: str) -> StateReader | None:
     data = store.state_manifest(snap_id)
     if data is None:
         return None
-    return StateReader(ChunkStore(home), Manifest.decode(data, snap_id), snap_id)
+    return StateReader(ChunkStore(home, store), Manifest.decode(data, snap_id), snap_id)
 
 
 __all__ = ["CHUNK", "ChunkStore", "Saving", "StateReader", "StateWriter", "digest", "open_state", "reading"]

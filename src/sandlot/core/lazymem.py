@@ -49,7 +49,7 @@ from pathlib import Path
 from typing import Any
 
 from ..config import atomic_write, runtime_dir, spawn_unless_locked, try_flock
-from .chunks import ChunkStore, StateReader
+from .chunks import TIER_RUNS, ChunkStore, StateReader
 from .manifest import CHUNK, Image, Manifest
 
 log = logging.getLogger("sandlot")
@@ -58,7 +58,6 @@ READY_WAIT = 15.0  # seconds a launcher waits for the helper's mount before it l
 OPEN_WAIT = 120.0  # seconds the helper waits for the VM to open its memory before it gives up
 TOUCH_WINDOW = 3.0  # seconds after the VM opens its memory in which what it reads is its wake's
 LOCAL_READERS = 4  # runs read at once from this host's disk while filling
-TIER_RUNS = 4  # runs asked of the storage tier at once while filling
 AROUND = 16  # chunks a read of the VM brings: the one it reads and those after it (1 MiB)
 FILL_RUN = 64  # chunks the fill asks for together
 # chunks of memory not on this host from which ``auto`` is lazy. Measured here (moto's

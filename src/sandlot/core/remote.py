@@ -65,7 +65,7 @@ class Remote:
     def __init__(self, rt: Runtime, tier: Tier) -> None:
         self.rt = rt
         self.tier = tier
-        self.chunks = ChunkStore(rt.home)
+        self.chunks = ChunkStore(rt.home, rt.store)
         self.me = home_id(rt.home)
         self.lock: tiergc.Lock | None = None  # this home's push lock, while it changes the tier
 

@@ -224,6 +224,9 @@ class Tier:
                 raise FileNotFoundError(key) from None
             if code in ("PreconditionFailed", "412", "ConditionalRequestConflict"):
                 raise Conflict(key) from None
+            if code in ("InvalidRange", "416"):  # a ranged read past its end: what placed it is wrong
+                raise CorruptSnapshot(f"{key} in the storage tier {self.config.url} is shorter than "
+                                      "a read of it expects (cut short or damaged)") from None  # fmt: skip
             raise TierError(f"the storage tier {self.config.url} refused to {what} {key}: {exc}") from None
         except BotoCoreError as exc:
             raise TierError(f"the storage tier {self.config.url} could not {what} {key}: {exc}") from None
