@@ -79,6 +79,27 @@ def interpreter_root() -> Path:
     return dest
 
 
+# E2B's code-interpreter template's IPython startup file for images, in the template's own
+# way (``template/startup_scripts/0003_images.py`` there): an image saved to a path is
+# shown as a result too. sandlot's kernel runs an image's startup files as IPython does.
+IMAGES_STARTUP = """\
+from IPython.display import display
+from PIL.Image import Image
+
+_saved = Image.save
+
+
+def save(image, fp, format=None, **params):
+    if isinstance(fp, str):
+        display(image)
+    return _saved(image, fp, format, **params)
+
+
+Image.save = save
+"""
+STARTUP_DIR = "/root/.ipython/profile_default/startup"  # cells run as root, as E2B's do
+
+
 def summary(report: Path) -> dict[str, object]:
     """Passed, failed (with the first line of each reason) and skipped tests of a JUnit report."""
     passed, failed, skipped = [], {}, []
@@ -117,11 +138,16 @@ def main() -> None:
         home = shared_home(Path(tmp))
         if args.code_interpreter:
             root, template, memory, tests = interpreter_root(), "code-interpreter-v1", 1024, INTERPRETER_TESTS
+            setup = [["mkdir", "-p", STARTUP_DIR],
+                     ["python3", "-c", "import sys; open(sys.argv[1], 'w').write(sys.argv[2])",
+                      f"{STARTUP_DIR}/0003_images.py", IMAGES_STARTUP]]  # fmt: skip
         else:
             root, template, memory, tests = base_root(), "base", 512, DEFAULT_TESTS
+            setup = []
         with serving(home) as served:
             key = create_key(home, "e2b-sdk", "--admin", "--e2b")
-            sandlot.template(rootfs=str(root), name=template, memory_mib=memory, network="public", home=home)
+            sandlot.template(rootfs=str(root), name=template, memory_mib=memory, network="public", home=home,
+                             setup=setup)  # fmt: skip
             env = {**os.environ, "E2B_API_URL": f"{served.url}/e2b", "E2B_SANDBOX_URL": f"{served.url}/e2b",
                    "E2B_API_KEY": key, "E2B_DOMAIN": "sandlot.invalid"}  # fmt: skip
             report = Path(tmp) / "report.xml"

@@ -329,6 +329,50 @@ print(json.dumps([seen, child]))"""
 ENV_AFTER = """import json, os; print(json.dumps([os.environ.get(k) for k in ("STAGE", "KEPT", "SET")]))"""
 
 
+STARTUP = "/tmp/ipython-startup-test/profile_default/startup"
+SAVES_SHOW = """\
+from IPython.display import display
+from PIL.Image import Image
+
+_saved = Image.save
+
+
+def save(image, fp, format=None, **params):
+    if isinstance(fp, str):
+        display(image)
+    return _saved(image, fp, format, **params)
+
+
+Image.save = save
+GREETING = "from a startup file"
+"""
+
+
+def test_an_images_ipython_startup_files_run_before_the_first_cell(jupyter_box: sandlot.Box) -> None:
+    """IPython's startup files (``$IPYTHONDIR/profile_default/startup/*.py``, by name) run in
+    a new context of sandlot's kernel, as IPython runs them: E2B's template shows an image
+    saved to a path this way. One that fails is told on the first cell's stderr, and the
+    others run all the same."""
+    jupyter_box.sh(
+        f"mkdir -p {STARTUP} && echo 'raise RuntimeError(\"broken on purpose\")' > {STARTUP}/00-bad.py"
+    )
+    jupyter_box.files.write(f"{STARTUP}/10-images.py", SAVES_SHOW)
+    ctx = jupyter_box.create_code_context(env={"IPYTHONDIR": STARTUP.rsplit("/", 2)[0]})
+    try:
+        ex = jupyter_box.run_code(
+            "import numpy\nfrom PIL import Image\n"
+            "Image.fromarray((numpy.ones((8, 8, 3)) * 200).astype('uint8')).save('/tmp/saved.png')\nGREETING",
+            context=ctx,
+        )
+        assert ex.error is None, ex.error
+        assert "the startup file" in ex.stderr and "broken on purpose" in ex.stderr
+        assert ex.results[0].png and ex.text == "'from a startup file'"
+        assert "startup file" not in jupyter_box.run_code("1", context=ctx).stderr  # told once
+    finally:
+        jupyter_box.remove_code_context(ctx)
+        jupyter_box.sh("rm -rf /tmp/ipython-startup-test /tmp/saved.png")
+
+
 def test_a_cells_own_environment_goes_with_it(py_box: sandlot.Box, jupyter_box: sandlot.Box) -> None:
     """``run_code(env=...)`` (E2B's ``envs``): the cell, and what it starts, see the
     variables; after it each is as it was (unset again, or the context's), but for one the

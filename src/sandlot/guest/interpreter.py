@@ -971,6 +971,31 @@ def cell_env(value: Any) -> dict[str, str]:
     return {k: v for k, v in value.items() if isinstance(k, str) and isinstance(v, str) and "\0" not in v}
 
 
+def run_startup_files(namespace: dict[str, Any]) -> list[str]:
+    """IPython's startup files (``$IPYTHONDIR/profile_default/startup/*.py``, by name: an
+    image's, such as E2B's code interpreter template's), run in a new context's namespace
+    before its first cell, as IPython runs them. One that fails (SystemExit too) does not
+    stop the others or the context: what each said is returned."""
+    import traceback
+
+    root = os.environ.get("IPYTHONDIR") or os.path.join(os.path.expanduser("~"), ".ipython")
+    folder = os.path.join(root, "profile_default", "startup")
+    try:
+        names = sorted(n for n in os.listdir(folder) if n.endswith(".py"))
+    except OSError:
+        return []
+    failures = []
+    for name in names:
+        path = os.path.join(folder, name)
+        try:
+            with open(path, "rb") as f:
+                exec(compile(f.read(), path, "exec"), namespace)
+        except BaseException as e:  # (a startup file never ends its context)
+            lines = traceback.format_exception(type(e), e, e.__traceback__)
+            failures.append(f"[the startup file {path} failed]\n{''.join(lines)}")
+    return failures
+
+
 class BuiltinKernel:
     def __init__(self) -> None:
         self.count = 0
@@ -982,6 +1007,7 @@ class BuiltinKernel:
 
         builtins.display = display  # type: ignore[attr-defined]
         sys.meta_path.insert(0, ImportPatches())
+        self.startup_failures = run_startup_files(self.namespace)  # told on the first cell's stderr
 
     def compile_cell(self, code: str, filename: str) -> list[Any]:
         flags = getattr(ast, "PyCF_ALLOW_TOP_LEVEL_AWAIT", 0)
@@ -1050,6 +1076,9 @@ class BuiltinKernel:
         return value
 
     def execute(self, code: str, cell: Cell) -> int:
+        if self.startup_failures:
+            sys.stderr.write("".join(self.startup_failures))
+            self.startup_failures = []
         self.count += 1
         filename = f"<cell {self.count}>"
         linecache.cache[filename] = (len(code), None, code.splitlines(True), filename)
