@@ -79,24 +79,6 @@ def interpreter_root() -> Path:
     return dest
 
 
-# E2B's code-interpreter template's IPython startup file for images, in the template's own
-# way (``template/startup_scripts/0003_images.py`` there): an image saved to a path is
-# shown as a result too. sandlot's kernel runs an image's startup files as IPython does.
-IMAGES_STARTUP = """\
-from IPython.display import display
-from PIL.Image import Image
-
-_saved = Image.save
-
-
-def save(image, fp, format=None, **params):
-    if isinstance(fp, str):
-        display(image)
-    return _saved(image, fp, format, **params)
-
-
-Image.save = save
-"""
 STARTUP_DIR = "/root/.ipython/profile_default/startup"  # cells run as root, as E2B's do
 
 
@@ -138,6 +120,8 @@ def main() -> None:
         home = shared_home(Path(tmp))
         if args.code_interpreter:
             root, template, memory, tests = interpreter_root(), "code-interpreter-v1", 1024, INTERPRETER_TESTS
+            from tests.support.roots import IMAGES_STARTUP
+
             setup = [["mkdir", "-p", STARTUP_DIR],
                      ["python3", "-c", "import sys; open(sys.argv[1], 'w').write(sys.argv[2])",
                       f"{STARTUP_DIR}/0003_images.py", IMAGES_STARTUP]]  # fmt: skip

@@ -22,6 +22,27 @@ from sandlot.images.builders import (
 CACHE = Path(os.environ.get("SANDLOT_TEST_CACHE", Path.home() / ".cache" / "sandlot-tests"))
 
 
+# E2B's code-interpreter template's IPython startup file for images, in our words (its
+# ``template/startup_scripts/0003_images.py``): an image saved to a path is shown as a
+# result too. sandlot's kernel runs an image's startup files as IPython does
+# (scripts/e2b_sdk_tests.py's template, tests/vm/test_interpreter.py).
+IMAGES_STARTUP = """\
+from IPython.display import display
+from PIL.Image import Image
+
+_saved = Image.save
+
+
+def save(image, fp, format=None, **params):
+    if isinstance(fp, str):
+        display(image)
+    return _saved(image, fp, format, **params)
+
+
+Image.save = save
+"""
+
+
 def _stamp(*parts: str) -> str:
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:12]
 

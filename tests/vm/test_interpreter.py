@@ -330,22 +330,7 @@ ENV_AFTER = """import json, os; print(json.dumps([os.environ.get(k) for k in ("S
 
 
 STARTUP = "/tmp/ipython-startup-test/profile_default/startup"
-SAVES_SHOW = """\
-from IPython.display import display
-from PIL.Image import Image
-
-_saved = Image.save
-
-
-def save(image, fp, format=None, **params):
-    if isinstance(fp, str):
-        display(image)
-    return _saved(image, fp, format, **params)
-
-
-Image.save = save
-GREETING = "from a startup file"
-"""
+SAVES_SHOW = roots.IMAGES_STARTUP + 'GREETING = "from a startup file"\n'
 
 
 def test_an_images_ipython_startup_files_run_before_the_first_cell(jupyter_box: sandlot.Box) -> None:
