@@ -189,7 +189,10 @@ class SandboxGone(Exception):
 
 class _NotLoggedGone(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
-        return not (record.exc_info and isinstance(record.exc_info[1], SandboxGone))
+        exc = record.exc_info[1] if record.exc_info else None
+        while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:  # (anyio's task group)
+            exc = exc.exceptions[0]
+        return not isinstance(exc, SandboxGone)
 
 
 logging.getLogger("uvicorn.error").addFilter(_NotLoggedGone())
