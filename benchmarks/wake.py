@@ -88,27 +88,32 @@ def rss_once_filled() -> int:
 
 
 def helper_dirs() -> list[str]:
-    """The directories of the lazy memory helpers running (their command lines name them)."""
+    """The directories of the lazy memory helpers running (the last word of their command
+    lines: ``python -m sandlot.core.lazymem HOME DIR``)."""
+    return [argv[-1].decode() for _, argv in processes("sandlot.core.lazymem")]
+
+
+def processes(name: str) -> list[tuple[str, list[bytes]]]:
+    """The pids and command lines of the processes whose command line holds ``name``."""
     out = []
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
-            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
         except OSError:
             continue
-        if b"sandlot.core.lazymem" in argv and len(argv) >= 2:
-            out.append(argv[-2].decode() if argv[-1] == b"" else argv[-1].decode())
+        if name.encode() in cmdline:
+            out.append((pid, cmdline.rstrip(b"\0").split(b"\0")))
     return out
 
 
 def rss_kib(name: str) -> int:
     """RSS of the processes whose command line holds ``name``, together."""
     total = 0
-    for pid in filter(str.isdigit, os.listdir("/proc")):
+    for pid, _ in processes(name):
         try:
-            if name.encode() in Path(f"/proc/{pid}/cmdline").read_bytes():
-                for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-                    if line.startswith("VmRSS:"):
-                        total += int(line.split()[1])
+            for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+                if line.startswith("VmRSS:"):
+                    total += int(line.split()[1])
         except OSError:
             continue
     return total

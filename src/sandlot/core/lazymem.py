@@ -57,7 +57,6 @@ log = logging.getLogger("sandlot")
 READY_WAIT = 15.0  # seconds a launcher waits for the helper's mount before it loads the state whole
 OPEN_WAIT = 120.0  # seconds the helper waits for the VM to open its memory before it gives up
 TOUCH_WINDOW = 3.0  # seconds after the VM opens its memory in which what it reads is its wake's
-LOCAL_READERS = 4  # runs read at once from this host's disk while filling
 AROUND = 16  # chunks a read of the VM brings: the one it reads and those after it (1 MiB)
 FILL_RUN = 64  # chunks the fill asks for together
 # chunks of memory not on this host from which ``auto`` is lazy. Measured here (moto's
@@ -422,13 +421,10 @@ def run(home: Path, directory: Path) -> int:
             threading.Thread(target=_unmount, args=(mountpoint,), daemon=True).start()
 
         def filling() -> None:
-            remote = store.tier() is not None and any(
-                not store.path(d).exists() for d in image.digests[:: max(1, len(image.digests) // 64)] if d
-            )
             t0 = time.monotonic()
             with store.using():  # no collection takes a chunk before it is in the cache
                 first = read_touched(touched, len(image.digests))
-                memory.fill(first, TIER_RUNS if remote else LOCAL_READERS)
+                memory.fill(first, TIER_RUNS)  # runs at once, from the tier or this host's disk
             with contextlib.suppress(OSError, AttributeError):
                 # the fill's runs were large buffers, freed now: the C heap gives them back,
                 # so that the helper holds what Python and boto3 need while its VM runs on

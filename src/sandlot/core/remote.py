@@ -153,6 +153,7 @@ class Remote:
         with self.chunks.using():
             todo: list[list[bytes]] = []  # each state's new chunks: a state's own packs hold them
             manifests: dict[str, bytes] = {}
+            listings: dict[str, list[bytes]] = {}  # each state's chunks, in its manifest's order
             for snap_id in wanted:
                 data = store.state_manifest(snap_id)
                 if data is None:
@@ -160,7 +161,7 @@ class Remote:
                         f"saved state {snap_id} is not kept as chunks: it cannot go to the tier"
                     )
                 manifests[snap_id] = data
-                listed = _in_order(Manifest.decode(data, snap_id))
+                listed = listings[snap_id] = _in_order(Manifest.decode(data, snap_id))
                 known = store.remote_chunks(listed)
                 if any(d not in known and not self.chunks.path(d).exists() for d in listed):
                     # only in the tier, and this home forgot where (a collection it could
@@ -179,8 +180,7 @@ class Remote:
                             writer.add(d, packed)
                     writer.flush()
             for snap_id, data in manifests.items():
-                listed = _in_order(Manifest.decode(data, snap_id))
-                places = encode_places(store.tier_places(listed))
+                places = encode_places(store.tier_places(listings[snap_id]))
                 self.tier.put(self.tier.key("places", "states", snap_id), places)
                 self.tier.put(self.tier.key("states", snap_id), data)
                 store.mark_pushed(state=snap_id)
