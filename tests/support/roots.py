@@ -66,12 +66,13 @@ def debian_root() -> Path:
 
 def jupyter_root() -> Path:
     """Debian with python3, Debian's Jupyter kernel (python3-ipykernel), matplotlib and
-    pandas, without recommended packages (mmdebstrap; a few minutes the first time).
-    python3-munkres stands in for scipy, which fontTools would otherwise pull in with
-    a C++ compiler."""
-    dest = CACHE / "rootfs-debian-jupyter-v1"
+    pandas, and Node.js with TypeScript (sandlot's JavaScript and TypeScript kernels), without
+    recommended packages (mmdebstrap; a few minutes the first time). python3-munkres
+    stands in for scipy, which fontTools would otherwise pull in with a C++ compiler."""
+    dest = CACHE / "rootfs-debian-jupyter-v2"
     if not (dest / "usr" / "share" / "jupyter" / "kernels" / "python3" / "kernel.json").exists():
-        packages = ["python3", "python3-ipykernel", "python3-matplotlib", "python3-pandas", "python3-munkres"]
+        packages = ["python3", "python3-ipykernel", "python3-matplotlib", "python3-pandas", "python3-munkres",
+                    "nodejs", "node-typescript"]  # fmt: skip
         debian_rootfs(dest, packages, recommends=False)
     return dest
 

@@ -556,3 +556,17 @@ def test_a_recording_sandbox_s_commands_and_file_writes_are_steps(face: dict[str
     ran = [s for s in box.timeline() if s.kind in ("exec", "process")]
     assert ran and "echo hello" in " ".join(ran[0].what["argv"]) and ran[0].result["exit_code"] == 0
     assert all(s.kept for s in box.timeline())
+
+
+def test_a_new_sandbox_lists_e2bs_default_contexts_of_python_and_javascript(face: dict[str, Any]) -> None:
+    """E2B's sandboxes have a default context of each from their start; sandlot's start on
+    their first cell, and are listed before it, in the home of the user cells start in."""
+    from e2b_code_interpreter import Sandbox as CodeSandbox
+
+    sandbox = CodeSandbox.create("fake-tpl", **face["opts"])
+    try:
+        listed = {c.id: (c.language, c.cwd) for c in sandbox.list_code_contexts()}
+        assert listed == {"default-python": ("python", "/root"),
+                          "default-javascript": ("javascript", "/root")}  # fmt: skip
+    finally:
+        sandbox.kill()

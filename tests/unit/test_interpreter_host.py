@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -42,20 +43,44 @@ class Context:
                 return got
 
 
-@pytest.fixture
-def context(tmp_path: Path) -> Iterator[Context]:
+def start(root: Path, *options: str) -> tuple[Context, dict[str, Any]]:
     started = subprocess.run(
-        [sys.executable, interpreter.__file__, "start", "--root", str(tmp_path), "--id", "ctx"],
-        capture_output=True, text=True, timeout=60,
+        [sys.executable, interpreter.__file__, "start", "--root", str(root), "--id", "ctx", *options],
+        capture_output=True, text=True, timeout=60, cwd=root,
     )  # fmt: skip
     assert started.returncode == 0, started.stderr
-    pid = json.loads(started.stdout)["pid"]
-    ctx = Context(tmp_path / "ctx" / "sock")
+    return Context(root / "ctx" / "sock"), json.loads(started.stdout)
+
+
+@pytest.fixture
+def context(tmp_path: Path) -> Iterator[Context]:
+    ctx, info = start(tmp_path)
     try:
         yield ctx
     finally:
         ctx.sock.close()
-        os.kill(pid, signal.SIGKILL)
+        os.kill(info["pid"], signal.SIGKILL)
+
+
+def run(ctx: Context, rid: str, code: str, **extra: Any) -> dict[str, Any]:
+    """A cell's stdout, stderr, main result's text and error, from its events."""
+    ctx.send(op="run", id=rid, code=code, **extra)
+    events = ctx.until_done(rid)
+    out: dict[str, Any] = {"stdout": "", "stderr": "", "text": None, "error": None}
+    for e in events:
+        if e["ev"] == "stream":
+            out[e["name"]] += e["text"]
+        elif e["ev"] == "result" and e["main"]:
+            out["text"] = e["data"].get("text/plain")
+        elif e["ev"] == "error":
+            out["error"] = (e["name"], e["value"], e["traceback"])
+    return out
+
+
+def interrupt_soon(ctx: Context, after: float = 0.5) -> None:
+    import threading
+
+    threading.Timer(after, lambda: ctx.send(op="interrupt")).start()
 
 
 def test_a_cell_interrupted_while_it_waits_never_runs_and_the_running_one_goes_on(context: Context) -> None:
@@ -163,19 +188,27 @@ def test_a_cell_whose_environment_cannot_be_set_gets_that_error_and_the_context_
 
 @pytest.mark.parametrize(
     ("facts", "refused"),
-    [({"language": "python"}, "earlier sandlot"), ({"language": "r", "features": ["env"]}, "runs r")],
+    [
+        ({"language": "python"}, "earlier sandlot"),
+        (
+            {"language": "r", "kernel": "jupyter:ir", "features": ["env"]},
+            "runs r in the image's Jupyter kernel ir",
+        ),
+    ],
 )
 def test_a_cells_env_is_refused_where_its_context_would_run_the_cell_without_it(
     facts: dict[str, Any], refused: str
 ) -> None:
     """An interpreter of an earlier sandlot ignores a field it does not know, and env is
-    set in Python contexts only: the host asks the context first and refuses, with the way out."""
+    set in Python contexts and sandlot's own kernels only (not in an image's Jupyter kernel of
+    another language): the host asks the context first and refuses, with the way out."""
     from sandlot.api.code import takes_env
     from sandlot.errors import Unsupported
 
     with pytest.raises(Unsupported, match=refused):
         takes_env("ctx", facts, "box-1")
     takes_env("ctx", {"language": "python", "features": ["env"]}, "box-1")
+    takes_env("ctx", {"language": "bash", "kernel": "builtin", "features": ["env"]}, "box-1")
 
 
 def test_ipythons_escapes_are_rewritten_line_for_line_and_python_is_left_alone() -> None:
@@ -196,3 +229,80 @@ def test_ipythons_escapes_are_rewritten_line_for_line_and_python_is_left_alone()
     assert escapes.namespace["_exit_code"] == 2
     with pytest.raises(interpreter.UsageError, match="%timeit"):
         escapes.magic("timeit", "1")
+
+
+def test_sandlots_bash_kernel_keeps_the_shells_state_and_answers_as_a_kernel(tmp_path: Path) -> None:
+    """``--language bash``: one bash per context, each cell sourced in it, so variables,
+    functions and the working directory stay; the last command's failure is the cell's
+    error; an interrupt ends the cell's command and the rest of the cell, not the shell;
+    ``exit`` ends the kernel, and the context says so."""
+    ctx, info = start(tmp_path, "--language", "bash", "--kernel", "auto")
+    try:
+        assert info["kernel"] == "builtin" and info["language"] == "bash"
+        assert run(ctx, "a", "X=5; greet() { echo hi $1; }; cd /tmp")["stdout"] == ""
+        assert run(ctx, "b", "greet $X; pwd; echo oops >&2; printf 'no newline'") == {
+            "stdout": "hi 5\n/tmp\nno newline", "stderr": "oops\n", "text": None, "error": None}  # fmt: skip
+        assert run(ctx, "c", "echo $FOO", env={"FOO": "bar"})["stdout"] == "bar\n"
+        assert run(ctx, "d", "echo ${FOO:-unset}")["stdout"] == "unset\n"  # put back after its cell
+        assert run(ctx, "e", "false")["error"][:2] == ("ExitCode", "1")
+        assert run(ctx, "f", "read line; echo got=$line")["stdout"] == "got=\n"  # no stdin: never waits
+        interrupt_soon(ctx)
+        assert run(ctx, "g", "sleep 30; echo not reached")["error"][0] == "KeyboardInterrupt"
+        assert run(ctx, "h", "echo $X")["stdout"] == "5\n"
+        died = ("KernelDied", "bash exited with status 3 during this cell")
+        assert run(ctx, "i", "exit 3")["error"][:2] == died
+    finally:
+        ctx.sock.close()
+        subprocess.run(["pkill", "-9", "-f", f"--root {tmp_path} "], check=False)
+
+
+@pytest.mark.skipif(not shutil.which("node"), reason="no node here (sandlot's JavaScript kernel runs on it)")
+def test_sandlots_javascript_kernel_on_node_runs_cells_as_a_notebook_does(tmp_path: Path) -> None:
+    """``--language javascript``: Node's REPL keeps globals and declarations from cell to
+    cell, a cell may await at top level and import statically, the last expression's
+    value is the result (a string without quotes), errors keep only the cell's frames,
+    and an interrupt stops a busy loop and a wait alike."""
+    ctx, info = start(tmp_path, "--language", "javascript", "--kernel", "builtin")
+    try:
+        assert info["kernel"] == "builtin"
+        assert run(ctx, "a", "console.log('Hello, World!')")["stdout"] == "Hello, World!\n"
+        assert run(ctx, "b", "  import { readFileSync } from 'fs'\n  console.log(typeof readFileSync)")[
+            "stdout"] == "function\n"  # fmt: skip
+        assert run(ctx, "c", "import fs from 'fs'; import * as p from 'path'; [typeof fs.statSync, p.sep]")[
+            "text"] == "[ 'function', '/' ]"  # fmt: skip
+        assert run(ctx, "d", "let x = 1\nconst y = await Promise.resolve(41)\nx + y")["text"] == "42"
+        assert run(ctx, "e", "await Promise.resolve('Hello ' + (x + y))")["text"] == "Hello 42"
+        assert run(ctx, "f", "process.env.FOO", env={"FOO": "bar"})["text"] == "bar"
+        assert run(ctx, "g", "process.env.FOO ?? 'unset'")["text"] == "unset"
+        name, value, tb = run(ctx, "h", "function f() { return z }\nf()")["error"]
+        assert (name, value) == ("ReferenceError", "z is not defined")
+        assert "at f (cell:1:16)" in tb and "node:" not in tb and "kernel.js" not in tb
+        assert run(ctx, "i", "1 +")["error"][:2] == ("SyntaxError", "Unexpected end of input")
+        html = "({[Symbol.for('Jupyter.display')]() { return {'text/html': '<b>x</b>'} }})"
+        ctx.send(op="run", id="j", code=html)
+        shown = {"ev": "result", "id": "j", "data": {"text/html": "<b>x</b>"}, "main": True}
+        assert shown in ctx.until_done("j")
+        interrupt_soon(ctx)
+        assert run(ctx, "k", "while (true) {}")["error"][0] == "KeyboardInterrupt"
+        interrupt_soon(ctx)
+        assert run(ctx, "l", "await new Promise(() => {})")["error"][0] == "KeyboardInterrupt"
+        assert run(ctx, "m", "x")["text"] == "1"
+        assert run(ctx, "n", "process.exit(2)")["error"][0] == "KernelDied"
+    finally:
+        ctx.sock.close()
+        subprocess.run(["pkill", "-9", "-f", f"--root {tmp_path} "], check=False)
+
+
+def test_a_language_with_no_kernel_says_what_the_image_lacks(tmp_path: Path) -> None:
+    started = subprocess.run(
+        [sys.executable, interpreter.__file__, "start", "--root", str(tmp_path), "--id", "r",
+         "--language", "r", "--kernel", "auto"], capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert started.returncode != 0 and "no Jupyter kernel for r" in started.stderr
+    started = subprocess.run(
+        [sys.executable, interpreter.__file__, "start", "--root", str(tmp_path), "--id", "js", "--language",
+         "javascript", "--kernel", "auto"], capture_output=True, text=True, timeout=60,
+        env={**os.environ, "PATH": str(tmp_path)},
+    )  # fmt: skip
+    assert started.returncode != 0
+    assert "no Jupyter kernel for javascript" in started.stderr and "no node (Node.js)" in started.stderr

@@ -433,6 +433,12 @@ def test_code_interpreter_results_errors_and_contexts(e2b_env: dict[str, Any]) -
 
     sandbox = CodeSandbox.create(e2b_env["template"])
     try:
+        # E2B's default contexts, listed before any cell (each starts on its first)
+        assert {c.language for c in sandbox.list_code_contexts()} == {"python", "javascript"}
+        # bash, with no Jupyter kernel in the image: sandlot's own, the SDK's envs per cell
+        bash = sandbox.run_code("echo $FOO; X=7", language="bash", envs={"FOO": "bar"})
+        assert (bash.logs.stdout, bash.error) == (["bar\n"], None)
+        assert sandbox.run_code("echo ${FOO:-default} $X", language="bash").logs.stdout == ["default 7\n"]
         out: list[str] = []
         ex = sandbox.run_code("x = 41\nprint('hi')\nx + 1", on_stdout=lambda m: out.append(m.line))
         assert ex.text == "42" and ex.logs.stdout == ["hi\n"] and out == ["hi\n"]

@@ -196,10 +196,60 @@ def test_hostile_cells_leave_the_box_usable(py_box: sandlot.Box) -> None:
 def test_an_image_without_python_or_kernel_says_so(bb_box: sandlot.Box, py_box: sandlot.Box) -> None:
     with pytest.raises(sandlot.InterpreterError, match="no python3"):
         bb_box.run_code("1")
-    with pytest.raises(sandlot.InterpreterError, match="no Jupyter kernel for bash"):
-        py_box.create_code_context(language="bash")
+    with pytest.raises(sandlot.InterpreterError, match="no Jupyter kernel for r"):
+        py_box.create_code_context(language="r")
+    no_node = r"no Jupyter kernel for javascript.*no node \(Node.js\)"
+    with pytest.raises(sandlot.InterpreterError, match=no_node):
+        py_box.run_code("1", language="javascript")
+    with pytest.raises(sandlot.InvalidArgument, match="builtin kernels run python, bash, javascript"):
+        py_box.create_code_context(language="r", kernel="builtin")
     with pytest.raises(sandlot.InterpreterError, match="no Jupyter kernel for python"):
         py_box.run_code("1", context=py_box.create_code_context(kernel="jupyter"))
+
+
+def test_bash_cells_in_sandlots_own_kernel_on_any_image(py_box: sandlot.Box) -> None:
+    """``language="bash"`` on an image with no Jupyter kernel: one bash per context, its
+    variables, functions and working directory kept from cell to cell; a cell's own
+    variables (E2B's ``envs``), put back after it; a failing last command is the cell's
+    error; a timeout interrupts the cell and the shell goes on."""
+    assert py_box.run_code("N=41; inc() { echo $(( $1 + 1 )); }; cd /tmp", language="bash").error is None
+    ex = py_box.run_code("inc $N; pwd; echo to-stderr >&2", language="bash")
+    assert (ex.stdout, ex.stderr, ex.error) == ("42\n/tmp\n", "to-stderr\n", None)
+    assert py_box.run_code("echo $STAGE", language="bash", env={"STAGE": "eval"}).stdout == "eval\n"
+    assert py_box.run_code("echo ${STAGE:-unset}", language="bash").stdout == "unset\n"
+    ex = py_box.run_code("test -e /nope", language="bash")
+    assert ex.error is not None and (ex.error.name, ex.error.value) == ("ExitCode", "1")
+    with pytest.raises(sandlot.CodeTimeout):
+        py_box.run_code("sleep 60; echo never", language="bash", timeout=2)
+    assert py_box.run_code("echo $N", language="bash").stdout == "41\n"
+    (ctx,) = [c for c in py_box.list_code_contexts() if c.id == "default-bash"]
+    assert (ctx.language, ctx.kernel) == ("bash", "builtin")
+    py_box.remove_code_context(ctx)
+
+
+def test_javascript_and_typescript_cells_on_the_images_node(jupyter_box: sandlot.Box) -> None:
+    """``language="javascript"`` and ``"typescript"`` where the image has node and no
+    Jupyter kernel for them: sandlot's kernel on Node's REPL (top-level await, static
+    imports, the last value as the result), TypeScript through the image's typescript
+    package (Debian's node-typescript)."""
+    ex = jupyter_box.run_code("import { readFileSync } from 'fs'\nconsole.log(typeof readFileSync)",
+                              language="javascript")  # fmt: skip
+    assert (ex.stdout, ex.error) == ("function\n", None)
+    assert jupyter_box.run_code("await Promise.resolve('Hello World!')", language="javascript").text == \
+        "Hello World!"  # fmt: skip
+    assert jupyter_box.run_code("const n = 20 + 1; n * 2", language="javascript").text == "42"
+    assert jupyter_box.run_code("n", language="javascript").text == "21"  # kept
+    ex = jupyter_box.run_code("process.env.STAGE", language="javascript", env={"STAGE": "eval"})
+    assert ex.text == "eval"
+    ex = jupyter_box.run_code("null.x", language="javascript")
+    assert ex.error is not None and ex.error.name == "TypeError" and "at cell:1" in ex.error.traceback
+    ex = jupyter_box.run_code("const message: string = 'Hello, World!'; console.log(message)",
+                              language="typescript")  # fmt: skip
+    assert (ex.stdout, ex.error) == ("Hello, World!\n", None)
+    kernels = {c.language: c.kernel for c in jupyter_box.list_code_contexts()}
+    assert kernels["javascript"] == kernels["typescript"] == "builtin"
+    for language in ("javascript", "typescript"):
+        jupyter_box.remove_code_context(f"default-{language}")
 
 
 def test_rich_display_with_matplotlib_pandas_and_ipython(jupyter_box: sandlot.Box) -> None:
@@ -393,10 +443,13 @@ def test_state_survives_rollback_fork_suspend_and_export(debian_root: Path, othe
 
 def _state_survives(box: sandlot.Box, other_home: Path, tmp_path: Path) -> None:
     box.run_code("x = 41")
+    box.run_code("Y=41; cd /tmp", language="bash")  # a shell's state, in sandlot's bash kernel
     snap = box.snapshot()
     box.run_code("x = 0")
+    box.run_code("Y=0; cd /", language="bash")
     box.rollback(snap)
     assert box.run_code("x + 1").text == "42"
+    assert box.run_code("echo $Y $PWD", language="bash").stdout == "41 /tmp\n"
 
     kids = box.fork(4)
     try:

@@ -257,16 +257,22 @@ def check_language(language: object) -> str:
     return language
 
 
+# the languages of sandlot's own kernels (guest/interpreter.py)
+BUILTIN_LANGUAGES = ("python", "bash", "javascript", "typescript")
+
+
 def check_kernel(kernel: object, language: str) -> str:
-    """``None`` is sandlot's own kernel for Python and the image's Jupyter kernel for
-    any other language; "jupyter" is the image's Jupyter kernel for the language,
-    "jupyter:NAME" its kernel NAME."""
+    """``None`` is sandlot's own kernel for Python, and for any other language the image's
+    Jupyter kernel for it where the image has one, else sandlot's own (bash; JavaScript
+    and TypeScript on the image's node); "builtin" is sandlot's own kernel, "jupyter" the
+    image's Jupyter kernel for the language, "jupyter:NAME" its kernel NAME."""
     if kernel is None:
-        return "builtin" if language == "python" else "jupyter:"
+        return "builtin" if language == "python" else "auto"
     if kernel == "builtin":
-        if language != "python":
+        if language not in BUILTIN_LANGUAGES:
             raise InvalidArgument(
-                f"sandlot's builtin kernel runs Python, not {language}; use kernel='jupyter'"
+                f"sandlot's builtin kernels run {', '.join(BUILTIN_LANGUAGES)}, not {language}; "
+                "use kernel='jupyter'"
             )
         return "builtin"
     if kernel == "jupyter":
@@ -279,8 +285,8 @@ def check_kernel(kernel: object, language: str) -> str:
 def takes_env(cid: str, facts: Mapping[str, Any], box: str) -> None:
     """Refuse a cell's ``env`` where its context (``facts``: its interpreter's info) would
     run the cell without it: an interpreter of an earlier sandlot, which ignores what it
-    does not know (a context kept running in a box from before), or a kernel of another
-    language than Python."""
+    does not know (a context kept running in a box from before), or an image's Jupyter
+    kernel of another language than Python."""
     if "env" not in (facts.get("features") or []):
         raise Unsupported(
             f"code context {cid!r} runs an interpreter of an earlier sandlot, which cannot set "
@@ -288,10 +294,11 @@ def takes_env(cid: str, facts: Mapping[str, Any], box: str) -> None:
             "or set them when it is created",
             box=box,
         )
-    if facts.get("language") != "python":
+    if facts.get("language") != "python" and facts.get("kernel") != "builtin":
         raise Unsupported(
-            f"environment variables for one cell are set in Python contexts; code context {cid!r} "
-            f"runs {facts.get('language')}: give them to create_code_context(env=...)",
+            f"environment variables for one cell are set in Python contexts and sandlot's own kernels; "
+            f"code context {cid!r} runs {facts.get('language')} in the image's Jupyter kernel "
+            f"{str(facts.get('kernel', ''))[8:]}: give them to create_code_context(env=...)",
             box=box,
         )
 
@@ -451,7 +458,8 @@ class Interpreter:
         out = []
         for e in entries:
             if e.is_dir:
-                with contextlib.suppress(FileNotFoundError, ValueError, KeyError):
+                # (a context still starting has no info yet)
+                with contextlib.suppress(CodeContextNotFound, FileNotFoundError, ValueError, KeyError):
                     out.append(CodeContext.from_info(await self._info(e.name)))
         return out
 

@@ -493,9 +493,10 @@ class Box(BoxBase):
         results as they come. Past ``timeout`` the cell is interrupted and CodeTimeout
         raised (with the execution so far). ``env``: environment variables for this cell
         alone (and what it starts); afterwards each is as it was, unless the cell set it
-        itself (a Python context; another language's takes ``env`` when it is created).
-        Needs python3 in the image; a language other than Python needs the image's
-        Jupyter kernel for it.
+        itself (sandlot's own kernels and a Jupyter Python kernel; an image's Jupyter
+        kernel of another language takes ``env`` when its context is created). Needs
+        python3 in the image; ``language`` "bash" needs bash, "javascript" and
+        "typescript" node (sandlot's own kernels), any other the image's Jupyter kernel.
 
         >>> ex = box.run_code("x = 41\nx + 1")
         >>> ex.text
@@ -527,9 +528,10 @@ class Box(BoxBase):
         id: str | None = None,
     ) -> CodeContext:
         """Start a new interpreter in the box, independent of the others: pass it as
-        ``run_code(..., context=ctx)``. ``kernel`` is None (sandlot's own for Python,
-        the image's Jupyter kernel for other languages), "builtin", "jupyter" (the
-        image's Jupyter kernel for ``language``) or "jupyter:NAME". ``user`` runs it as
+        ``run_code(..., context=ctx)``. ``kernel`` is None (sandlot's own for Python;
+        for another language the image's Jupyter kernel, else sandlot's own for bash,
+        JavaScript and TypeScript), "builtin" (sandlot's own), "jupyter" (the image's
+        Jupyter kernel for ``language``) or "jupyter:NAME". ``user`` runs it as
         that user of the box; ``id`` names it (letters, digits, ``_.-``; a name in use
         is refused), else it gets one: ``create_code_context(id="default-python", ...)``
         sets up the context a ``run_code`` without one runs in, before its first use.

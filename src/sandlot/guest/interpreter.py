@@ -1389,6 +1389,397 @@ class JupyterKernel:
             self.proc.wait()
 
 
+# ---- sandlot's kernels of other languages ----------------------------------------
+#
+# A language's own process keeps the context's state (bash's variables, functions and
+# working directory; Node's globals), and this process relays to it: each cell goes to
+# it through a pipe, it writes the cell's output to fd 1 and 2 as any child of a cell
+# does (FdCapture passes it on), and it answers on a pipe of its own once the cell has
+# run, with a token only this cell's answer carries (a cell's processes may hold the
+# pipe too). Images need no Jupyter kernel for these: bash, or node.
+
+# Node's own REPL evaluates each cell (its top-level await keeps a cell's declarations,
+# its last expression's value is the result); a static import, which the REPL refuses,
+# becomes a dynamic one first, and TypeScript loses its types (Node 22.13+'s own
+# stripping, else the image's typescript package).
+NODE_DRIVER = r"""'use strict';
+const fs = require('fs');
+const path = require('path');
+const repl = require('repl');
+const util = require('util');
+const { PassThrough } = require('stream');
+const [cmdFd, replyFd] = process.argv.slice(2).map(Number);
+const sink = new PassThrough();
+sink.resume();
+const server = repl.start({ input: new PassThrough(), output: sink, terminal: false, useGlobal: true,
+                            breakEvalOnSigint: true, prompt: '', ignoreUndefined: true });
+let pending = null;
+function settle(err, value) { const p = pending; pending = null; if (p) p(err, value); }
+server._domain.on('error', (e) => settle(e));  // the REPL reports a cell's error here, not to its callback
+// SIGINT: while a cell's synchronous code runs, the REPL's watchdog takes it (it stops the
+// code; a listener of our own then would end the process, so there is none); while a cell
+// waits on a promise, or between cells, this listener ends the wait
+const INTERRUPTED = 'ERR_SCRIPT_EXECUTION_INTERRUPTED';
+function interrupted() { settle(Object.assign(new Error('interrupted'), { code: INTERRUPTED })); }
+process.on('SIGINT', interrupted);
+
+const IMPORT = new RegExp(String.raw`(^|;)([ \t]*)import\s+(?:([\w$]+)\s*,?\s*)?` +
+                          String.raw`(?:\*\s*as\s+([\w$]+)|\{([^}]*)\})?\s*from\s*(['"][^'"\n]+['"])`, 'gm');
+const BARE_IMPORT = /(^|;)([ \t]*)import\s*(['"][^'"\n]+['"])/gm;
+function dynamicImports(code) {
+  return code.replace(IMPORT, (all, before, indent, def, ns, named, spec) => {
+    if (ns) {
+      const named = def ? ` var ${def} = ${ns}.default;` : '';
+      return `${before}${indent}var ${ns} = await import(${spec});${named}`;
+    }
+    const names = def ? [`default: ${def}`] : [];
+    for (const item of (named || '').split(',').map((s) => s.trim()).filter(Boolean)) {
+      if (/^type\s/.test(item)) continue;
+      const m = /^(\S+)\s+as\s+(\S+)$/.exec(item);
+      names.push(m ? `${m[1]}: ${m[2]}` : item);
+    }
+    return `${before}${indent}var { ${names.join(', ')} } = await import(${spec});`;
+  }).replace(BARE_IMPORT, (all, before, indent, spec) => `${before}${indent}await import(${spec});`);
+}
+
+function typescript() {
+  const places = [path.join(process.cwd(), 'node_modules'), '/usr/local/lib/node_modules',
+                  '/usr/lib/node_modules', '/usr/share/nodejs',
+                  path.join(process.env.HOME || '/root', '.npm-global', 'lib', 'node_modules')];
+  for (const where of [null, ...places]) {
+    try {
+      return where ? require(path.join(where, 'typescript')) : require('typescript');
+    } catch (e) { /* the next place */ }
+  }
+  throw new Error('TypeScript cells need Node 22.13 or later, or the typescript package in the image ' +
+                  '(npm install -g typescript, or Debian\'s node-typescript)');
+}
+function stripTypes(code) {
+  const mod = require('module');
+  if (typeof mod.stripTypeScriptTypes === 'function') {
+    return mod.stripTypeScriptTypes(code, { mode: 'transform' });
+  }
+  const ts = typescript();
+  return ts.transpileModule(code, { reportDiagnostics: false, compilerOptions: {
+    target: ts.ScriptTarget.ES2022, module: ts.ModuleKind.ESNext, sourceMap: false } }).outputText;
+}
+
+function environment(env) {
+  if (!env) return () => {};
+  const before = {};
+  for (const [k, v] of Object.entries(env)) {
+    before[k] = Object.prototype.hasOwnProperty.call(process.env, k) ? process.env[k] : undefined;
+    process.env[k] = v;
+  }
+  return () => {
+    for (const [k, v] of Object.entries(env)) {
+      if (process.env[k] !== v) continue;  // the cell set it itself: it stays
+      if (before[k] === undefined) delete process.env[k]; else process.env[k] = before[k];
+    }
+  };
+}
+
+function shown(value) {
+  const display = value !== null && (typeof value === 'object' || typeof value === 'function')
+    ? value[Symbol.for('Jupyter.display')] : undefined;
+  if (typeof display === 'function') {
+    const bundle = display.call(value);
+    if (bundle && typeof bundle === 'object') return bundle;
+  }
+  return { 'text/plain': typeof value === 'string' ? value : util.inspect(value) };
+}
+
+// a traceback's frames in the cell, not the REPL's and this driver's under them
+const OURS = /^\s+at .*(\(node:|\(?\/.*\/kernel\.js:|sigintHandlersWrap|<anonymous>\)|new Promise)/;
+function traceback(err) {
+  const lines = String(err.stack || err).split('\n');
+  const cut = lines.findIndex((line) => OURS.test(line));
+  return (cut < 0 ? lines : lines.slice(0, cut)).join('\n');
+}
+function failure(err) {
+  if (err instanceof repl.Recoverable) err = err.err;  // a cell cut short: its SyntaxError
+  if (err && err.code === INTERRUPTED) return { name: 'KeyboardInterrupt', value: '', traceback: '' };
+  if (err instanceof Error) {
+    return { name: err.name || 'Error', value: err.message || '', traceback: traceback(err) };
+  }
+  return { name: 'Error', value: util.inspect(err), traceback: 'Uncaught ' + util.inspect(err) };
+}
+
+async function run(msg) {
+  const restore = environment(msg.env);
+  let err = null, value;
+  try {
+    let code = msg.typescript ? stripTypes(msg.code) : msg.code;
+    code = dynamicImports(code);
+    [err, value] = await new Promise((resolve) => {
+      pending = (e, v) => resolve([e, v]);
+      process.removeListener('SIGINT', interrupted);
+      try {
+        server.eval(code, server.context, 'cell', (e, v) => settle(e, v));
+      } catch (e) {
+        settle(e);
+      } finally {
+        process.on('SIGINT', interrupted);
+      }
+    });
+  } catch (e) {
+    err = e;
+  }
+  restore();
+  const reply = { token: msg.token };
+  if (err) reply.error = failure(err);
+  else if (value !== undefined) reply.result = shown(value);
+  fs.writeSync(replyFd, JSON.stringify(reply) + '\n');
+}
+
+const queue = [];
+let running = false, buffered = '';
+async function next() {
+  if (running) return;
+  running = true;
+  while (queue.length) await run(queue.shift());
+  running = false;
+}
+const commands = fs.createReadStream(null, { fd: cmdFd, encoding: 'utf8' });
+commands.on('data', (data) => {
+  buffered += data;
+  let at;
+  while ((at = buffered.indexOf('\n')) >= 0) {
+    queue.push(JSON.parse(buffered.slice(0, at)));
+    buffered = buffered.slice(at + 1);
+  }
+  next();
+});
+commands.on('end', () => process.exit(0));
+fs.writeSync(replyFd, JSON.stringify({ token: process.env.SANDLOT_KERNEL_READY }) + '\n');
+"""
+
+
+class ProcessKernel:
+    """A kernel that is a process of the language's own (see above)."""
+
+    language = ""
+    name = ""  # of its program, for errors
+
+    def __init__(self, directory: str) -> None:
+        import subprocess
+
+        self.count = 0
+        self.directory = directory
+        self.cell_env: dict[str, str] = {}
+        self.buffered = b""
+        cmd_r, self.cmd_w = os.pipe()
+        self.reply_r, reply_w = os.pipe()
+        ready = os.urandom(8).hex()
+        env = dict(os.environ, SANDLOT_KERNEL_READY=ready)
+        self.proc = subprocess.Popen(self.argv(cmd_r, reply_w), stdin=self.stdin(cmd_r), env=env,
+                                     pass_fds=(cmd_r, reply_w), start_new_session=True)  # fmt: skip
+        os.close(cmd_r)
+        os.close(reply_w)
+        self.send(self.first_words(ready))
+        self.reply(ready, 60.0)
+
+    def argv(self, cmd_r: int, reply_w: int) -> list[str]:
+        raise NotImplementedError
+
+    def stdin(self, cmd_r: int) -> Any:
+        import subprocess
+
+        return subprocess.DEVNULL
+
+    def first_words(self, ready: str) -> bytes:
+        return b""
+
+    def cell_words(self, code: str, token: str) -> bytes:
+        raise NotImplementedError
+
+    def send(self, data: bytes) -> None:
+        with contextlib.suppress(OSError):  # it has ended: the wait for its answer says so
+            os.write(self.cmd_w, data)
+
+    def reply(self, token: str, timeout: float | None = None) -> dict[str, Any]:
+        """The answer carrying ``token``; KernelDied if the process ends first."""
+        import select
+
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            while b"\n" in self.buffered:
+                line, self.buffered = self.buffered.split(b"\n", 1)
+                answer = self.parse(line)
+                if answer is not None and answer.get("token") == token:
+                    return answer
+            readable, _, _ = select.select([self.reply_r], [], [], 0.2)
+            data = os.read(self.reply_r, 65536) if readable else b""
+            if data:
+                self.buffered = (self.buffered + data)[-(1 << 20) :]
+                continue
+            if self.died() is not None:
+                raise KernelDied(f"{self.name} exited with status {self.died()}")
+            if deadline is not None and time.monotonic() > deadline:
+                raise RuntimeError(f"{self.name} did not answer within {timeout:.0f}s")
+
+    def parse(self, line: bytes) -> dict[str, Any] | None:
+        with contextlib.suppress(ValueError):
+            answer = json.loads(line)
+            return answer if isinstance(answer, dict) else None
+        return None
+
+    def died(self) -> int | None:
+        return self.proc.poll()
+
+    @contextlib.contextmanager
+    def environment(self, env: dict[str, str]) -> Any:
+        """``env`` for the cell that runs inside: the language's process sets it, and puts
+        back afterwards what the cell did not change itself."""
+        self.cell_env = env
+        try:
+            yield
+        finally:
+            self.cell_env = {}
+
+    def execute(self, code: str, cell: Cell) -> int:
+        self.count += 1
+        token = os.urandom(8).hex()
+        self.send(self.cell_words(code, token))
+        try:
+            answer = self.reply(token)
+        except KernelDied as e:
+            OUT.settle()
+            raise KernelDied(f"{e} during this cell") from None
+        OUT.settle()
+        self.report(answer, cell)
+        return self.count
+
+    def report(self, answer: dict[str, Any], cell: Cell) -> None:
+        raise NotImplementedError
+
+    def interrupt(self) -> None:
+        with contextlib.suppress(OSError):
+            os.killpg(self.proc.pid, signal.SIGINT)
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            os.close(self.cmd_w)  # the end of its commands: it exits
+        with contextlib.suppress(Exception):
+            self.proc.wait(timeout=2)
+        if self.died() is None:
+            with contextlib.suppress(OSError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+
+def shell_quote(text: str) -> str:
+    return "'" + text.replace("'", "'\"'\"'") + "'"
+
+
+class ShellKernel(ProcessKernel):
+    """bash, reading its commands from a pipe: each cell is written to a file of the
+    context's directory and sourced, with no stdin (``</dev/null``) and without the
+    answer's pipe. An interrupt is SIGINT to bash and what it runs: the cell's command
+    ends, and bash's trap returns from the sourced cell, so the rest of it does not run
+    and the shell's state stays. A cell whose last command fails is an error, as
+    Jupyter's bash kernel reports it."""
+
+    language = name = "bash"
+
+    def __init__(self, directory: str) -> None:
+        import shutil
+
+        self.shell = shutil.which("bash")
+        if self.shell is None:
+            raise LookupError("this image has no bash, which sandlot's bash kernel runs")
+        self.cell_file = os.path.join(directory, "cell")
+        super().__init__(directory)
+
+    def argv(self, cmd_r: int, reply_w: int) -> list[str]:
+        self.reply_fd = reply_w
+        return [self.shell or "bash", "--noprofile", "--norc", "-s"]
+
+    def stdin(self, cmd_r: int) -> Any:
+        return cmd_r
+
+    def first_words(self, ready: str) -> bytes:
+        return (f"trap 'return 130 2>/dev/null' INT\n"
+                f"printf '%s\\n' '{{\"token\": \"{ready}\"}}' >&{self.reply_fd}\n").encode()  # fmt: skip
+
+    def cell_words(self, code: str, token: str) -> bytes:
+        fd = os.open(self.cell_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(code)
+        names = sorted(self.cell_env)
+        before = "".join(
+            f'if [ -n "${{{k}+x}}" ]; then __sandlot_was_{k}=1 __sandlot_old_{k}="${k}"; '
+            f"else __sandlot_was_{k}=; fi; export {k}={shell_quote(v)}; "
+            for k, v in sorted(self.cell_env.items())
+        )
+        after = "".join(
+            f'if [ "${{{k}-}}" = {shell_quote(self.cell_env[k])} ]; then if [ -n "$__sandlot_was_{k}" ]; '
+            f'then export {k}="$__sandlot_old_{k}"; else unset {k}; fi; fi; '
+            f"unset __sandlot_was_{k} __sandlot_old_{k}; "
+            for k in names
+        )
+        cell = f". {shell_quote(self.cell_file)} </dev/null {self.reply_fd}>&-"
+        answer = f'printf \'{{"token": "%s", "status": %d}}\\n\' {token} "$__sandlot_status"'
+        return f"{before}{cell}; __sandlot_status=$?; {after}{answer} >&{self.reply_fd}\n".encode()
+
+    def report(self, answer: dict[str, Any], cell: Cell) -> None:
+        status = answer.get("status")
+        if status == 130:
+            cell.error("KeyboardInterrupt", "", "")
+        elif isinstance(status, int) and status:
+            cell.error("ExitCode", str(status), f"the cell's last command exited with status {status}\n")
+
+
+class NodeKernel(ProcessKernel):
+    """Node.js running ``NODE_DRIVER``, for JavaScript, and TypeScript once its types are
+    stripped. An interrupt is SIGINT: it stops a cell's synchronous code (the REPL's
+    ``breakEvalOnSigint``) or ends its wait on a promise."""
+
+    def __init__(self, directory: str, language: str) -> None:
+        import shutil
+
+        self.language, self.name = language, "node"
+        self.node = shutil.which("node") or shutil.which("nodejs")
+        if self.node is None:
+            raise LookupError(f"this image has no node (Node.js), which sandlot's {language} kernel runs")
+        self.driver = os.path.join(directory, "kernel.js")
+        with open(self.driver, "w") as f:
+            f.write(NODE_DRIVER)
+        super().__init__(directory)
+
+    def argv(self, cmd_r: int, reply_w: int) -> list[str]:
+        return [self.node or "node", self.driver, str(cmd_r), str(reply_w)]
+
+    def cell_words(self, code: str, token: str) -> bytes:
+        msg = {"token": token, "code": code, "typescript": self.language == "typescript",
+               "env": self.cell_env or None}  # fmt: skip
+        return (json.dumps(msg) + "\n").encode()
+
+    def report(self, answer: dict[str, Any], cell: Cell) -> None:
+        error = answer.get("error")
+        if isinstance(error, dict):
+            cell.error(str(error.get("name") or "Error"), str(error.get("value") or ""),
+                       str(error.get("traceback") or ""))  # fmt: skip
+        elif isinstance(answer.get("result"), dict):
+            cell.result(answer["result"], True)
+
+
+BUILTIN_LANGUAGES = ("python", "bash", "javascript", "typescript")
+
+
+def builtin_kernel(language: str, directory: str) -> Any:
+    """sandlot's own kernel for ``language`` (LookupError where it has none, or the image
+    lacks what it runs on)."""
+    if language == "python":
+        return BuiltinKernel()
+    if language == "bash":
+        return ShellKernel(directory)
+    if language in ("javascript", "typescript"):
+        return NodeKernel(directory, language)
+    have = ", ".join(BUILTIN_LANGUAGES)
+    raise LookupError(f"sandlot has no kernel of its own for {language} (it has {have})")
+
+
 class KernelDied(Exception):
     pass
 
@@ -1505,7 +1896,7 @@ class Server:
         elif op == "shutdown":
             self.cells.put(None)
         elif op == "kill":  # the context stays: its next cell starts a new interpreter
-            if isinstance(self.kernel, JupyterKernel):
+            if isinstance(self.kernel, (JupyterKernel, ProcessKernel)):
                 self.kernel.close()
             os.kill(os.getpid(), signal.SIGKILL)
         else:
@@ -1592,7 +1983,9 @@ def start(args: Args) -> int:
     except ValueError:
         report = {"error": said.decode(errors="replace")}
     if "error" in report or not report:
-        with contextlib.suppress(OSError):
+        with contextlib.suppress(OSError):  # what it made before it failed (its socket...)
+            for name in os.listdir(directory):
+                os.unlink(os.path.join(directory, name))
             os.rmdir(directory)
         sys.stderr.write(report.get("error") or "the context exited before it answered\n")
         return 1
@@ -1619,19 +2012,38 @@ def serve_context(args: Args, directory: str, ready_w: int) -> None:
         os.dup2(devnull, fd)
     os.environ.setdefault("MPLBACKEND", "Agg")  # figures render to PNG results, never to a display
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
-    if args.kernel == "builtin":
-        kernel: Any = BuiltinKernel()
-    else:
-        kernel = JupyterKernel(args.kernel.partition(":")[2], args.language, directory)
+    kernel = jupyter = None
+    no_jupyter = ""
+    if args.kernel.startswith("jupyter:"):
+        kernel = jupyter = JupyterKernel(args.kernel.partition(":")[2], args.language, directory)
+    elif args.kernel == "auto":  # the image's Jupyter kernel for the language, else sandlot's own
+        try:
+            kernel = jupyter = JupyterKernel("", args.language, directory)
+        except LookupError as e:
+            if args.language not in BUILTIN_LANGUAGES:
+                raise
+            no_jupyter = str(e)
+    elif args.kernel != "builtin":
+        raise LookupError(f"unknown kernel {args.kernel!r}")
     path = os.path.join(directory, "sock")
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(path)
     listener.listen(16)
-    name = kernel.name if isinstance(kernel, JupyterKernel) else ""
+    # from here fd 1 and 2 belong to the cells (sandlot's kernels of other languages write
+    # there, so they start after this); the report goes through the pipe
+    OUT.fd_readers = [FdCapture(1, "stdout"), FdCapture(2, "stderr")]
+    os.close(devnull)
+    sys.stdout = TextStream("stdout")
+    sys.stderr = TextStream("stderr")
+    if kernel is None:
+        try:
+            kernel = builtin_kernel(args.language, directory)
+        except LookupError as e:
+            raise LookupError(f"{no_jupyter}; and {e}" if no_jupyter else str(e)) from None
     info = {
         "id": args.id,
         "language": args.language,
-        "kernel": "jupyter:" + name if name else "builtin",
+        "kernel": "jupyter:" + jupyter.name if jupyter is not None else "builtin",
         "cwd": os.getcwd(),
         "pid": os.getpid(),
         "created": time.time(),
@@ -1642,11 +2054,6 @@ def serve_context(args: Args, directory: str, ready_w: int) -> None:
         json.dump(info, f)
     os.rename(os.path.join(directory, "info.json.tmp"), os.path.join(directory, "info.json"))
     server = Server(kernel, directory, info)
-    # from here fd 1 and 2 belong to the cells; the report goes through the pipe
-    OUT.fd_readers = [FdCapture(1, "stdout"), FdCapture(2, "stderr")]
-    os.close(devnull)
-    sys.stdout = TextStream("stdout")
-    sys.stderr = TextStream("stderr")
     os.write(ready_w, json.dumps(info).encode())
     os.close(ready_w)
     server.serve(listener)

@@ -44,6 +44,9 @@ LANGUAGES = {"python": "python", "py": "python", "javascript": "javascript", "js
              "bash": "bash"}  # fmt: skip
 
 
+DEFAULT_LANGUAGES = ("python", "javascript")  # the default contexts E2B's sandboxes list
+
+
 RunsAs = Callable[[AsyncBox, Request], Awaitable[tuple[str | None, str]]]
 READY_KEPT = 4096  # boxes whose default contexts are known to be set up, at most
 
@@ -69,18 +72,26 @@ class Interpreter:
             ctx = await box.create_code_context(language=language, cwd=_str(body, "cwd") or home)
             return JSONResponse(_context(ctx))
         if path == "/contexts" and method == "GET":
-            return JSONResponse([_context(c) for c in await box.list_code_contexts()])
+            listed = [_context(c) for c in await box.list_code_contexts()]
+            # E2B's sandboxes have a default context of Python and one of JavaScript from
+            # their start; sandlot starts each on its first cell, and lists it before
+            _, home = await self.runs_as(box, request)
+            for language in DEFAULT_LANGUAGES:
+                cid = context_id(None, language)
+                if all(c["id"] != cid for c in listed):
+                    listed.append({"id": cid, "language": language, "cwd": home})
+            return JSONResponse(listed)
         if path.startswith("/contexts/"):
             rest = path[len("/contexts/") :]
-            context_id, _, action = rest.partition("/")
+            named, _, action = rest.partition("/")
             if method == "DELETE" and not action:
-                await box.remove_code_context(context_id)
+                await box.remove_code_context(named)
                 return Response(status_code=204)
             if method == "POST" and action == "restart":
-                await box.restart_code_context(context_id)
+                await box.restart_code_context(named)
                 return Response(status_code=204)
             if method == "POST" and action == "interrupt":
-                await box.interrupt_code_context(context_id)
+                await box.interrupt_code_context(named)
                 return Response(status_code=204)
         return JSONResponse({"code": 404, "message": f"no route {method} {path}"}, status_code=404)
 
