@@ -19,7 +19,8 @@ says: ``E2B_API_URL`` and ``E2B_SANDBOX_URL``, one URL for every sandbox. It the
 the SDK's tests of what the face serves (``DEFAULT_TESTS``, unless PYTEST ARGS name
 others) and prints, as JSON, the passed and failed tests and the rate. With
 ``--code-interpreter``, the template is E2B's ``code-interpreter-v1`` (``interpreter_root``:
-Debian with python3's Jupyter kernel, matplotlib and pandas, and the user ``user``), and
+Debian with python3's Jupyter kernel, matplotlib and pandas, Node.js with TypeScript, R's
+Jupyter kernel, and the user ``user``), and
 the tests are ``INTERPRETER_TESTS``.
 """
 
@@ -65,16 +66,18 @@ def base_root() -> Path:
 
 def interpreter_root() -> Path:
     """E2B's ``code-interpreter-v1`` template as a root filesystem: the packages of the
-    tests' Jupyter root (python3-ipykernel, matplotlib, pandas) and ``base``'s user
-    ``user``, cached beside the tests' roots."""
+    tests' Jupyter root (python3-ipykernel, matplotlib, pandas, Node.js with TypeScript),
+    R's Jupyter kernel (IRkernel) and ``base``'s user ``user``, cached beside the tests'
+    roots. JavaScript, TypeScript and bash run in sandlot's own kernels; Java, whose
+    Jupyter kernel Debian does not package, does not run."""
     from sandlot.images.builders import debian_rootfs
 
     from tests.support.roots import CACHE
 
-    dest = CACHE / "rootfs-e2b-code-interpreter-v1"
+    dest = CACHE / "rootfs-e2b-code-interpreter-v2"
     if not (dest / "home" / "user").is_dir():
         packages = ["python3", "python3-ipykernel", "python3-matplotlib", "python3-pandas", "python3-munkres",
-                    "sudo"]  # fmt: skip
+                    "nodejs", "node-typescript", "r-cran-irkernel", "sudo"]  # fmt: skip
         debian_rootfs(dest, packages, recommends=False, hooks=USER_HOOKS)
     return dest
 

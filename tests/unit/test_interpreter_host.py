@@ -191,8 +191,8 @@ def test_a_cell_whose_environment_cannot_be_set_gets_that_error_and_the_context_
     [
         ({"language": "python"}, "earlier sandlot"),
         (
-            {"language": "r", "kernel": "jupyter:ir", "features": ["env"]},
-            "runs r in the image's Jupyter kernel ir",
+            {"language": "ocaml", "kernel": "jupyter:ocaml-jupyter", "features": ["env"]},
+            "runs ocaml in the image's Jupyter kernel ocaml-jupyter",
         ),
     ],
 )
@@ -208,7 +208,8 @@ def test_a_cells_env_is_refused_where_its_context_would_run_the_cell_without_it(
     with pytest.raises(Unsupported, match=refused):
         takes_env("ctx", facts, "box-1")
     takes_env("ctx", {"language": "python", "features": ["env"]}, "box-1")
-    takes_env("ctx", {"language": "bash", "kernel": "builtin", "features": ["env"]}, "box-1")
+    takes_env("ctx", {"language": "bash", "kernel": "builtin", "features": ["env", "cell-env"]}, "box-1")
+    takes_env("ctx", {"language": "r", "kernel": "jupyter:ir", "features": ["env", "cell-env"]}, "box-1")
 
 
 def test_ipythons_escapes_are_rewritten_line_for_line_and_python_is_left_alone() -> None:
@@ -306,3 +307,31 @@ def test_a_language_with_no_kernel_says_what_the_image_lacks(tmp_path: Path) -> 
     )  # fmt: skip
     assert started.returncode != 0
     assert "no Jupyter kernel for javascript" in started.stderr and "no node (Node.js)" in started.stderr
+
+
+@pytest.mark.skipif(not shutil.which("bash"), reason="no bash here")
+def test_a_cells_own_variables_in_each_language_a_jupyter_kernel_may_speak() -> None:
+    """``env_code``: what an image's Jupyter kernel of each language runs before and after a
+    cell with its own variables; run here in bash, R and node where this host has them (R's
+    in the E2B code interpreter's template: scripts/e2b_sdk_tests.py)."""
+    env = {"STAGE": 'it\'s "quoted" $HOME \\ é', "KEPT": "given"}
+    check = {
+        "bash": ["bash", "-c"],
+        "r": ["Rscript", "-e"],
+        "javascript": ["node", "-e"],
+    }
+    show = {
+        "bash": 'printf "%s|%s\\n" "$STAGE" "${KEPT-unset}"',
+        "r": 'cat(Sys.getenv("STAGE"), "|", Sys.getenv("KEPT", unset = "unset"), "\\n", sep = "")',
+        "javascript": "console.log((process.env.STAGE ?? '') + '|' + (process.env.KEPT ?? 'unset'))",
+    }
+    assert interpreter.env_code("ocaml", env) is None
+    for language, argv in check.items():
+        if not shutil.which(argv[0]):
+            continue
+        before, after = interpreter.env_code(language, env) or ("", "")
+        script = "\n".join([before, show[language], after, show[language]])
+        out = subprocess.run([*argv, script], capture_output=True, text=True, timeout=60,
+                             env={**os.environ, "KEPT": "the context's"})  # fmt: skip
+        assert out.returncode == 0, (language, out.stderr)
+        assert out.stdout.splitlines() == [f"{env['STAGE']}|given", "|the context's"], (language, out.stdout)

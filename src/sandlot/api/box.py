@@ -580,8 +580,8 @@ class AsyncBox:
         results as they come. Past ``timeout`` the cell is interrupted and CodeTimeout
         raised (with the execution so far). ``env``: environment variables for this cell
         alone (and what it starts); afterwards each is as it was, unless the cell set it
-        itself (sandlot's own kernels and a Jupyter Python kernel; an image's Jupyter
-        kernel of another language takes ``env`` when its context is created). Needs
+        itself (sandlot's own kernels, and an image's Jupyter kernels of Python, R, bash and
+        JavaScript; one of another language takes ``env`` when its context is created). Needs
         python3 in the image; ``language`` "bash" needs bash, "javascript" and
         "typescript" node (sandlot's own kernels), any other the image's Jupyter kernel.
 
@@ -637,7 +637,7 @@ class AsyncBox:
         return made
 
     async def list_code_contexts(self) -> builtins.list[CodeContext]:
-        """The interpreters running in the box (default ones included once started)."""
+        """The interpreters running in the box, oldest first (default ones included once started)."""
         found: builtins.list[CodeContext] = await self._op("list_code_contexts")
         return found
 

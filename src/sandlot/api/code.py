@@ -294,11 +294,12 @@ def takes_env(cid: str, facts: Mapping[str, Any], box: str) -> None:
             "or set them when it is created",
             box=box,
         )
-    if facts.get("language") != "python" and facts.get("kernel") != "builtin":
+    if facts.get("language") != "python" and "cell-env" not in (facts.get("features") or []):
         raise Unsupported(
-            f"environment variables for one cell are set in Python contexts and sandlot's own kernels; "
-            f"code context {cid!r} runs {facts.get('language')} in the image's Jupyter kernel "
-            f"{str(facts.get('kernel', ''))[8:]}: give them to create_code_context(env=...)",
+            f"environment variables for one cell are set in sandlot's own kernels and in Jupyter kernels "
+            f"of Python, R, bash and JavaScript; code context {cid!r} runs {facts.get('language')} in the "
+            f"image's Jupyter kernel {str(facts.get('kernel', ''))[8:]}: give them to "
+            "create_code_context(env=...)",
             box=box,
         )
 
@@ -455,13 +456,14 @@ class Interpreter:
             entries = await self.box.files.list(ROOT)
         except FileNotFoundError:
             return []
-        out = []
+        found = []
         for e in entries:
             if e.is_dir:
                 # (a context still starting has no info yet)
                 with contextlib.suppress(CodeContextNotFound, FileNotFoundError, ValueError, KeyError):
-                    out.append(CodeContext.from_info(await self._info(e.name)))
-        return out
+                    info = await self._info(e.name)
+                    found.append((float(info.get("created") or 0), e.name, CodeContext.from_info(info)))
+        return [ctx for _, _, ctx in sorted(found, key=lambda item: item[:2])]  # oldest first
 
     async def interrupt(self, context: ContextArg) -> None:
         cid = context_id(context, "python")

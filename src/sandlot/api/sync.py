@@ -493,8 +493,8 @@ class Box(BoxBase):
         results as they come. Past ``timeout`` the cell is interrupted and CodeTimeout
         raised (with the execution so far). ``env``: environment variables for this cell
         alone (and what it starts); afterwards each is as it was, unless the cell set it
-        itself (sandlot's own kernels and a Jupyter Python kernel; an image's Jupyter
-        kernel of another language takes ``env`` when its context is created). Needs
+        itself (sandlot's own kernels, and an image's Jupyter kernels of Python, R, bash and
+        JavaScript; one of another language takes ``env`` when its context is created). Needs
         python3 in the image; ``language`` "bash" needs bash, "javascript" and
         "typescript" node (sandlot's own kernels), any other the image's Jupyter kernel.
 
@@ -545,7 +545,7 @@ class Box(BoxBase):
         )
 
     def list_code_contexts(self) -> builtins.list[CodeContext]:
-        """The interpreters running in the box (default ones included once started)."""
+        """The interpreters running in the box, oldest first (default ones included once started)."""
         return loop.run(self._a.list_code_contexts())
 
     def interrupt_code_context(self, context: ContextArg) -> None:

@@ -964,6 +964,55 @@ ENV_RESTORE = """for __sandlot_k, __sandlot_v in __sandlot_env[1].items():
 del __sandlot_env, __sandlot_k, __sandlot_v"""
 
 
+def shell_quote(text: str) -> str:
+    return "'" + text.replace("'", "'\"'\"'") + "'"
+
+
+def env_code(language: str, env: dict[str, str]) -> tuple[str, str] | None:
+    """The code that sets ``env`` for one cell in a kernel of ``language``, and the code
+    that puts it back after (see ENV_SET); None for a language this does not know."""
+    language = language.lower()
+    if language == "python":
+        return ENV_SET.format(given=json.dumps(env)), ENV_RESTORE
+    if language == "bash":
+        before = "".join(
+            f'if [ -n "${{{k}+x}}" ]; then __sandlot_was_{k}=1 __sandlot_old_{k}="${k}"; '
+            f"else __sandlot_was_{k}=; fi; export {k}={shell_quote(v)}; "
+            for k, v in sorted(env.items())
+        )
+        after = "".join(
+            f'if [ "${{{k}-}}" = {shell_quote(v)} ]; then if [ -n "$__sandlot_was_{k}" ]; '
+            f'then export {k}="$__sandlot_old_{k}"; else unset {k}; fi; fi; '
+            f"unset __sandlot_was_{k} __sandlot_old_{k}; "
+            for k, v in sorted(env.items())
+        )
+        return before, after
+    if language == "r":  # (JSON's string escapes but ``\/``, which it does not write, are R's)
+        given = ", ".join(f"`{k}` = {json.dumps(v, ensure_ascii=False)}" for k, v in env.items())
+        names = ", ".join(json.dumps(k) for k in env)
+        return (
+            f".sandlot_env <- list(new = c({given}), "
+            f"old = Sys.getenv(c({names}), unset = NA, names = TRUE)); "  # (named: one name too)
+            "invisible(do.call(Sys.setenv, as.list(.sandlot_env$new)))",
+            "for (.sandlot_k in names(.sandlot_env$new)) if (identical(Sys.getenv(.sandlot_k, unset = NA), "
+            "unname(.sandlot_env$new[.sandlot_k]))) { if (is.na(.sandlot_env$old[.sandlot_k])) "
+            "Sys.unsetenv(.sandlot_k) else do.call(Sys.setenv, as.list(.sandlot_env$old[.sandlot_k])) }; "
+            "rm(.sandlot_env, .sandlot_k)",
+        )
+    if language in ("javascript", "typescript"):
+        return (
+            f"globalThis.__sandlot_env = {{ given: {json.dumps(env)}, before: {{}} }};"
+            " for (const [k, v] of Object.entries(globalThis.__sandlot_env.given)) {"
+            " globalThis.__sandlot_env.before[k] = k in process.env ? process.env[k] : null;"
+            " process.env[k] = v; }",
+            "for (const [k, v] of Object.entries(globalThis.__sandlot_env.given)) {"
+            " if (process.env[k] === v) {"
+            " const b = globalThis.__sandlot_env.before[k]; if (b === null) delete process.env[k];"
+            " else process.env[k] = b; } } delete globalThis.__sandlot_env;",
+        )
+    return None
+
+
 def cell_env(value: Any) -> dict[str, str]:
     """A run's ``env``: names and values that are strings (the host checked them)."""
     if not isinstance(value, dict):
@@ -1182,6 +1231,7 @@ class JupyterKernel:
 
     def __init__(self, spec_name: str, language: str, directory: str) -> None:
         self.name, spec = find_kernelspec(spec_name, language)
+        self.language = str(spec.get("language") or language)
         try:
             import zmq  # type: ignore[import-not-found]
         except ImportError:
@@ -1290,13 +1340,14 @@ class JupyterKernel:
 
     @contextlib.contextmanager
     def environment(self, env: dict[str, str]) -> Any:
-        """``env`` set for the cell that runs inside, by the kernel itself (a Python one:
-        the host sends ``env`` to no other)."""
-        if not env:
+        """``env`` set for the cell that runs inside, by the kernel itself, in its language
+        (``env_code``: the host sends ``env`` only to a kernel whose language it knows)."""
+        code = env_code(self.language, env) if env else None
+        if code is None:
             yield
             return
         try:
-            self.quietly(ENV_SET.format(given=json.dumps(env)))
+            self.quietly(code[0])
         except RuntimeError as e:
             raise CellNotRun(str(e)) from None
         try:
@@ -1304,7 +1355,7 @@ class JupyterKernel:
         finally:
             if self.died() is None:
                 with contextlib.suppress(KernelDied, RuntimeError):
-                    self.quietly(ENV_RESTORE)
+                    self.quietly(code[1])
 
     def execute_request(self, code: str, *, silent: bool) -> str:
         """Send ``code`` to run: a cell (counted, in the history) or, ``silent``, not.
@@ -1668,10 +1719,6 @@ class ProcessKernel:
             self.proc.wait()
 
 
-def shell_quote(text: str) -> str:
-    return "'" + text.replace("'", "'\"'\"'") + "'"
-
-
 class ShellKernel(ProcessKernel):
     """bash, reading its commands from a pipe: each cell is written to a file of the
     context's directory and sourced, with no stdin (``</dev/null``) and without the
@@ -1706,18 +1753,7 @@ class ShellKernel(ProcessKernel):
         fd = os.open(self.cell_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w") as f:
             f.write(code)
-        names = sorted(self.cell_env)
-        before = "".join(
-            f'if [ -n "${{{k}+x}}" ]; then __sandlot_was_{k}=1 __sandlot_old_{k}="${k}"; '
-            f"else __sandlot_was_{k}=; fi; export {k}={shell_quote(v)}; "
-            for k, v in sorted(self.cell_env.items())
-        )
-        after = "".join(
-            f'if [ "${{{k}-}}" = {shell_quote(self.cell_env[k])} ]; then if [ -n "$__sandlot_was_{k}" ]; '
-            f'then export {k}="$__sandlot_old_{k}"; else unset {k}; fi; fi; '
-            f"unset __sandlot_was_{k} __sandlot_old_{k}; "
-            for k in names
-        )
+        before, after = env_code("bash", self.cell_env) or ("", "")
         cell = f". {shell_quote(self.cell_file)} </dev/null {self.reply_fd}>&-"
         answer = f'printf \'{{"token": "%s", "status": %d}}\\n\' {token} "$__sandlot_status"'
         return f"{before}{cell}; __sandlot_status=$?; {after}{answer} >&{self.reply_fd}\n".encode()
@@ -2048,7 +2084,9 @@ def serve_context(args: Args, directory: str, ready_w: int) -> None:
         "pid": os.getpid(),
         "created": time.time(),
         "options": json.loads(args.options),
-        "features": ["env"],  # what this interpreter's host may ask of it beyond the first protocol
+        # what this interpreter's host may ask of it beyond the first protocol: "cell-env", a
+        # cell's own variables in this kernel's language (every kernel of sandlot's own)
+        "features": ["env", *(["cell-env"] if jupyter is None or env_code(jupyter.language, {}) else [])],
     }
     with open(os.path.join(directory, "info.json.tmp"), "w") as f:
         json.dump(info, f)

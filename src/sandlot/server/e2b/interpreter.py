@@ -72,15 +72,16 @@ class Interpreter:
             ctx = await box.create_code_context(language=language, cwd=_str(body, "cwd") or home)
             return JSONResponse(_context(ctx))
         if path == "/contexts" and method == "GET":
-            listed = [_context(c) for c in await box.list_code_contexts()]
+            running = {c.id: _context(c) for c in await box.list_code_contexts()}  # oldest first
             # E2B's sandboxes have a default context of Python and one of JavaScript from
-            # their start; sandlot starts each on its first cell, and lists it before
+            # their start, listed first; sandlot starts each on its first cell, and lists it
+            # before, in the home of the user cells start in
             _, home = await self.runs_as(box, request)
+            defaults = []
             for language in DEFAULT_LANGUAGES:
                 cid = context_id(None, language)
-                if all(c["id"] != cid for c in listed):
-                    listed.append({"id": cid, "language": language, "cwd": home})
-            return JSONResponse(listed)
+                defaults.append(running.pop(cid, {"id": cid, "language": language, "cwd": home}))
+            return JSONResponse([*defaults, *running.values()])
         if path.startswith("/contexts/"):
             rest = path[len("/contexts/") :]
             named, _, action = rest.partition("/")
