@@ -34,6 +34,7 @@ POINTS = frozenset({
     "chunks.mid-collect",  # the rows of chunks no state lists are deleted, their files not yet
     "remote.mid-push",  # some chunks are in the storage tier (and counted so), the rest not
     "remote.mid-pull",  # a box's disk files are pulled from the tier, its rows not written
+    "tiergc.repacked",  # a collection wrote packs again and pointed the places at them; no record yet
     "tiergc.recorded",  # a collection of the tier recorded what it deletes; nothing is deleted yet
     "tiergc.deleted",  # a collection deleted what it recorded; its lock is still held
     "diff.sides-open",  # a diff's sides run (a snapshot's or the image's as a box of its own)

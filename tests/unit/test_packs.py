@@ -63,3 +63,44 @@ def test_neighbours_in_a_pack_share_a_read_and_far_ones_do_not() -> None:
     # a run is cut at SPAN_BYTES
     long = [(bytes([i]) * 32, packs.Place(a, i * (1 << 20), 1 << 20)) for i in range(10)]
     assert all(s[2] - s[1] <= packs.SPAN_BYTES for s in packs.spans(long))
+
+
+class MemoryTier:
+    """What ``packs`` asks of a tier, in memory: keys, objects, ranged reads."""
+
+    def __init__(self) -> None:
+        self.objects: dict[str, bytes] = {}
+
+    def key(self, *parts: str) -> str:
+        return "/".join(parts)
+
+    def put(self, key: str, data: bytes, **_: object) -> None:
+        self.objects[key] = data
+
+    def get_range(self, key: str, start: int, end: int, *, short: bool = False) -> bytes:
+        return self.objects[key][start:end]
+
+    def each(self, fn, items):  # type: ignore[no-untyped-def]
+        return [fn(i) for i in items]
+
+
+def test_a_pack_is_written_again_with_its_live_chunks_and_one_with_a_damaged_chunk_is_left() -> None:
+    tier = MemoryTier()
+    items = [chunk(i) for i in range(6)]
+    good, body, _ = packs.build(items[:3])
+    bad, bad_body, bad_places = packs.build(items[3:])
+    tier.put(packs.pack_key(tier, good), body)  # type: ignore[arg-type]
+    at = bad_places[items[3][0]].offset
+    tier.put(packs.pack_key(tier, bad), bad_body[:at] + b"X" + bad_body[at + 1 :])  # type: ignore[arg-type]
+    old = {p: packs.header(tier, p.hex()) for p in (good, bad)}  # type: ignore[arg-type]
+    assert [(d, n) for d, _, n in old[good]] == [(d, len(b)) for d, b in items[:3]]
+    live = {items[0][0], items[2][0], items[3][0]}
+    moved, written = packs.rewrite(tier, old, live, lambda d, b: digest(b) == d)  # type: ignore[arg-type]
+    assert set(moved) == {good} and set(moved[good]) == {items[0][0], items[2][0]}
+    (new,) = {p.pack for p in moved[good].values()}
+    assert len(tier.objects[packs.pack_key(tier, new)]) == written  # type: ignore[arg-type]
+    for d, p in moved[good].items():
+        assert tier.objects[packs.pack_key(tier, new)][p.offset : p.offset + p.length] == dict(items)[d]  # type: ignore[arg-type]
+    assert packs.decode_places(tier.objects[f"moved/{good.hex()}"], "moved") == moved[good]
+    assert f"moved/{bad.hex()}" not in tier.objects  # its damaged live chunk: left as it is
+    assert packs.worth_rewriting(old[good], live) is False  # (a few hundred dead bytes: not worth it)

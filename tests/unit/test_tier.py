@@ -8,6 +8,7 @@ full disk, a kill -9 mid-push and mid-pull). tests/vm/test_tier.py moves a real 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -605,7 +606,9 @@ COLLECTING = """
 import os, sys
 from tests.support.fake_engine import register
 import sandlot
+from sandlot.core import packs
 register()
+packs.REPACK_DEAD_BYTES = 0  # (what the tests of rewritten packs set)
 os.environ["SANDLOT_CRASH_AT"] = sys.argv[2]
 sandlot.storage.gc(tier=True, home=sys.argv[1], wait=5)
 print("survived", flush=True)
@@ -756,5 +759,113 @@ def test_a_pack_whose_header_is_damaged_is_kept_by_a_collection_and_its_chunks_r
         client.put_object(Bucket=s3.bucket, Key=key, Body=body[:40])  # cut short: its chunks past its end
         with pytest.raises(CorruptSnapshot, match=r"packs/[0-9a-f]{64} in the storage tier .*cut short"):
             box.rollback(s2)
+    finally:
+        box.remove(force=True)
+
+
+def test_a_pack_mostly_dead_is_written_again_and_homes_find_its_chunks_where_they_went(
+    tmp_path: Path, proxy: FaultyProxy, s3: S3Server, root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A removed state whose pack a later state shares: once the dead chunks are half of the
+    pack, a collection writes its live chunks into a new pack, says where they went
+    (``moved/``), points the later state's places at it and deletes the old pack. A home
+    that still knows the old places reads the chunks at the new ones when its read finds
+    the old pack gone, and learns them all when it catches up before a push; another home
+    pulls the state by its new places."""
+    from sandlot.core import packs
+
+    monkeypatch.setattr(packs, "REPACK_DEAD_BYTES", 0)  # (the default waits for a MiB of them)
+    a, b = homes(tmp_path, proxy, 2)
+    box = fake_box(a, root, "repacked")
+    try:
+        box.exec("remember", "big", os.urandom(300_000).hex())
+        box.exec("remember", "k", "v")
+        first = box.snapshot("first")
+        sandlot.storage.push(home=a)
+        (old,) = objects(s3, f"{tmp_path.name}/packs/")
+        box.exec("remember", "big", "gone")  # the second state shares little of the first's pack
+        second = box.snapshot("second")
+        sandlot.storage.push(home=a)
+        sandlot.storage.evict(older_than=0, home=a)
+        first.remove()
+        report = sandlot.storage.gc(tier=True, home=a).tier
+        assert report is not None and report.states == 1 and report.repacked == 1 and report.dead_bytes == 0
+        assert report.bytes_freed > 300_000
+        left = objects(s3, f"{tmp_path.name}/packs/")
+        assert old not in left and len(left) == 2  # the second's own, and the first's live chunks
+        moved = f"{tmp_path.name}/moved/{old.rsplit('/', 1)[1]}"
+        assert objects(s3, f"{tmp_path.name}/moved/") == [moved]
+        client = s3.client()
+        body = client.get_object(Bucket=s3.bucket, Key=f"{tmp_path.name}/places/states/{second.id}")["Body"]
+        assert old.rsplit("/", 1)[1] not in {
+            p.pack.hex() for p in packs.decode_places(body.read(), "s").values()
+        }
+        # this home's places still say the old pack: a read finds it gone, and where it went
+        proxy.seen.clear()
+        box.exec("remember", "big", "changed")
+        box.rollback(second)
+        assert box.exec("recall", "big").stdout.strip() == "gone"
+        assert box.exec("recall", "k").stdout.strip() == "v"
+        assert [p for m, p in proxy.seen if m == "GET" and "/moved/" in p]
+        # a push catches up with the collection: every place it knows is a pack the tier has
+        sandlot.storage.push(home=a)
+        known = BoxStore(a / "sandlot.db").tier_places(
+            bytes.fromhex(r[0]) for r in _all_digests(a)
+        )  # fmt: skip
+        assert known and old.rsplit("/", 1)[1] not in {p.pack.hex() for p in known.values()}
+        # another home pulls the box: its state comes by its new places
+        box.suspend()
+        sandlot.storage.push("repacked", release=True, home=a)
+        moved_box = sandlot.storage.pull("repacked", home=b)
+        assert moved_box.exec("recall", "k").stdout.strip() == "v"
+        assert moved_box.exec("recall", "big").stdout.strip() == "gone"
+        moved_box.remove(force=True)
+        # once the collection's record is dropped (the newest RECORDS_KEPT stay), its moves go too
+        monkeypatch.setattr(tiergc, "RECORDS_KEPT", 1)
+        sandlot.storage.gc(tier=True, home=b)
+        assert objects(s3, f"{tmp_path.name}/moved/") == []
+    finally:
+        with contextlib.suppress(Exception):
+            box.remove(force=True)
+
+
+def _all_digests(home: Path) -> list[tuple[str]]:
+    import sqlite3
+
+    with contextlib.closing(sqlite3.connect(home / "sandlot.db")) as db:
+        return [(bytes(r[0]).hex(),) for r in db.execute("SELECT digest FROM tier_places")]
+
+
+def test_a_kill_while_a_collection_writes_packs_again_loses_nothing(
+    tmp_path: Path, proxy: FaultyProxy, s3: S3Server, root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Killed once the new packs, their ``moved/`` and the places pointing at them are
+    written, before its record: the old pack is still there, and every state reads from
+    either; the next collection writes it again and deletes it."""
+    from sandlot.core import packs
+
+    monkeypatch.setattr(packs, "REPACK_DEAD_BYTES", 0)
+    (a,) = homes(tmp_path, proxy, 1)
+    box = fake_box(a, root, "killed-repack")
+    env = {**os.environ, **CREDENTIALS}
+    try:
+        box.exec("remember", "big", os.urandom(300_000).hex())
+        box.exec("remember", "k", "v")
+        first = box.snapshot("first")
+        sandlot.storage.push(home=a)
+        (old,) = objects(s3, f"{tmp_path.name}/packs/")
+        box.exec("remember", "big", "gone")
+        second = box.snapshot("second")
+        sandlot.storage.push(home=a)
+        first.remove()
+        argv = [sys.executable, "-c", COLLECTING, str(a), "tiergc.repacked"]
+        p = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=120, cwd=REPO)
+        assert p.returncode == -9 and "survived" not in p.stdout, p.stderr[-2000:]
+        assert old in objects(s3, f"{tmp_path.name}/packs/")  # no record yet: nothing deleted
+        rolls_back_from_the_tier(box, second, a, "big", "gone")
+        last = sandlot.storage.gc(tier=True, home=a, wait=5).tier
+        assert last is not None and last.repacked == 1 and old not in objects(s3, f"{tmp_path.name}/packs/")
+        rolls_back_from_the_tier(box, second, a, "big", "gone")
+        assert box.exec("recall", "k").stdout.strip() == "v"
     finally:
         box.remove(force=True)

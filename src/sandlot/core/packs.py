@@ -20,8 +20,17 @@ one-object form older homes wrote. Every chunk is still checked against its hash
 read, so a damaged pack or places object is a ``CorruptSnapshot`` naming the chunk.
 
 A collection (``core.tiergc``) deletes a pack once none of its chunks is listed by a state
-or a file the tier keeps; a pack some of whose chunks are still listed stays whole, and
-its dead bytes are counted (``TierGcReport.dead_bytes``).
+or a file the tier keeps. A pack some of whose chunks are still listed stays whole while
+its dead chunks are few (``TierGcReport.dead_bytes`` counts them); once they are half of
+its bytes and more than ``REPACK_DEAD_BYTES`` (a state removed whose pack later states
+share), the collection writes the pack again without them (``rewrite``):
+
+    moved/<old hex>             where the old pack's live chunks are now (places)
+
+and the places of every state and file that pointed into it. A home that learned the
+old places (a pack it sent, a state it pulled) finds the new ones in ``moved/``: when it
+catches up with the collection's record before a push, or when a read finds the old
+pack gone.
 """
 
 from __future__ import annotations
@@ -33,7 +42,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 from ..errors import CorruptSnapshot
-from .tier import Tier
+from .tier import ObjectMissing, Tier
 
 MAGIC = b"SLPACK1\n"
 PLACES_MAGIC = b"SLPLACE1"
@@ -41,6 +50,9 @@ PACK_BYTES = 8 << 20  # a pack's chunks, compressed: a few requests a state, lit
 SPAN_BYTES = 4 << 20  # the most one ranged read asks for
 SPAN_GAP = 256 << 10  # bytes of chunks not wanted that a read takes to join two runs in one
 SENDING = 4  # packs sent at once
+PLACES_MAX = 256 << 20  # bytes of one state's or file's places: a disk of 380 GiB (44 bytes a chunk)
+REPACK_DEAD_SHARE = 0.5  # a pack whose dead chunks are this share of its bytes is written again...
+REPACK_DEAD_BYTES = 1 << 20  # ...if they are this many bytes at least (a few requests must win something)
 _HEAD = struct.Struct("<8sI")
 _ENTRY = struct.Struct("<32sI")
 _PLACE = struct.Struct("<32sIII")
@@ -75,8 +87,17 @@ def build(items: list[tuple[bytes, bytes]]) -> tuple[bytes, bytes, dict[bytes, P
     return pack, body, places
 
 
+def moved_key(tier: Tier, pack: bytes) -> str:
+    return tier.key("moved", pack.hex())
+
+
 def members(tier: Tier, pack: str) -> set[bytes]:
     """The chunks a pack in the tier holds, read from its header (two ranged reads at most)."""
+    return {d for d, _, _ in header(tier, pack)}
+
+
+def header(tier: Tier, pack: str) -> list[tuple[bytes, int, int]]:
+    """Each chunk of a pack in the tier, its offset and its length, from the pack's header."""
     key = tier.key("packs", pack)
     first = tier.get_range(key, 0, 64 << 10, short=True)
     if len(first) < _HEAD.size or first[:8] != MAGIC:
@@ -86,7 +107,11 @@ def members(tier: Tier, pack: str) -> set[bytes]:
     head = first if end <= len(first) else first + tier.get_range(key, len(first), end)
     if len(head) < end:
         raise CorruptSnapshot(f"the pack {key} in the storage tier is damaged: its header is cut short")
-    return {d for d, _ in _ENTRY.iter_unpack(head[_HEAD.size : end])}
+    out, at = [], end
+    for d, length in _ENTRY.iter_unpack(head[_HEAD.size : end]):
+        out.append((d, at, length))
+        at += length
+    return out
 
 
 def encode_places(places: dict[bytes, Place]) -> bytes:
@@ -107,7 +132,10 @@ def decode_places(data: bytes, whose: str) -> dict[bytes, Place]:
     try:
         if data[:8] != PLACES_MAGIC:
             raise ValueError("not a places object")
-        body = zstandard.ZstdDecompressor().decompress(data[8:], max_output_size=1 << 30)
+        size = zstandard.get_frame_parameters(data[8:]).content_size
+        if not 0 <= size <= PLACES_MAX:  # (said before it is made: a damaged size is no allocation)
+            raise ValueError(f"a frame of {size} bytes, where places are at most {PLACES_MAX}")
+        body = zstandard.ZstdDecompressor().decompress(data[8:], max_output_size=PLACES_MAX)
         npacks, count = _COUNTS.unpack_from(body)
         at = _COUNTS.size + 32 * npacks
         if len(body) != at + count * _PLACE.size:
@@ -139,18 +167,58 @@ def spans(wanted: Iterable[tuple[bytes, Place]]) -> list[tuple[bytes, int, int, 
     return out
 
 
-def read(tier: Tier, wanted: dict[bytes, Place]) -> dict[bytes, bytes]:
-    """The bytes (as kept) of each wanted chunk, its neighbours in a pack read at once."""
+def read(tier: Tier, wanted: dict[bytes, Place], gone: set[bytes] | None = None) -> dict[bytes, bytes]:
+    """The bytes (as kept) of each wanted chunk, its neighbours in a pack read at once. A
+    pack the tier no longer has is added to ``gone`` (its chunks are not in the answer),
+    where it is given; else that is a ``CorruptSnapshot``."""
     found: dict[bytes, bytes] = {}
 
     def one(span: tuple[bytes, int, int, list[tuple[bytes, Place]]]) -> None:
         pack, start, end, held = span
-        data = tier.get_range(pack_key(tier, pack), start, end)
+        try:
+            data = tier.get_range(pack_key(tier, pack), start, end)
+        except ObjectMissing:
+            if gone is None:
+                raise
+            gone.add(pack)
+            return
         for d, p in held:
             found[d] = data[p.offset - start : p.offset - start + p.length]
 
     tier.each(one, spans(wanted.items()))
     return found
+
+
+def worth_rewriting(entries: list[tuple[bytes, int, int]], live: set[bytes]) -> bool:
+    """Whether a pack's dead chunks (not in ``live``) are enough of it to write it again."""
+    dead = sum(length for d, _, length in entries if d not in live)
+    return dead >= REPACK_DEAD_BYTES and dead >= REPACK_DEAD_SHARE * sum(n for _, _, n in entries)
+
+
+def rewrite(
+    tier: Tier,
+    old: dict[bytes, list[tuple[bytes, int, int]]],
+    live: set[bytes],
+    sound: Callable[[bytes, bytes], bool],
+) -> tuple[dict[bytes, dict[bytes, Place]], int]:
+    """Write the ``live`` chunks of the ``old`` packs (each pack's entries, ``header``) into
+    new packs, then ``moved/<old>`` for each: where its live chunks are now. Each chunk is
+    checked as it is read (``sound``: its hash and bytes as kept); a pack with a damaged
+    chunk is left as it is. The places of each pack written again, and the bytes of the
+    new packs."""
+    wanted = {d: Place(pack, at, n) for pack, entries in old.items() for d, at, n in entries if d in live}
+    found = read(tier, wanted)
+    whole = [pack for pack, entries in sorted(old.items())
+             if all(d in found and sound(d, found[d]) for d, _, _ in entries if d in live)]  # fmt: skip
+    placed: dict[bytes, Place] = {}
+    with PackWriter(tier, placed.update) as writer:
+        for pack in whole:
+            for d, _, _ in old[pack]:
+                if d in live:
+                    writer.add(d, found[d])
+    moved = {pack: {d: placed[d] for d, _, _ in old[pack] if d in live} for pack in whole}
+    tier.each(lambda pack: tier.put(moved_key(tier, pack), encode_places(moved[pack])), whole)
+    return moved, writer.bytes
 
 
 class PackWriter:
@@ -212,4 +280,7 @@ class PackWriter:
             self._pool.shutdown(wait=True, cancel_futures=True)
 
 
-__all__ = ["PACK_BYTES", "PackWriter", "Place", "build", "decode_places", "encode_places", "members", "read"]
+__all__ = [
+    "PACK_BYTES", "PackWriter", "Place", "build", "decode_places", "encode_places", "header", "members",
+    "moved_key", "read", "rewrite", "worth_rewriting",
+]  # fmt: skip

@@ -38,7 +38,7 @@ from ..errors import (
     TierError,
     no_space,
 )
-from . import boxdoc, snapshots, tiergc
+from . import boxdoc, packs, snapshots, tiergc
 from .chunks import LOCK_WAIT, TIER_RUN, ChunkStore, digest, remove_file
 from .manifest import CHUNK, Image, Manifest
 from .packs import PackWriter, Place, decode_places, encode_places
@@ -119,8 +119,18 @@ class Remote:
         tiergc.declare(self.tier, self.me, store.pushed_states(), (r.id for r in store.list()))
 
     def forget(self, what: tiergc.Forget) -> None:
-        """Forget that the tier holds what a collection deleted from it."""
+        """Forget that the tier holds what a collection deleted from it, and learn where the
+        live chunks of the packs it wrote again went (``moved/``; one gone: forget all)."""
+        moves = []
+        for pack in sorted(what.moved if not what.everything else ()):
+            found = self.tier.get(packs.moved_key(self.tier, bytes.fromhex(pack)))
+            if found is None:
+                what = tiergc.Forget(everything=True)
+                break
+            moves.append(decode_places(found[0], f"the moved pack {pack}"))
         self.rt.store.forget_remote(chunks=what.chunks, states=what.states, everything=what.everything)
+        for places in moves if not what.everything else ():
+            self.rt.store.add_places(places)
         sent = _sent_files(self.chunks.root)
         names = sent.get("names", {})
         gone = [rel for rel, name in names.items() if what.everything or name in what.files]

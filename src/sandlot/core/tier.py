@@ -263,7 +263,7 @@ class Tier:
         try:
             reply = self._call("read", key, self.client.get_object, Range=f"bytes={start}-{end - 1}")
         except FileNotFoundError:
-            raise CorruptSnapshot(f"{key} is missing from the storage tier {self.config.url}") from None
+            raise ObjectMissing(f"{key} is missing from the storage tier {self.config.url}") from None
         try:
             data: bytes = reply["Body"].read()
         except OSError as exc:
@@ -387,6 +387,11 @@ class Conflict(Exception):
     """A conditional write found the object other than it expected."""
 
 
+class ObjectMissing(CorruptSnapshot):
+    """A ranged read of an object the tier does not have (a pack a collection wrote again
+    since, perhaps: ``core.packs``)."""
+
+
 def _lease(data: bytes, key: str) -> dict[str, Any]:
     try:
         lease = json.loads(data)
@@ -397,4 +402,4 @@ def _lease(data: bytes, key: str) -> dict[str, Any]:
         raise TierError(f"the lease {key} in the storage tier is malformed: {exc}") from None
 
 
-__all__ = ["Conflict", "Tier", "TierConfig", "configure", "configured", "home_id"]
+__all__ = ["Conflict", "ObjectMissing", "Tier", "TierConfig", "configure", "configured", "home_id"]

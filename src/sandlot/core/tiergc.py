@@ -52,8 +52,9 @@ from .. import pids
 from ..config import atomic_write
 from ..crashpoints import crash_point
 from ..errors import CorruptSnapshot, TierError
-from . import boxdoc
+from . import boxdoc, packs
 from .manifest import Manifest
+from .packs import Place
 from .tier import Conflict, Tier
 
 STALE = 600.0  # seconds after which a lock not rewritten is its dead holder's
@@ -74,7 +75,8 @@ class TierGcReport:
     bytes_freed: int = 0  # of the chunks (and packs)
     generation: int = 0  # the collection's number
     packs: int = 0  # packs none of whose chunks is listed any more
-    dead_bytes: int = 0  # kept in packs some of whose chunks are still listed (about: by count)
+    dead_bytes: int = 0  # kept in packs some of whose chunks are still listed (too few to rewrite them)
+    repacked: int = 0  # packs written again without their dead chunks (``packs.rewrite``)
 
 
 class Lock:
@@ -249,12 +251,14 @@ def generation(tier: Tier) -> tuple[int, str | None]:
 
 @dataclass
 class Forget:
-    """What a home must forget it knew the tier held (``everything``: all of it)."""
+    """What a home must forget it knew the tier held (``everything``: all of it), and the
+    packs whose live chunks went to new packs (``moved``: where they are is in ``moved/``)."""
 
     everything: bool = False
     chunks: set[bytes] = field(default_factory=set)
     states: set[str] = field(default_factory=set)
     files: set[str] = field(default_factory=set)
+    moved: set[str] = field(default_factory=set)
 
 
 def catch_up(tier: Tier, root: Path, forget: Callable[[Forget], None]) -> None:
@@ -282,6 +286,7 @@ def catch_up(tier: Tier, root: Path, forget: Callable[[Forget], None]) -> None:
             todo.chunks |= {bytes.fromhex(h) for h in names_in(record["chunks"])}
             todo.states |= names_in(record["states"])
             todo.files |= names_in(record["files"])
+            todo.moved |= names_in(record.get("repacked", []))
         except (ValueError, KeyError, TypeError):
             todo = Forget(everything=True)
     forget(todo)
@@ -336,12 +341,28 @@ def collect(tier: Tier, me: str, declare_mine: Callable[[], None], *, wait: floa
         gone_states, gone_files = sorted(states - live_states), sorted(files - live_files)
         gone_chunks = sorted(set(in_tier) - live_chunks)
         # a pack goes once none of its chunks is listed; one whose header cannot be read stays
-        held = dict(tier.each(lambda name: (name, _members(tier, name)), sorted(packed)))
+        entries = dict(tier.each(lambda name: (name, _entries(tier, name)), sorted(packed)))
+        held = {n: None if e is None else {d.hex() for d, _, _ in e} for n, e in entries.items()}
         gone_packs = sorted(n for n, inside in held.items() if inside is not None
                             and not inside & live_chunks)  # fmt: skip
         gone_chunks += sorted({d for name in gone_packs for d in held[name] or ()} - set(gone_chunks))
+        # one whose dead chunks are much of it is written again without them
+        live = {bytes.fromhex(d) for d in live_chunks}
+        worth = {bytes.fromhex(n): e for n, e in entries.items()
+                 if e and n not in gone_packs and packs.worth_rewriting(e, live)}  # fmt: skip
+        moved, written = packs.rewrite(tier, worth, live, _sound) if worth else ({}, 0)
+        repacked = sorted(p.hex() for p in moved)
+        lock.touch()
+        if moved:
+            _point_places_at_new_packs(tier, moved, states - set(gone_states),
+                                       files - set(gone_files))  # fmt: skip
+            lock.touch()
+            crash_point("tiergc.repacked")
+        dropped = {d for name in repacked for d in held[name] or ()} - live_chunks
+        gone_chunks += sorted(dropped - set(gone_chunks))
         dead_bytes = sum(packed[name] * len(inside - live_chunks) // max(len(inside), 1)
-                         for name, inside in held.items() if inside and name not in gone_packs)  # fmt: skip
+                         for name, inside in held.items()
+                         if inside and name not in gone_packs and name not in repacked)  # fmt: skip
         # places of states and files that go, and of any a killed push left without its manifest
         kept_states, kept_files = states - set(gone_states), files - set(gone_files)
         gone_places = [tier.key("places", "states", s) for s in tier.names("places/states")
@@ -358,7 +379,8 @@ def collect(tier: Tier, me: str, declare_mine: Callable[[], None], *, wait: floa
         except Conflict:
             raise TierError("another collection of the storage tier began at once: try again") from None
         record = {"by": me, "at": time.time(), "chunks": gone_chunks, "states": gone_states,
-                  "files": gone_files, "boxes": dead_boxes, "packs": gone_packs}  # fmt: skip
+                  "files": gone_files, "boxes": dead_boxes, "packs": gone_packs,
+                  "repacked": repacked}  # fmt: skip
         tier.put(tier.key("gc", f"{n + 1}.json"), json.dumps(record).encode())
         crash_point("tiergc.recorded")
         # manifests before the chunks they list: a reader finds a state whole or not at all
@@ -369,25 +391,68 @@ def collect(tier: Tier, me: str, declare_mine: Callable[[], None], *, wait: floa
         tier.delete_many(gone_places)
         lock.touch()
         tier.delete_many([tier.key("chunks", c) for c in gone_chunks if c in in_tier])
-        tier.delete_many([tier.key("packs", name) for name in gone_packs])
+        tier.delete_many([tier.key("packs", name) for name in gone_packs + repacked])
         crash_point("tiergc.deleted")
-        if n + 1 > RECORDS_KEPT:  # the record that falls out of those kept
-            tier.delete(tier.key("gc", f"{n + 1 - RECORDS_KEPT}.json"))
+        if n + 1 > RECORDS_KEPT:  # the record that falls out of those kept, and its packs' moves
+            _drop_record(tier, n + 1 - RECORDS_KEPT)
         return TierGcReport(
             states=len(gone_states), files=len(gone_files), boxes=len(dead_boxes), chunks=len(gone_chunks),
-            bytes_freed=sum(in_tier.get(c, 0) for c in gone_chunks) + sum(packed[p] for p in gone_packs),
-            generation=n + 1, packs=len(gone_packs), dead_bytes=dead_bytes,
+            bytes_freed=sum(in_tier.get(c, 0) for c in gone_chunks) + sum(packed[p] for p in gone_packs)
+            + sum(packed[p] for p in repacked) - written,
+            generation=n + 1, packs=len(gone_packs), dead_bytes=dead_bytes, repacked=len(repacked),
         )  # fmt: skip
 
 
-def _members(tier: Tier, name: str) -> set[str] | None:
-    """The chunks (hex) a pack holds; None where its header cannot be read (it stays)."""
-    from .packs import members
-
+def _entries(tier: Tier, name: str) -> list[tuple[bytes, int, int]] | None:
+    """The chunks a pack holds, with their offsets and lengths; None where its header cannot
+    be read (it stays)."""
     try:
-        return {d.hex() for d in members(tier, name)}
+        return packs.header(tier, name)
     except CorruptSnapshot:
         return None
+
+
+def _sound(d: bytes, packed: bytes) -> bool:
+    """Whether a chunk as kept (zstd) is the chunk its hash names."""
+    from .chunks import digest, unpack
+
+    try:
+        return digest(unpack(packed)) == d
+    except Exception:  # (a frame zstd refuses)
+        return False
+
+
+def _point_places_at_new_packs(
+    tier: Tier, moved: dict[bytes, dict[bytes, Place]], states: set[str], files: set[str]
+) -> None:
+    """The places of each kept state and file that point into a pack written again point at
+    the chunks' new packs (before the old packs are deleted: a home reads either)."""
+
+    def one(key: str) -> None:
+        found = tier.get(key)
+        if found is None:
+            return
+        places = packs.decode_places(found[0], key)
+        if not any(p.pack in moved for p in places.values()):
+            return
+        now = {d: moved[p.pack].get(d, p) if p.pack in moved else p for d, p in places.items()}
+        tier.put(key, packs.encode_places(now))
+
+    keys = [tier.key("places", "states", s) for s in sorted(states)]
+    keys += [tier.key("places", "files", f) for f in sorted(files)]
+    tier.each(one, keys)
+
+
+def _drop_record(tier: Tier, n: int) -> None:
+    """Delete collection ``n``'s record, and the ``moved/`` of the packs it wrote again: a
+    home further behind than the records kept forgets all it knew of the tier anyway."""
+    key = tier.key("gc", f"{n}.json")
+    found = tier.get(key)
+    if found is not None:
+        with contextlib.suppress(ValueError, KeyError, TypeError, AttributeError):
+            repacked = names_in(json.loads(found[0]).get("repacked", []))
+            tier.delete_many([packs.moved_key(tier, bytes.fromhex(p)) for p in repacked])
+    tier.delete(key)
 
 
 __all__ = ["TierGcReport", "catch_up", "collect", "declare", "pushing"]
