@@ -763,6 +763,24 @@ def test_a_pack_whose_header_is_damaged_is_kept_by_a_collection_and_its_chunks_r
         box.remove(force=True)
 
 
+def a_pack_mostly_dead(
+    box: sandlot.Box, home: Path, s3: S3Server, tmp_path: Path
+) -> tuple[sandlot.Snapshot, str]:
+    """Two states pushed, the first removed: the second shares little of the first's pack,
+    most of which is dead. The second (which remembers ``big`` = "gone", ``k`` = "v"), and
+    the first's pack."""
+    box.exec("remember", "big", os.urandom(300_000).hex())
+    box.exec("remember", "k", "v")
+    first = box.snapshot("first")
+    sandlot.storage.push(home=home)
+    (old,) = objects(s3, f"{tmp_path.name}/packs/")
+    box.exec("remember", "big", "gone")
+    second = box.snapshot("second")
+    sandlot.storage.push(home=home)
+    first.remove()
+    return second, old
+
+
 def test_a_pack_mostly_dead_is_written_again_and_homes_find_its_chunks_where_they_went(
     tmp_path: Path, proxy: FaultyProxy, s3: S3Server, root: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -778,16 +796,8 @@ def test_a_pack_mostly_dead_is_written_again_and_homes_find_its_chunks_where_the
     a, b = homes(tmp_path, proxy, 2)
     box = fake_box(a, root, "repacked")
     try:
-        box.exec("remember", "big", os.urandom(300_000).hex())
-        box.exec("remember", "k", "v")
-        first = box.snapshot("first")
-        sandlot.storage.push(home=a)
-        (old,) = objects(s3, f"{tmp_path.name}/packs/")
-        box.exec("remember", "big", "gone")  # the second state shares little of the first's pack
-        second = box.snapshot("second")
-        sandlot.storage.push(home=a)
+        second, old = a_pack_mostly_dead(box, a, s3, tmp_path)
         sandlot.storage.evict(older_than=0, home=a)
-        first.remove()
         report = sandlot.storage.gc(tier=True, home=a).tier
         assert report is not None and report.states == 1 and report.repacked == 1 and report.dead_bytes == 0
         assert report.bytes_freed > 300_000
@@ -849,15 +859,7 @@ def test_a_kill_while_a_collection_writes_packs_again_loses_nothing(
     box = fake_box(a, root, "killed-repack")
     env = {**os.environ, **CREDENTIALS}
     try:
-        box.exec("remember", "big", os.urandom(300_000).hex())
-        box.exec("remember", "k", "v")
-        first = box.snapshot("first")
-        sandlot.storage.push(home=a)
-        (old,) = objects(s3, f"{tmp_path.name}/packs/")
-        box.exec("remember", "big", "gone")
-        second = box.snapshot("second")
-        sandlot.storage.push(home=a)
-        first.remove()
+        second, old = a_pack_mostly_dead(box, a, s3, tmp_path)
         argv = [sys.executable, "-c", COLLECTING, str(a), "tiergc.repacked"]
         p = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=120, cwd=REPO)
         assert p.returncode == -9 and "survived" not in p.stdout, p.stderr[-2000:]
