@@ -189,6 +189,10 @@ def test_stdio_run_code_keeps_state_and_reports_errors(debian_root: Path) -> Non
             r = await ok(client, "run_code", sleeper)
             assert data(r)["timed_out"] and "TIMED OUT" in text(r)
             assert "7" in text(await ok(client, "run_code", {"box": box, "code": "x + 1"}))  # kept
+            # bash: a shell whose cd and variables persist from call to call, unlike exec's
+            await ok(client, "run_code", {"box": box, "code": "cd /tmp; N=5", "language": "bash"})
+            r = await ok(client, "run_code", {"box": box, "code": "echo $N $PWD", "language": "bash"})
+            assert data(r)["stdout"] == "5 /tmp\n"
             await ok(client, "remove_box", {"box": box})
 
     try:

@@ -22,7 +22,8 @@ log = logging.getLogger("sandlot.mcp")
 
 INSTRUCTIONS = (
     "sandlot runs code in sandboxes: Linux microVMs isolated from the host. create_box makes one and "
-    "returns its name; pass that name as `box` to exec (shell commands), run_code (Python, notebook-like), "
+    "returns its name; pass that name as `box` to exec (shell commands), run_code (Python, bash, "
+    "JavaScript, notebook-like), "
     "read_file, write_file and list_files. snapshot saves a box's whole running state, rollback returns to "
     "it, fork copies a running box, diff lists what changed in a box's files since a snapshot. Remove "
     "boxes you no longer need with remove_box."

@@ -137,7 +137,11 @@ class RunCode(Args):
         max_length=1 << 20,
         examples=["import math\nmath.sqrt(2)"],
     )
-    language: Literal["python"] = Field("python", description="The language of the code.")
+    language: Literal["python", "bash", "javascript", "typescript"] = Field(
+        "python",
+        description="The language of the code: Python; bash (a shell whose variables and `cd` persist "
+        "between calls, unlike exec's); JavaScript or TypeScript (Node.js in the box's image).",
+    )
     context: str | None = Field(
         None,
         description="Id of a code context to run in (each has its own variables and working directory). "
@@ -441,11 +445,12 @@ TOOLS: tuple[ToolSpec, ...] = (
     ),
     ToolSpec(
         "run_code",
-        "Run Python code",
-        "Run a cell of Python code in a box's interpreter, like a Jupyter notebook cell: state persists "
+        "Run code",
+        "Run a cell of code in a box's interpreter, like a Jupyter notebook cell: state persists "
         "between calls, the value of the last expression is shown, and plots (matplotlib) and other "
-        "images come back as images. Returns stdout, stderr, the results, and the traceback if the code "
-        'raised. The box\'s image needs Python 3. Example: {"box": "analysis", "code": '
+        "images come back as images. Python by default; bash, JavaScript and TypeScript too (language). "
+        "Returns stdout, stderr, the results, and the traceback if the code raised. The box's image "
+        'needs Python 3. Example: {"box": "analysis", "code": '
         "\"import pandas as pd\\ndf = pd.read_csv('/work/data.csv')\\ndf.describe()\"}.",
         RunCode,
     ),
