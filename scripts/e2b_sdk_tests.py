@@ -27,12 +27,14 @@ the tests are ``INTERPRETER_TESTS``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
 import sys
 import tempfile
 import xml.etree.ElementTree as ET
+from collections.abc import Iterator
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -99,9 +101,36 @@ def summary(report: Path) -> dict[str, object]:
             skipped.append(name)
         else:
             passed.append(name)
+    return counted(passed, failed, skipped)
+
+
+def counted(passed: list[str], failed: dict[str, str], skipped: list[str]) -> dict[str, object]:
+    """The summary both harnesses print: counts, the rate of those that ran, and each failure."""
     ran = len(passed) + len(failed)
     return {"passed": len(passed), "failed": len(failed), "skipped": len(skipped),
             "rate": round(len(passed) / ran, 3) if ran else None, "failures": failed}  # fmt: skip
+
+
+@contextlib.contextmanager
+def e2b_server(
+    root: Path, template: str, memory: int, setup: list[list[str]] | None = None
+) -> Iterator[tuple[Path, dict[str, str]]]:
+    """A scratch folder with a home in it, a server on that home, a key in E2B's form and
+    the sandlot template ``template`` of ``root``: the folder, and the environment that
+    points E2B's SDKs at the server (one sandbox URL for every sandbox, as docs/e2b.md says)."""
+    import sandlot
+
+    from tests.support.serve import create_key, serving, shared_home
+
+    with tempfile.TemporaryDirectory(prefix="sandlot-e2b-sdk-") as tmp:
+        home = shared_home(Path(tmp))
+        with serving(home) as served:
+            key = create_key(home, "e2b-sdk", "--admin", "--e2b")
+            sandlot.template(rootfs=str(root), name=template, memory_mib=memory, network="public", home=home,
+                             setup=setup or [])  # fmt: skip
+            yield Path(tmp), {**os.environ, "E2B_API_URL": f"{served.url}/e2b",
+                              "E2B_SANDBOX_URL": f"{served.url}/e2b", "E2B_API_KEY": key,
+                              "E2B_DOMAIN": "sandlot.invalid"}  # fmt: skip
 
 
 def main() -> None:
@@ -115,34 +144,23 @@ def main() -> None:
     if not (args.sdk / "tests" / "conftest.py").is_file():
         raise SystemExit(f"{args.sdk} is not E2B's packages/python-sdk folder (no tests/conftest.py)")
 
-    import sandlot
+    if args.code_interpreter:
+        root, template, memory, tests = interpreter_root(), "code-interpreter-v1", 1024, INTERPRETER_TESTS
+        from tests.support.roots import IMAGES_STARTUP
 
-    from tests.support.serve import create_key, serving, shared_home
-
-    with tempfile.TemporaryDirectory(prefix="sandlot-e2b-sdk-") as tmp:
-        home = shared_home(Path(tmp))
-        if args.code_interpreter:
-            root, template, memory, tests = interpreter_root(), "code-interpreter-v1", 1024, INTERPRETER_TESTS
-            from tests.support.roots import IMAGES_STARTUP
-
-            setup = [["mkdir", "-p", STARTUP_DIR],
-                     ["python3", "-c", "import sys; open(sys.argv[1], 'w').write(sys.argv[2])",
-                      f"{STARTUP_DIR}/0003_images.py", IMAGES_STARTUP]]  # fmt: skip
-        else:
-            root, template, memory, tests = base_root(), "base", 512, DEFAULT_TESTS
-            setup = []
-        with serving(home) as served:
-            key = create_key(home, "e2b-sdk", "--admin", "--e2b")
-            sandlot.template(rootfs=str(root), name=template, memory_mib=memory, network="public", home=home,
-                             setup=setup)  # fmt: skip
-            env = {**os.environ, "E2B_API_URL": f"{served.url}/e2b", "E2B_SANDBOX_URL": f"{served.url}/e2b",
-                   "E2B_API_KEY": key, "E2B_DOMAIN": "sandlot.invalid"}  # fmt: skip
-            report = Path(tmp) / "report.xml"
-            cmd = [args.python, "-m", "pytest", "-p", "no:cacheprovider", "-q", f"--junitxml={report}",
-                   "--timeout=300", *(["-n", str(args.workers)] if args.workers > 1 else []),
-                   *(pytest_args or tests)]  # fmt: skip
-            subprocess.run(cmd, cwd=args.sdk, env=env, check=False)
-            result = summary(report)
+        setup = [["mkdir", "-p", STARTUP_DIR],
+                 ["python3", "-c", "import sys; open(sys.argv[1], 'w').write(sys.argv[2])",
+                  f"{STARTUP_DIR}/0003_images.py", IMAGES_STARTUP]]  # fmt: skip
+    else:
+        root, template, memory, tests = base_root(), "base", 512, DEFAULT_TESTS
+        setup = []
+    with e2b_server(root, template, memory, setup) as (tmp, env):
+        report = tmp / "report.xml"
+        cmd = [args.python, "-m", "pytest", "-p", "no:cacheprovider", "-q", f"--junitxml={report}",
+               "--timeout=300", *(["-n", str(args.workers)] if args.workers > 1 else []),
+               *(pytest_args or tests)]  # fmt: skip
+        subprocess.run(cmd, cwd=args.sdk, env=env, check=False)
+        result = summary(report)
     text = json.dumps(result, indent=2)
     if args.json:
         args.json.write_text(text + "\n")

@@ -199,6 +199,13 @@ def test_signed_file_urls_work_with_one_sandbox_url_for_every_sandbox(
         up = sbx.upload_url("/tmp/up.txt", use_signature_expiration=60)
         assert httpx.post(up, files={"file": ("up.txt", b"uploaded")}).status_code == 200
         assert sbx.files.read("/tmp/up.txt") == "uploaded" and not other.files.exists("/tmp/up.txt")
+        # a part named "file" with no filename (a text field, as the JS SDK's tests send it
+        # with FormData): its text is the file, as envd takes it
+        up = sbx.upload_url("/tmp/field.txt")
+        r = httpx.post(up, files={"file": (None, b"from a form field")})
+        assert r.status_code == 200 and r.json()[0]["path"] == "/tmp/field.txt", r.text
+        assert sbx.files.read("/tmp/field.txt") == "from a form field"
+        assert httpx.post(up, files={"other": (None, b"x")}).status_code == 400  # no part named file
         expired = sbx.download_url("/tmp/signed.txt", use_signature_expiration=-10)
         r = httpx.get(expired)
         assert r.status_code == 401 and r.json() == {"code": 401, "message": "signature is already expired"}
@@ -507,20 +514,27 @@ def test_an_mcp_gateway_is_the_sdks_to_start_and_a_failed_start_leaves_no_sandbo
     assert found == []
 
 
+def _harness(name: str) -> tuple[Any, Any]:
+    """One of scripts/'s harnesses of E2B's own tests, loaded as a module: its path, and it."""
+    import importlib.util
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[2] / "scripts" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, script)
+    assert spec is not None and spec.loader is not None
+    harness = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(harness)
+    return script, harness
+
+
 def test_the_harness_of_e2bs_own_tests_counts_what_they_did(tmp_path: Any) -> None:
     """scripts/e2b_sdk_tests.py (run by hand: CI cannot reach E2B's repository) reads the
     SDK tests' JUnit report into passed, failed with their reasons, skipped and the rate;
     and refuses a folder that is not E2B's SDK before it sets anything up."""
-    import importlib.util
     import subprocess
     import sys
-    from pathlib import Path
 
-    script = Path(__file__).resolve().parents[2] / "scripts" / "e2b_sdk_tests.py"
-    spec = importlib.util.spec_from_file_location("e2b_sdk_tests", script)
-    assert spec is not None and spec.loader is not None
-    harness = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(harness)
+    script, harness = _harness("e2b_sdk_tests")
     report = tmp_path / "report.xml"
     report.write_text(
         '<testsuites><testsuite name="pytest">'
@@ -570,3 +584,37 @@ def test_a_new_sandbox_lists_e2bs_default_contexts_of_python_and_javascript(face
                           "default-javascript": ("javascript", "/root")}  # fmt: skip
     finally:
         sandbox.kill()
+
+
+def test_the_harness_of_e2bs_own_js_tests_counts_what_they_did(tmp_path: Any) -> None:
+    """scripts/e2b_js_sdk_tests.py (run by hand: CI cannot reach E2B's repository) reads
+    vitest's JSON report of the JavaScript SDK's tests into passed, failed with their
+    reasons (a file that did not load fails under its own name), skipped and the rate;
+    and refuses a folder that is not E2B's SDK before it sets anything up."""
+    import subprocess
+    import sys
+
+    script, harness = _harness("e2b_js_sdk_tests")
+    sdk = tmp_path / "js-sdk"
+
+    def case(name: str, status: str, *reasons: str) -> dict[str, Any]:
+        return {"fullName": name, "title": name.split(" > ")[-1], "status": status,
+                "failureMessages": list(reasons)}  # fmt: skip
+
+    report = tmp_path / "report.json"
+    report.write_text(json.dumps({"numTotalTests": 5, "testResults": [
+        {"name": f"{sdk}/tests/sandbox/a.test.ts", "status": "failed", "message": "", "assertionResults": [
+            case("run", "passed"), case("files > read", "failed", "AssertionError: 1 == 2\n  at a.ts:3"),
+            case("skipped one", "skipped"), case("todo one", "todo")]},
+        {"name": f"{sdk}/tests/api/b.test.ts", "status": "failed", "assertionResults": [],
+         "message": "Failed to load url msw\nmore"},
+    ]}))  # fmt: skip
+    assert harness.summary(report, sdk) == {
+        "passed": 1, "failed": 2, "skipped": 2, "rate": 0.333,
+        "failures": {"tests/sandbox/a.test.ts::files > read": "AssertionError: 1 == 2",
+                     "tests/api/b.test.ts": "Failed to load url msw"},
+    }  # fmt: skip
+    r = subprocess.run(
+        [sys.executable, str(script), str(tmp_path)], capture_output=True, text=True, timeout=60
+    )
+    assert r.returncode != 0 and "is not E2B's packages/js-sdk folder" in r.stderr

@@ -526,10 +526,13 @@ class Envd:
             default = request.query_params.get("path")
             try:
                 parts = []
-                for _, part in form.multi_items():
-                    if isinstance(part, str):
+                for field, part in form.multi_items():
+                    # a part with no filename is a form field: envd takes one named "file" as
+                    # a file too (its content the text; where it goes, ?path=)
+                    if isinstance(part, str) and field != "file":
                         continue
-                    target = default if default is not None else (part.filename or "")
+                    named = None if isinstance(part, str) else part.filename
+                    target = default if default is not None else (named or "")
                     parts.append((await self.path(box, target, request), part))
                 check(bool(parts), "the multipart body holds no file")
                 if len(parts) == 1:
@@ -746,6 +749,9 @@ async def _write_all_or_none(box: AsyncBox, parts: list[tuple[str, Any]], user: 
 
 
 async def _upload_chunks(part: Any) -> AsyncIterator[bytes]:
+    if isinstance(part, str):  # a form field's text (parts with no filename are, in Starlette)
+        yield part.encode()
+        return
     while chunk := await part.read(FILE_CHUNK):
         yield chunk
 
