@@ -33,6 +33,7 @@ from e2b import (
     PtySize,
     Sandbox,
     SandboxQuery,
+    SandboxState,
     TimeoutException,
 )
 
@@ -426,6 +427,35 @@ def test_the_javascript_sdk_runs_a_command_and_reads_a_file(e2b_env: dict[str, A
     assert set(seen["ms"]) == {"create", "run", "write", "read", "kill"}
     key = {"X-API-Key": e2b_env["key"]}
     assert httpx.get(f"{served.url}/e2b/sandboxes/{seen['sandbox_id']}", headers=key).status_code == 404
+
+
+def test_a_paused_sandbox_made_to_auto_resume_wakes_on_a_request_to_its_port_host(
+    e2b_env: dict[str, Any],
+) -> None:
+    """E2B's ``lifecycle={"on_timeout": "pause", "auto_resume": True}``: past its timeout the
+    sandbox pauses, and an HTTP request to one of its ports at its host (``get_host``, the
+    server's ``--port-domain``) wakes it and is answered, as E2B's proxy does. (With the
+    key: a box's ports are not public on sandlot, docs/e2b.md.)"""
+    served: Served = e2b_env["served"]
+    sandbox = Sandbox.create(e2b_env["template"], timeout=15,
+                             lifecycle={"on_timeout": "pause", "auto_resume": True})  # fmt: skip
+    try:
+        sandbox.commands.run("mkdir -p /tmp/www && echo awake > /tmp/www/index.html")
+        sandbox.commands.run("cd /tmp/www && python3 -m http.server 8000", background=True)
+        host = {"Host": sandbox.get_host(8000), "Authorization": f"Bearer {e2b_env['key']}"}
+        deadline = deadline_in(60)
+        while (r := httpx.get(served.content_url + "/", headers=host, timeout=30)).status_code != 200:
+            assert time.monotonic() < deadline, f"the server in the sandbox never answered: {r.text}"
+            time.sleep(0.5)
+        deadline = deadline_in(120)
+        while sandbox.get_info().state != SandboxState.PAUSED:  # its timeout: paused, not killed
+            assert time.monotonic() < deadline, "the sandbox did not pause at its timeout"
+            time.sleep(1)
+        r = httpx.get(served.content_url + "/index.html", headers=host, timeout=scaled(60))
+        assert (r.status_code, r.text) == (200, "awake\n")  # its server, as it was before the pause
+        assert sandbox.get_info().state == SandboxState.RUNNING and sandbox.is_running()
+    finally:
+        sandbox.kill()
 
 
 def test_code_interpreter_results_errors_and_contexts(e2b_env: dict[str, Any]) -> None:
