@@ -34,7 +34,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from scripts.e2b_sdk_tests import base_root, counted, e2b_server  # noqa: E402 (the checkout, on the path)
+from scripts.e2b_sdk_tests import base_root, counted, e2b_server, report_out  # noqa: E402 (the checkout, on the path)
 
 # the SDK's tests of what the face serves (docs/e2b.md): sandboxes, commands, PTYs,
 # files and the git helpers (tests/sandbox), and the API's calls that reach the server
@@ -140,10 +140,7 @@ def main() -> None:
         if not report.is_file():
             raise SystemExit("vitest wrote no report (see its output above)")
         result = summary(report, sdk)
-    text = json.dumps(result, indent=2)
-    if args.json:
-        args.json.write_text(text + "\n")
-    print(text)
+    report_out(result, args.json)
 
 
 if __name__ == "__main__":

@@ -161,9 +161,14 @@ def main() -> None:
                *(pytest_args or tests)]  # fmt: skip
         subprocess.run(cmd, cwd=args.sdk, env=env, check=False)
         result = summary(report)
+    report_out(result, args.json)
+
+
+def report_out(result: dict[str, object], to: Path | None) -> None:
+    """Print the summary as JSON, and write it to ``to`` where given."""
     text = json.dumps(result, indent=2)
-    if args.json:
-        args.json.write_text(text + "\n")
+    if to is not None:
+        to.write_text(text + "\n")
     print(text)
 
 
