@@ -283,6 +283,8 @@ def test_sandlots_javascript_kernel_on_node_runs_cells_as_a_notebook_does(tmp_pa
         ctx.send(op="run", id="j", code=html)
         shown = {"ev": "result", "id": "j", "data": {"text/html": "<b>x</b>"}, "main": True}
         assert shown in ctx.until_done("j")
+        broken = "({[Symbol.for('Jupyter.display')]() { throw new Error('bad display') }})"
+        assert run(ctx, "j2", broken)["error"][:2] == ("Error", "bad display")  # the cell's, not the kernel's
         interrupt_soon(ctx)
         assert run(ctx, "k", "while (true) {}")["error"][0] == "KeyboardInterrupt"
         interrupt_soon(ctx)

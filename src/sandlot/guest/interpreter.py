@@ -1577,10 +1577,15 @@ async function run(msg) {
     err = e;
   }
   restore();
-  const reply = { token: msg.token };
-  if (err) reply.error = failure(err);
-  else if (value !== undefined) reply.result = shown(value);
-  fs.writeSync(replyFd, JSON.stringify(reply) + '\n');
+  let reply = { token: msg.token };
+  try {  // (a display method or an inspection that throws is the cell's error, never the kernel's end)
+    if (err) reply.error = failure(err);
+    else if (value !== undefined) reply.result = shown(value);
+    reply = JSON.stringify(reply);
+  } catch (e) {
+    reply = JSON.stringify({ token: msg.token, error: failure(e) });
+  }
+  fs.writeSync(replyFd, reply + '\n');
 }
 
 const queue = [];
@@ -1621,6 +1626,7 @@ class ProcessKernel:
         self.buffered = b""
         cmd_r, self.cmd_w = os.pipe()
         self.reply_r, reply_w = os.pipe()
+        self.reply_fd = reply_w  # (the same number in the child: pass_fds keeps it)
         ready = os.urandom(8).hex()
         env = dict(os.environ, SANDLOT_KERNEL_READY=ready)
         self.proc = subprocess.Popen(self.argv(cmd_r, reply_w), stdin=self.stdin(cmd_r), env=env,
@@ -1646,7 +1652,8 @@ class ProcessKernel:
 
     def send(self, data: bytes) -> None:
         with contextlib.suppress(OSError):  # it has ended: the wait for its answer says so
-            os.write(self.cmd_w, data)
+            while data:  # (a cell larger than the pipe goes as the process reads it)
+                data = data[os.write(self.cmd_w, data) :]
 
     def reply(self, token: str, timeout: float | None = None) -> dict[str, Any]:
         """The answer carrying ``token``; KernelDied if the process ends first."""
@@ -1739,7 +1746,6 @@ class ShellKernel(ProcessKernel):
         super().__init__(directory)
 
     def argv(self, cmd_r: int, reply_w: int) -> list[str]:
-        self.reply_fd = reply_w
         return [self.shell or "bash", "--noprofile", "--norc", "-s"]
 
     def stdin(self, cmd_r: int) -> Any:
