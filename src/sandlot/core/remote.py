@@ -122,12 +122,17 @@ class Remote:
         """Forget that the tier holds what a collection deleted from it, and learn where the
         live chunks of the packs it wrote again went (``moved/``; one gone: forget all)."""
         moves = []
-        for pack in sorted(what.moved if not what.everything else ()):
-            found = self.tier.get(packs.moved_key(self.tier, bytes.fromhex(pack)))
-            if found is None:
-                what = tiergc.Forget(everything=True)
-                break
-            moves.append(decode_places(found[0], f"the moved pack {pack}"))
+        try:
+            for pack in sorted(what.moved if not what.everything else ()):
+                found = self.tier.get(packs.moved_key(self.tier, bytes.fromhex(pack)))
+                if found is None:
+                    raise ValueError(f"moved/{pack} is gone")
+                moves.append(decode_places(found[0], f"the moved pack {pack}"))
+        except (
+            ValueError,
+            CorruptSnapshot,
+        ):  # (a record or a move unreadable: all of it, as for one missing)
+            what = tiergc.Forget(everything=True)
         self.rt.store.forget_remote(chunks=what.chunks, states=what.states, everything=what.everything)
         for places in moves if not what.everything else ():
             self.rt.store.add_places(places)
