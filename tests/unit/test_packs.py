@@ -84,7 +84,11 @@ class MemoryTier:
         return [fn(i) for i in items]
 
 
-def test_a_pack_is_written_again_with_its_live_chunks_and_one_with_a_damaged_chunk_is_left() -> None:
+@pytest.mark.parametrize("held", [packs.REWRITE_HELD, 1])  # all packs read at once, or one at a time
+def test_a_pack_is_written_again_with_its_live_chunks_and_one_with_a_damaged_chunk_is_left(
+    held: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(packs, "REWRITE_HELD", held)
     tier = MemoryTier()
     items = [chunk(i) for i in range(6)]
     good, body, _ = packs.build(items[:3])

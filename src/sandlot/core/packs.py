@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import struct
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -53,6 +53,7 @@ SENDING = 4  # packs sent at once
 PLACES_MAX = 256 << 20  # bytes of one state's or file's places: a disk of 380 GiB (44 bytes a chunk)
 REPACK_DEAD_SHARE = 0.5  # a pack whose dead chunks are this share of its bytes is written again...
 REPACK_DEAD_BYTES = 1 << 20  # ...if they are this many bytes at least (a few requests must win something)
+REWRITE_HELD = 64 << 20  # bytes of live chunks a rewrite reads before it writes them out
 _HEAD = struct.Struct("<8sI")
 _ENTRY = struct.Struct("<32sI")
 _PLACE = struct.Struct("<32sIII")
@@ -206,19 +207,35 @@ def rewrite(
     checked as it is read (``sound``: its hash and bytes as kept); a pack with a damaged
     chunk is left as it is. The places of each pack written again, and the bytes of the
     new packs."""
-    wanted = {d: Place(pack, at, n) for pack, entries in old.items() for d, at, n in entries if d in live}
-    found = read(tier, wanted)
-    whole = [pack for pack, entries in sorted(old.items())
-             if all(d in found and sound(d, found[d]) for d, _, _ in entries if d in live)]  # fmt: skip
     placed: dict[bytes, Place] = {}
+    whole: list[bytes] = []
     with PackWriter(tier, placed.update) as writer:
-        for pack in whole:
-            for d, _, _ in old[pack]:
-                if d in live:
-                    writer.add(d, found[d])
+        for batch in _batches(old, live):  # (what is read is held: a bounded amount at once)
+            wanted = {d: Place(pack, at, n) for pack in batch for d, at, n in old[pack] if d in live}
+            found = read(tier, wanted)
+            for pack in batch:
+                mine = [d for d, _, _ in old[pack] if d in live]
+                if all(d in found and sound(d, found[d]) for d in mine):
+                    whole.append(pack)
+                    for d in mine:
+                        writer.add(d, found[d])
     moved = {pack: {d: placed[d] for d, _, _ in old[pack] if d in live} for pack in whole}
     tier.each(lambda pack: tier.put(moved_key(tier, pack), encode_places(moved[pack])), whole)
     return moved, writer.bytes
+
+
+def _batches(old: dict[bytes, list[tuple[bytes, int, int]]], live: set[bytes]) -> Iterator[list[bytes]]:
+    """The packs of ``old`` in groups whose live chunks are about ``REWRITE_HELD`` bytes."""
+    batch: list[bytes] = []
+    size = 0
+    for pack in sorted(old):
+        batch.append(pack)
+        size += sum(n for d, _, n in old[pack] if d in live)
+        if size >= REWRITE_HELD:
+            yield batch
+            batch, size = [], 0
+    if batch:
+        yield batch
 
 
 class PackWriter:

@@ -432,7 +432,10 @@ def _point_places_at_new_packs(
         found = tier.get(key)
         if found is None:
             return
-        places = packs.decode_places(found[0], key)
+        try:
+            places = packs.decode_places(found[0], key)
+        except CorruptSnapshot:  # damaged already (no reader can use it): left as it is
+            return
         if not any(p.pack in moved for p in places.values()):
             return
         now = {d: moved[p.pack].get(d, p) if p.pack in moved else p for d, p in places.items()}
