@@ -2,7 +2,9 @@
 """The code interpreter: a warm ``run_code("1+1")`` round trip, the first
 ``run_code`` in a new box (the interpreter copied in and started), the first
 ``run_code`` in a box started from a template that holds a started interpreter,
-and a cell whose result is a 1 MB PNG.
+and a cell whose result is a 1 MB PNG. bash in sandlot's own kernel: its first cell
+(the context and its shell started) and a warm ``echo`` cell, beside the same command
+as a warm ``exec`` (a fresh shell each time, where the kernel's shell persists).
 
     python benchmarks/interpreter.py [--quick]
 """
@@ -55,6 +57,22 @@ async def main(quick: bool) -> dict[str, object]:
             image = ex.results[0].image()
             assert image is not None and len(image) == (1 << 20) + 8
         out["png_1MB_result_ms"] = summary(pngs, 1000)
+
+        t0 = time.perf_counter()
+        await box.run_code("cd /tmp", language="bash")
+        out["first_bash_cell_ms"] = round((time.perf_counter() - t0) * 1000, 1)
+        cells, execs = [], []
+        for _ in range(10 if quick else 200):
+            t0 = time.perf_counter()
+            ex = await box.run_code("echo 2", language="bash")
+            cells.append(time.perf_counter() - t0)
+            assert ex.stdout == "2\n", ex
+            t0 = time.perf_counter()
+            await box.exec("sh", "-c", "echo 2")
+            execs.append(time.perf_counter() - t0)
+        out["bash_cell_warm_ms"] = summary(cells, 1000)
+        out["exec_echo_warm_ms"] = summary(execs, 1000)
+        out["bash_cell_over_exec"] = round(sorted(cells)[len(cells) // 2] / sorted(execs)[len(execs) // 2], 2)
 
     tmpl = await template_async(rootfs=root, memory_mib=256, code=["import json, os, sys\nready = True"])
     try:

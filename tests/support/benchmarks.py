@@ -74,6 +74,9 @@ PROMISED = {
         "first_run_code_new_box_s",
         "first_run_code_from_template_ms",
         "png_1MB_result_ms",
+        "first_bash_cell_ms",
+        "bash_cell_warm_ms",
+        "bash_cell_over_exec",
     ],
     "report": ["engines", "workloads", "results", "ratios_to_host", "files"],
     "e2b_compat": [

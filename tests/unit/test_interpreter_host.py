@@ -62,9 +62,11 @@ def context(tmp_path: Path) -> Iterator[Context]:
         os.kill(info["pid"], signal.SIGKILL)
 
 
-def run(ctx: Context, rid: str, code: str, **extra: Any) -> dict[str, Any]:
-    """A cell's stdout, stderr, main result's text and error, from its events."""
-    ctx.send(op="run", id=rid, code=code, **extra)
+def run(ctx: Context, rid: str, code: str, sent: bool = False, **extra: Any) -> dict[str, Any]:
+    """A cell's stdout, stderr, main result's text and error, from its events (``sent``:
+    the cell is on its way already)."""
+    if not sent:
+        ctx.send(op="run", id=rid, code=code, **extra)
     events = ctx.until_done(rid)
     out: dict[str, Any] = {"stdout": "", "stderr": "", "text": None, "error": None}
     for e in events:
@@ -77,10 +79,13 @@ def run(ctx: Context, rid: str, code: str, **extra: Any) -> dict[str, Any]:
     return out
 
 
-def interrupt_soon(ctx: Context, after: float = 0.5) -> None:
-    import threading
-
-    threading.Timer(after, lambda: ctx.send(op="interrupt")).start()
+def interrupted(ctx: Context, rid: str, code: str) -> dict[str, Any]:
+    """Run ``code`` (which prints ``started`` first) and interrupt it once it has started."""
+    ctx.send(op="run", id=rid, code=code)
+    first = json.loads(ctx.lines.readline())
+    assert first.get("text") == "started\n", first
+    ctx.send(op="interrupt")
+    return run(ctx, rid, "", sent=True)
 
 
 def test_a_cell_interrupted_while_it_waits_never_runs_and_the_running_one_goes_on(context: Context) -> None:
@@ -247,8 +252,16 @@ def test_sandlots_bash_kernel_keeps_the_shells_state_and_answers_as_a_kernel(tmp
         assert run(ctx, "d", "echo ${FOO:-unset}")["stdout"] == "unset\n"  # put back after its cell
         assert run(ctx, "e", "false")["error"][:2] == ("ExitCode", "1")
         assert run(ctx, "f", "read line; echo got=$line")["stdout"] == "got=\n"  # no stdin: never waits
-        interrupt_soon(ctx)
-        assert run(ctx, "g", "sleep 30; echo not reached")["error"][0] == "KeyboardInterrupt"
+        assert (
+            interrupted(ctx, "g", "echo started; sleep 30; echo not reached")["error"][0]
+            == "KeyboardInterrupt"
+        )
+        ctx.sock.settimeout(10)  # an interrupt as the cell starts is sent again: seconds, never the 30
+        for i in range(20):
+            ctx.send(op="run", id=f"s{i}", code="sleep 30")
+            ctx.send(op="interrupt", id=f"s{i}")  # before bash has begun the cell, as it begins, or in it
+            assert run(ctx, f"s{i}", "", sent=True)["error"][0] == "KeyboardInterrupt"
+        ctx.sock.settimeout(60)
         assert run(ctx, "h", "echo $X")["stdout"] == "5\n"
         died = ("KernelDied", "bash exited with status 3 during this cell")
         assert run(ctx, "i", "exit 3")["error"][:2] == died
@@ -285,10 +298,10 @@ def test_sandlots_javascript_kernel_on_node_runs_cells_as_a_notebook_does(tmp_pa
         assert shown in ctx.until_done("j")
         broken = "({[Symbol.for('Jupyter.display')]() { throw new Error('bad display') }})"
         assert run(ctx, "j2", broken)["error"][:2] == ("Error", "bad display")  # the cell's, not the kernel's
-        interrupt_soon(ctx)
-        assert run(ctx, "k", "while (true) {}")["error"][0] == "KeyboardInterrupt"
-        interrupt_soon(ctx)
-        assert run(ctx, "l", "await new Promise(() => {})")["error"][0] == "KeyboardInterrupt"
+        busy = "console.log('started'); while (true) {}"
+        assert interrupted(ctx, "k", busy)["error"][0] == "KeyboardInterrupt"
+        waits = "console.log('started'); await new Promise(() => {})"
+        assert interrupted(ctx, "l", waits)["error"][0] == "KeyboardInterrupt"
         assert run(ctx, "m", "x")["text"] == "1"
         assert run(ctx, "n", "process.exit(2)")["error"][0] == "KernelDied"
     finally:

@@ -1046,6 +1046,8 @@ def run_startup_files(namespace: dict[str, Any]) -> list[str]:
 
 
 class BuiltinKernel:
+    interrupts_again = True  # (Server.interrupt_again)
+
     def __init__(self) -> None:
         self.count = 0
         self.interrupts_taken = 0
@@ -1467,9 +1469,13 @@ const server = repl.start({ input: new PassThrough(), output: sink, terminal: fa
 let pending = null;
 function settle(err, value) { const p = pending; pending = null; if (p) p(err, value); }
 server._domain.on('error', (e) => settle(e));  // the REPL reports a cell's error here, not to its callback
-// SIGINT: while a cell's synchronous code runs, the REPL's watchdog takes it (it stops the
-// code; a listener of our own then would end the process, so there is none); while a cell
-// waits on a promise, or between cells, this listener ends the wait
+// SIGINT: while a cell's synchronous code runs, the REPL's watchdog takes it and stops the
+// code; while a cell waits on a promise, or between cells, this listener ends the wait. The
+// listener is off while the REPL runs a cell's code: the REPL takes every SIGINT listener
+// off around the code, and the last one's going puts SIGINT back to its default, over the
+// watchdog (measured: the process ended). A SIGINT in the moment between the listener's
+// going and the watchdog's start (the cell's compile) still ends the kernel, whose next
+// cell starts a new one; interrupts are not sent again to Node for that reason.
 const INTERRUPTED = 'ERR_SCRIPT_EXECUTION_INTERRUPTED';
 function interrupted() { settle(Object.assign(new Error('interrupted'), { code: INTERRUPTED })); }
 process.on('SIGINT', interrupted);
@@ -1735,6 +1741,10 @@ class ShellKernel(ProcessKernel):
     Jupyter's bash kernel reports it."""
 
     language = name = "bash"
+    # a SIGINT that comes before bash has begun the cell's source runs the trap outside
+    # it, and is lost: it is sent again while the cell runs (Server.interrupt_again)
+    interrupts_again = True
+    interrupts_taken = 0  # (bash does not say: the cell's end is the sign)
 
     def __init__(self, directory: str) -> None:
         import shutil
@@ -1951,7 +1961,7 @@ class Server:
         has ended already is left alone."""
         with self.busy_lock:
             if self.busy and rid in (None, self.running):
-                if isinstance(self.kernel, BuiltinKernel):  # (a Jupyter kernel takes its own)
+                if getattr(self.kernel, "interrupts_again", False):  # (a Jupyter kernel takes its own)
                     thread(self.interrupt_again, self.running, self.kernel.interrupts_taken)
                 self.kernel.interrupt()
                 return
