@@ -43,10 +43,13 @@ class Context:
                 return got
 
 
-def start(root: Path, *options: str) -> tuple[Context, dict[str, Any]]:
+def start(root: Path, *options: str, sigint_ignored: bool = False) -> tuple[Context, dict[str, Any]]:
+    """A context started as the agent starts one (``sigint_ignored``: from a process that
+    ignores SIGINT, as one started in the background by a shell does)."""
+    ignore = (lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)) if sigint_ignored else None
     started = subprocess.run(
         [sys.executable, interpreter.__file__, "start", "--root", str(root), "--id", "ctx", *options],
-        capture_output=True, text=True, timeout=60, cwd=root,
+        capture_output=True, text=True, timeout=60, cwd=root, preexec_fn=ignore,
     )  # fmt: skip
     assert started.returncode == 0, started.stderr
     return Context(root / "ctx" / "sock"), json.loads(started.stdout)
@@ -242,7 +245,9 @@ def test_sandlots_bash_kernel_keeps_the_shells_state_and_answers_as_a_kernel(tmp
     functions and the working directory stay; the last command's failure is the cell's
     error; an interrupt ends the cell's command and the rest of the cell, not the shell;
     ``exit`` ends the kernel, and the context says so."""
-    ctx, info = start(tmp_path, "--language", "bash", "--kernel", "auto")
+    # (started from a process that ignores SIGINT: bash must not inherit that, or its cells
+    # could not be interrupted; the whole suite runs so when its shell starts it in the background)
+    ctx, info = start(tmp_path, "--language", "bash", "--kernel", "auto", sigint_ignored=True)
     try:
         assert info["kernel"] == "builtin" and info["language"] == "bash"
         assert run(ctx, "a", "X=5; greet() { echo hi $1; }; cd /tmp")["stdout"] == ""
@@ -267,7 +272,7 @@ def test_sandlots_bash_kernel_keeps_the_shells_state_and_answers_as_a_kernel(tmp
         assert run(ctx, "i", "exit 3")["error"][:2] == died
     finally:
         ctx.sock.close()
-        subprocess.run(["pkill", "-9", "-f", f"--root {tmp_path} "], check=False)
+        subprocess.run(["pkill", "-9", "-f", "--", f"--root {tmp_path} "], check=False)
 
 
 @pytest.mark.skipif(not shutil.which("node"), reason="no node here (sandlot's JavaScript kernel runs on it)")
@@ -306,7 +311,7 @@ def test_sandlots_javascript_kernel_on_node_runs_cells_as_a_notebook_does(tmp_pa
         assert run(ctx, "n", "process.exit(2)")["error"][0] == "KernelDied"
     finally:
         ctx.sock.close()
-        subprocess.run(["pkill", "-9", "-f", f"--root {tmp_path} "], check=False)
+        subprocess.run(["pkill", "-9", "-f", "--", f"--root {tmp_path} "], check=False)
 
 
 def test_a_language_with_no_kernel_says_what_the_image_lacks(tmp_path: Path) -> None:

@@ -1635,6 +1635,11 @@ class ProcessKernel:
         self.reply_fd = reply_w  # (the same number in the child: pass_fds keeps it)
         ready = os.urandom(8).hex()
         env = dict(os.environ, SANDLOT_KERNEL_READY=ready)
+        # SIGINT is how a cell is interrupted: a process that inherits it ignored (one
+        # started in the background by a shell without job control does) could not be, and
+        # bash cannot even trap it. A handler here is put back to the default in the child
+        # by its exec; here, a SIGINT is nothing (this process's cells run in the child).
+        signal.signal(signal.SIGINT, lambda signum, frame: None)
         self.proc = subprocess.Popen(self.argv(cmd_r, reply_w), stdin=self.stdin(cmd_r), env=env,
                                      pass_fds=(cmd_r, reply_w), start_new_session=True)  # fmt: skip
         os.close(cmd_r)
