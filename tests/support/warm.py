@@ -35,6 +35,7 @@ def main(homes: list[str]) -> int:
     roots.kvm_host_root()
     roots.desktop_root()
     roots.containers_root()
+    roots.jupyter_root()  # (two runs use it: built here, not by both at once)
     python_layout(roots.CACHE, debian)
     for home in homes:
         sandlot.Runtime.for_home(Path(home)).prepare()
