@@ -315,6 +315,10 @@ def test_sandlots_javascript_kernel_on_node_runs_cells_as_a_notebook_does(tmp_pa
 
 
 def test_a_language_with_no_kernel_says_what_the_image_lacks(tmp_path: Path) -> None:
+    from sandlot.api.code import BUILTIN_LANGUAGES
+
+    # the host's list of sandlot's own kernels is the box's (the guest imports no sandlot)
+    assert interpreter.BUILTIN_LANGUAGES == BUILTIN_LANGUAGES
     started = subprocess.run(
         [sys.executable, interpreter.__file__, "start", "--root", str(tmp_path), "--id", "r",
          "--language", "r", "--kernel", "auto"], capture_output=True, text=True, timeout=60,

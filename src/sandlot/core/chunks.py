@@ -220,9 +220,8 @@ class ChunkStore:
         found = packs.read(remote, places, gone) if places else {}
         if gone:  # packs a collection wrote again since this home learned their places
             for pack in gone:
-                moved = remote.get(packs.moved_key(remote, pack))
-                if moved is not None:
-                    self.db().add_places(packs.decode_places(moved[0], f"the moved pack {pack.hex()}"))
+                if (went := packs.moved(remote, pack)) is not None:
+                    self.db().add_places(went)
             now = self.db().tier_places([d for d, p in places.items() if p.pack in gone])
             found.update(packs.read(remote, {d: p for d, p in now.items() if p.pack not in gone}))
 

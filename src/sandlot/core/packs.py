@@ -92,6 +92,13 @@ def moved_key(tier: Tier, pack: bytes) -> str:
     return tier.key("moved", pack.hex())
 
 
+def moved(tier: Tier, pack: bytes) -> dict[bytes, Place] | None:
+    """Where the live chunks of a pack a collection wrote again went (``moved/``); None
+    where the tier has no such object (its record was dropped, or the pack never moved)."""
+    found = tier.get(moved_key(tier, pack))
+    return None if found is None else decode_places(found[0], f"the moved pack {pack.hex()}")
+
+
 def members(tier: Tier, pack: str) -> set[bytes]:
     """The chunks a pack in the tier holds, read from its header (two ranged reads at most)."""
     return {d for d, _, _ in header(tier, pack)}
@@ -299,5 +306,5 @@ class PackWriter:
 
 __all__ = [
     "PACK_BYTES", "PackWriter", "Place", "build", "decode_places", "encode_places", "header", "members",
-    "moved_key", "read", "rewrite", "worth_rewriting",
+    "moved", "moved_key", "read", "rewrite", "worth_rewriting",
 ]  # fmt: skip

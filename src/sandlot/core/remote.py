@@ -122,16 +122,13 @@ class Remote:
         """Forget that the tier holds what a collection deleted from it, and learn where the
         live chunks of the packs it wrote again went (``moved/``; one gone: forget all)."""
         moves = []
-        try:
+        try:  # (a record or a move unreadable: all of it, as for one missing)
             for pack in sorted(what.moved if not what.everything else ()):
-                found = self.tier.get(packs.moved_key(self.tier, bytes.fromhex(pack)))
-                if found is None:
+                went = packs.moved(self.tier, bytes.fromhex(pack))
+                if went is None:
                     raise ValueError(f"moved/{pack} is gone")
-                moves.append(decode_places(found[0], f"the moved pack {pack}"))
-        except (
-            ValueError,
-            CorruptSnapshot,
-        ):  # (a record or a move unreadable: all of it, as for one missing)
+                moves.append(went)
+        except (ValueError, CorruptSnapshot):
             what = tiergc.Forget(everything=True)
         self.rt.store.forget_remote(chunks=what.chunks, states=what.states, everything=what.everything)
         for places in moves if not what.everything else ():

@@ -34,6 +34,7 @@ the background and prints one JSON line once it answers.
 
 from __future__ import annotations
 
+import abc
 import ast
 import base64
 import codecs
@@ -1231,6 +1232,8 @@ class JupyterKernel:
     """A Jupyter kernel of the image, spoken to over its ZeroMQ sockets (IPC files
     in the context's private directory, so no network is needed)."""
 
+    interrupts_again = False  # (it takes its interrupts itself)
+
     def __init__(self, spec_name: str, language: str, directory: str) -> None:
         self.name, spec = find_kernelspec(spec_name, language)
         self.language = str(spec.get("language") or language)
@@ -1460,6 +1463,7 @@ const fs = require('fs');
 const path = require('path');
 const repl = require('repl');
 const util = require('util');
+const vm = require('vm');
 const { PassThrough } = require('stream');
 const [cmdFd, replyFd] = process.argv.slice(2).map(Number);
 const sink = new PassThrough();
@@ -1521,21 +1525,6 @@ function stripTypes(code) {
     target: ts.ScriptTarget.ES2022, module: ts.ModuleKind.ESNext, sourceMap: false } }).outputText;
 }
 
-function environment(env) {
-  if (!env) return () => {};
-  const before = {};
-  for (const [k, v] of Object.entries(env)) {
-    before[k] = Object.prototype.hasOwnProperty.call(process.env, k) ? process.env[k] : undefined;
-    process.env[k] = v;
-  }
-  return () => {
-    for (const [k, v] of Object.entries(env)) {
-      if (process.env[k] !== v) continue;  // the cell set it itself: it stays
-      if (before[k] === undefined) delete process.env[k]; else process.env[k] = before[k];
-    }
-  };
-}
-
 function shown(value) {
   const display = value !== null && (typeof value === 'object' || typeof value === 'function')
     ? value[Symbol.for('Jupyter.display')] : undefined;
@@ -1563,7 +1552,7 @@ function failure(err) {
 }
 
 async function run(msg) {
-  const restore = environment(msg.env);
+  if (msg.env) vm.runInThisContext(msg.env[0]);  // a cell's own variables (env_code's)
   let err = null, value;
   try {
     let code = msg.typescript ? stripTypes(msg.code) : msg.code;
@@ -1582,7 +1571,7 @@ async function run(msg) {
   } catch (e) {
     err = e;
   }
-  restore();
+  if (msg.env) vm.runInThisContext(msg.env[1]);
   let reply = { token: msg.token };
   try {  // (a display method or an inspection that throws is the cell's error, never the kernel's end)
     if (err) reply.error = failure(err);
@@ -1617,11 +1606,14 @@ fs.writeSync(replyFd, JSON.stringify({ token: process.env.SANDLOT_KERNEL_READY }
 """
 
 
-class ProcessKernel:
-    """A kernel that is a process of the language's own (see above)."""
+class ProcessKernel(abc.ABC):
+    """A kernel that is a process of the language's own (see above): a kind says how to
+    start it (``argv``, ``stdin``, ``first_words``), what to send it for a cell
+    (``cell_words``) and what its answer means (``report``)."""
 
     language = ""
     name = ""  # of its program, for errors
+    interrupts_again = False  # (Server.interrupt_again)
 
     def __init__(self, directory: str) -> None:
         import subprocess
@@ -1647,8 +1639,9 @@ class ProcessKernel:
         self.send(self.first_words(ready))
         self.reply(ready, 60.0)
 
+    @abc.abstractmethod
     def argv(self, cmd_r: int, reply_w: int) -> list[str]:
-        raise NotImplementedError
+        """The program and its arguments (``cmd_r``, ``reply_w``: the two pipes' ends it gets)."""
 
     def stdin(self, cmd_r: int) -> Any:
         import subprocess
@@ -1658,8 +1651,10 @@ class ProcessKernel:
     def first_words(self, ready: str) -> bytes:
         return b""
 
+    @abc.abstractmethod
     def cell_words(self, code: str, token: str) -> bytes:
-        raise NotImplementedError
+        """What goes down the commands' pipe to run ``code`` (with ``cell_env``), answered
+        with ``token``."""
 
     def send(self, data: bytes) -> None:
         with contextlib.suppress(OSError):  # it has ended: the wait for its answer says so
@@ -1719,8 +1714,9 @@ class ProcessKernel:
         self.report(answer, cell)
         return self.count
 
+    @abc.abstractmethod
     def report(self, answer: dict[str, Any], cell: Cell) -> None:
-        raise NotImplementedError
+        """The cell's error or result, from its answer."""
 
     def interrupt(self) -> None:
         with contextlib.suppress(OSError):
@@ -1808,8 +1804,8 @@ class NodeKernel(ProcessKernel):
         return [self.node or "node", self.driver, str(cmd_r), str(reply_w)]
 
     def cell_words(self, code: str, token: str) -> bytes:
-        msg = {"token": token, "code": code, "typescript": self.language == "typescript",
-               "env": self.cell_env or None}  # fmt: skip
+        env = env_code("javascript", self.cell_env) if self.cell_env else None
+        msg = {"token": token, "code": code, "typescript": self.language == "typescript", "env": env}
         return (json.dumps(msg) + "\n").encode()
 
     def report(self, answer: dict[str, Any], cell: Cell) -> None:
@@ -1966,7 +1962,7 @@ class Server:
         has ended already is left alone."""
         with self.busy_lock:
             if self.busy and rid in (None, self.running):
-                if getattr(self.kernel, "interrupts_again", False):  # (a Jupyter kernel takes its own)
+                if self.kernel.interrupts_again:  # (a Jupyter kernel takes its own)
                     thread(self.interrupt_again, self.running, self.kernel.interrupts_taken)
                 self.kernel.interrupt()
                 return
@@ -1991,11 +1987,7 @@ class Server:
                 self.kernel.interrupt()
 
     def remove_files(self) -> None:
-        for name in os.listdir(self.directory):
-            with contextlib.suppress(OSError):
-                os.unlink(os.path.join(self.directory, name))
-        with contextlib.suppress(OSError):
-            os.rmdir(self.directory)
+        remove_dir(self.directory)
 
     def shutdown(self, status: int) -> None:
         self.remove_files()
@@ -2040,14 +2032,20 @@ def start(args: Args) -> int:
     except ValueError:
         report = {"error": said.decode(errors="replace")}
     if "error" in report or not report:
-        with contextlib.suppress(OSError):  # what it made before it failed (its socket...)
-            for name in os.listdir(directory):
-                os.unlink(os.path.join(directory, name))
-            os.rmdir(directory)
+        remove_dir(directory)  # with what it made before it failed (its socket...)
         sys.stderr.write(report.get("error") or "the context exited before it answered\n")
         return 1
     sys.stdout.write(json.dumps(report) + "\n")
     return 0
+
+
+def remove_dir(directory: str) -> None:
+    """A context's directory, and the files in it."""
+    with contextlib.suppress(OSError):
+        for name in os.listdir(directory):
+            with contextlib.suppress(OSError):
+                os.unlink(os.path.join(directory, name))
+        os.rmdir(directory)
 
 
 def answers(path: str) -> bool:
