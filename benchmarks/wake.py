@@ -43,6 +43,7 @@ from typing import Any
 import sandlot
 from sandlot.api.access import create_key
 from sandlot.config import tree_bytes, try_flock
+from sandlot.core import lazymem
 from sandlot.core.access import KEY_LABEL
 from sandlot.core.metrics import metrics_lock
 from sandlot.core.pressure import MIN_IDLE
@@ -80,17 +81,17 @@ def rss_once_filled() -> int:
     """The lazy memory helpers' RSS once their fills ended (each one's log says so)."""
     deadline = time.monotonic() + TIMEOUT
     while time.monotonic() < deadline:
-        logs = [Path(d) / "helper.log" for d in helper_dirs()]
+        logs = [d / "helper.log" for d, _ in lazymem.helpers()]
         if all(log.exists() and " chunks in " in log.read_text(errors="replace") for log in logs):
             break
         time.sleep(0.1)
-    return rss_kib("sandlot.core.lazymem")
+    return helpers_rss_kib()
 
 
-def helper_dirs() -> list[str]:
-    """The directories of the lazy memory helpers running (the last word of their command
-    lines: ``python -m sandlot.core.lazymem HOME DIR``)."""
-    return [argv[-1].decode() for _, argv in processes("sandlot.core.lazymem")]
+def helpers_rss_kib() -> int:
+    """RSS of the lazy memory helpers running, together (forked by their home's fork
+    server, their command line is its: ``lazymem.helpers`` knows them)."""
+    return sum(pid_rss_kib(str(pid)) for _, pid in lazymem.helpers())
 
 
 def processes(name: str) -> list[tuple[str, list[bytes]]]:
@@ -106,17 +107,19 @@ def processes(name: str) -> list[tuple[str, list[bytes]]]:
     return out
 
 
+def pid_rss_kib(pid: str) -> int:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
+
+
 def rss_kib(name: str) -> int:
     """RSS of the processes whose command line holds ``name``, together."""
-    total = 0
-    for pid, _ in processes(name):
-        try:
-            for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-                if line.startswith("VmRSS:"):
-                    total += int(line.split()[1])
-        except OSError:
-            continue
-    return total
+    return sum(pid_rss_kib(pid) for pid, _ in processes(name))
 
 
 def run(args: Any) -> dict[str, Any]:
@@ -354,7 +357,7 @@ def deep(args: Any) -> dict[str, Any]:
                 took, body = first_byte(port)
                 assert body == b"hello\n", body
                 lazy.append(took)
-                helper_rss.append(rss_kib("sandlot.core.lazymem") / 1024)
+                helper_rss.append(helpers_rss_kib() / 1024)
                 # every page of it, through the helper: what a lazy wake brought is the memory it left
                 assert box.exec("sha256sum", "/run/m/blob").stdout.split()[0] == digest, "the memory changed"
                 filled_rss.append(rss_once_filled() / 1024)
@@ -367,6 +370,9 @@ def deep(args: Any) -> dict[str, Any]:
                     whole.append(time.monotonic() - t0)
                 finally:
                     del os.environ["SANDLOT_LAZY_RESTORE"]
+            helpers = {str(pid) for _, pid in lazymem.helpers()}  # (forked: the server's command line)
+            server_rss = sum(pid_rss_kib(pid) for pid, _ in processes("--fork-server")
+                             if pid not in helpers) / 1024  # fmt: skip
             box.remove(force=True)
         return {
             "resident_MiB": args.resident_mib,
@@ -376,6 +382,7 @@ def deep(args: Any) -> dict[str, Any]:
             "lazy_over_whole": round(summary(lazy)["median"] / max(summary(whole)["median"], 1e-9), 2),
             "helper_rss_MiB": round(summary(helper_rss)["median"], 1),  # at the first byte, mid-fill
             "helper_rss_filled_MiB": round(summary(filled_rss)["median"], 1),  # as long as the box runs
+            "fork_server_rss_MiB": round(server_rss, 1),  # one per home, forking each helper warm
             "woken_lazily": min(helper_rss) > 0,  # auto: from lazymem.LAZY_FROM chunks in the tier only
             "memory_intact": True,
         }

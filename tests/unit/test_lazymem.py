@@ -11,13 +11,16 @@ import errno
 import mmap
 import os
 import random
+import shutil
+import signal
 import time
 from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
 
-from sandlot.core import chunks, lazymem
+from sandlot import config
+from sandlot.core import chunks, forkserver, lazymem
 from sandlot.core.manifest import CHUNK, Manifest
 from sandlot.errors import InvalidArgument
 
@@ -49,7 +52,7 @@ class CountingStore(chunks.ChunkStore):
         self.reads: list[list[bytes]] = []
 
     def get_many(
-        self, wanted: Sequence[tuple[bytes, int | None]], whose: str, *, keep: bool = True
+        self, wanted: Sequence[tuple[bytes, int | None]], whose: str, *, keep: bool | chunks.KeptLater = True
     ) -> list[bytes]:
         self.reads.append([d for d, _ in wanted])
         return super().get_many(wanted, whose, keep=keep)
@@ -59,7 +62,7 @@ def test_memory_reads_chunks_as_asked_and_fills_what_the_last_wake_read_first(tm
     data = image_bytes()
     store = CountingStore(tmp_path)
     image = saved(store, data).image("ram")
-    memory = lazymem.Memory(store, image, "s", tmp_path / "cache")
+    memory = lazymem.Memory(store, image, "s", tmp_path / "cache", chunks.KeptLater(store))
     memory.asking_until = time.monotonic() + 60
     by_digest = {d: i for i, d in enumerate(image.digests) if d is not None}
 
@@ -92,7 +95,7 @@ def test_a_chunk_that_cannot_be_read_is_an_io_error_naming_it(tmp_path: Path) ->
     missing = image.digests[4]
     assert missing is not None
     store.path(missing).unlink()
-    memory = lazymem.Memory(store, image, "s", tmp_path / "cache")
+    memory = lazymem.Memory(store, image, "s", tmp_path / "cache", chunks.KeptLater(store))
     assert memory.read(PAGE, 5 * CHUNK) == image_bytes()[5 * CHUNK : 5 * CHUNK + PAGE]
     with pytest.raises(OSError) as caught:
         memory.read(PAGE, 4 * CHUNK)
@@ -134,11 +137,26 @@ def test_auto_is_lazy_only_for_memory_not_here(tmp_path: Path, monkeypatch: pyte
     assert lazymem.wanted(store, image) is False
 
 
+def warm_server(home: Path) -> int:
+    """The home's fork server, started and ready (its log says so: a socket a killed one
+    left may be there before it): its pid."""
+    log = home / "chunks" / "forkserver.log"
+    before = log.read_text().count(" ready") if log.exists() else 0
+    assert lazymem.start_fork_server(home)
+    deadline = time.monotonic() + 60
+    while not (log.exists() and log.read_text().count(" ready") > before):
+        assert time.monotonic() < deadline, "the fork server never got ready"
+        time.sleep(0.05)
+    return int(log.read_text().rsplit(" ready (pid ", 1)[1].split(")")[0])
+
+
+@pytest.mark.parametrize("how", ["spawned", "forked"])
 def test_the_helper_serves_a_mapping_copy_on_write_and_ends_with_it(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, how: str
 ) -> None:
     """The real helper on a real FUSE mount (this host has /dev/fuse and fuse3, as
-    ``./scripts/setup`` makes sure): mapped private, as QEMU maps guest RAM."""
+    ``./scripts/setup`` makes sure): mapped private, as QEMU maps guest RAM; spawned, or
+    forked by the home's fork server (``core/forkserver.py``)."""
     assert lazymem.unavailable() is None, lazymem.unavailable()
     monkeypatch.setenv("SANDLOT_RUNTIME_DIR", str(tmp_path / "run"))
     (tmp_path / "run").mkdir(mode=0o700)
@@ -147,6 +165,8 @@ def test_the_helper_serves_a_mapping_copy_on_write_and_ends_with_it(
     data = image_bytes(7)
     store = chunks.ChunkStore(home)
     manifest = saved(store, data)
+    if how == "forked":
+        warm_server(home)
     served = lazymem.serve(home, manifest.encode(), "s", "ram", lazymem.touched_of(box_dir))
     assert served is not None and served.alive()
     assert served.memory.stat().st_size == SIZE
@@ -170,7 +190,58 @@ def test_the_helper_serves_a_mapping_copy_on_write_and_ends_with_it(
     mounts = Path("/proc/self/mounts").read_text()
     assert str(served.directory) not in mounts
     assert lazymem.read_touched(lazymem.touched_of(box_dir), SIZE // CHUNK)  # what this one read first
-    assert "chunks in" in (box_dir / "lazymem.log").read_text()
+    said = (box_dir / "lazymem.log").read_text()
+    assert "chunks in" in said and f"helper {'forked by' if how == 'forked' else 'spawned'}" in said
+
+
+def test_a_fork_server_refuses_what_it_should_not_fork_ends_with_its_home_and_its_death_costs_a_spawn(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("SANDLOT_RUNTIME_DIR", str(tmp_path / "run"))
+    (tmp_path / "run").mkdir(mode=0o700)
+    home = tmp_path / "home"
+    manifest = saved(chunks.ChunkStore(home), image_bytes())
+    pid = warm_server(home)
+    assert not lazymem.start_fork_server(home)  # one per home
+    # a directory that is no helper's: refused, and the lock is free again for a spawn
+    elsewhere = tmp_path / "lazy-elsewhere"
+    elsewhere.mkdir()
+    assert not forkserver.fork_helper(home, elsewhere)
+    fd = config.try_flock(elsewhere / "lock")
+    assert fd is not None
+    os.close(fd)
+    # killed: the next wake spawns its helper (the socket it left refuses), and starts another
+    os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 30
+    while Path(f"/proc/{pid}").exists() and b"zombie" not in Path(f"/proc/{pid}/status").read_bytes().lower():
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    served = lazymem.serve(home, manifest.encode(), "s", "ram", tmp_path / "touched")
+    assert served is not None
+    assert "helper spawned" in (served.directory / "helper.log").read_text()
+    served.stop()
+    while served.alive() or served.directory.exists():
+        assert time.monotonic() < deadline, "the helper outlived its stop"
+        time.sleep(0.05)
+    again = warm_server(home)
+    assert again != pid
+    # a home removed: its server ends, and takes its socket with it
+    shutil.rmtree(home)
+    deadline = time.monotonic() + 30
+    while forkserver.socket_path(home).exists() or Path(f"/proc/{again}/cmdline").exists():
+        assert time.monotonic() < deadline, "the fork server outlived its home"
+        time.sleep(0.1)
+
+
+def test_a_fork_server_notices_a_module_it_loaded_changed(tmp_path: Path) -> None:
+    module = tmp_path / "m.py"
+    module.write_text("x = 1\n")
+    loaded = {str(module): module.stat().st_mtime_ns}
+    assert not forkserver.changed(loaded)
+    os.utime(module, ns=(0, module.stat().st_mtime_ns + 1_000_000))
+    assert forkserver.changed(loaded)
+    module.unlink()
+    assert forkserver.changed({str(module): 0})
 
 
 def test_a_helper_whose_vm_never_came_is_stopped_and_leaves_nothing(

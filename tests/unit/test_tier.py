@@ -24,7 +24,9 @@ import pytest
 
 import sandlot
 from sandlot.core import tiergc
-from sandlot.core.chunks import ChunkStore
+from sandlot.core.boxrecord import store_path
+from sandlot.core.chunks import ChunkStore, digest
+from sandlot.core.manifest import Manifest
 from sandlot.core.store import BoxStore
 from sandlot.core.tier import home_id
 from sandlot.errors import BoxElsewhere, CorruptSnapshot, InvalidArgument, InvalidState, NoSpace, TierError
@@ -683,6 +685,39 @@ def test_chunks_go_to_the_tier_in_packs_and_a_state_comes_back_in_a_few_reads(
         gets = [p for m, p in proxy.seen if m == "GET" and "/packs/" in p]
         assert 1 <= len(gets) <= 4, gets  # runs of chunks, not a read each
         assert box.exec("recall", "big").stdout.strip() == big
+    finally:
+        box.remove(force=True)
+
+
+def test_chunks_a_lazy_wake_fetches_are_kept_here_by_a_thread_of_their_own(
+    tmp_path: Path, proxy: FaultyProxy, root: Path
+) -> None:
+    """``get_many`` with a ``KeptLater`` answers with the chunks' bytes and leaves their
+    files to its thread (a lazy restore's VM waits on the answer, not on the disk): every
+    one is kept once the block ends; past its limit a reader writes its own at once."""
+    (a,) = homes(tmp_path, proxy, 1)
+    box = fake_box(a, root, "kept")
+    try:
+        box.exec("remember", "big", os.urandom(350_000).hex())
+        snap = box.snapshot("one")
+        sandlot.storage.push(home=a)
+        sandlot.storage.evict(older_than=0, home=a)
+        store = ChunkStore(a)
+        manifest = Manifest.decode(BoxStore(store_path(a)).state_manifest(snap.id) or b"", snap.id)
+        wanted = sorted(d for d in manifest.digests() if not store.path(d).exists())
+        assert len(wanted) >= 10
+        half = len(wanted) // 2
+        with store.kept_later() as later:
+            got = store.get_many([(d, None) for d in wanted[:half]], snap.id, keep=later)
+            assert [digest(g) for g in got] == wanted[:half]
+        assert all(store.path(d).exists() for d in wanted[:half])  # all kept when the block ended
+        with store.kept_later() as later:
+            later.limit = 0  # nothing may wait: each is written by the reader
+            store.get_many([(d, None) for d in wanted[half:]], snap.id, keep=later)
+            assert all(store.path(d).exists() for d in wanted[half:])
+        proxy.seen.clear()
+        box.rollback(snap)  # from this host's disk: no read of the tier
+        assert not [p for m, p in proxy.seen if m == "GET" and "/packs/" in p]
     finally:
         box.remove(force=True)
 

@@ -202,7 +202,7 @@ def test_a_killed_memory_helper_ends_its_box_as_a_crash_never_a_hang(
     import signal
     import subprocess
 
-    from sandlot.config import runtime_dir
+    from sandlot.core import lazymem
     from sandlot.core.runtime import Runtime
 
     _, (a, _) = tier_homes
@@ -211,11 +211,8 @@ def test_a_killed_memory_helper_ends_its_box_as_a_crash_never_a_hang(
     monkeypatch.setenv("SANDLOT_LAZY_RESTORE", "always")  # lazy from this host's own chunks
     box.resume()
     assert box.exec("echo", "up").stdout == "up\n"
-    mine = [d for d in runtime_dir().glob("lazy-*")
-            if str(Runtime.for_home(a).box_dir(box.id)) in (d / "request").read_text()]  # fmt: skip
-    assert len(mine) == 1
-    pid = int(subprocess.run(["pgrep", "-f", f"sandlot.core.lazymem {a} {mine[0]}"], capture_output=True,
-                             text=True, check=True).stdout.split()[0])  # fmt: skip
+    (pid,) = [pid for d, pid in lazymem.helpers()
+              if str(Runtime.for_home(a).box_dir(box.id)) in (d / "request").read_text()]  # fmt: skip
     os.kill(pid, signal.SIGKILL)
     subprocess.run(["sh", "-c", "sync; echo 1 > /proc/sys/vm/drop_caches"], check=False)  # pages read again
     with pytest.raises(sandlot.SandlotError):

@@ -16,6 +16,7 @@ killed helper leaves none), so that chunks collected after the wake (the state i
 from is dropped) are never needed again.
 
     python -m sandlot.core.lazymem HOME DIR      (DIR: manifest, image, touched; made by ``serve``)
+    python -m sandlot.core.lazymem --fork-server HOME      (``start_fork_server``)
 
 The helper lives as long as the VM's mapping: QEMU keeps the file open while it runs,
 and when its last reference goes (the VM ended, was suspended or stopped) the helper
@@ -49,7 +50,8 @@ from pathlib import Path
 from typing import Any
 
 from ..config import atomic_write, runtime_dir, spawn_unless_locked, try_flock
-from .chunks import TIER_RUNS, ChunkStore, StateReader
+from . import forkserver, tier
+from .chunks import TIER_RUNS, ChunkStore, KeptLater, StateReader
 from .manifest import CHUNK, Image, Manifest
 
 log = logging.getLogger("sandlot")
@@ -171,14 +173,18 @@ def serve(home: Path, manifest: bytes, whose: str, image: str, touched: Path) ->
     atomic_write(directory / "request", f"{whose}\n{image}\n{touched}\n".encode(), 0o600)
     size = Manifest.decode(manifest, whose).image(image).size
     served = Served(directory)
-    # two heaps for its threads, not eight a core: each held what a fill's run left in it,
-    # for as long as the VM ran (about 50 MiB more here)
-    spawn_unless_locked(directory / "lock", "sandlot.core.lazymem", str(home), str(directory),
-                        env={"MALLOC_ARENA_MAX": "2"})  # fmt: skip
+    forked = forkserver.fork_helper(home, directory)  # warm: Python, its imports and the tier's client
+    if not forked:
+        # two heaps for its threads, not eight a core: each held what a fill's run left in
+        # it, for as long as the VM ran (about 50 MiB more here)
+        spawn_unless_locked(directory / "lock", "sandlot.core.lazymem", str(home), str(directory),
+                            env={"MALLOC_ARENA_MAX": "2"})  # fmt: skip
     deadline = time.monotonic() + READY_WAIT
     while time.monotonic() < deadline:
         with contextlib.suppress(OSError):
             if served.memory.stat().st_size == size:
+                if not forked and tier.configured_quickly(home):
+                    start_fork_server(home)  # for the wakes after this one
                 return served
         if not served.alive():
             break
@@ -190,6 +196,42 @@ def serve(home: Path, manifest: bytes, whose: str, image: str, touched: Path) ->
     served.stop()
     shutil.rmtree(directory, ignore_errors=True)
     return None
+
+
+def start_fork_server(home: Path) -> bool:
+    """Start the home's fork server (``core/forkserver.py``) unless one runs: a detached
+    process that forks this module's helpers warm. True if started; a home with no chunk
+    store has no state a helper could serve, and gets none."""
+    if not (home / "chunks").is_dir():
+        return False
+    # two heaps for its helpers' threads, not eight a core (see ``serve``)
+    return spawn_unless_locked(forkserver.lock_path(home), "sandlot.core.lazymem", "--fork-server", str(home),
+                               env={"MALLOC_ARENA_MAX": "2"})  # fmt: skip
+
+
+def _warm(home: Path) -> None:
+    """What a forked helper then has at once: the modules it runs, and the client of the
+    home's tier, where it has one (botocore's service model read; no request made)."""
+    import blake3  # noqa: F401
+    import mfusepy  # noqa: F401
+    import zstandard  # noqa: F401
+
+    from . import boxrecord, packs, store  # noqa: F401
+
+    remote = ChunkStore(home).tier()
+    if remote is not None:
+        remote.client  # noqa: B018
+
+
+def helpers() -> list[tuple[Path, int]]:
+    """The helpers running for this user: each one's directory and pid."""
+    out = []
+    for d in runtime_dir().glob("lazy-*"):
+        with contextlib.suppress(OSError, ValueError):
+            pid = int((d / "pid").read_text())
+            if Served(d).alive():
+                out.append((d, pid))
+    return out
 
 
 def _sweep() -> None:
@@ -211,8 +253,9 @@ def _sweep() -> None:
 class Memory:
     """One memory image, read from its chunks as it is asked for, kept in ``cache``."""
 
-    def __init__(self, store: ChunkStore, image: Image, whose: str, cache: Path) -> None:
+    def __init__(self, store: ChunkStore, image: Image, whose: str, cache: Path, keep: KeptLater) -> None:
         self.store, self.image, self.whose = store, image, whose
+        self.keep = keep  # what it fetches is kept in the home's store too, by a thread of its own
         self.fd = os.open(cache, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
         os.unlink(cache)  # this process's alone: gone with it, however it ends
         os.ftruncate(self.fd, image.size)  # sparse: a chunk of zeros is never written
@@ -298,7 +341,7 @@ class Memory:
 
     def _fetch(self, indexes: list[int]) -> None:
         wanted = [(d, self.image.chunk_size(i)) for i in indexes if (d := self.image.digests[i]) is not None]
-        got = self.store.get_many(wanted, self.whose)  # (a chunk of zeros is present from the start)
+        got = self.store.get_many(wanted, self.whose, keep=self.keep)  # (zeros are present from the start)
         for i, data in zip(indexes, got, strict=True):
             os.pwrite(self.fd, data, i * CHUNK)
             self.present[i] = 1
@@ -407,13 +450,18 @@ def run(home: Path, directory: Path) -> int:
         return 0
     mountpoint = directory / "mnt"
     try:
+        # who it is, where ``helpers`` finds it: a forked helper's command line is its fork server's
+        atomic_write(directory / "pid", f"{os.getpid()}\n".encode(), 0o600)
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL(None).prctl(15, b"sandlot-lazymem", 0, 0, 0)  # PR_SET_NAME: what ps and top show
         whose, image_name, touched_name = (directory / "request").read_text().splitlines()[:3]
         manifest = Manifest.decode((directory / "manifest").read_bytes(), whose)
         image = manifest.image(image_name)
         store = ChunkStore(home)
         touched = Path(touched_name)
         near = touched.parent if touched.parent.is_dir() else directory
-        memory = Memory(store, image, whose, near / f".{directory.name}.cache")
+        keep = KeptLater(store)
+        memory = Memory(store, image, whose, near / f".{directory.name}.cache", keep)
         ended = threading.Event()
 
         def last_release() -> None:
@@ -422,9 +470,12 @@ def run(home: Path, directory: Path) -> int:
 
         def filling() -> None:
             t0 = time.monotonic()
-            with store.using():  # no collection takes a chunk before it is in the cache
+            with store.using():  # no collection takes a chunk before it is in the cache, or kept
                 first = read_touched(touched, len(image.digests))
-                memory.fill(first, TIER_RUNS)  # runs at once, from the tier or this host's disk
+                try:
+                    memory.fill(first, TIER_RUNS)  # runs at once, from the tier or this host's disk
+                finally:
+                    keep.close()  # the VM's reads keep their own from now on (what the fill could not bring)
             with contextlib.suppress(OSError, AttributeError):
                 # the fill's runs were large buffers, freed now: the C heap gives them back,
                 # so that the helper holds what Python and boto3 need while its VM runs on
@@ -486,13 +537,24 @@ def _keep_log(directory: Path) -> None:
             atomic_write(kept, (before + (directory / "helper.log").read_bytes())[-LOG_KEPT:], 0o600)
 
 
-def main(argv: list[str]) -> int:
+def main(argv: list[str], how: str = "spawned") -> int:
+    if len(argv) == 2 and argv[0] == "--fork-server":
+        home = Path(argv[1])
+
+        def forked(home: Path, directory: Path) -> int:
+            return main([str(home), str(directory)], "forked by the home's fork server")
+
+        return forkserver.serve(home, lambda: _warm(home), forked)
     if len(argv) != 2:
-        print("usage: python -m sandlot.core.lazymem HOME DIR", file=sys.stderr)
+        print("usage: python -m sandlot.core.lazymem HOME DIR | --fork-server HOME", file=sys.stderr)
         return 2
     directory = Path(argv[1])
+    # (force: in a helper forked by the fork server, its own log replaces the server's)
     logging.basicConfig(level=logging.INFO, filename=str(directory / "helper.log"),
-                        format="%(asctime)s %(levelname)s %(message)s")  # fmt: skip
+                        format="%(asctime)s %(levelname)s %(message)s", force=True)  # fmt: skip
+    global STARTED
+    STARTED = time.monotonic()  # (a forked helper's module was imported long before)
+    log.info("helper %s", how)
     try:
         return run(Path(argv[0]), directory)
     except Exception as exc:  # said in the log the launcher reads

@@ -11,8 +11,10 @@ advance but this), then keeps only the manifest here of cold states (the tier's
 ``evict_after``), and looks again until nothing is left to send. Where the tier evicts,
 it then waits for the next state to turn cold (a box asleep that long: its deep sleep)
 and evicts it, until no state of the home is left to cool; a save meanwhile pokes it
-(``chunks/.pusher.poke``) to send that state at once. Killed at any point, it leaves
-what it sent counted and the rest for the next pusher.
+(``chunks/.pusher.poke``) to send that state at once; once it has evicted a state, it
+starts the home's fork server (``core/forkserver.py``), so that the wake from it starts
+its lazy restore's helper warm. Killed at any point, it leaves what it sent counted and
+the rest for the next pusher.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from pathlib import Path
 
 from ..config import spawn_unless_locked, try_flock
 from ..errors import SandlotError
-from . import tier
+from . import lazymem, tier
 from .remote import Remote
 from .runtime import Runtime
 from .state import BoxState
@@ -72,8 +74,8 @@ def push_all(home: Path) -> int:
             except SandlotError as exc:  # a box that cannot move (a volume): the others still go
                 log.info("box %s stays on this host: %s", rec.name, exc)
         after = remote.tier.config.evict_after
-        if after is not None:
-            remote.evict(after)
+        if after is not None and remote.evict(after)[0] and lazymem.unavailable() is None:
+            lazymem.start_fork_server(home)  # the next wake reads memory from the tier: its helper warm
     return sent
 
 
