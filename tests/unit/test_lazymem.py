@@ -137,6 +137,14 @@ def test_auto_is_lazy_only_for_memory_not_here(tmp_path: Path, monkeypatch: pyte
     assert lazymem.wanted(store, image) is False
 
 
+def a_home_with_a_state(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Path, Manifest]:
+    """A home holding one saved state's chunks, and a runtime directory of the test's own."""
+    monkeypatch.setenv("SANDLOT_RUNTIME_DIR", str(tmp_path / "run"))
+    (tmp_path / "run").mkdir(mode=0o700)
+    home = tmp_path / "home"
+    return home, saved(chunks.ChunkStore(home), image_bytes())
+
+
 def warm_server(home: Path) -> int:
     """The home's fork server, started and ready (its log says so: a socket a killed one
     left may be there before it): its pid."""
@@ -197,10 +205,7 @@ def test_the_helper_serves_a_mapping_copy_on_write_and_ends_with_it(
 def test_a_fork_server_refuses_what_it_should_not_fork_ends_with_its_home_and_its_death_costs_a_spawn(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setenv("SANDLOT_RUNTIME_DIR", str(tmp_path / "run"))
-    (tmp_path / "run").mkdir(mode=0o700)
-    home = tmp_path / "home"
-    manifest = saved(chunks.ChunkStore(home), image_bytes())
+    home, manifest = a_home_with_a_state(tmp_path, monkeypatch)
     pid = warm_server(home)
     assert not lazymem.start_fork_server(home)  # one per home
     # a directory that is no helper's: refused, and the lock is free again for a spawn
@@ -247,10 +252,7 @@ def test_a_fork_server_notices_a_module_it_loaded_changed(tmp_path: Path) -> Non
 def test_a_helper_whose_vm_never_came_is_stopped_and_leaves_nothing(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setenv("SANDLOT_RUNTIME_DIR", str(tmp_path / "run"))
-    (tmp_path / "run").mkdir(mode=0o700)
-    home = tmp_path / "home"
-    manifest = saved(chunks.ChunkStore(home), image_bytes())
+    home, manifest = a_home_with_a_state(tmp_path, monkeypatch)
     served = lazymem.serve(home, manifest.encode(), "s", "ram", tmp_path / "touched")
     assert served is not None
     served.stop()  # a launch that failed before its VM mapped the memory

@@ -13,7 +13,7 @@ spawned one is: the fork server's death ends no VM; the next wake then spawns it
 helper, and starts a fork server again for the wakes after it. The server forks only
 while it is single-threaded (no thread runs in it, and it makes no request of the
 tier, so the client it hands down holds no connection), and only for a caller of the
-same Python; each helper takes its caller's environment. It ends after ``IDLE``
+same Python and the same sandlot; each helper takes its caller's environment. It ends after ``IDLE``
 seconds without a wake, when its home is gone, and when a module it loaded changed on
 disk (sandlot upgraded under it), before it forks from old code.
 
@@ -46,6 +46,7 @@ IDLE = 3600.0  # seconds without a wake after which the server ends
 LOOK_EVERY = 2.0  # seconds between its looks at its home (gone: it ends)
 ASK_WAIT = 2.0  # seconds a launcher waits for the server's answer before it spawns its helper
 REQUEST_MAX = 1 << 20  # bytes of a request (a directory and an environment)
+CODE = Path(__file__).resolve()  # which sandlot: a server forks only for a launcher of the same
 
 
 def _name(home: Path) -> str:
@@ -73,7 +74,8 @@ def fork_helper(home: Path, directory: Path) -> bool:
     lock = try_flock(directory / "lock")
     if lock is None:
         return False
-    request = json.dumps({"directory": str(directory), "python": sys.executable, "env": dict(os.environ)})
+    request = json.dumps({"directory": str(directory), "python": sys.executable, "code": str(CODE),
+                          "env": dict(os.environ)})  # fmt: skip
     try:
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
             conn.settimeout(ASK_WAIT)
@@ -132,8 +134,8 @@ def _take(conn: socket.socket) -> tuple[dict[str, object], int | None]:
 
 def _refusal(request: dict[str, object]) -> str | None:
     """Why this server does not fork a helper for ``request`` (None: it does)."""
-    if request.get("python") != sys.executable:
-        return "another Python"
+    if request.get("python") != sys.executable or request.get("code") != str(CODE):
+        return "another Python or another sandlot"
     directory = Path(str(request.get("directory", "")))
     if directory.parent != runtime_dir() or not directory.name.startswith("lazy-") or not directory.is_dir():
         return f"not a helper's directory: {directory}"
