@@ -24,6 +24,8 @@ from sandlot.core import chunks, forkserver, lazymem
 from sandlot.core.manifest import CHUNK, Manifest
 from sandlot.errors import InvalidArgument
 
+from tests.support.waiting import wait_for
+
 PAGE = 4096
 SIZE = 24 * CHUNK
 
@@ -151,10 +153,11 @@ def warm_server(home: Path) -> int:
     log = home / "chunks" / "forkserver.log"
     before = log.read_text().count(" ready") if log.exists() else 0
     assert lazymem.start_fork_server(home)
-    deadline = time.monotonic() + 60
-    while not (log.exists() and log.read_text().count(" ready") > before):
-        assert time.monotonic() < deadline, "the fork server never got ready"
-        time.sleep(0.05)
+
+    def ready() -> bool:
+        return log.exists() and log.read_text().count(" ready") > before
+
+    wait_for("the fork server to get ready", ready, timeout=60, every=0.05)
     return int(log.read_text().rsplit(" ready (pid ", 1)[1].split(")")[0])
 
 
@@ -217,25 +220,41 @@ def test_a_fork_server_refuses_what_it_should_not_fork_ends_with_its_home_and_it
     os.close(fd)
     # killed: the next wake spawns its helper (the socket it left refuses), and starts another
     os.kill(pid, signal.SIGKILL)
-    deadline = time.monotonic() + 30
-    while Path(f"/proc/{pid}").exists() and b"zombie" not in Path(f"/proc/{pid}/status").read_bytes().lower():
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
+    wait_for("the fork server to die", lambda: gone(pid), every=0.05)
     served = lazymem.serve(home, manifest.encode(), "s", "ram", tmp_path / "touched")
     assert served is not None
     assert "helper spawned" in (served.directory / "helper.log").read_text()
     served.stop()
-    while served.alive() or served.directory.exists():
-        assert time.monotonic() < deadline, "the helper outlived its stop"
-        time.sleep(0.05)
+    wait_for("the helper to end once stopped", lambda: not (served.alive() or served.directory.exists()))
     again = warm_server(home)
     assert again != pid
     # a home removed: its server ends, and takes its socket with it
     shutil.rmtree(home)
-    deadline = time.monotonic() + 30
-    while forkserver.socket_path(home).exists() or Path(f"/proc/{again}/cmdline").exists():
-        assert time.monotonic() < deadline, "the fork server outlived its home"
-        time.sleep(0.1)
+    wait_for(
+        "the fork server to end with its home",
+        lambda: gone(again) and not forkserver.socket_path(home).exists(),
+    )
+
+
+def gone(pid: int) -> bool:
+    """Whether a process ended (a zombie nobody reaps, its parent being gone, is ended)."""
+    try:
+        return b"zombie" in Path(f"/proc/{pid}/status").read_bytes().lower()
+    except FileNotFoundError:
+        return True
+
+
+def test_a_look_at_a_helper_never_makes_its_lock_file(tmp_path: Path) -> None:
+    """A look (``alive``) while a helper removes its directory must not put a file back in
+    it: the directory would stay, and its launcher would wait for it to go."""
+    directory = tmp_path / "lazy-ended"
+    directory.mkdir()
+    assert not lazymem.Served(directory).alive()
+    assert not (directory / "lock").exists()
+    fd = config.try_flock(directory / "lock")
+    assert fd is not None and lazymem.Served(directory).alive()
+    os.close(fd)
+    assert not lazymem.Served(directory).alive()
 
 
 def test_a_fork_server_notices_a_module_it_loaded_changed(tmp_path: Path) -> None:

@@ -144,15 +144,21 @@ class Served:
         self.memory = directory / "mnt" / "memory"
 
     def alive(self) -> bool:
-        if not self.directory.is_dir():  # it ended, and took its directory with it
+        """Whether its helper runs: it holds the directory's lock. The lock file is opened,
+        never made: a look while the helper removes its directory must not put a file back
+        in it (its removal would then leave the directory behind)."""
+        import fcntl
+
+        try:
+            fd = os.open(self.directory / "lock", os.O_RDWR | os.O_CLOEXEC)
+        except FileNotFoundError:  # it ended, and took its directory with it
             return False
         try:
-            fd = try_flock(self.directory / "lock")
-        except FileNotFoundError:
-            return False
-        if fd is None:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
             return True
-        os.close(fd)
+        finally:
+            os.close(fd)
         return False
 
     def stop(self) -> None:
