@@ -24,7 +24,12 @@ SANDLOT = [sys.executable, "-m", "sandlot.cli"]
 
 
 def cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([*SANDLOT, *args], capture_output=True, text=True, timeout=300)
+    try:
+        return subprocess.run([*SANDLOT, *args], capture_output=True, text=True, timeout=300)
+    except subprocess.TimeoutExpired as exc:  # what it said before it was killed, and the box's last events
+        said = [f"{ev.box_name}: {ev.kind} {ev.reason}" for ev in sandlot.events(since=-330, follow=False)]
+        raise AssertionError(f"sandlot {' '.join(args)} did not end in 300 s; its stderr: {exc.stderr!r}; "
+                             f"events: {said[-20:]}") from exc  # fmt: skip
 
 
 @pytest.fixture(scope="module")

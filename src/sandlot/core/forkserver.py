@@ -211,8 +211,8 @@ class Server:
                 if pid == 0:  # the helper: none of the server's files
                     code = 1
                     try:
-                        for fd in (conn.fileno(), self.listener.fileno(), self.lock):
-                            os.close(fd)
+                        for fd in (conn.detach(), self.listener.detach(), self.lock):
+                            os.close(fd)  # (detached: no socket object closes a number reused later)
                         directory = Path(str(request["directory"]))
                         _become(directory, lock, env)
                         code = self.helper(self.home, directory)
