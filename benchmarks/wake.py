@@ -370,8 +370,10 @@ def deep(args: Any) -> dict[str, Any]:
                     whole.append(time.monotonic() - t0)
                 finally:
                     del os.environ["SANDLOT_LAZY_RESTORE"]
-            helpers = {str(pid) for _, pid in lazymem.helpers()}  # (forked: the server's command line)
-            server_rss = sum(pid_rss_kib(pid) for pid, _ in processes("--fork-server")
+            # this home's fork server (another home's may run beside), not its helpers: forked,
+            # their command line is the server's
+            helpers = {str(pid) for _, pid in lazymem.helpers()}
+            server_rss = sum(pid_rss_kib(pid) for pid, _ in processes(f"--fork-server\0{home}\0")
                              if pid not in helpers) / 1024  # fmt: skip
             box.remove(force=True)
         return {

@@ -25,7 +25,7 @@ import pytest
 import sandlot
 from sandlot.core import tiergc
 from sandlot.core.boxrecord import store_path
-from sandlot.core.chunks import ChunkStore, digest
+from sandlot.core.chunks import ChunkStore, KeptLater, digest
 from sandlot.core.manifest import Manifest
 from sandlot.core.store import BoxStore
 from sandlot.core.tier import home_id
@@ -707,11 +707,11 @@ def test_chunks_a_lazy_wake_fetches_are_kept_here_by_a_thread_of_their_own(
         wanted = sorted(d for d in manifest.digests() if not store.path(d).exists())
         assert len(wanted) >= 10
         half = len(wanted) // 2
-        with store.kept_later() as later:
+        with KeptLater(store) as later:
             got = store.get_many([(d, None) for d in wanted[:half]], snap.id, keep=later)
             assert [digest(g) for g in got] == wanted[:half]
         assert all(store.path(d).exists() for d in wanted[:half])  # all kept when the block ended
-        with store.kept_later() as later:
+        with KeptLater(store) as later:
             later.limit = 0  # nothing may wait: each is written by the reader
             store.get_many([(d, None) for d in wanted[half:]], snap.id, keep=later)
             assert all(store.path(d).exists() for d in wanted[half:])
