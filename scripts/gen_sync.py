@@ -13,6 +13,10 @@ named in an output's ``functions`` get a sync twin too (``connect_async`` ->
 -> ``pull``, ``template_async`` -> ``template``...), which import their function when
 called: the sync API imports the image store and the pools only when used.
 
+It also writes what ``core/options.py`` declares of each box option: the signature
+and docstring of ``AsyncBox.__init__`` (so the sync twin's too) and ``BoxSpec``'s
+fields, each between its markers.
+
     python scripts/gen_sync.py           # write the files
     python scripts/gen_sync.py --check   # fail if one is not what would be written (CI)
 """
@@ -24,8 +28,10 @@ import copy
 import re
 import subprocess
 import sys
+import textwrap
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 API = ROOT / "src" / "sandlot" / "api"
@@ -409,16 +415,100 @@ def generate(output: Output = LOCAL) -> str:
     return formatted.stdout
 
 
+# -- what core/options.py declares: AsyncBox.__init__ and BoxSpec's fields -----------------
+
+INIT_START = "    # -- AsyncBox.__init__, from core/options.py: written by scripts/gen_sync.py, edit there --"
+INIT_END = "    # -- end of AsyncBox.__init__ --"
+FIELDS_START = "    # -- the options (core/options.py), written by scripts/gen_sync.py: edit there --"
+FIELDS_END = "    # -- end of the options --"
+
+
+def declared() -> tuple[Any, ...]:
+    sys.path.insert(0, str(ROOT / "src"))
+    from sandlot.core.options import OPTIONS
+
+    return OPTIONS
+
+
+def literal(value: object) -> str:
+    return f'"{value}"' if isinstance(value, str) else repr(value)
+
+
+def box_init(options: tuple[Any, ...]) -> list[str]:
+    """``AsyncBox.__init__``: every option a keyword with its type and default, and its help."""
+    lines = [INIT_START, "    def __init__(", "        self,", "        image: str | Image | None = None,"]
+    lines += ["        *,"]
+    lines += [f"        {o.name}: {o.type} = {literal(o.default)}," for o in options]
+    lines += ["    ) -> None:"]
+    lines += [
+        '        """Describe a box; ``start()`` makes it and boots it (``async with`` too, and removes it',
+        "        at the block's end unless ``keep``). ``image``: an image reference (``python:3.12-slim``),",
+        "        or an ``Image``; else ``rootfs``. The options (``core/options.py`` declares each):",
+        "",
+    ]
+    for o in options:
+        wrapped = textwrap.wrap(f"- ``{o.name}``: {o.help}", width=100, subsequent_indent="  ")
+        lines += [f"        {w}" for w in wrapped]
+        shown = o.default is not None and o.default is not False and o.kind != "handle"
+        default = f" Default: ``{literal(o.default)}``." if shown else ""
+        if default and len(lines[-1]) + len(default) <= 108:
+            lines[-1] += default
+        elif default:
+            lines.append(f"         {default}")
+    lines += ['        """', "        self._describe(image, locals())", "", INIT_END]
+    return lines
+
+
+def spec_fields(options: tuple[Any, ...]) -> list[str]:
+    """``BoxSpec``'s field of each option of the box: the form it keeps."""
+    lines = [FIELDS_START]
+    for o in options:
+        if o.kind == "box":
+            kind, default = o.keeps or (o.type, literal(o.default))
+            lines.append(f"    {o.name}: {kind} = {default}")
+    return [*lines, FIELDS_END]
+
+
+def with_block(path: Path, start: str, end: str, block: list[str]) -> str:
+    """``path``'s text with the lines from ``start`` to ``end`` (both kept) made ``block``."""
+    lines = path.read_text().split("\n")
+    try:
+        first, last = lines.index(start), lines.index(end)
+    except ValueError:
+        raise SystemExit(f"{path.relative_to(ROOT)} has lost its markers: {start.strip()!r}") from None
+    return "\n".join([*lines[:first], *block, *lines[last + 1 :]])
+
+
+def declared_files() -> dict[Path, str]:
+    options = declared()
+    return {
+        API / "box.py": with_block(API / "box.py", INIT_START, INIT_END, box_init(options)),
+        ROOT / "src" / "sandlot" / "core" / "spec.py": with_block(
+            ROOT / "src" / "sandlot" / "core" / "spec.py", FIELDS_START, FIELDS_END, spec_fields(options)
+        ),
+    }
+
+
 def main() -> int:
+    check = "--check" in sys.argv[1:]
     stale = []
+    for path, text in declared_files().items():
+        if path.read_text() == text:
+            continue
+        if check:
+            stale.append(path)
+        else:
+            path.write_text(text)
+            print(f"wrote {path.relative_to(ROOT)}")
     for output in OUTPUTS:
         source = generate(output)
-        if "--check" in sys.argv[1:]:
+        if check:
             if not output.path.is_file() or output.path.read_text() != source:
                 stale.append(output.path)
             continue
-        output.path.write_text(source)
-        print(f"wrote {output.path.relative_to(ROOT)}")
+        if not output.path.is_file() or output.path.read_text() != source:
+            output.path.write_text(source)
+            print(f"wrote {output.path.relative_to(ROOT)}")
     for path in stale:
         print(f"{path.relative_to(ROOT)} is out of date: run scripts/gen_sync.py", file=sys.stderr)
     return 1 if stale else 0

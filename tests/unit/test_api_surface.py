@@ -70,13 +70,39 @@ def test_every_error_has_a_stable_code_and_an_http_status() -> None:
 
 
 def test_the_boxs_options_are_spelled_once() -> None:
-    """AsyncBox takes every option of a box by the name and default BoxSpec.build gives it."""
-    from sandlot.core.requests import SPEC_DEFAULTS, SPEC_OPTIONS
+    """Each option declared in core/options.py is, by its declaration alone: a keyword of
+    AsyncBox with its default and its help, a field of BoxSpec, a flag of ``sandlot run``
+    and ``create``, and a field of the wire model, or refused over a remote transport."""
+    import dataclasses
+
+    from typer.main import get_command
+
+    from sandlot.api.contract import BoxCreate, box_create
+    from sandlot.cli import boxes  # registers run and create
+    from sandlot.cli.common import app
+    from sandlot.core.options import LOCAL, OPTIONS
+    from sandlot.core.spec import BoxSpec
 
     params = inspect.signature(sandlot.AsyncBox.__init__).parameters
-    for name in SPEC_OPTIONS:
-        assert name in params, f"AsyncBox does not take {name}"
-        assert params[name].default == SPEC_DEFAULTS[name], f"{name}: {params[name].default!r}"
+    assert list(params)[2:] == [o.name for o in OPTIONS]  # self, image, then the table's order
+    doc = sandlot.AsyncBox.__init__.__doc__ or ""
+    fields = {f.name for f in dataclasses.fields(BoxSpec)}
+    assert boxes.run and boxes.create
+    click = get_command(app)
+    flags = {name: {opt for p in click.commands[name].params for opt in p.opts}  # type: ignore[attr-defined]
+             for name in ("run", "create")}  # fmt: skip
+    for o in OPTIONS:
+        assert params[o.name].default == o.default, o.name
+        assert f"``{o.name}``: {o.help.split()[0]}" in doc, o.name
+        assert (o.name in fields) == (o.kind == "box"), o.name
+        for names in flags.values():
+            assert o.flag is None or o.flag.names[0].split("/")[0] in names, o.name
+        if o.kind == "handle":
+            continue
+        assert (o.name in BoxCreate.model_fields) == (o.wire is not LOCAL), o.name
+        if o.wire is LOCAL and o.default is None:
+            with pytest.raises(errors.Unsupported, match=f"{o.name}= is not offered over the http"):
+                box_create("alpine", {o.name: "something"}, "http")
 
 
 def test_the_command_line_says_its_version() -> None:

@@ -15,10 +15,11 @@ from typing import Any
 import pytest
 
 import sandlot
-from sandlot.api.contract import volumes_json
 from sandlot.core import layers, volumes
+from sandlot.core.option_values import Mount, Volume, parse_mount
+from sandlot.core.options import volumes_json
 from sandlot.core.runtime import Runtime
-from sandlot.core.spec import BoxSpec, Mount, Volume, parse_mount
+from sandlot.core.spec import BoxSpec
 from sandlot.errors import from_dict
 
 from tests.support.fake_engine import register

@@ -34,9 +34,9 @@ from typing import TYPE_CHECKING, Any
 
 from ..core.events import Event
 from ..core.events import query as check_events_query
-from ..core.requests import SPEC_OPTIONS
+from ..core.option_values import PortSpec, VolumeSpec
+from ..core.options import DESCRIBED
 from ..core.runtime import Runtime
-from ..core.spec import DEFAULT_DISK_GB, DEFAULT_MEMORY_MIB, PortSpec, VolumeSpec
 from ..core.validate import check_env, positive
 from ..errors import InvalidArgument, StepNotFound
 from ..net.secrets import Secret
@@ -81,6 +81,7 @@ class AsyncBox:
     and of a fleet (``sandlot.fleet``) are this class too.
     """
 
+    # -- AsyncBox.__init__, from core/options.py: written by scripts/gen_sync.py, edit there --
     def __init__(
         self,
         image: str | Image | None = None,
@@ -92,9 +93,9 @@ class AsyncBox:
         user: str | None = None,
         volumes: Sequence[VolumeSpec] | Mapping[str, str] | None = None,
         labels: Mapping[str, str] | None = None,
-        memory_mib: int = DEFAULT_MEMORY_MIB,
+        memory_mib: int = 512,
         cpus: int = 1,
-        disk_size_gb: int = DEFAULT_DISK_GB,
+        disk_size_gb: int = 8,
         auto_remove: bool = False,
         keep: bool = False,
         pull: str = "missing",
@@ -121,13 +122,63 @@ class AsyncBox:
         record: bool | Mapping[str, Any] = False,
         home: Home = None,
     ) -> None:
-        given = locals()  # the box's own options are those BoxSpec.build takes, by the same names
-        options = {k: given[k] for k in SPEC_OPTIONS}
-        options.update(
-            template=template, pull=pull, insecure=insecure, ca_cert=ca_cert, credentials=credentials
-        )
-        backend = LocalBackend.for_home(home)
-        self._bind(backend.describe(image, options, keep=keep), keep)
+        """Describe a box; ``start()`` makes it and boots it (``async with`` too, and removes it
+        at the block's end unless ``keep``). ``image``: an image reference (``python:3.12-slim``),
+        or an ``Image``; else ``rootfs``. The options (``core/options.py`` declares each):
+
+        - ``rootfs``: A root filesystem to boot instead of an image: a directory or a tarball.
+        - ``name``: The box's name, unique in its home (default: box-<id>).
+        - ``env``: Environment variables of every command.
+        - ``workdir``: The working directory of commands (default: the image's).
+        - ``user``: Who commands run as: name, uid, name:group or uid:gid.
+        - ``volumes``: Named volumes (NAME:GUEST[:copy|ro|shared]) and host directories (HOST:GUEST[:ro])
+          mounted in the box, at most 4.
+        - ``labels``: Labels to find the box by (KEY=VALUE).
+        - ``memory_mib``: Guest memory in MiB (at least 64). Default: ``512``.
+        - ``cpus``: Virtual CPUs. Default: ``1``.
+        - ``disk_size_gb``: The root disk's size in GiB. Default: ``8``.
+        - ``auto_remove``: Remove the box when it stops.
+        - ``keep``: Leave the box when a ``with`` block ends (else it is removed).
+        - ``pull``: When to pull the image: missing, always or never. Default: ``"missing"``.
+        - ``insecure``: Allow plain HTTP to the registry.
+        - ``ca_cert``: A PEM file of CA certificates to trust for the registry.
+        - ``credentials``: The registry's user name and password.
+        - ``engine``: qemu (a microVM), gvisor (a user-space kernel) or auto (default: $SANDLOT_ENGINE, else
+          qemu).
+        - ``accel``: QEMU's accelerator: auto, kvm or tcg. Default: ``"auto"``.
+        - ``kernel``: A guest kernel to boot instead of sandlot's.
+        - ``hostname``: The guest's host name.
+        - ``boot_timeout``: Seconds a boot may take (default: $SANDLOT_BOOT_TIMEOUT, else 30 under TCG, 15
+          under KVM).
+        - ``request_timeout``: Seconds a call to the guest's agent may take. Default: ``30.0``.
+        - ``idle_timeout``: Suspend the box after this many seconds without requests or open connections.
+        - ``network``: none (the default: no network card), public, allowlist or open (see
+          sandlot.net.policy).
+        - ``allow``: What an allowlist lets the box reach: NAME, *.DOMAIN, ADDRESS or NETWORK, each [:PORT].
+        - ``ports``: Guest TCP ports published on the host: GUEST, HOST:GUEST or ADDRESS:HOST:GUEST.
+        - ``wake_on_traffic``: Keep the published ports open while the box sleeps: a connection wakes it.
+        - ``pids_limit``: Processes all commands together may have (at least 8).
+        - ``nested_virt``: The box runs VMs of its own: /dev/kvm in it (qemu engine).
+        - ``containers``: The box runs a container engine (Docker, Podman): its kernel's modules loaded, and
+          the image's dockerd started (qemu engine).
+        - ``aslr``: Address-space randomization of the box's processes (None: on, or as its saved state had
+          it).
+        - ``secrets``: Values the box may use but never see, swapped in on HTTPS to their hosts
+          (sandlot.Secret).
+        - ``template``: A template or snapshot (or its name) to start from; False: none, not even the
+          image's automatic template.
+        - ``record``: Record every step from the first start: True, or box.record()'s arguments.
+        - ``home``: The home the box lives in (default: $SANDLOT_HOME).
+        """
+        self._describe(image, locals())
+
+    # -- end of AsyncBox.__init__ --
+
+    def _describe(self, image: str | Image | None, given: Mapping[str, Any]) -> None:
+        """``__init__``'s work: the box's and the request's options to its home's backend."""
+        keep, record = given["keep"], given["record"]
+        backend = LocalBackend.for_home(given["home"])
+        self._bind(backend.describe(image, {k: given[k] for k in DESCRIBED}, keep=keep), keep)
         if record:  # the flight recorder, from the box's first start (``record``'s arguments)
             self._record_on_start: dict[str, Any] | None = {} if record is True else dict(record)
 

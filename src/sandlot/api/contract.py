@@ -14,10 +14,9 @@ followed as it runs, a file streamed, a watch, an archive) is a streaming
 primitive of the backend interface (``api/backend.py``), and its frames are here
 too.
 
-A box's options are declared once, by ``BoxSpec.build`` (``core/spec.py``);
-``BoxCreate``, the body of ``POST /v1/boxes``, is derived from its signature with
-the wire form of the options that a host path, a Python object or a local
-resource stands for (``WIRE_FORMS``, ``LOCAL_ONLY``).
+A box's options are declared once (``core/options.py``); ``BoxCreate``, the body
+of ``POST /v1/boxes``, is made of their wire forms, with the fields of the request
+itself (``REQUEST_FIELDS``).
 """
 
 from __future__ import annotations
@@ -27,7 +26,6 @@ import json
 import os
 import re
 import struct
-import typing
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -37,8 +35,7 @@ from urllib.parse import quote
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, create_model
 
-from ..core.requests import PULL_POLICIES, SPEC_DEFAULTS, SPEC_OPTIONS
-from ..core.spec import BoxSpec, Mount, Port, is_volume_name, parse_mount
+from ..core.options import LOCAL, OPTIONS
 from ..core.validate import MOST_AT_ONCE
 from ..errors import (
     ExecTimeout,
@@ -195,62 +192,28 @@ class Empty(Strict):
     pass
 
 
-class PortIn(Strict):
-    guest: int = Field(ge=1, le=65535)
-    host: int = Field(default=0, ge=0, le=65535)
-
-
-class SecretIn(Strict):
-    name: str
-    value: str
-    hosts: list[str] = []
-
-
-# The options whose wire form is not their Python one: what a host path, a Python
-# object or a sequence of specs becomes in JSON.
-WIRE_FORMS: dict[str, Any] = {
-    "rootfs": str | None,  # admin keys only: a path on the server's host
-    "kernel": str | None,  # admin keys only
-    "env": dict[str, str] | None,
-    "labels": dict[str, str] | None,
-    "allow": list[str] | None,
-    "ports": list[PortIn] | None,
-    "secrets": list[SecretIn] | None,
-    "volumes": list[str] | None,  # named volumes, "NAME:GUEST[:MODE]"; host directories stay local
-}
-# Options that name something of the caller's own host, which a server or another node
-# does not have, with the value that means "not used".
-LOCAL_ONLY: dict[str, Any] = {"credentials": None, "auto_remove": False, "engine": None, "accel": "auto"}
-# Options of the request rather than of the box: where it starts from, how its image is fetched.
+# The fields of ``POST /v1/boxes`` that are not options of a box: what it starts from,
+# whether it boots, and the lease of a remote ``with`` block's box (server/leases.py),
+# of ``lease`` seconds (else its key's length, else the server's)
 REQUEST_FIELDS: dict[str, Any] = {
     "image": (str | None, None),
-    "template": (str | None, None),
     "snapshot": (str | None, None),
-    "pull": (Literal["missing", "always", "never"] | None, None),
-    "insecure": (bool | None, None),
-    "ca_cert": (str | None, None),  # admin keys only: a path on the server's host
     "start": (bool, True),
-    # a remote ``with`` block's box: it holds a lease its client renews (server/leases.py),
-    # of ``lease`` seconds (else its key's length, else the server's)
     "ephemeral": (bool | None, None),
     "lease": (float | None, None),
 }
-HOST_PATHS = ("rootfs", "kernel", "ca_cert")
-assert set(PULL_POLICIES) == set(typing.get_args(typing.get_args(REQUEST_FIELDS["pull"][0])[0]))
+SENT = {o.name: o for o in OPTIONS if o.kind != "handle" and o.wire is not LOCAL}
+NOT_SENT = {o.name: o for o in OPTIONS if o.kind != "handle" and o.wire is LOCAL}
+HOST_PATHS = tuple(o.name for o in OPTIONS if o.admin)  # paths on the server's host: admin keys only
 
 
 def _box_create() -> type[Strict]:
-    hints = typing.get_type_hints(BoxSpec.build)
-    fields: dict[str, Any] = {}
-    for name in SPEC_OPTIONS:
-        if name in LOCAL_ONLY:
-            continue
-        form = WIRE_FORMS.get(name, hints[name])
-        fields[name] = (form | None, None)  # unset: the server's default, BoxSpec's
+    # an option not given is unset: the server's default, BoxSpec's
+    fields: dict[str, Any] = {n: (o.wire | None, None) for n, o in SENT.items()}
     fields.update(REQUEST_FIELDS)
     model = create_model("BoxCreate", __base__=Strict, **fields)
-    model.__doc__ = ("A box to create: ``POST /v1/boxes``. Its options are ``BoxSpec.build``'s (see "
-                     "``sandlot.AsyncBox``); host paths need an admin key.")  # fmt: skip
+    model.__doc__ = ("A box to create: ``POST /v1/boxes``. Its options are ``sandlot.AsyncBox``'s "
+                     "(``core/options.py``); host paths need an admin key.")  # fmt: skip
     return model
 
 
@@ -263,12 +226,12 @@ def box_create(image: Any, options: Mapping[str, Any], transport: str) -> dict[s
     InvalidArgument."""
     body: dict[str, Any] = {}
     for name, value in options.items():
-        if name in LOCAL_ONLY:
-            if value is not None and value != LOCAL_ONLY[name] and value != SPEC_DEFAULTS.get(name, None):
+        if name in NOT_SENT:
+            if value is not None and value != NOT_SENT[name].default:
                 raise Unsupported(f"{name}= is not offered over the {transport} transport: it names "
                                   "something of this host", transport=transport)  # fmt: skip
             continue
-        if name not in BoxCreate.model_fields or name in ("start", "ephemeral"):
+        if name not in SENT and (name not in REQUEST_FIELDS or name in ("start", "ephemeral")):
             raise InvalidArgument(f"unknown box option(s): {name}")
         if value is None:
             continue
@@ -283,71 +246,13 @@ def box_create(image: Any, options: Mapping[str, Any], transport: str) -> dict[s
 
 
 def _option_json(name: str, value: Any, transport: str) -> Any:
-    if name in HOST_PATHS:
-        return os.fspath(value)
-    if name in ("template", "snapshot"):
+    if name in ("template", "snapshot"):  # a snapshot of the API's, or its id or name
         if value is False and name == "template":
             raise Unsupported(f"template=False is not offered over the {transport} transport",
                               transport=transport)  # fmt: skip
         return snapshot_key(value)
-    if name == "allow":
-        return [value] if isinstance(value, str) else [str(a) for a in value]
-    if name == "ports":
-        return [_port_json(p, transport) for p in value]
-    if name == "secrets":
-        return [_secret_json(s, transport) for s in value]
-    if name in ("env", "labels"):
-        return {str(k): str(v) for k, v in dict(value).items()}
-    if name == "volumes":
-        return volumes_json(value, transport)
-    return value
-
-
-def volumes_json(value: Any, transport: str) -> list[str]:
-    """``volumes=`` as a server takes it: named volumes only, each ``NAME:GUEST[:MODE]``
-    (checked as a local box's); a host directory is the caller's, which a server has not."""
-    specs = [(str(k), str(v)) for k, v in value.items()] if isinstance(value, Mapping) else value
-    if isinstance(specs, str) or not isinstance(specs, list | tuple):
-        raise InvalidArgument(f"volumes must be a list or a mapping, not {value!r}")
-    out = []
-    for spec in specs:
-        source = spec.split(":", 1)[0] if isinstance(spec, str) else ""
-        if isinstance(spec, tuple) and spec:
-            source = str(spec[0])
-        if isinstance(spec, Mount) or is_volume_name(source):
-            m = parse_mount(spec)
-            assert isinstance(m, Mount)
-            out.append(f"{m.volume}:{m.guest}" + (f":{m.mode}" if m.mode else ""))  # no mode: the volume's
-        else:
-            raise Unsupported(f"a host directory as a volume ({spec!r}) is not offered over the {transport} "
-                              "transport: create a named volume (client.volume.create) and mount it by name",
-                              transport=transport)  # fmt: skip
-    return out
-
-
-def _port_json(spec: Any, transport: str) -> dict[str, int]:
-    """``80``, ``"8080:80"``, ``(8080, 80)`` or ``{"guest", "host"}`` as a server takes it,
-    checked as a local box's port (``Port.parse``); the server picks the address it binds."""
-    if isinstance(spec, Mapping):
-        spec = Port(spec.get("guest"), spec.get("host", 0))  # type: ignore[arg-type]  # Port.parse checks
-    elif (
-        isinstance(spec, Port)
-        or (isinstance(spec, str) and spec.count(":") > 1)
-        or (isinstance(spec, tuple) and len(spec) == 3)
-    ):
-        raise Unsupported(f"a port's address ({spec!r}) is not offered over the {transport} transport: the "
-                          "server chooses it", transport=transport)  # fmt: skip
-    port = Port.parse(spec)
-    return {"guest": port.guest, "host": port.host}
-
-
-def _secret_json(secret: Any, transport: str) -> dict[str, Any]:
-    if isinstance(secret, Mapping):
-        return {"name": secret["name"], "value": secret["value"], "hosts": list(secret.get("hosts", []))}
-    if getattr(secret, "ca_pem", None):
-        raise Unsupported(f"a secret's ca= is not offered over the {transport} transport (secret "
-                          f"{secret.name})", transport=transport)  # fmt: skip
-    return {"name": secret.name, "value": secret.value, "hosts": list(secret.hosts)}
+    option = SENT.get(name)  # else a field of the request (``lease``)
+    return option.to_wire(value, transport) if option and option.to_wire else value
 
 
 def validated(model: type[Strict], data: Mapping[str, Any]) -> Any:

@@ -29,6 +29,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+from ..core.options import BY_NAME
 from ..errors import InvalidArgument, NotFound, RequestError, SandlotError
 from .backend import BoxRef, Cell, Command, SnapshotRef
 from .contract import (
@@ -88,18 +89,14 @@ async def run_exec(backend: LocalBackend, ref: BoxRef, call: Any) -> dict[str, A
 
 
 def box_options(wanted: dict[str, Any]) -> dict[str, Any]:
-    """``contract.BoxCreate``'s fields (``image`` and ``start`` aside) as the local backend
-    takes them: ports as ``HOST:GUEST`` specs, secrets as ``Secret`` objects."""
-    from ..net.secrets import Secret
-
+    """``contract.BoxCreate``'s fields (``image``, ``start`` and ``snapshot`` aside) as the
+    local backend takes them (each option's ``from_wire``: ports as ``HOST:GUEST`` specs,
+    secrets as ``Secret`` objects)."""
     options = {k: v for k, v in wanted.items() if k not in ("image", "start", "snapshot")}
-    if "ports" in options:
-        options["ports"] = [f"{p['host']}:{p['guest']}" if p.get("host") else str(p["guest"])
-                            for p in options["ports"]]  # fmt: skip
-    if "secrets" in options:
-        options["secrets"] = [
-            Secret(s["name"], s["value"], hosts=s.get("hosts") or []) for s in options["secrets"]
-        ]
+    for name, value in options.items():
+        option = BY_NAME.get(name)
+        if option is not None and option.from_wire is not None:
+            options[name] = option.from_wire(value)
     return options
 
 

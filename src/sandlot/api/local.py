@@ -26,7 +26,8 @@ from ..config import tail
 from ..core import diffs, events, metrics, snapshots, tracing, volumes
 from ..core.controller import BoxController
 from ..core.entry import BoxEntry, hostname_for
-from ..core.requests import SPEC_OPTIONS, BoxRequest
+from ..core.options import REQUEST_OPTIONS
+from ..core.requests import BoxRequest
 from ..core.runtime import Runtime
 from ..core.service import Core, core_for
 from ..core.service import settle_recorders as service_settle_recorders
@@ -304,12 +305,7 @@ class LocalBackend(Backend):
     def describe(self, image: Any, options: Mapping[str, Any], *, keep: bool) -> LocalBoxRef:
         opts = dict(options)
         template = template_arg(opts.pop("template", None))
-        request_options = {
-            k: opts.pop(k) for k in ("pull", "insecure", "ca_cert", "credentials") if k in opts
-        }
-        unknown = sorted(set(opts) - set(SPEC_OPTIONS))
-        if unknown:
-            raise InvalidArgument(f"unknown box option(s): {', '.join(unknown)}")
+        request_options = {k: opts.pop(k) for k in REQUEST_OPTIONS if k in opts}
         request = BoxRequest.build(image, opts, template=template, keep=keep, **request_options)
         return LocalBoxRef(self, request, None)
 

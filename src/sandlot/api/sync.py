@@ -10,7 +10,6 @@ import signal as _signal
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, TypeAlias
 
-from ..core.spec import DEFAULT_DISK_GB, DEFAULT_MEMORY_MIB
 from . import loop
 from .box import AsyncBox, AsyncSnapshot
 from .client import AsyncClient, connect_async
@@ -42,9 +41,9 @@ if TYPE_CHECKING:
 
     from ..core.entry import BoxEntry
     from ..core.events import Event
+    from ..core.option_values import PortSpec, VolumeSpec
     from ..core.pools import PoolInfo
     from ..core.service import Core
-    from ..core.spec import PortSpec, VolumeSpec
     from ..images.registry import ProgressFn
     from ..images.store import Image
     from ..net.secrets import Secret
@@ -83,9 +82,9 @@ class Box(BoxBase):
         user: str | None = None,
         volumes: Sequence[VolumeSpec] | Mapping[str, str] | None = None,
         labels: Mapping[str, str] | None = None,
-        memory_mib: int = DEFAULT_MEMORY_MIB,
+        memory_mib: int = 512,
         cpus: int = 1,
-        disk_size_gb: int = DEFAULT_DISK_GB,
+        disk_size_gb: int = 8,
         auto_remove: bool = False,
         keep: bool = False,
         pull: str = "missing",
@@ -112,6 +111,54 @@ class Box(BoxBase):
         record: bool | Mapping[str, Any] = False,
         home: Home = None,
     ) -> None:
+        """Describe a box; ``start()`` makes it and boots it (``async with`` too, and removes it
+        at the block's end unless ``keep``). ``image``: an image reference (``python:3.12-slim``),
+        or an ``Image``; else ``rootfs``. The options (``core/options.py`` declares each):
+
+        - ``rootfs``: A root filesystem to boot instead of an image: a directory or a tarball.
+        - ``name``: The box's name, unique in its home (default: box-<id>).
+        - ``env``: Environment variables of every command.
+        - ``workdir``: The working directory of commands (default: the image's).
+        - ``user``: Who commands run as: name, uid, name:group or uid:gid.
+        - ``volumes``: Named volumes (NAME:GUEST[:copy|ro|shared]) and host directories (HOST:GUEST[:ro])
+          mounted in the box, at most 4.
+        - ``labels``: Labels to find the box by (KEY=VALUE).
+        - ``memory_mib``: Guest memory in MiB (at least 64). Default: ``512``.
+        - ``cpus``: Virtual CPUs. Default: ``1``.
+        - ``disk_size_gb``: The root disk's size in GiB. Default: ``8``.
+        - ``auto_remove``: Remove the box when it stops.
+        - ``keep``: Leave the box when a ``with`` block ends (else it is removed).
+        - ``pull``: When to pull the image: missing, always or never. Default: ``"missing"``.
+        - ``insecure``: Allow plain HTTP to the registry.
+        - ``ca_cert``: A PEM file of CA certificates to trust for the registry.
+        - ``credentials``: The registry's user name and password.
+        - ``engine``: qemu (a microVM), gvisor (a user-space kernel) or auto (default: $SANDLOT_ENGINE, else
+          qemu).
+        - ``accel``: QEMU's accelerator: auto, kvm or tcg. Default: ``"auto"``.
+        - ``kernel``: A guest kernel to boot instead of sandlot's.
+        - ``hostname``: The guest's host name.
+        - ``boot_timeout``: Seconds a boot may take (default: $SANDLOT_BOOT_TIMEOUT, else 30 under TCG, 15
+          under KVM).
+        - ``request_timeout``: Seconds a call to the guest's agent may take. Default: ``30.0``.
+        - ``idle_timeout``: Suspend the box after this many seconds without requests or open connections.
+        - ``network``: none (the default: no network card), public, allowlist or open (see
+          sandlot.net.policy).
+        - ``allow``: What an allowlist lets the box reach: NAME, *.DOMAIN, ADDRESS or NETWORK, each [:PORT].
+        - ``ports``: Guest TCP ports published on the host: GUEST, HOST:GUEST or ADDRESS:HOST:GUEST.
+        - ``wake_on_traffic``: Keep the published ports open while the box sleeps: a connection wakes it.
+        - ``pids_limit``: Processes all commands together may have (at least 8).
+        - ``nested_virt``: The box runs VMs of its own: /dev/kvm in it (qemu engine).
+        - ``containers``: The box runs a container engine (Docker, Podman): its kernel's modules loaded, and
+          the image's dockerd started (qemu engine).
+        - ``aslr``: Address-space randomization of the box's processes (None: on, or as its saved state had
+          it).
+        - ``secrets``: Values the box may use but never see, swapped in on HTTPS to their hosts
+          (sandlot.Secret).
+        - ``template``: A template or snapshot (or its name) to start from; False: none, not even the
+          image's automatic template.
+        - ``record``: Record every step from the first start: True, or box.record()'s arguments.
+        - ``home``: The home the box lives in (default: $SANDLOT_HOME).
+        """
         self._a = AsyncBox(
             image,
             rootfs=rootfs,

@@ -5,12 +5,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import os
 import posixpath
 import sys
 import time
+import typing
 import warnings
+from collections.abc import Callable
+from inspect import Parameter, Signature, signature
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -20,11 +24,11 @@ from rich.markup import escape
 from rich.table import Table
 
 from ..api.box import AsyncBox
-from ..engine import auto as engine_choice
+from ..core.options import BY_NAME, OPTIONS, BoxOption
+from ..core.validate import env_pairs
 from ..errors import InvalidArgument, SandlotError, TransferWarning
-from ..net.secrets import Secret
-from .common import QuietOpt, app, busy, err, fail, for_each_box, human, label_pairs, run_coro
-from .quick import env_pairs, exec_attached, exec_in, filters, run_ls
+from .common import QuietOpt, app, busy, err, fail, for_each_box, human, run_coro
+from .quick import exec_attached, exec_in, filters, run_ls
 
 # Options stop at the first positional argument, as in Docker: what follows the
 # image (or the box) is the command, flags included.
@@ -37,187 +41,85 @@ def _after_dashes(words: list[str]) -> list[str]:
     return words[1:] if words[:1] == ["--"] else words
 
 
-def _secrets(items: list[str] | None) -> list[Secret] | None:
-    """``NAME@HOST[,HOST...]``: the value is this process's ``$NAME``, never a command-line
-    argument (which any user of the host can read in the process list)."""
-    out = []
-    for item in items or []:
-        name, sep, hosts = item.partition("@")
-        if not sep or not hosts:
-            raise fail(f"--secret needs NAME@HOST[,HOST...], got {item!r}", 2)
-        value = os.environ.get(name)
-        if value is None:
-            raise fail(f"--secret {name}: set ${name} in this environment to its value", 2)
-        try:
-            out.append(Secret(name, value, hosts=hosts.split(",")))
-        except SandlotError as exc:
-            raise fail(exc, 2) from exc
-    return out or None
+def flag_option(option: BoxOption, *, parsed: bool = True) -> Any:
+    """The ``typer.Option`` of ``option``'s flag (``core/options.py``); ``parsed``: its
+    text made the option's value as the command line is read (a bad one a usage error)."""
+    flag = option.flag
+    assert flag is not None
+    callback = None
+    if parsed and flag.parse is not None:
+        parse = flag.parse
+
+        def callback(value: Any) -> Any:
+            try:
+                return parse(value)
+            except SandlotError as exc:
+                raise typer.BadParameter(str(exc)) from None
+
+    return typer.Option(
+        *flag.names, help=flag.help, callback=callback, autocompletion=flag.complete, min=flag.min
+    )
 
 
-def _box_options(
-    image_or_rootfs: tuple[str | None, Path | None], name: str | None, env: list[str] | None,
-    volume: list[str] | None, label: list[str] | None, cpus: int, memory: int, disk: int, workdir: str | None,
-    user: str | None, rm: bool, pull: str, insecure: bool, accel: str, engine: str | None,
-    net: tuple[str | None, list[str] | None, list[str] | None, list[str] | None] = (None, None, None, None),
-    guest: tuple[bool, bool] = (False, False),
-    aslr: bool | None = None,
-    sleep: tuple[float | None, bool] = (None, False),
-) -> dict[str, Any]:  # fmt: skip
-    image, rootfs = image_or_rootfs
-    nested_virt, containers = guest
-    network, allow, publish, secret = net
-    idle_timeout, wake_on_traffic = sleep
-    return {
-        "idle_timeout": idle_timeout, "wake_on_traffic": wake_on_traffic,
-        "network": network, "allow": allow or None, "ports": publish or None, "secrets": _secrets(secret),
-        "image": image, "rootfs": rootfs, "name": name, "env": env_pairs(env), "volumes": volume or None,
-        "labels": label_pairs(label), "cpus": cpus, "memory_mib": memory, "disk_size_gb": disk,
-        "workdir": workdir, "user": user, "auto_remove": rm, "pull": pull, "insecure": insecure,
-        "accel": accel, "engine": engine, "nested_virt": nested_virt, "containers": containers,
-        "aslr": aslr, "keep": True,
-    }  # fmt: skip
+def box_flags(command: Callable[..., None]) -> Callable[..., None]:
+    """Give ``command`` the flag of every box option that has one (``core/options.py``),
+    after its own parameters; it is called with them as ``box``, ``AsyncBox``'s keyword
+    arguments."""
+    flagged = [o for o in OPTIONS if o.flag is not None]
+    hints = typing.get_type_hints(command, include_extras=True)
+    own = [
+        p.replace(annotation=hints[p.name]) for p in signature(command).parameters.values() if p.name != "box"
+    ]
+    added = [
+        Parameter(
+            o.name,
+            Parameter.KEYWORD_ONLY,
+            default=o.default,
+            annotation=Annotated[o.flag.type, flag_option(o)],
+        )
+        for o in flagged
+        if o.flag is not None
+    ]
+
+    @functools.wraps(command)
+    def with_box(**given: Any) -> None:
+        box = {o.name: given.pop(o.name) for o in flagged}
+        command(**given, box={**box, "keep": True})
+
+    params = [*own, *added]
+    with_box.__signature__ = Signature(params)  # type: ignore[attr-defined]
+    with_box.__annotations__ = {p.name: p.annotation for p in params}
+    return with_box
 
 
-def _engine(value: str | None) -> str | None:
-    """``--engine``: a usage error now, not a failure once the image is pulled."""
-    if value is not None:
-        try:
-            engine_choice.requested(value)
-        except InvalidArgument as exc:
-            raise typer.BadParameter(str(exc)) from None
-    return value
-
-
-def _engines(incomplete: str) -> list[str]:
-    return [e for e in engine_choice.choices() if e.startswith(incomplete)]
-
-
+# the flags of box options that other commands take too
+EnvOpt = Annotated[list[str] | None, flag_option(BY_NAME["env"], parsed=False)]
+WorkdirOpt = Annotated[str | None, flag_option(BY_NAME["workdir"], parsed=False)]
+UserOpt = Annotated[str | None, flag_option(BY_NAME["user"], parsed=False)]
+NetOpt = Annotated[str | None, flag_option(BY_NAME["network"], parsed=False)]
+AllowOpt = Annotated[list[str] | None, flag_option(BY_NAME["allow"], parsed=False)]
 ImageArg = Annotated[
     str | None, typer.Argument(metavar="IMAGE", help="Image reference, e.g. python:3.12-slim (or --rootfs).")
-]
-NameOpt = Annotated[str | None, typer.Option("--name", help="Name of the box (unique).")]
-EnvOpt = Annotated[
-    list[str] | None, typer.Option("--env", "-e", help="KEY=VALUE (or KEY: take it from here).")
-]
-VolOpt = Annotated[
-    list[str] | None,
-    typer.Option(
-        "--volume", "-v", help="NAME:GUEST[:copy|ro] named volume, or HOST:GUEST[:ro] shared directory."
-    ),
-]
-LabelOpt = Annotated[list[str] | None, typer.Option("--label", "-l", help="KEY=VALUE label.")]
-CpusOpt = Annotated[int, typer.Option("--cpus", help="Virtual CPUs.")]
-MemOpt = Annotated[int, typer.Option("--memory", "-m", help="Guest memory in MiB.")]
-DiskOpt = Annotated[int, typer.Option("--disk", help="Disk size in GiB.")]
-WorkdirOpt = Annotated[str | None, typer.Option("--workdir", "-w", help="Working directory in the guest.")]
-UserOpt = Annotated[str | None, typer.Option("--user", "-u", help="name, uid, name:group or uid:gid.")]
-PullOpt = Annotated[str, typer.Option(help="missing, always or never.")]
-RootfsOpt = Annotated[
-    Path | None, typer.Option("--rootfs", help="Boot this directory or tarball, not an image.")
-]
-NetOpt = Annotated[
-    str | None,
-    typer.Option("--network", help="none (the default: no network card), public, allowlist or open."),
-]
-AllowOpt = Annotated[
-    list[str] | None,
-    typer.Option("--allow", help="NAME, *.DOMAIN, ADDRESS or NETWORK[:PORT] the box may reach (allowlist)."),
-]
-SecretOpt = Annotated[
-    list[str] | None,
-    typer.Option(
-        "--secret",
-        help="NAME@HOST[,HOST]: $NAME of this shell, swapped in for a placeholder "
-        "only on HTTPS to those hosts; the box never holds it.",
-    ),
-]
-EngineOpt = Annotated[
-    str | None,
-    typer.Option(
-        "--engine", callback=_engine, autocompletion=_engines,
-        help="qemu (a microVM), gvisor (a user-space kernel, runsc) or auto (the best one this host runs); "
-        "default: $SANDLOT_ENGINE, else qemu.",
-    ),
-]  # fmt: skip
-AccelOpt = Annotated[str, typer.Option(help="QEMU's accelerator: auto, kvm or tcg.")]
-NestedOpt = Annotated[
-    bool, typer.Option("--nested-virt", help="The box runs VMs of its own: /dev/kvm in it (qemu engine).")
-]
-ContainersOpt = Annotated[
-    bool,
-    typer.Option(
-        "--containers",
-        help="The box runs a container engine (Docker, Podman): its kernel's modules loaded, and the "
-        "image's dockerd started (qemu engine).",
-    ),
-]
-AslrOpt = Annotated[
-    bool | None,
-    typer.Option(
-        "--aslr/--no-aslr",
-        help="Address-space randomization of the box's processes (default on; off makes each program "
-        "start faster under TCG; qemu engine).",
-    ),
-]
-PublishOpt = Annotated[
-    list[str] | None,
-    typer.Option("--publish", "-p", help="[ADDRESS:]HOST:GUEST, or GUEST: a guest TCP port on the host."),
-]
-IdleOpt = Annotated[
-    float | None,
-    typer.Option(
-        "--idle-timeout",
-        help="Suspend the box after this many seconds without requests or open connections.",
-        min=0.001,
-    ),
-]
-WakeOpt = Annotated[
-    bool,
-    typer.Option(
-        "--wake-on-traffic", help="Keep its published ports open while it sleeps: a connection wakes it."
-    ),
 ]
 
 
 @app.command(context_settings=COMMAND)
+@box_flags
 def run(
     image: ImageArg = None,
     cmd: Annotated[
         list[str] | None, typer.Argument(help="The command and its arguments (default: the image's).")
     ] = None,
-    name: NameOpt = None,
-    rm: Annotated[bool, typer.Option("--rm", help="Remove the box when the command ends.")] = False,
     detach: Annotated[
         bool, typer.Option("--detach", "-d", help="Leave the box running; print its name.")
     ] = False,
     interactive: Annotated[bool, typer.Option("--interactive", "-i", help="Forward stdin.")] = False,
     tty_mode: Annotated[bool, typer.Option("--tty", "-t", help="Give the command a terminal.")] = False,
-    env: EnvOpt = None,
-    volume: VolOpt = None,
-    label: LabelOpt = None,
-    cpus: CpusOpt = 1,
-    memory: MemOpt = 512,
-    disk: DiskOpt = 8,
-    workdir: WorkdirOpt = None,
-    user: UserOpt = None,
     entrypoint: Annotated[str | None, typer.Option(help="Override the image's entrypoint.")] = None,
-    pull: PullOpt = "missing",
-    insecure: Annotated[bool, typer.Option(help="Allow plain HTTP to the registry.")] = False,
-    rootfs: RootfsOpt = None,
     timeout: Annotated[float | None, typer.Option(help="Kill the command after this many seconds.")] = None,
-    engine: EngineOpt = None,
-    accel: AccelOpt = "auto",
-    nested_virt: NestedOpt = False,
-    containers: ContainersOpt = False,
-    aslr: AslrOpt = None,
-    network: NetOpt = None,
-    allow: AllowOpt = None,
-    publish: PublishOpt = None,
-    secret: SecretOpt = None,
-    idle_timeout: IdleOpt = None,
-    wake_on_traffic: WakeOpt = False,
     quiet: QuietOpt = False,
+    *,
+    box: dict[str, Any],
 ) -> None:
     """Create and start a box from IMAGE (or --rootfs), run a command in it.
 
@@ -236,6 +138,7 @@ def run(
     Exits with the command's status.
     """
     args = _after_dashes(cmd or [])
+    rootfs, rm = box["rootfs"], box["auto_remove"]
     if rootfs is not None:  # no image: the first word is the command's
         args = [image, *args] if image is not None else []
         image = None
@@ -243,27 +146,7 @@ def run(
             raise fail("no command given: sandlot run --rootfs DIR -- CMD [ARGS...]", 2)
     elif image is None:
         raise fail("give an IMAGE, or --rootfs DIR: sandlot run IMAGE [CMD...]", 2)
-    opts = _box_options(
-        (image, rootfs),
-        name,
-        env,
-        volume,
-        label,
-        cpus,
-        memory,
-        disk,
-        workdir,
-        user,
-        rm,
-        pull,
-        insecure,
-        accel,
-        engine,
-        (network, allow, publish, secret),
-        (nested_virt, containers),
-        aslr,
-        (idle_timeout, wake_on_traffic),
-    )
+    opts = {**box, "image": image}
 
     async def main() -> int:
         box = AsyncBox(**opts)
@@ -299,55 +182,11 @@ def run(
 
 
 @app.command()
-def create(
-    image: ImageArg = None,
-    name: NameOpt = None,
-    env: EnvOpt = None,
-    volume: VolOpt = None,
-    label: LabelOpt = None,
-    cpus: CpusOpt = 1,
-    memory: MemOpt = 512,
-    disk: DiskOpt = 8,
-    workdir: WorkdirOpt = None,
-    user: UserOpt = None,
-    pull: PullOpt = "missing",
-    insecure: Annotated[bool, typer.Option(help="Allow plain HTTP to the registry.")] = False,
-    rootfs: RootfsOpt = None,
-    engine: EngineOpt = None,
-    accel: AccelOpt = "auto",
-    nested_virt: NestedOpt = False,
-    containers: ContainersOpt = False,
-    aslr: AslrOpt = None,
-    network: NetOpt = None,
-    allow: AllowOpt = None,
-    publish: PublishOpt = None,
-    secret: SecretOpt = None,
-    idle_timeout: IdleOpt = None,
-    wake_on_traffic: WakeOpt = False,
-    quiet: QuietOpt = False,
-) -> None:
+@box_flags
+def create(image: ImageArg = None, quiet: QuietOpt = False, *, box: dict[str, Any]) -> None:
     """Create a box (image pulled, disk made) without starting it; print its name."""
-    opts = _box_options(
-        (image, rootfs),
-        name,
-        env,
-        volume,
-        label,
-        cpus,
-        memory,
-        disk,
-        workdir,
-        user,
-        False,
-        pull,
-        insecure,
-        accel,
-        engine,
-        (network, allow, publish, secret),
-        (nested_virt, containers),
-        aslr,
-        (idle_timeout, wake_on_traffic),
-    )
+    opts = {**box, "image": image}
+    rootfs = box["rootfs"]
 
     async def main() -> None:
         with busy(f"creating a box of {image or rootfs} (an image is pulled if missing)", quiet=quiet):

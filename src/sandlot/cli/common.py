@@ -148,17 +148,6 @@ def fail(exc: BaseException | str, code: int = 1) -> typer.Exit:
     return typer.Exit(code)
 
 
-def label_pairs(items: list[str] | None) -> dict[str, str]:
-    """``--label KEY=VALUE`` options as a mapping (a usage error, exit 2, without ``=``)."""
-    out = {}
-    for item in items or []:
-        key, sep, value = item.partition("=")
-        if not sep:
-            raise fail(f"--label needs KEY=VALUE, got {item!r}", 2)
-        out[key] = value
-    return out
-
-
 def on_terminal(quiet: bool = False) -> bool:
     """Whether progress belongs on screen: stdout and stderr are a terminal, and no
     ``--quiet`` or ``--json`` asked for output that a script reads."""

@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import sys
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from ..api.listing import settled_listing
+from ..core.validate import env_pairs
 from ..errors import SandlotError
 from .text import age
 
@@ -32,17 +32,6 @@ if TYPE_CHECKING:
 # (``api.listing``), and its start is most of what ``sandlot ls`` costs.
 
 # -- what both paths run ----------------------------------------------------------------------
-
-
-def env_pairs(items: list[str] | None) -> dict[str, str]:
-    """``-e KEY=VALUE``; ``-e NAME`` passes the host's value, as Docker does."""
-    out = {}
-    for item in items or []:
-        key, sep, value = item.partition("=")
-        if not sep:
-            key, value = item, os.environ.get(item, "")
-        out[key] = value
-    return out
 
 
 async def exec_attached(

@@ -15,7 +15,9 @@ from typing import Annotated
 
 import typer
 
-from .common import Sandlot, app, label_pairs, run_coro
+from ..core.validate import label_pairs
+from ..errors import InvalidArgument
+from .common import Sandlot, app, fail, run_coro
 
 volume_app = Sandlot(help="Named volumes: create, ls, inspect, rm.", no_args_is_help=True)
 app.add_typer(volume_app, name="volume")
@@ -35,7 +37,10 @@ def volume_create(
     """Create an empty volume; mount it with `sandlot run -v NAME:/path IMAGE`."""
     from ..api.volumes import AsyncVolumes
 
-    labels = label_pairs(label)
+    try:
+        labels = label_pairs(label)
+    except InvalidArgument as exc:
+        raise fail(exc, 2) from exc
 
     async def main() -> None:
         made = await AsyncVolumes().create(name, size_gb=size_gb, labels=labels, shared=shared)

@@ -78,7 +78,8 @@ from . import exports, layers, snapshots
 from .access import NAMESPACE_LABEL
 from .chunks import ChunkStore
 from .manifest import Manifest
-from .spec import MAX_MOUNTS, BoxSpec, Mount, is_volume_name, parse_mount
+from .option_values import MAX_MOUNTS, Mount, is_volume_name, parse_mount
+from .spec import BoxSpec
 from .store import NAME_RE, BoxStore, SnapshotRecord
 from .validate import check_env, check_user, guest_path
 

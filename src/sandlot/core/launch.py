@@ -39,9 +39,10 @@ from ..protocol.wire import ControlOp, FsFlag, FsOp, MountFlag, Tag, tlv
 from . import chunks, containers, homewatch, lazymem, metrics, snapshots
 from .admission import Admission, default_slots
 from .entry import BoxEntry
+from .options import DEFAULT_DISK_GB
 from .runtime import Runtime
 from .sessions import Hello
-from .spec import DEFAULT_DISK_GB, BoxSpec
+from .spec import BoxSpec
 from .store import BoxRecord, SnapshotRecord
 
 log = logging.getLogger("sandlot")

@@ -4,7 +4,6 @@ that state's shape, environment and network where the user did not say)."""
 
 from __future__ import annotations
 
-import inspect
 import os
 import secrets as random_ids
 from collections.abc import Mapping
@@ -14,18 +13,13 @@ from typing import TYPE_CHECKING, Any
 
 from ..errors import InvalidArgument
 from ..net.secrets import Secret
-from .spec import DEFAULT_DISK_GB, DEFAULT_MEMORY_MIB, BoxSpec, Mount, Volume
+from .option_values import Mount, Volume
+from .options import DEFAULT_DISK_GB, DEFAULT_MEMORY_MIB, PULL_POLICIES, SPEC_DEFAULTS, SPEC_OPTIONS
+from .spec import BoxSpec
 from .store import SnapshotRecord
 
 if TYPE_CHECKING:
     from ..images.store import Image
-
-PULL_POLICIES = ("missing", "always", "never")
-_BUILD = inspect.signature(BoxSpec.build).parameters
-# the options that make a box what it is (everything BoxSpec.build takes but the image and what
-# a saved state brings), with their defaults
-SPEC_OPTIONS = tuple(n for n in _BUILD if n not in ("image", "saved_secrets", "saved"))
-SPEC_DEFAULTS: dict[str, Any] = {n: _BUILD[n].default for n in SPEC_OPTIONS}
 
 
 @dataclass
@@ -59,7 +53,7 @@ class BoxRequest:
         ca_cert: str | os.PathLike[str] | None = None,
         credentials: tuple[str, str] | None = None,
     ) -> BoxRequest:
-        """``options``: the box's own (those of ``BoxSpec.build``, see ``SPEC_OPTIONS``);
+        """``options``: the box's own (``SPEC_OPTIONS``, declared in ``core/options.py``);
         the rest says where it starts from and how its image is fetched."""
         from ..images.store import Image  # not at the top: commands on an existing box never build one
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from ..errors import InvalidArgument
@@ -88,3 +88,29 @@ def count(n: Any, *, most: int = MOST_AT_ONCE) -> int:
     if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= most:
         raise InvalidArgument(f"n must be a whole number in 1..{most}, not {n!r}")
     return n
+
+
+# -- the command line's KEY=VALUE flags -----------------------------------------------------
+
+
+def _pairs(items: list[str] | None, alone: Callable[[str], str]) -> dict[str, str]:
+    """``KEY=VALUE`` flags as a mapping; ``alone`` gives the value of a ``KEY`` without one."""
+    out = {}
+    for item in items or []:
+        key, sep, value = item.partition("=")
+        out[key] = value if sep else alone(item)
+    return out
+
+
+def env_pairs(items: list[str] | None) -> dict[str, str]:
+    """``-e KEY=VALUE``; ``-e NAME`` passes this process's value, as Docker does."""
+    return _pairs(items, lambda name: os.environ.get(name, ""))
+
+
+def label_pairs(items: list[str] | None) -> dict[str, str]:
+    """``--label KEY=VALUE`` flags as a mapping."""
+
+    def refused(item: str) -> str:
+        raise InvalidArgument(f"--label needs KEY=VALUE, got {item!r}")
+
+    return _pairs(items, refused)

@@ -46,7 +46,8 @@ from typing import Any
 from ..config import tree_bytes
 from ..errors import HostSetupError, InvalidArgument, SavedStateError, VolumeNotFound, no_space
 from . import layers
-from .spec import BoxSpec, Mount, Volume, is_volume_name
+from .option_values import Mount, Volume, is_volume_name
+from .spec import BoxSpec
 from .store import BoxRecord, BoxStore, SnapshotRecord, VolumeRecord
 
 GiB = 1 << 30

@@ -50,7 +50,7 @@ from ..api.loop import cancel_and_reap
 from ..api.process import AsyncProcess, ExecResult
 from ..core.diffs import side_key
 from ..core.events import Event
-from ..core.spec import DEFAULT_MEMORY_MIB
+from ..core.options import DEFAULT_MEMORY_MIB
 from ..errors import (
     BoxNotFound,
     ConnectionLost,

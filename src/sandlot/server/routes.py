@@ -37,6 +37,7 @@ from ..api.backend import SnapshotRef, Write
 from ..api.box import AsyncBox, AsyncSnapshot
 from ..api.contract import (
     BY_KEY,
+    HOST_PATHS,
     OPERATIONS,
     STDERR,
     STDOUT,
@@ -60,7 +61,7 @@ from ..api.events import record_refusal
 from ..api.local import LocalBackend, local_snapshot, snapshot_labels
 from ..api.loop import with_beats
 from ..core.diffs import side_key
-from ..core.spec import is_volume_name
+from ..core.option_values import is_volume_name
 from ..core.volumes import DEFAULT_SIZE_GB
 from ..errors import (
     BoxNotFound,
@@ -405,7 +406,7 @@ async def create_box(body: BoxCreate, request: Request, response: Response) -> d
     server = _server(request)
     wanted: dict[str, Any] = body.model_dump(exclude_none=True)  # type: ignore[attr-defined]
     lease = leases.lease_for(server, caller, wanted)
-    for host_path in ("rootfs", "kernel", "ca_cert"):
+    for host_path in HOST_PATHS:
         if wanted.get(host_path) is not None:
             caller.require_admin(f"{host_path} (a host path)")
     _check_network(caller, wanted.get("network"))
