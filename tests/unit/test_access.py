@@ -23,6 +23,7 @@ import pytest
 
 from sandlot.api import access as api
 from sandlot.cli import access as cli_access
+from sandlot.core import access
 from sandlot.core.access import (
     ApiKey,
     AuditEntry,
@@ -85,7 +86,7 @@ def test_create_list_and_revoke(store: BoxStore) -> None:
 def test_the_store_keeps_a_hash_never_the_key(tmp_path: Path) -> None:
     store = BoxStore(tmp_path / "sandlot.db")
     keys = [create_key(store, f"k{i}")[1] for i in range(3)]
-    row = store.key_row(keys[0][6:14])
+    row = access.key_row(store, keys[0][6:14])
     assert row is not None and len(row["salt"]) == 16 and len(row["hash"]) == 32
     store.close()
     data = b"".join(p.read_bytes() for p in tmp_path.iterdir() if p.name.startswith("sandlot.db"))
@@ -268,16 +269,16 @@ def test_entries_are_written_in_batches_off_the_callers_thread(
     store: BoxStore, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     gate, started = threading.Event(), threading.Event()
-    real = store.insert_audit
+    real = access.insert_audit
     calls: list[int] = []
 
-    def slow_insert(rows: list[dict[str, Any]]) -> None:
+    def slow_insert(db: BoxStore, rows: list[dict[str, Any]]) -> None:
         calls.append(len(rows))
         started.set()
         gate.wait(10)  # the disk is slow
-        real(rows)
+        real(db, rows)
 
-    monkeypatch.setattr(store, "insert_audit", slow_insert)
+    monkeypatch.setattr(access, "insert_audit", slow_insert)
     log = AuditLog(store)
     log.record(entry("first"))
     assert started.wait(5)

@@ -55,7 +55,7 @@ def test_the_store_s_leases(tmp_path: Path) -> None:
         store.delete("b1")  # a box's removal takes its lease with it
         assert leases.of(store, "b1") is None
         # a starting server gives every lease one whole length from now
-        store.put_lease({**leases.of(store, "b2").__dict__, "until": time.time() - 5})  # type: ignore[union-attr]
+        leases.put_row(store, {**leases.of(store, "b2").__dict__, "until": time.time() - 5})  # type: ignore[union-attr]
         assert leases.lapsed(store) != []
         assert leases.give_time(store) == 1 and leases.lapsed(store) == []
     finally:

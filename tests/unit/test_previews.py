@@ -75,7 +75,7 @@ def test_a_token_is_checked_against_its_signature_and_its_row(store: BoxStore, h
     with pytest.raises(Forbidden, match="signature"):
         previews.check_token(store, home, foreign)
     # a signed token whose row is not in this store (a copied secret, a wiped store)
-    store.end_previews("test", time.time(), preview_id=p.id)
+    previews.end_rows(store, "test", time.time(), preview_id=p.id)
     raw_write(home, "DELETE FROM previews")  # the row gone, as after a wipe
     with pytest.raises(Forbidden, match="unknown to this home"):
         previews.check_token(store, home, token)
@@ -164,7 +164,7 @@ def test_ending_previews_one_by_one_by_box_and_by_namespace(store: BoxStore, hom
 
 def test_rows_past_a_week_are_pruned(store: BoxStore, home: Path) -> None:
     old, _ = make(store, home)
-    store.end_previews("revoked", time.time() - previews.KEEP_ENDED - 10, preview_id=old.id)
+    previews.end_rows(store, "revoked", time.time() - previews.KEEP_ENDED - 10, preview_id=old.id)
     make(store, home)
     assert old.id not in {p.id for p in previews.list_previews(store, live=False)}
 

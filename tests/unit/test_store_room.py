@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 import sandlot
+from sandlot.core import leases
 from sandlot.core.store import ROOM_BYTES, ROOM_FILE, AsyncStore, BoxStore
 
 
@@ -56,21 +57,21 @@ def test_a_write_on_a_full_filesystem_takes_the_reserve_then_fails_clearly(small
     db = AsyncStore(lambda: store)
 
     async def writes() -> None:
-        await db.call(BoxStore.put_lease, lease("a", 1 << 20))  # needs new pages: the reserve is given
+        await db.call(leases.put_row, lease("a", 1 << 20))  # needs new pages: the reserve is given
         assert not room.exists()
-        assert [r["box_id"] for r in await db.call(BoxStore.lease_rows)] == ["a"]
+        assert [r["box_id"] for r in await db.call(leases.rows)] == ["a"]
         with pytest.raises(sandlot.NoSpace, match=f"the filesystem of {small_fs} is full"):
             for i in range(20):  # no reserve left: the next growth fails, and says why
-                await db.call(BoxStore.put_lease, lease(f"b{i}", 1 << 20))
-        assert "a" in [r["box_id"] for r in await db.call(BoxStore.lease_rows)]  # what was written stays
+                await db.call(leases.put_row, lease(f"b{i}", 1 << 20))
+        assert "a" in [r["box_id"] for r in await db.call(leases.rows)]  # what was written stays
 
     asyncio.run(writes())
     assert whole(small_fs / "sandlot.db")
     (small_fs / "filler").unlink()
 
     async def again() -> None:  # with room again, writes work: no transaction was left open
-        await db.call(BoxStore.drop_lease, "a")
-        assert "a" not in [r["box_id"] for r in await db.call(BoxStore.lease_rows)]
+        await db.call(leases.drop, "a")
+        assert "a" not in [r["box_id"] for r in await db.call(leases.rows)]
 
     asyncio.run(again())
     store.hold_room()  # and the reserve is made again

@@ -160,7 +160,7 @@ def previews_ended_with(key: ApiKey, home: str | os.PathLike[str] | None = None)
 def _key_id(store: BoxStore, key: str | None) -> str | None:
     if key is None:
         return None
-    row = store.find_key(key)
+    row = access.find_key(store, key)
     if row is None:
         raise NotFound(f"no API key {key!r}")
     return str(row["id"])

@@ -38,8 +38,8 @@ from types import TracebackType
 from typing import Any
 
 from ..errors import InvalidArgument, NotFound, Unauthorized
-from . import leases
-from .store import BoxStore
+from . import leases, previews
+from .store import BoxStore, insert_row, insert_sql
 
 log = logging.getLogger("sandlot.access")
 
@@ -218,22 +218,20 @@ def create_key(
         row = {"id": key.id, "name": name, "namespace": namespace, "admin": int(admin), "salt": salt,
                "hash": digest, "quotas": json.dumps(quotas.to_json()),
                "created_at": key.created_at, "lease": lease}  # fmt: skip
-        if store.insert_key(row):
+        if insert_key(store, row):
             return key, f"{E2B_KEY_PREFIX}{key.id}{secret}" if e2b else f"{KEY_PREFIX}{key.id}-{secret}"
     raise RuntimeError("no free key id after 16 tries")  # pragma: no cover
 
 
 def list_keys(store: BoxStore) -> list[ApiKey]:
     """Every key, oldest first; revoked ones too (``revoked_at`` set)."""
-    return [_key(r) for r in store.key_rows()]
+    return [_key(r) for r in key_rows(store)]
 
 
 def quotas_of(store: BoxStore, key_id: str) -> Quotas | None:
     """The quotas of the key with this id, None where there is none (or it was revoked:
     its boxes are bound by nothing it says any more)."""
-    row = store.find_key(key_id)
-    if row is None or row["id"] != key_id:  # a name that is another key's id: by id then
-        row = next((r for r in store.key_rows() if r["id"] == key_id), None)
+    row = key_row(store, key_id)  # by id (a name that is another key's id is that key)
     if row is None or row["revoked_at"] is not None:
         return None
     return _key(row).quotas
@@ -243,9 +241,9 @@ def revoke_key(store: BoxStore, name_or_id: str) -> ApiKey:
     """End a key now and for good (by name, or id). Revoking it again changes nothing."""
     if not isinstance(name_or_id, str) or not name_or_id:
         raise InvalidArgument(f"a key name or id is needed, not {name_or_id!r}")
-    row = store.find_key(name_or_id)
+    row = find_key(store, name_or_id)
     if row is not None:
-        row = store.revoke_key(row["id"], time.time())
+        row = _revoke(store, row["id"], time.time())
     if row is None:
         raise NotFound(f"no API key {name_or_id!r}")
     return _key(row)
@@ -365,7 +363,7 @@ class KeyVerifier:
             row = self._rows.get(key_id)
         if row is not None and now - row.read_at < self._row_ttl:
             return row
-        raw = self._store.key_row(key_id)
+        raw = key_row(self._store, key_id)
         if raw is None:  # only rows that exist are kept: a guess costs no memory
             with self._lock:
                 self._rows.pop(key_id, None)
@@ -392,7 +390,7 @@ class KeyVerifier:
 
     def _write_touch(self, key_id: str, at: float) -> None:
         try:
-            self._store.touch_key(key_id, at)
+            _touch_row(self._store, key_id, at)
         except Exception as exc:  # a busy or closed store: the next use tries again
             log.debug("last_used_at of key %s not written: %s", key_id, exc)
             with self._lock:
@@ -467,7 +465,7 @@ def read_audit(
         raise InvalidArgument(f"limit must be a positive integer, not {limit!r}")
     if since is not None and (isinstance(since, bool) or not isinstance(since, int | float)):
         raise InvalidArgument(f"since is a time in seconds since the epoch, not {since!r}")
-    return [_entry(r) for r in store.audit_rows(box=box, key=key, since=since, limit=limit)]
+    return [_entry(r) for r in audit_rows(store, box=box, key=key, since=since, limit=limit)]
 
 
 class AuditLog:
@@ -539,7 +537,7 @@ class AuditLog:
 
     def prune(self) -> int:
         """Delete entries past their age or past the newest ``max_rows`` now; how many."""
-        n = self._store.prune_audit(before=time.time() - self._max_age, keep=self._max_rows)
+        n = _prune_audit(self._store, before=time.time() - self._max_age, keep=self._max_rows)
         self._last_prune = time.monotonic()
         return n
 
@@ -594,7 +592,7 @@ class AuditLog:
             return
         for attempt in range(3):
             try:
-                self._store.insert_audit(rows)
+                insert_audit(self._store, rows)
             except Exception as exc:
                 if attempt == 2:
                     self._drop(batch, exc)
@@ -624,3 +622,100 @@ __all__ = [
     "read_audit",
     "revoke_key",
 ]
+
+
+# -- the ``keys`` and ``audit`` tables: functions that take the store first, as
+# ``BoxStore``'s methods do, so that ``AsyncStore.call`` runs them on the store's thread
+
+
+def insert_key(store: BoxStore, row: dict[str, Any]) -> bool:
+    """Add a key's row; False (nothing written) if its id is taken. A taken name
+    raises InvalidArgument."""
+    with store.transaction() as db:
+        if db.execute("SELECT 1 FROM keys WHERE name = ?", (row["name"],)).fetchone():
+            raise InvalidArgument(f"an API key named {row['name']!r} already exists")
+        if db.execute("SELECT 1 FROM keys WHERE id = ?", (row["id"],)).fetchone():
+            return False
+        insert_row(db, "keys", row)
+    return True
+
+
+def key_row(store: BoxStore, key_id: str) -> dict[str, Any] | None:
+    with store.reading() as db:
+        row = db.execute("SELECT * FROM keys WHERE id = ?", (key_id,)).fetchone()
+    return dict(row) if row else None
+
+
+def find_key(store: BoxStore, name_or_id: str) -> dict[str, Any] | None:
+    """By name, else by id."""
+    with store.reading() as db:
+        row = db.execute("SELECT * FROM keys WHERE name = ?", (name_or_id,)).fetchone()
+        if row is None:
+            row = db.execute("SELECT * FROM keys WHERE id = ?", (name_or_id,)).fetchone()
+    return dict(row) if row else None
+
+
+def key_rows(store: BoxStore) -> list[dict[str, Any]]:
+    with store.reading() as db:
+        rows = db.execute("SELECT * FROM keys ORDER BY created_at, name").fetchall()
+    return [dict(r) for r in rows]
+
+
+def _revoke(store: BoxStore, key_id: str, at: float) -> dict[str, Any] | None:
+    """Mark a key revoked (a revoked key keeps its first revocation time), and end its
+    live previews at that same time, in the same transaction."""
+    with store.transaction() as db:
+        if db.execute(
+            "UPDATE keys SET revoked_at = ? WHERE id = ? AND revoked_at IS NULL", (at, key_id)
+        ).rowcount:
+            previews.end_in(db, previews.KEY_REVOKED, at, key_id=key_id)
+        row = db.execute("SELECT * FROM keys WHERE id = ?", (key_id,)).fetchone()
+    return dict(row) if row else None
+
+
+def _touch_row(store: BoxStore, key_id: str, at: float) -> None:
+    with store.transaction() as db:
+        db.execute(
+            "UPDATE keys SET last_used_at = MAX(COALESCE(last_used_at, 0), ?) WHERE id = ?", (at, key_id)
+        )
+
+
+def insert_audit(store: BoxStore, rows: list[dict[str, Any]]) -> None:
+    """Append audit entries, all in one transaction."""
+    if rows:
+        with store.transaction() as db:
+            db.executemany(insert_sql("audit", rows[0]), rows)
+
+
+def _prune_audit(store: BoxStore, *, before: float, keep: int) -> int:
+    """Delete audit entries older than ``before`` and all but the newest ``keep``;
+    the number deleted."""
+    with store.transaction() as db:
+        n: int = db.execute("DELETE FROM audit WHERE at < ?", (before,)).rowcount
+        n += db.execute(
+            "DELETE FROM audit WHERE id IN "
+            "(SELECT id FROM audit ORDER BY at DESC, id DESC LIMIT -1 OFFSET ?)",
+            (max(keep, 0),),
+        ).rowcount
+    return n
+
+
+def audit_rows(
+    store: BoxStore, *, box: str | None = None, key: str | None = None, since: float | None = None,
+    limit: int = 1000,
+) -> list[dict[str, Any]]:  # fmt: skip
+    """Audit entries, newest last: the last ``limit`` of those that match."""
+    sql = "SELECT * FROM audit WHERE 1=1"
+    args: list[Any] = []
+    if box is not None:
+        sql += " AND box = ?"
+        args.append(box)
+    if key is not None:
+        sql += " AND (key_name = ? OR key_id = ?)"
+        args += [key, key]
+    if since is not None:
+        sql += " AND at >= ?"
+        args.append(since)
+    with store.reading() as db:
+        rows = db.execute(sql + " ORDER BY at DESC, id DESC LIMIT ?", [*args, max(limit, 0)]).fetchall()
+    return [dict(r) for r in reversed(rows)]

@@ -25,6 +25,7 @@ import hashlib
 import hmac
 import re
 import secrets
+import sqlite3
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,7 +33,7 @@ from typing import Any
 
 from ..config import home_secret
 from ..errors import Forbidden, InvalidArgument, NotFound
-from .store import KEY_REVOKED, BoxStore
+from .store import BoxStore, insert_row
 
 MAX_TTL = 7 * 24 * 3600
 KEEP_ENDED = 7 * 24 * 3600  # how long an ended or expired preview stays listed
@@ -115,8 +116,8 @@ def make_preview(
         now,
         float(int(now + ttl + 0.999)),
     )
-    store.insert_preview(
-        {k: getattr(preview, k) for k in Preview.__dataclass_fields__}, prune_before=now - KEEP_ENDED
+    insert(
+        store, {k: getattr(preview, k) for k in Preview.__dataclass_fields__}, prune_before=now - KEEP_ENDED
     )
     signed = f"{preview.id}.{box_id}.{port}.{int(preview.expires_at)}"
     return preview, f"{signed}.{_signature(_secret(home), signed)}"
@@ -141,7 +142,7 @@ def token_target(home: Path, token: str) -> tuple[str, str, int]:
 def check_token(store: BoxStore, home: Path, token: str) -> Preview:
     """The live preview ``token`` is; Forbidden, saying why, for any other."""
     preview_id, box_id, port = token_target(home, token)
-    row = store.preview_row(preview_id)
+    row = row_of(store, preview_id)
     if row is None or (row["box_id"], row["port"]) != (box_id, port):
         raise Forbidden("this preview URL is unknown to this home")
     preview = _preview(row)
@@ -164,16 +165,16 @@ def list_previews(
 ) -> list[Preview]:
     """Previews, oldest first, of a box, a key or a namespace; live ones only unless
     ``live`` is False (then ended and expired ones of the last week too)."""
-    rows = store.preview_rows(
-        box_id=box_id, key_id=key_id, namespace=namespace, live_at=time.time() if live else None
+    found = rows(
+        store, box_id=box_id, key_id=key_id, namespace=namespace, live_at=time.time() if live else None
     )
-    return [_preview(r) for r in rows]
+    return [_preview(r) for r in found]
 
 
 def get_preview(store: BoxStore, preview_id: str) -> Preview:
     if not isinstance(preview_id, str) or not ID_RE.fullmatch(preview_id):
         raise InvalidArgument(f"invalid preview id {preview_id!r}: pv- and 12 hex digits")
-    row = store.preview_row(preview_id)
+    row = row_of(store, preview_id)
     if row is None:
         raise NotFound(f"no preview {preview_id}")
     return _preview(row)
@@ -193,8 +194,8 @@ def end_previews(
         raise InvalidArgument("say which previews to end: an id, a box, a key or a namespace")
     if preview_id is not None:
         get_preview(store, preview_id)
-    return store.end_previews(
-        why, time.time(), preview_id=preview_id, box_id=box_id, key_id=key_id, namespace=namespace
+    return end_rows(
+        store, why, time.time(), preview_id=preview_id, box_id=box_id, key_id=key_id, namespace=namespace
     )
 
 
@@ -205,6 +206,97 @@ def ended_with_key(store: BoxStore, key_id: str, revoked_at: float) -> int:
         for p in list_previews(store, key_id=key_id, live=False)
         if p.ended_at == revoked_at and p.ended_why == KEY_REVOKED
     )
+
+
+# -- the ``previews`` table: functions that take the store first, as ``BoxStore``'s
+# methods do, so that ``AsyncStore.call`` runs them on the store's thread
+
+KEY_REVOKED = "its API key was revoked"  # why the previews a key's revocation ended did end
+
+
+def insert(store: BoxStore, row: dict[str, Any], *, prune_before: float) -> None:
+    """Add a preview's row, and drop those that expired or ended before ``prune_before``."""
+    with store.transaction() as db:
+        db.execute("DELETE FROM previews WHERE COALESCE(ended_at, expires_at) < ?", (prune_before,))
+        insert_row(db, "previews", row)
+
+
+def row_of(store: BoxStore, preview_id: str) -> dict[str, Any] | None:
+    """A preview's row, with ``key_revoked_at`` (its key's revocation time, if any)."""
+    with store.reading() as db:
+        row = db.execute(
+            "SELECT p.*, k.revoked_at AS key_revoked_at FROM previews p "
+            "LEFT JOIN keys k ON k.id = p.key_id WHERE p.id = ?",
+            (preview_id,),
+        ).fetchone()
+    return dict(row) if row else None
+
+
+def rows(
+    store: BoxStore,
+    *,
+    box_id: str | None = None,
+    key_id: str | None = None,
+    namespace: str | None = None,
+    live_at: float | None = None,
+) -> list[dict[str, Any]]:
+    """Previews, oldest first: of a box, a key, a namespace; only those live at
+    ``live_at`` (not ended, not expired) when it is given."""
+    sql, args = _matching(box_id, key_id, namespace, live_at)
+    with store.reading() as db:
+        found = db.execute(f"SELECT * FROM previews WHERE {sql} ORDER BY created_at, id", args).fetchall()
+    return [dict(r) for r in found]
+
+
+def end_rows(
+    store: BoxStore,
+    why: str,
+    at: float,
+    *,
+    preview_id: str | None = None,
+    box_id: str | None = None,
+    key_id: str | None = None,
+    namespace: str | None = None,
+) -> int:
+    """End the live previews that match (all given filters); how many ended."""
+    with store.transaction() as db:
+        return end_in(db, why, at, preview_id=preview_id, box_id=box_id, key_id=key_id, namespace=namespace)
+
+
+def end_in(
+    db: sqlite3.Connection,
+    why: str,
+    at: float,
+    *,
+    preview_id: str | None = None,
+    box_id: str | None = None,
+    key_id: str | None = None,
+    namespace: str | None = None,
+) -> int:
+    """``end_rows`` in a transaction under way (a key's revocation ends its previews in its own)."""
+    sql, args = _matching(box_id, key_id, namespace, at)
+    if preview_id is not None:
+        sql += " AND id = ?"
+        args.append(preview_id)
+    n: int = db.execute(
+        f"UPDATE previews SET ended_at = ?, ended_why = ? WHERE {sql}", [at, why, *args]
+    ).rowcount
+    return n
+
+
+def _matching(
+    box_id: str | None, key_id: str | None, namespace: str | None, live_at: float | None
+) -> tuple[str, list[Any]]:
+    sql = "1=1"
+    args: list[Any] = []
+    for column, value in (("box_id", box_id), ("key_id", key_id), ("namespace", namespace)):
+        if value is not None:
+            sql += f" AND {column} = ?"
+            args.append(value)
+    if live_at is not None:
+        sql += " AND ended_at IS NULL AND expires_at > ?"
+        args.append(live_at)
+    return sql, args
 
 
 def _when(t: float) -> str:

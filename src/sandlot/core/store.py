@@ -374,7 +374,6 @@ MIGRATIONS: list[str | Callable[[sqlite3.Connection], None]] = [
 ]
 
 SNAPSHOT_KINDS = ("snapshot", "template", "suspend", "step")
-KEY_REVOKED = "its API key was revoked"  # why the previews a revocation ended did end
 NAME_RE = BOX_NAME  # one rule for box names: the egress policy's box entries name boxes by it
 
 
@@ -488,6 +487,19 @@ def encoded(changes: dict[str, Any]) -> dict[str, Any]:
     if "ephemeral" in out:
         out["ephemeral"] = int(out["ephemeral"])
     return out
+
+
+def insert_sql(table: str, columns: Iterable[str], *, replace: bool = False) -> str:
+    """An INSERT of one row of ``columns`` into ``table``, by named parameters (``:column``);
+    one that replaces a row of the same key, if ``replace``."""
+    names = list(columns)
+    verb = "INSERT OR REPLACE" if replace else "INSERT"
+    return f"{verb} INTO {table} ({', '.join(names)}) VALUES ({', '.join(f':{n}' for n in names)})"
+
+
+def insert_row(db: sqlite3.Connection, table: str, row: Mapping[str, Any], *, replace: bool = False) -> None:
+    """``row`` (column -> value) into ``table``."""
+    db.execute(insert_sql(table, row, replace=replace), row)
 
 
 def _event_row(r: sqlite3.Row) -> Event:
@@ -619,10 +631,11 @@ class BoxStore:
                 if not durable:
                     self._db.execute("PRAGMA synchronous=FULL")
 
-    def transaction(self) -> contextlib.AbstractContextManager[sqlite3.Connection]:
-        """One durable transaction, for the modules that own a table of their own
-        (``core.timeline``): as this class's methods write theirs."""
-        return self._tx()
+    def transaction(self, *, durable: bool = True) -> contextlib.AbstractContextManager[sqlite3.Connection]:
+        """One transaction (``_tx``), for the modules that own a table of their own
+        (``core.timeline``, ``core.access``, ``core.previews``, ``core.leases``): as this
+        class's methods write theirs."""
+        return self._tx(durable=durable)
 
     @contextmanager
     def reading(self) -> Iterator[sqlite3.Connection]:
@@ -688,11 +701,9 @@ class BoxStore:
     def insert(self, rec: BoxRecord, *, event: Draft | None = None) -> BoxRecord:
         born(rec)
         d = encoded(rec.to_json())
-        cols = ", ".join(d)
-        marks = ", ".join(f":{k}" for k in d)
         try:
             with self._tx() as db:
-                db.execute(f"INSERT INTO boxes ({cols}) VALUES ({marks})", d)
+                insert_row(db, "boxes", d)
                 self._hold_volumes(db, rec)
                 if event is not None:
                     self._write_events(db, rec, [event])
@@ -863,10 +874,9 @@ class BoxStore:
 
     def insert_volume(self, rec: VolumeRecord) -> VolumeRecord:
         d = rec.to_json() | {"labels": json.dumps(rec.labels)}
-        marks = ", ".join(f":{k}" for k in d)
         try:
             with self._tx() as db:
-                db.execute(f"INSERT INTO volumes ({', '.join(d)}) VALUES ({marks})", d)
+                insert_row(db, "volumes", d)
         except sqlite3.IntegrityError:
             raise InvalidArgument(f"a volume named {rec.name!r} already exists") from None
         return rec
@@ -1201,8 +1211,6 @@ class BoxStore:
         from the storage tier, which holds its chunks (and the state)."""
         d = rec.to_json()
         d["options"] = json.dumps(d["options"])
-        cols = ", ".join(d)
-        marks = ", ".join(f":{k}" for k in d)
         with self._tx() as db:
             if rec.name is not None and rec.kind != "suspend":
                 clash = db.execute(
@@ -1212,7 +1220,7 @@ class BoxStore:
                 if clash:
                     owner = f"box {rec.box_name}" if rec.box_id else "this home"
                     raise InvalidArgument(f"{owner} already has a {rec.kind} named {rec.name!r}")
-            db.execute(f"INSERT INTO snapshots ({cols}) VALUES ({marks})", d)
+            insert_row(db, "snapshots", d)
             if manifest is not None:
                 db.execute(
                     "INSERT INTO states (id, manifest, pushed) VALUES (?, ?, ?)", (rec.id, manifest, remote)
@@ -1486,215 +1494,6 @@ class BoxStore:
                 "unshared_bytes": int(live[2]), "garbage_chunks": int(dead[0]),
                 "garbage_bytes": int(dead[1]), "remote_chunks": int(remote[0]),
                 "remote_bytes": int(remote[1]), "pushed_states": int(pushed)}  # fmt: skip
-
-    # -- API keys and the audit trail (rows as dicts; ``core.access`` gives them types) ---
-
-    def insert_key(self, row: dict[str, Any]) -> bool:
-        """Add a key's row; False (nothing written) if its id is taken. A taken name
-        raises InvalidArgument."""
-        cols = ", ".join(row)
-        marks = ", ".join(f":{k}" for k in row)
-        with self._tx() as db:
-            if db.execute("SELECT 1 FROM keys WHERE name = ?", (row["name"],)).fetchone():
-                raise InvalidArgument(f"an API key named {row['name']!r} already exists")
-            if db.execute("SELECT 1 FROM keys WHERE id = ?", (row["id"],)).fetchone():
-                return False
-            db.execute(f"INSERT INTO keys ({cols}) VALUES ({marks})", row)
-        return True
-
-    def key_row(self, key_id: str) -> dict[str, Any] | None:
-        with self._reading():
-            row = self._db.execute("SELECT * FROM keys WHERE id = ?", (key_id,)).fetchone()
-        return dict(row) if row else None
-
-    def find_key(self, name_or_id: str) -> dict[str, Any] | None:
-        """By name, else by id."""
-        with self._reading():
-            row = self._db.execute("SELECT * FROM keys WHERE name = ?", (name_or_id,)).fetchone()
-            if row is None:
-                row = self._db.execute("SELECT * FROM keys WHERE id = ?", (name_or_id,)).fetchone()
-        return dict(row) if row else None
-
-    def key_rows(self) -> builtins.list[dict[str, Any]]:
-        with self._reading():
-            rows = self._db.execute("SELECT * FROM keys ORDER BY created_at, name").fetchall()
-        return [dict(r) for r in rows]
-
-    def revoke_key(self, key_id: str, at: float) -> dict[str, Any] | None:
-        """Mark a key revoked (a revoked key keeps its first revocation time), and end its
-        live previews at that same time."""
-        with self._tx() as db:
-            if db.execute(
-                "UPDATE keys SET revoked_at = ? WHERE id = ? AND revoked_at IS NULL", (at, key_id)
-            ).rowcount:
-                db.execute(
-                    "UPDATE previews SET ended_at = ?, ended_why = ? WHERE key_id = ? "
-                    "AND ended_at IS NULL AND expires_at > ?",
-                    (at, KEY_REVOKED, key_id, at),
-                )
-            row = db.execute("SELECT * FROM keys WHERE id = ?", (key_id,)).fetchone()
-        return dict(row) if row else None
-
-    def touch_key(self, key_id: str, at: float) -> None:
-        with self._tx() as db:
-            db.execute("UPDATE keys SET last_used_at = MAX(COALESCE(last_used_at, 0), ?) WHERE id = ?",
-                       (at, key_id))  # fmt: skip
-
-    def insert_preview(self, row: dict[str, Any], *, prune_before: float) -> None:
-        """Add a preview's row, and drop those that expired or ended before ``prune_before``."""
-        cols = ", ".join(row)
-        marks = ", ".join(f":{k}" for k in row)
-        with self._tx() as db:
-            db.execute("DELETE FROM previews WHERE COALESCE(ended_at, expires_at) < ?", (prune_before,))
-            db.execute(f"INSERT INTO previews ({cols}) VALUES ({marks})", row)
-
-    def preview_row(self, preview_id: str) -> dict[str, Any] | None:
-        """A preview's row, with ``key_revoked_at`` (its key's revocation time, if any)."""
-        with self._reading():
-            row = self._db.execute(
-                "SELECT p.*, k.revoked_at AS key_revoked_at FROM previews p "
-                "LEFT JOIN keys k ON k.id = p.key_id WHERE p.id = ?",
-                (preview_id,),
-            ).fetchone()
-        return dict(row) if row else None
-
-    def preview_rows(
-        self,
-        *,
-        box_id: str | None = None,
-        key_id: str | None = None,
-        namespace: str | None = None,
-        live_at: float | None = None,
-    ) -> builtins.list[dict[str, Any]]:
-        """Previews, oldest first: of a box, a key, a namespace; only those live at
-        ``live_at`` (not ended, not expired) when it is given."""
-        sql, args = self._preview_filter(box_id, key_id, namespace, live_at)
-        with self._reading():
-            rows = self._db.execute(f"SELECT * FROM previews WHERE {sql} ORDER BY created_at, id", args)
-            found = rows.fetchall()
-        return [dict(r) for r in found]
-
-    def end_previews(
-        self,
-        why: str,
-        at: float,
-        *,
-        preview_id: str | None = None,
-        box_id: str | None = None,
-        key_id: str | None = None,
-        namespace: str | None = None,
-    ) -> int:
-        """End the live previews that match (all given filters); how many ended."""
-        sql, args = self._preview_filter(box_id, key_id, namespace, at)
-        if preview_id is not None:
-            sql += " AND id = ?"
-            args.append(preview_id)
-        with self._tx() as db:
-            n: int = db.execute(
-                f"UPDATE previews SET ended_at = ?, ended_why = ? WHERE {sql}", [at, why, *args]
-            ).rowcount
-        return n
-
-    @staticmethod
-    def _preview_filter(
-        box_id: str | None, key_id: str | None, namespace: str | None, live_at: float | None
-    ) -> tuple[str, builtins.list[Any]]:
-        sql = "1=1"
-        args: builtins.list[Any] = []
-        for column, value in (("box_id", box_id), ("key_id", key_id), ("namespace", namespace)):
-            if value is not None:
-                sql += f" AND {column} = ?"
-                args.append(value)
-        if live_at is not None:
-            sql += " AND ended_at IS NULL AND expires_at > ?"
-            args.append(live_at)
-        return sql, args
-
-    def put_lease(self, row: dict[str, Any]) -> None:
-        """Give a box a lease (or replace its lease)."""
-        cols = ", ".join(row)
-        marks = ", ".join(f":{k}" for k in row)
-        with self._tx() as db:
-            db.execute(f"INSERT OR REPLACE INTO leases ({cols}) VALUES ({marks})", row)
-
-    def lease_rows(self, box_ids: builtins.list[str] | None = None) -> builtins.list[dict[str, Any]]:
-        """The leases of these boxes (of every box: None)."""
-        with self._reading():
-            if box_ids is None:
-                rows = self._db.execute("SELECT * FROM leases ORDER BY until").fetchall()
-            else:
-                marks = ", ".join("?" for _ in box_ids)
-                rows = self._db.execute(f"SELECT * FROM leases WHERE box_id IN ({marks})", box_ids).fetchall()
-        return [dict(r) for r in rows]
-
-    def renew_leases(self, box_ids: builtins.list[str], now: float) -> builtins.list[dict[str, Any]]:
-        """Run the leases of these boxes again from ``now`` (each for its own length),
-        unless one has lapsed already; the leases renewed."""
-        marks = ", ".join("?" for _ in box_ids)
-        with self._tx(durable=False) as db:  # a lost renewal costs a renewal, not a box
-            db.execute(f"UPDATE leases SET until = ? + seconds WHERE until >= ? AND box_id IN ({marks})",
-                       [now, now, *box_ids])  # fmt: skip
-            rows = db.execute(f"SELECT * FROM leases WHERE until >= ? AND box_id IN ({marks})",
-                              [now, *box_ids]).fetchall()  # fmt: skip
-        return [dict(r) for r in rows]
-
-    def extend_leases(self, until_at_least: float) -> int:
-        """Move every lease that would end before ``until_at_least`` (plus its length) out
-        to there: a server that starts gives clients one whole lease to come back."""
-        with self._tx() as db:
-            n: int = db.execute("UPDATE leases SET until = ? + seconds WHERE until < ? + seconds",
-                                (until_at_least, until_at_least)).rowcount  # fmt: skip
-        return n
-
-    def drop_lease(self, box_id: str) -> None:
-        with self._tx() as db:
-            db.execute("DELETE FROM leases WHERE box_id = ?", (box_id,))
-
-    def set_key_lease(self, key_id: str, seconds: float | None) -> None:
-        with self._tx() as db:
-            db.execute("UPDATE keys SET lease = ? WHERE id = ?", (seconds, key_id))
-
-    def insert_audit(self, rows: builtins.list[dict[str, Any]]) -> None:
-        """Append audit entries, all in one transaction."""
-        if not rows:
-            return
-        cols = ", ".join(rows[0])
-        marks = ", ".join(f":{k}" for k in rows[0])
-        with self._tx() as db:
-            db.executemany(f"INSERT INTO audit ({cols}) VALUES ({marks})", rows)
-
-    def prune_audit(self, *, before: float, keep: int) -> int:
-        """Delete audit entries older than ``before`` and all but the newest ``keep``;
-        the number deleted."""
-        with self._tx() as db:
-            n = db.execute("DELETE FROM audit WHERE at < ?", (before,)).rowcount
-            n += db.execute(
-                "DELETE FROM audit WHERE id IN "
-                "(SELECT id FROM audit ORDER BY at DESC, id DESC LIMIT -1 OFFSET ?)",
-                (max(keep, 0),),
-            ).rowcount
-        return n
-
-    def audit_rows(
-        self, *, box: str | None = None, key: str | None = None, since: float | None = None, limit: int = 1000
-    ) -> builtins.list[dict[str, Any]]:
-        """Audit entries, newest last: the last ``limit`` of those that match."""
-        sql = "SELECT * FROM audit WHERE 1=1"
-        args: builtins.list[Any] = []
-        if box is not None:
-            sql += " AND box = ?"
-            args.append(box)
-        if key is not None:
-            sql += " AND (key_name = ? OR key_id = ?)"
-            args += [key, key]
-        if since is not None:
-            sql += " AND at >= ?"
-            args.append(since)
-        with self._reading():
-            rows = self._db.execute(
-                sql + " ORDER BY at DESC, id DESC LIMIT ?", [*args, max(limit, 0)]
-            ).fetchall()
-        return [dict(r) for r in reversed(rows)]
 
 
 class AsyncStore:
