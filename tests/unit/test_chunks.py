@@ -172,7 +172,7 @@ def test_a_chunk_goes_with_the_last_state_that_lists_it(tmp_path: Path) -> None:
     b = save(store, ram(4, changed=2), "b")
     db.insert_snapshot(row("a"), manifest=a.manifest.encode(), stored=a.stored)
     db.insert_snapshot(row("b"), manifest=b.manifest.encode(), stored=b.stored)
-    totals = db.chunk_totals()
+    totals = chunks.chunk_totals(db)
     assert totals["states"] == 2 and totals["chunks"] == len(a.stored | b.stored)
     assert totals["unshared_bytes"] > totals["stored_bytes"]  # most chunks serve both states
     db.delete_snapshot("a")
@@ -184,7 +184,7 @@ def test_a_chunk_goes_with_the_last_state_that_lists_it(tmp_path: Path) -> None:
     )
     db.delete_snapshot("b")
     store.collect(db)
-    assert list(store.root.glob("??/*")) == [] and db.chunk_totals()["chunks"] == 0
+    assert list(store.root.glob("??/*")) == [] and chunks.chunk_totals(db)["chunks"] == 0
 
 
 def test_a_collection_leaves_the_store_to_those_using_it(tmp_path: Path) -> None:
@@ -289,7 +289,7 @@ def test_the_core_saves_live_state_as_chunks_each_costing_what_changed(home: Pat
     finally:
         box.remove(force=True)
     sandlot.prune_snapshots(home=home, templates=True)
-    assert BoxStore(home / "sandlot.db").chunk_totals()["chunks"] == 0
+    assert chunks.chunk_totals(BoxStore(home / "sandlot.db"))["chunks"] == 0
     assert list((home / "chunks").glob("??/*")) == []
 
 
@@ -419,7 +419,7 @@ def test_the_metrics_show_an_admin_the_chunk_store_and_a_namespaced_key_nothing_
             theirs = httpx.get(
                 f"{srv.url}/metrics", headers={"Authorization": f"Bearer {tenant}"}, timeout=30
             )
-        totals = BoxStore(home / "sandlot.db").chunk_totals()
+        totals = chunks.chunk_totals(BoxStore(home / "sandlot.db"))
         assert f"sandlot_storage_stored_bytes {float(totals['stored_bytes'])}" in admin.text
         assert f"sandlot_storage_states {float(totals['states'])}" in admin.text
         # no tier: nothing held there, nothing sent, and the counters are there all the same

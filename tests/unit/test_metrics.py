@@ -20,7 +20,6 @@ import sandlot
 from sandlot.core import metrics, sampler
 from sandlot.core.runtime import Runtime
 from sandlot.core.service import core_for
-from sandlot.core.store import BoxStore
 
 from tests.support.fake_engine import register
 
@@ -101,16 +100,16 @@ def test_samples_are_kept_bounded_read_with_rates_and_go_with_their_box(home: Pa
         with pytest.raises(sandlot.InvalidArgument):
             await box.metrics(limit=0)
         # past the kept time, the next round's write drops the old ones
-        await core.db.call(BoxStore.add_samples, [(box.id, {"at": time.time()})], 0.5)
+        await core.db.call(metrics.add_samples, [(box.id, {"at": time.time()})], 0.5)
         await asyncio.sleep(0.6)
-        await core.db.call(BoxStore.add_samples, [(box.id, {"at": time.time()})], 0.5)
+        await core.db.call(metrics.add_samples, [(box.id, {"at": time.time()})], 0.5)
         assert len(await box.metrics()) == 1
         await box.stop()
-        before = len(await core.db.call(BoxStore.samples, box.id))
+        before = len(await core.db.call(metrics.samples, box.id))
         assert await sampler.sample_home(core) == 0  # a stopped box is not sampled
-        assert len(await core.db.call(BoxStore.samples, box.id)) == before
+        assert len(await core.db.call(metrics.samples, box.id)) == before
         await box.remove()
-        assert await core.db.call(BoxStore.samples, box.id) == []
+        assert await core.db.call(metrics.samples, box.id) == []
 
     asyncio.run(main())
 

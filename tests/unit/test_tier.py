@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 import sandlot
-from sandlot.core import tiergc
+from sandlot.core import chunks, packs, remote, tiergc
 from sandlot.core.boxrecord import store_path
 from sandlot.core.chunks import ChunkStore, KeptLater, digest
 from sandlot.core.manifest import Manifest
@@ -341,7 +341,7 @@ def test_the_pushed_states_and_chunks_are_counted_in_the_store(
     try:
         box.snapshot("s")
         sandlot.storage.push(home=home)
-        totals = BoxStore(home / "sandlot.db").chunk_totals()
+        totals = chunks.chunk_totals(BoxStore(home / "sandlot.db"))
         assert totals["remote_chunks"] == totals["chunks"] and totals["pushed_states"] == 1
         assert ChunkStore(home).tier() is not None
     finally:
@@ -756,7 +756,7 @@ def test_a_home_that_forgot_what_the_tier_holds_finds_its_evicted_state_by_its_p
         snap = box.snapshot("s")
         sandlot.storage.push(home=a)
         sandlot.storage.evict(older_than=0, home=a)
-        BoxStore(a / "sandlot.db").forget_remote(everything=True)
+        remote.forget_remote(BoxStore(a / "sandlot.db"), everything=True)
         again = sandlot.storage.push(home=a)
         assert again.states == 1 and again.chunks == 0, again
         rolls_back_from_the_tier(box, snap, a)
@@ -825,7 +825,6 @@ def test_a_pack_mostly_dead_is_written_again_and_homes_find_its_chunks_where_the
     that still knows the old places reads the chunks at the new ones when its read finds
     the old pack gone, and learns them all when it catches up before a push; another home
     pulls the state by its new places."""
-    from sandlot.core import packs
 
     monkeypatch.setattr(packs, "REPACK_DEAD_BYTES", 0)  # (the default waits for a MiB of them)
     a, b = homes(tmp_path, proxy, 2)
@@ -854,9 +853,7 @@ def test_a_pack_mostly_dead_is_written_again_and_homes_find_its_chunks_where_the
         assert [p for m, p in proxy.seen if m == "GET" and "/moved/" in p]
         # a push catches up with the collection: every place it knows is a pack the tier has
         sandlot.storage.push(home=a)
-        known = BoxStore(a / "sandlot.db").tier_places(
-            bytes.fromhex(r[0]) for r in _all_digests(a)
-        )  # fmt: skip
+        known = packs.tier_places(BoxStore(a / "sandlot.db"), [bytes.fromhex(r[0]) for r in _all_digests(a)])
         assert known and old.rsplit("/", 1)[1] not in {p.pack.hex() for p in known.values()}
         # another home pulls the box: its state comes by its new places
         box.suspend()
@@ -887,7 +884,6 @@ def test_a_kill_while_a_collection_writes_packs_again_loses_nothing(
     """Killed once the new packs, their ``moved/`` and the places pointing at them are
     written, before its record: the old pack is still there, and every state reads from
     either; the next collection writes it again and deletes it."""
-    from sandlot.core import packs
 
     monkeypatch.setattr(packs, "REPACK_DEAD_BYTES", 0)
     (a,) = homes(tmp_path, proxy, 1)

@@ -91,7 +91,7 @@ def test_a_volume_is_an_empty_ext4_filesystem_in_a_chain_of_layers(home: Path) -
             volumes.create(rt.home, rt.store, "sized", size_gb=size)  # type: ignore[arg-type]
     with pytest.raises(sandlot.InvalidArgument, match="invalid label"):
         volumes.create(rt.home, rt.store, "labelled", labels={"k": 1})  # type: ignore[dict-item]
-    assert [v.name for v in rt.store.volumes()] == ["data"]  # the refused ones left nothing
+    assert [v.name for v in volumes.volume_rows(rt.store)] == ["data"]  # the refused ones left nothing
     assert sorted(p.name for p in layers.layers_dir(rt.home).iterdir()) == sorted(p.name for p in chain)
     with pytest.raises(sandlot.VolumeNotFound, match="no volume 'nope'"):
         run(lambda: sandlot.AsyncVolumes(home).remove("nope"))
@@ -104,7 +104,7 @@ def test_one_box_writes_a_volume_back_and_removal_waits_for_its_boxes(home: Path
 
     async def main() -> None:
         await vols.create("data", size_gb=0.1)
-        first_head = Path(Runtime.for_home(home).store.get_volume("data").layer)
+        first_head = Path(volumes.get_volume(Runtime.for_home(home).store, "data").layer)
         writer = box(home, root, volumes={"data": "/data"})
         await writer.start()
         rec = Runtime.for_home(home).store.get(writer.id)
@@ -124,8 +124,8 @@ def test_one_box_writes_a_volume_back_and_removal_waits_for_its_boxes(home: Path
         assert sorted(mounted.value.boxes) == sorted([writer.name, reader.name])
         await writer.remove(force=True)
         store = Runtime.for_home(home).store
-        assert store.get_volume("data").layer == drive["top"]  # what it wrote is the volume's now
-        assert store.get_volume("data").holder is None and Path(drive["top"]).exists()
+        assert volumes.get_volume(store, "data").layer == drive["top"]  # what it wrote is the volume's now
+        assert volumes.get_volume(store, "data").holder is None and Path(drive["top"]).exists()
         await box(home, root, volumes=["data:/d"]).start()  # the next writer
         assert (await vols.get("data")).holder is not None
         for b in await sandlot.AsyncBox.list(home=home):
@@ -146,7 +146,9 @@ def test_a_box_from_a_snapshot_mounts_private_copies(home: Path, root: Path) -> 
         snap = await parent.snapshot(name="s")
         store = Runtime.for_home(home).store
         frozen = store.find_snapshot(snap.id)
-        assert frozen is not None and frozen.options["drive_volumes"] == [store.get_volume("data").id]
+        assert frozen is not None and frozen.options["drive_volumes"] == [
+            volumes.get_volume(store, "data").id
+        ]
         [child] = await snap.start(1)
         [cd] = store.get(child.id).drives
         assert not cd["holds"] and layers.chain(Path(cd["top"]))[1] == Path(frozen.options["drives"][0])
@@ -168,7 +170,7 @@ def test_a_shared_volume_is_one_directory_its_boxes_and_their_forks_share(home: 
 
     async def main() -> None:
         made = await vols.create("scratch", shared=True, labels={"team": "evals"})
-        where = Path(store.get_volume("scratch").layer)
+        where = Path(volumes.get_volume(store, "scratch").layer)
         assert (made.kind, made.size_gb, made.boxes) == ("shared", 0, []) and where.is_dir()
         assert where.parent == volumes.shared_dir(home) and not layers.layers_dir(home).exists()
         with pytest.raises(sandlot.InvalidArgument, match="no size of its own"):
@@ -207,7 +209,7 @@ def test_a_shared_volume_is_one_directory_its_boxes_and_their_forks_share(home: 
         for b in await sandlot.AsyncBox.list(home=home):
             await b.remove(force=True)
         await vols.remove("scratch")
-        assert not where.exists() and [v.name for v in store.volumes()] == ["disk"]
+        assert not where.exists() and [v.name for v in volumes.volume_rows(store)] == ["disk"]
 
     run(main)
 

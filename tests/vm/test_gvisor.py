@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 import sandlot
+from sandlot.core import volumes
 
 from tests.security.test_network import WAIT_FOR_8000
 from tests.support.clock import set_while_read, ticks_in
@@ -237,7 +238,7 @@ def test_shares_are_bind_mounts_that_live_state_keeps(busybox_root: Path, tmp_pa
     (ro / "given").write_text("read only\n")
     name = f"gv-shared-{os.urandom(3).hex()}"
     sandlot.volume.create(name, shared=True)
-    where = Path(sandlot.Runtime.for_home().store.get_volume(name).layer)
+    where = Path(volumes.get_volume(sandlot.Runtime.for_home().store, name).layer)
     made: list[sandlot.Box] = []
     try:
         box = sandlot.Box(rootfs=busybox_root, engine="gvisor", memory_mib=256,

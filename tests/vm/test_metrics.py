@@ -14,6 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 import sandlot
 from sandlot.config import try_flock
+from sandlot.core import metrics
 from sandlot.core.metrics import metrics_lock
 
 from tests.conftest import TEST_ENGINE
@@ -61,7 +62,9 @@ def test_a_running_box_is_sampled_from_host_and_guest(
         assert all(s["cpu_percent"] is None or 0 <= s["cpu_percent"] <= 100 * 2 for s in history[1:])
         assert any(s["exec_start_ms"] for s in history[1:])  # commands started in between, with their time
     assert sampler_running(home)  # it goes IDLE_S after the last VM (tests/unit/test_metrics.py)
-    assert sandlot.Runtime.for_home(home).store.samples(box.id) == []  # the removed box's went with it
+    assert (
+        metrics.samples(sandlot.Runtime.for_home(home).store, box.id) == []
+    )  # the removed box's went with it
 
 
 def test_prometheus_metrics_parse_and_show_a_key_its_namespace(

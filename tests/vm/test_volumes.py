@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 import sandlot
-from sandlot.core import layers
+from sandlot.core import layers, volumes
 
 from tests.support.waiting import deadline_in, goes_past
 
@@ -176,7 +176,7 @@ def test_shared_volumes_and_host_directories_are_live_in_every_box_through_snaps
 ) -> None:
     name = f"shared-{os.urandom(3).hex()}"
     sandlot.volume.create(name, shared=True)
-    where = Path(sandlot.Runtime.for_home().store.get_volume(name).layer)
+    where = Path(volumes.get_volume(sandlot.Runtime.for_home().store, name).layer)
     host = tmp_path / "host"
     host.mkdir()
     (host / "given").write_text("by the host\n")
@@ -266,7 +266,7 @@ def test_shared_volumes_and_host_directories_are_live_in_every_box_through_snaps
         try:
             assert mounted(moved) == ["/h", "/s"] and moved.sh("cat /h/here").stdout == "on this host\n"
             moved.sh("echo moved > /s/moved", check=True)
-            assert (Path(sandlot.Runtime.for_home().store.get_volume(name).layer) / "moved").exists()
+            assert (Path(volumes.get_volume(sandlot.Runtime.for_home().store, name).layer) / "moved").exists()
         finally:
             moved.remove(force=True)
     finally:

@@ -379,7 +379,7 @@ class LocalBackend(Backend):
         since = events.since_time(since)
         positive("limit", limit, integer=True)
         _, entry = await local(ref).existing()
-        found = await self.core().db.call(BoxStore.samples, entry.id, since=since, limit=limit or 10_000)
+        found = await self.core().db.call(metrics.samples, entry.id, since=since, limit=limit or 10_000)
         return metrics.rates(found)
 
     async def box_logs(self, ref: BoxRef, lines: int | None = None) -> str:
@@ -924,7 +924,9 @@ class LocalBackend(Backend):
 
     async def volume_list(self) -> list[dict[str, Any]]:
         store = self.runtime.store
-        found = await asyncio.to_thread(lambda: [volumes.inspect(store, v.id) for v in store.volumes()])
+        found = await asyncio.to_thread(
+            lambda: [volumes.inspect(store, v.id) for v in volumes.volume_rows(store)]
+        )
         return [v.to_json() for v in found]
 
     async def volume_get(self, key: str) -> dict[str, Any]:

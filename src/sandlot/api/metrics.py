@@ -10,6 +10,7 @@ import os
 from typing import Any
 
 from .. import records
+from ..core.metrics import latest_samples
 from ..core.runtime import Runtime
 from ..core.store import BoxStore
 from .box import AsyncBox
@@ -20,7 +21,7 @@ Bounded = dict[str, dict[str, dict[str, int]]]
 
 async def latest(home: str | os.PathLike[str] | None = None) -> list[tuple[AsyncBox, dict[str, Any] | None]]:
     """Every box of the home, oldest first, with its newest sample (None: never sampled)."""
-    samples = await Runtime.for_home(home).db.call(BoxStore.latest_samples)
+    samples = await Runtime.for_home(home).db.call(latest_samples)
     return [(b, samples.get(b.id)) for b in await AsyncBox.list(home=home)]
 
 

@@ -17,6 +17,7 @@ import os
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from ..core import chunks
 from ..core import tier as tiers
 from ..core.chunks import LOCK_WAIT, ChunkStore
 from ..core.manifest import Manifest
@@ -77,7 +78,7 @@ def info(*, home: Home = None) -> StorageReport:
     """The figures of the home's chunk store (``sandlot storage``)."""
     rt = Runtime.for_home(home)
     store = rt.store
-    totals = store.chunk_totals()
+    totals = chunks.chunk_totals(store)
     logical = sum(Manifest.decode(data).logical for data in store.state_manifests().values())
     config = tiers.configured(rt.home)
     return StorageReport(
@@ -95,7 +96,12 @@ def totals(*, home: Home = None) -> dict[str, int]:
     ``logical_bytes``), and the bytes sent to and read from the tier so far
     (``tier_sent_bytes``, ``tier_received_bytes``): for a metrics scrape."""
     store = Runtime.for_home(home).store
-    return {"tier_sent_bytes": 0, "tier_received_bytes": 0, **store.counters(), **store.chunk_totals()}
+    return {
+        "tier_sent_bytes": 0,
+        "tier_received_bytes": 0,
+        **chunks.counters(store),
+        **chunks.chunk_totals(store),
+    }
 
 
 def gc(*, tier: bool = False, home: Home = None, wait: float = LOCK_WAIT) -> GcReport:

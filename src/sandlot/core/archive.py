@@ -74,7 +74,7 @@ from ..config import fsync_dir
 from ..crashpoints import crash_point
 from ..engine.base import Boot, Engine
 from ..errors import CorruptSnapshot, HostSetupError, InvalidArgument, VolumeNotFound, no_space
-from . import exports, layers, snapshots
+from . import exports, layers, snapshots, volumes
 from .access import NAMESPACE_LABEL
 from .chunks import ChunkStore
 from .manifest import Manifest
@@ -495,7 +495,7 @@ def _shared_here(store: BoxStore, share: list[Any]) -> list[Any]:
         return share
     name = share[3]
     try:
-        vol = store.get_volume(name)
+        vol = volumes.get_volume(store, name)
     except VolumeNotFound:
         vol = None
     if vol is None or vol.kind != "shared":

@@ -274,14 +274,14 @@ class ChunkStore:
         remote = self.tier() if wanted else None
         if remote is None:
             return {}
-        places = self.db().tier_places(wanted)
+        places = packs.tier_places(self.db(), wanted)
         gone: set[bytes] = set()
         found = packs.read(remote, places, gone) if places else {}
         if gone:  # packs a collection wrote again since this home learned their places
             for pack in gone:
                 if (went := packs.moved(remote, pack)) is not None:
-                    self.db().add_places(went)
-            now = self.db().tier_places([d for d, p in places.items() if p.pack in gone])
+                    packs.add_places(self.db(), went)
+            now = packs.tier_places(self.db(), [d for d, p in places.items() if p.pack in gone])
             found.update(packs.read(remote, {d: p for d, p in now.items() if p.pack not in gone}))
 
         def alone(d: bytes) -> None:
@@ -307,7 +307,7 @@ class ChunkStore:
             remote = self._tier
         if isinstance(remote, tier.Tier):
             with contextlib.suppress(SandlotError):
-                store.add_counters(remote.traffic())
+                add_counters(store, remote.traffic())
 
     def using(self, wait: float = LOCK_WAIT) -> contextlib.AbstractContextManager[None]:
         """Hold the store against a collection (shared with every other user)."""
@@ -360,13 +360,13 @@ class ChunkStore:
                     return 0, 0  # in use: the next collection takes what this one leaves
                 raise
             count = freed = 0
-            dead = store.forget_chunks()
+            dead = forget_chunks(store)
             if dead:
                 crash_point("chunks.mid-collect")
             for d in dead:
                 count, freed = count + 1, freed + remove_file(self.path(d))
             if orphans:
-                known = store.chunk_digests()
+                known = chunk_digests(store)
                 now = time.time()
                 for sub in self.root.iterdir():
                     if len(sub.name) != 2 or not sub.is_dir():  # (``damaged/``: kept for a look)
@@ -394,7 +394,7 @@ class ChunkStore:
                 _flock(fd, fcntl.LOCK_EX, 0.0, "the chunk store")
             except SavedStateError:
                 return 0
-            listed = store.listed_chunks(written)
+            listed = listed_chunks(store, written)
             return sum(remove_file(self.path(d)) for d in written - listed)
         finally:
             os.close(fd)
@@ -751,4 +751,84 @@ def open_state(home: Path, store: BoxStore, snap_id: str) -> StateReader | None:
     return StateReader(ChunkStore(home, store), Manifest.decode(data, snap_id), snap_id)
 
 
-__all__ = ["CHUNK", "ChunkStore", "Saving", "StateReader", "StateWriter", "digest", "open_state", "reading"]
+# -- the ``chunks`` table and the home's ``counters``: functions that take the store first,
+# as ``BoxStore``'s methods do, so that ``AsyncStore.call`` runs them (a state's rows count
+# its chunks in the transaction that writes or removes it: ``BoxStore``'s snapshots)
+
+
+def forget_chunks(store: BoxStore) -> list[bytes]:
+    """Delete the rows of the chunks no state lists; their digests (the caller, who
+    holds the chunk store exclusively, deletes their files). Of those the storage tier
+    holds, that it does is kept (``tier_chunks``): a box's next state, which shares
+    most of its chunks with the last (a box that sleeps, wakes and sleeps again), sends
+    only what it changed."""
+    with store.reading() as db:  # most calls find none: no write transaction (and its fsync) then
+        if db.execute("SELECT 1 FROM chunks WHERE refs <= 0 LIMIT 1").fetchone() is None:
+            return []
+    with store.transaction() as db:
+        rows = db.execute("DELETE FROM chunks WHERE refs <= 0 RETURNING digest, remote").fetchall()
+        kept = [(r[0],) for r in rows if r[1]]
+        db.executemany("INSERT OR IGNORE INTO tier_chunks (digest) VALUES (?)", kept)
+    return [bytes(r[0]) for r in rows]
+
+
+def listed_chunks(store: BoxStore, digests: set[bytes]) -> set[bytes]:
+    """Which of ``digests`` a saved state lists."""
+    found: set[bytes] = set()
+    batch = sorted(digests)
+    with store.reading() as db:
+        for at in range(0, len(batch), 500):
+            part = batch[at : at + 500]
+            marks = ",".join("?" * len(part))
+            rows = db.execute(f"SELECT digest FROM chunks WHERE digest IN ({marks})", part)
+            found.update(bytes(r[0]) for r in rows)
+    return found
+
+
+def chunk_digests(store: BoxStore) -> set[bytes]:
+    with store.reading() as db:
+        return {bytes(r[0]) for r in db.execute("SELECT digest FROM chunks")}
+
+
+def add_counters(store: BoxStore, add: dict[str, int]) -> None:
+    """Add to the home's running totals (a counter never goes down)."""
+    add = {k: n for k, n in add.items() if n > 0}
+    if not add:
+        return
+    with store.transaction(durable=False) as db:
+        db.executemany(
+            "INSERT INTO counters (name, value) VALUES (?, ?) "
+            "ON CONFLICT (name) DO UPDATE SET value = value + excluded.value",
+            list(add.items()),
+        )
+
+
+def counters(store: BoxStore) -> dict[str, int]:
+    with store.reading() as db:
+        return {r[0]: int(r[1]) for r in db.execute("SELECT name, value FROM counters")}
+
+
+def chunk_totals(store: BoxStore) -> dict[str, int]:
+    """The chunk store's figures: chunks kept and the bytes they take, the bytes the
+    states they make up would take without sharing (each state's listed chunks
+    counted once per state), and those of chunks no state lists any more."""
+    with store.reading() as db:
+        live = db.execute(
+            "SELECT COUNT(*), COALESCE(SUM(stored), 0), COALESCE(SUM(stored * refs), 0) "
+            "FROM chunks WHERE refs > 0"
+        ).fetchone()
+        dead = db.execute("SELECT COUNT(*), COALESCE(SUM(stored), 0) FROM chunks WHERE refs <= 0").fetchone()
+        states = db.execute("SELECT COUNT(*) FROM states").fetchone()[0]
+        remote = db.execute(
+            "SELECT COUNT(*), COALESCE(SUM(stored), 0) FROM chunks WHERE refs > 0 AND remote = 1"
+        ).fetchone()
+        pushed = db.execute("SELECT COUNT(*) FROM states WHERE pushed = 1").fetchone()[0]
+    return {"states": int(states), "chunks": int(live[0]), "stored_bytes": int(live[1]),
+            "unshared_bytes": int(live[2]), "garbage_chunks": int(dead[0]),
+            "garbage_bytes": int(dead[1]), "remote_chunks": int(remote[0]),
+            "remote_bytes": int(remote[1]), "pushed_states": int(pushed)}  # fmt: skip
+
+
+__all__ = ["CHUNK", "ChunkStore", "Saving", "StateReader", "StateWriter", "add_counters", "chunk_digests",
+           "chunk_totals", "counters", "digest", "forget_chunks", "listed_chunks", "open_state",
+           "reading"]  # fmt: skip

@@ -24,7 +24,7 @@ from .. import pids
 from ..crashpoints import crash_point
 from ..engine.base import Boot, BootRequest, Engine, SavedState
 from ..errors import InvalidArgument, InvalidState, SandlotError, SnapshotInUse, SnapshotNotFound
-from . import archive, awake, chunks, events, layers, pusher, snapshots, tier, tracing, volumes
+from . import archive, awake, chunks, events, layers, pusher, remote, snapshots, tier, tracing, volumes
 from .controller import BoxController, template_source
 from .entry import BoxEntry
 from .launch import Launcher, drives_of, shares_of
@@ -32,7 +32,7 @@ from .requests import BoxRequest
 from .runtime import Runtime
 from .spec import BoxSpec
 from .state import BoxState, Op, check
-from .store import AsyncStore, BoxRecord, BoxStore, SnapshotRecord
+from .store import AsyncStore, BoxRecord, SnapshotRecord
 from .validate import count
 
 BOX_ID_RE = re.compile(r"[0-9a-f]{12}")
@@ -226,7 +226,7 @@ class LiveState:
                     f"box {entry.name}: its suspended state is missing; start() boots it afresh",
                     box=entry.name, state="crashed",
                 )  # fmt: skip
-            if snap.id in await self.db.call(BoxStore.pushed_states):
+            if snap.id in await self.db.call(remote.pushed_states):
                 # it went to the storage tier: another home may have taken it (by force,
                 # its holder thought gone); this home runs it only while it holds it
                 await asyncio.to_thread(self._hold_lease, rec)

@@ -23,13 +23,17 @@ day) go, and a box's go with it.
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
+import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from ..config import spawn_unless_locked
 from ..protocol.wire import Tag
+from .store import BoxStore
 
 log = logging.getLogger("sandlot")
 
@@ -152,3 +156,38 @@ def rates(samples: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 last[key] = now
         out.append(d)
     return out
+
+
+# -- the ``metrics`` table: functions that take the store first, as ``BoxStore``'s methods
+# do, so that ``AsyncStore.call`` runs them on the store's thread
+
+
+def add_samples(store: BoxStore, rows: Sequence[tuple[str, dict[str, Any]]], keep_s: float) -> None:
+    """Add one sample per (box id, sample), and drop those older than ``keep_s``."""
+    with store.transaction(durable=False) as db:
+        db.executemany("INSERT INTO metrics (box_id, at, sample) VALUES (?, ?, ?)",
+                       [(box_id, s["at"], json.dumps(s)) for box_id, s in rows])  # fmt: skip
+        db.execute("DELETE FROM metrics WHERE at < ?", (time.time() - keep_s,))
+
+
+def samples(
+    store: BoxStore, box_id: str, *, since: float | None = None, limit: int = 10_000
+) -> list[dict[str, Any]]:
+    """A box's samples, oldest first: from Unix time ``since``, the newest ``limit``."""
+    with store.reading() as db:
+        rows = db.execute(
+            "SELECT sample FROM (SELECT sample, at FROM metrics WHERE box_id = ? AND at >= ? "
+            "ORDER BY at DESC LIMIT ?) ORDER BY at",
+            (box_id, since if since is not None else 0.0, limit),
+        ).fetchall()
+    return [json.loads(r[0]) for r in rows]
+
+
+def latest_samples(store: BoxStore) -> dict[str, dict[str, Any]]:
+    """Each box's newest sample (box id: sample)."""
+    with store.reading() as db:
+        rows = db.execute(
+            "SELECT m.box_id, m.sample FROM metrics m JOIN (SELECT box_id, MAX(at) AS at FROM metrics "
+            "GROUP BY box_id) last ON m.box_id = last.box_id AND m.at = last.at"
+        ).fetchall()
+    return {r[0]: json.loads(r[1]) for r in rows}

@@ -15,7 +15,7 @@ processes' pages), and a whole state streams in a few large reads.
 A pack is its header (``MAGIC``, the count, each chunk's hash and length), then the
 chunks as the home keeps them (zstd), one after another. A home learns where a chunk is
 when it sends the pack, or when it reads the places of a state or file it pulls
-(``BoxStore.tier_places``); a chunk of no known place is read as ``chunks/<hex>``, the
+(``tier_places``); a chunk of no known place is read as ``chunks/<hex>``, the
 one-object form older homes wrote. Every chunk is still checked against its hash when
 read, so a damaged pack or places object is a ``CorruptSnapshot`` naming the chunk.
 
@@ -37,11 +37,12 @@ from __future__ import annotations
 
 import struct
 import threading
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 from ..errors import CorruptSnapshot
+from .store import BoxStore
 from .tier import ObjectMissing, Tier
 
 MAGIC = b"SLPACK1\n"
@@ -304,7 +305,36 @@ class PackWriter:
             self._pool.shutdown(wait=True, cancel_futures=True)
 
 
+# -- the ``tier_places`` table: where the tier keeps the chunks this home knows of; functions
+# that take the store first, as ``BoxStore``'s methods do, so that ``AsyncStore.call`` runs them
+
+
+def add_places(store: BoxStore, places: Mapping[bytes, Place]) -> None:
+    """Where the tier keeps these chunks, as a pack sent or a state's
+    places read told: their rows say the tier holds them too."""
+    rows = [(d, p.pack, p.offset, p.length) for d, p in places.items()]
+    with store.transaction() as db:
+        db.executemany("INSERT OR REPLACE INTO tier_places (digest, pack, offset, length) "
+                       "VALUES (?, ?, ?, ?)", rows)  # fmt: skip
+        db.executemany("UPDATE chunks SET remote = 1 WHERE digest = ?", [(r[0],) for r in rows])
+
+
+def tier_places(store: BoxStore, digests: Iterable[bytes]) -> dict[bytes, Place]:
+    """Where the tier keeps those of ``digests`` this home knows of in a pack."""
+    out: dict[bytes, Place] = {}
+    batch = list(dict.fromkeys(digests))
+    with store.reading() as db:
+        for i in range(0, len(batch), 500):
+            part = batch[i : i + 500]
+            marks = ",".join("?" * len(part))
+            for r in db.execute(
+                f"SELECT digest, pack, offset, length FROM tier_places WHERE digest IN ({marks})", part
+            ):
+                out[bytes(r[0])] = Place(bytes(r[1]), int(r[2]), int(r[3]))
+    return out
+
+
 __all__ = [
-    "PACK_BYTES", "PackWriter", "Place", "build", "decode_places", "encode_places", "header", "members",
-    "moved", "moved_key", "read", "rewrite", "worth_rewriting",
+    "PACK_BYTES", "PackWriter", "Place", "add_places", "build", "decode_places", "encode_places", "header",
+    "members", "moved", "moved_key", "read", "rewrite", "tier_places", "worth_rewriting",
 ]  # fmt: skip

@@ -21,7 +21,7 @@ import re
 import shutil
 import subprocess
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -39,12 +39,12 @@ from ..errors import (
     no_space,
 )
 from . import boxdoc, packs, snapshots, tiergc
-from .chunks import LOCK_WAIT, TIER_RUN, ChunkStore, digest, remove_file
+from .chunks import LOCK_WAIT, TIER_RUN, ChunkStore, add_counters, digest, remove_file
 from .manifest import CHUNK, Image, Manifest
 from .packs import PackWriter, Place, decode_places, encode_places
 from .runtime import Runtime
 from .state import BoxState
-from .store import BoxRecord, SnapshotRecord
+from .store import BoxRecord, BoxStore, SnapshotRecord
 from .tier import Tier, home_id
 
 FILE_RE = re.compile(r"(layers|bases)/[A-Za-z0-9][A-Za-z0-9._-]{0,200}")
@@ -88,7 +88,7 @@ class Remote:
     def tally(self) -> None:
         """Add what went to and came from the tier to the home's totals (the metrics')."""
         with contextlib.suppress(SandlotError):  # a figure, never a reason to fail what moved
-            self.rt.store.add_counters(self.tier.traffic())
+            add_counters(self.rt.store, self.tier.traffic())
 
     # -- what the tier holds, as this home tells it ---------------------------------------------
 
@@ -116,7 +116,7 @@ class Remote:
     def declare(self) -> None:
         """This home's declaration: the states it holds that are in the tier, its boxes."""
         store = self.rt.store
-        tiergc.declare(self.tier, self.me, store.pushed_states(), (r.id for r in store.list()))
+        tiergc.declare(self.tier, self.me, pushed_states(store), (r.id for r in store.list()))
 
     def forget(self, what: tiergc.Forget) -> None:
         """Forget that the tier holds what a collection deleted from it, and learn where the
@@ -130,9 +130,9 @@ class Remote:
                 moves.append(went)
         except (ValueError, CorruptSnapshot):
             what = tiergc.Forget(everything=True)
-        self.rt.store.forget_remote(chunks=what.chunks, states=what.states, everything=what.everything)
+        forget_remote(self.rt.store, chunks=what.chunks, states=what.states, everything=what.everything)
         for places in moves if not what.everything else ():
-            self.rt.store.add_places(places)
+            packs.add_places(self.rt.store, places)
         sent = _sent_files(self.chunks.root)
         names = sent.get("names", {})
         gone = [rel for rel, name in names.items() if what.everything or name in what.files]
@@ -161,7 +161,7 @@ class Remote:
     def _push(self, states: Iterable[str] | None) -> PushReport:
         t0 = time.monotonic()
         store = self.rt.store
-        wanted = list(states) if states is not None else store.unpushed_states()
+        wanted = list(states) if states is not None else unpushed_states(store)
         with self.chunks.using():
             todo: list[list[bytes]] = []  # each state's new chunks: a state's own packs hold them
             manifests: dict[str, bytes] = {}
@@ -174,15 +174,15 @@ class Remote:
                     )
                 manifests[snap_id] = data
                 listed = listings[snap_id] = _in_order(Manifest.decode(data, snap_id))
-                known = store.remote_chunks(listed)
+                known = remote_chunks(store, listed)
                 if any(d not in known and not self.chunks.path(d).exists() for d in listed):
                     # only in the tier, and this home forgot where (a collection it could
                     # not follow): the state's places, sent with it before, say so again
                     self._learn_places("states", snap_id)
-                    known = store.remote_chunks(listed)
+                    known = remote_chunks(store, listed)
                 todo.append([d for d in listed if d not in known])
             if states is None:
-                todo.append(store.unpushed_chunks())
+                todo.append(unpushed_chunks(store))
             # each state's chunks in packs of their own, so that a state removed leaves
             # whole packs to delete, not bits of packs other states still need
             with PackWriter(self.tier, self._sent) as writer:
@@ -192,15 +192,15 @@ class Remote:
                             writer.add(d, packed)
                     writer.flush()
             for snap_id, data in manifests.items():
-                places = encode_places(store.tier_places(listings[snap_id]))
+                places = encode_places(packs.tier_places(store, listings[snap_id]))
                 self.tier.put(self.tier.key("places", "states", snap_id), places)
                 self.tier.put(self.tier.key("states", snap_id), data)
-                store.mark_pushed(state=snap_id)
+                mark_pushed(store, state=snap_id)
         return PushReport(writer.chunks, writer.bytes, len(manifests), 0, round(time.monotonic() - t0, 3))
 
     def _sent(self, places: dict[bytes, Place]) -> None:
         """A pack is in the tier: its chunks are the tier's now."""
-        self.rt.store.add_places(places)
+        packs.add_places(self.rt.store, places)
         crash_point("remote.mid-push")
         self.touch()
 
@@ -258,7 +258,7 @@ class Remote:
             return 0, 0
         self.push(cold)
         goes = set().union(*(Manifest.decode(manifests[c], c).digests() for c in cold)) - warm
-        goes &= store.remote_chunks(goes)
+        goes &= remote_chunks(store, goes)
         count = freed = 0
         with self.chunks.collecting():  # nobody reads or counts on a chunk file as it goes
             for d in goes:
@@ -355,7 +355,7 @@ class Remote:
         name = digest(encoded).hex()
         if not self.tier.exists(self.tier.key("files", name)):
             wanted = [(i, d) for i, d in enumerate(image.digests) if d is not None]
-            known = self.rt.store.remote_chunks({d for _, d in wanted})
+            known = remote_chunks(self.rt.store, {d for _, d in wanted})
             import zstandard
 
             compress = zstandard.ZstdCompressor(level=3, write_content_size=True).compress
@@ -364,7 +364,7 @@ class Remote:
                     if d not in known and d not in writer.seen:
                         self.touch()  # a large disk's file takes a while: the lock must not look dead
                         writer.add(d, compress(os.pread(f.fileno(), CHUNK, i * CHUNK)))
-            places = self.rt.store.tier_places(d for _, d in wanted)
+            places = packs.tier_places(self.rt.store, [d for _, d in wanted])
             self.tier.put(self.tier.key("places", "files", name), encode_places(places))
             self.tier.put(self.tier.key("files", name), encoded)
         sent = _sent_files(self.chunks.root)
@@ -429,7 +429,7 @@ class Remote:
         chunk is an object of its own, as older homes sent them)."""
         found = self.tier.get(self.tier.key("places", kind, name))
         if found is not None:
-            self.rt.store.add_places(decode_places(found[0], f"{kind[:-1]} {name}"))
+            packs.add_places(self.rt.store, decode_places(found[0], f"{kind[:-1]} {name}"))
 
     def _find_box(self, key: str) -> dict[str, Any]:
         if re.fullmatch(r"[0-9a-f]{12}", key):
@@ -562,6 +562,76 @@ def _in_order(m: Manifest) -> list[bytes]:
     """The chunks a manifest lists, each once, in its order (a memory image's by address)."""
     images = (d for image in m.images for d in image.digests if d is not None)
     return list(dict.fromkeys(itertools.chain(images, (d for s in m.streams for d in s.digests))))
+
+
+# -- what this home knows the tier holds (the ``chunks`` and ``states`` tables' ``remote`` and
+# ``pushed`` columns, ``tier_chunks``): functions that take the store first, as ``BoxStore``'s
+# methods do, so that ``AsyncStore.call`` runs them
+
+
+def unpushed_chunks(store: BoxStore, limit: int = 10_000) -> list[bytes]:
+    """Chunks some state lists that the storage tier does not hold yet."""
+    with store.reading() as db:
+        rows = db.execute(
+            "SELECT digest FROM chunks WHERE remote = 0 AND refs > 0 LIMIT ?", (limit,)
+        ).fetchall()
+    return [bytes(r[0]) for r in rows]
+
+
+def unpushed_states(store: BoxStore) -> list[str]:
+    with store.reading() as db:
+        return [r[0] for r in db.execute("SELECT id FROM states WHERE pushed = 0")]
+
+
+def mark_pushed(store: BoxStore, *, chunks: Sequence[bytes] = (), state: str | None = None) -> None:
+    """The tier holds these chunks (and this state's manifest) now."""
+    with store.transaction() as db:
+        db.executemany("UPDATE chunks SET remote = 1 WHERE digest = ?", [(d,) for d in chunks])
+        if state is not None:
+            db.execute("UPDATE states SET pushed = 1 WHERE id = ?", (state,))
+
+
+def remote_chunks(store: BoxStore, digests: Collection[bytes]) -> set[bytes]:
+    """Which of ``digests`` the tier holds (as far as this home knows: a collection of
+    the tier it has not caught up with yet may have deleted some)."""
+    out: set[bytes] = set()
+    with store.reading() as db:
+        for d in digests:
+            if db.execute(
+                "SELECT 1 FROM chunks WHERE digest = ? AND remote = 1 "
+                "UNION ALL SELECT 1 FROM tier_chunks WHERE digest = ? "
+                "UNION ALL SELECT 1 FROM tier_places WHERE digest = ?",
+                (d, d, d),
+            ).fetchone():
+                out.add(d)
+    return out
+
+
+def forget_remote(
+    store: BoxStore,
+    *,
+    chunks: Collection[bytes] | None = None,
+    states: Collection[str] | None = None,
+    everything: bool = False,
+) -> None:
+    """The tier no longer holds these chunks and states' manifests (a collection of
+    the tier deleted them), or any (``everything``): what a push sends again."""
+    with store.transaction() as db:
+        if everything:
+            db.execute("UPDATE chunks SET remote = 0 WHERE remote = 1")
+            db.execute("UPDATE states SET pushed = 0 WHERE pushed = 1")
+            db.execute("DELETE FROM tier_chunks")
+            db.execute("DELETE FROM tier_places")
+            return
+        db.executemany("UPDATE chunks SET remote = 0 WHERE digest = ?", [(d,) for d in chunks or ()])
+        db.executemany("DELETE FROM tier_chunks WHERE digest = ?", [(d,) for d in chunks or ()])
+        db.executemany("DELETE FROM tier_places WHERE digest = ?", [(d,) for d in chunks or ()])
+        db.executemany("UPDATE states SET pushed = 0 WHERE id = ?", [(i,) for i in states or ()])
+
+
+def pushed_states(store: BoxStore) -> set[str]:
+    with store.reading() as db:
+        return {r[0] for r in db.execute("SELECT id FROM states WHERE pushed = 1")}
 
 
 __all__ = ["PushReport", "Remote"]

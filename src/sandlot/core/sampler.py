@@ -18,6 +18,7 @@ from ..protocol.wire import ControlOp
 from .metrics import (
     ASK_TIMEOUT,
     IDLE_ROUNDS,
+    add_samples,
     every,
     guest_every,
     guest_figures,
@@ -25,7 +26,6 @@ from .metrics import (
     metrics_lock,
     pss_bytes,
 )
-from .store import BoxStore
 
 log = logging.getLogger("sandlot")
 IDLE_S = 30.0  # seconds without a VM in the home before the sampler exits (and IDLE_ROUNDS rounds)
@@ -79,7 +79,7 @@ async def sample_home(core: Any, asked: dict[str, float] | None = None) -> int:
     taken = await asyncio.gather(*(sample_box(core, r, ask[r.id]) for r in due), return_exceptions=True)
     rows = [(r.id, s) for r, s in zip(due, taken, strict=True) if isinstance(s, dict)]
     if rows:
-        await core.db.call_unless_full(BoxStore.add_samples, rows, keep_s())
+        await core.db.call_unless_full(add_samples, rows, keep_s())
     return len(boxes)
 
 

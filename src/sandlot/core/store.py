@@ -11,8 +11,23 @@ database from version n to n+1 (SQL, or a function for data that moves), and a
 database newer than this code is refused rather than misread.
 
 Only the core writes here, and a box's ``state`` only through
-``BoxController.transition`` and recovery. The ``keys`` and ``audit`` tables
-belong to ``core.access`` (the API keys and audit trail of ``sandlot serve``).
+``BoxController.transition`` and recovery.
+
+The schema is one; its tables are kept by the modules that own them, each on this
+store's one connection and in its transactions (``BoxStore.transaction``,
+``BoxStore.reading``), with functions that take the store first so that
+``AsyncStore.call`` runs them on the store's thread, typed:
+
+- ``boxes``, ``snapshots``, ``states``, ``events``, ``records``, ``deliveries``: here
+  (``BoxStore``): a box's row, its snapshots and its events change together;
+- ``volumes``: ``core.volumes`` (a box's hold on one is written with the box's row, here);
+- ``chunks``, ``counters``: ``core.chunks`` (a state counts its chunks with its row, here);
+- ``tier_places``: ``core.packs``; ``tier_chunks`` and what a push marks: ``core.remote``;
+- ``metrics``: ``core.metrics``; ``steps``: ``core.timeline``;
+- ``keys``, ``audit``: ``core.access``; ``previews``: ``core.previews``; ``leases``:
+  ``core.leases``.
+
+A box's removal deletes its rows of every table in its own transaction (``delete``).
 """
 
 from __future__ import annotations
@@ -29,9 +44,9 @@ import time
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, TypeVar
+from typing import Any, Concatenate, ParamSpec, TypeVar
 
 from .. import pids, records
 from ..config import free_bytes
@@ -53,9 +68,6 @@ from .events import Draft, Event
 from .events import draft as draft_event
 from .manifest import digests_of as manifest_digests
 from .state import BORN, BoxState, allowed
-
-if TYPE_CHECKING:
-    from .packs import Place
 
 # Room the store keeps for itself (BoxStore.hold_room): a file of its own, given up when
 # a write finds the filesystem full so that the write is tried again and the rows saying
@@ -399,37 +411,6 @@ class SnapshotRecord:
 
     def to_json(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
-
-
-@dataclass(frozen=True, slots=True)
-class VolumeRecord:
-    """A named volume (``core.volumes``): an ext4 filesystem in a chain of disk layers,
-    or (``kind`` "shared") a directory that boxes share live."""
-
-    id: str
-    name: str
-    size: int  # bytes (0: a shared volume, which has the size of the host's filesystem)
-    layer: str  # its frozen head: what a box that mounts it next starts from; or its directory
-    created_at: float
-    labels: dict[str, str] = field(default_factory=dict)
-    holder: str | None = None  # the box that writes it back when removed (``copy`` mode)
-    kind: str = "disk"  # or "shared"
-
-    def to_json(self) -> dict[str, Any]:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
-
-
-def _volume_row(r: sqlite3.Row) -> VolumeRecord:
-    d = dict(r)
-    d["labels"] = json.loads(d["labels"])
-    return VolumeRecord(**d)
-
-
-def _mounts(box: BoxRecord, volume_id: str, volume: sqlite3.Row) -> bool:
-    """Whether ``box`` mounts the volume: a top over its layers, or its directory shared."""
-    if volume["kind"] == "shared":
-        return any(str(v[0]) == volume["layer"] for v in box.options.get("volumes", []))
-    return any(d.get("volume") == volume_id for d in box.drives)
 
 
 P = ParamSpec("P")
@@ -872,52 +853,6 @@ class BoxStore:
                     (d["top"], d["volume"], rec.id),
                 )
 
-    def insert_volume(self, rec: VolumeRecord) -> VolumeRecord:
-        d = rec.to_json() | {"labels": json.dumps(rec.labels)}
-        try:
-            with self._tx() as db:
-                insert_row(db, "volumes", d)
-        except sqlite3.IntegrityError:
-            raise InvalidArgument(f"a volume named {rec.name!r} already exists") from None
-        return rec
-
-    def volumes(self) -> builtins.list[VolumeRecord]:
-        with self._reading():
-            rows = self._db.execute("SELECT * FROM volumes ORDER BY created_at").fetchall()
-        return [_volume_row(r) for r in rows]
-
-    def get_volume(self, key: str) -> VolumeRecord:
-        """By exact name or id."""
-        if not isinstance(key, str) or not key:
-            raise InvalidArgument(f"a volume name or id is needed, not {key!r}")
-        with self._reading():
-            row = self._db.execute("SELECT * FROM volumes WHERE name = ? OR id = ?", (key, key)).fetchone()
-        if row is None:
-            raise VolumeNotFound(f"no volume {key!r} (sandlot.volume.create({key!r}) makes one)")
-        return _volume_row(row)
-
-    def mounting(self, volume_id: str) -> builtins.list[BoxRecord]:
-        """The boxes that mount a volume, in any mode and state."""
-        with self._reading():
-            row = self._db.execute("SELECT layer, kind FROM volumes WHERE id = ?", (volume_id,)).fetchone()
-        return [b for b in self.list() if row is not None and _mounts(b, volume_id, row)]
-
-    def delete_volume(self, volume_id: str) -> None:
-        """Delete a volume's row, refused while any box mounts it (checked in the same
-        transaction). Its layers go with the next ``layers.gc`` that no snapshot stops."""
-        with self._tx() as db:
-            row = db.execute("SELECT name, layer, kind FROM volumes WHERE id = ?", (volume_id,)).fetchone()
-            if row is None:
-                return
-            boxes = [box_of_row(r) for r in db.execute("SELECT * FROM boxes").fetchall()]
-            users = [b.name for b in boxes if _mounts(b, volume_id, row)]
-            if users:
-                name = row["name"]
-                raise VolumeInUse(
-                    f"volume {name!r} is mounted by {', '.join(users)}: remove those boxes first", boxes=users
-                )
-            db.execute("DELETE FROM volumes WHERE id = ?", (volume_id,))
-
     def volume_layers(self) -> builtins.list[Path]:
         """The head of every volume made of layers (each keeps its chain)."""
         with self._reading():
@@ -1160,36 +1095,6 @@ class BoxStore:
                 (cursor, time.time(), target, me, my_start, cursor),
             )
 
-    # -- metrics (``core.metrics``) ---------------------------------------------------------
-
-    def add_samples(self, rows: Sequence[tuple[str, dict[str, Any]]], keep_s: float) -> None:
-        """Add one sample per (box id, sample), and drop those older than ``keep_s``."""
-        with self._tx(durable=False) as db:
-            db.executemany("INSERT INTO metrics (box_id, at, sample) VALUES (?, ?, ?)",
-                           [(box_id, s["at"], json.dumps(s)) for box_id, s in rows])  # fmt: skip
-            db.execute("DELETE FROM metrics WHERE at < ?", (time.time() - keep_s,))
-
-    def samples(
-        self, box_id: str, *, since: float | None = None, limit: int = 10_000
-    ) -> builtins.list[dict[str, Any]]:
-        """A box's samples, oldest first: from Unix time ``since``, the newest ``limit``."""
-        with self._reading():
-            rows = self._db.execute(
-                "SELECT sample FROM (SELECT sample, at FROM metrics WHERE box_id = ? AND at >= ? "
-                "ORDER BY at DESC LIMIT ?) ORDER BY at",
-                (box_id, since if since is not None else 0.0, limit),
-            ).fetchall()
-        return [json.loads(r[0]) for r in rows]
-
-    def latest_samples(self) -> dict[str, dict[str, Any]]:
-        """Each box's newest sample (box id: sample)."""
-        with self._reading():
-            rows = self._db.execute(
-                "SELECT m.box_id, m.sample FROM metrics m JOIN (SELECT box_id, MAX(at) AS at FROM metrics "
-                "GROUP BY box_id) last ON m.box_id = last.box_id AND m.at = last.at"
-            ).fetchall()
-        return {r[0]: json.loads(r[1]) for r in rows}
-
     def last_event_id(self) -> int:
         with self._reading():
             row = self._db.execute("SELECT seq FROM sqlite_sequence WHERE name = 'events'").fetchone()
@@ -1342,159 +1247,6 @@ class BoxStore:
         with self._reading():
             return {r[0]: bytes(r[1]) for r in self._db.execute("SELECT id, manifest FROM states")}
 
-    def unpushed_chunks(self, limit: int = 10_000) -> builtins.list[bytes]:
-        """Chunks some state lists that the storage tier does not hold yet."""
-        with self._reading():
-            rows = self._db.execute(
-                "SELECT digest FROM chunks WHERE remote = 0 AND refs > 0 LIMIT ?", (limit,)
-            ).fetchall()
-        return [bytes(r[0]) for r in rows]
-
-    def unpushed_states(self) -> builtins.list[str]:
-        with self._reading():
-            return [r[0] for r in self._db.execute("SELECT id FROM states WHERE pushed = 0")]
-
-    def mark_pushed(self, *, chunks: Sequence[bytes] = (), state: str | None = None) -> None:
-        """The tier holds these chunks (and this state's manifest) now."""
-        with self._tx() as db:
-            db.executemany("UPDATE chunks SET remote = 1 WHERE digest = ?", [(d,) for d in chunks])
-            if state is not None:
-                db.execute("UPDATE states SET pushed = 1 WHERE id = ?", (state,))
-
-    def remote_chunks(self, digests: Collection[bytes]) -> builtins.set[bytes]:
-        """Which of ``digests`` the tier holds (as far as this home knows: a collection of
-        the tier it has not caught up with yet may have deleted some)."""
-        out: builtins.set[bytes] = set()
-        with self._reading():
-            for d in digests:
-                if self._db.execute(
-                    "SELECT 1 FROM chunks WHERE digest = ? AND remote = 1 "
-                    "UNION ALL SELECT 1 FROM tier_chunks WHERE digest = ? "
-                    "UNION ALL SELECT 1 FROM tier_places WHERE digest = ?",
-                    (d, d, d),
-                ).fetchone():
-                    out.add(d)
-        return out
-
-    def forget_remote(
-        self,
-        *,
-        chunks: Collection[bytes] | None = None,
-        states: Collection[str] | None = None,
-        everything: bool = False,
-    ) -> None:
-        """The tier no longer holds these chunks and states' manifests (a collection of
-        the tier deleted them), or any (``everything``): what a push sends again."""
-        with self._tx() as db:
-            if everything:
-                db.execute("UPDATE chunks SET remote = 0 WHERE remote = 1")
-                db.execute("UPDATE states SET pushed = 0 WHERE pushed = 1")
-                db.execute("DELETE FROM tier_chunks")
-                db.execute("DELETE FROM tier_places")
-                return
-            db.executemany("UPDATE chunks SET remote = 0 WHERE digest = ?", [(d,) for d in chunks or ()])
-            db.executemany("DELETE FROM tier_chunks WHERE digest = ?", [(d,) for d in chunks or ()])
-            db.executemany("DELETE FROM tier_places WHERE digest = ?", [(d,) for d in chunks or ()])
-            db.executemany("UPDATE states SET pushed = 0 WHERE id = ?", [(i,) for i in states or ()])
-
-    def add_places(self, places: Mapping[bytes, Place]) -> None:
-        """Where the tier keeps these chunks (``core.packs``), as a pack sent or a state's
-        places read told: their rows say the tier holds them too."""
-        rows = [(d, p.pack, p.offset, p.length) for d, p in places.items()]
-        with self._tx() as db:
-            db.executemany("INSERT OR REPLACE INTO tier_places (digest, pack, offset, length) "
-                           "VALUES (?, ?, ?, ?)", rows)  # fmt: skip
-            db.executemany("UPDATE chunks SET remote = 1 WHERE digest = ?", [(r[0],) for r in rows])
-
-    def tier_places(self, digests: Iterable[bytes]) -> dict[bytes, Place]:
-        """Where the tier keeps those of ``digests`` this home knows of in a pack."""
-        from .packs import Place
-
-        out: dict[bytes, Place] = {}
-        batch = list(dict.fromkeys(digests))
-        with self._reading():
-            for i in range(0, len(batch), 500):
-                part = batch[i : i + 500]
-                marks = ",".join("?" * len(part))
-                for r in self._db.execute(
-                    f"SELECT digest, pack, offset, length FROM tier_places WHERE digest IN ({marks})", part
-                ):
-                    out[bytes(r[0])] = Place(bytes(r[1]), int(r[2]), int(r[3]))
-        return out
-
-    def pushed_states(self) -> builtins.set[str]:
-        with self._reading():
-            return {r[0] for r in self._db.execute("SELECT id FROM states WHERE pushed = 1")}
-
-    def forget_chunks(self) -> builtins.list[bytes]:
-        """Delete the rows of the chunks no state lists; their digests (the caller, who
-        holds the chunk store exclusively, deletes their files). Of those the storage tier
-        holds, that it does is kept (``tier_chunks``): a box's next state, which shares
-        most of its chunks with the last (a box that sleeps, wakes and sleeps again), sends
-        only what it changed."""
-        with self._reading():  # most calls find none: no write transaction (and its fsync) then
-            if self._db.execute("SELECT 1 FROM chunks WHERE refs <= 0 LIMIT 1").fetchone() is None:
-                return []
-        with self._tx() as db:
-            rows = db.execute("DELETE FROM chunks WHERE refs <= 0 RETURNING digest, remote").fetchall()
-            kept = [(r[0],) for r in rows if r[1]]
-            db.executemany("INSERT OR IGNORE INTO tier_chunks (digest) VALUES (?)", kept)
-        return [bytes(r[0]) for r in rows]
-
-    def listed_chunks(self, digests: builtins.set[bytes]) -> builtins.set[bytes]:
-        """Which of ``digests`` a saved state lists."""
-        found: builtins.set[bytes] = builtins.set()
-        batch = sorted(digests)
-        with self._reading():
-            for at in range(0, len(batch), 500):
-                part = batch[at : at + 500]
-                marks = ",".join("?" * len(part))
-                rows = self._db.execute(f"SELECT digest FROM chunks WHERE digest IN ({marks})", part)
-                found.update(bytes(r[0]) for r in rows)
-        return found
-
-    def chunk_digests(self) -> builtins.set[bytes]:
-        with self._reading():
-            return {bytes(r[0]) for r in self._db.execute("SELECT digest FROM chunks")}
-
-    def add_counters(self, add: dict[str, int]) -> None:
-        """Add to the home's running totals (a counter never goes down)."""
-        add = {k: n for k, n in add.items() if n > 0}
-        if not add:
-            return
-        with self._tx(durable=False) as db:
-            db.executemany(
-                "INSERT INTO counters (name, value) VALUES (?, ?) "
-                "ON CONFLICT (name) DO UPDATE SET value = value + excluded.value",
-                builtins.list(add.items()),
-            )
-
-    def counters(self) -> dict[str, int]:
-        with self._reading():
-            return {r[0]: int(r[1]) for r in self._db.execute("SELECT name, value FROM counters")}
-
-    def chunk_totals(self) -> dict[str, int]:
-        """The chunk store's figures: chunks kept and the bytes they take, the bytes the
-        states they make up would take without sharing (each state's listed chunks
-        counted once per state), and those of chunks no state lists any more."""
-        with self._reading():
-            live = self._db.execute(
-                "SELECT COUNT(*), COALESCE(SUM(stored), 0), COALESCE(SUM(stored * refs), 0) "
-                "FROM chunks WHERE refs > 0"
-            ).fetchone()
-            dead = self._db.execute(
-                "SELECT COUNT(*), COALESCE(SUM(stored), 0) FROM chunks WHERE refs <= 0"
-            ).fetchone()
-            states = self._db.execute("SELECT COUNT(*) FROM states").fetchone()[0]
-            remote = self._db.execute(
-                "SELECT COUNT(*), COALESCE(SUM(stored), 0) FROM chunks WHERE refs > 0 AND remote = 1"
-            ).fetchone()
-            pushed = self._db.execute("SELECT COUNT(*) FROM states WHERE pushed = 1").fetchone()[0]
-        return {"states": int(states), "chunks": int(live[0]), "stored_bytes": int(live[1]),
-                "unshared_bytes": int(live[2]), "garbage_chunks": int(dead[0]),
-                "garbage_bytes": int(dead[1]), "remote_chunks": int(remote[0]),
-                "remote_bytes": int(remote[1]), "pushed_states": int(pushed)}  # fmt: skip
-
 
 class AsyncStore:
     """The store for async code: each call runs on the store's own thread, in order,
@@ -1512,7 +1264,7 @@ class AsyncStore:
         self, method: Callable[Concatenate[BoxStore, P], R], *args: P.args, **kwargs: P.kwargs
     ) -> R:
         """``method(store, *args, **kwargs)`` on the store's thread: ``method`` is one of
-        ``BoxStore``'s (``db.call(BoxStore.samples, box_id)``), its arguments and result
+        ``BoxStore``'s (``db.call(BoxStore.get, box_id)``), its arguments and result
         typed as that method's."""
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._pool, lambda: self._run(method, args, kwargs))

@@ -33,22 +33,25 @@ rollback or a fork mounts it again as it is then. Its size is the host filesyste
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import secrets
 import shutil
+import sqlite3
 import subprocess
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
 from ..config import tree_bytes
-from ..errors import HostSetupError, InvalidArgument, SavedStateError, VolumeNotFound, no_space
+from ..errors import HostSetupError, InvalidArgument, SavedStateError, VolumeInUse, VolumeNotFound, no_space
 from . import layers
+from .boxrecord import box_of_row
 from .option_values import Mount, Volume, is_volume_name
 from .spec import BoxSpec
-from .store import BoxRecord, BoxStore, SnapshotRecord, VolumeRecord
+from .store import BoxRecord, BoxStore, SnapshotRecord, insert_row
 
 GiB = 1 << 30
 DEFAULT_SIZE_GB = 10
@@ -144,7 +147,7 @@ def create(home: Path, store: BoxStore, name: str, size_gb: float | None = None,
     size = 0 if shared else check_size(DEFAULT_SIZE_GB if size_gb is None else size_gb)
     tags = check_labels(labels)
     with contextlib.suppress(VolumeNotFound):
-        store.get_volume(name)
+        get_volume(store, name)
         raise InvalidArgument(f"a volume named {name!r} already exists")
     if shared:
         return _create_shared(home, store, name, tags)
@@ -158,7 +161,7 @@ def create(home: Path, store: BoxStore, name: str, size_gb: float | None = None,
     rec = VolumeRecord(id=f"vol-{secrets.token_hex(6)}", name=name, size=size, layer=str(head),
                        created_at=time.time(), labels=tags)  # fmt: skip
     try:
-        return store.insert_volume(rec)
+        return insert_volume(store, rec)
     except BaseException:
         head.unlink(missing_ok=True)
         base.unlink(missing_ok=True)
@@ -168,7 +171,7 @@ def create(home: Path, store: BoxStore, name: str, size_gb: float | None = None,
 def _create_shared(home: Path, store: BoxStore, name: str, labels: dict[str, str]) -> VolumeRecord:
     top = shared_dir(home)
     top.mkdir(parents=True, exist_ok=True)
-    named = {Path(v.layer).name for v in store.volumes() if v.kind == "shared"}
+    named = {Path(v.layer).name for v in volume_rows(store) if v.kind == "shared"}
     for left in top.iterdir():  # a crash between a removal's row and its files
         if left.name not in named and left.name.startswith("vol-"):
             shutil.rmtree(left, ignore_errors=True)
@@ -177,7 +180,7 @@ def _create_shared(home: Path, store: BoxStore, name: str, labels: dict[str, str
     where = top / rec.id
     where.mkdir(mode=0o755)
     try:
-        return store.insert_volume(replace(rec, layer=str(where)))
+        return insert_volume(store, replace(rec, layer=str(where)))
     except BaseException:
         shutil.rmtree(where, ignore_errors=True)
         raise
@@ -189,17 +192,17 @@ def shared_dir(home: Path) -> Path:
 
 
 def inspect(store: BoxStore, key: str) -> VolumeInfo:
-    rec = store.get_volume(key)
+    rec = get_volume(store, key)
     if rec.kind == "shared":
         users = [
             {"name": b.name, "id": b.id, "mode": "ro" if v[2] else "shared", "state": b.state}
-            for b in store.mounting(rec.id)
+            for b in mounting(store, rec.id)
             for v in b.options.get("volumes", [])
             if v[0] == rec.layer
         ]
         return VolumeInfo(rec, users, None, tree_bytes(Path(rec.layer)))
     boxes, holder, tops = [], None, [Path(rec.layer)]
-    for b in store.mounting(rec.id):
+    for b in mounting(store, rec.id):
         for d, m in zip(b.drives, mounts_of(b), strict=False):
             if d.get("volume") == rec.id:
                 boxes.append({"name": b.name, "id": b.id, "mode": m.mode, "state": b.state})
@@ -228,8 +231,8 @@ def remove(home: Path, store: BoxStore, key: str) -> None:
     keep them (a box started from one has its copy); the rest of its files go now. A
     shared volume's directory goes with it: a snapshot that shared it names it, and a
     box started from one is refused."""
-    rec = store.get_volume(key)
-    store.delete_volume(rec.id)
+    rec = get_volume(store, key)
+    delete_volume(store, rec.id)
     if rec.kind == "shared":
         shutil.rmtree(rec.layer, ignore_errors=True)
         return
@@ -241,7 +244,7 @@ def resolve(store: BoxStore, spec: BoxSpec) -> None:
     unless given), and a shared volume's directory, which becomes one of its shares."""
     disks: list[Mount] = []
     for m in spec.mounts:
-        vol = store.get_volume(m.volume)
+        vol = get_volume(store, m.volume)
         if vol.kind == "shared":
             if m.mode not in ("", "shared", "ro"):
                 raise InvalidArgument(
@@ -269,7 +272,7 @@ def tops_for(home: Path, store: BoxStore, mounts: list[Mount]) -> list[dict[str,
     try:
         for i, m in enumerate(mounts):
             assert m.mode in ("copy", "ro"), m  # resolved
-            vol = store.get_volume(m.volume)
+            vol = get_volume(store, m.volume)
             top = layers.new_layer(home, Path(vol.layer))
             drives.append({"volume": vol.id, "serial": serial(i), "top": str(top), "holds": m.mode == "copy"})
     except BaseException:
@@ -299,3 +302,88 @@ def tops_from(home: Path, snap: SnapshotRecord) -> list[dict[str, Any]]:
 def serial(index: int) -> str:
     """The serial (and QEMU drive id) of a box's ``index``-th volume."""
     return f"sandlot-vol{index}"
+
+
+# -- the ``volumes`` table: functions that take the store first, as ``BoxStore``'s methods
+# do, so that ``AsyncStore.call`` runs them on the store's thread (a box's hold on a
+# volume is written with the box's own row: ``BoxStore.insert`` and ``delete``)
+
+
+@dataclass(frozen=True, slots=True)
+class VolumeRecord:
+    """A named volume: an ext4 filesystem in a chain of disk layers, or (``kind``
+    "shared") a directory that boxes share live."""
+
+    id: str
+    name: str
+    size: int  # bytes (0: a shared volume, which has the size of the host's filesystem)
+    layer: str  # its frozen head: what a box that mounts it next starts from; or its directory
+    created_at: float
+    labels: dict[str, str] = field(default_factory=dict)
+    holder: str | None = None  # the box that writes it back when removed (``copy`` mode)
+    kind: str = "disk"  # or "shared"
+
+    def to_json(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+def _volume_row(r: sqlite3.Row) -> VolumeRecord:
+    d = dict(r)
+    d["labels"] = json.loads(d["labels"])
+    return VolumeRecord(**d)
+
+
+def _mounts(box: BoxRecord, volume_id: str, volume: sqlite3.Row) -> bool:
+    """Whether ``box`` mounts the volume: a top over its layers, or its directory shared."""
+    if volume["kind"] == "shared":
+        return any(str(v[0]) == volume["layer"] for v in box.options.get("volumes", []))
+    return any(d.get("volume") == volume_id for d in box.drives)
+
+
+def insert_volume(store: BoxStore, rec: VolumeRecord) -> VolumeRecord:
+    d = rec.to_json() | {"labels": json.dumps(rec.labels)}
+    try:
+        with store.transaction() as db:
+            insert_row(db, "volumes", d)
+    except sqlite3.IntegrityError:
+        raise InvalidArgument(f"a volume named {rec.name!r} already exists") from None
+    return rec
+
+
+def volume_rows(store: BoxStore) -> list[VolumeRecord]:
+    with store.reading() as db:
+        rows = db.execute("SELECT * FROM volumes ORDER BY created_at").fetchall()
+    return [_volume_row(r) for r in rows]
+
+
+def get_volume(store: BoxStore, key: str) -> VolumeRecord:
+    """By exact name or id."""
+    if not isinstance(key, str) or not key:
+        raise InvalidArgument(f"a volume name or id is needed, not {key!r}")
+    with store.reading() as db:
+        row = db.execute("SELECT * FROM volumes WHERE name = ? OR id = ?", (key, key)).fetchone()
+    if row is None:
+        raise VolumeNotFound(f"no volume {key!r} (sandlot.volume.create({key!r}) makes one)")
+    return _volume_row(row)
+
+
+def mounting(store: BoxStore, volume_id: str) -> list[BoxRecord]:
+    """The boxes that mount a volume, in any mode and state."""
+    with store.reading() as db:
+        row = db.execute("SELECT layer, kind FROM volumes WHERE id = ?", (volume_id,)).fetchone()
+    return [b for b in store.list() if row is not None and _mounts(b, volume_id, row)]
+
+
+def delete_volume(store: BoxStore, volume_id: str) -> None:
+    """Delete a volume's row, refused while any box mounts it (checked in the same
+    transaction). Its layers go with the next ``layers.gc`` that no snapshot stops."""
+    with store.transaction() as db:
+        row = db.execute("SELECT name, layer, kind FROM volumes WHERE id = ?", (volume_id,)).fetchone()
+        if row is None:
+            return
+        boxes = [box_of_row(r) for r in db.execute("SELECT * FROM boxes").fetchall()]
+        users = [b.name for b in boxes if _mounts(b, volume_id, row)]
+        if users:
+            what = f"volume {row['name']!r} is mounted by {', '.join(users)}"
+            raise VolumeInUse(f"{what}: remove those boxes first", boxes=users)
+        db.execute("DELETE FROM volumes WHERE id = ?", (volume_id,))
