@@ -381,6 +381,24 @@ def test_events_ports_and_watches(side: Side) -> None:
             box.files.watch("/tmp").start()
 
 
+def test_a_followed_console_goes_on_as_it_grows_and_ends_with_its_box(side: Side) -> None:
+    box = side.new(keep=True)
+    box.start()
+    assert side.home is not None
+    console = sandlot.Runtime.for_home(side.home).box_dir(box.id) / "console.log"
+    followed = box.follow_logs(lines=1)
+    assert next(followed) == "sandlot-agent: ready\n"  # its last line
+    with console.open("a") as f:
+        f.write("caf\u00e9 later\n")
+    seen = ""
+    while "later" not in seen:
+        seen += next(followed)
+    assert seen == "caf\u00e9 later\n"
+    box.stop()
+    assert list(followed) == []  # the box stopped: the stream ended
+    box.remove(force=True)
+
+
 def test_what_a_transport_cannot_do_is_a_typed_error_naming_it(side: Side) -> None:
     with side.new() as box:
         if side.kind == "local":
@@ -443,25 +461,35 @@ def test_a_fleet_node_serves_every_operation(tmp_path: Path, monkeypatch: pytest
                 continue
             if op.result.kind != "text":
                 op.result.decode(reply["ok"])  # the driver reads it back
-        # what a node streams ends with a typed error where it fails
-        for kind, body in (("read", {"path": "/no/such"}), ("archive", {"path": "/no/such"}),
-                           ("read", {"path": "relative"}), ("bogus", {})):  # fmt: skip
-            *_, last = [m async for m in node.stream(kind, key, body)]
-            assert isinstance(sandlot.errors.from_dict(last["error"]), sandlot.SandlotError), kind
-        cell = [m async for m in node.stream("code", key, {"code": "1", "language": "python"})]
+        # what a node streams ends with a typed error where it fails (a stream the table lacks too)
+        failing = (
+            ("files.read", {"path": "/no/such"}),
+            ("files.get_archive", {"path": "/no/such"}),
+            ("files.read", {"path": "relative"}),
+            ("bogus", {}),
+            ("files.write", {"path": "/tmp/x"}),
+        )
+        for stream, body in failing:
+            *_, last = [m async for m in node.stream(stream, key, body)]
+            assert isinstance(sandlot.errors.from_dict(last["error"]), sandlot.SandlotError), stream
+        cell = [m async for m in node.stream("box.run_code", key, {"code": "1", "language": "python"})]
         assert cell and cell[-1]["type"] in ("execution", "error")
-        # uploads: chunks in, the write's answer at the end; a write that fails says why (it
-        # does not leave the driver waiting); one given up is gone
-        up = (await node.upload_begin(key, "file", {"path": "/tmp/up.txt"}))["ok"]
+        console = node.stream("box.follow_logs", key, {"lines": 5})  # a running box's goes on
+        assert isinstance(await anext(console), bytes)
+        await console.aclose()
+        # uploads: chunks in, the write's answer at the end (the file's description); a write
+        # that fails says why (it does not leave the driver waiting); one given up is gone
+        up = (await node.upload_begin(key, "files.write", {"path": "/tmp/up.txt"}))["ok"]
         assert "error" not in await node.upload_chunk(up, b"hello ")
         assert "error" not in await node.upload_chunk(up, b"node")
-        assert (await node.upload_end(up))["ok"] == 10
-        up = (await node.upload_begin(key, "file", {"path": "/tmp/up.txt", "exclusive": True}))["ok"]
+        assert (await node.upload_end(up))["ok"]["size"] == 10
+        up = (await node.upload_begin(key, "files.write", {"path": "/tmp/up.txt", "exclusive": True}))["ok"]
         replies = [await node.upload_chunk(up, b"x" * 1000) for _ in range(8)]
         replies.append(await asyncio.wait_for(node.upload_end(up), 30))
         errors = [sandlot.errors.from_dict(r["error"]) for r in replies if "error" in r]
         assert errors and isinstance(errors[0], FileExistsError | sandlot.SandlotError), replies
-        up = (await node.upload_begin(key, "archive", {"path": "/tmp/tree"}))["ok"]
+        assert "error" in await node.upload_begin(key, "files.read", {"path": "/tmp/x"})  # not an upload
+        up = (await node.upload_begin(key, "files.put_archive", {"path": "/tmp/tree"}))["ok"]
         assert "error" not in await node.upload_abort(up)
         assert "error" in await node.upload_end(up)
         assert not node.uploads

@@ -196,9 +196,10 @@ async def last(items: Any) -> Any:
 def test_a_nodes_streams_refuse_what_is_not_theirs(node: tuple[NodeService, str]) -> None:
     body, box = node
     for stream, why in (
-        (body.stream("shell", box, {}), "not 'shell'"),
-        (body.stream("read", box, {"path": "/x", "mode": "w"}), "mode"),
-        (body.stream("read", box, "path"), "an object"),
+        (body.stream("shell", box, {}), "no server stream 'shell'"),
+        (body.stream("files.write", box, {"path": "/x"}), "no server stream 'files.write'"),
+        (body.stream("files.read", box, {"path": "/x", "mode": "w"}), "mode"),
+        (body.stream("files.read", box, "path"), "an object"),
         (body.follow(box, "p1", (-1, 0)), "offsets"),
         (body.events({"after": "yesterday"}), "after"),
         (body.events(["box"]), "an object"),
@@ -271,8 +272,10 @@ def test_a_node_answers_a_namespaced_driver_for_its_namespace_only(
         with pytest.raises(sandlot.BoxNotFound):
             opened(loop.run(actor.send(b["id"], "p1", b"x", namespace="team-a")))
         with pytest.raises(sandlot.BoxNotFound):
-            opened(loop.run(actor.upload_begin(b["id"], "file", {"path": "/f"}, namespace="team-a")))
-        message = loop.run(last(actor.stream("read", b["id"], {"path": "/etc/hostname"}, namespace="team-a")))
+            opened(loop.run(actor.upload_begin(b["id"], "files.write", {"path": "/f"}, namespace="team-a")))
+        message = loop.run(
+            last(actor.stream("files.read", b["id"], {"path": "/etc/hostname"}, namespace="team-a"))
+        )
         assert message["type"] == "error" and message["error"]["code"] == "box_not_found", message
         assert opened(loop.run(actor.remove(b["id"], True, namespace="team-a"))) is None  # as if gone...
         for move_end in (actor.finish, actor.release, actor.hold, actor.push_box):  # the fleet's moves

@@ -89,6 +89,41 @@ def test_every_operation_has_its_route_in_the_server() -> None:
     }
 
 
+@pytest.mark.parametrize("stream", contract.STREAMS, ids=lambda s: s.key)
+def test_every_stream_is_a_primitive_served_by_its_key_and_carried_by_the_two_codecs(
+    stream: contract.Stream,
+) -> None:
+    """A stream of the table is a primitive of the backends (the facade of its scope builds
+    on it), the home that holds the box runs it by its key, and a backend elsewhere carries
+    it through its transport's two codecs alone: neither HTTP nor Ray writes it out."""
+    from sandlot.api import host
+    from sandlot.api.remote import StreamingBackend
+    from sandlot.fleet.backend import RayBackend
+
+    assert getattr(getattr(Backend, stream.name, None), "__isabstractmethod__", False), stream.key
+    assert any(stream.name in calls_in(m)[1] for m in public_methods(FACADES[stream.scope]).values()), (
+        stream.key
+    )
+    registry = host.STREAMED if stream.kind == "server" else host.TAKEN
+    assert stream.key in registry, f"the home runs no {stream.key}"
+    assert stream.name in vars(StreamingBackend), stream.key
+    for cls in (HttpBackend, RayBackend):
+        assert stream.name not in vars(cls), f"{cls.__name__} writes {stream.name} out"
+
+
+def test_every_route_of_the_table_is_its_own_and_none_is_written_over_it() -> None:
+    """One route per operation and per stream, at its method and path, made from the table;
+    a route written out by hand at the same place is refused when the server is built."""
+    from sandlot.server import routes
+
+    made = [(m, r.path, r.name) for r in routes.router.routes for m in getattr(r, "methods", ())]
+    for row in (*contract.OPERATIONS, *contract.STREAMS):
+        found = [name for m, path, name in made if (m, path) == (row.method, row.path)]
+        assert found == [f"{row.scope}_{row.name}"], (row.key, found)
+    with pytest.raises(AssertionError, match="written out by hand"):
+        routes._refuse_shadow("GET", "/boxes/{box}/files/watch", "files.watch")
+
+
 def test_every_backend_implements_every_primitive() -> None:
     from sandlot.fleet.backend import RayBackend
 

@@ -301,6 +301,11 @@ class Backend(ABC):
         raise self.unsupported("taken_over()", ref.name, "the host holds the processes: processes() and "
                                "attach() follow them again")  # fmt: skip
 
+    @abstractmethod
+    def follow_logs(self, ref: BoxRef, lines: int | None) -> AsyncIterator[bytes]:
+        """The console of the box's last boot (its last ``lines``), then what the guest
+        writes to it as it comes, until the box stops running."""
+
     # -- files ------------------------------------------------------------------------------
 
     @abstractmethod

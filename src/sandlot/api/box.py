@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import builtins
+import codecs
 import contextlib
 import os
 import socket
@@ -363,6 +364,19 @@ class AsyncBox:
         """The guest console (kernel and agent messages) of the last boot; ``lines``: its last lines."""
         text: str = await self._op("logs", lines=lines)
         return text
+
+    async def follow_logs(self, lines: int | None = None) -> AsyncIterator[str]:
+        """The guest console of the last boot (``lines``: its last lines), then what the
+        guest writes to it as it comes, until the box stops running.
+
+        >>> async for text in box.follow_logs(lines=20):           # doctest: +SKIP
+        ...     print(text, end="")
+        """
+        self._ref.need_made()
+        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        async for chunk in self._backend.follow_logs(self._ref, lines):
+            if text := decoder.decode(chunk):
+                yield text
 
     async def events(
         self, *, since: float | None = None, after: int | None = None, follow: bool = True

@@ -852,3 +852,94 @@ assert len(BY_KEY) == len(OPERATIONS), "one operation per scope and name"
 
 def operation(scope: Scope, name: str) -> Operation:
     return BY_KEY[f"{scope}.{name}"]
+
+
+# -- the streams ---------------------------------------------------------------------------
+
+StreamKind = Literal["server", "client"]
+Frames = Literal["bytes", "json"]
+
+
+@dataclass(frozen=True)
+class Stream:
+    """An operation whose answer (``kind`` "server") or request (``kind`` "client") is a
+    stream of ``frames``: bytes (a file, a tar), or JSON messages (a watch's, a cell's),
+    each NDJSON line over HTTP and an item of a Ray stream. ``name`` is the backend's
+    primitive (``Backend.read``...), which the facade of its ``scope`` builds on; the
+    home that holds the box runs it by its key (``api/host.py``'s ``STREAMED``). A
+    client stream's answer is JSON. ``noted``: a tar whose failure part way is noted in
+    the stream itself, which then ends there rather than breaking off."""
+
+    scope: Scope
+    name: str
+    kind: StreamKind
+    method: str
+    path: str
+    params: type[Strict]
+    frames: Frames
+    media_type: str
+    summary: str
+    noted: bool = False
+    # a stream that lasts as long as its client keeps it (a watch): a GET, which an audit
+    # trail leaves out, yet it reads the box all that time: its start and end are entries
+    lasting: bool = False
+    live: bool = False  # bytes worth having as soon as they come (a console), not gathered in chunks
+    audit: Callable[[Any], dict[str, Any]] | None = None  # what of its arguments an audit entry says
+
+    @property
+    def key(self) -> str:
+        return f"{self.scope}.{self.name}"
+
+    @property
+    def in_query(self) -> bool:
+        """Its arguments travel in the query (a client stream's body is its stream)."""
+        return self.kind == "client" or self.method == "GET"
+
+    def url(self, box: str) -> str:
+        return self.path.format(box=quote(box, safe=""))
+
+    def arguments(self, values: Mapping[str, Any]) -> Any:
+        return validated(self.params, {k: v for k, v in values.items() if v is not None})
+
+    @staticmethod
+    def fields(params: Strict) -> dict[str, Any]:
+        """Its arguments as they travel: those given (a default is the far side's)."""
+        fields: dict[str, Any] = params.model_dump(exclude_unset=True, exclude_none=True)
+        return fields
+
+
+NDJSON, OCTETS, TAR = "application/x-ndjson", "application/octet-stream", "application/x-tar"
+IN_FILES = "/boxes/{box}/files"
+STREAMS: tuple[Stream, ...] = (
+    Stream("files", "read", "server", "GET", f"{IN_FILES}/content", ReadIn, "bytes", OCTETS,
+           "The file's bytes, from ``offset``, ``length`` of them (all: none)."),
+    Stream("files", "get_archive", "server", "GET", f"{IN_FILES}/archive", ArchiveIn, "bytes", TAR,
+           "The directory ``path`` as a tar stream, links kept as links (``follow_symlinks``: those to what "
+           "is inside the tree carried as what they point to). A failure part way ends the stream with a "
+           "global header naming the entry (``SANDLOT.error.path``) and no end-of-archive blocks, so no "
+           "reader takes it for whole.", noted=True),
+    Stream("files", "watch", "server", "GET", f"{IN_FILES}/watch", WatchIn, "json", NDJSON,
+           "Changes under a path as they happen: ``{\"type\": \"watching\"}`` once the watch holds, then "
+           "one ``FileEvent`` a message, ``{\"type\": \"ping\"}`` after 15 s of quiet, and last "
+           "``{\"type\": \"end\"}`` (the path or the box went away) or an error. A missing path "
+           "answers 404 before the stream.", lasting=True),
+    Stream("box", "run_code", "server", "POST", "/boxes/{box}/code", RunCodeIn, "json", NDJSON,
+           "Run a cell in the box's interpreter, its events as they come: ``{\"type\": "
+           "\"stdout\"|\"stderr\", \"text\"}``, ``{\"type\": \"result\", \"result\": BUNDLE}``, then one "
+           "``{\"type\": \"execution\", ...}`` or an error (a CodeTimeout carries the execution so "
+           "far). A client that leaves mid-cell interrupts it.",
+           audit=lambda p: {"language": p.language, "context": p.context, "code_bytes": len(p.code)}),
+    Stream("box", "follow_logs", "server", "GET", "/boxes/{box}/logs/follow", LogsIn, "bytes",
+           "text/plain; charset=utf-8", "The guest console of the last boot (its last ``lines``), then "
+           "what the guest writes to it as it comes, until the box stops running.", live=True),
+    Stream("files", "write", "client", "PUT", f"{IN_FILES}/content", WriteIn, "bytes", OCTETS,
+           "Write the body to the file, streamed (atomically replaced when complete; ``append`` adds "
+           "to its end; ``exclusive``: 409 if it exists; ``user`` owns it); answers the file's "
+           "description."),
+    Stream("files", "put_archive", "client", "PUT", f"{IN_FILES}/archive", ArchiveIn, "bytes", TAR,
+           "Unpack the body's tar stream into the directory ``path``, owned by ``user`` if given, "
+           "whole or not at all; answers ``{\"entries\", \"bytes\", \"skipped\"}``, and a refusal "
+           "names the entry (``transfer_error``, 422)."),
+)  # fmt: skip
+STREAM_BY_KEY: dict[str, Stream] = {s.key: s for s in STREAMS}
+assert len(STREAM_BY_KEY) == len(STREAMS), "one stream per scope and name"

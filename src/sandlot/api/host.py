@@ -26,15 +26,16 @@ import contextlib
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from ..core.options import BY_NAME
 from ..errors import InvalidArgument, NotFound, RequestError, SandlotError
-from .backend import BoxRef, Cell, Command, SnapshotRef
+from .backend import BoxRef, Cell, Command, SnapshotRef, Write
 from .contract import (
     STDERR,
     STDOUT,
+    STREAM_BY_KEY,
     Operation,
     Strict,
     control,
@@ -45,6 +46,7 @@ from .contract import (
     exec_json,
     exit_message,
     file_event_json,
+    file_json,
     validated,
 )
 from .files import AsyncFiles, AsyncWatch
@@ -391,6 +393,77 @@ async def code_messages(backend: LocalBackend, ref: BoxRef, params: Any) -> Asyn
             task.cancel()
             with contextlib.suppress(SandlotError):
                 await backend.box_interrupt_code_context(ref, context_id(params.context, params.language))
+
+
+# -- the streams of api/contract.py's table, by key -----------------------------------------
+
+# What the home that holds a box runs for each stream (``contract.STREAMS``): a server
+# stream's frames (bytes, or JSON messages) from its arguments; a client stream's answer
+# (JSON) from its arguments and the bytes that come. Every transport serves them from here
+# (``server/routes.py``, ``fleet/node.py``), each implementation registered by its key.
+Served = Callable[[LocalBackend, BoxRef, Any], AsyncIterator[Any]]
+Taken = Callable[[LocalBackend, BoxRef, Any, AsyncIterable[bytes]], Awaitable[Any]]
+STREAMED: dict[str, Served] = {}
+TAKEN: dict[str, Taken] = {}
+
+
+def serves(key: str) -> Callable[[Served], Served]:
+    """Register the implementation of server stream ``key`` of ``contract.STREAMS``."""
+
+    def register(fn: Served) -> Served:
+        assert STREAM_BY_KEY[key].kind == "server" and key not in STREAMED, key
+        STREAMED[key] = fn
+        return fn
+
+    return register
+
+
+def takes(key: str) -> Callable[[Taken], Taken]:
+    """Register the implementation of client stream ``key`` of ``contract.STREAMS``."""
+
+    def register(fn: Taken) -> Taken:
+        assert STREAM_BY_KEY[key].kind == "client" and key not in TAKEN, key
+        TAKEN[key] = fn
+        return fn
+
+    return register
+
+
+@serves("box.follow_logs")
+def _follow_logs(backend: LocalBackend, ref: BoxRef, p: Any) -> AsyncIterator[bytes]:
+    return backend.follow_logs(ref, p.lines)
+
+
+@serves("files.read")
+def _read(backend: LocalBackend, ref: BoxRef, p: Any) -> AsyncIterator[bytes]:
+    return backend.read(ref, p.path, p.offset, p.length)
+
+
+@serves("files.get_archive")
+def _get_archive(backend: LocalBackend, ref: BoxRef, p: Any) -> AsyncIterator[bytes]:
+    return backend.get_archive(ref, p.path, follow_symlinks=p.follow_symlinks)
+
+
+@serves("files.watch")
+async def _watch(backend: LocalBackend, ref: BoxRef, p: Any) -> AsyncIterator[dict[str, Any]]:
+    async for message in watch_messages(await begun_watch(backend, ref, p)):
+        yield message
+
+
+@serves("box.run_code")
+def _run_code(backend: LocalBackend, ref: BoxRef, p: Any) -> AsyncIterator[dict[str, Any]]:
+    return code_messages(backend, ref, p)
+
+
+@takes("files.write")
+async def _write(backend: LocalBackend, ref: BoxRef, p: Any, data: AsyncIterable[bytes]) -> Any:
+    await backend.write(ref, p.path, data, Write(**p.model_dump(exclude={"path"})))
+    return file_json(await AsyncFiles(backend, ref).stat(p.path))
+
+
+@takes("files.put_archive")
+async def _put_archive(backend: LocalBackend, ref: BoxRef, p: Any, data: AsyncIterable[bytes]) -> Any:
+    return await backend.put_archive(ref, p.path, data, user=p.user)
 
 
 # -- watches -------------------------------------------------------------------------------

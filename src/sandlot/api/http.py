@@ -21,7 +21,7 @@ import contextlib
 import json
 import os
 import ssl
-from collections.abc import AsyncIterable, AsyncIterator, Mapping
+from collections.abc import AsyncGenerator, AsyncIterable, AsyncIterator, Mapping
 from pathlib import Path
 from typing import Any, ClassVar
 from urllib.parse import quote, urlencode
@@ -37,26 +37,19 @@ from ..errors import AgentTimeout, ConnectionLost, InvalidArgument, NotFound, Pr
 from ..version import __version__
 from .backend import (
     BoxRef,
-    Cell,
     Command,
     DescribedBoxRef,
-    RemoteBackend,
     SnapshotRef,
-    Write,
     answered,
     narrowed,
 )
-from .code import Callbacks, Execution, code_event
 from .contract import (
     BOX,
     CHUNK,
     SNAPSHOT,
-    ArchiveIn,
-    ReadIn,
-    RunCodeIn,
     SpawnIn,
-    WatchIn,
-    WriteIn,
+    Stream,
+    Strict,
     box_create,
     decode_control,
     exec_result,
@@ -66,10 +59,10 @@ from .contract import (
 )
 from .contract import error_from_answer as answer_error
 from .exec_channel import ChannelUnavailable, ExecChannel
-from .follow import FollowedProcess, FollowedWatch, Link, LinkClosed
-from .fs import WatchSource
+from .follow import FollowedProcess, Link, LinkClosed
 from .lease_keeper import LeaseKeeper
 from .process import AsyncProcess, ExecResult
+from .remote import StreamingBackend
 
 WS_MAX_MESSAGE = 16 << 20
 EXEC_STDIN_INLINE = 256 * 1024  # stdin up to this size goes in the exec request (JSON bodies stop at 1 MiB)
@@ -142,7 +135,7 @@ class WsLink:
         await self.ws.close()
 
 
-class HttpBackend(RemoteBackend):
+class HttpBackend(StreamingBackend):
     """A connection to a ``sandlot serve`` server. See ``AsyncClient`` for the arguments."""
 
     transport: ClassVar[str] = "http"
@@ -278,9 +271,10 @@ class HttpBackend(RemoteBackend):
         finally:
             await r.aclose()
 
-    async def chunks(self, r: httpx.Response) -> AsyncIterator[bytes]:
+    async def chunks(self, r: httpx.Response, *, live: bool = False) -> AsyncIterator[bytes]:
+        """The answer's bytes in chunks of ``CHUNK``; ``live``: each as it comes."""
         try:
-            async for chunk in r.aiter_bytes(CHUNK):
+            async for chunk in r.aiter_bytes(None if live else CHUNK):
                 yield chunk
         except (httpx.TransportError, OSError) as e:
             raise transport_error(self.url, e) from None
@@ -418,25 +412,6 @@ class HttpBackend(RemoteBackend):
                 pass
         return await self.json("POST", f"/boxes/{seg(box_id)}/exec", json_body=body, timeout=self.long())
 
-    async def run_code(self, ref: BoxRef, cell: Cell, callbacks: Callbacks) -> Execution:
-        body = validated(RunCodeIn, cell.fields())
-        buf = b""
-        async with self.stream(
-            "POST",
-            http(ref).path("/code"),
-            content=body.model_dump_json().encode(),
-            timeout=self.long(),
-            headers={"content-type": "application/json"},
-        ) as r:
-            async for chunk in self.chunks(r):
-                buf += chunk
-                *lines, buf = buf.split(b"\n")
-                for line in lines:
-                    done = await code_event(decode_control(line, self.url), callbacks)
-                    if done is not None:
-                        return done
-        raise ConnectionLost(f"{self.url}: the server ended the cell's answer before its end")
-
     def _opener(self, box: HttpBoxRef, process_id: str) -> Any:
         async def attach(offsets: tuple[int, int]) -> Link:
             params = {"stdout": offsets[0], "stderr": offsets[1]}
@@ -482,61 +457,36 @@ class HttpBackend(RemoteBackend):
 
     # -- files ------------------------------------------------------------------------------
 
-    async def read(self, ref: BoxRef, path: str, offset: int, length: int | None) -> AsyncIterator[bytes]:
-        params = validated(ReadIn, {"path": path, "offset": offset, "length": length}).model_dump(
-            exclude_none=True
-        )
-        async with self.stream("GET", http(ref).path("/files/content"), params=params) as r:
-            async for chunk in self.chunks(r):
-                yield chunk
-
-    async def write(self, ref: BoxRef, path: str, data: bytes | AsyncIterable[bytes], how: Write) -> int:
-        params = validated(WriteIn, {"path": path, **how.fields()}).model_dump(exclude_none=True)
-        counted = data if isinstance(data, bytes) else Counted(data)
-        await self.request(
-            "PUT", http(ref).path("/files/content"), params=params, content=counted, timeout=self.long()
-        )
-        return len(counted) if isinstance(counted, bytes) else counted.total
-
-    async def get_archive(
-        self, ref: BoxRef, path: str, *, follow_symlinks: bool = False
-    ) -> AsyncIterator[bytes]:
-        body = {"path": path, "follow_symlinks": follow_symlinks}
-        params = validated(ArchiveIn, body).model_dump(exclude_none=True)
-        async with self.stream(
-            "GET", http(ref).path("/files/archive"), params=params, timeout=self.long()
-        ) as r:
-            async for chunk in self.chunks(r):
-                yield chunk
-
-    async def put_archive(
-        self, ref: BoxRef, path: str, tar: AsyncIterable[bytes], *, user: str | None
-    ) -> dict[str, Any]:
-        body = validated(ArchiveIn, {"path": path, "user": user})
-        params = body.model_dump(exclude_none=True, exclude={"follow_symlinks"})
-        r = await self.request(
-            "PUT", http(ref).path("/files/archive"), params=params, content=tar, timeout=self.long()
-        )
-        return dict(r.json()) if r.status_code == 200 and r.content else {}
-
-    async def watch(self, ref: BoxRef, path: str, recursive: bool) -> WatchSource:
-        params = validated(WatchIn, {"path": path, "recursive": recursive}).model_dump()
-        stack = contextlib.AsyncExitStack()
-        timeout = httpx.Timeout(self._timeout, read=WATCH_READ_TIMEOUT)
-        r = await stack.enter_async_context(self.stream("GET", http(ref).path("/files/watch"), params=params,
-                                                        timeout=timeout))  # fmt: skip
-        lines = r.aiter_lines()
-
-        async def receive() -> dict[str, Any] | None:
+    async def frames(self, stream: Stream, ref: BoxRef, params: Strict) -> AsyncGenerator[Any, None]:
+        """A request to the stream's route; its answer's bytes as they come, or its lines'
+        messages. A lasting stream (a watch) has a read deadline its pings keep off; a
+        cell, a tar and a file wait as long as the box takes."""
+        fields = stream.fields(params)
+        json_body = {"content": json.dumps(fields).encode(), "headers": {"content-type": "application/json"}}
+        sent: dict[str, Any] = {"params": fields} if stream.in_query else json_body
+        read = WATCH_READ_TIMEOUT if stream.lasting else None
+        timeout = httpx.Timeout(self._timeout, read=read, write=None)
+        async with self.stream(stream.method, stream.url(ref.id), timeout=timeout, **sent) as r:
+            if stream.frames == "bytes":
+                async for chunk in self.chunks(r, live=stream.live):
+                    yield chunk
+                return
             try:
-                async for text in lines:
+                async for text in r.aiter_lines():
                     if text.strip():
-                        return decode_control(text, f"{self.url} (a watch)")
+                        yield decode_control(text, f"{self.url} ({stream.key})")
             except (httpx.TransportError, OSError) as e:
                 raise transport_error(self.url, e) from None
-            return None
 
-        return await FollowedWatch(receive, stack.aclose, self.url).open()
+    async def send(
+        self, stream: Stream, ref: BoxRef, params: Strict, data: bytes | AsyncIterable[bytes]
+    ) -> Any:
+        r = await self.request(stream.method, stream.url(ref.id), params=stream.fields(params),
+                               content=data, timeout=self.long())  # fmt: skip
+        return r.json() if r.content else None
+
+    def where(self, ref: BoxRef) -> str:
+        return self.url
 
     # -- events ---------------------------------------------------------------------------
 
@@ -659,16 +609,3 @@ async def sse_events(lines: AsyncIterator[str], where: str) -> AsyncIterator[Eve
 
 def http(ref: BoxRef) -> HttpBoxRef:
     return narrowed(ref, HttpBoxRef, "a box of a server")
-
-
-class Counted:
-    """An async iterable of chunks that counts the bytes it passed on."""
-
-    def __init__(self, source: AsyncIterable[bytes]) -> None:
-        self._source = source
-        self.total = 0
-
-    async def __aiter__(self) -> AsyncIterator[bytes]:
-        async for chunk in self._source:
-            self.total += len(chunk)
-            yield bytes(chunk)

@@ -52,6 +52,7 @@ if TYPE_CHECKING:
     from .code import Callbacks, CodeContext, Execution, Interpreter
 
 CONSOLE_TAIL = 256 * 1024  # bytes of the console read for its last lines
+CONSOLE_POLL = 0.2  # seconds between two looks at a followed console that has nothing new
 TREE_REMOVE_TIMEOUT = 600.0  # seconds for the agent to remove a tree (a recursive remove)
 CODE_SHOWN = 16 * 1024  # characters of a code cell a recorded step keeps
 
@@ -386,6 +387,21 @@ class LocalBackend(Backend):
         positive("lines", lines, integer=True)
         path = self.runtime.box_dir(ref.id) / "console.log"
         return await asyncio.to_thread(read_console, path, lines)
+
+    async def follow_logs(self, ref: BoxRef, lines: int | None) -> AsyncIterator[bytes]:
+        positive("lines", lines, integer=True)
+        path = self.runtime.box_dir(ref.id) / "console.log"
+        text, at = await asyncio.to_thread(console_from, path, lines)
+        yield text
+        while True:
+            chunk, at = await asyncio.to_thread(console_from, path, None, at)
+            if chunk:
+                yield chunk
+                continue
+            await self.box_refresh(ref)
+            if ref.state not in ("running", "paused"):
+                return
+            await asyncio.sleep(CONSOLE_POLL)
 
     async def box_start(self, ref: BoxRef) -> None:
         box = local(ref)
@@ -974,6 +990,30 @@ def template_arg(template: Any) -> str | SnapshotRecord | bool | None:
     if isinstance(ref, SnapshotRef):
         return ref.id
     raise InvalidArgument(f"template= takes a template or snapshot, its name, or False; not {template!r}")
+
+
+def console_from(path: Path, lines: int | None, at: int = 0) -> tuple[bytes, int]:
+    """The console's bytes from offset ``at`` (or its last ``lines``, if given: within its
+    last ``CONSOLE_TAIL`` bytes), and the offset after them; a console shorter than ``at``
+    was begun again by a new boot: from its start."""
+    try:
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            if lines is not None:
+                at = max(size - CONSOLE_TAIL, 0)
+            f.seek(at if at <= size else 0)
+            data = f.read(size - f.tell())
+    except FileNotFoundError:
+        return b"", 0
+    if lines is not None:  # from just after the newline that ends the line before them
+        cut = end = len(data) - data.endswith(b"\n")
+        for _ in range(lines):
+            end = data.rfind(b"\n", 0, end)
+            cut = end + 1
+            if end < 0:
+                break
+        data = data[cut:]
+    return data, size
 
 
 def read_console(path: Path, lines: int | None) -> str:

@@ -331,6 +331,15 @@ class Box(BoxBase):
         """The guest console (kernel and agent messages) of the last boot; ``lines``: its last lines."""
         return loop.run(self._a.logs(lines))
 
+    def follow_logs(self, lines: int | None = None) -> Iterator[str]:
+        """The guest console of the last boot (``lines``: its last lines), then what the
+        guest writes to it as it comes, until the box stops running.
+
+        >>> for text in box.follow_logs(lines=20):           # doctest: +SKIP
+        ...     print(text, end="")
+        """
+        return loop.iterate(self._a.follow_logs(lines))
+
     def events(
         self, *, since: float | None = None, after: int | None = None, follow: bool = True
     ) -> Iterator[Event]:

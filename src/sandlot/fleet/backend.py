@@ -18,7 +18,7 @@ import asyncio
 import contextlib
 import secrets
 import time
-from collections.abc import AsyncIterable, AsyncIterator, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping
 from pathlib import Path
 from typing import Any, ClassVar, Protocol
 
@@ -26,28 +26,26 @@ import ray
 
 from ..api.backend import (
     BoxRef,
-    Cell,
     Command,
     DescribedBoxRef,
-    RemoteBackend,
     SnapshotRef,
-    Write,
     answered,
     narrowed,
 )
-from ..api.code import Callbacks, Execution, code_event
 from ..api.contract import (
     SNAPSHOT,
     BoxOut,
+    Stream,
+    Strict,
     box_create,
     exec_result,
     operation,
     raise_if_error,
 )
-from ..api.follow import FollowedProcess, FollowedWatch, Link, LinkClosed
-from ..api.fs import WatchSource
+from ..api.follow import FollowedProcess, Link, LinkClosed
 from ..api.loop import cancel_and_reap
 from ..api.process import AsyncProcess, ExecResult
+from ..api.remote import Data, StreamingBackend
 from ..core.diffs import side_key
 from ..core.events import Event
 from ..core.options import DEFAULT_MEMORY_MIB
@@ -265,7 +263,7 @@ async def merged_as_they_come(streams: list[NodeStream]) -> AsyncIterator[Event]
         await cancel_and_reap(tasks)
 
 
-class RayBackend(RemoteBackend):
+class RayBackend(StreamingBackend):
     """The boxes of a fleet (made by ``Fleet``)."""
 
     transport: ClassVar[str] = "ray"
@@ -701,41 +699,29 @@ class RayBackend(RemoteBackend):
 
         return FollowedProcess(process_id, pid, tty, opener, f"node {box.node[:12]}", first, offsets=offsets)
 
-    async def run_code(self, ref: BoxRef, cell: Cell, callbacks: Callbacks) -> Execution:
-        box = ray_box(ref)
-        stream = NodeStream.of_box(self, box, "code", cell.fields())
-        try:  # a cell left (cancelled, a callback's error) is interrupted on the node
-            while (item := await stream.next()) is not None:
-                done = await code_event(item, callbacks)
-                if done is not None:
-                    return done
-        finally:
-            stream.close()
-        raise ProtocolError(f"node {box.node[:12]} ended the cell's events before its end")
-
     # -- files ------------------------------------------------------------------------------
 
-    async def _chunks(self, box: RayBoxRef, kind: str, body: dict[str, Any]) -> AsyncIterator[bytes]:
-        stream = NodeStream.of_box(self, box, kind, body)
-        try:
-            while (chunk := await stream.next()) is not None:
-                if isinstance(chunk, dict):
-                    raise_if_error(chunk)
-                    raise ProtocolError(f"{stream.where} sent {chunk!r:.200} among a file's bytes")
-                yield chunk
+    async def frames(self, stream: Stream, ref: BoxRef, params: Strict) -> AsyncGenerator[Any, None]:
+        """The node's streaming generator of the stream (``NodeService.stream``): a node that
+        fails says so as its last item, an error message; one among bytes is raised here."""
+        box = ray_box(ref)
+        items = NodeStream.of_box(self, box, stream.key, stream.fields(params))
+        try:  # a stream left (a cell cancelled) is cancelled on the node: the cell is interrupted
+            while (item := await items.next()) is not None:
+                if stream.frames == "bytes" and isinstance(item, dict):
+                    raise_if_error(item)
+                    raise ProtocolError(f"{items.where} sent {item!r:.200} among a stream's bytes")
+                yield item
         finally:
-            stream.close()
+            items.close()
 
-    def read(self, ref: BoxRef, path: str, offset: int, length: int | None) -> AsyncIterator[bytes]:
-        return self._chunks(ray_box(ref), "read", {"path": path, "offset": offset, "length": length})
-
-    async def _upload(
-        self, box: RayBoxRef, kind: str, body: dict[str, Any], data: AsyncIterable[bytes]
-    ) -> Any:
+    async def send(self, stream: Stream, ref: BoxRef, params: Strict, data: Data) -> Any:
+        """An upload to the node (``NodeService.upload_begin``), a chunk at a time."""
+        box = ray_box(ref)
         actor = self.actor(box)
-        upload = await self.ask(box, actor.upload_begin.remote(box.id, kind, body))
+        upload = await self.ask(box, actor.upload_begin.remote(box.id, stream.key, stream.fields(params)))
         try:
-            async for chunk in data:
+            async for chunk in one(data) if isinstance(data, bytes) else data:
                 view = memoryview(chunk)
                 for i in range(0, len(view), CHUNK):
                     await self.ask(box, actor.upload_chunk.remote(upload, bytes(view[i : i + CHUNK])))
@@ -745,31 +731,8 @@ class RayBackend(RemoteBackend):
                 await got(actor.upload_abort.remote(upload))
             raise
 
-    async def write(self, ref: BoxRef, path: str, data: bytes | AsyncIterable[bytes], how: Write) -> int:
-        source = one(data) if isinstance(data, bytes) else data
-        return int(await self._upload(ray_box(ref), "file", {"path": path, **how.fields()}, source))
-
-    def get_archive(self, ref: BoxRef, path: str, *, follow_symlinks: bool = False) -> AsyncIterator[bytes]:
-        return self._chunks(ray_box(ref), "archive", {"path": path, "follow_symlinks": follow_symlinks})
-
-    async def put_archive(
-        self, ref: BoxRef, path: str, tar: AsyncIterable[bytes], *, user: str | None
-    ) -> dict[str, Any]:
-        body = {"path": path} | ({"user": user} if user else {})
-        answer = await self._upload(ray_box(ref), "archive", body, tar)
-        return dict(answer) if isinstance(answer, dict) else {}
-
-    async def watch(self, ref: BoxRef, path: str, recursive: bool) -> WatchSource:
-        stream = NodeStream.of_box(self, ray_box(ref), "watch", {"path": path, "recursive": recursive})
-
-        async def receive() -> dict[str, Any] | None:
-            message = await stream.next()
-            return None if message is None else dict(message)
-
-        async def close() -> None:
-            stream.close()
-
-        return await FollowedWatch(receive, close, stream.where).open()
+    def where(self, ref: BoxRef) -> str:
+        return f"node {ray_box(ref).node[:12]}"
 
     # -- events ---------------------------------------------------------------------------
 

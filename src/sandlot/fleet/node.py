@@ -49,19 +49,16 @@ import ray
 from pydantic import ConfigDict, ValidationError, validate_call
 
 from ..api import access, host
-from ..api.backend import BoxRef, SnapshotRef, Write
+from ..api.backend import BoxRef, SnapshotRef
 from ..api.box import AsyncBox, AsyncSnapshot
 from ..api.contract import (
     BY_KEY,
     STDERR,
     STDOUT,
-    ArchiveIn,
+    STREAM_BY_KEY,
     ExecIn,
-    ReadIn,
-    RunCodeIn,
     SpawnIn,
-    WatchIn,
-    WriteIn,
+    Stream,
     box_create,
     error_json,
     error_message,
@@ -447,32 +444,16 @@ class NodeService:
         await self.ref(key_of(key))
         return await self.processes.find(key, process_id).take_input(frame)
 
-    async def stream(self, kind: str, key: str, body: dict[str, Any]) -> AsyncIterator[Any]:
-        """What a box streams, as a Ray streaming generator: a file's bytes ("read",
-        ``contract.ReadIn``), a directory's tar ("archive", ``ArchiveIn``), a watch's
-        messages ("watch", ``host.watch_messages``) or a cell's events ("code",
-        ``host.code_messages``); a sandlot error is its last message."""
+    async def stream(self, stream_key: str, key: str, body: dict[str, Any]) -> AsyncIterator[Any]:
+        """Server stream ``stream_key`` of ``contract.STREAMS`` on box ``key``, as a Ray
+        streaming generator (``host.STREAMED`` runs it); a sandlot error is its last message."""
         try:
             await self.settled()
+            stream = _stream(stream_key, "server")
             if not isinstance(body, dict):
                 raise InvalidArgument(f"a stream's arguments are an object, not {type(body).__name__}")
-            ref = await self.ref(key_of(key))
-            items: AsyncIterator[Any]
-            if kind == "read":
-                p = validated(ReadIn, body)
-                items = self.backend.read(ref, p.path, p.offset, p.length)
-            elif kind == "archive":
-                a = validated(ArchiveIn, body)
-                items = self.backend.get_archive(ref, a.path, follow_symlinks=a.follow_symlinks)
-            elif kind == "watch":
-                items = host.watch_messages(
-                    await host.begun_watch(self.backend, ref, validated(WatchIn, body))
-                )
-            elif kind == "code":
-                items = host.code_messages(self.backend, ref, validated(RunCodeIn, body))
-            else:
-                raise InvalidArgument(f"a node streams a read, an archive, a watch or code, not {kind!r}")
-            async for item in items:
+            params = stream.arguments(body)
+            async for item in host.STREAMED[stream.key](self.backend, await self.ref(key_of(key)), params):
                 yield item
         except SandlotError as exc:
             yield error_message(exc)
@@ -494,21 +475,13 @@ class NodeService:
             yield error_message(exc)
 
     @guarded
-    async def upload_begin(self, key: str, kind: str, body: dict[str, Any]) -> str:
-        """Begin a file (``kind`` "file", ``contract.WriteIn``) or an archive ("archive",
-        ``contract.ArchiveIn``) that arrives in chunks (``upload_chunk``; ``upload_end``
+    async def upload_begin(self, key: str, stream_key: str, body: dict[str, Any]) -> str:
+        """Begin client stream ``stream_key`` of ``contract.STREAMS`` on box ``key`` (a
+        file, an archive), whose bytes arrive in chunks (``upload_chunk``; ``upload_end``
         answers how it ended, ``upload_abort`` gives it up)."""
         ref = await self.ref(key)
-        write: Writer
-        if kind == "file":
-            p = validated(WriteIn, body)
-            how = Write(**p.model_dump(exclude={"path"}))
-            write = functools.partial(self.backend.write, ref, p.path, how=how)
-        elif kind == "archive":
-            a = validated(ArchiveIn, body)
-            write = functools.partial(self.backend.put_archive, ref, a.path, user=a.user)
-        else:
-            raise InvalidArgument(f"an upload is a file or an archive, not {kind!r}")
+        stream = _stream(stream_key, "client")
+        write = functools.partial(host.TAKEN[stream.key], self.backend, ref, stream.arguments(body))
         upload_id = secrets.token_hex(8)
         self.uploads[upload_id] = Upload(write, lambda: self.uploads.pop(upload_id, None))
         return upload_id
@@ -940,3 +913,10 @@ def _rmtree(path: Path) -> None:
     import shutil
 
     shutil.rmtree(path, ignore_errors=True)
+
+
+def _stream(key: str, kind: str) -> Stream:
+    stream = STREAM_BY_KEY.get(key) if isinstance(key, str) else None
+    if stream is None or stream.kind != kind:
+        raise InvalidArgument(f"no {kind} stream {key!r} (contract.STREAMS)")
+    return stream

@@ -33,7 +33,7 @@ from fastapi.responses import StreamingResponse
 from starlette.websockets import WebSocketDisconnect
 
 from ..api import access, host
-from ..api.backend import SnapshotRef, Write
+from ..api.backend import SnapshotRef
 from ..api.box import AsyncBox, AsyncSnapshot
 from ..api.contract import (
     BY_KEY,
@@ -41,20 +41,16 @@ from ..api.contract import (
     OPERATIONS,
     STDERR,
     STDOUT,
-    ArchiveIn,
+    STREAMS,
     BoxCreate,
     ExecCall,
     ExecIn,
     ListBoxesIn,
     Operation,
-    ReadIn,
-    RunCodeIn,
+    Stream,
     VolumeCreate,
-    WatchIn,
-    WriteIn,
     error_json,
     error_message,
-    file_json,
 )
 from ..api.events import check_query as check_events_query
 from ..api.events import record_refusal
@@ -376,11 +372,16 @@ def _operation_route(op: Operation) -> Callable[..., Awaitable[Any]]:
     return route
 
 
-def _register(op: Operation) -> None:
-    """Add ``op``'s route, unless a route written out above serves its method and path."""
+def _refuse_shadow(method: str, path: str, key: str) -> None:
+    """A route written out by hand never takes the place of a route of the table."""
     written = {(m, getattr(r, "path", None)) for r in router.routes for m in getattr(r, "methods", ())}
-    if (op.method, op.path) in written:
-        return
+    if (method, path) in written:
+        raise AssertionError(f"{method} {path} is written out by hand, and {key} of the table is there too")
+
+
+def _register(op: Operation) -> None:
+    """Add ``op``'s route."""
+    _refuse_shadow(op.method, op.path, op.key)
     endpoint = _operation_route(op)
     tags: list[str | Enum] = [
         "files" if op.scope == "files" else "live state" if op.scope == "snapshot" else "boxes"
@@ -394,6 +395,81 @@ def _register(op: Operation) -> None:
         name=endpoint.__name__,
         summary=op.summary,
     )
+
+
+def _stream_route(stream: Stream) -> Callable[..., Awaitable[Any]]:
+    """The route of ``stream``: its box from the path, its arguments as its model (the
+    query, or the body of a POST), then its frames as they come (JSON ones as NDJSON);
+    a client stream's bytes are the request's body, and its answer JSON."""
+
+    async def route(request: Request, box: str, params: Any) -> Any:
+        b = await box_for(request, box)
+        if stream.audit is not None:
+            request.state.audit = stream.audit(params)
+        if stream.kind == "client":
+            return await host.TAKEN[stream.key](_backend(request), b.ref, params, _body(request))
+        frames = host.STREAMED[stream.key](_backend(request), b.ref, params)
+        if stream.lasting:
+            frames = _lasting(request, stream, b.id, params, frames)
+        if stream.frames == "json":
+            frames = (json.dumps(message).encode() + b"\n" async for message in frames)
+        return await _streamed(frames, stream.media_type, noted=stream.noted)
+
+    source = Query() if stream.in_query else Body()
+    route.__signature__ = inspect.Signature([  # type: ignore[attr-defined]
+        inspect.Parameter("box", inspect.Parameter.KEYWORD_ONLY, annotation=str),
+        inspect.Parameter("request", inspect.Parameter.KEYWORD_ONLY, annotation=Request),
+        inspect.Parameter("params", inspect.Parameter.KEYWORD_ONLY,
+                          annotation=Annotated[stream.params, source]),
+    ])  # fmt: skip
+    route.__name__ = f"{stream.scope}_{stream.name}"
+    route.__doc__ = stream.summary
+    return route
+
+
+async def _body(request: Request) -> AsyncIterator[bytes]:
+    async for chunk in request.stream():
+        if chunk:
+            yield chunk
+
+
+async def _lasting(
+    request: Request, stream: Stream, box_id: str, params: Any, messages: AsyncIterator[Any]
+) -> AsyncIterator[Any]:
+    """A lasting stream's messages, with its start (once it holds, or its refusal) and its
+    end (the messages it gave, and what ended it) in the audit trail, with the client."""
+    server, caller, peer = _server(request), _caller(request), request.client
+    detail: dict[str, Any] = {**params.model_dump(), "client": f"{peer.host}:{peer.port}" if peer else None,
+                              "user_agent": request.headers.get("user-agent")}  # fmt: skip
+    try:
+        first = await anext(messages)
+    except SandlotError as e:
+        server.record(caller, f"{stream.name} start", box_id, e.status, e.code, 0.0, detail)
+        raise
+    server.record(caller, f"{stream.name} start", box_id, 200, None, 0.0, detail)
+    began, count, how = time.monotonic(), 0, "client gone"
+    try:
+        message: Any = first
+        while True:
+            kind = message.get("type")
+            if kind in ("end", "error"):
+                how = kind
+            elif kind not in ("watching", "ping"):
+                count += 1
+            yield message
+            message = await anext(messages)
+    except StopAsyncIteration:
+        return
+    finally:
+        server.record(caller, f"{stream.name} end", box_id, 200, None, time.monotonic() - began,
+                      {**detail, "events": count, "ended_by": how})  # fmt: skip
+
+
+def _register_stream(stream: Stream) -> None:
+    _refuse_shadow(stream.method, stream.path, stream.key)
+    endpoint = _stream_route(stream)
+    router.add_api_route(stream.path, endpoint, methods=[stream.method], tags=[stream.scope],
+                         name=endpoint.__name__, summary=stream.summary.split(". ")[0])  # fmt: skip
 
 
 # -- boxes ----------------------------------------------------------------------------
@@ -479,37 +555,6 @@ def _page_after(token: str | None) -> tuple[float, str] | None:
         return float(at), str(box_id)
     except (ValueError, TypeError, binascii.Error):
         raise InvalidArgument("page_token is malformed") from None
-
-
-@router.get("/boxes/{box}/logs", tags=["boxes"])
-async def box_logs(
-    box: str, request: Request, lines: Annotated[int | None, Query(ge=1)] = None, follow: bool = False
-) -> Response:
-    """The guest console of the last boot; ``follow`` streams it as it grows while the box runs."""
-    b = await box_for(request, box)
-    text = await b.logs(lines)
-    if not follow:
-        return Response(text, media_type="text/plain; charset=utf-8")
-    path = _backend(request).runtime.box_dir(b.id) / "console.log"
-
-    async def growing() -> AsyncIterator[bytes]:
-        yield text.encode()
-        at = path.stat().st_size if path.exists() else 0
-        while not await request.is_disconnected():
-            size = path.stat().st_size if path.exists() else 0
-            if size < at:  # a new boot began a new console
-                at = 0
-            if size > at:
-                with open(path, "rb") as f:
-                    f.seek(at)
-                    chunk = f.read(size - at)
-                at += len(chunk)
-                yield chunk
-            elif await b.refresh() not in ("running", "paused"):
-                return
-            await asyncio.sleep(0.2)
-
-    return StreamingResponse(growing(), media_type="text/plain; charset=utf-8")
 
 
 # -- commands -------------------------------------------------------------------------
@@ -645,49 +690,7 @@ async def attach_ws(ws: WebSocket, box: str, process: str, stdout: int = 0, stde
 # -- code -----------------------------------------------------------------------------
 
 
-@router.post("/boxes/{box}/code", tags=["code"])
-async def run_code(box: str, body: RunCodeIn, request: Request) -> Response:
-    """Run a cell in the box's interpreter. The answer streams as JSON lines, as the cell
-    goes: ``{"type": "stdout"|"stderr", "text"}``, ``{"type": "result", "result": BUNDLE}``
-    (MIME type -> value, PNG and JPEG in base64, plus ``is_main_result``), then one
-    ``{"type": "execution", "execution": {...}}`` or ``{"type": "error", "error": {...}}``
-    (a CodeTimeout carries the execution so far). A client that leaves mid-cell
-    interrupts it."""
-    b = await box_for(request, box)
-    request.state.audit = {"language": body.language, "context": body.context, "code_bytes": len(body.code)}
-
-    async def lines() -> AsyncIterator[bytes]:
-        async for event in host.code_messages(_backend(request), b.ref, body):
-            yield (json.dumps(event) + "\n").encode()
-
-    return StreamingResponse(lines(), media_type="application/x-ndjson")
-
-
 # -- files ----------------------------------------------------------------------------
-
-
-@router.get("/boxes/{box}/files/content", tags=["files"])
-async def read_file(box: str, request: Request, params: Annotated[ReadIn, Query()]) -> Response:
-    """The file's bytes, streamed."""
-    b = await box_for(request, box)
-    chunks = _backend(request).read(b.ref, params.path, params.offset, params.length)
-    return await _streamed(chunks, "application/octet-stream")
-
-
-@router.put("/boxes/{box}/files/content", tags=["files"])
-async def write_file(box: str, request: Request, params: Annotated[WriteIn, Query()]) -> dict[str, Any]:
-    """Write the request body to the file, streamed (atomically replaced when complete;
-    ``append`` adds to its end; ``exclusive``: 409 if it exists; ``user`` owns it).
-    Answers the file's description."""
-    b = await box_for(request, box)
-
-    async def chunks() -> AsyncIterator[bytes]:
-        async for chunk in request.stream():
-            if chunk:
-                yield chunk
-
-    await _backend(request).write(b.ref, params.path, chunks(), Write(**params.model_dump(exclude={"path"})))
-    return file_json(await b.files.stat(params.path))
 
 
 async def _streamed(
@@ -709,66 +712,6 @@ async def _streamed(
                 raise
 
     return StreamingResponse(body(), media_type=media_type)
-
-
-@router.get("/boxes/{box}/files/watch", tags=["files"])
-async def watch_files(box: str, request: Request, params: Annotated[WatchIn, Query()]) -> Response:
-    """Changes under a path as they happen, as NDJSON: ``{"type": "watching"}`` once the
-    watch holds, then one ``FileEvent`` a line, ``{"type": "ping"}`` after 15 s of
-    quiet, and last ``{"type": "end"}`` (the path or the box went away) or
-    ``{"type": "error", "error": {...}}``. A missing path answers 404 before the stream."""
-    b = await box_for(request, box)
-    server, caller = _server(request), _caller(request)
-    peer = request.client
-    # a watch is a GET, which the audit trail leaves out, yet it reads the box for as long
-    # as it lasts: its start and its end are entries of their own, with the client
-    detail: dict[str, Any] = {"path": params.path, "recursive": params.recursive,
-                              "client": f"{peer.host}:{peer.port}" if peer else None,
-                              "user_agent": request.headers.get("user-agent")}  # fmt: skip
-    try:
-        watch = await host.begun_watch(_backend(request), b.ref, params)
-    except SandlotError as e:
-        server.record(caller, "watch start", b.id, e.status, e.code, 0.0, detail)
-        raise
-    server.record(caller, "watch start", b.id, 200, None, 0.0, detail)
-    began = time.monotonic()
-
-    async def body() -> AsyncIterator[bytes]:
-        events, how = 0, "client gone"
-        try:
-            async for message in host.watch_messages(watch):
-                kind = message.get("type")
-                if kind in ("end", "error"):
-                    how = kind
-                elif kind not in ("watching", "ping"):
-                    events += 1
-                yield json.dumps(message).encode() + b"\n"
-        finally:
-            server.record(caller, "watch end", b.id, 200, None, time.monotonic() - began,
-                          {**detail, "events": events, "ended_by": how})  # fmt: skip
-
-    return StreamingResponse(body(), media_type="application/x-ndjson")
-
-
-@router.get("/boxes/{box}/files/archive", tags=["files"])
-async def get_archive(box: str, request: Request, params: Annotated[ArchiveIn, Query()]) -> Response:
-    """The directory ``path`` as a tar stream, links kept as links (``follow_symlinks``:
-    those to what is inside the tree carried as what they point to). A failure part way
-    ends the stream with a global header naming the entry (``SANDLOT.error.path``) and
-    no end-of-archive blocks, so no reader takes it for whole."""
-    b = await box_for(request, box)
-    chunks = _backend(request).get_archive(b.ref, params.path, follow_symlinks=params.follow_symlinks)
-    return await _streamed(chunks, "application/x-tar", noted=True)
-
-
-@router.put("/boxes/{box}/files/archive", tags=["files"])
-async def put_archive(box: str, request: Request, params: Annotated[ArchiveIn, Query()]) -> dict[str, Any]:
-    """Unpack the tar stream of the body into the directory ``path``, owned by ``user``
-    if given, whole or not at all: made if it is not there, merged into if it is. The
-    answer: ``{"entries", "bytes", "skipped": [{"entry", "reason"}]}``; a refusal names
-    the entry (``transfer_error``, 422)."""
-    b = await box_for(request, box)
-    return await _backend(request).put_archive(b.ref, params.path, request.stream(), user=params.user)
 
 
 # -- saved state ----------------------------------------------------------------------
@@ -997,7 +940,8 @@ async def audit(
     return {"entries": [e.to_json() for e in entries]}
 
 
-# the operations' routes come after the routes written out: a written route of the same
-# method and path (the logs that follow) is matched first
+# a route of each operation and each stream of the table (none is written out above)
 for _op in OPERATIONS:
     _register(_op)
+for _stream in STREAMS:
+    _register_stream(_stream)

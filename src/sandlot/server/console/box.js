@@ -73,7 +73,7 @@ function logsPanel(panel, box) {
   const KEEP = 256 * 1024; // characters shown: the console of a long boot is trimmed at the top
   (async () => {
     try {
-      const res = await request("GET", `/boxes/${enc(box.id)}/logs`, { query: { lines: 2000, follow: true }, raw: true, signal: control.signal });
+      const res = await request("GET", `/boxes/${enc(box.id)}/logs/follow`, { query: { lines: 2000 }, raw: true, signal: control.signal });
       const reader = res.body.pipeThrough(new TextDecoderStream()).getReader();
       for (;;) {
         const { value, done } = await reader.read();
