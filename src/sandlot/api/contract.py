@@ -884,6 +884,9 @@ class Stream:
     # trail leaves out, yet it reads the box all that time: its start and end are entries
     lasting: bool = False
     live: bool = False  # bytes worth having as soon as they come (a console), not gathered in chunks
+    # it may say nothing for as long as the box works (a cell, a big tree's tar, a quiet
+    # console): a client gives it no deadline between two frames
+    quiet: bool = False
     audit: Callable[[Any], dict[str, Any]] | None = None  # what of its arguments an audit entry says
 
     @property
@@ -917,7 +920,7 @@ STREAMS: tuple[Stream, ...] = (
            "The directory ``path`` as a tar stream, links kept as links (``follow_symlinks``: those to what "
            "is inside the tree carried as what they point to). A failure part way ends the stream with a "
            "global header naming the entry (``SANDLOT.error.path``) and no end-of-archive blocks, so no "
-           "reader takes it for whole.", noted=True),
+           "reader takes it for whole.", noted=True, quiet=True),
     Stream("files", "watch", "server", "GET", f"{IN_FILES}/watch", WatchIn, "json", NDJSON,
            "Changes under a path as they happen: ``{\"type\": \"watching\"}`` once the watch holds, then "
            "one ``FileEvent`` a message, ``{\"type\": \"ping\"}`` after 15 s of quiet, and last "
@@ -927,11 +930,11 @@ STREAMS: tuple[Stream, ...] = (
            "Run a cell in the box's interpreter, its events as they come: ``{\"type\": "
            "\"stdout\"|\"stderr\", \"text\"}``, ``{\"type\": \"result\", \"result\": BUNDLE}``, then one "
            "``{\"type\": \"execution\", ...}`` or an error (a CodeTimeout carries the execution so "
-           "far). A client that leaves mid-cell interrupts it.",
+           "far). A client that leaves mid-cell interrupts it.", quiet=True,
            audit=lambda p: {"language": p.language, "context": p.context, "code_bytes": len(p.code)}),
     Stream("box", "follow_logs", "server", "GET", "/boxes/{box}/logs/follow", LogsIn, "bytes",
            "text/plain; charset=utf-8", "The guest console of the last boot (its last ``lines``), then "
-           "what the guest writes to it as it comes, until the box stops running.", live=True),
+           "what the guest writes to it as it comes, until the box stops running.", live=True, quiet=True),
     Stream("files", "write", "client", "PUT", f"{IN_FILES}/content", WriteIn, "bytes", OCTETS,
            "Write the body to the file, streamed (atomically replaced when complete; ``append`` adds "
            "to its end; ``exclusive``: 409 if it exists; ``user`` owns it); answers the file's "

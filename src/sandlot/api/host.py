@@ -407,26 +407,20 @@ STREAMED: dict[str, Served] = {}
 TAKEN: dict[str, Taken] = {}
 
 
-def serves(key: str) -> Callable[[Served], Served]:
-    """Register the implementation of server stream ``key`` of ``contract.STREAMS``."""
+def _registrar(kind: str, table: dict[str, Any]) -> Callable[[str], Callable[[Any], Any]]:
+    def registering(key: str) -> Callable[[Any], Any]:
+        def register(fn: Any) -> Any:
+            assert STREAM_BY_KEY[key].kind == kind and key not in table, key
+            table[key] = fn
+            return fn
 
-    def register(fn: Served) -> Served:
-        assert STREAM_BY_KEY[key].kind == "server" and key not in STREAMED, key
-        STREAMED[key] = fn
-        return fn
+        return register
 
-    return register
+    return registering
 
 
-def takes(key: str) -> Callable[[Taken], Taken]:
-    """Register the implementation of client stream ``key`` of ``contract.STREAMS``."""
-
-    def register(fn: Taken) -> Taken:
-        assert STREAM_BY_KEY[key].kind == "client" and key not in TAKEN, key
-        TAKEN[key] = fn
-        return fn
-
-    return register
+serves = _registrar("server", STREAMED)  # register the implementation of a server stream, by key
+takes = _registrar("client", TAKEN)  # and of a client stream
 
 
 @serves("box.follow_logs")

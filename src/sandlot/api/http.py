@@ -459,12 +459,12 @@ class HttpBackend(StreamingBackend):
 
     async def frames(self, stream: Stream, ref: BoxRef, params: Strict) -> AsyncGenerator[Any, None]:
         """A request to the stream's route; its answer's bytes as they come, or its lines'
-        messages. A lasting stream (a watch) has a read deadline its pings keep off; a
-        cell, a tar and a file wait as long as the box takes."""
+        messages. Between two frames it waits the client's timeout; a lasting stream (a
+        watch) a minute, which its pings keep off; a quiet one as long as the box takes."""
         fields = stream.fields(params)
         json_body = {"content": json.dumps(fields).encode(), "headers": {"content-type": "application/json"}}
         sent: dict[str, Any] = {"params": fields} if stream.in_query else json_body
-        read = WATCH_READ_TIMEOUT if stream.lasting else None
+        read = WATCH_READ_TIMEOUT if stream.lasting else None if stream.quiet else self._timeout
         timeout = httpx.Timeout(self._timeout, read=read, write=None)
         async with self.stream(stream.method, stream.url(ref.id), timeout=timeout, **sent) as r:
             if stream.frames == "bytes":

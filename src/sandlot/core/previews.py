@@ -180,23 +180,14 @@ def get_preview(store: BoxStore, preview_id: str) -> Preview:
     return _preview(row)
 
 
-def end_previews(
-    store: BoxStore,
-    why: str,
-    *,
-    preview_id: str | None = None,
-    box_id: str | None = None,
-    key_id: str | None = None,
-    namespace: str | None = None,
-) -> int:
-    """End the live previews that match every filter given (at least one); how many ended."""
-    if preview_id is None and box_id is None and key_id is None and namespace is None:
+def end_previews(store: BoxStore, why: str, **which: str | None) -> int:
+    """End the live previews that match every filter given (``preview_id``, ``box_id``,
+    ``key_id``, ``namespace``: at least one); how many ended."""
+    if not any(v is not None for v in which.values()):
         raise InvalidArgument("say which previews to end: an id, a box, a key or a namespace")
-    if preview_id is not None:
-        get_preview(store, preview_id)
-    return end_rows(
-        store, why, time.time(), preview_id=preview_id, box_id=box_id, key_id=key_id, namespace=namespace
-    )
+    if which.get("preview_id") is not None:
+        get_preview(store, str(which["preview_id"]))
+    return end_rows(store, why, time.time(), **which)
 
 
 def ended_with_key(store: BoxStore, key_id: str, revoked_at: float) -> int:
@@ -248,19 +239,10 @@ def rows(
     return [dict(r) for r in found]
 
 
-def end_rows(
-    store: BoxStore,
-    why: str,
-    at: float,
-    *,
-    preview_id: str | None = None,
-    box_id: str | None = None,
-    key_id: str | None = None,
-    namespace: str | None = None,
-) -> int:
-    """End the live previews that match (all given filters); how many ended."""
+def end_rows(store: BoxStore, why: str, at: float, **which: str | None) -> int:
+    """End the live previews that match (all given filters: ``end_in``'s); how many ended."""
     with store.transaction() as db:
-        return end_in(db, why, at, preview_id=preview_id, box_id=box_id, key_id=key_id, namespace=namespace)
+        return end_in(db, why, at, **which)
 
 
 def end_in(
