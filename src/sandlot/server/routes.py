@@ -687,10 +687,7 @@ async def attach_ws(ws: WebSocket, box: str, process: str, stdout: int = 0, stde
         await serve(ws, held, {STDOUT: stdout, STDERR: stderr})
 
 
-# -- code -----------------------------------------------------------------------------
-
-
-# -- files ----------------------------------------------------------------------------
+# -- streamed answers (the table's streams) ---------------------------------------------
 
 
 async def _streamed(
