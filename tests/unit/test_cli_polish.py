@@ -274,6 +274,34 @@ def test_engine_goes_to_the_box(fake_box: list[dict[str, Any]]) -> None:
 
 
 @pytest.mark.parametrize("command", ["run", "create"])
+def test_repeated_flags_reach_the_box_as_their_options_values(monkeypatch: pytest.MonkeyPatch,
+                                                              fake_box: list[dict[str, Any]],
+                                                              command: str) -> None:  # fmt: skip
+    monkeypatch.setenv("PASSED", "from-here")
+    monkeypatch.setenv("TOKEN", "s3cret-token")
+    r = sandlot(command, "-e", "FOO=bar", "-e", "PASSED", "-l", "team=cli", "-l", "tier=2",
+                "-v", "/tmp:/mnt/s:ro", "-p", "8080:80", "--allow", "pypi.org", "--secret",
+                "TOKEN@api.example.com", "alpine", *(["true"] if command == "run" else []))  # fmt: skip
+    assert r.exit_code in (0, 125), r.output  # run: the fake box does not boot
+    (made,) = fake_box
+    # a mapping flag is the mapping, not its keys (typer converts a callback's answer
+    # to the flag's list type)
+    assert made["env"] == {"FOO": "bar", "PASSED": "from-here"}
+    assert made["labels"] == {"team": "cli", "tier": "2"}
+    assert made["volumes"] == ["/tmp:/mnt/s:ro"] and made["ports"] == ["8080:80"]
+    assert made["allow"] == ["pypi.org"]
+    assert [(s.name, s.value, list(s.hosts)) for s in made["secrets"]] == [
+        ("TOKEN", "s3cret-token", ["api.example.com"])
+    ]
+
+
+def test_a_bad_repeated_flag_is_a_usage_error(fake_box: list[dict[str, Any]]) -> None:
+    r = sandlot("create", "-l", "nolabel", "alpine")
+    assert r.exit_code == 2 and "--label needs KEY=VALUE" in flat(r.output)
+    assert fake_box == []
+
+
+@pytest.mark.parametrize("command", ["run", "create"])
 def test_an_unknown_engine_is_a_usage_error(fake_box: list[dict[str, Any]], command: str) -> None:
     r = sandlot(command, "--engine", "firecracker", "alpine")
     assert r.exit_code == 2

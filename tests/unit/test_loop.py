@@ -4,6 +4,9 @@ tasks side by side (webhooks, bridges, a fleet's merged events) ends them with."
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
+import textwrap
 
 import pytest
 
@@ -62,3 +65,19 @@ def test_the_callers_own_cancellation_is_not_swallowed() -> None:
             await outer
 
     asyncio.run(main())
+
+
+@pytest.mark.parametrize("first", ["sandlot", "sandlot.api.loop", "concurrent.futures.thread"])
+def test_the_recorders_settle_before_the_thread_pools_stop_whatever_was_imported_first(first: str) -> None:
+    """Threading's exit hooks run last registered first: the flight recorder's (which takes
+    a program's last checkpoints through the store's pool) must come before the one that
+    stops the pools, or a script's last step is lost."""
+    script = textwrap.dedent(f"""
+        import importlib, threading
+        importlib.import_module({first!r})
+        import concurrent.futures.thread as pools, sandlot.api.loop as loop
+        hooks = [getattr(h, "func", h) for h in threading._threading_atexits]
+        print(hooks.index(loop._settle_recorders) > hooks.index(pools._python_exit))
+    """)
+    ran = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert ran.stdout.strip() == "True", ran.stderr

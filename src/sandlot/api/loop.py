@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import atexit
 import concurrent.futures
+import concurrent.futures.thread  # its exit hook first: see the end of this module
 import contextlib
 import queue
 import sys
@@ -115,7 +116,10 @@ def _settle_recorders() -> None:
 
 atexit.register(_shutdown)
 # CPython's hook for what must run before its thread pools stop (no public one runs then);
-# where it is missing, atexit's comes too late for the store and the last step is lost
+# where it is missing, atexit's comes too late for the store and the last step is lost.
+# Its hooks run last registered first: concurrent.futures.thread, imported at the top of
+# this module, has registered the one that stops the pools, so this one runs before it
+# whatever else this process imported first.
 getattr(threading, "_register_atexit", atexit.register)(_settle_recorders)
 
 

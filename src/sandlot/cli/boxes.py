@@ -43,7 +43,9 @@ def _after_dashes(words: list[str]) -> list[str]:
 
 def flag_option(option: BoxOption, *, parsed: bool = True) -> Any:
     """The ``typer.Option`` of ``option``'s flag (``core/options.py``); ``parsed``: its
-    text made the option's value as the command line is read (a bad one a usage error)."""
+    text checked as the command line is read (a bad one a usage error). The command
+    still gets the text: typer converts what a callback returns to the flag's type (a
+    mapping made a list would keep only its keys), so ``box_flags`` makes the value."""
     flag = option.flag
     assert flag is not None
     callback = None
@@ -52,13 +54,19 @@ def flag_option(option: BoxOption, *, parsed: bool = True) -> Any:
 
         def callback(value: Any) -> Any:
             try:
-                return parse(value)
+                parse(value)
             except SandlotError as exc:
                 raise typer.BadParameter(str(exc)) from None
+            return value
 
     return typer.Option(
         *flag.names, help=flag.help, callback=callback, autocompletion=flag.complete, min=flag.min
     )
+
+
+def _flag_value(option: BoxOption, text: Any) -> Any:
+    parse = option.flag.parse if option.flag is not None else None
+    return parse(text) if parse is not None else text
 
 
 def box_flags(command: Callable[..., None]) -> Callable[..., None]:
@@ -83,7 +91,7 @@ def box_flags(command: Callable[..., None]) -> Callable[..., None]:
 
     @functools.wraps(command)
     def with_box(**given: Any) -> None:
-        box = {o.name: given.pop(o.name) for o in flagged}
+        box = {o.name: _flag_value(o, given.pop(o.name)) for o in flagged}
         command(**given, box={**box, "keep": True})
 
     params = [*own, *added]
