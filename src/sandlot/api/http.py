@@ -59,9 +59,9 @@ from .contract import (
 )
 from .contract import error_from_answer as answer_error
 from .exec_channel import ChannelUnavailable, ExecChannel
-from .follow import FollowedProcess, Link, LinkClosed
+from .follow import Link, LinkClosed
 from .lease_keeper import LeaseKeeper
-from .process import AsyncProcess, ExecResult
+from .process import ExecResult
 from .remote import StreamingBackend
 
 WS_MAX_MESSAGE = 16 << 20
@@ -412,17 +412,13 @@ class HttpBackend(StreamingBackend):
                 pass
         return await self.json("POST", f"/boxes/{seg(box_id)}/exec", json_body=body, timeout=self.long())
 
-    def _opener(self, box: HttpBoxRef, process_id: str) -> Any:
-        async def attach(offsets: tuple[int, int]) -> Link:
-            params = {"stdout": offsets[0], "stderr": offsets[1]}
-            return WsLink(await self.websocket(box.path(f"/processes/{seg(process_id)}/attach"), params))
+    async def process_link(self, ref: BoxRef, process_id: str, offsets: tuple[int, int]) -> Link:
+        params = {"stdout": offsets[0], "stderr": offsets[1]}
+        return WsLink(await self.websocket(http(ref).path(f"/processes/{seg(process_id)}/attach"), params))
 
-        return attach
-
-    async def spawn(self, ref: BoxRef, cmd: Command, keep: str | None = None) -> AsyncProcess:
-        box = http(ref)
+    async def start_process(self, ref: BoxRef, cmd: Command) -> tuple[str, int, Link]:
         request = validated(SpawnIn, cmd.fields())
-        ws = await self.websocket(box.path("/spawn"))
+        ws = await self.websocket(http(ref).path("/spawn"))
         try:
             with contextlib.suppress(ConnectionClosed):  # a refusal may come first: read it below
                 await ws.send(json.dumps(request.model_dump(exclude_none=True)))
@@ -437,23 +433,7 @@ class HttpBackend(StreamingBackend):
             with contextlib.suppress(Exception):
                 await ws.close()
             raise
-        proc = FollowedProcess(
-            first["id"],
-            int(first.get("pid") or 0),
-            cmd.tty,
-            self._opener(box, first["id"]),
-            self.url,
-            WsLink(ws),
-        )
-        return AsyncProcess(cmd.argv, proc, key=keep)
-
-    async def follow(self, ref: BoxRef, process_id: str, pid: int, tty: bool,
-                     offsets: tuple[int, int]) -> FollowedProcess:  # fmt: skip
-        proc = FollowedProcess(
-            process_id, pid, tty, self._opener(http(ref), process_id), self.url, offsets=offsets
-        )
-        await proc.connect()
-        return proc
+        return first["id"], int(first.get("pid") or 0), WsLink(ws)
 
     # -- files ------------------------------------------------------------------------------
 

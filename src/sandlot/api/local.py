@@ -628,19 +628,9 @@ class LocalBackend(Backend):
                 step.result["error"] = f"{done.error.name}: {done.error.value}"[:500]
             return done
 
-    async def box_create_code_context(
-        self,
-        ref: BoxRef,
-        language: str = "python",
-        cwd: str | None = None,
-        kernel: str | None = None,
-        env: Mapping[str, str] | None = None,
-        user: str | None = None,
-        id: str | None = None,
-    ) -> CodeContext:
-        return await self._interpreter(ref).create(
-            language=language, cwd=cwd, kernel=kernel, env=env, user=user, id=id
-        )
+    async def box_create_code_context(self, ref: BoxRef, **options: Any) -> CodeContext:
+        """``Interpreter.create``'s options, as the table's model (``CodeContextIn``) let them by."""
+        return await self._interpreter(ref).create(**options)
 
     async def box_list_code_contexts(self, ref: BoxRef) -> list[CodeContext]:
         return await self._interpreter(ref).list()

@@ -8,6 +8,10 @@ answer). The HTTP backend (``api/http.py``: a request to the stream's route, NDJ
 for messages) and the Ray backend (``fleet/backend.py``: a node's streaming
 generator, uploads in chunks) implement only those two, and know no stream by name;
 the home that holds the box runs each by its key (``api/host.py``).
+
+Processes are written once here too: a transport gives ``start_process`` (a process
+started, and the link its output first comes on) and ``attach`` (a link to a held
+process from given offsets: what ``follow.FollowedProcess`` opens again when one drops).
 """
 
 from __future__ import annotations
@@ -17,11 +21,12 @@ from collections.abc import AsyncGenerator, AsyncIterable, AsyncIterator
 from typing import Any
 
 from ..errors import ConnectionLost
-from .backend import BoxRef, Cell, RemoteBackend, Write
+from .backend import BoxRef, Cell, Command, RemoteBackend, Write
 from .code import Callbacks, Execution, code_event
 from .contract import STREAM_BY_KEY, Stream, Strict
-from .follow import FollowedWatch
+from .follow import FollowedProcess, FollowedWatch, Link, Opener
 from .fs import WatchSource
+from .process import AsyncProcess
 
 Data = bytes | AsyncIterable[bytes]  # what a client stream sends: all of it, or its chunks as they come
 
@@ -53,9 +58,39 @@ class StreamingBackend(RemoteBackend):
     ) -> Any:
         """Client stream ``stream`` to the box, with its arguments: ``data`` as it comes; its answer."""
 
+    @abstractmethod
+    async def start_process(self, ref: BoxRef, cmd: Command) -> tuple[str, int, Link]:
+        """``cmd`` started in the box and held there: its id, its pid (0: not told), and
+        the link its output first comes on."""
+
+    @abstractmethod
+    async def process_link(self, ref: BoxRef, process_id: str, offsets: tuple[int, int]) -> Link:
+        """A link to the box's held process ``process_id``, its output from ``offsets``
+        (bytes of stdout, of stderr)."""
+
     def where(self, ref: BoxRef) -> str:
         """Where the box is, for an error's message."""
         return f"{self!r} (box {ref.name})"
+
+    async def spawn(self, ref: BoxRef, cmd: Command, keep: str | None = None) -> AsyncProcess:
+        process_id, pid, first = await self.start_process(ref, cmd)
+        opener = self._attacher(ref, process_id)
+        proc = FollowedProcess(process_id, pid, cmd.tty, opener, self.where(ref), first)
+        return AsyncProcess(cmd.argv, proc, key=keep)
+
+    async def follow(
+        self, ref: BoxRef, process_id: str, pid: int, tty: bool, offsets: tuple[int, int]
+    ) -> FollowedProcess:
+        opener = self._attacher(ref, process_id)
+        proc = FollowedProcess(process_id, pid, tty, opener, self.where(ref), offsets=offsets)
+        await proc.connect()
+        return proc
+
+    def _attacher(self, ref: BoxRef, process_id: str) -> Opener:
+        async def attach(offsets: tuple[int, int]) -> Link:
+            return await self.process_link(ref, process_id, offsets)
+
+        return attach
 
     def _frames(self, key: str, ref: BoxRef, args: dict[str, Any]) -> AsyncGenerator[Any, None]:
         stream = STREAM_BY_KEY[key]

@@ -73,9 +73,13 @@ def push_all(home: Path) -> int:
                 sent += remote.push_box(rec.id).chunks
             except SandlotError as exc:  # a box that cannot move (a volume): the others still go
                 log.info("box %s stays on this host: %s", rec.name, exc)
+        log.info("a round sent %d chunks", sent)  # (a log to read where a round took long)
         after = remote.tier.config.evict_after
-        if after is not None and remote.evict(after)[0] and lazymem.unavailable() is None:
-            lazymem.start_fork_server(home)  # the next wake reads memory from the tier: its helper warm
+        if after is not None:
+            evicted, freed = remote.evict(after)
+            log.info("evicted %d chunks of cold states (%d bytes)", evicted, freed)
+            if evicted and lazymem.unavailable() is None:
+                lazymem.start_fork_server(home)  # the next wake reads memory from the tier: its helper warm
     return sent
 
 
@@ -104,6 +108,7 @@ def run(home: Path) -> int:
             due = next_cold(home)
             if due is None:
                 return 0
+            log.info("the next state cools in %.1f s", due - time.time())
             poked = _poked(home)
             while time.time() < due and _poked(home) == poked:
                 time.sleep(min(POKE_POLL, max(0.0, due - time.time())))

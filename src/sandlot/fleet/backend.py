@@ -42,9 +42,9 @@ from ..api.contract import (
     operation,
     raise_if_error,
 )
-from ..api.follow import FollowedProcess, Link, LinkClosed
+from ..api.follow import Link, LinkClosed
 from ..api.loop import cancel_and_reap
-from ..api.process import AsyncProcess, ExecResult
+from ..api.process import ExecResult
 from ..api.remote import Data, StreamingBackend
 from ..core.diffs import side_key
 from ..core.events import Event
@@ -677,27 +677,14 @@ class RayBackend(StreamingBackend):
         answer = await self.ask(box, self.actor(box).exec.remote(box.id, cmd.exec_fields(stdin, timeout)))
         return exec_result(answer, cmd.argv)
 
-    async def spawn(self, ref: BoxRef, cmd: Command, keep: str | None = None) -> AsyncProcess:
+    async def start_process(self, ref: BoxRef, cmd: Command) -> tuple[str, int, Link]:
         box = ray_box(ref)
         started = await self.ask(box, self.actor(box).spawn.remote(box.id, cmd.fields()))
-        first = RayLink(self.actor(box), box.id, started["id"], (0, 0))
-        proc = self._followed(box, started["id"], int(started["pid"]), cmd.tty, (0, 0), first)
-        return AsyncProcess(cmd.argv, proc, key=keep)
+        return started["id"], int(started["pid"]), RayLink(self.actor(box), box.id, started["id"], (0, 0))
 
-    async def follow(self, ref: BoxRef, process_id: str, pid: int, tty: bool,
-                     offsets: tuple[int, int]) -> FollowedProcess:  # fmt: skip
-        proc = self._followed(ray_box(ref), process_id, pid, tty, offsets)
-        await proc.connect()
-        return proc
-
-    def _followed(self, box: RayBoxRef, process_id: str, pid: int, tty: bool, offsets: tuple[int, int],
-                  first: Link | None = None) -> FollowedProcess:  # fmt: skip
-        actor, key = self.actor(box), box.id
-
-        async def opener(at: tuple[int, int]) -> Link:
-            return RayLink(actor, key, process_id, at)
-
-        return FollowedProcess(process_id, pid, tty, opener, f"node {box.node[:12]}", first, offsets=offsets)
+    async def process_link(self, ref: BoxRef, process_id: str, offsets: tuple[int, int]) -> Link:
+        box = ray_box(ref)
+        return RayLink(self.actor(box), box.id, process_id, offsets)
 
     # -- files ------------------------------------------------------------------------------
 

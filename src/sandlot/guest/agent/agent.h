@@ -18,7 +18,9 @@
 #include <dirent.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <sys/stat.h>
 #include <sys/types.h>
+#include <time.h>
 
 #include "proto.h"
 
@@ -92,6 +94,18 @@ static inline void wr32(uint8_t *p, uint32_t v)
     p[0] = (uint8_t)v; p[1] = (uint8_t)(v >> 8); p[2] = (uint8_t)(v >> 16); p[3] = (uint8_t)(v >> 24);
 }
 static inline void wr64(uint8_t *p, uint64_t v) { wr32(p, (uint32_t)v); wr32(p + 4, (uint32_t)(v >> 32)); }
+static inline uint64_t ns_of(struct timespec t) { return (uint64_t)((int64_t)t.tv_sec * 1000000000LL + t.tv_nsec); }
+/* The first 32 bytes of a file's entry on the wire, the same in a listing (files.c)
+ * and a tree's walk (tree.c): mode, uid, gid, links, size, mtime in ns (protocol/files.py). */
+static inline void wr_stat_head(uint8_t *e, const struct stat *st)
+{
+    wr32(e, st->st_mode);
+    wr32(e + 4, st->st_uid);
+    wr32(e + 8, st->st_gid);
+    wr32(e + 12, (uint32_t)st->st_nlink);
+    wr64(e + 16, (uint64_t)st->st_size);
+    wr64(e + 24, ns_of(st->st_mtim));
+}
 
 /* ---- sessions (transport.c) ----------------------------------------- */
 

@@ -114,12 +114,7 @@ static void put_entry(struct msg *m, const char *name, const struct stat *st, co
         m->overflow = MSG_NO_MEMORY;
         return;
     }
-    wr32(e, st->st_mode);
-    wr32(e + 4, st->st_uid);
-    wr32(e + 8, st->st_gid);
-    wr32(e + 12, (uint32_t)st->st_nlink);
-    wr64(e + 16, (uint64_t)st->st_size);
-    wr64(e + 24, (uint64_t)((int64_t)st->st_mtim.tv_sec * 1000000000LL + st->st_mtim.tv_nsec));
+    wr_stat_head(e, st);
     wr16(e + 32, (uint16_t)nl);
     wr16(e + 34, (uint16_t)tl);
     memcpy(e + ENTRY_FIXED, name, nl);

@@ -44,13 +44,8 @@ static void put_tree_entry(struct msg *m, const char *rel, const struct stat *st
         m->overflow = MSG_NO_MEMORY;
         return;
     }
-    wr32(e, st->st_mode);
-    wr32(e + 4, st->st_uid);
-    wr32(e + 8, st->st_gid);
-    wr32(e + 12, (uint32_t)st->st_nlink);
-    wr64(e + 16, (uint64_t)st->st_size);
-    wr64(e + 24, (uint64_t)((int64_t)st->st_mtim.tv_sec * 1000000000LL + st->st_mtim.tv_nsec));
-    wr64(e + 32, (uint64_t)((int64_t)st->st_ctim.tv_sec * 1000000000LL + st->st_ctim.tv_nsec));
+    wr_stat_head(e, st);
+    wr64(e + 32, ns_of(st->st_ctim));
     wr64(e + 40, (uint64_t)st->st_ino);
     wr64(e + 48, (uint64_t)st->st_rdev);
     wr16(e + 56, (uint16_t)nl);
