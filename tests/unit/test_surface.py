@@ -124,6 +124,33 @@ def test_every_route_of_the_table_is_its_own_and_none_is_written_over_it() -> No
         routes._refuse_shadow("GET", "/boxes/{box}/files/watch", "files.watch")
 
 
+TRANSPORTS = ("api/http.py", "api/remote.py", "fleet/backend.py", "fleet/node.py", "server/routes.py")
+
+
+def test_no_transport_tells_operations_apart_by_name() -> None:
+    """What a transport must know of an operation is an attribute of its row (who answers
+    it, whether it removes the box...): no transport compares an operation's key or name
+    with a literal (its scope says what its target is: a box or a snapshot). A
+    transport's own way to run one (the fleet's fork, the server's preview URLs) is
+    registered by its key; the server answers every operation that is not the box's."""
+    from sandlot.fleet.backend import FLEET_RUNS
+    from sandlot.server import bridge, routes
+
+    src = Path(sandlot.__file__).parent
+    for name in TRANSPORTS:
+        for node in ast.walk(ast.parse((src / name).read_text())):
+            if not isinstance(node, ast.Compare):
+                continue
+            left = ast.unparse(node.left)
+            literal = any(isinstance(c, ast.Constant) and isinstance(c.value, str) for c in node.comparators)
+            assert not (literal and left in ("op.key", "key", "name", "op.name")), (
+                f"{name}: {ast.unparse(node)}"
+            )
+    assert bridge.make_preview is routes.ANSWERED["box.preview_url"]
+    assert set(routes.ANSWERED) == {op.key for op in contract.OPERATIONS if op.answers != "box"}
+    assert set(FLEET_RUNS) <= set(contract.BY_KEY)
+
+
 def test_every_backend_implements_every_primitive() -> None:
     from sandlot.fleet.backend import RayBackend
 

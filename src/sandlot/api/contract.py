@@ -718,6 +718,10 @@ CONTEXTS = Codec(
 # -- the operations ------------------------------------------------------------------------
 
 Scope = Literal["box", "files", "snapshot"]
+# Who answers an operation: "box", the backend of the box (every transport's); "host",
+# the home that serves a remote client, from what it holds for clients (their processes),
+# which a local backend has none of; "server", a sandlot serve only (it signs with its key).
+Answerer = Literal["box", "host", "server"]
 
 
 @dataclass(frozen=True)
@@ -726,7 +730,13 @@ class Operation:
     (``AsyncBox``, ``AsyncFiles``, ``AsyncSnapshot``) and of the backends; ``method`` and
     ``path`` its REST route under ``/v1``, whose parameters come from ``params`` (in the
     query for GET and DELETE, and where ``query`` says so; else in a JSON body). An
-    operation that makes something (``created``) answers 201; one that answers nothing, 204."""
+    operation that makes something (``created``) answers 201; one that answers nothing, 204.
+
+    What a transport must know of an operation is an attribute, never its name:
+    ``answers`` (who answers it), ``removes`` (the box is gone after it: a client lets go
+    of it, and a box already gone answers as removed), ``describes`` (it reads the box's
+    description: a box gone answers as removed), ``stamps`` (the boxes it makes carry the
+    labels of the caller's namespace)."""
 
     scope: Scope
     name: str
@@ -737,6 +747,10 @@ class Operation:
     query: bool = False
     summary: str = ""
     created: bool = False
+    answers: Answerer = "box"
+    removes: bool = False
+    describes: bool = False
+    stamps: bool = False
 
     @property
     def status(self) -> int:
@@ -777,34 +791,38 @@ class Operation:
 
 
 def _ops(scope: Scope, base: str, rows: tuple[tuple[Any, ...], ...]) -> tuple[Operation, ...]:
-    """Operations of one scope: (name, "METHOD path under base[ 201]", params, result, summary[, query])."""
+    """Operations of one scope: (name, "METHOD path under base[ 201]", params, result, summary[,
+    attributes]), the attributes a mapping (``query``, ``answers``, ``removes``...)."""
     out = []
-    for name, route, params, result, summary, *query in rows:
+    for name, route, params, result, summary, *attributes in rows:
         method, path, *created = route.split(" ")
-        op = Operation(
-            scope, name, method, base + path, params, result, bool(query), summary, created == ["201"]
-        )
-        out.append(op)
+        given = attributes[0] if attributes else {}
+        out.append(Operation(scope, name, method, base + path, params, result, summary=summary,
+                             created=created == ["201"], **given))  # fmt: skip
     return tuple(out)
+
+
+QUERY, REMOVES, DESCRIBES = {"query": True}, {"removes": True}, {"describes": True}
+HOST, SERVER = {"answers": "host"}, {"answers": "server"}
 
 
 CTX = "/code/contexts/{context}"
 OPERATIONS: tuple[Operation, ...] = (
     *_ops("box", "/boxes/{box}", (
-        ("refresh", "GET ", Empty, BOX, "The box's description, read anew."),
+        ("refresh", "GET ", Empty, BOX, "The box's description, read anew.", DESCRIBES),
         ("inspect", "GET /inspect", Empty, JSON, "Everything about the box."),
         ("stats", "GET /stats", Empty, JSON, "Host CPU, memory and disk use."),
         ("logs", "GET /logs", LogsIn, TEXT, "The guest console of the last boot."),
         ("metrics", "GET /metrics", MetricsIn, JSON, "Sampled CPU, memory, disk, network and commands."),
         ("start", "POST /start", Empty, BOX, "Boot the box."),
-        ("stop", "POST /stop", TimeoutIn, BOX, "Stop gracefully.", True),
-        ("restart", "POST /restart", TimeoutIn, BOX, "Stop, then start.", True),
+        ("stop", "POST /stop", TimeoutIn, BOX, "Stop gracefully.", QUERY),
+        ("restart", "POST /restart", TimeoutIn, BOX, "Stop, then start.", QUERY),
         ("kill", "POST /kill", Empty, BOX, "Stop at once."),
         ("pause", "POST /pause", Empty, BOX, "Freeze the vCPUs."),
         ("unpause", "POST /unpause", Empty, BOX, "Thaw the vCPUs."),
         ("suspend", "POST /suspend", Empty, BOX, "Save the running state, end the VM."),
         ("resume", "POST /resume", Empty, BOX, "Bring a suspended box back."),
-        ("remove", "DELETE ", RemoveBoxIn, NONE, "Delete the box."),
+        ("remove", "DELETE ", RemoveBoxIn, NONE, "Delete the box.", REMOVES),
         ("set_network", "PUT /network", NetworkIn, NETWORK, "Change the egress policy."),
         ("ports", "GET /ports", Empty, PORTS, "The published ports."),
         ("ping", "GET /ping", Empty, FLOAT, "The agent's round trip, in seconds."),
@@ -821,8 +839,8 @@ OPERATIONS: tuple[Operation, ...] = (
         ("rewind", "POST /rewind", RewindIn, BOX, "Back, in place, to just after a step."),
         ("fork_at", "POST /fork_at 201", ForkAtIn, BOXES, "Running boxes from just after a step."),
         ("promote", "POST /promote", PromoteIn, SNAPSHOT, "A fork takes the box's place; the old kept."),
-        ("processes", "GET /processes", Empty, PROCESSES, "The processes the host holds for the box."),
-        ("preview_url", "POST /previews 201", PreviewIn, URL, "A signed URL to a port."),
+        ("processes", "GET /processes", Empty, PROCESSES, "The processes the host holds for the box.", HOST),
+        ("preview_url", "POST /previews 201", PreviewIn, URL, "A signed URL to a port.", SERVER),
         ("create_code_context", "POST /code/contexts 201", CodeContextIn, CONTEXT, "Start an interpreter."),
         ("list_code_contexts", "GET /code/contexts", Empty, CONTEXTS, "The interpreters running."),
         ("interrupt_code_context", f"POST {CTX}/interrupt", ContextIn, NONE, "Interrupt a context's cell."),
@@ -842,7 +860,7 @@ OPERATIONS: tuple[Operation, ...] = (
     )),
     *_ops("snapshot", "/snapshots/{snap}", (
         ("inspect", "GET /inspect", Empty, JSON, "Everything about a snapshot."),
-        ("start", "POST /start 201", SnapshotStartIn, BOXES, "Boxes from a snapshot."),
+        ("start", "POST /start 201", SnapshotStartIn, BOXES, "Boxes from a snapshot.", {"stamps": True}),
         ("remove", "DELETE ", Empty, NONE, "Delete a snapshot."),
     )),
 )  # fmt: skip

@@ -387,12 +387,12 @@ class HttpBackend(StreamingBackend):
             else:
                 value = op.result.decode(await self.json(op.method, path, **kwargs))
         except NotFound:
-            if scope == "box" and name in ("refresh", "remove"):  # gone: as a local box is
+            if op.removes or op.describes:  # gone: as a local box is
                 target.removed = True
                 self._let_go(target.id)
                 return None
             raise
-        if scope == "box" and name == "remove":
+        if op.removes:
             target.removed = True
             self._let_go(target.id)
         return answered(kind, value, target, self.ref_of, self.snapshot_of)

@@ -18,7 +18,7 @@ import asyncio
 import contextlib
 import secrets
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping
 from pathlib import Path
 from typing import Any, ClassVar, Protocol
 
@@ -33,8 +33,10 @@ from ..api.backend import (
     narrowed,
 )
 from ..api.contract import (
+    BY_KEY,
     SNAPSHOT,
     BoxOut,
+    Operation,
     Stream,
     Strict,
     box_create,
@@ -263,6 +265,23 @@ async def merged_as_they_come(streams: list[NodeStream]) -> AsyncIterator[Event]
         await cancel_and_reap(tasks)
 
 
+# The operations a fleet runs as more than one call to the box's node (a fork spread and
+# placed, a replica kept, a diff's sides on one node, boxes placed from a snapshot), each
+# registered by ``fleet_runs``; ``RayBackend.call`` runs the rest on the box's node.
+FleetRun = Callable[[Any, Operation, Any, dict[str, Any]], Awaitable[Any]]
+FLEET_RUNS: dict[str, FleetRun] = {}
+
+
+def fleet_runs(key: str) -> Callable[[FleetRun], FleetRun]:
+    assert key in BY_KEY and key not in FLEET_RUNS, f"{key}: not an operation, or registered twice"
+
+    def register(run: FleetRun) -> FleetRun:
+        FLEET_RUNS[key] = run
+        return run
+
+    return register
+
+
 class RayBackend(StreamingBackend):
     """The boxes of a fleet (made by ``Fleet``)."""
 
@@ -419,33 +438,60 @@ class RayBackend(StreamingBackend):
     async def call(self, scope: str, name: str, target: Any, args: dict[str, Any]) -> Any:
         op = operation(scope, name)  # type: ignore[arg-type]
         params = op.arguments(args).model_dump()
+        own = FLEET_RUNS.get(op.key)
+        if own is not None:
+            return await own(self, op, target, params)
         if scope == "snapshot":
             snap = ray_snapshot(target)
-            if name == "start":
-                return await self.start_snapshot(snap, params)
             return op.result.decode(
                 await got(self.fleet.node(snap.node).call.remote(scope, name, snap.id, params))
             )
         box = ray_box(target)
-        if op.key == "box.refresh":
+        if op.describes:
             return await self.refresh(box, op)
-        if op.key == "box.remove":
+        if op.removes:
             return await self.remove(box, bool(params.get("force")))
-        if op.key == "box.fork":
-            return await self.fork(box, params["n"], params.get("name"))
-        if op.key == "box.suspend" and box.rec and box.rec.get("replicas"):
-            return await self.suspend_replicated(box)
-        if op.key == "box.diff":
-            params = await self.same_node_sides(box, params)
-        answer = await self.ask(box, self.actor(box).call.remote(scope, name, box.id, params))
+        return await self.on_node(op, box, params)
+
+    async def on_node(self, op: Operation, box: RayBoxRef, params: dict[str, Any]) -> Any:
+        """Operation ``op`` of the box run by its node; the box's state in the directory
+        follows what the answer says of it."""
+        answer = await self.ask(box, self.actor(box).call.remote(op.scope, op.name, box.id, params))
         value = op.result.decode(answer) if op.result.kind != "text" else answer
         if op.result.kind == "box" and value["state"] != box.state:
             await self.record(box, {"state": value["state"]})
-        out = answered(op.result.kind, value, box, lambda rec: RayBoxRef(self, rec),
-                       lambda rec: RaySnapshotRef(self, rec))  # fmt: skip
-        if op.key == "box.snapshot" and box.rec and box.rec.get("replicas"):
-            box.rec = await self.replicate(box.rec, out.id)
-        return out
+        return answered(op.result.kind, value, box, lambda rec: RayBoxRef(self, rec),
+                        lambda rec: RaySnapshotRef(self, rec))  # fmt: skip
+
+    # the operations the fleet runs as more than a call to the box's node (``fleet_runs``)
+
+    @fleet_runs("box.fork")
+    async def _fork(self, op: Operation, target: Any, params: dict[str, Any]) -> Any:
+        return await self.fork(ray_box(target), params["n"], params.get("name"))
+
+    @fleet_runs("box.suspend")
+    async def _suspend(self, op: Operation, target: Any, params: dict[str, Any]) -> Any:
+        box = ray_box(target)
+        if box.rec and box.rec.get("replicas"):
+            return await self.suspend_replicated(box)
+        return await self.on_node(op, box, params)
+
+    @fleet_runs("box.snapshot")
+    async def _snapshot(self, op: Operation, target: Any, params: dict[str, Any]) -> Any:
+        box = ray_box(target)
+        made = await self.on_node(op, box, params)
+        if box.rec and box.rec.get("replicas"):
+            box.rec = await self.replicate(box.rec, made.id)
+        return made
+
+    @fleet_runs("box.diff")
+    async def _diff(self, op: Operation, target: Any, params: dict[str, Any]) -> Any:
+        box = ray_box(target)
+        return await self.on_node(op, box, await self.same_node_sides(box, params))
+
+    @fleet_runs("snapshot.start")
+    async def _start_snapshot(self, op: Operation, target: Any, params: dict[str, Any]) -> Any:
+        return await self.start_snapshot(ray_snapshot(target), params)
 
     async def same_node_sides(self, box: RayBoxRef, params: dict[str, Any]) -> dict[str, Any]:
         """A diff runs on the box's node, against states of that node: another box is

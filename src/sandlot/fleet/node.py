@@ -390,20 +390,20 @@ class NodeService:
         op = offered(scope, name)
         key_of(key, scope)
         args = host.arguments(op, params)
-        if op.key == "box.processes":
+        if op.answers == "host":  # what this node holds for its clients
             return await self.processes.listed(await self.ref(key))
-        if op.key == "box.preview_url":
+        if op.answers == "server":
             raise Unsupported(
-                "preview_url() is not offered over the ray transport: a preview URL is signed "
-                "by a sandlot serve",
+                f"{op.name}() is not offered over the ray transport: only a sandlot serve answers it "
+                "(it signs with its key)",
                 transport="ray",
             )
         target: Any = await self.ref(key) if scope != "snapshot" else await self.snapshot(key)
         asker = ASKER.get()
-        if op.key == "snapshot.start" and asker is not None:  # the caller's, as the server's are
+        if op.stamps and asker is not None:  # the caller's, as the server's are
             kept = access.own_labels(snapshot_labels(target))
             args = args.model_copy(update={"labels": {**kept, **access.stamped(asker, args.labels)}})  # type: ignore[attr-defined]
-        if op.key == "box.remove":
+        if op.removes:
             await self._remove(target, bool(args.force))  # type: ignore[attr-defined]
             return None
         answer = await host.run(self.backend, op, target, args)

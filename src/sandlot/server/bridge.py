@@ -70,7 +70,7 @@ from . import origins
 from .e2b import E2B_PORTS
 from .e2b import PREFIX as E2B_PREFIX
 from .origins import HOST_ROUTE
-from .routes import SERVED, box_for, ws_box
+from .routes import answered_here, box_for, ws_box
 from .state import KEY_SUBPROTOCOL, ServerState, accept_websocket, app_subprotocols, error_response
 
 router = APIRouter()  # /p/...: previews, authenticated by their signature
@@ -514,6 +514,7 @@ async def tcp_ws(ws: WebSocket, box: str, port: int) -> None:
         await raw_tcp(ws, found[2], _port(port))
 
 
+@answered_here("box.preview_url")
 async def make_preview(request: Request, box: AsyncBox, params: Any) -> dict[str, Any]:
     """``box.preview_url``: a signed URL to ``port`` in the box that works without a key
     until it expires, or its key or it is revoked, or the box is removed."""
@@ -546,9 +547,6 @@ async def make_preview(request: Request, box: AsyncBox, params: Any) -> dict[str
 def content_base(request: Request) -> str:
     """The content listener's origin, as the client of ``request`` reaches the server."""
     return origins.content_base(_server(request).settings, request.url.scheme, request.headers.get("host"))
-
-
-SERVED["box.preview_url"] = make_preview
 
 
 @v1.get("/previews", tags=["ports"])

@@ -304,13 +304,28 @@ GUARDS: dict[str, Guard] = {
 }
 
 
+# The operations the server answers itself (``Operation.answers``: "host", what it holds
+# for its clients; "server", what it signs), each registered by ``answered_here``;
+# server/bridge.py registers the preview URLs it signs.
+Answer = Callable[[Request, Any, Any], Awaitable[Any]]
+ANSWERED: dict[str, Answer] = {}
+
+
+def answered_here(key: str) -> Callable[[Answer], Answer]:
+    """Register the server's answer to operation ``key``, one the box's backend does not give."""
+    op = BY_KEY[key]
+    assert op.answers != "box" and key not in ANSWERED, f"{key} is not the server's to answer, or is twice"
+
+    def register(answer: Answer) -> Answer:
+        ANSWERED[key] = answer
+        return answer
+
+    return register
+
+
+@answered_here("box.processes")
 async def _processes(request: Request, box: AsyncBox, params: Any) -> Any:
     return await _server(request).processes.listed(box.ref)
-
-
-# Operations the server answers itself: what it holds, which the local backend does not.
-# server/bridge.py adds the preview URLs it signs.
-SERVED: dict[str, Callable[[Request, Any, Any], Awaitable[Any]]] = {"box.processes": _processes}
 
 
 # -- the operations of api/contract.py, a route each ----------------------------------------
@@ -326,9 +341,8 @@ async def run_operation(request: Request, key: str, target: str, **args: Any) ->
 
 async def _run(request: Request, op: Operation, key: str, params: Any) -> Any:
     target: Any = await (snapshot_for(request, key) if op.scope == "snapshot" else box_for(request, key))
-    served = SERVED.get(op.key)
-    if served is not None:
-        return await served(request, target, params)
+    if op.answers != "box":
+        return await ANSWERED[op.key](request, target, params)
     async with GUARDS.get(op.key, _as_is)(request, target.ref, params) as params:
         return await host.run(_backend(request), op, target.ref, params)
 
