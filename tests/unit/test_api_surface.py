@@ -110,3 +110,21 @@ def test_the_command_line_says_its_version() -> None:
     assert (r.returncode, r.stdout.strip()) == (0, sandlot.__version__), r.stderr
     r = subprocess.run([sys.executable, "-m", "sandlot.cli"], capture_output=True, text=True)
     assert r.returncode in (0, 2) and "Usage" in r.stdout + r.stderr  # no command: the help
+
+
+def test_a_timezone_is_the_commands_tz_and_a_bad_one_is_refused() -> None:
+    """``timezone`` (added by its declaration alone, with its use in ``BoxSpec.default_env``):
+    the commands' $TZ over the image's, under their own env; over the wire as a field."""
+    from sandlot.api.contract import box_create
+    from sandlot.core.spec import BoxSpec
+
+    spec = BoxSpec.build("alpine", timezone="Europe/Paris", env={"A": "1"})
+    spec.image_config = {"env": ["TZ=Asia/Tokyo", "PATH=/bin"]}
+    assert spec.default_env() == {"TZ": "Europe/Paris", "PATH": "/bin", "A": "1"}
+    assert BoxSpec.build("alpine", timezone="UTC-3", env={"TZ": "UTC"}).default_env()["TZ"] == "UTC"
+    assert "TZ" not in BoxSpec.build("alpine").default_env()
+    assert BoxSpec.from_options(spec.to_options()).timezone == "Europe/Paris"  # kept with the box
+    assert box_create("alpine", {"timezone": "Etc/GMT+5"}, "http")["timezone"] == "Etc/GMT+5"
+    for bad in ("/etc/passwd", "../../etc/shadow", "Europe/../../x", "a b", "", 5):
+        with pytest.raises(errors.InvalidArgument, match="timezone must be"):
+            BoxSpec.build("alpine", timezone=bad)

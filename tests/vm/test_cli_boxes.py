@@ -44,11 +44,12 @@ def test_box_lifecycle_commands(busybox_root: Path, tmp_path: Path) -> None:
     name = CLI_BOX
     try:
         assert ok("run", "-d", "--name", name, "-l", "team=cli", "-e", "FOO=bar", "-v", f"{shared}:/mnt/s",
-                  "--rootfs", root).strip() == name  # fmt: skip
+                  "--tz", "UTC-3", "--rootfs", root).strip() == name  # fmt: skip
         listing = ok("ls")
         assert name in listing and "running" in listing
         assert ok("ls", "-q", "--filter", "label=team=cli").split() == [name]
         assert ok("exec", name, "sh", "-c", "echo $FOO; cat /mnt/s/in.txt") == "bar\nfrom host"
+        assert ok("exec", name, "date", "+%z") == "+0300\n"  # --tz: the commands' $TZ
         assert cli("exec", name, "sh", "-c", "exit 7").returncode == 7
         assert ok("exec", "-i", name, "tr", "a-z", "A-Z", stdin="piped\n") == "PIPED\n"
         # cp both ways

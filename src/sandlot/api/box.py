@@ -107,6 +107,7 @@ class AsyncBox:
         accel: str = "auto",
         kernel: str | os.PathLike[str] | None = None,
         hostname: str | None = None,
+        timezone: str | None = None,
         boot_timeout: float | None = None,
         request_timeout: float = 30.0,
         idle_timeout: float | None = None,
@@ -149,6 +150,8 @@ class AsyncBox:
         - ``accel``: QEMU's accelerator: auto, kvm or tcg. Default: ``"auto"``.
         - ``kernel``: A guest kernel to boot instead of sandlot's.
         - ``hostname``: The guest's host name.
+        - ``timezone``: The time zone of the box's commands: their $TZ, an IANA name (Europe/Paris, read
+          from the image's /usr/share/zoneinfo) or a POSIX one (UTC-3). Default: UTC.
         - ``boot_timeout``: Seconds a boot may take (default: $SANDLOT_BOOT_TIMEOUT, else 30 under TCG, 15
           under KVM).
         - ``request_timeout``: Seconds a call to the guest's agent may take. Default: ``30.0``.

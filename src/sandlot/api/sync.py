@@ -95,6 +95,7 @@ class Box(BoxBase):
         accel: str = "auto",
         kernel: str | os.PathLike[str] | None = None,
         hostname: str | None = None,
+        timezone: str | None = None,
         boot_timeout: float | None = None,
         request_timeout: float = 30.0,
         idle_timeout: float | None = None,
@@ -137,6 +138,8 @@ class Box(BoxBase):
         - ``accel``: QEMU's accelerator: auto, kvm or tcg. Default: ``"auto"``.
         - ``kernel``: A guest kernel to boot instead of sandlot's.
         - ``hostname``: The guest's host name.
+        - ``timezone``: The time zone of the box's commands: their $TZ, an IANA name (Europe/Paris, read
+          from the image's /usr/share/zoneinfo) or a POSIX one (UTC-3). Default: UTC.
         - ``boot_timeout``: Seconds a boot may take (default: $SANDLOT_BOOT_TIMEOUT, else 30 under TCG, 15
           under KVM).
         - ``request_timeout``: Seconds a call to the guest's agent may take. Default: ``30.0``.
@@ -181,6 +184,7 @@ class Box(BoxBase):
             accel=accel,
             kernel=kernel,
             hostname=hostname,
+            timezone=timezone,
             boot_timeout=boot_timeout,
             request_timeout=request_timeout,
             idle_timeout=idle_timeout,

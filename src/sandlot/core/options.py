@@ -51,6 +51,7 @@ DEFAULT_DISK_GB = 8
 PULL_POLICIES = ("missing", "always", "never")
 ACCELS = ("auto", "kvm", "tcg")
 _HOSTNAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9.-]{0,62}$")
+_TIMEZONE = re.compile(r"^[A-Za-z][A-Za-z0-9_+.-]{0,29}(/[A-Za-z0-9_+.-]{1,30}){0,2}$")
 _LABEL_KEY = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_./-]{0,127}$")
 
 # kind: "box", what the box is (a field of BoxSpec, kept with its record); "request",
@@ -146,6 +147,16 @@ def _accel(value: Any) -> str:
 def _hostname(value: Any) -> str | None:
     if value is not None and (not isinstance(value, str) or not _HOSTNAME.match(value)):
         raise InvalidArgument(f"invalid hostname {value!r}")
+    return value
+
+
+def _timezone(value: Any) -> str | None:
+    """An IANA zone's name (``Area/Location``, ``Etc/GMT+5``), a path under the guest's
+    zoneinfo, so never absolute and never with ``..``; or a POSIX one (``UTC-3``)."""
+    if value is not None and (not isinstance(value, str) or not _TIMEZONE.match(value) or ".." in value):
+        raise InvalidArgument(
+            f"timezone must be a time zone's name such as Europe/Paris or UTC-3, not {value!r}"
+        )
     return value
 
 
@@ -479,6 +490,16 @@ OPTIONS: tuple[BoxOption, ...] = (
         admin=True,
     ),
     BoxOption("hostname", "str | None", None, "The guest's host name.", check=_hostname, wire=str | None),
+    BoxOption(
+        "timezone",
+        "str | None",
+        None,
+        "The time zone of the box's commands: their $TZ, an IANA name (Europe/Paris, read from the "
+        "image's /usr/share/zoneinfo) or a POSIX one (UTC-3). Default: UTC.",
+        check=_timezone,
+        wire=str | None,
+        flag=Flag(("--tz",), "Time zone of the box's commands: Europe/Paris, UTC-3...", str | None),
+    ),
     BoxOption(
         "boot_timeout",
         "float | None",

@@ -68,6 +68,7 @@ class BoxSpec:
     accel: str = "auto"
     kernel: str | None = None
     hostname: str | None = None
+    timezone: str | None = None
     boot_timeout: float | None = None
     request_timeout: float = 30.0
     idle_timeout: float | None = None
@@ -215,6 +216,8 @@ class BoxSpec:
         for e in (self.image_config or {}).get("env", []):
             k, _, v = e.partition("=")
             image_env[k] = v
+        if self.timezone is not None:
+            image_env["TZ"] = self.timezone
         if self.policy.proxied:
             image_env.update(proxy_env())
         if self.secrets:
