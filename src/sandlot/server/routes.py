@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Body, Query, Request, Response, WebSocket
-from fastapi.responses import StreamingResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.websockets import WebSocketDisconnect
 
 from ..api import access, host
@@ -386,10 +386,11 @@ def _operation_route(op: Operation) -> Callable[..., Awaitable[Any]]:
     return route
 
 
-def _refuse_shadow(method: str, path: str, key: str) -> None:
-    """A route written out by hand never takes the place of a route of the table."""
-    written = {(m, getattr(r, "path", None)) for r in router.routes for m in getattr(r, "methods", ())}
-    if (method, path) in written:
+def _refuse_shadow(method: str, path: str, key: str, *, made: int = 0) -> None:
+    """A route written out by hand never takes the place of a route of the table: besides
+    the ``made`` routes of the table there, none is at ``method`` and ``path``."""
+    written = [(m, getattr(r, "path", None)) for r in router.routes for m in getattr(r, "methods", ())]
+    if written.count((method, path)) > made:
         raise AssertionError(f"{method} {path} is written out by hand, and {key} of the table is there too")
 
 
@@ -421,7 +422,8 @@ def _stream_route(stream: Stream) -> Callable[..., Awaitable[Any]]:
         if stream.audit is not None:
             request.state.audit = stream.audit(params)
         if stream.kind == "client":
-            return await host.TAKEN[stream.key](_backend(request), b.ref, params, _body(request))
+            taken = await host.TAKEN[stream.key](_backend(request), b.ref, params, _body(request))
+            return JSONResponse(taken)
         frames = host.STREAMED[stream.key](_backend(request), b.ref, params)
         if stream.lasting:
             frames = _lasting(request, stream, b.id, params, frames)
@@ -484,6 +486,12 @@ def _register_stream(stream: Stream) -> None:
     endpoint = _stream_route(stream)
     router.add_api_route(stream.path, endpoint, methods=[stream.method], tags=[stream.scope],
                          name=endpoint.__name__, summary=stream.summary.split(". ")[0])  # fmt: skip
+
+
+# The streams' routes come before those written out below (each checked at the end of the
+# module): Starlette tries routes in order, and a file's bytes are among the most asked.
+for _stream in STREAMS:
+    _register_stream(_stream)
 
 
 # -- boxes ----------------------------------------------------------------------------
@@ -951,8 +959,9 @@ async def audit(
     return {"entries": [e.to_json() for e in entries]}
 
 
-# a route of each operation and each stream of the table (none is written out above)
+# a route of each operation of the table (none is written out above), and none written
+# out above in the place of a stream's
 for _op in OPERATIONS:
     _register(_op)
 for _stream in STREAMS:
-    _register_stream(_stream)
+    _refuse_shadow(_stream.method, _stream.path, _stream.key, made=1)
