@@ -9,6 +9,10 @@ run, each in a home of its own:
   guest's pause;
 * fan-out: ``--boxes`` boxes from one template, each writing a little and suspended:
   the home's bytes against the template's plus what the boxes changed;
+* gVisor's checkpoints: a gVisor box holding live data in its kernel's memory takes
+  ``--checkpoints`` snapshots with a small write between each (runsc compresses its
+  image; sandlot keeps its state inflated, cut by content): the bytes each adds, its
+  time, and a rollback to the first exec after it, against runsc's images kept whole;
 * local speed: rollback, suspend and resume (each to the first exec after it), and a
   fork of ``--fork`` children to the first exec of all;
 * the storage tier, against moto's S3 server on 127.0.0.1 (tests/support/s3.py): a
@@ -47,6 +51,7 @@ from _common import (
     debian_root,
     drop_home,
     emit,
+    gvisor_unusable,
     host_facts,
     parser,
     scratch_home,
@@ -181,6 +186,43 @@ async def local_speed(root: Path, runs: int, fork: int, chunks: bool) -> dict[st
         drop_home(home)
 
 
+async def gvisor_checkpoints(live_mib: int, count: int, runs: int, chunks: bool) -> dict[str, Any]:
+    """A gVisor box holding ``live_mib`` in its kernel's memory (a tmpfs in the sandbox),
+    ``count`` checkpoints with a small write between each: the bytes each adds to its
+    home and its time; then rollbacks to the first, each to the first exec after it."""
+    use_chunks(chunks)
+    home = scratch_home("bench-storage-gvisor-")
+    try:
+        box = AsyncBox(rootfs=busybox_root(), engine="gvisor", memory_mib=256, keep=True, template=False,
+                       home=home)  # fmt: skip
+        await box.start()
+        await box.sh(f"mkdir -p /mnt/mem && mount -t tmpfs mem /mnt/mem && "
+                     f"head -c {live_mib * MiB} /dev/urandom > /mnt/mem/live")  # fmt: skip
+        first = await box.snapshot("g0")
+        added, walls = [], []
+        for i in range(1, count + 1):
+            await box.sh(f"echo {i} > /mnt/mem/step")
+            before = tree_bytes(home)
+            t = time.perf_counter()
+            await box.snapshot(f"g{i}")
+            walls.append(time.perf_counter() - t)
+            added.append(tree_bytes(home) - before)
+        rollbacks = []
+        for _ in range(runs):
+            t = time.perf_counter()
+            await box.rollback(first)
+            await box.exec("true")
+            rollbacks.append(time.perf_counter() - t)
+        await box.remove(force=True)
+        return {
+            "added_MiB_per_checkpoint": summary(added, 1 / MiB, 2),
+            "snapshot_wall_s": summary(walls, digits=3),
+            "rollback_to_first_exec_s": summary(rollbacks, digits=3),
+        }
+    finally:
+        drop_home(home)
+
+
 def tier_moves(root: Path, memory: int, live_mib: int, runs: int) -> dict[str, Any]:
     """A suspended box moved between two homes through the tier, ``runs`` times."""
     import tempfile
@@ -277,6 +319,25 @@ async def run(args: Any) -> dict[str, Any]:
         }
         speed["chunks_over_files"][fork_key] = round(speed["chunks"][fork_key] / speed["files"][fork_key], 2)
     out["local_speed"] = speed
+    # gVisor's checkpoints, kept as chunks of their inflated state or as runsc's files
+    unusable = gvisor_unusable(sandlot.Runtime.for_home().doctor())
+    if unusable is None:
+        live = 8 if args.quick else 64
+        g = {mode: await gvisor_checkpoints(live, args.checkpoints, max(args.runs, 2), on)
+             for mode, on in (("chunks", True), ("files", False))}  # fmt: skip
+        g["shape"] = {"live_mib": live, "checkpoints": args.checkpoints}
+        g["files_over_chunks_added"] = round(
+            g["files"]["added_MiB_per_checkpoint"]["median"]
+            / max(g["chunks"]["added_MiB_per_checkpoint"]["median"], 0.01), 1
+        )  # fmt: skip
+        g["chunks_over_files_rollback"] = round(
+            g["chunks"]["rollback_to_first_exec_s"]["median"]
+            / g["files"]["rollback_to_first_exec_s"]["median"],
+            2,
+        )
+        out["gvisor_checkpoints"] = g
+    else:
+        out["gvisor_checkpoints"] = {"skipped": unusable}
     if args.tier:
         # quick: each path once, on the least that shows it (a busybox disk: the first push
         # sends a disk's base whole, and a Debian one's is most of a quick run's time)

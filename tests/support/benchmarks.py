@@ -44,7 +44,7 @@ PROMISED = {
         "box_create_from_pulled_image_ms",
     ],
     "livestate": ["snapshot", "rollback_to_first_exec_s", "resume_to_first_exec_s", "fork"],
-    "storage": ["checkpoints", "fan_out", "local_speed", "tier"],
+    "storage": ["checkpoints", "fan_out", "local_speed", "gvisor_checkpoints", "tier"],
     "wake": ["wake", "cycles", "storm", "deep", "host"],
     "pool": [
         "template_start_to_first_exec_s",

@@ -11,12 +11,14 @@ from sandlot.core.store import BoxStore
 
 
 def memory_chunks(snap_id: str, home: Path | str | None = None) -> list[Path]:
-    """The chunk files of a saved state's memory, in the order of its images."""
+    """The chunk files of a saved state's memory: its images' (QEMU), in their order, or
+    else its streams' (gVisor's checkpoint: the sandbox's memory and kernel state)."""
     where = Runtime.for_home(home).home
     data = BoxStore(where / "sandlot.db").state_manifest(snap_id)
     assert data is not None, f"saved state {snap_id} is no chunks"
-    store = ChunkStore(where)
-    return [store.path(d) for img in Manifest.decode(data).images for d in img.digests if d is not None]
+    store, m = ChunkStore(where), Manifest.decode(data)
+    found = [d for img in m.images for d in img.digests if d is not None]
+    return [store.path(d) for d in found or [d for s in m.streams for d in s.digests]]
 
 
 def state_bytes(snap_id: str, home: Path | str | None = None) -> bytes:

@@ -84,6 +84,9 @@ class MemorySource(StateSource):
     def stream(self, name: str) -> bytes:
         return self.sink.streams[name]
 
+    def streams(self) -> list[str]:
+        return list(self.sink.streams)
+
 
 def qemu_stream(memory: dict[str, bytes], seed: int = 1, *, footers: bool = True, parts: int = 3) -> bytes:
     """A stream as QEMU 7.2 writes it: every page once, in a shuffled order, over

@@ -141,6 +141,33 @@ def test_snapshot_rollback_and_fork_through_runsc_checkpoint(busybox_root: Path)
                 k.remove(force=True)
 
 
+def test_checkpoints_are_chunks_that_share_what_did_not_change(busybox_root: Path) -> None:
+    """A checkpoint image is kept as chunks of its state, inflated and cut by content: a
+    second checkpoint adds about what changed, not the sandbox's memory again; what a
+    restore reads back is checked against its hashes."""
+    with sandlot.Box(rootfs=busybox_root, engine="gvisor", memory_mib=256) as box:
+        # 16 MiB in the sandbox's own memory (a tmpfs of its kernel), which every checkpoint holds
+        mount = (
+            "mkdir -p /mnt/mem && mount -t tmpfs mem /mnt/mem && head -c 16777216 /dev/urandom >/mnt/mem/b"
+        )
+        assert box.exec("sh", "-c", mount).returncode == 0
+        blob = box.exec("md5sum", "/mnt/mem/b").stdout
+        first = box.snapshot("first")
+        box.exec("sh", "-c", "echo changed > /mnt/mem/note")
+        second = box.snapshot("second")
+        for snap in (first, second):
+            assert not any(Path(snap.inspect()["path"]).iterdir())  # no image beside its chunks
+            assert snap.logical_size > 16 << 20  # what the restore reads back
+        assert first.size > 15 << 20  # its first save: the blob, compressed by nothing
+        assert second.size < 2 << 20, (first.size, second.size)  # what changed, not the blob again
+        box.exec("rm", "/mnt/mem/b")
+        box.rollback(first)
+        assert box.exec("md5sum", "/mnt/mem/b").stdout == blob
+        assert not box.files.exists("/mnt/mem/note")
+        first.remove()
+        second.remove()
+
+
 def test_suspend_then_resume_from_another_process(busybox_root: Path) -> None:
     name = f"gv-suspend-{os.getpid()}"
     box = sandlot.create(rootfs=busybox_root, engine="gvisor", name=name, memory_mib=256)

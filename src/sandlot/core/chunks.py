@@ -31,11 +31,12 @@ import contextlib
 import ctypes
 import errno
 import fcntl
+import itertools
 import os
 import secrets
 import threading
 import time
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
@@ -412,7 +413,14 @@ def unpack(packed: bytes) -> bytes:
     size = zstandard.get_frame_parameters(packed).content_size
     if not 0 <= size <= CHUNK:
         raise zstandard.ZstdError(f"a frame of {size} bytes, where a chunk is at most {CHUNK}")
-    return zstandard.ZstdDecompressor().decompress(packed, max_output_size=CHUNK)
+    zd = getattr(_decompressors, "d", None)
+    if zd is None:  # one a thread, made once: making one costs more than a chunk's decompression
+        zd = _decompressors.d = zstandard.ZstdDecompressor()
+    data: bytes = zd.decompress(packed, max_output_size=CHUNK)
+    return data
+
+
+_decompressors = threading.local()
 
 
 def remove_file(path: Path) -> int:
@@ -485,11 +493,15 @@ class StateWriter(StateSink):
         return w
 
     def stream(self, name: str, data: bytes) -> None:
-        digests = []
-        for at in range(0, len(data), CHUNK):
-            digests.append(self.keep(data[at : at + CHUNK]))
-        self.manifest.streams.append(Stream(name, len(data), digests))
-        self.manifest.logical += len(data)
+        self.stream_pieces(name, (data[at : at + CHUNK] for at in range(0, len(data), CHUNK)))
+
+    def stream_pieces(self, name: str, pieces: Iterable[bytes]) -> None:
+        digests, size = [], 0
+        for piece in pieces:
+            digests.append(self.keep(piece))
+            size += len(piece)
+        self.manifest.streams.append(Stream(name, size, digests))
+        self.manifest.logical += size
 
     def keep(self, data: bytes | bytearray | memoryview) -> bytes:
         """Hash a chunk, and have it written unless the store (or this save) has it."""
@@ -677,13 +689,31 @@ class StateReader(StateSource):
                     submit(more)
 
     def stream(self, name: str) -> bytes:
+        return b"".join(self.stream_pieces(name))
+
+    def streams(self) -> list[str]:
+        return [s.name for s in self.manifest.streams]
+
+    def stream_pieces(self, name: str) -> Iterator[bytes]:
         s = self.manifest.stream(name)
-        data = b"".join(self.store.get_many([(d, None) for d in s.digests], self.whose))
-        if len(data) != s.size:
+        read = 0
+        # runs of chunks (neighbours in a pack: one read of the tier), a few read ahead
+        runs = (
+            [(d, None) for d in s.digests[at : at + TIER_RUN]] for at in range(0, len(s.digests), TIER_RUN)
+        )
+        with ThreadPoolExecutor(1, thread_name_prefix="sandlot-read") as pool:
+            ahead = [pool.submit(self.store.get_many, run, self.whose) for run in itertools.islice(runs, 1)]
+            while ahead:
+                got = ahead.pop(0).result()
+                if (run := next(runs, None)) is not None:
+                    ahead.append(pool.submit(self.store.get_many, run, self.whose))
+                for data in got:
+                    read += len(data)
+                    yield data
+        if read != s.size:
             raise CorruptSnapshot(
                 f"saved state {self.whose}: its stream {name!r} is not the size it was saved at"
             )
-        return data
 
 
 class Saving:

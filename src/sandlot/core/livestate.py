@@ -649,7 +649,9 @@ class LiveState:
         found = await self.db.find_snapshot(snap.id)
         if found is None:
             raise SnapshotNotFound(f"snapshot {snap.id} was removed")
-        if await self.db.state_manifest(found.id) is not None:
+        engine = self.rt.engine(found.facts.get("engine", "qemu"))
+        # a layer directory (gVisor's disk) is carried as the tree it holds, whole
+        if engine.disk_format != "dir" and await self.db.state_manifest(found.id) is not None:
             return await asyncio.to_thread(
                 archive.export_chunked, self.rt.home, self.rt.store, found, path, since
             )
@@ -659,7 +661,6 @@ class LiveState:
             )
         await self.share(found)
         found = await self.db.find_snapshot(snap.id) or found
-        engine = self.rt.engine(found.facts.get("engine", "qemu"))
         return await asyncio.to_thread(archive.export_snapshot, self.rt.home, engine, found, path)
 
     async def import_snapshot(self, path: Path, namespace: str | None = None) -> SnapshotRecord:

@@ -264,12 +264,15 @@ class Remote:
             for d in goes:
                 freed_now = remove_file(self.chunks.path(d))
                 count, freed = count + (freed_now > 0), freed + freed_now
-        for c in cold:  # and the form forks map, made again from the chunks when asked for
+        for c in cold:  # and the form forks map (all a state of chunks keeps in its directory:
+            # what its engine made of them), made again from the chunks when asked for
             directory = snapshots.snapshot_dir(rt.home, c)
-            for name in ("memory", "devices"):
-                with contextlib.suppress(FileNotFoundError):
-                    freed += (directory / name).stat().st_size
-                    (directory / name).unlink()
+            with contextlib.suppress(FileNotFoundError):
+                for made in directory.iterdir():
+                    if not made.name.startswith(".") and made.is_file():
+                        with contextlib.suppress(FileNotFoundError):
+                            freed += made.stat().st_size
+                            made.unlink()
         return count, freed
 
     # -- a box moving between homes ----------------------------------------------------------
@@ -303,9 +306,12 @@ class Remote:
         if snap is None:
             raise CorruptSnapshot(f"box {rec.name}: its suspended state {rec.suspended} is missing")
         # (asked of the state, not of an engine: a detached pusher knows only the built-in ones)
-        if rt.store.state_manifest(snap.id) is None or Path(rec.disk or "").suffix != ".qcow2":
-            raise InvalidArgument(f"box {rec.name} runs on engine {rec.engine!r}, whose saved state does not "
-                                  "move through the tier yet: engine='qemu'")  # fmt: skip
+        if Path(rec.disk or "").suffix != ".qcow2":
+            raise InvalidArgument(f"box {rec.name} runs on engine {rec.engine!r}, whose disk (a layer "
+                                  "directory) does not move through the tier yet: engine='qemu'")  # fmt: skip
+        if rt.store.state_manifest(snap.id) is None:
+            raise InvalidArgument(f"box {rec.name} was suspended before saved states were chunks: resume it "
+                                  "and suspend it again to move it")  # fmt: skip
         self.tier.take(rec.id, self.me)
         report = self.push([snap.id])
         files = [self._push_file(rt.home, path) for path in _chain(rt.home, Path(rec.disk or ""))]

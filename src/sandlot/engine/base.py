@@ -24,7 +24,7 @@ import enum
 import os
 import signal
 from abc import ABC, abstractmethod
-from collections.abc import Awaitable, Callable, Iterator, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
@@ -190,6 +190,12 @@ class StateSink(ABC):
     def stream(self, name: str, data: bytes) -> None:
         """The whole of one named byte stream."""
 
+    def stream_pieces(self, name: str, pieces: Iterable[bytes]) -> None:
+        """A named byte stream, each piece a chunk of its own (where the engine knows
+        better cuts than fixed offsets), without holding all of it at once where the
+        sink can."""
+        self.stream(name, b"".join(pieces))
+
 
 class StateSource(ABC):
     """A state saved through a ``StateSink``, read back. Every piece is checked against
@@ -206,6 +212,15 @@ class StateSource(ABC):
 
     @abstractmethod
     def stream(self, name: str) -> bytes: ...
+
+    def stream_pieces(self, name: str) -> Iterator[bytes]:
+        """A named byte stream in pieces, in order, without holding all of it at once
+        where the source can."""
+        yield self.stream(name)
+
+    @abstractmethod
+    def streams(self) -> list[str]:
+        """The names of the state's byte streams."""
 
 
 @dataclass(frozen=True, slots=True)

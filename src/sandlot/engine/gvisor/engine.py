@@ -10,16 +10,18 @@ templates and rollbacks each restore it over a new layer on the frozen one.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import os
+import shutil
 import subprocess
 import tempfile
 from pathlib import Path
 from typing import Any, ClassVar
 
 from ... import pids
-from ...config import atomic_write
+from ...config import atomic_write, flock_within, fsync_dir
 from ...errors import HostSetupError, IncompatibleSnapshot, InvalidArgument, SavedStateError
 from ...guest.agent import build_agent
 from ..base import (
@@ -30,6 +32,7 @@ from ..base import (
     LaunchSpec,
     Placement,
     SavedState,
+    StateSource,
     VMRef,
     VMStatus,
     Volume,
@@ -37,6 +40,7 @@ from ..base import (
 from . import drives, limits, network, probe, runsc
 from .mountinfo import unmount
 from .vm import (
+    CHECKPOINT,
     RUNSC_LOG,
     SANDBOX_PROCESS,
     STATUS,
@@ -44,11 +48,25 @@ from .vm import (
     SandboxConfig,
     container_state,
     destroy,
+    from_source,
     lower_dirs,
     mount_read_only,
 )
 
-CHECKPOINT = "checkpoint.img"  # what runsc checkpoint writes into its --image-path
+MATERIALIZE_WAIT = 600.0  # seconds to wait for another process writing out the same image
+
+
+def _written_out(source: StateSource, directory: Path) -> None:
+    """The image into ``directory`` whole or not at all: written beside, synced, renamed."""
+    work = directory / ".image"
+    try:
+        from_source(source, work)
+        with open(work / CHECKPOINT, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(work / CHECKPOINT, directory / CHECKPOINT)
+        fsync_dir(directory)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
 
 
 def layer_base(layer: Path) -> Path:
@@ -67,6 +85,9 @@ class GvisorEngine(Engine):
     host_processes: ClassVar[bool] = True
     mounts_shares: ClassVar[bool] = True  # bind mounts in the sandbox's spec, kept by a checkpoint
     mounts_drives: ClassVar[bool] = True  # served by a user-space ext4 and bound in (``drives``)
+    # its checkpoint image, kept as a stream of chunks: checked when read, sent to the storage
+    # tier and evicted as every state is (runsc compresses it, so it shares little)
+    chunked_state: ClassVar[bool] = True
 
     def __init__(self, home: Path) -> None:
         self.home = home
@@ -147,7 +168,17 @@ class GvisorEngine(Engine):
         else:
             cfg.net_file.unlink(missing_ok=True)
         vm = GvisorVM(cfg)
-        await vm.start(restore_from=spec.saved.directory if spec.saved is not None else None)
+        saved = spec.saved
+        if saved is None or saved.source is None:
+            await vm.start(restore_from=saved.directory if saved is not None else None)
+            return vm
+        # a state of chunks: its image written out for runsc, which reads it all before the
+        # restored sandbox runs
+        image_dir = cfg.state_dir / "restoring"
+        try:
+            await vm.start(restore_from=await asyncio.to_thread(from_source, saved.source, image_dir))
+        finally:
+            await asyncio.to_thread(shutil.rmtree, image_dir, True)
         return vm
 
     def _saved_agent(self, facts: dict[str, Any]) -> Path:
@@ -215,7 +246,18 @@ class GvisorEngine(Engine):
     async def share_memory(
         self, state: SavedState, disk: Path, drives: tuple[Drive, ...] = (), shares: tuple[Volume, ...] = ()
     ) -> None:
-        """A checkpoint image is already what many restores read: nothing to do."""
+        """The checkpoint image, written out of its chunks into the state's directory
+        once: what forks, templates and exports read."""
+        d = state.directory
+        if self.memory_shared(d) or state.source is None:
+            return
+        fd = await flock_within(d / ".materialize.lock", MATERIALIZE_WAIT, "this snapshot's checkpoint image")
+        try:
+            if self.memory_shared(d):
+                return
+            await asyncio.to_thread(_written_out, state.source, d)
+        finally:
+            os.close(fd)
 
     def memory_shared(self, directory: Path) -> bool:
         return (directory / CHECKPOINT).is_file()

@@ -16,8 +16,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
+import functools
 import json
+import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -33,8 +36,8 @@ from ...crashpoints import crash_point
 from ...errors import BootError, HostSetupError, SavedStateError, no_space
 from ...net.addresses import GUEST_ADDRESS
 from .. import hostcgroup
-from ..base import VM, Connector, Drive, StateSink, VMRef, VMStatus, Volume
-from . import drives, limits, network, runsc
+from ..base import VM, Connector, Drive, StateSink, StateSource, VMRef, VMStatus, Volume
+from . import checkpoint, drives, limits, network, runsc
 from .mountinfo import is_mounted, unmount
 
 AGENT_DIR = "/.sandlot"  # where the host's agent directory is bound, read-only
@@ -65,7 +68,10 @@ CONSOLE_DIR = "/.sandlot-console"  # the box's console directory on the host, bo
 RUNSC_LOG = "runsc.log"  # in the state directory; every runsc command of the box names it
 TIME_WAIT_LIMIT = 65.0  # a save waits this long for the box's TIME_WAITs to end (gVisor's last 60 s)
 SANDBOX_PROCESS = "runsc-sandbox"  # the sandbox's own process (its VMRef): argv[0] as runsc sets it
+CHECKPOINT = "checkpoint.img"  # what runsc checkpoint writes into its --image-path
+HEAD, STATE = "checkpoint.head", "checkpoint.state"  # its streams, taken apart (``checkpoint``)
 _libc = ctypes.CDLL(None, use_errno=True)
+log = logging.getLogger("sandlot.gvisor")
 
 
 @dataclass(slots=True)
@@ -609,7 +615,9 @@ class GvisorVM(VM):
         """Checkpoint the sandbox into ``directory`` (which ends it) and, to keep it running,
         restore it at once over ``new_disk``. No host file may be open in the sandbox
         then: its relays (this process's and any other's) are ended first, and no new one
-        starts until the save is over (this process's wait; others' find it paused)."""
+        starts until the save is over (this process's wait; others' find it paused).
+        With a ``sink``, the checkpoint image is kept as its chunks and leaves
+        ``directory`` once the restore no longer reads it."""
         await asyncio.to_thread(self._check_room, directory)
         loop = asyncio.get_running_loop()
         gate = self._gate()
@@ -647,37 +655,52 @@ class GvisorVM(VM):
                 raise SavedStateError(f"runsc checkpoint failed: {why}")
             # The image is whole once runsc returns; a booted sandbox then takes seconds to
             # wind down by itself (a restored one does not): nothing of it is needed any more.
-            with contextlib.suppress(OSError):
-                fd = os.open(directory / "checkpoint.img", os.O_RDONLY)
-                try:
-                    os.fsync(fd)
-                finally:
-                    os.close(fd)
-            if pids.alive(self.ref.pid, self.ref.start):
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(self.ref.pid, signal.SIGKILL)
-            await self._reaped(self.ref)
-            if runner is not None:
-                # the runsc that ran it deletes the container as it ends: the restore must not
-                # make its container of the same name before that
-                await self._reaped(runner)
-            if keep_running:
-                crash_point("snapshot.after-checkpoint")
-                if new_disk is not None:
-                    self.cfg.layer = new_disk
-                    self.cfg.base = Path((new_disk / "base").read_text().strip())
-                if self.cfg.drives:  # closed, so the layers the core froze are whole; served anew
-                    await asyncio.to_thread(drives.stop_all, self.cfg.run_dir)
-                    moved = new_drives or {}
-                    self.cfg.drives = tuple(
-                        replace(d, path=moved.get(d.serial, d.path)) for d in self.cfg.drives
-                    )
-                try:
-                    await self.start(restore_from=directory)
-                except BaseException:
-                    self._gone()
-                    raise
-            return loop.time() - t0
+            image = directory / CHECKPOINT
+            # with a sink, the image is taken apart into chunks while the sandbox is restored
+            # from it (both only read it); it goes once both are done
+            kept = (
+                asyncio.ensure_future(asyncio.to_thread(into_sink, image, sink)) if sink is not None else None
+            )
+            try:
+                if kept is None:
+                    with contextlib.suppress(OSError):
+                        fd = os.open(image, os.O_RDONLY)
+                        try:
+                            os.fsync(fd)
+                        finally:
+                            os.close(fd)
+                if pids.alive(self.ref.pid, self.ref.start):
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(self.ref.pid, signal.SIGKILL)
+                await self._reaped(self.ref)
+                if runner is not None:
+                    # the runsc that ran it deletes the container as it ends: the restore must not
+                    # make its container of the same name before that
+                    await self._reaped(runner)
+                if keep_running:
+                    crash_point("snapshot.after-checkpoint")
+                    if new_disk is not None:
+                        self.cfg.layer = new_disk
+                        self.cfg.base = Path((new_disk / "base").read_text().strip())
+                    if self.cfg.drives:  # closed, so the layers the core froze are whole; served anew
+                        await asyncio.to_thread(drives.stop_all, self.cfg.run_dir)
+                        moved = new_drives or {}
+                        self.cfg.drives = tuple(
+                            replace(d, path=moved.get(d.serial, d.path)) for d in self.cfg.drives
+                        )
+                    try:
+                        await self.start(restore_from=directory)
+                    except BaseException:
+                        self._gone()
+                        raise
+                stopped = loop.time() - t0
+            finally:
+                if kept is not None:
+                    await asyncio.wait([kept])
+            if kept is not None:
+                image.unlink(missing_ok=True)  # its chunks hold it now
+                kept.result()  # a sink that failed fails the save (the sandbox runs on regardless)
+            return stopped
         finally:
             gate.set()
 
@@ -852,6 +875,42 @@ class GvisorVM(VM):
 
     def host_cgroup(self) -> hostcgroup.Placement | None:
         return hostcgroup.placement_of(self.ref.pid) if pids.alive(self.ref.pid, self.ref.start) else None
+
+
+def into_sink(image: Path, sink: StateSink) -> None:
+    """A checkpoint image into a saved state's chunks: its head, and its state inflated
+    and cut by content, so that checkpoints share what did not change
+    (``checkpoint``); an image framed otherwise, whole, as runsc wrote it."""
+    inflated = image.with_name(f".{image.name}.state")
+    try:
+        with open(image, "rb") as f, open(inflated, "wb") as state:
+            try:
+                head = checkpoint.split(f, state)
+            except checkpoint.NotFramed as exc:
+                log.info("checkpoint image %s kept whole: %s", image, exc)
+                head = None
+        if head is not None:
+            sink.stream(HEAD, head)
+            sink.stream_pieces(STATE, checkpoint.cut(inflated))
+            return
+        with open(image, "rb") as f:
+            sink.stream_pieces(CHECKPOINT, iter(functools.partial(f.read, 64 << 10), b""))
+    finally:
+        inflated.unlink(missing_ok=True)
+
+
+def from_source(source: StateSource, directory: Path) -> Path:
+    """The checkpoint image of a state kept as chunks, written out into ``directory``
+    (made, or emptied) for ``runsc restore`` to read; each chunk checked as it is read."""
+    shutil.rmtree(directory, ignore_errors=True)
+    directory.mkdir(parents=True)
+    with open(directory / CHECKPOINT, "wb") as out:
+        if CHECKPOINT in source.streams():
+            for piece in source.stream_pieces(CHECKPOINT):
+                out.write(piece)
+        else:
+            checkpoint.join(source.stream(HEAD), source.stream_pieces(STATE), out)
+    return directory
 
 
 async def _drain(proc: asyncio.subprocess.Process) -> None:
