@@ -701,6 +701,7 @@ class StateReader(StateSource):
         runs = (
             [(d, None) for d in s.digests[at : at + TIER_RUN]] for at in range(0, len(s.digests), TIER_RUN)
         )
+        # one reader thread: a second, and the consumer, only wait on one another for the GIL
         with ThreadPoolExecutor(1, thread_name_prefix="sandlot-read") as pool:
             ahead = [pool.submit(self.store.get_many, run, self.whose) for run in itertools.islice(runs, 1)]
             while ahead:

@@ -115,7 +115,7 @@ def _stored(out: BinaryIO, parts: list[memoryview], size: int) -> None:
     """One compressio chunk: its length, then ``parts`` as deflate's stored blocks (a
     byte of header, bit 0 set on the last, then the length and its complement)."""
     blocks = [part[at : at + STORED_MAX] for part in parts for at in range(0, len(part), STORED_MAX)]
-    out.write(_LEN.pack(size + _STORED.size * len(blocks)))
+    pieces: list[bytes | memoryview] = [_LEN.pack(size + _STORED.size * len(blocks))]
     for i, block in enumerate(blocks):
-        out.write(_STORED.pack(i == len(blocks) - 1, len(block), len(block) ^ 0xFFFF))
-        out.write(block)
+        pieces += (_STORED.pack(i == len(blocks) - 1, len(block), len(block) ^ 0xFFFF), block)
+    out.write(b"".join(pieces))  # one write a chunk: a copy costs less than a call a block

@@ -172,12 +172,14 @@ class GvisorEngine(Engine):
         if saved is None or saved.source is None:
             await vm.start(restore_from=saved.directory if saved is not None else None)
             return vm
-        # a state of chunks: its image written out for runsc, which reads it all before the
-        # restored sandbox runs
+        # a state of chunks: its image written out for runsc (which reads it all before the
+        # restored sandbox runs) while the sandbox's mounts and network are made
         image_dir = cfg.state_dir / "restoring"
+        written = asyncio.ensure_future(asyncio.to_thread(from_source, saved.source, image_dir))
         try:
-            await vm.start(restore_from=await asyncio.to_thread(from_source, saved.source, image_dir))
+            await vm.start(restore_from=image_dir, written=written)
         finally:
+            await asyncio.wait([written])  # (a start that failed before it waited for it)
             await asyncio.to_thread(shutil.rmtree, image_dir, True)
         return vm
 

@@ -25,7 +25,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Awaitable, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -436,8 +436,10 @@ class GvisorVM(VM):
         self._open: asyncio.Event | None = None  # cleared while a save runs: no new relay may start
         self._ending = False  # a save that leaves the sandbox stopped (a suspend) is under way
 
-    async def start(self, restore_from: Path | None = None) -> None:
-        """Run the sandbox: booted, or (``restore_from``) from a checkpoint image."""
+    async def start(self, restore_from: Path | None = None, written: Awaitable[object] | None = None) -> None:
+        """Run the sandbox: booted, or (``restore_from``) from a checkpoint image, which
+        ``written`` (where given) is still writing out while the sandbox's mounts and
+        network are made: runsc is started once it is done."""
         cfg = self.cfg
         cfg.run_dir.mkdir(parents=True, exist_ok=True)
         cfg.bundle.mkdir(parents=True, exist_ok=True)
@@ -459,6 +461,12 @@ class GvisorVM(VM):
             rules = cfg.state_dir / "netns-rules"
             await asyncio.to_thread(network.prepare, cfg.cid, open_mode=open_mode, rules=rules)
         (cfg.bundle / "config.json").write_text(json.dumps(oci_config(cfg)))
+        if written is not None:
+            try:
+                await written
+            except BaseException:
+                await asyncio.to_thread(destroy, cfg)
+                raise
         cfg.runsc_log.write_bytes(b"")
         pid_file = cfg.state_dir / "sandbox.pid"  # written once the sandbox runs
         pid_file.unlink(missing_ok=True)
