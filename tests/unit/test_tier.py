@@ -655,6 +655,28 @@ def test_a_box_asleep_for_evict_after_leaves_this_host_with_no_call_after_its_su
     box.remove(force=True)
 
 
+def test_a_state_that_turned_cold_while_an_eviction_ran_is_due_at_once(
+    tmp_path: Path, proxy: FaultyProxy, root: Path
+) -> None:
+    """The pusher waits for the next state to cool after its round's eviction: a state
+    that cooled while that round ran (after the eviction looked, before the wait began)
+    is due at once, not let go of (the pusher used to end then, the box left unevicted)."""
+    from sandlot.core.runtime import Runtime
+
+    (a,) = homes(tmp_path, proxy, 1)
+    box = fake_box(a, root, "cooling")
+    box.exec("remember", "k", "v")
+    box.suspend()
+    rt = Runtime.for_home(a)
+    stopped = rt.store.get(box.id).stopped_at
+    assert stopped is not None
+    with remote.Remote.of(rt) as r:
+        assert r.next_cold(0.5, stopped + 0.4) == stopped + 0.5  # cold since: still due
+        assert r.next_cold(0.5, stopped + 0.6) is None  # the eviction that looked then took it
+        assert r.evict(0.5, stopped + 0.6)[0] > 0
+    box.remove(force=True)
+
+
 def test_chunks_go_to_the_tier_in_packs_and_a_state_comes_back_in_a_few_reads(
     tmp_path: Path, proxy: FaultyProxy, s3: S3Server, root: Path
 ) -> None:

@@ -59,9 +59,11 @@ def spawn(home: Path) -> bool:
     return spawn_unless_locked(lock_path(home), "sandlot.core.pusher", str(home))
 
 
-def push_all(home: Path) -> int:
-    """One round: states, suspended boxes, eviction. The chunks it sent."""
+def push_all(home: Path) -> tuple[int, float]:
+    """One round: states, suspended boxes, eviction. The chunks it sent, and the time
+    its eviction went by."""
     rt = Runtime.for_home(home)
+    looked = time.time()
     with Remote.of(rt) as remote:
         sent = remote.push().chunks
         for rec in rt.store.list():
@@ -76,21 +78,23 @@ def push_all(home: Path) -> int:
         log.info("a round sent %d chunks", sent)  # (a log to read where a round took long)
         after = remote.tier.config.evict_after
         if after is not None:
-            evicted, freed = remote.evict(after)
+            looked = time.time()
+            evicted, freed = remote.evict(after, looked)
             log.info("evicted %d chunks of cold states (%d bytes)", evicted, freed)
             if evicted and lazymem.unavailable() is None:
                 lazymem.start_fork_server(home)  # the next wake reads memory from the tier: its helper warm
-    return sent
+    return sent, looked
 
 
-def next_cold(home: Path) -> float | None:
-    """When the home's next state turns cold, where its tier evicts them (else None)."""
+def next_cold(home: Path, after: float) -> float | None:
+    """When the home's next state turns cold after ``after`` (the time the last
+    eviction went by), where its tier evicts them (else None)."""
     rt = Runtime.for_home(home)
     config = tier.configured(home)
     if config is None or config.evict_after is None:
         return None
     with Remote.of(rt) as remote:
-        return remote.next_cold(config.evict_after)
+        return remote.next_cold(config.evict_after, after)
 
 
 def run(home: Path) -> int:
@@ -100,12 +104,14 @@ def run(home: Path) -> int:
     try:
         while True:
             for _ in range(ROUNDS):
-                if push_all(home) == 0:
+                sent, looked = push_all(home)
+                if sent == 0:
                     break
                 time.sleep(0.5)
             # a deep sleep: a box asleep for the tier's evict_after keeps only its manifest
-            # here. Waited for in this process, which a save meanwhile pokes (``spawn``)
-            due = next_cold(home)
+            # here. Waited for in this process, which a save meanwhile pokes (``spawn``); a
+            # state that turned cold while the round ran is due at once (not let go of)
+            due = next_cold(home, looked)
             if due is None:
                 return 0
             log.info("the next state cools in %.1f s", due - time.time())

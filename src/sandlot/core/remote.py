@@ -5,7 +5,8 @@ moving a suspended box to another home that shares the tier.
 A box moves as what another home needs to resume it, nothing of this home's paths:
 its row, its suspended state (a manifest of chunks), and its disk, every file of its
 qcow2 chain (its layers and the image's base) as a manifest of chunks too, so that a
-base many boxes share is in the tier once. The home that pulls it takes the box's
+base many boxes share is in the tier once; a gVisor box's layer directories and image
+root go the same way, each as a tar file (``treefile``). The home that pulls it takes the box's
 lease first (a conditional write): of two homes pulling one box, one gets it, and a box
 held by a home that did not let it go is refused, naming that home.
 """
@@ -38,7 +39,7 @@ from ..errors import (
     TierError,
     no_space,
 )
-from . import boxdoc, packs, snapshots, tiergc
+from . import boxdoc, layers, packs, snapshots, tiergc, treefile
 from .chunks import LOCK_WAIT, TIER_RUN, ChunkStore, add_counters, digest, remove_file
 from .manifest import CHUNK, Image, Manifest
 from .packs import PackWriter, Place, decode_places, encode_places
@@ -214,13 +215,14 @@ class Remote:
                 return None
             raise CorruptSnapshot(f"chunk {d.hex()} is in neither this home nor its storage tier") from None
 
-    def evict(self, older_than: float) -> tuple[int, int]:
+    def evict(self, older_than: float, now: float | None = None) -> tuple[int, int]:
         """Keep only the manifest here of cold states: of boxes suspended ``older_than``
         seconds ago or more, and of snapshots that old (templates stay: boxes start from
-        them). Their chunks are pushed first; a chunk a warm state lists stays. Returns
-        the chunks and bytes this home no longer holds."""
+        them), as of ``now`` (a time: the default, the present). Their chunks are pushed
+        first; a chunk a warm state lists stays. Returns the chunks and bytes this home
+        no longer holds."""
         with self.changing():
-            return self._evict(older_than)
+            return self._evict(older_than, time.time() if now is None else now)
 
     def _cooling(self) -> Iterator[tuple[str, float | None]]:
         """Each state of chunks, and since when it has been unused (None: it never cools:
@@ -237,16 +239,16 @@ class Remote:
             else:
                 yield s.id, (box.stopped_at or s.created_at) if box is not None else s.created_at
 
-    def next_cold(self, older_than: float) -> float | None:
-        """When the next state turns cold (a time; None: none will, as things are now)."""
-        now = time.time()
+    def next_cold(self, older_than: float, after: float) -> float | None:
+        """When the next state turns cold after ``after`` (the ``now`` an eviction last
+        went by: one that turned cold since, while it ran, is due at once); None: none
+        will, as things are now."""
         due = [since + older_than for _, since in self._cooling() if since is not None]
-        later = [t for t in due if t > now]
+        later = [t for t in due if t > after]
         return min(later) if later else None
 
-    def _evict(self, older_than: float) -> tuple[int, int]:
+    def _evict(self, older_than: float, now: float) -> tuple[int, int]:
         rt, store = self.rt, self.rt.store
-        now = time.time()
         manifests = store.state_manifests()
         cold, warm = [], set()
         for snap_id, since in self._cooling():
@@ -306,15 +308,18 @@ class Remote:
         if snap is None:
             raise CorruptSnapshot(f"box {rec.name}: its suspended state {rec.suspended} is missing")
         # (asked of the state, not of an engine: a detached pusher knows only the built-in ones)
-        if Path(rec.disk or "").suffix != ".qcow2":
-            raise InvalidArgument(f"box {rec.name} runs on engine {rec.engine!r}, whose disk (a layer "
-                                  "directory) does not move through the tier yet: engine='qemu'")  # fmt: skip
         if rt.store.state_manifest(snap.id) is None:
             raise InvalidArgument(f"box {rec.name} was suspended before saved states were chunks: resume it "
                                   "and suspend it again to move it")  # fmt: skip
         self.tier.take(rec.id, self.me)
         report = self.push([snap.id])
-        files = [self._push_file(rt.home, path) for path in _chain(rt.home, Path(rec.disk or ""))]
+        disk = Path(rec.disk or "")
+        if disk.suffix == layers.DIR_SUFFIX:  # each layer's upper/, then the image root, as trees
+            files = [self._push_tree(rt.home, layer, layer / "upper") for layer in _chain(rt.home, disk)]
+            base = _within(rt.home, layers.dir_base(disk))
+            files.append({**self._push_tree(rt.home, base, base, cached=True), "base": True})
+        else:
+            files = [self._push_file(rt.home, path) for path in _chain(rt.home, disk)]
         doc = {
             "format": boxdoc.FORMAT, "home": self.me, "pushed_at": time.time(),
             "box": {k: v for k, v in rec.to_json().items() if k in boxdoc.PORTABLE},
@@ -344,11 +349,46 @@ class Remote:
         is not read again: ``chunks/files.json`` remembers what each was sent as."""
         rel = path.relative_to(home).as_posix()
         st = path.stat()
+        stamp = [st.st_size, st.st_mtime_ns, self.tier.config.url]
+        name = self._sent_as(rel, stamp)
+        if name is None:
+            name = self._send_file(path)
+            self._remember_sent(rel, stamp, name)
+        return {"path": rel, "file": name}
+
+    def _push_tree(self, home: Path, where: Path, tree: Path, *, cached: bool = False) -> dict[str, Any]:
+        """A directory of a gVisor box's disk (a layer's ``upper/``, or the image root: its
+        path in the home is ``where``) as a tar file's manifest of chunks (``treefile``).
+        ``cached``: the tree never changes (an image root), so once sent it is not read
+        again."""
+        rel = where.relative_to(home).as_posix()
+        stamp = ["tree", self.tier.config.url]
+        name = self._sent_as(rel, stamp) if cached else None
+        if name is None:
+            packed = self.chunks.root / f".tree-{os.urandom(4).hex()}.tar"
+            try:
+                treefile.pack(tree, packed)
+                name = self._send_file(packed)
+            finally:
+                packed.unlink(missing_ok=True)
+            if cached:
+                self._remember_sent(rel, stamp, name)
+        return {"path": rel, "file": name, "tree": True}
+
+    def _sent_as(self, rel: str, stamp: list[Any]) -> str | None:
         sent = _sent_files(self.chunks.root)
-        if sent.get(rel) == [st.st_size, st.st_mtime_ns, self.tier.config.url] and rel in sent.get(
-            "names", {}
-        ):
-            return {"path": rel, "file": sent["names"][rel]}
+        name = sent.get("names", {}).get(rel)
+        return str(name) if sent.get(rel) == stamp and name else None
+
+    def _remember_sent(self, rel: str, stamp: list[Any], name: str) -> None:
+        sent = _sent_files(self.chunks.root)
+        sent[rel] = stamp
+        sent.setdefault("names", {})[rel] = name
+        atomic_write(self.chunks.root / "files.json", json.dumps(sent).encode())
+
+    def _send_file(self, path: Path) -> str:
+        """A file into the tier as a manifest of its chunks (those the tier lacks sent);
+        the manifest's name."""
         m = Manifest(engine="file")
         image = Image("file", path.stat().st_size, [])
         with open(path, "rb") as f:
@@ -373,11 +413,7 @@ class Remote:
             places = packs.tier_places(self.rt.store, [d for _, d in wanted])
             self.tier.put(self.tier.key("places", "files", name), encode_places(places))
             self.tier.put(self.tier.key("files", name), encoded)
-        sent = _sent_files(self.chunks.root)
-        sent[rel] = [st.st_size, st.st_mtime_ns, self.tier.config.url]
-        sent.setdefault("names", {})[rel] = name
-        atomic_write(self.chunks.root / "files.json", json.dumps(sent).encode())
-        return {"path": rel, "file": name}
+        return name
 
     def pull_box(self, key: str, *, force: bool = False) -> BoxRecord:
         """Take a box that went through the tier into this home, suspended, with its id,
@@ -414,8 +450,12 @@ class Remote:
             manifest = found[0]
             Manifest.decode(manifest, snap_doc["id"])  # checked before anything is written
             self._learn_places("states", snap_doc["id"])
-            paths = [self._pull_file(rt.home, f, made) for f in doc["disk"]]
-            _rebase(paths)
+            paths = [(self._pull_tree if f.get("tree") else self._pull_file)(rt.home, f, made)
+                     for f in doc["disk"]]  # fmt: skip
+            if paths[0].suffix == layers.DIR_SUFFIX:
+                _relink(paths)
+            else:
+                _rebase(paths)
             crash_point("remote.mid-pull")
             options = {**snap_doc["options"], "vm": engine.facts_for_import(facts, boot)}
             snap = SnapshotRecord(**{**snap_doc, "layer": str(paths[0]), "options": options})
@@ -424,7 +464,10 @@ class Remote:
             rt.store.adopt(rec, snap, manifest)
         except BaseException:
             for p in made:
-                p.unlink(missing_ok=True)
+                if p.is_dir() and not p.is_symlink():
+                    shutil.rmtree(p, ignore_errors=True)
+                else:
+                    p.unlink(missing_ok=True)
             with contextlib.suppress(TierError):
                 self.tier.release(box["id"], self.me)
             raise
@@ -476,24 +519,64 @@ class Remote:
     def _pull_file(self, home: Path, entry: dict[str, Any], made: list[Path]) -> Path:
         """A file of a disk's chain from its manifest, whole or not at all; one this home
         has already (a base another box brought) is used as it is."""
-        rel = str(entry.get("path", ""))
-        if not FILE_RE.fullmatch(rel):
-            raise CorruptSnapshot(
-                f"a box in the storage tier names a disk file {rel!r} outside layers/ and bases/"
-            )
-        dest = home / rel
+        rel, dest = _disk_path(home, entry)
+        image = self._file_manifest(rel, entry)
+        if dest.exists() and dest.stat().st_size == image.size:
+            return dest
+        tmp = dest.with_name(f".{dest.name}.pull-{os.urandom(4).hex()}")
+        made.append(tmp)
+        self._fetch_file(rel, entry, image, tmp)
+        os.rename(tmp, dest)
+        made[made.index(tmp)] = dest
+        return dest
+
+    def _pull_tree(self, home: Path, entry: dict[str, Any], made: list[Path]) -> Path:
+        """A directory of a gVisor box's disk from its tar file (``treefile``): a layer
+        directory (the tree its ``upper/``; ``base`` and ``parent`` written once all are
+        here, ``_relink``), or an image root (``base``), which one this home has already
+        is used as it is. Whole or not at all."""
+        rel, dest = _disk_path(home, entry)
+        if dest.is_dir():  # a frozen layer, or an image root, another box brought
+            return dest
+        image = self._file_manifest(rel, entry)
+        work = dest.with_name(f".{dest.name}.pull-{os.urandom(4).hex()}")
+        made.append(work)
+        work.mkdir(parents=True)
+        packed = work / "tree.tar"
+        self._fetch_file(rel, entry, image, packed)
+        tree = work / "tree"
+        tree.mkdir()
+        treefile.unpack(packed, tree)
+        packed.unlink()
+        if entry.get("base"):
+            try:
+                os.rename(tree, dest)
+            except OSError:
+                if not dest.is_dir():
+                    raise
+                made.remove(work)  # a racing pull's copy of the same root is as good
+                shutil.rmtree(work)
+                return dest
+            shutil.rmtree(work)
+        else:
+            tree.rename(work / "upper")
+            (work / "work").mkdir()
+            os.rename(work, dest)
+        made[made.index(work)] = dest
+        return dest
+
+    def _file_manifest(self, rel: str, entry: dict[str, Any]) -> Image:
         found = self.tier.get(self.tier.key("files", str(entry["file"])))
         if found is None:
             raise CorruptSnapshot(f"the disk file {rel} is not in the storage tier")
         if digest(found[0]).hex() != entry["file"]:
             raise CorruptSnapshot(f"the manifest of disk file {rel} in the storage tier is damaged")
-        m = Manifest.decode(found[0], rel)
-        image = m.image("file")
-        if dest.exists() and dest.stat().st_size == image.size:
-            return dest
+        return Manifest.decode(found[0], rel).image("file")
+
+    def _fetch_file(self, rel: str, entry: dict[str, Any], image: Image, tmp: Path) -> None:
+        """A disk file's chunks from the tier into ``tmp``, synced."""
         self._learn_places("files", str(entry["file"]))
-        tmp = dest.with_name(f".{dest.name}.pull-{os.urandom(4).hex()}")
-        made.append(tmp)
+        dest = tmp
         try:
             dest.parent.mkdir(parents=True, exist_ok=True)
             with open(tmp, "wb") as f:
@@ -516,9 +599,6 @@ class Remote:
                     dest.parent, f"the disk file {rel} could not be pulled from the storage tier"
                 ) from None
             raise
-        os.rename(tmp, dest)
-        made[made.index(tmp)] = dest
-        return dest
 
 
 def _sent_files(root: Path) -> dict[str, Any]:
@@ -532,16 +612,38 @@ def _sent_files(root: Path) -> dict[str, Any]:
 
 def _chain(home: Path, top: Path) -> list[Path]:
     """A box's disk, top first, each file inside the home (else it cannot move)."""
-    from .layers import chain
+    return [_within(home, f) for f in layers.chain(top)]
 
-    files = chain(top)
-    for f in files:
-        rel = f.resolve().relative_to(home.resolve()) if f.resolve().is_relative_to(home.resolve()) else None
-        if rel is None or not FILE_RE.fullmatch(rel.as_posix()):
-            raise InvalidArgument(
-                f"the disk file {f} is not in this home's layers/ or bases/: it cannot move"
-            )
-    return files
+
+def _within(home: Path, f: Path) -> Path:
+    """``f``, a file or directory of a disk in this home's layers/ or bases/."""
+    rel = f.resolve().relative_to(home.resolve()) if f.resolve().is_relative_to(home.resolve()) else None
+    if rel is None or not FILE_RE.fullmatch(rel.as_posix()):
+        raise InvalidArgument(f"the disk file {f} is not in this home's layers/ or bases/: it cannot move")
+    return f
+
+
+def _disk_path(home: Path, entry: dict[str, Any]) -> tuple[str, Path]:
+    """Where a disk file a box in the tier names goes in this home (refused outside
+    layers/ and bases/)."""
+    rel = str(entry.get("path", ""))
+    if not FILE_RE.fullmatch(rel):
+        raise CorruptSnapshot(
+            f"a box in the storage tier names a disk file {rel!r} outside layers/ and bases/"
+        )
+    return rel, home / rel
+
+
+def _relink(paths: list[Path]) -> None:
+    """Point each layer directory pulled at the one below it and at the image root (the
+    last of ``paths``), in this home."""
+    *tops, base = paths
+    for upper, lower in itertools.zip_longest(tops, tops[1:]):
+        atomic_write(upper / "base", str(base).encode())
+        if lower is None:
+            (upper / "parent").unlink(missing_ok=True)
+        else:
+            atomic_write(upper / "parent", str(lower).encode())
 
 
 def _rebase(paths: list[Path]) -> None:

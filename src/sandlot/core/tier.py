@@ -5,8 +5,9 @@ It holds, under its prefix:
 
     chunks/<hex>        a chunk, as the home keeps it (zstd), named by its BLAKE3 hash
     states/<id>         a saved state's manifest (``core.manifest``)
-    files/<hex>         a file of the disk (a qcow2 layer, a base) as a manifest of
-                        its chunks, named by the hash of that manifest
+    files/<hex>         a file of the disk (a qcow2 layer, a base; a layer directory
+                        or image root as a tar file) as a manifest of its chunks,
+                        named by the hash of that manifest
     boxes/<id>.json     a box that moved through the tier: its row, its saved state's
                         row and its disk's files, for another home to resume it
     leases/<id>.json    which home owns a box that went through the tier
