@@ -576,9 +576,8 @@ class Remote:
     def _fetch_file(self, rel: str, entry: dict[str, Any], image: Image, tmp: Path) -> None:
         """A disk file's chunks from the tier into ``tmp``, synced."""
         self._learn_places("files", str(entry["file"]))
-        dest = tmp
         try:
-            dest.parent.mkdir(parents=True, exist_ok=True)
+            tmp.parent.mkdir(parents=True, exist_ok=True)
             with open(tmp, "wb") as f:
                 f.truncate(image.size)
                 wanted = [(i, d) for i, d in enumerate(image.digests) if d is not None]
@@ -596,7 +595,7 @@ class Remote:
         except OSError as exc:
             if exc.errno in (errno.ENOSPC, errno.EDQUOT):
                 raise no_space(
-                    dest.parent, f"the disk file {rel} could not be pulled from the storage tier"
+                    tmp.parent, f"the disk file {rel} could not be pulled from the storage tier"
                 ) from None
             raise
 

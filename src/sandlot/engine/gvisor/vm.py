@@ -626,7 +626,7 @@ class GvisorVM(VM):
         starts until the save is over (this process's wait; others' find it paused).
         With a ``sink``, the checkpoint image is kept as its chunks and leaves
         ``directory`` once the restore no longer reads it."""
-        await asyncio.to_thread(self._check_room, directory)
+        await asyncio.to_thread(self._check_room, directory, 2 if sink is not None else 1)
         loop = asyncio.get_running_loop()
         gate = self._gate()
         gate.clear()
@@ -712,17 +712,17 @@ class GvisorVM(VM):
         finally:
             gate.set()
 
-    def _check_room(self, directory: Path) -> None:
+    def _check_room(self, directory: Path, copies: int) -> None:
         """NoSpace unless the checkpoint fits for sure: runsc ends a sandbox whose save
         fails, so a full home must be found before, not by the save. A checkpoint holds
         at most the sandbox's memory in use (the pages of its memory file) and its
-        kernel's state."""
+        kernel's state; ``copies``: 2 where its state is inflated beside it (a sink's)."""
         need = CHECKPOINT_OVERHEAD
         with contextlib.suppress(OSError):
             for fd in os.listdir(f"/proc/{self.ref.pid}/fd"):
                 with contextlib.suppress(OSError):
                     if os.readlink(f"/proc/{self.ref.pid}/fd/{fd}").startswith("/memfd:runsc-memory"):
-                        need += os.stat(f"/proc/{self.ref.pid}/fd/{fd}").st_blocks * 512
+                        need += copies * os.stat(f"/proc/{self.ref.pid}/fd/{fd}").st_blocks * 512
         if free_bytes(directory.parent) < need:
             raise no_space(directory, f"a checkpoint of this sandbox needs up to {need >> 20} MiB")
 
