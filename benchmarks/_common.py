@@ -15,6 +15,7 @@ import platform
 import statistics
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -255,6 +256,17 @@ async def timed_claims(template: Any, home: Path, count: int, times: dict[str, l
         boxes.append(box)
     assert all([(await b.inspect())["options"]["pool"] is None for b in boxes])  # all claimed
     return boxes
+
+
+async def rollbacks_to_first_exec(box: Any, snap: Any, runs: int) -> list[float]:
+    """Seconds of each of ``runs`` rollbacks of ``box`` to ``snap``, to the first exec after it."""
+    walls = []
+    for _ in range(runs):
+        t = time.perf_counter()
+        await box.rollback(snap)
+        await box.exec("true")
+        walls.append(time.perf_counter() - t)
+    return walls
 
 
 def emit(doc: dict[str, Any]) -> None:

@@ -22,7 +22,16 @@ from typing import Any
 import sandlot
 from sandlot import AsyncBox
 
-from _common import busybox_root, debian_root, emit, host_facts, parser, pss_kib, summary
+from _common import (
+    busybox_root,
+    debian_root,
+    emit,
+    host_facts,
+    parser,
+    pss_kib,
+    rollbacks_to_first_exec,
+    summary,
+)
 
 
 async def first_exec_all(boxes: list[AsyncBox]) -> None:
@@ -63,12 +72,7 @@ async def run(root: Path, runs: int, fan_out: tuple[int, ...], rounds: int) -> d
                            "state_mb": summary(sizes, 1e-6, 1)}  # fmt: skip
 
         snap = await box.snapshot("bench-base")
-        rollbacks = []
-        for _ in range(runs):
-            t = time.perf_counter()
-            await box.rollback(snap)
-            await box.exec("true")
-            rollbacks.append(time.perf_counter() - t)
+        rollbacks = await rollbacks_to_first_exec(box, snap, runs)
         out["rollback_to_first_exec_s"] = summary(rollbacks, digits=3)
 
         suspends, resumes = [], []

@@ -54,6 +54,7 @@ from _common import (
     gvisor_unusable,
     host_facts,
     parser,
+    rollbacks_to_first_exec,
     scratch_home,
     summary,
 )
@@ -207,12 +208,7 @@ async def gvisor_checkpoints(live_mib: int, count: int, runs: int, chunks: bool)
             await box.snapshot(f"g{i}")
             walls.append(time.perf_counter() - t)
             added.append(tree_bytes(home) - before)
-        rollbacks = []
-        for _ in range(runs):
-            t = time.perf_counter()
-            await box.rollback(first)
-            await box.exec("true")
-            rollbacks.append(time.perf_counter() - t)
+        rollbacks = await rollbacks_to_first_exec(box, first, runs)
         await box.remove(force=True)
         return {
             "added_MiB_per_checkpoint": summary(added, 1 / MiB, 2),
