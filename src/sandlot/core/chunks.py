@@ -697,7 +697,7 @@ class StateReader(StateSource):
     def stream_pieces(self, name: str) -> Iterator[bytes]:
         s = self.manifest.stream(name)
         read = 0
-        # runs of chunks (neighbours in a pack: one read of the tier), a few read ahead
+        # runs of chunks (neighbours in a pack: one read of the tier), the next read ahead
         runs = (
             [(d, None) for d in s.digests[at : at + TIER_RUN]] for at in range(0, len(s.digests), TIER_RUN)
         )

@@ -85,8 +85,9 @@ class GvisorEngine(Engine):
     host_processes: ClassVar[bool] = True
     mounts_shares: ClassVar[bool] = True  # bind mounts in the sandbox's spec, kept by a checkpoint
     mounts_drives: ClassVar[bool] = True  # served by a user-space ext4 and bound in (``drives``)
-    # its checkpoint image, kept as a stream of chunks: checked when read, sent to the storage
-    # tier and evicted as every state is (runsc compresses it, so it shares little)
+    # its checkpoint image, kept as chunks (its state inflated and cut by content, so that
+    # checkpoints share what did not change: ``checkpoint``): checked when read, sent to the
+    # storage tier and evicted as every state is
     chunked_state: ClassVar[bool] = True
 
     def __init__(self, home: Path) -> None:
