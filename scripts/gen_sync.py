@@ -14,8 +14,9 @@ named in an output's ``functions`` get a sync twin too (``connect_async`` ->
 called: the sync API imports the image store and the pools only when used.
 
 It also writes what ``core/options.py`` declares of each box option: the signature
-and docstring of ``AsyncBox.__init__`` (so the sync twin's too) and ``BoxSpec``'s
-fields, each between its markers.
+and docstring of ``AsyncBox.__init__`` (so the sync twin's too), ``BoxSpec``'s
+fields, each between its markers, and the listing of ``sandlot.Box(...)`` on the API
+page (docs/api.md).
 
     python scripts/gen_sync.py           # write the files
     python scripts/gen_sync.py --check   # fail if one is not what would be written (CI)
@@ -469,6 +470,36 @@ def spec_fields(options: tuple[Any, ...]) -> list[str]:
     return [*lines, FIELDS_END]
 
 
+LISTING_START = "sandlot.Box("  # docs/api.md's listing of the options, to its closing ")"
+
+
+def api_listing(options: tuple[Any, ...]) -> list[str]:
+    """docs/api.md's ``sandlot.Box(...)``: each option with its type and default, and its
+    one-line comment aligned at the first of two columns it fits before."""
+    lines = [LISTING_START, '    image: str | Image | None = None,  # "python:3.12-slim", '
+             '"ghcr.io/o/t@sha256:...", an Image', "    *,"]  # fmt: skip
+    for o in options:
+        shown = o.shown or o.type.replace("os.PathLike[str]", "PathLike")
+        line = f"    {o.name}: {shown} = {literal(o.default)},"
+        if o.brief:
+            column = next((c for c in (37, 44) if len(line) < c), len(line) + 2)
+            line = f"{line.ljust(column)}# {o.brief}"
+        lines.append(line)
+    return [*lines, ")"]
+
+
+def with_listing(path: Path, listing: list[str]) -> str:
+    """``path``'s text with the lines from ``LISTING_START`` to the first ``)`` after it
+    made ``listing``."""
+    lines = path.read_text().split("\n")
+    try:
+        first = lines.index(LISTING_START)
+        last = lines.index(")", first)
+    except ValueError:
+        raise SystemExit(f"{path.relative_to(ROOT)} has lost its listing: {LISTING_START!r}") from None
+    return "\n".join([*lines[:first], *listing, *lines[last + 1 :]])
+
+
 def with_block(path: Path, start: str, end: str, block: list[str]) -> str:
     """``path``'s text with the lines from ``start`` to ``end`` (both kept) made ``block``."""
     lines = path.read_text().split("\n")
@@ -486,6 +517,7 @@ def declared_files() -> dict[Path, str]:
         ROOT / "src" / "sandlot" / "core" / "spec.py": with_block(
             ROOT / "src" / "sandlot" / "core" / "spec.py", FIELDS_START, FIELDS_END, spec_fields(options)
         ),
+        ROOT / "docs" / "api.md": with_listing(ROOT / "docs" / "api.md", api_listing(options)),
     }
 
 

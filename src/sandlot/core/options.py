@@ -12,9 +12,10 @@ A declaration says what every layer needs to know about an option:
 
 What is derived from the table:
 
-- ``AsyncBox.__init__``'s signature and docstring (and so ``sandlot.Box``'s), and
-  ``BoxSpec``'s fields, written between their markers by ``scripts/gen_sync.py``
-  and checked by it in CI (``--check``);
+- ``AsyncBox.__init__``'s signature and docstring (and so ``sandlot.Box``'s),
+  ``BoxSpec``'s fields, and the listing of ``sandlot.Box(...)`` on the API page
+  (docs/api.md: each option's ``brief``), written by ``scripts/gen_sync.py`` and
+  checked by it in CI (``--check``);
 - the checks ``BoxSpec.build`` runs on each option (it keeps the checks that weigh
   one option against another: image or root filesystem, network and ports, secrets);
 - the wire model (``api/contract.py``);
@@ -107,6 +108,10 @@ class BoxOption:
     to_wire: Callable[[Any, str], Any] | None = None
     from_wire: Callable[[Any], Any] | None = None
     admin: bool = False
+    # the API page's listing of ``Box(...)`` (docs/api.md, written by scripts/gen_sync.py):
+    # its one-line comment there, and its type there where not ``type`` (a reader's words)
+    brief: str = ""
+    shown: str | None = None
 
 
 # -- checks -------------------------------------------------------------------------------
@@ -320,6 +325,7 @@ OPTIONS: tuple[BoxOption, ...] = (
         to_wire=_path_json,
         admin=True,
         flag=Flag(("--rootfs",), "Boot this directory or tarball, not an image.", Path | None),
+        brief="instead of an image: a directory or a tarball",
     ),
     BoxOption(
         "name",
@@ -329,6 +335,7 @@ OPTIONS: tuple[BoxOption, ...] = (
         check=lambda v: v if v is None else validate_name(v),
         wire=str | None,
         flag=Flag(("--name",), "Name of the box (unique).", str | None),
+        brief="unique; default box-<id>",
     ),
     BoxOption(
         "env",
@@ -340,6 +347,7 @@ OPTIONS: tuple[BoxOption, ...] = (
         wire=dict[str, str] | None,
         to_wire=_pairs_json,
         flag=Flag(("--env", "-e"), "KEY=VALUE (or KEY: take it from here).", list[str] | None, env_pairs),
+        brief="added to the image's Env for every command",
     ),
     BoxOption(
         "workdir",
@@ -349,6 +357,7 @@ OPTIONS: tuple[BoxOption, ...] = (
         check=lambda v: v if v is None else guest_path(v),
         wire=str | None,
         flag=Flag(("--workdir", "-w"), "Working directory in the guest.", str | None),
+        brief="default working directory (else the image's WorkingDir, else /)",
     ),
     BoxOption(
         "user",
@@ -358,6 +367,7 @@ OPTIONS: tuple[BoxOption, ...] = (
         check=check_user,
         wire=str | None,
         flag=Flag(("--user", "-u"), "name, uid, name:group or uid:gid.", str | None),
+        brief="default user (else the image's User, else root)",
     ),
     BoxOption(
         "volumes",
@@ -374,6 +384,8 @@ OPTIONS: tuple[BoxOption, ...] = (
             list[str] | None,
             _some,
         ),
+        brief='"NAME:GUEST[:copy|ro|shared]" (a named volume), "HOST:GUEST[:ro]", or {source: guest}',
+        shown="list | dict | None",
     ),
     BoxOption(
         "labels",
@@ -394,6 +406,7 @@ OPTIONS: tuple[BoxOption, ...] = (
         check=_positive("memory_mib", integer=True, least=64),
         wire=int,
         flag=Flag(("--memory", "-m"), "Guest memory in MiB.", int),
+        brief="guest RAM (>= 64)",
     ),
     BoxOption(
         "cpus", "int", 1, "Virtual CPUs.", check=_cpus, wire=int, flag=Flag(("--cpus",), "Virtual CPUs.", int)
@@ -406,6 +419,7 @@ OPTIONS: tuple[BoxOption, ...] = (
         check=_positive("disk_size_gb", integer=True),
         wire=int,
         flag=Flag(("--disk",), "Disk size in GiB.", int),
+        brief="the box's disk; sparse, costs what is written; grown at first boot",
     ),
     BoxOption(
         "auto_remove",
@@ -414,9 +428,15 @@ OPTIONS: tuple[BoxOption, ...] = (
         "Remove the box when it stops.",
         check=bool,
         flag=Flag(("--rm",), "Remove the box when it stops (run: when the command ends).", bool),
+        brief="remove the box when it stops",
     ),
     BoxOption(
-        "keep", "bool", False, "Leave the box when a ``with`` block ends (else it is removed).", kind="handle"
+        "keep",
+        "bool",
+        False,
+        "Leave the box when a ``with`` block ends (else it is removed).",
+        kind="handle",
+        brief="leaving a `with` block leaves the box running",
     ),
     BoxOption(
         "pull",
@@ -427,6 +447,7 @@ OPTIONS: tuple[BoxOption, ...] = (
         check=_pull,
         wire=Literal["missing", "always", "never"] | None,
         flag=Flag(("--pull",), "missing, always or never.", str),
+        brief='"missing" | "always" | "never"',
     ),
     BoxOption(
         "insecure",
@@ -436,6 +457,7 @@ OPTIONS: tuple[BoxOption, ...] = (
         kind="request",
         wire=bool | None,
         flag=Flag(("--insecure",), "Allow plain HTTP to the registry.", bool),
+        brief="allow plain HTTP to a non-loopback registry",
     ),
     BoxOption(
         "ca_cert",
@@ -446,6 +468,7 @@ OPTIONS: tuple[BoxOption, ...] = (
         wire=str | None,
         to_wire=_path_json,
         admin=True,
+        brief="trust this CA for the registry",
     ),
     BoxOption(
         "credentials",
@@ -453,6 +476,7 @@ OPTIONS: tuple[BoxOption, ...] = (
         None,
         "The registry's user name and password.",
         kind="request",
+        brief="else ~/.docker/config.json",
     ),
     BoxOption(
         "engine",
@@ -469,6 +493,7 @@ OPTIONS: tuple[BoxOption, ...] = (
             _engine_flag,
             _engines,
         ),
+        brief='"qemu", "gvisor" or "auto"; None: $SANDLOT_ENGINE, else "qemu"',
     ),
     BoxOption(
         "accel",
@@ -477,6 +502,7 @@ OPTIONS: tuple[BoxOption, ...] = (
         "QEMU's accelerator: auto, kvm or tcg.",
         check=_accel,
         flag=Flag(("--accel",), "QEMU's accelerator: auto, kvm or tcg.", str),
+        brief='"auto" | "kvm" | "tcg"',
     ),
     BoxOption(
         "kernel",
@@ -488,8 +514,17 @@ OPTIONS: tuple[BoxOption, ...] = (
         wire=str | None,
         to_wire=_path_json,
         admin=True,
+        brief="default: $SANDLOT_KERNEL or the distro cloud kernel",
     ),
-    BoxOption("hostname", "str | None", None, "The guest's host name.", check=_hostname, wire=str | None),
+    BoxOption(
+        "hostname",
+        "str | None",
+        None,
+        "The guest's host name.",
+        check=_hostname,
+        wire=str | None,
+        brief="default: sandlot-<id>",
+    ),
     BoxOption(
         "timezone",
         "str | None",
@@ -499,6 +534,7 @@ OPTIONS: tuple[BoxOption, ...] = (
         check=_timezone,
         wire=str | None,
         flag=Flag(("--tz",), "Time zone of the box's commands: Europe/Paris, UTC-3...", str | None),
+        brief='the commands\' $TZ: "Europe/Paris" (the image\'s zoneinfo) or "UTC-3"; default UTC',
     ),
     BoxOption(
         "boot_timeout",
@@ -507,6 +543,7 @@ OPTIONS: tuple[BoxOption, ...] = (
         "Seconds a boot may take (default: $SANDLOT_BOOT_TIMEOUT, else 30 under TCG, 15 under KVM).",
         check=_positive("boot_timeout"),
         wire=float | None,
+        brief="default 30 s under TCG, 15 s under KVM",
     ),
     BoxOption(
         "request_timeout",
@@ -515,6 +552,7 @@ OPTIONS: tuple[BoxOption, ...] = (
         "Seconds a call to the guest's agent may take.",
         check=_positive("request_timeout"),
         wire=float,
+        brief="deadline of every non-exec guest request",
     ),
     BoxOption(
         "idle_timeout",
@@ -529,6 +567,7 @@ OPTIONS: tuple[BoxOption, ...] = (
             float | None,
             min=0.001,
         ),
+        brief="suspend after this many idle seconds (see Live state)",
     ),
     BoxOption(
         "network",
@@ -540,6 +579,7 @@ OPTIONS: tuple[BoxOption, ...] = (
         flag=Flag(
             ("--network",), "none (the default: no network card), public, allowlist or open.", str | None
         ),
+        brief='"none" (default) | "public" (True) | "allowlist" | "open"',
     ),
     BoxOption(
         "allow",
@@ -555,6 +595,8 @@ OPTIONS: tuple[BoxOption, ...] = (
             list[str] | None,
             _some,
         ),
+        brief="names, *.domains, addresses, networks, each [:PORT]",
+        shown="list[str] | str | None",
     ),
     BoxOption(
         "ports",
@@ -571,6 +613,8 @@ OPTIONS: tuple[BoxOption, ...] = (
             list[str] | None,
             _some,
         ),
+        brief='published TCP ports: 8000, "8080:80", ("0.0.0.0", 8080, 80)',
+        shown="list | None",
     ),
     BoxOption(
         "wake_on_traffic",
@@ -584,6 +628,7 @@ OPTIONS: tuple[BoxOption, ...] = (
             "Keep its published ports open while it sleeps: a connection wakes it.",
             bool,
         ),
+        brief="its ports stay open while it sleeps, and a connection wakes it (see Network)",
     ),
     BoxOption(
         "pids_limit",
@@ -592,6 +637,7 @@ OPTIONS: tuple[BoxOption, ...] = (
         "Processes all commands together may have (at least 8).",
         check=_positive("pids_limit", integer=True, least=8),
         wire=int | None,
+        brief="processes all commands together may have (a fork bomb stops there)",
     ),
     BoxOption(
         "nested_virt",
@@ -601,6 +647,7 @@ OPTIONS: tuple[BoxOption, ...] = (
         check=_boolean("nested_virt"),
         wire=bool,
         flag=Flag(("--nested-virt",), "The box runs VMs of its own: /dev/kvm in it (qemu engine).", bool),
+        brief="VMs of its own: /dev/kvm in the box (see Nested virtualization)",
     ),
     BoxOption(
         "containers",
@@ -616,6 +663,7 @@ OPTIONS: tuple[BoxOption, ...] = (
             "modules loaded, and the image's dockerd started (qemu engine).",
             bool,
         ),
+        brief="Docker and Podman in the box: their kernel modules, dockerd started (docs/containers.md)",
     ),
     BoxOption(
         "aslr",
@@ -631,6 +679,7 @@ OPTIONS: tuple[BoxOption, ...] = (
             "on; off makes each program start faster under TCG; qemu engine).",
             bool | None,
         ),
+        brief="address-space randomization; None: on, or as a saved state had it (see below)",
     ),
     BoxOption(
         "secrets",
@@ -648,6 +697,8 @@ OPTIONS: tuple[BoxOption, ...] = (
             list[str] | None,
             secret_flags,
         ),
+        brief="values the box uses without holding them (see Secrets)",
+        shown="list[Secret] | None",
     ),
     BoxOption(
         "template",
@@ -657,6 +708,8 @@ OPTIONS: tuple[BoxOption, ...] = (
         "automatic template.",
         kind="request",
         wire=str | None,
+        brief="start from a template or snapshot (False: no automatic one)",
+        shown="str | Snapshot | None",
     ),
     BoxOption(
         "record",
@@ -664,8 +717,18 @@ OPTIONS: tuple[BoxOption, ...] = (
         False,
         "Record every step from the first start: True, or box.record()'s arguments.",
         kind="handle",
+        brief="the flight recorder from the first start; a dict: record()'s arguments",
+        shown="bool | dict",
     ),
-    BoxOption("home", "Home", None, "The home the box lives in (default: $SANDLOT_HOME).", kind="handle"),
+    BoxOption(
+        "home",
+        "Home",
+        None,
+        "The home the box lives in (default: $SANDLOT_HOME).",
+        kind="handle",
+        brief="default $SANDLOT_HOME or ~/.local/share/sandlot",
+        shown="str | PathLike | None",
+    ),
 )
 BY_NAME: dict[str, BoxOption] = {o.name: o for o in OPTIONS}
 assert len(BY_NAME) == len(OPTIONS), "one declaration per option"
