@@ -471,10 +471,11 @@ class StateWriter(StateSink):
     WORKERS = 2
     PENDING = 64  # chunks waiting to be written before the engine's thread waits for one
 
-    def __init__(self, store: ChunkStore, engine: str, whose: str) -> None:
+    def __init__(self, store: ChunkStore, engine: str, whose: str, *, shared: bool = False) -> None:
         self.store = store
         self.manifest = Manifest(engine=engine)
         self.whose = whose
+        self.shared = shared
         self.stored: dict[bytes, int] = {}  # every chunk the state lists: its size in the store
         self.added: set[bytes] = set()  # the chunks this save wrote (the store lacked them)
         self._images: list[_ImageWriter] = []
@@ -723,10 +724,12 @@ class Saving:
     and counted on is collected before the row counts it. An engine that writes files
     (``enabled`` False) gets no sink, and this does nothing."""
 
-    def __init__(self, home: Path, db: BoxStore, engine: str, whose: str, *, enabled: bool) -> None:
+    def __init__(
+        self, home: Path, db: BoxStore, engine: str, whose: str, *, enabled: bool, shared: bool = False
+    ) -> None:
         self.store = ChunkStore(home)
         self.db = db
-        self.writer = StateWriter(self.store, engine, whose) if enabled else None
+        self.writer = StateWriter(self.store, engine, whose, shared=shared) if enabled else None
         self._held: contextlib.ExitStack | None = None
         self.manifest: Manifest | None = None
 

@@ -116,7 +116,8 @@ class LiveState:
                 raise
             crash_point("snapshot.before-save")
             vm = self.launcher.vm_of(entry, rec)
-            async with self._saving(rec, snap_id) as saving:
+            # a template's state, and a fork's own, are restored by many VMs at once
+            async with self._saving(rec, snap_id, shared=kind == "template" or auto) as saving:
                 with snapshots.writing(home, snap_id) as tmp:
                     new_drives = {d["serial"]: Path(d["top"]) for d in drives}
                     pause = await vm.save(
@@ -255,11 +256,14 @@ class LiveState:
             if self.launcher.frozen_for_saves(entry):  # saved so (BoxController.still): its shares go up too
                 await session.conn.thaw()
 
-    def _saving(self, rec: BoxRecord, snap_id: str) -> chunks.Saving:
-        """A save of ``rec``'s VM as chunks, where its engine writes them."""
+    def _saving(self, rec: BoxRecord, snap_id: str, *, shared: bool = False) -> chunks.Saving:
+        """A save of ``rec``'s VM as chunks, where its engine writes them (``shared``: many
+        VMs restore it right after, ``StateSink.shared``)."""
         engine = self.rt.engine(rec.engine)
         enabled = engine.chunked_state and chunks.enabled()
-        return chunks.Saving(self.rt.home, self.rt.store, engine.name, snap_id, enabled=enabled)
+        return chunks.Saving(
+            self.rt.home, self.rt.store, engine.name, snap_id, enabled=enabled, shared=shared
+        )
 
     def _pushed_later(self) -> None:
         """Where the home has a storage tier, its pusher sends what this save made (a

@@ -182,6 +182,11 @@ class StateSink(ABC):
     the core to keep as content-addressed chunks: memory images by page, and the rest as
     named byte streams. Blocking: an engine calls it from a thread of its own."""
 
+    # many VMs restore the state right after it is saved (a fork's, a template's): an engine
+    # whose save leaves the form they read anyway keeps it in the state's directory (its
+    # ``share_memory`` then has nothing left to do)
+    shared: bool = False
+
     @abstractmethod
     def image(self, name: str, size: int) -> ImageSink:
         """A memory image of ``size`` bytes (a multiple of the page size)."""

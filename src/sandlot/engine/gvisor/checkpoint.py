@@ -20,6 +20,7 @@ as runsc wrote it.
 
 from __future__ import annotations
 
+import functools
 import mmap
 import struct
 import zlib
@@ -91,11 +92,14 @@ def cut(state: Path) -> Iterator[bytes]:
             yield view[piece.offset : piece.offset + piece.length]
 
 
-def join(head: bytes, state: Iterable[bytes], out: BinaryIO) -> None:
+def join(head: bytes, state: Iterable[bytes], out: BinaryIO, *, level: int = 0) -> None:
     """An image runsc restores: the head, then the state in chunks of the head's chunk
-    size, each one deflate stream of stored blocks, written straight from the pieces."""
+    size, each one deflate stream: of stored blocks written straight from the pieces
+    (``level`` 0: an image read once, at once), or compressed at ``level`` (an image
+    kept, which many restores read: a fork's or a template's)."""
     (chunk_size,) = _LEN.unpack(head[-_LEN.size :])
     out.write(head)
+    write = _stored if level == 0 else functools.partial(_compressed, level=level)
     parts: list[memoryview] = []
     filled = 0
     for piece in state:
@@ -105,10 +109,10 @@ def join(head: bytes, state: Iterable[bytes], out: BinaryIO) -> None:
             parts.append(view[:take])
             filled, view = filled + take, view[take:]
             if filled == chunk_size:
-                _stored(out, parts, filled)
+                write(out, parts, filled)
                 parts, filled = [], 0
     if filled:
-        _stored(out, parts, filled)
+        write(out, parts, filled)
 
 
 def _stored(out: BinaryIO, parts: list[memoryview], size: int) -> None:
@@ -119,3 +123,10 @@ def _stored(out: BinaryIO, parts: list[memoryview], size: int) -> None:
     for i, block in enumerate(blocks):
         pieces += (_STORED.pack(i == len(blocks) - 1, len(block), len(block) ^ 0xFFFF), block)
     out.write(b"".join(pieces))  # one write a chunk: a copy costs less than a call a block
+
+
+def _compressed(out: BinaryIO, parts: list[memoryview], size: int, *, level: int) -> None:
+    """One compressio chunk: its length, then ``parts`` as one deflate stream at ``level``."""
+    deflate = zlib.compressobj(level, zlib.DEFLATED, -zlib.MAX_WBITS)
+    packed = b"".join([*(deflate.compress(part) for part in parts), deflate.flush()])
+    out.write(_LEN.pack(len(packed)) + packed)

@@ -57,10 +57,12 @@ MATERIALIZE_WAIT = 600.0  # seconds to wait for another process writing out the 
 
 
 def _written_out(source: StateSource, directory: Path) -> None:
-    """The image into ``directory`` whole or not at all: written beside, synced, renamed."""
+    """The image into ``directory`` whole or not at all: written beside, synced, renamed.
+    Compressed as runsc compresses it (deflate's fastest level): it is kept, so it takes
+    about what runsc's own image took, not the inflated state's size."""
     work = directory / ".image"
     try:
-        from_source(source, work)
+        from_source(source, work, level=1)
         with open(work / CHECKPOINT, "rb") as f:
             os.fsync(f.fileno())
         os.replace(work / CHECKPOINT, directory / CHECKPOINT)

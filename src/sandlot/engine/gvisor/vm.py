@@ -705,9 +705,10 @@ class GvisorVM(VM):
             finally:
                 if kept is not None:
                     await asyncio.wait([kept])
-            if kept is not None:
-                image.unlink(missing_ok=True)  # its chunks hold it now
+            if kept is not None and sink is not None:
                 kept.result()  # a sink that failed fails the save (the sandbox runs on regardless)
+                if not sink.shared:  # (a shared state keeps it: the form its restores read, free)
+                    image.unlink(missing_ok=True)  # its chunks hold it now
             return stopped
         finally:
             gate.set()
@@ -907,9 +908,10 @@ def into_sink(image: Path, sink: StateSink) -> None:
         inflated.unlink(missing_ok=True)
 
 
-def from_source(source: StateSource, directory: Path) -> Path:
+def from_source(source: StateSource, directory: Path, *, level: int = 0) -> Path:
     """The checkpoint image of a state kept as chunks, written out into ``directory``
-    (made, or emptied) for ``runsc restore`` to read; each chunk checked as it is read."""
+    (made, or emptied) for ``runsc restore`` to read; each chunk checked as it is read.
+    ``level``: its state's deflate level (``checkpoint.join``: 0 for an image read once)."""
     shutil.rmtree(directory, ignore_errors=True)
     directory.mkdir(parents=True)
     with open(directory / CHECKPOINT, "wb") as out:
@@ -917,7 +919,7 @@ def from_source(source: StateSource, directory: Path) -> Path:
             for piece in source.stream_pieces(CHECKPOINT):
                 out.write(piece)
         else:
-            checkpoint.join(source.stream(HEAD), source.stream_pieces(STATE), out)
+            checkpoint.join(source.stream(HEAD), source.stream_pieces(STATE), out, level=level)
     return directory
 
 
