@@ -107,3 +107,23 @@ def test_a_file_that_is_no_tar_is_refused(tmp_path: Path) -> None:
     out.mkdir()
     with pytest.raises(CorruptSnapshot, match="cannot be read"):
         treefile.unpack(bad, out)
+
+
+def test_a_tree_that_cannot_be_laid_out_is_refused_clearly(tmp_path: Path) -> None:
+    """A member that cannot land where the tree says (a link where a directory with a
+    file in it stands): ``CorruptSnapshot``, not an ``OSError`` of tarfile's."""
+    path = tmp_path / "odd.tar"
+    with tarfile.open(path, "w") as tf:
+        folder = tarfile.TarInfo("d")
+        folder.type = tarfile.DIRTYPE
+        tf.addfile(folder)
+        inside = tarfile.TarInfo("d/f")
+        inside.size = 1
+        tf.addfile(inside, io.BytesIO(b"x"))
+        link = tarfile.TarInfo("d")
+        link.type, link.linkname = tarfile.SYMTYPE, "elsewhere"
+        tf.addfile(link)
+    out = tmp_path / "out"
+    out.mkdir()
+    with pytest.raises(CorruptSnapshot, match="from the storage tier cannot be"):
+        treefile.unpack(path, out)

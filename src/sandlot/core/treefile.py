@@ -15,13 +15,14 @@ set on it after (``tarfile`` does not).
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import subprocess
 import tarfile
 from pathlib import Path
 
-from ..errors import CorruptSnapshot, HostSetupError
+from ..errors import CorruptSnapshot, HostSetupError, no_space
 
 XATTR = "SCHILY.xattr."
 
@@ -59,13 +60,19 @@ def unpack(src: Path, tree: Path) -> None:
         return tarfile.tar_filter(member, dest).replace(mode=member.mode, deep=False)
 
     try:
-        with tarfile.open(src, "r:") as tf:
+        with tarfile.open(src, "r:", errorlevel=2) as tf:  # every error, none only logged
             members = tf.getmembers()
             tf.extractall(tree, members=members, numeric_owner=True, filter=checked)
+        for member in members:
+            xattrs = {k[len(XATTR) :]: v for k, v in member.pax_headers.items() if k.startswith(XATTR)}
+            for name, value in xattrs.items():
+                os.setxattr(tree / member.name, name, value.encode("utf-8", "surrogateescape"),
+                            follow_symlinks=False)  # fmt: skip
+    except OSError as exc:
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise no_space(tree, f"the tree {src.name} from the storage tier could not be written") from None
+        raise CorruptSnapshot(
+            f"the tree {src.name} from the storage tier cannot be written out: {exc}"
+        ) from exc
     except (tarfile.TarError, ValueError) as exc:
         raise CorruptSnapshot(f"the tree {src.name} from the storage tier cannot be read: {exc}") from exc
-    for member in members:
-        xattrs = {k[len(XATTR) :]: v for k, v in member.pax_headers.items() if k.startswith(XATTR)}
-        for name, value in xattrs.items():
-            os.setxattr(tree / member.name, name, value.encode("utf-8", "surrogateescape"),
-                        follow_symlinks=False)  # fmt: skip
