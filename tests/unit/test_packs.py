@@ -95,7 +95,8 @@ def test_a_pack_is_written_again_with_its_live_chunks_and_one_with_a_damaged_chu
     bad, bad_body, bad_places = packs.build(items[3:])
     tier.put(packs.pack_key(tier, good), body)  # type: ignore[arg-type]
     at = bad_places[items[3][0]].offset
-    tier.put(packs.pack_key(tier, bad), bad_body[:at] + b"X" + bad_body[at + 1 :])  # type: ignore[arg-type]
+    flipped = bytes([bad_body[at] ^ 0xFF])  # (a byte set to "X" was one already, one time in 256)
+    tier.put(packs.pack_key(tier, bad), bad_body[:at] + flipped + bad_body[at + 1 :])  # type: ignore[arg-type]
     old = {p: packs.header(tier, p.hex()) for p in (good, bad)}  # type: ignore[arg-type]
     assert [(d, n) for d, _, n in old[good]] == [(d, len(b)) for d, b in items[:3]]
     live = {items[0][0], items[2][0], items[3][0]}
